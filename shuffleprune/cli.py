@@ -1,0 +1,77 @@
+"""The ``shuffleprune`` command line (thin: parse, call the library, print)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from .errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="N:M sparsity for pretrained LLMs with learned input-channel permutations.")
+err = Console(stderr=True)
+
+
+@app.callback()
+def _root() -> None:
+    """N:M sparsity for pretrained LLMs with learned input-channel permutations."""
+
+
+def _fail(exc: Exception) -> None:
+    err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def prune(
+    model: Optional[str] = typer.Argument(None, help="Hub id, local HF dir or .gguf file; omit for the embedded SmolLM2-135M-Instruct."),
+    base: str = typer.Option("wanda", "--base", help="Pruning method: magnitude, wanda or sparsegpt."),
+    pattern: Optional[str] = typer.Option("2:4", "--pattern", help="N:M pattern: keep N of every M input columns (2:4, 4:8, 1:4…)."),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured sparsity ratio instead of N:M (e.g. 0.5); overrides --pattern."),
+    calib: str = typer.Option("wiki", "--calib", help="Calibration text: c4, wikitext2 (hub), wiki, brown (offline), or a .txt/.jsonl path."),
+    nsamples: int = typer.Option(128, "--nsamples", help="Number of calibration windows."),
+    seqlen: int = typer.Option(2048, "--seqlen", help="Calibration window length in tokens (capped by the model's context)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for choosing calibration windows."),
+    eval_text: str = typer.Option("auto", "--eval-text", help="Held-out perplexity text (auto: wikitext2 for hub calibration, else the other offline source; 'none' to skip)."),
+    eval_ctx: Optional[int] = typer.Option(None, "--eval-ctx", help="Perplexity window length (default: --seqlen)."),
+    eval_tokens: Optional[int] = typer.Option(None, "--eval-tokens", help="Use at most this many held-out tokens (default: the whole test split)."),
+    only: Optional[List[str]] = typer.Option(None, "--only", help="Prune only linears whose full name matches this glob (repeatable)."),
+    skip: Optional[List[str]] = typer.Option(None, "--skip", help="Do not prune linears whose full name matches this glob (repeatable)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where each block is computed (one block at a time)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (checkpoint dtype; float32 for computing on CPU), float32, bfloat16, float16."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Calibration windows per block forward."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the pruned HF checkpoint and prune_report.json here."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last finished block in --out."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+) -> None:
+    """Prune a model one-shot to N:M (or unstructured) sparsity, block by block, and report perplexity."""
+    from .pipeline import PruneConfig, prune as run_prune
+    from .report import print_prune_report
+
+    config = PruneConfig(model=model, method=base, pattern=None if sparsity is not None else pattern,
+                         sparsity=sparsity, calib=calib, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                         only=only or None, skip=skip or None, dtype=dtype,
+                         eval_text=None if eval_text == "none" else eval_text, eval_ctx=eval_ctx,
+                         eval_tokens=eval_tokens, device=device, batch_size=batch_size)
+    try:
+        result = run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=not quiet)
+    except UserError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        err.print("interrupted" + (f"; continue with the same command plus --resume (state in {out})" if out else ""))
+        raise typer.Exit(130)
+    print_prune_report(result.report)
+    if out is not None:
+        Console().print(f"wrote {out} (HF checkpoint + prune_report.json)")
+
+
+def main() -> None:  # pragma: no cover
+    app(prog_name="shuffleprune")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Sparsity patterns and masks: N:M (at most N non-zeros in every group of M consecutive input
+columns, NVIDIA's convention: 2:4 keeps 2 of 4) and unstructured ratios; hard selection and checks."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """``n``:``m`` keeps ``n`` of every ``m`` input columns per row; ``n == m == 0`` means unstructured."""
+
+    n: int = 0
+    m: int = 0
+    unstructured_sparsity: float = 0.0
+
+    @property
+    def is_nm(self) -> bool:
+        return self.m > 0
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.n / self.m if self.is_nm else self.unstructured_sparsity
+
+    def __str__(self) -> str:
+        return f"{self.n}:{self.m}" if self.is_nm else f"unstructured-{self.unstructured_sparsity:g}"
+
+    def check_width(self, name: str, in_features: int) -> None:
+        if self.is_nm and in_features % self.m:
+            raise UserError(f"layer {name} has {in_features} input columns, not divisible by M={self.m}; "
+                            f"skip it with --skip '{name}' or choose another M")
+
+
+def parse_pattern(pattern: str | None, sparsity: float | None) -> Pattern:
+    """``--pattern N:M`` or ``--sparsity S`` (unstructured); exactly one of them."""
+    if sparsity is not None and pattern not in (None, ""):
+        raise UserError("give either --pattern N:M or --sparsity S, not both")
+    if sparsity is not None:
+        if not 0.0 < sparsity < 1.0:
+            raise UserError(f"--sparsity must be in (0, 1), got {sparsity}")
+        return Pattern(unstructured_sparsity=float(sparsity))
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", pattern or "")
+    if not match:
+        raise UserError(f"--pattern must look like N:M (e.g. 2:4), got '{pattern}'")
+    n, m = int(match.group(1)), int(match.group(2))
+    if not 0 < n < m:
+        raise UserError(f"impossible pattern {n}:{m}: need 0 < N < M (N kept of every M)")
+    return Pattern(n=n, m=m)
+
+
+def nm_keep_mask(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """Boolean mask keeping the ``n`` highest-scoring entries of every ``m`` consecutive columns of each row."""
+    rows, cols = score.shape
+    groups = score.reshape(rows, cols // m, m)
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    keep.scatter_(-1, groups.topk(n, dim=-1).indices, True)
+    return keep.reshape(rows, cols)
+
+
+def row_keep_mask(score: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Unstructured mask pruning the ``sparsity`` fraction of lowest scores within each row (Wanda)."""
+    rows, cols = score.shape
+    n_prune = int(cols * sparsity)
+    keep = torch.ones_like(score, dtype=torch.bool)
+    if n_prune:
+        keep.scatter_(1, score.argsort(dim=1)[:, :n_prune], False)
+    return keep
+
+
+def layer_keep_mask(score: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Unstructured mask pruning the ``sparsity`` fraction of lowest scores over the whole matrix."""
+    n_prune = int(score.numel() * sparsity)
+    keep = torch.ones(score.numel(), dtype=torch.bool, device=score.device)
+    if n_prune:
+        keep[score.flatten().argsort()[:n_prune]] = False
+    return keep.reshape(score.shape)
+
+
+def keep_mask(score: torch.Tensor, pattern: Pattern, per_row: bool = True) -> torch.Tensor:
+    """Hard mask for ``pattern`` from ``score`` (higher = more important)."""
+    if pattern.is_nm:
+        return nm_keep_mask(score, pattern.n, pattern.m)
+    return (row_keep_mask if per_row else layer_keep_mask)(score, pattern.unstructured_sparsity)
+
+
+def satisfies_nm(weight: torch.Tensor, n: int, m: int) -> bool:
+    """True iff every group of ``m`` consecutive columns in every row holds at most ``n`` non-zeros."""
+    rows, cols = weight.shape
+    if cols % m:
+        return False
+    return bool(((weight.reshape(rows, cols // m, m) != 0).sum(-1) <= n).all())
+
+
+def sparsity_of(weight: torch.Tensor) -> float:
+    return float((weight == 0).sum()) / weight.numel()

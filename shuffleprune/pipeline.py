@@ -1,0 +1,293 @@
+"""Sequential, block-wise one-shot pruning with error propagation and resume.
+
+For each decoder block in order: hook its linear layers and run the calibration inputs through it
+(statistics), prune every selected linear, run the inputs through the *pruned* block to get the
+next block's inputs, checkpoint. Only the current block sits on the compute device.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from . import __version__
+from .blocks import CapturedInputs, block_linears, capture_block_inputs, find_blocks, first_tensor, tensors_to
+from .calib import calibration_windows, default_eval_source, eval_tokens, get_source
+from .errors import UserError
+from .evaluate import perplexity
+from .masks import Pattern, parse_pattern, satisfies_nm, sparsity_of
+from .methods import NEEDS_GRAM, get_method
+from .models import LoadedModel, load_model
+from .stats import collect_input_stats, input_groups
+
+RESUME_DIR = ".resume"
+REPORT_NAME = "prune_report.json"
+
+
+@dataclass
+class PruneConfig:
+    """Everything that determines a pruning run's result (and, for resume, must not change)."""
+
+    model: str | None = None
+    method: str = "wanda"
+    pattern: str | None = "2:4"
+    sparsity: float | None = None
+    calib: str = "wiki"
+    nsamples: int = 128
+    seqlen: int = 2048
+    seed: int = 0
+    only: list[str] | None = None
+    skip: list[str] | None = None
+    dtype: str = "auto"
+    eval_text: str | None = "auto"   # None: no perplexity
+    eval_ctx: int | None = None      # default: the calibration seqlen
+    eval_tokens: int | None = None   # cap on held-out tokens
+    device: str = "auto"
+    batch_size: int = 8              # calibration windows per block forward
+
+    def key(self) -> str:
+        fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size")}
+        return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise UserError(f"unknown --device '{name}'; use auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    return torch.device(name)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_json(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def run_block(block: torch.nn.Module, hidden: torch.Tensor, captured: CapturedInputs, index: int,
+              device: torch.device, batch_size: int) -> torch.Tensor:
+    """Outputs of ``block`` for all calibration windows ``hidden`` ``[n, L, d]`` (kept where ``hidden`` lives)."""
+    args = tensors_to(captured.args[index], device)
+    kwargs = tensors_to(captured.kwargs[index], device)
+    out = torch.empty_like(hidden)
+    for s in range(0, hidden.shape[0], batch_size):
+        out[s:s + batch_size] = first_tensor(block(hidden[s:s + batch_size].to(device), *args, **kwargs)).to(out.device)
+    return out
+
+
+@dataclass
+class PruneResult:
+    report: dict
+    model: torch.nn.Module = field(repr=False)
+    tokenizer: object = field(repr=False)
+
+
+def _prepare_out(out: Path | None, resume: bool, overwrite: bool) -> dict | None:
+    """Validate ``--out``; return the saved resume state when resuming."""
+    if out is None:
+        if resume:
+            raise UserError("--resume needs --out DIR (where the interrupted run checkpointed)")
+        return None
+    state_file = out / RESUME_DIR / "state.json"
+    if resume:
+        if not state_file.is_file():
+            raise UserError(f"nothing to resume in '{out}': no {RESUME_DIR}/state.json (run without --resume)")
+        return json.loads(state_file.read_text())
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            hint = "--resume to continue it, or " if state_file.is_file() else ""
+            raise UserError(f"output dir '{out}' is not empty; use {hint}--overwrite, or another --out")
+        shutil.rmtree(out)
+    return None
+
+
+def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = False, overwrite: bool = False,
+          progress: bool = True, on_block_done: Callable[[int], None] | None = None,
+          loaded: LoadedModel | None = None) -> PruneResult:
+    """Prune ``config.model`` and (with ``out``) write an HF checkpoint plus ``prune_report.json``.
+
+    ``on_block_done(i)`` is called after block ``i`` is pruned and checkpointed (tests use it to
+    simulate a crash). ``loaded`` lets a Python caller pass an already-loaded model.
+    """
+    t_start = time.time()
+    out = Path(out) if out is not None else None
+    pattern: Pattern = parse_pattern(config.pattern, config.sparsity)
+    method = get_method(config.method)
+    calib_source = get_source(config.calib)
+    eval_name = None if config.eval_text is None else (
+        default_eval_source(config.calib) if config.eval_text == "auto" else config.eval_text)
+    eval_source = get_source(eval_name) if eval_name else None
+    device = pick_device(config.device)
+    state = _prepare_out(out, resume, overwrite)
+    if state is not None and state["config_key"] != config.key():
+        raise UserError("--resume with different settings than the interrupted run; repeat its exact options")
+
+    lm = loaded or load_model(config.model, config.dtype)
+    model, tokenizer = lm.model, lm.tokenizer
+    save_dtype = model.dtype
+    if config.dtype == "auto" and device.type == "cpu" and model.dtype in (torch.float16, torch.bfloat16):
+        model.float()  # half precision matmuls are slow and lossy on CPU; the checkpoint keeps its dtype
+    blocks = find_blocks(model)
+    layer_names: list[dict[str, torch.nn.Linear]] = []
+    for i, block in enumerate(blocks.layers):
+        linears = block_linears(block, f"{blocks.name}.{i}", config.only, config.skip)
+        for name, lin in linears.items():
+            pattern.check_width(name, lin.in_features)
+        layer_names.append(linears)
+    if not any(layer_names):
+        raise UserError("no linear layers selected; check --only / --skip")
+    max_pos = getattr(model.config, "max_position_embeddings", None) or config.seqlen
+    seqlen = min(config.seqlen, max_pos)
+    ctx = min(config.eval_ctx or seqlen, max_pos)
+
+    work = out / RESUME_DIR if out is not None else None
+    if state is None:
+        t0 = time.time()
+        tokens = calibration_windows(calib_source, tokenizer, config.nsamples, seqlen, config.seed)
+        held_out = eval_tokens(eval_source, tokenizer, config.eval_tokens) if eval_source else None
+        calib_seconds = time.time() - t0
+        if work is not None:  # created only once all inputs are known to be good
+            work.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        dense_ppl = perplexity(model.to(device), held_out, ctx, device, progress=progress) if held_out is not None else None
+        model.to("cpu")
+        eval_seconds = time.time() - t0
+        state = {"config_key": config.key(), "config": asdict(config), "next_block": 0, "layers": [],
+                 "dense_ppl": dense_ppl, "calib_seconds": calib_seconds, "eval_seconds": eval_seconds,
+                 "prune_seconds": 0.0, "seqlen": seqlen, "eval_ctx": ctx,
+                 "eval_tokens": None if held_out is None else int(held_out.numel())}
+        if work is not None:
+            _atomic_save({"tokens": tokens, "held_out": held_out}, work / "data.pt")
+    else:
+        data = torch.load(work / "data.pt")
+        tokens, held_out = data["tokens"], data["held_out"]
+        for i in range(state["next_block"]):
+            blocks.layers[i].load_state_dict(load_file(str(work / f"block_{i}.safetensors")))
+
+    t0 = time.time()
+    start = state["next_block"]
+    if start == 0:
+        captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
+        hidden = captured.hidden
+    else:  # the blocks' keyword arguments are recomputed; their inputs come from the checkpoint
+        captured = capture_block_inputs(model, blocks, tokens[:1], device, 1)
+        hidden = torch.load(work / f"hidden_{start}.pt").to(device)
+    captured.hidden = None
+    state["calib_seconds"] += time.time() - t0
+
+    gram = config.method in NEEDS_GRAM
+    bar = tqdm(range(start, len(blocks)), desc=f"{config.method} {pattern}", disable=not progress,
+               initial=start, total=len(blocks))
+    for i in bar:
+        t0 = time.time()
+        block = blocks.layers[i].to(device)
+        linears = layer_names[i]
+        with collect_input_stats(linears, gram) as stats:
+            run_block(block, hidden, captured, i, device, config.batch_size)
+        for group in input_groups(stats):
+            for name in group:
+                lin = linears[name]
+                new_w = method(lin.weight.data.float(), stats[name], pattern)
+                lin.weight.data.copy_(new_w.to(lin.weight.dtype))
+                w = lin.weight.data
+                state["layers"].append({
+                    "name": name, "shape": list(w.shape), "shares_input_with": [n for n in group if n != name],
+                    "sparsity": round(sparsity_of(w), 6),
+                    "nm_ok": satisfies_nm(w, pattern.n, pattern.m) if pattern.is_nm else None})
+        del stats
+        hidden = run_block(block, hidden, captured, i, device, config.batch_size)
+        blocks.layers[i] = block.to("cpu")
+        state["prune_seconds"] += time.time() - t0
+        state["next_block"] = i + 1
+        if work is not None:
+            save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(work / f"block_{i}.safetensors"))
+            if i + 1 < len(blocks):
+                _atomic_save(hidden.cpu(), work / f"hidden_{i + 1}.pt")
+            _atomic_json(state, work / "state.json")
+            stale = work / f"hidden_{i}.pt"
+            if stale.exists():
+                stale.unlink()
+        if on_block_done is not None:
+            on_block_done(i)
+    del hidden
+
+    t0 = time.time()
+    pruned_ppl = perplexity(model.to(device), held_out, ctx, device, progress=progress) if held_out is not None else None
+    model.to("cpu")
+    state["eval_seconds"] += time.time() - t0
+    compute_dtype = str(next(model.parameters()).dtype)
+    model.to(save_dtype)
+
+    report = {
+        "tool": "shuffleprune", "version": __version__,
+        "model": lm.source, "model_path": lm.path, "method": config.method, "pattern": str(pattern),
+        "target_sparsity": pattern.sparsity,
+        "calib": {"source": config.calib, "nsamples": config.nsamples, "seqlen": seqlen, "seed": config.seed},
+        "eval": {"text": eval_name, "split": "test", "ctx": ctx, "tokens": state["eval_tokens"]},
+        "ppl": {"dense": state["dense_ppl"], "pruned": pruned_ppl},
+        "sparsity": _overall_sparsity(state["layers"]),
+        "nm_ok": all(l["nm_ok"] for l in state["layers"]) if pattern.is_nm else None,
+        "layers": state["layers"],
+        "seconds": {"calibration": round(state["calib_seconds"], 2), "prune": round(state["prune_seconds"], 2),
+                    "eval": round(state["eval_seconds"], 2), "this_process": round(time.time() - t_start, 2)},
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device.type == "cuda" else None,
+        "device": str(device), "compute_dtype": compute_dtype,
+        "resumed": resume, "command": " ".join(sys.argv),
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers"), "python": sys.version.split()[0]},
+        "config": asdict(config),
+    }
+    if out is not None:
+        _write_checkpoint(out, model, tokenizer, report)
+    return PruneResult(report=report, model=model, tokenizer=tokenizer)
+
+
+def _overall_sparsity(layers: list[dict]) -> float:
+    total = sum(l["shape"][0] * l["shape"][1] for l in layers)
+    zeros = sum(l["sparsity"] * l["shape"][0] * l["shape"][1] for l in layers)
+    return round(zeros / total, 6) if total else 0.0
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def _write_checkpoint(out: Path, model, tokenizer, report: dict) -> None:
+    """Write into ``out/.staging`` then move the files into ``out`` and drop the resume state."""
+    staging = out / ".staging"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / REPORT_NAME).write_text(json.dumps(report, indent=2))
+    for item in staging.iterdir():
+        os.replace(item, out / item.name)
+    staging.rmdir()
+    shutil.rmtree(out / RESUME_DIR, ignore_errors=True)

@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random-weight decoder LMs (built from configs, no downloads) and a tokenizer."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which "
+         "but have an they you were her she there been one all we their has would when if so no will "
+         "what up out more can about into than them only other time new some could these two may first "
+         "then do any like my now over such our man me even most made after also did many before must").split()
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"[UNK]": 0, "[EOS]": 1}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]")
+
+
+def tiny_config(model_type: str = "llama", layers: int = 3, hidden: int = 64, inter: int = 128, vocab: int = 128):
+    from transformers import AutoConfig
+
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if model_type in ("gemma2", "gemma3_text"):
+        kw.update(head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
+    if model_type == "gpt2":
+        kw = dict(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **kw))
+    return model.eval()
+
+
+def random_text(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    paras = []
+    while n_words > 0:
+        k = min(n_words, rng.randint(30, 80))
+        paras.append(" ".join(rng.choice(WORDS) for _ in range(k)))
+        n_words -= k
+    return "\n\n".join(paras)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Tests write their cache into a temp dir, except the embedded-model cache which is reused."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def tiny_dir(tmp_path: Path) -> Path:
+    """A saved tiny LLaMA + tokenizer, loadable by path like any HF checkpoint."""
+    path = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "calib.txt"
+    path.write_text(random_text(6000, seed=1))
+    return path
+
+
+@pytest.fixture
+def eval_file(tmp_path: Path) -> Path:
+    path = tmp_path / "heldout.txt"
+    path.write_text(random_text(3000, seed=2))
+    return path

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from conftest import tiny_model
+from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks, first_tensor
+from shuffleprune.errors import UserError
+from shuffleprune.pipeline import run_block
+from shuffleprune.stats import collect_input_stats, input_groups
+
+ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gemma3_text"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_blocks_found_and_replayed_exactly(arch):
+    """Running the captured block-0 inputs through the blocks one by one, with the captured
+    per-block arguments (masks incl. sliding windows, rotary embeddings), gives the model's own
+    hidden states — for every architecture, without looking at its name."""
+    model = tiny_model(arch)
+    blocks = find_blocks(model)
+    assert len(blocks) == 3
+    linears = block_linears(blocks.layers[0], f"{blocks.name}.0")
+    assert len(linears) == 7 and all(n.startswith(blocks.name + ".0.") for n in linears)
+    tokens = torch.randint(0, 128, (5, 24), generator=torch.Generator().manual_seed(0))
+    captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
+    assert captured.hidden.shape == (5, 24, 64)
+    with torch.no_grad():
+        ref = model(input_ids=tokens, output_hidden_states=True).hidden_states
+    hidden = captured.hidden
+    for i in range(len(blocks)):
+        assert torch.allclose(hidden, ref[i], atol=1e-5), f"block {i} input differs"
+        hidden = run_block(blocks.layers[i], hidden, captured, i, torch.device("cpu"), batch_size=3)
+    # the last entry of hidden_states is after the final norm
+    assert torch.allclose(model.get_decoder().norm(hidden), ref[-1], atol=1e-5)
+
+
+def test_shared_inputs_are_grouped():
+    model = tiny_model("llama")
+    blocks = find_blocks(model)
+    linears = block_linears(blocks.layers[0], "model.layers.0")
+    tokens = torch.randint(0, 128, (2, 16))
+    captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"))
+    with collect_input_stats(linears, gram=False) as stats:
+        run_block(blocks.layers[0], captured.hidden, captured, 0, torch.device("cpu"), 2)
+    groups = [[n.split(".")[-1] for n in g] for g in input_groups(stats)]
+    assert sorted(map(sorted, groups)) == sorted([["k_proj", "q_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]])
+    assert stats["model.layers.0.self_attn.q_proj"].tokens == 32
+
+
+def test_only_and_skip_globs():
+    model = tiny_model("llama")
+    block = find_blocks(model).layers[1]
+    names = block_linears(block, "model.layers.1", only=["*mlp*"], skip=["*down_proj"])
+    assert sorted(n.split(".")[-1] for n in names) == ["gate_proj", "up_proj"]
+
+
+def test_conv1d_models_are_refused_clearly():
+    with pytest.raises(UserError, match="Conv1D"):
+        find_blocks(tiny_model("gpt2"))

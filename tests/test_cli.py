@@ -1,0 +1,37 @@
+import json
+
+from typer.testing import CliRunner
+
+from shuffleprune.cli import app
+
+runner = CliRunner()
+
+
+def test_prune_cli_end_to_end(tiny_dir, text_file, eval_file, tmp_path):
+    out = tmp_path / "cli-out"
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--base", "sparsegpt", "--pattern", "4:8", "--calib", str(text_file),
+                              "--eval-text", str(eval_file), "--nsamples", "4", "--seqlen", "32", "--out", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "sparsegpt 4:8" in res.output and "dense" in res.output
+    report = json.loads((out / "prune_report.json").read_text())
+    assert report["pattern"] == "4:8" and report["nm_ok"]
+
+
+def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
+    for args, needle in ((["prune", str(tiny_dir), "--pattern", "4:2"], "impossible pattern"),
+                         (["prune", str(tmp_path / "nope")], "does not exist"),
+                         (["prune", str(tiny_dir), "--base", "obs"], "unknown --base"),
+                         (["prune", str(tiny_dir), "--device", "tpu"], "unknown --device"),
+                         (["prune", str(tiny_dir), "--calib", "c4", "--out", str(tmp_path / "o")], "offline sources")):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert len(lines) == 1 and needle in lines[0], res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_documents_defaults():
+    res = runner.invoke(app, ["prune", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0
+    for needle in ("--pattern", "default: 2:4", "--nsamples", "default: 128", "--seqlen", "default: 2048", "--resume"):
+        assert needle in res.output

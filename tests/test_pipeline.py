@@ -1,0 +1,118 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from shuffleprune.errors import UserError
+from shuffleprune.masks import satisfies_nm
+from shuffleprune.models import load_model
+from shuffleprune.pipeline import PruneConfig, prune
+
+
+def config(tiny_dir, text_file, eval_file, **kw):
+    base = dict(model=str(tiny_dir), calib=str(text_file), eval_text=str(eval_file), nsamples=6, seqlen=32,
+                eval_ctx=32, batch_size=4, method="wanda", pattern="2:4")
+    base.update(kw)
+    return PruneConfig(**base)
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
+def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir, text_file, eval_file, tmp_path):
+    out = tmp_path / "out"
+    result = prune(config(tiny_dir, text_file, eval_file, method=method), out=out, progress=False)
+    report = json.loads((out / "prune_report.json").read_text())
+    assert report["method"] == method and report["pattern"] == "2:4" and report["nm_ok"] is True
+    assert len(report["layers"]) == 3 * 7 and all(l["nm_ok"] for l in report["layers"])
+    assert report["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert report["ppl"]["dense"] > 1 and report["ppl"]["pruned"] > 1
+    assert report["calib"] == {"source": str(text_file), "nsamples": 6, "seqlen": 32, "seed": 0}
+    assert {"calibration", "prune", "eval"} <= set(report["seconds"]) and report["peak_rss_mb"] > 0
+    assert not (out / ".resume").exists() and not (out / ".staging").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 100, (2, 20))
+    with torch.no_grad():
+        assert torch.allclose(reloaded(tokens).logits, result.model(tokens).logits, atol=1e-5)
+    for name, w in reloaded.named_parameters():
+        if name.endswith("proj.weight"):
+            assert satisfies_nm(w, 2, 4), name
+
+
+def test_sequential_pass_feeds_pruned_outputs_forward(tiny_dir, text_file, eval_file):
+    lm = load_model(str(tiny_dir))
+    seen = []
+    handle = lm.model.model.layers[2].register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
+    cfg = config(tiny_dir, text_file, eval_file, eval_text=None)
+    result = prune(cfg, progress=False, loaded=lm)
+    handle.remove()
+    stats_pass_input = seen[0]  # first call on block 2: its statistics pass over the calibration windows
+    from shuffleprune.calib import calibration_windows, get_source
+
+    tokens = calibration_windows(get_source(str(text_file)), lm.tokenizer, 6, 32, 0)
+    with torch.no_grad():
+        pruned_h = result.model(tokens[:4], output_hidden_states=True).hidden_states[2]
+        dense_h = load_model(str(tiny_dir)).model(tokens[:4], output_hidden_states=True).hidden_states[2]
+    assert torch.allclose(stats_pass_input, pruned_h, atol=1e-5)
+    assert not torch.allclose(stats_pass_input, dense_h, atol=1e-3)
+
+
+def test_unstructured_and_other_patterns(tiny_dir, text_file, eval_file):
+    r = prune(config(tiny_dir, text_file, eval_file, pattern=None, sparsity=0.7, eval_text=None), progress=False).report
+    assert r["pattern"] == "unstructured-0.7" and r["nm_ok"] is None
+    # per row, int(cols * 0.7) weights are pruned (Wanda's rounding): 44/64 and 89/128 here
+    assert 0.6875 <= r["sparsity"] <= 0.7
+    r = prune(config(tiny_dir, text_file, eval_file, pattern="1:4", eval_text=None, method="sparsegpt"), progress=False).report
+    assert r["nm_ok"] and r["sparsity"] == pytest.approx(0.75, abs=1e-3)
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_killed_run_resumes_to_identical_checkpoint(method, tiny_dir, text_file, eval_file, tmp_path):
+    cfg = config(tiny_dir, text_file, eval_file, method=method)
+    full = tmp_path / "full"
+    prune(cfg, out=full, progress=False)
+
+    def crash_after_block_0(i):
+        if i == 0:
+            raise Crash
+
+    part = tmp_path / "part"
+    with pytest.raises(Crash):
+        prune(cfg, out=part, progress=False, on_block_done=crash_after_block_0)
+    assert not (part / "model.safetensors").exists()  # nothing final written by the killed run
+    assert json.loads((part / ".resume" / "state.json").read_text())["next_block"] == 1
+    with pytest.raises(UserError, match="--resume"):
+        prune(cfg, out=part, progress=False)
+    with pytest.raises(UserError, match="different settings"):
+        prune(config(tiny_dir, text_file, eval_file, method=method, seed=1), out=part, resume=True, progress=False)
+    resumed = prune(cfg, out=part, resume=True, progress=False)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(part / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.report["ppl"] == json.loads((full / "prune_report.json").read_text())["ppl"]
+
+
+def test_bad_inputs_leave_nothing_behind(tiny_dir, text_file, eval_file, tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises(UserError, match="does not exist"):
+        prune(config(tiny_dir, tmp_path / "missing.txt", eval_file), out=out, progress=False)
+    with pytest.raises(UserError, match="not divisible by M=3"):
+        prune(config(tiny_dir, text_file, eval_file, pattern="2:3"), out=out, progress=False)
+    with pytest.raises(UserError, match="nothing to resume"):
+        prune(config(tiny_dir, text_file, eval_file), out=out, resume=True, progress=False)
+    with pytest.raises(UserError, match="no linear layers selected"):
+        prune(config(tiny_dir, text_file, eval_file, only=["*nothing*"]), out=out, progress=False)
+    short = tmp_path / "short.txt"
+    short.write_text("the of and to in a is that")
+    with pytest.raises(UserError, match="has only 8 tokens"):
+        prune(config(tiny_dir, short, eval_file), out=out, progress=False)
+    assert not out.exists()
+
+
+def test_skip_keeps_layers_dense(tiny_dir, text_file, eval_file):
+    r = prune(config(tiny_dir, text_file, eval_file, skip=["*down_proj"], eval_text=None), progress=False)
+    assert not any(l["name"].endswith("down_proj") for l in r.report["layers"])
+    assert float((r.model.model.layers[0].mlp.down_proj.weight == 0).float().mean()) < 0.01
