@@ -40,6 +40,8 @@ oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=n, max_s
 seconds = time.time() - t0
 state = {k: v.contiguous() for k, v in model.state_dict().items() if ".layers." in k}
 save_file(state, f"{a.out}/layers.safetensors")
-json.dump({"seconds": seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")]  # ru_maxrss survives exec; VmHWM does not
+peak = int(hwm[0].split()[1]) / 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+json.dump({"seconds": seconds, "peak_rss_mb": peak,
            "llmcompressor": version("llmcompressor"), "transformers": version("transformers"),
            "torch": torch.__version__}, open(f"{a.out}/llmc_report.json", "w"))

@@ -72,6 +72,14 @@ def pick_device(name: str) -> torch.device:
 
 
 def peak_rss_mb() -> float:
+    """Peak RSS of this process image. Reads ``VmHWM`` (reset by exec) where available: Linux's
+    ``ru_maxrss`` survives exec and can report a parent's high-water mark in a child."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
