@@ -27,7 +27,7 @@ from .calib import calibration_windows, default_eval_source, eval_tokens, get_so
 from .errors import UserError
 from .evaluate import perplexity
 from .masks import Pattern, parse_pattern, satisfies_nm, sparsity_of
-from .methods import NEEDS_GRAM, get_method
+from .methods import NEEDS_GRAM, NEEDS_STATS, get_method
 from .models import LoadedModel, load_model
 from .stats import collect_input_stats, input_groups
 
@@ -214,9 +214,13 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         t0 = time.time()
         block = blocks.layers[i].to(device)
         linears = layer_names[i]
-        with collect_input_stats(linears, gram) as stats:
-            run_block(block, hidden, captured, i, device, config.batch_size)
-        for group in input_groups(stats):
+        if config.method in NEEDS_STATS:
+            with collect_input_stats(linears, gram) as stats:
+                run_block(block, hidden, captured, i, device, config.batch_size)
+            groups = input_groups(stats)
+        else:  # magnitude needs no calibration statistics: skip that pass
+            stats, groups = {name: None for name in linears}, [[name] for name in linears]
+        for group in groups:
             for name in group:
                 lin = linears[name]
                 new_w = method(lin.weight.data.float(), stats[name], pattern)

@@ -19,6 +19,7 @@ from .wanda import wanda, wanda_score
 PruneFn = Callable[[torch.Tensor, InputStats, Pattern], torch.Tensor]
 
 METHODS: dict[str, PruneFn] = {"magnitude": magnitude, "wanda": wanda, "sparsegpt": sparsegpt}
+NEEDS_STATS = {"wanda", "sparsegpt"}
 NEEDS_GRAM = {"sparsegpt"}
 
 
@@ -28,4 +29,4 @@ def get_method(name: str) -> PruneFn:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "NEEDS_GRAM", "get_method", "magnitude", "wanda", "wanda_score", "sparsegpt"]
+__all__ = ["METHODS", "NEEDS_STATS", "NEEDS_GRAM", "get_method", "magnitude", "wanda", "wanda_score", "sparsegpt"]
