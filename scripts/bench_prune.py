@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from shuffleprune.calib import calibration_windows, eval_tokens, get_source
 from shuffleprune.evaluate import perplexity
-from shuffleprune.masks import satisfies_nm
+from shuffleprune.blocks import block_linears, find_blocks
+from shuffleprune.masks import parse_pattern, satisfies_nm
 from shuffleprune.models import load_model, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def main() -> None:
     lm = load_model(model_path)
     tokens = calibration_windows(get_source(args.calib), lm.tokenizer, args.nsamples, args.seqlen, args.seed)
     held_out = eval_tokens(get_source(args.eval_text), lm.tokenizer, args.eval_tokens)
-    n, m = map(int, args.pattern.split(":"))
+    pattern = parse_pattern(args.pattern, None)
     base = {"model": args.model or "SmolLM2-135M-Instruct (embedded, GGUF Q4_1 dequantized to fp32)",
             "pattern": args.pattern, "calib": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen,
             "seed": args.seed, "eval_text": f"{args.eval_text} (test split)", "eval_ctx": args.eval_ctx,
@@ -64,8 +65,13 @@ def main() -> None:
 
     def finish(row: dict, model) -> None:
         row["ppl"] = round(ppl_of(model), 4)
-        row["nm_ok"] = all(satisfies_nm(w, n, m) for k, w in model.state_dict().items()
-                           if ".layers." in k and k.endswith("proj.weight")) if row["method"] != "dense" else None
+        if row["method"] == "dense":
+            row["nm_ok"] = None
+        else:
+            blocks = find_blocks(model)
+            row["nm_ok"] = all(satisfies_nm(lin.weight, pattern.n, pattern.m)
+                               for i, block in enumerate(blocks.layers)
+                               for lin in block_linears(block, f"{blocks.name}.{i}").values())
         rows.append({**base, **row})
         print(json.dumps(rows[-1]), flush=True)
 
