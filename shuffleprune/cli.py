@@ -69,6 +69,51 @@ def prune(
         Console().print(f"wrote {out} (HF checkpoint + prune_report.json)")
 
 
+def _split_csv(values: Optional[List[str]]) -> List[str]:
+    return [t.strip() for v in values or [] for t in v.split(",") if t.strip()]
+
+
+@app.command("eval")
+def eval_(
+    models: Optional[List[str]] = typer.Argument(None, help="Models to compare: hub ids, HF dirs, pruned dirs or .gguf files; 'default' (or nothing) = the embedded SmolLM2-135M-Instruct."),
+    tasks: Optional[List[str]] = typer.Option(None, "--tasks", help="Comma-separated lm-eval tasks; 'ppl' = held-out perplexity. Default: hellaswag,arc_easy,arc_challenge,openbookqa,ppl."),
+    limit: Optional[float] = typer.Option(None, "--limit", help="lm-eval --limit: at most this many items per task (below 1: a fraction)."),
+    num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples (default: each task's own, 0 for the paper's tasks)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="lm-eval batch size."),
+    offline: bool = typer.Option(False, "--offline", help="Use local task data even if the hub is reachable (automatic when it is not)."),
+    include_path: Optional[List[str]] = typer.Option(None, "--include-path", help="Extra directory of lm-eval task YAMLs (repeatable)."),
+    ppl_text: str = typer.Option("auto", "--ppl-text", help="Perplexity text: auto (wikitext2 online, brown offline), wikitext2, c4, wiki, brown or a .txt/.jsonl path."),
+    ppl_ctx: int = typer.Option(2048, "--ppl-ctx", help="Perplexity window length (capped by the model's context)."),
+    ppl_tokens: Optional[int] = typer.Option(None, "--ppl-tokens", help="Use at most this many held-out tokens (default: the whole test split)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (checkpoint dtype; float32 on CPU), float32, bfloat16, float16."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write results JSON here, and the table as Markdown next to it (.md)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+    verbose: bool = typer.Option(False, "--verbose", help="Show lm-eval's own log."),
+) -> None:
+    """Score models side by side: zero-shot accuracy via lm-evaluation-harness, plus held-out perplexity."""
+    from .evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
+    from .report import print_eval_report
+
+    config = EvalConfig(models=list(models) if models else [None],
+                        tasks=_split_csv(tasks) or list(DEFAULT_TASKS), limit=limit, num_fewshot=num_fewshot,
+                        batch_size=batch_size, device=device, dtype=dtype, offline=offline,
+                        include_path=list(include_path) if include_path else None, ppl_text=ppl_text,
+                        ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens)
+    try:
+        results = evaluate_models(config, out=out, progress=not quiet,
+                                  notify=lambda msg: err.print(msg, highlight=False, soft_wrap=True),
+                                  verbose=verbose)
+    except UserError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        err.print("interrupted; nothing written")
+        raise typer.Exit(130)
+    print_eval_report(results)
+    if out is not None:
+        Console().print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
 def main() -> None:  # pragma: no cover
     app(prog_name="shuffleprune")
 

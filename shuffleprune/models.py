@@ -106,9 +106,14 @@ def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
     return out
 
 
+def is_embedded(spec: str | None) -> bool:
+    """``None``, ``""``, ``default`` and ``embedded:SmolLM2-135M-Instruct`` name the embedded model."""
+    return spec is None or spec in ("", "default", DEFAULT_MODEL)
+
+
 def resolve_model_path(spec: str | None) -> str:
     """Map what the user typed to a loadable HF dir or hub id (converting GGUF as needed)."""
-    if spec is None or spec in ("", "default", DEFAULT_MODEL):
+    if is_embedded(spec):
         return str(gguf_as_hf_dir(embedded_gguf(), "SmolLM2-135M-Instruct"))
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):

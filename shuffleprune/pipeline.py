@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
 import shutil
 import sys
 import time
@@ -25,10 +24,11 @@ from . import __version__
 from .blocks import CapturedInputs, block_linears, capture_block_inputs, find_blocks, first_tensor, tensors_to
 from .calib import calibration_windows, default_eval_source, eval_tokens, get_source
 from .errors import UserError
-from .evaluate import perplexity
+from .perplexity import perplexity
 from .masks import Pattern, parse_pattern, satisfies_nm, sparsity_of
 from .methods import NEEDS_GRAM, NEEDS_STATS, get_method
 from .models import LoadedModel, load_model
+from .runtime import peak_rss_mb, pick_device, versions
 from .stats import collect_input_stats, input_groups
 
 RESUME_DIR = ".resume"
@@ -59,28 +59,6 @@ class PruneConfig:
     def key(self) -> str:
         fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size")}
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise UserError(f"unknown --device '{name}'; use auto, cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
-    return torch.device(name)
-
-
-def peak_rss_mb() -> float:
-    """Peak RSS of this process image. Reads ``VmHWM`` (reset by exec) where available: Linux's
-    ``ru_maxrss`` survives exec and can report a parent's high-water mark in a child."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -270,7 +248,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         "peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device.type == "cuda" else None,
         "device": str(device), "compute_dtype": compute_dtype,
         "resumed": resume, "command": " ".join(sys.argv),
-        "versions": {"torch": torch.__version__, "transformers": _version("transformers"), "python": sys.version.split()[0]},
+        "versions": versions(),
         "config": asdict(config),
     }
     if out is not None:
@@ -282,12 +260,6 @@ def _overall_sparsity(layers: list[dict]) -> float:
     total = sum(l["shape"][0] * l["shape"][1] for l in layers)
     zeros = sum(l["sparsity"] * l["shape"][0] * l["shape"][1] for l in layers)
     return round(zeros / total, 6) if total else 0.0
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
 
 
 def _write_checkpoint(out: Path, model, tokenizer, report: dict) -> None:

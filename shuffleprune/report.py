@@ -32,3 +32,58 @@ def prune_table(report: dict) -> Table:
 
 def print_prune_report(report: dict, console: Console | None = None) -> None:
     (console or Console()).print(prune_table(report))
+
+
+def _eval_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the side-by-side eval table (one column per model)."""
+    models = results["models"]
+    header = ["", *[m["model"] for m in models]]
+    rows = [["pruned", *[m.get("pruned") or "—" for m in models]],
+            ["sparsity (decoder linears)", *[_fmt(m["sparsity"], 4) for m in models]]]
+    if "ppl" in results["tasks"]:
+        ev = results.get("ppl_eval") or next((m.get("ppl_eval") for m in models if m.get("ppl_eval")), None)
+        label = f"ppl ↓ ({ev['text']} test, ctx {ev['ctx']}, {ev['tokens']} tok)" if ev else "ppl ↓"
+        rows.append([label, *[_fmt(m["ppl"]) for m in models]])
+    for name in dict.fromkeys(k for m in models for k in m["results"]):
+        first = next(m["results"][name] for m in models if name in m["results"])
+        n = first.get("n_items")
+        rows.append([f"{name} {first['metric']}" + (f" (n={n})" if n else ""),
+                     *[_pct(m["results"].get(name, {}).get("value")) for m in models]])
+    if any(m["results"] for m in models):
+        rows.append(["average (zero-shot)", *[_pct(m.get("average")) for m in models]])
+    return header, rows
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.2f}"
+
+
+def eval_table(results: dict) -> Table:
+    header, rows = _eval_rows(results)
+    lim = results["lm_eval"]["limit"]
+    title = (f"shuffleprune eval · lm-eval {results['lm_eval']['version']} · "
+             f"{'offline data' if results['offline'] else 'hub data'} · "
+             f"limit {lim if lim is not None else 'none'} · accuracy in %")
+    table = Table(title=title)
+    table.add_column(header[0])
+    for h in header[1:]:
+        table.add_column(h, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def eval_markdown(results: dict) -> str:
+    header, rows = _eval_rows(results)
+    lim = results["lm_eval"]["limit"]
+    lines = [f"lm-eval {results['lm_eval']['version']}, {'offline' if results['offline'] else 'hub'} task data, "
+             f"limit {lim if lim is not None else 'none'}, n-shot {results['lm_eval']['num_fewshot'] or 0}, "
+             f"batch size {results['lm_eval']['batch_size']}, device {results['device']}; accuracy in %.", "",
+             "| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", "Task data:"] + [f"- {t}: {o}" for t, o in results["lm_eval"]["task_data"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def print_eval_report(results: dict, console: Console | None = None) -> None:
+    (console or Console()).print(eval_table(results))

@@ -1,0 +1,68 @@
+"""Facts about where a run happens: compute device, peak memory, package versions."""
+from __future__ import annotations
+
+import platform
+import resource
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` → the first CUDA GPU if there is one, else CPU; ``cpu``/``cuda``/``cuda:N`` checked."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise UserError(f"unknown --device '{name}'; use auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    return torch.device(name)
+
+
+def peak_rss_mb() -> float:
+    """Peak RSS of this process image. Reads ``VmHWM`` (reset by exec) where available: Linux's
+    ``ru_maxrss`` survives exec and can report a parent's high-water mark in a child."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def package_version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def versions(*packages: str) -> dict[str, str | None]:
+    """Python, torch and transformers versions plus any extra ``packages``."""
+    out = {"python": sys.version.split()[0], "torch": torch.__version__,
+           "transformers": package_version("transformers")}
+    out.update({p: package_version(p) for p in packages})
+    return out
+
+
+def machine() -> dict:
+    """CPU/GPU description for result files."""
+    info = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+            "cpu_count": _cpu_count()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _cpu_count() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return os.cpu_count() or 1

@@ -1,0 +1,162 @@
+"""``shuffleprune eval``: lm-eval on in-memory models, results files, errors, offline task data."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import WORDS, make_tokenizer, random_text, tiny_model
+from shuffleprune.cli import app
+from shuffleprune.evaluate import EvalConfig, evaluate_models
+from shuffleprune.models import LoadedModel, load_model
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def tiny_task(tmp_path: Path) -> Path:
+    """A 3-way multiple-choice lm-eval task over the tiny tokenizer's words, in its own directory."""
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    rng = random.Random(0)
+    with open(task_dir / "tiny_mc.jsonl", "w") as fh:
+        for _ in range(16):
+            fh.write(json.dumps({"question": " ".join(rng.choice(WORDS) for _ in range(6)),
+                                 "choices": [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(3)],
+                                 "gold": rng.randrange(3)}) + "\n")
+    (task_dir / "tiny_mc.yaml").write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {task_dir / 'tiny_mc.jsonl'}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 3.0
+""")
+    return task_dir
+
+
+def _reference_accuracy(model, tokenizer, task_dir: Path) -> float:
+    """argmax over choices of sum log p(choice | question), computed here without lm-eval."""
+    hits = []
+    for line in (task_dir / "tiny_mc.jsonl").read_text().splitlines():
+        doc = json.loads(line)
+        ctx = tokenizer(doc["question"])["input_ids"]
+        scores = []
+        for choice in doc["choices"]:
+            ids = tokenizer(doc["question"] + " " + choice)["input_ids"]
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+            scores.append(sum(float(logp[t - 1, ids[t]]) for t in range(len(ctx), len(ids))))
+        hits.append(max(range(len(scores)), key=scores.__getitem__) == doc["gold"])
+    return sum(hits) / len(hits)
+
+
+def test_eval_scores_the_in_memory_model(tiny_dir, tiny_task, tmp_path, monkeypatch):
+    lm = load_model(str(tiny_dir))
+    with torch.no_grad():  # make the in-memory model differ from the checkpoint on disk
+        for p in lm.model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    calls = []
+    lm.model.register_forward_hook(lambda *_: calls.append(1))
+    import transformers
+
+    def no_reload(*a, **k):
+        raise AssertionError("eval reloaded the model instead of using the in-memory one")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_reload)
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(random_text(2000, seed=3))
+    config = EvalConfig(models=[str(tiny_dir)], tasks=["tiny_mc", "ppl"], include_path=[str(tiny_task)],
+                        ppl_text=str(heldout), ppl_ctx=32, batch_size=4)
+    res = evaluate_models(config, out=tmp_path / "r.json", progress=False, loaded={str(tiny_dir): lm})
+    assert calls, "lm-eval never called the in-memory model"
+    row = res["models"][0]
+    assert row["results"]["tiny_mc"]["value"] == pytest.approx(_reference_accuracy(lm.model, lm.tokenizer, tiny_task))
+    from shuffleprune.calib import eval_tokens, get_source
+    from shuffleprune.perplexity import perplexity
+
+    assert row["ppl"] == pytest.approx(perplexity(lm.model, eval_tokens(get_source(str(heldout)), lm.tokenizer), 32))
+
+
+def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(random_text(2000, seed=3))
+    pruned = tmp_path / "pruned"
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--base", "wanda", "--pattern", "2:4", "--calib", str(heldout),
+                              "--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--out", str(pruned), "--quiet"])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "results.json"
+    res = runner.invoke(app, ["eval", str(tiny_dir), str(pruned), "--tasks", "tiny_mc,ppl", "--include-path", str(tiny_task),
+                              "--ppl-text", str(heldout), "--ppl-ctx", "32", "--limit", "10", "--out", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["versions"]["lm_eval"] and data["lm_eval"]["limit"] == 10 and data["lm_eval"]["seeds"]
+    assert data["tasks"] == ["tiny_mc", "ppl"] and data["lm_eval"]["task_data"]["tiny_mc"]
+    assert [m["model"] for m in data["models"]] == ["tiny-llama", "pruned"]
+    dense, sparse = data["models"]
+    assert dense["sparsity"] == 0 and sparse["sparsity"] == pytest.approx(0.5) and sparse["pruned"] == "wanda 2:4"
+    for m in data["models"]:
+        r = m["results"]["tiny_mc"]
+        assert r["metric"] == "acc" and 0 <= r["value"] <= 1 and r["stderr"] is not None
+        assert r["version"] == 3.0 and r["n_shot"] == 0 and r["n_items"] == 10 and r["n_items_total"] == 16
+        assert m["ppl"] > 1 and m["ppl_eval"] == {"text": str(heldout), "split": "test", "ctx": 32,
+                                                  "tokens": m["ppl_eval"]["tokens"]} and m["ppl_eval"]["tokens"] > 0
+        assert m["average"] == r["value"] and "--limit 10" in m["lm_eval_cli"] and m["path"] in m["lm_eval_cli"]
+    assert sparse["ppl"] != dense["ppl"]
+    md = out.with_suffix(".md").read_text()
+    assert "| tiny_mc acc (n=10) |" in md and "pruned" in md
+    assert "tiny-llama" in res.output and "average" in res.output
+
+
+def test_eval_errors_are_one_line_and_write_nothing(tiny_dir, tiny_task, tmp_path):
+    out = tmp_path / "r.json"
+    cases = ((["eval", str(tiny_dir), "--tasks", "no_such_task", "--include-path", str(tiny_task)], "unknown task"),
+             (["eval", str(tmp_path / "missing"), "--tasks", "tiny_mc", "--include-path", str(tiny_task)], "does not exist"),
+             (["eval", str(tiny_dir), "--tasks", "tiny_mc", "--include-path", str(tmp_path / "nodir")], "not a directory"),
+             (["eval", str(tiny_dir), "--tasks", "mmlu_anatomy", "--offline"], "need the Hugging Face hub"),
+             (["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", "wikitext2", "--offline"], "needs the Hugging Face hub"),
+             (["eval", str(tiny_dir), "--limit", "0"], "--limit"))
+    for args, needle in cases:
+        res = runner.invoke(app, [*args, "--out", str(out), "--quiet"])
+        assert res.exit_code == 2, (args, res.output)
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert len(lines) == 1 and needle in lines[0], (args, res.output)
+        assert not out.exists() and not out.with_suffix(".md").exists()
+    res = runner.invoke(app, ["eval", str(tiny_dir), "--out", str(tmp_path / "r.txt")])
+    assert res.exit_code == 2 and "must name a .json" in res.output
+
+
+def test_offline_tasks_are_the_stock_definitions_on_full_local_data():
+    """Item counts of the rebuilt/copied data equal the stock datasets'; prompts are the stock ones."""
+    from lm_eval.tasks import TaskManager
+
+    from shuffleprune.offline_tasks import build_offline_tasks
+
+    names = ["hellaswag", "arc_easy", "arc_challenge", "openbookqa"]
+    stock = TaskManager()
+    local_dir = build_offline_tasks(names, {n: Path(stock.task_index[n].yaml_path) for n in names})
+    tm = TaskManager(include_path=str(local_dir))
+    tasks = tm.load([f"{n}_local" for n in names])["tasks"]
+    counts = {name: len(list(task.eval_docs)) for name, task in tasks.items()}
+    assert counts == {"hellaswag_local": 10042, "arc_easy_local": 2376, "arc_challenge_local": 1172,
+                      "openbookqa_local": 500}
+    for n in names:  # same prompt template, metrics and version as the stock YAML
+        local_cfg, stock_cfg = tasks[f"{n}_local"].config, stock.task_index[n].cfg
+        assert local_cfg.doc_to_text == stock_cfg["doc_to_text"] and local_cfg.metadata["version"] == stock_cfg["metadata"]["version"]
+        assert [m["metric"] for m in local_cfg.metric_list] == [m["metric"] for m in stock_cfg["metric_list"]]
+    arc = tasks["arc_easy_local"]
+    doc = next(iter(arc.eval_docs))
+    assert arc.doc_to_text(doc).startswith("Question: ") and arc.doc_to_text(doc).endswith("\nAnswer:")
+    assert len(arc.doc_to_choice(doc)) == len(doc["choices"]["text"]) and 0 <= arc.doc_to_target(doc) < len(doc["choices"]["text"])
