@@ -95,6 +95,8 @@ def eval_(
     from .evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
     from .report import print_eval_report
 
+    if limit is not None and limit >= 1 and float(limit).is_integer():
+        limit = int(limit)  # a count of items, as lm-eval's CLI records it
     config = EvalConfig(models=list(models) if models else [None],
                         tasks=_split_csv(tasks) or list(DEFAULT_TASKS), limit=limit, num_fewshot=num_fewshot,
                         batch_size=batch_size, device=device, dtype=dtype, offline=offline,

@@ -127,6 +127,9 @@ def _plan_tasks(config: EvalConfig, offline: bool) -> _TaskPlan:
     if missing:
         raise UserError(f"task(s) {', '.join(missing)} need the Hugging Face hub; offline tasks: "
                         f"{', '.join(OFFLINE_TASKS)} (or your own via --include-path)")
+    if need_local and config.num_fewshot:
+        raise UserError("offline task data has no training split to draw few-shot examples from; "
+                        "use --num-fewshot 0 offline (the paper's setting) or run with the hub")
     stock_paths = {n: Path(tm.task_index[n].yaml_path) for n in need_local}
     local_dir = str(build_offline_tasks(need_local, stock_paths)) if need_local else None
     paths = user_paths + ([local_dir] if local_dir else [])
