@@ -43,6 +43,14 @@ def prune(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where each block is computed (one block at a time)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (checkpoint dtype; float32 for computing on CPU), float32, bfloat16, float16."),
     batch_size: int = typer.Option(8, "--batch-size", help="Calibration windows per block forward."),
+    perm: str = typer.Option("none", "--perm", help="Input-channel permutation: none, random (control) or learned (ShuffleSparse)."),
+    relax: str = typer.Option("l1l2", "--relax", help="Permutation relaxation: l1l2 (ShuffleSparse penalty + projection) or sinkhorn (PermLLM)."),
+    perm_block: int = typer.Option(64, "--perm-block", help="Permutation block size B (block-diagonal B×B blocks; a smaller last block)."),
+    perm_steps: int = typer.Option(100, "--perm-steps", help="Optimisation steps per decoder block."),
+    perm_lr: float = typer.Option(3e-2, "--perm-lr", help="Adam learning rate for the soft permutations."),
+    perm_lambda: float = typer.Option(1e-4, "--perm-lambda", help="λ_max of the l1−l2 penalty (ramped linearly from 0)."),
+    perm_share: str = typer.Option("group", "--perm-share", help="group: one permutation per shared input (q/k/v, gate/up); linear: one per linear."),
+    perm_batch: int = typer.Option(4, "--perm-batch", help="Calibration windows per permutation step."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the pruned HF checkpoint and prune_report.json here."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last finished block in --out."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out."),
@@ -56,7 +64,9 @@ def prune(
                          sparsity=sparsity, calib=calib, nsamples=nsamples, seqlen=seqlen, seed=seed,
                          only=only or None, skip=skip or None, dtype=dtype,
                          eval_text=None if eval_text == "none" else eval_text, eval_ctx=eval_ctx,
-                         eval_tokens=eval_tokens, device=device, batch_size=batch_size)
+                         eval_tokens=eval_tokens, device=device, batch_size=batch_size, perm=perm, relax=relax,
+                         perm_block=perm_block, perm_steps=perm_steps, perm_lr=perm_lr, perm_lambda=perm_lambda,
+                         perm_share=perm_share, perm_batch=perm_batch)
     try:
         result = run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=not quiet)
     except UserError as exc:

@@ -49,6 +49,8 @@ class LearnResult:
     loss: list[float] = field(default_factory=list)      # reconstruction loss per step
     penalty: list[float] = field(default_factory=list)   # Σ P(M) per step
     penalty_per_perm: dict[str, list[float]] = field(default_factory=dict)
+    best_perms: dict[str, torch.Tensor] = field(default_factory=dict)  # decoded at the lowest-loss step
+    best_step: int = -1
 
 
 def learn_permutations(perms: dict[str, SoftPermutation],
@@ -59,7 +61,9 @@ def learn_permutations(perms: dict[str, SoftPermutation],
 
     Adam on ``M`` (or the Sinkhorn logits), ``λ_t`` ramped from 0, projection onto the
     doubly-stochastic set after every step (l1l2), τ annealed (sinkhorn). Returns the Hungarian
-    decoding of every ``M`` after the last step and the per-step curves.
+    decoding of every ``M`` after the last step, the permutations used at the step with the lowest
+    loss (the forward pass of a step uses exactly the decoded hard permutations, so its loss is
+    theirs), and the per-step curves.
     """
     params = [p for sp in perms.values() for p in sp.parameters()]
     opt = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr=lr, momentum=0.9)
@@ -67,8 +71,11 @@ def learn_permutations(perms: dict[str, SoftPermutation],
     for step in range(schedule.steps):
         for sp in perms.values():
             sp.tau = schedule.tau(step)
-        m_bars = {k: sp.straight_through()[0] for k, sp in perms.items()}
+        decoded = {k: sp.straight_through() for k, sp in perms.items()}
+        m_bars = {k: d[0] for k, d in decoded.items()}
         rec = loss_fn(m_bars, step)
+        if result.best_step < 0 or float(rec.detach()) < result.loss[result.best_step]:
+            result.best_step, result.best_perms = step, {k: d[1] for k, d in decoded.items()}
         pens = {k: sp.penalty() for k, sp in perms.items()}
         pen = sum(pens.values())
         loss = rec + schedule.lam(step) * pen
@@ -80,7 +87,7 @@ def learn_permutations(perms: dict[str, SoftPermutation],
         result.loss.append(float(rec.detach()))
         result.penalty.append(float(pen.detach()) if torch.is_tensor(pen) else float(pen))
         for k, v in pens.items():
-            result.penalty_per_perm[k].append(float(v))
+            result.penalty_per_perm[k].append(float(v.detach()))
         if on_step is not None:
             on_step(step, float(rec), float(pen))
     result.perms = {k: sp.harden() for k, sp in perms.items()}

@@ -175,7 +175,7 @@ class SoftPermutation(nn.Module):
     that the τ=1 Sinkhorn matrix also decodes to the identity.
     """
 
-    def __init__(self, size: int, block: int = 64, relax: str = "l1l2", init_identity: float = 0.5):
+    def __init__(self, size: int, block: int = 64, relax: str = "l1l2", init_identity: float = 0.1):
         super().__init__()
         if relax not in ("l1l2", "sinkhorn"):
             raise ValueError(f"unknown relaxation '{relax}'; use l1l2 or sinkhorn")

@@ -24,8 +24,10 @@ from . import __version__
 from .blocks import CapturedInputs, block_linears, capture_block_inputs, find_blocks, first_tensor, tensors_to
 from .calib import calibration_windows, default_eval_source, eval_tokens, get_source
 from .errors import UserError
+from .perm_prune import PermOptions, block_permutations, prune_in_permuted_coordinates
 from .perplexity import perplexity
 from .masks import Pattern, parse_pattern, satisfies_nm, sparsity_of
+from .permutation import strength
 from .methods import NEEDS_GRAM, NEEDS_STATS, get_method
 from .models import LoadedModel, load_model
 from .runtime import peak_rss_mb, pick_device, versions
@@ -33,6 +35,7 @@ from .stats import collect_input_stats, input_groups
 
 RESUME_DIR = ".resume"
 REPORT_NAME = "prune_report.json"
+INDEX_MAPS = "index_maps.safetensors"  # per permuted linear: int32 perm, W[:, perm] is N:M in memory order
 
 
 @dataclass
@@ -55,6 +58,19 @@ class PruneConfig:
     eval_tokens: int | None = None   # cap on held-out tokens
     device: str = "auto"
     batch_size: int = 8              # calibration windows per block forward
+    perm: str = "none"               # none | random | learned (ShuffleSparse)
+    relax: str = "l1l2"              # l1l2 (ShuffleSparse) | sinkhorn (PermLLM)
+    perm_block: int = 64
+    perm_steps: int = 100
+    perm_lr: float = 3e-2
+    perm_lambda: float = 1e-4
+    perm_share: str = "group"
+    perm_batch: int = 4
+
+    def perm_options(self) -> PermOptions:
+        return PermOptions(perm=self.perm, relax=self.relax, block=self.perm_block, steps=self.perm_steps,
+                           lr=self.perm_lr, lambda_max=self.perm_lambda, share=self.perm_share,
+                           batch=self.perm_batch, seed=self.seed)
 
     def key(self) -> str:
         fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size")}
@@ -83,6 +99,13 @@ def run_block(block: torch.nn.Module, hidden: torch.Tensor, captured: CapturedIn
     for s in range(0, hidden.shape[0], batch_size):
         out[s:s + batch_size] = first_tensor(block(hidden[s:s + batch_size].to(device), *args, **kwargs)).to(out.device)
     return out
+
+
+def _step_reporter(bar, block_index: int) -> Callable[[int, float, float], None]:
+    """Show the permutation optimisation's step, loss and penalty on the block progress bar."""
+    def report(step: int, loss: float, penalty: float) -> None:
+        bar.set_postfix_str(f"block {block_index} perm step {step + 1}: loss {loss:.4g} P(M) {penalty:.3g}")
+    return report
 
 
 @dataclass
@@ -127,6 +150,8 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     eval_name = None if config.eval_text is None else (
         default_eval_source(config.calib) if config.eval_text == "auto" else config.eval_text)
     eval_source = get_source(eval_name) if eval_name else None
+    perm_opts = config.perm_options()
+    perm_opts.check(pattern)
     device = pick_device(config.device)
     state = _prepare_out(out, resume, overwrite)
     if state is not None and state["config_key"] != config.key():
@@ -164,7 +189,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         eval_seconds = time.time() - t0
         state = {"config_key": config.key(), "config": asdict(config), "next_block": 0, "layers": [],
                  "dense_ppl": dense_ppl, "calib_seconds": calib_seconds, "eval_seconds": eval_seconds,
-                 "prune_seconds": 0.0, "seqlen": seqlen, "eval_ctx": ctx,
+                 "prune_seconds": 0.0, "seqlen": seqlen, "eval_ctx": ctx, "perm_blocks": [],
                  "eval_tokens": None if held_out is None else int(held_out.numel())}
         if work is not None:
             _atomic_save({"tokens": tokens, "held_out": held_out}, work / "data.pt")
@@ -185,6 +210,11 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     captured.hidden = None
     state["calib_seconds"] += time.time() - t0
 
+    all_perms: dict[str, torch.Tensor] = {}
+    if work is not None:
+        for j in range(start):
+            if (work / f"perms_{j}.safetensors").is_file():
+                all_perms.update({k: v.long() for k, v in load_file(str(work / f"perms_{j}.safetensors")).items()})
     gram = config.method in NEEDS_GRAM
     bar = tqdm(range(start, len(blocks)), desc=f"{config.method} {pattern}", disable=not progress,
                initial=start, total=len(blocks))
@@ -198,23 +228,42 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
             groups = input_groups(stats)
         else:  # magnitude needs no calibration statistics: skip that pass
             stats, groups = {name: None for name in linears}, [[name] for name in linears]
+        perms, perm_info = {}, None
+        if perm_opts.perm != "none":
+            target = run_block(block, hidden, captured, i, device, config.batch_size) if perm_opts.perm == "learned" else None
+            bar_steps = _step_reporter(bar, i) if progress else None
+            perms, perm_info = block_permutations(block, f"{blocks.name}.{i}", linears, stats, groups, hidden, target,
+                                                  captured, i, pattern, perm_opts, device, on_step=bar_steps)
+            del target
         for group in groups:
             for name in group:
                 lin = linears[name]
-                new_w = method(lin.weight.data.float(), stats[name], pattern)
+                perm = perms.get(name)
+                if perm is None:
+                    new_w = method(lin.weight.data.float(), stats[name], pattern)
+                else:
+                    new_w = prune_in_permuted_coordinates(method, lin.weight.data.float(), stats[name], pattern, perm)
                 lin.weight.data.copy_(new_w.to(lin.weight.dtype))
                 w = lin.weight.data
-                state["layers"].append({
-                    "name": name, "shape": list(w.shape), "shares_input_with": [n for n in group if n != name],
-                    "sparsity": round(sparsity_of(w), 6),
-                    "nm_ok": satisfies_nm(w, pattern.n, pattern.m) if pattern.is_nm else None})
+                in_memory = w if perm is None else w[:, perm.to(w.device)]  # the order an N:M kernel stores
+                entry = {"name": name, "shape": list(w.shape), "shares_input_with": [n for n in group if n != name],
+                         "sparsity": round(sparsity_of(w), 6),
+                         "nm_ok": satisfies_nm(in_memory, pattern.n, pattern.m) if pattern.is_nm else None}
+                if perm is not None:
+                    entry["perm_strength"] = round(strength(perm), 4)
+                state["layers"].append(entry)
+        if perm_info is not None:
+            state["perm_blocks"].append({"block": i, **perm_info})
         del stats
         hidden = run_block(block, hidden, captured, i, device, config.batch_size)
         blocks.layers[i] = block.to("cpu")
         state["prune_seconds"] += time.time() - t0
         state["next_block"] = i + 1
+        all_perms.update(perms)
         if work is not None:
             save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(work / f"block_{i}.safetensors"))
+            if perms:
+                save_file({k: v.to(torch.int32).contiguous() for k, v in perms.items()}, str(work / f"perms_{i}.safetensors"))
             if i + 1 < len(blocks):
                 _atomic_save(hidden.cpu(), work / f"hidden_{i + 1}.pt")
             _atomic_json(state, work / "state.json")
@@ -242,6 +291,8 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         "sparsity": _overall_sparsity(state["layers"]),
         "nm_ok": all(l["nm_ok"] for l in state["layers"]) if pattern.is_nm else None,
         "layers": state["layers"],
+        "perm": None if perm_opts.perm == "none" else {**asdict(perm_opts), "blocks": state["perm_blocks"],
+                                                       "index_maps": INDEX_MAPS if all_perms else None},
         "seconds": {"calibration": round(state["calib_seconds"], 2), "prune": round(state["prune_seconds"], 2),
                     "eval": round(state["eval_seconds"], 2), "this_process": round(time.time() - t_start, 2)},
         "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -252,7 +303,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         "config": asdict(config),
     }
     if out is not None:
-        _write_checkpoint(out, model, tokenizer, report)
+        _write_checkpoint(out, model, tokenizer, report, all_perms)
     return PruneResult(report=report, model=model, tokenizer=tokenizer)
 
 
@@ -262,7 +313,7 @@ def _overall_sparsity(layers: list[dict]) -> float:
     return round(zeros / total, 6) if total else 0.0
 
 
-def _write_checkpoint(out: Path, model, tokenizer, report: dict) -> None:
+def _write_checkpoint(out: Path, model, tokenizer, report: dict, perms: dict[str, torch.Tensor]) -> None:
     """Write into ``out/.staging`` then move the files into ``out`` and drop the resume state."""
     staging = out / ".staging"
     if staging.exists():
@@ -271,6 +322,8 @@ def _write_checkpoint(out: Path, model, tokenizer, report: dict) -> None:
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     (staging / REPORT_NAME).write_text(json.dumps(report, indent=2))
+    if perms:
+        save_file({k: v.to(torch.int32).contiguous() for k, v in perms.items()}, str(staging / INDEX_MAPS))
     for item in staging.iterdir():
         os.replace(item, out / item.name)
     staging.rmdir()

@@ -1,0 +1,101 @@
+"""Learned / random input permutations in the pruning pipeline."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shuffleprune.errors import UserError
+from shuffleprune.masks import Pattern, nm_keep_mask, satisfies_nm
+from shuffleprune.methods import sparsegpt, wanda
+from shuffleprune.perm_learning import cosine_loss, learn_permutations, masked_weight
+from shuffleprune.perm_prune import prune_in_permuted_coordinates
+from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks
+from shuffleprune.permuted_linear import apply_index_maps, load_index_maps
+from shuffleprune.pipeline import INDEX_MAPS, PruneConfig, prune
+from shuffleprune.stats import InputStats
+
+
+def _shuffled_two_four_layer(seed: int = 0):
+    """Columns secretly shuffled (inside 64-blocks) out of a 2:4-friendly layout: in every group of
+    four, two strong and two weak columns."""
+    gen = torch.Generator().manual_seed(seed)
+    cols, block = 128, 64
+    strong = torch.zeros(cols)
+    for g in range(cols // 4):
+        strong[g * 4 + torch.randperm(4, generator=gen)[:2]] = 1
+    hidden = torch.randn(64, cols, generator=gen) * torch.where(strong > 0, 1.0, 0.1)
+    secret = torch.cat([torch.randperm(block, generator=gen) + k * block for k in range(cols // block)])
+    weight = torch.empty_like(hidden)
+    weight[:, secret] = hidden
+    return weight, torch.randn(512, cols, generator=gen), secret
+
+
+def test_learning_recovers_a_permutation_far_better_than_wanda():
+    weight, x, secret = _shuffled_two_four_layer()
+    score, target = weight.abs() * x.norm(dim=0), x @ weight.T
+    sizes = block_sizes(128, 64)
+
+    def loss_of(perm: torch.Tensor) -> float:
+        return float(cosine_loss(target, x @ masked_weight(weight, score, perm_to_blocks(perm, sizes), 2, 4).T))
+
+    wanda_loss, oracle_loss = loss_of(torch.arange(128)), loss_of(secret)
+    assert oracle_loss < 0.5 * wanda_loss  # the construction really hides a 2:4-friendly order
+    sp = SoftPermutation(128, 64)
+    res = learn_permutations({"w": sp}, lambda mb, _t: cosine_loss(target, x @ masked_weight(weight, score, mb["w"], 2, 4).T),
+                             PermSchedule(steps=300), lr=3e-2)
+    learned = min(loss_of(res.perms["w"]), loss_of(res.best_perms["w"]))
+    assert learned < 0.75 * wanda_loss, (learned, wanda_loss, oracle_loss)
+    assert all(torch.equal(p.sort().values, torch.arange(128)) for p in (res.perms["w"], res.best_perms["w"]))
+
+
+@pytest.mark.parametrize("method", [wanda, sparsegpt])
+def test_pruning_in_permuted_coordinates_is_nm_in_memory_order(method):
+    torch.manual_seed(0)
+    w, x = torch.randn(16, 32), torch.randn(256, 32)
+    stats = InputStats(32, gram=True, device=torch.device("cpu"))
+    stats.add(x)
+    perm = torch.randperm(32)
+    pruned = prune_in_permuted_coordinates(method, w, stats, Pattern(2, 4), perm)
+    assert satisfies_nm(pruned[:, perm], 2, 4)
+    # equals pruning the explicitly permuted problem
+    xp = x[:, perm]
+    stats_p = InputStats(32, gram=True, device=torch.device("cpu"))
+    stats_p.add(xp)
+    assert torch.allclose(pruned[:, perm], method(w[:, perm], stats_p, Pattern(2, 4)), atol=1e-5)
+
+
+def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logits(tiny_dir, text_file, eval_file, tmp_path):
+    out = tmp_path / "perm"
+    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                      eval_text=str(eval_file), perm="learned", perm_block=16, perm_steps=10)
+    result = prune(cfg, out=out, progress=False)
+    report = json.loads((out / "prune_report.json").read_text())
+    assert report["nm_ok"] and report["perm"]["perm"] == "learned" and report["perm"]["index_maps"] == INDEX_MAPS
+    maps = load_index_maps(out / INDEX_MAPS)
+    assert len(maps) == 21 and all(m.numel() in (64, 128) for m in maps.values())
+    for b in report["perm"]["blocks"]:
+        assert len(b["block"]["loss_curve"]) == 10 and b["block"]["recon_after"] <= b["block"]["recon_before"]
+        for p in b["perms"].values():
+            assert len(p["penalty_curve"]) == 10 and 0 <= p["strength"] <= 1
+    ids = torch.randint(0, 128, (2, 24))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        ref = reloaded(ids).logits
+        for name, perm in maps.items():  # shared inputs share one map; block-diagonal with B=16
+            assert torch.equal(perm.sort().values, torch.arange(perm.numel()))
+            assert ((perm // 16) == (torch.arange(perm.numel()) // 16)).all()
+            assert satisfies_nm(reloaded.get_submodule(name).weight[:, perm], 2, 4)
+        permuted = apply_index_maps(reloaded, maps)
+        assert torch.allclose(permuted(ids).logits, ref, atol=1e-5)
+
+
+def test_perm_options_are_checked(tiny_dir, text_file):
+    for kwargs, needle in (({"perm": "sorted"}, "unknown --perm"), ({"perm": "learned", "pattern": None, "sparsity": 0.5}, "N:M"),
+                           ({"perm": "learned", "perm_block": 6}, "multiple of M"), ({"perm": "learned", "relax": "x"}, "--relax")):
+        cfg = PruneConfig(model=str(tiny_dir), calib=str(text_file), **{"pattern": "2:4", **kwargs})
+        with pytest.raises(UserError, match=needle):
+            prune(cfg, progress=False)
