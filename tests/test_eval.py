@@ -118,6 +118,7 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| tiny_mc acc (n=10) |" in md and "pruned" in md
     assert "tiny-llama" in res.output and "average" in res.output
+    assert data["offline"] and "hub unreachable" in res.output  # the one-line fallback notice
 
 
 def test_eval_errors_are_one_line_and_write_nothing(tiny_dir, tiny_task, tmp_path):
