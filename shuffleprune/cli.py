@@ -52,6 +52,7 @@ def prune(
     perm_share: str = typer.Option("group", "--perm-share", help="group: one permutation per shared input (q/k/v, gate/up); linear: one per linear."),
     perm_batch: int = typer.Option(4, "--perm-batch", help="Calibration windows per permutation step."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the pruned HF checkpoint and prune_report.json here."),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="With --perm: write permutation strength / penalty / loss PNGs here."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last finished block in --out."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
@@ -77,6 +78,37 @@ def prune(
     print_prune_report(result.report)
     if out is not None:
         Console().print(f"wrote {out} (HF checkpoint + prune_report.json)")
+    if plots is not None and result.report.get("perm"):
+        _write_plots(result.report, plots)
+
+
+def _write_plots(report: dict, plots: Path) -> None:
+    from .plots import plot_perm_report
+
+    try:
+        paths = plot_perm_report(report, plots)
+    except UserError as exc:
+        _fail(exc)
+    Console().print("wrote " + ", ".join(str(p) for p in paths))
+
+
+@app.command()
+def report(
+    pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out`."),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="Write permutation PNGs (strength vs depth, penalty and loss curves) here."),
+) -> None:
+    """Show a pruned checkpoint's report again, and draw its permutation pictures."""
+    import json
+
+    from .report import print_prune_report
+
+    path = pruned / "prune_report.json"
+    if not path.is_file():
+        _fail(UserError(f"no prune_report.json in '{pruned}' (give a directory written by `shuffleprune prune --out`)"))
+    rep = json.loads(path.read_text())
+    print_prune_report(rep)
+    if plots is not None:
+        _write_plots(rep, plots)
 
 
 def _split_csv(values: Optional[List[str]]) -> List[str]:

@@ -105,7 +105,9 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
                        target: torch.Tensor | None, captured: CapturedInputs, index: int, pattern: Pattern,
                        opts: PermOptions, device: torch.device,
                        on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
-    """Index maps ``{linear name: perm}`` for one block and per-permutation report entries."""
+    """Index maps ``{linear name: perm}`` for one block, and report entries: ``{"perms": per
+    permutation (its linears, strength, penalty curve…), "summary": block loss curve and recon
+    before/after}``."""
     units = groups if opts.share == "group" else [[n] for g in groups for n in g]
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + index)
     if opts.perm == "random":
@@ -115,7 +117,7 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
             for name in unit:
                 perms[name] = p
             info[unit[0]] = {"linears": unit, "strength": round(strength(p), 4)}
-        return perms, {"perms": info, "block": {}}
+        return perms, {"perms": info, "summary": {}}
 
     assert target is not None
     key = {name: unit[0] for unit in units for name in unit}
@@ -167,4 +169,4 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
                "recon_before": round(losses["identity"], 6), "recon_after": round(losses[chosen], 6),
                "recon_final": round(losses["final"], 6), "recon_best_step": round(losses["best_step"], 6),
                "chosen": chosen}
-    return perms, {"perms": info, "block": summary}
+    return perms, {"perms": info, "summary": summary}

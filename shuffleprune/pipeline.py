@@ -253,7 +253,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
                     entry["perm_strength"] = round(strength(perm), 4)
                 state["layers"].append(entry)
         if perm_info is not None:
-            state["perm_blocks"].append({"block": i, **perm_info})
+            state["perm_blocks"].append({"block": i, "perms": perm_info["perms"], **perm_info["summary"]})
         del stats
         hidden = run_block(block, hidden, captured, i, device, config.batch_size)
         blocks.layers[i] = block.to("cpu")

@@ -77,8 +77,9 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
     assert report["nm_ok"] and report["perm"]["perm"] == "learned" and report["perm"]["index_maps"] == INDEX_MAPS
     maps = load_index_maps(out / INDEX_MAPS)
     assert len(maps) == 21 and all(m.numel() in (64, 128) for m in maps.values())
+    assert [b["block"] for b in report["perm"]["blocks"]] == [0, 1, 2]
     for b in report["perm"]["blocks"]:
-        assert len(b["block"]["loss_curve"]) == 10 and b["block"]["recon_after"] <= b["block"]["recon_before"]
+        assert len(b["loss_curve"]) == 10 and b["recon_after"] <= b["recon_before"]
         for p in b["perms"].values():
             assert len(p["penalty_curve"]) == 10 and 0 <= p["strength"] <= 1
     ids = torch.randint(0, 128, (2, 24))
@@ -91,6 +92,11 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
             assert satisfies_nm(reloaded.get_submodule(name).weight[:, perm], 2, 4)
         permuted = apply_index_maps(reloaded, maps)
         assert torch.allclose(permuted(ids).logits, ref, atol=1e-5)
+    from shuffleprune.plots import plot_perm_report
+
+    pngs = plot_perm_report(report, tmp_path / "plots")
+    assert [p.name for p in pngs] == ["perm_strength.png", "perm_penalty.png", "perm_loss.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
 def test_perm_options_are_checked(tiny_dir, text_file):
