@@ -15,9 +15,8 @@ import argparse
 
 import torch
 
-from shuffleprune.masks import nm_keep_mask
 from shuffleprune.perm_learning import cosine_loss, learn_permutations, masked_weight
-from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks
+from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
 
 
 def synthetic(rows: int = 64, cols: int = 128, block: int = 64, seed: int = 0):
@@ -26,7 +25,7 @@ def synthetic(rows: int = 64, cols: int = 128, block: int = 64, seed: int = 0):
     for g in range(cols // 4):
         strong[g * 4 + torch.randperm(4, generator=gen)[:2]] = 1
     hidden = torch.randn(rows, cols, generator=gen) * torch.where(strong > 0, 1.0, 0.1)
-    secret = torch.cat([torch.randperm(block, generator=gen) + k * block for k in range(cols // block)])
+    secret = random_block_perm(cols, block, gen)
     weight = torch.empty_like(hidden)
     weight[:, secret] = hidden  # weight[:, secret] is 2:4-friendly
     x = torch.randn(512, cols, generator=gen)

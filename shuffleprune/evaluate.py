@@ -30,7 +30,7 @@ from .calib import eval_tokens, get_source
 from .calib.sources import HUB_SOURCES
 from .errors import UserError
 from .hub import hub_reachable
-from .models import LoadedModel, is_embedded, load_model
+from .models import LoadedModel, is_embedded, load_model, upcast_for_cpu
 from .offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from .perplexity import perplexity
 from .runtime import machine, peak_rss_mb, pick_device, versions
@@ -263,8 +263,7 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
         t0 = time.time()
         lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
         model = lm.model
-        if config.dtype == "auto" and device.type == "cpu" and model.dtype in (torch.float16, torch.bfloat16):
-            model.float()  # half-precision matmuls are slow and lossy on CPU
+        upcast_for_cpu(model, config.dtype, device)
         model.to(device)
         model.eval()
         dtype_used = str(model.dtype).replace("torch.", "")

@@ -129,6 +129,13 @@ def resolve_model_path(spec: str | None) -> str:
     return spec  # a hub id
 
 
+def upcast_for_cpu(model: PreTrainedModel, dtype: str, device: torch.device) -> None:
+    """With ``--dtype auto`` on CPU, compute half-precision checkpoints in float32 (half matmuls are
+    slow and lossy there); explicit dtypes are left alone."""
+    if dtype == "auto" and device.type == "cpu" and model.dtype in (torch.float16, torch.bfloat16):
+        model.float()
+
+
 def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot."""
     torch_dtype = parse_dtype(dtype)

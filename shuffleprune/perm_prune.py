@@ -29,7 +29,7 @@ from .blocks import CapturedInputs, first_tensor, tensors_to
 from .errors import UserError
 from .masks import Pattern
 from .perm_learning import cosine_loss, learn_permutations, masked_weight
-from .permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, strength
+from .permutation import PermSchedule, SoftPermutation, perm_to_blocks, random_block_perm, strength
 from .stats import InputStats
 
 
@@ -64,23 +64,12 @@ class PermOptions:
             raise UserError("--perm-steps, --perm-batch and --perm-lr must be positive")
 
 
-def permuted_stats(stats: InputStats | None, perm: torch.Tensor) -> InputStats | None:
-    """The statistics of the permuted input ``x[perm]``."""
-    if stats is None:
-        return None
-    out = InputStats.__new__(InputStats)
-    out.tokens = stats.tokens
-    out.sq_norm = stats.sq_norm[perm.to(stats.sq_norm.device)]
-    out.gram = None if stats.gram is None else stats.gram[perm][:, perm]
-    return out
-
-
 def prune_in_permuted_coordinates(method: Callable, weight: torch.Tensor, stats: InputStats | None,
                                   pattern: Pattern, perm: torch.Tensor) -> torch.Tensor:
     """Prune ``W[:, perm]`` with ``method`` (mask and any weight update in permuted coordinates) and
     return the result in the original column order. ``result[:, perm]`` satisfies the pattern."""
     perm = perm.to(weight.device)
-    pruned_p = method(weight[:, perm], permuted_stats(stats, perm), pattern)
+    pruned_p = method(weight[:, perm], None if stats is None else stats.permuted(perm), pattern)
     out = torch.empty_like(pruned_p)
     out[:, perm] = pruned_p
     return out
@@ -89,15 +78,6 @@ def prune_in_permuted_coordinates(method: Callable, weight: torch.Tensor, stats:
 def _score(weight: torch.Tensor, stats: InputStats | None) -> torch.Tensor:
     """Wanda's score ``|W|·‖X_j‖`` (``|W|`` without statistics) — the score the permutation is learned with."""
     return weight.abs() if stats is None else weight.abs() * stats.col_norm.to(weight.device).unsqueeze(0)
-
-
-def _random_perm(size: int, block: int, gen: torch.Generator) -> torch.Tensor:
-    parts, offset = [], 0
-    for count, width in block_sizes(size, block):
-        for _ in range(count):
-            parts.append(torch.randperm(width, generator=gen) + offset)
-            offset += width
-    return torch.cat(parts)
 
 
 def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Linear],
@@ -113,7 +93,7 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
     if opts.perm == "random":
         perms, info = {}, {}
         for unit in units:
-            p = _random_perm(linears[unit[0]].in_features, opts.block, gen)
+            p = random_block_perm(linears[unit[0]].in_features, opts.block, gen)
             for name in unit:
                 perms[name] = p
             info[unit[0]] = {"linears": unit, "strength": round(strength(p), 4)}

@@ -45,6 +45,16 @@ def block_sizes(size: int, block: int) -> list[tuple[int, int]]:
     return [(full, block)] + ([(1, tail)] if tail else [])
 
 
+def random_block_perm(size: int, block: int, gen: torch.Generator) -> torch.Tensor:
+    """A uniformly random block-diagonal index map (each block shuffled on its own)."""
+    parts, offset = [], 0
+    for count, width in block_sizes(size, block):
+        for _ in range(count):
+            parts.append(torch.randperm(width, generator=gen) + offset)
+            offset += width
+    return torch.cat(parts)
+
+
 def penalty(blocks: BlockList) -> torch.Tensor:
     """``P(M)`` summed over all blocks: row and column ``‖·‖₁ − ‖·‖₂`` (``M`` assumed ≥ 0)."""
     total = blocks[0].new_zeros(())

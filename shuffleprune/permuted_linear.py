@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .errors import UserError
@@ -49,6 +49,11 @@ def apply_index_maps(model: nn.Module, maps: dict[str, torch.Tensor]) -> nn.Modu
             raise UserError(f"index map names '{name}', which is not an nn.Linear of this model")
         setattr(parent, child, PermutedLinear.from_linear(linear, perm))
     return model
+
+
+def save_index_maps(maps: dict[str, torch.Tensor], path: Path | str) -> None:
+    """Write index maps as int32 tensors (``index_maps.safetensors``)."""
+    save_file({k: v.to(torch.int32).contiguous() for k, v in maps.items()}, str(path))
 
 
 def load_index_maps(path: Path | str) -> dict[str, torch.Tensor]:

@@ -28,8 +28,9 @@ from .perm_prune import PermOptions, block_permutations, prune_in_permuted_coord
 from .perplexity import perplexity
 from .masks import Pattern, parse_pattern, satisfies_nm, sparsity_of
 from .permutation import strength
+from .permuted_linear import load_index_maps, save_index_maps
 from .methods import NEEDS_GRAM, NEEDS_STATS, get_method
-from .models import LoadedModel, load_model
+from .models import LoadedModel, load_model, upcast_for_cpu
 from .runtime import peak_rss_mb, pick_device, versions
 from .stats import collect_input_stats, input_groups
 
@@ -160,8 +161,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     lm = loaded or load_model(config.model, config.dtype)
     model, tokenizer = lm.model, lm.tokenizer
     save_dtype = model.dtype
-    if config.dtype == "auto" and device.type == "cpu" and model.dtype in (torch.float16, torch.bfloat16):
-        model.float()  # half precision matmuls are slow and lossy on CPU; the checkpoint keeps its dtype
+    upcast_for_cpu(model, config.dtype, device)  # the checkpoint keeps save_dtype
     blocks = find_blocks(model)
     layer_names: list[dict[str, torch.nn.Linear]] = []
     for i, block in enumerate(blocks.layers):
@@ -214,7 +214,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     if work is not None:
         for j in range(start):
             if (work / f"perms_{j}.safetensors").is_file():
-                all_perms.update({k: v.long() for k, v in load_file(str(work / f"perms_{j}.safetensors")).items()})
+                all_perms.update(load_index_maps(work / f"perms_{j}.safetensors"))
     gram = config.method in NEEDS_GRAM
     bar = tqdm(range(start, len(blocks)), desc=f"{config.method} {pattern}", disable=not progress,
                initial=start, total=len(blocks))
@@ -263,7 +263,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         if work is not None:
             save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(work / f"block_{i}.safetensors"))
             if perms:
-                save_file({k: v.to(torch.int32).contiguous() for k, v in perms.items()}, str(work / f"perms_{i}.safetensors"))
+                save_index_maps(perms, work / f"perms_{i}.safetensors")
             if i + 1 < len(blocks):
                 _atomic_save(hidden.cpu(), work / f"hidden_{i + 1}.pt")
             _atomic_json(state, work / "state.json")
@@ -323,7 +323,7 @@ def _write_checkpoint(out: Path, model, tokenizer, report: dict, perms: dict[str
     tokenizer.save_pretrained(staging)
     (staging / REPORT_NAME).write_text(json.dumps(report, indent=2))
     if perms:
-        save_file({k: v.to(torch.int32).contiguous() for k, v in perms.items()}, str(staging / INDEX_MAPS))
+        save_index_maps(perms, staging / INDEX_MAPS)
     for item in staging.iterdir():
         os.replace(item, out / item.name)
     staging.rmdir()

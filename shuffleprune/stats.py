@@ -28,6 +28,15 @@ class InputStats:
         if self.gram is not None:
             self.gram.addmm_(x.t(), x)
 
+    def permuted(self, perm: torch.Tensor) -> "InputStats":
+        """The statistics of the permuted input ``x[:, perm]`` (norms and Gram re-indexed, no new pass)."""
+        out = InputStats(0, gram=False, device=self.sq_norm.device)
+        perm = perm.to(self.sq_norm.device)
+        out.tokens = self.tokens
+        out.sq_norm = self.sq_norm[perm]
+        out.gram = None if self.gram is None else self.gram[perm][:, perm]
+        return out
+
     @property
     def col_norm(self) -> torch.Tensor:
         """``‖X_j‖₂`` per input column (float32)."""

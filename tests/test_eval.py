@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import WORDS, make_tokenizer, random_text, tiny_model
+from conftest import WORDS, random_text
 from shuffleprune.cli import app
 from shuffleprune.evaluate import EvalConfig, evaluate_models
-from shuffleprune.models import LoadedModel, load_model
+from shuffleprune.models import load_model
 
 runner = CliRunner()
 

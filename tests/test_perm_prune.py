@@ -2,18 +2,17 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from shuffleprune.errors import UserError
-from shuffleprune.masks import Pattern, nm_keep_mask, satisfies_nm
+from shuffleprune.masks import Pattern, satisfies_nm
 from shuffleprune.methods import sparsegpt, wanda
 from shuffleprune.perm_learning import cosine_loss, learn_permutations, masked_weight
 from shuffleprune.perm_prune import prune_in_permuted_coordinates
-from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks
+from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
 from shuffleprune.permuted_linear import apply_index_maps, load_index_maps
 from shuffleprune.pipeline import INDEX_MAPS, PruneConfig, prune
 from shuffleprune.stats import InputStats
@@ -28,7 +27,7 @@ def _shuffled_two_four_layer(seed: int = 0):
     for g in range(cols // 4):
         strong[g * 4 + torch.randperm(4, generator=gen)[:2]] = 1
     hidden = torch.randn(64, cols, generator=gen) * torch.where(strong > 0, 1.0, 0.1)
-    secret = torch.cat([torch.randperm(block, generator=gen) + k * block for k in range(cols // block)])
+    secret = random_block_perm(cols, block, gen)
     weight = torch.empty_like(hidden)
     weight[:, secret] = hidden
     return weight, torch.randn(512, cols, generator=gen), secret
@@ -72,7 +71,7 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
     out = tmp_path / "perm"
     cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
                       eval_text=str(eval_file), perm="learned", perm_block=16, perm_steps=10)
-    result = prune(cfg, out=out, progress=False)
+    prune(cfg, out=out, progress=False)
     report = json.loads((out / "prune_report.json").read_text())
     assert report["nm_ok"] and report["perm"]["perm"] == "learned" and report["perm"]["index_maps"] == INDEX_MAPS
     maps = load_index_maps(out / INDEX_MAPS)

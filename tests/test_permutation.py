@@ -5,17 +5,8 @@ import pytest
 import torch
 
 from shuffleprune.permutation import (SoftPermutation, block_sizes, hungarian, penalty, perm_to_blocks,
-                                      permute_columns, project_doubly_stochastic, sinkhorn, strength,
-                                      unpermute_columns)
-
-
-def random_block_perm(size: int, block: int, gen: torch.Generator) -> torch.Tensor:
-    parts, offset = [], 0
-    for count, width in block_sizes(size, block):
-        for _ in range(count):
-            parts.append(torch.randperm(width, generator=gen) + offset)
-            offset += width
-    return torch.cat(parts)
+                                      permute_columns, project_doubly_stochastic, random_block_perm, sinkhorn,
+                                      strength, unpermute_columns)
 
 
 @pytest.mark.parametrize("size,block", [(64, 16), (70, 16), (5, 8)])
