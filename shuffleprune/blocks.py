@@ -37,6 +37,8 @@ class Blocks:
 def find_blocks(model: nn.Module) -> Blocks:
     """Find the decoder blocks: the ``ModuleList`` of same-type modules with the most parameters
     among those whose members contain linear layers."""
+    from .sparse_linear import SparseLinear
+
     best: tuple[int, str, nn.ModuleList] | None = None
     conv1d_seen = False
     for name, module in model.named_modules():
@@ -47,9 +49,9 @@ def find_blocks(model: nn.Module) -> Blocks:
         inner = list(module[0].modules())
         if Conv1D and any(isinstance(m, Conv1D) for m in inner):
             conv1d_seen = True
-        if not any(isinstance(m, nn.Linear) for m in inner):
+        if not any(isinstance(m, (nn.Linear, SparseLinear)) for m in inner):
             continue
-        size = sum(p.numel() for p in module.parameters())
+        size = sum(p.numel() for p in module.parameters()) + sum(b.numel() for b in module.buffers())
         if best is None or size > best[0]:
             best = (size, name, module)
     if best is None:
@@ -62,10 +64,13 @@ def find_blocks(model: nn.Module) -> Blocks:
 
 def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
                   skip: list[str] | None = None) -> dict[str, nn.Linear]:
-    """``{full_name: module}`` of a block's ``nn.Linear`` layers, filtered by fnmatch globs on the full name."""
+    """``{full_name: module}`` of a block's ``nn.Linear`` layers (and exported ``SparseLinear`` ones),
+    filtered by fnmatch globs on the full name."""
+    from .sparse_linear import SparseLinear
+
     found = {}
     for sub, module in block.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, SparseLinear)):
             continue
         full = f"{prefix}.{sub}"
         if only and not any(fnmatch(full, g) for g in only):

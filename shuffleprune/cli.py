@@ -43,7 +43,10 @@ def prune(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where each block is computed (one block at a time)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (checkpoint dtype; float32 for computing on CPU), float32, bfloat16, float16."),
     batch_size: int = typer.Option(8, "--batch-size", help="Calibration windows per block forward."),
-    perm: str = typer.Option("none", "--perm", help="Input-channel permutation: none, random (control) or learned (ShuffleSparse)."),
+    perm: str = typer.Option("none", "--perm", help="Input-channel permutation: none, random (control), search (score-retention swap search, no training) or learned (ShuffleSparse)."),
+    recon: str = typer.Option("block", "--recon", help="With --perm learned: block (each decoder block against its dense output, sequential) or model (all permutations jointly against the final hidden state; whole model on the device)."),
+    perm_from: Optional[Path] = typer.Option(None, "--perm-from", help="Reuse the index maps of an earlier --perm run (its output dir): e.g. learn with --base wanda, then --base sparsegpt --perm-from DIR."),
+    perm_init: str = typer.Option("identity", "--perm-init", help="Start of the learned permutation: identity (the paper) or search (the swap search's result)."),
     relax: str = typer.Option("l1l2", "--relax", help="Permutation relaxation: l1l2 (ShuffleSparse penalty + projection) or sinkhorn (PermLLM)."),
     perm_block: int = typer.Option(64, "--perm-block", help="Permutation block size B (block-diagonal B×B blocks; a smaller last block)."),
     perm_steps: int = typer.Option(100, "--perm-steps", help="Optimisation steps per decoder block."),
@@ -53,6 +56,7 @@ def prune(
     perm_batch: int = typer.Option(4, "--perm-batch", help="Calibration windows per permutation step."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the pruned HF checkpoint and prune_report.json here."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="With --perm: write permutation strength / penalty / loss PNGs here."),
+    export: Optional[Path] = typer.Option(None, "--export", help="Also write the deployable compressed N:M checkpoint here (needs --out)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last finished block in --out."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
@@ -65,9 +69,12 @@ def prune(
                          sparsity=sparsity, calib=calib, nsamples=nsamples, seqlen=seqlen, seed=seed,
                          only=only or None, skip=skip or None, dtype=dtype,
                          eval_text=None if eval_text == "none" else eval_text, eval_ctx=eval_ctx,
-                         eval_tokens=eval_tokens, device=device, batch_size=batch_size, perm=perm, relax=relax,
+                         eval_tokens=eval_tokens, device=device, batch_size=batch_size, perm=perm, perm_init=perm_init, recon=recon,
+                         perm_from=str(perm_from) if perm_from else None, relax=relax,
                          perm_block=perm_block, perm_steps=perm_steps, perm_lr=perm_lr, perm_lambda=perm_lambda,
                          perm_share=perm_share, perm_batch=perm_batch)
+    if export is not None and (out is None or sparsity is not None):
+        _fail(UserError("--export needs --out DIR and an N:M --pattern"))
     try:
         result = run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=not quiet)
     except UserError as exc:
@@ -80,6 +87,34 @@ def prune(
         Console().print(f"wrote {out} (HF checkpoint + prune_report.json)")
     if plots is not None and result.report.get("perm"):
         _write_plots(result.report, plots)
+    if export is not None:
+        _export(out, export, overwrite)
+
+
+def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = None, fold: bool = True) -> None:
+    from .export import export_checkpoint
+
+    try:
+        fmt = export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite)
+    except UserError as exc:
+        _fail(exc)
+    dense = sum(f.stat().st_size for f in pruned.glob("*.safetensors") if f.name != "index_maps.safetensors")
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    Console().print(f"wrote {out}: {len(fmt['layers'])} {fmt['pattern']} layers, "
+                    f"{len(fmt['runtime_gathers'])} with a runtime gather, {len(fmt['folded'])} permutations folded; "
+                    f"{size / 2**20:.1f} MiB (pruned checkpoint {dense / 2**20:.1f} MiB)")
+
+
+@app.command()
+def export(
+    pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out`."),
+    out: Path = typer.Argument(..., help="Where to write the compressed checkpoint."),
+    pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern (default: the one in prune_report.json)."),
+    fold: bool = typer.Option(True, "--fold/--no-fold", help="Fold input permutations into producer rows where the logits stay the same."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT."),
+) -> None:
+    """Write a deployable N:M checkpoint: compressed values + 2-bit positions + index maps (load with shuffleprune.load)."""
+    _export(pruned, out, overwrite, pattern, fold)
 
 
 def _write_plots(report: dict, plots: Path) -> None:

@@ -30,7 +30,7 @@ from .calib import eval_tokens, get_source
 from .calib.sources import HUB_SOURCES
 from .errors import UserError
 from .hub import hub_reachable
-from .models import LoadedModel, is_embedded, load_model, upcast_for_cpu
+from .models import INDEX_MAPS, LoadedModel, is_embedded, load_model, upcast_for_cpu
 from .offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from .perplexity import perplexity
 from .runtime import machine, peak_rss_mb, pick_device, versions
@@ -216,8 +216,9 @@ def _score_lm_eval(lm: LoadedModel, plan: _TaskPlan, config: EvalConfig, progres
 
 def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, device: str) -> str | None:
     """The ``lm_eval`` command that scores the same model on the same tasks (None when lm-eval's
-    CLI cannot express it: it takes a single ``--include_path``)."""
-    if len(plan.include_path) > 1:
+    CLI cannot express it: it takes a single ``--include_path``, and its ``hf`` loader does not
+    apply a ``--perm`` checkpoint's index maps)."""
+    if len(plan.include_path) > 1 or (Path(path) / INDEX_MAPS).is_file():
         return None
     parts = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={path},dtype={dtype}",
              "--tasks", ",".join(plan.lm_tasks), "--batch_size", str(config.batch_size), "--device", device]

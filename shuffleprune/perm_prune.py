@@ -3,6 +3,7 @@
 ``block_permutations`` returns one index map per linear of a block:
 
 - ``random``: a fixed random block-diagonal permutation (the paper's control);
+- ``search``: the data-free swap search of :mod:`perm_search` on Wanda's score (no training);
 - ``learned``: soft permutations (one per group of linears that read the same input, or one per
   linear) trained against ``1 − cos(dense block output, sparse block output)`` on the calibration
   windows (``perm_learning``), weights frozen, then hardened by Hungarian matching.
@@ -29,6 +30,7 @@ from .blocks import CapturedInputs, first_tensor, tensors_to
 from .errors import UserError
 from .masks import Pattern
 from .perm_learning import cosine_loss, learn_permutations, masked_weight
+from .perm_search import swap_search
 from .permutation import PermSchedule, SoftPermutation, perm_to_blocks, random_block_perm, strength
 from .stats import InputStats
 
@@ -37,10 +39,12 @@ from .stats import InputStats
 class PermOptions:
     """``--perm`` and its knobs (the paper's defaults)."""
 
-    perm: str = "none"          # none | random | learned
+    perm: str = "none"          # none | random | search | learned
+    init: str = "identity"      # learned: start from the identity (paper) or from the swap search
     relax: str = "l1l2"         # l1l2 (ShuffleSparse) | sinkhorn (PermLLM)
     block: int = 64             # permutation block size B
-    steps: int = 100            # optimisation steps per decoder block
+    steps: int = 100            # optimisation steps per decoder block (block recon) or in all (model recon)
+    recon: str = "block"        # block: each block against its dense output; model: all jointly, final hidden state
     lr: float = 3e-2
     lambda_max: float = 1e-4
     share: str = "group"        # group: q/k/v and gate/up share one permutation; linear: one each
@@ -48,8 +52,12 @@ class PermOptions:
     seed: int = 0
 
     def check(self, pattern: Pattern) -> None:
-        if self.perm not in ("none", "random", "learned"):
-            raise UserError(f"unknown --perm '{self.perm}'; use none, random or learned")
+        if self.perm not in ("none", "random", "search", "learned"):
+            raise UserError(f"unknown --perm '{self.perm}'; use none, random, search or learned")
+        if self.recon not in ("block", "model"):
+            raise UserError(f"unknown --recon '{self.recon}'; use block or model")
+        if self.init not in ("identity", "search"):
+            raise UserError(f"unknown --perm-init '{self.init}'; use identity or search")
         if self.perm == "none":
             return
         if not pattern.is_nm:
@@ -80,67 +88,59 @@ def _score(weight: torch.Tensor, stats: InputStats | None) -> torch.Tensor:
     return weight.abs() if stats is None else weight.abs() * stats.col_norm.to(weight.device).unsqueeze(0)
 
 
-def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Linear],
-                       stats: dict[str, InputStats | None], groups: list[list[str]], hidden: torch.Tensor,
-                       target: torch.Tensor | None, captured: CapturedInputs, index: int, pattern: Pattern,
-                       opts: PermOptions, device: torch.device,
-                       on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
-    """Index maps ``{linear name: perm}`` for one block, and report entries: ``{"perms": per
-    permutation (its linears, strength, penalty curve…), "summary": block loss curve and recon
-    before/after}``."""
-    units = groups if opts.share == "group" else [[n] for g in groups for n in g]
-    gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + index)
-    if opts.perm == "random":
-        perms, info = {}, {}
-        for unit in units:
-            p = random_block_perm(linears[unit[0]].in_features, opts.block, gen)
-            for name in unit:
-                perms[name] = p
-            info[unit[0]] = {"linears": unit, "strength": round(strength(p), 4)}
-        return perms, {"perms": info, "summary": {}}
+def _units(groups: list[list[str]], share: str) -> list[list[str]]:
+    """Linears that share one permutation: an input group (``group``) or each linear alone (``linear``)."""
+    return groups if share == "group" else [[n] for g in groups for n in g]
 
-    assert target is not None
-    key = {name: unit[0] for unit in units for name in unit}
-    soft = {unit[0]: SoftPermutation(linears[unit[0]].in_features, opts.block, opts.relax).to(device) for unit in units}
+
+def _searched(units: list[list[str]], scores: dict[str, torch.Tensor], pattern: Pattern, opts: PermOptions) -> dict:
+    """Swap-search permutation per unit (rows of its linears stacked), when ``--perm search`` or ``--perm-init search``."""
+    if opts.perm != "search" and opts.init != "search":
+        return {}
+    return {u[0]: swap_search(torch.cat([scores[n] for n in u], dim=0).cpu(), pattern.n, pattern.m, opts.block)
+            for u in units}
+
+
+def _fixed_perms(units: list[list[str]], perms_of_unit: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    perms = {name: perms_of_unit[u[0]] for u in units for name in u}
+    info = {u[0]: {"linears": u, "strength": round(strength(perms_of_unit[u[0]]), 4)} for u in units}
+    return perms, {"perms": info, "summary": {}}
+
+
+def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], scores: dict[str, torch.Tensor],
+                      searched: dict[str, torch.Tensor], recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+                      n_windows: int, pattern: Pattern, opts: PermOptions, device: torch.device, gen: torch.Generator,
+                      on_step: Callable[[int, float, float], None] | None) -> tuple[dict, dict]:
+    """The shared learning loop: soft permutations per unit trained on ``recon(effective weights by
+    linear name, window rows)`` (a ``1 − cos`` loss), hardened, and the best of {final, best step,
+    search, identity} on fixed windows kept."""
+    key = {name: u[0] for u in units for name in u}
+    soft = {u[0]: SoftPermutation(linears[u[0]].in_features, opts.block, opts.relax,
+                                  init_perm=searched.get(u[0])).to(device) for u in units}
     weights = {name: lin.weight.detach().float() for name, lin in linears.items()}
-    scores = {name: _score(weights[name], stats[name]) for name in linears}
-    param_of = {name: name[len(prefix) + 1:] + ".weight" for name in linears}
-    args = tensors_to(captured.args[index], device)
-    kwargs = tensors_to(captured.kwargs[index], device)
-    n_windows = hidden.shape[0]
     fixed = torch.arange(min(n_windows, max(opts.batch, 4)))  # windows for the final choice
 
-    def block_loss(perm_blocks: dict[str, list[torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
-        params = {param_of[n]: masked_weight(weights[n], scores[n], perm_blocks[key[n]], pattern.n, pattern.m)
-                  .to(linears[n].weight.dtype) for n in linears}
-        x = hidden[rows].to(device)
-        out = first_tensor(functional_call(block, params, (x, *args), kwargs))
-        return cosine_loss(target[rows].to(device), out)
+    def loss_of(perm_blocks: dict[str, list[torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
+        eff = {n: masked_weight(weights[n], scores[n], perm_blocks[key[n]], pattern.n, pattern.m)
+               .to(linears[n].weight.dtype) for n in linears}
+        return recon(eff, rows)
 
     def loss_fn(m_bars: dict[str, list[torch.Tensor]], step: int) -> torch.Tensor:
-        rows = torch.randperm(n_windows, generator=gen)[:opts.batch]
-        return block_loss(m_bars, rows)
+        return loss_of(m_bars, torch.randperm(n_windows, generator=gen)[:opts.batch])
 
-    requires = [p.requires_grad for p in block.parameters()]
-    for p in block.parameters():
-        p.requires_grad_(False)
-    try:
-        schedule = PermSchedule(steps=opts.steps, lambda_max=opts.lambda_max)
-        result = learn_permutations(soft, loss_fn, schedule, lr=opts.lr, on_step=on_step)
-        with torch.no_grad():
-            def hard_loss(perms: dict[str, torch.Tensor]) -> float:
-                blocks_ = {k: [b.to(device) for b in perm_to_blocks(p, soft[k].sizes)] for k, p in perms.items()}
-                return float(block_loss(blocks_, fixed))
-            candidates = {"identity": {k: torch.arange(sp.size) for k, sp in soft.items()},
-                          "best_step": result.best_perms, "final": result.perms}
-            losses = {name: hard_loss(c) for name, c in candidates.items()}
-    finally:
-        for p, r in zip(block.parameters(), requires):
-            p.requires_grad_(r)
-    chosen = min(("final", "best_step", "identity"), key=lambda c: losses[c])  # ties keep the paper's choice
+    schedule = PermSchedule(steps=opts.steps, lambda_max=opts.lambda_max)
+    result = learn_permutations(soft, loss_fn, schedule, lr=opts.lr, on_step=on_step)
+    candidates = {"identity": {k: torch.arange(sp.size) for k, sp in soft.items()},
+                  "best_step": result.best_perms, "final": result.perms}
+    if searched:
+        candidates["search"] = searched
+    with torch.no_grad():
+        losses = {name: float(loss_of({k: [b.to(device) for b in perm_to_blocks(p, soft[k].sizes)]
+                                       for k, p in c.items()}, fixed)) for name, c in candidates.items()}
+    chosen = min(("final", "best_step", *(("search",) if searched else ()), "identity"), key=lambda c: losses[c])
     perms = {name: candidates[chosen][key[name]] for name in linears}
     info = {}
-    for k, sp in soft.items():
+    for k in soft:
         p = candidates[chosen][k]
         info[k] = {"linears": [n for n in linears if key[n] == k], "strength": round(strength(p), 4),
                    "penalty_curve": [round(v, 4) for v in result.penalty_per_perm[k]],
@@ -148,5 +148,86 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
     summary = {"loss_curve": [round(v, 6) for v in result.loss], "best_step": result.best_step,
                "recon_before": round(losses["identity"], 6), "recon_after": round(losses[chosen], 6),
                "recon_final": round(losses["final"], 6), "recon_best_step": round(losses["best_step"], 6),
-               "chosen": chosen}
+               "chosen": chosen, **({"recon_search": round(losses["search"], 6)} if searched else {})}
     return perms, {"perms": info, "summary": summary}
+
+
+class _FrozenParams:
+    """Context: ``requires_grad=False`` on a module's parameters (restored after)."""
+
+    def __init__(self, module: nn.Module):
+        self.params = list(module.parameters())
+
+    def __enter__(self) -> None:
+        self.saved = [p.requires_grad for p in self.params]
+        for p in self.params:
+            p.requires_grad_(False)
+
+    def __exit__(self, *exc) -> None:
+        for p, r in zip(self.params, self.saved):
+            p.requires_grad_(r)
+
+
+def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Linear],
+                       stats: dict[str, InputStats | None], groups: list[list[str]], hidden: torch.Tensor,
+                       target: torch.Tensor | None, captured: CapturedInputs, index: int, pattern: Pattern,
+                       opts: PermOptions, device: torch.device,
+                       on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
+    """Index maps ``{linear name: perm}`` for one block (``--recon block``), and report entries:
+    ``{"perms": per permutation (its linears, strength, penalty curve…), "summary": block loss
+    curve and recon before/after}``."""
+    units = _units(groups, opts.share)
+    gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + index)
+    if opts.perm == "random":
+        return _fixed_perms(units, {u[0]: random_block_perm(linears[u[0]].in_features, opts.block, gen) for u in units})
+    scores = {name: _score(lin.weight.detach().float(), stats[name]) for name, lin in linears.items()}
+    searched = _searched(units, scores, pattern, opts)
+    if opts.perm == "search":
+        return _fixed_perms(units, searched)
+
+    assert target is not None
+    param_of = {name: name[len(prefix) + 1:] + ".weight" for name in linears}
+    args = tensors_to(captured.args[index], device)
+    kwargs = tensors_to(captured.kwargs[index], device)
+
+    def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        params = {param_of[n]: w for n, w in eff.items()}
+        out = first_tensor(functional_call(block, params, (hidden[rows].to(device), *args), kwargs))
+        return cosine_loss(target[rows].to(device), out)
+
+    with _FrozenParams(block):
+        return _learn_and_choose(units, linears, scores, searched, recon, hidden.shape[0], pattern, opts,
+                                 device, gen, on_step)
+
+
+def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: dict[str, InputStats],
+                       groups: list[list[str]], tokens: torch.Tensor, pattern: Pattern, opts: PermOptions,
+                       device: torch.device, batch_size: int = 8,
+                       on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
+    """``--recon model`` (PermLLM's setting): all permutations trained jointly against
+    ``1 − cos`` of the dense model's final hidden state (the decoder's output, before the LM head)
+    on the calibration windows ``tokens`` ``[n, L]``; every layer sparsified at once from the dense
+    embeddings. ``stats`` are the dense model's input statistics. Needs the whole model on ``device``."""
+    units = _units(groups, opts.share)
+    gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + 999_983)
+    scores = {name: _score(lin.weight.detach().float(), stats[name]) for name, lin in linears.items()}
+    searched = _searched(units, scores, pattern, opts)
+    decoder = model.base_model
+    names = {id(m): n for n, m in decoder.named_modules()}
+    param_of = {name: names[id(lin)] + ".weight" for name, lin in linears.items()}
+    model.to(device)
+    with torch.no_grad():
+        target = torch.cat([decoder(input_ids=tokens[s:s + batch_size].to(device)).last_hidden_state.cpu()
+                            for s in range(0, tokens.shape[0], batch_size)])
+
+    def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        params = {param_of[n]: w for n, w in eff.items()}
+        out = functional_call(decoder, params, (), {"input_ids": tokens[rows].to(device)}).last_hidden_state
+        return cosine_loss(target[rows].to(device), out)
+
+    try:
+        with _FrozenParams(model):
+            return _learn_and_choose(units, linears, scores, searched, recon, tokens.shape[0], pattern, opts,
+                                     device, gen, on_step)
+    finally:
+        model.to("cpu")

@@ -182,18 +182,21 @@ class SoftPermutation(nn.Module):
     ``relax="l1l2"``: parameters are the doubly-stochastic blocks themselves, initialised at
     ``α·I + (1−α)/B·11ᵀ`` (doubly stochastic, decodes to the identity, so learning starts from the
     unpermuted baseline). ``relax="sinkhorn"``: parameters are logits initialised at ``α·I`` scaled so
-    that the τ=1 Sinkhorn matrix also decodes to the identity.
+    that the τ=1 Sinkhorn matrix also decodes to the identity. ``init_perm`` (a block-diagonal index
+    map) replaces ``I`` by that permutation's matrix: learning then starts from it.
     """
 
-    def __init__(self, size: int, block: int = 64, relax: str = "l1l2", init_identity: float = 0.1):
+    def __init__(self, size: int, block: int = 64, relax: str = "l1l2", init_identity: float = 0.1,
+                 init_perm: torch.Tensor | None = None):
         super().__init__()
         if relax not in ("l1l2", "sinkhorn"):
             raise ValueError(f"unknown relaxation '{relax}'; use l1l2 or sinkhorn")
         self.size, self.relax = size, relax
         self.sizes = block_sizes(size, block)
         params = []
-        for count, width in self.sizes:
-            eye = torch.eye(width).expand(count, width, width)
+        starts = perm_to_blocks(init_perm, self.sizes) if init_perm is not None else \
+            [torch.eye(width).expand(count, width, width) for count, width in self.sizes]
+        for (count, width), eye in zip(self.sizes, starts):
             if relax == "l1l2":
                 params.append(init_identity * eye + (1 - init_identity) / width)
             else:

@@ -24,19 +24,19 @@ from . import __version__
 from .blocks import CapturedInputs, block_linears, capture_block_inputs, find_blocks, first_tensor, tensors_to
 from .calib import calibration_windows, default_eval_source, eval_tokens, get_source
 from .errors import UserError
-from .perm_prune import PermOptions, block_permutations, prune_in_permuted_coordinates
+from .perm_prune import PermOptions, block_permutations, model_permutations, prune_in_permuted_coordinates
 from .perplexity import perplexity
+from .sparse_linear import SparseLinear
 from .masks import Pattern, parse_pattern, satisfies_nm, sparsity_of
 from .permutation import strength
-from .permuted_linear import load_index_maps, save_index_maps
+from .permuted_linear import PermutedLinear, load_index_maps, permuted_state_dict, save_index_maps
 from .methods import NEEDS_GRAM, NEEDS_STATS, get_method
-from .models import LoadedModel, load_model, upcast_for_cpu
+from .models import INDEX_MAPS, LoadedModel, load_model, upcast_for_cpu  # INDEX_MAPS: int32 perm per permuted linear
 from .runtime import peak_rss_mb, pick_device, versions
 from .stats import collect_input_stats, input_groups
 
 RESUME_DIR = ".resume"
 REPORT_NAME = "prune_report.json"
-INDEX_MAPS = "index_maps.safetensors"  # per permuted linear: int32 perm, W[:, perm] is N:M in memory order
 
 
 @dataclass
@@ -59,7 +59,9 @@ class PruneConfig:
     eval_tokens: int | None = None   # cap on held-out tokens
     device: str = "auto"
     batch_size: int = 8              # calibration windows per block forward
-    perm: str = "none"               # none | random | learned (ShuffleSparse)
+    perm: str = "none"               # none | random | search | learned (ShuffleSparse)
+    perm_init: str = "identity"      # learned: identity (paper) | search
+    recon: str = "block"             # learned: block (sequential) | model (joint, final hidden state)
     relax: str = "l1l2"              # l1l2 (ShuffleSparse) | sinkhorn (PermLLM)
     perm_block: int = 64
     perm_steps: int = 100
@@ -67,9 +69,10 @@ class PruneConfig:
     perm_lambda: float = 1e-4
     perm_share: str = "group"
     perm_batch: int = 4
+    perm_from: str | None = None     # reuse the index maps of an earlier --perm run (dir or .safetensors)
 
     def perm_options(self) -> PermOptions:
-        return PermOptions(perm=self.perm, relax=self.relax, block=self.perm_block, steps=self.perm_steps,
+        return PermOptions(perm=self.perm, init=self.perm_init, recon=self.recon, relax=self.relax, block=self.perm_block, steps=self.perm_steps,
                            lr=self.perm_lr, lambda_max=self.perm_lambda, share=self.perm_share,
                            batch=self.perm_batch, seed=self.seed)
 
@@ -153,6 +156,8 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     eval_source = get_source(eval_name) if eval_name else None
     perm_opts = config.perm_options()
     perm_opts.check(pattern)
+    if config.perm_from and (perm_opts.perm != "none" or not pattern.is_nm):
+        raise UserError("--perm-from replaces --perm (leave --perm at none) and needs an N:M --pattern")
     device = pick_device(config.device)
     state = _prepare_out(out, resume, overwrite)
     if state is not None and state["config_key"] != config.key():
@@ -162,6 +167,9 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     model, tokenizer = lm.model, lm.tokenizer
     save_dtype = model.dtype
     upcast_for_cpu(model, config.dtype, device)  # the checkpoint keeps save_dtype
+    if any(isinstance(m, (PermutedLinear, SparseLinear)) for m in model.modules()):
+        raise UserError("this model is a --perm or exported checkpoint (index maps / compressed layers); "
+                        "prune its dense original instead")
     blocks = find_blocks(model)
     layer_names: list[dict[str, torch.nn.Linear]] = []
     for i, block in enumerate(blocks.layers):
@@ -210,6 +218,17 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     captured.hidden = None
     state["calib_seconds"] += time.time() - t0
 
+    model_perms, model_perm_info = None, None
+    if config.perm_from:
+        model_perms = _perms_from(config.perm_from, layer_names, pattern)
+        model_perm_info = {"perms": {n: {"linears": [n], "strength": round(strength(p), 4)} for n, p in model_perms.items()}}
+    elif perm_opts.perm == "learned" and perm_opts.recon == "model":
+        t0 = time.time()
+        model_perms, model_perm_info = _model_level_perms(model, layer_names, tokens, pattern, perm_opts, device,
+                                                          config.batch_size, work, progress)
+        state["prune_seconds"] += time.time() - t0 if start == 0 else 0.0
+        if start == 0:
+            state["perm_model"] = model_perm_info["summary"]
     all_perms: dict[str, torch.Tensor] = {}
     if work is not None:
         for j in range(start):
@@ -229,7 +248,10 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         else:  # magnitude needs no calibration statistics: skip that pass
             stats, groups = {name: None for name in linears}, [[name] for name in linears]
         perms, perm_info = {}, None
-        if perm_opts.perm != "none":
+        if model_perms is not None:
+            perms = {n: model_perms[n] for n in linears if n in model_perms}
+            perm_info = {"perms": {k: v for k, v in model_perm_info["perms"].items() if k in linears}, "summary": {}}
+        elif perm_opts.perm != "none":
             target = run_block(block, hidden, captured, i, device, config.batch_size) if perm_opts.perm == "learned" else None
             bar_steps = _step_reporter(bar, i) if progress else None
             perms, perm_info = block_permutations(block, f"{blocks.name}.{i}", linears, stats, groups, hidden, target,
@@ -291,8 +313,9 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         "sparsity": _overall_sparsity(state["layers"]),
         "nm_ok": all(l["nm_ok"] for l in state["layers"]) if pattern.is_nm else None,
         "layers": state["layers"],
-        "perm": None if perm_opts.perm == "none" else {**asdict(perm_opts), "blocks": state["perm_blocks"],
-                                                       "index_maps": INDEX_MAPS if all_perms else None},
+        "perm": None if perm_opts.perm == "none" and not config.perm_from else {
+            **asdict(perm_opts), "from": config.perm_from, "blocks": state["perm_blocks"],
+            "model": state.get("perm_model"), "index_maps": INDEX_MAPS if all_perms else None},
         "seconds": {"calibration": round(state["calib_seconds"], 2), "prune": round(state["prune_seconds"], 2),
                     "eval": round(state["eval_seconds"], 2), "this_process": round(time.time() - t_start, 2)},
         "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -307,6 +330,46 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     return PruneResult(report=report, model=model, tokenizer=tokenizer)
 
 
+def _perms_from(source: str, layer_names: list[dict], pattern: Pattern) -> dict[str, torch.Tensor]:
+    """Index maps of an earlier ``--perm`` run, checked against this model's selected linears."""
+    path = Path(source)
+    maps = load_index_maps(path / INDEX_MAPS if path.is_dir() else path)
+    linears = {n: lin for block in layer_names for n, lin in block.items()}
+    for name, perm in maps.items():
+        if name not in linears:
+            raise UserError(f"--perm-from: '{name}' is not a selected linear of this model")
+        if perm.numel() != linears[name].in_features or perm.numel() % pattern.m:
+            raise UserError(f"--perm-from: index map '{name}' does not fit its layer ({linears[name].in_features} inputs)")
+    return maps
+
+
+def _model_level_perms(model, layer_names: list[dict], tokens: torch.Tensor, pattern: Pattern, opts: PermOptions,
+                       device: torch.device, batch_size: int, work: Path | None, progress: bool) -> tuple[dict, dict]:
+    """``--recon model``: learn every permutation jointly before the block loop (or reload them on resume)."""
+    saved = work / "model_perms.safetensors" if work is not None else None
+    if saved is not None and saved.is_file():
+        info = json.loads((work / "model_perms.json").read_text())
+        return load_index_maps(saved), info
+    linears = {n: lin for block in layer_names for n, lin in block.items()}
+    model.to(device)
+    with collect_input_stats(linears, gram=False) as stats, torch.no_grad():
+        for s in range(0, tokens.shape[0], batch_size):
+            model.base_model(input_ids=tokens[s:s + batch_size].to(device))
+    bar = tqdm(total=opts.steps, desc="perm (model recon)", disable=not progress)
+
+    def on_step(step: int, loss: float, pen: float) -> None:
+        bar.update(1)
+        bar.set_postfix_str(f"loss {loss:.4g} P(M) {pen:.3g}")
+
+    perms, info = model_permutations(model, linears, stats, input_groups(stats), tokens, pattern, opts, device,
+                                     batch_size, on_step)
+    bar.close()
+    if saved is not None:
+        save_index_maps(perms, saved)
+        _atomic_json(info, work / "model_perms.json")
+    return perms, info
+
+
 def _overall_sparsity(layers: list[dict]) -> float:
     total = sum(l["shape"][0] * l["shape"][1] for l in layers)
     zeros = sum(l["sparsity"] * l["shape"][0] * l["shape"][1] for l in layers)
@@ -319,7 +382,8 @@ def _write_checkpoint(out: Path, model, tokenizer, report: dict, perms: dict[str
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
-    model.save_pretrained(staging)
+    # weights of permuted linears go in permuted column order: exactly N:M as stored
+    model.save_pretrained(staging, state_dict=permuted_state_dict(model, perms) if perms else None)
     tokenizer.save_pretrained(staging)
     (staging / REPORT_NAME).write_text(json.dumps(report, indent=2))
     if perms:

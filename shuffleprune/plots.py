@@ -3,7 +3,8 @@
 - ``perm_strength.png``: permutation strength ``1 − ‖P − I‖_F/√(2N)`` vs relative depth, one line
   per projection type (paper Sec. 5.3);
 - ``perm_penalty.png``: ``P(M)`` per optimisation step for every learned permutation, coloured by depth;
-- ``perm_loss.png``: the block reconstruction loss ``1 − cos`` per step, coloured by depth.
+- ``perm_loss.png``: the block reconstruction loss ``1 − cos`` per step, coloured by depth (with
+  ``--recon model``: the one joint loss curve).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def plot_perm_report(report: dict, out_dir: Path) -> list[Path]:
     ax.legend(fontsize=7)
     written.append(_save(fig, out_dir / "perm_strength.png"))
 
-    learned = [b for b in blocks if b.get("loss_curve")]
+    learned = [b for b in blocks if any(info.get("penalty_curve") for info in b["perms"].values())]
     if learned:
         cmap = plt.get_cmap("viridis")
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -63,11 +64,16 @@ def plot_perm_report(report: dict, out_dir: Path) -> list[Path]:
         ax.set_title("l1−l2 penalty per permutation (colour: depth)")
         written.append(_save(fig, out_dir / "perm_penalty.png"))
         fig, ax = plt.subplots(figsize=(6, 4))
-        for b in learned:
-            ax.plot(b["loss_curve"], color=cmap(b["block"] / depth_max), lw=0.8)
+        if (perm.get("model") or {}).get("loss_curve"):  # --recon model: one joint curve
+            ax.plot(perm["model"]["loss_curve"], lw=1.0)
+            ax.set_ylabel("1 − cos(dense, sparse) final hidden state")
+            ax.set_title("joint reconstruction loss (--recon model)")
+        else:
+            for b in learned:
+                ax.plot(b["loss_curve"], color=cmap(b["block"] / depth_max), lw=0.8)
+            ax.set_ylabel("1 − cos(dense, sparse) block output")
+            ax.set_title("reconstruction loss per block (colour: depth)")
         ax.set_xlabel("step")
-        ax.set_ylabel("1 − cos(dense, sparse) block output")
-        ax.set_title("reconstruction loss per block (colour: depth)")
         written.append(_save(fig, out_dir / "perm_loss.png"))
     return written
 

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight decoder LMs (built from configs, no downloads) and a tokenizer."""
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -8,6 +9,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+if not torch.cuda.is_available():  # Triton kernels run on the CPU through the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which "
          "but have an they you were her she there been one all we their has would when if so no will "

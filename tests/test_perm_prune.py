@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shuffleprune.errors import UserError
@@ -13,7 +14,8 @@ from shuffleprune.methods import sparsegpt, wanda
 from shuffleprune.perm_learning import cosine_loss, learn_permutations, masked_weight
 from shuffleprune.perm_prune import prune_in_permuted_coordinates
 from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
-from shuffleprune.permuted_linear import apply_index_maps, load_index_maps
+from shuffleprune.models import load_model
+from shuffleprune.permuted_linear import PermutedLinear, apply_index_maps, load_index_maps
 from shuffleprune.pipeline import INDEX_MAPS, PruneConfig, prune
 from shuffleprune.stats import InputStats
 
@@ -82,15 +84,22 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
         for p in b["perms"].values():
             assert len(p["penalty_curve"]) == 10 and 0 <= p["strength"] <= 1
     ids = torch.randint(0, 128, (2, 24))
-    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    result_model = prune(cfg, progress=False).model  # same run in memory (original column order)
     with torch.no_grad():
-        ref = reloaded(ids).logits
+        ref = result_model(ids).logits
+        stored = load_file(str(out / "model.safetensors"))
         for name, perm in maps.items():  # shared inputs share one map; block-diagonal with B=16
             assert torch.equal(perm.sort().values, torch.arange(perm.numel()))
             assert ((perm // 16) == (torch.arange(perm.numel()) // 16)).all()
-            assert satisfies_nm(reloaded.get_submodule(name).weight[:, perm], 2, 4)
-        permuted = apply_index_maps(reloaded, maps)
-        assert torch.allclose(permuted(ids).logits, ref, atol=1e-5)
+            w = stored[f"{name}.weight"]  # the checkpoint holds W[:, perm]: exactly 2:4 in memory order
+            assert satisfies_nm(w, 2, 4) and torch.equal(w, result_model.get_submodule(name).weight[:, perm])
+        assert any(not torch.equal(p, torch.arange(p.numel())) for p in maps.values())
+        loaded = load_model(str(out)).model
+        assert isinstance(loaded.get_submodule(next(iter(maps))), PermutedLinear)
+        assert torch.allclose(loaded(ids).logits, ref, atol=1e-5)
+        plain = AutoModelForCausalLM.from_pretrained(out).eval()  # without the index maps it is wrong
+        assert not torch.allclose(plain(ids).logits, ref, atol=1e-3)
+        assert torch.allclose(apply_index_maps(plain, maps, weights_are_permuted=True)(ids).logits, ref, atol=1e-5)
     from shuffleprune.plots import plot_perm_report
 
     pngs = plot_perm_report(report, tmp_path / "plots")
@@ -104,3 +113,49 @@ def test_perm_options_are_checked(tiny_dir, text_file):
         cfg = PruneConfig(model=str(tiny_dir), calib=str(text_file), **{"pattern": "2:4", **kwargs})
         with pytest.raises(UserError, match=needle):
             prune(cfg, progress=False)
+
+
+def test_search_perm_and_learning_started_from_it(tiny_dir, text_file, eval_file, tmp_path):
+    base = dict(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                eval_text=str(eval_file), perm_block=16)
+    searched = prune(PruneConfig(**base, perm="search"), out=tmp_path / "s", progress=False).report
+    assert searched["nm_ok"] and searched["perm"]["index_maps"] == INDEX_MAPS
+    assert load_index_maps(tmp_path / "s" / INDEX_MAPS)
+    learned = prune(PruneConfig(**base, perm="learned", perm_init="search", perm_steps=5), progress=False).report
+    for b in learned["perm"]["blocks"]:
+        assert b["chosen"] in ("final", "best_step", "search", "identity")
+        assert b["recon_after"] <= min(b["recon_before"], b["recon_search"])
+
+
+def test_model_level_recon_learns_all_permutations_jointly(tiny_dir, text_file, eval_file, tmp_path):
+    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                      eval_text=str(eval_file), perm="learned", recon="model", perm_block=16, perm_steps=6)
+    out = tmp_path / "m"
+    result = prune(cfg, out=out, progress=False)
+    report = result.report
+    summary = report["perm"]["model"]
+    assert report["nm_ok"] and len(summary["loss_curve"]) == 6 and summary["recon_after"] <= summary["recon_before"]
+    assert len(report["perm"]["blocks"]) == 3 and all(len(b["perms"]) == 4 for b in report["perm"]["blocks"])
+    assert all(len(p["penalty_curve"]) == 6 for b in report["perm"]["blocks"] for p in b["perms"].values())
+    ids = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        assert torch.allclose(load_model(str(out)).model(ids).logits, result.model(ids).logits, atol=1e-5)
+    from shuffleprune.plots import plot_perm_report
+
+    assert [p.name for p in plot_perm_report(report, tmp_path / "plots")] == ["perm_strength.png", "perm_penalty.png",
+                                                                             "perm_loss.png"]
+
+
+def test_perm_from_reuses_index_maps_with_another_base(tiny_dir, text_file, tmp_path):
+    base = dict(model=str(tiny_dir), pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32, eval_text=None, perm_block=16)
+    prune(PruneConfig(**base, method="wanda", perm="random"), out=tmp_path / "w", progress=False)
+    maps = load_index_maps(tmp_path / "w" / INDEX_MAPS)
+    out = tmp_path / "sg"
+    report = prune(PruneConfig(**base, method="sparsegpt", perm_from=str(tmp_path / "w")), out=out, progress=False).report
+    assert report["nm_ok"] and report["perm"]["from"] == str(tmp_path / "w")
+    again = load_index_maps(out / INDEX_MAPS)
+    assert again.keys() == maps.keys() and all(torch.equal(again[k], maps[k]) for k in maps)
+    with pytest.raises(UserError, match="--perm-from replaces"):
+        prune(PruneConfig(**base, method="sparsegpt", perm="random", perm_from=str(tmp_path / "w")), progress=False)
+    with pytest.raises(UserError, match="no index maps"):
+        prune(PruneConfig(**base, method="sparsegpt", perm_from=str(tmp_path)), progress=False)

@@ -1,0 +1,81 @@
+"""Triton kernel: ``y = x[..., perm] @ W_pᵀ (+ b)`` with ``W_p`` stored compressed N:M.
+
+The kernel reads the compressed values ``[R, K]`` (``K = C·N/M``) and the packed in-group positions
+(see ``shuffleprune.sparse_format``), reconstructs the column of each kept value in permuted order
+(``(k // N)·M + pos``), maps it through the index map (``perm[col]``, the *gather at permuted
+addresses*, done on the load of ``x`` — no separate gather launch, no permuted copy of ``x``), and
+accumulates in float32. One program computes ``BLOCK_R`` output rows for ``BLOCK_T`` tokens; it is
+meant for the memory-bound decode regime (few tokens), where reading ``K`` values plus ``K·b/8``
+metadata bytes instead of ``C`` dense values is the whole speed-up.
+
+Runs on the CPU under ``TRITON_INTERPRET=1`` (how CI checks it against a float64 reference).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
+
+def available() -> bool:
+    """Whether the Triton kernel can run here (a CUDA device, or the interpreter)."""
+    import os
+
+    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+    @triton.jit
+    def _nm_gather_matmul(x_ptr, val_ptr, meta_ptr, perm_ptr, bias_ptr, y_ptr,
+                          T, R, K, META_W, stride_xt, stride_yt,
+                          N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
+                          HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+        PER: tl.constexpr = 8 // BITS
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < R
+        tok_ok = toks < T
+        acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ok = row_ok[:, None] & (ks < K)[None, :]
+            v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+            byte = tl.load(meta_ptr + rows[:, None] * META_W + (ks // PER)[None, :], mask=ok, other=0).to(tl.int32)
+            pos = (byte >> ((ks % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+            col = (ks // N)[None, :] * M + pos
+            if HAS_PERM:
+                col = tl.load(perm_ptr + col, mask=ok, other=0)
+            xg = tl.load(x_ptr + toks[None, None, :] * stride_xt + col[:, :, None],
+                         mask=ok[:, :, None] & tok_ok[None, None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(v[:, :, None] * xg, axis=1)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + toks[None, :] * stride_yt + rows[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & tok_ok[None, :])
+
+
+def nm_gather_matmul(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, n: int, m: int, bits: int,
+                     perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     block_r: int = 32, block_k: int = 64) -> torch.Tensor:
+    """``x`` ``[..., C]`` → ``[..., R]``: ``x[..., perm] @ decompress(values, meta)ᵀ + bias``."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    lead, cols = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, cols).contiguous()
+    tokens = x2.shape[0]
+    rows, kept = values.shape
+    y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    block_t = max(1, min(16, triton.next_power_of_2(tokens)))
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(tokens, block_t))
+    dummy = values  # any tensor: unused pointer when HAS_PERM / HAS_BIAS is off
+    _nm_gather_matmul[grid](
+        x2, values, meta, perm if perm is not None else dummy, bias if bias is not None else dummy, y,
+        tokens, rows, kept, meta.shape[1], x2.stride(0), y.stride(0),
+        N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_T=block_t)
+    return y.reshape(*lead, rows)

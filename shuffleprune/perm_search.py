@@ -1,0 +1,95 @@
+"""A fast, data-free permutation search: maximise the importance score an N:M mask keeps.
+
+Within each permutation block, columns are assigned to groups of ``M``; the mask keeps the top
+``N`` scores of every (row, group). :func:`swap_search` starts from a given block-diagonal
+permutation and repeatedly applies the column swaps between two groups that most increase the
+kept score summed over rows (several swaps per round when they touch disjoint groups), until no
+swap helps. This is the channel-permutation heuristic of Pool & Yu (NeurIPS 2021) applied to
+Wanda's score |W|·‖X‖, restricted to the same block-diagonal structure the learned permutations
+use. ShuffleSparse uses it (beyond the paper, ``--perm-init search``) as the starting point of the
+learned soft permutation; it is also available on its own (``--perm search``).
+
+Gain of a swap, exactly: removing position ``q`` from a group leaves scores whose top-N sum is
+``A`` and whose N-th largest is ``t``; inserting a column of score ``c`` gives ``A + max(0, c − t)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .permutation import block_sizes
+
+
+def _kept(groups: torch.Tensor, n: int) -> torch.Tensor:
+    """Top-``n`` sum over the last axis."""
+    return groups.topk(n, dim=-1).values.sum(-1)
+
+
+@torch.no_grad()
+def _search_blocks(score: torch.Tensor, perm: torch.Tensor, n: int, m: int, max_rounds: int) -> torch.Tensor:
+    """``score`` ``[K, R, B]`` (K blocks of B columns), ``perm`` ``[K, B]`` local index maps → improved maps."""
+    k_blocks, rows, width = score.shape
+    groups = width // m
+    perm = perm.clone()
+    group_of = torch.arange(width) // m
+    same_group = group_of.unsqueeze(0) == group_of.unsqueeze(1)
+    for _ in range(max_rounds):
+        sp = torch.gather(score, 2, perm.unsqueeze(1).expand(k_blocks, rows, width))      # [K, R, B] permuted
+        g = sp.view(k_blocks, rows, groups, m)
+        base = _kept(g, n).sum(1)                                                          # [K, G]
+        # without position q of its group: top-N sum A and N-th largest t of the rest
+        eye = torch.eye(m, dtype=torch.bool)
+        rest = g.unsqueeze(3).expand(k_blocks, rows, groups, m, m).masked_fill(eye, float("-inf"))
+        top = rest.topk(n, dim=-1).values                                                  # [K, R, G, M(q), n]
+        a = top.sum(-1).view(k_blocks, rows, width)                                        # per position
+        t = top[..., -1].view(k_blocks, rows, width)
+        # value[p, c]: kept score of p's group when position p holds the column now at position c
+        value = a.sum(1).unsqueeze(-1) + torch.relu(sp.unsqueeze(2) - t.unsqueeze(3)).sum(1)  # [K, B, B]
+        base_p = base[:, group_of]                                                         # [K, B]
+        gain = value + value.transpose(1, 2) - base_p.unsqueeze(2) - base_p.unsqueeze(1)
+        gain = gain.masked_fill(same_group, float("-inf"))
+        tol = 1e-6 * base.sum(1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
+        improved = False
+        for k in range(k_blocks):
+            flat = gain[k].flatten()
+            order = torch.argsort(flat, descending=True)
+            used: set[int] = set()
+            for idx in order[: 4 * groups * m].tolist():
+                if flat[idx] <= tol[k]:
+                    break
+                p, c = divmod(idx, width)
+                gp, gc = int(group_of[p]), int(group_of[c])
+                if gp in used or gc in used:
+                    continue
+                used.update((gp, gc))
+                perm[k, p], perm[k, c] = perm[k, c].clone(), perm[k, p].clone()
+                improved = True
+                if len(used) >= groups - 1:
+                    break
+        if not improved:
+            break
+    return perm
+
+
+def swap_search(score: torch.Tensor, n: int, m: int, block: int = 64, init: torch.Tensor | None = None,
+                max_rounds: int = 200) -> torch.Tensor:
+    """A block-diagonal index map ``perm`` (``[C]``) such that the top-N-of-M mask of ``score[:, perm]``
+    keeps at least as much total score as under ``init`` (default: the identity)."""
+    rows, cols = score.shape
+    score = score.float()
+    init = torch.arange(cols) if init is None else init.to(torch.long).cpu()
+    out, offset = [], 0
+    for count, width in block_sizes(cols, block):
+        span = count * width
+        local = init[offset:offset + span].view(count, width) - (offset + torch.arange(count).unsqueeze(1) * width)
+        s = score[:, offset:offset + span].reshape(rows, count, width).transpose(0, 1).cpu()
+        if width % m == 0 and width // m > 1:
+            local = _search_blocks(s, local, n, m, max_rounds)
+        out.append((local + offset + torch.arange(count).unsqueeze(1) * width).flatten())
+        offset += span
+    return torch.cat(out)
+
+
+def kept_score(score: torch.Tensor, perm: torch.Tensor, n: int, m: int) -> float:
+    """Total score kept by the top-N-of-M mask of ``score[:, perm]``."""
+    sp = score[:, perm.to(score.device)]
+    return float(_kept(sp.view(sp.shape[0], -1, m), n).sum())

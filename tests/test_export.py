@@ -1,0 +1,166 @@
+"""Compressed N:M format, the Triton gather kernel (interpreted on CPU), SparseLinear, export/load."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+import shuffleprune
+from shuffleprune.cli import app
+from shuffleprune.errors import UserError
+from shuffleprune.export import SPARSE_FILE, export_checkpoint
+from shuffleprune.masks import nm_keep_mask, satisfies_nm
+from shuffleprune.models import load_model
+from shuffleprune.pipeline import PruneConfig, prune
+from shuffleprune.sparse_format import check_compressed, compress, decompress, meta_bits, pack_positions, unpack_positions
+from shuffleprune.sparse_linear import SparseLinear
+
+
+def _nm_weight(rows: int, cols: int, n: int, m: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    w = w * nm_keep_mask(w.abs(), n, m)
+    w[0, :m] = 0  # a group with fewer than N non-zeros
+    return w
+
+
+@pytest.mark.parametrize("n,m,rows,cols", [(2, 4, 5, 24), (2, 4, 3, 12), (1, 4, 4, 20), (4, 8, 6, 40), (1, 2, 2, 6)])
+def test_compress_round_trip_and_packing(n, m, rows, cols):
+    w = _nm_weight(rows, cols, n, m)
+    values, meta = compress(w, n, m)
+    assert values.shape == (rows, cols // m * n) and meta.dtype == torch.uint8
+    bits = meta_bits(m)
+    assert meta.shape == (rows, -(-(cols // m * n) * bits // 8))
+    assert torch.equal(decompress(values, meta, n, m, cols), w)
+    check_compressed("w", values, meta, (rows, cols), n, m)
+    pos = torch.randint(0, m, (rows, cols // m * n))
+    assert torch.equal(unpack_positions(pack_positions(pos, m), m)[:, :pos.shape[1]], pos)
+    if (n, m) == (2, 4):  # documented layout: value k's position in bits 2(k mod 4) of byte k // 4
+        assert int(meta[1, 0]) == sum(int(p) << (2 * k) for k, p in enumerate(unpack_positions(meta, 4)[1, :4]))
+
+
+def test_compress_and_check_refuse_bad_input():
+    with pytest.raises(UserError, match="not 2:4"):
+        compress(torch.ones(2, 8), 2, 4, "layer.x")
+    values, meta = compress(_nm_weight(4, 16, 2, 4), 2, 4)
+    with pytest.raises(UserError, match="corrupt sparse tensor 'w'.*values"):
+        check_compressed("w", values[:, :-1], meta, (4, 16), 2, 4)
+    bad = meta.clone()
+    bad[0, 0] = 0  # both slots of group 0 at position 0
+    with pytest.raises(UserError, match="positions"):
+        check_compressed("w", values, bad, (4, 16), 2, 4)
+
+
+@pytest.mark.parametrize("rows,cols,tokens,n,m,perm,bias,dtype", [
+    (48, 64, 1, 2, 4, True, False, torch.float32),
+    (37, 72, 5, 2, 4, True, True, torch.float32),     # ragged rows and K
+    (64, 136, 16, 2, 4, False, True, torch.float16),
+    (33, 128, 17, 4, 8, True, False, torch.float32),  # two token blocks, 4:8 with 4-bit positions
+])
+def test_triton_kernel_matches_float64_reference(rows, cols, tokens, n, m, perm, bias, dtype):
+    from shuffleprune.kernels.nm_matmul import nm_gather_matmul
+
+    g = torch.Generator().manual_seed(rows + cols + tokens)
+    w = _nm_weight(rows, cols, n, m, seed=tokens).to(dtype)
+    values, meta = compress(w, n, m)
+    p = torch.randperm(cols, generator=g) if perm else None
+    b = torch.randn(rows, generator=g).to(dtype) if bias else None
+    x = torch.randn(2, tokens, cols, generator=g).to(dtype)[:, :, :]
+    y = nm_gather_matmul(x, values, meta, n, m, meta_bits(m), None if p is None else p.to(torch.int32), b)
+    xr = x.double() if p is None else x.double()[..., p]
+    ref = xr @ w.double().t() + (0 if b is None else b.double())
+    assert y.shape == (2, tokens, rows) and y.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(y.double(), ref, atol=tol * max(1.0, ref.abs().max().item()), rtol=0)
+
+
+def test_sparse_linear_cpu_path_and_weight_view():
+    w = _nm_weight(12, 32, 2, 4)
+    perm = torch.randperm(32)
+    values, meta = compress(w, 2, 4)
+    lin = SparseLinear(values, meta, 32, 2, 4, perm=perm, bias=torch.randn(12))
+    x = torch.randn(3, 32)
+    ref = x.double()[:, perm] @ w.double().t() + lin.bias.double()
+    assert torch.allclose(lin(x).double(), ref, atol=1e-5)
+    orig = lin.weight  # original input order: y = W x
+    assert torch.allclose((x.double() @ orig.double().t()) + lin.bias.double(), ref, atol=1e-5)
+
+
+@pytest.fixture
+def pruned_perm_dir(tiny_dir, text_file, tmp_path):
+    out = tmp_path / "pruned"
+    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                      eval_text=None, perm="random", perm_block=16)
+    prune(cfg, out=out, progress=False)
+    return out
+
+
+def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
+    out = tmp_path / "exported"
+    fmt = export_checkpoint(pruned_perm_dir, out)
+    ref_model = load_model(str(pruned_perm_dir)).model
+    model = shuffleprune.load(str(out))
+    names = [n for n, mod in model.named_modules() if isinstance(mod, SparseLinear)]
+    assert len(names) == 21 and set(names) == set(fmt["layers"])
+    # down_proj reads act(gate)·up: its map folds into gate/up rows; o_proj's cannot (rotary attention)
+    assert all(k.endswith("mlp.down_proj") and sorted(v) == [k.replace("down_proj", "gate_proj"), k.replace("down_proj", "up_proj")]
+               for k, v in fmt["folded"].items()) and len(fmt["folded"]) == 3
+    assert not any(fmt["layers"][k]["perm"] for k in fmt["folded"])
+    assert all(fmt["layers"][n]["perm"] for n in fmt["layers"] if n.endswith(("q_proj", "o_proj", "gate_proj")))
+    stored = load_file(str(out / SPARSE_FILE))
+    assert all(satisfies_nm(decompress(stored[f"{n}.values"], stored[f"{n}.meta"], 2, 4, info["shape"][1]), 2, 4)
+               for n, info in fmt["layers"].items())
+    ids = torch.randint(0, 128, (2, 20))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, ref_model(ids).logits, atol=1e-5)
+    gen_ref = ref_model.generate(ids[:1, :5], max_new_tokens=8, do_sample=False, pad_token_id=1)
+    assert torch.equal(model.generate(ids[:1, :5], max_new_tokens=8, do_sample=False, pad_token_id=1), gen_ref)
+    exported_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert exported_bytes < (pruned_perm_dir / "model.safetensors").stat().st_size
+
+
+def test_eval_scores_the_exported_model(pruned_perm_dir, tmp_path, eval_file):
+    from shuffleprune.evaluate import EvalConfig, evaluate_models
+
+    out = tmp_path / "exported"
+    export_checkpoint(pruned_perm_dir, out)
+    res = evaluate_models(EvalConfig(models=[str(pruned_perm_dir), str(out)], tasks=["ppl"], ppl_text=str(eval_file),
+                                     ppl_ctx=32, offline=True), progress=False)
+    a, b = res["models"]
+    assert abs(a["ppl"] - b["ppl"]) < 1e-3 * a["ppl"] and abs(b["sparsity"] - 0.5) < 1e-6
+
+
+def test_corrupt_or_truncated_exports_are_refused(pruned_perm_dir, tmp_path):
+    out = tmp_path / "exported"
+    export_checkpoint(pruned_perm_dir, out)
+    tensors = load_file(str(out / SPARSE_FILE))
+    name = "model.layers.1.self_attn.q_proj.meta"
+    bad = dict(tensors)
+    bad[name] = torch.zeros_like(tensors[name])
+    save_file(bad, str(out / SPARSE_FILE))
+    with pytest.raises(UserError, match="model.layers.1.self_attn.q_proj"):
+        shuffleprune.load(str(out))
+    data = (pruned_perm_dir / "model.safetensors").read_bytes()
+    (out / SPARSE_FILE).write_bytes(data[: len(data) // 3])
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        shuffleprune.load(str(out))
+    fmt = json.loads((out / "shuffleprune_format.json").read_text())
+    (out / "shuffleprune_format.json").write_text(json.dumps({**fmt, "version": 99}))
+    with pytest.raises(UserError, match="v99"):
+        shuffleprune.load(str(out))
+
+
+def test_export_cli_errors_leave_nothing(pruned_perm_dir, tmp_path, tiny_dir):
+    runner = CliRunner()
+    r = runner.invoke(app, ["export", str(tmp_path / "missing"), str(tmp_path / "e1")])
+    assert r.exit_code == 2 and "not a pruned checkpoint" in r.output and not (tmp_path / "e1").exists()
+    r = runner.invoke(app, ["export", str(tiny_dir), str(tmp_path / "e2")])  # dense: no report, no pattern
+    assert r.exit_code == 2 and "--pattern" in r.output and not (tmp_path / "e2").exists()
+    r = runner.invoke(app, ["export", str(tiny_dir), str(tmp_path / "e3"), "--pattern", "2:4"])
+    assert r.exit_code == 2 and "no sparse linear layers" in r.output and not (tmp_path / "e3").exists()
+    r = runner.invoke(app, ["export", str(pruned_perm_dir), str(tmp_path / "e4")])
+    assert r.exit_code == 0, r.output
+    assert "permutations folded" in r.output
