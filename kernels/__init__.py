@@ -1,5 +1,7 @@
 """Triton kernels (installed as ``shuffleprune.kernels``).
 
-The 2:4 kernel with an in-kernel permuted gather is tracked by the deployable-checkpoint issue;
-nothing here is used by the pruning pipeline yet.
+``nm_matmul.nm_gather_matmul``: ``y = x[..., perm] @ W_pᵀ`` from compressed N:M values + packed
+positions, gathering ``x`` at permuted addresses inside the kernel. Used by
+``shuffleprune.sparse_linear.SparseLinear`` on CUDA for small token counts; checked on the CPU under
+``TRITON_INTERPRET=1``.
 """

@@ -15,9 +15,10 @@ produced elementwise from the outputs of other linears of its block (LLaMA's dow
 ``act(gate(h)) · up(h)``), permuting those producers' output rows by the consumer's index map makes
 the consumer read its input in order. Candidates are found from shapes alone (producers whose
 ``out_features`` equal the consumer's ``in_features``) and every fold is kept only if the model's
-logits on a probe input are unchanged, so no architecture is assumed; o_proj's map, for example,
-cannot be folded into q/k/v through rotary attention, is rejected by that check and stays a
-runtime gather.
+logits on a probe input are unchanged, so no architecture is assumed. Example: o_proj's map folds
+into v_proj's rows under multi-head attention when it stays within heads (permutation blocks
+dividing the head size); under GQA v_proj has fewer rows than o_proj has inputs, no candidate
+matches, and the map stays a runtime gather (as it does when a fold into q/k would break attention).
 """
 from __future__ import annotations
 

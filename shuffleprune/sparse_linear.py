@@ -11,7 +11,8 @@ order). Which implementation runs is chosen per call shape:
   decompressed weight — the faster of the two as measured on the first call per token count;
 - CPU: plain PyTorch (the decompressed weight, built once and kept).
 
-With ``policy="auto"`` on CUDA the first call for each token-count bucket times every applicable
+``policy`` may also name one implementation (``triton`` also runs on the CPU under
+``TRITON_INTERPRET=1``). With ``policy="auto"`` on CUDA the first call for each token-count bucket times every applicable
 implementation and keeps the fastest (``self.choices`` records it).
 """
 from __future__ import annotations
@@ -116,10 +117,10 @@ class SparseLinear(nn.Module):
         return best
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.policy != "auto":  # an explicit choice (tests and benchmarks), on any device
+            return self._run(self.policy, x)
         if not x.is_cuda:
             return self._run("dense", x)
-        if self.policy != "auto":
-            return self._run(self.policy, x)
         tokens = x.numel() // x.shape[-1]
         key = _bucket(tokens)
         if key not in self.choices:

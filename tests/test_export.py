@@ -164,3 +164,26 @@ def test_export_cli_errors_leave_nothing(pruned_perm_dir, tmp_path, tiny_dir):
     r = runner.invoke(app, ["export", str(pruned_perm_dir), str(tmp_path / "e4")])
     assert r.exit_code == 0, r.output
     assert "permutations folded" in r.output
+
+
+def test_o_proj_map_folds_into_v_proj_without_gqa(tmp_path, text_file):
+    """Multi-head attention (no GQA) with permutation blocks inside heads: o_proj's map folds into v_proj's rows."""
+    from conftest import make_tokenizer, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("llama")  # 4 heads of 16 dims
+    cfg.num_key_value_heads = cfg.num_attention_heads  # no GQA
+    path = tmp_path / "mha"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    out = tmp_path / "pruned"
+    prune(PruneConfig(model=str(path), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                      eval_text=None, perm="random", perm_block=16), out=out, progress=False)
+    fmt = export_checkpoint(out, tmp_path / "exported")
+    o_folds = {k: v for k, v in fmt["folded"].items() if k.endswith("o_proj")}
+    assert len(o_folds) == 3 and all(v == [k.replace("o_proj", "v_proj")] for k, v in o_folds.items())
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(shuffleprune.load(str(tmp_path / "exported"))(ids).logits,
+                              load_model(str(out)).model(ids).logits, atol=1e-5)
