@@ -131,16 +131,17 @@ def summarise(rows: list[dict]) -> list[dict]:
 def markdown(results: dict) -> str:
     s = results["setup"]
     lines = [f"# ShuffleSparse benchmark — {s['model']}, {s['pattern']}", "",
-             f"Calibration: {s['calib']} {s['nsamples']}×{s['seqlen']} tokens, seeds {s['seeds']}. "
+             f"Calibration: {s['calib']} {s['nsamples']}×{s['seqlen']} tokens (seeds per row). "
              f"Perplexity: {s['ppl_text']} test, ctx {s['ppl_ctx']}, {s['ppl_tokens']} tokens. "
              f"Zero-shot: lm-eval, first {s['limit']} items per task, accuracy % (ARC-C/OBQA acc_norm). "
              f"Permutation steps: {s['perm_steps']} per block (block recon), {s['model_steps']} (model recon). "
              "Mean ± std over seeds.", "",
-             "| variant | recon | ppl | " + " | ".join(TASKS) + " | avg | prune s | peak RSS MB |",
-             "|---|---|---|" + "---|" * len(TASKS) + "---|---|---|"]
+             "| variant | recon | seeds | ppl | " + " | ".join(TASKS) + " | avg | prune s | peak RSS MB |",
+             "|---|---|---|---|" + "---|" * len(TASKS) + "---|---|---|"]
     for r in results["summary"]:
         zs = " | ".join(f"{r['zeroshot'][t]['mean']:.2f} ± {r['zeroshot'][t]['std']:.2f}" for t in TASKS)
-        lines.append(f"| {r['variant']} | {r['recon'] or '–'} | {r['ppl']['mean']:.2f} ± {r['ppl']['std']:.2f} | {zs} | "
+        seeds = ",".join("–" if x is None else str(x) for x in r["seeds"])
+        lines.append(f"| {r['variant']} | {r['recon'] or '–'} | {seeds} | {r['ppl']['mean']:.2f} ± {r['ppl']['std']:.2f} | {zs} | "
                      f"{r['zeroshot_avg']['mean']:.2f} ± {r['zeroshot_avg']['std']:.2f} | "
                      f"{r['seconds']['mean']:.0f} | {r['peak_rss_mb']['mean']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -179,9 +180,10 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.is_file() else {"rows": []}
     results.update({
         "what": "ShuffleSparse vs one-shot baselines (paper Table 3 shape)",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(), "versions": versions(),
+        "command": "one invocation per group of rows; each row records its own (`command`)",
+        "machine": machine(), "versions": versions(),
         "setup": {"model": args.model or "embedded:SmolLM2-135M-Instruct", "pattern": args.pattern,
-                  "calib": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seeds": args.seeds,
+                  "calib": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen,
                   "perm_steps": args.perm_steps, "model_steps": args.model_steps, "perm_init": args.perm_init,
                   "limit": args.limit, "ppl_text": args.ppl_text, "ppl_ctx": args.ppl_ctx,
                   "ppl_tokens": args.ppl_tokens, "tasks": TASKS},
@@ -201,6 +203,7 @@ def main() -> None:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{method} seed {seed} failed")
             row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row["command"] = " ".join([Path(sys.executable).name, *sys.argv])
             print(f"    ppl {row['ppl']:.2f}  zero-shot avg {row['zeroshot_avg']:.2f}  prune {row['seconds']:.0f}s", flush=True)
             results["rows"].append(row)
             results["summary"] = summarise(results["rows"])

@@ -14,8 +14,8 @@ Permutations that cost nothing are folded away before compression: when a linear
 produced elementwise from the outputs of other linears of its block (LLaMA's down_proj reads
 ``act(gate(h)) · up(h)``), permuting those producers' output rows by the consumer's index map makes
 the consumer read its input in order. Candidates are found from shapes alone (producers whose
-``out_features`` equal the consumer's ``in_features``) and every fold is kept only if the model's
-logits on a probe input are unchanged, so no architecture is assumed. Example: o_proj's map folds
+``out_features`` equal the consumer's ``in_features``) and every fold is kept only if the block's
+output on a probe input is unchanged (a fold inside a block cannot change anything outside it), so no architecture is assumed. Example: o_proj's map folds
 into v_proj's rows under multi-head attention when it stays within heads (permutation blocks
 dividing the head size); under GQA v_proj has fewer rows than o_proj has inputs, no candidate
 matches, and the map stays a runtime gather (as it does when a fold into q/k would break attention).
@@ -28,13 +28,14 @@ import shutil
 import tempfile
 from itertools import combinations
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .blocks import block_linears, find_blocks
+from .blocks import block_linears, capture_block_inputs, find_blocks
 from .errors import UserError
 from .masks import parse_pattern
 from .permuted_linear import PermutedLinear
@@ -62,12 +63,23 @@ def _pattern_of(pruned_dir: Path, pattern: str | None) -> tuple[int, int]:
     return p.n, p.m
 
 
-def _probe(model: nn.Module) -> torch.Tensor:
-    vocab = model.config.vocab_size
-    ids = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (1, 16), generator=ids)
-    with torch.no_grad():
-        return model(input_ids=tokens).logits.float()
+def _block_probe(model: nn.Module, blocks) -> tuple[list[torch.Tensor], Callable[[int], torch.Tensor]]:
+    """Inputs of every block for a fixed random probe sequence, and ``run(i)``: block ``i``'s output
+    on its probe input (so a fold is checked on one block, not the whole model)."""
+    from .pipeline import run_block
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 16), generator=gen)
+    device = next(model.parameters()).device
+    captured = capture_block_inputs(model, blocks, tokens, device, 1)
+    inputs, hidden = [], captured.hidden
+    for i, block in enumerate(blocks.layers):
+        inputs.append(hidden)
+        hidden = run_block(block, hidden, captured, i, device, 1)
+
+    def run(i: int) -> torch.Tensor:
+        return run_block(blocks.layers[i], inputs[i], captured, i, device, 1).float()
+    return inputs, run
 
 
 def _permute_rows(linear: nn.Linear, perm: torch.Tensor) -> None:
@@ -81,10 +93,11 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     ``{consumer: [producers]}`` of the folds made (in place: folded consumers become plain linears
     reading their input in order)."""
     blocks = find_blocks(model)
-    reference = _probe(model)
-    scale = reference.abs().max().clamp_min(1e-6)
+    _, run = _block_probe(model, blocks)
     folded = {}
     for i, block in enumerate(blocks.layers):
+        reference = run(i)
+        scale = reference.abs().max().clamp_min(1e-6)
         linears = block_linears(block, f"{blocks.name}.{i}")
         for name, consumer in linears.items():
             if not isinstance(consumer, PermutedLinear):
@@ -106,7 +119,7 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
                 for p in subset:
                     _permute_rows(linears[p], perm)
                 setattr(parent, child, plain)
-                if ((_probe(model) - reference).abs().max() / scale) < 1e-4:
+                if ((run(i) - reference).abs().max() / scale) < 1e-4:
                     folded[name] = subset
                     break
                 setattr(parent, child, consumer)  # undo

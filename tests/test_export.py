@@ -187,3 +187,14 @@ def test_o_proj_map_folds_into_v_proj_without_gqa(tmp_path, text_file):
     with torch.no_grad():
         assert torch.allclose(shuffleprune.load(str(tmp_path / "exported"))(ids).logits,
                               load_model(str(out)).model(ids).logits, atol=1e-5)
+
+
+def test_prune_cli_with_export(tiny_dir, text_file, tmp_path):
+    out, dep = tmp_path / "p", tmp_path / "d"
+    r = CliRunner().invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--nsamples", "4", "--seqlen", "32",
+                                 "--eval-text", "none", "--perm", "search", "--perm-block", "16", "--out", str(out),
+                                 "--export", str(dep), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert (dep / "shuffleprune_format.json").is_file() and (out / "index_maps.safetensors").is_file()
+    r = CliRunner().invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--export", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "--export needs --out" in r.output and not (tmp_path / "x").exists()
