@@ -40,7 +40,7 @@ from .errors import UserError
 from .masks import parse_pattern
 from .permuted_linear import PermutedLinear
 from .sparse_format import check_compressed, compress, meta_bits
-from .sparse_linear import SparseLinear
+from .sparse_linear import SharedGather, SparseLinear
 
 FORMAT_FILE = "shuffleprune_format.json"
 SPARSE_FILE = "sparse.safetensors"
@@ -152,6 +152,8 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
             values, meta = compress(w, n, m, name)
             sparse[f"{name}.values"], sparse[f"{name}.meta"] = values, meta
             perm = getattr(lin, "perm", None)
+            if perm is not None and torch.equal(perm.cpu(), torch.arange(perm.numel())):
+                perm = None  # an identity map is omitted
             if perm is not None:
                 sparse[f"{name}.perm"] = perm.to(torch.int32).cpu().contiguous()
             if lin.bias is not None:
@@ -202,6 +204,7 @@ def attach_sparse_layers(model: nn.Module, path: Path, fmt: dict, policy: str = 
     except (OSError, SafetensorError) as exc:
         raise UserError(f"cannot read '{path / SPARSE_FILE}' (truncated or corrupt?): {exc}") from exc
     n, m = fmt["n"], fmt["m"]
+    shares: dict[tuple, SharedGather] = {}
     for name, info in fmt["layers"].items():
         rows, cols = info["shape"]
         for part in ("values", "meta") + (("perm",) if info["perm"] else ()) + (("bias",) if info["bias"] else ()):
@@ -218,6 +221,9 @@ def attach_sparse_layers(model: nn.Module, path: Path, fmt: dict, policy: str = 
         if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (rows, cols):
             raise UserError(f"exported layer '{name}' ({rows}×{cols}) does not match the model config")
         dtype = old.weight.dtype
-        setattr(parent, child, SparseLinear(values.to(dtype), meta, cols, n, m, perm,
-                                            tensors.get(f"{name}.bias", None), policy=policy))
+        layer = SparseLinear(values.to(dtype), meta, cols, n, m, perm, tensors.get(f"{name}.bias", None), policy=policy)
+        if perm is not None:  # siblings (same parent module) with the same map share one gather
+            key = (parent_name, tuple(perm.tolist()))
+            layer.shared_gather = shares.setdefault(key, SharedGather())
+        setattr(parent, child, layer)
     return model

@@ -26,6 +26,22 @@ from .sparse_format import decompress, meta_bits
 IMPLS = ("triton", "semi_structured", "dense")
 
 
+class SharedGather:
+    """One gathered input ``x[..., perm]`` shared by the layers of a group that read the same input
+    through the same index map (q/k/v, gate/up): the first layer gathers, the others reuse it while
+    the input tensor is the same object, unmodified."""
+
+    def __init__(self) -> None:
+        self._source: torch.Tensor | None = None  # held, so its memory cannot be reused by another tensor
+        self._version = -1
+        self._value: torch.Tensor | None = None
+
+    def get(self, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+        if x is not self._source or x._version != self._version:
+            self._source, self._version, self._value = x, x._version, x.index_select(-1, perm)
+        return self._value
+
+
 def _bucket(tokens: int) -> int:
     """Token counts grouped by powers of two (1, 2, 4, …): one measured choice per bucket."""
     return 1 << max(0, (tokens - 1).bit_length())
@@ -44,6 +60,7 @@ class SparseLinear(nn.Module):
         self.register_buffer("perm", None if perm is None else perm.to(torch.int32))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.policy = policy
+        self.shared_gather: SharedGather | None = None  # set by export's loader for layers sharing a map
         self.choices: dict[int, str] = {}
         self._dense: torch.Tensor | None = None
         self._semi = None
@@ -70,7 +87,11 @@ class SparseLinear(nn.Module):
         return self._dense
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.perm is None else x.index_select(-1, self.perm.long())
+        if self.perm is None:
+            return x
+        if self.shared_gather is not None:
+            return self.shared_gather.get(x, self.perm.long())
+        return x.index_select(-1, self.perm.long())
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
         if impl == "triton":

@@ -198,3 +198,25 @@ def test_prune_cli_with_export(tiny_dir, text_file, tmp_path):
     assert (dep / "shuffleprune_format.json").is_file() and (out / "index_maps.safetensors").is_file()
     r = CliRunner().invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--export", str(tmp_path / "x")])
     assert r.exit_code == 2 and "--export needs --out" in r.output and not (tmp_path / "x").exists()
+
+
+def test_layers_sharing_a_map_gather_once(pruned_perm_dir, tmp_path):
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    model = shuffleprune.load(str(tmp_path / "exported"))
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.shared_gather is attn.k_proj.shared_gather is attn.v_proj.shared_gather is not None
+    assert attn.o_proj.shared_gather is not attn.q_proj.shared_gather
+    calls = []
+    original = torch.Tensor.index_select
+    x = torch.randn(2, 5, 64)
+    try:
+        torch.Tensor.index_select = lambda self, *a: calls.append(1) or original(self, *a)
+        q, k = attn.q_proj(x), attn.k_proj(x)
+        assert len(calls) == 1  # k reused q's gathered input
+        x.mul_(2)  # modified in place: gathered again
+        assert torch.allclose(attn.q_proj(x), 2 * q, atol=1e-5) and len(calls) == 2
+        attn.k_proj(x.clone())
+        assert len(calls) == 3  # a different tensor: gathered again
+    finally:
+        torch.Tensor.index_select = original
+    assert torch.allclose(k, x.div(2)[..., attn.k_proj.perm.long()] @ attn.k_proj.dense_permuted().t(), atol=1e-5)
