@@ -19,6 +19,7 @@ a block's calibration loss worse than the unpermuted base method's mask.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -93,22 +94,27 @@ def _units(groups: list[list[str]], share: str) -> list[list[str]]:
     return groups if share == "group" else [[n] for g in groups for n in g]
 
 
-def _searched(units: list[list[str]], scores: dict[str, torch.Tensor], pattern: Pattern, opts: PermOptions) -> dict:
-    """Swap-search permutation per unit (rows of its linears stacked), when ``--perm search`` or ``--perm-init search``."""
+def _searched(units: list[list[str]], scores: dict[str, torch.Tensor], pattern: Pattern,
+              opts: PermOptions) -> tuple[dict, float]:
+    """Swap-search permutation per unit (rows of its linears stacked), when ``--perm search`` or
+    ``--perm-init search``; and the seconds it took."""
     if opts.perm != "search" and opts.init != "search":
-        return {}
-    return {u[0]: swap_search(torch.cat([scores[n] for n in u], dim=0).cpu(), pattern.n, pattern.m, opts.block)
-            for u in units}
+        return {}, 0.0
+    t0 = time.time()
+    found = {u[0]: swap_search(torch.cat([scores[n] for n in u], dim=0).cpu(), pattern.n, pattern.m, opts.block)
+             for u in units}
+    return found, time.time() - t0
 
 
-def _fixed_perms(units: list[list[str]], perms_of_unit: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+def _fixed_perms(units: list[list[str]], perms_of_unit: dict[str, torch.Tensor],
+                 summary: dict | None = None) -> tuple[dict, dict]:
     perms = {name: perms_of_unit[u[0]] for u in units for name in u}
     info = {u[0]: {"linears": u, "strength": round(strength(perms_of_unit[u[0]]), 4)} for u in units}
-    return perms, {"perms": info, "summary": {}}
+    return perms, {"perms": info, "summary": summary or {}}
 
 
 def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], scores: dict[str, torch.Tensor],
-                      searched: dict[str, torch.Tensor], recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+                      searched: dict[str, torch.Tensor], search_seconds: float, recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
                       n_windows: int, pattern: Pattern, opts: PermOptions, device: torch.device, gen: torch.Generator,
                       on_step: Callable[[int, float, float], None] | None) -> tuple[dict, dict]:
     """The shared learning loop: soft permutations per unit trained on ``recon(effective weights by
@@ -129,7 +135,9 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
         return loss_of(m_bars, torch.randperm(n_windows, generator=gen)[:opts.batch])
 
     schedule = PermSchedule(steps=opts.steps, lambda_max=opts.lambda_max)
+    t0 = time.time()
     result = learn_permutations(soft, loss_fn, schedule, lr=opts.lr, on_step=on_step)
+    learn_seconds = time.time() - t0
     candidates = {"identity": {k: torch.arange(sp.size) for k, sp in soft.items()},
                   "best_step": result.best_perms, "final": result.perms}
     if searched:
@@ -148,7 +156,9 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
     summary = {"loss_curve": [round(v, 6) for v in result.loss], "best_step": result.best_step,
                "recon_before": round(losses["identity"], 6), "recon_after": round(losses[chosen], 6),
                "recon_final": round(losses["final"], 6), "recon_best_step": round(losses["best_step"], 6),
-               "chosen": chosen, **({"recon_search": round(losses["search"], 6)} if searched else {})}
+               "chosen": chosen, **({"recon_search": round(losses["search"], 6)} if searched else {}),
+               "seconds_search": round(search_seconds, 3), "seconds_learning": round(learn_seconds, 3),
+               "seconds_per_step": round(learn_seconds / opts.steps, 4)}
     return perms, {"perms": info, "summary": summary}
 
 
@@ -181,9 +191,9 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
     if opts.perm == "random":
         return _fixed_perms(units, {u[0]: random_block_perm(linears[u[0]].in_features, opts.block, gen) for u in units})
     scores = {name: _score(lin.weight.detach().float(), stats[name]) for name, lin in linears.items()}
-    searched = _searched(units, scores, pattern, opts)
+    searched, search_seconds = _searched(units, scores, pattern, opts)
     if opts.perm == "search":
-        return _fixed_perms(units, searched)
+        return _fixed_perms(units, searched, {"seconds_search": round(search_seconds, 3)})
 
     assert target is not None
     param_of = {name: name[len(prefix) + 1:] + ".weight" for name in linears}
@@ -196,8 +206,8 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
         return cosine_loss(target[rows].to(device), out)
 
     with _FrozenParams(block):
-        return _learn_and_choose(units, linears, scores, searched, recon, hidden.shape[0], pattern, opts,
-                                 device, gen, on_step)
+        return _learn_and_choose(units, linears, scores, searched, search_seconds, recon, hidden.shape[0], pattern,
+                                 opts, device, gen, on_step)
 
 
 def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: dict[str, InputStats],
@@ -211,7 +221,7 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: d
     units = _units(groups, opts.share)
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + 999_983)
     scores = {name: _score(lin.weight.detach().float(), stats[name]) for name, lin in linears.items()}
-    searched = _searched(units, scores, pattern, opts)
+    searched, search_seconds = _searched(units, scores, pattern, opts)
     decoder = model.base_model
     names = {id(m): n for n, m in decoder.named_modules()}
     param_of = {name: names[id(lin)] + ".weight" for name, lin in linears.items()}
@@ -227,7 +237,7 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: d
 
     try:
         with _FrozenParams(model):
-            return _learn_and_choose(units, linears, scores, searched, recon, tokens.shape[0], pattern, opts,
-                                     device, gen, on_step)
+            return _learn_and_choose(units, linears, scores, searched, search_seconds, recon, tokens.shape[0],
+                                     pattern, opts, device, gen, on_step)
     finally:
         model.to("cpu")
