@@ -9,6 +9,8 @@ Layout of an exported directory::
                                  NAME.bias (when it has one)
     shuffleprune_format.json     {"format": "shuffleprune.nm", "version": 1, pattern, dtype, layers,
                                   folded permutations, source}
+    shuffleprune_hf.py           + ``auto_map`` in config.json: ``AutoModelForCausalLM.from_pretrained(
+                                 dir, trust_remote_code=True)`` loads it through shuffleprune
 
 Permutations that cost nothing are folded away before compression: when a linear's input is
 produced elementwise from the outputs of other linears of its block (LLaMA's down_proj reads
@@ -45,6 +47,26 @@ from .sparse_linear import SharedGather, SparseLinear
 FORMAT_FILE = "shuffleprune_format.json"
 SPARSE_FILE = "sparse.safetensors"
 FORMAT_NAME, FORMAT_VERSION = "shuffleprune.nm", 1
+HF_LOADER_FILE = "shuffleprune_hf.py"
+# Written next to an export so that transformers can load it too:
+# AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) → shuffleprune.load(dir).
+HF_LOADER = '''"""transformers entry point of a shuffleprune export (needs `pip install shuffleprune`)."""
+import shuffleprune
+
+
+class ShufflepruneForCausalLM:
+    """`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` returns the model with its
+    compressed N:M `SparseLinear` layers, exactly as `shuffleprune.load(dir)` does."""
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
+        return None
+
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs):
+        dtype = kwargs.get("dtype") or kwargs.get("torch_dtype") or "auto"
+        return shuffleprune.load(str(path), dtype=dtype if isinstance(dtype, str) else str(dtype).replace("torch.", ""))
+'''
 
 
 def is_exported(path: str | Path) -> bool:
@@ -173,6 +195,10 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
                        if k not in skip_keys and not k.endswith(".perm")}
         model.save_pretrained(tmp, state_dict=dense_state)
         lm.tokenizer.save_pretrained(tmp)
+        (tmp / HF_LOADER_FILE).write_text(HF_LOADER)
+        config = json.loads((tmp / "config.json").read_text())
+        config["auto_map"] = {"AutoModelForCausalLM": f"{HF_LOADER_FILE[:-3]}.ShufflepruneForCausalLM"}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in sparse.items()}, str(tmp / SPARSE_FILE))
         (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))
         if (pruned_dir / "prune_report.json").is_file():

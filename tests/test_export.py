@@ -118,6 +118,12 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
         assert torch.allclose(model(ids).logits, ref_model(ids).logits, atol=1e-5)
     gen_ref = ref_model.generate(ids[:1, :5], max_new_tokens=8, do_sample=False, pad_token_id=1)
     assert torch.equal(model.generate(ids[:1, :5], max_new_tokens=8, do_sample=False, pad_token_id=1), gen_ref)
+    from transformers import AutoModelForCausalLM
+
+    via_hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)  # the transformers path
+    assert isinstance(via_hf.get_submodule(names[0]), SparseLinear)
+    with torch.no_grad():
+        assert torch.allclose(via_hf(ids).logits, ref_model(ids).logits, atol=1e-5)
     exported_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     assert exported_bytes < (pruned_perm_dir / "model.safetensors").stat().st_size
 
