@@ -13,9 +13,9 @@ The caller then prunes every linear *in permuted coordinates* with its base meth
 see the same column grouping the N:M kernel will see.
 
 Beyond the paper (documented deviation): the hardened permutation is kept only if it reconstructs
-a fixed set of calibration windows at least as well as the best permutation met during training
-and as the identity; otherwise the better one is used. A learned permutation therefore never makes
-a block's calibration loss worse than the unpermuted base method's mask.
+all calibration windows at least as well as the best permutation met during training, the search
+start (``--perm-init search``) and the identity; otherwise the best of those is used. A learned
+permutation therefore never makes a block's calibration loss worse than its starting point.
 """
 from __future__ import annotations
 
@@ -119,12 +119,12 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
                       on_step: Callable[[int, float, float], None] | None) -> tuple[dict, dict]:
     """The shared learning loop: soft permutations per unit trained on ``recon(effective weights by
     linear name, window rows)`` (a ``1 − cos`` loss), hardened, and the best of {final, best step,
-    search, identity} on fixed windows kept."""
+    search, identity} over all calibration windows kept."""
     key = {name: u[0] for u in units for name in u}
     soft = {u[0]: SoftPermutation(linears[u[0]].in_features, opts.block, opts.relax,
                                   init_perm=searched.get(u[0])).to(device) for u in units}
     weights = {name: lin.weight.detach().float() for name, lin in linears.items()}
-    fixed = torch.arange(min(n_windows, max(opts.batch, 4)))  # windows for the final choice
+    everything = torch.arange(n_windows)  # the final choice is judged on every calibration window
 
     def loss_of(perm_blocks: dict[str, list[torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
         eff = {n: masked_weight(weights[n], scores[n], perm_blocks[key[n]], pattern.n, pattern.m)
@@ -142,9 +142,13 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
                   "best_step": result.best_perms, "final": result.perms}
     if searched:
         candidates["search"] = searched
+    def full_loss(perms: dict[str, torch.Tensor]) -> float:
+        blocks_ = {k: [b.to(device) for b in perm_to_blocks(p, soft[k].sizes)] for k, p in perms.items()}
+        chunks = everything.split(opts.batch)
+        return sum(float(loss_of(blocks_, rows)) * len(rows) for rows in chunks) / n_windows
+
     with torch.no_grad():
-        losses = {name: float(loss_of({k: [b.to(device) for b in perm_to_blocks(p, soft[k].sizes)]
-                                       for k, p in c.items()}, fixed)) for name, c in candidates.items()}
+        losses = {name: full_loss(c) for name, c in candidates.items()}
     chosen = min(("final", "best_step", *(("search",) if searched else ()), "identity"), key=lambda c: losses[c])
     perms = {name: candidates[chosen][key[name]] for name in linears}
     info = {}
