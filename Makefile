@@ -6,11 +6,13 @@ PY := .venv/bin/python
 setup:
 	bash scripts/setup.sh
 
-# Prune the embedded SmolLM2-135M-Instruct to 2:4 with Wanda on offline Wikipedia text and report
-# perplexity on the held-out Brown corpus (ctx 512, 32768 tokens) before and after.
+# Prune the embedded SmolLM2-135M-Instruct to 2:4 with Wanda in permuted input coordinates (swap
+# search) on offline Wikipedia text, report perplexity on the held-out Brown corpus (ctx 512, 32768
+# tokens) before and after, and export the deployable compressed checkpoint.
 demo: setup
-	.venv/bin/shuffleprune prune --base wanda --pattern 2:4 --calib wiki --nsamples 32 --seqlen 512 \
-		--seed 0 --eval-text brown --eval-ctx 512 --eval-tokens 32768 --out out/smollm2-wanda-2of4 --overwrite
+	.venv/bin/shuffleprune prune --base wanda --pattern 2:4 --perm search --calib wiki --nsamples 32 --seqlen 512 \
+		--seed 0 --eval-text brown --eval-ctx 512 --eval-tokens 32768 --out out/smollm2-wanda-2of4 --overwrite \
+		--export out/smollm2-wanda-2of4-deployed
 
 test: setup
 	$(PY) -m pytest -q
