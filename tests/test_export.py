@@ -226,3 +226,18 @@ def test_layers_sharing_a_map_gather_once(pruned_perm_dir, tmp_path):
     finally:
         torch.Tensor.index_select = original
     assert torch.allclose(k, x.div(2)[..., attn.k_proj.perm.long()] @ attn.k_proj.dense_permuted().t(), atol=1e-5)
+
+
+def test_bf16_export_keeps_dtype_and_logits(tiny_dir, text_file, tmp_path):
+    out = tmp_path / "bf16"
+    prune(PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
+                      eval_text=None, perm="random", perm_block=16, dtype="bfloat16"), out=out, progress=False)
+    fmt = export_checkpoint(out, tmp_path / "exported")
+    assert fmt["dtype"] == "bfloat16"
+    stored = load_file(str(tmp_path / "exported" / SPARSE_FILE))
+    assert all(v.dtype == torch.bfloat16 for k, v in stored.items() if k.endswith(".values"))
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():  # same bf16 values, same gathered inputs, same matmul: identical on CPU
+        a = load_model(str(out), "bfloat16").model(ids).logits
+        b = shuffleprune.load(str(tmp_path / "exported"), "bfloat16")(ids).logits
+    assert b.dtype == torch.bfloat16 and torch.equal(a, b)
