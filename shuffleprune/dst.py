@@ -20,14 +20,26 @@ Methods (structure of every mask, after every update):
 - ``srigl``: constant fan-in (every output neuron keeps the same number of inputs) with neuron
   ablation: a neuron whose salient weights — those RigL's unstructured rule would keep — number
   fewer than ``γ_sal``·fan-in is switched off, and the layer's budget is spread over the others.
+- ``dsb``: blocks of ``block``×``block`` weights; prune-and-grow works on whole blocks (drop the
+  active blocks of smallest ‖W‖, grow the inactive ones of largest ‖∇W‖).
 - ``dense``: no masks.
 
+Permutations (``perm``, column-structured methods): ``random`` fixes a random input permutation
+at initialisation; ``learned`` is ShuffleSparse's DST regime — each layer computes ``W · (x M)``
+with a full soft permutation ``M`` (doubly stochastic, from ``shuffleprune.permutation``),
+trained by its own Adam on the task gradient plus ``λ_t·P(M)`` (λ ramped 0 → ``lambda_max`` over
+``t_perm`` steps), projected after every step; a layer hardens (Hungarian) as soon as its
+``P(M) < delta`` and reads ``x[perm]`` from then on; at ``t_perm`` every layer hardens. The
+weights, their masks and prune-and-grow live in the permuted coordinates. Permutation parameters
+are not counted in the sparsity budget.
+
 Layer densities: ``erk`` (Erdős–Rényi–Kernel: density ∝ (fan_in + fan_out)/(fan_in·fan_out),
-capped at 1, rescaled to the global budget) or ``uniform``. The structured block methods (DSB,
-PixelatedBFly, DynaDiag) and learned permutations are not implemented yet.
+capped at 1, rescaled to the global budget) or ``uniform``. Not implemented yet: PixelatedBFly and
+DynaDiag.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass
 
@@ -35,8 +47,9 @@ import torch
 from torch import nn
 
 from .errors import UserError
+from .permutation import PermSchedule, SoftPermutation, permute_columns, strength
 
-METHODS = ("dense", "rigl", "set", "srigl")
+METHODS = ("dense", "rigl", "set", "srigl", "dsb")
 
 
 @dataclass
@@ -48,6 +61,13 @@ class DSTConfig:
     alpha: float = 0.3            # initial drop fraction
     t_end: int = 1000             # no updates from here on (RigL: 75% of training)
     gamma_sal: float = 0.3        # srigl: neuron ablation threshold
+    block: int = 16               # dsb: block size (rows and columns)
+    perm: str = "none"            # none | random | learned (ShuffleSparse, for column-structured methods)
+    perm_lr: float = 1e-3         # Adam on the soft permutations
+    lambda_max: float = 1e-4      # l1−l2 penalty weight, ramped from 0 over t_perm steps
+    t_perm: int = 1000            # permutation learning stops (all layers hardened) at this step
+    delta: float = 0.22           # a layer hardens once its P(M) < delta
+    perm_init: float = 0.5        # soft start α·I + (1−α)/d·11ᵀ
     seed: int = 0
 
     def check(self) -> None:
@@ -59,6 +79,11 @@ class DSTConfig:
             raise UserError("--distribution must be erk or uniform")
         if self.delta_t < 1 or self.t_end < 0 or not 0 <= self.alpha <= 1:
             raise UserError("--delta-t must be ≥ 1, --t-end ≥ 0 and --alpha in [0, 1]")
+        if self.perm not in ("none", "random", "learned"):
+            raise UserError(f"unknown --perm '{self.perm}'; use none, random or learned")
+        if self.perm != "none" and self.method in ("dense", "rigl", "set", "srigl"):
+            raise UserError(f"--perm needs a column-structured method (dsb); {self.method}'s masks do not "
+                            "depend on input order")
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -96,6 +121,29 @@ def layer_densities(shapes: dict[str, tuple[int, int]], density: float, distribu
         dense.update(over)
 
 
+class InputPermutation:
+    """The input permutation of one layer: soft (``x M``, learned) until hardened, then ``x[perm]``.
+    Applied by a forward pre-hook; ``M`` is not a parameter of the model (the sparsifier owns it)."""
+
+    def __init__(self, size: int, perm: torch.Tensor | None = None, init: float = 0.5):
+        self.size = size
+        self.hard = perm
+        self.soft = None if perm is not None else SoftPermutation(size, block=size, init_identity=init)
+        self.hardened_at: int | None = None if perm is None else 0
+        self.penalty_curve: list[float] = []
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if self.hard is not None:
+            return (x.index_select(-1, self.hard.to(x.device)), *args[1:])
+        blocks = [b.to(x.device, x.dtype) for b in self.soft.soft()]
+        return (permute_columns(x.reshape(-1, self.size), blocks).reshape(x.shape), *args[1:])
+
+    def harden(self, step: int) -> None:
+        self.hard, self.hardened_at = self.soft.harden(), step
+        self.soft = None
+
+
 class DynamicSparsifier:
     """Masks, their schedule and their updates; ``state_dict`` holds everything needed to resume."""
 
@@ -109,6 +157,10 @@ class DynamicSparsifier:
         self.optimizer: torch.optim.Optimizer | None = None
         self.generator = torch.Generator().manual_seed(config.seed)
         self.history: list[dict] = []
+        self.perms: dict[str, InputPermutation] = {}
+        self.perm_optimizer: torch.optim.Optimizer | None = None
+        self.schedule = PermSchedule(steps=config.t_perm, lambda_max=config.lambda_max)
+        self._hooks: list = []
 
     # ---- torch.ao.pruning-style contract -------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -128,8 +180,17 @@ class DynamicSparsifier:
         self.densities = layer_densities(shapes, 1.0 - self.config.sparsity, self.config.distribution)
         for name, module in found.items():
             out_f, in_f = shapes[name]
+            if self.config.method == "dsb" and (out_f % self.config.block or in_f % self.config.block):
+                raise UserError(f"{name} ({out_f}×{in_f}) is not a multiple of --block {self.config.block}")
             scores = torch.rand(out_f, in_f, generator=self.generator)
             self.masks[name] = self._select(scores, self._budget(name), None)
+            if self.config.perm != "none":
+                fixed = torch.randperm(in_f, generator=self.generator) if self.config.perm == "random" else None
+                self.perms[name] = InputPermutation(in_f, fixed, self.config.perm_init)
+                self._hooks.append(module.register_forward_pre_hook(self.perms[name]))
+        soft = [p for perm in self.perms.values() if perm.soft is not None for p in perm.soft.parameters()]
+        if soft:
+            self.perm_optimizer = torch.optim.Adam(soft, lr=self.config.perm_lr)
         self.apply_masks()
 
     def step(self) -> None:
@@ -139,14 +200,20 @@ class DynamicSparsifier:
             return
         self.step_count += 1
         c = self.config
+        self._permutation_step()
         if self.step_count % c.delta_t == 0 and self.step_count < c.t_end:
             self.update_masks(self.drop_fraction(self.step_count))
         self.apply_masks()
 
     def state_dict(self) -> dict:
+        """A snapshot (copies, not views) of everything a resumed run needs."""
+        perms = {n: {"hard": None if p.hard is None else p.hard.clone(), "hardened_at": p.hardened_at,
+                     "soft": None if p.soft is None else [b.detach().clone() for b in p.soft.blocks],
+                     "penalty_curve": list(p.penalty_curve)} for n, p in self.perms.items()}
         return {"config": asdict(self.config), "step_count": self.step_count,
                 "masks": {n: m.clone() for n, m in self.masks.items()}, "densities": dict(self.densities),
-                "generator": self.generator.get_state(), "history": list(self.history)}
+                "generator": self.generator.get_state(), "history": list(self.history), "perms": perms,
+                "perm_optimizer": None if self.perm_optimizer is None else copy.deepcopy(self.perm_optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         if state["config"] != asdict(self.config):
@@ -156,10 +223,43 @@ class DynamicSparsifier:
         self.densities = dict(state["densities"])
         self.generator.set_state(state["generator"])
         self.history = list(state["history"])
+        for name, saved in state.get("perms", {}).items():
+            p = self.perms[name]
+            p.hard, p.hardened_at, p.penalty_curve = saved["hard"], saved["hardened_at"], list(saved["penalty_curve"])
+            if saved["soft"] is None:
+                p.soft = None
+            else:
+                with torch.no_grad():
+                    for b, v in zip(p.soft.blocks, saved["soft"]):
+                        b.copy_(v)
+        if self.perm_optimizer is not None and state.get("perm_optimizer") is not None:
+            self.perm_optimizer.load_state_dict(state["perm_optimizer"])
         if self.layers:
             self.apply_masks()
 
+    def permutation_strength(self) -> dict[str, float | None]:
+        """Per layer ``1 − ‖P − I‖_F/√(2N)`` of the hardened permutation (None while soft)."""
+        return {n: None if p.hard is None else strength(p.hard.cpu()) for n, p in self.perms.items()}
+
     # ---- internals -------------------------------------------------------------------------------
+    def _permutation_step(self) -> None:
+        """Adam step on the soft permutations (task gradient + λ_t·∇P), projection, hardening."""
+        soft = {n: p for n, p in self.perms.items() if p.soft is not None}
+        if not soft:
+            return
+        lam = self.schedule.lam(self.step_count)
+        for name, p in soft.items():
+            pen = p.soft.penalty()
+            if lam > 0:
+                (lam * pen).backward()
+            p.penalty_curve.append(float(pen.detach()))
+        self.perm_optimizer.step()
+        self.perm_optimizer.zero_grad(set_to_none=True)
+        for name, p in soft.items():
+            p.soft.project_()
+            if float(p.soft.penalty().detach()) < self.config.delta or self.step_count >= self.config.t_perm:
+                p.harden(self.step_count)
+
     def drop_fraction(self, t: int) -> float:
         """``α/2·(1 + cos(π t / t_end))``."""
         return self.config.alpha / 2 * (1 + math.cos(math.pi * t / self.config.t_end))
@@ -174,9 +274,21 @@ class DynamicSparsifier:
             w = self.layers[name].weight
             _out_in(self.layers[name], w.data).mul_(mask.to(w.device, w.dtype))
 
+    def _pool(self, t: torch.Tensor) -> torch.Tensor:
+        """dsb: ``[out, in]`` → per-block sums ``[out/b, in/b]``."""
+        b = self.config.block
+        return t.reshape(t.shape[0] // b, b, t.shape[1] // b, b).sum((1, 3))
+
+    def _expand(self, blocks: torch.Tensor) -> torch.Tensor:
+        b = self.config.block
+        return blocks.repeat_interleave(b, 0).repeat_interleave(b, 1)
+
     def _select(self, scores: torch.Tensor, budget: int, alive: torch.Tensor | None) -> torch.Tensor:
         """A mask with ``budget`` entries of highest ``scores``, in the method's structure."""
         out_f, in_f = scores.shape
+        if self.config.method == "dsb":
+            n_blocks = max(1, round(budget / self.config.block ** 2))
+            return self._expand(self._unstructured_top(self._pool(scores), n_blocks))
         if self.config.method != "srigl":
             mask = torch.zeros(out_f * in_f, dtype=torch.bool)
             mask[scores.flatten().topk(budget).indices] = True
@@ -198,6 +310,9 @@ class DynamicSparsifier:
             w = _out_in(module, module.weight.data).float().cpu()
             g = module.weight.grad
             g = torch.zeros_like(w) if g is None else _out_in(module, g).float().cpu().abs()
+            if self.config.method == "dsb":  # whole blocks: pooled magnitudes and gradients
+                w, g = self._pool(w.abs().pow(2)).sqrt(), self._pool(g.pow(2)).sqrt()
+                mask = self._pool(mask.float()) > 0
             active = int(mask.sum())
             k = int(round(fraction * active))
             if k == 0:
@@ -212,6 +327,8 @@ class DynamicSparsifier:
             new = kept | grown
             if self.config.method == "srigl":
                 new = self._srigl(new, kept, grow_score, w, active, module)
+            if self.config.method == "dsb":
+                mask, new = self.masks[name], self._expand(new)
             started = new & ~mask
             self.masks[name] = new
             self._reset_moments(module, started)
