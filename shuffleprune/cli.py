@@ -193,6 +193,76 @@ def eval_(
         Console().print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
+def _config_kw(pairs: Optional[List[str]]) -> dict:
+    import json
+
+    out = {}
+    for pair in _split_csv(pairs):
+        key, sep, value = pair.partition("=")
+        if not sep:
+            _fail(UserError(f"--config-kw expects key=value, got '{pair}'"))
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+@app.command()
+def dst(
+    out: Path = typer.Option(..., "--out", help="Run directory: checkpoint.pt, dst_report.json, model/."),
+    arch: str = typer.Option("gpt2", "--arch", help="transformers model type (gpt2, llama, …) or a config dir / hub id."),
+    config_kw: Optional[List[str]] = typer.Option(None, "--config-kw", help="Config overrides key=value (comma-separated or repeated), e.g. n_layer=12,n_embd=768,n_head=12."),
+    tokenizer: str = typer.Option("default", "--tokenizer", help="Tokenizer: default (the embedded model's), a dir or a hub id."),
+    data: str = typer.Option("wiki", "--data", help="Text: wikitext103 (hub, as the papers), wiki, brown (offline), or a .txt/.jsonl path."),
+    method: str = typer.Option("rigl", "--method", help="dense, rigl, set, srigl or dsb."),
+    sparsity: float = typer.Option(0.9, "--sparsity", help="Global sparsity of the sparsified layers."),
+    distribution: str = typer.Option("erk", "--distribution", help="Layer-wise densities: erk or uniform."),
+    delta_t: int = typer.Option(100, "--delta-t", help="Steps between mask updates."),
+    alpha: float = typer.Option(0.3, "--alpha", help="Initial drop fraction (cosine-decayed)."),
+    t_end: Optional[int] = typer.Option(None, "--t-end", help="Last mask update step (default: 75% of --steps)."),
+    block: int = typer.Option(16, "--block", help="dsb block size."),
+    perm: str = typer.Option("none", "--perm", help="Input permutation for column-structured methods: none, random or learned."),
+    perm_lr: float = typer.Option(1e-3, "--perm-lr", help="Adam learning rate of the soft permutations."),
+    lambda_max: float = typer.Option(1e-4, "--lambda-max", help="l1−l2 penalty weight (ramped from 0 over --t-perm)."),
+    t_perm: Optional[int] = typer.Option(None, "--t-perm", help="Permutation learning ends here (default: half of --steps)."),
+    delta: float = typer.Option(0.22, "--delta", help="A layer's permutation hardens once P(M) < delta."),
+    seq_len: int = typer.Option(256, "--seq-len"),
+    batch_size: int = typer.Option(8, "--batch-size"),
+    steps: int = typer.Option(1000, "--steps"),
+    lr: float = typer.Option(6e-4, "--lr"),
+    warmup: int = typer.Option(100, "--warmup"),
+    eval_every: int = typer.Option(200, "--eval-every"),
+    eval_tokens: Optional[int] = typer.Option(65536, "--eval-tokens", help="Held-out tokens for perplexity."),
+    checkpoint_every: int = typer.Option(200, "--checkpoint-every"),
+    seed: int = typer.Option(0, "--seed"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint.pt (same options)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Dynamic sparse training from scratch (RigL-style schedules, structured masks, learned permutations)."""
+    from .dst import DSTConfig
+    from .dst_train import TrainConfig, train
+
+    cfg = TrainConfig(arch=arch, config_kw=_config_kw(config_kw), tokenizer=tokenizer, data=data, seq_len=seq_len,
+                      batch_size=batch_size, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every,
+                      eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed)
+    try:
+        dcfg = DSTConfig(method=method, sparsity=sparsity, distribution=distribution, delta_t=delta_t, alpha=alpha,
+                         t_end=t_end if t_end is not None else int(0.75 * steps), block=block, perm=perm,
+                         perm_lr=perm_lr, lambda_max=lambda_max, t_perm=t_perm if t_perm is not None else steps // 2,
+                         delta=delta, seed=seed)
+        dcfg.check()
+        report = train(cfg, dcfg, out, resume=resume, overwrite=overwrite, progress=not quiet)
+    except UserError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        err.print(f"interrupted; continue with the same command plus --resume (checkpoint in {out})")
+        raise typer.Exit(130)
+    Console().print(f"final ppl {report['final_ppl']:.2f} ({data} test, ctx {seq_len}), density {report['density']:.4f}, "
+                    f"{report['train_seconds']:.0f} s; wrote {out}")
+
+
 def main() -> None:  # pragma: no cover
     app(prog_name="shuffleprune")
 

@@ -1,6 +1,8 @@
 """Dynamic sparse training: the sparsifier's masks, budgets, schedule and state (issue in progress)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -192,3 +194,54 @@ def test_state_dict_round_trip_with_soft_permutations():
         sp._permutation_step()
     for n in sp_a.perms:
         assert torch.allclose(sp_a.perms[n].soft.blocks[0], sp_b.perms[n].soft.blocks[0], atol=1e-6)
+
+
+def _train_cfg(tiny_dir, text_file, **kw):
+    from shuffleprune.dst_train import TrainConfig
+
+    base = dict(arch="gpt2", config_kw={"n_layer": 2, "n_embd": 64, "n_head": 4}, tokenizer=str(tiny_dir),
+                data=str(text_file), seq_len=32, batch_size=4, steps=8, warmup=2, eval_every=4, eval_tokens=2048,
+                checkpoint_every=3)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_trainer_resume_after_kill_reproduces_the_uninterrupted_run(tiny_dir, text_file, tmp_path):
+    from shuffleprune.dst_train import CHECKPOINT, train
+
+    cfg = _train_cfg(tiny_dir, text_file)
+    dcfg = DSTConfig(method="dsb", block=16, sparsity=0.75, delta_t=2, t_end=6, perm="learned", t_perm=5,
+                     lambda_max=1e-2, distribution="uniform")
+    full = train(cfg, dcfg, tmp_path / "full", progress=False)
+    assert train(cfg, dcfg, tmp_path / "killed", progress=False, stop_after=4) == {"stopped_at": 4}
+    assert torch.load(tmp_path / "killed" / CHECKPOINT, weights_only=False)["state"]["step"] == 3
+    resumed = train(cfg, dcfg, tmp_path / "killed", resume=True, progress=False)
+    assert resumed["final_ppl"] == pytest.approx(full["final_ppl"], rel=1e-6)
+    assert [r["loss"] for r in resumed["loss_curve"]] == [r["loss"] for r in full["loss_curve"]]
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "full" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(layer["whole_blocks"] and layer["pruned_weights_zero"] for layer in full["layers"].values())
+    assert all(p["hardened_at"] is not None and p["hardened_at"] <= 5 for p in full["permutations"].values())
+    assert (tmp_path / "full" / "model" / "index_maps.safetensors").is_file()
+
+
+def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from shuffleprune.cli import app
+
+    base = ["dst", "--arch", "gpt2", "--config-kw", "n_layer=2,n_embd=64,n_head=4", "--tokenizer", str(tiny_dir),
+            "--data", str(text_file), "--seq-len", "32", "--batch-size", "2", "--steps", "4", "--warmup", "1",
+            "--eval-every", "0", "--eval-tokens", "1024", "--checkpoint-every", "2", "--quiet"]
+    r = CliRunner().invoke(app, base + ["--method", "srigl", "--sparsity", "0.8", "--delta-t", "2", "--out", str(tmp_path / "ok")])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "ok" / "dst_report.json").read_text())
+    assert all(l["constant_fan_in"] for l in report["layers"].values()) and abs(report["density"] - 0.2) < 0.05
+    for extra, needle in ((["--method", "magic"], "unknown DST method"), (["--method", "rigl", "--perm", "learned"], "column-structured"),
+                          (["--config-kw", "n_layer"], "key=value"), (["--data", str(tmp_path / "none.txt")], "does not exist")):
+        out = tmp_path / "bad"
+        r = CliRunner().invoke(app, base + extra + ["--out", str(out)])
+        assert r.exit_code == 2 and needle in r.output, r.output
+        assert not out.exists()

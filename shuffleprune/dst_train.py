@@ -1,0 +1,230 @@
+"""``shuffleprune dst``: causal-LM training from scratch around :class:`dst.DynamicSparsifier`.
+
+A model built from a transformers config (``--arch gpt2`` with ``--config-kw n_layer=12 …``, or a
+config dir / hub id), a tokenizer (the embedded model's by default), a text source (``wikitext103``
+online as the papers; ``wiki`` / ``brown`` / files offline), AdamW with cosine LR and warmup, run
+through ``accelerate`` (``accelerate launch -m shuffleprune.cli dst …`` for several GPUs).
+
+Batches are a pure function of (seed, step): windows at seeded random offsets of the tokenized
+train split. A checkpoint (model, optimizer, scheduler, sparsifier with masks and permutations,
+RNG state, logs) is written atomically every ``checkpoint_every`` steps; ``--resume`` continues
+from it and reproduces the uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .dst import DSTConfig, DynamicSparsifier, _out_in
+from .errors import UserError
+
+CHECKPOINT = "checkpoint.pt"
+REPORT = "dst_report.json"
+
+
+@dataclass
+class TrainConfig:
+    arch: str = "gpt2"
+    config_kw: dict = field(default_factory=dict)   # overrides of the transformers config
+    tokenizer: str = "default"                      # embedded model's tokenizer, or a dir / hub id
+    data: str = "wiki"
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 200
+    eval_tokens: int | None = 65536
+    checkpoint_every: int = 200
+    seed: int = 0
+
+
+def _tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    from .models import is_embedded, resolve_model_path
+
+    path = resolve_model_path(None) if is_embedded(spec) else spec
+    return AutoTokenizer.from_pretrained(path)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int):
+    """A fresh model from ``cfg.arch`` (a model type, or a config dir / hub id) + ``cfg.config_kw``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if Path(cfg.arch).is_dir() or "/" in cfg.arch:
+            config = AutoConfig.from_pretrained(cfg.arch, **cfg.config_kw)
+        else:
+            config = AutoConfig.for_model(cfg.arch, **cfg.config_kw)
+    except (ValueError, OSError, TypeError) as exc:
+        raise UserError(f"cannot build a config for '{cfg.arch}': {str(exc).splitlines()[0][:160]}") from exc
+    config.vocab_size = vocab_size
+    for key in ("n_positions", "max_position_embeddings"):
+        if hasattr(config, key) and getattr(config, key) < cfg.seq_len:
+            setattr(config, key, cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _batch(stream: torch.Tensor, cfg: TrainConfig, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    starts = torch.randint(0, stream.numel() - cfg.seq_len, (cfg.batch_size,), generator=gen)
+    return torch.stack([stream[s:s + cfg.seq_len] for s in starts.tolist()])
+
+
+def _structure_report(sp: DynamicSparsifier) -> dict:
+    """Final density per layer, checked against the method's structure."""
+    out = {}
+    for name, mask in sp.masks.items():
+        module = sp.layers[name]
+        w = _out_in(module, module.weight.data)
+        zeros_ok = not bool(w[~mask.to(w.device)].any())
+        entry = {"density": round(float(mask.float().mean()), 6), "target": round(sp.densities[name], 6),
+                 "pruned_weights_zero": zeros_ok}
+        if sp.config.method == "srigl":
+            fan = mask.sum(1)
+            entry["constant_fan_in"] = bool((fan[fan > 0] == fan[fan > 0][0]).all()) if (fan > 0).any() else True
+            entry["ablated_neurons"] = int((fan == 0).sum())
+        if sp.config.method == "dsb":
+            b = sp.config.block
+            blocks = mask.reshape(mask.shape[0] // b, b, mask.shape[1] // b, b).float().mean((1, 3))
+            entry["whole_blocks"] = bool(((blocks == 0) | (blocks == 1)).all())
+        out[name] = entry
+    return out
+
+
+def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
+          progress: bool = True, stop_after: int | None = None) -> dict:
+    """Train; returns the report (also written to ``out/dst_report.json``). ``stop_after`` ends the
+    run after that many steps as if killed (tests)."""
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_schedule_with_warmup
+
+    from .calib import get_source
+    from .calib.sources import _encode
+    from .perplexity import perplexity
+    from .runtime import peak_rss_mb, versions
+
+    out = Path(out)
+    ckpt = out / CHECKPOINT
+    if resume and not ckpt.is_file():
+        raise UserError(f"nothing to resume in '{out}': no {CHECKPOINT}")
+    if not resume and out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"output dir '{out}' is not empty; use --resume, --overwrite or another --out")
+        shutil.rmtree(out)
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.seq_len < 8:
+        raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
+    tokenizer = _tokenizer(cfg.tokenizer)
+    source = get_source(cfg.data)
+    train_stream = _encode(tokenizer, source.joiner.join(source.documents("train")))
+    test_stream = _encode(tokenizer, source.joiner.join(source.documents("test")))
+    if cfg.eval_tokens:
+        test_stream = test_stream[:cfg.eval_tokens]
+    if train_stream.numel() <= cfg.seq_len or test_stream.numel() < cfg.seq_len:
+        raise UserError(f"'{cfg.data}' is too short for --seq-len {cfg.seq_len}")
+
+    accelerator = Accelerator()
+    model = build_model(cfg, len(tokenizer))
+    sparsifier = DynamicSparsifier(dst)
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup, cfg.steps)
+    sparsifier.prepare(model, optimizer)
+    state = {"step": 0, "log": [], "evals": [], "train_seconds": 0.0}
+    if resume:
+        saved = torch.load(ckpt, weights_only=False)
+        if saved["train_config"] != asdict(cfg) or saved["dst_config"] != asdict(dst):
+            raise UserError("--resume with different settings than the checkpointed run; repeat its exact options")
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        sparsifier.load_state_dict(saved["sparsifier"])
+        torch.set_rng_state(saved["rng"])
+        if saved.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
+        state = saved["state"]
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    out.mkdir(parents=True, exist_ok=True)
+    device = accelerator.device
+
+    def evaluate() -> float:
+        model.eval()
+        ppl = perplexity(accelerator.unwrap_model(model), test_stream.unsqueeze(0), cfg.seq_len, device)
+        model.train()
+        return ppl
+
+    def save_checkpoint() -> None:
+        if not accelerator.is_main_process:
+            return
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"train_config": asdict(cfg), "dst_config": asdict(dst),
+                    "model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "sparsifier": sparsifier.state_dict(),
+                    "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                    "state": state}, tmp)
+        os.replace(tmp, ckpt)
+
+    model.train()
+    bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, desc=f"dst {dst.method}",
+               disable=not progress or not accelerator.is_main_process)
+    for step in bar:
+        t0 = time.time()
+        batch = _batch(train_stream, cfg, step).to(device)
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        if cfg.grad_clip:
+            accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        sparsifier.step()
+        scheduler.step()
+        optimizer.zero_grad()  # after sparsifier.step(): RigL reads the dense gradients at update steps
+        state["train_seconds"] += time.time() - t0
+        state["step"] = step + 1
+        value = float(loss.detach())
+        state["log"].append({"step": step + 1, "loss": round(value, 5)})
+        bar.set_postfix_str(f"loss {value:.3f}")
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            state["evals"].append({"step": step + 1, "ppl": evaluate()})
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            save_checkpoint()
+        if stop_after is not None and step + 1 >= stop_after:
+            return {"stopped_at": step + 1}
+    final_ppl = evaluate()
+    state["evals"].append({"step": cfg.steps, "ppl": final_ppl})
+    unwrapped = accelerator.unwrap_model(model)
+    report = {
+        "train": asdict(cfg), "dst": asdict(dst), "final_ppl": final_ppl, "evals": state["evals"],
+        "loss_curve": state["log"], "train_seconds": round(state["train_seconds"], 2),
+        "peak_rss_mb": round(peak_rss_mb(), 1), "density": round(sparsifier.density(), 6),
+        "layers": _structure_report(sparsifier) if sparsifier.masks else {},
+        "permutations": {n: {"hardened_at": p.hardened_at, "penalty_curve": [round(v, 4) for v in p.penalty_curve],
+                             "strength": None if p.hard is None else round(s, 4)}
+                         for (n, p), s in zip(sparsifier.perms.items(), sparsifier.permutation_strength().values())},
+        "mask_updates": sparsifier.history, "versions": versions("accelerate"), "device": str(device),
+    }
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(out / "model")
+        tokenizer.save_pretrained(out / "model")
+        hard = {n: p.hard for n, p in sparsifier.perms.items() if p.hard is not None}
+        if hard:  # the weights act on x[perm]: the same layout as a `prune --perm` checkpoint
+            from .models import INDEX_MAPS
+            from .permuted_linear import save_index_maps
+
+            save_index_maps(hard, out / "model" / INDEX_MAPS)
+        (out / REPORT).write_text(json.dumps(report, indent=1))
+        save_checkpoint()
+    return report
