@@ -132,11 +132,20 @@ def report(
     pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out`."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Write permutation PNGs (strength vs depth, penalty and loss curves) here."),
 ) -> None:
-    """Show a pruned checkpoint's report again, and draw its permutation pictures."""
+    """Show a pruned checkpoint's report again and draw its permutation pictures (or a dst run's curves)."""
     import json
 
     from .report import print_prune_report
 
+    if (pruned / "dst_report.json").is_file():  # a `dst` run directory
+        from .plots import plot_dst_report
+
+        rep = json.loads((pruned / "dst_report.json").read_text())
+        Console().print(f"dst {rep['dst']['method']} perm {rep['dst']['perm']}: final ppl {rep['final_ppl']:.2f}, "
+                        f"density {rep['density']:.4f}, {rep['train_seconds']:.0f} s")
+        if plots is not None:
+            Console().print("wrote " + ", ".join(str(p) for p in plot_dst_report(rep, plots)))
+        return
     path = pruned / "prune_report.json"
     if not path.is_file():
         _fail(UserError(f"no prune_report.json in '{pruned}' (give a directory written by `shuffleprune prune --out`)"))

@@ -85,3 +85,50 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def plot_dst_report(report: dict, out_dir: Path) -> list[Path]:
+    """PNGs of a ``dst`` run: loss and held-out ppl vs step; with permutations, the penalty ``P(M)``
+    per layer with its hardening step (paper Fig. 5–6) and permutation strength vs depth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in report["loss_curve"]], [r["loss"] for r in report["loss_curve"]], lw=0.8, label="train loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if report.get("evals"):
+        ax2 = ax.twinx()
+        ax2.plot([e["step"] for e in report["evals"]], [e["ppl"] for e in report["evals"]], "o-", color="C1", label="held-out ppl")
+        ax2.set_ylabel("perplexity")
+    ax.set_title(f"dst {report['dst']['method']} · perm {report['dst']['perm']} · sparsity {report['dst']['sparsity']}")
+    written.append(_save(fig, out_dir / "dst_loss.png"))
+    perms = report.get("permutations") or {}
+    learned = {n: p for n, p in perms.items() if p["penalty_curve"]}
+    if learned:
+        cmap = plt.get_cmap("viridis")
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, (name, p) in enumerate(learned.items()):
+            colour = cmap(i / max(len(learned) - 1, 1))
+            ax.plot(range(1, len(p["penalty_curve"]) + 1), p["penalty_curve"], color=colour, lw=0.8)
+            if p["hardened_at"]:
+                ax.axvline(p["hardened_at"], color=colour, lw=0.4, ls=":")
+        ax.axhline(report["dst"]["delta"], color="red", lw=0.8, ls="--", label="δ")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("P(M)")
+        ax.set_title("penalty per layer (colour: depth; dotted: hardening step)")
+        ax.legend()
+        written.append(_save(fig, out_dir / "dst_penalty.png"))
+    strengths = [(i, p["strength"]) for i, p in enumerate(perms.values()) if p["strength"] is not None]
+    if strengths:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([s[0] for s in strengths], [s[1] for s in strengths], "o-", ms=3)
+        ax.set_xlabel("layer (in model order)")
+        ax.set_ylabel("permutation strength 1 − ‖P−I‖F/√(2N)")
+        written.append(_save(fig, out_dir / "dst_strength.png"))
+    return written

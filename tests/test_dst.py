@@ -225,6 +225,13 @@ def test_trainer_resume_after_kill_reproduces_the_uninterrupted_run(tiny_dir, te
     assert all(layer["whole_blocks"] and layer["pruned_weights_zero"] for layer in full["layers"].values())
     assert all(p["hardened_at"] is not None and p["hardened_at"] <= 5 for p in full["permutations"].values())
     assert (tmp_path / "full" / "model" / "index_maps.safetensors").is_file()
+    from typer.testing import CliRunner
+
+    from shuffleprune.cli import app
+
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "full"), "--plots", str(tmp_path / "plots")])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["dst_loss.png", "dst_penalty.png", "dst_strength.png"]
 
 
 def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
