@@ -22,6 +22,10 @@ Methods (structure of every mask, after every update):
   fewer than ``γ_sal``·fan-in is switched off, and the layer's budget is spread over the others.
 - ``dsb``: blocks of ``block``×``block`` weights; prune-and-grow works on whole blocks (drop the
   active blocks of smallest ‖W‖, grow the inactive ones of largest ‖∇W‖).
+- ``pixelfly`` (Pixelated Butterfly): a static flat block-butterfly mask (block (i, j) active when
+  i = j or i XOR j is a power of two, on the block grid scaled to a square power of two; as many
+  butterfly levels as fit in ``1 − lowrank_share`` of the layer's budget) plus a dense low-rank
+  term ``U Vᵀ`` in parallel whose rank uses the rest of the budget. The mask never changes.
 - ``dense``: no masks.
 
 Permutations (``perm``, column-structured methods): ``random`` fixes a random input permutation
@@ -32,6 +36,9 @@ trained by its own Adam on the task gradient plus ``λ_t·P(M)`` (λ ramped 0 �
 ``P(M) < delta`` and reads ``x[perm]`` from then on; at ``t_perm`` every layer hardens. The
 weights, their masks and prune-and-grow live in the permuted coordinates. Permutation parameters
 are not counted in the sparsity budget.
+
+The low-rank factors of ``pixelfly`` are registered on their layer (``lowrank_u``, ``lowrank_v``),
+so create the optimizer *after* ``prepare`` (and pass it with ``sparsifier.optimizer = opt``).
 
 Layer densities: ``erk`` (Erdős–Rényi–Kernel: density ∝ (fan_in + fan_out)/(fan_in·fan_out),
 capped at 1, rescaled to the global budget) or ``uniform``. Not implemented yet: PixelatedBFly and
@@ -49,7 +56,7 @@ from torch import nn
 from .errors import UserError
 from .permutation import PermSchedule, SoftPermutation, permute_columns, strength
 
-METHODS = ("dense", "rigl", "set", "srigl", "dsb")
+METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly")
 
 
 @dataclass
@@ -61,7 +68,8 @@ class DSTConfig:
     alpha: float = 0.3            # initial drop fraction
     t_end: int = 1000             # no updates from here on (RigL: 75% of training)
     gamma_sal: float = 0.3        # srigl: neuron ablation threshold
-    block: int = 16               # dsb: block size (rows and columns)
+    block: int = 16               # dsb / pixelfly: block size (rows and columns)
+    lowrank_share: float = 0.25   # pixelfly: share of a layer's budget given to the low-rank term
     perm: str = "none"            # none | random | learned (ShuffleSparse, for column-structured methods)
     perm_lr: float = 1e-3         # Adam on the soft permutations
     lambda_max: float = 1e-4      # l1−l2 penalty weight, ramped from 0 over t_perm steps
@@ -82,8 +90,8 @@ class DSTConfig:
         if self.perm not in ("none", "random", "learned"):
             raise UserError(f"unknown --perm '{self.perm}'; use none, random or learned")
         if self.perm != "none" and self.method in ("dense", "rigl", "set", "srigl"):
-            raise UserError(f"--perm needs a column-structured method (dsb); {self.method}'s masks do not "
-                            "depend on input order")
+            raise UserError(f"--perm needs a column-structured method (dsb, pixelfly); {self.method}'s masks do "
+                            "not depend on input order")
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -119,6 +127,12 @@ def layer_densities(shapes: dict[str, tuple[int, int]], density: float, distribu
         if not over:
             return {n: 1.0 if n in dense else raw[n] * scale for n in shapes}
         dense.update(over)
+
+
+def _add_lowrank(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """pixelfly: ``y += x Vᵀ Uᵀ`` (the layer's low-rank term, on the same — possibly permuted — input)."""
+    x = args[0]
+    return output + (x @ module.lowrank_v.t()) @ module.lowrank_u.t()
 
 
 class InputPermutation:
@@ -161,6 +175,7 @@ class DynamicSparsifier:
         self.perm_optimizer: torch.optim.Optimizer | None = None
         self.schedule = PermSchedule(steps=config.t_perm, lambda_max=config.lambda_max)
         self._hooks: list = []
+        self.lowrank_params: dict[str, int] = {}
 
     # ---- torch.ao.pruning-style contract -------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -180,10 +195,13 @@ class DynamicSparsifier:
         self.densities = layer_densities(shapes, 1.0 - self.config.sparsity, self.config.distribution)
         for name, module in found.items():
             out_f, in_f = shapes[name]
-            if self.config.method == "dsb" and (out_f % self.config.block or in_f % self.config.block):
+            if self.config.method in ("dsb", "pixelfly") and (out_f % self.config.block or in_f % self.config.block):
                 raise UserError(f"{name} ({out_f}×{in_f}) is not a multiple of --block {self.config.block}")
-            scores = torch.rand(out_f, in_f, generator=self.generator)
-            self.masks[name] = self._select(scores, self._budget(name), None)
+            if self.config.method == "pixelfly":
+                self.masks[name] = self._pixelfly(name, module, out_f, in_f)
+            else:
+                scores = torch.rand(out_f, in_f, generator=self.generator)
+                self.masks[name] = self._select(scores, self._budget(name), None)
             if self.config.perm != "none":
                 fixed = torch.randperm(in_f, generator=self.generator) if self.config.perm == "random" else None
                 self.perms[name] = InputPermutation(in_f, fixed, self.config.perm_init)
@@ -201,7 +219,7 @@ class DynamicSparsifier:
         self.step_count += 1
         c = self.config
         self._permutation_step()
-        if self.step_count % c.delta_t == 0 and self.step_count < c.t_end:
+        if self.step_count % c.delta_t == 0 and self.step_count < c.t_end and c.method != "pixelfly":
             self.update_masks(self.drop_fraction(self.step_count))
         self.apply_masks()
 
@@ -273,6 +291,35 @@ class DynamicSparsifier:
         for name, mask in self.masks.items():
             w = self.layers[name].weight
             _out_in(self.layers[name], w.data).mul_(mask.to(w.device, w.dtype))
+
+    def _pixelfly(self, name: str, module: nn.Module, out_f: int, in_f: int) -> torch.Tensor:
+        """Static flat block-butterfly mask + a low-rank term registered on the layer."""
+        b, budget = self.config.block, self._budget(name)
+        rows, cols = out_f // b, in_f // b
+        n = 1 << max(rows, cols, 1).bit_length() - 1
+        n = n if n >= max(rows, cols) else 2 * n
+        i = torch.arange(rows).unsqueeze(1) * n // rows
+        j = torch.arange(cols).unsqueeze(0) * n // cols
+        x = i ^ j
+        butterfly_budget = (1.0 - self.config.lowrank_share) * budget
+        blocks = x == 0
+        stride = 1
+        while stride < n:
+            candidate = blocks | (x == stride)
+            if int(candidate.sum()) * b * b > butterfly_budget and blocks.any():
+                break
+            blocks, stride = candidate, stride * 2
+        mask = self._expand(blocks)
+        rank = max(0, (budget - int(mask.sum())) // (out_f + in_f))
+        if rank:
+            w = module.weight
+            u = torch.zeros(out_f, rank, dtype=w.dtype, device=w.device)
+            v = torch.randn(rank, in_f, generator=self.generator).to(w.dtype) / math.sqrt(in_f)
+            module.register_parameter("lowrank_u", nn.Parameter(u))
+            module.register_parameter("lowrank_v", nn.Parameter(v.to(w.device)))
+            self._hooks.append(module.register_forward_hook(_add_lowrank))
+        self.lowrank_params[name] = rank * (out_f + in_f)
+        return mask
 
     def _pool(self, t: torch.Tensor) -> torch.Tensor:
         """dsb: ``[out, in]`` → per-block sums ``[out/b, in/b]``."""
@@ -369,6 +416,7 @@ class DynamicSparsifier:
                 _out_in(module, value)[started.to(value.device)] = 0.0
 
     def density(self) -> float:
-        """Overall fraction of active weights over the sparsified layers."""
+        """Overall fraction of active weights over the sparsified layers (low-rank factors included)."""
         total = sum(self.layers[n].weight.numel() for n in self.masks)
-        return sum(int(m.sum()) for m in self.masks.values()) / total if total else 1.0
+        used = sum(int(m.sum()) for m in self.masks.values()) + sum(self.lowrank_params.values())
+        return used / total if total else 1.0

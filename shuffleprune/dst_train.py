@@ -94,10 +94,12 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
             fan = mask.sum(1)
             entry["constant_fan_in"] = bool((fan[fan > 0] == fan[fan > 0][0]).all()) if (fan > 0).any() else True
             entry["ablated_neurons"] = int((fan == 0).sum())
-        if sp.config.method == "dsb":
+        if sp.config.method in ("dsb", "pixelfly"):
             b = sp.config.block
             blocks = mask.reshape(mask.shape[0] // b, b, mask.shape[1] // b, b).float().mean((1, 3))
             entry["whole_blocks"] = bool(((blocks == 0) | (blocks == 1)).all())
+            if name in sp.lowrank_params:
+                entry["lowrank_params"] = sp.lowrank_params[name]
         out[name] = entry
     return out
 
@@ -137,12 +139,13 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     accelerator = Accelerator()
     model = build_model(cfg, len(tokenizer))
     sparsifier = DynamicSparsifier(dst)
+    sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup, cfg.steps)
-    sparsifier.prepare(model, optimizer)
+    sparsifier.optimizer = optimizer
     state = {"step": 0, "log": [], "evals": [], "train_seconds": 0.0}
     if resume:
         saved = torch.load(ckpt, weights_only=False)

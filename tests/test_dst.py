@@ -33,11 +33,14 @@ def _check_structure(sparsifier: DynamicSparsifier, method: str):
         budget = sparsifier._budget(name)
         if method in ("rigl", "set"):
             assert int(mask.sum()) == budget
-        elif method == "dsb":  # whole b×b blocks
+        elif method in ("dsb", "pixelfly"):  # whole b×b blocks
             b = sparsifier.config.block
             blocks = mask.reshape(mask.shape[0] // b, b, mask.shape[1] // b, b).float().mean((1, 3))
             assert bool(((blocks == 0) | (blocks == 1)).all())
-            assert abs(int(mask.sum()) - budget) <= b * b / 2 + 1e-9 or int(blocks.sum()) == 1
+            if method == "dsb":
+                assert abs(int(mask.sum()) - budget) <= b * b / 2 + 1e-9 or int(blocks.sum()) == 1
+            else:  # butterfly blocks + low-rank factors within the budget
+                assert int(mask.sum()) + sparsifier.lowrank_params[name] <= budget
         else:  # srigl: every live neuron has the same fan-in
             fan = mask.sum(1)
             live = fan[fan > 0]
@@ -53,7 +56,7 @@ def test_erk_densities_meet_the_budget_and_cap_at_one():
     assert layer_densities(shapes, 0.3, "uniform") == {n: 0.3 for n in shapes}
 
 
-@pytest.mark.parametrize("method", ["rigl", "set", "srigl", "dsb"])
+@pytest.mark.parametrize("method", ["rigl", "set", "srigl", "dsb", "pixelfly"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_masks_keep_their_structure_and_budget_through_updates(method, arch):
     model = tiny_model(arch)
@@ -63,9 +66,12 @@ def test_masks_keep_their_structure_and_budget_through_updates(method, arch):
     _check_structure(sp, method)
     for _ in _train(model, sp, 10):
         _check_structure(sp, method)
+    if method == "pixelfly":  # static
+        assert not sp.history
+        return
     assert len(sp.history) == 5 and sum(bool(r["layers"]) for r in sp.history) >= 3  # late updates may drop 0 blocks
     assert any(l["grown"] > 0 for r in sp.history for l in r["layers"].values())
-    tolerance = {"srigl": 0.05, "dsb": 0.05}.get(method, 0.01)
+    tolerance = {"srigl": 0.05, "dsb": 0.05, "pixelfly": 0.1}.get(method, 0.01)
     assert abs(sp.density() - 0.2) < tolerance
 
 
@@ -252,3 +258,27 @@ def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
         r = CliRunner().invoke(app, base + extra + ["--out", str(out)])
         assert r.exit_code == 2 and needle in r.output, r.output
         assert not out.exists()
+
+
+def test_pixelfly_is_a_static_butterfly_plus_trained_low_rank():
+    model = tiny_model("llama")
+    sp = DynamicSparsifier(DSTConfig(method="pixelfly", sparsity=0.6, block=8, delta_t=2, t_end=10, distribution="uniform"))
+    sp.prepare(model)
+    first = {n: m.clone() for n, m in sp.masks.items()}
+    name = "model.layers.0.mlp.down_proj"  # 64 × 128: a 8 × 16 block grid
+    blocks = first[name].reshape(8, 8, 16, 8).any(3).any(1)
+    i = torch.arange(8).unsqueeze(1) * 16 // 8
+    j = torch.arange(16).unsqueeze(0)
+    x = i ^ j
+    assert bool(blocks[x == 0].all()) and bool(blocks[x == 1].all())  # diagonal and first butterfly level
+    assert not bool(blocks[(x != 0) & ((x & (x - 1)) != 0)].any())   # never off-butterfly
+    layer = sp.layers[name]
+    assert layer.lowrank_u.shape[1] > 0 and sp.lowrank_params[name] > 0
+    for _ in _train(model, sp, 6):
+        pass
+    assert all(torch.equal(sp.masks[n], first[n]) for n in first)  # static
+    assert layer.lowrank_u.abs().sum() > 0  # trained from zero
+    x_in = torch.randn(2, 128)
+    want = x_in @ layer.weight.t() + x_in @ layer.lowrank_v.t() @ layer.lowrank_u.t()
+    assert torch.allclose(layer(x_in), want, atol=1e-5)
+    assert sp.density() <= 0.4 + 1e-6
