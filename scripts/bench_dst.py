@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STRUCTURED = ["srigl", "dsb"]
+STRUCTURED = ["srigl", "dsb", "pixelfly", "diag"]
+PERMUTABLE = ("dsb", "pixelfly", "diag")  # column-structured: input order matters
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
     runs = []
     for seed in args.seeds:
         for method in args.methods:
-            perms = ["none", "random", "learned"] if method == "dsb" else ["none"]
+            perms = ["none", "random", "learned"] if method in PERMUTABLE else ["none"]
             runs += [(method, perm, seed) for perm in perms]
     for method, perm, seed in runs:
         if (method, perm, seed) in done:

@@ -26,6 +26,11 @@ Methods (structure of every mask, after every update):
   i = j or i XOR j is a power of two, on the block grid scaled to a square power of two; as many
   butterfly levels as fit in ``1 − lowrank_share`` of the layer's budget) plus a dense low-rank
   term ``U Vᵀ`` in parallel whose rank uses the rest of the budget. The mask never changes.
+- ``diag`` (DynaDiag): ``K`` wrapped diagonals (entries ``(r, (r + d) mod in)``), ``K`` from the
+  layer's density. Until ``t_end`` every diagonal is weighted by a soft top-K of learnable scores
+  (``sigmoid((α_d − t)/τ)``, ``t`` midway between the K-th and (K+1)-th score, τ annealed
+  ``tau_start`` → ``tau_end``), trained with the model through a weight parametrization; at
+  ``t_end`` the top-K diagonals are frozen as a hard mask. (Before freezing, compute is dense.)
 - ``dense``: no masks.
 
 Permutations (``perm``, column-structured methods): ``random`` fixes a random input permutation
@@ -37,8 +42,9 @@ trained by its own Adam on the task gradient plus ``λ_t·P(M)`` (λ ramped 0 �
 weights, their masks and prune-and-grow live in the permuted coordinates. Permutation parameters
 are not counted in the sparsity budget.
 
-The low-rank factors of ``pixelfly`` are registered on their layer (``lowrank_u``, ``lowrank_v``),
-so create the optimizer *after* ``prepare`` (and pass it with ``sparsifier.optimizer = opt``).
+The low-rank factors of ``pixelfly`` (``lowrank_u``, ``lowrank_v``) and the diagonal scores of
+``diag`` (a ``weight`` parametrization) are registered on their layer, so create the optimizer
+*after* ``prepare`` (and pass it with ``sparsifier.optimizer = opt``).
 
 Layer densities: ``erk`` (Erdős–Rényi–Kernel: density ∝ (fan_in + fan_out)/(fan_in·fan_out),
 capped at 1, rescaled to the global budget) or ``uniform``. Not implemented yet: PixelatedBFly and
@@ -56,7 +62,7 @@ from torch import nn
 from .errors import UserError
 from .permutation import PermSchedule, SoftPermutation, permute_columns, strength
 
-METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly")
+METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag")
 
 
 @dataclass
@@ -70,6 +76,8 @@ class DSTConfig:
     gamma_sal: float = 0.3        # srigl: neuron ablation threshold
     block: int = 16               # dsb / pixelfly: block size (rows and columns)
     lowrank_share: float = 0.25   # pixelfly: share of a layer's budget given to the low-rank term
+    tau_start: float = 1.0        # diag: soft top-K temperature, annealed geometrically to tau_end
+    tau_end: float = 0.01         #       over the first t_end steps, then the K diagonals are frozen
     perm: str = "none"            # none | random | learned (ShuffleSparse, for column-structured methods)
     perm_lr: float = 1e-3         # Adam on the soft permutations
     lambda_max: float = 1e-4      # l1−l2 penalty weight, ramped from 0 over t_perm steps
@@ -90,12 +98,13 @@ class DSTConfig:
         if self.perm not in ("none", "random", "learned"):
             raise UserError(f"unknown --perm '{self.perm}'; use none, random or learned")
         if self.perm != "none" and self.method in ("dense", "rigl", "set", "srigl"):
-            raise UserError(f"--perm needs a column-structured method (dsb, pixelfly); {self.method}'s masks do "
+            raise UserError(f"--perm needs a column-structured method (dsb, pixelfly, diag); {self.method}'s masks do "
                             "not depend on input order")
 
 
 def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    """transformers' GPT-2 ``Conv1D`` (also when a parametrization has subclassed it)."""
+    return any(c.__name__ == "Conv1D" for c in type(module).__mro__) and hasattr(module, "nf")
 
 
 def sparsifiable_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -127,6 +136,43 @@ def layer_densities(shapes: dict[str, tuple[int, int]], density: float, distribu
         if not over:
             return {n: 1.0 if n in dense else raw[n] * scale for n in shapes}
         dense.update(over)
+
+
+def _raw_weight(module: nn.Module) -> torch.Tensor:
+    """The stored weight (under a ``diag`` parametrization: its unmasked original)."""
+    if hasattr(module, "parametrizations") and "weight" in module.parametrizations:
+        return module.parametrizations.weight.original
+    return module.weight
+
+
+class DiagonalSelect(nn.Module):
+    """``weight`` parametrization of ``diag``: ``W ⊙ Σ_d s_d D_d`` with soft top-K ``s`` while
+    selecting, ``W ⊙ mask`` (the frozen K diagonals) after."""
+
+    def __init__(self, out_f: int, in_f: int, k: int, conv1d: bool, generator: torch.Generator):
+        super().__init__()
+        self.out_f, self.in_f, self.k, self.conv1d = out_f, in_f, k, conv1d
+        self.alpha = nn.Parameter(torch.randn(in_f, generator=generator) * 1e-2)
+        self.tau = 1.0
+        self.register_buffer("frozen", torch.zeros(out_f, in_f, dtype=torch.bool))
+        self.is_frozen = False
+        rows = torch.arange(out_f).unsqueeze(1)
+        self.register_buffer("offset", (torch.arange(in_f).unsqueeze(0) - rows) % in_f, persistent=False)
+
+    def soft(self) -> torch.Tensor:
+        top = self.alpha.topk(min(self.k + 1, self.in_f)).values
+        t = (top[self.k - 1] + top[-1]) / 2 if self.k < self.in_f else top[-1] - 1.0
+        return torch.sigmoid((self.alpha - t.detach()) / self.tau)
+
+    def hard(self) -> torch.Tensor:
+        """``[out, in]`` mask of the current top-K diagonals."""
+        chosen = torch.zeros(self.in_f, dtype=torch.bool, device=self.alpha.device)
+        chosen[self.alpha.detach().topk(self.k).indices] = True
+        return chosen[self.offset]
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        mask = self.frozen.to(w.dtype) if self.is_frozen else self.soft().to(w.dtype)[self.offset]
+        return w * (mask.t() if self.conv1d else mask)
 
 
 def _add_lowrank(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -176,6 +222,7 @@ class DynamicSparsifier:
         self.schedule = PermSchedule(steps=config.t_perm, lambda_max=config.lambda_max)
         self._hooks: list = []
         self.lowrank_params: dict[str, int] = {}
+        self.selectors: dict[str, DiagonalSelect] = {}
 
     # ---- torch.ao.pruning-style contract -------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -199,6 +246,15 @@ class DynamicSparsifier:
                 raise UserError(f"{name} ({out_f}×{in_f}) is not a multiple of --block {self.config.block}")
             if self.config.method == "pixelfly":
                 self.masks[name] = self._pixelfly(name, module, out_f, in_f)
+            elif self.config.method == "diag":
+                from torch.nn.utils import parametrize
+
+                k = max(1, min(in_f, round(self.densities[name] * in_f)))
+                select = DiagonalSelect(out_f, in_f, k, _is_conv1d(module), self.generator).to(module.weight.device)
+                select.tau = self.config.tau_start
+                parametrize.register_parametrization(module, "weight", select)
+                self.selectors[name] = select
+                self.masks[name] = select.hard().cpu()
             else:
                 scores = torch.rand(out_f, in_f, generator=self.generator)
                 self.masks[name] = self._select(scores, self._budget(name), None)
@@ -219,7 +275,9 @@ class DynamicSparsifier:
         self.step_count += 1
         c = self.config
         self._permutation_step()
-        if self.step_count % c.delta_t == 0 and self.step_count < c.t_end and c.method != "pixelfly":
+        if self.selectors:
+            self._diagonal_step()
+        if self.step_count % c.delta_t == 0 and self.step_count < c.t_end and c.method not in ("pixelfly", "diag"):
             self.update_masks(self.drop_fraction(self.step_count))
         self.apply_masks()
 
@@ -231,6 +289,8 @@ class DynamicSparsifier:
         return {"config": asdict(self.config), "step_count": self.step_count,
                 "masks": {n: m.clone() for n, m in self.masks.items()}, "densities": dict(self.densities),
                 "generator": self.generator.get_state(), "history": list(self.history), "perms": perms,
+                "diag": {n: {"tau": sel.tau, "is_frozen": sel.is_frozen, "frozen": sel.frozen.clone(),
+                             "alpha": sel.alpha.detach().clone()} for n, sel in self.selectors.items()},
                 "perm_optimizer": None if self.perm_optimizer is None else copy.deepcopy(self.perm_optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
@@ -250,10 +310,29 @@ class DynamicSparsifier:
                 with torch.no_grad():
                     for b, v in zip(p.soft.blocks, saved["soft"]):
                         b.copy_(v)
+        for name, saved in state.get("diag", {}).items():
+            sel = self.selectors[name]
+            sel.tau, sel.is_frozen = saved["tau"], saved["is_frozen"]
+            with torch.no_grad():
+                sel.frozen.copy_(saved["frozen"])
+                sel.alpha.copy_(saved["alpha"])
+            sel.alpha.requires_grad_(not sel.is_frozen)
         if self.perm_optimizer is not None and state.get("perm_optimizer") is not None:
             self.perm_optimizer.load_state_dict(state["perm_optimizer"])
         if self.layers:
             self.apply_masks()
+
+    def finalize(self) -> None:
+        """End of training: bake ``diag``'s frozen mask into plain weights (removes the
+        parametrization, so the model saves as an ordinary checkpoint)."""
+        from torch.nn.utils import parametrize
+
+        for name, sel in list(self.selectors.items()):
+            if not sel.is_frozen:
+                sel.frozen.copy_(sel.hard())
+                sel.is_frozen = True
+            parametrize.remove_parametrizations(self.layers[name], "weight", leave_parametrized=True)
+        self.selectors.clear()
 
     def permutation_strength(self) -> dict[str, float | None]:
         """Per layer ``1 − ‖P − I‖_F/√(2N)`` of the hardened permutation (None while soft)."""
@@ -289,8 +368,25 @@ class DynamicSparsifier:
     @torch.no_grad()
     def apply_masks(self) -> None:
         for name, mask in self.masks.items():
-            w = self.layers[name].weight
+            if name in self.selectors and not self.selectors[name].is_frozen:
+                continue  # diag while selecting: the soft weighting is the mask
+            w = _raw_weight(self.layers[name])
             _out_in(self.layers[name], w.data).mul_(mask.to(w.device, w.dtype))
+
+    def _diagonal_step(self) -> None:
+        """diag: anneal τ; at ``t_end`` freeze the top-K diagonals of every layer."""
+        c = self.config
+        frac = min(1.0, self.step_count / max(c.t_end, 1))
+        for name, sel in self.selectors.items():
+            if sel.is_frozen:
+                continue
+            sel.tau = c.tau_start * (c.tau_end / c.tau_start) ** frac
+            self.masks[name] = sel.hard().cpu()
+            if self.step_count >= c.t_end:
+                sel.frozen.copy_(sel.hard())
+                sel.is_frozen = True
+                sel.alpha.requires_grad_(False)
+                self.history.append({"step": self.step_count, "frozen": name})
 
     def _pixelfly(self, name: str, module: nn.Module, out_f: int, in_f: int) -> torch.Tensor:
         """Static flat block-butterfly mask + a low-rank term registered on the layer."""

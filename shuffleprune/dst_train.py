@@ -94,6 +94,12 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
             fan = mask.sum(1)
             entry["constant_fan_in"] = bool((fan[fan > 0] == fan[fan > 0][0]).all()) if (fan > 0).any() else True
             entry["ablated_neurons"] = int((fan == 0).sum())
+        if sp.config.method == "diag":
+            mask_ = mask.long()
+            offsets = (torch.arange(mask.shape[1]).unsqueeze(0) - torch.arange(mask.shape[0]).unsqueeze(1)) % mask.shape[1]
+            per_diag = torch.zeros(mask.shape[1], dtype=torch.long).scatter_add_(0, offsets.flatten(), mask_.flatten())
+            entry["whole_diagonals"] = bool(((per_diag == 0) | (per_diag == mask.shape[0])).all())
+            entry["diagonals"] = int((per_diag > 0).sum())
         if sp.config.method in ("dsb", "pixelfly"):
             b = sp.config.block
             blocks = mask.reshape(mask.shape[0] // b, b, mask.shape[1] // b, b).float().mean((1, 3))
@@ -208,6 +214,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
             return {"stopped_at": step + 1}
     final_ppl = evaluate()
     state["evals"].append({"step": cfg.steps, "ppl": final_ppl})
+    sparsifier.finalize()
     unwrapped = accelerator.unwrap_model(model)
     report = {
         "train": asdict(cfg), "dst": asdict(dst), "final_ppl": final_ppl, "evals": state["evals"],

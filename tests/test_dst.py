@@ -252,6 +252,10 @@ def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "ok" / "dst_report.json").read_text())
     assert all(l["constant_fan_in"] for l in report["layers"].values()) and abs(report["density"] - 0.2) < 0.05
+    r = CliRunner().invoke(app, base + ["--method", "diag", "--perm", "learned", "--t-end", "2", "--out", str(tmp_path / "diag")])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "diag" / "dst_report.json").read_text())
+    assert all(l["whole_diagonals"] and l["pruned_weights_zero"] for l in report["layers"].values())
     for extra, needle in ((["--method", "magic"], "unknown DST method"), (["--method", "rigl", "--perm", "learned"], "column-structured"),
                           (["--config-kw", "n_layer"], "key=value"), (["--data", str(tmp_path / "none.txt")], "does not exist")):
         out = tmp_path / "bad"
@@ -282,3 +286,34 @@ def test_pixelfly_is_a_static_butterfly_plus_trained_low_rank():
     want = x_in @ layer.weight.t() + x_in @ layer.lowrank_v.t() @ layer.lowrank_u.t()
     assert torch.allclose(layer(x_in), want, atol=1e-5)
     assert sp.density() <= 0.4 + 1e-6
+
+
+def _diagonals(mask: torch.Tensor) -> torch.Tensor:
+    """Per wrapped diagonal d (entries (r, (r + d) mod in)): how many of its entries are in ``mask``."""
+    out_f, in_f = mask.shape
+    offsets = (torch.arange(in_f).unsqueeze(0) - torch.arange(out_f).unsqueeze(1)) % in_f
+    return torch.zeros(in_f, dtype=torch.long).scatter_add_(0, offsets.flatten(), mask.long().flatten())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_diag_learns_soft_top_k_diagonals_then_freezes_them(arch):
+    model = tiny_model(arch)
+    sp = DynamicSparsifier(DSTConfig(method="diag", sparsity=0.9, t_end=6, distribution="uniform", perm="learned",
+                                     t_perm=4, lambda_max=1e-2))
+    sp.prepare(model)
+    name = next(iter(sp.selectors))
+    sel = sp.selectors[name]
+    alpha0 = sel.alpha.detach().clone()
+    taus = []
+    for _ in _train(model, sp, 8):
+        taus.append(sel.tau)
+    assert taus[0] < 1.0 and taus[4] > taus[5] and sel.is_frozen and not torch.equal(alpha0, sel.alpha)
+    for n, mask in sp.masks.items():
+        per = _diagonals(mask)
+        k = sp.selectors[n].k
+        assert int((per > 0).sum()) == k and bool(((per == 0) | (per == mask.shape[0])).all())  # K whole diagonals
+        w = _out_in(sp.layers[n], sp.layers[n].weight.detach())
+        assert not bool(w[~mask].any())
+    sp.finalize()
+    assert not sp.selectors and not any("parametrizations" in k for k in model.state_dict())
+    assert all(not bool(_out_in(sp.layers[n], sp.layers[n].weight.detach())[~m].any()) for n, m in sp.masks.items())
