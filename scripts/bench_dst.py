@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STRUCTURED = ["srigl", "dsb", "pixelfly", "diag"]
-PERMUTABLE = ("dsb", "pixelfly", "diag")  # column-structured: input order matters
+PERMUTABLE = ("srigl", "dsb", "pixelfly", "diag")  # every structured method gets none / random / learned
 
 
 def main() -> None:

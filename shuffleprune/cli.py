@@ -222,7 +222,7 @@ def dst(
     out: Path = typer.Option(..., "--out", help="Run directory: checkpoint.pt, dst_report.json, model/."),
     arch: str = typer.Option("gpt2", "--arch", help="transformers model type (gpt2, llama, …) or a config dir / hub id."),
     config_kw: Optional[List[str]] = typer.Option(None, "--config-kw", help="Config overrides key=value (comma-separated or repeated), e.g. n_layer=12,n_embd=768,n_head=12."),
-    tokenizer: str = typer.Option("default", "--tokenizer", help="Tokenizer: default (the embedded model's), a dir or a hub id."),
+    tokenizer: str = typer.Option("default", "--tokenizer", help="Tokenizer: default (the embedded model's), bpe:N (byte-level BPE with N tokens trained on the training text), a dir or a hub id."),
     data: str = typer.Option("wiki", "--data", help="Text: wikitext103 (hub, as the papers), wiki, brown (offline), or a .txt/.jsonl path."),
     method: str = typer.Option("rigl", "--method", help="dense, rigl, set, srigl or dsb."),
     sparsity: float = typer.Option(0.9, "--sparsity", help="Global sparsity of the sparsified layers."),

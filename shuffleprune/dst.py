@@ -33,7 +33,8 @@ Methods (structure of every mask, after every update):
   ``t_end`` the top-K diagonals are frozen as a hard mask. (Before freezing, compute is dense.)
 - ``dense``: no masks.
 
-Permutations (``perm``, column-structured methods): ``random`` fixes a random input permutation
+Permutations (``perm``, structured methods; srigl's constant fan-in is row-wise, so there only the
+soft phase's mixing can matter): ``random`` fixes a random input permutation
 at initialisation; ``learned`` is ShuffleSparse's DST regime — each layer computes ``W · (x M)``
 with a full soft permutation ``M`` (doubly stochastic, from ``shuffleprune.permutation``),
 trained by its own Adam on the task gradient plus ``λ_t·P(M)`` (λ ramped 0 → ``lambda_max`` over
@@ -97,9 +98,9 @@ class DSTConfig:
             raise UserError("--delta-t must be ≥ 1, --t-end ≥ 0 and --alpha in [0, 1]")
         if self.perm not in ("none", "random", "learned"):
             raise UserError(f"unknown --perm '{self.perm}'; use none, random or learned")
-        if self.perm != "none" and self.method in ("dense", "rigl", "set", "srigl"):
-            raise UserError(f"--perm needs a column-structured method (dsb, pixelfly, diag); {self.method}'s masks do "
-                            "not depend on input order")
+        if self.perm != "none" and self.method in ("dense", "rigl", "set"):
+            raise UserError(f"--perm needs a structured method (srigl, dsb, pixelfly, diag); {self.method} has no "
+                            "structure for a permutation to help")
 
 
 def _is_conv1d(module: nn.Module) -> bool:

@@ -32,7 +32,7 @@ REPORT = "dst_report.json"
 class TrainConfig:
     arch: str = "gpt2"
     config_kw: dict = field(default_factory=dict)   # overrides of the transformers config
-    tokenizer: str = "default"                      # embedded model's tokenizer, or a dir / hub id
+    tokenizer: str = "default"                      # embedded model's tokenizer, bpe:N (trained here), a dir / hub id
     data: str = "wiki"
     seq_len: int = 256
     batch_size: int = 8
@@ -47,11 +47,25 @@ class TrainConfig:
     seed: int = 0
 
 
-def _tokenizer(spec: str):
-    from transformers import AutoTokenizer
+def _tokenizer(spec: str, train_docs: list[str]):
+    """``default``: the embedded model's tokenizer; ``bpe:N``: a byte-level BPE with N tokens trained
+    on the training split (deterministic); otherwise a tokenizer dir or hub id."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from .models import is_embedded, resolve_model_path
 
+    if spec.startswith("bpe:"):
+        from tokenizers import ByteLevelBPETokenizer
+
+        try:
+            vocab = int(spec[4:])
+        except ValueError:
+            raise UserError(f"--tokenizer {spec}: use bpe:VOCAB_SIZE, e.g. bpe:8192") from None
+        bpe = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(train_docs, vocab_size=vocab, min_frequency=2, special_tokens=["<|endoftext|>"],
+                                show_progress=False)
+        return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                       pad_token="<|endoftext|>")
     path = resolve_model_path(None) if is_embedded(spec) else spec
     return AutoTokenizer.from_pretrained(path)
 
@@ -133,9 +147,10 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         shutil.rmtree(out)
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.seq_len < 8:
         raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
-    tokenizer = _tokenizer(cfg.tokenizer)
     source = get_source(cfg.data)
-    train_stream = _encode(tokenizer, source.joiner.join(source.documents("train")))
+    train_docs = source.documents("train")
+    tokenizer = _tokenizer(cfg.tokenizer, train_docs)
+    train_stream = _encode(tokenizer, source.joiner.join(train_docs))
     test_stream = _encode(tokenizer, source.joiner.join(source.documents("test")))
     if cfg.eval_tokens:
         test_stream = test_stream[:cfg.eval_tokens]

@@ -174,7 +174,7 @@ def test_random_permutation_is_fixed_at_start_and_unstructured_methods_refuse_pe
     for _ in _train(model, sp, 3):
         pass
     assert all(torch.equal(p.hard, first[n]) and p.hardened_at == 0 for n, p in sp.perms.items())
-    with pytest.raises(UserError, match="column-structured"):
+    with pytest.raises(UserError, match="structured method"):
         DynamicSparsifier(DSTConfig(method="rigl", perm="learned"))
 
 
@@ -252,11 +252,15 @@ def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "ok" / "dst_report.json").read_text())
     assert all(l["constant_fan_in"] for l in report["layers"].values()) and abs(report["density"] - 0.2) < 0.05
-    r = CliRunner().invoke(app, base + ["--method", "diag", "--perm", "learned", "--t-end", "2", "--out", str(tmp_path / "diag")])
+    bpe = [a if a != str(tiny_dir) else "bpe:300" for a in base]  # a BPE trained on the local text
+    r = CliRunner().invoke(app, bpe + ["--method", "diag", "--perm", "learned", "--t-end", "2", "--out", str(tmp_path / "diag")])
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "diag" / "dst_report.json").read_text())
     assert all(l["whole_diagonals"] and l["pruned_weights_zero"] for l in report["layers"].values())
-    for extra, needle in ((["--method", "magic"], "unknown DST method"), (["--method", "rigl", "--perm", "learned"], "column-structured"),
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "diag" / "model")) == 300
+    for extra, needle in ((["--method", "magic"], "unknown DST method"), (["--method", "rigl", "--perm", "learned"], "structured method"),
                           (["--config-kw", "n_layer"], "key=value"), (["--data", str(tmp_path / "none.txt")], "does not exist")):
         out = tmp_path / "bad"
         r = CliRunner().invoke(app, base + extra + ["--out", str(out)])
