@@ -1,6 +1,6 @@
 """Benchmark: dynamic sparse training of a small decoder LM on offline text, same steps and seeds for all.
 
-    .venv/bin/python scripts/bench_dst.py                       # defaults below (sized for ~2 h on 2 CPU cores)
+    .venv/bin/python scripts/bench_dst.py                       # defaults below (sized for < 1 h on 2 CPU cores)
     .venv/bin/python scripts/bench_dst.py --steps 20 --seeds 0 --methods rigl dsb   # a quick look
 
 Rows: dense, RigL, SET, and each structured method × perm {none, random, learned}; each run in its
@@ -24,13 +24,14 @@ PERMUTABLE = ("srigl", "dsb", "pixelfly", "diag")  # every structured method get
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="gpt2")
-    ap.add_argument("--config-kw", default="n_layer=4,n_embd=256,n_head=4")
+    ap.add_argument("--config-kw", default="n_layer=2,n_embd=128,n_head=4")
     ap.add_argument("--data", default="wiki")
+    ap.add_argument("--tokenizer", default="bpe:4096", help="default: a 4096-token BPE trained on the local text")
     ap.add_argument("--sparsity", type=float, default=0.9)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--delta-t", type=int, default=50)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--delta-t", type=int, default=25)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--methods", nargs="+", default=["dense", "rigl", "set"] + STRUCTURED)
@@ -55,7 +56,7 @@ def main() -> None:
             continue
         run_dir = Path(args.work) / f"{method}-{perm}-s{seed}"
         cmd = [sys.executable, "-m", "shuffleprune.cli", "dst", "--arch", args.arch, "--config-kw", args.config_kw,
-               "--data", args.data, "--method", method, "--sparsity", str(args.sparsity), "--steps", str(args.steps),
+               "--data", args.data, "--tokenizer", args.tokenizer, "--method", method, "--sparsity", str(args.sparsity), "--steps", str(args.steps),
                "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--delta-t", str(args.delta_t),
                "--block", str(args.block), "--perm", perm, "--seed", str(seed), "--eval-every", "0",
                "--checkpoint-every", str(args.steps), "--out", str(run_dir), "--overwrite", "--quiet"]

@@ -47,7 +47,7 @@ class TrainConfig:
     seed: int = 0
 
 
-def _tokenizer(spec: str, train_docs: list[str]):
+def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
     """``default``: the embedded model's tokenizer; ``bpe:N``: a byte-level BPE with N tokens trained
     on the training split (deterministic); otherwise a tokenizer dir or hub id."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -61,16 +61,26 @@ def _tokenizer(spec: str, train_docs: list[str]):
             vocab = int(spec[4:])
         except ValueError:
             raise UserError(f"--tokenizer {spec}: use bpe:VOCAB_SIZE, e.g. bpe:8192") from None
+        import hashlib
+
+        from .cache import cache_dir
+
+        key = hashlib.sha256(f"{source_name}|{len(train_docs)}|{sum(map(len, train_docs))}|{vocab}".encode()).hexdigest()[:16]
+        cached = cache_dir() / "bpe" / key
+        if (cached / "tokenizer.json").is_file():  # trained before on the same text
+            return PreTrainedTokenizerFast.from_pretrained(cached)
         bpe = ByteLevelBPETokenizer()
         bpe.train_from_iterator(train_docs, vocab_size=vocab, min_frequency=2, special_tokens=["<|endoftext|>"],
                                 show_progress=False)
-        return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
-                                       pad_token="<|endoftext|>")
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                      pad_token="<|endoftext|>")
+        tok.save_pretrained(cached)
+        return tok
     path = resolve_model_path(None) if is_embedded(spec) else spec
     return AutoTokenizer.from_pretrained(path)
 
 
-def build_model(cfg: TrainConfig, vocab_size: int):
+def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None):
     """A fresh model from ``cfg.arch`` (a model type, or a config dir / hub id) + ``cfg.config_kw``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -82,6 +92,9 @@ def build_model(cfg: TrainConfig, vocab_size: int):
     except (ValueError, OSError, TypeError) as exc:
         raise UserError(f"cannot build a config for '{cfg.arch}': {str(exc).splitlines()[0][:160]}") from exc
     config.vocab_size = vocab_size
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's, not the architecture default
+        if getattr(config, key, None) is not None and getattr(config, key) >= vocab_size:
+            setattr(config, key, special_id)
     for key in ("n_positions", "max_position_embeddings"):
         if hasattr(config, key) and getattr(config, key) < cfg.seq_len:
             setattr(config, key, cfg.seq_len)
@@ -149,7 +162,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
     source = get_source(cfg.data)
     train_docs = source.documents("train")
-    tokenizer = _tokenizer(cfg.tokenizer, train_docs)
+    tokenizer = _tokenizer(cfg.tokenizer, train_docs, source.name)
     train_stream = _encode(tokenizer, source.joiner.join(train_docs))
     test_stream = _encode(tokenizer, source.joiner.join(source.documents("test")))
     if cfg.eval_tokens:
@@ -158,7 +171,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         raise UserError(f"'{cfg.data}' is too short for --seq-len {cfg.seq_len}")
 
     accelerator = Accelerator()
-    model = build_model(cfg, len(tokenizer))
+    model = build_model(cfg, len(tokenizer), tokenizer.eos_token_id)
     sparsifier = DynamicSparsifier(dst)
     sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
