@@ -19,8 +19,10 @@ the consumer read its input in order. Candidates are found from shapes alone (pr
 ``out_features`` equal the consumer's ``in_features``) and every fold is kept only if the block's
 output on a probe input is unchanged (a fold inside a block cannot change anything outside it), so no architecture is assumed. Example: o_proj's map folds
 into v_proj's rows under multi-head attention when it stays within heads (permutation blocks
-dividing the head size); under GQA v_proj has fewer rows than o_proj has inputs, no candidate
-matches, and the map stays a runtime gather (as it does when a fold into q/k would break attention).
+dividing the head size); under GQA v_proj has fewer rows than o_proj has inputs, and the fold is
+tried only when the map is identical for the query heads that share a KV head (head counts from
+the model config); otherwise the map stays a runtime gather (as when a fold into q/k would break
+attention).
 """
 from __future__ import annotations
 
@@ -110,12 +112,34 @@ def _permute_rows(linear: nn.Linear, perm: torch.Tensor) -> None:
         linear.bias.data = linear.bias.data[perm].contiguous()
 
 
+def _grouped_head_perm(perm: torch.Tensor, config, rows: int) -> torch.Tensor | None:
+    """GQA: the row permutation of a producer with ``rows`` = KV heads × head size that matches
+    ``perm`` over query heads × head size — when ``perm`` stays within heads and is identical for
+    all query heads sharing a KV head; else None. Head counts come from the model config."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not heads or not kv or heads % kv or perm.numel() % heads:
+        return None
+    d = getattr(config, "head_dim", None) or perm.numel() // heads
+    if heads * d != perm.numel() or kv * d != rows:
+        return None
+    local = perm.view(heads, d) - (torch.arange(heads) * d).unsqueeze(1)
+    if local.min() < 0 or local.max() >= d:
+        return None  # leaves its head
+    group = heads // kv
+    local = local.view(kv, group, d)
+    if not bool((local == local[:, :1]).all()):
+        return None  # query heads sharing a KV head disagree
+    return (local[:, 0] + (torch.arange(kv) * d).unsqueeze(1)).flatten()
+
+
 def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
-    """Fold input index maps into producer rows where the logits stay the same; returns
+    """Fold input index maps into producer rows where the block's output stays the same; returns
     ``{consumer: [producers]}`` of the folds made (in place: folded consumers become plain linears
     reading their input in order)."""
     blocks = find_blocks(model)
     _, run = _block_probe(model, blocks)
+    config = getattr(model, "config", None)
     folded = {}
     for i, block in enumerate(blocks.layers):
         reference = run(i)
@@ -124,29 +148,32 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
         for name, consumer in linears.items():
             if not isinstance(consumer, PermutedLinear):
                 continue
+            perm = consumer.perm.cpu()
             producers = [n for n, lin in linears.items() if n != name and lin.out_features == consumer.in_features]
             subsets = [producers] + [[p] for p in producers] if len(producers) > 1 else [producers]
             subsets += [list(c) for c in combinations(producers, 2)] if len(producers) > 2 else []
-            perm = consumer.perm.cpu()
-            inverse = torch.argsort(perm)
+            attempts = [(subset, {p: perm for p in subset}) for subset in subsets if subset]
+            for n, lin in linears.items():  # GQA: a narrower producer (v_proj) under a head-consistent map
+                if n != name and lin.out_features < consumer.in_features and config is not None:
+                    rows = _grouped_head_perm(perm, config, lin.out_features)
+                    if rows is not None:
+                        attempts.append(([n], {n: rows}))
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             plain = nn.Linear(consumer.in_features, consumer.out_features, bias=consumer.bias is not None)
             plain.weight.data = consumer.weight.data  # W[:, perm] reading x[perm] == reading x' = x[perm] in order
             if consumer.bias is not None:
                 plain.bias.data = consumer.bias.data
-            for subset in subsets:
-                if not subset:
-                    continue
+            for subset, row_perms in attempts:
                 for p in subset:
-                    _permute_rows(linears[p], perm)
+                    _permute_rows(linears[p], row_perms[p])
                 setattr(parent, child, plain)
                 if ((run(i) - reference).abs().max() / scale) < 1e-4:
                     folded[name] = subset
                     break
                 setattr(parent, child, consumer)  # undo
                 for p in subset:
-                    _permute_rows(linears[p], inverse)
+                    _permute_rows(linears[p], torch.argsort(row_perms[p]))
     return folded
 
 

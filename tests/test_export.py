@@ -241,3 +241,28 @@ def test_bf16_export_keeps_dtype_and_logits(tiny_dir, text_file, tmp_path):
         a = load_model(str(out), "bfloat16").model(ids).logits
         b = shuffleprune.load(str(tmp_path / "exported"), "bfloat16")(ids).logits
     assert b.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def test_gqa_o_proj_folds_into_v_proj_only_when_heads_sharing_a_kv_head_agree():
+    from conftest import tiny_model
+
+    from shuffleprune.export import fold_permutations
+    from shuffleprune.permuted_linear import PermutedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    for consistent in (True, False):
+        model = tiny_model("llama")  # 4 query heads × 16 dims, 2 KV heads: heads (0,1) share KV 0, (2,3) KV 1
+        ids = torch.randint(0, 128, (1, 12), generator=gen)
+        with torch.no_grad():
+            ref = model(ids).logits
+        attn = model.model.layers[1].self_attn
+        kv_local = [torch.randperm(16, generator=gen) for _ in range(2)]
+        heads = [kv_local[h // 2] if consistent or h % 2 == 0 else torch.randperm(16, generator=gen) for h in range(4)]
+        perm = torch.cat([p + 16 * h for h, p in enumerate(heads)])
+        attn.o_proj = PermutedLinear.from_linear(attn.o_proj, perm)
+        folded = fold_permutations(model)
+        key = "model.layers.1.self_attn.o_proj"
+        assert (folded.get(key) == ["model.layers.1.self_attn.v_proj"]) is consistent
+        assert isinstance(model.model.layers[1].self_attn.o_proj, PermutedLinear) is not consistent
+        with torch.no_grad():
+            assert torch.allclose(model(ids).logits, ref, atol=1e-5)
