@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks, first_tensor
+from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks
 from shuffleprune.errors import UserError
 from shuffleprune.pipeline import run_block
 from shuffleprune.stats import collect_input_stats, input_groups

@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 
 from shuffleprune.models import embedded_gguf, load_model
 from shuffleprune.pipeline import PruneConfig, prune
@@ -33,7 +32,7 @@ def test_prune_real_model_offline(smollm, tmp_path):
     cfg = PruneConfig(method="wanda", pattern="2:4", calib="wiki", nsamples=4, seqlen=128, eval_text="brown",
                       eval_tokens=4096, eval_ctx=512)
     out = tmp_path / "smol-wanda"
-    result = prune(cfg, out=out, progress=False, loaded=smollm)
+    prune(cfg, out=out, progress=False, loaded=smollm)
     report = json.loads((out / "prune_report.json").read_text())
     assert report["nm_ok"] and len(report["layers"]) == 30 * 7
     dense, pruned = report["ppl"]["dense"], report["ppl"]["pruned"]
