@@ -189,7 +189,7 @@ def main() -> None:
                   "ppl_tokens": args.ppl_tokens, "tasks": TASKS},
     })
     done = {(r.setdefault("variant", r["method"]), r["seed"]) for r in results["rows"]}
-    passthrough = [a for a in sys.argv[1:]]
+    passthrough = sys.argv[1:]
     for seed in args.seeds:
         for method in args.methods:
             if method in SEED_FREE and seed != args.seeds[0]:

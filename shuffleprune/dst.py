@@ -139,6 +139,11 @@ def layer_densities(shapes: dict[str, tuple[int, int]], density: float, distribu
         dense.update(over)
 
 
+def diagonal_offsets(out_f: int, in_f: int) -> torch.Tensor:
+    """``[out, in]``: the wrapped diagonal each entry lies on (entry ``(r, c)`` is on ``(c − r) mod in``)."""
+    return (torch.arange(in_f).unsqueeze(0) - torch.arange(out_f).unsqueeze(1)) % in_f
+
+
 def _raw_weight(module: nn.Module) -> torch.Tensor:
     """The stored weight (under a ``diag`` parametrization: its unmasked original)."""
     if hasattr(module, "parametrizations") and "weight" in module.parametrizations:
@@ -157,8 +162,7 @@ class DiagonalSelect(nn.Module):
         self.tau = 1.0
         self.register_buffer("frozen", torch.zeros(out_f, in_f, dtype=torch.bool))
         self.is_frozen = False
-        rows = torch.arange(out_f).unsqueeze(1)
-        self.register_buffer("offset", (torch.arange(in_f).unsqueeze(0) - rows) % in_f, persistent=False)
+        self.register_buffer("offset", diagonal_offsets(out_f, in_f), persistent=False)
 
     def soft(self) -> torch.Tensor:
         top = self.alpha.topk(min(self.k + 1, self.in_f)).values
@@ -393,8 +397,7 @@ class DynamicSparsifier:
         """Static flat block-butterfly mask + a low-rank term registered on the layer."""
         b, budget = self.config.block, self._budget(name)
         rows, cols = out_f // b, in_f // b
-        n = 1 << max(rows, cols, 1).bit_length() - 1
-        n = n if n >= max(rows, cols) else 2 * n
+        n = 1 << (max(rows, cols) - 1).bit_length()  # the next power of two
         i = torch.arange(rows).unsqueeze(1) * n // rows
         j = torch.arange(cols).unsqueeze(0) * n // cols
         x = i ^ j

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .dst import DSTConfig, DynamicSparsifier, _out_in
+from .dst import DSTConfig, DynamicSparsifier, _out_in, diagonal_offsets
 from .errors import UserError
 
 CHECKPOINT = "checkpoint.pt"
@@ -122,14 +122,12 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
             entry["constant_fan_in"] = bool((fan[fan > 0] == fan[fan > 0][0]).all()) if (fan > 0).any() else True
             entry["ablated_neurons"] = int((fan == 0).sum())
         if sp.config.method == "diag":
-            mask_ = mask.long()
-            offsets = (torch.arange(mask.shape[1]).unsqueeze(0) - torch.arange(mask.shape[0]).unsqueeze(1)) % mask.shape[1]
-            per_diag = torch.zeros(mask.shape[1], dtype=torch.long).scatter_add_(0, offsets.flatten(), mask_.flatten())
+            offsets = diagonal_offsets(*mask.shape)
+            per_diag = torch.zeros(mask.shape[1], dtype=torch.long).scatter_add_(0, offsets.flatten(), mask.long().flatten())
             entry["whole_diagonals"] = bool(((per_diag == 0) | (per_diag == mask.shape[0])).all())
             entry["diagonals"] = int((per_diag > 0).sum())
         if sp.config.method in ("dsb", "pixelfly"):
-            b = sp.config.block
-            blocks = mask.reshape(mask.shape[0] // b, b, mask.shape[1] // b, b).float().mean((1, 3))
+            blocks = sp._pool(mask.float()) / sp.config.block ** 2  # fraction of each block kept
             entry["whole_blocks"] = bool(((blocks == 0) | (blocks == 1)).all())
             if name in sp.lowrank_params:
                 entry["lowrank_params"] = sp.lowrank_params[name]

@@ -218,7 +218,9 @@ def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, 
     """The ``lm_eval`` command that scores the same model on the same tasks (None when lm-eval's
     CLI cannot express it: it takes a single ``--include_path``, and its ``hf`` loader neither
     applies a ``--perm`` checkpoint's index maps nor reads an exported compressed checkpoint)."""
-    if len(plan.include_path) > 1 or (Path(path) / INDEX_MAPS).is_file() or (Path(path) / "shuffleprune_format.json").is_file():
+    from .export import is_exported
+
+    if len(plan.include_path) > 1 or (Path(path) / INDEX_MAPS).is_file() or is_exported(path):
         return None
     parts = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={path},dtype={dtype}",
              "--tasks", ",".join(plan.lm_tasks), "--batch_size", str(config.batch_size), "--device", device]

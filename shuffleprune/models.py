@@ -148,29 +148,25 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     path = resolve_model_path(spec)
     if not Path(path).exists():
         hub_reachable()  # offline: fail fast from the local cache
-    exported = (Path(path) / "shuffleprune_format.json").is_file()
-    if exported:
-        from .export import read_format
+    from transformers.utils import logging as hf_logging
 
-        fmt = read_format(Path(path))
+    from .export import is_exported, read_format
+
+    exported = is_exported(path)
+    fmt = read_format(Path(path)) if exported else None
+    level = hf_logging.get_verbosity()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
-            from transformers.utils import logging as hf_logging
-
-            level = hf_logging.get_verbosity()
             hf_logging.set_verbosity_error()
-            try:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
-            finally:
-                hf_logging.set_verbosity(level)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
             f"cannot load model '{spec}': {first[:200]} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc
+    finally:
+        hf_logging.set_verbosity(level)
     maps_file = Path(path) / INDEX_MAPS
     if exported:  # an exported checkpoint: compressed N:M SparseLinear layers
         from .export import attach_sparse_layers

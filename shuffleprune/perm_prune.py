@@ -114,8 +114,8 @@ def _fixed_perms(units: list[list[str]], perms_of_unit: dict[str, torch.Tensor],
 
 
 def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], scores: dict[str, torch.Tensor],
-                      searched: dict[str, torch.Tensor], search_seconds: float, recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
-                      n_windows: int, pattern: Pattern, opts: PermOptions, device: torch.device, gen: torch.Generator,
+                      searched: dict[str, torch.Tensor], search_seconds: float,
+                      recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor], n_windows: int, pattern: Pattern, opts: PermOptions, device: torch.device, gen: torch.Generator,
                       on_step: Callable[[int, float, float], None] | None) -> tuple[dict, dict]:
     """The shared learning loop: soft permutations per unit trained on ``recon(effective weights by
     linear name, window rows)`` (a ``1 − cos`` loss), hardened, and the best of {final, best step,
@@ -138,10 +138,10 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
     t0 = time.time()
     result = learn_permutations(soft, loss_fn, schedule, lr=opts.lr, on_step=on_step)
     learn_seconds = time.time() - t0
-    candidates = {"identity": {k: torch.arange(sp.size) for k, sp in soft.items()},
-                  "best_step": result.best_perms, "final": result.perms}
-    if searched:
-        candidates["search"] = searched
+    # in tie-break order: the paper's final hardening first, the identity last
+    candidates = {"final": result.perms, "best_step": result.best_perms, **({"search": searched} if searched else {}),
+                  "identity": {k: torch.arange(sp.size) for k, sp in soft.items()}}
+
     def full_loss(perms: dict[str, torch.Tensor]) -> float:
         blocks_ = {k: [b.to(device) for b in perm_to_blocks(p, soft[k].sizes)] for k, p in perms.items()}
         chunks = everything.split(opts.batch)
@@ -149,7 +149,7 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
 
     with torch.no_grad():
         losses = {name: full_loss(c) for name, c in candidates.items()}
-    chosen = min(("final", "best_step", *(("search",) if searched else ()), "identity"), key=lambda c: losses[c])
+    chosen = min(candidates, key=lambda c: losses[c])
     perms = {name: candidates[chosen][key[name]] for name in linears}
     info = {}
     for k in soft:

@@ -72,8 +72,8 @@ class PruneConfig:
     perm_from: str | None = None     # reuse the index maps of an earlier --perm run (dir or .safetensors)
 
     def perm_options(self) -> PermOptions:
-        return PermOptions(perm=self.perm, init=self.perm_init, recon=self.recon, relax=self.relax, block=self.perm_block, steps=self.perm_steps,
-                           lr=self.perm_lr, lambda_max=self.perm_lambda, share=self.perm_share,
+        return PermOptions(perm=self.perm, init=self.perm_init, recon=self.recon, relax=self.relax,
+                           block=self.perm_block, steps=self.perm_steps, lr=self.perm_lr, lambda_max=self.perm_lambda, share=self.perm_share,
                            batch=self.perm_batch, seed=self.seed)
 
     def key(self) -> str:
@@ -226,9 +226,8 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         t0 = time.time()
         model_perms, model_perm_info = _model_level_perms(model, layer_names, tokens, pattern, perm_opts, device,
                                                           config.batch_size, work, progress)
-        state["prune_seconds"] += time.time() - t0 if start == 0 else 0.0
-        if start == 0:
-            state["perm_model"] = model_perm_info["summary"]
+        state["prune_seconds"] += time.time() - t0  # on resume: reloading the saved maps
+        state["perm_model"] = model_perm_info["summary"]
     all_perms: dict[str, torch.Tensor] = {}
     if work is not None:
         for j in range(start):
