@@ -224,8 +224,9 @@ def dst(
     config_kw: Optional[List[str]] = typer.Option(None, "--config-kw", help="Config overrides key=value (comma-separated or repeated), e.g. n_layer=12,n_embd=768,n_head=12."),
     tokenizer: str = typer.Option("default", "--tokenizer", help="Tokenizer: default (the embedded model's), bpe:N (byte-level BPE with N tokens trained on the training text), a dir or a hub id."),
     data: str = typer.Option("wiki", "--data", help="Text: wikitext103 (hub, as the papers), wiki, brown (offline), or a .txt/.jsonl path."),
-    method: str = typer.Option("rigl", "--method", help="dense, rigl, set, srigl or dsb."),
-    sparsity: float = typer.Option(0.9, "--sparsity", help="Global sparsity of the sparsified layers."),
+    method: str = typer.Option("rigl", "--method", help="dense, rigl, set, srigl, dsb, pixelfly, diag or nm (N:M, exportable)."),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Global sparsity of the sparsified layers (default 0.9; nm: 1 − N/M)."),
+    pattern: str = typer.Option("2:4", "--pattern", help="nm: keep N of every M consecutive inputs."),
     distribution: str = typer.Option("erk", "--distribution", help="Layer-wise densities: erk or uniform."),
     delta_t: int = typer.Option(100, "--delta-t", help="Steps between mask updates."),
     alpha: float = typer.Option(0.3, "--alpha", help="Initial drop fraction (cosine-decayed)."),
@@ -257,7 +258,10 @@ def dst(
                       batch_size=batch_size, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every,
                       eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed)
     try:
-        dcfg = DSTConfig(method=method, sparsity=sparsity, distribution=distribution, delta_t=delta_t, alpha=alpha,
+        if sparsity is None:
+            n, m = DSTConfig(pattern=pattern).nm()
+            sparsity = 1 - n / m if method == "nm" else 0.9
+        dcfg = DSTConfig(method=method, sparsity=sparsity, pattern=pattern, distribution=distribution, delta_t=delta_t, alpha=alpha,
                          t_end=t_end if t_end is not None else int(0.75 * steps), block=block, perm=perm,
                          perm_lr=perm_lr, lambda_max=lambda_max, t_perm=t_perm if t_perm is not None else steps // 2,
                          delta=delta, seed=seed)

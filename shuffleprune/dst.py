@@ -31,6 +31,12 @@ Methods (structure of every mask, after every update):
   (``sigmoid((α_d − t)/τ)``, ``t`` midway between the K-th and (K+1)-th score, τ annealed
   ``tau_start`` → ``tau_end``), trained with the model through a weight parametrization; at
   ``t_end`` the top-K diagonals are frozen as a hard mask. (Before freezing, compute is dense.)
+- ``nm``: N:M (``pattern``, e.g. 2:4): every row keeps exactly N of every M consecutive input
+  columns, so the layer is exactly N:M in memory order and ``shuffleprune export`` can compress
+  it. Prune-and-grow as RigL (drop the smallest magnitudes of the layer), then every group is
+  refilled to N with its inactive weights of largest gradient (``set``-style random growth is not
+  offered). Densities are N/M in every layer (``distribution`` does not apply). With ``perm``, the
+  groups are formed in permuted coordinates — the export's index map.
 - ``dense``: no masks.
 
 Permutations (``perm``, structured methods; srigl's constant fan-in is row-wise, so there only the
@@ -48,22 +54,22 @@ The low-rank factors of ``pixelfly`` (``lowrank_u``, ``lowrank_v``) and the diag
 *after* ``prepare`` (and pass it with ``sparsifier.optimizer = opt``).
 
 Layer densities: ``erk`` (Erdős–Rényi–Kernel: density ∝ (fan_in + fan_out)/(fan_in·fan_out),
-capped at 1, rescaled to the global budget) or ``uniform``. Not implemented yet: PixelatedBFly and
-DynaDiag.
+capped at 1, rescaled to the global budget) or ``uniform``.
 """
 from __future__ import annotations
 
 import copy
 import math
+import types
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from .errors import UserError
-from .permutation import PermSchedule, SoftPermutation, permute_columns, strength
+from .permutation import PermSchedule, SoftPermutation, strength, unpermute_columns
 
-METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag")
+METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag", "nm")
 
 
 @dataclass
@@ -79,6 +85,7 @@ class DSTConfig:
     lowrank_share: float = 0.25   # pixelfly: share of a layer's budget given to the low-rank term
     tau_start: float = 1.0        # diag: soft top-K temperature, annealed geometrically to tau_end
     tau_end: float = 0.01         #       over the first t_end steps, then the K diagonals are frozen
+    pattern: str = "2:4"          # nm: keep N of every M consecutive input columns (sparsity must be 1 − N/M)
     perm: str = "none"            # none | random | learned (ShuffleSparse, for column-structured methods)
     perm_lr: float = 1e-3         # Adam on the soft permutations
     lambda_max: float = 1e-4      # l1−l2 penalty weight, ramped from 0 over t_perm steps
@@ -99,8 +106,23 @@ class DSTConfig:
         if self.perm not in ("none", "random", "learned"):
             raise UserError(f"unknown --perm '{self.perm}'; use none, random or learned")
         if self.perm != "none" and self.method in ("dense", "rigl", "set"):
-            raise UserError(f"--perm needs a structured method (srigl, dsb, pixelfly, diag); {self.method} has no "
+            raise UserError(f"--perm needs a structured method (srigl, dsb, pixelfly, diag, nm); {self.method} has no "
                             "structure for a permutation to help")
+        if self.method == "nm":
+            n, m = self.nm()
+            if abs(self.sparsity - (1 - n / m)) > 1e-9:
+                raise UserError(f"--method nm --pattern {self.pattern} means sparsity {1 - n / m:g}; "
+                                f"pass --sparsity {1 - n / m:g} (or leave it out)")
+
+    def nm(self) -> tuple[int, int]:
+        """``(N, M)`` of ``pattern``."""
+        try:
+            n, m = (int(v) for v in self.pattern.split(":"))
+        except ValueError:
+            raise UserError(f"--pattern '{self.pattern}' is not N:M (e.g. 2:4)") from None
+        if not 0 < n < m:
+            raise UserError(f"--pattern '{self.pattern}' needs 0 < N < M")
+        return n, m
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -182,31 +204,53 @@ class DiagonalSelect(nn.Module):
 
 def _add_lowrank(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """pixelfly: ``y += x Vᵀ Uᵀ`` (the layer's low-rank term, on the same — possibly permuted — input)."""
-    x = args[0]
-    return output + (x @ module.lowrank_v.t()) @ module.lowrank_u.t()
+    x, v = args[0], module.lowrank_v
+    perm = getattr(module, "_input_perm", None)
+    if perm is not None and perm.soft is not None:
+        v = perm.mix(v)  # the input is not mixed while soft (see _mixed_forward): mix V instead
+    return output + (x @ v.t()) @ module.lowrank_u.t()
+
+
+def _mixed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A layer's forward while its input permutation is soft: ``x (W Mᵀ)ᵀ + b``, equal to
+    ``(x M) Wᵀ + b`` but with the d×d mixing applied to the weight, which costs ``out·d²`` instead
+    of ``tokens·d²`` per pass (a layer has far fewer outputs than a training step has tokens)."""
+    w = module._input_perm.mix(_out_in(module, module.weight))
+    return nn.functional.linear(x, w, module.bias)
 
 
 class InputPermutation:
-    """The input permutation of one layer: soft (``x M``, learned) until hardened, then ``x[perm]``.
-    Applied by a forward pre-hook; ``M`` is not a parameter of the model (the sparsifier owns it)."""
+    """The input permutation of one layer: soft (mixing ``M``, learned) until hardened, then
+    ``x[perm]`` by a forward pre-hook. While soft the layer's forward is replaced by
+    :func:`_mixed_forward`. ``M`` is not a parameter of the model (the sparsifier owns it)."""
 
-    def __init__(self, size: int, perm: torch.Tensor | None = None, init: float = 0.5):
-        self.size = size
+    def __init__(self, module: nn.Module, size: int, perm: torch.Tensor | None = None, init: float = 0.5):
+        self.size, self.module = size, module
         self.hard = perm
         self.soft = None if perm is not None else SoftPermutation(size, block=size, init_identity=init)
         self.hardened_at: int | None = None if perm is None else 0
         self.penalty_curve: list[float] = []
+        self.handle = module.register_forward_pre_hook(self)
+        if self.soft is not None:
+            module._input_perm = self
+            module.forward = types.MethodType(_mixed_forward, module)
 
-    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+    def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
+        if self.hard is None:
+            return None  # soft: _mixed_forward mixes the weight
         x = args[0]
-        if self.hard is not None:
-            return (x.index_select(-1, self.hard.to(x.device)), *args[1:])
-        blocks = [b.to(x.device, x.dtype) for b in self.soft.soft()]
-        return (permute_columns(x.reshape(-1, self.size), blocks).reshape(x.shape), *args[1:])
+        return (x.index_select(-1, self.hard.to(x.device)), *args[1:])
 
-    def harden(self, step: int) -> None:
-        self.hard, self.hardened_at = self.soft.harden(), step
-        self.soft = None
+    def mix(self, w: torch.Tensor) -> torch.Tensor:
+        """``W Mᵀ`` for ``W`` ``[rows, in]`` acting on this layer's input."""
+        return unpermute_columns(w, [b.to(w.device, w.dtype) for b in self.soft.soft()])
+
+    def harden(self, step: int, perm: torch.Tensor | None = None) -> None:
+        """Hungarian on the soft ``M`` (or the given ``perm``, when resuming); from now on ``x[perm]``."""
+        self.hard = self.soft.harden() if perm is None else perm
+        self.hardened_at, self.soft = step, None
+        self.module.__dict__.pop("forward", None)
+        self.module.__dict__.pop("_input_perm", None)
 
 
 class DynamicSparsifier:
@@ -244,11 +288,15 @@ class DynamicSparsifier:
         if self.config.method == "dense":
             return
         shapes = {n: tuple(_out_in(m, m.weight).shape) for n, m in found.items()}
-        self.densities = layer_densities(shapes, 1.0 - self.config.sparsity, self.config.distribution)
+        distribution = "uniform" if self.config.method == "nm" else self.config.distribution
+        self.densities = layer_densities(shapes, 1.0 - self.config.sparsity, distribution)
         for name, module in found.items():
             out_f, in_f = shapes[name]
             if self.config.method in ("dsb", "pixelfly") and (out_f % self.config.block or in_f % self.config.block):
                 raise UserError(f"{name} ({out_f}×{in_f}) is not a multiple of --block {self.config.block}")
+            if self.config.method == "nm" and in_f % self.config.nm()[1]:
+                raise UserError(f"{name} has {in_f} inputs, not a multiple of M={self.config.nm()[1]}; "
+                                "use a --pattern whose M divides every layer's input width")
             if self.config.method == "pixelfly":
                 self.masks[name] = self._pixelfly(name, module, out_f, in_f)
             elif self.config.method == "diag":
@@ -265,8 +313,8 @@ class DynamicSparsifier:
                 self.masks[name] = self._select(scores, self._budget(name), None)
             if self.config.perm != "none":
                 fixed = torch.randperm(in_f, generator=self.generator) if self.config.perm == "random" else None
-                self.perms[name] = InputPermutation(in_f, fixed, self.config.perm_init)
-                self._hooks.append(module.register_forward_pre_hook(self.perms[name]))
+                self.perms[name] = InputPermutation(module, in_f, fixed, self.config.perm_init)
+                self._hooks.append(self.perms[name].handle)
         soft = [p for perm in self.perms.values() if perm.soft is not None for p in perm.soft.parameters()]
         if soft:
             self.perm_optimizer = torch.optim.Adam(soft, lr=self.config.perm_lr)
@@ -308,9 +356,11 @@ class DynamicSparsifier:
         self.history = list(state["history"])
         for name, saved in state.get("perms", {}).items():
             p = self.perms[name]
-            p.hard, p.hardened_at, p.penalty_curve = saved["hard"], saved["hardened_at"], list(saved["penalty_curve"])
-            if saved["soft"] is None:
-                p.soft = None
+            p.penalty_curve = list(saved["penalty_curve"])
+            if saved["soft"] is None and p.soft is not None:
+                p.harden(saved["hardened_at"], saved["hard"])
+            elif saved["soft"] is None:
+                p.hard, p.hardened_at = saved["hard"], saved["hardened_at"]
             else:
                 with torch.no_grad():
                     for b, v in zip(p.soft.blocks, saved["soft"]):
@@ -436,6 +486,10 @@ class DynamicSparsifier:
         if self.config.method == "dsb":
             n_blocks = max(1, round(budget / self.config.block ** 2))
             return self._expand(self._unstructured_top(self._pool(scores), n_blocks))
+        if self.config.method == "nm":  # the top N of every M consecutive inputs of every row
+            n, m = self.config.nm()
+            top = scores.reshape(out_f, in_f // m, m).topk(n, dim=-1).indices
+            return torch.zeros(out_f, in_f // m, m, dtype=torch.bool).scatter_(-1, top, True).view(out_f, in_f)
         if self.config.method != "srigl":
             mask = torch.zeros(out_f * in_f, dtype=torch.bool)
             mask[scores.flatten().topk(budget).indices] = True
@@ -474,6 +528,8 @@ class DynamicSparsifier:
             new = kept | grown
             if self.config.method == "srigl":
                 new = self._srigl(new, kept, grow_score, w, active, module)
+            if self.config.method == "nm":  # refill every group to N: its kept weights, then by growth score
+                new = self._select(torch.where(kept, w.abs() + grow_score.abs().max() + 1.0, grow_score), active, None)
             if self.config.method == "dsb":
                 mask, new = self.masks[name], self._expand(new)
             started = new & ~mask

@@ -126,6 +126,9 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
             per_diag = torch.zeros(mask.shape[1], dtype=torch.long).scatter_add_(0, offsets.flatten(), mask.long().flatten())
             entry["whole_diagonals"] = bool(((per_diag == 0) | (per_diag == mask.shape[0])).all())
             entry["diagonals"] = int((per_diag > 0).sum())
+        if sp.config.method == "nm":
+            n, m = sp.config.nm()
+            entry["n_of_m"] = bool((mask.reshape(mask.shape[0], -1, m).sum(-1) == n).all())
         if sp.config.method in ("dsb", "pixelfly"):
             blocks = sp._pool(mask.float()) / sp.config.block ** 2  # fraction of each block kept
             entry["whole_blocks"] = bool(((blocks == 0) | (blocks == 1)).all())

@@ -77,10 +77,13 @@ def is_exported(path: str | Path) -> bool:
 
 def _pattern_of(pruned_dir: Path, pattern: str | None) -> tuple[int, int]:
     if pattern is None:
-        report = pruned_dir / "prune_report.json"
-        if not report.is_file():
-            raise UserError(f"'{pruned_dir}' has no prune_report.json; pass --pattern N:M")
-        pattern = json.loads(report.read_text())["pattern"]
+        report, dst_report = pruned_dir / "prune_report.json", pruned_dir.parent / "dst_report.json"
+        if report.is_file():
+            pattern = json.loads(report.read_text())["pattern"]
+        elif dst_report.is_file() and json.loads(dst_report.read_text())["dst"]["method"] == "nm":
+            pattern = json.loads(dst_report.read_text())["dst"]["pattern"]  # a `dst --method nm` run's model/
+        else:
+            raise UserError(f"'{pruned_dir}' has no prune_report.json (nor an N:M dst run's report); pass --pattern N:M")
     p = parse_pattern(pattern, None)
     if not p.is_nm:
         raise UserError(f"export needs an N:M pattern; '{pruned_dir}' was pruned {pattern}")

@@ -41,6 +41,9 @@ def _check_structure(sparsifier: DynamicSparsifier, method: str):
                 assert abs(int(mask.sum()) - budget) <= b * b / 2 + 1e-9 or int(blocks.sum()) == 1
             else:  # butterfly blocks + low-rank factors within the budget
                 assert int(mask.sum()) + sparsifier.lowrank_params[name] <= budget
+        elif method == "nm":  # exactly N of every M consecutive inputs, in every row
+            n, m = sparsifier.config.nm()
+            assert bool((mask.reshape(mask.shape[0], -1, m).sum(-1) == n).all()) and int(mask.sum()) == budget
         else:  # srigl: every live neuron has the same fan-in
             fan = mask.sum(1)
             live = fan[fan > 0]
@@ -73,6 +76,52 @@ def test_masks_keep_their_structure_and_budget_through_updates(method, arch):
     assert any(l["grown"] > 0 for r in sp.history for l in r["layers"].values())
     tolerance = {"srigl": 0.05, "dsb": 0.05, "pixelfly": 0.1}.get(method, 0.01)
     assert abs(sp.density() - 0.2) < tolerance
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("perm", ["none", "learned"])
+def test_nm_masks_stay_n_of_m_in_every_group_through_updates(arch, perm):
+    model = tiny_model(arch)
+    sp = DynamicSparsifier(DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=12, perm=perm,
+                                     lambda_max=1e-2, t_perm=6, perm_lr=1e-2))
+    sp.prepare(model)
+    _check_structure(sp, "nm")
+    for _ in _train(model, sp, 10):
+        _check_structure(sp, "nm")
+    assert sum(l["grown"] for r in sp.history for l in r["layers"].values()) > 0  # masks did move
+    assert sp.density() == 0.5
+    if perm == "learned":
+        assert all(p.hard is not None and p.hardened_at <= 6 for p in sp.perms.values())
+    with pytest.raises(UserError, match="pass --sparsity 0.5"):
+        DSTConfig(method="nm", pattern="2:4", sparsity=0.9).check()
+    with pytest.raises(UserError, match="not N:M"):
+        DSTConfig(method="nm", pattern="2-4", sparsity=0.5).check()
+
+
+def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_dir, text_file, tmp_path):
+    """The end of `dst --method nm`: a model the export path compresses (index maps kept), whose
+    SparseLinear reload computes what the trained model computes."""
+    from shuffleprune import load
+    from shuffleprune.dst_train import train
+    from shuffleprune.export import export_checkpoint
+    from shuffleprune.models import load_model
+
+    cfg = _train_cfg(tiny_dir, text_file, arch="llama",
+                     config_kw={"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                                "num_attention_heads": 4, "num_key_value_heads": 2})
+    dcfg = DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=6, perm="learned", t_perm=5,
+                     lambda_max=1e-2)
+    report = train(cfg, dcfg, tmp_path / "run", progress=False)
+    assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
+    fmt = export_checkpoint(tmp_path / "run" / "model", tmp_path / "exported")  # pattern read from dst_report
+    assert fmt["pattern"] == "2:4" and len(fmt["layers"]) == 14  # 7 linears × 2 blocks
+    assert fmt["runtime_gathers"] or fmt["folded"]  # the learned index maps survive the export
+    trained_model = load_model(str(tmp_path / "run" / "model")).model
+    ids = torch.randint(0, trained_model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        trained = trained_model(ids).logits
+        exported = load(str(tmp_path / "exported"))(ids).logits
+    assert torch.allclose(trained, exported, atol=1e-5)
 
 
 def test_rigl_grows_where_the_gradient_is_largest_and_set_does_not():
@@ -164,6 +213,37 @@ def test_learned_permutation_trains_hardens_and_is_applied():
     x = torch.randn(3, layer.in_features)
     assert torch.allclose(layer(x), x[:, perm] @ layer.weight.t(), atol=1e-6)  # reads x[perm]
     assert all(v is not None for v in sp.permutation_strength().values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_soft_permutation_computes_the_layer_on_the_mixed_input(arch):
+    """While soft, a layer computes (x M) Wᵀ + b (+ pixelfly's low rank on x M); the weight-side
+    evaluation is only a cheaper order of the same product."""
+    from shuffleprune.permutation import permute_columns
+
+    model = tiny_model(arch)
+    sp = DynamicSparsifier(DSTConfig(method="pixelfly", sparsity=0.75, block=8, perm="learned", lambda_max=1e-2))
+    sp.prepare(model)
+    for name, p in sp.perms.items():
+        with torch.no_grad():  # a generic doubly-stochastic M, not the near-uniform start
+            b = p.soft.blocks[0]
+            b.copy_(torch.rand_like(b))
+            p.soft.project_()
+        layer = sp.layers[name]
+        if hasattr(layer, "lowrank_u"):  # starts at zero: make the low-rank term count
+            layer.lowrank_u.data.normal_()
+        x = torch.randn(5, p.size)
+        xm = permute_columns(x, [p.soft.blocks[0].detach()])
+        w = _out_in(layer, layer.weight.detach())
+        want = xm @ w.t() + layer.bias.detach() if layer.bias is not None else xm @ w.t()
+        if name in sp.lowrank_params and sp.lowrank_params[name]:
+            want = want + (xm @ layer.lowrank_v.detach().t()) @ layer.lowrank_u.detach().t()
+        with torch.no_grad():
+            assert torch.allclose(layer(x), want, atol=1e-5), name
+        p.harden(1)
+        assert torch.allclose(layer(x), (x[:, p.hard] @ w.t() + (0 if layer.bias is None else layer.bias)
+                                         + ((x[:, p.hard] @ layer.lowrank_v.t()) @ layer.lowrank_u.t()
+                                            if sp.lowrank_params.get(name) else 0)).detach(), atol=1e-5)
 
 
 def test_random_permutation_is_fixed_at_start_and_unstructured_methods_refuse_perms():
@@ -261,7 +341,8 @@ def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
 
     assert len(AutoTokenizer.from_pretrained(tmp_path / "diag" / "model")) == 300
     for extra, needle in ((["--method", "magic"], "unknown DST method"), (["--method", "rigl", "--perm", "learned"], "structured method"),
-                          (["--config-kw", "n_layer"], "key=value"), (["--data", str(tmp_path / "none.txt")], "does not exist")):
+                          (["--config-kw", "n_layer"], "key=value"),
+                          (["--method", "nm", "--sparsity", "0.9"], "pass --sparsity 0.5"), (["--data", str(tmp_path / "none.txt")], "does not exist")):
         out = tmp_path / "bad"
         r = CliRunner().invoke(app, base + extra + ["--out", str(out)])
         assert r.exit_code == 2 and needle in r.output, r.output
