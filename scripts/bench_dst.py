@@ -7,6 +7,11 @@ Rows: dense, RigL, SET, and each structured method × perm {none, random, learne
 own subprocess (wall time and peak RSS are its own). Final held-out perplexity, the gap to RigL of
 the same seed, train seconds and peak RSS relative to the same method without permutation.
 Results: ``scripts/results/bench_dst.json`` (+ ``.md``); rerunning skips rows already there.
+
+``nm`` (the exportable N:M method) runs at the sparsity of its pattern, so it gets its own file and
+RigL reference at that sparsity:
+
+    .venv/bin/python scripts/bench_dst.py --sparsity 0.5 --methods rigl nm --out scripts/results/bench_dst_nm.json
 """
 from __future__ import annotations
 
@@ -18,7 +23,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STRUCTURED = ["srigl", "dsb", "pixelfly", "diag"]
-PERMUTABLE = ("srigl", "dsb", "pixelfly", "diag")  # every structured method gets none / random / learned
+PERMUTABLE = ("srigl", "dsb", "pixelfly", "diag", "nm")  # every structured method gets none / random / learned
+
+
+def nm_pattern(sparsity: float) -> str:
+    """The N:M pattern (M in 4, 8, 16) whose sparsity is ``sparsity``, for ``--method nm``."""
+    for m in (4, 8, 16):
+        n = (1 - sparsity) * m
+        if abs(n - round(n)) < 1e-9 and 0 < round(n) < m:
+            return f"{round(n)}:{m}"
+    raise SystemExit(f"no N:M pattern with M in 4, 8, 16 has sparsity {sparsity}; nm needs e.g. 0.5 or 0.75")
 
 
 def main() -> None:
@@ -58,7 +72,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "shuffleprune.cli", "dst", "--arch", args.arch, "--config-kw", args.config_kw,
                "--data", args.data, "--tokenizer", args.tokenizer, "--method", method, "--sparsity", str(args.sparsity), "--steps", str(args.steps),
                "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--delta-t", str(args.delta_t),
-               "--block", str(args.block), "--perm", perm, "--seed", str(seed), "--eval-every", "0",
+               "--block", str(args.block), "--perm", perm,
+               *(["--pattern", nm_pattern(args.sparsity)] if method == "nm" else []), "--seed", str(seed), "--eval-every", "0",
                "--checkpoint-every", str(args.steps), "--out", str(run_dir), "--overwrite", "--quiet"]
         print(" ".join(cmd[3:]), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -152,6 +152,8 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
             if not isinstance(consumer, PermutedLinear):
                 continue
             perm = consumer.perm.cpu()
+            if torch.equal(perm, torch.arange(perm.numel())):
+                continue  # nothing to fold: the export omits an identity map
             producers = [n for n, lin in linears.items() if n != name and lin.out_features == consumer.in_features]
             subsets = [producers] + [[p] for p in producers] if len(producers) > 1 else [producers]
             subsets += [list(c) for c in combinations(producers, 2)] if len(producers) > 2 else []
@@ -178,6 +180,24 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
                 for p in subset:
                     _permute_rows(linears[p], torch.argsort(row_perms[p]))
     return folded
+
+
+def _restore_column_order(model: nn.Module, exported: set[str]) -> list[str]:
+    """Index-mapped linears that are not exported as N:M (an LM head, a dense linear) go back to
+    plain ``nn.Linear`` in the original column order, so the dense part of the export needs no map.
+    Returns their names."""
+    restored = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, PermutedLinear) and name not in exported:
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=module.weight.device, dtype=module.weight.dtype)
+            plain.weight.data = module.weight.data[:, torch.argsort(module.perm)].contiguous()
+            if module.bias is not None:
+                plain.bias.data = module.bias.data
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, plain)
+            restored.append(name)
+    return restored
 
 
 def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
@@ -212,12 +232,14 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
                 sparse[f"{name}.bias"] = lin.bias.data.contiguous()
             layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
             skip_keys.update({f"{name}.weight", f"{name}.bias"})
+    restored = _restore_column_order(model, set(layers))
     if not layers:
-        raise UserError(f"no sparse linear layers in '{pruned_dir}'")
+        raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses nn.Linear only, not e.g. GPT-2 Conv1D)")
     fmt = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "pattern": f"{n}:{m}", "n": n, "m": m,
            "meta_bits": meta_bits(m), "dtype": str(model.dtype).replace("torch.", ""),
            "layers": layers, "folded": folded,
-           "runtime_gathers": sorted(k for k, v in layers.items() if v["perm"]), "source": str(pruned_dir)}
+           "runtime_gathers": sorted(k for k, v in layers.items() if v["perm"]), "dense_restored": restored,
+           "source": str(pruned_dir)}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp-"))
     try:

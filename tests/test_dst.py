@@ -110,12 +110,14 @@ def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_d
                      config_kw={"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                                 "num_attention_heads": 4, "num_key_value_heads": 2})
     dcfg = DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=6, perm="learned", t_perm=5,
-                     lambda_max=1e-2)
+                     lambda_max=1e-2, perm_init=0.0)  # a uniform start: the maps do move
     report = train(cfg, dcfg, tmp_path / "run", progress=False)
     assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
+    assert any(p["strength"] < 1 for p in report["permutations"].values())  # not all identities
     fmt = export_checkpoint(tmp_path / "run" / "model", tmp_path / "exported")  # pattern read from dst_report
     assert fmt["pattern"] == "2:4" and len(fmt["layers"]) == 14  # 7 linears × 2 blocks
-    assert fmt["runtime_gathers"] or fmt["folded"]  # the learned index maps survive the export
+    assert fmt["runtime_gathers"] or fmt["folded"]  # non-identity maps survive: as gathers or folded into producers
+    assert fmt["dense_restored"] == ["lm_head"]  # the (sparse, permuted) head goes back to plain column order
     trained_model = load_model(str(tmp_path / "run" / "model")).model
     ids = torch.randint(0, trained_model.config.vocab_size, (2, 12))
     with torch.no_grad():

@@ -166,7 +166,7 @@ def test_export_cli_errors_leave_nothing(pruned_perm_dir, tmp_path, tiny_dir):
     r = runner.invoke(app, ["export", str(tiny_dir), str(tmp_path / "e2")])  # dense: no report, no pattern
     assert r.exit_code == 2 and "--pattern" in r.output and not (tmp_path / "e2").exists()
     r = runner.invoke(app, ["export", str(tiny_dir), str(tmp_path / "e3"), "--pattern", "2:4"])
-    assert r.exit_code == 2 and "no sparse linear layers" in r.output and not (tmp_path / "e3").exists()
+    assert r.exit_code == 2 and "no sparse nn.Linear layers" in r.output and not (tmp_path / "e3").exists()
     r = runner.invoke(app, ["export", str(pruned_perm_dir), str(tmp_path / "e4")])
     assert r.exit_code == 0, r.output
     assert "permutations folded" in r.output
