@@ -43,11 +43,13 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     "shufflesparse_sparsegpt": ("block", {"method": "sparsegpt", "perm_from": "{ss_block}"}),
     "sparsegpt+search": (None, {"method": "sparsegpt", "perm_from": "{search}"}),
     # ablations: one permutation per linear instead of per shared input; the paper's identity start
+    "wanda+search/share=linear": (None, {"method": "wanda", "perm": "search", "perm_share": "linear"}),
     "shufflesparse_wanda/block/share=linear": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                           "perm_share": "linear"}),
     "shufflesparse_wanda/block/init=identity": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                            "perm_init": "identity"}),
 }
+ABLATIONS = {m for m in METHODS if "share=" in m or "init=" in m}  # run only when named
 PERM_SOURCE = {"{ss_block}": "shufflesparse_wanda/block", "{search}": "wanda+search"}
 SEED_FREE = {"dense", "magnitude"}  # no calibration data: one row
 
@@ -155,7 +157,7 @@ def main() -> None:
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if "/" not in m[len("shufflesparse_wanda/"):]],
+    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ABLATIONS],
                     choices=list(METHODS), help="default: all but the ablations")
     ap.add_argument("--perm-steps", type=int, default=50, help="steps per block (block recon)")
     ap.add_argument("--model-steps", type=int, default=100, help="steps in all (model recon)")

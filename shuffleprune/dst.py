@@ -103,6 +103,8 @@ class DSTConfig:
             raise UserError("--distribution must be erk or uniform")
         if self.delta_t < 1 or self.t_end < 0 or not 0 <= self.alpha <= 1:
             raise UserError("--delta-t must be ≥ 1, --t-end ≥ 0 and --alpha in [0, 1]")
+        if not 0.0 <= self.perm_init <= 1.0:
+            raise UserError("--perm-start must be in [0, 1]")
         if self.perm not in ("none", "random", "learned"):
             raise UserError(f"unknown --perm '{self.perm}'; use none, random or learned")
         if self.perm != "none" and self.method in ("dense", "rigl", "set"):
