@@ -192,8 +192,10 @@ def main() -> None:
     })
     done = {(r.setdefault("variant", r["method"]), r["seed"]) for r in results["rows"]}
     passthrough = sys.argv[1:]
+    sources = set(PERM_SOURCE.values())  # rows whose index maps other rows reuse run first
+    methods = sorted(args.methods, key=lambda m: m not in sources)
     for seed in args.seeds:
-        for method in args.methods:
+        for method in methods:
             if method in SEED_FREE and seed != args.seeds[0]:
                 continue
             if (method, None if method in SEED_FREE else seed) in done:

@@ -67,7 +67,8 @@ import torch
 from torch import nn
 
 from .errors import UserError
-from .permutation import PermSchedule, SoftPermutation, strength, unpermute_columns
+from .permutation import (PermSchedule, SoftPermutation, penalty_grad, project_doubly_stochastic, strength,
+                          unpermute_columns)
 
 METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag", "nm")
 
@@ -205,54 +206,65 @@ class DiagonalSelect(nn.Module):
 
 
 def _add_lowrank(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    """pixelfly: ``y += x Vᵀ Uᵀ`` (the layer's low-rank term, on the same — possibly permuted — input)."""
+    """pixelfly: ``y += x' Vᵀ Uᵀ`` on the same (possibly permuted) input ``x'`` as the layer."""
     x, v = args[0], module.lowrank_v
     perm = getattr(module, "_input_perm", None)
-    if perm is not None and perm.soft is not None:
-        v = perm.mix(v)  # the input is not mixed while soft (see _mixed_forward): mix V instead
+    if perm is not None:
+        v = perm.weight_view(v)  # the permutation is applied on the weight side (see _permuted_forward)
     return output + (x @ v.t()) @ module.lowrank_u.t()
 
 
-def _mixed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A layer's forward while its input permutation is soft: ``x (W Mᵀ)ᵀ + b``, equal to
-    ``(x M) Wᵀ + b`` but with the d×d mixing applied to the weight, which costs ``out·d²`` instead
-    of ``tokens·d²`` per pass (a layer has far fewer outputs than a training step has tokens)."""
-    w = module._input_perm.mix(_out_in(module, module.weight))
+def _permuted_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a layer with an input permutation, applied on the weight side:
+    ``x (W Mᵀ)ᵀ + b`` while soft — the same product as ``(x M) Wᵀ + b``, at ``out·d²`` instead of
+    ``tokens·d²`` per pass — and ``x (W[:, perm⁻¹])ᵀ + b`` once hard, the same as
+    ``x[perm] Wᵀ + b`` with the gather on the weight (``out × d``) instead of on the activations
+    (``tokens × d``). Training steps have far more tokens than a layer has outputs. (An exported
+    model gathers the input instead: at inference the token count is small.)"""
+    w = module._input_perm.weight_view(_out_in(module, module.weight))
     return nn.functional.linear(x, w, module.bias)
 
 
 class InputPermutation:
-    """The input permutation of one layer: soft (mixing ``M``, learned) until hardened, then
-    ``x[perm]`` by a forward pre-hook. While soft the layer's forward is replaced by
-    :func:`_mixed_forward`. ``M`` is not a parameter of the model (the sparsifier owns it)."""
+    """The input permutation of one layer: soft (mixing ``M``, learned) until hardened, then the
+    index map ``perm`` (the layer computes ``W · x[perm]``). Installs :func:`_permuted_forward` on
+    the layer; ``M`` is not a parameter of the model (the sparsifier owns it)."""
 
     def __init__(self, module: nn.Module, size: int, perm: torch.Tensor | None = None, init: float = 0.5):
-        self.size, self.module = size, module
-        self.hard = perm
+        self.size = size
         self.soft = None if perm is not None else SoftPermutation(size, block=size, init_identity=init)
+        self.hard = perm
         self.hardened_at: int | None = None if perm is None else 0
         self.penalty_curve: list[float] = []
-        self.handle = module.register_forward_pre_hook(self)
-        if self.soft is not None:
-            module._input_perm = self
-            module.forward = types.MethodType(_mixed_forward, module)
+        self.penalty_now: float | None = None  # P(M) of the current soft M (cached between steps)
+        module._input_perm = self
+        module.forward = types.MethodType(_permuted_forward, module)
 
-    def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
-        if self.hard is None:
-            return None  # soft: _mixed_forward mixes the weight
-        x = args[0]
-        return (x.index_select(-1, self.hard.to(x.device)), *args[1:])
+    @property
+    def hard(self) -> torch.Tensor | None:
+        return self._hard
 
-    def mix(self, w: torch.Tensor) -> torch.Tensor:
-        """``W Mᵀ`` for ``W`` ``[rows, in]`` acting on this layer's input."""
+    @hard.setter
+    def hard(self, perm: torch.Tensor | None) -> None:
+        self._hard = perm
+        self._inverse = None if perm is None else torch.argsort(perm)
+
+    def weight_view(self, w: torch.Tensor) -> torch.Tensor:
+        """``W`` ``[rows, in]`` acting on the permuted input, re-expressed on the plain input."""
+        if self.soft is None:
+            return w.index_select(1, self._inverse.to(w.device))
         return unpermute_columns(w, [b.to(w.device, w.dtype) for b in self.soft.soft()])
+
+    @torch.no_grad()
+    def current_penalty(self) -> float:
+        if self.penalty_now is None:
+            self.penalty_now = float(self.soft.penalty())
+        return self.penalty_now
 
     def harden(self, step: int, perm: torch.Tensor | None = None) -> None:
         """Hungarian on the soft ``M`` (or the given ``perm``, when resuming); from now on ``x[perm]``."""
         self.hard = self.soft.harden() if perm is None else perm
-        self.hardened_at, self.soft = step, None
-        self.module.__dict__.pop("forward", None)
-        self.module.__dict__.pop("_input_perm", None)
+        self.hardened_at, self.soft, self.penalty_now = step, None, None
 
 
 class DynamicSparsifier:
@@ -316,7 +328,6 @@ class DynamicSparsifier:
             if self.config.perm != "none":
                 fixed = torch.randperm(in_f, generator=self.generator) if self.config.perm == "random" else None
                 self.perms[name] = InputPermutation(module, in_f, fixed, self.config.perm_init)
-                self._hooks.append(self.perms[name].handle)
         soft = [p for perm in self.perms.values() if perm.soft is not None for p in perm.soft.parameters()]
         if soft:
             self.perm_optimizer = torch.optim.Adam(soft, lr=self.config.perm_lr)
@@ -367,6 +378,7 @@ class DynamicSparsifier:
                 with torch.no_grad():
                     for b, v in zip(p.soft.blocks, saved["soft"]):
                         b.copy_(v)
+                p.penalty_now = None
         for name, saved in state.get("diag", {}).items():
             sel = self.selectors[name]
             sel.tau, sel.is_frozen = saved["tau"], saved["is_frozen"]
@@ -397,21 +409,23 @@ class DynamicSparsifier:
 
     # ---- internals -------------------------------------------------------------------------------
     def _permutation_step(self) -> None:
-        """Adam step on the soft permutations (task gradient + λ_t·∇P), projection, hardening."""
+        """Adam step on the soft permutations (task gradient + λ_t·∇P, the latter in closed form),
+        projection, hardening."""
         soft = {n: p for n, p in self.perms.items() if p.soft is not None}
         if not soft:
             return
         lam = self.schedule.lam(self.step_count)
-        for name, p in soft.items():
-            pen = p.soft.penalty()
+        for p in soft.values():
+            p.penalty_curve.append(p.current_penalty())
             if lam > 0:
-                (lam * pen).backward()
-            p.penalty_curve.append(float(pen.detach()))
+                for block, grad in zip(p.soft.blocks, penalty_grad(list(p.soft.blocks))):
+                    block.grad = lam * grad if block.grad is None else block.grad.add_(grad, alpha=lam)
         self.perm_optimizer.step()
         self.perm_optimizer.zero_grad(set_to_none=True)
-        for name, p in soft.items():
-            p.soft.project_()
-            if float(p.soft.penalty().detach()) < self.config.delta or self.step_count >= self.config.t_perm:
+        for p in soft.values():
+            project_doubly_stochastic(list(p.soft.blocks), tol=1e-6)
+            p.penalty_now = None
+            if p.current_penalty() < self.config.delta or self.step_count >= self.config.t_perm:
                 p.harden(self.step_count)
 
     def drop_fraction(self, t: int) -> float:

@@ -55,6 +55,17 @@ def random_block_perm(size: int, block: int, gen: torch.Generator) -> torch.Tens
     return torch.cat(parts)
 
 
+@torch.no_grad()
+def penalty_grad(blocks: BlockList) -> list[torch.Tensor]:
+    """``∂P/∂M`` in closed form for ``M > 0`` (as after the projection):
+    ``2 − M_ij/‖M_i:‖₂ − M_ij/‖M_:j‖₂`` — no autograd graph needed."""
+    out = []
+    for m in blocks:
+        inv = m.norm(dim=-1, keepdim=True).reciprocal_() + m.norm(dim=-2, keepdim=True).reciprocal_()
+        out.append(inv.mul_(m).neg_().add_(2.0))
+    return out
+
+
 def penalty(blocks: BlockList) -> torch.Tensor:
     """``P(M)`` summed over all blocks: row and column ``‖·‖₁ − ‖·‖₂`` (``M`` assumed ≥ 0)."""
     total = blocks[0].new_zeros(())
@@ -65,7 +76,8 @@ def penalty(blocks: BlockList) -> torch.Tensor:
 
 
 @torch.no_grad()
-def project_doubly_stochastic(blocks: BlockList, iters: int = 30, eps: float = 1e-12) -> None:
+def project_doubly_stochastic(blocks: BlockList, iters: int = 30, eps: float = 1e-12,
+                              tol: float | None = None) -> None:
     """In place: clamp to ``≥ 0`` then alternate row and column normalisation (Sinkhorn–Knopp
     balancing) ``iters`` times, ending with columns.
 
@@ -74,7 +86,9 @@ def project_doubly_stochastic(blocks: BlockList, iters: int = 30, eps: float = 1
     zeros at zero and leaves permutation matrices unchanged. After it, columns sum to 1 exactly
     and rows to 1 up to the balancing residual (round-off for matrices with total support, which
     the iterates of training have; a clamped matrix without total support has no doubly-stochastic
-    scaling, and the residual then shrinks only slowly).
+    scaling, and the residual then shrinks only slowly). With ``tol``, the balancing stops early
+    once every row sum is within ``tol`` of 1 (a small step from a doubly-stochastic matrix needs
+    only a few rounds).
     """
     for m in blocks:
         m.clamp_(min=0.0)
@@ -82,6 +96,8 @@ def project_doubly_stochastic(blocks: BlockList, iters: int = 30, eps: float = 1
         for _ in range(iters):
             m.div_(m.sum(-1, keepdim=True))
             m.div_(m.sum(-2, keepdim=True))
+            if tol is not None and float((m.sum(-1) - 1.0).abs().max()) < tol:
+                break
 
 
 def hungarian(blocks: BlockList) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shuffleprune.permutation import (SoftPermutation, block_sizes, hungarian, penalty, perm_to_blocks,
+from shuffleprune.permutation import (SoftPermutation, block_sizes, hungarian, penalty, penalty_grad, perm_to_blocks,
                                       permute_columns, project_doubly_stochastic, random_block_perm, sinkhorn,
                                       strength, unpermute_columns)
 
@@ -37,6 +37,22 @@ def test_projection_returns_doubly_stochastic():
     before = [h.clone() for h in hard]
     project_doubly_stochastic(hard)
     assert all(torch.allclose(a, b, atol=1e-9) for a, b in zip(hard, before))
+
+
+def test_closed_form_penalty_gradient_and_early_stopping_projection():
+    gen = torch.Generator().manual_seed(3)
+    blocks = [torch.rand(2, 12, 12, generator=gen, dtype=torch.float64), torch.rand(1, 5, 5, generator=gen, dtype=torch.float64)]
+    project_doubly_stochastic(blocks)
+    leaves = [b.clone().requires_grad_(True) for b in blocks]
+    penalty(leaves).backward()
+    assert all(torch.allclose(g, leaf.grad, atol=1e-12) for g, leaf in zip(penalty_grad(blocks), leaves))
+    # a small step off the doubly-stochastic set: tol stops the balancing early, to the same point
+    stepped = [b + 1e-3 * torch.randn(b.shape, generator=gen, dtype=b.dtype) for b in blocks]
+    full, early = [b.clone() for b in stepped], [b.clone() for b in stepped]
+    project_doubly_stochastic(full)
+    project_doubly_stochastic(early, tol=1e-9)
+    assert all(torch.allclose(a, b, atol=1e-8) for a, b in zip(full, early))
+    assert all(torch.allclose(b.sum(-1), torch.ones_like(b.sum(-1)), atol=1e-9) for b in early)
 
 
 def test_hungarian_recovers_a_noisy_permutation():
