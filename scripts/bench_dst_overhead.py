@@ -40,18 +40,17 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from shuffleprune.cli import _config_kw
     from shuffleprune.dst import DSTConfig, DynamicSparsifier
+    from shuffleprune.dst_train import TrainConfig, build_model
     from shuffleprune.runtime import machine, versions
 
-    kw = {k: int(v) for k, v in (p.split("=") for p in args.config_kw.split(","))}
-    config = AutoConfig.for_model(args.arch, vocab_size=args.vocab, **kw)
+    train_cfg = TrainConfig(arch=args.arch, config_kw=_config_kw([args.config_kw]), seq_len=args.seq_len, seed=0)
     device = torch.device(args.device)
 
     def make(method: str, perm: str, hardened: bool):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).to(device)
+        model = build_model(train_cfg, args.vocab).to(device)  # the trainer's model, same seed for every variant
         cfg = DSTConfig(method=method, sparsity=args.sparsity, perm=perm, t_perm=10**9, t_end=10**9,
                         delta_t=10**9, block=16)
         sp = DynamicSparsifier(cfg)

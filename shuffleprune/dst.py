@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from .errors import UserError
+from .masks import nm_keep_mask, parse_pattern
 from .permutation import (PermSchedule, SoftPermutation, penalty_grad, project_doubly_stochastic, strength,
                           unpermute_columns)
 
@@ -119,13 +120,8 @@ class DSTConfig:
 
     def nm(self) -> tuple[int, int]:
         """``(N, M)`` of ``pattern``."""
-        try:
-            n, m = (int(v) for v in self.pattern.split(":"))
-        except ValueError:
-            raise UserError(f"--pattern '{self.pattern}' is not N:M (e.g. 2:4)") from None
-        if not 0 < n < m:
-            raise UserError(f"--pattern '{self.pattern}' needs 0 < N < M")
-        return n, m
+        p = parse_pattern(self.pattern, None)
+        return p.n, p.m
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -503,9 +499,7 @@ class DynamicSparsifier:
             n_blocks = max(1, round(budget / self.config.block ** 2))
             return self._expand(self._unstructured_top(self._pool(scores), n_blocks))
         if self.config.method == "nm":  # the top N of every M consecutive inputs of every row
-            n, m = self.config.nm()
-            top = scores.reshape(out_f, in_f // m, m).topk(n, dim=-1).indices
-            return torch.zeros(out_f, in_f // m, m, dtype=torch.bool).scatter_(-1, top, True).view(out_f, in_f)
+            return nm_keep_mask(scores, *self.config.nm())
         if self.config.method != "srigl":
             mask = torch.zeros(out_f * in_f, dtype=torch.bool)
             mask[scores.flatten().topk(budget).indices] = True
@@ -540,12 +534,12 @@ class DynamicSparsifier:
             # grow: k of the rest, by gradient (rigl/srigl) or at random (set)
             grow_score = g.clone() if self.config.method != "set" else torch.rand(w.shape, generator=self.generator)
             grow_score[kept] = -1.0
-            grown = self._unstructured_top(grow_score, k)
-            new = kept | grown
-            if self.config.method == "srigl":
-                new = self._srigl(new, kept, grow_score, w, active, module)
             if self.config.method == "nm":  # refill every group to N: its kept weights, then by growth score
                 new = self._select(torch.where(kept, w.abs() + grow_score.abs().max() + 1.0, grow_score), active, None)
+            else:
+                new = kept | self._unstructured_top(grow_score, k)
+            if self.config.method == "srigl":
+                new = self._srigl(new, kept, grow_score, w, active, module)
             if self.config.method == "dsb":
                 mask, new = self.masks[name], self._expand(new)
             started = new & ~mask

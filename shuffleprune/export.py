@@ -78,10 +78,11 @@ def is_exported(path: str | Path) -> bool:
 def _pattern_of(pruned_dir: Path, pattern: str | None) -> tuple[int, int]:
     if pattern is None:
         report, dst_report = pruned_dir / "prune_report.json", pruned_dir.parent / "dst_report.json"
+        dst = {} if report.is_file() or not dst_report.is_file() else json.loads(dst_report.read_text())["dst"]
         if report.is_file():
             pattern = json.loads(report.read_text())["pattern"]
-        elif dst_report.is_file() and json.loads(dst_report.read_text())["dst"]["method"] == "nm":
-            pattern = json.loads(dst_report.read_text())["dst"]["pattern"]  # a `dst --method nm` run's model/
+        elif dst.get("method") == "nm":
+            pattern = dst["pattern"]  # a `dst --method nm` run's model/
         else:
             raise UserError(f"'{pruned_dir}' has no prune_report.json (nor an N:M dst run's report); pass --pattern N:M")
     p = parse_pattern(pattern, None)
