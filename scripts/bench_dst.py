@@ -12,6 +12,11 @@ Results: ``scripts/results/bench_dst.json`` (+ ``.md``); rerunning skips rows al
 RigL reference at that sparsity:
 
     .venv/bin/python scripts/bench_dst.py --sparsity 0.5 --methods rigl nm --out scripts/results/bench_dst_nm.json
+
+The longer run (4× the steps, one seed, three methods):
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_dst.py --steps 1200 --delta-t 100 --seeds 0 \
+        --methods rigl srigl dsb --work out/bench_dst_long --out scripts/results/bench_dst_long.json
 """
 from __future__ import annotations
 
