@@ -266,3 +266,27 @@ def test_gqa_o_proj_folds_into_v_proj_only_when_heads_sharing_a_kv_head_agree():
         assert isinstance(model.model.layers[1].self_attn.o_proj, PermutedLinear) is not consistent
         with torch.no_grad():
             assert torch.allclose(model(ids).logits, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3_text"])
+def test_learned_perm_export_reloads_for_other_architectures(arch, text_file, tmp_path):
+    """Prune with learned index maps and export on non-LLaMA decoders (Qwen2's q/k/v biases, Gemma's
+    sliding windows and extra norms): the exported model gives the pruned model's logits, and the
+    MLP maps fold into gate/up (the code never looks at the architecture's name)."""
+    from conftest import make_tokenizer, tiny_model
+
+    src = tmp_path / arch
+    tiny_model(arch).save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    pruned, out = tmp_path / "pruned", tmp_path / "exported"
+    cfg = PruneConfig(model=str(src), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                      eval_text=None, perm="learned", perm_block=16, perm_steps=3)
+    prune(cfg, out=pruned, progress=False)
+    fmt = export_checkpoint(pruned, out)
+    assert fmt["folded"] and all(k.endswith("down_proj") for k in fmt["folded"])
+    ref = load_model(str(pruned)).model
+    model = shuffleprune.load(str(out))
+    assert sum(isinstance(mod, SparseLinear) for mod in model.modules()) == 21
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, ref(ids).logits, atol=1e-5)
