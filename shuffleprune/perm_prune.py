@@ -13,9 +13,11 @@ The caller then prunes every linear *in permuted coordinates* with its base meth
 see the same column grouping the N:M kernel will see.
 
 Beyond the paper (documented deviation): the hardened permutation is kept only if it reconstructs
-all calibration windows at least as well as the best permutation met during training, the search
+the calibration windows at least as well as the best permutation met during training, the search
 start (``--perm-init search``) and the identity; otherwise the best of those is used. A learned
-permutation therefore never makes a block's calibration loss worse than its starting point.
+permutation therefore never makes a block's calibration loss worse than its starting point. With
+``--perm-holdout F`` a fraction ``F`` of the windows is kept out of learning and the choice is made
+on those held-out windows only, so a permutation that merely fits the training windows is not kept.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class PermOptions:
     lambda_max: float = 1e-4
     share: str = "group"        # group: q/k/v and gate/up share one permutation; linear: one each
     batch: int = 4              # calibration windows per step
+    holdout: float = 0.0        # fraction of windows kept out of learning, used only to choose the final permutation
     seed: int = 0
 
     def check(self, pattern: Pattern) -> None:
@@ -71,6 +74,21 @@ class PermOptions:
             raise UserError(f"--perm-block {self.block} must be a multiple of M={pattern.m}")
         if self.steps < 1 or self.batch < 1 or self.lr <= 0:
             raise UserError("--perm-steps, --perm-batch and --perm-lr must be positive")
+        if not 0.0 <= self.holdout < 1.0:
+            raise UserError(f"--perm-holdout {self.holdout} must be in [0, 1)")
+
+
+def split_windows(n_windows: int, holdout: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibration window indices ``(learn, judge)``: with ``holdout`` > 0 a random
+    ``round(holdout·n)`` (at least 1) are judged on and the others learned on; with 0 both are all windows."""
+    everything = torch.arange(n_windows)
+    if holdout == 0.0:
+        return everything, everything
+    if n_windows < 2:
+        raise UserError(f"--perm-holdout needs at least 2 calibration windows, got {n_windows}; raise --nsamples")
+    order = torch.randperm(n_windows, generator=gen)
+    k = min(n_windows - 1, max(1, round(holdout * n_windows)))
+    return order[k:].sort().values, order[:k].sort().values
 
 
 def prune_in_permuted_coordinates(method: Callable, weight: torch.Tensor, stats: InputStats | None,
@@ -119,12 +137,13 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
                       on_step: Callable[[int, float, float], None] | None) -> tuple[dict, dict]:
     """The shared learning loop: soft permutations per unit trained on ``recon(effective weights by
     linear name, window rows)`` (a ``1 − cos`` loss), hardened, and the best of {final, best step,
-    search, identity} over all calibration windows kept."""
+    search, identity} kept — judged on every calibration window, or on the held-out ones
+    (``opts.holdout``)."""
     key = {name: u[0] for u in units for name in u}
     soft = {u[0]: SoftPermutation(linears[u[0]].in_features, opts.block, opts.relax,
                                   init_perm=searched.get(u[0])).to(device) for u in units}
     weights = {name: lin.weight.detach().float() for name, lin in linears.items()}
-    everything = torch.arange(n_windows)  # the final choice is judged on every calibration window
+    learn_rows, judge_rows = split_windows(n_windows, opts.holdout, gen)
 
     def loss_of(perm_blocks: dict[str, list[torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
         eff = {n: masked_weight(weights[n], scores[n], perm_blocks[key[n]], pattern.n, pattern.m)
@@ -132,7 +151,7 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
         return recon(eff, rows)
 
     def loss_fn(m_bars: dict[str, list[torch.Tensor]], step: int) -> torch.Tensor:
-        return loss_of(m_bars, torch.randperm(n_windows, generator=gen)[:opts.batch])
+        return loss_of(m_bars, learn_rows[torch.randperm(len(learn_rows), generator=gen)[:opts.batch]])
 
     schedule = PermSchedule(steps=opts.steps, lambda_max=opts.lambda_max)
     t0 = time.time()
@@ -144,8 +163,8 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
 
     def full_loss(perms: dict[str, torch.Tensor]) -> float:
         blocks_ = {k: [b.to(device) for b in perm_to_blocks(p, soft[k].sizes)] for k, p in perms.items()}
-        chunks = everything.split(opts.batch)
-        return sum(float(loss_of(blocks_, rows)) * len(rows) for rows in chunks) / n_windows
+        chunks = judge_rows.split(opts.batch)
+        return sum(float(loss_of(blocks_, rows)) * len(rows) for rows in chunks) / len(judge_rows)
 
     with torch.no_grad():
         losses = {name: full_loss(c) for name, c in candidates.items()}
@@ -160,7 +179,9 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
     summary = {"loss_curve": [round(v, 6) for v in result.loss], "best_step": result.best_step,
                "recon_before": round(losses["identity"], 6), "recon_after": round(losses[chosen], 6),
                "recon_final": round(losses["final"], 6), "recon_best_step": round(losses["best_step"], 6),
-               "chosen": chosen, **({"recon_search": round(losses["search"], 6)} if searched else {}),
+               "chosen": chosen, "judged_on": "held-out" if opts.holdout else "all",
+               "windows_learned": len(learn_rows), "windows_judged": len(judge_rows),
+               **({"recon_search": round(losses["search"], 6)} if searched else {}),
                "seconds_search": round(search_seconds, 3), "seconds_learning": round(learn_seconds, 3),
                "seconds_per_step": round(learn_seconds / opts.steps, 4)}
     return perms, {"perms": info, "summary": summary}

@@ -69,12 +69,13 @@ class PruneConfig:
     perm_lambda: float = 1e-4
     perm_share: str = "group"
     perm_batch: int = 4
+    perm_holdout: float = 0.0
     perm_from: str | None = None     # reuse the index maps of an earlier --perm run (dir or .safetensors)
 
     def perm_options(self) -> PermOptions:
         return PermOptions(perm=self.perm, init=self.perm_init, recon=self.recon, relax=self.relax,
                            block=self.perm_block, steps=self.perm_steps, lr=self.perm_lr, lambda_max=self.perm_lambda, share=self.perm_share,
-                           batch=self.perm_batch, seed=self.seed)
+                           batch=self.perm_batch, holdout=self.perm_holdout, seed=self.seed)
 
     def key(self) -> str:
         fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size")}
@@ -156,6 +157,8 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     eval_source = get_source(eval_name) if eval_name else None
     perm_opts = config.perm_options()
     perm_opts.check(pattern)
+    if perm_opts.perm == "learned" and perm_opts.holdout and config.nsamples < 2:
+        raise UserError(f"--perm-holdout needs at least 2 calibration windows (--nsamples {config.nsamples}); raise --nsamples")
     if config.perm_from and (perm_opts.perm != "none" or not pattern.is_nm):
         raise UserError("--perm-from replaces --perm (leave --perm at none) and needs an N:M --pattern")
     device = pick_device(config.device)

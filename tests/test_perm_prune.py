@@ -109,7 +109,9 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
 
 def test_perm_options_are_checked(tiny_dir, text_file):
     for kwargs, needle in (({"perm": "sorted"}, "unknown --perm"), ({"perm": "learned", "pattern": None, "sparsity": 0.5}, "N:M"),
-                           ({"perm": "learned", "perm_block": 6}, "multiple of M"), ({"perm": "learned", "relax": "x"}, "--relax")):
+                           ({"perm": "learned", "perm_block": 6}, "multiple of M"), ({"perm": "learned", "relax": "x"}, "--relax"),
+                           ({"perm": "learned", "perm_holdout": 1.0}, "--perm-holdout"),
+                           ({"perm": "learned", "perm_holdout": 0.25, "nsamples": 1}, "raise --nsamples")):
         cfg = PruneConfig(model=str(tiny_dir), calib=str(text_file), **{"pattern": "2:4", **kwargs})
         with pytest.raises(UserError, match=needle):
             prune(cfg, progress=False)
@@ -159,3 +161,42 @@ def test_perm_from_reuses_index_maps_with_another_base(tiny_dir, text_file, tmp_
         prune(PruneConfig(**base, method="sparsegpt", perm="random", perm_from=str(tmp_path / "w")), progress=False)
     with pytest.raises(UserError, match="no index maps"):
         prune(PruneConfig(**base, method="sparsegpt", perm_from=str(tmp_path)), progress=False)
+
+
+def test_holdout_windows_are_never_learned_on_and_decide_the_choice():
+    """``--perm-holdout``: learning samples only the learn windows; the final choice evaluates only
+    the held-out ones, and picks the candidate with the lowest held-out loss."""
+    from shuffleprune.perm_prune import PermOptions, _learn_and_choose, split_windows
+
+    learn, judge = split_windows(20, 0.25, torch.Generator().manual_seed(0))
+    assert len(judge) == 5 and len(learn) == 15 and sorted(torch.cat([learn, judge]).tolist()) == list(range(20))
+    every = split_windows(7, 0.0, torch.Generator())
+    assert torch.equal(every[0], torch.arange(7)) and torch.equal(every[1], torch.arange(7))
+    with pytest.raises(UserError, match="--nsamples"):
+        split_windows(1, 0.5, torch.Generator())
+
+    weight, x, _ = _shuffled_two_four_layer()
+    lin = torch.nn.Linear(128, 64, bias=False)
+    lin.weight.data.copy_(weight)
+    windows = x.view(16, 32, 128)
+    seen = {"learn": set(), "judge": set()}
+
+    def recon(eff: dict, rows: torch.Tensor) -> torch.Tensor:
+        seen["learn" if torch.is_grad_enabled() else "judge"].update(rows.tolist())
+        out = windows[rows] @ eff["w"].T
+        return cosine_loss(windows[rows] @ weight.T, out)
+
+    opts = PermOptions(perm="learned", block=64, steps=20, holdout=0.25)
+    score = weight.abs() * x.norm(dim=0)
+    perms, info = _learn_and_choose([["w"]], {"w": lin}, {"w": score}, {}, 0.0, recon, 16, Pattern(2, 4), opts,
+                                    torch.device("cpu"), torch.Generator().manual_seed(1), None)
+    s = info["summary"]
+    assert s["judged_on"] == "held-out" and (s["windows_learned"], s["windows_judged"]) == (12, 4)
+    assert len(seen["judge"]) == 4 and not seen["judge"] & seen["learn"]
+    held = sorted(seen["judge"])
+    with torch.no_grad():
+        def held_loss(p: torch.Tensor) -> float:
+            w = masked_weight(weight, score, perm_to_blocks(p, block_sizes(128, 64)), 2, 4)
+            return float(cosine_loss(windows[held] @ weight.T, windows[held] @ w.T))
+        assert held_loss(perms["w"]) == pytest.approx(s["recon_after"], rel=1e-5)
+        assert s["recon_after"] == min(s["recon_final"], s["recon_best_step"], s["recon_before"])
