@@ -240,7 +240,7 @@ def dst(
     delta: float = typer.Option(0.22, "--delta", help="A layer's permutation hardens once P(M) < delta."),
     perm_init: float = typer.Option(0.5, "--perm-start", help="α of the soft start α·I + (1−α)/d·11ᵀ of learned permutations (0: uniform, 1: identity)."),
     seq_len: int = typer.Option(256, "--seq-len"),
-    batch_size: int = typer.Option(8, "--batch-size"),
+    batch_size: int = typer.Option(8, "--batch-size", help="Windows per step in all (split over the processes of a distributed run)."),
     steps: int = typer.Option(1000, "--steps"),
     lr: float = typer.Option(6e-4, "--lr"),
     warmup: int = typer.Option(100, "--warmup"),
@@ -274,8 +274,11 @@ def dst(
     except KeyboardInterrupt:
         err.print(f"interrupted; continue with the same command plus --resume (checkpoint in {out})")
         raise typer.Exit(130)
-    Console().print(f"final ppl {report['final_ppl']:.2f} ({data} test, ctx {seq_len}), density {report['density']:.4f}, "
-                    f"{report['train_seconds']:.0f} s; wrote {out}")
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        Console().print(f"final ppl {report['final_ppl']:.2f} ({data} test, ctx {seq_len}), density {report['density']:.4f}, "
+                        f"{report['train_seconds']:.0f} s; wrote {out}")
 
 
 def main() -> None:  # pragma: no cover

@@ -9,6 +9,10 @@
 To resume: ``prepare`` (which draws fresh masks), then load the model's, optimizer's and
 ``sparsifier.load_state_dict(...)`` state.
 
+Distributed (DDP): ``prepare`` before wrapping the model, the same ``config.seed`` on every
+process. Mask updates read the DDP-averaged gradients and the sparsifier averages the soft
+permutations' gradients across processes itself, so every process makes the same decisions.
+
 ``step()`` keeps pruned weights at zero after every optimizer step and, every ``delta_t`` steps
 until ``t_end``, drops the fraction ``α/2·(1 + cos(π t / t_end))`` of each layer's active weights
 with the smallest magnitude and grows as many where the method says (RigL: largest dense gradient;
@@ -221,6 +225,22 @@ def _permuted_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, w, module.bias)
 
 
+def _average_across_processes(params: list[torch.Tensor]) -> None:
+    """Average the task gradients of parameters that are not the model's (the soft permutations)
+    over the processes of a distributed run, as DDP does for the model's own: every process then
+    takes the same permutation step. No-op in a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]).to(device)
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p).to(p.device, p.dtype)
+
+
 class InputPermutation:
     """The input permutation of one layer: soft (mixing ``M``, learned) until hardened, then the
     index map ``perm`` (the layer computes ``W · x[perm]``). Installs :func:`_permuted_forward` on
@@ -411,6 +431,7 @@ class DynamicSparsifier:
         if not soft:
             return
         lam = self.schedule.lam(self.step_count)
+        _average_across_processes([b for p in soft.values() for b in p.soft.blocks])
         for p in soft.values():
             p.penalty_curve.append(p.current_penalty())
             if lam > 0:

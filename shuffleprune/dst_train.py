@@ -3,10 +3,13 @@
 A model built from a transformers config (``--arch gpt2`` with ``--config-kw n_layer=12 …``, or a
 config dir / hub id), a tokenizer (the embedded model's by default), a text source (``wikitext103``
 online as the papers; ``wiki`` / ``brown`` / files offline), AdamW with cosine LR and warmup, run
-through ``accelerate`` (``accelerate launch -m shuffleprune.cli dst …`` for several GPUs).
+through ``accelerate`` (``accelerate launch --multi_gpu -m shuffleprune.cli dst …`` for several
+GPUs; on CPU ``ACCELERATE_USE_CPU=true torchrun --nproc_per_node N -m shuffleprune.cli dst …``).
 
-Batches are a pure function of (seed, step): windows at seeded random offsets of the tokenized
-train split. A checkpoint (model, optimizer, scheduler, sparsifier with masks and permutations,
+Batches are a pure function of (seed, step): ``batch_size`` windows at seeded random offsets of the
+tokenized train split. With several processes that is the global batch: process ``r`` of ``W``
+trains on windows ``r, r+W, …`` and DDP averages the gradients, so a run on W processes follows the
+single-process run (up to float summation order). A checkpoint (model, optimizer, scheduler, sparsifier with masks and permutations,
 RNG state, logs) is written atomically every ``checkpoint_every`` steps; ``--resume`` continues
 from it and reproduces the uninterrupted run.
 """
@@ -102,10 +105,22 @@ def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None
     return AutoModelForCausalLM.from_config(config)
 
 
-def _batch(stream: torch.Tensor, cfg: TrainConfig, step: int) -> torch.Tensor:
+def _batch(stream: torch.Tensor, cfg: TrainConfig, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """Process ``rank``'s share (windows ``rank::world``) of the global batch of ``step``."""
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     starts = torch.randint(0, stream.numel() - cfg.seq_len, (cfg.batch_size,), generator=gen)
-    return torch.stack([stream[s:s + cfg.seq_len] for s in starts.tolist()])
+    return torch.stack([stream[s:s + cfg.seq_len] for s in starts[rank::world].tolist()])
+
+
+def _state_fingerprint(model: torch.nn.Module, sp: DynamicSparsifier) -> torch.Tensor:
+    """Position-weighted sums of every parameter, mask and permutation: equal on all processes iff
+    (up to coincidence) they hold the same model and the same sparse structure."""
+    def fp(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().double().flatten().cpu()
+        return torch.stack([t.sum(), (t * torch.arange(1, t.numel() + 1, dtype=torch.float64).sqrt()).sum()])
+    parts = [fp(p) for p in model.parameters()] + [fp(m) for m in sp.masks.values()]
+    parts += [fp(p.hard if p.hard is not None else torch.cat(list(p.soft.blocks))) for p in sp.perms.values()]
+    return torch.stack(parts) if parts else torch.zeros(1, 2, dtype=torch.float64)
 
 
 def _structure_report(sp: DynamicSparsifier) -> dict:
@@ -153,17 +168,23 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
 
     out = Path(out)
     ckpt = out / CHECKPOINT
-    if resume and not ckpt.is_file():
-        raise UserError(f"nothing to resume in '{out}': no {CHECKPOINT}")
-    if not resume and out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(f"output dir '{out}' is not empty; use --resume, --overwrite or another --out")
-        shutil.rmtree(out)
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.seq_len < 8:
         raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
+    accelerator = Accelerator()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if cfg.batch_size % world:
+        raise UserError(f"--batch-size {cfg.batch_size} is the global batch: use a multiple of the {world} processes")
+    if resume and not ckpt.is_file():
+        raise UserError(f"nothing to resume in '{out}': no {CHECKPOINT}")
+    if not resume and out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"output dir '{out}' is not empty; use --resume, --overwrite or another --out")
+    accelerator.wait_for_everyone()  # every process has looked at `out` before the main one clears it
+    if not resume and out.exists() and accelerator.is_main_process:
+        shutil.rmtree(out)
     source = get_source(cfg.data)
     train_docs = source.documents("train")
-    tokenizer = _tokenizer(cfg.tokenizer, train_docs, source.name)
+    with accelerator.main_process_first():  # a bpe:N tokenizer is trained and cached once
+        tokenizer = _tokenizer(cfg.tokenizer, train_docs, source.name)
     train_stream = _encode(tokenizer, source.joiner.join(train_docs))
     test_stream = _encode(tokenizer, source.joiner.join(source.documents("test")))
     if cfg.eval_tokens:
@@ -171,7 +192,6 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     if train_stream.numel() <= cfg.seq_len or test_stream.numel() < cfg.seq_len:
         raise UserError(f"'{cfg.data}' is too short for --seq-len {cfg.seq_len}")
 
-    accelerator = Accelerator()
     model = build_model(cfg, len(tokenizer), tokenizer.eos_token_id)
     sparsifier = DynamicSparsifier(dst)
     sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
@@ -221,7 +241,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
                disable=not progress or not accelerator.is_main_process)
     for step in bar:
         t0 = time.time()
-        batch = _batch(train_stream, cfg, step).to(device)
+        batch = _batch(train_stream, cfg, step, rank, world).to(device)
         loss = model(input_ids=batch, labels=batch).loss
         accelerator.backward(loss)
         if cfg.grad_clip:
@@ -232,7 +252,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         optimizer.zero_grad()  # after sparsifier.step(): RigL reads the dense gradients at update steps
         state["train_seconds"] += time.time() - t0
         state["step"] = step + 1
-        value = float(loss.detach())
+        value = float(accelerator.reduce(loss.detach(), "mean") if world > 1 else loss.detach())
         state["log"].append({"step": step + 1, "loss": round(value, 5)})
         bar.set_postfix_str(f"loss {value:.3f}")
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
@@ -244,6 +264,13 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     final_ppl = evaluate()
     state["evals"].append({"step": cfg.steps, "ppl": final_ppl})
     sparsifier.finalize()
+    ranks_agree = None
+    if world > 1:  # DDP syncs the gradients; masks and permutations must have followed on every process
+        mine = _state_fingerprint(accelerator.unwrap_model(model), sparsifier).to(device)
+        every = accelerator.gather(mine.unsqueeze(0))
+        ranks_agree = bool((every == every[:1]).all())
+        if not ranks_agree and accelerator.is_main_process:
+            print("warning: the processes ended with different weights, masks or permutations", flush=True)
     unwrapped = accelerator.unwrap_model(model)
     report = {
         "train": asdict(cfg), "dst": asdict(dst), "final_ppl": final_ppl, "evals": state["evals"],
@@ -254,6 +281,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
                              "strength": None if p.hard is None else round(s, 4)}
                          for (n, p), s in zip(sparsifier.perms.items(), sparsifier.permutation_strength().values())},
         "mask_updates": sparsifier.history, "versions": versions("accelerate"), "device": str(device),
+        "processes": world, "ranks_agree": ranks_agree,
     }
     if accelerator.is_main_process:
         unwrapped.save_pretrained(out / "model")

@@ -1,0 +1,68 @@
+"""`shuffleprune dst` on several processes: the global batch is split across them, DDP averages the
+model's gradients, the sparsifier averages the soft permutations' own, and every process ends with
+the same weights, masks and permutations. Run here as 2 CPU processes (gloo), as on GPUs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from shuffleprune.dst_train import TrainConfig, _batch
+
+# a permutation hardened from the uniform start is decided by tiny differences of M: if the
+# processes took different permutation steps, they would end with different permutations
+ARGS = ["--arch", "gpt2", "--config-kw", "n_layer=2,n_embd=64,n_head=4,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
+        "--seq-len", "32", "--steps", "12", "--warmup", "2", "--eval-every", "0", "--eval-tokens", "1024",
+        "--checkpoint-every", "0", "--method", "dsb", "--block", "16", "--sparsity", "0.75", "--delta-t", "3",
+        "--perm", "learned", "--perm-lr", "0.01", "--perm-start", "0", "--lambda-max", "1e-2", "--t-perm", "8",
+        "--distribution", "uniform", "--quiet"]
+
+
+def _run(processes: int, args: list[str]) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([*(launcher if processes > 1 else [sys.executable]), "-m", "shuffleprune.cli", "dst", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_each_process_trains_on_its_share_of_the_global_batch():
+    stream = torch.arange(10_000)
+    cfg = TrainConfig(seq_len=16, batch_size=6, seed=3)
+    whole = _batch(stream, cfg, step=7)
+    shares = [_batch(stream, cfg, step=7, rank=r, world=3) for r in range(3)]
+    assert all(len(s) == 2 for s in shares)
+    assert torch.equal(torch.stack([shares[r][i] for i in range(2) for r in range(3)]), whole)
+    assert not torch.equal(_batch(stream, cfg, step=8), whole)
+
+
+def test_two_processes_follow_the_single_process_run_and_agree(tiny_dir, text_file, tmp_path):
+    common = ARGS + ["--tokenizer", str(tiny_dir), "--data", str(text_file), "--batch-size", "4"]
+    one, two = _run(1, common + ["--out", str(tmp_path / "one")]), _run(2, common + ["--out", str(tmp_path / "two")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("final ppl") == 1  # printed by the main process only
+    a = json.loads((tmp_path / "one" / "dst_report.json").read_text())
+    b = json.loads((tmp_path / "two" / "dst_report.json").read_text())
+    assert (a["processes"], a["ranks_agree"]) == (1, None)
+    assert (b["processes"], b["ranks_agree"]) == (2, True)
+    # the first steps see identical weights: the averaged half-batch losses are the global batch's
+    la, lb = [r["loss"] for r in a["loss_curve"]], [r["loss"] for r in b["loss_curve"]]
+    assert la[:2] == lb[:2]
+    assert max(abs(x - y) for x, y in zip(la, lb)) < 0.05  # later steps drift by float summation order only
+    assert abs(b["final_ppl"] / a["final_ppl"] - 1) < 0.02
+    assert all(p["hardened_at"] is not None for p in b["permutations"].values())
+    assert all(l["whole_blocks"] and l["pruned_weights_zero"] for l in b["layers"].values())
+    from safetensors.torch import load_file
+
+    maps = load_file(str(tmp_path / "two" / "model" / "index_maps.safetensors"))
+    assert maps and all(torch.equal(torch.sort(p.long()).values, torch.arange(p.numel())) for p in maps.values())
+
+
+def test_a_global_batch_that_does_not_split_is_refused(tiny_dir, text_file, tmp_path):
+    out = tmp_path / "bad"
+    r = _run(2, ARGS + ["--tokenizer", str(tiny_dir), "--data", str(text_file), "--batch-size", "3", "--out", str(out)])
+    assert r.returncode != 0 and "use a multiple of the 2 processes" in r.stdout + r.stderr
+    assert not out.exists()
