@@ -181,9 +181,9 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     accelerator.wait_for_everyone()  # every process has looked at `out` before the main one clears it
     if not resume and out.exists() and accelerator.is_main_process:
         shutil.rmtree(out)
-    source = get_source(cfg.data)
-    train_docs = source.documents("train")
-    with accelerator.main_process_first():  # a bpe:N tokenizer is trained and cached once
+    with accelerator.main_process_first():  # downloads, and a bpe:N tokenizer's training, happen once
+        source = get_source(cfg.data)
+        train_docs = source.documents("train")
         tokenizer = _tokenizer(cfg.tokenizer, train_docs, source.name)
     train_stream = _encode(tokenizer, source.joiner.join(train_docs))
     test_stream = _encode(tokenizer, source.joiner.join(source.documents("test")))
