@@ -9,9 +9,9 @@ GPUs; on CPU ``ACCELERATE_USE_CPU=true torchrun --nproc_per_node N -m shufflepru
 Batches are a pure function of (seed, step): ``batch_size`` windows at seeded random offsets of the
 tokenized train split. With several processes that is the global batch: process ``r`` of ``W``
 trains on windows ``r, r+W, …`` and DDP averages the gradients, so a run on W processes follows the
-single-process run (up to float summation order). A checkpoint (model, optimizer, scheduler, sparsifier with masks and permutations,
-RNG state, logs) is written atomically every ``checkpoint_every`` steps; ``--resume`` continues
-from it and reproduces the uninterrupted run.
+single-process run (up to float summation order). A checkpoint (model, optimizer, scheduler,
+sparsifier with masks and permutations, RNG state, logs) is written atomically every
+``checkpoint_every`` steps; ``--resume`` continues from it and reproduces the uninterrupted run.
 """
 from __future__ import annotations
 
@@ -264,14 +264,13 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     final_ppl = evaluate()
     state["evals"].append({"step": cfg.steps, "ppl": final_ppl})
     sparsifier.finalize()
+    unwrapped = accelerator.unwrap_model(model)
     ranks_agree = None
     if world > 1:  # DDP syncs the gradients; masks and permutations must have followed on every process
-        mine = _state_fingerprint(accelerator.unwrap_model(model), sparsifier).to(device)
-        every = accelerator.gather(mine.unsqueeze(0))
+        every = accelerator.gather(_state_fingerprint(unwrapped, sparsifier).to(device).unsqueeze(0))
         ranks_agree = bool((every == every[:1]).all())
         if not ranks_agree and accelerator.is_main_process:
             print("warning: the processes ended with different weights, masks or permutations", flush=True)
-    unwrapped = accelerator.unwrap_model(model)
     report = {
         "train": asdict(cfg), "dst": asdict(dst), "final_ppl": final_ppl, "evals": state["evals"],
         "loss_curve": state["log"], "train_seconds": round(state["train_seconds"], 2),
