@@ -48,6 +48,9 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
                                                           "perm_share": "linear"}),
     "shufflesparse_wanda/block/init=identity": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                            "perm_init": "identity"}),
+    # the learning rate decayed to 0 (cosine) over the steps instead of held constant
+    "shufflesparse_wanda/model/lr=cosine": ("model", {"method": "wanda", "perm": "learned", "recon": "model",
+                                                      "perm_lr_decay": "cosine"}),
     # the final choice judged on a quarter of the windows, kept out of learning
     "shufflesparse_wanda/block/holdout=0.25": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                           "perm_holdout": 0.25}),
@@ -97,7 +100,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
         {"source": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": seed},
         "perm": None if prune_report is None or prune_report["perm"] is None else
         {k: prune_report["perm"][k] for k in ("perm", "init", "relax", "recon", "block", "steps", "lr",
-                                              "lambda_max", "share", "batch", "holdout", "from")},
+                                              "lr_decay", "lambda_max", "share", "batch", "holdout", "from")},
         "ppl": row["ppl"], "eval_ctx": row["ppl_eval"]["ctx"], "ppl_text": row["ppl_eval"]["text"],
         "ppl_tokens": row["ppl_eval"]["tokens"],
         "zeroshot": zeroshot, "zeroshot_avg": round(sum(zeroshot.values()) / len(zeroshot), 2),

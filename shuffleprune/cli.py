@@ -51,6 +51,7 @@ def prune(
     perm_block: int = typer.Option(64, "--perm-block", help="Permutation block size B (block-diagonal B×B blocks; a smaller last block)."),
     perm_steps: int = typer.Option(100, "--perm-steps", help="Optimisation steps per decoder block."),
     perm_lr: float = typer.Option(3e-2, "--perm-lr", help="Adam learning rate for the soft permutations."),
+    perm_lr_decay: str = typer.Option("constant", "--perm-lr-decay", help="Learning-rate schedule over the permutation steps: constant or cosine (to 0)."),
     perm_lambda: float = typer.Option(1e-4, "--perm-lambda", help="λ_max of the l1−l2 penalty (ramped linearly from 0)."),
     perm_share: str = typer.Option("group", "--perm-share", help="group: one permutation per shared input (q/k/v, gate/up); linear: one per linear."),
     perm_batch: int = typer.Option(4, "--perm-batch", help="Calibration windows per permutation step."),
@@ -72,8 +73,8 @@ def prune(
                          eval_text=None if eval_text == "none" else eval_text, eval_ctx=eval_ctx,
                          eval_tokens=eval_tokens, device=device, batch_size=batch_size, perm=perm, perm_init=perm_init, recon=recon,
                          perm_from=str(perm_from) if perm_from else None, relax=relax,
-                         perm_block=perm_block, perm_steps=perm_steps, perm_lr=perm_lr, perm_lambda=perm_lambda,
-                         perm_share=perm_share, perm_batch=perm_batch, perm_holdout=perm_holdout)
+                         perm_block=perm_block, perm_steps=perm_steps, perm_lr=perm_lr, perm_lr_decay=perm_lr_decay,
+                         perm_lambda=perm_lambda, perm_share=perm_share, perm_batch=perm_batch, perm_holdout=perm_holdout)
     if export is not None and (out is None or sparsity is not None):
         _fail(UserError("--export needs --out DIR and an N:M --pattern"))
     try:

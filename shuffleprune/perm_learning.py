@@ -59,14 +59,15 @@ def learn_permutations(perms: dict[str, SoftPermutation],
                        on_step: Callable[[int, float, float], None] | None = None) -> LearnResult:
     """Optimise the soft permutations against ``loss_fn(M̄ per name, step)`` (+ ``λ_t·ΣP(M)``).
 
-    Adam on ``M`` (or the Sinkhorn logits), ``λ_t`` ramped from 0, projection onto the
-    doubly-stochastic set after every step (l1l2), τ annealed (sinkhorn). Returns the Hungarian
+    Adam on ``M`` (or the Sinkhorn logits) at ``lr · schedule.lr_factor(t)``, ``λ_t`` ramped from 0,
+    projection onto the doubly-stochastic set after every step (l1l2), τ annealed (sinkhorn). Returns the Hungarian
     decoding of every ``M`` after the last step, the permutations used at the step with the lowest
     loss (the forward pass of a step uses exactly the decoded hard permutations, so its loss is
     theirs), and the per-step curves.
     """
     params = [p for sp in perms.values() for p in sp.parameters()]
     opt = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr=lr, momentum=0.9)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule.lr_factor)
     result = LearnResult(perms={}, penalty_per_perm={k: [] for k in perms})
     for step in range(schedule.steps):
         for sp in perms.values():
@@ -82,6 +83,7 @@ def learn_permutations(perms: dict[str, SoftPermutation],
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        lr_sched.step()
         for sp in perms.values():
             sp.project_()
         result.loss.append(float(rec.detach()))

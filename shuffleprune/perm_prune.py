@@ -49,6 +49,7 @@ class PermOptions:
     steps: int = 100            # optimisation steps per decoder block (block recon) or in all (model recon)
     recon: str = "block"        # block: each block against its dense output; model: all jointly, final hidden state
     lr: float = 3e-2
+    lr_decay: str = "constant"  # constant | cosine (½(1+cos πt/T) over the steps)
     lambda_max: float = 1e-4
     share: str = "group"        # group: q/k/v and gate/up share one permutation; linear: one each
     batch: int = 4              # calibration windows per step
@@ -68,6 +69,8 @@ class PermOptions:
             raise UserError("--perm needs an N:M --pattern: unstructured masks do not depend on column order")
         if self.relax not in ("l1l2", "sinkhorn"):
             raise UserError(f"unknown --relax '{self.relax}'; use l1l2 or sinkhorn")
+        if self.lr_decay not in ("constant", "cosine"):
+            raise UserError(f"unknown --perm-lr-decay '{self.lr_decay}'; use constant or cosine")
         if self.share not in ("group", "linear"):
             raise UserError(f"unknown --perm-share '{self.share}'; use group or linear")
         if self.block < pattern.m or self.block % pattern.m:
@@ -153,7 +156,7 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
     def loss_fn(m_bars: dict[str, list[torch.Tensor]], step: int) -> torch.Tensor:
         return loss_of(m_bars, learn_rows[torch.randperm(len(learn_rows), generator=gen)[:opts.batch]])
 
-    schedule = PermSchedule(steps=opts.steps, lambda_max=opts.lambda_max)
+    schedule = PermSchedule(steps=opts.steps, lambda_max=opts.lambda_max, lr_decay=opts.lr_decay)
     t0 = time.time()
     result = learn_permutations(soft, loss_fn, schedule, lr=opts.lr, on_step=on_step)
     learn_seconds = time.time() - t0

@@ -173,13 +173,21 @@ def sinkhorn(logits: BlockList, tau: float, iters: int = 5) -> BlockList:
 
 @dataclass
 class PermSchedule:
-    """Schedules of the soft phase: λ ramp (l1l2) and τ anneal (sinkhorn)."""
+    """Schedules of the soft phase: λ ramp (l1l2), τ anneal (sinkhorn), learning-rate decay."""
 
     steps: int
     lambda_max: float = 1e-4
     ramp_steps: int | None = None  # T_perm; default: all steps
     tau_start: float = 1.0
     tau_end: float = 0.1
+    lr_decay: str = "constant"     # constant | cosine
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the base learning rate at ``step``: 1 (constant), or ``½(1 + cos(π t/T))``
+        (cosine: 1 at the first step, → 0 at the last)."""
+        if self.lr_decay == "constant":
+            return 1.0
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, self.steps) / max(self.steps, 1)))
 
     def lam(self, step: int) -> float:
         """``λ_t = λ_max · min(1, t / T_perm)`` (0 at step 0)."""

@@ -66,6 +66,7 @@ class PruneConfig:
     perm_block: int = 64
     perm_steps: int = 100
     perm_lr: float = 3e-2
+    perm_lr_decay: str = "constant"
     perm_lambda: float = 1e-4
     perm_share: str = "group"
     perm_batch: int = 4
@@ -74,7 +75,7 @@ class PruneConfig:
 
     def perm_options(self) -> PermOptions:
         return PermOptions(perm=self.perm, init=self.perm_init, recon=self.recon, relax=self.relax,
-                           block=self.perm_block, steps=self.perm_steps, lr=self.perm_lr, lambda_max=self.perm_lambda, share=self.perm_share,
+                           block=self.perm_block, steps=self.perm_steps, lr=self.perm_lr, lr_decay=self.perm_lr_decay, lambda_max=self.perm_lambda, share=self.perm_share,
                            batch=self.perm_batch, holdout=self.perm_holdout, seed=self.seed)
 
     def key(self) -> str:

@@ -53,6 +53,22 @@ def test_learning_recovers_a_permutation_far_better_than_wanda():
     assert all(torch.equal(p.sort().values, torch.arange(128)) for p in (res.perms["w"], res.best_perms["w"]))
 
 
+def test_cosine_lr_decay_brings_the_soft_permutation_to_rest():
+    """With ``lr_decay="cosine"`` the last step barely moves ``M``; at a constant rate it keeps moving."""
+    weight, x, _ = _shuffled_two_four_layer()
+    score, target = weight.abs() * x.norm(dim=0), x @ weight.T
+
+    def last_move(decay: str) -> float:
+        sp, snaps = SoftPermutation(128, 64), []
+        learn_permutations({"w": sp}, lambda mb, _t: cosine_loss(target, x @ masked_weight(weight, score, mb["w"], 2, 4).T),
+                           PermSchedule(steps=20, lr_decay=decay), lr=3e-2,
+                           on_step=lambda *_: snaps.append([p.detach().clone() for p in sp.parameters()]))
+        return max(float((a - b).abs().max()) for a, b in zip(snaps[-1], snaps[-2]))
+
+    constant, cosine = last_move("constant"), last_move("cosine")
+    assert constant > 1e-3 and cosine < 0.05 * constant, (constant, cosine)
+
+
 @pytest.mark.parametrize("method", [wanda, sparsegpt])
 def test_pruning_in_permuted_coordinates_is_nm_in_memory_order(method):
     torch.manual_seed(0)
@@ -111,6 +127,7 @@ def test_perm_options_are_checked(tiny_dir, text_file):
     for kwargs, needle in (({"perm": "sorted"}, "unknown --perm"), ({"perm": "learned", "pattern": None, "sparsity": 0.5}, "N:M"),
                            ({"perm": "learned", "perm_block": 6}, "multiple of M"), ({"perm": "learned", "relax": "x"}, "--relax"),
                            ({"perm": "learned", "perm_holdout": 1.0}, "--perm-holdout"),
+                           ({"perm": "learned", "perm_lr_decay": "linear"}, "--perm-lr-decay"),
                            ({"perm": "learned", "perm_holdout": 0.25, "nsamples": 1}, "raise --nsamples")):
         cfg = PruneConfig(model=str(tiny_dir), calib=str(text_file), **{"pattern": "2:4", **kwargs})
         with pytest.raises(UserError, match=needle):

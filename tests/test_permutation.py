@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shuffleprune.permutation import (SoftPermutation, block_sizes, hungarian, penalty, penalty_grad, perm_to_blocks,
+from shuffleprune.permutation import (PermSchedule, SoftPermutation, block_sizes, hungarian, penalty, penalty_grad, perm_to_blocks,
                                       permute_columns, project_doubly_stochastic, random_block_perm, sinkhorn,
                                       strength, unpermute_columns)
 
@@ -101,3 +101,11 @@ def test_strength():
     assert strength(torch.arange(10)) == 1.0
     assert strength(torch.roll(torch.arange(10), 1)) == pytest.approx(0.0)
     assert 0 < strength(torch.tensor([1, 0, 2, 3])) < 1
+
+
+def test_lr_factor_constant_and_cosine():
+    assert all(PermSchedule(steps=10).lr_factor(t) == 1.0 for t in range(10))
+    cos = PermSchedule(steps=10, lr_decay="cosine")
+    factors = [cos.lr_factor(t) for t in range(11)]
+    assert factors[0] == 1.0 and abs(factors[5] - 0.5) < 1e-12 and factors[10] == 0.0
+    assert all(a > b for a, b in zip(factors, factors[1:]))
