@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["hellaswag", "arc_easy", "arc_challenge", "openbookqa"]
 
-# name → (recon label, prune options); None: not pruned. "{ss_block}" is filled with the dir of
-# shufflesparse_wanda/block for the same seed.
+# name → (recon label, prune options); None: not pruned. "{ss_block}" / "{ss_model}" / "{search}" are
+# filled with the dir of that PERM_SOURCE row for the same seed.
 METHODS: dict[str, tuple[str | None, dict | None]] = {
     "dense": (None, None),
     "magnitude": (None, {"method": "magnitude"}),
@@ -42,6 +42,8 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     "shufflesparse_wanda/model": ("model", {"method": "wanda", "perm": "learned", "recon": "model"}),
     "shufflesparse_sparsegpt": ("block", {"method": "sparsegpt", "perm_from": "{ss_block}"}),
     "sparsegpt+search": (None, {"method": "sparsegpt", "perm_from": "{search}"}),
+    # SparseGPT in the permuted coordinates learned jointly (--recon model)
+    "shufflesparse_sparsegpt/model": ("model", {"method": "sparsegpt", "perm_from": "{ss_model}"}),
     # ablations: one permutation per linear instead of per shared input; the paper's identity start
     "wanda+search/share=linear": (None, {"method": "wanda", "perm": "search", "perm_share": "linear"}),
     "shufflesparse_wanda/block/share=linear": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
@@ -56,7 +58,8 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
                                                           "perm_holdout": 0.25}),
 }
 ABLATIONS = {m for m in METHODS if "=" in m}  # run only when named
-PERM_SOURCE = {"{ss_block}": "shufflesparse_wanda/block", "{search}": "wanda+search"}
+PERM_SOURCE = {"{ss_block}": "shufflesparse_wanda/block", "{ss_model}": "shufflesparse_wanda/model",
+               "{search}": "wanda+search"}
 SEED_FREE = {"dense", "magnitude"}  # no calibration data: one row
 
 
