@@ -16,7 +16,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = (2, 12, 25)
 SETTINGS = [(3e-2, 50), (3e-3, 50), (3e-3, 200), (1e-3, 200), (3e-4, 200)]

@@ -34,7 +34,7 @@ from .errors import UserError
 from .masks import Pattern
 from .perm_learning import cosine_loss, learn_permutations, masked_weight
 from .perm_search import swap_search
-from .permutation import PermSchedule, SoftPermutation, perm_to_blocks, random_block_perm, strength
+from .permutation import LR_DECAYS, PermSchedule, SoftPermutation, perm_to_blocks, random_block_perm, strength
 from .stats import InputStats
 
 
@@ -69,8 +69,8 @@ class PermOptions:
             raise UserError("--perm needs an N:M --pattern: unstructured masks do not depend on column order")
         if self.relax not in ("l1l2", "sinkhorn"):
             raise UserError(f"unknown --relax '{self.relax}'; use l1l2 or sinkhorn")
-        if self.lr_decay not in ("constant", "cosine"):
-            raise UserError(f"unknown --perm-lr-decay '{self.lr_decay}'; use constant or cosine")
+        if self.lr_decay not in LR_DECAYS:
+            raise UserError(f"unknown --perm-lr-decay '{self.lr_decay}'; use {' or '.join(LR_DECAYS)}")
         if self.share not in ("group", "linear"):
             raise UserError(f"unknown --perm-share '{self.share}'; use group or linear")
         if self.block < pattern.m or self.block % pattern.m:

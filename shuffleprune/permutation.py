@@ -171,6 +171,9 @@ def sinkhorn(logits: BlockList, tau: float, iters: int = 5) -> BlockList:
     return out
 
 
+LR_DECAYS = ("constant", "cosine")
+
+
 @dataclass
 class PermSchedule:
     """Schedules of the soft phase: λ ramp (l1l2), τ anneal (sinkhorn), learning-rate decay."""
@@ -180,7 +183,11 @@ class PermSchedule:
     ramp_steps: int | None = None  # T_perm; default: all steps
     tau_start: float = 1.0
     tau_end: float = 0.1
-    lr_decay: str = "constant"     # constant | cosine
+    lr_decay: str = "constant"     # one of LR_DECAYS
+
+    def __post_init__(self) -> None:
+        if self.lr_decay not in LR_DECAYS:
+            raise ValueError(f"unknown learning-rate decay '{self.lr_decay}'; use {' or '.join(LR_DECAYS)}")
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of the base learning rate at ``step``: 1 (constant), or ``½(1 + cos(π t/T))``

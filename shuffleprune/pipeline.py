@@ -75,8 +75,9 @@ class PruneConfig:
 
     def perm_options(self) -> PermOptions:
         return PermOptions(perm=self.perm, init=self.perm_init, recon=self.recon, relax=self.relax,
-                           block=self.perm_block, steps=self.perm_steps, lr=self.perm_lr, lr_decay=self.perm_lr_decay, lambda_max=self.perm_lambda, share=self.perm_share,
-                           batch=self.perm_batch, holdout=self.perm_holdout, seed=self.seed)
+                           block=self.perm_block, steps=self.perm_steps, lr=self.perm_lr, lr_decay=self.perm_lr_decay,
+                           lambda_max=self.perm_lambda, share=self.perm_share, batch=self.perm_batch,
+                           holdout=self.perm_holdout, seed=self.seed)
 
     def key(self) -> str:
         fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size")}

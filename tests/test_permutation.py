@@ -109,3 +109,5 @@ def test_lr_factor_constant_and_cosine():
     factors = [cos.lr_factor(t) for t in range(11)]
     assert factors[0] == 1.0 and abs(factors[5] - 0.5) < 1e-12 and factors[10] == 0.0
     assert all(a > b for a, b in zip(factors, factors[1:]))
+    with pytest.raises(ValueError, match="unknown learning-rate decay"):
+        PermSchedule(steps=10, lr_decay="linear")
