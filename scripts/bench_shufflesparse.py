@@ -61,6 +61,14 @@ ABLATIONS = {m for m in METHODS if "=" in m}  # run only when named
 PERM_SOURCE = {"{ss_block}": "shufflesparse_wanda/block", "{ss_model}": "shufflesparse_wanda/model",
                "{search}": "wanda+search"}
 SEED_FREE = {"dense", "magnitude"}  # no calibration data: one row
+DEFAULT_CALIB = (32, 256)  # windows × tokens of the table's rows; other sizes get their own variant
+
+
+def variant_of(method: str, args: argparse.Namespace) -> str:
+    """The row's variant: the method, plus ``/calib=N×L`` when calibrated on other than 32×256 tokens."""
+    if method in SEED_FREE or (args.nsamples, args.seqlen) == DEFAULT_CALIB:
+        return method
+    return f"{method}/calib={args.nsamples}x{args.seqlen}"
 
 
 def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
@@ -82,10 +90,10 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
             opts.update(perm_steps=args.model_steps if opts.get("recon") == "model" else args.perm_steps)
         if "perm_from" in opts:
             source = PERM_SOURCE[opts["perm_from"]]
-            opts["perm_from"] = str(_out_dir(args, source, seed))
+            opts["perm_from"] = str(_out_dir(args, variant_of(source, args), seed))
             if not Path(opts["perm_from"], "index_maps.safetensors").is_file():
                 raise SystemExit(f"{method} needs {source} seed {seed} first")
-        out = _out_dir(args, method, seed)
+        out = _out_dir(args, variant_of(method, args), seed)
         cfg = PruneConfig(model=args.model, pattern=args.pattern, calib=args.calib, nsamples=args.nsamples,
                           seqlen=args.seqlen, seed=seed, eval_text=None, **opts)
         prune_report = prune(cfg, out=out, overwrite=True, progress=False).report
@@ -97,7 +105,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
     row = res["models"][0]
     zeroshot = {t: round(100 * row["results"][t]["value"], 2) for t in TASKS}
     return {
-        "model": args.model or "embedded:SmolLM2-135M-Instruct", "method": method.split("/")[0], "variant": method,
+        "model": args.model or "embedded:SmolLM2-135M-Instruct", "method": method.split("/")[0], "variant": variant_of(method, args),
         "recon": recon, "pattern": args.pattern, "seed": None if method in SEED_FREE else seed,
         "calib": None if opts is None or method == "magnitude" else
         {"source": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": seed},
@@ -117,8 +125,8 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
     }
 
 
-def _out_dir(args: argparse.Namespace, method: str, seed: int) -> Path:
-    return Path(args.work) / f"{method.replace('/', '-').replace('+', '_')}-s{seed}"
+def _out_dir(args: argparse.Namespace, variant: str, seed: int) -> Path:
+    return Path(args.work) / f"{variant.replace('/', '-').replace('+', '_')}-s{seed}"
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -142,7 +150,8 @@ def summarise(rows: list[dict]) -> list[dict]:
 def markdown(results: dict) -> str:
     s = results["setup"]
     lines = [f"# ShuffleSparse benchmark — {s['model']}, {s['pattern']}", "",
-             f"Calibration: {s['calib']} {s['nsamples']}×{s['seqlen']} tokens (seeds per row). "
+             f"Calibration: {s['calib']} {DEFAULT_CALIB[0]}×{DEFAULT_CALIB[1]} tokens, or as a `/calib=N×L` "
+             "variant says (seeds per row). "
              f"Perplexity: {s['ppl_text']} test, ctx {s['ppl_ctx']}, {s['ppl_tokens']} tokens. "
              f"Zero-shot: lm-eval, first {s['limit']} items per task, accuracy % (ARC-C/OBQA acc_norm). "
              f"Permutation steps: {s['perm_steps']} per block (block recon), {s['model_steps']} (model recon). "
@@ -163,8 +172,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--pattern", default="2:4")
     ap.add_argument("--calib", default="wiki")
-    ap.add_argument("--nsamples", type=int, default=32)
-    ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--nsamples", type=int, default=DEFAULT_CALIB[0])
+    ap.add_argument("--seqlen", type=int, default=DEFAULT_CALIB[1])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ABLATIONS],
                     choices=list(METHODS), help="default: all but the ablations")
@@ -207,7 +216,7 @@ def main() -> None:
         for method in methods:
             if method in SEED_FREE and seed != args.seeds[0]:
                 continue
-            if (method, None if method in SEED_FREE else seed) in done:
+            if (variant_of(method, args), None if method in SEED_FREE else seed) in done:
                 continue
             print(f"[{time.strftime('%H:%M:%S')}] {method} seed {seed}", flush=True)
             proc = subprocess.run([sys.executable, __file__, *passthrough, "--one", method, str(seed)],
