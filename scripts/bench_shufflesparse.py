@@ -102,6 +102,8 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
     ecfg = EvalConfig(models=[target], tasks=TASKS + [PPL], limit=args.limit, offline=args.offline,
                       ppl_text=args.ppl_text, ppl_ctx=args.ppl_ctx, ppl_tokens=args.ppl_tokens)
     res = evaluate_models(ecfg, progress=False)
+    if opts is not None and not args.keep_checkpoints:
+        _drop_weights(Path(target))
     row = res["models"][0]
     zeroshot = {t: round(100 * row["results"][t]["value"], 2) for t in TASKS}
     return {
@@ -123,6 +125,16 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
         "perm_blocks_chosen": None if prune_report is None or not (prune_report["perm"] or {}).get("blocks") else
         [b.get("chosen") for b in prune_report["perm"]["blocks"]],
     }
+
+
+def _drop_weights(out: Path) -> None:
+    """Delete a scored row's weight files (~0.5 GB each for SmolLM2; a full run has ~40 rows); its
+    ``prune_report.json`` and ``index_maps.safetensors`` (which ``--perm-from`` rows read) stay."""
+    from shuffleprune.models import INDEX_MAPS
+
+    for f in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+        if f.name != INDEX_MAPS:
+            f.unlink()
 
 
 def _out_dir(args: argparse.Namespace, variant: str, seed: int) -> Path:
@@ -186,6 +198,8 @@ def main() -> None:
     ap.add_argument("--ppl-tokens", type=int, default=32768)
     ap.add_argument("--offline", action="store_true", default=True)
     ap.add_argument("--work", default=str(ROOT / "out" / "bench_shufflesparse"))
+    ap.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep each row's pruned weights in --work (default: deleted once scored)")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_shufflesparse.json"))
     ap.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()

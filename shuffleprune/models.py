@@ -96,17 +96,37 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():  # not a concurrent conversion that won the race
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+_FINGERPRINT_SPAN = 4 << 20  # bytes hashed at each end of a GGUF file
+
+
+def gguf_fingerprint(gguf_path: Path) -> str:
+    """A key for a GGUF file's contents, not its location: SHA-256 of its size, its first 4 MiB (the
+    header: metadata and the tensor table) and its last 4 MiB. Copies of one file at different paths
+    (one per virtualenv) share one converted directory; a different file gets its own."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(_FINGERPRINT_SPAN))
+        if size > _FINGERPRINT_SPAN:
+            f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
 def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
-    """Cached HF directory for a GGUF file (converted on first use)."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}".encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"{label or gguf_path.stem}-{key}"
+    """Cached HF directory for a GGUF file (converted on first use, keyed by its contents)."""
+    out = cache_dir() / "models" / f"{label or gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
     if not (out / "config.json").is_file():
         convert_gguf(gguf_path, out)
     return out

@@ -116,3 +116,24 @@ def test_skip_keeps_layers_dense(tiny_dir, text_file, eval_file):
     r = prune(config(tiny_dir, text_file, eval_file, skip=["*down_proj"], eval_text=None), progress=False)
     assert not any(l["name"].endswith("down_proj") for l in r.report["layers"])
     assert float((r.model.model.layers[0].mlp.down_proj.weight == 0).float().mean()) < 0.01
+
+
+def test_gguf_cache_key_follows_contents_not_location(tmp_path):
+    """Each virtualenv holds its own copy of the embedded GGUF: copies must share one converted dir
+    (a path-keyed cache grew by a full fp32 model per venv), while any change to the file must not."""
+    from shuffleprune.models import gguf_fingerprint
+
+    body = bytearray(torch.randint(0, 256, (9 << 20,), generator=torch.Generator().manual_seed(0),
+                                   dtype=torch.uint8).numpy().tobytes())
+    a, b = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "other-name.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(body)
+    assert gguf_fingerprint(a) == gguf_fingerprint(b)
+    for where in (10, len(body) - 10):  # header and tail both count
+        changed = bytearray(body)
+        changed[where] ^= 1
+        b.write_bytes(changed)
+        assert gguf_fingerprint(b) != gguf_fingerprint(a)
+    b.write_bytes(body[:-1])
+    assert gguf_fingerprint(b) != gguf_fingerprint(a)
