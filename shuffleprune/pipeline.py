@@ -6,6 +6,7 @@ next block's inputs, checkpoint. Only the current block sits on the compute devi
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -219,7 +220,8 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         hidden = captured.hidden
     else:  # the blocks' keyword arguments are recomputed; their inputs come from the checkpoint
         captured = capture_block_inputs(model, blocks, tokens[:1], device, 1)
-        hidden = torch.load(work / f"hidden_{start}.pt").to(device)
+        # every block done (only the checkpoint was left to write): no block input is needed
+        hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
     captured.hidden = None
     state["calib_seconds"] += time.time() - t0
 
@@ -300,10 +302,15 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
             on_block_done(i)
     del hidden
 
-    t0 = time.time()
-    pruned_ppl = perplexity(model.to(device), held_out, ctx, device, progress=progress) if held_out is not None else None
-    model.to("cpu")
-    state["eval_seconds"] += time.time() - t0
+    if "pruned_ppl" not in state:  # a resumed run that only had its checkpoint left to write skips this
+        t0 = time.time()
+        state["pruned_ppl"] = (perplexity(model.to(device), held_out, ctx, device, progress=progress)
+                               if held_out is not None else None)
+        model.to("cpu")
+        state["eval_seconds"] += time.time() - t0
+        if work is not None:
+            _atomic_json(state, work / "state.json")
+    pruned_ppl = state["pruned_ppl"]
     compute_dtype = str(next(model.parameters()).dtype)
     model.to(save_dtype)
 
@@ -380,18 +387,32 @@ def _overall_sparsity(layers: list[dict]) -> float:
     return round(zeros / total, 6) if total else 0.0
 
 
+def _disk_full(exc: BaseException) -> bool:
+    """``OSError(ENOSPC)``, or safetensors' wrapped form of it (not an ``OSError``)."""
+    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
+
+
 def _write_checkpoint(out: Path, model, tokenizer, report: dict, perms: dict[str, torch.Tensor]) -> None:
     """Write into ``out/.staging`` then move the files into ``out`` and drop the resume state."""
     staging = out / ".staging"
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
-    # weights of permuted linears go in permuted column order: exactly N:M as stored
-    model.save_pretrained(staging, state_dict=permuted_state_dict(model, perms) if perms else None)
-    tokenizer.save_pretrained(staging)
-    (staging / REPORT_NAME).write_text(json.dumps(report, indent=2))
-    if perms:
-        save_index_maps(perms, staging / INDEX_MAPS)
+    try:
+        # weights of permuted linears go in permuted column order: exactly N:M as stored
+        model.save_pretrained(staging, state_dict=permuted_state_dict(model, perms) if perms else None)
+        tokenizer.save_pretrained(staging)
+        (staging / REPORT_NAME).write_text(json.dumps(report, indent=2))
+        if perms:
+            save_index_maps(perms, staging / INDEX_MAPS)
+    except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if _disk_full(exc):
+            need = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**30
+            raise UserError(f"no space left on the device of '{out}' for the checkpoint (~{need:.1f} GiB): free "
+                            "space or pick another --out; rerun the same command with --resume to write it "
+                            "without pruning again") from exc
+        raise
     for item in staging.iterdir():
         os.replace(item, out / item.name)
     staging.rmdir()

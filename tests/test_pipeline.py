@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +94,32 @@ def test_killed_run_resumes_to_identical_checkpoint(method, tiny_dir, text_file,
     a, b = load_file(str(full / "model.safetensors")), load_file(str(part / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.report["ppl"] == json.loads((full / "prune_report.json").read_text())["ppl"]
+
+
+def test_full_disk_is_one_line_and_resume_writes_the_checkpoint(tiny_dir, text_file, eval_file, tmp_path, monkeypatch):
+    import errno
+
+    from transformers import PreTrainedModel
+
+    cfg = config(tiny_dir, text_file, eval_file)
+    full = tmp_path / "full"
+    prune(cfg, out=full, progress=False)
+
+    def no_space(self, path, **kw):
+        (Path(path) / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(PreTrainedModel, "save_pretrained", no_space)
+        with pytest.raises(UserError, match="no space left .* --resume"):
+            prune(cfg, out=out, progress=False)
+    assert not (out / ".staging").exists() and not (out / "model.safetensors").exists()
+    resumed = prune(cfg, out=out, resume=True, progress=False)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.report["ppl"] == json.loads((full / "prune_report.json").read_text())["ppl"]
+    assert not (out / ".resume").exists()
 
 
 def test_bad_inputs_leave_nothing_behind(tiny_dir, text_file, eval_file, tmp_path):
