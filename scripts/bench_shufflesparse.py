@@ -53,6 +53,9 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     # the learning rate decayed to 0 (cosine) over the steps instead of held constant
     "shufflesparse_wanda/model/lr=cosine": ("model", {"method": "wanda", "perm": "learned", "recon": "model",
                                                       "perm_lr_decay": "cosine"}),
+    # twice the permutation steps (the paper's 7B setting uses 400)
+    "shufflesparse_wanda/model/steps=200": ("model", {"method": "wanda", "perm": "learned", "recon": "model",
+                                                      "perm_steps": 200}),
     # the final choice judged on a quarter of the windows, kept out of learning
     "shufflesparse_wanda/block/holdout=0.25": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                           "perm_holdout": 0.25}),
@@ -87,7 +90,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
         opts = dict(opts)
         if opts.get("perm") == "learned":
             opts.setdefault("perm_init", args.perm_init)
-            opts.update(perm_steps=args.model_steps if opts.get("recon") == "model" else args.perm_steps)
+            opts.setdefault("perm_steps", args.model_steps if opts.get("recon") == "model" else args.perm_steps)
         if "perm_from" in opts:
             source = PERM_SOURCE[opts["perm_from"]]
             opts["perm_from"] = str(_out_dir(args, variant_of(source, args), seed))
