@@ -74,7 +74,7 @@ class PermOptions:
         if self.share not in ("group", "linear"):
             raise UserError(f"unknown --perm-share '{self.share}'; use group or linear")
         if self.block < pattern.m or self.block % pattern.m:
-            raise UserError(f"--perm-block {self.block} must be a multiple of M={pattern.m}")
+            raise UserError(f"--perm-block {self.block} must be a positive multiple of M={pattern.m} (e.g. 64)")
         if self.steps < 1 or self.batch < 1 or self.lr <= 0:
             raise UserError("--perm-steps, --perm-batch and --perm-lr must be positive")
         if not 0.0 <= self.holdout < 1.0:
@@ -136,7 +136,8 @@ def _fixed_perms(units: list[list[str]], perms_of_unit: dict[str, torch.Tensor],
 
 def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], scores: dict[str, torch.Tensor],
                       searched: dict[str, torch.Tensor], search_seconds: float,
-                      recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor], n_windows: int, pattern: Pattern, opts: PermOptions, device: torch.device, gen: torch.Generator,
+                      recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor], n_windows: int,
+                      pattern: Pattern, opts: PermOptions, device: torch.device, gen: torch.Generator,
                       on_step: Callable[[int, float, float], None] | None) -> tuple[dict, dict]:
     """The shared learning loop: soft permutations per unit trained on ``recon(effective weights by
     linear name, window rows)`` (a ``1 − cos`` loss), hardened, and the best of {final, best step,

@@ -125,7 +125,9 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
 
 def test_perm_options_are_checked(tiny_dir, text_file):
     for kwargs, needle in (({"perm": "sorted"}, "unknown --perm"), ({"perm": "learned", "pattern": None, "sparsity": 0.5}, "N:M"),
-                           ({"perm": "learned", "perm_block": 6}, "multiple of M"), ({"perm": "learned", "relax": "x"}, "--relax"),
+                           ({"perm": "learned", "perm_block": 6}, "multiple of M"),
+                           ({"perm": "learned", "perm_block": 0}, "positive multiple of M"),
+                           ({"perm": "learned", "relax": "x"}, "--relax"),
                            ({"perm": "learned", "perm_holdout": 1.0}, "--perm-holdout"),
                            ({"perm": "learned", "perm_lr_decay": "linear"}, "--perm-lr-decay"),
                            ({"perm": "learned", "perm_holdout": 0.25, "nsamples": 1}, "raise --nsamples")):
