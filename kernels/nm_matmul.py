@@ -59,10 +59,21 @@ if triton is not None:
                  mask=row_ok[:, None] & tok_ok[None, :])
 
 
+def default_tile(tokens: int) -> tuple[int, int, int]:
+    """``(block_r, block_k, num_warps)`` for a token count: the tiles fastest across the LLaMA-2-7B
+    linear shapes in ``scripts/tune_kernel.py``'s sweep on an H100 (``scripts/results/tune_kernel.json``):
+    few rows per program (many programs in flight) and long steps along the kept values."""
+    return (4, 512, 4) if tokens == 1 else (8, 64, 2)
+
+
 def nm_gather_matmul(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, n: int, m: int, bits: int,
                      perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                     block_r: int = 32, block_k: int = 64) -> torch.Tensor:
-    """``x`` ``[..., C]`` → ``[..., R]``: ``x[..., perm] @ decompress(values, meta)ᵀ + bias``."""
+                     block_r: int | None = None, block_k: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """``x`` ``[..., C]`` → ``[..., R]``: ``x[..., perm] @ decompress(values, meta)ᵀ + bias``.
+
+    ``block_r`` / ``block_k`` / ``num_warps``: tile of output rows, of kept values per loop step, and
+    warps per program; by default :func:`default_tile` for the token count."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     lead, cols = x.shape[:-1], x.shape[-1]
@@ -71,11 +82,13 @@ def nm_gather_matmul(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, 
     rows, kept = values.shape
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     block_t = max(1, min(16, triton.next_power_of_2(tokens)))
+    tile = default_tile(tokens)
+    block_r, block_k, num_warps = block_r or tile[0], block_k or tile[1], num_warps or tile[2]
     grid = (triton.cdiv(rows, block_r), triton.cdiv(tokens, block_t))
     dummy = values  # any tensor: unused pointer when HAS_PERM / HAS_BIAS is off
     _nm_gather_matmul[grid](
         x2, values, meta, perm if perm is not None else dummy, bias if bias is not None else dummy, y,
         tokens, rows, kept, meta.shape[1], x2.stride(0), y.stride(0),
         N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_T=block_t)
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_T=block_t, num_warps=num_warps)
     return y.reshape(*lead, rows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_e2e.json"))
     args = ap.parse_args()
@@ -55,21 +56,32 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), device=device)
 
     def measure(label: str) -> dict:
+        """Prefill: median wall time of 3 forward passes over the prompt. Decode: per token, from the
+        difference between generating ``--new-tokens`` and 1 token (median of 3 each), so prefill and
+        generate's set-up cancel. Everything is run once first, so that SparseLinear's first-call
+        kernel choice for each token count and Triton's compilation stay out of the timings."""
         sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+        def wall(fn) -> float:
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            return time.perf_counter() - t
+
+        def generate(n: int) -> None:
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
         with torch.no_grad():
-            model.generate(ids[:, :16], max_new_tokens=4, do_sample=False, min_new_tokens=4)  # warm up / choose kernels
-            sync()
-            t = time.perf_counter()
             model(ids, use_cache=False)
-            sync()
-            prefill = time.perf_counter() - t
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-            sync()
-            total = time.perf_counter() - t
-        decode_s = max(total - prefill, 1e-9)
+            generate(args.new_tokens)
+            prefill = statistics.median(wall(lambda: model(ids, use_cache=False)) for _ in range(3))
+            one = statistics.median(wall(lambda: generate(1)) for _ in range(3))
+            many = statistics.median(wall(lambda: generate(args.new_tokens)) for _ in range(3))
+        per_token = max(many - one, 1e-9) / (args.new_tokens - 1)
         return {"model": label, "prefill_ms": round(prefill * 1e3, 2),
-                "decode_tokens_per_s": round(args.batch * args.new_tokens / decode_s, 2),
+                "decode_ms_per_token": round(per_token * 1e3, 3),
+                "decode_tokens_per_s": round(args.batch / per_token, 2),
                 "peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None}
 
     rows = [measure("dense")]
@@ -95,6 +107,7 @@ def main() -> None:
             choices.setdefault(f"{mod.out_features}x{mod.in_features}", mod.choices)
     result = {"what": "end-to-end decode/prefill, random LLaMA-2-7B-shaped model" + (" (smoke)" if args.smoke else ""),
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
+              "param_dtype_device": f"{next(model.parameters()).dtype} {next(model.parameters()).device}",
               "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "rows": rows,
               "decode_speedup": round(rows[1]["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"], 3),
               "prefill_speedup": round(rows[0]["prefill_ms"] / rows[1]["prefill_ms"], 3),

@@ -5,7 +5,8 @@ semi-structured vs SparseLinear's automatic choice, for LLaMA-2-7B linear shapes
     python scripts/bench_kernel.py --smoke              # CPU, TRITON_INTERPRET=1, tiny shapes: checks the
                                                         # code paths only (no timings are meaningful)
 
-Every timing is the median of ``--iters`` CUDA-event-timed calls after ``--warmup`` calls, on fresh
+Every timing is the median GPU time of one call from ``triton.testing.do_bench`` (``--warmup`` /
+``--rep`` milliseconds; L2 flushed before each call; CPU launch overhead not included), on fresh
 random bf16 data; correctness of every implementation is checked against the dense result first.
 """
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,8 +26,8 @@ TOKENS = [1, 16, 128, 2048]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--rep", type=int, default=100, help="do_bench's repetition time per case (ms)")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench's warm-up time per case (ms)")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_kernel.json"))
     args = ap.parse_args()
     if args.smoke:
@@ -49,22 +49,15 @@ def main() -> None:
     tokens_list = [1, 5] if args.smoke else TOKENS
 
     def timed(fn) -> float:
+        """GPU time of one call: triton's do_bench (L2 flushed before every call, so a weight that
+        fits in L2 is still read from memory), median; on the CPU smoke run, one wall-clock call."""
         if device.type != "cuda":
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e3
-        for _ in range(args.warmup):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median"))
 
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -78,6 +71,7 @@ def main() -> None:
             "triton": SparseLinear(values, meta, in_f, 2, 4, policy="triton").to(device),
             "triton_perm": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="triton").to(device),
             "semi_structured": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="semi_structured").to(device),
+            "semi_cutlass": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="semi_cutlass").to(device),
             "auto": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="auto").to(device),
         }
         for tokens in tokens_list:

@@ -3,11 +3,14 @@
     .venv/bin/python scripts/bench_perm_cost.py                       # the embedded SmolLM2-135M, CPU
     python scripts/bench_perm_cost.py --llama7b-block --device cuda   # a random LLaMA-2-7B-shaped block
 
-Times ``--steps`` steps of the block-level ShuffleSparse loop (``perm_prune.block_permutations``:
-STE Hungarian + STE top-2-of-4 + cosine loss + projection) on ``--windows`` calibration windows of
-``--seqlen`` tokens (batch ``--batch`` per step), and the swap search used as its start. It then
-extrapolates to a whole model at the paper's settings: 400 steps per block, with one block's time
-multiplied by the model's block count. Results are appended to ``scripts/results/bench_perm_cost.json``.
+Times the block-level ShuffleSparse loop (``perm_prune.block_permutations``: STE Hungarian + STE
+top-2-of-4 + cosine loss + projection, then the choice of the final permutation on all windows) on
+``--windows`` calibration windows of ``--seqlen`` tokens (batch ``--batch`` per step) at two step
+counts (``--steps`` and 3×``--steps``): their difference gives the seconds per step, the rest is the
+fixed cost per block (choice of the final permutation, Hungarian hardening). The swap search used by
+``--perm-init search`` is timed as a third run. It then extrapolates to a whole model at the paper's
+settings: blocks × (fixed + ``--paper-steps`` × s/step [+ search]). Results are appended to
+``scripts/results/bench_perm_cost.json``.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--paper-steps", type=int, default=400)
+    ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on the GPU (default: full float32)")
+    ap.add_argument("--no-search", action="store_true", help="skip timing the swap search (--perm-init search)")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_perm_cost.json"))
     args = ap.parse_args()
 
@@ -43,6 +48,9 @@ def main() -> None:
     from shuffleprune.stats import collect_input_stats, input_groups
 
     device = torch.device(args.device)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
     if args.llama7b_block:
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=1, num_attention_heads=32,
@@ -68,26 +76,36 @@ def main() -> None:
     groups = input_groups(stats)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    rows = []
-    for init in ("identity", "search"):
+    def timed(init: str, steps: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.time()
-        opts = PermOptions(perm="learned", init=init, steps=args.steps, batch=args.batch)
+        opts = PermOptions(perm="learned", init=init, steps=steps, batch=args.batch)
         block_permutations(block, f"{blocks.name}.0", linears, stats, groups, hidden, target, captured, 0,
                            Pattern(2, 4), opts, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        rows.append((init, time.time() - t))
-    per_step = rows[0][1] / args.steps  # identity start: the learning loop alone (+ final choice)
-    search_s = max(rows[1][1] - rows[0][1], 0.0)
-    whole = n_blocks * (args.paper_steps * per_step + search_s)
+        return time.time() - t
+
+    timed("identity", 1)  # warm-up: CUDA context, kernels, allocator
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    short, long_ = args.steps, 3 * args.steps
+    t_short, t_long = timed("identity", short), timed("identity", long_)
+    per_step = (t_long - t_short) / (long_ - short)
+    fixed = max(t_short - short * per_step, 0.0)
+    search_s = 0.0 if args.no_search else max(timed("search", short) - t_short, 0.0)
+    whole = n_blocks * (fixed + args.paper_steps * per_step + search_s)
     result = {
         "what": label, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "steps": args.steps, "windows": args.windows, "seqlen": args.seqlen, "batch_per_step": args.batch,
-        "seconds_per_step": round(per_step, 4), "search_seconds_per_block": round(search_s, 2),
+        "steps": [short, long_], "windows": args.windows, "seqlen": args.seqlen, "batch_per_step": args.batch,
+        "dtype": str(next(block.parameters()).dtype).replace("torch.", ""),
+        "tf32": bool(args.tf32 and device.type == "cuda"),
+        "seconds_per_step": round(per_step, 4), "fixed_seconds_per_block": round(fixed, 2),
+        "search_seconds_per_block": None if args.no_search else round(search_s, 2),
         "extrapolated_model_hours": round(whole / 3600, 3),
-        "extrapolation": f"{n_blocks} blocks × ({args.paper_steps} steps × s/step + search)",
+        "extrapolation": f"{n_blocks} blocks × (fixed + {args.paper_steps} steps × s/step"
+                         + ("" if args.no_search else " + search") + ")",
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device.type == "cuda" else None,
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(), "versions": versions(),

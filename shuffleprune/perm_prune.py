@@ -122,7 +122,7 @@ def _searched(units: list[list[str]], scores: dict[str, torch.Tensor], pattern: 
     if opts.perm != "search" and opts.init != "search":
         return {}, 0.0
     t0 = time.time()
-    found = {u[0]: swap_search(torch.cat([scores[n] for n in u], dim=0).cpu(), pattern.n, pattern.m, opts.block)
+    found = {u[0]: swap_search(torch.cat([scores[n] for n in u], dim=0), pattern.n, pattern.m, opts.block)
              for u in units}
     return found, time.time() - t0
 

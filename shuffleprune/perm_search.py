@@ -24,30 +24,41 @@ def _kept(groups: torch.Tensor, n: int) -> torch.Tensor:
     return groups.topk(n, dim=-1).values.sum(-1)
 
 
+CHUNK_ELEMENTS = 2**26  # bound on the [K, rows, B, B] temporary of one round (256 MB in float32)
+
+
 @torch.no_grad()
 def _search_blocks(score: torch.Tensor, perm: torch.Tensor, n: int, m: int, max_rounds: int) -> torch.Tensor:
-    """``score`` ``[K, R, B]`` (K blocks of B columns), ``perm`` ``[K, B]`` local index maps → improved maps."""
+    """``score`` ``[K, R, B]`` (K blocks of B columns), ``perm`` ``[K, B]`` local index maps → improved maps.
+
+    The gains are computed on ``score``'s device (a GPU when there is one), rows in chunks so the
+    temporary stays under :data:`CHUNK_ELEMENTS`; the greedy choice of swaps runs on the CPU."""
     k_blocks, rows, width = score.shape
+    dev = score.device
     groups = width // m
-    perm = perm.clone()
+    perm = perm.clone().cpu()
     group_of = torch.arange(width) // m
-    same_group = group_of.unsqueeze(0) == group_of.unsqueeze(1)
+    same_group = (group_of.unsqueeze(0) == group_of.unsqueeze(1)).to(dev)
+    eye = torch.eye(m, dtype=torch.bool, device=dev)
+    chunk = max(1, CHUNK_ELEMENTS // (k_blocks * width * width))
     for _ in range(max_rounds):
-        sp = torch.gather(score, 2, perm.unsqueeze(1).expand(k_blocks, rows, width))      # [K, R, B] permuted
+        index = perm.to(dev).unsqueeze(1).expand(k_blocks, rows, width)
+        sp = torch.gather(score, 2, index)                                                  # [K, R, B] permuted
         g = sp.view(k_blocks, rows, groups, m)
         base = _kept(g, n).sum(1)                                                          # [K, G]
         # without position q of its group: top-N sum A and N-th largest t of the rest
-        eye = torch.eye(m, dtype=torch.bool)
         rest = g.unsqueeze(3).expand(k_blocks, rows, groups, m, m).masked_fill(eye, float("-inf"))
         top = rest.topk(n, dim=-1).values                                                  # [K, R, G, M(q), n]
         a = top.sum(-1).view(k_blocks, rows, width)                                        # per position
         t = top[..., -1].view(k_blocks, rows, width)
         # value[p, c]: kept score of p's group when position p holds the column now at position c
-        value = a.sum(1).unsqueeze(-1) + torch.relu(sp.unsqueeze(2) - t.unsqueeze(3)).sum(1)  # [K, B, B]
-        base_p = base[:, group_of]                                                         # [K, B]
+        value = a.sum(1).unsqueeze(-1)                                                     # [K, B, 1]
+        for r in range(0, rows, chunk):
+            value = value + torch.relu(sp[:, r:r + chunk].unsqueeze(2) - t[:, r:r + chunk].unsqueeze(3)).sum(1)
+        base_p = base[:, group_of.to(dev)]                                                 # [K, B]
         gain = value + value.transpose(1, 2) - base_p.unsqueeze(2) - base_p.unsqueeze(1)
-        gain = gain.masked_fill(same_group, float("-inf"))
-        tol = 1e-6 * base.sum(1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
+        gain = gain.masked_fill(same_group, float("-inf")).cpu()
+        tol = (1e-6 * base.sum(1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)).cpu()
         improved = False
         for k in range(k_blocks):
             flat = gain[k].flatten()
@@ -73,7 +84,8 @@ def _search_blocks(score: torch.Tensor, perm: torch.Tensor, n: int, m: int, max_
 def swap_search(score: torch.Tensor, n: int, m: int, block: int = 64, init: torch.Tensor | None = None,
                 max_rounds: int = 200) -> torch.Tensor:
     """A block-diagonal index map ``perm`` (``[C]``) such that the top-N-of-M mask of ``score[:, perm]``
-    keeps at least as much total score as under ``init`` (default: the identity)."""
+    keeps at least as much total score as under ``init`` (default: the identity). Runs on ``score``'s
+    device; the map returned is on the CPU."""
     rows, cols = score.shape
     score = score.float()
     init = torch.arange(cols) if init is None else init.to(torch.long).cpu()
@@ -81,7 +93,7 @@ def swap_search(score: torch.Tensor, n: int, m: int, block: int = 64, init: torc
     for count, width in block_sizes(cols, block):
         span = count * width
         local = init[offset:offset + span].view(count, width) - (offset + torch.arange(count).unsqueeze(1) * width)
-        s = score[:, offset:offset + span].reshape(rows, count, width).transpose(0, 1).cpu()
+        s = score[:, offset:offset + span].reshape(rows, count, width).transpose(0, 1).contiguous()
         if width % m == 0 and width // m > 1:
             local = _search_blocks(s, local, n, m, max_rounds)
         out.append((local + offset + torch.arange(count).unsqueeze(1) * width).flatten())

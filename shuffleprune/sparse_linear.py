@@ -6,9 +6,10 @@ order). Which implementation runs is chosen per call shape:
 
 - CUDA, few tokens (decode): the Triton kernel of ``kernels/nm_matmul.py`` — gathers ``x`` at the
   permuted addresses inside the kernel;
-- CUDA, many tokens (prefill): PyTorch's semi-structured 2:4 matmul (cuSPARSELt/CUTLASS) when it
+- CUDA, many tokens (prefill): PyTorch's semi-structured 2:4 matmul — ``semi_structured`` (its
+  default backend, cuSPARSELt where present) or ``semi_cutlass`` (its CUTLASS backend) — when it
   exists for this dtype and pattern, with the gather applied once, else a dense matmul of the
-  decompressed weight — the faster of the two as measured on the first call per token count;
+  decompressed weight — the fastest as measured on the first call per token count;
 - CPU: plain PyTorch (the decompressed weight, built once and kept).
 
 ``policy`` may also name one implementation (``triton`` also runs on the CPU under
@@ -23,7 +24,7 @@ from torch import nn
 
 from .sparse_format import decompress, meta_bits
 
-IMPLS = ("triton", "semi_structured", "dense")
+IMPLS = ("triton", "semi_structured", "semi_cutlass", "dense")
 
 
 class SharedGather:
@@ -63,7 +64,7 @@ class SparseLinear(nn.Module):
         self.shared_gather: SharedGather | None = None  # set by export's loader for layers sharing a map
         self.choices: dict[int, str] = {}
         self._dense: torch.Tensor | None = None
-        self._semi = None
+        self._semi: dict[str, object] = {}
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.n}:{self.m}, "
@@ -98,13 +99,15 @@ class SparseLinear(nn.Module):
             from .kernels.nm_matmul import nm_gather_matmul
 
             return nm_gather_matmul(x, self.values, self.meta, self.n, self.m, self.bits, self.perm, self.bias)
-        if impl == "semi_structured":
-            if self._semi is None:
-                from torch.sparse import to_sparse_semi_structured
+        if impl in ("semi_structured", "semi_cutlass"):
+            if impl not in self._semi:
+                from torch.sparse import SparseSemiStructuredTensorCUTLASS, to_sparse_semi_structured
 
-                self._semi = to_sparse_semi_structured(self.dense_permuted())
+                w = self.dense_permuted()
+                self._semi[impl] = (to_sparse_semi_structured(w) if impl == "semi_structured"
+                                    else SparseSemiStructuredTensorCUTLASS.from_dense(w))
             xg = self._gathered(x)
-            y = F.linear(xg.reshape(-1, xg.shape[-1]), self._semi).reshape(*x.shape[:-1], self.out_features)
+            y = F.linear(xg.reshape(-1, xg.shape[-1]), self._semi[impl]).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         return F.linear(self._gathered(x), self.dense_permuted(), self.bias)
 
@@ -116,21 +119,24 @@ class SparseLinear(nn.Module):
             out.insert(0, "triton")
         if x.is_cuda and (self.n, self.m) == (2, 4) and x.dtype in (torch.float16, torch.bfloat16):
             out.append("semi_structured")
+            if torch.cuda.get_device_capability(x.device)[0] == 8:  # PyTorch's CUTLASS 2:4 path: Ampere only
+                out.append("semi_cutlass")
         return out
 
     def _measure(self, x: torch.Tensor, candidates: list[str]) -> str:
         best, best_ms = "dense", float("inf")
         for impl in candidates:
             try:
-                self._run(impl, x)
+                for _ in range(3):  # compile / plan / decompress, then warm
+                    self._run(impl, x)
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                for _ in range(5):
+                for _ in range(20):
                     self._run(impl, x)
                 end.record()
                 torch.cuda.synchronize()
-                ms = start.elapsed_time(end) / 5
+                ms = start.elapsed_time(end) / 20
             except (RuntimeError, NotImplementedError):  # e.g. no cuSPARSELt for this shape/GPU
                 continue
             if ms < best_ms:
@@ -146,4 +152,14 @@ class SparseLinear(nn.Module):
         key = _bucket(tokens)
         if key not in self.choices:
             self.choices[key] = self._measure(x, self._candidates(x))
+            self._release_unused()
         return self._run(self.choices[key], x)
+
+    def _release_unused(self) -> None:
+        """Drop the forms built while measuring that no token count uses (a decompressed dense copy,
+        semi-structured copies), so the layer holds only what it runs."""
+        chosen = set(self.choices.values())
+        for impl in [i for i in self._semi if i not in chosen]:
+            del self._semi[impl]
+        if "dense" not in chosen:
+            self._dense = None

@@ -89,6 +89,21 @@ def test_sparse_linear_cpu_path_and_weight_view():
     assert torch.allclose((x.double() @ orig.double().t()) + lin.bias.double(), ref, atol=1e-5)
 
 
+def test_sparse_linear_drops_the_forms_no_token_count_uses():
+    w = _nm_weight(12, 32, 2, 4)
+    values, meta = compress(w, 2, 4)
+    lin = SparseLinear(values, meta, 32, 2, 4)
+    lin.dense_permuted()
+    lin._semi["semi_structured"] = object()  # stands for a copy built while measuring
+    lin.choices = {1: "triton"}
+    lin._release_unused()
+    assert lin._dense is None and not lin._semi
+    lin.choices[512] = "dense"
+    lin.dense_permuted()
+    lin._release_unused()
+    assert lin._dense is not None  # kept: a token count runs it
+
+
 @pytest.fixture
 def pruned_perm_dir(tiny_dir, text_file, tmp_path):
     out = tmp_path / "pruned"

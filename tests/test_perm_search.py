@@ -59,3 +59,15 @@ def test_search_undoes_a_secret_shuffle_of_a_two_four_layout():
     assert kept_score(score, perm, 2, 4) >= 0.999 * kept_score(score, secret, 2, 4)
     assert kept_score(score, torch.arange(cols), 2, 4) < 0.9 * kept_score(score, secret, 2, 4)
     assert bool(strong[torch.argsort(secret)][perm][kept.any(0)].all())  # every kept column is a strong one
+
+
+def test_row_chunking_gives_the_same_search(monkeypatch):
+    """The gains are summed over rows in chunks (bounded memory on large layers): any chunk size
+    must give the same permutation as one chunk."""
+    import shuffleprune.perm_search as ps
+
+    gen = torch.Generator().manual_seed(3)
+    score = torch.rand(50, 128, generator=gen) * torch.rand(1, 128, generator=gen)
+    whole = swap_search(score, 2, 4, 64)
+    monkeypatch.setattr(ps, "CHUNK_ELEMENTS", 2 * 64 * 64 * 7)  # 7 rows per chunk, a ragged last one
+    assert torch.equal(swap_search(score, 2, 4, 64), whole)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Run the GPU benchmarks on a CUDA machine whose python3 already has torch, transformers, triton,
+# scipy, safetensors and accelerate (no datasets / lm-eval needed): the package is put on PYTHONPATH
+# with kernels/ and calib/ mapped as on install. Each named step appends or writes its
+# scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
+#
+#   bash scripts/gpu_run.sh perm_cost kernel tune e2e
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+SP=$(mktemp -d)
+cp -r shuffleprune "$SP/" && cp -r kernels "$SP/shuffleprune/kernels" && cp -r calib "$SP/shuffleprune/calib"
+export PYTHONPATH="$SP" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+$PY -c "import torch, triton, transformers, scipy; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, torch.cuda.get_device_name())"
+status=0
+step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
+    local name=$1 limit=$2 result=$3; shift 3
+    echo "=== $name: $* (limit ${limit}s)"
+    local t0=$SECONDS
+    timeout "$limit" "$@" || { echo "=== $name FAILED (rc $?)"; status=1; }
+    echo "=== $name took $((SECONDS - t0)) s"
+    [ -f "$result" ] && cp "$result" "$OUT/"
+}
+for s in "$@"; do
+    case $s in
+        perm_cost) step perm_cost 280 scripts/results/bench_perm_cost.json \
+            $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 ;;
+        perm_cost_tf32) step perm_cost_tf32 150 scripts/results/bench_perm_cost.json \
+            $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 --tf32 --no-search ;;
+        kernel) step kernel 120 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py ;;
+        tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py ;;
+        e2e) step e2e 240 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
+        *) echo "unknown step $s"; status=1 ;;
+    esac
+done
+rm -rf "$SP"
+exit $status

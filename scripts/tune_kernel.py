@@ -1,0 +1,108 @@
+"""Measure the Triton 2:4 kernel's tile sizes on a GPU: for each LLaMA-2-7B linear shape and token
+count, every (``block_r``, ``block_k``, ``num_warps``) in the grid is checked against the dense result
+and timed (median GPU time per call from ``triton.testing.do_bench``, L2 flushed before each call); the table of medians and the best tile per case go to
+``scripts/results/tune_kernel.json``.
+
+    python scripts/tune_kernel.py            # on a CUDA machine
+    python scripts/tune_kernel.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes: checks the code path only
+
+Tiles whose ``block_r × block_k × tokens-tile`` product exceeds ``--max-tile`` values are skipped (they
+spill registers and take long to compile).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--block-r", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    ap.add_argument("--num-warps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--rep-ms", type=int, default=100, help="do_bench's repetition time per case (ms)")
+    ap.add_argument("--max-tile", type=int, default=2**15)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tune_kernel.json"))
+    args = ap.parse_args()
+    if args.smoke:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.tokens, args.block_r, args.block_k, args.num_warps = [1, 3], [8, 16], [64], [4]
+
+    import torch
+    import torch.nn.functional as F
+
+    from shuffleprune.kernels.nm_matmul import nm_gather_matmul
+    from shuffleprune.masks import nm_keep_mask
+    from shuffleprune.runtime import machine, versions
+    from shuffleprune.sparse_format import compress, meta_bits
+
+    if not torch.cuda.is_available() and not args.smoke:
+        raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on CPU")
+    cuda = not args.smoke
+    dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    shapes = SHAPES if cuda else [(96, 64), (64, 160)]
+
+    def median_ms(fn) -> float:
+        """GPU time of one call: triton's do_bench (L2 flushed before every call), median."""
+        if not cuda:
+            fn()
+            return 0.0
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+
+    gen = torch.Generator().manual_seed(0)
+    rows, best = [], []
+    for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
+        w = torch.randn(out_f, in_f, generator=gen)
+        w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)
+        values, meta = compress(w, 2, 4)
+        values, meta, perm = values.to(dev), meta.to(dev), torch.randperm(in_f, generator=gen).to(dev, torch.int32)
+        x, w_dev = torch.randn(tokens, in_f, generator=gen).to(dev, dtype), w.to(dev)
+        want = F.linear(x[:, perm.long()].float(), w_dev.float())
+        dense_ms = median_ms(lambda: F.linear(x, w_dev))
+        case = []
+        block_t = min(16, 1 << max(0, (tokens - 1).bit_length()))
+        for br, bk, nw in itertools.product(args.block_r, args.block_k, args.num_warps):
+            if br * bk * block_t > args.max_tile:
+                continue
+            def run(br=br, bk=bk, nw=nw):
+                return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw)
+            try:
+                y = run()
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile (e.g. out of shared memory)
+                rows.append({"shape": [out_f, in_f], "tokens": tokens, "block_r": br, "block_k": bk,
+                             "num_warps": nw, "ms": None, "error": str(exc).splitlines()[0][:160]})
+                continue
+            err = float((y.float() - want).norm() / want.norm())
+            ms = median_ms(run) if err < 1e-2 else None
+            row = {"shape": [out_f, in_f], "tokens": tokens, "block_r": br, "block_k": bk, "num_warps": nw,
+                   "ms": ms, "rel_err": err}
+            rows.append(row)
+            if ms is not None:
+                case.append(row)
+        top = min(case, key=lambda r: r["ms"]) if case else None
+        best.append({"shape": [out_f, in_f], "tokens": tokens, "dense_ms": dense_ms, "best": top,
+                     "speedup_vs_dense": round(dense_ms / top["ms"], 3) if top and top["ms"] else None})
+        print(f"{out_f}x{in_f} t={tokens}: dense {dense_ms:.4f} ms, best {top and top['ms']:.4f} ms "
+              f"{top and (top['block_r'], top['block_k'], top['num_warps'])}", flush=True)
+    result = {"what": "Triton 2:4 gather-matmul tile sweep (bf16, random index map)",
+              "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "machine": machine(), "versions": versions("triton"), "best": best, "rows": rows}
+    out = Path(args.out) if cuda else Path(args.out).with_name("tune_kernel_smoke.json")
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
