@@ -23,6 +23,19 @@ SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
 TOKENS = [1, 16, 128, 2048]
 
 
+class _Variant:
+    """The Triton kernel's other variant, called directly (``SparseLinear`` runs the default one)."""
+
+    def __init__(self, values, meta, perm, variant: str, device) -> None:
+        self.values, self.meta, self.variant = values.to(device), meta.to(device), variant
+        self.perm = perm.to(device=device, dtype=__import__("torch").int32)
+
+    def __call__(self, x):
+        from shuffleprune.kernels.nm_matmul import nm_gather_matmul
+
+        return nm_gather_matmul(x, self.values, self.meta, 2, 4, 2, self.perm, variant=self.variant)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
@@ -70,6 +83,7 @@ def main() -> None:
         layers = {
             "triton": SparseLinear(values, meta, in_f, 2, 4, policy="triton").to(device),
             "triton_perm": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="triton").to(device),
+            "triton_group_perm": _Variant(values, meta, perm, "group", device),
             "semi_structured": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="semi_structured").to(device),
             "semi_cutlass": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="semi_cutlass").to(device),
             "auto": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="auto").to(device),
@@ -86,7 +100,7 @@ def main() -> None:
                     rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
                                  "error": str(exc).splitlines()[0][:200]})
                     continue
-                want = ref if impl == "triton" else ref_p
+                want = ref if impl == "triton" else ref_p  # triton / triton_perm: the default variant (gather)
                 err = float((y.float() - want.float()).abs().max() / want.float().abs().max())
                 results[impl] = timed(lambda layer=layer: layer(x))
                 extra = {"rel_err": err}

@@ -24,6 +24,7 @@ SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--variants", nargs="+", default=["group", "gather"])
     ap.add_argument("--block-r", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[1, 2, 4])
@@ -36,7 +37,7 @@ def main() -> None:
         import os
 
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        args.tokens, args.block_r, args.block_k, args.num_warps = [1, 3], [8, 16], [64], [4]
+        args.tokens, args.block_r, args.block_k, args.num_warps = [1, 3, 16], [8, 16], [64], [4]
 
     import torch
     import torch.nn.functional as F
@@ -73,29 +74,31 @@ def main() -> None:
         dense_ms = median_ms(lambda: F.linear(x, w_dev))
         case = []
         block_t = min(16, 1 << max(0, (tokens - 1).bit_length()))
-        for br, bk, nw in itertools.product(args.block_r, args.block_k, args.num_warps):
+        for variant, br, bk, nw in itertools.product(args.variants, args.block_r, args.block_k, args.num_warps):
             if br * bk * block_t > args.max_tile:
                 continue
-            def run(br=br, bk=bk, nw=nw):
-                return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw)
+            def run(br=br, bk=bk, nw=nw, variant=variant):
+                return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)
             try:
                 y = run()
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile (e.g. out of shared memory)
-                rows.append({"shape": [out_f, in_f], "tokens": tokens, "block_r": br, "block_k": bk,
+                rows.append({"shape": [out_f, in_f], "tokens": tokens, "variant": variant, "block_r": br, "block_k": bk,
                              "num_warps": nw, "ms": None, "error": str(exc).splitlines()[0][:160]})
                 continue
             err = float((y.float() - want).norm() / want.norm())
             ms = median_ms(run) if err < 1e-2 else None
-            row = {"shape": [out_f, in_f], "tokens": tokens, "block_r": br, "block_k": bk, "num_warps": nw,
+            row = {"shape": [out_f, in_f], "tokens": tokens, "variant": variant, "block_r": br, "block_k": bk, "num_warps": nw,
                    "ms": ms, "rel_err": err}
             rows.append(row)
             if ms is not None:
                 case.append(row)
-        top = min(case, key=lambda r: r["ms"]) if case else None
-        best.append({"shape": [out_f, in_f], "tokens": tokens, "dense_ms": dense_ms, "best": top,
-                     "speedup_vs_dense": round(dense_ms / top["ms"], 3) if top and top["ms"] else None})
-        print(f"{out_f}x{in_f} t={tokens}: dense {dense_ms:.4f} ms, best {top and top['ms']:.4f} ms "
-              f"{top and (top['block_r'], top['block_k'], top['num_warps'])}", flush=True)
+        for variant in args.variants:
+            mine = [r for r in case if r["variant"] == variant]
+            top = min(mine, key=lambda r: r["ms"]) if mine else None
+            best.append({"shape": [out_f, in_f], "tokens": tokens, "variant": variant, "dense_ms": dense_ms, "best": top,
+                         "speedup_vs_dense": round(dense_ms / top["ms"], 3) if top and top["ms"] else None})
+            print(f"{out_f}x{in_f} t={tokens} {variant}: dense {dense_ms:.4f} ms, best {top and top['ms']:.4f} ms "
+                  f"{top and (top['block_r'], top['block_k'], top['num_warps'])}", flush=True)
     result = {"what": "Triton 2:4 gather-matmul tile sweep (bf16, random index map)",
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)", "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": machine(), "versions": versions("triton"), "best": best, "rows": rows}

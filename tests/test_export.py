@@ -59,8 +59,10 @@ def test_compress_and_check_refuse_bad_input():
     (37, 72, 5, 2, 4, True, True, torch.float32),     # ragged rows and K
     (64, 136, 16, 2, 4, False, True, torch.float16),
     (33, 128, 17, 4, 8, True, False, torch.float32),  # two token blocks, 4:8 with 4-bit positions
+    (40, 96, 20, 2, 4, True, True, torch.float16),    # group variant with tl.dot (16×16 tiles), ragged
 ])
-def test_triton_kernel_matches_float64_reference(rows, cols, tokens, n, m, perm, bias, dtype):
+@pytest.mark.parametrize("variant", ["gather", "group"])
+def test_triton_kernel_matches_float64_reference(rows, cols, tokens, n, m, perm, bias, dtype, variant):
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
 
     g = torch.Generator().manual_seed(rows + cols + tokens)
@@ -69,7 +71,9 @@ def test_triton_kernel_matches_float64_reference(rows, cols, tokens, n, m, perm,
     p = torch.randperm(cols, generator=g) if perm else None
     b = torch.randn(rows, generator=g).to(dtype) if bias else None
     x = torch.randn(2, tokens, cols, generator=g).to(dtype)[:, :, :]
-    y = nm_gather_matmul(x, values, meta, n, m, meta_bits(m), None if p is None else p.to(torch.int32), b)
+    tile = {"block_r": 16, "block_k": 32} if variant == "group" and tokens >= 16 else {}
+    y = nm_gather_matmul(x, values, meta, n, m, meta_bits(m), None if p is None else p.to(torch.int32), b,
+                         variant=variant, **tile)
     xr = x.double() if p is None else x.double()[..., p]
     ref = xr @ w.double().t() + (0 if b is None else b.double())
     assert y.shape == (2, tokens, rows) and y.dtype == dtype
