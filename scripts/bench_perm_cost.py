@@ -48,7 +48,7 @@ def main() -> None:
     from shuffleprune.stats import collect_input_stats, input_groups
 
     device = torch.device(args.device)
-    if args.tf32:
+    if args.tf32:  # as `prune --tf32` does (shuffleprune.runtime.tf32_matmuls), for the whole script
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)

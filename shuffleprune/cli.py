@@ -55,6 +55,7 @@ def prune(
     perm_lambda: float = typer.Option(1e-4, "--perm-lambda", help="λ_max of the l1−l2 penalty (ramped linearly from 0)."),
     perm_share: str = typer.Option("group", "--perm-share", help="group: one permutation per shared input (q/k/v, gate/up); linear: one per linear."),
     perm_batch: int = typer.Option(4, "--perm-batch", help="Calibration windows per permutation step."),
+    tf32: bool = typer.Option(False, "--tf32", help="On CUDA: TF32 float32 matmuls (about 1.4x faster permutation learning on an H100; no effect on CPU)."),
     perm_holdout: float = typer.Option(0.0, "--perm-holdout", help="Fraction of calibration windows kept out of permutation learning and used only to choose the kept permutation (0: choose on all windows)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the pruned HF checkpoint and prune_report.json here."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="With --perm: write permutation strength / penalty / loss PNGs here."),
@@ -74,7 +75,8 @@ def prune(
                          eval_tokens=eval_tokens, device=device, batch_size=batch_size, perm=perm, perm_init=perm_init, recon=recon,
                          perm_from=str(perm_from) if perm_from else None, relax=relax,
                          perm_block=perm_block, perm_steps=perm_steps, perm_lr=perm_lr, perm_lr_decay=perm_lr_decay,
-                         perm_lambda=perm_lambda, perm_share=perm_share, perm_batch=perm_batch, perm_holdout=perm_holdout)
+                         perm_lambda=perm_lambda, perm_share=perm_share, perm_batch=perm_batch, perm_holdout=perm_holdout,
+                         tf32=tf32)
     if export is not None and (out is None or sparsity is not None):
         _fail(UserError("--export needs --out DIR and an N:M --pattern"))
     try:

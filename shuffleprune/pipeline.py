@@ -33,7 +33,7 @@ from .permutation import strength
 from .permuted_linear import PermutedLinear, load_index_maps, permuted_state_dict, save_index_maps
 from .methods import NEEDS_GRAM, NEEDS_STATS, get_method
 from .models import INDEX_MAPS, LoadedModel, load_model, upcast_for_cpu  # INDEX_MAPS: int32 perm per permuted linear
-from .runtime import peak_rss_mb, pick_device, versions
+from .runtime import peak_rss_mb, pick_device, tf32_matmuls, versions
 from .stats import collect_input_stats, input_groups
 
 RESUME_DIR = ".resume"
@@ -73,6 +73,7 @@ class PruneConfig:
     perm_batch: int = 4
     perm_holdout: float = 0.0
     perm_from: str | None = None     # reuse the index maps of an earlier --perm run (dir or .safetensors)
+    tf32: bool = False               # allow TF32 matmuls on CUDA (faster permutation learning)
 
     def perm_options(self) -> PermOptions:
         return PermOptions(perm=self.perm, init=self.perm_init, recon=self.recon, relax=self.relax,
@@ -148,8 +149,15 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     """Prune ``config.model`` and (with ``out``) write an HF checkpoint plus ``prune_report.json``.
 
     ``on_block_done(i)`` is called after block ``i`` is pruned and checkpointed (tests use it to
-    simulate a crash). ``loaded`` lets a Python caller pass an already-loaded model.
+    simulate a crash). ``loaded`` lets a Python caller pass an already-loaded model. With
+    ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run (restored afterwards).
     """
+    with tf32_matmuls(pick_device(config.device), config.tf32):
+        return _prune(config, out, resume, overwrite, progress, on_block_done, loaded)
+
+
+def _prune(config: PruneConfig, out: Path | str | None, resume: bool, overwrite: bool, progress: bool,
+           on_block_done: Callable[[int], None] | None, loaded: LoadedModel | None) -> PruneResult:
     t_start = time.time()
     out = Path(out) if out is not None else None
     pattern: Pattern = parse_pattern(config.pattern, config.sparsity)

@@ -164,3 +164,16 @@ def test_gguf_cache_key_follows_contents_not_location(tmp_path):
         assert gguf_fingerprint(b) != gguf_fingerprint(a)
     b.write_bytes(body[:-1])
     assert gguf_fingerprint(b) != gguf_fingerprint(a)
+
+
+def test_tf32_is_switched_on_for_cuda_only_and_restored():
+    from shuffleprune.runtime import tf32_matmuls
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    with tf32_matmuls(torch.device("cpu"), True) as on:
+        assert not on and torch.backends.cuda.matmul.allow_tf32 == before
+    with pytest.raises(RuntimeError):
+        with tf32_matmuls(torch.device("cuda"), True) as on:  # only flags: needs no GPU
+            assert on and torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+            raise RuntimeError("a failing run")
+    assert torch.backends.cuda.matmul.allow_tf32 == before
