@@ -4,7 +4,7 @@
 # with kernels/ and calib/ mapped as on install. Each named step appends or writes its
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
-#   bash scripts/gpu_run.sh perm_cost kernel tune e2e
+#   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
