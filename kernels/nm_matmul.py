@@ -111,7 +111,7 @@ def default_tile(tokens: int, variant: str = "gather") -> tuple[int, int, int]:
     """``(block_r, block_k, num_warps)`` for a token count and kernel variant. ``gather``: the tiles
     fastest across the LLaMA-2-7B linear shapes in ``scripts/tune_kernel.py``'s sweep on an H100
     (``scripts/results/tune_kernel.json``): few rows per program and long steps along the values."""
-    if variant == "group":  # best of its sweep (tune_kernel.json)
+    if variant == "group":  # best of its sweep (tune_kernel_group.json)
         return (8, 512, 4) if tokens == 1 else (16, 128, 4)
     return (4, 512, 4) if tokens == 1 else (8, 64, 2)
 
