@@ -28,7 +28,8 @@ def _kept(groups: torch.Tensor, n: int) -> torch.Tensor:
 # are exactly the unchunked ones; more chunks change the float summation order, which can change
 # which of two near-equal swaps the greedy takes: at 2**26 the demo's SmolLM2 search (gate/up in
 # 2 chunks) went another way and gave 227.5 ppl instead of 239.6. Every SmolLM2 layer fits in one
-# chunk at this size, so its recorded results stand; LLaMA-2-7B's q/k/v take ~48 chunks.
+# chunk at this size, so its recorded results stand; LLaMA-2-7B's q/k/v unit takes 12 (the H100
+# search time in bench_perm_cost.json was measured at 2**26, 48 chunks).
 CHUNK_ELEMENTS = 2**28
 
 
