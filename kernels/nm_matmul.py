@@ -126,8 +126,10 @@ def nm_gather_matmul(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, 
     powers of two: each step's values are expanded to dense columns in registers and the inputs
     gathered once per program, with tensor-core ``tl.dot`` from 16 rows × 16 tokens). On an H100
     ``group`` was 1.8–2× slower than ``gather`` at one token and 1.1–1.7× faster from 16 tokens up,
-    still far slower than dense there (``scripts/results/bench_kernel.json``). ``block_r`` / ``block_k`` / ``num_warps``: tile of output rows, of kept values per loop step,
-    and warps per program; by default :func:`default_tile`."""
+    still far slower than dense there (``scripts/results/bench_kernel.json``).
+
+    ``block_r`` / ``block_k`` / ``num_warps``: tile of output rows, of kept values per loop step, and
+    warps per program; by default :func:`default_tile`."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     variant = variant or "gather"

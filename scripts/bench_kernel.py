@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from functools import partial
 import sys
 import time
 from pathlib import Path
@@ -21,19 +22,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
 TOKENS = [1, 16, 128, 2048]
-
-
-class _Variant:
-    """The Triton kernel's other variant, called directly (``SparseLinear`` runs the default one)."""
-
-    def __init__(self, values, meta, perm, variant: str, device) -> None:
-        self.values, self.meta, self.variant = values.to(device), meta.to(device), variant
-        self.perm = perm.to(device=device, dtype=__import__("torch").int32)
-
-    def __call__(self, x):
-        from shuffleprune.kernels.nm_matmul import nm_gather_matmul
-
-        return nm_gather_matmul(x, self.values, self.meta, 2, 4, 2, self.perm, variant=self.variant)
 
 
 def main() -> None:
@@ -49,6 +37,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
+    from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
     from shuffleprune.sparse_format import compress
@@ -83,7 +72,8 @@ def main() -> None:
         layers = {
             "triton": SparseLinear(values, meta, in_f, 2, 4, policy="triton").to(device),
             "triton_perm": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="triton").to(device),
-            "triton_group_perm": _Variant(values, meta, perm, "group", device),
+            "triton_group_perm": partial(nm_gather_matmul, values=values.to(device), meta=meta.to(device), n=2, m=4,
+                                         bits=2, perm=perm.to(device, torch.int32), variant="group"),
             "semi_structured": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="semi_structured").to(device),
             "semi_cutlass": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="semi_cutlass").to(device),
             "auto": SparseLinear(values, meta, in_f, 2, 4, perm=perm, policy="auto").to(device),

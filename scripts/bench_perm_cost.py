@@ -44,13 +44,12 @@ def main() -> None:
     from shuffleprune.masks import Pattern
     from shuffleprune.perm_prune import PermOptions, block_permutations
     from shuffleprune.pipeline import run_block
-    from shuffleprune.runtime import machine, peak_rss_mb, versions
+    from shuffleprune.runtime import machine, peak_rss_mb, tf32_matmuls, versions
     from shuffleprune.stats import collect_input_stats, input_groups
 
     device = torch.device(args.device)
-    if args.tf32:  # as `prune --tf32` does (shuffleprune.runtime.tf32_matmuls), for the whole script
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    tf32 = tf32_matmuls(device, args.tf32)  # as `prune --tf32`; held until the script exits
+    tf32_on = tf32.__enter__()
     torch.manual_seed(0)
     if args.llama7b_block:
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=1, num_attention_heads=32,
@@ -100,7 +99,7 @@ def main() -> None:
         "what": label, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "steps": [short, long_], "windows": args.windows, "seqlen": args.seqlen, "batch_per_step": args.batch,
         "dtype": str(next(block.parameters()).dtype).replace("torch.", ""),
-        "tf32": bool(args.tf32 and device.type == "cuda"),
+        "tf32": tf32_on,
         "seconds_per_step": round(per_step, 4), "fixed_seconds_per_block": round(fixed, 2),
         "search_seconds_per_block": None if args.no_search else round(search_s, 2),
         "extrapolated_model_hours": round(whole / 3600, 3),

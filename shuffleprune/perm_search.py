@@ -40,7 +40,8 @@ def _search_blocks(score: torch.Tensor, perm: torch.Tensor, n: int, m: int, max_
     groups = width // m
     perm = perm.clone().cpu()
     group_of = torch.arange(width) // m
-    same_group = (group_of.unsqueeze(0) == group_of.unsqueeze(1)).to(dev)
+    group_of_dev = group_of.to(dev)
+    same_group = group_of_dev.unsqueeze(0) == group_of_dev.unsqueeze(1)
     eye = torch.eye(m, dtype=torch.bool, device=dev)
     chunk = max(1, CHUNK_ELEMENTS // (k_blocks * width * width))
     for _ in range(max_rounds):
@@ -57,7 +58,7 @@ def _search_blocks(score: torch.Tensor, perm: torch.Tensor, n: int, m: int, max_
         value = a.sum(1).unsqueeze(-1)                                                     # [K, B, 1]
         for r in range(0, rows, chunk):
             value = value + torch.relu(sp[:, r:r + chunk].unsqueeze(2) - t[:, r:r + chunk].unsqueeze(3)).sum(1)
-        base_p = base[:, group_of.to(dev)]                                                 # [K, B]
+        base_p = base[:, group_of_dev]                                                     # [K, B]
         gain = value + value.transpose(1, 2) - base_p.unsqueeze(2) - base_p.unsqueeze(1)
         gain = gain.masked_fill(same_group, float("-inf")).cpu()
         tol = (1e-6 * base.sum(1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)).cpu()

@@ -152,12 +152,13 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     simulate a crash). ``loaded`` lets a Python caller pass an already-loaded model. With
     ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run (restored afterwards).
     """
-    with tf32_matmuls(pick_device(config.device), config.tf32):
-        return _prune(config, out, resume, overwrite, progress, on_block_done, loaded)
+    device = pick_device(config.device)
+    with tf32_matmuls(device, config.tf32):
+        return _prune(config, device, out, resume, overwrite, progress, on_block_done, loaded)
 
 
-def _prune(config: PruneConfig, out: Path | str | None, resume: bool, overwrite: bool, progress: bool,
-           on_block_done: Callable[[int], None] | None, loaded: LoadedModel | None) -> PruneResult:
+def _prune(config: PruneConfig, device: torch.device, out: Path | str | None, resume: bool, overwrite: bool,
+           progress: bool, on_block_done: Callable[[int], None] | None, loaded: LoadedModel | None) -> PruneResult:
     t_start = time.time()
     out = Path(out) if out is not None else None
     pattern: Pattern = parse_pattern(config.pattern, config.sparsity)
@@ -172,7 +173,6 @@ def _prune(config: PruneConfig, out: Path | str | None, resume: bool, overwrite:
         raise UserError(f"--perm-holdout needs at least 2 calibration windows (--nsamples {config.nsamples}); raise --nsamples")
     if config.perm_from and (perm_opts.perm != "none" or not pattern.is_nm):
         raise UserError("--perm-from replaces --perm (leave --perm at none) and needs an N:M --pattern")
-    device = pick_device(config.device)
     state = _prepare_out(out, resume, overwrite)
     if state is not None and state["config_key"] != config.key():
         raise UserError("--resume with different settings than the interrupted run; repeat its exact options")
