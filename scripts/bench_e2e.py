@@ -108,7 +108,7 @@ def main() -> None:
     result = {"what": "end-to-end decode/prefill, random LLaMA-2-7B-shaped model" + (" (smoke)" if args.smoke else ""),
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
               "param_dtype_device": f"{next(model.parameters()).dtype} {next(model.parameters()).device}",
-              "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "rows": rows,
+              "seed": 0, "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "rows": rows,
               "decode_speedup": round(rows[1]["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"], 3),
               "prefill_speedup": round(rows[0]["prefill_ms"] / rows[1]["prefill_ms"], 3),
               "kernel_choices": choices, "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -102,7 +102,7 @@ def main() -> None:
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke: TRITON_INTERPRET=1)"
     for r in rows:
         r.update(device=dev_name, dtype=str(dtype).replace("torch.", ""))
-    result = {"what": "2:4 kernels vs dense", "smoke": args.smoke, "device": dev_name,
+    result = {"what": "2:4 kernels vs dense", "smoke": args.smoke, "device": dev_name, "seed": 0,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
               "versions": versions("triton"), "rows": rows}
     out = Path(args.out) if not args.smoke else Path(args.out).with_name("bench_kernel_smoke.json")

@@ -97,7 +97,7 @@ def main() -> None:
     whole = n_blocks * (fixed + args.paper_steps * per_step + search_s)
     result = {
         "what": label, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "steps": [short, long_], "windows": args.windows, "seqlen": args.seqlen, "batch_per_step": args.batch,
+        "seed": 0, "steps": [short, long_], "windows": args.windows, "seqlen": args.seqlen, "batch_per_step": args.batch,
         "dtype": str(next(block.parameters()).dtype).replace("torch.", ""),
         "tf32": tf32_on,
         "seconds_per_step": round(per_step, 4), "fixed_seconds_per_block": round(fixed, 2),

@@ -99,7 +99,7 @@ def main() -> None:
                          "speedup_vs_dense": round(dense_ms / top["ms"], 3) if top and top["ms"] else None})
             print(f"{out_f}x{in_f} t={tokens} {variant}: dense {dense_ms:.4f} ms, best {top and top['ms']:.4f} ms "
                   f"{top and (top['block_r'], top['block_k'], top['num_warps'])}", flush=True)
-    result = {"what": "Triton 2:4 gather-matmul tile sweep (bf16, random index map)",
+    result = {"what": "Triton 2:4 gather-matmul tile sweep (bf16, random index map)", "seed": 0,
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)", "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": machine(), "versions": versions("triton"), "best": best, "rows": rows}
     out = Path(args.out) if cuda else Path(args.out).with_name("tune_kernel_smoke.json")
