@@ -32,9 +32,9 @@ from torch.func import functional_call
 from .blocks import CapturedInputs, first_tensor, tensors_to
 from .errors import UserError
 from .masks import Pattern
-from .perm_learning import cosine_loss, learn_permutations, masked_weight
+from .perm_learning import cosine_loss, hard_masked_weight, learn_permutations, masked_weight
 from .perm_search import swap_search
-from .permutation import LR_DECAYS, PermSchedule, SoftPermutation, perm_to_blocks, random_block_perm, strength
+from .permutation import LR_DECAYS, PermSchedule, SoftPermutation, random_block_perm, strength
 from .stats import InputStats
 
 
@@ -166,9 +166,11 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
                   "identity": {k: torch.arange(sp.size) for k, sp in soft.items()}}
 
     def full_loss(perms: dict[str, torch.Tensor]) -> float:
-        blocks_ = {k: [b.to(device) for b in perm_to_blocks(p, soft[k].sizes)] for k, p in perms.items()}
+        """Loss of hard permutations on every judged window: effective weights built once, by indexing."""
+        eff = {n: hard_masked_weight(weights[n], scores[n], perms[key[n]], pattern.n, pattern.m)
+               .to(linears[n].weight.dtype) for n in linears}
         chunks = judge_rows.split(opts.batch)
-        return sum(float(loss_of(blocks_, rows)) * len(rows) for rows in chunks) / len(judge_rows)
+        return sum(float(recon(eff, rows)) * len(rows) for rows in chunks) / len(judge_rows)
 
     with torch.no_grad():
         losses = {name: full_loss(c) for name, c in candidates.items()}

@@ -11,13 +11,29 @@ from transformers import AutoModelForCausalLM
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern, satisfies_nm
 from shuffleprune.methods import sparsegpt, wanda
-from shuffleprune.perm_learning import cosine_loss, learn_permutations, masked_weight
+from shuffleprune.perm_learning import cosine_loss, hard_masked_weight, learn_permutations, masked_weight, soft_nm_mask
 from shuffleprune.perm_prune import prune_in_permuted_coordinates
 from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
 from shuffleprune.models import load_model
 from shuffleprune.permuted_linear import PermutedLinear, apply_index_maps, load_index_maps
 from shuffleprune.pipeline import INDEX_MAPS, PruneConfig, prune
 from shuffleprune.stats import InputStats
+
+
+def test_soft_mask_is_the_group_softmax_and_hard_weight_matches_the_matrix_form():
+    gen = torch.Generator().manual_seed(3)
+    score = torch.rand(8, 136, generator=gen) * 5
+    soft = soft_nm_mask(score, 2, 4, tau=0.5)
+    g = score.reshape(8, 34, 4)
+    ref = 2 * torch.softmax(g / (0.5 * g.mean(-1, keepdim=True)), dim=-1)
+    assert torch.allclose(soft, ref.reshape(8, 136), atol=1e-6)
+    assert torch.allclose(soft.reshape(8, 34, 4).sum(-1), torch.full((8, 34), 2.0), atol=1e-5)
+    weight = torch.randn(8, 136, generator=gen)
+    perm = random_block_perm(136, 64, gen)   # blocks 64, 64 and a tail of 8
+    by_index = hard_masked_weight(weight, score, perm, 2, 4)
+    by_matrix = masked_weight(weight, score, perm_to_blocks(perm, block_sizes(136, 64)), 2, 4)
+    assert torch.equal(by_index, by_matrix)
+    assert satisfies_nm(by_index[:, perm], 2, 4) and not satisfies_nm(by_index, 2, 4)
 
 
 def _shuffled_two_four_layer(seed: int = 0):
