@@ -23,7 +23,8 @@ def soft_nm_mask(score: torch.Tensor, n: int, m: int, tau: float = 0.5) -> torch
     of ``M`` (sums to ``N`` per group, like the hard mask; scale-free through the group mean).
 
     Scores are ``≥ 0``, so the softmax input lies in ``[0, M/τ]`` and is exponentiated without the
-    max shift (exact same values; ~4× faster than ``torch.softmax`` over a last axis of 4 on CPU)."""
+    max shift (the same values up to float rounding; ~4× faster than ``torch.softmax`` over a last
+    axis of 4 on CPU, 1536×576 scores, 2 threads)."""
     rows, cols = score.shape
     g = score.reshape(rows, cols // m, m)
     scale = g.detach().mean(-1, keepdim=True).clamp_min(1e-12) * tau
