@@ -56,6 +56,9 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     # twice the permutation steps (the paper's 7B setting uses 400)
     "shufflesparse_wanda/model/steps=200": ("model", {"method": "wanda", "perm": "learned", "recon": "model",
                                                       "perm_steps": 200}),
+    # KL from the dense next-token distribution instead of 1 − cos of the final hidden state (beyond the paper)
+    "shufflesparse_wanda/model/loss=kl": ("model", {"method": "wanda", "perm": "learned", "recon": "model",
+                                                    "perm_loss": "kl"}),
     # the final choice judged on a quarter of the windows, kept out of learning
     "shufflesparse_wanda/block/holdout=0.25": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                           "perm_holdout": 0.25}),
@@ -116,7 +119,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
         {"source": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": seed},
         "perm": None if prune_report is None or prune_report["perm"] is None else
         {k: prune_report["perm"][k] for k in ("perm", "init", "relax", "recon", "block", "steps", "lr",
-                                              "lr_decay", "lambda_max", "share", "batch", "holdout", "from")},
+                                              "lr_decay", "lambda_max", "share", "batch", "holdout", "from", "loss")},
         "ppl": row["ppl"], "eval_ctx": row["ppl_eval"]["ctx"], "ppl_text": row["ppl_eval"]["text"],
         "ppl_tokens": row["ppl_eval"]["tokens"],
         "zeroshot": zeroshot, "zeroshot_avg": round(sum(zeroshot.values()) / len(zeroshot), 2),

@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from .masks import nm_keep_mask
-from .permutation import BlockList, PermSchedule, SoftPermutation, permute_columns, unpermute_columns
+from .permutation import (BlockList, PermSchedule, SoftPermutation, in_permuted_columns, permute_columns,
+                          unpermute_columns)
 
 
 def soft_nm_mask(score: torch.Tensor, n: int, m: int, tau: float = 0.5) -> torch.Tensor:
@@ -46,16 +47,21 @@ def masked_weight(weight: torch.Tensor, score: torch.Tensor, m_bar: BlockList, n
 def hard_masked_weight(weight: torch.Tensor, score: torch.Tensor, perm: torch.Tensor, n: int, m: int) -> torch.Tensor:
     """The forward value of :func:`masked_weight` for a hard index map ``perm``, by indexing:
     ``W`` with the N:M mask of ``score[:, perm]`` applied in permuted order, in the original column order."""
-    perm = perm.to(weight.device)
-    out = torch.empty_like(weight)
-    out[:, perm] = weight[:, perm] * nm_keep_mask(score[:, perm], n, m)
-    return out
+    mask = nm_keep_mask(score[:, perm.to(score.device)], n, m)
+    return in_permuted_columns(lambda wp: wp * mask, weight, perm)
 
 
 def cosine_loss(target: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """``1 − cos`` between dense and sparse outputs, per token over the feature axis, averaged."""
     return 1.0 - torch.nn.functional.cosine_similarity(output.flatten(0, -2).float(),
                                                        target.flatten(0, -2).float(), dim=-1).mean()
+
+
+def kl_loss(target_logits: torch.Tensor, output_logits: torch.Tensor) -> torch.Tensor:
+    """``KL(p_dense ‖ p_sparse)`` of the next-token distributions, per token, averaged (nats)."""
+    t = torch.log_softmax(target_logits.flatten(0, -2).float(), dim=-1)
+    o = torch.log_softmax(output_logits.flatten(0, -2).float(), dim=-1)
+    return torch.nn.functional.kl_div(o, t, log_target=True, reduction="batchmean")
 
 
 @dataclass

@@ -32,9 +32,9 @@ from torch.func import functional_call
 from .blocks import CapturedInputs, first_tensor, tensors_to
 from .errors import UserError
 from .masks import Pattern
-from .perm_learning import cosine_loss, hard_masked_weight, learn_permutations, masked_weight
+from .perm_learning import cosine_loss, hard_masked_weight, kl_loss, learn_permutations, masked_weight
 from .perm_search import swap_search
-from .permutation import LR_DECAYS, PermSchedule, SoftPermutation, random_block_perm, strength
+from .permutation import LR_DECAYS, PermSchedule, SoftPermutation, in_permuted_columns, random_block_perm, strength
 from .stats import InputStats
 
 
@@ -48,6 +48,7 @@ class PermOptions:
     block: int = 64             # permutation block size B
     steps: int = 100            # optimisation steps per decoder block (block recon) or in all (model recon)
     recon: str = "block"        # block: each block against its dense output; model: all jointly, final hidden state
+    loss: str = "cos"           # model recon: cos (1 − cos of the final hidden state, the paper) | kl (of next-token distributions)
     lr: float = 3e-2
     lr_decay: str = "constant"  # constant | cosine (½(1+cos πt/T) over the steps)
     lambda_max: float = 1e-4
@@ -61,6 +62,10 @@ class PermOptions:
             raise UserError(f"unknown --perm '{self.perm}'; use none, random, search or learned")
         if self.recon not in ("block", "model"):
             raise UserError(f"unknown --recon '{self.recon}'; use block or model")
+        if self.loss not in ("cos", "kl"):
+            raise UserError(f"unknown --perm-loss '{self.loss}'; use cos or kl")
+        if self.loss == "kl" and (self.perm != "learned" or self.recon != "model"):
+            raise UserError("--perm-loss kl needs --perm learned --recon model (it compares the model's next-token distributions)")
         if self.init not in ("identity", "search"):
             raise UserError(f"unknown --perm-init '{self.init}'; use identity or search")
         if self.perm == "none":
@@ -98,11 +103,8 @@ def prune_in_permuted_coordinates(method: Callable, weight: torch.Tensor, stats:
                                   pattern: Pattern, perm: torch.Tensor) -> torch.Tensor:
     """Prune ``W[:, perm]`` with ``method`` (mask and any weight update in permuted coordinates) and
     return the result in the original column order. ``result[:, perm]`` satisfies the pattern."""
-    perm = perm.to(weight.device)
-    pruned_p = method(weight[:, perm], None if stats is None else stats.permuted(perm), pattern)
-    out = torch.empty_like(pruned_p)
-    out[:, perm] = pruned_p
-    return out
+    return in_permuted_columns(lambda wp: method(wp, None if stats is None else stats.permuted(perm), pattern),
+                               weight, perm)
 
 
 def _score(weight: torch.Tensor, stats: InputStats | None) -> torch.Tensor:
@@ -140,7 +142,7 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
                       pattern: Pattern, opts: PermOptions, device: torch.device, gen: torch.Generator,
                       on_step: Callable[[int, float, float], None] | None) -> tuple[dict, dict]:
     """The shared learning loop: soft permutations per unit trained on ``recon(effective weights by
-    linear name, window rows)`` (a ``1 − cos`` loss), hardened, and the best of {final, best step,
+    linear name, window rows)`` (``1 − cos`` or KL), hardened, and the best of {final, best step,
     search, identity} kept — judged on every calibration window, or on the held-out ones
     (``opts.holdout``)."""
     key = {name: u[0] for u in units for name in u}
@@ -245,10 +247,13 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: d
                        groups: list[list[str]], tokens: torch.Tensor, pattern: Pattern, opts: PermOptions,
                        device: torch.device, batch_size: int = 8,
                        on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
-    """``--recon model`` (PermLLM's setting): all permutations trained jointly against
-    ``1 − cos`` of the dense model's final hidden state (the decoder's output, before the LM head)
-    on the calibration windows ``tokens`` ``[n, L]``; every layer sparsified at once from the dense
-    embeddings. ``stats`` are the dense model's input statistics. Needs the whole model on ``device``."""
+    """``--recon model`` (PermLLM's setting): all permutations trained jointly on the calibration
+    windows ``tokens`` ``[n, L]``, every layer sparsified at once from the dense embeddings, against
+    ``1 − cos`` of the dense model's final hidden state (the decoder's output, before the LM head;
+    ``opts.loss == "cos"``, the paper) or the KL divergence from the dense model's next-token
+    distribution (``"kl"``: both final hidden states through the model's output embeddings — a
+    deviation from the paper, aimed at perplexity). ``stats`` are the dense model's input statistics.
+    Needs the whole model on ``device``."""
     units = _units(groups, opts.share)
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + 999_983)
     scores = {name: _score(lin.weight.detach().float(), stats[name]) for name, lin in linears.items()}
@@ -260,11 +265,19 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: d
     with torch.no_grad():
         target = torch.cat([decoder(input_ids=tokens[s:s + batch_size].to(device)).last_hidden_state.cpu()
                             for s in range(0, tokens.shape[0], batch_size)])
+    head = model.get_output_embeddings() if opts.loss == "kl" else None
+    if opts.loss == "kl" and head is None:
+        raise UserError("--perm-loss kl needs a model with an LM head (output embeddings); use --perm-loss cos")
 
     def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         params = {param_of[n]: w for n, w in eff.items()}
         out = functional_call(decoder, params, (), {"input_ids": tokens[rows].to(device)}).last_hidden_state
-        return cosine_loss(target[rows].to(device), out)
+        dense = target[rows].to(device)
+        if head is None:
+            return cosine_loss(dense, out)
+        with torch.no_grad():
+            dense_logits = head(dense)
+        return kl_loss(dense_logits, head(out))
 
     try:
         with _FrozenParams(model):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -150,6 +151,17 @@ def permute_columns(weight: torch.Tensor, blocks: BlockList) -> torch.Tensor:
 def unpermute_columns(weight: torch.Tensor, blocks: BlockList) -> torch.Tensor:
     """``W Mᵀ``: back from permuted to original column order (exact inverse when ``M`` is a permutation)."""
     return permute_columns(weight, [m.transpose(-1, -2) for m in blocks])
+
+
+def in_permuted_columns(fn: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor,
+                        perm: torch.Tensor) -> torch.Tensor:
+    """Apply ``fn`` to ``W[:, perm]`` and put its result back in the original column order
+    (``out[:, perm] = fn(W[:, perm])``): how a hard index map is used to prune in permuted coordinates."""
+    perm = perm.to(weight.device)
+    permuted = fn(weight[:, perm])
+    out = torch.empty_like(permuted)
+    out[:, perm] = permuted
+    return out
 
 
 def strength(perm: torch.Tensor) -> float:

@@ -63,6 +63,7 @@ class PruneConfig:
     perm: str = "none"               # none | random | search | learned (ShuffleSparse)
     perm_init: str = "identity"      # learned: identity (paper) | search
     recon: str = "block"             # learned: block (sequential) | model (joint, final hidden state)
+    perm_loss: str = "cos"           # model recon: cos (paper) | kl (next-token distributions)
     relax: str = "l1l2"              # l1l2 (ShuffleSparse) | sinkhorn (PermLLM)
     perm_block: int = 64
     perm_steps: int = 100
@@ -76,7 +77,7 @@ class PruneConfig:
     tf32: bool = False               # allow TF32 matmuls on CUDA (faster permutation learning)
 
     def perm_options(self) -> PermOptions:
-        return PermOptions(perm=self.perm, init=self.perm_init, recon=self.recon, relax=self.relax,
+        return PermOptions(perm=self.perm, init=self.perm_init, recon=self.recon, loss=self.perm_loss, relax=self.relax,
                            block=self.perm_block, steps=self.perm_steps, lr=self.perm_lr, lr_decay=self.perm_lr_decay,
                            lambda_max=self.perm_lambda, share=self.perm_share, batch=self.perm_batch,
                            holdout=self.perm_holdout, seed=self.seed)

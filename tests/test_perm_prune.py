@@ -183,6 +183,24 @@ def test_model_level_recon_learns_all_permutations_jointly(tiny_dir, text_file, 
                                                                              "perm_loss.png"]
 
 
+def test_kl_loss_is_zero_on_equal_logits_and_model_recon_learns_with_it(tiny_dir, text_file, tmp_path):
+    from shuffleprune.perm_learning import kl_loss
+
+    logits = torch.randn(2, 5, 11)
+    assert float(kl_loss(logits, logits)) == pytest.approx(0.0, abs=1e-6)
+    assert float(kl_loss(logits, logits + 3.0)) == pytest.approx(0.0, abs=1e-6)  # a shift is the same distribution
+    p, q = torch.log_softmax(logits, -1), torch.log_softmax(logits.flip(-1), -1)
+    assert float(kl_loss(logits, logits.flip(-1))) == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-5)
+    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                      eval_text=None, perm="learned", recon="model", perm_loss="kl", perm_block=16, perm_steps=4)
+    report = prune(cfg, out=tmp_path / "kl", progress=False).report
+    summary = report["perm"]["model"]
+    assert report["nm_ok"] and report["perm"]["loss"] == "kl"
+    assert summary["recon_before"] > 0 and summary["recon_after"] <= summary["recon_before"]
+    with pytest.raises(UserError, match="--perm-loss kl needs --perm learned --recon model"):
+        prune(PruneConfig(**{**cfg.__dict__, "recon": "block"}), progress=False)
+
+
 def test_perm_from_reuses_index_maps_with_another_base(tiny_dir, text_file, tmp_path):
     base = dict(model=str(tiny_dir), pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32, eval_text=None, perm_block=16)
     prune(PruneConfig(**base, method="wanda", perm="random"), out=tmp_path / "w", progress=False)
