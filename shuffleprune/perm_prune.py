@@ -254,6 +254,9 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: d
     distribution (``"kl"``: both final hidden states through the model's output embeddings — a
     deviation from the paper, aimed at perplexity). ``stats`` are the dense model's input statistics.
     Needs the whole model on ``device``."""
+    head = model.get_output_embeddings() if opts.loss == "kl" else None
+    if opts.loss == "kl" and head is None:
+        raise UserError("--perm-loss kl needs a model with an LM head (output embeddings); use --perm-loss cos")
     units = _units(groups, opts.share)
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + 999_983)
     scores = {name: _score(lin.weight.detach().float(), stats[name]) for name, lin in linears.items()}
@@ -265,9 +268,6 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: d
     with torch.no_grad():
         target = torch.cat([decoder(input_ids=tokens[s:s + batch_size].to(device)).last_hidden_state.cpu()
                             for s in range(0, tokens.shape[0], batch_size)])
-    head = model.get_output_embeddings() if opts.loss == "kl" else None
-    if opts.loss == "kl" and head is None:
-        raise UserError("--perm-loss kl needs a model with an LM head (output embeddings); use --perm-loss cos")
 
     def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         params = {param_of[n]: w for n, w in eff.items()}
