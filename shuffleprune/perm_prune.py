@@ -275,7 +275,7 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: d
         dense = target[rows].to(device)
         if head is None:
             return cosine_loss(dense, out)
-        with torch.no_grad():
+        with torch.no_grad():  # recomputed per call: every window's logits would not fit (n·L·vocab floats)
             dense_logits = head(dense)
         return kl_loss(dense_logits, head(out))
 
