@@ -50,15 +50,21 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
                                                           "perm_share": "linear"}),
     "shufflesparse_wanda/block/init=identity": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                            "perm_init": "identity"}),
+    # Wanda's masks from the unpruned model's input statistics instead of the sequential ones (no permutation)
+    "wanda/masks=dense": (None, {"method": "wanda", "mask_stats": "dense"}),
+    # --recon model's Wanda masks from each block's sequential (pruned-model) statistics, not the dense
+    # ones the permutations were learned under (the behaviour before --mask-stats; the ablations below too)
+    "shufflesparse_wanda/model/masks=sequential": ("model", {"method": "wanda", "perm": "learned", "recon": "model",
+                                                             "mask_stats": "sequential"}),
     # the learning rate decayed to 0 (cosine) over the steps instead of held constant
-    "shufflesparse_wanda/model/lr=cosine": ("model", {"method": "wanda", "perm": "learned", "recon": "model",
-                                                      "perm_lr_decay": "cosine"}),
+    "shufflesparse_wanda/model/lr=cosine/masks=sequential": ("model", {
+        "method": "wanda", "perm": "learned", "recon": "model", "perm_lr_decay": "cosine", "mask_stats": "sequential"}),
     # twice the permutation steps (the paper's 7B setting uses 400)
-    "shufflesparse_wanda/model/steps=200": ("model", {"method": "wanda", "perm": "learned", "recon": "model",
-                                                      "perm_steps": 200}),
+    "shufflesparse_wanda/model/steps=200/masks=sequential": ("model", {
+        "method": "wanda", "perm": "learned", "recon": "model", "perm_steps": 200, "mask_stats": "sequential"}),
     # KL from the dense next-token distribution instead of 1 − cos of the final hidden state (beyond the paper)
-    "shufflesparse_wanda/model/loss=kl": ("model", {"method": "wanda", "perm": "learned", "recon": "model",
-                                                    "perm_loss": "kl"}),
+    "shufflesparse_wanda/model/loss=kl/masks=sequential": ("model", {
+        "method": "wanda", "perm": "learned", "recon": "model", "perm_loss": "kl", "mask_stats": "sequential"}),
     # the final choice judged on a quarter of the windows, kept out of learning
     "shufflesparse_wanda/block/holdout=0.25": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                           "perm_holdout": 0.25}),
@@ -120,6 +126,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
         "perm": None if prune_report is None or prune_report["perm"] is None else
         {k: prune_report["perm"][k] for k in ("perm", "init", "relax", "recon", "block", "steps", "lr",
                                               "lr_decay", "lambda_max", "share", "batch", "holdout", "from", "loss")},
+        "mask_stats": None if prune_report is None else prune_report["mask_stats"],
         "ppl": row["ppl"], "eval_ctx": row["ppl_eval"]["ctx"], "ppl_text": row["ppl_eval"]["text"],
         "ppl_tokens": row["ppl_eval"]["tokens"],
         "zeroshot": zeroshot, "zeroshot_avg": round(sum(zeroshot.values()) / len(zeroshot), 2),

@@ -57,6 +57,7 @@ def prune(
     perm_share: str = typer.Option("group", "--perm-share", help="group: one permutation per shared input (q/k/v, gate/up); linear: one per linear."),
     perm_batch: int = typer.Option(4, "--perm-batch", help="Calibration windows per permutation step."),
     tf32: bool = typer.Option(False, "--tf32", help="On CUDA: TF32 float32 matmuls (about 1.4x faster permutation learning on an H100; no effect on CPU)."),
+    mask_stats: str = typer.Option("auto", "--mask-stats", help="Input statistics of Wanda's masks: sequential (each block's inputs after the earlier blocks were pruned, as Wanda), dense (the unpruned model's) or auto (dense with --recon model, whose permutations were learned under them; else sequential)."),
     perm_holdout: float = typer.Option(0.0, "--perm-holdout", help="Fraction of calibration windows kept out of permutation learning and used only to choose the kept permutation (0: choose on all windows)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the pruned HF checkpoint and prune_report.json here."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="With --perm: write permutation strength / penalty / loss PNGs here."),
@@ -78,7 +79,7 @@ def prune(
                          perm_from=str(perm_from) if perm_from else None, relax=relax,
                          perm_block=perm_block, perm_steps=perm_steps, perm_lr=perm_lr, perm_lr_decay=perm_lr_decay,
                          perm_lambda=perm_lambda, perm_share=perm_share, perm_batch=perm_batch, perm_holdout=perm_holdout,
-                         tf32=tf32)
+                         mask_stats=mask_stats, tf32=tf32)
     if export is not None and (out is None or sparsity is not None):
         _fail(UserError("--export needs --out DIR and an N:M --pattern"))
     try:

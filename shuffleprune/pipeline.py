@@ -34,7 +34,7 @@ from .permuted_linear import PermutedLinear, load_index_maps, permuted_state_dic
 from .methods import NEEDS_GRAM, NEEDS_STATS, get_method
 from .models import INDEX_MAPS, LoadedModel, load_model, upcast_for_cpu  # INDEX_MAPS: int32 perm per permuted linear
 from .runtime import peak_rss_mb, pick_device, tf32_matmuls, versions
-from .stats import collect_input_stats, input_groups
+from .stats import collect_input_stats, input_groups, load_norms, save_norms
 
 RESUME_DIR = ".resume"
 REPORT_NAME = "prune_report.json"
@@ -74,6 +74,7 @@ class PruneConfig:
     perm_batch: int = 4
     perm_holdout: float = 0.0
     perm_from: str | None = None     # reuse the index maps of an earlier --perm run (dir or .safetensors)
+    mask_stats: str = "auto"         # Wanda's mask statistics: sequential | dense | auto (dense with --recon model)
     tf32: bool = False               # allow TF32 matmuls on CUDA (faster permutation learning)
 
     def perm_options(self) -> PermOptions:
@@ -85,6 +86,20 @@ class PruneConfig:
     def key(self) -> str:
         fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size")}
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
+
+    def mask_stats_mode(self) -> str:
+        """``sequential`` or ``dense``: ``auto`` is dense exactly when ``--recon model`` learned the
+        permutations under the dense model's statistics for a norm-only mask (Wanda)."""
+        if self.mask_stats not in ("auto", "sequential", "dense"):
+            raise UserError(f"unknown --mask-stats '{self.mask_stats}'; use auto, sequential or dense")
+        norm_only = self.method in NEEDS_STATS and self.method not in NEEDS_GRAM
+        if self.mask_stats == "dense" and not norm_only:
+            raise UserError(f"--mask-stats dense needs --base wanda (its mask reads input norms alone; {self.method}'s "
+                            "does not); use --mask-stats sequential")
+        if self.mask_stats == "auto":
+            learned_on_model = self.perm == "learned" and self.recon == "model" and not self.perm_from
+            return "dense" if norm_only and learned_on_model else "sequential"
+        return self.mask_stats
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -170,6 +185,7 @@ def _prune(config: PruneConfig, device: torch.device, out: Path | str | None, re
     eval_source = get_source(eval_name) if eval_name else None
     perm_opts = config.perm_options()
     perm_opts.check(pattern)
+    mask_stats_mode = config.mask_stats_mode()
     if perm_opts.perm == "learned" and perm_opts.holdout and config.nsamples < 2:
         raise UserError(f"--perm-holdout needs at least 2 calibration windows (--nsamples {config.nsamples}); raise --nsamples")
     if config.perm_from and (perm_opts.perm != "none" or not pattern.is_nm):
@@ -235,15 +251,20 @@ def _prune(config: PruneConfig, device: torch.device, out: Path | str | None, re
     state["calib_seconds"] += time.time() - t0
 
     model_perms, model_perm_info = None, None
+    # --mask-stats dense: the dense model's statistics, gathered (or reloaded on resume) before any block is pruned
+    mask_stats = _dense_stats(model, layer_names, tokens, device, config.batch_size, work) \
+        if mask_stats_mode == "dense" or (perm_opts.perm == "learned" and perm_opts.recon == "model") else None
     if config.perm_from:
         model_perms = _perms_from(config.perm_from, layer_names, pattern)
         model_perm_info = {"perms": {n: {"linears": [n], "strength": round(strength(p), 4)} for n, p in model_perms.items()}}
     elif perm_opts.perm == "learned" and perm_opts.recon == "model":
         t0 = time.time()
-        model_perms, model_perm_info = _model_level_perms(model, layer_names, tokens, pattern, perm_opts, device,
-                                                          config.batch_size, work, progress)
+        model_perms, model_perm_info = _model_level_perms(model, layer_names, mask_stats, tokens, pattern, perm_opts,
+                                                          device, config.batch_size, work, progress)
         state["prune_seconds"] += time.time() - t0  # on resume: reloading the saved maps
         state["perm_model"] = model_perm_info["summary"]
+    if mask_stats_mode == "sequential":
+        mask_stats = None
     all_perms: dict[str, torch.Tensor] = {}
     if work is not None:
         for j in range(start):
@@ -276,10 +297,11 @@ def _prune(config: PruneConfig, device: torch.device, out: Path | str | None, re
             for name in group:
                 lin = linears[name]
                 perm = perms.get(name)
+                layer_stats = (mask_stats or stats)[name]
                 if perm is None:
-                    new_w = method(lin.weight.data.float(), stats[name], pattern)
+                    new_w = method(lin.weight.data.float(), layer_stats, pattern)
                 else:
-                    new_w = prune_in_permuted_coordinates(method, lin.weight.data.float(), stats[name], pattern, perm)
+                    new_w = prune_in_permuted_coordinates(method, lin.weight.data.float(), layer_stats, pattern, perm)
                 lin.weight.data.copy_(new_w.to(lin.weight.dtype))
                 w = lin.weight.data
                 in_memory = w if perm is None else w[:, perm.to(w.device)]  # the order an N:M kernel stores
@@ -336,6 +358,7 @@ def _prune(config: PruneConfig, device: torch.device, out: Path | str | None, re
         "perm": None if perm_opts.perm == "none" and not config.perm_from else {
             **asdict(perm_opts), "from": config.perm_from, "blocks": state["perm_blocks"],
             "model": state.get("perm_model"), "index_maps": INDEX_MAPS if all_perms else None},
+        "mask_stats": mask_stats_mode if config.method in NEEDS_STATS else None,
         "seconds": {"calibration": round(state["calib_seconds"], 2), "prune": round(state["prune_seconds"], 2),
                     "eval": round(state["eval_seconds"], 2), "this_process": round(time.time() - t_start, 2)},
         "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -363,18 +386,36 @@ def _perms_from(source: str, layer_names: list[dict], pattern: Pattern) -> dict[
     return maps
 
 
-def _model_level_perms(model, layer_names: list[dict], tokens: torch.Tensor, pattern: Pattern, opts: PermOptions,
-                       device: torch.device, batch_size: int, work: Path | None, progress: bool) -> tuple[dict, dict]:
-    """``--recon model``: learn every permutation jointly before the block loop (or reload them on resume)."""
-    saved = work / "model_perms.safetensors" if work is not None else None
+def _dense_stats(model, layer_names: list[dict], tokens: torch.Tensor, device: torch.device, batch_size: int,
+                 work: Path | None) -> dict:
+    """The unpruned model's input norms for every selected linear, from one pass over the calibration
+    windows (saved in the work dir: a resumed run's earlier blocks are already pruned)."""
+    saved = work / "dense_stats.safetensors" if work is not None else None
     if saved is not None and saved.is_file():
-        info = json.loads((work / "model_perms.json").read_text())
-        return load_index_maps(saved), info
+        return load_norms(saved)
+    if saved is not None and (work / "state.json").is_file() and json.loads((work / "state.json").read_text())["next_block"]:
+        raise UserError(f"'{work.parent}' was started by an older shuffleprune; rerun with --overwrite instead of --resume")
     linears = {n: lin for block in layer_names for n, lin in block.items()}
     model.to(device)
     with collect_input_stats(linears, gram=False) as stats, torch.no_grad():
         for s in range(0, tokens.shape[0], batch_size):
             model.base_model(input_ids=tokens[s:s + batch_size].to(device))
+    model.to("cpu")
+    if saved is not None:
+        save_norms(stats, saved)
+    return stats
+
+
+def _model_level_perms(model, layer_names: list[dict], stats: dict, tokens: torch.Tensor, pattern: Pattern,
+                       opts: PermOptions, device: torch.device, batch_size: int, work: Path | None,
+                       progress: bool) -> tuple[dict, dict]:
+    """``--recon model``: learn every permutation jointly before the block loop (or reload them on
+    resume), with Wanda's score from the dense model's input statistics ``stats``."""
+    saved = work / "model_perms.safetensors" if work is not None else None
+    if saved is not None and saved.is_file():
+        info = json.loads((work / "model_perms.json").read_text())
+        return load_index_maps(saved), info
+    linears = {n: lin for block in layer_names for n, lin in block.items()}
     bar = tqdm(total=opts.steps, desc="perm (model recon)", disable=not progress)
 
     def on_step(step: int, loss: float, pen: float) -> None:

@@ -5,10 +5,13 @@ the forward pass itself and share one statistics object, so a Gram matrix is bui
 """
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 
@@ -82,3 +85,23 @@ def input_groups(stats: dict[str, InputStats]) -> list[list[str]]:
     for name, s in stats.items():
         groups.setdefault(id(s), []).append(name)
     return list(groups.values())
+
+
+def save_norms(stats: dict[str, InputStats], path) -> None:
+    """Write each layer's ``Σ x²`` per input column (no Gram matrices) and which layers share an
+    input to a safetensors file."""
+    tokens = {s.tokens for s in stats.values()}
+    save_file({name: s.sq_norm.detach().cpu().clone() for name, s in stats.items()}, str(path),
+              metadata={"tokens": str(max(tokens) if tokens else 0), "groups": json.dumps(input_groups(stats))})
+
+
+def load_norms(path) -> dict[str, InputStats]:
+    """Read :func:`save_norms` back: norm-only ``InputStats``, one object per input group as collected."""
+    out: dict[str, InputStats] = {}
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        for group in json.loads(meta["groups"]):
+            s = InputStats(0, gram=False, device=torch.device("cpu"))
+            s.sq_norm, s.tokens = f.get_tensor(group[0]), int(meta["tokens"])
+            out.update({name: s for name in group})
+    return out

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from shuffleprune.calib import calibration_windows, get_source
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern, satisfies_nm
 from shuffleprune.methods import sparsegpt, wanda
@@ -17,7 +18,7 @@ from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes,
 from shuffleprune.models import load_model
 from shuffleprune.permuted_linear import PermutedLinear, apply_index_maps, load_index_maps
 from shuffleprune.pipeline import INDEX_MAPS, PruneConfig, prune
-from shuffleprune.stats import InputStats
+from shuffleprune.stats import InputStats, collect_input_stats, input_groups, load_norms, save_norms
 
 
 def test_soft_mask_is_the_group_softmax_and_hard_weight_matches_the_matrix_form():
@@ -177,10 +178,75 @@ def test_model_level_recon_learns_all_permutations_jointly(tiny_dir, text_file, 
     ids = torch.randint(0, 128, (2, 24))
     with torch.no_grad():
         assert torch.allclose(load_model(str(out)).model(ids).logits, result.model(ids).logits, atol=1e-5)
+    # Wanda's masks come from the dense statistics the permutations were chosen under, so the pruned
+    # model's loss on the calibration windows is exactly the reported one (sequential statistics,
+    # the block loop's own, would give other masks in the later blocks and another loss)
+    assert report["mask_stats"] == "dense"
+    dense = load_model(str(tiny_dir))
+    tokens = calibration_windows(get_source(str(text_file)), dense.tokenizer, 8, 32, 0)
+    with torch.no_grad():
+        loss = cosine_loss(dense.model.base_model(input_ids=tokens).last_hidden_state,
+                           result.model.base_model(input_ids=tokens).last_hidden_state)
+    assert float(loss) == pytest.approx(summary["recon_after"], abs=2e-6)
     from shuffleprune.plots import plot_perm_report
 
     assert [p.name for p in plot_perm_report(report, tmp_path / "plots")] == ["perm_strength.png", "perm_penalty.png",
                                                                              "perm_loss.png"]
+
+
+def test_model_level_recon_resumes_with_its_saved_permutations_and_statistics(tiny_dir, text_file, tmp_path):
+    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                      eval_text=None, perm="learned", recon="model", perm_block=16, perm_steps=3)
+    prune(cfg, out=tmp_path / "full", progress=False)
+
+    def crash_after_block_0(i):
+        if i == 0:
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        prune(cfg, out=tmp_path / "part", progress=False, on_block_done=crash_after_block_0)
+    work = tmp_path / "part" / ".resume"
+    assert (work / "model_perms.safetensors").is_file() and (work / "dense_stats.safetensors").is_file()
+    prune(cfg, out=tmp_path / "part", resume=True, progress=False)
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(tmp_path / "part" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    (work := tmp_path / "old").mkdir()
+    with pytest.raises(RuntimeError, match="killed"):
+        prune(cfg, out=work, progress=False, on_block_done=crash_after_block_0)
+    (work / ".resume" / "dense_stats.safetensors").unlink()  # as an older shuffleprune left it
+    with pytest.raises(UserError, match="older shuffleprune; rerun with --overwrite"):
+        prune(cfg, out=work, resume=True, progress=False)
+
+
+def test_mask_stats_choose_dense_or_sequential_wanda_statistics(tiny_dir, text_file, tmp_path):
+    base = dict(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                eval_text=None)
+    for kwargs, needle in (({"mask_stats": "x"}, "unknown --mask-stats"),
+                           ({"mask_stats": "dense", "method": "sparsegpt"}, "use --mask-stats sequential")):
+        with pytest.raises(UserError, match=needle):
+            prune(PruneConfig(**{**base, **kwargs}), progress=False)
+    dense = load_model(str(tiny_dir)).model
+    linears = {n: m for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n}
+    tokens = calibration_windows(get_source(str(text_file)), load_model(str(tiny_dir)).tokenizer, 8, 32, 0)
+    with collect_input_stats(linears, gram=False) as stats, torch.no_grad():
+        dense.base_model(input_ids=tokens)
+    saved = tmp_path / "norms.safetensors"
+    save_norms(stats, saved)
+    loaded = load_norms(saved)  # the groups (q/k/v, gate/up share one input) survive the round trip
+    assert input_groups(loaded) == input_groups(stats) and len(input_groups(stats)) < len(stats)
+    assert all(torch.equal(loaded[n].col_norm, stats[n].col_norm) for n in stats)
+    pruned = {mode: prune(PruneConfig(**base, mask_stats=mode), progress=False) for mode in ("dense", "sequential")}
+    assert pruned["dense"].report["perm"] is None and pruned["dense"].report["mask_stats"] == "dense"
+    for name, lin in linears.items():  # dense: Wanda of the unpruned model's statistics, in every block
+        assert torch.equal(pruned["dense"].model.get_submodule(name).weight, wanda(lin.weight, stats[name], Pattern(2, 4)))
+    later = [n for n in linears if ".layers.0." not in n]  # sequential: later blocks see pruned inputs
+    assert any(not torch.equal(pruned["sequential"].model.get_submodule(n).weight,
+                               pruned["dense"].model.get_submodule(n).weight) for n in later)
+    auto = prune(PruneConfig(**base, perm="learned", recon="model", perm_block=16, perm_steps=2), progress=False)
+    seq = prune(PruneConfig(**base, perm="learned", recon="model", perm_block=16, perm_steps=2, mask_stats="sequential"),
+                progress=False)
+    assert auto.report["mask_stats"] == "dense" and seq.report["mask_stats"] == "sequential"
+    assert auto.report["perm"]["model"]["recon_after"] == seq.report["perm"]["model"]["recon_after"]  # same perms
 
 
 def test_kl_loss_is_zero_on_equal_logits_and_model_recon_learns_with_it(tiny_dir, text_file, tmp_path):
