@@ -401,8 +401,10 @@ def _dense_stats(model, layer_names: list[dict], tokens: torch.Tensor, device: t
         for s in range(0, tokens.shape[0], batch_size):
             model.base_model(input_ids=tokens[s:s + batch_size].to(device))
     model.to("cpu")
-    if saved is not None:
-        save_norms(stats, saved)
+    if saved is not None:  # written whole or not at all: a resume trusts whatever file it finds
+        tmp = saved.with_suffix(".tmp")
+        save_norms(stats, tmp)
+        os.replace(tmp, saved)
     return stats
 
 
