@@ -290,8 +290,10 @@ def _prune(config: PruneConfig, device: torch.device, out: Path | str | None, re
         elif perm_opts.perm != "none":
             target = run_block(block, hidden, captured, i, device, config.batch_size) if perm_opts.perm == "learned" else None
             bar_steps = _step_reporter(bar, i) if progress else None
-            perms, perm_info = block_permutations(block, f"{blocks.name}.{i}", linears, stats, groups, hidden, target,
-                                                  captured, i, pattern, perm_opts, device, on_step=bar_steps)
+            # scored with the statistics the final masks will use, so the permutation fits its masks
+            score_stats = {n: (mask_stats or stats)[n] for n in linears}
+            perms, perm_info = block_permutations(block, f"{blocks.name}.{i}", linears, score_stats, groups, hidden,
+                                                  target, captured, i, pattern, perm_opts, device, on_step=bar_steps)
             del target
         for group in groups:
             for name in group:

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from shuffleprune.calib import calibration_windows, get_source
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern, satisfies_nm
-from shuffleprune.methods import sparsegpt, wanda
+from shuffleprune.methods import sparsegpt, wanda, wanda_score
+from shuffleprune.perm_search import swap_search
 from shuffleprune.perm_learning import cosine_loss, hard_masked_weight, learn_permutations, masked_weight, soft_nm_mask
 from shuffleprune.perm_prune import prune_in_permuted_coordinates
 from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
@@ -247,6 +248,11 @@ def test_mask_stats_choose_dense_or_sequential_wanda_statistics(tiny_dir, text_f
                 progress=False)
     assert auto.report["mask_stats"] == "dense" and seq.report["mask_stats"] == "sequential"
     assert auto.report["perm"]["model"]["recon_after"] == seq.report["perm"]["model"]["recon_after"]  # same perms
+    searched = prune(PruneConfig(**base, perm="search", perm_block=16, mask_stats="dense"), out=tmp_path / "s",
+                     progress=False)  # --recon block paths score their permutations with the masks' statistics
+    q, k, v = (f"model.layers.2.self_attn.{x}_proj" for x in "qkv")
+    expected = swap_search(torch.cat([wanda_score(linears[x].weight, stats[x]) for x in (q, k, v)]), 2, 4, 16)
+    assert searched.report["mask_stats"] == "dense" and torch.equal(load_index_maps(tmp_path / "s" / INDEX_MAPS)[q], expected.int())
 
 
 def test_kl_loss_is_zero_on_equal_logits_and_model_recon_learns_with_it(tiny_dir, text_file, tmp_path):
