@@ -102,16 +102,19 @@ class PruneConfig:
         return self.mask_stats
 
 
-def _atomic_save(obj, path: Path) -> None:
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` to a temporary file, then rename it onto ``path``: a resume finds the file whole or not at all."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
+    write(tmp)
     os.replace(tmp, path)
+
+
+def _atomic_save(obj, path: Path) -> None:
+    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _atomic_json(obj, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2)))
 
 
 @torch.no_grad()
@@ -251,20 +254,18 @@ def _prune(config: PruneConfig, device: torch.device, out: Path | str | None, re
     state["calib_seconds"] += time.time() - t0
 
     model_perms, model_perm_info = None, None
-    # --mask-stats dense: the dense model's statistics, gathered (or reloaded on resume) before any block is pruned
-    mask_stats = _dense_stats(model, layer_names, tokens, device, config.batch_size, work) \
+    # the dense model's statistics, gathered (or reloaded on resume) before any block is pruned
+    dense_stats = _dense_stats(model, layer_names, tokens, device, config.batch_size, work) \
         if mask_stats_mode == "dense" or (perm_opts.perm == "learned" and perm_opts.recon == "model") else None
     if config.perm_from:
         model_perms = _perms_from(config.perm_from, layer_names, pattern)
         model_perm_info = {"perms": {n: {"linears": [n], "strength": round(strength(p), 4)} for n, p in model_perms.items()}}
     elif perm_opts.perm == "learned" and perm_opts.recon == "model":
         t0 = time.time()
-        model_perms, model_perm_info = _model_level_perms(model, layer_names, mask_stats, tokens, pattern, perm_opts,
+        model_perms, model_perm_info = _model_level_perms(model, layer_names, dense_stats, tokens, pattern, perm_opts,
                                                           device, config.batch_size, work, progress)
         state["prune_seconds"] += time.time() - t0  # on resume: reloading the saved maps
         state["perm_model"] = model_perm_info["summary"]
-    if mask_stats_mode == "sequential":
-        mask_stats = None
     all_perms: dict[str, torch.Tensor] = {}
     if work is not None:
         for j in range(start):
@@ -277,7 +278,10 @@ def _prune(config: PruneConfig, device: torch.device, out: Path | str | None, re
         t0 = time.time()
         block = blocks.layers[i].to(device)
         linears = layer_names[i]
-        if config.method in NEEDS_STATS:
+        if mask_stats_mode == "dense":  # masks (and block-wise permutation scores) from the dense statistics:
+            stats = {name: dense_stats[name] for name in linears}  # no pass over this block's own inputs
+            groups = input_groups(stats)
+        elif config.method in NEEDS_STATS:
             with collect_input_stats(linears, gram) as stats:
                 run_block(block, hidden, captured, i, device, config.batch_size)
             groups = input_groups(stats)
@@ -290,20 +294,17 @@ def _prune(config: PruneConfig, device: torch.device, out: Path | str | None, re
         elif perm_opts.perm != "none":
             target = run_block(block, hidden, captured, i, device, config.batch_size) if perm_opts.perm == "learned" else None
             bar_steps = _step_reporter(bar, i) if progress else None
-            # scored with the statistics the final masks will use, so the permutation fits its masks
-            score_stats = {n: (mask_stats or stats)[n] for n in linears}
-            perms, perm_info = block_permutations(block, f"{blocks.name}.{i}", linears, score_stats, groups, hidden,
-                                                  target, captured, i, pattern, perm_opts, device, on_step=bar_steps)
+            perms, perm_info = block_permutations(block, f"{blocks.name}.{i}", linears, stats, groups, hidden, target,
+                                                  captured, i, pattern, perm_opts, device, on_step=bar_steps)
             del target
         for group in groups:
             for name in group:
                 lin = linears[name]
                 perm = perms.get(name)
-                layer_stats = (mask_stats or stats)[name]
                 if perm is None:
-                    new_w = method(lin.weight.data.float(), layer_stats, pattern)
+                    new_w = method(lin.weight.data.float(), stats[name], pattern)
                 else:
-                    new_w = prune_in_permuted_coordinates(method, lin.weight.data.float(), layer_stats, pattern, perm)
+                    new_w = prune_in_permuted_coordinates(method, lin.weight.data.float(), stats[name], pattern, perm)
                 lin.weight.data.copy_(new_w.to(lin.weight.dtype))
                 w = lin.weight.data
                 in_memory = w if perm is None else w[:, perm.to(w.device)]  # the order an N:M kernel stores
@@ -403,10 +404,8 @@ def _dense_stats(model, layer_names: list[dict], tokens: torch.Tensor, device: t
         for s in range(0, tokens.shape[0], batch_size):
             model.base_model(input_ids=tokens[s:s + batch_size].to(device))
     model.to("cpu")
-    if saved is not None:  # written whole or not at all: a resume trusts whatever file it finds
-        tmp = saved.with_suffix(".tmp")
-        save_norms(stats, tmp)
-        os.replace(tmp, saved)
+    if saved is not None:
+        _atomic_write(saved, lambda tmp: save_norms(stats, tmp))
     return stats
 
 
