@@ -192,6 +192,26 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_rows(results: dict, side_rows: list[list[dict]]) -> None:
+    """Append side runs' rows to ``results``; a (variant, seed) it already has is kept, not duplicated."""
+    have = {(r.setdefault("variant", r["method"]), r["seed"]) for r in results["rows"]}
+    for rows in side_rows:
+        for row in rows:
+            key = (row.setdefault("variant", row["method"]), row["seed"])
+            print(("skip " if key in have else "add ") + f"{key[0]} seed {key[1]}")
+            if key not in have:
+                results["rows"].append(row)
+                have.add(key)
+
+
+def write_results(results: dict, out: Path) -> None:
+    """Recompute the summary and write ``out`` and its .md table."""
+    results["summary"] = summarise(results["rows"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    out.with_suffix(".md").write_text(markdown(results))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -214,6 +234,8 @@ def main() -> None:
     ap.add_argument("--keep-checkpoints", action="store_true",
                     help="keep each row's pruned weights in --work (default: deleted once scored)")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_shufflesparse.json"))
+    ap.add_argument("--merge", nargs="+", metavar="FILE",
+                    help="append the rows of side runs' --out files to --out (rows it already has are kept) and stop")
     ap.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -225,6 +247,10 @@ def main() -> None:
 
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.is_file() else {"rows": []}
+    if args.merge:
+        merge_rows(results, [json.loads(Path(f).read_text())["rows"] for f in args.merge])
+        write_results(results, out)
+        return
     results.update({
         "what": "ShuffleSparse vs one-shot baselines (paper Table 3 shape)",
         "command": "one invocation per group of rows; each row records its own (`command`)",
@@ -255,10 +281,7 @@ def main() -> None:
             row["command"] = " ".join([Path(sys.executable).name, *sys.argv])
             print(f"    ppl {row['ppl']:.2f}  zero-shot avg {row['zeroshot_avg']:.2f}  prune {row['seconds']:.0f}s", flush=True)
             results["rows"].append(row)
-            results["summary"] = summarise(results["rows"])
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(results, indent=1))
-            out.with_suffix(".md").write_text(markdown(results))
+            write_results(results, out)
 
 
 if __name__ == "__main__":
