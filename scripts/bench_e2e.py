@@ -34,10 +34,10 @@ def main() -> None:
 
     from shuffleprune.blocks import block_linears, find_blocks
     from shuffleprune.masks import nm_keep_mask
-    from shuffleprune.permutation import random_block_perm
+    from shuffleprune.perm.core import random_block_perm
     from shuffleprune.runtime import machine, versions
-    from shuffleprune.sparse_format import compress
-    from shuffleprune.sparse_linear import SparseLinear
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.deploy.sparse_linear import SparseLinear
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:

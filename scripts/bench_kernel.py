@@ -40,8 +40,8 @@ def main() -> None:
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
-    from shuffleprune.sparse_format import compress
-    from shuffleprune.sparse_linear import SparseLinear
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.deploy.sparse_linear import SparseLinear
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type != "cuda" and not args.smoke:

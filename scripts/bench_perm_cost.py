@@ -42,10 +42,10 @@ def main() -> None:
 
     from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks
     from shuffleprune.masks import Pattern
-    from shuffleprune.perm_prune import PermOptions, block_permutations
-    from shuffleprune.pipeline import run_block
+    from shuffleprune.perm.pruning import PermOptions, block_permutations
+    from shuffleprune.blocks import run_block
     from shuffleprune.runtime import machine, peak_rss_mb, tf32_matmuls, versions
-    from shuffleprune.stats import collect_input_stats, input_groups
+    from shuffleprune.prune.input_stats import collect_input_stats, input_groups
 
     device = torch.device(args.device)
     tf32 = tf32_matmuls(device, args.tf32)  # as `prune --tf32`; held until the script exits

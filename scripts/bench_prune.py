@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shuffleprune.calib import calibration_windows, eval_tokens, get_source
-from shuffleprune.perplexity import perplexity
+from shuffleprune.evaluation.perplexity import perplexity
 from shuffleprune.blocks import block_linears, find_blocks
 from shuffleprune.masks import parse_pattern, satisfies_nm
 from shuffleprune.models import load_model, resolve_model_path

@@ -87,8 +87,8 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
     """Prune (unless dense) and score one row; called in a fresh subprocess."""
     import torch
 
-    from shuffleprune.evaluate import PPL, EvalConfig, evaluate_models
-    from shuffleprune.pipeline import PruneConfig, prune
+    from shuffleprune.evaluation.evaluate import PPL, EvalConfig, evaluate_models
+    from shuffleprune.prune import PruneConfig, prune
     from shuffleprune.runtime import peak_rss_mb
 
     torch.manual_seed(seed)
@@ -106,8 +106,13 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
             if not Path(opts["perm_from"], "index_maps.safetensors").is_file():
                 raise SystemExit(f"{method} needs {source} seed {seed} first")
         out = _out_dir(args, variant_of(method, args), seed)
-        cfg = PruneConfig(model=args.model, pattern=args.pattern, calib=args.calib, nsamples=args.nsamples,
-                          seqlen=args.seqlen, seed=seed, eval_text=None, **opts)
+        if "perm" not in opts and "perm_from" not in opts:
+            opts["perm"] = "none"  # a variant without a permutation (the default recipe would add one)
+        # float32 checkpoints: the committed rows were scored on float32 copies of the dequantized GGUF
+        # (a GGUF's pruned copy is saved in bfloat16 by default)
+        cfg = PruneConfig.build(opts.pop("recipe", None), model=args.model, pattern=args.pattern, calib=args.calib,
+                                nsamples=args.nsamples, seqlen=args.seqlen, seed=seed, eval_text=None,
+                                dtype="float32", **opts)
         prune_report = prune(cfg, out=out, overwrite=True, progress=False).report
         target = str(out)
     prune_seconds = time.time() - t0
@@ -124,8 +129,9 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
         "calib": None if opts is None or method == "magnitude" else
         {"source": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen, "seed": seed},
         "perm": None if prune_report is None or prune_report["perm"] is None else
-        {k: prune_report["perm"][k] for k in ("perm", "init", "relax", "recon", "block", "steps", "lr",
-                                              "lr_decay", "lambda_max", "share", "batch", "holdout", "from", "loss")},
+        {k: prune_report["perm"].get(k) for k in ("perm", "init", "relax", "recon", "block", "steps", "lr",
+                                                  "lr_decay", "lambda_max", "share", "batch", "holdout", "from", "loss")},
+        "stages": None if prune_report is None else prune_report["stages"],
         "mask_stats": None if prune_report is None else prune_report["mask_stats"],
         "ppl": row["ppl"], "eval_ctx": row["ppl_eval"]["ctx"], "ppl_text": row["ppl_eval"]["text"],
         "ppl_tokens": row["ppl_eval"]["tokens"],
@@ -143,7 +149,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
 def _drop_weights(out: Path) -> None:
     """Delete a scored row's weight files (~0.5 GB each for SmolLM2; a full run has ~40 rows); its
     ``prune_report.json`` and ``index_maps.safetensors`` (which ``--perm-from`` rows read) stay."""
-    from shuffleprune.models import INDEX_MAPS
+    from shuffleprune.perm.linear import INDEX_MAPS
 
     for f in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
         if f.name != INDEX_MAPS:

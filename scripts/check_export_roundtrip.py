@@ -35,10 +35,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from shuffleprune.calib import eval_tokens, get_source
-    from shuffleprune.export import export_checkpoint
+    from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.models import load_model
     from shuffleprune.runtime import machine, versions
-    from shuffleprune.sparse_linear import SparseLinear
+    from shuffleprune.deploy.sparse_linear import SparseLinear
 
     pruned = Path(args.pruned)
     report = json.loads((pruned / "prune_report.json").read_text())

@@ -26,8 +26,8 @@ def dense_blocks(nsamples: int, seqlen: int, seed: int, upto: int, batch: int = 
     from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks
     from shuffleprune.calib import calibration_windows, get_source
     from shuffleprune.models import load_model
-    from shuffleprune.pipeline import run_block
-    from shuffleprune.stats import collect_input_stats
+    from shuffleprune.blocks import run_block
+    from shuffleprune.prune.input_stats import collect_input_stats
 
     lm = load_model(None)
     blocks = find_blocks(lm.model)

@@ -24,9 +24,9 @@ SETTINGS = [(3e-2, 50), (3e-3, 50), (3e-3, 200), (1e-3, 200), (3e-4, 200)]
 def main() -> None:
     from diag_blocks import dense_blocks
     from shuffleprune.masks import Pattern
-    from shuffleprune.perm_prune import PermOptions, block_permutations
+    from shuffleprune.perm.pruning import PermOptions, block_permutations
     from shuffleprune.runtime import machine, versions
-    from shuffleprune.stats import input_groups
+    from shuffleprune.prune.input_stats import input_groups
 
     rows = []
     base = PermOptions(perm="learned", init="search", holdout=0.25, seed=0)

@@ -21,13 +21,13 @@ BLOCKS = (2, 12, 25)
 def main() -> None:
     from diag_blocks import dense_blocks
     from shuffleprune.masks import Pattern
-    from shuffleprune.methods import get_method
-    from shuffleprune.perm_learning import cosine_loss
-    from shuffleprune.perm_prune import _score, prune_in_permuted_coordinates
-    from shuffleprune.perm_search import swap_search
-    from shuffleprune.pipeline import run_block
+    from shuffleprune.prune.methods import get_method
+    from shuffleprune.perm.learning import cosine_loss
+    from shuffleprune.perm.pruning import _score, prune_in_permuted_coordinates
+    from shuffleprune.perm.search import swap_search
+    from shuffleprune.blocks import run_block
     from shuffleprune.runtime import machine, versions
-    from shuffleprune.stats import input_groups
+    from shuffleprune.prune.input_stats import input_groups
 
     wanda, rows = get_method("wanda"), []
     for b in dense_blocks(16, 256, 0, max(BLOCKS)):

@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from shuffleprune.perm_learning import cosine_loss, learn_permutations, masked_weight
-from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
+from shuffleprune.perm.learning import cosine_loss, learn_permutations, masked_weight
+from shuffleprune.perm.core import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
 
 
 def synthetic(rows: int = 64, cols: int = 128, block: int = 64, seed: int = 0):

@@ -45,7 +45,7 @@ def main() -> None:
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
-    from shuffleprune.sparse_format import compress, meta_bits
+    from shuffleprune.deploy.format import compress, meta_bits
 
     if not torch.cuda.is_available() and not args.smoke:
         raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on CPU")

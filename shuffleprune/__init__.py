@@ -1,11 +1,54 @@
-"""shuffleprune: N:M sparsity for pretrained LLMs with learned input-channel permutations."""
-__version__ = "0.1.0"
+"""shuffleprune: N:M sparsity for pretrained LLMs with learned input-channel permutations.
+
+The Python API::
+
+    import shuffleprune
+    result = shuffleprune.prune("meta-llama/Llama-2-7b-hf", recipe="balanced", out="pruned/")
+    model = shuffleprune.load("pruned/")               # or an exported dir: compressed SparseLinear layers
+    results = shuffleprune.evaluate(["pruned/"], tasks=["ppl"])
+    sparsifier = shuffleprune.DynamicSparsifier(...)   # dynamic sparse training in your own loop
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from shuffleprune.version import __version__
+
+
+def prune(model: str | None = None, recipe: str | Path | None = None, out: str | Path | None = None, *,
+          resume: bool = False, overwrite: bool = False, progress: bool = True, **options: Any):
+    """Prune ``model`` (hub id, HF dir, ``.gguf``; None: the embedded SmolLM2-135M-Instruct) with a
+    recipe (``fast``, ``balanced``, ``paper``, ``best`` or a YAML file; default ``balanced``) and
+    ``options`` that override it (the command line's names: ``pattern``, ``method``, ``perm``,
+    ``nsamples``, ``perm_steps`` …). Returns a ``PruneResult`` (``.report``, ``.model``, ``.tokenizer``)."""
+    from shuffleprune.prune import PruneConfig
+    from shuffleprune.prune import prune as run_prune
+
+    config = PruneConfig.build(recipe, model=model, **options)
+    return run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=progress)
 
 
 def load(path: str, dtype: str = "auto"):
     """Load a checkpoint written by ``shuffleprune export`` (linears as compressed ``SparseLinear``),
     by ``prune`` (with its index maps applied) or any HF model; returns the model (``.eval()``).
     The tokenizer: ``transformers.AutoTokenizer.from_pretrained(path)``."""
-    from .models import load_model
+    from shuffleprune.models import load_model
 
     return load_model(path, dtype).model
+
+
+def evaluate(models: list[str | None], tasks: list[str] | None = None, out: str | Path | None = None, **options: Any) -> dict:
+    """Score ``models`` side by side (lm-eval tasks and ``ppl``); ``options`` as ``EvalConfig``'s fields."""
+    from shuffleprune.evaluation.evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
+
+    config = EvalConfig(models=list(models), tasks=list(tasks or DEFAULT_TASKS), **options)
+    return evaluate_models(config, out=Path(out) if out is not None else None, progress=False)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DynamicSparsifier", "DSTConfig"):
+        from shuffleprune import dst
+
+        return getattr(dst, name)
+    raise AttributeError(f"module 'shuffleprune' has no attribute '{name}'")

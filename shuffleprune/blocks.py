@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import UserError
+from shuffleprune.errors import UserError
 
 try:  # GPT-2-style layers: recognised so they can be refused clearly
     from transformers.pytorch_utils import Conv1D
@@ -37,7 +37,7 @@ class Blocks:
 def find_blocks(model: nn.Module) -> Blocks:
     """Find the decoder blocks: the ``ModuleList`` of same-type modules with the most parameters
     among those whose members contain linear layers."""
-    from .sparse_linear import SparseLinear
+    from shuffleprune.deploy.sparse_linear import SparseLinear
 
     best: tuple[int, str, nn.ModuleList] | None = None
     conv1d_seen = False
@@ -66,7 +66,7 @@ def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
                   skip: list[str] | None = None) -> dict[str, nn.Linear]:
     """``{full_name: module}`` of a block's ``nn.Linear`` layers (and exported ``SparseLinear`` ones),
     filtered by fnmatch globs on the full name."""
-    from .sparse_linear import SparseLinear
+    from shuffleprune.deploy.sparse_linear import SparseLinear
 
     found = {}
     for sub, module in block.named_modules():
@@ -247,3 +247,16 @@ def tensors_to(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: tensors_to(v, device) for k, v in obj.items()}
     return obj
+
+
+@torch.no_grad()
+def run_block(block: nn.Module, hidden: torch.Tensor, captured: CapturedInputs, index: int,
+              device: torch.device, batch_size: int) -> torch.Tensor:
+    """Outputs of ``block`` (block ``index``) for all windows ``hidden`` ``[n, L, d]``, ``batch_size``
+    windows at a time on ``device``, with the block's captured call arguments; kept where ``hidden`` lives."""
+    args = tensors_to(captured.args[index], device)
+    kwargs = tensors_to(captured.kwargs[index], device)
+    out = torch.empty_like(hidden)
+    for s in range(0, hidden.shape[0], batch_size):
+        out[s:s + batch_size] = first_tensor(block(hidden[s:s + batch_size].to(device), *args, **kwargs)).to(out.device)
+    return out

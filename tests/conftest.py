@@ -83,3 +83,13 @@ def eval_file(tmp_path: Path) -> Path:
     path = tmp_path / "heldout.txt"
     path.write_text(random_text(3000, seed=2))
     return path
+
+
+def flat_config(**options):
+    """A ``PruneConfig`` from the command line's option names, as the tests of single methods want it:
+    no permutation unless one is asked for (the default recipe would add a swap search)."""
+    from shuffleprune.prune import PruneConfig
+
+    if "perm" not in options and "perm_from" not in options:
+        options["perm"] = "none"
+    return PruneConfig.build(None, **options)

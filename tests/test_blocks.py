@@ -4,8 +4,8 @@ import torch
 from conftest import tiny_model
 from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks
 from shuffleprune.errors import UserError
-from shuffleprune.pipeline import run_block
-from shuffleprune.stats import collect_input_stats, input_groups
+from shuffleprune.blocks import run_block
+from shuffleprune.prune.input_stats import collect_input_stats, input_groups
 
 ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gemma3_text"]
 

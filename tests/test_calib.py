@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_tokenizer, random_text
-from shuffleprune.calib import calibration_windows, default_eval_source, eval_tokens, get_source
+from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.calib.sources import strip_brown_tags
 from shuffleprune.errors import UserError
 
@@ -22,14 +22,41 @@ def test_windows_are_seeded_and_come_from_the_text(text_file):
         assert starts.any()
 
 
-def test_train_and_test_splits_are_disjoint(tmp_path):
+def test_a_file_is_used_whole_and_split_only_when_it_serves_both_sides(tmp_path):
     path = tmp_path / "docs.jsonl"
     docs = [f"document number {i} " + random_text(20, i) for i in range(30)]
     path.write_text("\n".join(json.dumps({"text": d}) for d in docs))
-    src = get_source(str(path))
-    train, test = src.documents("train"), src.documents("test")
+    whole = get_source(str(path))
+    assert whole.documents("train") == docs and whole.documents("test") == docs
+    shared = get_source(str(path), shared=True)
+    train, test = shared.documents("train"), shared.documents("test")
     assert len(test) == 3 and len(train) == 27 and not set(train) & set(test)
-    assert eval_tokens(src, make_tokenizer(), max_tokens=10).shape == (1, 10)
+    assert shared.documents("test") == test  # deterministic
+    info = {}
+    assert eval_tokens(shared, make_tokenizer(), max_tokens=10, info=info).shape == (1, 10)
+    assert info["documents"] == 3 and info["tokens_available"] > 10
+    assert same_text(str(path), str(tmp_path / "." / "docs.jsonl")) and not same_text(str(path), "wiki")
+    two = tmp_path / "two.txt"
+    two.write_text("first document\n\nsecond document")
+    assert get_source(str(two), shared=True).documents("test") == ["second document"]
+
+
+def test_windows_start_with_bos_where_the_tokenizer_adds_it():
+    from tokenizers import processors
+
+    tok = make_tokenizer()
+    assert bos_token(tok) is None
+    bos_tok = make_tokenizer()
+    bos_tok.add_special_tokens({"bos_token": "[BOS]"})
+    bos_id = bos_tok.bos_token_id
+    bos_tok._tokenizer.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", bos_id)])
+    assert bos_token(bos_tok) == bos_id
+    text = random_text(400, 1)
+    from shuffleprune.calib.sources import TextSource
+
+    src = TextSource("t", lambda split: [text])
+    w = calibration_windows(src, bos_tok, 4, 16, seed=0, bos=bos_id)
+    assert w.shape == (4, 16) and (w[:, 0] == bos_id).all() and not (w[:, 1:] == bos_id).any()
 
 
 def test_bad_jsonl_names_the_line(tmp_path):

@@ -20,7 +20,7 @@ def test_prune_cli_end_to_end(tiny_dir, text_file, eval_file, tmp_path):
 def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
     for args, needle in ((["prune", str(tiny_dir), "--pattern", "4:2"], "impossible pattern"),
                          (["prune", str(tmp_path / "nope")], "does not exist"),
-                         (["prune", str(tiny_dir), "--base", "obs"], "unknown --base"),
+                         (["prune", str(tiny_dir), "--base", "obs"], "--base: unknown prune stage 'obs'"),
                          (["prune", str(tiny_dir), "--device", "tpu"], "unknown --device"),
                          (["prune", str(tiny_dir), "--calib", "c4", "--out", str(tmp_path / "o")], "offline sources")):
         res = runner.invoke(app, args)
@@ -33,5 +33,6 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
 def test_help_documents_defaults():
     res = runner.invoke(app, ["prune", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0
-    for needle in ("--pattern", "default: 2:4", "--nsamples", "default: 128", "--seqlen", "default: 2048", "--resume"):
+    for needle in ("--recipe", "--pattern", "default: (2:4)", "--nsamples", "default: (128)", "--seqlen",
+                   "default: (2048)", "--resume", "--set"):
         assert needle in res.output

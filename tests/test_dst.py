@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
-from shuffleprune.dst import DSTConfig, DynamicSparsifier, _out_in, layer_densities, sparsifiable_layers
+from shuffleprune.dst.sparsifier import DSTConfig, DynamicSparsifier, _out_in, layer_densities, sparsifiable_layers
 from shuffleprune.errors import UserError
 
 
@@ -102,8 +102,8 @@ def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_d
     """The end of `dst --method nm`: a model the export path compresses (index maps kept), whose
     SparseLinear reload computes what the trained model computes."""
     from shuffleprune import load
-    from shuffleprune.dst_train import train
-    from shuffleprune.export import export_checkpoint
+    from shuffleprune.dst.train import train
+    from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.models import load_model
 
     cfg = _train_cfg(tiny_dir, text_file, arch="llama",
@@ -221,7 +221,7 @@ def test_learned_permutation_trains_hardens_and_is_applied():
 def test_soft_permutation_computes_the_layer_on_the_mixed_input(arch):
     """While soft, a layer computes (x M) Wᵀ + b (+ pixelfly's low rank on x M); the weight-side
     evaluation is only a cheaper order of the same product."""
-    from shuffleprune.permutation import permute_columns
+    from shuffleprune.perm.core import permute_columns
 
     model = tiny_model(arch)
     sp = DynamicSparsifier(DSTConfig(method="pixelfly", sparsity=0.75, block=8, perm="learned", lambda_max=1e-2))
@@ -285,7 +285,7 @@ def test_state_dict_round_trip_with_soft_permutations():
 
 
 def _train_cfg(tiny_dir, text_file, **kw):
-    from shuffleprune.dst_train import TrainConfig
+    from shuffleprune.dst.train import TrainConfig
 
     base = dict(arch="gpt2", config_kw={"n_layer": 2, "n_embd": 64, "n_head": 4}, tokenizer=str(tiny_dir),
                 data=str(text_file), seq_len=32, batch_size=4, steps=8, warmup=2, eval_every=4, eval_tokens=2048,
@@ -294,7 +294,7 @@ def _train_cfg(tiny_dir, text_file, **kw):
 
 
 def test_trainer_resume_after_kill_reproduces_the_uninterrupted_run(tiny_dir, text_file, tmp_path):
-    from shuffleprune.dst_train import CHECKPOINT, train
+    from shuffleprune.dst.train import CHECKPOINT, train
 
     cfg = _train_cfg(tiny_dir, text_file)
     dcfg = DSTConfig(method="dsb", block=16, sparsity=0.75, delta_t=2, t_end=6, perm="learned", t_perm=5,

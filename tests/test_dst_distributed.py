@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from shuffleprune.dst_train import TrainConfig, _batch
+from shuffleprune.dst.train import TrainConfig, _batch
 
 # a permutation hardened from the uniform start is decided by tiny differences of M: if the
 # processes took different permutation steps, they would end with different permutations

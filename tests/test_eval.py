@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from conftest import WORDS, random_text
 from shuffleprune.cli import app
-from shuffleprune.evaluate import EvalConfig, evaluate_models
+from shuffleprune.evaluation.evaluate import EvalConfig, evaluate_models
 from shuffleprune.models import load_model
 
 runner = CliRunner()
@@ -85,7 +85,7 @@ def test_eval_scores_the_in_memory_model(tiny_dir, tiny_task, tmp_path, monkeypa
     row = res["models"][0]
     assert row["results"]["tiny_mc"]["value"] == pytest.approx(_reference_accuracy(lm.model, lm.tokenizer, tiny_task))
     from shuffleprune.calib import eval_tokens, get_source
-    from shuffleprune.perplexity import perplexity
+    from shuffleprune.evaluation.perplexity import perplexity
 
     assert row["ppl"] == pytest.approx(perplexity(lm.model, eval_tokens(get_source(str(heldout)), lm.tokenizer), 32))
 
@@ -94,7 +94,7 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(random_text(2000, seed=3))
     pruned = tmp_path / "pruned"
-    res = runner.invoke(app, ["prune", str(tiny_dir), "--base", "wanda", "--pattern", "2:4", "--calib", str(heldout),
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--base", "wanda", "--perm", "none", "--pattern", "2:4", "--calib", str(heldout),
                               "--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--out", str(pruned), "--quiet"])
     assert res.exit_code == 0, res.output
     out = tmp_path / "results.json"
@@ -111,7 +111,7 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
         r = m["results"]["tiny_mc"]
         assert r["metric"] == "acc" and 0 <= r["value"] <= 1 and r["stderr"] is not None
         assert r["version"] == 3.0 and r["n_shot"] == 0 and r["n_items"] == 10 and r["n_items_total"] == 16
-        assert m["ppl"] > 1 and m["ppl_eval"] == {"text": str(heldout), "split": "test", "ctx": 32,
+        assert m["ppl"] > 1 and m["ppl_eval"] == {"text": str(heldout), "split": "test", "ctx": 32, "bos": False,
                                                   "tokens": m["ppl_eval"]["tokens"]} and m["ppl_eval"]["tokens"] > 0
         assert m["average"] == r["value"] and "--limit 10" in m["lm_eval_cli"] and m["path"] in m["lm_eval_cli"]
     assert sparse["ppl"] != dense["ppl"]
@@ -144,7 +144,7 @@ def test_offline_tasks_are_the_stock_definitions_on_full_local_data():
     """Item counts of the rebuilt/copied data equal the stock datasets'; prompts are the stock ones."""
     from lm_eval.tasks import TaskManager
 
-    from shuffleprune.offline_tasks import build_offline_tasks
+    from shuffleprune.evaluation.offline_tasks import build_offline_tasks
 
     names = ["hellaswag", "arc_easy", "arc_challenge", "openbookqa"]
     stock = TaskManager()

@@ -11,12 +11,13 @@ from typer.testing import CliRunner
 import shuffleprune
 from shuffleprune.cli import app
 from shuffleprune.errors import UserError
-from shuffleprune.export import SPARSE_FILE, export_checkpoint
+from shuffleprune.deploy.export import SPARSE_FILE, export_checkpoint
 from shuffleprune.masks import nm_keep_mask, satisfies_nm
 from shuffleprune.models import load_model
-from shuffleprune.pipeline import PruneConfig, prune
-from shuffleprune.sparse_format import check_compressed, compress, decompress, meta_bits, pack_positions, unpack_positions
-from shuffleprune.sparse_linear import SparseLinear
+from shuffleprune.prune import prune
+from conftest import flat_config
+from shuffleprune.deploy.format import check_compressed, compress, decompress, meta_bits, pack_positions, unpack_positions
+from shuffleprune.deploy.sparse_linear import SparseLinear
 
 
 def _nm_weight(rows: int, cols: int, n: int, m: int, seed: int = 0) -> torch.Tensor:
@@ -111,7 +112,7 @@ def test_sparse_linear_drops_the_forms_no_token_count_uses():
 @pytest.fixture
 def pruned_perm_dir(tiny_dir, text_file, tmp_path):
     out = tmp_path / "pruned"
-    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+    cfg = flat_config(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
                       eval_text=None, perm="random", perm_block=16)
     prune(cfg, out=out, progress=False)
     return out
@@ -148,7 +149,7 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
 
 
 def test_eval_scores_the_exported_model(pruned_perm_dir, tmp_path, eval_file):
-    from shuffleprune.evaluate import EvalConfig, evaluate_models
+    from shuffleprune.evaluation.evaluate import EvalConfig, evaluate_models
 
     out = tmp_path / "exported"
     export_checkpoint(pruned_perm_dir, out)
@@ -203,7 +204,7 @@ def test_o_proj_map_folds_into_v_proj_without_gqa(tmp_path, text_file):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     out = tmp_path / "pruned"
-    prune(PruneConfig(model=str(path), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+    prune(flat_config(model=str(path), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
                       eval_text=None, perm="random", perm_block=16), out=out, progress=False)
     fmt = export_checkpoint(out, tmp_path / "exported")
     o_folds = {k: v for k, v in fmt["folded"].items() if k.endswith("o_proj")}
@@ -249,7 +250,7 @@ def test_layers_sharing_a_map_gather_once(pruned_perm_dir, tmp_path):
 
 def test_bf16_export_keeps_dtype_and_logits(tiny_dir, text_file, tmp_path):
     out = tmp_path / "bf16"
-    prune(PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
+    prune(flat_config(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
                       eval_text=None, perm="random", perm_block=16, dtype="bfloat16"), out=out, progress=False)
     fmt = export_checkpoint(out, tmp_path / "exported")
     assert fmt["dtype"] == "bfloat16"
@@ -265,8 +266,8 @@ def test_bf16_export_keeps_dtype_and_logits(tiny_dir, text_file, tmp_path):
 def test_gqa_o_proj_folds_into_v_proj_only_when_heads_sharing_a_kv_head_agree():
     from conftest import tiny_model
 
-    from shuffleprune.export import fold_permutations
-    from shuffleprune.permuted_linear import PermutedLinear
+    from shuffleprune.deploy.export import fold_permutations
+    from shuffleprune.perm.linear import PermutedLinear
 
     gen = torch.Generator().manual_seed(0)
     for consistent in (True, False):
@@ -298,7 +299,7 @@ def test_learned_perm_export_reloads_for_other_architectures(arch, text_file, tm
     tiny_model(arch).save_pretrained(src)
     make_tokenizer().save_pretrained(src)
     pruned, out = tmp_path / "pruned", tmp_path / "exported"
-    cfg = PruneConfig(model=str(src), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+    cfg = flat_config(model=str(src), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
                       eval_text=None, perm="learned", perm_block=16, perm_steps=3)
     prune(cfg, out=pruned, progress=False)
     fmt = export_checkpoint(pruned, out)

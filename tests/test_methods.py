@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from shuffleprune.masks import Pattern, satisfies_nm
-from shuffleprune.methods import magnitude, sparsegpt, wanda, wanda_score
-from shuffleprune.stats import InputStats
+from shuffleprune.prune.methods import magnitude, sparsegpt, wanda, wanda_score
+from shuffleprune.prune.input_stats import InputStats
 
 
 def synthetic_layer(rows=64, cols=128, tokens=2048, seed=0):

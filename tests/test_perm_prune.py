@@ -11,15 +11,17 @@ from transformers import AutoModelForCausalLM
 from shuffleprune.calib import calibration_windows, get_source
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern, satisfies_nm
-from shuffleprune.methods import sparsegpt, wanda, wanda_score
-from shuffleprune.perm_search import swap_search
-from shuffleprune.perm_learning import cosine_loss, hard_masked_weight, learn_permutations, masked_weight, soft_nm_mask
-from shuffleprune.perm_prune import prune_in_permuted_coordinates
-from shuffleprune.permutation import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
+from shuffleprune.prune.methods import sparsegpt, wanda, wanda_score
+from shuffleprune.perm.search import swap_search
+from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, learn_permutations, masked_weight, soft_nm_mask
+from shuffleprune.prune.stages.prune import prune_in_permuted_coordinates
+from shuffleprune.perm.core import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
 from shuffleprune.models import load_model
-from shuffleprune.permuted_linear import PermutedLinear, apply_index_maps, load_index_maps
-from shuffleprune.pipeline import INDEX_MAPS, PruneConfig, prune
-from shuffleprune.stats import InputStats, collect_input_stats, input_groups, load_norms, save_norms
+from shuffleprune.perm.linear import PermutedLinear, apply_index_maps, load_index_maps
+from shuffleprune.perm.linear import INDEX_MAPS
+from shuffleprune.prune import prune
+from conftest import flat_config
+from shuffleprune.prune.input_stats import InputStats, collect_input_stats, input_groups, load_norms, save_norms
 
 
 def test_soft_mask_is_the_group_softmax_and_hard_weight_matches_the_matrix_form():
@@ -105,7 +107,7 @@ def test_pruning_in_permuted_coordinates_is_nm_in_memory_order(method):
 
 def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logits(tiny_dir, text_file, eval_file, tmp_path):
     out = tmp_path / "perm"
-    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+    cfg = flat_config(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
                       eval_text=str(eval_file), perm="learned", perm_block=16, perm_steps=10)
     prune(cfg, out=out, progress=False)
     report = json.loads((out / "prune_report.json").read_text())
@@ -142,32 +144,31 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
 
 
 def test_perm_options_are_checked(tiny_dir, text_file):
-    for kwargs, needle in (({"perm": "sorted"}, "unknown --perm"), ({"perm": "learned", "pattern": None, "sparsity": 0.5}, "N:M"),
+    for kwargs, needle in (({"perm": "sorted"}, "unknown permutation stage 'sorted'"), ({"perm": "learned", "pattern": None, "sparsity": 0.5}, "N:M"),
                            ({"perm": "learned", "perm_block": 6}, "multiple of M"),
                            ({"perm": "learned", "perm_block": 0}, "positive multiple of M"),
                            ({"perm": "learned", "relax": "x"}, "--relax"),
                            ({"perm": "learned", "perm_holdout": 1.0}, "--perm-holdout"),
                            ({"perm": "learned", "perm_lr_decay": "linear"}, "--perm-lr-decay"),
                            ({"perm": "learned", "perm_holdout": 0.25, "nsamples": 1}, "raise --nsamples")):
-        cfg = PruneConfig(model=str(tiny_dir), calib=str(text_file), **{"pattern": "2:4", **kwargs})
         with pytest.raises(UserError, match=needle):
-            prune(cfg, progress=False)
+            prune(flat_config(model=str(tiny_dir), calib=str(text_file), **{"pattern": "2:4", **kwargs}), progress=False)
 
 
 def test_search_perm_and_learning_started_from_it(tiny_dir, text_file, eval_file, tmp_path):
     base = dict(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
                 eval_text=str(eval_file), perm_block=16)
-    searched = prune(PruneConfig(**base, perm="search"), out=tmp_path / "s", progress=False).report
+    searched = prune(flat_config(**base, perm="search"), out=tmp_path / "s", progress=False).report
     assert searched["nm_ok"] and searched["perm"]["index_maps"] == INDEX_MAPS
     assert load_index_maps(tmp_path / "s" / INDEX_MAPS)
-    learned = prune(PruneConfig(**base, perm="learned", perm_init="search", perm_steps=5), progress=False).report
+    learned = prune(flat_config(**base, perm="learned", perm_init="search", perm_steps=5), progress=False).report
     for b in learned["perm"]["blocks"]:
         assert b["chosen"] in ("final", "best_step", "search", "identity")
         assert b["recon_after"] <= min(b["recon_before"], b["recon_search"])
 
 
 def test_model_level_recon_learns_all_permutations_jointly(tiny_dir, text_file, eval_file, tmp_path):
-    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+    cfg = flat_config(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
                       eval_text=str(eval_file), perm="learned", recon="model", perm_block=16, perm_steps=6)
     out = tmp_path / "m"
     result = prune(cfg, out=out, progress=False)
@@ -196,7 +197,7 @@ def test_model_level_recon_learns_all_permutations_jointly(tiny_dir, text_file, 
 
 
 def test_model_level_recon_resumes_with_its_saved_permutations_and_statistics(tiny_dir, text_file, tmp_path):
-    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+    cfg = flat_config(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
                       eval_text=None, perm="learned", recon="model", perm_block=16, perm_steps=3)
     prune(cfg, out=tmp_path / "full", progress=False)
 
@@ -222,10 +223,10 @@ def test_model_level_recon_resumes_with_its_saved_permutations_and_statistics(ti
 def test_mask_stats_choose_dense_or_sequential_wanda_statistics(tiny_dir, text_file, tmp_path):
     base = dict(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
                 eval_text=None)
-    for kwargs, needle in (({"mask_stats": "x"}, "unknown --mask-stats"),
-                           ({"mask_stats": "dense", "method": "sparsegpt"}, "use --mask-stats sequential")):
+    for kwargs, needle in (({"mask_stats": "x"}, "unknown statistics stage 'x'"),
+                           ({"mask_stats": "dense", "method": "sparsegpt"}, r"sparsegpt needs each block's real inputs")):
         with pytest.raises(UserError, match=needle):
-            prune(PruneConfig(**{**base, **kwargs}), progress=False)
+            prune(flat_config(**{**base, **kwargs}), progress=False)
     dense = load_model(str(tiny_dir)).model
     linears = {n: m for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n}
     tokens = calibration_windows(get_source(str(text_file)), load_model(str(tiny_dir)).tokenizer, 8, 32, 0)
@@ -236,19 +237,19 @@ def test_mask_stats_choose_dense_or_sequential_wanda_statistics(tiny_dir, text_f
     loaded = load_norms(saved)  # the groups (q/k/v, gate/up share one input) survive the round trip
     assert input_groups(loaded) == input_groups(stats) and len(input_groups(stats)) < len(stats)
     assert all(torch.equal(loaded[n].col_norm, stats[n].col_norm) for n in stats)
-    pruned = {mode: prune(PruneConfig(**base, mask_stats=mode), progress=False) for mode in ("dense", "sequential")}
+    pruned = {mode: prune(flat_config(**base, mask_stats=mode), progress=False) for mode in ("dense", "sequential")}
     assert pruned["dense"].report["perm"] is None and pruned["dense"].report["mask_stats"] == "dense"
     for name, lin in linears.items():  # dense: Wanda of the unpruned model's statistics, in every block
         assert torch.equal(pruned["dense"].model.get_submodule(name).weight, wanda(lin.weight, stats[name], Pattern(2, 4)))
     later = [n for n in linears if ".layers.0." not in n]  # sequential: later blocks see pruned inputs
     assert any(not torch.equal(pruned["sequential"].model.get_submodule(n).weight,
                                pruned["dense"].model.get_submodule(n).weight) for n in later)
-    auto = prune(PruneConfig(**base, perm="learned", recon="model", perm_block=16, perm_steps=2), progress=False)
-    seq = prune(PruneConfig(**base, perm="learned", recon="model", perm_block=16, perm_steps=2, mask_stats="sequential"),
+    auto = prune(flat_config(**base, perm="learned", recon="model", perm_block=16, perm_steps=2), progress=False)
+    seq = prune(flat_config(**base, perm="learned", recon="model", perm_block=16, perm_steps=2, mask_stats="sequential"),
                 progress=False)
     assert auto.report["mask_stats"] == "dense" and seq.report["mask_stats"] == "sequential"
     assert auto.report["perm"]["model"]["recon_after"] == seq.report["perm"]["model"]["recon_after"]  # same perms
-    searched = prune(PruneConfig(**base, perm="search", perm_block=16, mask_stats="dense"), out=tmp_path / "s",
+    searched = prune(flat_config(**base, perm="search", perm_block=16, mask_stats="dense"), out=tmp_path / "s",
                      progress=False)  # --recon block paths score their permutations with the masks' statistics
     q, k, v = (f"model.layers.2.self_attn.{x}_proj" for x in "qkv")
     expected = swap_search(torch.cat([wanda_score(linears[x].weight, stats[x]) for x in (q, k, v)]), 2, 4, 16)
@@ -256,42 +257,46 @@ def test_mask_stats_choose_dense_or_sequential_wanda_statistics(tiny_dir, text_f
 
 
 def test_kl_loss_is_zero_on_equal_logits_and_model_recon_learns_with_it(tiny_dir, text_file, tmp_path):
-    from shuffleprune.perm_learning import kl_loss
+    from shuffleprune.perm.learning import kl_loss
 
     logits = torch.randn(2, 5, 11)
     assert float(kl_loss(logits, logits)) == pytest.approx(0.0, abs=1e-6)
     assert float(kl_loss(logits, logits + 3.0)) == pytest.approx(0.0, abs=1e-6)  # a shift is the same distribution
     p, q = torch.log_softmax(logits, -1), torch.log_softmax(logits.flip(-1), -1)
     assert float(kl_loss(logits, logits.flip(-1))) == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-5)
-    cfg = PruneConfig(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
-                      eval_text=None, perm="learned", recon="model", perm_loss="kl", perm_block=16, perm_steps=4)
+    kw = dict(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+              eval_text=None, perm="learned", recon="model", perm_loss="kl", perm_block=16, perm_steps=4)
+    cfg = flat_config(**kw)
     report = prune(cfg, out=tmp_path / "kl", progress=False).report
     summary = report["perm"]["model"]
     assert report["nm_ok"] and report["perm"]["loss"] == "kl"
     assert summary["recon_before"] > 0 and summary["recon_after"] <= summary["recon_before"]
     with pytest.raises(UserError, match="--perm-loss kl needs --perm learned --recon model"):
-        prune(PruneConfig(**{**cfg.__dict__, "recon": "block"}), progress=False)
+        prune(flat_config(**{**kw, "recon": "block"}), progress=False)
 
 
 def test_perm_from_reuses_index_maps_with_another_base(tiny_dir, text_file, tmp_path):
     base = dict(model=str(tiny_dir), pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32, eval_text=None, perm_block=16)
-    prune(PruneConfig(**base, method="wanda", perm="random"), out=tmp_path / "w", progress=False)
+    prune(flat_config(**base, method="wanda", perm="random"), out=tmp_path / "w", progress=False)
     maps = load_index_maps(tmp_path / "w" / INDEX_MAPS)
+    with pytest.raises(UserError, match="--perm-block does not apply to permutation 'from'"):
+        flat_config(**base, method="sparsegpt", perm_from=str(tmp_path / "w"))
+    base.pop("perm_block")  # the maps are given: no block size to choose
     out = tmp_path / "sg"
-    report = prune(PruneConfig(**base, method="sparsegpt", perm_from=str(tmp_path / "w")), out=out, progress=False).report
+    report = prune(flat_config(**base, method="sparsegpt", perm_from=str(tmp_path / "w")), out=out, progress=False).report
     assert report["nm_ok"] and report["perm"]["from"] == str(tmp_path / "w")
     again = load_index_maps(out / INDEX_MAPS)
     assert again.keys() == maps.keys() and all(torch.equal(again[k], maps[k]) for k in maps)
     with pytest.raises(UserError, match="--perm-from replaces"):
-        prune(PruneConfig(**base, method="sparsegpt", perm="random", perm_from=str(tmp_path / "w")), progress=False)
+        prune(flat_config(**base, method="sparsegpt", perm="random", perm_from=str(tmp_path / "w")), progress=False)
     with pytest.raises(UserError, match="no index maps"):
-        prune(PruneConfig(**base, method="sparsegpt", perm_from=str(tmp_path)), progress=False)
+        prune(flat_config(**base, method="sparsegpt", perm_from=str(tmp_path)), progress=False)
 
 
 def test_holdout_windows_are_never_learned_on_and_decide_the_choice():
     """``--perm-holdout``: learning samples only the learn windows; the final choice evaluates only
     the held-out ones, and picks the candidate with the lowest held-out loss."""
-    from shuffleprune.perm_prune import PermOptions, _learn_and_choose, split_windows
+    from shuffleprune.perm.pruning import PermOptions, _learn_and_choose, split_windows
 
     learn, judge = split_windows(20, 0.25, torch.Generator().manual_seed(0))
     assert len(judge) == 5 and len(learn) == 15 and sorted(torch.cat([learn, judge]).tolist()) == list(range(20))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from shuffleprune.masks import nm_keep_mask
-from shuffleprune.perm_search import kept_score, swap_search
-from shuffleprune.permutation import random_block_perm
+from shuffleprune.perm.search import kept_score, swap_search
+from shuffleprune.perm.core import random_block_perm
 
 
 def _brute_force_best(score: torch.Tensor) -> float:
@@ -64,7 +64,7 @@ def test_search_undoes_a_secret_shuffle_of_a_two_four_layout():
 def test_row_chunking_gives_the_same_search(monkeypatch):
     """The gains are summed over rows in chunks (bounded memory on large layers): any chunk size
     must give the same permutation as one chunk."""
-    import shuffleprune.perm_search as ps
+    import shuffleprune.perm.search as ps
 
     gen = torch.Generator().manual_seed(3)
     score = torch.rand(50, 128, generator=gen) * torch.rand(1, 128, generator=gen)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shuffleprune.permutation import (PermSchedule, SoftPermutation, block_sizes, hungarian, penalty, penalty_grad, perm_to_blocks,
+from shuffleprune.perm.core import (PermSchedule, SoftPermutation, block_sizes, hungarian, penalty, penalty_grad, perm_to_blocks,
                                       permute_columns, project_doubly_stochastic, random_block_perm, sinkhorn,
                                       strength, unpermute_columns)
 

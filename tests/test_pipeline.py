@@ -9,14 +9,15 @@ from transformers import AutoModelForCausalLM
 from shuffleprune.errors import UserError
 from shuffleprune.masks import satisfies_nm
 from shuffleprune.models import load_model
-from shuffleprune.pipeline import PruneConfig, prune
+from shuffleprune.prune import prune
+from conftest import flat_config
 
 
 def config(tiny_dir, text_file, eval_file, **kw):
     base = dict(model=str(tiny_dir), calib=str(text_file), eval_text=str(eval_file), nsamples=6, seqlen=32,
                 eval_ctx=32, batch_size=4, method="wanda", pattern="2:4")
     base.update(kw)
-    return PruneConfig(**base)
+    return flat_config(**base)
 
 
 @pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
@@ -28,7 +29,8 @@ def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir,
     assert len(report["layers"]) == 3 * 7 and all(l["nm_ok"] for l in report["layers"])
     assert report["sparsity"] == pytest.approx(0.5, abs=1e-3)
     assert report["ppl"]["dense"] > 1 and report["ppl"]["pruned"] > 1
-    assert report["calib"] == {"source": str(text_file), "nsamples": 6, "seqlen": 32, "seed": 0}
+    assert report["calib"] == {"source": str(text_file), "nsamples": 6, "seqlen": 32, "seed": 0, "documents": 112,
+                               "tokens": 6000, "split_from_shared_file": False}  # the whole file: used as given
     assert {"calibration", "prune", "eval"} <= set(report["seconds"]) and report["peak_rss_mb"] > 0
     assert not (out / ".resume").exists() and not (out / ".staging").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from shuffleprune.models import embedded_gguf, load_model
-from shuffleprune.pipeline import PruneConfig, prune
+from shuffleprune.prune import prune
+from conftest import flat_config
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ def test_converted_gguf_generates_sensible_text(smollm):
 
 
 def test_prune_real_model_offline(smollm, tmp_path):
-    cfg = PruneConfig(method="wanda", pattern="2:4", calib="wiki", nsamples=4, seqlen=128, eval_text="brown",
+    cfg = flat_config(method="wanda", pattern="2:4", calib="wiki", nsamples=4, seqlen=128, eval_text="brown",
                       eval_tokens=4096, eval_ctx=512)
     out = tmp_path / "smol-wanda"
     prune(cfg, out=out, progress=False, loaded=smollm)
@@ -38,4 +39,13 @@ def test_prune_real_model_offline(smollm, tmp_path):
     dense, pruned = report["ppl"]["dense"], report["ppl"]["pruned"]
     assert 5 < dense < 100  # a real pretrained model on real English text
     assert dense < pruned < 50 * dense
-    assert report["eval"] == {"text": "brown", "split": "test", "ctx": 512, "tokens": 4096}
+    ev = report["eval"]
+    assert (ev["text"], ev["ctx"], ev["tokens"], ev["tokens_scored"]) == ("brown", 512, 4096, 8 * 511)
+    assert ev["tokens_available"] > 4096 and report["bos"] is False  # SmolLM2's tokenizer adds no BOS
+    # a GGUF is computed in float32 but its pruned copy is saved in bfloat16, not 4 bytes a weight
+    from safetensors import safe_open
+
+    assert report["saved_dtype"] == "torch.bfloat16"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight").get_dtype() == "BF16"
+    assert (out / "README.md").is_file() and (out / "recipe.yaml").is_file()

@@ -70,9 +70,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from .errors import UserError
-from .masks import nm_keep_mask, parse_pattern
-from .permutation import (PermSchedule, SoftPermutation, penalty_grad, project_doubly_stochastic, strength,
+from shuffleprune.errors import UserError
+from shuffleprune.masks import nm_keep_mask, parse_pattern
+from shuffleprune.perm.core import (PermSchedule, SoftPermutation, penalty_grad, project_doubly_stochastic, strength,
                           unpermute_columns)
 
 METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag", "nm")

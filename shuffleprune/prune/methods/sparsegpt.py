@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import Pattern
-from ..stats import InputStats
+from shuffleprune.masks import Pattern
+from shuffleprune.runtime import one_cpu_thread
+from shuffleprune.prune.input_stats import InputStats
 
 
 def _upper_cholesky_of_inverse(hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    with one_cpu_thread(hessian.device):  # the same factor whatever the thread count
+        return _factor(hessian, damp)
+
+
+def _factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     h = hessian.clone()
     h.diagonal().add_(damp * h.diagonal().mean())
     for _ in range(5):  # add more damping if H is numerically not positive definite

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .dst import DSTConfig, DynamicSparsifier, _out_in, diagonal_offsets
-from .errors import UserError
+from shuffleprune.dst.sparsifier import DSTConfig, DynamicSparsifier, _out_in, diagonal_offsets
+from shuffleprune.errors import UserError
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "dst_report.json"
@@ -55,7 +55,7 @@ def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
     on the training split (deterministic); otherwise a tokenizer dir or hub id."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from .models import is_embedded, resolve_model_path
+    from shuffleprune.models import is_embedded, resolve_model_path
 
     if spec.startswith("bpe:"):
         from tokenizers import ByteLevelBPETokenizer
@@ -66,7 +66,7 @@ def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
             raise UserError(f"--tokenizer {spec}: use bpe:VOCAB_SIZE, e.g. bpe:8192") from None
         import hashlib
 
-        from .cache import cache_dir
+        from shuffleprune.cache import cache_dir
 
         key = hashlib.sha256(f"{source_name}|{len(train_docs)}|{sum(map(len, train_docs))}|{vocab}".encode()).hexdigest()[:16]
         cached = cache_dir() / "bpe" / key
@@ -161,10 +161,10 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
-    from .calib import get_source
-    from .calib.sources import _encode
-    from .perplexity import perplexity
-    from .runtime import peak_rss_mb, versions
+    from shuffleprune.calib import get_source
+    from shuffleprune.calib.sources import _encode
+    from shuffleprune.evaluation.perplexity import perplexity
+    from shuffleprune.runtime import peak_rss_mb, versions
 
     out = Path(out)
     ckpt = out / CHECKPOINT
@@ -287,8 +287,8 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         tokenizer.save_pretrained(out / "model")
         hard = {n: p.hard for n, p in sparsifier.perms.items() if p.hard is not None}
         if hard:  # the weights act on x[perm]: the same layout as a `prune --perm` checkpoint
-            from .models import INDEX_MAPS
-            from .permuted_linear import save_index_maps
+            from shuffleprune.perm.linear import INDEX_MAPS
+            from shuffleprune.perm.linear import save_index_maps
 
             save_index_maps(hard, out / "model" / INDEX_MAPS)
         (out / REPORT).write_text(json.dumps(report, indent=1))

@@ -9,18 +9,16 @@ from typing import Callable
 
 import torch
 
-from ..errors import UserError
-from ..masks import Pattern
-from ..stats import InputStats
-from .magnitude import magnitude
-from .sparsegpt import sparsegpt
-from .wanda import wanda, wanda_score
+from shuffleprune.errors import UserError
+from shuffleprune.masks import Pattern
+from shuffleprune.prune.input_stats import InputStats
+from shuffleprune.prune.methods.magnitude import magnitude
+from shuffleprune.prune.methods.sparsegpt import sparsegpt
+from shuffleprune.prune.methods.wanda import wanda, wanda_score
 
 PruneFn = Callable[[torch.Tensor, InputStats, Pattern], torch.Tensor]
 
 METHODS: dict[str, PruneFn] = {"magnitude": magnitude, "wanda": wanda, "sparsegpt": sparsegpt}
-NEEDS_STATS = {"wanda", "sparsegpt"}
-NEEDS_GRAM = {"sparsegpt"}
 
 
 def get_method(name: str) -> PruneFn:
@@ -29,4 +27,4 @@ def get_method(name: str) -> PruneFn:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "NEEDS_STATS", "NEEDS_GRAM", "get_method", "magnitude", "wanda", "wanda_score", "sparsegpt"]
+__all__ = ["METHODS", "PruneFn", "get_method", "magnitude", "wanda", "wanda_score", "sparsegpt"]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import Pattern, keep_mask
-from ..stats import InputStats
+from shuffleprune.masks import Pattern, keep_mask
+from shuffleprune.prune.input_stats import InputStats
 
 
 def magnitude(weight: torch.Tensor, stats: InputStats | None, pattern: Pattern) -> torch.Tensor:

@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from .errors import UserError
-from .masks import satisfies_nm
+from shuffleprune.errors import UserError
+from shuffleprune.masks import satisfies_nm
 
 
 def meta_bits(m: int) -> int:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .sparse_format import decompress, meta_bits
+from shuffleprune.deploy.format import decompress, meta_bits
 
 IMPLS = ("triton", "semi_structured", "semi_cutlass", "dense")
 
@@ -96,7 +96,7 @@ class SparseLinear(nn.Module):
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
         if impl == "triton":
-            from .kernels.nm_matmul import nm_gather_matmul
+            from shuffleprune.kernels.nm_matmul import nm_gather_matmul
 
             return nm_gather_matmul(x, self.values, self.meta, self.n, self.m, self.bits, self.perm, self.bias)
         if impl in ("semi_structured", "semi_cutlass"):
@@ -112,7 +112,7 @@ class SparseLinear(nn.Module):
         return F.linear(self._gathered(x), self.dense_permuted(), self.bias)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
-        from .kernels.nm_matmul import available
+        from shuffleprune.kernels.nm_matmul import available
 
         out = ["dense"]
         if available() and x.is_cuda:

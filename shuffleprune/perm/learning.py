@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from .masks import nm_keep_mask
-from .permutation import (BlockList, PermSchedule, SoftPermutation, in_permuted_columns, permute_columns,
+from shuffleprune.masks import nm_keep_mask
+from shuffleprune.perm.core import (BlockList, PermSchedule, SoftPermutation, in_permuted_columns, permute_columns,
                           unpermute_columns)
 
 

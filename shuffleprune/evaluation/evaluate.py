@@ -24,16 +24,17 @@ from typing import Callable
 
 import torch
 
-from . import __version__
-from .blocks import block_linears, find_blocks
-from .calib import eval_tokens, get_source
-from .calib.sources import HUB_SOURCES
-from .errors import UserError
-from .hub import hub_reachable
-from .models import INDEX_MAPS, LoadedModel, is_embedded, load_model, upcast_for_cpu
-from .offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
-from .perplexity import perplexity
-from .runtime import machine, peak_rss_mb, pick_device, versions
+from shuffleprune.version import __version__
+from shuffleprune.blocks import block_linears, find_blocks
+from shuffleprune.calib import bos_token, eval_tokens, get_source
+from shuffleprune.calib.sources import HUB_SOURCES
+from shuffleprune.errors import UserError
+from shuffleprune.hub import hub_reachable
+from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
+from shuffleprune.perm.linear import INDEX_MAPS
+from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
+from shuffleprune.evaluation.perplexity import perplexity
+from shuffleprune.runtime import machine, peak_rss_mb, pick_device, versions
 
 PPL = "ppl"
 DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "openbookqa", PPL)
@@ -218,7 +219,7 @@ def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, 
     """The ``lm_eval`` command that scores the same model on the same tasks (None when lm-eval's
     CLI cannot express it: it takes a single ``--include_path``, and its ``hf`` loader neither
     applies a ``--perm`` checkpoint's index maps nor reads an exported compressed checkpoint)."""
-    from .export import is_exported
+    from shuffleprune.deploy.load import is_exported
 
     if len(plan.include_path) > 1 or (Path(path) / INDEX_MAPS).is_file() or is_exported(path):
         return None
@@ -277,9 +278,10 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
             t0 = time.time()
             tokens = eval_tokens(ppl_source, lm.tokenizer, config.ppl_tokens)
             ctx = min(config.ppl_ctx, getattr(model.config, "max_position_embeddings", None) or config.ppl_ctx)
-            row["ppl"] = perplexity(model, tokens, ctx, device, batch_size=1, progress=progress)
-            row["ppl_eval"] = {"text": ppl_name, "split": "test", "ctx": ctx,
-                               "tokens": (tokens.numel() // ctx) * ctx}
+            bos = bos_token(lm.tokenizer)  # windows start with BOS where the tokenizer adds one
+            row["ppl"] = perplexity(model, tokens, ctx, device, batch_size=1, progress=progress, bos=bos)
+            row["ppl_eval"] = {"text": ppl_name, "split": "test", "ctx": ctx, "bos": bos is not None,
+                               "tokens": (tokens.numel() // (ctx - (bos is not None))) * (ctx - (bos is not None))}
             row["seconds"]["ppl"] = round(time.time() - t0, 2)
         if plan.lm_tasks:
             t0 = time.time()
@@ -317,7 +319,7 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
 
 def write_results(results: dict, out: Path) -> None:
     """Write ``out`` (JSON) and ``out`` with ``.md`` (the table), each atomically."""
-    from .report import eval_markdown
+    from shuffleprune.report import eval_markdown
 
     out.parent.mkdir(parents=True, exist_ok=True)
     for path, text in ((out, json.dumps(results, indent=2)), (out.with_suffix(".md"), eval_markdown(results))):

@@ -1,0 +1,172 @@
+"""What a pruning run leaves behind: ``prune_report.json``, the HF checkpoint (permuted linears in
+N:M memory order plus their index maps), ``recipe.yaml`` and a ``README.md`` model card."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from shuffleprune.version import __version__
+from shuffleprune.masks import Pattern
+from shuffleprune.models import LoadedModel, is_embedded
+from shuffleprune.perm.linear import INDEX_MAPS, permuted_state_dict, save_index_maps
+from shuffleprune.prune.config import PruneConfig
+from shuffleprune.runtime import cpu_facts, peak_rss_mb, versions
+
+REPORT_NAME = "prune_report.json"
+RECIPE_NAME = "recipe.yaml"
+CARD_NAME = "README.md"
+
+
+def _overall_sparsity(layers: list[dict]) -> float:
+    total = sum(l["shape"][0] * l["shape"][1] for l in layers)
+    zeros = sum(l["sparsity"] * l["shape"][0] * l["shape"][1] for l in layers)
+    return round(zeros / total, 6) if total else 0.0
+
+
+def build_report(config: PruneConfig, lm: LoadedModel, state: dict, pattern: Pattern, perms: dict,
+                 device: torch.device, compute_dtype: str, save_dtype: str, resumed: bool, seconds: float) -> dict:
+    """The run's ``prune_report.json`` contents."""
+    texts = state["texts"]
+    perm_stage = next((s for s in config.stages if "permutation" in s), None)
+    perm = None
+    if perm_stage is not None:
+        name = perm_stage["permutation"]
+        options = {k: v for k, v in perm_stage.items() if k != "permutation"}
+        perm = {"perm": "none" if name == "from" else name, **options,
+                "from": options.get("path") if name == "from" else None, "blocks": state["perm_blocks"],
+                "model": state.get("perm_model"), "index_maps": INDEX_MAPS if perms else None}
+    stats = config.stage_name("statistics")
+    return {
+        "tool": "shuffleprune", "version": __version__,
+        "model": lm.source, "model_path": lm.path, "recipe": config.effective_recipe(),
+        "stages": config.stage_labels(),
+        "method": config.method, "pattern": str(pattern), "target_sparsity": pattern.sparsity,
+        "calib": {"source": config.calib, "nsamples": config.nsamples, "seqlen": state["seqlen"], "seed": config.seed,
+                  "documents": texts["calib"]["documents"], "tokens": texts["calib"]["tokens"],
+                  "split_from_shared_file": texts["shared_file_split"]},
+        "eval": {"text": texts["eval_text"], "split": "test", "ctx": state["eval_ctx"], "tokens": state["eval_tokens"],
+                 **({"documents": texts["eval"]["documents"], "tokens_available": texts["eval"]["tokens_available"],
+                     "tokens_scored": texts["eval"]["tokens_scored"]} if texts["eval"] else {})},
+        "bos": texts["bos"],
+        "ppl": {"dense": state["dense_ppl"], "pruned": state["pruned_ppl"]},
+        "sparsity": _overall_sparsity(state["layers"]),
+        "nm_ok": all(l["nm_ok"] for l in state["layers"]) if pattern.is_nm else None,
+        "layers": state["layers"],
+        "perm": perm,
+        "mask_stats": stats if config.method != "magnitude" else None,
+        "seconds": {"calibration": round(state["calib_seconds"], 2), "prune": round(state["prune_seconds"], 2),
+                    "eval": round(state["eval_seconds"], 2), "this_process": round(seconds, 2)},
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device.type == "cuda" else None,
+        "device": str(device), "compute_dtype": compute_dtype, "saved_dtype": save_dtype, "machine": cpu_facts(),
+        "resumed": resumed, "command": " ".join(sys.argv),
+        "versions": versions(),
+        "config": asdict(config),
+    }
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """``OSError(ENOSPC)``, or safetensors' wrapped form of it (not an ``OSError``)."""
+    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc)
+
+
+def write_checkpoint(out: Path, model, tokenizer, report: dict, perms: dict[str, torch.Tensor],
+                     config: PruneConfig) -> None:
+    """Write into ``out/.staging``, then move the files into ``out`` (a failed write leaves none)."""
+    from shuffleprune.errors import UserError
+
+    staging = out / ".staging"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        # weights of permuted linears go in permuted column order: exactly N:M as stored
+        model.save_pretrained(staging, state_dict=permuted_state_dict(model, perms) if perms else None)
+        tokenizer.save_pretrained(staging)
+        (staging / REPORT_NAME).write_text(json.dumps(report, indent=2))
+        (staging / RECIPE_NAME).write_text(config.to_yaml())
+        (staging / CARD_NAME).write_text(model_card(report))
+        if perms:
+            save_index_maps(perms, staging / INDEX_MAPS)
+    except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if _disk_full(exc):
+            need = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**30
+            raise UserError(f"no space left on the device of '{out}' for the checkpoint (~{need:.1f} GiB): free "
+                            "space or pick another --out; rerun the same command with --resume to write it "
+                            "without pruning again") from exc
+        raise
+    for item in staging.iterdir():
+        os.replace(item, out / item.name)
+    staging.rmdir()
+
+
+def _ppl(x: float | None) -> str:
+    return "not measured" if x is None else f"{x:.2f}"
+
+
+def model_card(report: dict) -> str:
+    """A hub-style ``README.md`` for the pruned checkpoint."""
+    base = report["model"]
+    base_line = "the embedded SmolLM2-135M-Instruct (GGUF)" if is_embedded(base) or base.startswith("embedded:") else f"`{base}`"
+    calib, ev, recipe = report["calib"], report["eval"], report["recipe"]
+    stages = "\n".join(f"  - {s}" for s in report["stages"])
+    perm_note = ("Permuted linears store their weight as `W[:, perm]` (exactly N:M in memory order) next to "
+                 "`index_maps.safetensors`; a plain `AutoModelForCausalLM.from_pretrained` ignores the maps and so "
+                 "computes a *different* model — load it with shuffleprune, or export it.\n"
+                 if report["perm"] and report["perm"].get("index_maps") else "")
+    eval_line = (f"{ev['text']} (test split, {ev.get('tokens_scored', ev['tokens'])} tokens scored in windows of "
+                 f"{ev['ctx']}{', each starting with BOS' if report['bos'] else ''})" if ev["text"] else "not measured")
+    tags = ["shuffleprune", "pruned", "sparse", f"sparsity-{report['pattern']}"]
+    return f"""---
+base_model: {base if not base.startswith('embedded:') else 'HuggingFaceTB/SmolLM2-135M-Instruct'}
+library_name: transformers
+tags:
+{chr(10).join('- ' + t for t in tags)}
+---
+
+# {Path(str(base)).name} · {report['pattern']} ({recipe['recipe']})
+
+Pruned from {base_line} to **{report['pattern']}** sparsity ({report['sparsity']:.2%} of the pruned layers' weights
+are zero) with [shuffleprune](https://pypi.org/project/shuffleprune/) {report['version']}.
+
+| | perplexity |
+|---|---|
+| dense | {_ppl(report['ppl']['dense'])} |
+| pruned | {_ppl(report['ppl']['pruned'])} |
+
+Perplexity text: {eval_line}.
+
+## How it was made
+
+- Recipe `{recipe['recipe']}` (all settings in `recipe.yaml`), stages:
+{stages}
+- Calibration: {calib['source']}, {calib['nsamples']} windows of {calib['seqlen']} tokens, seed {calib['seed']}
+  ({calib['documents']} documents{'' if calib['tokens'] is None else f", {calib['tokens']} tokens"}).
+- N:M holds in memory order for every pruned layer: {report['nm_ok']}.
+- Saved in {report['saved_dtype'].replace('torch.', '')}; computed in {report['compute_dtype'].replace('torch.', '')} on {report['device']}.
+
+Repeat the run: `shuffleprune prune {base if not base.startswith('embedded:') else ''} --recipe recipe.yaml --out OUT`.
+
+## Load it
+
+```python
+import shuffleprune
+model = shuffleprune.load("PATH")             # index maps applied: the pruned model exactly
+```
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("PATH")   # weights only (see the note below)
+```
+
+{perm_note}For a compressed, deployable copy: `shuffleprune export PATH DEPLOYED`, then
+`AutoModelForCausalLM.from_pretrained("DEPLOYED", trust_remote_code=True)` or `shuffleprune.load("DEPLOYED")`.
+"""

@@ -1,0 +1,294 @@
+"""``PruneConfig``: everything that determines a pruning run, with its stage list as data.
+
+Build one with :meth:`PruneConfig.build` from a recipe (preset name or YAML file) plus explicit
+options, which override the recipe's values; the options keep the command line's names
+(``method`` = ``--base``, ``perm``, ``perm_steps``, ``mask_stats`` …) so that every flag maps to
+one stage parameter (:data:`STAGE_OPTIONS`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shuffleprune.errors import UserError
+from shuffleprune.masks import parse_pattern
+from shuffleprune.prune.recipes import (DEFAULT_RECIPE, RUN_KEYS_NOT_IN_RECIPES, StageKeyError, check_stage_entry,
+                                        dump_recipe, is_recipe_file, load_recipe)
+from shuffleprune.prune.registry import stage_class
+from shuffleprune.prune.stage import KINDS, RunSpec, Stage
+
+
+@dataclass
+class PruneConfig:
+    """A pruning run: the model, the data and evaluation settings, and the effective stage list."""
+
+    model: str | None = None
+    recipe: str = DEFAULT_RECIPE       # where the stages came from (a preset name or a file name)
+    stages: list[dict] = field(default_factory=list)   # effective recipe entries, {kind: name, param: value}
+    pattern: str | None = "2:4"
+    sparsity: float | None = None
+    calib: str = "wiki"
+    nsamples: int = 128
+    seqlen: int = 2048
+    seed: int = 0
+    only: list[str] | None = None
+    skip: list[str] | None = None
+    dtype: str = "auto"
+    eval_text: str | None = "auto"     # None: no perplexity
+    eval_ctx: int | None = None        # default: the calibration seqlen
+    eval_tokens: int | None = None     # cap on held-out tokens (default: all of them)
+    device: str = "auto"
+    batch_size: int = 8                # calibration windows per block forward
+    tf32: bool = False                 # allow TF32 matmuls on CUDA (faster permutation learning)
+
+    # -- building ---------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, recipe: str | Path | None = None, overrides: list[str] | None = None, **options: Any) -> "PruneConfig":
+        """The config of ``recipe`` (default :data:`DEFAULT_RECIPE`) with ``options`` applied on top:
+        run settings by field name, stage choices and parameters by their flag names
+        (:data:`STAGE_OPTIONS`), and ``overrides`` as ``kind=name`` / ``kind.param=value`` strings
+        (``--set``). A stage option given as ``None`` means "not given"; a run setting given as ``None`` is
+        applied (callers leave out what they do not set). The result's stages are complete: ``auto``
+        statistics resolved, every parameter filled in."""
+        base = load_recipe(recipe if recipe is not None else DEFAULT_RECIPE, check_run_setting)
+        stages = [dict(s) for s in base.pop("stages")]
+        label = base.pop("recipe", str(recipe or DEFAULT_RECIPE))
+        base.pop("about", None)
+        run = {k: v for k, v in base.items()}
+        stage_opts = {k: options.pop(k) for k in list(options) if k in STAGE_OPTIONS}
+        unknown = [k for k in options if k not in _FIELDS]
+        if unknown:
+            raise UserError(f"unknown prune option(s) {', '.join(unknown)}")
+        run.update(options)  # a run setting given as None is applied (eval_text=None: no perplexity)
+        if "sparsity" in run and run["sparsity"] is not None:
+            run["pattern"] = None
+        config = cls(recipe=label, **run)
+        explicit_perm = any(v is not None and STAGE_OPTIONS[k][0] == "permutation" for k, v in stage_opts.items()) \
+            or any(o.startswith("permutation") for o in overrides or [])
+        config.stages = _resolve(_apply(stages, stage_opts, overrides or []), config,
+                                 drop_perm=not is_recipe_file(recipe or DEFAULT_RECIPE) and not explicit_perm)
+        config.spec()  # every stage checks its parameters now, before anything is loaded
+        return config
+
+    # -- reading ----------------------------------------------------------------------------------
+    def stage_objects(self) -> list[Stage]:
+        """The stage instances, in recipe order."""
+        out = []
+        for entry in self.stages:
+            kind = next(k for k in entry if k in KINDS)
+            out.append(stage_class(kind, entry[kind])(**{k: v for k, v in entry.items() if k != kind}))
+        return out
+
+    def spec(self) -> RunSpec:
+        """The run as the stages check it (each stage's ``check`` runs here)."""
+        spec = RunSpec(pattern=parse_pattern(self.pattern, self.sparsity), stages=self.stage_objects(),
+                       nsamples=self.nsamples)
+        for stage in spec.stages:
+            stage.check(spec)
+        return spec
+
+    def stage_labels(self) -> list[str]:
+        """``kind:name`` of each stage, in order (e.g. ``statistics:sequential``)."""
+        return [f"{_kind_of(e)}:{e[_kind_of(e)]}" for e in self.stages]
+
+    def stage_name(self, kind: str) -> str | None:
+        return next((e[kind] for e in self.stages if kind in e), None)
+
+    @property
+    def method(self) -> str:
+        """The prune stage's method (``--base``)."""
+        return self.stage_name("prune")
+
+    def key(self) -> str:
+        """Fingerprint of every setting that determines the result (a ``--resume`` must match it)."""
+        fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "recipe")}
+        return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
+
+    def effective_recipe(self) -> dict[str, Any]:
+        """This run as a recipe: every setting but the model and device, then the stages."""
+        out = {"recipe": self.recipe}
+        out.update({k: v for k, v in asdict(self).items() if k not in RUN_KEYS_NOT_IN_RECIPES + ("recipe", "stages")})
+        out["stages"] = [dict(s) for s in self.stages]
+        return out
+
+    def to_yaml(self) -> str:
+        from shuffleprune.version import __version__
+
+        head = (f"# shuffleprune {__version__} recipe: repeat this run with\n"
+                f"#   shuffleprune prune MODEL --recipe recipe.yaml\n")
+        return head + dump_recipe(self.effective_recipe())
+
+
+_FIELDS = {f.name for f in dataclasses.fields(PruneConfig)} - {"stages", "recipe"}
+
+# flag name -> (stage kind, parameter); parameter None: the flag picks the stage itself
+STAGE_OPTIONS: dict[str, tuple[str, str | None]] = {
+    "method": ("prune", None), "perm": ("permutation", None), "mask_stats": ("statistics", None),
+    "perm_from": ("permutation", "path"), "recon": ("permutation", "recon"), "perm_init": ("permutation", "init"),
+    "perm_loss": ("permutation", "loss"), "relax": ("permutation", "relax"), "perm_block": ("permutation", "block"),
+    "perm_steps": ("permutation", "steps"), "perm_lr": ("permutation", "lr"),
+    "perm_lr_decay": ("permutation", "lr_decay"), "perm_lambda": ("permutation", "lambda_max"),
+    "perm_share": ("permutation", "share"), "perm_batch": ("permutation", "batch"),
+    "perm_holdout": ("permutation", "holdout"),
+}
+
+
+def check_run_setting(key: str, value: Any) -> str | None:
+    """Why ``key: value`` is not a valid run setting of a recipe file (None when it is)."""
+    if key not in _FIELDS or key in RUN_KEYS_NOT_IN_RECIPES:
+        allowed = ", ".join(sorted(_FIELDS - set(RUN_KEYS_NOT_IN_RECIPES)))
+        return f"unknown key '{key}' (a recipe has 'recipe', 'stages' and run settings: {allowed})"
+    hint = typing.get_type_hints(PruneConfig)[key]
+    allowed_types = typing.get_args(hint) or (hint,)
+    if value is None:
+        return None if type(None) in allowed_types else f"'{key}' must not be empty"
+    origin = [typing.get_origin(t) or t for t in allowed_types]
+    if bool in origin:
+        return None if isinstance(value, bool) else f"'{key}' must be true or false, got {value!r}"
+    if isinstance(value, bool):
+        return f"'{key}' must be {' or '.join(t.__name__ for t in origin if t is not type(None))}, got {value!r}"
+    if float in origin and isinstance(value, (int, float)):
+        return None
+    if list in origin:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        return None if ok else f"'{key}' must be a list of strings, got {value!r}"
+    if not any(isinstance(value, t) for t in origin if t is not type(None)):
+        return f"'{key}' must be {' or '.join(t.__name__ for t in origin if t is not type(None))}, got {value!r}"
+    return None
+
+
+def _index(stages: list[dict], kind: str) -> int | None:
+    return next((i for i, s in enumerate(stages) if kind in s), None)
+
+
+def _apply(stages: list[dict], options: dict[str, Any], overrides: list[str]) -> list[dict]:
+    """Stage choices first (``--base``, ``--perm``, ``--mask-stats``, ``--perm-from``, ``kind=name``),
+    then parameters (``--perm-steps`` …, ``kind.param=value``)."""
+    names: list[tuple[str, str, str]] = []   # (kind, name, flag)
+    params: list[tuple[str, str, Any, str]] = []   # (kind, param, value, flag)
+    for flag, value in options.items():
+        if value is None:
+            continue
+        kind, param = STAGE_OPTIONS[flag]
+        if flag == "perm_from":
+            if options.get("perm") not in (None, "none", "from"):
+                raise UserError("--perm-from replaces --perm (leave --perm out)")
+            names.append((kind, "from", "--perm-from"))
+            params.append((kind, "path", str(value), "--perm-from"))
+        elif param is None:
+            if flag == "perm" and options.get("perm_from") is not None:
+                continue
+            names.append((kind, str(value), _flag(flag)))
+        else:
+            params.append((kind, param, value, _flag(flag)))
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set expects KIND=NAME or KIND.PARAM=VALUE, got '{text}'")
+        kind, _, param = key.partition(".")
+        if kind not in KINDS:
+            raise UserError(f"--set {text}: unknown stage kind '{kind}'; use one of {', '.join(KINDS)}")
+        if param:
+            params.append((kind, param, _parse_value(raw), f"--set {text}"))
+        else:
+            names.append((kind, raw, f"--set {text}"))
+    stages = [dict(s) for s in stages]
+    for kind, name, flag in names:
+        i = _index(stages, kind)
+        if name == "none":
+            if kind in ("prune",):
+                raise UserError(f"{flag}: a recipe needs a prune stage")
+            if i is not None:
+                stages.pop(i)
+            continue
+        if i is None:
+            stages.insert(sum(1 for s in stages if KINDS.index(_kind_of(s)) < KINDS.index(kind)), {kind: name})
+            continue
+        old_kind_entry = stages[i]
+        if old_kind_entry[kind] == name:
+            continue
+        new = {kind: name}
+        cls = None if (kind == "statistics" and name == "auto") else _stage_or_error(kind, name, flag)
+        accepted = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+        new.update({k: v for k, v in old_kind_entry.items() if k != kind and k in accepted})
+        stages[i] = new
+    for kind, param, value, flag in params:
+        i = _index(stages, kind)
+        if i is None:
+            raise UserError(f"{flag}: this recipe has no {kind} stage (pick one first, e.g. --perm learned)")
+        entry = stages[i]
+        trial = dict(entry, **{param: value})
+        try:
+            check_stage_entry(trial)
+        except StageKeyError as exc:
+            if exc.key == param and "unknown parameter" in str(exc):
+                raise UserError(f"{flag} does not apply to {kind} '{entry[kind]}'") from exc
+            raise UserError(f"{flag}: {exc}") from exc
+        stages[i] = trial
+    return stages
+
+
+def _stage_or_error(kind: str, name: str, flag: str) -> type[Stage]:
+    try:
+        return stage_class(kind, name)
+    except UserError as exc:
+        raise UserError(f"{flag}: {exc}") from exc
+
+
+def _kind_of(entry: dict) -> str:
+    return next(k for k in entry if k in KINDS)
+
+
+def _parse_value(raw: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _resolve(stages: list[dict], config: PruneConfig, drop_perm: bool) -> list[dict]:
+    """Order and check the stage list, resolve ``statistics: auto``, drop a preset's permutation for
+    an unstructured pattern (``drop_perm``: nobody asked for it), and fill in every stage's parameters."""
+    for entry in stages:
+        check_stage_entry(entry)
+    kinds = [_kind_of(s) for s in stages]
+    if kinds.count("prune") != 1:
+        raise UserError("a recipe needs exactly one prune stage (e.g. '- prune: wanda')")
+    for kind in ("statistics", "permutation"):
+        if kinds.count(kind) > 1:
+            raise UserError(f"a recipe has at most one {kind} stage")
+    if kinds != sorted(kinds, key=KINDS.index):
+        raise UserError(f"recipe stages must run in the order {' → '.join(KINDS)}; got {' → '.join(kinds)}")
+    if "statistics" not in kinds:
+        stages.insert(0, {"statistics": "auto"})
+    pattern = parse_pattern(config.pattern, config.sparsity)
+    perm_i = _index(stages, "permutation")
+    if perm_i is not None and not pattern.is_nm and drop_perm:
+        stages.pop(perm_i)  # a preset's permutation has no meaning for unstructured masks
+    stats_i = _index(stages, "statistics")
+    if stages[stats_i]["statistics"] == "auto":
+        stages[stats_i] = {"statistics": _auto_statistics(stages)}
+    return [stage_class(_kind_of(s), s[_kind_of(s)])(**{k: v for k, v in s.items() if k != _kind_of(s)}).as_recipe()
+            for s in stages]
+
+
+def _auto_statistics(stages: list[dict]) -> str:
+    """``dense`` exactly when permutations are learned against the whole model (under the dense
+    model's statistics) and the masks read input norms alone (Wanda); else ``sequential``."""
+    perm = next((s for s in stages if "permutation" in s), None)
+    prune = next(s for s in stages if "prune" in s)
+    needs = stage_class("prune", prune["prune"])().needs()
+    learned_on_model = perm is not None and perm["permutation"] == "learned" and perm.get("recon", "block") == "model"
+    return "dense" if learned_on_model and needs == {"norms"} else "sequential"
+
+
+def _flag(option: str) -> str:
+    """The command-line flag of an option name (``method`` is ``--base``)."""
+    return "--base" if option == "method" else "--" + option.replace("_", "-")

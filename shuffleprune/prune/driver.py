@@ -1,0 +1,263 @@
+"""The block walk: sequential, block-wise one-shot pruning with error propagation and resume.
+
+The driver knows nothing about methods. It captures block 0's inputs, lets every stage prepare
+(model-level passes), then for each decoder block runs the recipe's stages in order, propagates
+the pruned block's outputs to the next block and checkpoints (``--resume`` continues
+bit-identically). Only the current block sits on the compute device.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks
+from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
+from shuffleprune.deploy.sparse_linear import SparseLinear
+from shuffleprune.errors import UserError
+from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
+from shuffleprune.masks import parse_pattern, satisfies_nm, sparsity_of
+from shuffleprune.models import LoadedModel, load_model, upcast_for_cpu
+from shuffleprune.perm.core import strength
+from shuffleprune.perm.linear import PermutedLinear, load_index_maps, save_index_maps
+from shuffleprune.prune.atomic import atomic_json, atomic_save
+from shuffleprune.prune.checkpoint import build_report, write_checkpoint
+from shuffleprune.prune.config import PruneConfig
+from shuffleprune.prune.stage import BlockWork, Run
+from shuffleprune.runtime import pick_device, tf32_matmuls
+
+RESUME_DIR = ".resume"
+
+
+@dataclass
+class PruneResult:
+    report: dict
+    model: torch.nn.Module = field(repr=False)
+    tokenizer: object = field(repr=False)
+
+
+def resumable(out: Path | str | None) -> bool:
+    """Whether ``out`` holds the state of an interrupted run that ``--resume`` can continue."""
+    return out is not None and (Path(out) / RESUME_DIR / "state.json").is_file()
+
+
+def _prepare_out(out: Path | None, resume: bool, overwrite: bool) -> dict | None:
+    """Validate ``--out``; return the saved resume state when resuming."""
+    if out is None:
+        if resume:
+            raise UserError("--resume needs --out DIR (where the interrupted run checkpointed)")
+        return None
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out '{out}' is a file, not a directory; give a directory path")
+    state_file = out / RESUME_DIR / "state.json"
+    if resume:
+        if not state_file.is_file():
+            raise UserError(f"nothing to resume in '{out}': no {RESUME_DIR}/state.json (run without --resume)")
+        return json.loads(state_file.read_text())
+    if out.exists() and any(out.iterdir()):
+        leftover = [p.name for p in out.iterdir()] == [RESUME_DIR] and not state_file.is_file()
+        if not overwrite and not leftover:  # a run stopped before its first checkpoint left nothing to keep
+            hint = "--resume to continue it, or " if state_file.is_file() else ""
+            raise UserError(f"output dir '{out}' is not empty; use {hint}--overwrite, or another --out")
+        shutil.rmtree(out)
+    return None
+
+
+def _texts(config: PruneConfig, tokenizer, seqlen: int) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """Calibration windows, held-out tokens, and what was used of each text (documents, tokens, BOS)."""
+    eval_name = None if config.eval_text is None else (
+        default_eval_source(config.calib) if config.eval_text == "auto" else config.eval_text)
+    shared = same_text(config.calib, eval_name)
+    bos = bos_token(tokenizer)
+    calib_info: dict = {}
+    tokens = calibration_windows(get_source(config.calib, shared), tokenizer, config.nsamples, seqlen, config.seed,
+                                 bos=bos, info=calib_info)
+    eval_info: dict = {}
+    held_out = eval_tokens(get_source(eval_name, shared), tokenizer, config.eval_tokens, eval_info) if eval_name else None
+    info = {"eval_text": eval_name, "shared_file_split": shared, "bos": bos is not None,
+            "calib": {"documents": calib_info["documents"], "tokens": calib_info["tokens"]},
+            "eval": None if held_out is None else {**eval_info, "tokens_read": int(held_out.numel())}}
+    return tokens, held_out, info
+
+
+def _check_sources(config: PruneConfig) -> None:
+    """Fail on an unknown or missing text before the model is loaded."""
+    get_source(config.calib)
+    if config.eval_text not in (None, "auto"):
+        get_source(config.eval_text)
+
+
+def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = False, overwrite: bool = False,
+          progress: bool = True, on_block_done: Callable[[int], None] | None = None,
+          loaded: LoadedModel | None = None) -> PruneResult:
+    """Prune ``config.model`` with ``config.stages`` and (with ``out``) write an HF checkpoint,
+    ``prune_report.json``, ``recipe.yaml`` and a ``README.md`` model card.
+
+    ``on_block_done(i)`` is called after block ``i`` is pruned and checkpointed (tests use it to
+    simulate a crash). ``loaded`` lets a Python caller pass an already-loaded model. With
+    ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run (restored afterwards).
+    """
+    device = pick_device(config.device)
+    with tf32_matmuls(device, config.tf32):
+        return _walk(config, device, Path(out) if out is not None else None, resume, overwrite, progress,
+                     on_block_done, loaded)
+
+
+def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: bool, overwrite: bool,
+          progress: bool, on_block_done: Callable[[int], None] | None, loaded: LoadedModel | None) -> PruneResult:
+    t_start = time.time()
+    spec = config.spec()
+    pattern = spec.pattern
+    _check_sources(config)
+    state = _prepare_out(out, resume, overwrite)
+    if state is not None and state["config_key"] != config.key():
+        raise UserError("--resume with different settings than the interrupted run; repeat its exact options")
+
+    lm = loaded or load_model(config.model, config.dtype)
+    model, tokenizer = lm.model, lm.tokenizer
+    save_dtype = lm.save_dtype or model.dtype
+    upcast_for_cpu(model, config.dtype, device)  # the checkpoint keeps save_dtype
+    if any(isinstance(m, (PermutedLinear, SparseLinear)) for m in model.modules()):
+        raise UserError("this model is a --perm or exported checkpoint (index maps / compressed layers); "
+                        "prune its dense original instead")
+    blocks = find_blocks(model)
+    linears = []
+    for i, block in enumerate(blocks.layers):
+        found = block_linears(block, f"{blocks.name}.{i}", config.only, config.skip)
+        for name, lin in found.items():
+            pattern.check_width(name, lin.in_features)
+        linears.append(found)
+    if not any(linears):
+        raise UserError("no linear layers selected; check --only / --skip")
+    max_pos = getattr(model.config, "max_position_embeddings", None) or config.seqlen
+    seqlen = min(config.seqlen, max_pos)
+    ctx = min(config.eval_ctx or seqlen, max_pos)
+
+    work = out / RESUME_DIR if out is not None else None
+    if state is None:
+        t0 = time.time()
+        tokens, held_out, texts = _texts(config, tokenizer, seqlen)
+        calib_seconds = time.time() - t0
+        if work is not None:  # created only once all inputs are known to be good
+            work.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        bos = tokenizer.bos_token_id if texts["bos"] else None
+        dense_ppl = perplexity(model.to(device), held_out, ctx, device, progress=progress, bos=bos) \
+            if held_out is not None else None
+        model.to("cpu")
+        if held_out is not None:
+            texts["eval"]["tokens_scored"] = scored_tokens(held_out.numel(), ctx, bos)
+        state = {"config_key": config.key(), "config": asdict(config), "next_block": 0, "layers": [],
+                 "dense_ppl": dense_ppl, "calib_seconds": calib_seconds, "eval_seconds": time.time() - t0,
+                 "prune_seconds": 0.0, "seqlen": seqlen, "eval_ctx": ctx, "perm_blocks": [], "texts": texts,
+                 "eval_tokens": None if held_out is None else int(held_out.numel())}
+        if work is not None:
+            atomic_save({"tokens": tokens, "held_out": held_out}, work / "data.pt")
+    else:
+        data = torch.load(work / "data.pt")
+        tokens, held_out = data["tokens"], data["held_out"]
+        for i in range(state["next_block"]):
+            blocks.layers[i].load_state_dict(load_file(str(work / f"block_{i}.safetensors")))
+
+    run = Run(model=model, blocks=blocks, linears=linears, tokens=tokens, pattern=pattern, spec=spec, device=device,
+              batch_size=config.batch_size, seed=config.seed, work=work, progress=progress)
+    t0 = time.time()
+    start = state["next_block"]
+    if start == 0:
+        run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
+        hidden = run.captured.hidden
+    else:  # the blocks' keyword arguments are recomputed; their inputs come from the checkpoint
+        run.captured = capture_block_inputs(model, blocks, tokens[:1], device, 1)
+        # every block done (only the checkpoint was left to write): no block input is needed
+        hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
+    run.captured.hidden = None
+    state["calib_seconds"] += time.time() - t0
+
+    for stage in spec.stages:  # model-level passes (on resume: reloading what they saved)
+        stage.prepare(run)
+    state["prune_seconds"] += run.notes.pop("prepare_seconds", 0.0)
+    state.update({k: v for k, v in run.notes.items()})
+    if work is not None and start == 0:
+        atomic_json(state, work / "state.json")  # from here on, an interrupted run can --resume
+
+    all_perms: dict[str, torch.Tensor] = {}
+    if work is not None:
+        for j in range(start):
+            if (work / f"perms_{j}.safetensors").is_file():
+                all_perms.update(load_index_maps(work / f"perms_{j}.safetensors"))
+    bar = tqdm(range(start, len(blocks)), desc=f"{config.recipe}: {' → '.join(s.name for s in spec.stages)} {pattern}",
+               disable=not progress, initial=start, total=len(blocks))
+    run.status = bar.set_postfix_str if progress else run.status
+    for i in bar:
+        t0 = time.time()
+        block = blocks.layers[i].to(device)
+        work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=linears[i], hidden=hidden)
+        for stage in spec.stages:
+            stage.apply(run, work_i)
+        state["layers"].extend(_layer_entries(work_i, pattern))
+        if work_i.perm_info is not None:
+            state["perm_blocks"].append({"block": i, "perms": work_i.perm_info["perms"], **work_i.perm_info["summary"]})
+        hidden = work_i.outputs(run)
+        perms = work_i.perms
+        del work_i
+        blocks.layers[i] = block.to("cpu")
+        state["prune_seconds"] += time.time() - t0
+        state["next_block"] = i + 1
+        all_perms.update(perms)
+        if work is not None:
+            save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(work / f"block_{i}.safetensors"))
+            if perms:
+                save_index_maps(perms, work / f"perms_{i}.safetensors")
+            if i + 1 < len(blocks):
+                atomic_save(hidden.cpu(), work / f"hidden_{i + 1}.pt")
+            atomic_json(state, work / "state.json")
+            stale = work / f"hidden_{i}.pt"
+            if stale.exists():
+                stale.unlink()
+        if on_block_done is not None:
+            on_block_done(i)
+    del hidden
+
+    if "pruned_ppl" not in state:  # a resumed run that only had its checkpoint left to write skips this
+        t0 = time.time()
+        bos = tokenizer.bos_token_id if state["texts"]["bos"] else None
+        state["pruned_ppl"] = (perplexity(model.to(device), held_out, ctx, device, progress=progress, bos=bos)
+                               if held_out is not None else None)
+        model.to("cpu")
+        state["eval_seconds"] += time.time() - t0
+        if work is not None:
+            atomic_json(state, work / "state.json")
+    compute_dtype = str(next(model.parameters()).dtype)
+    model.to(save_dtype)
+    report = build_report(config, lm, state, pattern, all_perms, device, compute_dtype, str(save_dtype),
+                          resume, time.time() - t_start)
+    if out is not None:
+        write_checkpoint(out, model, tokenizer, report, all_perms, config)
+        shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
+    return PruneResult(report=report, model=model, tokenizer=tokenizer)
+
+
+def _layer_entries(work: BlockWork, pattern) -> list[dict]:
+    """Report rows of the block's linears: shape, sparsity, N:M in memory order, who shares an input."""
+    rows = []
+    group_of = {name: group for group in work.groups for name in group}
+    for group in work.groups:
+        for name in group:
+            w = work.linears[name].weight.data
+            perm = work.perms.get(name)
+            in_memory = w if perm is None else w[:, perm.to(w.device)]  # the order an N:M kernel stores
+            entry = {"name": name, "shape": list(w.shape),
+                     "shares_input_with": [n for n in group_of[name] if n != name],
+                     "sparsity": round(sparsity_of(w), 6),
+                     "nm_ok": satisfies_nm(in_memory, pattern.n, pattern.m) if pattern.is_nm else None}
+            if perm is not None:
+                entry["perm_strength"] = round(strength(perm), 4)
+            rows.append(entry)
+    return rows

@@ -1,0 +1,127 @@
+"""The stage contract of the block walk, and the registry that recipes name stages from.
+
+A stage does one job. The driver calls, for every stage of a recipe in order:
+
+- ``check(spec)`` once, before anything is loaded (bad parameters fail fast);
+- ``prepare(run)`` once, before the first block (model-level passes: dense statistics, learning
+  every permutation jointly, reading maps of an earlier run);
+- ``apply(run, work)`` for every decoder block, in recipe order.
+
+Stage kinds run in this order: ``statistics`` (what the layers' inputs look like), ``permutation``
+(the input-channel index maps), ``prune`` (mask and weight update), ``update`` (weight updates after
+the mask). A stage is a dataclass whose fields are its recipe parameters; registering it with
+:func:`register` makes it available to recipes (``{kind: name, param: value, …}``) without any
+edit to the driver.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from shuffleprune.blocks import Blocks, CapturedInputs, run_block
+from shuffleprune.errors import UserError
+from shuffleprune.masks import Pattern
+
+KINDS = ("statistics", "permutation", "prune", "update")
+
+
+@dataclass
+class RunSpec:
+    """What a stage may check its parameters against before any work: the pattern and the other stages."""
+
+    pattern: Pattern
+    stages: list["Stage"]
+    nsamples: int
+
+    def stage(self, kind: str) -> "Stage | None":
+        return next((s for s in self.stages if s.kind == kind), None)
+
+    def needs(self) -> set[str]:
+        """Union of what the stages need from the statistics: ``norms`` (‖X_j‖) and/or ``gram`` (XᵀX)."""
+        return set().union(*(s.needs() for s in self.stages))
+
+
+@dataclass
+class Run:
+    """Everything of a pruning run that outlives one block (what ``prepare`` and ``apply`` see)."""
+
+    model: nn.Module
+    blocks: Blocks
+    linears: list[dict[str, nn.Linear]]   # per block: full name -> selected linear
+    tokens: torch.Tensor                  # calibration windows [n, L]
+    pattern: Pattern
+    spec: RunSpec
+    device: torch.device
+    batch_size: int
+    seed: int
+    work: Path | None                     # resume directory (None: nothing is saved)
+    progress: bool
+    captured: CapturedInputs | None = None
+    status: Callable[[str], None] = lambda text: None      # shows a stage's progress (e.g. on the block bar)
+    notes: dict[str, Any] = field(default_factory=dict)   # run-level report entries, by stage kind
+    cache: dict[str, Any] = field(default_factory=dict)   # run-level results shared between stages
+
+    def all_linears(self) -> dict[str, nn.Linear]:
+        return {n: lin for block in self.linears for n, lin in block.items()}
+
+
+@dataclass
+class BlockWork:
+    """One decoder block while its stages run: its inputs and what the stages found so far."""
+
+    index: int
+    prefix: str                            # e.g. ``model.layers.3``
+    block: nn.Module
+    linears: dict[str, nn.Linear]
+    hidden: torch.Tensor                   # the block's inputs for every calibration window
+    stats: dict[str, Any] = field(default_factory=dict)        # name -> InputStats | None
+    groups: list[list[str]] = field(default_factory=list)      # linears that read one input
+    perms: dict[str, torch.Tensor] = field(default_factory=dict)
+    perm_info: dict | None = None          # report entry of the block's permutations
+
+    def outputs(self, run: Run) -> torch.Tensor:
+        """The block's current outputs for every window (its weights as they are now)."""
+        return run_block(self.block, self.hidden, run.captured, self.index, run.device, run.batch_size)
+
+
+class Stage:
+    """Base of every stage: a dataclass of parameters with a ``kind`` and a ``name``."""
+
+    kind: ClassVar[str]
+    name: ClassVar[str]
+
+    def needs(self) -> set[str]:
+        """What this stage reads from the statistics stage: ``norms`` and/or ``gram``."""
+        return set()
+
+    def check(self, spec: RunSpec) -> None:
+        """Raise ``UserError`` for parameters that cannot work with this run."""
+
+    def prepare(self, run: Run) -> None:
+        """Once, before the first block (after a resume too: reload what was saved in ``run.work``)."""
+
+    def apply(self, run: Run, work: BlockWork) -> None:
+        raise NotImplementedError
+
+    def params(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def as_recipe(self) -> dict[str, Any]:
+        """This stage as one recipe entry: ``{kind: name, param: value, …}``."""
+        return {self.kind: self.name, **self.params()}
+
+
+REGISTRY: dict[tuple[str, str], type[Stage]] = {}
+
+
+def register(cls: type[Stage]) -> type[Stage]:
+    """Class decorator: make a stage dataclass available to recipes as ``{cls.kind: cls.name}``."""
+    if cls.kind not in KINDS:
+        raise ValueError(f"stage kind '{cls.kind}' is not one of {KINDS}")
+    REGISTRY[(cls.kind, cls.name)] = cls
+    return cls

@@ -1,0 +1,170 @@
+"""``permutation`` stages: one input-channel index map per linear, before its mask is chosen.
+
+- ``random``: a fixed random block-diagonal permutation (the paper's control);
+- ``search``: the data-free swap search on Wanda's score (Pool & Yu's heuristic, no training);
+- ``learned``: ShuffleSparse — soft permutations trained with the l1−l2 penalty and hardened by
+  Hungarian matching, per block (``recon: block``) or all jointly against the final hidden state
+  before the walk (``recon: model``, the dense model's statistics);
+- ``from``: the index maps of an earlier run (``--perm-from DIR``).
+
+The core (soft permutations, penalty, projection, search) lives in :mod:`shuffleprune.perm`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from shuffleprune.errors import UserError
+from shuffleprune.perm.core import strength
+from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps, save_index_maps
+from shuffleprune.perm.pruning import PermOptions, block_permutations, model_permutations
+from shuffleprune.prune.atomic import atomic_json
+from shuffleprune.prune.input_stats import input_groups
+from shuffleprune.prune.stage import BlockWork, Run, RunSpec, Stage, register
+from shuffleprune.prune.stages.statistics import dense_stats
+
+MODEL_PERMS_FILE = "model_perms.safetensors"
+
+
+def _norms(stats: dict) -> dict[str, torch.Tensor | None]:
+    return {name: None if s is None else s.col_norm for name, s in stats.items()}
+
+
+class _PermStage(Stage):
+    """Shared by the stages that compute their maps from the block (``random``, ``search``, ``learned``)."""
+
+    def options(self, seed: int = 0) -> PermOptions:
+        known = PermOptions.__dataclass_fields__
+        return PermOptions(perm=self.name, seed=seed, **{k: v for k, v in self.params().items() if k in known})
+
+    def check(self, spec: RunSpec) -> None:
+        self.options().check(spec.pattern)
+
+    def apply(self, run: Run, work: BlockWork) -> None:
+        opts = self.options(run.seed)
+        target = work.outputs(run) if opts.perm == "learned" else None
+
+        def on_step(step: int, loss: float, penalty: float) -> None:
+            run.status(f"block {work.index} perm step {step + 1}: loss {loss:.4g} P(M) {penalty:.3g}")
+
+        work.perms, work.perm_info = block_permutations(
+            work.block, work.prefix, work.linears, _norms(work.stats), work.groups, work.hidden, target, run.captured,
+            work.index, run.pattern, opts, run.device, on_step=on_step)
+
+
+@register
+@dataclass
+class Random(_PermStage):
+    kind = "permutation"
+    name = "random"
+    block: int = 64
+    share: str = "group"
+
+
+@register
+@dataclass
+class Search(_PermStage):
+    kind = "permutation"
+    name = "search"
+    block: int = 64
+    share: str = "group"
+
+
+@register
+@dataclass
+class Learned(_PermStage):
+    kind = "permutation"
+    name = "learned"
+    recon: str = "block"        # block: each block against its dense output; model: all jointly (final hidden state)
+    init: str = "identity"      # identity (the paper) | search (the swap search's result)
+    relax: str = "l1l2"         # l1l2 (ShuffleSparse) | sinkhorn (PermLLM)
+    loss: str = "cos"           # recon model: cos (paper) | kl (next-token distributions)
+    block: int = 64
+    share: str = "group"
+    steps: int = 100
+    lr: float = 3e-2
+    lr_decay: str = "constant"
+    lambda_max: float = 1e-4
+    batch: int = 4
+    holdout: float = 0.0
+
+    def check(self, spec: RunSpec) -> None:
+        super().check(spec)
+        if self.holdout and spec.nsamples < 2:
+            raise UserError(f"--perm-holdout needs at least 2 calibration windows (--nsamples {spec.nsamples}); raise --nsamples")
+
+    def prepare(self, run: Run) -> None:
+        if self.recon != "model":
+            return
+        saved = run.work / MODEL_PERMS_FILE if run.work is not None else None
+        t0 = time.time()
+        if saved is not None and saved.is_file():
+            perms, info = load_index_maps(saved), json.loads((run.work / "model_perms.json").read_text())
+        else:
+            stats = dense_stats(run)
+            bar = tqdm(total=self.steps, desc="perm (model recon)", disable=not run.progress)
+
+            def on_step(step: int, loss: float, pen: float) -> None:
+                bar.update(1)
+                bar.set_postfix_str(f"loss {loss:.4g} P(M) {pen:.3g}")
+
+            perms, info = model_permutations(run.model, run.all_linears(), _norms(stats), input_groups(stats),
+                                             run.tokens, run.pattern, self.options(run.seed), run.device,
+                                             run.batch_size, on_step)
+            bar.close()
+            if saved is not None:
+                save_index_maps(perms, saved)
+                atomic_json(info, run.work / "model_perms.json")
+        run.cache["model_perms"], run.cache["model_perm_info"] = perms, info
+        run.notes["perm_model"] = info["summary"]
+        run.notes["prepare_seconds"] = run.notes.get("prepare_seconds", 0.0) + time.time() - t0
+
+    def apply(self, run: Run, work: BlockWork) -> None:
+        if self.recon != "model":
+            return super().apply(run, work)
+        _assign(run, work, run.cache["model_perms"], run.cache["model_perm_info"]["perms"])
+
+
+def _assign(run: Run, work: BlockWork, perms: dict[str, torch.Tensor], info: dict) -> None:
+    """Give the block its share of maps computed for the whole model before the walk."""
+    work.perms = {n: perms[n] for n in work.linears if n in perms}
+    work.perm_info = {"perms": {k: v for k, v in info.items() if k in work.linears}, "summary": {}}
+
+
+@register
+@dataclass
+class From(Stage):
+    """The index maps of an earlier ``--perm`` run (its output dir or an ``index_maps.safetensors``)."""
+
+    kind = "permutation"
+    name = "from"
+    path: str = ""
+
+    def check(self, spec: RunSpec) -> None:
+        if not spec.pattern.is_nm:
+            raise UserError("--perm-from needs an N:M --pattern: unstructured masks do not depend on column order")
+        if not self.path:
+            raise UserError("permutation 'from' needs a path (--perm-from DIR)")
+        file = Path(self.path) / INDEX_MAPS if Path(self.path).is_dir() else Path(self.path)
+        if not file.is_file():
+            raise UserError(f"--perm-from: no index maps at '{file}' (give the output dir of a --perm run)")
+
+    def prepare(self, run: Run) -> None:
+        path = Path(self.path)
+        maps = load_index_maps(path / INDEX_MAPS if path.is_dir() else path)
+        linears = run.all_linears()
+        for name, perm in maps.items():
+            if name not in linears:
+                raise UserError(f"--perm-from: '{name}' is not a selected linear of this model")
+            if perm.numel() != linears[name].in_features or perm.numel() % run.pattern.m:
+                raise UserError(f"--perm-from: index map '{name}' does not fit its layer ({linears[name].in_features} inputs)")
+        run.cache["from_perms"] = maps
+        run.cache["from_info"] = {n: {"linears": [n], "strength": round(strength(p), 4)} for n, p in maps.items()}
+
+    def apply(self, run: Run, work: BlockWork) -> None:
+        _assign(run, work, run.cache["from_perms"], run.cache["from_info"])

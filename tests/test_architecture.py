@@ -1,0 +1,95 @@
+"""The package's shape: no import cycles between its modules (imports inside functions count too)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import shuffleprune
+
+ROOT = Path(shuffleprune.__file__).parent
+REPO = ROOT.parent
+# kernels/ and calib/ sit at the top of the repository and install as shuffleprune.kernels / .calib
+TREES = {"shuffleprune": ROOT, "shuffleprune.calib": REPO / "calib", "shuffleprune.kernels": REPO / "kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for prefix, tree in TREES.items():
+        for path in tree.rglob("*.py"):
+            rel = path.relative_to(tree).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([prefix, *parts]) if parts else prefix
+            if name.startswith("shuffleprune.calib.") and tree == ROOT:
+                continue
+            out[name] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``module -> modules of this package it imports`` (explicit imports only; a submodule's
+    implicit import of its parent package is not an edge)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+                # ``from pkg import submodule`` imports the submodule; ``from pkg import name`` the package
+                targets = subs + ([base] if len(subs) < len(node.names) else [])
+            for t in targets:
+                if t in modules and t != name:
+                    graph[name].add(t)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles_in_the_package():
+    graph = import_graph()
+    assert "shuffleprune.prune.driver" in graph and "shuffleprune.perm.core" in graph
+    assert "shuffleprune.models" in graph["shuffleprune.prune.driver"]  # edges are found
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_prune_and_dst_share_one_permutation_core():
+    graph = import_graph()
+    assert "shuffleprune.perm.core" in graph["shuffleprune.dst.sparsifier"]
+    assert "shuffleprune.perm.core" in graph["shuffleprune.perm.learning"]
+    assert not any(m.startswith("shuffleprune.prune") for m in graph["shuffleprune.perm.pruning"])
