@@ -57,22 +57,26 @@ class _PermStage(Stage):
             work.index, run.pattern, opts, run.device, on_step=on_step)
 
 
+@dataclass
+class _Fixed(_PermStage):
+    """Parameters of the maps that need no training: the block size and who shares a map."""
+
+    block: int = 64
+    share: str = "group"
+
+
 @register
 @dataclass
-class Random(_PermStage):
+class Random(_Fixed):
     kind = "permutation"
     name = "random"
-    block: int = 64
-    share: str = "group"
 
 
 @register
 @dataclass
-class Search(_PermStage):
+class Search(_Fixed):
     kind = "permutation"
     name = "search"
-    block: int = 64
-    share: str = "group"
 
 
 @register

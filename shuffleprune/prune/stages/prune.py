@@ -24,6 +24,10 @@ def prune_in_permuted_coordinates(method: PruneFn, weight: torch.Tensor, stats: 
 
 class _MethodStage(Stage):
     method: PruneFn
+    reads: frozenset[str] = frozenset()   # what the method reads from the statistics stage
+
+    def needs(self) -> set[str]:
+        return set(type(self).reads)
 
     def apply(self, run: Run, work: BlockWork) -> None:
         method = type(self).method
@@ -39,28 +43,16 @@ class _MethodStage(Stage):
 @register
 @dataclass
 class Magnitude(_MethodStage):
-    kind = "prune"
-    name = "magnitude"
-    method = staticmethod(magnitude)
+    kind, name, method = "prune", "magnitude", staticmethod(magnitude)
 
 
 @register
 @dataclass
 class Wanda(_MethodStage):
-    kind = "prune"
-    name = "wanda"
-    method = staticmethod(wanda)
-
-    def needs(self) -> set[str]:
-        return {"norms"}
+    kind, name, method, reads = "prune", "wanda", staticmethod(wanda), frozenset({"norms"})
 
 
 @register
 @dataclass
 class SparseGPT(_MethodStage):
-    kind = "prune"
-    name = "sparsegpt"
-    method = staticmethod(sparsegpt)
-
-    def needs(self) -> set[str]:
-        return {"gram"}
+    kind, name, method, reads = "prune", "sparsegpt", staticmethod(sparsegpt), frozenset({"gram"})
