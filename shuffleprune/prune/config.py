@@ -281,12 +281,12 @@ def _resolve(stages: list[dict], config: PruneConfig, drop_perm: bool) -> list[d
 
 def _auto_statistics(stages: list[dict]) -> str:
     """``dense`` exactly when permutations are learned against the whole model (under the dense
-    model's statistics) and the masks read input norms alone (Wanda); else ``sequential``."""
+    model's statistics) and the later stages read input norms alone (Wanda's masks, no XᵀX); else
+    ``sequential``."""
     perm = next((s for s in stages if "permutation" in s), None)
-    prune = next(s for s in stages if "prune" in s)
-    needs = stage_class("prune", prune["prune"])().needs()
+    needs = set().union(*(stage_class(_kind_of(s), s[_kind_of(s)])().needs() for s in stages if "statistics" not in s))
     learned_on_model = perm is not None and perm["permutation"] == "learned" and perm.get("recon", "block") == "model"
-    return "dense" if learned_on_model and needs == {"norms"} else "sequential"
+    return "dense" if learned_on_model and "norms" in needs and "gram" not in needs else "sequential"
 
 
 def _flag(option: str) -> str:

@@ -199,6 +199,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         t0 = time.time()
         block = blocks.layers[i].to(device)
         work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=linears[i], hidden=hidden)
+        if "dense_weights" in spec.needs():
+            work_i.dense = {n: lin.weight.detach().float().clone() for n, lin in linears[i].items()}
         for stage in spec.stages:
             stage.apply(run, work_i)
         state["layers"].extend(_layer_entries(work_i, pattern))

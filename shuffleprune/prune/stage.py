@@ -83,6 +83,7 @@ class BlockWork:
     groups: list[list[str]] = field(default_factory=list)      # linears that read one input
     perms: dict[str, torch.Tensor] = field(default_factory=dict)
     perm_info: dict | None = None          # report entry of the block's permutations
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)   # unpruned weights (when a stage needs them)
 
     def outputs(self, run: Run) -> torch.Tensor:
         """The block's current outputs for every window (its weights as they are now)."""
@@ -96,7 +97,8 @@ class Stage:
     name: ClassVar[str]
 
     def needs(self) -> set[str]:
-        """What this stage reads from the statistics stage: ``norms`` and/or ``gram``."""
+        """What this stage reads: ``norms`` and/or ``gram`` (statistics), ``dense_weights`` (the
+        block's unpruned weights, kept by the driver in ``BlockWork.dense``)."""
         return set()
 
     def check(self, spec: RunSpec) -> None:
