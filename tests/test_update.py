@@ -75,3 +75,50 @@ def test_lsq_stage_keeps_nm_in_memory_order_and_lowers_each_layers_error(recipe,
         # same inputs, same mask: the update changed kept weights only
         kept_plain = plain.model.get_submodule(name).weight != 0
         assert ((updated.model.get_submodule(name).weight != 0) <= kept_plain).all()
+
+
+def test_held_out_stop_ends_training_when_the_held_out_loss_rises_and_keeps_the_best():
+    from shuffleprune.prune.reconstruct import fit_kept_weights
+
+    x = torch.randn(8, 16, 4, generator=torch.Generator().manual_seed(0))
+    w0 = torch.ones(3, 4)
+    mask = torch.tensor([[1, 1, 0, 0]] * 3, dtype=torch.bool)
+    learn, judge = torch.arange(6), torch.arange(6, 8)
+    # training windows want 2·W, held-out ones want W itself: learning moves the held-out loss up
+    want = {r: (2.0 if r < 6 else 1.0) * (x[r] @ (w0 * mask).T) for r in range(8)}
+
+    def loss_of(weights, rows):
+        return sum(((x[r] @ weights["w"].T - want[int(r)]) ** 2).mean() for r in rows) / len(rows)
+
+    fit = fit_kept_weights({"w": w0 * mask}, {"w": mask}, loss_of, learn, judge, steps=200, lr=0.05, batch=3,
+                           check_every=5, patience=2, gen=torch.Generator().manual_seed(0))
+    assert fit.stopped_early and fit.steps_run == 10 and fit.best_step == 0
+    assert fit.held_out[1] > fit.held_out[0] and fit.held_out[2] > fit.held_out[0]
+    assert torch.equal(fit.weights["w"], w0 * mask)  # the starting weights were best and are kept
+    assert fit.train[-1] < fit.train[0]  # while the training loss went down
+    # when held-out and training agree it runs to the end and improves
+    want = {r: 2.0 * (x[r] @ (w0 * mask).T) for r in range(8)}
+    fit = fit_kept_weights({"w": w0 * mask}, {"w": mask}, loss_of, learn, judge, steps=15, lr=0.05, batch=3,
+                           check_every=5, patience=2, gen=torch.Generator().manual_seed(0))
+    assert not fit.stopped_early and fit.held_out[-1] < fit.held_out[0] and (fit.weights["w"][~mask] == 0).all()
+
+
+def test_blockrecon_stage_never_unprunes_and_lowers_the_held_out_loss(tiny_dir, text_file, tmp_path):
+    kw = dict(model=str(tiny_dir), calib=str(text_file), eval_text=None, nsamples=8, seqlen=32, batch_size=4,
+              perm_block=16)
+    plain = prune(PruneConfig.build("fast", **kw), progress=False)
+    cfg = PruneConfig.build("fast", overrides=["update=blockrecon", "update.steps=20", "update.lr=0.001",
+                                               "update.check_every=5"], **kw)
+    rec = prune(cfg, out=tmp_path / "r", progress=False)
+    report = rec.report
+    assert report["nm_ok"] and all(l["nm_ok"] for l in report["layers"])
+    entries = report["stage_blocks"]
+    assert [e["block"] for e in entries] == [0, 1, 2]
+    for e in entries:
+        b = e["blockrecon"]
+        assert b["held_out_after"] <= b["held_out_before"] and b["windows_judged"] == 2 and b["windows_learned"] == 6
+    name = "model.layers.0.self_attn.q_proj"  # block 0: same inputs and masks in both runs
+    kept = plain.model.get_submodule(name).weight != 0
+    assert ((rec.model.get_submodule(name).weight != 0) <= kept).all()
+    assert not torch.equal(rec.model.get_submodule(name).weight, plain.model.get_submodule(name).weight) or \
+        entries[0]["blockrecon"]["best_step"] == 0

@@ -187,7 +187,7 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], sco
     return perms, {"perms": info, "summary": summary}
 
 
-class _FrozenParams:
+class FrozenParams:
     """Context: ``requires_grad=False`` on a module's parameters (restored after)."""
 
     def __init__(self, module: nn.Module):
@@ -230,7 +230,7 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
         out = first_tensor(functional_call(block, params, (hidden[rows].to(device), *args), kwargs))
         return cosine_loss(target[rows].to(device), out)
 
-    with _FrozenParams(block):
+    with FrozenParams(block):
         return _learn_and_choose(units, linears, scores, searched, search_seconds, recon, hidden.shape[0], pattern,
                                  opts, device, gen, on_step)
 
@@ -272,7 +272,7 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], norms: d
         return kl_loss(dense_logits, head(out))
 
     try:
-        with _FrozenParams(model):
+        with FrozenParams(model):
             return _learn_and_choose(units, linears, scores, searched, search_seconds, recon, tokens.shape[0],
                                      pattern, opts, device, gen, on_step)
     finally:

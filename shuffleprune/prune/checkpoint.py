@@ -60,6 +60,7 @@ def build_report(config: PruneConfig, lm: LoadedModel, state: dict, pattern: Pat
         "nm_ok": all(l["nm_ok"] for l in state["layers"]) if pattern.is_nm else None,
         "layers": state["layers"],
         "perm": perm,
+        "stage_blocks": state.get("stage_blocks", []),
         "mask_stats": stats if config.method != "magnitude" else None,
         "seconds": {"calibration": round(state["calib_seconds"], 2), "prune": round(state["prune_seconds"], 2),
                     "eval": round(state["eval_seconds"], 2), "this_process": round(seconds, 2)},

@@ -204,6 +204,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         for stage in spec.stages:
             stage.apply(run, work_i)
         state["layers"].extend(_layer_entries(work_i, pattern))
+        if work_i.report:
+            state.setdefault("stage_blocks", []).append({"block": i, **work_i.report})
         if work_i.perm_info is not None:
             state["perm_blocks"].append({"block": i, "perms": work_i.perm_info["perms"], **work_i.perm_info["summary"]})
         hidden = work_i.outputs(run)

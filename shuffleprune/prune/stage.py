@@ -84,6 +84,7 @@ class BlockWork:
     perms: dict[str, torch.Tensor] = field(default_factory=dict)
     perm_info: dict | None = None          # report entry of the block's permutations
     dense: dict[str, torch.Tensor] = field(default_factory=dict)   # unpruned weights (when a stage needs them)
+    report: dict[str, Any] = field(default_factory=dict)           # stages' per-block report entries
 
     def outputs(self, run: Run) -> torch.Tensor:
         """The block's current outputs for every window (its weights as they are now)."""

@@ -3,14 +3,22 @@
 - ``lsq``: the exact masked least-squares update of :mod:`shuffleprune.prune.methods.lsq` — for
   each linear, the kept weights that best reproduce the dense layer's outputs on the block's
   calibration inputs (``XᵀX`` from the statistics stage), after any mask, with or without a
-  permutation (the problem is per row and column order does not change it).
+  permutation (the problem is per row and column order does not change it);
+- ``blockrecon``: Adam on each block's kept weights against the dense block's outputs, stopped by a
+  held-out share of the windows (:mod:`shuffleprune.prune.reconstruct`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch.func import functional_call
+
+from shuffleprune.blocks import first_tensor, tensors_to
 from shuffleprune.errors import UserError
+from shuffleprune.perm.pruning import FrozenParams, split_windows
 from shuffleprune.prune.methods.lsq import masked_lstsq
+from shuffleprune.prune.reconstruct import fit_kept_weights
 from shuffleprune.prune.stage import BlockWork, Run, RunSpec, Stage, register
 
 
@@ -36,3 +44,61 @@ class LeastSquares(Stage):
             new_w = masked_lstsq(work.dense[name], pruned != 0, work.stats[name].gram, start=pruned.float(),
                                  damp=self.damp, iters=self.iters, tol=self.tol)
             lin.weight.data.copy_(new_w.to(pruned.dtype))
+
+
+@register
+@dataclass
+class BlockReconstruction(Stage):
+    """Fit each block's kept weights with Adam to the dense block's outputs (see :mod:`shuffleprune.prune.reconstruct`)."""
+
+    kind = "update"
+    name = "blockrecon"
+    steps: int = 100
+    lr: float = 1e-4
+    batch: int = 4           # calibration windows per step
+    holdout: float = 0.25    # share of windows never trained on; their loss stops training
+    check_every: int = 10    # steps between held-out checks
+    patience: int = 2        # stop after this many checks in a row without a new best
+
+    def needs(self) -> set[str]:
+        return {"dense_weights"}
+
+    def check(self, spec: RunSpec) -> None:
+        if min(self.steps, self.batch, self.check_every, self.patience) < 1 or self.lr <= 0:
+            raise UserError("update 'blockrecon': steps, batch, check_every and patience must be ≥ 1 and lr > 0")
+        if not 0.0 <= self.holdout < 1.0:
+            raise UserError(f"update 'blockrecon': holdout {self.holdout} must be in [0, 1)")
+        if self.holdout and spec.nsamples < 2:
+            raise UserError("update 'blockrecon' holds windows out: raise --nsamples to at least 2 (or holdout: 0)")
+
+    def apply(self, run: Run, work: BlockWork) -> None:
+        param_of = {n: n[len(work.prefix) + 1:] + ".weight" for n in work.linears}
+        dtype = {n: lin.weight.dtype for n, lin in work.linears.items()}
+        args = tensors_to(run.captured.args[work.index], run.device)
+        kwargs = tensors_to(run.captured.kwargs[work.index], run.device)
+
+        def forward(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+            params = {param_of[n]: w.to(dtype[n]) for n, w in weights.items()}
+            return first_tensor(functional_call(work.block, params, (work.hidden[rows].to(run.device), *args), kwargs))
+
+        everything = torch.arange(work.hidden.shape[0])
+        with torch.no_grad():
+            target = torch.cat([forward(work.dense, rows).to(work.hidden.device) for rows in everything.split(self.batch)])
+
+        def loss_of(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+            out, want = forward(weights, rows).float(), target[rows].to(run.device).float()
+            return (out - want).pow(2).mean() / want.pow(2).mean().clamp_min(1e-12)
+
+        gen = torch.Generator().manual_seed(run.seed * 1_000_003 + work.index + 17)
+        learn, judge = split_windows(work.hidden.shape[0], self.holdout, gen)
+        start = {n: lin.weight.detach() for n, lin in work.linears.items()}
+        with FrozenParams(work.block):
+            fit = fit_kept_weights(start, {n: w != 0 for n, w in start.items()}, loss_of, learn, judge, self.steps,
+                                   self.lr, self.batch, self.check_every, self.patience, gen)
+        for n, lin in work.linears.items():
+            lin.weight.data.copy_(fit.weights[n].to(lin.weight.dtype))
+        work.report["blockrecon"] = {"steps_run": fit.steps_run, "best_step": fit.best_step,
+                                     "stopped_early": fit.stopped_early,
+                                     "held_out_before": round(fit.held_out[0], 6),
+                                     "held_out_after": round(min(fit.held_out), 6),
+                                     "windows_learned": len(learn), "windows_judged": len(judge)}
