@@ -68,6 +68,17 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     # the final choice judged on a quarter of the windows, kept out of learning
     "shufflesparse_wanda/block/holdout=0.25": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                           "perm_holdout": 0.25}),
+    # weight-update stages after the mask (recipe stage lists as data: the row records its "stages")
+    "wanda/update=lsq": (None, {"method": "wanda", "overrides": ["update=lsq"]}),
+    "sparsegpt/update=lsq": (None, {"method": "sparsegpt", "overrides": ["update=lsq"]}),
+    "sparsegpt+search/update=lsq": (None, {"method": "sparsegpt", "perm_from": "{search}", "overrides": ["update=lsq"]}),
+    "sparsegpt/update=blockrecon": (None, {"method": "sparsegpt", "overrides": ["update=blockrecon"]}),
+    "sparsegpt+search/update=blockrecon": (None, {"method": "sparsegpt", "perm_from": "{search}",
+                                                  "overrides": ["update=blockrecon"]}),
+    # the named recipes as they are (each computes its own permutations)
+    "recipe=fast": (None, {"recipe": "fast"}),
+    "recipe=balanced": (None, {"recipe": "balanced"}),
+    "recipe=best": ("model", {"recipe": "best"}),
 }
 ABLATIONS = {m for m in METHODS if "=" in m}  # run only when named
 PERM_SOURCE = {"{ss_block}": "shufflesparse_wanda/block", "{ss_model}": "shufflesparse_wanda/model",
@@ -106,7 +117,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
             if not Path(opts["perm_from"], "index_maps.safetensors").is_file():
                 raise SystemExit(f"{method} needs {source} seed {seed} first")
         out = _out_dir(args, variant_of(method, args), seed)
-        if "perm" not in opts and "perm_from" not in opts:
+        if "perm" not in opts and "perm_from" not in opts and "recipe" not in opts:
             opts["perm"] = "none"  # a variant without a permutation (the default recipe would add one)
         # float32 checkpoints: the committed rows were scored on float32 copies of the dequantized GGUF
         # (a GGUF's pruned copy is saved in bfloat16 by default)
