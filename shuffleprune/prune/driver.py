@@ -128,14 +128,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         raise UserError("this model is a --perm or exported checkpoint (index maps / compressed layers); "
                         "prune its dense original instead")
     blocks = find_blocks(model)
-    linears = []
-    for i, block in enumerate(blocks.layers):
-        found = block_linears(block, f"{blocks.name}.{i}", config.only, config.skip)
-        for name, lin in found.items():
-            pattern.check_width(name, lin.in_features)
-        linears.append(found)
-    if not any(linears):
-        raise UserError("no linear layers selected; check --only / --skip")
+    linears = _selected_linears(blocks, config, pattern)
     max_pos = getattr(model.config, "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
     ctx = min(config.eval_ctx or seqlen, max_pos)
@@ -199,16 +192,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         t0 = time.time()
         block = blocks.layers[i].to(device)
         work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=linears[i], hidden=hidden)
-        if "dense_weights" in spec.needs():
-            work_i.dense = {n: lin.weight.detach().float().clone() for n, lin in linears[i].items()}
-        for stage in spec.stages:
-            stage.apply(run, work_i)
-        state["layers"].extend(_layer_entries(work_i, pattern))
-        if work_i.report:
-            state.setdefault("stage_blocks", []).append({"block": i, **work_i.report})
-        if work_i.perm_info is not None:
-            state["perm_blocks"].append({"block": i, "perms": work_i.perm_info["perms"], **work_i.perm_info["summary"]})
-        hidden = work_i.outputs(run)
+        _run_stages(run, work_i, state)
+        hidden = work_i.outputs(run)  # the pruned block's outputs: the next block's inputs
         perms = work_i.perms
         del work_i
         blocks.layers[i] = block.to("cpu")
@@ -216,15 +201,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         state["next_block"] = i + 1
         all_perms.update(perms)
         if work is not None:
-            save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(work / f"block_{i}.safetensors"))
-            if perms:
-                save_index_maps(perms, work / f"perms_{i}.safetensors")
-            if i + 1 < len(blocks):
-                atomic_save(hidden.cpu(), work / f"hidden_{i + 1}.pt")
-            atomic_json(state, work / "state.json")
-            stale = work / f"hidden_{i}.pt"
-            if stale.exists():
-                stale.unlink()
+            _checkpoint_block(work, i, block, perms, hidden if i + 1 < len(blocks) else None, state)
         if on_block_done is not None:
             on_block_done(i)
     del hidden
@@ -246,6 +223,45 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         write_checkpoint(out, model, tokenizer, report, all_perms, config)
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
     return PruneResult(report=report, model=model, tokenizer=tokenizer)
+
+
+def _selected_linears(blocks, config: PruneConfig, pattern) -> list[dict[str, torch.nn.Linear]]:
+    """Per block, the linears ``--only`` / ``--skip`` select, each checked against the pattern."""
+    linears = []
+    for i, block in enumerate(blocks.layers):
+        found = block_linears(block, f"{blocks.name}.{i}", config.only, config.skip)
+        for name, lin in found.items():
+            pattern.check_width(name, lin.in_features)
+        linears.append(found)
+    if not any(linears):
+        raise UserError("no linear layers selected; check --only / --skip")
+    return linears
+
+
+def _run_stages(run: Run, work: BlockWork, state: dict) -> None:
+    """One block: every stage in recipe order, then its report rows."""
+    if "dense_weights" in run.spec.needs():
+        work.dense = {n: lin.weight.detach().float().clone() for n, lin in work.linears.items()}
+    for stage in run.spec.stages:
+        stage.apply(run, work)
+    state["layers"].extend(_layer_entries(work, run.pattern))
+    if work.report:
+        state.setdefault("stage_blocks", []).append({"block": work.index, **work.report})
+    if work.perm_info is not None:
+        state["perm_blocks"].append({"block": work.index, "perms": work.perm_info["perms"], **work.perm_info["summary"]})
+
+
+def _checkpoint_block(work: Path, i: int, block: torch.nn.Module, perms: dict, next_hidden: torch.Tensor | None,
+                      state: dict) -> None:
+    """Save block ``i``'s weights, maps and outputs, then the state that points past it (a resume
+    finds either the old state or all of the new files)."""
+    save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(work / f"block_{i}.safetensors"))
+    if perms:
+        save_index_maps(perms, work / f"perms_{i}.safetensors")
+    if next_hidden is not None:
+        atomic_save(next_hidden.cpu(), work / f"hidden_{i + 1}.pt")
+    atomic_json(state, work / "state.json")
+    (work / f"hidden_{i}.pt").unlink(missing_ok=True)
 
 
 def _layer_entries(work: BlockWork, pattern) -> list[dict]:
