@@ -247,6 +247,10 @@ def test_truncated_export_loaded_through_transformers_is_one_line_error(tiny_dir
     export_checkpoint(pruned, deployed)
     weights = deployed / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(UserError, match="is a file, not a directory"):
+        export_checkpoint(pruned, a_file)
     with pytest.raises(UserError, match="truncated or corrupt") as exc:
         AutoModelForCausalLM.from_pretrained(deployed, trust_remote_code=True)
     assert "\n" not in str(exc.value)

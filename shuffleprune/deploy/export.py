@@ -199,6 +199,8 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
     if not (pruned_dir / "config.json").is_file():
         raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"export target '{out_dir}' is a file, not a directory; give a directory path")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
     n, m = _pattern_of(pruned_dir, pattern)
