@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_perm_cost.py                       # the embedded SmolLM2-135M, CPU
     python scripts/bench_perm_cost.py --llama7b-block --device cuda   # a random LLaMA-2-7B-shaped block
 
-Times the block-level ShuffleSparse loop (``perm_prune.block_permutations``: STE Hungarian + STE
+Times the block-level ShuffleSparse loop (``perm.pruning.block_permutations``: STE Hungarian + STE
 top-2-of-4 + cosine loss + projection, then the choice of the final permutation on all windows) on
 ``--windows`` calibration windows of ``--seqlen`` tokens (batch ``--batch`` per step) at two step
 counts (``--steps`` and 3×``--steps``): their difference gives the seconds per step, the rest is the
@@ -80,7 +80,8 @@ def main() -> None:
             torch.cuda.synchronize()
         t = time.time()
         opts = PermOptions(perm="learned", init=init, steps=steps, batch=args.batch)
-        block_permutations(block, f"{blocks.name}.0", linears, stats, groups, hidden, target, captured, 0,
+        block_permutations(block, f"{blocks.name}.0", linears, {n: s.col_norm for n, s in stats.items()}, groups,
+                           hidden, target, captured, 0,
                            Pattern(2, 4), opts, device)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -23,7 +23,8 @@ def main() -> None:
     from shuffleprune.masks import Pattern
     from shuffleprune.prune.methods import get_method
     from shuffleprune.perm.learning import cosine_loss
-    from shuffleprune.perm.pruning import _score, prune_in_permuted_coordinates
+    from shuffleprune.perm.pruning import _score
+    from shuffleprune.prune.stages.prune import prune_in_permuted_coordinates
     from shuffleprune.perm.search import swap_search
     from shuffleprune.blocks import run_block
     from shuffleprune.runtime import machine, versions
@@ -40,7 +41,7 @@ def main() -> None:
             units = groups if label != "linear" else [[n] for g in groups for n in g]
             for unit in units:
                 perm = None if label == "none" else swap_search(
-                    torch.cat([_score(orig[n], stats[n]) for n in unit]), 2, 4, 64)
+                    torch.cat([_score(orig[n], stats[n].col_norm) for n in unit]), 2, 4, 64)
                 for n in unit:
                     linears[n].weight.data = (wanda(orig[n], stats[n], Pattern(2, 4)) if perm is None else
                                               prune_in_permuted_coordinates(wanda, orig[n], stats[n], Pattern(2, 4), perm))
