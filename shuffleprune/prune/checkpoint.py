@@ -123,7 +123,9 @@ def model_card(report: dict) -> str:
                  "`index_maps.safetensors`; a plain `AutoModelForCausalLM.from_pretrained` ignores the maps and so "
                  "computes a *different* model — load it with shuffleprune, or export it.\n"
                  if report["perm"] and report["perm"].get("index_maps") else "")
-    eval_line = (f"{ev['text']} (test split, {ev.get('tokens_scored', ev['tokens'])} tokens scored in windows of "
+    is_file = str(ev["text"]).endswith((".txt", ".jsonl"))
+    part = ("its held-out documents" if calib["split_from_shared_file"] else "the whole file") if is_file else "test split"
+    eval_line = (f"{ev['text']} ({part}, {ev.get('tokens_scored', ev['tokens'])} tokens scored in windows of "
                  f"{ev['ctx']}{', each starting with BOS' if report['bos'] else ''})" if ev["text"] else "not measured")
     tags = ["shuffleprune", "pruned", "sparse", f"sparsity-{report['pattern']}"]
     return f"""---
@@ -150,7 +152,8 @@ Perplexity text: {eval_line}.
 - Recipe `{recipe['recipe']}` (all settings in `recipe.yaml`), stages:
 {stages}
 - Calibration: {calib['source']}, {calib['nsamples']} windows of {calib['seqlen']} tokens, seed {calib['seed']}
-  ({calib['documents']} documents{'' if calib['tokens'] is None else f", {calib['tokens']} tokens"}).
+  ({calib['documents']} documents{'' if calib['tokens'] is None else f", {calib['tokens']} tokens"}{
+  ", the other documents of the perplexity file" if calib['split_from_shared_file'] else ""}).
 - N:M holds in memory order for every pruned layer: {report['nm_ok']}.
 - Saved in {report['saved_dtype'].replace('torch.', '')}; computed in {report['compute_dtype'].replace('torch.', '')} on {report['device']}.
 
