@@ -19,7 +19,7 @@ from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.prune.recipes import (DEFAULT_RECIPE, RUN_KEYS_NOT_IN_RECIPES, StageKeyError, check_stage_entry,
                                         dump_recipe, is_recipe_file, load_recipe)
-from shuffleprune.prune.registry import stage_class
+from shuffleprune.prune.registry import kind_of, stage_class, stage_from_entry
 from shuffleprune.prune.stage import KINDS, RunSpec, Stage
 
 
@@ -59,7 +59,7 @@ class PruneConfig:
         stages = [dict(s) for s in base.pop("stages")]
         label = base.pop("recipe", str(recipe or DEFAULT_RECIPE))
         base.pop("about", None)
-        run = {k: v for k, v in base.items()}
+        run = dict(base)
         stage_opts = {k: options.pop(k) for k in list(options) if k in STAGE_OPTIONS}
         unknown = [k for k in options if k not in _FIELDS]
         if unknown:
@@ -78,11 +78,7 @@ class PruneConfig:
     # -- reading ----------------------------------------------------------------------------------
     def stage_objects(self) -> list[Stage]:
         """The stage instances, in recipe order."""
-        out = []
-        for entry in self.stages:
-            kind = next(k for k in entry if k in KINDS)
-            out.append(stage_class(kind, entry[kind])(**{k: v for k, v in entry.items() if k != kind}))
-        return out
+        return [stage_from_entry(entry) for entry in self.stages]
 
     def spec(self) -> RunSpec:
         """The run as the stages check it (each stage's ``check`` runs here)."""
@@ -94,7 +90,7 @@ class PruneConfig:
 
     def stage_labels(self) -> list[str]:
         """``kind:name`` of each stage, in order (e.g. ``statistics:sequential``)."""
-        return [f"{_kind_of(e)}:{e[_kind_of(e)]}" for e in self.stages]
+        return [f"{kind_of(e)}:{e[kind_of(e)]}" for e in self.stages]
 
     def stage_name(self, kind: str) -> str | None:
         return next((e[kind] for e in self.stages if kind in e), None)
@@ -201,13 +197,13 @@ def _apply(stages: list[dict], options: dict[str, Any], overrides: list[str]) ->
     for kind, name, flag in names:
         i = _index(stages, kind)
         if name == "none":
-            if kind in ("prune",):
+            if kind == "prune":
                 raise UserError(f"{flag}: a recipe needs a prune stage")
             if i is not None:
                 stages.pop(i)
             continue
         if i is None:
-            stages.insert(sum(1 for s in stages if KINDS.index(_kind_of(s)) < KINDS.index(kind)), {kind: name})
+            stages.insert(sum(1 for s in stages if KINDS.index(kind_of(s)) < KINDS.index(kind)), {kind: name})
             continue
         old_kind_entry = stages[i]
         if old_kind_entry[kind] == name:
@@ -240,10 +236,6 @@ def _stage_or_error(kind: str, name: str, flag: str) -> type[Stage]:
         raise UserError(f"{flag}: {exc}") from exc
 
 
-def _kind_of(entry: dict) -> str:
-    return next(k for k in entry if k in KINDS)
-
-
 def _parse_value(raw: str) -> Any:
     import yaml
 
@@ -258,7 +250,7 @@ def _resolve(stages: list[dict], config: PruneConfig, drop_perm: bool) -> list[d
     an unstructured pattern (``drop_perm``: nobody asked for it), and fill in every stage's parameters."""
     for entry in stages:
         check_stage_entry(entry)
-    kinds = [_kind_of(s) for s in stages]
+    kinds = [kind_of(s) for s in stages]
     if kinds.count("prune") != 1:
         raise UserError("a recipe needs exactly one prune stage (e.g. '- prune: wanda')")
     for kind in ("statistics", "permutation"):
@@ -275,8 +267,7 @@ def _resolve(stages: list[dict], config: PruneConfig, drop_perm: bool) -> list[d
     stats_i = _index(stages, "statistics")
     if stages[stats_i]["statistics"] == "auto":
         stages[stats_i] = {"statistics": _auto_statistics(stages)}
-    return [stage_class(_kind_of(s), s[_kind_of(s)])(**{k: v for k, v in s.items() if k != _kind_of(s)}).as_recipe()
-            for s in stages]
+    return [stage_from_entry(s).as_recipe() for s in stages]
 
 
 def _auto_statistics(stages: list[dict]) -> str:
@@ -284,7 +275,7 @@ def _auto_statistics(stages: list[dict]) -> str:
     model's statistics) and the later stages read input norms alone (Wanda's masks, no XᵀX); else
     ``sequential``."""
     perm = next((s for s in stages if "permutation" in s), None)
-    needs = set().union(*(stage_class(_kind_of(s), s[_kind_of(s)])().needs() for s in stages if "statistics" not in s))
+    needs = set().union(*(stage_from_entry(s).needs() for s in stages if "statistics" not in s))
     learned_on_model = perm is not None and perm["permutation"] == "learned" and perm.get("recon", "block") == "model"
     return "dense" if learned_on_model and "norms" in needs and "gram" not in needs else "sequential"
 

@@ -176,7 +176,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     for stage in spec.stages:  # model-level passes (on resume: reloading what they saved)
         stage.prepare(run)
     state["prune_seconds"] += run.notes.pop("prepare_seconds", 0.0)
-    state.update({k: v for k, v in run.notes.items()})
+    state.update(run.notes)
     if work is not None and start == 0:
         atomic_json(state, work / "state.json")  # from here on, an interrupted run can --resume
 

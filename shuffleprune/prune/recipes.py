@@ -25,7 +25,7 @@ from typing import Any, Callable
 import yaml
 
 from shuffleprune.errors import UserError
-from shuffleprune.prune.registry import stage_class
+from shuffleprune.prune.registry import kind_of, stage_class
 from shuffleprune.prune.stage import KINDS
 
 SettingCheck = Callable[[str, Any], "str | None"]
@@ -134,7 +134,7 @@ class StageKeyError(UserError):
 
 def check_stage_entry(entry: dict[str, Any]) -> dict[str, Any]:
     """Check one ``{kind: name, param: value}`` entry against its stage's parameters; return it."""
-    kind = next(k for k in entry if k in KINDS)
+    kind = kind_of(entry)
     name = entry[kind]
     if name == "auto" and kind == "statistics":
         cls = None

@@ -10,6 +10,17 @@ from shuffleprune.prune import stages
 from shuffleprune.prune.stage import KINDS, REGISTRY, Stage
 
 
+def kind_of(entry: dict) -> str:
+    """The stage kind a recipe entry ``{kind: name, param: value, …}`` names."""
+    return next(k for k in entry if k in KINDS)
+
+
+def stage_from_entry(entry: dict) -> Stage:
+    """The stage instance of a recipe entry (its parameters; defaults for those it leaves out)."""
+    kind = kind_of(entry)
+    return stage_class(kind, entry[kind])(**{k: v for k, v in entry.items() if k != kind})
+
+
 def _load_stages() -> None:
     for info in pkgutil.iter_modules(stages.__path__):
         importlib.import_module(f"{stages.__name__}.{info.name}")

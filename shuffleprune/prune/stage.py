@@ -38,9 +38,6 @@ class RunSpec:
     stages: list["Stage"]
     nsamples: int
 
-    def stage(self, kind: str) -> "Stage | None":
-        return next((s for s in self.stages if s.kind == kind), None)
-
     def needs(self) -> set[str]:
         """Union of what the stages need from the statistics: ``norms`` (‖X_j‖) and/or ``gram`` (XᵀX)."""
         return set().union(*(s.needs() for s in self.stages))
@@ -63,8 +60,8 @@ class Run:
     progress: bool
     captured: CapturedInputs | None = None
     status: Callable[[str], None] = lambda text: None      # shows a stage's progress (e.g. on the block bar)
-    notes: dict[str, Any] = field(default_factory=dict)   # run-level report entries, by stage kind
-    cache: dict[str, Any] = field(default_factory=dict)   # run-level results shared between stages
+    notes: dict[str, Any] = field(default_factory=dict)   # run-level report entries
+    cache: dict[str, Any] = field(default_factory=dict)   # run-level results several stages read (dense statistics)
 
     def all_linears(self) -> dict[str, nn.Linear]:
         return {n: lin for block in self.linears for n, lin in block.items()}

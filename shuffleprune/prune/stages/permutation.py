@@ -124,17 +124,17 @@ class Learned(_PermStage):
             if saved is not None:
                 save_index_maps(perms, saved)
                 atomic_json(info, run.work / "model_perms.json")
-        run.cache["model_perms"], run.cache["model_perm_info"] = perms, info
+        self._perms, self._info = perms, info["perms"]  # what apply hands out, block by block
         run.notes["perm_model"] = info["summary"]
         run.notes["prepare_seconds"] = run.notes.get("prepare_seconds", 0.0) + time.time() - t0
 
     def apply(self, run: Run, work: BlockWork) -> None:
         if self.recon != "model":
             return super().apply(run, work)
-        _assign(run, work, run.cache["model_perms"], run.cache["model_perm_info"]["perms"])
+        _assign(work, self._perms, self._info)
 
 
-def _assign(run: Run, work: BlockWork, perms: dict[str, torch.Tensor], info: dict) -> None:
+def _assign(work: BlockWork, perms: dict[str, torch.Tensor], info: dict) -> None:
     """Give the block its share of maps computed for the whole model before the walk."""
     work.perms = {n: perms[n] for n in work.linears if n in perms}
     work.perm_info = {"perms": {k: v for k, v in info.items() if k in work.linears}, "summary": {}}
@@ -167,8 +167,8 @@ class From(Stage):
                 raise UserError(f"--perm-from: '{name}' is not a selected linear of this model")
             if perm.numel() != linears[name].in_features or perm.numel() % run.pattern.m:
                 raise UserError(f"--perm-from: index map '{name}' does not fit its layer ({linears[name].in_features} inputs)")
-        run.cache["from_perms"] = maps
-        run.cache["from_info"] = {n: {"linears": [n], "strength": round(strength(p), 4)} for n, p in maps.items()}
+        self._perms = maps
+        self._info = {n: {"linears": [n], "strength": round(strength(p), 4)} for n, p in maps.items()}
 
     def apply(self, run: Run, work: BlockWork) -> None:
-        _assign(run, work, run.cache["from_perms"], run.cache["from_info"])
+        _assign(work, self._perms, self._info)
