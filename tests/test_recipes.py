@@ -81,6 +81,9 @@ def test_flags_and_set_override_the_recipe():
     assert c.stages[1]["permutation"] == "learned" and c.stages[1]["steps"] == 5
     c = PruneConfig.build(None, overrides=["statistics=dense", "prune=wanda"])
     assert c.stage_labels() == ["statistics:dense", "permutation:search", "prune:wanda"]
+    # YAML 1.1 reads '1e-3' (no dot) as text; a float parameter still takes it
+    c = PruneConfig.build(None, overrides=["update=blockrecon", "update.lr=1e-3"])
+    assert c.stages[-1]["lr"] == 0.001 and isinstance(c.stages[-1]["lr"], float)
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -91,6 +94,7 @@ def test_flags_and_set_override_the_recipe():
     ({"recipe": None, "overrides": ["sharpen=yes"]}, "unknown stage kind 'sharpen'"),
     ({"recipe": "fast", "perm": "learned", "sparsity": 0.5}, "N:M"),
     ({"recipe": None, "overrides": ["permutation.block=big"]}, "'block' must be int"),
+    ({"recipe": None, "overrides": ["update=blockrecon", "update.lr=fast"]}, "'lr' must be float"),
 ])
 def test_bad_recipes_and_overrides_are_one_line_errors(kwargs, needle):
     recipe = kwargs.pop("recipe")

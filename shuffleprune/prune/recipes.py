@@ -156,6 +156,11 @@ def check_stage_entry(entry: dict[str, Any]) -> dict[str, Any]:
         ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             entry[key], ok = float(value), True
+        if want is float and isinstance(value, str):   # YAML 1.1 reads '1e-3' (no dot) as text
+            try:
+                entry[key], ok = float(value), True
+            except ValueError:
+                pass
         if not ok:
             raise StageKeyError(f"{kind} '{name}': '{key}' must be {want.__name__}, got {value!r}", key)
     return entry
