@@ -122,3 +122,48 @@ def test_blockrecon_stage_never_unprunes_and_lowers_the_held_out_loss(tiny_dir, 
     assert ((rec.model.get_submodule(name).weight != 0) <= kept).all()
     assert not torch.equal(rec.model.get_submodule(name).weight, plain.model.get_submodule(name).weight) or \
         entries[0]["blockrecon"]["best_step"] == 0
+
+
+def test_the_dense_stream_is_the_unpruned_models_activations_and_resumes(tiny_dir, text_file, tmp_path, monkeypatch):
+    from shuffleprune.calib import calibration_windows, get_source
+    from shuffleprune.models import load_model
+    from shuffleprune.prune.stages.update import BlockReconstruction
+
+    kw = dict(model=str(tiny_dir), calib=str(text_file), eval_text=None, nsamples=6, seqlen=32, batch_size=4,
+              perm_block=16, seed=3)
+    overrides = ["update=blockrecon", "update.steps=6", "update.lr=0.001", "update.check_every=3"]
+    seen: dict[int, torch.Tensor] = {}
+    real_apply = BlockReconstruction.apply
+
+    def recording(self, run, work):
+        seen[work.index] = work.dense_outputs.clone()
+        real_apply(self, run, work)
+
+    monkeypatch.setattr(BlockReconstruction, "apply", recording)
+    full = prune(PruneConfig.build("fast", overrides=overrides, **kw), out=tmp_path / "full", progress=False)
+    monkeypatch.undo()
+    assert full.report["stages"][-1] == "update:blockrecon"
+    # what block i was fitted to = the unpruned model's hidden state after block i (the last one is
+    # normed by the model, so compare the others)
+    lm = load_model(str(tiny_dir))
+    tokens = calibration_windows(get_source(str(text_file)), lm.tokenizer, 6, 32, 3)
+    with torch.no_grad():
+        states = lm.model(tokens, output_hidden_states=True).hidden_states
+    assert len(seen) == len(states) - 1
+    for i in range(len(seen) - 1):
+        assert torch.allclose(seen[i], states[i + 1], atol=1e-5), i
+    # a run stopped after block 0 resumes to the same checkpoint (the stream is checkpointed too)
+    part = tmp_path / "part"
+
+    def stop(i):
+        raise KeyboardInterrupt
+
+    config = PruneConfig.build("fast", overrides=overrides, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        prune(config, out=part, progress=False, on_block_done=stop)
+    assert (part / ".resume" / "dense_hidden_1.pt").is_file()
+    prune(config, out=part, resume=True, progress=False)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(part / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks
+from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks, run_block
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
@@ -171,6 +171,11 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         # every block done (only the checkpoint was left to write): no block input is needed
         hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
     run.captured.hidden = None
+    # the unpruned model's activations, kept beside the pruned ones when a stage fits to them
+    stream = "dense_stream" in spec.needs()
+    dense_hidden = None
+    if stream and start < len(blocks):
+        dense_hidden = hidden.clone() if start == 0 else torch.load(work / f"dense_hidden_{start}.pt").to(device)
     state["calib_seconds"] += time.time() - t0
 
     for stage in spec.stages:  # model-level passes (on resume: reloading what they saved)
@@ -192,8 +197,11 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         t0 = time.time()
         block = blocks.layers[i].to(device)
         work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=linears[i], hidden=hidden)
+        if stream:  # the block is still dense here: its outputs on the dense model's inputs
+            work_i.dense_outputs = run_block(block, dense_hidden, run.captured, i, device, config.batch_size)
         _run_stages(run, work_i, state)
         hidden = work_i.outputs(run)  # the pruned block's outputs: the next block's inputs
+        dense_hidden = work_i.dense_outputs
         perms = work_i.perms
         del work_i
         blocks.layers[i] = block.to("cpu")
@@ -201,10 +209,12 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         state["next_block"] = i + 1
         all_perms.update(perms)
         if work is not None:
-            _checkpoint_block(work, i, block, perms, hidden if i + 1 < len(blocks) else None, state)
+            last = i + 1 == len(blocks)
+            _checkpoint_block(work, i, block, perms, None if last else hidden, state,
+                              None if last else dense_hidden)
         if on_block_done is not None:
             on_block_done(i)
-    del hidden
+    del hidden, dense_hidden
 
     if "pruned_ppl" not in state:  # a resumed run that only had its checkpoint left to write skips this
         t0 = time.time()
@@ -252,16 +262,19 @@ def _run_stages(run: Run, work: BlockWork, state: dict) -> None:
 
 
 def _checkpoint_block(work: Path, i: int, block: torch.nn.Module, perms: dict, next_hidden: torch.Tensor | None,
-                      state: dict) -> None:
-    """Save block ``i``'s weights, maps and outputs, then the state that points past it (a resume
-    finds either the old state or all of the new files)."""
+                      state: dict, next_dense: torch.Tensor | None = None) -> None:
+    """Save block ``i``'s weights, maps and outputs (and the dense stream's), then the state that
+    points past it (a resume finds either the old state or all of the new files)."""
     save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(work / f"block_{i}.safetensors"))
     if perms:
         save_index_maps(perms, work / f"perms_{i}.safetensors")
     if next_hidden is not None:
         atomic_save(next_hidden.cpu(), work / f"hidden_{i + 1}.pt")
+    if next_dense is not None:
+        atomic_save(next_dense.cpu(), work / f"dense_hidden_{i + 1}.pt")
     atomic_json(state, work / "state.json")
     (work / f"hidden_{i}.pt").unlink(missing_ok=True)
+    (work / f"dense_hidden_{i}.pt").unlink(missing_ok=True)
 
 
 def _layer_entries(work: BlockWork, pattern) -> list[dict]:

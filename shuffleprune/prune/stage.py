@@ -81,6 +81,7 @@ class BlockWork:
     perms: dict[str, torch.Tensor] = field(default_factory=dict)
     perm_info: dict | None = None          # report entry of the block's permutations
     dense: dict[str, torch.Tensor] = field(default_factory=dict)   # unpruned weights (when a stage needs them)
+    dense_outputs: torch.Tensor | None = None  # the unpruned model's outputs of this block (``dense_stream``)
     report: dict[str, Any] = field(default_factory=dict)           # stages' per-block report entries
 
     def outputs(self, run: Run) -> torch.Tensor:
@@ -96,7 +97,9 @@ class Stage:
 
     def needs(self) -> set[str]:
         """What this stage reads: ``norms`` and/or ``gram`` (statistics), ``dense_weights`` (the
-        block's unpruned weights, kept by the driver in ``BlockWork.dense``)."""
+        block's unpruned weights, kept by the driver in ``BlockWork.dense``), ``dense_stream`` (the
+        unpruned model's activations, propagated by the driver beside the pruned ones: this block's
+        outputs in ``BlockWork.dense_outputs``)."""
         return set()
 
     def check(self, spec: RunSpec) -> None:

@@ -51,7 +51,7 @@ class Sequential(Stage):
     name = "sequential"
 
     def apply(self, run: Run, work: BlockWork) -> None:
-        needs = run.spec.needs()
+        needs = run.spec.needs() & {"norms", "gram"}
         if not needs:  # nothing reads statistics: skip the pass
             work.stats, work.groups = {n: None for n in work.linears}, [[n] for n in work.linears]
             return

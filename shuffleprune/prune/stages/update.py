@@ -4,8 +4,11 @@
   each linear, the kept weights that best reproduce the dense layer's outputs on the block's
   calibration inputs (``XᵀX`` from the statistics stage), after any mask, with or without a
   permutation (the problem is per row and column order does not change it);
-- ``blockrecon``: Adam on each block's kept weights against the dense block's outputs, stopped by a
-  held-out share of the windows (:mod:`shuffleprune.prune.reconstruct`).
+- ``blockrecon``: Adam on each block's kept weights against dense outputs, stopped by a held-out
+  share of the windows (:mod:`shuffleprune.prune.reconstruct`). The inputs are the pruned earlier
+  blocks' outputs; the target is the unpruned model's activations after this block (``target:
+  model``: the block also corrects the error the blocks before it left) or the dense block applied
+  to the same pruned inputs (``target: block``).
 """
 from __future__ import annotations
 
@@ -59,13 +62,16 @@ class BlockReconstruction(Stage):
     holdout: float = 0.25    # share of windows never trained on; their loss stops training
     check_every: int = 10    # steps between held-out checks
     patience: int = 2        # stop after this many checks in a row without a new best
+    target: str = "model"    # model: the unpruned model's activations; block: the dense block on pruned inputs
 
     def needs(self) -> set[str]:
-        return {"dense_weights"}
+        return {"dense_weights", "dense_stream"} if self.target == "model" else {"dense_weights"}
 
     def check(self, spec: RunSpec) -> None:
         if min(self.steps, self.batch, self.check_every, self.patience) < 1 or self.lr <= 0:
             raise UserError("update 'blockrecon': steps, batch, check_every and patience must be ≥ 1 and lr > 0")
+        if self.target not in ("model", "block"):
+            raise UserError(f"update 'blockrecon': target '{self.target}' must be model or block")
         if not 0.0 <= self.holdout < 1.0:
             raise UserError(f"update 'blockrecon': holdout {self.holdout} must be in [0, 1)")
         if self.holdout and spec.nsamples < 2:
@@ -82,8 +88,12 @@ class BlockReconstruction(Stage):
             return first_tensor(functional_call(work.block, params, (work.hidden[rows].to(run.device), *args), kwargs))
 
         everything = torch.arange(work.hidden.shape[0])
-        with torch.no_grad():
-            target = torch.cat([forward(work.dense, rows).to(work.hidden.device) for rows in everything.split(self.batch)])
+        if self.target == "model":
+            target = work.dense_outputs
+        else:
+            with torch.no_grad():
+                target = torch.cat([forward(work.dense, rows).to(work.hidden.device)
+                                    for rows in everything.split(self.batch)])
 
         def loss_of(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
             out, want = forward(weights, rows).float(), target[rows].to(run.device).float()
