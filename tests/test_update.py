@@ -167,3 +167,32 @@ def test_the_dense_stream_is_the_unpruned_models_activations_and_resumes(tiny_di
 
     a, b = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(part / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("pattern", [Pattern(2, 4), Pattern(4, 8), Pattern(unstructured_sparsity=0.5)])
+def test_gradual_masks_keep_the_pattern_exactly_and_beat_one_shot_masks(pattern):
+    from shuffleprune.prune.methods.gradual import gradual_lstsq
+
+    w, x, stats = _layer(rows=64, cols=96, tokens=600, seed=0)
+    x = x @ (torch.randn(96, 96, generator=torch.Generator().manual_seed(0)) * 0.3 + torch.eye(96))  # correlated
+    stats.gram = (x.T @ x).float()
+    err = lambda v: float(((x @ (w - v).T) ** 2).sum())
+    got = gradual_lstsq(w, stats, pattern, rounds=8)
+    one_shot = sparsegpt(w, stats, pattern)
+    if pattern.is_nm:
+        assert satisfies_nm(got, pattern.n, pattern.m)
+        assert ((got != 0).sum(1) == 96 // pattern.m * pattern.n).all()  # exactly N per group, none lost
+    else:
+        assert ((got == 0).sum(1) == 48).all()
+    assert err(got) < err(one_shot)
+    if pattern != Pattern(2, 4):  # with two or more removals per group the rounds pay off beyond the update
+        assert err(got) < err(masked_lstsq(w, one_shot != 0, stats.gram, start=one_shot))
+
+
+def test_gradual_stage_runs_in_permuted_coordinates_and_keeps_nm_in_memory_order(tiny_dir, text_file, tmp_path):
+    kw = dict(model=str(tiny_dir), calib=str(text_file), eval_text=None, nsamples=4, seqlen=32, batch_size=4,
+              perm_block=16)
+    res = prune(PruneConfig.build("balanced", method="gradual", overrides=["prune.rounds=3"], **kw), progress=False)
+    assert res.report["stages"] == ["statistics:sequential", "permutation:search", "prune:gradual"]
+    assert res.report["nm_ok"] and all(l["nm_ok"] for l in res.report["layers"])
+    assert any("perm_strength" in l for l in res.report["layers"])  # the masks were chosen in permuted order

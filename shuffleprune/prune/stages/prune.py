@@ -1,17 +1,21 @@
 """``prune`` stages: each linear's mask and weight update, in permuted coordinates when the block has
 index maps. One stage per method of :mod:`shuffleprune.prune.methods` (``magnitude``, ``wanda``,
-``sparsegpt``); linears that read one input are pruned in order of their group."""
+``sparsegpt``, ``gradual``: gradual OBS masks inside the exact masked least-squares update); linears
+that read one input are pruned in order of their group."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from shuffleprune.masks import Pattern
 from shuffleprune.perm.core import in_permuted_columns
 from shuffleprune.prune.input_stats import InputStats
+from shuffleprune.errors import UserError
 from shuffleprune.prune.methods import PruneFn, magnitude, sparsegpt, wanda
-from shuffleprune.prune.stage import BlockWork, Run, Stage, register
+from shuffleprune.prune.methods.gradual import gradual_lstsq
+from shuffleprune.prune.stage import BlockWork, Run, RunSpec, Stage, register
 
 
 def prune_in_permuted_coordinates(method: PruneFn, weight: torch.Tensor, stats: InputStats | None,
@@ -29,8 +33,12 @@ class _MethodStage(Stage):
     def needs(self) -> set[str]:
         return set(type(self).reads)
 
+    def prune_fn(self) -> PruneFn:
+        """The method with this stage's parameters bound."""
+        return type(self).method
+
     def apply(self, run: Run, work: BlockWork) -> None:
-        method = type(self).method
+        method = self.prune_fn()
         for group in work.groups:
             for name in group:
                 lin = work.linears[name]
@@ -56,3 +64,23 @@ class Wanda(_MethodStage):
 @dataclass
 class SparseGPT(_MethodStage):
     kind, name, method, reads = "prune", "sparsegpt", staticmethod(sparsegpt), frozenset({"gram"})
+
+
+@register
+@dataclass
+class Gradual(_MethodStage):
+    """Masks chosen in rounds from the exact masked least-squares solution of the round before
+    (:mod:`shuffleprune.prune.methods.gradual`)."""
+
+    kind, name, reads = "prune", "gradual", frozenset({"gram"})
+    rounds: int = 4        # unstructured sparsity: steps to the target (N:M always takes M − N)
+    damp: float = 0.01     # ridge term, as a fraction of mean(diag XᵀX)
+    iters: int = 100       # conjugate-gradient steps per round at most
+    tol: float = 1e-6
+
+    def check(self, spec: RunSpec) -> None:
+        if self.rounds < 1 or self.iters < 1 or self.damp <= 0 or self.tol <= 0:
+            raise UserError("prune 'gradual': rounds and iters must be ≥ 1, damp and tol > 0")
+
+    def prune_fn(self) -> PruneFn:
+        return partial(gradual_lstsq, rounds=self.rounds, damp=self.damp, iters=self.iters, tol=self.tol)
