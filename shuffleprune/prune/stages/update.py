@@ -63,6 +63,7 @@ class BlockReconstruction(Stage):
     check_every: int = 10    # steps between held-out checks
     patience: int = 2        # stop after this many checks in a row without a new best
     target: str = "model"    # model: the unpruned model's activations; block: the dense block on pruned inputs
+    loss: str = "token"      # token: squared error relative to each token's norm; global: to the batch's mean
 
     def needs(self) -> set[str]:
         return {"dense_weights", "dense_stream"} if self.target == "model" else {"dense_weights"}
@@ -72,6 +73,8 @@ class BlockReconstruction(Stage):
             raise UserError("update 'blockrecon': steps, batch, check_every and patience must be ≥ 1 and lr > 0")
         if self.target not in ("model", "block"):
             raise UserError(f"update 'blockrecon': target '{self.target}' must be model or block")
+        if self.loss not in ("token", "global"):
+            raise UserError(f"update 'blockrecon': loss '{self.loss}' must be token or global")
         if not 0.0 <= self.holdout < 1.0:
             raise UserError(f"update 'blockrecon': holdout {self.holdout} must be in [0, 1)")
         if self.holdout and spec.nsamples < 2:
@@ -97,7 +100,10 @@ class BlockReconstruction(Stage):
 
         def loss_of(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
             out, want = forward(weights, rows).float(), target[rows].to(run.device).float()
-            return (out - want).pow(2).mean() / want.pow(2).mean().clamp_min(1e-12)
+            if self.loss == "global":
+                return (out - want).pow(2).mean() / want.pow(2).mean().clamp_min(1e-12)
+            # per token: a few tokens with massive activations (BOS, attention sinks) do not drown the rest
+            return ((out - want).pow(2).sum(-1) / want.pow(2).sum(-1).clamp_min(1e-12)).mean()
 
         gen = torch.Generator().manual_seed(run.seed * 1_000_003 + work.index + 17)
         learn, judge = split_windows(work.hidden.shape[0], self.holdout, gen)
