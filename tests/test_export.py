@@ -94,19 +94,26 @@ def test_sparse_linear_cpu_path_and_weight_view():
     assert torch.allclose((x.double() @ orig.double().t()) + lin.bias.double(), ref, atol=1e-5)
 
 
-def test_sparse_linear_drops_the_forms_no_token_count_uses():
-    w = _nm_weight(12, 32, 2, 4)
-    values, meta = compress(w, 2, 4)
-    lin = SparseLinear(values, meta, 32, 2, 4)
-    lin.dense_permuted()
-    lin._semi["semi_structured"] = object()  # stands for a copy built while measuring
-    lin.choices = {1: "triton"}
-    lin._release_unused()
-    assert lin._dense is None and not lin._semi
-    lin.choices[512] = "dense"
-    lin.dense_permuted()
-    lin._release_unused()
-    assert lin._dense is not None  # kept: a token count runs it
+def test_sparse_linear_holds_only_the_compressed_weight_and_shares_one_scratch():
+    from shuffleprune.deploy.sparse_linear import release_scratch, scratch_buffer
+
+    release_scratch()
+    layers = [SparseLinear(*compress(_nm_weight(r, c, 2, 4, seed=r), 2, 4), c, 2, 4, perm=torch.randperm(c))
+              for r, c in ((12, 32), (20, 48))]
+    x = torch.randn(3, 32)
+    for lin, inp in zip(layers, (x, torch.randn(3, 48))):
+        ref = inp.double()[:, lin.perm.long()] @ lin.dense_permuted().double().t()
+        assert torch.allclose(lin(inp).double(), ref, atol=1e-5)
+        held = sum(t.numel() * t.element_size() for t in list(lin.buffers()) + list(lin.parameters()))
+        dense_bytes = lin.out_features * lin.in_features * lin.values.element_size()
+        assert held < 0.75 * dense_bytes  # values (½) + positions (1/16) + the index map: no dense copy
+        assert not any(isinstance(v, torch.Tensor) and v.numel() >= lin.out_features * lin.in_features
+                       for v in vars(lin).values())
+    # both layers wrote their dense form into the same buffer, sized for the larger one
+    buf = scratch_buffer(1, torch.device("cpu"), torch.float32)
+    assert buf.numel() == 20 * 48
+    with pytest.raises(ValueError, match="unknown SparseLinear policy"):
+        SparseLinear(*compress(_nm_weight(4, 8, 2, 4), 2, 4), 8, 2, 4, policy="fastest")
 
 
 @pytest.fixture

@@ -69,11 +69,16 @@ def unpack_positions(meta: torch.Tensor, m: int) -> torch.Tensor:
     return fields.reshape(meta.shape[0], -1).long()
 
 
-def decompress(values: torch.Tensor, meta: torch.Tensor, n: int, m: int, cols: int) -> torch.Tensor:
-    """The dense ``[R, C]`` weight (zeros elsewhere) of a compressed N:M weight."""
+def decompress(values: torch.Tensor, meta: torch.Tensor, n: int, m: int, cols: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense ``[R, C]`` weight (zeros elsewhere) of a compressed N:M weight; written into the
+    first ``R·C`` elements of ``out`` when given (a shared scratch buffer)."""
     rows = values.shape[0]
     pos = unpack_positions(meta, m)[:, : values.shape[1]].reshape(rows, cols // m, n)
-    dense = torch.zeros(rows, cols // m, m, dtype=values.dtype, device=values.device)
+    if out is None:
+        dense = torch.zeros(rows, cols // m, m, dtype=values.dtype, device=values.device)
+    else:
+        dense = out.reshape(-1)[: rows * cols].view(rows, cols // m, m).zero_()
     dense.scatter_(-1, pos.to(values.device), values.reshape(rows, cols // m, n))
     return dense.reshape(rows, cols)
 

@@ -1,20 +1,21 @@
 """``SparseLinear``: the deployed form of a pruned (and possibly permuted) linear layer.
 
-``y = W_p · x[perm] + b`` with ``W_p`` held compressed (``values`` + packed ``meta``, see
-:mod:`sparse_format`) and ``perm`` the input index map (``None`` when the layer reads its input in
-order). Which implementation runs is chosen per call shape:
+``y = W_p · x[perm] + b`` with ``W_p`` held compressed only (``values`` + packed positions, see
+:mod:`format`) and ``perm`` the input index map (``None`` when the layer reads its input in order).
+No layer keeps a dense copy: GPU memory holds the compressed size. Implementations (``IMPLS``):
 
-- CUDA, few tokens (decode): the Triton kernel of ``kernels/nm_matmul.py`` — gathers ``x`` at the
-  permuted addresses inside the kernel;
-- CUDA, many tokens (prefill): PyTorch's semi-structured 2:4 matmul — ``semi_structured`` (its
-  default backend, cuSPARSELt where present) or ``semi_cutlass`` (its CUTLASS backend) — when it
-  exists for this dtype and pattern, with the gather applied once, else a dense matmul of the
-  decompressed weight — the fastest as measured on the first call per token count;
-- CPU: plain PyTorch (the decompressed weight, built once and kept).
+- ``decode`` (CUDA, 1–16 tokens): the bandwidth kernel of ``kernels/nm_fast.py`` (position words,
+  split-K, the index map read inside the kernel);
+- ``gemm`` (CUDA, many tokens): the tiled Triton GEMM that decompresses weight tiles in registers,
+  over the gathered input;
+- ``scratch`` (any device): ``W_p`` decompressed into one scratch buffer shared by every layer of
+  that device and dtype, then a dense matmul (cuBLAS on the GPU);
+- ``gather`` / ``group``: the first Triton kernels (``kernels/nm_matmul.py``), kept as candidates;
+- ``semi_structured`` / ``semi_cutlass``: PyTorch's 2:4 tensors. They hold their own compressed
+  copy, so only an explicit ``policy`` runs them (benchmarks), never ``auto``.
 
-``policy`` may also name one implementation (``triton`` also runs on the CPU under
-``TRITON_INTERPRET=1``). With ``policy="auto"`` on CUDA the first call for each token-count bucket times every applicable
-implementation and keeps the fastest (``self.choices`` records it).
+``policy="auto"``: on the CPU ``scratch``; on CUDA the first call of each token-count bucket
+(1, 2, 4, … tokens) times the applicable candidates and keeps the fastest (``self.choices``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,26 @@ from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
 
-IMPLS = ("triton", "semi_structured", "semi_cutlass", "dense")
+IMPLS = ("decode", "gemm", "scratch", "gather", "group", "semi_structured", "semi_cutlass")
+DECODE_MAX_TOKENS = 16
+
+_SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def scratch_buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The shared scratch of ``device`` and ``dtype``, grown to at least ``numel`` elements (it lives
+    as long as the process; every layer's dense form is written into it per call)."""
+    key = (str(device), dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        _SCRATCH.pop(key, None)
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf
+
+
+def release_scratch() -> None:
+    """Free the shared scratch buffers (they are rebuilt on the next call that needs one)."""
+    _SCRATCH.clear()
 
 
 class SharedGather:
@@ -54,6 +74,8 @@ class SparseLinear(nn.Module):
     def __init__(self, values: torch.Tensor, meta: torch.Tensor, in_features: int, n: int, m: int,
                  perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, policy: str = "auto"):
         super().__init__()
+        if policy != "auto" and policy not in IMPLS:
+            raise ValueError(f"unknown SparseLinear policy {policy!r}; use auto or one of {', '.join(IMPLS)}")
         self.in_features, self.out_features = in_features, values.shape[0]
         self.n, self.m, self.bits = n, m, meta_bits(m)
         self.register_buffer("values", values)
@@ -63,7 +85,6 @@ class SparseLinear(nn.Module):
         self.policy = policy
         self.shared_gather: SharedGather | None = None  # set by export's loader for layers sharing a map
         self.choices: dict[int, str] = {}
-        self._dense: torch.Tensor | None = None
         self._semi: dict[str, object] = {}
 
     def extra_repr(self) -> str:
@@ -72,8 +93,8 @@ class SparseLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dense weight in the *original* input order (zeros where pruned) — for inspection and
-        for code that reads ``.weight``; the forward pass never uses it."""
+        """The dense weight in the *original* input order (zeros where pruned), built on each access —
+        for inspection and for code that reads ``.weight``; the forward pass never uses it."""
         w = self.dense_permuted()
         if self.perm is None:
             return w
@@ -82,10 +103,15 @@ class SparseLinear(nn.Module):
         return out
 
     def dense_permuted(self) -> torch.Tensor:
-        """``W_p`` decompressed (cached; invalidated when the module moves)."""
-        if self._dense is None or self._dense.device != self.values.device or self._dense.dtype != self.values.dtype:
-            self._dense = decompress(self.values, self.meta, self.n, self.m, self.in_features)
-        return self._dense
+        """``W_p`` decompressed into a new tensor (not kept)."""
+        return decompress(self.values, self.meta, self.n, self.m, self.in_features)
+
+    def words(self) -> torch.Tensor:
+        """The positions as int32 words for the Triton kernels (a view of ``meta`` when rows are whole
+        words, which they are for every width divisible by 32·M/(N·bits))."""
+        from shuffleprune.kernels.nm_fast import position_words
+
+        return position_words(self.meta)
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is None:
@@ -94,11 +120,32 @@ class SparseLinear(nn.Module):
             return self.shared_gather.get(x, self.perm.long())
         return x.index_select(-1, self.perm.long())
 
+    def _pow2(self) -> bool:
+        return not (self.n & (self.n - 1) or self.m & (self.m - 1))
+
+    def _scratch_dense(self) -> torch.Tensor:
+        """``W_p`` written into the shared scratch (a Triton kernel on CUDA, PyTorch elsewhere)."""
+        buf = scratch_buffer(self.out_features * self.in_features, self.values.device, self.values.dtype)
+        if self.values.is_cuda and self._pow2():
+            from shuffleprune.kernels.nm_fast import nm_decompress_into
+
+            return nm_decompress_into(self.values, self.words(), self.n, self.m, self.bits, self.in_features, buf)
+        return decompress(self.values, self.meta, self.n, self.m, self.in_features, out=buf)
+
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
-        if impl == "triton":
+        if impl == "decode":
+            from shuffleprune.kernels.nm_fast import nm_decode
+
+            return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias)
+        if impl == "gemm":
+            from shuffleprune.kernels.nm_fast import nm_gemm
+
+            return nm_gemm(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, self.bias)
+        if impl in ("gather", "group"):
             from shuffleprune.kernels.nm_matmul import nm_gather_matmul
 
-            return nm_gather_matmul(x, self.values, self.meta, self.n, self.m, self.bits, self.perm, self.bias)
+            return nm_gather_matmul(x, self.values, self.meta, self.n, self.m, self.bits, self.perm, self.bias,
+                                    variant=impl)
         if impl in ("semi_structured", "semi_cutlass"):
             if impl not in self._semi:
                 from torch.sparse import SparseSemiStructuredTensorCUTLASS, to_sparse_semi_structured
@@ -109,25 +156,26 @@ class SparseLinear(nn.Module):
             xg = self._gathered(x)
             y = F.linear(xg.reshape(-1, xg.shape[-1]), self._semi[impl]).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        return F.linear(self._gathered(x), self.dense_permuted(), self.bias)
+        return F.linear(self._gathered(x), self._scratch_dense(), self.bias)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
-        from shuffleprune.kernels.nm_matmul import available
+        from shuffleprune.kernels.nm_fast import triton
 
-        out = ["dense"]
-        if available() and x.is_cuda:
-            out.insert(0, "triton")
-        if x.is_cuda and (self.n, self.m) == (2, 4) and x.dtype in (torch.float16, torch.bfloat16):
-            out.append("semi_structured")
-            if torch.cuda.get_device_capability(x.device)[0] == 8:  # PyTorch's CUTLASS 2:4 path: Ampere only
-                out.append("semi_cutlass")
+        if triton is None:
+            return ["scratch"]
+        tokens = x.numel() // x.shape[-1]
+        out = ["scratch"]
+        if self._pow2():
+            out.insert(0, "decode" if tokens <= DECODE_MAX_TOKENS else "gemm")
+        if tokens <= DECODE_MAX_TOKENS:
+            out.append("gather")
         return out
 
     def _measure(self, x: torch.Tensor, candidates: list[str]) -> str:
-        best, best_ms = "dense", float("inf")
+        best, best_ms = "scratch", float("inf")
         for impl in candidates:
             try:
-                for _ in range(3):  # compile / plan / decompress, then warm
+                for _ in range(3):  # compile, then warm
                     self._run(impl, x)
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -137,7 +185,7 @@ class SparseLinear(nn.Module):
                 end.record()
                 torch.cuda.synchronize()
                 ms = start.elapsed_time(end) / 20
-            except (RuntimeError, NotImplementedError):  # e.g. no cuSPARSELt for this shape/GPU
+            except (RuntimeError, NotImplementedError, ValueError):  # e.g. a kernel that does not fit this shape
                 continue
             if ms < best_ms:
                 best, best_ms = impl, ms
@@ -147,19 +195,8 @@ class SparseLinear(nn.Module):
         if self.policy != "auto":  # an explicit choice (tests and benchmarks), on any device
             return self._run(self.policy, x)
         if not x.is_cuda:
-            return self._run("dense", x)
-        tokens = x.numel() // x.shape[-1]
-        key = _bucket(tokens)
+            return self._run("scratch", x)
+        key = _bucket(x.numel() // x.shape[-1])
         if key not in self.choices:
             self.choices[key] = self._measure(x, self._candidates(x))
-            self._release_unused()
         return self._run(self.choices[key], x)
-
-    def _release_unused(self) -> None:
-        """Drop the forms built while measuring that no token count uses (a decompressed dense copy,
-        semi-structured copies), so the layer holds only what it runs."""
-        chosen = set(self.choices.values())
-        for impl in [i for i in self._semi if i not in chosen]:
-            del self._semi[impl]
-        if "dense" not in chosen:
-            self._dense = None

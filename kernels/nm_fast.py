@@ -1,0 +1,260 @@
+"""Triton kernels for a compressed N:M weight in the *word* layout (see :func:`position_words`):
+``values`` ``[R, K]`` (``K = C·N/M`` kept values per row, model dtype) and ``words`` int32
+``[R, W]``: the in-group positions as ``BITS``-bit fields, ``32 / BITS`` per 32-bit word (value
+``k`` of a row in bits ``BITS·(k mod F)…`` of word ``k // F``, ``F = 32 / BITS``) — the same bits as
+the export's byte layout, read four bytes at a time.
+
+- :func:`nm_decode` (1–16 tokens): ``y = x[..., perm] @ W_pᵀ (+ b)``, bandwidth-bound. A program
+  owns ``BLOCK_R`` rows and one split of the kept values; per step it loads a ``[BLOCK_R,
+  BLOCK_K]`` value tile and its position words (streaming loads: the weight is read once), reads
+  the matching ``BLOCK_K·M/N`` inputs once (gathered through the index map, shared by all its
+  rows), expands the tile to dense columns in registers and multiplies — with ``tl.dot`` from 8
+  tokens up. Split-K partial sums (float32) are added by one reduction when the row count is too
+  small to fill the GPU.
+- :func:`nm_gemm` (prefill): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted inputs whose
+  weight tiles are decompressed in registers for ``tl.dot``.
+- :func:`nm_decompress_into`: the dense ``W_p`` written into a caller's buffer (the shared scratch
+  a dense matmul reads; no layer keeps a dense copy).
+
+All run on the CPU under ``TRITON_INTERPRET=1`` (how CI checks them against float64 references).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
+
+def position_words(meta: torch.Tensor) -> torch.Tensor:
+    """The export's ``uint8`` positions ``[R, B]`` as int32 words ``[R, ⌈B/4⌉]`` (a view when every row
+    is a whole number of words, else one padded copy made at load)."""
+    rows, nbytes = meta.shape
+    if nbytes % 4:
+        meta = torch.nn.functional.pad(meta, (0, -nbytes % 4))
+    meta = meta.contiguous()
+    return meta.view(torch.int32)
+
+
+if triton is not None:
+    @triton.jit
+    def _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
+                    N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K`` expanded to their ``BLOCK_K·M/N`` dense
+        columns (zeros where pruned), in the values' dtype."""
+        F: tl.constexpr = 32 // BITS
+        WPB: tl.constexpr = BLOCK_K // F
+        G: tl.constexpr = BLOCK_K // N
+        ks = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok[:, None] & (ks < K)[None, :]
+        v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+        wi = k0 // F + tl.arange(0, WPB)
+        words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :], mask=row_ok[:, None] & (wi < WORDS)[None, :],
+                        other=0, eviction_policy="evict_first")
+        shifts = tl.arange(0, F) * BITS
+        pos = (tl.broadcast_to(words[:, :, None], (BLOCK_R, WPB, F)) >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        pos = tl.reshape(pos, (BLOCK_R, G, N))
+        slot = tl.arange(0, M)
+        hit = pos[:, :, :, None] == slot[None, None, None, :]
+        vals = tl.reshape(v, (BLOCK_R, G, N))[:, :, :, None]
+        return tl.reshape(tl.sum(tl.where(hit, vals, tl.zeros_like(vals)), axis=2), (BLOCK_R, G * M))
+
+    @triton.jit
+    def _nm_decode_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr,
+                          T, R, K, C, WORDS, stride_xt, stride_yt, K_PER_SPLIT,
+                          N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
+                          HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                          USE_DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+        G: tl.constexpr = BLOCK_K // N
+        pid_r, pid_s = tl.program_id(0), tl.program_id(1)
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        toks = tl.arange(0, BLOCK_T)
+        tok_ok = toks < T
+        acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+        k_start = pid_s * K_PER_SPLIT
+        for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+            dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K)
+            cols = (k0 // N) * M + tl.arange(0, G * M)
+            col_ok = cols < C
+            src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
+            xs = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None], mask=col_ok[:, None] & tok_ok[None, :],
+                         other=0.0)                                                  # [G·M, BLOCK_T], read once
+            if USE_DOT:
+                if UPCAST:
+                    acc = tl.dot(dense.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(dense.to(xs.dtype), xs, acc, input_precision=PREC)
+            else:
+                acc += tl.sum(dense.to(tl.float32)[:, :, None] * xs.to(tl.float32)[None, :, :], axis=1)
+        out_ok = row_ok[:, None] & tok_ok[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + toks[None, :] * stride_yt + rows[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            tl.store(part_ptr + (pid_s * T + toks[None, :]) * R + rows[:, None], acc, mask=out_ok)
+
+    @triton.jit
+    def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,
+                        N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr):
+        BLOCK_K: tl.constexpr = BLOCK_C * N // M
+        pid = tl.program_id(0)
+        n_t, n_r = tl.cdiv(T, BLOCK_T), tl.cdiv(R, BLOCK_R)
+        per_group = GROUP_T * n_r                      # grouped order: neighbouring programs share weight tiles in L2
+        first_t = (pid // per_group) * GROUP_T
+        size_t = tl.minimum(n_t - first_t, GROUP_T)
+        pid_t = first_t + (pid % per_group) % size_t
+        pid_r = (pid % per_group) // size_t
+        toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        tok_ok, row_ok = toks < T, rows < R
+        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            xs = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_ok[:, None] & (cols < C)[None, :],
+                         other=0.0)
+            dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, c0 * N // M, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K)
+            if UPCAST:
+                acc = tl.dot(xs.to(tl.float32), tl.trans(dense.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xs, tl.trans(dense.to(xs.dtype)), acc, input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + toks[:, None] * stride_yt + rows[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=tok_ok[:, None] & row_ok[None, :])
+
+    @triton.jit
+    def _nm_decompress_kernel(val_ptr, word_ptr, out_ptr, R, C, K, WORDS,
+                              N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        G: tl.constexpr = BLOCK_K // N
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        k0 = tl.program_id(1) * BLOCK_K
+        dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K)
+        cols = (k0 // N) * M + tl.arange(0, G * M)
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], dense, mask=row_ok[:, None] & (cols < C)[None, :])
+
+
+def _check(n: int, m: int, bits: int) -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if n & (n - 1) or m & (m - 1) or 32 % bits:
+        raise ValueError(f"the word-layout kernels need N and M powers of two (got {n}:{m})")
+
+
+def _precision(x: torch.Tensor) -> str:
+    """float32 inputs multiply in full precision (not TF32); 16-bit ones on the tensor cores."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _upcast(x: torch.Tensor) -> bool:
+    """Under the interpreter bfloat16 ``tl.dot`` is wrong (numpy has no bfloat16 matmul): there the
+    products of bfloat16 tiles are taken in float32. Never on a GPU."""
+    return x.dtype == torch.bfloat16 and x.device.type != "cuda"
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any small number exercises the split path
+
+
+def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
+                block_r: int | None = None, block_k: int | None = None, split: int | None = None) -> dict:
+    """Tile and split-K for :func:`nm_decode`: enough programs to fill every SM about four times."""
+    fields = 32 // bits
+    use_dot = tokens >= 8
+    block_t = 16 if use_dot else triton.next_power_of_2(tokens)   # tl.dot tiles are at least 16 wide
+    block_r = block_r or (16 if use_dot else 8)
+    block_k = block_k or max(fields, n, 256 if tokens <= 2 else 128)
+    row_programs = triton.cdiv(rows, block_r)
+    steps = triton.cdiv(kept, block_k)
+    if split is None:
+        want = 4 * _sm_count(device)
+        split = max(1, min(steps, triton.cdiv(want, row_programs)))
+    per_split = triton.cdiv(steps, split) * block_k
+    split = triton.cdiv(kept, per_split)
+    return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split,
+                use_dot=use_dot and block_r >= 16 and block_k // n * m >= 16)
+
+
+def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
+              perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, num_warps: int = 4,
+              **plan_overrides) -> torch.Tensor:
+    """``x`` ``[..., C]`` with at most 16 tokens → ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``."""
+    _check(n, m, bits)
+    lead, cols = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, cols).contiguous()
+    tokens = x2.shape[0]
+    if tokens > 16:
+        raise ValueError(f"nm_decode takes at most 16 tokens (got {tokens}); use nm_gemm")
+    rows, kept = values.shape
+    p = decode_plan(rows, kept, tokens, n, m, bits, x.device, **plan_overrides)
+    y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    part = torch.empty(p["split"], tokens, rows, dtype=torch.float32, device=x.device) if p["split"] > 1 else y
+    dummy = values
+    grid = (triton.cdiv(rows, p["block_r"]), p["split"])
+    _nm_decode_kernel[grid](x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy,
+                            y, part, tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0),
+                            p["per_split"], N=n, M=m, BITS=bits, HAS_PERM=perm is not None,
+                            HAS_BIAS=bias is not None, SPLIT=p["split"], USE_DOT=p["use_dot"], PREC=_precision(x),
+                            UPCAST=_upcast(x),
+                            BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], num_warps=num_warps)
+    if p["split"] > 1:
+        total = part.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y = total.to(x.dtype)
+    return y.reshape(*lead, rows)
+
+
+def gemm_tile(tokens: int) -> tuple[int, int, int, int, int]:
+    """``(block_t, block_r, block_c, num_warps, num_stages)`` of :func:`nm_gemm` by token count."""
+    if tokens <= 64:
+        return 32, 64, 64, 4, 3
+    if tokens <= 512:
+        return 64, 128, 64, 4, 3
+    return 128, 128, 64, 8, 3
+
+
+def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
+            bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``x`` ``[..., C]`` already in the weight's (permuted) column order → ``x @ W_pᵀ + bias``."""
+    _check(n, m, bits)
+    lead, cols = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, cols).contiguous()
+    tokens = x2.shape[0]
+    rows, kept = values.shape
+    block_t, block_r, block_c, warps, stages = tile or gemm_tile(tokens)
+    if (block_c * n // m) % (32 // bits):
+        raise ValueError(f"block_c {block_c} must hold whole position words for {n}:{m}")
+    y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r),)
+    _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, tokens, rows, cols, kept,
+                          words.shape[1], x2.stride(0), y.stride(0), N=n, M=m, BITS=bits, HAS_BIAS=bias is not None,
+                          PREC=_precision(x), UPCAST=_upcast(x),
+                          BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, num_warps=warps,
+                          num_stages=stages)
+    return y.reshape(*lead, rows)
+
+
+def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int, cols: int,
+                       out: torch.Tensor) -> torch.Tensor:
+    """Write the dense ``[R, cols]`` ``W_p`` into ``out`` (a buffer of at least ``R·cols`` elements of
+    the values' dtype); returns the ``[R, cols]`` view."""
+    _check(n, m, bits)
+    rows, kept = values.shape
+    dense = out.reshape(-1)[: rows * cols].view(rows, cols)
+    block_r, block_k = 16, max(32 // bits, 64)
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(kept, block_k))
+    _nm_decompress_kernel[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
+                                BLOCK_R=block_r, BLOCK_K=block_k)
+    return dense

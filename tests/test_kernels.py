@@ -1,0 +1,107 @@
+"""The word-layout Triton kernels (``kernels/nm_fast.py``) against float64 references, interpreted on
+the CPU (``TRITON_INTERPRET=1``): decode (with split-K, with and without ``tl.dot``), the prefill
+GEMM, and decompression into a shared buffer; ragged shapes, 2:4 and 4:8, index map and bias,
+float16 / bfloat16 / float32; and every ``SparseLinear`` policy through the same reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shuffleprune.deploy.format import compress, meta_bits
+from shuffleprune.deploy.sparse_linear import IMPLS, SparseLinear
+from shuffleprune.masks import nm_keep_mask
+
+pytest.importorskip("triton")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def _case(rows: int, cols: int, n: int, m: int, tokens: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    w = (w * nm_keep_mask(w.abs(), n, m))
+    w[0, :m] = 0  # a group with fewer than N non-zeros
+    w = w.to(dtype)
+    values, meta = compress(w, n, m)
+    x = torch.randn(tokens, cols, generator=g).to(dtype)
+    perm = torch.randperm(cols, generator=g)
+    bias = torch.randn(rows, generator=g).to(dtype)
+    return w, values, meta, x, perm, bias
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    scale = max(1.0, ref.abs().max().item())
+    return y.dtype == dtype and torch.allclose(y.double(), ref, atol=TOL[dtype] * scale, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,n,m,tokens,split", [
+    (48, 64, 2, 4, 1, None),     # one token, split-K chosen by the plan
+    (37, 96, 2, 4, 3, 3),        # ragged rows, three splits of the kept values
+    (33, 128, 4, 8, 5, 1),       # 4:8 (4-bit positions), no split
+    (40, 96, 2, 4, 8, 2),        # tl.dot from 8 tokens (16-token tile), ragged, split
+    (24, 160, 2, 4, 16, None),   # 16 tokens, K not a multiple of the step
+])
+@pytest.mark.parametrize("with_perm,with_bias", [(True, True), (False, False)])
+def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, dtype, with_perm, with_bias):
+    from shuffleprune.kernels.nm_fast import decode_plan, nm_decode, position_words
+
+    w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows + tokens)
+    p = perm if with_perm else None
+    b = bias if with_bias else None
+    over = {"split": split, "block_k": 16} if split else {}   # short steps, so the kept values split
+    y = nm_decode(x, values, position_words(meta), n, m, meta_bits(m), None if p is None else p.to(torch.int32), b,
+                  **over)
+    xr = x.double() if p is None else x.double()[:, p]
+    ref = xr @ w.double().t() + (0 if b is None else b.double())
+    assert y.shape == (tokens, rows) and _close(y, ref, dtype)
+    plan = decode_plan(rows, values.shape[1], tokens, n, m, meta_bits(m), x.device, **over)
+    assert plan["use_dot"] == (tokens >= 8)
+    if split:
+        assert plan["split"] == split
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,n,m,tokens", [(48, 64, 2, 4, 17), (37, 160, 2, 4, 70), (33, 128, 4, 8, 40)])
+def test_gemm_kernel_matches_float64(rows, cols, n, m, tokens, dtype):
+    from shuffleprune.kernels.nm_fast import nm_gemm, position_words
+
+    w, values, meta, x, _, bias = _case(rows, cols, n, m, tokens, dtype, seed=cols)
+    y = nm_gemm(x, values, position_words(meta), n, m, meta_bits(m), bias, tile=(16, 16, 64, 4, 1))
+    assert _close(y, x.double() @ w.double().t() + bias.double(), dtype)
+    y = nm_gemm(x, values, position_words(meta), n, m, meta_bits(m), None, tile=(32, 32, 64, 4, 1))
+    assert _close(y, x.double() @ w.double().t(), dtype)
+
+
+@pytest.mark.parametrize("rows,cols,n,m", [(37, 96, 2, 4), (33, 136, 4, 8), (5, 24, 2, 4)])
+def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
+    from shuffleprune.kernels.nm_fast import nm_decompress_into, position_words
+
+    w, values, meta, *_ = _case(rows, cols, n, m, 1, torch.bfloat16)
+    buf = torch.full((rows * cols + 11,), 7.0, dtype=torch.bfloat16)   # stale contents must not leak through
+    dense = nm_decompress_into(values, position_words(meta), n, m, meta_bits(m), cols, buf)
+    assert torch.equal(dense, w) and dense.data_ptr() == buf.data_ptr()
+
+
+def test_position_words_are_the_export_bytes_read_four_at_a_time():
+    from shuffleprune.kernels.nm_fast import position_words
+
+    _, values, meta, *_ = _case(6, 64, 2, 4, 1, torch.float32)        # 32 kept per row: 8 bytes, 2 words
+    words = position_words(meta)
+    assert words.dtype == torch.int32 and words.data_ptr() == meta.data_ptr()   # a view, no copy
+    k = 21
+    assert (int(words[3, k // 16]) >> (2 * (k % 16))) & 3 == (int(meta[3, k // 4]) >> (2 * (k % 4))) & 3
+    _, values, meta, *_ = _case(6, 40, 2, 4, 1, torch.float32)        # 20 kept: 5 bytes, padded to 2 words
+    assert position_words(meta).shape == (6, 2)
+
+
+@pytest.mark.parametrize("policy,tokens", [(p, t) for p in IMPLS if not p.startswith("semi") for t in (1, 9, 20)
+                                            if not (p == "decode" and t > 16)])   # decode: at most 16 tokens
+def test_every_sparse_linear_policy_matches_float64(policy, tokens):
+    w, values, meta, _, perm, bias = _case(24, 64, 2, 4, 1, torch.float16, seed=tokens)
+    x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(1)).to(torch.float16)
+    lin = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias, policy=policy)
+    ref = x.double()[..., perm] @ w.double().t() + bias.double()
+    y = lin(x)
+    assert y.shape == (1, tokens, 24) and _close(y, ref, torch.float16)
