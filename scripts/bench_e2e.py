@@ -1,12 +1,21 @@
-"""End-to-end decode / prefill speed: a random-initialised LLaMA-2-7B-shaped model, dense vs 2:4 with
-index maps (SparseLinear, automatic kernel choice), bf16 on a GPU.
+"""End-to-end prefill / decode speed and GPU memory: a random LLaMA-2-7B-shaped model, dense vs 2:4
+with index maps (``SparseLinear``, automatic kernel choice), bf16, batch 1, static KV cache and
+CUDA graphs for both (issue 24's second table).
 
     python scripts/bench_e2e.py                 # CUDA → scripts/results/bench_e2e.json
     python scripts/bench_e2e.py --smoke         # CPU, a 2-layer small config: checks the code path only
 
-The sparse model is built in memory the way ``export`` lays it out: every decoder linear gets a 2:4
-mask in permuted column order and a random block-diagonal index map, except down_proj, whose map
-``export`` folds into gate/up rows (so it reads its input in order).
+Per model: prefill of the ``--prompt`` tokens into a transformers ``StaticCache`` (median of
+``--runs``), then ``--new-tokens`` greedy decode steps replayed from one CUDA graph of a decode step
+(static cache, fixed input buffers; if capture fails, ``torch.compile(mode="reduce-overhead")``,
+then eager — the row says which), median of ``--runs``. Weights in GPU memory are the model's
+parameters and buffers; peak is ``max_memory_allocated`` over that model's measurement (the dense
+model's linears are replaced one by one, and the peak counter is reset before the sparse model is
+measured).
+
+The sparse model is laid out as ``export`` does: each decoder linear is 2:4 in permuted column order
+with a random block index map (q/k/v share one, gate/up share one, o_proj has its own), except
+down_proj, whose map ``export`` folds into gate/up rows.
 """
 from __future__ import annotations
 
@@ -24,20 +33,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_e2e.json"))
     args = ap.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
 
     from shuffleprune.blocks import block_linears, find_blocks
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.deploy.sparse_linear import SharedGather, SparseLinear, release_scratch
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
     from shuffleprune.runtime import machine, versions
-    from shuffleprune.deploy.format import compress
-    from shuffleprune.deploy.sparse_linear import SparseLinear
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -46,76 +55,161 @@ def main() -> None:
     if args.smoke:
         cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                           vocab_size=1000, max_position_embeddings=1024)
-        args.prompt, args.new_tokens = 32, 8
+        args.prompt, args.new_tokens, args.runs = 32, 8, 2
     else:
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                           num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)
+
+    def wall(fn) -> float:
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+
+    def held_bytes(model) -> int:
+        return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+    @torch.no_grad()
+    def measure(model, label: str) -> tuple[dict, torch.Tensor]:
+        total = args.prompt + args.new_tokens + 1
+        cache = StaticCache(config=model.config, max_cache_len=total)
+        positions = torch.arange(args.prompt, device=device)
+
+        def set_length(n: int) -> None:
+            """Point the static cache's write position at ``n`` (transformers ≥ 5 keeps it in a tensor
+            per layer, updated in place — graph-safe; older versions read ``cache_position``)."""
+            for layer in getattr(cache, "layers", []):
+                length = getattr(layer, "cumulative_length", None)
+                if isinstance(length, torch.Tensor):
+                    length.fill_(n)
+                elif length is not None:
+                    layer.cumulative_length = n
+
+        def prefill() -> torch.Tensor:
+            set_length(0)
+            return model(input_ids=ids, past_key_values=cache, cache_position=positions, use_cache=True).logits
+
+        prefill()  # SparseLinear chooses its prompt-length kernels here; Triton compiles
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        prefill_s = statistics.median(wall(prefill) for _ in range(args.runs))
+        first = prefill()[:, -1:].argmax(-1)
+        tok = first.clone()
+        pos = torch.tensor([args.prompt], device=device)
+
+        def step() -> None:
+            logits = model(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos.unsqueeze(0),
+                           use_cache=True).logits
+            tok.copy_(logits[:, -1:].argmax(-1))
+            pos.add_(1)
+
+        def restart() -> None:
+            tok.copy_(first)
+            pos.fill_(args.prompt)
+            set_length(args.prompt)
+
+        for _ in range(3):  # the one-token kernels are chosen and compiled outside any capture
+            step()
+        restart()
+        how, run_step = "eager", step
+        if cuda:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    step()
+                    restart()
+                    with torch.cuda.graph(graph, stream=side):
+                        step()
+                torch.cuda.current_stream().wait_stream(side)
+                how, run_step = "cuda_graph", graph.replay
+            except Exception as exc:  # noqa: BLE001 - fall back the way users would
+                print(f"{label}: CUDA graph capture failed ({str(exc).splitlines()[0][:120]}); torch.compile", flush=True)
+                try:
+                    compiled = torch.compile(model.forward, mode="reduce-overhead")
+
+                    def step_compiled() -> None:
+                        logits = compiled(input_ids=tok, past_key_values=cache, cache_position=pos,
+                                          position_ids=pos.unsqueeze(0), use_cache=True).logits
+                        tok.copy_(logits[:, -1:].argmax(-1))
+                        pos.add_(1)
+
+                    for _ in range(3):
+                        step_compiled()
+                    how, run_step = "torch.compile(reduce-overhead)", step_compiled
+                except Exception as exc2:  # noqa: BLE001
+                    print(f"{label}: torch.compile failed too ({str(exc2).splitlines()[0][:120]}); eager", flush=True)
+        tokens_out = []
+
+        def decode() -> None:
+            restart()
+            for _ in range(args.new_tokens):
+                run_step()
+            tokens_out.append(int(tok.item()))
+
+        decode_s = statistics.median(wall(decode) for _ in range(args.runs))
+        row = {"model": label, "decode_mode": how, "prefill_ms": round(prefill_s * 1e3, 2),
+               "decode_ms_per_token": round(decode_s * 1e3 / args.new_tokens, 3),
+               "decode_tokens_per_s": round(args.new_tokens / decode_s, 2),
+               "weights_mb": round(held_bytes(model) / 2**20, 1),
+               "peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
+               "last_token_each_run": tokens_out}
+        print(json.dumps(row), flush=True)
+        return row, first
+
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt), device=device)
-
-    def measure(label: str) -> dict:
-        """Prefill: median wall time of 3 forward passes over the prompt. Decode: per token, from the
-        difference between generating ``--new-tokens`` and 1 token (median of 3 each), so prefill and
-        generate's set-up cancel. Everything is run once first, so that SparseLinear's first-call
-        kernel choice for each token count and Triton's compilation stay out of the timings."""
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-        def wall(fn) -> float:
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            return time.perf_counter() - t
-
-        def generate(n: int) -> None:
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-
-        with torch.no_grad():
-            model(ids, use_cache=False)
-            generate(args.new_tokens)
-            prefill = statistics.median(wall(lambda: model(ids, use_cache=False)) for _ in range(3))
-            one = statistics.median(wall(lambda: generate(1)) for _ in range(3))
-            many = statistics.median(wall(lambda: generate(args.new_tokens)) for _ in range(3))
-        per_token = max(many - one, 1e-9) / (args.new_tokens - 1)
-        return {"model": label, "prefill_ms": round(prefill * 1e3, 2),
-                "decode_ms_per_token": round(per_token * 1e3, 3),
-                "decode_tokens_per_s": round(args.batch / per_token, 2),
-                "peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None}
-
-    rows = [measure("dense")]
+    dense_row, dense_first = measure(model, "dense")
     blocks = find_blocks(model)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for i, block in enumerate(blocks.layers):
+            maps: dict[str, torch.Tensor] = {}
+            gathers: dict[str, SharedGather] = {}
             for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
-                perm = None if name.endswith("down_proj") else random_block_perm(lin.in_features, 64, gen)
-                w = lin.weight.data if perm is None else lin.weight.data[:, perm.to(device)]
+                kind = name.rsplit(".", 1)[-1]
+                share = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"}.get(kind, kind)
+                perm = None if kind == "down_proj" else maps.setdefault(share, random_block_perm(lin.in_features, 64, gen))
+                w = lin.weight.data
+                w = w if perm is None else w[:, perm.to(device)]
                 w = w * nm_keep_mask(w.float().abs(), 2, 4).to(w.dtype)
-                values, meta = compress(w.cpu(), 2, 4, name)
+                values, meta = compress(w, 2, 4, name)
+                layer = SparseLinear(values, meta, lin.in_features, 2, 4, perm).to(device)
+                if perm is not None:
+                    layer.shared_gather = gathers.setdefault(share, SharedGather())
                 parent_name, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent_name), child,
-                        SparseLinear(values, meta, lin.in_features, 2, 4, perm).to(device))
+                setattr(model.get_submodule(parent_name), child, layer)
+                del w, lin
     if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    rows.append(measure("2:4+perm (SparseLinear auto)"))
+    release_scratch()
+    sparse_row, _ = measure(model, "2:4+index maps (SparseLinear auto)")
     choices = {}
     for name, mod in model.named_modules():
         if isinstance(mod, SparseLinear):
-            choices.setdefault(f"{mod.out_features}x{mod.in_features}", mod.choices)
-    result = {"what": "end-to-end decode/prefill, random LLaMA-2-7B-shaped model" + (" (smoke)" if args.smoke else ""),
+            choices.setdefault(f"{mod.out_features}x{mod.in_features}", {str(k): v for k, v in mod.choices.items()})
+    rows = [dense_row, sparse_row]
+    ratio = {
+        "decode_speedup": round(sparse_row["decode_tokens_per_s"] / dense_row["decode_tokens_per_s"], 3),
+        "prefill_time_ratio": round(sparse_row["prefill_ms"] / dense_row["prefill_ms"], 3),
+        "weights_ratio": round(sparse_row["weights_mb"] / dense_row["weights_mb"], 3),
+        "peak_ratio": round(sparse_row["peak_mb"] / dense_row["peak_mb"], 3) if cuda else None}
+    result = {"what": "end-to-end prefill/decode, random LLaMA-2-7B-shaped model, static cache, CUDA graphs"
+                      + (" (smoke)" if args.smoke else ""),
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
-              "param_dtype_device": f"{next(model.parameters()).dtype} {next(model.parameters()).device}",
-              "seed": 0, "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "rows": rows,
-              "decode_speedup": round(rows[1]["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"], 3),
-              "prefill_speedup": round(rows[0]["prefill_ms"] / rows[1]["prefill_ms"], 3),
-              "kernel_choices": choices, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "machine": machine(), "versions": versions("triton")}
+              "seed": 0, "batch": 1, "prompt": args.prompt, "new_tokens": args.new_tokens, "runs": args.runs,
+              "targets": "decode ≥1.35× dense tokens/s; prefill ≤1.0× dense time; weights ≤0.6× dense; peak below dense",
+              **ratio, "rows": rows, "kernel_choices": choices,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
+              "versions": versions("triton")}
     out = Path(args.out) if not args.smoke else Path(args.out).with_name("bench_e2e_smoke.json")
     out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("rows", "decode_speedup", "prefill_speedup")}, indent=1))
+    print(json.dumps(ratio, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 # with kernels/ and calib/ mapped as on install. Each named step appends or writes its
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
+#   bash scripts/gpu_run.sh                    # the 2:4 runtime measurements: kernel e2e
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,17 +25,18 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     echo "=== $name took $((SECONDS - t0)) s"
     [ -f "$result" ] && cp "$result" "$OUT/"
 }
+[ $# -eq 0 ] && set -- kernel e2e
 for s in "$@"; do
     case $s in
         perm_cost) step perm_cost 280 scripts/results/bench_perm_cost.json \
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 ;;
         perm_cost_tf32) step perm_cost_tf32 150 scripts/results/bench_perm_cost.json \
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 --tf32 --no-search ;;
-        kernel) step kernel 120 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py ;;
+        kernel) step kernel 330 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py ;;
         tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py --variants gather ;;
         tune_group) step tune_group 150 scripts/results/tune_kernel_group.json $PY scripts/tune_kernel.py --variants group \
             --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --rep-ms 50 --out scripts/results/tune_kernel_group.json ;;
-        e2e) step e2e 240 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
+        e2e) step e2e 300 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done

@@ -57,7 +57,7 @@ def pack_positions(pos: torch.Tensor, m: int) -> torch.Tensor:
     rows, k = pos.shape
     pad = -k % per  # the last byte of a row is zero-padded
     p = torch.nn.functional.pad(pos.to(torch.int32), (0, pad)).reshape(rows, (k + pad) // per, per)
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=pos.device) * bits
     return (p << shifts).sum(-1).to(torch.uint8)
 
 
