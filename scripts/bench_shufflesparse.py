@@ -143,6 +143,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
         {k: prune_report["perm"].get(k) for k in ("perm", "init", "relax", "recon", "block", "steps", "lr",
                                                   "lr_decay", "lambda_max", "share", "batch", "holdout", "from", "loss")},
         "stages": None if prune_report is None else prune_report["stages"],
+        "stage_cost": None if prune_report is None else prune_report.get("stage_cost"),
         "mask_stats": None if prune_report is None else prune_report["mask_stats"],
         "ppl": row["ppl"], "eval_ctx": row["ppl_eval"]["ctx"], "ppl_text": row["ppl_eval"]["text"],
         "ppl_tokens": row["ppl_eval"]["tokens"],

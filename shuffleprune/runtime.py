@@ -68,6 +68,25 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new high-water mark: the CUDA allocator's on a GPU; the process's peak RSS on Linux
+    (``/proc/self/clear_refs``; where that is refused the mark simply keeps rising)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak since :func:`reset_peak_memory`: CUDA memory allocated on a GPU, else process RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_rss_mb()
+
+
 def package_version(package: str) -> str | None:
     try:
         return version(package)

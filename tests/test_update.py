@@ -53,6 +53,8 @@ def test_lsq_stage_keeps_nm_in_memory_order_and_lowers_each_layers_error(recipe,
     updated = prune(PruneConfig.build(recipe, overrides=["update=lsq"], **kw), out=tmp_path / "u", progress=False)
     report = updated.report
     assert report["stages"][-1] == "update:lsq" and report["nm_ok"]
+    cost = report["stage_cost"]  # every stage's time and peak memory is reported
+    assert set(cost) == set(report["stages"]) and all(c["seconds"] >= 0 and c["peak_mb"] > 0 for c in cost.values())
     assert all(l["nm_ok"] for l in report["layers"])  # in memory (permuted) order, after every stage
     # block 0's inputs are the same in both runs: there the update must reach a lower layer error
     from shuffleprune.models import load_model

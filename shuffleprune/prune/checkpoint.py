@@ -61,6 +61,10 @@ def build_report(config: PruneConfig, lm: LoadedModel, state: dict, pattern: Pat
         "layers": state["layers"],
         "perm": perm,
         "stage_blocks": state.get("stage_blocks", []),
+        # per stage: seconds in all, per block, and the peak memory (process RSS on the CPU, CUDA
+        # allocated on a GPU) while it ran; prepare-time work (whole-model passes) is in seconds.prune
+        "stage_cost": {k: {"seconds": round(v["seconds"], 2), "seconds_per_block": round(v["seconds"] / max(1, v["blocks"]), 3),
+                           "peak_mb": round(v["peak_mb"], 1)} for k, v in state.get("stage_cost", {}).items()},
         "mask_stats": stats if config.method != "magnitude" else None,
         "seconds": {"calibration": round(state["calib_seconds"], 2), "prune": round(state["prune_seconds"], 2),
                     "eval": round(state["eval_seconds"], 2), "this_process": round(seconds, 2)},

@@ -31,7 +31,7 @@ from shuffleprune.prune.atomic import atomic_json, atomic_save
 from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
-from shuffleprune.runtime import pick_device, tf32_matmuls
+from shuffleprune.runtime import peak_memory_mb, pick_device, reset_peak_memory, tf32_matmuls
 
 RESUME_DIR = ".resume"
 
@@ -252,8 +252,15 @@ def _run_stages(run: Run, work: BlockWork, state: dict) -> None:
     """One block: every stage in recipe order, then its report rows."""
     if "dense_weights" in run.spec.needs():
         work.dense = {n: lin.weight.detach().float().clone() for n, lin in work.linears.items()}
+    cost = state.setdefault("stage_cost", {})
     for stage in run.spec.stages:
+        reset_peak_memory(run.device)
+        t0 = time.time()
         stage.apply(run, work)
+        entry = cost.setdefault(f"{stage.kind}:{stage.name}", {"seconds": 0.0, "blocks": 0, "peak_mb": 0.0})
+        entry["seconds"] += time.time() - t0
+        entry["blocks"] += 1
+        entry["peak_mb"] = max(entry["peak_mb"], peak_memory_mb(run.device))
     state["layers"].extend(_layer_entries(work, run.pattern))
     if work.report:
         state.setdefault("stage_blocks", []).append({"block": work.index, **work.report})
