@@ -78,7 +78,8 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     # the named recipes as they are (each computes its own permutations)
     "recipe=fast": (None, {"recipe": "fast"}),
     "recipe=balanced": (None, {"recipe": "balanced"}),
-    "recipe=best": ("model", {"recipe": "best"}),
+    "recipe=best": (None, {"recipe": "best"}),
+    "recipe=learned": ("model", {"recipe": "learned"}),
 }
 ABLATIONS = {m for m in METHODS if "=" in m}  # run only when named
 PERM_SOURCE = {"{ss_block}": "shufflesparse_wanda/block", "{ss_model}": "shufflesparse_wanda/model",

@@ -40,10 +40,14 @@ PRESETS: dict[str, dict[str, Any]] = {
               "stages": [{"statistics": "auto"},
                          {"permutation": "learned", "recon": "block", "init": "identity", "relax": "l1l2"},
                          {"prune": "wanda"}]},
-    "best": {"about": "Permutations learned jointly against the final hidden state, SparseGPT in those coordinates "
-                      "(whole model on the device).",
-             "stages": [{"statistics": "auto"}, {"permutation": "learned", "recon": "model", "init": "search"},
-                        {"prune": "sparsegpt"}]},
+    "best": {"about": "SparseGPT in swap-searched coordinates, then each block's kept weights fitted with Adam to the "
+                      "unpruned model's activations (block reconstruction with a held-out stop).",
+             "stages": [{"statistics": "auto"}, {"permutation": "search"}, {"prune": "sparsegpt"},
+                        {"update": "blockrecon", "target": "model"}]},
+    "learned": {"about": "Permutations learned jointly against the final hidden state, SparseGPT in those coordinates "
+                         "(whole model on the device).",
+                "stages": [{"statistics": "auto"}, {"permutation": "learned", "recon": "model", "init": "search"},
+                           {"prune": "sparsegpt"}]},
 }
 DEFAULT_RECIPE = "balanced"
 RUN_KEYS_NOT_IN_RECIPES = ("model", "device")

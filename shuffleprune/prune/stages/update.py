@@ -63,7 +63,7 @@ class BlockReconstruction(Stage):
     check_every: int = 10    # steps between held-out checks
     patience: int = 2        # stop after this many checks in a row without a new best
     target: str = "model"    # model: the unpruned model's activations; block: the dense block on pruned inputs
-    loss: str = "token"      # token: squared error relative to each token's norm; global: to the batch's mean
+    loss: str = "global"     # global: squared error relative to the batch's mean square; token: to each token's
 
     def needs(self) -> set[str]:
         return {"dense_weights", "dense_stream"} if self.target == "model" else {"dense_weights"}
