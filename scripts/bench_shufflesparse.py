@@ -75,6 +75,8 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     "sparsegpt/update=blockrecon": (None, {"method": "sparsegpt", "overrides": ["update=blockrecon"]}),
     "sparsegpt+search/update=blockrecon": (None, {"method": "sparsegpt", "perm_from": "{search}",
                                                   "overrides": ["update=blockrecon"]}),
+    "recipe=balanced/update=lsq": (None, {"recipe": "balanced", "overrides": ["update=lsq"]}),
+    "recipe=balanced/prune=gradual": (None, {"recipe": "balanced", "overrides": ["prune=gradual"]}),
     # the named recipes as they are (each computes its own permutations)
     "recipe=fast": (None, {"recipe": "fast"}),
     "recipe=balanced": (None, {"recipe": "balanced"}),
