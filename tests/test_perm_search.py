@@ -71,3 +71,14 @@ def test_row_chunking_gives_the_same_search(monkeypatch):
     whole = swap_search(score, 2, 4, 64)
     monkeypatch.setattr(ps, "CHUNK_ELEMENTS", 2 * 64 * 64 * 7)  # 7 rows per chunk, a ragged last one
     assert torch.equal(swap_search(score, 2, 4, 64), whole)
+
+
+def test_fewer_rounds_keep_less_or_equal_score_and_the_stage_passes_them_on():
+    from shuffleprune.prune import PruneConfig
+
+    score = torch.rand(64, 128, generator=torch.Generator().manual_seed(3))
+    ident = kept_score(score, torch.arange(128), 2, 4)
+    one, full = (kept_score(score, swap_search(score, 2, 4, 64, max_rounds=r), 2, 4) for r in (1, 200))
+    assert ident < one < full  # one round already helps; more rounds help more on a random score
+    stage = PruneConfig.build(None, overrides=["permutation.rounds=10"]).stages[1]
+    assert stage["permutation"] == "search" and stage["rounds"] == 10

@@ -52,6 +52,7 @@ class PermOptions:
     lr_decay: str = "constant"  # constant | cosine (½(1+cos πt/T) over the steps)
     lambda_max: float = 1e-4
     share: str = "group"        # group: q/k/v and gate/up share one permutation; linear: one each
+    rounds: int = 200           # swap search: rounds at most (it stops earlier once no swap helps)
     batch: int = 4              # calibration windows per step
     holdout: float = 0.0        # fraction of windows kept out of learning, used only to choose the final permutation
     seed: int = 0
@@ -116,7 +117,8 @@ def _searched(units: list[list[str]], scores: dict[str, torch.Tensor], pattern: 
     if opts.perm != "search" and opts.init != "search":
         return {}, 0.0
     t0 = time.time()
-    found = {u[0]: swap_search(torch.cat([scores[n] for n in u], dim=0), pattern.n, pattern.m, opts.block)
+    found = {u[0]: swap_search(torch.cat([scores[n] for n in u], dim=0), pattern.n, pattern.m, opts.block,
+                               max_rounds=opts.rounds)
              for u in units}
     return found, time.time() - t0
 

@@ -77,6 +77,12 @@ class Random(_Fixed):
 class Search(_Fixed):
     kind = "permutation"
     name = "search"
+    rounds: int = 200    # swap rounds at most; it stops earlier once no swap helps
+
+    def check(self, spec: RunSpec) -> None:
+        super().check(spec)
+        if self.rounds < 1:
+            raise UserError("permutation 'search': rounds must be ≥ 1")
 
 
 @register
