@@ -56,9 +56,11 @@ def one_cpu_thread(device: torch.device | str) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def peak_rss_mb() -> float:
-    """Peak RSS of this process image. Reads ``VmHWM`` (reset by exec) where available: Linux's
-    ``ru_maxrss`` survives exec and can report a parent's high-water mark in a child."""
+_PEAK_BEFORE_RESET_MB = 0.0  # the process's high-water mark before the last reset_peak_memory
+
+
+def _hwm_mb() -> float:
+    """``VmHWM`` (reset by exec and by :func:`reset_peak_memory`) where available, else ``ru_maxrss``."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -68,12 +70,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def peak_rss_mb() -> float:
+    """Peak RSS of this process image, over its whole life (resets of the per-stage mark included).
+    Reads ``VmHWM`` where available: Linux's ``ru_maxrss`` survives exec and can report a parent's
+    high-water mark in a child."""
+    return max(_PEAK_BEFORE_RESET_MB, _hwm_mb())
+
+
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new high-water mark: the CUDA allocator's on a GPU; the process's peak RSS on Linux
-    (``/proc/self/clear_refs``; where that is refused the mark simply keeps rising)."""
+    """Start a new high-water mark for :func:`peak_memory_mb`: the CUDA allocator's on a GPU; the
+    process's peak RSS on Linux (``/proc/self/clear_refs``; where that is refused the mark simply
+    keeps rising). :func:`peak_rss_mb` still reports the whole process's peak."""
+    global _PEAK_BEFORE_RESET_MB
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    _PEAK_BEFORE_RESET_MB = peak_rss_mb()
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -84,7 +96,7 @@ def peak_memory_mb(device: torch.device) -> float:
     """Peak since :func:`reset_peak_memory`: CUDA memory allocated on a GPU, else process RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return peak_rss_mb()
+    return _hwm_mb()
 
 
 def package_version(package: str) -> str | None:
