@@ -86,6 +86,7 @@ class SparseLinear(nn.Module):
         self.shared_gather: SharedGather | None = None  # set by export's loader for layers sharing a map
         self.choices: dict[int, str] = {}
         self._semi: dict[str, object] = {}
+        self._words: tuple[torch.Tensor, torch.Tensor] | None = None  # (meta it was made from, its int32 words)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.n}:{self.m}, "
@@ -111,7 +112,9 @@ class SparseLinear(nn.Module):
         words, which they are for every width divisible by 32·M/(N·bits))."""
         from shuffleprune.kernels.nm_fast import position_words
 
-        return position_words(self.meta)
+        if self._words is None or self._words[0] is not self.meta:  # rebuilt only when meta is replaced (.to())
+            self._words = (self.meta, position_words(self.meta))
+        return self._words[1]
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is None:

@@ -15,15 +15,12 @@ import torch
 
 from shuffleprune.masks import Pattern
 from shuffleprune.prune.input_stats import InputStats
-from shuffleprune.prune.methods.lsq import masked_lstsq
+from shuffleprune.prune.methods.lsq import damped_gram, masked_lstsq
 from shuffleprune.runtime import one_cpu_thread
 
 
 def _inverse_diagonal(gram: torch.Tensor, damp: float) -> torch.Tensor:
-    h = gram.double().clone()
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    h.diagonal().add_(damp * h.diagonal().mean())
+    h, _ = damped_gram(gram, damp, gram.device)
     with one_cpu_thread(h.device):  # the same result whatever the thread count
         return torch.cholesky_inverse(torch.linalg.cholesky(h)).diagonal().float()
 

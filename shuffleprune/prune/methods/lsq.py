@@ -14,6 +14,17 @@ from __future__ import annotations
 import torch
 
 
+def damped_gram(gram: torch.Tensor, damp: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(H, dead)``: ``XᵀX`` in float64 on ``device`` with dead inputs (zero diagonal) given a unit
+    diagonal and ``damp·mean(diag H)`` added to the diagonal (SparseGPT's ridge term)."""
+    h = gram.to(device).double().clone()
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    if damp:
+        h.diagonal().add_(damp * h.diagonal().mean())
+    return h, dead
+
+
 @torch.no_grad()
 def masked_lstsq(dense: torch.Tensor, mask: torch.Tensor, gram: torch.Tensor, start: torch.Tensor | None = None,
                  damp: float = 0.01, iters: int = 200, tol: float = 1e-6) -> torch.Tensor:
@@ -25,11 +36,7 @@ def masked_lstsq(dense: torch.Tensor, mask: torch.Tensor, gram: torch.Tensor, st
     every row's relative residual is below ``tol`` or ``iters`` steps; computed in float64."""
     w = dense.double()
     m = mask.to(w.device, torch.bool)
-    h = gram.to(w.device).double().clone()
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    if damp:
-        h.diagonal().add_(damp * h.diagonal().mean())
+    h, dead = damped_gram(gram, damp, w.device)
     keep = m.double()
     x = (start.double() if start is not None else w) * keep
     b = (w @ h) * keep

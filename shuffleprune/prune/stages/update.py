@@ -66,7 +66,7 @@ class BlockReconstruction(Stage):
     loss: str = "global"     # global: squared error relative to the batch's mean square; token: to each token's
 
     def needs(self) -> set[str]:
-        return {"dense_weights", "dense_stream"} if self.target == "model" else {"dense_weights"}
+        return {"dense_stream"} if self.target == "model" else {"dense_weights"}
 
     def check(self, spec: RunSpec) -> None:
         if min(self.steps, self.batch, self.check_every, self.patience) < 1 or self.lr <= 0:
@@ -90,13 +90,12 @@ class BlockReconstruction(Stage):
             params = {param_of[n]: w.to(dtype[n]) for n, w in weights.items()}
             return first_tensor(functional_call(work.block, params, (work.hidden[rows].to(run.device), *args), kwargs))
 
-        everything = torch.arange(work.hidden.shape[0])
         if self.target == "model":
             target = work.dense_outputs
         else:
             with torch.no_grad():
                 target = torch.cat([forward(work.dense, rows).to(work.hidden.device)
-                                    for rows in everything.split(self.batch)])
+                                    for rows in torch.arange(work.hidden.shape[0]).split(self.batch)])
 
         def loss_of(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
             out, want = forward(weights, rows).float(), target[rows].to(run.device).float()
