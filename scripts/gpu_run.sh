@@ -5,6 +5,8 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # the 2:4 runtime measurements: kernel e2e
+#   bash scripts/gpu_run.sh stage_cost         # pruning stages' cost on LLaMA-2-7B-shaped blocks (a second call:
+#                                              # one device call runs at most 600 s)
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +38,8 @@ for s in "$@"; do
         tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py --variants gather ;;
         tune_group) step tune_group 150 scripts/results/tune_kernel_group.json $PY scripts/tune_kernel.py --variants group \
             --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --rep-ms 50 --out scripts/results/tune_kernel_group.json ;;
+        stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
+            $PY scripts/bench_stage_cost.py --device cuda ;;
         e2e) step e2e 300 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
