@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -174,7 +175,10 @@ def _drop_weights(out: Path) -> None:
 
 
 def _out_dir(args: argparse.Namespace, variant: str, seed: int) -> Path:
-    return Path(args.work) / f"{variant.replace('/', '-').replace('+', '_')}-s{seed}"
+    """The row's checkpoint folder; named by the model too, so runs of two models can share ``--work``."""
+    model = "" if args.model is None else re.sub(r"[^A-Za-z0-9._-]+", "_", Path(args.model).stem if
+                                                 Path(args.model).exists() else args.model) + "-"
+    return Path(args.work) / f"{model}{variant.replace('/', '-').replace('+', '_')}-s{seed}"
 
 
 def summarise(rows: list[dict]) -> list[dict]:
