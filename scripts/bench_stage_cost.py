@@ -99,7 +99,7 @@ def main() -> None:
             cost = report["stage_cost"]
             per_block = sum(v["seconds_per_block"] for v in cost.values())
             rows.append({
-                "recipe": recipe, "stages": [s.get("statistics") or next(iter(s.values())) for s in config.stages],
+                "recipe": recipe, "stages": report["stages"],
                 "stage_cost": cost, "seconds_per_block": round(per_block, 3),
                 "extrapolated_model_hours": round(per_block * args.model_blocks / 3600, 3),
                 "wall_seconds": round(seconds, 1),

@@ -68,22 +68,23 @@ def test_row_chunking_gives_the_same_search(monkeypatch):
 
     gen = torch.Generator().manual_seed(3)
     score = torch.rand(50, 128, generator=gen) * torch.rand(1, 128, generator=gen)
-    monkeypatch.setattr(ps, "CPU_CHUNK_ELEMENTS", 2**30)  # all rows in one chunk
+    monkeypatch.setitem(ps.CHUNK_ELEMENTS, "cpu", 2**30)  # all rows in one chunk
     whole = swap_search(score, 2, 4, 64)
-    monkeypatch.setattr(ps, "CPU_CHUNK_ELEMENTS", 2 * 64 * 64 * 7)  # 7 rows per chunk, a ragged last one
+    monkeypatch.setitem(ps.CHUNK_ELEMENTS, "cpu", 2 * 64 * 64 * 7)  # 7 rows per chunk, a ragged last one
     assert torch.equal(swap_search(score, 2, 4, 64), whole)
 
 
 def test_scores_without_each_position_match_a_topk_of_the_rest():
-    """The one-sort shortcut gives, for each position of each group, exactly the top-N sum and N-th
-    largest of the group's other scores (ties included)."""
-    from shuffleprune.perm.search import _without_each
+    """The one-sort shortcut gives exactly each group's top-N sum and, for each position, the top-N
+    sum and N-th largest of the group's other scores (ties included)."""
+    from shuffleprune.perm.search import _group_scores
 
     gen = torch.Generator().manual_seed(5)
     for m in (4, 8):
         g = torch.cat([torch.rand(30, 6, m, generator=gen), torch.randint(0, 3, (30, 6, m), generator=gen).float()])
         for n in range(1, m):
-            a, t = _without_each(g, n)
+            kept, a, t = _group_scores(g, n)
+            assert torch.equal(kept, g.topk(n, dim=-1).values.sum(-1))
             for q in range(m):
                 rest = torch.cat([g[..., :q], g[..., q + 1:]], dim=-1).topk(n, dim=-1).values
                 assert torch.equal(a[..., q], rest.sum(-1)) and torch.equal(t[..., q], rest[..., -1])

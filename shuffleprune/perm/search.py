@@ -27,28 +27,28 @@ def _kept(groups: torch.Tensor, n: int) -> torch.Tensor:
 # Bound on the [K, rows, B, B] temporary of one round, per device type. On a GPU a large temporary
 # (256 MB in float32; LLaMA-2-7B's q/k/v unit takes 48 chunks) keeps the launches few. On the CPU the
 # sweep is memory-bound, and a 4 MB temporary that stays in cache runs it 4.5x faster than 256 MB.
-CHUNK_ELEMENTS = {"cuda": 2**26}
-CPU_CHUNK_ELEMENTS = 2**20
+CHUNK_ELEMENTS = {"cuda": 2**26, "cpu": 2**20}
 
 
 def _chunk_elements(device: torch.device) -> int:
-    return CHUNK_ELEMENTS.get(device.type, CPU_CHUNK_ELEMENTS)
+    return CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cpu"])
 
 
-def _without_each(g: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every position ``q`` of every group ``g`` ``[..., M]``: the top-``n`` sum ``A`` of the
-    group's other scores and their ``n``-th largest ``t`` (both ``[..., M]``).
+def _group_scores(g: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From one sort of each group ``g`` ``[..., M]``: its kept (top-``n``) sum ``[...]``, and for
+    every position ``q`` the top-``n`` sum ``A`` of the group's other scores and their ``n``-th
+    largest ``t`` (both ``[..., M]``).
 
-    One sort per group instead of a top-k per removed position: without ``q`` the top ``n`` are the
-    sorted values ``0..n`` minus ``q``'s rank when ``q`` ranks below ``n``, else the first ``n``. They
-    are gathered in descending order, so ``A`` sums exactly what ``topk`` would return."""
+    Without ``q`` the top ``n`` are the sorted values ``0..n`` minus ``q``'s rank when ``q`` ranks
+    below ``n``, else the first ``n``. Every sum adds values in descending order, as a sum over
+    ``topk`` does, so the results are exactly those of a top-k per group and per removed position."""
     m = g.shape[-1]
     vals, order = g.sort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(m, device=g.device).expand_as(order))
     j = torch.arange(n, device=g.device)
     pick = j + (j >= rank.unsqueeze(-1)).long()                                           # [..., M, n]
     top = torch.gather(vals.unsqueeze(-2).expand(*vals.shape[:-1], m, m), -1, pick)
-    return top.sum(-1), top[..., -1]
+    return vals[..., :n].contiguous().sum(-1), top.sum(-1), top[..., -1]
 
 
 @torch.no_grad()
@@ -69,9 +69,9 @@ def _search_blocks(score: torch.Tensor, perm: torch.Tensor, n: int, m: int, max_
         index = perm.to(dev).unsqueeze(1).expand(k_blocks, rows, width)
         sp = torch.gather(score, 2, index)                                                  # [K, R, B] permuted
         g = sp.view(k_blocks, rows, groups, m)
-        base = _kept(g, n).sum(1)                                                          # [K, G]
-        # without position q of its group: top-N sum A and N-th largest t of the rest
-        a, t = _without_each(g, n)
+        # kept score per group; without position q of its group: top-N sum A and N-th largest t of the rest
+        kept, a, t = _group_scores(g, n)
+        base = kept.sum(1)                                                                 # [K, G]
         a, t = a.view(k_blocks, rows, width), t.view(k_blocks, rows, width)                # per position
         # value[p, c]: kept score of p's group when position p holds the column now at position c
         value = a.sum(1).unsqueeze(-1)                                                     # [K, B, 1]
