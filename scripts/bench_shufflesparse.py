@@ -80,6 +80,8 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     # the swap search stopped after 10 rounds (it converges in ~15–20 on SmolLM2; 10 keep ~98 % of the kept-score gain)
     "recipe=balanced/rounds=10": (None, {"recipe": "balanced", "overrides": ["permutation.rounds=10"]}),
     "recipe=balanced/prune=gradual": (None, {"recipe": "balanced", "overrides": ["prune=gradual"]}),
+    # gradual OBS masks inside the exact least-squares update, without a permutation
+    "prune=gradual": (None, {"method": "gradual"}),
     # the named recipes as they are (each computes its own permutations)
     "recipe=fast": (None, {"recipe": "fast"}),
     "recipe=balanced": (None, {"recipe": "balanced"}),
