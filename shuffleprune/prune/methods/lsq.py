@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 
-def damped_gram(gram: torch.Tensor, damp: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(H, dead)``: ``XᵀX`` in float64 on ``device`` with dead inputs (zero diagonal) given a unit
+def damped_gram(gram: torch.Tensor, damp: float, device: torch.device,
+                dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(H, dead)``: ``XᵀX`` in ``dtype`` on ``device`` with dead inputs (zero diagonal) given a unit
     diagonal and ``damp·mean(diag H)`` added to the diagonal (SparseGPT's ridge term)."""
-    h = gram.to(device).double().clone()
+    h = gram.to(device, dtype, copy=True)
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     if damp:
@@ -27,36 +28,38 @@ def damped_gram(gram: torch.Tensor, damp: float, device: torch.device) -> tuple[
 
 @torch.no_grad()
 def masked_lstsq(dense: torch.Tensor, mask: torch.Tensor, gram: torch.Tensor, start: torch.Tensor | None = None,
-                 damp: float = 0.01, iters: int = 200, tol: float = 1e-6) -> torch.Tensor:
+                 damp: float = 0.01, iters: int = 200, tol: float = 1e-6,
+                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Kept weights minimising ``‖(dense − Ŵ) Xᵀ‖²`` row by row, zero where ``mask`` is False.
 
     ``dense`` ``[rows, cols]`` is the unpruned weight, ``mask`` its boolean keep mask, ``gram`` ``XᵀX``
     ``[cols, cols]``; ``damp`` adds ``damp·mean(diag H)`` to the diagonal (as SparseGPT; 0 for the
     exact optimum); ``start`` is the first iterate (default: the masked dense weight). Iterates until
-    every row's relative residual is below ``tol`` or ``iters`` steps; computed in float64."""
-    w = dense.double()
+    every row's relative residual is below ``tol`` or ``iters`` steps; computed in ``dtype``."""
+    w = dense.to(dtype)
     m = mask.to(w.device, torch.bool)
-    h, dead = damped_gram(gram, damp, w.device)
-    keep = m.double()
-    x = (start.double() if start is not None else w) * keep
+    h, dead = damped_gram(gram, damp, w.device, dtype)
+    keep = m.to(dtype)
+    x = (start.to(dtype) if start is not None else w) * keep
     b = (w @ h) * keep
     r = b - (x @ h) * keep
     pre = keep / h.diagonal().unsqueeze(0)            # Jacobi: 1 / H_jj on kept columns
     z = r * pre
     p = z.clone()
     rz = (r * z).sum(1)
-    b_norm = b.norm(dim=1).clamp_min(1e-30)
+    tiny = torch.finfo(dtype).tiny
+    b_norm = b.norm(dim=1).clamp_min(tiny)
     for _ in range(iters):
         if bool((r.norm(dim=1) / b_norm <= tol).all()):
             break
         ap = (p @ h) * keep
         denom = (p * ap).sum(1)
-        alpha = torch.where(denom > 0, rz / denom.clamp_min(1e-300), torch.zeros_like(rz))
+        alpha = torch.where(denom > 0, rz / denom.clamp_min(tiny), torch.zeros_like(rz))
         x += alpha.unsqueeze(1) * p
         r -= alpha.unsqueeze(1) * ap
         z = r * pre
         rz_new = (r * z).sum(1)
-        beta = torch.where(rz > 0, rz_new / rz.clamp_min(1e-300), torch.zeros_like(rz))
+        beta = torch.where(rz > 0, rz_new / rz.clamp_min(tiny), torch.zeros_like(rz))
         p = z + beta.unsqueeze(1) * p
         rz = rz_new
     x[:, dead] = 0.0

@@ -24,6 +24,8 @@ from shuffleprune.prune.methods.lsq import masked_lstsq
 from shuffleprune.prune.reconstruct import fit_kept_weights
 from shuffleprune.prune.stage import BlockWork, Run, RunSpec, Stage, register
 
+PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
+
 
 @register
 @dataclass
@@ -31,8 +33,12 @@ class LeastSquares(Stage):
     kind = "update"
     name = "lsq"
     damp: float = 0.01     # ridge term, as a fraction of mean(diag XᵀX)
-    iters: int = 200       # conjugate-gradient steps at most
-    tol: float = 1e-6      # relative residual per row
+    # 40 float32 conjugate-gradient steps from SparseGPT's weights leave each SmolLM2 layer's error
+    # within 0.3 % of the float64 optimum (most within 0.01 %) at a third of the float64 solve's time
+    # (README, *Weight updates*); float64 with tol 1e-6 and 200 steps is the exact solve.
+    iters: int = 40        # conjugate-gradient steps at most
+    tol: float = 1e-4      # relative residual per row
+    precision: str = "float32"
 
     def needs(self) -> set[str]:
         return {"gram", "dense_weights"}
@@ -40,12 +46,14 @@ class LeastSquares(Stage):
     def check(self, spec: RunSpec) -> None:
         if self.iters < 1 or self.damp < 0 or self.tol <= 0:
             raise UserError("update 'lsq': iters must be ≥ 1, damp ≥ 0 and tol > 0")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"update 'lsq': precision '{self.precision}' must be one of {', '.join(PRECISIONS)}")
 
     def apply(self, run: Run, work: BlockWork) -> None:
         for name, lin in work.linears.items():
             pruned = lin.weight.data
             new_w = masked_lstsq(work.dense[name], pruned != 0, work.stats[name].gram, start=pruned.float(),
-                                 damp=self.damp, iters=self.iters, tol=self.tol)
+                                 damp=self.damp, iters=self.iters, tol=self.tol, dtype=PRECISIONS[self.precision])
             lin.weight.data.copy_(new_w.to(pruned.dtype))
 
 
