@@ -32,6 +32,7 @@ TASKS = ["hellaswag", "arc_easy", "arc_challenge", "openbookqa"]
 # name → (recon label, prune options); None: not pruned. "{ss_block}" / "{ss_model}" / "{search}" are
 # filled with the dir of that PERM_SOURCE row for the same seed.
 LSQ64 = ["update=lsq", "update.precision=float64", "update.iters=200", "update.tol=1e-6"]
+LSQ32 = ["update=lsq", "update.precision=float32", "update.iters=40", "update.tol=1e-4"]
 METHODS: dict[str, tuple[str | None, dict | None]] = {
     "dense": (None, None),
     "magnitude": (None, {"method": "magnitude"}),
@@ -71,7 +72,7 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     "shufflesparse_wanda/block/holdout=0.25": ("block", {"method": "wanda", "perm": "learned", "recon": "block",
                                                           "perm_holdout": 0.25}),
     # weight-update stages after the mask (recipe stage lists as data: the row records its "stages")
-    # (`update=lsq` rows: the exact float64 solve, lsq's defaults until the float32 one replaced them)
+    # (`update=lsq` rows: the exact float64 solve, lsq's default; `lsq32`: 40 float32 steps at most)
     "wanda/update=lsq": (None, {"method": "wanda", "overrides": LSQ64}),
     "sparsegpt/update=lsq": (None, {"method": "sparsegpt", "overrides": LSQ64}),
     "sparsegpt+search/update=lsq": (None, {"method": "sparsegpt", "perm_from": "{search}", "overrides": LSQ64}),
@@ -79,9 +80,8 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     "sparsegpt+search/update=blockrecon": (None, {"method": "sparsegpt", "perm_from": "{search}",
                                                   "overrides": ["update=blockrecon"]}),
     "recipe=balanced/update=lsq": (None, {"recipe": "balanced", "overrides": LSQ64}),
-    # lsq as it is now: 40 float32 conjugate-gradient steps at most
-    "sparsegpt/update=lsq32": (None, {"method": "sparsegpt", "overrides": ["update=lsq"]}),
-    "recipe=balanced/update=lsq32": (None, {"recipe": "balanced", "overrides": ["update=lsq"]}),
+    "sparsegpt/update=lsq32": (None, {"method": "sparsegpt", "overrides": LSQ32}),
+    "recipe=balanced/update=lsq32": (None, {"recipe": "balanced", "overrides": LSQ32}),
     # the swap search stopped after 10 rounds (it converges in ~15–20 on SmolLM2; 10 keep ~98 % of the kept-score gain)
     "recipe=balanced/rounds=10": (None, {"recipe": "balanced", "overrides": ["permutation.rounds=10"]}),
     "recipe=balanced/prune=gradual": (None, {"recipe": "balanced", "overrides": ["prune=gradual"]}),
