@@ -1,7 +1,6 @@
-"""Triton kernels (installed as ``shuffleprune.kernels``).
+"""Triton kernels (installed as ``shuffleprune.kernels``), all checked on the CPU under ``TRITON_INTERPRET=1``.
 
-``nm_matmul.nm_gather_matmul``: ``y = x[..., perm] @ W_pᵀ`` from compressed N:M values + packed
-positions, gathering ``x`` at permuted addresses inside the kernel. Used by
-``shuffleprune.sparse_linear.SparseLinear`` on CUDA for small token counts; checked on the CPU under
-``TRITON_INTERPRET=1``.
+``nm_fast``: the word-layout N:M kernels ``SparseLinear`` runs on CUDA (decode, prefill GEMM,
+decompression into the shared scratch). ``nm_matmul``: the first gather / group kernels, kept as
+candidates. ``norm_map``: an RMSNorm that writes its output through an index map (producer-side maps).
 """

@@ -34,13 +34,13 @@ for s in "$@"; do
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 ;;
         perm_cost_tf32) step perm_cost_tf32 150 scripts/results/bench_perm_cost.json \
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 --tf32 --no-search ;;
-        kernel) step kernel 330 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py ;;
+        kernel) step kernel 300 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py ;;
         tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py --variants gather ;;
         tune_group) step tune_group 150 scripts/results/tune_kernel_group.json $PY scripts/tune_kernel.py --variants group \
             --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --rep-ms 50 --out scripts/results/tune_kernel_group.json ;;
         stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
             $PY scripts/bench_stage_cost.py --device cuda ;;
-        e2e) step e2e 300 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
+        e2e) step e2e 270 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done

@@ -4,13 +4,15 @@
 contain linear layers), ``block_linears`` lists a block's ``nn.Linear`` layers filtered by
 ``--only`` / ``--skip`` globs, and ``capture_block_inputs`` runs the model's own forward up to the
 blocks to record block 0's hidden states and every block's keyword arguments (attention masks,
-position embeddings, …), whatever the architecture passes. No branch looks at the model's name.
+position embeddings, …), whatever the architecture passes. ``block_probe`` runs every block on one
+fixed probe sequence, so a change to one block (a folded or moved index map) can be checked on that
+block alone. No branch looks at the model's name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -260,3 +262,20 @@ def run_block(block: nn.Module, hidden: torch.Tensor, captured: CapturedInputs, 
     for s in range(0, hidden.shape[0], batch_size):
         out[s:s + batch_size] = first_tensor(block(hidden[s:s + batch_size].to(device), *args, **kwargs)).to(out.device)
     return out
+
+
+def block_probe(model: nn.Module, blocks: Blocks) -> tuple[list[torch.Tensor], Callable[[int], torch.Tensor]]:
+    """Inputs of every block for a fixed random probe sequence, and ``run(i)``: block ``i``'s output
+    on its probe input (so a change to one block — a folded or moved index map — is checked on that block alone)."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 16), generator=gen)
+    device = next(model.parameters()).device
+    captured = capture_block_inputs(model, blocks, tokens, device, 1)
+    inputs, hidden = [], captured.hidden
+    for i, block in enumerate(blocks.layers):
+        inputs.append(hidden)
+        hidden = run_block(block, hidden, captured, i, device, 1)
+
+    def run(i: int) -> torch.Tensor:
+        return run_block(blocks.layers[i], inputs[i], captured, i, device, 1).float()
+    return inputs, run

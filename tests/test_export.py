@@ -317,3 +317,86 @@ def test_learned_perm_export_reloads_for_other_architectures(arch, text_file, tm
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, ref(ids).logits, atol=1e-5)
+    from shuffleprune.deploy.producer_maps import MappedOutput
+
+    mapped = shuffleprune.load(str(out), maps="producer")  # Gemma's (1 + weight) norms are recognised too
+    norms = [mod for mod in mapped.modules() if isinstance(mod, MappedOutput)]
+    with_maps = sum(layer.self_attn.q_proj.perm is not None for layer in model.model.layers)  # learned: some stay identity
+    assert with_maps and len(norms) == 2 * with_maps and all(mod.scale is not None for mod in norms)
+    with torch.no_grad():
+        assert torch.allclose(mapped(ids).logits, ref(ids).logits, atol=1e-5)
+
+
+def test_index_maps_move_to_the_norms_that_produce_their_input(pruned_perm_dir, tmp_path):
+    """``load(maps="producer")``: q/k/v and gate/up lose their shared map, the RMSNorms feeding them
+    write their output permuted (recognised numerically, fused kernel under the interpreter here), o_proj
+    keeps its own (its input comes from no module), and the logits stay the same."""
+    from shuffleprune.deploy.producer_maps import MappedOutput
+
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    ref = shuffleprune.load(str(tmp_path / "exported"))
+    model = shuffleprune.load(str(tmp_path / "exported"), maps="producer")
+    for layer, ref_layer in zip(model.model.layers, ref.model.layers):
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            assert isinstance(norm, MappedOutput) and norm.scale is not None
+        attn, mlp = layer.self_attn, layer.mlp
+        assert all(lin.perm is None for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+        assert attn.o_proj.perm is not None
+        assert torch.equal(layer.input_layernorm.perm, ref_layer.self_attn.q_proj.perm)
+        assert torch.equal(layer.post_attention_layernorm.perm, ref_layer.mlp.up_proj.perm)
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+        for mod in model.modules():
+            if isinstance(mod, MappedOutput):
+                mod.kernel = True  # the Triton kernel, interpreted on the CPU
+        assert torch.allclose(model(ids).logits, expected, atol=1e-4)
+    with pytest.raises(ValueError, match="maps must be"):
+        shuffleprune.load(str(tmp_path / "exported"), maps="norm")
+
+
+def test_a_map_stays_in_the_layers_when_another_module_reads_the_producer_output(pruned_perm_dir, tmp_path):
+    """An MLP that also adds its input (the norm's output, read in order) must keep gate/up's map."""
+    from torch import nn
+
+    from shuffleprune.deploy.producer_maps import MappedOutput, move_maps_to_producers
+
+    class AddsInput(nn.Module):
+        def __init__(self, mlp: nn.Module):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(x) + x
+
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    model = shuffleprune.load(str(tmp_path / "exported"))
+    layer = model.model.layers[1]
+    layer.mlp = AddsInput(layer.mlp)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+    moved = move_maps_to_producers(model)
+    assert "model.layers.1.post_attention_layernorm" not in moved and "model.layers.1.input_layernorm" in moved
+    assert "model.layers.0.post_attention_layernorm" in moved
+    assert not isinstance(layer.post_attention_layernorm, MappedOutput) and layer.mlp.mlp.gate_proj.perm is not None
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+
+
+def test_rms_form_recognises_rmsnorms_by_what_they_compute():
+    from torch import nn
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from shuffleprune.deploy.producer_maps import rms_form
+
+    llama, gemma = LlamaRMSNorm(48, eps=1e-6), Gemma3RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        llama.weight.normal_()
+        gemma.weight.normal_()
+    assert rms_form(llama, 48)[1:] == (1e-6, 0.0) and rms_form(gemma, 48)[1:] == (1e-6, 1.0)
+    assert rms_form(llama, 64) is None                       # another width
+    assert rms_form(nn.LayerNorm(48, bias=False), 48) is None  # subtracts the mean
+    assert rms_form(nn.LayerNorm(48), 48) is None

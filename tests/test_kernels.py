@@ -105,3 +105,22 @@ def test_every_sparse_linear_policy_matches_float64(policy, tokens):
     ref = x.double()[..., perm] @ w.double().t() + bias.double()
     y = lin(x)
     assert y.shape == (1, tokens, 24) and _close(y, ref, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width,tokens,offset", [(64, 1, 0.0), (100, 3, 1.0), (4096, 2, 0.0)])
+def test_rmsnorm_writing_its_output_through_an_index_map_matches_float64(width, tokens, offset, dtype):
+    """The producer-side map: the fused kernel equals the norm computed in float64, then gathered."""
+    from shuffleprune.kernels.norm_map import rmsnorm_mapped
+
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(2, tokens, width, generator=g) * 3 + 0.5).to(dtype)
+    weight = torch.randn(width, generator=g)
+    perm = torch.randperm(width, generator=g)
+    eps = 1e-5
+    xd = x.double()
+    ref = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * (weight.double() + offset))[..., perm]
+    y = rmsnorm_mapped(x, (weight + offset)[perm].float(), perm.to(torch.int32), eps)
+    assert y.shape == x.shape and _close(y, ref, dtype)
+    with pytest.raises(ValueError, match="must both be"):
+        rmsnorm_mapped(x, weight[:-1].float(), perm.to(torch.int32), eps)

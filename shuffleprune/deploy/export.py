@@ -32,13 +32,12 @@ import shutil
 import tempfile
 from itertools import combinations
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks, run_block
+from shuffleprune.blocks import block_linears, block_probe, find_blocks
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.perm.linear import PermutedLinear
@@ -83,23 +82,6 @@ def _pattern_of(pruned_dir: Path, pattern: str | None) -> tuple[int, int]:
     return p.n, p.m
 
 
-def _block_probe(model: nn.Module, blocks) -> tuple[list[torch.Tensor], Callable[[int], torch.Tensor]]:
-    """Inputs of every block for a fixed random probe sequence, and ``run(i)``: block ``i``'s output
-    on its probe input (so a fold is checked on one block, not the whole model)."""
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (1, 16), generator=gen)
-    device = next(model.parameters()).device
-    captured = capture_block_inputs(model, blocks, tokens, device, 1)
-    inputs, hidden = [], captured.hidden
-    for i, block in enumerate(blocks.layers):
-        inputs.append(hidden)
-        hidden = run_block(block, hidden, captured, i, device, 1)
-
-    def run(i: int) -> torch.Tensor:
-        return run_block(blocks.layers[i], inputs[i], captured, i, device, 1).float()
-    return inputs, run
-
-
 def _permute_rows(linear: nn.Linear, perm: torch.Tensor) -> None:
     linear.weight.data = linear.weight.data[perm].contiguous()
     if linear.bias is not None:
@@ -132,7 +114,7 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     ``{consumer: [producers]}`` of the folds made (in place: folded consumers become plain linears
     reading their input in order)."""
     blocks = find_blocks(model)
-    _, run = _block_probe(model, blocks)
+    _, run = block_probe(model, blocks)
     config = getattr(model, "config", None)
     folded = {}
     for i, block in enumerate(blocks.layers):

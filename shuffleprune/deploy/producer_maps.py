@@ -1,0 +1,147 @@
+"""Index maps applied by the producer: the module whose output the mapped layers read writes it in
+their order, so those layers read their input in order (issue 24's alternative to the in-kernel map).
+
+An export's q/k/v (and gate/up) share one index map and read the output of one module, in LLaMA-like
+blocks an RMSNorm. :func:`move_maps_to_producers` finds, per block, the module whose output *is*
+the input tensor of the mapped ``SparseLinear`` layers (forward hooks on a probe), wraps it in
+:class:`MappedOutput` and drops the layers' maps. Each move is kept only if the block's output on the
+probe is unchanged (another reader of that output — a residual, say — would see it permuted), so no
+architecture is assumed. A producer recognised as an RMSNorm (:func:`rms_form`, checked numerically,
+not by class name) runs the one-pass Triton kernel ``kernels/norm_map.py`` on CUDA; any other
+producer, and the CPU, computes its output and gathers it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from shuffleprune.blocks import block_probe, find_blocks
+from shuffleprune.deploy.sparse_linear import SparseLinear
+
+
+def rms_form(module: nn.Module, width: int) -> tuple[torch.Tensor, float, float] | None:
+    """``(weight, eps, offset)`` when ``module(x)`` computes ``x / sqrt(mean(x²) + eps) · (weight +
+    offset)`` over the last dimension (``offset`` 0 for LLaMA-style norms, 1 for Gemma-style), to
+    within a few units of the weight's dtype on a probe; else None."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.shape != (width,) or getattr(module, "bias", None) is not None:
+        return None
+    eps = next((v for v in (getattr(module, a, None) for a in ("variance_epsilon", "eps")) if isinstance(v, float)), None)
+    if eps is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, width, generator=gen) * torch.tensor([[0.05], [1.0], [40.0]]) + 0.5  # a mean: LayerNorm differs
+    x = x.to(weight.device, weight.dtype)
+    with torch.no_grad():
+        y = module(x)
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    tol = 4 * torch.finfo(weight.dtype).eps
+    for offset in (0.0, 1.0):
+        ref = normed * (weight.float() + offset)
+        if bool(((y.float() - ref).abs() <= tol * ref.abs() + 1e-6).all()):
+            return weight, eps, offset
+    return None
+
+
+class MappedOutput(nn.Module):
+    """``inner``'s output in an index map's order: ``y = inner(x)[..., perm]``.
+
+    ``kernel``: None (default) runs the fused RMSNorm kernel on CUDA when ``inner`` is an RMSNorm;
+    True runs it on any device (tests under ``TRITON_INTERPRET=1``); False never."""
+
+    def __init__(self, inner: nn.Module, perm: torch.Tensor, kernel: bool | None = None):
+        super().__init__()
+        self.inner, self.kernel = inner, kernel
+        self.register_buffer("perm", perm.to(torch.int32))
+        form = rms_form(inner, perm.numel())
+        self.eps = None if form is None else form[1]
+        scale = None if form is None else (form[0].detach().float() + form[2])[perm.long().to(form[0].device)]
+        self.register_buffer("scale", scale)
+
+    def extra_repr(self) -> str:
+        return f"width={self.perm.numel()}, fused_rmsnorm={self.scale is not None}"
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        fused = self.scale is not None and not args and not kwargs and (self.kernel or (self.kernel is None and x.is_cuda))
+        if fused:
+            from shuffleprune.kernels.norm_map import rmsnorm_mapped
+
+            return rmsnorm_mapped(x, self.scale, self.perm, self.eps)
+        return self.inner(x, *args, **kwargs).index_select(-1, self.perm)
+
+
+def _producers(block: nn.Module, run: Callable[[], torch.Tensor]) -> dict[str, str]:
+    """``{mapped SparseLinear: module whose output is its input tensor}`` within ``block`` (names
+    relative to it), from forward hooks on one probe run; the innermost module when several return
+    the same tensor."""
+    outputs: list[tuple[str, torch.Tensor]] = []  # in completion order: inner modules first
+    inputs: dict[str, torch.Tensor] = {}
+
+    def record(name: str, reader: bool):
+        def hook(_module: nn.Module, args: tuple, out: object) -> None:  # returns None: the output is untouched
+            if reader and args:
+                inputs.setdefault(name, args[0])
+            elif not reader and isinstance(out, torch.Tensor):
+                outputs.append((name, out))
+        return hook
+
+    handles = []
+    for name, mod in block.named_modules():
+        reader = isinstance(mod, SparseLinear)
+        if name and (not reader or mod.perm is not None):
+            handles.append(mod.register_forward_hook(record(name, reader)))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    found = {}
+    for lin, x in inputs.items():  # the tensors are held in the lists, so identity is meaningful
+        producer = next((n for n, out in outputs if out is x and not lin.startswith(n + ".")), None)
+        if producer is not None:
+            found[lin] = producer
+    return found
+
+
+def move_maps_to_producers(model: nn.Module, kernel: bool | None = None) -> dict[str, list[str]]:
+    """Move the index maps of ``model``'s ``SparseLinear`` layers to the modules producing their input,
+    where the block's output stays the same; returns ``{producer: [layers]}`` of the moves (in place)."""
+    blocks = find_blocks(model)
+    _, run = block_probe(model, blocks)
+    half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
+    moved: dict[str, list[str]] = {}
+    for i, block in enumerate(blocks.layers):
+        prefix = f"{blocks.name}.{i}"
+        groups: dict[str, list[str]] = {}
+        for lin, producer in _producers(block, lambda: run(i)).items():
+            groups.setdefault(producer, []).append(lin)
+        if not groups:
+            continue
+        reference = run(i)
+        scale = reference.abs().max().clamp_min(1e-6)
+        for producer, consumers in groups.items():
+            layers = [block.get_submodule(c) for c in consumers]
+            perm = layers[0].perm
+            if any(not torch.equal(layer.perm, perm) for layer in layers[1:]):
+                continue  # readers of one tensor under different maps: only the kernels can serve them
+            parent_name, _, child = producer.rpartition(".")
+            parent = block.get_submodule(parent_name) if parent_name else block
+            inner = getattr(parent, child)
+            wrapped = MappedOutput(inner, perm, kernel=False)  # the check compares the layout, not a kernel
+            saved = [(layer.perm, layer.shared_gather) for layer in layers]
+            setattr(parent, child, wrapped)
+            for layer in layers:
+                layer.perm, layer.shared_gather = None, None
+            if ((run(i) - reference).abs().max() / scale) < (1e-2 if half else 1e-4):
+                wrapped.kernel = kernel
+                moved[f"{prefix}.{producer}"] = [f"{prefix}.{c}" for c in consumers]
+                continue
+            setattr(parent, child, inner)  # undo: something else reads that output in order
+            for layer, (p, shared) in zip(layers, saved):
+                layer.perm, layer.shared_gather = p, shared
+    return moved
