@@ -7,7 +7,9 @@ For every weight shape ``[out, in]`` and token count, bf16, a random 2:4 mask in
 order and a random index map: ``dense`` (F.linear, cuBLAS), ``auto`` (what ``SparseLinear`` runs),
 and each candidate (``decode`` with the map read in the kernel, ``decode_nomap`` without a map —
 the map's cost is their ratio —, ``gemm``, ``scratch``, the first kernels ``gather`` / ``group``,
-and PyTorch's ``semi_structured``).
+and PyTorch's ``semi_structured``). ``norm_rows``: the producer-side alternative for a shared map —
+an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
+writing its output through the map (``rmsnorm_mapped``, ``kernels/norm_map.py``), per input width.
 
 Timing: every implementation runs on ``copies`` separate weight copies in turn (at least 4, and
 together more than 2.5× the GPU's L2, so no call finds its weight in L2), ``calls`` calls captured
@@ -175,6 +177,33 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
 
+    # The producer-side alternative for a shared map: the RMSNorm feeding q/k/v (or gate/up) writes its
+    # output permuted (one fused kernel) and the layers run without a map. Its cost is the fused norm's
+    # time over the plain norm's; the in-kernel map's is decode over decode_nomap, once per reading layer.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from shuffleprune.deploy.producer_maps import MappedOutput
+
+    norm_rows = []
+    for width in sorted({in_f for _, in_f in shapes}):
+        norm = LlamaRMSNorm(width, eps=1e-5).to(device, dtype)
+        with torch.no_grad():
+            norm.weight.normal_()
+        perm = torch.randperm(width, generator=gen).to(device)
+        mapped = MappedOutput(norm, perm, kernel=True)
+        for tokens in tokens_list:
+            x = torch.randn(tokens, width, generator=gen).to(device, dtype)
+            ref = norm(x).index_select(-1, perm)
+            impls = {"rmsnorm": lambda: norm(x), "rmsnorm+gather": lambda: norm(x).index_select(-1, perm),
+                     "rmsnorm_mapped": lambda: mapped(x)}
+            for impl, call in impls.items():
+                ms, how = timed([call])
+                row = {"width": width, "tokens": tokens, "impl": impl, "ms": ms, "timing": how}
+                if impl == "rmsnorm_mapped":
+                    row["max_rel_err"] = float((call().float() - ref.float()).abs().max() / ref.float().abs().max())
+                norm_rows.append(row)
+            print(f"norm {width} t={tokens}: " + "  ".join(f"{r['impl']} {r['ms']:.4f}" for r in norm_rows[-3:]), flush=True)
+
     def ms_of(shape, tokens, impl):
         return next((r["ms"] for r in rows if r["shape"] == list(shape) and r["tokens"] == tokens
                      and r["impl"] == impl and r.get("ms")), None)
@@ -194,7 +223,7 @@ def main() -> None:
               "smoke": args.smoke, "device": dev_name, "seed": 0, "l2_bytes": l2,
               "targets": "auto ≥1.5× dense at 1 token, ≥1.2× at 2–16, never slower; map cost ≤2 % at 1 token",
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-              "versions": versions("triton"), "summary": summary, "rows": rows}
+              "versions": versions("triton"), "summary": summary, "rows": rows, "norm_rows": norm_rows}
     out = Path(args.out) if not args.smoke else Path(args.out).with_name("bench_kernel_smoke.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
