@@ -83,7 +83,9 @@ def main() -> None:
                 finish({"method": "dense", "tool": "none", "seconds": 0.0, "peak_rss_mb": None}, lm.model)
                 continue
             out = tmp / f"sp-{method}"
-            cmd = [sys.executable, "-m", "shuffleprune.cli", "prune", model_path, "--base", method, "--pattern", args.pattern,
+            # the method alone, as llm-compressor runs it: no permutation, no weight update
+            cmd = [sys.executable, "-m", "shuffleprune.cli", "prune", model_path, "--recipe", "balanced", "--perm", "none",
+                   "--base", method, "--pattern", args.pattern,
                    "--calib", args.calib, "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen),
                    "--seed", str(args.seed), "--eval-text", "none", "--device", "cpu", "--out", str(out), "--quiet"]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -90,6 +90,7 @@ METHODS: dict[str, tuple[str | None, dict | None]] = {
     # the named recipes as they are (each computes its own permutations)
     "recipe=fast": (None, {"recipe": "fast"}),
     "recipe=balanced": (None, {"recipe": "balanced"}),
+    "recipe=accurate": (None, {"recipe": "accurate"}),  # the default; same stages as recipe=balanced/update=lsq32
     "recipe=best": (None, {"recipe": "best"}),
     "recipe=learned": ("model", {"recipe": "learned"}),
 }
@@ -131,10 +132,12 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
                 raise SystemExit(f"{method} needs {source} seed {seed} first")
         out = _out_dir(args, variant_of(method, args), seed)
         if "perm" not in opts and "perm_from" not in opts and "recipe" not in opts:
-            opts["perm"] = "none"  # a variant without a permutation (the default recipe would add one)
+            opts["perm"] = "none"  # a variant without a permutation (the recipe below would add one)
         # float32 checkpoints: the committed rows were scored on float32 copies of the dequantized GGUF
         # (a GGUF's pruned copy is saved in bfloat16 by default)
-        cfg = PruneConfig.build(opts.pop("recipe", None), model=args.model, pattern=args.pattern, calib=args.calib,
+        # a variant that names no recipe builds on `balanced` (the default without its lsq update), so a
+        # method's row is that method alone
+        cfg = PruneConfig.build(opts.pop("recipe", "balanced"), model=args.model, pattern=args.pattern, calib=args.calib,
                                 nsamples=args.nsamples, seqlen=args.seqlen, seed=seed, eval_text=None,
                                 dtype="float32", **opts)
         prune_report = prune(cfg, out=out, overwrite=True, progress=False).report

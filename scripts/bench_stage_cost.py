@@ -5,13 +5,14 @@
 
 Builds a random-initialised LLaMA model with the shapes of LLaMA-2-7B's decoder blocks (hidden 4096,
 MLP 11008, 32 heads) but only ``--layers`` of them, a word-level tokenizer and a text of random words
-(nothing is downloaded), and prunes it with each ``--recipes`` entry (default: ``best``, ``balanced``, and SparseGPT alone as
-``balanced/permutation=none``) through the normal driver
+(nothing is downloaded), and prunes it with each ``--recipes`` entry (default: SparseGPT alone as
+``balanced/permutation=none``, ``accurate`` (the default recipe), ``balanced``, ``best``) through the normal driver
 (``shuffleprune.prune.prune``) at ``--nsamples`` × ``--seqlen`` calibration tokens. Each recipe's
 ``stage_cost`` (from its prune report: seconds, seconds per block, peak memory while the stage ran)
 is written with its extrapolation to ``--model-blocks`` blocks (LLaMA-2-7B: 32). Random weights give
 the cost, not the accuracy: the swap search's rounds depend on the scores, so its time on a trained
-model can differ. Results are appended to ``scripts/results/bench_stage_cost.json``.
+model can differ. Results are appended to ``scripts/results/bench_stage_cost.json``, rewritten after
+every recipe (a run stopped by a time limit keeps the recipes it finished).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=None, help="default: float16 on CUDA (as LLaMA-2-7B ships), float32 on the CPU")
-    ap.add_argument("--recipes", nargs="+", default=["best", "balanced", "balanced/permutation=none"],
+    ap.add_argument("--recipes", nargs="+", default=["balanced/permutation=none", "accurate", "balanced", "best"],
                     help="a preset or .yaml file, then optional /kind=name or /kind.param=value overrides (as --set)")
     ap.add_argument("--layers", type=int, default=2, help="decoder blocks built and pruned")
     ap.add_argument("--model-blocks", type=int, default=32, help="blocks of the model extrapolated to")
@@ -67,7 +68,7 @@ def main() -> None:
 
     from shuffleprune.models import LoadedModel
     from shuffleprune.prune import PruneConfig, prune
-    from shuffleprune.runtime import machine, pick_device, versions
+    from shuffleprune.runtime import pick_device
 
     if args.smoke:
         args.nsamples, args.seqlen, args.layers = 8, 64, 2
@@ -77,7 +78,19 @@ def main() -> None:
     shape = SMOKE if args.smoke else LLAMA7B
     words = 8000
     tokenizer = word_tokenizer(words)
-    rows = []
+    rows: list[dict] = []
+    out = Path(args.out)
+    existing = json.loads(out.read_text()) if out.is_file() and not args.smoke else {"runs": []}
+
+    def write(rows: list[dict]) -> None:
+        """This run's result so far, in place of its earlier partial entry (the smoke run prints it)."""
+        result = _result(args, device, dtype_name, rows)
+        if args.smoke:
+            if len(rows) == len(args.recipes):
+                print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "versions")}, indent=1))
+            return
+        out.write_text(json.dumps({**existing, "runs": existing["runs"] + [result]}, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "random_words.txt"
         random_text(text, words, max(200_000, 2 * args.seqlen), args.seed)
@@ -106,7 +119,15 @@ def main() -> None:
             })
             print(json.dumps(rows[-1]), flush=True)
             del model, loaded
-    result = {
+            write(rows)
+
+
+def _result(args: argparse.Namespace, device, dtype_name: str, rows: list[dict]) -> dict:
+    import torch
+
+    from shuffleprune.runtime import machine, versions
+
+    return {
         "what": ("tiny smoke shapes" if args.smoke else "random LLaMA-2-7B-shaped blocks") + f", {args.layers} blocks",
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": dtype_name,
         "calibration": f"{args.nsamples}x{args.seqlen} tokens of random words, seed {args.seed}",
@@ -114,13 +135,6 @@ def main() -> None:
         "rows": rows, "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine(), "versions": versions(),
     }
-    out = Path(args.out)
-    if args.smoke:
-        print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "versions")}, indent=1))
-        return
-    existing = json.loads(out.read_text()) if out.is_file() else {"runs": []}
-    existing["runs"].append(result)
-    out.write_text(json.dumps(existing, indent=1))
 
 
 if __name__ == "__main__":

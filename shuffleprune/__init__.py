@@ -19,7 +19,7 @@ from shuffleprune.version import __version__
 def prune(model: str | None = None, recipe: str | Path | None = None, out: str | Path | None = None, *,
           resume: bool = False, overwrite: bool = False, progress: bool = True, **options: Any):
     """Prune ``model`` (hub id, HF dir, ``.gguf``; None: the embedded SmolLM2-135M-Instruct) with a
-    recipe (``fast``, ``balanced``, ``paper``, ``best`` or a YAML file; default ``balanced``) and
+    recipe (``fast``, ``balanced``, ``accurate``, ``paper``, ``best``, ``learned`` or a YAML file; default ``accurate``) and
     ``options`` that override it (the command line's names: ``pattern``, ``method``, ``perm``,
     ``nsamples``, ``perm_steps`` …). Returns a ``PruneResult`` (``.report``, ``.model``, ``.tokenizer``)."""
     from shuffleprune.prune import PruneConfig

@@ -31,7 +31,7 @@ _DATA, _OUT, _RUN, _RARE = "Data and evaluation", "Output", "Compute and selecti
 @app.command()
 def prune(
     model: Optional[str] = typer.Argument(None, help="Hub id, local HF dir or .gguf file; omit for the embedded SmolLM2-135M-Instruct."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", help="fast (Wanda + swap search), balanced (SparseGPT + swap search; the default), paper (ShuffleSparse: learned block permutations, Wanda), best (balanced, then block reconstruction of the kept weights against the unpruned model; slow), learned (permutations learned on the whole model + SparseGPT), or a recipe .yaml (e.g. an earlier run's OUT/recipe.yaml)."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="fast (Wanda + swap search), balanced (SparseGPT + swap search), accurate (balanced, then a masked least-squares update of the kept weights; the default), paper (ShuffleSparse: learned block permutations, Wanda), best (balanced, then block reconstruction of the kept weights against the unpruned model; slow), learned (permutations learned on the whole model + SparseGPT), or a recipe .yaml (e.g. an earlier run's OUT/recipe.yaml)."),
     base: Optional[str] = typer.Option(None, "--base", help="Mask and weight update: magnitude, wanda, sparsegpt or gradual (gradual OBS masks inside the exact least-squares update; overrides the recipe's)."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern: keep N of every M input columns", show_default="2:4"),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured sparsity instead of N:M (e.g. 0.5); no permutation."),

@@ -87,9 +87,9 @@ def eval_file(tmp_path: Path) -> Path:
 
 def flat_config(**options):
     """A ``PruneConfig`` from the command line's option names, as the tests of single methods want it:
-    no permutation unless one is asked for (the default recipe would add a swap search)."""
+    no permutation unless one is asked for and no weight update (built on `balanced`, the default minus its update)."""
     from shuffleprune.prune import PruneConfig
 
     if "perm" not in options and "perm_from" not in options:
         options["perm"] = "none"
-    return PruneConfig.build(None, **options)
+    return PruneConfig.build("balanced", **options)

@@ -71,7 +71,9 @@ def test_a_run_repeated_from_its_recipe_yaml_is_bit_identical(tiny_dir, text_fil
 
 def test_flags_and_set_override_the_recipe():
     c = PruneConfig.build(None, method="wanda")
-    assert c.recipe == "balanced" and c.stage_labels() == ["statistics:sequential", "permutation:search", "prune:wanda"]
+    assert c.recipe == "accurate" and c.stage_labels() == ["statistics:sequential", "permutation:search", "prune:wanda",
+                                                           "update:lsq"]
+    assert (c.stages[-1]["precision"], c.stages[-1]["iters"]) == ("float32", 40)  # the default's cheaper solve
     c = PruneConfig.build("learned", perm="none")
     assert c.stage_labels() == ["statistics:sequential", "prune:sparsegpt"]
     c = PruneConfig.build("learned", method="wanda", overrides=["permutation.steps=7", "permutation.lr_decay=cosine"])
@@ -81,7 +83,7 @@ def test_flags_and_set_override_the_recipe():
     assert PruneConfig.build("fast", sparsity=0.5).stage_labels() == ["statistics:sequential", "prune:wanda"]
     c = PruneConfig.build(None, perm="learned", perm_steps=5)  # search -> learned keeps block and share
     assert c.stages[1]["permutation"] == "learned" and c.stages[1]["steps"] == 5
-    c = PruneConfig.build(None, overrides=["statistics=dense", "prune=wanda"])
+    c = PruneConfig.build("balanced", overrides=["statistics=dense", "prune=wanda"])
     assert c.stage_labels() == ["statistics:dense", "permutation:search", "prune:wanda"]
     # YAML 1.1 reads '1e-3' (no dot) as text; a float parameter still takes it
     c = PruneConfig.build(None, overrides=["update=blockrecon", "update.lr=1e-3"])
