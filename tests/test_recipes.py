@@ -262,3 +262,23 @@ def test_truncated_export_loaded_through_transformers_is_one_line_error(tiny_dir
     with pytest.raises(UserError, match="truncated or corrupt") as exc:
         AutoModelForCausalLM.from_pretrained(deployed, trust_remote_code=True)
     assert "\n" not in str(exc.value)
+
+
+def test_the_default_recipe_is_balanced_then_float32_lsq(tiny_dir, text_file, tmp_path):
+    """The default (`accurate`) is exactly the measured configuration: `balanced` followed by lsq in
+    float32 with 40 steps; it keeps N:M in memory order, changes the weights `balanced` leaves, and
+    `--set update=none` gives `balanced` back."""
+    from shuffleprune.prune import PruneConfig, prune
+
+    kw = dict(model=str(tiny_dir), calib=str(text_file), eval_text=None, nsamples=4, seqlen=32, batch_size=4,
+              perm_block=16)
+    lsq32 = ["update=lsq", "update.precision=float32", "update.iters=40", "update.tol=1e-4"]
+    runs = {"default": (None, []), "spelled_out": ("balanced", lsq32), "balanced": ("balanced", []),
+            "default_no_update": (None, ["update=none"])}
+    reports = {name: prune(PruneConfig.build(recipe, overrides=sets, **kw), out=tmp_path / name, progress=False).report
+               for name, (recipe, sets) in runs.items()}
+    assert reports["default"]["recipe"]["recipe"] == "accurate" and reports["default"]["stages"][-1] == "update:lsq"
+    assert reports["default"]["nm_ok"] and all(layer["nm_ok"] for layer in reports["default"]["layers"])
+    assert _identical(tmp_path / "default", tmp_path / "spelled_out")
+    assert _identical(tmp_path / "default_no_update", tmp_path / "balanced")
+    assert not _identical(tmp_path / "default", tmp_path / "balanced")
