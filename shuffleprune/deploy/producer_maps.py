@@ -75,10 +75,10 @@ class MappedOutput(nn.Module):
         return self.inner(x, *args, **kwargs).index_select(-1, self.perm)
 
 
-def _producers(block: nn.Module, run: Callable[[], torch.Tensor]) -> dict[str, str]:
+def _producers(block: nn.Module, run: Callable[[], torch.Tensor]) -> tuple[dict[str, str], torch.Tensor]:
     """``{mapped SparseLinear: module whose output is its input tensor}`` within ``block`` (names
-    relative to it), from forward hooks on one probe run; the innermost module when several return
-    the same tensor."""
+    relative to it), from forward hooks on one probe run (the innermost module when several return
+    the same tensor), and that run's output."""
     outputs: list[tuple[str, torch.Tensor]] = []  # in completion order: inner modules first
     inputs: dict[str, torch.Tensor] = {}
 
@@ -96,7 +96,7 @@ def _producers(block: nn.Module, run: Callable[[], torch.Tensor]) -> dict[str, s
         if name and (not reader or mod.perm is not None):
             handles.append(mod.register_forward_hook(record(name, reader)))
     try:
-        run()
+        output = run()
     finally:
         for h in handles:
             h.remove()
@@ -105,7 +105,7 @@ def _producers(block: nn.Module, run: Callable[[], torch.Tensor]) -> dict[str, s
         producer = next((n for n, out in outputs if out is x and not lin.startswith(n + ".")), None)
         if producer is not None:
             found[lin] = producer
-    return found
+    return found, output
 
 
 def move_maps_to_producers(model: nn.Module, kernel: bool | None = None) -> dict[str, list[str]]:
@@ -118,11 +118,11 @@ def move_maps_to_producers(model: nn.Module, kernel: bool | None = None) -> dict
     for i, block in enumerate(blocks.layers):
         prefix = f"{blocks.name}.{i}"
         groups: dict[str, list[str]] = {}
-        for lin, producer in _producers(block, lambda: run(i)).items():
+        found, reference = _producers(block, lambda: run(i))
+        for lin, producer in found.items():
             groups.setdefault(producer, []).append(lin)
         if not groups:
             continue
-        reference = run(i)
         scale = reference.abs().max().clamp_min(1e-6)
         for producer, consumers in groups.items():
             layers = [block.get_submodule(c) for c in consumers]
