@@ -114,7 +114,7 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     ``{consumer: [producers]}`` of the folds made (in place: folded consumers become plain linears
     reading their input in order)."""
     blocks = find_blocks(model)
-    _, run = block_probe(model, blocks)
+    run = block_probe(model, blocks)
     config = getattr(model, "config", None)
     folded = {}
     for i, block in enumerate(blocks.layers):

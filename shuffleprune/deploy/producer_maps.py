@@ -112,7 +112,7 @@ def move_maps_to_producers(model: nn.Module, kernel: bool | None = None) -> dict
     """Move the index maps of ``model``'s ``SparseLinear`` layers to the modules producing their input,
     where the block's output stays the same; returns ``{producer: [layers]}`` of the moves (in place)."""
     blocks = find_blocks(model)
-    _, run = block_probe(model, blocks)
+    run = block_probe(model, blocks)
     half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
     moved: dict[str, list[str]] = {}
     for i, block in enumerate(blocks.layers):
