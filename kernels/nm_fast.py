@@ -6,7 +6,9 @@ the export's byte layout, read four bytes at a time.
 
 - :func:`nm_decode` (1–16 tokens): ``y = x[..., perm] @ W_pᵀ (+ b)``, bandwidth-bound. A program
   owns ``BLOCK_R`` rows and one split of the kept values; per step it loads a ``[BLOCK_R,
-  BLOCK_K]`` value tile and its position words (streaming loads: the weight is read once), reads
+  BLOCK_K]`` value tile and its position words (evict-first loads: the weight is read once; the
+  loop is software-pipelined, ``stages - 1`` tiles loaded ahead by asynchronous copies, which is
+  what keeps enough bytes in flight per SM — registers alone hold about 18 KB), reads
   the matching ``BLOCK_K·M/N`` inputs once (gathered through the index map, shared by all its
   rows), expands the tile to dense columns in registers and multiplies — with ``tl.dot`` from 8
   tokens up. Split-K partial sums (float32) are added by one reduction when the row count is too
@@ -43,18 +45,19 @@ if triton is not None:
     @triton.jit
     def _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
                     N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K`` expanded to their ``BLOCK_K·M/N`` dense
-        columns (zeros where pruned), in the values' dtype."""
+        columns (zeros where pruned), in the values' dtype. ``EVICT``: the loads' eviction policy
+        (``"evict_first"`` where the weight is read once, ``""`` where tiles are reused)."""
         F: tl.constexpr = 32 // BITS
         WPB: tl.constexpr = BLOCK_K // F
         G: tl.constexpr = BLOCK_K // N
         ks = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (ks < K)[None, :]
-        v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+        v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0, eviction_policy=EVICT)
         wi = k0 // F + tl.arange(0, WPB)
         words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :], mask=row_ok[:, None] & (wi < WORDS)[None, :],
-                        other=0, eviction_policy="evict_first")
+                        other=0, eviction_policy=EVICT)
         shifts = tl.arange(0, F) * BITS
         pos = (tl.broadcast_to(words[:, :, None], (BLOCK_R, WPB, F)) >> shifts[None, None, :]) & ((1 << BITS) - 1)
         pos = tl.reshape(pos, (BLOCK_R, G, N))
@@ -69,7 +72,7 @@ if triton is not None:
                           N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
                           HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                           USE_DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
         G: tl.constexpr = BLOCK_K // N
         pid_r, pid_s = tl.program_id(0), tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -78,8 +81,9 @@ if triton is not None:
         tok_ok = toks < T
         acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
-        for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-            dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K)
+        for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
+            dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
+                                "evict_first")
             cols = (k0 // N) * M + tl.arange(0, G * M)
             col_ok = cols < C
             src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
@@ -120,7 +124,7 @@ if triton is not None:
             cols = c0 + tl.arange(0, BLOCK_C)
             xs = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_ok[:, None] & (cols < C)[None, :],
                          other=0.0)
-            dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, c0 * N // M, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K)
+            dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, c0 * N // M, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K, "")
             if UPCAST:
                 acc = tl.dot(xs.to(tl.float32), tl.trans(dense.to(tl.float32)), acc, input_precision="ieee")
             else:
@@ -138,7 +142,8 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         k0 = tl.program_id(1) * BLOCK_K
-        dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K)
+        dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
+                            "evict_first")
         cols = (k0 // N) * M + tl.arange(0, G * M)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], dense, mask=row_ok[:, None] & (cols < C)[None, :])
 
@@ -168,8 +173,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
-                block_r: int | None = None, block_k: int | None = None, split: int | None = None) -> dict:
-    """Tile and split-K for :func:`nm_decode`: enough programs to fill every SM about four times."""
+                block_r: int | None = None, block_k: int | None = None, split: int | None = None,
+                stages: int = 4) -> dict:
+    """Tile, split-K and pipeline depth for :func:`nm_decode`: enough programs to fill every SM about
+    four times; ``stages`` tiles in the software pipeline (``scripts/check_kernels_compile.py`` shows
+    what each costs in registers and shared memory on sm_90a)."""
     fields = 32 // bits
     use_dot = tokens >= 8
     block_t = 16 if use_dot else triton.next_power_of_2(tokens)   # tl.dot tiles are at least 16 wide
@@ -182,7 +190,7 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         split = max(1, min(steps, triton.cdiv(want, row_programs)))
     per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(kept, per_split)
-    return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split,
+    return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split, stages=stages,
                 use_dot=use_dot and block_r >= 16 and block_k // n * m >= 16)
 
 
@@ -207,7 +215,8 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
                             p["per_split"], N=n, M=m, BITS=bits, HAS_PERM=perm is not None,
                             HAS_BIAS=bias is not None, SPLIT=p["split"], USE_DOT=p["use_dot"], PREC=_precision(x),
                             UPCAST=_upcast(x),
-                            BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], num_warps=num_warps)
+                            BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
+                            num_warps=num_warps)
     if p["split"] > 1:
         total = part.sum(0)
         if bias is not None:
@@ -216,8 +225,12 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     return y.reshape(*lead, rows)
 
 
-def gemm_tile(tokens: int) -> tuple[int, int, int, int, int]:
-    """``(block_t, block_r, block_c, num_warps, num_stages)`` of :func:`nm_gemm` by token count."""
+def gemm_tile(tokens: int, element_bytes: int = 2) -> tuple[int, int, int, int, int]:
+    """``(block_t, block_r, block_c, num_warps, num_stages)`` of :func:`nm_gemm` by token count.
+    float32 (full-precision FMA, no tensor cores) takes one small tile: the 16-bit tiles spill
+    registers there when compiled for sm_90a (``scripts/check_kernels_compile.py``)."""
+    if element_bytes >= 4:
+        return 32, 64, 32, 4, 3
     if tokens <= 64:
         return 32, 64, 64, 4, 3
     if tokens <= 512:
@@ -233,7 +246,7 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     x2 = x.reshape(-1, cols).contiguous()
     tokens = x2.shape[0]
     rows, kept = values.shape
-    block_t, block_r, block_c, warps, stages = tile or gemm_tile(tokens)
+    block_t, block_r, block_c, warps, stages = tile or gemm_tile(tokens, x.element_size())
     if (block_c * n // m) % (32 // bits):
         raise ValueError(f"block_c {block_c} must hold whole position words for {n}:{m}")
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)

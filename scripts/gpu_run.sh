@@ -7,6 +7,7 @@
 #   bash scripts/gpu_run.sh                    # the 2:4 runtime measurements: kernel e2e
 #   bash scripts/gpu_run.sh stage_cost         # pruning stages' cost on LLaMA-2-7B-shaped blocks (a second call:
 #                                              # one device call runs at most 600 s)
+#   bash scripts/gpu_run.sh tune_decode        # decode_plan's tiles and pipeline depth (its own call)
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,9 @@ for s in "$@"; do
         tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py --variants gather ;;
         tune_group) step tune_group 150 scripts/results/tune_kernel_group.json $PY scripts/tune_kernel.py --variants group \
             --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --rep-ms 50 --out scripts/results/tune_kernel_group.json ;;
+        tune_decode) step tune_decode 280 scripts/results/tune_decode.json $PY scripts/tune_kernel.py --variants decode \
+            --tokens 1 4 16 --block-r 4 8 16 --block-k 128 256 512 --num-warps 4 8 --stages 3 4 --rep-ms 30 \
+            --out scripts/results/tune_decode.json ;;
         stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
             $PY scripts/bench_stage_cost.py --device cuda ;;
         e2e) step e2e 270 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;

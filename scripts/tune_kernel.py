@@ -1,10 +1,13 @@
-"""Measure the Triton 2:4 kernel's tile sizes on a GPU: for each LLaMA-2-7B linear shape and token
-count, every (``block_r``, ``block_k``, ``num_warps``) in the grid is checked against the dense result
+"""Measure the Triton 2:4 kernels' tile sizes on a GPU: for each LLaMA-2-7B linear shape and token
+count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the ``decode`` variant
+(``kernels/nm_fast.py``) every pipeline depth in ``--stages`` — is checked against the dense result
 and timed (median GPU time per call from ``triton.testing.do_bench``, L2 flushed before each call); the table of medians and the best tile per case go to
 ``scripts/results/tune_kernel.json``.
 
     python scripts/tune_kernel.py            # on a CUDA machine
     python scripts/tune_kernel.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes: checks the code path only
+    python scripts/tune_kernel.py --variants decode --tokens 1 4 16 --block-r 4 8 16 --block-k 128 256 512 \
+        --num-warps 4 8 --stages 3 4 --out scripts/results/tune_decode.json    # decode_plan's choices
 
 Tiles whose ``block_r × block_k × tokens-tile`` product exceeds ``--max-tile`` values are skipped (they
 spill registers and take long to compile).
@@ -28,6 +31,7 @@ def main() -> None:
     ap.add_argument("--block-r", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--stages", type=int, nargs="+", default=[4], help="decode variant: software-pipeline depths")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench's repetition time per case (ms)")
     ap.add_argument("--max-tile", type=int, default=2**15)
     ap.add_argument("--smoke", action="store_true")
@@ -38,10 +42,12 @@ def main() -> None:
 
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.tokens, args.block_r, args.block_k, args.num_warps = [1, 3, 16], [8, 16], [64], [4]
+        args.stages = args.stages[:1]
 
     import torch
     import torch.nn.functional as F
 
+    from shuffleprune.kernels.nm_fast import nm_decode, position_words
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
@@ -69,26 +75,31 @@ def main() -> None:
         w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)
         values, meta = compress(w, 2, 4)
         values, meta, perm = values.to(dev), meta.to(dev), torch.randperm(in_f, generator=gen).to(dev, torch.int32)
+        words = position_words(meta)
         x, w_dev = torch.randn(tokens, in_f, generator=gen).to(dev, dtype), w.to(dev)
         want = F.linear(x[:, perm.long()].float(), w_dev.float())
         dense_ms = median_ms(lambda: F.linear(x, w_dev))
         case = []
         block_t = min(16, 1 << max(0, (tokens - 1).bit_length()))
-        for variant, br, bk, nw in itertools.product(args.variants, args.block_r, args.block_k, args.num_warps):
-            if br * bk * block_t > args.max_tile:
+        grid = itertools.product(args.variants, args.block_r, args.block_k, args.num_warps, args.stages)
+        for variant, br, bk, nw, st in grid:
+            if br * bk * block_t > args.max_tile or (variant != "decode" and st != args.stages[0]):
                 continue
-            def run(br=br, bk=bk, nw=nw, variant=variant):
+            def run(br=br, bk=bk, nw=nw, st=st, variant=variant):
+                if variant == "decode":
+                    return nm_decode(x, values, words, 2, 4, meta_bits(4), perm, None, num_warps=nw, block_r=br,
+                                     block_k=bk, stages=st)
                 return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)
+            tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st} if variant == "decode" else {})}
             try:
                 y = run()
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile (e.g. out of shared memory)
-                rows.append({"shape": [out_f, in_f], "tokens": tokens, "variant": variant, "block_r": br, "block_k": bk,
-                             "num_warps": nw, "ms": None, "error": str(exc).splitlines()[0][:160]})
+                rows.append({"shape": [out_f, in_f], "tokens": tokens, "variant": variant, **tile, "ms": None,
+                             "error": str(exc).splitlines()[0][:160]})
                 continue
             err = float((y.float() - want).norm() / want.norm())
             ms = median_ms(run) if err < 1e-2 else None
-            row = {"shape": [out_f, in_f], "tokens": tokens, "variant": variant, "block_r": br, "block_k": bk, "num_warps": nw,
-                   "ms": ms, "rel_err": err}
+            row = {"shape": [out_f, in_f], "tokens": tokens, "variant": variant, **tile, "ms": ms, "rel_err": err}
             rows.append(row)
             if ms is not None:
                 case.append(row)
@@ -98,7 +109,7 @@ def main() -> None:
             best.append({"shape": [out_f, in_f], "tokens": tokens, "variant": variant, "dense_ms": dense_ms, "best": top,
                          "speedup_vs_dense": round(dense_ms / top["ms"], 3) if top and top["ms"] else None})
             print(f"{out_f}x{in_f} t={tokens} {variant}: dense {dense_ms:.4f} ms, best {top and top['ms']:.4f} ms "
-                  f"{top and (top['block_r'], top['block_k'], top['num_warps'])}", flush=True)
+                  f"{top and (top['block_r'], top['block_k'], top['num_warps'], top.get('stages'))}", flush=True)
     result = {"what": "Triton 2:4 gather-matmul tile sweep (bf16, random index map)", "seed": 0,
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)", "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": machine(), "versions": versions("triton"), "best": best, "rows": rows}

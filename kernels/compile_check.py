@@ -1,0 +1,168 @@
+"""Compile the Triton kernels for a GPU that is not here and report what the compiler made of them.
+
+Triton's own compiler and ``ptxas`` (both ship in the triton wheel) build the real sm_90a binary on a
+machine without a GPU. :func:`compile_only` runs the ordinary host functions (``nm_decode``,
+``nm_gemm``, …) with every kernel launch replaced by a compile for the target — same arguments,
+same specialisation (alignment, divisibility by 16) as on the GPU — and :func:`report` reads each
+binary: registers, spills, shared memory, resident programs per SM, waves, the widest global load of
+the weight and whether ``tl.dot`` became tensor-core instructions. This is where a kernel that only
+ever ran under ``TRITON_INTERPRET=1`` shows whether it compiles at all, and whether the 16-byte
+streaming loads and tensor-core tiles it was written for are really there. It measures no time.
+
+Kernels decorated while ``TRITON_INTERPRET=1`` is set are interpreted, not compiled: run this in a
+process without it (``python scripts/check_kernels_compile.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUSpec:
+    """What the occupancy estimate needs of a GPU (defaults: H100 SXM, sm_90)."""
+
+    name: str = "H100 (sm_90a)"
+    arch: int = 90
+    sms: int = 132
+    regs_per_sm: int = 65536
+    smem_per_sm: int = 228 * 1024          # usable shared memory per SM
+    smem_per_block: int = 227 * 1024       # most one program may use
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+
+
+H100 = GPUSpec()
+
+
+@dataclasses.dataclass
+class Launch:
+    """One launch that was compiled instead of run."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    compiled: object  # triton CompiledKernel
+
+    @property
+    def programs(self) -> int:
+        out = 1
+        for g in self.grid:
+            out *= g
+        return out
+
+
+class _CompileOnlyDriver:
+    """The part of Triton's driver interface the JIT uses to pick a target (no device behind it)."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
+    """Inside, every ``kernel[grid](…)`` compiles for ``spec`` and returns without running (outputs stay
+    uninitialised); the host functions plan as on that GPU (its SM count, no interpreter upcasts).
+    Yields the list of :class:`Launch` records, filled as launches happen."""
+    if not isinstance(_a_kernel(), JITFunction):
+        raise RuntimeError("the kernels were decorated under TRITON_INTERPRET=1; compile in a process without it")
+    from shuffleprune.kernels import nm_fast
+
+    launches: list[Launch] = []
+    run, active = JITFunction.run, driver._active
+    upcast, sm_count = nm_fast._upcast, nm_fast._sm_count
+
+    def compile_launch(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        launches.append(Launch(self.fn.__name__, tuple(grid), kernel))
+        return kernel
+
+    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", spec.arch, 32)))
+    JITFunction.run = compile_launch
+    nm_fast._upcast, nm_fast._sm_count = (lambda x: False), (lambda device: spec.sms)
+    try:
+        yield launches
+    finally:
+        JITFunction.run = run
+        driver._active = active
+        nm_fast._upcast, nm_fast._sm_count = upcast, sm_count
+
+
+def _a_kernel():
+    from shuffleprune.kernels import nm_fast
+
+    return nm_fast._nm_decode_kernel
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """``(registers per thread, spill bytes)`` from ``ptxas -v`` on the kernel's PTX."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True)
+    text = out.stdout + out.stderr
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
+    return regs, spills
+
+
+_LOAD = re.compile(r"\b(ld\.global[\w:.]*|cp\.async\.(?:ca|cg)\.shared\.global[\w:.]*|cp\.async\.bulk\.tensor[\w:.]*)")
+
+
+def _load_bytes(op: str) -> int:
+    """Bytes one thread moves with one global load instruction (cp.async copies 16 bytes with .cg)."""
+    if op.startswith("cp.async.bulk"):
+        return 128  # TMA: a whole tile per instruction
+    if op.startswith("cp.async"):
+        return 16 if ".cg." in op else 4
+    vec = re.search(r"\.v(\d)", op)
+    width = re.search(r"\.[bsuf](\d+)$", op)
+    return (int(vec.group(1)) if vec else 1) * (int(width.group(1)) // 8 if width else 4)
+
+
+def report(launch: Launch, spec: GPUSpec = H100) -> dict:
+    """Resource use and instruction mix of one compiled launch, and its occupancy on ``spec``."""
+    k = launch.compiled
+    md, ptx = k.metadata, k.asm["ptx"]
+    regs, spills = _ptxas_usage(ptx, spec.arch)
+    warps = md.num_warps
+    regs_per_warp = -(-regs * 32 // 256) * 256          # registers are allocated per warp in units of 256
+    by_regs = spec.regs_per_sm // (regs_per_warp * warps)
+    by_smem = spec.smem_per_sm // (md.shared + 1024) if md.shared else spec.max_blocks_per_sm
+    per_sm = min(by_regs, by_smem, spec.max_warps_per_sm // warps, spec.max_blocks_per_sm)
+    loads = _LOAD.findall(ptx)
+    return {
+        "kernel": launch.kernel, "grid": list(launch.grid), "programs": launch.programs,
+        "num_warps": warps, "num_stages": md.num_stages, "registers": regs, "spill_bytes": spills,
+        "shared_bytes": md.shared, "fits": md.shared <= spec.smem_per_block and per_sm >= 1,
+        "programs_per_sm": per_sm, "waves": round(launch.programs / max(1, per_sm * spec.sms), 2),
+        "widest_load_bytes": max((_load_bytes(op) for op in loads), default=0),
+        "evict_first": "evict_first" in ptx,
+        "async_copies": bool(re.search(r"\bcp\.async\.", ptx)),   # a software-pipelined loop's loads
+        "tensor_core": bool(re.search(r"\b(wgmma|mma)\.", ptx)),
+        "wgmma": "wgmma." in ptx,
+    }
+
+
+def triton_version() -> str:
+    return triton.__version__

@@ -1,0 +1,141 @@
+"""Compile every Triton kernel path of the 2:4 runtime for an H100 (sm_90a) on a machine without a GPU.
+
+    python scripts/check_kernels_compile.py           # issue 24's shapes → scripts/results/kernel_compile_sm90.json
+    python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
+
+Runs the host functions SparseLinear calls (``nm_decode`` for 1–16 tokens with and without an index
+map, ``nm_gemm`` for prompts, ``nm_decompress_into`` for the shared scratch, the first kernels
+``gather`` / ``group``, the producer-side ``rmsnorm_mapped``) on bf16 (plus fp16/fp32 and 4:8 on one
+shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
+(``kernels/compile_check.py``). Each row: registers, spills, shared memory, programs per SM, waves,
+the widest global load, whether the weight is loaded evict-first and whether ``tl.dot`` became
+tensor-core instructions. No timing: that needs the GPU (``scripts/gpu_run.sh``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
+DECODE_TOKENS = [1, 2, 4, 8, 16]
+GEMM_TOKENS = [64, 512, 2048]
+
+
+def cases(quick: bool) -> list[dict]:
+    """What to compile: issue 24's shapes and token counts in bf16 with a random index map, and the
+    other dtypes, 4:8 and the first kernels on the first shape."""
+    shapes = SHAPES[:1] if quick else SHAPES
+    out = []
+    for rows, cols in shapes:
+        for t in DECODE_TOKENS:
+            out.append(dict(impl="decode", shape=(rows, cols), tokens=t))
+        out.append(dict(impl="decode_nomap", shape=(rows, cols), tokens=1))
+        for t in GEMM_TOKENS[:1] if quick else GEMM_TOKENS:
+            out.append(dict(impl="gemm", shape=(rows, cols), tokens=t))
+        out.append(dict(impl="scratch", shape=(rows, cols), tokens=0))
+    rows, cols = SHAPES[0]
+    for dtype in ("float16", "float32"):
+        for t in (1, 16):
+            out.append(dict(impl="decode", shape=(rows, cols), tokens=t, dtype=dtype))
+        out.append(dict(impl="gemm", shape=(rows, cols), tokens=64, dtype=dtype))
+    for t in (1, 16):
+        out.append(dict(impl="decode", shape=(rows, cols), tokens=t, pattern=(4, 8)))
+    out.append(dict(impl="gemm", shape=(rows, cols), tokens=64, pattern=(4, 8)))
+    if not quick:
+        for impl in ("gather", "group"):
+            for t in (1, 16):
+                out.append(dict(impl=impl, shape=(rows, cols), tokens=t))
+    for width in ([4096] if quick else [4096, 11008, 14336]):
+        out.append(dict(impl="rmsnorm_mapped", shape=(0, width), tokens=1))
+    return out
+
+
+def run_case(case: dict) -> None:
+    """Call the host function of ``case`` once (its launch is compiled, not run)."""
+    import torch
+
+    from shuffleprune.deploy.format import meta_bits
+    from shuffleprune.kernels import nm_fast, nm_matmul, norm_map
+
+    rows, cols = case["shape"]
+    dtype = getattr(torch, case.get("dtype", "bfloat16"))
+    n, m = case.get("pattern", (2, 4))
+    bits = meta_bits(m)
+    perm = torch.randperm(cols, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    impl, tokens = case["impl"], max(1, case["tokens"])
+    if impl == "rmsnorm_mapped":
+        norm_map.rmsnorm_mapped(torch.zeros(tokens, cols, dtype=dtype), torch.ones(cols), perm, 1e-6)
+        return
+    kept = cols // m * n
+    values = torch.zeros(rows, kept, dtype=dtype)
+    meta = torch.zeros(rows, -(-kept * bits // 8), dtype=torch.uint8)
+    words = nm_fast.position_words(meta)
+    x = torch.zeros(tokens, cols, dtype=dtype)
+    if impl in ("decode", "decode_nomap"):
+        nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None)
+    elif impl == "gemm":
+        nm_fast.nm_gemm(x, values, words, n, m, bits)
+    elif impl == "scratch":
+        nm_fast.nm_decompress_into(values, words, n, m, bits, cols, torch.empty(rows * cols, dtype=dtype))
+    else:
+        nm_matmul.nm_gather_matmul(x, values, meta, n, m, bits, perm=perm, variant=impl)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the first shape only (what the tests check)")
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "kernel_compile_sm90.json"))
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+
+    import torch
+    from shuffleprune.kernels.compile_check import H100, compile_only, report, triton_version
+    from shuffleprune.runtime import machine, versions
+
+    rows, failed = [], 0
+    t0 = time.time()
+    for case in cases(args.quick):
+        label = {"impl": case["impl"], "shape": list(case["shape"]), "tokens": case["tokens"],
+                 "dtype": case.get("dtype", "bfloat16"), "pattern": "{}:{}".format(*case.get("pattern", (2, 4)))}
+        try:
+            with compile_only(H100) as launches:
+                run_case(case)
+            for launch in launches:
+                rows.append({**label, **report(launch, H100)})
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a result, recorded
+            failed += 1
+            rows.append({**label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"})
+        r = rows[-1]
+        print(f"{r['impl']:>14} {r['dtype']:>8} {r['pattern']} {str(tuple(r['shape'])):>14} t={r['tokens']:<5}"
+              + (f" ERROR {r['error']}" if "error" in r else
+                 f" regs {r['registers']:3d} spill {r['spill_bytes']:4d} smem {r['shared_bytes']:6d} "
+                 f"progs/SM {r['programs_per_sm']:2d} waves {r['waves']:6.2f} load {r['widest_load_bytes']:2d}B "
+                 f"evict_first {r['evict_first']} async {r['async_copies']} tc {r['tensor_core']}"), flush=True)
+    summary = {
+        "compiled": sum("error" not in r for r in rows), "failed": failed,
+        "with_spills": sum(r.get("spill_bytes", 0) > 0 for r in rows),
+        "not_fitting": sum(r.get("fits") is False for r in rows),
+    }
+    result = {
+        "what": "Triton kernels of the 2:4 runtime compiled for sm_90a without a GPU (no timing)",
+        "target": H100.name, "triton": triton_version(), "torch": torch.__version__,
+        "machine": machine(), "versions": versions(),
+        "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "seconds": round(time.time() - t0, 1), "summary": summary, "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(args.out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(args.out)
+    print(json.dumps(summary))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
