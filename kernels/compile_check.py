@@ -20,6 +20,7 @@ import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -39,6 +40,9 @@ class GPUSpec:
     smem_per_block: int = 227 * 1024       # most one program may use
     max_warps_per_sm: int = 64
     max_blocks_per_sm: int = 32
+    issue_per_cycle: int = 4               # warp instructions one SM issues per cycle (one per scheduler)
+    clock_ghz: float = 1.755               # sustained SM clock under load
+    dram_tbs: float = 3.35                 # HBM3 bandwidth
 
 
 H100 = GPUSpec()
@@ -51,6 +55,12 @@ class Launch:
     kernel: str
     grid: tuple[int, ...]
     compiled: object  # triton CompiledKernel
+
+    @property
+    def constexprs(self) -> dict:
+        """The launch's compile-time constants by parameter name (tile sizes, flags)."""
+        src = self.compiled.src
+        return {src.fn.arg_names[path[0]]: value for path, value in src.constants.items() if len(path) == 1}
 
     @property
     def programs(self) -> int:
@@ -108,7 +118,7 @@ def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
 def _a_kernel():
     from shuffleprune.kernels import nm_fast
 
-    return nm_fast._nm_decode_kernel
+    return nm_fast._nm_gemm_kernel
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -140,6 +150,47 @@ def _load_bytes(op: str) -> int:
     return (int(vec.group(1)) if vec else 1) * (int(width.group(1)) // 8 if width else 4)
 
 
+def _sass(cubin: bytes, arch: int) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    nvdisasm = str(Path(get_ptxas(arch).path).with_name("nvdisasm"))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_instructions(sass: str) -> int:
+    """Machine instructions in the longest loop body (label … backward branch to it): what one
+    warp issues per iteration of the kernel's main loop; 0 when the kernel has no loop."""
+    best, seen = 0, {}
+    count = 0
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            seen[label.group(1)] = count
+            continue
+        ins = re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);", line)
+        if not ins:
+            continue
+        count += 1
+        target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", ins.group(1))
+        if target and target.group(1) in seen:
+            best = max(best, count - seen[target.group(1)])
+    return best
+
+
+def issue_ceiling_tbs(bytes_per_iteration: float, loop_insts: int, num_warps: int,
+                      spec: GPUSpec = H100) -> float | None:
+    """The memory rate (TB/s) at which a streaming loop's instructions alone would take all of every
+    SM's issue slots: ``bytes`` read per iteration by a program of ``num_warps`` warps issuing
+    ``loop_insts`` instructions each. Below ``spec.dram_tbs`` the kernel cannot be memory-bound."""
+    if not loop_insts:
+        return None  # the loop was unrolled away (a single iteration): nothing to count
+    per_cycle = spec.issue_per_cycle * bytes_per_iteration / (loop_insts * num_warps)
+    return per_cycle * spec.clock_ghz * 1e9 * spec.sms / 1e12
+
+
 def report(launch: Launch, spec: GPUSpec = H100) -> dict:
     """Resource use and instruction mix of one compiled launch, and its occupancy on ``spec``."""
     k = launch.compiled
@@ -161,6 +212,8 @@ def report(launch: Launch, spec: GPUSpec = H100) -> dict:
         "async_copies": bool(re.search(r"\bcp\.async\.", ptx)),   # a software-pipelined loop's loads
         "tensor_core": bool(re.search(r"\b(wgmma|mma)\.", ptx)),
         "wgmma": "wgmma." in ptx,
+        "loop_instructions": loop_instructions(_sass(k.asm["cubin"], spec.arch)),
+        "constexprs": {k_: v for k_, v in launch.constexprs.items() if isinstance(v, (int, str, bool))},
     }
 
 

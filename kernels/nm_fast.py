@@ -6,13 +6,15 @@ the export's byte layout, read four bytes at a time.
 
 - :func:`nm_decode` (1–16 tokens): ``y = x[..., perm] @ W_pᵀ (+ b)``, bandwidth-bound. A program
   owns ``BLOCK_R`` rows and one split of the kept values; per step it loads a ``[BLOCK_R,
-  BLOCK_K]`` value tile and its position words (evict-first loads: the weight is read once; the
-  loop is software-pipelined, ``stages - 1`` tiles loaded ahead by asynchronous copies, which is
-  what keeps enough bytes in flight per SM — registers alone hold about 18 KB), reads
-  the matching ``BLOCK_K·M/N`` inputs once (gathered through the index map, shared by all its
-  rows), expands the tile to dense columns in registers and multiplies — with ``tl.dot`` from 8
-  tokens up. Split-K partial sums (float32) are added by one reduction when the row count is too
-  small to fill the GPU.
+  BLOCK_K]`` value tile and its position words (16-byte evict-first loads: the weight is read once;
+  the loop is software-pipelined, ``stages − 1`` tiles loaded ahead by asynchronous copies) and
+  reads the step's ``BLOCK_K·M/N`` inputs once, through the index map, for all its rows. Up to
+  ``SELECT_MAX_TOKENS`` tokens each kept value then *selects* its input among its group's ``M`` (a
+  tree of selects on the position bits) and accumulates element-wise, with one reduction after the
+  loop; above that the tile is expanded to dense in registers for ``tl.dot``. Which costs fewer
+  instructions per byte was read off the compiled sm_90a loops (``kernels/compile_check.py``):
+  expanding costs about 3.6 instructions per kept value at one token, selecting 1. Split-K partial
+  sums (float32) are added by one reduction when the row count is too small to fill the GPU.
 - :func:`nm_gemm` (prefill): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted inputs whose
   weight tiles are decompressed in registers for ``tl.dot``.
 - :func:`nm_decompress_into`: the dense ``W_p`` written into a caller's buffer (the shared scratch
@@ -67,12 +69,13 @@ if triton is not None:
         return tl.reshape(tl.sum(tl.where(hit, vals, tl.zeros_like(vals)), axis=2), (BLOCK_R, G * M))
 
     @triton.jit
-    def _nm_decode_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr,
-                          T, R, K, C, WORDS, stride_xt, stride_yt, K_PER_SPLIT,
-                          N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
-                          HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                          USE_DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+    def _nm_decode_dot_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr,
+                              T, R, K, C, WORDS, stride_xt, stride_yt, K_PER_SPLIT,
+                              N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
+                              HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                              PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+        """8–16 tokens: the tile expanded to dense in registers, multiplied on the tensor cores."""
         G: tl.constexpr = BLOCK_K // N
         pid_r, pid_s = tl.program_id(0), tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -89,13 +92,10 @@ if triton is not None:
             src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
             xs = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None], mask=col_ok[:, None] & tok_ok[None, :],
                          other=0.0)                                                  # [G·M, BLOCK_T], read once
-            if USE_DOT:
-                if UPCAST:
-                    acc = tl.dot(dense.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(dense.to(xs.dtype), xs, acc, input_precision=PREC)
+            if UPCAST:
+                acc = tl.dot(dense.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc += tl.sum(dense.to(tl.float32)[:, :, None] * xs.to(tl.float32)[None, :, :], axis=1)
+                acc = tl.dot(dense.to(xs.dtype), xs, acc, input_precision=PREC)
         out_ok = row_ok[:, None] & tok_ok[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
@@ -103,6 +103,67 @@ if triton is not None:
             tl.store(y_ptr + toks[None, :] * stride_yt + rows[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
         else:
             tl.store(part_ptr + (pid_s * T + toks[None, :]) * R + rows[:, None], acc, mask=out_ok)
+
+    @triton.jit
+    def _nm_select_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr,
+                          T, R, K, C, WORDS, stride_xt, stride_yt, K_PER_SPLIT,
+                          N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
+                          HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+        """Few tokens, no tensor cores: each kept value picks its input among its group's ``M`` (the
+        compares are shared by all tokens), multiplies it, and adds into a float32 accumulator of
+        its own; the one cross-lane reduction comes after the loop. No dense tile is built."""
+        G: tl.constexpr = BLOCK_K // N
+        F: tl.constexpr = 32 // BITS
+        WPB: tl.constexpr = BLOCK_K // F
+        pid_r, pid_s = tl.program_id(0), tl.program_id(1)
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        toks = tl.arange(0, BLOCK_T)
+        tok_ok = toks < T
+        shifts = tl.arange(0, F) * BITS
+        acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
+        k_start = pid_s * K_PER_SPLIT
+        for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
+                        other=0.0, eviction_policy="evict_first")
+            wi = k0 // F + tl.arange(0, WPB)
+            words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :],
+                            mask=row_ok[:, None] & (wi < WORDS)[None, :], other=0, eviction_policy="evict_first")
+            pos = (tl.broadcast_to(words[:, :, None], (BLOCK_R, WPB, F)) >> shifts[None, None, :]) & ((1 << BITS) - 1)
+            pos = tl.reshape(pos, (BLOCK_R, G, N))[:, :, :, None]
+            if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
+                cols = (k0 // N) * M + tl.arange(0, G * M)
+                col_ok = cols < C
+                src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
+                xs = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None], mask=col_ok[:, None] & tok_ok[None, :],
+                             other=0.0).to(tl.float32)
+                even, odd = tl.split(tl.permute(tl.reshape(xs, (G, 2, 2, BLOCK_T)), (0, 3, 1, 2)))
+                x0, x2 = tl.split(even)                                    # [G, BLOCK_T] each: slots 0 and 2
+                x1, x3 = tl.split(odd)
+                low = (pos & 1) != 0
+                lo = tl.where(low, x1[None, :, None, :], x0[None, :, None, :])
+                hi = tl.where(low, x3[None, :, None, :], x2[None, :, None, :])
+                picked = tl.where((pos & 2) != 0, hi, lo)
+            else:
+                first = (k0 // N + tl.arange(0, G)) * M                   # first permuted column of each group
+                picked = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
+                for j in tl.static_range(M):
+                    col_ok = first + j < C
+                    src = tl.load(perm_ptr + first + j, mask=col_ok, other=0) if HAS_PERM else first + j
+                    xj = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None],
+                                 mask=col_ok[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # slot j of each group
+                    picked = tl.where(pos == j, xj[None, :, None, :], picked)
+            acc += tl.reshape(v, (BLOCK_R, G, N)).to(tl.float32)[:, :, :, None] * picked
+        out = tl.sum(tl.reshape(acc, (BLOCK_R, BLOCK_K, BLOCK_T)), axis=1)
+        out_ok = row_ok[:, None] & tok_ok[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + toks[None, :] * stride_yt + rows[:, None], out.to(y_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            tl.store(part_ptr + (pid_s * T + toks[None, :]) * R + rows[:, None], out, mask=out_ok)
 
     @triton.jit
     def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,
@@ -172,17 +233,28 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: any small number exercises the split path
 
 
+SELECT_MAX_TOKENS = 4  # above this the per-token selects cost more than expanding the tile for tl.dot
+
+
 def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
-                stages: int = 4) -> dict:
-    """Tile, split-K and pipeline depth for :func:`nm_decode`: enough programs to fill every SM about
-    four times; ``stages`` tiles in the software pipeline (``scripts/check_kernels_compile.py`` shows
-    what each costs in registers and shared memory on sm_90a)."""
+                stages: int = 4, num_warps: int | None = None) -> dict:
+    """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
+
+    Up to ``SELECT_MAX_TOKENS`` tokens the select kernel, above it the tensor-core one. The tiles are
+    the ones whose compiled loop leaves the most room under the issue rate on an H100 without
+    spilling (``scripts/check_kernels_compile.py``: 16 rows × 128 kept values, 4 warps, lets one
+    token stream at up to 4.6 TB/s of instruction issue, above the 3.35 TB/s of HBM3); split-K
+    makes enough programs to fill every SM about four times; ``stages`` tiles are in the software
+    pipeline. Not yet timed on a GPU: ``scripts/tune_kernel.py --variants decode`` does that."""
     fields = 32 // bits
-    use_dot = tokens >= 8
+    use_dot = tokens > SELECT_MAX_TOKENS
     block_t = 16 if use_dot else triton.next_power_of_2(tokens)   # tl.dot tiles are at least 16 wide
-    block_r = block_r or (16 if use_dot else 8)
-    block_k = block_k or max(fields, n, 256 if tokens <= 2 else 128)
+    block_r = block_r or 16
+    block_k = block_k or max(fields, n, 128)
+    num_warps = num_warps or (8 if SELECT_MAX_TOKENS >= tokens > 2 else 4)
+    if use_dot and (block_r < 16 or block_k // n * m < 16):
+        raise ValueError(f"the tensor-core decode needs block_r ≥ 16 and block_k·M/N ≥ 16 (got {block_r}, {block_k})")
     row_programs = triton.cdiv(rows, block_r)
     steps = triton.cdiv(kept, block_k)
     if split is None:
@@ -191,12 +263,11 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(kept, per_split)
     return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split, stages=stages,
-                use_dot=use_dot and block_r >= 16 and block_k // n * m >= 16)
+                num_warps=num_warps, use_dot=use_dot)
 
 
 def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
-              perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, num_warps: int = 4,
-              **plan_overrides) -> torch.Tensor:
+              perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with at most 16 tokens → ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``."""
     _check(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
@@ -210,13 +281,15 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     part = torch.empty(p["split"], tokens, rows, dtype=torch.float32, device=x.device) if p["split"] > 1 else y
     dummy = values
     grid = (triton.cdiv(rows, p["block_r"]), p["split"])
-    _nm_decode_kernel[grid](x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy,
-                            y, part, tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0),
-                            p["per_split"], N=n, M=m, BITS=bits, HAS_PERM=perm is not None,
-                            HAS_BIAS=bias is not None, SPLIT=p["split"], USE_DOT=p["use_dot"], PREC=_precision(x),
-                            UPCAST=_upcast(x),
-                            BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
-                            num_warps=num_warps)
+    args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
+            tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0), p["per_split"])
+    common = dict(N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
+                  BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
+                  num_warps=p["num_warps"])
+    if p["use_dot"]:
+        _nm_decode_dot_kernel[grid](*args, PREC=_precision(x), UPCAST=_upcast(x), **common)
+    else:
+        _nm_select_kernel[grid](*args, **common)
     if p["split"] > 1:
         total = part.sum(0)
         if bias is not None:

@@ -9,7 +9,10 @@ map, ``nm_gemm`` for prompts, ``nm_decompress_into`` for the shared scratch, the
 shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
 (``kernels/compile_check.py``). Each row: registers, spills, shared memory, programs per SM, waves,
 the widest global load, whether the weight is loaded evict-first and whether ``tl.dot`` became
-tensor-core instructions. No timing: that needs the GPU (``scripts/gpu_run.sh``).
+tensor-core instructions, the machine instructions of the main loop, and for decode the weight
+traffic (TB/s) at which those instructions alone would fill every issue slot of an H100: below the
+3.35 TB/s of HBM3 the kernel is instruction-bound whatever its loads do. No timing: that needs the
+GPU (``scripts/gpu_run.sh``).
 """
 from __future__ import annotations
 
@@ -86,6 +89,22 @@ def run_case(case: dict) -> None:
         nm_matmul.nm_gather_matmul(x, values, meta, n, m, bits, perm=perm, variant=impl)
 
 
+def decode_issue_ceiling(row: dict, case: dict) -> float | None:
+    """TB/s of weight traffic at which decode's loop would use every issue slot of an H100
+    (``compile_check.issue_ceiling_tbs``): per iteration a program reads ``BLOCK_R × BLOCK_K`` kept
+    values and their position bits."""
+    import torch
+
+    from shuffleprune.deploy.format import meta_bits
+    from shuffleprune.kernels.compile_check import H100, issue_ceiling_tbs
+
+    c = row["constexprs"]
+    elt = torch.empty(0, dtype=getattr(torch, case.get("dtype", "bfloat16"))).element_size()
+    per_value = elt + meta_bits(case.get("pattern", (2, 4))[1]) / 8
+    ceiling = issue_ceiling_tbs(c["BLOCK_R"] * c["BLOCK_K"] * per_value, row["loop_instructions"], row["num_warps"], H100)
+    return None if ceiling is None else round(ceiling, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the first shape only (what the tests check)")
@@ -107,7 +126,10 @@ def main() -> None:
             with compile_only(H100) as launches:
                 run_case(case)
             for launch in launches:
-                rows.append({**label, **report(launch, H100)})
+                row = {**label, **report(launch, H100)}
+                if case["impl"].startswith("decode"):
+                    row["issue_ceiling_tbs"] = decode_issue_ceiling(row, case)
+                rows.append(row)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a result, recorded
             failed += 1
             rows.append({**label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"})
@@ -116,7 +138,8 @@ def main() -> None:
               + (f" ERROR {r['error']}" if "error" in r else
                  f" regs {r['registers']:3d} spill {r['spill_bytes']:4d} smem {r['shared_bytes']:6d} "
                  f"progs/SM {r['programs_per_sm']:2d} waves {r['waves']:6.2f} load {r['widest_load_bytes']:2d}B "
-                 f"evict_first {r['evict_first']} async {r['async_copies']} tc {r['tensor_core']}"), flush=True)
+                 f"evict_first {r['evict_first']} async {r['async_copies']} tc {r['tensor_core']} "
+                 f"loop {r['loop_instructions']} ceiling {r.get('issue_ceiling_tbs')}"), flush=True)
     summary = {
         "compiled": sum("error" not in r for r in rows), "failed": failed,
         "with_spills": sum(r.get("spill_bytes", 0) > 0 for r in rows),
