@@ -45,12 +45,12 @@ def position_words(meta: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
-                    N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
-        """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K`` expanded to their ``BLOCK_K·M/N`` dense
-        columns (zeros where pruned), in the values' dtype. ``EVICT``: the loads' eviction policy
-        (``"evict_first"`` where the weight is read once, ``""`` where tiles are reused)."""
+    def _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
+                   N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVICT: tl.constexpr):
+        """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K``: values and in-group positions, each
+        ``[BLOCK_R, BLOCK_K/N, N]``. ``EVICT``: the loads' eviction policy (``"evict_first"`` where
+        the weight is read once, ``""`` where tiles are reused)."""
         F: tl.constexpr = 32 // BITS
         WPB: tl.constexpr = BLOCK_K // F
         G: tl.constexpr = BLOCK_K // N
@@ -62,11 +62,32 @@ if triton is not None:
                         other=0, eviction_policy=EVICT)
         shifts = tl.arange(0, F) * BITS
         pos = (tl.broadcast_to(words[:, :, None], (BLOCK_R, WPB, F)) >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        pos = tl.reshape(pos, (BLOCK_R, G, N))
+        return tl.reshape(v, (BLOCK_R, G, N)), tl.reshape(pos, (BLOCK_R, G, N))
+
+    @triton.jit
+    def _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
+                    N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+        """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K`` expanded to their ``BLOCK_K·M/N`` dense
+        columns (zeros where pruned), in the values' dtype."""
+        G: tl.constexpr = BLOCK_K // N
+        v, pos = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT)
         slot = tl.arange(0, M)
         hit = pos[:, :, :, None] == slot[None, None, None, :]
-        vals = tl.reshape(v, (BLOCK_R, G, N))[:, :, :, None]
+        vals = v[:, :, :, None]
         return tl.reshape(tl.sum(tl.where(hit, vals, tl.zeros_like(vals)), axis=2), (BLOCK_R, G * M))
+
+    @triton.jit
+    def _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt,
+                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+        """``acc`` ``[BLOCK_R, BLOCK_T]`` (float32) to ``y`` (+ bias), or to split ``pid_s``'s partial sums."""
+        out_ok = row_ok[:, None] & tok_ok[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + toks[None, :] * stride_yt + rows[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            tl.store(part_ptr + (pid_s * T + toks[None, :]) * R + rows[:, None], acc, mask=out_ok)
 
     @triton.jit
     def _nm_decode_dot_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr,
@@ -96,13 +117,7 @@ if triton is not None:
                 acc = tl.dot(dense.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(dense.to(xs.dtype), xs, acc, input_precision=PREC)
-        out_ok = row_ok[:, None] & tok_ok[None, :]
-        if SPLIT == 1:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + toks[None, :] * stride_yt + rows[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
-        else:
-            tl.store(part_ptr + (pid_s * T + toks[None, :]) * R + rows[:, None], acc, mask=out_ok)
+        _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt, HAS_BIAS, SPLIT)
 
     @triton.jit
     def _nm_select_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr,
@@ -114,25 +129,17 @@ if triton is not None:
         compares are shared by all tokens), multiplies it, and adds into a float32 accumulator of
         its own; the one cross-lane reduction comes after the loop. No dense tile is built."""
         G: tl.constexpr = BLOCK_K // N
-        F: tl.constexpr = 32 // BITS
-        WPB: tl.constexpr = BLOCK_K // F
         pid_r, pid_s = tl.program_id(0), tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         toks = tl.arange(0, BLOCK_T)
         tok_ok = toks < T
-        shifts = tl.arange(0, F) * BITS
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
-                        other=0.0, eviction_policy="evict_first")
-            wi = k0 // F + tl.arange(0, WPB)
-            words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :],
-                            mask=row_ok[:, None] & (wi < WORDS)[None, :], other=0, eviction_policy="evict_first")
-            pos = (tl.broadcast_to(words[:, :, None], (BLOCK_R, WPB, F)) >> shifts[None, None, :]) & ((1 << BITS) - 1)
-            pos = tl.reshape(pos, (BLOCK_R, G, N))[:, :, :, None]
+            v, pos = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
+                                "evict_first")
+            pos = pos[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
                 cols = (k0 // N) * M + tl.arange(0, G * M)
                 col_ok = cols < C
@@ -155,15 +162,9 @@ if triton is not None:
                     xj = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None],
                                  mask=col_ok[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # slot j of each group
                     picked = tl.where(pos == j, xj[None, :, None, :], picked)
-            acc += tl.reshape(v, (BLOCK_R, G, N)).to(tl.float32)[:, :, :, None] * picked
+            acc += v.to(tl.float32)[:, :, :, None] * picked
         out = tl.sum(tl.reshape(acc, (BLOCK_R, BLOCK_K, BLOCK_T)), axis=1)
-        out_ok = row_ok[:, None] & tok_ok[None, :]
-        if SPLIT == 1:
-            if HAS_BIAS:
-                out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + toks[None, :] * stride_yt + rows[:, None], out.to(y_ptr.dtype.element_ty), mask=out_ok)
-        else:
-            tl.store(part_ptr + (pid_s * T + toks[None, :]) * R + rows[:, None], out, mask=out_ok)
+        _store_decode(out, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt, HAS_BIAS, SPLIT)
 
     @triton.jit
     def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,
