@@ -78,6 +78,13 @@ if triton is not None:
         return tl.reshape(tl.sum(tl.where(hit, vals, tl.zeros_like(vals)), axis=2), (BLOCK_R, G * M))
 
     @triton.jit
+    def _decode_ids(R, T, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+        """A decode program's split index, its rows and the tokens (with their in-range masks)."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        toks = tl.arange(0, BLOCK_T)
+        return tl.program_id(1), rows, rows < R, toks, toks < T
+
+    @triton.jit
     def _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt,
                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
         """``acc`` ``[BLOCK_R, BLOCK_T]`` (float32) to ``y`` (+ bias), or to split ``pid_s``'s partial sums."""
@@ -98,11 +105,7 @@ if triton is not None:
                               BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
         """8–16 tokens: the tile expanded to dense in registers, multiplied on the tensor cores."""
         G: tl.constexpr = BLOCK_K // N
-        pid_r, pid_s = tl.program_id(0), tl.program_id(1)
-        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < R
-        toks = tl.arange(0, BLOCK_T)
-        tok_ok = toks < T
+        pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
         acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
@@ -129,11 +132,7 @@ if triton is not None:
         compares are shared by all tokens), multiplies it, and adds into a float32 accumulator of
         its own; the one cross-lane reduction comes after the loop. No dense tile is built."""
         G: tl.constexpr = BLOCK_K // N
-        pid_r, pid_s = tl.program_id(0), tl.program_id(1)
-        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < R
-        toks = tl.arange(0, BLOCK_T)
-        tok_ok = toks < T
+        pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
