@@ -22,7 +22,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
@@ -215,7 +214,3 @@ def report(launch: Launch, spec: GPUSpec = H100) -> dict:
         "loop_instructions": loop_instructions(_sass(k.asm["cubin"], spec.arch)),
         "constexprs": {k_: v for k_, v in launch.constexprs.items() if isinstance(v, (int, str, bool))},
     }
-
-
-def triton_version() -> str:
-    return triton.__version__

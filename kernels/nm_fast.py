@@ -78,6 +78,17 @@ if triton is not None:
         return tl.reshape(tl.sum(tl.where(hit, vals, tl.zeros_like(vals)), axis=2), (BLOCK_R, G * M))
 
     @triton.jit
+    def _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
+                     G: tl.constexpr, HAS_PERM: tl.constexpr):
+        """The inputs of the ``G`` groups starting at kept value ``k0``, in permuted column order and
+        read once through the index map: ``[G·M, BLOCK_T]`` in ``x``'s dtype."""
+        cols = (k0 // N) * M + tl.arange(0, G * M)
+        col_ok = cols < C
+        src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
+        return tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None], mask=col_ok[:, None] & tok_ok[None, :],
+                       other=0.0)
+
+    @triton.jit
     def _decode_ids(R, T, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
         """A decode program's split index, its rows and the tokens (with their in-range masks)."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -111,11 +122,7 @@ if triton is not None:
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
                                 "evict_first")
-            cols = (k0 // N) * M + tl.arange(0, G * M)
-            col_ok = cols < C
-            src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
-            xs = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None], mask=col_ok[:, None] & tok_ok[None, :],
-                         other=0.0)                                                  # [G·M, BLOCK_T], read once
+            xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
             if UPCAST:
                 acc = tl.dot(dense.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
             else:
@@ -140,11 +147,7 @@ if triton is not None:
                                 "evict_first")
             pos = pos[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
-                cols = (k0 // N) * M + tl.arange(0, G * M)
-                col_ok = cols < C
-                src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
-                xs = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None], mask=col_ok[:, None] & tok_ok[None, :],
-                             other=0.0).to(tl.float32)
+                xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM).to(tl.float32)
                 even, odd = tl.split(tl.permute(tl.reshape(xs, (G, 2, 2, BLOCK_T)), (0, 3, 1, 2)))
                 x0, x2 = tl.split(even)                                    # [G, BLOCK_T] each: slots 0 and 2
                 x1, x3 = tl.split(odd)

@@ -99,8 +99,7 @@ def decode_issue_ceiling(row: dict, case: dict) -> float | None:
     from shuffleprune.kernels.compile_check import H100, issue_ceiling_tbs
 
     c = row["constexprs"]
-    elt = torch.empty(0, dtype=getattr(torch, case.get("dtype", "bfloat16"))).element_size()
-    per_value = elt + meta_bits(case.get("pattern", (2, 4))[1]) / 8
+    per_value = getattr(torch, case.get("dtype", "bfloat16")).itemsize + meta_bits(case.get("pattern", (2, 4))[1]) / 8
     ceiling = issue_ceiling_tbs(c["BLOCK_R"] * c["BLOCK_K"] * per_value, row["loop_instructions"], row["num_warps"], H100)
     return None if ceiling is None else round(ceiling, 2)
 
@@ -113,8 +112,7 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
 
-    import torch
-    from shuffleprune.kernels.compile_check import H100, compile_only, report, triton_version
+    from shuffleprune.kernels.compile_check import H100, compile_only, report
     from shuffleprune.runtime import machine, versions
 
     rows, failed = [], 0
@@ -147,8 +145,7 @@ def main() -> None:
     }
     result = {
         "what": "Triton kernels of the 2:4 runtime compiled for sm_90a without a GPU (no timing)",
-        "target": H100.name, "triton": triton_version(), "torch": torch.__version__,
-        "machine": machine(), "versions": versions(),
+        "target": H100.name, "machine": machine(), "versions": versions("triton"),
         "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "seconds": round(time.time() - t0, 1), "summary": summary, "rows": rows,
     }

@@ -129,19 +129,17 @@ def move_maps_to_producers(model: nn.Module, kernel: bool | None = None) -> dict
             perm = layers[0].perm
             if any(not torch.equal(layer.perm, perm) for layer in layers[1:]):
                 continue  # readers of one tensor under different maps: only the kernels can serve them
-            parent_name, _, child = producer.rpartition(".")
-            parent = block.get_submodule(parent_name) if parent_name else block
-            inner = getattr(parent, child)
+            inner = block.get_submodule(producer)
             wrapped = MappedOutput(inner, perm, kernel=False)  # the check compares the layout, not a kernel
             saved = [(layer.perm, layer.shared_gather) for layer in layers]
-            setattr(parent, child, wrapped)
+            block.set_submodule(producer, wrapped)
             for layer in layers:
                 layer.perm, layer.shared_gather = None, None
             if ((run(i) - reference).abs().max() / scale) < (1e-2 if half else 1e-4):
                 wrapped.kernel = kernel
                 moved[f"{prefix}.{producer}"] = [f"{prefix}.{c}" for c in consumers]
                 continue
-            setattr(parent, child, inner)  # undo: something else reads that output in order
+            block.set_submodule(producer, inner)  # undo: something else reads that output in order
             for layer, (p, shared) in zip(layers, saved):
                 layer.perm, layer.shared_gather = p, shared
     return moved
