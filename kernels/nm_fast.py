@@ -8,15 +8,17 @@ the export's byte layout, read four bytes at a time.
   owns ``BLOCK_R`` rows and one split of the kept values; per step it loads a ``[BLOCK_R,
   BLOCK_K]`` value tile and its position words (16-byte evict-first loads: the weight is read once;
   the loop is software-pipelined, ``stages − 1`` tiles loaded ahead by asynchronous copies) and
-  reads the step's ``BLOCK_K·M/N`` inputs once, through the index map, for all its rows. Up to
-  ``SELECT_MAX_TOKENS`` tokens each kept value then *selects* its input among its group's ``M`` (a
-  tree of selects on the position bits) and accumulates element-wise, with one reduction after the
-  loop; above that the tile is expanded to dense in registers for ``tl.dot``. Which costs fewer
-  instructions per byte was read off the compiled sm_90a loops (``kernels/compile_check.py``):
-  expanding costs about 3.6 instructions per kept value at one token, selecting 1. Split-K partial
-  sums (float32) are added by one reduction when the row count is too small to fill the GPU.
+  reads the step's ``BLOCK_K·M/N`` inputs once, through the index map, for all its rows. At one
+  token each kept value then *selects* its input among its group's ``M`` (a tree of selects on the
+  position bits) and accumulates element-wise, with one reduction after the loop; from two tokens
+  the tile is expanded to dense in registers and multiplied on the tensor cores (``tl.dot``, tokens
+  in the MMA's rows). 2:4 tiles expand by splitting each group's two values apart and giving every
+  dense slot at most two selects (:func:`_dense_2of4`); other N:M sum ``M`` masked copies. Which
+  costs fewer instructions per byte was read off the compiled sm_90a loops
+  (``kernels/compile_check.py``). Split-K partial sums (float32) are added by one reduction when
+  the row count is too small to fill the GPU.
 - :func:`nm_gemm` (prefill): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted inputs whose
-  weight tiles are decompressed in registers for ``tl.dot``.
+  weight tiles are decompressed in registers (the same expansion) for ``tl.dot``.
 - :func:`nm_decompress_into`: the dense ``W_p`` written into a caller's buffer (the shared scratch
   a dense matmul reads; no layer keeps a dense copy).
 
@@ -48,21 +50,36 @@ if triton is not None:
     def _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
                    N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVICT: tl.constexpr):
-        """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K``: values and in-group positions, each
-        ``[BLOCK_R, BLOCK_K/N, N]``. ``EVICT``: the loads' eviction policy (``"evict_first"`` where
-        the weight is read once, ``""`` where tiles are reused)."""
+        """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K``: values ``[BLOCK_R, BLOCK_K/N, N]`` and their
+        position words ``[BLOCK_R, BLOCK_K·BITS/32]`` (read them with :func:`_positions` or
+        :func:`_group_codes`). ``EVICT``: the loads' eviction policy (``"evict_first"`` where the
+        weight is read once, ``""`` where tiles are reused)."""
         F: tl.constexpr = 32 // BITS
         WPB: tl.constexpr = BLOCK_K // F
-        G: tl.constexpr = BLOCK_K // N
         ks = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (ks < K)[None, :]
         v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0, eviction_policy=EVICT)
         wi = k0 // F + tl.arange(0, WPB)
         words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :], mask=row_ok[:, None] & (wi < WORDS)[None, :],
                         other=0, eviction_policy=EVICT)
+        return tl.reshape(v, (BLOCK_R, BLOCK_K // N, N)), words
+
+    @triton.jit
+    def _positions(words, N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Position words ``[BLOCK_R, W]`` → each kept value's in-group position ``[BLOCK_R, BLOCK_K/N, N]``."""
+        F: tl.constexpr = 32 // BITS
         shifts = tl.arange(0, F) * BITS
-        pos = (tl.broadcast_to(words[:, :, None], (BLOCK_R, WPB, F)) >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        return tl.reshape(v, (BLOCK_R, G, N)), tl.reshape(pos, (BLOCK_R, G, N))
+        pos = (tl.broadcast_to(words[:, :, None], (BLOCK_R, BLOCK_K // F, F)) >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        return tl.reshape(pos, (BLOCK_R, BLOCK_K // N, N))
+
+    @triton.jit
+    def _group_codes(words, N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Position words ``[BLOCK_R, W]`` → each group's ``N·BITS``-bit code ``[BLOCK_R, BLOCK_K/N]`` (the
+        group's ``j``-th position in bits ``BITS·j…``)."""
+        GPW: tl.constexpr = 32 // (N * BITS)       # groups per word
+        shifts = tl.arange(0, GPW) * (N * BITS)
+        code = (tl.broadcast_to(words[:, :, None], (BLOCK_R, BLOCK_K // N // GPW, GPW)) >> shifts[None, None, :])
+        return tl.reshape(code & ((1 << (N * BITS)) - 1), (BLOCK_R, BLOCK_K // N))
 
     @triton.jit
     def _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
@@ -71,21 +88,44 @@ if triton is not None:
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K`` expanded to their ``BLOCK_K·M/N`` dense
         columns (zeros where pruned), in the values' dtype."""
         G: tl.constexpr = BLOCK_K // N
-        v, pos = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT)
+        v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT)
+        if N == 2 and M == 4:
+            return _dense_2of4(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
+        pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)
         slot = tl.arange(0, M)
         hit = pos[:, :, :, None] == slot[None, None, None, :]
         vals = v[:, :, :, None]
         return tl.reshape(tl.sum(tl.where(hit, vals, tl.zeros_like(vals)), axis=2), (BLOCK_R, G * M))
 
     @triton.jit
+    def _dense_2of4(v, code, BLOCK_R: tl.constexpr, G: tl.constexpr):
+        """2:4 groups (values ``[BLOCK_R, G, 2]``, 4-bit codes of increasing positions ``[BLOCK_R,
+        G]``, as ``check_compressed`` guarantees) → ``[BLOCK_R, G·4]`` dense.
+
+        The two values are split apart in registers and each dense slot takes at most two selects
+        (slot 0 can only hold the first value, slot 3 only the second); the four slots are
+        interleaved back by joins. The generic expansion sums ``M`` masked copies over the ``N``
+        axis, which the compiler lays across lanes (shuffles every step); this one costs about half
+        its loop instructions (``scripts/check_kernels_compile.py``)."""
+        v0, v1 = tl.split(v)
+        p0, p1 = code & 3, code >> 2
+        z = tl.zeros_like(v0)
+        d0 = tl.where(p0 == 0, v0, z)
+        d1 = tl.where(p0 == 1, v0, tl.where(p1 == 1, v1, z))
+        d2 = tl.where(p0 == 2, v0, tl.where(p1 == 2, v1, z))
+        d3 = tl.where(p1 == 3, v1, z)
+        # join(join(d0, d2), join(d1, d3))[..., i, j] is slot 2i + j: the reshape lays the slots in order
+        return tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), (BLOCK_R, G * 4))
+
+    @triton.jit
     def _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
                      G: tl.constexpr, HAS_PERM: tl.constexpr):
         """The inputs of the ``G`` groups starting at kept value ``k0``, in permuted column order and
-        read once through the index map: ``[G·M, BLOCK_T]`` in ``x``'s dtype."""
+        read once through the index map: ``[BLOCK_T, G·M]`` in ``x``'s dtype."""
         cols = (k0 // N) * M + tl.arange(0, G * M)
         col_ok = cols < C
         src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
-        return tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None], mask=col_ok[:, None] & tok_ok[None, :],
+        return tl.load(x_ptr + toks[:, None] * stride_xt + src[None, :], mask=tok_ok[:, None] & col_ok[None, :],
                        other=0.0)
 
     @triton.jit
@@ -114,20 +154,23 @@ if triton is not None:
                               HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                               PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
-        """8–16 tokens: the tile expanded to dense in registers, multiplied on the tensor cores."""
+        """Several tokens: the tile expanded to dense in registers and multiplied on the tensor cores,
+        ``acc[T, R] += x_p[T, cols] @ W_p[R, cols]ᵀ`` (tokens in the rows of the MMA: the inputs are
+        read row-major, as they lie in memory)."""
         G: tl.constexpr = BLOCK_K // N
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
-        acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
                                 "evict_first")
             xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
             if UPCAST:
-                acc = tl.dot(dense.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(xs.to(tl.float32), tl.trans(dense.to(tl.float32)), acc, input_precision="ieee")
             else:
-                acc = tl.dot(dense.to(xs.dtype), xs, acc, input_precision=PREC)
-        _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt, HAS_BIAS, SPLIT)
+                acc = tl.dot(xs, tl.trans(dense.to(xs.dtype)), acc, input_precision=PREC)
+        _store_decode(tl.trans(acc), rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt,
+                      HAS_BIAS, SPLIT)
 
     @triton.jit
     def _nm_select_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr,
@@ -143,11 +186,11 @@ if triton is not None:
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
-            v, pos = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
-                                "evict_first")
-            pos = pos[:, :, :, None]
+            v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
+                                  "evict_first")
+            pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
-                xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM).to(tl.float32)
+                xs = tl.trans(_step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM).to(tl.float32))
                 even, odd = tl.split(tl.permute(tl.reshape(xs, (G, 2, 2, BLOCK_T)), (0, 3, 1, 2)))
                 x0, x2 = tl.split(even)                                    # [G, BLOCK_T] each: slots 0 and 2
                 x1, x3 = tl.split(odd)
@@ -236,32 +279,42 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: any small number exercises the split path
 
 
-SELECT_MAX_TOKENS = 4  # above this the per-token selects cost more than expanding the tile for tl.dot
+SELECT_MAX_TOKENS = 1  # above this the tensor-core kernel's loop issues fewer instructions per weight byte
 
 
 def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
-                stages: int = 4, num_warps: int | None = None) -> dict:
+                stages: int = 4, num_warps: int | None = None, use_dot: bool | None = None,
+                element_bytes: int = 2) -> dict:
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
-    Up to ``SELECT_MAX_TOKENS`` tokens the select kernel, above it the tensor-core one. The tiles are
-    the ones whose compiled loop leaves the most room under the issue rate on an H100 without
-    spilling (``scripts/check_kernels_compile.py``: 16 rows × 128 kept values, 4 warps, lets one
-    token stream at up to 4.6 TB/s of instruction issue, above the 3.35 TB/s of HBM3); split-K
-    makes enough programs to fill every SM about four times; ``stages`` tiles are in the software
-    pipeline. Not yet timed on a GPU: ``scripts/tune_kernel.py --variants decode`` does that."""
+    One token takes the select kernel, more the tensor-core one (``use_dot`` forces either). The
+    tiles are the ones whose compiled loop leaves the most room under an H100's issue rate without
+    spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values
+    on 4 warps lets one token stream at up to 4.6 TB/s of instruction issue, the tensor-core
+    kernel's 64 × 128 on 4 warps up to 4.1 TB/s at 2–16 tokens on 2:4, both above the 3.35 TB/s of
+    HBM3 (other N:M take 16 rows × 256 dense columns, float32 16 × 128 on 8 warps: larger tiles
+    spill). Split-K makes enough programs to fill every SM: about 4 per SM for select, 2 for the
+    tensor-core kernel, whose pipeline buffers let only 2 reside; ``stages`` tiles are in the software pipeline. Not yet timed on a GPU:
+    ``scripts/tune_kernel.py --variants select dot`` does that."""
     fields = 32 // bits
-    use_dot = tokens > SELECT_MAX_TOKENS
+    use_dot = tokens > SELECT_MAX_TOKENS if use_dot is None else use_dot
     block_t = 16 if use_dot else triton.next_power_of_2(tokens)   # tl.dot tiles are at least 16 wide
-    block_r = block_r or 16
-    block_k = block_k or max(fields, n, 128)
-    num_warps = num_warps or (8 if SELECT_MAX_TOKENS >= tokens > 2 else 4)
-    if use_dot and (block_r < 16 or block_k // n * m < 16):
-        raise ValueError(f"the tensor-core decode needs block_r ≥ 16 and block_k·M/N ≥ 16 (got {block_r}, {block_k})")
+    if use_dot:   # (block_r, dense columns, warps): float32 (no tensor cores), 2:4 (cheap expansion), other N:M
+        tile = (16, 128, 8) if element_bytes >= 4 else (64, 256, 4) if (n, m) == (2, 4) else (16, 256, 4)
+        block_r = block_r or tile[0]
+        block_k = block_k or max(fields, n, tile[1] * n // m)
+        num_warps = num_warps or tile[2]
+        if block_r < 16 or block_k // n * m < 16:
+            raise ValueError(f"the tensor-core decode needs block_r ≥ 16 and block_k·M/N ≥ 16 (got {block_r}, {block_k})")
+    else:
+        block_r = block_r or 16
+        block_k = block_k or max(fields, n, 128)
+        num_warps = num_warps or (8 if tokens > 2 else 4)
     row_programs = triton.cdiv(rows, block_r)
     steps = triton.cdiv(kept, block_k)
     if split is None:
-        want = 4 * _sm_count(device)
+        want = (2 if use_dot else 4) * _sm_count(device)
         split = max(1, min(steps, triton.cdiv(want, row_programs)))
     per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(kept, per_split)
@@ -279,7 +332,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     if tokens > 16:
         raise ValueError(f"nm_decode takes at most 16 tokens (got {tokens}); use nm_gemm")
     rows, kept = values.shape
-    p = decode_plan(rows, kept, tokens, n, m, bits, x.device, **plan_overrides)
+    p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     part = torch.empty(p["split"], tokens, rows, dtype=torch.float32, device=x.device) if p["split"] > 1 else y
     dummy = values

@@ -7,7 +7,8 @@
 #   bash scripts/gpu_run.sh                    # the 2:4 runtime measurements: kernel e2e
 #   bash scripts/gpu_run.sh stage_cost         # pruning stages' cost on LLaMA-2-7B-shaped blocks (a second call:
 #                                              # one device call runs at most 600 s)
-#   bash scripts/gpu_run.sh tune_decode        # decode_plan's tiles and pipeline depth (its own call)
+#   bash scripts/gpu_run.sh tune_decode        # decode_plan's tiles and pipeline depth, both decode kernels
+#                                              # (tune_select + tune_dot, its own call)
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,8 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     [ -f "$result" ] && cp "$result" "$OUT/"
 }
 [ $# -eq 0 ] && set -- kernel e2e
+steps=(); for s in "$@"; do [ "$s" = tune_decode ] && steps+=(tune_select tune_dot) || steps+=("$s"); done
+set -- "${steps[@]}"
 for s in "$@"; do
     case $s in
         perm_cost) step perm_cost 280 scripts/results/bench_perm_cost.json \
@@ -39,9 +42,12 @@ for s in "$@"; do
         tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py --variants gather ;;
         tune_group) step tune_group 150 scripts/results/tune_kernel_group.json $PY scripts/tune_kernel.py --variants group \
             --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --rep-ms 50 --out scripts/results/tune_kernel_group.json ;;
-        tune_decode) step tune_decode 280 scripts/results/tune_decode.json $PY scripts/tune_kernel.py --variants decode \
-            --tokens 1 4 16 --block-r 4 8 16 --block-k 128 256 512 --num-warps 4 8 --stages 3 4 --rep-ms 30 \
-            --out scripts/results/tune_decode.json ;;
+        tune_select) step tune_select 130 scripts/results/tune_select.json $PY scripts/tune_kernel.py --variants select \
+            --tokens 1 2 --block-r 16 32 --block-k 128 256 --num-warps 4 8 --stages 3 4 --rep-ms 30 \
+            --out scripts/results/tune_select.json ;;
+        tune_dot) step tune_dot 150 scripts/results/tune_dot.json $PY scripts/tune_kernel.py --variants dot \
+            --tokens 2 16 --block-r 32 64 128 --block-k 64 128 --num-warps 4 8 --stages 3 4 --rep-ms 30 \
+            --max-tile 262144 --out scripts/results/tune_dot.json ;;
         stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
             $PY scripts/bench_stage_cost.py --device cuda ;;
         e2e) step e2e 270 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;

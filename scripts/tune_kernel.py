@@ -1,13 +1,16 @@
 """Measure the Triton 2:4 kernels' tile sizes on a GPU: for each LLaMA-2-7B linear shape and token
-count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the ``decode`` variant
-(``kernels/nm_fast.py``) every pipeline depth in ``--stages`` — is checked against the dense result
+count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the decode variants
+(``kernels/nm_fast.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
+tensor-core kernel) every pipeline depth in ``--stages`` — is checked against the dense result
 and timed (median GPU time per call from ``triton.testing.do_bench``, L2 flushed before each call); the table of medians and the best tile per case go to
 ``scripts/results/tune_kernel.json``.
 
     python scripts/tune_kernel.py            # on a CUDA machine
     python scripts/tune_kernel.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes: checks the code path only
-    python scripts/tune_kernel.py --variants decode --tokens 1 4 16 --block-r 4 8 16 --block-k 128 256 512 \
-        --num-warps 4 8 --stages 3 4 --out scripts/results/tune_decode.json    # decode_plan's choices
+    python scripts/tune_kernel.py --variants select --tokens 1 2 --block-r 16 32 --block-k 128 256 \
+        --num-warps 4 8 --out scripts/results/tune_select.json               # decode_plan's choices
+    python scripts/tune_kernel.py --variants dot --tokens 2 16 --block-r 32 64 128 --block-k 64 128 \
+        --num-warps 4 8 --max-tile 262144 --out scripts/results/tune_dot.json
 
 Tiles whose ``block_r × block_k × tokens-tile`` product exceeds ``--max-tile`` values are skipped (they
 spill registers and take long to compile).
@@ -22,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
+DECODE = {"decode": None, "select": False, "dot": True}   # nm_decode variants: the plan's kernel, or one forced
 
 
 def main() -> None:
@@ -47,7 +51,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from shuffleprune.kernels.nm_fast import nm_decode, position_words
+    from shuffleprune.kernels.nm_fast import SELECT_MAX_TOKENS, nm_decode, position_words
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
@@ -80,17 +84,18 @@ def main() -> None:
         want = F.linear(x[:, perm.long()].float(), w_dev.float())
         dense_ms = median_ms(lambda: F.linear(x, w_dev))
         case = []
-        block_t = min(16, 1 << max(0, (tokens - 1).bit_length()))
         grid = itertools.product(args.variants, args.block_r, args.block_k, args.num_warps, args.stages)
         for variant, br, bk, nw, st in grid:
-            if br * bk * block_t > args.max_tile or (variant != "decode" and st != args.stages[0]):
+            decode = variant in DECODE
+            block_t = 16 if variant == "dot" or (variant == "decode" and tokens > SELECT_MAX_TOKENS) else min(16, 1 << (tokens - 1).bit_length())
+            if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):
                 continue
             def run(br=br, bk=bk, nw=nw, st=st, variant=variant):
-                if variant == "decode":
+                if variant in DECODE:
                     return nm_decode(x, values, words, 2, 4, meta_bits(4), perm, None, num_warps=nw, block_r=br,
-                                     block_k=bk, stages=st)
+                                     block_k=bk, stages=st, use_dot=DECODE[variant])
                 return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)
-            tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st} if variant == "decode" else {})}
+            tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st} if decode else {})}
             try:
                 y = run()
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile (e.g. out of shared memory)

@@ -36,31 +36,36 @@ def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,cols,n,m,tokens,split", [
-    (48, 64, 2, 4, 1, None),     # one token, split-K chosen by the plan
-    (37, 96, 2, 4, 3, 3),        # ragged rows, three splits of the kept values
-    (33, 128, 4, 8, 2, 1),       # 4:8 (4-bit positions, selects chained over 8 slots), no split
-    (29, 160, 2, 4, 2, None),    # two tokens, K not a multiple of the step
-    (20, 64, 1, 4, 1, None),     # 1:4 (one kept value per group)
-    (33, 128, 4, 8, 5, 1),       # tl.dot above SELECT_MAX_TOKENS, 4:8
-    (40, 96, 2, 4, 8, 2),        # tl.dot (16-token tile), ragged, split
-    (24, 160, 2, 4, 16, None),   # 16 tokens, K not a multiple of the step
+@pytest.mark.parametrize("rows,cols,n,m,tokens,split,use_dot", [
+    (48, 64, 2, 4, 1, None, None),     # one token (select kernel), split-K chosen by the plan
+    (37, 96, 2, 4, 3, 3, False),       # select kernel at 3 tokens, ragged rows, three splits of the kept values
+    (33, 128, 4, 8, 2, 1, False),      # select kernel, 4:8 (4-bit positions, selects chained over 8 slots)
+    (20, 64, 1, 4, 1, None, None),     # 1:4 (one kept value per group)
+    (7, 64, 2, 4, 1, None, True),      # tensor-core kernel forced at one token, 7 of its 64 rows
+    (29, 160, 2, 4, 2, None, None),    # two tokens: tensor cores, K not a multiple of the step
+    (20, 64, 1, 4, 3, None, None),     # tensor cores, 1:4 (generic expansion)
+    (33, 128, 4, 8, 5, 1, None),       # tensor cores, 4:8 (generic expansion)
+    (40, 96, 2, 4, 8, 2, None),        # tensor cores, 2:4 expansion, ragged, split
+    (24, 160, 2, 4, 16, None, None),   # 16 tokens, K not a multiple of the step
 ])
 @pytest.mark.parametrize("with_perm,with_bias", [(True, True), (False, False)])
-def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, dtype, with_perm, with_bias):
+def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot, dtype, with_perm, with_bias):
     from shuffleprune.kernels.nm_fast import SELECT_MAX_TOKENS, decode_plan, nm_decode, position_words
 
     w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows + tokens)
     p = perm if with_perm else None
     b = bias if with_bias else None
     over = {"split": split, "block_k": 16} if split else {}   # short steps, so the kept values split
+    if use_dot is not None:
+        over["use_dot"] = use_dot
     y = nm_decode(x, values, position_words(meta), n, m, meta_bits(m), None if p is None else p.to(torch.int32), b,
                   **over)
     xr = x.double() if p is None else x.double()[:, p]
     ref = xr @ w.double().t() + (0 if b is None else b.double())
     assert y.shape == (tokens, rows) and _close(y, ref, dtype)
-    plan = decode_plan(rows, values.shape[1], tokens, n, m, meta_bits(m), x.device, **over)
-    assert plan["use_dot"] == (tokens > SELECT_MAX_TOKENS)
+    plan = decode_plan(rows, values.shape[1], tokens, n, m, meta_bits(m), x.device, element_bytes=x.element_size(),
+                       **over)
+    assert plan["use_dot"] == (tokens > SELECT_MAX_TOKENS if use_dot is None else use_dot)
     if split:
         assert plan["split"] == split
 
@@ -132,9 +137,10 @@ def test_rmsnorm_writing_its_output_through_an_index_map_matches_float64(width, 
 def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tensor_cores(tmp_path):
     """The kernels above only ever run interpreted here; this compiles them for real (Triton + ptxas for
     sm_90a, no GPU needed) through the same host functions, and checks what the compiler made of them:
-    no failure, no register spill, 16-byte evict-first loads of the weight at one token issued ahead by
-    the software pipeline (asynchronous copies) with a loop short enough not to be issue-bound, tensor-core
-    instructions where ``tl.dot`` is used, and prefill tiles that stay in L2 (no evict-first)."""
+    no failure, no register spill, 16-byte evict-first loads of the weight in decode issued ahead by
+    the software pipeline (asynchronous copies), 2:4 decode loops short enough not to be issue-bound at
+    every token count, tensor-core instructions where ``tl.dot`` is used (decode from 2 tokens, prefill),
+    and prefill tiles that stay in L2 (no evict-first)."""
     import json
     import os
     import subprocess
@@ -155,11 +161,11 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert {"decode", "decode_nomap", "gemm", "scratch", "rmsnorm_mapped"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
-        if r["impl"] in ("decode", "decode_nomap") and r["tokens"] == 1:
+        if r["impl"] in ("decode", "decode_nomap"):
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
             if r["pattern"] == "2:4":
                 assert r["issue_ceiling_tbs"] > 3.35, r   # its loop can issue faster than HBM3 delivers
-        if (r["impl"] == "decode" and r["tokens"] >= 8) or r["impl"] == "gemm":
+        if (r["impl"] == "decode" and r["tokens"] >= 2) or r["impl"] == "gemm":
             assert r["tensor_core"], r
         if r["impl"] == "gemm":
             assert not r["evict_first"], r
