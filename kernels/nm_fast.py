@@ -12,8 +12,9 @@ the export's byte layout, read four bytes at a time.
   token each kept value then *selects* its input among its group's ``M`` (a tree of selects on the
   position bits) and accumulates element-wise, with one reduction after the loop; from two tokens
   the tile is expanded to dense in registers and multiplied on the tensor cores (``tl.dot``, tokens
-  in the MMA's rows). 2:4 tiles expand by splitting each group's two values apart and giving every
-  dense slot at most two selects (:func:`_dense_2of4`); other N:M sum ``M`` masked copies. Which
+  in the MMA's rows). 2:4 and 4:8 tiles expand by splitting each group's values apart and giving
+  every dense slot a select per value it can hold (:func:`_dense_2of4`, :func:`_dense_4of8`); other
+  N:M sum ``M`` masked copies. Which
   costs fewer instructions per byte was read off the compiled sm_90a loops
   (``kernels/compile_check.py``). Split-K partial sums (float32) are added by one reduction when
   the row count is too small to fill the GPU.
@@ -91,6 +92,8 @@ if triton is not None:
         v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT)
         if N == 2 and M == 4:
             return _dense_2of4(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
+        if N == 4 and M == 8:
+            return _dense_4of8(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
         pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)
         slot = tl.arange(0, M)
         hit = pos[:, :, :, None] == slot[None, None, None, :]
@@ -116,6 +119,29 @@ if triton is not None:
         d3 = tl.where(p1 == 3, v1, z)
         # join(join(d0, d2), join(d1, d3))[..., i, j] is slot 2i + j: the reshape lays the slots in order
         return tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), (BLOCK_R, G * 4))
+
+    @triton.jit
+    def _dense_4of8(v, code, BLOCK_R: tl.constexpr, G: tl.constexpr):
+        """4:8 groups (values ``[BLOCK_R, G, 4]``, 16-bit codes of increasing 4-bit positions) →
+        ``[BLOCK_R, G·8]`` dense, as :func:`_dense_2of4`: slot ``s`` can only hold values
+        ``max(0, s−4) … min(3, s)``, so the eight slots take 20 selects per group."""
+        va, vb = tl.split(tl.reshape(v, (BLOCK_R, G, 2, 2)))   # values 0, 2 and 1, 3
+        v0, v2 = tl.split(va)
+        v1, v3 = tl.split(vb)
+        p0, p1, p2, p3 = code & 15, (code >> 4) & 15, (code >> 8) & 15, code >> 12
+        z = tl.zeros_like(v0)
+        d0 = tl.where(p0 == 0, v0, z)
+        d1 = tl.where(p0 == 1, v0, tl.where(p1 == 1, v1, z))
+        d2 = tl.where(p0 == 2, v0, tl.where(p1 == 2, v1, tl.where(p2 == 2, v2, z)))
+        d3 = tl.where(p0 == 3, v0, tl.where(p1 == 3, v1, tl.where(p2 == 3, v2, tl.where(p3 == 3, v3, z))))
+        d4 = tl.where(p0 == 4, v0, tl.where(p1 == 4, v1, tl.where(p2 == 4, v2, tl.where(p3 == 4, v3, z))))
+        d5 = tl.where(p1 == 5, v1, tl.where(p2 == 5, v2, tl.where(p3 == 5, v3, z)))
+        d6 = tl.where(p2 == 6, v2, tl.where(p3 == 6, v3, z))
+        d7 = tl.where(p3 == 7, v3, z)
+        # three levels of joins: index [i, k', k] is slot 4i + 2k' + k
+        even = tl.join(tl.join(d0, d4), tl.join(d2, d6))
+        odd = tl.join(tl.join(d1, d5), tl.join(d3, d7))
+        return tl.reshape(tl.join(even, odd), (BLOCK_R, G * 8))
 
     @triton.jit
     def _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
@@ -279,6 +305,7 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: any small number exercises the split path
 
 
+SMEM_PER_SM = 228 * 1024  # H100 / H200 shared memory per SM (what bounds the tensor-core decode's residency)
 SELECT_MAX_TOKENS = 1  # above this the tensor-core kernel's loop issues fewer instructions per weight byte
 
 
@@ -288,20 +315,23 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
                 element_bytes: int = 2) -> dict:
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
-    One token takes the select kernel, more the tensor-core one (``use_dot`` forces either). The
+    One token takes the select kernel (but 4:8), more the tensor-core one (``use_dot`` forces
+    either). The
     tiles are the ones whose compiled loop leaves the most room under an H100's issue rate without
     spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values
     on 4 warps lets one token stream at up to 4.6 TB/s of instruction issue, the tensor-core
-    kernel's 64 × 128 on 4 warps up to 4.1 TB/s at 2–16 tokens on 2:4, both above the 3.35 TB/s of
-    HBM3 (other N:M take 16 rows × 256 dense columns, float32 16 × 128 on 8 warps: larger tiles
-    spill). Split-K makes enough programs to fill every SM: about 4 per SM for select, 2 for the
-    tensor-core kernel, whose pipeline buffers let only 2 reside; ``stages`` tiles are in the software pipeline. Not yet timed on a GPU:
+    kernel's 64 rows × 256 dense columns on 4 warps up to 4.1 TB/s at 2–16 tokens on 2:4 (4:8: 64 ×
+    128, 3.4 TB/s), all above the 3.35 TB/s of HBM3. Other N:M take 16 × 256, float32 16 × 128 on
+    8 warps: larger tiles spill. Split-K makes enough programs to fill every SM: about 4 per SM for
+    select, and for the tensor-core kernel as many as its pipeline buffers let reside (2 for the 2:4
+    tile). ``stages`` tiles are in the software pipeline. Not yet timed on a GPU:
     ``scripts/tune_kernel.py --variants select dot`` does that."""
     fields = 32 // bits
-    use_dot = tokens > SELECT_MAX_TOKENS if use_dot is None else use_dot
+    if use_dot is None:  # 4:8's select chains 8 slots (2.2 TB/s at one token), its expansion does not (3.6)
+        use_dot = tokens > SELECT_MAX_TOKENS or (n, m) == (4, 8)
     block_t = 16 if use_dot else triton.next_power_of_2(tokens)   # tl.dot tiles are at least 16 wide
-    if use_dot:   # (block_r, dense columns, warps): float32 (no tensor cores), 2:4 (cheap expansion), other N:M
-        tile = (16, 128, 8) if element_bytes >= 4 else (64, 256, 4) if (n, m) == (2, 4) else (16, 256, 4)
+    if use_dot:   # (block_r, dense columns, warps): float32 (no tensor cores), 2:4, 4:8 (selects), other N:M
+        tile = ((16, 128, 8) if element_bytes >= 4 else {(2, 4): (64, 256, 4), (4, 8): (64, 128, 4)}.get((n, m), (16, 256, 4)))
         block_r = block_r or tile[0]
         block_k = block_k or max(fields, n, tile[1] * n // m)
         num_warps = num_warps or tile[2]
@@ -314,7 +344,12 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     row_programs = triton.cdiv(rows, block_r)
     steps = triton.cdiv(kept, block_k)
     if split is None:
-        want = (2 if use_dot else 4) * _sm_count(device)
+        per_sm = 4   # select: its registers let 6 reside; rounding up the split lands near one wave
+        if use_dot:  # the pipeline's buffers (weight, positions and input tiles per stage) bound residency
+            buffers = stages * (block_r * block_k * element_bytes + block_r * block_k * bits // 8
+                                + block_t * block_k * m // n * element_bytes)
+            per_sm = max(1, min(4, SMEM_PER_SM // buffers))
+        want = per_sm * _sm_count(device)
         split = max(1, min(steps, triton.cdiv(want, row_programs)))
     per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(kept, per_split)

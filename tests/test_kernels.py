@@ -36,21 +36,22 @@ def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,cols,n,m,tokens,split,use_dot", [
-    (48, 64, 2, 4, 1, None, None),     # one token (select kernel), split-K chosen by the plan
-    (37, 96, 2, 4, 3, 3, False),       # select kernel at 3 tokens, ragged rows, three splits of the kept values
-    (33, 128, 4, 8, 2, 1, False),      # select kernel, 4:8 (4-bit positions, selects chained over 8 slots)
-    (20, 64, 1, 4, 1, None, None),     # 1:4 (one kept value per group)
-    (7, 64, 2, 4, 1, None, True),      # tensor-core kernel forced at one token, 7 of its 64 rows
-    (29, 160, 2, 4, 2, None, None),    # two tokens: tensor cores, K not a multiple of the step
-    (20, 64, 1, 4, 3, None, None),     # tensor cores, 1:4 (generic expansion)
-    (33, 128, 4, 8, 5, 1, None),       # tensor cores, 4:8 (generic expansion)
-    (40, 96, 2, 4, 8, 2, None),        # tensor cores, 2:4 expansion, ragged, split
-    (24, 160, 2, 4, 16, None, None),   # 16 tokens, K not a multiple of the step
+@pytest.mark.parametrize("rows,cols,n,m,tokens,split,use_dot,dot", [
+    (48, 64, 2, 4, 1, None, None, False),   # one token: select kernel, split-K chosen by the plan
+    (37, 96, 2, 4, 3, 3, False, False),     # select forced at 3 tokens, ragged rows, three splits of the kept values
+    (33, 128, 4, 8, 2, 1, False, False),    # select forced, 4:8 (4-bit positions, selects chained over 8 slots)
+    (20, 64, 1, 4, 1, None, None, False),   # 1:4 (one kept value per group)
+    (7, 64, 2, 4, 1, None, True, True),     # tensor-core kernel forced at one token, 7 of its 64 rows
+    (29, 160, 2, 4, 2, None, None, True),   # two tokens: tensor cores, K not a multiple of the step
+    (20, 64, 1, 4, 3, None, None, True),    # tensor cores, 1:4 (generic expansion)
+    (33, 128, 4, 8, 5, 1, None, True),      # tensor cores, 4:8 expansion, no split
+    (21, 256, 4, 8, 1, None, None, True),   # 4:8 takes the tensor cores from one token
+    (40, 96, 2, 4, 8, 2, None, True),       # tensor cores, 2:4 expansion, ragged, split
+    (24, 160, 2, 4, 16, None, None, True),  # 16 tokens, K not a multiple of the step
 ])
 @pytest.mark.parametrize("with_perm,with_bias", [(True, True), (False, False)])
-def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot, dtype, with_perm, with_bias):
-    from shuffleprune.kernels.nm_fast import SELECT_MAX_TOKENS, decode_plan, nm_decode, position_words
+def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot, dot, dtype, with_perm, with_bias):
+    from shuffleprune.kernels.nm_fast import decode_plan, nm_decode, position_words
 
     w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows + tokens)
     p = perm if with_perm else None
@@ -65,7 +66,7 @@ def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot,
     assert y.shape == (tokens, rows) and _close(y, ref, dtype)
     plan = decode_plan(rows, values.shape[1], tokens, n, m, meta_bits(m), x.device, element_bytes=x.element_size(),
                        **over)
-    assert plan["use_dot"] == (tokens > SELECT_MAX_TOKENS if use_dot is None else use_dot)
+    assert plan["use_dot"] == dot
     if split:
         assert plan["split"] == split
 
