@@ -11,13 +11,12 @@ the export's byte layout, read four bytes at a time.
   reads the step's ``BLOCK_K·M/N`` inputs once, through the index map, for all its rows. At one
   token each kept value then *selects* its input among its group's ``M`` (a tree of selects on the
   position bits) and accumulates element-wise, with one reduction after the loop; from two tokens
-  the tile is expanded to dense in registers and multiplied on the tensor cores (``tl.dot``, tokens
-  in the MMA's rows). 2:4 and 4:8 tiles expand by splitting each group's values apart and giving
-  every dense slot a select per value it can hold (:func:`_dense_2of4`, :func:`_dense_4of8`); other
-  N:M sum ``M`` masked copies. Which
-  costs fewer instructions per byte was read off the compiled sm_90a loops
-  (``kernels/compile_check.py``). Split-K partial sums (float32) are added by one reduction when
-  the row count is too small to fill the GPU.
+  (4:8: from one) the tile is expanded to dense in registers and multiplied on the tensor cores
+  (``tl.dot``, tokens in the MMA's rows). 2:4 and 4:8 tiles expand by splitting each group's values
+  apart and giving every dense slot a select per value it can hold (:func:`_dense_2of4`,
+  :func:`_dense_4of8`); other N:M sum ``M`` masked copies. Which costs fewer instructions per byte
+  was read off the compiled sm_90a loops (``kernels/compile_check.py``). Split-K partial sums
+  (float32) are added by one reduction when the row count is too small to fill the GPU.
 - :func:`nm_gemm` (prefill): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted inputs whose
   weight tiles are decompressed in registers (the same expansion) for ``tl.dot``.
 - :func:`nm_decompress_into`: the dense ``W_p`` written into a caller's buffer (the shared scratch
@@ -306,6 +305,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 SMEM_PER_SM = 228 * 1024  # H100 / H200 shared memory per SM (what bounds the tensor-core decode's residency)
+# tensor-core decode tiles (block_r, dense columns per step, warps): the split-and-select expansions
+# of 2:4 and 4:8, the generic one of other N:M, and float32 (no tensor cores)
+DOT_TILES = {(2, 4): (64, 256, 4), (4, 8): (64, 128, 4)}
+DOT_TILE_OTHER, DOT_TILE_FP32 = (16, 256, 4), (16, 128, 8)
 SELECT_MAX_TOKENS = 1  # above this the tensor-core kernel's loop issues fewer instructions per weight byte
 
 
@@ -316,9 +319,8 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
     One token takes the select kernel (but 4:8), more the tensor-core one (``use_dot`` forces
-    either). The
-    tiles are the ones whose compiled loop leaves the most room under an H100's issue rate without
-    spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values
+    either). The tiles are the ones whose compiled loop leaves the most room under an H100's issue
+    rate without spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values
     on 4 warps lets one token stream at up to 4.6 TB/s of instruction issue, the tensor-core
     kernel's 64 rows × 256 dense columns on 4 warps up to 4.1 TB/s at 2–16 tokens on 2:4 (4:8: 64 ×
     128, 3.4 TB/s), all above the 3.35 TB/s of HBM3. Other N:M take 16 × 256, float32 16 × 128 on
@@ -330,8 +332,8 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     if use_dot is None:  # 4:8's select chains 8 slots (2.2 TB/s at one token), its expansion does not (3.6)
         use_dot = tokens > SELECT_MAX_TOKENS or (n, m) == (4, 8)
     block_t = 16 if use_dot else triton.next_power_of_2(tokens)   # tl.dot tiles are at least 16 wide
-    if use_dot:   # (block_r, dense columns, warps): float32 (no tensor cores), 2:4, 4:8 (selects), other N:M
-        tile = ((16, 128, 8) if element_bytes >= 4 else {(2, 4): (64, 256, 4), (4, 8): (64, 128, 4)}.get((n, m), (16, 256, 4)))
+    if use_dot:
+        tile = DOT_TILE_FP32 if element_bytes >= 4 else DOT_TILES.get((n, m), DOT_TILE_OTHER)
         block_r = block_r or tile[0]
         block_k = block_k or max(fields, n, tile[1] * n // m)
         num_warps = num_warps or tile[2]
