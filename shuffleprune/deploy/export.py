@@ -136,8 +136,6 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
                     rows = _grouped_head_perm(perm, config, lin.out_features)
                     if rows is not None:
                         attempts.append(([n], {n: rows}))
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
             plain = nn.Linear(consumer.in_features, consumer.out_features, bias=consumer.bias is not None)
             plain.weight.data = consumer.weight.data  # W[:, perm] reading x[perm] == reading x' = x[perm] in order
             if consumer.bias is not None:
@@ -145,11 +143,11 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
             for subset, row_perms in attempts:
                 for p in subset:
                     _permute_rows(linears[p], row_perms[p])
-                setattr(parent, child, plain)
+                model.set_submodule(name, plain)
                 if ((run(i) - reference).abs().max() / scale) < 1e-4:
                     folded[name] = subset
                     break
-                setattr(parent, child, consumer)  # undo
+                model.set_submodule(name, consumer)  # undo
                 for p in subset:
                     _permute_rows(linears[p], torch.argsort(row_perms[p]))
     return folded
@@ -167,8 +165,7 @@ def _restore_column_order(model: nn.Module, exported: set[str]) -> list[str]:
             plain.weight.data = module.weight.data[:, torch.argsort(module.perm)].contiguous()
             if module.bias is not None:
                 plain.bias.data = module.bias.data
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, plain)
+            model.set_submodule(name, plain)
             restored.append(name)
     return restored
 
