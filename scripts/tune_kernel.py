@@ -51,7 +51,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from shuffleprune.kernels.nm_fast import SELECT_MAX_TOKENS, nm_decode, position_words
+    from shuffleprune.kernels.nm_fast import decode_plan, nm_decode, position_words
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
@@ -87,7 +87,8 @@ def main() -> None:
         grid = itertools.product(args.variants, args.block_r, args.block_k, args.num_warps, args.stages)
         for variant, br, bk, nw, st in grid:
             decode = variant in DECODE
-            block_t = 16 if variant == "dot" or (variant == "decode" and tokens > SELECT_MAX_TOKENS) else min(16, 1 << (tokens - 1).bit_length())
+            block_t = (decode_plan(out_f, values.shape[1], tokens, 2, 4, meta_bits(4), dev, use_dot=DECODE[variant])["block_t"]
+                       if decode else min(16, 1 << (tokens - 1).bit_length()))   # the kernel's token tile
             if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):
                 continue
             def run(br=br, bk=bk, nw=nw, st=st, variant=variant):
@@ -115,7 +116,7 @@ def main() -> None:
                          "speedup_vs_dense": round(dense_ms / top["ms"], 3) if top and top["ms"] else None})
             print(f"{out_f}x{in_f} t={tokens} {variant}: dense {dense_ms:.4f} ms, best {top and top['ms']:.4f} ms "
                   f"{top and (top['block_r'], top['block_k'], top['num_warps'], top.get('stages'))}", flush=True)
-    result = {"what": "Triton 2:4 gather-matmul tile sweep (bf16, random index map)", "seed": 0,
+    result = {"what": "Triton 2:4 kernel tile sweep (bf16, random index map)", "seed": 0,
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)", "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": machine(), "versions": versions("triton"), "best": best, "rows": rows}
     out = Path(args.out) if cuda else Path(args.out).with_name("tune_kernel_smoke.json")
