@@ -4,7 +4,7 @@
 ``k`` of a row in bits ``BITS·(k mod F)…`` of word ``k // F``, ``F = 32 / BITS``) — the same bits as
 the export's byte layout, read four bytes at a time.
 
-- :func:`nm_decode` (1–16 tokens): ``y = x[..., perm] @ W_pᵀ (+ b)``, bandwidth-bound. A program
+- :func:`nm_decode` (1–64 tokens): ``y = x[..., perm] @ W_pᵀ (+ b)``, bandwidth-bound. A program
   owns ``BLOCK_R`` rows and one split of the kept values; per step it loads a ``[BLOCK_R,
   BLOCK_K]`` value tile and its position words (16-byte evict-first loads: the weight is read once;
   the loop is software-pipelined, ``stages − 1`` tiles loaded ahead by asynchronous copies) and
@@ -304,12 +304,34 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: any small number exercises the split path
 
 
-SMEM_PER_SM = 228 * 1024  # H100 / H200 shared memory per SM (what bounds the tensor-core decode's residency)
-# tensor-core decode tiles (block_r, dense columns per step, warps): the split-and-select expansions
-# of 2:4 and 4:8, the generic one of other N:M, and float32 (no tensor cores)
-DOT_TILES = {(2, 4): (64, 256, 4), (4, 8): (64, 128, 4)}
-DOT_TILE_OTHER, DOT_TILE_FP32 = (16, 256, 4), (16, 128, 8)
+SMEM_PER_SM = 228 * 1024  # H100 / H200: shared memory per SM where the device does not say
+
+
+def _smem_per_sm(device: torch.device) -> int:
+    """Shared memory per SM (what bounds the tensor-core decode's residency): the device's own
+    figure on CUDA (A100 164 KB, H100 228 KB), :data:`SMEM_PER_SM` elsewhere."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", SMEM_PER_SM)
+    return SMEM_PER_SM
+
+
+# tensor-core decode tiles by token tile (block_t): (block_r, dense columns per step, warps, the
+# programs an SM holds by their registers as compiled for sm_90a), for the split-and-select
+# expansions of 2:4 and 4:8 and the generic one of other N:M; float32 (no tensor cores, and
+# spilling beyond 16 tokens) decodes at most 16 tokens on one tile
+DOT_TILES = {
+    (2, 4): {16: (64, 256, 4, 2), 32: (64, 256, 4, 2), 64: (64, 128, 8, 1)},
+    (4, 8): {16: (64, 128, 4, 4), 32: (64, 128, 4, 2), 64: (64, 64, 8, 2)},
+}
+DOT_TILES_OTHER = {16: (16, 256, 4, 4), 32: (32, 256, 4, 4), 64: (64, 128, 8, 1)}
+DOT_TILE_FP32 = (16, 128, 8, 1)
+DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP32 = 64, 16
 SELECT_MAX_TOKENS = 1  # above this the tensor-core kernel's loop issues fewer instructions per weight byte
+
+
+def decode_max_tokens(element_bytes: int) -> int:
+    """The most tokens :func:`nm_decode` takes for inputs of this element size."""
+    return DECODE_MAX_TOKENS_FP32 if element_bytes >= 4 else DECODE_MAX_TOKENS
 
 
 def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
@@ -319,21 +341,28 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
     One token takes the select kernel (but 4:8), more the tensor-core one (``use_dot`` forces
-    either). The tiles are the ones whose compiled loop leaves the most room under an H100's issue
-    rate without spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values
-    on 4 warps lets one token stream at up to 4.6 TB/s of instruction issue, the tensor-core
-    kernel's 64 rows × 256 dense columns on 4 warps up to 4.1 TB/s at 2–16 tokens on 2:4 (4:8: 64 ×
-    128, 3.4 TB/s), all above the 3.35 TB/s of HBM3. Other N:M take 16 × 256, float32 16 × 128 on
-    8 warps: larger tiles spill. Split-K makes enough programs to fill every SM: about 4 per SM for
-    select, and for the tensor-core kernel as many as its pipeline buffers let reside (2 for the 2:4
-    tile). ``stages`` tiles are in the software pipeline. Not yet timed on a GPU:
-    ``scripts/tune_kernel.py --variants select dot`` does that."""
+    either; select takes at most 16). The tiles are the ones whose compiled loop leaves the most
+    room under an H100's issue rate without spilling (``scripts/check_kernels_compile.py``): the
+    select kernel's 16 rows × 128 kept values on 4 warps lets one token stream at up to 4.6 TB/s of
+    instruction issue; the tensor-core kernel's 64 rows × 256 dense columns on 4 warps up to 4.1 TB/s
+    at 2–16 tokens on 2:4 and 3.4 at 32 (4:8: 64 × 128, 3.4 and 2.8 TB/s), 64 × 128 on 8 warps 2.2 at
+    64 tokens. Other N:M and float32 take smaller tiles: larger ones spill. Split-K makes enough
+    programs to fill every SM: about 4 per SM for select, and for the tensor-core kernel as many as
+    its pipeline buffers let reside in the SM's shared memory (2 for the 2:4 tiles). ``stages``
+    tiles are in the software pipeline. Not yet timed on a GPU: ``scripts/tune_kernel.py
+    --variants select dot`` does that."""
     fields = 32 // bits
+    limit = decode_max_tokens(element_bytes)
+    if tokens > limit:
+        raise ValueError(f"nm_decode takes at most {limit} tokens of {element_bytes}-byte elements (got {tokens}); "
+                         "use nm_gemm")
     if use_dot is None:  # 4:8's select chains 8 slots (2.2 TB/s at one token), its expansion does not (3.6)
         use_dot = tokens > SELECT_MAX_TOKENS or (n, m) == (4, 8)
-    block_t = 16 if use_dot else triton.next_power_of_2(tokens)   # tl.dot tiles are at least 16 wide
+    if not use_dot and tokens > 16:
+        raise ValueError(f"the select decode takes at most 16 tokens (got {tokens})")
+    block_t = max(16, triton.next_power_of_2(tokens)) if use_dot else triton.next_power_of_2(tokens)  # tl.dot: ≥ 16
     if use_dot:
-        tile = DOT_TILE_FP32 if element_bytes >= 4 else DOT_TILES.get((n, m), DOT_TILE_OTHER)
+        tile = DOT_TILE_FP32 if element_bytes >= 4 else DOT_TILES.get((n, m), DOT_TILES_OTHER)[block_t]
         block_r = block_r or tile[0]
         block_k = block_k or max(fields, n, tile[1] * n // m)
         num_warps = num_warps or tile[2]
@@ -345,29 +374,32 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         num_warps = num_warps or (8 if tokens > 2 else 4)
     row_programs = triton.cdiv(rows, block_r)
     steps = triton.cdiv(kept, block_k)
+    per_sm = 4   # select: its registers let 6 reside; rounding the split up lands near one wave
+    if use_dot:  # as many as the registers (the tile's compile) and the pipeline's buffers let reside
+        buffers = max(1, stages - 1) * (block_r * block_k * element_bytes + block_r * block_k * bits // 8
+                                        + block_t * block_k * m // n * element_bytes)   # stages − 1 loads ahead
+        by_registers = tile[3] if (block_r, num_warps) == (tile[0], tile[2]) else 4   # a tile being tuned: up to 4
+        per_sm = max(1, min(by_registers, _smem_per_sm(device) // buffers))
     if split is None:
-        per_sm = 4   # select: its registers let 6 reside; rounding up the split lands near one wave
-        if use_dot:  # the pipeline's buffers (weight, positions and input tiles per stage) bound residency
-            buffers = stages * (block_r * block_k * element_bytes + block_r * block_k * bits // 8
-                                + block_t * block_k * m // n * element_bytes)
-            per_sm = max(1, min(4, SMEM_PER_SM // buffers))
-        want = per_sm * _sm_count(device)
-        split = max(1, min(steps, triton.cdiv(want, row_programs)))
+        slots = per_sm * _sm_count(device)
+        split = max(1, min(steps, triton.cdiv(slots, row_programs)))
+        if use_dot:  # the split with the fewest waves per unit of work (ties: fewer partial sums)
+            split = min(range(1, min(steps, 2 * split) + 1),
+                        key=lambda s: (triton.cdiv(row_programs * s, slots) / s, s))
     per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(kept, per_split)
     return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split, stages=stages,
-                num_warps=num_warps, use_dot=use_dot)
+                num_warps=num_warps, use_dot=use_dot, per_sm=per_sm)
 
 
 def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
               perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, **plan_overrides) -> torch.Tensor:
-    """``x`` ``[..., C]`` with at most 16 tokens → ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``."""
+    """``x`` ``[..., C]`` with at most :func:`decode_max_tokens` tokens (64; float32: 16) →
+    ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``."""
     _check(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
     tokens = x2.shape[0]
-    if tokens > 16:
-        raise ValueError(f"nm_decode takes at most 16 tokens (got {tokens}); use nm_gemm")
     rows, kept = values.shape
     p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
@@ -391,17 +423,51 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     return y.reshape(*lead, rows)
 
 
-def gemm_tile(tokens: int, element_bytes: int = 2) -> tuple[int, int, int, int, int]:
-    """``(block_t, block_r, block_c, num_warps, num_stages)`` of :func:`nm_gemm` by token count.
-    float32 (full-precision FMA, no tensor cores) takes one small tile: the 16-bit tiles spill
-    registers there when compiled for sm_90a (``scripts/check_kernels_compile.py``)."""
+# prefill tiles (block_t, block_r, block_c, warps, stages), each with its loop's instructions per warp
+# per step and the programs an SM holds, from its 2:4 bfloat16 compile for sm_90a
+# (scripts/check_kernels_compile.py; tests/test_kernels.py checks they still hold). The weight tile
+# is expanded in registers and stored for the tensor cores, then the tensor-core call is waited on
+# within the step: one program's expansion overlaps only with another program's tensor-core work.
+GEMM_TILES = (
+    ((256, 64, 32, 8, 3), 150, 2),
+    ((128, 64, 32, 4, 4), 198, 4),
+    ((64, 64, 32, 4, 4), 183, 7),
+    ((32, 64, 64, 4, 3), 326, 4),
+)
+GEMM_TILE_FP32 = (32, 64, 32, 4, 3)  # float32: full-precision FMA, no tensor cores; larger tiles spill
+TENSOR_FLOP_PER_CYCLE = 4096          # dense 16-bit tensor-core FLOP per SM per clock (H100: 989 TFLOP/s)
+
+
+def gemm_cycles(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, int, int], loop: int, per_sm: int,
+                sms: int) -> float:
+    """Clocks the busiest SM spends on :func:`nm_gemm` with ``tile``: every step a program issues
+    ``loop`` instructions per warp (4 issued per clock) and then waits for its tensor-core work; the
+    programs resident together overlap one's issue with another's tensor work."""
+    block_t, block_r, block_c, warps, _ = tile
+    issue = loop * warps / 4
+    tensor = 2 * block_t * block_r * block_c / TENSOR_FLOP_PER_CYCLE
+    programs = triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r)
+    on_sm = triton.cdiv(programs, sms)
+    batches = [per_sm] * (on_sm // per_sm) + ([on_sm % per_sm] if on_sm % per_sm else [])
+    step = sum(max(issue + tensor, b * issue, b * tensor) for b in batches)
+    return triton.cdiv(cols, block_c) * step
+
+
+def gemm_tile(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, device: torch.device,
+              element_bytes: int = 2) -> tuple[int, int, int, int, int]:
+    """``(block_t, block_r, block_c, num_warps, num_stages)`` of :func:`nm_gemm`: of the
+    :data:`GEMM_TILES` whose steps hold whole position words for N:M, the one :func:`gemm_cycles`
+    finds fastest on this device's SMs (the large token tiles amortise the weight expansion over
+    more tokens; the small ones make programs for every SM when tokens or rows are few)."""
+    min_c = 32 // bits * m // n          # dense columns per step that hold one whole position word
     if element_bytes >= 4:
-        return 32, 64, 32, 4, 3
-    if tokens <= 64:
-        return 32, 64, 64, 4, 3
-    if tokens <= 512:
-        return 64, 128, 64, 4, 3
-    return 128, 128, 64, 8, 3
+        block_t, block_r, block_c, warps, stages = GEMM_TILE_FP32
+        return block_t, block_r, max(block_c, min_c), warps, stages
+    tiles = [t for t in GEMM_TILES if t[0][2] % min_c == 0]
+    if not tiles:                        # sparse position words (1:16): the smallest tile, wider
+        return 32, 64, min_c, 4, 3
+    sms = _sm_count(device)
+    return min(tiles, key=lambda t: gemm_cycles(tokens, rows, cols, t[0], t[1], t[2], sms))[0]
 
 
 def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
@@ -412,7 +478,8 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     x2 = x.reshape(-1, cols).contiguous()
     tokens = x2.shape[0]
     rows, kept = values.shape
-    block_t, block_r, block_c, warps, stages = tile or gemm_tile(tokens, x.element_size())
+    block_t, block_r, block_c, warps, stages = tile or gemm_tile(tokens, rows, cols, n, m, bits, x.device,
+                                                                  x.element_size())
     if (block_c * n // m) % (32 // bits):
         raise ValueError(f"block_c {block_c} must hold whole position words for {n}:{m}")
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)

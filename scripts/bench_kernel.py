@@ -67,6 +67,7 @@ def main() -> None:
 
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.sparse_linear import SparseLinear
+    from shuffleprune.kernels.nm_fast import decode_max_tokens
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
 
@@ -151,8 +152,8 @@ def main() -> None:
                          "tb_s": bytes_moved("dense", out_f, in_f, tokens) / dense_ms / 1e9})
             line = [f"dense {dense_ms:.4f}"]
             for impl in args.impls:
-                if impl in ("decode", "decode_nomap") and tokens > 16:
-                    continue  # decode is for 1–16 tokens
+                if impl in ("decode", "decode_nomap") and tokens > decode_max_tokens(2):
+                    continue  # decode is for 1–64 tokens
                 if impl in ("gather", "group") and tokens > 64:
                     continue  # the first kernels: 4–160× slower than dense from 16 tokens (earlier H100 rows)
                 inp = x if impl != "decode_nomap" else xp

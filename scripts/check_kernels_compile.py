@@ -3,15 +3,16 @@
     python scripts/check_kernels_compile.py           # issue 24's shapes → scripts/results/kernel_compile_sm90.json
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
 
-Runs the host functions SparseLinear calls (``nm_decode`` for 1–16 tokens with and without an index
-map, ``nm_gemm`` for prompts, ``nm_decompress_into`` for the shared scratch, the first kernels
+Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
+map, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` at 2048 tokens, ``nm_decompress_into`` for the shared scratch, the first kernels
 ``gather`` / ``group``, the producer-side ``rmsnorm_mapped``) on bf16 (plus fp16/fp32 and 4:8 on one
 shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
 (``kernels/compile_check.py``). Each row: registers, spills, shared memory, programs per SM, waves,
 the widest global load, whether the weight is loaded evict-first and whether ``tl.dot`` became
 tensor-core instructions, the machine instructions of the main loop, and for decode the weight
 traffic (TB/s) at which those instructions alone would fill every issue slot of an H100: below the
-3.35 TB/s of HBM3 the kernel is instruction-bound whatever its loads do. No timing: that needs the
+3.35 TB/s of HBM3 the kernel is instruction-bound whatever its loads do; for the GEMM the share of
+the tensor cores' peak that ``nm_fast.gemm_cycles`` expects from those instructions. No timing: that needs the
 GPU (``scripts/gpu_run.sh``).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
-DECODE_TOKENS = [1, 2, 4, 8, 16]
+DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]
 GEMM_TOKENS = [64, 512, 2048]
 
 
@@ -41,12 +42,16 @@ def cases(quick: bool) -> list[dict]:
         for t in GEMM_TOKENS[:1] if quick else GEMM_TOKENS:
             out.append(dict(impl="gemm", shape=(rows, cols), tokens=t))
         out.append(dict(impl="scratch", shape=(rows, cols), tokens=0))
+    from shuffleprune.kernels.nm_fast import GEMM_TILES
+
     rows, cols = SHAPES[0]
+    for index in range(len(GEMM_TILES)):
+        out.append(dict(impl="gemm_tile", shape=(rows, cols), tokens=2048, tile=index))
     for dtype in ("float16", "float32"):
-        for t in (1, 16):
+        for t in (1, 16) if dtype == "float32" else (1, 16, 64):
             out.append(dict(impl="decode", shape=(rows, cols), tokens=t, dtype=dtype))
         out.append(dict(impl="gemm", shape=(rows, cols), tokens=64, dtype=dtype))
-    for t in (1, 16):
+    for t in (1, 16, 32, 64):
         out.append(dict(impl="decode", shape=(rows, cols), tokens=t, pattern=(4, 8)))
     out.append(dict(impl="gemm", shape=(rows, cols), tokens=64, pattern=(4, 8)))
     if not quick:
@@ -83,6 +88,8 @@ def run_case(case: dict) -> None:
         nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None)
     elif impl == "gemm":
         nm_fast.nm_gemm(x, values, words, n, m, bits)
+    elif impl == "gemm_tile":
+        nm_fast.nm_gemm(x, values, words, n, m, bits, tile=nm_fast.GEMM_TILES[case["tile"]][0])
     elif impl == "scratch":
         nm_fast.nm_decompress_into(values, words, n, m, bits, cols, torch.empty(rows * cols, dtype=dtype))
     else:
@@ -102,6 +109,33 @@ def decode_issue_ceiling(row: dict, case: dict) -> float | None:
     per_value = getattr(torch, case.get("dtype", "bfloat16")).itemsize + meta_bits(case.get("pattern", (2, 4))[1]) / 8
     ceiling = issue_ceiling_tbs(c["BLOCK_R"] * c["BLOCK_K"] * per_value, row["loop_instructions"], row["num_warps"], H100)
     return None if ceiling is None else round(ceiling, 2)
+
+
+def decode_plan_per_sm(case: dict) -> int:
+    """The programs per SM ``decode_plan`` sized its split-K for (at most what the compile gives)."""
+    import torch
+
+    from shuffleprune.deploy.format import meta_bits
+    from shuffleprune.kernels import nm_fast
+
+    (rows, cols), (n, m) = case["shape"], case.get("pattern", (2, 4))
+    plan = nm_fast.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
+                               element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize)
+    return plan["per_sm"]
+
+
+def gemm_tensor_share(row: dict) -> float:
+    """The share of the tensor cores' peak that :func:`nm_fast.gemm_cycles` expects of this GEMM
+    launch on an H100, from its compiled loop and residency."""
+    from shuffleprune.kernels import nm_fast
+    from shuffleprune.kernels.compile_check import H100
+
+    c = row["constexprs"]
+    tile = (c["BLOCK_T"], c["BLOCK_R"], c["BLOCK_C"], row["num_warps"], row["num_stages"])
+    (rows, cols), tokens = row["shape"], row["tokens"]
+    cycles = nm_fast.gemm_cycles(tokens, rows, cols, tile, row["loop_instructions"], row["programs_per_sm"], H100.sms)
+    ideal = 2 * tokens * rows * cols / nm_fast.TENSOR_FLOP_PER_CYCLE / H100.sms
+    return round(ideal / cycles, 2)
 
 
 def main() -> None:
@@ -127,6 +161,13 @@ def main() -> None:
                 row = {**label, **report(launch, H100)}
                 if case["impl"].startswith("decode"):
                     row["issue_ceiling_tbs"] = decode_issue_ceiling(row, case)
+                    row["plan_per_sm"] = decode_plan_per_sm(case)
+                if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
+                    row["tensor_share"] = gemm_tensor_share(row)
+                if case["impl"] == "gemm_tile":
+                    from shuffleprune.kernels.nm_fast import GEMM_TILES
+
+                    row["table_loop"], row["table_per_sm"] = GEMM_TILES[case["tile"]][1:]
                 rows.append(row)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a result, recorded
             failed += 1
@@ -137,7 +178,7 @@ def main() -> None:
                  f" regs {r['registers']:3d} spill {r['spill_bytes']:4d} smem {r['shared_bytes']:6d} "
                  f"progs/SM {r['programs_per_sm']:2d} waves {r['waves']:6.2f} load {r['widest_load_bytes']:2d}B "
                  f"evict_first {r['evict_first']} async {r['async_copies']} tc {r['tensor_core']} "
-                 f"loop {r['loop_instructions']} ceiling {r.get('issue_ceiling_tbs')}"), flush=True)
+                 f"loop {r['loop_instructions']} ceiling {r.get('issue_ceiling_tbs')} tensor {r.get('tensor_share')}"), flush=True)
     summary = {
         "compiled": sum("error" not in r for r in rows), "failed": failed,
         "with_spills": sum(r.get("spill_bytes", 0) > 0 for r in rows),

@@ -7,8 +7,9 @@
 #   bash scripts/gpu_run.sh                    # the 2:4 runtime measurements: kernel e2e
 #   bash scripts/gpu_run.sh stage_cost         # pruning stages' cost on LLaMA-2-7B-shaped blocks (a second call:
 #                                              # one device call runs at most 600 s)
-#   bash scripts/gpu_run.sh tune_decode        # decode_plan's tiles and pipeline depth, both decode kernels
-#                                              # (tune_select + tune_dot, its own call)
+#   bash scripts/gpu_run.sh tune_tiles         # decode_plan's and gemm_tile's tiles: both decode kernels’
+#                                              # tiles and pipeline depths, every GEMM tile against the cost
+#                                              # model's pick (tune_select + tune_dot + tune_gemm, its own call)
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     [ -f "$result" ] && cp "$result" "$OUT/"
 }
 [ $# -eq 0 ] && set -- kernel e2e
-steps=(); for s in "$@"; do [ "$s" = tune_decode ] && steps+=(tune_select tune_dot) || steps+=("$s"); done
+steps=(); for s in "$@"; do [ "$s" = tune_tiles ] && steps+=(tune_select tune_dot tune_gemm) || steps+=("$s"); done
 set -- "${steps[@]}"
 for s in "$@"; do
     case $s in
@@ -45,9 +46,12 @@ for s in "$@"; do
         tune_select) step tune_select 130 scripts/results/tune_select.json $PY scripts/tune_kernel.py --variants select \
             --tokens 1 2 --block-r 16 32 --block-k 128 256 --num-warps 4 8 --stages 3 4 --rep-ms 30 \
             --out scripts/results/tune_select.json ;;
-        tune_dot) step tune_dot 150 scripts/results/tune_dot.json $PY scripts/tune_kernel.py --variants dot \
-            --tokens 2 16 --block-r 32 64 128 --block-k 64 128 --num-warps 4 8 --stages 3 4 --rep-ms 30 \
-            --max-tile 262144 --out scripts/results/tune_dot.json ;;
+        tune_dot) step tune_dot 250 scripts/results/tune_dot.json $PY scripts/tune_kernel.py --variants dot \
+            --tokens 2 16 32 64 --block-r 32 64 128 --block-k 64 128 --num-warps 4 8 --stages 3 4 --rep-ms 20 \
+            --max-tile 524288 --out scripts/results/tune_dot.json ;;
+        tune_gemm) step tune_gemm 100 scripts/results/tune_gemm.json $PY scripts/tune_kernel.py --variants gemm \
+            --tokens 64 128 256 512 2048 --gemm-tiles 128,128,64,8,3 64,128,64,4,3 --rep-ms 30 \
+            --out scripts/results/tune_gemm.json ;;
         stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
             $PY scripts/bench_stage_cost.py --device cuda ;;
         e2e) step e2e 270 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;

@@ -1,16 +1,19 @@
 """Measure the Triton 2:4 kernels' tile sizes on a GPU: for each LLaMA-2-7B linear shape and token
 count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the decode variants
 (``kernels/nm_fast.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
-tensor-core kernel) every pipeline depth in ``--stages`` — is checked against the dense result
-and timed (median GPU time per call from ``triton.testing.do_bench``, L2 flushed before each call); the table of medians and the best tile per case go to
-``scripts/results/tune_kernel.json``.
+tensor-core kernel) every pipeline depth in ``--stages``; for the prefill ``gemm`` every tile of
+``nm_fast.GEMM_TILES`` (and ``--gemm-tiles``), with the one ``gemm_tile``'s cost model picks marked —
+is checked against the dense result and timed (median GPU time per call from
+``triton.testing.do_bench``, L2 flushed before each call); the table of medians and the best tile per
+case go to ``scripts/results/tune_kernel.json``.
 
     python scripts/tune_kernel.py            # on a CUDA machine
     python scripts/tune_kernel.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes: checks the code path only
     python scripts/tune_kernel.py --variants select --tokens 1 2 --block-r 16 32 --block-k 128 256 \
         --num-warps 4 8 --out scripts/results/tune_select.json               # decode_plan's choices
-    python scripts/tune_kernel.py --variants dot --tokens 2 16 --block-r 32 64 128 --block-k 64 128 \
-        --num-warps 4 8 --max-tile 262144 --out scripts/results/tune_dot.json
+    python scripts/tune_kernel.py --variants dot --tokens 2 16 32 64 --block-r 32 64 128 --block-k 64 128 \
+        --num-warps 4 8 --max-tile 524288 --out scripts/results/tune_dot.json
+    python scripts/tune_kernel.py --variants gemm --tokens 64 128 256 512 2048 --out scripts/results/tune_gemm.json
 
 Tiles whose ``block_r × block_k × tokens-tile`` product exceeds ``--max-tile`` values are skipped (they
 spill registers and take long to compile).
@@ -38,6 +41,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[4], help="decode variant: software-pipeline depths")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench's repetition time per case (ms)")
     ap.add_argument("--max-tile", type=int, default=2**15)
+    ap.add_argument("--gemm-tiles", nargs="*", default=[], help="gemm variant: more tiles, as block_t,block_r,block_c,warps,stages")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tune_kernel.json"))
     args = ap.parse_args()
@@ -51,7 +55,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from shuffleprune.kernels.nm_fast import decode_plan, nm_decode, position_words
+    from shuffleprune.kernels.nm_fast import GEMM_TILES, decode_plan, gemm_tile, nm_decode, nm_gemm, position_words
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
@@ -84,19 +88,35 @@ def main() -> None:
         want = F.linear(x[:, perm.long()].float(), w_dev.float())
         dense_ms = median_ms(lambda: F.linear(x, w_dev))
         case = []
-        grid = itertools.product(args.variants, args.block_r, args.block_k, args.num_warps, args.stages)
-        for variant, br, bk, nw, st in grid:
+        xp = x[:, perm.long()].contiguous()
+        configs = []   # (variant, block_r, block_k, num_warps, stages, gemm tile)
+        for variant in args.variants:
+            if variant == "gemm":
+                tiles = [t[0] for t in GEMM_TILES] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
+                configs += [(variant, None, None, None, None, tile) for tile in tiles]
+            else:
+                configs += [(variant, *c, None) for c in
+                            itertools.product(args.block_r, args.block_k, args.num_warps, args.stages)]
+        modelled = gemm_tile(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size())
+        for variant, br, bk, nw, st, gtile in configs:
             decode = variant in DECODE
-            block_t = (decode_plan(out_f, values.shape[1], tokens, 2, 4, meta_bits(4), dev, use_dot=DECODE[variant])["block_t"]
-                       if decode else min(16, 1 << (tokens - 1).bit_length()))   # the kernel's token tile
-            if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):
-                continue
-            def run(br=br, bk=bk, nw=nw, st=st, variant=variant):
-                if variant in DECODE:
-                    return nm_decode(x, values, words, 2, 4, meta_bits(4), perm, None, num_warps=nw, block_r=br,
-                                     block_k=bk, stages=st, use_dot=DECODE[variant])
-                return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)
-            tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st} if decode else {})}
+            if gtile is not None:
+                def run(gtile=gtile):
+                    return nm_gemm(xp, values, words, 2, 4, meta_bits(4), None, tile=gtile)
+                tile = {"tile": list(gtile), "modelled": gtile == modelled}
+            else:
+                block_t = (decode_plan(out_f, values.shape[1], tokens, 2, 4, meta_bits(4), dev,
+                                       use_dot=DECODE[variant])["block_t"]
+                           if decode else min(16, 1 << (tokens - 1).bit_length()))   # the kernel's token tile
+                if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):
+                    continue
+
+                def run(br=br, bk=bk, nw=nw, st=st, variant=variant):
+                    if variant in DECODE:
+                        return nm_decode(x, values, words, 2, 4, meta_bits(4), perm, None, num_warps=nw, block_r=br,
+                                         block_k=bk, stages=st, use_dot=DECODE[variant])
+                    return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)
+                tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st} if decode else {})}
             try:
                 y = run()
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile (e.g. out of shared memory)
@@ -114,8 +134,9 @@ def main() -> None:
             top = min(mine, key=lambda r: r["ms"]) if mine else None
             best.append({"shape": [out_f, in_f], "tokens": tokens, "variant": variant, "dense_ms": dense_ms, "best": top,
                          "speedup_vs_dense": round(dense_ms / top["ms"], 3) if top and top["ms"] else None})
+            what = top and (top.get("tile") or (top['block_r'], top['block_k'], top['num_warps'], top.get('stages')))
             print(f"{out_f}x{in_f} t={tokens} {variant}: dense {dense_ms:.4f} ms, best {top and top['ms']:.4f} ms "
-                  f"{top and (top['block_r'], top['block_k'], top['num_warps'], top.get('stages'))}", flush=True)
+                  f"{what}", flush=True)
     result = {"what": "Triton 2:4 kernel tile sweep (bf16, random index map)", "seed": 0,
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)", "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": machine(), "versions": versions("triton"), "best": best, "rows": rows}

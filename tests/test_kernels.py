@@ -71,6 +71,31 @@ def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot,
         assert plan["split"] == split
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols,n,m,tokens,block_t,warps", [
+    (40, 96, 2, 4, 20, 32, 4),      # 17–32 tokens: a 32-token tile, the 2:4 tile of 2–16 tokens
+    (70, 160, 2, 4, 40, 64, 8),     # 33–64 tokens: a 64-token tile on 8 warps, ragged rows and K
+    (33, 128, 4, 8, 64, 64, 8),     # 4:8, a full 64-token tile
+    (20, 64, 1, 4, 24, 32, 4),      # 1:4, generic expansion
+])
+def test_decode_kernel_takes_up_to_64_tokens(rows, cols, n, m, tokens, block_t, warps, dtype):
+    """Prompts of 17–64 tokens run the tensor-core decode (index map read in the kernel) on
+    16-bit inputs; float32 and the select kernel stop at 16 tokens with an error naming nm_gemm."""
+    from shuffleprune.kernels.nm_fast import decode_plan, nm_decode, position_words
+
+    w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows + tokens)
+    y = nm_decode(x, values, position_words(meta), n, m, meta_bits(m), perm.to(torch.int32), bias)
+    assert _close(y, x.double()[:, perm] @ w.double().t() + bias.double(), dtype)
+    plan = decode_plan(rows, values.shape[1], tokens, n, m, meta_bits(m), x.device, element_bytes=2)
+    assert plan["use_dot"] and plan["block_t"] == block_t and plan["num_warps"] == warps
+    with pytest.raises(ValueError, match="nm_gemm"):
+        nm_decode(x.float(), values.float(), position_words(meta), n, m, meta_bits(m))
+    with pytest.raises(ValueError, match="at most 16"):
+        nm_decode(x, values, position_words(meta), n, m, meta_bits(m), use_dot=False)
+    with pytest.raises(ValueError, match="nm_gemm"):
+        nm_decode(torch.cat([x] * 4), values, position_words(meta), n, m, meta_bits(m))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols,n,m,tokens", [(48, 64, 2, 4, 17), (37, 160, 2, 4, 70), (33, 128, 4, 8, 40)])
 def test_gemm_kernel_matches_float64(rows, cols, n, m, tokens, dtype):
@@ -93,6 +118,50 @@ def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
     assert torch.equal(dense, w) and dense.data_ptr() == buf.data_ptr()
 
 
+def test_gemm_tile_follows_tokens_rows_and_sm_count(monkeypatch):
+    """The prefill tile comes from the cost model over GEMM_TILES: long prompts take the 256-token tile
+    (the weight expanded once for more tokens), few tokens or few rows smaller ones that give every
+    SM programs; N:M whose position words need wider steps and float32 get tiles that fit them."""
+    from shuffleprune.kernels import nm_fast
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(nm_fast, "_sm_count", lambda device: 132)
+    big, *_, small = [t[0] for t in nm_fast.GEMM_TILES]
+    assert nm_fast.gemm_tile(2048, 4096, 4096, 2, 4, 2, cuda) == big
+    assert nm_fast.gemm_tile(64, 4096, 4096, 2, 4, 2, cuda)[0] <= 64
+    assert nm_fast.gemm_tile(512, 1024, 4096, 2, 4, 2, cuda)[0] < big[0]   # 4 row tiles × 2 token tiles: too few
+    for n, m in ((1, 4), (4, 8), (2, 4)):
+        block_c = nm_fast.gemm_tile(512, 4096, 4096, n, m, meta_bits(m), cuda)[2]
+        assert block_c * n // m % (32 // meta_bits(m)) == 0       # whole position words per step
+    assert nm_fast.gemm_tile(1, 8, 64, 1, 16, 4, cuda)[2] == 128   # 1:16: eight 4-bit fields need 128 columns
+    assert nm_fast.gemm_tile(2048, 4096, 4096, 2, 4, 2, cuda, element_bytes=4) == nm_fast.GEMM_TILE_FP32
+    loop, per_sm = nm_fast.GEMM_TILES[0][1:]
+    full = nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 132)
+    assert nm_fast.gemm_cycles(4096, 4096, 4096, big, loop, per_sm, 132) == pytest.approx(2 * full, rel=0.05)
+    assert nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 66) > 1.9 * full
+    assert nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, 1, 132) > full  # no second program to overlap with
+
+
+def test_decode_split_reads_the_devices_shared_memory(monkeypatch):
+    """Split-K is sized by the programs that reside per SM: the device's own shared memory (an
+    A100's 164 KB holds one 32-token 2:4 pipeline, an H100's 228 KB two), the H100 figure when the
+    device does not report it."""
+    from types import SimpleNamespace
+
+    from shuffleprune.kernels import nm_fast
+
+    cuda = torch.device("cuda")
+
+    def plan(props):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+        return nm_fast.decode_plan(4096, 2048, 32, 2, 4, 2, cuda)
+
+    a100 = plan(SimpleNamespace(multi_processor_count=108, shared_memory_per_multiprocessor=164 * 1024))
+    h100 = plan(SimpleNamespace(multi_processor_count=108, shared_memory_per_multiprocessor=228 * 1024))
+    unknown = plan(SimpleNamespace(multi_processor_count=108))
+    assert (a100["per_sm"], h100["per_sm"], unknown["per_sm"]) == (1, 2, 2)
+
+
 def test_position_words_are_the_export_bytes_read_four_at_a_time():
     from shuffleprune.kernels.nm_fast import position_words
 
@@ -105,8 +174,8 @@ def test_position_words_are_the_export_bytes_read_four_at_a_time():
     assert position_words(meta).shape == (6, 2)
 
 
-@pytest.mark.parametrize("policy,tokens", [(p, t) for p in IMPLS if not p.startswith("semi") for t in (1, 9, 20)
-                                            if not (p == "decode" and t > 16)])   # decode: at most 16 tokens
+@pytest.mark.parametrize("policy,tokens", [(p, t) for p in IMPLS if not p.startswith("semi") for t in (1, 9, 20, 70)
+                                            if not (p == "decode" and t > 64)])   # decode: at most 64 tokens
 def test_every_sparse_linear_policy_matches_float64(policy, tokens):
     w, values, meta, _, perm, bias = _case(24, 64, 2, 4, 1, torch.float16, seed=tokens)
     x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(1)).to(torch.float16)
@@ -140,8 +209,10 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     sm_90a, no GPU needed) through the same host functions, and checks what the compiler made of them:
     no failure, no register spill, 16-byte evict-first loads of the weight in decode issued ahead by
     the software pipeline (asynchronous copies), 2:4 decode loops short enough not to be issue-bound at
-    every token count, tensor-core instructions where ``tl.dot`` is used (decode from 2 tokens, prefill),
-    and prefill tiles that stay in L2 (no evict-first)."""
+    1–32 tokens and to beat a dense weight streamed at HBM3's peak at 64, split-K sized for no more
+    programs per SM than the compiled kernel lets reside, tensor-core instructions where ``tl.dot`` is
+    used (decode from 2 tokens, prefill), prefill tiles that stay in L2 (no evict-first), and the
+    GEMM tile table (loop length, residency) that ``gemm_tile``'s cost model reads still true."""
     import json
     import os
     import subprocess
@@ -159,14 +230,22 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert rows and all("error" not in r for r in rows)
     assert all(r["spill_bytes"] == 0 and r["fits"] for r in rows)
     impls = {r["impl"] for r in rows}
-    assert {"decode", "decode_nomap", "gemm", "scratch", "rmsnorm_mapped"} <= impls
+    assert {"decode", "decode_nomap", "gemm", "gemm_tile", "scratch", "rmsnorm_mapped"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
-            if r["pattern"] == "2:4":
+            if r["pattern"] == "2:4" and r["tokens"] <= 32:
                 assert r["issue_ceiling_tbs"] > 3.35, r   # its loop can issue faster than HBM3 delivers
+            if r["pattern"] == "2:4":   # and faster than the dense weight could stream at HBM3's peak
+                assert r["issue_ceiling_tbs"] * 2 / (1 + 2 / 16) > 3.35, r
+            assert r["plan_per_sm"] <= r["programs_per_sm"], r   # split-K never assumes more than reside
         if (r["impl"] == "decode" and r["tokens"] >= 2) or r["impl"] == "gemm":
             assert r["tensor_core"], r
-        if r["impl"] == "gemm":
+        if r["impl"].startswith("gemm"):
             assert not r["evict_first"], r
+        if r["impl"] == "gemm_tile":   # the GEMM_TILES table gemm_tile's cost model reads is the compiled one
+            assert r["programs_per_sm"] == r["table_per_sm"], r
+            assert abs(r["loop_instructions"] - r["table_loop"]) <= 0.1 * r["table_loop"], r
+    tiles = [r for r in rows if r["impl"] == "gemm_tile"]
+    assert len(tiles) >= 3 and tiles[0]["tensor_share"] > 0.8, tiles   # the 256-token tile of long prompts

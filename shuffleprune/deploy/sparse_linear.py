@@ -4,10 +4,10 @@
 :mod:`format`) and ``perm`` the input index map (``None`` when the layer reads its input in order).
 No layer keeps a dense copy: GPU memory holds the compressed size. Implementations (``IMPLS``):
 
-- ``decode`` (CUDA, 1–16 tokens): the bandwidth kernel of ``kernels/nm_fast.py`` (position words,
-  split-K, the index map read inside the kernel);
-- ``gemm`` (CUDA, many tokens): the tiled Triton GEMM that decompresses weight tiles in registers,
-  over the gathered input;
+- ``decode`` (CUDA, 1–64 tokens; float32 1–16): the bandwidth kernel of ``kernels/nm_fast.py``
+  (position words, split-K, the index map read inside the kernel);
+- ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
+  registers, over the gathered input;
 - ``scratch`` (any device): ``W_p`` decompressed into one scratch buffer shared by every layer of
   that device and dtype, then a dense matmul (cuBLAS on the GPU);
 - ``gather`` / ``group``: the first Triton kernels (``kernels/nm_matmul.py``), kept as candidates;
@@ -26,7 +26,8 @@ from torch import nn
 from shuffleprune.deploy.format import decompress, meta_bits
 
 IMPLS = ("decode", "gemm", "scratch", "gather", "group", "semi_structured", "semi_cutlass")
-DECODE_MAX_TOKENS = 16
+GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
+GATHER_MAX_TOKENS = 16
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
@@ -162,15 +163,17 @@ class SparseLinear(nn.Module):
         return F.linear(self._gathered(x), self._scratch_dense(), self.bias)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
-        from shuffleprune.kernels.nm_fast import triton
+        from shuffleprune.kernels.nm_fast import decode_max_tokens, triton
 
         if triton is None:
             return ["scratch"]
         tokens = x.numel() // x.shape[-1]
-        out = ["scratch"]
-        if self._pow2():
-            out.insert(0, "decode" if tokens <= DECODE_MAX_TOKENS else "gemm")
-        if tokens <= DECODE_MAX_TOKENS:
+        out = []
+        if self._pow2():  # from 17 to 64 tokens both Triton kernels are timed
+            out += ["decode"] if tokens <= decode_max_tokens(x.element_size()) else []
+            out += ["gemm"] if tokens >= GEMM_MIN_TOKENS else []
+        out.append("scratch")
+        if tokens <= GATHER_MAX_TOKENS:
             out.append("gather")
         return out
 
