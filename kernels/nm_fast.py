@@ -237,11 +237,12 @@ if triton is not None:
         _store_decode(out, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt, HAS_BIAS, SPLIT)
 
     @triton.jit
-    def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,
-                        N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr):
+    def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, part_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,
+                        C_PER_SPLIT, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr):
         BLOCK_K: tl.constexpr = BLOCK_C * N // M
-        pid = tl.program_id(0)
+        pid, pid_s = tl.program_id(0), tl.program_id(1)
         n_t, n_r = tl.cdiv(T, BLOCK_T), tl.cdiv(R, BLOCK_R)
         per_group = GROUP_T * n_r                      # grouped order: neighbouring programs share weight tiles in L2
         first_t = (pid // per_group) * GROUP_T
@@ -252,7 +253,8 @@ if triton is not None:
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         tok_ok, row_ok = toks < T, rows < R
         acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
+        c_start = pid_s * C_PER_SPLIT
+        for c0 in range(c_start, tl.minimum(c_start + C_PER_SPLIT, C), BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             xs = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_ok[:, None] & (cols < C)[None, :],
                          other=0.0)
@@ -261,10 +263,13 @@ if triton is not None:
                 acc = tl.dot(xs.to(tl.float32), tl.trans(dense.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(xs, tl.trans(dense.to(xs.dtype)), acc, input_precision=PREC)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + toks[:, None] * stride_yt + rows[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=tok_ok[:, None] & row_ok[None, :])
+        out_ok = tok_ok[:, None] & row_ok[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + toks[:, None] * stride_yt + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            tl.store(part_ptr + (pid_s * T + toks[:, None]) * R + rows[None, :], acc, mask=out_ok)
 
     @triton.jit
     def _nm_decompress_kernel(val_ptr, word_ptr, out_ptr, R, C, K, WORDS,
@@ -429,66 +434,86 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
 # is expanded in registers and stored for the tensor cores, then the tensor-core call is waited on
 # within the step: one program's expansion overlaps only with another program's tensor-core work.
 GEMM_TILES = (
-    ((256, 64, 32, 8, 3), 150, 2),
-    ((128, 64, 32, 4, 4), 198, 4),
-    ((64, 64, 32, 4, 4), 183, 7),
-    ((32, 64, 64, 4, 3), 326, 4),
+    ((256, 64, 32, 8, 3), 151, 2),
+    ((128, 64, 32, 4, 4), 200, 4),
+    ((64, 64, 32, 4, 4), 187, 7),
+    ((32, 64, 64, 4, 3), 329, 4),
 )
 GEMM_TILE_FP32 = (32, 64, 32, 4, 3)  # float32: full-precision FMA, no tensor cores; larger tiles spill
 TENSOR_FLOP_PER_CYCLE = 4096          # dense 16-bit tensor-core FLOP per SM per clock (H100: 989 TFLOP/s)
 
 
+L2_BYTES_PER_CYCLE = 24   # per SM: about 5.5 TB/s of L2 bandwidth on an H100, where split-K's partial sums stay
+
+
 def gemm_cycles(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, int, int], loop: int, per_sm: int,
-                sms: int) -> float:
-    """Clocks the busiest SM spends on :func:`nm_gemm` with ``tile``: every step a program issues
-    ``loop`` instructions per warp (4 issued per clock) and then waits for its tensor-core work; the
-    programs resident together overlap one's issue with another's tensor work."""
+                sms: int, split: int = 1) -> float:
+    """Clocks the busiest SM spends on :func:`nm_gemm` with ``tile`` and ``split`` column splits:
+    every step a program issues ``loop`` instructions per warp (4 issued per clock) and then waits
+    for its tensor-core work; the programs resident together overlap one's issue with another's
+    tensor work. Split-K adds its float32 partial sums, written and read back through L2."""
     block_t, block_r, block_c, warps, _ = tile
     issue = loop * warps / 4
     tensor = 2 * block_t * block_r * block_c / TENSOR_FLOP_PER_CYCLE
-    programs = triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r)
+    programs = triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r) * split
     on_sm = triton.cdiv(programs, sms)
     batches = [per_sm] * (on_sm // per_sm) + ([on_sm % per_sm] if on_sm % per_sm else [])
     step = sum(max(issue + tensor, b * issue, b * tensor) for b in batches)
-    return triton.cdiv(cols, block_c) * step
+    reduce = 0 if split == 1 else (2 * split * 4 + 2) * tokens * rows / (sms * L2_BYTES_PER_CYCLE)
+    return triton.cdiv(triton.cdiv(cols, block_c), split) * step + reduce
 
 
-def gemm_tile(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, device: torch.device,
-              element_bytes: int = 2) -> tuple[int, int, int, int, int]:
-    """``(block_t, block_r, block_c, num_warps, num_stages)`` of :func:`nm_gemm`: of the
-    :data:`GEMM_TILES` whose steps hold whole position words for N:M, the one :func:`gemm_cycles`
-    finds fastest on this device's SMs (the large token tiles amortise the weight expansion over
-    more tokens; the small ones make programs for every SM when tokens or rows are few)."""
+def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, device: torch.device,
+              element_bytes: int = 2) -> tuple[tuple[int, int, int, int, int], int]:
+    """``((block_t, block_r, block_c, num_warps, num_stages), split)`` of :func:`nm_gemm`: of the
+    :data:`GEMM_TILES` whose steps hold whole position words for N:M, and of 1, 2, 4 or 8 column
+    splits, the pair :func:`gemm_cycles` finds fastest on this device's SMs. Large token tiles
+    expand each weight tile once for more tokens; smaller tiles and split-K give every SM programs
+    when tokens or rows are few."""
     min_c = 32 // bits * m // n          # dense columns per step that hold one whole position word
     if element_bytes >= 4:
         block_t, block_r, block_c, warps, stages = GEMM_TILE_FP32
-        return block_t, block_r, max(block_c, min_c), warps, stages
+        return (block_t, block_r, max(block_c, min_c), warps, stages), 1
     tiles = [t for t in GEMM_TILES if t[0][2] % min_c == 0]
     if not tiles:                        # sparse position words (1:16): the smallest tile, wider
-        return 32, 64, min_c, 4, 3
+        return (32, 64, min_c, 4, 3), 1
     sms = _sm_count(device)
-    return min(tiles, key=lambda t: gemm_cycles(tokens, rows, cols, t[0], t[1], t[2], sms))[0]
+    options = [(t, s) for t in tiles for s in (1, 2, 4, 8) if s == 1 or triton.cdiv(cols, t[0][2]) >= 4 * s]
+    (tile, _, _), split = min(options, key=lambda o: (gemm_cycles(tokens, rows, cols, *o[0], sms, o[1]), o[1]))
+    return tile, split
 
 
 def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
-            bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """``x`` ``[..., C]`` already in the weight's (permuted) column order → ``x @ W_pᵀ + bias``."""
+            bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None,
+            split: int | None = None) -> torch.Tensor:
+    """``x`` ``[..., C]`` already in the weight's (permuted) column order → ``x @ W_pᵀ + bias``
+    (``tile`` and ``split`` default to :func:`gemm_plan`'s; a given ``tile`` alone runs unsplit)."""
     _check(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
     tokens = x2.shape[0]
     rows, kept = values.shape
-    block_t, block_r, block_c, warps, stages = tile or gemm_tile(tokens, rows, cols, n, m, bits, x.device,
-                                                                  x.element_size())
+    if tile is None:
+        tile, planned = gemm_plan(tokens, rows, cols, n, m, bits, x.device, x.element_size())
+        split = split or planned
+    block_t, block_r, block_c, warps, stages = tile
     if (block_c * n // m) % (32 // bits):
         raise ValueError(f"block_c {block_c} must hold whole position words for {n}:{m}")
+    per_split = triton.cdiv(triton.cdiv(cols, block_c), split or 1) * block_c
+    split = triton.cdiv(cols, per_split)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r),)
-    _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, tokens, rows, cols, kept,
-                          words.shape[1], x2.stride(0), y.stride(0), N=n, M=m, BITS=bits, HAS_BIAS=bias is not None,
-                          PREC=_precision(x), UPCAST=_upcast(x),
+    part = torch.empty(split, tokens, rows, dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r), split)
+    _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, part, tokens, rows, cols, kept,
+                          words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
+                          HAS_BIAS=bias is not None, SPLIT=split, PREC=_precision(x), UPCAST=_upcast(x),
                           BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, num_warps=warps,
                           num_stages=stages)
+    if split > 1:
+        total = part.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y = total.to(x.dtype)
     return y.reshape(*lead, rows)
 
 

@@ -133,7 +133,8 @@ def gemm_tensor_share(row: dict) -> float:
     c = row["constexprs"]
     tile = (c["BLOCK_T"], c["BLOCK_R"], c["BLOCK_C"], row["num_warps"], row["num_stages"])
     (rows, cols), tokens = row["shape"], row["tokens"]
-    cycles = nm_fast.gemm_cycles(tokens, rows, cols, tile, row["loop_instructions"], row["programs_per_sm"], H100.sms)
+    cycles = nm_fast.gemm_cycles(tokens, rows, cols, tile, row["loop_instructions"], row["programs_per_sm"], H100.sms,
+                                 c["SPLIT"])
     ideal = 2 * tokens * rows * cols / nm_fast.TENSOR_FLOP_PER_CYCLE / H100.sms
     return round(ideal / cycles, 2)
 

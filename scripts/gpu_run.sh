@@ -7,7 +7,7 @@
 #   bash scripts/gpu_run.sh                    # the 2:4 runtime measurements: kernel e2e
 #   bash scripts/gpu_run.sh stage_cost         # pruning stages' cost on LLaMA-2-7B-shaped blocks (a second call:
 #                                              # one device call runs at most 600 s)
-#   bash scripts/gpu_run.sh tune_tiles         # decode_plan's and gemm_tile's tiles: both decode kernels’
+#   bash scripts/gpu_run.sh tune_tiles         # decode_plan's and gemm_plan's tiles: both decode kernels’
 #                                              # tiles and pipeline depths, every GEMM tile against the cost
 #                                              # model's pick (tune_select + tune_dot + tune_gemm, its own call)
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e

@@ -2,7 +2,7 @@
 count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the decode variants
 (``kernels/nm_fast.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
 tensor-core kernel) every pipeline depth in ``--stages``; for the prefill ``gemm`` every tile of
-``nm_fast.GEMM_TILES`` (and ``--gemm-tiles``), with the one ``gemm_tile``'s cost model picks marked —
+``nm_fast.GEMM_TILES`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
 is checked against the dense result and timed (median GPU time per call from
 ``triton.testing.do_bench``, L2 flushed before each call); the table of medians and the best tile per
 case go to ``scripts/results/tune_kernel.json``.
@@ -55,7 +55,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from shuffleprune.kernels.nm_fast import GEMM_TILES, decode_plan, gemm_tile, nm_decode, nm_gemm, position_words
+    from shuffleprune.kernels.nm_fast import GEMM_TILES, decode_plan, gemm_plan, nm_decode, nm_gemm, position_words
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
@@ -97,7 +97,7 @@ def main() -> None:
             else:
                 configs += [(variant, *c, None) for c in
                             itertools.product(args.block_r, args.block_k, args.num_warps, args.stages)]
-        modelled = gemm_tile(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size())
+        modelled = gemm_plan(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size())[0]
         for variant, br, bk, nw, st, gtile in configs:
             decode = variant in DECODE
             if gtile is not None:

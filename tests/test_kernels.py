@@ -106,6 +106,8 @@ def test_gemm_kernel_matches_float64(rows, cols, n, m, tokens, dtype):
     assert _close(y, x.double() @ w.double().t() + bias.double(), dtype)
     y = nm_gemm(x, values, position_words(meta), n, m, meta_bits(m), None, tile=(32, 32, 64, 4, 1))
     assert _close(y, x.double() @ w.double().t(), dtype)
+    y = nm_gemm(x, values, position_words(meta), n, m, meta_bits(m), bias, tile=(16, 32, 32, 4, 1), split=2)
+    assert _close(y, x.double() @ w.double().t() + bias.double(), dtype)   # split-K: partial sums + bias
 
 
 @pytest.mark.parametrize("rows,cols,n,m", [(37, 96, 2, 4), (33, 136, 4, 8), (5, 24, 2, 4)])
@@ -118,28 +120,31 @@ def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
     assert torch.equal(dense, w) and dense.data_ptr() == buf.data_ptr()
 
 
-def test_gemm_tile_follows_tokens_rows_and_sm_count(monkeypatch):
-    """The prefill tile comes from the cost model over GEMM_TILES: long prompts take the 256-token tile
-    (the weight expanded once for more tokens), few tokens or few rows smaller ones that give every
-    SM programs; N:M whose position words need wider steps and float32 get tiles that fit them."""
+def test_gemm_plan_follows_tokens_rows_and_sm_count(monkeypatch):
+    """The prefill tile and split-K come from the cost model over GEMM_TILES: long prompts take the
+    256-token tile unsplit (the weight expanded once for more tokens), few tokens or rows smaller
+    tiles and column splits that give every SM programs; N:M whose position words need wider steps
+    and float32 get tiles that fit them."""
     from shuffleprune.kernels import nm_fast
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(nm_fast, "_sm_count", lambda device: 132)
     big, *_, small = [t[0] for t in nm_fast.GEMM_TILES]
-    assert nm_fast.gemm_tile(2048, 4096, 4096, 2, 4, 2, cuda) == big
-    assert nm_fast.gemm_tile(64, 4096, 4096, 2, 4, 2, cuda)[0] <= 64
-    assert nm_fast.gemm_tile(512, 1024, 4096, 2, 4, 2, cuda)[0] < big[0]   # 4 row tiles × 2 token tiles: too few
+    assert nm_fast.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda) == (big, 1)
+    assert nm_fast.gemm_plan(64, 4096, 4096, 2, 4, 2, cuda)[0][0] <= 64
+    tile, split = nm_fast.gemm_plan(512, 1024, 4096, 2, 4, 2, cuda)   # 4 row tiles × 2 token tiles: too few
+    assert tile[0] < big[0] and split > 1
     for n, m in ((1, 4), (4, 8), (2, 4)):
-        block_c = nm_fast.gemm_tile(512, 4096, 4096, n, m, meta_bits(m), cuda)[2]
+        block_c = nm_fast.gemm_plan(512, 4096, 4096, n, m, meta_bits(m), cuda)[0][2]
         assert block_c * n // m % (32 // meta_bits(m)) == 0       # whole position words per step
-    assert nm_fast.gemm_tile(1, 8, 64, 1, 16, 4, cuda)[2] == 128   # 1:16: eight 4-bit fields need 128 columns
-    assert nm_fast.gemm_tile(2048, 4096, 4096, 2, 4, 2, cuda, element_bytes=4) == nm_fast.GEMM_TILE_FP32
+    assert nm_fast.gemm_plan(1, 8, 64, 1, 16, 4, cuda)[0][2] == 128   # 1:16: eight 4-bit fields need 128 columns
+    assert nm_fast.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda, element_bytes=4) == (nm_fast.GEMM_TILE_FP32, 1)
     loop, per_sm = nm_fast.GEMM_TILES[0][1:]
     full = nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 132)
     assert nm_fast.gemm_cycles(4096, 4096, 4096, big, loop, per_sm, 132) == pytest.approx(2 * full, rel=0.05)
     assert nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 66) > 1.9 * full
     assert nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, 1, 132) > full  # no second program to overlap with
+    assert nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 132, split=2) > full   # partial sums cost
 
 
 def test_decode_split_reads_the_devices_shared_memory(monkeypatch):
@@ -212,7 +217,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     1–32 tokens and to beat a dense weight streamed at HBM3's peak at 64, split-K sized for no more
     programs per SM than the compiled kernel lets reside, tensor-core instructions where ``tl.dot`` is
     used (decode from 2 tokens, prefill), prefill tiles that stay in L2 (no evict-first), and the
-    GEMM tile table (loop length, residency) that ``gemm_tile``'s cost model reads still true."""
+    GEMM tile table (loop length, residency) that ``gemm_plan``'s cost model reads still true."""
     import json
     import os
     import subprocess
