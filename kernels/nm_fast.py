@@ -17,8 +17,9 @@ the export's byte layout, read four bytes at a time.
   :func:`_dense_4of8`); other N:M sum ``M`` masked copies. Which costs fewer instructions per byte
   was read off the compiled sm_90a loops (``kernels/compile_check.py``). Split-K partial sums
   (float32) are added by one reduction when the row count is too small to fill the GPU.
-- :func:`nm_gemm` (prefill): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted inputs whose
-  weight tiles are decompressed in registers (the same expansion) for ``tl.dot``.
+- :func:`nm_gemm` (prefill, from 17 tokens): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted
+  inputs whose weight tiles are decompressed in registers (the same expansion) for ``tl.dot``; its
+  tile and split-K come from a cost model (:func:`gemm_plan`) over tiles compiled for sm_90a.
 - :func:`nm_decompress_into`: the dense ``W_p`` written into a caller's buffer (the shared scratch
   a dense matmul reads; no layer keeps a dense copy).
 
