@@ -205,10 +205,7 @@ def main() -> None:
     choices = kernel_choices()
     # The other place for the shared maps (issue 24): the RMSNorms feeding q/k/v and gate/up write
     # their output permuted (one fused kernel) and those layers read in order; o_proj keeps its map.
-    moved = move_maps_to_producers(model)
-    for mod in model.modules():
-        if isinstance(mod, SparseLinear):
-            mod.choices.clear()  # chosen again without the map
+    moved = move_maps_to_producers(model)   # the layers that lost their map choose their kernels again
     producer_row, _ = measure(model, "2:4+index maps at the producer (fused RMSNorm)")
     producer_row["maps_moved"] = len(moved)
     rows = [dense_row, sparse_row, producer_row]

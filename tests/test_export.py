@@ -377,7 +377,11 @@ def test_a_map_stays_in_the_layers_when_another_module_reads_the_producer_output
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(ids).logits
+    for lin in (layer.self_attn.q_proj, layer.mlp.mlp.gate_proj):
+        lin.choices[1] = "decode"   # as if auto had measured them with their maps
     moved = move_maps_to_producers(model)
+    assert layer.self_attn.q_proj.choices == {}                  # moved: measured again without the map
+    assert layer.mlp.mlp.gate_proj.choices == {1: "decode"}      # kept its map: its choice stands
     assert "model.layers.1.post_attention_layernorm" not in moved and "model.layers.1.input_layernorm" in moved
     assert "model.layers.0.post_attention_layernorm" in moved
     assert not isinstance(layer.post_attention_layernorm, MappedOutput) and layer.mlp.mlp.gate_proj.perm is not None

@@ -190,6 +190,33 @@ def test_every_sparse_linear_policy_matches_float64(policy, tokens):
     assert y.shape == (1, tokens, 24) and _close(y, ref, torch.float16)
 
 
+def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
+    """``auto``'s timed choice is shared by layers of the same shape, pattern, map and bias: the
+    second q-like layer reuses the first's, another shape or a layer without a map measures anew,
+    and so does a new token bucket."""
+    from shuffleprune.deploy import sparse_linear
+
+    sparse_linear.release_choices()
+    measured = []
+
+    def fake_measure(self, x, candidates):
+        measured.append((self.out_features, self.perm is not None, x.shape[-2]))
+        return candidates[0]
+
+    monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
+    _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
+    _, values2, meta2, *_ = _case(40, 64, 2, 4, 1, torch.float16)
+    q, k = (SparseLinear(values, meta, 64, 2, 4, perm=perm) for _ in range(2))
+    other, unmapped = SparseLinear(values2, meta2, 64, 2, 4, perm=perm), SparseLinear(values, meta, 64, 2, 4)
+    x1, x5 = torch.randn(1, 1, 64).half(), torch.randn(1, 5, 64).half()
+    assert q._choice(x1) == k._choice(x1) == q.choices[1] == k.choices[1]
+    other._choice(x1), unmapped._choice(x1), q._choice(x5), k._choice(x5)
+    assert measured == [(24, True, 1), (40, True, 1), (24, False, 1), (24, True, 5)]
+    sparse_linear.release_choices()
+    SparseLinear(values, meta, 64, 2, 4, perm=perm)._choice(x1)
+    assert measured[-1] == (24, True, 1) and len(measured) == 5
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width,tokens,offset", [(64, 1, 0.0), (100, 3, 1.0), (4096, 2, 0.0)])
 def test_rmsnorm_writing_its_output_through_an_index_map_matches_float64(width, tokens, offset, dtype):

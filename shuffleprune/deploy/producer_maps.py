@@ -137,6 +137,8 @@ def move_maps_to_producers(model: nn.Module, kernel: bool | None = None) -> dict
                 layer.perm, layer.shared_gather = None, None
             if ((run(i) - reference).abs().max() / scale) < (1e-2 if half else 1e-4):
                 wrapped.kernel = kernel
+                for layer in layers:  # what was measured with the map no longer applies
+                    layer.choices.clear()
                 moved[f"{prefix}.{producer}"] = [f"{prefix}.{c}" for c in consumers]
                 continue
             block.set_submodule(producer, inner)  # undo: something else reads that output in order

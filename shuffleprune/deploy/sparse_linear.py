@@ -15,7 +15,9 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   copy, so only an explicit ``policy`` runs them (benchmarks), never ``auto``.
 
 ``policy="auto"``: on the CPU ``scratch``; on CUDA the first call of each token-count bucket
-(1, 2, 4, … tokens) times the applicable candidates and keeps the fastest (``self.choices``).
+(1, 2, 4, … tokens) times the applicable candidates and keeps the fastest (``self.choices``). The
+choice is shared by every layer of the same shape, pattern, map and bias on that device and dtype,
+so a 32-block model measures each kind of layer once, not 32 times (``release_choices`` forgets them).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+_CHOICES: dict[tuple, str] = {}   # (device, dtype, rows, cols, N, M, map?, bias?, bucket) → implementation
 
 
 def scratch_buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -46,6 +49,11 @@ def scratch_buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torc
 def release_scratch() -> None:
     """Free the shared scratch buffers (they are rebuilt on the next call that needs one)."""
     _SCRATCH.clear()
+
+
+def release_choices() -> None:
+    """Forget the implementations ``auto`` measured (the next call of each kind of layer measures again)."""
+    _CHOICES.clear()
 
 
 class SharedGather:
@@ -202,7 +210,15 @@ class SparseLinear(nn.Module):
             return self._run(self.policy, x)
         if not x.is_cuda:
             return self._run("scratch", x)
-        key = _bucket(x.numel() // x.shape[-1])
-        if key not in self.choices:
-            self.choices[key] = self._measure(x, self._candidates(x))
-        return self._run(self.choices[key], x)
+        return self._run(self._choice(x), x)
+
+    def _choice(self, x: torch.Tensor) -> str:
+        """The implementation of this token-count bucket: measured once per kind of layer."""
+        bucket = _bucket(x.numel() // x.shape[-1])
+        if bucket not in self.choices:
+            key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
+                   self.perm is not None, self.bias is not None, bucket)
+            if key not in _CHOICES:
+                _CHOICES[key] = self._measure(x, self._candidates(x))
+            self.choices[bucket] = _CHOICES[key]
+        return self.choices[bucket]
