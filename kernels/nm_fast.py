@@ -430,16 +430,17 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
 
 
 # prefill tiles (block_t, block_r, block_c, warps, stages), each with its loop's instructions per warp
-# per step and the programs an SM holds, from its 2:4 bfloat16 compile for sm_90a
-# (scripts/check_kernels_compile.py; tests/test_kernels.py checks they still hold). The weight tile
-# is expanded in registers and stored for the tensor cores, then the tensor-core call is waited on
-# within the step: one program's expansion overlaps only with another program's tensor-core work.
-GEMM_TILES = (
-    ((256, 64, 32, 8, 3), 151, 2),
-    ((128, 64, 32, 4, 4), 200, 4),
-    ((64, 64, 32, 4, 4), 187, 7),
-    ((32, 64, 64, 4, 3), 329, 4),
-)
+# per step and the programs an SM holds, from its bfloat16 compile for sm_90a at 2048 tokens
+# (scripts/check_kernels_compile.py; tests/test_kernels.py checks they still hold), per N:M (other
+# N:M are costed as 2:4). The weight tile is expanded in registers and stored for the tensor cores,
+# then the tensor-core call is waited on within the step: one program's expansion overlaps only
+# with another program's tensor-core work.
+GEMM_TILES = {
+    (2, 4): (((256, 64, 32, 8, 3), 151, 2), ((128, 64, 32, 4, 4), 200, 4),
+             ((64, 64, 32, 4, 4), 187, 7), ((32, 64, 64, 4, 3), 329, 4)),
+    (4, 8): (((256, 64, 32, 8, 3), 165, 2), ((128, 64, 32, 4, 4), 288, 4),
+             ((64, 64, 32, 4, 4), 271, 6), ((32, 64, 64, 4, 3), 532, 4)),
+}
 GEMM_TILE_FP32 = (32, 64, 32, 4, 3)  # float32: full-precision FMA, no tensor cores; larger tiles spill
 TENSOR_FLOP_PER_CYCLE = 4096          # dense 16-bit tensor-core FLOP per SM per clock (H100: 989 TFLOP/s)
 
@@ -467,7 +468,7 @@ def gemm_cycles(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, in
 def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, device: torch.device,
               element_bytes: int = 2) -> tuple[tuple[int, int, int, int, int], int]:
     """``((block_t, block_r, block_c, num_warps, num_stages), split)`` of :func:`nm_gemm`: of the
-    :data:`GEMM_TILES` whose steps hold whole position words for N:M, and of 1, 2, 4 or 8 column
+    :data:`GEMM_TILES` of N:M whose steps hold whole position words, and of 1, 2, 4 or 8 column
     splits, the pair :func:`gemm_cycles` finds fastest on this device's SMs. Large token tiles
     expand each weight tile once for more tokens; smaller tiles and split-K give every SM programs
     when tokens or rows are few."""
@@ -475,7 +476,7 @@ def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
     if element_bytes >= 4:
         block_t, block_r, block_c, warps, stages = GEMM_TILE_FP32
         return (block_t, block_r, max(block_c, min_c), warps, stages), 1
-    tiles = [t for t in GEMM_TILES if t[0][2] % min_c == 0]
+    tiles = [t for t in GEMM_TILES.get((n, m), GEMM_TILES[(2, 4)]) if t[0][2] % min_c == 0]
     if not tiles:                        # sparse position words (1:16): the smallest tile, wider
         return (32, 64, min_c, 4, 3), 1
     sms = _sm_count(device)

@@ -4,7 +4,7 @@
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
-map, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` at 2048 tokens, ``nm_decompress_into`` for the shared scratch, the first kernels
+map, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch, the first kernels
 ``gather`` / ``group``, the producer-side ``rmsnorm_mapped``) on bf16 (plus fp16/fp32 and 4:8 on one
 shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
 (``kernels/compile_check.py``). Each row: registers, spills, shared memory, programs per SM, waves,
@@ -45,8 +45,9 @@ def cases(quick: bool) -> list[dict]:
     from shuffleprune.kernels.nm_fast import GEMM_TILES
 
     rows, cols = SHAPES[0]
-    for index in range(len(GEMM_TILES)):
-        out.append(dict(impl="gemm_tile", shape=(rows, cols), tokens=2048, tile=index))
+    for pattern, tiles in GEMM_TILES.items():
+        for index in range(len(tiles)):
+            out.append(dict(impl="gemm_tile", shape=(rows, cols), tokens=2048, tile=index, pattern=pattern))
     for dtype in ("float16", "float32"):
         for t in (1, 16) if dtype == "float32" else (1, 16, 64):
             out.append(dict(impl="decode", shape=(rows, cols), tokens=t, dtype=dtype))
@@ -89,7 +90,7 @@ def run_case(case: dict) -> None:
     elif impl == "gemm":
         nm_fast.nm_gemm(x, values, words, n, m, bits)
     elif impl == "gemm_tile":
-        nm_fast.nm_gemm(x, values, words, n, m, bits, tile=nm_fast.GEMM_TILES[case["tile"]][0])
+        nm_fast.nm_gemm(x, values, words, n, m, bits, tile=nm_fast.GEMM_TILES[(n, m)][case["tile"]][0])
     elif impl == "scratch":
         nm_fast.nm_decompress_into(values, words, n, m, bits, cols, torch.empty(rows * cols, dtype=dtype))
     else:
@@ -168,7 +169,7 @@ def main() -> None:
                 if case["impl"] == "gemm_tile":
                     from shuffleprune.kernels.nm_fast import GEMM_TILES
 
-                    row["table_loop"], row["table_per_sm"] = GEMM_TILES[case["tile"]][1:]
+                    row["table_loop"], row["table_per_sm"] = GEMM_TILES[case["pattern"]][case["tile"]][1:]
                 rows.append(row)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a result, recorded
             failed += 1

@@ -2,7 +2,7 @@
 count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the decode variants
 (``kernels/nm_fast.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
 tensor-core kernel) every pipeline depth in ``--stages``; for the prefill ``gemm`` every tile of
-``nm_fast.GEMM_TILES`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
+``nm_fast.GEMM_TILES[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
 is checked against the dense result and timed (median GPU time per call from
 ``triton.testing.do_bench``, L2 flushed before each call); the table of medians and the best tile per
 case go to ``scripts/results/tune_kernel.json``.
@@ -92,7 +92,7 @@ def main() -> None:
         configs = []   # (variant, block_r, block_k, num_warps, stages, gemm tile)
         for variant in args.variants:
             if variant == "gemm":
-                tiles = [t[0] for t in GEMM_TILES] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
+                tiles = [t[0] for t in GEMM_TILES[(2, 4)]] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
                 configs += [(variant, None, None, None, None, tile) for tile in tiles]
             else:
                 configs += [(variant, *c, None) for c in

@@ -129,7 +129,7 @@ def test_gemm_plan_follows_tokens_rows_and_sm_count(monkeypatch):
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(nm_fast, "_sm_count", lambda device: 132)
-    big, *_, small = [t[0] for t in nm_fast.GEMM_TILES]
+    big, *_, small = [t[0] for t in nm_fast.GEMM_TILES[(2, 4)]]
     assert nm_fast.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda) == (big, 1)
     assert nm_fast.gemm_plan(64, 4096, 4096, 2, 4, 2, cuda)[0][0] <= 64
     tile, split = nm_fast.gemm_plan(512, 1024, 4096, 2, 4, 2, cuda)   # 4 row tiles × 2 token tiles: too few
@@ -139,7 +139,7 @@ def test_gemm_plan_follows_tokens_rows_and_sm_count(monkeypatch):
         assert block_c * n // m % (32 // meta_bits(m)) == 0       # whole position words per step
     assert nm_fast.gemm_plan(1, 8, 64, 1, 16, 4, cuda)[0][2] == 128   # 1:16: eight 4-bit fields need 128 columns
     assert nm_fast.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda, element_bytes=4) == (nm_fast.GEMM_TILE_FP32, 1)
-    loop, per_sm = nm_fast.GEMM_TILES[0][1:]
+    loop, per_sm = nm_fast.GEMM_TILES[(2, 4)][0][1:]
     full = nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 132)
     assert nm_fast.gemm_cycles(4096, 4096, 4096, big, loop, per_sm, 132) == pytest.approx(2 * full, rel=0.05)
     assert nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 66) > 1.9 * full
@@ -280,4 +280,5 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["programs_per_sm"] == r["table_per_sm"], r
             assert abs(r["loop_instructions"] - r["table_loop"]) <= 0.1 * r["table_loop"], r
     tiles = [r for r in rows if r["impl"] == "gemm_tile"]
-    assert len(tiles) >= 3 and tiles[0]["tensor_share"] > 0.8, tiles   # the 256-token tile of long prompts
+    assert {r["pattern"] for r in tiles} == {"2:4", "4:8"} and len(tiles) >= 6
+    assert tiles[0]["tensor_share"] > 0.8, tiles   # 2:4's 256-token tile of long prompts
