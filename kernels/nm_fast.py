@@ -443,9 +443,7 @@ GEMM_TILES = {
 }
 GEMM_TILE_FP32 = (32, 64, 32, 4, 3)  # float32: full-precision FMA, no tensor cores; larger tiles spill
 TENSOR_FLOP_PER_CYCLE = 4096          # dense 16-bit tensor-core FLOP per SM per clock (H100: 989 TFLOP/s)
-
-
-L2_BYTES_PER_CYCLE = 24   # per SM: about 5.5 TB/s of L2 bandwidth on an H100, where split-K's partial sums stay
+L2_BYTES_PER_CYCLE = 24               # per SM: about 5.5 TB/s of H100 L2, where split-K's partial sums stay
 
 
 def gemm_cycles(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, int, int], loop: int, per_sm: int,
