@@ -398,6 +398,19 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
                 num_warps=num_warps, use_dot=use_dot, per_sm=per_sm)
 
 
+def _partials(split: int, y: torch.Tensor) -> torch.Tensor:
+    """Split-K's float32 partial sums ``[split, T, R]`` of output ``y`` (``y`` itself when unsplit)."""
+    return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device) if split > 1 else y
+
+
+def _sum_partials(part: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The splits' partial sums added, plus the bias, in the output dtype."""
+    total = part.sum(0)
+    if bias is not None:
+        total += bias.float()
+    return total.to(dtype)
+
+
 def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
               perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with at most :func:`decode_max_tokens` tokens (64; float32: 16) →
@@ -409,7 +422,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     rows, kept = values.shape
     p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
-    part = torch.empty(p["split"], tokens, rows, dtype=torch.float32, device=x.device) if p["split"] > 1 else y
+    part = _partials(p["split"], y)
     dummy = values
     grid = (triton.cdiv(rows, p["block_r"]), p["split"])
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
@@ -422,10 +435,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     else:
         _nm_select_kernel[grid](*args, **common)
     if p["split"] > 1:
-        total = part.sum(0)
-        if bias is not None:
-            total += bias.float()
-        y = total.to(x.dtype)
+        y = _sum_partials(part, bias, x.dtype)
     return y.reshape(*lead, rows)
 
 
@@ -502,7 +512,7 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     per_split = triton.cdiv(triton.cdiv(cols, block_c), split or 1) * block_c
     split = triton.cdiv(cols, per_split)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, tokens, rows, dtype=torch.float32, device=x.device) if split > 1 else y
+    part = _partials(split, y)
     grid = (triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r), split)
     _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, part, tokens, rows, cols, kept,
                           words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
@@ -510,10 +520,7 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
                           BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, num_warps=warps,
                           num_stages=stages)
     if split > 1:
-        total = part.sum(0)
-        if bias is not None:
-            total += bias.float()
-        y = total.to(x.dtype)
+        y = _sum_partials(part, bias, x.dtype)
     return y.reshape(*lead, rows)
 
 
