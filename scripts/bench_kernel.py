@@ -123,7 +123,41 @@ def main() -> None:
             times.append(start.elapsed_time(end) / len(calls))
         return statistics.median(times), how
 
-    rows = []
+    rows: list[dict] = []
+    norm_rows: list[dict] = []
+    dev_name = torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)"
+    out = Path(args.out) if not args.smoke else Path(args.out).with_name("bench_kernel_smoke.json")
+
+    def ms_of(shape, tokens, impl):
+        return next((r["ms"] for r in rows if r["shape"] == list(shape) and r["tokens"] == tokens
+                     and r["impl"] == impl and r.get("ms")), None)
+
+    def save(done: bool) -> list[dict]:
+        """Write what has been measured so far (after every shape, so a run cut off by its time limit
+        still leaves its rows); ``complete`` says whether every shape was reached."""
+        summary = []
+        for shape in shapes:
+            for tokens in tokens_list:
+                dense, auto = ms_of(shape, tokens, "dense"), ms_of(shape, tokens, "auto")
+                mapped, nomap = ms_of(shape, tokens, "decode"), ms_of(shape, tokens, "decode_nomap")
+                if dense is None:
+                    continue
+                summary.append({"shape": list(shape), "tokens": tokens,
+                                "auto_speedup": round(dense / auto, 3) if dense and auto else None,
+                                "map_cost": round(mapped / nomap - 1, 4) if mapped and nomap else None})
+        for r in rows:
+            r.update(device=dev_name, dtype="bfloat16")
+        result = {"what": "2:4 linear implementations vs dense cuBLAS (rotating weight copies, CUDA graphs)",
+                  "smoke": args.smoke, "complete": done, "device": dev_name, "seed": 0, "l2_bytes": l2,
+                  "targets": "auto ≥1.5× dense at 1 token, ≥1.2× at 2–16, never slower; map cost ≤2 % at 1 token",
+                  "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
+                  "versions": versions("triton"), "summary": summary, "rows": rows, "norm_rows": norm_rows}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out)
+        return summary
+
     gen = torch.Generator().manual_seed(0)
     for out_f, in_f in shapes:
         dense_bytes = out_f * in_f * 2
@@ -131,10 +165,10 @@ def main() -> None:
         perm = torch.randperm(in_f, generator=gen)
         weights, layers = [], {impl: [] for impl in args.impls}
         for c in range(copies):
-            w = torch.randn(out_f, in_f, generator=gen)
+            w = torch.randn(out_f, in_f, generator=gen).to(device)  # drawn on the CPU (seeded), masked on the device
             w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)      # 2:4 in permuted (memory) order
             values, meta = compress(w, 2, 4)
-            weights.append(w.to(device))
+            weights.append(w)
             for impl in args.impls:
                 policy = "decode" if impl == "decode_nomap" else impl
                 layers[impl].append(SparseLinear(values, meta, in_f, 2, 4, None if impl == "decode_nomap" else perm,
@@ -175,6 +209,7 @@ def main() -> None:
                 line.append(f"{impl} {ms:.4f}")
             print(f"{out_f}x{in_f} t={tokens}: " + "  ".join(line), flush=True)
         del weights, layers, originals
+        save(done=False)
         if cuda:
             torch.cuda.empty_cache()
 
@@ -185,7 +220,6 @@ def main() -> None:
 
     from shuffleprune.deploy.producer_maps import MappedOutput
 
-    norm_rows = []
     for width in sorted({in_f for _, in_f in shapes}):
         norm = LlamaRMSNorm(width, eps=1e-5).to(device, dtype)
         with torch.no_grad():
@@ -205,32 +239,9 @@ def main() -> None:
                 norm_rows.append(row)
             print(f"norm {width} t={tokens}: " + "  ".join(f"{r['impl']} {r['ms']:.4f}" for r in norm_rows[-3:]), flush=True)
 
-    def ms_of(shape, tokens, impl):
-        return next((r["ms"] for r in rows if r["shape"] == list(shape) and r["tokens"] == tokens
-                     and r["impl"] == impl and r.get("ms")), None)
-
-    summary = []
-    for shape in shapes:
-        for tokens in tokens_list:
-            dense, auto = ms_of(shape, tokens, "dense"), ms_of(shape, tokens, "auto")
-            mapped, nomap = ms_of(shape, tokens, "decode"), ms_of(shape, tokens, "decode_nomap")
-            summary.append({"shape": list(shape), "tokens": tokens,
-                            "auto_speedup": round(dense / auto, 3) if dense and auto else None,
-                            "map_cost": round(mapped / nomap - 1, 4) if mapped and nomap else None})
-    dev_name = torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)"
-    for r in rows:
-        r.update(device=dev_name, dtype="bfloat16")
-    result = {"what": "2:4 linear implementations vs dense cuBLAS (rotating weight copies, CUDA graphs)",
-              "smoke": args.smoke, "device": dev_name, "seed": 0, "l2_bytes": l2,
-              "targets": "auto ≥1.5× dense at 1 token, ≥1.2× at 2–16, never slower; map cost ≤2 % at 1 token",
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-              "versions": versions("triton"), "summary": summary, "rows": rows, "norm_rows": norm_rows}
-    out = Path(args.out) if not args.smoke else Path(args.out).with_name("bench_kernel_smoke.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    summary = save(done=True)
     print(json.dumps(summary))
     print(f"wrote {out}")
-
 
 if __name__ == "__main__":
     main()
