@@ -16,7 +16,8 @@ the export's byte layout, read four bytes at a time.
   apart and giving every dense slot a select per value it can hold (:func:`_dense_2of4`,
   :func:`_dense_4of8`); other N:M sum ``M`` masked copies. Which costs fewer instructions per byte
   was read off the compiled sm_90a loops (``kernels/compile_check.py``). Split-K partial sums
-  (float32) are added by one reduction when the row count is too small to fill the GPU.
+  (float32) are added, with the bias, by one small kernel when the row count is too small to fill
+  the GPU.
 - :func:`nm_gemm` (prefill, from 17 tokens): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted
   inputs whose weight tiles are decompressed in registers (the same expansion) for ``tl.dot``; its
   tile and split-K come from a cost model (:func:`gemm_plan`) over tiles compiled for sm_90a.
@@ -286,6 +287,19 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], dense, mask=row_ok[:, None] & (cols < C)[None, :])
 
 
+    @triton.jit
+    def _sum_partials_kernel(part_ptr, bias_ptr, y_ptr, numel, R, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < numel
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs % R, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 def _check(n: int, m: int, bits: int) -> None:
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -403,12 +417,14 @@ def _partials(split: int, y: torch.Tensor) -> torch.Tensor:
     return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device) if split > 1 else y
 
 
-def _sum_partials(part: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The splits' partial sums added, plus the bias, in the output dtype."""
-    total = part.sum(0)
-    if bias is not None:
-        total += bias.float()
-    return total.to(dtype)
+def _sum_partials(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """The splits' partial sums added, plus the bias, written into ``y`` in its dtype: one launch
+    (PyTorch's sum, add and cast took three, each a few microseconds on a graph's critical path)."""
+    numel, block = y.numel(), 1024
+    _sum_partials_kernel[(triton.cdiv(numel, block),)](part, bias if bias is not None else part, y, numel,
+                                                       y.shape[-1], SPLIT=part.shape[0], HAS_BIAS=bias is not None,
+                                                       BLOCK=block, num_warps=4)
+    return y
 
 
 def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
@@ -435,7 +451,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     else:
         _nm_select_kernel[grid](*args, **common)
     if p["split"] > 1:
-        y = _sum_partials(part, bias, x.dtype)
+        y = _sum_partials(part, bias, y)
     return y.reshape(*lead, rows)
 
 
@@ -520,7 +536,7 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
                           BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, num_warps=warps,
                           num_stages=stages)
     if split > 1:
-        y = _sum_partials(part, bias, x.dtype)
+        y = _sum_partials(part, bias, y)
     return y.reshape(*lead, rows)
 
 

@@ -5,9 +5,10 @@
 
 For every weight shape ``[out, in]`` and token count, bf16, a random 2:4 mask in permuted column
 order and a random index map: ``dense`` (F.linear, cuBLAS), ``auto`` (what ``SparseLinear`` runs),
-and each candidate (``decode`` with the map read in the kernel, ``decode_nomap`` without a map —
-the map's cost is their ratio —, ``gemm``, ``scratch``, the first kernels ``gather`` / ``group``,
-and PyTorch's ``semi_structured``). ``norm_rows``: the producer-side alternative for a shared map —
+and each candidate (``decode``: the input gathered through the map by one small kernel, then the
+decode kernel; ``decode_mapped``: the kernel reading the map itself; ``decode_nomap``: a layer
+without a map on the already-permuted input — the map's cost is the others' ratio to it —,
+``gemm``, ``scratch``, the first kernels ``gather`` / ``group``, and PyTorch's ``semi_structured``). ``norm_rows``: the producer-side alternative for a shared map —
 an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
 writing its output through the map (``rmsnorm_mapped``, ``kernels/norm_map.py``), per input width.
 
@@ -32,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
-CANDIDATES = ["decode", "decode_nomap", "gemm", "scratch", "gather", "group", "semi_structured"]
+CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "gemm", "scratch", "gather", "group", "semi_structured"]
 
 
 def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> int:
@@ -47,6 +48,8 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
     if impl == "semi_structured":
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if impl == "decode_nomap" else cols * 4
+    if impl in ("decode", "gemm", "scratch", "semi_structured"):
+        mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped
 
 
@@ -140,11 +143,13 @@ def main() -> None:
             for tokens in tokens_list:
                 dense, auto = ms_of(shape, tokens, "dense"), ms_of(shape, tokens, "auto")
                 mapped, nomap = ms_of(shape, tokens, "decode"), ms_of(shape, tokens, "decode_nomap")
+                inkernel = ms_of(shape, tokens, "decode_mapped")
                 if dense is None:
                     continue
                 summary.append({"shape": list(shape), "tokens": tokens,
                                 "auto_speedup": round(dense / auto, 3) if dense and auto else None,
-                                "map_cost": round(mapped / nomap - 1, 4) if mapped and nomap else None})
+                                "map_cost": round(mapped / nomap - 1, 4) if mapped and nomap else None,
+                                "map_cost_in_kernel": round(inkernel / nomap - 1, 4) if inkernel and nomap else None})
         for r in rows:
             r.update(device=dev_name, dtype="bfloat16")
         result = {"what": "2:4 linear implementations vs dense cuBLAS (rotating weight copies, CUDA graphs)",
@@ -186,7 +191,7 @@ def main() -> None:
                          "tb_s": bytes_moved("dense", out_f, in_f, tokens) / dense_ms / 1e9})
             line = [f"dense {dense_ms:.4f}"]
             for impl in args.impls:
-                if impl in ("decode", "decode_nomap") and tokens > decode_max_tokens(2):
+                if impl.startswith("decode") and tokens > decode_max_tokens(2):
                     continue  # decode is for 1–64 tokens
                 if impl in ("gather", "group") and tokens > 64:
                     continue  # the first kernels: 4–160× slower than dense from 16 tokens (earlier H100 rows)

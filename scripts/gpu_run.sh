@@ -10,6 +10,8 @@
 #   bash scripts/gpu_run.sh tune_tiles         # decode_plan's and gemm_plan's tiles: both decode kernels’
 #                                              # tiles and pipeline depths, every GEMM tile against the cost
 #                                              # model's pick (tune_select + tune_dot + tune_gemm, its own call)
+#   bash scripts/gpu_run.sh tune_decode kernel e2e # the decode kernels' tiles and split-K on the gathered input,
+#                                              # timed as bench_kernel times (rotating copies, CUDA graphs)
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +51,9 @@ for s in "$@"; do
         tune_dot) step tune_dot 250 scripts/results/tune_dot.json $PY scripts/tune_kernel.py --variants dot \
             --tokens 2 16 32 64 --block-r 32 64 128 --block-k 64 128 --num-warps 4 8 --stages 3 4 --rep-ms 20 \
             --max-tile 524288 --out scripts/results/tune_dot.json ;;
+        tune_decode) step tune_decode 200 scripts/results/tune_decode.json $PY scripts/tune_kernel.py \
+            --variants select dot --tokens 1 2 16 64 --block-r 16 32 64 --block-k 128 256 --num-warps 4 8 --stages 3 4 \
+            --splits 0 1 2 4 --max-tile 262144 --reps 10 --out scripts/results/tune_decode.json ;;
         tune_gemm) step tune_gemm 100 scripts/results/tune_gemm.json $PY scripts/tune_kernel.py --variants gemm \
             --tokens 64 128 256 512 2048 --gemm-tiles 128,128,64,8,3 64,128,64,4,3 --rep-ms 30 \
             --out scripts/results/tune_gemm.json ;;

@@ -3,9 +3,13 @@ count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for t
 (``kernels/nm_fast.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
 tensor-core kernel) every pipeline depth in ``--stages``; for the prefill ``gemm`` every tile of
 ``nm_fast.GEMM_TILES[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
-is checked against the dense result and timed (median GPU time per call from
-``triton.testing.do_bench``, L2 flushed before each call); the table of medians and the best tile per
-case go to ``scripts/results/tune_kernel.json``.
+is checked against the dense result and timed: calls over rotating weight copies (together more
+than 2.5× the L2, so no call finds its weight there) captured in one CUDA graph, the median replay
+over the calls, as ``bench_kernel.py`` times (``triton.testing.do_bench`` timed each call after an
+L2 flush, so the host's launch cost — tens of microseconds for these small kernels — set the
+numbers). The decode variants read the gathered input (no map: how ``SparseLinear`` runs them) and
+also sweep ``--splits`` (``0`` = the plan's). The table of medians and the best tile per case go to
+``scripts/results/tune_kernel.json``.
 
     python scripts/tune_kernel.py            # on a CUDA machine
     python scripts/tune_kernel.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes: checks the code path only
@@ -39,7 +43,9 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--stages", type=int, nargs="+", default=[4], help="decode variant: software-pipeline depths")
-    ap.add_argument("--rep-ms", type=int, default=100, help="do_bench's repetition time per case (ms)")
+    ap.add_argument("--splits", type=int, nargs="+", default=[0], help="decode variants: split-K (0 = the plan's)")
+    ap.add_argument("--reps", type=int, default=10, help="graph replays per case (median taken)")
+    ap.add_argument("--rep-ms", type=int, default=None, help=argparse.SUPPRESS)  # the old do_bench option: ignored
     ap.add_argument("--max-tile", type=int, default=2**15)
     ap.add_argument("--gemm-tiles", nargs="*", default=[], help="gemm variant: more tiles, as block_t,block_r,block_c,warps,stages")
     ap.add_argument("--smoke", action="store_true")
@@ -67,41 +73,78 @@ def main() -> None:
     dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     shapes = SHAPES if cuda else [(96, 64), (64, 160)]
 
-    def median_ms(fn) -> float:
-        """GPU time of one call: triton's do_bench (L2 flushed before every call), median."""
-        if not cuda:
-            fn()
-            return 0.0
-        from triton.testing import do_bench
+    l2 = (getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) if cuda else 0) or 50 * 2**20
 
-        return float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+    def median_ms(fn, copies: list) -> float:
+        """GPU time of one call: ``fn(values, words)`` over every copy, captured in one CUDA graph
+        (no launch cost), the median of ``--reps`` replays per call."""
+        if not cuda:
+            fn(*copies[0])
+            return 0.0
+        calls = [lambda c=c: fn(*c) for c in copies]
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(side)
+        graph.replay()
+        times = []
+        for _ in range(args.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / len(calls))
+        return sorted(times)[len(times) // 2]
 
     gen = torch.Generator().manual_seed(0)
     rows, best = [], []
+    out = Path(args.out) if cuda else Path(args.out).with_name("tune_kernel_smoke.json")
+
+    def save() -> None:
+        result = {"what": "Triton 2:4 kernel tile sweep (bf16; decode on the gathered input, the others through "
+                          "a random index map; rotating weight copies, CUDA graphs)", "seed": 0,
+                  "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)",
+                  "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                  "machine": machine(), "versions": versions("triton"), "best": best, "rows": rows}
+        out.write_text(json.dumps(result, indent=1))
     for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
         w = torch.randn(out_f, in_f, generator=gen)
         w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)
         values, meta = compress(w, 2, 4)
         values, meta, perm = values.to(dev), meta.to(dev), torch.randperm(in_f, generator=gen).to(dev, torch.int32)
         words = position_words(meta)
+        n_copies = max(4, -(-int(2.5 * l2) // (values.numel() * values.element_size() * 9 // 8))) if cuda else 1
+        copies = [(values, words)] + [(values.clone(), words.clone()) for _ in range(n_copies - 1)]
         x, w_dev = torch.randn(tokens, in_f, generator=gen).to(dev, dtype), w.to(dev)
         want = F.linear(x[:, perm.long()].float(), w_dev.float())
-        dense_ms = median_ms(lambda: F.linear(x, w_dev))
+        dense_copies = [(w_dev, None)] + [(w_dev.clone(), None) for _ in range(max(4, n_copies // 2) - 1)] if cuda \
+            else [(w_dev, None)]
+        dense_ms = median_ms(lambda wd, _: F.linear(x, wd), dense_copies)
+        del dense_copies
         case = []
         xp = x[:, perm.long()].contiguous()
         configs = []   # (variant, block_r, block_k, num_warps, stages, gemm tile)
         for variant in args.variants:
             if variant == "gemm":
                 tiles = [t[0] for t in GEMM_TILES[(2, 4)]] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
-                configs += [(variant, None, None, None, None, tile) for tile in tiles]
-            else:
+                configs += [(variant, None, None, None, None, 0, tile) for tile in tiles]
+            elif variant in DECODE:
                 configs += [(variant, *c, None) for c in
+                            itertools.product(args.block_r, args.block_k, args.num_warps, args.stages, args.splits)]
+            else:
+                configs += [(variant, *c, 0, None) for c in
                             itertools.product(args.block_r, args.block_k, args.num_warps, args.stages)]
         modelled = gemm_plan(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size())[0]
-        for variant, br, bk, nw, st, gtile in configs:
+        for variant, br, bk, nw, st, sp, gtile in configs:
             decode = variant in DECODE
             if gtile is not None:
-                def run(gtile=gtile):
+                def run(values=values, words=words, gtile=gtile):
                     return nm_gemm(xp, values, words, 2, 4, meta_bits(4), None, tile=gtile)
                 tile = {"tile": list(gtile), "modelled": gtile == modelled}
             else:
@@ -111,12 +154,12 @@ def main() -> None:
                 if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):
                     continue
 
-                def run(br=br, bk=bk, nw=nw, st=st, variant=variant):
+                def run(values=values, words=words, br=br, bk=bk, nw=nw, st=st, sp=sp, variant=variant):
                     if variant in DECODE:
-                        return nm_decode(x, values, words, 2, 4, meta_bits(4), perm, None, num_warps=nw, block_r=br,
-                                         block_k=bk, stages=st, use_dot=DECODE[variant])
+                        return nm_decode(xp, values, words, 2, 4, meta_bits(4), None, None, num_warps=nw, block_r=br,
+                                         block_k=bk, stages=st, split=sp or None, use_dot=DECODE[variant])
                     return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)
-                tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st} if decode else {})}
+                tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st, "split": sp} if decode else {})}
             try:
                 y = run()
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile (e.g. out of shared memory)
@@ -124,7 +167,7 @@ def main() -> None:
                              "error": str(exc).splitlines()[0][:160]})
                 continue
             err = float((y.float() - want).norm() / want.norm())
-            ms = median_ms(run) if err < 1e-2 else None
+            ms = median_ms(run, copies) if err < 1e-2 else None
             row = {"shape": [out_f, in_f], "tokens": tokens, "variant": variant, **tile, "ms": ms, "rel_err": err}
             rows.append(row)
             if ms is not None:
@@ -134,14 +177,11 @@ def main() -> None:
             top = min(mine, key=lambda r: r["ms"]) if mine else None
             best.append({"shape": [out_f, in_f], "tokens": tokens, "variant": variant, "dense_ms": dense_ms, "best": top,
                          "speedup_vs_dense": round(dense_ms / top["ms"], 3) if top and top["ms"] else None})
-            what = top and (top.get("tile") or (top['block_r'], top['block_k'], top['num_warps'], top.get('stages')))
+            what = top and (top.get("tile") or (top['block_r'], top['block_k'], top['num_warps'], top.get('stages'),
+                                                top.get('split')))
             print(f"{out_f}x{in_f} t={tokens} {variant}: dense {dense_ms:.4f} ms, best {top and top['ms']:.4f} ms "
                   f"{what}", flush=True)
-    result = {"what": "Triton 2:4 kernel tile sweep (bf16, random index map)", "seed": 0,
-              "device": torch.cuda.get_device_name() if cuda else "cpu (smoke: TRITON_INTERPRET=1)", "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "machine": machine(), "versions": versions("triton"), "best": best, "rows": rows}
-    out = Path(args.out) if cuda else Path(args.out).with_name("tune_kernel_smoke.json")
-    out.write_text(json.dumps(result, indent=1))
+        save()   # after every case: a sweep cut off by its time limit keeps what it measured
     print(f"wrote {out}")
 
 

@@ -5,7 +5,10 @@
 No layer keeps a dense copy: GPU memory holds the compressed size. Implementations (``IMPLS``):
 
 - ``decode`` (CUDA, 1–64 tokens; float32 1–16): the bandwidth kernel of ``kernels/nm_fast.py``
-  (position words, split-K, the index map read inside the kernel);
+  (position words, split-K) over the gathered input (one small gather, shared by a group's layers);
+- ``decode_mapped``: the same kernel reading the index map itself (no gather launch; on an H100 it
+  pays for it with one scattered input load per program and column, 7–20 % at one token and far
+  more from two tokens on);
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input;
 - ``scratch`` (any device): ``W_p`` decompressed into one scratch buffer shared by every layer of
@@ -15,7 +18,9 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   copy, so only an explicit ``policy`` runs them (benchmarks), never ``auto``.
 
 ``policy="auto"``: on the CPU ``scratch``; on CUDA the first call of each token-count bucket
-(1, 2, 4, … tokens) times the applicable candidates and keeps the fastest (``self.choices``). The
+(1, 2, 4, … tokens) times the applicable candidates, each as a CUDA graph of repeated calls (so
+the host's launch cost, which graphs remove, does not decide), and keeps the fastest
+(``self.choices``); a first call made during a graph capture takes :func:`default_choice`. The
 choice is shared by every layer of the same shape, pattern, map and bias on that device and dtype,
 so a 32-block model measures each kind of layer once, not 32 times (``release_choices`` forgets them).
 """
@@ -27,7 +32,7 @@ from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
 
-IMPLS = ("decode", "gemm", "scratch", "gather", "group", "semi_structured", "semi_cutlass")
+IMPLS = ("decode", "decode_mapped", "gemm", "scratch", "gather", "group", "semi_structured", "semi_cutlass")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
 
@@ -129,8 +134,8 @@ class SparseLinear(nn.Module):
         if self.perm is None:
             return x
         if self.shared_gather is not None:
-            return self.shared_gather.get(x, self.perm.long())
-        return x.index_select(-1, self.perm.long())
+            return self.shared_gather.get(x, self.perm)
+        return x.index_select(-1, self.perm)
 
     def _pow2(self) -> bool:
         return not (self.n & (self.n - 1) or self.m & (self.m - 1))
@@ -145,10 +150,12 @@ class SparseLinear(nn.Module):
         return decompress(self.values, self.meta, self.n, self.m, self.in_features, out=buf)
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
-        if impl == "decode":
+        if impl in ("decode", "decode_mapped"):
             from shuffleprune.kernels.nm_fast import nm_decode
 
-            return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias)
+            if impl == "decode_mapped":
+                return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias)
+            return nm_decode(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, None, self.bias)
         if impl == "gemm":
             from shuffleprune.kernels.nm_fast import nm_gemm
 
@@ -178,31 +185,31 @@ class SparseLinear(nn.Module):
         tokens = x.numel() // x.shape[-1]
         out = []
         if self._pow2():  # from 17 to 64 tokens both Triton kernels are timed
-            out += ["decode"] if tokens <= decode_max_tokens(x.element_size()) else []
+            if tokens <= decode_max_tokens(x.element_size()):
+                out += ["decode", "decode_mapped"] if self.perm is not None else ["decode"]
             out += ["gemm"] if tokens >= GEMM_MIN_TOKENS else []
         out.append("scratch")
         if tokens <= GATHER_MAX_TOKENS:
             out.append("gather")
         return out
 
-    def _measure(self, x: torch.Tensor, candidates: list[str]) -> str:
-        best, best_ms = "scratch", float("inf")
-        for impl in candidates:
-            try:
-                for _ in range(3):  # compile, then warm
-                    self._run(impl, x)
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(20):
-                    self._run(impl, x)
-                end.record()
-                torch.cuda.synchronize()
-                ms = start.elapsed_time(end) / 20
-            except (RuntimeError, NotImplementedError, ValueError):  # e.g. a kernel that does not fit this shape
-                continue
-            if ms < best_ms:
-                best, best_ms = impl, ms
+    def _measure(self, x: torch.Tensor, candidates: list[str], calls: int = 10, reps: int = 5) -> str:
+        """The fastest candidate on ``x``: each is compiled and run eagerly, then ``calls`` calls are
+        captured in one CUDA graph whose replays are timed (median of ``reps``), as a model served
+        with CUDA graphs runs them; a candidate that cannot be captured is timed eagerly. The
+        shared gather is bypassed, so ``decode`` pays for its own gather."""
+        shared, self.shared_gather = self.shared_gather, None
+        best, best_ms = default_choice(x, self._candidates(x)), float("inf")
+        try:
+            for impl in candidates:
+                try:
+                    ms = _graph_ms(lambda impl=impl: self._run(impl, x), calls, reps)
+                except (RuntimeError, NotImplementedError, ValueError):  # e.g. a kernel that does not fit
+                    continue
+                if ms < best_ms:
+                    best, best_ms = impl, ms
+        finally:
+            self.shared_gather = shared
         return best
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,9 +223,51 @@ class SparseLinear(nn.Module):
         """The implementation of this token-count bucket: measured once per kind of layer."""
         bucket = _bucket(x.numel() // x.shape[-1])
         if bucket not in self.choices:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():  # nothing can be timed in a capture
+                return default_choice(x, self._candidates(x))
             key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
                    self.perm is not None, self.bias is not None, bucket)
             if key not in _CHOICES:
                 _CHOICES[key] = self._measure(x, self._candidates(x))
             self.choices[bucket] = _CHOICES[key]
         return self.choices[bucket]
+
+
+def default_choice(x: torch.Tensor, candidates: list[str]) -> str:
+    """What ``auto`` runs where it cannot measure: the decode kernel where it applies, else the
+    shared scratch (the fastest on an H100: ``scripts/results/bench_kernel.json``)."""
+    return "decode" if "decode" in candidates else "scratch"
+
+
+def _graph_ms(call, calls: int, reps: int) -> float:
+    """Milliseconds per ``call()``: three eager runs (compile, warm), then ``calls`` calls captured
+    in one CUDA graph, its replays timed with events (median of ``reps``); eager if capture fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm on the capturing stream (library handles, workspaces)
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+            for _ in range(calls):
+                call()
+        torch.cuda.synchronize()
+        run = graph.replay
+    except RuntimeError:  # not capturable (some library paths): eager, so launch cost counts
+        torch.cuda.synchronize()
+
+        def run() -> None:
+            for _ in range(calls):
+                call()
+    run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
