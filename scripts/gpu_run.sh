@@ -10,8 +10,9 @@
 #   bash scripts/gpu_run.sh tune_tiles         # decode_plan's and gemm_plan's tiles: both decode kernels’
 #                                              # tiles and pipeline depths, every GEMM tile against the cost
 #                                              # model's pick (tune_select + tune_dot + tune_gemm, its own call)
-#   bash scripts/gpu_run.sh tune_decode kernel e2e # the decode kernels' tiles and split-K on the gathered input,
-#                                              # timed as bench_kernel times (rotating copies, CUDA graphs)
+#   bash scripts/gpu_run.sh tune_decode kernel kernel_fused e2e   # the decode kernels' tiles and split-K on
+#                                              # the gathered input, timed as bench_kernel times (rotating copies,
+#                                              # CUDA graphs); kernel_fused: q/k/v and gate/up as one layer each
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,9 +52,15 @@ for s in "$@"; do
         tune_dot) step tune_dot 250 scripts/results/tune_dot.json $PY scripts/tune_kernel.py --variants dot \
             --tokens 2 16 32 64 --block-r 32 64 128 --block-k 64 128 --num-warps 4 8 --stages 3 4 --rep-ms 20 \
             --max-tile 524288 --out scripts/results/tune_dot.json ;;
-        tune_decode) step tune_decode 200 scripts/results/tune_decode.json $PY scripts/tune_kernel.py \
-            --variants select dot --tokens 1 2 16 64 --block-r 16 32 64 --block-k 128 256 --num-warps 4 8 --stages 3 4 \
-            --splits 0 1 2 4 --max-tile 262144 --reps 10 --out scripts/results/tune_decode.json ;;
+        tune_decode) step tune_decode_select 130 scripts/results/tune_decode_select.json $PY scripts/tune_kernel.py \
+                --variants select --tokens 1 --block-r 16 32 --block-k 128 256 --num-warps 4 --stages 3 4 \
+                --splits 0 1 2 4 --out scripts/results/tune_decode_select.json
+            step tune_decode_dot 170 scripts/results/tune_decode_dot.json $PY scripts/tune_kernel.py \
+                --variants dot --tokens 2 16 64 --block-r 32 64 --block-k 64 128 --num-warps 4 8 --stages 3 4 \
+                --splits 0 1 2 4 --max-tile 262144 --out scripts/results/tune_decode_dot.json ;;
+        kernel_fused) step kernel_fused 60 scripts/results/bench_kernel_fused.json $PY scripts/bench_kernel.py \
+            --shapes 12288x4096 22016x4096 --tokens 1 2 16 --impls auto decode decode_nomap \
+            --out scripts/results/bench_kernel_fused.json ;;
         tune_gemm) step tune_gemm 100 scripts/results/tune_gemm.json $PY scripts/tune_kernel.py --variants gemm \
             --tokens 64 128 256 512 2048 --gemm-tiles 128,128,64,8,3 64,128,64,4,3 --rep-ms 30 \
             --out scripts/results/tune_gemm.json ;;
