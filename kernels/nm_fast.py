@@ -367,10 +367,12 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     instruction issue; the tensor-core kernel's 64 rows × 256 dense columns on 4 warps up to 4.1 TB/s
     at 2–16 tokens on 2:4 and 3.4 at 32 (4:8: 64 × 128, 3.4 and 2.8 TB/s), 64 × 128 on 8 warps 2.2 at
     64 tokens. Other N:M and float32 take smaller tiles: larger ones spill. Split-K makes enough
-    programs to fill every SM: about 4 per SM for select, and for the tensor-core kernel as many as
+    programs to fill every SM: one per SM for select (an H100's timing: fewer, longer programs beat
+    split-K there), and for the tensor-core kernel as many as
     its pipeline buffers let reside in the SM's shared memory (2 for the 2:4 tiles). ``stages``
-    tiles are in the software pipeline. Not yet timed on a GPU: ``scripts/tune_kernel.py
-    --variants select dot`` does that."""
+    tiles are in the software pipeline. Timed on an H100 (``scripts/gpu_run.sh tune_decode`` →
+    ``scripts/results/tune_decode_*.json``): at one token these tiles unsplit were within 5 % of the
+    best of 32; the tensor-core tiles are within 3 % of the best swept, but at about dense speed."""
     fields = 32 // bits
     limit = decode_max_tokens(element_bytes)
     if tokens > limit:
@@ -394,7 +396,8 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         num_warps = num_warps or (8 if tokens > 2 else 4)
     row_programs = triton.cdiv(rows, block_r)
     steps = triton.cdiv(kept, block_k)
-    per_sm = 4   # select: its registers let 6 reside; rounding the split up lands near one wave
+    per_sm = 1   # select: split only when the rows leave SMs idle (an H100 timed split-K's partial sums
+                 # and their reduction as slower than one program per SM streaming more rows)
     if use_dot:  # as many as the registers (the tile's compile) and the pipeline's buffers let reside
         buffers = max(1, stages - 1) * (block_r * block_k * element_bytes + block_r * block_k * bits // 8
                                         + block_t * block_k * m // n * element_bytes)   # stages − 1 loads ahead
@@ -541,14 +544,14 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
 
 
 def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int, cols: int,
-                       out: torch.Tensor) -> torch.Tensor:
+                       out: torch.Tensor, block_r: int = 16, block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
     """Write the dense ``[R, cols]`` ``W_p`` into ``out`` (a buffer of at least ``R·cols`` elements of
-    the values' dtype); returns the ``[R, cols]`` view."""
+    the values' dtype); returns the ``[R, cols]`` view. ``block_k`` kept values per program row."""
     _check(n, m, bits)
     rows, kept = values.shape
     dense = out.reshape(-1)[: rows * cols].view(rows, cols)
-    block_r, block_k = 16, max(32 // bits, 64)
+    block_k = max(32 // bits, block_k)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(kept, block_k))
     _nm_decompress_kernel[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
-                                BLOCK_R=block_r, BLOCK_K=block_k)
+                                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps)
     return dense

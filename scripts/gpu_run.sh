@@ -13,6 +13,8 @@
 #   bash scripts/gpu_run.sh tune_decode kernel kernel_fused e2e   # the decode kernels' tiles and split-K on
 #                                              # the gathered input, timed as bench_kernel times (rotating copies,
 #                                              # CUDA graphs); kernel_fused: q/k/v and gate/up as one layer each
+#   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
+#                                              # select decode at 2–16 tokens
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +60,12 @@ for s in "$@"; do
             step tune_decode_dot 170 scripts/results/tune_decode_dot.json $PY scripts/tune_kernel.py \
                 --variants dot --tokens 2 16 64 --block-r 32 64 --block-k 64 128 --num-warps 4 8 --stages 3 4 \
                 --splits 0 1 2 4 --max-tile 262144 --out scripts/results/tune_decode_dot.json ;;
+        tune_scratch) step tune_scratch 90 scripts/results/tune_scratch.json $PY scripts/tune_kernel.py \
+                --variants decompress --tokens 512 --block-r 8 16 32 64 --block-k 64 128 256 --num-warps 4 8 \
+                --max-tile 1048576 --out scripts/results/tune_scratch.json
+            step tune_select_tokens 120 scripts/results/tune_select_tokens.json $PY scripts/tune_kernel.py \
+                --variants select --tokens 2 4 8 16 --block-r 16 --block-k 128 256 --num-warps 4 8 --stages 4 \
+                --splits 0 1 --max-tile 1048576 --out scripts/results/tune_select_tokens.json ;;
         kernel_fused) step kernel_fused 60 scripts/results/bench_kernel_fused.json $PY scripts/bench_kernel.py \
             --shapes 12288x4096 22016x4096 --tokens 1 2 16 --impls auto decode decode_nomap \
             --out scripts/results/bench_kernel_fused.json ;;

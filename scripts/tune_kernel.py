@@ -61,7 +61,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from shuffleprune.kernels.nm_fast import GEMM_TILES, decode_plan, gemm_plan, nm_decode, nm_gemm, position_words
+    from shuffleprune.kernels.nm_fast import (GEMM_TILES, decode_plan, gemm_plan, nm_decode, nm_decompress_into,
+                                              nm_gemm, position_words)
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import machine, versions
@@ -129,6 +130,7 @@ def main() -> None:
         del dense_copies
         case = []
         xp = x[:, perm.long()].contiguous()
+        scratch = torch.empty(out_f * in_f, dtype=dtype, device=dev) if "decompress" in args.variants else None
         configs = []   # (variant, block_r, block_k, num_warps, stages, gemm tile)
         for variant in args.variants:
             if variant == "gemm":
@@ -155,6 +157,9 @@ def main() -> None:
                     continue
 
                 def run(values=values, words=words, br=br, bk=bk, nw=nw, st=st, sp=sp, variant=variant):
+                    if variant == "decompress":   # the scratch's fill, then the dense product of the scratch
+                        dense = nm_decompress_into(values, words, 2, 4, meta_bits(4), in_f, scratch, br, bk, nw)
+                        return F.linear(xp, dense)
                     if variant in DECODE:
                         return nm_decode(xp, values, words, 2, 4, meta_bits(4), None, None, num_warps=nw, block_r=br,
                                          block_k=bk, stages=st, split=sp or None, use_dot=DECODE[variant])

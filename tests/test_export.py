@@ -235,7 +235,7 @@ def test_prune_cli_with_export(tiny_dir, text_file, tmp_path):
 
 def test_layers_sharing_a_map_gather_once(pruned_perm_dir, tmp_path):
     export_checkpoint(pruned_perm_dir, tmp_path / "exported")
-    model = shuffleprune.load(str(tmp_path / "exported"))
+    model = shuffleprune.load(str(tmp_path / "exported"), maps="kernel")
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.shared_gather is attn.k_proj.shared_gather is attn.v_proj.shared_gather is not None
     assert attn.o_proj.shared_gather is not attn.q_proj.shared_gather
@@ -312,7 +312,7 @@ def test_learned_perm_export_reloads_for_other_architectures(arch, text_file, tm
     fmt = export_checkpoint(pruned, out)
     assert fmt["folded"] and all(k.endswith("down_proj") for k in fmt["folded"])
     ref = load_model(str(pruned)).model
-    model = shuffleprune.load(str(out))
+    model = shuffleprune.load(str(out), maps="kernel")
     assert sum(isinstance(mod, SparseLinear) for mod in model.modules()) == 21
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -334,7 +334,7 @@ def test_index_maps_move_to_the_norms_that_produce_their_input(pruned_perm_dir, 
     from shuffleprune.deploy.producer_maps import MappedOutput
 
     export_checkpoint(pruned_perm_dir, tmp_path / "exported")
-    ref = shuffleprune.load(str(tmp_path / "exported"))
+    ref = shuffleprune.load(str(tmp_path / "exported"), maps="kernel")
     model = shuffleprune.load(str(tmp_path / "exported"), maps="producer")
     for layer, ref_layer in zip(model.model.layers, ref.model.layers):
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -371,7 +371,7 @@ def test_a_map_stays_in_the_layers_when_another_module_reads_the_producer_output
             return self.mlp(x) + x
 
     export_checkpoint(pruned_perm_dir, tmp_path / "exported")
-    model = shuffleprune.load(str(tmp_path / "exported"))
+    model = shuffleprune.load(str(tmp_path / "exported"), maps="kernel")
     layer = model.model.layers[1]
     layer.mlp = AddsInput(layer.mlp)
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -180,7 +180,8 @@ def test_position_words_are_the_export_bytes_read_four_at_a_time():
 
 
 @pytest.mark.parametrize("policy,tokens", [(p, t) for p in IMPLS if not p.startswith("semi") for t in (1, 9, 20, 70)
-                                            if not (p.startswith("decode") and t > 64)])   # decode: at most 64 tokens
+                                            if not (p.startswith("decode") and t > 64)
+                                            and not (p == "decode_select" and t > 16)])   # decode: ≤ 64 tokens, select ≤ 16
 def test_every_sparse_linear_policy_matches_float64(policy, tokens):
     w, values, meta, _, perm, bias = _case(24, 64, 2, 4, 1, torch.float16, seed=tokens)
     x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(1)).to(torch.float16)
@@ -227,6 +228,8 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     x1, x20, x70 = (torch.randn(t, 64).half() for t in (1, 20, 70))
     assert mapped._candidates(x1) == ["decode", "decode_mapped", "scratch", "gather"]
     assert plain._candidates(x1) == ["decode", "scratch", "gather"]
+    assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select", "scratch",
+                                                              "gather"]
     assert mapped._candidates(x20) == ["decode", "decode_mapped", "gemm", "scratch"]
     assert mapped._candidates(x70) == ["gemm", "scratch"]
     assert default_choice(x1, mapped._candidates(x1)) == "decode"

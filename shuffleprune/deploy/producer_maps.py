@@ -108,6 +108,11 @@ def _producers(block: nn.Module, run: Callable[[], torch.Tensor]) -> tuple[dict[
     return found, output
 
 
+def has_maps(model: nn.Module) -> bool:
+    """Whether any ``SparseLinear`` of ``model`` reads its input through an index map."""
+    return any(isinstance(mod, SparseLinear) and mod.perm is not None for mod in model.modules())
+
+
 def move_maps_to_producers(model: nn.Module, kernel: bool | None = None) -> dict[str, list[str]]:
     """Move the index maps of ``model``'s ``SparseLinear`` layers to the modules producing their input,
     where the block's output stays the same; returns ``{producer: [layers]}`` of the moves (in place)."""

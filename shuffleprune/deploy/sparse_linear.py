@@ -9,6 +9,9 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
 - ``decode_mapped``: the same kernel reading the index map itself (no gather launch; on an H100 it
   pays for it with one scattered input load per program and column, 7–20 % at one token and far
   more from two tokens on);
+- ``decode_select`` (2–16 tokens): the decode forced onto the one-token kernel's select-and-add
+  loop instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed
+  from 2 tokens on, the select loop 1.5× faster than dense at one token);
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input;
 - ``scratch`` (any device): ``W_p`` decompressed into one scratch buffer shared by every layer of
@@ -32,9 +35,10 @@ from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
 
-IMPLS = ("decode", "decode_mapped", "gemm", "scratch", "gather", "group", "semi_structured", "semi_cutlass")
+IMPLS = ("decode", "decode_mapped", "decode_select", "gemm", "scratch", "gather", "group", "semi_structured", "semi_cutlass")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
+SELECT_MAX_TOKENS = 16  # the select decode's limit (nm_fast.decode_plan)
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 _CHOICES: dict[tuple, str] = {}   # (device, dtype, rows, cols, N, M, map?, bias?, bucket) → implementation
@@ -150,12 +154,13 @@ class SparseLinear(nn.Module):
         return decompress(self.values, self.meta, self.n, self.m, self.in_features, out=buf)
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
-        if impl in ("decode", "decode_mapped"):
+        if impl in ("decode", "decode_mapped", "decode_select"):
             from shuffleprune.kernels.nm_fast import nm_decode
 
             if impl == "decode_mapped":
                 return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias)
-            return nm_decode(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, None, self.bias)
+            return nm_decode(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, None, self.bias,
+                             **({"use_dot": False} if impl == "decode_select" else {}))
         if impl == "gemm":
             from shuffleprune.kernels.nm_fast import nm_gemm
 
@@ -187,6 +192,8 @@ class SparseLinear(nn.Module):
         if self._pow2():  # from 17 to 64 tokens both Triton kernels are timed
             if tokens <= decode_max_tokens(x.element_size()):
                 out += ["decode", "decode_mapped"] if self.perm is not None else ["decode"]
+            if 2 <= tokens <= SELECT_MAX_TOKENS:
+                out.append("decode_select")
             out += ["gemm"] if tokens >= GEMM_MIN_TOKENS else []
         out.append("scratch")
         if tokens <= GATHER_MAX_TOKENS:
