@@ -13,6 +13,7 @@
 #   bash scripts/gpu_run.sh tune_decode kernel kernel_fused e2e   # the decode kernels' tiles and split-K on
 #                                              # the gathered input, timed as bench_kernel times (rotating copies,
 #                                              # CUDA graphs); kernel_fused: q/k/v and gate/up as one layer each
+#   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
@@ -66,6 +67,18 @@ for s in "$@"; do
             step tune_select_tokens 120 scripts/results/tune_select_tokens.json $PY scripts/tune_kernel.py \
                 --variants select --tokens 2 4 8 16 --block-r 16 --block-k 128 256 --num-warps 4 8 --stages 4 \
                 --splits 0 1 --max-tile 1048576 --out scripts/results/tune_select_tokens.json ;;
+        profile) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+            RES=scripts/results/ncu_decode.txt; : > $RES
+            for case in "select 1 11008x4096" "dot 2 11008x4096" "dot 16 11008x4096" "dense 1 11008x4096" \
+                        "select 1 4096x4096" "dense 1 4096x4096"; do
+                read -r kern toks shape <<< "$case"
+                echo "##### $kern tokens=$toks shape=$shape" >> $RES
+                step "profile_${kern}_$toks" 90 $RES "$NCU" --clock-control none --profile-from-start off \
+                    --launch-skip 3 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                    --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
+                    --section ComputeWorkloadAnalysis $PY scripts/profile_decode.py --kernel $kern --tokens $toks \
+                    --shape $shape >> $RES 2>&1
+            done ;;
         kernel_fused) step kernel_fused 60 scripts/results/bench_kernel_fused.json $PY scripts/bench_kernel.py \
             --shapes 12288x4096 22016x4096 --tokens 1 2 16 --impls auto decode decode_nomap \
             --out scripts/results/bench_kernel_fused.json ;;

@@ -1,0 +1,55 @@
+"""Run one decode case repeatedly for Nsight Compute (``scripts/gpu_run.sh profile``): a random 2:4
+bf16 weight of ``--shape`` on the gathered input of ``--tokens`` tokens, ``--kernel`` ``select``,
+``dot`` (``nm_decode`` forced onto that kernel, unsplit) or ``dense`` (``F.linear`` on the dense
+weight). Setup runs first; only the timed calls lie inside the CUDA profiler range that
+``ncu --profile-from-start off`` captures.
+
+    ncu --profile-from-start off --launch-skip 3 --launch-count 1 python scripts/profile_decode.py --kernel dot --tokens 16
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="11008x4096", help="OUTxIN")
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--kernel", choices=["select", "dot", "dense"], default="select")
+    ap.add_argument("--calls", type=int, default=6)
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    from shuffleprune.deploy.format import compress, meta_bits
+    from shuffleprune.kernels.nm_fast import nm_decode, position_words
+    from shuffleprune.masks import nm_keep_mask
+
+    rows, cols = (int(v) for v in args.shape.split("x"))
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(rows, cols, generator=gen).cuda()
+    w = (w * nm_keep_mask(w.abs(), 2, 4)).to(torch.bfloat16)
+    values, meta = compress(w, 2, 4)
+    words = position_words(meta)
+    x = torch.randn(args.tokens, cols, generator=gen).cuda().to(torch.bfloat16)
+
+    def call() -> torch.Tensor:
+        if args.kernel == "dense":
+            return F.linear(x, w)
+        return nm_decode(x, values, words, 2, 4, meta_bits(4), None, None, use_dot=args.kernel == "dot", split=1)
+
+    ref = F.linear(x.float(), w.float())
+    y = call()  # compiles
+    torch.cuda.synchronize()
+    err = float((y.float() - ref).abs().max() / ref.abs().max())
+    print(f"{args.kernel} {args.shape} t={args.tokens}: max rel err {err:.2e}", flush=True)
+    torch.cuda.profiler.start()
+    for _ in range(args.calls):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
