@@ -404,3 +404,23 @@ def test_rms_form_recognises_rmsnorms_by_what_they_compute():
     assert rms_form(llama, 64) is None                       # another width
     assert rms_form(nn.LayerNorm(48, bias=False), 48) is None  # subtracts the mean
     assert rms_form(nn.LayerNorm(48), 48) is None
+
+
+def test_load_moves_maps_to_producers_by_default_and_skips_models_without_maps(tiny_dir, pruned_perm_dir, tmp_path,
+                                                                              monkeypatch):
+    """``load``'s default puts shared maps at their producers; a model without mapped sparse layers
+    (any plain HF checkpoint) is never probed."""
+    from shuffleprune.deploy import producer_maps
+    from shuffleprune.deploy.producer_maps import MappedOutput, has_maps
+
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    model = shuffleprune.load(str(tmp_path / "exported"))
+    assert any(isinstance(mod, MappedOutput) for mod in model.modules())
+    assert has_maps(shuffleprune.load(str(tmp_path / "exported"), maps="kernel"))
+
+    def probe(*_a, **_k):
+        raise AssertionError("a model without index maps was probed")
+
+    monkeypatch.setattr(producer_maps, "move_maps_to_producers", probe)
+    plain = shuffleprune.load(str(tiny_dir))
+    assert not has_maps(plain) and not any(isinstance(mod, MappedOutput) for mod in plain.modules())
