@@ -78,6 +78,17 @@ def main() -> None:
     def held_bytes(model) -> int:
         return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
+    def capture(warm, body) -> torch.cuda.CUDAGraph:
+        """One CUDA graph of ``body``, after ``warm`` ran on the capturing stream."""
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warm()
+            with torch.cuda.graph(graph, stream=side):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        return graph
+
     @torch.no_grad()
     def measure(model, label: str) -> tuple[dict, torch.Tensor]:
         total = args.prompt + args.new_tokens + 1
@@ -105,14 +116,7 @@ def main() -> None:
         prefill_how, prefill_s = "eager", prefill_eager_s
         if cuda:  # the prompt as one CUDA graph too: the GPU's time, without the host's launch cost
             try:
-                graph = torch.cuda.CUDAGraph()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    prefill()
-                    with torch.cuda.graph(graph, stream=side):
-                        prefill()
-                torch.cuda.current_stream().wait_stream(side)
+                graph = capture(prefill, prefill)
                 prefill_s, prefill_how = statistics.median(wall(graph.replay) for _ in range(args.runs)), "cuda_graph"
                 del graph
             except Exception as exc:  # noqa: BLE001 - recorded: the eager time stands
@@ -139,15 +143,7 @@ def main() -> None:
         how, run_step = "eager", step
         if cuda:
             try:
-                graph = torch.cuda.CUDAGraph()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    step()
-                    restart()
-                    with torch.cuda.graph(graph, stream=side):
-                        step()
-                torch.cuda.current_stream().wait_stream(side)
+                graph = capture(lambda: (step(), restart()), step)
                 how, run_step = "cuda_graph", graph.replay
             except Exception as exc:  # noqa: BLE001 - fall back the way users would
                 print(f"{label}: CUDA graph capture failed ({str(exc).splitlines()[0][:120]}); torch.compile", flush=True)
