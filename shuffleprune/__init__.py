@@ -29,14 +29,16 @@ def prune(model: str | None = None, recipe: str | Path | None = None, out: str |
     return run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=progress)
 
 
-def load(path: str, dtype: str = "auto", maps: str = "producer"):
+def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = True):
     """Load a checkpoint written by ``shuffleprune export`` (linears as compressed ``SparseLinear``),
     by ``prune`` (with its index maps applied) or any HF model; returns the model (``.eval()``).
     ``maps="producer"`` (default) moves an export's shared index maps to the modules producing those
     layers' input (an RMSNorm writes its output permuted, in one fused kernel on CUDA: on an H100 a
     LLaMA-2-7B shape decoded 1.38× dense this way, 1.20× with the maps in the layers,
-    ``scripts/results/bench_e2e.json``); ``"kernel"`` keeps them in the sparse layers. The
-    tokenizer: ``transformers.AutoTokenizer.from_pretrained(path)``."""
+    ``scripts/results/bench_e2e.json``); ``"kernel"`` keeps them in the sparse layers. ``fuse``
+    runs the sparse layers that read one input tensor (q/k/v, gate/up) as one stacked layer
+    (:mod:`shuffleprune.deploy.fused_inputs`). The tokenizer:
+    ``transformers.AutoTokenizer.from_pretrained(path)``."""
     from shuffleprune.models import load_model
 
     if maps not in ("kernel", "producer"):
@@ -47,6 +49,10 @@ def load(path: str, dtype: str = "auto", maps: str = "producer"):
 
         if has_maps(model):
             move_maps_to_producers(model)
+    if fuse:
+        from shuffleprune.deploy.fused_inputs import fuse_shared_inputs
+
+        fuse_shared_inputs(model)
     return model
 
 

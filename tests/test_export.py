@@ -424,3 +424,43 @@ def test_load_moves_maps_to_producers_by_default_and_skips_models_without_maps(t
     monkeypatch.setattr(producer_maps, "move_maps_to_producers", probe)
     plain = shuffleprune.load(str(tiny_dir))
     assert not has_maps(plain) and not any(isinstance(mod, MappedOutput) for mod in plain.modules())
+
+
+def test_layers_reading_one_input_run_as_one_stacked_layer(pruned_perm_dir, tmp_path, monkeypatch):
+    """``load``'s ``fuse``: q/k/v (and gate/up) read one tensor, so they run as one stacked layer;
+    the logits are those of the unfused model, one stacked call serves the group while its input
+    is unchanged, the members become views of the stacked weight (one copy in memory), and a dtype
+    change rebuilds it. With the maps kept in the layers the stacked layer carries the shared map."""
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    for maps in ("producer", "kernel"):
+        plain = shuffleprune.load(str(tmp_path / "exported"), maps=maps, fuse=False)
+        model = shuffleprune.load(str(tmp_path / "exported"), maps=maps)
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        group = attn.q_proj.fused_inputs
+        assert group is not None and group is attn.k_proj.fused_inputs is attn.v_proj.fused_inputs
+        assert mlp.gate_proj.fused_inputs is mlp.up_proj.fused_inputs is not None
+        assert attn.o_proj.fused_inputs is None and mlp.down_proj.fused_inputs is None
+        with torch.no_grad():
+            assert torch.allclose(model(ids).logits, plain(ids).logits, atol=1e-5)
+        stacked = group.stacked
+        assert (stacked.perm is None) == (maps == "producer")
+        assert {lin.values.untyped_storage().data_ptr() for lin in (attn.q_proj, attn.k_proj, attn.v_proj)} == \
+            {stacked.values.untyped_storage().data_ptr()}
+
+    rows = []
+    original = SparseLinear._run
+    monkeypatch.setattr(SparseLinear, "_run", lambda self, impl, x: rows.append(self.out_features) or original(self, impl, x))
+    x = torch.randn(1, 5, attn.q_proj.in_features)
+    with torch.no_grad():
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        assert rows == [stacked.out_features]                      # one stacked call for the three
+        x.mul_(2)                                                   # changed in place: computed again
+        assert torch.allclose(attn.k_proj(x), 2 * k, atol=1e-5) and len(rows) == 2
+        ref_v = plain.model.layers[0].self_attn.v_proj(x / 2)
+        assert torch.allclose(v, ref_v, atol=1e-5)
+    model.double()
+    plain.double()
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, plain(ids).logits, atol=1e-9)
+    assert attn.q_proj.fused_inputs.stacked.values.dtype == torch.float64

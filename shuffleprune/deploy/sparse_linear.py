@@ -102,6 +102,7 @@ class SparseLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.policy = policy
         self.shared_gather: SharedGather | None = None  # set by export's loader for layers sharing a map
+        self.fused_inputs = None  # a fused_inputs.FusedInputs when this layer runs stacked with others
         self.choices: dict[int, str] = {}
         self._semi: dict[str, object] = {}
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None  # (meta it was made from, its int32 words)
@@ -220,6 +221,10 @@ class SparseLinear(nn.Module):
         return best
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_inputs is not None:  # one stacked call for the layers reading this input
+            y = self.fused_inputs.output(self, x)
+            if y is not None:
+                return y
         if self.policy != "auto":  # an explicit choice (tests and benchmarks), on any device
             return self._run(self.policy, x)
         if not x.is_cuda:
