@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -72,7 +71,7 @@ def main() -> None:
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.kernels.nm_fast import decode_max_tokens
     from shuffleprune.masks import nm_keep_mask
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime import cuda_graph_ms, machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -94,37 +93,7 @@ def main() -> None:
             for c in calls:
                 c()
             return (time.perf_counter() - t) * 1e3 / len(calls), "wall"
-        for c in calls:  # compile, choose, allocate outside the capture
-            c()
-        torch.cuda.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for c in calls:
-                    c()
-                with torch.cuda.graph(graph, stream=stream):
-                    for c in calls:
-                        c()
-            torch.cuda.current_stream().wait_stream(stream)
-            run, how = graph.replay, "cuda_graph"
-        except Exception:  # noqa: BLE001 - some paths cannot be captured; time them eagerly
-            def run():
-                for c in calls:
-                    c()
-            how = "events"
-        run()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / len(calls))
-        return statistics.median(times), how
+        return cuda_graph_ms(calls, args.reps)   # compiled, chosen and allocated in its eager warm-up
 
     rows: list[dict] = []
     norm_rows: list[dict] = []

@@ -48,12 +48,12 @@ for s in "$@"; do
         kernel) step kernel 300 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py ;;
         tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py --variants gather ;;
         tune_group) step tune_group 150 scripts/results/tune_kernel_group.json $PY scripts/tune_kernel.py --variants group \
-            --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --rep-ms 50 --out scripts/results/tune_kernel_group.json ;;
+            --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --out scripts/results/tune_kernel_group.json ;;
         tune_select) step tune_select 130 scripts/results/tune_select.json $PY scripts/tune_kernel.py --variants select \
-            --tokens 1 2 --block-r 16 32 --block-k 128 256 --num-warps 4 8 --stages 3 4 --rep-ms 30 \
+            --tokens 1 2 --block-r 16 32 --block-k 128 256 --num-warps 4 8 --stages 3 4 \
             --out scripts/results/tune_select.json ;;
         tune_dot) step tune_dot 250 scripts/results/tune_dot.json $PY scripts/tune_kernel.py --variants dot \
-            --tokens 2 16 32 64 --block-r 32 64 128 --block-k 64 128 --num-warps 4 8 --stages 3 4 --rep-ms 20 \
+            --tokens 2 16 32 64 --block-r 32 64 128 --block-k 64 128 --num-warps 4 8 --stages 3 4 \
             --max-tile 524288 --out scripts/results/tune_dot.json ;;
         tune_decode) step tune_decode_select 130 scripts/results/tune_decode_select.json $PY scripts/tune_kernel.py \
                 --variants select --tokens 1 --block-r 16 32 --block-k 128 256 --num-warps 4 --stages 3 4 \
@@ -83,7 +83,7 @@ for s in "$@"; do
             --shapes 12288x4096 22016x4096 --tokens 1 2 16 --impls auto decode decode_nomap \
             --out scripts/results/bench_kernel_fused.json ;;
         tune_gemm) step tune_gemm 100 scripts/results/tune_gemm.json $PY scripts/tune_kernel.py --variants gemm \
-            --tokens 64 128 256 512 2048 --gemm-tiles 128,128,64,8,3 64,128,64,4,3 --rep-ms 30 \
+            --tokens 64 128 256 512 2048 --gemm-tiles 128,128,64,8,3 64,128,64,4,3 \
             --out scripts/results/tune_gemm.json ;;
         stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
             $PY scripts/bench_stage_cost.py --device cuda ;;

@@ -45,7 +45,6 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[4], help="decode variant: software-pipeline depths")
     ap.add_argument("--splits", type=int, nargs="+", default=[0], help="decode variants: split-K (0 = the plan's)")
     ap.add_argument("--reps", type=int, default=10, help="graph replays per case (median taken)")
-    ap.add_argument("--rep-ms", type=int, default=None, help=argparse.SUPPRESS)  # the old do_bench option: ignored
     ap.add_argument("--max-tile", type=int, default=2**15)
     ap.add_argument("--gemm-tiles", nargs="*", default=[], help="gemm variant: more tiles, as block_t,block_r,block_c,warps,stages")
     ap.add_argument("--smoke", action="store_true")
@@ -65,7 +64,7 @@ def main() -> None:
                                               nm_gemm, position_words)
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime import cuda_graph_ms, machine, versions
     from shuffleprune.deploy.format import compress, meta_bits
 
     if not torch.cuda.is_available() and not args.smoke:
@@ -82,26 +81,7 @@ def main() -> None:
         if not cuda:
             fn(*copies[0])
             return 0.0
-        calls = [lambda c=c: fn(*c) for c in copies]
-        for c in calls:
-            c()
-        torch.cuda.synchronize()
-        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(side)
-        graph.replay()
-        times = []
-        for _ in range(args.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / len(calls))
-        return sorted(times)[len(times) // 2]
+        return cuda_graph_ms([lambda c=c: fn(*c) for c in copies], args.reps)[0]
 
     gen = torch.Generator().manual_seed(0)
     rows, best = [], []
@@ -131,7 +111,7 @@ def main() -> None:
         case = []
         xp = x[:, perm.long()].contiguous()
         scratch = torch.empty(out_f * in_f, dtype=dtype, device=dev) if "decompress" in args.variants else None
-        configs = []   # (variant, block_r, block_k, num_warps, stages, gemm tile)
+        configs = []   # (variant, block_r, block_k, num_warps, stages, split, gemm tile)
         for variant in args.variants:
             if variant == "gemm":
                 tiles = [t[0] for t in GEMM_TILES[(2, 4)]] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]

@@ -1,9 +1,11 @@
-"""Facts about where a run happens: compute device, peak memory, package versions."""
+"""Facts about where a run happens: compute device, peak memory, package versions; GPU timing."""
 from __future__ import annotations
 
 import platform
 import resource
 import sys
+import statistics
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Iterator
 from importlib.metadata import PackageNotFoundError, version
@@ -23,6 +25,45 @@ def pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
     return torch.device(name)
+
+
+def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2) -> tuple[float, str]:
+    """Milliseconds per call of ``calls`` (run in turn, e.g. one per rotating weight copy) as a model
+    served with CUDA graphs runs them: ``warm`` eager rounds on the capturing stream (compiles,
+    library handles, workspaces), then one graph of every call whose replays are timed with events,
+    the median of ``reps`` over the number of calls. Where capture fails, the rounds run eagerly
+    and the host's launch cost counts. Returns ``(ms, "cuda_graph" | "events")``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm):
+            for call in calls:
+                call()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+            for call in calls:
+                call()
+        torch.cuda.synchronize()
+        run, how = graph.replay, "cuda_graph"
+    except Exception:  # noqa: BLE001 - some paths cannot be captured: timed eagerly
+        torch.cuda.synchronize()
+
+        def run() -> None:
+            for call in calls:
+                call()
+        how = "events"
+    run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times), how
 
 
 @contextmanager

@@ -232,8 +232,8 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
                                                               "gather"]
     assert mapped._candidates(x20) == ["decode", "decode_mapped", "gemm", "scratch"]
     assert mapped._candidates(x70) == ["gemm", "scratch"]
-    assert default_choice(x1, mapped._candidates(x1)) == "decode"
-    assert default_choice(x70, mapped._candidates(x70)) == "scratch"
+    assert default_choice(mapped._candidates(x1)) == "decode"
+    assert default_choice(mapped._candidates(x70)) == "scratch"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -65,11 +65,12 @@ class FusedInputs:
     def output(self, layer: SparseLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``layer``'s output on ``x`` from the group's stacked call (``None`` where the group cannot
         run: its first call falling inside a CUDA graph capture, where nothing may be allocated)."""
-        if x is not self._source or x._version != self._version or not self._current():
-            if not self._current():
-                if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                    return None
-                self._build()
+        current = self._current()
+        if not current:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            self._build()   # forgets the cached output
+        if x is not self._source or x._version != self._version:
             self._source, self._version, self._out = x, x._version, self.stacked(x)
         lo, hi = self.offsets[id(layer)]
         return self._out[..., lo:hi]

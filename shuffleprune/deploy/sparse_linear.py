@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
+from shuffleprune.runtime import cuda_graph_ms
 
 IMPLS = ("decode", "decode_mapped", "decode_select", "gemm", "scratch", "gather", "group", "semi_structured", "semi_cutlass")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
@@ -207,11 +208,11 @@ class SparseLinear(nn.Module):
         with CUDA graphs runs them; a candidate that cannot be captured is timed eagerly. The
         shared gather is bypassed, so ``decode`` pays for its own gather."""
         shared, self.shared_gather = self.shared_gather, None
-        best, best_ms = default_choice(x, self._candidates(x)), float("inf")
+        best, best_ms = default_choice(candidates), float("inf")
         try:
             for impl in candidates:
                 try:
-                    ms = _graph_ms(lambda impl=impl: self._run(impl, x), calls, reps)
+                    ms, _ = cuda_graph_ms([lambda impl=impl: self._run(impl, x)] * calls, reps, warm=3)
                 except (RuntimeError, NotImplementedError, ValueError):  # e.g. a kernel that does not fit
                     continue
                 if ms < best_ms:
@@ -236,7 +237,7 @@ class SparseLinear(nn.Module):
         bucket = _bucket(x.numel() // x.shape[-1])
         if bucket not in self.choices:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():  # nothing can be timed in a capture
-                return default_choice(x, self._candidates(x))
+                return default_choice(self._candidates(x))
             key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
                    self.perm is not None, self.bias is not None, bucket)
             if key not in _CHOICES:
@@ -245,41 +246,7 @@ class SparseLinear(nn.Module):
         return self.choices[bucket]
 
 
-def default_choice(x: torch.Tensor, candidates: list[str]) -> str:
+def default_choice(candidates: list[str]) -> str:
     """What ``auto`` runs where it cannot measure: the decode kernel where it applies, else the
     shared scratch (the fastest on an H100: ``scripts/results/bench_kernel.json``)."""
     return "decode" if "decode" in candidates else "scratch"
-
-
-def _graph_ms(call, calls: int, reps: int) -> float:
-    """Milliseconds per ``call()``: three eager runs (compile, warm), then ``calls`` calls captured
-    in one CUDA graph, its replays timed with events (median of ``reps``); eager if capture fails."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm on the capturing stream (library handles, workspaces)
-        for _ in range(3):
-            call()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-            for _ in range(calls):
-                call()
-        torch.cuda.synchronize()
-        run = graph.replay
-    except RuntimeError:  # not capturable (some library paths): eager, so launch cost counts
-        torch.cuda.synchronize()
-
-        def run() -> None:
-            for _ in range(calls):
-                call()
-    run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
