@@ -418,10 +418,13 @@ def test_load_moves_maps_to_producers_by_default_and_skips_models_without_maps(t
     assert any(isinstance(mod, MappedOutput) for mod in model.modules())
     assert has_maps(shuffleprune.load(str(tmp_path / "exported"), maps="kernel"))
 
+    from shuffleprune.deploy import fused_inputs
+
     def probe(*_a, **_k):
         raise AssertionError("a model without index maps was probed")
 
-    monkeypatch.setattr(producer_maps, "move_maps_to_producers", probe)
+    monkeypatch.setattr(producer_maps, "block_probe", probe)
+    monkeypatch.setattr(fused_inputs, "block_probe", probe)
     plain = shuffleprune.load(str(tiny_dir))
     assert not has_maps(plain) and not any(isinstance(mod, MappedOutput) for mod in plain.modules())
 

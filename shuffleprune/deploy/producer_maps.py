@@ -115,7 +115,10 @@ def has_maps(model: nn.Module) -> bool:
 
 def move_maps_to_producers(model: nn.Module, kernel: bool | None = None) -> dict[str, list[str]]:
     """Move the index maps of ``model``'s ``SparseLinear`` layers to the modules producing their input,
-    where the block's output stays the same; returns ``{producer: [layers]}`` of the moves (in place)."""
+    where the block's output stays the same; returns ``{producer: [layers]}`` of the moves (in place).
+    A model without mapped layers (any plain HF checkpoint) is returned untouched, never probed."""
+    if not has_maps(model):
+        return {}
     blocks = find_blocks(model)
     run = block_probe(model, blocks)
     half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
