@@ -12,7 +12,8 @@ the export's byte layout, read four bytes at a time.
   token each kept value then *selects* its input among its group's ``M`` (a tree of selects on the
   position bits) and accumulates element-wise, with one reduction after the loop; from two tokens
   (4:8: from one) the tile is expanded to dense in registers and multiplied on the tensor cores
-  (``tl.dot``, tokens in the MMA's rows). 2:4 and 4:8 tiles expand by splitting each group's values
+  (``tl.dot``, tokens in the MMA's rows; with ``weight_a`` the weight's rows are, so Hopper's
+  asynchronous wgmma reads the expanded tile from registers). 2:4 and 4:8 tiles expand by splitting each group's values
   apart and giving every dense slot a select per value it can hold (:func:`_dense_2of4`,
   :func:`_dense_4of8`); other N:M sum ``M`` masked copies. Which costs fewer instructions per byte
   was read off the compiled sm_90a loops (``kernels/compile_check.py``). Split-K partial sums
@@ -20,7 +21,8 @@ the export's byte layout, read four bytes at a time.
   the GPU.
 - :func:`nm_gemm` (prefill, from 17 tokens): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted
   inputs whose weight tiles are decompressed in registers (the same expansion) for ``tl.dot``; its
-  tile and split-K come from a cost model (:func:`gemm_plan`) over tiles compiled for sm_90a.
+  tile and split-K come from a cost model (:func:`gemm_plan`) over tiles compiled for sm_90a;
+  ``weight_a`` again puts the weight in the MMA's A operand.
 - :func:`nm_decompress_into`: the dense ``W_p`` written into a caller's buffer (the shared scratch
   a dense matmul reads; no layer keeps a dense copy).
 
@@ -180,23 +182,34 @@ if triton is not None:
                               N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
                               HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                               PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+                              BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+                              WEIGHT_A: tl.constexpr = False):
         """Several tokens: the tile expanded to dense in registers and multiplied on the tensor cores,
         ``acc[T, R] += x_p[T, cols] @ W_p[R, cols]ᵀ`` (tokens in the rows of the MMA: the inputs are
         read row-major, as they lie in memory)."""
         G: tl.constexpr = BLOCK_K // N
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
-        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        if WEIGHT_A:
+            acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
                                 "evict_first")
             xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
-            if UPCAST:
+            if WEIGHT_A:
+                if UPCAST:
+                    acc = tl.dot(dense.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(dense.to(xs.dtype), tl.trans(xs), acc, input_precision=PREC)
+            elif UPCAST:
                 acc = tl.dot(xs.to(tl.float32), tl.trans(dense.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(xs, tl.trans(dense.to(xs.dtype)), acc, input_precision=PREC)
-        _store_decode(tl.trans(acc), rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt,
+        if not WEIGHT_A:
+            acc = tl.trans(acc)
+        _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt,
                       HAS_BIAS, SPLIT)
 
     @triton.jit
@@ -242,7 +255,8 @@ if triton is not None:
     def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, part_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,
                         C_PER_SPLIT, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr,
+                        WEIGHT_A: tl.constexpr = False):
         BLOCK_K: tl.constexpr = BLOCK_C * N // M
         pid, pid_s = tl.program_id(0), tl.program_id(1)
         n_t, n_r = tl.cdiv(T, BLOCK_T), tl.cdiv(R, BLOCK_R)
@@ -254,17 +268,27 @@ if triton is not None:
         toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         tok_ok, row_ok = toks < T, rows < R
-        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        if WEIGHT_A:
+            acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         c_start = pid_s * C_PER_SPLIT
         for c0 in range(c_start, tl.minimum(c_start + C_PER_SPLIT, C), BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             xs = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_ok[:, None] & (cols < C)[None, :],
                          other=0.0)
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, c0 * N // M, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K, "")
-            if UPCAST:
+            if WEIGHT_A:
+                if UPCAST:
+                    acc = tl.dot(dense.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(dense.to(xs.dtype), tl.trans(xs), acc, input_precision=PREC)
+            elif UPCAST:
                 acc = tl.dot(xs.to(tl.float32), tl.trans(dense.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(xs, tl.trans(dense.to(xs.dtype)), acc, input_precision=PREC)
+        if WEIGHT_A:
+            acc = tl.trans(acc)
         out_ok = tok_ok[:, None] & row_ok[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
@@ -344,6 +368,16 @@ DOT_TILES = {
     (4, 8): {16: (64, 128, 4, 4), 32: (64, 128, 4, 2), 64: (64, 64, 8, 2)},
 }
 DOT_TILES_OTHER = {16: (16, 256, 4, 4), 32: (32, 256, 4, 4), 64: (64, 128, 8, 1)}
+# the same kernel with the weight as the MMA's A operand (``weight_a``, "swap AB": 64 rows per warpgroup
+# in the MMA's M, tokens in its N, so Hopper's asynchronous wgmma takes the expanded tile from
+# registers and up to 16 stay in flight, where tokens in M (at least 64 for wgmma) fall back to
+# synchronous mma with 2–32 tokens). Narrower steps than DOT_TILES: the compile for sm_90a lets 7
+# (2–16 tokens), 6 (32) and 4 (64) programs of 2:4 reside per SM against 2, 2 and 1 — the
+# tensor-core decode was latency-bound at 12.5 % occupancy on an H100 (ncu_decode.txt). Not yet timed.
+DOT_TILES_SWAP = {
+    (2, 4): {16: (64, 64, 4, 7), 32: (64, 64, 4, 6), 64: (64, 64, 4, 4)},
+    (4, 8): {16: (64, 128, 4, 4), 32: (64, 128, 4, 3), 64: (64, 128, 4, 2)},
+}
 DOT_TILE_FP32 = (16, 128, 8, 1)
 DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP32 = 64, 16
 SELECT_MAX_TOKENS = 1  # above this the tensor-core kernel's loop issues fewer instructions per weight byte
@@ -357,11 +391,12 @@ def decode_max_tokens(element_bytes: int) -> int:
 def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
                 stages: int = 4, num_warps: int | None = None, use_dot: bool | None = None,
-                element_bytes: int = 2) -> dict:
+                element_bytes: int = 2, weight_a: bool = False) -> dict:
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
     One token takes the select kernel (but 4:8), more the tensor-core one (``use_dot`` forces
-    either; select takes at most 16). The tiles are the ones whose compiled loop leaves the most
+    either; select takes at most 16). ``weight_a``: the tensor-core kernel multiplies with the
+    weight tile as the MMA's A operand (:data:`DOT_TILES_SWAP`), not the inputs. The tiles are the ones whose compiled loop leaves the most
     room under an H100's issue rate without spilling (``scripts/check_kernels_compile.py``): the
     select kernel's 16 rows × 128 kept values on 4 warps lets one token stream at up to 4.6 TB/s of
     instruction issue; the tensor-core kernel's 64 rows × 256 dense columns on 4 warps up to 4.1 TB/s
@@ -384,7 +419,8 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         raise ValueError(f"the select decode takes at most 16 tokens (got {tokens})")
     block_t = max(16, triton.next_power_of_2(tokens)) if use_dot else triton.next_power_of_2(tokens)  # tl.dot: ≥ 16
     if use_dot:
-        tile = DOT_TILE_FP32 if element_bytes >= 4 else DOT_TILES.get((n, m), DOT_TILES_OTHER)[block_t]
+        table = DOT_TILES_SWAP if weight_a else DOT_TILES
+        tile = DOT_TILE_FP32 if element_bytes >= 4 else table.get((n, m), DOT_TILES_OTHER)[block_t]
         block_r = block_r or tile[0]
         block_k = block_k or max(fields, n, tile[1] * n // m)
         num_warps = num_warps or tile[2]
@@ -412,7 +448,7 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     per_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(kept, per_split)
     return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split, stages=stages,
-                num_warps=num_warps, use_dot=use_dot, per_sm=per_sm)
+                num_warps=num_warps, use_dot=use_dot, per_sm=per_sm, weight_a=weight_a and use_dot)
 
 
 def _partials(split: int, y: torch.Tensor) -> torch.Tensor:
@@ -450,7 +486,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
                   num_warps=p["num_warps"])
     if p["use_dot"]:
-        _nm_decode_dot_kernel[grid](*args, PREC=_precision(x), UPCAST=_upcast(x), **common)
+        _nm_decode_dot_kernel[grid](*args, PREC=_precision(x), UPCAST=_upcast(x), WEIGHT_A=p["weight_a"], **common)
     else:
         _nm_select_kernel[grid](*args, **common)
     if p["split"] > 1:
@@ -470,60 +506,79 @@ GEMM_TILES = {
     (4, 8): (((256, 64, 32, 8, 3), 165, 2), ((128, 64, 32, 4, 4), 288, 4),
              ((64, 64, 32, 4, 4), 271, 6), ((32, 64, 64, 4, 3), 532, 4)),
 }
+# the GEMM with the weight as the MMA's A operand (``weight_a``): rows in M (64 per warpgroup), tokens in
+# N (up to 256 per wgmma), the expanded tile fed from registers to an asynchronous wgmma that stays in
+# flight while the next tile expands (the tiles above wait for theirs within the step: the weight is
+# their B operand, stored to shared memory first). Compiled for sm_90a like GEMM_TILES; not yet timed.
+GEMM_TILES_SWAP = {
+    (2, 4): (((256, 64, 64, 4, 3), 464, 2), ((256, 64, 32, 8, 3), 166, 2),
+             ((128, 64, 32, 4, 4), 214, 4), ((64, 64, 64, 4, 4), 380, 4)),
+    (4, 8): (((256, 64, 64, 4, 3), 657, 2), ((256, 64, 32, 8, 3), 194, 2),
+             ((128, 64, 32, 4, 4), 301, 4), ((64, 64, 64, 4, 4), 575, 4)),
+}
 GEMM_TILE_FP32 = (32, 64, 32, 4, 3)  # float32: full-precision FMA, no tensor cores; larger tiles spill
 TENSOR_FLOP_PER_CYCLE = 4096          # dense 16-bit tensor-core FLOP per SM per clock (H100: 989 TFLOP/s)
 L2_BYTES_PER_CYCLE = 24               # per SM: about 5.5 TB/s of H100 L2, where split-K's partial sums stay
 
 
 def gemm_cycles(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, int, int], loop: int, per_sm: int,
-                sms: int, split: int = 1) -> float:
+                sms: int, split: int = 1, overlap: bool = False) -> float:
     """Clocks the busiest SM spends on :func:`nm_gemm` with ``tile`` and ``split`` column splits:
     every step a program issues ``loop`` instructions per warp (4 issued per clock) and then waits
     for its tensor-core work; the programs resident together overlap one's issue with another's
-    tensor work. Split-K adds its float32 partial sums, written and read back through L2."""
+    tensor work. ``overlap``: each program's tensor-core call stays in flight while it expands its next
+    tile (the weight-as-A tiles), so a program's step takes the longer of the two, not their sum.
+    Split-K adds its float32 partial sums, written and read back through L2."""
     block_t, block_r, block_c, warps, _ = tile
     issue = loop * warps / 4
     tensor = 2 * block_t * block_r * block_c / TENSOR_FLOP_PER_CYCLE
     programs = triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r) * split
     on_sm = triton.cdiv(programs, sms)
     batches = [per_sm] * (on_sm // per_sm) + ([on_sm % per_sm] if on_sm % per_sm else [])
-    step = sum(max(issue + tensor, b * issue, b * tensor) for b in batches)
+    if overlap:
+        step = sum(b * max(issue, tensor) for b in batches)
+    else:
+        step = sum(max(issue + tensor, b * issue, b * tensor) for b in batches)
     reduce = 0 if split == 1 else (2 * split * 4 + 2) * tokens * rows / (sms * L2_BYTES_PER_CYCLE)
     return triton.cdiv(triton.cdiv(cols, block_c), split) * step + reduce
 
 
 def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, device: torch.device,
-              element_bytes: int = 2) -> tuple[tuple[int, int, int, int, int], int]:
+              element_bytes: int = 2, weight_a: bool = False) -> tuple[tuple[int, int, int, int, int], int]:
     """``((block_t, block_r, block_c, num_warps, num_stages), split)`` of :func:`nm_gemm`: of the
-    :data:`GEMM_TILES` of N:M whose steps hold whole position words, and of 1, 2, 4 or 8 column
-    splits, the pair :func:`gemm_cycles` finds fastest on this device's SMs. Large token tiles
-    expand each weight tile once for more tokens; smaller tiles and split-K give every SM programs
-    when tokens or rows are few."""
+    :data:`GEMM_TILES` (``weight_a``: :data:`GEMM_TILES_SWAP`, costed with the tensor-core call
+    overlapping the next expansion) of N:M whose steps hold whole position words, and of 1, 2, 4
+    or 8 column splits, the pair :func:`gemm_cycles` finds fastest on this device's SMs. Large
+    token tiles expand each weight tile once for more tokens; smaller tiles and split-K give every
+    SM programs when tokens or rows are few."""
     min_c = 32 // bits * m // n          # dense columns per step that hold one whole position word
     if element_bytes >= 4:
         block_t, block_r, block_c, warps, stages = GEMM_TILE_FP32
         return (block_t, block_r, max(block_c, min_c), warps, stages), 1
-    tiles = [t for t in GEMM_TILES.get((n, m), GEMM_TILES[(2, 4)]) if t[0][2] % min_c == 0]
+    table = GEMM_TILES_SWAP if weight_a else GEMM_TILES
+    tiles = [t for t in table.get((n, m), table[(2, 4)]) if t[0][2] % min_c == 0]
     if not tiles:                        # sparse position words (1:16): the smallest tile, wider
         return (32, 64, min_c, 4, 3), 1
     sms = _sm_count(device)
     options = [(t, s) for t in tiles for s in (1, 2, 4, 8) if s == 1 or triton.cdiv(cols, t[0][2]) >= 4 * s]
-    (tile, _, _), split = min(options, key=lambda o: (gemm_cycles(tokens, rows, cols, *o[0], sms, o[1]), o[1]))
+    (tile, _, _), split = min(options, key=lambda o: (gemm_cycles(tokens, rows, cols, *o[0], sms, o[1], weight_a), o[1]))
     return tile, split
 
 
 def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
             bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None,
-            split: int | None = None) -> torch.Tensor:
+            split: int | None = None, weight_a: bool = False) -> torch.Tensor:
     """``x`` ``[..., C]`` already in the weight's (permuted) column order → ``x @ W_pᵀ + bias``
-    (``tile`` and ``split`` default to :func:`gemm_plan`'s; a given ``tile`` alone runs unsplit)."""
+    (``tile`` and ``split`` default to :func:`gemm_plan`'s; a given ``tile`` alone runs unsplit).
+    ``weight_a``: the weight tile is the MMA's A operand (``acc[rows, tokens]``), see
+    :data:`GEMM_TILES_SWAP`."""
     _check(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
     tokens = x2.shape[0]
     rows, kept = values.shape
     if tile is None:
-        tile, planned = gemm_plan(tokens, rows, cols, n, m, bits, x.device, x.element_size())
+        tile, planned = gemm_plan(tokens, rows, cols, n, m, bits, x.device, x.element_size(), weight_a)
         split = split or planned
     block_t, block_r, block_c, warps, stages = tile
     if (block_c * n // m) % (32 // bits):
@@ -536,8 +591,8 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, part, tokens, rows, cols, kept,
                           words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
                           HAS_BIAS=bias is not None, SPLIT=split, PREC=_precision(x), UPCAST=_upcast(x),
-                          BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, num_warps=warps,
-                          num_stages=stages)
+                          BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, WEIGHT_A=weight_a,
+                          num_warps=warps, num_stages=stages)
     if split > 1:
         y = _sum_partials(part, bias, y)
     return y.reshape(*lead, rows)

@@ -8,7 +8,8 @@ order and a random index map: ``dense`` (F.linear, cuBLAS), ``auto`` (what ``Spa
 and each candidate (``decode``: the input gathered through the map by one small kernel, then the
 decode kernel; ``decode_mapped``: the kernel reading the map itself; ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
-``gemm``, ``scratch``, the first kernels ``gather`` / ``group``, and PyTorch's ``semi_structured``). ``norm_rows``: the producer-side alternative for a shared map —
+``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
+weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, the first kernels ``gather`` / ``group``, and PyTorch's ``semi_structured``). ``norm_rows``: the producer-side alternative for a shared map —
 an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
 writing its output through the map (``rmsnorm_mapped``, ``kernels/norm_map.py``), per input width.
 
@@ -32,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
-CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "gemm", "scratch", "gather", "group", "semi_structured"]
+CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
+              "gather", "group", "semi_structured"]
 
 
 def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> int:
@@ -47,7 +49,7 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
     if impl == "semi_structured":
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if impl == "decode_nomap" else cols * 4
-    if impl in ("decode", "gemm", "scratch", "semi_structured"):
+    if impl in ("decode", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "semi_structured"):
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped
 
@@ -162,6 +164,8 @@ def main() -> None:
             for impl in args.impls:
                 if impl.startswith("decode") and tokens > decode_max_tokens(2):
                     continue  # decode is for 1–64 tokens
+                if impl in ("decode_select", "decode_swap") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
+                    continue  # candidates from 2 tokens (select: to 16)
                 if impl in ("gather", "group") and tokens > 64:
                     continue  # the first kernels: 4–160× slower than dense from 16 tokens (earlier H100 rows)
                 inp = x if impl != "decode_nomap" else xp

@@ -39,21 +39,27 @@ def cases(quick: bool) -> list[dict]:
         for t in DECODE_TOKENS:
             out.append(dict(impl="decode", shape=(rows, cols), tokens=t))
         out.append(dict(impl="decode_nomap", shape=(rows, cols), tokens=1))
+        for t in (16, 64) if quick else DECODE_TOKENS[1:]:
+            out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=t))
         for t in GEMM_TOKENS[:1] if quick else GEMM_TOKENS:
             out.append(dict(impl="gemm", shape=(rows, cols), tokens=t))
+            out.append(dict(impl="gemm_swap", shape=(rows, cols), tokens=t))
         out.append(dict(impl="scratch", shape=(rows, cols), tokens=0))
-    from shuffleprune.kernels.nm_fast import GEMM_TILES
+    from shuffleprune.kernels.nm_fast import GEMM_TILES, GEMM_TILES_SWAP
 
     rows, cols = SHAPES[0]
-    for pattern, tiles in GEMM_TILES.items():
-        for index in range(len(tiles)):
-            out.append(dict(impl="gemm_tile", shape=(rows, cols), tokens=2048, tile=index, pattern=pattern))
+    for impl, table in (("gemm_tile", GEMM_TILES), ("gemm_swap_tile", GEMM_TILES_SWAP)):
+        for pattern, tiles in table.items():
+            for index in range(len(tiles)):
+                out.append(dict(impl=impl, shape=(rows, cols), tokens=2048, tile=index, pattern=pattern))
     for dtype in ("float16", "float32"):
         for t in (1, 16) if dtype == "float32" else (1, 16, 64):
             out.append(dict(impl="decode", shape=(rows, cols), tokens=t, dtype=dtype))
         out.append(dict(impl="gemm", shape=(rows, cols), tokens=64, dtype=dtype))
     for t in (1, 16, 32, 64):
         out.append(dict(impl="decode", shape=(rows, cols), tokens=t, pattern=(4, 8)))
+    for t in (16, 32, 64):
+        out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=t, pattern=(4, 8)))
     out.append(dict(impl="gemm", shape=(rows, cols), tokens=64, pattern=(4, 8)))
     if not quick:
         for impl in ("gather", "group"):
@@ -87,10 +93,14 @@ def run_case(case: dict) -> None:
     x = torch.zeros(tokens, cols, dtype=dtype)
     if impl in ("decode", "decode_nomap"):
         nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None)
-    elif impl == "gemm":
-        nm_fast.nm_gemm(x, values, words, n, m, bits)
-    elif impl == "gemm_tile":
-        nm_fast.nm_gemm(x, values, words, n, m, bits, tile=nm_fast.GEMM_TILES[(n, m)][case["tile"]][0])
+    elif impl == "decode_swap":   # as SparseLinear runs it: on the gathered input
+        nm_fast.nm_decode(x, values, words, n, m, bits, use_dot=True, weight_a=True)
+    elif impl in ("gemm", "gemm_swap"):
+        nm_fast.nm_gemm(x, values, words, n, m, bits, weight_a=impl == "gemm_swap")
+    elif impl in ("gemm_tile", "gemm_swap_tile"):
+        swap = impl == "gemm_swap_tile"
+        table = nm_fast.GEMM_TILES_SWAP if swap else nm_fast.GEMM_TILES
+        nm_fast.nm_gemm(x, values, words, n, m, bits, tile=table[(n, m)][case["tile"]][0], weight_a=swap)
     elif impl == "scratch":
         nm_fast.nm_decompress_into(values, words, n, m, bits, cols, torch.empty(rows * cols, dtype=dtype))
     else:
@@ -120,8 +130,9 @@ def decode_plan_per_sm(case: dict) -> int:
     from shuffleprune.kernels import nm_fast
 
     (rows, cols), (n, m) = case["shape"], case.get("pattern", (2, 4))
+    swap = {"use_dot": True, "weight_a": True} if case["impl"] == "decode_swap" else {}
     plan = nm_fast.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
-                               element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize)
+                               element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **swap)
     return plan["per_sm"]
 
 
@@ -135,7 +146,7 @@ def gemm_tensor_share(row: dict) -> float:
     tile = (c["BLOCK_T"], c["BLOCK_R"], c["BLOCK_C"], row["num_warps"], row["num_stages"])
     (rows, cols), tokens = row["shape"], row["tokens"]
     cycles = nm_fast.gemm_cycles(tokens, rows, cols, tile, row["loop_instructions"], row["programs_per_sm"], H100.sms,
-                                 c["SPLIT"])
+                                 c["SPLIT"], overlap=bool(c.get("WEIGHT_A")))
     ideal = 2 * tokens * rows * cols / nm_fast.TENSOR_FLOP_PER_CYCLE / H100.sms
     return round(ideal / cycles, 2)
 
@@ -168,10 +179,11 @@ def main() -> None:
                     row["plan_per_sm"] = decode_plan_per_sm(case)
                 if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
                     row["tensor_share"] = gemm_tensor_share(row)
-                if case["impl"] == "gemm_tile":
-                    from shuffleprune.kernels.nm_fast import GEMM_TILES
+                if case["impl"] in ("gemm_tile", "gemm_swap_tile"):
+                    from shuffleprune.kernels.nm_fast import GEMM_TILES, GEMM_TILES_SWAP
 
-                    row["table_loop"], row["table_per_sm"] = GEMM_TILES[case["pattern"]][case["tile"]][1:]
+                    table = GEMM_TILES_SWAP if case["impl"] == "gemm_swap_tile" else GEMM_TILES
+                    row["table_loop"], row["table_per_sm"] = table[case["pattern"]][case["tile"]][1:]
                 rows.append(row)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a result, recorded
             failed += 1

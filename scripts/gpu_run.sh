@@ -13,6 +13,8 @@
 #   bash scripts/gpu_run.sh tune_decode kernel kernel_fused e2e   # the decode kernels' tiles and split-K on
 #                                              # the gathered input, timed as bench_kernel times (rotating copies,
 #                                              # CUDA graphs); kernel_fused: q/k/v and gate/up as one layer each
+#   bash scripts/gpu_run.sh tune_swap          # the weight-as-A-operand decode (2–64 tokens) and GEMM against the
+#                                              # others' tiles, and the in-kernel map's tiles at 1 token
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
@@ -45,7 +47,7 @@ for s in "$@"; do
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 ;;
         perm_cost_tf32) step perm_cost_tf32 150 scripts/results/bench_perm_cost.json \
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 --tf32 --no-search ;;
-        kernel) step kernel 300 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py ;;
+        kernel) step kernel 420 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py ;;
         tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py --variants gather ;;
         tune_group) step tune_group 150 scripts/results/tune_kernel_group.json $PY scripts/tune_kernel.py --variants group \
             --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --out scripts/results/tune_kernel_group.json ;;
@@ -61,6 +63,14 @@ for s in "$@"; do
             step tune_decode_dot 170 scripts/results/tune_decode_dot.json $PY scripts/tune_kernel.py \
                 --variants dot --tokens 2 16 64 --block-r 32 64 --block-k 64 128 --num-warps 4 8 --stages 3 4 \
                 --splits 0 1 2 4 --max-tile 262144 --out scripts/results/tune_decode_dot.json ;;
+        tune_swap) step tune_swap_decode 200 scripts/results/tune_swap_decode.json $PY scripts/tune_kernel.py \
+                --variants swap dot --tokens 2 4 16 64 --block-r 64 128 --block-k 32 64 128 --num-warps 4 8 \
+                --stages 3 4 --max-tile 1048576 --out scripts/results/tune_swap_decode.json
+            step tune_mapped 120 scripts/results/tune_mapped.json $PY scripts/tune_kernel.py --variants mapped decode \
+                --tokens 1 --block-r 16 32 64 --block-k 128 256 --num-warps 4 --stages 4 --splits 0 1 2 4 \
+                --max-tile 1048576 --out scripts/results/tune_mapped.json
+            step tune_swap_gemm 150 scripts/results/tune_swap_gemm.json $PY scripts/tune_kernel.py \
+                --variants gemm gemm_swap --tokens 64 512 2048 --out scripts/results/tune_swap_gemm.json ;;
         tune_scratch) step tune_scratch 90 scripts/results/tune_scratch.json $PY scripts/tune_kernel.py \
                 --variants decompress --tokens 512 --block-r 8 16 32 64 --block-k 64 128 256 --num-warps 4 8 \
                 --max-tile 1048576 --out scripts/results/tune_scratch.json
@@ -69,7 +79,7 @@ for s in "$@"; do
                 --splits 0 1 --max-tile 1048576 --out scripts/results/tune_select_tokens.json ;;
         profile) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
             RES=scripts/results/ncu_decode.txt; : > $RES
-            for case in "select 1 11008x4096" "dot 2 11008x4096" "dot 16 11008x4096" "dense 1 11008x4096" \
+            for case in "select 1 11008x4096" "dot 2 11008x4096" "dot 16 11008x4096" "swap 16 11008x4096" "dense 1 11008x4096" \
                         "select 1 4096x4096" "dense 1 4096x4096"; do
                 read -r kern toks shape <<< "$case"
                 echo "##### $kern tokens=$toks shape=$shape" >> $RES

@@ -1,6 +1,7 @@
 """Run one decode case repeatedly for Nsight Compute (``scripts/gpu_run.sh profile``): a random 2:4
 bf16 weight of ``--shape`` on the gathered input of ``--tokens`` tokens, ``--kernel`` ``select``,
-``dot`` (``nm_decode`` forced onto that kernel, unsplit) or ``dense`` (``F.linear`` on the dense
+``dot``, ``swap`` (``nm_decode`` forced onto that kernel, unsplit; swap: the tensor-core kernel with
+the weight as the MMA's A operand) or ``dense`` (``F.linear`` on the dense
 weight). Setup runs first; only the timed calls lie inside the CUDA profiler range that
 ``ncu --profile-from-start off`` captures.
 
@@ -15,7 +16,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="11008x4096", help="OUTxIN")
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--kernel", choices=["select", "dot", "dense"], default="select")
+    ap.add_argument("--kernel", choices=["select", "dot", "swap", "dense"], default="select")
     ap.add_argument("--calls", type=int, default=6)
     args = ap.parse_args()
 
@@ -37,7 +38,8 @@ def main() -> None:
     def call() -> torch.Tensor:
         if args.kernel == "dense":
             return F.linear(x, w)
-        return nm_decode(x, values, words, 2, 4, meta_bits(4), None, None, use_dot=args.kernel == "dot", split=1)
+        return nm_decode(x, values, words, 2, 4, meta_bits(4), None, None, use_dot=args.kernel != "select", split=1,
+                         weight_a=args.kernel == "swap")
 
     ref = F.linear(x.float(), w.float())
     y = call()  # compiles

@@ -1,13 +1,15 @@
 """Measure the Triton 2:4 kernels' tile sizes on a GPU: for each LLaMA-2-7B linear shape and token
 count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the decode variants
 (``kernels/nm_fast.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
-tensor-core kernel) every pipeline depth in ``--stages``; for the prefill ``gemm`` every tile of
-``nm_fast.GEMM_TILES[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
+tensor-core kernel, ``swap`` the tensor-core kernel with the weight as the MMA's A operand,
+``mapped`` the planned kernel reading the index map itself) every pipeline depth in ``--stages``;
+for the prefill ``gemm`` / ``gemm_swap`` every tile of ``nm_fast.GEMM_TILES[(2, 4)]`` /
+``GEMM_TILES_SWAP[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
 is checked against the dense result and timed: calls over rotating weight copies (together more
 than 2.5× the L2, so no call finds its weight there) captured in one CUDA graph, the median replay
 over the calls, as ``bench_kernel.py`` times (``triton.testing.do_bench`` timed each call after an
 L2 flush, so the host's launch cost — tens of microseconds for these small kernels — set the
-numbers). The decode variants read the gathered input (no map: how ``SparseLinear`` runs them) and
+numbers). The decode variants but ``mapped`` read the gathered input (no map: how ``SparseLinear`` runs them) and
 also sweep ``--splits`` (``0`` = the plan's). The table of medians and the best tile per case go to
 ``scripts/results/tune_kernel.json``.
 
@@ -32,7 +34,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
-DECODE = {"decode": None, "select": False, "dot": True}   # nm_decode variants: the plan's kernel, or one forced
+# nm_decode variants: the plan's kernel, one forced, the tensor-core one with the weight as the MMA's A
+# operand (swap), and the plan's kernel reading the index map itself (mapped: the map's in-kernel cost)
+DECODE = {"decode": {}, "select": {"use_dot": False}, "dot": {"use_dot": True}, "swap": {"use_dot": True, "weight_a": True},
+          "mapped": {}}
+GEMMS = {"gemm": False, "gemm_swap": True}   # nm_gemm over its tile table, the weight as the MMA's B or A operand
 
 
 def main() -> None:
@@ -60,8 +66,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from shuffleprune.kernels.nm_fast import (GEMM_TILES, decode_plan, gemm_plan, nm_decode, nm_decompress_into,
-                                              nm_gemm, position_words)
+    from shuffleprune.kernels.nm_fast import (GEMM_TILES, GEMM_TILES_SWAP, decode_plan, gemm_plan, nm_decode,
+                                              nm_decompress_into, nm_gemm, position_words)
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
@@ -113,8 +119,9 @@ def main() -> None:
         scratch = torch.empty(out_f * in_f, dtype=dtype, device=dev) if "decompress" in args.variants else None
         configs = []   # (variant, block_r, block_k, num_warps, stages, split, gemm tile)
         for variant in args.variants:
-            if variant == "gemm":
-                tiles = [t[0] for t in GEMM_TILES[(2, 4)]] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
+            if variant in GEMMS:
+                table = GEMM_TILES_SWAP if GEMMS[variant] else GEMM_TILES
+                tiles = [t[0] for t in table[(2, 4)]] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
                 configs += [(variant, None, None, None, None, 0, tile) for tile in tiles]
             elif variant in DECODE:
                 configs += [(variant, *c, None) for c in
@@ -122,16 +129,17 @@ def main() -> None:
             else:
                 configs += [(variant, *c, 0, None) for c in
                             itertools.product(args.block_r, args.block_k, args.num_warps, args.stages)]
-        modelled = gemm_plan(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size())[0]
+        modelled = {v: gemm_plan(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size(), swap)[0]
+                    for v, swap in GEMMS.items()}
         for variant, br, bk, nw, st, sp, gtile in configs:
             decode = variant in DECODE
             if gtile is not None:
-                def run(values=values, words=words, gtile=gtile):
-                    return nm_gemm(xp, values, words, 2, 4, meta_bits(4), None, tile=gtile)
-                tile = {"tile": list(gtile), "modelled": gtile == modelled}
+                def run(values=values, words=words, gtile=gtile, swap=GEMMS[variant]):
+                    return nm_gemm(xp, values, words, 2, 4, meta_bits(4), None, tile=gtile, weight_a=swap)
+                tile = {"tile": list(gtile), "modelled": gtile == modelled[variant]}
             else:
                 block_t = (decode_plan(out_f, values.shape[1], tokens, 2, 4, meta_bits(4), dev,
-                                       use_dot=DECODE[variant])["block_t"]
+                                       **DECODE[variant])["block_t"]
                            if decode else min(16, 1 << (tokens - 1).bit_length()))   # the kernel's token tile
                 if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):
                     continue
@@ -141,8 +149,9 @@ def main() -> None:
                         dense = nm_decompress_into(values, words, 2, 4, meta_bits(4), in_f, scratch, br, bk, nw)
                         return F.linear(xp, dense)
                     if variant in DECODE:
-                        return nm_decode(xp, values, words, 2, 4, meta_bits(4), None, None, num_warps=nw, block_r=br,
-                                         block_k=bk, stages=st, split=sp or None, use_dot=DECODE[variant])
+                        inp, imap = (x, perm) if variant == "mapped" else (xp, None)
+                        return nm_decode(inp, values, words, 2, 4, meta_bits(4), imap, None, num_warps=nw, block_r=br,
+                                         block_k=bk, stages=st, split=sp or None, **DECODE[variant])
                     return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)
                 tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st, "split": sp} if decode else {})}
             try:

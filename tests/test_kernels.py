@@ -110,6 +110,34 @@ def test_gemm_kernel_matches_float64(rows, cols, n, m, tokens, dtype):
     assert _close(y, x.double() @ w.double().t() + bias.double(), dtype)   # split-K: partial sums + bias
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,n,m,tokens", [(70, 160, 2, 4, 3), (33, 256, 4, 8, 16), (20, 64, 1, 4, 5),
+                                                  (65, 96, 2, 4, 40)])
+def test_weight_as_mma_a_operand_matches_float64(rows, cols, n, m, tokens, dtype):
+    """The tensor-core decode and the GEMM with the weight tile as the MMA's A operand (``acc[rows,
+    tokens]``, stored transposed): ragged rows and K, 2:4, 4:8 and the generic expansion, index map
+    and bias, split-K, and the tiles of DOT_TILES_SWAP / GEMM_TILES_SWAP."""
+    from shuffleprune.kernels.nm_fast import decode_plan, nm_decode, nm_gemm, position_words
+
+    w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows * tokens)
+    words, bits = position_words(meta), meta_bits(m)
+    ref = x.double()[:, perm] @ w.double().t() + bias.double()
+    if tokens <= 16 or dtype != torch.float32:
+        y = nm_decode(x, values, words, n, m, bits, perm.to(torch.int32), bias, use_dot=True, weight_a=True)
+        assert _close(y, ref, dtype)
+        y = nm_decode(x, values, words, n, m, bits, perm.to(torch.int32), None, use_dot=True, weight_a=True,
+                      block_r=16, block_k=16, split=2)   # split-K partials of the transposed accumulator
+        assert _close(y, ref - bias.double(), dtype)
+        plan = decode_plan(rows, values.shape[1], tokens, n, m, bits, x.device, element_bytes=x.element_size(),
+                           use_dot=True, weight_a=True)
+        assert plan["weight_a"] and plan["use_dot"]
+    xp = x[:, perm].contiguous()
+    y = nm_gemm(xp, values, words, n, m, bits, bias, weight_a=True)   # the plan's swap tile
+    assert _close(y, ref, dtype)
+    y = nm_gemm(xp, values, words, n, m, bits, None, tile=(16, 16, 64, 4, 1), split=2, weight_a=True)
+    assert _close(y, ref - bias.double(), dtype)
+
+
 @pytest.mark.parametrize("rows,cols,n,m", [(37, 96, 2, 4), (33, 136, 4, 8), (5, 24, 2, 4)])
 def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
     from shuffleprune.kernels.nm_fast import nm_decompress_into, position_words
@@ -220,7 +248,8 @@ def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
 
 def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_decode():
     """Mapped layers weigh the gather-then-decode path against the kernel reading the map itself;
-    where nothing can be timed (a first call inside a graph capture), decode runs, else the scratch."""
+    from two tokens the select loop and the weight-as-A tensor-core decode, from 17 both GEMMs, are
+    weighed too; where nothing can be timed (a first call inside a graph capture), decode runs, else the scratch."""
     from shuffleprune.deploy.sparse_linear import default_choice
 
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
@@ -228,10 +257,12 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     x1, x20, x70 = (torch.randn(t, 64).half() for t in (1, 20, 70))
     assert mapped._candidates(x1) == ["decode", "decode_mapped", "scratch", "gather"]
     assert plain._candidates(x1) == ["decode", "scratch", "gather"]
-    assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select", "scratch",
-                                                              "gather"]
-    assert mapped._candidates(x20) == ["decode", "decode_mapped", "gemm", "scratch"]
-    assert mapped._candidates(x70) == ["gemm", "scratch"]
+    assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select", "decode_swap",
+                                                              "scratch", "gather"]
+    assert mapped._candidates(x20) == ["decode", "decode_mapped", "decode_swap", "gemm", "gemm_swap", "scratch"]
+    assert mapped._candidates(x70) == ["gemm", "gemm_swap", "scratch"]
+    assert plain._candidates(torch.randn(5, 64).float())[:2] == ["decode", "decode_select"]   # float32: up to 16
+    assert "decode_swap" not in plain._candidates(torch.randn(20, 64).float())
     assert default_choice(mapped._candidates(x1)) == "decode"
     assert default_choice(mapped._candidates(x70)) == "scratch"
 
@@ -262,8 +293,9 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     the software pipeline (asynchronous copies), 2:4 decode loops short enough not to be issue-bound at
     1–32 tokens and to beat a dense weight streamed at HBM3's peak at 64, split-K sized for no more
     programs per SM than the compiled kernel lets reside, tensor-core instructions where ``tl.dot`` is
-    used (decode from 2 tokens, prefill), prefill tiles that stay in L2 (no evict-first), and the
-    GEMM tile table (loop length, residency) that ``gemm_plan``'s cost model reads still true."""
+    used (decode from 2 tokens, prefill) and wgmma where the weight is the A operand (``decode_swap``,
+    ``gemm_swap``, residency as DOT_TILES_SWAP says), prefill tiles that stay in L2 (no evict-first),
+    and the GEMM tile tables (loop length, residency) that ``gemm_plan``'s cost model reads still true."""
     import json
     import os
     import subprocess
@@ -281,7 +313,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert rows and all("error" not in r for r in rows)
     assert all(r["spill_bytes"] == 0 and r["fits"] for r in rows)
     impls = {r["impl"] for r in rows}
-    assert {"decode", "decode_nomap", "gemm", "gemm_tile", "scratch", "rmsnorm_mapped"} <= impls
+    assert {"decode", "decode_nomap", "decode_swap", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
+            "rmsnorm_mapped"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -293,11 +326,16 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["plan_per_sm"] <= r["programs_per_sm"], r   # split-K never assumes more than reside
         if (r["impl"] == "decode" and r["tokens"] >= 2) or r["impl"] == "gemm":
             assert r["tensor_core"], r
+        if "swap" in r["impl"]:   # the weight as the A operand: Hopper's asynchronous wgmma, the tiles' residency
+            assert r["wgmma"] and r["widest_load_bytes"] == 16 and r["async_copies"], r
+        if r["impl"] == "decode_swap":
+            assert r["evict_first"] and r["plan_per_sm"] == r["programs_per_sm"], r
         if r["impl"].startswith("gemm"):
             assert not r["evict_first"], r
-        if r["impl"] == "gemm_tile":   # the GEMM_TILES table gemm_tile's cost model reads is the compiled one
+        if r["impl"] in ("gemm_tile", "gemm_swap_tile"):   # the tables gemm_plan's cost model reads are the compiled ones
             assert r["programs_per_sm"] == r["table_per_sm"], r
             assert abs(r["loop_instructions"] - r["table_loop"]) <= 0.1 * r["table_loop"], r
-    tiles = [r for r in rows if r["impl"] == "gemm_tile"]
-    assert {r["pattern"] for r in tiles} == {"2:4", "4:8"} and len(tiles) >= 6
-    assert tiles[0]["tensor_share"] > 0.8, tiles   # 2:4's 256-token tile of long prompts
+    for impl in ("gemm_tile", "gemm_swap_tile"):
+        tiles = [r for r in rows if r["impl"] == impl]
+        assert {r["pattern"] for r in tiles} == {"2:4", "4:8"} and len(tiles) >= 6
+        assert tiles[0]["tensor_share"] > 0.8, tiles   # 2:4's 256-token tile of long prompts

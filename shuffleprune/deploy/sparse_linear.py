@@ -12,8 +12,12 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
 - ``decode_select`` (2–16 tokens): the decode forced onto the one-token kernel's select-and-add
   loop instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed
   from 2 tokens on, the select loop 1.5× faster than dense at one token);
+- ``decode_swap`` (2–64 tokens): the tensor-core decode with the weight tile as the MMA's A operand
+  (rows in the MMA's M: Hopper's asynchronous wgmma from registers; narrower steps, more programs
+  per SM), built after the tensor-core decode measured at about dense speed, latency-bound;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
-  registers, over the gathered input;
+  registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
+  the tensor-core call overlaps the next tile's expansion;
 - ``scratch`` (any device): ``W_p`` decompressed into one scratch buffer shared by every layer of
   that device and dtype, then a dense matmul (cuBLAS on the GPU);
 - ``gather`` / ``group``: the first Triton kernels (``kernels/nm_matmul.py``), kept as candidates;
@@ -36,7 +40,8 @@ from torch import nn
 from shuffleprune.deploy.format import decompress, meta_bits
 from shuffleprune.runtime import cuda_graph_ms
 
-IMPLS = ("decode", "decode_mapped", "decode_select", "gemm", "scratch", "gather", "group", "semi_structured", "semi_cutlass")
+IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "gather", "group",
+         "semi_structured", "semi_cutlass")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
 SELECT_MAX_TOKENS = 16  # the select decode's limit (nm_fast.decode_plan)
@@ -156,17 +161,19 @@ class SparseLinear(nn.Module):
         return decompress(self.values, self.meta, self.n, self.m, self.in_features, out=buf)
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
-        if impl in ("decode", "decode_mapped", "decode_select"):
+        if impl in ("decode", "decode_mapped", "decode_select", "decode_swap"):
             from shuffleprune.kernels.nm_fast import nm_decode
 
             if impl == "decode_mapped":
                 return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias)
+            forced = {"decode_select": {"use_dot": False}, "decode_swap": {"use_dot": True, "weight_a": True}}
             return nm_decode(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, None, self.bias,
-                             **({"use_dot": False} if impl == "decode_select" else {}))
-        if impl == "gemm":
+                             **forced.get(impl, {}))
+        if impl in ("gemm", "gemm_swap"):
             from shuffleprune.kernels.nm_fast import nm_gemm
 
-            return nm_gemm(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, self.bias)
+            return nm_gemm(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, self.bias,
+                           weight_a=impl == "gemm_swap")
         if impl in ("gather", "group"):
             from shuffleprune.kernels.nm_matmul import nm_gather_matmul
 
@@ -196,7 +203,9 @@ class SparseLinear(nn.Module):
                 out += ["decode", "decode_mapped"] if self.perm is not None else ["decode"]
             if 2 <= tokens <= SELECT_MAX_TOKENS:
                 out.append("decode_select")
-            out += ["gemm"] if tokens >= GEMM_MIN_TOKENS else []
+            if 2 <= tokens <= decode_max_tokens(x.element_size()):
+                out.append("decode_swap")
+            out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
         out.append("scratch")
         if tokens <= GATHER_MAX_TOKENS:
             out.append("gather")
