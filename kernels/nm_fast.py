@@ -372,10 +372,10 @@ DOT_TILES_OTHER = {16: (16, 256, 4, 4), 32: (32, 256, 4, 4), 64: (64, 128, 8, 1)
 # in the MMA's M, tokens in its N, so Hopper's asynchronous wgmma takes the expanded tile from
 # registers and up to 16 stay in flight, where tokens in M (at least 64 for wgmma) fall back to
 # synchronous mma with 2–32 tokens). Narrower steps than DOT_TILES: the compile for sm_90a lets 7
-# (2–16 tokens), 6 (32) and 4 (64) programs of 2:4 reside per SM against 2, 2 and 1 — the
+# (2–16 tokens), 5 (32; 6 with triton 3.6) and 4 (64) programs of 2:4 reside per SM against 2, 2 and 1 — the
 # tensor-core decode was latency-bound at 12.5 % occupancy on an H100 (ncu_decode.txt). Not yet timed.
 DOT_TILES_SWAP = {
-    (2, 4): {16: (64, 64, 4, 7), 32: (64, 64, 4, 6), 64: (64, 64, 4, 4)},
+    (2, 4): {16: (64, 64, 4, 7), 32: (64, 64, 4, 5), 64: (64, 64, 4, 4)},
     (4, 8): {16: (64, 128, 4, 4), 32: (64, 128, 4, 3), 64: (64, 128, 4, 2)},
 }
 DOT_TILE_FP32 = (16, 128, 8, 1)

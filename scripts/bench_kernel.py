@@ -70,7 +70,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from shuffleprune.deploy.format import compress
-    from shuffleprune.deploy.sparse_linear import SparseLinear
+    from shuffleprune.deploy.sparse_linear import SparseLinear, candidate_errors
     from shuffleprune.kernels.nm_fast import decode_max_tokens
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
@@ -172,7 +172,7 @@ def main() -> None:
                 try:
                     y = layers[impl][0](inp)
                     ms, how = timed([lambda l=l: l(inp) for l in layers[impl]])
-                except (RuntimeError, NotImplementedError, ValueError) as exc:
+                except candidate_errors() as exc:
                     rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
                                  "error": str(exc).splitlines()[0][:200]})
                     continue

@@ -43,15 +43,18 @@ def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = Tr
 
     if maps not in ("kernel", "producer"):
         raise ValueError(f"maps must be 'kernel' or 'producer', not {maps!r}")
+    from shuffleprune.blocks import lazy_block_probe
+
     model = load_model(path, dtype).model
+    probe = lazy_block_probe(model)   # one probe for both rewrites, built only if one needs it
     if maps == "producer":
         from shuffleprune.deploy.producer_maps import move_maps_to_producers
 
-        move_maps_to_producers(model)
+        move_maps_to_producers(model, probe=probe)
     if fuse:
         from shuffleprune.deploy.fused_inputs import fuse_shared_inputs
 
-        fuse_shared_inputs(model)
+        fuse_shared_inputs(model, probe=probe)
     return model
 
 

@@ -280,3 +280,15 @@ def block_probe(model: nn.Module, blocks: Blocks) -> Callable[[int], torch.Tenso
     def run(i: int) -> torch.Tensor:
         return run_block(blocks.layers[i], inputs[i], captured, i, device, 1).float()
     return run
+
+
+def lazy_block_probe(model: nn.Module) -> Callable[[int], torch.Tensor]:
+    """:func:`block_probe` of ``model``, built on its first call: several rewrites share one probe
+    (its inputs are computed once), and callers that never probe pay nothing."""
+    built: list[Callable[[int], torch.Tensor]] = []
+
+    def run(i: int) -> torch.Tensor:
+        if not built:
+            built.append(block_probe(model, find_blocks(model)))
+        return built[0](i)
+    return run

@@ -408,23 +408,29 @@ def test_rms_form_recognises_rmsnorms_by_what_they_compute():
 
 def test_load_moves_maps_to_producers_by_default_and_skips_models_without_maps(tiny_dir, pruned_perm_dir, tmp_path,
                                                                               monkeypatch):
-    """``load``'s default puts shared maps at their producers; a model without mapped sparse layers
-    (any plain HF checkpoint) is never probed."""
-    from shuffleprune.deploy import producer_maps
+    """``load``'s default puts shared maps at their producers, probing the model once for both of its
+    rewrites (maps and stacking); a model without mapped sparse layers (any plain HF checkpoint) is
+    never probed."""
+    from shuffleprune import blocks
+    from shuffleprune.deploy import fused_inputs, producer_maps
     from shuffleprune.deploy.producer_maps import MappedOutput, has_maps
 
     export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    built = []
+    real_probe = blocks.block_probe
+    for module in (blocks, producer_maps, fused_inputs):   # every name the probe is called by
+        monkeypatch.setattr(module, "block_probe", lambda *a, **k: built.append(1) or real_probe(*a, **k))
     model = shuffleprune.load(str(tmp_path / "exported"))
     assert any(isinstance(mod, MappedOutput) for mod in model.modules())
+    assert any(mod.fused_inputs is not None for mod in model.modules() if isinstance(mod, SparseLinear))
+    assert len(built) == 1   # one probe shared by both rewrites
     assert has_maps(shuffleprune.load(str(tmp_path / "exported"), maps="kernel"))
-
-    from shuffleprune.deploy import fused_inputs
 
     def probe(*_a, **_k):
         raise AssertionError("a model without index maps was probed")
 
-    monkeypatch.setattr(producer_maps, "block_probe", probe)
-    monkeypatch.setattr(fused_inputs, "block_probe", probe)
+    for module in (blocks, producer_maps, fused_inputs):
+        monkeypatch.setattr(module, "block_probe", probe)
     plain = shuffleprune.load(str(tiny_dir))
     assert not has_maps(plain) and not any(isinstance(mod, MappedOutput) for mod in plain.modules())
 

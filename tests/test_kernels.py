@@ -246,6 +246,40 @@ def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
     assert measured[-1] == (24, True, 1) and len(measured) == 5
 
 
+def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
+    """``auto`` keeps the fastest candidate that ran; one that raises what a GPU with less shared memory
+    than an H100 raises (Triton's OutOfResources), a RuntimeError or a ValueError is skipped, not
+    fatal; any other error (a bug) propagates."""
+    from triton.runtime.errors import OutOfResources
+
+    from shuffleprune.deploy import sparse_linear
+
+    times = {"decode": OutOfResources(232448, 101376, "shared memory"), "decode_swap": 0.5, "scratch": 0.7,
+             "gather": ValueError("does not fit")}
+
+    def fake_timer(calls, reps, warm=2):
+        impl = fake_timer.impl
+        result = times[impl]
+        if isinstance(result, Exception):
+            raise result
+        return result, "cuda_graph"
+
+    def fake_run(self, impl, x):
+        fake_timer.impl = impl
+
+    monkeypatch.setattr(sparse_linear, "cuda_graph_ms", lambda calls, reps, warm=2: (calls[0](), fake_timer(calls, reps))[1])
+    monkeypatch.setattr(SparseLinear, "_run", fake_run)
+    _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
+    x = torch.randn(4, 64).half()
+    assert layer._measure(x, list(times)) == "decode_swap"
+    times["decode_swap"] = RuntimeError("an unexpected bug")
+    assert layer._measure(x, list(times)) == "scratch"   # RuntimeError: as before, a candidate that cannot run
+    times["scratch"] = KeyError("a bug")
+    with pytest.raises(KeyError):
+        layer._measure(x, list(times))
+
+
 def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_decode():
     """Mapped layers weigh the gather-then-decode path against the kernel reading the map itself;
     from two tokens the select loop and the weight-as-A tensor-core decode, from 17 both GEMMs, are

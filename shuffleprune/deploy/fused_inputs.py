@@ -13,10 +13,14 @@ the input is the same tensor, unmodified (as :class:`SharedGather` does for inpu
 """
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import torch
 from torch import nn
 
 from shuffleprune.blocks import block_probe, find_blocks
+from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.sparse_linear import SparseLinear
 
 
@@ -84,36 +88,22 @@ def _compatible(a: SparseLinear, b: SparseLinear) -> bool:
             and (a.bias is None) == (b.bias is None) and a.policy == b.policy and same_map)
 
 
-def fuse_shared_inputs(model: nn.Module) -> list[list[str]]:
+def _unfused(module: nn.Module) -> bool:
+    return isinstance(module, SparseLinear) and getattr(module, "fused_inputs", None) is None
+
+
+def fuse_shared_inputs(model: nn.Module, probe: Callable[[int], torch.Tensor] | None = None) -> list[list[str]]:
     """Group ``model``'s sparse layers that read one input tensor, block by block (in place); returns
-    the groups' layer names."""
+    the groups' layer names. ``probe``: a :func:`~shuffleprune.blocks.block_probe` of ``model`` to
+    reuse (built here if None; never for a model without sparse layers)."""
     blocks = find_blocks(model)
     if not any(isinstance(mod, SparseLinear) for mod in model.modules()):
         return []
-    run = block_probe(model, blocks)
+    run = probe or block_probe(model, blocks)
     made = []
     for i, block in enumerate(blocks.layers):
-        seen: list[tuple[torch.Tensor, list[str]]] = []
-
-        def record(name: str):
-            def hook(_module: nn.Module, args: tuple) -> None:
-                if args:
-                    for tensor, names in seen:
-                        if tensor is args[0]:
-                            names.append(name)
-                            return
-                    seen.append((args[0], [name]))
-            return hook
-
-        handles = [mod.register_forward_pre_hook(record(name)) for name, mod in block.named_modules()
-                   if isinstance(mod, SparseLinear) and getattr(mod, "fused_inputs", None) is None]
-        try:
-            with torch.no_grad():
-                run(i)
-        finally:
-            for h in handles:
-                h.remove()
-        for _, names in seen:
+        io = record_block_io(block, partial(run, i), _unfused, outputs=False)
+        for names in io.readers_by_input():
             layers = [block.get_submodule(n) for n in names]
             group = [layers[0]] + [layer for layer in layers[1:] if _compatible(layers[0], layer)]
             if len(group) < 2:

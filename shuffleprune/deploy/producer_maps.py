@@ -12,12 +12,14 @@ producer, and the CPU, computes its output and gathers it.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
 from shuffleprune.blocks import block_probe, find_blocks
+from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.sparse_linear import SparseLinear
 
 
@@ -75,60 +77,36 @@ class MappedOutput(nn.Module):
         return self.inner(x, *args, **kwargs).index_select(-1, self.perm)
 
 
-def _producers(block: nn.Module, run: Callable[[], torch.Tensor]) -> tuple[dict[str, str], torch.Tensor]:
-    """``{mapped SparseLinear: module whose output is its input tensor}`` within ``block`` (names
-    relative to it), from forward hooks on one probe run (the innermost module when several return
-    the same tensor), and that run's output."""
-    outputs: list[tuple[str, torch.Tensor]] = []  # in completion order: inner modules first
-    inputs: dict[str, torch.Tensor] = {}
-
-    def record(name: str, reader: bool):
-        def hook(_module: nn.Module, args: tuple, out: object) -> None:  # returns None: the output is untouched
-            if reader and args:
-                inputs.setdefault(name, args[0])
-            elif not reader and isinstance(out, torch.Tensor):
-                outputs.append((name, out))
-        return hook
-
-    handles = []
-    for name, mod in block.named_modules():
-        reader = isinstance(mod, SparseLinear)
-        if name and (not reader or mod.perm is not None):
-            handles.append(mod.register_forward_hook(record(name, reader)))
-    try:
-        output = run()
-    finally:
-        for h in handles:
-            h.remove()
-    found = {}
-    for lin, x in inputs.items():  # the tensors are held in the lists, so identity is meaningful
-        producer = next((n for n, out in outputs if out is x and not lin.startswith(n + ".")), None)
-        if producer is not None:
-            found[lin] = producer
-    return found, output
-
-
 def has_maps(model: nn.Module) -> bool:
     """Whether any ``SparseLinear`` of ``model`` reads its input through an index map."""
     return any(isinstance(mod, SparseLinear) and mod.perm is not None for mod in model.modules())
 
 
-def move_maps_to_producers(model: nn.Module, kernel: bool | None = None) -> dict[str, list[str]]:
+def _is_mapped(module: nn.Module) -> bool:
+    return isinstance(module, SparseLinear) and module.perm is not None
+
+
+def move_maps_to_producers(model: nn.Module, kernel: bool | None = None,
+                           probe: Callable[[int], torch.Tensor] | None = None) -> dict[str, list[str]]:
     """Move the index maps of ``model``'s ``SparseLinear`` layers to the modules producing their input,
     where the block's output stays the same; returns ``{producer: [layers]}`` of the moves (in place).
-    A model without mapped layers (any plain HF checkpoint) is returned untouched, never probed."""
+    A model without mapped layers (any plain HF checkpoint) is returned untouched, never probed.
+    ``probe``: a :func:`~shuffleprune.blocks.block_probe` of ``model`` to reuse (built here if None)."""
     if not has_maps(model):
         return {}
     blocks = find_blocks(model)
-    run = block_probe(model, blocks)
+    run = probe or block_probe(model, blocks)
     half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
     moved: dict[str, list[str]] = {}
     for i, block in enumerate(blocks.layers):
         prefix = f"{blocks.name}.{i}"
         groups: dict[str, list[str]] = {}
-        found, reference = _producers(block, lambda: run(i))
-        for lin, producer in found.items():
-            groups.setdefault(producer, []).append(lin)
+        io = record_block_io(block, partial(run, i), _is_mapped)
+        reference = io.output
+        for lin in io.inputs:
+            producer = io.producer_of(lin)
+            if producer is not None:
+                groups.setdefault(producer, []).append(lin)
         if not groups:
             continue
         scale = reference.abs().max().clamp_min(1e-6)

@@ -222,7 +222,7 @@ class SparseLinear(nn.Module):
             for impl in candidates:
                 try:
                     ms, _ = cuda_graph_ms([lambda impl=impl: self._run(impl, x)] * calls, reps, warm=3)
-                except (RuntimeError, NotImplementedError, ValueError):  # e.g. a kernel that does not fit
+                except candidate_errors():  # e.g. a tile that does not fit this GPU's shared memory
                     continue
                 if ms < best_ms:
                     best, best_ms = impl, ms
@@ -253,6 +253,18 @@ class SparseLinear(nn.Module):
                 _CHOICES[key] = self._measure(x, self._candidates(x))
             self.choices[bucket] = _CHOICES[key]
         return self.choices[bucket]
+
+
+def candidate_errors() -> tuple[type[Exception], ...]:
+    """What a candidate that cannot run on this device raises (Triton's own errors among them: a tile
+    sized for an H100's 228 KB of shared memory is out of resources on a GPU with 100 KB): ``auto``
+    skips it and times the others."""
+    errors: tuple[type[Exception], ...] = (RuntimeError, NotImplementedError, ValueError)
+    try:
+        from triton.errors import TritonError
+    except ImportError:
+        return errors
+    return errors + (TritonError,)
 
 
 def default_choice(candidates: list[str]) -> str:
