@@ -158,6 +158,22 @@ if triton is not None:
                        other=0.0)
 
     @triton.jit
+    def _mma_step(acc, dense, xs, WEIGHT_A: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """One step on the tensor cores: ``acc[R, T] += dense @ xsᵀ`` with the weight as the MMA's A
+        operand (``WEIGHT_A``), else ``acc[T, R] += xs @ denseᵀ``; ``UPCAST``: in float32 (the
+        interpreter's bfloat16, see :func:`_upcast`)."""
+        if WEIGHT_A:   # one return at the end: Triton compiles the statements after a constexpr branch's return
+            if UPCAST:
+                acc = tl.dot(dense.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(dense.to(xs.dtype), tl.trans(xs), acc, input_precision=PREC)
+        elif UPCAST:
+            acc = tl.dot(xs.to(tl.float32), tl.trans(dense.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xs, tl.trans(dense.to(xs.dtype)), acc, input_precision=PREC)
+        return acc
+
+    @triton.jit
     def _decode_ids(R, T, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
         """A decode program's split index, its rows and the tokens (with their in-range masks)."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -198,15 +214,7 @@ if triton is not None:
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
                                 "evict_first")
             xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
-            if WEIGHT_A:
-                if UPCAST:
-                    acc = tl.dot(dense.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(dense.to(xs.dtype), tl.trans(xs), acc, input_precision=PREC)
-            elif UPCAST:
-                acc = tl.dot(xs.to(tl.float32), tl.trans(dense.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xs, tl.trans(dense.to(xs.dtype)), acc, input_precision=PREC)
+            acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if not WEIGHT_A:
             acc = tl.trans(acc)
         _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt,
@@ -278,15 +286,7 @@ if triton is not None:
             xs = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_ok[:, None] & (cols < C)[None, :],
                          other=0.0)
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, c0 * N // M, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K, "")
-            if WEIGHT_A:
-                if UPCAST:
-                    acc = tl.dot(dense.to(tl.float32), tl.trans(xs.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(dense.to(xs.dtype), tl.trans(xs), acc, input_precision=PREC)
-            elif UPCAST:
-                acc = tl.dot(xs.to(tl.float32), tl.trans(dense.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xs, tl.trans(dense.to(xs.dtype)), acc, input_precision=PREC)
+            acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if WEIGHT_A:
             acc = tl.trans(acc)
         out_ok = tok_ok[:, None] & row_ok[None, :]
