@@ -202,7 +202,8 @@ if triton is not None:
                               WEIGHT_A: tl.constexpr = False):
         """Several tokens: the tile expanded to dense in registers and multiplied on the tensor cores,
         ``acc[T, R] += x_p[T, cols] @ W_p[R, cols]ᵀ`` (tokens in the rows of the MMA: the inputs are
-        read row-major, as they lie in memory)."""
+        read row-major, as they lie in memory), or with ``WEIGHT_A`` ``acc[R, T] += W_p @ x_pᵀ`` (the
+        weight's rows in the MMA's M, see :data:`DOT_TILES_SWAP`)."""
         G: tl.constexpr = BLOCK_K // N
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
         if WEIGHT_A:
@@ -381,6 +382,7 @@ DOT_TILES_SWAP = {
 DOT_TILE_FP32 = (16, 128, 8, 1)
 DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP32 = 64, 16
 SELECT_MAX_TOKENS = 1  # above this the tensor-core kernel's loop issues fewer instructions per weight byte
+SELECT_LIMIT_TOKENS = 16  # the most tokens the select kernel takes (its per-token accumulators grow with them)
 
 
 def decode_max_tokens(element_bytes: int) -> int:
@@ -415,8 +417,8 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
                          "use nm_gemm")
     if use_dot is None:  # 4:8's select chains 8 slots (2.2 TB/s at one token), its expansion does not (3.6)
         use_dot = tokens > SELECT_MAX_TOKENS or (n, m) == (4, 8)
-    if not use_dot and tokens > 16:
-        raise ValueError(f"the select decode takes at most 16 tokens (got {tokens})")
+    if not use_dot and tokens > SELECT_LIMIT_TOKENS:
+        raise ValueError(f"the select decode takes at most {SELECT_LIMIT_TOKENS} tokens (got {tokens})")
     block_t = max(16, triton.next_power_of_2(tokens)) if use_dot else triton.next_power_of_2(tokens)  # tl.dot: ≥ 16
     if use_dot:
         table = DOT_TILES_SWAP if weight_a else DOT_TILES

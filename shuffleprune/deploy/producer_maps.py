@@ -77,13 +77,13 @@ class MappedOutput(nn.Module):
         return self.inner(x, *args, **kwargs).index_select(-1, self.perm)
 
 
-def has_maps(model: nn.Module) -> bool:
-    """Whether any ``SparseLinear`` of ``model`` reads its input through an index map."""
-    return any(isinstance(mod, SparseLinear) and mod.perm is not None for mod in model.modules())
-
-
 def _is_mapped(module: nn.Module) -> bool:
     return isinstance(module, SparseLinear) and module.perm is not None
+
+
+def has_maps(model: nn.Module) -> bool:
+    """Whether any ``SparseLinear`` of ``model`` reads its input through an index map."""
+    return any(_is_mapped(mod) for mod in model.modules())
 
 
 def move_maps_to_producers(model: nn.Module, kernel: bool | None = None,

@@ -44,7 +44,8 @@ IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gem
          "semi_structured", "semi_cutlass")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
-SELECT_MAX_TOKENS = 16  # the select decode's limit (nm_fast.decode_plan)
+# the decode policies that force one of nm_decode's kernels (on the gathered input)
+_DECODE_FORCED = {"decode": {}, "decode_select": {"use_dot": False}, "decode_swap": {"use_dot": True, "weight_a": True}}
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 _CHOICES: dict[tuple, str] = {}   # (device, dtype, rows, cols, N, M, map?, bias?, bucket) → implementation
@@ -166,9 +167,8 @@ class SparseLinear(nn.Module):
 
             if impl == "decode_mapped":
                 return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias)
-            forced = {"decode_select": {"use_dot": False}, "decode_swap": {"use_dot": True, "weight_a": True}}
             return nm_decode(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, None, self.bias,
-                             **forced.get(impl, {}))
+                             **_DECODE_FORCED[impl])
         if impl in ("gemm", "gemm_swap"):
             from shuffleprune.kernels.nm_fast import nm_gemm
 
@@ -192,18 +192,19 @@ class SparseLinear(nn.Module):
         return F.linear(self._gathered(x), self._scratch_dense(), self.bias)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
-        from shuffleprune.kernels.nm_fast import decode_max_tokens, triton
+        from shuffleprune.kernels.nm_fast import SELECT_LIMIT_TOKENS, decode_max_tokens, triton
 
         if triton is None:
             return ["scratch"]
         tokens = x.numel() // x.shape[-1]
+        decode_limit = decode_max_tokens(x.element_size())
         out = []
         if self._pow2():  # from 17 to 64 tokens both Triton kernels are timed
-            if tokens <= decode_max_tokens(x.element_size()):
+            if tokens <= decode_limit:
                 out += ["decode", "decode_mapped"] if self.perm is not None else ["decode"]
-            if 2 <= tokens <= SELECT_MAX_TOKENS:
+            if 2 <= tokens <= SELECT_LIMIT_TOKENS:
                 out.append("decode_select")
-            if 2 <= tokens <= decode_max_tokens(x.element_size()):
+            if 2 <= tokens <= decode_limit:
                 out.append("decode_swap")
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
         out.append("scratch")
