@@ -9,7 +9,9 @@ and each candidate (``decode``: the input gathered through the map by one small 
 decode kernel; ``decode_mapped``: the kernel reading the map itself; ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
-weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, the first kernels ``gather`` / ``group``, and PyTorch's ``semi_structured``). ``norm_rows``: the producer-side alternative for a shared map —
+weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, the first kernels ``gather`` / ``group``, PyTorch's 2:4 tensors
+``semi_structured`` and ``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm,
+``cslt``; the last two from 64 tokens and only when named in ``--impls``). ``norm_rows``: the producer-side alternative for a shared map —
 an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
 writing its output through the map (``rmsnorm_mapped``, ``kernels/norm_map.py``), per input width.
 
@@ -35,6 +37,8 @@ SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 1433
 TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
 CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
               "gather", "group", "semi_structured"]
+SPARSE_TC = ("semi_structured", "semi_cutlass", "cslt")   # libraries' 2:4 GEMMs, each with its own compressed copy
+# (semi_cutlass and cslt only when named in --impls: gpu_run.sh sparse_tc)
 
 
 def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> int:
@@ -46,10 +50,10 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
     weight = rows * kept * elt + rows * kept // 4           # values + 2-bit positions
     if impl == "scratch":
         weight += 2 * rows * cols * elt                       # dense written to the scratch, then read
-    if impl == "semi_structured":
+    if impl in SPARSE_TC:
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if impl == "decode_nomap" else cols * 4
-    if impl in ("decode", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "semi_structured"):
+    if impl in ("decode", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", *SPARSE_TC):
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped
 
@@ -167,7 +171,9 @@ def main() -> None:
                 if impl in ("decode_select", "decode_swap") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
                     continue  # candidates from 2 tokens (select: to 16)
                 if impl in ("gather", "group") and tokens > 64:
-                    continue  # the first kernels: 4–160× slower than dense from 16 tokens (earlier H100 rows)
+                    continue
+                if impl in ("semi_cutlass", "cslt") and tokens < 64:
+                    continue  # GEMMs for prefill (semi_structured's rows at 1-16 tokens: 3-4× slower than dense)  # the first kernels: 4–160× slower than dense from 16 tokens (earlier H100 rows)
                 inp = x if impl != "decode_nomap" else xp
                 try:
                     y = layers[impl][0](inp)

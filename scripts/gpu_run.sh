@@ -15,6 +15,8 @@
 #                                              # CUDA graphs); kernel_fused: q/k/v and gate/up as one layer each
 #   bash scripts/gpu_run.sh tune_swap          # the weight-as-A-operand decode (2–64 tokens) and GEMM against the
 #                                              # others' tiles, and the in-kernel map's tiles at 1 token
+#   bash scripts/gpu_run.sh sparse_tc          # cuSPARSELt's 2:4 layout learned (probe_sparse_tc.py) and its GEMM,
+#                                              # algorithm searched, against cuBLAS and the Triton GEMMs at 64-2048 tokens
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
@@ -71,6 +73,10 @@ for s in "$@"; do
                 --max-tile 1048576 --out scripts/results/tune_mapped.json
             step tune_swap_gemm 150 scripts/results/tune_swap_gemm.json $PY scripts/tune_kernel.py \
                 --variants gemm gemm_swap --tokens 64 512 2048 --out scripts/results/tune_swap_gemm.json ;;
+        sparse_tc) step sparse_tc_layout 120 scripts/results/sparse_tc_layout.json $PY scripts/probe_sparse_tc.py
+            step sparse_tc_bench 240 scripts/results/bench_sparse_tc.json $PY scripts/bench_kernel.py --tokens 64 512 2048 \
+                --impls auto scratch gemm gemm_swap semi_structured semi_cutlass cslt \
+                --out scripts/results/bench_sparse_tc.json ;;
         tune_scratch) step tune_scratch 90 scripts/results/tune_scratch.json $PY scripts/tune_kernel.py \
                 --variants decompress --tokens 512 --block-r 8 16 32 64 --block-k 64 128 256 --num-warps 4 8 \
                 --max-tile 1048576 --out scripts/results/tune_scratch.json

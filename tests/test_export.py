@@ -116,6 +116,29 @@ def test_sparse_linear_holds_only_the_compressed_weight_and_shares_one_scratch()
         SparseLinear(*compress(_nm_weight(4, 8, 2, 4), 2, 4), 8, 2, 4, policy="fastest")
 
 
+def test_cslt_policy_multiplies_the_gathered_input_and_searches_once_per_token_count(monkeypatch):
+    """cuSPARSELt runs only on CUDA: its three calls are stood in by dense float64 arithmetic with the
+    library's contract (A compressed [R, C] from the left, B [C, T], transpose_result → [T, R])."""
+    searched = []
+    monkeypatch.setattr(torch, "_cslt_compress", lambda dense: dense.double())
+    monkeypatch.setattr(torch, "_cslt_sparse_mm_search",
+                        lambda a, b, bias, transpose_result: searched.append(b.shape[1]) or 7)
+
+    def sparse_mm(a, b, bias, transpose_result, alg_id):
+        assert transpose_result and alg_id == 7
+        y = a @ b.double() + (0 if bias is None else bias.double()[:, None])
+        return y.t()
+
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", sparse_mm)
+    w, perm = _nm_weight(12, 32, 2, 4), torch.randperm(32)
+    lin = SparseLinear(*compress(w, 2, 4), 32, 2, 4, perm=perm, bias=torch.randn(12), policy="cslt")
+    for tokens in (3, 5, 3):
+        x = torch.randn(2, tokens, 32)
+        ref = x.double()[..., perm] @ w.double().t() + lin.bias.double()
+        assert torch.allclose(lin(x).double(), ref, atol=1e-5)
+    assert searched == [6, 10]   # one search per token count (2 × 3 and 2 × 5 rows)
+
+
 @pytest.fixture
 def pruned_perm_dir(tiny_dir, text_file, tmp_path):
     out = tmp_path / "pruned"

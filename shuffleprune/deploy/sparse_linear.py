@@ -21,8 +21,11 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
 - ``scratch`` (any device): ``W_p`` decompressed into one scratch buffer shared by every layer of
   that device and dtype, then a dense matmul (cuBLAS on the GPU);
 - ``gather`` / ``group``: the first Triton kernels (``kernels/nm_matmul.py``), kept as candidates;
-- ``semi_structured`` / ``semi_cutlass``: PyTorch's 2:4 tensors. They hold their own compressed
-  copy, so only an explicit ``policy`` runs them (benchmarks), never ``auto``.
+- ``semi_structured`` / ``semi_cutlass``: PyTorch's 2:4 tensors; ``cslt``: cuSPARSELt called directly
+  (Hopper's sparse tensor cores), its algorithm searched once per token count and the output's
+  transpose fused. They hold their own compressed copy, so only an explicit ``policy`` runs them
+  (benchmarks), never ``auto``; ``deploy/sparse_layout.py`` learns cuSPARSELt's layout, the step
+  before one copy could serve both it and the decode kernels.
 
 ``policy="auto"``: on the CPU ``scratch``; on CUDA the first call of each token-count bucket
 (1, 2, 4, … tokens) times the applicable candidates, each as a CUDA graph of repeated calls (so
@@ -41,7 +44,7 @@ from shuffleprune.deploy.format import decompress, meta_bits
 from shuffleprune.runtime import cuda_graph_ms
 
 IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "gather", "group",
-         "semi_structured", "semi_cutlass")
+         "semi_structured", "semi_cutlass", "cslt")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
 # the decode policies that force one of nm_decode's kernels (on the gathered input)
@@ -179,6 +182,8 @@ class SparseLinear(nn.Module):
 
             return nm_gather_matmul(x, self.values, self.meta, self.n, self.m, self.bits, self.perm, self.bias,
                                     variant=impl)
+        if impl == "cslt":
+            return self._cslt(x)
         if impl in ("semi_structured", "semi_cutlass"):
             if impl not in self._semi:
                 from torch.sparse import SparseSemiStructuredTensorCUTLASS, to_sparse_semi_structured
@@ -190,6 +195,20 @@ class SparseLinear(nn.Module):
             y = F.linear(xg.reshape(-1, xg.shape[-1]), self._semi[impl]).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         return F.linear(self._gathered(x), self._scratch_dense(), self.bias)
+
+    def _cslt(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., perm] @ W_pᵀ + b`` by cuSPARSELt on a compressed copy made at the first call, with the
+        algorithm its search finds fastest for this token count (searched eagerly at the first call of
+        each count, so a CUDA graph captures only the multiply)."""
+        if "cslt" not in self._semi:
+            self._semi["cslt"] = (torch._cslt_compress(self.dense_permuted()), {})
+        packed, algs = self._semi["cslt"]
+        xg = self._gathered(x)
+        xt = xg.reshape(-1, xg.shape[-1]).t()   # [C, T]: cuSPARSELt multiplies the sparse matrix from the left
+        if xt.shape[1] not in algs:
+            algs[xt.shape[1]] = torch._cslt_sparse_mm_search(packed, xt, self.bias, transpose_result=True)
+        y = torch._cslt_sparse_mm(packed, xt, self.bias, transpose_result=True, alg_id=algs[xt.shape[1]])
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
         from shuffleprune.kernels.nm_fast import SELECT_LIMIT_TOKENS, decode_max_tokens, triton
