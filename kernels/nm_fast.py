@@ -234,12 +234,22 @@ if triton is not None:
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
+        # Through an index map the inputs are a gather that depends on a load (the map's), which the
+        # compiler's pipeline leaves synchronous inside the loop: each step would wait for it. So
+        # it is issued one step ahead and carried in registers (one [BLOCK_T, G·M] tile).
+        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
                                   "evict_first")
             pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
-                xs = tl.trans(_step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM).to(tl.float32))
+                if HAS_PERM:
+                    x_step = x_ahead
+                    x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G,
+                                           HAS_PERM)
+                else:  # in order: the pipeline's asynchronous copies already load it ahead
+                    x_step = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+                xs = tl.trans(x_step.to(tl.float32))
                 even, odd = tl.split(tl.permute(tl.reshape(xs, (G, 2, 2, BLOCK_T)), (0, 3, 1, 2)))
                 x0, x2 = tl.split(even)                                    # [G, BLOCK_T] each: slots 0 and 2
                 x1, x3 = tl.split(odd)

@@ -37,8 +37,9 @@ SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 1433
 TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
 CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
               "gather", "group", "semi_structured"]
-SPARSE_TC = ("semi_structured", "semi_cutlass", "cslt")   # libraries' 2:4 GEMMs, each with its own compressed copy
-# (semi_cutlass and cslt only when named in --impls: gpu_run.sh sparse_tc)
+# the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
+# --impls: gpu_run.sh sparse_tc)
+from shuffleprune.deploy.sparse_linear import LIBRARY_IMPLS as SPARSE_TC  # noqa: E402  (no Triton import)
 
 
 def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shuffleprune.deploy.format import compress, meta_bits
-from shuffleprune.deploy.sparse_linear import IMPLS, SparseLinear
+from shuffleprune.deploy.sparse_linear import IMPLS, LIBRARY_IMPLS, SparseLinear
 from shuffleprune.masks import nm_keep_mask
 
 pytest.importorskip("triton")
@@ -39,6 +39,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("rows,cols,n,m,tokens,split,use_dot,dot", [
     (48, 64, 2, 4, 1, None, None, False),   # one token: select kernel, split-K chosen by the plan
     (37, 96, 2, 4, 3, 3, False, False),     # select forced at 3 tokens, ragged rows, three splits of the kept values
+    (24, 160, 2, 4, 1, 2, None, False),     # one token, 3 and 2 steps per split: the mapped inputs read a step ahead
     (33, 128, 4, 8, 2, 1, False, False),    # select forced, 4:8 (4-bit positions, selects chained over 8 slots)
     (20, 64, 1, 4, 1, None, None, False),   # 1:4 (one kept value per group)
     (7, 64, 2, 4, 1, None, True, True),     # tensor-core kernel forced at one token, 7 of its 64 rows
@@ -207,7 +208,7 @@ def test_position_words_are_the_export_bytes_read_four_at_a_time():
     assert position_words(meta).shape == (6, 2)
 
 
-@pytest.mark.parametrize("policy,tokens", [(p, t) for p in IMPLS if not p.startswith("semi") for t in (1, 9, 20, 70)
+@pytest.mark.parametrize("policy,tokens", [(p, t) for p in IMPLS if p not in LIBRARY_IMPLS for t in (1, 9, 20, 70)
                                             if not (p.startswith("decode") and t > 64)
                                             and not (p == "decode_select" and t > 16)])   # decode: ≤ 64 tokens, select ≤ 16
 def test_every_sparse_linear_policy_matches_float64(policy, tokens):

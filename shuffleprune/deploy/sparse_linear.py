@@ -43,8 +43,9 @@ from torch import nn
 from shuffleprune.deploy.format import decompress, meta_bits
 from shuffleprune.runtime import cuda_graph_ms
 
+LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "gather", "group",
-         "semi_structured", "semi_cutlass", "cslt")
+         *LIBRARY_IMPLS)
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
 # the decode policies that force one of nm_decode's kernels (on the gathered input)
