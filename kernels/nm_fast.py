@@ -211,10 +211,15 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
+        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
                                 "evict_first")
-            xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+            if HAS_PERM and BLOCK_T <= 16:   # the gather through the map a step ahead, as in the select
+                xs = x_ahead                       # kernel (32 tokens' tile of it spills the 2:4 tile)
+                x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+            else:
+                xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
             acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if not WEIGHT_A:
             acc = tl.trans(acc)
