@@ -158,6 +158,22 @@ if triton is not None:
                        other=0.0)
 
     @triton.jit
+    def _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
+                      G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, AHEAD: tl.constexpr):
+        """The step's inputs (:func:`_step_inputs`) and the carried tile for the next step. ``AHEAD``
+        (with a map): the inputs were read one step earlier, and the next step's are read now —
+        through an index map the inputs are a gather that depends on a load (the map's), which the
+        compiler's pipeline leaves synchronous inside the loop, so each step would wait for it.
+        Otherwise they are read for this step (in order, the pipeline's asynchronous copies already
+        load them ahead) and the carried tile is passed on unused."""
+        if AHEAD and HAS_PERM:
+            xs = x_ahead
+            x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+        else:
+            xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+        return xs, x_ahead
+
+    @triton.jit
     def _mma_step(acc, dense, xs, WEIGHT_A: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
         """One step on the tensor cores: ``acc[R, T] += dense @ xsᵀ`` with the weight as the MMA's A
         operand (``WEIGHT_A``), else ``acc[T, R] += xs @ denseᵀ``; ``UPCAST``: in float32 (the
@@ -215,11 +231,9 @@ if triton is not None:
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
                                 "evict_first")
-            if HAS_PERM and BLOCK_T <= 16:   # the gather through the map a step ahead, as in the select
-                xs = x_ahead                       # kernel (32 tokens' tile of it spills the 2:4 tile)
-                x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
-            else:
-                xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+            # a step ahead up to 16 tokens (at 32 the carried tile spills the 2:4 tile)
+            xs, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, BLOCK_K,
+                                        HAS_PERM, BLOCK_T <= 16)
             acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if not WEIGHT_A:
             acc = tl.trans(acc)
@@ -239,21 +253,15 @@ if triton is not None:
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
-        # Through an index map the inputs are a gather that depends on a load (the map's), which the
-        # compiler's pipeline leaves synchronous inside the loop: each step would wait for it. So
-        # it is issued one step ahead and carried in registers (one [BLOCK_T, G·M] tile).
+        # with a map the inputs are read one step ahead (_inputs_ahead), carried in registers
         x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
                                   "evict_first")
             pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
-                if HAS_PERM:
-                    x_step = x_ahead
-                    x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G,
-                                           HAS_PERM)
-                else:  # in order: the pipeline's asynchronous copies already load it ahead
-                    x_step = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+                x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
+                                                BLOCK_K, HAS_PERM, True)
                 xs = tl.trans(x_step.to(tl.float32))
                 even, odd = tl.split(tl.permute(tl.reshape(xs, (G, 2, 2, BLOCK_T)), (0, 3, 1, 2)))
                 x0, x2 = tl.split(even)                                    # [G, BLOCK_T] each: slots 0 and 2

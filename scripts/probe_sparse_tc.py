@@ -44,7 +44,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from shuffleprune.deploy.sparse_layout import (PATTERNS, LayoutError, dense_from_patterns, layout_at,
-                                                   learn_layout)
+                                                   learn_layout, random_24)
     from shuffleprune.runtime import machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -60,11 +60,6 @@ def main() -> None:
         def compressor(dense: torch.Tensor) -> torch.Tensor:
             values, meta = sparse_semi_structured_from_dense_cutlass(dense)
             return torch.cat([values.reshape(-1).view(torch.uint8), meta.reshape(-1).view(torch.uint8)])
-
-    def random_dense(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(seed)
-        ids = torch.randint(len(PATTERNS), (rows, cols // 4), generator=gen)
-        return dense_from_patterns(ids, dtype, torch.randn(rows, cols // 2, generator=gen) + 3.0)
 
     def locate_values(rows: int, cols: int, dtype: torch.dtype) -> dict:
         """Where each kept value lands (they are given distinct bit patterns): the buffer slot of kept
@@ -121,7 +116,7 @@ def main() -> None:
             except LayoutError as exc:
                 check["error"] = str(exc)
                 continue
-            dense = random_dense(rows, cols, dtype, seed=rows + cols)
+            dense = random_24(rows, cols, dtype, seed=rows + cols)
             built = layout.encode(dense)
             check["rebuilds_compress"] = bool(torch.equal(built, compressor(dense).reshape(-1).view(torch.uint8)))
             if cuda:   # cuSPARSELt multiplying from the buffer built here, against a dense matmul

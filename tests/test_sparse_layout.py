@@ -6,8 +6,8 @@ import torch
 from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass
 
 from shuffleprune.deploy.format import compress
-from shuffleprune.deploy.sparse_layout import (PATTERNS, LayoutError, dense_from_patterns, layout_at, learn_layout,
-                                               linear_map, pattern_ids)
+from shuffleprune.deploy.sparse_layout import (PATTERNS, LayoutError, dense_from_patterns, layout_at, learn_layout, linear_map,
+                                               pattern_ids, random_24)
 
 
 def _as_bytes(*parts: torch.Tensor) -> torch.Tensor:
@@ -22,12 +22,6 @@ def export_layout(dense: torch.Tensor) -> torch.Tensor:
 def cutlass_layout(dense: torch.Tensor) -> torch.Tensor:
     values, meta = sparse_semi_structured_from_dense_cutlass(dense)
     return _as_bytes(values, meta)
-
-
-def _random_dense(rows: int, cols: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(len(PATTERNS), (rows, cols // 4), generator=gen)
-    return dense_from_patterns(ids, dtype, torch.randn(rows, cols // 2, generator=gen) + 3.0)
 
 
 def test_patterns_round_trip():
@@ -45,7 +39,7 @@ def test_export_layout_is_row_major_with_the_formats_codes():
         assert layout.codes[(a, b)] == tuple((a | b << 2) >> i & 1 for i in range(4))
     tile = layout.tile
     assert (tile.rows, tile.groups, tile.row_stride, tile.group_stride, tile.offset) == (1, 1, 128, 4, 0)
-    dense = _random_dense(64, 128, seed=3)
+    dense = random_24(64, 128, torch.bfloat16, seed=3)
     assert torch.equal(layout.encode(dense), export_layout(dense))
 
 
@@ -59,10 +53,10 @@ def test_cutlass_layout_learned_tiled_and_extended_to_a_new_shape():
     bit_map = linear_map(first.tile, 4)
     assert bit_map is not None and sorted(bit_map["rows"] + bit_map["groups"]) == [1 << i for i in range(8)]
     for layout in learned:
-        dense = _random_dense(layout.rows, layout.cols, seed=5, dtype=torch.float16)
+        dense = random_24(layout.rows, layout.cols, torch.float16, seed=5)
         assert torch.equal(layout.encode(dense), cutlass_layout(dense))
     wider = layout_at(learned, 192, 384)                      # a shape never probed
-    dense = _random_dense(192, 384, seed=7, dtype=torch.float16)
+    dense = random_24(192, 384, torch.float16, seed=7)
     assert torch.equal(wider.encode(dense), cutlass_layout(dense))
 
 
@@ -73,7 +67,7 @@ def test_values_after_the_metadata():
 
     layout = learn_layout(meta_first, 32, 64)
     assert layout.values_at == "tail" and layout.tile.offset == 0
-    dense = _random_dense(32, 64, seed=1)
+    dense = random_24(32, 64, torch.bfloat16, seed=1)
     assert torch.equal(layout.encode(dense), meta_first(dense))
 
 

@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from shuffleprune.deploy.format import compress as export_compress
+
 PATTERNS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))  # a 2:4 group's kept positions
 BASE = 0  # every probe starts from all groups keeping positions 0 and 1
 
@@ -82,9 +84,7 @@ class Layout24:
 
     def encode(self, dense: torch.Tensor) -> torch.Tensor:
         """The buffer the compressor would write for the 2:4 matrix ``dense`` (uint8 ``[buffer_bytes]``)."""
-        from shuffleprune.deploy.format import compress
-
-        values, _ = compress(dense, 2, 4)
+        values, _ = export_compress(dense, 2, 4)
         bits = self.template.clone()
         start = 0 if self.values_at == "head" else self.buffer_bytes * 8 - values.numel() * 16
         bits[start:start + values.numel() * 16] = _bits(values)
@@ -126,6 +126,16 @@ def dense_from_patterns(ids: torch.Tensor, dtype: torch.dtype, values: torch.Ten
     out = torch.zeros(rows, 4 * groups, dtype=dtype)
     out[mask] = 1 if values is None else values.reshape(-1).to(dtype)
     return out
+
+
+def random_24(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A ``rows × cols`` matrix of random 2:4 patterns whose kept values are random and nonzero
+    (magnitudes 0.5–1.5, both signs)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(len(PATTERNS), (rows, cols // 4), generator=gen)
+    values = (torch.rand(rows, cols // 2, generator=gen) + 0.5) * torch.where(
+        torch.rand(rows, cols // 2, generator=gen) < 0.5, -1.0, 1.0)
+    return dense_from_patterns(ids, dtype, values)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -190,16 +200,11 @@ def fit_tile(first: torch.Tensor) -> Tile | None:
     rows, groups = first.shape
     pow2 = lambda n: [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
     for tr, tg in sorted(((a, b) for a in pow2(rows) for b in pow2(groups)), key=lambda t: (t[0] * t[1], t[0])):
-        blocks = first.reshape(rows // tr, tr, groups // tg, tg)
-        base = blocks[:, 0, :, 0]
-        inner = first[:tr, :tg] - first[0, 0]
-        if not bool((blocks - base[:, None, :, None] == inner[None, :, None, :]).all()):
-            continue
-        rs = int(base[1, 0] - base[0, 0]) if rows > tr else 0
-        gs = int(base[0, 1] - base[0, 0]) if groups > tg else 0
-        grid = base[0, 0] + torch.arange(rows // tr)[:, None] * rs + torch.arange(groups // tg)[None, :] * gs
-        if bool((grid == base).all()):
-            return Tile(tr, tg, rs, gs, int(first[0, 0]), inner.tolist())
+        origin = first[0, 0]
+        tile = Tile(tr, tg, int(first[tr, 0] - origin) if rows > tr else 0,
+                    int(first[0, tg] - origin) if groups > tg else 0, int(origin), (first[:tr, :tg] - origin).tolist())
+        if torch.equal(tile.first_bits(rows, groups), first):
+            return tile
     return None
 
 
@@ -230,14 +235,8 @@ def learn_layout(compress: Compressor, rows: int, cols: int, dtype: torch.dtype 
         raise ValueError("learn_layout takes 16-bit dtypes and a column count divisible by 4")
     groups = cols // 4
     run = lambda ids: _bits(compress(dense_from_patterns(ids, dtype)))
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(len(PATTERNS), (rows, groups), generator=gen)
-    values = (torch.rand(rows, 2 * groups, generator=gen) + 0.5) * torch.where(
-        torch.rand(rows, 2 * groups, generator=gen) < 0.5, -1.0, 1.0)   # nonzero, both signs
-    sample = dense_from_patterns(ids, dtype, values)
+    sample = random_24(rows, cols, dtype, seed)
     out = _bits(compress(sample))
-    from shuffleprune.deploy.format import compress as export_compress
-
     kept = _bits(export_compress(sample, 2, 4)[0])
     if torch.equal(out[:kept.numel()], kept):
         values_at = "head"
