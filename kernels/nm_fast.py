@@ -53,20 +53,44 @@ if triton is not None:
     @triton.jit
     def _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
                    N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVICT: tl.constexpr):
+                   EVICT: tl.constexpr, TILED: tl.constexpr):
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K``: values ``[BLOCK_R, BLOCK_K/N, N]`` and their
         position words ``[BLOCK_R, BLOCK_K·BITS/32]`` (read them with :func:`_positions` or
         :func:`_group_codes`). ``EVICT``: the loads' eviction policy (``"evict_first"`` where the
-        weight is read once, ``""`` where tiles are reused)."""
+        weight is read once, ``""`` where tiles are reused). ``TILED``: ``word_ptr`` holds 2:4
+        positions in cuSPARSELt's order (:mod:`shuffleprune.deploy.cslt_layout`), turned into the
+        same words here."""
         F: tl.constexpr = 32 // BITS
         WPB: tl.constexpr = BLOCK_K // F
         ks = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (ks < K)[None, :]
         v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0, eviction_policy=EVICT)
         wi = k0 // F + tl.arange(0, WPB)
-        words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :], mask=row_ok[:, None] & (wi < WORDS)[None, :],
-                        other=0, eviction_policy=EVICT)
+        w_ok = row_ok[:, None] & (wi < WORDS)[None, :]
+        if TILED:
+            words = _cslt_words(word_ptr, rows, wi, w_ok, WORDS, EVICT)
+        else:
+            words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :], mask=w_ok, other=0, eviction_policy=EVICT)
         return tl.reshape(v, (BLOCK_R, BLOCK_K // N, N)), words
+
+    @triton.jit
+    def _cslt_words(meta_ptr, rows, wi, w_ok, WORDS, EVICT: tl.constexpr):
+        """Word ``wi`` (8 groups) of each row from cuSPARSELt's 2:4 metadata (int32 ``meta_ptr``): a
+        64-row band takes ``64·WORDS`` words, ``wi``'s 64-row × 8-group tile 64 of them; row ``16a +
+        8b + c`` of the tile lies in the 64-bit pair ``8a + c``, in its low (``b = 0``) or high
+        nibbles, groups in the order 0 4 1 5 | 2 6 3 7 (learned on an H100,
+        ``scripts/results/sparse_tc_layout.json``)."""
+        t = rows % 64
+        pair = (rows // 64) * (64 * WORDS) + ((t // 16) * 8 + t % 8) * 2
+        shift = (((t // 8) % 2) * 4)[:, None]
+        addr = pair[:, None] + wi[None, :] * 64
+        lo = tl.load(meta_ptr + addr, mask=w_ok, other=0, eviction_policy=EVICT)
+        hi = tl.load(meta_ptr + addr + 1, mask=w_ok, other=0, eviction_policy=EVICT)
+        x = (lo >> shift) & 0x0F0F0F0F           # bytes: groups 0 4 1 5, one nibble each
+        y = (hi >> shift) & 0x0F0F0F0F           # groups 2 6 3 7
+        x = (x | (x >> 12)) & 0xFFFF             # groups 0 1 4 5
+        y = (y | (y >> 12)) & 0xFFFF             # groups 2 3 6 7
+        return (x & 0xFF) | ((y & 0xFF) << 8) | ((x >> 8) << 16) | ((y >> 8) << 24)
 
     @triton.jit
     def _positions(words, N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -88,11 +112,11 @@ if triton is not None:
     @triton.jit
     def _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
                     N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr, TILED: tl.constexpr):
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K`` expanded to their ``BLOCK_K·M/N`` dense
         columns (zeros where pruned), in the values' dtype."""
         G: tl.constexpr = BLOCK_K // N
-        v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT)
+        v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT, TILED)
         if N == 2 and M == 4:
             return _dense_2of4(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
         if N == 4 and M == 8:
@@ -215,7 +239,7 @@ if triton is not None:
                               HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                               PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-                              WEIGHT_A: tl.constexpr = False):
+                              WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False):
         """Several tokens: the tile expanded to dense in registers and multiplied on the tensor cores,
         ``acc[T, R] += x_p[T, cols] @ W_p[R, cols]ᵀ`` (tokens in the rows of the MMA: the inputs are
         read row-major, as they lie in memory), or with ``WEIGHT_A`` ``acc[R, T] += W_p @ x_pᵀ`` (the
@@ -230,7 +254,7 @@ if triton is not None:
         x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
-                                "evict_first")
+                                "evict_first", TILED)
             # a step ahead up to 16 tokens (at 32 the carried tile spills the 2:4 tile)
             xs, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, BLOCK_K,
                                         HAS_PERM, BLOCK_T <= 16)
@@ -245,7 +269,8 @@ if triton is not None:
                           T, R, K, C, WORDS, stride_xt, stride_yt, K_PER_SPLIT,
                           N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
                           HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+                          TILED: tl.constexpr = False):
         """Few tokens, no tensor cores: each kept value picks its input among its group's ``M`` (the
         compares are shared by all tokens), multiplies it, and adds into a float32 accumulator of
         its own; the one cross-lane reduction comes after the loop. No dense tile is built."""
@@ -257,7 +282,7 @@ if triton is not None:
         x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
-                                  "evict_first")
+                                  "evict_first", TILED)
             pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
                 x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
@@ -288,7 +313,7 @@ if triton is not None:
                         C_PER_SPLIT, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr,
-                        WEIGHT_A: tl.constexpr = False):
+                        WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False):
         BLOCK_K: tl.constexpr = BLOCK_C * N // M
         pid, pid_s = tl.program_id(0), tl.program_id(1)
         n_t, n_r = tl.cdiv(T, BLOCK_T), tl.cdiv(R, BLOCK_R)
@@ -309,7 +334,8 @@ if triton is not None:
             cols = c0 + tl.arange(0, BLOCK_C)
             xs = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_ok[:, None] & (cols < C)[None, :],
                          other=0.0)
-            dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, c0 * N // M, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K, "")
+            dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, c0 * N // M, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
+                                "", TILED)
             acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if WEIGHT_A:
             acc = tl.trans(acc)
@@ -324,13 +350,13 @@ if triton is not None:
     @triton.jit
     def _nm_decompress_kernel(val_ptr, word_ptr, out_ptr, R, C, K, WORDS,
                               N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr = False):
         G: tl.constexpr = BLOCK_K // N
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         k0 = tl.program_id(1) * BLOCK_K
         dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
-                            "evict_first")
+                            "evict_first", TILED)
         cols = (k0 // N) * M + tl.arange(0, G * M)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], dense, mask=row_ok[:, None] & (cols < C)[None, :])
 
@@ -492,9 +518,12 @@ def _sum_partials(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
 
 
 def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
-              perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, **plan_overrides) -> torch.Tensor:
+              perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
+              **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with at most :func:`decode_max_tokens` tokens (64; float32: 16) →
-    ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``."""
+    ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``. ``tiled``: ``words`` ``[R, C/32]`` hold 2:4
+    positions in cuSPARSELt's order (:func:`shuffleprune.deploy.cslt_layout.cslt_words`), not row
+    by row; the same holds for :func:`nm_gemm` and :func:`nm_decompress_into`."""
     _check(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -509,7 +538,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
             tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0), p["per_split"])
     common = dict(N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
-                  num_warps=p["num_warps"])
+                  TILED=tiled, num_warps=p["num_warps"])
     if p["use_dot"]:
         _nm_decode_dot_kernel[grid](*args, PREC=_precision(x), UPCAST=_upcast(x), WEIGHT_A=p["weight_a"], **common)
     else:
@@ -592,7 +621,7 @@ def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
 
 def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
             bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None,
-            split: int | None = None, weight_a: bool = False) -> torch.Tensor:
+            split: int | None = None, weight_a: bool = False, tiled: bool = False) -> torch.Tensor:
     """``x`` ``[..., C]`` already in the weight's (permuted) column order → ``x @ W_pᵀ + bias``
     (``tile`` and ``split`` default to :func:`gemm_plan`'s; a given ``tile`` alone runs unsplit).
     ``weight_a``: the weight tile is the MMA's A operand (``acc[rows, tokens]``), see
@@ -617,14 +646,15 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
                           words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
                           HAS_BIAS=bias is not None, SPLIT=split, PREC=_precision(x), UPCAST=_upcast(x),
                           BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, WEIGHT_A=weight_a,
-                          num_warps=warps, num_stages=stages)
+                          TILED=tiled, num_warps=warps, num_stages=stages)
     if split > 1:
         y = _sum_partials(part, bias, y)
     return y.reshape(*lead, rows)
 
 
 def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int, cols: int,
-                       out: torch.Tensor, block_r: int = 16, block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
+                       out: torch.Tensor, block_r: int = 16, block_k: int = 64, num_warps: int = 4,
+                       tiled: bool = False) -> torch.Tensor:
     """Write the dense ``[R, cols]`` ``W_p`` into ``out`` (a buffer of at least ``R·cols`` elements of
     the values' dtype); returns the ``[R, cols]`` view. ``block_k`` kept values per program row."""
     _check(n, m, bits)
@@ -633,5 +663,5 @@ def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int
     block_k = max(32 // bits, block_k)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(kept, block_k))
     _nm_decompress_kernel[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
-                                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps)
+                                BLOCK_R=block_r, BLOCK_K=block_k, TILED=tiled, num_warps=num_warps)
     return dense

@@ -19,8 +19,10 @@ with a random block index map (q/k/v share one, gate/up share one, o_proj has it
 down_proj, whose map ``export`` folds into gate/up rows. The same sparse model is then measured
 with the shared maps moved to the RMSNorms that produce q/k/v's and gate/up's input
 (``move_maps_to_producers``: one fused norm kernel writes the permuted output; ``maps_at_producer``
-in the results), so the two places for an index map are compared end to end; last, as ``load``
-does, with the layers that read one input run as one stacked layer (``fuse_shared_inputs``).
+in the results), so the two places for an index map are compared end to end; then, as ``load``
+does, with the layers that read one input run as one stacked layer (``fuse_shared_inputs``); last,
+unstacked and stacked again, with each layer's weight held as one cuSPARSELt buffer
+(``use_cslt_layout``: ``auto`` may then prefill on Hopper's sparse tensor cores; ``cslt_buffer``).
 """
 from __future__ import annotations
 
@@ -48,9 +50,9 @@ def main() -> None:
 
     from shuffleprune.blocks import block_linears, find_blocks
     from shuffleprune.deploy.format import compress
-    from shuffleprune.deploy.fused_inputs import fuse_shared_inputs
+    from shuffleprune.deploy.fused_inputs import fuse_shared_inputs, unfuse_shared_inputs
     from shuffleprune.deploy.producer_maps import move_maps_to_producers
-    from shuffleprune.deploy.sparse_linear import SharedGather, SparseLinear, release_scratch
+    from shuffleprune.deploy.sparse_linear import SharedGather, SparseLinear, release_scratch, use_cslt_layout
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
     from shuffleprune.runtime import machine, versions
@@ -229,7 +231,21 @@ def main() -> None:
     groups = fuse_shared_inputs(model)
     fused_row, _ = measure(model, "2:4+maps at the producer, q/k/v and gate/up stacked (load's default)")
     fused_row["groups"] = len(groups)
-    rows = [dense_row, sparse_row, producer_row, fused_row]
+    choices_stacked = kernel_choices()
+    # One buffer per layer that cuSPARSELt multiplies from and the decode kernels read (use_cslt_layout):
+    # prefill may then run on the sparse tensor cores, without a second copy; stacked again as load does.
+    unfuse_shared_inputs(model)
+    tiled = use_cslt_layout(model)
+    if cuda:
+        torch.cuda.empty_cache()
+    cslt_row, _ = measure(model, "2:4 in cuSPARSELt's buffer, maps at the producer")
+    cslt_row["layers_tiled"] = len(tiled)
+    choices_cslt = kernel_choices()
+    groups = fuse_shared_inputs(model)
+    cslt_fused_row, _ = measure(model, "2:4 in cuSPARSELt's buffer, maps at the producer, stacked")
+    cslt_fused_row["groups"] = len(groups)
+    choices_cslt_stacked = kernel_choices()
+    rows = [dense_row, sparse_row, producer_row, fused_row, cslt_row, cslt_fused_row]
 
     def ratios(row: dict) -> dict:
         return {"decode_speedup": round(row["decode_tokens_per_s"] / dense_row["decode_tokens_per_s"], 3),
@@ -238,13 +254,16 @@ def main() -> None:
                 "weights_ratio": round(row["weights_mb"] / dense_row["weights_mb"], 3),
                 "peak_ratio": round(row["peak_mb"] / dense_row["peak_mb"], 3) if cuda else None}
 
-    ratio = {**ratios(sparse_row), "maps_at_producer": ratios(producer_row), "stacked": ratios(fused_row)}
+    ratio = {**ratios(sparse_row), "maps_at_producer": ratios(producer_row), "stacked": ratios(fused_row),
+             "cslt_buffer": ratios(cslt_row), "cslt_buffer_stacked": ratios(cslt_fused_row)}
     result = {"what": "end-to-end prefill/decode, random LLaMA-2-7B-shaped model, static cache, CUDA graphs"
                       + (" (smoke)" if args.smoke else ""),
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
               "seed": 0, "batch": 1, "prompt": args.prompt, "new_tokens": args.new_tokens, "runs": args.runs,
               "targets": "decode ≥1.35× dense tokens/s; prefill ≤1.0× dense time; weights ≤0.6× dense; peak below dense",
               **ratio, "rows": rows, "kernel_choices": choices, "kernel_choices_maps_at_producer": choices_at_producer,
+              "kernel_choices_stacked": choices_stacked, "kernel_choices_cslt_buffer": choices_cslt,
+              "kernel_choices_cslt_buffer_stacked": choices_cslt_stacked,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
               "versions": versions("triton")}
     out = Path(args.out) if not args.smoke else Path(args.out).with_name("bench_e2e_smoke.json")

@@ -11,7 +11,9 @@ without a map on the already-permuted input — the map's cost is the others' ra
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
 weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, the first kernels ``gather`` / ``group``, PyTorch's 2:4 tensors
 ``semi_structured`` and ``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm,
-``cslt``; the last two from 64 tokens and only when named in ``--impls``). ``norm_rows``: the producer-side alternative for a shared map —
+``cslt``; the last two from 64 tokens and only when named in ``--impls``). A ``_tiled`` suffix
+(``auto_tiled``, ``decode_tiled``) runs that policy on a layer holding its weight as one cuSPARSELt
+buffer (``SparseLinear.use_cslt_layout``: ``auto`` then also times ``cslt`` on it). ``norm_rows``: the producer-side alternative for a shared map —
 an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
 writing its output through the map (``rmsnorm_mapped``, ``kernels/norm_map.py``), per input width.
 
@@ -151,9 +153,12 @@ def main() -> None:
             values, meta = compress(w, 2, 4)
             weights.append(w)
             for impl in args.impls:
-                policy = "decode" if impl == "decode_nomap" else impl
-                layers[impl].append(SparseLinear(values, meta, in_f, 2, 4, None if impl == "decode_nomap" else perm,
-                                                 policy=policy).to(device))
+                policy = "decode" if impl == "decode_nomap" else impl.removesuffix("_tiled")
+                layer = SparseLinear(values, meta, in_f, 2, 4, None if impl == "decode_nomap" else perm,
+                                     policy=policy).to(device)
+                if impl.endswith("_tiled") and not layer.use_cslt_layout():   # one cuSPARSELt buffer
+                    raise SystemExit(f"{out_f}x{in_f} cannot take cuSPARSELt's layout")
+                layers[impl].append(layer)
         perm_d = perm.to(device)
         # the dense model's own weight: W = W_p with the map undone (so dense and sparse compute the same y)
         originals = [torch.empty_like(w).index_copy_(1, perm_d, w) for w in weights]
@@ -184,11 +189,11 @@ def main() -> None:
                                  "error": str(exc).splitlines()[0][:200]})
                     continue
                 err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
-                nbytes = bytes_moved(impl, out_f, in_f, tokens)
+                nbytes = bytes_moved(impl.removesuffix("_tiled"), out_f, in_f, tokens)
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": ms, "timing": how,
                        "copies": copies, "bytes": nbytes, "tb_s": nbytes / ms / 1e9, "max_rel_err": err,
                        "speedup_vs_dense": dense_ms / ms}
-                if impl == "auto":
+                if impl.startswith("auto"):
                     row["choice"] = dict(layers[impl][0].choices)
                 rows.append(row)
                 line.append(f"{impl} {ms:.4f}")

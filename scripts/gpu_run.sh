@@ -17,6 +17,8 @@
 #                                              # others' tiles, and the in-kernel map's tiles at 1 token
 #   bash scripts/gpu_run.sh sparse_tc          # cuSPARSELt's 2:4 layout learned (probe_sparse_tc.py) and its GEMM,
 #                                              # algorithm searched, against cuBLAS and the Triton GEMMs at 64-2048 tokens
+#   bash scripts/gpu_run.sh cslt_buffer e2e     # cslt_buffer: auto and the decode on one cuSPARSELt buffer per layer
+#                                              # (SparseLinear.use_cslt_layout) against the export's layout, 1-2048 tokens
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
@@ -77,6 +79,8 @@ for s in "$@"; do
             step sparse_tc_bench 240 scripts/results/bench_sparse_tc.json $PY scripts/bench_kernel.py --tokens 64 512 2048 \
                 --impls auto scratch gemm gemm_swap semi_structured semi_cutlass cslt \
                 --out scripts/results/bench_sparse_tc.json ;;
+        cslt_buffer) step cslt_buffer 240 scripts/results/bench_kernel_cslt.json $PY scripts/bench_kernel.py \
+                --impls auto auto_tiled decode_nomap decode_tiled --out scripts/results/bench_kernel_cslt.json ;;
         tune_scratch) step tune_scratch 90 scripts/results/tune_scratch.json $PY scripts/tune_kernel.py \
                 --variants decompress --tokens 512 --block-r 8 16 32 64 --block-k 64 128 256 --num-warps 4 8 \
                 --max-tile 1048576 --out scripts/results/tune_scratch.json

@@ -121,10 +121,16 @@ def main() -> None:
             check["rebuilds_compress"] = bool(torch.equal(built, compressor(dense).reshape(-1).view(torch.uint8)))
             if cuda:   # cuSPARSELt multiplying from the buffer built here, against a dense matmul
                 x = torch.randn(64, cols, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-                own = built.to(device).view(dtype)
-                y = torch._cslt_sparse_mm(own, x.t(), transpose_result=True)
-                ref = torch.nn.functional.linear(x, dense.to(device))
-                check["max_rel_err_own_buffer"] = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+                packed = torch._cslt_compress(dense.to(device))   # its shape (and dtype) are what the multiply takes
+                try:
+                    own = built.to(device).view(packed.dtype).reshape(packed.shape)
+                    y = torch._cslt_sparse_mm(own, x.t(), transpose_result=True)
+                    ref = torch.nn.functional.linear(x, dense.to(device))
+                    check["max_rel_err_own_buffer"] = float((y.float() - ref.float()).abs().max()
+                                                            / ref.float().abs().max())
+                except RuntimeError as exc:
+                    check["own_buffer_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                check["compressed_shape"] = list(packed.shape)
                 try:   # its sparsifier may keep other pairs than ours: the values say whether the test is fair
                     tiled = torch._sparse_semi_structured_tile(dense.to(device), algorithm="", use_cutlass=False)[0]
                     tiled = tiled.reshape(-1).view(torch.uint8).cpu()

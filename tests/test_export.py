@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -121,11 +123,12 @@ def test_cslt_policy_multiplies_the_gathered_input_and_searches_once_per_token_c
     library's contract (A compressed [R, C] from the left, B [C, T], transpose_result → [T, R])."""
     searched = []
     monkeypatch.setattr(torch, "_cslt_compress", lambda dense: dense.double())
-    monkeypatch.setattr(torch, "_cslt_sparse_mm_search",
-                        lambda a, b, bias, transpose_result: searched.append(b.shape[1]) or 7)
+    monkeypatch.setattr(torch._C, "_cusparselt", SimpleNamespace(
+        mm_search=lambda a, b, bias, alpha, out_dtype, transpose_result:
+            searched.append(b.shape[1]) or (7, 2, 1, 9)), raising=False)
 
-    def sparse_mm(a, b, bias, transpose_result, alg_id):
-        assert transpose_result and alg_id == 7
+    def sparse_mm(a, b, bias, alpha, out_dtype, transpose_result, alg_id, split_k, split_k_mode):
+        assert transpose_result and (alg_id, split_k, split_k_mode) == (7, 2, 1)   # the searched configuration
         y = a @ b.double() + (0 if bias is None else bias.double()[:, None])
         return y.t()
 

@@ -55,13 +55,18 @@ class FusedInputs:
         """Stack the members' rows into one layer and make each member's buffers views of it."""
         first = self.layers[0]
         values = torch.cat([layer.values for layer in self.layers])
-        meta = torch.cat([layer.meta for layer in self.layers])
+        meta = torch.cat([layer.export_meta() for layer in self.layers])
         bias = None if first.bias is None else torch.cat([layer.bias.data for layer in self.layers])
         self.stacked = SparseLinear(values, meta, first.in_features, first.n, first.m, first.perm, bias,
                                     policy=first.policy)
+        if first.tiled:   # one cuSPARSELt buffer for the group (its 64-row bands are the members' bands in turn)
+            del values, meta
+            self.stacked.use_cslt_layout()
+            values, meta = self.stacked.values, self.stacked.meta
         for layer in self.layers:
             lo, hi = self.offsets[id(layer)]
             layer.values, layer.meta = values[lo:hi], meta[lo:hi]
+            layer._packed = None   # a member's own buffer, if it had one, is freed (a view of the stack's rows serves)
             if bias is not None:
                 layer.bias = nn.Parameter(bias[lo:hi], requires_grad=False)
         self._source = None
@@ -83,7 +88,7 @@ class FusedInputs:
 def _compatible(a: SparseLinear, b: SparseLinear) -> bool:
     same_map = (a.perm is None and b.perm is None) or (
         a.perm is not None and b.perm is not None and torch.equal(a.perm, b.perm))
-    return (a.in_features == b.in_features and (a.n, a.m) == (b.n, b.m) and a.values.dtype == b.values.dtype
+    return (a.tiled == b.tiled and a.in_features == b.in_features and (a.n, a.m) == (b.n, b.m) and a.values.dtype == b.values.dtype
             and a.values.device == b.values.device and a.meta.shape[1] == b.meta.shape[1]
             and (a.bias is None) == (b.bias is None) and a.policy == b.policy and same_map)
 
@@ -113,3 +118,12 @@ def fuse_shared_inputs(model: nn.Module, probe: Callable[[int], torch.Tensor] | 
                 layer.fused_inputs = fused
             made.append([f"{blocks.name}.{i}.{n}" for n, layer in zip(names, layers) if layer in group])
     return made
+
+
+def unfuse_shared_inputs(model: nn.Module) -> int:
+    """Undo :func:`fuse_shared_inputs`: every stacked layer's members run on their own again (on views of
+    the stacked rows, so memory stays one copy); returns how many layers were members."""
+    members = [mod for mod in model.modules() if isinstance(mod, SparseLinear) and mod.fused_inputs is not None]
+    for layer in members:
+        layer.fused_inputs = None
+    return len(members)

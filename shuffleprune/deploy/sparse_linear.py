@@ -117,6 +117,8 @@ class SparseLinear(nn.Module):
         self.choices: dict[int, str] = {}
         self._semi: dict[str, object] = {}
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None  # (meta it was made from, its int32 words)
+        self.tiled = False   # meta holds cuSPARSELt's metadata words (use_cslt_layout), values and meta one buffer
+        self._packed: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.n}:{self.m}, "
@@ -135,16 +137,61 @@ class SparseLinear(nn.Module):
 
     def dense_permuted(self) -> torch.Tensor:
         """``W_p`` decompressed into a new tensor (not kept)."""
-        return decompress(self.values, self.meta, self.n, self.m, self.in_features)
+        return decompress(self.values, self.export_meta(), self.n, self.m, self.in_features)
+
+    def export_meta(self) -> torch.Tensor:
+        """The positions in the export's byte layout (``meta`` itself, or rebuilt from cuSPARSELt's order)."""
+        if not self.tiled:
+            return self.meta
+        from shuffleprune.deploy.cslt_layout import row_words
+
+        return row_words(self.meta).view(torch.uint8)
 
     def words(self) -> torch.Tensor:
         """The positions as int32 words for the Triton kernels (a view of ``meta`` when rows are whole
-        words, which they are for every width divisible by 32·M/(N·bits))."""
+        words, which they are for every width divisible by 32·M/(N·bits)); after
+        :meth:`use_cslt_layout`, ``meta`` itself, in cuSPARSELt's order (the kernels' ``tiled``)."""
         from shuffleprune.kernels.nm_fast import position_words
 
+        if self.tiled:
+            return self.meta
         if self._words is None or self._words[0] is not self.meta:  # rebuilt only when meta is replaced (.to())
             self._words = (self.meta, position_words(self.meta))
         return self._words[1]
+
+    def use_cslt_layout(self) -> bool:
+        """Hold ``values`` and the positions as one cuSPARSELt buffer (:mod:`.cslt_layout`): the decode
+        kernels read it and ``auto`` adds cuSPARSELt (Hopper's sparse tensor cores) to its prefill
+        candidates, without a second copy. Only 2:4, 16-bit, rows a multiple of 64 and columns of 32,
+        and not for a layer stacked with others; returns whether the layer now has that layout.
+        Call it where the layer lives (``.to()`` afterwards rebuilds the buffer once on its next call)."""
+        from shuffleprune.deploy.cslt_layout import cslt_buffer, cslt_supported, split_buffer
+
+        if self.tiled:
+            return True
+        if self.fused_inputs is not None or not cslt_supported(self.out_features, self.in_features, self.n, self.m,
+                                                                self.values.dtype):
+            return False
+        packed = cslt_buffer(self.values, self.words())
+        self.values, self.meta = split_buffer(packed)
+        self._packed, self.tiled, self._words = packed, True, None
+        self._semi.pop("cslt", None)
+        self.choices.clear()
+        return True
+
+    def _packed_buffer(self) -> torch.Tensor:
+        """The cuSPARSELt buffer ``values`` and ``meta`` are views of (made again, once, after ``.to()``
+        copied them apart)."""
+        from shuffleprune.deploy.cslt_layout import split_buffer
+
+        p = self._packed
+        if p is None or self.values.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() or \
+                self.values.device != p.device:
+            rows = self.out_features
+            p = torch.cat([self.values.reshape(-1), self.meta.reshape(-1).view(self.values.dtype)]).view(rows, -1)
+            self.values, self.meta = split_buffer(p)
+            self._packed = p
+        return p
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is None:
@@ -162,27 +209,29 @@ class SparseLinear(nn.Module):
         if self.values.is_cuda and self._pow2():
             from shuffleprune.kernels.nm_fast import nm_decompress_into
 
-            return nm_decompress_into(self.values, self.words(), self.n, self.m, self.bits, self.in_features, buf)
-        return decompress(self.values, self.meta, self.n, self.m, self.in_features, out=buf)
+            return nm_decompress_into(self.values, self.words(), self.n, self.m, self.bits, self.in_features, buf,
+                                      tiled=self.tiled)
+        return decompress(self.values, self.export_meta(), self.n, self.m, self.in_features, out=buf)
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
         if impl in ("decode", "decode_mapped", "decode_select", "decode_swap"):
             from shuffleprune.kernels.nm_fast import nm_decode
 
             if impl == "decode_mapped":
-                return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias)
+                return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias,
+                                 tiled=self.tiled)
             return nm_decode(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, None, self.bias,
-                             **_DECODE_FORCED[impl])
+                             tiled=self.tiled, **_DECODE_FORCED[impl])
         if impl in ("gemm", "gemm_swap"):
             from shuffleprune.kernels.nm_fast import nm_gemm
 
             return nm_gemm(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, self.bias,
-                           weight_a=impl == "gemm_swap")
+                           weight_a=impl == "gemm_swap", tiled=self.tiled)
         if impl in ("gather", "group"):
             from shuffleprune.kernels.nm_matmul import nm_gather_matmul
 
-            return nm_gather_matmul(x, self.values, self.meta, self.n, self.m, self.bits, self.perm, self.bias,
-                                    variant=impl)
+            return nm_gather_matmul(x, self.values, self.export_meta(), self.n, self.m, self.bits, self.perm,
+                                    self.bias, variant=impl)
         if impl == "cslt":
             return self._cslt(x)
         if impl in ("semi_structured", "semi_cutlass"):
@@ -198,17 +247,19 @@ class SparseLinear(nn.Module):
         return F.linear(self._gathered(x), self._scratch_dense(), self.bias)
 
     def _cslt(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[..., perm] @ W_pᵀ + b`` by cuSPARSELt on a compressed copy made at the first call, with the
-        algorithm its search finds fastest for this token count (searched eagerly at the first call of
-        each count, so a CUDA graph captures only the multiply)."""
+        """``x[..., perm] @ W_pᵀ + b`` by cuSPARSELt with the configuration its search finds fastest for
+        this token count (searched eagerly at the first call of each count, so a CUDA graph captures
+        only the multiply): on the layer's own buffer after :meth:`use_cslt_layout`, else on a
+        compressed copy made at the first call."""
         if "cslt" not in self._semi:
-            self._semi["cslt"] = (torch._cslt_compress(self.dense_permuted()), {})
+            self._semi["cslt"] = (None if self.tiled else torch._cslt_compress(self.dense_permuted()), {})
         packed, algs = self._semi["cslt"]
+        packed = self._packed_buffer() if self.tiled else packed
         xg = self._gathered(x)
         xt = xg.reshape(-1, xg.shape[-1]).t()   # [C, T]: cuSPARSELt multiplies the sparse matrix from the left
         if xt.shape[1] not in algs:
-            algs[xt.shape[1]] = torch._cslt_sparse_mm_search(packed, xt, self.bias, transpose_result=True)
-        y = torch._cslt_sparse_mm(packed, xt, self.bias, transpose_result=True, alg_id=algs[xt.shape[1]])
+            algs[xt.shape[1]] = cslt_search(packed, xt, self.bias)
+        y = torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True, *algs[xt.shape[1]])
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
@@ -227,8 +278,10 @@ class SparseLinear(nn.Module):
             if 2 <= tokens <= decode_limit:
                 out.append("decode_swap")
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
+        if self.tiled and tokens >= GEMM_MIN_TOKENS and x.is_cuda:   # cuSPARSELt on the layer's own buffer
+            out.append("cslt")
         out.append("scratch")
-        if tokens <= GATHER_MAX_TOKENS:
+        if tokens <= GATHER_MAX_TOKENS and not self.tiled:
             out.append("gather")
         return out
 
@@ -269,11 +322,29 @@ class SparseLinear(nn.Module):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():  # nothing can be timed in a capture
                 return default_choice(self._candidates(x))
             key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
-                   self.perm is not None, self.bias is not None, bucket)
+                   self.perm is not None, self.bias is not None, self.tiled, bucket)
             if key not in _CHOICES:
                 _CHOICES[key] = self._measure(x, self._candidates(x))
             self.choices[bucket] = _CHOICES[key]
         return self.choices[bucket]
+
+
+def cslt_search(packed: torch.Tensor, xt: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
+    """cuSPARSELt's fastest configuration for ``packed @ xt`` (output transposed): ``(alg_id, split_k,
+    split_k_mode)`` from ``torch._C._cusparselt.mm_search``, the trailing arguments of
+    ``torch._cslt_sparse_mm``. PyTorch builds without it have only the deprecated search, which
+    returns the algorithm alone and runs it unsplit (``split_k = 1``)."""
+    search = getattr(getattr(torch._C, "_cusparselt", None), "mm_search", None)
+    if search is None:
+        return (int(torch._cslt_sparse_mm_search(packed, xt, bias, transpose_result=True)),)
+    alg_id, split_k, split_k_mode, _ = search(packed, xt, bias, None, None, True)
+    return int(alg_id), int(split_k), int(split_k_mode)
+
+
+def use_cslt_layout(model: nn.Module) -> list[str]:
+    """:meth:`SparseLinear.use_cslt_layout` on every sparse layer of ``model`` that is not stacked and can
+    take it (in place); returns their names. Run it before ``fuse_shared_inputs``, where the model lives."""
+    return [name for name, mod in model.named_modules() if isinstance(mod, SparseLinear) and mod.use_cslt_layout()]
 
 
 def candidate_errors() -> tuple[type[Exception], ...]:
