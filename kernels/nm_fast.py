@@ -68,24 +68,31 @@ if triton is not None:
         wi = k0 // F + tl.arange(0, WPB)
         w_ok = row_ok[:, None] & (wi < WORDS)[None, :]
         if TILED:
-            words = _cslt_words(word_ptr, rows, wi, w_ok, WORDS, EVICT)
+            words = _cslt_words(word_ptr, rows, wi, row_ok, WORDS, EVICT, BLOCK_R, WPB)
         else:
             words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :], mask=w_ok, other=0, eviction_policy=EVICT)
         return tl.reshape(v, (BLOCK_R, BLOCK_K // N, N)), words
 
     @triton.jit
-    def _cslt_words(meta_ptr, rows, wi, w_ok, WORDS, EVICT: tl.constexpr):
-        """Word ``wi`` (8 groups) of each row from cuSPARSELt's 2:4 metadata (int32 ``meta_ptr``): a
-        64-row band takes ``64·WORDS`` words, ``wi``'s 64-row × 8-group tile 64 of them; row ``16a +
-        8b + c`` of the tile lies in the 64-bit pair ``8a + c``, in its low (``b = 0``) or high
-        nibbles, groups in the order 0 4 1 5 | 2 6 3 7 (learned on an H100,
-        ``scripts/results/sparse_tc_layout.json``)."""
+    def _cslt_words(meta_ptr, rows, wi, row_ok, WORDS, EVICT: tl.constexpr, BLOCK_R: tl.constexpr,
+                    WPB: tl.constexpr):
+        """Words ``wi`` (8 groups each) of rows ``rows`` (``BLOCK_R`` from a multiple of 16) from
+        cuSPARSELt's 2:4 metadata (``meta_ptr``, int32): a 64-row band takes ``64·WORDS`` words, each
+        8-group tile 64 of them; row ``16a + 8b + c`` of a tile lies in its 64-bit pair ``8a + c``, in
+        the low (``b = 0``) or high nibbles, groups in the order 0 4 1 5 | 2 6 3 7 (learned on an
+        H100, ``scripts/results/sparse_tc_layout.json``). Each 16 rows' 8 pairs per tile are 64
+        contiguous bytes, read as such and regrouped into the export's words in registers."""
         t = rows % 64
-        pair = (rows // 64) * (64 * WORDS) + ((t // 16) * 8 + t % 8) * 2
+        pair = (rows // 64) * (32 * WORDS) + (t // 16) * 8 + t % 8       # in 64-bit pairs
         shift = (((t // 8) % 2) * 4)[:, None]
-        addr = pair[:, None] + wi[None, :] * 64
-        lo = tl.load(meta_ptr + addr, mask=w_ok, other=0, eviction_policy=EVICT)
-        hi = tl.load(meta_ptr + addr + 1, mask=w_ok, other=0, eviction_policy=EVICT)
+        ok = row_ok[:, None] & (wi < WORDS)[None, :]
+        pairs = tl.load(meta_ptr.to(tl.pointer_type(tl.int64)) + pair[:, None] + wi[None, :] * 32, mask=ok, other=0,
+                        eviction_policy=EVICT)
+        return _pair_word(pairs.to(tl.int32), (pairs >> 32).to(tl.int32), shift)
+
+    @triton.jit
+    def _pair_word(lo, hi, shift):
+        """One row's 8 group codes from a metadata pair (its nibbles at ``shift``) as an export word."""
         x = (lo >> shift) & 0x0F0F0F0F           # bytes: groups 0 4 1 5, one nibble each
         y = (hi >> shift) & 0x0F0F0F0F           # groups 2 6 3 7
         x = (x | (x >> 12)) & 0xFFFF             # groups 0 1 4 5
@@ -530,6 +537,8 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     tokens = x2.shape[0]
     rows, kept = values.shape
     p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
+    if tiled and p["block_r"] % 16:
+        raise ValueError(f"cuSPARSELt-ordered positions are read 16 rows at a time: block_r {p['block_r']}")
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     part = _partials(p["split"], y)
     dummy = values
@@ -637,6 +646,8 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     block_t, block_r, block_c, warps, stages = tile
     if (block_c * n // m) % (32 // bits):
         raise ValueError(f"block_c {block_c} must hold whole position words for {n}:{m}")
+    if tiled and block_r % 16:
+        raise ValueError(f"cuSPARSELt-ordered positions are read 16 rows at a time: block_r {block_r}")
     per_split = triton.cdiv(triton.cdiv(cols, block_c), split or 1) * block_c
     split = triton.cdiv(cols, per_split)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
@@ -661,6 +672,8 @@ def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int
     rows, kept = values.shape
     dense = out.reshape(-1)[: rows * cols].view(rows, cols)
     block_k = max(32 // bits, block_k)
+    if tiled and block_r % 16:
+        raise ValueError(f"cuSPARSELt-ordered positions are read 16 rows at a time: block_r {block_r}")
     grid = (triton.cdiv(rows, block_r), triton.cdiv(kept, block_k))
     _nm_decompress_kernel[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
                                 BLOCK_R=block_r, BLOCK_K=block_k, TILED=tiled, num_warps=num_warps)

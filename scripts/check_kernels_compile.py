@@ -65,6 +65,10 @@ def cases(quick: bool) -> list[dict]:
         for impl in ("gather", "group"):
             for t in (1, 16):
                 out.append(dict(impl=impl, shape=(rows, cols), tokens=t))
+    for t in (1, 2, 16, 64):   # positions in cuSPARSELt's order (SparseLinear.use_cslt_layout)
+        out.append(dict(impl="decode", shape=(rows, cols), tokens=t, tiled=True))
+    out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=16, tiled=True))
+    out.append(dict(impl="scratch", shape=(rows, cols), tokens=0, tiled=True))
     for width in ([4096] if quick else [4096, 11008, 14336]):
         out.append(dict(impl="rmsnorm_mapped", shape=(0, width), tokens=1))
     return out
@@ -82,7 +86,7 @@ def run_case(case: dict) -> None:
     n, m = case.get("pattern", (2, 4))
     bits = meta_bits(m)
     perm = torch.randperm(cols, generator=torch.Generator().manual_seed(0)).to(torch.int32)
-    impl, tokens = case["impl"], max(1, case["tokens"])
+    impl, tokens, tiled = case["impl"], max(1, case["tokens"]), case.get("tiled", False)
     if impl == "rmsnorm_mapped":
         norm_map.rmsnorm_mapped(torch.zeros(tokens, cols, dtype=dtype), torch.ones(cols), perm, 1e-6)
         return
@@ -92,9 +96,9 @@ def run_case(case: dict) -> None:
     words = nm_fast.position_words(meta)
     x = torch.zeros(tokens, cols, dtype=dtype)
     if impl in ("decode", "decode_nomap"):
-        nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None)
+        nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None, tiled=tiled)
     elif impl == "decode_swap":   # as SparseLinear runs it: on the gathered input
-        nm_fast.nm_decode(x, values, words, n, m, bits, use_dot=True, weight_a=True)
+        nm_fast.nm_decode(x, values, words, n, m, bits, use_dot=True, weight_a=True, tiled=tiled)
     elif impl in ("gemm", "gemm_swap"):
         nm_fast.nm_gemm(x, values, words, n, m, bits, weight_a=impl == "gemm_swap")
     elif impl in ("gemm_tile", "gemm_swap_tile"):
@@ -102,7 +106,7 @@ def run_case(case: dict) -> None:
         table = nm_fast.GEMM_TILES_SWAP if swap else nm_fast.GEMM_TILES
         nm_fast.nm_gemm(x, values, words, n, m, bits, tile=table[(n, m)][case["tile"]][0], weight_a=swap)
     elif impl == "scratch":
-        nm_fast.nm_decompress_into(values, words, n, m, bits, cols, torch.empty(rows * cols, dtype=dtype))
+        nm_fast.nm_decompress_into(values, words, n, m, bits, cols, torch.empty(rows * cols, dtype=dtype), tiled=tiled)
     else:
         nm_matmul.nm_gather_matmul(x, values, meta, n, m, bits, perm=perm, variant=impl)
 
@@ -166,7 +170,8 @@ def main() -> None:
     t0 = time.time()
     for case in cases(args.quick):
         label = {"impl": case["impl"], "shape": list(case["shape"]), "tokens": case["tokens"],
-                 "dtype": case.get("dtype", "bfloat16"), "pattern": "{}:{}".format(*case.get("pattern", (2, 4)))}
+                 "dtype": case.get("dtype", "bfloat16"), "pattern": "{}:{}".format(*case.get("pattern", (2, 4))),
+                 **({"tiled": True} if case.get("tiled") else {})}
         try:
             with compile_only(H100) as launches:
                 run_case(case)
@@ -189,7 +194,7 @@ def main() -> None:
             failed += 1
             rows.append({**label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"})
         r = rows[-1]
-        print(f"{r['impl']:>14} {r['dtype']:>8} {r['pattern']} {str(tuple(r['shape'])):>14} t={r['tokens']:<5}"
+        print(f"{r['impl'] + ('/tiled' if r.get('tiled') else ''):>14} {r['dtype']:>8} {r['pattern']} {str(tuple(r['shape'])):>14} t={r['tokens']:<5}"
               + (f" ERROR {r['error']}" if "error" in r else
                  f" regs {r['registers']:3d} spill {r['spill_bytes']:4d} smem {r['shared_bytes']:6d} "
                  f"progs/SM {r['programs_per_sm']:2d} waves {r['waves']:6.2f} load {r['widest_load_bytes']:2d}B "

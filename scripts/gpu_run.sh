@@ -81,6 +81,9 @@ for s in "$@"; do
                 --out scripts/results/bench_sparse_tc.json ;;
         cslt_buffer) step cslt_buffer 240 scripts/results/bench_kernel_cslt.json $PY scripts/bench_kernel.py \
                 --impls auto auto_tiled decode_nomap decode_tiled --out scripts/results/bench_kernel_cslt.json ;;
+        cslt_buffer_quick) step cslt_buffer_quick 90 scripts/results/bench_kernel_cslt_quick.json $PY scripts/bench_kernel.py \
+                --shapes 11008x4096 4096x14336 1024x4096 --tokens 1 2 16 --impls auto auto_tiled decode decode_tiled \
+                --out scripts/results/bench_kernel_cslt_quick.json ;;
         tune_scratch) step tune_scratch 90 scripts/results/tune_scratch.json $PY scripts/tune_kernel.py \
                 --variants decompress --tokens 512 --block-r 8 16 32 64 --block-k 64 128 256 --num-warps 4 8 \
                 --max-tile 1048576 --out scripts/results/tune_scratch.json
