@@ -57,9 +57,9 @@ if triton is not None:
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K``: values ``[BLOCK_R, BLOCK_K/N, N]`` and their
         position words ``[BLOCK_R, BLOCK_K·BITS/32]`` (read them with :func:`_positions` or
         :func:`_group_codes`). ``EVICT``: the loads' eviction policy (``"evict_first"`` where the
-        weight is read once, ``""`` where tiles are reused). ``TILED``: ``word_ptr`` holds 2:4
-        positions in cuSPARSELt's order (:mod:`shuffleprune.deploy.cslt_layout`), turned into the
-        same words here."""
+        weight is read once, ``""`` where tiles are reused). ``TILED`` (1 or 2): ``word_ptr`` holds
+        2:4 positions in cuSPARSELt's order (:mod:`shuffleprune.deploy.cslt_layout`), turned into
+        the same words here, read row by row (1) or by 16-row slices (2, ``BLOCK_R % 16 == 0``)."""
         F: tl.constexpr = 32 // BITS
         WPB: tl.constexpr = BLOCK_K // F
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -67,21 +67,40 @@ if triton is not None:
         v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0, eviction_policy=EVICT)
         wi = k0 // F + tl.arange(0, WPB)
         w_ok = row_ok[:, None] & (wi < WORDS)[None, :]
-        if TILED:
-            words = _cslt_words(word_ptr, rows, wi, row_ok, WORDS, EVICT, BLOCK_R, WPB)
+        if TILED == 1:
+            words = _cslt_words(word_ptr, rows, wi, row_ok, WORDS, EVICT)
+        elif TILED == 2:
+            words = _cslt_words_slices(word_ptr, rows, wi, row_ok, WORDS, EVICT, BLOCK_R, WPB)
         else:
             words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :], mask=w_ok, other=0, eviction_policy=EVICT)
         return tl.reshape(v, (BLOCK_R, BLOCK_K // N, N)), words
 
     @triton.jit
-    def _cslt_words(meta_ptr, rows, wi, row_ok, WORDS, EVICT: tl.constexpr, BLOCK_R: tl.constexpr,
+    def _cslt_words_slices(meta_ptr, rows, wi, row_ok, WORDS, EVICT: tl.constexpr, BLOCK_R: tl.constexpr,
                     WPB: tl.constexpr):
-        """Words ``wi`` (8 groups each) of rows ``rows`` (``BLOCK_R`` from a multiple of 16) from
-        cuSPARSELt's 2:4 metadata (``meta_ptr``, int32): a 64-row band takes ``64·WORDS`` words, each
-        8-group tile 64 of them; row ``16a + 8b + c`` of a tile lies in its 64-bit pair ``8a + c``, in
-        the low (``b = 0``) or high nibbles, groups in the order 0 4 1 5 | 2 6 3 7 (learned on an
-        H100, ``scripts/results/sparse_tc_layout.json``). Each 16 rows' 8 pairs per tile are 64
-        contiguous bytes, read as such and regrouped into the export's words in registers."""
+        """:func:`_cslt_words` read as each 16-row slice's 8 pairs per tile (64 contiguous bytes) and
+        regrouped into rows in registers (``BLOCK_R`` from a multiple of 16): the tensor-core
+        decode's read (on an H100 at 2–16 tokens as fast as the export's words; the row-wise read
+        was 1.2–1.3× slower there, ``scripts/results/bench_kernel_cslt*.json``)."""
+        Q: tl.constexpr = BLOCK_R // 16
+        qs = tl.max(tl.reshape(rows // 16, (Q, 16)), axis=1)            # each 16-row slice's index
+        q_ok = tl.max(tl.reshape(row_ok.to(tl.int32), (Q, 16)), axis=1) > 0
+        base = (qs // 4) * (32 * WORDS) + (qs % 4) * 8                    # in 64-bit pairs
+        addr = base[:, None, None] + wi[None, :, None] * 32 + tl.arange(0, 8)[None, None, :]
+        ok = q_ok[:, None, None] & (wi < WORDS)[None, :, None]
+        pairs = tl.load(meta_ptr.to(tl.pointer_type(tl.int64)) + addr, mask=ok, other=0, eviction_policy=EVICT)
+        lo, hi = pairs.to(tl.int32), (pairs >> 32).to(tl.int32)          # [Q, WPB, 8]
+        words = tl.join(_pair_word(lo, hi, 0), _pair_word(lo, hi, 4))    # [Q, WPB, 8 (c), 2 (b)]
+        return tl.reshape(tl.permute(words, (0, 3, 2, 1)), (BLOCK_R, WPB))
+
+    @triton.jit
+    def _cslt_words(meta_ptr, rows, wi, row_ok, WORDS, EVICT: tl.constexpr):
+        """Words ``wi`` (8 groups each) of rows ``rows`` from cuSPARSELt's 2:4 metadata (``meta_ptr``,
+        int32): a 64-row band takes ``64·WORDS`` words, each 8-group tile 64 of them; row ``16a + 8b
+        + c`` of a tile lies in its 64-bit pair ``8a + c``, in the low (``b = 0``) or high nibbles,
+        groups in the order 0 4 1 5 | 2 6 3 7 (learned on an H100,
+        ``scripts/results/sparse_tc_layout.json``). One 64-bit load per row and word (the select
+        loop's read: on an H100 about 9 % faster there than :func:`_cslt_words_slices`)."""
         t = rows % 64
         pair = (rows // 64) * (32 * WORDS) + (t // 16) * 8 + t % 8       # in 64-bit pairs
         shift = (((t // 8) % 2) * 4)[:, None]
@@ -123,7 +142,8 @@ if triton is not None:
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K`` expanded to their ``BLOCK_K·M/N`` dense
         columns (zeros where pruned), in the values' dtype."""
         G: tl.constexpr = BLOCK_K // N
-        v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT, TILED)
+        v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT,
+                              2 * TILED)
         if N == 2 and M == 4:
             return _dense_2of4(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
         if N == 4 and M == 8:
@@ -428,11 +448,13 @@ DOT_TILES_OTHER = {16: (16, 256, 4, 4), 32: (32, 256, 4, 4), 64: (64, 128, 8, 1)
 # the same kernel with the weight as the MMA's A operand (``weight_a``, "swap AB": 64 rows per warpgroup
 # in the MMA's M, tokens in its N, so Hopper's asynchronous wgmma takes the expanded tile from
 # registers and up to 16 stay in flight, where tokens in M (at least 64 for wgmma) fall back to
-# synchronous mma with 2–32 tokens). Narrower steps than DOT_TILES: the compile for sm_90a lets 7
-# (2–16 tokens), 5 (32; 6 with triton 3.6) and 4 (64) programs of 2:4 reside per SM against 2, 2 and 1 — the
-# tensor-core decode was latency-bound at 12.5 % occupancy on an H100 (ncu_decode.txt). Not yet timed.
+# synchronous mma with 2–32 tokens). At 2–16 tokens the tile an H100 sweep found fastest
+# (tune_swap_decode.json: 64 rows × 256 columns, 2 programs per SM as compiled, 1.04–1.12× cuBLAS on
+# 4096×4096 and 11008×4096 unmapped; the narrower 64-column step, 7 per SM, was slower); at 32 and 64
+# narrower steps than DOT_TILES (5 — 6 with triton 3.6 — and 4 programs of 2:4 per SM against 2
+# and 1: the tensor-core decode was latency-bound at 12.5 % occupancy, ncu_decode.txt).
 DOT_TILES_SWAP = {
-    (2, 4): {16: (64, 64, 4, 7), 32: (64, 64, 4, 5), 64: (64, 64, 4, 4)},
+    (2, 4): {16: (64, 256, 4, 2), 32: (64, 64, 4, 5), 64: (64, 64, 4, 4)},
     (4, 8): {16: (64, 128, 4, 4), 32: (64, 128, 4, 3), 64: (64, 128, 4, 2)},
 }
 DOT_TILE_FP32 = (16, 128, 8, 1)

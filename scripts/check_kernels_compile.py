@@ -65,7 +65,7 @@ def cases(quick: bool) -> list[dict]:
         for impl in ("gather", "group"):
             for t in (1, 16):
                 out.append(dict(impl=impl, shape=(rows, cols), tokens=t))
-    for t in (1, 2, 16, 64):   # positions in cuSPARSELt's order (SparseLinear.use_cslt_layout)
+    for t in (1, 2, 16, 64):   # positions in cuSPARSELt's order (SparseLinear.use_cslt_layout): "…_tiled" rows
         out.append(dict(impl="decode", shape=(rows, cols), tokens=t, tiled=True))
     out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=16, tiled=True))
     out.append(dict(impl="scratch", shape=(rows, cols), tokens=0, tiled=True))
@@ -169,9 +169,9 @@ def main() -> None:
     rows, failed = [], 0
     t0 = time.time()
     for case in cases(args.quick):
-        label = {"impl": case["impl"], "shape": list(case["shape"]), "tokens": case["tokens"],
-                 "dtype": case.get("dtype", "bfloat16"), "pattern": "{}:{}".format(*case.get("pattern", (2, 4))),
-                 **({"tiled": True} if case.get("tiled") else {})}
+        label = {"impl": case["impl"] + ("_tiled" if case.get("tiled") else ""), "shape": list(case["shape"]),
+                 "tokens": case["tokens"], "dtype": case.get("dtype", "bfloat16"),
+                 "pattern": "{}:{}".format(*case.get("pattern", (2, 4)))}
         try:
             with compile_only(H100) as launches:
                 run_case(case)
@@ -194,7 +194,7 @@ def main() -> None:
             failed += 1
             rows.append({**label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"})
         r = rows[-1]
-        print(f"{r['impl'] + ('/tiled' if r.get('tiled') else ''):>14} {r['dtype']:>8} {r['pattern']} {str(tuple(r['shape'])):>14} t={r['tokens']:<5}"
+        print(f"{r['impl']:>14} {r['dtype']:>8} {r['pattern']} {str(tuple(r['shape'])):>14} t={r['tokens']:<5}"
               + (f" ERROR {r['error']}" if "error" in r else
                  f" regs {r['registers']:3d} spill {r['spill_bytes']:4d} smem {r['shared_bytes']:6d} "
                  f"progs/SM {r['programs_per_sm']:2d} waves {r['waves']:6.2f} load {r['widest_load_bytes']:2d}B "

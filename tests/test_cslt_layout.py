@@ -146,3 +146,19 @@ def test_stacked_layers_share_one_cusparselt_buffer():
     assert group.stacked.tiled and all(layer.values.untyped_storage().data_ptr() == ptr
                                        and layer.meta.untyped_storage().data_ptr() == ptr and layer._packed is None
                                        for layer in layers)
+
+
+def test_use_cslt_layout_converts_the_layers_that_can_take_it():
+    from torch import nn
+
+    from shuffleprune.deploy.sparse_linear import use_cslt_layout
+
+    model = nn.ModuleDict({
+        "fits": SparseLinear(*compress(_weight(64, 32), 2, 4), 32, 2, 4),
+        "rows_48": SparseLinear(*compress(_weight(48, 32), 2, 4), 32, 2, 4),
+        "float32": SparseLinear(*compress(_weight(64, 32, torch.float32), 2, 4), 32, 2, 4),
+        "dense": nn.Linear(32, 64),
+    })
+    assert use_cslt_layout(model) == ["fits"]
+    assert model["fits"].tiled and not model["rows_48"].tiled and not model["float32"].tiled
+    assert use_cslt_layout(model) == ["fits"]   # idempotent: an already converted layer stays as it is

@@ -13,8 +13,8 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   loop instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed
   from 2 tokens on, the select loop 1.5× faster than dense at one token);
 - ``decode_swap`` (2–64 tokens): the tensor-core decode with the weight tile as the MMA's A operand
-  (rows in the MMA's M: Hopper's asynchronous wgmma from registers; narrower steps, more programs
-  per SM), built after the tensor-core decode measured at about dense speed, latency-bound;
+  (rows in the MMA's M: Hopper's asynchronous wgmma from registers), built after the tensor-core
+  decode measured at about dense speed, latency-bound;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion;
@@ -22,10 +22,11 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   that device and dtype, then a dense matmul (cuBLAS on the GPU);
 - ``gather`` / ``group``: the first Triton kernels (``kernels/nm_matmul.py``), kept as candidates;
 - ``semi_structured`` / ``semi_cutlass``: PyTorch's 2:4 tensors; ``cslt``: cuSPARSELt called directly
-  (Hopper's sparse tensor cores), its algorithm searched once per token count and the output's
-  transpose fused. They hold their own compressed copy, so only an explicit ``policy`` runs them
-  (benchmarks), never ``auto``; ``deploy/sparse_layout.py`` learns cuSPARSELt's layout, the step
-  before one copy could serve both it and the decode kernels.
+  (Hopper's sparse tensor cores), its algorithm and split-K searched once per token count and the
+  output's transpose fused. On a layer in the export's layout they hold their own compressed copy,
+  so only an explicit ``policy`` runs them (benchmarks). After :meth:`SparseLinear.use_cslt_layout`
+  the layer's one buffer *is* cuSPARSELt's (``deploy/cslt_layout.py``): the decode kernels read it
+  and ``auto`` times ``cslt`` on it from 17 tokens.
 
 ``policy="auto"``: on the CPU ``scratch``; on CUDA the first call of each token-count bucket
 (1, 2, 4, … tokens) times the applicable candidates, each as a CUDA graph of repeated calls (so
