@@ -226,30 +226,31 @@ def main() -> None:
         return choices
 
     choices = kernel_choices()
+
+    def measured(label: str, **facts) -> tuple[dict, dict]:
+        """The model as it stands now: its row (with ``facts``) and the kernels ``auto`` chose."""
+        row, _ = measure(model, label)
+        row.update(facts)
+        return row, kernel_choices()
+
     # The other place for the shared maps (issue 24): the RMSNorms feeding q/k/v and gate/up write
     # their output permuted (one fused kernel) and those layers read in order; o_proj keeps its map.
     moved = move_maps_to_producers(model)   # the layers that lost their map choose their kernels again
-    producer_row, _ = measure(model, "2:4+index maps at the producer (fused RMSNorm)")
-    producer_row["maps_moved"] = len(moved)
-    choices_at_producer = kernel_choices()
+    producer_row, choices_at_producer = measured("2:4+index maps at the producer (fused RMSNorm)", maps_moved=len(moved))
     # What load() does last: the layers reading one input (q/k/v, gate/up) run as one stacked layer.
     groups = fuse_shared_inputs(model)
-    fused_row, _ = measure(model, "2:4+maps at the producer, q/k/v and gate/up stacked (load's default)")
-    fused_row["groups"] = len(groups)
-    choices_stacked = kernel_choices()
+    fused_row, choices_stacked = measured("2:4+maps at the producer, q/k/v and gate/up stacked (load's default)",
+                                          groups=len(groups))
     # One buffer per layer that cuSPARSELt multiplies from and the decode kernels read (use_cslt_layout):
     # prefill may then run on the sparse tensor cores, without a second copy; stacked again as load does.
     unfuse_shared_inputs(model)
     tiled = use_cslt_layout(model)
     if cuda:
         torch.cuda.empty_cache()
-    cslt_row, _ = measure(model, "2:4 in cuSPARSELt's buffer, maps at the producer")
-    cslt_row["layers_tiled"] = len(tiled)
-    choices_cslt = kernel_choices()
+    cslt_row, choices_cslt = measured("2:4 in cuSPARSELt's buffer, maps at the producer", layers_tiled=len(tiled))
     groups = fuse_shared_inputs(model)
-    cslt_fused_row, _ = measure(model, "2:4 in cuSPARSELt's buffer, maps at the producer, stacked")
-    cslt_fused_row["groups"] = len(groups)
-    choices_cslt_stacked = kernel_choices()
+    cslt_fused_row, choices_cslt_stacked = measured("2:4 in cuSPARSELt's buffer, maps at the producer, stacked",
+                                                    groups=len(groups))
     rows = [dense_row, sparse_row, producer_row, fused_row, cslt_row, cslt_fused_row]
 
     def ratios(row: dict) -> dict:
