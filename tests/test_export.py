@@ -499,3 +499,23 @@ def test_layers_reading_one_input_run_as_one_stacked_layer(pruned_perm_dir, tmp_
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, plain(ids).logits, atol=1e-9)
     assert attn.q_proj.fused_inputs.stacked.values.dtype == torch.float64
+
+
+def test_load_with_cusparselt_buffers_gives_the_same_model(pruned_perm_dir, tmp_path):
+    """``load(cslt=True)``: the layers whose shape allows it hold one cuSPARSELt buffer (k/v, 32 rows,
+    do not), stacked groups of such layers share one, and the model computes what the export's
+    layout computes."""
+    out = tmp_path / "exported"
+    export_checkpoint(pruned_perm_dir, out)
+    plain = shuffleprune.load(str(out), dtype="bfloat16")
+    tiled = shuffleprune.load(str(out), dtype="bfloat16", cslt=True)
+    layers = {n: mod for n, mod in tiled.named_modules() if isinstance(mod, SparseLinear)}
+    converted = {n for n, mod in layers.items() if mod.tiled}
+    assert converted == {n for n, mod in layers.items() if mod.out_features % 64 == 0} and converted
+    assert not any(n.endswith(("k_proj", "v_proj")) for n in converted)
+    ids = torch.randint(0, 128, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(tiled(ids).logits, plain(ids).logits)
+    gate = layers["model.layers.0.mlp.gate_proj"]
+    assert gate.fused_inputs is not None and gate.fused_inputs.stacked.tiled   # gate/up: one stacked buffer
+    assert gate.values.untyped_storage().data_ptr() == gate.fused_inputs.stacked._packed.untyped_storage().data_ptr()
