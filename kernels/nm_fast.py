@@ -57,9 +57,10 @@ if triton is not None:
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K``: values ``[BLOCK_R, BLOCK_K/N, N]`` and their
         position words ``[BLOCK_R, BLOCK_K·BITS/32]`` (read them with :func:`_positions` or
         :func:`_group_codes`). ``EVICT``: the loads' eviction policy (``"evict_first"`` where the
-        weight is read once, ``""`` where tiles are reused). ``TILED`` (1 or 2): ``word_ptr`` holds
-        2:4 positions in cuSPARSELt's order (:mod:`shuffleprune.deploy.cslt_layout`), turned into
-        the same words here, read row by row (1) or by 16-row slices (2, ``BLOCK_R % 16 == 0``)."""
+        weight is read once, ``""`` where tiles are reused). ``TILED``: ``word_ptr`` holds 2:4
+        positions in cuSPARSELt's order (:mod:`shuffleprune.deploy.cslt_layout`): with 2, read by
+        16-row slices and turned into the same words (``BLOCK_R % 16 == 0``); with 1, the raw 64-bit
+        pair of each row and word, for :func:`_cslt_positions` (the select loop)."""
         F: tl.constexpr = 32 // BITS
         WPB: tl.constexpr = BLOCK_K // F
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -67,8 +68,11 @@ if triton is not None:
         v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0, eviction_policy=EVICT)
         wi = k0 // F + tl.arange(0, WPB)
         w_ok = row_ok[:, None] & (wi < WORDS)[None, :]
-        if TILED == 1:
-            words = _cslt_words(word_ptr, rows, wi, row_ok, WORDS, EVICT)
+        if TILED == 1:   # row 16a + 8b + c of a 64-row band lies in the pair 8a + c of each 8-group tile
+            t = rows % 64
+            pair = (rows // 64) * (32 * WORDS) + (t // 16) * 8 + t % 8
+            words = tl.load(word_ptr.to(tl.pointer_type(tl.int64)) + pair[:, None] + wi[None, :] * 32, mask=w_ok,
+                            other=0, eviction_policy=EVICT)
         elif TILED == 2:
             words = _cslt_words_slices(word_ptr, rows, wi, row_ok, WORDS, EVICT, BLOCK_R, WPB)
         else:
@@ -78,9 +82,13 @@ if triton is not None:
     @triton.jit
     def _cslt_words_slices(meta_ptr, rows, wi, row_ok, WORDS, EVICT: tl.constexpr, BLOCK_R: tl.constexpr,
                     WPB: tl.constexpr):
-        """:func:`_cslt_words` read as each 16-row slice's 8 pairs per tile (64 contiguous bytes) and
-        regrouped into rows in registers (``BLOCK_R`` from a multiple of 16): the tensor-core
-        decode's read (on an H100 at 2–16 tokens as fast as the export's words; the row-wise read
+        """Words ``wi`` (8 groups each) of rows ``rows`` (``BLOCK_R`` from a multiple of 16) from
+        cuSPARSELt's 2:4 metadata (``meta_ptr``, int32): a 64-row band takes ``64·WORDS`` words, each
+        8-group tile 64 of them; row ``16a + 8b + c`` of a tile lies in its 64-bit pair ``8a + c``, in
+        the low (``b = 0``) or high nibbles, groups in the order 0 4 1 5 | 2 6 3 7 (learned on an
+        H100, ``scripts/results/sparse_tc_layout.json``). Each 16-row slice's 8 pairs per tile (64
+        contiguous bytes) are read as such and regrouped into rows in registers: the tensor-core
+        kernels' read (on an H100 at 2–16 tokens as fast as the export's words; one pair per row
         was 1.2–1.3× slower there, ``scripts/results/bench_kernel_cslt*.json``)."""
         Q: tl.constexpr = BLOCK_R // 16
         qs = tl.max(tl.reshape(rows // 16, (Q, 16)), axis=1)            # each 16-row slice's index
@@ -94,22 +102,6 @@ if triton is not None:
         return tl.reshape(tl.permute(words, (0, 3, 2, 1)), (BLOCK_R, WPB))
 
     @triton.jit
-    def _cslt_words(meta_ptr, rows, wi, row_ok, WORDS, EVICT: tl.constexpr):
-        """Words ``wi`` (8 groups each) of rows ``rows`` from cuSPARSELt's 2:4 metadata (``meta_ptr``,
-        int32): a 64-row band takes ``64·WORDS`` words, each 8-group tile 64 of them; row ``16a + 8b
-        + c`` of a tile lies in its 64-bit pair ``8a + c``, in the low (``b = 0``) or high nibbles,
-        groups in the order 0 4 1 5 | 2 6 3 7 (learned on an H100,
-        ``scripts/results/sparse_tc_layout.json``). One 64-bit load per row and word (the select
-        loop's read: on an H100 about 9 % faster there than :func:`_cslt_words_slices`)."""
-        t = rows % 64
-        pair = (rows // 64) * (32 * WORDS) + (t // 16) * 8 + t % 8       # in 64-bit pairs
-        shift = (((t // 8) % 2) * 4)[:, None]
-        ok = row_ok[:, None] & (wi < WORDS)[None, :]
-        pairs = tl.load(meta_ptr.to(tl.pointer_type(tl.int64)) + pair[:, None] + wi[None, :] * 32, mask=ok, other=0,
-                        eviction_policy=EVICT)
-        return _pair_word(pairs.to(tl.int32), (pairs >> 32).to(tl.int32), shift)
-
-    @triton.jit
     def _pair_word(lo, hi, shift):
         """One row's 8 group codes from a metadata pair (its nibbles at ``shift``) as an export word."""
         x = (lo >> shift) & 0x0F0F0F0F           # bytes: groups 0 4 1 5, one nibble each
@@ -117,6 +109,22 @@ if triton is not None:
         x = (x | (x >> 12)) & 0xFFFF             # groups 0 1 4 5
         y = (y | (y >> 12)) & 0xFFFF             # groups 2 3 6 7
         return (x & 0xFF) | ((y & 0xFF) << 8) | ((x >> 8) << 16) | ((y >> 8) << 24)
+
+    @triton.jit
+    def _cslt_positions(pairs, rows, N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """2:4 positions ``[BLOCK_R, BLOCK_K/2, 2]`` straight from cuSPARSELt's 64-bit pairs ``[BLOCK_R,
+        BLOCK_K/16]`` (one per row and 8 groups): kept value ``k`` of a word (group ``g = k//2``) lies
+        at bit ``32·((g>>1)&1) + 8·(2·(g&1) + (g>>2)) + 2·(k&1)``, plus 4 for rows ``16a + 8 + c``.
+        Decoded in the loop's own layout, the pairs go from the asynchronous copy's buffer straight
+        into registers (sm_90a: 234 loop instructions and 2 barriers, as on the export's words;
+        regrouping them into words first cost a second pass through shared memory and a barrier)."""
+        k = tl.arange(0, 16)
+        g = k // 2
+        offs = 32 * ((g >> 1) & 1) + 8 * (2 * (g & 1) + (g >> 2)) + 2 * (k & 1)
+        shift = (((rows % 64) // 8) % 2) * 4
+        bit = (offs[None, None, :] + shift[:, None, None]).to(tl.int64)
+        pos = (tl.broadcast_to(pairs[:, :, None], (BLOCK_R, BLOCK_K // 16, 16)) >> bit) & 3
+        return tl.reshape(pos.to(tl.int32), (BLOCK_R, BLOCK_K // N, N))
 
     @triton.jit
     def _positions(words, N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -310,7 +318,10 @@ if triton is not None:
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
                                   "evict_first", TILED)
-            pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
+            if TILED:
+                pos = _cslt_positions(words, rows, N, BLOCK_R, BLOCK_K)[:, :, :, None]
+            else:
+                pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
                 x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
                                                 BLOCK_K, HAS_PERM, True)

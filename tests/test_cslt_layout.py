@@ -102,7 +102,7 @@ def test_sparse_linear_holds_one_buffer_and_runs_every_path_on_it(monkeypatch):
     assert sum(t.numel() * t.element_size() for t in layer.buffers()) == held
     assert torch.equal(layer.export_meta(), meta) and torch.equal(layer.weight, plain.weight)
     x = torch.randn(2, 3, 64).bfloat16()
-    for policy in ("decode", "decode_mapped", "gemm", "scratch"):
+    for policy in ("decode", "decode_mapped", "decode_select", "gemm", "scratch"):
         plain.policy = layer.policy = policy
         assert torch.equal(layer(x), plain(x)), policy
 
