@@ -68,10 +68,8 @@ if triton is not None:
         v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0, eviction_policy=EVICT)
         wi = k0 // F + tl.arange(0, WPB)
         w_ok = row_ok[:, None] & (wi < WORDS)[None, :]
-        if TILED == 1:   # row 16a + 8b + c of a 64-row band lies in the pair 8a + c of each 8-group tile
-            t = rows % 64
-            pair = (rows // 64) * (32 * WORDS) + (t // 16) * 8 + t % 8
-            words = tl.load(word_ptr.to(tl.pointer_type(tl.int64)) + pair[:, None] + wi[None, :] * 32, mask=w_ok,
+        if TILED == 1:
+            words = tl.load(word_ptr.to(tl.pointer_type(tl.int64)) + _cslt_pair(rows, wi, WORDS), mask=w_ok,
                             other=0, eviction_policy=EVICT)
         elif TILED == 2:
             words = _cslt_words_slices(word_ptr, rows, wi, row_ok, WORDS, EVICT, BLOCK_R, WPB)
@@ -80,8 +78,16 @@ if triton is not None:
         return tl.reshape(v, (BLOCK_R, BLOCK_K // N, N)), words
 
     @triton.jit
+    def _cslt_pair(rows, wi, WORDS):
+        """Index (in 64-bit pairs) of the metadata pair holding word ``wi`` of row ``rows`` in cuSPARSELt's
+        order: a 64-row band takes ``32·WORDS`` pairs, an 8-group tile 32 of them, and row ``16a + 8b
+        + c`` of the band lies in the tile's pair ``8a + c`` (:mod:`shuffleprune.deploy.cslt_layout`)."""
+        t = rows % 64
+        return ((rows // 64) * (32 * WORDS) + (t // 16) * 8 + t % 8)[:, None] + wi[None, :] * 32
+
+    @triton.jit
     def _cslt_words_slices(meta_ptr, rows, wi, row_ok, WORDS, EVICT: tl.constexpr, BLOCK_R: tl.constexpr,
-                    WPB: tl.constexpr):
+                           WPB: tl.constexpr):
         """Words ``wi`` (8 groups each) of rows ``rows`` (``BLOCK_R`` from a multiple of 16) from
         cuSPARSELt's 2:4 metadata (``meta_ptr``, int32): a 64-row band takes ``64·WORDS`` words, each
         8-group tile 64 of them; row ``16a + 8b + c`` of a tile lies in its 64-bit pair ``8a + c``, in
@@ -93,8 +99,7 @@ if triton is not None:
         Q: tl.constexpr = BLOCK_R // 16
         qs = tl.max(tl.reshape(rows // 16, (Q, 16)), axis=1)            # each 16-row slice's index
         q_ok = tl.max(tl.reshape(row_ok.to(tl.int32), (Q, 16)), axis=1) > 0
-        base = (qs // 4) * (32 * WORDS) + (qs % 4) * 8                    # in 64-bit pairs
-        addr = base[:, None, None] + wi[None, :, None] * 32 + tl.arange(0, 8)[None, None, :]
+        addr = _cslt_pair(qs * 16, wi, WORDS)[:, :, None] + tl.arange(0, 8)[None, None, :]   # the slice's 8 pairs
         ok = q_ok[:, None, None] & (wi < WORDS)[None, :, None]
         pairs = tl.load(meta_ptr.to(tl.pointer_type(tl.int64)) + addr, mask=ok, other=0, eviction_policy=EVICT)
         lo, hi = pairs.to(tl.int32), (pairs >> 32).to(tl.int32)          # [Q, WPB, 8]
@@ -419,6 +424,12 @@ def _check(n: int, m: int, bits: int) -> None:
         raise ValueError(f"the word-layout kernels need N and M powers of two (got {n}:{m})")
 
 
+def _check_tiled(tiled: bool, block_r: int) -> None:
+    """cuSPARSELt-ordered positions (``tiled``) are read by 16-row slices: the program's rows must be whole slices."""
+    if tiled and block_r % 16:
+        raise ValueError(f"cuSPARSELt-ordered positions are read 16 rows at a time: block_r {block_r}")
+
+
 def _precision(x: torch.Tensor) -> str:
     """float32 inputs multiply in full precision (not TF32); 16-bit ones on the tensor cores."""
     return "ieee" if x.dtype == torch.float32 else "tf32"
@@ -570,8 +581,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     tokens = x2.shape[0]
     rows, kept = values.shape
     p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
-    if tiled and p["block_r"] % 16:
-        raise ValueError(f"cuSPARSELt-ordered positions are read 16 rows at a time: block_r {p['block_r']}")
+    _check_tiled(tiled, p["block_r"])
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     part = _partials(p["split"], y)
     dummy = values
@@ -679,8 +689,7 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     block_t, block_r, block_c, warps, stages = tile
     if (block_c * n // m) % (32 // bits):
         raise ValueError(f"block_c {block_c} must hold whole position words for {n}:{m}")
-    if tiled and block_r % 16:
-        raise ValueError(f"cuSPARSELt-ordered positions are read 16 rows at a time: block_r {block_r}")
+    _check_tiled(tiled, block_r)
     per_split = triton.cdiv(triton.cdiv(cols, block_c), split or 1) * block_c
     split = triton.cdiv(cols, per_split)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
@@ -705,8 +714,7 @@ def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int
     rows, kept = values.shape
     dense = out.reshape(-1)[: rows * cols].view(rows, cols)
     block_k = max(32 // bits, block_k)
-    if tiled and block_r % 16:
-        raise ValueError(f"cuSPARSELt-ordered positions are read 16 rows at a time: block_r {block_r}")
+    _check_tiled(tiled, block_r)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(kept, block_k))
     _nm_decompress_kernel[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
                                 BLOCK_R=block_r, BLOCK_K=block_k, TILED=tiled, num_warps=num_warps)

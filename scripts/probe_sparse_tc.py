@@ -118,10 +118,10 @@ def main() -> None:
                 continue
             dense = random_24(rows, cols, dtype, seed=rows + cols)
             built = layout.encode(dense)
-            check["rebuilds_compress"] = bool(torch.equal(built, compressor(dense).reshape(-1).view(torch.uint8)))
+            packed = compressor(dense)   # its shape (and dtype) are what cuSPARSELt's multiply takes
+            check["rebuilds_compress"] = bool(torch.equal(built, packed.reshape(-1).view(torch.uint8)))
             if cuda:   # cuSPARSELt multiplying from the buffer built here, against a dense matmul
                 x = torch.randn(64, cols, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-                packed = torch._cslt_compress(dense.to(device))   # its shape (and dtype) are what the multiply takes
                 try:
                     own = built.to(device).view(packed.dtype).reshape(packed.shape)
                     y = torch._cslt_sparse_mm(own, x.t(), transpose_result=True)

@@ -14,8 +14,9 @@ and by cuSPARSELt multiplying from a buffer built here:
   ``b = 0``, its high ones for ``b = 1``, its 8 groups in the order 0 4 1 5 (low word) 2 6 3 7
   (high word).
 
-:func:`cslt_words` writes the export's position words in that order; the Triton kernels read it with
-``tiled=True`` (``kernels/nm_fast.py``'s ``_cslt_words``, the inverse of this function).
+:func:`cslt_words` writes the export's position words in that order (:func:`row_words` reads them
+back); the Triton kernels read it with ``tiled=True`` (``kernels/nm_fast.py``: ``_cslt_pair`` for the
+address, ``_cslt_positions`` in the select loop, ``_cslt_words_slices`` elsewhere).
 """
 from __future__ import annotations
 
@@ -52,8 +53,13 @@ def cslt_words(words: torch.Tensor) -> torch.Tensor:
 def cslt_buffer(values: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """cuSPARSELt's compressed 2:4 weight ``[R, C/2 + C/16]`` (the values' dtype) from the export's
     ``values`` ``[R, C/2]`` and position words: what ``torch._cslt_compress`` returns for that weight."""
-    meta = cslt_words(words).reshape(-1).view(values.dtype)
-    return torch.cat([values.reshape(-1), meta]).view(values.shape[0], -1)
+    return join_buffer(values, cslt_words(words))
+
+
+def join_buffer(values: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
+    """``values`` ``[R, C/2]`` and metadata already in cuSPARSELt's order (int32 ``[R, C/32]``) as one
+    new ``[R, C/2 + C/16]`` buffer (the inverse of :func:`split_buffer`)."""
+    return torch.cat([values.reshape(-1), tiled.reshape(-1).view(values.dtype)]).view(values.shape[0], -1)
 
 
 def split_buffer(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,8 +88,8 @@ class FusedInputs:
 def _compatible(a: SparseLinear, b: SparseLinear) -> bool:
     same_map = (a.perm is None and b.perm is None) or (
         a.perm is not None and b.perm is not None and torch.equal(a.perm, b.perm))
-    return (a.tiled == b.tiled and a.in_features == b.in_features and (a.n, a.m) == (b.n, b.m) and a.values.dtype == b.values.dtype
-            and a.values.device == b.values.device and a.meta.shape[1] == b.meta.shape[1]
+    return (a.tiled == b.tiled and a.in_features == b.in_features and (a.n, a.m) == (b.n, b.m)
+            and a.values.dtype == b.values.dtype and a.values.device == b.values.device and a.meta.shape[1] == b.meta.shape[1]
             and (a.bias is None) == (b.bias is None) and a.policy == b.policy and same_map)
 
 

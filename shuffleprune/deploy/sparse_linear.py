@@ -176,22 +176,21 @@ class SparseLinear(nn.Module):
         packed = cslt_buffer(self.values, self.words())
         self.values, self.meta = split_buffer(packed)
         self._packed, self.tiled, self._words = packed, True, None
-        self._semi.pop("cslt", None)
+        self._semi.pop("cslt", None)        # a compressed copy made before, now redundant
+        self._semi.pop("cslt_algs", None)
         self.choices.clear()
         return True
 
     def _packed_buffer(self) -> torch.Tensor:
         """The cuSPARSELt buffer ``values`` and ``meta`` are views of (made again, once, after ``.to()``
         copied them apart)."""
-        from shuffleprune.deploy.cslt_layout import split_buffer
+        from shuffleprune.deploy.cslt_layout import join_buffer, split_buffer
 
         p = self._packed
         if p is None or self.values.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() or \
                 self.values.device != p.device:
-            rows = self.out_features
-            p = torch.cat([self.values.reshape(-1), self.meta.reshape(-1).view(self.values.dtype)]).view(rows, -1)
+            p = self._packed = join_buffer(self.values, self.meta)
             self.values, self.meta = split_buffer(p)
-            self._packed = p
         return p
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,10 +251,13 @@ class SparseLinear(nn.Module):
         this token count (searched eagerly at the first call of each count, so a CUDA graph captures
         only the multiply): on the layer's own buffer after :meth:`use_cslt_layout`, else on a
         compressed copy made at the first call."""
-        if "cslt" not in self._semi:
-            self._semi["cslt"] = (None if self.tiled else torch._cslt_compress(self.dense_permuted()), {})
-        packed, algs = self._semi["cslt"]
-        packed = self._packed_buffer() if self.tiled else packed
+        if self.tiled:
+            packed = self._packed_buffer()
+        else:
+            if "cslt" not in self._semi:
+                self._semi["cslt"] = torch._cslt_compress(self.dense_permuted())
+            packed = self._semi["cslt"]
+        algs = self._semi.setdefault("cslt_algs", {})   # token count → cslt_search's configuration
         xg = self._gathered(x)
         xt = xg.reshape(-1, xg.shape[-1]).t()   # [C, T]: cuSPARSELt multiplies the sparse matrix from the left
         if xt.shape[1] not in algs:
