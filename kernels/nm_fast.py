@@ -212,18 +212,28 @@ if triton is not None:
 
     @triton.jit
     def _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
-                     G: tl.constexpr, HAS_PERM: tl.constexpr):
+                     G: tl.constexpr, HAS_PERM: tl.constexpr, X_WORDS: tl.constexpr = False):
         """The inputs of the ``G`` groups starting at kept value ``k0``, in permuted column order and
-        read once through the index map: ``[BLOCK_T, G·M]`` in ``x``'s dtype."""
+        read once through the index map: ``[BLOCK_T, G·M]`` in ``x``'s dtype. ``X_WORDS`` (16-bit
+        ``x`` at a 4-byte aligned address, even row stride): each input is taken from the 32-bit word
+        that holds it, so the gather is a 4-byte load — one the software pipeline turns into an
+        asynchronous copy issued stages ahead, behind the map's own (a 2-byte gather stays a
+        synchronous load inside the loop, and the step's weight copies wait behind it)."""
         cols = (k0 // N) * M + tl.arange(0, G * M)
         col_ok = cols < C
+        ok = tok_ok[:, None] & col_ok[None, :]
         src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
-        return tl.load(x_ptr + toks[:, None] * stride_xt + src[None, :], mask=tok_ok[:, None] & col_ok[None, :],
-                       other=0.0)
+        if X_WORDS:
+            word = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + toks[:, None] * (stride_xt // 2) + (src // 2)[None, :],
+                           mask=ok, other=0)
+            half = ((word >> ((src & 1) * 16)[None, :]) & 0xFFFF).to(tl.int16)
+            return half.to(x_ptr.dtype.element_ty, bitcast=True)
+        return tl.load(x_ptr + toks[:, None] * stride_xt + src[None, :], mask=ok, other=0.0)
 
     @triton.jit
     def _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
-                      G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, AHEAD: tl.constexpr):
+                      G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, AHEAD: tl.constexpr,
+                      X_WORDS: tl.constexpr = False):
         """The step's inputs (:func:`_step_inputs`) and the carried tile for the next step. ``AHEAD``
         (with a map): the inputs were read one step earlier, and the next step's are read now —
         through an index map the inputs are a gather that depends on a load (the map's), which the
@@ -234,7 +244,7 @@ if triton is not None:
             xs = x_ahead
             x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
         else:
-            xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+            xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
         return xs, x_ahead
 
     @triton.jit
@@ -310,16 +320,18 @@ if triton is not None:
                           N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
                           HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-                          TILED: tl.constexpr = False):
+                          TILED: tl.constexpr = False, X_WORDS: tl.constexpr = False):
         """Few tokens, no tensor cores: each kept value picks its input among its group's ``M`` (the
         compares are shared by all tokens), multiplies it, and adds into a float32 accumulator of
-        its own; the one cross-lane reduction comes after the loop. No dense tile is built."""
+        its own; the one cross-lane reduction comes after the loop. No dense tile is built. With a
+        map, its gather is read as 32-bit words and pipelined (``X_WORDS``, see :func:`_step_inputs`),
+        else one step ahead in registers (:func:`_inputs_ahead`)."""
         G: tl.constexpr = BLOCK_K // N
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
-        # with a map the inputs are read one step ahead (_inputs_ahead), carried in registers
-        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+        # with a map the inputs are read one step ahead (_inputs_ahead) unless the pipeline copies them (X_WORDS)
+        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
                                   "evict_first", TILED)
@@ -329,7 +341,7 @@ if triton is not None:
                 pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
                 x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
-                                                BLOCK_K, HAS_PERM, True)
+                                                BLOCK_K, HAS_PERM, not X_WORDS, X_WORDS)
                 xs = tl.trans(x_step.to(tl.float32))
                 even, odd = tl.split(tl.permute(tl.reshape(xs, (G, 2, 2, BLOCK_T)), (0, 3, 1, 2)))
                 x0, x2 = tl.split(even)                                    # [G, BLOCK_T] each: slots 0 and 2
@@ -481,7 +493,10 @@ DOT_TILES_SWAP = {
 }
 DOT_TILE_FP32 = (16, 128, 8, 1)
 DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP32 = 64, 16
-SELECT_MAX_TOKENS = 1  # above this the tensor-core kernel's loop issues fewer instructions per weight byte
+# up to this many tokens the select kernel is the default: on an H100 at 2 tokens it took 12.5–29.7 µs on
+# 4096×4096, 4096×11008 and 11008×4096 (tune_select_tokens.json, 1.20–1.35× cuBLAS) where the tensor-core
+# decode took 18.2–39.3 (bench_kernel.json); at 4 tokens it is below cuBLAS (19.9 µs against 17.0 on 4096×4096)
+SELECT_MAX_TOKENS = 2
 SELECT_LIMIT_TOKENS = 16  # the most tokens the select kernel takes (its per-token accumulators grow with them)
 
 
@@ -568,13 +583,21 @@ def _sum_partials(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
     return y
 
 
+def word_gather(x2: torch.Tensor) -> bool:
+    """Whether the select kernel can read ``x2`` ``[T, C]`` through an index map as 32-bit words
+    (``X_WORDS``): 16-bit elements, a 4-byte aligned start and an even row stride."""
+    return x2.element_size() == 2 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
+
+
 def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
               perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
-              **plan_overrides) -> torch.Tensor:
+              async_gather: bool | None = None, **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with at most :func:`decode_max_tokens` tokens (64; float32: 16) →
     ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``. ``tiled``: ``words`` ``[R, C/32]`` hold 2:4
     positions in cuSPARSELt's order (:func:`shuffleprune.deploy.cslt_layout.cslt_words`), not row
-    by row; the same holds for :func:`nm_gemm` and :func:`nm_decompress_into`."""
+    by row; the same holds for :func:`nm_gemm` and :func:`nm_decompress_into`. ``async_gather``:
+    the select kernel reads the map's gather as 32-bit words the pipeline copies ahead (default:
+    wherever :func:`word_gather` allows), ``False`` one step ahead in registers."""
     _check(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -582,6 +605,11 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     rows, kept = values.shape
     p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
     _check_tiled(tiled, p["block_r"])
+    x_words = perm is not None and not p["use_dot"] and word_gather(x2)
+    if async_gather and perm is not None and not x_words:
+        raise ValueError("async_gather needs the select kernel and 16-bit inputs at a 4-byte aligned address "
+                         "with an even row stride")
+    x_words = x_words and async_gather is not False
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     part = _partials(p["split"], y)
     dummy = values
@@ -594,7 +622,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     if p["use_dot"]:
         _nm_decode_dot_kernel[grid](*args, PREC=_precision(x), UPCAST=_upcast(x), WEIGHT_A=p["weight_a"], **common)
     else:
-        _nm_select_kernel[grid](*args, **common)
+        _nm_select_kernel[grid](*args, X_WORDS=x_words, **common)
     if p["split"] > 1:
         y = _sum_partials(part, bias, y)
     return y.reshape(*lead, rows)

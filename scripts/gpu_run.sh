@@ -19,6 +19,9 @@
 #                                              # algorithm searched, against cuBLAS and the Triton GEMMs at 64-2048 tokens
 #   bash scripts/gpu_run.sh cslt_buffer e2e     # cslt_buffer: auto and the decode on one cuSPARSELt buffer per layer
 #                                              # (SparseLinear.use_cslt_layout) against the export's layout, 1-2048 tokens
+#   bash scripts/gpu_run.sh tune_gather cslt_buffer_quick e2e   # tune_gather: the select kernel's map gather as
+#                                              # pipelined 32-bit words (mapped) against one step ahead in registers
+#                                              # (mapped_sync) and no map (decode), 1-2 tokens, four tiles
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
@@ -84,6 +87,9 @@ for s in "$@"; do
         cslt_buffer_quick) step cslt_buffer_quick 90 scripts/results/bench_kernel_cslt_quick.json $PY scripts/bench_kernel.py \
                 --shapes 11008x4096 4096x14336 1024x4096 --tokens 1 2 16 --impls auto auto_tiled decode decode_tiled \
                 --out scripts/results/bench_kernel_cslt_quick.json ;;
+        tune_gather) step tune_gather 150 scripts/results/tune_gather.json $PY scripts/tune_kernel.py \
+                --variants mapped mapped_sync decode --tokens 1 2 --block-r 16 32 --block-k 128 256 --num-warps 4 \
+                --stages 4 --out scripts/results/tune_gather.json ;;
         tune_scratch) step tune_scratch 90 scripts/results/tune_scratch.json $PY scripts/tune_kernel.py \
                 --variants decompress --tokens 512 --block-r 8 16 32 64 --block-k 64 128 256 --num-warps 4 8 \
                 --max-tile 1048576 --out scripts/results/tune_scratch.json

@@ -2,14 +2,15 @@
 count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the decode variants
 (``kernels/nm_fast.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
 tensor-core kernel, ``swap`` the tensor-core kernel with the weight as the MMA's A operand,
-``mapped`` the planned kernel reading the index map itself) every pipeline depth in ``--stages``;
+``mapped`` the planned kernel reading the index map itself, ``mapped_sync`` the same with the map's gather
+one step ahead in registers instead of the pipeline's word copies) every pipeline depth in ``--stages``;
 for the prefill ``gemm`` / ``gemm_swap`` every tile of ``nm_fast.GEMM_TILES[(2, 4)]`` /
 ``GEMM_TILES_SWAP[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
 is checked against the dense result and timed: calls over rotating weight copies (together more
 than 2.5× the L2, so no call finds its weight there) captured in one CUDA graph, the median replay
 over the calls, as ``bench_kernel.py`` times (``triton.testing.do_bench`` timed each call after an
 L2 flush, so the host's launch cost — tens of microseconds for these small kernels — set the
-numbers). The decode variants but ``mapped`` read the gathered input (no map: how ``SparseLinear`` runs them) and
+numbers). The decode variants but ``mapped*`` read the gathered input (no map: how ``SparseLinear`` runs them) and
 also sweep ``--splits`` (``0`` = the plan's). The table of medians and the best tile per case go to
 ``scripts/results/tune_kernel.json``.
 
@@ -35,9 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
 # nm_decode variants: the plan's kernel, one forced, the tensor-core one with the weight as the MMA's A
-# operand (swap), and the plan's kernel reading the index map itself (mapped: the map's in-kernel cost)
+# operand (swap), and the plan's kernel reading the index map itself (mapped: the map's in-kernel cost;
+# mapped_sync: its gather one step ahead in registers, not as the pipeline's asynchronous word copies)
 DECODE = {"decode": {}, "select": {"use_dot": False}, "dot": {"use_dot": True}, "swap": {"use_dot": True, "weight_a": True},
-          "mapped": {}}
+          "mapped": {}, "mapped_sync": {"async_gather": False}}
 GEMMS = {"gemm": False, "gemm_swap": True}   # nm_gemm over its tile table, the weight as the MMA's B or A operand
 
 
@@ -138,8 +140,8 @@ def main() -> None:
                     return nm_gemm(xp, values, words, 2, 4, meta_bits(4), None, tile=gtile, weight_a=swap)
                 tile = {"tile": list(gtile), "modelled": gtile == modelled[variant]}
             else:
-                block_t = (decode_plan(out_f, values.shape[1], tokens, 2, 4, meta_bits(4), dev,
-                                       **DECODE[variant])["block_t"]
+                plan_args = {k: v for k, v in DECODE.get(variant, {}).items() if k != "async_gather"}   # nm_decode's own
+                block_t = (decode_plan(out_f, values.shape[1], tokens, 2, 4, meta_bits(4), dev, **plan_args)["block_t"]
                            if decode else min(16, 1 << (tokens - 1).bit_length()))   # the kernel's token tile
                 if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):
                     continue
@@ -149,7 +151,7 @@ def main() -> None:
                         dense = nm_decompress_into(values, words, 2, 4, meta_bits(4), in_f, scratch, br, bk, nw)
                         return F.linear(xp, dense)
                     if variant in DECODE:
-                        inp, imap = (x, perm) if variant == "mapped" else (xp, None)
+                        inp, imap = (x, perm) if variant.startswith("mapped") else (xp, None)
                         return nm_decode(inp, values, words, 2, 4, meta_bits(4), imap, None, num_warps=nw, block_r=br,
                                          block_k=bk, stages=st, split=sp or None, **DECODE[variant])
                     return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)

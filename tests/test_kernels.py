@@ -43,7 +43,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
     (33, 128, 4, 8, 2, 1, False, False),    # select forced, 4:8 (4-bit positions, selects chained over 8 slots)
     (20, 64, 1, 4, 1, None, None, False),   # 1:4 (one kept value per group)
     (7, 64, 2, 4, 1, None, True, True),     # tensor-core kernel forced at one token, 7 of its 64 rows
-    (29, 160, 2, 4, 2, None, None, True),   # two tokens: tensor cores, K not a multiple of the step
+    (29, 160, 2, 4, 2, None, None, False),  # two tokens: still the select kernel, K not a multiple of the step
     (20, 64, 1, 4, 3, None, None, True),    # tensor cores, 1:4 (generic expansion)
     (33, 128, 4, 8, 5, 1, None, True),      # tensor cores, 4:8 expansion, no split
     (21, 256, 4, 8, 1, None, None, True),   # 4:8 takes the tensor cores from one token
@@ -70,6 +70,27 @@ def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot,
     assert plan["use_dot"] == dot
     if split:
         assert plan["split"] == split
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_mapped_select_reads_its_gather_as_words_only_where_aligned(tokens, dtype):
+    """The select kernel's map gather as 32-bit words (an aligned 16-bit input) and one step ahead in
+    registers (an input starting mid-word, or ``async_gather=False``) give the float64 product."""
+    from shuffleprune.kernels.nm_fast import nm_decode, position_words, word_gather
+
+    rows, cols = 40, 192
+    w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=7 + tokens)
+    ref = x.double()[:, perm] @ w.double().t() + bias.double()
+    odd = torch.empty(tokens * cols + 1, dtype=dtype)[1:].view(tokens, cols)   # starts 2 bytes into a word
+    odd.copy_(x)
+    assert word_gather(x) and not word_gather(odd) and not word_gather(x.float())
+    args = (values, position_words(meta), 2, 4, meta_bits(4), perm.to(torch.int32), bias)
+    for inp, over in ((x, {}), (x, {"async_gather": False}), (odd, {})):
+        y = nm_decode(inp, *args, block_k=32, **over)   # several steps: the pipelined gather crosses steps
+        assert _close(y, ref, dtype)
+    with pytest.raises(ValueError, match="async_gather"):
+        nm_decode(odd, *args, async_gather=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -326,9 +347,10 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     sm_90a, no GPU needed) through the same host functions, and checks what the compiler made of them:
     no failure, no register spill, 16-byte evict-first loads of the weight in decode issued ahead by
     the software pipeline (asynchronous copies), 2:4 decode loops short enough not to be issue-bound at
-    1–32 tokens and to beat a dense weight streamed at HBM3's peak at 64, split-K sized for no more
+    one token and on the tensor cores to 32 tokens, and to beat a dense weight streamed at HBM3's peak
+    everywhere (the two-token select loop, 1.2–1.35× cuBLAS on an H100, only that), split-K sized for no more
     programs per SM than the compiled kernel lets reside, tensor-core instructions where ``tl.dot`` is
-    used (decode from 2 tokens, prefill) and wgmma where the weight is the A operand (``decode_swap``,
+    used (decode from 3 tokens, prefill) and wgmma where the weight is the A operand (``decode_swap``,
     ``gemm_swap``, residency as DOT_TILES_SWAP says), prefill tiles that stay in L2 (no evict-first),
     and the GEMM tile tables (loop length, residency) that ``gemm_plan``'s cost model reads still true."""
     import json
@@ -336,6 +358,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     import subprocess
     import sys
     from pathlib import Path
+
+    from shuffleprune.kernels.nm_fast import SELECT_MAX_TOKENS
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
@@ -354,12 +378,12 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
-            if r["pattern"] == "2:4" and r["tokens"] <= 32:
+            if r["pattern"] == "2:4" and (r["tokens"] == 1 or r["tensor_core"] and r["tokens"] <= 32):
                 assert r["issue_ceiling_tbs"] > 3.35, r   # its loop can issue faster than HBM3 delivers
             if r["pattern"] == "2:4":   # and faster than the dense weight could stream at HBM3's peak
                 assert r["issue_ceiling_tbs"] * 2 / (1 + 2 / 16) > 3.35, r
             assert r["plan_per_sm"] <= r["programs_per_sm"], r   # split-K never assumes more than reside
-        if (r["impl"] == "decode" and r["tokens"] >= 2) or r["impl"] == "gemm":
+        if (r["impl"] == "decode" and r["tokens"] > SELECT_MAX_TOKENS) or r["impl"] == "gemm":
             assert r["tensor_core"], r
         if "swap" in r["impl"]:   # the weight as the A operand: Hopper's asynchronous wgmma, the tiles' residency
             assert r["wgmma"] and r["widest_load_bytes"] == 16 and r["async_copies"], r

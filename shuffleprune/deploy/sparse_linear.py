@@ -6,12 +6,13 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
 
 - ``decode`` (CUDA, 1–64 tokens; float32 1–16): the bandwidth kernel of ``kernels/nm_fast.py``
   (position words, split-K) over the gathered input (one small gather, shared by a group's layers);
-- ``decode_mapped``: the same kernel reading the index map itself (no gather launch; on an H100 it
-  pays for it with one scattered input load per program and column, 7–20 % at one token and far
-  more from two tokens on);
-- ``decode_select`` (2–16 tokens): the decode forced onto the one-token kernel's select-and-add
-  loop instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed
-  from 2 tokens on, the select loop 1.5× faster than dense at one token);
+- ``decode_mapped``: the same kernel reading the index map itself (no gather launch; on an H100 its
+  gather, a synchronous load inside the loop, cost 6–34 % at one token and far more on the tensor
+  cores; the select kernel, 1–2 tokens, now reads it as 32-bit words the pipeline copies ahead,
+  not yet timed);
+- ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
+  instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
+  tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
 - ``decode_swap`` (2–64 tokens): the tensor-core decode with the weight tile as the MMA's A operand
   (rows in the MMA's M: Hopper's asynchronous wgmma from registers), built after the tensor-core
   decode measured at about dense speed, latency-bound;
@@ -266,7 +267,7 @@ class SparseLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
-        from shuffleprune.kernels.nm_fast import SELECT_LIMIT_TOKENS, decode_max_tokens, triton
+        from shuffleprune.kernels.nm_fast import SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, triton
 
         if triton is None:
             return ["scratch"]
@@ -276,7 +277,7 @@ class SparseLinear(nn.Module):
         if self._pow2():  # from 17 to 64 tokens both Triton kernels are timed
             if tokens <= decode_limit:
                 out += ["decode", "decode_mapped"] if self.perm is not None else ["decode"]
-            if 2 <= tokens <= SELECT_LIMIT_TOKENS:
+            if SELECT_MAX_TOKENS < tokens <= SELECT_LIMIT_TOKENS:   # below, decode is the select kernel already
                 out.append("decode_select")
             if 2 <= tokens <= decode_limit:
                 out.append("decode_swap")
