@@ -9,9 +9,9 @@ the export's byte layout, read four bytes at a time.
   BLOCK_K]`` value tile and its position words (16-byte evict-first loads: the weight is read once;
   the loop is software-pipelined, ``stages − 1`` tiles loaded ahead by asynchronous copies) and
   reads the step's ``BLOCK_K·M/N`` inputs once, through the index map, for all its rows. At one
-  token each kept value then *selects* its input among its group's ``M`` (a tree of selects on the
-  position bits) and accumulates element-wise, with one reduction after the loop; from two tokens
-  (4:8: from one) the tile is expanded to dense in registers and multiplied on the tensor cores
+  and two tokens each kept value then *selects* its input among its group's ``M`` (a tree of
+  selects on the position bits) and accumulates element-wise, with one reduction after the loop;
+  from three tokens (4:8: from one) the tile is expanded to dense in registers and multiplied on the tensor cores
   (``tl.dot``, tokens in the MMA's rows; with ``weight_a`` the weight's rows are, so Hopper's
   asynchronous wgmma reads the expanded tile from registers). 2:4 and 4:8 tiles expand by splitting each group's values
   apart and giving every dense slot a select per value it can hold (:func:`_dense_2of4`,
@@ -511,20 +511,21 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
                 element_bytes: int = 2, weight_a: bool = False) -> dict:
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
-    One token takes the select kernel (but 4:8), more the tensor-core one (``use_dot`` forces
-    either; select takes at most 16). ``weight_a``: the tensor-core kernel multiplies with the
-    weight tile as the MMA's A operand (:data:`DOT_TILES_SWAP`), not the inputs. The tiles are the ones whose compiled loop leaves the most
-    room under an H100's issue rate without spilling (``scripts/check_kernels_compile.py``): the
-    select kernel's 16 rows × 128 kept values on 4 warps lets one token stream at up to 4.6 TB/s of
-    instruction issue; the tensor-core kernel's 64 rows × 256 dense columns on 4 warps up to 4.1 TB/s
-    at 2–16 tokens on 2:4 and 3.4 at 32 (4:8: 64 × 128, 3.4 and 2.8 TB/s), 64 × 128 on 8 warps 2.2 at
-    64 tokens. Other N:M and float32 take smaller tiles: larger ones spill. Split-K makes enough
-    programs to fill every SM: one per SM for select (an H100's timing: fewer, longer programs beat
-    split-K there), and for the tensor-core kernel as many as
-    its pipeline buffers let reside in the SM's shared memory (2 for the 2:4 tiles). ``stages``
-    tiles are in the software pipeline. Timed on an H100 (``scripts/gpu_run.sh tune_decode`` →
-    ``scripts/results/tune_decode_*.json``): at one token these tiles unsplit were within 5 % of the
-    best of 32; the tensor-core tiles are within 3 % of the best swept, but at about dense speed."""
+    Up to :data:`SELECT_MAX_TOKENS` tokens take the select kernel (but 4:8), more the tensor-core one
+    (``use_dot`` forces either; select takes at most 16). ``weight_a``: the tensor-core kernel
+    multiplies with the weight tile as the MMA's A operand (:data:`DOT_TILES_SWAP`), not the inputs. The
+    tiles are the ones whose compiled loop leaves the most room under an H100's issue rate without
+    spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values on 4
+    warps lets one token stream at up to 4.9 TB/s of instruction issue (3.8 through an index map); the
+    tensor-core kernel's 64 rows × 256 dense columns on 4 warps up to 4.1 TB/s at 3–16 tokens on 2:4 and
+    3.4 at 32 (4:8: 64 × 128, 3.4 and 2.8 TB/s), 64 × 128 on 8 warps 2.2 at 64 tokens. Other N:M and
+    float32 take smaller tiles: larger ones spill. Split-K makes enough programs to fill every SM: one
+    per SM for select (an H100's timing: fewer, longer programs beat split-K there), and for the
+    tensor-core kernel as many as its pipeline buffers let reside in the SM's shared memory (2 for the
+    2:4 tiles). ``stages`` tiles are in the software pipeline. Timed on an H100 (``scripts/gpu_run.sh
+    tune_decode`` → ``scripts/results/tune_decode_*.json``): at one token these tiles unsplit were
+    within 5 % of the best of 32; the tensor-core tiles are within 3 % of the best swept, but at about
+    dense speed."""
     fields = 32 // bits
     limit = decode_max_tokens(element_bytes)
     if tokens > limit:
