@@ -160,24 +160,29 @@ def _sass(cubin: bytes, arch: int) -> str:
         return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def loop_instructions(sass: str) -> int:
-    """Machine instructions in the longest loop body (label … backward branch to it): what one
-    warp issues per iteration of the kernel's main loop; 0 when the kernel has no loop."""
-    best, seen = 0, {}
-    count = 0
+def main_loop(sass: str) -> list[str]:
+    """The machine instructions of the longest loop body (label … backward branch to it): what one
+    warp issues per iteration of the kernel's main loop; empty when the kernel has no loop."""
+    body, seen, instructions = (0, 0), {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
         if label:
-            seen[label.group(1)] = count
+            seen[label.group(1)] = len(instructions)
             continue
         ins = re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);", line)
         if not ins:
             continue
-        count += 1
+        instructions.append(ins.group(1))
         target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", ins.group(1))
-        if target and target.group(1) in seen:
-            best = max(best, count - seen[target.group(1)])
-    return best
+        if target and target.group(1) in seen and len(instructions) - seen[target.group(1)] > body[1] - body[0]:
+            body = (seen[target.group(1)], len(instructions))
+    return instructions[body[0]:body[1]]
+
+
+def sync_loads(loop: list[str]) -> int:
+    """Synchronous global loads (``LDG``) among ``loop``'s instructions: loads the software pipeline
+    did not turn into asynchronous copies (``LDGSTS``), which the loop waits for in registers."""
+    return sum(bool(re.search(r"\bLDG\.", ins)) for ins in loop)
 
 
 def issue_ceiling_tbs(bytes_per_iteration: float, loop_insts: int, num_warps: int,
@@ -202,6 +207,7 @@ def report(launch: Launch, spec: GPUSpec = H100) -> dict:
     by_smem = spec.smem_per_sm // (md.shared + 1024) if md.shared else spec.max_blocks_per_sm
     per_sm = min(by_regs, by_smem, spec.max_warps_per_sm // warps, spec.max_blocks_per_sm)
     loads = _LOAD.findall(ptx)
+    loop = main_loop(_sass(k.asm["cubin"], spec.arch))
     return {
         "kernel": launch.kernel, "grid": list(launch.grid), "programs": launch.programs,
         "num_warps": warps, "num_stages": md.num_stages, "registers": regs, "spill_bytes": spills,
@@ -212,6 +218,7 @@ def report(launch: Launch, spec: GPUSpec = H100) -> dict:
         "async_copies": bool(re.search(r"\bcp\.async\.", ptx)),   # a software-pipelined loop's loads
         "tensor_core": bool(re.search(r"\b(wgmma|mma)\.", ptx)),
         "wgmma": "wgmma." in ptx,
-        "loop_instructions": loop_instructions(_sass(k.asm["cubin"], spec.arch)),
+        "loop_instructions": len(loop),
+        "loop_sync_loads": sync_loads(loop),
         "constexprs": {k_: v for k_, v in launch.constexprs.items() if isinstance(v, (int, str, bool))},
     }

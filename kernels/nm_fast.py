@@ -289,11 +289,13 @@ if triton is not None:
                               HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                               PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-                              WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False):
+                              WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False,
+                              X_WORDS: tl.constexpr = False):
         """Several tokens: the tile expanded to dense in registers and multiplied on the tensor cores,
         ``acc[T, R] += x_p[T, cols] @ W_p[R, cols]ᵀ`` (tokens in the rows of the MMA: the inputs are
         read row-major, as they lie in memory), or with ``WEIGHT_A`` ``acc[R, T] += W_p @ x_pᵀ`` (the
-        weight's rows in the MMA's M, see :data:`DOT_TILES_SWAP`)."""
+        weight's rows in the MMA's M, see :data:`DOT_TILES_SWAP`). A map's gather is read as words
+        the pipeline copies (``X_WORDS``, :func:`_step_inputs`) or, up to 16 tokens, a step ahead."""
         G: tl.constexpr = BLOCK_K // N
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
         if WEIGHT_A:
@@ -301,13 +303,13 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
-        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
                                 "evict_first", TILED)
             # a step ahead up to 16 tokens (at 32 the carried tile spills the 2:4 tile)
             xs, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, BLOCK_K,
-                                        HAS_PERM, BLOCK_T <= 16)
+                                        HAS_PERM, BLOCK_T <= 16 and not X_WORDS, X_WORDS)
             acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if not WEIGHT_A:
             acc = tl.trans(acc)
@@ -597,8 +599,9 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``. ``tiled``: ``words`` ``[R, C/32]`` hold 2:4
     positions in cuSPARSELt's order (:func:`shuffleprune.deploy.cslt_layout.cslt_words`), not row
     by row; the same holds for :func:`nm_gemm` and :func:`nm_decompress_into`. ``async_gather``:
-    the select kernel reads the map's gather as 32-bit words the pipeline copies ahead (default:
-    wherever :func:`word_gather` allows), ``False`` one step ahead in registers."""
+    the select kernel and the weight-as-A tensor-core kernel read the map's gather as 32-bit words
+    the pipeline copies ahead (default: wherever :func:`word_gather` allows; the other tensor-core
+    kernel would spill with them), ``False`` one step ahead in registers (to 16 tokens)."""
     _check(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -606,10 +609,10 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     rows, kept = values.shape
     p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
     _check_tiled(tiled, p["block_r"])
-    x_words = perm is not None and not p["use_dot"] and word_gather(x2)
+    x_words = perm is not None and word_gather(x2) and (not p["use_dot"] or p["weight_a"])
     if async_gather and perm is not None and not x_words:
-        raise ValueError("async_gather needs the select kernel and 16-bit inputs at a 4-byte aligned address "
-                         "with an even row stride")
+        raise ValueError("async_gather needs the select kernel or weight_a, and 16-bit inputs at a 4-byte aligned "
+                         "address with an even row stride")
     x_words = x_words and async_gather is not False
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     part = _partials(p["split"], y)
@@ -619,11 +622,11 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
             tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0), p["per_split"])
     common = dict(N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
-                  TILED=tiled, num_warps=p["num_warps"])
+                  TILED=tiled, X_WORDS=x_words, num_warps=p["num_warps"])
     if p["use_dot"]:
         _nm_decode_dot_kernel[grid](*args, PREC=_precision(x), UPCAST=_upcast(x), WEIGHT_A=p["weight_a"], **common)
     else:
-        _nm_select_kernel[grid](*args, X_WORDS=x_words, **common)
+        _nm_select_kernel[grid](*args, **common)
     if p["split"] > 1:
         y = _sum_partials(part, bias, y)
     return y.reshape(*lead, rows)

@@ -4,12 +4,13 @@
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
-map, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch, the first kernels
+map, the weight-as-A decode on the gathered input and reading the map itself, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch, the first kernels
 ``gather`` / ``group``, the producer-side ``rmsnorm_mapped``) on bf16 (plus fp16/fp32 and 4:8 on one
 shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
 (``kernels/compile_check.py``). Each row: registers, spills, shared memory, programs per SM, waves,
 the widest global load, whether the weight is loaded evict-first and whether ``tl.dot`` became
-tensor-core instructions, the machine instructions of the main loop, and for decode the weight
+tensor-core instructions, the machine instructions of the main loop and its synchronous global
+loads (``LDG``: what the pipeline left for the loop to wait on), and for decode the weight
 traffic (TB/s) at which those instructions alone would fill every issue slot of an H100: below the
 3.35 TB/s of HBM3 the kernel is instruction-bound whatever its loads do; for the GEMM the share of
 the tensor cores' peak that ``nm_fast.gemm_cycles`` expects from those instructions. No timing: that needs the
@@ -41,6 +42,8 @@ def cases(quick: bool) -> list[dict]:
         out.append(dict(impl="decode_nomap", shape=(rows, cols), tokens=1))
         for t in (16, 64) if quick else DECODE_TOKENS[1:]:
             out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=t))
+        for t in (4, 16) if quick else DECODE_TOKENS[2:5]:   # SparseLinear times it to 16 tokens
+            out.append(dict(impl="decode_mapped", shape=(rows, cols), tokens=t))
         for t in GEMM_TOKENS[:1] if quick else GEMM_TOKENS:
             out.append(dict(impl="gemm", shape=(rows, cols), tokens=t))
             out.append(dict(impl="gemm_swap", shape=(rows, cols), tokens=t))
@@ -99,6 +102,8 @@ def run_case(case: dict) -> None:
         nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None, tiled=tiled)
     elif impl == "decode_swap":   # as SparseLinear runs it: on the gathered input
         nm_fast.nm_decode(x, values, words, n, m, bits, use_dot=True, weight_a=True, tiled=tiled)
+    elif impl == "decode_mapped":   # as SparseLinear runs it from 3 tokens: the map read in the weight-as-A kernel
+        nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm, weight_a=True, tiled=tiled)
     elif impl in ("gemm", "gemm_swap"):
         nm_fast.nm_gemm(x, values, words, n, m, bits, weight_a=impl == "gemm_swap")
     elif impl in ("gemm_tile", "gemm_swap_tile"):
@@ -134,7 +139,8 @@ def decode_plan_per_sm(case: dict) -> int:
     from shuffleprune.kernels import nm_fast
 
     (rows, cols), (n, m) = case["shape"], case.get("pattern", (2, 4))
-    swap = {"use_dot": True, "weight_a": True} if case["impl"] == "decode_swap" else {}
+    swap = {"use_dot": True, "weight_a": True} if case["impl"] == "decode_swap" else \
+        {"weight_a": True} if case["impl"] == "decode_mapped" else {}
     plan = nm_fast.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
                                element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **swap)
     return plan["per_sm"]
@@ -199,7 +205,7 @@ def main() -> None:
                  f" regs {r['registers']:3d} spill {r['spill_bytes']:4d} smem {r['shared_bytes']:6d} "
                  f"progs/SM {r['programs_per_sm']:2d} waves {r['waves']:6.2f} load {r['widest_load_bytes']:2d}B "
                  f"evict_first {r['evict_first']} async {r['async_copies']} tc {r['tensor_core']} "
-                 f"loop {r['loop_instructions']} ceiling {r.get('issue_ceiling_tbs')} tensor {r.get('tensor_share')}"), flush=True)
+                 f"loop {r['loop_instructions']} (LDG {r['loop_sync_loads']}) ceiling {r.get('issue_ceiling_tbs')} tensor {r.get('tensor_share')}"), flush=True)
     summary = {
         "compiled": sum("error" not in r for r in rows), "failed": failed,
         "with_spills": sum(r.get("spill_bytes", 0) > 0 for r in rows),

@@ -73,10 +73,11 @@ def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot,
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_mapped_select_reads_its_gather_as_words_only_where_aligned(tokens, dtype):
-    """The select kernel's map gather as 32-bit words (an aligned 16-bit input) and one step ahead in
-    registers (an input starting mid-word, or ``async_gather=False``) give the float64 product."""
+@pytest.mark.parametrize("tokens,kernel", [(1, {}), (2, {}), (5, {"weight_a": True}), (20, {"weight_a": True})])
+def test_mapped_decode_reads_its_gather_as_words_only_where_aligned(tokens, kernel, dtype):
+    """The map's gather as 32-bit words (an aligned 16-bit input; the select loop, and the tensor-core
+    decode with the weight as the MMA's A operand) and one step ahead in registers (an input starting
+    mid-word, or ``async_gather=False``; at 20 tokens read in the step) give the float64 product."""
     from shuffleprune.kernels.nm_fast import nm_decode, position_words, word_gather
 
     rows, cols = 40, 192
@@ -87,7 +88,7 @@ def test_mapped_select_reads_its_gather_as_words_only_where_aligned(tokens, dtyp
     assert word_gather(x) and not word_gather(odd) and not word_gather(x.float())
     args = (values, position_words(meta), 2, 4, meta_bits(4), perm.to(torch.int32), bias)
     for inp, over in ((x, {}), (x, {"async_gather": False}), (odd, {})):
-        y = nm_decode(inp, *args, block_k=32, **over)   # several steps: the pipelined gather crosses steps
+        y = nm_decode(inp, *args, block_k=32, **kernel, **over)   # several steps: the pipelined gather crosses steps
         assert _close(y, ref, dtype)
     with pytest.raises(ValueError, match="async_gather"):
         nm_decode(odd, *args, async_gather=True)
@@ -303,7 +304,7 @@ def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
 
 
 def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_decode():
-    """Mapped layers weigh the gather-then-decode path against the kernel reading the map itself;
+    """Mapped layers weigh the gather-then-decode path against the kernel reading the map itself (to 16 tokens);
     from two tokens the select loop and the weight-as-A tensor-core decode, from 17 both GEMMs, are
     weighed too; where nothing can be timed (a first call inside a graph capture), decode runs, else the scratch."""
     from shuffleprune.deploy.sparse_linear import default_choice
@@ -315,7 +316,7 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     assert plain._candidates(x1) == ["decode", "scratch", "gather"]
     assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select", "decode_swap",
                                                               "scratch", "gather"]
-    assert mapped._candidates(x20) == ["decode", "decode_mapped", "decode_swap", "gemm", "gemm_swap", "scratch"]
+    assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch"]   # map in-kernel: ≤ 16
     assert mapped._candidates(x70) == ["gemm", "gemm_swap", "scratch"]
     assert plain._candidates(torch.randn(5, 64).float())[:2] == ["decode", "decode_select"]   # float32: up to 16
     assert "decode_swap" not in plain._candidates(torch.randn(20, 64).float())
@@ -351,7 +352,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     everywhere (the two-token select loop, 1.2–1.35× cuBLAS on an H100, only that), split-K sized for no more
     programs per SM than the compiled kernel lets reside, tensor-core instructions where ``tl.dot`` is
     used (decode from 3 tokens, prefill) and wgmma where the weight is the A operand (``decode_swap``,
-    ``gemm_swap``, residency as DOT_TILES_SWAP says), prefill tiles that stay in L2 (no evict-first),
+    ``decode_mapped``, ``gemm_swap``, residency as DOT_TILES_SWAP says), no synchronous load left in
+    the loop where an index map is read as words (the select loop, ``decode_mapped``), prefill tiles that stay in L2 (no evict-first),
     and the GEMM tile tables (loop length, residency) that ``gemm_plan``'s cost model reads still true."""
     import json
     import os
@@ -372,7 +374,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert rows and all("error" not in r for r in rows)
     assert all(r["spill_bytes"] == 0 and r["fits"] for r in rows)
     impls = {r["impl"] for r in rows}
-    assert {"decode", "decode_nomap", "decode_swap", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
+    assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
             "rmsnorm_mapped"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
@@ -385,8 +387,12 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["plan_per_sm"] <= r["programs_per_sm"], r   # split-K never assumes more than reside
         if (r["impl"] == "decode" and r["tokens"] > SELECT_MAX_TOKENS) or r["impl"] == "gemm":
             assert r["tensor_core"], r
-        if "swap" in r["impl"]:   # the weight as the A operand: Hopper's asynchronous wgmma, the tiles' residency
+        if "swap" in r["impl"] or r["impl"] == "decode_mapped":   # the weight as the A operand: asynchronous wgmma
             assert r["wgmma"] and r["widest_load_bytes"] == 16 and r["async_copies"], r
+        if r["impl"] == "decode_mapped" or (r["impl"] == "decode" and not r["tensor_core"]):
+            assert r["loop_sync_loads"] == 0, r   # the map's gather too is copied ahead by the pipeline
+        if r["impl"] == "decode_mapped":
+            assert r["plan_per_sm"] <= r["programs_per_sm"], r
         if r["impl"] == "decode_swap":
             assert r["evict_first"] and r["plan_per_sm"] == r["programs_per_sm"], r
         if r["impl"].startswith("gemm"):

@@ -8,8 +8,10 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   (position words, split-K) over the gathered input (one small gather, shared by a group's layers);
 - ``decode_mapped``: the same kernel reading the index map itself (no gather launch; on an H100 its
   gather, a synchronous load inside the loop, cost 6–34 % at one token and far more on the tensor
-  cores; the select kernel, 1–2 tokens, now reads it as 32-bit words the pipeline copies ahead,
-  not yet timed);
+  cores). It now reads the gather as 32-bit words the pipeline copies ahead, in the select loop (1–2
+  tokens) and above that, to 16 tokens (``MAPPED_MAX_TOKENS``), in the weight-as-A tensor-core
+  decode (``decode_swap``'s kernel, the one whose word gather compiles without spilling); not yet
+  timed;
 - ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
   instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
   tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
@@ -50,6 +52,10 @@ IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gem
          *LIBRARY_IMPLS)
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
+# decode_mapped is timed up to this many tokens: above it the word gather holds the weight-as-A tiles to
+# fewer programs per SM than decode_plan sizes split-K for (2 where DOT_TILES_SWAP says 4 at 64 tokens, as
+# compiled), and on an H100 the in-kernel map ran 5.6–7.5× slower than the gathered input at 64 tokens
+MAPPED_MAX_TOKENS = 16
 # the decode policies that force one of nm_decode's kernels (on the gathered input)
 _DECODE_FORCED = {"decode": {}, "decode_select": {"use_dot": False}, "decode_swap": {"use_dot": True, "weight_a": True}}
 
@@ -218,9 +224,9 @@ class SparseLinear(nn.Module):
         if impl in ("decode", "decode_mapped", "decode_select", "decode_swap"):
             from shuffleprune.kernels.nm_fast import nm_decode
 
-            if impl == "decode_mapped":
+            if impl == "decode_mapped":   # above the select loop's tokens, the tensor-core form whose gather is pipelined
                 return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias,
-                                 tiled=self.tiled)
+                                 tiled=self.tiled, weight_a=True)
             return nm_decode(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, None, self.bias,
                              tiled=self.tiled, **_DECODE_FORCED[impl])
         if impl in ("gemm", "gemm_swap"):
@@ -276,7 +282,9 @@ class SparseLinear(nn.Module):
         out = []
         if self._pow2():  # from 17 to 64 tokens both Triton kernels are timed
             if tokens <= decode_limit:
-                out += ["decode", "decode_mapped"] if self.perm is not None else ["decode"]
+                out.append("decode")
+            if self.perm is not None and tokens <= min(decode_limit, MAPPED_MAX_TOKENS):
+                out.append("decode_mapped")
             if SELECT_MAX_TOKENS < tokens <= SELECT_LIMIT_TOKENS:   # below, decode is the select kernel already
                 out.append("decode_select")
             if 2 <= tokens <= decode_limit:
