@@ -235,12 +235,12 @@ if triton is not None:
                       G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, AHEAD: tl.constexpr,
                       X_WORDS: tl.constexpr = False):
         """The step's inputs (:func:`_step_inputs`) and the carried tile for the next step. ``AHEAD``
-        (with a map): the inputs were read one step earlier, and the next step's are read now —
-        through an index map the inputs are a gather that depends on a load (the map's), which the
+        (with a map read by 2-byte loads, not ``X_WORDS``): the inputs were read one step earlier, and
+        the next step's are read now — such a gather depends on a load (the map's), which the
         compiler's pipeline leaves synchronous inside the loop, so each step would wait for it.
         Otherwise they are read for this step (in order, the pipeline's asynchronous copies already
         load them ahead) and the carried tile is passed on unused."""
-        if AHEAD and HAS_PERM:
+        if AHEAD and HAS_PERM and not X_WORDS:
             xs = x_ahead
             x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
         else:
@@ -309,7 +309,7 @@ if triton is not None:
                                 "evict_first", TILED)
             # a step ahead up to 16 tokens (at 32 the carried tile spills the 2:4 tile)
             xs, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, BLOCK_K,
-                                        HAS_PERM, BLOCK_T <= 16 and not X_WORDS, X_WORDS)
+                                        HAS_PERM, BLOCK_T <= 16, X_WORDS)
             acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if not WEIGHT_A:
             acc = tl.trans(acc)
@@ -343,7 +343,7 @@ if triton is not None:
                 pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
                 x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
-                                                BLOCK_K, HAS_PERM, not X_WORDS, X_WORDS)
+                                                BLOCK_K, HAS_PERM, True, X_WORDS)
                 xs = tl.trans(x_step.to(tl.float32))
                 even, odd = tl.split(tl.permute(tl.reshape(xs, (G, 2, 2, BLOCK_T)), (0, 3, 1, 2)))
                 x0, x2 = tl.split(even)                                    # [G, BLOCK_T] each: slots 0 and 2
@@ -587,7 +587,7 @@ def _sum_partials(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
 
 
 def word_gather(x2: torch.Tensor) -> bool:
-    """Whether the select kernel can read ``x2`` ``[T, C]`` through an index map as 32-bit words
+    """Whether the decode kernels can read ``x2`` ``[T, C]`` through an index map as 32-bit words
     (``X_WORDS``): 16-bit elements, a 4-byte aligned start and an even row stride."""
     return x2.element_size() == 2 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
 
@@ -609,11 +609,11 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     rows, kept = values.shape
     p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
     _check_tiled(tiled, p["block_r"])
-    x_words = perm is not None and word_gather(x2) and (not p["use_dot"] or p["weight_a"])
-    if async_gather and perm is not None and not x_words:
+    can_words = perm is not None and word_gather(x2) and (not p["use_dot"] or p["weight_a"])
+    if async_gather and perm is not None and not can_words:
         raise ValueError("async_gather needs the select kernel or weight_a, and 16-bit inputs at a 4-byte aligned "
                          "address with an even row stride")
-    x_words = x_words and async_gather is not False
+    x_words = can_words and async_gather is not False
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     part = _partials(p["split"], y)
     dummy = values

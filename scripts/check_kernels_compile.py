@@ -82,6 +82,7 @@ def run_case(case: dict) -> None:
     import torch
 
     from shuffleprune.deploy.format import meta_bits
+    from shuffleprune.deploy.sparse_linear import DECODE_KERNELS
     from shuffleprune.kernels import nm_fast, nm_matmul, norm_map
 
     rows, cols = case["shape"]
@@ -100,10 +101,9 @@ def run_case(case: dict) -> None:
     x = torch.zeros(tokens, cols, dtype=dtype)
     if impl in ("decode", "decode_nomap"):
         nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None, tiled=tiled)
-    elif impl == "decode_swap":   # as SparseLinear runs it: on the gathered input
-        nm_fast.nm_decode(x, values, words, n, m, bits, use_dot=True, weight_a=True, tiled=tiled)
-    elif impl == "decode_mapped":   # as SparseLinear runs it from 3 tokens: the map read in the weight-as-A kernel
-        nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm, weight_a=True, tiled=tiled)
+    elif impl in ("decode_swap", "decode_mapped"):   # as SparseLinear runs them (the mapped one reading the map)
+        nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
+                          **DECODE_KERNELS[impl])
     elif impl in ("gemm", "gemm_swap"):
         nm_fast.nm_gemm(x, values, words, n, m, bits, weight_a=impl == "gemm_swap")
     elif impl in ("gemm_tile", "gemm_swap_tile"):
@@ -136,13 +136,13 @@ def decode_plan_per_sm(case: dict) -> int:
     import torch
 
     from shuffleprune.deploy.format import meta_bits
+    from shuffleprune.deploy.sparse_linear import DECODE_KERNELS
     from shuffleprune.kernels import nm_fast
 
     (rows, cols), (n, m) = case["shape"], case.get("pattern", (2, 4))
-    swap = {"use_dot": True, "weight_a": True} if case["impl"] == "decode_swap" else \
-        {"weight_a": True} if case["impl"] == "decode_mapped" else {}
+    kernel = DECODE_KERNELS.get(case["impl"], {})   # decode and decode_nomap: the plan's own kernel
     plan = nm_fast.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
-                               element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **swap)
+                               element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **kernel)
     return plan["per_sm"]
 
 

@@ -56,8 +56,11 @@ GATHER_MAX_TOKENS = 16
 # fewer programs per SM than decode_plan sizes split-K for (2 where DOT_TILES_SWAP says 4 at 64 tokens, as
 # compiled), and on an H100 the in-kernel map ran 5.6–7.5× slower than the gathered input at 64 tokens
 MAPPED_MAX_TOKENS = 16
-# the decode policies that force one of nm_decode's kernels (on the gathered input)
-_DECODE_FORCED = {"decode": {}, "decode_select": {"use_dot": False}, "decode_swap": {"use_dot": True, "weight_a": True}}
+# nm_decode's kernel choice per decode policy: all but decode_mapped run on the gathered input;
+# decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
+# tensor-core form whose gather the pipeline copies ahead)
+DECODE_KERNELS = {"decode": {}, "decode_mapped": {"weight_a": True}, "decode_select": {"use_dot": False},
+                  "decode_swap": {"use_dot": True, "weight_a": True}}
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 _CHOICES: dict[tuple, str] = {}   # (device, dtype, rows, cols, N, M, map?, bias?, bucket) → implementation
@@ -221,14 +224,12 @@ class SparseLinear(nn.Module):
         return decompress(self.values, self.export_meta(), self.n, self.m, self.in_features, out=buf)
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
-        if impl in ("decode", "decode_mapped", "decode_select", "decode_swap"):
+        if impl in DECODE_KERNELS:
             from shuffleprune.kernels.nm_fast import nm_decode
 
-            if impl == "decode_mapped":   # above the select loop's tokens, the tensor-core form whose gather is pipelined
-                return nm_decode(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias,
-                                 tiled=self.tiled, weight_a=True)
-            return nm_decode(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, None, self.bias,
-                             tiled=self.tiled, **_DECODE_FORCED[impl])
+            inp, perm = (x, self.perm) if impl == "decode_mapped" else (self._gathered(x), None)
+            return nm_decode(inp, self.values, self.words(), self.n, self.m, self.bits, perm, self.bias,
+                             tiled=self.tiled, **DECODE_KERNELS[impl])
         if impl in ("gemm", "gemm_swap"):
             from shuffleprune.kernels.nm_fast import nm_gemm
 
