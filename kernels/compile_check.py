@@ -185,6 +185,19 @@ def sync_loads(loop: list[str]) -> int:
     return sum(bool(re.search(r"\bLDG\.", ins)) for ins in loop)
 
 
+def published_sum(sass: str) -> bool | None:
+    """Whether a kernel's in-kernel split-K sum (an arrival counter's ``ATOMG.E.ADD``) is fenced as a
+    release-acquire: a GPU-scope ``MEMBAR`` before the atomic (the partial sums reach L2 first) and
+    ``CCTL.IVALL`` after it (the last split reads them past its L1). ``None``: no such atomic."""
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+    at = [i for i, ln in enumerate(lines) if "ATOMG.E.ADD" in ln]
+    if not at:
+        return None
+    i = at[0]
+    return any("MEMBAR" in ln and "GPU" in ln for ln in lines[max(0, i - 8):i]) and \
+        any("CCTL.IVALL" in ln for ln in lines[i + 1:i + 4])
+
+
 def issue_ceiling_tbs(bytes_per_iteration: float, loop_insts: int, num_warps: int,
                       spec: GPUSpec = H100) -> float | None:
     """The memory rate (TB/s) at which a streaming loop's instructions alone would take all of every
@@ -207,7 +220,8 @@ def report(launch: Launch, spec: GPUSpec = H100) -> dict:
     by_smem = spec.smem_per_sm // (md.shared + 1024) if md.shared else spec.max_blocks_per_sm
     per_sm = min(by_regs, by_smem, spec.max_warps_per_sm // warps, spec.max_blocks_per_sm)
     loads = _LOAD.findall(ptx)
-    loop = main_loop(_sass(k.asm["cubin"], spec.arch))
+    sass = _sass(k.asm["cubin"], spec.arch)
+    loop = main_loop(sass)
     return {
         "kernel": launch.kernel, "grid": list(launch.grid), "programs": launch.programs,
         "num_warps": warps, "num_stages": md.num_stages, "registers": regs, "spill_bytes": spills,
@@ -220,5 +234,6 @@ def report(launch: Launch, spec: GPUSpec = H100) -> dict:
         "wgmma": "wgmma." in ptx,
         "loop_instructions": len(loop),
         "loop_sync_loads": sync_loads(loop),
+        "split_sum_fenced": published_sum(sass),
         "constexprs": {k_: v for k_, v in launch.constexprs.items() if isinstance(v, (int, str, bool))},
     }

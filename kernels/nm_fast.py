@@ -16,9 +16,9 @@ the export's byte layout, read four bytes at a time.
   asynchronous wgmma reads the expanded tile from registers). 2:4 and 4:8 tiles expand by splitting each group's values
   apart and giving every dense slot a select per value it can hold (:func:`_dense_2of4`,
   :func:`_dense_4of8`); other N:M sum ``M`` masked copies. Which costs fewer instructions per byte
-  was read off the compiled sm_90a loops (``kernels/compile_check.py``). Split-K partial sums
-  (float32) are added, with the bias, by one small kernel when the row count is too small to fill
-  the GPU.
+  was read off the compiled sm_90a loops (``kernels/compile_check.py``). Where the row count is too small to fill
+  the GPU, split-K's float32 partial sums are added, with the bias, by the split that finishes last
+  (:func:`split_counters`; a second, small kernel where it cannot).
 - :func:`nm_gemm` (prefill, from 17 tokens): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted
   inputs whose weight tiles are decompressed in registers (the same expansion) for ``tl.dot``; its
   tile and split-K come from a cost model (:func:`gemm_plan`) over tiles compiled for sm_90a;
@@ -271,26 +271,73 @@ if triton is not None:
         return tl.program_id(1), rows, rows < R, toks, toks < T
 
     @triton.jit
-    def _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt,
-                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-        """``acc`` ``[BLOCK_R, BLOCK_T]`` (float32) to ``y`` (+ bias), or to split ``pid_s``'s partial sums."""
-        out_ok = row_ok[:, None] & tok_ok[None, :]
+    def _write_output(acc, y_offs, p_offs, ok, brows, brow_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, row0,
+                      tok0, T, R, stride_yt, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SUM_HERE: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Float32 ``acc`` to ``y`` at ``y_offs`` (+ the bias of rows ``brows``), or split ``pid_s``'s partial
+        sums (``[SPLIT, T, R]``, ``p_offs`` within one split); ``SUM_HERE``: then :func:`_sum_in_last_split`
+        for the output tile from row ``row0`` and token ``tok0``."""
         if SPLIT == 1:
             if HAS_BIAS:
-                acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + toks[None, :] * stride_yt + rows[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+                acc += tl.load(bias_ptr + brows, mask=brow_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
         else:
-            tl.store(part_ptr + (pid_s * T + toks[None, :]) * R + rows[:, None], acc, mask=out_ok)
+            tl.store(part_ptr + pid_s * T * R + p_offs, acc, mask=ok)
+            if SUM_HERE:
+                _sum_in_last_split(bias_ptr, y_ptr, part_ptr, count_ptr, row0, tok0, T, R, stride_yt, HAS_BIAS,
+                                   SPLIT, BLOCK_R, BLOCK_T)
 
     @triton.jit
-    def _nm_decode_dot_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr,
+    def _sum_in_last_split(bias_ptr, y_ptr, part_ptr, count_ptr, row0, tok0, T, R, stride_yt,
+                           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
+        """Split-K without a second launch: the split programs of an output tile (``program_id(0)``) count
+        their arrivals in ``count_ptr``, and the last to arrive adds the ``SPLIT`` partial sums in split
+        order (the same sum, bit for bit, as :func:`_sum_partials`, whatever the arrival order), adds the
+        bias, writes ``y`` and sets its counter back to 0. Every thread's partial sums are stored before
+        the barrier, then one thread's release-acquire atomic publishes them (CUTLASS's split-K semaphore
+        pattern; sm_90a: ``MEMBAR.GPU``, the atomic, ``CCTL.IVALL``), and the last program reads them from
+        L2 (``.cg``) in a layout of its own, not the accumulator's (which kept the main loop's registers
+        up: one program fewer per SM for 4:8's weight-as-A tile)."""
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            CHUNK_T: tl.constexpr = BLOCK_T if BLOCK_T < 16 else 16   # a GEMM's 256-token tile at once spilled
+            rows = row0 + tl.arange(0, BLOCK_R)
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)[None, :]
+            for t in range(tok0, tok0 + BLOCK_T, CHUNK_T):
+                toks = t + tl.arange(0, CHUNK_T)
+                ok = (toks < T)[:, None] & (rows < R)[None, :]
+                offs = toks[:, None] * R + rows[None, :]
+                total = tl.zeros((CHUNK_T, BLOCK_R), dtype=tl.float32)
+                for s in range(SPLIT):
+                    total += tl.load(part_ptr + s * T * R + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += bias
+                tl.store(y_ptr + toks[:, None] * stride_yt + rows[None, :], total.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
+                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SUM_HERE: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+        """``acc`` ``[BLOCK_R, BLOCK_T]`` (float32) to ``y`` (+ bias), or to split ``pid_s``'s partial sums
+        (:func:`_write_output`)."""
+        _write_output(acc, toks[None, :] * stride_yt + rows[:, None], toks[None, :] * R + rows[:, None],
+                      row_ok[:, None] & tok_ok[None, :], rows[:, None], row_ok[:, None], bias_ptr, y_ptr, part_ptr,
+                      count_ptr, pid_s, tl.program_id(0) * BLOCK_R, 0, T, R, stride_yt, HAS_BIAS, SPLIT, SUM_HERE,
+                      BLOCK_R, BLOCK_T)
+
+    @triton.jit
+    def _nm_decode_dot_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
                               T, R, K, C, WORDS, stride_xt, stride_yt, K_PER_SPLIT,
                               N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
                               HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                               PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
                               WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False,
-                              X_WORDS: tl.constexpr = False):
+                              X_WORDS: tl.constexpr = False, SUM_HERE: tl.constexpr = False):
         """Several tokens: the tile expanded to dense in registers and multiplied on the tensor cores,
         ``acc[T, R] += x_p[T, cols] @ W_p[R, cols]ᵀ`` (tokens in the rows of the MMA: the inputs are
         read row-major, as they lie in memory), or with ``WEIGHT_A`` ``acc[R, T] += W_p @ x_pᵀ`` (the
@@ -313,16 +360,17 @@ if triton is not None:
             acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if not WEIGHT_A:
             acc = tl.trans(acc)
-        _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt,
-                      HAS_BIAS, SPLIT)
+        _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
+                      HAS_BIAS, SPLIT, SUM_HERE, BLOCK_R, BLOCK_T)
 
     @triton.jit
-    def _nm_select_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr,
+    def _nm_select_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
                           T, R, K, C, WORDS, stride_xt, stride_yt, K_PER_SPLIT,
                           N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
                           HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-                          TILED: tl.constexpr = False, X_WORDS: tl.constexpr = False):
+                          TILED: tl.constexpr = False, X_WORDS: tl.constexpr = False,
+                          SUM_HERE: tl.constexpr = False):
         """Few tokens, no tensor cores: each kept value picks its input among its group's ``M`` (the
         compares are shared by all tokens), multiplies it, and adds into a float32 accumulator of
         its own; the one cross-lane reduction comes after the loop. No dense tile is built. With a
@@ -363,14 +411,15 @@ if triton is not None:
                     picked = tl.where(pos == j, xj[None, :, None, :], picked)
             acc += v.to(tl.float32)[:, :, :, None] * picked
         out = tl.sum(tl.reshape(acc, (BLOCK_R, BLOCK_K, BLOCK_T)), axis=1)
-        _store_decode(out, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt, HAS_BIAS, SPLIT)
+        _store_decode(out, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
+                      HAS_BIAS, SPLIT, SUM_HERE, BLOCK_R, BLOCK_T)
 
     @triton.jit
-    def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, part_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,
+    def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,
                         C_PER_SPLIT, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr,
-                        WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False):
+                        WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False, SUM_HERE: tl.constexpr = False):
         BLOCK_K: tl.constexpr = BLOCK_C * N // M
         pid, pid_s = tl.program_id(0), tl.program_id(1)
         n_t, n_r = tl.cdiv(T, BLOCK_T), tl.cdiv(R, BLOCK_R)
@@ -396,13 +445,10 @@ if triton is not None:
             acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if WEIGHT_A:
             acc = tl.trans(acc)
-        out_ok = tok_ok[:, None] & row_ok[None, :]
-        if SPLIT == 1:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + toks[:, None] * stride_yt + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
-        else:
-            tl.store(part_ptr + (pid_s * T + toks[:, None]) * R + rows[None, :], acc, mask=out_ok)
+        _write_output(acc, toks[:, None] * stride_yt + rows[None, :], toks[:, None] * R + rows[None, :],
+                      tok_ok[:, None] & row_ok[None, :], rows[None, :], row_ok[None, :], bias_ptr, y_ptr, part_ptr,
+                      count_ptr, pid_s, pid_r * BLOCK_R, pid_t * BLOCK_T, T, R, stride_yt, HAS_BIAS, SPLIT, SUM_HERE,
+                      BLOCK_R, BLOCK_T)
 
     @triton.jit
     def _nm_decompress_kernel(val_ptr, word_ptr, out_ptr, R, C, K, WORDS,
@@ -488,10 +534,11 @@ DOT_TILES_OTHER = {16: (16, 256, 4, 4), 32: (32, 256, 4, 4), 64: (64, 128, 8, 1)
 # (tune_swap_decode.json: 64 rows × 256 columns, 2 programs per SM as compiled, 1.04–1.12× cuBLAS on
 # 4096×4096 and 11008×4096 unmapped; the narrower 64-column step, 7 per SM, was slower); at 32 and 64
 # narrower steps than DOT_TILES (5 — 6 with triton 3.6 — and 4 programs of 2:4 per SM against 2
-# and 1: the tensor-core decode was latency-bound at 12.5 % occupancy, ncu_decode.txt).
+# and 1: the tensor-core decode was latency-bound at 12.5 % occupancy, ncu_decode.txt). 4:8 at 2–16 tokens:
+# 4 per SM (116 registers) until the split-K sum moved into the kernel, 3 since (162, no spill; 128 spills).
 DOT_TILES_SWAP = {
     (2, 4): {16: (64, 256, 4, 2), 32: (64, 64, 4, 5), 64: (64, 64, 4, 4)},
-    (4, 8): {16: (64, 128, 4, 4), 32: (64, 128, 4, 3), 64: (64, 128, 4, 2)},
+    (4, 8): {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (64, 128, 4, 2)},
 }
 DOT_TILE_FP32 = (16, 128, 8, 1)
 DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP32 = 64, 16
@@ -576,6 +623,36 @@ def _partials(split: int, y: torch.Tensor) -> torch.Tensor:
     return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device) if split > 1 else y
 
 
+SPLIT_COUNTERS = 1 << 16   # output tiles one launch can sum in-kernel (256 KB of int32 per device and stream)
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The arrival counters with which a split-K launch of ``tiles`` output tiles sums its partial sums
+    in-kernel (:func:`_write_output`): int32 zeros, one buffer per device and stream (launches on one
+    stream never overlap; each launch leaves its counters at 0 again), made outside any CUDA graph
+    capture and kept for the process (a captured graph holds its address). ``None`` — the separate sum
+    kernel then — during a capture on a stream that has none yet (a buffer made inside one would be
+    zeroed only when the graph first runs) or beyond :data:`SPLIT_COUNTERS` tiles."""
+    if tiles > SPLIT_COUNTERS:
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _summing(split: int, tiles: int, device: torch.device, sum_in_kernel: bool | None) -> torch.Tensor | None:
+    """The counters for an in-kernel split-K sum (``sum_in_kernel`` ``None``: wherever
+    :func:`split_counters` has them; ``False``: never), else ``None``."""
+    if split == 1 or sum_in_kernel is False:
+        return None
+    return split_counters(device, tiles)
+
+
 def _sum_partials(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
     """The splits' partial sums added, plus the bias, written into ``y`` in its dtype: one launch
     (PyTorch's sum, add and cast took three, each a few microseconds on a graph's critical path)."""
@@ -594,14 +671,16 @@ def word_gather(x2: torch.Tensor) -> bool:
 
 def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
               perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
-              async_gather: bool | None = None, **plan_overrides) -> torch.Tensor:
+              async_gather: bool | None = None, sum_in_kernel: bool | None = None, **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with at most :func:`decode_max_tokens` tokens (64; float32: 16) →
     ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``. ``tiled``: ``words`` ``[R, C/32]`` hold 2:4
     positions in cuSPARSELt's order (:func:`shuffleprune.deploy.cslt_layout.cslt_words`), not row
     by row; the same holds for :func:`nm_gemm` and :func:`nm_decompress_into`. ``async_gather``:
     the select kernel and the weight-as-A tensor-core kernel read the map's gather as 32-bit words
     the pipeline copies ahead (default: wherever :func:`word_gather` allows; the other tensor-core
-    kernel would spill with them), ``False`` one step ahead in registers (to 16 tokens)."""
+    kernel would spill with them), ``False`` one step ahead in registers (to 16 tokens).
+    ``sum_in_kernel``: split-K's last program of each row tile adds the partial sums (default, see
+    :func:`split_counters`); ``False``: a second launch does (:func:`_sum_partials`)."""
     _check(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -618,16 +697,17 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     part = _partials(p["split"], y)
     dummy = values
     grid = (triton.cdiv(rows, p["block_r"]), p["split"])
+    counts = _summing(p["split"], grid[0], x.device, sum_in_kernel)
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
-            tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0), p["per_split"])
+            counts if counts is not None else dummy, tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0), p["per_split"])
     common = dict(N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
-                  TILED=tiled, X_WORDS=x_words, num_warps=p["num_warps"])
+                  TILED=tiled, X_WORDS=x_words, SUM_HERE=counts is not None, num_warps=p["num_warps"])
     if p["use_dot"]:
         _nm_decode_dot_kernel[grid](*args, PREC=_precision(x), UPCAST=_upcast(x), WEIGHT_A=p["weight_a"], **common)
     else:
         _nm_select_kernel[grid](*args, **common)
-    if p["split"] > 1:
+    if p["split"] > 1 and counts is None:
         y = _sum_partials(part, bias, y)
     return y.reshape(*lead, rows)
 
@@ -705,11 +785,12 @@ def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
 
 def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
             bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None,
-            split: int | None = None, weight_a: bool = False, tiled: bool = False) -> torch.Tensor:
+            split: int | None = None, weight_a: bool = False, tiled: bool = False,
+            sum_in_kernel: bool | None = None) -> torch.Tensor:
     """``x`` ``[..., C]`` already in the weight's (permuted) column order → ``x @ W_pᵀ + bias``
     (``tile`` and ``split`` default to :func:`gemm_plan`'s; a given ``tile`` alone runs unsplit).
     ``weight_a``: the weight tile is the MMA's A operand (``acc[rows, tokens]``), see
-    :data:`GEMM_TILES_SWAP`."""
+    :data:`GEMM_TILES_SWAP`. ``sum_in_kernel``: as in :func:`nm_decode`."""
     _check(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -727,12 +808,14 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     part = _partials(split, y)
     grid = (triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r), split)
-    _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, part, tokens, rows, cols, kept,
+    counts = _summing(split, grid[0], x.device, sum_in_kernel)
+    _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, part,
+                          counts if counts is not None else values, tokens, rows, cols, kept,
                           words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
                           HAS_BIAS=bias is not None, SPLIT=split, PREC=_precision(x), UPCAST=_upcast(x),
                           BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, WEIGHT_A=weight_a,
-                          TILED=tiled, num_warps=warps, num_stages=stages)
-    if split > 1:
+                          TILED=tiled, SUM_HERE=counts is not None, num_warps=warps, num_stages=stages)
+    if split > 1 and counts is None:
         y = _sum_partials(part, bias, y)
     return y.reshape(*lead, rows)
 

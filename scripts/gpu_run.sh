@@ -22,6 +22,8 @@
 #   bash scripts/gpu_run.sh tune_gather cslt_buffer_quick e2e   # tune_gather: the select kernel's map gather as
 #                                              # pipelined 32-bit words (mapped) against one step ahead in registers
 #                                              # (mapped_sync) and no map (decode), 1-2 tokens, four tiles
+#   bash scripts/gpu_run.sh tune_split_sum     # split-K summed by its last split in the kernel against a second
+#                                              # launch (…_launch), the plan's tiles, 1024/4096/11008 rows, 1-16 tokens
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
@@ -90,6 +92,10 @@ for s in "$@"; do
         tune_gather) step tune_gather 150 scripts/results/tune_gather.json $PY scripts/tune_kernel.py \
                 --variants mapped mapped_sync decode --tokens 1 2 --block-r 16 32 --block-k 128 256 --num-warps 4 \
                 --stages 4 --out scripts/results/tune_gather.json ;;
+        tune_split_sum) step tune_split_sum 170 scripts/results/tune_split_sum.json $PY scripts/tune_kernel.py \
+                --variants decode decode_launch swap swap_launch mapped mapped_launch --shapes 1024x4096 4096x4096 \
+                11008x4096 --tokens 1 2 4 16 --block-r 0 --block-k 0 --num-warps 0 --stages 4 \
+                --out scripts/results/tune_split_sum.json ;;
         tune_scratch) step tune_scratch 90 scripts/results/tune_scratch.json $PY scripts/tune_kernel.py \
                 --variants decompress --tokens 512 --block-r 8 16 32 64 --block-k 64 128 256 --num-warps 4 8 \
                 --max-tile 1048576 --out scripts/results/tune_scratch.json

@@ -3,7 +3,8 @@ count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for t
 (``kernels/nm_fast.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
 tensor-core kernel, ``swap`` the tensor-core kernel with the weight as the MMA's A operand,
 ``mapped`` the planned kernel reading the index map itself, ``mapped_sync`` the same with the map's gather
-one step ahead in registers instead of the pipeline's word copies) every pipeline depth in ``--stages``;
+one step ahead in registers instead of the pipeline's word copies; each also as ``…_launch``, split-K's
+partial sums added by a second kernel instead of the last split) every pipeline depth in ``--stages``;
 for the prefill ``gemm`` / ``gemm_swap`` every tile of ``nm_fast.GEMM_TILES[(2, 4)]`` /
 ``GEMM_TILES_SWAP[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
 is checked against the dense result and timed: calls over rotating weight copies (together more
@@ -21,6 +22,8 @@ also sweep ``--splits`` (``0`` = the plan's). The table of medians and the best 
     python scripts/tune_kernel.py --variants dot --tokens 2 16 32 64 --block-r 32 64 128 --block-k 64 128 \
         --num-warps 4 8 --max-tile 524288 --out scripts/results/tune_dot.json
     python scripts/tune_kernel.py --variants gemm --tokens 64 128 256 512 2048 --out scripts/results/tune_gemm.json
+
+A ``0`` in ``--block-r``, ``--block-k`` or ``--num-warps`` takes ``decode_plan``'s value.
 
 Tiles whose ``block_r × block_k × tokens-tile`` product exceeds ``--max-tile`` values are skipped (they
 spill registers and take long to compile).
@@ -40,12 +43,16 @@ SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
 # mapped_sync: its gather one step ahead in registers, not as the pipeline's asynchronous word copies)
 DECODE = {"decode": {}, "select": {"use_dot": False}, "dot": {"use_dot": True}, "swap": {"use_dot": True, "weight_a": True},
           "mapped": {}, "mapped_sync": {"async_gather": False}}
+# ..._launch: the same with split-K's partial sums added by a second kernel, not by the last split in the kernel
+DECODE.update({f"{name}_launch": {**kw, "sum_in_kernel": False} for name, kw in list(DECODE.items())})
+NM_DECODE_ONLY = ("async_gather", "sum_in_kernel")   # nm_decode's own arguments, not decode_plan's
 GEMMS = {"gemm": False, "gemm_swap": True}   # nm_gemm over its tile table, the weight as the MMA's B or A operand
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="weights as OUTxIN")
     ap.add_argument("--variants", nargs="+", default=["group", "gather"])
     ap.add_argument("--block-r", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
@@ -79,7 +86,7 @@ def main() -> None:
         raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on CPU")
     cuda = not args.smoke
     dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    shapes = SHAPES if cuda else [(96, 64), (64, 160)]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if cuda else [(96, 64), (64, 160)]
 
     l2 = (getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) if cuda else 0) or 50 * 2**20
 
@@ -140,7 +147,7 @@ def main() -> None:
                     return nm_gemm(xp, values, words, 2, 4, meta_bits(4), None, tile=gtile, weight_a=swap)
                 tile = {"tile": list(gtile), "modelled": gtile == modelled[variant]}
             else:
-                plan_args = {k: v for k, v in DECODE.get(variant, {}).items() if k != "async_gather"}   # nm_decode's own
+                plan_args = {k: v for k, v in DECODE.get(variant, {}).items() if k not in NM_DECODE_ONLY}
                 block_t = (decode_plan(out_f, values.shape[1], tokens, 2, 4, meta_bits(4), dev, **plan_args)["block_t"]
                            if decode else min(16, 1 << (tokens - 1).bit_length()))   # the kernel's token tile
                 if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):

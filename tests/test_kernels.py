@@ -4,6 +4,8 @@ GEMM, and decompression into a shared buffer; ragged shapes, 2:4 and 4:8, index 
 float16 / bfloat16 / float32; and every ``SparseLinear`` policy through the same reference."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -160,6 +162,38 @@ def test_weight_as_mma_a_operand_matches_float64(rows, cols, n, m, tokens, dtype
     y = nm_gemm(xp, values, words, n, m, bits, None, tile=(16, 16, 64, 4, 1), split=2, weight_a=True)
     assert _close(y, ref - bias.double(), dtype)
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel,tokens", [("select", 1), ("select", 2), ("dot", 5), ("swap", 9), ("gemm", 20),
+                                           ("gemm_swap", 33)])
+def test_split_k_sums_in_the_last_split_as_the_separate_kernel_does(kernel, tokens, dtype, monkeypatch):
+    """Split-K's partial sums added by the split that arrives last at its output tile (one launch) give
+    the two-launch result bit for bit (the same float32 sum in split order, then the bias), leave every
+    counter at 0 for the next launch, and fall back to the second launch beyond the counters there are."""
+    from shuffleprune.kernels import nm_fast
+
+    rows, cols = 37, 256
+    w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=tokens)
+    words, perm32 = nm_fast.position_words(meta), perm.to(torch.int32)
+    if kernel.startswith("gemm"):
+        xp = x[:, perm].contiguous()
+        tile = (64, 16, 32, 4, 1) if kernel == "gemm_swap" else (16, 16, 32, 4, 1)   # 64 tokens: summed 16 at a time
+        run = lambda **kw: nm_fast.nm_gemm(xp, values, words, 2, 4, 2, bias, tile=tile, split=4,
+                                           weight_a=kernel == "gemm_swap", **kw)
+    else:
+        kind = {"select": {"use_dot": False}, "dot": {"use_dot": True}, "swap": {"use_dot": True, "weight_a": True}}
+        run = lambda **kw: nm_fast.nm_decode(x, values, words, 2, 4, 2, perm32, bias, block_r=16, block_k=16,
+                                             split=3, **kind[kernel], **kw)
+    two_launches = run(sum_in_kernel=False)
+    assert _close(two_launches, x.double()[:, perm] @ w.double().t() + bias.double(), dtype)
+    sum_kernel, summed = nm_fast._sum_partials, []
+    monkeypatch.setattr(nm_fast, "_sum_partials", lambda *a: summed.append(a) or sum_kernel(*a))
+    one_launch = run()
+    assert not summed and torch.equal(one_launch, two_launches)
+    counters = nm_fast.split_counters(x.device, 1)
+    assert counters.dtype == torch.int32 and not counters.any()
+    monkeypatch.setattr(nm_fast, "SPLIT_COUNTERS", 2)   # more output tiles than counters: the sum kernel
+    assert torch.equal(run(), two_launches) and len(summed) == 1
+
 
 @pytest.mark.parametrize("rows,cols,n,m", [(37, 96, 2, 4), (33, 136, 4, 8), (5, 24, 2, 4)])
 def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
@@ -289,9 +323,11 @@ def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
 
     def fake_run(self, impl, x):
         fake_timer.impl = impl
+        return torch.ones(4, 24)
 
     monkeypatch.setattr(sparse_linear, "cuda_graph_ms", lambda calls, reps, warm=2: (calls[0](), fake_timer(calls, reps))[1])
     monkeypatch.setattr(SparseLinear, "_run", fake_run)
+    monkeypatch.setattr(SparseLinear, "_reference", lambda self, x: torch.ones(4, 24))
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
     x = torch.randn(4, 64).half()
@@ -301,6 +337,32 @@ def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
     times["scratch"] = KeyError("a bug")
     with pytest.raises(KeyError):
         layer._measure(x, list(times))
+
+
+def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch):
+    """Before timing, ``auto`` checks each candidate's output against PyTorch's own product of the
+    decompressed weight: a kernel that is wrong on this device (here: its output perturbed, or NaN) is
+    dropped with a warning even when it is the fastest, and the default falls back to the scratch."""
+    from shuffleprune.deploy import sparse_linear
+
+    w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
+    ref = layer._reference(x)
+    assert _close(ref, x.double()[:, perm] @ w.double().t() + bias.double(), torch.float32)
+    outputs = {"decode": ref + 0.05 * ref.abs().max(), "decode_swap": ref * float("nan"), "gather": ref + 1e-3,
+               "scratch": ref}
+    speed = {"decode": 0.1, "decode_swap": 0.1, "gather": 0.5, "scratch": 0.7}
+    monkeypatch.setattr(SparseLinear, "_run", lambda self, impl, x: outputs[impl])
+    monkeypatch.setattr(sparse_linear, "cuda_graph_ms",
+                        lambda calls, reps, warm=2: (speed[next(k for k, v in outputs.items() if v is calls[0]())],
+                                                     "cuda_graph"))
+    with pytest.warns(RuntimeWarning) as caught:
+        assert layer._measure(x, list(outputs)) == "gather"   # within 16-bit rounding of the reference
+    assert [re.search(r": (\w+ is off by \S+)", str(c.message)).group(1) for c in caught] == [
+        "decode is off by 0.05", "decode_swap is off by nan"]
+    with pytest.warns(RuntimeWarning) as caught:
+        assert layer._measure(x, ["decode", "decode_swap"]) == "scratch"
+    assert len(caught) == 2
 
 
 def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_decode():
@@ -353,7 +415,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     programs per SM than the compiled kernel lets reside, tensor-core instructions where ``tl.dot`` is
     used (decode from 3 tokens, prefill) and wgmma where the weight is the A operand (``decode_swap``,
     ``decode_mapped``, ``gemm_swap``, residency as DOT_TILES_SWAP says), no synchronous load left in
-    the loop where an index map is read as words (the select loop, ``decode_mapped``), prefill tiles that stay in L2 (no evict-first),
+    the loop where an index map is read as words (the select loop, ``decode_mapped``), split-K summed in
+    the kernel behind a release-acquire atomic, prefill tiles that stay in L2 (no evict-first),
     and the GEMM tile tables (loop length, residency) that ``gemm_plan``'s cost model reads still true."""
     import json
     import os
@@ -400,6 +463,9 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
         if r["impl"] in ("gemm_tile", "gemm_swap_tile"):   # the tables gemm_plan's cost model reads are the compiled ones
             assert r["programs_per_sm"] == r["table_per_sm"], r
             assert abs(r["loop_instructions"] - r["table_loop"]) <= 0.1 * r["table_loop"], r
+    summed_here = [r for r in rows if r["constexprs"].get("SUM_HERE")]
+    assert summed_here and all(r["grid"][1] > 1 and r["split_sum_fenced"] for r in summed_here), summed_here
+    assert all(r["split_sum_fenced"] is None for r in rows if not r["constexprs"].get("SUM_HERE"))
     for impl in ("gemm_tile", "gemm_swap_tile"):
         tiles = [r for r in rows if r["impl"] == impl]
         assert {r["pattern"] for r in tiles} == {"2:4", "4:8"} and len(tiles) >= 6

@@ -32,13 +32,16 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   and ``auto`` times ``cslt`` on it from 17 tokens.
 
 ``policy="auto"``: on the CPU ``scratch``; on CUDA the first call of each token-count bucket
-(1, 2, 4, … tokens) times the applicable candidates, each as a CUDA graph of repeated calls (so
-the host's launch cost, which graphs remove, does not decide), and keeps the fastest
+(1, 2, 4, … tokens) checks the applicable candidates' outputs against PyTorch's (dropping one that
+disagrees), times them, each as a CUDA graph of repeated calls (so the host's launch cost, which
+graphs remove, does not decide), and keeps the fastest
 (``self.choices``); a first call made during a graph capture takes :func:`default_choice`. The
 choice is shared by every layer of the same shape, pattern, map and bias on that device and dtype,
 so a 32-block model measures each kind of layer once, not 32 times (``release_choices`` forgets them).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -298,16 +301,34 @@ class SparseLinear(nn.Module):
             out.append("gather")
         return out
 
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., perm] @ W_pᵀ + b`` by PyTorch alone (``W_p`` decompressed into the shared scratch, no
+        Triton kernel): what ``auto`` checks each candidate's output against before timing it."""
+        buf = scratch_buffer(self.out_features * self.in_features, self.values.device, self.values.dtype)
+        w = decompress(self.values, self.export_meta(), self.n, self.m, self.in_features, out=buf)
+        return F.linear(self._gathered(x), w, self.bias)
+
     def _measure(self, x: torch.Tensor, candidates: list[str], calls: int = 10, reps: int = 5) -> str:
-        """The fastest candidate on ``x``: each is compiled and run eagerly, then ``calls`` calls are
-        captured in one CUDA graph whose replays are timed (median of ``reps``), as a model served
-        with CUDA graphs runs them; a candidate that cannot be captured is timed eagerly. The
-        shared gather is bypassed, so ``decode`` pays for its own gather."""
+        """The fastest candidate on ``x``: each is compiled and run eagerly, its output checked against
+        :meth:`_reference` (one that disagrees — a kernel miscompiled or racing on this GPU — is
+        dropped with a warning), then ``calls`` calls are captured in one CUDA graph whose replays are
+        timed (median of ``reps``), as a model served with CUDA graphs runs them; a candidate that
+        cannot be captured is timed eagerly. The shared gather is bypassed, so ``decode`` pays for its
+        own gather."""
         shared, self.shared_gather = self.shared_gather, None
         best, best_ms = default_choice(candidates), float("inf")
         try:
+            ref = self._reference(x)
             for impl in candidates:
                 try:
+                    error = relative_error(self._run(impl, x), ref)
+                    if not error <= AGREE_RTOL:
+                        warnings.warn(f"SparseLinear {self.out_features}x{self.in_features}: {impl} is off by "
+                                      f"{error:.3g} of the output's scale on this device; not used", RuntimeWarning,
+                                      stacklevel=2)
+                        if best == impl:
+                            best = "scratch"
+                        continue
                     ms, _ = cuda_graph_ms([lambda impl=impl: self._run(impl, x)] * calls, reps, warm=3)
                 except candidate_errors():  # e.g. a tile that does not fit this GPU's shared memory
                     continue
@@ -340,6 +361,19 @@ class SparseLinear(nn.Module):
                 _CHOICES[key] = self._measure(x, self._candidates(x))
             self.choices[bucket] = _CHOICES[key]
         return self.choices[bucket]
+
+
+AGREE_RTOL = 2e-2   # auto drops a candidate whose largest error exceeds this share of the output's largest magnitude
+                    # (16-bit rounding gives at most about 5e-3: scripts/results/bench_kernel.json's max_rel_err)
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest absolute difference over the largest magnitude of ``ref`` (``inf`` for a shape
+    mismatch or a non-finite value)."""
+    if y.shape != ref.shape:
+        return float("inf")
+    diff = (y.float() - ref.float()).abs().max()
+    return float(diff / ref.float().abs().max().clamp_min(torch.finfo(torch.float32).tiny))
 
 
 def cslt_search(packed: torch.Tensor, xt: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
