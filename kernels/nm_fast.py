@@ -623,26 +623,31 @@ def _partials(split: int, y: torch.Tensor) -> torch.Tensor:
     return torch.empty(split, *y.shape, dtype=torch.float32, device=y.device) if split > 1 else y
 
 
-SPLIT_COUNTERS = 1 << 16   # output tiles one launch can sum in-kernel (256 KB of int32 per device and stream)
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+SPLIT_COUNTERS = 1 << 16   # arrival counters per device (256 KB of int32), handed out as a ring
+_COUNTERS: dict[str, list] = {}   # device → [the zeroed counters, where the next launch's start]
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The arrival counters with which a split-K launch of ``tiles`` output tiles sums its partial sums
-    in-kernel (:func:`_write_output`): int32 zeros, one buffer per device and stream (launches on one
-    stream never overlap; each launch leaves its counters at 0 again), made outside any CUDA graph
-    capture and kept for the process (a captured graph holds its address). ``None`` — the separate sum
-    kernel then — during a capture on a stream that has none yet (a buffer made inside one would be
-    zeroed only when the graph first runs) or beyond :data:`SPLIT_COUNTERS` tiles."""
+    """Zeroed int32 arrival counters, one per output tile, for a split-K launch that sums its partial
+    sums in-kernel (:func:`_sum_in_last_split`; each launch leaves its counters at 0 again). One
+    buffer per device, made outside any CUDA graph capture and kept for the process (a captured
+    graph holds its address), handed out as a ring: launches in flight together on different
+    streams take different counters unless :data:`SPLIT_COUNTERS` tiles' worth of launches came
+    between them. ``None`` — the separate sum kernel then — for more tiles than that, or during a
+    capture before any launch outside one made the buffer (one made inside a capture would be
+    zeroed only when the graph first runs)."""
     if tiles > SPLIT_COUNTERS:
         return None
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    if key not in _COUNTERS:
+    entry = _COUNTERS.get(str(device))
+    if entry is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+        entry = _COUNTERS[str(device)] = [torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device), 0]
+    counters, start = entry
+    if start + tiles > SPLIT_COUNTERS:
+        start = 0
+    entry[1] = start + tiles
+    return counters[start:start + tiles]
 
 
 def _summing(split: int, tiles: int, device: torch.device, sum_in_kernel: bool | None) -> torch.Tensor | None:

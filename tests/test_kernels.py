@@ -189,8 +189,13 @@ def test_split_k_sums_in_the_last_split_as_the_separate_kernel_does(kernel, toke
     monkeypatch.setattr(nm_fast, "_sum_partials", lambda *a: summed.append(a) or sum_kernel(*a))
     one_launch = run()
     assert not summed and torch.equal(one_launch, two_launches)
-    counters = nm_fast.split_counters(x.device, 1)
+    counters = nm_fast._COUNTERS[str(x.device)][0]   # every counter of the ring
     assert counters.dtype == torch.int32 and not counters.any()
+    first, second = nm_fast.split_counters(x.device, 5), nm_fast.split_counters(x.device, 5)
+    assert second.data_ptr() == first.data_ptr() + 5 * 4   # the next launch takes the next counters
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.delitem(nm_fast._COUNTERS, "cuda:0", raising=False)
+    assert nm_fast.split_counters(torch.device("cuda:0"), 3) is None   # none made inside a graph capture
     monkeypatch.setattr(nm_fast, "SPLIT_COUNTERS", 2)   # more output tiles than counters: the sum kernel
     assert torch.equal(run(), two_launches) and len(summed) == 1
 
