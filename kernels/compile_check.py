@@ -96,7 +96,7 @@ def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
 
     launches: list[Launch] = []
     run, active = JITFunction.run, driver._active
-    upcast, sm_count, smem = nm_fast._upcast, nm_fast._sm_count, nm_fast._smem_per_sm
+    upcast, sm_count, smem, native = nm_fast._upcast, nm_fast._sm_count, nm_fast._smem_per_sm, nm_fast._native
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
@@ -105,14 +105,14 @@ def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
 
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", spec.arch, 32)))
     JITFunction.run = compile_launch
-    nm_fast._upcast, nm_fast._sm_count = (lambda x: False), (lambda device: spec.sms)
+    nm_fast._upcast, nm_fast._sm_count, nm_fast._native = (lambda x: False), (lambda device: spec.sms), (lambda x: True)
     nm_fast._smem_per_sm = lambda device: spec.smem_per_sm
     try:
         yield launches
     finally:
         JITFunction.run = run
         driver._active = active
-        nm_fast._upcast, nm_fast._sm_count, nm_fast._smem_per_sm = upcast, sm_count, smem
+        nm_fast._upcast, nm_fast._sm_count, nm_fast._smem_per_sm, nm_fast._native = upcast, sm_count, smem, native
 
 
 def _a_kernel():

@@ -151,12 +151,21 @@ if triton is not None:
     @triton.jit
     def _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
                     N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr, TILED: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr, TILED: tl.constexpr, NATIVE: tl.constexpr,
+                    PAIRS: tl.constexpr = True):
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K`` expanded to their ``BLOCK_K·M/N`` dense
-        columns (zeros where pruned), in the values' dtype."""
+        columns (zeros where pruned), in the values' dtype. 16-bit 2:4 values are read as one 32-bit
+        word per group and expanded by byte permutes (:func:`_dense_2of4_pairs`; ``NATIVE``: PTX's
+        ``prmt``, else its emulation), unless ``PAIRS`` is off."""
         G: tl.constexpr = BLOCK_K // N
         v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT,
                               2 * TILED)
+        if N == 2 and M == 4 and PAIRS and val_ptr.dtype.element_ty.primitive_bitwidth == 16:
+            gs = k0 // 2 + tl.arange(0, G)
+            pairs = tl.load(val_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 2) + gs[None, :],
+                            mask=row_ok[:, None] & (gs < K // 2)[None, :], other=0, eviction_policy=EVICT)
+            return _dense_2of4_pairs(pairs, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G,
+                                     val_ptr.dtype.element_ty, NATIVE)
         if N == 2 and M == 4:
             return _dense_2of4(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
         if N == 4 and M == 8:
@@ -166,6 +175,39 @@ if triton is not None:
         hit = pos[:, :, :, None] == slot[None, None, None, :]
         vals = v[:, :, :, None]
         return tl.reshape(tl.sum(tl.where(hit, vals, tl.zeros_like(vals)), axis=2), (BLOCK_R, G * M))
+
+    @triton.jit
+    def _prmt(a, sel, NATIVE: tl.constexpr):
+        """PTX ``prmt.b32 d, a, 0, sel``: byte ``k`` of ``d`` is byte ``sel``'s nibble ``k`` (0–3: of ``a``, 4–7:
+        of the zero word) — one instruction on the GPU, emulated by shifts under the interpreter."""
+        if NATIVE:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, $2;", "=r,r,r", [a, sel], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        out = tl.zeros_like(a)
+        for k in tl.static_range(4):
+            idx = (sel >> (4 * k)) & 7
+            byte = tl.where(idx < 4, (a >> (8 * (idx & 3))) & 0xFF, 0)
+            out |= byte << (8 * k)
+        return out
+
+    @triton.jit
+    def _dense_2of4_pairs(pairs, code, BLOCK_R: tl.constexpr, G: tl.constexpr, DTYPE: tl.constexpr,
+                          NATIVE: tl.constexpr):
+        """16-bit 2:4 groups, each value pair as one 32-bit word ``[BLOCK_R, G]`` (first value in the low
+        half), and their 4-bit codes → ``[BLOCK_R, G·4]`` dense in ``DTYPE`` by two byte permutes per
+        group: dense slots 0–1 and 2–3 are each a ``prmt`` of the pair and zero, whose selector — bytes
+        0–1 of the pair (``10``) at slot ``p0``, bytes 2–3 (``32``) at slot ``p1``, zero (``44``)
+        elsewhere — is ``0x4444`` with ``0x54 ≪ 8·p0`` and ``0x76 ≪ 8·p1`` XORed in (``p0 < p1``: they
+        never overlap; the upper half's selector is the same word shifted down 16 bits). About 11
+        instructions per group where :func:`_dense_2of4`'s selects took about 22 (sm_90a: the 16-token
+        decode's loop 968 → 669 instructions with the weight as the A operand, 917 → 762 without; the
+        512-token GEMM's 151 → 130)."""
+        t = ((0x54 << ((code << 3) & 0x18)) | (0x76 << ((code << 1) & 0x18))) ^ 0x44444444
+        lo = _prmt(pairs, t, NATIVE)
+        hi = _prmt(pairs, t >> 16, NATIVE)
+        words = tl.reshape(tl.join(lo, hi), (BLOCK_R, G * 2))
+        halves = tl.join(words & 0xFFFF, words >> 16).to(tl.int16)
+        return tl.reshape(halves.to(DTYPE, bitcast=True), (BLOCK_R, G * 4))
 
     @triton.jit
     def _dense_2of4(v, code, BLOCK_R: tl.constexpr, G: tl.constexpr):
@@ -337,7 +379,8 @@ if triton is not None:
                               PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
                               WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False,
-                              X_WORDS: tl.constexpr = False, SUM_HERE: tl.constexpr = False):
+                              X_WORDS: tl.constexpr = False, SUM_HERE: tl.constexpr = False,
+                              NATIVE: tl.constexpr = True):
         """Several tokens: the tile expanded to dense in registers and multiplied on the tensor cores,
         ``acc[T, R] += x_p[T, cols] @ W_p[R, cols]ᵀ`` (tokens in the rows of the MMA: the inputs are
         read row-major, as they lie in memory), or with ``WEIGHT_A`` ``acc[R, T] += W_p @ x_pᵀ`` (the
@@ -352,8 +395,10 @@ if triton is not None:
         k_start = pid_s * K_PER_SPLIT
         x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
         for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
+            # the byte-permute expansion but for 32 tokens in the MMA's rows (sm_90a: 1361 loop instructions
+            # and 182 registers against the selects' 1267 and 150)
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
-                                "evict_first", TILED)
+                                "evict_first", TILED, NATIVE, WEIGHT_A or BLOCK_T != 32)
             # a step ahead up to 16 tokens (at 32 the carried tile spills the 2:4 tile)
             xs, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, BLOCK_K,
                                         HAS_PERM, BLOCK_T <= 16, X_WORDS)
@@ -419,7 +464,8 @@ if triton is not None:
                         C_PER_SPLIT, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                         SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr,
-                        WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False, SUM_HERE: tl.constexpr = False):
+                        WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False, SUM_HERE: tl.constexpr = False,
+                        NATIVE: tl.constexpr = True):
         BLOCK_K: tl.constexpr = BLOCK_C * N // M
         pid, pid_s = tl.program_id(0), tl.program_id(1)
         n_t, n_r = tl.cdiv(T, BLOCK_T), tl.cdiv(R, BLOCK_R)
@@ -441,7 +487,7 @@ if triton is not None:
             xs = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_ok[:, None] & (cols < C)[None, :],
                          other=0.0)
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, c0 * N // M, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
-                                "", TILED)
+                                "", TILED, NATIVE)
             acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if WEIGHT_A:
             acc = tl.trans(acc)
@@ -453,13 +499,14 @@ if triton is not None:
     @triton.jit
     def _nm_decompress_kernel(val_ptr, word_ptr, out_ptr, R, C, K, WORDS,
                               N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr = False):
+                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr = False,
+                              NATIVE: tl.constexpr = True):
         G: tl.constexpr = BLOCK_K // N
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         k0 = tl.program_id(1) * BLOCK_K
         dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
-                            "evict_first", TILED)
+                            "evict_first", TILED, NATIVE)
         cols = (k0 // N) * M + tl.arange(0, G * M)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], dense, mask=row_ok[:, None] & (cols < C)[None, :])
 
@@ -499,6 +546,12 @@ def _upcast(x: torch.Tensor) -> bool:
     """Under the interpreter bfloat16 ``tl.dot`` is wrong (numpy has no bfloat16 matmul): there the
     products of bfloat16 tiles are taken in float32. Never on a GPU."""
     return x.dtype == torch.bfloat16 and x.device.type != "cuda"
+
+
+def _native(x: torch.Tensor) -> bool:
+    """Whether the kernels run compiled on a GPU (inline PTX such as ``prmt``), not interpreted on the
+    CPU (where :func:`_prmt` emulates it)."""
+    return x.device.type == "cuda"
 
 
 def _sm_count(device: torch.device) -> int:
@@ -709,7 +762,8 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
                   TILED=tiled, X_WORDS=x_words, SUM_HERE=counts is not None, num_warps=p["num_warps"])
     if p["use_dot"]:
-        _nm_decode_dot_kernel[grid](*args, PREC=_precision(x), UPCAST=_upcast(x), WEIGHT_A=p["weight_a"], **common)
+        _nm_decode_dot_kernel[grid](*args, PREC=_precision(x), UPCAST=_upcast(x), WEIGHT_A=p["weight_a"],
+                                    NATIVE=_native(x), **common)
     else:
         _nm_select_kernel[grid](*args, **common)
     if p["split"] > 1 and counts is None:
@@ -724,8 +778,8 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
 # then the tensor-core call is waited on within the step: one program's expansion overlaps only
 # with another program's tensor-core work.
 GEMM_TILES = {
-    (2, 4): (((256, 64, 32, 8, 3), 151, 2), ((128, 64, 32, 4, 4), 200, 4),
-             ((64, 64, 32, 4, 4), 187, 7), ((32, 64, 64, 4, 3), 329, 4)),
+    (2, 4): (((256, 64, 32, 8, 3), 130, 2), ((128, 64, 32, 4, 4), 165, 4),
+             ((64, 64, 32, 4, 4), 149, 7), ((32, 64, 64, 4, 3), 299, 4)),
     (4, 8): (((256, 64, 32, 8, 3), 165, 2), ((128, 64, 32, 4, 4), 288, 4),
              ((64, 64, 32, 4, 4), 271, 6), ((32, 64, 64, 4, 3), 532, 4)),
 }
@@ -734,8 +788,8 @@ GEMM_TILES = {
 # flight while the next tile expands (the tiles above wait for theirs within the step: the weight is
 # their B operand, stored to shared memory first). Compiled for sm_90a like GEMM_TILES; not yet timed.
 GEMM_TILES_SWAP = {
-    (2, 4): (((256, 64, 64, 4, 3), 464, 2), ((256, 64, 32, 8, 3), 166, 2),
-             ((128, 64, 32, 4, 4), 214, 4), ((64, 64, 64, 4, 4), 380, 4)),
+    (2, 4): (((256, 64, 64, 4, 3), 335, 2), ((256, 64, 32, 8, 3), 145, 2),
+             ((128, 64, 32, 4, 4), 178, 4), ((64, 64, 64, 4, 4), 245, 4)),
     (4, 8): (((256, 64, 64, 4, 3), 657, 2), ((256, 64, 32, 8, 3), 194, 2),
              ((128, 64, 32, 4, 4), 301, 4), ((64, 64, 64, 4, 4), 575, 4)),
 }
@@ -819,7 +873,8 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
                           words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
                           HAS_BIAS=bias is not None, SPLIT=split, PREC=_precision(x), UPCAST=_upcast(x),
                           BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, WEIGHT_A=weight_a,
-                          TILED=tiled, SUM_HERE=counts is not None, num_warps=warps, num_stages=stages)
+                          TILED=tiled, SUM_HERE=counts is not None, NATIVE=_native(x), num_warps=warps,
+                          num_stages=stages)
     if split > 1 and counts is None:
         y = _sum_partials(part, bias, y)
     return y.reshape(*lead, rows)
@@ -837,5 +892,6 @@ def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int
     _check_tiled(tiled, block_r)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(kept, block_k))
     _nm_decompress_kernel[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
-                                BLOCK_R=block_r, BLOCK_K=block_k, TILED=tiled, num_warps=num_warps)
+                                BLOCK_R=block_r, BLOCK_K=block_k, TILED=tiled, NATIVE=_native(values),
+                                num_warps=num_warps)
     return dense
