@@ -549,9 +549,9 @@ def _upcast(x: torch.Tensor) -> bool:
 
 
 def _native(x: torch.Tensor) -> bool:
-    """Whether the kernels run compiled on a GPU (inline PTX such as ``prmt``), not interpreted on the
-    CPU (where :func:`_prmt` emulates it)."""
-    return x.device.type == "cuda"
+    """Whether the kernels run compiled for an NVIDIA GPU and may use inline PTX such as ``prmt``; not
+    interpreted on the CPU nor on ROCm (where :func:`_prmt` emulates it with shifts)."""
+    return x.device.type == "cuda" and torch.version.hip is None
 
 
 def _sm_count(device: torch.device) -> int:
@@ -619,8 +619,9 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     tiles are the ones whose compiled loop leaves the most room under an H100's issue rate without
     spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values on 4
     warps lets one token stream at up to 4.9 TB/s of instruction issue (3.8 through an index map); the
-    tensor-core kernel's 64 rows × 256 dense columns on 4 warps up to 4.1 TB/s at 3–16 tokens on 2:4 and
-    3.4 at 32 (4:8: 64 × 128, 3.4 and 2.8 TB/s), 64 × 128 on 8 warps 2.2 at 64 tokens. Other N:M and
+    tensor-core kernel's 64 rows × 256 dense columns on 4 warps up to 4.2 TB/s at 3–16 tokens on 2:4
+    (6.2–6.4 with ``weight_a``) and 3.4 at 32 (4:8: 64 × 128, 3.4 and 2.8 TB/s), 64 × 128 on 8 warps 3.0
+    at 64 tokens (2:4 with the byte-permute expansion, :func:`_dense_2of4_pairs`). Other N:M and
     float32 take smaller tiles: larger ones spill. Split-K makes enough programs to fill every SM: one
     per SM for select (an H100's timing: fewer, longer programs beat split-K there), and for the
     tensor-core kernel as many as its pipeline buffers let reside in the SM's shared memory (2 for the
