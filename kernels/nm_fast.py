@@ -53,8 +53,9 @@ if triton is not None:
     @triton.jit
     def _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
                    N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVICT: tl.constexpr, TILED: tl.constexpr):
-        """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K``: values ``[BLOCK_R, BLOCK_K/N, N]`` and their
+                   EVICT: tl.constexpr, TILED: tl.constexpr, PAIRS: tl.constexpr = False):
+        """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K``: values ``[BLOCK_R, BLOCK_K/N, N]`` (``PAIRS``:
+        each 2:4 group's two 16-bit values as one int32 word, ``[BLOCK_R, BLOCK_K/2]``) and their
         position words ``[BLOCK_R, BLOCK_K·BITS/32]`` (read them with :func:`_positions` or
         :func:`_group_codes`). ``EVICT``: the loads' eviction policy (``"evict_first"`` where the
         weight is read once, ``""`` where tiles are reused). ``TILED``: ``word_ptr`` holds 2:4
@@ -63,9 +64,11 @@ if triton is not None:
         pair of each row and word, for :func:`_cslt_positions` (the select loop)."""
         F: tl.constexpr = 32 // BITS
         WPB: tl.constexpr = BLOCK_K // F
-        ks = k0 + tl.arange(0, BLOCK_K)
-        ok = row_ok[:, None] & (ks < K)[None, :]
-        v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=ok, other=0.0, eviction_policy=EVICT)
+        if not PAIRS:   # the pairs are read after the words: read before them, the GEMM's loop took 5 % more
+            ks = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(val_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0,
+                        eviction_policy=EVICT)
+            v = tl.reshape(v, (BLOCK_R, BLOCK_K // N, N))
         wi = k0 // F + tl.arange(0, WPB)
         w_ok = row_ok[:, None] & (wi < WORDS)[None, :]
         if TILED == 1:
@@ -75,7 +78,11 @@ if triton is not None:
             words = _cslt_words_slices(word_ptr, rows, wi, row_ok, WORDS, EVICT, BLOCK_R, WPB)
         else:
             words = tl.load(word_ptr + rows[:, None] * WORDS + wi[None, :], mask=w_ok, other=0, eviction_policy=EVICT)
-        return tl.reshape(v, (BLOCK_R, BLOCK_K // N, N)), words
+        if PAIRS:
+            gs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            v = tl.load(val_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 2) + gs[None, :],
+                        mask=row_ok[:, None] & (gs < K // 2)[None, :], other=0, eviction_policy=EVICT)
+        return v, words
 
     @triton.jit
     def _cslt_pair(rows, wi, WORDS):
@@ -158,23 +165,24 @@ if triton is not None:
         word per group and expanded by byte permutes (:func:`_dense_2of4_pairs`; ``NATIVE``: PTX's
         ``prmt``, else its emulation), unless ``PAIRS`` is off."""
         G: tl.constexpr = BLOCK_K // N
+        AS_PAIRS: tl.constexpr = N == 2 and M == 4 and PAIRS and val_ptr.dtype.element_ty.primitive_bitwidth == 16
         v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT,
-                              2 * TILED)
-        if N == 2 and M == 4 and PAIRS and val_ptr.dtype.element_ty.primitive_bitwidth == 16:
-            gs = k0 // 2 + tl.arange(0, G)
-            pairs = tl.load(val_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 2) + gs[None, :],
-                            mask=row_ok[:, None] & (gs < K // 2)[None, :], other=0, eviction_policy=EVICT)
-            return _dense_2of4_pairs(pairs, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G,
-                                     val_ptr.dtype.element_ty, NATIVE)
-        if N == 2 and M == 4:
-            return _dense_2of4(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
-        if N == 4 and M == 8:
-            return _dense_4of8(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
-        pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)
-        slot = tl.arange(0, M)
-        hit = pos[:, :, :, None] == slot[None, None, None, :]
-        vals = v[:, :, :, None]
-        return tl.reshape(tl.sum(tl.where(hit, vals, tl.zeros_like(vals)), axis=2), (BLOCK_R, G * M))
+                              2 * TILED, AS_PAIRS)
+        # one return at the end: Triton compiles the statements after a constexpr branch's return, and
+        # ``v`` holds int32 pairs in the first branch only
+        if AS_PAIRS:
+            dense = _dense_2of4_pairs(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G,
+                                      val_ptr.dtype.element_ty, NATIVE)
+        elif N == 2 and M == 4:
+            dense = _dense_2of4(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
+        elif N == 4 and M == 8:
+            dense = _dense_4of8(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
+        else:
+            pos = _positions(words, N, BITS, BLOCK_R, BLOCK_K)
+            hit = pos[:, :, :, None] == tl.arange(0, M)[None, None, None, :]
+            vals = v[:, :, :, None]
+            dense = tl.reshape(tl.sum(tl.where(hit, vals, tl.zeros_like(vals)), axis=2), (BLOCK_R, G * M))
+        return dense
 
     @triton.jit
     def _prmt(a, sel, NATIVE: tl.constexpr):
