@@ -52,7 +52,8 @@ def main() -> None:
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.fused_inputs import fuse_shared_inputs, unfuse_shared_inputs
     from shuffleprune.deploy.producer_maps import move_maps_to_producers
-    from shuffleprune.deploy.sparse_linear import SharedGather, SparseLinear, release_scratch, use_cslt_layout
+    from shuffleprune.deploy.sparse_linear import (SharedGather, SparseLinear, relative_error, release_scratch,
+                                                   use_cslt_layout)
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
     from shuffleprune.runtime import machine, versions
@@ -125,7 +126,7 @@ def main() -> None:
                 prefill_s, prefill_how = statistics.median(wall(graph.replay) for _ in range(args.runs)), "cuda_graph"
                 graph.replay()   # the replayed prompt computes what the eager one does (no kernel lost in capture)
                 eager = prefill().float()
-                graph_err = float((replayed["logits"].float() - eager).abs().max() / eager.abs().max())
+                graph_err = relative_error(replayed["logits"], eager)
                 del graph, replayed
             except Exception as exc:  # noqa: BLE001 - recorded: the eager time stands
                 print(f"{label}: prefill graph capture failed ({str(exc).splitlines()[0][:120]})", flush=True)

@@ -77,7 +77,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from shuffleprune.deploy.format import compress
-    from shuffleprune.deploy.sparse_linear import SparseLinear, candidate_errors
+    from shuffleprune.deploy.sparse_linear import SparseLinear, candidate_errors, relative_error
     from shuffleprune.kernels.nm_fast import decode_max_tokens
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
@@ -188,7 +188,7 @@ def main() -> None:
                     rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
                                  "error": str(exc).splitlines()[0][:200]})
                     continue
-                err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+                err = relative_error(y, ref)
                 nbytes = bytes_moved(impl.removesuffix("_tiled"), out_f, in_f, tokens)
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": ms, "timing": how,
                        "copies": copies, "bytes": nbytes, "tb_s": nbytes / ms / 1e9, "max_rel_err": err,
@@ -225,7 +225,7 @@ def main() -> None:
                 ms, how = timed([call])
                 row = {"width": width, "tokens": tokens, "impl": impl, "ms": ms, "timing": how}
                 if impl == "rmsnorm_mapped":
-                    row["max_rel_err"] = float((call().float() - ref.float()).abs().max() / ref.float().abs().max())
+                    row["max_rel_err"] = relative_error(call(), ref)
                 norm_rows.append(row)
             print(f"norm {width} t={tokens}: " + "  ".join(f"{r['impl']} {r['ms']:.4f}" for r in norm_rows[-3:]), flush=True)
 

@@ -45,6 +45,7 @@ def main() -> None:
 
     from shuffleprune.deploy.sparse_layout import (PATTERNS, LayoutError, dense_from_patterns, layout_at,
                                                    learn_layout, random_24)
+    from shuffleprune.deploy.sparse_linear import relative_error
     from shuffleprune.runtime import machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -126,8 +127,7 @@ def main() -> None:
                     own = built.to(device).view(packed.dtype).reshape(packed.shape)
                     y = torch._cslt_sparse_mm(own, x.t(), transpose_result=True)
                     ref = torch.nn.functional.linear(x, dense.to(device))
-                    check["max_rel_err_own_buffer"] = float((y.float() - ref.float()).abs().max()
-                                                            / ref.float().abs().max())
+                    check["max_rel_err_own_buffer"] = relative_error(y, ref)
                 except RuntimeError as exc:
                     check["own_buffer_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 check["compressed_shape"] = list(packed.shape)

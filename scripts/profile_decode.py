@@ -24,6 +24,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from shuffleprune.deploy.format import compress, meta_bits
+    from shuffleprune.deploy.sparse_linear import relative_error
     from shuffleprune.kernels.nm_fast import nm_decode, position_words
     from shuffleprune.masks import nm_keep_mask
 
@@ -44,7 +45,7 @@ def main() -> None:
     ref = F.linear(x.float(), w.float())
     y = call()  # compiles
     torch.cuda.synchronize()
-    err = float((y.float() - ref).abs().max() / ref.abs().max())
+    err = relative_error(y, ref)
     print(f"{args.kernel} {args.shape} t={args.tokens}: max rel err {err:.2e}", flush=True)
     torch.cuda.profiler.start()
     for _ in range(args.calls):
