@@ -24,6 +24,8 @@
 #                                              # (mapped_sync) and no map (decode), 1-2 tokens, four tiles
 #   bash scripts/gpu_run.sh tune_split_sum     # split-K summed by its last split in the kernel against a second
 #                                              # launch (…_launch), the plan's tiles, 1024/4096/11008 rows, 1-16 tokens
+#   bash scripts/gpu_run.sh tune_split_deep    # the tensor-core decodes at 4 and 16 tokens split 8 and 16 ways
+#                                              # against the plan's one wave (2 programs per SM, 4 steps each)
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
@@ -96,6 +98,9 @@ for s in "$@"; do
                 --variants decode decode_launch swap swap_launch mapped mapped_launch --shapes 1024x4096 4096x4096 \
                 11008x4096 --tokens 1 2 4 16 --block-r 0 --block-k 0 --num-warps 0 --stages 4 \
                 --out scripts/results/tune_split_sum.json ;;
+        tune_split_deep) step tune_split_deep 200 scripts/results/tune_split_deep.json $PY scripts/tune_kernel.py \
+                --variants swap mapped dot --shapes 4096x4096 11008x4096 4096x11008 --tokens 4 16 --block-r 0 \
+                --block-k 0 --num-warps 0 --stages 4 --splits 0 8 16 --out scripts/results/tune_split_deep.json ;;
         tune_scratch) step tune_scratch 90 scripts/results/tune_scratch.json $PY scripts/tune_kernel.py \
                 --variants decompress --tokens 512 --block-r 8 16 32 64 --block-k 64 128 256 --num-warps 4 8 \
                 --max-tile 1048576 --out scripts/results/tune_scratch.json

@@ -83,6 +83,20 @@ def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
     return found
 
 
+def weights_outside_linears(block: nn.Module, prefix: str) -> dict[str, int]:
+    """``{full_name: numel}`` of a block's matrices (parameters of 2 dims or more) held outside
+    ``nn.Linear`` layers, which pruning does not see: fused MoE experts (transformers 5 stores a
+    layer's experts as one ``[experts, out, in]`` tensor), routers, other custom weights."""
+    found = {}
+    for sub, module in block.named_modules():
+        if isinstance(module, nn.Linear):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() >= 2:
+                found[f"{prefix}.{sub}.{name}" if sub else f"{prefix}.{name}"] = p.numel()
+    return found
+
+
 def first_tensor(output: Any) -> torch.Tensor:
     """The hidden states in a block's output (a tensor, or the first element of a tuple)."""
     return output[0] if isinstance(output, (tuple, list)) else output
@@ -128,15 +142,60 @@ class _Recorder(nn.Module):
         return (hidden,) if self.sink.output_is_tuple else hidden
 
 
+class PerWindow:
+    """A block argument laid out window by window along dim 0 that does not broadcast over a batch
+    (BLOOM's ALiBi bias is ``[batch·heads, 1, L]``): held for one window, repeated for a batch."""
+
+    def __init__(self, one: torch.Tensor):
+        self.one = one
+
+    def expand(self, batch: int) -> torch.Tensor:
+        return self.one.repeat(batch, *([1] * (self.one.dim() - 1)))
+
+
+def _for_batch(obj: Any, batch: int, device: torch.device) -> Any:
+    """``obj`` (nested tuples/lists/dicts) on ``device`` with each :class:`PerWindow` repeated for ``batch`` windows."""
+    if isinstance(obj, PerWindow):
+        return obj.expand(batch).to(device)
+    if isinstance(obj, tuple):
+        return tuple(_for_batch(o, batch, device) for o in obj)
+    if isinstance(obj, list):
+        return [_for_batch(o, batch, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _for_batch(v, batch, device) for k, v in obj.items()}
+    return tensors_to(obj, device)
+
+
+def _mark_per_window(one: Any, two: Any) -> Any:
+    """The arguments recorded for one window, with those recorded for two windows as two copies of it
+    along dim 0 marked :class:`PerWindow`. A leading dim of 1 broadcasts and stays as it is, and so
+    does anything else (as recorded for one window)."""
+    if isinstance(one, torch.Tensor) and isinstance(two, torch.Tensor):
+        if one.dim() == 0 or one.shape == two.shape or one.shape[0] == 1:
+            return one
+        doubled = two.shape[1:] == one.shape[1:] and two.shape[0] == 2 * one.shape[0]
+        return PerWindow(one) if doubled and torch.equal(two, torch.cat([one, one])) else one
+    if isinstance(one, (tuple, list)) and isinstance(two, (tuple, list)) and len(one) == len(two):
+        return type(one)(_mark_per_window(a, b) for a, b in zip(one, two))
+    if isinstance(one, dict) and isinstance(two, dict) and one.keys() == two.keys():
+        return {k: _mark_per_window(v, two[k]) for k, v in one.items()}
+    return one
+
+
 @dataclass
 class CapturedInputs:
-    """Block 0's hidden states ``[n, L, d]`` and each block's extra call arguments (batch dim 1)."""
+    """Block 0's hidden states ``[n, L, d]`` and each block's extra call arguments, recorded for one window
+    (:meth:`call_args` gives them for a batch)."""
 
     hidden: torch.Tensor | None = None
     args: list[tuple] = field(default_factory=list)      # per block
     kwargs: list[dict] = field(default_factory=list)     # per block
     output_is_tuple: bool = False
     batches: list[torch.Tensor] = field(default_factory=list)
+
+    def call_args(self, index: int, batch: int, device: torch.device) -> tuple[tuple, dict]:
+        """Block ``index``'s extra positional and keyword arguments for ``batch`` windows on ``device``."""
+        return _for_batch(self.args[index], batch, device), _for_batch(self.kwargs[index], batch, device)
 
 
 def _forward_with_recorders(model: nn.Module, blocks: "Blocks", originals: list[nn.Module], sink: CapturedInputs,
@@ -158,10 +217,12 @@ def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor,
                          batch_size: int = 8) -> CapturedInputs:
     """Run the model's own embedding/mask/rotary code on ``tokens`` ``[n, seqlen]``, stopping at the blocks.
 
-    Each block's keyword arguments are recorded once, from a single window passed through identity
-    stand-ins for all blocks, so they have batch dimension 1 and broadcast to any batch of equal
-    length (windows are never padded). Block 0's hidden states are then recorded for all windows.
-    Modules outside the block list are moved to ``device`` for the capture and moved back.
+    Each block's arguments are recorded from a single window passed through identity stand-ins for
+    all blocks, so they have batch dimension 1 and broadcast to any batch of equal length (windows
+    are never padded); those that do not broadcast (a bias laid out ``[batch·heads, …]``) are found
+    by recording two windows too, and repeated per batch (:meth:`CapturedInputs.call_args`). Block
+    0's hidden states are then recorded for all windows. Modules outside the block list are moved
+    to ``device`` for the capture and moved back.
     """
     originals = list(blocks.layers)
     outside = _modules_outside(model, blocks)
@@ -181,6 +242,11 @@ def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor,
             sink = CapturedInputs(output_is_tuple=True)
             _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), all_blocks=True)
         sink.output_is_tuple = isinstance(probe, (tuple, list))
+        if tokens.shape[0] > 1:  # recorded for two windows too: which arguments grow with the batch
+            pair = CapturedInputs(output_is_tuple=sink.output_is_tuple)
+            _forward_with_recorders(model, blocks, originals, pair, tokens[:2].to(device), all_blocks=True)
+            sink.args = [_mark_per_window(a, b) for a, b in zip(sink.args, pair.args)]
+            sink.kwargs = [_mark_per_window(a, b) for a, b in zip(sink.kwargs, pair.kwargs)]
         sink.batches = []
         for start in range(0, tokens.shape[0], batch_size):
             _forward_with_recorders(model, blocks, originals, sink, tokens[start:start + batch_size].to(device),
@@ -256,11 +322,11 @@ def run_block(block: nn.Module, hidden: torch.Tensor, captured: CapturedInputs, 
               device: torch.device, batch_size: int) -> torch.Tensor:
     """Outputs of ``block`` (block ``index``) for all windows ``hidden`` ``[n, L, d]``, ``batch_size``
     windows at a time on ``device``, with the block's captured call arguments; kept where ``hidden`` lives."""
-    args = tensors_to(captured.args[index], device)
-    kwargs = tensors_to(captured.kwargs[index], device)
     out = torch.empty_like(hidden)
     for s in range(0, hidden.shape[0], batch_size):
-        out[s:s + batch_size] = first_tensor(block(hidden[s:s + batch_size].to(device), *args, **kwargs)).to(out.device)
+        chunk = hidden[s:s + batch_size]
+        args, kwargs = captured.call_args(index, chunk.shape[0], device)
+        out[s:s + batch_size] = first_tensor(block(chunk.to(device), *args, **kwargs)).to(out.device)
     return out
 
 

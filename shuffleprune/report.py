@@ -27,6 +27,10 @@ def prune_table(report: dict) -> Table:
     table.add_row(f"{report['method']} {report['pattern']}", _fmt(report["ppl"]["pruned"]),
                   f"{report['sparsity']:.4f}", "—" if nm is None else ("yes" if nm else "NO"),
                   f"{secs['calibration'] + secs['prune']:.1f} prune, {secs['eval']:.1f} eval")
+    unseen = report.get("outside_linears") or {}
+    if unseen.get("share", 0) > 0.05:
+        table.caption = (f"{unseen['share']:.0%} of the blocks' weights are outside nn.Linear and stay dense "
+                         f"(e.g. {unseen['names'][0]})")
     return table
 
 

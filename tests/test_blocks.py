@@ -33,6 +33,28 @@ def test_blocks_found_and_replayed_exactly(arch):
     assert torch.allclose(model.get_decoder().norm(hidden), ref[-1], atol=1e-5)
 
 
+def test_arguments_laid_out_per_window_are_repeated_for_each_batch():
+    """BLOOM passes its ALiBi bias as ``[batch·heads, 1, L]``, which does not broadcast from one window:
+    it is recognised by recording two windows and repeated for every batch size the blocks are run at
+    (3 and the remainder 2 here), and the replayed blocks give the model's own hidden states."""
+    from shuffleprune.blocks import PerWindow
+
+    model = tiny_model("bloom")
+    blocks = find_blocks(model)
+    tokens = torch.randint(0, 128, (5, 24), generator=torch.Generator().manual_seed(0))
+    captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
+    per_window = [v for v in captured.kwargs[0].values() if isinstance(v, PerWindow)]
+    assert len(per_window) == 1 and per_window[0].one.shape == (4, 1, 24)   # heads × 1 × L
+    args, kwargs = captured.call_args(0, 3, torch.device("cpu"))
+    assert [v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.shape[0] == 12] == [(12, 1, 24)]
+    with torch.no_grad():
+        ref = model(input_ids=tokens, output_hidden_states=True).hidden_states
+    hidden = captured.hidden
+    for i in range(len(blocks)):
+        assert torch.allclose(hidden, ref[i], atol=1e-5), f"block {i} input differs"
+        hidden = run_block(blocks.layers[i], hidden, captured, i, torch.device("cpu"), batch_size=3)
+
+
 def test_shared_inputs_are_grouped():
     model = tiny_model("llama")
     blocks = find_blocks(model)

@@ -353,6 +353,31 @@ def test_learned_perm_export_reloads_for_other_architectures(arch, text_file, tm
         assert torch.allclose(mapped(ids).logits, ref(ids).logits, atol=1e-5)
 
 
+def test_alibi_model_prunes_with_the_default_recipe_exports_and_reloads(text_file, tmp_path):
+    """BLOOM (ALiBi bias laid out per window, fused query_key_value, LayerNorms with biases, GELU MLP)
+    through the default recipe with learned maps instead of searched ones, its weight update replaying
+    blocks on batches of several sizes; the export gives the pruned model's logits with its maps in the
+    layers or at the norms."""
+    from conftest import make_tokenizer, tiny_model
+
+    src = tmp_path / "bloom"
+    tiny_model("bloom").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    from shuffleprune.prune import PruneConfig
+
+    cfg = PruneConfig.build("accurate", model=str(src), pattern="2:4", calib=str(text_file), nsamples=5, seqlen=32,
+                            batch_size=2, eval_text=None, perm="learned", perm_block=16, perm_steps=2)
+    prune(cfg, out=tmp_path / "pruned", progress=False)
+    export_checkpoint(tmp_path / "pruned", tmp_path / "exported")
+    ref = load_model(str(tmp_path / "pruned")).model
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    for maps in ("kernel", "producer"):
+        model = shuffleprune.load(str(tmp_path / "exported"), maps=maps)
+        assert sum(isinstance(mod, SparseLinear) for mod in model.modules()) == 12
+        with torch.no_grad():
+            assert torch.allclose(model(ids).logits, ref(ids).logits, atol=1e-5)
+
+
 def test_index_maps_move_to_the_norms_that_produce_their_input(pruned_perm_dir, tmp_path):
     """``load(maps="producer")``: q/k/v and gate/up lose their shared map, the RMSNorms feeding them
     write their output permuted (recognised numerically, fused kernel under the interpreter here), o_proj

@@ -42,6 +42,24 @@ def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir,
             assert satisfies_nm(w, 2, 4), name
 
 
+def test_weights_outside_linears_are_reported_and_warned_about(tiny_dir, text_file, eval_file, tmp_path):
+    """Fused MoE experts (one [experts, out, in] tensor per layer in transformers 5) are not nn.Linear layers:
+    prune says they stay dense — a warning, the report and the model card — where a dense LLaMA has none."""
+    from conftest import make_tokenizer, tiny_model
+
+    src = tmp_path / "moe"
+    tiny_model("mixtral").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    with pytest.warns(UserWarning, match=r"8\d% of the decoder blocks' weights .*experts\.gate_up_proj"):
+        result = prune(config(src, text_file, eval_file, eval_text=None), out=tmp_path / "out", progress=False)
+    unseen = result.report["outside_linears"]
+    assert unseen["share"] > 0.8 and unseen["names"][0].endswith("mlp.experts.gate_up_proj")
+    assert "stay dense" in (tmp_path / "out" / "README.md").read_text()
+    assert {l["name"].rsplit(".", 1)[-1] for l in result.report["layers"]} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    dense = prune(config(tiny_dir, text_file, eval_file, eval_text=None), progress=False)
+    assert dense.report["outside_linears"] == {"share": 0.0, "numel": 0, "names": []}
+
+
 def test_sequential_pass_feeds_pruned_outputs_forward(tiny_dir, text_file, eval_file):
     lm = load_model(str(tiny_dir))
     seen = []

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from shuffleprune.blocks import CapturedInputs, first_tensor, tensors_to
+from shuffleprune.blocks import CapturedInputs, first_tensor
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern
 from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, kl_loss, learn_permutations, masked_weight
@@ -224,11 +224,10 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
 
     assert target is not None
     param_of = {name: name[len(prefix) + 1:] + ".weight" for name in linears}
-    args = tensors_to(captured.args[index], device)
-    kwargs = tensors_to(captured.kwargs[index], device)
 
     def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         params = {param_of[n]: w for n, w in eff.items()}
+        args, kwargs = captured.call_args(index, len(rows), device)
         out = first_tensor(functional_call(block, params, (hidden[rows].to(device), *args), kwargs))
         return cosine_loss(target[rows].to(device), out)
 

@@ -30,6 +30,15 @@ def _overall_sparsity(layers: list[dict]) -> float:
     return round(zeros / total, 6) if total else 0.0
 
 
+def _outside_line(report: dict) -> str:
+    """The model card's line on matrix weights outside ``nn.Linear`` (fused MoE experts), when there are many."""
+    unseen = report.get("outside_linears") or {}
+    if unseen.get("share", 0) <= 0.05:
+        return ""
+    return (f"\n- Not pruned: {unseen['share']:.0%} of the decoder blocks' weights are outside `nn.Linear` layers "
+            f"(e.g. `{unseen['names'][0]}`: fused MoE experts or custom layers) and stay dense.")
+
+
 def build_report(config: PruneConfig, lm: LoadedModel, state: dict, pattern: Pattern, perms: dict,
                  device: torch.device, compute_dtype: str, save_dtype: str, resumed: bool, seconds: float) -> dict:
     """The run's ``prune_report.json`` contents."""
@@ -158,7 +167,7 @@ Perplexity text: {eval_line}.
 - Calibration: {calib['source']}, {calib['nsamples']} windows of {calib['seqlen']} tokens, seed {calib['seed']}
   ({calib['documents']} documents{'' if calib['tokens'] is None else f", {calib['tokens']} tokens"}{
   ", the other documents of the perplexity file" if calib['split_from_shared_file'] else ""}).
-- N:M holds in memory order for every pruned layer: {report['nm_ok']}.
+- N:M holds in memory order for every pruned layer: {report['nm_ok']}.{_outside_line(report)}
 - Saved in {report['saved_dtype'].replace('torch.', '')}; computed in {report['compute_dtype'].replace('torch.', '')} on {report['device']}.
 
 Repeat the run: `shuffleprune prune {base if not base.startswith('embedded:') else ''} --recipe recipe.yaml --out OUT`.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks, run_block
+from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks, run_block, weights_outside_linears
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
@@ -129,6 +130,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
                         "prune its dense original instead")
     blocks = find_blocks(model)
     linears = _selected_linears(blocks, config, pattern)
+    unseen = _dense_outside_linears(blocks)
     max_pos = getattr(model.config, "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
     ctx = min(config.eval_ctx or seqlen, max_pos)
@@ -167,7 +169,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
         hidden = run.captured.hidden
     else:  # the blocks' keyword arguments are recomputed; their inputs come from the checkpoint
-        run.captured = capture_block_inputs(model, blocks, tokens[:1], device, 1)
+        run.captured = capture_block_inputs(model, blocks, tokens[:2], device, 2)
         # every block done (only the checkpoint was left to write): no block input is needed
         hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
     run.captured.hidden = None
@@ -229,6 +231,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     model.to(save_dtype)
     report = build_report(config, lm, state, pattern, all_perms, device, compute_dtype, str(save_dtype),
                           resume, time.time() - t_start)
+    report["outside_linears"] = unseen
     if out is not None:
         write_checkpoint(out, model, tokenizer, report, all_perms, config)
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
@@ -246,6 +249,27 @@ def _selected_linears(blocks, config: PruneConfig, pattern) -> list[dict[str, to
     if not any(linears):
         raise UserError("no linear layers selected; check --only / --skip")
     return linears
+
+
+UNSEEN_WARN_SHARE = 0.05   # warn when more of the blocks' matrix weights than this sit outside nn.Linear
+
+
+def _dense_outside_linears(blocks) -> dict:
+    """The blocks' matrix weights that pruning cannot see (:func:`weights_outside_linears`): their share of
+    all the blocks' matrix weights and the first few names, with a warning when the share is large (a
+    model with fused MoE experts gets only its attention and shared layers pruned)."""
+    unseen, in_linears = {}, 0
+    for i, block in enumerate(blocks.layers):
+        unseen.update(weights_outside_linears(block, f"{blocks.name}.{i}"))
+        in_linears += sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
+    total = sum(unseen.values())
+    share = total / max(1, total + in_linears)
+    largest = sorted(unseen, key=lambda name: -unseen[name])[:8]
+    if share > UNSEEN_WARN_SHARE:
+        warnings.warn(f"{share:.0%} of the decoder blocks' weights are not in nn.Linear layers and stay dense "
+                      f"(e.g. {largest[0]}: fused MoE experts or custom layers); prune acts on nn.Linear "
+                      "layers only", UserWarning, stacklevel=3)
+    return {"share": round(share, 6), "numel": total, "names": largest}
 
 
 def _run_stages(run: Run, work: BlockWork, state: dict) -> None:

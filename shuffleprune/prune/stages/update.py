@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from shuffleprune.blocks import first_tensor, tensors_to
+from shuffleprune.blocks import first_tensor
 from shuffleprune.errors import UserError
 from shuffleprune.perm.pruning import FrozenParams, split_windows
 from shuffleprune.prune.methods.lsq import masked_lstsq
@@ -90,11 +90,10 @@ class BlockReconstruction(Stage):
     def apply(self, run: Run, work: BlockWork) -> None:
         param_of = {n: n[len(work.prefix) + 1:] + ".weight" for n in work.linears}
         dtype = {n: lin.weight.dtype for n, lin in work.linears.items()}
-        args = tensors_to(run.captured.args[work.index], run.device)
-        kwargs = tensors_to(run.captured.kwargs[work.index], run.device)
 
         def forward(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
             params = {param_of[n]: w.to(dtype[n]) for n, w in weights.items()}
+            args, kwargs = run.captured.call_args(work.index, len(rows), run.device)
             return first_tensor(functional_call(work.block, params, (work.hidden[rows].to(run.device), *args), kwargs))
 
         if self.target == "model":

@@ -1,0 +1,135 @@
+"""Which Hugging Face decoder families go through prune → export → load unchanged, on tiny random models.
+
+    .venv/bin/python scripts/arch_sweep.py                          # every family below, CPU, ~10 min
+    .venv/bin/python scripts/arch_sweep.py --types llama bloom      # some of them
+
+For each ``model_type`` a random model of 2 blocks (hidden 64, 4 heads, 2 KV heads, MLP 128) is built
+from its transformers config, with a word-level tokenizer and a text of random words (nothing is
+downloaded), pruned to 2:4 with ``--recipe`` (learned index maps by default, so the maps' folding
+and their move to the norms are exercised) and exported; the export is loaded with the maps in the
+layers and at their producers. A family passes when both give the pruned model's logits (max
+absolute difference ≤ 1e-4). Each row records that difference, the pruned and compressed layer
+counts, the share of the blocks' weights left outside ``nn.Linear`` (fused MoE experts), the time,
+or the error. Results: ``scripts/results/arch_sweep.json`` (rewritten after every family).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "falcon",
+         "gpt_neox", "gptj", "opt", "bloom", "olmo", "olmo2", "cohere", "granite", "stablelm", "starcoder2",
+         "glm", "glm4", "smollm3", "exaone4", "helium", "ministral", "seed_oss", "arcee", "apertus",
+         "hunyuan_v1_dense", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+# what a family's config needs beyond SIZE to be that small (head sizes, expert counts, its own key names)
+EXTRA = {
+    "gemma": dict(head_dim=16), "gemma2": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16),
+    "gemma3_text": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16),
+    "helium": dict(head_dim=16), "ministral": dict(head_dim=16), "hunyuan_v1_dense": dict(head_dim=16),
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64), "bloom": dict(n_layer=2, n_head=4),
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        n_group=1, topk_group=1),
+}
+
+
+def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) -> dict:
+    """Prune, export and reload one family; the row of results."""
+    import random
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import shuffleprune
+    from bench_stage_cost import word_tokenizer
+    from shuffleprune.deploy.export import export_checkpoint
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+    from shuffleprune.models import load_model
+    from shuffleprune.prune import PruneConfig, prune
+
+    torch.manual_seed(seed)
+    src = tmp / model_type
+    config = AutoConfig.for_model(model_type, **{**SIZE, **EXTRA.get(model_type, {})})
+    AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    word_tokenizer(SIZE["vocab_size"] - 1).save_pretrained(src)
+    rng = random.Random(seed)
+    text = tmp / "text.txt"
+    text.write_text("\n\n".join(" ".join(f"w{rng.randrange(255)}" for _ in range(60)) for _ in range(80)))
+    extra = {"perm": perm, "perm_steps": 2, "perm_block": 16} if perm == "learned" else {"perm": perm}
+    cfg = PruneConfig.build(recipe, model=str(src), pattern="2:4", calib=str(text), nsamples=4, seqlen=32,
+                            batch_size=3, eval_text=None, seed=seed, **extra)
+    t0 = time.time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = prune(cfg, out=tmp / "pruned", progress=False)
+    fmt = export_checkpoint(tmp / "pruned", tmp / "exported")
+    ref = load_model(str(tmp / "pruned")).model.eval()
+    ids = torch.randint(1, SIZE["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(seed))
+    diffs, compressed = {}, 0
+    with torch.no_grad():
+        want = ref(ids).logits
+        for maps in ("kernel", "producer"):
+            model = shuffleprune.load(str(tmp / "exported"), maps=maps)
+            compressed = sum(isinstance(m, SparseLinear) for m in model.modules())
+            diffs[maps] = float((model(ids).logits - want).abs().max())
+    return {"model_type": model_type, "ok": max(diffs.values()) <= 1e-4, "max_abs_logit_diff": diffs,
+            "pruned_layers": len(result.report["layers"]), "nm_ok": result.report["nm_ok"],
+            "compressed_layers": compressed, "folded_maps": len(fmt["folded"]),
+            "outside_linears_share": result.report["outside_linears"]["share"],
+            "seconds": round(time.time() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", nargs="+", default=TYPES)
+    ap.add_argument("--recipe", default="accurate")
+    ap.add_argument("--perm", default="learned")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "arch_sweep.json"))
+    args = ap.parse_args()
+
+    import transformers
+
+    from shuffleprune.runtime import machine, versions
+
+    rows = []
+    result = {"what": "prune → export → load on tiny random models of each transformers decoder family "
+                      "(2:4, logits of the export against the pruned checkpoint)",
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "seed": args.seed,
+              "recipe": args.recipe, "perm": args.perm, "model": {k: v for k, v in SIZE.items() if "token" not in k},
+              "data": "random words, 4 windows × 32 tokens", "machine": machine(), "versions": versions(),
+              "rows": rows}
+    for model_type in args.types:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                row = one_family(model_type, args.recipe, args.perm, Path(tmp), args.seed)
+            except Exception as exc:   # a family that fails is a row, not the end of the sweep
+                row = {"model_type": model_type, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:500],
+                       "where": traceback.format_exc().strip().splitlines()[-3].strip()[:300]}
+        rows.append(row)
+        print(f"{'ok  ' if row['ok'] else 'FAIL'} {model_type:18s} "
+              f"{row.get('max_abs_logit_diff', row.get('error'))}", flush=True)
+        result["passed"] = sum(r["ok"] for r in rows)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{result['passed']}/{len(rows)} families pass (transformers {transformers.__version__}); wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
