@@ -68,7 +68,10 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
     src = tmp / model_type
     config = AutoConfig.for_model(model_type, **{**SIZE, **EXTRA.get(model_type, {})})
     AutoModelForCausalLM.from_config(config).save_pretrained(src)
-    word_tokenizer(SIZE["vocab_size"] - 1).save_pretrained(src)
+    tokenizer = word_tokenizer(SIZE["vocab_size"] - 1)
+    tokenizer.save_pretrained(src)
+    lm = load_model(str(src))
+    lm.tokenizer = tokenizer   # AutoTokenizer would rebuild it as the family's own class (Qwen2's drops the words)
     rng = random.Random(seed)
     text = tmp / "text.txt"
     text.write_text("\n\n".join(" ".join(f"w{rng.randrange(255)}" for _ in range(60)) for _ in range(80)))
@@ -78,7 +81,7 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
     t0 = time.time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = prune(cfg, out=tmp / "pruned", progress=False)
+        result = prune(cfg, out=tmp / "pruned", progress=False, loaded=lm)
     fmt = export_checkpoint(tmp / "pruned", tmp / "exported")
     ref = load_model(str(tmp / "pruned")).model.eval()
     ids = torch.randint(1, SIZE["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(seed))
