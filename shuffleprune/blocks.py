@@ -83,6 +83,9 @@ def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
     return found
 
 
+OUTSIDE_LINEARS_WARN_SHARE = 0.05   # above this share of the blocks' matrix weights outside nn.Linear, prune warns
+
+
 def weights_outside_linears(block: nn.Module, prefix: str) -> dict[str, int]:
     """``{full_name: numel}`` of a block's matrices (parameters of 2 dims or more) held outside
     ``nn.Linear`` layers, which pruning does not see: fused MoE experts (transformers 5 stores a
@@ -154,16 +157,19 @@ class PerWindow:
 
 
 def _for_batch(obj: Any, batch: int, device: torch.device) -> Any:
-    """``obj`` (nested tuples/lists/dicts) on ``device`` with each :class:`PerWindow` repeated for ``batch`` windows."""
+    """Every tensor inside ``obj`` (nested tuples/lists/dicts) on ``device``, each :class:`PerWindow`
+    repeated for ``batch`` windows."""
     if isinstance(obj, PerWindow):
         return obj.expand(batch).to(device)
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
     if isinstance(obj, tuple):
         return tuple(_for_batch(o, batch, device) for o in obj)
     if isinstance(obj, list):
         return [_for_batch(o, batch, device) for o in obj]
     if isinstance(obj, dict):
         return {k: _for_batch(v, batch, device) for k, v in obj.items()}
-    return tensors_to(obj, device)
+    return obj
 
 
 def _mark_per_window(one: Any, two: Any) -> Any:
@@ -302,19 +308,6 @@ def _module_device(module) -> torch.device:
     for t in list(target.parameters()) + list(target.buffers()):
         return t.device
     return torch.device("cpu")
-
-
-def tensors_to(obj: Any, device: torch.device) -> Any:
-    """Move every tensor inside nested tuples/lists/dicts to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(tensors_to(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [tensors_to(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: tensors_to(v, device) for k, v in obj.items()}
-    return obj
 
 
 @torch.no_grad()

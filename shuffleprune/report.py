@@ -4,6 +4,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
+
 
 def _fmt(x: float | None, digits: int = 2) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
@@ -28,7 +30,7 @@ def prune_table(report: dict) -> Table:
                   f"{report['sparsity']:.4f}", "—" if nm is None else ("yes" if nm else "NO"),
                   f"{secs['calibration'] + secs['prune']:.1f} prune, {secs['eval']:.1f} eval")
     unseen = report.get("outside_linears") or {}
-    if unseen.get("share", 0) > 0.05:
+    if unseen.get("share", 0) > OUTSIDE_LINEARS_WARN_SHARE:
         table.caption = (f"{unseen['share']:.0%} of the blocks' weights are outside nn.Linear and stay dense "
                          f"(e.g. {unseen['names'][0]})")
     return table

@@ -23,14 +23,22 @@ def test_blocks_found_and_replayed_exactly(arch):
     tokens = torch.randint(0, 128, (5, 24), generator=torch.Generator().manual_seed(0))
     captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
     assert captured.hidden.shape == (5, 24, 64)
+    hidden, ref = _replay_matches_the_model(model, blocks, captured, tokens)
+    # the last entry of hidden_states is after the final norm
+    assert torch.allclose(model.get_decoder().norm(hidden), ref[-1], atol=1e-5)
+
+
+def _replay_matches_the_model(model, blocks, captured, tokens):
+    """Run the captured block-0 inputs through every block with its captured arguments, 3 windows at a
+    time (and the remainder), checking each block's input against the model's own hidden states;
+    the last block's output and those hidden states."""
     with torch.no_grad():
         ref = model(input_ids=tokens, output_hidden_states=True).hidden_states
     hidden = captured.hidden
     for i in range(len(blocks)):
         assert torch.allclose(hidden, ref[i], atol=1e-5), f"block {i} input differs"
         hidden = run_block(blocks.layers[i], hidden, captured, i, torch.device("cpu"), batch_size=3)
-    # the last entry of hidden_states is after the final norm
-    assert torch.allclose(model.get_decoder().norm(hidden), ref[-1], atol=1e-5)
+    return hidden, ref
 
 
 def test_arguments_laid_out_per_window_are_repeated_for_each_batch():
@@ -47,12 +55,7 @@ def test_arguments_laid_out_per_window_are_repeated_for_each_batch():
     assert len(per_window) == 1 and per_window[0].one.shape == (4, 1, 24)   # heads × 1 × L
     args, kwargs = captured.call_args(0, 3, torch.device("cpu"))
     assert [v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.shape[0] == 12] == [(12, 1, 24)]
-    with torch.no_grad():
-        ref = model(input_ids=tokens, output_hidden_states=True).hidden_states
-    hidden = captured.hidden
-    for i in range(len(blocks)):
-        assert torch.allclose(hidden, ref[i], atol=1e-5), f"block {i} input differs"
-        hidden = run_block(blocks.layers[i], hidden, captured, i, torch.device("cpu"), batch_size=3)
+    _replay_matches_the_model(model, blocks, captured, tokens)
 
 
 def test_shared_inputs_are_grouped():

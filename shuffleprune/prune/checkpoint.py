@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
 from shuffleprune.version import __version__
 from shuffleprune.masks import Pattern
 from shuffleprune.models import LoadedModel, is_embedded
@@ -33,7 +34,7 @@ def _overall_sparsity(layers: list[dict]) -> float:
 def _outside_line(report: dict) -> str:
     """The model card's line on matrix weights outside ``nn.Linear`` (fused MoE experts), when there are many."""
     unseen = report.get("outside_linears") or {}
-    if unseen.get("share", 0) <= 0.05:
+    if unseen.get("share", 0) <= OUTSIDE_LINEARS_WARN_SHARE:
         return ""
     return (f"\n- Not pruned: {unseen['share']:.0%} of the decoder blocks' weights are outside `nn.Linear` layers "
             f"(e.g. `{unseen['names'][0]}`: fused MoE experts or custom layers) and stay dense.")

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks, run_block, weights_outside_linears
+from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, block_linears, capture_block_inputs, find_blocks, run_block,
+                                 weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
@@ -251,9 +252,6 @@ def _selected_linears(blocks, config: PruneConfig, pattern) -> list[dict[str, to
     return linears
 
 
-UNSEEN_WARN_SHARE = 0.05   # warn when more of the blocks' matrix weights than this sit outside nn.Linear
-
-
 def _dense_outside_linears(blocks) -> dict:
     """The blocks' matrix weights that pruning cannot see (:func:`weights_outside_linears`): their share of
     all the blocks' matrix weights and the first few names, with a warning when the share is large (a
@@ -265,7 +263,7 @@ def _dense_outside_linears(blocks) -> dict:
     total = sum(unseen.values())
     share = total / max(1, total + in_linears)
     largest = sorted(unseen, key=lambda name: -unseen[name])[:8]
-    if share > UNSEEN_WARN_SHARE:
+    if share > OUTSIDE_LINEARS_WARN_SHARE:
         warnings.warn(f"{share:.0%} of the decoder blocks' weights are not in nn.Linear layers and stay dense "
                       f"(e.g. {largest[0]}: fused MoE experts or custom layers); prune acts on nn.Linear "
                       "layers only", UserWarning, stacklevel=3)
