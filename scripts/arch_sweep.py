@@ -9,8 +9,9 @@ downloaded), pruned to 2:4 with ``--recipe`` (learned index maps by default, so 
 and their move to the norms are exercised) and exported; the export is loaded with the maps in the
 layers and at their producers. A family passes when both give the pruned model's logits (max
 absolute difference ≤ 1e-4). Each row records that difference, the pruned and compressed layer
-counts, the share of the blocks' weights left outside ``nn.Linear`` (fused MoE experts), the time,
-or the error. Results: ``scripts/results/arch_sweep.json`` (rewritten after every family).
+counts (fused MoE experts: their experts' matrices, pruned in place and stored dense by the export),
+the share of the blocks' weights left outside ``nn.Linear`` layers and fused experts, the time, or the
+error. Results: ``scripts/results/arch_sweep.json`` (rewritten after every family).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "falcon",
          "gpt_neox", "gptj", "opt", "bloom", "olmo", "olmo2", "cohere", "granite", "stablelm", "starcoder2",
          "glm", "glm4", "smollm3", "exaone4", "helium", "ministral", "seed_oss", "arcee", "apertus",
-         "hunyuan_v1_dense", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+         "hunyuan_v1_dense", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "olmoe", "phimoe",
+         "granitemoe", "glm4_moe", "ernie4_5_moe", "gpt_oss"]
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 # what a family's config needs beyond SIZE to be that small (head sizes, expert counts, its own key names)
@@ -47,6 +49,16 @@ EXTRA = {
     "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                         kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         n_group=1, topk_group=1),
+    "deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        n_group=1, topk_group=1),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2), "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, head_dim=16),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -94,6 +106,7 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
             diffs[maps] = float((model(ids).logits - want).abs().max())
     return {"model_type": model_type, "ok": max(diffs.values()) <= 1e-4, "max_abs_logit_diff": diffs,
             "pruned_layers": len(result.report["layers"]), "nm_ok": result.report["nm_ok"],
+            "pruned_experts": sum(bool(l.get("expert")) for l in result.report["layers"]),
             "compressed_layers": compressed, "folded_maps": len(fmt["folded"]),
             "outside_linears_share": result.report["outside_linears"]["share"],
             "seconds": round(time.time() - t0, 1)}

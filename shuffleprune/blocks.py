@@ -64,15 +64,42 @@ def find_blocks(model: nn.Module) -> Blocks:
     return Blocks(name=best[1], layers=best[2])
 
 
+def is_plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` that computes ``x Wᵀ + b``: ``nn.Linear`` itself, shuffleprune's
+    ``PermutedLinear``, or a subclass whose own ``forward`` gives ``F.linear``'s result on a probe
+    (Falcon's ``FalconLinear``). A subclass that computes something else, such as a MoE router that
+    returns its top-k choice, is a custom layer and is left alone."""
+    from shuffleprune.perm.linear import PermutedLinear
+
+    if not isinstance(module, nn.Linear):
+        return False
+    if type(module).forward is nn.Linear.forward or isinstance(module, PermutedLinear):
+        return True
+    return _computes_linear(module)
+
+
+@torch.no_grad()
+def _computes_linear(module: nn.Linear) -> bool:
+    w = module.weight
+    x = torch.randn(2, module.in_features, generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    try:
+        out = module(x)
+    except Exception:  # noqa: BLE001 - any failure means it is not a drop-in linear layer
+        return False
+    want = torch.nn.functional.linear(x, w, module.bias)
+    return (isinstance(out, torch.Tensor) and out.shape == want.shape
+            and torch.allclose(out.float(), want.float(), rtol=1e-3, atol=1e-3))
+
+
 def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
                   skip: list[str] | None = None) -> dict[str, nn.Linear]:
-    """``{full_name: module}`` of a block's ``nn.Linear`` layers (and exported ``SparseLinear`` ones),
-    filtered by fnmatch globs on the full name."""
+    """``{full_name: module}`` of a block's ``nn.Linear`` layers (:func:`is_plain_linear`; and exported
+    ``SparseLinear`` ones), filtered by fnmatch globs on the full name."""
     from shuffleprune.deploy.sparse_linear import SparseLinear
 
     found = {}
     for sub, module in block.named_modules():
-        if not isinstance(module, (nn.Linear, SparseLinear)):
+        if not (is_plain_linear(module) or isinstance(module, SparseLinear)):
             continue
         full = f"{prefix}.{sub}"
         if only and not any(fnmatch(full, g) for g in only):
@@ -83,16 +110,79 @@ def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
     return found
 
 
+@dataclass(eq=False)
+class ExpertWeight:
+    """One expert's matrix inside a fused MoE parameter, seen as a linear layer's weight.
+
+    transformers 5 stores a layer's experts as one parameter ``[experts, out, in]`` (``[experts, in,
+    out]`` when the experts module says ``is_transposed``) and calls ``F.linear(x, P[e])`` (or
+    ``x @ P[e]``) on the tokens routed to expert ``e``. ``weight`` is the ``[out, in]`` view of
+    expert ``index`` into the parameter as it is now (the block may have moved devices), so a
+    stage writes into the model by ``weight.copy_``.
+    """
+
+    owner: nn.Module
+    param: str
+    index: int
+    transposed: bool
+
+    def fused(self) -> torch.Tensor:
+        return getattr(self.owner, self.param).data
+
+    @property
+    def weight(self) -> torch.Tensor:
+        w = self.fused()[self.index]
+        return w.t() if self.transposed else w
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a fused experts layer of transformers' experts interface (the
+    ``use_experts_implementation`` decorator gives it ``is_transposed`` and a ``config`` whose
+    ``_experts_implementation`` picks the forward)."""
+    return (isinstance(getattr(module, "is_transposed", None), bool) and hasattr(module, "config")
+            and any(p.dim() == 3 for p in module.parameters(recurse=False)))
+
+
+def block_experts(block: nn.Module, prefix: str, only: list[str] | None = None,
+                  skip: list[str] | None = None) -> dict[str, ExpertWeight]:
+    """``{full_name: ExpertWeight}`` of every expert matrix in a block's fused experts layers, named
+    ``{prefix}.{module}.{param}[{expert}]`` (e.g. ``model.layers.0.mlp.experts.down_proj[3]``) and
+    filtered by the same globs as :func:`block_linears`."""
+    found = {}
+    for sub, module in block.named_modules():
+        if not is_fused_experts(module):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dim() != 3:
+                continue
+            for e in range(p.shape[0]):
+                full = f"{prefix}.{sub}.{pname}[{e}]"
+                if only and not any(fnmatch(full, g) for g in only):
+                    continue
+                if skip and any(fnmatch(full, g) for g in skip):
+                    continue
+                found[full] = ExpertWeight(module, pname, e, module.is_transposed)
+    return found
+
+
 OUTSIDE_LINEARS_WARN_SHARE = 0.05   # above this share of the blocks' matrix weights outside nn.Linear, prune warns
 
 
 def weights_outside_linears(block: nn.Module, prefix: str) -> dict[str, int]:
     """``{full_name: numel}`` of a block's matrices (parameters of 2 dims or more) held outside
-    ``nn.Linear`` layers, which pruning does not see: fused MoE experts (transformers 5 stores a
-    layer's experts as one ``[experts, out, in]`` tensor), routers, other custom weights."""
+    :func:`is_plain_linear` layers: fused MoE experts (which prune reaches through
+    :func:`block_experts`; the driver counts those it selected as seen), routers, other custom weights."""
     found = {}
     for sub, module in block.named_modules():
-        if isinstance(module, nn.Linear):
+        if is_plain_linear(module):
             continue
         for name, p in module.named_parameters(recurse=False):
             if p.dim() >= 2:

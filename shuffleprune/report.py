@@ -31,7 +31,7 @@ def prune_table(report: dict) -> Table:
                   f"{secs['calibration'] + secs['prune']:.1f} prune, {secs['eval']:.1f} eval")
     unseen = report.get("outside_linears") or {}
     if unseen.get("share", 0) > OUTSIDE_LINEARS_WARN_SHARE:
-        table.caption = (f"{unseen['share']:.0%} of the blocks' weights are outside nn.Linear and stay dense "
+        table.caption = (f"{unseen['share']:.0%} of the blocks' weights are outside nn.Linear and fused experts and stay dense "
                          f"(e.g. {unseen['names'][0]})")
     return table
 
@@ -45,7 +45,7 @@ def _eval_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     models = results["models"]
     header = ["", *[m["model"] for m in models]]
     rows = [["pruned", *[m.get("pruned") or "—" for m in models]],
-            ["sparsity (decoder linears)", *[_fmt(m["sparsity"], 4) for m in models]]]
+            ["sparsity (decoder linears, experts)", *[_fmt(m["sparsity"], 4) for m in models]]]
     if "ppl" in results["tasks"]:
         ev = results.get("ppl_eval") or next((m.get("ppl_eval") for m in models if m.get("ppl_eval")), None)
         label = f"ppl ↓ ({ev['text']} test, ctx {ev['ctx']}, {ev['tokens']} tok)" if ev else "ppl ↓"

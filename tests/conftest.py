@@ -37,8 +37,11 @@ def tiny_config(model_type: str = "llama", layers: int = 3, hidden: int = 64, in
         kw.update(head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
     if model_type == "gpt2":
         kw = dict(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256)
-    if model_type == "mixtral":  # experts stored fused, [experts, out, in]
+    if model_type in ("mixtral", "phimoe"):  # experts stored fused, [experts, out, in]
         kw.update(num_local_experts=4, num_experts_per_tok=2)
+    if model_type == "gpt_oss":  # experts stored fused and transposed, [experts, in, out], with biases
+        kw.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2))
     if model_type == "bloom":  # ALiBi, fused query_key_value, LayerNorms
         kw = dict(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=4)
     return AutoConfig.for_model(model_type, **kw)

@@ -81,3 +81,29 @@ def test_only_and_skip_globs():
 def test_conv1d_models_are_refused_clearly():
     with pytest.raises(UserError, match="Conv1D"):
         find_blocks(tiny_model("gpt2"))
+
+
+def test_linear_subclasses_are_layers_only_when_they_compute_a_linear_map():
+    """A subclass of nn.Linear with its own forward is pruned when it computes x Wᵀ + b (Falcon's
+    FalconLinear) and left alone otherwise (a MoE router returning its top-k choice, a scaled output)."""
+    from torch import nn
+
+    from shuffleprune.blocks import block_linears, is_plain_linear
+
+    class MatmulLinear(nn.Linear):
+        def forward(self, x):
+            return x @ self.weight.T + self.bias
+
+    class Router(nn.Linear):
+        def forward(self, x):
+            logits = super().forward(x)
+            return logits, logits.topk(2, dim=-1).indices
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    block = nn.ModuleDict({"plain": nn.Linear(8, 4), "matmul": MatmulLinear(8, 4), "router": Router(8, 4),
+                           "scaled": Scaled(8, 4)})
+    assert [is_plain_linear(m) for m in block.values()] == [True, True, False, False]
+    assert sorted(block_linears(block, "b")) == ["b.matmul", "b.plain"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -160,6 +161,20 @@ def test_drop_fraction_schedule_and_tied_head_excluded():
     assert abs(sp.drop_fraction(1000)) < 1e-12
     model = tiny_model("gpt2")  # lm_head tied to wte
     assert not any(n.endswith("lm_head") for n in sparsifiable_layers(model))
+
+
+def test_fused_moe_experts_are_warned_about_and_routers_left_alone():
+    """dst masks nn.Linear layers: a Mixtral's fused experts stay dense (warned), its attention is masked;
+    an nn.Linear subclass with its own forward (PhiMoE's top-k router) is not a layer to mask."""
+    with pytest.warns(UserWarning, match=r"\d+% of the model's weights are fused MoE experts"):
+        found = sparsifiable_layers(tiny_model("mixtral"))
+    assert "model.layers.0.self_attn.q_proj" in found and not any("experts" in n for n in found)
+    with pytest.warns(UserWarning, match="fused MoE experts"):
+        phimoe = sparsifiable_layers(tiny_model("phimoe"))
+    assert "model.layers.0.self_attn.q_proj" in phimoe and not any(n.endswith("mlp.router") for n in phimoe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "model.layers.0.mlp.down_proj" in sparsifiable_layers(tiny_model("llama"))
 
 
 def test_state_dict_round_trip_reproduces_the_next_steps():

@@ -65,11 +65,13 @@ from __future__ import annotations
 import copy
 import math
 import types
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
+from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE, is_fused_experts, is_plain_linear
 from shuffleprune.errors import UserError
 from shuffleprune.masks import nm_keep_mask, parse_pattern
 from shuffleprune.perm.core import (PermSchedule, SoftPermutation, penalty_grad, project_doubly_stochastic, strength,
@@ -134,12 +136,21 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def sparsifiable_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Every ``nn.Linear`` and transformers ``Conv1D``, except a layer sharing its weight with the
-    input embeddings (a tied LM head)."""
+    """Every ``nn.Linear`` (:func:`~shuffleprune.blocks.is_plain_linear`: not a subclass with its own
+    ``forward``, like a MoE router) and transformers ``Conv1D``, except a layer sharing its weight with
+    the input embeddings (a tied LM head). Warns when fused MoE experts, which these do not include,
+    hold a large share of the weights."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = embed.weight if embed is not None else None
-    return {n: m for n, m in model.named_modules()
-            if (isinstance(m, nn.Linear) or _is_conv1d(m)) and m.weight is not tied}
+    found = {n: m for n, m in model.named_modules()
+             if (is_plain_linear(m) or _is_conv1d(m)) and m.weight is not tied}
+    fused = sum(p.numel() for m in model.modules() if is_fused_experts(m)
+                for p in m.parameters(recurse=False) if p.dim() == 3)
+    share = fused / max(1, fused + sum(m.weight.numel() for m in found.values()))
+    if share > OUTSIDE_LINEARS_WARN_SHARE:
+        warnings.warn(f"{share:.0%} of the model's weights are fused MoE experts, which dst does not sparsify "
+                      "(they stay dense); dst masks nn.Linear layers only", UserWarning, stacklevel=3)
+    return found
 
 
 def _out_in(module: nn.Module, t: torch.Tensor) -> torch.Tensor:

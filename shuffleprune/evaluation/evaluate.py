@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from shuffleprune.version import __version__
-from shuffleprune.blocks import block_linears, find_blocks
+from shuffleprune.blocks import block_experts, block_linears, find_blocks
 from shuffleprune.calib import bos_token, eval_tokens, get_source
 from shuffleprune.calib.sources import HUB_SOURCES
 from shuffleprune.errors import UserError
@@ -142,14 +142,16 @@ def _plan_tasks(config: EvalConfig, offline: bool) -> _TaskPlan:
 
 
 def _sparsity(model: torch.nn.Module) -> float | None:
-    """Fraction of exact zeros over the decoder blocks' linear weights (None if no blocks found)."""
+    """Fraction of exact zeros over the decoder blocks' linear weights and fused experts (None if no
+    blocks found)."""
     try:
         blocks = find_blocks(model)
     except UserError:
         return None
     zeros = total = 0
     for i, block in enumerate(blocks.layers):
-        for lin in block_linears(block, f"{blocks.name}.{i}").values():
+        prefix = f"{blocks.name}.{i}"
+        for lin in {**block_linears(block, prefix), **block_experts(block, prefix)}.values():
             zeros += int((lin.weight == 0).sum())
             total += lin.weight.numel()
     return round(zeros / total, 6) if total else None

@@ -32,12 +32,12 @@ def _overall_sparsity(layers: list[dict]) -> float:
 
 
 def _outside_line(report: dict) -> str:
-    """The model card's line on matrix weights outside ``nn.Linear`` (fused MoE experts), when there are many."""
+    """The model card's line on matrix weights outside ``nn.Linear`` layers and fused experts, when there are many."""
     unseen = report.get("outside_linears") or {}
     if unseen.get("share", 0) <= OUTSIDE_LINEARS_WARN_SHARE:
         return ""
     return (f"\n- Not pruned: {unseen['share']:.0%} of the decoder blocks' weights are outside `nn.Linear` layers "
-            f"(e.g. `{unseen['names'][0]}`: fused MoE experts or custom layers) and stay dense.")
+            f"and fused experts (e.g. `{unseen['names'][0]}`: custom layers) and stay dense.")
 
 
 def build_report(config: PruneConfig, lm: LoadedModel, state: dict, pattern: Pattern, perms: dict,

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, block_linears, capture_block_inputs, find_blocks, run_block,
+from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, ExpertWeight, block_experts, block_linears,
+                                 capture_block_inputs, find_blocks, is_plain_linear, run_block,
                                  weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.deploy.sparse_linear import SparseLinear
@@ -130,8 +131,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         raise UserError("this model is a --perm or exported checkpoint (index maps / compressed layers); "
                         "prune its dense original instead")
     blocks = find_blocks(model)
-    linears = _selected_linears(blocks, config, pattern)
-    unseen = _dense_outside_linears(blocks)
+    linears, experts = _selected_weights(blocks, config, pattern)
+    unseen = _dense_outside_linears(blocks, experts)
     max_pos = getattr(model.config, "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
     ctx = min(config.eval_ctx or seqlen, max_pos)
@@ -162,7 +163,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         for i in range(state["next_block"]):
             blocks.layers[i].load_state_dict(load_file(str(work / f"block_{i}.safetensors")))
 
-    run = Run(model=model, blocks=blocks, linears=linears, tokens=tokens, pattern=pattern, spec=spec, device=device,
+    run = Run(model=model, blocks=blocks, linears=linears, experts=experts, tokens=tokens, pattern=pattern, spec=spec, device=device,
               batch_size=config.batch_size, seed=config.seed, work=work, progress=progress)
     t0 = time.time()
     start = state["next_block"]
@@ -199,7 +200,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     for i in bar:
         t0 = time.time()
         block = blocks.layers[i].to(device)
-        work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=linears[i], hidden=hidden)
+        work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=linears[i], hidden=hidden,
+                           experts=experts[i])
         if stream:  # the block is still dense here: its outputs on the dense model's inputs
             work_i.dense_outputs = run_block(block, dense_hidden, run.captured, i, device, config.batch_size)
         _run_stages(run, work_i, state)
@@ -239,41 +241,51 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     return PruneResult(report=report, model=model, tokenizer=tokenizer)
 
 
-def _selected_linears(blocks, config: PruneConfig, pattern) -> list[dict[str, torch.nn.Linear]]:
-    """Per block, the linears ``--only`` / ``--skip`` select, each checked against the pattern."""
-    linears = []
+def _selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict], list[dict]]:
+    """Per block, the linears and the experts of fused MoE layers that ``--only`` / ``--skip`` select,
+    each checked against the pattern."""
+    linears, experts = [], []
     for i, block in enumerate(blocks.layers):
         found = block_linears(block, f"{blocks.name}.{i}", config.only, config.skip)
-        for name, lin in found.items():
+        found_experts = block_experts(block, f"{blocks.name}.{i}", config.only, config.skip)
+        for name, lin in {**found, **found_experts}.items():
             pattern.check_width(name, lin.in_features)
         linears.append(found)
-    if not any(linears):
+        experts.append(found_experts)
+    if not any(linears) and not any(experts):
         raise UserError("no linear layers selected; check --only / --skip")
-    return linears
+    return linears, experts
 
 
-def _dense_outside_linears(blocks) -> dict:
-    """The blocks' matrix weights that pruning cannot see (:func:`weights_outside_linears`): their share of
-    all the blocks' matrix weights and the first few names, with a warning when the share is large (a
-    model with fused MoE experts gets only its attention and shared layers pruned)."""
+def _dense_outside_linears(blocks, experts: list[dict[str, ExpertWeight]]) -> dict:
+    """The blocks' matrix weights that pruning does not see (:func:`weights_outside_linears`, less the
+    selected experts of fused MoE layers): their share of all the blocks' matrix weights and the
+    first few names, with a warning when the share is large (a model with an unsupported experts
+    layout gets only its attention and shared layers pruned)."""
     unseen, in_linears = {}, 0
     for i, block in enumerate(blocks.layers):
-        unseen.update(weights_outside_linears(block, f"{blocks.name}.{i}"))
-        in_linears += sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
+        prefix = f"{blocks.name}.{i}"
+        unseen.update(weights_outside_linears(block, prefix))
+        in_linears += sum(m.weight.numel() for m in block.modules() if is_plain_linear(m))
+        for name, expert in experts[i].items():
+            fused = name[:name.rindex("[")]
+            unseen[fused] -= expert.weight.numel()
+            in_linears += expert.weight.numel()
+    unseen = {name: n for name, n in unseen.items() if n > 0}
     total = sum(unseen.values())
     share = total / max(1, total + in_linears)
     largest = sorted(unseen, key=lambda name: -unseen[name])[:8]
     if share > OUTSIDE_LINEARS_WARN_SHARE:
-        warnings.warn(f"{share:.0%} of the decoder blocks' weights are not in nn.Linear layers and stay dense "
-                      f"(e.g. {largest[0]}: fused MoE experts or custom layers); prune acts on nn.Linear "
-                      "layers only", UserWarning, stacklevel=3)
+        warnings.warn(f"{share:.0%} of the decoder blocks' weights are not in nn.Linear layers or fused experts "
+                      f"and stay dense (e.g. {largest[0]}); prune acts on nn.Linear layers and transformers' "
+                      "fused experts only", UserWarning, stacklevel=3)
     return {"share": round(share, 6), "numel": total, "names": largest}
 
 
 def _run_stages(run: Run, work: BlockWork, state: dict) -> None:
     """One block: every stage in recipe order, then its report rows."""
     if "dense_weights" in run.spec.needs():
-        work.dense = {n: lin.weight.detach().float().clone() for n, lin in work.linears.items()}
+        work.dense = {n: lin.weight.detach().float().clone() for n, lin in work.weights().items()}
     cost = state.setdefault("stage_cost", {})
     for stage in run.spec.stages:
         reset_peak_memory(run.device)
@@ -307,12 +319,15 @@ def _checkpoint_block(work: Path, i: int, block: torch.nn.Module, perms: dict, n
 
 
 def _layer_entries(work: BlockWork, pattern) -> list[dict]:
-    """Report rows of the block's linears: shape, sparsity, N:M in memory order, who shares an input."""
+    """Report rows of the block's linears and experts: shape, sparsity, N:M in memory order, who shares
+    an input (experts: ``"expert": true`` and the calibration tokens routed to them)."""
     rows = []
-    group_of = {name: group for group in work.groups for name in group}
-    for group in work.groups:
+    weights = work.weights()
+    groups = work.groups + work.expert_groups
+    group_of = {name: group for group in groups for name in group}
+    for group in groups:
         for name in group:
-            w = work.linears[name].weight.data
+            w = weights[name].weight.data
             perm = work.perms.get(name)
             in_memory = w if perm is None else w[:, perm.to(w.device)]  # the order an N:M kernel stores
             entry = {"name": name, "shape": list(w.shape),
@@ -321,5 +336,8 @@ def _layer_entries(work: BlockWork, pattern) -> list[dict]:
                      "nm_ok": satisfies_nm(in_memory, pattern.n, pattern.m) if pattern.is_nm else None}
             if perm is not None:
                 entry["perm_strength"] = round(strength(perm), 4)
+            if name in work.experts:
+                stats = work.stats.get(name)
+                entry.update(expert=True, routed_tokens=None if stats is None else stats.tokens)
             rows.append(entry)
     return rows

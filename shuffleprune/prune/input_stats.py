@@ -2,17 +2,23 @@
 
 Layers that read the very same input tensor (q/k/v, gate/up in LLaMA-style blocks) are found from
 the forward pass itself and share one statistics object, so a Gram matrix is built once per group.
+The experts of fused MoE layers get the statistics of the tokens routed to each of them.
 """
 from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from shuffleprune.blocks import ExpertWeight
+from shuffleprune.errors import UserError
 
 
 class InputStats:
@@ -47,36 +53,111 @@ class InputStats:
 
 
 @contextmanager
-def collect_input_stats(linears: dict[str, nn.Linear], gram: bool) -> Iterator[dict[str, InputStats]]:
-    """Hook ``linears``; yields ``{name: InputStats}`` where layers fed the same tensor share one object."""
+def collect_input_stats(linears: dict[str, nn.Module | ExpertWeight], gram: bool) -> Iterator[dict[str, InputStats]]:
+    """Hook ``linears``; yields ``{name: InputStats}`` where layers fed the same tensor share one object.
+
+    An :class:`ExpertWeight` entry gathers the tokens routed to its expert: while collecting, its
+    experts layer runs transformers' eager experts forward (one ``F.linear``/matmul per expert) and a
+    torch function mode catches the calls on that expert's slice. An expert no token reached keeps
+    ``tokens == 0``.
+    """
     stats: dict[str, InputStats] = {}
     # Keeps the first-seen input tensors alive while hooked, so no later tensor can reuse an address.
     seen: dict[tuple, tuple[InputStats, torch.Tensor]] = {}
     grouped: dict[str, bool] = {}
 
-    def hook_for(name: str):
-        def hook(module: nn.Module, inputs: tuple) -> None:
-            x = inputs[0]
-            key = (x.data_ptr(), tuple(x.shape), x.stride())
-            if name not in stats:  # first call: join the group of any layer that read this tensor
-                if key in seen:
-                    shared = seen[key][0]
-                    grouped[name] = False
-                else:
-                    shared = InputStats(x.shape[-1], gram, x.device)
-                    seen[key] = (shared, x)
-                    grouped[name] = True  # this layer accumulates for its group
-                stats[name] = shared
-            if grouped[name]:
-                stats[name].add(x.detach())
-        return hook
+    def record(name: str, x: torch.Tensor) -> None:
+        key = (x.data_ptr(), tuple(x.shape), x.stride())
+        if name not in stats:  # first call: join the group of any layer that read this tensor
+            if key in seen:
+                shared = seen[key][0]
+                grouped[name] = False
+            else:
+                shared = InputStats(x.shape[-1], gram, x.device)
+                seen[key] = (shared, x)
+                grouped[name] = True  # this layer accumulates for its group
+            stats[name] = shared
+        if grouped[name]:
+            stats[name].add(x.detach())
 
-    handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in linears.items()]
+    modules = {n: m for n, m in linears.items() if not isinstance(m, ExpertWeight)}
+    experts = {n: e for n, e in linears.items() if isinstance(e, ExpertWeight)}
+    handles = [m.register_forward_pre_hook(lambda _m, inputs, n=n: record(n, inputs[0])) for n, m in modules.items()]
     try:
-        yield stats
+        if experts:
+            with _RoutedInputs(experts, record):
+                yield stats
+            _check_experts_seen(experts, stats)
+            for name, e in experts.items():  # experts that no calibration token reached
+                if name not in stats:
+                    stats[name] = InputStats(e.in_features, gram, e.weight.device)
+        else:
+            yield stats
     finally:
         for h in handles:
             h.remove()
+
+
+def _check_experts_seen(experts: dict[str, ExpertWeight], stats: dict[str, InputStats]) -> None:
+    """Every token is routed to some expert of each experts layer it passes, so a layer none of whose
+    experts saw a token (after a forward pass that reached its linears) applies them in a way the
+    routed-input capture does not see: refuse it rather than prune it blind."""
+    if not stats:
+        return  # nothing ran
+    by_layer: dict[tuple[int, str], list[str]] = {}
+    for name, e in experts.items():
+        by_layer.setdefault((id(e.owner), e.param), []).append(name)
+    for names in by_layer.values():
+        if not any(n in stats for n in names):
+            layer = names[0][:names[0].rindex(".")]
+            raise UserError(f"no calibration token reached the experts of '{layer}' through F.linear or a matmul on "
+                            f"one expert's slice (an experts forward shuffleprune cannot follow); leave them dense "
+                            f"with --skip '{layer}.*'")
+
+
+# How an eager experts forward applies one expert's slice (``x @ w`` arrives as ``Tensor.matmul``).
+_EXPERT_CALLS = (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+class _RoutedInputs(TorchFunctionMode):
+    """While active: fused experts layers run transformers' eager experts forward, and each
+    ``F.linear(x, P[e])`` / ``x @ P[e]`` on an expert slice of ``experts`` passes ``x`` (the tokens
+    routed to that expert) to ``record``."""
+
+    def __init__(self, experts: dict[str, ExpertWeight], record: Callable[[str, torch.Tensor], None]):
+        super().__init__()
+        self.record = record
+        self.experts = experts
+        self.configs = {id(e.owner.config): e.owner.config for e in experts.values()}
+        self.saved: dict[int, str | None] = {}
+
+    def __enter__(self):
+        # Keyed by where each expert's slice starts and its shape as the layer passes it (so a whole
+        # fused parameter, which starts at expert 0, is not taken for it).
+        self.slices = {}
+        for name, e in self.experts.items():
+            view = e.fused()[e.index]
+            self.slices[(view.data_ptr(), tuple(view.shape), not e.transposed)] = name
+        for key, config in self.configs.items():
+            self.saved[key] = config._experts_implementation
+            config._experts_implementation = "eager"
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for key, config in self.configs.items():
+            config._experts_implementation = self.saved[key]
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _EXPERT_CALLS:
+            x = args[0] if args else kwargs.get("input")
+            w = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                name = self.slices.get((w.data_ptr(), tuple(w.shape), func is F.linear))
+                if name is not None:
+                    self.record(name, x)
+        return func(*args, **kwargs)
 
 
 def input_groups(stats: dict[str, InputStats]) -> list[list[str]]:
@@ -88,11 +169,11 @@ def input_groups(stats: dict[str, InputStats]) -> list[list[str]]:
 
 
 def save_norms(stats: dict[str, InputStats], path) -> None:
-    """Write each layer's ``Σ x²`` per input column (no Gram matrices) and which layers share an
-    input to a safetensors file."""
-    tokens = {s.tokens for s in stats.values()}
+    """Write each layer's ``Σ x²`` per input column (no Gram matrices), which layers share an input
+    and each group's token count (experts see only their routed tokens) to a safetensors file."""
+    groups = input_groups(stats)
     save_file({name: s.sq_norm.detach().cpu().clone() for name, s in stats.items()}, str(path),
-              metadata={"tokens": str(max(tokens) if tokens else 0), "groups": json.dumps(input_groups(stats))})
+              metadata={"groups": json.dumps(groups), "group_tokens": json.dumps([stats[g[0]].tokens for g in groups])})
 
 
 def load_norms(path) -> dict[str, InputStats]:
@@ -100,8 +181,10 @@ def load_norms(path) -> dict[str, InputStats]:
     out: dict[str, InputStats] = {}
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-        for group in json.loads(meta["groups"]):
+        groups = json.loads(meta["groups"])
+        tokens = json.loads(meta["group_tokens"]) if "group_tokens" in meta else [int(meta["tokens"])] * len(groups)
+        for group, count in zip(groups, tokens):
             s = InputStats(0, gram=False, device=torch.device("cpu"))
-            s.sq_norm, s.tokens = f.get_tensor(group[0]), int(meta["tokens"])
+            s.sq_norm, s.tokens = f.get_tensor(group[0]), count
             out.update({name: s for name in group})
     return out

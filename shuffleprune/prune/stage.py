@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from shuffleprune.blocks import Blocks, CapturedInputs, run_block
+from shuffleprune.blocks import Blocks, CapturedInputs, ExpertWeight, run_block
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern
 
@@ -50,6 +50,7 @@ class Run:
     model: nn.Module
     blocks: Blocks
     linears: list[dict[str, nn.Linear]]   # per block: full name -> selected linear
+    experts: list[dict[str, ExpertWeight]]  # per block: full name -> selected expert of a fused MoE layer
     tokens: torch.Tensor                  # calibration windows [n, L]
     pattern: Pattern
     spec: RunSpec
@@ -66,6 +67,9 @@ class Run:
     def all_linears(self) -> dict[str, nn.Linear]:
         return {n: lin for block in self.linears for n, lin in block.items()}
 
+    def all_experts(self) -> dict[str, ExpertWeight]:
+        return {n: e for block in self.experts for n, e in block.items()}
+
 
 @dataclass
 class BlockWork:
@@ -76,13 +80,21 @@ class BlockWork:
     block: nn.Module
     linears: dict[str, nn.Linear]
     hidden: torch.Tensor                   # the block's inputs for every calibration window
-    stats: dict[str, Any] = field(default_factory=dict)        # name -> InputStats | None
+    # Experts of fused MoE layers: masked and updated like linears (prune and lsq stages) in their
+    # own column order (no index maps, no block reconstruction).
+    experts: dict[str, ExpertWeight] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)        # name -> InputStats | None (linears and experts)
     groups: list[list[str]] = field(default_factory=list)      # linears that read one input
+    expert_groups: list[list[str]] = field(default_factory=list)  # experts' matrices that read one input
     perms: dict[str, torch.Tensor] = field(default_factory=dict)
     perm_info: dict | None = None          # report entry of the block's permutations
     dense: dict[str, torch.Tensor] = field(default_factory=dict)   # unpruned weights (when a stage needs them)
     dense_outputs: torch.Tensor | None = None  # the unpruned model's outputs of this block (``dense_stream``)
     report: dict[str, Any] = field(default_factory=dict)           # stages' per-block report entries
+
+    def weights(self) -> dict[str, nn.Linear | ExpertWeight]:
+        """Every selected matrix of the block, linears then experts (each has ``.weight``)."""
+        return {**self.linears, **self.experts}
 
     def outputs(self, run: Run) -> torch.Tensor:
         """The block's current outputs for every window (its weights as they are now)."""

@@ -1,7 +1,9 @@
 """``prune`` stages: each linear's mask and weight update, in permuted coordinates when the block has
 index maps. One stage per method of :mod:`shuffleprune.prune.methods` (``magnitude``, ``wanda``,
 ``sparsegpt``, ``gradual``: gradual OBS masks inside the exact masked least-squares update); linears
-that read one input are pruned in order of their group."""
+that read one input are pruned in order of their group. The experts of fused MoE layers are pruned
+with the statistics of their routed tokens; an expert that no calibration token reached gets a
+magnitude mask (listed in the block's report as ``experts_pruned_by_magnitude``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,6 +48,18 @@ class _MethodStage(Stage):
                 new_w = method(weight, stats, run.pattern) if perm is None else \
                     prune_in_permuted_coordinates(method, weight, stats, run.pattern, perm)
                 lin.weight.data.copy_(new_w.to(lin.weight.dtype))
+        unrouted = []
+        for group in work.expert_groups:
+            for name in group:
+                expert, stats = work.experts[name], work.stats.get(name)
+                if stats is not None and stats.tokens == 0:  # no calibration token reached this expert
+                    unrouted.append(name)
+                    new_w = magnitude(expert.weight.float(), None, run.pattern)
+                else:
+                    new_w = method(expert.weight.float(), stats, run.pattern)
+                expert.weight.copy_(new_w.to(expert.weight.dtype))
+        if unrouted:
+            work.report["experts_pruned_by_magnitude"] = unrouted
 
 
 @register

@@ -34,7 +34,7 @@ def dense_stats(run: Run) -> dict[str, InputStats]:
         if state is not None and state.is_file() and json.loads(state.read_text())["next_block"]:
             raise UserError(f"'{run.work.parent}' was started by an older shuffleprune; rerun with --overwrite instead of --resume")
         run.model.to(run.device)
-        with collect_input_stats(run.all_linears(), gram=False) as stats, torch.no_grad():
+        with collect_input_stats({**run.all_linears(), **run.all_experts()}, gram=False) as stats, torch.no_grad():
             for s in range(0, run.tokens.shape[0], run.batch_size):
                 run.model.base_model(input_ids=run.tokens[s:s + run.batch_size].to(run.device))
         run.model.to("cpu")
@@ -53,11 +53,12 @@ class Sequential(Stage):
     def apply(self, run: Run, work: BlockWork) -> None:
         needs = run.spec.needs() & {"norms", "gram"}
         if not needs:  # nothing reads statistics: skip the pass
-            work.stats, work.groups = {n: None for n in work.linears}, [[n] for n in work.linears]
+            work.stats = {n: None for n in work.weights()}
+            work.groups, work.expert_groups = [[n] for n in work.linears], [[n] for n in work.experts]
             return
-        with collect_input_stats(work.linears, gram="gram" in needs) as stats:
+        with collect_input_stats(work.weights(), gram="gram" in needs) as stats:
             work.outputs(run)
-        work.stats, work.groups = stats, input_groups(stats)
+        _set_stats(work, stats)
 
 
 @register
@@ -77,5 +78,12 @@ class Dense(Stage):
 
     def apply(self, run: Run, work: BlockWork) -> None:
         stats = dense_stats(run)
-        work.stats = {name: stats[name] for name in work.linears}
-        work.groups = input_groups(work.stats)
+        _set_stats(work, {name: stats[name] for name in work.weights()})
+
+
+def _set_stats(work: BlockWork, stats: dict[str, InputStats]) -> None:
+    """The block's statistics, and which linears (and which experts' matrices) share an input."""
+    work.stats = stats
+    groups = input_groups(stats)
+    work.groups = [g for g in groups if g[0] in work.linears]
+    work.expert_groups = [g for g in groups if g[0] in work.experts]

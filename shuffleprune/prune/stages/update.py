@@ -3,7 +3,8 @@
 - ``lsq``: the exact masked least-squares update of :mod:`shuffleprune.prune.methods.lsq` — for
   each linear, the kept weights that best reproduce the dense layer's outputs on the block's
   calibration inputs (``XᵀX`` from the statistics stage), after any mask, with or without a
-  permutation (the problem is per row and column order does not change it);
+  permutation (the problem is per row and column order does not change it); the experts of fused
+  MoE layers too, each on its routed tokens;
 - ``blockrecon``: Adam on each block's kept weights against dense outputs, stopped by a held-out
   share of the windows (:mod:`shuffleprune.prune.reconstruct`). The inputs are the pruned earlier
   blocks' outputs; the target is the unpruned model's activations after this block (``target:
@@ -49,7 +50,9 @@ class LeastSquares(Stage):
             raise UserError(f"update 'lsq': precision '{self.precision}' must be one of {', '.join(PRECISIONS)}")
 
     def apply(self, run: Run, work: BlockWork) -> None:
-        for name, lin in work.linears.items():
+        for name, lin in work.weights().items():
+            if work.stats[name].tokens == 0:  # an expert no calibration token reached: nothing to fit
+                continue
             pruned = lin.weight.data
             new_w = masked_lstsq(work.dense[name], pruned != 0, work.stats[name].gram, start=pruned.float(),
                                  damp=self.damp, iters=self.iters, tol=self.tol, dtype=PRECISIONS[self.precision])

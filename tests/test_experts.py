@@ -1,0 +1,151 @@
+"""Fused MoE experts (transformers 5 stores a layer's experts as one [experts, out, in] parameter):
+each expert's matrices get the statistics of the tokens routed to it and are pruned in place."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shuffleprune.blocks import ExpertWeight, block_experts, block_linears, find_blocks
+from shuffleprune.masks import Pattern, satisfies_nm
+from shuffleprune.prune import prune
+from shuffleprune.prune.input_stats import InputStats, collect_input_stats, load_norms, save_norms
+from shuffleprune.prune.methods import magnitude, wanda
+from shuffleprune.prune.stage import BlockWork
+from shuffleprune.prune.stages.prune import Wanda
+from shuffleprune.prune.stages.update import LeastSquares
+from conftest import flat_config, make_tokenizer, tiny_model
+
+
+def _routed_reference(model, block_index: int, ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+    """Per expert matrix name: (XᵀX, tokens) of its input, from the experts layer's own call
+    arguments (hidden states and top-k choice) and its own gate, with the default (grouped) forward."""
+    block = model.model.layers[block_index]
+    experts = block.mlp.experts
+    seen = {}
+    handle = experts.register_forward_pre_hook(lambda m, args: seen.update(x=args[0], top=args[1]))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    prefix = f"model.layers.{block_index}.mlp.experts"
+    out = {}
+    for e in range(experts.gate_up_proj.shape[0]):
+        x = seen["x"][(seen["top"] == e).any(-1)].float()
+        w = experts.gate_up_proj[e].float()
+        h = x @ w if experts.is_transposed else x @ w.t()
+        if experts.has_bias:
+            h = h + experts.gate_up_proj_bias[e].float()
+        h = experts._apply_gate(h)
+        out[f"{prefix}.gate_up_proj[{e}]"] = (x.t() @ x, x.shape[0])
+        out[f"{prefix}.down_proj[{e}]"] = (h.t() @ h, x.shape[0])
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_each_expert_gets_the_statistics_of_the_tokens_routed_to_it(model_type, tmp_path):
+    model = tiny_model(model_type)
+    implementation = model.config._experts_implementation
+    blocks = find_blocks(model)
+    experts = block_experts(blocks.layers[1], "model.layers.1")
+    assert len(experts) == 2 * 4 and all(isinstance(e, ExpertWeight) for e in experts.values())
+    assert experts["model.layers.1.mlp.experts.down_proj[2]"].weight.shape == (64, 128)   # [out, in] either layout
+    ids = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(0))
+    with collect_input_stats({**block_linears(blocks.layers[1], "model.layers.1"), **experts}, gram=True) as stats, \
+            torch.no_grad():
+        model(ids)
+    assert model.config._experts_implementation == implementation   # the eager forward was for collecting only
+    want = _routed_reference(model, 1, ids)
+    assert sum(stats[n].tokens for n in want if "gate_up" in n) == 3 * 12 * 2   # top-2 of every token
+    for name, (gram, tokens) in want.items():
+        assert stats[name].tokens == tokens, name
+        torch.testing.assert_close(stats[name].gram, gram, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(stats[name].sq_norm.float(), gram.diagonal(), rtol=1e-4, atol=1e-4)
+    assert stats["model.layers.1.self_attn.q_proj"].tokens == 3 * 12
+    save_norms(stats, tmp_path / "norms.safetensors")   # the dense statistics' file keeps each expert's count
+    assert {n: s.tokens for n, s in load_norms(tmp_path / "norms.safetensors").items()} == \
+        {n: s.tokens for n, s in stats.items()}
+
+
+def test_moe_experts_are_pruned_in_place_with_their_routed_tokens(text_file, tmp_path):
+    """Wanda on a Mixtral: every expert's matrices are 2:4 in the fused tensors of a checkpoint plain
+    transformers loads, with the mask Wanda gives on that expert's routed tokens (block 0 sees the
+    dense model's inputs); no weights are reported as left dense."""
+    src = tmp_path / "moe"
+    tiny_model("mixtral").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    cfg = flat_config(model=str(src), calib=str(text_file), eval_text=None, nsamples=6, seqlen=32, batch_size=4,
+                      method="wanda", pattern="2:4")
+    from shuffleprune.calib import calibration_windows, get_source
+
+    dense = AutoModelForCausalLM.from_pretrained(src).eval()
+    tokens = calibration_windows(get_source(str(text_file)), make_tokenizer(), 6, 32, 0)
+    with collect_input_stats(block_experts(dense.model.layers[0], "model.layers.0"), gram=False) as want, \
+            torch.no_grad():
+        dense(tokens)
+    result = prune(cfg, out=tmp_path / "out", progress=False)
+    report = result.report
+    assert report["nm_ok"] is True and report["outside_linears"]["share"] < 0.01
+    rows = {l["name"]: l for l in report["layers"] if l.get("expert")}
+    assert len(rows) == 3 * 2 * 4
+    assert sum(rows[f"model.layers.0.mlp.experts.gate_up_proj[{e}]"]["routed_tokens"] for e in range(4)) == 6 * 32 * 2
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    pattern = Pattern(2, 4)
+    for i, layer in enumerate(reloaded.model.layers):
+        for param in ("gate_up_proj", "down_proj"):
+            fused = getattr(layer.mlp.experts, param)
+            assert all(satisfies_nm(fused[e], 2, 4) for e in range(4)), (i, param)
+    for name, stats in want.items():
+        dense_w = block_experts(dense.model.layers[0], "model.layers.0")[name].weight
+        pruned_w = block_experts(reloaded.model.layers[0], "model.layers.0")[name].weight
+        expected = wanda(dense_w.float(), stats, pattern)
+        assert torch.equal(pruned_w != 0, expected != 0), name
+        assert not torch.equal(expected != 0, magnitude(dense_w.float(), None, pattern) != 0), name
+
+
+def test_an_expert_no_token_reached_gets_a_magnitude_mask_and_no_update():
+    model = tiny_model("mixtral")
+    block = model.model.layers[0]
+    experts = block_experts(block, "model.layers.0", only=["*experts.down_proj?[13]]"])
+    assert sorted(experts) == ["model.layers.0.mlp.experts.down_proj[1]", "model.layers.0.mlp.experts.down_proj[3]"]
+    reached = InputStats(128, gram=True, device=torch.device("cpu"))
+    reached.add(torch.randn(40, 128, generator=torch.Generator().manual_seed(0)))
+    unreached = InputStats(128, gram=True, device=torch.device("cpu"))
+    names = list(experts)
+    work = BlockWork(index=0, prefix="model.layers.0", block=block, linears={}, hidden=torch.zeros(1),
+                     experts=experts, stats={names[0]: reached, names[1]: unreached},
+                     expert_groups=[[names[0]], [names[1]]])
+    dense = {n: e.weight.float().clone() for n, e in experts.items()}
+    work.dense = dense
+    pattern = Pattern(2, 4)
+    run = type("R", (), {"pattern": pattern})()
+    Wanda().apply(run, work)
+    assert work.report == {"experts_pruned_by_magnitude": [names[1]]}
+    assert torch.equal(experts[names[1]].weight, magnitude(dense[names[1]], None, pattern).to(torch.float32))
+    assert torch.equal(experts[names[0]].weight, wanda(dense[names[0]], reached, pattern))
+    assert torch.equal(model.model.layers[0].mlp.experts.down_proj[1], wanda(dense[names[0]], reached, pattern))
+    untouched = experts[names[1]].weight.clone()
+    LeastSquares(precision="float32").apply(run, work)
+    assert torch.equal(experts[names[1]].weight, untouched)        # nothing to fit without tokens
+    assert not torch.equal(experts[names[0]].weight, wanda(dense[names[0]], reached, pattern))
+    assert satisfies_nm(experts[names[0]].weight, 2, 4)
+
+
+def test_experts_whose_forward_cannot_be_followed_are_refused(monkeypatch):
+    """An experts forward that never applies one expert's slice (here: the whole fused tensor at once)
+    would leave every expert without statistics: refused with the --skip that leaves them dense."""
+    from shuffleprune.errors import UserError
+
+    model = tiny_model("mixtral")
+    experts_cls = type(model.model.layers[0].mlp.experts)
+
+    def whole_tensor_forward(self, hidden_states, top_k_index, top_k_weights):
+        gate_up = torch.einsum("th,eoh->teo", hidden_states, self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.einsum("tei,ehi->teh", self.act_fn(gate) * up, self.down_proj)
+        chosen = torch.zeros(out.shape[:2]).scatter(1, top_k_index, top_k_weights)
+        return (out * chosen[..., None]).sum(1)
+
+    monkeypatch.setattr(experts_cls, "forward", whole_tensor_forward)
+    block = model.model.layers[0]
+    selected = {**block_linears(block, "model.layers.0"), **block_experts(block, "model.layers.0")}
+    with pytest.raises(UserError, match=r"experts of 'model\.layers\.0\.mlp\.experts'.*--skip 'model\.layers\.0\.mlp\.experts\.\*'"):
+        with collect_input_stats(selected, gram=False), torch.no_grad():
+            model(torch.randint(0, 128, (1, 8)))
