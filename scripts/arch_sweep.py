@@ -9,7 +9,7 @@ downloaded), pruned to 2:4 with ``--recipe`` (learned index maps by default, so 
 and their move to the norms are exercised) and exported; the export is loaded with the maps in the
 layers and at their producers. A family passes when both give the pruned model's logits (max
 absolute difference ≤ 1e-4). Each row records that difference, the pruned and compressed layer
-counts (fused MoE experts: their experts' matrices, pruned in place and stored dense by the export),
+counts (and the experts' matrices of fused MoE layers, pruned in place and compressed by the export),
 the share of the blocks' weights left outside ``nn.Linear`` layers and fused experts, the time, or the
 error. Results: ``scripts/results/arch_sweep.json`` (rewritten after every family).
 """
@@ -97,17 +97,18 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
     fmt = export_checkpoint(tmp / "pruned", tmp / "exported")
     ref = load_model(str(tmp / "pruned")).model.eval()
     ids = torch.randint(1, SIZE["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(seed))
-    diffs, compressed = {}, 0
+    diffs, compressed, experts = {}, 0, 0
     with torch.no_grad():
         want = ref(ids).logits
         for maps in ("kernel", "producer"):
             model = shuffleprune.load(str(tmp / "exported"), maps=maps)
-            compressed = sum(isinstance(m, SparseLinear) for m in model.modules())
+            experts = sum(len(held) for m in model.modules() for held in getattr(m, "nm_experts", {}).values())
+            compressed = sum(isinstance(m, SparseLinear) for m in model.modules()) - experts
             diffs[maps] = float((model(ids).logits - want).abs().max())
     return {"model_type": model_type, "ok": max(diffs.values()) <= 1e-4, "max_abs_logit_diff": diffs,
             "pruned_layers": len(result.report["layers"]), "nm_ok": result.report["nm_ok"],
             "pruned_experts": sum(bool(l.get("expert")) for l in result.report["layers"]),
-            "compressed_layers": compressed, "folded_maps": len(fmt["folded"]),
+            "compressed_layers": compressed, "compressed_experts": experts, "folded_maps": len(fmt["folded"]),
             "outside_linears_share": result.report["outside_linears"]["share"],
             "seconds": round(time.time() - t0, 1)}
 

@@ -6,9 +6,10 @@ Layout of an exported directory::
     model.safetensors            every tensor except the sparsified linears' weights/biases
     sparse.safetensors           per sparsified linear NAME: NAME.values, NAME.meta (see
                                  sparse_format), NAME.perm (int32, only when not the identity),
-                                 NAME.bias (when it has one)
-    shuffleprune_format.json     {"format": "shuffleprune.nm", "version": 1, pattern, dtype, layers,
-                                  folded permutations, source}
+                                 NAME.bias (when it has one); per expert e of a pruned fused MoE
+                                 parameter P: P[e].values, P[e].meta (its [out, in] matrix)
+    shuffleprune_format.json     {"format": "shuffleprune.nm", "version": 2, pattern, dtype, layers,
+                                  experts (P: count, [out, in], transposed), folded permutations, source}
     shuffleprune_hf.py           + ``auto_map`` in config.json: ``AutoModelForCausalLM.from_pretrained(
                                  dir, trust_remote_code=True)`` loads it through shuffleprune
 
@@ -43,6 +44,7 @@ from shuffleprune.masks import parse_pattern
 from shuffleprune.perm.linear import PermutedLinear
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
+from shuffleprune.deploy.sparse_experts import expert_key, exportable_experts
 
 HF_LOADER_FILE = "shuffleprune_hf.py"
 # Written next to an export so that transformers can load it too:
@@ -187,7 +189,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     model = lm.model
     folded = fold_permutations(model) if fold else {}
     blocks = find_blocks(model)
-    sparse, layers, skip_keys = {}, {}, set()
+    sparse, layers, experts_out, skip_keys = {}, {}, {}, set()
     for i, block in enumerate(blocks.layers):
         for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
             w = lin.weight.data
@@ -204,12 +206,19 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
                 sparse[f"{name}.bias"] = lin.bias.data.contiguous()
             layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
             skip_keys.update({f"{name}.weight", f"{name}.bias"})
+        for name, experts in exportable_experts(block, f"{blocks.name}.{i}").items():
+            for e, expert in enumerate(experts):
+                values, meta = compress(expert.weight, n, m, expert_key(name, e))
+                sparse[f"{expert_key(name, e)}.values"], sparse[f"{expert_key(name, e)}.meta"] = values, meta
+            experts_out[name] = {"experts": len(experts), "shape": list(experts[0].weight.shape),
+                                 "transposed": experts[0].transposed}
+            skip_keys.add(name)
     restored = _restore_column_order(model, set(layers))
-    if not layers:
+    if not layers and not experts_out:
         raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses nn.Linear only, not e.g. GPT-2 Conv1D)")
     fmt = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "pattern": f"{n}:{m}", "n": n, "m": m,
            "meta_bits": meta_bits(m), "dtype": str(model.dtype).replace("torch.", ""),
-           "layers": layers, "folded": folded,
+           "layers": layers, "experts": experts_out, "folded": folded,
            "runtime_gathers": sorted(k for k, v in layers.items() if v["perm"]), "dense_restored": restored,
            "source": str(pruned_dir)}
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Read a checkpoint written by ``shuffleprune export``: its format file and its compressed linears.
 
 ``attach_sparse_layers`` swaps a model's exported ``nn.Linear`` layers for :class:`SparseLinear`
-modules built from ``sparse.safetensors`` (N:M checked on load; a missing, truncated or corrupt
+modules built from ``sparse.safetensors`` (and holds its exported MoE experts compressed,
+:mod:`shuffleprune.deploy.sparse_experts`) (N:M checked on load; a missing, truncated or corrupt
 tensor is a one-line ``UserError``).
 """
 from __future__ import annotations
@@ -15,12 +16,14 @@ from safetensors.torch import load_file
 from torch import nn
 
 from shuffleprune.deploy.format import check_compressed
+from shuffleprune.deploy.sparse_experts import attach_sparse_experts
 from shuffleprune.deploy.sparse_linear import SharedGather, SparseLinear
 from shuffleprune.errors import UserError
 
 FORMAT_FILE = "shuffleprune_format.json"
 SPARSE_FILE = "sparse.safetensors"
-FORMAT_NAME, FORMAT_VERSION = "shuffleprune.nm", 1
+FORMAT_NAME, FORMAT_VERSION = "shuffleprune.nm", 2
+READABLE_VERSIONS = (1, 2)   # 2 added the fused MoE experts (``experts``)
 
 
 def is_exported(path: str | Path) -> bool:
@@ -32,9 +35,9 @@ def read_format(path: Path) -> dict:
         fmt = json.loads((path / FORMAT_FILE).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"unreadable {FORMAT_FILE} in '{path}': {exc}") from exc
-    if fmt.get("format") != FORMAT_NAME or fmt.get("version") != FORMAT_VERSION:
+    if fmt.get("format") != FORMAT_NAME or fmt.get("version") not in READABLE_VERSIONS:
         raise UserError(f"'{path}' has format {fmt.get('format')} v{fmt.get('version')}; "
-                        f"this shuffleprune reads {FORMAT_NAME} v{FORMAT_VERSION}")
+                        f"this shuffleprune reads {FORMAT_NAME} v{', v'.join(map(str, READABLE_VERSIONS))}")
     return fmt
 
 
@@ -67,4 +70,5 @@ def attach_sparse_layers(model: nn.Module, path: Path, fmt: dict, policy: str = 
             key = (parent_name, tuple(perm.tolist()))
             layer.shared_gather = shares.setdefault(key, SharedGather())
         setattr(parent, child, layer)
+    attach_sparse_experts(model, tensors, fmt, policy)
     return model

@@ -276,9 +276,9 @@ def _dense_outside_linears(blocks, experts: list[dict[str, ExpertWeight]]) -> di
     share = total / max(1, total + in_linears)
     largest = sorted(unseen, key=lambda name: -unseen[name])[:8]
     if share > OUTSIDE_LINEARS_WARN_SHARE:
-        warnings.warn(f"{share:.0%} of the decoder blocks' weights are not in nn.Linear layers or fused experts "
-                      f"and stay dense (e.g. {largest[0]}); prune acts on nn.Linear layers and transformers' "
-                      "fused experts only", UserWarning, stacklevel=3)
+        warnings.warn(f"{share:.0%} of the decoder blocks' weights stay dense (e.g. {largest[0]}): left out by "
+                      "--only/--skip, or outside the nn.Linear layers and transformers' fused experts that prune "
+                      "acts on", UserWarning, stacklevel=3)
     return {"share": round(share, 6), "numel": total, "names": largest}
 
 
