@@ -65,15 +65,13 @@ def find_blocks(model: nn.Module) -> Blocks:
 
 
 def is_plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` that computes ``x Wᵀ + b``: ``nn.Linear`` itself, shuffleprune's
-    ``PermutedLinear``, or a subclass whose own ``forward`` gives ``F.linear``'s result on a probe
-    (Falcon's ``FalconLinear``). A subclass that computes something else, such as a MoE router that
-    returns its top-k choice, is a custom layer and is left alone."""
-    from shuffleprune.perm.linear import PermutedLinear
-
+    """An ``nn.Linear`` that computes ``x Wᵀ + b``: ``nn.Linear`` itself, a class that says so
+    (``is_linear_map``: shuffleprune's ``PermutedLinear``), or a subclass whose own ``forward`` gives
+    ``F.linear``'s result on a probe (Falcon's ``FalconLinear``). A subclass that computes something
+    else, such as a MoE router that returns its top-k choice, is a custom layer and is left alone."""
     if not isinstance(module, nn.Linear):
         return False
-    if type(module).forward is nn.Linear.forward or isinstance(module, PermutedLinear):
+    if type(module).forward is nn.Linear.forward or getattr(type(module), "is_linear_map", False):
         return True
     return _computes_linear(module)
 
@@ -143,6 +141,20 @@ class ExpertWeight:
         return self.weight.shape[0]
 
 
+def expert_name(param: str, expert: int) -> str:
+    """The name of one expert's matrix in a fused parameter (``…experts.down_proj[3]``): in reports,
+    ``--only``/``--skip`` globs, index maps and the export."""
+    return f"{param}[{expert}]"
+
+
+def parse_expert_name(name: str) -> tuple[str, int] | None:
+    """``(fused parameter name, expert)`` of an :func:`expert_name`; ``None`` for any other name."""
+    if not name.endswith("]") or "[" not in name:
+        return None
+    param, _, index = name[:-1].rpartition("[")
+    return (param, int(index)) if index.isdigit() else None
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` is a fused experts layer of transformers' experts interface (the
     ``use_experts_implementation`` decorator gives it ``is_transposed`` and a ``config`` whose
@@ -164,7 +176,7 @@ def block_experts(block: nn.Module, prefix: str, only: list[str] | None = None,
             if p.dim() != 3:
                 continue
             for e in range(p.shape[0]):
-                full = f"{prefix}.{sub}.{pname}[{e}]"
+                full = expert_name(f"{prefix}.{sub}.{pname}", e)
                 if only and not any(fnmatch(full, g) for g in only):
                     continue
                 if skip and any(fnmatch(full, g) for g in skip):

@@ -86,6 +86,8 @@ def test_moe_experts_are_pruned_in_place_with_their_routed_tokens(text_file, tmp
     rows = {l["name"]: l for l in report["layers"] if l.get("expert")}
     assert len(rows) == 3 * 2 * 4
     assert sum(rows[f"model.layers.0.mlp.experts.gate_up_proj[{e}]"]["routed_tokens"] for e in range(4)) == 6 * 32 * 2
+    assert "MoE experts: 24 expert matrices pruned on the calibration tokens routed to each." in \
+        (tmp_path / "out" / "README.md").read_text()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     pattern = Pattern(2, 4)
     for i, layer in enumerate(reloaded.model.layers):
@@ -149,3 +151,53 @@ def test_experts_whose_forward_cannot_be_followed_are_refused(monkeypatch):
     with pytest.raises(UserError, match=r"experts of 'model\.layers\.0\.mlp\.experts'.*--skip 'model\.layers\.0\.mlp\.experts\.\*'"):
         with collect_input_stats(selected, gram=False), torch.no_grad():
             model(torch.randint(0, 128, (1, 8)))
+
+
+def test_searched_maps_reach_the_experts_and_their_export(text_file, tmp_path):
+    """With the swap search, each expert gets its own index map from its routed tokens' norms: it keeps at
+    least the Wanda score the identity keeps (more for some), the expert is N:M in that order, the
+    checkpoint keeps the expert in its own column order (so it computes the pruned model as stored),
+    and the export compresses it in the map's order and reads its input through the map."""
+    import shuffleprune
+    from shuffleprune.deploy.export import SPARSE_FILE, export_checkpoint
+    from shuffleprune.models import load_model
+    from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
+    from shuffleprune.perm.search import kept_score
+    from shuffleprune.prune.methods import wanda_score
+    from safetensors.torch import load_file
+
+    src = tmp_path / "moe"
+    tiny_model("mixtral").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    dense = AutoModelForCausalLM.from_pretrained(src).eval()
+    cfg = flat_config(model=str(src), calib=str(text_file), eval_text=None, nsamples=6, seqlen=32, batch_size=4,
+                      method="wanda", pattern="2:4", perm="search", perm_block=16)
+    from shuffleprune.calib import calibration_windows, get_source
+
+    tokens = calibration_windows(get_source(str(text_file)), make_tokenizer(), 6, 32, 0)
+    dense_experts = block_experts(dense.model.layers[0], "model.layers.0")
+    with collect_input_stats(dense_experts, gram=False) as routed, torch.no_grad():
+        dense(tokens)
+    result = prune(cfg, out=tmp_path / "pruned", progress=False)
+    maps = load_index_maps(tmp_path / "pruned" / INDEX_MAPS)
+    assert "24 with their own index map" in (tmp_path / "pruned" / "README.md").read_text()
+    rows = {l["name"]: l for l in result.report["layers"]}
+    gains = []
+    for name, expert in dense_experts.items():
+        perm = maps[name].long()
+        score = wanda_score(expert.weight.float(), routed[name])
+        kept, identity = kept_score(score, perm, 2, 4), kept_score(score, torch.arange(perm.numel()), 2, 4)
+        assert kept >= identity - 1e-6, name
+        gains.append(kept - identity)
+        assert rows[name]["nm_ok"] and "perm_strength" in rows[name]
+        pruned_w = block_experts(result.model.model.layers[0], "model.layers.0")[name].weight
+        assert satisfies_nm(pruned_w[:, perm], 2, 4) and not satisfies_nm(pruned_w, 2, 4), name
+    assert max(gains) > 0
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = result.model(ids).logits
+        torch.testing.assert_close(load_model(str(tmp_path / "pruned")).model(ids).logits, want, rtol=1e-5, atol=1e-5)
+        fmt = export_checkpoint(tmp_path / "pruned", tmp_path / "exported")
+        assert fmt["experts"]["model.layers.1.mlp.experts.down_proj"]["perm"] is True
+        assert "model.layers.1.mlp.experts.down_proj[2].perm" in load_file(str(tmp_path / "exported" / SPARSE_FILE))
+        torch.testing.assert_close(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, want, rtol=1e-5, atol=1e-5)

@@ -7,9 +7,10 @@ Layout of an exported directory::
     sparse.safetensors           per sparsified linear NAME: NAME.values, NAME.meta (see
                                  sparse_format), NAME.perm (int32, only when not the identity),
                                  NAME.bias (when it has one); per expert e of a pruned fused MoE
-                                 parameter P: P[e].values, P[e].meta (its [out, in] matrix)
+                                 parameter P: P[e].values, P[e].meta (its [out, in] matrix, in
+                                 its index map's order), P[e].perm (when it has one)
     shuffleprune_format.json     {"format": "shuffleprune.nm", "version": 2, pattern, dtype, layers,
-                                  experts (P: count, [out, in], transposed), folded permutations, source}
+                                  experts (P: count, [out, in], transposed, perm), folded permutations, source}
     shuffleprune_hf.py           + ``auto_map`` in config.json: ``AutoModelForCausalLM.from_pretrained(
                                  dir, trust_remote_code=True)`` loads it through shuffleprune
 
@@ -38,13 +39,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from shuffleprune.blocks import block_linears, block_probe, find_blocks
+from shuffleprune.blocks import block_linears, block_probe, expert_name, find_blocks, parse_expert_name
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
-from shuffleprune.perm.linear import PermutedLinear
+from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, load_index_maps
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
-from shuffleprune.deploy.sparse_experts import expert_key, exportable_experts
+from shuffleprune.deploy.sparse_experts import exportable_experts
 
 HF_LOADER_FILE = "shuffleprune_hf.py"
 # Written next to an export so that transformers can load it too:
@@ -188,6 +189,10 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     lm = load_model(str(pruned_dir))
     model = lm.model
     folded = fold_permutations(model) if fold else {}
+    # experts keep their column order in the checkpoint; their maps are compressed into the export
+    maps_file = pruned_dir / INDEX_MAPS
+    expert_maps = {name: perm.long() for name, perm in (load_index_maps(maps_file) if maps_file.is_file() else {}).items()
+                   if parse_expert_name(name) is not None}
     blocks = find_blocks(model)
     sparse, layers, experts_out, skip_keys = {}, {}, {}, set()
     for i, block in enumerate(blocks.layers):
@@ -207,11 +212,17 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
             layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
             skip_keys.update({f"{name}.weight", f"{name}.bias"})
         for name, experts in exportable_experts(block, f"{blocks.name}.{i}").items():
+            mapped = False
             for e, expert in enumerate(experts):
-                values, meta = compress(expert.weight, n, m, expert_key(name, e))
-                sparse[f"{expert_key(name, e)}.values"], sparse[f"{expert_key(name, e)}.meta"] = values, meta
+                key = expert_name(name, e)
+                perm = expert_maps.get(key)
+                w = expert.weight if perm is None else expert.weight[:, perm]
+                sparse[f"{key}.values"], sparse[f"{key}.meta"] = compress(w, n, m, key)
+                if perm is not None and not torch.equal(perm, torch.arange(perm.numel())):
+                    sparse[f"{key}.perm"] = perm.to(torch.int32).contiguous()
+                    mapped = True
             experts_out[name] = {"experts": len(experts), "shape": list(experts[0].weight.shape),
-                                 "transposed": experts[0].transposed}
+                                 "transposed": experts[0].transposed, "perm": mapped}
             skip_keys.add(name)
     restored = _restore_column_order(model, set(layers))
     if not layers and not experts_out:

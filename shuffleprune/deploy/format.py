@@ -97,3 +97,9 @@ def check_compressed(name: str, values: torch.Tensor, meta: torch.Tensor, shape:
     pos = unpack_positions(meta, m)[:, :kept].reshape(rows, cols // m, n)
     if (pos >= m).any() or (n > 1 and (pos[..., 1:] <= pos[..., :-1]).any()):
         raise UserError(f"corrupt sparse tensor '{name}': in-group positions are not {n} distinct slots of {m}")
+
+
+def check_index_map(name: str, perm: torch.Tensor | None, cols: int) -> None:
+    """Refuse a stored index map that is not a permutation of the layer's ``cols`` inputs."""
+    if perm is not None and (perm.numel() != cols or not torch.equal(perm.long().sort().values, torch.arange(cols))):
+        raise UserError(f"corrupt sparse tensor '{name}.perm': not a permutation of {cols} inputs")

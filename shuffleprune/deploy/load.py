@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from shuffleprune.deploy.format import check_compressed
+from shuffleprune.deploy.format import check_compressed, check_index_map
 from shuffleprune.deploy.sparse_experts import attach_sparse_experts
 from shuffleprune.deploy.sparse_linear import SharedGather, SparseLinear
 from shuffleprune.errors import UserError
@@ -57,8 +57,7 @@ def attach_sparse_layers(model: nn.Module, path: Path, fmt: dict, policy: str = 
         values, meta = tensors[f"{name}.values"], tensors[f"{name}.meta"]
         check_compressed(f"{name}.values/meta", values, meta, (rows, cols), n, m)
         perm = tensors.get(f"{name}.perm")
-        if perm is not None and (perm.numel() != cols or not torch.equal(perm.long().sort().values, torch.arange(cols))):
-            raise UserError(f"corrupt sparse tensor '{name}.perm': not a permutation of {cols} inputs")
+        check_index_map(name, perm, cols)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child, None)

@@ -3,7 +3,8 @@
 transformers 5 stores a layer's experts as one ``[experts, out, in]`` parameter per projection
 (``[experts, in, out]`` when the layer ``is_transposed``) and picks the experts forward by name from
 its experts interface (``config._experts_implementation``). ``export`` compresses each expert of a
-pruned fused parameter like a linear layer (``NAME[e].values`` / ``NAME[e].meta``); on load
+pruned fused parameter like a linear layer (``NAME[e].values`` / ``NAME[e].meta``, and the
+expert's index map ``NAME[e].perm`` when it has one: the kernel reads its input through it); on load
 :func:`attach_sparse_experts` puts those in ``module.nm_experts[param][e]``, drops the dense
 parameter, and selects :func:`nm_experts_forward`, registered with transformers as
 ``"shuffleprune_nm"``: the eager experts loop (tokens grouped by expert, gate or activation, biases,
@@ -16,17 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shuffleprune.blocks import ExpertWeight, block_experts, is_fused_experts
-from shuffleprune.deploy.format import check_compressed
+from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, is_fused_experts, parse_expert_name
+from shuffleprune.deploy.format import check_compressed, check_index_map
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
 
 IMPLEMENTATION = "shuffleprune_nm"
-
-
-def expert_key(param_name: str, expert: int) -> str:
-    """The name of one expert's matrix, as prune reports it and ``sparse.safetensors`` stores it."""
-    return f"{param_name}[{expert}]"
 
 
 def _project(module: nn.Module, param: str, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +73,7 @@ def exportable_experts(block: nn.Module, prefix: str) -> dict[str, list[ExpertWe
     pruned (has zeros); a parameter left dense, wholly or in part, stays in the dense checkpoint."""
     by_param: dict[str, list[ExpertWeight]] = {}
     for name, expert in block_experts(block, prefix).items():
-        by_param.setdefault(name[:name.rindex("[")], []).append(expert)
+        by_param.setdefault(parse_expert_name(name)[0], []).append(expert)
     return {name: experts for name, experts in by_param.items() if all(bool((e.weight == 0).any()) for e in experts)}
 
 
@@ -99,12 +95,13 @@ def attach_sparse_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fm
             raise UserError(f"exported experts '{name}' ({info['experts']} × {rows}×{cols}) do not match the model config")
         layers = []
         for e in range(info["experts"]):
-            key = expert_key(name, e)
+            key = expert_name(name, e)
             if f"{key}.values" not in tensors or f"{key}.meta" not in tensors:
                 raise UserError(f"corrupt export: tensor '{key}.values' or '{key}.meta' missing from the sparse file")
-            values, meta = tensors[f"{key}.values"], tensors[f"{key}.meta"]
+            values, meta, perm = tensors[f"{key}.values"], tensors[f"{key}.meta"], tensors.get(f"{key}.perm")
             check_compressed(f"{key}.values/meta", values, meta, (rows, cols), n, m)
-            layers.append(SparseLinear(values.to(dense.dtype), meta, cols, n, m, None, None, policy=policy))
+            check_index_map(key, perm, cols)
+            layers.append(SparseLinear(values.to(dense.dtype), meta, cols, n, m, perm, None, policy=policy))
         if not hasattr(module, "nm_experts"):
             module.nm_experts = nn.ModuleDict()
         module.nm_experts[param] = nn.ModuleList(layers)

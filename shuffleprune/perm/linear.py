@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from shuffleprune.blocks import parse_expert_name
 from shuffleprune.errors import UserError
 
 INDEX_MAPS = "index_maps.safetensors"  # a --perm checkpoint's int32 input map per permuted linear (weights stored as W[:, perm])
@@ -23,6 +24,8 @@ class PermutedLinear(nn.Linear):
 
     A subclass of ``nn.Linear`` (same ``weight``/``bias`` attributes and shapes), so code that walks
     a model's linears — sparsity counts, device placement, lm-eval — sees it as one."""
+
+    is_linear_map = True   # x ↦ W x + b, its W held in permuted column order (blocks.is_plain_linear)
 
     def __init__(self, weight: torch.Tensor, perm: torch.Tensor, bias: torch.Tensor | None = None):
         nn.Module.__init__(self)
@@ -48,8 +51,12 @@ class PermutedLinear(nn.Linear):
 def apply_index_maps(model: nn.Module, maps: dict[str, torch.Tensor], weights_are_permuted: bool = False) -> nn.Module:
     """Replace every ``nn.Linear`` named in ``maps`` by a :class:`PermutedLinear` (in place).
     ``weights_are_permuted``: the model was loaded from a ``--perm`` checkpoint, whose weights are
-    stored in permuted column order."""
+    stored in permuted column order. Maps of MoE experts (:func:`~shuffleprune.blocks.expert_name`)
+    are skipped: a checkpoint keeps experts in their own column order (the fused tensor computes the
+    pruned model as it is) and only ``export`` reads their maps."""
     for name, perm in maps.items():
+        if parse_expert_name(name) is not None:
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child, None)
@@ -64,9 +71,12 @@ def apply_index_maps(model: nn.Module, maps: dict[str, torch.Tensor], weights_ar
 
 def permuted_state_dict(model: nn.Module, maps: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with the weight of every linear in ``maps`` in permuted column order
-    (``W[:, perm]``: exactly N:M in memory order) — what a ``--perm`` checkpoint stores."""
+    (``W[:, perm]``: exactly N:M in memory order) — what a ``--perm`` checkpoint stores. MoE experts
+    keep their column order (see :func:`apply_index_maps`)."""
     state = dict(model.state_dict())
     for name, perm in maps.items():
+        if parse_expert_name(name) is not None:
+            continue
         key = f"{name}.weight"
         state[key] = state[key][:, perm.to(state[key].device)].contiguous()
     return state

@@ -31,6 +31,18 @@ def _overall_sparsity(layers: list[dict]) -> float:
     return round(zeros / total, 6) if total else 0.0
 
 
+def _experts_line(report: dict) -> str:
+    """The model card's line on the pruned experts of fused MoE layers, when there are any."""
+    experts = [l for l in report["layers"] if l.get("expert")]
+    if not experts:
+        return ""
+    by_magnitude = sum(len(b.get("experts_pruned_by_magnitude", [])) for b in report.get("stage_blocks", []))
+    mapped = sum("perm_strength" in l for l in experts)
+    return (f"\n- MoE experts: {len(experts)} expert matrices pruned on the calibration tokens routed to each"
+            f"{f' ({by_magnitude} that no token reached by magnitude)' if by_magnitude else ''}"
+            f"{f', {mapped} with their own index map (kept in their own column order here)' if mapped else ''}.")
+
+
 def _outside_line(report: dict) -> str:
     """The model card's line on matrix weights outside ``nn.Linear`` layers and fused experts, when there are many."""
     unseen = report.get("outside_linears") or {}
@@ -168,7 +180,7 @@ Perplexity text: {eval_line}.
 - Calibration: {calib['source']}, {calib['nsamples']} windows of {calib['seqlen']} tokens, seed {calib['seed']}
   ({calib['documents']} documents{'' if calib['tokens'] is None else f", {calib['tokens']} tokens"}{
   ", the other documents of the perplexity file" if calib['split_from_shared_file'] else ""}).
-- N:M holds in memory order for every pruned layer: {report['nm_ok']}.{_outside_line(report)}
+- N:M holds for every pruned layer in the column order the export stores it: {report['nm_ok']}.{_experts_line(report)}{_outside_line(report)}
 - Saved in {report['saved_dtype'].replace('torch.', '')}; computed in {report['compute_dtype'].replace('torch.', '')} on {report['device']}.
 
 Repeat the run: `shuffleprune prune {base if not base.startswith('embedded:') else ''} --recipe recipe.yaml --out OUT`.

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, ExpertWeight, block_experts, block_linears,
-                                 capture_block_inputs, find_blocks, is_plain_linear, run_block,
+                                 capture_block_inputs, find_blocks, is_plain_linear, parse_expert_name, run_block,
                                  weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.deploy.sparse_linear import SparseLinear
@@ -268,8 +268,7 @@ def _dense_outside_linears(blocks, experts: list[dict[str, ExpertWeight]]) -> di
         unseen.update(weights_outside_linears(block, prefix))
         in_linears += sum(m.weight.numel() for m in block.modules() if is_plain_linear(m))
         for name, expert in experts[i].items():
-            fused = name[:name.rindex("[")]
-            unseen[fused] -= expert.weight.numel()
+            unseen[parse_expert_name(name)[0]] -= expert.weight.numel()
             in_linears += expert.weight.numel()
     unseen = {name: n for name, n in unseen.items() if n > 0}
     total = sum(unseen.values())

@@ -2,6 +2,8 @@
 
 - ``random``: a fixed random block-diagonal permutation (the paper's control);
 - ``search``: the data-free swap search on Wanda's score (Pool & Yu's heuristic, no training);
+  these two give the experts of fused MoE layers their own maps as well (on their routed tokens'
+  norms); the learned maps are for ``nn.Linear`` layers only;
 - ``learned``: ShuffleSparse — soft permutations trained with the l1−l2 penalty and hardened by
   Hungarian matching, per block (``recon: block``) or all jointly against the final hidden state
   before the walk (``recon: model``, the dense model's statistics);
@@ -52,8 +54,12 @@ class _PermStage(Stage):
         def on_step(step: int, loss: float, penalty: float) -> None:
             run.status(f"block {work.index} perm step {step + 1}: loss {loss:.4g} P(M) {penalty:.3g}")
 
+        # Maps that need no training reach the experts of fused MoE layers too (learned ones are trained
+        # through the block's nn.Linear parameters, which experts are not).
+        fixed = opts.perm in ("random", "search")
+        weights, groups = (work.weights(), work.groups + work.expert_groups) if fixed else (work.linears, work.groups)
         work.perms, work.perm_info = block_permutations(
-            work.block, work.prefix, work.linears, _norms(work.stats), work.groups, work.hidden, target, run.captured,
+            work.block, work.prefix, weights, _norms(work.stats), groups, work.hidden, target, run.captured,
             work.index, run.pattern, opts, run.device, on_step=on_step)
 
 
@@ -142,8 +148,9 @@ class Learned(_PermStage):
 
 def _assign(work: BlockWork, perms: dict[str, torch.Tensor], info: dict) -> None:
     """Give the block its share of maps computed for the whole model before the walk."""
-    work.perms = {n: perms[n] for n in work.linears if n in perms}
-    work.perm_info = {"perms": {k: v for k, v in info.items() if k in work.linears}, "summary": {}}
+    weights = work.weights()
+    work.perms = {n: perms[n] for n in weights if n in perms}
+    work.perm_info = {"perms": {k: v for k, v in info.items() if k in weights}, "summary": {}}
 
 
 @register
@@ -167,10 +174,10 @@ class From(Stage):
     def prepare(self, run: Run) -> None:
         path = Path(self.path)
         maps = load_index_maps(path / INDEX_MAPS if path.is_dir() else path)
-        linears = run.all_linears()
+        linears = {**run.all_linears(), **run.all_experts()}
         for name, perm in maps.items():
             if name not in linears:
-                raise UserError(f"--perm-from: '{name}' is not a selected linear of this model")
+                raise UserError(f"--perm-from: '{name}' is not a selected linear or expert of this model")
             if perm.numel() != linears[name].in_features or perm.numel() % run.pattern.m:
                 raise UserError(f"--perm-from: index map '{name}' does not fit its layer ({linears[name].in_features} inputs)")
         self._perms = maps

@@ -41,23 +41,17 @@ class _MethodStage(Stage):
 
     def apply(self, run: Run, work: BlockWork) -> None:
         method = self.prune_fn()
-        for group in work.groups:
+        weights, unrouted = work.weights(), []
+        for group in work.groups + work.expert_groups:
             for name in group:
-                lin = work.linears[name]
-                weight, stats, perm = lin.weight.data.float(), work.stats.get(name), work.perms.get(name)
-                new_w = method(weight, stats, run.pattern) if perm is None else \
-                    prune_in_permuted_coordinates(method, weight, stats, run.pattern, perm)
-                lin.weight.data.copy_(new_w.to(lin.weight.dtype))
-        unrouted = []
-        for group in work.expert_groups:
-            for name in group:
-                expert, stats = work.experts[name], work.stats.get(name)
-                if stats is not None and stats.tokens == 0:  # no calibration token reached this expert
+                held, stats, perm, fn = weights[name], work.stats.get(name), work.perms.get(name), method
+                if name in work.experts and stats is not None and stats.tokens == 0:  # no token reached this expert
                     unrouted.append(name)
-                    new_w = magnitude(expert.weight.float(), None, run.pattern)
-                else:
-                    new_w = method(expert.weight.float(), stats, run.pattern)
-                expert.weight.copy_(new_w.to(expert.weight.dtype))
+                    fn, stats = magnitude, None
+                weight = held.weight.data.float()
+                new_w = fn(weight, stats, run.pattern) if perm is None else \
+                    prune_in_permuted_coordinates(fn, weight, stats, run.pattern, perm)
+                held.weight.data.copy_(new_w.to(held.weight.dtype))
         if unrouted:
             work.report["experts_pruned_by_magnitude"] = unrouted
 
