@@ -201,3 +201,37 @@ def test_searched_maps_reach_the_experts_and_their_export(text_file, tmp_path):
         assert fmt["experts"]["model.layers.1.mlp.experts.down_proj"]["perm"] is True
         assert "model.layers.1.mlp.experts.down_proj[2].perm" in load_file(str(tmp_path / "exported" / SPARSE_FILE))
         torch.testing.assert_close(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_a_killed_moe_run_resumes_to_the_same_experts_maps_and_report(text_file, tmp_path):
+    """Experts through --resume: the dense statistics' per-expert token counts, the experts' searched maps
+    and their pruned weights come back from the resume directory bit for bit."""
+    from safetensors.torch import load_file
+
+    from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
+
+    src = tmp_path / "moe"
+    tiny_model("mixtral").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    cfg = flat_config(model=str(src), calib=str(text_file), eval_text=None, nsamples=6, seqlen=32, batch_size=4,
+                      method="wanda", pattern="2:4", perm="search", perm_block=16, mask_stats="dense")
+    full = prune(cfg, out=tmp_path / "full", progress=False)
+
+    def crash_after_block_0(i):
+        if i == 0:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        prune(cfg, out=tmp_path / "part", progress=False, on_block_done=crash_after_block_0)
+    resumed = prune(cfg, out=tmp_path / "part", resume=True, progress=False)
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("full", "part"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    maps = [load_index_maps(tmp_path / d / INDEX_MAPS) for d in ("full", "part")]
+    assert maps[0].keys() == maps[1].keys() and all(torch.equal(maps[0][k], maps[1][k]) for k in maps[0])
+    assert sum(name.endswith("]") for name in maps[0]) == 3 * 2 * 4
+    rows = [[(l["name"], l.get("routed_tokens")) for l in r.report["layers"]] for r in (full, resumed)]
+    assert rows[0] == rows[1]

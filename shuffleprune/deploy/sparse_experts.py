@@ -44,10 +44,16 @@ def nm_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index
     tokens through up (or gate-up), the gate or activation, and down, weighted and summed per token."""
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     up = "gate_up_proj" if self.has_gate else "up_proj"
-    for expert in top_k_index.unique().tolist():
-        if expert >= self.num_experts:  # an expert-parallel sentinel
+    k = top_k_index.shape[-1]
+    chosen = top_k_index.reshape(-1)
+    order = chosen.argsort(stable=True)                   # (token, slot) pairs grouped by expert
+    counts = torch.bincount(chosen, minlength=self.num_experts).tolist()   # the one host sync
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    for expert in range(self.num_experts):               # ids past num_experts: expert-parallel sentinels
+        if counts[expert] == 0:
             continue
-        token, slot = torch.where(top_k_index == expert)
+        pairs = order[ends[expert] - counts[expert]:ends[expert]]
+        token, slot = pairs // k, pairs % k
         h = _project(self, up, expert, hidden_states[token])
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         y = _project(self, "down_proj", expert, h)
