@@ -121,8 +121,10 @@ def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = N
         _fail(exc)
     dense = sum(f.stat().st_size for f in pruned.glob("*.safetensors") if f.name != "index_maps.safetensors")
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    experts = sum(e["experts"] for e in fmt["experts"].values())
     Console().print(f"wrote {out}: {len(fmt['layers'])} {fmt['pattern']} layers, "
-                    f"{len(fmt['runtime_gathers'])} with a runtime gather, {len(fmt['folded'])} permutations folded; "
+                    f"{len(fmt['runtime_gathers'])} with a runtime gather, {len(fmt['folded'])} permutations folded"
+                    f"{f', {experts} MoE expert matrices' if experts else ''}; "
                     f"{size / 2**20:.1f} MiB (pruned checkpoint {dense / 2**20:.1f} MiB)")
 
 
