@@ -1,0 +1,154 @@
+"""One MoE experts layer, dense against 2:4 as ``shuffleprune.load`` runs an export's experts.
+
+    python3 scripts/bench_moe.py            # CUDA, Mixtral-8x7B's layer → scripts/results/bench_moe.json
+    python3 scripts/bench_moe.py --smoke    # CPU, a tiny layer: checks the code path only (no results file)
+
+A transformers ``MixtralExperts`` layer (``--experts`` × hidden ``--hidden`` × intermediate ``--inter``,
+bf16 on CUDA), every expert's matrices pruned 2:4 by magnitude. Dense: the pruned weights in the fused
+tensors, run by transformers' ``grouped_mm`` and ``eager`` experts forwards. Sparse: the same weights
+compressed per expert and attached as an export's are (``attach_sparse_experts``: one ``SparseLinear``
+per expert matrix, ``auto`` kernel choice, the ``shuffleprune_nm`` experts forward), and again with a
+random block index map per expert (each expert then pruned 2:4 in its map's order). Routing: each token picks ``top_k`` distinct experts uniformly at
+random, softmax weights (seed ``--seed``). Timing: eager calls (the experts forwards synchronise on
+the host to group tokens, so none is captured into a CUDA graph), CUDA events around ``--calls``
+calls, median of ``--runs``, after a warm-up that also makes ``auto``'s choices. The fused weights
+are far larger than L2 (2.8 GB dense for Mixtral's layer), so no copies rotate. Each row records
+the maximum relative error against the dense eager output of the same weights; ``bytes`` holds each
+layer's parameters and buffers.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--inter", type=int, default=14336)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 16, 64, 512])
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_moe.json"))
+    args = ap.parse_args()
+    if args.smoke:
+        args.hidden, args.inter, args.experts, args.tokens, args.calls, args.runs = 64, 128, 4, [1, 5], 1, 1
+
+    import torch
+    from torch import nn
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from shuffleprune.blocks import block_experts, expert_name
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.deploy.sparse_experts import attach_sparse_experts
+    from shuffleprune.deploy.sparse_linear import relative_error
+    from shuffleprune.masks import nm_keep_mask
+    from shuffleprune.perm.core import random_block_perm
+    from shuffleprune.runtime import machine, versions
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    gen = torch.Generator().manual_seed(args.seed)
+    config = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_local_experts=args.experts,
+                           num_experts_per_tok=args.top_k)
+    config._experts_implementation = "eager"
+    dense = nn.Module()
+    dense.experts = MixtralExperts(config)
+    with torch.no_grad():
+        for p in dense.experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        fused_unpruned = {name: p.detach().clone() for name, p in dense.experts.named_parameters()}
+        for expert in block_experts(dense, "").values():   # every expert 2:4 by magnitude
+            expert.weight.mul_(nm_keep_mask(expert.weight.abs(), 2, 4))
+    dense.to(device, dtype)
+
+    def own_copy(implementation: str = "eager") -> nn.Module:
+        model = copy.deepcopy(dense)
+        model.experts.config = copy.deepcopy(config)
+        model.experts.config._experts_implementation = implementation
+        return model
+
+    def sparse_copy(mapped: bool) -> tuple[nn.Module, nn.Module]:
+        """The layer as an export's experts load (each expert 2:4 in its random map's order when
+        ``mapped``), and the dense layer with the same weights (its reference)."""
+        model = own_copy()
+        tensors, entries = {}, {}
+        with torch.no_grad():
+            for pname in ("gate_up_proj", "down_proj"):
+                fused = getattr(model.experts, pname).data
+                for e in range(args.experts):
+                    w, key = fused[e], expert_name(f"experts.{pname}", e)
+                    perm = random_block_perm(w.shape[1], 64, gen).to(device) if mapped else None
+                    if perm is not None:   # the expert pruned 2:4 in its map's order instead
+                        wp = fused_unpruned[pname][e][:, perm].to(device, dtype)
+                        w[:, perm] = wp * nm_keep_mask(wp.abs().float(), 2, 4).to(dtype)
+                        tensors[f"{key}.perm"] = perm.to(torch.int32)
+                    tensors[f"{key}.values"], tensors[f"{key}.meta"] = compress(w if perm is None else w[:, perm], 2, 4, key)
+                entries[f"experts.{pname}"] = {"experts": args.experts, "shape": list(fused.shape[1:]),
+                                               "transposed": False, "perm": mapped}
+        reference = copy.deepcopy(model)
+        attach_sparse_experts(model, tensors, {"n": 2, "m": 4, "experts": entries})
+        return model, reference
+
+    nm, nm_reference = sparse_copy(False)
+    nm_mapped, nm_mapped_reference = sparse_copy(True)
+    layers = {"dense_eager": dense, "dense_grouped_mm": own_copy("eager" if args.smoke else "grouped_mm"),
+              "nm": nm, "nm_mapped": nm_mapped}
+    references = {"dense_eager": dense, "dense_grouped_mm": dense, "nm": nm_reference, "nm_mapped": nm_mapped_reference}
+    nbytes = {name: sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+              for name, m in layers.items()}
+
+    def timed_ms(fn) -> float:
+        if device.type != "cuda":
+            fn()
+            return float("nan")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(args.runs):
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(args.calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / args.calls)
+        return statistics.median(times)
+
+    rows = []
+    with torch.no_grad():
+        for tokens in args.tokens:
+            x = torch.randn(tokens, args.hidden, generator=gen).to(device, dtype)
+            top = torch.rand(tokens, args.experts, generator=gen).topk(args.top_k, dim=-1).indices.to(device)
+            weights = torch.softmax(torch.randn(tokens, args.top_k, generator=gen), -1).to(device, dtype)
+            for name, layer in layers.items():
+                want = references[name].experts(x, top, weights)
+                call = lambda layer=layer: layer.experts(x, top, weights)  # noqa: E731
+                for _ in range(3):   # warm-up: compiles kernels and makes auto's choices
+                    got = call()
+                rows.append({"shape": f"{args.experts}x({2 * args.inter}x{args.hidden}+{args.hidden}x{args.inter})",
+                             "tokens": tokens, "impl": name, "ms": round(timed_ms(call), 4),
+                             "rel_err": float(relative_error(got, want)), "device": machine().get("gpu", "cpu")})
+                print(rows[-1], flush=True)
+    if args.smoke:
+        print("smoke: every implementation ran; no results written")
+        return
+    result = {"what": __doc__.splitlines()[0], "command": " ".join(["python3", *sys.argv]),
+              "config": {k: v for k, v in vars(args).items() if k not in ("out", "smoke")}, "dtype": str(dtype),
+              "bytes": nbytes, "machine": machine(), "versions": versions("triton"), "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
