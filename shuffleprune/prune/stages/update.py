@@ -6,19 +6,20 @@
   permutation (the problem is per row and column order does not change it); the experts of fused
   MoE layers too, each on its routed tokens;
 - ``blockrecon``: Adam on each block's kept weights against dense outputs, stopped by a held-out
-  share of the windows (:mod:`shuffleprune.prune.reconstruct`). The inputs are the pruned earlier
+  share of the windows (:mod:`shuffleprune.prune.reconstruct`); a fused MoE experts tensor whose
+  every expert was pruned is fitted as one tensor (its zeros stay zero). The inputs are the pruned earlier
   blocks' outputs; the target is the unpruned model's activations after this block (``target:
   model``: the block also corrects the error the blocks before it left) or the dense block applied
   to the same pruned inputs (``target: block``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.func import functional_call
 
-from shuffleprune.blocks import first_tensor
+from shuffleprune.blocks import ExpertWeight, expert_name, first_tensor, parse_expert_name
 from shuffleprune.errors import UserError
 from shuffleprune.perm.pruning import FrozenParams, split_windows
 from shuffleprune.prune.methods.lsq import masked_lstsq
@@ -59,6 +60,38 @@ class LeastSquares(Stage):
             lin.weight.data.copy_(new_w.to(pruned.dtype))
 
 
+@dataclass
+class _FusedExperts:
+    """One fused experts tensor of a block with some of its experts selected for pruning."""
+
+    name: str                          # full name of the tensor
+    module: torch.nn.Module
+    param: str
+    experts: dict[int, ExpertWeight] = field(default_factory=dict)   # the selected ones
+
+    @property
+    def whole(self) -> bool:
+        """Every expert of the tensor is selected (so the whole tensor is fitted)."""
+        return len(self.experts) == getattr(self.module, self.param).shape[0]
+
+    def dense(self, unpruned: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tensor with its selected experts' unpruned weights (``unpruned``: by expert name)."""
+        out = getattr(self.module, self.param).detach().clone()
+        for e, expert in self.experts.items():
+            w = unpruned[expert_name(self.name, e)]
+            out[e] = (w.t() if expert.transposed else w).to(out.dtype)
+        return out
+
+
+def _fused_experts(work: BlockWork) -> dict[str, _FusedExperts]:
+    """The block's fused experts tensors that have selected experts, by full name."""
+    found: dict[str, _FusedExperts] = {}
+    for name, expert in work.experts.items():
+        fused, e = parse_expert_name(name)
+        found.setdefault(fused, _FusedExperts(fused, expert.owner, expert.param)).experts[e] = expert
+    return found
+
+
 @register
 @dataclass
 class BlockReconstruction(Stage):
@@ -91,19 +124,25 @@ class BlockReconstruction(Stage):
             raise UserError("update 'blockrecon' holds windows out: raise --nsamples to at least 2 (or holdout: 0)")
 
     def apply(self, run: Run, work: BlockWork) -> None:
-        param_of = {n: n[len(work.prefix) + 1:] + ".weight" for n in work.linears}
-        dtype = {n: lin.weight.dtype for n, lin in work.linears.items()}
+        fused = _fused_experts(work)
+        # what is fitted: the linears' weights, and each fused experts tensor whose every expert was pruned
+        tensors = {n: lin.weight for n, lin in work.linears.items()}
+        tensors.update({n: getattr(f.module, f.param) for n, f in fused.items() if f.whole})
+        param_of = {n: n[len(work.prefix) + 1:] + (".weight" if n in work.linears else "") for n in {**tensors, **fused}}
+        dtype = {n: t.dtype for n, t in tensors.items()}
 
         def forward(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-            params = {param_of[n]: w.to(dtype[n]) for n, w in weights.items()}
+            params = {param_of[n]: w.to(dtype[n]) if n in dtype else w for n, w in weights.items()}
             args, kwargs = run.captured.call_args(work.index, len(rows), run.device)
             return first_tensor(functional_call(work.block, params, (work.hidden[rows].to(run.device), *args), kwargs))
 
         if self.target == "model":
             target = work.dense_outputs
         else:
+            dense = {n: w for n, w in work.dense.items() if n in work.linears}
+            dense.update({n: f.dense(work.dense) for n, f in fused.items()})
             with torch.no_grad():
-                target = torch.cat([forward(work.dense, rows).to(work.hidden.device)
+                target = torch.cat([forward(dense, rows).to(work.hidden.device)
                                     for rows in torch.arange(work.hidden.shape[0]).split(self.batch)])
 
         def loss_of(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
@@ -115,12 +154,12 @@ class BlockReconstruction(Stage):
 
         gen = torch.Generator().manual_seed(run.seed * 1_000_003 + work.index + 17)
         learn, judge = split_windows(work.hidden.shape[0], self.holdout, gen)
-        start = {n: lin.weight.detach() for n, lin in work.linears.items()}
+        start = {n: t.detach() for n, t in tensors.items()}
         with FrozenParams(work.block):
             fit = fit_kept_weights(start, {n: w != 0 for n, w in start.items()}, loss_of, learn, judge, self.steps,
                                    self.lr, self.batch, self.check_every, self.patience, gen)
-        for n, lin in work.linears.items():
-            lin.weight.data.copy_(fit.weights[n].to(lin.weight.dtype))
+        for n, t in tensors.items():
+            t.data.copy_(fit.weights[n].to(t.dtype))
         work.report["blockrecon"] = {"steps_run": fit.steps_run, "best_step": fit.best_step,
                                      "stopped_early": fit.stopped_early,
                                      "held_out_before": round(fit.held_out[0], 6),
