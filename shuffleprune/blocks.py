@@ -100,12 +100,14 @@ def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
         if not (is_plain_linear(module) or isinstance(module, SparseLinear)):
             continue
         full = f"{prefix}.{sub}"
-        if only and not any(fnmatch(full, g) for g in only):
-            continue
-        if skip and any(fnmatch(full, g) for g in skip):
-            continue
-        found[full] = module
+        if _selected(full, only, skip):
+            found[full] = module
     return found
+
+
+def _selected(name: str, only: list[str] | None, skip: list[str] | None) -> bool:
+    """Whether ``--only`` / ``--skip`` fnmatch globs keep ``name``."""
+    return (not only or any(fnmatch(name, g) for g in only)) and not (skip and any(fnmatch(name, g) for g in skip))
 
 
 @dataclass(eq=False)
@@ -177,12 +179,18 @@ def block_experts(block: nn.Module, prefix: str, only: list[str] | None = None,
                 continue
             for e in range(p.shape[0]):
                 full = expert_name(f"{prefix}.{sub}.{pname}", e)
-                if only and not any(fnmatch(full, g) for g in only):
-                    continue
-                if skip and any(fnmatch(full, g) for g in skip):
-                    continue
-                found[full] = ExpertWeight(module, pname, e, module.is_transposed)
+                if _selected(full, only, skip):
+                    found[full] = ExpertWeight(module, pname, e, module.is_transposed)
     return found
+
+
+def experts_by_tensor(experts: dict[str, ExpertWeight]) -> dict[str, dict[int, ExpertWeight]]:
+    """``experts`` grouped by the fused tensor that holds them: ``{tensor's full name: {expert: ExpertWeight}}``."""
+    grouped: dict[str, dict[int, ExpertWeight]] = {}
+    for name, expert in experts.items():
+        fused, e = parse_expert_name(name)
+        grouped.setdefault(fused, {})[e] = expert
+    return grouped
 
 
 OUTSIDE_LINEARS_WARN_SHARE = 0.05   # above this share of the blocks' matrix weights outside nn.Linear, prune warns

@@ -173,6 +173,11 @@ def _restore_column_order(model: nn.Module, exported: set[str]) -> list[str]:
     return restored
 
 
+def _stored_map(perm: torch.Tensor | None) -> torch.Tensor | None:
+    """The index map an export stores for a layer: ``None`` for none or the identity (it is omitted)."""
+    return None if perm is None or torch.equal(perm.cpu(), torch.arange(perm.numel())) else perm
+
+
 def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
                       fold: bool = True, overwrite: bool = False) -> dict:
     """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format dict."""
@@ -202,9 +207,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
                 continue  # a linear left dense (--skip / --only): stays in model.safetensors
             values, meta = compress(w, n, m, name)
             sparse[f"{name}.values"], sparse[f"{name}.meta"] = values, meta
-            perm = getattr(lin, "perm", None)
-            if perm is not None and torch.equal(perm.cpu(), torch.arange(perm.numel())):
-                perm = None  # an identity map is omitted
+            perm = _stored_map(getattr(lin, "perm", None))
             if perm is not None:
                 sparse[f"{name}.perm"] = perm.to(torch.int32).cpu().contiguous()
             if lin.bias is not None:
@@ -213,16 +216,17 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
             skip_keys.update({f"{name}.weight", f"{name}.bias"})
         for name, experts in exportable_experts(block, f"{blocks.name}.{i}").items():
             mapped = False
-            for e, expert in enumerate(experts):
+            for e, expert in experts.items():
                 key = expert_name(name, e)
-                perm = expert_maps.get(key)
+                perm = _stored_map(expert_maps.get(key))
                 w = expert.weight if perm is None else expert.weight[:, perm]
                 sparse[f"{key}.values"], sparse[f"{key}.meta"] = compress(w, n, m, key)
-                if perm is not None and not torch.equal(perm, torch.arange(perm.numel())):
+                if perm is not None:
                     sparse[f"{key}.perm"] = perm.to(torch.int32).contiguous()
                     mapped = True
-            experts_out[name] = {"experts": len(experts), "shape": list(experts[0].weight.shape),
-                                 "transposed": experts[0].transposed, "perm": mapped}
+            first = experts[0]
+            experts_out[name] = {"experts": len(experts), "shape": list(first.weight.shape),
+                                 "transposed": first.transposed, "perm": mapped}
             skip_keys.add(name)
     restored = _restore_column_order(model, set(layers))
     if not layers and not experts_out:

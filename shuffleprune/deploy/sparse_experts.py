@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, is_fused_experts, parse_expert_name
+from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, experts_by_tensor, is_fused_experts
 from shuffleprune.deploy.format import check_compressed, check_index_map
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
@@ -74,13 +74,11 @@ def _register() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, nm_experts_forward)
 
 
-def exportable_experts(block: nn.Module, prefix: str) -> dict[str, list[ExpertWeight]]:
+def exportable_experts(block: nn.Module, prefix: str) -> dict[str, dict[int, ExpertWeight]]:
     """``{full_param_name: its experts}`` of a block's fused expert parameters whose every expert was
     pruned (has zeros); a parameter left dense, wholly or in part, stays in the dense checkpoint."""
-    by_param: dict[str, list[ExpertWeight]] = {}
-    for name, expert in block_experts(block, prefix).items():
-        by_param.setdefault(parse_expert_name(name)[0], []).append(expert)
-    return {name: experts for name, experts in by_param.items() if all(bool((e.weight == 0).any()) for e in experts)}
+    return {name: experts for name, experts in experts_by_tensor(block_experts(block, prefix)).items()
+            if all(bool((e.weight == 0).any()) for e in experts.values())}
 
 
 def attach_sparse_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: dict, policy: str = "auto") -> None:

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from shuffleprune.blocks import ExpertWeight
+from shuffleprune.blocks import ExpertWeight, expert_name, experts_by_tensor
 from shuffleprune.errors import UserError
 
 
@@ -104,12 +104,9 @@ def _check_experts_seen(experts: dict[str, ExpertWeight], stats: dict[str, Input
     routed-input capture does not see: refuse it rather than prune it blind."""
     if not stats:
         return  # nothing ran
-    by_layer: dict[tuple[int, str], list[str]] = {}
-    for name, e in experts.items():
-        by_layer.setdefault((id(e.owner), e.param), []).append(name)
-    for names in by_layer.values():
-        if not any(n in stats for n in names):
-            layer = names[0][:names[0].rindex(".")]
+    for fused, members in experts_by_tensor(experts).items():
+        if not any(expert_name(fused, e) in stats for e in members):
+            layer = fused.rpartition(".")[0]
             raise UserError(f"no calibration token reached the experts of '{layer}' through F.linear or a matmul on "
                             f"one expert's slice (an experts forward shuffleprune cannot follow); leave them dense "
                             f"with --skip '{layer}.*'")

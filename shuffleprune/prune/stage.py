@@ -80,8 +80,8 @@ class BlockWork:
     block: nn.Module
     linears: dict[str, nn.Linear]
     hidden: torch.Tensor                   # the block's inputs for every calibration window
-    # Experts of fused MoE layers: masked and updated like linears (prune and lsq stages) in their
-    # own column order (no index maps, no block reconstruction).
+    # Experts of fused MoE layers: masked and updated like linears (prune, lsq; random and searched
+    # index maps; blockrecon per fused tensor), kept in their own column order in the checkpoint.
     experts: dict[str, ExpertWeight] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)        # name -> InputStats | None (linears and experts)
     groups: list[list[str]] = field(default_factory=list)      # linears that read one input

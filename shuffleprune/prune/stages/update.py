@@ -14,12 +14,12 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call
 
-from shuffleprune.blocks import ExpertWeight, expert_name, first_tensor, parse_expert_name
+from shuffleprune.blocks import ExpertWeight, expert_name, experts_by_tensor, first_tensor
 from shuffleprune.errors import UserError
 from shuffleprune.perm.pruning import FrozenParams, split_windows
 from shuffleprune.prune.methods.lsq import masked_lstsq
@@ -64,32 +64,25 @@ class LeastSquares(Stage):
 class _FusedExperts:
     """One fused experts tensor of a block with some of its experts selected for pruning."""
 
-    name: str                          # full name of the tensor
-    module: torch.nn.Module
-    param: str
-    experts: dict[int, ExpertWeight] = field(default_factory=dict)   # the selected ones
+    name: str                              # full name of the tensor
+    experts: dict[int, ExpertWeight]       # the selected ones
+
+    def tensor(self) -> torch.nn.Parameter:
+        first = next(iter(self.experts.values()))
+        return getattr(first.owner, first.param)
 
     @property
     def whole(self) -> bool:
         """Every expert of the tensor is selected (so the whole tensor is fitted)."""
-        return len(self.experts) == getattr(self.module, self.param).shape[0]
+        return len(self.experts) == self.tensor().shape[0]
 
     def dense(self, unpruned: dict[str, torch.Tensor]) -> torch.Tensor:
         """The tensor with its selected experts' unpruned weights (``unpruned``: by expert name)."""
-        out = getattr(self.module, self.param).detach().clone()
+        out = self.tensor().detach().clone()
         for e, expert in self.experts.items():
             w = unpruned[expert_name(self.name, e)]
             out[e] = (w.t() if expert.transposed else w).to(out.dtype)
         return out
-
-
-def _fused_experts(work: BlockWork) -> dict[str, _FusedExperts]:
-    """The block's fused experts tensors that have selected experts, by full name."""
-    found: dict[str, _FusedExperts] = {}
-    for name, expert in work.experts.items():
-        fused, e = parse_expert_name(name)
-        found.setdefault(fused, _FusedExperts(fused, expert.owner, expert.param)).experts[e] = expert
-    return found
 
 
 @register
@@ -124,15 +117,15 @@ class BlockReconstruction(Stage):
             raise UserError("update 'blockrecon' holds windows out: raise --nsamples to at least 2 (or holdout: 0)")
 
     def apply(self, run: Run, work: BlockWork) -> None:
-        fused = _fused_experts(work)
+        fused = {n: _FusedExperts(n, experts) for n, experts in experts_by_tensor(work.experts).items()}
         # what is fitted: the linears' weights, and each fused experts tensor whose every expert was pruned
         tensors = {n: lin.weight for n, lin in work.linears.items()}
-        tensors.update({n: getattr(f.module, f.param) for n, f in fused.items() if f.whole})
+        tensors.update({n: f.tensor() for n, f in fused.items() if f.whole})
         param_of = {n: n[len(work.prefix) + 1:] + (".weight" if n in work.linears else "") for n in {**tensors, **fused}}
-        dtype = {n: t.dtype for n, t in tensors.items()}
+        dtype = {**{n: f.tensor().dtype for n, f in fused.items()}, **{n: t.dtype for n, t in tensors.items()}}
 
         def forward(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-            params = {param_of[n]: w.to(dtype[n]) if n in dtype else w for n, w in weights.items()}
+            params = {param_of[n]: w.to(dtype[n]) for n, w in weights.items()}
             args, kwargs = run.captured.call_args(work.index, len(rows), run.device)
             return first_tensor(functional_call(work.block, params, (work.hidden[rows].to(run.device), *args), kwargs))
 
