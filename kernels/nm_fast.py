@@ -394,15 +394,30 @@ if triton is not None:
         read row-major, as they lie in memory), or with ``WEIGHT_A`` ``acc[R, T] += W_p @ x_pᵀ`` (the
         weight's rows in the MMA's M, see :data:`DOT_TILES_SWAP`). A map's gather is read as words
         the pipeline copies (``X_WORDS``, :func:`_step_inputs`) or, up to 16 tokens, a step ahead."""
-        G: tl.constexpr = BLOCK_K // N
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
+        k_start = pid_s * K_PER_SPLIT
+        acc = _dot_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start,
+                        tl.minimum(k_start + K_PER_SPLIT, K), K, C, WORDS, stride_xt, N, M, BITS, HAS_PERM, PREC,
+                        UPCAST, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, WEIGHT_A, TILED, X_WORDS, NATIVE)
+        _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
+                      HAS_BIAS, SPLIT, SUM_HERE, BLOCK_R, BLOCK_T)
+
+    @triton.jit
+    def _dot_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
+                  stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
+                  PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_T: tl.constexpr, STAGES: tl.constexpr, WEIGHT_A: tl.constexpr, TILED: tl.constexpr,
+                  X_WORDS: tl.constexpr, NATIVE: tl.constexpr):
+        """The tensor-core decode's loop over kept values ``k_start … k_end`` of rows ``rows`` for the input
+        rows ``toks`` of ``x`` (any rows: the MoE kernel passes the tokens routed to one expert): float32
+        ``[BLOCK_R, BLOCK_T]``."""
+        G: tl.constexpr = BLOCK_K // N
         if WEIGHT_A:
             acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        k_start = pid_s * K_PER_SPLIT
         x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
-        for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             # the byte-permute expansion but for 32 tokens in the MMA's rows (sm_90a: 1361 loop instructions
             # and 182 registers against the selects' 1267 and 150)
             dense = _dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
@@ -413,8 +428,7 @@ if triton is not None:
             acc = _mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if not WEIGHT_A:
             acc = tl.trans(acc)
-        _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
-                      HAS_BIAS, SPLIT, SUM_HERE, BLOCK_R, BLOCK_T)
+        return acc
 
     @triton.jit
     def _nm_select_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
@@ -429,13 +443,26 @@ if triton is not None:
         its own; the one cross-lane reduction comes after the loop. No dense tile is built. With a
         map, its gather is read as 32-bit words and pipelined (``X_WORDS``, see :func:`_step_inputs`),
         else one step ahead in registers (:func:`_inputs_ahead`)."""
-        G: tl.constexpr = BLOCK_K // N
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
-        acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
+        out = _select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start,
+                           tl.minimum(k_start + K_PER_SPLIT, K), K, C, WORDS, stride_xt, N, M, BITS, HAS_PERM,
+                           BLOCK_R, BLOCK_K, BLOCK_T, STAGES, TILED, X_WORDS)
+        _store_decode(out, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
+                      HAS_BIAS, SPLIT, SUM_HERE, BLOCK_R, BLOCK_T)
+
+    @triton.jit
+    def _select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
+                     stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+                     TILED: tl.constexpr, X_WORDS: tl.constexpr):
+        """The select decode's loop over kept values ``k_start … k_end`` of rows ``rows`` for the input rows
+        ``toks`` of ``x`` (any rows, as :func:`_dot_loop`): float32 ``[BLOCK_R, BLOCK_T]``."""
+        G: tl.constexpr = BLOCK_K // N
+        acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         # with a map the inputs are read one step ahead (_inputs_ahead) unless the pipeline copies them (X_WORDS)
         x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
-        for k0 in tl.range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K, num_stages=STAGES):
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             v, words = _kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
                                   "evict_first", TILED)
             if TILED:
@@ -463,9 +490,7 @@ if triton is not None:
                                  mask=col_ok[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # slot j of each group
                     picked = tl.where(pos == j, xj[None, :, None, :], picked)
             acc += v.to(tl.float32)[:, :, :, None] * picked
-        out = tl.sum(tl.reshape(acc, (BLOCK_R, BLOCK_K, BLOCK_T)), axis=1)
-        _store_decode(out, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
-                      HAS_BIAS, SPLIT, SUM_HERE, BLOCK_R, BLOCK_T)
+        return tl.sum(tl.reshape(acc, (BLOCK_R, BLOCK_K, BLOCK_T)), axis=1)
 
     @triton.jit
     def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,

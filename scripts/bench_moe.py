@@ -6,15 +6,19 @@
 A transformers ``MixtralExperts`` layer (``--experts`` × hidden ``--hidden`` × intermediate ``--inter``,
 bf16 on CUDA), every expert's matrices pruned 2:4 by magnitude. Dense: the pruned weights in the fused
 tensors, run by transformers' ``grouped_mm`` and ``eager`` experts forwards. Sparse: the same weights
-compressed per expert and attached as an export's are (``attach_sparse_experts``: one ``SparseLinear``
-per expert matrix, ``auto`` kernel choice, the ``shuffleprune_nm`` experts forward), and again with a
-random block index map per expert (each expert then pruned 2:4 in its map's order). Routing: each token picks ``top_k`` distinct experts uniformly at
-random, softmax weights (seed ``--seed``). Timing: eager calls (the experts forwards synchronise on
-the host to group tokens, so none is captured into a CUDA graph), CUDA events around ``--calls``
-calls, median of ``--runs``, after a warm-up that also makes ``auto``'s choices. The fused weights
-are far larger than L2 (2.8 GB dense for Mixtral's layer), so no copies rotate. Each row records
-the maximum relative error against the dense eager output of the same weights; ``bytes`` holds each
-layer's parameters and buffers.
+compressed per expert and attached as an export's are (``attach_sparse_experts``: one stacked
+``SparseExperts`` per projection, the ``shuffleprune_nm`` experts forward), run two ways: ``nm_loop``,
+the per-expert loop (each expert's ``SparseLinear``, ``auto`` kernel choice), and ``nm_grouped``, one
+launch of the grouped kernel per projection (``kernels/nm_experts.py``); each again with a random
+block index map per expert (``…_mapped``; each expert then pruned 2:4 in its map's order). Routing:
+each token picks ``top_k`` distinct experts uniformly at random, softmax weights (seed ``--seed``).
+Timing: forwards that wait on the host (the loops group tokens with a host synchronisation) are timed
+eagerly, CUDA events around ``--calls`` calls, median of ``--runs``, after a warm-up that also makes
+``auto``'s choices; ``nm_grouped*`` and ``dense_grouped_mm`` are captured into one CUDA graph of
+``--calls`` calls where they can be (``timing`` says which: ``cuda_graph`` or ``events``), as a decode
+step served with CUDA graphs runs them. The fused weights are far larger than L2 (2.8 GB dense for
+Mixtral's layer), so no copies rotate. Each row records the maximum relative error against the dense
+eager output of the same weights; ``bytes`` holds each layer's parameters and buffers.
 """
 from __future__ import annotations
 
@@ -35,14 +39,14 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=14336)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 16, 64, 512])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 512])
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_moe.json"))
     args = ap.parse_args()
     if args.smoke:
-        args.hidden, args.inter, args.experts, args.tokens, args.calls, args.runs = 64, 128, 4, [1, 5], 1, 1
+        args.hidden, args.inter, args.experts, args.tokens, args.calls, args.runs = 64, 128, 4, [1, 5, 40], 1, 1
 
     import torch
     from torch import nn
@@ -51,11 +55,11 @@ def main() -> None:
 
     from shuffleprune.blocks import block_experts, expert_name
     from shuffleprune.deploy.format import compress
-    from shuffleprune.deploy.sparse_experts import attach_sparse_experts
+    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, set_experts_mode
     from shuffleprune.deploy.sparse_linear import relative_error
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime import cuda_graph_ms, machine, versions
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -103,16 +107,20 @@ def main() -> None:
 
     nm, nm_reference = sparse_copy(False)
     nm_mapped, nm_mapped_reference = sparse_copy(True)
-    layers = {"dense_eager": dense, "dense_grouped_mm": own_copy("eager" if args.smoke else "grouped_mm"),
-              "nm": nm, "nm_mapped": nm_mapped}
-    references = {"dense_eager": dense, "dense_grouped_mm": dense, "nm": nm_reference, "nm_mapped": nm_mapped_reference}
+    layers = {"dense_eager": (dense, None), "dense_grouped_mm": (own_copy("eager" if args.smoke else "grouped_mm"), None),
+              "nm_loop": (nm, "loop"), "nm_grouped": (nm, "grouped"), "nm_loop_mapped": (nm_mapped, "loop"),
+              "nm_grouped_mapped": (nm_mapped, "grouped")}
+    references = {"dense_eager": dense, "dense_grouped_mm": dense, "nm_loop": nm_reference, "nm_grouped": nm_reference,
+                  "nm_loop_mapped": nm_mapped_reference, "nm_grouped_mapped": nm_mapped_reference}
     nbytes = {name: sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-              for name, m in layers.items()}
+              for name, (m, _) in layers.items()}
 
-    def timed_ms(fn) -> float:
+    def timed_ms(fn, graph: bool) -> tuple[float, str]:
         if device.type != "cuda":
             fn()
-            return float("nan")
+            return float("nan"), "none"
+        if graph:   # captured where it can be (no host synchronisation), else timed eagerly
+            return cuda_graph_ms([fn] * args.calls, args.runs, warm=3)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
         for _ in range(args.runs):
@@ -123,7 +131,7 @@ def main() -> None:
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / args.calls)
-        return statistics.median(times)
+        return statistics.median(times), "events"
 
     rows = []
     with torch.no_grad():
@@ -131,13 +139,16 @@ def main() -> None:
             x = torch.randn(tokens, args.hidden, generator=gen).to(device, dtype)
             top = torch.rand(tokens, args.experts, generator=gen).topk(args.top_k, dim=-1).indices.to(device)
             weights = torch.softmax(torch.randn(tokens, args.top_k, generator=gen), -1).to(device, dtype)
-            for name, layer in layers.items():
+            for name, (layer, mode) in layers.items():
+                if mode is not None:
+                    set_experts_mode(layer, mode)
                 want = references[name].experts(x, top, weights)
                 call = lambda layer=layer: layer.experts(x, top, weights)  # noqa: E731
                 for _ in range(3):   # warm-up: compiles kernels and makes auto's choices
                     got = call()
+                ms, how = timed_ms(call, graph=name in ("nm_grouped", "nm_grouped_mapped", "dense_grouped_mm"))
                 rows.append({"shape": f"{args.experts}x({2 * args.inter}x{args.hidden}+{args.hidden}x{args.inter})",
-                             "tokens": tokens, "impl": name, "ms": round(timed_ms(call), 4),
+                             "tokens": tokens, "impl": name, "ms": round(ms, 4), "timing": how,
                              "rel_err": float(relative_error(got, want)), "device": machine().get("gpu", "cpu")})
                 print(rows[-1], flush=True)
     if args.smoke:

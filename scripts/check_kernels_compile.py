@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]
 GEMM_TOKENS = [64, 512, 2048]
+EXPERTS = 8   # the grouped MoE kernel's rows: a Mixtral-like layer (8 experts, top 2) of each shape
 
 
 def cases(quick: bool) -> list[dict]:
@@ -72,6 +73,9 @@ def cases(quick: bool) -> list[dict]:
         out.append(dict(impl="decode", shape=(rows, cols), tokens=t, tiled=True))
     out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=16, tiled=True))
     out.append(dict(impl="scratch", shape=(rows, cols), tokens=0, tiled=True))
+    for t in (1, 16, 64):   # a MoE layer's 8 experts (top 2) in one grouped launch: 2, 32, 128 pairs
+        for impl in ("experts", "experts_mapped"):
+            out.append(dict(impl=impl, shape=(rows, cols), tokens=t))
     for width in ([4096] if quick else [4096, 11008, 14336]):
         out.append(dict(impl="rmsnorm_mapped", shape=(0, width), tokens=1))
     return out
@@ -95,6 +99,15 @@ def run_case(case: dict) -> None:
         norm_map.rmsnorm_mapped(torch.zeros(tokens, cols, dtype=dtype), torch.ones(cols), perm, 1e-6)
         return
     kept = cols // m * n
+    if impl.startswith("experts"):   # 8 experts stacked, each token routed to 2 of them
+        from shuffleprune.kernels.nm_experts import nm_experts
+
+        values = torch.zeros(EXPERTS, rows, kept, dtype=dtype)
+        words = torch.zeros(EXPERTS, rows, -(-kept * bits // 32), dtype=torch.int32)
+        ids = torch.arange(tokens * 2).remainder(EXPERTS).view(tokens, 2)
+        maps = perm.expand(EXPERTS, cols).contiguous() if impl == "experts_mapped" else None
+        nm_experts(torch.zeros(tokens, cols, dtype=dtype), values, words, n, m, bits, ids, 2, maps)
+        return
     values = torch.zeros(rows, kept, dtype=dtype)
     meta = torch.zeros(rows, -(-kept * bits // 8), dtype=torch.uint8)
     words = nm_fast.position_words(meta)
@@ -185,8 +198,9 @@ def main() -> None:
                 if launch.kernel == "_sum_partials_kernel":  # split-K's elementwise sum: compiled, not reported
                     continue
                 row = {**label, **report(launch, H100)}
-                if case["impl"].startswith("decode"):
+                if case["impl"].startswith(("decode", "experts")):
                     row["issue_ceiling_tbs"] = decode_issue_ceiling(row, case)
+                if case["impl"].startswith("decode"):
                     row["plan_per_sm"] = decode_plan_per_sm(case)
                 if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
                     row["tensor_share"] = gemm_tensor_share(row)

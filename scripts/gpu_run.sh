@@ -27,8 +27,9 @@
 #   bash scripts/gpu_run.sh tune_split_deep    # the tensor-core decodes at 4 and 16 tokens split 8 and 16 ways
 #                                              # against the plan's one wave (2 programs per SM, 4 steps each)
 #   bash scripts/gpu_run.sh moe                # one Mixtral-8x7B experts layer: transformers' grouped_mm and eager
-#                                              # experts forwards against an export's 2:4 experts (SparseLinear per
-#                                              # expert, with and without maps), 1-512 tokens
+#                                              # experts forwards against an export's 2:4 experts, the per-expert
+#                                              # loop and the grouped kernel (CUDA graph), with and without maps,
+#                                              # 1-512 tokens (sets GROUPED_MAX_TOKENS)
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
@@ -131,7 +132,7 @@ for s in "$@"; do
         stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
             $PY scripts/bench_stage_cost.py --device cuda ;;
         e2e) step e2e 270 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
-        moe) step moe 240 scripts/results/bench_moe.json $PY scripts/bench_moe.py ;;
+        moe) step moe 300 scripts/results/bench_moe.json $PY scripts/bench_moe.py ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done

@@ -99,10 +99,15 @@ def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
     for sub, module in block.named_modules():
         if not (is_plain_linear(module) or isinstance(module, SparseLinear)):
             continue
-        full = f"{prefix}.{sub}"
+        full = _join(prefix, sub)
         if _selected(full, only, skip):
             found[full] = module
     return found
+
+
+def _join(*parts: str) -> str:
+    """A dotted module path from its non-empty parts (a block's prefix or a submodule's name may be empty)."""
+    return ".".join(p for p in parts if p)
 
 
 def _selected(name: str, only: list[str] | None, skip: list[str] | None) -> bool:
@@ -178,7 +183,7 @@ def block_experts(block: nn.Module, prefix: str, only: list[str] | None = None,
             if p.dim() != 3:
                 continue
             for e in range(p.shape[0]):
-                full = expert_name(f"{prefix}.{sub}.{pname}", e)
+                full = expert_name(_join(prefix, sub, pname), e)
                 if _selected(full, only, skip):
                     found[full] = ExpertWeight(module, pname, e, module.is_transposed)
     return found
@@ -206,7 +211,7 @@ def weights_outside_linears(block: nn.Module, prefix: str) -> dict[str, int]:
             continue
         for name, p in module.named_parameters(recurse=False):
             if p.dim() >= 2:
-                found[f"{prefix}.{sub}.{name}" if sub else f"{prefix}.{name}"] = p.numel()
+                found[_join(prefix, sub, name)] = p.numel()
     return found
 
 

@@ -160,6 +160,7 @@ def test_searched_maps_reach_the_experts_and_their_export(text_file, tmp_path):
     and the export compresses it in the map's order and reads its input through the map."""
     import shuffleprune
     from shuffleprune.deploy.export import SPARSE_FILE, export_checkpoint
+    from shuffleprune.deploy.sparse_experts import set_experts_mode
     from shuffleprune.models import load_model
     from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
     from shuffleprune.perm.search import kept_score
@@ -200,7 +201,10 @@ def test_searched_maps_reach_the_experts_and_their_export(text_file, tmp_path):
         fmt = export_checkpoint(tmp_path / "pruned", tmp_path / "exported")
         assert fmt["experts"]["model.layers.1.mlp.experts.down_proj"]["perm"] is True
         assert "model.layers.1.mlp.experts.down_proj[2].perm" in load_file(str(tmp_path / "exported" / SPARSE_FILE))
-        torch.testing.assert_close(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, want, rtol=1e-5, atol=1e-5)
+        exported = shuffleprune.load(str(tmp_path / "exported"))
+        torch.testing.assert_close(exported(ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert set_experts_mode(exported, "grouped") == 6   # every expert's map read by the grouped kernel
+        torch.testing.assert_close(exported(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 class _Crash(Exception):
@@ -261,3 +265,76 @@ def test_blockrecon_fits_whole_fused_expert_tensors_under_their_masks(target, te
     assert not torch.equal(experts.gate_up_proj, masked.gate_up_proj)
     assert fitted.report["nm_ok"] is True   # in each expert's searched order, as before the fit
     assert torch.equal(experts.down_proj, masked.down_proj)
+
+
+class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that make the host wait for the device (a value read back, or an output whose
+    size depends on values): what a CUDA graph capture cannot hold."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "bincount", "repeat_interleave")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(name in str(func) for name in self.SYNCING):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_the_host(model_type):
+    """An experts layer whose every expert is 2:4 and compressed as an export holds it: the grouped forward
+    (two launches over all (token, slot) pairs) and the per-expert loop both give transformers' eager
+    experts forward on the same weights — gpt-oss's transposed experts, biases and clamped gate included,
+    and with an expert-parallel sentinel id among the choices — and the grouped one reads nothing back
+    to the host (so a decode step captures into a CUDA graph), where the loop does; ``auto`` takes the
+    grouped kernel only for CUDA decode."""
+    import copy
+
+    from shuffleprune.deploy.format import compress
+    from types import SimpleNamespace
+
+    from shuffleprune.deploy.sparse_experts import (GROUPED_MAX_TOKENS, attach_sparse_experts, experts_mode,
+                                                    nm_experts_forward, set_experts_mode)
+    from shuffleprune.masks import nm_keep_mask
+
+    dense = torch.nn.Module()
+    dense.experts = tiny_model(model_type).model.layers[0].mlp.experts
+    dense.experts.config._experts_implementation = "eager"
+    tensors, entries = {}, {}
+    with torch.no_grad():
+        for name, expert in block_experts(dense, "").items():   # every expert 2:4, compressed as export does
+            expert.weight.mul_(nm_keep_mask(expert.weight.abs(), 2, 4))
+            tensors[f"{name}.values"], tensors[f"{name}.meta"] = compress(expert.weight, 2, 4)
+            entries[f"experts.{expert.param}"] = {"experts": dense.experts.num_experts,
+                                                  "shape": list(expert.weight.shape),
+                                                  "transposed": dense.experts.is_transposed, "perm": False}
+    holder = copy.deepcopy(dense)
+    holder.experts.config = copy.deepcopy(dense.experts.config)
+    attach_sparse_experts(holder, tensors, {"n": 2, "m": 4, "experts": entries})
+    experts, sparse = dense.experts, holder.experts
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, experts.config.hidden_size, generator=g)
+    top = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(6)])
+    top[2, 1] = experts.num_experts   # a pair routed to no local expert
+    weights = torch.softmax(torch.randn(6, 2, generator=g), -1)
+    with torch.no_grad():   # the reference drops that pair by its weight (gpt-oss's eager forward takes no sentinel)
+        want = experts(x, top.clamp(max=experts.num_experts - 1), weights * (top < experts.num_experts))
+        for mode in ("grouped", "loop"):
+            set_experts_mode(holder, mode)
+            with _HostSyncs() as syncs:
+                got = nm_experts_forward(sparse, x, top, weights)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert (syncs.seen == []) == (mode == "grouped"), (mode, syncs.seen)
+    # auto: the grouped kernel for CUDA decode (up to GROUPED_MAX_TOKENS), the loop for prompts and on the CPU
+    set_experts_mode(holder, "auto")
+    on_cuda = lambda tokens: SimpleNamespace(is_cuda=True, shape=(tokens, x.shape[1]))  # noqa: E731
+    assert experts_mode(sparse, on_cuda(GROUPED_MAX_TOKENS)) == "grouped"
+    assert experts_mode(sparse, on_cuda(GROUPED_MAX_TOKENS + 1)) == experts_mode(sparse, x) == "loop"
+    sparse.nm_experts["down_proj"].mode = "loop"   # one projection's choice holds for the layer
+    assert experts_mode(sparse, on_cuda(1)) == "loop"
+    sparse.nm_experts["gate_up_proj" if sparse.has_gate else "up_proj"].mode = "grouped"
+    with pytest.raises(ValueError, match="different modes"):
+        experts_mode(sparse, x)

@@ -553,7 +553,7 @@ def test_moe_experts_export_compressed_and_run_from_their_sparse_layers(model_ty
     through the registered shuffleprune experts forward, gives the pruned logits; a fused parameter
     left dense (--skip) stays in the dense checkpoint and runs beside the compressed one."""
     from conftest import make_tokenizer, tiny_model
-    from shuffleprune.deploy.sparse_experts import IMPLEMENTATION
+    from shuffleprune.deploy.sparse_experts import IMPLEMENTATION, experts_mode, set_experts_mode
 
     src = tmp_path / model_type
     tiny_model(model_type).save_pretrained(src)
@@ -586,7 +586,12 @@ def test_moe_experts_export_compressed_and_run_from_their_sparse_layers(model_ty
         assert experts.gate_up_proj is None and len(experts.nm_experts["gate_up_proj"]) == 4
         assert (experts.down_proj is None) == (not skip)
         with torch.no_grad():
-            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+            want = ref(ids).logits
+            torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+            # the grouped kernel (both projections compressed) gives the same; with one left dense, the loop runs
+            assert set_experts_mode(model, "grouped") == (3 if skip else 6)
+            assert experts_mode(experts, ids) == ("loop" if skip else "grouped")
+            torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_exports_of_format_version_1_still_load(pruned_perm_dir, tmp_path):

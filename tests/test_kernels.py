@@ -200,6 +200,99 @@ def test_split_k_sums_in_the_last_split_as_the_separate_kernel_does(kernel, toke
     assert torch.equal(run(), two_launches) and len(summed) == 1
 
 
+def _experts_case(experts: int, rows: int, cols: int, n: int, m: int, dtype: torch.dtype, mapped: list[bool], seed: int):
+    """``experts`` N:M matrices stacked as the export's experts load (values, words, maps with the identity
+    where an expert has none) and the dense matrices, each in its map's column order."""
+    from shuffleprune.kernels.nm_fast import position_words
+
+    g = torch.Generator().manual_seed(seed)
+    dense, values, words, perms = [], [], [], []
+    for e in range(experts):
+        w, v, meta, *_ = _case(rows, cols, n, m, 1, dtype, seed=seed + e)
+        dense.append(w)
+        values.append(v)
+        words.append(position_words(meta))
+        perms.append(torch.randperm(cols, generator=g) if mapped[e] else torch.arange(cols))
+    perm = torch.stack(perms).to(torch.int32) if any(mapped) else None
+    return dense, torch.stack(values), torch.stack(words), perm, perms
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,n,m,tokens,top_k,block_t,split,use_dot,mapped", [
+    (37, 96, 2, 4, 1, 2, None, None, False, [True, False, True, True]),   # decode: one pair per block, select loop
+    (24, 160, 2, 4, 5, 2, 1, 3, False, [True] * 4),     # experts chosen twice: several blocks each, split-K
+    (40, 64, 2, 4, 7, 3, 2, None, False, [False] * 4),  # two pairs per block, no maps
+    (33, 128, 4, 8, 3, 2, None, 2, True, [True, True, False, False]),   # 4:8 on the tensor cores, split-K
+    (29, 96, 2, 4, 9, 2, 16, None, True, [True] * 4),   # 2:4 tensor-core blocks (weight as the A operand)
+    (20, 64, 1, 4, 6, 2, 4, 1, None, [False, True, False, True]),   # 1:4 (the generic expansion)
+])
+def test_grouped_experts_kernel_matches_float64(rows, cols, n, m, tokens, top_k, block_t, split, use_dot, mapped,
+                                                dtype):
+    """Every (token, slot) pair through its own expert's N:M matrix and map in one launch: the hidden state of
+    the pair's token (``x_div = top_k``) and the pair's own row (``x_div = 1``, the second projection), ids
+    past the last expert (expert-parallel sentinels) giving zero rows, against float64."""
+    from shuffleprune.kernels.nm_experts import nm_experts
+
+    experts = len(mapped)
+    dense, values, words, perm, perms = _experts_case(experts, rows, cols, n, m, dtype, mapped, seed=rows + tokens)
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts + 1, generator=g)[:top_k] for _ in range(tokens)])  # id E: dropped
+    over = {"split": split, "block_k": 16} if split else {}
+    if use_dot is not None:
+        over["use_dot"] = use_dot
+    for x_div, x in ((top_k, torch.randn(tokens, cols, generator=g)), (1, torch.randn(tokens * top_k, cols, generator=g))):
+        x = x.to(dtype)
+        y = nm_experts(x, values, words, n, m, meta_bits(m), ids, x_div, perm, block_t=block_t, **over)
+        ref = torch.zeros(tokens * top_k, rows, dtype=torch.float64)
+        for pair, e in enumerate(ids.reshape(-1).tolist()):
+            if e < experts:
+                ref[pair] = dense[e].double() @ x[pair // x_div].double()[perms[e]]
+        assert y.shape == ref.shape and _close(y, ref, dtype), (x_div, (y.double() - ref).abs().max())
+        assert not y[ids.reshape(-1) == experts].any()
+
+
+@pytest.mark.parametrize("pairs,experts,block_t", [(1, 8, 1), (14, 4, 2), (40, 8, 16), (9, 64, 1), (30, 3, 4)])
+def test_route_blocks_groups_each_experts_pairs_in_order_in_blocks_of_one_expert(pairs, experts, block_t):
+    """route_blocks puts every local pair in exactly one slot, of a block of its own expert, in the pairs'
+    order; dropped ids and padding fill the rest; the block count is the bound fixed by the shapes."""
+    from shuffleprune.kernels.nm_experts import route_blocks
+
+    ids = torch.randint(-1, experts + 1, (pairs,), generator=torch.Generator().manual_seed(pairs))
+    slots, block_expert = route_blocks(ids, experts, block_t)
+    assert block_expert.numel() == -(-pairs // block_t) + min(experts, pairs)
+    assert slots.numel() == block_expert.numel() * block_t and slots.dtype == block_expert.dtype == torch.int32
+    by_block = slots.view(-1, block_t)
+    placed = []
+    for b, e in enumerate(block_expert.tolist()):
+        filled = [p for p in by_block[b].tolist() if p < pairs]
+        if e < 0:
+            assert not filled
+        assert all(ids[p] == e for p in filled)
+        placed += filled
+    local = [p for p in range(pairs) if 0 <= ids[p] < experts]
+    assert sorted(placed) == local and placed == sorted(local, key=lambda p: (int(ids[p]), p))
+
+
+def test_sparse_experts_hold_one_stacked_copy_with_each_expert_a_view():
+    """SparseExperts: each expert's SparseLinear reads views of the stacked buffers (no copy), its own map
+    or none, gives that expert's product, and is made again over the new buffers after ``.to()``."""
+    from shuffleprune.deploy.sparse_experts import SparseExperts
+
+    dense, values, words, perm, perms = _experts_case(3, 24, 64, 2, 4, torch.float32, [True, False, True], seed=1)
+    meta = words.view(torch.uint8).reshape(3, 24, -1)
+    held = SparseExperts(values, meta, 64, 2, 4, perm, [True, False, True])
+    assert len(held) == 3 and held[1].perm is None and torch.equal(held[2].perm, perm[2])
+    assert held[1].values.data_ptr() == values[1].data_ptr() and held[1].meta.data_ptr() == meta[1].data_ptr()
+    x = torch.randn(5, 64)
+    for e in range(3):
+        torch.testing.assert_close(held[e](x).double(), x.double()[:, perms[e]] @ dense[e].double().t(), rtol=1e-5,
+                                   atol=1e-5)
+    first = held[0]
+    held.to(torch.float64)
+    assert held[0] is not first and held[0].values.dtype == torch.float64
+    assert held[0].values.data_ptr() == held.values.data_ptr()
+
+
 @pytest.mark.parametrize("rows,cols,n,m", [(37, 96, 2, 4), (33, 136, 4, 8), (5, 24, 2, 4)])
 def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
     from shuffleprune.kernels.nm_fast import nm_decompress_into, position_words
@@ -443,7 +536,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert all(r["spill_bytes"] == 0 and r["fits"] for r in rows)
     impls = {r["impl"] for r in rows}
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
-            "rmsnorm_mapped"} <= impls
+            "rmsnorm_mapped", "experts", "experts_mapped"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -463,6 +556,11 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["plan_per_sm"] <= r["programs_per_sm"], r
         if r["impl"] == "decode_swap":
             assert r["evict_first"] and r["plan_per_sm"] == r["programs_per_sm"], r
+        if r["impl"].startswith("experts"):   # the grouped MoE kernel streams each expert as decode streams a layer
+            assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
+            assert r["loop_sync_loads"] == 0, r   # an expert's map read as words the pipeline copies too
+            assert r["tensor_core"] == r["wgmma"] == (r["tokens"] > 1), r   # blocks of ≥ 2 pairs: weight-as-A wgmma
+            assert r["issue_ceiling_tbs"] > 3.35, r
         if r["impl"].startswith("gemm"):
             assert not r["evict_first"], r
         if r["impl"] in ("gemm_tile", "gemm_swap_tile"):   # the tables gemm_plan's cost model reads are the compiled ones

@@ -1,15 +1,28 @@
-"""Fused MoE experts in an export: every expert's matrix held compressed as a :class:`SparseLinear`.
+"""Fused MoE experts in an export: every expert's matrix held compressed, stacked per projection.
 
 transformers 5 stores a layer's experts as one ``[experts, out, in]`` parameter per projection
 (``[experts, in, out]`` when the layer ``is_transposed``) and picks the experts forward by name from
 its experts interface (``config._experts_implementation``). ``export`` compresses each expert of a
 pruned fused parameter like a linear layer (``NAME[e].values`` / ``NAME[e].meta``, and the
 expert's index map ``NAME[e].perm`` when it has one: the kernel reads its input through it); on load
-:func:`attach_sparse_experts` puts those in ``module.nm_experts[param][e]``, drops the dense
-parameter, and selects :func:`nm_experts_forward`, registered with transformers as
-``"shuffleprune_nm"``: the eager experts loop (tokens grouped by expert, gate or activation, biases,
-post-expert norm, routing weights) with each projection run by the expert's sparse layer, or by its
-dense slice where a parameter was left dense.
+:func:`attach_sparse_experts` stacks them in ``module.nm_experts[param]`` (expert ``e`` is
+``module.nm_experts[param][e]``), drops the dense parameter, and selects :func:`nm_experts_forward`,
+registered with transformers as ``"shuffleprune_nm"``: gate or activation, biases, post-expert norm
+and routing weights as transformers computes them, each projection run sparse, or by its dense
+slice where a parameter was left dense.
+
+A fused projection is held as one :class:`SparseExperts`: every expert's values, positions and map
+stacked (``[E, R, K]``, ``[E, R, B]``, ``[E, C]``), with each expert's :class:`SparseLinear` a view.
+Its forward takes one of two ways (``mode``):
+
+- ``grouped``: both projections by one launch each of :func:`shuffleprune.kernels.nm_experts.nm_experts`
+  over all the router's (token, slot) pairs, grouped by expert on the device — no host
+  synchronisation, so a decode step captures into a CUDA graph; each expert's weight is read once
+  per block of its pairs. ``auto`` takes it on CUDA up to :data:`GROUPED_MAX_TOKENS` tokens.
+- ``loop``: transformers' eager loop over the experts some token chose (one host synchronisation
+  to group the tokens), each projection by the expert's :class:`SparseLinear` (``auto``'s measured
+  kernel choice per token count); ``auto`` takes it on the CPU, for longer prompts, for N:M other
+  than powers of two, and wherever a projection was left dense.
 """
 from __future__ import annotations
 
@@ -18,11 +31,69 @@ import torch.nn.functional as F
 from torch import nn
 
 from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, experts_by_tensor, is_fused_experts
-from shuffleprune.deploy.format import check_compressed, check_index_map
+from shuffleprune.deploy.format import check_compressed, check_index_map, meta_bits
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
 
 IMPLEMENTATION = "shuffleprune_nm"
+MODES = ("auto", "grouped", "loop")
+# auto runs the grouped kernel on CUDA up to this many tokens (decode), the per-expert loop above it;
+# not yet timed on a GPU: scripts/bench_moe.py times both at 1–512 tokens
+GROUPED_MAX_TOKENS = 16
+
+
+class SparseExperts(nn.Module):
+    """One fused expert projection of an export held compressed: ``values`` ``[E, R, K]``, ``meta``
+    ``[E, R, B]`` (the export's bytes), ``perm`` ``[E, C]`` int32 or ``None`` (an expert without a map
+    holds the identity there, ``mapped`` says which have one). ``self[e]`` is expert ``e`` as a
+    :class:`SparseLinear` over views of these (no copy; made again after ``.to()`` moved them);
+    :meth:`grouped` runs every expert at once."""
+
+    def __init__(self, values: torch.Tensor, meta: torch.Tensor, in_features: int, n: int, m: int,
+                 perm: torch.Tensor | None, mapped: list[bool], policy: str = "auto", mode: str = "auto"):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"unknown experts mode {mode!r}; use one of {', '.join(MODES)}")
+        self.in_features, self.n, self.m = in_features, n, m
+        self.register_buffer("values", values)
+        self.register_buffer("meta", meta)
+        self.register_buffer("perm", perm)
+        self.mapped, self.policy, self.mode = list(mapped), policy, mode
+        self._views: dict = {}      # (values' address) → the experts' SparseLinear views
+        self._words: tuple | None = None
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    def __getitem__(self, expert: int) -> SparseLinear:
+        key = (self.values.data_ptr(), self.meta.data_ptr(), None if self.perm is None else self.perm.data_ptr())
+        if key not in self._views:
+            self._views = {key: [SparseLinear(self.values[e], self.meta[e], self.in_features, self.n, self.m,
+                                              self.perm[e] if self.mapped[e] else None, None, policy=self.policy)
+                                 for e in range(len(self))]}
+        return self._views[key][expert]
+
+    def extra_repr(self) -> str:
+        experts, rows, _ = self.values.shape
+        return (f"experts={experts}, in_features={self.in_features}, out_features={rows}, {self.n}:{self.m}, "
+                f"mapped={sum(self.mapped)}, mode={self.mode}")
+
+    def words(self) -> torch.Tensor:
+        """The positions as int32 words ``[E, R, W]`` (a view of ``meta`` when rows are whole words)."""
+        from shuffleprune.kernels.nm_fast import position_words
+
+        if self._words is None or self._words[0] is not self.meta:
+            experts, rows, nbytes = self.meta.shape
+            self._words = (self.meta, position_words(self.meta.reshape(experts * rows, nbytes)).view(experts, rows, -1))
+        return self._words[1]
+
+    def grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, x_div: int) -> torch.Tensor:
+        """``y[p] = x[p // x_div][perm_e] @ W_eᵀ`` for each pair ``p`` of ``expert_ids`` (expert ``e``): one
+        launch of the grouped kernel (:func:`shuffleprune.kernels.nm_experts.nm_experts`)."""
+        from shuffleprune.kernels.nm_experts import nm_experts
+
+        return nm_experts(x, self.values, self.words(), self.n, self.m, meta_bits(self.m), expert_ids, x_div,
+                          self.perm)
 
 
 def _project(module: nn.Module, param: str, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -40,8 +111,62 @@ def _project(module: nn.Module, param: str, expert: int, x: torch.Tensor) -> tor
 
 def nm_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts forward of a layer with compressed experts: for each expert some token chose, its
-    tokens through up (or gate-up), the gate or activation, and down, weighted and summed per token."""
+    """The experts forward of a layer with compressed experts: the grouped kernel or the per-expert
+    loop (:func:`experts_mode`)."""
+    if experts_mode(self, hidden_states) == "grouped":
+        return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return loop_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def experts_mode(module: nn.Module, hidden_states: torch.Tensor) -> str:
+    """``grouped`` or ``loop`` for this call: the projections' ``mode`` where set (``grouped`` needs
+    both projections compressed), else ``grouped`` on CUDA up to :data:`GROUPED_MAX_TOKENS` tokens."""
+    store = getattr(module, "nm_experts", {})
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    if up not in store or "down_proj" not in store:   # a projection left dense: only the loop runs it
+        return "loop"
+    held = [store[up], store["down_proj"]]
+    modes = {h.mode for h in held} - {"auto"}
+    if len(modes) > 1:
+        raise ValueError(f"the experts' projections ask for different modes: {sorted(modes)}")
+    if modes:
+        return modes.pop()
+    from shuffleprune.kernels.nm_fast import triton
+
+    powers_of_two = all(not (h.n & (h.n - 1) or h.m & (h.m - 1)) for h in held)   # the word-layout kernels' N:M
+    small = hidden_states.shape[0] <= GROUPED_MAX_TOKENS
+    return "grouped" if hidden_states.is_cuda and triton is not None and powers_of_two and small else "loop"
+
+
+def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Every (token, slot) pair through its expert's up (or gate-up) projection, the gate or activation,
+    and down, each projection one grouped launch; weighted and summed over each token's slots in
+    float32 (transformers' ``batched_mm`` order). Pairs routed to no local expert add nothing."""
+    up = "gate_up_proj" if self.has_gate else "up_proj"
+    k = top_k_index.shape[-1]
+    ids = top_k_index.reshape(-1)
+    local = (ids >= 0) & (ids < self.num_experts)
+    h = self.nm_experts[up].grouped(hidden_states, ids, k)
+    bias_ids = ids.clamp(0, self.num_experts - 1)
+    if getattr(self, "has_bias", False):
+        h = h + getattr(self, f"{up}_bias")[bias_ids]
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    y = self.nm_experts["down_proj"].grouped(h, ids, 1)
+    if getattr(self, "has_bias", False):
+        y = y + self.down_proj_bias[bias_ids]
+    if getattr(self, "has_post_expert_norm", False):
+        y = self.post_expert_norm(y)
+    weights = top_k_weights.reshape(-1).float() * local
+    out = (y.float() * weights[:, None]).view(hidden_states.shape[0], k, -1).sum(1)
+    return out.to(hidden_states.dtype)
+
+
+def loop_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """For each expert some token chose, its tokens through up (or gate-up), the gate or activation,
+    and down (each projection by the expert's :class:`SparseLinear`, or its dense slice where the
+    parameter was left dense), weighted and summed per token."""
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     up = "gate_up_proj" if self.has_gate else "up_proj"
     k = top_k_index.shape[-1]
@@ -97,19 +222,36 @@ def attach_sparse_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fm
         rows, cols = info["shape"]
         if not is_fused_experts(module) or dense is None or dense.shape[0] != info["experts"]:
             raise UserError(f"exported experts '{name}' ({info['experts']} × {rows}×{cols}) do not match the model config")
-        layers = []
+        values, metas, perms = [], [], []
         for e in range(info["experts"]):
             key = expert_name(name, e)
             if f"{key}.values" not in tensors or f"{key}.meta" not in tensors:
                 raise UserError(f"corrupt export: tensor '{key}.values' or '{key}.meta' missing from the sparse file")
-            values, meta, perm = tensors[f"{key}.values"], tensors[f"{key}.meta"], tensors.get(f"{key}.perm")
-            check_compressed(f"{key}.values/meta", values, meta, (rows, cols), n, m)
-            check_index_map(key, perm, cols)
-            layers.append(SparseLinear(values.to(dense.dtype), meta, cols, n, m, perm, None, policy=policy))
+            check_compressed(f"{key}.values/meta", tensors[f"{key}.values"], tensors[f"{key}.meta"], (rows, cols), n, m)
+            check_index_map(key, tensors.get(f"{key}.perm"), cols)
+            values.append(tensors.pop(f"{key}.values").to(dense.dtype))   # popped: the stack is the one copy
+            metas.append(tensors.pop(f"{key}.meta"))
+            perms.append(tensors.pop(f"{key}.perm", None))
+        mapped = [p is not None for p in perms]
+        perm = None if not any(mapped) else torch.stack(
+            [p.to(torch.int32) if p is not None else torch.arange(cols, dtype=torch.int32) for p in perms])
         if not hasattr(module, "nm_experts"):
             module.nm_experts = nn.ModuleDict()
-        module.nm_experts[param] = nn.ModuleList(layers)
+        module.nm_experts[param] = SparseExperts(torch.stack(values).to(dense.device), torch.stack(metas).to(dense.device),
+                                                 cols, n, m, None if perm is None else perm.to(dense.device), mapped,
+                                                 policy=policy)
         module.register_parameter(param, None)   # no dense copy
         configs[id(module.config)] = module.config
     for config in configs.values():
         config._experts_implementation = IMPLEMENTATION
+
+
+def set_experts_mode(model: nn.Module, mode: str) -> int:
+    """Set every compressed experts projection of ``model`` to ``mode`` (``auto``, ``grouped`` or ``loop``,
+    see :class:`SparseExperts`); returns how many were set."""
+    if mode not in MODES:
+        raise ValueError(f"unknown experts mode {mode!r}; use one of {', '.join(MODES)}")
+    held = [m for m in model.modules() if isinstance(m, SparseExperts)]
+    for m in held:
+        m.mode = mode
+    return len(held)

@@ -1,0 +1,137 @@
+"""One launch for every expert of a fused MoE projection held compressed N:M (the export's experts).
+
+A layer's ``E`` experts are stacked: values ``[E, R, K]``, position words ``[E, R, W]`` (the word
+layout of :mod:`.nm_fast`), index maps ``[E, C]`` (int32; an expert without one holds the identity).
+The router's ``(token, slot)`` pairs (``P = tokens · top_k``, pair ``p`` = token ``p // top_k``) are
+grouped by expert on the device (:func:`route_blocks`: no host synchronisation, so a decode step
+captures into a CUDA graph) into blocks of at most ``BLOCK_T`` pairs of one expert. A program owns
+``BLOCK_R`` rows of one block's expert and one split of its kept values and runs the decode loops of
+:mod:`.nm_fast` on the block's input rows (``x`` row ``pair // X_DIV``: the hidden state for the
+first projection, the pair's own row for the second), so each expert's weight tile is read once for
+all the pairs routed to it. Up to :data:`nm_fast.SELECT_MAX_TOKENS` pairs per block it is the select
+loop, above that the tensor-core loop with the weight as the MMA's A operand. Split-K writes float32
+partial sums that one ``sum`` adds (in split order: deterministic). Output: ``[P, R]``, one row per
+pair; pairs routed to no local expert (ids ``≥ E``: expert-parallel sentinels) are left at zero.
+
+Checked on the CPU under ``TRITON_INTERPRET=1`` against float64; compiled for sm_90a by
+``scripts/check_kernels_compile.py``; not yet timed on a GPU (``scripts/bench_moe.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from shuffleprune.kernels.nm_fast import (DECODE_MAX_TOKENS, _check, _native, _precision, _upcast, decode_max_tokens,
+                                          decode_plan, triton, word_gather)
+
+if triton is not None:
+    import triton.language as tl
+
+    from shuffleprune.kernels.nm_fast import _dot_loop, _select_loop
+
+    @triton.jit
+    def _nm_experts_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, y_ptr, part_ptr, slot_ptr, expert_ptr,
+                           P, R, K, C, WORDS, stride_xt, X_DIV, K_PER_SPLIT,
+                           N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
+                           SPLIT: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                           STAGES: tl.constexpr, X_WORDS: tl.constexpr, NATIVE: tl.constexpr):
+        """Rows ``program_id(0)`` of block ``program_id(1)``'s expert for its pairs, kept values of split
+        ``program_id(2)``. A block no pair filled (expert −1) runs no step and stores nothing."""
+        pid_b, pid_s = tl.program_id(1), tl.program_id(2)
+        expert = tl.load(expert_ptr + pid_b)
+        live = expert >= 0
+        e = tl.maximum(expert, 0).to(tl.int64)   # 64-bit offsets: E·R·K passes 2³¹ on large MoE models
+        pairs = tl.load(slot_ptr + pid_b * BLOCK_T + tl.arange(0, BLOCK_T))
+        pair_ok = pairs < P
+        xrows = tl.where(pair_ok, pairs // X_DIV, 0)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        k_start = pid_s * K_PER_SPLIT
+        k_end = tl.where(live, tl.minimum(k_start + K_PER_SPLIT, K), k_start)
+        vals, words = val_ptr + e * R * K, word_ptr + e * R * WORDS
+        perm = perm_ptr + e * C if HAS_PERM else perm_ptr
+        if USE_DOT:
+            acc = _dot_loop(x_ptr, vals, words, perm, rows, row_ok, xrows, pair_ok, k_start, k_end, K, C, WORDS,
+                            stride_xt, N, M, BITS, HAS_PERM, PREC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, True,
+                            False, X_WORDS, NATIVE)
+        else:
+            acc = _select_loop(x_ptr, vals, words, perm, rows, row_ok, xrows, pair_ok, k_start, k_end, K, C, WORDS,
+                               stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, False, X_WORDS)
+        offs = pairs.to(tl.int64)[None, :] * R + rows[:, None]
+        ok = row_ok[:, None] & pair_ok[None, :]
+        if SPLIT == 1:
+            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(part_ptr + pid_s * P * R + offs, acc, mask=ok)
+
+
+def experts_block_t(pairs: int, experts: int, limit: int = DECODE_MAX_TOKENS) -> int:
+    """Pairs per block: the mean pairs per expert that some pair chose, as a power of two — 1 while
+    most experts get at most one pair (each block then a matrix-vector product on the select
+    loop), at most ``limit`` (the decode's widest token tile, :func:`decode_max_tokens`)."""
+    mean = -(-pairs // max(1, min(experts, pairs)))
+    return min(limit, 1 << max(0, (mean - 1).bit_length()))
+
+
+def route_blocks(expert_ids: torch.Tensor, num_experts: int, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the router's choices ``expert_ids`` (any shape, flattened into pairs) by expert, in blocks of
+    ``block_t`` slots: ``slots`` int32 ``[blocks·block_t]`` (the pair of each slot, ``P`` where empty)
+    and ``block_expert`` int32 ``[blocks]`` (−1 for a block no pair filled), with ``blocks =
+    ⌈P/block_t⌉ + min(E, P)``, a bound fixed by the shapes. Pairs of an expert keep their order; ids
+    outside ``0 … E−1`` are dropped. Device ops only (sort, scatter, search): nothing waits on the host."""
+    ids = expert_ids.reshape(-1).long()
+    pairs, device = ids.numel(), ids.device
+    blocks = -(-pairs // block_t) + min(num_experts, pairs)
+    key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)   # dropped pairs: one bucket past the last
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
+    per_expert = (counts[:num_experts] + block_t - 1) // block_t          # blocks each expert takes
+    block_end = per_expert.cumsum(0)
+    first_pair = counts.cumsum(0) - counts                                # in the sorted order
+    order = key.argsort(stable=True)
+    sorted_key = key[order]
+    live = sorted_key < num_experts
+    rank = torch.arange(pairs, device=device) - first_pair[sorted_key]
+    start = (block_end - per_expert)[sorted_key.clamp(max=num_experts - 1)] * block_t
+    dest = torch.where(live, start + rank, blocks * block_t)             # dropped pairs to a spill slot
+    slots = torch.full((blocks * block_t + 1,), pairs, dtype=torch.int32, device=device)
+    slots.scatter_(0, dest, order.to(torch.int32))
+    expert = torch.searchsorted(block_end, torch.arange(blocks, device=device), right=True)
+    block_expert = torch.where(expert < num_experts, expert, -1).to(torch.int32)
+    return slots[:-1], block_expert
+
+
+def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
+               expert_ids: torch.Tensor, x_div: int = 1, perm: torch.Tensor | None = None,
+               block_t: int | None = None, **plan_overrides) -> torch.Tensor:
+    """``y[p] = x[p // x_div][perm_e] @ W_eᵀ`` for every pair ``p`` of ``expert_ids`` (``[P]`` or ``[T,
+    top_k]``; ``e`` its expert) → ``[P, R]`` in ``x``'s dtype (zero for a pair with no local expert).
+    ``x`` ``[X, C]``; ``values`` ``[E, R, K]``, ``words`` ``[E, R, W]`` int32, ``perm`` ``[E, C]`` int32 or
+    ``None``. ``block_t`` (pairs per block) defaults to :func:`experts_block_t`; ``plan_overrides``
+    (``block_r``, ``block_k``, ``split``, ``stages``, ``num_warps``, ``use_dot``) go to the decode plan."""
+    _check(n, m, bits)
+    experts, rows, kept = values.shape
+    cols = x.shape[-1]
+    pairs = expert_ids.numel()
+    x2 = x.reshape(-1, cols).contiguous()
+    y = torch.zeros(pairs, rows, dtype=x.dtype, device=x.device)
+    if pairs == 0:
+        return y
+    busy = min(experts, pairs)          # blocks holding pairs when each expert's pairs fit in one block
+    plan = decode_plan(rows * busy, kept, block_t or experts_block_t(pairs, experts, decode_max_tokens(x.element_size())), n, m, bits, x.device,
+                       element_bytes=x.element_size(), weight_a=True, **plan_overrides)
+    block_t = plan["block_t"]           # the tensor cores take at least 16 tokens: blocks that wide
+    slots, block_expert = route_blocks(expert_ids, experts, block_t)
+    x_words = perm is not None and word_gather(x2)
+    split = plan["split"]
+    part = torch.zeros(split, pairs, rows, dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (triton.cdiv(rows, plan["block_r"]), block_expert.numel(), split)
+    _nm_experts_kernel[grid](
+        x2, values, words, perm if perm is not None else words, y, part, slots, block_expert,
+        pairs, rows, kept, cols, words.shape[-1], x2.stride(0), x_div, plan["per_split"],
+        N=n, M=m, BITS=bits, HAS_PERM=perm is not None, SPLIT=split, USE_DOT=plan["use_dot"], PREC=_precision(x),
+        UPCAST=_upcast(x), BLOCK_R=plan["block_r"], BLOCK_K=plan["block_k"], BLOCK_T=block_t, STAGES=plan["stages"],
+        X_WORDS=x_words, NATIVE=_native(x), num_warps=plan["num_warps"])
+    if split > 1:
+        y.copy_(part.sum(0))
+    return y
+
