@@ -4,6 +4,7 @@ CUDA graphs for both (issue 24's second table).
 
     python scripts/bench_e2e.py                 # CUDA → scripts/results/bench_e2e.json
     python scripts/bench_e2e.py --smoke         # CPU, a 2-layer small config: checks the code path only
+    python scripts/bench_e2e.py --arch mixtral  # CUDA, 8 Mixtral-8x7B layers → scripts/results/bench_e2e_mixtral.json
 
 Per model: prefill of the ``--prompt`` tokens into a transformers ``StaticCache``, eagerly (as
 ``generate`` runs a prompt: host-bound at this size) and replayed from one CUDA graph (the GPU's
@@ -42,16 +43,22 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_e2e.json"))
+    ap.add_argument("--arch", choices=("llama", "mixtral"), default="llama",
+                    help="mixtral: a Mixtral-8x7B-shaped MoE (8 experts, top 2), --layers of its 32 decoder layers")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the mixtral model (all 32 need 94 GB dense)")
+    ap.add_argument("--out", default=None, help="default: scripts/results/bench_e2e.json (mixtral: bench_e2e_mixtral.json)")
     args = ap.parse_args()
+    moe = args.arch == "mixtral"
+    args.out = args.out or str(ROOT / "scripts" / "results" / ("bench_e2e_mixtral.json" if moe else "bench_e2e.json"))
 
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, StaticCache
 
-    from shuffleprune.blocks import block_linears, find_blocks
+    from shuffleprune.blocks import block_experts, block_linears, experts_by_tensor, find_blocks
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.fused_inputs import fuse_shared_inputs, unfuse_shared_inputs
     from shuffleprune.deploy.producer_maps import move_maps_to_producers
+    from shuffleprune.deploy.sparse_experts import attach_sparse_experts
     from shuffleprune.deploy.sparse_linear import (SharedGather, SparseLinear, relative_error, release_scratch,
                                                    use_cslt_layout)
     from shuffleprune.masks import nm_keep_mask
@@ -62,7 +69,15 @@ def main() -> None:
     if not cuda and not args.smoke:
         raise SystemExit("no CUDA device: run on a GPU machine, or --smoke on CPU")
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    if args.smoke:
+    if moe:
+        small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, num_local_experts=4, vocab_size=1000, max_position_embeddings=1024)
+        full = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers, num_attention_heads=32,
+                    num_key_value_heads=8, num_local_experts=8, vocab_size=32000, max_position_embeddings=4096)
+        cfg = MixtralConfig(**(small if args.smoke else full), num_experts_per_tok=2)
+        if args.smoke:
+            args.prompt, args.new_tokens, args.runs = 32, 8, 2
+    elif args.smoke:
         cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                           vocab_size=1000, max_position_embeddings=1024)
         args.prompt, args.new_tokens, args.runs = 32, 8, 2
@@ -213,6 +228,21 @@ def main() -> None:
                 parent_name, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent_name), child, layer)
                 del w, lin
+            tensors, entries = {}, {}   # MoE: every expert 2:4 in its own random map's order, held as export does
+            for fused, experts in experts_by_tensor(block_experts(block, f"{blocks.name}.{i}")).items():
+                for e, expert in experts.items():
+                    w = expert.weight
+                    perm = random_block_perm(w.shape[1], 64, gen).to(device)
+                    wp = w[:, perm]
+                    key = f"{fused}[{e}]"
+                    tensors[f"{key}.values"], tensors[f"{key}.meta"] = compress(
+                        wp * nm_keep_mask(wp.float().abs(), 2, 4).to(wp.dtype), 2, 4, key)
+                    tensors[f"{key}.perm"] = perm.to(torch.int32)
+                entries[fused] = {"experts": len(experts), "shape": list(w.shape), "perm": True,
+                                  "transposed": expert.transposed}
+            if entries:
+                attach_sparse_experts(model, tensors, {"n": 2, "m": 4, "experts": entries})
+                del tensors
     if cuda:
         torch.cuda.empty_cache()
     release_scratch()
@@ -263,7 +293,11 @@ def main() -> None:
 
     ratio = {**ratios(sparse_row), "maps_at_producer": ratios(producer_row), "stacked": ratios(fused_row),
              "cslt_buffer": ratios(cslt_row), "cslt_buffer_stacked": ratios(cslt_fused_row)}
-    result = {"what": "end-to-end prefill/decode, random LLaMA-2-7B-shaped model, static cache, CUDA graphs"
+    shape = (f"Mixtral-8x7B-shaped model ({cfg.num_hidden_layers} layers, {cfg.num_local_experts} experts, top 2; "
+             "experts 2:4 with a map "
+             "each, the grouped kernel or the loop as auto measures, the grouped one in CUDA graphs)") if moe \
+        else "LLaMA-2-7B-shaped model"
+    result = {"what": f"end-to-end prefill/decode, random {shape}, static cache, CUDA graphs"
                       + (" (smoke)" if args.smoke else ""),
               "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
               "seed": 0, "batch": 1, "prompt": args.prompt, "new_tokens": args.new_tokens, "runs": args.runs,
@@ -273,7 +307,7 @@ def main() -> None:
               "kernel_choices_cslt_buffer_stacked": choices_cslt_stacked,
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
               "versions": versions("triton")}
-    out = Path(args.out) if not args.smoke else Path(args.out).with_name("bench_e2e_smoke.json")
+    out = Path(args.out) if not args.smoke else Path(args.out).with_name(Path(args.out).stem + "_smoke.json")
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(ratio, indent=1))
 

@@ -9,7 +9,8 @@ tensors, run by transformers' ``grouped_mm`` and ``eager`` experts forwards. Spa
 compressed per expert and attached as an export's are (``attach_sparse_experts``: one stacked
 ``SparseExperts`` per projection, the ``shuffleprune_nm`` experts forward), run two ways: ``nm_loop``,
 the per-expert loop (each expert's ``SparseLinear``, ``auto`` kernel choice), and ``nm_grouped``, one
-launch of the grouped kernel per projection (``kernels/nm_experts.py``); each again with a random
+launch of the grouped kernel per projection (``kernels/nm_experts.py``), and ``nm_auto``, what
+``auto`` measured faster at that token count (``choice``); each again with a random
 block index map per expert (``…_mapped``; each expert then pruned 2:4 in its map's order). Routing:
 each token picks ``top_k`` distinct experts uniformly at random, softmax weights (seed ``--seed``).
 Timing: forwards that wait on the host (the loops group tokens with a host synchronisation) are timed
@@ -55,7 +56,7 @@ def main() -> None:
 
     from shuffleprune.blocks import block_experts, expert_name
     from shuffleprune.deploy.format import compress
-    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, set_experts_mode
+    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, experts_mode, set_experts_mode
     from shuffleprune.deploy.sparse_linear import relative_error
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
@@ -108,10 +109,11 @@ def main() -> None:
     nm, nm_reference = sparse_copy(False)
     nm_mapped, nm_mapped_reference = sparse_copy(True)
     layers = {"dense_eager": (dense, None), "dense_grouped_mm": (own_copy("eager" if args.smoke else "grouped_mm"), None),
-              "nm_loop": (nm, "loop"), "nm_grouped": (nm, "grouped"), "nm_loop_mapped": (nm_mapped, "loop"),
-              "nm_grouped_mapped": (nm_mapped, "grouped")}
-    references = {"dense_eager": dense, "dense_grouped_mm": dense, "nm_loop": nm_reference, "nm_grouped": nm_reference,
-                  "nm_loop_mapped": nm_mapped_reference, "nm_grouped_mapped": nm_mapped_reference}
+              "nm_loop": (nm, "loop"), "nm_grouped": (nm, "grouped"), "nm_auto": (nm, "auto"),
+              "nm_loop_mapped": (nm_mapped, "loop"), "nm_grouped_mapped": (nm_mapped, "grouped"),
+              "nm_auto_mapped": (nm_mapped, "auto")}
+    references = {"dense_eager": dense, "dense_grouped_mm": dense, **{k: nm_reference for k in layers if k.startswith("nm_")},
+                  **{k: nm_mapped_reference for k in layers if k.endswith("_mapped")}}
     nbytes = {name: sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
               for name, (m, _) in layers.items()}
 
@@ -150,6 +152,8 @@ def main() -> None:
                 rows.append({"shape": f"{args.experts}x({2 * args.inter}x{args.hidden}+{args.hidden}x{args.inter})",
                              "tokens": tokens, "impl": name, "ms": round(ms, 4), "timing": how,
                              "rel_err": float(relative_error(got, want)), "device": machine().get("gpu", "cpu")})
+                if mode == "auto":   # what auto measured faster for this token count (run eagerly, as it chose)
+                    rows[-1]["choice"] = experts_mode(layer.experts, x, top, weights)
                 print(rows[-1], flush=True)
     if args.smoke:
         print("smoke: every implementation ran; no results written")

@@ -284,20 +284,23 @@ class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
-def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_the_host(model_type):
+def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_the_host(model_type, monkeypatch):
     """An experts layer whose every expert is 2:4 and compressed as an export holds it: the grouped forward
     (two launches over all (token, slot) pairs) and the per-expert loop both give transformers' eager
     experts forward on the same weights — gpt-oss's transposed experts, biases and clamped gate included,
     and with an expert-parallel sentinel id among the choices — and the grouped one reads nothing back
-    to the host (so a decode step captures into a CUDA graph), where the loop does; ``auto`` takes the
-    grouped kernel only for CUDA decode."""
+    to the host (so a decode step captures into a CUDA graph), where the loop does. ``auto`` measures
+    which is faster once per kind of layer and token bucket, and never takes a grouped kernel whose
+    output disagrees with the loop's."""
     import copy
 
     from shuffleprune.deploy.format import compress
-    from types import SimpleNamespace
+    from unittest.mock import patch
 
-    from shuffleprune.deploy.sparse_experts import (GROUPED_MAX_TOKENS, attach_sparse_experts, experts_mode,
-                                                    nm_experts_forward, set_experts_mode)
+    from shuffleprune.deploy import sparse_experts
+    from shuffleprune.deploy.sparse_experts import (attach_sparse_experts, experts_mode, grouped_experts_forward,
+                                                    loop_experts_forward, nm_experts_forward, release_mode_choices,
+                                                    set_experts_mode)
     from shuffleprune.masks import nm_keep_mask
 
     dense = torch.nn.Module()
@@ -328,13 +331,34 @@ def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_th
                 got = nm_experts_forward(sparse, x, top, weights)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert (syncs.seen == []) == (mode == "grouped"), (mode, syncs.seen)
-    # auto: the grouped kernel for CUDA decode (up to GROUPED_MAX_TOKENS), the loop for prompts and on the CPU
+    # auto: the loop on the CPU and without a routing to measure with; where the grouped kernel runs, what
+    # was measured faster (once per kind of layer and token bucket), the grouped one in a graph capture
     set_experts_mode(holder, "auto")
-    on_cuda = lambda tokens: SimpleNamespace(is_cuda=True, shape=(tokens, x.shape[1]))  # noqa: E731
-    assert experts_mode(sparse, on_cuda(GROUPED_MAX_TOKENS)) == "grouped"
-    assert experts_mode(sparse, on_cuda(GROUPED_MAX_TOKENS + 1)) == experts_mode(sparse, x) == "loop"
+    release_mode_choices()
+    assert experts_mode(sparse, x, top, weights) == "loop"
+    speed = {grouped_experts_forward: 1.0, loop_experts_forward: 2.0}
+    timed = []
+
+    def fake_ms(fn):
+        with patch.object(sparse_experts, "grouped_experts_forward", lambda *a: timed.append("grouped") or want), \
+                patch.object(sparse_experts, "loop_experts_forward", lambda *a: timed.append("loop") or want):
+            fn()
+        return speed[grouped_experts_forward if timed[-1] == "grouped" else loop_experts_forward]
+
+    monkeypatch.setattr(sparse_experts, "grouped_runs_on", lambda x: True)
+    monkeypatch.setattr(sparse_experts, "eager_ms", fake_ms)
+    assert experts_mode(sparse, x, top, weights) == "grouped" and timed == ["grouped", "loop"]
+    speed[grouped_experts_forward] = 3.0
+    assert experts_mode(sparse, x[:5], top[:5], weights[:5]) == "grouped" and len(timed) == 2   # same bucket
+    assert experts_mode(sparse, x[:2], top[:2], weights[:2]) == "loop" and len(timed) == 4     # bucket 2: measured
+    assert experts_mode(sparse, x[:2]) == "loop"
+    monkeypatch.setattr(sparse_experts, "grouped_experts_forward", lambda *a: want + 0.1 * want.abs().max())
+    release_mode_choices()
+    with pytest.warns(RuntimeWarning, match="grouped experts kernel is off by 0.1"):
+        assert experts_mode(sparse, x, top, weights) == "loop"   # disagrees with the loop: not used, even if faster
+    release_mode_choices()
     sparse.nm_experts["down_proj"].mode = "loop"   # one projection's choice holds for the layer
-    assert experts_mode(sparse, on_cuda(1)) == "loop"
+    assert experts_mode(sparse, x, top, weights) == "loop"
     sparse.nm_experts["gate_up_proj" if sparse.has_gate else "up_proj"].mode = "grouped"
     with pytest.raises(ValueError, match="different modes"):
         experts_mode(sparse, x)

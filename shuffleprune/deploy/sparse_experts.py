@@ -18,13 +18,19 @@ Its forward takes one of two ways (``mode``):
 - ``grouped``: both projections by one launch each of :func:`shuffleprune.kernels.nm_experts.nm_experts`
   over all the router's (token, slot) pairs, grouped by expert on the device — no host
   synchronisation, so a decode step captures into a CUDA graph; each expert's weight is read once
-  per block of its pairs. ``auto`` takes it on CUDA up to :data:`GROUPED_MAX_TOKENS` tokens.
+  per block of its pairs.
 - ``loop``: transformers' eager loop over the experts some token chose (one host synchronisation
   to group the tokens), each projection by the expert's :class:`SparseLinear` (``auto``'s measured
-  kernel choice per token count); ``auto`` takes it on the CPU, for longer prompts, for N:M other
-  than powers of two, and wherever a projection was left dense.
+  kernel choice per token count).
+
+``auto`` (:func:`experts_mode`) runs the loop where the grouped kernel cannot run (the CPU, N:M other
+than powers of two, a projection left dense), the grouped kernel inside a CUDA graph capture, and
+otherwise the faster of the two for that kind of layer and token bucket, measured once on CUDA
+(:func:`measure_experts_mode`, which also drops a grouped kernel whose output disagrees).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +38,11 @@ from torch import nn
 
 from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, experts_by_tensor, is_fused_experts
 from shuffleprune.deploy.format import check_compressed, check_index_map, meta_bits
-from shuffleprune.deploy.sparse_linear import SparseLinear
+from shuffleprune.deploy.sparse_linear import AGREE_RTOL, SparseLinear, relative_error, token_bucket
 from shuffleprune.errors import UserError
 
 IMPLEMENTATION = "shuffleprune_nm"
 MODES = ("auto", "grouped", "loop")
-# auto runs the grouped kernel on CUDA up to this many tokens (decode), the per-expert loop above it;
-# not yet timed on a GPU: scripts/bench_moe.py times both at 1–512 tokens
-GROUPED_MAX_TOKENS = 16
 
 
 class SparseExperts(nn.Module):
@@ -78,6 +81,14 @@ class SparseExperts(nn.Module):
         return (f"experts={experts}, in_features={self.in_features}, out_features={rows}, {self.n}:{self.m}, "
                 f"mapped={sum(self.mapped)}, mode={self.mode}")
 
+    def kernels_apply(self) -> bool:
+        """Whether the word-layout kernels take this pattern (N and M powers of two)."""
+        return not (self.n & (self.n - 1) or self.m & (self.m - 1))
+
+    def kind(self) -> tuple:
+        """What ``auto``'s measured mode depends on besides the call: shape, pattern, maps."""
+        return (*self.values.shape, self.in_features, self.n, self.m, any(self.mapped))
+
     def words(self) -> torch.Tensor:
         """The positions as int32 words ``[E, R, W]`` (a view of ``meta`` when rows are whole words)."""
         from shuffleprune.kernels.nm_fast import position_words
@@ -113,14 +124,18 @@ def nm_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward of a layer with compressed experts: the grouped kernel or the per-expert
     loop (:func:`experts_mode`)."""
-    if experts_mode(self, hidden_states) == "grouped":
+    if experts_mode(self, hidden_states, top_k_index, top_k_weights) == "grouped":
         return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return loop_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
-def experts_mode(module: nn.Module, hidden_states: torch.Tensor) -> str:
-    """``grouped`` or ``loop`` for this call: the projections' ``mode`` where set (``grouped`` needs
-    both projections compressed), else ``grouped`` on CUDA up to :data:`GROUPED_MAX_TOKENS` tokens."""
+def experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                 top_k_weights: torch.Tensor | None = None) -> str:
+    """``grouped`` or ``loop`` for this call: the projections' ``mode`` where one is set (``grouped`` needs
+    both projections compressed). ``auto``: the loop where the grouped kernel cannot run (the CPU, N:M
+    not powers of two, a projection left dense), the grouped kernel inside a CUDA graph capture (the
+    loop waits on the host), else what :func:`measure_experts_mode` found faster for this kind of
+    layer and token bucket (measured on the first such call with its routing; the loop without one)."""
     store = getattr(module, "nm_experts", {})
     up = "gate_up_proj" if module.has_gate else "up_proj"
     if up not in store or "down_proj" not in store:   # a projection left dense: only the loop runs it
@@ -131,11 +146,67 @@ def experts_mode(module: nn.Module, hidden_states: torch.Tensor) -> str:
         raise ValueError(f"the experts' projections ask for different modes: {sorted(modes)}")
     if modes:
         return modes.pop()
+    if not all(h.kernels_apply() for h in held) or not grouped_runs_on(hidden_states):
+        return "loop"
+    if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "grouped"
+    if top_k_index is None or top_k_weights is None:   # nothing to measure with
+        return "loop"
+    key = (str(hidden_states.device), hidden_states.dtype, top_k_index.shape[-1], getattr(module, "has_bias", False),
+           token_bucket(hidden_states.shape[0]), *(h.kind() for h in held))
+    if key not in _MODE_CHOICES:
+        _MODE_CHOICES[key] = measure_experts_mode(module, hidden_states, top_k_index, top_k_weights)
+    return _MODE_CHOICES[key]
+
+
+_MODE_CHOICES: dict[tuple, str] = {}   # (device, dtype, top-k, bias?, bucket, projections' kinds) → mode
+
+
+def release_mode_choices() -> None:
+    """Forget the experts modes ``auto`` measured (the next call of each kind of layer measures again)."""
+    _MODE_CHOICES.clear()
+
+
+def grouped_runs_on(x: torch.Tensor) -> bool:
+    """Whether ``auto`` may run the grouped kernel on ``x``'s device: compiled Triton on CUDA."""
     from shuffleprune.kernels.nm_fast import triton
 
-    powers_of_two = all(not (h.n & (h.n - 1) or h.m & (h.m - 1)) for h in held)   # the word-layout kernels' N:M
-    small = hidden_states.shape[0] <= GROUPED_MAX_TOKENS
-    return "grouped" if hidden_states.is_cuda and triton is not None and powers_of_two and small else "loop"
+    return x.is_cuda and triton is not None
+
+
+def eager_ms(fn, calls: int = 5, reps: int = 3) -> float:
+    """Milliseconds per call of ``fn`` run eagerly (CUDA events around ``calls`` calls, median of ``reps``),
+    the host's launches and synchronisations included, as a model run without CUDA graphs runs it."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> str:
+    """The faster of the grouped kernel and the per-expert loop on this call's tokens and routing, both
+    run eagerly (:func:`eager_ms`; inside a capture only the grouped one can run at all). The grouped
+    output is first checked against the loop's (whose sparse layers check their own kernels against
+    PyTorch): one that disagrees — a kernel miscompiled on this GPU — is not used, with a warning."""
+    args = (module, hidden_states, top_k_index, top_k_weights)
+    with torch.no_grad():
+        error = relative_error(grouped_experts_forward(*args), loop_experts_forward(*args))
+    if not error <= AGREE_RTOL:
+        warnings.warn(f"the grouped experts kernel is off by {error:.3g} of the output's scale on this device; "
+                      "the per-expert loop runs instead", RuntimeWarning, stacklevel=2)
+        return "loop"
+    with torch.no_grad():
+        ms = {"grouped": eager_ms(lambda: grouped_experts_forward(*args)),
+              "loop": eager_ms(lambda: loop_experts_forward(*args))}
+    return min(ms, key=ms.get)
 
 
 def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

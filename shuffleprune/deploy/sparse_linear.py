@@ -106,7 +106,7 @@ class SharedGather:
         return self._value
 
 
-def _bucket(tokens: int) -> int:
+def token_bucket(tokens: int) -> int:
     """Token counts grouped by powers of two (1, 2, 4, …): one measured choice per bucket."""
     return 1 << max(0, (tokens - 1).bit_length())
 
@@ -351,7 +351,7 @@ class SparseLinear(nn.Module):
 
     def _choice(self, x: torch.Tensor) -> str:
         """The implementation of this token-count bucket: measured once per kind of layer."""
-        bucket = _bucket(x.numel() // x.shape[-1])
+        bucket = token_bucket(x.numel() // x.shape[-1])
         if bucket not in self.choices:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():  # nothing can be timed in a capture
                 return default_choice(self._candidates(x))
