@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -60,7 +59,7 @@ def main() -> None:
     from shuffleprune.deploy.sparse_linear import relative_error
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import cuda_graph_ms, machine, versions
+    from shuffleprune.runtime import cuda_graph_ms, eager_ms, machine, versions
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -123,17 +122,7 @@ def main() -> None:
             return float("nan"), "none"
         if graph:   # captured where it can be (no host synchronisation), else timed eagerly
             return cuda_graph_ms([fn] * args.calls, args.runs, warm=3)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(args.runs):
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(args.calls):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / args.calls)
-        return statistics.median(times), "events"
+        return eager_ms([fn] * args.calls, args.runs, warm=0), "events"   # warmed up by the caller
 
     rows = []
     with torch.no_grad():

@@ -55,6 +55,24 @@ def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 
                 call()
         how = "events"
     run()
+    return _events_ms(run, reps, len(calls)), how
+
+
+def eager_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 1) -> float:
+    """Milliseconds per call of ``calls`` (run in turn) run eagerly, the host's launches and
+    synchronisations included, as a model run without CUDA graphs runs them: ``warm`` rounds, then
+    CUDA events around each round, the median of ``reps``."""
+    def run() -> None:
+        for call in calls:
+            call()
+
+    for _ in range(warm):
+        run()
+    return _events_ms(run, reps, len(calls))
+
+
+def _events_ms(run: Callable[[], None], reps: int, calls: int) -> float:
+    """The median over ``reps`` of ``run``'s time between two CUDA events, per one of its ``calls``."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,8 +80,8 @@ def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 
         run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return statistics.median(times), how
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 @contextmanager

@@ -339,7 +339,8 @@ def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_th
     speed = {grouped_experts_forward: 1.0, loop_experts_forward: 2.0}
     timed = []
 
-    def fake_ms(fn):
+    def fake_ms(calls, reps):
+        fn = calls[0]
         with patch.object(sparse_experts, "grouped_experts_forward", lambda *a: timed.append("grouped") or want), \
                 patch.object(sparse_experts, "loop_experts_forward", lambda *a: timed.append("loop") or want):
             fn()

@@ -40,6 +40,7 @@ from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, expert
 from shuffleprune.deploy.format import check_compressed, check_index_map, meta_bits
 from shuffleprune.deploy.sparse_linear import AGREE_RTOL, SparseLinear, relative_error, token_bucket
 from shuffleprune.errors import UserError
+from shuffleprune.runtime import eager_ms
 
 IMPLEMENTATION = "shuffleprune_nm"
 MODES = ("auto", "grouped", "loop")
@@ -174,26 +175,11 @@ def grouped_runs_on(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
 
 
-def eager_ms(fn, calls: int = 5, reps: int = 3) -> float:
-    """Milliseconds per call of ``fn`` run eagerly (CUDA events around ``calls`` calls, median of ``reps``),
-    the host's launches and synchronisations included, as a model run without CUDA graphs runs it."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def measure_experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> str:
     """The faster of the grouped kernel and the per-expert loop on this call's tokens and routing, both
-    run eagerly (:func:`eager_ms`; inside a capture only the grouped one can run at all). The grouped
+    run eagerly (:func:`shuffleprune.runtime.eager_ms`, 5 calls, median of 3; inside a capture only
+    the grouped one can run at all). The grouped
     output is first checked against the loop's (whose sparse layers check their own kernels against
     PyTorch): one that disagrees — a kernel miscompiled on this GPU — is not used, with a warning."""
     args = (module, hidden_states, top_k_index, top_k_weights)
@@ -204,8 +190,8 @@ def measure_experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_i
                       "the per-expert loop runs instead", RuntimeWarning, stacklevel=2)
         return "loop"
     with torch.no_grad():
-        ms = {"grouped": eager_ms(lambda: grouped_experts_forward(*args)),
-              "loop": eager_ms(lambda: loop_experts_forward(*args))}
+        ms = {"grouped": eager_ms([lambda: grouped_experts_forward(*args)] * 5, reps=3),
+              "loop": eager_ms([lambda: loop_experts_forward(*args)] * 5, reps=3)}
     return min(ms, key=ms.get)
 
 
