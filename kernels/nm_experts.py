@@ -4,7 +4,7 @@ A layer's ``E`` experts are stacked: values ``[E, R, K]``, position words ``[E, 
 layout of :mod:`.nm_fast`), index maps ``[E, C]`` (int32; an expert without one holds the identity).
 The router's ``(token, slot)`` pairs (``P = tokens · top_k``, pair ``p`` = token ``p // top_k``) are
 grouped by expert on the device (:func:`route_blocks`: no host synchronisation, so a decode step
-captures into a CUDA graph) into blocks of at most ``BLOCK_T`` pairs of one expert. A program owns
+captures into a CUDA graph; once per layer, the second projection reusing the first's :class:`Routes`) into blocks of at most ``BLOCK_T`` pairs of one expert. A program owns
 ``BLOCK_R`` rows of one block's expert and one split of its kept values and runs the decode loops of
 :mod:`.nm_fast` on the block's input rows (``x`` row ``pair // X_DIV``: the hidden state for the
 first projection, the pair's own row for the second), so each expert's weight tile is read once for
@@ -17,6 +17,8 @@ Checked on the CPU under ``TRITON_INTERPRET=1`` against float64; compiled for sm
 ``scripts/check_kernels_compile.py``; not yet timed on a GPU (``scripts/bench_moe.py``).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -100,14 +102,26 @@ def route_blocks(expert_ids: torch.Tensor, num_experts: int, block_t: int) -> tu
     return slots[:-1], block_expert
 
 
+class Routes(NamedTuple):
+    """The router's pairs grouped by expert in blocks of ``block_t`` (:func:`route_blocks`)."""
+
+    block_t: int
+    slots: torch.Tensor
+    block_expert: torch.Tensor
+
+
 def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
                expert_ids: torch.Tensor, x_div: int = 1, perm: torch.Tensor | None = None,
-               block_t: int | None = None, **plan_overrides) -> torch.Tensor:
+               block_t: int | None = None, routes: Routes | None = None,
+               **plan_overrides) -> tuple[torch.Tensor, Routes | None]:
     """``y[p] = x[p // x_div][perm_e] @ W_eᵀ`` for every pair ``p`` of ``expert_ids`` (``[P]`` or ``[T,
-    top_k]``; ``e`` its expert) → ``[P, R]`` in ``x``'s dtype (zero for a pair with no local expert).
-    ``x`` ``[X, C]``; ``values`` ``[E, R, K]``, ``words`` ``[E, R, W]`` int32, ``perm`` ``[E, C]`` int32 or
-    ``None``. ``block_t`` (pairs per block) defaults to :func:`experts_block_t`; ``plan_overrides``
-    (``block_r``, ``block_k``, ``split``, ``stages``, ``num_warps``, ``use_dot``) go to the decode plan."""
+    top_k]``; ``e`` its expert) → ``[P, R]`` in ``x``'s dtype (zero for a pair with no local expert),
+    and the routes it ran on. ``x`` ``[X, C]``; ``values`` ``[E, R, K]``, ``words`` ``[E, R, W]`` int32,
+    ``perm`` ``[E, C]`` int32 or ``None``. ``block_t`` (pairs per block) defaults to
+    :func:`experts_block_t`; ``routes``: those a call with the same ``expert_ids`` returned (the second
+    projection of a layer reuses the first's grouping; made again if its blocks are another width);
+    ``plan_overrides`` (``block_r``, ``block_k``, ``split``, ``stages``, ``num_warps``, ``use_dot``) go
+    to the decode plan."""
     _check(n, m, bits)
     experts, rows, kept = values.shape
     cols = x.shape[-1]
@@ -115,23 +129,24 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     x2 = x.reshape(-1, cols).contiguous()
     y = torch.zeros(pairs, rows, dtype=x.dtype, device=x.device)
     if pairs == 0:
-        return y
+        return y, routes
     busy = min(experts, pairs)          # blocks holding pairs when each expert's pairs fit in one block
     plan = decode_plan(rows * busy, kept, block_t or experts_block_t(pairs, experts, decode_max_tokens(x.element_size())), n, m, bits, x.device,
                        element_bytes=x.element_size(), weight_a=True, **plan_overrides)
     block_t = plan["block_t"]           # the tensor cores take at least 16 tokens: blocks that wide
-    slots, block_expert = route_blocks(expert_ids, experts, block_t)
+    if routes is None or routes.block_t != block_t:
+        routes = Routes(block_t, *route_blocks(expert_ids, experts, block_t))
     x_words = perm is not None and word_gather(x2)
     split = plan["split"]
     part = torch.zeros(split, pairs, rows, dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (triton.cdiv(rows, plan["block_r"]), block_expert.numel(), split)
+    grid = (triton.cdiv(rows, plan["block_r"]), routes.block_expert.numel(), split)
     _nm_experts_kernel[grid](
-        x2, values, words, perm if perm is not None else words, y, part, slots, block_expert,
+        x2, values, words, perm if perm is not None else words, y, part, routes.slots, routes.block_expert,
         pairs, rows, kept, cols, words.shape[-1], x2.stride(0), x_div, plan["per_split"],
         N=n, M=m, BITS=bits, HAS_PERM=perm is not None, SPLIT=split, USE_DOT=plan["use_dot"], PREC=_precision(x),
         UPCAST=_upcast(x), BLOCK_R=plan["block_r"], BLOCK_K=plan["block_k"], BLOCK_T=block_t, STAGES=plan["stages"],
         X_WORDS=x_words, NATIVE=_native(x), num_warps=plan["num_warps"])
     if split > 1:
         y.copy_(part.sum(0))
-    return y
+    return y, routes
 

@@ -242,7 +242,10 @@ def test_grouped_experts_kernel_matches_float64(rows, cols, n, m, tokens, top_k,
         over["use_dot"] = use_dot
     for x_div, x in ((top_k, torch.randn(tokens, cols, generator=g)), (1, torch.randn(tokens * top_k, cols, generator=g))):
         x = x.to(dtype)
-        y = nm_experts(x, values, words, n, m, meta_bits(m), ids, x_div, perm, block_t=block_t, **over)
+        y, routes = nm_experts(x, values, words, n, m, meta_bits(m), ids, x_div, perm, block_t=block_t, **over)
+        again, reused = nm_experts(x, values, words, n, m, meta_bits(m), ids, x_div, perm, block_t=block_t,
+                                   routes=routes, **over)
+        assert reused is routes and torch.equal(again, y)   # a second projection reuses the grouping
         ref = torch.zeros(tokens * top_k, rows, dtype=torch.float64)
         for pair, e in enumerate(ids.reshape(-1).tolist()):
             if e < experts:

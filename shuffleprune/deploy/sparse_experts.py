@@ -99,13 +99,14 @@ class SparseExperts(nn.Module):
             self._words = (self.meta, position_words(self.meta.reshape(experts * rows, nbytes)).view(experts, rows, -1))
         return self._words[1]
 
-    def grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, x_div: int) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, x_div: int, routes=None) -> tuple:
         """``y[p] = x[p // x_div][perm_e] @ W_eᵀ`` for each pair ``p`` of ``expert_ids`` (expert ``e``): one
-        launch of the grouped kernel (:func:`shuffleprune.kernels.nm_experts.nm_experts`)."""
+        launch of the grouped kernel (:func:`shuffleprune.kernels.nm_experts.nm_experts`); returns ``y``
+        and the pairs' grouping, which the layer's other projection takes as ``routes``."""
         from shuffleprune.kernels.nm_experts import nm_experts
 
         return nm_experts(x, self.values, self.words(), self.n, self.m, meta_bits(self.m), expert_ids, x_div,
-                          self.perm)
+                          self.perm, routes=routes)
 
 
 def _project(module: nn.Module, param: str, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -204,12 +205,12 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1)
     local = (ids >= 0) & (ids < self.num_experts)
-    h = self.nm_experts[up].grouped(hidden_states, ids, k)
+    h, routes = self.nm_experts[up].grouped(hidden_states, ids, k)   # the pairs grouped once for both
     bias_ids = ids.clamp(0, self.num_experts - 1)
     if getattr(self, "has_bias", False):
         h = h + getattr(self, f"{up}_bias")[bias_ids]
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    y = self.nm_experts["down_proj"].grouped(h, ids, 1)
+    y, _ = self.nm_experts["down_proj"].grouped(h, ids, 1, routes)
     if getattr(self, "has_bias", False):
         y = y + self.down_proj_bias[bias_ids]
     if getattr(self, "has_post_expert_norm", False):
