@@ -10,7 +10,8 @@ and their move to the norms are exercised) and exported; the export is loaded wi
 layers and at their producers, and for MoE models once more with the experts run by the grouped
 kernel (``kernel_grouped_experts``, interpreted). A family passes when all give the pruned model's
 logits (max absolute difference ≤ 1e-4). Each row records that difference, the pruned and compressed layer
-counts (and the experts' matrices of fused MoE layers, pruned in place and compressed by the export),
+counts (and the experts' matrices of fused MoE layers, pruned in place and compressed by the export,
+and how many of those read their input through their own index map),
 the share of the blocks' weights left outside ``nn.Linear`` layers and fused experts, the time, or the
 error. Results: ``scripts/results/arch_sweep.json`` (rewritten after every family).
 """
@@ -101,13 +102,14 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
     fmt = export_checkpoint(tmp / "pruned", tmp / "exported")
     ref = load_model(str(tmp / "pruned")).model.eval()
     ids = torch.randint(1, SIZE["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(seed))
-    diffs, compressed, experts = {}, 0, 0
+    diffs, compressed, experts, mapped = {}, 0, 0, 0
     with torch.no_grad():
         want = ref(ids).logits
         for maps in ("kernel", "producer"):
             model = shuffleprune.load(str(tmp / "exported"), maps=maps)
-            experts = sum(len(held) for m in model.modules() for held in getattr(m, "nm_experts", {}).values())
-            compressed = sum(isinstance(m, SparseLinear) for m in model.modules()) - experts
+            held = [h for m in model.modules() for h in getattr(m, "nm_experts", {}).values()]
+            experts, mapped = sum(len(h) for h in held), sum(sum(h.mapped) for h in held)
+            compressed = sum(isinstance(m, SparseLinear) for m in model.modules())   # experts' views are not modules
             diffs[maps] = float((model(ids).logits - want).abs().max())
             if experts and maps == "kernel":   # the experts again by the grouped kernel (interpreted on the CPU)
                 set_experts_mode(model, "grouped")
@@ -115,7 +117,8 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
     return {"model_type": model_type, "ok": max(diffs.values()) <= 1e-4, "max_abs_logit_diff": diffs,
             "pruned_layers": len(result.report["layers"]), "nm_ok": result.report["nm_ok"],
             "pruned_experts": sum(bool(l.get("expert")) for l in result.report["layers"]),
-            "compressed_layers": compressed, "compressed_experts": experts, "folded_maps": len(fmt["folded"]),
+            "compressed_layers": compressed, "compressed_experts": experts,
+            "experts_with_maps": mapped, "folded_maps": len(fmt["folded"]),
             "outside_linears_share": result.report["outside_linears"]["share"],
             "seconds": round(time.time() - t0, 1)}
 

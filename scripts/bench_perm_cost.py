@@ -80,7 +80,7 @@ def main() -> None:
             torch.cuda.synchronize()
         t = time.time()
         opts = PermOptions(perm="learned", init=init, steps=steps, batch=args.batch)
-        block_permutations(block, f"{blocks.name}.0", linears, {n: s.col_norm for n, s in stats.items()}, groups,
+        block_permutations(block, linears, {n: s.col_norm for n, s in stats.items()}, groups,
                            hidden, target, captured, 0,
                            Pattern(2, 4), opts, device)
         if device.type == "cuda":

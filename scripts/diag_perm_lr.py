@@ -35,7 +35,7 @@ def main() -> None:
             continue
         for lr, steps in SETTINGS:
             t0 = time.time()
-            _, info = block_permutations(b.block, b.prefix, b.linears, {n: s.col_norm for n, s in b.stats.items()},
+            _, info = block_permutations(b.block, b.linears, {n: s.col_norm for n, s in b.stats.items()},
                                          input_groups(b.stats), b.hidden,
                                          b.target, b.captured, b.index, Pattern(2, 4),
                                          replace(base, lr=lr, steps=steps), b.device)

@@ -198,6 +198,38 @@ def experts_by_tensor(experts: dict[str, ExpertWeight]) -> dict[str, dict[int, E
     return grouped
 
 
+def with_expert_weights(fused: torch.Tensor, weights: dict[int, torch.Tensor], transposed: bool) -> torch.Tensor:
+    """A fused experts tensor with expert ``e``'s matrix replaced by ``weights[e]`` (``[out, in]``),
+    the others as in ``fused``: a new tensor, differentiable in ``weights``."""
+    return torch.stack([(weights[e].t() if transposed else weights[e]).to(fused.dtype) if e in weights else fused[e]
+                        for e in range(fused.shape[0])])
+
+
+def weight_params(root: nn.Module, layers: dict[str, "nn.Module | ExpertWeight"]
+                  ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """A function from ``{layer name: [out, in] weight}`` (some of ``layers``: linears and experts
+    of fused MoE layers, all inside ``root``) to the parameters ``torch.func.functional_call(root, …)``
+    takes to run ``root`` with those weights: a linear's ``weight``, and for experts their fused
+    tensor rebuilt with the given experts' matrices (:func:`with_expert_weights`)."""
+    paths = {id(m): n for n, m in root.named_modules()}
+    path = {name: _join(paths[id(layer.owner)], layer.param) if isinstance(layer, ExpertWeight)
+            else _join(paths[id(layer)], "weight") for name, layer in layers.items()}
+
+    def params(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out, fused = {}, {}
+        for name, w in weights.items():
+            layer = layers[name]
+            if isinstance(layer, ExpertWeight):
+                fused.setdefault(path[name], (layer, {}))[1][layer.index] = w
+            else:
+                out[path[name]] = w
+        for p, (layer, by_expert) in fused.items():
+            out[p] = with_expert_weights(layer.fused(), by_expert, layer.transposed)
+        return out
+
+    return params
+
+
 OUTSIDE_LINEARS_WARN_SHARE = 0.05   # above this share of the blocks' matrix weights outside nn.Linear, prune warns
 
 

@@ -128,6 +128,17 @@ def test_an_expert_no_token_reached_gets_a_magnitude_mask_and_no_update():
     assert torch.equal(experts[names[1]].weight, untouched)        # nothing to fit without tokens
     assert not torch.equal(experts[names[0]].weight, wanda(dense[names[0]], reached, pattern))
     assert satisfies_nm(experts[names[0]].weight, 2, 4)
+    # the swap search scores each expert the way it is pruned: by Wanda's score, or by magnitude unrouted
+    from shuffleprune.perm.search import swap_search
+    from shuffleprune.prune.stages.permutation import Search
+    run = type("R", (), {"pattern": pattern, "seed": 0, "device": torch.device("cpu"), "captured": None})()
+    for n in names:
+        experts[n].weight.copy_(dense[n])
+    Search(block=16).apply(run, work)
+    by_magnitude = swap_search(dense[names[1]].abs(), 2, 4, 16, max_rounds=200)
+    assert torch.equal(work.perms[names[1]], by_magnitude) and not torch.equal(by_magnitude, torch.arange(128))
+    assert torch.equal(work.perms[names[0]], swap_search(dense[names[0]].abs() * reached.col_norm, 2, 4, 16,
+                                                         max_rounds=200))
 
 
 def test_experts_whose_forward_cannot_be_followed_are_refused(monkeypatch):
@@ -205,6 +216,71 @@ def test_searched_maps_reach_the_experts_and_their_export(text_file, tmp_path):
         torch.testing.assert_close(exported(ids).logits, want, rtol=1e-5, atol=1e-5)
         assert set_experts_mode(exported, "grouped") == 6   # every expert's map read by the grouped kernel
         torch.testing.assert_close(exported(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_weight_params_run_the_model_with_new_linear_and_expert_weights(model_type):
+    """``weight_params`` puts [out, in] weights of linears and single experts (either fused layout) where
+    functional_call reads them: the model computes what it computes with those weights written in, the
+    gradient reaches each given expert's matrix, and the model's own tensors are not touched."""
+    import copy
+
+    from torch.func import functional_call
+
+    from shuffleprune.blocks import weight_params
+
+    model = tiny_model(model_type)
+    block = model.model.layers[1]
+    layers = {**block_linears(block, "model.layers.1"), **block_experts(block, "model.layers.1")}
+    gen = torch.Generator().manual_seed(1)
+    names = ["model.layers.1.self_attn.q_proj", "model.layers.1.mlp.experts.gate_up_proj[1]",
+             "model.layers.1.mlp.experts.down_proj[2]"]
+    new = {n: torch.randn(layers[n].weight.shape, generator=gen).mul(0.1).requires_grad_() for n in names}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 128, (2, 16), generator=gen)
+    got = functional_call(model, weight_params(model, layers)(new), (ids,)).logits
+    written = copy.deepcopy(model)
+    written_layers = {**block_linears(written.model.layers[1], "model.layers.1"),
+                      **block_experts(written.model.layers[1], "model.layers.1")}
+    with torch.no_grad():
+        for n, w in new.items():
+            written_layers[n].weight.copy_(w)
+        want = written(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, model(ids).logits)
+    got.square().sum().backward()
+    assert all(new[n].grad is not None and new[n].grad.abs().sum() > 0 for n in names)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("recon", ["block", "model"])
+def test_learned_maps_reach_the_experts(recon, text_file, tmp_path):
+    """--perm learned trains a soft permutation per expert matrix through its slice of the fused tensor
+    (the block's or the model's forward): every expert gets a learned map (its penalty curve in the
+    report; some moved off the identity), is N:M in that order, and the checkpoint computes the pruned model."""
+    from shuffleprune.models import load_model
+    from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
+
+    src = tmp_path / "moe"
+    tiny_model("mixtral").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    cfg = flat_config(model=str(src), calib=str(text_file), eval_text=None, nsamples=6, seqlen=32, batch_size=3,
+                      method="wanda", pattern="2:4", perm="learned", recon=recon, perm_block=16, perm_steps=8)
+    result = prune(cfg, out=tmp_path / "pruned", progress=False)
+    maps = load_index_maps(tmp_path / "pruned" / INDEX_MAPS)
+    infos = {k: v for block in result.report["perm"]["blocks"] for k, v in block["perms"].items()}
+    experts = {}
+    for i, layer in enumerate(result.model.model.layers):
+        experts.update(block_experts(layer, f"model.layers.{i}"))
+    assert len(experts) == 3 * 2 * 4
+    for name, expert in experts.items():
+        assert len(infos[name]["penalty_curve"]) == 8, name    # its own unit, trained
+        assert satisfies_nm(expert.weight[:, maps[name].long()], 2, 4), name
+    assert max(infos[n]["strength"] for n in experts) > 0
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(str(tmp_path / "pruned")).model(ids).logits, result.model(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 class _Crash(Exception):

@@ -1,6 +1,8 @@
 """Input-channel permutations for one decoder block during one-shot N:M pruning (ShuffleSparse).
 
-``block_permutations`` returns one index map per linear of a block:
+``block_permutations`` returns one index map per linear of a block, and per expert matrix of its
+fused MoE layers (an expert's soft permutation is trained through its slice of the fused tensor,
+which :func:`~shuffleprune.blocks.weight_params` rebuilds for the block's forward):
 
 - ``random``: a fixed random block-diagonal permutation (the paper's control);
 - ``search``: the data-free swap search of :mod:`shuffleprune.perm.search` on Wanda's score (no training);
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from shuffleprune.blocks import CapturedInputs, first_tensor
+from shuffleprune.blocks import CapturedInputs, ExpertWeight, first_tensor, weight_params
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern
 from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, kl_loss, learn_permutations, masked_weight
@@ -130,7 +132,7 @@ def _fixed_perms(units: list[list[str]], perms_of_unit: dict[str, torch.Tensor],
     return perms, {"perms": info, "summary": summary or {}}
 
 
-def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear], scores: dict[str, torch.Tensor],
+def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear | ExpertWeight], scores: dict[str, torch.Tensor],
                       searched: dict[str, torch.Tensor], search_seconds: float,
                       recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor], n_windows: int,
                       pattern: Pattern, opts: PermOptions, device: torch.device, gen: torch.Generator,
@@ -205,12 +207,13 @@ class FrozenParams:
             p.requires_grad_(r)
 
 
-def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Linear],
+def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWeight],
                        norms: dict[str, torch.Tensor | None], groups: list[list[str]], hidden: torch.Tensor,
                        target: torch.Tensor | None, captured: CapturedInputs, index: int, pattern: Pattern,
                        opts: PermOptions, device: torch.device,
                        on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
-    """Index maps ``{linear name: perm}`` for one block (``--recon block``), and report entries:
+    """Index maps ``{layer name: perm}`` for one block's linears and experts of fused MoE layers
+    (``--recon block``), and report entries:
     ``{"perms": per permutation (its linears, strength, penalty curve…), "summary": block loss
     curve and recon before/after}``."""
     units = _units(groups, opts.share)
@@ -223,10 +226,10 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
         return _fixed_perms(units, searched, {"seconds_search": round(search_seconds, 3)})
 
     assert target is not None
-    param_of = {name: name[len(prefix) + 1:] + ".weight" for name in linears}
+    as_params = weight_params(block, linears)
 
     def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        params = {param_of[n]: w for n, w in eff.items()}
+        params = as_params(eff)
         args, kwargs = captured.call_args(index, len(rows), device)
         out = first_tensor(functional_call(block, params, (hidden[rows].to(device), *args), kwargs))
         return cosine_loss(target[rows].to(device), out)
@@ -236,7 +239,7 @@ def block_permutations(block: nn.Module, prefix: str, linears: dict[str, nn.Line
                                  opts, device, gen, on_step)
 
 
-def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], norms: dict[str, torch.Tensor],
+def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWeight], norms: dict[str, torch.Tensor],
                        groups: list[list[str]], tokens: torch.Tensor, pattern: Pattern, opts: PermOptions,
                        device: torch.device, batch_size: int = 8,
                        on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
@@ -255,15 +258,14 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear], norms: d
     scores = {name: _score(lin.weight.detach().float(), norms[name]) for name, lin in linears.items()}
     searched, search_seconds = _searched(units, scores, pattern, opts)
     decoder = model.base_model
-    names = {id(m): n for n, m in decoder.named_modules()}
-    param_of = {name: names[id(lin)] + ".weight" for name, lin in linears.items()}
+    as_params = weight_params(decoder, linears)
     model.to(device)
     with torch.no_grad():
         target = torch.cat([decoder(input_ids=tokens[s:s + batch_size].to(device)).last_hidden_state.cpu()
                             for s in range(0, tokens.shape[0], batch_size)])
 
     def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        params = {param_of[n]: w for n, w in eff.items()}
+        params = as_params(eff)
         out = functional_call(decoder, params, (), {"input_ids": tokens[rows].to(device)}).last_hidden_state
         dense = target[rows].to(device)
         if head is None:

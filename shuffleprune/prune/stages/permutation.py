@@ -2,14 +2,14 @@
 
 - ``random``: a fixed random block-diagonal permutation (the paper's control);
 - ``search``: the data-free swap search on Wanda's score (Pool & Yu's heuristic, no training);
-  these two give the experts of fused MoE layers their own maps as well (on their routed tokens'
-  norms); the learned maps are for ``nn.Linear`` layers only;
 - ``learned``: ShuffleSparse — soft permutations trained with the l1−l2 penalty and hardened by
   Hungarian matching, per block (``recon: block``) or all jointly against the final hidden state
   before the walk (``recon: model``, the dense model's statistics);
 - ``from``: the index maps of an earlier run (``--perm-from DIR``).
 
-The core (soft permutations, penalty, projection, search) lives in :mod:`shuffleprune.perm`.
+Every kind gives the experts of fused MoE layers their own maps as well, scored on their routed
+tokens' norms (an expert no calibration token reached is scored by magnitude, as it is pruned). The
+core (soft permutations, penalty, projection, search) lives in :mod:`shuffleprune.perm`.
 """
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ MODEL_PERMS_FILE = "model_perms.safetensors"
 
 
 def _norms(stats: dict) -> dict[str, torch.Tensor | None]:
-    return {name: None if s is None else s.col_norm for name, s in stats.items()}
+    """Input column norms for the maps' Wanda score; ``None`` (magnitude) where there are no
+    statistics or no token reached the layer (an unrouted expert, which the prune stage masks by magnitude)."""
+    return {name: None if s is None or s.tokens == 0 else s.col_norm for name, s in stats.items()}
 
 
 class _PermStage(Stage):
@@ -54,13 +56,9 @@ class _PermStage(Stage):
         def on_step(step: int, loss: float, penalty: float) -> None:
             run.status(f"block {work.index} perm step {step + 1}: loss {loss:.4g} P(M) {penalty:.3g}")
 
-        # Maps that need no training reach the experts of fused MoE layers too (learned ones are trained
-        # through the block's nn.Linear parameters, which experts are not).
-        fixed = opts.perm in ("random", "search")
-        weights, groups = (work.weights(), work.groups + work.expert_groups) if fixed else (work.linears, work.groups)
         work.perms, work.perm_info = block_permutations(
-            work.block, work.prefix, weights, _norms(work.stats), groups, work.hidden, target, run.captured,
-            work.index, run.pattern, opts, run.device, on_step=on_step)
+            work.block, work.weights(), _norms(work.stats), work.groups + work.expert_groups, work.hidden, target,
+            run.captured, work.index, run.pattern, opts, run.device, on_step=on_step)
 
 
 @dataclass
@@ -129,7 +127,8 @@ class Learned(_PermStage):
                 bar.update(1)
                 bar.set_postfix_str(f"loss {loss:.4g} P(M) {pen:.3g}")
 
-            perms, info = model_permutations(run.model, run.all_linears(), _norms(stats), input_groups(stats),
+            perms, info = model_permutations(run.model, {**run.all_linears(), **run.all_experts()}, _norms(stats),
+                                             input_groups(stats),
                                              run.tokens, run.pattern, self.options(run.seed), run.device,
                                              run.batch_size, on_step)
             bar.close()

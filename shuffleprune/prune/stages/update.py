@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from shuffleprune.blocks import ExpertWeight, expert_name, experts_by_tensor, first_tensor
+from shuffleprune.blocks import ExpertWeight, expert_name, experts_by_tensor, first_tensor, with_expert_weights
 from shuffleprune.errors import UserError
 from shuffleprune.perm.pruning import FrozenParams, split_windows
 from shuffleprune.prune.methods.lsq import masked_lstsq
@@ -78,11 +78,9 @@ class _FusedExperts:
 
     def dense(self, unpruned: dict[str, torch.Tensor]) -> torch.Tensor:
         """The tensor with its selected experts' unpruned weights (``unpruned``: by expert name)."""
-        out = self.tensor().detach().clone()
-        for e, expert in self.experts.items():
-            w = unpruned[expert_name(self.name, e)]
-            out[e] = (w.t() if expert.transposed else w).to(out.dtype)
-        return out
+        first = next(iter(self.experts.values()))
+        return with_expert_weights(self.tensor().detach(), {e: unpruned[expert_name(self.name, e)] for e in self.experts},
+                                   first.transposed)
 
 
 @register
