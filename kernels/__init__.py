@@ -1,7 +1,11 @@
 """Triton kernels (installed as ``shuffleprune.kernels``), all checked on the CPU under ``TRITON_INTERPRET=1``.
 
-``nm_fast``: the word-layout N:M kernels ``SparseLinear`` runs on CUDA (decode, prefill GEMM,
-decompression into the shared scratch). ``nm_experts``: every expert of a fused MoE projection in
-one launch (the decode loops of ``nm_fast`` per block of pairs routed to one expert). ``nm_matmul``:
-the first gather / group kernels, kept as candidates. ``norm_map``: an RMSNorm that writes its output through an index map (producer-side maps).
+The word-layout N:M kernels ``SparseLinear`` runs on CUDA: ``nm_words`` (the layout, read and
+expanded to dense tiles in registers), ``nm_decode`` (1–64 tokens: the select and tensor-core decode
+loops and their plan), ``nm_gemm`` (prefill GEMM and decompression into the shared scratch),
+``split_k`` (column splits' partial sums, added in the same launch), ``gpu`` (the device facts the
+host code plans with). ``nm_experts``: every expert of a fused MoE projection in one launch (the
+decode loops per block of pairs routed to one expert). ``nm_matmul``: the first gather / group
+kernels, kept as candidates. ``norm_map``: an RMSNorm that writes its output through an index map
+(producer-side maps). ``compile_check``: compile them for sm_90a without a GPU and read the result.
 """

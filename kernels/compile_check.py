@@ -92,11 +92,11 @@ def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
     Yields the list of :class:`Launch` records, filled as launches happen."""
     if not isinstance(_a_kernel(), JITFunction):
         raise RuntimeError("the kernels were decorated under TRITON_INTERPRET=1; compile in a process without it")
-    from shuffleprune.kernels import nm_fast
+    from shuffleprune.kernels import gpu
 
     launches: list[Launch] = []
     run, active = JITFunction.run, driver._active
-    upcast, sm_count, smem, native = nm_fast._upcast, nm_fast._sm_count, nm_fast._smem_per_sm, nm_fast._native
+    upcast, sm_count, smem, native = gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
@@ -105,20 +105,20 @@ def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
 
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", spec.arch, 32)))
     JITFunction.run = compile_launch
-    nm_fast._upcast, nm_fast._sm_count, nm_fast._native = (lambda x: False), (lambda device: spec.sms), (lambda x: True)
-    nm_fast._smem_per_sm = lambda device: spec.smem_per_sm
+    gpu.upcast, gpu.sm_count, gpu.native = (lambda x: False), (lambda device: spec.sms), (lambda x: True)
+    gpu.smem_per_sm = lambda device: spec.smem_per_sm
     try:
         yield launches
     finally:
         JITFunction.run = run
         driver._active = active
-        nm_fast._upcast, nm_fast._sm_count, nm_fast._smem_per_sm, nm_fast._native = upcast, sm_count, smem, native
+        gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native = upcast, sm_count, smem, native
 
 
 def _a_kernel():
-    from shuffleprune.kernels import nm_fast
+    from shuffleprune.kernels import nm_gemm
 
-    return nm_fast._nm_gemm_kernel
+    return nm_gemm._nm_gemm_kernel
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:

@@ -1,14 +1,14 @@
 """One launch for every expert of a fused MoE projection held compressed N:M (the export's experts).
 
 A layer's ``E`` experts are stacked: values ``[E, R, K]``, position words ``[E, R, W]`` (the word
-layout of :mod:`.nm_fast`), index maps ``[E, C]`` (int32; an expert without one holds the identity).
+layout of :mod:`.nm_words`), index maps ``[E, C]`` (int32; an expert without one holds the identity).
 The router's ``(token, slot)`` pairs (``P = tokens · top_k``, pair ``p`` = token ``p // top_k``) are
 grouped by expert on the device (:func:`route_blocks`: no host synchronisation, so a decode step
 captures into a CUDA graph; once per layer, the second projection reusing the first's :class:`Routes`) into blocks of at most ``BLOCK_T`` pairs of one expert. A program owns
 ``BLOCK_R`` rows of one block's expert and one split of its kept values and runs the decode loops of
-:mod:`.nm_fast` on the block's input rows (``x`` row ``pair // X_DIV``: the hidden state for the
+:mod:`.nm_decode` on the block's input rows (``x`` row ``pair // X_DIV``: the hidden state for the
 first projection, the pair's own row for the second), so each expert's weight tile is read once for
-all the pairs routed to it. Up to :data:`nm_fast.SELECT_MAX_TOKENS` pairs per block it is the select
+all the pairs routed to it. Up to :data:`.nm_decode.SELECT_MAX_TOKENS` pairs per block it is the select
 loop, above that the tensor-core loop with the weight as the MMA's A operand. Split-K writes float32
 partial sums that one ``sum`` adds (in split order: deterministic). Output: ``[P, R]``, one row per
 pair; pairs routed to no local expert (ids ``≥ E``: expert-parallel sentinels) are left at zero.
@@ -22,13 +22,14 @@ from typing import NamedTuple
 
 import torch
 
-from shuffleprune.kernels.nm_fast import (DECODE_MAX_TOKENS, _check, _native, _precision, _upcast, decode_max_tokens,
-                                          decode_plan, triton, word_gather)
+from shuffleprune.kernels import gpu
+from shuffleprune.kernels.nm_decode import DECODE_MAX_TOKENS, decode_max_tokens, decode_plan, triton, word_gather
+from shuffleprune.kernels.nm_words import check_pattern
 
 if triton is not None:
     import triton.language as tl
 
-    from shuffleprune.kernels.nm_fast import _dot_loop, _select_loop
+    from shuffleprune.kernels.nm_decode import dot_loop, select_loop
 
     @triton.jit
     def _nm_experts_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, y_ptr, part_ptr, slot_ptr, expert_ptr,
@@ -53,12 +54,12 @@ if triton is not None:
         vals, words = val_ptr + e * R * K, word_ptr + e * R * WORDS
         perm = perm_ptr + e * C if HAS_PERM else perm_ptr
         if USE_DOT:
-            acc = _dot_loop(x_ptr, vals, words, perm, rows, row_ok, xrows, pair_ok, k_start, k_end, K, C, WORDS,
-                            stride_xt, N, M, BITS, HAS_PERM, PREC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, True,
-                            False, X_WORDS, NATIVE)
+            acc = dot_loop(x_ptr, vals, words, perm, rows, row_ok, xrows, pair_ok, k_start, k_end, K, C, WORDS,
+                           stride_xt, N, M, BITS, HAS_PERM, PREC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, True,
+                           False, X_WORDS, NATIVE)
         else:
-            acc = _select_loop(x_ptr, vals, words, perm, rows, row_ok, xrows, pair_ok, k_start, k_end, K, C, WORDS,
-                               stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, False, X_WORDS)
+            acc = select_loop(x_ptr, vals, words, perm, rows, row_ok, xrows, pair_ok, k_start, k_end, K, C, WORDS,
+                              stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, False, X_WORDS)
         offs = pairs.to(tl.int64)[None, :] * R + rows[:, None]
         ok = row_ok[:, None] & pair_ok[None, :]
         if SPLIT == 1:
@@ -122,7 +123,7 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     projection of a layer reuses the first's grouping; made again if its blocks are another width);
     ``plan_overrides`` (``block_r``, ``block_k``, ``split``, ``stages``, ``num_warps``, ``use_dot``) go
     to the decode plan."""
-    _check(n, m, bits)
+    check_pattern(n, m, bits)
     experts, rows, kept = values.shape
     cols = x.shape[-1]
     pairs = expert_ids.numel()
@@ -143,9 +144,9 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     _nm_experts_kernel[grid](
         x2, values, words, perm if perm is not None else words, y, part, routes.slots, routes.block_expert,
         pairs, rows, kept, cols, words.shape[-1], x2.stride(0), x_div, plan["per_split"],
-        N=n, M=m, BITS=bits, HAS_PERM=perm is not None, SPLIT=split, USE_DOT=plan["use_dot"], PREC=_precision(x),
-        UPCAST=_upcast(x), BLOCK_R=plan["block_r"], BLOCK_K=plan["block_k"], BLOCK_T=block_t, STAGES=plan["stages"],
-        X_WORDS=x_words, NATIVE=_native(x), num_warps=plan["num_warps"])
+        N=n, M=m, BITS=bits, HAS_PERM=perm is not None, SPLIT=split, USE_DOT=plan["use_dot"], PREC=gpu.precision(x),
+        UPCAST=gpu.upcast(x), BLOCK_R=plan["block_r"], BLOCK_K=plan["block_k"], BLOCK_T=block_t, STAGES=plan["stages"],
+        X_WORDS=x_words, NATIVE=gpu.native(x), num_warps=plan["num_warps"])
     if split > 1:
         y.copy_(part.sum(0))
     return y, routes

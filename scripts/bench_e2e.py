@@ -58,7 +58,7 @@ def main() -> None:
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.fused_inputs import fuse_shared_inputs, unfuse_shared_inputs
     from shuffleprune.deploy.producer_maps import move_maps_to_producers
-    from shuffleprune.deploy.sparse_experts import attach_sparse_experts
+    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts
     from shuffleprune.deploy.sparse_linear import (SharedGather, SparseLinear, relative_error, release_scratch,
                                                    use_cslt_layout)
     from shuffleprune.masks import nm_keep_mask
@@ -230,16 +230,13 @@ def main() -> None:
                 del w, lin
             tensors, entries = {}, {}   # MoE: every expert 2:4 in its own random map's order, held as export does
             for fused, experts in experts_by_tensor(block_experts(block, f"{blocks.name}.{i}")).items():
+                maps = {}
                 for e, expert in experts.items():
-                    w = expert.weight
-                    perm = random_block_perm(w.shape[1], 64, gen).to(device)
-                    wp = w[:, perm]
-                    key = f"{fused}[{e}]"
-                    tensors[f"{key}.values"], tensors[f"{key}.meta"] = compress(
-                        wp * nm_keep_mask(wp.float().abs(), 2, 4).to(wp.dtype), 2, 4, key)
-                    tensors[f"{key}.perm"] = perm.to(torch.int32)
-                entries[fused] = {"experts": len(experts), "shape": list(w.shape), "perm": True,
-                                  "transposed": expert.transposed}
+                    maps[e] = perm = random_block_perm(expert.in_features, 64, gen).to(device)
+                    wp = expert.weight[:, perm]
+                    expert.weight[:, perm] = wp * nm_keep_mask(wp.float().abs(), 2, 4).to(wp.dtype)
+                compressed, entries[fused] = compress_experts(fused, experts, 2, 4, maps)
+                tensors.update(compressed)
             if entries:
                 attach_sparse_experts(model, tensors, {"n": 2, "m": 4, "experts": entries})
                 del tensors

@@ -78,7 +78,7 @@ def main() -> None:
 
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.sparse_linear import SparseLinear, candidate_errors, relative_error
-    from shuffleprune.kernels.nm_fast import decode_max_tokens
+    from shuffleprune.kernels.nm_decode import decode_max_tokens
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
 

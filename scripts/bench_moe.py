@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,15 +48,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.hidden, args.inter, args.experts, args.tokens, args.calls, args.runs = 64, 128, 4, [1, 5, 40], 1, 1
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # the grouped kernel on the CPU: interpreted
 
     import torch
     from torch import nn
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    from shuffleprune.blocks import block_experts, expert_name
-    from shuffleprune.deploy.format import compress
-    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, experts_mode, set_experts_mode
+    from shuffleprune.blocks import block_experts, experts_by_tensor
+    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts, experts_mode, set_experts_mode
     from shuffleprune.deploy.sparse_linear import relative_error
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
@@ -89,18 +90,16 @@ def main() -> None:
         model = own_copy()
         tensors, entries = {}, {}
         with torch.no_grad():
-            for pname in ("gate_up_proj", "down_proj"):
-                fused = getattr(model.experts, pname).data
-                for e in range(args.experts):
-                    w, key = fused[e], expert_name(f"experts.{pname}", e)
-                    perm = random_block_perm(w.shape[1], 64, gen).to(device) if mapped else None
-                    if perm is not None:   # the expert pruned 2:4 in its map's order instead
-                        wp = fused_unpruned[pname][e][:, perm].to(device, dtype)
-                        w[:, perm] = wp * nm_keep_mask(wp.abs().float(), 2, 4).to(dtype)
-                        tensors[f"{key}.perm"] = perm.to(torch.int32)
-                    tensors[f"{key}.values"], tensors[f"{key}.meta"] = compress(w if perm is None else w[:, perm], 2, 4, key)
-                entries[f"experts.{pname}"] = {"experts": args.experts, "shape": list(fused.shape[1:]),
-                                               "transposed": False, "perm": mapped}
+            for name, experts in experts_by_tensor(block_experts(model, "")).items():
+                maps = {}
+                if mapped:   # each expert pruned 2:4 in its own random map's order instead
+                    unpruned = fused_unpruned[name.rpartition(".")[2]]
+                    for e, expert in experts.items():
+                        maps[e] = perm = random_block_perm(expert.in_features, 64, gen).to(device)
+                        wp = unpruned[e][:, perm].to(device, dtype)
+                        expert.weight[:, perm] = wp * nm_keep_mask(wp.abs().float(), 2, 4).to(dtype)
+                compressed, entries[name] = compress_experts(name, experts, 2, 4, maps)
+                tensors.update(compressed)
         reference = copy.deepcopy(model)
         attach_sparse_experts(model, tensors, {"n": 2, "m": 4, "experts": entries})
         return model, reference

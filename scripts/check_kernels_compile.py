@@ -13,7 +13,7 @@ tensor-core instructions, the machine instructions of the main loop and its sync
 loads (``LDG``: what the pipeline left for the loop to wait on), and for decode the weight
 traffic (TB/s) at which those instructions alone would fill every issue slot of an H100: below the
 3.35 TB/s of HBM3 the kernel is instruction-bound whatever its loads do; for the GEMM the share of
-the tensor cores' peak that ``nm_fast.gemm_cycles`` expects from those instructions. No timing: that needs the
+the tensor cores' peak that ``nm_gemm.gemm_cycles`` expects from those instructions. No timing: that needs the
 GPU (``scripts/gpu_run.sh``).
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def cases(quick: bool) -> list[dict]:
             out.append(dict(impl="gemm", shape=(rows, cols), tokens=t))
             out.append(dict(impl="gemm_swap", shape=(rows, cols), tokens=t))
         out.append(dict(impl="scratch", shape=(rows, cols), tokens=0))
-    from shuffleprune.kernels.nm_fast import GEMM_TILES, GEMM_TILES_SWAP
+    from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP
 
     rows, cols = SHAPES[0]
     for impl, table in (("gemm_tile", GEMM_TILES), ("gemm_swap_tile", GEMM_TILES_SWAP)):
@@ -87,7 +87,7 @@ def run_case(case: dict) -> None:
 
     from shuffleprune.deploy.format import meta_bits
     from shuffleprune.deploy.sparse_linear import DECODE_KERNELS
-    from shuffleprune.kernels import nm_fast, nm_matmul, norm_map
+    from shuffleprune.kernels import nm_decode, nm_gemm, nm_matmul, nm_words, norm_map
 
     rows, cols = case["shape"]
     dtype = getattr(torch, case.get("dtype", "bfloat16"))
@@ -110,21 +110,21 @@ def run_case(case: dict) -> None:
         return
     values = torch.zeros(rows, kept, dtype=dtype)
     meta = torch.zeros(rows, -(-kept * bits // 8), dtype=torch.uint8)
-    words = nm_fast.position_words(meta)
+    words = nm_words.position_words(meta)
     x = torch.zeros(tokens, cols, dtype=dtype)
     if impl in ("decode", "decode_nomap"):
-        nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None, tiled=tiled)
+        nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None, tiled=tiled)
     elif impl in ("decode_swap", "decode_mapped"):   # as SparseLinear runs them (the mapped one reading the map)
-        nm_fast.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
+        nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
                           **DECODE_KERNELS[impl])
     elif impl in ("gemm", "gemm_swap"):
-        nm_fast.nm_gemm(x, values, words, n, m, bits, weight_a=impl == "gemm_swap")
+        nm_gemm.nm_gemm(x, values, words, n, m, bits, weight_a=impl == "gemm_swap")
     elif impl in ("gemm_tile", "gemm_swap_tile"):
         swap = impl == "gemm_swap_tile"
-        table = nm_fast.GEMM_TILES_SWAP if swap else nm_fast.GEMM_TILES
-        nm_fast.nm_gemm(x, values, words, n, m, bits, tile=table[(n, m)][case["tile"]][0], weight_a=swap)
+        table = nm_gemm.GEMM_TILES_SWAP if swap else nm_gemm.GEMM_TILES
+        nm_gemm.nm_gemm(x, values, words, n, m, bits, tile=table[(n, m)][case["tile"]][0], weight_a=swap)
     elif impl == "scratch":
-        nm_fast.nm_decompress_into(values, words, n, m, bits, cols, torch.empty(rows * cols, dtype=dtype), tiled=tiled)
+        nm_gemm.nm_decompress_into(values, words, n, m, bits, cols, torch.empty(rows * cols, dtype=dtype), tiled=tiled)
     else:
         nm_matmul.nm_gather_matmul(x, values, meta, n, m, bits, perm=perm, variant=impl)
 
@@ -150,27 +150,27 @@ def decode_plan_per_sm(case: dict) -> int:
 
     from shuffleprune.deploy.format import meta_bits
     from shuffleprune.deploy.sparse_linear import DECODE_KERNELS
-    from shuffleprune.kernels import nm_fast
+    from shuffleprune.kernels import nm_decode
 
     (rows, cols), (n, m) = case["shape"], case.get("pattern", (2, 4))
     kernel = DECODE_KERNELS.get(case["impl"], {})   # decode and decode_nomap: the plan's own kernel
-    plan = nm_fast.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
-                               element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **kernel)
+    plan = nm_decode.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
+                                 element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **kernel)
     return plan["per_sm"]
 
 
 def gemm_tensor_share(row: dict) -> float:
-    """The share of the tensor cores' peak that :func:`nm_fast.gemm_cycles` expects of this GEMM
+    """The share of the tensor cores' peak that :func:`nm_gemm.gemm_cycles` expects of this GEMM
     launch on an H100, from its compiled loop and residency."""
-    from shuffleprune.kernels import nm_fast
+    from shuffleprune.kernels import nm_gemm
     from shuffleprune.kernels.compile_check import H100
 
     c = row["constexprs"]
     tile = (c["BLOCK_T"], c["BLOCK_R"], c["BLOCK_C"], row["num_warps"], row["num_stages"])
     (rows, cols), tokens = row["shape"], row["tokens"]
-    cycles = nm_fast.gemm_cycles(tokens, rows, cols, tile, row["loop_instructions"], row["programs_per_sm"], H100.sms,
+    cycles = nm_gemm.gemm_cycles(tokens, rows, cols, tile, row["loop_instructions"], row["programs_per_sm"], H100.sms,
                                  c["SPLIT"], overlap=bool(c.get("WEIGHT_A")))
-    ideal = 2 * tokens * rows * cols / nm_fast.TENSOR_FLOP_PER_CYCLE / H100.sms
+    ideal = 2 * tokens * rows * cols / nm_gemm.TENSOR_FLOP_PER_CYCLE / H100.sms
     return round(ideal / cycles, 2)
 
 
@@ -205,7 +205,7 @@ def main() -> None:
                 if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
                     row["tensor_share"] = gemm_tensor_share(row)
                 if case["impl"] in ("gemm_tile", "gemm_swap_tile"):
-                    from shuffleprune.kernels.nm_fast import GEMM_TILES, GEMM_TILES_SWAP
+                    from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP
 
                     table = GEMM_TILES_SWAP if case["impl"] == "gemm_swap_tile" else GEMM_TILES
                     row["table_loop"], row["table_per_sm"] = table[case["pattern"]][case["tile"]][1:]

@@ -25,7 +25,8 @@ def main() -> None:
 
     from shuffleprune.deploy.format import compress, meta_bits
     from shuffleprune.deploy.sparse_linear import relative_error
-    from shuffleprune.kernels.nm_fast import nm_decode, position_words
+    from shuffleprune.kernels.nm_decode import nm_decode
+    from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.masks import nm_keep_mask
 
     rows, cols = (int(v) for v in args.shape.split("x"))

@@ -1,11 +1,11 @@
 """Measure the Triton 2:4 kernels' tile sizes on a GPU: for each LLaMA-2-7B linear shape and token
 count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the decode variants
-(``kernels/nm_fast.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
+(``kernels/nm_decode.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
 tensor-core kernel, ``swap`` the tensor-core kernel with the weight as the MMA's A operand,
 ``mapped`` the planned kernel reading the index map itself, ``mapped_sync`` the same with the map's gather
 one step ahead in registers instead of the pipeline's word copies; each also as ``…_launch``, split-K's
 partial sums added by a second kernel instead of the last split) every pipeline depth in ``--stages``;
-for the prefill ``gemm`` / ``gemm_swap`` every tile of ``nm_fast.GEMM_TILES[(2, 4)]`` /
+for the prefill ``gemm`` / ``gemm_swap`` every tile of ``nm_gemm.GEMM_TILES[(2, 4)]`` /
 ``GEMM_TILES_SWAP[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
 is checked against the dense result and timed: calls over rotating weight copies (together more
 than 2.5× the L2, so no call finds its weight there) captured in one CUDA graph, the median replay
@@ -75,8 +75,9 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from shuffleprune.kernels.nm_fast import (GEMM_TILES, GEMM_TILES_SWAP, decode_plan, gemm_plan, nm_decode,
-                                              nm_decompress_into, nm_gemm, position_words)
+    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP, gemm_plan, nm_decompress_into, nm_gemm
+    from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions

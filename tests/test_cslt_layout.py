@@ -14,7 +14,9 @@ from shuffleprune.deploy.cslt_layout import cslt_buffer, cslt_supported, cslt_wo
 from shuffleprune.deploy.format import compress
 from shuffleprune.deploy.fused_inputs import FusedInputs
 from shuffleprune.deploy.sparse_linear import SparseLinear
-from shuffleprune.kernels.nm_fast import nm_decode, nm_decompress_into, nm_gemm, position_words
+from shuffleprune.kernels.nm_decode import nm_decode
+from shuffleprune.kernels.nm_gemm import nm_decompress_into, nm_gemm
+from shuffleprune.kernels.nm_words import position_words
 from shuffleprune.masks import nm_keep_mask
 
 LEARNED = Path(__file__).resolve().parents[1] / "scripts" / "results" / "sparse_tc_layout.json"

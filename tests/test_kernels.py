@@ -1,5 +1,5 @@
-"""The word-layout Triton kernels (``kernels/nm_fast.py``) against float64 references, interpreted on
-the CPU (``TRITON_INTERPRET=1``): decode (with split-K, with and without ``tl.dot``), the prefill
+"""The word-layout Triton kernels (``kernels/nm_decode.py``, ``nm_gemm.py``, ``split_k.py`` on the layout
+of ``nm_words.py``) against float64 references, interpreted on the CPU (``TRITON_INTERPRET=1``): decode (with split-K, with and without ``tl.dot``), the prefill
 GEMM, and decompression into a shared buffer; ragged shapes, 2:4 and 4:8, index map and bias,
 float16 / bfloat16 / float32; and every ``SparseLinear`` policy through the same reference."""
 from __future__ import annotations
@@ -54,7 +54,8 @@ def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
 ])
 @pytest.mark.parametrize("with_perm,with_bias", [(True, True), (False, False)])
 def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot, dot, dtype, with_perm, with_bias):
-    from shuffleprune.kernels.nm_fast import decode_plan, nm_decode, position_words
+    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.nm_words import position_words
 
     w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows + tokens)
     p = perm if with_perm else None
@@ -80,7 +81,8 @@ def test_mapped_decode_reads_its_gather_as_words_only_where_aligned(tokens, kern
     """The map's gather as 32-bit words (an aligned 16-bit input; the select loop, and the tensor-core
     decode with the weight as the MMA's A operand) and one step ahead in registers (an input starting
     mid-word, or ``async_gather=False``; at 20 tokens read in the step) give the float64 product."""
-    from shuffleprune.kernels.nm_fast import nm_decode, position_words, word_gather
+    from shuffleprune.kernels.nm_decode import nm_decode, word_gather
+    from shuffleprune.kernels.nm_words import position_words
 
     rows, cols = 40, 192
     w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=7 + tokens)
@@ -106,7 +108,8 @@ def test_mapped_decode_reads_its_gather_as_words_only_where_aligned(tokens, kern
 def test_decode_kernel_takes_up_to_64_tokens(rows, cols, n, m, tokens, block_t, warps, dtype):
     """Prompts of 17–64 tokens run the tensor-core decode (index map read in the kernel) on
     16-bit inputs; float32 and the select kernel stop at 16 tokens with an error naming nm_gemm."""
-    from shuffleprune.kernels.nm_fast import decode_plan, nm_decode, position_words
+    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.nm_words import position_words
 
     w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows + tokens)
     y = nm_decode(x, values, position_words(meta), n, m, meta_bits(m), perm.to(torch.int32), bias)
@@ -124,7 +127,8 @@ def test_decode_kernel_takes_up_to_64_tokens(rows, cols, n, m, tokens, block_t, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols,n,m,tokens", [(48, 64, 2, 4, 17), (37, 160, 2, 4, 70), (33, 128, 4, 8, 40)])
 def test_gemm_kernel_matches_float64(rows, cols, n, m, tokens, dtype):
-    from shuffleprune.kernels.nm_fast import nm_gemm, position_words
+    from shuffleprune.kernels.nm_gemm import nm_gemm
+    from shuffleprune.kernels.nm_words import position_words
 
     w, values, meta, x, _, bias = _case(rows, cols, n, m, tokens, dtype, seed=cols)
     y = nm_gemm(x, values, position_words(meta), n, m, meta_bits(m), bias, tile=(16, 16, 64, 4, 1))
@@ -142,7 +146,9 @@ def test_weight_as_mma_a_operand_matches_float64(rows, cols, n, m, tokens, dtype
     """The tensor-core decode and the GEMM with the weight tile as the MMA's A operand (``acc[rows,
     tokens]``, stored transposed): ragged rows and K, 2:4, 4:8 and the generic expansion, index map
     and bias, split-K, and the tiles of DOT_TILES_SWAP / GEMM_TILES_SWAP."""
-    from shuffleprune.kernels.nm_fast import decode_plan, nm_decode, nm_gemm, position_words
+    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.nm_gemm import nm_gemm
+    from shuffleprune.kernels.nm_words import position_words
 
     w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows * tokens)
     words, bits = position_words(meta), meta_bits(m)
@@ -169,41 +175,44 @@ def test_split_k_sums_in_the_last_split_as_the_separate_kernel_does(kernel, toke
     """Split-K's partial sums added by the split that arrives last at its output tile (one launch) give
     the two-launch result bit for bit (the same float32 sum in split order, then the bias), leave every
     counter at 0 for the next launch, and fall back to the second launch beyond the counters there are."""
-    from shuffleprune.kernels import nm_fast
+    from shuffleprune.kernels import split_k
+    from shuffleprune.kernels.nm_decode import nm_decode
+    from shuffleprune.kernels.nm_gemm import nm_gemm
+    from shuffleprune.kernels.nm_words import position_words
 
     rows, cols = 37, 256
     w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=tokens)
-    words, perm32 = nm_fast.position_words(meta), perm.to(torch.int32)
+    words, perm32 = position_words(meta), perm.to(torch.int32)
     if kernel.startswith("gemm"):
         xp = x[:, perm].contiguous()
         tile = (64, 16, 32, 4, 1) if kernel == "gemm_swap" else (16, 16, 32, 4, 1)   # 64 tokens: summed 16 at a time
-        run = lambda **kw: nm_fast.nm_gemm(xp, values, words, 2, 4, 2, bias, tile=tile, split=4,
-                                           weight_a=kernel == "gemm_swap", **kw)
+        run = lambda **kw: nm_gemm(xp, values, words, 2, 4, 2, bias, tile=tile, split=4,
+                                   weight_a=kernel == "gemm_swap", **kw)
     else:
         kind = {"select": {"use_dot": False}, "dot": {"use_dot": True}, "swap": {"use_dot": True, "weight_a": True}}
-        run = lambda **kw: nm_fast.nm_decode(x, values, words, 2, 4, 2, perm32, bias, block_r=16, block_k=16,
-                                             split=3, **kind[kernel], **kw)
+        run = lambda **kw: nm_decode(x, values, words, 2, 4, 2, perm32, bias, block_r=16, block_k=16,
+                                     split=3, **kind[kernel], **kw)
     two_launches = run(sum_in_kernel=False)
     assert _close(two_launches, x.double()[:, perm] @ w.double().t() + bias.double(), dtype)
-    sum_kernel, summed = nm_fast._sum_partials, []
-    monkeypatch.setattr(nm_fast, "_sum_partials", lambda *a: summed.append(a) or sum_kernel(*a))
+    sum_kernel, summed = split_k.sum_partials, []
+    monkeypatch.setattr(split_k, "sum_partials", lambda *a: summed.append(a) or sum_kernel(*a))
     one_launch = run()
     assert not summed and torch.equal(one_launch, two_launches)
-    counters = nm_fast._COUNTERS[str(x.device)][0]   # every counter of the ring
+    counters = split_k._COUNTERS[str(x.device)][0]   # every counter of the ring
     assert counters.dtype == torch.int32 and not counters.any()
-    first, second = nm_fast.split_counters(x.device, 5), nm_fast.split_counters(x.device, 5)
+    first, second = split_k.split_counters(x.device, 5), split_k.split_counters(x.device, 5)
     assert second.data_ptr() == first.data_ptr() + 5 * 4   # the next launch takes the next counters
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.delitem(nm_fast._COUNTERS, "cuda:0", raising=False)
-    assert nm_fast.split_counters(torch.device("cuda:0"), 3) is None   # none made inside a graph capture
-    monkeypatch.setattr(nm_fast, "SPLIT_COUNTERS", 2)   # more output tiles than counters: the sum kernel
+    monkeypatch.delitem(split_k._COUNTERS, "cuda:0", raising=False)
+    assert split_k.split_counters(torch.device("cuda:0"), 3) is None   # none made inside a graph capture
+    monkeypatch.setattr(split_k, "SPLIT_COUNTERS", 2)   # more output tiles than counters: the sum kernel
     assert torch.equal(run(), two_launches) and len(summed) == 1
 
 
 def _experts_case(experts: int, rows: int, cols: int, n: int, m: int, dtype: torch.dtype, mapped: list[bool], seed: int):
     """``experts`` N:M matrices stacked as the export's experts load (values, words, maps with the identity
     where an expert has none) and the dense matrices, each in its map's column order."""
-    from shuffleprune.kernels.nm_fast import position_words
+    from shuffleprune.kernels.nm_words import position_words
 
     g = torch.Generator().manual_seed(seed)
     dense, values, words, perms = [], [], [], []
@@ -298,7 +307,8 @@ def test_sparse_experts_hold_one_stacked_copy_with_each_expert_a_view():
 
 @pytest.mark.parametrize("rows,cols,n,m", [(37, 96, 2, 4), (33, 136, 4, 8), (5, 24, 2, 4)])
 def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
-    from shuffleprune.kernels.nm_fast import nm_decompress_into, position_words
+    from shuffleprune.kernels.nm_gemm import nm_decompress_into
+    from shuffleprune.kernels.nm_words import position_words
 
     w, values, meta, *_ = _case(rows, cols, n, m, 1, torch.bfloat16)
     buf = torch.full((rows * cols + 11,), 7.0, dtype=torch.bfloat16)   # stale contents must not leak through
@@ -311,26 +321,26 @@ def test_gemm_plan_follows_tokens_rows_and_sm_count(monkeypatch):
     256-token tile unsplit (the weight expanded once for more tokens), few tokens or rows smaller
     tiles and column splits that give every SM programs; N:M whose position words need wider steps
     and float32 get tiles that fit them."""
-    from shuffleprune.kernels import nm_fast
+    from shuffleprune.kernels import gpu, nm_gemm
 
     cuda = torch.device("cuda")
-    monkeypatch.setattr(nm_fast, "_sm_count", lambda device: 132)
-    big, *_, small = [t[0] for t in nm_fast.GEMM_TILES[(2, 4)]]
-    assert nm_fast.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda) == (big, 1)
-    assert nm_fast.gemm_plan(64, 4096, 4096, 2, 4, 2, cuda)[0][0] <= 64
-    tile, split = nm_fast.gemm_plan(512, 1024, 4096, 2, 4, 2, cuda)   # 4 row tiles × 2 token tiles: too few
+    monkeypatch.setattr(gpu, "sm_count", lambda device: 132)
+    big, *_, small = [t[0] for t in nm_gemm.GEMM_TILES[(2, 4)]]
+    assert nm_gemm.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda) == (big, 1)
+    assert nm_gemm.gemm_plan(64, 4096, 4096, 2, 4, 2, cuda)[0][0] <= 64
+    tile, split = nm_gemm.gemm_plan(512, 1024, 4096, 2, 4, 2, cuda)   # 4 row tiles × 2 token tiles: too few
     assert tile[0] < big[0] and split > 1
     for n, m in ((1, 4), (4, 8), (2, 4)):
-        block_c = nm_fast.gemm_plan(512, 4096, 4096, n, m, meta_bits(m), cuda)[0][2]
+        block_c = nm_gemm.gemm_plan(512, 4096, 4096, n, m, meta_bits(m), cuda)[0][2]
         assert block_c * n // m % (32 // meta_bits(m)) == 0       # whole position words per step
-    assert nm_fast.gemm_plan(1, 8, 64, 1, 16, 4, cuda)[0][2] == 128   # 1:16: eight 4-bit fields need 128 columns
-    assert nm_fast.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda, element_bytes=4) == (nm_fast.GEMM_TILE_FP32, 1)
-    loop, per_sm = nm_fast.GEMM_TILES[(2, 4)][0][1:]
-    full = nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 132)
-    assert nm_fast.gemm_cycles(4096, 4096, 4096, big, loop, per_sm, 132) == pytest.approx(2 * full, rel=0.05)
-    assert nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 66) > 1.9 * full
-    assert nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, 1, 132) > full  # no second program to overlap with
-    assert nm_fast.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 132, split=2) > full   # partial sums cost
+    assert nm_gemm.gemm_plan(1, 8, 64, 1, 16, 4, cuda)[0][2] == 128   # 1:16: eight 4-bit fields need 128 columns
+    assert nm_gemm.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda, element_bytes=4) == (nm_gemm.GEMM_TILE_FP32, 1)
+    loop, per_sm = nm_gemm.GEMM_TILES[(2, 4)][0][1:]
+    full = nm_gemm.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 132)
+    assert nm_gemm.gemm_cycles(4096, 4096, 4096, big, loop, per_sm, 132) == pytest.approx(2 * full, rel=0.05)
+    assert nm_gemm.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 66) > 1.9 * full
+    assert nm_gemm.gemm_cycles(2048, 4096, 4096, big, loop, 1, 132) > full  # no second program to overlap with
+    assert nm_gemm.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 132, split=2) > full   # partial sums cost
 
 
 def test_decode_split_reads_the_devices_shared_memory(monkeypatch):
@@ -339,13 +349,13 @@ def test_decode_split_reads_the_devices_shared_memory(monkeypatch):
     device does not report it."""
     from types import SimpleNamespace
 
-    from shuffleprune.kernels import nm_fast
+    from shuffleprune.kernels.nm_decode import decode_plan
 
     cuda = torch.device("cuda")
 
     def plan(props):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-        return nm_fast.decode_plan(4096, 2048, 32, 2, 4, 2, cuda)
+        return decode_plan(4096, 2048, 32, 2, 4, 2, cuda)
 
     a100 = plan(SimpleNamespace(multi_processor_count=108, shared_memory_per_multiprocessor=164 * 1024))
     h100 = plan(SimpleNamespace(multi_processor_count=108, shared_memory_per_multiprocessor=228 * 1024))
@@ -354,7 +364,7 @@ def test_decode_split_reads_the_devices_shared_memory(monkeypatch):
 
 
 def test_position_words_are_the_export_bytes_read_four_at_a_time():
-    from shuffleprune.kernels.nm_fast import position_words
+    from shuffleprune.kernels.nm_words import position_words
 
     _, values, meta, *_ = _case(6, 64, 2, 4, 1, torch.float32)        # 32 kept per row: 8 bytes, 2 words
     words = position_words(meta)
@@ -525,7 +535,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     import sys
     from pathlib import Path
 
-    from shuffleprune.kernels.nm_fast import SELECT_MAX_TOKENS
+    from shuffleprune.kernels.nm_decode import SELECT_MAX_TOKENS
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"

@@ -15,7 +15,7 @@ and by cuSPARSELt multiplying from a buffer built here:
   (high word).
 
 :func:`cslt_words` writes the export's position words in that order (:func:`row_words` reads them
-back); the Triton kernels read it with ``tiled=True`` (``kernels/nm_fast.py``: ``_cslt_pair`` for the
+back); the Triton kernels read it with ``tiled=True`` (``kernels/nm_words.py``: ``_cslt_pair`` for the
 address, ``_cslt_positions`` in the select loop, ``_cslt_words_slices`` elsewhere).
 """
 from __future__ import annotations

@@ -45,7 +45,7 @@ from shuffleprune.masks import parse_pattern
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, load_index_maps
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
-from shuffleprune.deploy.sparse_experts import exportable_experts
+from shuffleprune.deploy.sparse_experts import compress_experts, exportable_experts
 
 HF_LOADER_FILE = "shuffleprune_hf.py"
 # Written next to an export so that transformers can load it too:
@@ -215,18 +215,10 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
             layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
             skip_keys.update({f"{name}.weight", f"{name}.bias"})
         for name, experts in exportable_experts(block, f"{blocks.name}.{i}").items():
-            mapped = False
-            for e, expert in experts.items():
-                key = expert_name(name, e)
-                perm = _stored_map(expert_maps.get(key))
-                w = expert.weight if perm is None else expert.weight[:, perm]
-                sparse[f"{key}.values"], sparse[f"{key}.meta"] = compress(w, n, m, key)
-                if perm is not None:
-                    sparse[f"{key}.perm"] = perm.to(torch.int32).contiguous()
-                    mapped = True
-            first = experts[0]
-            experts_out[name] = {"experts": len(experts), "shape": list(first.weight.shape),
-                                 "transposed": first.transposed, "perm": mapped}
+            maps = {e: _stored_map(expert_maps.get(expert_name(name, e))) for e in experts}
+            tensors, experts_out[name] = compress_experts(name, experts, n, m,
+                                                          {e: p for e, p in maps.items() if p is not None})
+            sparse.update(tensors)
             skip_keys.add(name)
     restored = _restore_column_order(model, set(layers))
     if not layers and not experts_out:

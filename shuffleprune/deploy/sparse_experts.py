@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, experts_by_tensor, is_fused_experts
-from shuffleprune.deploy.format import check_compressed, check_index_map, meta_bits
+from shuffleprune.deploy.format import check_compressed, check_index_map, compress, meta_bits
 from shuffleprune.deploy.sparse_linear import AGREE_RTOL, SparseLinear, relative_error, token_bucket
 from shuffleprune.errors import UserError
 from shuffleprune.runtime import eager_ms
@@ -92,7 +92,7 @@ class SparseExperts(nn.Module):
 
     def words(self) -> torch.Tensor:
         """The positions as int32 words ``[E, R, W]`` (a view of ``meta`` when rows are whole words)."""
-        from shuffleprune.kernels.nm_fast import position_words
+        from shuffleprune.kernels.nm_words import position_words
 
         if self._words is None or self._words[0] is not self.meta:
             experts, rows, nbytes = self.meta.shape
@@ -171,7 +171,7 @@ def release_mode_choices() -> None:
 
 def grouped_runs_on(x: torch.Tensor) -> bool:
     """Whether ``auto`` may run the grouped kernel on ``x``'s device: compiled Triton on CUDA."""
-    from shuffleprune.kernels.nm_fast import triton
+    from shuffleprune.kernels.nm_words import triton
 
     return x.is_cuda and triton is not None
 
@@ -262,6 +262,25 @@ def exportable_experts(block: nn.Module, prefix: str) -> dict[str, dict[int, Exp
     pruned (has zeros); a parameter left dense, wholly or in part, stays in the dense checkpoint."""
     return {name: experts for name, experts in experts_by_tensor(block_experts(block, prefix)).items()
             if all(bool((e.weight == 0).any()) for e in experts.values())}
+
+
+def compress_experts(name: str, experts: dict[int, ExpertWeight], n: int, m: int,
+                     maps: dict[int, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """One fused projection's pruned experts as the export stores them: each expert's N:M values and
+    positions (``{expert_name}.values`` / ``.meta``), in its map's column order where ``maps`` has
+    one (stored as ``.perm``, int32), and the format's entry for the projection (expert count,
+    ``[out, in]``, the fused layout, whether maps are stored)."""
+    tensors, maps = {}, maps or {}
+    for e, expert in experts.items():
+        key, perm = expert_name(name, e), maps.get(e)
+        w = expert.weight if perm is None else expert.weight[:, perm.to(expert.weight.device)]
+        tensors[f"{key}.values"], tensors[f"{key}.meta"] = compress(w, n, m, key)
+        if perm is not None:
+            tensors[f"{key}.perm"] = perm.to(torch.int32).contiguous()
+    first = next(iter(experts.values()))
+    entry = {"experts": len(experts), "shape": list(first.weight.shape), "transposed": first.transposed,
+             "perm": any(e in maps for e in experts)}
+    return tensors, entry
 
 
 def attach_sparse_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: dict, policy: str = "auto") -> None:

@@ -2,7 +2,7 @@
 
 cuSPARSELt, the library behind PyTorch's 2:4 tensors and the only sparse-tensor-core GEMM for
 Hopper that PyTorch reaches, packs a 2:4 matrix into one buffer whose layout NVIDIA does not
-document. A layer can run both the decode kernels (:mod:`kernels.nm_fast`) and such a GEMM from
+document. A layer can run both the decode kernels (:mod:`kernels.nm_decode`) and such a GEMM from
 *one* copy of its weight only if both read the same bytes, so the layout has to be known.
 :func:`learn_layout` finds it for any black box ``compress(dense [R, C]) -> tensor`` of 16-bit
 elements by compressing chosen patterns:

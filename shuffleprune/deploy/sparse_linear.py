@@ -4,7 +4,7 @@
 :mod:`format`) and ``perm`` the input index map (``None`` when the layer reads its input in order).
 No layer keeps a dense copy: GPU memory holds the compressed size. Implementations (``IMPLS``):
 
-- ``decode`` (CUDA, 1–64 tokens; float32 1–16): the bandwidth kernel of ``kernels/nm_fast.py``
+- ``decode`` (CUDA, 1–64 tokens; float32 1–16): the bandwidth kernel of ``kernels/nm_decode.py``
   (position words, split-K) over the gathered input (one small gather, shared by a group's layers);
 - ``decode_mapped``: the same kernel reading the index map itself (no gather launch; on an H100 its
   gather, a synchronous load inside the loop, cost 6–34 % at one token and far more on the tensor
@@ -165,7 +165,7 @@ class SparseLinear(nn.Module):
         """The positions as int32 words for the Triton kernels (a view of ``meta`` when rows are whole
         words, which they are for every width divisible by 32·M/(N·bits)); after
         :meth:`use_cslt_layout`, ``meta`` itself, in cuSPARSELt's order (the kernels' ``tiled``)."""
-        from shuffleprune.kernels.nm_fast import position_words
+        from shuffleprune.kernels.nm_words import position_words
 
         if self.tiled:
             return self.meta
@@ -220,7 +220,7 @@ class SparseLinear(nn.Module):
         """``W_p`` written into the shared scratch (a Triton kernel on CUDA, PyTorch elsewhere)."""
         buf = scratch_buffer(self.out_features * self.in_features, self.values.device, self.values.dtype)
         if self.values.is_cuda and self._pow2():
-            from shuffleprune.kernels.nm_fast import nm_decompress_into
+            from shuffleprune.kernels.nm_gemm import nm_decompress_into
 
             return nm_decompress_into(self.values, self.words(), self.n, self.m, self.bits, self.in_features, buf,
                                       tiled=self.tiled)
@@ -228,13 +228,13 @@ class SparseLinear(nn.Module):
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
         if impl in DECODE_KERNELS:
-            from shuffleprune.kernels.nm_fast import nm_decode
+            from shuffleprune.kernels.nm_decode import nm_decode
 
             inp, perm = (x, self.perm) if impl == "decode_mapped" else (self._gathered(x), None)
             return nm_decode(inp, self.values, self.words(), self.n, self.m, self.bits, perm, self.bias,
                              tiled=self.tiled, **DECODE_KERNELS[impl])
         if impl in ("gemm", "gemm_swap"):
-            from shuffleprune.kernels.nm_fast import nm_gemm
+            from shuffleprune.kernels.nm_gemm import nm_gemm
 
             return nm_gemm(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, self.bias,
                            weight_a=impl == "gemm_swap", tiled=self.tiled)
@@ -277,7 +277,7 @@ class SparseLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
-        from shuffleprune.kernels.nm_fast import SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, triton
+        from shuffleprune.kernels.nm_decode import SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, triton
 
         if triton is None:
             return ["scratch"]

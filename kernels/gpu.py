@@ -1,0 +1,40 @@
+"""What the Triton kernels' host code asks of the device they run on (one place, so the compile-only
+check of :mod:`.compile_check` can answer for an H100 on a machine without one)."""
+from __future__ import annotations
+
+import torch
+
+
+def precision(x: torch.Tensor) -> str:
+    """float32 inputs multiply in full precision (not TF32); 16-bit ones on the tensor cores."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def upcast(x: torch.Tensor) -> bool:
+    """Under the interpreter bfloat16 ``tl.dot`` is wrong (numpy has no bfloat16 matmul): there the
+    products of bfloat16 tiles are taken in float32. Never on a GPU."""
+    return x.dtype == torch.bfloat16 and x.device.type != "cuda"
+
+
+def native(x: torch.Tensor) -> bool:
+    """Whether the kernels run compiled for an NVIDIA GPU and may use inline PTX such as ``prmt``; not
+    interpreted on the CPU nor on ROCm (where :func:`.nm_words._prmt` emulates it with shifts)."""
+    return x.device.type == "cuda" and torch.version.hip is None
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a small number under the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any small number exercises the split path
+
+
+SMEM_PER_SM = 228 * 1024  # H100 / H200: shared memory per SM where the device does not say
+
+
+def smem_per_sm(device: torch.device) -> int:
+    """Shared memory per SM (what bounds the tensor-core decode's residency): the device's own
+    figure on CUDA (A100 164 KB, H100 228 KB), :data:`SMEM_PER_SM` elsewhere."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", SMEM_PER_SM)
+    return SMEM_PER_SM

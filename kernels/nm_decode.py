@@ -1,0 +1,335 @@
+"""The N:M decode kernels (1–64 tokens): ``y = x[..., perm] @ W_pᵀ (+ b)``, bandwidth-bound, on a
+weight in the word layout of :mod:`.nm_words`.
+
+A program owns ``BLOCK_R`` rows and one split of the kept values; per step it loads a ``[BLOCK_R,
+BLOCK_K]`` value tile and its position words (16-byte evict-first loads: the weight is read once; the
+loop is software-pipelined, ``stages − 1`` tiles loaded ahead by asynchronous copies) and reads the
+step's ``BLOCK_K·M/N`` inputs once, through the index map, for all its rows. At one and two tokens
+each kept value then *selects* its input among its group's ``M`` (a tree of selects on the position
+bits) and accumulates element-wise, with one reduction after the loop (:func:`select_loop`); from
+three tokens (4:8: from one) the tile is expanded to dense in registers and multiplied on the tensor
+cores (:func:`dot_loop`: ``tl.dot``, tokens in the MMA's rows; with ``weight_a`` the weight's rows
+are, so Hopper's asynchronous wgmma reads the expanded tile from registers). Where the row count is
+too small to fill the GPU, the kept values are split (:mod:`.split_k`). :func:`decode_plan` picks the
+kernel, tile and split; the loops are shared with the MoE experts kernel (:mod:`.nm_experts`).
+
+All run on the CPU under ``TRITON_INTERPRET=1`` (how CI checks them against float64 references).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
+from shuffleprune.kernels import gpu, split_k
+from shuffleprune.kernels.nm_words import check_pattern, check_tiled
+
+if triton is not None:
+    from shuffleprune.kernels.nm_words import cslt_positions, dense_tile, kept_tile, mma_step, positions
+    from shuffleprune.kernels.split_k import write_output
+
+    @triton.jit
+    def _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
+                     G: tl.constexpr, HAS_PERM: tl.constexpr, X_WORDS: tl.constexpr = False):
+        """The inputs of the ``G`` groups starting at kept value ``k0``, in permuted column order and
+        read once through the index map: ``[BLOCK_T, G·M]`` in ``x``'s dtype. ``X_WORDS`` (16-bit
+        ``x`` at a 4-byte aligned address, even row stride): each input is taken from the 32-bit word
+        that holds it, so the gather is a 4-byte load — one the software pipeline turns into an
+        asynchronous copy issued stages ahead, behind the map's own (a 2-byte gather stays a
+        synchronous load inside the loop, and the step's weight copies wait behind it)."""
+        cols = (k0 // N) * M + tl.arange(0, G * M)
+        col_ok = cols < C
+        ok = tok_ok[:, None] & col_ok[None, :]
+        src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
+        if X_WORDS:
+            word = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + toks[:, None] * (stride_xt // 2) + (src // 2)[None, :],
+                           mask=ok, other=0)
+            half = ((word >> ((src & 1) * 16)[None, :]) & 0xFFFF).to(tl.int16)
+            return half.to(x_ptr.dtype.element_ty, bitcast=True)
+        return tl.load(x_ptr + toks[:, None] * stride_xt + src[None, :], mask=ok, other=0.0)
+
+    @triton.jit
+    def _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
+                      G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, AHEAD: tl.constexpr,
+                      X_WORDS: tl.constexpr = False):
+        """The step's inputs (:func:`_step_inputs`) and the carried tile for the next step. ``AHEAD``
+        (with a map read by 2-byte loads, not ``X_WORDS``): the inputs were read one step earlier, and
+        the next step's are read now — such a gather depends on a load (the map's), which the
+        compiler's pipeline leaves synchronous inside the loop, so each step would wait for it.
+        Otherwise they are read for this step (in order, the pipeline's asynchronous copies already
+        load them ahead) and the carried tile is passed on unused."""
+        if AHEAD and HAS_PERM and not X_WORDS:
+            xs = x_ahead
+            x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+        else:
+            xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
+        return xs, x_ahead
+
+
+    @triton.jit
+    def _decode_ids(R, T, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+        """A decode program's split index, its rows and the tokens (with their in-range masks)."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        toks = tl.arange(0, BLOCK_T)
+        return tl.program_id(1), rows, rows < R, toks, toks < T
+
+
+    @triton.jit
+    def _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
+                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SUM_HERE: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+        """``acc`` ``[BLOCK_R, BLOCK_T]`` (float32) to ``y`` (+ bias), or to split ``pid_s``'s partial sums
+        (:func:`write_output`)."""
+        write_output(acc, toks[None, :] * stride_yt + rows[:, None], toks[None, :] * R + rows[:, None],
+                     row_ok[:, None] & tok_ok[None, :], rows[:, None], row_ok[:, None], bias_ptr, y_ptr, part_ptr,
+                     count_ptr, pid_s, tl.program_id(0) * BLOCK_R, 0, T, R, stride_yt, HAS_BIAS, SPLIT, SUM_HERE,
+                     BLOCK_R, BLOCK_T)
+
+    @triton.jit
+    def _nm_decode_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+                          T, R, K, C, WORDS, stride_xt, stride_yt, K_PER_SPLIT,
+                          N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
+                          HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                          USE_DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_T: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr = "tf32",
+                          UPCAST: tl.constexpr = False, WEIGHT_A: tl.constexpr = False,
+                          TILED: tl.constexpr = False, X_WORDS: tl.constexpr = False,
+                          SUM_HERE: tl.constexpr = False, NATIVE: tl.constexpr = True):
+        """Rows ``program_id(0)``, kept values of split ``program_id(1)``, every token: the select loop
+        (:func:`select_loop`: few tokens, no tensor cores, no dense tile) or, with ``USE_DOT``, the
+        tensor-core loop (:func:`dot_loop`; ``PREC``, ``UPCAST``, ``WEIGHT_A`` and ``NATIVE`` are its
+        own). A map's gather is read as 32-bit words the pipeline copies (``X_WORDS``, see
+        :func:`_step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`)."""
+        pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
+        k_start = pid_s * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        if USE_DOT:
+            acc = dot_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
+                           stride_xt, N, M, BITS, HAS_PERM, PREC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, WEIGHT_A,
+                           TILED, X_WORDS, NATIVE)
+        else:
+            acc = select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C,
+                              WORDS, stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, TILED, X_WORDS)
+        _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
+                      HAS_BIAS, SPLIT, SUM_HERE, BLOCK_R, BLOCK_T)
+
+    @triton.jit
+    def dot_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
+                 stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
+                 PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_T: tl.constexpr, STAGES: tl.constexpr, WEIGHT_A: tl.constexpr, TILED: tl.constexpr,
+                 X_WORDS: tl.constexpr, NATIVE: tl.constexpr):
+        """The tensor-core decode's loop over kept values ``k_start … k_end`` of rows ``rows`` for the input
+        rows ``toks`` of ``x`` (any rows: the MoE kernel passes the tokens routed to one expert): float32
+        ``[BLOCK_R, BLOCK_T]``."""
+        G: tl.constexpr = BLOCK_K // N
+        if WEIGHT_A:
+            acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+            # the byte-permute expansion but for 32 tokens in the MMA's rows (sm_90a: 1361 loop instructions
+            # and 182 registers against the selects' 1267 and 150)
+            dense = dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
+                               "evict_first", TILED, NATIVE, WEIGHT_A or BLOCK_T != 32)
+            # a step ahead up to 16 tokens (at 32 the carried tile spills the 2:4 tile)
+            xs, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, BLOCK_K,
+                                        HAS_PERM, BLOCK_T <= 16, X_WORDS)
+            acc = mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
+        if not WEIGHT_A:
+            acc = tl.trans(acc)
+        return acc
+
+    @triton.jit
+    def select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
+                    stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
+                    TILED: tl.constexpr, X_WORDS: tl.constexpr):
+        """The select decode's loop over kept values ``k_start … k_end`` of rows ``rows`` for the input rows
+        ``toks`` of ``x`` (any rows, as :func:`dot_loop`): float32 ``[BLOCK_R, BLOCK_T]``."""
+        G: tl.constexpr = BLOCK_K // N
+        acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
+        # with a map the inputs are read one step ahead (_inputs_ahead) unless the pipeline copies them (X_WORDS)
+        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+            v, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
+                                 "evict_first", TILED)
+            if TILED:
+                pos = cslt_positions(words, rows, N, BLOCK_R, BLOCK_K)[:, :, :, None]
+            else:
+                pos = positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
+            if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
+                x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
+                                                BLOCK_K, HAS_PERM, True, X_WORDS)
+                xs = tl.trans(x_step.to(tl.float32))
+                even, odd = tl.split(tl.permute(tl.reshape(xs, (G, 2, 2, BLOCK_T)), (0, 3, 1, 2)))
+                x0, x2 = tl.split(even)                                    # [G, BLOCK_T] each: slots 0 and 2
+                x1, x3 = tl.split(odd)
+                low = (pos & 1) != 0
+                lo = tl.where(low, x1[None, :, None, :], x0[None, :, None, :])
+                hi = tl.where(low, x3[None, :, None, :], x2[None, :, None, :])
+                picked = tl.where((pos & 2) != 0, hi, lo)
+            else:
+                first = (k0 // N + tl.arange(0, G)) * M                   # first permuted column of each group
+                picked = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
+                for j in tl.static_range(M):
+                    col_ok = first + j < C
+                    src = tl.load(perm_ptr + first + j, mask=col_ok, other=0) if HAS_PERM else first + j
+                    xj = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None],
+                                 mask=col_ok[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # slot j of each group
+                    picked = tl.where(pos == j, xj[None, :, None, :], picked)
+            acc += v.to(tl.float32)[:, :, :, None] * picked
+        return tl.sum(tl.reshape(acc, (BLOCK_R, BLOCK_K, BLOCK_T)), axis=1)
+
+
+# tensor-core decode tiles by token tile (block_t): (block_r, dense columns per step, warps, the
+# programs an SM holds by their registers as compiled for sm_90a), for the split-and-select
+# expansions of 2:4 and 4:8 and the generic one of other N:M; float32 (no tensor cores, and
+# spilling beyond 16 tokens) decodes at most 16 tokens on one tile
+DOT_TILES = {
+    (2, 4): {16: (64, 256, 4, 2), 32: (64, 256, 4, 2), 64: (64, 128, 8, 1)},
+    (4, 8): {16: (64, 128, 4, 4), 32: (64, 128, 4, 2), 64: (64, 64, 8, 2)},
+}
+DOT_TILES_OTHER = {16: (16, 256, 4, 4), 32: (32, 256, 4, 4), 64: (64, 128, 8, 1)}
+# the same kernel with the weight as the MMA's A operand (``weight_a``, "swap AB": 64 rows per warpgroup
+# in the MMA's M, tokens in its N, so Hopper's asynchronous wgmma takes the expanded tile from
+# registers and up to 16 stay in flight, where tokens in M (at least 64 for wgmma) fall back to
+# synchronous mma with 2–32 tokens). At 2–16 tokens the tile an H100 sweep found fastest
+# (tune_swap_decode.json: 64 rows × 256 columns, 2 programs per SM as compiled, 1.04–1.12× cuBLAS on
+# 4096×4096 and 11008×4096 unmapped; the narrower 64-column step, 7 per SM, was slower); at 32 and 64
+# narrower steps than DOT_TILES (5 — 6 with triton 3.6 — and 4 programs of 2:4 per SM against 2
+# and 1: the tensor-core decode was latency-bound at 12.5 % occupancy, ncu_decode.txt). 4:8 at 2–16 tokens:
+# 4 per SM (116 registers) until the split-K sum moved into the kernel, 3 since (162, no spill; 128 spills).
+DOT_TILES_SWAP = {
+    (2, 4): {16: (64, 256, 4, 2), 32: (64, 64, 4, 5), 64: (64, 64, 4, 4)},
+    (4, 8): {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (64, 128, 4, 2)},
+}
+DOT_TILE_FP32 = (16, 128, 8, 1)
+DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP32 = 64, 16
+# up to this many tokens the select kernel is the default: on an H100 at 2 tokens it took 12.5–29.7 µs on
+# 4096×4096, 4096×11008 and 11008×4096 (tune_select_tokens.json, 1.20–1.35× cuBLAS) where the tensor-core
+# decode took 18.2–39.3 (bench_kernel.json); at 4 tokens it is below cuBLAS (19.9 µs against 17.0 on 4096×4096)
+SELECT_MAX_TOKENS = 2
+SELECT_LIMIT_TOKENS = 16  # the most tokens the select kernel takes (its per-token accumulators grow with them)
+
+
+def decode_max_tokens(element_bytes: int) -> int:
+    """The most tokens :func:`nm_decode` takes for inputs of this element size."""
+    return DECODE_MAX_TOKENS_FP32 if element_bytes >= 4 else DECODE_MAX_TOKENS
+
+
+def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
+                block_r: int | None = None, block_k: int | None = None, split: int | None = None,
+                stages: int = 4, num_warps: int | None = None, use_dot: bool | None = None,
+                element_bytes: int = 2, weight_a: bool = False) -> dict:
+    """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
+
+    Up to :data:`SELECT_MAX_TOKENS` tokens take the select kernel (but 4:8), more the tensor-core one
+    (``use_dot`` forces either; select takes at most 16). ``weight_a``: the tensor-core kernel
+    multiplies with the weight tile as the MMA's A operand (:data:`DOT_TILES_SWAP`), not the inputs. The
+    tiles are the ones whose compiled loop leaves the most room under an H100's issue rate without
+    spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values on 4
+    warps lets one token stream at up to 4.9 TB/s of instruction issue (3.8 through an index map); the
+    tensor-core kernel's 64 rows × 256 dense columns on 4 warps up to 4.2 TB/s at 3–16 tokens on 2:4
+    (6.2–6.4 with ``weight_a``) and 3.4 at 32 (4:8: 64 × 128, 3.4 and 2.8 TB/s), 64 × 128 on 8 warps 3.0
+    at 64 tokens (2:4 with the byte-permute expansion, :func:`_dense_2of4_pairs`). Other N:M and
+    float32 take smaller tiles: larger ones spill. Split-K makes enough programs to fill every SM: one
+    per SM for select (an H100's timing: fewer, longer programs beat split-K there), and for the
+    tensor-core kernel as many as its pipeline buffers let reside in the SM's shared memory (2 for the
+    2:4 tiles). ``stages`` tiles are in the software pipeline. Timed on an H100 (``scripts/gpu_run.sh
+    tune_decode`` → ``scripts/results/tune_decode_*.json``): at one token these tiles unsplit were
+    within 5 % of the best of 32; the tensor-core tiles are within 3 % of the best swept, but at about
+    dense speed."""
+    fields = 32 // bits
+    limit = decode_max_tokens(element_bytes)
+    if tokens > limit:
+        raise ValueError(f"nm_decode takes at most {limit} tokens of {element_bytes}-byte elements (got {tokens}); "
+                         "use nm_gemm")
+    if use_dot is None:  # 4:8's select chains 8 slots (2.2 TB/s at one token), its expansion does not (3.6)
+        use_dot = tokens > SELECT_MAX_TOKENS or (n, m) == (4, 8)
+    if not use_dot and tokens > SELECT_LIMIT_TOKENS:
+        raise ValueError(f"the select decode takes at most {SELECT_LIMIT_TOKENS} tokens (got {tokens})")
+    block_t = max(16, triton.next_power_of_2(tokens)) if use_dot else triton.next_power_of_2(tokens)  # tl.dot: ≥ 16
+    if use_dot:
+        table = DOT_TILES_SWAP if weight_a else DOT_TILES
+        tile = DOT_TILE_FP32 if element_bytes >= 4 else table.get((n, m), DOT_TILES_OTHER)[block_t]
+        block_r = block_r or tile[0]
+        block_k = block_k or max(fields, n, tile[1] * n // m)
+        num_warps = num_warps or tile[2]
+        if block_r < 16 or block_k // n * m < 16:
+            raise ValueError(f"the tensor-core decode needs block_r ≥ 16 and block_k·M/N ≥ 16 (got {block_r}, {block_k})")
+    else:
+        block_r = block_r or 16
+        block_k = block_k or max(fields, n, 128)
+        num_warps = num_warps or (8 if tokens > 2 else 4)
+    row_programs = triton.cdiv(rows, block_r)
+    steps = triton.cdiv(kept, block_k)
+    per_sm = 1   # select: split only when the rows leave SMs idle (an H100 timed split-K's partial sums
+                 # and their reduction as slower than one program per SM streaming more rows)
+    if use_dot:  # as many as the registers (the tile's compile) and the pipeline's buffers let reside
+        buffers = max(1, stages - 1) * (block_r * block_k * element_bytes + block_r * block_k * bits // 8
+                                        + block_t * block_k * m // n * element_bytes)   # stages − 1 loads ahead
+        by_registers = tile[3] if (block_r, num_warps) == (tile[0], tile[2]) else 4   # a tile being tuned: up to 4
+        per_sm = max(1, min(by_registers, gpu.smem_per_sm(device) // buffers))
+    if split is None:
+        slots = per_sm * gpu.sm_count(device)
+        split = max(1, min(steps, triton.cdiv(slots, row_programs)))
+        if use_dot:  # the split with the fewest waves per unit of work (ties: fewer partial sums)
+            split = min(range(1, min(steps, 2 * split) + 1),
+                        key=lambda s: (triton.cdiv(row_programs * s, slots) / s, s))
+    per_split = triton.cdiv(steps, split) * block_k
+    split = triton.cdiv(kept, per_split)
+    return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split, stages=stages,
+                num_warps=num_warps, use_dot=use_dot, per_sm=per_sm, weight_a=weight_a and use_dot)
+
+
+def word_gather(x2: torch.Tensor) -> bool:
+    """Whether the decode kernels can read ``x2`` ``[T, C]`` through an index map as 32-bit words
+    (``X_WORDS``): 16-bit elements, a 4-byte aligned start and an even row stride."""
+    return x2.element_size() == 2 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
+
+
+def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
+              perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
+              async_gather: bool | None = None, sum_in_kernel: bool | None = None, **plan_overrides) -> torch.Tensor:
+    """``x`` ``[..., C]`` with at most :func:`decode_max_tokens` tokens (64; float32: 16) →
+    ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``. ``tiled``: ``words`` ``[R, C/32]`` hold 2:4
+    positions in cuSPARSELt's order (:func:`shuffleprune.deploy.cslt_layout.cslt_words`), not row
+    by row; the same holds for :func:`nm_gemm` and :func:`nm_decompress_into`. ``async_gather``:
+    the select kernel and the weight-as-A tensor-core kernel read the map's gather as 32-bit words
+    the pipeline copies ahead (default: wherever :func:`word_gather` allows; the other tensor-core
+    kernel would spill with them), ``False`` one step ahead in registers (to 16 tokens).
+    ``sum_in_kernel``: split-K's last program of each row tile adds the partial sums (default, see
+    :func:`.split_k.split_counters`); ``False``: a second launch does (:func:`.split_k.sum_partials`)."""
+    check_pattern(n, m, bits)
+    lead, cols = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, cols).contiguous()
+    tokens = x2.shape[0]
+    rows, kept = values.shape
+    p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
+    check_tiled(tiled, p["block_r"])
+    can_words = perm is not None and word_gather(x2) and (not p["use_dot"] or p["weight_a"])
+    if async_gather and perm is not None and not can_words:
+        raise ValueError("async_gather needs the select kernel or weight_a, and 16-bit inputs at a 4-byte aligned "
+                         "address with an even row stride")
+    x_words = can_words and async_gather is not False
+    y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    part = split_k.partials(p["split"], y)
+    dummy = values
+    grid = (triton.cdiv(rows, p["block_r"]), p["split"])
+    counts = split_k.summing(p["split"], grid[0], x.device, sum_in_kernel)
+    args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
+            counts if counts is not None else dummy, tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0), p["per_split"])
+    common = dict(N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
+                  BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
+                  TILED=tiled, X_WORDS=x_words, SUM_HERE=counts is not None, num_warps=p["num_warps"])
+    dot = dict(PREC=gpu.precision(x), UPCAST=gpu.upcast(x), WEIGHT_A=p["weight_a"], NATIVE=gpu.native(x))
+    _nm_decode_kernel[grid](*args, USE_DOT=p["use_dot"], **(dot if p["use_dot"] else {}), **common)
+    if p["split"] > 1 and counts is None:
+        y = split_k.sum_partials(part, bias, y)
+    return y.reshape(*lead, rows)

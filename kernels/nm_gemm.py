@@ -1,0 +1,204 @@
+"""The N:M prefill kernels on a weight in the word layout of :mod:`.nm_words`.
+
+- :func:`nm_gemm` (from 17 tokens): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted inputs whose
+  weight tiles are decompressed in registers for ``tl.dot``; its tile and split-K come from a cost
+  model (:func:`gemm_plan`) over tiles compiled for sm_90a; ``weight_a`` puts the weight in the MMA's
+  A operand.
+- :func:`nm_decompress_into`: the dense ``W_p`` written into a caller's buffer (the shared scratch a
+  dense matmul reads; no layer keeps a dense copy).
+
+Both run on the CPU under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
+from shuffleprune.kernels import gpu, split_k
+from shuffleprune.kernels.nm_words import check_pattern, check_tiled
+
+if triton is not None:
+    from shuffleprune.kernels.nm_words import dense_tile, mma_step
+    from shuffleprune.kernels.split_k import write_output
+
+    @triton.jit
+    def _nm_gemm_kernel(x_ptr, val_ptr, word_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, T, R, C, K, WORDS, stride_xt, stride_yt,
+                        C_PER_SPLIT, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr,
+                        WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False, SUM_HERE: tl.constexpr = False,
+                        NATIVE: tl.constexpr = True):
+        BLOCK_K: tl.constexpr = BLOCK_C * N // M
+        pid, pid_s = tl.program_id(0), tl.program_id(1)
+        n_t, n_r = tl.cdiv(T, BLOCK_T), tl.cdiv(R, BLOCK_R)
+        per_group = GROUP_T * n_r                      # grouped order: neighbouring programs share weight tiles in L2
+        first_t = (pid // per_group) * GROUP_T
+        size_t = tl.minimum(n_t - first_t, GROUP_T)
+        pid_t = first_t + (pid % per_group) % size_t
+        pid_r = (pid % per_group) // size_t
+        toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        tok_ok, row_ok = toks < T, rows < R
+        if WEIGHT_A:
+            acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        c_start = pid_s * C_PER_SPLIT
+        for c0 in range(c_start, tl.minimum(c_start + C_PER_SPLIT, C), BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            xs = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_ok[:, None] & (cols < C)[None, :],
+                         other=0.0)
+            dense = dense_tile(val_ptr, word_ptr, rows, row_ok, c0 * N // M, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
+                               "", TILED, NATIVE)
+            acc = mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
+        if WEIGHT_A:
+            acc = tl.trans(acc)
+        write_output(acc, toks[:, None] * stride_yt + rows[None, :], toks[:, None] * R + rows[None, :],
+                     tok_ok[:, None] & row_ok[None, :], rows[None, :], row_ok[None, :], bias_ptr, y_ptr, part_ptr,
+                     count_ptr, pid_s, pid_r * BLOCK_R, pid_t * BLOCK_T, T, R, stride_yt, HAS_BIAS, SPLIT, SUM_HERE,
+                     BLOCK_R, BLOCK_T)
+
+    @triton.jit
+    def _nm_decompress_kernel(val_ptr, word_ptr, out_ptr, R, C, K, WORDS,
+                              N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr = False,
+                              NATIVE: tl.constexpr = True):
+        G: tl.constexpr = BLOCK_K // N
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        k0 = tl.program_id(1) * BLOCK_K
+        dense = dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
+                           "evict_first", TILED, NATIVE)
+        cols = (k0 // N) * M + tl.arange(0, G * M)
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], dense, mask=row_ok[:, None] & (cols < C)[None, :])
+
+
+# prefill tiles (block_t, block_r, block_c, warps, stages), each with its loop's instructions per warp
+# per step and the programs an SM holds, from its bfloat16 compile for sm_90a at 2048 tokens
+# (scripts/check_kernels_compile.py; tests/test_kernels.py checks they still hold), per N:M (other
+# N:M are costed as 2:4). The weight tile is expanded in registers and stored for the tensor cores,
+# then the tensor-core call is waited on within the step: one program's expansion overlaps only
+# with another program's tensor-core work.
+GEMM_TILES = {
+    (2, 4): (((256, 64, 32, 8, 3), 130, 2), ((128, 64, 32, 4, 4), 165, 4),
+             ((64, 64, 32, 4, 4), 149, 7), ((32, 64, 64, 4, 3), 299, 4)),
+    (4, 8): (((256, 64, 32, 8, 3), 165, 2), ((128, 64, 32, 4, 4), 288, 4),
+             ((64, 64, 32, 4, 4), 271, 6), ((32, 64, 64, 4, 3), 532, 4)),
+}
+# the GEMM with the weight as the MMA's A operand (``weight_a``): rows in M (64 per warpgroup), tokens in
+# N (up to 256 per wgmma), the expanded tile fed from registers to an asynchronous wgmma that stays in
+# flight while the next tile expands (the tiles above wait for theirs within the step: the weight is
+# their B operand, stored to shared memory first). Compiled for sm_90a like GEMM_TILES; not yet timed.
+GEMM_TILES_SWAP = {
+    (2, 4): (((256, 64, 64, 4, 3), 335, 2), ((256, 64, 32, 8, 3), 145, 2),
+             ((128, 64, 32, 4, 4), 178, 4), ((64, 64, 64, 4, 4), 245, 4)),
+    (4, 8): (((256, 64, 64, 4, 3), 657, 2), ((256, 64, 32, 8, 3), 194, 2),
+             ((128, 64, 32, 4, 4), 301, 4), ((64, 64, 64, 4, 4), 575, 4)),
+}
+GEMM_TILE_FP32 = (32, 64, 32, 4, 3)  # float32: full-precision FMA, no tensor cores; larger tiles spill
+TENSOR_FLOP_PER_CYCLE = 4096          # dense 16-bit tensor-core FLOP per SM per clock (H100: 989 TFLOP/s)
+L2_BYTES_PER_CYCLE = 24               # per SM: about 5.5 TB/s of H100 L2, where split-K's partial sums stay
+
+
+def gemm_cycles(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, int, int], loop: int, per_sm: int,
+                sms: int, split: int = 1, overlap: bool = False) -> float:
+    """Clocks the busiest SM spends on :func:`nm_gemm` with ``tile`` and ``split`` column splits:
+    every step a program issues ``loop`` instructions per warp (4 issued per clock) and then waits
+    for its tensor-core work; the programs resident together overlap one's issue with another's
+    tensor work. ``overlap``: each program's tensor-core call stays in flight while it expands its next
+    tile (the weight-as-A tiles), so a program's step takes the longer of the two, not their sum.
+    Split-K adds its float32 partial sums, written and read back through L2."""
+    block_t, block_r, block_c, warps, _ = tile
+    issue = loop * warps / 4
+    tensor = 2 * block_t * block_r * block_c / TENSOR_FLOP_PER_CYCLE
+    programs = triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r) * split
+    on_sm = triton.cdiv(programs, sms)
+    batches = [per_sm] * (on_sm // per_sm) + ([on_sm % per_sm] if on_sm % per_sm else [])
+    if overlap:
+        step = sum(b * max(issue, tensor) for b in batches)
+    else:
+        step = sum(max(issue + tensor, b * issue, b * tensor) for b in batches)
+    reduce = 0 if split == 1 else (2 * split * 4 + 2) * tokens * rows / (sms * L2_BYTES_PER_CYCLE)
+    return triton.cdiv(triton.cdiv(cols, block_c), split) * step + reduce
+
+
+def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, device: torch.device,
+              element_bytes: int = 2, weight_a: bool = False) -> tuple[tuple[int, int, int, int, int], int]:
+    """``((block_t, block_r, block_c, num_warps, num_stages), split)`` of :func:`nm_gemm`: of the
+    :data:`GEMM_TILES` (``weight_a``: :data:`GEMM_TILES_SWAP`, costed with the tensor-core call
+    overlapping the next expansion) of N:M whose steps hold whole position words, and of 1, 2, 4
+    or 8 column splits, the pair :func:`gemm_cycles` finds fastest on this device's SMs. Large
+    token tiles expand each weight tile once for more tokens; smaller tiles and split-K give every
+    SM programs when tokens or rows are few."""
+    min_c = 32 // bits * m // n          # dense columns per step that hold one whole position word
+    if element_bytes >= 4:
+        block_t, block_r, block_c, warps, stages = GEMM_TILE_FP32
+        return (block_t, block_r, max(block_c, min_c), warps, stages), 1
+    table = GEMM_TILES_SWAP if weight_a else GEMM_TILES
+    tiles = [t for t in table.get((n, m), table[(2, 4)]) if t[0][2] % min_c == 0]
+    if not tiles:                        # sparse position words (1:16): the smallest tile, wider
+        return (32, 64, min_c, 4, 3), 1
+    sms = gpu.sm_count(device)
+    options = [(t, s) for t in tiles for s in (1, 2, 4, 8) if s == 1 or triton.cdiv(cols, t[0][2]) >= 4 * s]
+    (tile, _, _), split = min(options, key=lambda o: (gemm_cycles(tokens, rows, cols, *o[0], sms, o[1], weight_a), o[1]))
+    return tile, split
+
+
+def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
+            bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None,
+            split: int | None = None, weight_a: bool = False, tiled: bool = False,
+            sum_in_kernel: bool | None = None) -> torch.Tensor:
+    """``x`` ``[..., C]`` already in the weight's (permuted) column order → ``x @ W_pᵀ + bias``
+    (``tile`` and ``split`` default to :func:`gemm_plan`'s; a given ``tile`` alone runs unsplit).
+    ``weight_a``: the weight tile is the MMA's A operand (``acc[rows, tokens]``), see
+    :data:`GEMM_TILES_SWAP`. ``sum_in_kernel``: as in :func:`nm_decode`."""
+    check_pattern(n, m, bits)
+    lead, cols = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, cols).contiguous()
+    tokens = x2.shape[0]
+    rows, kept = values.shape
+    if tile is None:
+        tile, planned = gemm_plan(tokens, rows, cols, n, m, bits, x.device, x.element_size(), weight_a)
+        split = split or planned
+    block_t, block_r, block_c, warps, stages = tile
+    if (block_c * n // m) % (32 // bits):
+        raise ValueError(f"block_c {block_c} must hold whole position words for {n}:{m}")
+    check_tiled(tiled, block_r)
+    per_split = triton.cdiv(triton.cdiv(cols, block_c), split or 1) * block_c
+    split = triton.cdiv(cols, per_split)
+    y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    part = split_k.partials(split, y)
+    grid = (triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r), split)
+    counts = split_k.summing(split, grid[0], x.device, sum_in_kernel)
+    _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, part,
+                          counts if counts is not None else values, tokens, rows, cols, kept,
+                          words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
+                          HAS_BIAS=bias is not None, SPLIT=split, PREC=gpu.precision(x), UPCAST=gpu.upcast(x),
+                          BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, WEIGHT_A=weight_a,
+                          TILED=tiled, SUM_HERE=counts is not None, NATIVE=gpu.native(x), num_warps=warps,
+                          num_stages=stages)
+    if split > 1 and counts is None:
+        y = split_k.sum_partials(part, bias, y)
+    return y.reshape(*lead, rows)
+
+
+def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int, cols: int,
+                       out: torch.Tensor, block_r: int = 16, block_k: int = 64, num_warps: int = 4,
+                       tiled: bool = False) -> torch.Tensor:
+    """Write the dense ``[R, cols]`` ``W_p`` into ``out`` (a buffer of at least ``R·cols`` elements of
+    the values' dtype); returns the ``[R, cols]`` view. ``block_k`` kept values per program row."""
+    check_pattern(n, m, bits)
+    rows, kept = values.shape
+    dense = out.reshape(-1)[: rows * cols].view(rows, cols)
+    block_k = max(32 // bits, block_k)
+    check_tiled(tiled, block_r)
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(kept, block_k))
+    _nm_decompress_kernel[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
+                                BLOCK_R=block_r, BLOCK_K=block_k, TILED=tiled, NATIVE=gpu.native(values),
+                                num_warps=num_warps)
+    return dense
