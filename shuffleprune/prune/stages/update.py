@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from shuffleprune.blocks import ExpertWeight, expert_name, experts_by_tensor, first_tensor, with_expert_weights
+from shuffleprune.blocks import experts_by_tensor, first_tensor, weight_params
 from shuffleprune.errors import UserError
 from shuffleprune.perm.pruning import FrozenParams, split_windows
 from shuffleprune.prune.methods.lsq import masked_lstsq
@@ -60,29 +60,6 @@ class LeastSquares(Stage):
             lin.weight.data.copy_(new_w.to(pruned.dtype))
 
 
-@dataclass
-class _FusedExperts:
-    """One fused experts tensor of a block with some of its experts selected for pruning."""
-
-    name: str                              # full name of the tensor
-    experts: dict[int, ExpertWeight]       # the selected ones
-
-    def tensor(self) -> torch.nn.Parameter:
-        first = next(iter(self.experts.values()))
-        return getattr(first.owner, first.param)
-
-    @property
-    def whole(self) -> bool:
-        """Every expert of the tensor is selected (so the whole tensor is fitted)."""
-        return len(self.experts) == self.tensor().shape[0]
-
-    def dense(self, unpruned: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The tensor with its selected experts' unpruned weights (``unpruned``: by expert name)."""
-        first = next(iter(self.experts.values()))
-        return with_expert_weights(self.tensor().detach(), {e: unpruned[expert_name(self.name, e)] for e in self.experts},
-                                   first.transposed)
-
-
 @register
 @dataclass
 class BlockReconstruction(Stage):
@@ -115,25 +92,30 @@ class BlockReconstruction(Stage):
             raise UserError("update 'blockrecon' holds windows out: raise --nsamples to at least 2 (or holdout: 0)")
 
     def apply(self, run: Run, work: BlockWork) -> None:
-        fused = {n: _FusedExperts(n, experts) for n, experts in experts_by_tensor(work.experts).items()}
         # what is fitted: the linears' weights, and each fused experts tensor whose every expert was pruned
         tensors = {n: lin.weight for n, lin in work.linears.items()}
-        tensors.update({n: f.tensor() for n, f in fused.items() if f.whole})
-        param_of = {n: n[len(work.prefix) + 1:] + (".weight" if n in work.linears else "") for n in {**tensors, **fused}}
-        dtype = {**{n: f.tensor().dtype for n, f in fused.items()}, **{n: t.dtype for n, t in tensors.items()}}
+        for name, experts in experts_by_tensor(work.experts).items():
+            first = next(iter(experts.values()))
+            fused = getattr(first.owner, first.param)
+            if len(experts) == fused.shape[0]:
+                tensors[name] = fused
+        param_of = {n: n[len(work.prefix) + 1:] + (".weight" if n in work.linears else "") for n in tensors}
+        dtype = {n: t.dtype for n, t in tensors.items()}
 
-        def forward(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-            params = {param_of[n]: w.to(dtype[n]) for n, w in weights.items()}
+        def block_with(params: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
             args, kwargs = run.captured.call_args(work.index, len(rows), run.device)
             return first_tensor(functional_call(work.block, params, (work.hidden[rows].to(run.device), *args), kwargs))
 
+        def forward(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+            return block_with({param_of[n]: w.to(dtype[n]) for n, w in weights.items()}, rows)
+
         if self.target == "model":
             target = work.dense_outputs
-        else:
-            dense = {n: w for n, w in work.dense.items() if n in work.linears}
-            dense.update({n: f.dense(work.dense) for n, f in fused.items()})
+        else:   # the block with every selected linear and expert unpruned
+            layers = work.weights()
+            dense = weight_params(work.block, layers)({n: w.to(layers[n].weight.dtype) for n, w in work.dense.items()})
             with torch.no_grad():
-                target = torch.cat([forward(dense, rows).to(work.hidden.device)
+                target = torch.cat([block_with(dense, rows).to(work.hidden.device)
                                     for rows in torch.arange(work.hidden.shape[0]).split(self.batch)])
 
         def loss_of(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
