@@ -42,7 +42,7 @@ def main() -> None:
     import torch
 
     from shuffleprune.cli import _config_kw
-    from shuffleprune.dst.sparsifier import DSTConfig, DynamicSparsifier
+    from shuffleprune.dst import DSTConfig, DynamicSparsifier
     from shuffleprune.dst.train import TrainConfig, build_model
     from shuffleprune.runtime import machine, versions
 

@@ -275,7 +275,7 @@ def dst(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
     """Dynamic sparse training from scratch (RigL-style schedules, structured masks, learned permutations)."""
-    from shuffleprune.dst.sparsifier import DSTConfig
+    from shuffleprune.dst.config import DSTConfig
     from shuffleprune.dst.train import TrainConfig, train
 
     cfg = TrainConfig(arch=arch, config_kw=_config_kw(config_kw), tokenizer=tokenizer, data=data, seq_len=seq_len,

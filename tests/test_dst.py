@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
-from shuffleprune.dst.sparsifier import DSTConfig, DynamicSparsifier, _out_in, layer_densities, sparsifiable_layers
+from shuffleprune.dst import DSTConfig, DynamicSparsifier
+from shuffleprune.dst.layers import layer_densities, out_in, sparsifiable_layers, weight_of
 from shuffleprune.errors import UserError
 
 
@@ -28,8 +29,7 @@ def _train(model, sparsifier, steps: int, seed: int = 0):
 
 def _check_structure(sparsifier: DynamicSparsifier, method: str):
     for name, mask in sparsifier.masks.items():
-        module = sparsifier.layers[name]
-        w = _out_in(module, module.weight.data)
+        w = weight_of(sparsifier.layers[name])
         assert not bool(w[~mask].any()), f"{name}: pruned weights must stay zero"
         budget = sparsifier._budget(name)
         if method in ("rigl", "set"):
@@ -163,18 +163,113 @@ def test_drop_fraction_schedule_and_tied_head_excluded():
     assert not any(n.endswith("lm_head") for n in sparsifiable_layers(model))
 
 
-def test_fused_moe_experts_are_warned_about_and_routers_left_alone():
-    """dst masks nn.Linear layers: a Mixtral's fused experts stay dense (warned), its attention is masked;
-    an nn.Linear subclass with its own forward (PhiMoE's top-k router) is not a layer to mask."""
-    with pytest.warns(UserWarning, match=r"\d+% of the model's weights are fused MoE experts"):
-        found = sparsifiable_layers(tiny_model("mixtral"))
-    assert "model.layers.0.self_attn.q_proj" in found and not any("experts" in n for n in found)
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_every_fused_expert_matrix_is_a_layer_and_routers_are_not(arch):
+    """Each expert matrix of a fused MoE parameter is a dst layer of its own: an ``[out, in]`` view
+    into the fused tensor in either storage layout (gpt-oss stores ``[experts, in, out]``), so a mask
+    written through it lands in the model's parameter; a router with its own forward is not masked."""
+    model = tiny_model(arch)
+    found = sparsifiable_layers(model)
+    experts = [n for n in found if "experts" in n]
+    assert len(experts) == 3 * 2 * 4  # layers × (gate_up, down) × experts
+    assert "model.layers.0.self_attn.q_proj" in found and not any(n.endswith(("router", "gate")) for n in found)
+    fused = model.model.layers[1].mlp.experts.down_proj
+    w = weight_of(found["model.layers.1.mlp.experts.down_proj[2]"])
+    assert w.shape == (64, 128)  # [out, in]: hidden × intermediate
+    w.zero_()
+    assert not fused[2].any() and fused[1].any()
     with pytest.warns(UserWarning, match="fused MoE experts"):
-        phimoe = sparsifiable_layers(tiny_model("phimoe"))
+        phimoe = sparsifiable_layers(tiny_model("phimoe"), experts=False)
     assert "model.layers.0.self_attn.q_proj" in phimoe and not any(n.endswith("mlp.router") for n in phimoe)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "model.layers.0.mlp.down_proj" in sparsifiable_layers(tiny_model("llama"))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("method", ["rigl", "srigl", "dsb", "nm"])
+def test_expert_masks_keep_their_structure_through_updates(arch, method):
+    model = tiny_model(arch)
+    sp = DynamicSparsifier(DSTConfig(method=method, sparsity=0.5 if method == "nm" else 0.8, delta_t=2, t_end=12,
+                                     block=8))
+    sp.prepare(model)
+    experts = [n for n in sp.layers if n.endswith("]")]
+    assert len(experts) == 24
+    _check_structure(sp, method)  # pruned weights are zero in the fused tensors themselves
+    for _ in _train(model, sp, 10):
+        _check_structure(sp, method)
+    moved = {n for r in sp.history for n, l in r["layers"].items() if l["grown"]}
+    assert len(moved & set(experts)) >= 12  # the experts' masks move like the linears'
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_grown_expert_weights_start_at_zero_with_zero_moments(arch):
+    """RigL on experts: growth follows the expert's own slice of the fused gradient, and a grown
+    weight starts at zero with zero Adam moments in the fused tensor's optimizer state."""
+    model = tiny_model(arch)
+    sp = DynamicSparsifier(DSTConfig(method="rigl", sparsity=0.8, t_end=100))
+    sp.prepare(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sp.optimizer = opt
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()  # the moments are dense: non-zero on pruned weights too
+    sp.apply_masks()
+    before = {n: sp.masks[n].clone() for n in sp.layers if n.endswith("]")}
+    grads = {n: out_in(sp.layers[n], getattr(sp.layers[n].owner, sp.layers[n].param).grad).clone() for n in before}
+    sp.update_masks(0.3)
+    checked = 0
+    for n, old in before.items():
+        started = sp.masks[n] & ~old
+        if not started.any():
+            continue
+        checked += 1
+        assert not weight_of(sp.layers[n])[started].any()
+        state = opt.state[getattr(sp.layers[n].owner, sp.layers[n].param)]
+        assert all(not out_in(sp.layers[n], state[k])[started].any() for k in ("exp_avg", "exp_avg_sq"))
+        assert out_in(sp.layers[n], state["exp_avg_sq"])[old].any()  # only the grown entries were reset
+        g = grads[n].abs()  # grown where this expert's gradient is largest among the entries not kept
+        assert float(g[started].min()) >= float(g[~sp.masks[n]].max()) - 1e-12
+    assert checked >= 12
+
+
+def test_nm_run_on_a_moe_model_exports_its_experts_and_reloads_to_the_same_logits(tiny_dir, text_file, tmp_path):
+    """`dst --method nm` on a Mixtral: every expert matrix ends N:M, the export compresses the
+    experts with the linears, and the compressed model computes what the trained one computes."""
+    from shuffleprune import load
+    from shuffleprune.deploy.export import export_checkpoint
+    from shuffleprune.dst.train import train
+    from shuffleprune.models import load_model
+
+    cfg = _train_cfg(tiny_dir, text_file, arch="mixtral",
+                     config_kw={"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+                                "num_experts_per_tok": 2})
+    report = train(cfg, DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=6), tmp_path / "run",
+                   progress=False)
+    experts = [n for n in report["layers"] if "experts" in n]
+    assert len(experts) == 2 * 2 * 4
+    assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
+    fmt = export_checkpoint(tmp_path / "run" / "model", tmp_path / "exported")
+    assert len(fmt["experts"]) == 2 * 2  # fused tensors, every one compressed
+    trained_model = load_model(str(tmp_path / "run" / "model")).model
+    ids = torch.randint(0, trained_model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        trained = trained_model(ids).logits
+        exported = load(str(tmp_path / "exported"))(ids).logits
+    assert torch.allclose(trained, exported, atol=1e-5)
+
+
+def test_methods_that_change_the_forward_leave_experts_dense_and_perms_skip_them():
+    with pytest.warns(UserWarning, match="fused MoE experts, which this method does not sparsify"):
+        sp = DynamicSparsifier(DSTConfig(method="pixelfly", sparsity=0.75, block=8))
+        sp.prepare(tiny_model("mixtral"))
+    assert sp.layers and not any("experts" in n for n in sp.layers)
+    with pytest.warns(UserWarning, match="24 fused MoE expert matrices keep their column order"):
+        sp = DynamicSparsifier(DSTConfig(method="nm", sparsity=0.5, perm="learned"))
+        sp.prepare(tiny_model("mixtral"))
+    assert sum("experts" in n for n in sp.masks) == 24 and not any("experts" in n for n in sp.perms)
+    assert "model.layers.0.self_attn.q_proj" in sp.perms
 
 
 def test_state_dict_round_trip_reproduces_the_next_steps():
@@ -251,7 +346,7 @@ def test_soft_permutation_computes_the_layer_on_the_mixed_input(arch):
             layer.lowrank_u.data.normal_()
         x = torch.randn(5, p.size)
         xm = permute_columns(x, [p.soft.blocks[0].detach()])
-        w = _out_in(layer, layer.weight.detach())
+        w = out_in(layer, layer.weight.detach())
         want = xm @ w.t() + layer.bias.detach() if layer.bias is not None else xm @ w.t()
         if name in sp.lowrank_params and sp.lowrank_params[name]:
             want = want + (xm @ layer.lowrank_v.detach().t()) @ layer.lowrank_u.detach().t()
@@ -414,8 +509,8 @@ def test_diag_learns_soft_top_k_diagonals_then_freezes_them(arch):
         per = _diagonals(mask)
         k = sp.selectors[n].k
         assert int((per > 0).sum()) == k and bool(((per == 0) | (per == mask.shape[0])).all())  # K whole diagonals
-        w = _out_in(sp.layers[n], sp.layers[n].weight.detach())
+        w = out_in(sp.layers[n], sp.layers[n].weight.detach())
         assert not bool(w[~mask].any())
     sp.finalize()
     assert not sp.selectors and not any("parametrizations" in k for k in model.state_dict())
-    assert all(not bool(_out_in(sp.layers[n], sp.layers[n].weight.detach())[~m].any()) for n, m in sp.masks.items())
+    assert all(not bool(out_in(sp.layers[n], sp.layers[n].weight.detach())[~m].any()) for n, m in sp.masks.items())

@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 
-from shuffleprune.dst.sparsifier import DSTConfig, DynamicSparsifier, _out_in, diagonal_offsets
+from shuffleprune.dst.config import DSTConfig
+from shuffleprune.dst.layers import weight_of
+from shuffleprune.dst.sparsifier import DynamicSparsifier
+from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError
 
 CHECKPOINT = "checkpoint.pt"
@@ -127,8 +130,7 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
     """Final density per layer, checked against the method's structure."""
     out = {}
     for name, mask in sp.masks.items():
-        module = sp.layers[name]
-        w = _out_in(module, module.weight.data)
+        w = weight_of(sp.layers[name])
         zeros_ok = not bool(w[~mask.to(w.device)].any())
         entry = {"density": round(float(mask.float().mean()), 6), "target": round(sp.densities[name], 6),
                  "pruned_weights_zero": zeros_ok}
@@ -145,7 +147,7 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
             n, m = sp.config.nm()
             entry["n_of_m"] = bool((mask.reshape(mask.shape[0], -1, m).sum(-1) == n).all())
         if sp.config.method in ("dsb", "pixelfly"):
-            blocks = sp._pool(mask.float()) / sp.config.block ** 2  # fraction of each block kept
+            blocks = pool(mask.float(), sp.config.block) / sp.config.block ** 2  # fraction of each block kept
             entry["whole_blocks"] = bool(((blocks == 0) | (blocks == 1)).all())
             if name in sp.lowrank_params:
                 entry["lowrank_params"] = sp.lowrank_params[name]
@@ -287,8 +289,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         tokenizer.save_pretrained(out / "model")
         hard = {n: p.hard for n, p in sparsifier.perms.items() if p.hard is not None}
         if hard:  # the weights act on x[perm]: the same layout as a `prune --perm` checkpoint
-            from shuffleprune.perm.linear import INDEX_MAPS
-            from shuffleprune.perm.linear import save_index_maps
+            from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 
             save_index_maps(hard, out / "model" / INDEX_MAPS)
         (out / REPORT).write_text(json.dumps(report, indent=1))

@@ -1,0 +1,60 @@
+"""What a dynamic sparse training run does: the method, its budget and schedule, the permutations."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shuffleprune.errors import UserError
+from shuffleprune.masks import parse_pattern
+
+METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag", "nm")
+MASK_METHODS = ("rigl", "set", "srigl", "dsb", "nm")  # a mask is all they add: fused MoE experts can take them
+
+
+@dataclass
+class DSTConfig:
+    method: str = "rigl"
+    sparsity: float = 0.9
+    distribution: str = "erk"     # erk | uniform
+    delta_t: int = 100            # steps between mask updates
+    alpha: float = 0.3            # initial drop fraction
+    t_end: int = 1000             # no updates from here on (RigL: 75% of training)
+    gamma_sal: float = 0.3        # srigl: neuron ablation threshold
+    block: int = 16               # dsb / pixelfly: block size (rows and columns)
+    lowrank_share: float = 0.25   # pixelfly: share of a layer's budget given to the low-rank term
+    tau_start: float = 1.0        # diag: soft top-K temperature, annealed geometrically to tau_end
+    tau_end: float = 0.01         #       over the first t_end steps, then the K diagonals are frozen
+    pattern: str = "2:4"          # nm: keep N of every M consecutive input columns (sparsity must be 1 − N/M)
+    perm: str = "none"            # none | random | learned (ShuffleSparse, for column-structured methods)
+    perm_lr: float = 1e-3         # Adam on the soft permutations
+    lambda_max: float = 1e-4      # l1−l2 penalty weight, ramped from 0 over t_perm steps
+    t_perm: int = 1000            # permutation learning stops (all layers hardened) at this step
+    delta: float = 0.22           # a layer hardens once its P(M) < delta
+    perm_init: float = 0.5        # soft start α·I + (1−α)/d·11ᵀ
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise UserError(f"unknown DST method '{self.method}'; use one of {', '.join(METHODS)}")
+        if not 0.0 <= self.sparsity < 1.0:
+            raise UserError("--sparsity must be in [0, 1)")
+        if self.distribution not in ("erk", "uniform"):
+            raise UserError("--distribution must be erk or uniform")
+        if self.delta_t < 1 or self.t_end < 0 or not 0 <= self.alpha <= 1:
+            raise UserError("--delta-t must be ≥ 1, --t-end ≥ 0 and --alpha in [0, 1]")
+        if not 0.0 <= self.perm_init <= 1.0:
+            raise UserError("--perm-start must be in [0, 1]")
+        if self.perm not in ("none", "random", "learned"):
+            raise UserError(f"unknown --perm '{self.perm}'; use none, random or learned")
+        if self.perm != "none" and self.method in ("dense", "rigl", "set"):
+            raise UserError(f"--perm needs a structured method (srigl, dsb, pixelfly, diag, nm); {self.method} has no "
+                            "structure for a permutation to help")
+        if self.method == "nm":
+            n, m = self.nm()
+            if abs(self.sparsity - (1 - n / m)) > 1e-9:
+                raise UserError(f"--method nm --pattern {self.pattern} means sparsity {1 - n / m:g}; "
+                                f"pass --sparsity {1 - n / m:g} (or leave it out)")
+
+    def nm(self) -> tuple[int, int]:
+        """``(N, M)`` of ``pattern``."""
+        p = parse_pattern(self.pattern, None)
+        return p.n, p.m

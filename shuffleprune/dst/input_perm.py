@@ -1,0 +1,80 @@
+"""ShuffleSparse's DST regime on one layer: its input permutation, soft (a doubly stochastic mixing
+``M`` trained with the model) until hardened into an index map, applied on the weight side."""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from shuffleprune.dst.layers import out_in
+from shuffleprune.perm.core import SoftPermutation, unpermute_columns
+
+
+def permuted_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a layer with an input permutation, applied on the weight side:
+    ``x (W Mᵀ)ᵀ + b`` while soft — the same product as ``(x M) Wᵀ + b``, at ``out·d²`` instead of
+    ``tokens·d²`` per pass — and ``x (W[:, perm⁻¹])ᵀ + b`` once hard, the same as
+    ``x[perm] Wᵀ + b`` with the gather on the weight (``out × d``) instead of on the activations
+    (``tokens × d``). Training steps have far more tokens than a layer has outputs. (An exported
+    model gathers the input instead: at inference the token count is small.)"""
+    w = module._input_perm.weight_view(out_in(module, module.weight))
+    return nn.functional.linear(x, w, module.bias)
+
+
+def average_across_processes(params: list[torch.Tensor]) -> None:
+    """Average the task gradients of parameters that are not the model's (the soft permutations)
+    over the processes of a distributed run, as DDP does for the model's own: every process then
+    takes the same permutation step. No-op in a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]).to(device)
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p).to(p.device, p.dtype)
+
+
+class InputPermutation:
+    """The input permutation of one layer: soft (mixing ``M``, learned) until hardened, then the
+    index map ``perm`` (the layer computes ``W · x[perm]``). Installs :func:`permuted_forward` on
+    the layer; ``M`` is not a parameter of the model (the sparsifier owns it)."""
+
+    def __init__(self, module: nn.Module, size: int, perm: torch.Tensor | None = None, init: float = 0.5):
+        self.size = size
+        self.soft = None if perm is not None else SoftPermutation(size, block=size, init_identity=init)
+        self.hard = perm
+        self.hardened_at: int | None = None if perm is None else 0
+        self.penalty_curve: list[float] = []
+        self.penalty_now: float | None = None  # P(M) of the current soft M (cached between steps)
+        module._input_perm = self
+        module.forward = types.MethodType(permuted_forward, module)
+
+    @property
+    def hard(self) -> torch.Tensor | None:
+        return self._hard
+
+    @hard.setter
+    def hard(self, perm: torch.Tensor | None) -> None:
+        self._hard = perm
+        self._inverse = None if perm is None else torch.argsort(perm)
+
+    def weight_view(self, w: torch.Tensor) -> torch.Tensor:
+        """``W`` ``[rows, in]`` acting on the permuted input, re-expressed on the plain input."""
+        if self.soft is None:
+            return w.index_select(1, self._inverse.to(w.device))
+        return unpermute_columns(w, [b.to(w.device, w.dtype) for b in self.soft.soft()])
+
+    @torch.no_grad()
+    def current_penalty(self) -> float:
+        if self.penalty_now is None:
+            self.penalty_now = float(self.soft.penalty())
+        return self.penalty_now
+
+    def harden(self, step: int, perm: torch.Tensor | None = None) -> None:
+        """Hungarian on the soft ``M`` (or the given ``perm``, when resuming); from now on ``x[perm]``."""
+        self.hard = self.soft.harden() if perm is None else perm
+        self.hardened_at, self.soft, self.penalty_now = step, None, None
