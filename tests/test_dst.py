@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import tiny_model
 from shuffleprune.dst import DSTConfig, DynamicSparsifier
-from shuffleprune.dst.layers import layer_densities, out_in, sparsifiable_layers, weight_of
+from shuffleprune.dst.layers import grad_of, layer_densities, out_in, sparsifiable_layers, weight_of
 from shuffleprune.errors import UserError
 
 
@@ -31,6 +31,7 @@ def _check_structure(sparsifier: DynamicSparsifier, method: str):
     for name, mask in sparsifier.masks.items():
         w = weight_of(sparsifier.layers[name])
         assert not bool(w[~mask].any()), f"{name}: pruned weights must stay zero"
+        mask = sparsifier.structure_mask(name)  # an expert with a hard map: its structure is in the map's order
         budget = sparsifier._budget(name)
         if method in ("rigl", "set"):
             assert int(mask.sum()) == budget
@@ -233,23 +234,157 @@ def test_grown_expert_weights_start_at_zero_with_zero_moments(arch):
     assert checked >= 12
 
 
+def test_methods_that_change_the_forward_leave_experts_dense():
+    with pytest.warns(UserWarning, match="fused MoE experts, which this method does not sparsify"):
+        sp = DynamicSparsifier(DSTConfig(method="pixelfly", sparsity=0.75, block=8))
+        sp.prepare(tiny_model("mixtral"))
+    assert sp.layers and not any("experts" in n for n in sp.layers)
+
+
+def _expert_module(model, layer: int):
+    return model.model.layers[layer].mlp.experts
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_soft_expert_permutations_mix_their_experts_input_and_harden_into_plain_order(arch):
+    """While soft, expert e computes with W_e M_eᵀ (its input mixed by M_e) inside the experts
+    layer's own forward, and the task gradient reaches M_e. Hardening stores the expert in plain
+    column order (W[:, perm⁻¹], the function it computed with the hard map), so with M_e already a
+    permutation the model's output does not move, and its mask keeps N:M in the map's order."""
+    import copy
+
+    model = tiny_model(arch)
+    sp = DynamicSparsifier(DSTConfig(method="nm", sparsity=0.5, perm="learned"))
+    sp.prepare(model)
+    experts = [n for n in sp.layers if n.endswith("]")]
+    assert set(experts) <= set(sp.perms) and len(experts) == 24
+    gen = torch.Generator().manual_seed(3)
+    names = ["model.layers.0.mlp.experts.down_proj[1]", "model.layers.2.mlp.experts.gate_up_proj[3]"]
+    for n in names:  # a generic doubly stochastic M, and an exact permutation matrix
+        with torch.no_grad():
+            block = sp.perms[n].soft.blocks[0]
+            block.copy_(torch.rand(block.shape, generator=gen))
+            sp.perms[n].soft.project_()
+    ids = torch.randint(0, 128, (2, 12), generator=gen)
+    reference = copy.deepcopy(model)  # its experts forward was wrapped too: write the mixed weights in instead
+    for module in reference.modules():
+        if hasattr(module, "_expert_perms"):
+            module.forward = module._unpermuted_forward
+            del module._expert_perms
+    for n, layer in sp.layers.items():
+        if n.endswith("]") and sp.perms[n].soft is not None:
+            ref = out_in(layer, getattr(reference.get_submodule(n.rpartition(".")[0]), layer.param).data)
+            ref.copy_(sp.perms[n].weight_view(weight_of(layer)).detach())
+    out = model(input_ids=ids, labels=ids)
+    with torch.no_grad():
+        assert torch.allclose(out.logits, reference(ids).logits, atol=1e-5)
+    out.loss.backward()
+    assert all(sp.perms[n].soft.blocks[0].grad.abs().sum() > 0 for n in names)
+
+    n = "model.layers.1.mlp.experts.down_proj[0]"
+    perm = torch.randperm(128, generator=gen)
+    with torch.no_grad():  # M = the permutation matrix of `perm` (x M = x[perm])
+        sp.perms[n].soft.blocks[0].copy_(torch.eye(128)[perm].t())
+        before = model(ids).logits
+        stored = weight_of(sp.layers[n]).clone()
+        assert bool((stored.reshape(64, -1, 4) != 0).sum(-1).le(2).all())  # N:M as stored while soft
+    sp._harden(n, 1)
+    assert torch.equal(sp.perms[n].hard, perm)
+    assert torch.equal(weight_of(sp.layers[n]), stored[:, torch.argsort(perm)])  # plain order
+    assert torch.equal(sp.structure_mask(n), sp.masks[n][:, perm])
+    assert bool((sp.structure_mask(n).reshape(64, -1, 4).sum(-1) == 2).all())
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, before, atol=1e-5)
+
+
+@pytest.mark.parametrize("perm", ["random", "learned"])
+def test_expert_maps_order_their_masks_through_training(perm):
+    model = tiny_model("mixtral")
+    sp = DynamicSparsifier(DSTConfig(method="nm", sparsity=0.5, perm=perm, delta_t=2, t_end=12, t_perm=6,
+                                     lambda_max=1e-2, perm_lr=1e-2, perm_init=0.0))
+    sp.prepare(model)
+    experts = [n for n in sp.layers if n.endswith("]")]
+    wrapped = hasattr(_expert_module(model, 0), "_expert_perms")
+    assert wrapped == (perm == "learned")  # a map that is hard from the start needs no forward of its own
+    for _ in _train(model, sp, 10):
+        _check_structure(sp, "nm")
+    assert all(sp.perms[n].hard is not None for n in experts)
+    assert sum(l["grown"] for r in sp.history for n, l in r["layers"].items() if n in experts) > 0
+    plain_nm = [bool((sp.masks[n].reshape(sp.masks[n].shape[0], -1, 4).sum(-1) == 2).all()) for n in experts]
+    assert not all(plain_nm)  # the structure is in each map's order, not in the stored order
+
+
+def test_mask_updates_of_an_expert_with_a_map_are_made_in_the_maps_order():
+    """Equivariance: an nm update of experts stored in plain order with maps picks, in each map's
+    order, what the same update picks for experts stored in that order without maps."""
+    mapped, plain = tiny_model("mixtral"), tiny_model("mixtral")
+    cfg = dict(method="nm", sparsity=0.5, t_end=100)
+    sp_a, sp_b = DynamicSparsifier(DSTConfig(perm="random", **cfg)), DynamicSparsifier(DSTConfig(**cfg))
+    sp_a.prepare(mapped)
+    sp_b.prepare(plain)
+    gen = torch.Generator().manual_seed(5)
+    for p in mapped.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    for n, layer in sp_a.layers.items():  # plain's layers: mapped's in structure order (linears store it so)
+        order = sp_a.perms[n].hard if n.endswith("]") else torch.arange(weight_of(layer).shape[1])
+        weight_of(sp_b.layers[n]).copy_(weight_of(layer)[:, order])
+        sp_b.masks[n] = sp_a.structure_mask(n).clone()
+    for p_b, p_a in zip(plain.parameters(), mapped.parameters()):
+        p_b.grad = p_a.grad.clone()
+    for n, layer in sp_a.layers.items():
+        if n.endswith("]"):
+            grad_of(sp_b.layers[n]).copy_(grad_of(layer)[:, sp_a.perms[n].hard])
+    sp_a.update_masks(0.3)
+    sp_b.update_masks(0.3)
+    assert all(torch.equal(sp_a.structure_mask(n), sp_b.masks[n]) for n in sp_a.layers)
+    moved = [n for n in sp_a.layers if n.endswith("]") and not torch.equal(sp_a.masks[n], sp_a.structure_mask(n))]
+    assert len(moved) == 24
+
+
+def test_finalize_hardens_soft_permutations_so_the_saved_model_computes_the_trained_one(tmp_path):
+    from conftest import make_tokenizer
+    from shuffleprune.models import load_model
+    from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
+
+    model = tiny_model("mixtral")
+    sp = DynamicSparsifier(DSTConfig(method="nm", sparsity=0.5, perm="learned", t_perm=50, perm_init=0.0))
+    sp.prepare(model)
+    for _ in _train(model, sp, 2):
+        pass
+    assert all(p.soft is not None for p in sp.perms.values())
+    sp.finalize()
+    assert all(p.hard is not None for p in sp.perms.values())
+    _check_structure(sp, "nm")
+    model.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    save_index_maps({n: p.hard for n, p in sp.perms.items()}, tmp_path / INDEX_MAPS)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, load_model(str(tmp_path)).model(ids).logits, atol=1e-5)
+
+
 def test_nm_run_on_a_moe_model_exports_its_experts_and_reloads_to_the_same_logits(tiny_dir, text_file, tmp_path):
-    """`dst --method nm` on a Mixtral: every expert matrix ends N:M, the export compresses the
-    experts with the linears, and the compressed model computes what the trained one computes."""
+    """`dst --method nm --perm learned` on a Mixtral: every expert matrix ends N:M in its map's order,
+    stored in plain order with its map saved (as `prune --perm` keeps experts); the export compresses
+    the experts with the linears, and the compressed model computes what the trained one computes."""
     from shuffleprune import load
     from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.dst.train import train
     from shuffleprune.models import load_model
+    from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
 
     cfg = _train_cfg(tiny_dir, text_file, arch="mixtral",
                      config_kw={"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                                 "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
                                 "num_experts_per_tok": 2})
-    report = train(cfg, DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=6), tmp_path / "run",
-                   progress=False)
+    dcfg = DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=6, perm="learned", t_perm=5,
+                     lambda_max=1e-2, perm_init=0.0)
+    report = train(cfg, dcfg, tmp_path / "run", progress=False)
     experts = [n for n in report["layers"] if "experts" in n]
     assert len(experts) == 2 * 2 * 4
     assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
+    maps = load_index_maps(tmp_path / "run" / "model" / INDEX_MAPS)
+    assert set(experts) <= set(maps) and any(not torch.equal(maps[n], torch.arange(maps[n].numel())) for n in experts)
     fmt = export_checkpoint(tmp_path / "run" / "model", tmp_path / "exported")
     assert len(fmt["experts"]) == 2 * 2  # fused tensors, every one compressed
     trained_model = load_model(str(tmp_path / "run" / "model")).model
@@ -258,18 +393,6 @@ def test_nm_run_on_a_moe_model_exports_its_experts_and_reloads_to_the_same_logit
         trained = trained_model(ids).logits
         exported = load(str(tmp_path / "exported"))(ids).logits
     assert torch.allclose(trained, exported, atol=1e-5)
-
-
-def test_methods_that_change_the_forward_leave_experts_dense_and_perms_skip_them():
-    with pytest.warns(UserWarning, match="fused MoE experts, which this method does not sparsify"):
-        sp = DynamicSparsifier(DSTConfig(method="pixelfly", sparsity=0.75, block=8))
-        sp.prepare(tiny_model("mixtral"))
-    assert sp.layers and not any("experts" in n for n in sp.layers)
-    with pytest.warns(UserWarning, match="24 fused MoE expert matrices keep their column order"):
-        sp = DynamicSparsifier(DSTConfig(method="nm", sparsity=0.5, perm="learned"))
-        sp.prepare(tiny_model("mixtral"))
-    assert sum("experts" in n for n in sp.masks) == 24 and not any("experts" in n for n in sp.perms)
-    assert "model.layers.0.self_attn.q_proj" in sp.perms
 
 
 def test_state_dict_round_trip_reproduces_the_next_steps():

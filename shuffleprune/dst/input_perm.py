@@ -1,12 +1,19 @@
 """ShuffleSparse's DST regime on one layer: its input permutation, soft (a doubly stochastic mixing
-``M`` trained with the model) until hardened into an index map, applied on the weight side."""
+``M`` trained with the model) until hardened into an index map, applied on the weight side.
+
+A linear layer gets a forward that applies it (:func:`attach_to_linear`). The experts of a fused MoE
+layer (:func:`attach_to_experts`) run the module's own forward on fused tensors rebuilt with each
+soft expert's mixed weight; once an expert's map is hard the sparsifier stores that expert in its
+plain column order (as a ``prune --perm`` checkpoint keeps experts) and the map only orders its mask."""
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import torch
 from torch import nn
 
+from shuffleprune.blocks import with_expert_weights
 from shuffleprune.dst.layers import out_in
 from shuffleprune.perm.core import SoftPermutation, unpermute_columns
 
@@ -38,20 +45,37 @@ def average_across_processes(params: list[torch.Tensor]) -> None:
         p.grad = g.view_as(p).to(p.device, p.dtype)
 
 
+def permuted_experts_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a fused experts layer whose experts have soft input permutations: the module's
+    own forward, with each fused tensor that holds one rebuilt with those experts' ``W_e M_eᵀ``
+    (differentiable in ``W`` and ``M``); experts with a hard map or none are used as stored."""
+    swapped = {}
+    for pname, perms in module._expert_perms.items():
+        soft = {e: p for e, p in perms.items() if p.soft is not None}
+        if soft:
+            fused = module._parameters[pname]
+            weights = {e: p.weight_view(fused[e].t() if module.is_transposed else fused[e]) for e, p in soft.items()}
+            swapped[pname] = with_expert_weights(fused, weights, module.is_transposed)
+    stored = {k: module._parameters[k] for k in swapped}
+    module._parameters.update(swapped)  # read by attribute inside the forward, restored below
+    try:
+        return module._unpermuted_forward(*args, **kwargs)
+    finally:
+        module._parameters.update(stored)
+
+
 class InputPermutation:
     """The input permutation of one layer: soft (mixing ``M``, learned) until hardened, then the
-    index map ``perm`` (the layer computes ``W · x[perm]``). Installs :func:`permuted_forward` on
-    the layer; ``M`` is not a parameter of the model (the sparsifier owns it)."""
+    index map ``perm`` (the layer computes ``W · x[perm]``). ``M`` is not a parameter of the model
+    (the sparsifier owns it)."""
 
-    def __init__(self, module: nn.Module, size: int, perm: torch.Tensor | None = None, init: float = 0.5):
+    def __init__(self, size: int, perm: torch.Tensor | None = None, init: float = 0.5):
         self.size = size
         self.soft = None if perm is not None else SoftPermutation(size, block=size, init_identity=init)
         self.hard = perm
         self.hardened_at: int | None = None if perm is None else 0
         self.penalty_curve: list[float] = []
         self.penalty_now: float | None = None  # P(M) of the current soft M (cached between steps)
-        module._input_perm = self
-        module.forward = types.MethodType(permuted_forward, module)
 
     @property
     def hard(self) -> torch.Tensor | None:
@@ -78,3 +102,19 @@ class InputPermutation:
         """Hungarian on the soft ``M`` (or the given ``perm``, when resuming); from now on ``x[perm]``."""
         self.hard = self.soft.harden() if perm is None else perm
         self.hardened_at, self.soft, self.penalty_now = step, None, None
+
+
+def attach_to_linear(module: nn.Module, perm: InputPermutation) -> None:
+    """The linear (or ``Conv1D``) computes :func:`permuted_forward` from now on."""
+    module._input_perm = perm
+    module.forward = types.MethodType(permuted_forward, module)
+
+
+def attach_to_experts(module: nn.Module, param: str, expert: int, perm: InputPermutation) -> None:
+    """Expert ``expert`` of the fused tensor ``param`` of an experts layer reads its input through
+    ``perm`` while ``perm`` is soft (:func:`permuted_experts_forward`)."""
+    if not hasattr(module, "_expert_perms"):
+        module._expert_perms = {}
+        module._unpermuted_forward = module.forward
+        module.forward = types.MethodType(permuted_experts_forward, module)
+    module._expert_perms.setdefault(param, {})[expert] = perm

@@ -59,8 +59,11 @@ The low-rank factors of ``pixelfly`` (``lowrank_u``, ``lowrank_v``) and the diag
 
 Fused MoE experts (transformers' ``[experts, out, in]`` parameters): every expert matrix is a
 layer of its own (``….experts.down_proj[3]``) for the methods that only add a mask (rigl, set,
-srigl, dsb, nm); they keep their column order (``perm`` applies to the linears). pixelfly and diag
-change a layer's forward, so under them the experts stay dense (warned).
+srigl, dsb, nm), with its own permutation under ``perm``. A soft one mixes the expert's slice of
+the fused tensor in the experts layer's forward; when it hardens, the expert (weight, mask, Adam
+moments) is stored in its plain column order, as ``prune --perm`` checkpoints keep experts, and its
+map orders the mask's structure (exactly N:M in ``W[:, perm]``). pixelfly and diag change a layer's
+forward, so under them the experts stay dense (warned).
 
 Layer densities: ``erk`` (Erdős–Rényi–Kernel: density ∝ (fan_in + fan_out)/(fan_in·fan_out),
 capped at 1, rescaled to the global budget) or ``uniform``.
@@ -69,7 +72,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from dataclasses import asdict
 
 import torch
@@ -77,7 +79,7 @@ from torch import nn
 
 from shuffleprune.blocks import ExpertWeight
 from shuffleprune.dst.config import MASK_METHODS, DSTConfig
-from shuffleprune.dst.input_perm import InputPermutation, average_across_processes
+from shuffleprune.dst.input_perm import InputPermutation, attach_to_experts, attach_to_linear, average_across_processes
 from shuffleprune.dst.layers import (Layer, grad_of, is_conv1d, layer_densities, moments_of, shape_of, sparsifiable_layers,
                                      weight_of)
 from shuffleprune.dst.structures import (DiagonalSelect, add_lowrank, butterfly_mask, expand, pool, select_mask,
@@ -123,10 +125,6 @@ class DynamicSparsifier:
         if self.config.method == "dense":
             return
         shapes = {n: shape_of(m) for n, m in found.items()}
-        experts = [n for n, m in found.items() if isinstance(m, ExpertWeight)]
-        if experts and self.config.perm != "none":
-            warnings.warn(f"the {len(experts)} fused MoE expert matrices keep their column order: --perm "
-                          f"{self.config.perm} applies to the linear layers", UserWarning, stacklevel=2)
         distribution = "uniform" if self.config.method == "nm" else self.config.distribution
         self.densities = layer_densities(shapes, 1.0 - self.config.sparsity, distribution)
         for name, module in found.items():
@@ -149,10 +147,15 @@ class DynamicSparsifier:
                 self.masks[name] = select.hard().cpu()
             else:
                 scores = torch.rand(out_f, in_f, generator=self.generator)
-                self.masks[name] = select_mask(self.config, scores, self._budget(name))
-            if self.config.perm != "none" and not isinstance(module, ExpertWeight):
+            if self.config.perm != "none":
                 fixed = torch.randperm(in_f, generator=self.generator) if self.config.perm == "random" else None
-                self.perms[name] = InputPermutation(module, in_f, fixed, self.config.perm_init)
+                self.perms[name] = perm = InputPermutation(in_f, fixed, self.config.perm_init)
+                if not isinstance(module, ExpertWeight):
+                    attach_to_linear(module, perm)
+                elif perm.soft is not None:  # a hard (random) map needs no forward: the expert stays in plain order
+                    attach_to_experts(module.owner, module.param, module.index, perm)
+            if self.config.method not in ("pixelfly", "diag"):
+                self.masks[name] = self._from_structure(name, select_mask(self.config, scores, self._budget(name)))
         soft = [p for perm in self.perms.values() if perm.soft is not None for p in perm.soft.parameters()]
         if soft:
             self.perm_optimizer = torch.optim.Adam(soft, lr=self.config.perm_lr)
@@ -217,10 +220,14 @@ class DynamicSparsifier:
             self.apply_masks()
 
     def finalize(self) -> None:
-        """End of training: bake ``diag``'s frozen mask into plain weights (removes the
+        """End of training: harden the permutations still soft (the model then computes what it
+        saves with its index maps) and bake ``diag``'s frozen mask into plain weights (removes the
         parametrization, so the model saves as an ordinary checkpoint)."""
         from torch.nn.utils import parametrize
 
+        for name in [n for n, p in self.perms.items() if p.soft is not None]:
+            self._harden(name, self.step_count)
+        self.apply_masks()
         for name, sel in list(self.selectors.items()):
             if not sel.is_frozen:
                 sel.frozen.copy_(sel.hard())
@@ -251,8 +258,40 @@ class DynamicSparsifier:
         for p in soft.values():
             project_doubly_stochastic(list(p.soft.blocks), tol=1e-6)
             p.penalty_now = None
+        for name, p in soft.items():
             if p.current_penalty() < self.config.delta or self.step_count >= self.config.t_perm:
-                p.harden(self.step_count)
+                self._harden(name, self.step_count)
+
+    @torch.no_grad()
+    def _harden(self, name: str, step: int) -> None:
+        """Hungarian on the layer's soft permutation. An expert then moves to its plain column
+        order (weight, Adam moments and mask: ``W_plain = W[:, perm⁻¹]``, the function it computed
+        with the hard map) and leaves the experts forward's mixing."""
+        p = self.perms[name]
+        p.harden(step)
+        layer = self.layers[name]
+        if isinstance(layer, ExpertWeight):
+            for t in [weight_of(layer)] + moments_of(layer, self.optimizer):
+                t.copy_(p.weight_view(t))
+            if name in self.masks:
+                self.masks[name] = self._from_structure(name, self.masks[name])
+
+    def _structure_order(self, name: str) -> torch.Tensor | None:
+        """The column order a layer's mask structure lives in when it is not the stored order: an
+        expert's hard map (the expert is stored in plain order)."""
+        p = self.perms.get(name)
+        return p.hard if p is not None and p.hard is not None and isinstance(self.layers[name], ExpertWeight) else None
+
+    def _from_structure(self, name: str, mask: torch.Tensor) -> torch.Tensor:
+        """A mask in structure order → the stored order."""
+        order = self._structure_order(name)
+        return mask if order is None else mask.index_select(1, torch.argsort(order))
+
+    def structure_mask(self, name: str) -> torch.Tensor:
+        """The layer's mask in the column order its structure holds in (N:M groups, blocks): the
+        stored order, or an expert's map order (``mask[:, perm]``)."""
+        order = self._structure_order(name)
+        return self.masks[name] if order is None else self.masks[name][:, order]
 
     def drop_fraction(self, t: int) -> float:
         """``α/2·(1 + cos(π t / t_end))``."""
@@ -306,10 +345,13 @@ class DynamicSparsifier:
         c = self.config
         record = {"step": self.step_count, "drop_fraction": round(fraction, 6), "layers": {}}
         for name, layer in self.layers.items():
-            mask = self.masks[name]
             w = weight_of(layer).float().cpu()
             g = grad_of(layer)
             g = torch.zeros_like(w) if g is None else g.float().cpu().abs()
+            order = self._structure_order(name)  # chosen in the structure's column order, stored in the layer's
+            if order is not None:
+                w, g = w[:, order], g[:, order]
+            mask = self.structure_mask(name)
             if c.method == "dsb":  # whole blocks: pooled magnitudes and gradients
                 w, g = pool(w.abs().pow(2), c.block).sqrt(), pool(g.pow(2), c.block).sqrt()
                 mask = pool(mask.float(), c.block) > 0
@@ -329,7 +371,8 @@ class DynamicSparsifier:
             if c.method == "srigl":
                 new = srigl_mask(c, new, kept, grow_score, w, active)
             if c.method == "dsb":
-                mask, new = self.masks[name], expand(new, c.block)
+                new = expand(new, c.block)
+            mask, new = self.masks[name], self._from_structure(name, new)
             started = new & ~mask
             self.masks[name] = new
             self._reset_moments(layer, started)

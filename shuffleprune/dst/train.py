@@ -132,6 +132,7 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
     for name, mask in sp.masks.items():
         w = weight_of(sp.layers[name])
         zeros_ok = not bool(w[~mask.to(w.device)].any())
+        mask = sp.structure_mask(name)  # the structure's column order (an expert with a map: the map's)
         entry = {"density": round(float(mask.float().mean()), 6), "target": round(sp.densities[name], 6),
                  "pruned_weights_zero": zeros_ok}
         if sp.config.method == "srigl":
@@ -263,9 +264,9 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
             save_checkpoint()
         if stop_after is not None and step + 1 >= stop_after:
             return {"stopped_at": step + 1}
+    sparsifier.finalize()  # the model as it is saved: permutations still soft hardened, diag's mask baked
     final_ppl = evaluate()
     state["evals"].append({"step": cfg.steps, "ppl": final_ppl})
-    sparsifier.finalize()
     unwrapped = accelerator.unwrap_model(model)
     ranks_agree = None
     if world > 1:  # DDP syncs the gradients; masks and permutations must have followed on every process
