@@ -40,10 +40,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks
+    from shuffleprune.block_inputs import capture_block_inputs, run_block
+    from shuffleprune.blocks import block_linears, find_blocks
     from shuffleprune.masks import Pattern
     from shuffleprune.perm.pruning import PermOptions, block_permutations
-    from shuffleprune.blocks import run_block
     from shuffleprune.runtime import machine, peak_rss_mb, tf32_matmuls, versions
     from shuffleprune.prune.input_stats import collect_input_stats, input_groups
 

@@ -23,10 +23,10 @@ class DenseBlock:
 def dense_blocks(nsamples: int, seqlen: int, seed: int, upto: int, batch: int = 8) -> Iterator[DenseBlock]:
     """Blocks 0…``upto`` of the embedded SmolLM2 on ``nsamples``×``seqlen`` `wiki` calibration windows
     (``seed``), each with its input statistics and dense output; the next block gets that output."""
-    from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks
+    from shuffleprune.block_inputs import capture_block_inputs, run_block
+    from shuffleprune.blocks import block_linears, find_blocks
     from shuffleprune.calib import calibration_windows, get_source
     from shuffleprune.models import load_model
-    from shuffleprune.blocks import run_block
     from shuffleprune.prune.input_stats import collect_input_stats
 
     lm = load_model(None)

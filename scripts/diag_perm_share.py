@@ -26,7 +26,7 @@ def main() -> None:
     from shuffleprune.perm.pruning import _score
     from shuffleprune.prune.stages.prune import prune_in_permuted_coordinates
     from shuffleprune.perm.search import swap_search
-    from shuffleprune.blocks import run_block
+    from shuffleprune.block_inputs import run_block
     from shuffleprune.runtime import machine, versions
     from shuffleprune.prune.input_stats import input_groups
 

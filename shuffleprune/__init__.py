@@ -48,7 +48,7 @@ def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = Tr
 
     if maps not in ("kernel", "producer"):
         raise ValueError(f"maps must be 'kernel' or 'producer', not {maps!r}")
-    from shuffleprune.blocks import lazy_block_probe
+    from shuffleprune.block_inputs import lazy_block_probe
 
     model = load_model(path, dtype).model
     probe = lazy_block_probe(model)   # one probe for both rewrites, built only if one needs it

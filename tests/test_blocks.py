@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from shuffleprune.blocks import block_linears, capture_block_inputs, find_blocks
+from shuffleprune.block_inputs import capture_block_inputs, run_block
+from shuffleprune.blocks import block_linears, find_blocks
 from shuffleprune.errors import UserError
-from shuffleprune.blocks import run_block
 from shuffleprune.prune.input_stats import collect_input_stats, input_groups
 
 ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gemma3_text"]
@@ -45,7 +45,7 @@ def test_arguments_laid_out_per_window_are_repeated_for_each_batch():
     """BLOOM passes its ALiBi bias as ``[batch·heads, 1, L]``, which does not broadcast from one window:
     it is recognised by recording two windows and repeated for every batch size the blocks are run at
     (3 and the remainder 2 here), and the replayed blocks give the model's own hidden states."""
-    from shuffleprune.blocks import PerWindow
+    from shuffleprune.block_inputs import PerWindow
 
     model = tiny_model("bloom")
     blocks = find_blocks(model)

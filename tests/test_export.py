@@ -462,14 +462,14 @@ def test_load_moves_maps_to_producers_by_default_and_skips_models_without_maps(t
     """``load``'s default puts shared maps at their producers, probing the model once for both of its
     rewrites (maps and stacking); a model without mapped sparse layers (any plain HF checkpoint) is
     never probed."""
-    from shuffleprune import blocks
+    from shuffleprune import block_inputs
     from shuffleprune.deploy import fused_inputs, producer_maps
     from shuffleprune.deploy.producer_maps import MappedOutput, has_maps
 
     export_checkpoint(pruned_perm_dir, tmp_path / "exported")
     built = []
-    real_probe = blocks.block_probe
-    for module in (blocks, producer_maps, fused_inputs):   # every name the probe is called by
+    real_probe = block_inputs.block_probe
+    for module in (block_inputs, producer_maps, fused_inputs):   # every name the probe is called by
         monkeypatch.setattr(module, "block_probe", lambda *a, **k: built.append(1) or real_probe(*a, **k))
     model = shuffleprune.load(str(tmp_path / "exported"))
     assert any(isinstance(mod, MappedOutput) for mod in model.modules())
@@ -480,7 +480,7 @@ def test_load_moves_maps_to_producers_by_default_and_skips_models_without_maps(t
     def probe(*_a, **_k):
         raise AssertionError("a model without index maps was probed")
 
-    for module in (blocks, producer_maps, fused_inputs):
+    for module in (block_inputs, producer_maps, fused_inputs):
         monkeypatch.setattr(module, "block_probe", probe)
     plain = shuffleprune.load(str(tiny_dir))
     assert not has_maps(plain) and not any(isinstance(mod, MappedOutput) for mod in plain.modules())

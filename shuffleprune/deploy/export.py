@@ -39,7 +39,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from shuffleprune.blocks import block_linears, block_probe, expert_name, find_blocks, parse_expert_name
+from shuffleprune.block_inputs import block_probe
+from shuffleprune.blocks import block_linears, expert_name, find_blocks, parse_expert_name
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, load_index_maps

@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shuffleprune.blocks import block_probe, find_blocks
+from shuffleprune.block_inputs import block_probe
+from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.sparse_linear import SparseLinear
 
@@ -99,7 +100,7 @@ def _unfused(module: nn.Module) -> bool:
 
 def fuse_shared_inputs(model: nn.Module, probe: Callable[[int], torch.Tensor] | None = None) -> list[list[str]]:
     """Group ``model``'s sparse layers that read one input tensor, block by block (in place); returns
-    the groups' layer names. ``probe``: a :func:`~shuffleprune.blocks.block_probe` of ``model`` to
+    the groups' layer names. ``probe``: a :func:`~shuffleprune.block_inputs.block_probe` of ``model`` to
     reuse (built here if None; never for a model without sparse layers)."""
     blocks = find_blocks(model)
     if not any(isinstance(mod, SparseLinear) for mod in model.modules()):

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shuffleprune.blocks import block_probe, find_blocks
+from shuffleprune.block_inputs import block_probe
+from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.sparse_linear import SparseLinear
 
@@ -91,7 +92,7 @@ def move_maps_to_producers(model: nn.Module, kernel: bool | None = None,
     """Move the index maps of ``model``'s ``SparseLinear`` layers to the modules producing their input,
     where the block's output stays the same; returns ``{producer: [layers]}`` of the moves (in place).
     A model without mapped layers (any plain HF checkpoint) is returned untouched, never probed.
-    ``probe``: a :func:`~shuffleprune.blocks.block_probe` of ``model`` to reuse (built here if None)."""
+    ``probe``: a :func:`~shuffleprune.block_inputs.block_probe` of ``model`` to reuse (built here if None)."""
     if not has_maps(model):
         return {}
     blocks = find_blocks(model)

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from shuffleprune.blocks import CapturedInputs, ExpertWeight, first_tensor, weight_params
+from shuffleprune.block_inputs import CapturedInputs, first_tensor
+from shuffleprune.blocks import ExpertWeight, weight_params
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern
 from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, kl_loss, learn_permutations, masked_weight

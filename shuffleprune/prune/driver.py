@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, ExpertWeight, block_experts, block_linears,
-                                 capture_block_inputs, find_blocks, is_plain_linear, parse_expert_name, run_block,
-                                 weights_outside_linears)
+from shuffleprune.block_inputs import capture_block_inputs, run_block
+from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, ExpertWeight, block_experts, block_linears, find_blocks,
+                                  is_plain_linear, parse_expert_name, weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError

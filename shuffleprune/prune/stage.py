@@ -23,7 +23,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from shuffleprune.blocks import Blocks, CapturedInputs, ExpertWeight, run_block
+from shuffleprune.block_inputs import CapturedInputs, run_block
+from shuffleprune.blocks import Blocks, ExpertWeight
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from shuffleprune.blocks import experts_by_tensor, first_tensor, weight_params
+from shuffleprune.block_inputs import first_tensor
+from shuffleprune.blocks import experts_by_tensor, weight_params
 from shuffleprune.errors import UserError
 from shuffleprune.perm.pruning import FrozenParams, split_windows
 from shuffleprune.prune.methods.lsq import masked_lstsq

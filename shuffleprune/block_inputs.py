@@ -1,0 +1,271 @@
+"""What each decoder block is called with, and running blocks alone.
+
+``capture_block_inputs`` runs the model's own forward up to the blocks to record block 0's hidden
+states and every block's call arguments (attention masks, position embeddings, …), whatever the
+architecture passes; ``run_block`` runs one block on recorded inputs; ``block_probe`` runs every
+block on one fixed probe sequence, so a change to one block (a folded or moved index map) can be
+checked on that block alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from shuffleprune.blocks import Blocks, find_blocks
+from shuffleprune.errors import UserError
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The hidden states in a block's output (a tensor, or the first element of a tuple)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder block during capture: records the call and returns its input unchanged
+    (in the block's own output convention) or, when nothing more is needed, stops the forward."""
+
+    def __init__(self, block: nn.Module, index: int, sink: "CapturedInputs", stop: bool, record_kwargs: bool):
+        super().__init__()
+        self.block = block
+        self.index = index
+        self.sink = sink
+        self.stop = stop
+        self.record_kwargs = record_kwargs
+
+    def __getattr__(self, name: str) -> Any:  # models read attributes like ``attention_type`` off blocks
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("block"), name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            hidden, rest = args[0], args[1:]
+        else:
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        if self.index == 0:
+            self.sink.batches.append(hidden.detach())
+        if self.record_kwargs:
+            kw = {k: v for k, v in kwargs.items() if k not in ("past_key_value", "past_key_values")}
+            if "use_cache" in kw:
+                kw["use_cache"] = False
+            self.sink.args.append(rest)
+            self.sink.kwargs.append(kw)
+        if self.stop:
+            raise _StopForward
+        return (hidden,) if self.sink.output_is_tuple else hidden
+
+
+class PerWindow:
+    """A block argument laid out window by window along dim 0 that does not broadcast over a batch
+    (BLOOM's ALiBi bias is ``[batch·heads, 1, L]``): held for one window, repeated for a batch."""
+
+    def __init__(self, one: torch.Tensor):
+        self.one = one
+
+    def expand(self, batch: int) -> torch.Tensor:
+        return self.one.repeat(batch, *([1] * (self.one.dim() - 1)))
+
+
+def _for_batch(obj: Any, batch: int, device: torch.device) -> Any:
+    """Every tensor inside ``obj`` (nested tuples/lists/dicts) on ``device``, each :class:`PerWindow`
+    repeated for ``batch`` windows."""
+    if isinstance(obj, PerWindow):
+        return obj.expand(batch).to(device)
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_for_batch(o, batch, device) for o in obj)
+    if isinstance(obj, list):
+        return [_for_batch(o, batch, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _for_batch(v, batch, device) for k, v in obj.items()}
+    return obj
+
+
+def _mark_per_window(one: Any, two: Any) -> Any:
+    """The arguments recorded for one window, with those recorded for two windows as two copies of it
+    along dim 0 marked :class:`PerWindow`. A leading dim of 1 broadcasts and stays as it is, and so
+    does anything else (as recorded for one window)."""
+    if isinstance(one, torch.Tensor) and isinstance(two, torch.Tensor):
+        if one.dim() == 0 or one.shape == two.shape or one.shape[0] == 1:
+            return one
+        doubled = two.shape[1:] == one.shape[1:] and two.shape[0] == 2 * one.shape[0]
+        return PerWindow(one) if doubled and torch.equal(two, torch.cat([one, one])) else one
+    if isinstance(one, (tuple, list)) and isinstance(two, (tuple, list)) and len(one) == len(two):
+        return type(one)(_mark_per_window(a, b) for a, b in zip(one, two))
+    if isinstance(one, dict) and isinstance(two, dict) and one.keys() == two.keys():
+        return {k: _mark_per_window(v, two[k]) for k, v in one.items()}
+    return one
+
+
+@dataclass
+class CapturedInputs:
+    """Block 0's hidden states ``[n, L, d]`` and each block's extra call arguments, recorded for one window
+    (:meth:`call_args` gives them for a batch)."""
+
+    hidden: torch.Tensor | None = None
+    args: list[tuple] = field(default_factory=list)      # per block
+    kwargs: list[dict] = field(default_factory=list)     # per block
+    output_is_tuple: bool = False
+    batches: list[torch.Tensor] = field(default_factory=list)
+
+    def call_args(self, index: int, batch: int, device: torch.device) -> tuple[tuple, dict]:
+        """Block ``index``'s extra positional and keyword arguments for ``batch`` windows on ``device``."""
+        return _for_batch(self.args[index], batch, device), _for_batch(self.kwargs[index], batch, device)
+
+
+def _forward_with_recorders(model: nn.Module, blocks: Blocks, originals: list[nn.Module], sink: CapturedInputs,
+                            input_ids: torch.Tensor, all_blocks: bool) -> None:
+    last = len(originals) - 1 if all_blocks else 0
+    for i, block in enumerate(originals[: last + 1]):
+        blocks.layers[i] = _Recorder(block, i, sink, stop=i == last, record_kwargs=all_blocks)
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        for i, block in enumerate(originals):
+            blocks.layers[i] = block
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor, device: torch.device,
+                         batch_size: int = 8) -> CapturedInputs:
+    """Run the model's own embedding/mask/rotary code on ``tokens`` ``[n, seqlen]``, stopping at the blocks.
+
+    Each block's arguments are recorded from a single window passed through identity stand-ins for
+    all blocks, so they have batch dimension 1 and broadcast to any batch of equal length (windows
+    are never padded); those that do not broadcast (a bias laid out ``[batch·heads, …]``) are found
+    by recording two windows too, and repeated per batch (:meth:`CapturedInputs.call_args`). Block
+    0's hidden states are then recorded for all windows. Modules outside the block list are moved
+    to ``device`` for the capture and moved back.
+    """
+    originals = list(blocks.layers)
+    outside = _modules_outside(model, blocks)
+    homes = [_module_device(m) for m in outside]
+    for m in outside:
+        m.to(device)
+    sink = CapturedInputs()
+    try:
+        _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), all_blocks=True)
+        if len(sink.kwargs) != len(originals):
+            raise UserError("capturing block inputs failed: the model did not call every decoder block")
+        block0_home = _module_device(originals[0])
+        probe = originals[0].to(device)(sink.batches[0], *sink.args[0], **sink.kwargs[0])
+        originals[0].to(block0_home)
+        if isinstance(probe, (tuple, list)) and len(originals) > 1:
+            # Blocks return tuples: record again, the stand-ins now answering in that convention.
+            sink = CapturedInputs(output_is_tuple=True)
+            _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), all_blocks=True)
+        sink.output_is_tuple = isinstance(probe, (tuple, list))
+        if tokens.shape[0] > 1:  # recorded for two windows too: which arguments grow with the batch
+            pair = CapturedInputs(output_is_tuple=sink.output_is_tuple)
+            _forward_with_recorders(model, blocks, originals, pair, tokens[:2].to(device), all_blocks=True)
+            sink.args = [_mark_per_window(a, b) for a, b in zip(sink.args, pair.args)]
+            sink.kwargs = [_mark_per_window(a, b) for a, b in zip(sink.kwargs, pair.kwargs)]
+        sink.batches = []
+        for start in range(0, tokens.shape[0], batch_size):
+            _forward_with_recorders(model, blocks, originals, sink, tokens[start:start + batch_size].to(device),
+                                    all_blocks=False)
+    finally:
+        for m, home in zip(outside, homes):
+            m.to(home)
+    sink.hidden = torch.cat(sink.batches)
+    sink.batches = []
+    return sink
+
+
+def _modules_outside(model: nn.Module, blocks: Blocks) -> list[nn.Module]:
+    """Top-most modules that hold parameters/buffers and are not (inside) the block list."""
+    out = []
+
+    def visit(module: nn.Module, name: str) -> None:
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if child is blocks.layers:
+                continue
+            if blocks.name.startswith(full + "."):
+                visit(child, full)
+            else:
+                out.append(child)
+        if module._parameters or module._buffers:
+            out.append(_DirectState(module))
+
+    visit(model, "")
+    return out
+
+
+class _DirectState:
+    """Moves only a module's own parameters/buffers (not its children)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def to(self, device: torch.device) -> None:
+        for key, p in self.module._parameters.items():
+            if p is not None:
+                p.data = p.data.to(device)
+        for key, b in self.module._buffers.items():
+            if b is not None:
+                self.module._buffers[key] = b.to(device)
+
+    def __hash__(self) -> int:
+        return id(self.module)
+
+
+def _module_device(module) -> torch.device:
+    target = module.module if isinstance(module, _DirectState) else module
+    for t in list(target.parameters()) + list(target.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def run_block(block: nn.Module, hidden: torch.Tensor, captured: CapturedInputs, index: int,
+              device: torch.device, batch_size: int) -> torch.Tensor:
+    """Outputs of ``block`` (block ``index``) for all windows ``hidden`` ``[n, L, d]``, ``batch_size``
+    windows at a time on ``device``, with the block's captured call arguments; kept where ``hidden`` lives."""
+    out = torch.empty_like(hidden)
+    for s in range(0, hidden.shape[0], batch_size):
+        chunk = hidden[s:s + batch_size]
+        args, kwargs = captured.call_args(index, chunk.shape[0], device)
+        out[s:s + batch_size] = first_tensor(block(chunk.to(device), *args, **kwargs)).to(out.device)
+    return out
+
+
+def block_probe(model: nn.Module, blocks: Blocks) -> Callable[[int], torch.Tensor]:
+    """``run(i)``: block ``i``'s output on its input for a fixed random probe sequence (the inputs are
+    computed once here), so a change to one block — a folded or moved index map — is checked on that
+    block alone."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 16), generator=gen)
+    device = next(model.parameters()).device
+    captured = capture_block_inputs(model, blocks, tokens, device, 1)
+    inputs, hidden = [], captured.hidden
+    for i, block in enumerate(blocks.layers):
+        inputs.append(hidden)
+        hidden = run_block(block, hidden, captured, i, device, 1)
+
+    def run(i: int) -> torch.Tensor:
+        return run_block(blocks.layers[i], inputs[i], captured, i, device, 1).float()
+    return run
+
+
+def lazy_block_probe(model: nn.Module) -> Callable[[int], torch.Tensor]:
+    """:func:`block_probe` of ``model``, built on its first call: several rewrites share one probe
+    (its inputs are computed once), and callers that never probe pay nothing."""
+    built: list[Callable[[int], torch.Tensor]] = []
+
+    def run(i: int) -> torch.Tensor:
+        if not built:
+            built.append(block_probe(model, find_blocks(model)))
+        return built[0](i)
+    return run
