@@ -100,13 +100,22 @@ def test_nm_masks_stay_n_of_m_in_every_group_through_updates(arch, perm):
         DSTConfig(method="nm", pattern="2-4", sparsity=0.5).check()
 
 
+def _assert_export_computes_the_trained_model(trained_dir, exported_dir) -> None:
+    """The compressed model (``load``) gives the logits of the trained checkpoint."""
+    from shuffleprune import load
+    from shuffleprune.models import load_model
+
+    trained_model = load_model(str(trained_dir)).model
+    ids = torch.randint(0, trained_model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(trained_model(ids).logits, load(str(exported_dir))(ids).logits, atol=1e-5)
+
+
 def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_dir, text_file, tmp_path):
     """The end of `dst --method nm`: a model the export path compresses (index maps kept), whose
     SparseLinear reload computes what the trained model computes."""
-    from shuffleprune import load
-    from shuffleprune.dst.train import train
     from shuffleprune.deploy.export import export_checkpoint
-    from shuffleprune.models import load_model
+    from shuffleprune.dst.train import train
 
     cfg = _train_cfg(tiny_dir, text_file, arch="llama",
                      config_kw={"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
@@ -120,12 +129,7 @@ def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_d
     assert fmt["pattern"] == "2:4" and len(fmt["layers"]) == 14  # 7 linears × 2 blocks
     assert fmt["runtime_gathers"] or fmt["folded"]  # non-identity maps survive: as gathers or folded into producers
     assert fmt["dense_restored"] == ["lm_head"]  # the (sparse, permuted) head goes back to plain column order
-    trained_model = load_model(str(tmp_path / "run" / "model")).model
-    ids = torch.randint(0, trained_model.config.vocab_size, (2, 12))
-    with torch.no_grad():
-        trained = trained_model(ids).logits
-        exported = load(str(tmp_path / "exported"))(ids).logits
-    assert torch.allclose(trained, exported, atol=1e-5)
+    _assert_export_computes_the_trained_model(tmp_path / "run" / "model", tmp_path / "exported")
 
 
 def test_rigl_grows_where_the_gradient_is_largest_and_set_does_not():
@@ -367,10 +371,8 @@ def test_nm_run_on_a_moe_model_exports_its_experts_and_reloads_to_the_same_logit
     """`dst --method nm --perm learned` on a Mixtral: every expert matrix ends N:M in its map's order,
     stored in plain order with its map saved (as `prune --perm` keeps experts); the export compresses
     the experts with the linears, and the compressed model computes what the trained one computes."""
-    from shuffleprune import load
     from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.dst.train import train
-    from shuffleprune.models import load_model
     from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
 
     cfg = _train_cfg(tiny_dir, text_file, arch="mixtral",
@@ -387,12 +389,7 @@ def test_nm_run_on_a_moe_model_exports_its_experts_and_reloads_to_the_same_logit
     assert set(experts) <= set(maps) and any(not torch.equal(maps[n], torch.arange(maps[n].numel())) for n in experts)
     fmt = export_checkpoint(tmp_path / "run" / "model", tmp_path / "exported")
     assert len(fmt["experts"]) == 2 * 2  # fused tensors, every one compressed
-    trained_model = load_model(str(tmp_path / "run" / "model")).model
-    ids = torch.randint(0, trained_model.config.vocab_size, (2, 12))
-    with torch.no_grad():
-        trained = trained_model(ids).logits
-        exported = load(str(tmp_path / "exported"))(ids).logits
-    assert torch.allclose(trained, exported, atol=1e-5)
+    _assert_export_computes_the_trained_model(tmp_path / "run" / "model", tmp_path / "exported")
 
 
 def test_state_dict_round_trip_reproduces_the_next_steps():

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shuffleprune.blocks import with_expert_weights
+from shuffleprune.blocks import ExpertWeight, with_expert_weights
 from shuffleprune.dst.layers import out_in
 from shuffleprune.perm.core import SoftPermutation, unpermute_columns
 
@@ -51,10 +51,10 @@ def permuted_experts_forward(module: nn.Module, *args: Any, **kwargs: Any) -> An
     (differentiable in ``W`` and ``M``); experts with a hard map or none are used as stored."""
     swapped = {}
     for pname, perms in module._expert_perms.items():
-        soft = {e: p for e, p in perms.items() if p.soft is not None}
+        soft = [(expert, p) for expert, p in perms.values() if p.soft is not None]
         if soft:
             fused = module._parameters[pname]
-            weights = {e: p.weight_view(fused[e].t() if module.is_transposed else fused[e]) for e, p in soft.items()}
+            weights = {expert.index: p.weight_view(out_in(expert, fused)) for expert, p in soft}
             swapped[pname] = with_expert_weights(fused, weights, module.is_transposed)
     stored = {k: module._parameters[k] for k in swapped}
     module._parameters.update(swapped)  # read by attribute inside the forward, restored below
@@ -110,11 +110,12 @@ def attach_to_linear(module: nn.Module, perm: InputPermutation) -> None:
     module.forward = types.MethodType(permuted_forward, module)
 
 
-def attach_to_experts(module: nn.Module, param: str, expert: int, perm: InputPermutation) -> None:
-    """Expert ``expert`` of the fused tensor ``param`` of an experts layer reads its input through
-    ``perm`` while ``perm`` is soft (:func:`permuted_experts_forward`)."""
+def attach_to_experts(expert: ExpertWeight, perm: InputPermutation) -> None:
+    """``expert`` (one matrix of a fused experts layer) reads its input through ``perm`` while
+    ``perm`` is soft (:func:`permuted_experts_forward`)."""
+    module = expert.owner
     if not hasattr(module, "_expert_perms"):
         module._expert_perms = {}
         module._unpermuted_forward = module.forward
         module.forward = types.MethodType(permuted_experts_forward, module)
-    module._expert_perms.setdefault(param, {})[expert] = perm
+    module._expert_perms.setdefault(expert.param, {})[expert.index] = (expert, perm)

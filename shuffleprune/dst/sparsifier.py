@@ -82,12 +82,12 @@ from shuffleprune.dst.config import MASK_METHODS, DSTConfig
 from shuffleprune.dst.input_perm import InputPermutation, attach_to_experts, attach_to_linear, average_across_processes
 from shuffleprune.dst.layers import (Layer, grad_of, is_conv1d, layer_densities, moments_of, shape_of, sparsifiable_layers,
                                      weight_of)
-from shuffleprune.dst.structures import (DiagonalSelect, add_lowrank, butterfly_mask, expand, pool, select_mask,
-                                         srigl_mask, top_entries)
+from shuffleprune.dst.structures import (DiagonalSelect, add_lowrank, butterfly_mask, expand, kept_first, pool,
+                                         select_mask, srigl_mask, top_entries)
 from shuffleprune.errors import UserError
 from shuffleprune.perm.core import PermSchedule, penalty_grad, project_doubly_stochastic, strength
 
-__all__ = ["DSTConfig", "DynamicSparsifier"]
+__all__ = ["DynamicSparsifier"]
 
 
 class DynamicSparsifier:
@@ -153,7 +153,7 @@ class DynamicSparsifier:
                 if not isinstance(module, ExpertWeight):
                     attach_to_linear(module, perm)
                 elif perm.soft is not None:  # a hard (random) map needs no forward: the expert stays in plain order
-                    attach_to_experts(module.owner, module.param, module.index, perm)
+                    attach_to_experts(module, perm)
             if self.config.method not in ("pixelfly", "diag"):
                 self.masks[name] = self._from_structure(name, select_mask(self.config, scores, self._budget(name)))
         soft = [p for perm in self.perms.values() if perm.soft is not None for p in perm.soft.parameters()]
@@ -365,7 +365,7 @@ class DynamicSparsifier:
             grow_score = g.clone() if c.method != "set" else torch.rand(w.shape, generator=self.generator)
             grow_score[kept] = -1.0
             if c.method == "nm":  # refill every group to N: its kept weights, then by growth score
-                new = select_mask(c, torch.where(kept, w.abs() + grow_score.abs().max() + 1.0, grow_score), active)
+                new = select_mask(c, kept_first(kept, w, grow_score), active)
             else:
                 new = kept | top_entries(grow_score, k)
             if c.method == "srigl":

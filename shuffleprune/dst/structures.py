@@ -46,6 +46,12 @@ def select_mask(config: DSTConfig, scores: torch.Tensor, budget: int, alive: tor
     return mask & alive.unsqueeze(1)
 
 
+def kept_first(kept: torch.Tensor, w: torch.Tensor, grow_score: torch.Tensor) -> torch.Tensor:
+    """A refill ranking: the ``kept`` weights above every other entry (by magnitude among
+    themselves), the rest by ``grow_score``."""
+    return torch.where(kept, w.abs() + grow_score.abs().max() + 1.0, grow_score)
+
+
 def srigl_mask(config: DSTConfig, salient: torch.Tensor, kept: torch.Tensor, grow_score: torch.Tensor,
                w: torch.Tensor, budget: int) -> torch.Tensor:
     """Constant fan-in with neuron ablation, from RigL's unstructured choice ``salient``: a neuron
@@ -55,8 +61,7 @@ def srigl_mask(config: DSTConfig, salient: torch.Tensor, kept: torch.Tensor, gro
     alive = salient.sum(1) >= config.gamma_sal * fan_in
     if not alive.any():
         alive[salient.sum(1).argmax()] = True
-    # within each live neuron: its kept weights first (by magnitude), then grown (by gradient)
-    rank = torch.where(kept, w.abs() + grow_score.abs().max() + 1.0, grow_score)
+    rank = kept_first(kept, w, grow_score)  # within each live neuron
     rank = torch.where(salient, rank + (rank.abs().max() + 1.0), rank)
     return select_mask(config, rank, budget, alive)
 
