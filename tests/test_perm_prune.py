@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from shuffleprune.calib import calibration_windows, get_source
@@ -17,7 +18,7 @@ from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, learn_pe
 from shuffleprune.prune.stages.prune import prune_in_permuted_coordinates
 from shuffleprune.perm.core import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
 from shuffleprune.models import load_model
-from shuffleprune.perm.linear import PermutedLinear, apply_index_maps, load_index_maps
+from shuffleprune.perm.linear import PermutedLinear, load_index_maps, weights_stored_permuted
 from shuffleprune.perm.linear import INDEX_MAPS
 from shuffleprune.prune import prune
 from conftest import flat_config
@@ -127,15 +128,25 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
         for name, perm in maps.items():  # shared inputs share one map; block-diagonal with B=16
             assert torch.equal(perm.sort().values, torch.arange(perm.numel()))
             assert ((perm // 16) == (torch.arange(perm.numel()) // 16)).all()
-            w = stored[f"{name}.weight"]  # the checkpoint holds W[:, perm]: exactly 2:4 in memory order
-            assert satisfies_nm(w, 2, 4) and torch.equal(w, result_model.get_submodule(name).weight[:, perm])
-        assert any(not torch.equal(p, torch.arange(p.numel())) for p in maps.values())
+            w = stored[f"{name}.weight"]  # the checkpoint holds W in input order: exactly 2:4 in the map's order
+            assert torch.equal(w, result_model.get_submodule(name).weight)
+            assert satisfies_nm(w[:, perm], 2, 4)
+        assert any(not satisfies_nm(stored[f"{n}.weight"], 2, 4) for n in maps)  # not in memory order
+        assert not weights_stored_permuted(out / INDEX_MAPS)
         loaded = load_model(str(out)).model
-        assert isinstance(loaded.get_submodule(next(iter(maps))), PermutedLinear)
+        first = loaded.get_submodule(next(iter(maps)))
+        assert isinstance(first, PermutedLinear) and satisfies_nm(first.weight, 2, 4)  # N:M in memory order
         assert torch.allclose(loaded(ids).logits, ref, atol=1e-5)
-        plain = AutoModelForCausalLM.from_pretrained(out).eval()  # without the index maps it is wrong
-        assert not torch.allclose(plain(ids).logits, ref, atol=1e-3)
-        assert torch.allclose(apply_index_maps(plain, maps, weights_are_permuted=True)(ids).logits, ref, atol=1e-5)
+        plain = AutoModelForCausalLM.from_pretrained(out).eval()  # any client computes the pruned model
+        assert torch.allclose(plain(ids).logits, ref, atol=1e-5)
+        # a checkpoint of the older layout (mapped weights stored as W[:, perm], maps without metadata)
+        legacy = tmp_path / "legacy"
+        shutil.copytree(out, legacy)
+        save_file({k: (v[:, maps[k[:-len(".weight")]]] if k[:-len(".weight")] in maps else v).contiguous()
+                   for k, v in stored.items()}, str(legacy / "model.safetensors"), metadata={"format": "pt"})
+        save_file({k: v.int() for k, v in maps.items()}, str(legacy / INDEX_MAPS))
+        assert weights_stored_permuted(legacy / INDEX_MAPS)
+        assert torch.allclose(load_model(str(legacy)).model(ids).logits, ref, atol=1e-5)
     from shuffleprune.plots import plot_perm_report
 
     pngs = plot_perm_report(report, tmp_path / "plots")

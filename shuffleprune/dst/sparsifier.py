@@ -235,6 +235,21 @@ class DynamicSparsifier:
             parametrize.remove_parametrizations(self.layers[name], "weight", leave_parametrized=True)
         self.selectors.clear()
 
+    @torch.no_grad()
+    def checkpoint_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` as a checkpoint stores it, after :meth:`finalize`: a linear with a
+        hard map (which holds ``W`` acting on ``x[perm]``) in its input's own column order,
+        ``W[:, perm⁻¹]``, so the saved model computes the trained one without its maps (experts
+        are kept in that order already)."""
+        state = dict(model.state_dict())
+        for name, p in self.perms.items():
+            layer = self.layers[name]
+            if isinstance(layer, ExpertWeight) or p.hard is None:
+                continue
+            plain = p.weight_view(weight_of(layer))
+            state[f"{name}.weight"] = (plain.t() if is_conv1d(layer) else plain).contiguous()
+        return state
+
     def permutation_strength(self) -> dict[str, float | None]:
         """Per layer ``1 − ‖P − I‖_F/√(2N)`` of the hardened permutation (None while soft)."""
         return {n: None if p.hard is None else strength(p.hard.cpu()) for n, p in self.perms.items()}

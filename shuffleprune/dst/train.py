@@ -286,10 +286,12 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         "processes": world, "ranks_agree": ranks_agree,
     }
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(out / "model")
+        # weights in their inputs' own column order (as `prune --perm` stores them): any client
+        # computes the trained model; the maps give the order N:M holds in, for `export`
+        unwrapped.save_pretrained(out / "model", state_dict=sparsifier.checkpoint_state_dict(unwrapped))
         tokenizer.save_pretrained(out / "model")
         hard = {n: p.hard for n, p in sparsifier.perms.items() if p.hard is not None}
-        if hard:  # the weights act on x[perm]: the same layout as a `prune --perm` checkpoint
+        if hard:
             from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 
             save_index_maps(hard, out / "model" / INDEX_MAPS)

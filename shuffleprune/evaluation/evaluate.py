@@ -31,7 +31,7 @@ from shuffleprune.calib.sources import HUB_SOURCES
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable
 from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
-from shuffleprune.perm.linear import INDEX_MAPS
+from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from shuffleprune.evaluation.perplexity import perplexity
 from shuffleprune.runtime import machine, peak_rss_mb, pick_device, versions
@@ -219,13 +219,16 @@ def _score_lm_eval(lm: LoadedModel, plan: _TaskPlan, config: EvalConfig, progres
 
 def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, device: str) -> str | None:
     """The ``lm_eval`` command that scores the same model on the same tasks (None when lm-eval's
-    CLI cannot express it: it takes a single ``--include_path``, and its ``hf`` loader neither
-    applies a ``--perm`` checkpoint's index maps nor reads an exported compressed checkpoint)."""
+    CLI cannot express it: it takes a single ``--include_path``, and its ``hf`` loader does not
+    apply the index maps of a ``--perm`` checkpoint of the older, permuted-weights layout). An
+    exported checkpoint loads through its ``auto_map`` (``trust_remote_code=True``)."""
     from shuffleprune.deploy.load import is_exported
 
-    if len(plan.include_path) > 1 or (Path(path) / INDEX_MAPS).is_file() or is_exported(path):
+    maps = Path(path) / INDEX_MAPS
+    if len(plan.include_path) > 1 or (maps.is_file() and weights_stored_permuted(maps)):
         return None
-    parts = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={path},dtype={dtype}",
+    model_args = f"pretrained={path},dtype={dtype}" + (",trust_remote_code=True" if is_exported(path) else "")
+    parts = ["lm_eval", "--model", "hf", "--model_args", model_args,
              "--tasks", ",".join(plan.lm_tasks), "--batch_size", str(config.batch_size), "--device", device]
     if plan.include_path:
         parts += ["--include_path", plan.include_path[0]]

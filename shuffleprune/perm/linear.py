@@ -1,8 +1,15 @@
-"""A linear layer that reads its input at permuted addresses: ``y = W_p · x[perm] + b``.
+"""A linear layer that reads its input at permuted addresses: ``y = W_p · x[perm] + b``, and the
+index maps a ``--perm`` checkpoint keeps beside its weights.
 
 ``W_p = W[:, perm]`` is the pruned weight in the order an N:M kernel stores it (exactly N:M in
 memory order); ``perm`` is the int index map saved next to a checkpoint pruned with ``--perm``.
 This is the plain-PyTorch reference of what the deployable format runs.
+
+A checkpoint stores every weight in its input's own column order (``W``, N:M in the map's order),
+so any client that loads it as a plain transformers model computes the pruned model; the maps
+(``index_maps.safetensors``) say in which order N:M holds, for ``export`` and the N:M check.
+Checkpoints written before that stored mapped linears as ``W[:, perm]`` (their maps file carries
+no ``weight_columns`` entry); :func:`weights_stored_permuted` tells them apart.
 """
 from __future__ import annotations
 
@@ -10,13 +17,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from shuffleprune.blocks import parse_expert_name
 from shuffleprune.errors import UserError
 
-INDEX_MAPS = "index_maps.safetensors"  # a --perm checkpoint's int32 input map per permuted linear (weights stored as W[:, perm])
+INDEX_MAPS = "index_maps.safetensors"  # a --perm checkpoint's int32 input map per permuted linear
+_LAYOUT_KEY = "weight_columns"  # the maps file's metadata: how the checkpoint stores mapped weights
+_ORIGINAL = "original"
 
 
 class PermutedLinear(nn.Linear):
@@ -49,17 +59,22 @@ class PermutedLinear(nn.Linear):
 
 
 def apply_index_maps(model: nn.Module, maps: dict[str, torch.Tensor], weights_are_permuted: bool = False) -> nn.Module:
-    """Replace every ``nn.Linear`` named in ``maps`` by a :class:`PermutedLinear` (in place).
-    ``weights_are_permuted``: the model was loaded from a ``--perm`` checkpoint, whose weights are
-    stored in permuted column order. Maps of MoE experts (:func:`~shuffleprune.blocks.expert_name`)
-    are skipped: a checkpoint keeps experts in their own column order (the fused tensor computes the
-    pruned model as it is) and only ``export`` reads their maps."""
+    """Replace every ``nn.Linear`` named in ``maps`` by a :class:`PermutedLinear` (in place), which
+    computes the same function with its weight in the map's order (N:M in memory order).
+    ``weights_are_permuted``: the model was loaded from a checkpoint of the older layout, whose
+    mapped linears are stored as ``W[:, perm]``. Maps of MoE experts
+    (:func:`~shuffleprune.blocks.expert_name`) are skipped: the fused tensor computes the pruned
+    model as it is and only ``export`` reads their maps; so are, in the current layout, maps of
+    other matrices stored in input order (a GPT-2 ``Conv1D`` trained by ``dst``)."""
     for name, perm in maps.items():
         if parse_expert_name(name) is not None:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child, None)
+        if not weights_are_permuted and isinstance(linear, nn.Module) and not isinstance(linear, nn.Linear) \
+                and getattr(linear, "weight", None) is not None:
+            continue
         if not isinstance(linear, nn.Linear) or isinstance(linear, PermutedLinear):
             raise UserError(f"index map names '{name}', which is not an (unpermuted) nn.Linear of this model")
         if perm.numel() != linear.in_features:
@@ -69,22 +84,18 @@ def apply_index_maps(model: nn.Module, maps: dict[str, torch.Tensor], weights_ar
     return model
 
 
-def permuted_state_dict(model: nn.Module, maps: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with the weight of every linear in ``maps`` in permuted column order
-    (``W[:, perm]``: exactly N:M in memory order) — what a ``--perm`` checkpoint stores. MoE experts
-    keep their column order (see :func:`apply_index_maps`)."""
-    state = dict(model.state_dict())
-    for name, perm in maps.items():
-        if parse_expert_name(name) is not None:
-            continue
-        key = f"{name}.weight"
-        state[key] = state[key][:, perm.to(state[key].device)].contiguous()
-    return state
-
-
 def save_index_maps(maps: dict[str, torch.Tensor], path: Path | str) -> None:
-    """Write index maps as int32 tensors (``index_maps.safetensors``)."""
-    save_file({k: v.to(torch.int32).contiguous() for k, v in maps.items()}, str(path))
+    """Write index maps as int32 tensors (``index_maps.safetensors``) for a checkpoint that stores
+    every weight in its input's own column order (recorded in the file's metadata)."""
+    save_file({k: v.to(torch.int32).contiguous() for k, v in maps.items()}, str(path),
+              metadata={_LAYOUT_KEY: _ORIGINAL})
+
+
+def weights_stored_permuted(path: Path | str) -> bool:
+    """Whether the checkpoint whose maps file is ``path`` stores its mapped linears as ``W[:, perm]``
+    (the layout before maps files recorded ``weight_columns``) rather than in input order."""
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get(_LAYOUT_KEY) != _ORIGINAL
 
 
 def load_index_maps(path: Path | str) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
 from shuffleprune.version import __version__
 from shuffleprune.masks import Pattern
 from shuffleprune.models import LoadedModel, is_embedded
-from shuffleprune.perm.linear import INDEX_MAPS, permuted_state_dict, save_index_maps
+from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.runtime import cpu_facts, peak_rss_mb, versions
 
@@ -114,8 +114,9 @@ def write_checkpoint(out: Path, model, tokenizer, report: dict, perms: dict[str,
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     try:
-        # weights of permuted linears go in permuted column order: exactly N:M as stored
-        model.save_pretrained(staging, state_dict=permuted_state_dict(model, perms) if perms else None)
+        # every weight in its input's own column order: any client computes the pruned model; N:M
+        # holds in each map's order, which the maps file gives to `export` and the N:M check
+        model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2))
         (staging / RECIPE_NAME).write_text(config.to_yaml())
@@ -145,9 +146,10 @@ def model_card(report: dict) -> str:
     base_line = "the embedded SmolLM2-135M-Instruct (GGUF)" if is_embedded(base) or base.startswith("embedded:") else f"`{base}`"
     calib, ev, recipe = report["calib"], report["eval"], report["recipe"]
     stages = "\n".join(f"  - {s}" for s in report["stages"])
-    perm_note = ("Permuted linears store their weight as `W[:, perm]` (exactly N:M in memory order) next to "
-                 "`index_maps.safetensors`; a plain `AutoModelForCausalLM.from_pretrained` ignores the maps and so "
-                 "computes a *different* model — load it with shuffleprune, or export it.\n"
+    perm_note = ("The weights are stored in their usual column order, so `AutoModelForCausalLM.from_pretrained` "
+                 "(and lm-eval, vLLM, …) computes the pruned model. A permuted layer is N:M in the order of its "
+                 "input index map (`index_maps.safetensors`), not in memory order: `shuffleprune export` "
+                 "compresses it in that order for the 2:4 runtime.\n"
                  if report["perm"] and report["perm"].get("index_maps") else "")
     is_file = str(ev["text"]).endswith((".txt", ".jsonl"))
     part = ("its held-out documents" if calib["split_from_shared_file"] else "the whole file") if is_file else "test split"
