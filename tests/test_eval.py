@@ -94,18 +94,23 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(random_text(2000, seed=3))
     pruned = tmp_path / "pruned"
-    res = runner.invoke(app, ["prune", str(tiny_dir), "--base", "wanda", "--perm", "none", "--pattern", "2:4", "--calib", str(heldout),
-                              "--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--out", str(pruned), "--quiet"])
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--base", "wanda", "--perm", "search", "--pattern", "2:4", "--calib", str(heldout),
+                              "--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--out", str(pruned), "--quiet",
+                              "--export", str(tmp_path / "deployed")])
     assert res.exit_code == 0, res.output
     out = tmp_path / "results.json"
-    res = runner.invoke(app, ["eval", str(tiny_dir), str(pruned), "--tasks", "tiny_mc,ppl", "--include-path", str(tiny_task),
-                              "--ppl-text", str(heldout), "--ppl-ctx", "32", "--limit", "10", "--out", str(out), "--quiet"])
+    res = runner.invoke(app, ["eval", str(tiny_dir), str(pruned), str(tmp_path / "deployed"), "--tasks", "tiny_mc,ppl",
+                              "--include-path", str(tiny_task), "--ppl-text", str(heldout), "--ppl-ctx", "32", "--limit", "10",
+                              "--out", str(out), "--quiet"])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["versions"]["lm_eval"] and data["lm_eval"]["limit"] == 10 and data["lm_eval"]["seeds"]
     assert data["tasks"] == ["tiny_mc", "ppl"] and data["lm_eval"]["task_data"]["tiny_mc"]
-    assert [m["model"] for m in data["models"]] == ["tiny-llama", "pruned"]
-    dense, sparse = data["models"]
+    assert [m["model"] for m in data["models"]] == ["tiny-llama", "pruned", "deployed"]
+    dense, sparse, deployed = data["models"]
+    # a --perm checkpoint is a plain transformers model to lm-eval's hf loader; an export loads through its auto_map
+    assert "trust_remote_code" not in sparse["lm_eval_cli"] and "trust_remote_code=True" in deployed["lm_eval_cli"]
+    assert deployed["ppl"] == pytest.approx(sparse["ppl"], rel=1e-4) and deployed["sparsity"] == pytest.approx(0.5)
     assert dense["sparsity"] == 0 and sparse["sparsity"] == pytest.approx(0.5) and sparse["pruned"] == "wanda 2:4"
     for m in data["models"]:
         r = m["results"]["tiny_mc"]

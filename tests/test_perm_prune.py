@@ -18,7 +18,7 @@ from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, learn_pe
 from shuffleprune.prune.stages.prune import prune_in_permuted_coordinates
 from shuffleprune.perm.core import PermSchedule, SoftPermutation, block_sizes, perm_to_blocks, random_block_perm
 from shuffleprune.models import load_model
-from shuffleprune.perm.linear import PermutedLinear, load_index_maps, weights_stored_permuted
+from shuffleprune.perm.linear import PermutedLinear, apply_index_maps, load_index_maps, weights_stored_permuted
 from shuffleprune.perm.linear import INDEX_MAPS
 from shuffleprune.prune import prune
 from conftest import flat_config
@@ -133,12 +133,15 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
             assert satisfies_nm(w[:, perm], 2, 4)
         assert any(not satisfies_nm(stored[f"{n}.weight"], 2, 4) for n in maps)  # not in memory order
         assert not weights_stored_permuted(out / INDEX_MAPS)
-        loaded = load_model(str(out)).model
-        first = loaded.get_submodule(next(iter(maps)))
+        loaded = load_model(str(out)).model  # the plain model: what any client loads
+        assert not any(isinstance(m, PermutedLinear) for m in loaded.modules())
+        assert torch.equal(loaded(ids).logits, ref)
+        plain = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert torch.equal(plain(ids).logits, ref)
+        mapped = apply_index_maps(plain, maps)  # what export compresses: W[:, perm] reading x[perm]
+        first = mapped.get_submodule(next(iter(maps)))
         assert isinstance(first, PermutedLinear) and satisfies_nm(first.weight, 2, 4)  # N:M in memory order
-        assert torch.allclose(loaded(ids).logits, ref, atol=1e-5)
-        plain = AutoModelForCausalLM.from_pretrained(out).eval()  # any client computes the pruned model
-        assert torch.allclose(plain(ids).logits, ref, atol=1e-5)
+        assert torch.allclose(mapped(ids).logits, ref, atol=1e-5)
         # a checkpoint of the older layout (mapped weights stored as W[:, perm], maps without metadata)
         legacy = tmp_path / "legacy"
         shutil.copytree(out, legacy)
@@ -146,7 +149,7 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
                    for k, v in stored.items()}, str(legacy / "model.safetensors"), metadata={"format": "pt"})
         save_file({k: v.int() for k, v in maps.items()}, str(legacy / INDEX_MAPS))
         assert weights_stored_permuted(legacy / INDEX_MAPS)
-        assert torch.allclose(load_model(str(legacy)).model(ids).logits, ref, atol=1e-5)
+        assert torch.equal(load_model(str(legacy)).model(ids).logits, ref)  # weights put back in input order
     from shuffleprune.plots import plot_perm_report
 
     pngs = plot_perm_report(report, tmp_path / "plots")

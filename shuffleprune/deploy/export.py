@@ -43,7 +43,7 @@ from shuffleprune.block_inputs import block_probe
 from shuffleprune.blocks import block_linears, expert_name, find_blocks, parse_expert_name
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
-from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, load_index_maps
+from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
 from shuffleprune.deploy.sparse_experts import compress_experts, exportable_experts
@@ -157,23 +157,6 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     return folded
 
 
-def _restore_column_order(model: nn.Module, exported: set[str]) -> list[str]:
-    """Index-mapped linears that are not exported as N:M (an LM head, a dense linear) go back to
-    plain ``nn.Linear`` in the original column order, so the dense part of the export needs no map.
-    Returns their names."""
-    restored = []
-    for name, module in list(model.named_modules()):
-        if isinstance(module, PermutedLinear) and name not in exported:
-            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device=module.weight.device, dtype=module.weight.dtype)
-            plain.weight.data = module.weight.data[:, torch.argsort(module.perm)].contiguous()
-            if module.bias is not None:
-                plain.bias.data = module.bias.data
-            model.set_submodule(name, plain)
-            restored.append(name)
-    return restored
-
-
 def _stored_map(perm: torch.Tensor | None) -> torch.Tensor | None:
     """The index map an export stores for a layer: ``None`` for none or the identity (it is omitted)."""
     return None if perm is None or torch.equal(perm.cpu(), torch.arange(perm.numel())) else perm
@@ -193,12 +176,13 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
         raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
     n, m = _pattern_of(pruned_dir, pattern)
     lm = load_model(str(pruned_dir))
-    model = lm.model
-    folded = fold_permutations(model) if fold else {}
-    # experts keep their column order in the checkpoint; their maps are compressed into the export
+    model = lm.model  # every weight in input order, N:M in its map's order
     maps_file = pruned_dir / INDEX_MAPS
-    expert_maps = {name: perm.long() for name, perm in (load_index_maps(maps_file) if maps_file.is_file() else {}).items()
-                   if parse_expert_name(name) is not None}
+    maps = load_index_maps(maps_file) if maps_file.is_file() else {}
+    apply_index_maps(model, maps)  # mapped linears as W[:, perm] reading x[perm]: N:M in memory order
+    folded = fold_permutations(model) if fold else {}
+    # experts keep their column order in the export's dense part too; each is compressed in its map's order
+    expert_maps = {name: perm for name, perm in maps.items() if parse_expert_name(name) is not None}
     blocks = find_blocks(model)
     sparse, layers, experts_out, skip_keys = {}, {}, {}, set()
     for i, block in enumerate(blocks.layers):
@@ -221,7 +205,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
                                                           {e: p for e, p in maps.items() if p is not None})
             sparse.update(tensors)
             skip_keys.add(name)
-    restored = _restore_column_order(model, set(layers))
+    restored = to_plain_linears(model, keep=set(layers))  # mapped linears not exported as N:M
     if not layers and not experts_out:
         raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses nn.Linear only, not e.g. GPT-2 Conv1D)")
     fmt = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "pattern": f"{n}:{m}", "n": n, "m": m,

@@ -84,6 +84,22 @@ def apply_index_maps(model: nn.Module, maps: dict[str, torch.Tensor], weights_ar
     return model
 
 
+def to_plain_linears(model: nn.Module, keep: set[str] = frozenset()) -> list[str]:
+    """Turn every :class:`PermutedLinear` not named in ``keep`` back into a plain ``nn.Linear`` with
+    its weight in input order (``W_p[:, perm⁻¹]``, the same function), in place; returns their names."""
+    restored = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, PermutedLinear) and name not in keep:
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=module.weight.device, dtype=module.weight.dtype)
+            plain.weight.data = module.weight.data[:, torch.argsort(module.perm)].contiguous()
+            if module.bias is not None:
+                plain.bias.data = module.bias.data
+            model.set_submodule(name, plain)
+            restored.append(name)
+    return restored
+
+
 def save_index_maps(maps: dict[str, torch.Tensor], path: Path | str) -> None:
     """Write index maps as int32 tensors (``index_maps.safetensors``) for a checkpoint that stores
     every weight in its input's own column order (recorded in the file's metadata)."""

@@ -29,7 +29,7 @@ from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.masks import parse_pattern, satisfies_nm, sparsity_of
 from shuffleprune.models import LoadedModel, load_model, upcast_for_cpu
 from shuffleprune.perm.core import strength
-from shuffleprune.perm.linear import PermutedLinear, load_index_maps, save_index_maps
+from shuffleprune.perm.linear import load_index_maps, save_index_maps
 from shuffleprune.prune.atomic import atomic_json, atomic_save
 from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
@@ -127,9 +127,9 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     model, tokenizer = lm.model, lm.tokenizer
     save_dtype = lm.save_dtype or model.dtype
     upcast_for_cpu(model, config.dtype, device)  # the checkpoint keeps save_dtype
-    if any(isinstance(m, (PermutedLinear, SparseLinear)) for m in model.modules()):
-        raise UserError("this model is a --perm or exported checkpoint (index maps / compressed layers); "
-                        "prune its dense original instead")
+    if any(isinstance(m, SparseLinear) for m in model.modules()):
+        raise UserError("this model is an exported checkpoint (compressed N:M layers); prune its dense original, "
+                        "or the pruned checkpoint it was exported from, instead")
     blocks = find_blocks(model)
     linears, experts = _selected_weights(blocks, config, pattern)
     unseen = _dense_outside_linears(blocks, experts)
