@@ -31,7 +31,8 @@ def prune(model: str | None = None, recipe: str | Path | None = None, out: str |
 
 def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = True, cslt: bool = False):
     """Load a checkpoint written by ``shuffleprune export`` (linears as compressed ``SparseLinear``),
-    by ``prune`` (with its index maps applied) or any HF model; returns the model (``.eval()``).
+    by ``prune`` (a plain model; an older-layout ``--perm`` checkpoint put back in input order) or
+    any HF model; returns the model (``.eval()``).
     ``maps="producer"`` (default) moves an export's shared index maps to the modules producing those
     layers' input (an RMSNorm writes its output permuted, in one fused kernel on CUDA: on an H100 a
     LLaMA-2-7B shape decoded 1.47× dense this way, 1.20× with the maps in the layers,

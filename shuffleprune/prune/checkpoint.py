@@ -190,13 +190,8 @@ Repeat the run: `shuffleprune prune {base if not base.startswith('embedded:') el
 ## Load it
 
 ```python
-import shuffleprune
-model = shuffleprune.load("PATH")             # index maps applied: the pruned model exactly
-```
-
-```python
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("PATH")   # weights only (see the note below)
+model = AutoModelForCausalLM.from_pretrained("PATH")   # the pruned model, like any HF checkpoint
 ```
 
 {perm_note}For a compressed, deployable copy: `shuffleprune export PATH DEPLOYED`, then
