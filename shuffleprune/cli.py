@@ -261,6 +261,7 @@ def dst(
     t_perm: Optional[int] = typer.Option(None, "--t-perm", help="Permutation learning ends here (default: half of --steps)."),
     delta: float = typer.Option(0.22, "--delta", help="A layer's permutation hardens once P(M) < delta."),
     perm_init: float = typer.Option(0.5, "--perm-start", help="α of the soft start α·I + (1−α)/d·11ᵀ of learned permutations (0: uniform, 1: identity)."),
+    sparse_head: bool = typer.Option(False, "--sparse-head", help="Also sparsify an untied LM head (default: dense, as prune and export keep it)."),
     seq_len: int = typer.Option(256, "--seq-len"),
     batch_size: int = typer.Option(8, "--batch-size", help="Windows per step in all (split over the processes of a distributed run)."),
     steps: int = typer.Option(1000, "--steps"),
@@ -288,7 +289,7 @@ def dst(
         dcfg = DSTConfig(method=method, sparsity=sparsity, pattern=pattern, distribution=distribution, delta_t=delta_t, alpha=alpha,
                          t_end=t_end if t_end is not None else int(0.75 * steps), block=block, perm=perm,
                          perm_lr=perm_lr, lambda_max=lambda_max, t_perm=t_perm if t_perm is not None else steps // 2,
-                         delta=delta, perm_init=perm_init, seed=seed)
+                         delta=delta, perm_init=perm_init, sparse_head=sparse_head, seed=seed)
         dcfg.check()
         report = train(cfg, dcfg, out, resume=resume, overwrite=overwrite, progress=not quiet)
     except UserError as exc:

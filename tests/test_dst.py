@@ -121,8 +121,9 @@ def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_d
                      config_kw={"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                                 "num_attention_heads": 4, "num_key_value_heads": 2})
     dcfg = DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=6, perm="learned", t_perm=5,
-                     lambda_max=1e-2, perm_init=0.0)  # a uniform start: the maps do move
+                     lambda_max=1e-2, perm_init=0.0, sparse_head=True)  # a uniform start: the maps do move
     report = train(cfg, dcfg, tmp_path / "run", progress=False)
+    assert "lm_head" in report["layers"] and "lm_head" in report["permutations"]
     assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
     assert any(p["strength"] < 1 for p in report["permutations"].values())  # not all identities
     fmt = export_checkpoint(tmp_path / "run" / "model", tmp_path / "exported")  # pattern read from dst_report
@@ -160,12 +161,18 @@ def test_rigl_grows_where_the_gradient_is_largest_and_set_does_not():
     assert not torch.equal(choices["rigl"], choices["set"])
 
 
-def test_drop_fraction_schedule_and_tied_head_excluded():
+def test_drop_fraction_schedule_and_lm_head_excluded_unless_asked():
     sp = DynamicSparsifier(DSTConfig(alpha=0.3, t_end=1000))
     assert abs(sp.drop_fraction(0) - 0.3) < 1e-12 and abs(sp.drop_fraction(500) - 0.15) < 1e-12
     assert abs(sp.drop_fraction(1000)) < 1e-12
-    model = tiny_model("gpt2")  # lm_head tied to wte
-    assert not any(n.endswith("lm_head") for n in sparsifiable_layers(model))
+    model = tiny_model("gpt2")  # lm_head tied to wte: never
+    assert not any(n.endswith("lm_head") for n in sparsifiable_layers(model, head=True))
+    model = tiny_model("llama")  # untied: dense unless sparse_head, as prune and export keep it
+    assert "lm_head" not in sparsifiable_layers(model) and "lm_head" in sparsifiable_layers(model, head=True)
+    for sparse_head in (False, True):
+        sp = DynamicSparsifier(DSTConfig(method="rigl", sparsity=0.5, sparse_head=sparse_head))
+        sp.prepare(tiny_model("llama"))
+        assert ("lm_head" in sp.masks) == sparse_head and len(sp.masks) == 21 + sparse_head
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])

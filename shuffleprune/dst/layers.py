@@ -22,16 +22,18 @@ def is_conv1d(module: nn.Module) -> bool:
     return any(c.__name__ == "Conv1D" for c in type(module).__mro__) and hasattr(module, "nf")
 
 
-def sparsifiable_layers(model: nn.Module, experts: bool = True) -> dict[str, Layer]:
+def sparsifiable_layers(model: nn.Module, experts: bool = True, head: bool = False) -> dict[str, Layer]:
     """Every ``nn.Linear`` (:func:`~shuffleprune.blocks.is_plain_linear`: not a subclass with its own
     ``forward``, like a MoE router) and transformers ``Conv1D``, except a layer sharing its weight with
-    the input embeddings (a tied LM head); with ``experts``, also every expert matrix of the fused MoE
-    layers (named ``….experts.down_proj[3]``). Without, warns when the experts, left dense, hold a
-    large share of the weights."""
+    the input embeddings (a tied LM head) and, unless ``head``, the output embeddings (an untied LM
+    head: ``prune`` and ``export`` leave it dense too); with ``experts``, also every expert matrix of
+    the fused MoE layers (named ``….experts.down_proj[3]``). Without, warns when the experts, left
+    dense, hold a large share of the weights."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = embed.weight if embed is not None else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") and not head else None
     found: dict[str, Layer] = {n: m for n, m in model.named_modules()
-                               if (is_plain_linear(m) or is_conv1d(m)) and m.weight is not tied}
+                               if (is_plain_linear(m) or is_conv1d(m)) and m.weight is not tied and m is not output}
     if experts:
         return found | block_experts(model, "")
     fused = sum(p.numel() for m in model.modules() if is_fused_experts(m)

@@ -115,7 +115,8 @@ class DynamicSparsifier:
                 layers: list[str] | None = None) -> None:
         """Attach to ``model`` (all sparsifiable layers, or the named ones) and draw the initial
         random masks at the configured densities (srigl: constant fan-in)."""
-        found = sparsifiable_layers(model, experts=self.config.method in MASK_METHODS + ("dense",))
+        found = sparsifiable_layers(model, experts=self.config.method in MASK_METHODS + ("dense",),
+                                    head=self.config.sparse_head)
         if layers is not None:
             missing = [n for n in layers if n not in found]
             if missing:
