@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -183,14 +184,19 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
             hf_logging.set_verbosity_error()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
-    except (OSError, ValueError, SafetensorError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except (OSError, ValueError, SafetensorError, StrictDataclassError) as exc:  # the last: an invalid config.json
+        first = " ".join(str(exc).split()) or type(exc).__name__
         if isinstance(exc, SafetensorError):
             raise UserError(f"cannot read the weights of '{spec}': a .safetensors file is truncated or corrupt "
                             f"({first[:120]}); write or download that checkpoint again") from exc
         raise UserError(
             f"cannot load model '{spec}': {first[:200]} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc
+    except RuntimeError as exc:
+        if "mismatch" not in str(exc):
+            raise
+        raise UserError(f"cannot load model '{spec}': its weights do not have the shapes its config.json gives "
+                        "(transformers printed which above); fix config.json or use the checkpoint it came with") from exc
     finally:
         hf_logging.set_verbosity(level)
     maps_file = Path(path) / INDEX_MAPS

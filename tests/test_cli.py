@@ -18,7 +18,17 @@ def test_prune_cli_end_to_end(tiny_dir, text_file, eval_file, tmp_path):
 
 
 def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    bad = tmp_path / "bad-config"  # config.json disagrees with the weights
+    shutil.copytree(tiny_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
     for args, needle in ((["prune", str(tiny_dir), "--pattern", "4:2"], "impossible pattern"),
+                         (["prune", str(bad), "--out", str(tmp_path / "o")], "do not have the shapes its config.json"),
+                         (["dst", "--arch", "llama", "--config-kw", "hidden_size=65,num_attention_heads=4",
+                           "--tokenizer", str(tiny_dir), "--out", str(tmp_path / "o")], "not a multiple of the number"),
                          (["prune", str(tmp_path / "nope")], "does not exist"),
                          (["prune", str(tiny_dir), "--base", "obs"], "--base: unknown prune stage 'obs'"),
                          (["prune", str(tiny_dir), "--device", "tpu"], "unknown --device"),

@@ -307,6 +307,27 @@ def test_perm_from_reuses_index_maps_with_another_base(tiny_dir, text_file, tmp_
         prune(flat_config(**base, method="sparsegpt", perm_from=str(tmp_path)), progress=False)
 
 
+def test_a_run_failing_before_its_first_checkpoint_leaves_no_output(tiny_dir, text_file, tmp_path):
+    """Maps that do not fit the model are found once it is loaded, after the run made its resume
+    dir: the failed run removes what it wrote (and the --out it created); a corrupt maps file
+    fails before anything is written."""
+    from shuffleprune.perm.linear import save_index_maps
+
+    base = dict(model=str(tiny_dir), pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32, eval_text=None,
+                method="wanda")
+    save_index_maps({"model.layers.0.mlp.no_such_linear": torch.arange(64)}, tmp_path / "maps.safetensors")
+    for out, existed in ((tmp_path / "new", False), (tmp_path / "mine", True)):
+        if existed:
+            out.mkdir()
+        with pytest.raises(UserError, match="not a selected linear"):
+            prune(flat_config(**base, perm_from=str(tmp_path / "maps.safetensors")), out=out, progress=False)
+        assert out.exists() == existed and (not existed or not any(out.iterdir()))
+    (tmp_path / "bad.safetensors").write_bytes((tmp_path / "maps.safetensors").read_bytes()[:40])
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        prune(flat_config(**base, perm_from=str(tmp_path / "bad.safetensors")), out=tmp_path / "new", progress=False)
+    assert not (tmp_path / "new").exists()
+
+
 def test_holdout_windows_are_never_learned_on_and_decide_the_choice():
     """``--perm-holdout``: learning samples only the learn windows; the final choice evaluates only
     the held-out ones, and picks the candidate with the lowest held-out loss."""

@@ -88,6 +88,7 @@ def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
 
 def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None):
     """A fresh model from ``cfg.arch`` (a model type, or a config dir / hub id) + ``cfg.config_kw``."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -95,8 +96,9 @@ def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None
             config = AutoConfig.from_pretrained(cfg.arch, **cfg.config_kw)
         else:
             config = AutoConfig.for_model(cfg.arch, **cfg.config_kw)
-    except (ValueError, OSError, TypeError) as exc:
-        raise UserError(f"cannot build a config for '{cfg.arch}': {str(exc).splitlines()[0][:160]}") from exc
+    except (ValueError, OSError, TypeError, StrictDataclassError) as exc:
+        # transformers' config validation nests the reason under a header line: keep all of it, on one line
+        raise UserError(f"cannot build a config for '{cfg.arch}': {' '.join(str(exc).split())[:240]}") from exc
     config.vocab_size = vocab_size
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's, not the architecture default
         if getattr(config, key, None) is not None and getattr(config, key) >= vocab_size:

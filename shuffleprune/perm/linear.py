@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -107,11 +107,20 @@ def save_index_maps(maps: dict[str, torch.Tensor], path: Path | str) -> None:
               metadata={_LAYOUT_KEY: _ORIGINAL})
 
 
+def _unreadable(path: Path | str, exc: Exception) -> UserError:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return UserError(f"cannot read the index maps '{path}': the file is truncated or corrupt ({first[:120]}); "
+                     "write or copy that checkpoint again")
+
+
 def weights_stored_permuted(path: Path | str) -> bool:
     """Whether the checkpoint whose maps file is ``path`` stores its mapped linears as ``W[:, perm]``
     (the layout before maps files recorded ``weight_columns``) rather than in input order."""
-    with safe_open(str(path), framework="pt") as f:
-        return (f.metadata() or {}).get(_LAYOUT_KEY) != _ORIGINAL
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get(_LAYOUT_KEY) != _ORIGINAL
+    except (OSError, SafetensorError) as exc:
+        raise _unreadable(path, exc) from exc
 
 
 def load_index_maps(path: Path | str) -> dict[str, torch.Tensor]:
@@ -119,4 +128,7 @@ def load_index_maps(path: Path | str) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"no index maps at '{path}'")
-    return {k: v.long() for k, v in load_file(str(path)).items()}
+    try:
+        return {k: v.long() for k, v in load_file(str(path)).items()}
+    except (OSError, SafetensorError) as exc:
+        raise _unreadable(path, exc) from exc

@@ -108,9 +108,26 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run (restored afterwards).
     """
     device = pick_device(config.device)
-    with tf32_matmuls(device, config.tf32):
-        return _walk(config, device, Path(out) if out is not None else None, resume, overwrite, progress,
-                     on_block_done, loaded)
+    out = Path(out) if out is not None else None
+    existed = out is not None and out.exists()
+    try:
+        with tf32_matmuls(device, config.tf32):
+            return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded)
+    except BaseException:
+        if out is not None:
+            _discard_unresumable(out, existed)
+        raise
+
+
+def _discard_unresumable(out: Path, existed: bool) -> None:
+    """After a failed run: remove what it wrote before its first checkpoint (``.resume`` without a
+    ``state.json``: nothing ``--resume`` could continue), and ``out`` itself if this run created it
+    and it is empty again."""
+    work = out / RESUME_DIR
+    if work.is_dir() and not (work / "state.json").is_file():
+        shutil.rmtree(work, ignore_errors=True)
+    if not existed and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
 
 
 def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: bool, overwrite: bool,

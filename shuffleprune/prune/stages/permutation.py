@@ -169,6 +169,7 @@ class From(Stage):
         file = Path(self.path) / INDEX_MAPS if Path(self.path).is_dir() else Path(self.path)
         if not file.is_file():
             raise UserError(f"--perm-from: no index maps at '{file}' (give the output dir of a --perm run)")
+        load_index_maps(file)  # a truncated or corrupt file fails now, before the model is loaded
 
     def prepare(self, run: Run) -> None:
         path = Path(self.path)
