@@ -4,12 +4,14 @@
 states and every block's call arguments (attention masks, position embeddings, …), whatever the
 architecture passes; ``run_block`` runs one block on recorded inputs; ``block_probe`` runs every
 block on one fixed probe sequence, so a change to one block (a folded or moved index map) can be
-checked on that block alone.
+checked on that block alone; ``logits_after_blocks`` finishes the model's forward from its last
+block's output (a model scored block by block, one block on the device at a time).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -149,12 +151,8 @@ def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor,
     to ``device`` for the capture and moved back.
     """
     originals = list(blocks.layers)
-    outside = _modules_outside(model, blocks)
-    homes = [_module_device(m) for m in outside]
-    for m in outside:
-        m.to(device)
     sink = CapturedInputs()
-    try:
+    with outside_blocks_on(model, blocks, device):
         _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), all_blocks=True)
         if len(sink.kwargs) != len(originals):
             raise UserError("capturing block inputs failed: the model did not call every decoder block")
@@ -175,12 +173,62 @@ def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor,
         for start in range(0, tokens.shape[0], batch_size):
             _forward_with_recorders(model, blocks, originals, sink, tokens[start:start + batch_size].to(device),
                                     all_blocks=False)
-    finally:
-        for m, home in zip(outside, homes):
-            m.to(home)
     sink.hidden = torch.cat(sink.batches)
     sink.batches = []
     return sink
+
+
+@contextmanager
+def outside_blocks_on(model: nn.Module, blocks: Blocks, device: torch.device) -> Iterator[None]:
+    """The model's modules outside the block list (embeddings, final norm, LM head, rotary tables)
+    on ``device`` for the duration, then back where each was."""
+    outside = _modules_outside(model, blocks)
+    homes = [_module_device(m) for m in outside]
+    for m in outside:
+        m.to(device)
+    try:
+        yield
+    finally:
+        for m, home in zip(outside, homes):
+            m.to(home)
+
+
+class _Replay(nn.Module):
+    """Stands in for a decoder block: block 0's returns the given last block's output, the others
+    pass their input on (each in the blocks' output convention)."""
+
+    def __init__(self, block: nn.Module, output: torch.Tensor | None, as_tuple: bool):
+        super().__init__()
+        self.block = block
+        self.output = output
+        self.as_tuple = as_tuple
+
+    def __getattr__(self, name: str) -> Any:  # models read attributes like ``attention_type`` off blocks
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("block"), name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = self.output if self.output is not None else (args[0] if args else kwargs["hidden_states"])
+        return (hidden,) if self.as_tuple else hidden
+
+
+@torch.no_grad()
+def logits_after_blocks(model: nn.Module, blocks: Blocks, input_ids: torch.Tensor, last_output: torch.Tensor,
+                        output_is_tuple: bool) -> torch.Tensor:
+    """The model's logits for ``input_ids`` given what its last block returned for them: its own
+    forward runs with stand-ins for the blocks, so whatever follows them (final norm, LM head, a
+    logit soft-cap) is the model's own code. Modules outside the blocks must be on ``input_ids``'s
+    device (:func:`outside_blocks_on`)."""
+    originals = list(blocks.layers)
+    for i, block in enumerate(originals):
+        blocks.layers[i] = _Replay(block, last_output if i == 0 else None, output_is_tuple)
+    try:
+        return model(input_ids=input_ids, use_cache=False).logits
+    finally:
+        for i, block in enumerate(originals):
+            blocks.layers[i] = block
 
 
 def _modules_outside(model: nn.Module, blocks: Blocks) -> list[nn.Module]:

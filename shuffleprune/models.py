@@ -154,9 +154,44 @@ def resolve_model_path(spec: str | None) -> str:
         if not (path / "config.json").is_file():
             raise UserError(f"'{spec}' is not a model: no config.json in it (give an HF model dir or a .gguf)")
         return str(path)
-    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+    if not looks_like_hub_id(spec):
         raise UserError(f"model path '{spec}' does not exist")
-    return spec  # a hub id
+    return hub_snapshot(spec) or spec
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    """``name`` or ``owner/name`` that is not a local path (``./x``, ``/x``, ``~/x``, ``a/b/c``)."""
+    return not spec.startswith((".", "/", "~")) and spec.count("/") <= 1
+
+
+def hub_snapshot(repo_id: str, any_repo: bool = False) -> str | None:
+    """The local snapshot of a hub repo written by shuffleprune, downloaded whole so it loads as a
+    local dir: an export (transformers alone would leave its compressed layers uninitialised) or a
+    ``--perm`` checkpoint (its index maps). ``None`` for any other repo, which transformers loads by
+    id (and whose missing, gated or unreachable case it reports itself); with ``any_repo``, every
+    repo is downloaded (``export`` reads the files itself)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from shuffleprune.deploy.load import FORMAT_FILE
+
+    hub_reachable()  # offline: answered from the local cache
+    if not any_repo:
+        for name in (FORMAT_FILE, INDEX_MAPS):  # an export's format file, a --perm checkpoint's maps
+            try:
+                hf_hub_download(repo_id, name)
+                break
+            except EntryNotFoundError:  # not in the repo (or, offline, not in the cache)
+                continue
+            except (OSError, ValueError):  # no such repo, gated, unreachable: transformers says which
+                return None
+        else:
+            return None
+    try:
+        return snapshot_download(repo_id)
+    except (OSError, ValueError) as exc:
+        first = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise UserError(f"cannot download '{repo_id}' from the hub: {first}") from exc
 
 
 def upcast_for_cpu(model: PreTrainedModel, dtype: str, device: torch.device) -> None:

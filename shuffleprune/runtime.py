@@ -27,6 +27,18 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def fits_on_device(model: torch.nn.Module, device: torch.device, headroom_gib: float = 2.0) -> bool:
+    """Whether ``model`` can be moved whole onto ``device`` and still leave ``headroom_gib`` for
+    activations: always on the CPU; on CUDA, the bytes of its parameters and buffers not already
+    there against the device's free memory."""
+    if device.type != "cuda":
+        return True
+    tensors = list(model.parameters()) + list(model.buffers())
+    missing = sum(t.numel() * t.element_size() for t in tensors if t.device != device)
+    free, _ = torch.cuda.mem_get_info(device)
+    return missing + headroom_gib * 2**30 <= free
+
+
 def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2) -> tuple[float, str]:
     """Milliseconds per call of ``calls`` (run in turn, e.g. one per rotating weight copy) as a model
     served with CUDA graphs runs them: ``warm`` eager rounds on the capturing stream (compiles,

@@ -107,3 +107,17 @@ def test_linear_subclasses_are_layers_only_when_they_compute_a_linear_map():
                            "scaled": Scaled(8, 4)})
     assert [is_plain_linear(m) for m in block.values()] == [True, True, False, False]
     assert sorted(block_linears(block, "b")) == ["b.matmul", "b.plain"]
+
+
+@pytest.mark.parametrize("arch", ARCHS + ["bloom", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("bos", [None, 1])
+def test_blockwise_perplexity_equals_the_whole_models(arch, bos):
+    """Scoring one block at a time (for models larger than the device) gives the perplexity of the
+    whole model's forward: same windows, the model's own code after the blocks (Gemma 2's final
+    logit soft-cap included), BLOOM's ALiBi and the MoE layers alike."""
+    from shuffleprune.evaluation.perplexity import perplexity
+
+    model = tiny_model(arch)
+    tokens = torch.randint(2, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    whole = perplexity(model, tokens, 32, batch_size=3, bos=bos)
+    assert perplexity(model, tokens, 32, batch_size=3, bos=bos, blockwise=True) == pytest.approx(whole, rel=1e-5)

@@ -151,6 +151,44 @@ def pruned_perm_dir(tiny_dir, text_file, tmp_path):
     return out
 
 
+def test_hub_ids_of_exports_and_perm_checkpoints_load_from_their_snapshots(pruned_perm_dir, tiny_dir, tmp_path, monkeypatch):
+    """A repo id whose repo shuffleprune wrote resolves to its downloaded snapshot (here: a local hub
+    cache, offline): an export loads with its compressed layers (by id, transformers alone would leave
+    them uninitialised), a --perm checkpoint exports from its id; a plain repo stays an id."""
+    import shutil
+
+    import huggingface_hub.constants
+    from shuffleprune.models import hub_snapshot
+
+    cache, commit = tmp_path / "hub", "0" * 40
+
+    def publish(repo: str, src) -> None:
+        root = cache / f"models--{repo.replace('/', '--')}"
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text(commit)
+        shutil.copytree(src, root / "snapshots" / commit)
+
+    export_checkpoint(pruned_perm_dir, tmp_path / "deployed")
+    publish("me/tiny-2of4", tmp_path / "deployed")
+    publish("me/tiny-pruned", pruned_perm_dir)
+    publish("me/tiny-dense", tiny_dir)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert hub_snapshot("me/tiny-dense") is None and hub_snapshot("me/absent") is None
+    assert hub_snapshot("me/tiny-pruned") == str(cache / "models--me--tiny-pruned" / "snapshots" / commit)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        ref = load_model(str(pruned_perm_dir)).model(ids).logits
+        by_id = shuffleprune.load("me/tiny-2of4")
+        assert any(isinstance(m, SparseLinear) for m in by_id.modules())
+        assert torch.allclose(by_id(ids).logits, ref, atol=1e-5)
+        export_checkpoint("me/tiny-pruned", tmp_path / "again")
+        assert torch.allclose(shuffleprune.load(str(tmp_path / "again"))(ids).logits, ref, atol=1e-5)
+    with pytest.raises(UserError, match="cannot download 'me/absent'"):
+        export_checkpoint("me/absent", tmp_path / "nothing")
+    assert not (tmp_path / "nothing").exists()
+
+
 def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
     out = tmp_path / "exported"
     fmt = export_checkpoint(pruned_perm_dir, out)

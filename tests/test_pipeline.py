@@ -198,3 +198,31 @@ def test_tf32_is_switched_on_for_cuda_only_and_restored():
             assert on and torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
             raise RuntimeError("a failing run")
     assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+def test_a_model_too_large_for_the_device_is_scored_block_by_block(tiny_dir, text_file, eval_file, tmp_path, monkeypatch):
+    """When the model does not fit the device whole, prune's and eval's perplexities are measured
+    one block at a time on it, and equal the whole model's; eval's lm-eval tasks, which need the
+    whole model there, are refused with the fix. (Forced here: on the CPU everything fits.)"""
+    from typer.testing import CliRunner
+
+    import shuffleprune.evaluation.evaluate as evaluate
+    import shuffleprune.prune.driver as driver
+    from shuffleprune.cli import app
+
+    cfg = config(tiny_dir, text_file, eval_file, method="wanda")
+    whole = prune(cfg, progress=False).report["ppl"]
+    calls = []
+    monkeypatch.setattr(driver, "fits_on_device", lambda *a, **k: calls.append(1) or False)
+    monkeypatch.setattr(evaluate, "fits_on_device", lambda *a, **k: calls.append(1) or False)
+    blockwise = prune(cfg, out=tmp_path / "pruned", progress=False).report["ppl"]
+    assert len(calls) == 2 and blockwise["dense"] == pytest.approx(whole["dense"], rel=1e-5)
+    assert blockwise["pruned"] == pytest.approx(whole["pruned"], rel=1e-5)
+    runner = CliRunner()
+    args = ["eval", str(tmp_path / "pruned"), "--ppl-text", str(eval_file), "--ppl-ctx", "32", "--quiet"]
+    res = runner.invoke(app, [*args, "--tasks", "ppl", "--out", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    assert "one block at a time" in res.output
+    assert json.loads((tmp_path / "r.json").read_text())["models"][0]["ppl"] == pytest.approx(whole["pruned"], rel=1e-5)
+    res = runner.invoke(app, [*args, "--tasks", "arc_easy", "--out", str(tmp_path / "r2.json")])
+    assert res.exit_code == 2 and "--device cpu" in res.output and not (tmp_path / "r2.json").exists()

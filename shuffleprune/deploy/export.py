@@ -165,8 +165,10 @@ def _stored_map(perm: torch.Tensor | None) -> torch.Tensor | None:
 def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
                       fold: bool = True, overwrite: bool = False) -> dict:
     """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format dict."""
-    from shuffleprune.models import load_model
+    from shuffleprune.models import hub_snapshot, load_model, looks_like_hub_id
 
+    if not Path(pruned_dir).exists() and looks_like_hub_id(str(pruned_dir)):
+        pruned_dir = hub_snapshot(str(pruned_dir), any_repo=True)  # its files, downloaded (or cached)
     pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
     if not (pruned_dir / "config.json").is_file():
         raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)")

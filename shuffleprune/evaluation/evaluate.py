@@ -34,7 +34,7 @@ from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from shuffleprune.evaluation.perplexity import perplexity
-from shuffleprune.runtime import machine, peak_rss_mb, pick_device, versions
+from shuffleprune.runtime import fits_on_device, machine, peak_rss_mb, pick_device, versions
 
 PPL = "ppl"
 DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "openbookqa", PPL)
@@ -273,7 +273,14 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
         lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
         model = lm.model
         upcast_for_cpu(model, config.dtype, device)
-        model.to(device)
+        whole = fits_on_device(model, device)
+        if whole:
+            model.to(device)
+        elif plan.lm_tasks:
+            raise UserError(f"'{spec}' does not fit on {device} whole, which lm-eval's tasks need: score them with "
+                            "--device cpu, or give --tasks ppl alone (scored one block at a time on the device)")
+        else:
+            notify(f"'{spec}' does not fit on {device} whole: perplexity one block at a time on it")
         model.eval()
         dtype_used = str(model.dtype).replace("torch.", "")
         row = {"model": _label(spec, lm.path, labels), "spec": spec, "path": lm.path,
@@ -284,7 +291,8 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
             tokens = eval_tokens(ppl_source, lm.tokenizer, config.ppl_tokens)
             ctx = min(config.ppl_ctx, getattr(model.config, "max_position_embeddings", None) or config.ppl_ctx)
             bos = bos_token(lm.tokenizer)  # windows start with BOS where the tokenizer adds one
-            row["ppl"] = perplexity(model, tokens, ctx, device, batch_size=1, progress=progress, bos=bos)
+            row["ppl"] = perplexity(model, tokens, ctx, device, batch_size=1, progress=progress, bos=bos,
+                                    blockwise=not whole)
             row["ppl_eval"] = {"text": ppl_name, "split": "test", "ctx": ctx, "bos": bos is not None,
                                "tokens": (tokens.numel() // (ctx - (bos is not None))) * (ctx - (bos is not None))}
             row["seconds"]["ppl"] = round(time.time() - t0, 2)

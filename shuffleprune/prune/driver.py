@@ -34,7 +34,7 @@ from shuffleprune.prune.atomic import atomic_json, atomic_save
 from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
-from shuffleprune.runtime import peak_memory_mb, pick_device, reset_peak_memory, tf32_matmuls
+from shuffleprune.runtime import fits_on_device, peak_memory_mb, pick_device, reset_peak_memory, tf32_matmuls
 
 RESUME_DIR = ".resume"
 
@@ -88,6 +88,18 @@ def _texts(config: PruneConfig, tokenizer, seqlen: int) -> tuple[torch.Tensor, t
             "calib": {"documents": calib_info["documents"], "tokens": calib_info["tokens"]},
             "eval": None if held_out is None else {**eval_info, "tokens_read": int(held_out.numel())}}
     return tokens, held_out, info
+
+
+def _held_out_ppl(model: torch.nn.Module, held_out: torch.Tensor, ctx: int, device: torch.device, progress: bool,
+                  bos: int | None) -> float:
+    """Perplexity of the model (kept on the CPU between stages) on ``device``: moved there whole when
+    it fits, else scored one block at a time on it."""
+    whole = fits_on_device(model, device)
+    try:
+        return perplexity(model.to(device) if whole else model, held_out, ctx, device, progress=progress, bos=bos,
+                          blockwise=not whole)
+    finally:
+        model.to("cpu")
 
 
 def _check_sources(config: PruneConfig) -> None:
@@ -163,9 +175,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
             work.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         bos = tokenizer.bos_token_id if texts["bos"] else None
-        dense_ppl = perplexity(model.to(device), held_out, ctx, device, progress=progress, bos=bos) \
-            if held_out is not None else None
-        model.to("cpu")
+        dense_ppl = _held_out_ppl(model, held_out, ctx, device, progress, bos) if held_out is not None else None
         if held_out is not None:
             texts["eval"]["tokens_scored"] = scored_tokens(held_out.numel(), ctx, bos)
         state = {"config_key": config.key(), "config": asdict(config), "next_block": 0, "layers": [],
@@ -241,9 +251,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     if "pruned_ppl" not in state:  # a resumed run that only had its checkpoint left to write skips this
         t0 = time.time()
         bos = tokenizer.bos_token_id if state["texts"]["bos"] else None
-        state["pruned_ppl"] = (perplexity(model.to(device), held_out, ctx, device, progress=progress, bos=bos)
-                               if held_out is not None else None)
-        model.to("cpu")
+        state["pruned_ppl"] = _held_out_ppl(model, held_out, ctx, device, progress, bos) if held_out is not None else None
         state["eval_seconds"] += time.time() - t0
         if work is not None:
             atomic_json(state, work / "state.json")
