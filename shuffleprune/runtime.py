@@ -27,16 +27,23 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def fits_on_device(model: torch.nn.Module, device: torch.device, headroom_gib: float = 2.0) -> bool:
-    """Whether ``model`` can be moved whole onto ``device`` and still leave ``headroom_gib`` for
-    activations: always on the CPU; on CUDA, the bytes of its parameters and buffers not already
-    there against the device's free memory."""
+def fits_on_device(model: torch.nn.Module, device: torch.device, working_bytes: int = 0) -> bool:
+    """Whether ``model`` can be moved whole onto ``device`` with ``working_bytes`` (and 1 GiB more) to
+    spare for the work on it: always on the CPU; on CUDA, the bytes of its parameters and buffers not
+    already there against the device's free memory."""
     if device.type != "cuda":
         return True
     tensors = list(model.parameters()) + list(model.buffers())
     missing = sum(t.numel() * t.element_size() for t in tensors if t.device != device)
     free, _ = torch.cuda.mem_get_info(device)
-    return missing + headroom_gib * 2**30 <= free
+    return missing + working_bytes + 2**30 <= free
+
+
+def logits_bytes(model: torch.nn.Module, tokens: int) -> int:
+    """What scoring ``tokens`` tokens at once holds besides the model, about: the logits in the
+    model's dtype, their float32 copy and the log-softmax (``tokens × vocab × 10`` bytes)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 0
+    return tokens * vocab * 10
 
 
 def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2) -> tuple[float, str]:

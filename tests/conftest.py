@@ -100,3 +100,24 @@ def flat_config(**options):
     if "perm" not in options and "perm_from" not in options:
         options["perm"] = "none"
     return PruneConfig.build("balanced", **options)
+
+
+@pytest.fixture
+def local_hub(tmp_path: Path, monkeypatch):
+    """An offline hub cache under ``tmp_path``: ``publish(repo, src)`` makes the directory ``src``
+    the cached snapshot of hub repo ``repo``, as a download would."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    cache, commit = tmp_path / "hub-cache", "0" * 40
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def publish(repo: str, src: Path) -> Path:
+        root = cache / f"models--{repo.replace('/', '--')}"
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text(commit)
+        shutil.copytree(src, root / "snapshots" / commit)
+        return root / "snapshots" / commit
+    return publish

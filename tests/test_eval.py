@@ -167,3 +167,24 @@ def test_offline_tasks_are_the_stock_definitions_on_full_local_data():
     doc = next(iter(arc.eval_docs))
     assert arc.doc_to_text(doc).startswith("Question: ") and arc.doc_to_text(doc).endswith("\nAnswer:")
     assert len(arc.doc_to_choice(doc)) == len(doc["choices"]["text"]) and 0 <= arc.doc_to_target(doc) < len(doc["choices"]["text"])
+
+
+def test_eval_of_a_hub_export_scores_its_snapshot_and_names_the_repo(tiny_dir, tiny_task, tmp_path, local_hub):
+    """`eval me/repo` of an uploaded export scores the compressed model from its snapshot, and the
+    recorded lm_eval command names the repo (portable), with trust_remote_code for the auto_map."""
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(random_text(2000, seed=3))
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--base", "wanda", "--perm", "search", "--pattern", "2:4",
+                              "--calib", str(heldout), "--nsamples", "4", "--seqlen", "32", "--eval-text", "none",
+                              "--out", str(tmp_path / "pruned"), "--export", str(tmp_path / "deployed"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    local_hub("me/tiny-2of4", tmp_path / "deployed")
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["eval", "me/tiny-2of4", str(tmp_path / "deployed"), "--tasks", "tiny_mc,ppl",
+                              "--include-path", str(tiny_task), "--ppl-text", str(heldout), "--ppl-ctx", "32",
+                              "--limit", "10", "--out", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    by_id, local = json.loads(out.read_text())["models"]
+    assert by_id["ppl"] == local["ppl"] and by_id["results"]["tiny_mc"]["value"] == local["results"]["tiny_mc"]["value"]
+    assert by_id["sparsity"] == pytest.approx(0.5)
+    assert "pretrained=me/tiny-2of4," in by_id["lm_eval_cli"] and "trust_remote_code=True" in by_id["lm_eval_cli"]

@@ -151,31 +151,21 @@ def pruned_perm_dir(tiny_dir, text_file, tmp_path):
     return out
 
 
-def test_hub_ids_of_exports_and_perm_checkpoints_load_from_their_snapshots(pruned_perm_dir, tiny_dir, tmp_path, monkeypatch):
+def test_hub_ids_of_exports_and_perm_checkpoints_load_from_their_snapshots(pruned_perm_dir, tiny_dir, text_file, tmp_path,
+                                                                          local_hub):
     """A repo id whose repo shuffleprune wrote resolves to its downloaded snapshot (here: a local hub
     cache, offline): an export loads with its compressed layers (by id, transformers alone would leave
-    them uninitialised), a --perm checkpoint exports from its id; a plain repo stays an id."""
-    import shutil
-
-    import huggingface_hub.constants
+    them uninitialised), a --perm checkpoint exports from its id and lends its maps to --perm-from;
+    a plain repo stays an id."""
     from shuffleprune.models import hub_snapshot
 
-    cache, commit = tmp_path / "hub", "0" * 40
-
-    def publish(repo: str, src) -> None:
-        root = cache / f"models--{repo.replace('/', '--')}"
-        (root / "refs").mkdir(parents=True)
-        (root / "refs" / "main").write_text(commit)
-        shutil.copytree(src, root / "snapshots" / commit)
-
+    publish = local_hub
     export_checkpoint(pruned_perm_dir, tmp_path / "deployed")
     publish("me/tiny-2of4", tmp_path / "deployed")
-    publish("me/tiny-pruned", pruned_perm_dir)
+    snapshot = publish("me/tiny-pruned", pruned_perm_dir)
     publish("me/tiny-dense", tiny_dir)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert hub_snapshot("me/tiny-dense") is None and hub_snapshot("me/absent") is None
-    assert hub_snapshot("me/tiny-pruned") == str(cache / "models--me--tiny-pruned" / "snapshots" / commit)
+    assert hub_snapshot("me/tiny-pruned") == str(snapshot)
     ids = torch.randint(0, 128, (2, 16))
     with torch.no_grad():
         ref = load_model(str(pruned_perm_dir)).model(ids).logits
@@ -187,6 +177,15 @@ def test_hub_ids_of_exports_and_perm_checkpoints_load_from_their_snapshots(prune
     with pytest.raises(UserError, match="cannot download 'me/absent'"):
         export_checkpoint("me/absent", tmp_path / "nothing")
     assert not (tmp_path / "nothing").exists()
+    from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
+
+    cfg = flat_config(model=str(tiny_dir), method="sparsegpt", pattern="2:4", calib=str(text_file), nsamples=4,
+                      seqlen=32, eval_text=None, perm_from="me/tiny-pruned")
+    prune(cfg, out=tmp_path / "from-hub", progress=False)
+    maps, reused = load_index_maps(pruned_perm_dir / INDEX_MAPS), load_index_maps(tmp_path / "from-hub" / INDEX_MAPS)
+    assert reused.keys() == maps.keys() and all(torch.equal(reused[k], maps[k]) for k in maps)
+    with pytest.raises(UserError, match="locally or as a hub repo"):
+        flat_config(model=str(tiny_dir), pattern="2:4", perm_from="me/tiny-dense").spec()
 
 
 def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
@@ -217,6 +216,9 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
         assert torch.allclose(via_hf(ids).logits, ref_model(ids).logits, atol=1e-5)
     exported_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     assert exported_bytes < (pruned_perm_dir / "model.safetensors").stat().st_size
+    card = (out / "README.md").read_text()  # a model card for the hub: what it holds, how to load it
+    assert "sparsity-2:4" in card and "21 linear layers" in card and f"({len(fmt['runtime_gathers'])} layers;" in card
+    assert "trust_remote_code=True" in card and 'shuffleprune.load("PATH")' in card
 
 
 def test_eval_scores_the_exported_model(pruned_perm_dir, tmp_path, eval_file):

@@ -162,6 +162,50 @@ def _stored_map(perm: torch.Tensor | None) -> torch.Tensor | None:
     return None if perm is None or torch.equal(perm.cpu(), torch.arange(perm.numel())) else perm
 
 
+def export_card(fmt: dict, report: dict | None, name: str) -> str:
+    """A hub-style ``README.md`` for an export: what it holds and how to load it."""
+    from shuffleprune.models import looks_like_hub_id
+
+    base = (report or {}).get("model")
+    hub_base = base if base and not base.startswith("embedded:") and looks_like_hub_id(base) else \
+        ("HuggingFaceTB/SmolLM2-135M-Instruct" if base and base.startswith("embedded:") else None)
+    ppl = (report or {}).get("ppl") or {}
+    ppl_lines = "".join(f"| {k} | {v:.2f} |\n" for k, v in ppl.items() if v is not None)
+    ev = (report or {}).get("eval") or {}
+    ppl_note = f"Perplexity from the pruning run ({ev.get('text')}, windows of {ev.get('ctx')} tokens); the export computes the pruned model.\n"
+    return f"""---
+{f"base_model: {hub_base}{chr(10)}" if hub_base else ""}library_name: transformers
+tags:
+- shuffleprune
+- sparse
+- sparsity-{fmt['pattern']}
+---
+
+# {name} · {fmt['pattern']}, compressed
+
+A [shuffleprune](https://pypi.org/project/shuffleprune/) export{f" of a model pruned from `{base}`" if base else ""}:
+{len(fmt['layers'])} linear layers{f" and the experts of {len(fmt['experts'])} fused MoE projections" if fmt['experts'] else ""}
+stored as their kept values plus {fmt['meta_bits']}-bit in-group positions ({fmt['pattern']}), with an
+input index map where a learned permutation could not be folded away ({len(fmt['runtime_gathers'])} layers;
+{len(fmt['folded'])} folded into the layers that produce their input). Format `{fmt['format']}` v{fmt['version']},
+{fmt['dtype']}.
+{f"{chr(10)}| model | perplexity |{chr(10)}|---|---|{chr(10)}{ppl_lines}{chr(10)}{ppl_note}" if ppl_lines else ""}
+## Load it
+
+```python
+import shuffleprune                      # pip install shuffleprune
+model = shuffleprune.load("PATH")        # on CUDA: the N:M kernels; takes a hub id too
+```
+
+```python
+from transformers import AutoModelForCausalLM   # shuffleprune must be installed
+model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)
+```
+
+Without `trust_remote_code=True`, transformers would leave the compressed layers uninitialised.
+"""
+
+
 def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
                       fold: bool = True, overwrite: bool = False) -> dict:
     """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format dict."""
@@ -228,8 +272,11 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in sparse.items()}, str(tmp / SPARSE_FILE))
         (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))
+        report = None
         if (pruned_dir / "prune_report.json").is_file():
             shutil.copy(pruned_dir / "prune_report.json", tmp / "prune_report.json")
+            report = json.loads((pruned_dir / "prune_report.json").read_text())
+        (tmp / "README.md").write_text(export_card(fmt, report, out_dir.name))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -30,11 +30,11 @@ from shuffleprune.calib import bos_token, eval_tokens, get_source
 from shuffleprune.calib.sources import HUB_SOURCES
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable
-from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
+from shuffleprune.models import LoadedModel, is_embedded, load_model, looks_like_hub_id, upcast_for_cpu
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from shuffleprune.evaluation.perplexity import perplexity
-from shuffleprune.runtime import fits_on_device, machine, peak_rss_mb, pick_device, versions
+from shuffleprune.runtime import fits_on_device, logits_bytes, machine, peak_rss_mb, pick_device, versions
 
 PPL = "ppl"
 DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "openbookqa", PPL)
@@ -217,17 +217,19 @@ def _score_lm_eval(lm: LoadedModel, plan: _TaskPlan, config: EvalConfig, progres
     return scored
 
 
-def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, device: str) -> str | None:
+def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, device: str,
+                    repo_id: str | None = None) -> str | None:
     """The ``lm_eval`` command that scores the same model on the same tasks (None when lm-eval's
     CLI cannot express it: it takes a single ``--include_path``, and its ``hf`` loader does not
     apply the index maps of a ``--perm`` checkpoint of the older, permuted-weights layout). An
-    exported checkpoint loads through its ``auto_map`` (``trust_remote_code=True``)."""
+    exported checkpoint loads through its ``auto_map`` (``trust_remote_code=True``). A model given
+    as a hub ``repo_id`` is named by it (``path`` is then its local snapshot)."""
     from shuffleprune.deploy.load import is_exported
 
     maps = Path(path) / INDEX_MAPS
     if len(plan.include_path) > 1 or (maps.is_file() and weights_stored_permuted(maps)):
         return None
-    model_args = f"pretrained={path},dtype={dtype}" + (",trust_remote_code=True" if is_exported(path) else "")
+    model_args = f"pretrained={repo_id or path},dtype={dtype}" + (",trust_remote_code=True" if is_exported(path) else "")
     parts = ["lm_eval", "--model", "hf", "--model_args", model_args,
              "--tasks", ",".join(plan.lm_tasks), "--batch_size", str(config.batch_size), "--device", device]
     if plan.include_path:
@@ -273,7 +275,7 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
         lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
         model = lm.model
         upcast_for_cpu(model, config.dtype, device)
-        whole = fits_on_device(model, device)
+        whole = fits_on_device(model, device, logits_bytes(model, config.ppl_ctx * config.batch_size))
         if whole:
             model.to(device)
         elif plan.lm_tasks:
@@ -300,7 +302,9 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
             t0 = time.time()
             row["results"] = _score_lm_eval(lm, plan, config, progress)
             row["seconds"]["lm_eval"] = round(time.time() - t0, 2)
-            row["lm_eval_cli"] = _equivalent_cli(lm.path, dtype_used, plan, config, str(device))
+            repo_id = spec if spec and not is_embedded(spec) and lm.path != spec and not Path(spec).exists() \
+                and looks_like_hub_id(spec) else None  # a shuffleprune repo, loaded from its snapshot
+            row["lm_eval_cli"] = _equivalent_cli(lm.path, dtype_used, plan, config, str(device), repo_id)
         values = [r["value"] for r in row["results"].values() if r["value"] is not None]
         row["average"] = sum(values) / len(values) if values else None
         row["peak_rss_mb"] = round(peak_rss_mb(), 1)

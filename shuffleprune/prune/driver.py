@@ -34,7 +34,8 @@ from shuffleprune.prune.atomic import atomic_json, atomic_save
 from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
-from shuffleprune.runtime import fits_on_device, peak_memory_mb, pick_device, reset_peak_memory, tf32_matmuls
+from shuffleprune.runtime import (fits_on_device, logits_bytes, peak_memory_mb, pick_device, reset_peak_memory,
+                                  tf32_matmuls)
 
 RESUME_DIR = ".resume"
 
@@ -94,7 +95,7 @@ def _held_out_ppl(model: torch.nn.Module, held_out: torch.Tensor, ctx: int, devi
                   bos: int | None) -> float:
     """Perplexity of the model (kept on the CPU between stages) on ``device``: moved there whole when
     it fits, else scored one block at a time on it."""
-    whole = fits_on_device(model, device)
+    whole = fits_on_device(model, device, logits_bytes(model, ctx))
     try:
         return perplexity(model.to(device) if whole else model, held_out, ctx, device, progress=progress, bos=bos,
                           blockwise=not whole)

@@ -22,6 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from shuffleprune.errors import UserError
+from shuffleprune.hub import hub_reachable
+from shuffleprune.models import looks_like_hub_id
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps, save_index_maps
 from shuffleprune.perm.pruning import PermOptions, block_permutations, model_permutations
@@ -166,14 +168,28 @@ class From(Stage):
             raise UserError("--perm-from needs an N:M --pattern: unstructured masks do not depend on column order")
         if not self.path:
             raise UserError("permutation 'from' needs a path (--perm-from DIR)")
-        file = Path(self.path) / INDEX_MAPS if Path(self.path).is_dir() else Path(self.path)
-        if not file.is_file():
-            raise UserError(f"--perm-from: no index maps at '{file}' (give the output dir of a --perm run)")
-        load_index_maps(file)  # a truncated or corrupt file fails now, before the model is loaded
+        load_index_maps(self._maps_file())  # a missing, truncated or corrupt file fails now, before the model loads
+
+    def _maps_file(self) -> Path:
+        """The maps file: ``path`` itself, ``path/index_maps.safetensors``, or that file of the hub
+        repo ``path`` (downloaded, or from the cache offline)."""
+        path = Path(self.path).expanduser()
+        file = path / INDEX_MAPS if path.is_dir() else path
+        if file.is_file():
+            return file
+        if not path.exists() and looks_like_hub_id(self.path):
+            from huggingface_hub import hf_hub_download
+
+            hub_reachable()
+            try:
+                return Path(hf_hub_download(self.path, INDEX_MAPS))
+            except (OSError, ValueError) as exc:
+                raise UserError(f"--perm-from: no index maps at '{self.path}', locally or as a hub repo "
+                                f"({' '.join(str(exc).split())[:120]})") from exc
+        raise UserError(f"--perm-from: no index maps at '{file}' (give the output dir of a --perm run)")
 
     def prepare(self, run: Run) -> None:
-        path = Path(self.path)
-        maps = load_index_maps(path / INDEX_MAPS if path.is_dir() else path)
+        maps = load_index_maps(self._maps_file())
         linears = {**run.all_linears(), **run.all_experts()}
         for name, perm in maps.items():
             if name not in linears:
