@@ -4,7 +4,8 @@ The Python API::
 
     import shuffleprune
     result = shuffleprune.prune("meta-llama/Llama-2-7b-hf", recipe="balanced", out="pruned/")
-    model = shuffleprune.load("pruned/")               # or an exported dir: compressed SparseLinear layers
+    shuffleprune.export("pruned/", "deployed/")       # values + 2-bit positions + index maps
+    model = shuffleprune.load("deployed/")             # compressed SparseLinear layers (or any pruned/HF dir)
     results = shuffleprune.evaluate(["pruned/"], tasks=["ppl"])
     sparsifier = shuffleprune.DynamicSparsifier(...)   # dynamic sparse training in your own loop
 """
@@ -66,6 +67,15 @@ def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = Tr
 
         fuse_shared_inputs(model, probe=probe)
     return model
+
+
+def export(pruned: str | Path, out: str | Path, pattern: str | None = None, overwrite: bool = False) -> dict:
+    """Write the compressed, deployable checkpoint of a pruned one (a dir or hub id) to ``out``;
+    returns its format dict (layers, folds, gathers). ``pattern``: for a checkpoint without a
+    prune report (e.g. ``"2:4"``)."""
+    from shuffleprune.deploy.export import export_checkpoint
+
+    return export_checkpoint(pruned, out, pattern=pattern, overwrite=overwrite)
 
 
 def evaluate(models: list[str | None], tasks: list[str] | None = None, out: str | Path | None = None, **options: Any) -> dict:

@@ -172,7 +172,7 @@ def test_hub_ids_of_exports_and_perm_checkpoints_load_from_their_snapshots(prune
         by_id = shuffleprune.load("me/tiny-2of4")
         assert any(isinstance(m, SparseLinear) for m in by_id.modules())
         assert torch.allclose(by_id(ids).logits, ref, atol=1e-5)
-        export_checkpoint("me/tiny-pruned", tmp_path / "again")
+        shuffleprune.export("me/tiny-pruned", tmp_path / "again")  # the Python API, from a hub id
         assert torch.allclose(shuffleprune.load(str(tmp_path / "again"))(ids).logits, ref, atol=1e-5)
     with pytest.raises(UserError, match="cannot download 'me/absent'"):
         export_checkpoint("me/absent", tmp_path / "nothing")
