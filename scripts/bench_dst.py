@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--delta-t", type=int, default=25)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--sparse-head", action="store_true", help="also sparsify an untied LM head (dst's --sparse-head)")
     ap.add_argument("--methods", nargs="+", default=["dense", "rigl", "set"] + STRUCTURED)
     ap.add_argument("--work", default=str(ROOT / "out" / "bench_dst"))
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_dst.json"))
@@ -79,7 +80,8 @@ def main() -> None:
                "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--delta-t", str(args.delta_t),
                "--block", str(args.block), "--perm", perm,
                *(["--pattern", nm_pattern(args.sparsity)] if method == "nm" else []), "--seed", str(seed), "--eval-every", "0",
-               "--checkpoint-every", str(args.steps), "--out", str(run_dir), "--overwrite", "--quiet"]
+               "--checkpoint-every", str(args.steps), "--out", str(run_dir), "--overwrite", "--quiet",
+               *(["--sparse-head"] if args.sparse_head else [])]
         print(" ".join(cmd[3:]), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
