@@ -226,3 +226,21 @@ def test_a_model_too_large_for_the_device_is_scored_block_by_block(tiny_dir, tex
     assert json.loads((tmp_path / "r.json").read_text())["models"][0]["ppl"] == pytest.approx(whole["pruned"], rel=1e-5)
     res = runner.invoke(app, [*args, "--tasks", "arc_easy", "--out", str(tmp_path / "r2.json")])
     assert res.exit_code == 2 and "--device cpu" in res.output and not (tmp_path / "r2.json").exists()
+
+
+def test_fits_on_device_weighs_the_model_and_its_logits_against_free_memory(monkeypatch):
+    """On CUDA a model fits when its bytes not yet on the device, a window's logits and 1 GiB fit in
+    the free memory (the free memory is faked here); on the CPU it always fits."""
+    from conftest import tiny_model
+    from shuffleprune.runtime import fits_on_device, logits_bytes
+
+    model = tiny_model("llama")
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(b.numel() * b.element_size() for b in model.buffers())
+    work = logits_bytes(model, 512)
+    assert work == 512 * 128 * 10
+    cuda = torch.device("cuda")
+    for free, fits in ((size + work + 2**30, True), (size + work + 2**30 - 1, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 80 * 2**30))
+        assert fits_on_device(model, cuda, work) is fits
+    assert fits_on_device(model, torch.device("cpu"), 10**15)
