@@ -644,3 +644,22 @@ def test_exports_of_format_version_1_still_load(pruned_perm_dir, tmp_path):
     fmt_file.write_text(json.dumps({**fmt, "version": 3}))
     with pytest.raises(UserError, match="reads shuffleprune.nm v1, v2"):
         shuffleprune.load(str(tmp_path / "exported"))
+
+
+def test_export_compresses_the_layers_the_run_pruned_even_when_a_dense_one_holds_zeros(tiny_dir, text_file, tmp_path):
+    """Which linears are N:M comes from the run's report, not from their zeros: a layer left dense
+    (--skip) that happens to hold an exact zero stays dense instead of failing the N:M check."""
+    pruned = tmp_path / "pruned"
+    cfg = flat_config(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
+                      eval_text=None, perm="random", perm_block=16, skip=["*.mlp.down_proj"])
+    prune(cfg, out=pruned, progress=False)
+    state = load_file(str(pruned / "model.safetensors"))
+    skipped = "model.layers.1.mlp.down_proj.weight"
+    state[skipped][0, :3] = 0  # dense, with zeros (not 2:4)
+    save_file(state, str(pruned / "model.safetensors"), metadata={"format": "pt"})
+    fmt = export_checkpoint(pruned, tmp_path / "exported")
+    assert len(fmt["layers"]) == 3 * 6 and not any(n.endswith("down_proj") for n in fmt["layers"])
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        ref = load_model(str(pruned)).model(ids).logits
+        assert torch.allclose(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, ref, atol=1e-5)

@@ -70,6 +70,18 @@ class ShufflepruneForCausalLM:
 '''
 
 
+def _pruned_names(pruned_dir: Path) -> set[str] | None:
+    """The layers (and expert matrices) the run that wrote ``pruned_dir`` sparsified, from its
+    ``prune_report.json`` or its dst run's ``dst_report.json``; None without a report (then a
+    layer with zeros counts as pruned)."""
+    report, dst_report = pruned_dir / "prune_report.json", pruned_dir.parent / "dst_report.json"
+    if report.is_file():
+        return {layer["name"] for layer in json.loads(report.read_text())["layers"]}
+    if dst_report.is_file():
+        return set(json.loads(dst_report.read_text()).get("layers") or {})
+    return None
+
+
 def _pattern_of(pruned_dir: Path, pattern: str | None) -> tuple[int, int]:
     if pattern is None:
         report, dst_report = pruned_dir / "prune_report.json", pruned_dir.parent / "dst_report.json"
@@ -230,11 +242,12 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     # experts keep their column order in the export's dense part too; each is compressed in its map's order
     expert_maps = {name: perm for name, perm in maps.items() if parse_expert_name(name) is not None}
     blocks = find_blocks(model)
+    pruned = _pruned_names(pruned_dir)
     sparse, layers, experts_out, skip_keys = {}, {}, {}, set()
     for i, block in enumerate(blocks.layers):
         for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
             w = lin.weight.data
-            if not bool((w == 0).any()):
+            if (name not in pruned) if pruned is not None else not bool((w == 0).any()):
                 continue  # a linear left dense (--skip / --only): stays in model.safetensors
             values, meta = compress(w, n, m, name)
             sparse[f"{name}.values"], sparse[f"{name}.meta"] = values, meta
@@ -245,10 +258,10 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
                 sparse[f"{name}.bias"] = lin.bias.data.contiguous()
             layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
             skip_keys.update({f"{name}.weight", f"{name}.bias"})
-        for name, experts in exportable_experts(block, f"{blocks.name}.{i}").items():
-            maps = {e: _stored_map(expert_maps.get(expert_name(name, e))) for e in experts}
+        for name, experts in exportable_experts(block, f"{blocks.name}.{i}", pruned).items():
+            stored = {e: _stored_map(expert_maps.get(expert_name(name, e))) for e in experts}
             tensors, experts_out[name] = compress_experts(name, experts, n, m,
-                                                          {e: p for e, p in maps.items() if p is not None})
+                                                          {e: p for e, p in stored.items() if p is not None})
             sparse.update(tensors)
             skip_keys.add(name)
     restored = to_plain_linears(model, keep=set(layers))  # mapped linears not exported as N:M

@@ -257,11 +257,14 @@ def _register() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, nm_experts_forward)
 
 
-def exportable_experts(block: nn.Module, prefix: str) -> dict[str, dict[int, ExpertWeight]]:
+def exportable_experts(block: nn.Module, prefix: str, pruned: set[str] | None = None) -> dict[str, dict[int, ExpertWeight]]:
     """``{full_param_name: its experts}`` of a block's fused expert parameters whose every expert was
-    pruned (has zeros); a parameter left dense, wholly or in part, stays in the dense checkpoint."""
+    pruned: named in ``pruned`` (the run's report), or without a report, has zeros; a parameter left
+    dense, wholly or in part, stays in the dense checkpoint."""
+    def was_pruned(name: str, e: int, expert: ExpertWeight) -> bool:
+        return expert_name(name, e) in pruned if pruned is not None else bool((expert.weight == 0).any())
     return {name: experts for name, experts in experts_by_tensor(block_experts(block, prefix)).items()
-            if all(bool((e.weight == 0).any()) for e in experts.values())}
+            if all(was_pruned(name, e, x) for e, x in experts.items())}
 
 
 def compress_experts(name: str, experts: dict[int, ExpertWeight], n: int, m: int,
