@@ -124,6 +124,9 @@ def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_d
                      lambda_max=1e-2, perm_init=0.0, sparse_head=True)  # a uniform start: the maps do move
     report = train(cfg, dcfg, tmp_path / "run", progress=False)
     assert "lm_head" in report["layers"] and "lm_head" in report["permutations"]
+    card = (tmp_path / "run" / "model" / "README.md").read_text()  # a model card for the hub
+    assert "# nm · 2:4 (N:M)" in card and f"{report['final_ppl']:.2f}" in card and "index_maps.safetensors" in card
+    assert "shuffleprune export PATH DEPLOYED" in card and 'from_pretrained("PATH")' in card
     assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
     assert any(p["strength"] < 1 for p in report["permutations"].values())  # not all identities
     fmt = export_checkpoint(tmp_path / "run" / "model", tmp_path / "exported")  # pattern read from dst_report

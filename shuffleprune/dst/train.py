@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from shuffleprune.dst.card import model_card
 from shuffleprune.dst.config import DSTConfig
 from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
@@ -292,6 +293,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         # computes the trained model; the maps give the order N:M holds in, for `export`
         unwrapped.save_pretrained(out / "model", state_dict=sparsifier.checkpoint_state_dict(unwrapped))
         tokenizer.save_pretrained(out / "model")
+        (out / "model" / "README.md").write_text(model_card(report))
         hard = {n: p.hard for n, p in sparsifier.perms.items() if p.hard is not None}
         if hard:
             from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps

@@ -1,0 +1,43 @@
+"""The model card (``README.md``) a ``dst`` run writes beside its trained model."""
+from __future__ import annotations
+
+
+def model_card(report: dict) -> str:
+    """A hub-style ``README.md`` for ``OUT/model``: how it was trained, its perplexity, how to load it."""
+    train, dst = report["train"], report["dst"]
+    method = dst["method"]
+    structure = f"{dst['pattern']} (N:M)" if method == "nm" else f"{1 - report['density']:.0%} sparse"
+    perms = sum(1 for p in report["permutations"].values() if p.get("strength") is not None)
+    arch = train["arch"] + (f" ({', '.join(f'{k}={v}' for k, v in train['config_kw'].items())})"
+                            if train["config_kw"] else "")
+    perm_line = (f"- Learned input permutations (`--perm {dst['perm']}`): {perms} layers, their index maps in "
+                 "`index_maps.safetensors`; the weights are stored in their inputs' own column order, so the model "
+                 "loads as it is.\n" if perms else "")
+    export_line = ("For a compressed N:M copy: `shuffleprune export PATH DEPLOYED` (reads `../dst_report.json`).\n"
+                   if method == "nm" else "")
+    return f"""---
+library_name: transformers
+tags:
+- shuffleprune
+- sparse
+- dynamic-sparse-training
+---
+
+# {method} · {structure}
+
+Trained from scratch with [shuffleprune](https://pypi.org/project/shuffleprune/) `dst`
+(dynamic sparse training, method `{method}`), {train['steps']} steps on `{train['data']}`,
+seed {train['seed']}.
+
+- Architecture: {arch}; tokenizer `{train['tokenizer']}`.
+- Density of the sparsified layers: {report['density']:.4f}; held-out perplexity at the end:
+  {report['final_ppl']:.2f} (windows of {train['seq_len']} tokens).
+{perm_line}
+## Load it
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("PATH")
+```
+
+{export_line}"""
