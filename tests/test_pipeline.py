@@ -211,11 +211,15 @@ def test_a_model_too_large_for_the_device_is_scored_block_by_block(tiny_dir, tex
     from shuffleprune.cli import app
 
     cfg = config(tiny_dir, text_file, eval_file, method="wanda")
-    whole = prune(cfg, progress=False).report["ppl"]
+    report = prune(cfg, progress=False).report
+    whole = report["ppl"]
+    assert report["eval"]["block_by_block"] is False
     calls = []
     monkeypatch.setattr(driver, "fits_on_device", lambda *a, **k: calls.append(1) or False)
     monkeypatch.setattr(evaluate, "fits_on_device", lambda *a, **k: calls.append(1) or False)
-    blockwise = prune(cfg, out=tmp_path / "pruned", progress=False).report["ppl"]
+    report = prune(cfg, out=tmp_path / "pruned", progress=False).report
+    blockwise = report["ppl"]
+    assert report["eval"]["block_by_block"] is True  # the report says how it was scored
     assert len(calls) == 2 and blockwise["dense"] == pytest.approx(whole["dense"], rel=1e-5)
     assert blockwise["pruned"] == pytest.approx(whole["pruned"], rel=1e-5)
     runner = CliRunner()

@@ -92,10 +92,11 @@ def _texts(config: PruneConfig, tokenizer, seqlen: int) -> tuple[torch.Tensor, t
 
 
 def _held_out_ppl(model: torch.nn.Module, held_out: torch.Tensor, ctx: int, device: torch.device, progress: bool,
-                  bos: int | None) -> float:
+                  bos: int | None, record: dict) -> float:
     """Perplexity of the model (kept on the CPU between stages) on ``device``: moved there whole when
-    it fits, else scored one block at a time on it."""
+    it fits, else scored one block at a time on it (``record["block_by_block"]``: either time was)."""
     whole = fits_on_device(model, device, logits_bytes(model, ctx))
+    record["block_by_block"] = record.get("block_by_block", False) or not whole
     try:
         return perplexity(model.to(device) if whole else model, held_out, ctx, device, progress=progress, bos=bos,
                           blockwise=not whole)
@@ -176,7 +177,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
             work.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         bos = tokenizer.bos_token_id if texts["bos"] else None
-        dense_ppl = _held_out_ppl(model, held_out, ctx, device, progress, bos) if held_out is not None else None
+        dense_ppl = _held_out_ppl(model, held_out, ctx, device, progress, bos, texts["eval"]) \
+            if held_out is not None else None
         if held_out is not None:
             texts["eval"]["tokens_scored"] = scored_tokens(held_out.numel(), ctx, bos)
         state = {"config_key": config.key(), "config": asdict(config), "next_block": 0, "layers": [],
@@ -252,7 +254,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     if "pruned_ppl" not in state:  # a resumed run that only had its checkpoint left to write skips this
         t0 = time.time()
         bos = tokenizer.bos_token_id if state["texts"]["bos"] else None
-        state["pruned_ppl"] = _held_out_ppl(model, held_out, ctx, device, progress, bos) if held_out is not None else None
+        state["pruned_ppl"] = _held_out_ppl(model, held_out, ctx, device, progress, bos, state["texts"]["eval"]) \
+            if held_out is not None else None
         state["eval_seconds"] += time.time() - t0
         if work is not None:
             atomic_json(state, work / "state.json")
