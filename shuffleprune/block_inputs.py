@@ -29,23 +29,44 @@ class _StopForward(Exception):
     pass
 
 
-class _Recorder(nn.Module):
-    """Stands in for a decoder block during capture: records the call and returns its input unchanged
-    (in the block's own output convention) or, when nothing more is needed, stops the forward."""
+class _StandIn(nn.Module):
+    """Takes a decoder block's place in the model's block list for one forward; attributes it lacks
+    are the block's (models read some, like ``attention_type``, off their blocks)."""
 
-    def __init__(self, block: nn.Module, index: int, sink: "CapturedInputs", stop: bool, record_kwargs: bool):
+    def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
-        self.index = index
-        self.sink = sink
-        self.stop = stop
-        self.record_kwargs = record_kwargs
 
-    def __getattr__(self, name: str) -> Any:  # models read attributes like ``attention_type`` off blocks
+    def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("block"), name)
+
+
+@contextmanager
+def _standing_in(blocks: Blocks, stand_ins: list[_StandIn]) -> Iterator[None]:
+    """The first ``len(stand_ins)`` blocks replaced by ``stand_ins`` for the duration."""
+    originals = list(blocks.layers)
+    for i, stand_in in enumerate(stand_ins):
+        blocks.layers[i] = stand_in
+    try:
+        yield
+    finally:
+        for i, block in enumerate(originals):
+            blocks.layers[i] = block
+
+
+class _Recorder(_StandIn):
+    """Stands in for a decoder block during capture: records the call and returns its input unchanged
+    (in the block's own output convention) or, when nothing more is needed, stops the forward."""
+
+    def __init__(self, block: nn.Module, index: int, sink: "CapturedInputs", stop: bool, record_kwargs: bool):
+        super().__init__(block)
+        self.index = index
+        self.sink = sink
+        self.stop = stop
+        self.record_kwargs = record_kwargs
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if args:
@@ -127,15 +148,13 @@ class CapturedInputs:
 def _forward_with_recorders(model: nn.Module, blocks: Blocks, originals: list[nn.Module], sink: CapturedInputs,
                             input_ids: torch.Tensor, all_blocks: bool) -> None:
     last = len(originals) - 1 if all_blocks else 0
-    for i, block in enumerate(originals[: last + 1]):
-        blocks.layers[i] = _Recorder(block, i, sink, stop=i == last, record_kwargs=all_blocks)
-    try:
-        model(input_ids=input_ids, use_cache=False)
-    except _StopForward:
-        pass
-    finally:
-        for i, block in enumerate(originals):
-            blocks.layers[i] = block
+    recorders = [_Recorder(block, i, sink, stop=i == last, record_kwargs=all_blocks)
+                 for i, block in enumerate(originals[: last + 1])]
+    with _standing_in(blocks, recorders):
+        try:
+            model(input_ids=input_ids, use_cache=False)
+        except _StopForward:
+            pass
 
 
 @torch.no_grad()
@@ -193,21 +212,14 @@ def outside_blocks_on(model: nn.Module, blocks: Blocks, device: torch.device) ->
             m.to(home)
 
 
-class _Replay(nn.Module):
+class _Replay(_StandIn):
     """Stands in for a decoder block: block 0's returns the given last block's output, the others
     pass their input on (each in the blocks' output convention)."""
 
     def __init__(self, block: nn.Module, output: torch.Tensor | None, as_tuple: bool):
-        super().__init__()
-        self.block = block
+        super().__init__(block)
         self.output = output
         self.as_tuple = as_tuple
-
-    def __getattr__(self, name: str) -> Any:  # models read attributes like ``attention_type`` off blocks
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("block"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = self.output if self.output is not None else (args[0] if args else kwargs["hidden_states"])
@@ -221,14 +233,9 @@ def logits_after_blocks(model: nn.Module, blocks: Blocks, input_ids: torch.Tenso
     forward runs with stand-ins for the blocks, so whatever follows them (final norm, LM head, a
     logit soft-cap) is the model's own code. Modules outside the blocks must be on ``input_ids``'s
     device (:func:`outside_blocks_on`)."""
-    originals = list(blocks.layers)
-    for i, block in enumerate(originals):
-        blocks.layers[i] = _Replay(block, last_output if i == 0 else None, output_is_tuple)
-    try:
+    replays = [_Replay(block, last_output if i == 0 else None, output_is_tuple) for i, block in enumerate(blocks.layers)]
+    with _standing_in(blocks, replays):
         return model(input_ids=input_ids, use_cache=False).logits
-    finally:
-        for i, block in enumerate(originals):
-            blocks.layers[i] = block
 
 
 def _modules_outside(model: nn.Module, blocks: Blocks) -> list[nn.Module]:

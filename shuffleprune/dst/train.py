@@ -29,7 +29,7 @@ from shuffleprune.dst.config import DSTConfig
 from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, reason
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "dst_report.json"
@@ -99,7 +99,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None
             config = AutoConfig.for_model(cfg.arch, **cfg.config_kw)
     except (ValueError, OSError, TypeError, StrictDataclassError) as exc:
         # transformers' config validation nests the reason under a header line: keep all of it, on one line
-        raise UserError(f"cannot build a config for '{cfg.arch}': {' '.join(str(exc).split())[:240]}") from exc
+        raise UserError(f"cannot build a config for '{cfg.arch}': {reason(exc, 240)}") from exc
     config.vocab_size = vocab_size
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's, not the architecture default
         if getattr(config, key, None) is not None and getattr(config, key) >= vocab_size:

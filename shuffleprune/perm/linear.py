@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from shuffleprune.blocks import parse_expert_name
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, reason
 
 INDEX_MAPS = "index_maps.safetensors"  # a --perm checkpoint's int32 input map per permuted linear
 _LAYOUT_KEY = "weight_columns"  # the maps file's metadata: how the checkpoint stores mapped weights
@@ -108,8 +108,7 @@ def save_index_maps(maps: dict[str, torch.Tensor], path: Path | str) -> None:
 
 
 def _unreadable(path: Path | str, exc: Exception) -> UserError:
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return UserError(f"cannot read the index maps '{path}': the file is truncated or corrupt ({first[:120]}); "
+    return UserError(f"cannot read the index maps '{path}': the file is truncated or corrupt ({reason(exc, 120)}); "
                      "write or copy that checkpoint again")
 
 

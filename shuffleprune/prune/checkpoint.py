@@ -15,7 +15,7 @@ import torch
 from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
 from shuffleprune.version import __version__
 from shuffleprune.masks import Pattern
-from shuffleprune.models import LoadedModel, is_embedded
+from shuffleprune.models import LoadedModel, base_model_id, is_embedded
 from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.runtime import cpu_facts, peak_rss_mb, versions
@@ -158,7 +158,7 @@ def model_card(report: dict) -> str:
                  f"{ev['ctx']}{', each starting with BOS' if report['bos'] else ''})" if ev["text"] else "not measured")
     tags = ["shuffleprune", "pruned", "sparse", f"sparsity-{report['pattern']}"]
     return f"""---
-base_model: {base if not base.startswith('embedded:') else 'HuggingFaceTB/SmolLM2-135M-Instruct'}
+base_model: {base_model_id(base)}
 library_name: transformers
 tags:
 {chr(10).join('- ' + t for t in tags)}

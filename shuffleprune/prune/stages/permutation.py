@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, reason
 from shuffleprune.hub import hub_reachable
 from shuffleprune.models import looks_like_hub_id
 from shuffleprune.perm.core import strength
@@ -185,7 +185,7 @@ class From(Stage):
                 return Path(hf_hub_download(self.path, INDEX_MAPS))
             except (OSError, ValueError) as exc:
                 raise UserError(f"--perm-from: no index maps at '{self.path}', locally or as a hub repo "
-                                f"({' '.join(str(exc).split())[:120]})") from exc
+                                f"({reason(exc, 120)})") from exc
         raise UserError(f"--perm-from: no index maps at '{file}' (give the output dir of a --perm run)")
 
     def prepare(self, run: Run) -> None:
