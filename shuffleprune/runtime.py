@@ -33,9 +33,10 @@ def fits_on_device(model: torch.nn.Module, device: torch.device, working_bytes: 
     already there against the device's free memory."""
     if device.type != "cuda":
         return True
+    target = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     tensors = list(model.parameters()) + list(model.buffers())
-    missing = sum(t.numel() * t.element_size() for t in tensors if t.device != device)
-    free, _ = torch.cuda.mem_get_info(device)
+    missing = sum(t.numel() * t.element_size() for t in tensors if t.device != target)  # "cuda" is cuda:N there
+    free, _ = torch.cuda.mem_get_info(target)
     return missing + working_bytes + 2**30 <= free
 
 

@@ -244,7 +244,16 @@ def test_fits_on_device_weighs_the_model_and_its_logits_against_free_memory(monk
     work = logits_bytes(model, 512)
     assert work == 512 * 128 * 10
     cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     for free, fits in ((size + work + 2**30, True), (size + work + 2**30 - 1, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 80 * 2**30))
         assert fits_on_device(model, cuda, work) is fits
     assert fits_on_device(model, torch.device("cpu"), 10**15)
+    # weights already on the device ("cuda" meaning the current one, cuda:0 here) need no room again
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (work + 2**30, 80 * 2**30))
+    on_gpu = [SimpleNamespace(device=torch.device("cuda", 0), numel=p.numel, element_size=p.element_size)
+              for p in model.parameters()]
+    resident = SimpleNamespace(parameters=lambda: on_gpu, buffers=lambda: [])
+    assert fits_on_device(resident, cuda, work) and not fits_on_device(model, cuda, work)
