@@ -35,7 +35,11 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "gpt_neox", "gptj", "opt", "bloom", "olmo", "olmo2", "cohere", "granite", "stablelm", "starcoder2",
          "glm", "glm4", "smollm3", "exaone4", "helium", "ministral", "seed_oss", "arcee", "apertus",
          "hunyuan_v1_dense", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "olmoe", "phimoe",
-         "granitemoe", "glm4_moe", "ernie4_5_moe", "gpt_oss"]
+         "granitemoe", "glm4_moe", "ernie4_5_moe", "gpt_oss", "mpt", "codegen", "xglm", "biogpt", "persimmon",
+         "nemotron", "llama4_text", "recurrent_gemma", "dbrx", "minimax", "hunyuan_v1_moe", "dots1",
+         "gpt2", "openai-gpt",   # Conv1D layers, held as nn.Linear
+         # hybrids of attention and state-space / linear-attention blocks, and a pure Mamba
+         "jamba", "bamba", "falcon_h1", "lfm2", "qwen3_next", "granitemoehybrid", "zamba2", "mamba"]
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 # what a family's config needs beyond SIZE to be that small (head sizes, expert counts, its own key names)
@@ -63,6 +67,15 @@ EXTRA = {
     "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"]),
+    "codegen": dict(rotary_dim=8), "bamba": dict(attn_layer_indices=[1]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4, num_experts_per_tok=2),   # one Mamba and one attention block of other classes
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_d_state=16, mamba_headdim=16, n_mamba_heads=8),
+    "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=2, moe_intermediate_size=32),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                  first_k_dense_replace=1, n_group=1, topk_group=1, layer_types=["full_attention"] * 2),
 }
 
 

@@ -59,7 +59,8 @@ def _standing_in(blocks: Blocks, stand_ins: list[_StandIn]) -> Iterator[None]:
 
 class _Recorder(_StandIn):
     """Stands in for a decoder block during capture: records the call and returns its input unchanged
-    (in the block's own output convention) or, when nothing more is needed, stops the forward."""
+    (in the blocks' own output convention, :meth:`CapturedInputs.block_output`) or, when nothing more
+    is needed, stops the forward."""
 
     def __init__(self, block: nn.Module, index: int, sink: "CapturedInputs", stop: bool, record_kwargs: bool):
         super().__init__(block)
@@ -83,50 +84,101 @@ class _Recorder(_StandIn):
             self.sink.kwargs.append(kw)
         if self.stop:
             raise _StopForward
-        return (hidden,) if self.sink.output_is_tuple else hidden
+        return self.sink.block_output(hidden)
 
 
 class PerWindow:
-    """A block argument laid out window by window along dim 0 that does not broadcast over a batch
-    (BLOOM's ALiBi bias is ``[batch·heads, 1, L]``): held for one window, repeated for a batch."""
+    """A block argument laid out window by window along dim 0, held for one window: BLOOM's ALiBi
+    bias is ``[batch·heads, 1, L]`` (repeated for a batch), XGLM's mask ``[batch, 1, L, L]`` (a
+    leading 1 broadcasts, but XGLM checks the batch size: expanded, a view)."""
 
     def __init__(self, one: torch.Tensor):
         self.one = one
 
-    def expand(self, batch: int) -> torch.Tensor:
-        return self.one.repeat(batch, *([1] * (self.one.dim() - 1)))
+    def expand(self, batch: int, device: torch.device) -> torch.Tensor:
+        one = self.one.to(device)
+        if one.shape[0] == 1:
+            return one.expand(batch, *one.shape[1:])
+        return one.repeat(batch, *([1] * (one.dim() - 1)))
 
 
-def _for_batch(obj: Any, batch: int, device: torch.device) -> Any:
+class WindowData:
+    """A block argument that holds each window's own data (Zamba2's hybrid blocks are passed the
+    embeddings as ``original_hidden_states``): recorded for every window like the hidden states,
+    and taken row by row for a batch. Blocks passed the same tensor share one."""
+
+    def __init__(self):
+        self.parts: list[torch.Tensor] = []
+        self.all: torch.Tensor | None = None
+
+    def rows(self, windows: slice | torch.Tensor, device: torch.device) -> torch.Tensor:
+        if self.all is None:
+            self.all, self.parts = torch.cat(self.parts), []
+        return self.all[windows].to(device)
+
+
+def _for_batch(obj: Any, windows: slice | torch.Tensor, batch: int, device: torch.device) -> Any:
     """Every tensor inside ``obj`` (nested tuples/lists/dicts) on ``device``, each :class:`PerWindow`
-    repeated for ``batch`` windows."""
+    repeated for ``batch`` windows, each :class:`WindowData` taken for ``windows``."""
     if isinstance(obj, PerWindow):
-        return obj.expand(batch).to(device)
+        return obj.expand(batch, device)
+    if isinstance(obj, WindowData):
+        return obj.rows(windows, device)
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, tuple):
-        return tuple(_for_batch(o, batch, device) for o in obj)
+        return tuple(_for_batch(o, windows, batch, device) for o in obj)
     if isinstance(obj, list):
-        return [_for_batch(o, batch, device) for o in obj]
+        return [_for_batch(o, windows, batch, device) for o in obj]
     if isinstance(obj, dict):
-        return {k: _for_batch(v, batch, device) for k, v in obj.items()}
+        return {k: _for_batch(v, windows, batch, device) for k, v in obj.items()}
     return obj
 
 
-def _mark_per_window(one: Any, two: Any) -> Any:
+def _mark_per_window(one: Any, two: Any, shared: dict[int, WindowData]) -> Any:
     """The arguments recorded for one window, with those recorded for two windows as two copies of it
-    along dim 0 marked :class:`PerWindow`. A leading dim of 1 broadcasts and stays as it is, and so
-    does anything else (as recorded for one window)."""
+    along dim 0 marked :class:`PerWindow`, and those that differ between the two windows marked
+    :class:`WindowData` (one per tensor: ``shared`` maps the two-window tensors seen so far to it);
+    anything else stays as recorded for one window (an argument that does not grow with the batch)."""
     if isinstance(one, torch.Tensor) and isinstance(two, torch.Tensor):
-        if one.dim() == 0 or one.shape == two.shape or one.shape[0] == 1:
+        if one.dim() == 0 or one.shape == two.shape:
             return one
-        doubled = two.shape[1:] == one.shape[1:] and two.shape[0] == 2 * one.shape[0]
-        return PerWindow(one) if doubled and torch.equal(two, torch.cat([one, one])) else one
+        if two.shape[1:] != one.shape[1:] or two.shape[0] != 2 * one.shape[0]:
+            return one
+        if torch.equal(two, torch.cat([one, one])):
+            return PerWindow(one)
+        return shared.setdefault(id(two), WindowData())
     if isinstance(one, (tuple, list)) and isinstance(two, (tuple, list)) and len(one) == len(two):
-        return type(one)(_mark_per_window(a, b) for a, b in zip(one, two))
+        return type(one)(_mark_per_window(a, b, shared) for a, b in zip(one, two))
     if isinstance(one, dict) and isinstance(two, dict) and one.keys() == two.keys():
-        return {k: _mark_per_window(v, two[k]) for k, v in one.items()}
+        return {k: _mark_per_window(v, two[k], shared) for k, v in one.items()}
     return one
+
+
+def _window_data(obj: Any) -> list[WindowData]:
+    """The :class:`WindowData` markers inside ``obj``, in a fixed walk order."""
+    if isinstance(obj, WindowData):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [w for o in obj for w in _window_data(o)]
+    if isinstance(obj, dict):
+        return [w for v in obj.values() for w in _window_data(v)]
+    return []
+
+
+def _fill_window_data(marked: Any, recorded: Any, filled: set[int]) -> None:
+    """Append to every :class:`WindowData` in ``marked`` its value in ``recorded`` (the same
+    arguments recorded for a batch of windows), once per marker (``filled``: those done)."""
+    if isinstance(marked, WindowData):
+        if id(marked) not in filled:
+            marked.parts.append(recorded.detach())
+            filled.add(id(marked))
+    elif isinstance(marked, (tuple, list)):
+        for m, r in zip(marked, recorded):
+            _fill_window_data(m, r, filled)
+    elif isinstance(marked, dict):
+        for k, m in marked.items():
+            _fill_window_data(m, recorded[k], filled)
 
 
 @dataclass
@@ -137,18 +189,27 @@ class CapturedInputs:
     hidden: torch.Tensor | None = None
     args: list[tuple] = field(default_factory=list)      # per block
     kwargs: list[dict] = field(default_factory=list)     # per block
-    output_is_tuple: bool = False
+    # what blocks return besides their hidden states: None when they return a tensor, else the rest of
+    # their tuple (block 0's own answer on the first window: attention weights that are None, …)
+    output_rest: tuple | None = None
     batches: list[torch.Tensor] = field(default_factory=list)
 
-    def call_args(self, index: int, batch: int, device: torch.device) -> tuple[tuple, dict]:
-        """Block ``index``'s extra positional and keyword arguments for ``batch`` windows on ``device``."""
-        return _for_batch(self.args[index], batch, device), _for_batch(self.kwargs[index], batch, device)
+    def block_output(self, hidden: torch.Tensor) -> Any:
+        """``hidden`` as a block would return it (a tensor, or a tuple led by it)."""
+        return hidden if self.output_rest is None else (hidden, *self.output_rest)
+
+    def call_args(self, index: int, windows: slice | torch.Tensor, device: torch.device) -> tuple[tuple, dict]:
+        """Block ``index``'s extra positional and keyword arguments for the calibration ``windows``
+        (a slice or row indices of :attr:`hidden`) on ``device``."""
+        batch = len(range(*windows.indices(1 << 62))) if isinstance(windows, slice) else len(windows)
+        return (_for_batch(self.args[index], windows, batch, device),
+                _for_batch(self.kwargs[index], windows, batch, device))
 
 
 def _forward_with_recorders(model: nn.Module, blocks: Blocks, originals: list[nn.Module], sink: CapturedInputs,
-                            input_ids: torch.Tensor, all_blocks: bool) -> None:
-    last = len(originals) - 1 if all_blocks else 0
-    recorders = [_Recorder(block, i, sink, stop=i == last, record_kwargs=all_blocks)
+                            input_ids: torch.Tensor, last: int, record_kwargs: bool) -> None:
+    """The model's forward on ``input_ids`` with recorders for blocks ``0..last``, stopped at block ``last``."""
+    recorders = [_Recorder(block, i, sink, stop=i == last, record_kwargs=record_kwargs)
                  for i, block in enumerate(originals[: last + 1])]
     with _standing_in(blocks, recorders):
         try:
@@ -157,41 +218,57 @@ def _forward_with_recorders(model: nn.Module, blocks: Blocks, originals: list[nn
             pass
 
 
+def _rest_of_output(output: Any) -> tuple | None:
+    """What a block's ``output`` holds besides its hidden states (:attr:`CapturedInputs.output_rest`)."""
+    return tuple(output[1:]) if isinstance(output, (tuple, list)) else None
+
+
 @torch.no_grad()
 def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor, device: torch.device,
                          batch_size: int = 8) -> CapturedInputs:
     """Run the model's own embedding/mask/rotary code on ``tokens`` ``[n, seqlen]``, stopping at the blocks.
 
-    Each block's arguments are recorded from a single window passed through identity stand-ins for
-    all blocks, so they have batch dimension 1 and broadcast to any batch of equal length (windows
-    are never padded); those that do not broadcast (a bias laid out ``[batch·heads, …]``) are found
-    by recording two windows too, and repeated per batch (:meth:`CapturedInputs.call_args`). Block
-    0's hidden states are then recorded for all windows. Modules outside the block list are moved
-    to ``device`` for the capture and moved back.
+    Block 0 is first run for real on one window, to learn what blocks return (a tensor, or a tuple
+    of some length the model unpacks). Each block's arguments are then recorded from a single window
+    passed through identity stand-ins for all blocks, answering in that convention, so they have
+    batch dimension 1 and broadcast to any batch of equal length (windows are never padded); those
+    that grow with the batch (a bias laid out ``[batch·heads, …]``, a mask whose batch size a model
+    checks) are found by recording two windows too, and repeated or expanded per batch
+    (:meth:`CapturedInputs.call_args`). Block 0's hidden states are then recorded for all windows.
+    Modules outside the block list are moved to ``device`` for the capture and moved back.
     """
     originals = list(blocks.layers)
-    sink = CapturedInputs()
+    last = len(originals) - 1
     with outside_blocks_on(model, blocks, device):
-        _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), all_blocks=True)
+        first = CapturedInputs()
+        _forward_with_recorders(model, blocks, originals, first, tokens[:1].to(device), last=0, record_kwargs=True)
+        block0_home = _module_device(originals[0])
+        probe = originals[0].to(device)(first.batches[0], *first.args[0], **first.kwargs[0])
+        originals[0].to(block0_home)
+        sink = CapturedInputs(output_rest=_rest_of_output(probe))
+        _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), last=last, record_kwargs=True)
         if len(sink.kwargs) != len(originals):
             raise UserError("capturing block inputs failed: the model did not call every decoder block")
-        block0_home = _module_device(originals[0])
-        probe = originals[0].to(device)(sink.batches[0], *sink.args[0], **sink.kwargs[0])
-        originals[0].to(block0_home)
-        if isinstance(probe, (tuple, list)) and len(originals) > 1:
-            # Blocks return tuples: record again, the stand-ins now answering in that convention.
-            sink = CapturedInputs(output_is_tuple=True)
-            _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), all_blocks=True)
-        sink.output_is_tuple = isinstance(probe, (tuple, list))
         if tokens.shape[0] > 1:  # recorded for two windows too: which arguments grow with the batch
-            pair = CapturedInputs(output_is_tuple=sink.output_is_tuple)
-            _forward_with_recorders(model, blocks, originals, pair, tokens[:2].to(device), all_blocks=True)
-            sink.args = [_mark_per_window(a, b) for a, b in zip(sink.args, pair.args)]
-            sink.kwargs = [_mark_per_window(a, b) for a, b in zip(sink.kwargs, pair.kwargs)]
+            pair = CapturedInputs(output_rest=sink.output_rest)
+            _forward_with_recorders(model, blocks, originals, pair, tokens[:2].to(device), last=last,
+                                    record_kwargs=True)
+            shared: dict[int, WindowData] = {}
+            sink.args = [_mark_per_window(a, b, shared) for a, b in zip(sink.args, pair.args)]
+            sink.kwargs = [_mark_per_window(a, b, shared) for a, b in zip(sink.kwargs, pair.kwargs)]
+            del pair, shared
+        # the last block given each window's own data: recorded through it, for every batch of windows
+        with_data = [i for i in range(len(originals)) if _window_data((sink.args[i], sink.kwargs[i]))]
+        upto = max(with_data, default=0)
         sink.batches = []
         for start in range(0, tokens.shape[0], batch_size):
-            _forward_with_recorders(model, blocks, originals, sink, tokens[start:start + batch_size].to(device),
-                                    all_blocks=False)
+            batch = CapturedInputs(output_rest=sink.output_rest)
+            _forward_with_recorders(model, blocks, originals, batch, tokens[start:start + batch_size].to(device),
+                                    last=upto, record_kwargs=bool(with_data))
+            sink.batches += batch.batches
+            filled: set[int] = set()
+            for i in with_data:
+                _fill_window_data((sink.args[i], sink.kwargs[i]), (batch.args[i], batch.kwargs[i]), filled)
     sink.hidden = torch.cat(sink.batches)
     sink.batches = []
     return sink
@@ -216,24 +293,24 @@ class _Replay(_StandIn):
     """Stands in for a decoder block: block 0's returns the given last block's output, the others
     pass their input on (each in the blocks' output convention)."""
 
-    def __init__(self, block: nn.Module, output: torch.Tensor | None, as_tuple: bool):
+    def __init__(self, block: nn.Module, output: torch.Tensor | None, captured: CapturedInputs):
         super().__init__(block)
         self.output = output
-        self.as_tuple = as_tuple
+        self.captured = captured
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = self.output if self.output is not None else (args[0] if args else kwargs["hidden_states"])
-        return (hidden,) if self.as_tuple else hidden
+        return self.captured.block_output(hidden)
 
 
 @torch.no_grad()
 def logits_after_blocks(model: nn.Module, blocks: Blocks, input_ids: torch.Tensor, last_output: torch.Tensor,
-                        output_is_tuple: bool) -> torch.Tensor:
+                        captured: CapturedInputs) -> torch.Tensor:
     """The model's logits for ``input_ids`` given what its last block returned for them: its own
-    forward runs with stand-ins for the blocks, so whatever follows them (final norm, LM head, a
-    logit soft-cap) is the model's own code. Modules outside the blocks must be on ``input_ids``'s
-    device (:func:`outside_blocks_on`)."""
-    replays = [_Replay(block, last_output if i == 0 else None, output_is_tuple) for i, block in enumerate(blocks.layers)]
+    forward runs with stand-ins for the blocks (answering as ``captured`` says blocks do), so
+    whatever follows them (final norm, LM head, a logit soft-cap) is the model's own code. Modules
+    outside the blocks must be on ``input_ids``'s device (:func:`outside_blocks_on`)."""
+    replays = [_Replay(block, last_output if i == 0 else None, captured) for i, block in enumerate(blocks.layers)]
     with _standing_in(blocks, replays):
         return model(input_ids=input_ids, use_cache=False).logits
 
@@ -291,9 +368,29 @@ def run_block(block: nn.Module, hidden: torch.Tensor, captured: CapturedInputs, 
     out = torch.empty_like(hidden)
     for s in range(0, hidden.shape[0], batch_size):
         chunk = hidden[s:s + batch_size]
-        args, kwargs = captured.call_args(index, chunk.shape[0], device)
+        args, kwargs = captured.call_args(index, slice(s, s + chunk.shape[0]), device)
         out[s:s + batch_size] = first_tensor(block(chunk.to(device), *args, **kwargs)).to(out.device)
     return out
+
+
+@torch.no_grad()
+def called_modules(blocks: Blocks, captured: CapturedInputs, hidden: torch.Tensor, device: torch.device,
+                   modules: list[dict[str, nn.Module]]) -> set[str]:
+    """The names among ``modules`` (per block: ``{name: module}``) whose forward runs when the blocks
+    run, one after another, on block 0's inputs ``hidden`` (one window is enough). A layer whose
+    weight the model reads directly (Mamba's ``dt_proj``: ``dt_proj.weight @ x``) is not called."""
+    called: set[str] = set()
+    hidden = hidden.to(device)
+    for i, block in enumerate(blocks.layers):
+        hooks = [m.register_forward_pre_hook(lambda *_, name=name: called.add(name)) for name, m in modules[i].items()]
+        home = _module_device(block)
+        try:
+            hidden = run_block(block.to(device), hidden, captured, i, device, hidden.shape[0])
+        finally:
+            block.to(home)
+            for hook in hooks:
+                hook.remove()
+    return called
 
 
 def block_probe(model: nn.Module, blocks: Blocks) -> Callable[[int], torch.Tensor]:

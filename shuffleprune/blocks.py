@@ -1,6 +1,6 @@
 """The one place that knows how a decoder-only LM is laid out, found from the module tree.
 
-``find_blocks`` locates the decoder block list (the largest ``ModuleList`` of identical blocks that
+``find_blocks`` locates the decoder block list (the largest ``ModuleList`` of blocks that all
 contain linear layers), ``block_linears`` lists a block's ``nn.Linear`` layers filtered by
 ``--only`` / ``--skip`` globs, ``block_experts`` the expert matrices of its fused MoE layers (each
 seen as a linear's weight, :class:`ExpertWeight`), and ``weights_outside_linears`` what neither
@@ -18,10 +18,7 @@ from torch import nn
 
 from shuffleprune.errors import UserError
 
-try:  # GPT-2-style layers: recognised so they can be refused clearly
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover
-    Conv1D = ()
+from shuffleprune.conv1d import Conv1D
 
 
 @dataclass
@@ -36,29 +33,27 @@ class Blocks:
 
 
 def find_blocks(model: nn.Module) -> Blocks:
-    """Find the decoder blocks: the ``ModuleList`` of same-type modules with the most parameters
-    among those whose members contain linear layers."""
+    """Find the decoder blocks: the ``ModuleList`` with the most parameters among those whose every
+    member contains linear layers (hybrid models mix block classes in it: Jamba's attention and
+    Mamba blocks). GPT-2's ``Conv1D`` layers count as linears (prune and ``load_model`` hold them as
+    ``nn.Linear``: :mod:`shuffleprune.conv1d`)."""
     from shuffleprune.deploy.sparse_linear import SparseLinear
 
+    layer_types = (nn.Linear, SparseLinear, *((Conv1D,) if Conv1D else ()))
+
+    def has_linears(block: nn.Module) -> bool:
+        return any(isinstance(m, layer_types) for m in block.modules())
+
     best: tuple[int, str, nn.ModuleList] | None = None
-    conv1d_seen = False
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        if len({type(m) for m in module}) != 1:
-            continue
-        inner = list(module[0].modules())
-        if Conv1D and any(isinstance(m, Conv1D) for m in inner):
-            conv1d_seen = True
-        if not any(isinstance(m, (nn.Linear, SparseLinear)) for m in inner):
+        if not all(has_linears(block) for block in module):
             continue
         size = sum(p.numel() for p in module.parameters()) + sum(b.numel() for b in module.buffers())
         if best is None or size > best[0]:
             best = (size, name, module)
     if best is None:
-        if conv1d_seen:
-            raise UserError("this model uses GPT-2-style Conv1D layers, which prune does not support; "
-                            "use a model built from nn.Linear (LLaMA, Mistral, Qwen2, Gemma, …)")
         raise UserError("no decoder block list with nn.Linear layers found in this model")
     return Blocks(name=best[1], layers=best[2])
 

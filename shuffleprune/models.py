@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from shuffleprune.cache import cache_dir, find_installed_file, pypi_member
+from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.errors import UserError, reason
 from shuffleprune.hub import hub_reachable
 from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, to_plain_linears, weights_stored_permuted
@@ -239,6 +240,7 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
                         "(transformers printed which above); fix config.json or use the checkpoint it came with") from exc
     finally:
         hf_logging.set_verbosity(level)
+    linears_from_conv1d(model)   # GPT-2-style layers as nn.Linear (saved in their own layout)
     maps_file = Path(path) / INDEX_MAPS
     if exported:  # an exported checkpoint: compressed N:M SparseLinear layers
         attach_sparse_layers(model, Path(path), fmt)

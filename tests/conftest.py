@@ -42,6 +42,11 @@ def tiny_config(model_type: str = "llama", layers: int = 3, hidden: int = 64, in
     if model_type == "gpt_oss":  # experts stored fused and transposed, [experts, in, out], with biases
         kw.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                   layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2))
+    if model_type == "zamba2":  # Mamba-2 blocks, then two hybrid blocks sharing (tying) one transformer block
+        kw.update(layers_block_type=["mamba"] + ["hybrid"] * (layers - 1), mamba_d_state=16, mamba_headdim=16,
+                  n_mamba_heads=8, num_mem_blocks=1)
+    if model_type == "bamba":  # Mamba-2 blocks with one attention block between them
+        kw.update(attn_layer_indices=[1])
     if model_type == "bloom":  # ALiBi, fused query_key_value, LayerNorms
         kw = dict(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=4)
     return AutoConfig.for_model(model_type, **kw)

@@ -393,6 +393,41 @@ def test_learned_perm_export_reloads_for_other_architectures(arch, text_file, tm
         assert torch.allclose(mapped(ids).logits, ref(ids).logits, atol=1e-5)
 
 
+def test_gpt2_conv1d_model_prunes_loads_with_plain_transformers_and_exports(text_file, tmp_path):
+    """GPT-2 stores its layers as ``Conv1D`` (``W`` as ``[in, out]``): prune holds them as linears, the
+    checkpoint keeps their layout (plain transformers loads it: the pruned logits, every layer 2:4 in
+    its map's order along its inputs), and the export compresses all 12 and gives the same logits,
+    with the maps in the layers or moved to the LayerNorms that produce their inputs."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tokenizer, tiny_model
+    from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
+
+    src = tmp_path / "gpt2"
+    tiny_model("gpt2").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    pruned, out = tmp_path / "pruned", tmp_path / "exported"
+    cfg = flat_config(model=str(src), method="sparsegpt", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                      eval_text=None, perm="learned", perm_block=16, perm_steps=3)
+    result = prune(cfg, out=pruned, progress=False)
+    assert len(result.report["layers"]) == 12 and result.report["nm_ok"]
+    plain = AutoModelForCausalLM.from_pretrained(pruned).eval()
+    maps = load_index_maps(pruned / INDEX_MAPS)
+    for name, layer in plain.named_modules():
+        if type(layer).__name__ == "Conv1D" and name.startswith("transformer.h."):
+            w = layer.weight.t()     # [out, in]
+            assert satisfies_nm(w if name not in maps else w[:, maps[name]], 2, 4), name
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = result.model(ids).logits
+        assert torch.allclose(plain(ids).logits, want, atol=1e-5)
+        export_checkpoint(pruned, out)
+        for where in ("kernel", "producer"):
+            model = shuffleprune.load(str(out), maps=where)
+            assert sum(isinstance(mod, SparseLinear) for mod in model.modules()) == 12
+            assert torch.allclose(model(ids).logits, want, atol=1e-5)
+
+
 def test_alibi_model_prunes_with_the_default_recipe_exports_and_reloads(text_file, tmp_path):
     """BLOOM (ALiBi bias laid out per window, fused query_key_value, LayerNorms with biases, GELU MLP)
     through the default recipe with learned maps instead of searched ones, its weight update replaying

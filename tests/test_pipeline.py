@@ -68,7 +68,9 @@ def test_sequential_pass_feeds_pruned_outputs_forward(tiny_dir, text_file, eval_
     cfg = config(tiny_dir, text_file, eval_file, eval_text=None)
     result = prune(cfg, progress=False, loaded=lm)
     handle.remove()
-    stats_pass_input = seen[0]  # first call on block 2: its statistics pass over the calibration windows
+    # the first call of 4 windows on block 2: its statistics pass (before it, one window checked which
+    # linears the blocks call)
+    stats_pass_input = next(x for x in seen if x.shape[0] == 4)
     from shuffleprune.calib import calibration_windows, get_source
 
     tokens = calibration_windows(get_source(str(text_file)), lm.tokenizer, 6, 32, 0)
@@ -164,6 +166,48 @@ def test_skip_keeps_layers_dense(tiny_dir, text_file, eval_file):
     r = prune(config(tiny_dir, text_file, eval_file, skip=["*down_proj"], eval_text=None), progress=False)
     assert not any(l["name"].endswith("down_proj") for l in r.report["layers"])
     assert float((r.model.model.layers[0].mlp.down_proj.weight == 0).float().mean()) < 0.01
+
+
+def test_linears_the_model_never_calls_stay_dense_with_a_warning(text_file, tmp_path):
+    """Mamba reads ``dt_proj.weight`` directly (``dt_proj.weight @ x``) and never calls that layer, so no
+    statistics reach it: it is left dense and named (warning, report), and every layer the model does
+    call is pruned to 2:4."""
+    from conftest import make_tokenizer, tiny_model
+
+    src = tmp_path / "mamba"
+    dense = tiny_model("mamba")
+    dense.save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    with pytest.warns(UserWarning, match=r"3 linear layers stay dense: .*dt_proj"):
+        result = prune(config(src, text_file, None, eval_text=None), out=tmp_path / "out", progress=False)
+    names = [f"backbone.layers.{i}.mixer.dt_proj" for i in range(3)]
+    assert result.report["not_called"] == names
+    pruned = {l["name"] for l in result.report["layers"]}
+    assert pruned == {f"backbone.layers.{i}.mixer.{p}" for i in range(3) for p in ("in_proj", "x_proj", "out_proj")}
+    assert all(l["nm_ok"] for l in result.report["layers"])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name in names:
+        assert torch.equal(reloaded.get_submodule(name).weight, dense.get_submodule(name).weight)
+    assert set(result.report["outside_linears"]["names"]) >= set(names)
+
+
+def test_a_weight_blocks_share_is_pruned_once(text_file, tmp_path):
+    """Zamba2's hybrid blocks tie their transformer block's parameters: each shared weight is pruned
+    once, in the first block that holds it (one report row, one mask), and is 2:4 wherever it is used."""
+    from conftest import make_tokenizer, tiny_model
+
+    src = tmp_path / "zamba2"
+    tiny_model("zamba2").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    result = prune(config(src, text_file, None, eval_text=None), progress=False)
+    names = [l["name"] for l in result.report["layers"]]
+    shared = [n for n in names if ".shared_transformer." in n]
+    assert shared and all(n.startswith("model.layers.1.") for n in shared) and len(names) == len(set(names))
+    layers = result.model.model.layers
+    for name in shared:
+        sub = name[len("model.layers.1."):]
+        assert layers[2].get_submodule(sub).weight is layers[1].get_submodule(sub).weight
+        assert satisfies_nm(layers[2].get_submodule(sub).weight, 2, 4)
 
 
 def test_gguf_cache_key_follows_contents_not_location(tmp_path):

@@ -41,6 +41,7 @@ from torch import nn
 
 from shuffleprune.block_inputs import block_probe
 from shuffleprune.blocks import block_linears, expert_name, find_blocks, parse_expert_name
+from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
@@ -159,7 +160,7 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
                     rows = _grouped_head_perm(perm, config, lin.out_features)
                     if rows is not None:
                         attempts.append(([n], {n: rows}))
-            plain = nn.Linear(consumer.in_features, consumer.out_features, bias=consumer.bias is not None)
+            plain = plain_linear_like(consumer, consumer.in_features, consumer.out_features, bias=consumer.bias is not None)
             plain.weight.data = consumer.weight.data  # W[:, perm] reading x[perm] == reading x' = x[perm] in order
             if consumer.bias is not None:
                 plain.bias.data = consumer.bias.data
@@ -274,7 +275,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
             skip_keys.add(name)
     restored = to_plain_linears(model, keep=set(layers))  # mapped linears not exported as N:M
     if not layers and not experts_out:
-        raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses nn.Linear only, not e.g. GPT-2 Conv1D)")
+        raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses the linears a pruning or dst run made N:M)")
     fmt = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "pattern": f"{n}:{m}", "n": n, "m": m,
            "meta_bits": meta_bits(m), "dtype": str(model.dtype).replace("torch.", ""),
            "layers": layers, "experts": experts_out, "folded": folded,

@@ -70,7 +70,7 @@ def _blockwise_nll(model: nn.Module, windows: torch.Tensor, device: torch.device
         for start in range(0, windows.shape[0], batch_size):
             batch = windows[start:start + batch_size].to(device)
             last = hidden[start:start + batch_size].to(device)
-            total += _nll(logits_after_blocks(model, blocks, batch, last, captured.output_is_tuple), batch)
+            total += _nll(logits_after_blocks(model, blocks, batch, last, captured), batch)
     return total
 
 

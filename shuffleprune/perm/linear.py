@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from shuffleprune.blocks import parse_expert_name
+from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError, reason
 
 INDEX_MAPS = "index_maps.safetensors"  # a --perm checkpoint's int32 input map per permuted linear
@@ -52,7 +53,9 @@ class PermutedLinear(nn.Linear):
         order, as stored in a ``--perm`` checkpoint, with ``weight_is_permuted``)."""
         perm = perm.to(linear.weight.device, torch.long)
         weight = linear.weight.detach() if weight_is_permuted else linear.weight.detach()[:, perm].contiguous()
-        return cls(weight, perm, None if linear.bias is None else linear.bias.detach())
+        permuted = cls(weight, perm, None if linear.bias is None else linear.bias.detach())
+        permuted.stores_transposed = getattr(linear, "stores_transposed", False)   # a GPT-2 Conv1D's, restored later
+        return permuted
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.index_select(-1, self.perm), self.weight, self.bias)
@@ -90,8 +93,8 @@ def to_plain_linears(model: nn.Module, keep: set[str] = frozenset()) -> list[str
     restored = []
     for name, module in list(model.named_modules()):
         if isinstance(module, PermutedLinear) and name not in keep:
-            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device=module.weight.device, dtype=module.weight.dtype)
+            plain = plain_linear_like(module, module.in_features, module.out_features, bias=module.bias is not None,
+                                      device=module.weight.device, dtype=module.weight.dtype)
             plain.weight.data = module.weight.data[:, torch.argsort(module.perm)].contiguous()
             if module.bias is not None:
                 plain.bias.data = module.bias.data

@@ -231,7 +231,7 @@ def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWe
 
     def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         params = as_params(eff)
-        args, kwargs = captured.call_args(index, len(rows), device)
+        args, kwargs = captured.call_args(index, rows, device)
         out = first_tensor(functional_call(block, params, (hidden[rows].to(device), *args), kwargs))
         return cosine_loss(target[rows].to(device), out)
 

@@ -19,10 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from shuffleprune.block_inputs import capture_block_inputs, run_block
+from shuffleprune.block_inputs import called_modules, capture_block_inputs, run_block
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, ExpertWeight, block_experts, block_linears, find_blocks,
                                   is_plain_linear, parse_expert_name, weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
+from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
@@ -156,6 +157,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
 
     lm = loaded or load_model(config.model, config.dtype)
     model, tokenizer = lm.model, lm.tokenizer
+    linears_from_conv1d(model)   # a caller's own GPT-2-style model: its Conv1D layers as nn.Linear
     save_dtype = lm.save_dtype or model.dtype
     upcast_for_cpu(model, config.dtype, device)  # the checkpoint keeps save_dtype
     if any(isinstance(m, SparseLinear) for m in model.modules()):
@@ -163,7 +165,6 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
                         "or the pruned checkpoint it was exported from, instead")
     blocks = find_blocks(model)
     linears, experts = _selected_weights(blocks, config, pattern)
-    unseen = _dense_outside_linears(blocks, experts)
     max_pos = getattr(model.config, "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
     ctx = min(config.eval_ctx or seqlen, max_pos)
@@ -201,9 +202,11 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
         hidden = run.captured.hidden
     else:  # the blocks' keyword arguments are recomputed; their inputs come from the checkpoint
-        run.captured = capture_block_inputs(model, blocks, tokens[:2], device, 2)
+        run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
         # every block done (only the checkpoint was left to write): no block input is needed
         hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
+    not_called = _drop_uncalled(run, run.captured.hidden[:1])
+    unseen = _dense_outside_linears(blocks, experts, not_called)
     run.captured.hidden = None
     # the unpruned model's activations, kept beside the pruned ones when a stage fits to them
     stream = "dense_stream" in spec.needs()
@@ -230,7 +233,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     for i in bar:
         t0 = time.time()
         block = blocks.layers[i].to(device)
-        work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=linears[i], hidden=hidden,
+        work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=run.linears[i], hidden=hidden,
                            experts=experts[i])
         if stream:  # the block is still dense here: its outputs on the dense model's inputs
             work_i.dense_outputs = run_block(block, dense_hidden, run.captured, i, device, config.batch_size)
@@ -264,6 +267,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     report = build_report(config, lm, state, pattern, all_perms, device, compute_dtype, str(save_dtype),
                           resume, time.time() - t_start)
     report["outside_linears"] = unseen
+    report["not_called"] = sorted(not_called)
     if out is not None:
         write_checkpoint(out, model, tokenizer, report, all_perms, config)
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
@@ -272,11 +276,16 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
 
 def _selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict], list[dict]]:
     """Per block, the linears and the experts of fused MoE layers that ``--only`` / ``--skip`` select,
-    each checked against the pattern."""
-    linears, experts = [], []
+    each checked against the pattern. A weight several blocks share (Zamba2's shared attention
+    blocks tie their parameters) is pruned once, in the first block that holds it."""
+    linears, experts, seen = [], [], set()
     for i, block in enumerate(blocks.layers):
-        found = block_linears(block, f"{blocks.name}.{i}", config.only, config.skip)
-        found_experts = block_experts(block, f"{blocks.name}.{i}", config.only, config.skip)
+        found = {n: lin for n, lin in block_linears(block, f"{blocks.name}.{i}", config.only, config.skip).items()
+                 if id(lin.weight) not in seen}
+        found_experts = {n: e for n, e in block_experts(block, f"{blocks.name}.{i}", config.only, config.skip).items()
+                         if (id(getattr(e.owner, e.param)), e.index) not in seen}
+        seen.update(id(lin.weight) for lin in found.values())
+        seen.update((id(getattr(e.owner, e.param)), e.index) for e in found_experts.values())
         for name, lin in {**found, **found_experts}.items():
             pattern.check_width(name, lin.in_features)
         linears.append(found)
@@ -286,12 +295,29 @@ def _selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict],
     return linears, experts
 
 
-def _dense_outside_linears(blocks, experts: list[dict[str, ExpertWeight]]) -> dict:
+def _drop_uncalled(run: Run, hidden: torch.Tensor) -> dict[str, torch.nn.Module]:
+    """Deselect the linears the model never calls (it reads their weight directly, like Mamba's
+    ``dt_proj``): no statistics can reach them, so they stay dense, with a warning. Returns them."""
+    called = called_modules(run.blocks, run.captured, hidden, run.device, run.linears)
+    dropped = {n: lin for block in run.linears for n, lin in block.items() if n not in called}
+    if dropped:
+        run.linears = [{n: lin for n, lin in block.items() if n in called} for block in run.linears]
+        if not any(run.linears) and not any(run.experts):
+            raise UserError(f"none of the selected linears is called as a layer by this model (e.g. {next(iter(dropped))}); "
+                            "nothing can be pruned")
+        warnings.warn(f"{len(dropped)} linear layers stay dense: the model reads their weights without calling them "
+                      f"as layers (e.g. {next(iter(dropped))}), so no calibration statistics reach them",
+                      UserWarning, stacklevel=3)
+    return dropped
+
+
+def _dense_outside_linears(blocks, experts: list[dict[str, ExpertWeight]],
+                           not_called: dict[str, torch.nn.Module]) -> dict:
     """The blocks' matrix weights that pruning does not see (:func:`weights_outside_linears`, less the
-    selected experts of fused MoE layers): their share of all the blocks' matrix weights and the
-    first few names, with a warning when the share is large (a model with an unsupported experts
-    layout gets only its attention and shared layers pruned)."""
-    unseen, in_linears = {}, 0
+    selected experts of fused MoE layers, plus the linears the model never calls): their share of all
+    the blocks' matrix weights and the first few names, with a warning when the share is large (a
+    model with an unsupported experts layout gets only its attention and shared layers pruned)."""
+    unseen, in_linears = {name: lin.weight.numel() for name, lin in not_called.items()}, 0
     for i, block in enumerate(blocks.layers):
         prefix = f"{blocks.name}.{i}"
         unseen.update(weights_outside_linears(block, prefix))
@@ -299,6 +325,7 @@ def _dense_outside_linears(blocks, experts: list[dict[str, ExpertWeight]]) -> di
         for name, expert in experts[i].items():
             unseen[parse_expert_name(name)[0]] -= expert.weight.numel()
             in_linears += expert.weight.numel()
+    in_linears -= sum(unseen[name] for name in not_called)
     unseen = {name: n for name, n in unseen.items() if n > 0}
     total = sum(unseen.values())
     share = total / max(1, total + in_linears)

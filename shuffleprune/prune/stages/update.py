@@ -104,7 +104,7 @@ class BlockReconstruction(Stage):
         dtype = {n: t.dtype for n, t in tensors.items()}
 
         def block_with(params: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-            args, kwargs = run.captured.call_args(work.index, len(rows), run.device)
+            args, kwargs = run.captured.call_args(work.index, rows, run.device)
             return first_tensor(functional_call(work.block, params, (work.hidden[rows].to(run.device), *args), kwargs))
 
         def forward(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
