@@ -74,6 +74,9 @@ EXTRA = {
                  ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
     "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_d_state=16, mamba_headdim=16, n_mamba_heads=8),
     "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=2, moe_intermediate_size=32),
+    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64, head_dim=16),
+    "granitemoehybrid": dict(num_local_experts=4, num_experts_per_tok=2),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1, n_group=1, topk_group=1, layer_types=["full_attention"] * 2),
 }
