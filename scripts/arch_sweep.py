@@ -39,9 +39,11 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "nemotron", "llama4_text", "recurrent_gemma", "dbrx", "minimax", "hunyuan_v1_moe", "dots1",
          "gpt2", "openai-gpt",   # Conv1D layers, held as nn.Linear
          # hybrids of attention and state-space / linear-attention blocks, and a pure Mamba
-         "jamba", "bamba", "falcon_h1", "lfm2", "qwen3_next", "granitemoehybrid", "zamba2", "mamba"]
+         "jamba", "bamba", "falcon_h1", "lfm2", "qwen3_next", "granitemoehybrid", "zamba2", "mamba",
+         "gemma3", "llama4"]   # multimodal checkpoints (text decoder and vision tower)
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
 # what a family's config needs beyond SIZE to be that small (head sizes, expert counts, its own key names)
 EXTRA = {
     "gemma": dict(head_dim=16), "gemma2": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16),
@@ -77,6 +79,11 @@ EXTRA = {
     "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=64, head_dim=16),
     "granitemoehybrid": dict(num_local_experts=4, num_experts_per_tok=2),
+    # multimodal checkpoints that load as causal LMs: the text decoder is pruned, the vision tower left as it is
+    "gemma3": dict(text_config=dict(SIZE, head_dim=16, sliding_window=8, query_pre_attn_scalar=16),
+                   vision_config=VISION, mm_tokens_per_image=4),
+    "llama4": dict(text_config=dict(SIZE, head_dim=16, num_local_experts=4, intermediate_size_mlp=128),
+                   vision_config=dict(VISION, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1, n_group=1, topk_group=1, layer_types=["full_attention"] * 2),
 }

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from shuffleprune.blocks import Blocks, find_blocks
+from shuffleprune.blocks import Blocks, find_blocks, text_config
 from shuffleprune.errors import UserError
 
 
@@ -398,7 +398,7 @@ def block_probe(model: nn.Module, blocks: Blocks) -> Callable[[int], torch.Tenso
     computed once here), so a change to one block — a folded or moved index map — is checked on that
     block alone."""
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (1, 16), generator=gen)
+    tokens = torch.randint(0, text_config(model).vocab_size, (1, 16), generator=gen)
     device = next(model.parameters()).device
     captured = capture_block_inputs(model, blocks, tokens, device, 1)
     inputs, hidden = [], captured.hidden

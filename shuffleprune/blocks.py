@@ -58,6 +58,13 @@ def find_blocks(model: nn.Module) -> Blocks:
     return Blocks(name=best[1], layers=best[2])
 
 
+def text_config(model: nn.Module):
+    """The config of the model's language decoder: the model's own, or the text part of a multimodal
+    model's (Gemma 3, Llama 4, Mistral 3: ``vocab_size``, heads and context length live there)."""
+    config = getattr(model, "config", None)
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def is_plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` that computes ``x Wᵀ + b``: ``nn.Linear`` itself, a class that says so
     (``is_linear_map``: shuffleprune's ``PermutedLinear``), or a subclass whose own ``forward`` gives

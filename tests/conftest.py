@@ -47,6 +47,11 @@ def tiny_config(model_type: str = "llama", layers: int = 3, hidden: int = 64, in
                   n_mamba_heads=8, num_mem_blocks=1)
     if model_type == "bamba":  # Mamba-2 blocks with one attention block between them
         kw.update(attn_layer_indices=[1])
+    if model_type == "gemma3":  # multimodal: a Gemma 3 text decoder and a one-layer SigLIP vision tower
+        text = dict(kw, head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
+        kw = dict(text_config=text, mm_tokens_per_image=4,
+                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=28, patch_size=14))
     if model_type == "bloom":  # ALiBi, fused query_key_value, LayerNorms
         kw = dict(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=4)
     return AutoConfig.for_model(model_type, **kw)

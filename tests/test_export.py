@@ -428,6 +428,31 @@ def test_gpt2_conv1d_model_prunes_loads_with_plain_transformers_and_exports(text
             assert torch.allclose(model(ids).logits, want, atol=1e-5)
 
 
+def test_multimodal_checkpoint_has_its_text_decoder_pruned_exported_and_reloaded(text_file, tmp_path):
+    """A Gemma 3 checkpoint is multimodal (vocabulary, heads and context in its ``text_config``): its
+    text decoder's 21 linears are pruned with learned maps, the vision tower is left as it is, and
+    the export gives the pruned logits."""
+    from conftest import make_tokenizer, tiny_model
+
+    src = tmp_path / "gemma3"
+    dense = tiny_model("gemma3")
+    dense.save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    pruned, out = tmp_path / "pruned", tmp_path / "exported"
+    cfg = flat_config(model=str(src), method="wanda", pattern="2:4", calib=str(text_file), nsamples=8, seqlen=32,
+                      eval_text=None, perm="learned", perm_block=16, perm_steps=3)
+    result = prune(cfg, out=pruned, progress=False)
+    assert len(result.report["layers"]) == 21 and all(".language_model." in l["name"] for l in result.report["layers"])
+    vision = {n: p for n, p in result.model.named_parameters() if "vision" in n}
+    assert vision and all(torch.equal(p, dense.get_parameter(n)) for n, p in vision.items())
+    export_checkpoint(pruned, out)
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model = shuffleprune.load(str(out))
+        assert sum(isinstance(mod, SparseLinear) for mod in model.modules()) == 21
+        assert torch.allclose(model(ids).logits, result.model(ids).logits, atol=1e-5)
+
+
 def test_alibi_model_prunes_with_the_default_recipe_exports_and_reloads(text_file, tmp_path):
     """BLOOM (ALiBi bias laid out per window, fused query_key_value, LayerNorms with biases, GELU MLP)
     through the default recipe with learned maps instead of searched ones, its weight update replaying

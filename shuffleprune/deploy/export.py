@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shuffleprune.block_inputs import block_probe
-from shuffleprune.blocks import block_linears, expert_name, find_blocks, parse_expert_name
+from shuffleprune.blocks import block_linears, expert_name, find_blocks, parse_expert_name, text_config
 from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
@@ -139,7 +139,7 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     reading their input in order)."""
     blocks = find_blocks(model)
     run = block_probe(model, blocks)
-    config = getattr(model, "config", None)
+    config = text_config(model)
     folded = {}
     for i, block in enumerate(blocks.layers):
         reference = run(i)

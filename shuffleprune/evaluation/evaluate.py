@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from shuffleprune.version import __version__
-from shuffleprune.blocks import block_experts, block_linears, find_blocks
+from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
 from shuffleprune.calib import bos_token, eval_tokens, get_source
 from shuffleprune.calib.sources import HUB_SOURCES
 from shuffleprune.errors import UserError
@@ -291,7 +291,7 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
         if ppl_name is not None:
             t0 = time.time()
             tokens = eval_tokens(ppl_source, lm.tokenizer, config.ppl_tokens)
-            ctx = min(config.ppl_ctx, getattr(model.config, "max_position_embeddings", None) or config.ppl_ctx)
+            ctx = min(config.ppl_ctx, getattr(text_config(model), "max_position_embeddings", None) or config.ppl_ctx)
             bos = bos_token(lm.tokenizer)  # windows start with BOS where the tokenizer adds one
             row["ppl"] = perplexity(model, tokens, ctx, device, batch_size=1, progress=progress, bos=bos,
                                     blockwise=not whole)

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from shuffleprune.block_inputs import called_modules, capture_block_inputs, run_block
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, ExpertWeight, block_experts, block_linears, find_blocks,
-                                  is_plain_linear, parse_expert_name, weights_outside_linears)
+                                  is_plain_linear, parse_expert_name, text_config, weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
@@ -165,7 +165,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
                         "or the pruned checkpoint it was exported from, instead")
     blocks = find_blocks(model)
     linears, experts = _selected_weights(blocks, config, pattern)
-    max_pos = getattr(model.config, "max_position_embeddings", None) or config.seqlen
+    max_pos = getattr(text_config(model), "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
     ctx = min(config.eval_ctx or seqlen, max_pos)
 
