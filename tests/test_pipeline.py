@@ -119,6 +119,31 @@ def test_killed_run_resumes_to_identical_checkpoint(method, tiny_dir, text_file,
     assert resumed.report["ppl"] == json.loads((full / "prune_report.json").read_text())["ppl"]
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "zamba2"])
+def test_resume_is_identical_for_conv1d_layers_and_per_window_block_arguments(arch, text_file, eval_file, tmp_path):
+    """A resumed run reloads GPT-2's blocks from their checkpoint in Conv1D's layout, and recaptures
+    Zamba2's per-window embeddings for every window: the same checkpoint and perplexities as one run."""
+    from conftest import make_tokenizer, tiny_model
+
+    src = tmp_path / arch
+    tiny_model(arch).save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    cfg = config(src, text_file, eval_file, method="sparsegpt")
+    full, part = tmp_path / "full", tmp_path / "part"
+    prune(cfg, out=full, progress=False)
+
+    def crash_after_block_0(i):
+        if i == 0:
+            raise Crash
+
+    with pytest.raises(Crash):
+        prune(cfg, out=part, progress=False, on_block_done=crash_after_block_0)
+    resumed = prune(cfg, out=part, resume=True, progress=False)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(part / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.report["ppl"] == json.loads((full / "prune_report.json").read_text())["ppl"]
+
+
 def test_full_disk_is_one_line_and_resume_writes_the_checkpoint(tiny_dir, text_file, eval_file, tmp_path, monkeypatch):
     import errno
 
