@@ -382,6 +382,12 @@ def test_finalize_hardens_soft_permutations_so_the_saved_model_computes_the_trai
         assert torch.allclose(trained, load_model(str(tmp_path)).model(ids).logits, atol=1e-5)
         plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # no maps needed to compute it
         assert torch.allclose(trained, plain(ids).logits, atol=1e-5)
+    # and the export compresses it (GPT-2's Conv1D layers too, held as linears) to the same model
+    from shuffleprune.deploy.export import export_checkpoint
+
+    fmt = export_checkpoint(tmp_path, tmp_path / "exported", pattern="2:4")
+    assert len(fmt["layers"]) + len(fmt["experts"]) == (12 if arch == "gpt2" else 12 + 6)   # 3 blocks
+    _assert_export_computes_the_trained_model(tmp_path, tmp_path / "exported")
 
 
 def test_nm_run_on_a_moe_model_exports_its_experts_and_reloads_to_the_same_logits(tiny_dir, text_file, tmp_path):
