@@ -84,6 +84,55 @@ def _load_hub(name: str, split: str) -> list[str]:
     return list(ds["text"])
 
 
+HUB_DATASET_DOCS = 20_000   # documents streamed from a hub dataset's split (calibration picks among them)
+TEXT_COLUMNS = ("text", "content", "document", "article", "body")
+
+
+def hub_dataset_id(name: str) -> tuple[str, str | None] | None:
+    """``(repo, config)`` of ``--calib OWNER/NAME`` or ``OWNER/NAME:CONFIG`` (any hub dataset with a
+    text column); None for anything else, a local path included."""
+    repo, _, config = name.partition(":")
+    parts = repo.split("/")
+    if len(parts) != 2 or not all(parts) or name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
+        return None
+    return repo, config or None
+
+
+def _text_column(repo: str, features) -> str:
+    """The dataset's text column: the first of :data:`TEXT_COLUMNS` it has, else its only string column."""
+    strings = [c for c, f in features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+    named = [c for c in TEXT_COLUMNS if c in strings]
+    if named or len(strings) == 1:
+        return (named or strings)[0]
+    raise UserError(f"hub dataset '{repo}' has no single text column (string columns: {', '.join(strings) or 'none'}); "
+                    "write the text to a .jsonl file with a 'text' field and pass that instead")
+
+
+def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
+    """Up to :data:`HUB_DATASET_DOCS` documents of a hub dataset, streamed (nothing else downloaded):
+    calibration reads its ``train`` split; held-out text its ``test`` or ``validation`` split, or
+    every 10th document of ``train`` when it has neither."""
+    import datasets
+
+    from shuffleprune.hub import hub_reachable
+
+    hub_reachable()  # offline: fail fast from the local cache
+    name = repo if config is None else f"{repo}:{config}"
+    try:
+        splits = datasets.get_dataset_split_names(repo, config)
+        held_out = next((s for s in ("test", "validation") if s in splits), None)
+        read = held_out if split == "test" and held_out else ("train" if "train" in splits else splits[0])
+        stream = datasets.load_dataset(repo, config, split=read, streaming=True)
+        column = _text_column(name, stream.features)
+        docs = [row[column] for _, row in zip(range(HUB_DATASET_DOCS), stream)]
+    except UserError:
+        raise
+    except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
+        raise _hub_unreachable(name, exc) from exc
+    docs = [d for d in docs if isinstance(d, str) and d.strip()]
+    return docs if held_out else _split(docs, split)   # one split for both sides: every 10th document held out
+
+
 def _split(docs: list[str], split: str) -> list[str]:
     return [d for i, d in enumerate(docs) if (i % 10 == 9) == (split == "test")]
 
@@ -169,12 +218,17 @@ def get_source(name: str, shared: bool = False) -> TextSource:
         if not path.is_file():
             raise UserError(f"text file '{name}' does not exist")
         return TextSource(str(path), _local(path, shared))
-    raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wikitext103, wiki, brown, or a .txt/.jsonl path")
+    hub = hub_dataset_id(name)
+    if hub is not None:
+        return TextSource(name, lambda s: _load_hub_dataset(*hub, s))
+    raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wikitext103, wiki, brown, a hub dataset "
+                    "OWNER/NAME[:CONFIG], or a .txt/.jsonl path")
 
 
 def default_eval_source(calib: str) -> str:
-    """Held-out ppl text that is not the calibration source: wikitext2 for hub sources, else the other offline one."""
-    if calib in HUB_SOURCES:
+    """Held-out ppl text that is not the calibration source: wikitext2 for hub sources (hub datasets
+    too), else the other offline one."""
+    if calib in HUB_SOURCES or hub_dataset_id(calib) is not None:
         return "wikitext2"
     return "brown" if calib == "wiki" else "wiki"
 

@@ -201,7 +201,7 @@ class CapturedInputs:
     def call_args(self, index: int, windows: slice | torch.Tensor, device: torch.device) -> tuple[tuple, dict]:
         """Block ``index``'s extra positional and keyword arguments for the calibration ``windows``
         (a slice or row indices of :attr:`hidden`) on ``device``."""
-        batch = len(range(*windows.indices(1 << 62))) if isinstance(windows, slice) else len(windows)
+        batch = windows.stop - windows.start if isinstance(windows, slice) else len(windows)
         return (_for_batch(self.args[index], windows, batch, device),
                 _for_batch(self.kwargs[index], windows, batch, device))
 
@@ -234,8 +234,10 @@ def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor,
     batch dimension 1 and broadcast to any batch of equal length (windows are never padded); those
     that grow with the batch (a bias laid out ``[batch·heads, …]``, a mask whose batch size a model
     checks) are found by recording two windows too, and repeated or expanded per batch
-    (:meth:`CapturedInputs.call_args`). Block 0's hidden states are then recorded for all windows.
-    Modules outside the block list are moved to ``device`` for the capture and moved back.
+    (:meth:`CapturedInputs.call_args`); those that differ between the two windows hold each
+    window's own data (:class:`WindowData`). Block 0's hidden states, and any such data, are then
+    recorded for all windows. Modules outside the block list are moved to ``device`` for the
+    capture and moved back.
     """
     originals = list(blocks.layers)
     last = len(originals) - 1

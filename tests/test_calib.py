@@ -83,3 +83,55 @@ def test_c4_without_hub_names_the_offline_sources():
 def test_brown_tags_are_stripped():
     raw = "\n\n\tThe/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' ,/, Friday/nr ./.\n\n\tIt/pps ran/vbd ./.\n"
     assert strip_brown_tags(raw) == 'The jury said "no evidence", Friday.\nIt ran.'
+
+
+def _fake_hub_datasets(monkeypatch, splits: dict[str, dict[str, list]]) -> list:
+    """``datasets`` answering for one hub dataset with these splits (columns → values); the calls made."""
+    import datasets
+
+    import shuffleprune.hub
+
+    calls = []
+    monkeypatch.setattr(shuffleprune.hub, "hub_reachable", lambda *a, **k: True)
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda repo, config=None: list(splits))
+
+    def load_dataset(repo, config=None, split=None, streaming=False):
+        calls.append((repo, config, split, streaming))
+        return datasets.Dataset.from_dict(splits[split]).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+def test_any_hub_dataset_with_a_text_column_is_a_source(monkeypatch):
+    """``--calib OWNER/NAME[:CONFIG]`` streams that dataset: its text column (named, or its only string
+    column), calibration from ``train``, held-out text from ``test`` (or ``validation``); a dataset
+    with one split holds out every 10th document; held-out perplexity defaults to wikitext2."""
+    train = [f"train document {i}" for i in range(25)]
+    calls = _fake_hub_datasets(monkeypatch, {"train": {"id": list(range(25)), "content": train},
+                                             "validation": {"id": [0, 1], "content": ["held 0", "held 1"]}})
+    source = get_source("me/corpus:en")
+    assert source.documents("train") == train and source.documents("test") == ["held 0", "held 1"]
+    assert calls == [("me/corpus", "en", "train", True), ("me/corpus", "en", "validation", True)]
+    assert default_eval_source("me/corpus:en") == "wikitext2"
+
+    _fake_hub_datasets(monkeypatch, {"train": {"n": list(range(25)), "story": train}})   # the only string column
+    assert get_source("me/stories").documents("test") == train[9::10]
+    assert get_source("me/stories").documents("train") == [d for i, d in enumerate(train) if i % 10 != 9]
+
+    _fake_hub_datasets(monkeypatch, {"train": {"question": ["q"], "answer": ["a"]}})
+    with pytest.raises(UserError, match=r"no single text column \(string columns: question, answer\).*\.jsonl"):
+        get_source("me/qa").documents("train")
+
+
+def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
+    from shuffleprune.calib.sources import hub_dataset_id
+
+    assert hub_dataset_id("allenai/c4") == ("allenai/c4", None)
+    assert hub_dataset_id("HuggingFaceFW/fineweb-edu:sample-10BT") == ("HuggingFaceFW/fineweb-edu", "sample-10BT")
+    assert [hub_dataset_id(s) for s in ("./a/b", "/a/b", "~/a/b", "a/b/c", "a", "a/")] == [None] * 6
+    (tmp_path / "local" / "dir").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert hub_dataset_id("local/dir") is None
+    with pytest.raises(UserError, match="unknown text source 'local/dir'"):
+        get_source("local/dir")
