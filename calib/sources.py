@@ -35,6 +35,7 @@ import torch
 
 from shuffleprune.cache import npm_package_dir, pypi_member
 from shuffleprune.errors import UserError
+from shuffleprune.hub import looks_like_hub_id
 
 OFFLINE_SOURCES = ("wiki", "brown")
 HUB_SOURCES = ("c4", "wikitext2", "wikitext103")
@@ -92,8 +93,8 @@ def hub_dataset_id(name: str) -> tuple[str, str | None] | None:
     """``(repo, config)`` of ``--calib OWNER/NAME`` or ``OWNER/NAME:CONFIG`` (any hub dataset with a
     text column); None for anything else, a local path included."""
     repo, _, config = name.partition(":")
-    parts = repo.split("/")
-    if len(parts) != 2 or not all(parts) or name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
+    owner, _, dataset = repo.partition("/")
+    if not (owner and dataset and looks_like_hub_id(repo)) or Path(name).expanduser().exists():
         return None
     return repo, config or None
 

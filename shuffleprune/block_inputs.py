@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from shuffleprune.blocks import Blocks, find_blocks, text_config
 from shuffleprune.errors import UserError
@@ -376,22 +377,32 @@ def run_block(block: nn.Module, hidden: torch.Tensor, captured: CapturedInputs, 
 
 
 @torch.no_grad()
+def run_blocks(blocks: Blocks, hidden: torch.Tensor, captured: CapturedInputs, device: torch.device,
+               batch_size: int, progress: bool = False) -> torch.Tensor:
+    """The last block's outputs for block 0's inputs ``hidden`` (kept where ``hidden`` lives): every
+    block in turn, each moved to ``device`` for its turn and back (one block on the device at a time)."""
+    for i, block in enumerate(tqdm(blocks.layers, desc="blocks", disable=not progress, leave=False)):
+        home = _module_device(block)
+        try:
+            hidden = run_block(block.to(device), hidden, captured, i, device, batch_size)
+        finally:
+            block.to(home)
+    return hidden
+
+
 def called_modules(blocks: Blocks, captured: CapturedInputs, hidden: torch.Tensor, device: torch.device,
                    modules: list[dict[str, nn.Module]]) -> set[str]:
     """The names among ``modules`` (per block: ``{name: module}``) whose forward runs when the blocks
     run, one after another, on block 0's inputs ``hidden`` (one window is enough). A layer whose
     weight the model reads directly (Mamba's ``dt_proj``: ``dt_proj.weight @ x``) is not called."""
     called: set[str] = set()
-    hidden = hidden.to(device)
-    for i, block in enumerate(blocks.layers):
-        hooks = [m.register_forward_pre_hook(lambda *_, name=name: called.add(name)) for name, m in modules[i].items()]
-        home = _module_device(block)
-        try:
-            hidden = run_block(block.to(device), hidden, captured, i, device, hidden.shape[0])
-        finally:
-            block.to(home)
-            for hook in hooks:
-                hook.remove()
+    hooks = [m.register_forward_pre_hook(lambda *_, name=name: called.add(name))
+             for block in modules for name, m in block.items()]
+    try:
+        run_blocks(blocks, hidden, captured, device, hidden.shape[0])
+    finally:
+        for hook in hooks:
+            hook.remove()
     return called
 
 

@@ -1,5 +1,6 @@
 """Is the Hugging Face hub reachable? If not, switch the HF libraries to offline mode so that a
-missing model or dataset fails at once from the local cache instead of after minutes of retries."""
+missing model or dataset fails at once from the local cache instead of after minutes of retries.
+And does a name look like a hub id rather than a local path?"""
 from __future__ import annotations
 
 import os
@@ -31,3 +32,8 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         except ImportError:  # pragma: no cover
             pass
         return False
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    """``name`` or ``owner/name`` that is not a local path (``./x``, ``/x``, ``~/x``, ``a/b/c``)."""
+    return not spec.startswith((".", "/", "~")) and spec.count("/") <= 1

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from shuffleprune.cache import cache_dir, find_installed_file, pypi_member
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.errors import UserError, reason
-from shuffleprune.hub import hub_reachable
+from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, to_plain_linears, weights_stored_permuted
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -165,11 +165,6 @@ def resolve_model_path(spec: str | None) -> str:
     if not looks_like_hub_id(spec):
         raise UserError(f"model path '{spec}' does not exist")
     return hub_snapshot(spec) or spec
-
-
-def looks_like_hub_id(spec: str) -> bool:
-    """``name`` or ``owner/name`` that is not a local path (``./x``, ``/x``, ``~/x``, ``a/b/c``)."""
-    return not spec.startswith((".", "/", "~")) and spec.count("/") <= 1
 
 
 def hub_snapshot(repo_id: str, any_repo: bool = False) -> str | None:

@@ -42,9 +42,11 @@ def fits_on_device(model: torch.nn.Module, device: torch.device, working_bytes: 
 
 def logits_bytes(model: torch.nn.Module, tokens: int) -> int:
     """What scoring ``tokens`` tokens at once holds besides the model, about: the logits in the
-    model's dtype, their float32 copy and the log-softmax (``tokens × vocab × 10`` bytes)."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 0
-    return tokens * vocab * 10
+    model's dtype, their float32 copy and the log-softmax (``tokens × vocab × 10`` bytes; the
+    vocabulary is the LM head's rows, which a multimodal model's top-level config does not give)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = head.weight.shape[0] if head is not None else getattr(getattr(model, "config", None), "vocab_size", 0)
+    return tokens * (vocab or 0) * 10
 
 
 def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2) -> tuple[float, str]:

@@ -312,6 +312,7 @@ def test_fits_on_device_weighs_the_model_and_its_logits_against_free_memory(monk
         sum(b.numel() * b.element_size() for b in model.buffers())
     work = logits_bytes(model, 512)
     assert work == 512 * 128 * 10
+    assert logits_bytes(tiny_model("gemma3"), 512) == work   # multimodal: the vocabulary is the text decoder's
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     for free, fits in ((size + work + 2**30, True), (size + work + 2**30 - 1, False)):

@@ -47,7 +47,7 @@ from shuffleprune.masks import parse_pattern
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
-from shuffleprune.deploy.sparse_experts import compress_experts, exportable_experts
+from shuffleprune.deploy.sparse_experts import compress_experts, exportable_experts, was_pruned
 
 HF_LOADER_FILE = "shuffleprune_hf.py"
 # Written next to an export so that transformers can load it too:
@@ -184,7 +184,8 @@ def _stored_map(perm: torch.Tensor | None) -> torch.Tensor | None:
 
 def export_card(fmt: dict, report: dict | None, name: str) -> str:
     """A hub-style ``README.md`` for an export: what it holds and how to load it."""
-    from shuffleprune.models import base_model_id, looks_like_hub_id
+    from shuffleprune.hub import looks_like_hub_id
+    from shuffleprune.models import base_model_id
 
     base = (report or {}).get("model")
     hub_base = base_model_id(base) if base else None
@@ -229,7 +230,8 @@ Without `trust_remote_code=True`, transformers would leave the compressed layers
 def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
                       fold: bool = True, overwrite: bool = False) -> dict:
     """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format dict."""
-    from shuffleprune.models import hub_snapshot, load_model, looks_like_hub_id
+    from shuffleprune.hub import looks_like_hub_id
+    from shuffleprune.models import hub_snapshot, load_model
 
     if not Path(pruned_dir).exists() and looks_like_hub_id(str(pruned_dir)):
         pruned_dir = hub_snapshot(str(pruned_dir), any_repo=True)  # its files, downloaded (or cached)
@@ -256,7 +258,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     for i, block in enumerate(blocks.layers):
         for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
             w = lin.weight.data
-            if (name not in pruned) if pruned is not None else not bool((w == 0).any()):
+            if not was_pruned(name, w, pruned):
                 continue  # a linear left dense (--skip / --only): stays in model.safetensors
             values, meta = compress(w, n, m, name)
             sparse[f"{name}.values"], sparse[f"{name}.meta"] = values, meta

@@ -257,14 +257,17 @@ def _register() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, nm_experts_forward)
 
 
+def was_pruned(name: str, weight: torch.Tensor, pruned: set[str] | None) -> bool:
+    """Whether the run sparsified the layer or expert matrix ``name``: named in ``pruned`` (its
+    report's layers), or, without a report, holding a zero."""
+    return name in pruned if pruned is not None else bool((weight == 0).any())
+
+
 def exportable_experts(block: nn.Module, prefix: str, pruned: set[str] | None = None) -> dict[str, dict[int, ExpertWeight]]:
-    """``{full_param_name: its experts}`` of a block's fused expert parameters whose every expert was
-    pruned: named in ``pruned`` (the run's report), or without a report, has zeros; a parameter left
-    dense, wholly or in part, stays in the dense checkpoint."""
-    def was_pruned(name: str, e: int, expert: ExpertWeight) -> bool:
-        return expert_name(name, e) in pruned if pruned is not None else bool((expert.weight == 0).any())
+    """``{full_param_name: its experts}`` of a block's fused expert parameters whose every expert
+    :func:`was_pruned`; a parameter left dense, wholly or in part, stays in the dense checkpoint."""
     return {name: experts for name, experts in experts_by_tensor(block_experts(block, prefix)).items()
-            if all(was_pruned(name, e, x) for e, x in experts.items())}
+            if all(was_pruned(expert_name(name, e), x.weight, pruned) for e, x in experts.items())}
 
 
 def compress_experts(name: str, experts: dict[int, ExpertWeight], n: int, m: int,

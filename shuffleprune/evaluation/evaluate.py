@@ -29,8 +29,8 @@ from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_
 from shuffleprune.calib import bos_token, eval_tokens, get_source
 from shuffleprune.calib.sources import HUB_SOURCES
 from shuffleprune.errors import UserError
-from shuffleprune.hub import hub_reachable
-from shuffleprune.models import LoadedModel, is_embedded, load_model, looks_like_hub_id, upcast_for_cpu
+from shuffleprune.hub import hub_reachable, looks_like_hub_id
+from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from shuffleprune.evaluation.perplexity import perplexity

@@ -53,18 +53,13 @@ def _blockwise_nll(model: nn.Module, windows: torch.Tensor, device: torch.device
     """:func:`_nll` over all windows, the blocks run one at a time on ``device`` (all windows through
     one block before the next; their hidden states kept where the model is), then the model's own
     code after its blocks (final norm, LM head, …) on ``device``."""
-    from shuffleprune.block_inputs import capture_block_inputs, logits_after_blocks, outside_blocks_on, run_block
+    from shuffleprune.block_inputs import capture_block_inputs, logits_after_blocks, outside_blocks_on, run_blocks
     from shuffleprune.blocks import find_blocks
 
     blocks = find_blocks(model)
     home = next(model.parameters()).device
     captured = capture_block_inputs(model, blocks, windows, device, batch_size)
-    hidden = captured.hidden.to(home)
-    for i, block in enumerate(tqdm(blocks.layers, desc="perplexity, block by block", disable=not progress,
-                                   leave=False)):
-        block_home = next(block.parameters()).device
-        hidden = run_block(block.to(device), hidden, captured, i, device, batch_size)
-        block.to(block_home)
+    hidden = run_blocks(blocks, captured.hidden.to(home), captured, device, batch_size, progress)
     total = 0.0
     with outside_blocks_on(model, blocks, device):
         for start in range(0, windows.shape[0], batch_size):

@@ -67,17 +67,14 @@ def apply_index_maps(model: nn.Module, maps: dict[str, torch.Tensor], weights_ar
     ``weights_are_permuted``: the model was loaded from a checkpoint of the older layout, whose
     mapped linears are stored as ``W[:, perm]``. Maps of MoE experts
     (:func:`~shuffleprune.blocks.expert_name`) are skipped: the fused tensor computes the pruned
-    model as it is and only ``export`` reads their maps; so are, in the current layout, maps of
-    other matrices stored in input order (a GPT-2 ``Conv1D`` trained by ``dst``)."""
+    model as it is and only ``export`` reads their maps. (GPT-2's ``Conv1D`` layers are linears here:
+    ``load_model`` holds them as :class:`~shuffleprune.conv1d.Conv1DAsLinear`.)"""
     for name, perm in maps.items():
         if parse_expert_name(name) is not None:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child, None)
-        if not weights_are_permuted and isinstance(linear, nn.Module) and not isinstance(linear, nn.Linear) \
-                and getattr(linear, "weight", None) is not None:
-            continue
         if not isinstance(linear, nn.Linear) or isinstance(linear, PermutedLinear):
             raise UserError(f"index map names '{name}', which is not an (unpermuted) nn.Linear of this model")
         if perm.numel() != linear.in_features:

@@ -22,8 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shuffleprune.errors import UserError, reason
-from shuffleprune.hub import hub_reachable
-from shuffleprune.models import looks_like_hub_id
+from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps, save_index_maps
 from shuffleprune.perm.pruning import PermOptions, block_permutations, model_permutations
