@@ -9,7 +9,7 @@ block's output (a model scored block by block, one block on the device at a time
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -378,28 +378,33 @@ def run_block(block: nn.Module, hidden: torch.Tensor, captured: CapturedInputs, 
 
 @torch.no_grad()
 def run_blocks(blocks: Blocks, hidden: torch.Tensor, captured: CapturedInputs, device: torch.device,
-               batch_size: int, progress: bool = False) -> torch.Tensor:
+               batch_size: int, progress: bool = False,
+               around: Callable[[nn.Module], AbstractContextManager] | None = None) -> torch.Tensor:
     """The last block's outputs for block 0's inputs ``hidden`` (kept where ``hidden`` lives): every
-    block in turn, each moved to ``device`` for its turn and back (one block on the device at a time)."""
+    block in turn, each moved to ``device`` for its turn and back (one block on the device at a time),
+    run inside ``around(block)`` where given (a trace of what the block does, on the device)."""
     for i, block in enumerate(tqdm(blocks.layers, desc="blocks", disable=not progress, leave=False)):
         home = _module_device(block)
         try:
-            hidden = run_block(block.to(device), hidden, captured, i, device, batch_size)
+            with around(block.to(device)) if around is not None else nullcontext():
+                hidden = run_block(block, hidden, captured, i, device, batch_size)
         finally:
             block.to(home)
     return hidden
 
 
 def called_modules(blocks: Blocks, captured: CapturedInputs, hidden: torch.Tensor, device: torch.device,
-                   modules: list[dict[str, nn.Module]]) -> set[str]:
+                   modules: list[dict[str, nn.Module]],
+                   around: Callable[[nn.Module], AbstractContextManager] | None = None) -> set[str]:
     """The names among ``modules`` (per block: ``{name: module}``) whose forward runs when the blocks
-    run, one after another, on block 0's inputs ``hidden`` (one window is enough). A layer whose
-    weight the model reads directly (Mamba's ``dt_proj``: ``dt_proj.weight @ x``) is not called."""
+    run, one after another, on block 0's inputs ``hidden`` (one window is enough), each block inside
+    ``around`` where given. A layer whose weight the model reads directly (Mamba's ``dt_proj``:
+    ``dt_proj.weight @ x``) is not called."""
     called: set[str] = set()
     hooks = [m.register_forward_pre_hook(lambda *_, name=name: called.add(name))
              for block in modules for name, m in block.items()]
     try:
-        run_blocks(blocks, hidden, captured, device, hidden.shape[0])
+        run_blocks(blocks, hidden, captured, device, hidden.shape[0], around=around)
     finally:
         for hook in hooks:
             hook.remove()

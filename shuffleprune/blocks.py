@@ -122,18 +122,28 @@ class ExpertWeight:
 
     transformers 5 stores a layer's experts as one parameter ``[experts, out, in]`` (``[experts, in,
     out]`` when the experts module says ``is_transposed``) and calls ``F.linear(x, P[e])`` (or
-    ``x @ P[e]``) on the tokens routed to expert ``e``. ``weight`` is the ``[out, in]`` view of
-    expert ``index`` into the parameter as it is now (the block may have moved devices), so a
-    stage writes into the model by ``weight.copy_``.
+    ``x @ P[e]``) on the tokens routed to expert ``e``. Custom layouts found by tracing a block
+    (:mod:`shuffleprune.stacked_experts`) may keep the experts stacked in a 2-D parameter: ``view`` is
+    then the 3-D shape the parameter is read as. ``weight`` is the ``[out, in]`` view of expert
+    ``index`` into the parameter as it is now (the block may have moved devices), so a stage writes
+    into the model by ``weight.copy_``.
     """
 
     owner: nn.Module
     param: str
     index: int
     transposed: bool
+    view: tuple[int, int, int] | None = None
 
     def fused(self) -> torch.Tensor:
-        return getattr(self.owner, self.param).data
+        """The parameter's data as ``[experts, out, in]`` (``[experts, in, out]`` when transposed)."""
+        data = getattr(self.owner, self.param).data
+        return data if self.view is None else data.view(self.view)
+
+    def rebuilt(self, weights: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The whole parameter with expert ``e``'s matrix replaced by ``weights[e]`` (``[out, in]``),
+        in the parameter's own shape: a new tensor, differentiable in ``weights``."""
+        return with_expert_weights(self.fused(), weights, self.transposed).reshape(getattr(self.owner, self.param).shape)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -225,7 +235,7 @@ def weight_params(root: nn.Module, layers: dict[str, "nn.Module | ExpertWeight"]
             else:
                 out[path[name]] = w
         for p, (layer, by_expert) in fused.items():
-            out[p] = with_expert_weights(layer.fused(), by_expert, layer.transposed)
+            out[p] = layer.rebuilt(by_expert)
         return out
 
     return params

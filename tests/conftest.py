@@ -52,6 +52,12 @@ def tiny_config(model_type: str = "llama", layers: int = 3, hidden: int = 64, in
         kw = dict(text_config=text, mm_tokens_per_image=4,
                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                      image_size=28, patch_size=14))
+    if model_type == "llama4_text":  # experts stacked [experts, in, out], every token through all of them (bmm)
+        kw.update(head_dim=16, num_local_experts=4, intermediate_size_mlp=inter)
+    if model_type == "dbrx":  # experts stacked in 2-D parameters [experts·ffn, hidden], one slice each
+        kw = dict(vocab_size=vocab, d_model=hidden, n_heads=4, n_layers=layers, max_seq_len=256,
+                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                  ffn_config=dict(ffn_hidden_size=inter, moe_num_experts=4, moe_top_k=2))
     if model_type == "bloom":  # ALiBi, fused query_key_value, LayerNorms
         kw = dict(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=4)
     return AutoConfig.for_model(model_type, **kw)

@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from itertools import combinations
 from pathlib import Path
 
@@ -177,6 +178,19 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     return folded
 
 
+def _kept_dense(pruned: set[str] | None, layers: dict, experts: dict) -> list[str]:
+    """The matrices the run sparsified that the export stores dense (N:M-valued, exact, not smaller):
+    experts kept in a layout of the model's own (:mod:`shuffleprune.stacked_experts`), which the
+    runtime's kernels do not serve, and a fused experts tensor pruned only in part. Warns when there are any."""
+    exported = set(layers) | {expert_name(name, e) for name, entry in experts.items() for e in range(entry["experts"])}
+    kept = sorted((pruned or set()) - exported)
+    if kept:
+        warnings.warn(f"{len(kept)} pruned matrices stay dense in the export (e.g. {kept[0]}): experts stacked in a "
+                      "layout the N:M kernels do not serve (stacked in the model's own parameters, or a fused tensor "
+                      "pruned only in part); they keep their N:M values, exactly, at the dense size", UserWarning, stacklevel=3)
+    return kept
+
+
 def _stored_map(perm: torch.Tensor | None) -> torch.Tensor | None:
     """The index map an export stores for a layer: ``None`` for none or the identity (it is omitted)."""
     return None if perm is None or torch.equal(perm.cpu(), torch.arange(perm.numel())) else perm
@@ -209,7 +223,7 @@ A [shuffleprune](https://pypi.org/project/shuffleprune/) export{f" of a model pr
 stored as their kept values plus {fmt['meta_bits']}-bit in-group positions ({fmt['pattern']}), with an
 input index map where a learned permutation could not be folded away ({len(fmt['runtime_gathers'])} layers;
 {len(fmt['folded'])} folded into the layers that produce their input). Format `{fmt['format']}` v{fmt['version']},
-{fmt['dtype']}.
+{fmt['dtype']}.{f" {len(fmt['kept_dense'])} pruned expert matrices in a layout the kernels do not serve are stored dense (N:M-valued)." if fmt.get('kept_dense') else ""}
 {f"{chr(10)}| model | perplexity |{chr(10)}|---|---|{chr(10)}{ppl_lines}{chr(10)}{ppl_note}" if ppl_lines else ""}
 ## Load it
 
@@ -278,10 +292,12 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     restored = to_plain_linears(model, keep=set(layers))  # mapped linears not exported as N:M
     if not layers and not experts_out:
         raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses the linears a pruning or dst run made N:M)")
+    kept_dense = _kept_dense(pruned, layers, experts_out)
     fmt = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "pattern": f"{n}:{m}", "n": n, "m": m,
            "meta_bits": meta_bits(m), "dtype": str(model.dtype).replace("torch.", ""),
            "layers": layers, "experts": experts_out, "folded": folded,
            "runtime_gathers": sorted(k for k, v in layers.items() if v["perm"]), "dense_restored": restored,
+           "kept_dense": kept_dense,
            "source": str(pruned_dir)}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp-"))

@@ -37,6 +37,7 @@ from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
 from shuffleprune.runtime import (fits_on_device, logits_bytes, peak_memory_mb, pick_device, reset_peak_memory,
                                   tf32_matmuls)
+from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
 
 RESUME_DIR = ".resume"
 
@@ -51,6 +52,9 @@ class PruneResult:
 def resumable(out: Path | str | None) -> bool:
     """Whether ``out`` holds the state of an interrupted run that ``--resume`` can continue."""
     return out is not None and (Path(out) / RESUME_DIR / "state.json").is_file()
+
+
+NOTHING_SELECTED = "no linear layers selected; check --only / --skip"
 
 
 def _prepare_out(out: Path | None, resume: bool, overwrite: bool) -> dict | None:
@@ -205,8 +209,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
         # every block done (only the checkpoint was left to write): no block input is needed
         hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
-    not_called = _drop_uncalled(run, run.captured.hidden[:1])
-    unseen = _dense_outside_linears(blocks, experts, not_called)
+    not_called = _trace_calls(run, run.captured.hidden[:1], config)
+    unseen = _dense_outside_linears(blocks, run.experts, not_called)
     run.captured.hidden = None
     # the unpruned model's activations, kept beside the pruned ones when a stage fits to them
     stream = "dense_stream" in spec.needs()
@@ -234,7 +238,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         t0 = time.time()
         block = blocks.layers[i].to(device)
         work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=run.linears[i], hidden=hidden,
-                           experts=experts[i])
+                           experts=run.experts[i])
         if stream:  # the block is still dense here: its outputs on the dense model's inputs
             work_i.dense_outputs = run_block(block, dense_hidden, run.captured, i, device, config.batch_size)
         _run_stages(run, work_i, state)
@@ -290,21 +294,31 @@ def _selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict],
             pattern.check_width(name, lin.in_features)
         linears.append(found)
         experts.append(found_experts)
-    if not any(linears) and not any(experts):
-        raise UserError("no linear layers selected; check --only / --skip")
+    if not any(linears) and not any(experts) and not any(weights_outside_linears(b, "") for b in blocks.layers):
+        raise UserError(NOTHING_SELECTED)   # (stacked experts, found by tracing the blocks, may still come)
     return linears, experts
 
 
-def _drop_uncalled(run: Run, hidden: torch.Tensor) -> dict[str, torch.nn.Module]:
-    """Deselect the linears the model never calls (it reads their weight directly, like Mamba's
-    ``dt_proj``): no statistics can reach them, so they stay dense, with a warning. Returns them."""
-    called = called_modules(run.blocks, run.captured, hidden, run.device, run.linears)
+def _trace_calls(run: Run, hidden: torch.Tensor, config: PruneConfig) -> dict[str, torch.nn.Module]:
+    """Run one window through the blocks and select what the forward shows: the experts a block keeps
+    stacked in its own parameters (:mod:`shuffleprune.stacked_experts`) join the run's experts, and the
+    linears the model never calls (it reads their weight directly, like Mamba's ``dt_proj``) leave
+    it: no statistics can reach them, so they stay dense, with a warning. Returns those linears."""
+    trace = MatmulTrace()
+    called = called_modules(run.blocks, run.captured, hidden, run.device, run.linears, around=trace.watch)
+    seen = {(id(getattr(e.owner, e.param)), e.index) for block in run.experts for e in block.values()}
+    for i, block in enumerate(run.blocks.layers):
+        for name, e in stacked_experts(block, f"{run.blocks.name}.{i}", trace, config.only, config.skip).items():
+            if (id(getattr(e.owner, e.param)), e.index) not in seen:
+                run.pattern.check_width(name, e.in_features)
+                run.experts[i][name] = e
+                seen.add((id(getattr(e.owner, e.param)), e.index))
     dropped = {n: lin for block in run.linears for n, lin in block.items() if n not in called}
+    run.linears = [{n: lin for n, lin in block.items() if n in called} for block in run.linears]
+    if not any(run.linears) and not any(run.experts):
+        raise UserError(f"none of the selected linears is called as a layer by this model (e.g. {next(iter(dropped))}); "
+                        "nothing can be pruned" if dropped else NOTHING_SELECTED)
     if dropped:
-        run.linears = [{n: lin for n, lin in block.items() if n in called} for block in run.linears]
-        if not any(run.linears) and not any(run.experts):
-            raise UserError(f"none of the selected linears is called as a layer by this model (e.g. {next(iter(dropped))}); "
-                            "nothing can be pruned")
         warnings.warn(f"{len(dropped)} linear layers stay dense: the model reads their weights without calling them "
                       f"as layers (e.g. {next(iter(dropped))}), so no calibration statistics reach them",
                       UserWarning, stacklevel=3)

@@ -11,14 +11,14 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from shuffleprune.blocks import ExpertWeight, expert_name, experts_by_tensor
+from shuffleprune.blocks import ExpertWeight, expert_name, experts_by_tensor, is_fused_experts
 from shuffleprune.errors import UserError
+from shuffleprune.stacked_experts import matmul_operands, operand_key
 
 
 class InputStats:
@@ -112,29 +112,29 @@ def _check_experts_seen(experts: dict[str, ExpertWeight], stats: dict[str, Input
                             f"with --skip '{layer}.*'")
 
 
-# How an eager experts forward applies one expert's slice (``x @ w`` arrives as ``Tensor.matmul``).
-_EXPERT_CALLS = (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
-
-
 class _RoutedInputs(TorchFunctionMode):
     """While active: fused experts layers run transformers' eager experts forward, and each
     ``F.linear(x, P[e])`` / ``x @ P[e]`` on an expert slice of ``experts`` passes ``x`` (the tokens
-    routed to that expert) to ``record``."""
+    routed to that expert) to ``record``. A product over all of a parameter's experts at once
+    (``torch.bmm(x, P)``, every token through every expert with its router weight folded into ``x``)
+    passes each expert its rows of ``x`` that are not zero (the tokens routed to it)."""
 
     def __init__(self, experts: dict[str, ExpertWeight], record: Callable[[str, torch.Tensor], None]):
         super().__init__()
         self.record = record
         self.experts = experts
-        self.configs = {id(e.owner.config): e.owner.config for e in experts.values()}
+        owners = [e.owner for e in experts.values() if is_fused_experts(e.owner)]
+        self.configs = {id(o.config): o.config for o in owners}
         self.saved: dict[int, str | None] = {}
 
     def __enter__(self):
-        # Keyed by where each expert's slice starts and its shape as the layer passes it (so a whole
-        # fused parameter, which starts at expert 0, is not taken for it).
-        self.slices = {}
+        # Keyed by each operand's start, shape and strides as the layer passes it ([in, out]): one
+        # expert's slice, or all of a parameter's experts as [experts, in, out].
+        self.slices, self.stacks = {}, {}
         for name, e in self.experts.items():
-            view = e.fused()[e.index]
-            self.slices[(view.data_ptr(), tuple(view.shape), not e.transposed)] = name
+            self.slices[operand_key(e.weight.t())] = name
+            stack = e.fused() if e.transposed else e.fused().transpose(1, 2)
+            self.stacks.setdefault(operand_key(stack), {})[e.index] = name
         for key, config in self.configs.items():
             self.saved[key] = config._experts_implementation
             config._experts_implementation = "eager"
@@ -146,15 +146,20 @@ class _RoutedInputs(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _EXPERT_CALLS:
-            x = args[0] if args else kwargs.get("input")
-            w = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
-            if isinstance(w, torch.Tensor) and w.dim() == 2:
-                name = self.slices.get((w.data_ptr(), tuple(w.shape), func is F.linear))
+        operands = matmul_operands(func, args, kwargs)
+        if operands is not None:
+            x, w = operands
+            if w.dim() == 2:
+                name = self.slices.get(operand_key(w))
                 if name is not None:
                     self.record(name, x)
-        return func(*args, **kwargs)
+            elif x.dim() == 3 and x.shape[0] == w.shape[0]:
+                for e, name in self.stacks.get(operand_key(w), {}).items():
+                    rows = x[e]
+                    rows = rows[rows.abs().amax(-1) > 0]
+                    if rows.shape[0]:
+                        self.record(name, rows)
+        return func(*args, **(kwargs or {}))
 
 
 def input_groups(stats: dict[str, InputStats]) -> list[list[str]]:

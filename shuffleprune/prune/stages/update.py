@@ -97,9 +97,8 @@ class BlockReconstruction(Stage):
         tensors = {n: lin.weight for n, lin in work.linears.items()}
         for name, experts in experts_by_tensor(work.experts).items():
             first = next(iter(experts.values()))
-            fused = getattr(first.owner, first.param)
-            if len(experts) == fused.shape[0]:
-                tensors[name] = fused
+            if len(experts) == first.fused().shape[0]:
+                tensors[name] = getattr(first.owner, first.param)
         param_of = {n: n[len(work.prefix) + 1:] + (".weight" if n in work.linears else "") for n in tensors}
         dtype = {n: t.dtype for n, t in tensors.items()}
 

@@ -1,0 +1,203 @@
+"""Experts stacked in a model's own parameters (outside transformers' experts interface), found by
+tracing the block's matrix products: Llama 4 (one bmm over [experts, in, out], every token through
+every expert with its router weight folded into the input) and DBRX (2-D [experts·ffn, hidden]
+parameters, one slice per expert, w2 read the other way round)."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from shuffleprune.blocks import find_blocks
+from shuffleprune.masks import Pattern, satisfies_nm
+from shuffleprune.prune import prune
+from shuffleprune.prune.input_stats import collect_input_stats
+from shuffleprune.prune.methods import wanda
+from shuffleprune.stacked_experts import MatmulTrace, expert_layout, stacked_experts
+from conftest import flat_config, make_tokenizer, tiny_model
+
+
+def _traced(model, block_index: int, ids: torch.Tensor) -> dict:
+    blocks = find_blocks(model)
+    trace = MatmulTrace()
+    with trace.watch(blocks.layers[block_index]), torch.no_grad():
+        model(ids)
+    return stacked_experts(blocks.layers[block_index], f"{blocks.name}.{block_index}", trace)
+
+
+def _reference_matrices(model_type: str, model, i: int) -> dict[str, torch.Tensor]:
+    """Each expert's matrix as its forward applies it, ``[out, in]``, read from the modules by hand."""
+    if model_type == "llama4_text":
+        ex = model.model.layers[i].feed_forward.experts
+        prefix = f"model.layers.{i}.feed_forward.experts"
+        return {**{f"{prefix}.gate_up_proj[{e}]": ex.gate_up_proj[e].t() for e in range(4)},
+                **{f"{prefix}.down_proj[{e}]": ex.down_proj[e].t() for e in range(4)}}
+    mlp = model.transformer.blocks[i].ffn.experts.mlp
+    prefix = f"transformer.blocks.{i}.ffn.experts.mlp"
+    split = lambda p: p.view(4, 128, 64)  # noqa: E731  (ffn 128, hidden 64)
+    return {**{f"{prefix}.w1[{e}]": split(mlp.w1)[e] for e in range(4)},
+            **{f"{prefix}.v1[{e}]": split(mlp.v1)[e] for e in range(4)},
+            **{f"{prefix}.w2[{e}]": split(mlp.w2)[e].t() for e in range(4)}}
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "dbrx"])
+def test_the_trace_finds_each_stacked_expert_the_way_round_its_forward_reads_it(model_type):
+    model = tiny_model(model_type, layers=2)
+    found = _traced(model, 1, torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0)))
+    want = _reference_matrices(model_type, model, 1)
+    assert sorted(found) == sorted(want)          # only the experts: no linear, no router, no norm
+    for name, expert in found.items():
+        assert expert.weight.data_ptr() == want[name].data_ptr() and torch.equal(expert.weight, want[name]), name
+        assert expert.weight.stride() == want[name].stride(), name   # a view: a stage's copy_ lands in the model
+    name = next(iter(found))
+    expert, param = found[name], getattr(found[name].owner, found[name].param).detach()
+    rebuilt = expert.rebuilt({expert.index: torch.zeros_like(expert.weight)}).detach()
+    assert rebuilt.shape == param.shape and rebuilt.abs().sum() > 0
+    assert float(expert.weight.abs().sum()) > 0    # exactly that expert replaced:
+    assert float((rebuilt - param).abs().sum()) == pytest.approx(float(expert.weight.abs().sum()), rel=1e-5)
+
+
+def _routed_inputs(model_type: str, model, i: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per expert matrix: the rows its forward multiplies (the tokens routed to it), by hand from the
+    experts layer's call and its own weights."""
+    seen = {}
+    if model_type == "llama4_text":
+        moe = model.model.layers[i].feed_forward
+        h1 = moe.router.register_forward_hook(lambda m, a, out: seen.update(scores=out[0]))
+        h2 = moe.experts.register_forward_pre_hook(lambda m, a: seen.update(x=a[0]))
+    else:
+        moe = model.transformer.blocks[i].ffn
+        h1 = moe.experts.register_forward_pre_hook(lambda m, a: seen.update(x=a[0].reshape(-1, 64), top=a[1]))
+        h2 = None
+    with torch.no_grad():
+        model(ids)
+    h1.remove()
+    if h2 is not None:
+        h2.remove()
+    mats, out = _reference_matrices(model_type, model, i), {}
+    for name, w in mats.items():
+        e = int(name[name.rindex("[") + 1:-1])
+        if model_type == "llama4_text":
+            x = seen["x"].view(4, -1, 64)[e][seen["scores"][:, e] != 0]
+            gate, up = (x @ mats[name.replace("down_proj", "gate_up_proj")].t()).chunk(2, dim=-1)
+            h = up * moe.experts.act_fn(gate)
+            out[name] = x if "gate_up" in name else h
+        else:
+            x = seen["x"][(seen["top"] == e).any(-1)]
+            prefix = name[:name.rindex(".")]
+            h = moe.experts.mlp.activation_fn(x @ mats[f"{prefix}.w1[{e}]"].t()) * (x @ mats[f"{prefix}.v1[{e}]"].t())
+            out[name] = h if ".w2[" in name else x
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "dbrx"])
+def test_each_stacked_expert_gets_the_statistics_of_the_tokens_routed_to_it(model_type):
+    model = tiny_model(model_type, layers=2)
+    ids = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(1))
+    experts = _traced(model, 1, ids[:1])
+    with collect_input_stats(experts, gram=True) as stats, torch.no_grad():
+        model(ids)
+    want = _routed_inputs(model_type, model, 1, ids)
+    top_k = 1 if model_type == "llama4_text" else 2
+    firsts = [n for n in want if n.endswith("gate_up_proj[0]") or ".w1[" in n or "gate_up" in n]
+    assert sum(stats[n].tokens for n in firsts) == 3 * 12 * top_k   # every token, in its top-k experts
+    for name, x in want.items():
+        assert stats[name].tokens == x.shape[0], name
+        torch.testing.assert_close(stats[name].gram, x.t() @ x, rtol=1e-4, atol=1e-5)
+
+
+def test_stacked_experts_are_pruned_in_place_and_exported_dense_and_exact(text_file, tmp_path):
+    """Wanda on a Llama 4 text model: every expert matrix is 2:4 in the checkpoint plain transformers
+    loads, with Wanda's mask on that expert's routed tokens; almost nothing is left outside pruning;
+    the export keeps the experts dense (listed, with a warning) and loads to the pruned logits."""
+    import shuffleprune
+    from shuffleprune.calib import calibration_windows, get_source
+    from shuffleprune.deploy.export import export_checkpoint
+
+    src = tmp_path / "llama4"
+    tiny_model("llama4_text", layers=2).save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    dense = AutoModelForCausalLM.from_pretrained(src).eval()
+    tokens = calibration_windows(get_source(str(text_file)), make_tokenizer(), 6, 32, 0)
+    experts0 = _traced(dense, 0, tokens[:1])
+    with collect_input_stats(experts0, gram=False) as want, torch.no_grad():
+        dense(tokens)
+    cfg = flat_config(model=str(src), calib=str(text_file), eval_text=None, nsamples=6, seqlen=32, batch_size=4,
+                      method="wanda", pattern="2:4")
+    report = prune(cfg, out=tmp_path / "out", progress=False).report
+    rows = {r["name"]: r for r in report["layers"] if r.get("expert")}
+    assert len(rows) == 2 * 2 * 4 and report["nm_ok"] is True
+    assert report["outside_linears"]["share"] < 0.01   # the routers only (was 76 % before the trace)
+    assert sum(rows[f"model.layers.0.feed_forward.experts.gate_up_proj[{e}]"]["routed_tokens"] for e in range(4)) \
+        == 6 * 32
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    pattern = Pattern(2, 4)
+    for i in range(2):
+        for name, w in _reference_matrices("llama4_text", pruned, i).items():
+            assert satisfies_nm(w, 2, 4), name
+    mats_dense, mats_pruned = (_reference_matrices("llama4_text", m, 0) for m in (dense, pruned))
+    for name, stats in want.items():
+        expected = wanda(mats_dense[name].float(), stats, pattern)
+        assert torch.equal(mats_pruned[name] != 0, expected != 0), name
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fmt = export_checkpoint(tmp_path / "out", tmp_path / "exported")
+    assert fmt["kept_dense"] == sorted(rows)
+    assert any("16 pruned matrices stay dense in the export" in str(w.message) for w in caught)
+    assert "16 pruned expert matrices in a layout the kernels do not serve" in (tmp_path / "exported" / "README.md").read_text()
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, pruned(ids).logits,
+                                   rtol=0, atol=1e-5)
+
+
+def test_learned_maps_reach_stacked_experts(text_file, tmp_path):
+    """A DBRX with learned index maps: each expert matrix is 2:4 in its own map's column order."""
+    from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
+    from shuffleprune.prune import PruneConfig
+
+    src = tmp_path / "dbrx"
+    tiny_model("dbrx", layers=2).save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    cfg = PruneConfig.build("balanced", model=str(src), calib=str(text_file), eval_text=None, nsamples=4, seqlen=32,
+                            batch_size=4, pattern="2:4", perm="learned", perm_steps=3, perm_block=16)
+    report = prune(cfg, out=tmp_path / "out", progress=False).report
+    maps = load_index_maps(tmp_path / "out" / INDEX_MAPS)
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    mats = {**_reference_matrices("dbrx", pruned, 0), **_reference_matrices("dbrx", pruned, 1)}
+    assert set(mats) <= set(maps) and report["nm_ok"] is True
+    assert sum(not torch.equal(maps[n], torch.arange(maps[n].numel())) for n in mats) > len(mats) // 2
+    for name, w in mats.items():
+        assert satisfies_nm(w[:, maps[name]], 2, 4), name
+
+
+class _TwoWays(nn.Module):
+    """Stacked matrices read whole by a bmm and again in part (the first rows of one of them): two
+    tilings, so the trace leaves the parameter alone; and a parameter holding one matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack = nn.Parameter(torch.randn(4, 8, 8))
+        self.single = nn.Parameter(torch.randn(8, 8))   # one matrix, not a stack of experts
+
+    def forward(self, x):
+        y = torch.bmm(x.expand(4, -1, -1), self.stack).sum(0)
+        return y + x[0][:, :4] @ self.stack[2][:4] + x[0] @ self.single.t()
+
+
+def test_a_parameter_read_in_part_or_holding_one_matrix_is_not_taken_for_experts():
+    module = _TwoWays()
+    trace = MatmulTrace()
+    with trace.watch(module):
+        module(torch.randn(1, 5, 8))
+    assert stacked_experts(module, "m", trace) == {}
+    p = torch.randn(3, 6, 10)
+    assert expert_layout(p, p) == ((3, 6, 10), True)                       # bmm(x, P): [experts, in, out]
+    assert expert_layout(p.transpose(1, 2), p) == ((3, 6, 10), False)      # bmm(x, Pᵀ): stored [out, in]
+    assert expert_layout(p[1], p) == ((3, 6, 10), True)                    # x @ P[1]
+    assert expert_layout(p[1, :, :5], p) is None and expert_layout(p[1, 1:], p) is None
+    flat = torch.randn(30, 10)                                             # DBRX: [experts·rows, cols]
+    assert expert_layout(flat.view(3, 10, 10)[2].t(), flat) == ((3, 10, 10), False)
+    assert expert_layout(flat, flat) is None                               # the whole 2-D parameter: one matrix
