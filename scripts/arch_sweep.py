@@ -10,9 +10,10 @@ and their move to the norms are exercised) and exported; the export is loaded wi
 layers and at their producers, and for MoE models once more with the experts run by the grouped
 kernel (``kernel_grouped_experts``, interpreted). A family passes when all give the pruned model's
 logits (max absolute difference ≤ 1e-4). Each row records that difference, the pruned and compressed layer
-counts (and the experts' matrices of fused MoE layers, pruned in place and compressed by the export,
-and how many of those read their input through their own index map),
-the share of the blocks' weights left outside ``nn.Linear`` layers and fused experts, the time, or the
+counts (and the experts' matrices of MoE layers, fused or stacked in the model's own parameters,
+pruned in place and compressed by the export, how many of those read their input through their own
+index map, and how many pruned matrices the export had to keep dense),
+the share of the blocks' weights left outside ``nn.Linear`` layers and experts, the time, or the
 error. Results: ``scripts/results/arch_sweep.json`` (rewritten after every family).
 """
 from __future__ import annotations
@@ -140,7 +141,7 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
     return {"model_type": model_type, "ok": max(diffs.values()) <= 1e-4, "max_abs_logit_diff": diffs,
             "pruned_layers": len(result.report["layers"]), "nm_ok": result.report["nm_ok"],
             "pruned_experts": sum(bool(l.get("expert")) for l in result.report["layers"]),
-            "compressed_layers": compressed, "compressed_experts": experts,
+            "compressed_layers": compressed, "compressed_experts": experts, "kept_dense": len(fmt["kept_dense"]),
             "experts_with_maps": mapped, "folded_maps": len(fmt["folded"]),
             "outside_linears_share": result.report["outside_linears"]["share"],
             "seconds": round(time.time() - t0, 1)}

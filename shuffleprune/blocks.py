@@ -3,8 +3,9 @@
 ``find_blocks`` locates the decoder block list (the largest ``ModuleList`` of blocks that all
 contain linear layers), ``block_linears`` lists a block's ``nn.Linear`` layers filtered by
 ``--only`` / ``--skip`` globs, ``block_experts`` the expert matrices of its fused MoE layers (each
-seen as a linear's weight, :class:`ExpertWeight`), and ``weights_outside_linears`` what neither
-reaches. How blocks are called and run alone is :mod:`shuffleprune.block_inputs`. No branch looks
+seen as a linear's weight, :class:`ExpertWeight`; experts in a layout of the model's own are found
+by tracing a block, :mod:`shuffleprune.stacked_experts`), and ``weights_outside_linears`` what
+none reaches. How blocks are called and run alone is :mod:`shuffleprune.block_inputs`. No branch looks
 at the model's name.
 """
 from __future__ import annotations
@@ -134,6 +135,7 @@ class ExpertWeight:
     index: int
     transposed: bool
     view: tuple[int, int, int] | None = None
+    scope: str | None = None   # a traced layout's: the module whose forward holds every use (where a load serves it)
 
     def fused(self) -> torch.Tensor:
         """The parameter's data as ``[experts, out, in]`` (``[experts, in, out]`` when transposed)."""
@@ -246,8 +248,9 @@ OUTSIDE_LINEARS_WARN_SHARE = 0.05   # above this share of the blocks' matrix wei
 
 def weights_outside_linears(block: nn.Module, prefix: str) -> dict[str, int]:
     """``{full_name: numel}`` of a block's matrices (parameters of 2 dims or more) held outside
-    :func:`is_plain_linear` layers: fused MoE experts (which prune reaches through
-    :func:`block_experts`; the driver counts those it selected as seen), routers, other custom weights."""
+    :func:`is_plain_linear` layers: MoE experts (which prune reaches through :func:`block_experts` and
+    :mod:`shuffleprune.stacked_experts`; the driver counts those it selected as seen), routers, other
+    custom weights."""
     found = {}
     for sub, module in block.named_modules():
         if is_plain_linear(module):

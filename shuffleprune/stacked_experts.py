@@ -12,6 +12,7 @@ slices that are not whole experts, is left alone (it stays dense, counted in the
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from shuffleprune.blocks import ExpertWeight, expert_name, is_fused_experts, is_plain_linear, _join, _selected
+from shuffleprune.blocks import (Blocks, ExpertWeight, expert_name, is_fused_experts, is_plain_linear, text_config,
+                                  _join, _selected)
 
 # Matrix products ``x · w`` as a forward may write them (``x @ w`` arrives as ``Tensor.__matmul__``).
 _LINEAR = (F.linear,)
@@ -59,8 +61,10 @@ def expert_layout(w: torch.Tensor, param: torch.Tensor) -> Layout | None:
     expert is stored ``[in, out]``. ``None`` for a view that is not a whole expert (or of only one)."""
     if not param.is_contiguous():
         return None
-    size = param.element_size()
-    offset, rest = divmod(w.data_ptr() - param.data_ptr(), size)
+    if param.is_meta:   # an export's stand-in: no addresses, the same offsets
+        offset, rest = w.storage_offset() - param.storage_offset(), 0
+    else:
+        offset, rest = divmod(w.data_ptr() - param.data_ptr(), param.element_size())
     rows, cols = w.shape[-2:]
     chunk = rows * cols
     if rest or rows < 2 or cols < 2 or param.numel() % chunk or offset % chunk:
@@ -78,40 +82,77 @@ def expert_layout(w: torch.Tensor, param: torch.Tensor) -> Layout | None:
 
 class MatmulTrace(TorchFunctionMode):
     """While a block runs inside :meth:`watch`: the layouts its matrix products read its candidate
-    parameters in (those of dims ≥ 2 outside linears and transformers' experts layers)."""
+    parameters in (those of dims ≥ 2 outside linears and transformers' experts layers), and the
+    innermost module whose forward holds every use of each (its *scope*: where a load serves them)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.params: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}
         self.seen: dict[tuple[int, str], tuple[nn.Module, str, set]] = {}
+        self.scopes: dict[tuple[int, str], tuple[str, ...]] = {}
+        self.stack: list[str] = []
 
-    def watch(self, block: nn.Module) -> "MatmulTrace":
-        """Trace ``block`` (on the device it runs on) while the returned mode is active."""
-        self.params = {}
+    @contextmanager
+    def watch(self, block: nn.Module) -> Iterator["MatmulTrace"]:
+        """Trace ``block`` (on the device it runs on) while it runs inside this context."""
+        self.params, self.stack = {}, []
         for module in block.modules():
             if is_plain_linear(module) or is_fused_experts(module):
                 continue
             for name, p in module.named_parameters(recurse=False):
                 if p.dim() >= 2:
                     self.params[p.untyped_storage().data_ptr()] = (module, name, p)
-        return self
+        names = {id(m): n for n, m in block.named_modules()}
+
+        def enter(module: nn.Module, _args) -> None:
+            self.stack.append(names[id(module)])
+
+        def leave(_module: nn.Module, _args, _out) -> None:
+            self.stack.pop()
+
+        hooks = [h for m in block.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+        try:
+            with self:
+                yield self
+        finally:
+            for h in hooks:
+                h.remove()
+            self.params = {}
+
+    def _uses(self, args: tuple, kwargs: dict | None) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+        """The candidate parameters among a call's tensor arguments."""
+        for a in (*args, *(kwargs or {}).values()):
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.is_meta:
+                found = self.params.get(a.untyped_storage().data_ptr())
+                if found is not None:
+                    yield found
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        operands = matmul_operands(func, args, kwargs) if self.params else None
-        if operands is not None:
-            w = operands[1]
-            found = self.params.get(w.untyped_storage().data_ptr())
-            if found is not None:
-                module, name, p = found
-                entry = self.seen.setdefault((id(module), name), (module, name, set()))
-                entry[2].add(expert_layout(w, p))
+        if self.params:
+            for module, name, _ in self._uses(args, kwargs):
+                path = tuple(self.stack)
+                known = self.scopes.setdefault((id(module), name), path)
+                common = 0
+                while common < min(len(known), len(path)) and known[common] == path[common]:
+                    common += 1
+                self.scopes[(id(module), name)] = known[:common]
+            operands = matmul_operands(func, args, kwargs)
+            if operands is not None:
+                w = operands[1]
+                found = self.params.get(w.untyped_storage().data_ptr()) if w.layout == torch.strided else None
+                if found is not None:
+                    module, name, p = found
+                    entry = self.seen.setdefault((id(module), name), (module, name, set()))
+                    entry[2].add(expert_layout(w, p))
         return func(*args, **(kwargs or {}))
 
-    def layouts(self) -> Iterator[tuple[nn.Module, str, Layout]]:
-        """Each traced parameter read in exactly one experts layout, with that layout."""
-        for module, name, layouts in self.seen.values():
+    def layouts(self) -> Iterator[tuple[nn.Module, str, Layout, str]]:
+        """Each traced parameter read in exactly one experts layout: with that layout and its scope
+        (a module path inside the block; ``""`` for the block itself)."""
+        for key, (module, name, layouts) in self.seen.items():
             if len(layouts) == 1 and None not in layouts:
-                yield module, name, next(iter(layouts))
+                scope = self.scopes.get(key, ())
+                yield module, name, next(iter(layouts)), scope[-1] if scope else ""
 
 
 def stacked_experts(block: nn.Module, prefix: str, trace: MatmulTrace, only: list[str] | None = None,
@@ -121,11 +162,24 @@ def stacked_experts(block: nn.Module, prefix: str, trace: MatmulTrace, only: lis
     and filtered by the same globs."""
     paths = {id(m): sub for sub, m in block.named_modules()}
     found = {}
-    for module, pname, (view, transposed) in trace.layouts():
+    for module, pname, (view, transposed), scope in trace.layouts():
         if id(module) not in paths:
             continue
         for e in range(view[0]):
             full = expert_name(_join(prefix, paths[id(module)], pname), e)
             if _selected(full, only, skip):
-                found[full] = ExpertWeight(module, pname, e, transposed, view)
+                found[full] = ExpertWeight(module, pname, e, transposed, view, _join(prefix, scope))
     return found
+
+
+def traced_stacked_experts(model: nn.Module, blocks: Blocks) -> list[dict[str, ExpertWeight]]:
+    """Per block, :func:`stacked_experts` as one forward of a fixed random probe sequence shows them."""
+    from shuffleprune.block_inputs import capture_block_inputs, run_blocks
+
+    tokens = torch.randint(0, text_config(model).vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    device = next(model.parameters()).device
+    captured = capture_block_inputs(model, blocks, tokens, device, 1)
+    trace = MatmulTrace()
+    with torch.no_grad():
+        run_blocks(blocks, captured.hidden, captured, device, 1, around=trace.watch)
+    return [stacked_experts(block, f"{blocks.name}.{i}", trace) for i, block in enumerate(blocks.layers)]

@@ -695,14 +695,16 @@ def test_moe_experts_export_compressed_and_run_from_their_sparse_layers(model_ty
 
 
 def test_exports_of_format_version_1_still_load(pruned_perm_dir, tmp_path):
-    """Version 2 added the experts; a version-1 export (linears only) loads as before, a newer one is refused."""
-    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    """Version 2 added the experts, 3 experts in a model's own layout (an export without those is still
+    written as v2, for older readers); a version-1 export (linears only) loads as before, a newer one
+    is refused."""
+    fmt = export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    assert fmt["version"] == 2
     fmt_file = tmp_path / "exported" / "shuffleprune_format.json"
-    fmt = json.loads(fmt_file.read_text())
     fmt_file.write_text(json.dumps({**{k: v for k, v in fmt.items() if k != "experts"}, "version": 1}))
     assert sum(isinstance(m, SparseLinear) for m in shuffleprune.load(str(tmp_path / "exported")).modules()) > 0
-    fmt_file.write_text(json.dumps({**fmt, "version": 3}))
-    with pytest.raises(UserError, match="reads shuffleprune.nm v1, v2"):
+    fmt_file.write_text(json.dumps({**fmt, "version": 4}))
+    with pytest.raises(UserError, match="reads shuffleprune.nm v1, v2, v3"):
         shuffleprune.load(str(tmp_path / "exported"))
 
 

@@ -2,8 +2,6 @@
 tracing the block's matrix products: Llama 4 (one bmm over [experts, in, out], every token through
 every expert with its router weight folded into the input) and DBRX (2-D [experts·ffn, hidden]
 parameters, one slice per expert, w2 read the other way round)."""
-import warnings
-
 import pytest
 import torch
 from torch import nn
@@ -107,13 +105,15 @@ def test_each_stacked_expert_gets_the_statistics_of_the_tokens_routed_to_it(mode
         torch.testing.assert_close(stats[name].gram, x.t() @ x, rtol=1e-4, atol=1e-5)
 
 
-def test_stacked_experts_are_pruned_in_place_and_exported_dense_and_exact(text_file, tmp_path):
+def test_stacked_experts_are_pruned_in_place_and_served_compressed(text_file, tmp_path):
     """Wanda on a Llama 4 text model: every expert matrix is 2:4 in the checkpoint plain transformers
     loads, with Wanda's mask on that expert's routed tokens; almost nothing is left outside pruning;
-    the export keeps the experts dense (listed, with a warning) and loads to the pruned logits."""
+    the export compresses every expert, and the loaded model holds no dense copy of them and gives
+    the pruned logits (its own forward, its bmm over all experts served by the compressed ones)."""
     import shuffleprune
     from shuffleprune.calib import calibration_windows, get_source
     from shuffleprune.deploy.export import export_checkpoint
+    from shuffleprune.deploy.sparse_experts import SparseExperts, set_experts_mode
 
     src = tmp_path / "llama4"
     tiny_model("llama4_text", layers=2).save_pretrained(src)
@@ -141,16 +141,21 @@ def test_stacked_experts_are_pruned_in_place_and_exported_dense_and_exact(text_f
         expected = wanda(mats_dense[name].float(), stats, pattern)
         assert torch.equal(mats_pruned[name] != 0, expected != 0), name
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fmt = export_checkpoint(tmp_path / "out", tmp_path / "exported")
-    assert fmt["kept_dense"] == sorted(rows)
-    assert any("16 pruned matrices stay dense in the export" in str(w.message) for w in caught)
-    assert "16 pruned expert matrices in a layout the kernels do not serve" in (tmp_path / "exported" / "README.md").read_text()
+    fmt = export_checkpoint(tmp_path / "out", tmp_path / "exported")
+    assert fmt["kept_dense"] == [] and fmt["version"] == 3
+    entry = fmt["experts"]["model.layers.1.feed_forward.experts.down_proj"]
+    assert entry["stacked"] == {"view": [4, 128, 64], "scope": "model.layers.1.feed_forward.experts"}
+    assert entry["transposed"] is True and entry["shape"] == [64, 128]
+    loaded = shuffleprune.load(str(tmp_path / "exported"))
+    experts = loaded.model.layers[1].feed_forward.experts
+    assert experts.gate_up_proj.is_meta and "gate_up_proj" not in dict(loaded.named_parameters())
+    assert isinstance(experts.nm_experts["down_proj"], SparseExperts)
     ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        torch.testing.assert_close(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, pruned(ids).logits,
-                                   rtol=0, atol=1e-5)
+        want = pruned(ids).logits
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)   # expert by expert (CPU)
+        assert set_experts_mode(loaded, "grouped") == 4
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)   # one grouped launch (interpreted)
 
 
 def test_learned_maps_reach_stacked_experts(text_file, tmp_path):
@@ -171,6 +176,19 @@ def test_learned_maps_reach_stacked_experts(text_file, tmp_path):
     assert sum(not torch.equal(maps[n], torch.arange(maps[n].numel())) for n in mats) > len(mats) // 2
     for name, w in mats.items():
         assert satisfies_nm(w[:, maps[name]], 2, 4), name
+    # each expert compressed in its map's order and read through it; DBRX's own loop over the experts
+    # it routes to, each slice of the stand-in served by that expert
+    import shuffleprune
+    from shuffleprune.deploy.export import export_checkpoint
+
+    fmt = export_checkpoint(tmp_path / "out", tmp_path / "exported")
+    assert fmt["kept_dense"] == [] and len(fmt["experts"]) == 2 * 3
+    assert all(e["perm"] and e["stacked"]["scope"].endswith("ffn.experts") for e in fmt["experts"].values())
+    assert [e["transposed"] for e in fmt["experts"].values()][:3] == [False, False, True]   # w1, v1, w2
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, pruned(ids).logits,
+                                   rtol=0, atol=1e-5)
 
 
 class _TwoWays(nn.Module):
@@ -201,3 +219,53 @@ def test_a_parameter_read_in_part_or_holding_one_matrix_is_not_taken_for_experts
     flat = torch.randn(30, 10)                                             # DBRX: [experts·rows, cols]
     assert expert_layout(flat.view(3, 10, 10)[2].t(), flat) == ((3, 10, 10), False)
     assert expert_layout(flat, flat) is None                               # the whole 2-D parameter: one matrix
+
+
+def test_experts_pruned_only_in_part_stay_dense_in_the_export_listed_and_exact(text_file, tmp_path):
+    import warnings
+
+    import shuffleprune
+    from shuffleprune.deploy.export import export_checkpoint
+
+    src = tmp_path / "llama4"
+    tiny_model("llama4_text", layers=2).save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    cfg = flat_config(model=str(src), calib=str(text_file), eval_text=None, nsamples=4, seqlen=32, batch_size=4,
+                      method="wanda", pattern="2:4", skip=["*.1.feed_forward.experts.gate_up_proj[[]2]"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = prune(cfg, out=tmp_path / "out", progress=False).report
+    assert "model.layers.1.feed_forward.experts.gate_up_proj[2]" not in {r["name"] for r in report["layers"]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fmt = export_checkpoint(tmp_path / "out", tmp_path / "exported")
+    assert fmt["kept_dense"] == [f"model.layers.1.feed_forward.experts.gate_up_proj[{e}]" for e in (0, 1, 3)]
+    assert "model.layers.1.feed_forward.experts.gate_up_proj" not in fmt["experts"] and len(fmt["experts"]) == 3
+    assert any("3 pruned matrices stay dense in the export" in str(w.message) for w in caught)
+    assert "3 pruned expert matrices in a layout the kernels do not serve" in (tmp_path / "exported" / "README.md").read_text()
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    loaded = shuffleprune.load(str(tmp_path / "exported"))
+    assert not loaded.model.layers[1].feed_forward.experts.gate_up_proj.is_meta   # the dense one, as pruned
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, pruned(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_a_stacked_expert_read_in_a_way_the_export_did_not_see_is_refused():
+    from shuffleprune.deploy.sparse_experts import SparseExperts, StackedProducts
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.errors import UserError
+
+    weights = torch.randn(3, 8, 16) * (torch.arange(16) % 4 < 2)          # 3 experts [out 8, in 16], 2:4
+    parts = [compress(w, 2, 4, f"e{i}") for i, w in enumerate(weights)]
+    experts = SparseExperts(torch.stack([v for v, _ in parts]), torch.stack([m for _, m in parts]), 16, 2, 4,
+                            None, [False] * 3)
+    stand_in = torch.empty(3, 8, 16, device="meta")                       # stored [experts, out, in]
+    x = torch.randn(5, 16)
+    with StackedProducts({id(stand_in): (stand_in, experts, (3, 8, 16), False)}):
+        y = torch.nn.functional.linear(x, stand_in[1])                    # one expert, as seen
+        z = torch.bmm(x.expand(3, 5, 16), stand_in.transpose(1, 2))       # all of them at once
+        with pytest.raises(UserError, match="in a way its export did not see"):
+            x[:, :8] @ stand_in[1][:, :8]                                 # a part of one
+    torch.testing.assert_close(y, x @ weights[1].t())
+    torch.testing.assert_close(z, torch.stack([x @ w.t() for w in weights]))

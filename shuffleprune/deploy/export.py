@@ -49,6 +49,7 @@ from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_map
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
 from shuffleprune.deploy.sparse_experts import compress_experts, exportable_experts, was_pruned
+from shuffleprune.stacked_experts import traced_stacked_experts
 
 HF_LOADER_FILE = "shuffleprune_hf.py"
 # Written next to an export so that transformers can load it too:
@@ -268,6 +269,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     expert_maps = {name: perm for name, perm in maps.items() if parse_expert_name(name) is not None}
     blocks = find_blocks(model)
     pruned = _pruned_names(kind, report)
+    stacked = traced_stacked_experts(model, blocks) if any(parse_expert_name(n) for n in pruned or ()) else None
     sparse, layers, experts_out, skip_keys = {}, {}, {}, set()
     for i, block in enumerate(blocks.layers):
         for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
@@ -283,7 +285,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
                 sparse[f"{name}.bias"] = lin.bias.data.contiguous()
             layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
             skip_keys.update({f"{name}.weight", f"{name}.bias"})
-        for name, experts in exportable_experts(block, f"{blocks.name}.{i}", pruned).items():
+        for name, experts in exportable_experts(block, f"{blocks.name}.{i}", pruned, stacked and stacked[i]).items():
             stored = {e: _stored_map(expert_maps.get(expert_name(name, e))) for e in experts}
             tensors, experts_out[name] = compress_experts(name, experts, n, m,
                                                           {e: p for e, p in stored.items() if p is not None})
@@ -293,7 +295,8 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     if not layers and not experts_out:
         raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses the linears a pruning or dst run made N:M)")
     kept_dense = _kept_dense(pruned, layers, experts_out)
-    fmt = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "pattern": f"{n}:{m}", "n": n, "m": m,
+    version = FORMAT_VERSION if any("stacked" in e for e in experts_out.values()) else 2   # readable by older ones
+    fmt = {"format": FORMAT_NAME, "version": version, "pattern": f"{n}:{m}", "n": n, "m": m,
            "meta_bits": meta_bits(m), "dtype": str(model.dtype).replace("torch.", ""),
            "layers": layers, "experts": experts_out, "folded": folded,
            "runtime_gathers": sorted(k for k, v in layers.items() if v["perm"]), "dense_restored": restored,

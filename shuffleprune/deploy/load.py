@@ -22,8 +22,9 @@ from shuffleprune.errors import UserError
 
 FORMAT_FILE = "shuffleprune_format.json"
 SPARSE_FILE = "sparse.safetensors"
-FORMAT_NAME, FORMAT_VERSION = "shuffleprune.nm", 2
-READABLE_VERSIONS = (1, 2)   # 2 added the fused MoE experts (``experts``)
+FORMAT_NAME, FORMAT_VERSION = "shuffleprune.nm", 3
+READABLE_VERSIONS = (1, 2, 3)   # 2 added the fused MoE experts (``experts``), 3 experts in a layout of the model's own
+                                # (an export without those is written as v2)
 
 
 def is_exported(path: str | Path) -> bool:

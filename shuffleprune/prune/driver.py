@@ -346,8 +346,7 @@ def _dense_outside_linears(blocks, experts: list[dict[str, ExpertWeight]],
     largest = sorted(unseen, key=lambda name: -unseen[name])[:8]
     if share > OUTSIDE_LINEARS_WARN_SHARE:
         warnings.warn(f"{share:.0%} of the decoder blocks' weights stay dense (e.g. {largest[0]}): left out by "
-                      "--only/--skip, or outside the nn.Linear layers and transformers' fused experts that prune "
-                      "acts on", UserWarning, stacklevel=3)
+                      "--only/--skip, or outside the nn.Linear layers and MoE experts that prune acts on", UserWarning, stacklevel=3)
     return {"share": round(share, 6), "numel": total, "names": largest}
 
 
