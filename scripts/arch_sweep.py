@@ -41,7 +41,8 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "gpt2", "openai-gpt",   # Conv1D layers, held as nn.Linear
          # hybrids of attention and state-space / linear-attention blocks, and a pure Mamba
          "jamba", "bamba", "falcon_h1", "lfm2", "qwen3_next", "granitemoehybrid", "zamba2", "mamba",
-         "gemma3", "llama4"]   # multimodal checkpoints (text decoder and vision tower)
+         "gemma3", "llama4",   # multimodal checkpoints (text decoder and vision tower)
+         "gemma3n_text"]       # AltUp: hidden states [altup, batch, L, d]; KV sharing between blocks
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
@@ -85,6 +86,9 @@ EXTRA = {
                    vision_config=VISION, mm_tokens_per_image=4),
     "llama4": dict(text_config=dict(SIZE, head_dim=16, num_local_experts=4, intermediate_size_mlp=128),
                    vision_config=dict(VISION, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)),
+    "gemma3n_text": dict(head_dim=16, sliding_window=8, num_kv_shared_layers=1, laurel_rank=8,   # block 1 reuses 0's K/V
+                         layer_types=["sliding_attention"] * 2, activation_sparsity_pattern=[0.0, 0.0],
+                         vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1, n_group=1, topk_group=1, layer_types=["full_attention"] * 2),
 }

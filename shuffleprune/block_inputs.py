@@ -184,10 +184,13 @@ def _fill_window_data(marked: Any, recorded: Any, filled: set[int]) -> None:
 
 @dataclass
 class CapturedInputs:
-    """Block 0's hidden states ``[n, L, d]`` and each block's extra call arguments, recorded for one window
-    (:meth:`call_args` gives them for a batch)."""
+    """Block 0's hidden states, window by window along dim 0 (``[n, L, d]``), and each block's extra
+    call arguments, recorded for one window (:meth:`call_args` gives them for a batch). A model whose
+    blocks take the windows along another dim of their hidden states (Gemma 3n's AltUp passes
+    ``[altup, batch, L, d]``) has it in ``batch_dim``: :meth:`to_block` and :meth:`from_block` move it."""
 
     hidden: torch.Tensor | None = None
+    batch_dim: int = 0
     args: list[tuple] = field(default_factory=list)      # per block
     kwargs: list[dict] = field(default_factory=list)     # per block
     # what blocks return besides their hidden states: None when they return a tensor, else the rest of
@@ -198,6 +201,15 @@ class CapturedInputs:
     def block_output(self, hidden: torch.Tensor) -> Any:
         """``hidden`` as a block would return it (a tensor, or a tuple led by it)."""
         return hidden if self.output_rest is None else (hidden, *self.output_rest)
+
+    def to_block(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Windows' hidden states (windows along dim 0) as the blocks take them."""
+        return hidden if self.batch_dim == 0 else hidden.movedim(0, self.batch_dim)
+
+    def from_block(self, output: Any) -> torch.Tensor:
+        """The hidden states in a block's output, windows along dim 0."""
+        hidden = first_tensor(output)
+        return hidden if self.batch_dim == 0 else hidden.movedim(self.batch_dim, 0)
 
     def call_args(self, index: int, windows: slice | torch.Tensor, device: torch.device) -> tuple[tuple, dict]:
         """Block ``index``'s extra positional and keyword arguments for the calibration ``windows``
@@ -259,7 +271,10 @@ def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor,
             shared: dict[int, WindowData] = {}
             sink.args = [_mark_per_window(a, b, shared) for a, b in zip(sink.args, pair.args)]
             sink.kwargs = [_mark_per_window(a, b, shared) for a, b in zip(sink.kwargs, pair.kwargs)]
+            sink.batch_dim = _batch_dim(sink.batches[0], pair.batches[0])
             del pair, shared
+        else:
+            sink.batch_dim = _batch_dim(sink.batches[0], None)
         # the last block given each window's own data: recorded through it, for every batch of windows
         with_data = [i for i in range(len(originals)) if _window_data((sink.args[i], sink.kwargs[i]))]
         upto = max(with_data, default=0)
@@ -272,9 +287,19 @@ def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor,
             filled: set[int] = set()
             for i in with_data:
                 _fill_window_data((sink.args[i], sink.kwargs[i]), (batch.args[i], batch.kwargs[i]), filled)
-    sink.hidden = torch.cat(sink.batches)
+    sink.hidden = torch.cat([b.movedim(sink.batch_dim, 0) for b in sink.batches])
     sink.batches = []
     return sink
+
+
+def _batch_dim(one: torch.Tensor, two: torch.Tensor | None) -> int:
+    """The dim of block 0's hidden states that holds the windows: the one that doubles from one window
+    (``one``) to two (``two``); with a single window, the first of size 1."""
+    if two is not None:
+        grown = [d for d in range(one.dim()) if two.shape[d] == 2 * one.shape[d]]
+        if len(grown) == 1 and one.shape[grown[0]] == 1:
+            return grown[0]
+    return next((d for d in range(one.dim()) if one.shape[d] == 1), 0)
 
 
 @contextmanager
@@ -302,8 +327,9 @@ class _Replay(_StandIn):
         self.captured = captured
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = self.output if self.output is not None else (args[0] if args else kwargs["hidden_states"])
-        return self.captured.block_output(hidden)
+        if self.output is not None:
+            return self.captured.block_output(self.captured.to_block(self.output))
+        return self.captured.block_output(args[0] if args else kwargs["hidden_states"])
 
 
 @torch.no_grad()
@@ -372,7 +398,7 @@ def run_block(block: nn.Module, hidden: torch.Tensor, captured: CapturedInputs, 
     for s in range(0, hidden.shape[0], batch_size):
         chunk = hidden[s:s + batch_size]
         args, kwargs = captured.call_args(index, slice(s, s + chunk.shape[0]), device)
-        out[s:s + batch_size] = first_tensor(block(chunk.to(device), *args, **kwargs)).to(out.device)
+        out[s:s + batch_size] = captured.from_block(block(captured.to_block(chunk.to(device)), *args, **kwargs)).to(out.device)
     return out
 
 

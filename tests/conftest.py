@@ -58,6 +58,10 @@ def tiny_config(model_type: str = "llama", layers: int = 3, hidden: int = 64, in
         kw = dict(vocab_size=vocab, d_model=hidden, n_heads=4, n_layers=layers, max_seq_len=256,
                   attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                   ffn_config=dict(ffn_hidden_size=inter, moe_num_experts=4, moe_top_k=2))
+    if model_type == "gemma3n_text":  # AltUp: blocks take their hidden states as [altup, batch, L, d]
+        kw.update(head_dim=16, sliding_window=8, num_kv_shared_layers=0, layer_types=["sliding_attention"] * layers,
+                  activation_sparsity_pattern=[0.0] * layers, vocab_size_per_layer_input=vocab,
+                  hidden_size_per_layer_input=16, laurel_rank=8)
     if model_type == "bloom":  # ALiBi, fused query_key_value, LayerNorms
         kw = dict(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=4)
     return AutoConfig.for_model(model_type, **kw)

@@ -65,6 +65,29 @@ def test_blocks_that_check_the_mask_batch_return_longer_tuples_or_take_window_da
     _replay_matches_the_model(model, blocks, captured, tokens)
 
 
+def test_blocks_taking_the_windows_along_another_dim_are_replayed():
+    """Gemma 3n's AltUp hands its blocks ``[altup, batch, L, d]``: the capture finds the windows' dim
+    from one window against two, keeps the windows along dim 0 and gives them back to the blocks in
+    their own layout; replayed at batches of 3 and 2 (its per-layer inputs are each window's own
+    data), the blocks give the model's own hidden states."""
+    from shuffleprune.block_inputs import _window_data
+
+    model = tiny_model("gemma3n_text")
+    blocks = find_blocks(model)
+    tokens = torch.randint(0, 128, (5, 24), generator=torch.Generator().manual_seed(0))
+    captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
+    assert captured.batch_dim == 1 and captured.hidden.shape == (5, 4, 24, 64)
+    assert all(_window_data((captured.args[i], captured.kwargs[i])) for i in range(len(blocks)))
+    with torch.no_grad():
+        ref = model(input_ids=tokens, output_hidden_states=True, use_cache=False).hidden_states
+    hidden = captured.hidden
+    for i in range(len(blocks)):
+        assert torch.allclose(captured.to_block(hidden), ref[i], atol=1e-5), f"block {i} input differs"
+        hidden = run_block(blocks.layers[i], hidden, captured, i, torch.device("cpu"), batch_size=3)
+    single = capture_block_inputs(model, blocks, tokens[:1], torch.device("cpu"))
+    assert single.batch_dim == 1 and torch.equal(single.hidden, captured.hidden[:1])   # one window: its size-1 dim
+
+
 def test_arguments_laid_out_per_window_are_repeated_for_each_batch():
     """BLOOM passes its ALiBi bias as ``[batch·heads, 1, L]``, which does not broadcast from one window:
     it is recognised by recording two windows and repeated for every batch size the blocks are run at
@@ -133,7 +156,8 @@ def test_linear_subclasses_are_layers_only_when_they_compute_a_linear_map():
     assert sorted(block_linears(block, "b")) == ["b.matmul", "b.plain"]
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["bloom", "mixtral", "gpt_oss", "xglm", "bamba", "zamba2"])
+@pytest.mark.parametrize("arch", ARCHS + ["bloom", "mixtral", "gpt_oss", "xglm", "bamba", "zamba2", "gemma3n_text",
+                                  "llama4_text", "dbrx"])
 @pytest.mark.parametrize("bos", [None, 1])
 def test_blockwise_perplexity_equals_the_whole_models(arch, bos):
     """Scoring one block at a time (for models larger than the device) gives the perplexity of the

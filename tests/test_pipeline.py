@@ -119,10 +119,12 @@ def test_killed_run_resumes_to_identical_checkpoint(method, tiny_dir, text_file,
     assert resumed.report["ppl"] == json.loads((full / "prune_report.json").read_text())["ppl"]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "zamba2"])
+@pytest.mark.parametrize("arch", ["gpt2", "zamba2", "gemma3n_text", "llama4_text"])
 def test_resume_is_identical_for_conv1d_layers_and_per_window_block_arguments(arch, text_file, eval_file, tmp_path):
-    """A resumed run reloads GPT-2's blocks from their checkpoint in Conv1D's layout, and recaptures
-    Zamba2's per-window embeddings for every window: the same checkpoint and perplexities as one run."""
+    """A resumed run reloads GPT-2's blocks from their checkpoint in Conv1D's layout, recaptures
+    Zamba2's per-window embeddings for every window, keeps Gemma 3n's windows along their own dim
+    of the hidden states, and finds Llama 4's stacked experts again by tracing: the same checkpoint
+    and perplexities as one run."""
     from conftest import make_tokenizer, tiny_model
 
     src = tmp_path / arch
@@ -327,3 +329,32 @@ def test_fits_on_device_weighs_the_model_and_its_logits_against_free_memory(monk
               for p in model.parameters()]
     resident = SimpleNamespace(parameters=lambda: on_gpu, buffers=lambda: [])
     assert fits_on_device(resident, cuda, work) and not fits_on_device(model, cuda, work)
+
+
+def test_learned_maps_and_block_fits_run_on_blocks_taking_windows_along_another_dim(text_file, eval_file, tmp_path):
+    """Gemma 3n (hidden states ``[altup, batch, L, d]``) with learned index maps (the block's own forward
+    on minibatches of windows) and blockrecon against the dense model's outputs: every pruned layer
+    N:M in its map's order, the fit lowers each block's held-out error, and the export reloads to the
+    pruned logits."""
+    import shuffleprune
+    from conftest import make_tokenizer, tiny_model
+    from shuffleprune.deploy.export import export_checkpoint
+    from shuffleprune.prune import PruneConfig
+
+    src = tmp_path / "gemma3n"
+    tiny_model("gemma3n_text").save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    cfg = PruneConfig.build("best", model=str(src), calib=str(text_file), eval_text=str(eval_file), nsamples=4,
+                            seqlen=32, batch_size=2, pattern="2:4", perm="learned", perm_steps=3, perm_block=16,
+                            seed=0, overrides=["update.steps=6", "update.check_every=2"])
+    result = prune(cfg, out=tmp_path / "out", progress=False)
+    report = result.report
+    assert report["nm_ok"] is True and len(report["layers"]) == 3 * 14   # AltUp's and LAuReL's linears too
+    fits = [b["blockrecon"] for b in report["stage_blocks"] if "blockrecon" in b]
+    assert len(fits) == 3 and all(f["held_out_after"] <= f["held_out_before"] for f in fits)
+    assert any(f["held_out_after"] < f["held_out_before"] for f in fits)
+    export_checkpoint(tmp_path / "out", tmp_path / "exported")
+    ids = torch.randint(2, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(ids).logits
+        torch.testing.assert_close(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, want, rtol=0, atol=1e-4)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from shuffleprune.block_inputs import CapturedInputs, first_tensor
+from shuffleprune.block_inputs import CapturedInputs
 from shuffleprune.blocks import ExpertWeight, weight_params
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern
@@ -232,7 +232,7 @@ def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWe
     def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         params = as_params(eff)
         args, kwargs = captured.call_args(index, rows, device)
-        out = first_tensor(functional_call(block, params, (hidden[rows].to(device), *args), kwargs))
+        out = captured.from_block(functional_call(block, params, (captured.to_block(hidden[rows].to(device)), *args), kwargs))
         return cosine_loss(target[rows].to(device), out)
 
     with FrozenParams(block):

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from shuffleprune.block_inputs import first_tensor
 from shuffleprune.blocks import experts_by_tensor, weight_params
 from shuffleprune.errors import UserError
 from shuffleprune.perm.pruning import FrozenParams, split_windows
@@ -104,7 +103,8 @@ class BlockReconstruction(Stage):
 
         def block_with(params: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
             args, kwargs = run.captured.call_args(work.index, rows, run.device)
-            return first_tensor(functional_call(work.block, params, (work.hidden[rows].to(run.device), *args), kwargs))
+            hidden = run.captured.to_block(work.hidden[rows].to(run.device))
+            return run.captured.from_block(functional_call(work.block, params, (hidden, *args), kwargs))
 
         def forward(weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
             return block_with({param_of[n]: w.to(dtype[n]) for n, w in weights.items()}, rows)
