@@ -9,6 +9,8 @@ block's output (a model scored block by block, one block on the device at a time
 """
 from __future__ import annotations
 
+from collections import UserDict
+from collections.abc import MutableMapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -118,13 +120,96 @@ class WindowData:
         return self.all[windows].to(device)
 
 
+class SharedState:
+    """A container the model hands every block, empty when recorded, that blocks write into for later
+    blocks to read (Gemma 3n's ``shared_kv_states``: a layer stores its keys and values, later layers
+    reuse them). Blocks run one at a time over batches of windows, so each write is kept for the
+    windows it was made for (every tensor's dim 0 is the batch), and each call gets a fresh dict
+    (:class:`_StateView`) holding every entry written so far, for its windows."""
+
+    def __init__(self, windows: int):
+        self.windows = windows
+        self.entries: dict[Any, Any] = {}
+        self.written: dict[Any, torch.Tensor] = {}   # per entry: which windows a block has written
+
+    def view(self, windows: slice | torch.Tensor, batch: int, device: torch.device) -> "_StateView":
+        # an entry not yet written for all of these windows is left out (as the model's own dict
+        # would lack it), never read as zeros
+        return _StateView(self, windows, batch, {k: _map_tensors(v, lambda t: t[windows].to(device))
+                                                 for k, v in self.entries.items() if self.written[k][_on_cpu(windows)].all()})
+
+    def write(self, key: Any, value: Any, windows: slice | torch.Tensor, batch: int) -> None:
+        def keep(t: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
+            if t.dim() == 0 or t.shape[0] != batch:
+                raise UserError(f"a block stores {tuple(t.shape)} under '{key}' for later blocks, not laid out by "
+                                f"window along dim 0 ({batch} here); shuffleprune cannot replay such a model block by block")
+            if held is None or held.shape[1:] != t.shape[1:] or held.dtype != t.dtype:
+                held = torch.zeros((self.windows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            held[windows] = t.detach().to(held.device)
+            return held
+
+        old = self.entries.get(key)
+        self.written.setdefault(key, torch.zeros(self.windows, dtype=torch.bool))[_on_cpu(windows)] = True
+        if isinstance(value, torch.Tensor):
+            self.entries[key] = keep(value, old if isinstance(old, torch.Tensor) else None)
+        elif isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
+            olds = old if isinstance(old, tuple) and len(old) == len(value) else (None,) * len(value)
+            self.entries[key] = tuple(keep(t, h) for t, h in zip(value, olds))
+        else:
+            raise UserError(f"a block stores a {type(value).__name__} under '{key}' for later blocks; shuffleprune "
+                            "replays blocks one at a time and keeps only tensors (or tuples of them) per window")
+
+
+class _StateView(UserDict):
+    """One call's view of a :class:`SharedState`: its entries for the call's windows; what the block
+    writes is kept in the state for those windows. (A ``UserDict`` with an in-place ``to``, as
+    transformers' own ``KVSharingDict``, so helpers that rebuild dicts leave it alone.)"""
+
+    def __init__(self, state: SharedState, windows: slice | torch.Tensor, batch: int, entries: dict):
+        self._state, self._windows, self._batch = state, windows, batch
+        super().__init__()
+        self.data.update(entries)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.data[key] = value
+        self._state.write(key, value, self._windows, self._batch)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "_StateView":
+        for key, value in self.data.items():
+            self.data[key] = _map_tensors(value, lambda t: t.to(device, non_blocking=non_blocking))
+        return self
+
+
+def _on_cpu(windows: slice | torch.Tensor) -> slice | torch.Tensor:
+    return windows.cpu() if isinstance(windows, torch.Tensor) else windows
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return fn(value) if isinstance(value, torch.Tensor) else tuple(fn(t) for t in value)
+
+
+def _shared_states(kwargs: list[dict], windows: int) -> list[dict]:
+    """Each block's keyword arguments with every mapping that is empty and handed to two or more
+    blocks (the very same object) replaced by one :class:`SharedState`."""
+    seen: dict[int, int] = {}
+    for kw in kwargs:
+        for v in kw.values():
+            if isinstance(v, MutableMapping) and not v:
+                seen[id(v)] = seen.get(id(v), 0) + 1
+    states = {key: SharedState(windows) for key, count in seen.items() if count > 1}
+    return [{k: states.get(id(v), v) for k, v in kw.items()} for kw in kwargs]
+
+
 def _for_batch(obj: Any, windows: slice | torch.Tensor, batch: int, device: torch.device) -> Any:
     """Every tensor inside ``obj`` (nested tuples/lists/dicts) on ``device``, each :class:`PerWindow`
-    repeated for ``batch`` windows, each :class:`WindowData` taken for ``windows``."""
+    repeated for ``batch`` windows, each :class:`WindowData` taken for ``windows``, each
+    :class:`SharedState` as a view for ``windows``."""
     if isinstance(obj, PerWindow):
         return obj.expand(batch, device)
     if isinstance(obj, WindowData):
         return obj.rows(windows, device)
+    if isinstance(obj, SharedState):
+        return obj.view(windows, batch, device)
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, tuple):
@@ -202,6 +287,10 @@ class CapturedInputs:
         """``hidden`` as a block would return it (a tensor, or a tuple led by it)."""
         return hidden if self.output_rest is None else (hidden, *self.output_rest)
 
+    def holds_shared_state(self) -> bool:
+        """Whether blocks hand later blocks data through a :class:`SharedState`."""
+        return any(isinstance(v, SharedState) for kw in self.kwargs for v in kw.values())
+
     def to_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Windows' hidden states (windows along dim 0) as the blocks take them."""
         return hidden if self.batch_dim == 0 else hidden.movedim(0, self.batch_dim)
@@ -264,6 +353,7 @@ def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor,
         _forward_with_recorders(model, blocks, originals, sink, tokens[:1].to(device), last=last, record_kwargs=True)
         if len(sink.kwargs) != len(originals):
             raise UserError("capturing block inputs failed: the model did not call every decoder block")
+        sink.kwargs = _shared_states(sink.kwargs, tokens.shape[0])
         if tokens.shape[0] > 1:  # recorded for two windows too: which arguments grow with the batch
             pair = CapturedInputs(output_rest=sink.output_rest)
             _forward_with_recorders(model, blocks, originals, pair, tokens[:2].to(device), last=last,

@@ -59,7 +59,8 @@ def tiny_config(model_type: str = "llama", layers: int = 3, hidden: int = 64, in
                   attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                   ffn_config=dict(ffn_hidden_size=inter, moe_num_experts=4, moe_top_k=2))
     if model_type == "gemma3n_text":  # AltUp: blocks take their hidden states as [altup, batch, L, d]
-        kw.update(head_dim=16, sliding_window=8, num_kv_shared_layers=0, layer_types=["sliding_attention"] * layers,
+        # the last layer reuses the keys and values the one before stores (KV sharing)
+        kw.update(head_dim=16, sliding_window=8, num_kv_shared_layers=1, layer_types=["sliding_attention"] * layers,
                   activation_sparsity_pattern=[0.0] * layers, vocab_size_per_layer_input=vocab,
                   hidden_size_per_layer_input=16, laurel_rank=8)
     if model_type == "bloom":  # ALiBi, fused query_key_value, LayerNorms

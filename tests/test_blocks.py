@@ -69,8 +69,9 @@ def test_blocks_taking_the_windows_along_another_dim_are_replayed():
     """Gemma 3n's AltUp hands its blocks ``[altup, batch, L, d]``: the capture finds the windows' dim
     from one window against two, keeps the windows along dim 0 and gives them back to the blocks in
     their own layout; replayed at batches of 3 and 2 (its per-layer inputs are each window's own
-    data), the blocks give the model's own hidden states."""
-    from shuffleprune.block_inputs import _window_data
+    data; its last block reuses the keys and values the one before stores, kept per window), the
+    blocks give the model's own hidden states."""
+    from shuffleprune.block_inputs import SharedState, _window_data
 
     model = tiny_model("gemma3n_text")
     blocks = find_blocks(model)
@@ -78,6 +79,9 @@ def test_blocks_taking_the_windows_along_another_dim_are_replayed():
     captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
     assert captured.batch_dim == 1 and captured.hidden.shape == (5, 4, 24, 64)
     assert all(_window_data((captured.args[i], captured.kwargs[i])) for i in range(len(blocks)))
+    # block 1 stores its keys and values for block 2 (KV sharing): one state handed to every block
+    states = [[v for v in kw.values() if isinstance(v, SharedState)] for kw in captured.kwargs]
+    assert all(len(s) == 1 and s[0] is states[0][0] for s in states) and captured.holds_shared_state()
     with torch.no_grad():
         ref = model(input_ids=tokens, output_hidden_states=True, use_cache=False).hidden_states
     hidden = captured.hidden

@@ -209,6 +209,11 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
         # every block done (only the checkpoint was left to write): no block input is needed
         hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
+        if run.captured.holds_shared_state() and start < len(blocks):   # what the pruned blocks handed on
+            h = run.captured.hidden
+            for i in range(start):
+                h = run_block(blocks.layers[i].to(device), h, run.captured, i, device, config.batch_size)
+                blocks.layers[i].to("cpu")
     not_called = _trace_calls(run, run.captured.hidden[:1], config)
     unseen = _dense_outside_linears(blocks, run.experts, not_called)
     run.captured.hidden = None
