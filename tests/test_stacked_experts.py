@@ -241,8 +241,10 @@ def test_experts_pruned_only_in_part_stay_dense_in_the_export_listed_and_exact(t
         fmt = export_checkpoint(tmp_path / "out", tmp_path / "exported")
     assert fmt["kept_dense"] == [f"model.layers.1.feed_forward.experts.gate_up_proj[{e}]" for e in (0, 1, 3)]
     assert "model.layers.1.feed_forward.experts.gate_up_proj" not in fmt["experts"] and len(fmt["experts"]) == 3
-    assert any("3 pruned matrices stay dense in the export" in str(w.message) for w in caught)
-    assert "3 pruned expert matrices in a layout the kernels do not serve" in (tmp_path / "exported" / "README.md").read_text()
+    assert any("3 pruned matrices stay dense in the export" in str(w.message)
+               and "3 experts of fused tensors pruned only in part" in str(w.message) for w in caught)
+    assert "Stored dense, N:M-valued: 3 experts of fused tensors pruned only in part." in \
+        (tmp_path / "exported" / "README.md").read_text()
     pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     loaded = shuffleprune.load(str(tmp_path / "exported"))
     assert not loaded.model.layers[1].feed_forward.experts.gate_up_proj.is_meta   # the dense one, as pruned

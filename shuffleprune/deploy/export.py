@@ -181,15 +181,23 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
 
 def _kept_dense(pruned: set[str] | None, layers: dict, experts: dict) -> list[str]:
     """The matrices the run sparsified that the export stores dense (N:M-valued, exact, not smaller):
-    experts kept in a layout of the model's own (:mod:`shuffleprune.stacked_experts`), which the
-    runtime's kernels do not serve, and a fused experts tensor pruned only in part. Warns when there are any."""
+    a layer outside the decoder blocks (dst's ``--sparse-head`` LM head), and the experts of a fused
+    tensor pruned only in part. Warns when there are any."""
     exported = set(layers) | {expert_name(name, e) for name, entry in experts.items() for e in range(entry["experts"])}
     kept = sorted((pruned or set()) - exported)
     if kept:
-        warnings.warn(f"{len(kept)} pruned matrices stay dense in the export (e.g. {kept[0]}): experts stacked in a "
-                      "layout the N:M kernels do not serve (stacked in the model's own parameters, or a fused tensor "
-                      "pruned only in part); they keep their N:M values, exactly, at the dense size", UserWarning, stacklevel=3)
+        warnings.warn(f"{len(kept)} pruned matrices stay dense in the export, N:M-valued and exact at the dense size "
+                      f"(e.g. {kept[0]}): {_kept_dense_why(kept)}", UserWarning, stacklevel=3)
     return kept
+
+
+def _kept_dense_why(kept: list[str]) -> str:
+    """What the matrices an export keeps dense are, counted by kind."""
+    experts = sum(parse_expert_name(n) is not None for n in kept)
+    parts = ([f"{experts} experts of fused tensors pruned only in part"] if experts else []) + \
+        ([f"{len(kept) - experts} outside the decoder blocks, which the export does not compress"]
+         if len(kept) > experts else [])
+    return "; ".join(parts)
 
 
 def _stored_map(perm: torch.Tensor | None) -> torch.Tensor | None:
@@ -224,7 +232,7 @@ A [shuffleprune](https://pypi.org/project/shuffleprune/) export{f" of a model pr
 stored as their kept values plus {fmt['meta_bits']}-bit in-group positions ({fmt['pattern']}), with an
 input index map where a learned permutation could not be folded away ({len(fmt['runtime_gathers'])} layers;
 {len(fmt['folded'])} folded into the layers that produce their input). Format `{fmt['format']}` v{fmt['version']},
-{fmt['dtype']}.{f" {len(fmt['kept_dense'])} pruned expert matrices in a layout the kernels do not serve are stored dense (N:M-valued)." if fmt.get('kept_dense') else ""}
+{fmt['dtype']}.{f" Stored dense, N:M-valued: {_kept_dense_why(fmt['kept_dense'])}." if fmt.get('kept_dense') else ""}
 {f"{chr(10)}| model | perplexity |{chr(10)}|---|---|{chr(10)}{ppl_lines}{chr(10)}{ppl_note}" if ppl_lines else ""}
 ## Load it
 
