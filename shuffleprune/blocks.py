@@ -107,6 +107,14 @@ def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
     return found
 
 
+def decoder_of(model: nn.Module, blocks: Blocks) -> nn.Module:
+    """The module that holds the block list: the text decoder, which takes ``input_ids`` and returns
+    the final hidden state (``last_hidden_state``, before any LM head). ``model.base_model`` is not
+    always it (Llama 4's causal LM names no base model; a multimodal model's is the whole tower)."""
+    parent = blocks.name.rpartition(".")[0]
+    return model.get_submodule(parent) if parent else model
+
+
 def _join(*parts: str) -> str:
     """A dotted module path from its non-empty parts (a block's prefix or a submodule's name may be empty)."""
     return ".".join(p for p in parts if p)

@@ -271,3 +271,30 @@ def test_a_stacked_expert_read_in_a_way_the_export_did_not_see_is_refused():
             x[:, :8] @ stand_in[1][:, :8]                                 # a part of one
     torch.testing.assert_close(y, x @ weights[1].t())
     torch.testing.assert_close(z, torch.stack([x @ w.t() for w in weights]))
+
+
+def test_whole_model_permutations_reach_llama4_whose_causal_lm_names_no_base_model(text_file, tmp_path):
+    """``--recon model`` (the `learned` recipe) trains every map against the text decoder's final hidden
+    state; Llama 4's causal LM is its own ``base_model``, so the decoder is the module holding the
+    blocks (``decoder_of``). Its stacked experts get learned maps and stay N:M in their order."""
+    from shuffleprune.blocks import decoder_of
+    from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
+    from shuffleprune.prune import PruneConfig
+
+    model = tiny_model("llama4_text", layers=2)
+    assert model.base_model is model                                # what the old code called
+    decoder = decoder_of(model, find_blocks(model))
+    assert decoder is model.model
+    with torch.no_grad():
+        assert decoder(input_ids=torch.randint(0, 128, (1, 8)), use_cache=False).last_hidden_state.shape == (1, 8, 64)
+    src = tmp_path / "llama4"
+    model.save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    cfg = PruneConfig.build("learned", model=str(src), calib=str(text_file), eval_text=None, nsamples=4, seqlen=32,
+                            batch_size=2, pattern="2:4", perm_steps=3, seed=0)
+    report = prune(cfg, out=tmp_path / "out", progress=False).report
+    maps = load_index_maps(tmp_path / "out" / INDEX_MAPS)
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    mats = {**_reference_matrices("llama4_text", pruned, 0), **_reference_matrices("llama4_text", pruned, 1)}
+    assert report["nm_ok"] is True and set(mats) <= set(maps)
+    assert all(satisfies_nm(w[:, maps[n]], 2, 4) for n, w in mats.items())

@@ -32,7 +32,7 @@ from torch import nn
 from torch.func import functional_call
 
 from shuffleprune.block_inputs import CapturedInputs
-from shuffleprune.blocks import ExpertWeight, weight_params
+from shuffleprune.blocks import ExpertWeight, decoder_of, find_blocks, weight_params
 from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern
 from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, kl_loss, learn_permutations, masked_weight
@@ -258,16 +258,16 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWe
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + 999_983)
     scores = {name: _score(lin.weight.detach().float(), norms[name]) for name, lin in linears.items()}
     searched, search_seconds = _searched(units, scores, pattern, opts)
-    decoder = model.base_model
+    decoder = decoder_of(model, find_blocks(model))
     as_params = weight_params(decoder, linears)
     model.to(device)
     with torch.no_grad():
-        target = torch.cat([decoder(input_ids=tokens[s:s + batch_size].to(device)).last_hidden_state.cpu()
+        target = torch.cat([decoder(input_ids=tokens[s:s + batch_size].to(device), use_cache=False).last_hidden_state.cpu()
                             for s in range(0, tokens.shape[0], batch_size)])
 
     def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         params = as_params(eff)
-        out = functional_call(decoder, params, (), {"input_ids": tokens[rows].to(device)}).last_hidden_state
+        out = functional_call(decoder, params, (), {"input_ids": tokens[rows].to(device), "use_cache": False}).last_hidden_state
         dense = target[rows].to(device)
         if head is None:
             return cosine_loss(dense, out)

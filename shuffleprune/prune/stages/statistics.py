@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shuffleprune.blocks import decoder_of
 from shuffleprune.errors import UserError
 from shuffleprune.prune.atomic import atomic_write
 from shuffleprune.prune.input_stats import InputStats, collect_input_stats, input_groups, load_norms, save_norms
@@ -36,7 +37,8 @@ def dense_stats(run: Run) -> dict[str, InputStats]:
         run.model.to(run.device)
         with collect_input_stats({**run.all_linears(), **run.all_experts()}, gram=False) as stats, torch.no_grad():
             for s in range(0, run.tokens.shape[0], run.batch_size):
-                run.model.base_model(input_ids=run.tokens[s:s + run.batch_size].to(run.device))
+                decoder_of(run.model, run.blocks)(input_ids=run.tokens[s:s + run.batch_size].to(run.device),
+                                                  use_cache=False)
         run.model.to("cpu")
         if saved is not None:
             atomic_write(saved, lambda tmp: save_norms(stats, tmp))
