@@ -33,22 +33,53 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def moe_args(doc: str, experts: int, top_k: int, hidden: int, inter: int, out: str) -> argparse.Namespace:
+    """The command line of an experts-layer benchmark (defaults: the layer's real shape); ``--smoke``
+    shrinks it to a tiny layer on the CPU, the grouped kernel interpreted."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--inter", type=int, default=14336)
+    ap.add_argument("--experts", type=int, default=experts)
+    ap.add_argument("--top-k", type=int, default=top_k)
+    ap.add_argument("--hidden", type=int, default=hidden)
+    ap.add_argument("--inter", type=int, default=inter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 512])
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_moe.json"))
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / out))
     args = ap.parse_args()
     if args.smoke:
         args.hidden, args.inter, args.experts, args.tokens, args.calls, args.runs = 64, 128, 4, [1, 5, 40], 1, 1
         os.environ.setdefault("TRITON_INTERPRET", "1")   # the grouped kernel on the CPU: interpreted
+    return args
+
+
+def moe_row(args: argparse.Namespace, tokens: int, impl: str, ms: float, how: str, got, want) -> dict:
+    """One timed row of an experts-layer benchmark."""
+    from shuffleprune.deploy.sparse_linear import relative_error
+    from shuffleprune.runtime import machine
+
+    return {"shape": f"{args.experts}x({2 * args.inter}x{args.hidden}+{args.hidden}x{args.inter})",
+            "tokens": tokens, "impl": impl, "ms": round(ms, 4), "timing": how,
+            "rel_err": float(relative_error(got, want)), "device": machine().get("gpu", "cpu")}
+
+
+def save_moe_results(args: argparse.Namespace, doc: str, dtype, nbytes: dict, rows: list[dict]) -> None:
+    """Write the benchmark's results file (machine, versions, command, config); a smoke run writes none."""
+    from shuffleprune.runtime import machine, versions
+
+    if args.smoke:
+        print("smoke: every implementation ran; no results written")
+        return
+    result = {"what": doc.splitlines()[0], "command": " ".join(["python3", *sys.argv]),
+              "config": {k: v for k, v in vars(args).items() if k not in ("out", "smoke")}, "dtype": str(dtype),
+              "bytes": nbytes, "machine": machine(), "versions": versions("triton"), "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+def main() -> None:
+    args = moe_args(__doc__, experts=8, top_k=2, hidden=4096, inter=14336, out="bench_moe.json")
 
     import torch
     from torch import nn
@@ -57,10 +88,9 @@ def main() -> None:
 
     from shuffleprune.blocks import block_experts, experts_by_tensor
     from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts, experts_mode, set_experts_mode
-    from shuffleprune.deploy.sparse_linear import relative_error
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import cuda_graph_ms, eager_ms, machine, versions
+    from shuffleprune.runtime import cuda_graph_ms, eager_ms
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -137,20 +167,11 @@ def main() -> None:
                 for _ in range(3):   # warm-up: compiles kernels and makes auto's choices
                     got = call()
                 ms, how = timed_ms(call, graph=name in ("nm_grouped", "nm_grouped_mapped", "dense_grouped_mm"))
-                rows.append({"shape": f"{args.experts}x({2 * args.inter}x{args.hidden}+{args.hidden}x{args.inter})",
-                             "tokens": tokens, "impl": name, "ms": round(ms, 4), "timing": how,
-                             "rel_err": float(relative_error(got, want)), "device": machine().get("gpu", "cpu")})
+                rows.append(moe_row(args, tokens, name, ms, how, got, want))
                 if mode == "auto":   # what auto measured faster for this token count (run eagerly, as it chose)
                     rows[-1]["choice"] = experts_mode(layer.experts, x, top, weights)
                 print(rows[-1], flush=True)
-    if args.smoke:
-        print("smoke: every implementation ran; no results written")
-        return
-    result = {"what": __doc__.splitlines()[0], "command": " ".join(["python3", *sys.argv]),
-              "config": {k: v for k, v in vars(args).items() if k not in ("out", "smoke")}, "dtype": str(dtype),
-              "bytes": nbytes, "machine": machine(), "versions": versions("triton"), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    save_moe_results(args, __doc__, dtype, nbytes, rows)
 
 
 if __name__ == "__main__":

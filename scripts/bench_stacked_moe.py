@@ -21,32 +21,16 @@ the dense output of the same weights; ``bytes`` holds each layer's parameters an
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe import moe_args, moe_row, save_moe_results  # noqa: E402  (the experts benchmarks' command line and files)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--top-k", type=int, default=1)
-    ap.add_argument("--hidden", type=int, default=5120)
-    ap.add_argument("--inter", type=int, default=8192)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 512])
-    ap.add_argument("--calls", type=int, default=10)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_stacked_moe.json"))
-    args = ap.parse_args()
-    if args.smoke:
-        args.hidden, args.inter, args.experts, args.tokens, args.calls, args.runs = 64, 128, 4, [1, 5, 40], 1, 1
-        os.environ.setdefault("TRITON_INTERPRET", "1")   # the grouped kernel on the CPU: interpreted
+    args = moe_args(__doc__, experts=16, top_k=1, hidden=5120, inter=8192, out="bench_stacked_moe.json")
 
     import torch
     from torch import nn
@@ -55,10 +39,9 @@ def main() -> None:
 
     from shuffleprune.blocks import experts_by_tensor
     from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts, set_experts_mode
-    from shuffleprune.deploy.sparse_linear import relative_error
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import cuda_graph_ms, machine, versions
+    from shuffleprune.runtime import cuda_graph_ms
     from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
 
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -132,18 +115,9 @@ def main() -> None:
                 for _ in range(3):   # warm-up: compiles kernels and makes the layers' choices
                     got = call()
                 ms, how = timed_ms(call)
-                rows.append({"shape": f"{args.experts}x({2 * args.inter}x{args.hidden}+{args.hidden}x{args.inter})",
-                             "tokens": tokens, "impl": name, "ms": round(ms, 4), "timing": how,
-                             "rel_err": float(relative_error(got, want)), "device": machine().get("gpu", "cpu")})
+                rows.append(moe_row(args, tokens, name, ms, how, got, want))
                 print(rows[-1], flush=True)
-    if args.smoke:
-        print("smoke: every implementation ran; no results written")
-        return
-    result = {"what": __doc__.splitlines()[0], "command": " ".join(["python3", *sys.argv]),
-              "config": {k: v for k, v in vars(args).items() if k not in ("out", "smoke")}, "dtype": str(dtype),
-              "bytes": nbytes, "machine": machine(), "versions": versions("triton"), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    save_moe_results(args, __doc__, dtype, nbytes, rows)
 
 
 if __name__ == "__main__":
