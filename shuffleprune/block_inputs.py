@@ -527,14 +527,18 @@ def called_modules(blocks: Blocks, captured: CapturedInputs, hidden: torch.Tenso
     return called
 
 
+def probe_inputs(model: nn.Module, blocks: Blocks) -> CapturedInputs:
+    """The blocks' inputs for a fixed random probe sequence (16 tokens, seed 0), on the model's device."""
+    tokens = torch.randint(0, text_config(model).vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    return capture_block_inputs(model, blocks, tokens, next(model.parameters()).device, 1)
+
+
 def block_probe(model: nn.Module, blocks: Blocks) -> Callable[[int], torch.Tensor]:
     """``run(i)``: block ``i``'s output on its input for a fixed random probe sequence (the inputs are
     computed once here), so a change to one block — a folded or moved index map — is checked on that
     block alone."""
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, text_config(model).vocab_size, (1, 16), generator=gen)
+    captured = probe_inputs(model, blocks)
     device = next(model.parameters()).device
-    captured = capture_block_inputs(model, blocks, tokens, device, 1)
     inputs, hidden = [], captured.hidden
     for i, block in enumerate(blocks.layers):
         inputs.append(hidden)

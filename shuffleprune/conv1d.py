@@ -8,7 +8,6 @@ loads into the model's own ``Conv1D`` layers with plain transformers.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 try:

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from shuffleprune.blocks import (Blocks, ExpertWeight, expert_name, is_fused_experts, is_plain_linear, text_config,
-                                  _join, _selected)
+from shuffleprune.blocks import Blocks, ExpertWeight, expert_name, is_fused_experts, is_plain_linear, _join, _selected
 
 # Matrix products ``x · w`` as a forward may write them (``x @ w`` arrives as ``Tensor.__matmul__``).
 _LINEAR = (F.linear,)
@@ -174,12 +173,9 @@ def stacked_experts(block: nn.Module, prefix: str, trace: MatmulTrace, only: lis
 
 def traced_stacked_experts(model: nn.Module, blocks: Blocks) -> list[dict[str, ExpertWeight]]:
     """Per block, :func:`stacked_experts` as one forward of a fixed random probe sequence shows them."""
-    from shuffleprune.block_inputs import capture_block_inputs, run_blocks
+    from shuffleprune.block_inputs import probe_inputs, run_blocks
 
-    tokens = torch.randint(0, text_config(model).vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    device = next(model.parameters()).device
-    captured = capture_block_inputs(model, blocks, tokens, device, 1)
+    captured = probe_inputs(model, blocks)
     trace = MatmulTrace()
-    with torch.no_grad():
-        run_blocks(blocks, captured.hidden, captured, device, 1, around=trace.watch)
+    run_blocks(blocks, captured.hidden, captured, next(model.parameters()).device, 1, around=trace.watch)
     return [stacked_experts(block, f"{blocks.name}.{i}", trace) for i, block in enumerate(blocks.layers)]

@@ -42,7 +42,7 @@ from shuffleprune.deploy.format import check_compressed, check_index_map, compre
 from shuffleprune.deploy.sparse_linear import AGREE_RTOL, SparseLinear, relative_error, token_bucket
 from shuffleprune.errors import UserError
 from shuffleprune.runtime import eager_ms
-from shuffleprune.stacked_experts import matmul_operands
+from shuffleprune.stacked_experts import expert_layout, matmul_operands
 
 IMPLEMENTATION = "shuffleprune_nm"
 MODES = ("auto", "grouped", "loop")
@@ -406,8 +406,6 @@ def _stacked_product(x: torch.Tensor, w: torch.Tensor, stand_in: torch.Tensor, e
                      view: tuple[int, int, int], transposed: bool) -> torch.Tensor:
     """``x · w`` for ``w`` a view (``[in, out]``, or ``[experts, in, out]``) of a stacked-experts
     stand-in, computed by the compressed experts it selects."""
-    from shuffleprune.stacked_experts import expert_layout
-
     if expert_layout(w, stand_in) != (view, transposed):
         raise UserError(f"the model reads its exported experts {tuple(stand_in.shape)} in a way its export did not "
                         f"see ({tuple(w.shape)} at offset {w.storage_offset()}); export it again with this transformers")

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from shuffleprune.block_inputs import called_modules, capture_block_inputs, run_block
-from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, ExpertWeight, block_experts, block_linears, find_blocks,
+from shuffleprune.block_inputs import called_modules, capture_block_inputs, run_block, run_blocks
+from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, block_linears, find_blocks,
                                   is_plain_linear, parse_expert_name, text_config, weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.conv1d import linears_from_conv1d
@@ -210,10 +210,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         # every block done (only the checkpoint was left to write): no block input is needed
         hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
         if run.captured.holds_shared_state() and start < len(blocks):   # what the pruned blocks handed on
-            h = run.captured.hidden
-            for i in range(start):
-                h = run_block(blocks.layers[i].to(device), h, run.captured, i, device, config.batch_size)
-                blocks.layers[i].to("cpu")
+            run_blocks(Blocks(blocks.name, blocks.layers[:start]), run.captured.hidden, run.captured, device,
+                       config.batch_size)
     not_called = _trace_calls(run, run.captured.hidden[:1], config)
     unseen = _dense_outside_linears(blocks, run.experts, not_called)
     run.captured.hidden = None
@@ -292,9 +290,9 @@ def _selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict],
         found = {n: lin for n, lin in block_linears(block, f"{blocks.name}.{i}", config.only, config.skip).items()
                  if id(lin.weight) not in seen}
         found_experts = {n: e for n, e in block_experts(block, f"{blocks.name}.{i}", config.only, config.skip).items()
-                         if (id(getattr(e.owner, e.param)), e.index) not in seen}
+                         if _matrix_key(e) not in seen}
         seen.update(id(lin.weight) for lin in found.values())
-        seen.update((id(getattr(e.owner, e.param)), e.index) for e in found_experts.values())
+        seen.update(_matrix_key(e) for e in found_experts.values())
         for name, lin in {**found, **found_experts}.items():
             pattern.check_width(name, lin.in_features)
         linears.append(found)
@@ -304,6 +302,11 @@ def _selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict],
     return linears, experts
 
 
+def _matrix_key(expert: ExpertWeight) -> tuple[int, int]:
+    """One expert matrix, however many blocks tie the parameter that holds it."""
+    return id(getattr(expert.owner, expert.param)), expert.index
+
+
 def _trace_calls(run: Run, hidden: torch.Tensor, config: PruneConfig) -> dict[str, torch.nn.Module]:
     """Run one window through the blocks and select what the forward shows: the experts a block keeps
     stacked in its own parameters (:mod:`shuffleprune.stacked_experts`) join the run's experts, and the
@@ -311,13 +314,13 @@ def _trace_calls(run: Run, hidden: torch.Tensor, config: PruneConfig) -> dict[st
     it: no statistics can reach them, so they stay dense, with a warning. Returns those linears."""
     trace = MatmulTrace()
     called = called_modules(run.blocks, run.captured, hidden, run.device, run.linears, around=trace.watch)
-    seen = {(id(getattr(e.owner, e.param)), e.index) for block in run.experts for e in block.values()}
+    seen = {_matrix_key(e) for block in run.experts for e in block.values()}
     for i, block in enumerate(run.blocks.layers):
         for name, e in stacked_experts(block, f"{run.blocks.name}.{i}", trace, config.only, config.skip).items():
-            if (id(getattr(e.owner, e.param)), e.index) not in seen:
+            if _matrix_key(e) not in seen:
                 run.pattern.check_width(name, e.in_features)
                 run.experts[i][name] = e
-                seen.add((id(getattr(e.owner, e.param)), e.index))
+                seen.add(_matrix_key(e))
     dropped = {n: lin for block in run.linears for n, lin in block.items() if n not in called}
     run.linears = [{n: lin for n, lin in block.items() if n in called} for block in run.linears]
     if not any(run.linears) and not any(run.experts):
