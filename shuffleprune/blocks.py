@@ -219,6 +219,21 @@ def experts_by_tensor(experts: dict[str, ExpertWeight]) -> dict[str, dict[int, E
     return grouped
 
 
+def gating_linears(linears: dict[str, nn.Module], experts: dict[str, ExpertWeight]) -> set[str]:
+    """The names among a block's ``linears`` that route or gate its MoE experts (``experts``: all of
+    the block's, fused or stacked): those with no more outputs than the block has experts in one
+    tensor — a router's logit per expert (DBRX's ``router.layer``), a shared expert's scalar gate
+    (Qwen2-MoE's ``shared_expert_gate``). They hold a negligible share of the weights and the routing
+    decision hangs on them, so prune and dst keep them dense. No MoE experts: none."""
+    count = max((len(by_expert) for by_expert in experts_by_tensor(experts).values()), default=0)
+    return {name for name, lin in linears.items() if count and _out_features(lin) <= count}
+
+
+def _out_features(layer: nn.Module) -> int:
+    """A linear's (or ``Conv1D``'s, stored ``[in, out]``) output width."""
+    return getattr(layer, "out_features", None) or getattr(layer, "nf")
+
+
 def with_expert_weights(fused: torch.Tensor, weights: dict[int, torch.Tensor], transposed: bool) -> torch.Tensor:
     """A fused experts tensor with expert ``e``'s matrix replaced by ``weights[e]`` (``[out, in]``),
     the others as in ``fused``: a new tensor, differentiable in ``weights``."""

@@ -203,7 +203,36 @@ def test_every_fused_expert_matrix_is_a_layer_and_routers_are_not(arch):
         assert "model.layers.0.mlp.down_proj" in sparsifiable_layers(tiny_model("llama"))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama4_text", "dbrx"])
+def test_experts_stacked_in_a_models_own_layout_are_layers_found_by_tracing(arch):
+    """Llama 4 ([experts, in, out], one bmm) and DBRX ([experts·ffn, hidden] 2-D tensors, one slice
+    per expert, w2 read the other way round) keep their experts outside transformers' experts
+    interface: a probe forward finds each expert matrix, an ``[out, in]`` view into the model's own
+    parameter, so a mask written through it lands there. Methods that only change the forward warn
+    that these experts stay dense, as they do for fused ones."""
+    model = tiny_model(arch)
+    found = sparsifiable_layers(model)
+    experts = {n: e for n, e in found.items() if n.endswith("]")}
+    assert len(experts) == 3 * (3 if arch == "dbrx" else 2) * 4
+    for name, e in experts.items():
+        param = getattr(e.owner, e.param)
+        w = weight_of(e)
+        assert w.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()  # a view, not a copy
+        assert w.shape == (e.out_features, e.in_features) and w.numel() * len(
+            [x for x in experts.values() if x.owner is e.owner and x.param == e.param]) == param.numel()
+    name = next(n for n in experts if n.endswith("[2]"))
+    e = experts[name]
+    before = getattr(e.owner, e.param).detach().clone()
+    weight_of(e).zero_()
+    after = getattr(e.owner, e.param).detach()
+    changed = (after != before).reshape(4, -1) if e.view is None else (after != before).view(e.view).reshape(4, -1)
+    assert changed[2].any() and not changed[[0, 1, 3]].any()  # only expert 2's matrix
+    with pytest.warns(UserWarning, match="fused MoE experts, which this method does not sparsify"):
+        dense = sparsifiable_layers(tiny_model(arch), experts=False)
+    assert not any(n.endswith("]") for n in dense)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "llama4_text", "dbrx"])
 @pytest.mark.parametrize("method", ["rigl", "srigl", "dsb", "nm"])
 def test_expert_masks_keep_their_structure_through_updates(arch, method):
     model = tiny_model(arch)
@@ -211,12 +240,12 @@ def test_expert_masks_keep_their_structure_through_updates(arch, method):
                                      block=8))
     sp.prepare(model)
     experts = [n for n in sp.layers if n.endswith("]")]
-    assert len(experts) == 24
-    _check_structure(sp, method)  # pruned weights are zero in the fused tensors themselves
+    assert len(experts) == (36 if arch == "dbrx" else 24)
+    _check_structure(sp, method)  # pruned weights are zero in the experts' tensors themselves
     for _ in _train(model, sp, 10):
         _check_structure(sp, method)
     moved = {n for r in sp.history for n, l in r["layers"].items() if l["grown"]}
-    assert len(moved & set(experts)) >= 12  # the experts' masks move like the linears'
+    assert len(moved & set(experts)) >= len(experts) // 2  # the experts' masks move like the linears'
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
@@ -261,21 +290,23 @@ def _expert_module(model, layer: int):
     return model.model.layers[layer].mlp.experts
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "llama4_text", "dbrx"])
 def test_soft_expert_permutations_mix_their_experts_input_and_harden_into_plain_order(arch):
-    """While soft, expert e computes with W_e M_eᵀ (its input mixed by M_e) inside the experts
-    layer's own forward, and the task gradient reaches M_e. Hardening stores the expert in plain
-    column order (W[:, perm⁻¹], the function it computed with the hard map), so with M_e already a
-    permutation the model's output does not move, and its mask keeps N:M in the map's order."""
+    """While soft, expert e computes with W_e M_eᵀ (its input mixed by M_e) inside the forward that
+    runs it — transformers' experts layer (Mixtral, gpt-oss), or the scope of experts stacked in the
+    model's own layout (Llama 4's bmm, DBRX's slices of 2-D tensors) — and the task gradient reaches
+    M_e. Hardening stores the expert in plain column order (W[:, perm⁻¹], the function it computed
+    with the hard map), so with M_e already a permutation the model's output does not move, and its
+    mask keeps N:M in the map's order."""
     import copy
 
     model = tiny_model(arch)
     sp = DynamicSparsifier(DSTConfig(method="nm", sparsity=0.5, perm="learned"))
     sp.prepare(model)
     experts = [n for n in sp.layers if n.endswith("]")]
-    assert set(experts) <= set(sp.perms) and len(experts) == 24
+    assert set(experts) <= set(sp.perms) and len(experts) == 3 * (3 if arch == "dbrx" else 2) * 4
     gen = torch.Generator().manual_seed(3)
-    names = ["model.layers.0.mlp.experts.down_proj[1]", "model.layers.2.mlp.experts.gate_up_proj[3]"]
+    names = [experts[1], experts[-2]]
     for n in names:  # a generic doubly stochastic M, and an exact permutation matrix
         with torch.no_grad():
             block = sp.perms[n].soft.blocks[0]
@@ -297,18 +328,19 @@ def test_soft_expert_permutations_mix_their_experts_input_and_harden_into_plain_
     out.loss.backward()
     assert all(sp.perms[n].soft.blocks[0].grad.abs().sum() > 0 for n in names)
 
-    n = "model.layers.1.mlp.experts.down_proj[0]"
-    perm = torch.randperm(128, generator=gen)
+    n = experts[len(experts) // 2]
+    out_f, in_f = weight_of(sp.layers[n]).shape
+    perm = torch.randperm(in_f, generator=gen)
     with torch.no_grad():  # M = the permutation matrix of `perm` (x M = x[perm])
-        sp.perms[n].soft.blocks[0].copy_(torch.eye(128)[perm].t())
+        sp.perms[n].soft.blocks[0].copy_(torch.eye(in_f)[perm].t())
         before = model(ids).logits
         stored = weight_of(sp.layers[n]).clone()
-        assert bool((stored.reshape(64, -1, 4) != 0).sum(-1).le(2).all())  # N:M as stored while soft
+        assert bool((stored.reshape(out_f, -1, 4) != 0).sum(-1).le(2).all())  # N:M as stored while soft
     sp._harden(n, 1)
     assert torch.equal(sp.perms[n].hard, perm)
     assert torch.equal(weight_of(sp.layers[n]), stored[:, torch.argsort(perm)])  # plain order
     assert torch.equal(sp.structure_mask(n), sp.masks[n][:, perm])
-    assert bool((sp.structure_mask(n).reshape(64, -1, 4).sum(-1) == 2).all())
+    assert bool((sp.structure_mask(n).reshape(out_f, -1, 4).sum(-1) == 2).all())
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, before, atol=1e-5)
 
@@ -392,28 +424,42 @@ def test_finalize_hardens_soft_permutations_so_the_saved_model_computes_the_trai
     _assert_export_computes_the_trained_model(tmp_path, tmp_path / "exported")
 
 
-def test_nm_run_on_a_moe_model_exports_its_experts_and_reloads_to_the_same_logits(tiny_dir, text_file, tmp_path):
-    """`dst --method nm --perm learned` on a Mixtral: every expert matrix ends N:M in its map's order,
-    stored in plain order with its map saved (as `prune --perm` keeps experts); the export compresses
-    the experts with the linears, and the compressed model computes what the trained one computes."""
+_MOE_TRAIN = {  # two blocks of four experts each, in each layout the sparsifier reaches
+    "mixtral": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "llama4_text": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4},
+    "dbrx": {"n_layers": 2, "d_model": 64, "n_heads": 4, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
+}
+
+
+@pytest.mark.parametrize("arch, tensors", [("mixtral", 2), ("llama4_text", 2), ("dbrx", 3)])
+def test_nm_run_on_a_moe_model_exports_its_experts_and_reloads_to_the_same_logits(tiny_dir, text_file, tmp_path,
+                                                                                   arch, tensors):
+    """`dst --method nm --perm learned` (DBRX: random) on a MoE model, its experts fused in transformers' experts
+    interface (Mixtral) or stacked in the model's own layout (Llama 4: one bmm over [experts, in,
+    out]; DBRX: slices of 2-D [experts·ffn, hidden] tensors): every expert matrix is trained N:M in
+    its map's order, stored in plain order with its map saved (as `prune --perm` keeps experts); the
+    export compresses the experts with the linears, and the compressed model computes what the
+    trained one computes."""
     from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.dst.train import train
     from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
 
-    cfg = _train_cfg(tiny_dir, text_file, arch="mixtral",
-                     config_kw={"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
-                                "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
-                                "num_experts_per_tok": 2})
-    dcfg = DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=6, perm="learned", t_perm=5,
-                     lambda_max=1e-2, perm_init=0.0)
+    cfg = _train_cfg(tiny_dir, text_file, arch=arch, config_kw=_MOE_TRAIN[arch])
+    # DBRX: random maps (a uniform soft start maps its bias-free LayerNorm's zero-mean outputs to zero,
+    # and a start nearer the identity hardens to it in a few steps); the soft forward is tested above
+    dcfg = DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=6, t_perm=5, lambda_max=1e-2,
+                     perm="random" if arch == "dbrx" else "learned", perm_init=0.0)
     report = train(cfg, dcfg, tmp_path / "run", progress=False)
-    experts = [n for n in report["layers"] if "experts" in n]
-    assert len(experts) == 2 * 2 * 4
+    experts = [n for n in report["layers"] if n.endswith("]")]
+    assert len(experts) == 2 * tensors * 4
     assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
     maps = load_index_maps(tmp_path / "run" / "model" / INDEX_MAPS)
     assert set(experts) <= set(maps) and any(not torch.equal(maps[n], torch.arange(maps[n].numel())) for n in experts)
     fmt = export_checkpoint(tmp_path / "run" / "model", tmp_path / "exported")
-    assert len(fmt["experts"]) == 2 * 2  # fused tensors, every one compressed
+    assert len(fmt["experts"]) == 2 * tensors  # expert tensors, every one compressed
     _assert_export_computes_the_trained_model(tmp_path / "run" / "model", tmp_path / "exported")
 
 

@@ -298,3 +298,47 @@ def test_whole_model_permutations_reach_llama4_whose_causal_lm_names_no_base_mod
     mats = {**_reference_matrices("llama4_text", pruned, 0), **_reference_matrices("llama4_text", pruned, 1)}
     assert report["nm_ok"] is True and set(mats) <= set(maps)
     assert all(satisfies_nm(w[:, maps[n]], 2, 4) for n, w in mats.items())
+
+
+def _qwen2_moe():
+    """A tiny Qwen2-MoE: a router module of its own, and a shared expert gated by a 1-output nn.Linear."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen2_moe", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
+                                  num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type, gate", [("dbrx", "ffn.router.layer"), ("qwen2_moe", "mlp.shared_expert_gate")])
+def test_linears_that_route_or_gate_experts_stay_dense(model_type, gate, text_file, tmp_path):
+    """A router held as a plain nn.Linear (DBRX's ``router.layer``: one logit per expert) and a shared
+    expert's scalar gate (Qwen2-MoE's ``shared_expert_gate``) are neither pruned nor sparsified by dst:
+    they are tiny and the routing hangs on them. Every other linear of the block is pruned, and a
+    dense model (no experts) keeps no linear out."""
+    from shuffleprune.blocks import block_experts, block_linears, gating_linears
+    from shuffleprune.dst.layers import sparsifiable_layers
+
+    src = tmp_path / model_type
+    model = _qwen2_moe() if model_type == "qwen2_moe" else tiny_model(model_type, layers=2)
+    model.save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    blocks = find_blocks(model)
+    gates = [f"{blocks.name}.{i}.{gate}" for i in range(2)]
+    cfg = flat_config(model=str(src), calib=str(text_file), eval_text=None, nsamples=4, seqlen=32, batch_size=4,
+                      method="wanda", pattern="2:4")
+    report = prune(cfg, out=tmp_path / "out", progress=False).report
+    assert report["moe_gates"] == gates
+    pruned_names = {r["name"] for r in report["layers"]}
+    assert not pruned_names & set(gates) and report["nm_ok"] is True
+    assert any(n.endswith(("attn.Wqkv", "self_attn.q_proj")) for n in pruned_names)   # the other linears are pruned
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    for name in gates:
+        assert torch.equal(pruned.get_submodule(name).weight, model.get_submodule(name).weight)  # untouched
+    dst_layers = sparsifiable_layers(model)
+    assert not set(gates) & set(dst_layers) and any(n.endswith("]") for n in dst_layers)
+    llama = tiny_model("llama")
+    block = find_blocks(llama).layers[0]
+    assert gating_linears(block_linears(block, "b"), block_experts(block, "b")) == set()

@@ -2,8 +2,8 @@
 ``M`` trained with the model) until hardened into an index map, applied on the weight side.
 
 A linear layer gets a forward that applies it (:func:`attach_to_linear`). The experts of a fused MoE
-layer (:func:`attach_to_experts`) run the module's own forward on fused tensors rebuilt with each
-soft expert's mixed weight; once an expert's map is hard the sparsifier stores that expert in its
+layer, or of a model's own stacked layout (:func:`attach_to_experts`), run the module's own forward
+on their parameters rebuilt with each soft expert's mixed weight; once an expert's map is hard the sparsifier stores that expert in its
 plain column order (as a ``prune --perm`` checkpoint keeps experts) and the map only orders its mask."""
 from __future__ import annotations
 
@@ -46,22 +46,26 @@ def average_across_processes(params: list[torch.Tensor]) -> None:
 
 
 def permuted_experts_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The forward of a fused experts layer whose experts have soft input permutations: the module's
-    own forward, with each fused tensor that holds one rebuilt with those experts' ``W_e M_eᵀ``
-    (differentiable in ``W`` and ``M``); experts with a hard map or none are used as stored."""
+    """The forward of a module that runs experts with soft input permutations (a fused experts layer,
+    or the scope of experts stacked in a model's own layout): the module's own forward, with each
+    parameter that holds such experts rebuilt with their ``W_e M_eᵀ`` (differentiable in ``W`` and
+    ``M``); experts with a hard map or none are used as stored."""
     swapped = {}
-    for pname, perms in module._expert_perms.items():
+    for (owner, pname), perms in module._expert_perms.items():
         soft = [(expert, p) for expert, p in perms.values() if p.soft is not None]
         if soft:
-            fused = module._parameters[pname]
-            weights = {expert.index: p.weight_view(out_in(expert, fused)) for expert, p in soft}
-            swapped[pname] = with_expert_weights(fused, weights, module.is_transposed)
-    stored = {k: module._parameters[k] for k in swapped}
-    module._parameters.update(swapped)  # read by attribute inside the forward, restored below
+            param, expert = owner._parameters[pname], soft[0][0]
+            fused = param if expert.view is None else param.view(expert.view)
+            weights = {e.index: p.weight_view(out_in(e, param)) for e, p in soft}
+            swapped[(owner, pname)] = with_expert_weights(fused, weights, expert.transposed).reshape(param.shape)
+    stored = {key: key[0]._parameters[key[1]] for key in swapped}
+    for (owner, pname), t in swapped.items():  # read by attribute inside the forward, restored below
+        owner._parameters[pname] = t
     try:
         return module._unpermuted_forward(*args, **kwargs)
     finally:
-        module._parameters.update(stored)
+        for (owner, pname), p in stored.items():
+            owner._parameters[pname] = p
 
 
 class InputPermutation:
@@ -110,12 +114,12 @@ def attach_to_linear(module: nn.Module, perm: InputPermutation) -> None:
     module.forward = types.MethodType(permuted_forward, module)
 
 
-def attach_to_experts(expert: ExpertWeight, perm: InputPermutation) -> None:
-    """``expert`` (one matrix of a fused experts layer) reads its input through ``perm`` while
-    ``perm`` is soft (:func:`permuted_experts_forward`)."""
-    module = expert.owner
-    if not hasattr(module, "_expert_perms"):
-        module._expert_perms = {}
-        module._unpermuted_forward = module.forward
-        module.forward = types.MethodType(permuted_experts_forward, module)
-    module._expert_perms.setdefault(expert.param, {})[expert.index] = (expert, perm)
+def attach_to_experts(expert: ExpertWeight, perm: InputPermutation, host: nn.Module) -> None:
+    """``expert`` (one matrix of a fused or stacked experts parameter) reads its input through
+    ``perm`` while ``perm`` is soft: ``host``, the module whose forward holds every use of the
+    parameter (the experts layer, or a traced layout's scope), runs :func:`permuted_experts_forward`."""
+    if not hasattr(host, "_expert_perms"):
+        host._expert_perms = {}
+        host._unpermuted_forward = host.forward
+        host.forward = types.MethodType(permuted_experts_forward, host)
+    host._expert_perms.setdefault((expert.owner, expert.param), {})[expert.index] = (expert, perm)

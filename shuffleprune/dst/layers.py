@@ -2,7 +2,8 @@
 
 A layer is an ``nn.Linear``, a transformers ``Conv1D`` (stored ``[in, out]``) or one expert's matrix
 of a fused MoE parameter (:class:`~shuffleprune.blocks.ExpertWeight`, a view into the fused
-tensor). The accessors here give the weight, its gradient and its optimizer moments as ``[out, in]``
+tensor), in transformers' experts interface or stacked in a layout of the model's own (Llama 4,
+DBRX: found by tracing one probe forward, :mod:`shuffleprune.stacked_experts`). The accessors here give the weight, its gradient and its optimizer moments as ``[out, in]``
 views, so the sparsifier reads and writes all three kinds the same way.
 """
 from __future__ import annotations
@@ -12,7 +13,10 @@ import warnings
 import torch
 from torch import nn
 
-from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE, ExpertWeight, block_experts, is_fused_experts, is_plain_linear
+from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, find_blocks, gating_linears,
+                                 is_fused_experts, is_plain_linear)
+from shuffleprune.errors import UserError
+from shuffleprune.stacked_experts import traced_stacked_experts
 
 Layer = nn.Module | ExpertWeight
 
@@ -26,18 +30,29 @@ def sparsifiable_layers(model: nn.Module, experts: bool = True, head: bool = Fal
     """Every ``nn.Linear`` (:func:`~shuffleprune.blocks.is_plain_linear`: not a subclass with its own
     ``forward``, like a MoE router) and transformers ``Conv1D``, except a layer sharing its weight with
     the input embeddings (a tied LM head) and, unless ``head``, the output embeddings (an untied LM
-    head: ``prune`` and ``export`` leave it dense too); with ``experts``, also every expert matrix of
-    the fused MoE layers (named ``….experts.down_proj[3]``). Without, warns when the experts, left
-    dense, hold a large share of the weights."""
+    head: ``prune`` and ``export`` leave it dense too) and the linears that route or gate MoE experts
+    (:func:`moe_gates`: prune keeps them dense too); with ``experts``, also every expert matrix of
+    the MoE layers (named ``….experts.down_proj[3]``: fused in transformers' experts interface, or
+    stacked in the model's own layout, :func:`stacked_expert_layers`). Without, warns when the
+    experts, left dense, hold a large share of the weights."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = embed.weight if embed is not None else None
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") and not head else None
     found: dict[str, Layer] = {n: m for n, m in model.named_modules()
                                if (is_plain_linear(m) or is_conv1d(m)) and m.weight is not tied and m is not output}
+    try:
+        blocks = find_blocks(model)
+    except UserError:   # not a decoder LM (a user's own network): its linears, no experts
+        blocks = None
+    stacked = {} if blocks is None else stacked_expert_layers(model, blocks)
+    if blocks is not None:  # MoE routers and gates stay dense, as prune keeps them
+        for gate in moe_gates(blocks, found, stacked):
+            del found[gate]
     if experts:
-        return found | block_experts(model, "")
+        return found | block_experts(model, "") | stacked
     fused = sum(p.numel() for m in model.modules() if is_fused_experts(m)
                 for p in m.parameters(recurse=False) if p.dim() == 3)
+    fused += sum(e.weight.numel() for e in stacked.values())
     share = fused / max(1, fused + sum(m.weight.numel() for m in found.values()))
     if share > OUTSIDE_LINEARS_WARN_SHARE:
         warnings.warn(f"{share:.0%} of the model's weights are fused MoE experts, which this method does not "
@@ -45,11 +60,42 @@ def sparsifiable_layers(model: nn.Module, experts: bool = True, head: bool = Fal
     return found
 
 
+def moe_gates(blocks: Blocks, layers: dict[str, nn.Module], stacked: dict[str, ExpertWeight]) -> set[str]:
+    """The names among ``layers`` (named from the model's root) that route or gate the MoE experts of a
+    decoder block (:func:`~shuffleprune.blocks.gating_linears`; ``stacked``: the blocks' traced experts)."""
+    gates = set()
+    for i, block in enumerate(blocks.layers):
+        prefix = f"{blocks.name}.{i}."
+        in_block = {n: m for n, m in layers.items() if n.startswith(prefix)}
+        experts = block_experts(block, prefix[:-1]) | {n: e for n, e in stacked.items() if n.startswith(prefix)}
+        gates |= gating_linears(in_block, experts)
+    return gates
+
+
+def stacked_expert_layers(model: nn.Module, blocks: Blocks) -> dict[str, ExpertWeight]:
+    """The expert matrices the decoder blocks keep stacked in parameters of their own layout, found
+    by one forward of a fixed probe (in eval mode, without gradients:
+    :func:`~shuffleprune.stacked_experts.traced_stacked_experts`). Nothing to trace (no block
+    matrix outside linears, ``Conv1D`` and fused experts): ``{}``, no forward."""
+    if not any(p.dim() >= 2 for block in blocks.layers for m in block.modules()
+               if not (is_plain_linear(m) or is_conv1d(m) or is_fused_experts(m))
+               for p in m.parameters(recurse=False)):
+        return {}
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            found = traced_stacked_experts(model, blocks)
+    finally:
+        model.train(training)
+    return {name: e for block in found for name, e in block.items()}
+
+
 def out_in(layer: Layer, t: torch.Tensor) -> torch.Tensor:
     """A view ``[out, in]`` of a tensor shaped like ``layer``'s stored weight (``Conv1D`` stores
     ``[in, out]``; an expert's is the whole fused tensor, of which this is the expert's matrix)."""
     if isinstance(layer, ExpertWeight):
-        t = t[layer.index]
+        t = (t if layer.view is None else t.view(layer.view))[layer.index]
         return t.t() if layer.transposed else t
     return t.t() if is_conv1d(layer) else t
 

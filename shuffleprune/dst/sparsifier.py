@@ -154,7 +154,7 @@ class DynamicSparsifier:
                 if not isinstance(module, ExpertWeight):
                     attach_to_linear(module, perm)
                 elif perm.soft is not None:  # a hard (random) map needs no forward: the expert stays in plain order
-                    attach_to_experts(module, perm)
+                    attach_to_experts(module, perm, module.owner if module.scope is None else model.get_submodule(module.scope))
             if self.config.method not in ("pixelfly", "diag"):
                 self.masks[name] = self._from_structure(name, select_mask(self.config, scores, self._budget(name)))
         soft = [p for perm in self.perms.values() if perm.soft is not None for p in perm.soft.parameters()]

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from shuffleprune.block_inputs import called_modules, capture_block_inputs, run_block, run_blocks
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, block_linears, find_blocks,
-                                  is_plain_linear, parse_expert_name, text_config, weights_outside_linears)
+                                  gating_linears, is_plain_linear, parse_expert_name, text_config, weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
@@ -212,8 +212,8 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         if run.captured.holds_shared_state() and start < len(blocks):   # what the pruned blocks handed on
             run_blocks(Blocks(blocks.name, blocks.layers[:start]), run.captured.hidden, run.captured, device,
                        config.batch_size)
-    not_called = _trace_calls(run, run.captured.hidden[:1], config)
-    unseen = _dense_outside_linears(blocks, run.experts, not_called)
+    not_called, gates = _trace_calls(run, run.captured.hidden[:1], config)
+    unseen = _dense_outside_linears(blocks, run.experts, not_called | gates)
     run.captured.hidden = None
     # the unpruned model's activations, kept beside the pruned ones when a stage fits to them
     stream = "dense_stream" in spec.needs()
@@ -275,6 +275,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
                           resume, time.time() - t_start)
     report["outside_linears"] = unseen
     report["not_called"] = sorted(not_called)
+    report["moe_gates"] = sorted(gates)
     if out is not None:
         write_checkpoint(out, model, tokenizer, report, all_perms, config)
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
@@ -307,30 +308,38 @@ def _matrix_key(expert: ExpertWeight) -> tuple[int, int]:
     return id(getattr(expert.owner, expert.param)), expert.index
 
 
-def _trace_calls(run: Run, hidden: torch.Tensor, config: PruneConfig) -> dict[str, torch.nn.Module]:
+def _trace_calls(run: Run, hidden: torch.Tensor, config: PruneConfig) -> tuple[dict, dict]:
     """Run one window through the blocks and select what the forward shows: the experts a block keeps
-    stacked in its own parameters (:mod:`shuffleprune.stacked_experts`) join the run's experts, and the
-    linears the model never calls (it reads their weight directly, like Mamba's ``dt_proj``) leave
-    it: no statistics can reach them, so they stay dense, with a warning. Returns those linears."""
+    stacked in its own parameters (:mod:`shuffleprune.stacked_experts`) join the run's experts; the
+    linears that route or gate a block's experts (:func:`~shuffleprune.blocks.gating_linears`) leave
+    the run, dense; so do the linears the model never calls (it reads their weight directly, like
+    Mamba's ``dt_proj``): no statistics can reach them, with a warning. Returns ``(not called, gates)``."""
     trace = MatmulTrace()
     called = called_modules(run.blocks, run.captured, hidden, run.device, run.linears, around=trace.watch)
     seen = {_matrix_key(e) for block in run.experts for e in block.values()}
+    gates: dict[str, torch.nn.Module] = {}
     for i, block in enumerate(run.blocks.layers):
-        for name, e in stacked_experts(block, f"{run.blocks.name}.{i}", trace, config.only, config.skip).items():
+        prefix = f"{run.blocks.name}.{i}"
+        for name, e in stacked_experts(block, prefix, trace, config.only, config.skip).items():
             if _matrix_key(e) not in seen:
                 run.pattern.check_width(name, e.in_features)
                 run.experts[i][name] = e
                 seen.add(_matrix_key(e))
+        gated = gating_linears(run.linears[i], block_experts(block, prefix) | stacked_experts(block, prefix, trace))
+        gates.update({n: run.linears[i].pop(n) for n in sorted(gated)})
     dropped = {n: lin for block in run.linears for n, lin in block.items() if n not in called}
     run.linears = [{n: lin for n, lin in block.items() if n in called} for block in run.linears]
     if not any(run.linears) and not any(run.experts):
+        if gates and not dropped:
+            raise UserError(f"the selected linears route or gate MoE experts (e.g. {next(iter(gates))}), which prune keeps "
+                            "dense; nothing can be pruned: select other layers with --only / --skip")
         raise UserError(f"none of the selected linears is called as a layer by this model (e.g. {next(iter(dropped))}); "
                         "nothing can be pruned" if dropped else NOTHING_SELECTED)
     if dropped:
         warnings.warn(f"{len(dropped)} linear layers stay dense: the model reads their weights without calling them "
                       f"as layers (e.g. {next(iter(dropped))}), so no calibration statistics reach them",
                       UserWarning, stacklevel=3)
-    return dropped
+    return dropped, gates
 
 
 def _dense_outside_linears(blocks, experts: list[dict[str, ExpertWeight]],
