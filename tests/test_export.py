@@ -626,6 +626,38 @@ def test_layers_reading_one_input_run_as_one_stacked_layer(pruned_perm_dir, tmp_
     assert attn.q_proj.fused_inputs.stacked.values.dtype == torch.float64
 
 
+def test_torch_compile_keeps_each_sparse_layer_one_operator_in_one_graph(pruned_perm_dir, tmp_path, monkeypatch):
+    """Under ``torch.compile`` every ``SparseLinear`` is one custom operator (``shuffleprune::sparse_linear``)
+    running the layer's eager forward: the whole model is one graph (no break on the stacked groups'
+    and kernel choices' Python state), the stacked q/k/v group still runs as one call, and the
+    compiled model gives the eager logits. A deep copy is a layer of its own for the operator."""
+    import copy
+
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    model = shuffleprune.load(str(tmp_path / "exported"))
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(ids).logits
+        explained = torch._dynamo.explain(model)(ids)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0
+        rows = []
+        original = SparseLinear._run
+        monkeypatch.setattr(SparseLinear, "_run", lambda self, impl, x: rows.append(self.out_features) or original(self, impl, x))
+        got = torch.compile(model, backend="aot_eager")(ids).logits
+        assert torch.allclose(got, want, atol=1e-5)
+        q_proj = model.model.layers[0].self_attn.q_proj
+        assert q_proj.fused_inputs.stacked.out_features in rows        # the group's one stacked call
+        assert len(rows) == 4 * len(model.model.layers)              # per block: q/k/v, o, gate/up, down
+        twin = copy.deepcopy(q_proj)
+        assert twin._key != q_proj._key
+        twin.fused_inputs = None
+        twin.values.zero_()
+        x = torch.randn(1, 3, q_proj.in_features)
+        assert not torch.ops.shuffleprune.sparse_linear(x, twin._key).any()   # the copy's weights, not the original's
+    torch._dynamo.reset()
+
+
 def test_load_with_cusparselt_buffers_gives_the_same_model(pruned_perm_dir, tmp_path):
     """``load(cslt=True)``: the layers whose shape allows it hold one cuSPARSELt buffer (k/v, 32 rows,
     do not), stacked groups of such layers share one, and the model computes what the export's
@@ -692,6 +724,9 @@ def test_moe_experts_export_compressed_and_run_from_their_sparse_layers(model_ty
             assert set_experts_mode(model, "grouped") == (3 if skip else 6)
             assert experts_mode(experts, ids) == ("loop" if skip else "grouped")
             torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+            torch._dynamo.reset()   # torch.compile: the experts forward runs eagerly inside the compiled model
+            torch.testing.assert_close(torch.compile(model, backend="aot_eager")(ids).logits, want, rtol=1e-5, atol=1e-5)
+            torch._dynamo.reset()
 
 
 def test_exports_of_format_version_1_still_load(pruned_perm_dir, tmp_path):

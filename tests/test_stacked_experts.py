@@ -156,6 +156,10 @@ def test_stacked_experts_are_pruned_in_place_and_served_compressed(text_file, tm
         torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)   # expert by expert (CPU)
         assert set_experts_mode(loaded, "grouped") == 4
         torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)   # one grouped launch (interpreted)
+        set_experts_mode(loaded, "auto")
+        torch._dynamo.reset()   # torch.compile: the served scope runs eagerly inside the compiled model
+        torch.testing.assert_close(torch.compile(loaded, backend="aot_eager")(ids).logits, want, rtol=0, atol=1e-5)
+        torch._dynamo.reset()
 
 
 def test_learned_maps_reach_stacked_experts(text_file, tmp_path):

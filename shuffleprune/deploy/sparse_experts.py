@@ -124,6 +124,7 @@ def _project(module: nn.Module, param: str, expert: int, x: torch.Tensor) -> tor
     return out
 
 
+@torch.compiler.disable   # torch.compile: runs eagerly (one graph break per experts layer), host syncs and all
 def nm_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward of a layer with compressed experts: the grouped kernel or the per-expert
@@ -361,6 +362,7 @@ def serve_stacked(scope: nn.Module, owner: nn.Module, param: str, experts: Spars
         held = scope.nm_stacked = {}
         forward = scope.forward
 
+        @torch.compiler.disable   # torch.compile: the scope runs eagerly (one graph break), the mode inside it
         def serve(*args, **kwargs):
             with StackedProducts(held):
                 return forward(*args, **kwargs)

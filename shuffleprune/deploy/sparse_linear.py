@@ -41,7 +41,9 @@ so a 32-block model measures each kind of layer once, not 32 times (``release_ch
 """
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +135,16 @@ class SparseLinear(nn.Module):
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None  # (meta it was made from, its int32 words)
         self.tiled = False   # meta holds cuSPARSELt's metadata words (use_cslt_layout), values and meta one buffer
         self._packed: torch.Tensor | None = None
+        self._register()
+
+    def _register(self) -> None:
+        """A key of this layer's own, by which the compiled op (:func:`sparse_linear_op`) finds it."""
+        self._key = next(_KEYS)
+        _LAYERS[self._key] = self
+
+    def __setstate__(self, state: dict) -> None:   # a deepcopy or unpickled copy is a layer of its own
+        super().__setstate__(state)
+        self._register()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.n}:{self.m}, "
@@ -339,6 +351,13 @@ class SparseLinear(nn.Module):
         return best
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():   # one opaque op in the graph; this eager forward runs inside it
+            return torch.ops.shuffleprune.sparse_linear(x, self._key)
+        return self.eager_forward(x)
+
+    def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward outside ``torch.compile``: the layer's stacked group, its policy, or the
+        implementation measured fastest for this token count."""
         if self.fused_inputs is not None:  # one stacked call for the layers reading this input
             y = self.fused_inputs.output(self, x)
             if y is not None:
@@ -361,6 +380,26 @@ class SparseLinear(nn.Module):
                 _CHOICES[key] = self._measure(x, self._candidates(x))
             self.choices[bucket] = _CHOICES[key]
         return self.choices[bucket]
+
+
+_KEYS = itertools.count()
+_LAYERS: "weakref.WeakValueDictionary[int, SparseLinear]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("shuffleprune::sparse_linear", mutates_args=())
+def sparse_linear_op(x: torch.Tensor, key: int) -> torch.Tensor:
+    """:class:`SparseLinear` ``key``'s eager forward on ``x`` as one operator, which ``torch.compile``
+    keeps whole in its graph: the layer's choices, shared gathers and stacked groups (Python state
+    Dynamo would break the graph on) run inside it, and a CUDA graph of the compiled model
+    (``mode="reduce-overhead"``) captures the kernels they launch. A stacked group member's rows of
+    the group's output are copied out when they are not contiguous (more than one token), as the
+    compiled graph expects of a new tensor."""
+    return _LAYERS[key].eager_forward(x).contiguous()
+
+
+@sparse_linear_op.register_fake
+def _sparse_linear_shape(x: torch.Tensor, key: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _LAYERS[key].out_features))
 
 
 AGREE_RTOL = 2e-2   # auto drops a candidate whose largest error exceeds this share of the output's largest magnitude
