@@ -146,7 +146,7 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
             "pruned_layers": len(result.report["layers"]), "nm_ok": result.report["nm_ok"],
             "pruned_experts": sum(bool(l.get("expert")) for l in result.report["layers"]),
             "compressed_layers": compressed, "compressed_experts": experts, "kept_dense": len(fmt["kept_dense"]),
-            "experts_with_maps": mapped, "folded_maps": len(fmt["folded"]), "moe_gates": len(result.report["moe_gates"]),
+            "experts_with_maps": mapped, "folded_maps": len(fmt["folded"]), "gating_linears": len(result.report["gating_linears"]),
             "outside_linears_share": result.report["outside_linears"]["share"],
             "seconds": round(time.time() - t0, 1)}
 

@@ -5,6 +5,8 @@ CUDA graphs for both (issue 24's second table).
     python scripts/bench_e2e.py                 # CUDA → scripts/results/bench_e2e.json
     python scripts/bench_e2e.py --smoke         # CPU, a 2-layer small config: checks the code path only
     python scripts/bench_e2e.py --arch mixtral  # CUDA, 8 Mixtral-8x7B layers → scripts/results/bench_e2e_mixtral.json
+    python scripts/bench_e2e.py --decode compile  # decode steps by torch.compile(mode="reduce-overhead"), as users
+                                                  # serve → scripts/results/bench_e2e_compile.json
 
 Per model: prefill of the ``--prompt`` tokens into a transformers ``StaticCache``, eagerly (as
 ``generate`` runs a prompt: host-bound at this size) and replayed from one CUDA graph (the GPU's
@@ -46,10 +48,14 @@ def main() -> None:
     ap.add_argument("--arch", choices=("llama", "mixtral"), default="llama",
                     help="mixtral: a Mixtral-8x7B-shaped MoE (8 experts, top 2), --layers of its 32 decoder layers")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the mixtral model (all 32 need 94 GB dense)")
+    ap.add_argument("--decode", choices=("graph", "compile"), default="graph",
+                    help="graph: each decode step replayed from one CUDA graph captured by hand; compile: as "
+                         "torch.compile(model.forward, mode='reduce-overhead') runs it (→ …_compile.json)")
     ap.add_argument("--out", default=None, help="default: scripts/results/bench_e2e.json (mixtral: bench_e2e_mixtral.json)")
     args = ap.parse_args()
     moe = args.arch == "mixtral"
-    args.out = args.out or str(ROOT / "scripts" / "results" / ("bench_e2e_mixtral.json" if moe else "bench_e2e.json"))
+    name = ("bench_e2e_mixtral" if moe else "bench_e2e") + ("_compile" if args.decode == "compile" else "")
+    args.out = args.out or str(ROOT / "scripts" / "results" / f"{name}.json")
 
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, StaticCache
@@ -164,25 +170,39 @@ def main() -> None:
         for _ in range(3):  # the one-token kernels are chosen and compiled outside any capture
             step()
         restart()
+        def compiled_step():
+            """The decode step as ``torch.compile(mode="reduce-overhead")`` runs it (CUDA graphs of the
+            compiled graphs), warmed up and checked against the eager step's token."""
+            torch._dynamo.reset()
+            compiled = torch.compile(model.forward, mode="reduce-overhead")
+
+            def step_compiled() -> None:
+                logits = compiled(input_ids=tok, past_key_values=cache, cache_position=pos,
+                                  position_ids=pos.unsqueeze(0), use_cache=True).logits
+                tok.copy_(logits[:, -1:].argmax(-1))
+                pos.add_(1)
+
+            step()
+            want = tok.clone()
+            restart()
+            for _ in range(3):
+                step_compiled()
+                if _ == 0 and not torch.equal(tok, want):
+                    raise RuntimeError("the compiled decode step chose another token than the eager one")
+            restart()
+            return step_compiled
+
         how, run_step = "eager", step
-        if cuda:
+        if args.decode == "compile":
+            run_step, how = compiled_step(), "torch.compile(reduce-overhead)"
+        elif cuda:
             try:
                 graph = capture(lambda: (step(), restart()), step)
                 how, run_step = "cuda_graph", graph.replay
             except Exception as exc:  # noqa: BLE001 - fall back the way users would
                 print(f"{label}: CUDA graph capture failed ({str(exc).splitlines()[0][:120]}); torch.compile", flush=True)
                 try:
-                    compiled = torch.compile(model.forward, mode="reduce-overhead")
-
-                    def step_compiled() -> None:
-                        logits = compiled(input_ids=tok, past_key_values=cache, cache_position=pos,
-                                          position_ids=pos.unsqueeze(0), use_cache=True).logits
-                        tok.copy_(logits[:, -1:].argmax(-1))
-                        pos.add_(1)
-
-                    for _ in range(3):
-                        step_compiled()
-                    how, run_step = "torch.compile(reduce-overhead)", step_compiled
+                    run_step, how = compiled_step(), "torch.compile(reduce-overhead)"
                 except Exception as exc2:  # noqa: BLE001
                     print(f"{label}: torch.compile failed too ({str(exc2).splitlines()[0][:120]}); eager", flush=True)
         tokens_out = []
@@ -243,6 +263,38 @@ def main() -> None:
     if cuda:
         torch.cuda.empty_cache()
     release_scratch()
+
+    def ratios(row: dict) -> dict:
+        return {"decode_speedup": round(row["decode_tokens_per_s"] / dense_row["decode_tokens_per_s"], 3),
+                "prefill_time_ratio": round(row["prefill_ms"] / dense_row["prefill_ms"], 3),
+                "prefill_eager_time_ratio": round(row["prefill_eager_ms"] / dense_row["prefill_eager_ms"], 3),
+                "weights_ratio": round(row["weights_mb"] / dense_row["weights_mb"], 3),
+                "peak_ratio": round(row["peak_mb"] / dense_row["peak_mb"], 3) if cuda else None}
+
+    shape = (f"Mixtral-8x7B-shaped model ({cfg.num_hidden_layers} layers, {cfg.num_local_experts} experts, top 2; "
+             "experts 2:4 with a map "
+             "each, the grouped kernel or the loop as auto measures, the grouped one in CUDA graphs)") if moe \
+        else "LLaMA-2-7B-shaped model"
+
+    def save(ratio: dict, rows: list[dict], **extra) -> None:
+        result = {"what": f"end-to-end prefill/decode, random {shape}, static cache, "
+                          + ("decode by torch.compile(mode='reduce-overhead')" if args.decode == "compile" else "CUDA graphs")
+                          + (" (smoke)" if args.smoke else ""),
+                  "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
+                  "seed": 0, "batch": 1, "prompt": args.prompt, "new_tokens": args.new_tokens, "runs": args.runs,
+                  "targets": "decode ≥1.35× dense tokens/s; prefill ≤1.0× dense time; weights ≤0.6× dense; peak below dense",
+                  **ratio, "rows": rows, **extra, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                  "machine": machine(), "versions": versions("triton")}
+        out = Path(args.out) if not args.smoke else Path(args.out).with_name(Path(args.out).stem + "_smoke.json")
+        out.write_text(json.dumps(result, indent=1))
+        print(json.dumps(ratio, indent=1))
+
+    if args.decode == "compile":   # load's default only: each compile of a 32-layer model takes minutes
+        moved, groups = move_maps_to_producers(model), fuse_shared_inputs(model)
+        row, _ = measure(model, "2:4+maps at the producer, q/k/v and gate/up stacked (load's default)")
+        row.update(maps_moved=len(moved), groups=len(groups))
+        save(ratios(row), [dense_row, row])
+        return
     sparse_row, _ = measure(model, "2:4+index maps (SparseLinear auto)")
 
     def kernel_choices() -> dict:
@@ -280,34 +332,11 @@ def main() -> None:
     cslt_fused_row, choices_cslt_stacked = measured("2:4 in cuSPARSELt's buffer, maps at the producer, stacked",
                                                     groups=len(groups))
     rows = [dense_row, sparse_row, producer_row, fused_row, cslt_row, cslt_fused_row]
-
-    def ratios(row: dict) -> dict:
-        return {"decode_speedup": round(row["decode_tokens_per_s"] / dense_row["decode_tokens_per_s"], 3),
-                "prefill_time_ratio": round(row["prefill_ms"] / dense_row["prefill_ms"], 3),
-                "prefill_eager_time_ratio": round(row["prefill_eager_ms"] / dense_row["prefill_eager_ms"], 3),
-                "weights_ratio": round(row["weights_mb"] / dense_row["weights_mb"], 3),
-                "peak_ratio": round(row["peak_mb"] / dense_row["peak_mb"], 3) if cuda else None}
-
     ratio = {**ratios(sparse_row), "maps_at_producer": ratios(producer_row), "stacked": ratios(fused_row),
              "cslt_buffer": ratios(cslt_row), "cslt_buffer_stacked": ratios(cslt_fused_row)}
-    shape = (f"Mixtral-8x7B-shaped model ({cfg.num_hidden_layers} layers, {cfg.num_local_experts} experts, top 2; "
-             "experts 2:4 with a map "
-             "each, the grouped kernel or the loop as auto measures, the grouped one in CUDA graphs)") if moe \
-        else "LLaMA-2-7B-shaped model"
-    result = {"what": f"end-to-end prefill/decode, random {shape}, static cache, CUDA graphs"
-                      + (" (smoke)" if args.smoke else ""),
-              "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
-              "seed": 0, "batch": 1, "prompt": args.prompt, "new_tokens": args.new_tokens, "runs": args.runs,
-              "targets": "decode ≥1.35× dense tokens/s; prefill ≤1.0× dense time; weights ≤0.6× dense; peak below dense",
-              **ratio, "rows": rows, "kernel_choices": choices, "kernel_choices_maps_at_producer": choices_at_producer,
-              "kernel_choices_stacked": choices_stacked, "kernel_choices_cslt_buffer": choices_cslt,
-              "kernel_choices_cslt_buffer_stacked": choices_cslt_stacked,
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-              "versions": versions("triton")}
-    out = Path(args.out) if not args.smoke else Path(args.out).with_name(Path(args.out).stem + "_smoke.json")
-    out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(ratio, indent=1))
-
+    save(ratio, rows, kernel_choices=choices, kernel_choices_maps_at_producer=choices_at_producer,
+         kernel_choices_stacked=choices_stacked, kernel_choices_cslt_buffer=choices_cslt,
+         kernel_choices_cslt_buffer_stacked=choices_cslt_stacked)
 
 if __name__ == "__main__":
     main()

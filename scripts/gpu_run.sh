@@ -32,6 +32,8 @@
 #                                              # 1-512 tokens, and what auto picks
 #   bash scripts/gpu_run.sh moe_stacked        # one Llama-4-Scout experts layer (its own bmm forward) against its
 #                                              # experts served stacked: loop, grouped, auto, grouped with maps
+#   bash scripts/gpu_run.sh e2e_compile        # end to end as e2e, each decode step by torch.compile(mode=
+#                                              # "reduce-overhead") as users serve, dense against load's default
 #   bash scripts/gpu_run.sh e2e_moe            # end to end as e2e, 8 Mixtral-8x7B layers: dense (transformers'
 #                                              # experts forward) against 2:4 experts with maps (~23 GB dense)
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
@@ -136,6 +138,7 @@ for s in "$@"; do
         stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
             $PY scripts/bench_stage_cost.py --device cuda ;;
         e2e) step e2e 270 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
+        e2e_compile) step e2e_compile 420 scripts/results/bench_e2e_compile.json $PY scripts/bench_e2e.py --decode compile ;;
         moe) step moe 300 scripts/results/bench_moe.json $PY scripts/bench_moe.py ;;
         moe_stacked) step moe_stacked 300 scripts/results/bench_stacked_moe.json $PY scripts/bench_stacked_moe.py ;;
         e2e_moe) step e2e_moe 400 scripts/results/bench_e2e_mixtral.json $PY scripts/bench_e2e.py --arch mixtral ;;

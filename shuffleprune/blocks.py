@@ -219,19 +219,26 @@ def experts_by_tensor(experts: dict[str, ExpertWeight]) -> dict[str, dict[int, E
     return grouped
 
 
+GATING_WIDTH = 8   # a linear with at most this many inputs or outputs computes scores or coefficients, not features
+
+
 def gating_linears(linears: dict[str, nn.Module], experts: dict[str, ExpertWeight]) -> set[str]:
-    """The names among a block's ``linears`` that route or gate its MoE experts (``experts``: all of
-    the block's, fused or stacked): those with no more outputs than the block has experts in one
-    tensor — a router's logit per expert (DBRX's ``router.layer``), a shared expert's scalar gate
-    (Qwen2-MoE's ``shared_expert_gate``). They hold a negligible share of the weights and the routing
-    decision hangs on them, so prune and dst keep them dense. No MoE experts: none."""
+    """The names among a block's ``linears`` that route, gate or mix rather than transform features
+    (``experts``: all of the block's MoE experts, fused or stacked): those with no more outputs than
+    the block has experts in one tensor — a router's logit per expert (DBRX's ``router.layer``) —
+    and those with at most :data:`GATING_WIDTH` inputs or outputs — a shared expert's scalar gate
+    (Qwen2-MoE's ``shared_expert_gate``), Gemma 3n's AltUp router and coefficient layers (4 streams
+    in, 4 or 16 coefficients out). They hold a negligible share of the weights, N:M would cut half
+    of each score's inputs, and what the block computes hangs on them: prune and dst keep them dense."""
     count = max((len(by_expert) for by_expert in experts_by_tensor(experts).values()), default=0)
-    return {name for name, lin in linears.items() if count and _out_features(lin) <= count}
+    return {name for name, lin in linears.items()
+            if _widths(lin)[0] <= count or min(_widths(lin)) <= GATING_WIDTH}
 
 
-def _out_features(layer: nn.Module) -> int:
-    """A linear's (or ``Conv1D``'s, stored ``[in, out]``) output width."""
-    return getattr(layer, "out_features", None) or getattr(layer, "nf")
+def _widths(layer: nn.Module) -> tuple[int, int]:
+    """A linear's (or a ``Conv1D``'s, stored ``[in, out]``) ``(outputs, inputs)``."""
+    out = getattr(layer, "out_features", None) or layer.nf
+    return out, layer.weight.numel() // out
 
 
 def with_expert_weights(fused: torch.Tensor, weights: dict[int, torch.Tensor], transposed: bool) -> torch.Tensor:

@@ -62,7 +62,7 @@ def tiny_config(model_type: str = "llama", layers: int = 3, hidden: int = 64, in
         # the last layer reuses the keys and values the one before stores (KV sharing)
         kw.update(head_dim=16, sliding_window=8, num_kv_shared_layers=1, layer_types=["sliding_attention"] * layers,
                   activation_sparsity_pattern=[0.0] * layers, vocab_size_per_layer_input=vocab,
-                  hidden_size_per_layer_input=16, laurel_rank=8)
+                  hidden_size_per_layer_input=16, laurel_rank=16)
     if model_type == "bloom":  # ALiBi, fused query_key_value, LayerNorms
         kw = dict(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=4)
     return AutoConfig.for_model(model_type, **kw)

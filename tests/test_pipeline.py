@@ -351,7 +351,8 @@ def test_learned_maps_and_block_fits_run_on_blocks_taking_windows_along_another_
                             seed=0, overrides=["update.steps=6", "update.check_every=2"])
     result = prune(cfg, out=tmp_path / "out", progress=False)
     report = result.report
-    assert report["nm_ok"] is True and len(report["layers"]) == 3 * 14 - 2   # AltUp, LAuReL; no k/v where reused
+    assert report["nm_ok"] is True and len(report["layers"]) == 3 * (14 - 3) - 2   # LAuReL; no k/v where reused
+    assert len(report["gating_linears"]) == 3 * 3   # AltUp's router and coefficient layers stay dense
     fits = [b["blockrecon"] for b in report["stage_blocks"] if "blockrecon" in b]
     assert len(fits) == 3 and all(f["held_out_after"] <= f["held_out_before"] for f in fits)
     assert any(f["held_out_after"] < f["held_out_before"] for f in fits)

@@ -316,12 +316,15 @@ def _qwen2_moe():
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("model_type, gate", [("dbrx", "ffn.router.layer"), ("qwen2_moe", "mlp.shared_expert_gate")])
-def test_linears_that_route_or_gate_experts_stay_dense(model_type, gate, text_file, tmp_path):
-    """A router held as a plain nn.Linear (DBRX's ``router.layer``: one logit per expert) and a shared
-    expert's scalar gate (Qwen2-MoE's ``shared_expert_gate``) are neither pruned nor sparsified by dst:
-    they are tiny and the routing hangs on them. Every other linear of the block is pruned, and a
-    dense model (no experts) keeps no linear out."""
+@pytest.mark.parametrize("model_type, block_gates", [
+    ("dbrx", ["ffn.router.layer"]), ("qwen2_moe", ["mlp.shared_expert_gate"]),
+    ("gemma3n_text", ["altup.correction_coefs", "altup.modality_router", "altup.prediction_coefs"])])
+def test_linears_that_route_gate_or_mix_stay_dense(model_type, block_gates, text_file, tmp_path):
+    """A router held as a plain nn.Linear (DBRX's ``router.layer``: one logit per expert), a shared
+    expert's scalar gate (Qwen2-MoE's ``shared_expert_gate``) and Gemma 3n's AltUp router and
+    coefficient layers (4 streams in; 4 or 16 coefficients out) are neither pruned nor sparsified by
+    dst: they are tiny and what the block computes hangs on them. Every other linear of the block is
+    pruned, and a LLaMA keeps no linear out."""
     from shuffleprune.blocks import block_experts, block_linears, gating_linears
     from shuffleprune.dst.layers import sparsifiable_layers
 
@@ -330,11 +333,11 @@ def test_linears_that_route_or_gate_experts_stay_dense(model_type, gate, text_fi
     model.save_pretrained(src)
     make_tokenizer().save_pretrained(src)
     blocks = find_blocks(model)
-    gates = [f"{blocks.name}.{i}.{gate}" for i in range(2)]
+    gates = [f"{blocks.name}.{i}.{gate}" for i in range(2) for gate in block_gates]
     cfg = flat_config(model=str(src), calib=str(text_file), eval_text=None, nsamples=4, seqlen=32, batch_size=4,
                       method="wanda", pattern="2:4")
     report = prune(cfg, out=tmp_path / "out", progress=False).report
-    assert report["moe_gates"] == gates
+    assert report["gating_linears"] == gates
     pruned_names = {r["name"] for r in report["layers"]}
     assert not pruned_names & set(gates) and report["nm_ok"] is True
     assert any(n.endswith(("attn.Wqkv", "self_attn.q_proj")) for n in pruned_names)   # the other linears are pruned
@@ -342,7 +345,8 @@ def test_linears_that_route_or_gate_experts_stay_dense(model_type, gate, text_fi
     for name in gates:
         assert torch.equal(pruned.get_submodule(name).weight, model.get_submodule(name).weight)  # untouched
     dst_layers = sparsifiable_layers(model)
-    assert not set(gates) & set(dst_layers) and any(n.endswith("]") for n in dst_layers)
+    assert not set(gates) & set(dst_layers) and {n for n in pruned_names if not n.endswith("]")} <= set(dst_layers)
+    assert any(n.endswith("]") for n in dst_layers) == (model_type != "gemma3n_text")   # the experts are layers
     llama = tiny_model("llama")
     block = find_blocks(llama).layers[0]
     assert gating_linears(block_linears(block, "b"), block_experts(block, "b")) == set()

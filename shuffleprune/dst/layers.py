@@ -30,8 +30,8 @@ def sparsifiable_layers(model: nn.Module, experts: bool = True, head: bool = Fal
     """Every ``nn.Linear`` (:func:`~shuffleprune.blocks.is_plain_linear`: not a subclass with its own
     ``forward``, like a MoE router) and transformers ``Conv1D``, except a layer sharing its weight with
     the input embeddings (a tied LM head) and, unless ``head``, the output embeddings (an untied LM
-    head: ``prune`` and ``export`` leave it dense too) and the linears that route or gate MoE experts
-    (:func:`moe_gates`: prune keeps them dense too); with ``experts``, also every expert matrix of
+    head: ``prune`` and ``export`` leave it dense too) and the linears that route, gate or mix
+    (:func:`block_gates`: prune keeps them dense too); with ``experts``, also every expert matrix of
     the MoE layers (named ``….experts.down_proj[3]``: fused in transformers' experts interface, or
     stacked in the model's own layout, :func:`stacked_expert_layers`). Without, warns when the
     experts, left dense, hold a large share of the weights."""
@@ -45,8 +45,8 @@ def sparsifiable_layers(model: nn.Module, experts: bool = True, head: bool = Fal
     except UserError:   # not a decoder LM (a user's own network): its linears, no experts
         blocks = None
     stacked = {} if blocks is None else stacked_expert_layers(model, blocks)
-    if blocks is not None:  # MoE routers and gates stay dense, as prune keeps them
-        for gate in moe_gates(blocks, found, stacked):
+    if blocks is not None:  # routers, gates and coefficient layers stay dense, as prune keeps them
+        for gate in block_gates(blocks, found, stacked):
             del found[gate]
     if experts:
         return found | block_experts(model, "") | stacked
@@ -60,9 +60,9 @@ def sparsifiable_layers(model: nn.Module, experts: bool = True, head: bool = Fal
     return found
 
 
-def moe_gates(blocks: Blocks, layers: dict[str, nn.Module], stacked: dict[str, ExpertWeight]) -> set[str]:
-    """The names among ``layers`` (named from the model's root) that route or gate the MoE experts of a
-    decoder block (:func:`~shuffleprune.blocks.gating_linears`; ``stacked``: the blocks' traced experts)."""
+def block_gates(blocks: Blocks, layers: dict[str, nn.Module], stacked: dict[str, ExpertWeight]) -> set[str]:
+    """The names among ``layers`` (named from the model's root) that route, gate or mix in a decoder
+    block (:func:`~shuffleprune.blocks.gating_linears`; ``stacked``: the blocks' traced experts)."""
     gates = set()
     for i, block in enumerate(blocks.layers):
         prefix = f"{blocks.name}.{i}."

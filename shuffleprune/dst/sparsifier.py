@@ -2,7 +2,8 @@
 
     sparsifier = DynamicSparsifier(DSTConfig(method="rigl", sparsity=0.9, t_end=7500))
     sparsifier.prepare(model, optimizer)          # masks every nn.Linear / transformers Conv1D (except
-    for batch in data:                            # the layer tied to the input embeddings) and MoE expert
+    for batch in data:                            # the layer tied to the input embeddings, and routers,
+                                                  # gates and coefficient layers) and MoE expert
         loss = model(**batch).loss; loss.backward()
         optimizer.step(); sparsifier.step(); optimizer.zero_grad()
 
@@ -57,10 +58,11 @@ The low-rank factors of ``pixelfly`` (``lowrank_u``, ``lowrank_v``) and the diag
 ``diag`` (a ``weight`` parametrization) are registered on their layer, so create the optimizer
 *after* ``prepare`` (and pass it with ``sparsifier.optimizer = opt``).
 
-Fused MoE experts (transformers' ``[experts, out, in]`` parameters): every expert matrix is a
-layer of its own (``….experts.down_proj[3]``) for the methods that only add a mask (rigl, set,
-srigl, dsb, nm), with its own permutation under ``perm``. A soft one mixes the expert's slice of
-the fused tensor in the experts layer's forward; when it hardens, the expert (weight, mask, Adam
+MoE experts (transformers' fused ``[experts, out, in]`` parameters, or a layout of the model's own
+such as Llama 4's and DBRX's, found by one traced probe forward): every expert matrix is a layer of
+its own (``….experts.down_proj[3]``) for the methods that only add a mask (rigl, set, srigl, dsb,
+nm), with its own permutation under ``perm``. A soft one mixes the expert's slice of its parameter
+in the forward of the module that holds every use of it (the experts layer); when it hardens, the expert (weight, mask, Adam
 moments) is stored in its plain column order, as ``prune --perm`` checkpoints keep experts, and its
 map orders the mask's structure (exactly N:M in ``W[:, perm]``). pixelfly and diag change a layer's
 forward, so under them the experts stay dense (warned).

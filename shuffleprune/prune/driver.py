@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from shuffleprune.block_inputs import called_modules, capture_block_inputs, run_block, run_blocks
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, block_linears, find_blocks,
-                                  gating_linears, is_plain_linear, parse_expert_name, text_config, weights_outside_linears)
+                                  GATING_WIDTH, gating_linears, is_plain_linear, parse_expert_name, text_config, weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
@@ -275,7 +275,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
                           resume, time.time() - t_start)
     report["outside_linears"] = unseen
     report["not_called"] = sorted(not_called)
-    report["moe_gates"] = sorted(gates)
+    report["gating_linears"] = sorted(gates)
     if out is not None:
         write_checkpoint(out, model, tokenizer, report, all_perms, config)
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
@@ -311,11 +311,14 @@ def _matrix_key(expert: ExpertWeight) -> tuple[int, int]:
 def _trace_calls(run: Run, hidden: torch.Tensor, config: PruneConfig) -> tuple[dict, dict]:
     """Run one window through the blocks and select what the forward shows: the experts a block keeps
     stacked in its own parameters (:mod:`shuffleprune.stacked_experts`) join the run's experts; the
-    linears that route or gate a block's experts (:func:`~shuffleprune.blocks.gating_linears`) leave
-    the run, dense; so do the linears the model never calls (it reads their weight directly, like
-    Mamba's ``dt_proj``): no statistics can reach them, with a warning. Returns ``(not called, gates)``."""
+    linears the model never calls (it reads their weight directly, like Mamba's ``dt_proj``) leave the
+    run, dense, with a warning: no statistics can reach them; so do, among those called, the linears
+    that route, gate or mix (:func:`~shuffleprune.blocks.gating_linears`: MoE routers, scalar gates,
+    coefficient layers). Returns ``(not called, gates)``."""
     trace = MatmulTrace()
     called = called_modules(run.blocks, run.captured, hidden, run.device, run.linears, around=trace.watch)
+    dropped = {n: lin for block in run.linears for n, lin in block.items() if n not in called}
+    run.linears = [{n: lin for n, lin in block.items() if n in called} for block in run.linears]
     seen = {_matrix_key(e) for block in run.experts for e in block.values()}
     gates: dict[str, torch.nn.Module] = {}
     for i, block in enumerate(run.blocks.layers):
@@ -327,12 +330,11 @@ def _trace_calls(run: Run, hidden: torch.Tensor, config: PruneConfig) -> tuple[d
                 seen.add(_matrix_key(e))
         gated = gating_linears(run.linears[i], block_experts(block, prefix) | stacked_experts(block, prefix, trace))
         gates.update({n: run.linears[i].pop(n) for n in sorted(gated)})
-    dropped = {n: lin for block in run.linears for n, lin in block.items() if n not in called}
-    run.linears = [{n: lin for n, lin in block.items() if n in called} for block in run.linears]
     if not any(run.linears) and not any(run.experts):
         if gates and not dropped:
-            raise UserError(f"the selected linears route or gate MoE experts (e.g. {next(iter(gates))}), which prune keeps "
-                            "dense; nothing can be pruned: select other layers with --only / --skip")
+            raise UserError(f"the selected linears route, gate or mix (e.g. {next(iter(gates))}: at most {GATING_WIDTH} "
+                            "inputs or outputs, or one per MoE expert), which prune keeps dense; nothing can be pruned: "
+                            "select other layers with --only / --skip")
         raise UserError(f"none of the selected linears is called as a layer by this model (e.g. {next(iter(dropped))}); "
                         "nothing can be pruned" if dropped else NOTHING_SELECTED)
     if dropped:
