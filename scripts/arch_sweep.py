@@ -42,10 +42,26 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          # hybrids of attention and state-space / linear-attention blocks, and a pure Mamba
          "jamba", "bamba", "falcon_h1", "lfm2", "qwen3_next", "granitemoehybrid", "zamba2", "mamba",
          "gemma3", "llama4",   # multimodal checkpoints (text decoder and vision tower)
-         "gemma3n_text"]       # AltUp: hidden states [altup, batch, L, d]; KV sharing between blocks
+         "gemma3n_text",       # AltUp: hidden states [altup, batch, L, d]; KV sharing between blocks
+         # added in the twenty-third session: families transformers 5.24 has that were not swept before
+         "afmoe", "apertus1p5_text", "aria_text", "bitnet", "cohere2", "cohere2_moe", "cwm", "deepseek_v32",
+         "deepseek_v4", "diffllama", "doge", "dots3_note_text", "ernie4_5", "exaone", "exaone_moe", "falcon_mamba",
+         "flex_olmo", "gemma4_text", "glm4_moe_lite", "glm_moe_dsa", "gpt_bigcode", "gpt_neo", "granite_swa",
+         "granitemoe_swa", "granitemoeshared", "hy_v3", "internlm3", "jais2", "jetmoe", "minicpm3", "minimax_m2",
+         "ministral3", "nanochat", "nemotron_h", "olmo3", "olmo_hybrid", "sarvam_mla", "sarvam_moe", "solar_open",
+         "vaultgemma", "laguna", "mellum", "iquestcoder", "hyperclovax"]
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+# MLA attention (DeepSeek-V3's sizes) with DeepSeek's sparse-attention indexer, every head its own KV head
+DSA = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+           kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+           n_group=1, topk_group=1, num_key_value_heads=4, index_n_heads=4, index_head_dim=16)
+# the expert, shared-expert and MLA sizes under the names the newer MoE families use (a family ignores the others)
+SMALL_MOE = dict(num_experts=4, n_routed_experts=4, num_local_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
+                 shared_expert_intermediate_size=64, moe_shared_expert_intermediate_size=64, expert_ffn_hidden_size=32,
+                 kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16,
+                 n_group=1, topk_group=1, sliding_window=8)
 # what a family's config needs beyond SIZE to be that small (head sizes, expert counts, its own key names)
 EXTRA = {
     "gemma": dict(head_dim=16), "gemma2": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16),
@@ -86,9 +102,14 @@ EXTRA = {
                    vision_config=VISION, mm_tokens_per_image=4),
     "llama4": dict(text_config=dict(SIZE, head_dim=16, num_local_experts=4, intermediate_size_mlp=128),
                    vision_config=dict(VISION, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)),
-    "gemma3n_text": dict(head_dim=16, sliding_window=8, num_kv_shared_layers=1, laurel_rank=8,   # block 1 reuses 0's K/V
+    "gemma3n_text": dict(head_dim=16, sliding_window=8, num_kv_shared_layers=1, laurel_rank=16,   # block 1 reuses 0's K/V
                          layer_types=["sliding_attention"] * 2, activation_sparsity_pattern=[0.0, 0.0],
                          vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
+    "deepseek_v32": dict(DSA), "glm_moe_dsa": dict(DSA),
+    "dots3_note_text": dict(DSA, shared_experts_intermediate_size=64, head_dim=16, sliding_window=8),
+    "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]]),
+    **{t: dict(SMALL_MOE) for t in ("hy_v3", "minimax_m2", "nemotron_h", "sarvam_mla", "sarvam_moe", "solar_open",
+                                    "laguna", "mellum")},
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1, n_group=1, topk_group=1, layer_types=["full_attention"] * 2),
 }

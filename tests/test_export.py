@@ -393,6 +393,36 @@ def test_learned_perm_export_reloads_for_other_architectures(arch, text_file, tm
         assert torch.allclose(mapped(ids).logits, ref(ids).logits, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["gemma4_text", "falcon_mamba"])
+def test_models_whose_config_varies_per_layer_or_whose_blocks_read_their_norms_export_and_reload(arch, text_file,
+                                                                                              tmp_path):
+    """Gemma 4's config holds ``head_dim`` per layer (transformers refuses to read one for the whole
+    model): the export reads each attention module's own head layout instead. FalconMamba's block
+    reads ``norm.weight.dtype``: the module that writes a moved map's order answers with its norm's.
+    Both export with index maps and reload to the pruned model's logits, maps in the layers or moved."""
+    from conftest import make_tokenizer, tiny_model
+
+    src = tmp_path / arch
+    tiny_model(arch).save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    pruned, out = tmp_path / "pruned", tmp_path / "exported"
+    cfg = flat_config(model=str(src), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
+                      eval_text=None, perm="random", perm_block=16)
+    prune(cfg, out=pruned, progress=False)
+    export_checkpoint(pruned, out)
+    ref = load_model(str(pruned)).model
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    from shuffleprune.deploy.producer_maps import MappedOutput
+
+    with torch.no_grad():
+        want = ref(ids).logits
+        for maps in ("kernel", "producer"):
+            model = shuffleprune.load(str(out), maps=maps)
+            assert torch.allclose(model(ids).logits, want, atol=1e-4), maps
+    moved = [mod for mod in model.modules() if isinstance(mod, MappedOutput)]
+    assert moved and all(mod.weight is mod.inner.weight for mod in moved)
+
+
 def test_gpt2_conv1d_model_prunes_loads_with_plain_transformers_and_exports(text_file, tmp_path):
     """GPT-2 stores its layers as ``Conv1D`` (``W`` as ``[in, out]``): prune holds them as linears, the
     checkpoint keeps their layout (plain transformers loads it: the pruned logits, every layer 2:4 in

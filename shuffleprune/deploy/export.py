@@ -114,15 +114,17 @@ def _permute_rows(linear: nn.Linear, perm: torch.Tensor) -> None:
         linear.bias.data = linear.bias.data[perm].contiguous()
 
 
-def _grouped_head_perm(perm: torch.Tensor, config, rows: int) -> torch.Tensor | None:
+def _grouped_head_perm(perm: torch.Tensor, heads_of: tuple[int | None, int | None, int | None],
+                       rows: int) -> torch.Tensor | None:
     """GQA: the row permutation of a producer with ``rows`` = KV heads × head size that matches
     ``perm`` over query heads × head size — when ``perm`` stays within heads and is identical for
-    all query heads sharing a KV head; else None. Head counts come from the model config."""
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    all query heads sharing a KV head; else None. ``heads_of``: (query heads, KV heads, head size),
+    any of them unknown (:func:`_head_layout`)."""
+    heads, kv, d = heads_of
+    kv = kv or heads
     if not heads or not kv or heads % kv or perm.numel() % heads:
         return None
-    d = getattr(config, "head_dim", None) or perm.numel() // heads
+    d = d or perm.numel() // heads
     if heads * d != perm.numel() or kv * d != rows:
         return None
     local = perm.view(heads, d) - (torch.arange(heads) * d).unsqueeze(1)
@@ -133,6 +135,26 @@ def _grouped_head_perm(perm: torch.Tensor, config, rows: int) -> torch.Tensor | 
     if not bool((local == local[:, :1]).all()):
         return None  # query heads sharing a KV head disagree
     return (local[:, 0] + (torch.arange(kv) * d).unsqueeze(1)).flatten()
+
+
+def _head_layout(attention: nn.Module, config, width: int) -> tuple[int | None, int | None, int | None]:
+    """(query heads, KV heads, head size) of the attention module whose output projection reads
+    ``width`` inputs: from the module's own ``head_dim`` and ``num_key_value_groups`` where it has
+    them (transformers' attention modules; per layer, so models whose layers differ are read right),
+    else from the model config (``None`` where it has no single value)."""
+    d, groups = getattr(attention, "head_dim", None), getattr(attention, "num_key_value_groups", None)
+    if isinstance(d, int) and isinstance(groups, int) and d > 0 and groups > 0 and width % (d * groups) == 0:
+        return width // d, width // d // groups, d
+    return tuple(_config_value(config, key) for key in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+
+
+def _config_value(config, key: str) -> int | None:
+    """A config's value, ``None`` where it has none or none for the whole model (transformers refuses
+    to read a per-layer attribute of a config whose layers differ, Gemma 4's ``head_dim``)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, and any config that raises
+        return None
 
 
 def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
@@ -157,9 +179,10 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
             subsets = [producers] + [[p] for p in producers] if len(producers) > 1 else [producers]
             subsets += [list(c) for c in combinations(producers, 2)] if len(producers) > 2 else []
             attempts = [(subset, {p: perm for p in subset}) for subset in subsets if subset]
+            heads_of = _head_layout(model.get_submodule(name.rpartition(".")[0]), config, consumer.in_features)
             for n, lin in linears.items():  # GQA: a narrower producer (v_proj) under a head-consistent map
-                if n != name and lin.out_features < consumer.in_features and config is not None:
-                    rows = _grouped_head_perm(perm, config, lin.out_features)
+                if n != name and lin.out_features < consumer.in_features:
+                    rows = _grouped_head_perm(perm, heads_of, lin.out_features)
                     if rows is not None:
                         attempts.append(([n], {n: rows}))
             plain = plain_linear_like(consumer, consumer.in_features, consumer.out_features, bias=consumer.bias is not None)
