@@ -107,6 +107,7 @@ EXTRA = {
                          vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
     "deepseek_v32": dict(DSA), "glm_moe_dsa": dict(DSA),
     "dots3_note_text": dict(DSA, shared_experts_intermediate_size=64, head_dim=16, sliding_window=8),
+    "minicpm3": dict(num_key_value_heads=4),   # MLA: every head its own KV head
     "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]]),
     **{t: dict(SMALL_MOE) for t in ("hy_v3", "minimax_m2", "nemotron_h", "sarvam_mla", "sarvam_moe", "solar_open",
                                     "laguna", "mellum")},

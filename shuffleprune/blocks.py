@@ -224,15 +224,28 @@ GATING_WIDTH = 8   # a linear with at most this many inputs or outputs computes 
 
 def gating_linears(linears: dict[str, nn.Module], experts: dict[str, ExpertWeight]) -> set[str]:
     """The names among a block's ``linears`` that route, gate or mix rather than transform features
-    (``experts``: all of the block's MoE experts, fused or stacked): those with no more outputs than
-    the block has experts in one tensor — a router's logit per expert (DBRX's ``router.layer``) —
-    and those with at most :data:`GATING_WIDTH` inputs or outputs — a shared expert's scalar gate
-    (Qwen2-MoE's ``shared_expert_gate``), Gemma 3n's AltUp router and coefficient layers (4 streams
-    in, 4 or 16 coefficients out). They hold a negligible share of the weights, N:M would cut half
-    of each score's inputs, and what the block computes hangs on them: prune and dst keep them dense."""
-    count = max((len(by_expert) for by_expert in experts_by_tensor(experts).values()), default=0)
-    return {name for name, lin in linears.items()
-            if _widths(lin)[0] <= count or min(_widths(lin)) <= GATING_WIDTH}
+    (``experts``: all of the block's MoE experts, fused or stacked, named from the same root): a
+    router — inside the module that holds an experts layer, reading what its experts read, one
+    output per expert (DBRX's ``ffn.router.layer``) — and any linear with at most
+    :data:`GATING_WIDTH` inputs or outputs — a shared expert's scalar gate (Qwen2-MoE's
+    ``shared_expert_gate``), Gemma 3n's AltUp router and coefficient layers (4 streams in, 4 or 16
+    coefficients out). They hold a negligible share of the weights, N:M would cut half of each
+    score's inputs, and what the block computes hangs on them: prune and dst keep them dense."""
+    layers: dict[str, list[ExpertWeight]] = {}   # per module holding an experts layer (…mlp of …mlp.experts.down_proj)
+    for param, by_expert in experts_by_tensor(experts).items():
+        layers.setdefault(param.rpartition(".")[0].rpartition(".")[0], []).extend(by_expert.values())
+    routers = []   # (container, experts, the width the experts read and write: the layer's input)
+    for container, members in layers.items():
+        count = max(e.index for e in members) + 1
+        ins, outs = {e.in_features for e in members}, {e.out_features for e in members}
+        routers += [(container, count, width) for width in (ins & outs or ins)]
+
+    def routes(name: str, lin: nn.Module) -> bool:
+        out, inp = _widths(lin)
+        return any(out == count and inp == width and name.startswith(f"{container}.")
+                   for container, count, width in routers)
+
+    return {name for name, lin in linears.items() if min(_widths(lin)) <= GATING_WIDTH or routes(name, lin)}
 
 
 def _widths(layer: nn.Module) -> tuple[int, int]:

@@ -350,3 +350,23 @@ def test_linears_that_route_gate_or_mix_stay_dense(model_type, block_gates, text
     llama = tiny_model("llama")
     block = find_blocks(llama).layers[0]
     assert gating_linears(block_linears(block, "b"), block_experts(block, "b")) == set()
+
+
+def test_a_router_is_told_by_where_it_sits_and_what_it_reads_not_by_width_alone():
+    """With as many experts as the hidden size (64), attention's q/o projections and a shared
+    expert's down projection also have one output per expert; they are not routers: attention is
+    outside the module holding the experts, and the shared down projection reads the expert width,
+    not the layer's input. Only the shared expert's scalar gate is kept dense."""
+    from transformers import AutoConfig
+
+    from shuffleprune.blocks import block_experts, block_linears, gating_linears
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen2_moe", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=64,
+                                  num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256)
+    block = find_blocks(AutoModelForCausalLM.from_config(config)).layers[0]
+    linears = block_linears(block, "b")
+    assert linears["b.self_attn.q_proj"].out_features == 64 == linears["b.mlp.shared_expert.down_proj"].out_features
+    assert gating_linears(linears, block_experts(block, "b")) == {"b.mlp.shared_expert_gate"}
