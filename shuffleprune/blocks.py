@@ -102,7 +102,7 @@ def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
         if not (is_plain_linear(module) or isinstance(module, SparseLinear)):
             continue
         full = _join(prefix, sub)
-        if _selected(full, only, skip):
+        if selected_by_globs(full, only, skip):
             found[full] = module
     return found
 
@@ -120,7 +120,7 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def _selected(name: str, only: list[str] | None, skip: list[str] | None) -> bool:
+def selected_by_globs(name: str, only: list[str] | None, skip: list[str] | None) -> bool:
     """Whether ``--only`` / ``--skip`` fnmatch globs keep ``name``."""
     return (not only or any(fnmatch(name, g) for g in only)) and not (skip and any(fnmatch(name, g) for g in skip))
 
@@ -145,20 +145,26 @@ class ExpertWeight:
     view: tuple[int, int, int] | None = None
     scope: str | None = None   # a traced layout's: the module whose forward holds every use (where a load serves it)
 
-    def fused(self) -> torch.Tensor:
-        """The parameter's data as ``[experts, out, in]`` (``[experts, in, out]`` when transposed)."""
-        data = getattr(self.owner, self.param).data
-        return data if self.view is None else data.view(self.view)
+    def fused(self, t: torch.Tensor | None = None) -> torch.Tensor:
+        """``t``, a tensor shaped like the parameter (by default its data; the parameter itself, its
+        gradient or an optimizer moment), as ``[experts, out, in]`` (``[experts, in, out]`` when transposed)."""
+        t = getattr(self.owner, self.param).data if t is None else t
+        return t if self.view is None else t.view(self.view)
 
-    def rebuilt(self, weights: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The whole parameter with expert ``e``'s matrix replaced by ``weights[e]`` (``[out, in]``),
-        in the parameter's own shape: a new tensor, differentiable in ``weights``."""
-        return with_expert_weights(self.fused(), weights, self.transposed).reshape(getattr(self.owner, self.param).shape)
+    def matrix(self, t: torch.Tensor | None = None) -> torch.Tensor:
+        """This expert's ``[out, in]`` view into ``t`` (as in :meth:`fused`): writes land in ``t``."""
+        w = self.fused(t)[self.index]
+        return w.t() if self.transposed else w
+
+    def rebuilt(self, weights: dict[int, torch.Tensor], t: torch.Tensor | None = None) -> torch.Tensor:
+        """``t`` (as in :meth:`fused`) with expert ``e``'s matrix replaced by ``weights[e]`` (``[out, in]``),
+        in the parameter's own shape: a new tensor, differentiable in ``weights`` (and in ``t``)."""
+        t = getattr(self.owner, self.param).data if t is None else t
+        return with_expert_weights(self.fused(t), weights, self.transposed).reshape(t.shape)
 
     @property
     def weight(self) -> torch.Tensor:
-        w = self.fused()[self.index]
-        return w.t() if self.transposed else w
+        return self.matrix()
 
     @property
     def in_features(self) -> int:
@@ -205,7 +211,7 @@ def block_experts(block: nn.Module, prefix: str, only: list[str] | None = None,
                 continue
             for e in range(p.shape[0]):
                 full = expert_name(_join(prefix, sub, pname), e)
-                if _selected(full, only, skip):
+                if selected_by_globs(full, only, skip):
                     found[full] = ExpertWeight(module, pname, e, module.is_transposed)
     return found
 

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from shuffleprune.blocks import Blocks, ExpertWeight, expert_name, is_fused_experts, is_plain_linear, _join, _selected
+from shuffleprune.blocks import Blocks, ExpertWeight, expert_name, is_fused_experts, is_plain_linear, _join
+from shuffleprune.conv1d import Conv1D
 
 # Matrix products ``x · w`` as a forward may write them (``x @ w`` arrives as ``Tensor.__matmul__``).
 _LINEAR = (F.linear,)
@@ -79,10 +80,21 @@ def expert_layout(w: torch.Tensor, param: torch.Tensor) -> Layout | None:
     return None
 
 
+def candidate_params(block: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """``(module, name, parameter)`` of each matrix (dims ≥ 2) of ``block`` that may hold stacked
+    experts: outside linears (GPT-2's ``Conv1D`` among them) and transformers' experts layers."""
+    for module in block.modules():
+        if is_plain_linear(module) or is_fused_experts(module) or (Conv1D is not None and isinstance(module, Conv1D)):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() >= 2:
+                yield module, name, p
+
+
 class MatmulTrace(TorchFunctionMode):
     """While a block runs inside :meth:`watch`: the layouts its matrix products read its candidate
-    parameters in (those of dims ≥ 2 outside linears and transformers' experts layers), and the
-    innermost module whose forward holds every use of each (its *scope*: where a load serves them)."""
+    parameters in (:func:`candidate_params`), and the innermost module whose forward holds every use
+    of each (its *scope*: where a load serves them)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -95,12 +107,8 @@ class MatmulTrace(TorchFunctionMode):
     def watch(self, block: nn.Module) -> Iterator["MatmulTrace"]:
         """Trace ``block`` (on the device it runs on) while it runs inside this context."""
         self.params, self.stack = {}, []
-        for module in block.modules():
-            if is_plain_linear(module) or is_fused_experts(module):
-                continue
-            for name, p in module.named_parameters(recurse=False):
-                if p.dim() >= 2:
-                    self.params[p.untyped_storage().data_ptr()] = (module, name, p)
+        for module, name, p in candidate_params(block):
+            self.params[p.untyped_storage().data_ptr()] = (module, name, p)
         names = {id(m): n for n, m in block.named_modules()}
 
         def enter(module: nn.Module, _args) -> None:
@@ -154,11 +162,10 @@ class MatmulTrace(TorchFunctionMode):
                 yield module, name, next(iter(layouts)), scope[-1] if scope else ""
 
 
-def stacked_experts(block: nn.Module, prefix: str, trace: MatmulTrace, only: list[str] | None = None,
-                    skip: list[str] | None = None) -> dict[str, ExpertWeight]:
+def stacked_experts(block: nn.Module, prefix: str, trace: MatmulTrace) -> dict[str, ExpertWeight]:
     """``{full_name: ExpertWeight}`` of every expert matrix of ``block`` that ``trace`` found stacked in
-    a parameter, named like :func:`~shuffleprune.blocks.block_experts` (``{prefix}.{module}.{param}[{e}]``)
-    and filtered by the same globs."""
+    a parameter, named like :func:`~shuffleprune.blocks.block_experts` (``{prefix}.{module}.{param}[{e}]``;
+    the driver filters them by ``--only`` / ``--skip``)."""
     paths = {id(m): sub for sub, m in block.named_modules()}
     found = {}
     for module, pname, (view, transposed), scope in trace.layouts():
@@ -166,8 +173,7 @@ def stacked_experts(block: nn.Module, prefix: str, trace: MatmulTrace, only: lis
             continue
         for e in range(view[0]):
             full = expert_name(_join(prefix, paths[id(module)], pname), e)
-            if _selected(full, only, skip):
-                found[full] = ExpertWeight(module, pname, e, transposed, view, _join(prefix, scope))
+            found[full] = ExpertWeight(module, pname, e, transposed, view, _join(prefix, scope))
     return found
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shuffleprune.blocks import ExpertWeight, with_expert_weights
+from shuffleprune.blocks import ExpertWeight
 from shuffleprune.dst.layers import out_in
 from shuffleprune.perm.core import SoftPermutation, unpermute_columns
 
@@ -54,10 +54,9 @@ def permuted_experts_forward(module: nn.Module, *args: Any, **kwargs: Any) -> An
     for (owner, pname), perms in module._expert_perms.items():
         soft = [(expert, p) for expert, p in perms.values() if p.soft is not None]
         if soft:
-            param, expert = owner._parameters[pname], soft[0][0]
-            fused = param if expert.view is None else param.view(expert.view)
-            weights = {e.index: p.weight_view(out_in(e, param)) for e, p in soft}
-            swapped[(owner, pname)] = with_expert_weights(fused, weights, expert.transposed).reshape(param.shape)
+            param = owner._parameters[pname]
+            weights = {e.index: p.weight_view(e.matrix(param)) for e, p in soft}
+            swapped[(owner, pname)] = soft[0][0].rebuilt(weights, param)
     stored = {key: key[0]._parameters[key[1]] for key in swapped}
     for (owner, pname), t in swapped.items():  # read by attribute inside the forward, restored below
         owner._parameters[pname] = t

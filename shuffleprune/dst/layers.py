@@ -16,7 +16,7 @@ from torch import nn
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, find_blocks, gating_linears,
                                  is_fused_experts, is_plain_linear)
 from shuffleprune.errors import UserError
-from shuffleprune.stacked_experts import traced_stacked_experts
+from shuffleprune.stacked_experts import candidate_params, traced_stacked_experts
 
 Layer = nn.Module | ExpertWeight
 
@@ -77,9 +77,7 @@ def stacked_expert_layers(model: nn.Module, blocks: Blocks) -> dict[str, ExpertW
     by one forward of a fixed probe (in eval mode, without gradients:
     :func:`~shuffleprune.stacked_experts.traced_stacked_experts`). Nothing to trace (no block
     matrix outside linears, ``Conv1D`` and fused experts): ``{}``, no forward."""
-    if not any(p.dim() >= 2 for block in blocks.layers for m in block.modules()
-               if not (is_plain_linear(m) or is_conv1d(m) or is_fused_experts(m))
-               for p in m.parameters(recurse=False)):
+    if not any(any(candidate_params(block)) for block in blocks.layers):
         return {}
     training = model.training
     model.eval()
@@ -95,8 +93,7 @@ def out_in(layer: Layer, t: torch.Tensor) -> torch.Tensor:
     """A view ``[out, in]`` of a tensor shaped like ``layer``'s stored weight (``Conv1D`` stores
     ``[in, out]``; an expert's is the whole fused tensor, of which this is the expert's matrix)."""
     if isinstance(layer, ExpertWeight):
-        t = (t if layer.view is None else t.view(layer.view))[layer.index]
-        return t.t() if layer.transposed else t
+        return layer.matrix(t)
     return t.t() if is_conv1d(layer) else t
 
 

@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from shuffleprune.block_inputs import called_modules, capture_block_inputs, run_block, run_blocks
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, block_linears, find_blocks,
-                                  GATING_WIDTH, gating_linears, is_plain_linear, parse_expert_name, text_config, weights_outside_linears)
+                                  GATING_WIDTH, gating_linears, is_plain_linear, parse_expert_name, selected_by_globs, text_config,
+                                  weights_outside_linears)
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
@@ -323,12 +324,13 @@ def _trace_calls(run: Run, hidden: torch.Tensor, config: PruneConfig) -> tuple[d
     gates: dict[str, torch.nn.Module] = {}
     for i, block in enumerate(run.blocks.layers):
         prefix = f"{run.blocks.name}.{i}"
-        for name, e in stacked_experts(block, prefix, trace, config.only, config.skip).items():
-            if _matrix_key(e) not in seen:
+        stacked = stacked_experts(block, prefix, trace)
+        for name, e in stacked.items():
+            if selected_by_globs(name, config.only, config.skip) and _matrix_key(e) not in seen:
                 run.pattern.check_width(name, e.in_features)
                 run.experts[i][name] = e
                 seen.add(_matrix_key(e))
-        gated = gating_linears(run.linears[i], block_experts(block, prefix) | stacked_experts(block, prefix, trace))
+        gated = gating_linears(run.linears[i], block_experts(block, prefix) | stacked)
         gates.update({n: run.linears[i].pop(n) for n in sorted(gated)})
     if not any(run.linears) and not any(run.experts):
         if gates and not dropped:
