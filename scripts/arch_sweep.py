@@ -49,7 +49,9 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "flex_olmo", "gemma4_text", "glm4_moe_lite", "glm_moe_dsa", "gpt_bigcode", "gpt_neo", "granite_swa",
          "granitemoe_swa", "granitemoeshared", "hy_v3", "internlm3", "jais2", "jetmoe", "minicpm3", "minimax_m2",
          "ministral3", "nanochat", "nemotron_h", "olmo3", "olmo_hybrid", "sarvam_mla", "sarvam_moe", "solar_open",
-         "vaultgemma", "laguna", "mellum", "iquestcoder", "hyperclovax"]
+         "vaultgemma", "laguna", "mellum", "iquestcoder", "hyperclovax",
+         # added in the twenty-fourth session: hybrids and MLA families whose default tiny config did not fit
+         "kimi_linear", "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "longcat_flash", "youtu", "zaya", "mamba2"]
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
@@ -62,6 +64,11 @@ SMALL_MOE = dict(num_experts=4, n_routed_experts=4, num_local_experts=4, moe_int
                  shared_expert_intermediate_size=64, moe_shared_expert_intermediate_size=64, expert_ffn_hidden_size=32,
                  kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16,
                  n_group=1, topk_group=1, sliding_window=8)
+# MLA attention at the sizes above, every head its own KV head
+MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
+# gated-delta-net linear attention (Qwen3.5, Kimi Linear), one linear-attention and one attention block
+LINEAR_ATTN = dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16, linear_value_head_dim=16,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=16, linear_num_heads=4)
 # what a family's config needs beyond SIZE to be that small (head sizes, expert counts, its own key names)
 EXTRA = {
     "gemma": dict(head_dim=16), "gemma2": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16),
@@ -111,6 +118,14 @@ EXTRA = {
     "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]]),
     **{t: dict(SMALL_MOE) for t in ("hy_v3", "minimax_m2", "nemotron_h", "sarvam_mla", "sarvam_moe", "solar_open",
                                     "laguna", "mellum")},
+    "kimi_linear": dict(SMALL_MOE, **MLA, **LINEAR_ATTN, num_experts_per_token=2, head_dim=16),
+    "qwen3_5_text": dict(LINEAR_ATTN, head_dim=16),
+    "qwen3_5_moe_text": dict(SMALL_MOE, **LINEAR_ATTN),
+    "lfm2_moe": dict(SMALL_MOE, layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "longcat_flash": dict(SMALL_MOE, **MLA, num_layers=2, moe_topk=2, zero_expert_num=2, head_dim=8),   # head_dim: the rope part
+    "youtu": dict(MLA),
+    "zaya": dict(SMALL_MOE, num_experts_per_tok=1),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, time_step_rank=8),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1, n_group=1, topk_group=1, layer_types=["full_attention"] * 2),
 }
