@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import UserDict
 from collections.abc import MutableMapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -290,6 +290,17 @@ class CapturedInputs:
     def holds_shared_state(self) -> bool:
         """Whether blocks hand later blocks data through a :class:`SharedState`."""
         return any(isinstance(v, SharedState) for kw in self.kwargs for v in kw.values())
+
+    def with_own_states(self) -> "CapturedInputs":
+        """These call arguments with every :class:`SharedState` replaced by a new, empty one (handed
+        to the same blocks): a second stream of activations (the unpruned model's, beside the pruned
+        one) whose blocks read what its own earlier blocks stored. Without shared states: ``self``."""
+        if not self.holds_shared_state():
+            return self
+        fresh: dict[int, SharedState] = {}
+        kwargs = [{k: fresh.setdefault(id(v), SharedState(v.windows)) if isinstance(v, SharedState) else v
+                   for k, v in kw.items()} for kw in self.kwargs]
+        return replace(self, kwargs=kwargs)
 
     def to_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Windows' hidden states (windows along dim 0) as the blocks take them."""

@@ -146,12 +146,22 @@ def test_blockrecon_stage_never_unprunes_and_lowers_the_held_out_loss(tiny_dir, 
         entries[0]["blockrecon"]["best_step"] == 0
 
 
-def test_the_dense_stream_is_the_unpruned_models_activations_and_resumes(tiny_dir, text_file, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma3n_text"])
+def test_the_dense_stream_is_the_unpruned_models_activations_and_resumes(arch, text_file, tmp_path, monkeypatch):
+    """What each block is fitted to is the unpruned model's output of that block, for every block:
+    Gemma 3n's last block reuses the keys and values the one before stores, and in the dense stream
+    it reads the unpruned block's (the pruned stream keeps its own). Stopped and resumed (the stream
+    checkpointed, the stored keys and values recomputed), the run gives the same checkpoint."""
+    from conftest import make_tokenizer, tiny_model
+    from shuffleprune.blocks import find_blocks
     from shuffleprune.calib import calibration_windows, get_source
     from shuffleprune.models import load_model
     from shuffleprune.prune.stages.update import BlockReconstruction
 
-    kw = dict(model=str(tiny_dir), calib=str(text_file), eval_text=None, nsamples=6, seqlen=32, batch_size=4,
+    src = tmp_path / arch
+    tiny_model(arch).save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    kw = dict(model=str(src), calib=str(text_file), eval_text=None, nsamples=6, seqlen=32, batch_size=4,
               perm_block=16, seed=3)
     overrides = ["update=blockrecon", "update.steps=6", "update.lr=0.001", "update.check_every=3"]
     seen: dict[int, torch.Tensor] = {}
@@ -165,25 +175,33 @@ def test_the_dense_stream_is_the_unpruned_models_activations_and_resumes(tiny_di
     full = prune(PruneConfig.build("fast", overrides=overrides, **kw), out=tmp_path / "full", progress=False)
     monkeypatch.undo()
     assert full.report["stages"][-1] == "update:blockrecon"
-    # what block i was fitted to = the unpruned model's hidden state after block i (the last one is
-    # normed by the model, so compare the others)
-    lm = load_model(str(tiny_dir))
+    # what block i was fitted to = the unpruned model's output of block i (windows along dim 0)
+    lm = load_model(str(src))
     tokens = calibration_windows(get_source(str(text_file)), lm.tokenizer, 6, 32, 3)
+    blocks = find_blocks(lm.model)
+    outs: list[torch.Tensor] = []
+    hooks = [b.register_forward_hook(lambda m, a, o: outs.append(o[0] if isinstance(o, tuple) else o))
+             for b in blocks.layers]
     with torch.no_grad():
-        states = lm.model(tokens, output_hidden_states=True).hidden_states
-    assert len(seen) == len(states) - 1
-    for i in range(len(seen) - 1):
-        assert torch.allclose(seen[i], states[i + 1], atol=1e-5), i
-    # a run stopped after block 0 resumes to the same checkpoint (the stream is checkpointed too)
+        lm.model(tokens, use_cache=False)
+    for h in hooks:
+        h.remove()
+    windows_dim = 1 if arch == "gemma3n_text" else 0   # AltUp: [altup, windows, L, d]
+    assert len(seen) == len(outs) == len(blocks)
+    for i in range(len(seen)):
+        assert torch.allclose(seen[i], outs[i].movedim(windows_dim, 0), atol=1e-5), i
+    # a run stopped after block 1 (Gemma 3n's: the one that stores its keys and values) resumes to the
+    # same checkpoint
     part = tmp_path / "part"
 
     def stop(i):
-        raise KeyboardInterrupt
+        if i == 1:
+            raise KeyboardInterrupt
 
     config = PruneConfig.build("fast", overrides=overrides, **kw)
     with pytest.raises(KeyboardInterrupt):
         prune(config, out=part, progress=False, on_block_done=stop)
-    assert (part / ".resume" / "dense_hidden_1.pt").is_file()
+    assert (part / ".resume" / "dense_hidden_2.pt").is_file()
     prune(config, out=part, resume=True, progress=False)
     from safetensors.torch import load_file
 

@@ -193,31 +193,37 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
                  "eval_tokens": None if held_out is None else int(held_out.numel())}
         if work is not None:
             atomic_save({"tokens": tokens, "held_out": held_out}, work / "data.pt")
-    else:
+    else:   # the blocks done are reloaded after the capture (below)
         data = torch.load(work / "data.pt")
         tokens, held_out = data["tokens"], data["held_out"]
-        for i in range(state["next_block"]):
-            blocks.layers[i].load_state_dict(load_file(str(work / f"block_{i}.safetensors")))
 
     run = Run(model=model, blocks=blocks, linears=linears, experts=experts, tokens=tokens, pattern=pattern, spec=spec, device=device,
               batch_size=config.batch_size, seed=config.seed, work=work, progress=progress)
     t0 = time.time()
     start = state["next_block"]
+    # the unpruned model's activations, kept beside the pruned ones when a stage fits to them; blocks
+    # that read what earlier blocks stored (Gemma 3n's keys and values) read the dense blocks' there
+    stream = "dense_stream" in spec.needs()
+    run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
+    dense_captured = run.captured.with_own_states() if stream else None
+    done = Blocks(blocks.name, blocks.layers[:start])
     if start == 0:
-        run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
         hidden = run.captured.hidden
     else:  # the blocks' keyword arguments are recomputed; their inputs come from the checkpoint
-        run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
         # every block done (only the checkpoint was left to write): no block input is needed
         hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
-        if run.captured.holds_shared_state() and start < len(blocks):   # what the pruned blocks handed on
-            run_blocks(Blocks(blocks.name, blocks.layers[:start]), run.captured.hidden, run.captured, device,
-                       config.batch_size)
+        shared = run.captured.holds_shared_state() and start < len(blocks)
+        if shared and stream:   # what the dense blocks handed on, before the pruned ones are reloaded
+            run_blocks(done, run.captured.hidden, dense_captured, device, config.batch_size)
+        for i in range(start):
+            blocks.layers[i].load_state_dict(load_file(str(work / f"block_{i}.safetensors")))
+        if shared:   # what the pruned blocks handed on
+            run_blocks(done, run.captured.hidden, run.captured, device, config.batch_size)
     not_called, gates = _trace_calls(run, run.captured.hidden[:1], config)
     unseen = _dense_outside_linears(blocks, run.experts, not_called | gates)
     run.captured.hidden = None
-    # the unpruned model's activations, kept beside the pruned ones when a stage fits to them
-    stream = "dense_stream" in spec.needs()
+    if dense_captured is not None:
+        dense_captured.hidden = None
     dense_hidden = None
     if stream and start < len(blocks):
         dense_hidden = hidden.clone() if start == 0 else torch.load(work / f"dense_hidden_{start}.pt").to(device)
@@ -244,7 +250,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=run.linears[i], hidden=hidden,
                            experts=run.experts[i])
         if stream:  # the block is still dense here: its outputs on the dense model's inputs
-            work_i.dense_outputs = run_block(block, dense_hidden, run.captured, i, device, config.batch_size)
+            work_i.dense_outputs = run_block(block, dense_hidden, dense_captured, i, device, config.batch_size)
         _run_stages(run, work_i, state)
         hidden = work_i.outputs(run)  # the pruned block's outputs: the next block's inputs
         dense_hidden = work_i.dense_outputs
