@@ -118,6 +118,10 @@ EXTRA = {
     "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]]),
     **{t: dict(SMALL_MOE) for t in ("hy_v3", "minimax_m2", "nemotron_h", "sarvam_mla", "sarvam_moe", "solar_open",
                                     "laguna", "mellum")},
+    # KV sharing (Gemma 4 E2B/E4B): the last block reuses the keys and values block 1 stores; 3 blocks, as
+    # both attention types must store before one reuses, and the last block must be full attention
+    "gemma4_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
+                        layer_types=["sliding_attention", "full_attention", "full_attention"]),
     "kimi_linear": dict(SMALL_MOE, **MLA, **LINEAR_ATTN, num_experts_per_token=2, head_dim=16),
     "qwen3_5_text": dict(LINEAR_ATTN, head_dim=16),
     "qwen3_5_moe_text": dict(SMALL_MOE, **LINEAR_ATTN),
