@@ -36,6 +36,8 @@
 #                                              # "reduce-overhead") as users serve, dense against load's default
 #   bash scripts/gpu_run.sh e2e_moe            # end to end as e2e, 8 Mixtral-8x7B layers: dense (transformers'
 #                                              # experts forward) against 2:4 experts with maps (~23 GB dense)
+#   bash scripts/gpu_run.sh e2e_moe_compile    # e2e_moe with each decode step by torch.compile(mode="reduce-overhead"):
+#                                              # the experts one operator each, the grouped kernel in the CUDA graph
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
@@ -142,6 +144,7 @@ for s in "$@"; do
         moe) step moe 300 scripts/results/bench_moe.json $PY scripts/bench_moe.py ;;
         moe_stacked) step moe_stacked 300 scripts/results/bench_stacked_moe.json $PY scripts/bench_stacked_moe.py ;;
         e2e_moe) step e2e_moe 400 scripts/results/bench_e2e_mixtral.json $PY scripts/bench_e2e.py --arch mixtral ;;
+        e2e_moe_compile) step e2e_moe_compile 420 scripts/results/bench_e2e_mixtral_compile.json $PY scripts/bench_e2e.py --arch mixtral --decode compile ;;
         *) echo "unknown step $s"; status=1 ;;
     esac
 done

@@ -714,8 +714,10 @@ def test_moe_experts_export_compressed_and_run_from_their_sparse_layers(model_ty
     anywhere: not in model.safetensors, not in the loaded model) and the loaded model, running them
     through the registered shuffleprune experts forward, gives the pruned logits; a fused parameter
     left dense (--skip) stays in the dense checkpoint and runs beside the compressed one."""
+    import copy
+
     from conftest import make_tokenizer, tiny_model
-    from shuffleprune.deploy.sparse_experts import IMPLEMENTATION, experts_mode, set_experts_mode
+    from shuffleprune.deploy.sparse_experts import IMPLEMENTATION, eager_experts_forward, experts_mode, set_experts_mode
 
     src = tmp_path / model_type
     tiny_model(model_type).save_pretrained(src)
@@ -754,9 +756,22 @@ def test_moe_experts_export_compressed_and_run_from_their_sparse_layers(model_ty
             assert set_experts_mode(model, "grouped") == (3 if skip else 6)
             assert experts_mode(experts, ids) == ("loop" if skip else "grouped")
             torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
-            torch._dynamo.reset()   # torch.compile: the experts forward runs eagerly inside the compiled model
+            # torch.compile: each experts layer is one operator running its eager forward; one graph, as dense
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(model)(ids)
+            assert explained.graph_count == 1 and explained.graph_break_count == 0
+            torch._dynamo.reset()
             torch.testing.assert_close(torch.compile(model, backend="aot_eager")(ids).logits, want, rtol=1e-5, atol=1e-5)
             torch._dynamo.reset()
+            twin = copy.deepcopy(experts)   # a copy's operator runs the copy
+            held = twin.nm_experts["gate_up_proj"]
+            assert held.owner is twin and held._key != experts.nm_experts["gate_up_proj"]._key
+            held.values.mul_(2)
+            x = torch.randn(5, held.in_features)
+            top, weights = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]]), torch.full((5, 2), 0.5)
+            got = torch.ops.shuffleprune.nm_experts(x, top, weights, held._key)
+            assert torch.equal(got, eager_experts_forward(twin, x, top, weights))
+            assert not torch.allclose(got, eager_experts_forward(experts, x, top, weights))
 
 
 def test_exports_of_format_version_1_still_load(pruned_perm_dir, tmp_path):

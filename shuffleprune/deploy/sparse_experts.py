@@ -27,10 +27,16 @@ Its forward takes one of two ways (``mode``):
 than powers of two, a projection left dense), the grouped kernel inside a CUDA graph capture, and
 otherwise the faster of the two for that kind of layer and token bucket, measured once on CUDA
 (:func:`measure_experts_mode`, which also drops a grouped kernel whose output disagrees).
+
+Under ``torch.compile`` the layer's experts forward is one custom operator (:func:`nm_experts_op`),
+found by its projection's key: the compiled model stays one graph, and a CUDA graph of it captures
+the grouped kernel's launches.
 """
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +73,23 @@ class SparseExperts(nn.Module):
         self.mapped, self.policy, self.mode = list(mapped), policy, mode
         self._views: dict = {}      # (values' address) → the experts' SparseLinear views
         self._words: tuple | None = None
+        self.owner: nn.Module | None = None   # the experts layer holding this projection (a plain attribute)
+        self._register()
+
+    def _register(self) -> None:
+        """A key of this projection's own, by which the compiled op (:func:`nm_experts_op`) finds its layer."""
+        self._key = next(_KEYS)
+        _HELD[self._key] = self
+
+    def __setstate__(self, state: dict) -> None:   # a deepcopy's owner is the copied layer (deepcopy's memo)
+        super().__setstate__(state)
+        self._register()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "owner":   # not a submodule: the layer holds this projection, not the other way round
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def __len__(self) -> int:
         return self.values.shape[0]
@@ -124,14 +147,42 @@ def _project(module: nn.Module, param: str, expert: int, x: torch.Tensor) -> tor
     return out
 
 
-@torch.compiler.disable   # torch.compile: runs eagerly (one graph break per experts layer), host syncs and all
 def nm_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward of a layer with compressed experts: the grouped kernel or the per-expert
-    loop (:func:`experts_mode`)."""
+    loop (:func:`experts_mode`); under ``torch.compile`` one opaque operator (:func:`nm_experts_op`)."""
+    if torch.compiler.is_compiling():
+        key = next(iter(self.nm_experts.values()))._key
+        return torch.ops.shuffleprune.nm_experts(hidden_states, top_k_index, top_k_weights, key)
+    return eager_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def eager_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`nm_experts_forward` run eagerly: the mode :func:`experts_mode` picks for this call."""
     if experts_mode(self, hidden_states, top_k_index, top_k_weights) == "grouped":
         return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return loop_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+_KEYS = itertools.count()
+_HELD: "weakref.WeakValueDictionary[int, SparseExperts]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("shuffleprune::nm_experts", mutates_args=())
+def nm_experts_op(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  key: int) -> torch.Tensor:
+    """The compressed experts layer that holds projection ``key``, run eagerly as one operator, which
+    ``torch.compile`` keeps whole in its graph (the dense model's experts compile to one graph too):
+    the mode choice and the loop's host synchronisation stay inside it, and inside a CUDA graph
+    capture (``mode="reduce-overhead"``) ``auto`` runs the grouped kernel, which has none."""
+    return eager_experts_forward(_HELD[key].owner, hidden_states, top_k_index, top_k_weights)
+
+
+@nm_experts_op.register_fake
+def _nm_experts_shape(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      key: int) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
 
 
 def experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
@@ -336,6 +387,7 @@ def attach_sparse_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fm
         module.nm_experts[param] = SparseExperts(torch.stack(values).to(dense.device), torch.stack(metas).to(dense.device),
                                                  cols, n, m, None if perm is None else perm.to(dense.device), mapped,
                                                  policy=policy)
+        module.nm_experts[param].owner = module
         if stacked:
             serve_stacked(model.get_submodule(stacked["scope"]), module, param, module.nm_experts[param],
                           tuple(stacked["view"]), info["transposed"])
