@@ -51,7 +51,11 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "ministral3", "nanochat", "nemotron_h", "olmo3", "olmo_hybrid", "sarvam_mla", "sarvam_moe", "solar_open",
          "vaultgemma", "laguna", "mellum", "iquestcoder", "hyperclovax",
          # added in the twenty-fourth session: hybrids and MLA families whose default tiny config did not fit
-         "kimi_linear", "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "longcat_flash", "youtu", "zaya", "mamba2"]
+         "kimi_linear", "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "longcat_flash", "youtu", "zaya", "mamba2",
+         "axk1", "axk2", "bailing_hybrid", "ctrl", "dory", "flint", "gemma4_unified_text", "gpt_neox_japanese", "hrm_text",
+         "hy_v4", "inkling_text", "inkling2_text", "inkling2_loop_text", "kolibri1", "lara_mini", "lfm3", "mimo_v2_flash",
+         "minimax_m3_vl_text", "modernbert-decoder", "qwen4_exp_text", "rwkv", "xlstm", "cpmant",
+         "gemma4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"]   # multimodal checkpoints
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
@@ -117,7 +121,9 @@ EXTRA = {
     "minicpm3": dict(num_key_value_heads=4),   # MLA: every head its own KV head
     "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]]),
     **{t: dict(SMALL_MOE) for t in ("hy_v3", "minimax_m2", "nemotron_h", "sarvam_mla", "sarvam_moe", "solar_open",
-                                    "laguna", "mellum")},
+                                    "laguna", "mellum", "axk1", "axk2", "bailing_hybrid", "flint", "hy_v4", "inkling_text",
+                                    "inkling2_text", "inkling2_loop_text", "kolibri1", "lara_mini", "mimo_v2_flash",
+                                    "minimax_m3_vl_text")},
     # KV sharing (Gemma 4 E2B/E4B): the last block reuses the keys and values block 1 stores; 3 blocks, as
     # both attention types must store before one reuses, and the last block must be full attention
     "gemma4_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
@@ -130,9 +136,21 @@ EXTRA = {
     "youtu": dict(MLA),
     "zaya": dict(SMALL_MOE, num_experts_per_tok=1),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, time_step_rank=8),
+    "qwen4_exp_text": dict(SMALL_MOE, **{**LINEAR_ATTN, "layer_types": ["linear_attention", "indexed_attention"]},
+                           indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=4),   # QSA: a token indexer on the attention block
+    "axk1": dict(SMALL_MOE, **MLA, head_dim=8),   # head_dim: the rope part
+    "axk2": dict(SMALL_MOE, **MLA, head_dim=8, index_n_heads=4, index_head_dim=16),
+    **{t: dict(SMALL_MOE, unpadded_vocab_size=256, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16)
+       for t in ("inkling2_text", "inkling2_loop_text")},
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1, n_group=1, topk_group=1, layer_types=["full_attention"] * 2),
 }
+# multimodal checkpoints of families swept above as text models: their text config inside, a one-layer vision tower
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=64)
+EXTRA.update({"gemma4": dict(text_config=dict(SIZE, **EXTRA["gemma4_text"])),
+              **{t: dict(text_config=dict(SIZE, **EXTRA[f"{t}_text"]), vision_config=QWEN_VISION)
+                 for t in ("qwen3_5", "qwen3_5_moe", "qwen4_exp")}})
 
 
 def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) -> dict:
