@@ -705,3 +705,16 @@ def test_diag_learns_soft_top_k_diagonals_then_freezes_them(arch):
     sp.finalize()
     assert not sp.selectors and not any("parametrizations" in k for k in model.state_dict())
     assert all(not bool(out_in(sp.layers[n], sp.layers[n].weight.detach())[~m].any()) for n, m in sp.masks.items())
+
+
+def test_a_config_with_several_special_ids_is_built_with_the_tokenizers():
+    """GLM's config lists three end-of-sequence ids, all past a small tokenizer's vocabulary: the model
+    is built with the tokenizer's id in their place (was: a crash comparing the list with the size)."""
+    from shuffleprune.dst.train import TrainConfig, build_model
+
+    cfg = TrainConfig(arch="glm", config_kw={"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+                                             "num_attention_heads": 4, "num_key_value_heads": 2})
+    model = build_model(cfg, vocab_size=128, special_id=3)
+    assert model.config.eos_token_id == [3] and model.config.vocab_size == 128
+    cfg.config_kw["eos_token_id"] = [5, 200, 300]
+    assert build_model(cfg, vocab_size=128, special_id=3).config.eos_token_id == [5, 3]

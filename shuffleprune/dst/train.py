@@ -102,7 +102,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None
         raise UserError(f"cannot build a config for '{cfg.arch}': {reason(exc, 240)}") from exc
     config.vocab_size = vocab_size
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's, not the architecture default
-        if getattr(config, key, None) is not None and getattr(config, key) >= vocab_size:
+        value = getattr(config, key, None)
+        if isinstance(value, (list, tuple)):   # several ids (GLM's eos): those past the vocabulary become the tokenizer's
+            ids = list(dict.fromkeys(special_id if i >= vocab_size else i for i in value if i is not None))
+            setattr(config, key, [i for i in ids if i is not None] or None)
+        elif value is not None and value >= vocab_size:
             setattr(config, key, special_id)
     for key in ("n_positions", "max_position_embeddings"):
         if hasattr(config, key) and getattr(config, key) < cfg.seq_len:
