@@ -42,27 +42,51 @@
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
+#
+#   SMOKE=1 bash scripts/gpu_run.sh next      # before a GPU call, on the CPU: every named step's script with
+#                                             # --smoke (tiny shapes, TRITON_INTERPRET=1, .venv's python), so a
+#                                             # broken step is found here and not in the device's minutes;
+#                                             # nothing is copied to $OUT and no results file is touched
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
-PY=${PY:-python3}
+SMOKE=${SMOKE:-0}
+if [ "$SMOKE" = 1 ]; then PY=${PY:-.venv/bin/python}; export TRITON_INTERPRET=1; else PY=${PY:-python3}; fi
 mkdir -p "$OUT"
 SP=$(mktemp -d)
 cp -r shuffleprune "$SP/" && cp -r kernels "$SP/shuffleprune/kernels" && cp -r calib "$SP/shuffleprune/calib"
 export PYTHONPATH="$SP" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-$PY -c "import torch, triton, transformers, scipy; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, torch.cuda.get_device_name())"
+[ "$SMOKE" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+$PY -c "import torch, triton, transformers, scipy; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 status=0
 step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     local name=$1 limit=$2 result=$3; shift 3
+    if [ "$SMOKE" = 1 ]; then   # the script's own CPU check, where it has one
+        if [ "$1" != "$PY" ] || ! grep -q 'args.smoke' "$2"; then echo "=== $name: no CPU smoke (skipped)"; return; fi
+        local a args=(); for a in "$@"; do [ "$a" = cuda ] && args+=(cpu) || args+=("$a"); done   # --device cuda
+        set -- "${args[@]}" --smoke; limit=$((limit * 3))
+    fi
     echo "=== $name: $* (limit ${limit}s)"
     local t0=$SECONDS
-    timeout "$limit" "$@" || { echo "=== $name FAILED (rc $?)"; status=1; }
+    local rc=0; timeout "$limit" "$@" || { rc=$?; echo "=== $name FAILED (rc $rc)"; status=1; }
     echo "=== $name took $((SECONDS - t0)) s"
-    [ -f "$result" ] && cp "$result" "$OUT/"
+    [ "$SMOKE" = 1 ] || echo "$name rc=$rc seconds=$((SECONDS - t0)) limit=$limit" >> "$OUT/gpu_run_steps.txt"
+    [ "$SMOKE" = 1 ] || { [ -f "$result" ] && cp "$result" "$OUT/"; }
 }
 [ $# -eq 0 ] && set -- kernel e2e
-steps=(); for s in "$@"; do [ "$s" = tune_tiles ] && steps+=(tune_select tune_dot tune_gemm) || steps+=("$s"); done
+# next1..3: what no GPU call has timed yet, most telling first, a device call each (the 600-s limit of a
+# call: each step's time is logged to $OUT/gpu_run_steps.txt, so later plans know them); next: all three
+NEXT1=(tune_split_sum tune_gather cslt_buffer_quick e2e e2e_compile)
+NEXT2=(tune_split_deep kernel)
+NEXT3=(moe moe_stacked e2e_moe e2e_moe_compile)
+steps=(); for s in "$@"; do case $s in
+    tune_tiles) steps+=(tune_select tune_dot tune_gemm) ;;
+    next1) steps+=("${NEXT1[@]}") ;;
+    next2) steps+=("${NEXT2[@]}") ;;
+    next3) steps+=("${NEXT3[@]}") ;;
+    next) steps+=("${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}") ;;
+    *) steps+=("$s") ;;
+esac; done
 set -- "${steps[@]}"
 for s in "$@"; do
     case $s in

@@ -718,3 +718,34 @@ def test_a_config_with_several_special_ids_is_built_with_the_tokenizers():
     assert model.config.eos_token_id == [3] and model.config.vocab_size == 128
     cfg.config_kw["eos_token_id"] = [5, 200, 300]
     assert build_model(cfg, vocab_size=128, special_id=3).config.eos_token_id == [5, 3]
+
+
+def test_a_strict_config_gets_an_id_the_tokenizer_has_when_it_has_no_end_token():
+    """CWM's config is a strict dataclass that refuses None for its special ids; a word-level tokenizer
+    with only an unknown token gives its id (was: None, and the build failed validating the config)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from shuffleprune.dst.train import TrainConfig, build_model, special_token_id
+
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(127)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                  unk_token="<unk>")
+    assert tok.eos_token_id is None and special_token_id(tok) == 0
+    cfg = TrainConfig(arch="cwm", config_kw={"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+                                             "num_attention_heads": 4, "num_key_value_heads": 2})
+    config = build_model(cfg, vocab_size=len(tok), special_id=special_token_id(tok)).config
+    assert config.bos_token_id == 0 and config.vocab_size == 128
+
+
+def test_a_model_whose_cache_holds_no_attention_layer_trains(tiny_dir, text_file, tmp_path):
+    """RecurrentGemma's forward builds a cache of recurrent layers only, and asking it for its length
+    fails: training runs without a cache (was: ValueError from get_seq_length at the first step)."""
+    from shuffleprune.dst.train import train
+
+    cfg = _train_cfg(tiny_dir, text_file, arch="recurrent_gemma", steps=2, eval_every=2, checkpoint_every=10,
+                     config_kw={"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                                "num_attention_heads": 4, "num_key_value_heads": 2})
+    report = train(cfg, DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=1, t_end=2), tmp_path / "run",
+                   progress=False)
+    assert report["layers"] and all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())

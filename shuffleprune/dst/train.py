@@ -87,6 +87,13 @@ def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
     return AutoTokenizer.from_pretrained(path)
 
 
+def special_token_id(tokenizer) -> int:
+    """The id a fresh model's config takes for its bos/eos/pad ids: the tokenizer's end, start, unknown or
+    padding token, the first it has, else 0. Never None: strict configs (CWM) refuse None for these ids."""
+    ids = (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.unk_token_id, tokenizer.pad_token_id)
+    return next((i for i in ids if i is not None), 0)
+
+
 def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None):
     """A fresh model from ``cfg.arch`` (a model type, or a config dir / hub id) + ``cfg.config_kw``."""
     from huggingface_hub.errors import StrictDataclassError
@@ -202,7 +209,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     if train_stream.numel() <= cfg.seq_len or test_stream.numel() < cfg.seq_len:
         raise UserError(f"'{cfg.data}' is too short for --seq-len {cfg.seq_len}")
 
-    model = build_model(cfg, len(tokenizer), tokenizer.eos_token_id)
+    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer))
     sparsifier = DynamicSparsifier(dst)
     sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -252,7 +259,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     for step in bar:
         t0 = time.time()
         batch = _batch(train_stream, cfg, step, rank, world).to(device)
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss   # no KV cache to build in training
         accelerator.backward(loss)
         if cfg.grad_clip:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -206,6 +206,9 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     stream = "dense_stream" in spec.needs()
     run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
     dense_captured = run.captured.with_own_states() if stream else None
+    # one window through the blocks, before a resume refills what blocks hand on: the trace's own
+    # writes (one window, where the run writes batches) must not be what the next block reads
+    not_called, gates = _trace_calls(run, run.captured.hidden[:1], config)
     done = Blocks(blocks.name, blocks.layers[:start])
     if start == 0:
         hidden = run.captured.hidden
@@ -219,7 +222,6 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
             blocks.layers[i].load_state_dict(load_file(str(work / f"block_{i}.safetensors")))
         if shared:   # what the pruned blocks handed on
             run_blocks(done, run.captured.hidden, run.captured, device, config.batch_size)
-    not_called, gates = _trace_calls(run, run.captured.hidden[:1], config)
     unseen = _dense_outside_linears(blocks, run.experts, not_called | gates)
     run.captured.hidden = None
     if dense_captured is not None:
