@@ -141,6 +141,7 @@ EXTRA = {
                            indexer_compress_ratio=4),   # QSA: a token indexer on the attention block
     "axk1": dict(SMALL_MOE, **MLA, head_dim=8),   # head_dim: the rope part
     "axk2": dict(SMALL_MOE, **MLA, head_dim=8, index_n_heads=4, index_head_dim=16),
+    "cpmant": dict(dim_ff=128, dim_head=16),   # its own names for the MLP and head sizes (was 10240 × 128)
     **{t: dict(SMALL_MOE, unpadded_vocab_size=256, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16)
        for t in ("inkling2_text", "inkling2_loop_text")},
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,

@@ -361,6 +361,39 @@ def test_gqa_o_proj_folds_into_v_proj_only_when_heads_sharing_a_kv_head_agree():
             assert torch.allclose(model(ids).logits, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("spread", [0.5, 1e-3])
+def test_a_map_folds_through_a_norm_between_two_linears_exactly(spread):
+    """MLA's q_b_proj reads q_a_layernorm(q_a_proj(h)): its map folds into q_a_proj's rows with the
+    norm's weight permuted alike, so the block computes what it did to float rounding. Norm weights
+    far from 1 (a pretrained model's): the fold was refused before (a gather stayed); weights within
+    1e-3 of 1 (a short dst run's): a fold leaving the norm's weight behind passed the probe check and
+    changed the model by ~1e-5."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shuffleprune.deploy.export import fold_permutations
+    from shuffleprune.perm.linear import PermutedLinear
+
+    config = AutoConfig.for_model("deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                  kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                  v_head_dim=16, first_k_dense_replace=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        attn.q_a_layernorm.weight.copy_(1 + spread * torch.randn(32))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits.double()
+    attn.q_b_proj = PermutedLinear.from_linear(attn.q_b_proj, torch.randperm(32, generator=torch.Generator().manual_seed(2)))
+    folded = fold_permutations(model)
+    assert folded["model.layers.1.self_attn.q_b_proj"] == ["model.layers.1.self_attn.q_a_proj"]
+    assert not isinstance(model.model.layers[1].self_attn.q_b_proj, PermutedLinear)
+    with torch.no_grad():
+        out = model(ids).logits.double()
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-6
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3_text"])
 def test_learned_perm_export_reloads_for_other_architectures(arch, text_file, tmp_path):
     """Prune with learned index maps and export on non-LLaMA decoders (Qwen2's q/k/v biases, Gemma's

@@ -18,7 +18,9 @@ Permutations that cost nothing are folded away before compression: when a linear
 produced elementwise from the outputs of other linears of its block (LLaMA's down_proj reads
 ``act(gate(h)) · up(h)``), permuting those producers' output rows by the consumer's index map makes
 the consumer read its input in order. Candidates are found from shapes alone (producers whose
-``out_features`` equal the consumer's ``in_features``) and every fold is kept only if the block's
+``out_features`` equal the consumer's ``in_features``; where a module of per-channel weights sits
+between producer and consumer, as MLA's ``q_a_layernorm`` between ``q_a_proj`` and ``q_b_proj``, its
+weights are permuted with the rows, found by forward hooks) and every fold is kept only if the block's
 output on a probe input is unchanged (a fold inside a block cannot change anything outside it), so no architecture is assumed. Example: o_proj's map folds
 into v_proj's rows under multi-head attention when it stays within heads (permutation blocks
 dividing the head size); under GQA v_proj has fewer rows than o_proj has inputs, and the fold is
@@ -33,8 +35,10 @@ import os
 import shutil
 import tempfile
 import warnings
+from functools import partial
 from itertools import combinations
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -46,12 +50,17 @@ from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
+from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
 from shuffleprune.deploy.sparse_experts import compress_experts, exportable_experts, was_pruned
 from shuffleprune.stacked_experts import traced_stacked_experts
 
 HF_LOADER_FILE = "shuffleprune_hf.py"
+# A fold is kept when the block's output on the probe (float32) moves by less than this, relative to its
+# largest value: an exact fold only reorders sums (0 to 3e-7 seen), an inexact one moved it by 1.6e-5
+# (a norm's weights left behind) to 4.6e-5 (rows of a linear that does not feed the consumer permuted too)
+FOLD_TOLERANCE = 1e-5
 # Written next to an export so that transformers can load it too:
 # AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) → shuffleprune.load(dir).
 HF_LOADER = '''"""transformers entry point of a shuffleprune export (needs `pip install shuffleprune`)."""
@@ -176,8 +185,10 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
             if torch.equal(perm, torch.arange(perm.numel())):
                 continue  # nothing to fold: the export omits an identity map
             producers = [n for n, lin in linears.items() if n != name and lin.out_features == consumer.in_features]
-            subsets = [producers] + [[p] for p in producers] if len(producers) > 1 else [producers]
-            subsets += [list(c) for c in combinations(producers, 2)] if len(producers) > 2 else []
+            # fewest rows moved first: a producer that does not feed the consumer, moved along with
+            # those that do, changes the block only a little where its output matters little
+            subsets = [[p] for p in producers] + [list(c) for c in combinations(producers, 2)]
+            subsets += [producers] if len(producers) > 2 else []
             attempts = [(subset, {p: perm for p in subset}) for subset in subsets if subset]
             heads_of = _head_layout(model.get_submodule(name.rpartition(".")[0]), config, consumer.in_features)
             for n, lin in linears.items():  # GQA: a narrower producer (v_proj) under a head-consistent map
@@ -185,21 +196,56 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
                     rows = _grouped_head_perm(perm, heads_of, lin.out_features)
                     if rows is not None:
                         attempts.append(([n], {n: rows}))
+            through = _through_channelwise(block, f"{blocks.name}.{i}", partial(run, i), name, consumer, linears)
+            channel = []
+            if through is not None:   # producer → norm → consumer: the norm's weights move with the rows
+                attempts.insert(0, ([through[0]], {through[0]: perm}))
+                channel = [through[1]]
             plain = plain_linear_like(consumer, consumer.in_features, consumer.out_features, bias=consumer.bias is not None)
             plain.weight.data = consumer.weight.data  # W[:, perm] reading x[perm] == reading x' = x[perm] in order
             if consumer.bias is not None:
                 plain.bias.data = consumer.bias.data
-            for subset, row_perms in attempts:
+            for k, (subset, row_perms) in enumerate(attempts):
+                moved = channel if k == 0 else []
                 for p in subset:
                     _permute_rows(linears[p], row_perms[p])
+                _permute_channels(moved, perm)
                 model.set_submodule(name, plain)
-                if ((run(i) - reference).abs().max() / scale) < 1e-4:
+                if ((run(i) - reference).abs().max() / scale) < FOLD_TOLERANCE:
                     folded[name] = subset
                     break
                 model.set_submodule(name, consumer)  # undo
+                _permute_channels(moved, torch.argsort(perm))
                 for p in subset:
                     _permute_rows(linears[p], torch.argsort(row_perms[p]))
     return folded
+
+
+def _through_channelwise(block: nn.Module, prefix: str, run: Callable[[], torch.Tensor], name: str,
+                         consumer: nn.Module, linears: dict[str, nn.Module]) -> tuple[str, nn.Module] | None:
+    """``(producer, module)`` when ``name``'s input is the output of a module whose parameters are all
+    per-channel vectors of that width (a norm between two linears, as MLA's ``q_a_layernorm``) and that
+    module reads a linear's output of that width: a fold then permutes the linear's rows and the
+    module's vectors (forward hooks on the block's probe; None otherwise)."""
+    width = consumer.in_features
+    between = record_block_io(block, run, lambda m: m is consumer).producer_of(name[len(prefix) + 1:])
+    if between is None:
+        return None
+    module = block.get_submodule(between)
+    params = list(module.parameters())
+    if not params or any(p.shape != (width,) for p in params):
+        return None
+    source = record_block_io(block, run, lambda m: m is module).producer_of(between)
+    producer = f"{prefix}.{source}" if source is not None else None
+    if producer not in linears or producer == name or linears[producer].out_features != width:
+        return None
+    return producer, module
+
+
+def _permute_channels(modules: list[nn.Module], perm: torch.Tensor) -> None:
+    for module in modules:
+        for p in module.parameters():
+            p.data = p.data[perm.to(p.device)].contiguous()
 
 
 def _kept_dense(pruned: set[str] | None, layers: dict, experts: dict) -> list[str]:
