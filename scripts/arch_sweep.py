@@ -9,7 +9,8 @@ downloaded), pruned to 2:4 with ``--recipe`` (learned index maps by default, so 
 and their move to the norms are exercised) and exported; the export is loaded with the maps in the
 layers and at their producers, and for MoE models once more with the experts run by the grouped
 kernel (``kernel_grouped_experts``, interpreted). A family passes when all give the pruned model's
-logits (max absolute difference ≤ 1e-4). Each row records that difference, the pruned and compressed layer
+logits (max absolute difference ≤ 1e-5 of the largest logit, or ≤ 4× what float32 rounding alone moves
+them against a float64 copy: CPMAnt's hidden states reach 650, Gemma 4's logits stay below 1). Each row records that difference, the pruned and compressed layer
 counts (and the experts' matrices of MoE layers, fused or stacked in the model's own parameters,
 pruned in place and compressed by the export, how many of those read their input through their own
 index map, and how many pruned matrices the export had to keep dense),
@@ -154,6 +155,26 @@ EXTRA.update({"gemma4": dict(text_config=dict(SIZE, **EXTRA["gemma4_text"])),
                  for t in ("qwen3_5", "qwen3_5_moe", "qwen4_exp")}})
 
 
+def float32_noise(model, ids) -> float | None:
+    """How far float32 arithmetic alone moves ``model``'s logits on ``ids``: the largest difference to a
+    float64 copy's (None where a family's code cannot run in float64)."""
+    import copy
+
+    import torch
+
+    try:
+        with torch.no_grad():
+            return float((model(ids).logits.double() - copy.deepcopy(model).double()(ids).logits).abs().max())
+    except Exception:  # noqa: BLE001 - XGLM's mask value overflows float32's range in float64
+        return None
+
+
+def agrees(diff: float, reference, noise: float | None) -> bool:
+    """The pass rule of both sweeps: an export's logits within 1e-5 of the reference's largest logit, or
+    within 4× what float32 rounding alone moves them (models whose hidden states dwarf their logits)."""
+    return diff <= max(1e-5 * float(reference.abs().max()), 4 * (noise or 0.0))
+
+
 def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) -> dict:
     """Prune, export and reload one family; the row of results."""
     import random
@@ -202,7 +223,9 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
             if experts and maps == "kernel":   # the experts again by the grouped kernel (interpreted on the CPU)
                 set_experts_mode(model, "grouped")
                 diffs["kernel_grouped_experts"] = float((model(ids).logits - want).abs().max())
-    return {"model_type": model_type, "ok": max(diffs.values()) <= 1e-4, "max_abs_logit_diff": diffs,
+    noise = float32_noise(ref, ids)
+    return {"model_type": model_type, "ok": agrees(max(diffs.values()), want, noise), "max_abs_logit_diff": diffs,
+            "max_rel_logit_diff": max(diffs.values()) / float(want.abs().max()), "float32_noise": noise,
             "pruned_layers": len(result.report["layers"]), "nm_ok": result.report["nm_ok"],
             "pruned_experts": sum(bool(l.get("expert")) for l in result.report["layers"]),
             "compressed_layers": compressed, "compressed_experts": experts, "kept_dense": len(fmt["kept_dense"]),
@@ -226,7 +249,8 @@ def main() -> None:
 
     rows = []
     result = {"what": "prune → export → load on tiny random models of each transformers decoder family "
-                      "(2:4, logits of the export against the pruned checkpoint)",
+                      "(2:4, logits of the export against the pruned checkpoint; a family passes within 1e-5 of its "
+                      "largest logit or 4× the float32-vs-float64 difference of the checkpoint's)",
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "seed": args.seed,
               "recipe": args.recipe, "perm": args.perm, "model": {k: v for k, v in SIZE.items() if "token" not in k},
               "data": "random words, 4 windows × 32 tokens", "machine": machine(), "versions": versions(),

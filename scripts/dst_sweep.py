@@ -10,8 +10,8 @@ random model at the same sizes (``SIZE`` and the family's ``EXTRA``) is trained 
 (``--perm learned`` from a uniform soft start, hardened at step 5)
 on random words (a word-level tokenizer; nothing is downloaded), exported, and loaded. A family
 passes when every trained layer is N:M with its pruned weights zero and the export gives the
-trained checkpoint's logits (max absolute difference ≤ 1e-5 of the largest logit: float32 rounding
-alone moves CPMAnt's, whose hidden states reach 650, by 1e-4 against float64). Each row records that difference,
+trained checkpoint's logits (the arch sweep's rule, ``agrees``: within 1e-5 of the largest logit or
+4× what float32 rounding alone moves them). Each row records that difference,
 the trained layers (expert matrices among them), the maps that are not the identity, the layers
 the export compressed, the time, or the error. Results: ``scripts/results/dst_sweep.json``
 (rewritten after every family).
@@ -39,7 +39,7 @@ def one_family(model_type: str, tmp: Path, seed: int) -> dict:
     import torch
 
     import shuffleprune
-    from arch_sweep import EXTRA, SIZE
+    from arch_sweep import EXTRA, SIZE, agrees, float32_noise
     from bench_stage_cost import word_tokenizer
     from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.dst.config import DSTConfig
@@ -73,10 +73,10 @@ def one_family(model_type: str, tmp: Path, seed: int) -> dict:
     with torch.no_grad():
         ref = trained(ids).logits
         diff = float((model(ids).logits - ref).abs().max())
-    rel = diff / float(ref.abs().max())
+    noise = float32_noise(trained, ids)
     structured = all(l["n_of_m"] and l["pruned_weights_zero"] for l in layers.values())
-    return {"model_type": model_type, "ok": structured and rel <= 1e-5, "max_abs_logit_diff": diff,
-            "max_rel_logit_diff": rel,
+    return {"model_type": model_type, "ok": structured and agrees(diff, ref, noise), "max_abs_logit_diff": diff,
+            "max_rel_logit_diff": diff / float(ref.abs().max()), "float32_noise": noise,
             "trained_layers": len(layers), "trained_experts": sum(n.endswith("]") for n in layers),
             "n_of_m": structured, "maps": len(maps), "maps_not_identity": moved,
             "compressed_layers": len(fmt["layers"]), "compressed_expert_tensors": len(fmt.get("experts") or {}),
@@ -101,7 +101,8 @@ def main() -> None:
     rows = []
     result = {"what": "dst --method nm 2:4 --perm learned → export → load on tiny random models of each transformers "
                       "decoder family of the arch sweep (logits of the export against the trained checkpoint; a family "
-                      "passes within 1e-5 of its largest logit)",
+                      "passes within 1e-5 of its largest logit or 4× the float32-vs-float64 difference of the "
+                      "checkpoint's)",
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "seed": args.seed,
               "model": {k: v for k, v in SIZE.items() if "token" not in k},
               "training": "6 steps, batch 4 × 32 tokens, mask updates every 2 steps to step 4, maps hardened at step 5",

@@ -603,6 +603,32 @@ def test_a_map_stays_in_the_layers_when_another_module_reads_the_producer_output
         assert torch.allclose(model(ids).logits, expected, atol=1e-5)
 
 
+def test_a_map_stays_in_its_layer_when_an_unmapped_layer_reads_the_same_norm_output(pruned_perm_dir, tmp_path):
+    """XGLM-like: v_proj reads the norm's output through a map, q_proj and k_proj read it in order. The
+    norm cannot write it in v_proj's order; with near-uniform attention (q and k tiny, as in a random
+    model) doing so changed the block by only 7e-5 of its output, which the probe's old bound let
+    through."""
+    from shuffleprune.deploy.producer_maps import MappedOutput, move_maps_to_producers
+
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    model = shuffleprune.load(str(tmp_path / "exported"), maps="kernel", fuse=False)
+    attn = model.model.layers[1].self_attn
+    assert attn.v_proj.perm is not None
+    with torch.no_grad():
+        for lin in (attn.q_proj, attn.k_proj):
+            lin.perm, lin.shared_gather = None, None    # identity maps: they read the norm's output in order
+            lin.values.mul_(1e-3)
+    attn.v_proj.shared_gather = None
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+    moved = move_maps_to_producers(model)
+    assert "model.layers.1.input_layernorm" not in moved and "model.layers.0.input_layernorm" in moved
+    assert not isinstance(model.model.layers[1].input_layernorm, MappedOutput) and attn.v_proj.perm is not None
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, expected, atol=1e-6)
+
+
 def test_rms_form_recognises_rmsnorms_by_what_they_compute():
     from torch import nn
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm

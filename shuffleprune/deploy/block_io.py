@@ -23,6 +23,11 @@ class BlockIO:
     inputs: dict[str, torch.Tensor]
     outputs: list[tuple[str, torch.Tensor]]
     output: torch.Tensor
+    leaf_inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def modules_reading(self, x: torch.Tensor) -> list[str]:
+        """The modules called with ``x`` itself (recorded with ``leaves=True``: every leaf module)."""
+        return [name for name, seen in self.leaf_inputs.items() if seen is x]
 
     def producer_of(self, reader: str) -> str | None:
         """The innermost module whose output is ``reader``'s input tensor (not one containing ``reader``)."""
@@ -42,17 +47,19 @@ class BlockIO:
 
 
 def record_block_io(block: nn.Module, run: Callable[[], torch.Tensor], is_reader: Callable[[nn.Module], bool],
-                    outputs: bool = True) -> BlockIO:
+                    outputs: bool = True, leaves: bool = False) -> BlockIO:
     """Run ``run()`` (the block on its probe input) with hooks on ``block``'s submodules: the modules
     ``is_reader`` selects record the tensor they are called with, the others (if ``outputs``) their
-    tensor output. The hooks return nothing, so the run is the block's ordinary forward."""
+    tensor output; with ``leaves``, every module without children also records the tensor it is
+    called with (``leaf_inputs``). The hooks return nothing, so the run is the block's ordinary forward."""
     inputs: dict[str, torch.Tensor] = {}
+    leaf_inputs: dict[str, torch.Tensor] = {}
     produced: list[tuple[str, torch.Tensor]] = []
 
-    def reader_hook(name: str):
+    def reader_hook(name: str, into: dict[str, torch.Tensor]):
         def hook(_module: nn.Module, args: tuple) -> None:
             if args and isinstance(args[0], torch.Tensor):
-                inputs.setdefault(name, args[0])
+                into.setdefault(name, args[0])
         return hook
 
     def output_hook(name: str):
@@ -66,13 +73,15 @@ def record_block_io(block: nn.Module, run: Callable[[], torch.Tensor], is_reader
         if not name:
             continue
         if is_reader(mod):
-            handles.append(mod.register_forward_pre_hook(reader_hook(name)))
+            handles.append(mod.register_forward_pre_hook(reader_hook(name, inputs)))
         elif outputs:
             handles.append(mod.register_forward_hook(output_hook(name)))
+        if leaves and next(mod.children(), None) is None:
+            handles.append(mod.register_forward_pre_hook(reader_hook(name, leaf_inputs)))
     try:
         with torch.no_grad():
             output = run()
     finally:
         for handle in handles:
             handle.remove()
-    return BlockIO(inputs, produced, output)
+    return BlockIO(inputs, produced, output, leaf_inputs)
