@@ -28,6 +28,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -243,22 +244,28 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "arch_sweep.json"))
     args = ap.parse_args()
 
-    import transformers
-
     from shuffleprune.runtime import machine, versions
 
-    rows = []
     result = {"what": "prune → export → load on tiny random models of each transformers decoder family "
                       "(2:4, logits of the export against the pruned checkpoint; a family passes within 1e-5 of its "
                       "largest logit or 4× the float32-vs-float64 difference of the checkpoint's)",
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "seed": args.seed,
               "recipe": args.recipe, "perm": args.perm, "model": {k: v for k, v in SIZE.items() if "token" not in k},
-              "data": "random words, 4 windows × 32 tokens", "machine": machine(), "versions": versions(),
-              "rows": rows}
-    for model_type in args.types:
+              "data": "random words, 4 windows × 32 tokens", "machine": machine(), "versions": versions()}
+    sweep(args.types, lambda model_type, tmp: one_family(model_type, args.recipe, args.perm, tmp, args.seed), result,
+          Path(args.out))
+
+
+def sweep(types: list[str], one: Callable[[str, Path], dict], result: dict, out: Path) -> None:
+    """``one(model_type, tmp_dir)`` for each family in a fresh temporary directory, a failure as a row with
+    its error; ``result["rows"]`` and ``result["passed"]`` rewritten to ``out`` after every family."""
+    import transformers
+
+    rows = result["rows"] = []
+    for model_type in types:
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                row = one_family(model_type, args.recipe, args.perm, Path(tmp), args.seed)
+                row = one(model_type, Path(tmp))
             except Exception as exc:   # a family that fails is a row, not the end of the sweep
                 row = {"model_type": model_type, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:500],
                        "where": traceback.format_exc().strip().splitlines()[-3].strip()[:300]}
@@ -266,8 +273,8 @@ def main() -> None:
         print(f"{'ok  ' if row['ok'] else 'FAIL'} {model_type:18s} "
               f"{row.get('max_abs_logit_diff', row.get('error'))}", flush=True)
         result["passed"] = sum(r["ok"] for r in rows)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{result['passed']}/{len(rows)} families pass (transformers {transformers.__version__}); wrote {args.out}")
+        out.write_text(json.dumps(result, indent=1))
+    print(f"{result['passed']}/{len(rows)} families pass (transformers {transformers.__version__}); wrote {out}")
 
 
 if __name__ == "__main__":

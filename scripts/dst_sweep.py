@@ -19,13 +19,10 @@ the export compressed, the time, or the error. Results: ``scripts/results/dst_sw
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
-import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -93,12 +90,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "dst_sweep.json"))
     args = ap.parse_args()
 
-    import transformers
-
-    from arch_sweep import SIZE
+    from arch_sweep import SIZE, sweep
     from shuffleprune.runtime import machine, versions
 
-    rows = []
     result = {"what": "dst --method nm 2:4 --perm learned → export → load on tiny random models of each transformers "
                       "decoder family of the arch sweep (logits of the export against the trained checkpoint; a family "
                       "passes within 1e-5 of its largest logit or 4× the float32-vs-float64 difference of the "
@@ -106,21 +100,8 @@ def main() -> None:
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "seed": args.seed,
               "model": {k: v for k, v in SIZE.items() if "token" not in k},
               "training": "6 steps, batch 4 × 32 tokens, mask updates every 2 steps to step 4, maps hardened at step 5",
-              "data": "random words (word-level tokenizer of 255 words)", "machine": machine(), "versions": versions(),
-              "rows": rows}
-    for model_type in args.types:
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                row = one_family(model_type, Path(tmp), args.seed)
-            except Exception as exc:   # a family that fails is a row, not the end of the sweep
-                row = {"model_type": model_type, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:500],
-                       "where": traceback.format_exc().strip().splitlines()[-3].strip()[:300]}
-        rows.append(row)
-        print(f"{'ok  ' if row['ok'] else 'FAIL'} {model_type:18s} {row.get('max_abs_logit_diff', row.get('error'))}",
-              flush=True)
-        result["passed"] = sum(r["ok"] for r in rows)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{result['passed']}/{len(rows)} families pass (transformers {transformers.__version__}); wrote {args.out}")
+              "data": "random words (word-level tokenizer of 255 words)", "machine": machine(), "versions": versions()}
+    sweep(args.types, lambda model_type, tmp: one_family(model_type, tmp, args.seed), result, Path(args.out))
 
 
 if __name__ == "__main__":

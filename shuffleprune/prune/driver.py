@@ -28,7 +28,7 @@ from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
-from shuffleprune.masks import parse_pattern, satisfies_nm, sparsity_of
+from shuffleprune.masks import satisfies_nm, sparsity_of
 from shuffleprune.models import LoadedModel, load_model, upcast_for_cpu
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.linear import load_index_maps, save_index_maps
