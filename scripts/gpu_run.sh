@@ -74,11 +74,13 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     [ "$SMOKE" = 1 ] || { [ -f "$result" ] && cp "$result" "$OUT/"; }
 }
 [ $# -eq 0 ] && set -- kernel e2e
-# next1..3: what no GPU call has timed yet, most telling first, a device call each (the 600-s limit of a
-# call: each step's time is logged to $OUT/gpu_run_steps.txt, so later plans know them); next: all three
-NEXT1=(tune_split_sum tune_gather cslt_buffer_quick e2e e2e_compile)
-NEXT2=(tune_split_deep kernel)
-NEXT3=(moe moe_stacked e2e_moe e2e_moe_compile)
+# next1..3: what no GPU call has timed yet, a device call each (600 s at most: every step's time goes to
+# $OUT/gpu_run_steps.txt for later plans), the measurements of the targets before the sweeps that
+# explore: next1 whether the one-buffer decode closed its gap and what the model does end to end, next2 the
+# per-layer table and torch.compile, next3 the tensor-core splits and MoE; next: all three
+NEXT1=(cslt_buffer_quick e2e tune_split_sum tune_gather)
+NEXT2=(kernel e2e_compile)
+NEXT3=(tune_split_deep moe moe_stacked e2e_moe e2e_moe_compile)
 steps=(); for s in "$@"; do case $s in
     tune_tiles) steps+=(tune_select tune_dot tune_gemm) ;;
     next1) steps+=("${NEXT1[@]}") ;;
