@@ -170,34 +170,27 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
     return out
 
 
-def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
-          progress: bool = True, stop_after: int | None = None) -> dict:
-    """Train; returns the report (also written to ``out/dst_report.json``). ``stop_after`` ends the
-    run after that many steps as if killed (tests)."""
-    from accelerate import Accelerator
-    from tqdm.auto import tqdm
-    from transformers import get_cosine_schedule_with_warmup
-
-    from shuffleprune.calib import get_source
-    from shuffleprune.calib.sources import _encode
-    from shuffleprune.evaluation.perplexity import perplexity
-    from shuffleprune.runtime import peak_rss_mb, versions
-
-    out = Path(out)
-    ckpt = out / CHECKPOINT
+def _check_out(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, accelerator) -> None:
+    """Refuse bad sizes and an ``out`` that cannot be used; clear it (main process) for a fresh run."""
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.seq_len < 8:
         raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
-    accelerator = Accelerator()
-    rank, world = accelerator.process_index, accelerator.num_processes
-    if cfg.batch_size % world:
-        raise UserError(f"--batch-size {cfg.batch_size} is the global batch: use a multiple of the {world} processes")
-    if resume and not ckpt.is_file():
+    if cfg.batch_size % accelerator.num_processes:
+        raise UserError(f"--batch-size {cfg.batch_size} is the global batch: use a multiple of the "
+                        f"{accelerator.num_processes} processes")
+    if resume and not (out / CHECKPOINT).is_file():
         raise UserError(f"nothing to resume in '{out}': no {CHECKPOINT}")
     if not resume and out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"output dir '{out}' is not empty; use --resume, --overwrite or another --out")
     accelerator.wait_for_everyone()  # every process has looked at `out` before the main one clears it
     if not resume and out.exists() and accelerator.is_main_process:
         shutil.rmtree(out)
+
+
+def _token_streams(cfg: TrainConfig, accelerator) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """The tokenizer, and the training and held-out texts as token streams."""
+    from shuffleprune.calib import get_source
+    from shuffleprune.calib.sources import _encode
+
     with accelerator.main_process_first():  # downloads, and a bpe:N tokenizer's training, happen once
         source = get_source(cfg.data)
         train_docs = source.documents("train")
@@ -208,29 +201,117 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         test_stream = test_stream[:cfg.eval_tokens]
     if train_stream.numel() <= cfg.seq_len or test_stream.numel() < cfg.seq_len:
         raise UserError(f"'{cfg.data}' is too short for --seq-len {cfg.seq_len}")
+    return tokenizer, train_stream, test_stream
 
-    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer))
-    sparsifier = DynamicSparsifier(dst)
-    sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, object]:
+    """AdamW (no weight decay on vectors) and its cosine schedule with warmup."""
+    from transformers import get_cosine_schedule_with_warmup
+
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup, cfg.steps)
-    sparsifier.optimizer = optimizer
-    state = {"step": 0, "log": [], "evals": [], "train_seconds": 0.0}
-    if resume:
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, cfg.warmup, cfg.steps)
+
+
+@dataclass
+class _Trainer:
+    """What a checkpoint holds and restores: the settings, the model, its optimizer and schedule,
+    the sparsifier, and the run's counters and logs (``state``)."""
+
+    cfg: TrainConfig
+    dst: DSTConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    sparsifier: DynamicSparsifier
+    state: dict = field(default_factory=lambda: {"step": 0, "log": [], "evals": [], "train_seconds": 0.0})
+
+    def restore(self, ckpt: Path) -> None:
+        """Continue from ``ckpt``: weights, optimizer, schedule, masks and maps, random state, counters."""
         saved = torch.load(ckpt, weights_only=False)
-        if saved["train_config"] != asdict(cfg) or saved["dst_config"] != asdict(dst):
+        if saved["train_config"] != asdict(self.cfg) or saved["dst_config"] != asdict(self.dst):
             raise UserError("--resume with different settings than the checkpointed run; repeat its exact options")
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        sparsifier.load_state_dict(saved["sparsifier"])
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.sparsifier.load_state_dict(saved["sparsifier"])
         torch.set_rng_state(saved["rng"])
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["cuda_rng"])
-        state = saved["state"]
+        self.state = saved["state"]
+
+    def save(self, ckpt: Path, model: torch.nn.Module) -> None:
+        """Write the checkpoint atomically; ``model`` is the unwrapped model."""
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"train_config": asdict(self.cfg), "dst_config": asdict(self.dst),
+                    "model": model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "sparsifier": self.sparsifier.state_dict(),
+                    "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                    "state": self.state}, tmp)
+        os.replace(tmp, ckpt)
+
+
+def _report(run: _Trainer, final_ppl: float, device: torch.device, processes: int, ranks_agree: bool | None) -> dict:
+    """``dst_report.json``: settings, loss and perplexity curves, structure, maps, mask updates, cost."""
+    from shuffleprune.runtime import peak_rss_mb, versions
+
+    sp = run.sparsifier
+    return {
+        "train": asdict(run.cfg), "dst": asdict(run.dst), "final_ppl": final_ppl, "evals": run.state["evals"],
+        "loss_curve": run.state["log"], "train_seconds": round(run.state["train_seconds"], 2),
+        "peak_rss_mb": round(peak_rss_mb(), 1), "density": round(sp.density(), 6),
+        "layers": _structure_report(sp) if sp.masks else {},
+        "permutations": {n: {"hardened_at": p.hardened_at, "penalty_curve": [round(v, 4) for v in p.penalty_curve],
+                             "strength": None if p.hard is None else round(s, 4)}
+                         for (n, p), s in zip(sp.perms.items(), sp.permutation_strength().values())},
+        "mask_updates": sp.history, "versions": versions("accelerate"), "device": str(device),
+        "processes": processes, "ranks_agree": ranks_agree,
+    }
+
+
+def _write_model(out: Path, model: torch.nn.Module, sp: DynamicSparsifier, tokenizer, report: dict) -> None:
+    """``out/model``: the trained model with its weights in their inputs' own column order (as
+    ``prune --perm`` stores them: any client computes it), the tokenizer, a model card and the index
+    maps (the order N:M holds in, for ``export``); and ``out/dst_report.json``."""
+    model.save_pretrained(out / "model", state_dict=sp.checkpoint_state_dict(model))
+    tokenizer.save_pretrained(out / "model")
+    (out / "model" / "README.md").write_text(model_card(report))
+    hard = {n: p.hard for n, p in sp.perms.items() if p.hard is not None}
+    if hard:
+        from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
+
+        save_index_maps(hard, out / "model" / INDEX_MAPS)
+    (out / REPORT).write_text(json.dumps(report, indent=1))
+
+
+def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
+          progress: bool = True, stop_after: int | None = None) -> dict:
+    """Train; returns the report (also written to ``out/dst_report.json``). ``stop_after`` ends the
+    run after that many steps as if killed (tests)."""
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    from shuffleprune.evaluation.perplexity import perplexity
+
+    out = Path(out)
+    ckpt = out / CHECKPOINT
+    accelerator = Accelerator()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    _check_out(cfg, out, resume, overwrite, accelerator)
+    tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
+
+    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer))
+    sparsifier = DynamicSparsifier(dst)
+    sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
+    optimizer, scheduler = _optimizer(model, cfg)
+    sparsifier.optimizer = optimizer
+    run = _Trainer(cfg, dst, model, optimizer, scheduler, sparsifier)
+    if resume:
+        run.restore(ckpt)
+    state = run.state
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     out.mkdir(parents=True, exist_ok=True)
     device = accelerator.device
@@ -240,18 +321,6 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         ppl = perplexity(accelerator.unwrap_model(model), test_stream.unsqueeze(0), cfg.seq_len, device)
         model.train()
         return ppl
-
-    def save_checkpoint() -> None:
-        if not accelerator.is_main_process:
-            return
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"train_config": asdict(cfg), "dst_config": asdict(dst),
-                    "model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "sparsifier": sparsifier.state_dict(),
-                    "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                    "state": state}, tmp)
-        os.replace(tmp, ckpt)
 
     model.train()
     bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, desc=f"dst {dst.method}",
@@ -274,8 +343,8 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         bar.set_postfix_str(f"loss {value:.3f}")
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             state["evals"].append({"step": step + 1, "ppl": evaluate()})
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save_checkpoint()
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and accelerator.is_main_process:
+            run.save(ckpt, accelerator.unwrap_model(model))
         if stop_after is not None and step + 1 >= stop_after:
             return {"stopped_at": step + 1}
     sparsifier.finalize()  # the model as it is saved: permutations still soft hardened, diag's mask baked
@@ -288,28 +357,8 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         ranks_agree = bool((every == every[:1]).all())
         if not ranks_agree and accelerator.is_main_process:
             print("warning: the processes ended with different weights, masks or permutations", flush=True)
-    report = {
-        "train": asdict(cfg), "dst": asdict(dst), "final_ppl": final_ppl, "evals": state["evals"],
-        "loss_curve": state["log"], "train_seconds": round(state["train_seconds"], 2),
-        "peak_rss_mb": round(peak_rss_mb(), 1), "density": round(sparsifier.density(), 6),
-        "layers": _structure_report(sparsifier) if sparsifier.masks else {},
-        "permutations": {n: {"hardened_at": p.hardened_at, "penalty_curve": [round(v, 4) for v in p.penalty_curve],
-                             "strength": None if p.hard is None else round(s, 4)}
-                         for (n, p), s in zip(sparsifier.perms.items(), sparsifier.permutation_strength().values())},
-        "mask_updates": sparsifier.history, "versions": versions("accelerate"), "device": str(device),
-        "processes": world, "ranks_agree": ranks_agree,
-    }
+    report = _report(run, final_ppl, device, world, ranks_agree)
     if accelerator.is_main_process:
-        # weights in their inputs' own column order (as `prune --perm` stores them): any client
-        # computes the trained model; the maps give the order N:M holds in, for `export`
-        unwrapped.save_pretrained(out / "model", state_dict=sparsifier.checkpoint_state_dict(unwrapped))
-        tokenizer.save_pretrained(out / "model")
-        (out / "model" / "README.md").write_text(model_card(report))
-        hard = {n: p.hard for n, p in sparsifier.perms.items() if p.hard is not None}
-        if hard:
-            from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
-
-            save_index_maps(hard, out / "model" / INDEX_MAPS)
-        (out / REPORT).write_text(json.dumps(report, indent=1))
-        save_checkpoint()
+        _write_model(out, unwrapped, sparsifier, tokenizer, report)
+        run.save(ckpt, unwrapped)
     return report

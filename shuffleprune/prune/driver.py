@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from shuffleprune.block_inputs import called_modules, capture_block_inputs, run_block, run_blocks
+from shuffleprune.block_inputs import CapturedInputs, called_modules, capture_block_inputs, run_block, run_blocks
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, block_linears, find_blocks,
                                   GATING_WIDTH, gating_linears, is_plain_linear, parse_expert_name, selected_by_globs, text_config,
                                   weights_outside_linears)
@@ -152,127 +152,44 @@ def _discard_unresumable(out: Path, existed: bool) -> None:
 
 def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: bool, overwrite: bool,
           progress: bool, on_block_done: Callable[[int], None] | None, loaded: LoadedModel | None) -> PruneResult:
+    """The run: load, calibrate (or reload a resumed run's data), capture, prepare, walk the blocks, report."""
     t_start = time.time()
     spec = config.spec()
-    pattern = spec.pattern
     _check_sources(config)
     state = _prepare_out(out, resume, overwrite)
     if state is not None and state["config_key"] != config.key():
         raise UserError("--resume with different settings than the interrupted run; repeat its exact options")
-
-    lm = loaded or load_model(config.model, config.dtype)
-    model, tokenizer = lm.model, lm.tokenizer
-    linears_from_conv1d(model)   # a caller's own GPT-2-style model: its Conv1D layers as nn.Linear
-    save_dtype = lm.save_dtype or model.dtype
-    upcast_for_cpu(model, config.dtype, device)  # the checkpoint keeps save_dtype
-    if any(isinstance(m, SparseLinear) for m in model.modules()):
-        raise UserError("this model is an exported checkpoint (compressed N:M layers); prune its dense original, "
-                        "or the pruned checkpoint it was exported from, instead")
+    lm, save_dtype = _load_prunable(config, device, loaded)
+    model = lm.model
     blocks = find_blocks(model)
-    linears, experts = _selected_weights(blocks, config, pattern)
+    linears, experts = _selected_weights(blocks, config, spec.pattern)
     max_pos = getattr(text_config(model), "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
     ctx = min(config.eval_ctx or seqlen, max_pos)
-
     work = out / RESUME_DIR if out is not None else None
     if state is None:
-        t0 = time.time()
-        tokens, held_out, texts = _texts(config, tokenizer, seqlen)
-        calib_seconds = time.time() - t0
-        if work is not None:  # created only once all inputs are known to be good
-            work.mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
-        bos = tokenizer.bos_token_id if texts["bos"] else None
-        dense_ppl = _held_out_ppl(model, held_out, ctx, device, progress, bos, texts["eval"]) \
-            if held_out is not None else None
-        if held_out is not None:
-            texts["eval"]["tokens_scored"] = scored_tokens(held_out.numel(), ctx, bos)
-        state = {"config_key": config.key(), "config": asdict(config), "next_block": 0, "layers": [],
-                 "dense_ppl": dense_ppl, "calib_seconds": calib_seconds, "eval_seconds": time.time() - t0,
-                 "prune_seconds": 0.0, "seqlen": seqlen, "eval_ctx": ctx, "perm_blocks": [], "texts": texts,
-                 "eval_tokens": None if held_out is None else int(held_out.numel())}
-        if work is not None:
-            atomic_save({"tokens": tokens, "held_out": held_out}, work / "data.pt")
-    else:   # the blocks done are reloaded after the capture (below)
+        state, tokens, held_out = _start_state(config, lm, seqlen, ctx, device, progress, work)
+    else:   # the blocks done are reloaded after the capture (in _block_streams)
         data = torch.load(work / "data.pt")
         tokens, held_out = data["tokens"], data["held_out"]
 
-    run = Run(model=model, blocks=blocks, linears=linears, experts=experts, tokens=tokens, pattern=pattern, spec=spec, device=device,
-              batch_size=config.batch_size, seed=config.seed, work=work, progress=progress)
+    run = Run(model=model, blocks=blocks, linears=linears, experts=experts, tokens=tokens, pattern=spec.pattern,
+              spec=spec, device=device, batch_size=config.batch_size, seed=config.seed, work=work, progress=progress)
     t0 = time.time()
-    start = state["next_block"]
-    # the unpruned model's activations, kept beside the pruned ones when a stage fits to them; blocks
-    # that read what earlier blocks stored (Gemma 3n's keys and values) read the dense blocks' there
-    stream = "dense_stream" in spec.needs()
-    run.captured = capture_block_inputs(model, blocks, tokens, device, config.batch_size)
-    dense_captured = run.captured.with_own_states() if stream else None
-    # one window through the blocks, before a resume refills what blocks hand on: the trace's own
-    # writes (one window, where the run writes batches) must not be what the next block reads
-    not_called, gates = _trace_calls(run, run.captured.hidden[:1], config)
-    done = Blocks(blocks.name, blocks.layers[:start])
-    if start == 0:
-        hidden = run.captured.hidden
-    else:  # the blocks' keyword arguments are recomputed; their inputs come from the checkpoint
-        # every block done (only the checkpoint was left to write): no block input is needed
-        hidden = torch.load(work / f"hidden_{start}.pt").to(device) if start < len(blocks) else None
-        shared = run.captured.holds_shared_state() and start < len(blocks)
-        if shared and stream:   # what the dense blocks handed on, before the pruned ones are reloaded
-            run_blocks(done, run.captured.hidden, dense_captured, device, config.batch_size)
-        for i in range(start):
-            blocks.layers[i].load_state_dict(load_file(str(work / f"block_{i}.safetensors")))
-        if shared:   # what the pruned blocks handed on
-            run_blocks(done, run.captured.hidden, run.captured, device, config.batch_size)
+    streams, not_called, gates = _block_streams(run, state["next_block"], config)
     unseen = _dense_outside_linears(blocks, run.experts, not_called | gates)
-    run.captured.hidden = None
-    if dense_captured is not None:
-        dense_captured.hidden = None
-    dense_hidden = None
-    if stream and start < len(blocks):
-        dense_hidden = hidden.clone() if start == 0 else torch.load(work / f"dense_hidden_{start}.pt").to(device)
     state["calib_seconds"] += time.time() - t0
-
     for stage in spec.stages:  # model-level passes (on resume: reloading what they saved)
         stage.prepare(run)
     state["prune_seconds"] += run.notes.pop("prepare_seconds", 0.0)
     state.update(run.notes)
-    if work is not None and start == 0:
+    if work is not None and state["next_block"] == 0:
         atomic_json(state, work / "state.json")  # from here on, an interrupted run can --resume
-
-    all_perms: dict[str, torch.Tensor] = {}
-    if work is not None:
-        for j in range(start):
-            if (work / f"perms_{j}.safetensors").is_file():
-                all_perms.update(load_index_maps(work / f"perms_{j}.safetensors"))
-    bar = tqdm(range(start, len(blocks)), desc=f"{config.recipe}: {' → '.join(s.name for s in spec.stages)} {pattern}",
-               disable=not progress, initial=start, total=len(blocks))
-    run.status = bar.set_postfix_str if progress else run.status
-    for i in bar:
-        t0 = time.time()
-        block = blocks.layers[i].to(device)
-        work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=run.linears[i], hidden=hidden,
-                           experts=run.experts[i])
-        if stream:  # the block is still dense here: its outputs on the dense model's inputs
-            work_i.dense_outputs = run_block(block, dense_hidden, dense_captured, i, device, config.batch_size)
-        _run_stages(run, work_i, state)
-        hidden = work_i.outputs(run)  # the pruned block's outputs: the next block's inputs
-        dense_hidden = work_i.dense_outputs
-        perms = work_i.perms
-        del work_i
-        blocks.layers[i] = block.to("cpu")
-        state["prune_seconds"] += time.time() - t0
-        state["next_block"] = i + 1
-        all_perms.update(perms)
-        if work is not None:
-            last = i + 1 == len(blocks)
-            _checkpoint_block(work, i, block, perms, None if last else hidden, state,
-                              None if last else dense_hidden)
-        if on_block_done is not None:
-            on_block_done(i)
-    del hidden, dense_hidden
+    all_perms = _prune_blocks(run, state, streams, config.recipe, on_block_done)
 
     if "pruned_ppl" not in state:  # a resumed run that only had its checkpoint left to write skips this
         t0 = time.time()
-        bos = tokenizer.bos_token_id if state["texts"]["bos"] else None
+        bos = lm.tokenizer.bos_token_id if state["texts"]["bos"] else None
         state["pruned_ppl"] = _held_out_ppl(model, held_out, ctx, device, progress, bos, state["texts"]["eval"]) \
             if held_out is not None else None
         state["eval_seconds"] += time.time() - t0
@@ -280,15 +197,143 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
             atomic_json(state, work / "state.json")
     compute_dtype = str(next(model.parameters()).dtype)
     model.to(save_dtype)
-    report = build_report(config, lm, state, pattern, all_perms, device, compute_dtype, str(save_dtype),
+    report = build_report(config, lm, state, spec.pattern, all_perms, device, compute_dtype, str(save_dtype),
                           resume, time.time() - t_start)
     report["outside_linears"] = unseen
     report["not_called"] = sorted(not_called)
     report["gating_linears"] = sorted(gates)
     if out is not None:
-        write_checkpoint(out, model, tokenizer, report, all_perms, config)
+        write_checkpoint(out, model, lm.tokenizer, report, all_perms, config)
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
-    return PruneResult(report=report, model=model, tokenizer=tokenizer)
+    return PruneResult(report=report, model=model, tokenizer=lm.tokenizer)
+
+
+def _load_prunable(config: PruneConfig, device: torch.device, loaded: LoadedModel | None
+                   ) -> tuple[LoadedModel, torch.dtype]:
+    """The model to prune (``loaded`` or ``config.model``), in its compute dtype for ``device``, and the
+    dtype its checkpoint is saved in; an exported (already compressed) checkpoint is refused."""
+    lm = loaded or load_model(config.model, config.dtype)
+    linears_from_conv1d(lm.model)   # a caller's own GPT-2-style model: its Conv1D layers as nn.Linear
+    save_dtype = lm.save_dtype or lm.model.dtype
+    upcast_for_cpu(lm.model, config.dtype, device)  # the checkpoint keeps save_dtype
+    if any(isinstance(m, SparseLinear) for m in lm.model.modules()):
+        raise UserError("this model is an exported checkpoint (compressed N:M layers); prune its dense original, "
+                        "or the pruned checkpoint it was exported from, instead")
+    return lm, save_dtype
+
+
+def _start_state(config: PruneConfig, lm: LoadedModel, seqlen: int, ctx: int, device: torch.device, progress: bool,
+                 work: Path | None) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+    """A new run: its calibration windows and held-out tokens (saved for ``--resume``), the dense
+    model's held-out perplexity, and the state every checkpoint updates."""
+    t0 = time.time()
+    tokens, held_out, texts = _texts(config, lm.tokenizer, seqlen)
+    calib_seconds = time.time() - t0
+    if work is not None:  # created only once all inputs are known to be good
+        work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    bos = lm.tokenizer.bos_token_id if texts["bos"] else None
+    dense_ppl = _held_out_ppl(lm.model, held_out, ctx, device, progress, bos, texts["eval"]) \
+        if held_out is not None else None
+    if held_out is not None:
+        texts["eval"]["tokens_scored"] = scored_tokens(held_out.numel(), ctx, bos)
+    state = {"config_key": config.key(), "config": asdict(config), "next_block": 0, "layers": [],
+             "dense_ppl": dense_ppl, "calib_seconds": calib_seconds, "eval_seconds": time.time() - t0,
+             "prune_seconds": 0.0, "seqlen": seqlen, "eval_ctx": ctx, "perm_blocks": [], "texts": texts,
+             "eval_tokens": None if held_out is None else int(held_out.numel())}
+    if work is not None:
+        atomic_save({"tokens": tokens, "held_out": held_out}, work / "data.pt")
+    return state, tokens, held_out
+
+
+@dataclass
+class _Streams:
+    """What passes from block to block: the next block's inputs from the pruned blocks and, when a stage
+    fits to the unpruned model (``dense_stream``), from the dense blocks, with the dense blocks' own
+    shared state (keys and values a later block reuses)."""
+
+    hidden: torch.Tensor | None
+    dense_hidden: torch.Tensor | None = None
+    dense_captured: CapturedInputs | None = None
+
+
+def _block_streams(run: Run, start: int, config: PruneConfig) -> tuple[_Streams, dict, dict]:
+    """Capture block 0's inputs, trace one window through the blocks (:func:`_trace_calls`), and on a
+    resume reload the blocks done and the inputs of block ``start``. Returns the streams, and the
+    linears not called and kept dense as gates."""
+    stream = "dense_stream" in run.spec.needs()
+    run.captured = capture_block_inputs(run.model, run.blocks, run.tokens, run.device, config.batch_size)
+    dense_captured = run.captured.with_own_states() if stream else None
+    # one window through the blocks, before a resume refills what blocks hand on: the trace's own
+    # writes (one window, where the run writes batches) must not be what the next block reads
+    not_called, gates = _trace_calls(run, run.captured.hidden[:1], config)
+    hidden = run.captured.hidden if start == 0 else _resume_blocks(run, start, dense_captured)
+    run.captured.hidden = None
+    if dense_captured is not None:
+        dense_captured.hidden = None
+    dense_hidden = None
+    if stream and start < len(run.blocks):
+        dense_hidden = hidden.clone() if start == 0 else torch.load(run.work / f"dense_hidden_{start}.pt").to(run.device)
+    return _Streams(hidden, dense_hidden, dense_captured), not_called, gates
+
+
+def _resume_blocks(run: Run, start: int, dense_captured: CapturedInputs | None) -> torch.Tensor | None:
+    """Reload the ``start`` blocks an interrupted run finished and return block ``start``'s inputs
+    from its checkpoint (None when every block is done). The blocks' keyword arguments were just
+    recaptured; state that blocks hand later blocks is refilled by running the blocks done: the
+    dense ones first (for the dense stream), then the pruned ones."""
+    done = Blocks(run.blocks.name, run.blocks.layers[:start])
+    last = start == len(run.blocks)
+    hidden = None if last else torch.load(run.work / f"hidden_{start}.pt").to(run.device)
+    shared = run.captured.holds_shared_state() and not last
+    if shared and dense_captured is not None:
+        run_blocks(done, run.captured.hidden, dense_captured, run.device, run.batch_size)
+    for i in range(start):
+        run.blocks.layers[i].load_state_dict(load_file(str(run.work / f"block_{i}.safetensors")))
+    if shared:
+        run_blocks(done, run.captured.hidden, run.captured, run.device, run.batch_size)
+    return hidden
+
+
+def _prune_blocks(run: Run, state: dict, streams: _Streams, recipe: str,
+                  on_block_done: Callable[[int], None] | None) -> dict[str, torch.Tensor]:
+    """Blocks ``state["next_block"]`` on, one at a time on the device: the stages, the pruned block's
+    outputs as the next block's inputs, a checkpoint. Returns every block's index maps (a resumed
+    run's earlier ones reloaded)."""
+    start, blocks = state["next_block"], run.blocks
+    all_perms: dict[str, torch.Tensor] = {}
+    if run.work is not None:
+        for j in range(start):
+            if (run.work / f"perms_{j}.safetensors").is_file():
+                all_perms.update(load_index_maps(run.work / f"perms_{j}.safetensors"))
+    bar = tqdm(range(start, len(blocks)), desc=f"{recipe}: {' → '.join(s.name for s in run.spec.stages)} {run.pattern}",
+               disable=not run.progress, initial=start, total=len(blocks))
+    run.status = bar.set_postfix_str if run.progress else run.status
+    for i in bar:
+        t0 = time.time()
+        block = blocks.layers[i].to(run.device)
+        work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=run.linears[i],
+                           hidden=streams.hidden, experts=run.experts[i])
+        if streams.dense_captured is not None:  # the block is still dense here: its outputs on the dense inputs
+            work_i.dense_outputs = run_block(block, streams.dense_hidden, streams.dense_captured, i, run.device,
+                                             run.batch_size)
+        _run_stages(run, work_i, state)
+        streams.hidden = work_i.outputs(run)  # the pruned block's outputs: the next block's inputs
+        streams.dense_hidden = work_i.dense_outputs
+        perms = work_i.perms
+        del work_i
+        blocks.layers[i] = block.to("cpu")
+        state["prune_seconds"] += time.time() - t0
+        state["next_block"] = i + 1
+        all_perms.update(perms)
+        if run.work is not None:
+            last = i + 1 == len(blocks)
+            _checkpoint_block(run.work, i, block, perms, None if last else streams.hidden, state,
+                              None if last else streams.dense_hidden)
+        if on_block_done is not None:
+            on_block_done(i)
+    streams.hidden = streams.dense_hidden = None
+    return all_perms
 
 
 def _selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict], list[dict]]:
