@@ -130,11 +130,11 @@ def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_d
     assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
     assert any(p["strength"] < 1 for p in report["permutations"].values())  # not all identities
     fmt = export_checkpoint(tmp_path / "run" / "model", tmp_path / "exported")  # pattern read from dst_report
-    assert fmt["pattern"] == "2:4" and len(fmt["layers"]) == 14  # 7 linears × 2 blocks
+    assert fmt["pattern"] == "2:4" and len(fmt["layers"]) == 15  # 7 linears × 2 blocks, and the untied head
     assert fmt["runtime_gathers"] or fmt["folded"]  # non-identity maps survive: as gathers or folded into producers
-    assert fmt["dense_restored"] == ["lm_head"]  # the (sparse, permuted) head goes back to plain column order
-    assert fmt["kept_dense"] == ["lm_head"]      # N:M-valued, stored dense: export compresses the blocks' layers
-    assert "1 outside the decoder blocks" in (tmp_path / "exported" / "README.md").read_text()
+    assert fmt["layers"]["lm_head"]["shape"][1] == 64   # compressed like the blocks' layers, its map (if any) kept
+    assert fmt["kept_dense"] == [] and fmt["dense_restored"] == []
+    assert "outside the decoder blocks" not in (tmp_path / "exported" / "README.md").read_text()
     _assert_export_computes_the_trained_model(tmp_path / "run" / "model", tmp_path / "exported")
 
 

@@ -864,3 +864,20 @@ def test_export_compresses_the_layers_the_run_pruned_even_when_a_dense_one_holds
     with torch.no_grad():
         ref = load_model(str(pruned)).model(ids).logits
         assert torch.allclose(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, ref, atol=1e-5)
+
+
+def test_linears_outside_the_blocks_are_compressed_only_when_they_own_their_weight():
+    """dst trains every linear; the export compresses those outside the decoder blocks too, except a
+    layer whose weight another module shares (a tied head: compressing it would untie the embedding)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shuffleprune.deploy.export import _pruned_outside_blocks
+
+    cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, vocab_size=64)
+    untied = LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=False))
+    tied = LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=True))
+    pruned = {"lm_head", "model.layers.0.mlp.up_proj", "model.embed_tokens", "model.layers.0.mlp.experts.up_proj[0]"}
+    assert list(_pruned_outside_blocks(untied, pruned, {"model.layers.0.mlp.up_proj"})) == ["lm_head"]
+    assert _pruned_outside_blocks(tied, pruned, {"model.layers.0.mlp.up_proj"}) == {}
+    assert _pruned_outside_blocks(untied, None, set()) == {}   # without a report only the blocks' zeros count

@@ -45,7 +45,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shuffleprune.block_inputs import block_probe
-from shuffleprune.blocks import block_linears, expert_name, find_blocks, parse_expert_name, text_config
+from shuffleprune.blocks import (block_linears, expert_name, find_blocks, is_plain_linear, parse_expert_name,
+                                  text_config)
 from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
@@ -91,6 +92,34 @@ def _run_report(pruned_dir: Path) -> tuple[str | None, dict | None]:
     if dst_report.is_file():
         return "dst", json.loads(dst_report.read_text())
     return None, None
+
+
+def _compress_linear(name: str, lin: nn.Linear, n: int, m: int, sparse: dict, layers: dict, skip_keys: set) -> None:
+    """Add one N:M linear to the export: its kept values, positions, stored map and bias in ``sparse``,
+    its entry in ``layers``, its dense keys in ``skip_keys`` (left out of ``model.safetensors``)."""
+    w = lin.weight.data
+    values, meta = compress(w, n, m, name)
+    sparse[f"{name}.values"], sparse[f"{name}.meta"] = values, meta
+    perm = _stored_map(getattr(lin, "perm", None))
+    if perm is not None:
+        sparse[f"{name}.perm"] = perm.to(torch.int32).cpu().contiguous()
+    if lin.bias is not None:
+        sparse[f"{name}.bias"] = lin.bias.data.contiguous()
+    layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
+    skip_keys.update({f"{name}.weight", f"{name}.bias"})
+
+
+def _pruned_outside_blocks(model: nn.Module, pruned: set[str] | None, done: set[str]) -> dict[str, nn.Linear]:
+    """The linears a run sparsified outside the decoder blocks (``dst`` trains every linear: a vision
+    tower's, Gemma 3n's AltUp projections, a second stack of layers, an untied ``--sparse-head``) that
+    are linear layers of their own: plain, not sharing their weight with another module (a tied head)."""
+    modules = dict(model.named_modules())
+    owners: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    return {name: modules[name] for name in sorted((pruned or set()) - done)
+            if parse_expert_name(name) is None and name in modules and is_plain_linear(modules[name])
+            and owners.get(id(modules[name].weight)) == 1}
 
 
 def _pruned_names(kind: str | None, report: dict | None) -> set[str] | None:
@@ -250,8 +279,8 @@ def _permute_channels(modules: list[nn.Module], perm: torch.Tensor) -> None:
 
 def _kept_dense(pruned: set[str] | None, layers: dict, experts: dict) -> list[str]:
     """The matrices the run sparsified that the export stores dense (N:M-valued, exact, not smaller):
-    a layer outside the decoder blocks (dst's ``--sparse-head`` LM head), and the experts of a fused
-    tensor pruned only in part. Warns when there are any."""
+    a layer outside the decoder blocks that shares its weight (a tied head) or is no plain linear, and
+    the experts of a fused tensor pruned only in part. Warns when there are any."""
     exported = set(layers) | {expert_name(name, e) for name, entry in experts.items() for e in range(entry["experts"])}
     kept = sorted((pruned or set()) - exported)
     if kept:
@@ -264,7 +293,7 @@ def _kept_dense_why(kept: list[str]) -> str:
     """What the matrices an export keeps dense are, counted by kind."""
     experts = sum(parse_expert_name(n) is not None for n in kept)
     parts = ([f"{experts} experts of fused tensors pruned only in part"] if experts else []) + \
-        ([f"{len(kept) - experts} outside the decoder blocks, which the export does not compress"]
+        ([f"{len(kept) - experts} outside the decoder blocks that share their weight or are no plain linear"]
          if len(kept) > experts else [])
     return "; ".join(parts)
 
@@ -350,24 +379,16 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     sparse, layers, experts_out, skip_keys = {}, {}, {}, set()
     for i, block in enumerate(blocks.layers):
         for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
-            w = lin.weight.data
-            if not was_pruned(name, w, pruned):
-                continue  # a linear left dense (--skip / --only): stays in model.safetensors
-            values, meta = compress(w, n, m, name)
-            sparse[f"{name}.values"], sparse[f"{name}.meta"] = values, meta
-            perm = _stored_map(getattr(lin, "perm", None))
-            if perm is not None:
-                sparse[f"{name}.perm"] = perm.to(torch.int32).cpu().contiguous()
-            if lin.bias is not None:
-                sparse[f"{name}.bias"] = lin.bias.data.contiguous()
-            layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
-            skip_keys.update({f"{name}.weight", f"{name}.bias"})
+            if was_pruned(name, lin.weight.data, pruned):  # a linear left dense (--skip / --only) stays in model.safetensors
+                _compress_linear(name, lin, n, m, sparse, layers, skip_keys)
         for name, experts in exportable_experts(block, f"{blocks.name}.{i}", pruned, stacked and stacked[i]).items():
             stored = {e: _stored_map(expert_maps.get(expert_name(name, e))) for e in experts}
             tensors, experts_out[name] = compress_experts(name, experts, n, m,
                                                           {e: p for e, p in stored.items() if p is not None})
             sparse.update(tensors)
             skip_keys.add(name)
+    for name, lin in _pruned_outside_blocks(model, pruned, set(layers)).items():
+        _compress_linear(name, lin, n, m, sparse, layers, skip_keys)
     restored = to_plain_linears(model, keep=set(layers))  # mapped linears not exported as N:M
     if not layers and not experts_out:
         raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses the linears a pruning or dst run made N:M)")
