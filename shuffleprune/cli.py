@@ -261,7 +261,7 @@ def dst(
     t_perm: Optional[int] = typer.Option(None, "--t-perm", help="Permutation learning ends here (default: half of --steps)."),
     delta: float = typer.Option(0.22, "--delta", help="A layer's permutation hardens once P(M) < delta."),
     perm_init: float = typer.Option(0.5, "--perm-start", help="α of the soft start α·I + (1−α)/d·11ᵀ of learned permutations (1: identity; 0: uniform, which maps each input to its mean: zero after a LayerNorm without bias)."),
-    sparse_head: bool = typer.Option(False, "--sparse-head", help="Also sparsify an untied LM head (default: dense, as prune and export keep it)."),
+    sparse_head: bool = typer.Option(False, "--sparse-head", help="Also sparsify an untied LM head (default: dense, as prune keeps it; export compresses it)."),
     seq_len: int = typer.Option(256, "--seq-len"),
     batch_size: int = typer.Option(8, "--batch-size", help="Windows per step in all (split over the processes of a distributed run)."),
     steps: int = typer.Option(1000, "--steps"),

@@ -172,7 +172,7 @@ def test_drop_fraction_schedule_and_lm_head_excluded_unless_asked():
     assert abs(sp.drop_fraction(1000)) < 1e-12
     model = tiny_model("gpt2")  # lm_head tied to wte: never
     assert not any(n.endswith("lm_head") for n in sparsifiable_layers(model, head=True))
-    model = tiny_model("llama")  # untied: dense unless sparse_head, as prune and export keep it
+    model = tiny_model("llama")  # untied: dense unless sparse_head, as prune keeps it
     assert "lm_head" not in sparsifiable_layers(model) and "lm_head" in sparsifiable_layers(model, head=True)
     for sparse_head in (False, True):
         sp = DynamicSparsifier(DSTConfig(method="rigl", sparsity=0.5, sparse_head=sparse_head))

@@ -30,7 +30,7 @@ class DSTConfig:
     t_perm: int = 1000            # permutation learning stops (all layers hardened) at this step
     delta: float = 0.22           # a layer hardens once its P(M) < delta
     perm_init: float = 0.5        # soft start α·I + (1−α)/d·11ᵀ
-    sparse_head: bool = False     # also sparsify an untied LM head (prune and export leave it dense)
+    sparse_head: bool = False     # also sparsify an untied LM head (prune leaves it dense; export compresses it)
     seed: int = 0
 
     def check(self) -> None:
