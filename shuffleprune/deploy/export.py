@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import combinations
 from pathlib import Path
@@ -351,18 +352,9 @@ Without `trust_remote_code=True`, transformers would leave the compressed layers
 def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
                       fold: bool = True, overwrite: bool = False) -> dict:
     """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format dict."""
-    from shuffleprune.hub import looks_like_hub_id
-    from shuffleprune.models import hub_snapshot, load_model
+    from shuffleprune.models import load_model
 
-    if not Path(pruned_dir).exists() and looks_like_hub_id(str(pruned_dir)):
-        pruned_dir = hub_snapshot(str(pruned_dir), any_repo=True)  # its files, downloaded (or cached)
-    pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
-    if not (pruned_dir / "config.json").is_file():
-        raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"export target '{out_dir}' is a file, not a directory; give a directory path")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
+    pruned_dir, out_dir = _checked_dirs(pruned_dir, out_dir, overwrite)
     kind, report = _run_report(pruned_dir)
     n, m = _pattern_of(pruned_dir, pattern, kind, report)
     lm = load_model(str(pruned_dir))
@@ -371,55 +363,99 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     maps = load_index_maps(maps_file) if maps_file.is_file() else {}
     apply_index_maps(model, maps)  # mapped linears as W[:, perm] reading x[perm]: N:M in memory order
     folded = fold_permutations(model) if fold else {}
-    # experts keep their column order in the export's dense part too; each is compressed in its map's order
+    pruned = _pruned_names(kind, report)
+    parts = _compress_model(model, pruned, maps, n, m)
+    restored = to_plain_linears(model, keep=set(parts.layers))  # mapped linears not exported as N:M
+    if not parts.layers and not parts.experts:
+        raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses the linears a pruning or dst run made N:M)")
+    version = FORMAT_VERSION if any("stacked" in e for e in parts.experts.values()) else 2   # readable by older ones
+    fmt = {"format": FORMAT_NAME, "version": version, "pattern": f"{n}:{m}", "n": n, "m": m,
+           "meta_bits": meta_bits(m), "dtype": str(model.dtype).replace("torch.", ""),
+           "layers": parts.layers, "experts": parts.experts, "folded": folded,
+           "runtime_gathers": sorted(k for k, v in parts.layers.items() if v["perm"]), "dense_restored": restored,
+           "kept_dense": _kept_dense(pruned, parts.layers, parts.experts),
+           "source": str(pruned_dir)}
+    _write_export(out_dir, lm, parts, fmt, pruned_dir / "prune_report.json" if kind == "prune" else None)
+    return fmt
+
+
+def _checked_dirs(pruned_dir: str | Path, out_dir: str | Path, overwrite: bool) -> tuple[Path, Path]:
+    """The pruned checkpoint's directory (a hub id's snapshot, downloaded or cached) and the target,
+    refused when the one is no checkpoint or the other a file or (without ``overwrite``) not empty."""
+    from shuffleprune.hub import looks_like_hub_id
+    from shuffleprune.models import hub_snapshot
+
+    if not Path(pruned_dir).exists() and looks_like_hub_id(str(pruned_dir)):
+        pruned_dir = hub_snapshot(str(pruned_dir), any_repo=True)
+    pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
+    if not (pruned_dir / "config.json").is_file():
+        raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"export target '{out_dir}' is a file, not a directory; give a directory path")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
+    return pruned_dir, out_dir
+
+
+@dataclass
+class _Compressed:
+    """What an export stores compressed: the tensors of ``sparse.safetensors``, the format's entries of
+    its linears and of its experts' tensors, and the dense keys they replace."""
+
+    sparse: dict[str, torch.Tensor] = field(default_factory=dict)
+    layers: dict[str, dict] = field(default_factory=dict)
+    experts: dict[str, dict] = field(default_factory=dict)
+    skip_keys: set[str] = field(default_factory=set)
+
+
+def _compress_model(model: nn.Module, pruned: set[str] | None, maps: dict[str, torch.Tensor], n: int, m: int
+                    ) -> _Compressed:
+    """Compress what the run sparsified: the blocks' linears and MoE experts (each expert in its map's
+    order; experts keep their column order in the dense part too), then the linears outside the blocks."""
     expert_maps = {name: perm for name, perm in maps.items() if parse_expert_name(name) is not None}
     blocks = find_blocks(model)
-    pruned = _pruned_names(kind, report)
     stacked = traced_stacked_experts(model, blocks) if any(parse_expert_name(n) for n in pruned or ()) else None
-    sparse, layers, experts_out, skip_keys = {}, {}, {}, set()
+    out = _Compressed()
     for i, block in enumerate(blocks.layers):
         for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
             if was_pruned(name, lin.weight.data, pruned):  # a linear left dense (--skip / --only) stays in model.safetensors
-                _compress_linear(name, lin, n, m, sparse, layers, skip_keys)
+                _compress_linear(name, lin, n, m, out.sparse, out.layers, out.skip_keys)
         for name, experts in exportable_experts(block, f"{blocks.name}.{i}", pruned, stacked and stacked[i]).items():
             stored = {e: _stored_map(expert_maps.get(expert_name(name, e))) for e in experts}
-            tensors, experts_out[name] = compress_experts(name, experts, n, m,
+            tensors, out.experts[name] = compress_experts(name, experts, n, m,
                                                           {e: p for e, p in stored.items() if p is not None})
-            sparse.update(tensors)
-            skip_keys.add(name)
-    for name, lin in _pruned_outside_blocks(model, pruned, set(layers)).items():
-        _compress_linear(name, lin, n, m, sparse, layers, skip_keys)
-    restored = to_plain_linears(model, keep=set(layers))  # mapped linears not exported as N:M
-    if not layers and not experts_out:
-        raise UserError(f"no sparse nn.Linear layers in '{pruned_dir}' (export compresses the linears a pruning or dst run made N:M)")
-    kept_dense = _kept_dense(pruned, layers, experts_out)
-    version = FORMAT_VERSION if any("stacked" in e for e in experts_out.values()) else 2   # readable by older ones
-    fmt = {"format": FORMAT_NAME, "version": version, "pattern": f"{n}:{m}", "n": n, "m": m,
-           "meta_bits": meta_bits(m), "dtype": str(model.dtype).replace("torch.", ""),
-           "layers": layers, "experts": experts_out, "folded": folded,
-           "runtime_gathers": sorted(k for k, v in layers.items() if v["perm"]), "dense_restored": restored,
-           "kept_dense": kept_dense,
-           "source": str(pruned_dir)}
+            out.sparse.update(tensors)
+            out.skip_keys.add(name)
+    for name, lin in _pruned_outside_blocks(model, pruned, set(out.layers)).items():
+        _compress_linear(name, lin, n, m, out.sparse, out.layers, out.skip_keys)
+    return out
+
+
+def _write_export(out_dir: Path, lm, parts: _Compressed, fmt: dict, prune_report: Path | None) -> None:
+    """Write the export into a temporary sibling of ``out_dir`` and rename it into place: the dense
+    rest (``model.safetensors``), tokenizer, transformers loader, ``sparse.safetensors``, the format,
+    the run's report and a model card. A failure leaves nothing behind."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp-"))
     try:
-        dense_state = {k: v for k, v in model.state_dict().items()
-                       if k not in skip_keys and not k.endswith(".perm")}
-        model.save_pretrained(tmp, state_dict=dense_state)
+        dense_state = {k: v for k, v in lm.model.state_dict().items()
+                       if k not in parts.skip_keys and not k.endswith(".perm")}
+        lm.model.save_pretrained(tmp, state_dict=dense_state)
         lm.tokenizer.save_pretrained(tmp)
         (tmp / HF_LOADER_FILE).write_text(HF_LOADER)
         config = json.loads((tmp / "config.json").read_text())
         config["auto_map"] = {"AutoModelForCausalLM": f"{HF_LOADER_FILE[:-3]}.ShufflepruneForCausalLM"}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        save_file({k: v.contiguous() for k, v in sparse.items()}, str(tmp / SPARSE_FILE))
+        save_file({k: v.contiguous() for k, v in parts.sparse.items()}, str(tmp / SPARSE_FILE))
         (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))
-        if kind == "prune":
-            shutil.copy(pruned_dir / "prune_report.json", tmp / "prune_report.json")
-        (tmp / "README.md").write_text(export_card(fmt, report if kind == "prune" else None, out_dir.name))
+        report = None
+        if prune_report is not None:
+            shutil.copy(prune_report, tmp / "prune_report.json")
+            report = json.loads(prune_report.read_text())
+        (tmp / "README.md").write_text(export_card(fmt, report, out_dir.name))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return fmt
