@@ -253,6 +253,29 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     _validate(config, out)
     device = pick_device(config.device)
     _quiet_lm_eval(verbose)
+    offline = _offline(config, notify)
+    ppl_name = _ppl_text(config, offline)
+    ppl_source = get_source(ppl_name) if ppl_name is not None else None
+    plan = _plan_tasks(config, offline)
+    rows, labels = [], set()
+    for spec in config.models:
+        t0 = time.time()
+        lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
+        rows.append(_score_model(spec, lm, t0, config, plan, device, ppl_name, ppl_source, labels, progress, notify))
+        if spec not in (loaded or {}):
+            del lm
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    results = _results(config, offline, device, plan, rows)
+    if out is not None:
+        write_results(results, out)
+    return results
+
+
+def _offline(config: EvalConfig, notify: Callable[[str], None]) -> bool:
+    """Whether to score offline: asked for, or the hub is unreachable (then said); offline, the
+    datasets and hub libraries are told so."""
     offline = config.offline
     if not offline and not hub_reachable():
         offline = True
@@ -261,62 +284,66 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     if offline:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    ppl_name = None
-    if PPL in config.tasks:
-        ppl_name = config.ppl_text if config.ppl_text != "auto" else (OFFLINE_PPL_TEXT if offline else ONLINE_PPL_TEXT)
-        if offline and ppl_name in HUB_SOURCES:
-            raise UserError(f"--ppl-text {ppl_name} needs the Hugging Face hub; offline: wiki, brown or a .txt/.jsonl path")
-        ppl_source = get_source(ppl_name)
-    plan = _plan_tasks(config, offline)
+    return offline
 
-    rows, labels = [], set()
-    for spec in config.models:
+
+def _ppl_text(config: EvalConfig, offline: bool) -> str | None:
+    """The perplexity text's name (None without the ppl task); a hub text offline is refused."""
+    if PPL not in config.tasks:
+        return None
+    name = config.ppl_text if config.ppl_text != "auto" else (OFFLINE_PPL_TEXT if offline else ONLINE_PPL_TEXT)
+    if offline and name in HUB_SOURCES:
+        raise UserError(f"--ppl-text {name} needs the Hugging Face hub; offline: wiki, brown or a .txt/.jsonl path")
+    return name
+
+
+def _score_model(spec: str | None, lm: LoadedModel, t0: float, config: EvalConfig, plan: _TaskPlan, device: torch.device,
+                 ppl_name: str | None, ppl_source, labels: set, progress: bool,
+                 notify: Callable[[str], None]) -> dict:
+    """One model's row: perplexity (whole on the device, or one block at a time when it does not fit)
+    and lm-eval's tasks, with what was used and how long each took (``t0``: when its load began)."""
+    model = lm.model
+    upcast_for_cpu(model, config.dtype, device)
+    whole = fits_on_device(model, device, logits_bytes(model, config.ppl_ctx * config.batch_size))
+    if whole:
+        model.to(device)
+    elif plan.lm_tasks:
+        raise UserError(f"'{spec}' does not fit on {device} whole, which lm-eval's tasks need: score them with "
+                        "--device cpu, or give --tasks ppl alone (scored one block at a time on the device)")
+    else:
+        notify(f"'{spec}' does not fit on {device} whole: perplexity one block at a time on it")
+    model.eval()
+    dtype_used = str(model.dtype).replace("torch.", "")
+    row = {"model": _label(spec, lm.path, labels), "spec": spec, "path": lm.path,
+           "pruned": _prune_summary(lm.path), "sparsity": _sparsity(model), "dtype": dtype_used,
+           "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
+    if ppl_name is not None:
         t0 = time.time()
-        lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
-        model = lm.model
-        upcast_for_cpu(model, config.dtype, device)
-        whole = fits_on_device(model, device, logits_bytes(model, config.ppl_ctx * config.batch_size))
-        if whole:
-            model.to(device)
-        elif plan.lm_tasks:
-            raise UserError(f"'{spec}' does not fit on {device} whole, which lm-eval's tasks need: score them with "
-                            "--device cpu, or give --tasks ppl alone (scored one block at a time on the device)")
-        else:
-            notify(f"'{spec}' does not fit on {device} whole: perplexity one block at a time on it")
-        model.eval()
-        dtype_used = str(model.dtype).replace("torch.", "")
-        row = {"model": _label(spec, lm.path, labels), "spec": spec, "path": lm.path,
-               "pruned": _prune_summary(lm.path), "sparsity": _sparsity(model), "dtype": dtype_used,
-               "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
-        if ppl_name is not None:
-            t0 = time.time()
-            tokens = eval_tokens(ppl_source, lm.tokenizer, config.ppl_tokens)
-            ctx = min(config.ppl_ctx, getattr(text_config(model), "max_position_embeddings", None) or config.ppl_ctx)
-            bos = bos_token(lm.tokenizer)  # windows start with BOS where the tokenizer adds one
-            row["ppl"] = perplexity(model, tokens, ctx, device, batch_size=1, progress=progress, bos=bos,
-                                    blockwise=not whole)
-            row["ppl_eval"] = {"text": ppl_name, "split": "test", "ctx": ctx, "bos": bos is not None,
-                               "tokens": (tokens.numel() // (ctx - (bos is not None))) * (ctx - (bos is not None))}
-            row["seconds"]["ppl"] = round(time.time() - t0, 2)
-        if plan.lm_tasks:
-            t0 = time.time()
-            row["results"] = _score_lm_eval(lm, plan, config, progress)
-            row["seconds"]["lm_eval"] = round(time.time() - t0, 2)
-            repo_id = spec if spec and not is_embedded(spec) and lm.path != spec and not Path(spec).exists() \
-                and looks_like_hub_id(spec) else None  # a shuffleprune repo, loaded from its snapshot
-            row["lm_eval_cli"] = _equivalent_cli(lm.path, dtype_used, plan, config, str(device), repo_id)
-        values = [r["value"] for r in row["results"].values() if r["value"] is not None]
-        row["average"] = sum(values) / len(values) if values else None
-        row["peak_rss_mb"] = round(peak_rss_mb(), 1)
-        rows.append(row)
-        if spec not in (loaded or {}):
-            del lm, model
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        tokens = eval_tokens(ppl_source, lm.tokenizer, config.ppl_tokens)
+        ctx = min(config.ppl_ctx, getattr(text_config(model), "max_position_embeddings", None) or config.ppl_ctx)
+        bos = bos_token(lm.tokenizer)  # windows start with BOS where the tokenizer adds one
+        row["ppl"] = perplexity(model, tokens, ctx, device, batch_size=1, progress=progress, bos=bos,
+                                blockwise=not whole)
+        row["ppl_eval"] = {"text": ppl_name, "split": "test", "ctx": ctx, "bos": bos is not None,
+                           "tokens": (tokens.numel() // (ctx - (bos is not None))) * (ctx - (bos is not None))}
+        row["seconds"]["ppl"] = round(time.time() - t0, 2)
+    if plan.lm_tasks:
+        t0 = time.time()
+        row["results"] = _score_lm_eval(lm, plan, config, progress)
+        row["seconds"]["lm_eval"] = round(time.time() - t0, 2)
+        repo_id = spec if spec and not is_embedded(spec) and lm.path != spec and not Path(spec).exists() \
+            and looks_like_hub_id(spec) else None  # a shuffleprune repo, loaded from its snapshot
+        row["lm_eval_cli"] = _equivalent_cli(lm.path, dtype_used, plan, config, str(device), repo_id)
+    values = [r["value"] for r in row["results"].values() if r["value"] is not None]
+    row["average"] = sum(values) / len(values) if values else None
+    row["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    return row
 
+
+def _results(config: EvalConfig, offline: bool, device: torch.device, plan: _TaskPlan, rows: list[dict]) -> dict:
+    """The results file: the rows with the run's settings, lm-eval's, versions and the machine."""
     ppl_evals = {json.dumps(r.get("ppl_eval"), sort_keys=True) for r in rows if r.get("ppl_eval")}
-    results = {
+    return {
         "tool": "shuffleprune", "version": __version__,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv), "offline": offline, "device": str(device), "machine": machine(),
@@ -329,9 +356,6 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
         "ppl_eval": json.loads(ppl_evals.pop()) if len(ppl_evals) == 1 else None,
         "models": rows,
     }
-    if out is not None:
-        write_results(results, out)
-    return results
 
 
 def write_results(results: dict, out: Path) -> None:
