@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import combinations
@@ -95,29 +96,12 @@ def _run_report(pruned_dir: Path) -> tuple[str | None, dict | None]:
     return None, None
 
 
-def _compress_linear(name: str, lin: nn.Linear, n: int, m: int, sparse: dict, layers: dict, skip_keys: set) -> None:
-    """Add one N:M linear to the export: its kept values, positions, stored map and bias in ``sparse``,
-    its entry in ``layers``, its dense keys in ``skip_keys`` (left out of ``model.safetensors``)."""
-    w = lin.weight.data
-    values, meta = compress(w, n, m, name)
-    sparse[f"{name}.values"], sparse[f"{name}.meta"] = values, meta
-    perm = _stored_map(getattr(lin, "perm", None))
-    if perm is not None:
-        sparse[f"{name}.perm"] = perm.to(torch.int32).cpu().contiguous()
-    if lin.bias is not None:
-        sparse[f"{name}.bias"] = lin.bias.data.contiguous()
-    layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
-    skip_keys.update({f"{name}.weight", f"{name}.bias"})
-
-
 def _pruned_outside_blocks(model: nn.Module, pruned: set[str] | None, done: set[str]) -> dict[str, nn.Linear]:
     """The linears a run sparsified outside the decoder blocks (``dst`` trains every linear: a vision
     tower's, Gemma 3n's AltUp projections, a second stack of layers, an untied ``--sparse-head``) that
     are linear layers of their own: plain, not sharing their weight with another module (a tied head)."""
     modules = dict(model.named_modules())
-    owners: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        owners[id(p)] = owners.get(id(p), 0) + 1
+    owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     return {name: modules[name] for name in sorted((pruned or set()) - done)
             if parse_expert_name(name) is None and name in modules and is_plain_linear(modules[name])
             and owners.get(id(modules[name].weight)) == 1}
@@ -375,7 +359,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
            "runtime_gathers": sorted(k for k, v in parts.layers.items() if v["perm"]), "dense_restored": restored,
            "kept_dense": _kept_dense(pruned, parts.layers, parts.experts),
            "source": str(pruned_dir)}
-    _write_export(out_dir, lm, parts, fmt, pruned_dir / "prune_report.json" if kind == "prune" else None)
+    _write_export(out_dir, lm, parts, fmt, (pruned_dir / "prune_report.json", report) if kind == "prune" else None)
     return fmt
 
 
@@ -407,6 +391,19 @@ class _Compressed:
     experts: dict[str, dict] = field(default_factory=dict)
     skip_keys: set[str] = field(default_factory=set)
 
+    def add_linear(self, name: str, lin: nn.Linear, n: int, m: int) -> None:
+        """One N:M linear: its kept values, positions, stored map and bias, its entry, its dense keys."""
+        w = lin.weight.data
+        values, meta = compress(w, n, m, name)
+        self.sparse[f"{name}.values"], self.sparse[f"{name}.meta"] = values, meta
+        perm = _stored_map(getattr(lin, "perm", None))
+        if perm is not None:
+            self.sparse[f"{name}.perm"] = perm.to(torch.int32).cpu().contiguous()
+        if lin.bias is not None:
+            self.sparse[f"{name}.bias"] = lin.bias.data.contiguous()
+        self.layers[name] = {"shape": list(w.shape), "perm": perm is not None, "bias": lin.bias is not None}
+        self.skip_keys.update({f"{name}.weight", f"{name}.bias"})
+
 
 def _compress_model(model: nn.Module, pruned: set[str] | None, maps: dict[str, torch.Tensor], n: int, m: int
                     ) -> _Compressed:
@@ -419,7 +416,7 @@ def _compress_model(model: nn.Module, pruned: set[str] | None, maps: dict[str, t
     for i, block in enumerate(blocks.layers):
         for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
             if was_pruned(name, lin.weight.data, pruned):  # a linear left dense (--skip / --only) stays in model.safetensors
-                _compress_linear(name, lin, n, m, out.sparse, out.layers, out.skip_keys)
+                out.add_linear(name, lin, n, m)
         for name, experts in exportable_experts(block, f"{blocks.name}.{i}", pruned, stacked and stacked[i]).items():
             stored = {e: _stored_map(expert_maps.get(expert_name(name, e))) for e in experts}
             tensors, out.experts[name] = compress_experts(name, experts, n, m,
@@ -427,11 +424,11 @@ def _compress_model(model: nn.Module, pruned: set[str] | None, maps: dict[str, t
             out.sparse.update(tensors)
             out.skip_keys.add(name)
     for name, lin in _pruned_outside_blocks(model, pruned, set(out.layers)).items():
-        _compress_linear(name, lin, n, m, out.sparse, out.layers, out.skip_keys)
+        out.add_linear(name, lin, n, m)
     return out
 
 
-def _write_export(out_dir: Path, lm, parts: _Compressed, fmt: dict, prune_report: Path | None) -> None:
+def _write_export(out_dir: Path, lm, parts: _Compressed, fmt: dict, prune_report: tuple[Path, dict] | None) -> None:
     """Write the export into a temporary sibling of ``out_dir`` and rename it into place: the dense
     rest (``model.safetensors``), tokenizer, transformers loader, ``sparse.safetensors``, the format,
     the run's report and a model card. A failure leaves nothing behind."""
@@ -448,11 +445,9 @@ def _write_export(out_dir: Path, lm, parts: _Compressed, fmt: dict, prune_report
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in parts.sparse.items()}, str(tmp / SPARSE_FILE))
         (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))
-        report = None
-        if prune_report is not None:
-            shutil.copy(prune_report, tmp / "prune_report.json")
-            report = json.loads(prune_report.read_text())
-        (tmp / "README.md").write_text(export_card(fmt, report, out_dir.name))
+        if prune_report is not None:   # (its file, its contents)
+            shutil.copy(prune_report[0], tmp / "prune_report.json")
+        (tmp / "README.md").write_text(export_card(fmt, prune_report and prune_report[1], out_dir.name))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
