@@ -279,8 +279,10 @@ def main() -> None:
              "each, the grouped kernel or the loop as auto measures, the grouped one in CUDA graphs)") if moe \
         else "LLaMA-2-7B-shaped model"
 
-    def save(ratio: dict, rows: list[dict], **extra) -> None:
-        result = {"what": f"end-to-end prefill/decode, random {shape}, static cache, "
+    def save(ratio: dict, rows: list[dict], complete: bool = True, **extra) -> None:
+        """Write the results file (after every model measured, so a run cut off by its time limit keeps
+        its rows; ``complete`` says whether every variant was reached)."""
+        result = {"complete": complete, "what": f"end-to-end prefill/decode, random {shape}, static cache, "
                           + ("decode by torch.compile(mode='reduce-overhead')" if args.decode == "compile" else "CUDA graphs")
                           + (" (smoke)" if args.smoke else ""),
                   "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
@@ -289,8 +291,12 @@ def main() -> None:
                   **ratio, "rows": rows, **extra, "command": " ".join([Path(sys.executable).name, *sys.argv]),
                   "machine": machine(), "versions": versions("triton")}
         out = Path(args.out) if not args.smoke else Path(args.out).with_name(Path(args.out).stem + "_smoke.json")
-        out.write_text(json.dumps(result, indent=1))
-        print(json.dumps(ratio, indent=1))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out)
+        if complete:
+            print(json.dumps(ratio, indent=1))
 
     if args.decode == "compile":   # load's default only: each compile of a 32-layer model takes minutes
         moved, groups = move_maps_to_producers(model), fuse_shared_inputs(model)
@@ -298,6 +304,7 @@ def main() -> None:
         row.update(maps_moved=len(moved), groups=len(groups))
         save(ratios(row), [dense_row, row])
         return
+    save({}, [dense_row], complete=False)
     sparse_row, _ = measure(model, "2:4+index maps (SparseLinear auto)")
 
     def kernel_choices() -> dict:
@@ -309,11 +316,17 @@ def main() -> None:
         return choices
 
     choices = kernel_choices()
+    done = [dense_row, sparse_row]
+    save(ratios(sparse_row), done, complete=False, kernel_choices=choices)
 
     def measured(label: str, **facts) -> tuple[dict, dict]:
-        """The model as it stands now: its row (with ``facts``) and the kernels ``auto`` chose."""
+        """The model as it stands now: its row (with ``facts``) and the kernels ``auto`` chose; the
+        rows so far saved."""
         row, _ = measure(model, label)
         row.update(facts)
+        done.append(row)
+        save({**ratios(sparse_row), "partial": {r["model"]: ratios(r) for r in done[2:]}}, done, complete=False,
+             kernel_choices=choices)
         return row, kernel_choices()
 
     # The other place for the shared maps (issue 24): the RMSNorms feeding q/k/v and gate/up write

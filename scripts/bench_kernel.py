@@ -2,6 +2,12 @@
 
     python scripts/bench_kernel.py                 # CUDA → scripts/results/bench_kernel.json
     python scripts/bench_kernel.py --smoke         # CPU, TRITON_INTERPRET=1, tiny shapes: code paths only
+    python scripts/bench_kernel.py --warm --shapes 4096x4096   # compile only (Triton's disk cache), nothing timed
+
+``--warm`` runs every case once on one weight copy and writes nothing. ``--warm-jobs J`` first starts
+such a process per shape, J side by side, so Triton compiles on the machine's cores at once and the
+timed run (one process, one shape after another, nothing else on the GPU) finds every kernel in its
+disk cache; a warm process that fails only leaves its kernels to be compiled by the timed run.
 
 For every weight shape ``[out, in]`` and token count, bf16, a random 2:4 mask in permuted column
 order and a random index map: ``dense`` (F.linear, cuBLAS), ``auto`` (what ``SparseLinear`` runs),
@@ -9,9 +15,10 @@ and each candidate (``decode``: the input gathered through the map by one small 
 decode kernel; ``decode_mapped``: the kernel reading the map itself; ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
-weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, the first kernels ``gather`` / ``group``, PyTorch's 2:4 tensors
-``semi_structured`` and ``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm,
-``cslt``; the last two from 64 tokens and only when named in ``--impls``). A ``_tiled`` suffix
+weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, the first kernel ``gather``; only
+when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
+``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm, ``cslt`` (the last two
+from 64 tokens)). A ``_tiled`` suffix
 (``auto_tiled``, ``decode_tiled``) runs that policy on a layer holding its weight as one cuSPARSELt
 buffer (``SparseLinear.use_cslt_layout``: ``auto`` then also times ``cslt`` on it). ``norm_rows``: the producer-side alternative for a shared map —
 an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
@@ -37,8 +44,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
+# auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
+# first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
-              "gather", "group", "semi_structured"]
+              "gather"]
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.sparse_linear import LIBRARY_IMPLS as SPARSE_TC  # noqa: E402  (no Triton import)
@@ -61,6 +70,40 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
     return weight + io + mapped
 
 
+def runs_at(impl: str, tokens: int) -> bool:
+    """Whether ``impl`` is timed at ``tokens``: the decodes to 64 tokens (select and weight-as-A from
+    2, select to 16), the first kernels to 64, the libraries' GEMMs from 64 (semi_structured's rows at
+    1–16 tokens ran 3–4× slower than dense; the first kernels 4–160× slower from 16 tokens)."""
+    from shuffleprune.kernels.nm_decode import decode_max_tokens
+
+    if impl.startswith("decode") and tokens > decode_max_tokens(2):
+        return False
+    if impl in ("decode_select", "decode_swap") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
+        return False
+    if impl in ("gather", "group") and tokens > 64:
+        return False
+    return not (impl in ("semi_cutlass", "cslt") and tokens < 64)
+
+
+def warm_in_parallel(args: argparse.Namespace) -> None:
+    """Run one ``--warm`` process per shape, ``args.warm_jobs`` at a time, and wait for all."""
+    import subprocess
+
+    base = [sys.executable, __file__, "--warm", "--impls", *args.impls]
+    base += ["--tokens", *map(str, args.tokens)] if args.tokens else []
+    base += ["--smoke"] if args.smoke else []
+    todo = list(args.shapes or [f"{o}x{i}" for o, i in SHAPES])
+    t0, running = time.perf_counter(), []
+    while todo or running:
+        while todo and len(running) < args.warm_jobs:
+            shape = todo.pop(0)
+            running.append((shape, subprocess.Popen([*base, "--shapes", shape], stdout=subprocess.DEVNULL)))
+        shape, proc = running.pop(0)
+        if proc.wait():
+            print(f"warm {shape}: exit {proc.returncode} (its kernels compile in the timed run)", flush=True)
+    print(f"warm: {len(args.shapes or SHAPES)} shapes compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
@@ -68,17 +111,22 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=None)
     ap.add_argument("--impls", nargs="+", default=["auto", *CANDIDATES])
     ap.add_argument("--reps", type=int, default=20, help="graph replays per case (median taken)")
+    ap.add_argument("--warm", action="store_true",
+                    help="compile only: one weight copy, every case called once, nothing timed or written")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_kernel.json"))
+    ap.add_argument("--warm-jobs", type=int, default=0,
+                    help="before timing, compile every shape's kernels in this many --warm processes at once")
     args = ap.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.warm_jobs and not args.warm:
+        warm_in_parallel(args)
 
     import torch
     import torch.nn.functional as F
 
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.sparse_linear import SparseLinear, candidate_errors, relative_error
-    from shuffleprune.kernels.nm_decode import decode_max_tokens
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
 
@@ -148,7 +196,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for out_f, in_f in shapes:
         dense_bytes = out_f * in_f * 2
-        copies = 1 if not cuda else max(4, math.ceil(2.5 * l2 / (dense_bytes * 9 / 16)))
+        copies = 1 if not cuda or args.warm else max(4, math.ceil(2.5 * l2 / (dense_bytes * 9 / 16)))
         perm = torch.randperm(in_f, generator=gen)
         weights, layers = [], {impl: [] for impl in args.impls}
         for c in range(copies):
@@ -170,20 +218,23 @@ def main() -> None:
             x = torch.randn(tokens, in_f, generator=gen).to(device, dtype)
             xp = x.index_select(1, perm_d)
             ref = F.linear(xp, weights[0])                        # dense bf16 matmul of the decompressed weight
+            if args.warm:   # compile (auto: its candidates too) and nothing else
+                for impl in args.impls:
+                    if runs_at(impl, tokens):
+                        try:
+                            layers[impl][0](x if impl != "decode_nomap" else xp)
+                        except candidate_errors():
+                            pass
+                print(f"{out_f}x{in_f} t={tokens}: compiled", flush=True)
+                continue
             dense_ms, how = timed([lambda w=w: F.linear(x, w) for w in originals])
             rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense_ms, "timing": how,
                          "copies": copies, "bytes": bytes_moved("dense", out_f, in_f, tokens),
                          "tb_s": bytes_moved("dense", out_f, in_f, tokens) / dense_ms / 1e9})
             line = [f"dense {dense_ms:.4f}"]
             for impl in args.impls:
-                if impl.startswith("decode") and tokens > decode_max_tokens(2):
-                    continue  # decode is for 1–64 tokens
-                if impl in ("decode_select", "decode_swap") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
-                    continue  # candidates from 2 tokens (select: to 16)
-                if impl in ("gather", "group") and tokens > 64:
+                if not runs_at(impl, tokens):
                     continue
-                if impl in ("semi_cutlass", "cslt") and tokens < 64:
-                    continue  # GEMMs for prefill (semi_structured's rows at 1-16 tokens: 3-4× slower than dense)  # the first kernels: 4–160× slower than dense from 16 tokens (earlier H100 rows)
                 inp = x if impl != "decode_nomap" else xp
                 try:
                     y = layers[impl][0](inp)
@@ -203,10 +254,13 @@ def main() -> None:
                 line.append(f"{impl} {ms:.4f}")
             print(f"{out_f}x{in_f} t={tokens}: " + "  ".join(line), flush=True)
         del weights, layers, originals
-        save(done=False)
+        if not args.warm:
+            save(done=False)
         if cuda:
             torch.cuda.empty_cache()
 
+    if args.warm:
+        return
     # The producer-side alternative for a shared map: the RMSNorm feeding q/k/v (or gate/up) writes its
     # output permuted (one fused kernel) and the layers run without a map. Its cost is the fused norm's
     # time over the plain norm's; the in-kernel map's is decode over decode_nomap, once per reading layer.

@@ -1,0 +1,132 @@
+"""Issue 24's targets read off the GPU results files: a short table of what holds and what does not.
+
+    python scripts/gpu_targets.py                       # scripts/results/bench_kernel.json + bench_e2e.json
+    python scripts/gpu_targets.py --kernel K.json --e2e E.json --json targets.json
+    python scripts/gpu_targets.py --smoke --json x.json  # the CPU smoke runs' files (…_smoke.json, x_smoke.json)
+
+Per layer (``bench_kernel.json``): ``auto`` at one token ≥ 1.5× dense, at 2–16 tokens ≥ 1.2×, never
+slower than dense at any token count; the index map's cost at one token ≤ 2 % (``auto`` with the map
+against the same layer without one, ``decode_nomap``; beside it the producer-side alternative: the
+fused RMSNorm writing its output permuted against the plain norm). End to end (``bench_e2e.json``),
+per variant: decode tokens/s ≥ 1.35× dense, prefill time ≤ 1.0× dense, weights ≤ 0.6× dense, peak
+memory below dense. The largest relative error of any row against the dense bf16 product is printed
+beside. Reads only; ``gpu_run.sh`` prints it last so the device call's reply ends with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_TARGETS = {"one token ≥1.5×": 1.5, "2–16 tokens ≥1.2×": 1.2, "never slower": 1.0}
+MAP_COST_MAX = 0.02
+E2E_TARGETS = (("decode_speedup", ">=", 1.35), ("prefill_time_ratio", "<=", 1.0),
+               ("weights_ratio", "<=", 0.6), ("peak_ratio", "<", 1.0))
+
+
+def _ms(rows: list[dict], shape: list[int], tokens: int, impl: str) -> float | None:
+    return next((r["ms"] for r in rows if r.get("shape") == shape and r.get("tokens") == tokens
+                 and r.get("impl") == impl and r.get("ms")), None)
+
+
+def kernel_checks(result: dict) -> list[dict]:
+    """One line per target and shape: the worst ratio over the token counts it covers, and whether it holds."""
+    rows, out = result["rows"], []
+    shapes = sorted({tuple(r["shape"]) for r in rows}, key=lambda s: (s[1], s[0]))
+    for shape in map(list, shapes):
+        speedups = {}
+        for tokens in sorted({r["tokens"] for r in rows if r["shape"] == shape}):
+            dense, auto = _ms(rows, shape, tokens, "dense"), _ms(rows, shape, tokens, "auto")
+            if dense and auto:
+                speedups[tokens] = dense / auto
+        for target, floor in KERNEL_TARGETS.items():
+            covered = {t: v for t, v in speedups.items()
+                       if (t == 1 if floor == 1.5 else 2 <= t <= 16 if floor == 1.2 else True)}
+            if covered:
+                worst = min(covered, key=covered.get)
+                out.append({"shape": shape, "target": target, "worst": round(covered[worst], 3),
+                            "at_tokens": worst, "ok": covered[worst] >= floor})
+        auto, nomap = _ms(rows, shape, 1, "auto"), _ms(rows, shape, 1, "decode_nomap")
+        if auto and nomap:
+            cost = auto / nomap - 1
+            out.append({"shape": shape, "target": "map ≤2 % at one token (in the layer)", "worst": round(cost, 4),
+                        "at_tokens": 1, "ok": cost <= MAP_COST_MAX})
+    return out
+
+
+def producer_map_costs(result: dict) -> list[dict]:
+    """The fused norm's extra time over the plain RMSNorm at one token, per input width (a map moved to
+    the producer costs this once per shared input instead of once per reading layer)."""
+    out = []
+    for width in sorted({r["width"] for r in result.get("norm_rows", [])}):
+        ms = {r["impl"]: r["ms"] for r in result["norm_rows"] if r["width"] == width and r["tokens"] == 1}
+        if ms.get("rmsnorm") and ms.get("rmsnorm_mapped"):
+            out.append({"width": width, "extra_ms": round(ms["rmsnorm_mapped"] - ms["rmsnorm"], 5),
+                        "ratio": round(ms["rmsnorm_mapped"] / ms["rmsnorm"], 3)})
+    return out
+
+
+def e2e_checks(result: dict) -> list[dict]:
+    """One line per variant of the model (the top level is the layers holding their maps)."""
+    variants = {"2:4 + maps in the layers": {k: result.get(k) for k, _, _ in E2E_TARGETS}}
+    variants.update({k: v for k, v in result.items() if isinstance(v, dict) and "decode_speedup" in v})
+    variants.update(result.get("partial", {}))
+    out = []
+    for name, ratios in variants.items():
+        checks = {}
+        for key, op, bound in E2E_TARGETS:
+            v = ratios.get(key)
+            checks[key] = None if v is None else (v >= bound if op == ">=" else v <= bound if op == "<=" else v < bound)
+        out.append({"variant": name, **{k: ratios.get(k) for k, _, _ in E2E_TARGETS},
+                    "ok": all(c for c in checks.values() if c is not None), "checks": checks})
+    return out
+
+
+def max_error(result: dict) -> float | None:
+    errs = [r["max_rel_err"] for r in result.get("rows", []) if r.get("max_rel_err") is not None]
+    return max(errs) if errs else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", default=None, help="default: scripts/results/bench_kernel.json")
+    ap.add_argument("--e2e", default=None, help="default: scripts/results/bench_e2e.json")
+    ap.add_argument("--json", default=None, help="also write the checks to this file")
+    ap.add_argument("--smoke", action="store_true", help="read (and write) the CPU smoke runs' …_smoke.json files")
+    args = ap.parse_args()
+    tag = "_smoke" if args.smoke else ""
+    args.kernel = args.kernel or str(ROOT / "scripts" / "results" / f"bench_kernel{tag}.json")
+    args.e2e = args.e2e or str(ROOT / "scripts" / "results" / f"bench_e2e{tag}.json")
+    if args.json and args.smoke:
+        args.json = str(Path(args.json).with_name(Path(args.json).stem + "_smoke.json"))
+    report: dict = {}
+    for key, path in (("kernel", args.kernel), ("e2e", args.e2e)):
+        if not Path(path).is_file():
+            print(f"{key}: {path} missing")
+            continue
+        result = json.loads(Path(path).read_text())
+        head = f"{key}: {result.get('device')} · complete {result.get('complete', '?')} · {Path(path).name}"
+        if key == "kernel":
+            checks = kernel_checks(result)
+            report[key] = {"checks": checks, "producer_map": producer_map_costs(result), "max_rel_err": max_error(result)}
+            print(head)
+            for c in checks:
+                print(f"  {'ok  ' if c['ok'] else 'MISS'} {c['shape'][0]:>5}x{c['shape'][1]:<5} {c['target']:<38}"
+                      f" {c['worst']:>7} (tokens {c['at_tokens']})")
+            for c in report[key]["producer_map"]:
+                print(f"       fused norm with map, width {c['width']}: {c['ratio']}× the plain norm ({c['extra_ms']:+} ms)")
+            print(f"  max relative error against dense bf16: {report[key]['max_rel_err']}")
+        else:
+            checks = e2e_checks(result)
+            report[key] = {"checks": checks}
+            print(head)
+            for c in checks:
+                print(f"  {'ok  ' if c['ok'] else 'MISS'} {c['variant'][:60]:<60} decode {c['decode_speedup']}×"
+                      f"  prefill {c['prefill_time_ratio']}×  weights {c['weights_ratio']}×  peak {c['peak_ratio']}×")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
