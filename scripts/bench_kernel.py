@@ -8,6 +8,8 @@
 such a process per shape, J side by side, so Triton compiles on the machine's cores at once and the
 timed run (one process, one shape after another, nothing else on the GPU) finds every kernel in its
 disk cache; a warm process that fails only leaves its kernels to be compiled by the timed run.
+``--warm-serving`` adds a process per layer of ``bench_e2e``'s model (mapped or not, stacked, in
+cuSPARSELt's buffer), so the end-to-end run that follows compiles little.
 
 For every weight shape ``[out, in]`` and token count, bf16, a random 2:4 mask in permuted column
 order and a random index map: ``dense`` (F.linear, cuBLAS), ``auto`` (what ``SparseLinear`` runs),
@@ -18,7 +20,8 @@ without a map on the already-permuted input — the map's cost is the others' ra
 weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
 ``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm, ``cslt`` (the last two
-from 64 tokens)). A ``_tiled`` suffix
+from 64 tokens)). A ``_nomap`` suffix runs that policy on a layer without a map, on the already
+permuted input (``auto_nomap``: what a layer whose map moved to its producer runs). A ``_tiled`` suffix
 (``auto_tiled``, ``decode_tiled``) runs that policy on a layer holding its weight as one cuSPARSELt
 buffer (``SparseLinear.use_cslt_layout``: ``auto`` then also times ``cslt`` on it). ``norm_rows``: the producer-side alternative for a shared map —
 an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
@@ -42,6 +45,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the layers bench_e2e's LLaMA-2-7B-shaped model serves (each alone, and q/k/v and gate/up stacked as load
+# stacks them), the ways it holds them and its token counts (decode, load's 16-token probe, the prompt):
+# what --warm-serving compiles besides the table's shapes
+SERVING_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (12288, 4096), (22016, 4096)]
+SERVING_IMPLS = ["auto", "auto_nomap", "auto_tiled", "auto_nomap_tiled"]
+SERVING_TOKENS = [1, 16, 512]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
 # auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
@@ -53,8 +62,16 @@ CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decod
 from shuffleprune.deploy.sparse_linear import LIBRARY_IMPLS as SPARSE_TC  # noqa: E402  (no Triton import)
 
 
+def split_impl(impl: str) -> tuple[str, bool, bool]:
+    """``(policy, mapped, tiled)`` of an implementation's name: ``_tiled`` and ``_nomap`` suffixes off."""
+    tiled = impl.endswith("_tiled")
+    base = impl.removesuffix("_tiled")
+    return base.removesuffix("_nomap"), not base.endswith("_nomap"), tiled
+
+
 def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> int:
     """Bytes one call must read and write at least."""
+    impl, has_map, _ = split_impl(impl)
     io = tokens * cols * elt + tokens * rows * elt
     if impl == "dense":
         return rows * cols * elt + io
@@ -64,8 +81,8 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
         weight += 2 * rows * cols * elt                       # dense written to the scratch, then read
     if impl in SPARSE_TC:
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
-    mapped = 0 if impl == "decode_nomap" else cols * 4
-    if impl in ("decode", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", *SPARSE_TC):
+    mapped = 0 if not has_map else cols * 4
+    if has_map and impl in ("decode", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", *SPARSE_TC):
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped
 
@@ -86,22 +103,25 @@ def runs_at(impl: str, tokens: int) -> bool:
 
 
 def warm_in_parallel(args: argparse.Namespace) -> None:
-    """Run one ``--warm`` process per shape, ``args.warm_jobs`` at a time, and wait for all."""
+    """Run one ``--warm`` process per shape (and with ``--warm-serving`` one per layer ``bench_e2e``
+    serves), ``args.warm_jobs`` at a time, and wait for all."""
     import subprocess
 
-    base = [sys.executable, __file__, "--warm", "--impls", *args.impls]
-    base += ["--tokens", *map(str, args.tokens)] if args.tokens else []
-    base += ["--smoke"] if args.smoke else []
-    todo = list(args.shapes or [f"{o}x{i}" for o, i in SHAPES])
+    base = [sys.executable, __file__, "--warm", *(["--smoke"] if args.smoke else [])]
+    jobs = [[*base, "--shapes", shape, "--impls", *args.impls, *(["--tokens", *map(str, args.tokens)] if args.tokens else [])]
+            for shape in args.shapes or [f"{o}x{i}" for o, i in SHAPES]]
+    if args.warm_serving:
+        jobs += [[*base, "--shapes", f"{o}x{i}", "--impls", *SERVING_IMPLS, "--tokens", *map(str, SERVING_TOKENS)]
+                 for o, i in SERVING_SHAPES]
     t0, running = time.perf_counter(), []
-    while todo or running:
-        while todo and len(running) < args.warm_jobs:
-            shape = todo.pop(0)
-            running.append((shape, subprocess.Popen([*base, "--shapes", shape], stdout=subprocess.DEVNULL)))
-        shape, proc = running.pop(0)
+    while jobs or running:
+        while jobs and len(running) < args.warm_jobs:
+            cmd = jobs.pop(0)
+            running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL)))
+        cmd, proc = running.pop(0)
         if proc.wait():
-            print(f"warm {shape}: exit {proc.returncode} (its kernels compile in the timed run)", flush=True)
-    print(f"warm: {len(args.shapes or SHAPES)} shapes compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+            print(f"warm {' '.join(cmd[2:])}: exit {proc.returncode} (its kernels compile when timed)", flush=True)
+    print(f"warm: compiled in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def main() -> None:
@@ -109,18 +129,23 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--shapes", nargs="+", default=None, help="OUTxIN, e.g. 4096x4096")
     ap.add_argument("--tokens", nargs="+", type=int, default=None)
-    ap.add_argument("--impls", nargs="+", default=["auto", *CANDIDATES])
+    ap.add_argument("--impls", nargs="+", default=["auto", "auto_nomap", *CANDIDATES])
     ap.add_argument("--reps", type=int, default=20, help="graph replays per case (median taken)")
     ap.add_argument("--warm", action="store_true",
                     help="compile only: one weight copy, every case called once, nothing timed or written")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_kernel.json"))
     ap.add_argument("--warm-jobs", type=int, default=0,
-                    help="before timing, compile every shape's kernels in this many --warm processes at once")
+                    help="before timing, compile every shape's kernels in this many --warm processes at once "
+                         "(with --warm too: only that)")
+    ap.add_argument("--warm-serving", action="store_true",
+                    help="with --warm-jobs: also compile the kernels bench_e2e's model runs (SERVING_SHAPES)")
     args = ap.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    if args.warm_jobs and not args.warm:
+    if args.warm_jobs:
         warm_in_parallel(args)
+        if args.warm:
+            return
 
     import torch
     import torch.nn.functional as F
@@ -205,10 +230,9 @@ def main() -> None:
             values, meta = compress(w, 2, 4)
             weights.append(w)
             for impl in args.impls:
-                policy = "decode" if impl == "decode_nomap" else impl.removesuffix("_tiled")
-                layer = SparseLinear(values, meta, in_f, 2, 4, None if impl == "decode_nomap" else perm,
-                                     policy=policy).to(device)
-                if impl.endswith("_tiled") and not layer.use_cslt_layout():   # one cuSPARSELt buffer
+                policy, has_map, tiled = split_impl(impl)
+                layer = SparseLinear(values, meta, in_f, 2, 4, perm if has_map else None, policy=policy).to(device)
+                if tiled and not layer.use_cslt_layout():   # one cuSPARSELt buffer
                     raise SystemExit(f"{out_f}x{in_f} cannot take cuSPARSELt's layout")
                 layers[impl].append(layer)
         perm_d = perm.to(device)
@@ -222,7 +246,7 @@ def main() -> None:
                 for impl in args.impls:
                     if runs_at(impl, tokens):
                         try:
-                            layers[impl][0](x if impl != "decode_nomap" else xp)
+                            layers[impl][0](x if split_impl(impl)[1] else xp)
                         except candidate_errors():
                             pass
                 print(f"{out_f}x{in_f} t={tokens}: compiled", flush=True)
@@ -235,7 +259,7 @@ def main() -> None:
             for impl in args.impls:
                 if not runs_at(impl, tokens):
                     continue
-                inp = x if impl != "decode_nomap" else xp
+                inp = x if split_impl(impl)[1] else xp
                 try:
                     y = layers[impl][0](inp)
                     ms, how = timed([lambda l=l: l(inp) for l in layers[impl]])
@@ -244,7 +268,7 @@ def main() -> None:
                                  "error": str(exc).splitlines()[0][:200]})
                     continue
                 err = relative_error(y, ref)
-                nbytes = bytes_moved(impl.removesuffix("_tiled"), out_f, in_f, tokens)
+                nbytes = bytes_moved(impl, out_f, in_f, tokens)
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": ms, "timing": how,
                        "copies": copies, "bytes": nbytes, "tb_s": nbytes / ms / 1e9, "max_rel_err": err,
                        "speedup_vs_dense": dense_ms / ms}
