@@ -256,18 +256,18 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     offline = _offline(config, notify)
     ppl_name = _ppl_text(config, offline)
     ppl_source = get_source(ppl_name) if ppl_name is not None else None
-    plan = _plan_tasks(config, offline)
-    rows, labels = [], set()
+    run = _EvalRun(config, _plan_tasks(config, offline), device, ppl_name, ppl_source, progress, notify)
+    rows = []
     for spec in config.models:
         t0 = time.time()
         lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
-        rows.append(_score_model(spec, lm, t0, config, plan, device, ppl_name, ppl_source, labels, progress, notify))
+        rows.append(_score_model(run, spec, lm, t0))
         if spec not in (loaded or {}):
             del lm
             gc.collect()
-            if device.type == "cuda":
+            if run.device.type == "cuda":
                 torch.cuda.empty_cache()
-    results = _results(config, offline, device, plan, rows)
+    results = _results(config, offline, run.device, run.plan, rows)
     if out is not None:
         write_results(results, out)
     return results
@@ -297,47 +297,72 @@ def _ppl_text(config: EvalConfig, offline: bool) -> str | None:
     return name
 
 
-def _score_model(spec: str | None, lm: LoadedModel, t0: float, config: EvalConfig, plan: _TaskPlan, device: torch.device,
-                 ppl_name: str | None, ppl_source, labels: set, progress: bool,
-                 notify: Callable[[str], None]) -> dict:
+@dataclass
+class _EvalRun:
+    """What every model of one ``evaluate_models`` call is scored with."""
+    config: EvalConfig
+    plan: _TaskPlan
+    device: torch.device
+    ppl_name: str | None                 # the perplexity text (None: no ppl task)
+    ppl_source: object                   # its calib source
+    progress: bool
+    notify: Callable[[str], None]
+    labels: set = field(default_factory=set)   # the rows' labels so far (kept unique)
+
+
+def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) -> dict:
     """One model's row: perplexity (whole on the device, or one block at a time when it does not fit)
     and lm-eval's tasks, with what was used and how long each took (``t0``: when its load began)."""
     model = lm.model
-    upcast_for_cpu(model, config.dtype, device)
-    whole = fits_on_device(model, device, logits_bytes(model, config.ppl_ctx * config.batch_size))
-    if whole:
-        model.to(device)
-    elif plan.lm_tasks:
-        raise UserError(f"'{spec}' does not fit on {device} whole, which lm-eval's tasks need: score them with "
-                        "--device cpu, or give --tasks ppl alone (scored one block at a time on the device)")
-    else:
-        notify(f"'{spec}' does not fit on {device} whole: perplexity one block at a time on it")
-    model.eval()
+    whole = _place_model(run, spec, model)
     dtype_used = str(model.dtype).replace("torch.", "")
-    row = {"model": _label(spec, lm.path, labels), "spec": spec, "path": lm.path,
+    row = {"model": _label(spec, lm.path, run.labels), "spec": spec, "path": lm.path,
            "pruned": _prune_summary(lm.path), "sparsity": _sparsity(model), "dtype": dtype_used,
            "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
-    if ppl_name is not None:
+    if run.ppl_name is not None:
         t0 = time.time()
-        tokens = eval_tokens(ppl_source, lm.tokenizer, config.ppl_tokens)
-        ctx = min(config.ppl_ctx, getattr(text_config(model), "max_position_embeddings", None) or config.ppl_ctx)
-        bos = bos_token(lm.tokenizer)  # windows start with BOS where the tokenizer adds one
-        row["ppl"] = perplexity(model, tokens, ctx, device, batch_size=1, progress=progress, bos=bos,
-                                blockwise=not whole)
-        row["ppl_eval"] = {"text": ppl_name, "split": "test", "ctx": ctx, "bos": bos is not None,
-                           "tokens": (tokens.numel() // (ctx - (bos is not None))) * (ctx - (bos is not None))}
+        row["ppl"], row["ppl_eval"] = _perplexity_of(run, lm, blockwise=not whole)
         row["seconds"]["ppl"] = round(time.time() - t0, 2)
-    if plan.lm_tasks:
+    if run.plan.lm_tasks:
         t0 = time.time()
-        row["results"] = _score_lm_eval(lm, plan, config, progress)
+        row["results"] = _score_lm_eval(lm, run.plan, run.config, run.progress)
         row["seconds"]["lm_eval"] = round(time.time() - t0, 2)
         repo_id = spec if spec and not is_embedded(spec) and lm.path != spec and not Path(spec).exists() \
             and looks_like_hub_id(spec) else None  # a shuffleprune repo, loaded from its snapshot
-        row["lm_eval_cli"] = _equivalent_cli(lm.path, dtype_used, plan, config, str(device), repo_id)
+        row["lm_eval_cli"] = _equivalent_cli(lm.path, dtype_used, run.plan, run.config, str(run.device), repo_id)
     values = [r["value"] for r in row["results"].values() if r["value"] is not None]
     row["average"] = sum(values) / len(values) if values else None
     row["peak_rss_mb"] = round(peak_rss_mb(), 1)
     return row
+
+
+def _place_model(run: _EvalRun, spec: str | None, model: torch.nn.Module) -> bool:
+    """Put ``model`` on the run's device in eval mode, whole where it fits (then True); one that does
+    not stays where it is for a block-at-a-time perplexity, and lm-eval's tasks are refused for it."""
+    upcast_for_cpu(model, run.config.dtype, run.device)
+    whole = fits_on_device(model, run.device, logits_bytes(model, run.config.ppl_ctx * run.config.batch_size))
+    if whole:
+        model.to(run.device)
+    elif run.plan.lm_tasks:
+        raise UserError(f"'{spec}' does not fit on {run.device} whole, which lm-eval's tasks need: score them "
+                        "with --device cpu, or give --tasks ppl alone (scored one block at a time on the device)")
+    else:
+        run.notify(f"'{spec}' does not fit on {run.device} whole: perplexity one block at a time on it")
+    model.eval()
+    return whole
+
+
+def _perplexity_of(run: _EvalRun, lm: LoadedModel, blockwise: bool) -> tuple[float, dict]:
+    """The model's perplexity on the run's text, and what it was scored on (text, context, BOS, tokens)."""
+    config = run.config
+    tokens = eval_tokens(run.ppl_source, lm.tokenizer, config.ppl_tokens)
+    ctx = min(config.ppl_ctx, getattr(text_config(lm.model), "max_position_embeddings", None) or config.ppl_ctx)
+    bos = bos_token(lm.tokenizer)  # windows start with BOS where the tokenizer adds one
+    ppl = perplexity(lm.model, tokens, ctx, run.device, batch_size=1, progress=run.progress, bos=bos,
+                     blockwise=blockwise)
+    per_window = ctx - (bos is not None)
+    return ppl, {"text": run.ppl_name, "split": "test", "ctx": ctx, "bos": bos is not None,
+                 "tokens": (tokens.numel() // per_window) * per_window}
 
 
 def _results(config: EvalConfig, offline: bool, device: torch.device, plan: _TaskPlan, rows: list[dict]) -> dict:
