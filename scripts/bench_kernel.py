@@ -5,7 +5,7 @@
     python scripts/bench_kernel.py --warm --shapes 4096x4096   # compile only (Triton's disk cache), nothing timed
 
 ``--warm`` runs every case once on one weight copy and writes nothing. ``--warm-jobs J`` first starts
-such a process per shape, J side by side, so Triton compiles on the machine's cores at once and the
+such a process per shape and half of the token counts, J side by side, so Triton compiles on the machine's cores at once and the
 timed run (one process, one shape after another, nothing else on the GPU) finds every kernel in its
 disk cache; a warm process that fails only leaves its kernels to be compiled by the timed run.
 ``--warm-serving`` adds a process per layer of ``bench_e2e``'s model (mapped or not, stacked, in
@@ -103,25 +103,29 @@ def runs_at(impl: str, tokens: int) -> bool:
 
 
 def warm_in_parallel(args: argparse.Namespace) -> None:
-    """Run one ``--warm`` process per shape (and with ``--warm-serving`` one per layer ``bench_e2e``
-    serves), ``args.warm_jobs`` at a time, and wait for all."""
+    """Run ``--warm`` processes, ``args.warm_jobs`` at a time, and wait for all: one per shape and half
+    of the token counts (and with ``--warm-serving`` one per layer ``bench_e2e`` serves)."""
     import subprocess
+    from concurrent.futures import ThreadPoolExecutor
 
     base = [sys.executable, __file__, "--warm", *(["--smoke"] if args.smoke else [])]
-    jobs = [[*base, "--shapes", shape, "--impls", *args.impls, *(["--tokens", *map(str, args.tokens)] if args.tokens else [])]
-            for shape in args.shapes or [f"{o}x{i}" for o, i in SHAPES]]
+    tokens = args.tokens or TOKENS
+    halves = [tokens[: (len(tokens) + 1) // 2], tokens[(len(tokens) + 1) // 2:]]
+    jobs = [[*base, "--shapes", shape, "--impls", *args.impls, "--tokens", *map(str, half)]
+            for shape in args.shapes or [f"{o}x{i}" for o, i in SHAPES] for half in halves if half]
     if args.warm_serving:
         jobs += [[*base, "--shapes", f"{o}x{i}", "--impls", *SERVING_IMPLS, "--tokens", *map(str, SERVING_TOKENS)]
                  for o, i in SERVING_SHAPES]
-    t0, running = time.perf_counter(), []
-    while jobs or running:
-        while jobs and len(running) < args.warm_jobs:
-            cmd = jobs.pop(0)
-            running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL)))
-        cmd, proc = running.pop(0)
-        if proc.wait():
-            print(f"warm {' '.join(cmd[2:])}: exit {proc.returncode} (its kernels compile when timed)", flush=True)
-    print(f"warm: compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    def run(cmd: list[str]) -> None:
+        rc = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
+        if rc:
+            print(f"warm {' '.join(cmd[3:])}: exit {rc} (its kernels compile when timed)", flush=True)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.warm_jobs) as pool:
+        list(pool.map(run, jobs))
+    print(f"warm: {len(jobs)} processes, {args.warm_jobs} at a time, in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def main() -> None:
