@@ -331,7 +331,7 @@ def test_a_run_failing_before_its_first_checkpoint_leaves_no_output(tiny_dir, te
 def test_holdout_windows_are_never_learned_on_and_decide_the_choice():
     """``--perm-holdout``: learning samples only the learn windows; the final choice evaluates only
     the held-out ones, and picks the candidate with the lowest held-out loss."""
-    from shuffleprune.perm.pruning import PermOptions, _learn_and_choose, split_windows
+    from shuffleprune.perm.pruning import PermOptions, _learn_and_choose, _problem, split_windows
 
     learn, judge = split_windows(20, 0.25, torch.Generator().manual_seed(0))
     assert len(judge) == 5 and len(learn) == 15 and sorted(torch.cat([learn, judge]).tolist()) == list(range(20))
@@ -353,8 +353,9 @@ def test_holdout_windows_are_never_learned_on_and_decide_the_choice():
 
     opts = PermOptions(perm="learned", block=64, steps=20, holdout=0.25)
     score = weight.abs() * x.norm(dim=0)
-    perms, info = _learn_and_choose([["w"]], {"w": lin}, {"w": score}, {}, 0.0, recon, 16, Pattern(2, 4), opts,
-                                    torch.device("cpu"), torch.Generator().manual_seed(1), None)
+    problem = _problem({"w": lin}, {"w": x.norm(dim=0)}, [["w"]], Pattern(2, 4), opts)
+    assert torch.equal(problem.scores["w"], score) and problem.searched == {}
+    perms, info = _learn_and_choose(problem, recon, 16, torch.device("cpu"), torch.Generator().manual_seed(1), None)
     s = info["summary"]
     assert s["judged_on"] == "held-out" and (s["windows_learned"], s["windows_judged"]) == (12, 4)
     assert len(seen["judge"]) == 4 and not seen["judge"] & seen["learn"]

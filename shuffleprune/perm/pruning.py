@@ -133,28 +133,57 @@ def _fixed_perms(units: list[list[str]], perms_of_unit: dict[str, torch.Tensor],
     return perms, {"perms": info, "summary": summary or {}}
 
 
-def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear | ExpertWeight], scores: dict[str, torch.Tensor],
-                      searched: dict[str, torch.Tensor], search_seconds: float,
-                      recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor], n_windows: int,
-                      pattern: Pattern, opts: PermOptions, device: torch.device, gen: torch.Generator,
+@dataclass
+class _Problem:
+    """What the permutations of one block (or of the model) are learned for: the units sharing one
+    permutation, their linears with their frozen float32 weights and Wanda's scores, and the swap
+    search's permutations."""
+    units: list[list[str]]
+    linears: dict[str, nn.Linear | ExpertWeight]
+    weights: dict[str, torch.Tensor]
+    scores: dict[str, torch.Tensor]
+    searched: dict[str, torch.Tensor]
+    search_seconds: float
+    pattern: Pattern
+    opts: PermOptions
+
+    @property
+    def key(self) -> dict[str, str]:
+        """Each linear's unit (its first member's name)."""
+        return {name: u[0] for u in self.units for name in u}
+
+    def effective(self, perms: dict, masked: Callable) -> dict[str, torch.Tensor]:
+        """Every linear's masked weight under its unit's permutation (soft blocks or hard index)."""
+        key, pattern = self.key, self.pattern
+        return {n: masked(self.weights[n], self.scores[n], perms[key[n]], pattern.n, pattern.m)
+                .to(lin.weight.dtype) for n, lin in self.linears.items()}
+
+
+def _problem(linears: dict[str, nn.Linear | ExpertWeight], norms: dict[str, torch.Tensor | None],
+             groups: list[list[str]], pattern: Pattern, opts: PermOptions) -> _Problem:
+    """Units, scores and (where asked for) the swap search's permutations."""
+    units = _units(groups, opts.share)
+    weights = {name: lin.weight.detach().float() for name, lin in linears.items()}
+    scores = {name: _score(w, norms[name]) for name, w in weights.items()}
+    searched, search_seconds = _searched(units, scores, pattern, opts)
+    return _Problem(units, linears, weights, scores, searched, search_seconds, pattern, opts)
+
+
+def _learn_and_choose(problem: _Problem, recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+                      n_windows: int, device: torch.device, gen: torch.Generator,
                       on_step: Callable[[int, float, float], None] | None) -> tuple[dict, dict]:
     """The shared learning loop: soft permutations per unit trained on ``recon(effective weights by
     linear name, window rows)`` (``1 − cos`` or KL), hardened, and the best of {final, best step,
     search, identity} kept — judged on every calibration window, or on the held-out ones
     (``opts.holdout``)."""
-    key = {name: u[0] for u in units for name in u}
-    soft = {u[0]: SoftPermutation(linears[u[0]].in_features, opts.block, opts.relax,
-                                  init_perm=searched.get(u[0])).to(device) for u in units}
-    weights = {name: lin.weight.detach().float() for name, lin in linears.items()}
+    opts, searched = problem.opts, problem.searched
+    soft = {u[0]: SoftPermutation(problem.linears[u[0]].in_features, opts.block, opts.relax,
+                                  init_perm=searched.get(u[0])).to(device) for u in problem.units}
     learn_rows, judge_rows = split_windows(n_windows, opts.holdout, gen)
 
-    def loss_of(perm_blocks: dict[str, list[torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
-        eff = {n: masked_weight(weights[n], scores[n], perm_blocks[key[n]], pattern.n, pattern.m)
-               .to(linears[n].weight.dtype) for n in linears}
-        return recon(eff, rows)
-
     def loss_fn(m_bars: dict[str, list[torch.Tensor]], step: int) -> torch.Tensor:
-        return loss_of(m_bars, learn_rows[torch.randperm(len(learn_rows), generator=gen)[:opts.batch]])
+        rows = learn_rows[torch.randperm(len(learn_rows), generator=gen)[:opts.batch]]
+        return recon(problem.effective(m_bars, masked_weight), rows)
 
     schedule = PermSchedule(steps=opts.steps, lambda_max=opts.lambda_max, lr_decay=opts.lr_decay)
     t0 = time.time()
@@ -166,19 +195,19 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear | Exp
 
     def full_loss(perms: dict[str, torch.Tensor]) -> float:
         """Loss of hard permutations on every judged window: effective weights built once, by indexing."""
-        eff = {n: hard_masked_weight(weights[n], scores[n], perms[key[n]], pattern.n, pattern.m)
-               .to(linears[n].weight.dtype) for n in linears}
+        eff = problem.effective(perms, hard_masked_weight)
         chunks = judge_rows.split(opts.batch)
         return sum(float(recon(eff, rows)) * len(rows) for rows in chunks) / len(judge_rows)
 
     with torch.no_grad():
         losses = {name: full_loss(c) for name, c in candidates.items()}
     chosen = min(candidates, key=lambda c: losses[c])
-    perms = {name: candidates[chosen][key[name]] for name in linears}
+    key = problem.key
+    perms = {name: candidates[chosen][key[name]] for name in problem.linears}
     info = {}
     for k in soft:
         p = candidates[chosen][k]
-        info[k] = {"linears": [n for n in linears if key[n] == k], "strength": round(strength(p), 4),
+        info[k] = {"linears": [n for n in problem.linears if key[n] == k], "strength": round(strength(p), 4),
                    "penalty_curve": [round(v, 4) for v in result.penalty_per_perm[k]],
                    "hardening_step": opts.steps, "chosen": chosen}
     summary = {"loss_curve": [round(v, 6) for v in result.loss], "best_step": result.best_step,
@@ -187,7 +216,7 @@ def _learn_and_choose(units: list[list[str]], linears: dict[str, nn.Linear | Exp
                "chosen": chosen, "judged_on": "held-out" if opts.holdout else "all",
                "windows_learned": len(learn_rows), "windows_judged": len(judge_rows),
                **({"recon_search": round(losses["search"], 6)} if searched else {}),
-               "seconds_search": round(search_seconds, 3), "seconds_learning": round(learn_seconds, 3),
+               "seconds_search": round(problem.search_seconds, 3), "seconds_learning": round(learn_seconds, 3),
                "seconds_per_step": round(learn_seconds / opts.steps, 4)}
     return perms, {"perms": info, "summary": summary}
 
@@ -217,14 +246,13 @@ def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWe
     (``--recon block``), and report entries:
     ``{"perms": per permutation (its linears, strength, penalty curve…), "summary": block loss
     curve and recon before/after}``."""
-    units = _units(groups, opts.share)
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + index)
     if opts.perm == "random":
+        units = _units(groups, opts.share)
         return _fixed_perms(units, {u[0]: random_block_perm(linears[u[0]].in_features, opts.block, gen) for u in units})
-    scores = {name: _score(lin.weight.detach().float(), norms[name]) for name, lin in linears.items()}
-    searched, search_seconds = _searched(units, scores, pattern, opts)
+    problem = _problem(linears, norms, groups, pattern, opts)
     if opts.perm == "search":
-        return _fixed_perms(units, searched, {"seconds_search": round(search_seconds, 3)})
+        return _fixed_perms(problem.units, problem.searched, {"seconds_search": round(problem.search_seconds, 3)})
 
     assert target is not None
     as_params = weight_params(block, linears)
@@ -236,8 +264,7 @@ def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWe
         return cosine_loss(target[rows].to(device), out)
 
     with FrozenParams(block):
-        return _learn_and_choose(units, linears, scores, searched, search_seconds, recon, hidden.shape[0], pattern,
-                                 opts, device, gen, on_step)
+        return _learn_and_choose(problem, recon, hidden.shape[0], device, gen, on_step)
 
 
 def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWeight], norms: dict[str, torch.Tensor],
@@ -254,10 +281,8 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWe
     head = model.get_output_embeddings() if opts.loss == "kl" else None
     if opts.loss == "kl" and head is None:
         raise UserError("--perm-loss kl needs a model with an LM head (output embeddings); use --perm-loss cos")
-    units = _units(groups, opts.share)
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + 999_983)
-    scores = {name: _score(lin.weight.detach().float(), norms[name]) for name, lin in linears.items()}
-    searched, search_seconds = _searched(units, scores, pattern, opts)
+    problem = _problem(linears, norms, groups, pattern, opts)
     decoder = decoder_of(model, find_blocks(model))
     as_params = weight_params(decoder, linears)
     model.to(device)
@@ -277,7 +302,6 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWe
 
     try:
         with FrozenParams(model):
-            return _learn_and_choose(units, linears, scores, searched, search_seconds, recon, tokens.shape[0],
-                                     pattern, opts, device, gen, on_step)
+            return _learn_and_choose(problem, recon, tokens.shape[0], device, gen, on_step)
     finally:
         model.to("cpu")
