@@ -165,8 +165,20 @@ def _index(stages: list[dict], kind: str) -> int | None:
 def _apply(stages: list[dict], options: dict[str, Any], overrides: list[str]) -> list[dict]:
     """Stage choices first (``--base``, ``--perm``, ``--mask-stats``, ``--perm-from``, ``kind=name``),
     then parameters (``--perm-steps`` …, ``kind.param=value``)."""
-    names: list[tuple[str, str, str]] = []   # (kind, name, flag)
-    params: list[tuple[str, str, Any, str]] = []   # (kind, param, value, flag)
+    names, params = _flag_choices(options)
+    more_names, more_params = _set_choices(overrides)
+    stages = _choose_stages([dict(s) for s in stages], names + more_names)
+    return _set_params(stages, params + more_params)
+
+
+_Name = tuple[str, str, str]          # (kind, stage name, the flag that chose it)
+_Param = tuple[str, str, Any, str]    # (kind, parameter, value, the flag that set it)
+
+
+def _flag_choices(options: dict[str, Any]) -> tuple[list[_Name], list[_Param]]:
+    """The stage names and parameters the command line's flags give (``None``: not given)."""
+    names: list[_Name] = []
+    params: list[_Param] = []
     for flag, value in options.items():
         if value is None:
             continue
@@ -182,6 +194,13 @@ def _apply(stages: list[dict], options: dict[str, Any], overrides: list[str]) ->
             names.append((kind, str(value), _flag(flag)))
         else:
             params.append((kind, param, value, _flag(flag)))
+    return names, params
+
+
+def _set_choices(overrides: list[str]) -> tuple[list[_Name], list[_Param]]:
+    """The stage names and parameters of ``--set KIND=NAME`` / ``--set KIND.PARAM=VALUE``."""
+    names: list[_Name] = []
+    params: list[_Param] = []
     for text in overrides:
         key, sep, raw = text.partition("=")
         if not sep or not key:
@@ -193,7 +212,12 @@ def _apply(stages: list[dict], options: dict[str, Any], overrides: list[str]) ->
             params.append((kind, param, _parse_value(raw), f"--set {text}"))
         else:
             names.append((kind, raw, f"--set {text}"))
-    stages = [dict(s) for s in stages]
+    return names, params
+
+
+def _choose_stages(stages: list[dict], names: list[_Name]) -> list[dict]:
+    """Each kind's stage as named: ``none`` drops it (a prune stage cannot go), a kind the recipe lacks
+    is inserted in pipeline order, another name replaces the entry keeping the parameters it accepts."""
     for kind, name, flag in names:
         i = _index(stages, kind)
         if name == "none":
@@ -213,6 +237,11 @@ def _apply(stages: list[dict], options: dict[str, Any], overrides: list[str]) ->
         accepted = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
         new.update({k: v for k, v in old_kind_entry.items() if k != kind and k in accepted})
         stages[i] = new
+    return stages
+
+
+def _set_params(stages: list[dict], params: list[_Param]) -> list[dict]:
+    """Each parameter onto its kind's stage, checked there (one the stage does not take is refused)."""
     for kind, param, value, flag in params:
         i = _index(stages, kind)
         if i is None:
