@@ -5,9 +5,10 @@
     python scripts/bench_kernel.py --warm --shapes 4096x4096   # compile only (Triton's disk cache), nothing timed
 
 ``--warm`` runs every case once on one weight copy and writes nothing. ``--warm-jobs J`` first starts
-such a process per shape and half of the token counts, J side by side, so Triton compiles on the machine's cores at once and the
-timed run (one process, one shape after another, nothing else on the GPU) finds every kernel in its
-disk cache; a warm process that fails only leaves its kernels to be compiled by the timed run.
+such a process per shape and half of the token counts, J side by side, so Triton compiles on the
+machine's cores at once and the timed run (one process, one shape after another, nothing else on
+the GPU) finds every kernel in its disk cache; a warm process that fails only leaves its kernels to
+be compiled by the timed run.
 ``--warm-serving`` adds a process per layer of ``bench_e2e``'s model (mapped or not, stacked, in
 cuSPARSELt's buffer), so the end-to-end run that follows compiles little.
 
@@ -93,6 +94,7 @@ def runs_at(impl: str, tokens: int) -> bool:
     1–16 tokens ran 3–4× slower than dense; the first kernels 4–160× slower from 16 tokens)."""
     from shuffleprune.kernels.nm_decode import decode_max_tokens
 
+    impl = split_impl(impl)[0]   # with or without a map, in either layout
     if impl.startswith("decode") and tokens > decode_max_tokens(2):
         return False
     if impl in ("decode_select", "decode_swap") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
