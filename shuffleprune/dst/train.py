@@ -287,6 +287,31 @@ def _write_model(out: Path, model: torch.nn.Module, sp: DynamicSparsifier, token
     (out / REPORT).write_text(json.dumps(report, indent=1))
 
 
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
+                sparsifier: DynamicSparsifier, accelerator, cfg: TrainConfig, batch: torch.Tensor) -> torch.Tensor:
+    """One optimisation step on ``batch`` (the next-token loss, no KV cache to build), then the
+    sparsifier's (masks, permutations) and the schedule's; returns the loss."""
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    accelerator.backward(loss)
+    if cfg.grad_clip:
+        accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    sparsifier.step()
+    scheduler.step()
+    optimizer.zero_grad()  # after sparsifier.step(): RigL reads the dense gradients at update steps
+    return loss
+
+
+def _ranks_agree(accelerator, model: torch.nn.Module, sparsifier: DynamicSparsifier) -> bool:
+    """Whether every process ended with the same weights, masks and permutations (DDP syncs the
+    gradients; the rest must have followed); says so on the main process when not."""
+    every = accelerator.gather(_state_fingerprint(model, sparsifier).to(accelerator.device).unsqueeze(0))
+    agree = bool((every == every[:1]).all())
+    if not agree and accelerator.is_main_process:
+        print("warning: the processes ended with different weights, masks or permutations", flush=True)
+    return agree
+
+
 def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
           progress: bool = True, stop_after: int | None = None) -> dict:
     """Train; returns the report (also written to ``out/dst_report.json``). ``stop_after`` ends the
@@ -327,15 +352,8 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
                disable=not progress or not accelerator.is_main_process)
     for step in bar:
         t0 = time.time()
-        batch = _batch(train_stream, cfg, step, rank, world).to(device)
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss   # no KV cache to build in training
-        accelerator.backward(loss)
-        if cfg.grad_clip:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        sparsifier.step()
-        scheduler.step()
-        optimizer.zero_grad()  # after sparsifier.step(): RigL reads the dense gradients at update steps
+        loss = _train_step(model, optimizer, scheduler, sparsifier, accelerator, cfg,
+                           _batch(train_stream, cfg, step, rank, world).to(device))
         state["train_seconds"] += time.time() - t0
         state["step"] = step + 1
         value = float(accelerator.reduce(loss.detach(), "mean") if world > 1 else loss.detach())
@@ -351,12 +369,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     final_ppl = evaluate()
     state["evals"].append({"step": cfg.steps, "ppl": final_ppl})
     unwrapped = accelerator.unwrap_model(model)
-    ranks_agree = None
-    if world > 1:  # DDP syncs the gradients; masks and permutations must have followed on every process
-        every = accelerator.gather(_state_fingerprint(unwrapped, sparsifier).to(device).unsqueeze(0))
-        ranks_agree = bool((every == every[:1]).all())
-        if not ranks_agree and accelerator.is_main_process:
-            print("warning: the processes ended with different weights, masks or permutations", flush=True)
+    ranks_agree = _ranks_agree(accelerator, unwrapped, sparsifier) if world > 1 else None
     report = _report(run, final_ppl, device, world, ranks_agree)
     if accelerator.is_main_process:
         _write_model(out, unwrapped, sparsifier, tokenizer, report)
