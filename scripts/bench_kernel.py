@@ -61,6 +61,7 @@ CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decod
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.sparse_linear import LIBRARY_IMPLS as SPARSE_TC  # noqa: E402  (no Triton import)
+from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
 def split_impl(impl: str) -> tuple[str, bool, bool]:
@@ -193,8 +194,7 @@ def main() -> None:
     out = Path(args.out) if not args.smoke else Path(args.out).with_name("bench_kernel_smoke.json")
 
     def ms_of(shape, tokens, impl):
-        return next((r["ms"] for r in rows if r["shape"] == list(shape) and r["tokens"] == tokens
-                     and r["impl"] == impl and r.get("ms")), None)
+        return row_ms(rows, list(shape), tokens, impl)
 
     def save(done: bool) -> list[dict]:
         """Write what has been measured so far (after every shape, so a run cut off by its time limit

@@ -28,7 +28,8 @@ E2E_TARGETS = (("decode_speedup", ">=", 1.35), ("prefill_time_ratio", "<=", 1.0)
                ("weights_ratio", "<=", 0.6), ("peak_ratio", "<", 1.0))
 
 
-def _ms(rows: list[dict], shape: list[int], tokens: int, impl: str) -> float | None:
+def row_ms(rows: list[dict], shape: list[int], tokens: int, impl: str) -> float | None:
+    """The time of ``impl`` on ``shape`` at ``tokens`` in ``rows`` (None where not timed)."""
     return next((r["ms"] for r in rows if r.get("shape") == shape and r.get("tokens") == tokens
                  and r.get("impl") == impl and r.get("ms")), None)
 
@@ -40,7 +41,7 @@ def kernel_checks(result: dict) -> list[dict]:
     for shape in map(list, shapes):
         speedups = {}
         for tokens in sorted({r["tokens"] for r in rows if r["shape"] == shape}):
-            dense, auto = _ms(rows, shape, tokens, "dense"), _ms(rows, shape, tokens, "auto")
+            dense, auto = row_ms(rows, shape, tokens, "dense"), row_ms(rows, shape, tokens, "auto")
             if dense and auto:
                 speedups[tokens] = dense / auto
         for target, (lowest, highest), floor in KERNEL_TARGETS:
@@ -49,8 +50,8 @@ def kernel_checks(result: dict) -> list[dict]:
                 worst = min(covered, key=covered.get)
                 out.append({"shape": shape, "target": target, "worst": round(covered[worst], 3),
                             "at_tokens": worst, "ok": covered[worst] >= floor})
-        auto = _ms(rows, shape, 1, "auto")
-        nomap = _ms(rows, shape, 1, "auto_nomap") or _ms(rows, shape, 1, "decode_nomap")
+        auto = row_ms(rows, shape, 1, "auto")
+        nomap = row_ms(rows, shape, 1, "auto_nomap") or row_ms(rows, shape, 1, "decode_nomap")
         if auto and nomap:
             cost = auto / nomap - 1
             out.append({"shape": shape, "target": "map ≤2 % at one token (in the layer)", "worst": round(cost, 4),
