@@ -109,14 +109,15 @@ def prune(
     if plots is not None and result.report.get("perm"):
         _write_plots(result.report, plots)
     if export is not None:
-        _export(out, export, overwrite)
+        _export(out, export, overwrite, progress=not quiet)
 
 
-def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = None, fold: bool = True) -> None:
+def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = None, fold: bool = True,
+            progress: bool = True) -> None:
     from shuffleprune.deploy.export import export_checkpoint
 
     try:
-        fmt = export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite)
+        fmt = export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite, progress=progress)
     except UserError as exc:
         _fail(exc)
     dense = sum(f.stat().st_size for f in pruned.glob("*.safetensors") if f.name != "index_maps.safetensors")
@@ -135,9 +136,10 @@ def export(
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern (default: the one in prune_report.json)."),
     fold: bool = typer.Option(True, "--fold/--no-fold", help="Fold input permutations into producer rows where the logits stay the same."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
 ) -> None:
     """Write a deployable N:M checkpoint: compressed values + 2-bit positions + index maps (load with shuffleprune.load)."""
-    _export(pruned, out, overwrite, pattern, fold)
+    _export(pruned, out, overwrite, pattern, fold, progress=not quiet)
 
 
 def _write_plots(report: dict, plots: Path) -> None:

@@ -13,8 +13,32 @@ def test_prune_cli_end_to_end(tiny_dir, text_file, eval_file, tmp_path):
                               "--eval-text", str(eval_file), "--nsamples", "4", "--seqlen", "32", "--out", str(out), "--quiet"])
     assert res.exit_code == 0, res.output
     assert "sparsegpt 4:8" in res.output and "dense" in res.output
+    assert "%|" not in res.output, res.output  # --quiet: no bars, transformers' own (loading weights) included
     report = json.loads((out / "prune_report.json").read_text())
     assert report["pattern"] == "4:8" and report["nm_ok"]
+
+
+def test_quiet_silences_library_bars_and_restores_them(tiny_dir, tmp_path):
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    from shuffleprune.deploy.export import export_checkpoint
+    from shuffleprune.prune import PruneConfig, prune
+
+    pruned = tmp_path / "pruned"
+    prune(PruneConfig.build("fast", model=str(tiny_dir), calib="wiki", nsamples=2, seqlen=16, eval_text=None),
+          out=pruned, progress=False)
+    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()  # restored after the run
+    for quiet, bars in ((["--quiet"], False), ([], True)):
+        res = runner.invoke(app, ["export", str(pruned), str(tmp_path / f"export{len(quiet)}"), *quiet])
+        assert res.exit_code == 0, res.output
+        assert ("Loading weights" in res.output) is bars, res.output
+    hf_logging.disable_progress_bar()  # a caller's own choice is kept, not turned back on
+    try:
+        export_checkpoint(pruned, tmp_path / "export-again", progress=False)
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):

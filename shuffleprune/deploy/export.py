@@ -53,6 +53,7 @@ from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
+from shuffleprune.quiet import library_progress_bars
 from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
@@ -334,8 +335,14 @@ Without `trust_remote_code=True`, transformers would leave the compressed layers
 
 
 def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
-                      fold: bool = True, overwrite: bool = False) -> dict:
-    """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format dict."""
+                      fold: bool = True, overwrite: bool = False, progress: bool = True) -> dict:
+    """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format
+    dict. ``progress=False`` silences the loading and writing bars of transformers."""
+    with library_progress_bars(progress):
+        return _compress_checkpoint(pruned_dir, out_dir, pattern, fold, overwrite)
+
+
+def _compress_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None, fold: bool, overwrite: bool) -> dict:
     from shuffleprune.models import load_model
 
     pruned_dir, out_dir = _checked_dirs(pruned_dir, out_dir, overwrite)

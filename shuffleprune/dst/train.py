@@ -30,6 +30,7 @@ from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError, reason
+from shuffleprune.quiet import library_progress_bars
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "dst_report.json"
@@ -372,6 +373,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     ranks_agree = _ranks_agree(accelerator, unwrapped, sparsifier) if world > 1 else None
     report = _report(run, final_ppl, device, world, ranks_agree)
     if accelerator.is_main_process:
-        _write_model(out, unwrapped, sparsifier, tokenizer, report)
+        with library_progress_bars(progress):
+            _write_model(out, unwrapped, sparsifier, tokenizer, report)
         run.save(ckpt, unwrapped)
     return report

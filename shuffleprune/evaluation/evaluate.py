@@ -32,6 +32,7 @@ from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
+from shuffleprune.quiet import library_progress_bars
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from shuffleprune.evaluation.perplexity import perplexity
 from shuffleprune.runtime import fits_on_device, logits_bytes, machine, peak_rss_mb, pick_device, versions
@@ -258,15 +259,16 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     ppl_source = get_source(ppl_name) if ppl_name is not None else None
     run = _EvalRun(config, _plan_tasks(config, offline), device, ppl_name, ppl_source, progress, notify)
     rows = []
-    for spec in config.models:
-        t0 = time.time()
-        lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
-        rows.append(_score_model(run, spec, lm, t0))
-        if spec not in (loaded or {}):
-            del lm
-            gc.collect()
-            if run.device.type == "cuda":
-                torch.cuda.empty_cache()
+    with library_progress_bars(progress):
+        for spec in config.models:
+            t0 = time.time()
+            lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
+            rows.append(_score_model(run, spec, lm, t0))
+            if spec not in (loaded or {}):
+                del lm
+                gc.collect()
+                if run.device.type == "cuda":
+                    torch.cuda.empty_cache()
     results = _results(config, offline, run.device, run.plan, rows)
     if out is not None:
         write_results(results, out)

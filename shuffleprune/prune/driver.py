@@ -36,6 +36,7 @@ from shuffleprune.prune.atomic import atomic_json, atomic_save
 from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
+from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime import (fits_on_device, logits_bytes, peak_memory_mb, pick_device, reset_peak_memory,
                                   tf32_matmuls)
 from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
@@ -131,7 +132,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     out = Path(out) if out is not None else None
     existed = out is not None and out.exists()
     try:
-        with tf32_matmuls(device, config.tf32):
+        with tf32_matmuls(device, config.tf32), library_progress_bars(progress):
             return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded)
     except BaseException:
         if out is not None:
