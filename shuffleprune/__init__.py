@@ -69,13 +69,15 @@ def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = Tr
     return model
 
 
-def export(pruned: str | Path, out: str | Path, pattern: str | None = None, overwrite: bool = False) -> dict:
+def export(pruned: str | Path, out: str | Path, pattern: str | None = None, overwrite: bool = False, *,
+           fold: bool = True, progress: bool = True) -> dict:
     """Write the compressed, deployable checkpoint of a pruned one (a dir or hub id) to ``out``;
     returns its format dict (layers, folds, gathers). ``pattern``: for a checkpoint without a
-    prune report (e.g. ``"2:4"``)."""
+    prune report (e.g. ``"2:4"``); ``fold=False`` keeps every index map as a runtime gather
+    (the command line's ``--no-fold``)."""
     from shuffleprune.deploy.export import export_checkpoint
 
-    return export_checkpoint(pruned, out, pattern=pattern, overwrite=overwrite)
+    return export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite, progress=progress)
 
 
 def evaluate(models: list[str | None], tasks: list[str] | None = None, out: str | Path | None = None, **options: Any) -> dict:

@@ -221,6 +221,18 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
     assert "trust_remote_code=True" in card and 'shuffleprune.load("PATH")' in card
 
 
+def test_export_without_folding_keeps_every_map_as_a_gather_and_the_same_logits(pruned_perm_dir, tmp_path):
+    fmt = shuffleprune.export(pruned_perm_dir, tmp_path / "unfolded", fold=False, progress=False)
+    assert fmt["folded"] == {} and fmt["runtime_gathers"] == sorted(fmt["layers"])  # random maps on every layer
+    res = CliRunner().invoke(app, ["export", str(pruned_perm_dir), str(tmp_path / "unfolded-cli"), "--no-fold", "--quiet"])
+    assert res.exit_code == 0 and "0 permutations folded" in res.output, res.output
+    ref_model = load_model(str(pruned_perm_dir)).model
+    model = shuffleprune.load(str(tmp_path / "unfolded"), maps="kernel")
+    ids = torch.randint(0, 128, (2, 20))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, ref_model(ids).logits, atol=1e-5)
+
+
 def test_eval_scores_the_exported_model(pruned_perm_dir, tmp_path, eval_file):
     from shuffleprune.evaluation.evaluate import EvalConfig, evaluate_models
 
