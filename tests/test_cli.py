@@ -56,6 +56,7 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
                          (["prune", str(tmp_path / "nope")], "does not exist"),
                          (["prune", str(tiny_dir), "--base", "obs"], "--base: unknown prune stage 'obs'"),
                          (["prune", str(tiny_dir), "--device", "tpu"], "unknown --device"),
+                         (["prune", str(tiny_dir), "--pattern", "2:4", "--sparsity", "0.5"], "not both"),
                          (["prune", str(tiny_dir), "--calib", "c4", "--out", str(tmp_path / "o")], "offline sources")):
         res = runner.invoke(app, args)
         assert res.exit_code == 2, (args, res.output)

@@ -131,6 +131,18 @@ def test_recipe_file_reads_patterns_as_text_not_base_60(tmp_path):
     assert PruneConfig.build(path).pattern == "2:4"
 
 
+def test_a_pattern_or_a_sparsity_given_replaces_the_recipes_other(tmp_path):
+    unstructured = tmp_path / "unstructured.yaml"  # as an earlier --sparsity run writes its recipe.yaml
+    unstructured.write_text(PruneConfig.build("fast", sparsity=0.6).to_yaml())
+    assert (PruneConfig.build(unstructured).pattern, PruneConfig.build(unstructured).sparsity) == (None, 0.6)
+    c = PruneConfig.build(unstructured, pattern="4:8")
+    assert (c.pattern, c.sparsity, str(c.spec().pattern)) == ("4:8", None, "4:8")
+    c = PruneConfig.build("fast", sparsity=0.7)  # the presets' 2:4 gives way to a sparsity
+    assert (c.pattern, c.sparsity) == (None, 0.7)
+    with pytest.raises(UserError, match="not both"):
+        PruneConfig.build("fast", pattern="2:4", sparsity=0.5)
+
+
 def test_cli_recipe_errors_exit_2_and_write_nothing(tiny_dir, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("stages:\n  - prune: wanda\n    sharpness: 2\n")
