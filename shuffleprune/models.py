@@ -203,6 +203,17 @@ def upcast_for_cpu(model: PreTrainedModel, dtype: str, device: torch.device) -> 
         model.float()
 
 
+def _load_tokenizer(spec: str | None, path: str):
+    """The tokenizer; a local dir without one gets an error naming the files to copy there."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        if not Path(path).is_dir() or any(Path(path).glob("*tokenizer*")) or (Path(path) / "vocab.json").is_file():
+            raise  # a hub id, or tokenizer files that do not load: the general message with their reason
+        raise UserError(f"'{spec}' has no tokenizer files: copy those of the model it came from (tokenizer.json "
+                        "or tokenizer.model, tokenizer_config.json, special_tokens_map.json) into it") from exc
+
+
 def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot."""
     torch_dtype = parse_dtype(dtype)
@@ -217,7 +228,7 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     fmt = read_format(Path(path)) if exported else None
     level = hf_logging.get_verbosity()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = _load_tokenizer(spec, path)
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
             hf_logging.set_verbosity_error()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)

@@ -49,6 +49,10 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
     shutil.copytree(tiny_dir, bad)
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    untokenized = tmp_path / "no-tokenizer"  # weights and config only, as a bare save_pretrained of the model
+    untokenized.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_dir / name, untokenized / name)
     for args, needle in ((["prune", str(tiny_dir), "--pattern", "4:2"], "impossible pattern"),
                          (["prune", str(bad), "--out", str(tmp_path / "o")], "do not have the shapes its config.json"),
                          (["dst", "--arch", "llama", "--config-kw", "hidden_size=65,num_attention_heads=4",
@@ -57,6 +61,7 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
                          (["prune", str(tiny_dir), "--base", "obs"], "--base: unknown prune stage 'obs'"),
                          (["prune", str(tiny_dir), "--device", "tpu"], "unknown --device"),
                          (["prune", str(tiny_dir), "--pattern", "2:4", "--sparsity", "0.5"], "not both"),
+                         (["eval", str(untokenized), "--tasks", "ppl"], "has no tokenizer files: copy those"),
                          (["prune", str(tiny_dir), "--calib", "c4", "--out", str(tmp_path / "o")], "offline sources")):
         res = runner.invoke(app, args)
         assert res.exit_code == 2, (args, res.output)
