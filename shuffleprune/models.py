@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -43,6 +44,17 @@ class LoadedModel:
     source: str  # what the user asked for
     path: str    # what was actually loaded (HF dir or hub id)
     save_dtype: torch.dtype | None = None  # the dtype a pruned copy is saved in (None: the loaded dtype)
+
+
+def in_memory(model: Any, tokenizer: Any) -> LoadedModel:
+    """A caller's own transformers causal LM and tokenizer as a :class:`LoadedModel` (named by the
+    checkpoint it was loaded from, when it says)."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a hub id, a path or a transformers PreTrainedModel, not {type(model).__name__}")
+    if tokenizer is None:
+        raise TypeError("a model object needs its tokenizer: prune(model, tokenizer=tokenizer, ...)")
+    name = getattr(model.config, "_name_or_path", "") or f"in-memory {type(model).__name__}"
+    return LoadedModel(model=model, tokenizer=tokenizer, source=name, path=name)
 
 
 def parse_dtype(name: str) -> torch.dtype | str:

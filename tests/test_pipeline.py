@@ -361,3 +361,24 @@ def test_learned_maps_and_block_fits_run_on_blocks_taking_windows_along_another_
     with torch.no_grad():
         want = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(ids).logits
         torch.testing.assert_close(shuffleprune.load(str(tmp_path / "exported"))(ids).logits, want, rtol=0, atol=1e-4)
+
+
+def test_the_python_api_prunes_a_name_or_a_model_in_memory_call_after_call(tiny_dir, text_file, tmp_path):
+    import shuffleprune
+    from transformers import AutoTokenizer
+
+    kw = dict(calib=str(text_file), nsamples=4, seqlen=32, eval_text=None, progress=False)
+    by_name = shuffleprune.prune(str(tiny_dir), "fast", **kw)  # the package shuffleprune.prune takes the call
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    in_memory = shuffleprune.prune(model, "fast", tmp_path / "out", tokenizer=AutoTokenizer.from_pretrained(tiny_dir), **kw)
+    assert in_memory.model is model and by_name.report["nm_ok"] and in_memory.report["nm_ok"]  # pruned in place
+    assert all(torch.equal(a, b) for a, b in zip(by_name.model.state_dict().values(), model.state_dict().values()))
+    assert json.loads((tmp_path / "out" / "prune_report.json").read_text())["model"] == str(tiny_dir)
+    from shuffleprune import prune as api
+
+    assert api is shuffleprune.prune and api.PruneConfig is not None  # one object, function and package
+    for call, needle in ((lambda: api(model, "fast"), "needs its tokenizer"),
+                         (lambda: api(str(tiny_dir), tokenizer=object()), "goes with a model object"),
+                         (lambda: api(3), "not int")):
+        with pytest.raises(TypeError, match=needle):
+            call()

@@ -1,6 +1,23 @@
-"""One-shot pruning as a recipe of stages: :class:`PruneConfig` says what, :func:`prune` walks the blocks."""
+"""One-shot pruning as a recipe of stages: :class:`PruneConfig` says what, :func:`prune` walks the blocks.
+
+This package is also the Python API's ``shuffleprune.prune(model, recipe, out, **options)``: calling it
+calls :func:`~shuffleprune.prune.api.prune_model`. (Importing a subpackage binds it to the parent's
+attribute of its name, so a top-level function named ``prune`` would be replaced by this package on
+first import; the package takes the call instead, and ``shuffleprune.prune`` is one object.)"""
+import sys
+from types import ModuleType
+
+from shuffleprune.prune.api import prune_model
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.driver import PruneResult, prune, resumable
 from shuffleprune.prune.recipes import DEFAULT_RECIPE, PRESETS
 
-__all__ = ["PruneConfig", "PruneResult", "prune", "resumable", "PRESETS", "DEFAULT_RECIPE"]
+__all__ = ["PruneConfig", "PruneResult", "prune", "prune_model", "resumable", "PRESETS", "DEFAULT_RECIPE"]
+
+
+class _CallablePackage(ModuleType):
+    def __call__(self, *args, **kwargs) -> PruneResult:
+        return prune_model(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
