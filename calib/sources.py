@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from shuffleprune.cache import npm_package_dir, pypi_member
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, reason
 from shuffleprune.hub import looks_like_hub_id
 
 OFFLINE_SOURCES = ("wiki", "brown")
@@ -173,17 +173,37 @@ def _brown_all() -> tuple[str, ...]:
     return tuple(strip_brown_tags(p.read_text(encoding="utf-8", errors="replace")) for p in files)
 
 
+def _jsonl_docs(path: Path) -> list[str]:
+    """A .jsonl file's documents: each line an object, its text in the field a hub dataset's would be
+    read from (the first of :data:`TEXT_COLUMNS` the first line has, else its only string field)."""
+    column = None
+    docs = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{n}: not a JSON object ({reason(exc, 80)})") from exc
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{n}: each .jsonl line must be a JSON object with a text field")
+        if column is None:
+            strings = [k for k, v in row.items() if isinstance(v, str)]
+            named = [c for c in TEXT_COLUMNS if c in strings]
+            if not named and len(strings) != 1:
+                raise UserError(f"{path}:{n}: no single text field (string fields: {', '.join(strings) or 'none'}); "
+                                f"name it one of {', '.join(TEXT_COLUMNS)}")
+            column = (named or strings)[0]
+        if not isinstance(row.get(column), str):
+            raise UserError(f"{path}:{n}: no '{column}' text field (the field the first line's text is in)")
+        docs.append(row[column])
+    return docs
+
+
 def _local(path: Path, split_docs: bool) -> Callable[[str], list[str]]:
     def load(split: str) -> list[str]:
         if path.suffix == ".jsonl":
-            docs = []
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    docs.append(json.loads(line)["text"])
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise UserError(f"{path}:{n}: each .jsonl line must be an object with a 'text' field") from exc
+            docs = _jsonl_docs(path)
         else:
             docs = [d for d in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")) if d.strip()]
         if not split_docs:

@@ -61,9 +61,23 @@ def test_windows_start_with_bos_where_the_tokenizer_adds_it():
 
 def test_bad_jsonl_names_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"text": "ok"}\n{"body": "no text field"}\n')
-    with pytest.raises(UserError, match=r"bad.jsonl:2: .*'text' field"):
-        get_source(str(path)).documents("train")
+    for text, needle in (('{"text": "ok"}\n{"body": "no text field"}\n', r"bad.jsonl:2: no 'text' text field"),
+                         ('{"text": "ok"}\n{"text": "ok", \n', r"bad.jsonl:2: not a JSON object"),
+                         ('["a list"]\n', r"bad.jsonl:1: each .jsonl line must be a JSON object"),
+                         ('{"question": "q", "answer": "a"}\n', r"bad.jsonl:1: no single text field \(string fields: "
+                                                                 r"question, answer\)")):
+        path.write_text(text)
+        with pytest.raises(UserError, match=needle):
+            get_source(str(path)).documents("train")
+
+
+def test_jsonl_text_is_read_from_the_field_a_hub_dataset_would_use(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    rows = [{"id": 1, "content": "first document", "url": "u"}, {"id": 2, "content": "second one", "url": "v"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert get_source(str(path)).documents("train") == ["first document", "second one"]
+    path.write_text('{"id": 1, "prose": "only string field"}\n')  # no usual name: the one string field
+    assert get_source(str(path)).documents("train") == ["only string field"]
 
 
 def test_unknown_source_and_defaults():
