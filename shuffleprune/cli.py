@@ -15,8 +15,17 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 err = Console(stderr=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from shuffleprune.version import __version__
+
+        Console().print(f"shuffleprune {__version__}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print the version and exit.")) -> None:
     """N:M sparsity for pretrained LLMs with learned input-channel permutations."""
 
 

@@ -71,6 +71,10 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
 
 
 def test_help_documents_defaults():
+    from shuffleprune.version import __version__
+
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.strip() == f"shuffleprune {__version__}"
     res = runner.invoke(app, ["prune", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0
     for needle in ("--recipe", "--pattern", "default: (2:4)", "--nsamples", "default: (128)", "--seqlen",
