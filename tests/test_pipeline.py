@@ -377,6 +377,9 @@ def test_the_python_api_prunes_a_name_or_a_model_in_memory_call_after_call(tiny_
     from shuffleprune import prune as api
 
     assert api is shuffleprune.prune and api.PruneConfig is not None  # one object, function and package
+    from inspect import signature
+
+    assert list(signature(api).parameters)[:4] == ["model", "recipe", "out", "tokenizer"]  # what IDEs show
     assert all(callable(getattr(shuffleprune, name)) for name in ("load", "export", "evaluate", "DynamicSparsifier"))
     for call, needle in ((lambda: api(model, "fast"), "needs its tokenizer"),
                          (lambda: api(str(tiny_dir), tokenizer=object()), "goes with a model object"),

@@ -5,6 +5,7 @@ calls :func:`~shuffleprune.prune.api.prune_model`. (Importing a subpackage binds
 attribute of its name, so a top-level function named ``prune`` would be replaced by this package on
 first import; the package takes the call instead, and ``shuffleprune.prune`` is one object.)"""
 import sys
+from inspect import Parameter, signature
 from types import ModuleType
 
 from shuffleprune.prune.api import prune_model
@@ -18,6 +19,10 @@ __all__ = ["PruneConfig", "PruneResult", "prune", "prune_model", "resumable", "P
 class _CallablePackage(ModuleType):
     def __call__(self, *args, **kwargs) -> PruneResult:
         return prune_model(*args, **kwargs)
+
+    __call__.__doc__ = prune_model.__doc__
+    __call__.__signature__ = (lambda sig: sig.replace(parameters=[  # what inspect and IDEs show for the call
+        Parameter("self", Parameter.POSITIONAL_ONLY), *sig.parameters.values()]))(signature(prune_model))
 
 
 sys.modules[__name__].__class__ = _CallablePackage
