@@ -8,6 +8,7 @@ The Python API::
     shuffleprune.export("pruned/", "deployed/")       # values + 2-bit positions + index maps
     model = shuffleprune.load("deployed/")             # compressed SparseLinear layers (or any pruned/HF dir)
     results = shuffleprune.evaluate(["pruned/"], tasks=["ppl"])
+    results = shuffleprune.evaluate([result], tasks=["ppl"])  # a PruneResult or a model in memory (+ tokenizer=)
     sparsifier = shuffleprune.DynamicSparsifier(...)   # dynamic sparse training in your own loop
 """
 from __future__ import annotations
@@ -68,12 +69,30 @@ def export(pruned: str | Path, out: str | Path, pattern: str | None = None, over
     return export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite, progress=progress)
 
 
-def evaluate(models: list[str | None], tasks: list[str] | None = None, out: str | Path | None = None, **options: Any) -> dict:
-    """Score ``models`` side by side (lm-eval tasks and ``ppl``); ``options`` as ``EvalConfig``'s fields."""
+def evaluate(models: list[Any], tasks: list[str] | None = None, out: str | Path | None = None, *,
+             tokenizer: Any = None, **options: Any) -> dict:
+    """Score ``models`` side by side (lm-eval tasks and ``ppl``); ``options`` as ``EvalConfig``'s fields.
+    A model is a hub id, a directory, a ``.gguf``, None (the embedded default), a ``PruneResult``, or a
+    transformers causal LM in memory with ``tokenizer`` (scored as it is, moved to the device)."""
     from shuffleprune.evaluation.evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
+    from shuffleprune.models import in_memory
 
-    config = EvalConfig(models=list(models), tasks=list(tasks or DEFAULT_TASKS), **options)
-    return evaluate_models(config, out=Path(out) if out is not None else None, progress=False)
+    specs: list[str | None] = []
+    loaded = {}
+    for item in models:
+        if item is None or isinstance(item, (str, Path)):
+            specs.append(None if item is None else str(item))
+            continue
+        from shuffleprune.prune.driver import PruneResult
+
+        lm = in_memory(item.model, item.tokenizer) if isinstance(item, PruneResult) else in_memory(item, tokenizer)
+        spec, k = f"{lm.source} (in memory)", 2
+        while spec in specs:
+            spec, k = f"{lm.source} (in memory #{k})", k + 1
+        specs.append(spec)
+        loaded[spec] = lm
+    config = EvalConfig(models=specs, tasks=list(tasks or DEFAULT_TASKS), **options)
+    return evaluate_models(config, out=Path(out) if out is not None else None, progress=False, loaded=loaded)
 
 
 def __getattr__(name: str) -> Any:

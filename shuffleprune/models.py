@@ -44,6 +44,7 @@ class LoadedModel:
     source: str  # what the user asked for
     path: str    # what was actually loaded (HF dir or hub id)
     save_dtype: torch.dtype | None = None  # the dtype a pruned copy is saved in (None: the loaded dtype)
+    in_memory: bool = False  # a caller's own model object: ``path`` names where it came from, not what it is now
 
 
 def in_memory(model: Any, tokenizer: Any) -> LoadedModel:
@@ -54,7 +55,7 @@ def in_memory(model: Any, tokenizer: Any) -> LoadedModel:
     if tokenizer is None:
         raise TypeError("a model object needs its tokenizer: prune(model, tokenizer=tokenizer, ...)")
     name = getattr(model.config, "_name_or_path", "") or f"in-memory {type(model).__name__}"
-    return LoadedModel(model=model, tokenizer=tokenizer, source=name, path=name)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=name, path=name, in_memory=True)
 
 
 def parse_dtype(name: str) -> torch.dtype | str:

@@ -126,6 +126,28 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
     assert data["offline"] and "hub unreachable" in res.output  # the one-line fallback notice
 
 
+def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tiny_task, tmp_path):
+    import shuffleprune
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(random_text(2000, seed=5))
+    result = shuffleprune.prune(str(tiny_dir), "fast", tmp_path / "pruned", calib=str(heldout), nsamples=4, seqlen=32,
+                                eval_text=None, progress=False)
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    scores = shuffleprune.evaluate([str(tmp_path / "pruned"), result, dense], tasks=["tiny_mc", "ppl"],
+                                   tokenizer=AutoTokenizer.from_pretrained(tiny_dir), include_path=[str(tiny_task)],
+                                   limit=4, ppl_text=str(heldout), ppl_ctx=32)
+    saved, pruned, unpruned = scores["models"]
+    assert [m["model"] for m in scores["models"]] == ["pruned", f"{tiny_dir.name} (in memory)",
+                                                      f"{tiny_dir.name} (in memory #2)"]
+    assert pruned["ppl"] == pytest.approx(saved["ppl"], rel=1e-5) and unpruned["ppl"] != pruned["ppl"]
+    assert pruned["sparsity"] == pytest.approx(0.5) and unpruned["sparsity"] == 0
+    # a model object has no path a command line could load it from: none is claimed
+    assert (pruned["path"], pruned["lm_eval_cli"], unpruned["pruned"]) == (None, None, None)
+    assert saved["lm_eval_cli"] and pruned["results"]["tiny_mc"]["n_items"] == 4
+
+
 def test_the_hub_is_asked_only_when_something_needs_it(tiny_dir, tmp_path, monkeypatch):
     from shuffleprune.evaluation import evaluate as evaluation
 

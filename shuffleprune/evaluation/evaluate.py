@@ -329,8 +329,8 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
     model = lm.model
     whole = _place_model(run, spec, model)
     dtype_used = str(model.dtype).replace("torch.", "")
-    row = {"model": _label(spec, lm.path, run.labels), "spec": spec, "path": lm.path,
-           "pruned": _prune_summary(lm.path), "sparsity": _sparsity(model), "dtype": dtype_used,
+    row = {"model": _label(spec, lm.path, run.labels), "spec": spec, "path": None if lm.in_memory else lm.path,
+           "pruned": None if lm.in_memory else _prune_summary(lm.path), "sparsity": _sparsity(model), "dtype": dtype_used,
            "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
     if run.ppl_name is not None:
         t0 = time.time()
@@ -342,7 +342,8 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
         row["seconds"]["lm_eval"] = round(time.time() - t0, 2)
         repo_id = spec if spec and not is_embedded(spec) and lm.path != spec and not Path(spec).exists() \
             and looks_like_hub_id(spec) else None  # a shuffleprune repo, loaded from its snapshot
-        row["lm_eval_cli"] = _equivalent_cli(lm.path, dtype_used, run.plan, run.config, str(run.device), repo_id)
+        row["lm_eval_cli"] = None if lm.in_memory else _equivalent_cli(  # no command line holds a model object
+            lm.path, dtype_used, run.plan, run.config, str(run.device), repo_id)
     values = [r["value"] for r in row["results"].values() if r["value"] is not None]
     row["average"] = sum(values) / len(values) if values else None
     row["peak_rss_mb"] = round(peak_rss_mb(), 1)
