@@ -383,6 +383,7 @@ def test_the_python_api_prunes_a_name_or_a_model_in_memory_call_after_call(tiny_
     assert all(callable(getattr(shuffleprune, name)) for name in ("load", "export", "evaluate", "DynamicSparsifier"))
     for call, needle in ((lambda: api(model, "fast"), "needs its tokenizer"),
                          (lambda: api(str(tiny_dir), tokenizer=object()), "goes with a model object"),
-                         (lambda: api(3), "not int")):
+                         (lambda: api(3), "not int"),
+                         (lambda: api(model.model, tokenizer=object()), "LlamaModel has no LM head")):
         with pytest.raises(TypeError, match=needle):
             call()
