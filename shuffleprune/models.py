@@ -53,7 +53,7 @@ def in_memory(model: Any, tokenizer: Any) -> LoadedModel:
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a hub id, a path or a transformers PreTrainedModel, not {type(model).__name__}")
     if tokenizer is None:
-        raise TypeError("a model object needs its tokenizer: prune(model, tokenizer=tokenizer, ...)")
+        raise TypeError("a model object needs its tokenizer: pass tokenizer=...")
     if model.get_output_embeddings() is None:
         raise TypeError(f"{type(model).__name__} has no LM head: load the model with AutoModelForCausalLM")
     name = getattr(model.config, "_name_or_path", "") or f"in-memory {type(model).__name__}"
