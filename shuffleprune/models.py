@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -153,10 +154,14 @@ def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
     return out
 
 
-def base_model_id(spec: str) -> str:
-    """The name a model card gives its base model: the embedded model's hub original for a report's
-    ``embedded:…`` source, else ``spec``."""
-    return EMBEDDED_HUB_ID if spec.startswith("embedded:") else spec
+def base_model_id(spec: str) -> str | None:
+    """The hub id a model card's ``base_model`` names: the embedded model's hub original for a report's
+    ``embedded:…`` source, ``spec`` when it is a hub id, else None (a local path or a model object's name,
+    which the hub would refuse there)."""
+    if spec.startswith("embedded:") or is_embedded(spec):
+        return EMBEDDED_HUB_ID
+    hub_id = looks_like_hub_id(spec) and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", spec) and not Path(spec).exists()
+    return spec if hub_id else None
 
 
 def is_embedded(spec: str | None) -> bool:

@@ -374,6 +374,7 @@ def test_the_python_api_prunes_a_name_or_a_model_in_memory_call_after_call(tiny_
     assert in_memory.model is model and by_name.report["nm_ok"] and in_memory.report["nm_ok"]  # pruned in place
     assert all(torch.equal(a, b) for a, b in zip(by_name.model.state_dict().values(), model.state_dict().values()))
     assert json.loads((tmp_path / "out" / "prune_report.json").read_text())["model"] == str(tiny_dir)
+    assert "base_model:" not in (tmp_path / "out" / "README.md").read_text()  # a local path is no hub id
     from shuffleprune import prune as api
 
     assert api is shuffleprune.prune and api.PruneConfig is not None  # one object, function and package
@@ -387,3 +388,12 @@ def test_the_python_api_prunes_a_name_or_a_model_in_memory_call_after_call(tiny_
                          (lambda: api(model.model, tokenizer=object()), "LlamaModel has no LM head")):
         with pytest.raises(TypeError, match=needle):
             call()
+
+
+def test_model_cards_name_a_base_model_only_by_a_hub_id(tmp_path):
+    from shuffleprune.models import EMBEDDED_HUB_ID, base_model_id
+
+    assert base_model_id("meta-llama/Llama-2-7b-hf") == "meta-llama/Llama-2-7b-hf"
+    assert base_model_id("embedded:SmolLM2-135M-Instruct") == EMBEDDED_HUB_ID
+    for local in ("in-memory LlamaForCausalLM", str(tmp_path), "./dir", "a/b/c"):
+        assert base_model_id(local) is None, local

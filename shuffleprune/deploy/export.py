@@ -291,12 +291,10 @@ def _stored_map(perm: torch.Tensor | None) -> torch.Tensor | None:
 
 def export_card(fmt: dict, report: dict | None, name: str) -> str:
     """A hub-style ``README.md`` for an export: what it holds and how to load it."""
-    from shuffleprune.hub import looks_like_hub_id
     from shuffleprune.models import base_model_id
 
     base = (report or {}).get("model")
-    hub_base = base_model_id(base) if base else None
-    hub_base = hub_base if hub_base and looks_like_hub_id(hub_base) else None  # a local path names no hub model
+    hub_base = base_model_id(base) if base else None  # a local path names no hub model
     ppl = (report or {}).get("ppl") or {}
     ppl_lines = "".join(f"| {k} | {v:.2f} |\n" for k, v in ppl.items() if v is not None)
     ev = (report or {}).get("eval") or {}

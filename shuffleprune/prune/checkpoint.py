@@ -157,9 +157,9 @@ def model_card(report: dict) -> str:
     eval_line = (f"{ev['text']} ({part}, {ev.get('tokens_scored', ev['tokens'])} tokens scored in windows of "
                  f"{ev['ctx']}{', each starting with BOS' if report['bos'] else ''})" if ev["text"] else "not measured")
     tags = ["shuffleprune", "pruned", "sparse", f"sparsity-{report['pattern']}"]
+    hub_base = base_model_id(base)
     return f"""---
-base_model: {base_model_id(base)}
-library_name: transformers
+{f"base_model: {hub_base}{chr(10)}" if hub_base else ""}library_name: transformers
 tags:
 {chr(10).join('- ' + t for t in tags)}
 ---
