@@ -38,6 +38,7 @@ from shuffleprune.errors import UserError, reason
 from shuffleprune.hub import looks_like_hub_id
 
 OFFLINE_SOURCES = ("wiki", "brown")
+LOCAL_FILE_SUFFIXES = (".txt", ".jsonl")
 HUB_SOURCES = ("c4", "wikitext2", "wikitext103")
 _C4_FILES = {"train": "en/c4-train.00000-of-01024.json.gz",
              "test": "en/c4-validation.00000-of-00008.json.gz"}
@@ -99,12 +100,19 @@ def hub_dataset_id(name: str) -> tuple[str, str | None] | None:
     return repo, config or None
 
 
-def _text_column(repo: str, features) -> str:
-    """The dataset's text column: the first of :data:`TEXT_COLUMNS` it has, else its only string column."""
-    strings = [c for c, f in features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+def _pick_text_column(strings: list[str]) -> str | None:
+    """Among a dataset's (or a .jsonl row's) string columns, the text: the first of
+    :data:`TEXT_COLUMNS` there, else the only one; None when neither."""
     named = [c for c in TEXT_COLUMNS if c in strings]
-    if named or len(strings) == 1:
-        return (named or strings)[0]
+    return named[0] if named else (strings[0] if len(strings) == 1 else None)
+
+
+def _text_column(repo: str, features) -> str:
+    """The dataset's text column (:func:`_pick_text_column` of its string columns)."""
+    strings = [c for c, f in features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+    column = _pick_text_column(strings)
+    if column is not None:
+        return column
     raise UserError(f"hub dataset '{repo}' has no single text column (string columns: {', '.join(strings) or 'none'}); "
                     "write the text to a .jsonl file with a 'text' field and pass that instead")
 
@@ -175,7 +183,7 @@ def _brown_all() -> tuple[str, ...]:
 
 def _jsonl_docs(path: Path) -> list[str]:
     """A .jsonl file's documents: each line an object, its text in the field a hub dataset's would be
-    read from (the first of :data:`TEXT_COLUMNS` the first line has, else its only string field)."""
+    read from (:func:`_pick_text_column` of the first line's string fields)."""
     column = None
     docs = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -189,11 +197,10 @@ def _jsonl_docs(path: Path) -> list[str]:
             raise UserError(f"{path}:{n}: each .jsonl line must be a JSON object with a text field")
         if column is None:
             strings = [k for k, v in row.items() if isinstance(v, str)]
-            named = [c for c in TEXT_COLUMNS if c in strings]
-            if not named and len(strings) != 1:
+            column = _pick_text_column(strings)
+            if column is None:
                 raise UserError(f"{path}:{n}: no single text field (string fields: {', '.join(strings) or 'none'}); "
                                 f"name it one of {', '.join(TEXT_COLUMNS)}")
-            column = (named or strings)[0]
         if not isinstance(row.get(column), str):
             raise UserError(f"{path}:{n}: no '{column}' text field (the field the first line's text is in)")
         docs.append(row[column])
@@ -216,6 +223,11 @@ def _local(path: Path, split_docs: bool) -> Callable[[str], list[str]]:
     return load
 
 
+def is_local_source(name: str) -> bool:
+    """Whether :func:`get_source` reads ``name`` without the hub (an offline source or a text file)."""
+    return name in OFFLINE_SOURCES or Path(name).suffix in LOCAL_FILE_SUFFIXES
+
+
 def same_text(a: str | None, b: str | None) -> bool:
     """Whether two ``--calib`` / ``--eval-text`` values name the same local file."""
     if a is None or b is None or not a.endswith((".txt", ".jsonl")) or not b.endswith((".txt", ".jsonl")):
@@ -235,7 +247,7 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     if name == "brown":
         return TextSource("brown", lambda s: _split(list(_brown_all()), s))
     path = Path(name).expanduser()
-    if path.suffix in (".txt", ".jsonl"):
+    if path.suffix in LOCAL_FILE_SUFFIXES:
         if not path.is_file():
             raise UserError(f"text file '{name}' does not exist")
         return TextSource(str(path), _local(path, shared))

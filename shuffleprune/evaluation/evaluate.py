@@ -27,7 +27,7 @@ import torch
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
 from shuffleprune.calib import bos_token, eval_tokens, get_source
-from shuffleprune.calib.sources import HUB_SOURCES, OFFLINE_SOURCES
+from shuffleprune.calib.sources import HUB_SOURCES, is_local_source
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
@@ -280,7 +280,7 @@ def _offline(config: EvalConfig, notify: Callable[[str], None]) -> bool:
     datasets and hub libraries are told so."""
     offline = config.offline
     lm_tasks = any(t != PPL for t in config.tasks)
-    if not offline and not lm_tasks and (PPL not in config.tasks or _local_text(config.ppl_text)):
+    if not offline and not lm_tasks and (PPL not in config.tasks or is_local_source(config.ppl_text)):
         return False  # nothing to fetch: the hub is not asked
     if not offline and not hub_reachable():
         offline = True
@@ -293,11 +293,6 @@ def _offline(config: EvalConfig, notify: Callable[[str], None]) -> bool:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return offline
-
-
-def _local_text(name: str) -> bool:
-    """Whether a ``--ppl-text`` is read without the hub (the offline sources, a .txt/.jsonl file)."""
-    return name in OFFLINE_SOURCES or Path(name).suffix in (".txt", ".jsonl")
 
 
 def _ppl_text(config: EvalConfig, offline: bool) -> str | None:
