@@ -4,6 +4,7 @@ And does a name look like a hub id rather than a local path?"""
 from __future__ import annotations
 
 import os
+import re
 import socket
 from functools import lru_cache
 from urllib.parse import urlparse
@@ -35,5 +36,6 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def looks_like_hub_id(spec: str) -> bool:
-    """``name`` or ``owner/name`` that is not a local path (``./x``, ``/x``, ``~/x``, ``a/b/c``)."""
-    return not spec.startswith((".", "/", "~")) and spec.count("/") <= 1
+    """``name`` or ``owner/name`` in the characters hub ids use, so not a local path (``./x``, ``/x``,
+    ``~/x``, ``a/b/c``) nor a name no repo can have (``in-memory LlamaForCausalLM``)."""
+    return not spec.startswith(".") and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", spec) is not None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -160,8 +159,7 @@ def base_model_id(spec: str) -> str | None:
     which the hub would refuse there)."""
     if spec.startswith("embedded:") or is_embedded(spec):
         return EMBEDDED_HUB_ID
-    hub_id = looks_like_hub_id(spec) and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", spec) and not Path(spec).exists()
-    return spec if hub_id else None
+    return spec if looks_like_hub_id(spec) and not Path(spec).exists() else None
 
 
 def is_embedded(spec: str | None) -> bool:
