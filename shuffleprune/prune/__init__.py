@@ -21,8 +21,9 @@ class _CallablePackage(ModuleType):
         return prune_model(*args, **kwargs)
 
     __call__.__doc__ = prune_model.__doc__
-    __call__.__signature__ = (lambda sig: sig.replace(parameters=[  # what inspect and IDEs show for the call
-        Parameter("self", Parameter.POSITIONAL_ONLY), *sig.parameters.values()]))(signature(prune_model))
 
 
+_api = signature(prune_model)  # what inspect and IDEs show for the call (self is dropped from it)
+_CallablePackage.__call__.__signature__ = _api.replace(
+    parameters=[Parameter("self", Parameter.POSITIONAL_ONLY), *_api.parameters.values()])
 sys.modules[__name__].__class__ = _CallablePackage

@@ -64,10 +64,10 @@ class PruneConfig:
         unknown = [k for k in options if k not in _FIELDS]
         if unknown:
             raise UserError(f"unknown prune option(s) {', '.join(unknown)}")
-        if options.get("pattern") is not None and options.get("sparsity") is not None:
-            raise UserError(f"give --pattern {options['pattern']} (N:M) or --sparsity {options['sparsity']} "
-                            "(unstructured), not both")
         if options.get("pattern") is not None:
+            if options.get("sparsity") is not None:
+                raise UserError(f"give --pattern {options['pattern']} (N:M) or --sparsity {options['sparsity']} "
+                                "(unstructured), not both")
             run["sparsity"] = None  # an N:M pattern given replaces a recipe's unstructured sparsity
         run.update(options)  # a run setting given as None is applied (eval_text=None: no perplexity)
         if "sparsity" in run and run["sparsity"] is not None:
