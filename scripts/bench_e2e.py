@@ -26,6 +26,10 @@ in the results), so the two places for an index map are compared end to end; the
 does, with the layers that read one input run as one stacked layer (``fuse_shared_inputs``); last,
 unstacked and stacked again, with each layer's weight held as one cuSPARSELt buffer
 (``use_cslt_layout``: ``auto`` may then prefill on Hopper's sparse tensor cores; ``cslt_buffer``).
+``load_default`` names the variant ``load`` serves on this device (``arrange_for_serving``: the
+stacked cuSPARSELt buffer on Hopper); ``--decode compile`` measures that one only. The eager prefill
+(``prefill_eager_ms``) shows what a model run without CUDA graphs gets: there ``auto`` keeps
+cuSPARSELt only if it also wins eagerly (``eager_kernel_choices_…``).
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ def main() -> None:
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.fused_inputs import fuse_shared_inputs, unfuse_shared_inputs
     from shuffleprune.deploy.producer_maps import move_maps_to_producers
+    from shuffleprune.deploy.serving import arrange_for_serving, cslt_by_default
     from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts
     from shuffleprune.deploy.sparse_linear import (SharedGather, SparseLinear, relative_error, release_scratch,
                                                    use_cslt_layout)
@@ -298,21 +303,26 @@ def main() -> None:
         if complete:
             print(json.dumps(ratio, indent=1))
 
+    # load's default layout on this device (cuSPARSELt's buffer on Hopper): the key of its variant below
+    default_variant = "cslt_buffer_stacked" if cuda and cslt_by_default(device) else "stacked"
     if args.decode == "compile":   # load's default only: each compile of a 32-layer model takes minutes
-        moved, groups = move_maps_to_producers(model), fuse_shared_inputs(model)
-        row, _ = measure(model, "2:4+maps at the producer, q/k/v and gate/up stacked (load's default)")
-        row.update(maps_moved=len(moved), groups=len(groups))
-        save(ratios(row), [dense_row, row])
+        done = arrange_for_serving(model)
+        row, _ = measure(model, f"2:4 as load lays it out ({default_variant})")
+        row.update(maps_moved=len(done["maps_moved"]), groups=len(done["stacked_groups"]),
+                   layers_tiled=len(done["cslt_layers"]))
+        save(ratios(row), [dense_row, row], load_default=default_variant)
         return
     save({}, [dense_row], complete=False)
     sparse_row, _ = measure(model, "2:4+index maps (SparseLinear auto)")
 
-    def kernel_choices() -> dict:
+    def kernel_choices(eager: bool = False) -> dict:
+        """Per kind of layer, token bucket → what auto runs in a CUDA graph (``eager``: outside one)."""
         choices = {}
         for mod in model.modules():
             if isinstance(mod, SparseLinear):
                 key = f"{mod.out_features}x{mod.in_features}{'+map' if mod.perm is not None else ''}"
-                choices.setdefault(key, {str(k): v for k, v in mod.choices.items()})
+                made = mod.eager_choices if eager else mod.choices
+                choices.setdefault(key, {str(k): v for k, v in made.items()})
         return choices
 
     choices = kernel_choices()
@@ -335,7 +345,8 @@ def main() -> None:
     producer_row, choices_at_producer = measured("2:4+index maps at the producer (fused RMSNorm)", maps_moved=len(moved))
     # What load() does last: the layers reading one input (q/k/v, gate/up) run as one stacked layer.
     groups = fuse_shared_inputs(model)
-    fused_row, choices_stacked = measured("2:4+maps at the producer, q/k/v and gate/up stacked (load's default)",
+    fused_row, choices_stacked = measured("2:4+maps at the producer, q/k/v and gate/up stacked"
+                                          + (" (load's default here)" if default_variant == "stacked" else ""),
                                           groups=len(groups))
     # One buffer per layer that cuSPARSELt multiplies from and the decode kernels read (use_cslt_layout):
     # prefill may then run on the sparse tensor cores, without a second copy; stacked again as load does.
@@ -345,14 +356,17 @@ def main() -> None:
         torch.cuda.empty_cache()
     cslt_row, choices_cslt = measured("2:4 in cuSPARSELt's buffer, maps at the producer", layers_tiled=len(tiled))
     groups = fuse_shared_inputs(model)
-    cslt_fused_row, choices_cslt_stacked = measured("2:4 in cuSPARSELt's buffer, maps at the producer, stacked",
-                                                    groups=len(groups))
+    cslt_fused_row, choices_cslt_stacked = measured(
+        "2:4 in cuSPARSELt's buffer, maps at the producer, stacked"
+        + (" (load's default here)" if default_variant == "cslt_buffer_stacked" else ""), groups=len(groups))
+    eager_choices_cslt_stacked = kernel_choices(eager=True)
     rows = [dense_row, sparse_row, producer_row, fused_row, cslt_row, cslt_fused_row]
     ratio = {**ratios(sparse_row), "maps_at_producer": ratios(producer_row), "stacked": ratios(fused_row),
              "cslt_buffer": ratios(cslt_row), "cslt_buffer_stacked": ratios(cslt_fused_row)}
-    save(ratio, rows, kernel_choices=choices, kernel_choices_maps_at_producer=choices_at_producer,
-         kernel_choices_stacked=choices_stacked, kernel_choices_cslt_buffer=choices_cslt,
-         kernel_choices_cslt_buffer_stacked=choices_cslt_stacked)
+    save(ratio, rows, load_default=default_variant, kernel_choices=choices,
+         kernel_choices_maps_at_producer=choices_at_producer, kernel_choices_stacked=choices_stacked,
+         kernel_choices_cslt_buffer=choices_cslt, kernel_choices_cslt_buffer_stacked=choices_cslt_stacked,
+         eager_kernel_choices_cslt_buffer_stacked=eager_choices_cslt_stacked)
 
 if __name__ == "__main__":
     main()

@@ -72,7 +72,8 @@ def producer_map_costs(result: dict) -> list[dict]:
 
 
 def e2e_checks(result: dict) -> list[dict]:
-    """One line per variant of the model (the top level is the layers holding their maps)."""
+    """One line per variant of the model (the top level is the layers holding their maps);
+    ``load_default`` marks the one ``shuffleprune.load`` serves on the measured device."""
     variants = {"2:4 + maps in the layers": {k: result.get(k) for k, _, _ in E2E_TARGETS}}
     variants.update({k: v for k, v in result.items() if isinstance(v, dict) and "decode_speedup" in v})
     variants.update(result.get("partial", {}))
@@ -85,7 +86,8 @@ def e2e_checks(result: dict) -> list[dict]:
             v = ratios.get(key)
             checks[key] = None if v is None else (v >= bound if op == ">=" else v <= bound if op == "<=" else v < bound)
         out.append({"variant": name, **{k: ratios.get(k) for k, _, _ in E2E_TARGETS},
-                    "ok": all(c for c in checks.values() if c is not None), "checks": checks})
+                    "ok": all(c for c in checks.values() if c is not None), "checks": checks,
+                    "load_default": name == result.get("load_default")})
     return out
 
 
@@ -129,7 +131,8 @@ def main() -> None:
             print(head)
             for c in checks:
                 print(f"  {'ok  ' if c['ok'] else 'MISS'} {c['variant'][:60]:<60} decode {c['decode_speedup']}×"
-                      f"  prefill {c['prefill_time_ratio']}×  weights {c['weights_ratio']}×  peak {c['peak_ratio']}×")
+                      f"  prefill {c['prefill_time_ratio']}×  weights {c['weights_ratio']}×  peak {c['peak_ratio']}×"
+                      + ("  ← load's default" if c["load_default"] else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -19,42 +19,28 @@ from typing import Any
 from shuffleprune.version import __version__
 
 
-def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = True, cslt: bool = False):
+def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = True, cslt: bool | None = None):
     """Load a checkpoint written by ``shuffleprune export`` (linears as compressed ``SparseLinear``),
     by ``prune`` (a plain model; an older-layout ``--perm`` checkpoint put back in input order) or
-    any HF model; returns the model (``.eval()``).
+    any HF model; returns the model (``.eval()``), laid out for serving
+    (:func:`shuffleprune.deploy.serving.arrange_for_serving`).
     ``maps="producer"`` (default) moves an export's shared index maps to the modules producing those
-    layers' input (an RMSNorm writes its output permuted, in one fused kernel on CUDA: on an H100 a
-    LLaMA-2-7B shape decoded 1.47× dense this way, 1.20× with the maps in the layers,
-    ``scripts/results/bench_e2e.json``); ``"kernel"`` keeps them in the sparse layers. ``fuse``
-    runs the sparse layers that read one input tensor (q/k/v, gate/up) as one stacked layer
-    (:mod:`shuffleprune.deploy.fused_inputs`). ``cslt`` holds each 2:4 16-bit layer (rows a multiple
-    of 64, columns of 32) as one cuSPARSELt buffer that the decode kernels read too
-    (:mod:`shuffleprune.deploy.cslt_layout`), so prompts run on Hopper's sparse tensor cores: on an
-    H100, with CUDA graphs, a 512-token prefill took 0.82× dense's time instead of 1.37×, but one-token
-    decode fell from 1.55× dense to 1.26× and eager prompts are slower (PyTorch 2.11 builds
-    cuSPARSELt's plan on every call). Load onto the GPU, then ``.to()`` nothing. The tokenizer:
+    layers' input (an RMSNorm writes its output permuted, in one fused kernel on CUDA); ``"kernel"``
+    keeps them in the sparse layers. ``fuse`` runs the sparse layers that read one input tensor
+    (q/k/v, gate/up) as one stacked layer. ``cslt`` holds each 2:4 16-bit layer (rows a multiple of
+    64, columns of 32) as one cuSPARSELt buffer that the decode kernels read too, so prompts served
+    with CUDA graphs run on the sparse tensor cores; ``None`` (default) does so on a Hopper GPU whose
+    PyTorch has cuSPARSELt. On an H100, with CUDA graphs, this default decoded a LLaMA-2-7B shape at
+    1.58× dense's tokens/s and prefilled 512 tokens in 0.83× its time, with 0.58× its weight memory
+    (``scripts/results/bench_e2e.json``). Load onto the GPU, then ``.to()`` nothing. The tokenizer:
     ``transformers.AutoTokenizer.from_pretrained(path)``."""
+    from shuffleprune.deploy.serving import MAPS_PLACES, arrange_for_serving
     from shuffleprune.models import load_model
 
-    if maps not in ("kernel", "producer"):
+    if maps not in MAPS_PLACES:   # before the weights are read
         raise ValueError(f"maps must be 'kernel' or 'producer', not {maps!r}")
-    from shuffleprune.block_inputs import lazy_block_probe
-
     model = load_model(path, dtype).model
-    probe = lazy_block_probe(model)   # one probe for both rewrites, built only if one needs it
-    if maps == "producer":
-        from shuffleprune.deploy.producer_maps import move_maps_to_producers
-
-        move_maps_to_producers(model, probe=probe)
-    if cslt:
-        from shuffleprune.deploy.sparse_linear import use_cslt_layout
-
-        use_cslt_layout(model)
-    if fuse:
-        from shuffleprune.deploy.fused_inputs import fuse_shared_inputs
-
-        fuse_shared_inputs(model, probe=probe)
+    arrange_for_serving(model, maps=maps, fuse=fuse, cslt=cslt)
     return model
 
 

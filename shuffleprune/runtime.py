@@ -49,6 +49,12 @@ def logits_bytes(model: torch.nn.Module, tokens: int) -> int:
     return tokens * (vocab or 0) * 10
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether ``x`` lives on a CUDA device whose current stream is capturing a CUDA graph (where
+    nothing may be timed, searched or allocated anew)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2) -> tuple[float, str]:
     """Milliseconds per call of ``calls`` (run in turn, e.g. one per rotating weight copy) as a model
     served with CUDA graphs runs them: ``warm`` eager rounds on the capturing stream (compiles,

@@ -348,6 +348,32 @@ def test_bf16_export_keeps_dtype_and_logits(tiny_dir, text_file, tmp_path):
     assert b.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
+def test_load_holds_cslt_buffers_where_asked_and_by_default_only_on_hopper(tiny_dir, text_file, tmp_path):
+    """``load(cslt=True)`` holds every 2:4 bf16 layer with whole 64-row bands as one cuSPARSELt buffer
+    (k/v here have 32 rows: left as exported) and gives the same logits; the default (``None``) does
+    so only on a Hopper GPU with cuSPARSELt, so a CPU load keeps the export's layout."""
+    from shuffleprune.deploy.serving import arrange_for_serving, cslt_by_default
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+
+    out = tmp_path / "bf16"
+    prune(flat_config(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
+                      eval_text=None, perm="random", perm_block=16, dtype="bfloat16"), out=out, progress=False)
+    export_checkpoint(out, tmp_path / "exported", progress=False)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    default = shuffleprune.load(str(tmp_path / "exported"), "bfloat16")
+    tiled = shuffleprune.load(str(tmp_path / "exported"), "bfloat16", cslt=True)
+    assert not cslt_by_default(torch.device("cpu"))
+    assert not any(m.tiled for m in default.modules() if isinstance(m, SparseLinear))
+    layers = {n: m for n, m in tiled.named_modules() if isinstance(m, SparseLinear)}
+    assert {n.rsplit(".", 1)[-1] for n, m in layers.items() if m.tiled} == {"q_proj", "o_proj", "gate_proj", "up_proj",
+                                                                            "down_proj"}
+    assert not any(m.tiled for n, m in layers.items() if n.endswith(("k_proj", "v_proj")))
+    with torch.no_grad():
+        torch.testing.assert_close(tiled(ids).logits.float(), default(ids).logits.float(), rtol=0, atol=2e-2)
+    with pytest.raises(ValueError, match="maps must be"):
+        arrange_for_serving(default, maps="layers")
+
+
 def test_gqa_o_proj_folds_into_v_proj_only_when_heads_sharing_a_kv_head_agree():
     from conftest import tiny_model
 

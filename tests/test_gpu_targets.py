@@ -58,7 +58,8 @@ def test_a_map_costing_more_than_two_percent_misses():
 def test_e2e_targets_per_variant(tmp_path):
     e2e = {"device": "test", "decode_speedup": 1.4, "prefill_time_ratio": 0.95, "weights_ratio": 0.58, "peak_ratio": 0.7,
            "stacked": {"decode_speedup": 1.6, "prefill_time_ratio": 1.2, "weights_ratio": 0.58, "peak_ratio": 0.8},
-           "cslt_buffer": {"decode_speedup": 1.4, "prefill_time_ratio": 0.9, "weights_ratio": 0.58, "peak_ratio": 1.0}}
+           "cslt_buffer": {"decode_speedup": 1.4, "prefill_time_ratio": 0.9, "weights_ratio": 0.58, "peak_ratio": 1.0},
+           "load_default": "stacked"}
     checks = {c["variant"]: c for c in _targets().e2e_checks(e2e)}
     assert checks["2:4 + maps in the layers"]["ok"]
     assert not checks["stacked"]["ok"] and checks["stacked"]["checks"]["prefill_time_ratio"] is False
@@ -72,5 +73,7 @@ def test_e2e_targets_per_variant(tmp_path):
                           str(tmp_path / "e.json"), "--json", str(tmp_path / "t.json")],
                          capture_output=True, text=True, check=True).stdout
     assert "MISS stacked" in out and "ok   2:4 + maps in the layers" in out
+    assert [c["variant"] for c in checks.values() if c["load_default"]] == ["stacked"]
+    assert [line for line in out.splitlines() if "load's default" in line][0].startswith("  MISS stacked")
     written = json.loads((tmp_path / "t.json").read_text())
     assert [c["ok"] for c in written["e2e"]["checks"]] == [True, False, False]

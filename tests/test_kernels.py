@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shuffleprune.deploy.format import compress, meta_bits
-from shuffleprune.deploy.sparse_linear import IMPLS, LIBRARY_IMPLS, SparseLinear
+from shuffleprune.deploy.sparse_linear import IMPLS, LIBRARY_IMPLS, SparseLinear, default_choice
 from shuffleprune.masks import nm_keep_mask
 
 pytest.importorskip("triton")
@@ -398,7 +398,7 @@ def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
 
     def fake_measure(self, x, candidates):
         measured.append((self.out_features, self.perm is not None, x.shape[-2]))
-        return candidates[0]
+        return candidates[0], candidates[0]
 
     monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
@@ -412,6 +412,80 @@ def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
     sparse_linear.release_choices()
     SparseLinear(values, meta, 64, 2, 4, perm=perm)._choice(x1)
     assert measured[-1] == (24, True, 1) and len(measured) == 5
+
+
+def _fake_timers(monkeypatch, graph_ms: dict[str, float], eager: dict[str, float]) -> list[str]:
+    """``SparseLinear`` on the CPU with its timers faked: each candidate's output is the reference,
+    its CUDA-graph time ``graph_ms[impl]`` and its eager time ``eager[impl]``; returns the list the
+    eagerly timed candidates are appended to."""
+    from shuffleprune.deploy import sparse_linear
+
+    ran, timed_eagerly = [], []
+
+    def fake_run(self, impl, x):
+        ran.append(impl)
+        return self._reference(x)
+
+    def graph_timer(calls, reps, warm=2):
+        calls[0]()
+        return graph_ms[ran[-1]], "cuda_graph"
+
+    def eager_timer(calls, reps, warm=1):
+        calls[0]()
+        timed_eagerly.append(ran[-1])
+        return eager[ran[-1]]
+
+    monkeypatch.setattr(SparseLinear, "_run", fake_run)
+    monkeypatch.setattr(sparse_linear, "cuda_graph_ms", graph_timer)
+    monkeypatch.setattr(sparse_linear, "eager_ms", eager_timer)
+    return timed_eagerly
+
+
+def test_auto_keeps_cslt_for_eager_calls_only_when_it_wins_eagerly_too(monkeypatch):
+    """cuSPARSELt timed fastest in a CUDA graph serves graph captures; calls outside one run it only
+    if it also beats the fastest other candidate eagerly (PyTorch 2.11 builds its plan on every call),
+    else that other candidate. A graph winner not in ``EAGER_CHECKED`` serves both, timed once."""
+    w, values, meta, x, perm, bias = _case(64, 64, 2, 4, 32, torch.float32)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
+    graph = {"cslt": 1.0, "gemm": 3.0, "scratch": 2.0}
+    eager = _fake_timers(monkeypatch, graph, {"cslt": 9.0, "gemm": 0.5, "scratch": 4.0})
+    assert layer._measure(x, ["cslt", "gemm", "scratch"]) == ("cslt", "scratch")
+    assert sorted(eager) == ["cslt", "scratch"]      # against the graph's runner-up only
+    eager.clear()
+    eager_ms = {"cslt": 3.0, "gemm": 0.5, "scratch": 4.0}
+    eager = _fake_timers(monkeypatch, graph, eager_ms)
+    assert layer._measure(x, ["cslt", "gemm", "scratch"]) == ("cslt", "cslt")   # a PyTorch with the plan cached
+    eager = _fake_timers(monkeypatch, {"cslt": 5.0, "gemm": 3.0, "scratch": 2.0}, eager_ms)
+    assert layer._measure(x, ["cslt", "gemm", "scratch"]) == ("scratch", "scratch") and eager == []
+
+
+def test_auto_runs_the_graph_choice_in_a_capture_and_the_eager_one_outside(monkeypatch):
+    """``_choice``: a measured bucket answers with the graph's pick inside a CUDA graph capture and
+    the eager pick outside; an unmeasured bucket met first inside a capture takes the default without
+    measuring; ``forget_choices`` (a new layout or input order) forgets both picks."""
+    from shuffleprune.deploy import sparse_linear
+
+    sparse_linear.release_choices()
+    measured = []
+
+    def fake_measure(self, x, candidates):
+        measured.append(x.shape[-2])
+        return "cslt", "scratch"
+
+    in_capture = [False]
+    monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
+    monkeypatch.setattr(sparse_linear, "capturing", lambda x: in_capture[0])
+    _, values, meta, _, perm, _ = _case(64, 64, 2, 4, 1, torch.float16)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
+    x32, x5 = torch.randn(1, 32, 64).half(), torch.randn(1, 5, 64).half()
+    assert layer._choice(x32) == "scratch" and measured == [32]
+    in_capture[0] = True
+    assert layer._choice(x32) == "cslt" and measured == [32]
+    assert layer._choice(x5) == default_choice(layer._candidates(x5)) and measured == [32]   # not measured in a capture
+    assert layer.choices == {32: "cslt"} and layer.eager_choices == {32: "scratch"}
+    layer.forget_choices()
+    assert layer.choices == {} and layer.eager_choices == {}
+    sparse_linear.release_choices()
 
 
 def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
@@ -442,9 +516,9 @@ def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
     x = torch.randn(4, 64).half()
-    assert layer._measure(x, list(times)) == "decode_swap"
+    assert layer._measure(x, list(times)) == ("decode_swap", "decode_swap")   # graph and eager: no cslt to recheck
     times["decode_swap"] = RuntimeError("an unexpected bug")
-    assert layer._measure(x, list(times)) == "scratch"   # RuntimeError: as before, a candidate that cannot run
+    assert layer._measure(x, list(times)) == ("scratch", "scratch")   # RuntimeError: as before, a candidate that cannot run
     times["scratch"] = KeyError("a bug")
     with pytest.raises(KeyError):
         layer._measure(x, list(times))
@@ -468,11 +542,11 @@ def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch)
                         lambda calls, reps, warm=2: (speed[next(k for k, v in outputs.items() if v is calls[0]())],
                                                      "cuda_graph"))
     with pytest.warns(RuntimeWarning) as caught:
-        assert layer._measure(x, list(outputs)) == "gather"   # within 16-bit rounding of the reference
+        assert layer._measure(x, list(outputs))[0] == "gather"   # within 16-bit rounding of the reference
     assert [re.search(r": (\w+ is off by \S+)", str(c.message)).group(1) for c in caught] == [
         "decode is off by 0.05", "decode_swap is off by nan"]
     with pytest.warns(RuntimeWarning) as caught:
-        assert layer._measure(x, ["decode", "decode_swap"]) == "scratch"
+        assert layer._measure(x, ["decode", "decode_swap"]) == ("scratch", "scratch")
     assert len(caught) == 2
 
 
@@ -480,7 +554,6 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     """Mapped layers weigh the gather-then-decode path against the kernel reading the map itself (to 16 tokens);
     from two tokens the select loop and the weight-as-A tensor-core decode, from 17 both GEMMs, are
     weighed too; where nothing can be timed (a first call inside a graph capture), decode runs, else the scratch."""
-    from shuffleprune.deploy.sparse_linear import default_choice
 
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     mapped, plain = SparseLinear(values, meta, 64, 2, 4, perm=perm), SparseLinear(values, meta, 64, 2, 4)

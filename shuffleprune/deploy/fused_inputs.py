@@ -23,6 +23,7 @@ from shuffleprune.block_inputs import block_probe
 from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.sparse_linear import SparseLinear
+from shuffleprune.runtime import capturing
 
 
 class FusedInputs:
@@ -77,7 +78,7 @@ class FusedInputs:
         run: its first call falling inside a CUDA graph capture, where nothing may be allocated)."""
         current = self._current()
         if not current:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if capturing(x):
                 return None
             self._build()   # forgets the cached output
         if x is not self._source or x._version != self._version:

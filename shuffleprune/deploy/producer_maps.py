@@ -142,7 +142,7 @@ def move_maps_to_producers(model: nn.Module, kernel: bool | None = None,
             if _block_unchanged(run, i, reference, scale, 1e-2 if half else MOVE_TOLERANCE):
                 wrapped.kernel = kernel
                 for layer in layers:  # what was measured with the map no longer applies
-                    layer.choices.clear()
+                    layer.forget_choices()
                 moved[f"{prefix}.{producer}"] = [f"{prefix}.{c}" for c in consumers]
                 continue
             block.set_submodule(producer, inner)  # undo: something else reads that output in order

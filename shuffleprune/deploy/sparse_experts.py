@@ -47,7 +47,7 @@ from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, expert
 from shuffleprune.deploy.format import check_compressed, check_index_map, compress, meta_bits
 from shuffleprune.deploy.sparse_linear import AGREE_RTOL, SparseLinear, relative_error, token_bucket
 from shuffleprune.errors import UserError
-from shuffleprune.runtime import eager_ms
+from shuffleprune.runtime import capturing, eager_ms
 from shuffleprune.stacked_experts import expert_layout, matmul_operands
 
 IMPLEMENTATION = "shuffleprune_nm"
@@ -204,7 +204,7 @@ def experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: to
         return modes.pop()
     if not all(h.kernels_apply() for h in held) or not grouped_runs_on(hidden_states):
         return "loop"
-    if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(hidden_states):
         return "grouped"
     if top_k_index is None or top_k_weights is None:   # nothing to measure with
         return "loop"

@@ -35,8 +35,13 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
 (1, 2, 4, … tokens) checks the applicable candidates' outputs against PyTorch's (dropping one that
 disagrees), times them, each as a CUDA graph of repeated calls (so the host's launch cost, which
 graphs remove, does not decide), and keeps the fastest
-(``self.choices``); a first call made during a graph capture takes :func:`default_choice`. The
-choice is shared by every layer of the same shape, pattern, map and bias on that device and dtype,
+(``self.choices``); a first call made during a graph capture takes :func:`default_choice`. Where
+that is one whose eager call costs more than its replay (``EAGER_CHECKED``: PyTorch builds
+cuSPARSELt's plan on every ``_cslt_sparse_mm`` call before its 2026 fix, about half a millisecond on an
+H100), it is timed eagerly against the fastest other candidate too, and calls outside a capture run
+the eager winner (``self.eager_choices``): a model served with CUDA graphs prefills on the sparse
+tensor cores, and one run eagerly (``generate`` without graphs) does not pay the plan per call. The
+choices are shared by every layer of the same shape, pattern, map and bias on that device and dtype,
 so a 32-block model measures each kind of layer once, not 32 times (``release_choices`` forgets them).
 """
 from __future__ import annotations
@@ -50,11 +55,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
-from shuffleprune.runtime import cuda_graph_ms
+from shuffleprune.runtime import capturing, cuda_graph_ms, eager_ms
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "gather", "group",
          *LIBRARY_IMPLS)
+EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
 # decode_mapped is timed up to this many tokens: above it the word gather holds the weight-as-A tiles to
@@ -68,7 +74,8 @@ DECODE_KERNELS = {"decode": {}, "decode_mapped": {"weight_a": True}, "decode_sel
                   "decode_swap": {"use_dot": True, "weight_a": True}}
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-_CHOICES: dict[tuple, str] = {}   # (device, dtype, rows, cols, N, M, map?, bias?, bucket) → implementation
+_CHOICES: dict[tuple, tuple[str, str]] = {}   # (device, dtype, rows, cols, N, M, map?, bias?, tiled?, bucket)
+                                              # → (implementation in a CUDA graph, implementation eagerly)
 
 
 def scratch_buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -130,7 +137,8 @@ class SparseLinear(nn.Module):
         self.policy = policy
         self.shared_gather: SharedGather | None = None  # set by export's loader for layers sharing a map
         self.fused_inputs = None  # a fused_inputs.FusedInputs when this layer runs stacked with others
-        self.choices: dict[int, str] = {}
+        self.choices: dict[int, str] = {}         # token bucket → implementation inside a CUDA graph capture
+        self.eager_choices: dict[int, str] = {}   # token bucket → implementation outside one
         self._semi: dict[str, object] = {}
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None  # (meta it was made from, its int32 words)
         self.tiled = False   # meta holds cuSPARSELt's metadata words (use_cslt_layout), values and meta one buffer
@@ -203,8 +211,13 @@ class SparseLinear(nn.Module):
         self._packed, self.tiled, self._words = packed, True, None
         self._semi.pop("cslt", None)        # a compressed copy made before, now redundant
         self._semi.pop("cslt_algs", None)
-        self.choices.clear()
+        self.forget_choices()
         return True
+
+    def forget_choices(self) -> None:
+        """Measure again at the next call (the layer's layout or input order changed)."""
+        self.choices.clear()
+        self.eager_choices.clear()
 
     def _packed_buffer(self) -> torch.Tensor:
         """The cuSPARSELt buffer ``values`` and ``meta`` are views of (made again, once, after ``.to()``
@@ -284,6 +297,9 @@ class SparseLinear(nn.Module):
         xg = self._gathered(x)
         xt = xg.reshape(-1, xg.shape[-1]).t()   # [C, T]: cuSPARSELt multiplies the sparse matrix from the left
         if xt.shape[1] not in algs:
+            if capturing(xt):   # no search inside a capture: cuSPARSELt's default configuration
+                return torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True).reshape(
+                    *x.shape[:-1], self.out_features)
             algs[xt.shape[1]] = cslt_search(packed, xt, self.bias)
         y = torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True, *algs[xt.shape[1]])
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -320,15 +336,19 @@ class SparseLinear(nn.Module):
         w = decompress(self.values, self.export_meta(), self.n, self.m, self.in_features, out=buf)
         return F.linear(self._gathered(x), w, self.bias)
 
-    def _measure(self, x: torch.Tensor, candidates: list[str], calls: int = 10, reps: int = 5) -> str:
-        """The fastest candidate on ``x``: each is compiled and run eagerly, its output checked against
-        :meth:`_reference` (one that disagrees — a kernel miscompiled or racing on this GPU — is
-        dropped with a warning), then ``calls`` calls are captured in one CUDA graph whose replays are
-        timed (median of ``reps``), as a model served with CUDA graphs runs them; a candidate that
-        cannot be captured is timed eagerly. The shared gather is bypassed, so ``decode`` pays for its
+    def _measure(self, x: torch.Tensor, candidates: list[str], calls: int = 10,
+                 reps: int = 5) -> tuple[str, str]:
+        """The fastest candidate on ``x`` in a CUDA graph and eagerly: each is compiled and run eagerly,
+        its output checked against :meth:`_reference` (one that disagrees — a kernel miscompiled or
+        racing on this GPU — is dropped with a warning), then ``calls`` calls are captured in one CUDA
+        graph whose replays are timed (median of ``reps``), as a model served with CUDA graphs runs
+        them; a candidate that cannot be captured is timed eagerly. The graph's winner serves eager
+        calls too unless it is in ``EAGER_CHECKED``: then it and the fastest other candidate are timed
+        eagerly and the faster serves them. The shared gather is bypassed, so ``decode`` pays for its
         own gather."""
         shared, self.shared_gather = self.shared_gather, None
         best, best_ms = default_choice(candidates), float("inf")
+        timed: dict[str, float] = {}
         try:
             ref = self._reference(x)
             for impl in candidates:
@@ -344,11 +364,16 @@ class SparseLinear(nn.Module):
                     ms, _ = cuda_graph_ms([lambda impl=impl: self._run(impl, x)] * calls, reps, warm=3)
                 except candidate_errors():  # e.g. a tile that does not fit this GPU's shared memory
                     continue
+                timed[impl] = ms
                 if ms < best_ms:
                     best, best_ms = impl, ms
+            eager = best
+            others = sorted((impl for impl in timed if impl not in EAGER_CHECKED), key=timed.__getitem__)
+            if best in EAGER_CHECKED and others:
+                eager = faster_eagerly([best, others[0]], lambda impl: self._run(impl, x), calls, reps)
         finally:
             self.shared_gather = shared
-        return best
+        return best, eager
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():   # one opaque op in the graph; this eager forward runs inside it
@@ -369,17 +394,19 @@ class SparseLinear(nn.Module):
         return self._run(self._choice(x), x)
 
     def _choice(self, x: torch.Tensor) -> str:
-        """The implementation of this token-count bucket: measured once per kind of layer."""
+        """The implementation of this token-count bucket, inside a CUDA graph capture or outside one:
+        measured once per kind of layer."""
         bucket = token_bucket(x.numel() // x.shape[-1])
+        in_graph = capturing(x)
         if bucket not in self.choices:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():  # nothing can be timed in a capture
+            if in_graph:  # nothing can be timed in a capture
                 return default_choice(self._candidates(x))
             key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
                    self.perm is not None, self.bias is not None, self.tiled, bucket)
             if key not in _CHOICES:
                 _CHOICES[key] = self._measure(x, self._candidates(x))
-            self.choices[bucket] = _CHOICES[key]
-        return self.choices[bucket]
+            self.choices[bucket], self.eager_choices[bucket] = _CHOICES[key]
+        return (self.choices if in_graph else self.eager_choices)[bucket]
 
 
 _KEYS = itertools.count()
@@ -443,6 +470,13 @@ def candidate_errors() -> tuple[type[Exception], ...]:
     except ImportError:
         return errors
     return errors + (TritonError,)
+
+
+def faster_eagerly(impls: list[str], run, calls: int, reps: int) -> str:
+    """The one of ``impls`` whose ``calls`` calls of ``run(impl)`` take least time run eagerly (the
+    host's launches and any per-call setup counted; the first of a tie)."""
+    times = {impl: eager_ms([lambda impl=impl: run(impl)] * calls, reps) for impl in impls}
+    return min(impls, key=times.__getitem__)
 
 
 def default_choice(candidates: list[str]) -> str:

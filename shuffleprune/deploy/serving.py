@@ -1,0 +1,54 @@
+"""How ``shuffleprune.load`` lays out an exported model for serving, as one call the benchmarks make too:
+index maps moved to their producers, cuSPARSELt's buffer where it helps, shared-input layers stacked."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shuffleprune.block_inputs import lazy_block_probe
+
+MAPS_PLACES = ("kernel", "producer")
+
+
+def cslt_by_default(device: torch.device) -> bool:
+    """Whether ``load`` holds 2:4 layers in cuSPARSELt's buffer unasked: on a Hopper GPU (compute
+    capability 9.0: the layout was learned there, ``deploy/cslt_layout.py``) whose PyTorch has
+    cuSPARSELt. There an H100 prefilled a LLaMA-2-7B shape in 0.83× dense's time instead of 1.36×, and
+    decoded 1.58× dense instead of 1.61× (``scripts/results/bench_e2e.json``)."""
+    return (device.type == "cuda" and torch.backends.cusparselt.is_available()
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s first parameter (or buffer) lives; the CPU for a model with neither."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def arrange_for_serving(model: nn.Module, maps: str = "producer", fuse: bool = True,
+                        cslt: bool | None = None) -> dict[str, Any]:
+    """Lay ``model``'s sparse layers out for serving, in place: ``maps="producer"`` moves shared index
+    maps to the modules producing those layers' input (an RMSNorm then writes its output permuted);
+    ``cslt`` holds each 2:4 16-bit layer as one cuSPARSELt buffer (None: :func:`cslt_by_default` on
+    the model's device); ``fuse`` stacks the layers that read one input (q/k/v, gate/up). Returns
+    what changed: ``maps_moved`` ({producer: layers}), ``cslt_layers``, ``stacked_groups``."""
+    if maps not in MAPS_PLACES:
+        raise ValueError(f"maps must be 'kernel' or 'producer', not {maps!r}")
+    probe = lazy_block_probe(model)   # one probe for both rewrites, built only if one needs it
+    done: dict[str, Any] = {"maps_moved": {}, "cslt_layers": [], "stacked_groups": []}
+    if maps == "producer":
+        from shuffleprune.deploy.producer_maps import move_maps_to_producers
+
+        done["maps_moved"] = move_maps_to_producers(model, probe=probe)
+    if cslt if cslt is not None else cslt_by_default(model_device(model)):
+        from shuffleprune.deploy.sparse_linear import use_cslt_layout
+
+        done["cslt_layers"] = use_cslt_layout(model)
+    if fuse:
+        from shuffleprune.deploy.fused_inputs import fuse_shared_inputs
+
+        done["stacked_groups"] = fuse_shared_inputs(model, probe=probe)
+    return done
