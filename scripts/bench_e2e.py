@@ -252,7 +252,7 @@ def main() -> None:
                 values, meta = compress(w, 2, 4, name)
                 layer = SparseLinear(values, meta, lin.in_features, 2, 4, perm).to(device)
                 if perm is not None:
-                    layer.shared_gather = gathers.setdefault(share, SharedGather())
+                    layer.shared_gather = gathers.setdefault(share, SharedGather()).join()
                 parent_name, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent_name), child, layer)
                 del w, lin

@@ -333,6 +333,23 @@ def test_layers_sharing_a_map_gather_once(pruned_perm_dir, tmp_path):
     assert torch.allclose(k, x.div(2)[..., attn.k_proj.perm.long()] @ attn.k_proj.dense_permuted().t(), atol=1e-5)
 
 
+def test_a_shared_gather_lets_go_of_its_input_once_every_member_read_it(pruned_perm_dir, tmp_path):
+    """Unstacked q/k/v with one map: their gather counts three members; it holds the gathered input
+    while some have yet to read it and lets go of both tensors once all three have."""
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    attn = shuffleprune.load(str(tmp_path / "exported"), maps="kernel", fuse=False).model.layers[0].self_attn
+    gather = attn.q_proj.shared_gather
+    assert gather is attn.v_proj.shared_gather and gather.members == 3
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        q, k = attn.q_proj(x), attn.k_proj(x)
+        assert gather._source is x and gather._value is not None
+        v = attn.v_proj(x)
+    assert gather._source is None and gather._value is None
+    for lin, y in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v)):
+        assert torch.allclose(y, x[..., lin.perm.long()] @ lin.dense_permuted().t(), atol=1e-5)
+
+
 def test_bf16_export_keeps_dtype_and_logits(tiny_dir, text_file, tmp_path):
     out = tmp_path / "bf16"
     prune(flat_config(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
@@ -348,30 +365,24 @@ def test_bf16_export_keeps_dtype_and_logits(tiny_dir, text_file, tmp_path):
     assert b.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
-def test_load_holds_cslt_buffers_where_asked_and_by_default_only_on_hopper(tiny_dir, text_file, tmp_path):
-    """``load(cslt=True)`` holds every 2:4 bf16 layer with whole 64-row bands as one cuSPARSELt buffer
-    (k/v here have 32 rows: left as exported) and gives the same logits; the default (``None``) does
-    so only on a Hopper GPU with cuSPARSELt, so a CPU load keeps the export's layout."""
-    from shuffleprune.deploy.serving import arrange_for_serving, cslt_by_default
-    from shuffleprune.deploy.sparse_linear import SparseLinear
+def test_load_holds_cslt_buffers_by_default_only_where_cslt_by_default_says(pruned_perm_dir, tmp_path, monkeypatch):
+    """``load``'s ``cslt=None`` asks :func:`cslt_by_default` about the model's device: False on the CPU
+    (the export's layout stays), and where it says True (a Hopper GPU with cuSPARSELt) the layers
+    that can take it hold cuSPARSELt's buffer unasked. A wrong ``maps`` is refused."""
+    from shuffleprune.deploy import serving
 
-    out = tmp_path / "bf16"
-    prune(flat_config(model=str(tiny_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
-                      eval_text=None, perm="random", perm_block=16, dtype="bfloat16"), out=out, progress=False)
-    export_checkpoint(out, tmp_path / "exported", progress=False)
-    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    assert not serving.cslt_by_default(torch.device("cpu"))
     default = shuffleprune.load(str(tmp_path / "exported"), "bfloat16")
-    tiled = shuffleprune.load(str(tmp_path / "exported"), "bfloat16", cslt=True)
-    assert not cslt_by_default(torch.device("cpu"))
     assert not any(m.tiled for m in default.modules() if isinstance(m, SparseLinear))
-    layers = {n: m for n, m in tiled.named_modules() if isinstance(m, SparseLinear)}
-    assert {n.rsplit(".", 1)[-1] for n, m in layers.items() if m.tiled} == {"q_proj", "o_proj", "gate_proj", "up_proj",
-                                                                            "down_proj"}
-    assert not any(m.tiled for n, m in layers.items() if n.endswith(("k_proj", "v_proj")))
-    with torch.no_grad():
-        torch.testing.assert_close(tiled(ids).logits.float(), default(ids).logits.float(), rtol=0, atol=2e-2)
+    asked = []
+    monkeypatch.setattr(serving, "cslt_by_default", lambda device: asked.append(device) or True)
+    hopper = shuffleprune.load(str(tmp_path / "exported"), "bfloat16")
+    assert asked == [torch.device("cpu")] and any(m.tiled for m in hopper.modules() if isinstance(m, SparseLinear))
+    assert not any(m.tiled for m in shuffleprune.load(str(tmp_path / "exported"), "bfloat16", cslt=False).modules()
+                   if isinstance(m, SparseLinear))
     with pytest.raises(ValueError, match="maps must be"):
-        arrange_for_serving(default, maps="layers")
+        serving.arrange_for_serving(default, maps="layers")
 
 
 def test_gqa_o_proj_folds_into_v_proj_only_when_heads_sharing_a_kv_head_agree():
@@ -740,8 +751,11 @@ def test_layers_reading_one_input_run_as_one_stacked_layer(pruned_perm_dir, tmp_
     monkeypatch.setattr(SparseLinear, "_run", lambda self, impl, x: rows.append(self.out_features) or original(self, impl, x))
     x = torch.randn(1, 5, attn.q_proj.in_features)
     with torch.no_grad():
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = attn.q_proj(x)
+        assert group._source is x and group._out is not None        # k and v will take their rows of it
+        k, v = attn.k_proj(x), attn.v_proj(x)
         assert rows == [stacked.out_features]                      # one stacked call for the three
+        assert group._source is None and group._out is None        # all took their rows: the group holds neither
         x.mul_(2)                                                   # changed in place: computed again
         assert torch.allclose(attn.k_proj(x), 2 * k, atol=1e-5) and len(rows) == 2
         ref_v = plain.model.layers[0].self_attn.v_proj(x / 2)
@@ -776,6 +790,10 @@ def test_torch_compile_keeps_each_sparse_layer_one_operator_in_one_graph(pruned_
         q_proj = model.model.layers[0].self_attn.q_proj
         assert q_proj.fused_inputs.stacked.out_features in rows        # the group's one stacked call
         assert len(rows) == 4 * len(model.model.layers)              # per block: q/k/v, o, gate/up, down
+        attn = model.model.layers[0].self_attn   # one token: each member's rows are contiguous, yet its own storage
+        x1 = torch.randn(1, 1, q_proj.in_features)
+        outs = [torch.ops.shuffleprune.sparse_linear(x1, lin._key) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        assert len({o.untyped_storage().data_ptr() for o in outs}) == 3
         twin = copy.deepcopy(q_proj)
         assert twin._key != q_proj._key
         twin.fused_inputs = None

@@ -488,6 +488,44 @@ def test_auto_runs_the_graph_choice_in_a_capture_and_the_eager_one_outside(monke
     sparse_linear.release_choices()
 
 
+def test_cslt_configuration_is_searched_once_per_kind_of_layer_and_never_in_a_capture(monkeypatch):
+    """cuSPARSELt's searched configuration is shared by layers of one shape and token count (``auto``
+    measures one layer of each kind; the others must not run unsearched in a CUDA graph); a count
+    first met inside a capture runs cuSPARSELt's default there and is searched at its first eager call."""
+    from shuffleprune.deploy import sparse_linear
+
+    sparse_linear.release_choices()
+    searched, configs, in_capture = [], [], [False]
+
+    def fake_search(packed, xt, bias):
+        searched.append(xt.shape[1])
+        return (3, 2, 1)
+
+    def fake_mm(packed, xt, bias, alpha, out_dtype, transpose_result, *config):
+        configs.append(config)
+        return torch.zeros(xt.shape[1], packed.shape[0], dtype=xt.dtype)
+
+    monkeypatch.setattr(sparse_linear, "cslt_search", fake_search)
+    monkeypatch.setattr(sparse_linear, "capturing", lambda x: in_capture[0])
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", fake_mm)
+    _, values, meta, *_ = _case(64, 64, 2, 4, 1, torch.bfloat16)
+    layers = [SparseLinear(values, meta, 64, 2, 4) for _ in range(3)]
+    assert all(layer.use_cslt_layout() for layer in layers)
+    x32, x20 = torch.randn(32, 64).bfloat16(), torch.randn(20, 64).bfloat16()
+    assert layers[0]._cslt(x32).shape == (32, 64)
+    layers[1]._cslt(x32)
+    assert searched == [32] and configs == [(3, 2, 1)] * 2
+    in_capture[0] = True
+    layers[2]._cslt(x32), layers[2]._cslt(x20)
+    assert searched == [32] and configs[2:] == [(3, 2, 1), ()]   # the shared search; the default in a capture
+    in_capture[0] = False
+    layers[2]._cslt(x20)
+    assert searched == [32, 20] and configs[-1] == (3, 2, 1)
+    sparse_linear.release_choices()
+    layers[0]._cslt(x32)
+    assert searched == [32, 20, 32]
+
+
 def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
     """``auto`` keeps the fastest candidate that ran; one that raises what a GPU with less shared memory
     than an H100 raises (Triton's OutOfResources), a RuntimeError or a ValueError is skipped, not

@@ -9,7 +9,8 @@ architecture is assumed) among layers of one block with the same width, pattern,
 and bias presence. The stacked weight is built on the group's first call, on the device the model
 then lives on, and every member's ``values`` / ``meta`` become views of it: GPU memory holds one
 copy. The first member called computes the stacked output; the others take their rows of it while
-the input is the same tensor, unmodified (as :class:`SharedGather` does for inputs).
+the input is the same tensor, unmodified (as :class:`SharedGather` does for inputs); once every
+member has taken its rows, the group lets go of both tensors.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class FusedInputs:
         self._source: torch.Tensor | None = None
         self._version = -1
         self._out: torch.Tensor | None = None
+        self._served: set[int] = set()   # the members that took their rows of ``_out``
 
     def _current(self) -> bool:
         """Whether the stacked layer still holds the members' storage (a ``.to()`` copies each member)."""
@@ -83,8 +85,19 @@ class FusedInputs:
             self._build()   # forgets the cached output
         if x is not self._source or x._version != self._version:
             self._source, self._version, self._out = x, x._version, self.stacked(x)
+            self._served = set()
         lo, hi = self.offsets[id(layer)]
-        return self._out[..., lo:hi]
+        rows = self._out[..., lo:hi]
+        self._served.add(id(layer))
+        if len(self._served) == len(self.layers):   # every member has its rows: the group holds neither tensor
+            self.release()
+        return rows
+
+    def release(self) -> None:
+        """Let go of the cached input and output (their memory is freed once the members' rows are;
+        a cache held past its use raised peak memory, and a CUDA graph pool's tensors held by Python
+        state are what ``torch.compile``'s CUDA graphs refuse)."""
+        self._source, self._version, self._out = None, -1, None
 
 
 def _compatible(a: SparseLinear, b: SparseLinear) -> bool:

@@ -68,7 +68,7 @@ def attach_sparse_layers(model: nn.Module, path: Path, fmt: dict, policy: str = 
         layer = SparseLinear(values.to(dtype), meta, cols, n, m, perm, tensors.get(f"{name}.bias", None), policy=policy)
         if perm is not None:  # siblings (same parent module) with the same map share one gather
             key = (parent_name, tuple(perm.tolist()))
-            layer.shared_gather = shares.setdefault(key, SharedGather())
+            layer.shared_gather = shares.setdefault(key, SharedGather()).join()
         setattr(parent, child, layer)
     attach_sparse_experts(model, tensors, fmt, policy)
     return model

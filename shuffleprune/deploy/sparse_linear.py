@@ -94,25 +94,43 @@ def release_scratch() -> None:
     _SCRATCH.clear()
 
 
+_CSLT_CONFIGS: dict[tuple, tuple[int, ...]] = {}   # (device, dtype, rows, cols, bias?, tokens) → cslt_search's
+                                                   # configuration: one search per kind of layer, as _CHOICES
+
+
 def release_choices() -> None:
-    """Forget the implementations ``auto`` measured (the next call of each kind of layer measures again)."""
+    """Forget the implementations ``auto`` measured and cuSPARSELt's searched configurations (the next
+    call of each kind of layer measures again)."""
     _CHOICES.clear()
+    _CSLT_CONFIGS.clear()
 
 
 class SharedGather:
     """One gathered input ``x[..., perm]`` shared by the layers of a group that read the same input
     through the same index map (q/k/v, gate/up): the first layer gathers, the others reuse it while
-    the input tensor is the same object, unmodified."""
+    the input tensor is the same object, unmodified. Layers join with :meth:`join`; once as many
+    gets as members have read one gathered input, it is let go (0 members: kept until the next input)."""
 
     def __init__(self) -> None:
+        self.members = 0
         self._source: torch.Tensor | None = None  # held, so its memory cannot be reused by another tensor
         self._version = -1
         self._value: torch.Tensor | None = None
+        self._reads = 0
+
+    def join(self) -> "SharedGather":
+        """Count one more layer reading through this gather; returns it."""
+        self.members += 1
+        return self
 
     def get(self, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
         if x is not self._source or x._version != self._version:
-            self._source, self._version, self._value = x, x._version, x.index_select(-1, perm)
-        return self._value
+            self._source, self._version, self._value, self._reads = x, x._version, x.index_select(-1, perm), 0
+        value = self._value
+        self._reads += 1
+        if self._reads == self.members:   # every member has read it
+            self._source, self._version, self._value = None, -1, None
+        return value
 
 
 def token_bucket(tokens: int) -> int:
@@ -210,7 +228,6 @@ class SparseLinear(nn.Module):
         self.values, self.meta = split_buffer(packed)
         self._packed, self.tiled, self._words = packed, True, None
         self._semi.pop("cslt", None)        # a compressed copy made before, now redundant
-        self._semi.pop("cslt_algs", None)
         self.forget_choices()
         return True
 
@@ -284,8 +301,10 @@ class SparseLinear(nn.Module):
 
     def _cslt(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., perm] @ W_pᵀ + b`` by cuSPARSELt with the configuration its search finds fastest for
-        this token count (searched eagerly at the first call of each count, so a CUDA graph captures
-        only the multiply): on the layer's own buffer after :meth:`use_cslt_layout`, else on a
+        this shape and token count, searched eagerly at the first call of each (``_CSLT_CONFIGS``,
+        shared by every layer of that shape: ``auto`` measures one of them, and the others' first
+        call may be inside a CUDA graph capture, where nothing is searched and cuSPARSELt's default
+        configuration runs): on the layer's own buffer after :meth:`use_cslt_layout`, else on a
         compressed copy made at the first call."""
         if self.tiled:
             packed = self._packed_buffer()
@@ -293,15 +312,13 @@ class SparseLinear(nn.Module):
             if "cslt" not in self._semi:
                 self._semi["cslt"] = torch._cslt_compress(self.dense_permuted())
             packed = self._semi["cslt"]
-        algs = self._semi.setdefault("cslt_algs", {})   # token count → cslt_search's configuration
         xg = self._gathered(x)
         xt = xg.reshape(-1, xg.shape[-1]).t()   # [C, T]: cuSPARSELt multiplies the sparse matrix from the left
-        if xt.shape[1] not in algs:
-            if capturing(xt):   # no search inside a capture: cuSPARSELt's default configuration
-                return torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True).reshape(
-                    *x.shape[:-1], self.out_features)
-            algs[xt.shape[1]] = cslt_search(packed, xt, self.bias)
-        y = torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True, *algs[xt.shape[1]])
+        key = (str(xt.device), xt.dtype, self.out_features, self.in_features, self.bias is not None, xt.shape[1])
+        config = _CSLT_CONFIGS.get(key)
+        if config is None:
+            config = () if capturing(xt) else _CSLT_CONFIGS.setdefault(key, cslt_search(packed, xt, self.bias))
+        y = torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True, *config)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
@@ -419,9 +436,11 @@ def sparse_linear_op(x: torch.Tensor, key: int) -> torch.Tensor:
     keeps whole in its graph: the layer's choices, shared gathers and stacked groups (Python state
     Dynamo would break the graph on) run inside it, and a CUDA graph of the compiled model
     (``mode="reduce-overhead"``) captures the kernels they launch. A stacked group member's rows of
-    the group's output are copied out when they are not contiguous (more than one token), as the
-    compiled graph expects of a new tensor."""
-    return _LAYERS[key].eager_forward(x).contiguous()
+    the group's output are copied out (the compiled graph takes each operator's output as storage of
+    its own, which it may reuse once that output is dead: rows of one shared tensor are not)."""
+    layer = _LAYERS[key]
+    y = layer.eager_forward(x)
+    return y.clone(memory_format=torch.contiguous_format) if layer.fused_inputs is not None else y.contiguous()
 
 
 @sparse_linear_op.register_fake
