@@ -31,8 +31,8 @@ def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = Tr
     64, columns of 32) as one cuSPARSELt buffer that the decode kernels read too, so prompts served
     with CUDA graphs run on the sparse tensor cores; ``None`` (default) does so on a Hopper GPU whose
     PyTorch has cuSPARSELt. On an H100, with CUDA graphs, this default decoded a LLaMA-2-7B shape at
-    1.58× dense's tokens/s and prefilled 512 tokens in 0.83× its time, with 0.58× its weight memory
-    (``scripts/results/bench_e2e.json``). Load onto the GPU, then ``.to()`` nothing. The tokenizer:
+    1.58× dense's tokens/s and prefilled 512 tokens in 0.83–0.98× its time, with 0.58× its weight
+    memory (``scripts/results/bench_e2e.json``, README *Benchmarks → GPU*). Load onto the GPU, then ``.to()`` nothing. The tokenizer:
     ``transformers.AutoTokenizer.from_pretrained(path)``."""
     from shuffleprune.deploy.serving import MAPS_PLACES, arrange_for_serving
     from shuffleprune.models import load_model

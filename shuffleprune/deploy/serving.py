@@ -15,8 +15,8 @@ MAPS_PLACES = ("kernel", "producer")
 def cslt_by_default(device: torch.device) -> bool:
     """Whether ``load`` holds 2:4 layers in cuSPARSELt's buffer unasked: on a Hopper GPU (compute
     capability 9.0: the layout was learned there, ``deploy/cslt_layout.py``) whose PyTorch has
-    cuSPARSELt. There an H100 prefilled a LLaMA-2-7B shape in 0.83× dense's time instead of 1.36×, and
-    decoded 1.58× dense instead of 1.61× (``scripts/results/bench_e2e.json``)."""
+    cuSPARSELt. There an H100 prefilled a LLaMA-2-7B shape in 0.83–0.98× dense's time instead of
+    1.37×, and decoded 1.58× dense instead of 1.61× (``scripts/results/bench_e2e.json``)."""
     return (device.type == "cuda" and torch.backends.cusparselt.is_available()
             and torch.cuda.get_device_capability(device) == (9, 0))
 
