@@ -34,11 +34,10 @@ def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = Tr
     1.58× dense's tokens/s and prefilled 512 tokens in 0.83–0.98× its time, with 0.58× its weight
     memory (``scripts/results/bench_e2e.json``, README *Benchmarks → GPU*). Load onto the GPU, then ``.to()`` nothing. The tokenizer:
     ``transformers.AutoTokenizer.from_pretrained(path)``."""
-    from shuffleprune.deploy.serving import MAPS_PLACES, arrange_for_serving
+    from shuffleprune.deploy.serving import arrange_for_serving, check_maps
     from shuffleprune.models import load_model
 
-    if maps not in MAPS_PLACES:   # before the weights are read
-        raise ValueError(f"maps must be 'kernel' or 'producer', not {maps!r}")
+    check_maps(maps)   # before the weights are read
     model = load_model(path, dtype).model
     arrange_for_serving(model, maps=maps, fuse=fuse, cslt=cslt)
     return model

@@ -752,10 +752,10 @@ def test_layers_reading_one_input_run_as_one_stacked_layer(pruned_perm_dir, tmp_
     x = torch.randn(1, 5, attn.q_proj.in_features)
     with torch.no_grad():
         q = attn.q_proj(x)
-        assert group._source is x and group._out is not None        # k and v will take their rows of it
+        assert group.output_cache._source is x and group.output_cache._value is not None   # k, v take rows of it
         k, v = attn.k_proj(x), attn.v_proj(x)
         assert rows == [stacked.out_features]                      # one stacked call for the three
-        assert group._source is None and group._out is None        # all took their rows: the group holds neither
+        assert group.output_cache._source is None and group.output_cache._value is None   # all took theirs: held no more
         x.mul_(2)                                                   # changed in place: computed again
         assert torch.allclose(attn.k_proj(x), 2 * k, atol=1e-5) and len(rows) == 2
         ref_v = plain.model.layers[0].self_attn.v_proj(x / 2)

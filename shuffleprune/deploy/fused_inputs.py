@@ -23,7 +23,7 @@ from torch import nn
 from shuffleprune.block_inputs import block_probe
 from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
-from shuffleprune.deploy.sparse_linear import SparseLinear
+from shuffleprune.deploy.sparse_linear import InputShared, SparseLinear
 from shuffleprune.runtime import capturing
 
 
@@ -38,10 +38,7 @@ class FusedInputs:
             self.offsets[id(layer)] = (start, start + layer.out_features)
             start += layer.out_features
         self.stacked: SparseLinear | None = None  # built on the first call, where the layers live
-        self._source: torch.Tensor | None = None
-        self._version = -1
-        self._out: torch.Tensor | None = None
-        self._served: set[int] = set()   # the members that took their rows of ``_out``
+        self.output_cache = InputShared(len(layers))   # the stacked output, until every member took its rows
 
     def _current(self) -> bool:
         """Whether the stacked layer still holds the members' storage (a ``.to()`` copies each member)."""
@@ -73,7 +70,7 @@ class FusedInputs:
             layer._packed = None   # a member's own buffer, if it had one, is freed (a view of the stack's rows serves)
             if bias is not None:
                 layer.bias = nn.Parameter(bias[lo:hi], requires_grad=False)
-        self._source = None
+        self.output_cache.release()
 
     def output(self, layer: SparseLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``layer``'s output on ``x`` from the group's stacked call (``None`` where the group cannot
@@ -83,21 +80,8 @@ class FusedInputs:
             if capturing(x):
                 return None
             self._build()   # forgets the cached output
-        if x is not self._source or x._version != self._version:
-            self._source, self._version, self._out = x, x._version, self.stacked(x)
-            self._served = set()
         lo, hi = self.offsets[id(layer)]
-        rows = self._out[..., lo:hi]
-        self._served.add(id(layer))
-        if len(self._served) == len(self.layers):   # every member has its rows: the group holds neither tensor
-            self.release()
-        return rows
-
-    def release(self) -> None:
-        """Let go of the cached input and output (their memory is freed once the members' rows are;
-        a cache held past its use raised peak memory, and a CUDA graph pool's tensors held by Python
-        state are what ``torch.compile``'s CUDA graphs refuse)."""
-        self._source, self._version, self._out = None, -1, None
+        return self.output_cache.get(x, id(layer), self.stacked)[..., lo:hi]
 
 
 def _compatible(a: SparseLinear, b: SparseLinear) -> bool:

@@ -12,6 +12,12 @@ from shuffleprune.block_inputs import lazy_block_probe
 MAPS_PLACES = ("kernel", "producer")
 
 
+def check_maps(maps: str) -> None:
+    """Refuse a ``maps`` that is no place for an index map (``load`` calls it before reading weights)."""
+    if maps not in MAPS_PLACES:
+        raise ValueError(f"maps must be 'kernel' or 'producer', not {maps!r}")
+
+
 def cslt_by_default(device: torch.device) -> bool:
     """Whether ``load`` holds 2:4 layers in cuSPARSELt's buffer unasked: on a Hopper GPU (compute
     capability 9.0: the layout was learned there, ``deploy/cslt_layout.py``) whose PyTorch has
@@ -21,13 +27,6 @@ def cslt_by_default(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """Where ``model``'s first parameter (or buffer) lives; the CPU for a model with neither."""
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
 def arrange_for_serving(model: nn.Module, maps: str = "producer", fuse: bool = True,
                         cslt: bool | None = None) -> dict[str, Any]:
     """Lay ``model``'s sparse layers out for serving, in place: ``maps="producer"`` moves shared index
@@ -35,15 +34,14 @@ def arrange_for_serving(model: nn.Module, maps: str = "producer", fuse: bool = T
     ``cslt`` holds each 2:4 16-bit layer as one cuSPARSELt buffer (None: :func:`cslt_by_default` on
     the model's device); ``fuse`` stacks the layers that read one input (q/k/v, gate/up). Returns
     what changed: ``maps_moved`` ({producer: layers}), ``cslt_layers``, ``stacked_groups``."""
-    if maps not in MAPS_PLACES:
-        raise ValueError(f"maps must be 'kernel' or 'producer', not {maps!r}")
+    check_maps(maps)
     probe = lazy_block_probe(model)   # one probe for both rewrites, built only if one needs it
     done: dict[str, Any] = {"maps_moved": {}, "cslt_layers": [], "stacked_groups": []}
     if maps == "producer":
         from shuffleprune.deploy.producer_maps import move_maps_to_producers
 
         done["maps_moved"] = move_maps_to_producers(model, probe=probe)
-    if cslt if cslt is not None else cslt_by_default(model_device(model)):
+    if cslt if cslt is not None else cslt_by_default(next(model.parameters()).device):
         from shuffleprune.deploy.sparse_linear import use_cslt_layout
 
         done["cslt_layers"] = use_cslt_layout(model)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,32 +106,46 @@ def release_choices() -> None:
     _CSLT_CONFIGS.clear()
 
 
-class SharedGather:
-    """One gathered input ``x[..., perm]`` shared by the layers of a group that read the same input
-    through the same index map (q/k/v, gate/up): the first layer gathers, the others reuse it while
-    the input tensor is the same object, unmodified. Layers join with :meth:`join`; once as many
-    gets as members have read one gathered input, it is let go (0 members: kept until the next input)."""
+class InputShared:
+    """A tensor computed once from an input and shared by ``members`` readers while the input is the
+    same object, unmodified; let go once every member has read it (0 members: kept until the next
+    input), so no cache outlives its use (peak memory; a CUDA graph pool's tensors held by Python
+    state are what ``torch.compile``'s CUDA graphs refuse)."""
 
-    def __init__(self) -> None:
-        self.members = 0
-        self._source: torch.Tensor | None = None  # held, so its memory cannot be reused by another tensor
+    def __init__(self, members: int = 0) -> None:
+        self.members = members
+        self.release()
+
+    def get(self, x: torch.Tensor, reader: int, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``compute(x)``, computed at the first read of ``x`` (``reader``: who reads, by id)."""
+        if x is not self._source or x._version != self._version:   # held, so its memory cannot be reused
+            self._source, self._version, self._value, self._readers = x, x._version, compute(x), set()
+        value = self._value
+        self._readers.add(reader)
+        if len(self._readers) == self.members:   # every member has read it
+            self.release()
+        return value
+
+    def release(self) -> None:
+        """Let go of the input and the computed tensor."""
+        self._source: torch.Tensor | None = None
         self._version = -1
         self._value: torch.Tensor | None = None
-        self._reads = 0
+        self._readers: set[int] = set()
+
+
+class SharedGather(InputShared):
+    """One gathered input ``x[..., perm]`` shared by the layers of a group that read the same input
+    through the same index map (q/k/v, gate/up): the first layer gathers, the others reuse it while
+    the input tensor is the same object, unmodified. Layers join with :meth:`join`."""
 
     def join(self) -> "SharedGather":
         """Count one more layer reading through this gather; returns it."""
         self.members += 1
         return self
 
-    def get(self, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        if x is not self._source or x._version != self._version:
-            self._source, self._version, self._value, self._reads = x, x._version, x.index_select(-1, perm), 0
-        value = self._value
-        self._reads += 1
-        if self._reads == self.members:   # every member has read it
-            self._source, self._version, self._value = None, -1, None
-        return value
+    def gathered(self, x: torch.Tensor, perm: torch.Tensor, reader: int) -> torch.Tensor:
+        return self.get(x, reader, lambda t: t.index_select(-1, perm))
 
 
 def token_bucket(tokens: int) -> int:
@@ -252,7 +267,7 @@ class SparseLinear(nn.Module):
         if self.perm is None:
             return x
         if self.shared_gather is not None:
-            return self.shared_gather.get(x, self.perm)
+            return self.shared_gather.gathered(x, self.perm, id(self))
         return x.index_select(-1, self.perm)
 
     def _pow2(self) -> bool:
@@ -364,7 +379,7 @@ class SparseLinear(nn.Module):
         eagerly and the faster serves them. The shared gather is bypassed, so ``decode`` pays for its
         own gather."""
         shared, self.shared_gather = self.shared_gather, None
-        best, best_ms = default_choice(candidates), float("inf")
+        fallback = default_choice(candidates)   # what runs if no candidate is timed
         timed: dict[str, float] = {}
         try:
             ref = self._reference(x)
@@ -375,15 +390,14 @@ class SparseLinear(nn.Module):
                         warnings.warn(f"SparseLinear {self.out_features}x{self.in_features}: {impl} is off by "
                                       f"{error:.3g} of the output's scale on this device; not used", RuntimeWarning,
                                       stacklevel=2)
-                        if best == impl:
-                            best = "scratch"
+                        if fallback == impl:
+                            fallback = "scratch"
                         continue
                     ms, _ = cuda_graph_ms([lambda impl=impl: self._run(impl, x)] * calls, reps, warm=3)
                 except candidate_errors():  # e.g. a tile that does not fit this GPU's shared memory
                     continue
                 timed[impl] = ms
-                if ms < best_ms:
-                    best, best_ms = impl, ms
+            best = min(timed, key=timed.__getitem__) if timed else fallback   # the first of a tie, as before
             eager = best
             others = sorted((impl for impl in timed if impl not in EAGER_CHECKED), key=timed.__getitem__)
             if best in EAGER_CHECKED and others:
