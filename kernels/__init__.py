@@ -7,5 +7,7 @@ loops and their plan), ``nm_gemm`` (prefill GEMM and decompression into the shar
 host code plans with). ``nm_experts``: every expert of a fused MoE projection in one launch (the
 decode loops per block of pairs routed to one expert). ``nm_matmul``: the first gather / group
 kernels, kept as candidates. ``norm_map``: an RMSNorm that writes its output through an index map
-(producer-side maps). ``compile_check``: compile them for sm_90a without a GPU and read the result.
+(producer-side maps). ``overlap``: programmatic dependent launch (a decode starting, and prefetching
+its weight, while the kernel before it ends); ``gather``: an index map's gather that lets the decode
+after it start early. ``compile_check``: compile them for sm_90a without a GPU and read the result.
 """

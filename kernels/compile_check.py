@@ -96,7 +96,7 @@ def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
 
     launches: list[Launch] = []
     run, active = JITFunction.run, driver._active
-    upcast, sm_count, smem, native = gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native
+    upcast, sm_count, smem, native, pdl = gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
@@ -107,12 +107,13 @@ def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
     JITFunction.run = compile_launch
     gpu.upcast, gpu.sm_count, gpu.native = (lambda x: False), (lambda device: spec.sms), (lambda x: True)
     gpu.smem_per_sm = lambda device: spec.smem_per_sm
+    gpu.pdl = lambda x: spec.arch >= 90
     try:
         yield launches
     finally:
         JITFunction.run = run
         driver._active = active
-        gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native = upcast, sm_count, smem, native
+        gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl = upcast, sm_count, smem, native, pdl
 
 
 def _a_kernel():
@@ -198,6 +199,23 @@ def published_sum(sass: str) -> bool | None:
         any("CCTL.IVALL" in ln for ln in lines[i + 1:i + 4])
 
 
+def grid_dependency(ptx: str) -> dict | None:
+    """Where a programmatic dependent's instructions sit in ``ptx`` (:mod:`.overlap`): whether it waits
+    (``griddepcontrol.wait``) and releases the next kernel (``.launch_dependents``), its L2 prefetches
+    and whether all come before the wait, and the global loads issued before the wait (all a kernel
+    may read then is what no kernel writes: its weight, an index map). ``None``: neither instruction."""
+    lines = ptx.splitlines()
+    wait = next((i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln), None)
+    release = any("griddepcontrol.launch_dependents" in ln for ln in lines)
+    if wait is None and not release:
+        return None
+    prefetches = [i for i, ln in enumerate(lines) if "prefetch.global.L2" in ln]
+    early = [m.group(1) for ln in lines[:wait or 0] for m in [_LOAD.search(ln)] if m]
+    return {"wait": wait is not None, "release": release, "prefetches": len(prefetches),
+            "prefetch_before_wait": wait is not None and all(i < wait for i in prefetches),
+            "loads_before_wait": early}
+
+
 def issue_ceiling_tbs(bytes_per_iteration: float, loop_insts: int, num_warps: int,
                       spec: GPUSpec = H100) -> float | None:
     """The memory rate (TB/s) at which a streaming loop's instructions alone would take all of every
@@ -235,5 +253,7 @@ def report(launch: Launch, spec: GPUSpec = H100) -> dict:
         "loop_instructions": len(loop),
         "loop_sync_loads": sync_loads(loop),
         "split_sum_fenced": published_sum(sass),
+        "launch_pdl": bool(getattr(md, "launch_pdl", False)),
+        "grid_dependency": grid_dependency(ptx),
         "constexprs": {k_: v for k_, v in launch.constexprs.items() if isinstance(v, (int, str, bool))},
     }

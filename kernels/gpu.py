@@ -22,6 +22,13 @@ def native(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and torch.version.hip is None
 
 
+def pdl(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x``'s device may launch as programmatic dependents (``kernels/overlap.py``):
+    an NVIDIA GPU of compute capability 9.0 or more (Hopper's grid dependency control); never
+    interpreted on the CPU."""
+    return x.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (a small number under the interpreter)."""
     if device.type == "cuda":

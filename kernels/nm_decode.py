@@ -25,11 +25,12 @@ try:
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
-from shuffleprune.kernels import gpu, split_k
+from shuffleprune.kernels import gpu, overlap, split_k
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
     from shuffleprune.kernels.nm_words import cslt_positions, dense_tile, kept_tile, mma_step, positions
+    from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
     from shuffleprune.kernels.split_k import write_output
 
     @triton.jit
@@ -98,15 +99,23 @@ if triton is not None:
                           BLOCK_T: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr = "tf32",
                           UPCAST: tl.constexpr = False, WEIGHT_A: tl.constexpr = False,
                           TILED: tl.constexpr = False, X_WORDS: tl.constexpr = False,
-                          SUM_HERE: tl.constexpr = False, NATIVE: tl.constexpr = True):
+                          SUM_HERE: tl.constexpr = False, NATIVE: tl.constexpr = True,
+                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64):
         """Rows ``program_id(0)``, kept values of split ``program_id(1)``, every token: the select loop
         (:func:`select_loop`: few tokens, no tensor cores, no dense tile) or, with ``USE_DOT``, the
         tensor-core loop (:func:`dot_loop`; ``PREC``, ``UPCAST``, ``WEIGHT_A`` and ``NATIVE`` are its
         own). A map's gather is read as 32-bit words the pipeline copies (``X_WORDS``, see
-        :func:`_step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`)."""
+        :func:`_step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`). ``PDL``
+        (launched as a programmatic dependent, :mod:`.overlap`): the first ``PREFETCH`` kept values of
+        each row go to L2 while the kernel before still runs; nothing is read of the input, nor
+        written, before that kernel has ended."""
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
         k_start = pid_s * K_PER_SPLIT
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        if PREFETCH > 0:
+            prefetch_rows(val_ptr, rows, row_ok, K, k_start, k_end, PREFETCH, LINE)
+        wait_for_inputs(PDL)
+        release_next(PDL)
         if USE_DOT:
             acc = dot_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
                            stride_xt, N, M, BITS, HAS_PERM, PREC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, WEIGHT_A,
@@ -296,7 +305,8 @@ def word_gather(x2: torch.Tensor) -> bool:
 
 def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
               perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
-              async_gather: bool | None = None, sum_in_kernel: bool | None = None, **plan_overrides) -> torch.Tensor:
+              async_gather: bool | None = None, sum_in_kernel: bool | None = None, pdl: bool = False,
+              **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with at most :func:`decode_max_tokens` tokens (64; float32: 16) →
     ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``. ``tiled``: ``words`` ``[R, C/32]`` hold 2:4
     positions in cuSPARSELt's order (:func:`shuffleprune.deploy.cslt_layout.cslt_words`), not row
@@ -305,7 +315,10 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     the pipeline copies ahead (default: wherever :func:`word_gather` allows; the other tensor-core
     kernel would spill with them), ``False`` one step ahead in registers (to 16 tokens).
     ``sum_in_kernel``: split-K's last program of each row tile adds the partial sums (default, see
-    :func:`.split_k.split_counters`); ``False``: a second launch does (:func:`.split_k.sum_partials`)."""
+    :func:`.split_k.split_counters`); ``False``: a second launch does (:func:`.split_k.sum_partials`).
+    ``pdl``: launch as a programmatic dependent that prefetches its weight's first part into L2 while
+    the kernel before it ends (:mod:`.overlap`; where :func:`.overlap.enabled`, else an ordinary
+    launch: the same result either way)."""
     check_pattern(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -329,7 +342,13 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
                   TILED=tiled, X_WORDS=x_words, SUM_HERE=counts is not None, num_warps=p["num_warps"])
     dot = dict(PREC=gpu.precision(x), UPCAST=gpu.upcast(x), WEIGHT_A=p["weight_a"], NATIVE=gpu.native(x))
-    _nm_decode_kernel[grid](*args, USE_DOT=p["use_dot"], **(dot if p["use_dot"] else {}), **common)
+    pdl = pdl and overlap.enabled(x)
+    if pdl:   # each program prefetches its rows' first kept values of its split
+        line = overlap.LINE_BYTES // values.element_size()
+        common.update(PDL=True, LINE=line, PREFETCH=overlap.prefetch_per_row(grid[0] * grid[1], p["block_r"],
+                                                                            p["per_split"], values.element_size()))
+    _nm_decode_kernel[grid](*args, USE_DOT=p["use_dot"], **(dot if p["use_dot"] else {}), **common,
+                            **overlap.launch_options(pdl))
     if p["split"] > 1 and counts is None:
         y = split_k.sum_partials(part, bias, y)
     return y.reshape(*lead, rows)

@@ -4,6 +4,8 @@
 ``scale = (weight + offset)[perm]`` precomputed in float32 (``offset`` 1 for norms that multiply by
 ``1 + weight``). One program per token row: the row is read once for its mean square and once more,
 through the map, from cache; the output is written in order. The layers reading it then need no map.
+On Hopper it lets the next kernel start at once (:mod:`.overlap`): the decode reading its output
+prefetches its weight while the norm runs.
 Runs on the CPU under ``TRITON_INTERPRET=1`` (how CI checks it).
 """
 from __future__ import annotations
@@ -16,11 +18,18 @@ try:
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
+from shuffleprune.kernels import overlap
 
 if triton is not None:
+    from shuffleprune.kernels.overlap import release_next
+
     @triton.jit
     def _rmsnorm_mapped_kernel(x_ptr, scale_ptr, perm_ptr, y_ptr, D, stride_x, stride_y, eps,
-                               BLOCK_D: tl.constexpr):
+                               BLOCK_D: tl.constexpr, RELEASE: tl.constexpr = False):
+        """Token row ``program_id(0)``. ``RELEASE``: the next kernel, if launched as a programmatic
+        dependent (the decode of the layers reading this output), may start now and prefetch its
+        weight; it waits for this kernel's end before reading ``y`` (:mod:`.overlap`)."""
+        release_next(RELEASE)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         ok = cols < D
@@ -47,5 +56,6 @@ def rmsnorm_mapped(x: torch.Tensor, scale: torch.Tensor, perm: torch.Tensor, eps
     if x2.shape[0]:
         block = triton.next_power_of_2(d)
         _rmsnorm_mapped_kernel[(x2.shape[0],)](x2, scale, perm, y, d, x2.stride(0), y.stride(0), float(eps),
-                                               BLOCK_D=block, num_warps=max(1, min(16, block // 256)))
+                                               BLOCK_D=block, num_warps=max(1, min(16, block // 256)),
+                                               RELEASE=overlap.enabled(x))
     return y.view(*x.shape)

@@ -29,7 +29,9 @@ unstacked and stacked again, with each layer's weight held as one cuSPARSELt buf
 ``load_default`` names the variant ``load`` serves on this device (``arrange_for_serving``: the
 stacked cuSPARSELt buffer on Hopper); ``--decode compile`` measures that one only. The eager prefill
 (``prefill_eager_ms``) shows what a model run without CUDA graphs gets: there ``auto`` keeps
-cuSPARSELt only if it also wins eagerly (``eager_kernel_choices_…``).
+cuSPARSELt only if it also wins eagerly (``eager_kernel_choices_…``). Last, that model again with
+every kernel ``auto`` chose as a programmatic dependent (``+pdl``, Hopper) launched plainly
+(``cslt_buffer_stacked_no_pdl``): what the dependent launches add end to end.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def main() -> None:
     from shuffleprune.deploy.serving import arrange_for_serving, cslt_by_default
     from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts
     from shuffleprune.deploy.sparse_linear import (SharedGather, SparseLinear, relative_error, release_scratch,
-                                                   use_cslt_layout)
+                                                   split_pdl, use_cslt_layout)
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
     from shuffleprune.runtime import machine, versions
@@ -315,6 +317,19 @@ def main() -> None:
     save({}, [dense_row], complete=False)
     sparse_row, _ = measure(model, "2:4+index maps (SparseLinear auto)")
 
+    def launch_plainly(model) -> int:
+        """Every sparse layer's (and stacked group's) ``+pdl`` choices launched plainly; returns how many."""
+        layers = [mod for mod in model.modules() if isinstance(mod, SparseLinear)]
+        layers += list({id(m.fused_inputs): m.fused_inputs.stacked for m in layers
+                        if m.fused_inputs is not None and m.fused_inputs.stacked is not None}.values())
+        changed = 0
+        for layer in layers:
+            for made in (layer.choices, layer.eager_choices):
+                for bucket, impl in made.items():
+                    changed += split_pdl(impl)[1]
+                    made[bucket] = split_pdl(impl)[0]
+        return changed
+
     def kernel_choices(eager: bool = False) -> dict:
         """Per kind of layer, token bucket → what auto runs in a CUDA graph (``eager``: outside one)."""
         choices = {}
@@ -360,9 +375,14 @@ def main() -> None:
         "2:4 in cuSPARSELt's buffer, maps at the producer, stacked"
         + (" (load's default here)" if default_variant == "cslt_buffer_stacked" else ""), groups=len(groups))
     eager_choices_cslt_stacked = kernel_choices(eager=True)
-    rows = [dense_row, sparse_row, producer_row, fused_row, cslt_row, cslt_fused_row]
+    # The same model with every "+pdl" choice launched plainly: what programmatic dependent launch adds
+    # (kernels/overlap.py; none of the choices has it off Hopper, and the row then repeats the one before)
+    plain_row, _ = measured("2:4 in cuSPARSELt's buffer, maps at the producer, stacked, no dependent launches",
+                            choices_made_plain=launch_plainly(model))
+    rows = [dense_row, sparse_row, producer_row, fused_row, cslt_row, cslt_fused_row, plain_row]
     ratio = {**ratios(sparse_row), "maps_at_producer": ratios(producer_row), "stacked": ratios(fused_row),
-             "cslt_buffer": ratios(cslt_row), "cslt_buffer_stacked": ratios(cslt_fused_row)}
+             "cslt_buffer": ratios(cslt_row), "cslt_buffer_stacked": ratios(cslt_fused_row),
+             "cslt_buffer_stacked_no_pdl": ratios(plain_row)}
     save(ratio, rows, load_default=default_variant, kernel_choices=choices,
          kernel_choices_maps_at_producer=choices_at_producer, kernel_choices_stacked=choices_stacked,
          kernel_choices_cslt_buffer=choices_cslt, kernel_choices_cslt_buffer_stacked=choices_cslt_stacked,

@@ -24,7 +24,11 @@ when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``s
 from 64 tokens)). A ``_nomap`` suffix runs that policy on a layer without a map, on the already
 permuted input (``auto_nomap``: what a layer whose map moved to its producer runs). A ``_tiled`` suffix
 (``auto_tiled``, ``decode_tiled``) runs that policy on a layer holding its weight as one cuSPARSELt
-buffer (``SparseLinear.use_cslt_layout``: ``auto`` then also times ``cslt`` on it). ``norm_rows``: the producer-side alternative for a shared map —
+buffer (``SparseLinear.use_cslt_layout``: ``auto`` then also times ``cslt`` on it). A ``+pdl`` suffix
+(``decode+pdl``, ``decode_swap+pdl``, ``decode_nomap+pdl``) launches the decode, and the Triton gather
+before it, as programmatic dependents (``kernels/overlap.py``, Hopper): each call's kernels start
+while the previous call's end and prefetch their weight's first part into L2 (``map_cost_pdl`` in the
+summary: ``decode+pdl`` over ``decode_nomap+pdl``). ``norm_rows``: the producer-side alternative for a shared map —
 an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
 writing its output through the map (``rmsnorm_mapped``, ``kernels/norm_map.py``), per input width.
 
@@ -57,23 +61,30 @@ TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
 # auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
-              "gather"]
+              "gather", "decode+pdl", "decode_swap+pdl", "decode_nomap+pdl"]
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
-from shuffleprune.deploy.sparse_linear import LIBRARY_IMPLS as SPARSE_TC  # noqa: E402  (no Triton import)
+from shuffleprune.deploy.sparse_linear import LIBRARY_IMPLS as SPARSE_TC, PDL_SUFFIX  # noqa: E402  (no Triton import)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
 def split_impl(impl: str) -> tuple[str, bool, bool]:
-    """``(policy, mapped, tiled)`` of an implementation's name: ``_tiled`` and ``_nomap`` suffixes off."""
-    tiled = impl.endswith("_tiled")
-    base = impl.removesuffix("_tiled")
-    return base.removesuffix("_nomap"), not base.endswith("_nomap"), tiled
+    """``(policy, mapped, tiled)`` of an implementation's name: ``_tiled`` and ``_nomap`` suffixes off
+    (a ``+pdl`` suffix stays on the policy)."""
+    base, pdl = impl.removesuffix(PDL_SUFFIX), impl.endswith(PDL_SUFFIX)
+    tiled = base.endswith("_tiled")
+    base = base.removesuffix("_tiled")
+    return base.removesuffix("_nomap") + (PDL_SUFFIX if pdl else ""), not base.endswith("_nomap"), tiled
+
+
+def kernel_of(impl: str) -> str:
+    """The implementation an implementation's name runs, without its layer's or launch's suffixes."""
+    return split_impl(impl)[0].removesuffix(PDL_SUFFIX)
 
 
 def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> int:
     """Bytes one call must read and write at least."""
-    impl, has_map, _ = split_impl(impl)
+    impl, has_map = kernel_of(impl), split_impl(impl)[1]
     io = tokens * cols * elt + tokens * rows * elt
     if impl == "dense":
         return rows * cols * elt + io
@@ -95,7 +106,7 @@ def runs_at(impl: str, tokens: int) -> bool:
     1–16 tokens ran 3–4× slower than dense; the first kernels 4–160× slower from 16 tokens)."""
     from shuffleprune.kernels.nm_decode import decode_max_tokens
 
-    impl = split_impl(impl)[0]   # with or without a map, in either layout
+    impl = kernel_of(impl)   # with or without a map, in either layout, launched either way
     if impl.startswith("decode") and tokens > decode_max_tokens(2):
         return False
     if impl in ("decode_select", "decode_swap") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
@@ -205,12 +216,14 @@ def main() -> None:
                 dense, auto = ms_of(shape, tokens, "dense"), ms_of(shape, tokens, "auto")
                 mapped, nomap = ms_of(shape, tokens, "decode"), ms_of(shape, tokens, "decode_nomap")
                 inkernel = ms_of(shape, tokens, "decode_mapped")
+                mapped_pdl, nomap_pdl = ms_of(shape, tokens, "decode+pdl"), ms_of(shape, tokens, "decode_nomap+pdl")
                 if dense is None:
                     continue
                 summary.append({"shape": list(shape), "tokens": tokens,
                                 "auto_speedup": round(dense / auto, 3) if dense and auto else None,
                                 "map_cost": round(mapped / nomap - 1, 4) if mapped and nomap else None,
-                                "map_cost_in_kernel": round(inkernel / nomap - 1, 4) if inkernel and nomap else None})
+                                "map_cost_in_kernel": round(inkernel / nomap - 1, 4) if inkernel and nomap else None,
+                                "map_cost_pdl": round(mapped_pdl / nomap_pdl - 1, 4) if mapped_pdl and nomap_pdl else None})
         for r in rows:
             r.update(device=dev_name, dtype="bfloat16")
         result = {"what": "2:4 linear implementations vs dense cuBLAS (rotating weight copies, CUDA graphs)",

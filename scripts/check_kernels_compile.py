@@ -5,10 +5,12 @@
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
 map, the weight-as-A decode on the gathered input and reading the map itself, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch, the first kernels
-``gather`` / ``group``, the producer-side ``rmsnorm_mapped``) on bf16 (plus fp16/fp32 and 4:8 on one
-shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
+``gather`` / ``group``, the producer-side ``rmsnorm_mapped``, and ``…_pdl``: the gather kernel and the
+decode launched as programmatic dependents, as ``SparseLinear``'s ``+pdl`` choices run them) on bf16
+(plus fp16/fp32 and 4:8 on one shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
 (``kernels/compile_check.py``). Each row: registers, spills, shared memory, programs per SM, waves,
-the widest global load, whether the weight is loaded evict-first and whether ``tl.dot`` became
+the widest global load, the grid dependency instructions (``grid_dependency``: wait, release, L2
+prefetches and the loads before the wait; ``launch_pdl``), whether the weight is loaded evict-first and whether ``tl.dot`` became
 tensor-core instructions, the machine instructions of the main loop and its synchronous global
 loads (``LDG``: what the pipeline left for the loop to wait on), and for decode the weight
 traffic (TB/s) at which those instructions alone would fill every issue slot of an H100: below the
@@ -78,6 +80,9 @@ def cases(quick: bool) -> list[dict]:
             out.append(dict(impl=impl, shape=(rows, cols), tokens=t))
     for width in ([4096] if quick else [4096, 11008, 14336]):
         out.append(dict(impl="rmsnorm_mapped", shape=(0, width), tokens=1))
+    for t in (1, 16):   # launched as programmatic dependents (SparseLinear's "+pdl" choices): gather, then decode
+        out.append(dict(impl="decode_pdl", shape=(rows, cols), tokens=t))
+    out.append(dict(impl="decode_swap_pdl", shape=(rows, cols), tokens=16))
     return out
 
 
@@ -99,6 +104,14 @@ def run_case(case: dict) -> None:
         norm_map.rmsnorm_mapped(torch.zeros(tokens, cols, dtype=dtype), torch.ones(cols), perm, 1e-6)
         return
     kept = cols // m * n
+    if impl.endswith("_pdl"):   # as SparseLinear runs "decode+pdl": the gather kernel, then the decode
+        from shuffleprune.kernels.gather import gather_columns
+
+        values = torch.zeros(rows, kept, dtype=dtype)
+        words = nm_words.position_words(torch.zeros(rows, kept * bits // 8, dtype=torch.uint8))
+        xg = gather_columns(torch.zeros(tokens, cols, dtype=dtype), perm, pdl=True)
+        nm_decode.nm_decode(xg, values, words, n, m, bits, pdl=True, **DECODE_KERNELS[impl.removesuffix("_pdl")])
+        return
     if impl.startswith("experts"):   # 8 experts stacked, each token routed to 2 of them
         from shuffleprune.kernels.nm_experts import nm_experts
 
@@ -153,7 +166,7 @@ def decode_plan_per_sm(case: dict) -> int:
     from shuffleprune.kernels import nm_decode
 
     (rows, cols), (n, m) = case["shape"], case.get("pattern", (2, 4))
-    kernel = DECODE_KERNELS.get(case["impl"], {})   # decode and decode_nomap: the plan's own kernel
+    kernel = DECODE_KERNELS.get(case["impl"].removesuffix("_pdl"), {})   # decode, decode_nomap: the plan's own
     plan = nm_decode.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
                                  element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **kernel)
     return plan["per_sm"]
@@ -198,6 +211,9 @@ def main() -> None:
                 if launch.kernel == "_sum_partials_kernel":  # split-K's elementwise sum: compiled, not reported
                     continue
                 row = {**label, **report(launch, H100)}
+                if launch.kernel == "_gather_columns_kernel":   # a "_pdl" case's gather before its decode
+                    rows.append({**row, "impl": "gather_columns_pdl"})
+                    continue
                 if case["impl"].startswith(("decode", "experts")):
                     row["issue_ceiling_tbs"] = decode_issue_ceiling(row, case)
                 if case["impl"].startswith("decode"):

@@ -79,12 +79,12 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # A session has 15 minutes of device time in all, the machine's start (about 30 s on 2026-11-26) included, and
 # one call runs 600 s at most: issue24 is the one call that measures what issue 24 must show (per-layer table
 # with Triton compiling on every core first, the model end to end, the targets table) and then load's default
-# under torch.compile(mode="reduce-overhead"); its limits sum to 590 s (measured on 2026-11-26: kernel 63-69 s,
-# e2e 65-98 s, e2e_compile failed after 89 s, so its length when it runs through is unknown: last, so a cut
-# loses only it). next1..next5 are what no GPU has timed yet, one call each (limits summing to at most 500 s),
+# under torch.compile(mode="reduce-overhead"); its limits sum to 590 s (measured on 2026-11-26: kernel 63-69 s
+# before the three "+pdl" candidates were added (about 30 % more rows, hence 150 s), e2e 65-98 s, e2e_compile
+# failed after 89 s, so its length when it runs through is unknown: last, so a cut loses only it). next1..next5 are what no GPU has timed yet, one call each (limits summing to at most 500 s),
 # in the order they matter to the issue, for later sessions or time left after issue24 (each step's seconds go
 # to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five, for the CPU smoke run.
-ISSUE24=(kernel e2e targets e2e_compile)            # 120 + 150 + 10 + 310 s
+ISSUE24=(kernel e2e targets e2e_compile)            # 150 + 150 + 10 + 280 s
 NEXT1=(tune_gather tune_split_deep)                 # 150 + 200 s
 NEXT2=(moe)                                         # 300 s
 NEXT3=(moe_stacked)                                 # 300 s
@@ -109,7 +109,7 @@ for s in "$@"; do
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 ;;
         perm_cost_tf32) step perm_cost_tf32 150 scripts/results/bench_perm_cost.json \
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 --tf32 --no-search ;;
-        kernel) step kernel 120 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py --warm-jobs 15 --warm-serving ;;
+        kernel) step kernel 150 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py --warm-jobs 15 --warm-serving ;;
         tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py --variants gather ;;
         tune_group) step tune_group 150 scripts/results/tune_kernel_group.json $PY scripts/tune_kernel.py --variants group \
             --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --out scripts/results/tune_kernel_group.json ;;
@@ -181,7 +181,7 @@ for s in "$@"; do
         e2e) step e2e 150 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
         targets) step targets 10 scripts/results/gpu_targets.json $PY scripts/gpu_targets.py \
             --json scripts/results/gpu_targets.json ;;
-        e2e_compile) step e2e_compile 310 scripts/results/bench_e2e_compile.json $PY scripts/bench_e2e.py --decode compile ;;
+        e2e_compile) step e2e_compile 280 scripts/results/bench_e2e_compile.json $PY scripts/bench_e2e.py --decode compile ;;
         moe) step moe 300 scripts/results/bench_moe.json $PY scripts/bench_moe.py ;;
         moe_stacked) step moe_stacked 300 scripts/results/bench_stacked_moe.json $PY scripts/bench_stacked_moe.py ;;
         e2e_moe) step e2e_moe 400 scripts/results/bench_e2e_mixtral.json $PY scripts/bench_e2e.py --arch mixtral ;;

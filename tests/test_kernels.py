@@ -377,7 +377,8 @@ def test_position_words_are_the_export_bytes_read_four_at_a_time():
 
 @pytest.mark.parametrize("policy,tokens", [(p, t) for p in IMPLS if p not in LIBRARY_IMPLS for t in (1, 9, 20, 70)
                                             if not (p.startswith("decode") and t > 64)
-                                            and not (p == "decode_select" and t > 16)])   # decode: ≤ 64 tokens, select ≤ 16
+                                            and not (p == "decode_select" and t > 16)]   # decode: ≤ 64 tokens, select ≤ 16
+                         + [("decode+pdl", 1), ("decode+pdl", 9), ("decode_swap+pdl", 20), ("decode_mapped+pdl", 9)])
 def test_every_sparse_linear_policy_matches_float64(policy, tokens):
     w, values, meta, _, perm, bias = _case(24, 64, 2, 4, 1, torch.float16, seed=tokens)
     x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(1)).to(torch.float16)
@@ -385,6 +386,86 @@ def test_every_sparse_linear_policy_matches_float64(policy, tokens):
     ref = x.double()[..., perm] @ w.double().t() + bias.double()
     y = lin(x)
     assert y.shape == (1, tokens, 24) and _close(y, ref, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (3, 100), (2, 2, 1500)])   # one token, ragged, two column blocks
+def test_gather_kernel_is_index_select(shape, dtype):
+    """The gather ``decode+pdl`` runs (a Triton kernel that can let the decode start early) writes
+    exactly ``x[..., perm]``, also from a strided input; a map of the wrong width is refused."""
+    from shuffleprune.kernels.gather import gather_columns
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape[:-1], 2 * shape[-1], generator=g).to(dtype)[..., ::2]   # every other column: strided
+    perm = torch.randperm(shape[-1], generator=g).to(torch.int32)
+    for pdl in (False, True):   # on the CPU pdl is an ordinary launch
+        y = gather_columns(x, perm, pdl=pdl)
+        assert y.shape == x.shape and y.is_contiguous() and torch.equal(y, x[..., perm.long()])
+    with pytest.raises(ValueError, match="must be"):
+        gather_columns(x, perm[:-1])
+
+
+def test_prefetch_share_is_whole_lines_within_the_budget_and_the_row():
+    """Each program of a dependent decode prefetches a power of two of whole 128-byte lines per row,
+    all programs together at most ``PREFETCH_BYTES``, never past the row's kept values."""
+    from shuffleprune.kernels.overlap import LINE_BYTES, PREFETCH_BYTES, prefetch_per_row
+
+    for programs, block_r, row, elt in [(256, 16, 2048, 2), (132, 64, 7168, 2), (8, 16, 96, 2), (64, 64, 1024, 4)]:
+        count = prefetch_per_row(programs, block_r, row, elt)
+        assert count * elt % LINE_BYTES == 0 and count & (count - 1) == 0
+        assert count <= row and programs * block_r * count * elt <= PREFETCH_BYTES
+        assert 2 * count > min(row, PREFETCH_BYTES // (programs * block_r * elt))   # the largest such power
+    assert prefetch_per_row(256, 16, 2048, 2) == 1024          # 8 MiB over 4096 rows of bf16: 2 KiB each
+    assert prefetch_per_row(100_000, 64, 4096, 2) == 0         # less than a line each: nothing
+
+
+def test_dependent_launch_is_off_the_gpu_and_where_the_environment_turns_it_off(monkeypatch):
+    """Programmatic dependent launch needs a CUDA GPU of compute capability 9.0 on (never the CPU's
+    interpreter) and stays off wherever ``SHUFFLEPRUNE_PDL=0``."""
+    from shuffleprune.kernels import gpu, overlap
+
+    x = torch.zeros(2)
+    assert not gpu.pdl(x) and not overlap.enabled(x)
+    monkeypatch.setattr(gpu, "pdl", lambda x: True)   # as on an H100
+    assert overlap.enabled(x)
+    monkeypatch.setenv("SHUFFLEPRUNE_PDL", "0")
+    assert not overlap.enabled(x)
+    assert overlap.launch_options(False) == {} and overlap.launch_options(True) == {"launch_pdl": True}
+
+
+def test_auto_keeps_the_dependent_launch_only_where_it_is_no_slower(monkeypatch):
+    """Where kernels can launch as programmatic dependents, the fastest candidate, if a decode kernel,
+    is timed once more with ``+pdl`` and that form kept when its output agrees and it is no slower;
+    a winner that is no decode kernel is not timed again, nor is anything off Hopper."""
+    from shuffleprune.deploy import sparse_linear
+
+    w, values, meta, x, perm, bias = _case(64, 64, 2, 4, 4, torch.float32)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
+    ref = layer._reference(x)
+    outputs, ran = {}, []
+
+    def fake_run(self, impl, x):
+        ran.append(impl)
+        return outputs.get(impl, ref)
+
+    def measure(graph: dict[str, float], candidates=("decode", "decode_swap", "scratch")) -> tuple[str, str]:
+        monkeypatch.setattr(sparse_linear, "cuda_graph_ms", lambda calls, reps, warm=2: (calls[0](), graph[ran[-1]])[1:]
+                            + ("cuda_graph",))
+        return layer._measure(x, list(candidates))
+
+    monkeypatch.setattr(SparseLinear, "_run", fake_run)
+
+    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: True)
+    assert measure({"decode": 2.0, "decode_swap": 1.0, "scratch": 3.0, "decode_swap+pdl": 0.8}) == (
+        "decode_swap+pdl", "decode_swap+pdl")
+    assert measure({"decode": 2.0, "decode_swap": 1.0, "scratch": 3.0, "decode_swap+pdl": 1.1})[0] == "decode_swap"
+    assert measure({"decode": 2.0, "decode_swap": 1.0, "scratch": 0.5})[0] == "scratch"   # +pdl never timed
+    outputs["decode_swap+pdl"] = ref * float("nan")                                      # wrong: not kept
+    assert measure({"decode": 2.0, "decode_swap": 1.0, "scratch": 3.0, "decode_swap+pdl": 0.8})[0] == "decode_swap"
+    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: False)
+    assert measure({"decode": 2.0, "decode_swap": 1.0, "scratch": 3.0})[0] == "decode_swap"
+    with pytest.raises(ValueError, match="may end in"):
+        SparseLinear(values, meta, 64, 2, 4, policy="scratch+pdl")
 
 
 def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
@@ -690,6 +771,28 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
         if r["impl"] in ("gemm_tile", "gemm_swap_tile"):   # the tables gemm_plan's cost model reads are the compiled ones
             assert r["programs_per_sm"] == r["table_per_sm"], r
             assert abs(r["loop_instructions"] - r["table_loop"]) <= 0.1 * r["table_loop"], r
+    # programmatic dependents ("+pdl"): the decode prefetches, then waits, then releases the next kernel, reading
+    # nothing before the wait, its main loop the same as launched plainly; the gather reads only its map before the
+    # wait; the mapped norm releases the decode after it at once; nothing else has any of it
+    by_key = {(r["impl"], r["tokens"], r["kernel"]): r for r in rows if r["dtype"] == "bfloat16" and r["pattern"] == "2:4"}
+    pdl_rows = [r for r in rows if r["impl"].endswith("_pdl")]
+    assert len(pdl_rows) == 6 and all(r["launch_pdl"] and r["grid_dependency"]["wait"]
+                                      and r["grid_dependency"]["release"] for r in pdl_rows), pdl_rows
+    for r in pdl_rows:
+        dep = r["grid_dependency"]
+        if r["kernel"] == "_gather_columns_kernel":
+            assert dep["loads_before_wait"] and all(op.endswith("b32") for op in dep["loads_before_wait"]), r
+        else:
+            assert dep["prefetches"] > 0 and dep["prefetch_before_wait"] and dep["loads_before_wait"] == [], r
+            plain = by_key[("decode_nomap" if r["tokens"] == 1 else "decode_swap", r["tokens"], r["kernel"])] \
+                if r["impl"] == "decode_pdl" and r["tokens"] == 1 or r["impl"] == "decode_swap_pdl" else None
+            if plain:
+                assert r["loop_instructions"] == plain["loop_instructions"], (r, plain)
+    norm = [r for r in rows if r["impl"] == "rmsnorm_mapped"]
+    assert norm and all(not r["launch_pdl"] and r["grid_dependency"]["release"] and not r["grid_dependency"]["wait"]
+                        for r in norm)
+    assert all(r["grid_dependency"] is None and not r["launch_pdl"] for r in rows
+               if not r["impl"].endswith("_pdl") and r["impl"] != "rmsnorm_mapped")
     summed_here = [r for r in rows if r["constexprs"].get("SUM_HERE")]
     assert summed_here and all(r["grid"][1] > 1 and r["split_sum_fenced"] for r in summed_here), summed_here
     assert all(r["split_sum_fenced"] is None for r in rows if not r["constexprs"].get("SUM_HERE"))

@@ -1,0 +1,81 @@
+"""Programmatic dependent launch (Hopper and later): a kernel starts while the one before it finishes.
+
+Launched with ``launch_pdl=True``, a kernel's programs may become resident once every program of the
+kernel before it has called :func:`release_next` (``griddepcontrol.launch_dependents``), instead of
+after that kernel has ended. Until :func:`wait_for_inputs` (``griddepcontrol.wait``: the kernel before
+has ended and its writes are visible) such a kernel may only read what no kernel writes — its own
+weight — and write nothing. The decode kernels use that window to pull the first part of their
+weight into L2 (:func:`prefetch_rows`) while the previous layer's kernel still streams its own, so a
+layer's first loads neither wait for its launch nor for DRAM. A kernel the one before never releases
+(cuBLAS, PyTorch's elementwise kernels) starts as usual when that one ends: nothing is lost, nothing
+overlaps. Order stays transitive: a kernel's programs release the next only after their own wait.
+
+Under ``TRITON_INTERPRET=1`` none of this runs: :func:`enabled` is false off a CUDA GPU of compute
+capability 9 or more, and the kernels then compile without it (the CPU tests check they compute the
+same; ``kernels/compile_check.py`` checks the sm_90a binary holds the wait, the release and the
+prefetches, in that order before the first load of the input).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - no triton, or one without grid dependency control
+    triton = None
+
+from shuffleprune.kernels import gpu
+
+LINE_BYTES = 128                 # one L2 prefetch request per cache line
+PREFETCH_BYTES = 8 << 20         # weight bytes one launch pulls into L2 before its input is ready, over all
+                                 # programs: about 2.5 µs of an H100's HBM3, a sixth of its 50 MB L2
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x``'s device may launch as programmatic dependents (``SHUFFLEPRUNE_PDL=0``
+    in the environment turns it off: every kernel then launches plainly)."""
+    return triton is not None and os.environ.get("SHUFFLEPRUNE_PDL", "1") != "0" and gpu.pdl(x)
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword a dependent kernel takes (none for an ordinary launch)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def prefetch_per_row(programs: int, block_rows: int, row_elements: int, element_bytes: int) -> int:
+    """Elements of each of a program's rows to prefetch: :data:`PREFETCH_BYTES` shared by ``programs``
+    programs of ``block_rows`` rows, at most the row's own ``row_elements``, a power of two of whole
+    lines (0: less than one line each, or nothing to prefetch)."""
+    line = LINE_BYTES // element_bytes
+    share = min(PREFETCH_BYTES // max(1, programs * block_rows * element_bytes), row_elements)
+    if share < line:
+        return 0
+    return 1 << (share.bit_length() - 1)
+
+
+if triton is not None:
+    @triton.jit
+    def prefetch_rows(ptr, rows, row_ok, stride, k_lo, k_hi, COUNT: tl.constexpr, LINE: tl.constexpr):
+        """Pull elements ``k_lo … k_lo + COUNT`` (not past ``k_hi``) of rows ``rows`` of a row-major
+        matrix into L2: one non-blocking request per ``LINE`` elements; nothing is read into registers."""
+        ks = k_lo + tl.arange(0, COUNT // LINE) * LINE
+        ok = row_ok[:, None] & (ks < k_hi)[None, :]
+        offsets = tl.where(ok, rows[:, None].to(tl.int64) * stride + ks[None, :], 0)   # off: the first line again
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr + offsets],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def wait_for_inputs(PDL: tl.constexpr):
+        """Block until the kernel before has ended and its writes are visible (nothing without ``PDL``)."""
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def release_next(PDL: tl.constexpr):
+        """Let the next kernel's programs start (they wait for this kernel's end before reading its output)."""
+        if PDL:
+            gdc_launch_dependents()
