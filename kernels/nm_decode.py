@@ -29,7 +29,8 @@ from shuffleprune.kernels import gpu, overlap, split_k
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
-    from shuffleprune.kernels.nm_words import cslt_positions, dense_tile, kept_tile, mma_step, positions
+    from shuffleprune.kernels.nm_words import (cslt_positions, dense_tile, kept_tile, mma_step, positions,
+                                               prefetch_positions)
     from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
     from shuffleprune.kernels.split_k import write_output
 
@@ -100,20 +101,23 @@ if triton is not None:
                           UPCAST: tl.constexpr = False, WEIGHT_A: tl.constexpr = False,
                           TILED: tl.constexpr = False, X_WORDS: tl.constexpr = False,
                           SUM_HERE: tl.constexpr = False, NATIVE: tl.constexpr = True,
-                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
+                          PREFETCH_WORDS: tl.constexpr = 0):
         """Rows ``program_id(0)``, kept values of split ``program_id(1)``, every token: the select loop
         (:func:`select_loop`: few tokens, no tensor cores, no dense tile) or, with ``USE_DOT``, the
         tensor-core loop (:func:`dot_loop`; ``PREC``, ``UPCAST``, ``WEIGHT_A`` and ``NATIVE`` are its
         own). A map's gather is read as 32-bit words the pipeline copies (``X_WORDS``, see
         :func:`_step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`). ``PDL``
         (launched as a programmatic dependent, :mod:`.overlap`): the first ``PREFETCH`` kept values of
-        each row go to L2 while the kernel before still runs; nothing is read of the input, nor
-        written, before that kernel has ended."""
+        each row and their ``PREFETCH_WORDS`` position words go to L2 while the kernel before still
+        runs; nothing is read of the input, nor written, before that kernel has ended."""
         pid_s, rows, row_ok, toks, tok_ok = _decode_ids(R, T, BLOCK_R, BLOCK_T)
         k_start = pid_s * K_PER_SPLIT
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
         if PREFETCH > 0:
             prefetch_rows(val_ptr, rows, row_ok, K, k_start, k_end, PREFETCH, LINE)
+        if PREFETCH_WORDS > 0:
+            prefetch_positions(word_ptr, rows, row_ok, k_start, k_end, WORDS, BITS, BLOCK_R, PREFETCH_WORDS, TILED)
         wait_for_inputs(PDL)
         release_next(PDL)
         if USE_DOT:
@@ -343,10 +347,10 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
                   TILED=tiled, X_WORDS=x_words, SUM_HERE=counts is not None, num_warps=p["num_warps"])
     dot = dict(PREC=gpu.precision(x), UPCAST=gpu.upcast(x), WEIGHT_A=p["weight_a"], NATIVE=gpu.native(x))
     pdl = pdl and overlap.enabled(x)
-    if pdl:   # each program prefetches its rows' first kept values of its split
-        line = overlap.LINE_BYTES // values.element_size()
-        common.update(PDL=True, LINE=line, PREFETCH=overlap.prefetch_per_row(grid[0] * grid[1], p["block_r"],
-                                                                            p["per_split"], values.element_size()))
+    if pdl:   # each program prefetches its rows' first kept values of its split, and their positions
+        share = overlap.prefetch_per_row(grid[0] * grid[1], p["block_r"], p["per_split"], values.element_size())
+        common.update(PDL=True, LINE=overlap.LINE_BYTES // values.element_size(), PREFETCH=share,
+                      PREFETCH_WORDS=overlap.position_words_per_row(share, bits, tiled))
     _nm_decode_kernel[grid](*args, USE_DOT=p["use_dot"], **(dot if p["use_dot"] else {}), **common,
                             **overlap.launch_options(pdl))
     if p["split"] > 1 and counts is None:

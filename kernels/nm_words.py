@@ -54,6 +54,8 @@ def check_tiled(tiled: bool, block_r: int) -> None:
 
 
 if triton is not None:
+    from shuffleprune.kernels.overlap import prefetch_l2, prefetch_rows
+
     @triton.jit
     def kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
                   N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -87,6 +89,25 @@ if triton is not None:
             v = tl.load(val_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 2) + gs[None, :],
                         mask=row_ok[:, None] & (gs < K // 2)[None, :], other=0, eviction_policy=EVICT)
         return v, words
+
+    @triton.jit
+    def prefetch_positions(word_ptr, rows, row_ok, k_lo, k_hi, WORDS, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                           COUNT: tl.constexpr, TILED: tl.constexpr):
+        """Pull the ``COUNT`` position words from the one holding kept value ``k_lo`` (not past ``k_hi``) of
+        rows ``rows`` into L2 (:func:`shuffleprune.kernels.overlap.prefetch_l2`): by 128-byte lines of
+        each row in the export's layout, by the 64-byte slice of each 16 rows in cuSPARSELt's order
+        (``TILED``, as :func:`_cslt_words_slices` reads them)."""
+        F: tl.constexpr = 32 // BITS
+        wi = k_lo // F + tl.arange(0, COUNT)
+        w_ok = wi < (k_hi + F - 1) // F
+        if TILED:
+            Q: tl.constexpr = BLOCK_R // 16
+            first = tl.max(tl.reshape(rows // 16, (Q, 16)), axis=1) * 16     # each 16-row slice's first row
+            q_ok = tl.max(tl.reshape(row_ok.to(tl.int32), (Q, 16)), axis=1) > 0
+            ok = q_ok[:, None] & w_ok[None, :]
+            prefetch_l2(word_ptr.to(tl.pointer_type(tl.int64)) + tl.where(ok, _cslt_pair(first, wi, WORDS), 0))
+        else:
+            prefetch_rows(word_ptr, rows, row_ok, WORDS, k_lo // F, (k_hi + F - 1) // F, COUNT, 32)
 
     @triton.jit
     def _cslt_pair(rows, wi, WORDS):

@@ -5,7 +5,8 @@ kernel before it has called :func:`release_next` (``griddepcontrol.launch_depend
 after that kernel has ended. Until :func:`wait_for_inputs` (``griddepcontrol.wait``: the kernel before
 has ended and its writes are visible) such a kernel may only read what no kernel writes — its own
 weight — and write nothing. The decode kernels use that window to pull the first part of their
-weight into L2 (:func:`prefetch_rows`) while the previous layer's kernel still streams its own, so a
+weight — values and their position words — into L2 (:func:`prefetch_rows`,
+:func:`shuffleprune.kernels.nm_words.prefetch_positions`) while the previous layer's kernel still streams its own, so a
 layer's first loads neither wait for its launch nor for DRAM. A kernel the one before never releases
 (cuBLAS, PyTorch's elementwise kernels) starts as usual when that one ends: nothing is lost, nothing
 overlaps. Order stays transitive: a kernel's programs release the next only after their own wait.
@@ -46,6 +47,17 @@ def launch_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def position_words_per_row(kept: int, bits: int, tiled: bool) -> int:
+    """Position words to prefetch per row beside ``kept`` prefetched kept values (:func:`prefetch_per_row`):
+    the words holding them (at least one line's 32 in the export's row-major layout, which is
+    prefetched by lines; cuSPARSELt's order by 64-byte slices); 0 where none are prefetched or a
+    word does not hold a power of two of positions."""
+    per_word = 32 // bits
+    if not kept or 32 % bits or per_word & (per_word - 1):
+        return 0
+    return max(1, kept // per_word) if tiled else max(LINE_BYTES // 4, kept // per_word)
+
+
 def prefetch_per_row(programs: int, block_rows: int, row_elements: int, element_bytes: int) -> int:
     """Elements of each of a program's rows to prefetch: :data:`PREFETCH_BYTES` shared by ``programs``
     programs of ``block_rows`` rows, at most the row's own ``row_elements``, a power of two of whole
@@ -59,14 +71,18 @@ def prefetch_per_row(programs: int, block_rows: int, row_elements: int, element_
 
 if triton is not None:
     @triton.jit
+    def prefetch_l2(ptrs):
+        """One non-blocking L2 prefetch request per address of ``ptrs`` (nothing is read into registers)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def prefetch_rows(ptr, rows, row_ok, stride, k_lo, k_hi, COUNT: tl.constexpr, LINE: tl.constexpr):
         """Pull elements ``k_lo … k_lo + COUNT`` (not past ``k_hi``) of rows ``rows`` of a row-major
-        matrix into L2: one non-blocking request per ``LINE`` elements; nothing is read into registers."""
+        matrix into L2, one request per ``LINE`` elements."""
         ks = k_lo + tl.arange(0, COUNT // LINE) * LINE
         ok = row_ok[:, None] & (ks < k_hi)[None, :]
-        offsets = tl.where(ok, rows[:, None].to(tl.int64) * stride + ks[None, :], 0)   # off: the first line again
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr + offsets],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        prefetch_l2(ptr + tl.where(ok, rows[:, None].to(tl.int64) * stride + ks[None, :], 0))   # off: the first line
 
     @triton.jit
     def wait_for_inputs(PDL: tl.constexpr):

@@ -83,6 +83,8 @@ def cases(quick: bool) -> list[dict]:
     for t in (1, 16):   # launched as programmatic dependents (SparseLinear's "+pdl" choices): gather, then decode
         out.append(dict(impl="decode_pdl", shape=(rows, cols), tokens=t))
     out.append(dict(impl="decode_swap_pdl", shape=(rows, cols), tokens=16))
+    for t in (1, 16):   # in cuSPARSELt's buffer (load's default on Hopper): its position words prefetched by slices
+        out.append(dict(impl="decode_pdl", shape=(rows, cols), tokens=t, tiled=True))
     return out
 
 
@@ -110,7 +112,8 @@ def run_case(case: dict) -> None:
         values = torch.zeros(rows, kept, dtype=dtype)
         words = nm_words.position_words(torch.zeros(rows, kept * bits // 8, dtype=torch.uint8))
         xg = gather_columns(torch.zeros(tokens, cols, dtype=dtype), perm, pdl=True)
-        nm_decode.nm_decode(xg, values, words, n, m, bits, pdl=True, **DECODE_KERNELS[impl.removesuffix("_pdl")])
+        nm_decode.nm_decode(xg, values, words, n, m, bits, pdl=True, tiled=tiled,
+                            **DECODE_KERNELS[impl.removesuffix("_pdl")])
         return
     if impl.startswith("experts"):   # 8 experts stacked, each token routed to 2 of them
         from shuffleprune.kernels.nm_experts import nm_experts

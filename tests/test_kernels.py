@@ -407,8 +407,9 @@ def test_gather_kernel_is_index_select(shape, dtype):
 
 def test_prefetch_share_is_whole_lines_within_the_budget_and_the_row():
     """Each program of a dependent decode prefetches a power of two of whole 128-byte lines per row,
-    all programs together at most ``PREFETCH_BYTES``, never past the row's kept values."""
-    from shuffleprune.kernels.overlap import LINE_BYTES, PREFETCH_BYTES, prefetch_per_row
+    all programs together at most ``PREFETCH_BYTES``, never past the row's kept values, and the
+    position words of those values."""
+    from shuffleprune.kernels.overlap import LINE_BYTES, PREFETCH_BYTES, position_words_per_row, prefetch_per_row
 
     for programs, block_r, row, elt in [(256, 16, 2048, 2), (132, 64, 7168, 2), (8, 16, 96, 2), (64, 64, 1024, 4)]:
         count = prefetch_per_row(programs, block_r, row, elt)
@@ -417,6 +418,11 @@ def test_prefetch_share_is_whole_lines_within_the_budget_and_the_row():
         assert 2 * count > min(row, PREFETCH_BYTES // (programs * block_r * elt))   # the largest such power
     assert prefetch_per_row(256, 16, 2048, 2) == 1024          # 8 MiB over 4096 rows of bf16: 2 KiB each
     assert prefetch_per_row(100_000, 64, 4096, 2) == 0         # less than a line each: nothing
+    # and the position words holding those values: 16 per word for 2:4, 8 for 4:8; the export's rows by whole
+    # 128-byte lines (32 words at least), cuSPARSELt's order by words; none beside no values
+    assert [position_words_per_row(kept, bits, tiled) for kept, bits, tiled in [
+        (1024, 2, False), (256, 2, False), (256, 2, True), (1024, 4, True), (0, 2, False), (64, 3, False)]] == [
+        64, 32, 16, 128, 0, 0]
 
 
 def test_dependent_launch_is_off_the_gpu_and_where_the_environment_turns_it_off(monkeypatch):
@@ -775,15 +781,16 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     # nothing before the wait, its main loop the same as launched plainly; the gather reads only its map before the
     # wait; the mapped norm releases the decode after it at once; nothing else has any of it
     by_key = {(r["impl"], r["tokens"], r["kernel"]): r for r in rows if r["dtype"] == "bfloat16" and r["pattern"] == "2:4"}
-    pdl_rows = [r for r in rows if r["impl"].endswith("_pdl")]
-    assert len(pdl_rows) == 6 and all(r["launch_pdl"] and r["grid_dependency"]["wait"]
+    pdl_rows = [r for r in rows if "_pdl" in r["impl"]]   # the export's layout and cuSPARSELt's ("…_pdl_tiled")
+    assert len(pdl_rows) == 10 and all(r["launch_pdl"] and r["grid_dependency"]["wait"]
                                       and r["grid_dependency"]["release"] for r in pdl_rows), pdl_rows
     for r in pdl_rows:
         dep = r["grid_dependency"]
         if r["kernel"] == "_gather_columns_kernel":
             assert dep["loads_before_wait"] and all(op.endswith("b32") for op in dep["loads_before_wait"]), r
         else:
-            assert dep["prefetches"] > 0 and dep["prefetch_before_wait"] and dep["loads_before_wait"] == [], r
+            assert dep["prefetches"] >= 2 and dep["prefetch_before_wait"] and dep["loads_before_wait"] == [], r
+            assert r["constexprs"]["PREFETCH"] > 0 and r["constexprs"]["PREFETCH_WORDS"] > 0, r   # values and positions
             plain = by_key[("decode_nomap" if r["tokens"] == 1 else "decode_swap", r["tokens"], r["kernel"])] \
                 if r["impl"] == "decode_pdl" and r["tokens"] == 1 or r["impl"] == "decode_swap_pdl" else None
             if plain:
@@ -792,7 +799,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert norm and all(not r["launch_pdl"] and r["grid_dependency"]["release"] and not r["grid_dependency"]["wait"]
                         for r in norm)
     assert all(r["grid_dependency"] is None and not r["launch_pdl"] for r in rows
-               if not r["impl"].endswith("_pdl") and r["impl"] != "rmsnorm_mapped")
+               if "_pdl" not in r["impl"] and r["impl"] != "rmsnorm_mapped")
     summed_here = [r for r in rows if r["constexprs"].get("SUM_HERE")]
     assert summed_here and all(r["grid"][1] > 1 and r["split_sum_fenced"] for r in summed_here), summed_here
     assert all(r["split_sum_fenced"] is None for r in rows if not r["constexprs"].get("SUM_HERE"))
