@@ -25,9 +25,21 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - no triton, or one without grid dependency control
+except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # a Triton before grid dependency control (3.4): every launch is an ordinary one
+    HAS_GDC = False
+    if triton is not None:   # never called with PDL set there: stand-ins the JIT can resolve
+        @triton.jit
+        def gdc_wait():
+            pass
+
+        @triton.jit
+        def gdc_launch_dependents():
+            pass
 
 from shuffleprune.kernels import gpu
 
@@ -39,7 +51,7 @@ PREFETCH_BYTES = 8 << 20         # weight bytes one launch pulls into L2 before 
 def enabled(x: torch.Tensor) -> bool:
     """Whether kernels on ``x``'s device may launch as programmatic dependents (``SHUFFLEPRUNE_PDL=0``
     in the environment turns it off: every kernel then launches plainly)."""
-    return triton is not None and os.environ.get("SHUFFLEPRUNE_PDL", "1") != "0" and gpu.pdl(x)
+    return HAS_GDC and os.environ.get("SHUFFLEPRUNE_PDL", "1") != "0" and gpu.pdl(x)
 
 
 def launch_options(pdl: bool) -> dict:
@@ -73,7 +85,7 @@ if triton is not None:
     @triton.jit
     def prefetch_l2(ptrs):
         """One non-blocking L2 prefetch request per address of ``ptrs`` (nothing is read into registers)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit

@@ -454,9 +454,10 @@ def test_auto_keeps_the_dependent_launch_only_where_it_is_no_slower(monkeypatch)
         ran.append(impl)
         return outputs.get(impl, ref)
 
-    def measure(graph: dict[str, float], candidates=("decode", "decode_swap", "scratch")) -> tuple[str, str]:
-        monkeypatch.setattr(sparse_linear, "cuda_graph_ms", lambda calls, reps, warm=2: (calls[0](), graph[ran[-1]])[1:]
-                            + ("cuda_graph",))
+    def measure(graph: dict[str, float], candidates=("decode", "decode_swap", "scratch"),
+                how: str = "cuda_graph") -> tuple[str, str]:
+        monkeypatch.setattr(sparse_linear, "cuda_graph_ms", lambda calls, reps, warm=2: (
+            calls[0](), graph[ran[-1]], how if ran[-1].endswith("+pdl") else "cuda_graph")[1:])
         return layer._measure(x, list(candidates))
 
     monkeypatch.setattr(SparseLinear, "_run", fake_run)
@@ -466,6 +467,8 @@ def test_auto_keeps_the_dependent_launch_only_where_it_is_no_slower(monkeypatch)
         "decode_swap+pdl", "decode_swap+pdl")
     assert measure({"decode": 2.0, "decode_swap": 1.0, "scratch": 3.0, "decode_swap+pdl": 1.1})[0] == "decode_swap"
     assert measure({"decode": 2.0, "decode_swap": 1.0, "scratch": 0.5})[0] == "scratch"   # +pdl never timed
+    assert measure({"decode": 2.0, "decode_swap": 1.0, "scratch": 3.0, "decode_swap+pdl": 0.8},   # not capturable
+                   how="events")[0] == "decode_swap"
     outputs["decode_swap+pdl"] = ref * float("nan")                                      # wrong: not kept
     with pytest.warns(RuntimeWarning, match=r"decode_swap\+pdl is off by nan"):
         assert measure({"decode": 2.0, "decode_swap": 1.0, "scratch": 3.0, "decode_swap+pdl": 0.8})[0] == "decode_swap"

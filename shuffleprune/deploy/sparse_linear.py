@@ -406,7 +406,7 @@ class SparseLinear(nn.Module):
                         if fallback == impl:
                             fallback = "scratch"
                         continue
-                    timed[impl] = self._graph_ms(impl, x, calls, reps)
+                    timed[impl] = self._graph_ms(impl, x, calls, reps)[0]
                 except candidate_errors():  # e.g. a tile that does not fit this GPU's shared memory
                     continue
             best = min(timed, key=timed.__getitem__) if timed else fallback   # the first of a tie, as before
@@ -422,13 +422,15 @@ class SparseLinear(nn.Module):
 
     def _with_pdl(self, x: torch.Tensor, ref: torch.Tensor, best: str, timed: dict[str, float], calls: int,
                   reps: int) -> str:
-        """``best`` launched as a programmatic dependent (:data:`PDL_SUFFIX`) where its output agrees and
-        its CUDA graph of ``calls`` calls — each call's kernels starting while the previous call's
-        end, as a model's layers do — is no slower; else ``best``."""
+        """``best`` launched as a programmatic dependent (:data:`PDL_SUFFIX`) where its output agrees, it
+        can be captured in a CUDA graph, and that graph of ``calls`` calls — each call's kernels
+        starting while the previous call's end, as a model's layers do — is no slower; else ``best``."""
         impl = best + PDL_SUFFIX
         try:
             if self._agrees(impl, x, ref):
-                timed[impl] = self._graph_ms(impl, x, calls, reps)
+                ms, how = self._graph_ms(impl, x, calls, reps)
+                if how == "cuda_graph":
+                    timed[impl] = ms
         except candidate_errors():
             pass
         return impl if timed.get(impl, float("inf")) <= timed[best] else best
@@ -443,10 +445,10 @@ class SparseLinear(nn.Module):
                       "output's scale on this device; not used", RuntimeWarning, stacklevel=3)
         return False
 
-    def _graph_ms(self, impl: str, x: torch.Tensor, calls: int, reps: int) -> float:
+    def _graph_ms(self, impl: str, x: torch.Tensor, calls: int, reps: int) -> tuple[float, str]:
         """Milliseconds per call of ``impl`` on ``x``: ``calls`` calls in one CUDA graph, median of
-        ``reps`` replays (eagerly timed where it cannot be captured)."""
-        return cuda_graph_ms([lambda: self._run(impl, x)] * calls, reps, warm=3)[0]
+        ``reps`` replays (eagerly timed where it cannot be captured), and how (:func:`cuda_graph_ms`)."""
+        return cuda_graph_ms([lambda: self._run(impl, x)] * calls, reps, warm=3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():   # one opaque op in the graph; this eager forward runs inside it
