@@ -25,6 +25,9 @@
 #   bash scripts/gpu_run.sh tune_gather cslt_buffer_quick e2e   # tune_gather: the select kernel's map gather as
 #                                              # pipelined 32-bit words (mapped) against one step ahead in registers
 #                                              # (mapped_sync) and no map (decode), 1-2 tokens, four tiles
+#   bash scripts/gpu_run.sh tune_pdl           # the decodes launched as programmatic dependents against plain
+#                                              # launches, 0/4/8/16 MiB of weight prefetched before the wait,
+#                                              # 1/2/16 tokens, three shapes (the plan's tiles)
 #   bash scripts/gpu_run.sh tune_split_sum     # split-K summed by its last split in the kernel against a second
 #                                              # launch (…_launch), the plan's tiles, 1024/4096/11008 rows, 1-16 tokens
 #   bash scripts/gpu_run.sh tune_split_deep    # the tensor-core decodes at 4 and 16 tokens split 8 and 16 ways
@@ -85,11 +88,11 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # in the order they matter to the issue, for later sessions or time left after issue24 (each step's seconds go
 # to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five, for the CPU smoke run.
 ISSUE24=(kernel e2e targets e2e_compile)            # 150 + 150 + 10 + 280 s
-NEXT1=(tune_gather tune_split_deep)                 # 150 + 200 s
+NEXT1=(tune_pdl tune_gather)                        # 150 + 150 s
 NEXT2=(moe)                                         # 300 s
 NEXT3=(moe_stacked)                                 # 300 s
 NEXT4=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
-NEXT5=(cslt_buffer)                                 # 240 s: the cuSPARSELt-buffer table again, after changes
+NEXT5=(cslt_buffer tune_split_deep)                 # 240 + 200 s: the cuSPARSELt-buffer table again, after changes
 [ $# -eq 0 ] && set -- issue24
 steps=(); for s in "$@"; do case $s in
     tune_tiles) steps+=(tune_select tune_dot tune_gemm) ;;
@@ -142,6 +145,10 @@ for s in "$@"; do
         cslt_buffer_quick) step cslt_buffer_quick 90 scripts/results/bench_kernel_cslt_quick.json $PY scripts/bench_kernel.py \
                 --shapes 11008x4096 4096x14336 1024x4096 --tokens 1 2 16 --impls auto auto_tiled decode decode_tiled \
                 --out scripts/results/bench_kernel_cslt_quick.json ;;
+        tune_pdl) step tune_pdl 150 scripts/results/tune_pdl.json $PY scripts/tune_kernel.py \
+                --variants decode decode_pdl swap swap_pdl mapped mapped_pdl --shapes 1024x4096 4096x4096 11008x4096 \
+                --tokens 1 2 16 --block-r 0 --block-k 0 --num-warps 0 --stages 4 --prefetch-mb 0 4 8 16 \
+                --out scripts/results/tune_pdl.json ;;
         tune_gather) step tune_gather 150 scripts/results/tune_gather.json $PY scripts/tune_kernel.py \
                 --variants mapped mapped_sync decode --tokens 1 2 --block-r 16 32 --block-k 128 256 --num-warps 4 \
                 --stages 4 --out scripts/results/tune_gather.json ;;

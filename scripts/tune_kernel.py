@@ -4,7 +4,9 @@ count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for t
 tensor-core kernel, ``swap`` the tensor-core kernel with the weight as the MMA's A operand,
 ``mapped`` the planned kernel reading the index map itself, ``mapped_sync`` the same with the map's gather
 one step ahead in registers instead of the pipeline's word copies; each also as ``…_launch``, split-K's
-partial sums added by a second kernel instead of the last split) every pipeline depth in ``--stages``;
+partial sums added by a second kernel instead of the last split; ``decode_pdl``, ``swap_pdl`` and
+``mapped_pdl`` launched as programmatic dependents, each ``--prefetch-mb`` budget of weight prefetched
+before the input is ready) every pipeline depth in ``--stages``;
 for the prefill ``gemm`` / ``gemm_swap`` every tile of ``nm_gemm.GEMM_TILES[(2, 4)]`` /
 ``GEMM_TILES_SWAP[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
 is checked against the dense result and timed: calls over rotating weight copies (together more
@@ -45,7 +47,10 @@ DECODE = {"decode": {}, "select": {"use_dot": False}, "dot": {"use_dot": True}, 
           "mapped": {}, "mapped_sync": {"async_gather": False}}
 # ..._launch: the same with split-K's partial sums added by a second kernel, not by the last split in the kernel
 DECODE.update({f"{name}_launch": {**kw, "sum_in_kernel": False} for name, kw in list(DECODE.items())})
-NM_DECODE_ONLY = ("async_gather", "sum_in_kernel")   # nm_decode's own arguments, not decode_plan's
+# ..._pdl: launched as programmatic dependents (kernels/overlap.py), each --prefetch-mb budget in turn: every call
+# starts while the previous copy's call ends and prefetches that many MiB of its weight into L2 first
+DECODE.update({f"{name}_pdl": {**DECODE[name], "pdl": True} for name in ("decode", "swap", "mapped")})
+NM_DECODE_ONLY = ("async_gather", "sum_in_kernel", "pdl")   # nm_decode's own arguments, not decode_plan's
 GEMMS = {"gemm": False, "gemm_swap": True}   # nm_gemm over its tile table, the weight as the MMA's B or A operand
 
 
@@ -59,6 +64,8 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--stages", type=int, nargs="+", default=[4], help="decode variant: software-pipeline depths")
     ap.add_argument("--splits", type=int, nargs="+", default=[0], help="decode variants: split-K (0 = the plan's)")
+    ap.add_argument("--prefetch-mb", type=float, nargs="+", default=[8],
+                    help="…_pdl variants: MiB of weight a launch prefetches before its input is ready (0: none)")
     ap.add_argument("--reps", type=int, default=10, help="graph replays per case (median taken)")
     ap.add_argument("--max-tile", type=int, default=2**15)
     ap.add_argument("--gemm-tiles", nargs="*", default=[], help="gemm variant: more tiles, as block_t,block_r,block_c,warps,stages")
@@ -75,6 +82,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
+    from shuffleprune.kernels import overlap
     from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
     from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP, gemm_plan, nm_decompress_into, nm_gemm
     from shuffleprune.kernels.nm_words import position_words
@@ -132,16 +140,18 @@ def main() -> None:
             if variant in GEMMS:
                 table = GEMM_TILES_SWAP if GEMMS[variant] else GEMM_TILES
                 tiles = [t[0] for t in table[(2, 4)]] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
-                configs += [(variant, None, None, None, None, 0, tile) for tile in tiles]
+                configs += [(variant, None, None, None, None, 0, tile, None) for tile in tiles]
             elif variant in DECODE:
-                configs += [(variant, *c, None) for c in
-                            itertools.product(args.block_r, args.block_k, args.num_warps, args.stages, args.splits)]
+                budgets = args.prefetch_mb if DECODE[variant].get("pdl") else [None]
+                configs += [(variant, *c, None, mb) for *c, mb in
+                            itertools.product(args.block_r, args.block_k, args.num_warps, args.stages, args.splits,
+                                              budgets)]
             else:
-                configs += [(variant, *c, 0, None) for c in
+                configs += [(variant, *c, 0, None, None) for c in
                             itertools.product(args.block_r, args.block_k, args.num_warps, args.stages)]
         modelled = {v: gemm_plan(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size(), swap)[0]
                     for v, swap in GEMMS.items()}
-        for variant, br, bk, nw, st, sp, gtile in configs:
+        for variant, br, bk, nw, st, sp, gtile, mb in configs:
             decode = variant in DECODE
             if gtile is not None:
                 def run(values=values, words=words, gtile=gtile, swap=GEMMS[variant]):
@@ -154,7 +164,9 @@ def main() -> None:
                 if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):
                     continue
 
-                def run(values=values, words=words, br=br, bk=bk, nw=nw, st=st, sp=sp, variant=variant):
+                def run(values=values, words=words, br=br, bk=bk, nw=nw, st=st, sp=sp, variant=variant, mb=mb):
+                    if mb is not None:   # read by nm_decode at each call (also while a CUDA graph is captured)
+                        overlap.PREFETCH_BYTES = int(mb * 2**20)
                     if variant == "decompress":   # the scratch's fill, then the dense product of the scratch
                         dense = nm_decompress_into(values, words, 2, 4, meta_bits(4), in_f, scratch, br, bk, nw)
                         return F.linear(xp, dense)
@@ -163,7 +175,8 @@ def main() -> None:
                         return nm_decode(inp, values, words, 2, 4, meta_bits(4), imap, None, num_warps=nw, block_r=br,
                                          block_k=bk, stages=st, split=sp or None, **DECODE[variant])
                     return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)
-                tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st, "split": sp} if decode else {})}
+                tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st, "split": sp} if decode else {}),
+                        **({"prefetch_mb": mb} if mb is not None else {})}
             try:
                 y = run()
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile (e.g. out of shared memory)
