@@ -55,7 +55,6 @@ import itertools
 import warnings
 import weakref
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -278,12 +277,13 @@ class SparseLinear(nn.Module):
         kernel that lets the next kernel start early (:func:`shuffleprune.kernels.gather.gather_columns`)."""
         if self.perm is None:
             return x
-        if pdl:
-            from shuffleprune.kernels.gather import gather_columns
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            if pdl:
+                from shuffleprune.kernels.gather import gather_columns
 
-            gather = partial(gather_columns, perm=self.perm, pdl=True)
-        else:
-            gather = partial(torch.index_select, dim=-1, index=self.perm)
+                return gather_columns(t, self.perm, pdl=True)
+            return t.index_select(-1, self.perm)
+
         if self.shared_gather is not None:
             return self.shared_gather.get(x, id(self), gather)
         return gather(x)
