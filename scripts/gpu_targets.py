@@ -91,6 +91,14 @@ def e2e_checks(result: dict) -> list[dict]:
     return out
 
 
+def dependent_launches(result: dict) -> dict:
+    """Of the ``auto`` rows that record their choices, how many ran one launched as a programmatic
+    dependent (``+pdl``, ``kernels/overlap.py``) at their own token count."""
+    rows = [r for r in result.get("rows", []) if r.get("impl", "").startswith("auto") and r.get("choice")]
+    chosen = [r["choice"].get(str(1 << max(0, (r["tokens"] - 1).bit_length())), "") for r in rows]
+    return {"rows": len(rows), "pdl": sum(c.endswith("+pdl") for c in chosen)}
+
+
 def max_error(result: dict) -> float | None:
     errs = [r["max_rel_err"] for r in result.get("rows", []) if r.get("max_rel_err") is not None]
     return max(errs) if errs else None
@@ -117,7 +125,8 @@ def main() -> None:
         head = f"{key}: {result.get('device')} · complete {result.get('complete', '?')} · {Path(path).name}"
         if key == "kernel":
             checks = kernel_checks(result)
-            report[key] = {"checks": checks, "producer_map": producer_map_costs(result), "max_rel_err": max_error(result)}
+            report[key] = {"checks": checks, "producer_map": producer_map_costs(result), "max_rel_err": max_error(result),
+                           "dependent_launches": dependent_launches(result)}
             print(head)
             for c in checks:
                 print(f"  {'ok  ' if c['ok'] else 'MISS'} {c['shape'][0]:>5}x{c['shape'][1]:<5} {c['target']:<38}"
@@ -125,6 +134,8 @@ def main() -> None:
             for c in report[key]["producer_map"]:
                 print(f"       fused norm with map, width {c['width']}: {c['ratio']}× the plain norm ({c['extra_ms']:+} ms)")
             print(f"  max relative error against dense bf16: {report[key]['max_rel_err']}")
+            pdl = report[key]["dependent_launches"]
+            print(f"  auto launched as a programmatic dependent in {pdl['pdl']} of its {pdl['rows']} rows")
         else:
             checks = e2e_checks(result)
             report[key] = {"checks": checks}

@@ -77,3 +77,13 @@ def test_e2e_targets_per_variant(tmp_path):
     assert [line for line in out.splitlines() if "load's default" in line][0].startswith("  MISS stacked")
     written = json.loads((tmp_path / "t.json").read_text())
     assert [c["ok"] for c in written["e2e"]["checks"]] == [True, False, False]
+
+
+def test_dependent_launches_count_auto_rows_whose_own_bucket_chose_pdl():
+    """Each ``auto`` row counts by the choice of its own token bucket (3 tokens: bucket 4), not by any
+    ``+pdl`` elsewhere in its choices; rows without recorded choices are not counted."""
+    rows = [{**_row(1, "auto", 0.5), "choice": {"1": "decode+pdl"}},
+            {**_row(3, "auto", 0.5), "choice": {"1": "decode+pdl", "4": "decode_swap"}},
+            {**_row(3, "auto_nomap", 0.5), "choice": {"1": "decode", "4": "decode_swap+pdl"}},
+            _row(16, "auto", 0.5), _row(1, "decode+pdl", 0.4)]
+    assert _targets().dependent_launches({"rows": rows}) == {"rows": 3, "pdl": 2}
