@@ -125,8 +125,8 @@ def main() -> None:
         head = f"{key}: {result.get('device')} · complete {result.get('complete', '?')} · {Path(path).name}"
         if key == "kernel":
             checks = kernel_checks(result)
-            report[key] = {"checks": checks, "producer_map": producer_map_costs(result), "max_rel_err": max_error(result),
-                           "dependent_launches": dependent_launches(result)}
+            report[key] = {"checks": checks, "producer_map": producer_map_costs(result),
+                           "max_rel_err": max_error(result), "dependent_launches": dependent_launches(result)}
             print(head)
             for c in checks:
                 print(f"  {'ok  ' if c['ok'] else 'MISS'} {c['shape'][0]:>5}x{c['shape'][1]:<5} {c['target']:<38}"

@@ -175,7 +175,8 @@ def main() -> None:
                         return nm_decode(inp, values, words, 2, 4, meta_bits(4), imap, None, num_warps=nw, block_r=br,
                                          block_k=bk, stages=st, split=sp or None, **DECODE[variant])
                     return nm_gather_matmul(x, values, meta, 2, 4, meta_bits(4), perm, None, br, bk, nw, variant)
-                tile = {"block_r": br, "block_k": bk, "num_warps": nw, **({"stages": st, "split": sp} if decode else {}),
+                tile = {"block_r": br, "block_k": bk, "num_warps": nw,
+                        **({"stages": st, "split": sp} if decode else {}),
                         **({"prefetch_mb": mb} if mb is not None else {})}
             try:
                 y = run()
