@@ -83,6 +83,8 @@ def cases(quick: bool) -> list[dict]:
     for t in (1, 16):   # launched as programmatic dependents (SparseLinear's "+pdl" choices): gather, then decode
         out.append(dict(impl="decode_pdl", shape=(rows, cols), tokens=t))
     out.append(dict(impl="decode_swap_pdl", shape=(rows, cols), tokens=16))
+    for t in (1, 4):   # the in-kernel map (select loop, then the weight-as-A kernel)
+        out.append(dict(impl="decode_mapped_pdl", shape=(rows, cols), tokens=t))
     for t in (1, 16):   # in cuSPARSELt's buffer (load's default on Hopper): its position words prefetched by slices
         out.append(dict(impl="decode_pdl", shape=(rows, cols), tokens=t, tiled=True))
     return out
@@ -111,9 +113,13 @@ def run_case(case: dict) -> None:
 
         values = torch.zeros(rows, kept, dtype=dtype)
         words = nm_words.position_words(torch.zeros(rows, kept * bits // 8, dtype=torch.uint8))
-        xg = gather_columns(torch.zeros(tokens, cols, dtype=dtype), perm, pdl=True)
-        nm_decode.nm_decode(xg, values, words, n, m, bits, pdl=True, tiled=tiled,
-                            **DECODE_KERNELS[impl.removesuffix("_pdl")])
+        x = torch.zeros(tokens, cols, dtype=dtype)
+        kernel = impl.removesuffix("_pdl")
+        if kernel == "decode_mapped":   # no gather: the decode reads the map itself, after its wait
+            nm_decode.nm_decode(x, values, words, n, m, bits, perm, pdl=True, tiled=tiled, **DECODE_KERNELS[kernel])
+            return
+        nm_decode.nm_decode(gather_columns(x, perm, pdl=True), values, words, n, m, bits, pdl=True, tiled=tiled,
+                            **DECODE_KERNELS[kernel])
         return
     if impl.startswith("experts"):   # 8 experts stacked, each token routed to 2 of them
         from shuffleprune.kernels.nm_experts import nm_experts
