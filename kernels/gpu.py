@@ -2,6 +2,8 @@
 check of :mod:`.compile_check` can answer for an H100 on a machine without one)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -26,7 +28,13 @@ def pdl(x: torch.Tensor) -> bool:
     """Whether kernels on ``x``'s device may launch as programmatic dependents (``kernels/overlap.py``):
     an NVIDIA GPU of compute capability 9.0 or more (Hopper's grid dependency control); never
     interpreted on the CPU."""
-    return x.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cuda" and torch.version.hip is None and _capability(x.device.index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    """A CUDA device's compute capability, looked up once (the mapped norm asks on every call)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def sm_count(device: torch.device) -> int:

@@ -326,8 +326,8 @@ def main() -> None:
         for layer in layers:
             for made in (layer.choices, layer.eager_choices):
                 for bucket, impl in made.items():
-                    changed += split_pdl(impl)[1]
-                    made[bucket] = split_pdl(impl)[0]
+                    made[bucket], pdl = split_pdl(impl)
+                    changed += pdl
         return changed
 
     def kernel_choices(eager: bool = False) -> dict:

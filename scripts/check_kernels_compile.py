@@ -108,19 +108,6 @@ def run_case(case: dict) -> None:
         norm_map.rmsnorm_mapped(torch.zeros(tokens, cols, dtype=dtype), torch.ones(cols), perm, 1e-6)
         return
     kept = cols // m * n
-    if impl.endswith("_pdl"):   # as SparseLinear runs "decode+pdl": the gather kernel, then the decode
-        from shuffleprune.kernels.gather import gather_columns
-
-        values = torch.zeros(rows, kept, dtype=dtype)
-        words = nm_words.position_words(torch.zeros(rows, kept * bits // 8, dtype=torch.uint8))
-        x = torch.zeros(tokens, cols, dtype=dtype)
-        kernel = impl.removesuffix("_pdl")
-        if kernel == "decode_mapped":   # no gather: the decode reads the map itself, after its wait
-            nm_decode.nm_decode(x, values, words, n, m, bits, perm, pdl=True, tiled=tiled, **DECODE_KERNELS[kernel])
-            return
-        nm_decode.nm_decode(gather_columns(x, perm, pdl=True), values, words, n, m, bits, pdl=True, tiled=tiled,
-                            **DECODE_KERNELS[kernel])
-        return
     if impl.startswith("experts"):   # 8 experts stacked, each token routed to 2 of them
         from shuffleprune.kernels.nm_experts import nm_experts
 
@@ -134,7 +121,16 @@ def run_case(case: dict) -> None:
     meta = torch.zeros(rows, -(-kept * bits // 8), dtype=torch.uint8)
     words = nm_words.position_words(meta)
     x = torch.zeros(tokens, cols, dtype=dtype)
-    if impl in ("decode", "decode_nomap"):
+    if impl.endswith("_pdl"):   # as SparseLinear runs "decode+pdl": the gather kernel, then the decode
+        from shuffleprune.kernels.gather import gather_columns
+
+        kernel = impl.removesuffix("_pdl")
+        if kernel == "decode_mapped":   # no gather: the decode reads the map itself, after its wait
+            nm_decode.nm_decode(x, values, words, n, m, bits, perm, pdl=True, tiled=tiled, **DECODE_KERNELS[kernel])
+        else:
+            nm_decode.nm_decode(gather_columns(x, perm, pdl=True), values, words, n, m, bits, pdl=True, tiled=tiled,
+                                **DECODE_KERNELS[kernel])
+    elif impl in ("decode", "decode_nomap"):
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None, tiled=tiled)
     elif impl in ("decode_swap", "decode_mapped"):   # as SparseLinear runs them (the mapped one reading the map)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
