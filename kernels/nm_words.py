@@ -54,7 +54,9 @@ def check_tiled(tiled: bool, block_r: int) -> None:
 
 
 if triton is not None:
-    from shuffleprune.kernels.overlap import prefetch_l2, prefetch_rows
+    from shuffleprune.kernels.overlap import LINE_WORDS, prefetch_l2, prefetch_rows
+
+    _LINE_WORDS = tl.constexpr(LINE_WORDS)   # a global a kernel reads must be a constexpr
 
     @triton.jit
     def kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
@@ -107,7 +109,7 @@ if triton is not None:
             ok = q_ok[:, None] & w_ok[None, :]
             prefetch_l2(word_ptr.to(tl.pointer_type(tl.int64)) + tl.where(ok, _cslt_pair(first, wi, WORDS), 0))
         else:
-            prefetch_rows(word_ptr, rows, row_ok, WORDS, k_lo // F, (k_hi + F - 1) // F, COUNT, 32)
+            prefetch_rows(word_ptr, rows, row_ok, WORDS, k_lo // F, (k_hi + F - 1) // F, COUNT, _LINE_WORDS)
 
     @triton.jit
     def _cslt_pair(rows, wi, WORDS):

@@ -44,6 +44,7 @@ except ImportError:  # a Triton before grid dependency control (3.4): every laun
 from shuffleprune.kernels import gpu
 
 LINE_BYTES = 128                 # one L2 prefetch request per cache line
+LINE_WORDS = LINE_BYTES // 4     # 32-bit position words per line
 PREFETCH_BYTES = 8 << 20         # weight bytes one launch pulls into L2 before its input is ready, over all
                                  # programs: about 2.5 µs of an H100's HBM3, a sixth of its 50 MB L2
 
@@ -67,7 +68,7 @@ def position_words_per_row(kept: int, bits: int, tiled: bool) -> int:
     per_word = 32 // bits
     if not kept or 32 % bits or per_word & (per_word - 1):
         return 0
-    return max(1, kept // per_word) if tiled else max(LINE_BYTES // 4, kept // per_word)
+    return max(1, kept // per_word) if tiled else max(LINE_WORDS, kept // per_word)
 
 
 def prefetch_per_row(programs: int, block_rows: int, row_elements: int, element_bytes: int) -> int:

@@ -4,7 +4,6 @@ import torch
 from conftest import tiny_model
 from shuffleprune.block_inputs import capture_block_inputs, run_block
 from shuffleprune.blocks import block_linears, find_blocks
-from shuffleprune.errors import UserError
 from shuffleprune.prune.input_stats import collect_input_stats, input_groups
 
 ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gemma3_text"]

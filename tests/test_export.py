@@ -758,8 +758,8 @@ def test_layers_reading_one_input_run_as_one_stacked_layer(pruned_perm_dir, tmp_
         assert group.output_cache._source is None and group.output_cache._value is None   # all took theirs: held no more
         x.mul_(2)                                                   # changed in place: computed again
         assert torch.allclose(attn.k_proj(x), 2 * k, atol=1e-5) and len(rows) == 2
-        ref_v = plain.model.layers[0].self_attn.v_proj(x / 2)
-        assert torch.allclose(v, ref_v, atol=1e-5)
+        ref = plain.model.layers[0].self_attn
+        assert torch.allclose(q, ref.q_proj(x / 2), atol=1e-5) and torch.allclose(v, ref.v_proj(x / 2), atol=1e-5)
     model.double()
     plain.double()
     with torch.no_grad():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn

@@ -25,7 +25,6 @@ from torch import nn
 
 from shuffleprune.block_inputs import CapturedInputs, run_block
 from shuffleprune.blocks import Blocks, ExpertWeight
-from shuffleprune.errors import UserError
 from shuffleprune.masks import Pattern
 
 KINDS = ("statistics", "permutation", "prune", "update")
