@@ -44,6 +44,16 @@ def sm_count(device: torch.device) -> int:
     return 4  # the interpreter: any small number exercises the split path
 
 
+L2_BYTES = 50 * 2**20   # H100: L2 cache where the device does not say
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The L2 cache's size: the device's own figure on CUDA, :data:`L2_BYTES` elsewhere."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or L2_BYTES
+    return L2_BYTES
+
+
 SMEM_PER_SM = 228 * 1024  # H100 / H200: shared memory per SM where the device does not say
 
 

@@ -170,6 +170,7 @@ def main() -> None:
 
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.sparse_linear import SparseLinear, candidate_errors, relative_error
+    from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
 
@@ -185,9 +186,7 @@ def main() -> None:
     else:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
         tokens_list = args.tokens or TOKENS
-    l2 = 50 * 2**20
-    if cuda:
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", l2) or l2
+    l2 = l2_bytes(device)
 
     def timed(calls: list) -> tuple[float, str]:
         """Milliseconds per call over the rotating copies: CUDA graph replays (eager events if the

@@ -83,6 +83,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from shuffleprune.kernels import overlap
+    from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
     from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP, gemm_plan, nm_decompress_into, nm_gemm
     from shuffleprune.kernels.nm_words import position_words
@@ -97,7 +98,7 @@ def main() -> None:
     dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if cuda else [(96, 64), (64, 160)]
 
-    l2 = (getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) if cuda else 0) or 50 * 2**20
+    l2 = l2_bytes(dev)
 
     def median_ms(fn, copies: list) -> float:
         """GPU time of one call: ``fn(values, words)`` over every copy, captured in one CUDA graph

@@ -478,6 +478,61 @@ def test_auto_times_the_two_fastest_decode_kernels_again_as_dependent_launches(m
         SparseLinear(values, meta, 64, 2, 4, policy="scratch+pdl")
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+def test_auto_times_each_candidate_over_copies_of_the_weight_in_turn(monkeypatch, tiled):
+    """``auto``'s graph timing runs its calls on the layer's weight and its copies in turn (so, on a GPU,
+    no call finds its weight in L2): each copy is new memory with the same weight (the output is the
+    reference's), in the layer's layout (cuSPARSELt's buffer too); afterwards the layer holds its own
+    tensors again and no copy is kept."""
+    from shuffleprune.deploy import sparse_linear
+
+    w, values, meta, x, perm, bias = _case(64, 64, 2, 4, 2, torch.float16)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
+    if tiled:
+        assert layer.use_cslt_layout() and layer.tiled
+    own = (layer.values, layer.meta)
+    ref = layer._reference(x)
+    copies = [layer._weight_copy() for _ in range(2)]
+    monkeypatch.setattr(SparseLinear, "_weight_copies",
+                        lambda self: [(self.values, self.meta, self._packed, self._words), *copies])
+    ran, graphs = [], []
+    original = SparseLinear._run
+
+    def spy(self, impl, x):
+        ran.append((self.values.data_ptr(), self.meta.data_ptr(), self.tiled and self._packed_buffer().data_ptr()))
+        return original(self, impl, x)
+
+    def graph_timer(calls, reps, warm=2):
+        start = len(ran)
+        outputs = [c() for c in calls]
+        graphs.append(ran[start:])
+        assert all(torch.allclose(y.float(), ref.float(), atol=2e-2) for y in outputs)
+        return (1.0 if len(graphs) == 1 else 2.0), "cuda_graph"
+
+    monkeypatch.setattr(SparseLinear, "_run", spy)
+    monkeypatch.setattr(sparse_linear, "cuda_graph_ms", graph_timer)
+    assert layer._measure(x, ["decode", "scratch"], calls=5) == ("decode", "decode")
+    mine = (own[0].data_ptr(), own[1].data_ptr(), tiled and layer._packed.data_ptr())
+    theirs = [(c[0].data_ptr(), c[1].data_ptr(), tiled and c[2].data_ptr()) for c in copies]
+    assert len({mine, *theirs}) == 3 and all(mine[i] != t[i] for t in theirs for i in (0, 1))
+    assert graphs == [[mine, *theirs, mine, theirs[0]]] * 2          # 5 calls over 3 weights, per candidate
+    assert layer.values is own[0] and layer.meta is own[1] and layer._timing_weights == []
+    assert all(torch.equal(c[0], own[0]) and torch.equal(c[1], own[1]) for c in copies)
+
+
+def test_timing_copies_exceed_the_l2_within_free_memory():
+    """How many weights ``auto`` cycles through: enough to pass 2.5× the L2 together, at most 64, one
+    where the weight alone passes it or the copies would not leave 256 MiB free."""
+    from shuffleprune.deploy.sparse_linear import timing_copies
+
+    mib, free = 2**20, 80 * 2**30
+    assert timing_copies(9 * mib, 50 * mib, free) == 14          # a 4096×4096 2:4 bf16 weight on an H100
+    assert timing_copies(125 * mib, 50 * mib, free) == 1          # alone beyond 2.5× the L2
+    assert timing_copies(2**10, 50 * mib, free) == 64
+    assert timing_copies(9 * mib, 50 * mib, 13 * 9 * mib + 2**28) == 14
+    assert timing_copies(9 * mib, 50 * mib, 13 * 9 * mib + 2**28 - 1) == 1
+
+
 def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
     """``auto``'s timed choice is shared by layers of the same shape, pattern, map and bias: the
     second q-like layer reuses the first's, another shape or a layer without a map measures anew,

@@ -34,7 +34,9 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
 ``policy="auto"``: on the CPU ``scratch``; on CUDA the first call of each token-count bucket
 (1, 2, 4, … tokens) checks the applicable candidates' outputs against PyTorch's (dropping one that
 disagrees), times them, each as a CUDA graph of repeated calls (so the host's launch cost, which
-graphs remove, does not decide), and keeps the fastest
+graphs remove, does not decide) that cycle through copies of the weight larger together than the L2
+(so each call reads its weight from DRAM, as a model's layers do: one 2:4 weight of a 7B model fits
+in an H100's L2, and timed alone it is read from there), and keeps the fastest
 (``self.choices``); a first call made during a graph capture takes :func:`default_choice`. Where
 that is one whose eager call costs more than its replay (``EAGER_CHECKED``: PyTorch builds
 cuSPARSELt's plan on every ``_cslt_sparse_mm`` call before its 2026 fix, about half a millisecond on an
@@ -83,6 +85,8 @@ DECODE_KERNELS = {"decode": {}, "decode_mapped": {"weight_a": True}, "decode_sel
 PDL_SUFFIX = "+pdl"
 PDL_RETIMED = 2   # the fastest decode kernels auto times again launched so (the order may change: a separate
                   # gather's launch is what a dependent launch hides best)
+COLD_L2 = 2.5     # auto times each candidate over copies of the weight that together exceed the L2 this many
+                  # times, so no call finds its weight there (in a model every layer's weight comes from DRAM)
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 _CHOICES: dict[tuple, tuple[str, str]] = {}   # (device, dtype, rows, cols, N, M, map?, bias?, tiled?, bucket)
@@ -185,6 +189,7 @@ class SparseLinear(nn.Module):
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None  # (meta it was made from, its int32 words)
         self.tiled = False   # meta holds cuSPARSELt's metadata words (use_cslt_layout), values and meta one buffer
         self._packed: torch.Tensor | None = None
+        self._timing_weights: list[tuple] = []   # the weight copies auto's timing cycles through (_measure)
         self._register()
 
     def _register(self) -> None:
@@ -391,17 +396,19 @@ class SparseLinear(nn.Module):
                  reps: int = 5) -> tuple[str, str]:
         """The fastest candidate on ``x`` in a CUDA graph and eagerly: each is compiled and run eagerly,
         its output checked against :meth:`_reference` (one that disagrees — a kernel miscompiled or
-        racing on this GPU — is dropped with a warning), then ``calls`` calls are captured in one CUDA
-        graph whose replays are timed (median of ``reps``), as a model served with CUDA graphs runs
-        them; a candidate that cannot be captured is timed eagerly. The graph's winner serves eager
-        calls too unless it is in ``EAGER_CHECKED``: then it and the fastest other candidate are timed
-        eagerly and the faster serves them. The shared gather is bypassed, so ``decode`` pays for its
-        own gather."""
+        racing on this GPU — is dropped with a warning), then at least ``calls`` calls, each on the
+        next of :meth:`_weight_copies` (the weight read from DRAM, as in a model, not from L2), are
+        captured in one CUDA graph whose replays are timed (median of ``reps``), as a model served
+        with CUDA graphs runs them; a candidate that cannot be captured is timed eagerly. The graph's
+        winner serves eager calls too unless it is in ``EAGER_CHECKED``: then it and the fastest other
+        candidate are timed eagerly and the faster serves them. The shared gather is bypassed, so
+        ``decode`` pays for its own gather."""
         shared, self.shared_gather = self.shared_gather, None
         fallback = default_choice(candidates)   # what runs if no candidate is timed
         timed: dict[str, float] = {}
         try:
             ref = self._reference(x)
+            self._timing_weights = self._weight_copies()
             for impl in candidates:
                 try:
                     if not self._agrees(impl, x, ref):
@@ -420,13 +427,47 @@ class SparseLinear(nn.Module):
             if best in EAGER_CHECKED and others:
                 eager = faster_eagerly([best, others[0]], lambda impl: self._run(impl, x), calls, reps)
         finally:
-            self.shared_gather = shared
+            self.shared_gather, self._timing_weights = shared, []
         return best, eager
+
+    def _weight_copies(self) -> list[tuple]:
+        """The layer's weight (``values``, ``meta``, the cuSPARSELt buffer and the position words, as
+        :meth:`_run_on` takes them) and copies of it, :func:`timing_copies` in all on a CUDA device:
+        the weights :meth:`_graph_ms` cycles through."""
+        if self.tiled:
+            self._packed_buffer()   # made again first where .to() copied values and meta apart
+        weights = [(self.values, self.meta, self._packed, self._words)]
+        if not self.values.is_cuda:
+            return weights
+        from shuffleprune.kernels.gpu import l2_bytes
+
+        count = timing_copies(self.values.nbytes + self.meta.nbytes, l2_bytes(self.values.device),
+                              torch.cuda.mem_get_info(self.values.device)[0])
+        return weights + [self._weight_copy() for _ in range(count - 1)]
+
+    def _weight_copy(self) -> tuple:
+        """A copy of the layer's weight in :meth:`_run_on`'s form (the same layout, new memory)."""
+        if self.tiled:
+            from shuffleprune.deploy.cslt_layout import split_buffer
+
+            packed = self._packed_buffer().clone()
+            return (*split_buffer(packed), packed, None)
+        return self.values.clone(), self.meta.clone(), None, None
+
+    def _run_on(self, weight: tuple, impl: str, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`_run` with the layer's weight swapped for ``weight`` (one of :meth:`_weight_copies`) for
+        the call (a CUDA graph captured meanwhile reads that copy at every replay)."""
+        own = (self.values, self.meta, self._packed, self._words)
+        self.values, self.meta, self._packed, self._words = weight
+        try:
+            return self._run(impl, x)
+        finally:
+            self.values, self.meta, self._packed, self._words = own
 
     def _time_pdl(self, x: torch.Tensor, ref: torch.Tensor, impl: str, timed: dict[str, float], calls: int,
                   reps: int) -> None:
         """Add ``impl`` launched as a programmatic dependent (:data:`PDL_SUFFIX`) to ``timed`` where its
-        output agrees and it can be captured in a CUDA graph: that graph of ``calls`` calls, each
+        output agrees and it can be captured in a CUDA graph: that graph's time (:meth:`_graph_ms`), each
         call's kernels starting while the previous call's end, as a model's layers do."""
         pdl = impl + PDL_SUFFIX
         try:
@@ -448,9 +489,12 @@ class SparseLinear(nn.Module):
         return False
 
     def _graph_ms(self, impl: str, x: torch.Tensor, calls: int, reps: int) -> tuple[float, str]:
-        """Milliseconds per call of ``impl`` on ``x``: ``calls`` calls in one CUDA graph, median of
-        ``reps`` replays (eagerly timed where it cannot be captured), and how (:func:`cuda_graph_ms`)."""
-        return cuda_graph_ms([lambda: self._run(impl, x)] * calls, reps, warm=3)
+        """Milliseconds per call of ``impl`` on ``x``: at least ``calls`` calls in one CUDA graph, in turn
+        on each weight of :meth:`_measure`'s copies (the layer's own outside it), median of ``reps``
+        replays (eagerly timed where it cannot be captured), and how (:func:`cuda_graph_ms`)."""
+        weights = self._timing_weights or [(self.values, self.meta, self._packed, self._words)]
+        turns = [weights[i % len(weights)] for i in range(max(calls, len(weights)))]
+        return cuda_graph_ms([lambda w=w: self._run_on(w, impl, x) for w in turns], reps, warm=3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():   # one opaque op in the graph; this eager forward runs inside it
@@ -537,6 +581,15 @@ def use_cslt_layout(model: nn.Module) -> list[str]:
     """:meth:`SparseLinear.use_cslt_layout` on every sparse layer of ``model`` that is not stacked and can
     take it (in place); returns their names. Run it before ``fuse_shared_inputs``, where the model lives."""
     return [name for name, mod in model.named_modules() if isinstance(mod, SparseLinear) and mod.use_cslt_layout()]
+
+
+def timing_copies(weight_bytes: int, l2_bytes: int, free_bytes: int) -> int:
+    """How many weights of ``weight_bytes`` ``auto``'s timing cycles through (the layer's own and
+    copies): together more than :data:`COLD_L2` times the L2, at most 64; only the layer's own where
+    it alone is that large or the copies would leave less than 256 MiB of the device's
+    ``free_bytes`` (it is then timed partly from L2)."""
+    count = min(64, -(-int(COLD_L2 * l2_bytes) // weight_bytes))
+    return 1 if count <= 1 or (count - 1) * weight_bytes + 2**28 > free_bytes else count
 
 
 def candidate_errors() -> tuple[type[Exception], ...]:
