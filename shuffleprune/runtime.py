@@ -55,6 +55,25 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+@contextmanager
+def side_stream(x: torch.Tensor) -> Iterator[None]:
+    """Run the body on a stream of its own (after the current stream's work on ``x``; the current
+    stream waits for the body's work): what it allocates comes from the ordinary allocator even where
+    the current stream allocates from a CUDA graph pool, as ``torch.compile(mode="reduce-overhead")``
+    routes its warm-up runs, whose pool may only hold what the compiled graphs return. Nothing off CUDA."""
+    if not x.is_cuda:
+        yield
+        return
+    current = torch.cuda.current_stream(x.device)
+    side = torch.cuda.Stream(x.device)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        current.wait_stream(side)
+
+
 def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2) -> tuple[float, str]:
     """Milliseconds per call of ``calls`` (run in turn, e.g. one per rotating weight copy) as a model
     served with CUDA graphs runs them: ``warm`` eager rounds on the capturing stream (compiles,

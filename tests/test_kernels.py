@@ -520,6 +520,40 @@ def test_auto_times_each_candidate_over_copies_of_the_weight_in_turn(monkeypatch
     assert all(torch.equal(c[0], own[0]) and torch.equal(c[1], own[1]) for c in copies)
 
 
+def test_auto_measures_on_a_side_stream_of_its_own(monkeypatch):
+    """A kind of layer's first call measures inside :func:`shuffleprune.runtime.side_stream` (on CUDA a
+    stream whose allocations stay out of a compiled model's CUDA graph pool, where the shared scratch
+    it allocates would be an unaccounted tensor); a measured kind does not enter it again. Off CUDA the
+    context runs its body on the current stream."""
+    import contextlib
+
+    from shuffleprune import runtime
+    from shuffleprune.deploy import sparse_linear
+
+    sparse_linear.release_choices()
+    inside, events = [False], []
+
+    @contextlib.contextmanager
+    def recording_stream(x):
+        inside[0] = True
+        events.append("enter")
+        yield
+        inside[0] = False
+
+    def fake_measure(self, x, candidates):
+        events.append(("measured", inside[0]))
+        return "scratch", "scratch"
+
+    monkeypatch.setattr(sparse_linear, "side_stream", recording_stream)
+    monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
+    _, values, meta, x, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
+    assert layer._choice(x) == layer._choice(x) == "scratch"
+    assert events == ["enter", ("measured", True)]
+    with runtime.side_stream(x):   # the CPU: a no-op
+        assert torch.equal(x + 0, x)
+
+
 def test_timing_copies_exceed_the_l2_within_free_memory():
     """How many weights ``auto`` cycles through: enough to pass 2.5× the L2 together, at most 64, one
     where the weight alone passes it or the copies would not leave 256 MiB free."""

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
-from shuffleprune.runtime import capturing, cuda_graph_ms, eager_ms
+from shuffleprune.runtime import capturing, cuda_graph_ms, eager_ms, side_stream
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "gather", "group",
@@ -524,8 +524,9 @@ class SparseLinear(nn.Module):
                 return default_choice(self._candidates(x))
             key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
                    self.perm is not None, self.bias is not None, self.tiled, bucket)
-            if key not in _CHOICES:
-                _CHOICES[key] = self._measure(x, self._candidates(x))
+            if key not in _CHOICES:   # off any CUDA graph pool: the shared scratch it allocates is kept
+                with side_stream(x):
+                    _CHOICES[key] = self._measure(x, self._candidates(x))
             self.choices[bucket], self.eager_choices[bucket] = _CHOICES[key]
         return (self.choices if in_graph else self.eager_choices)[bucket]
 
