@@ -1,5 +1,7 @@
 """Fused MoE experts (transformers 5 stores a layer's experts as one [experts, out, in] parameter):
 each expert's matrices get the statistics of the tokens routed to it and are pruned in place."""
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -424,10 +426,13 @@ def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_th
 
     monkeypatch.setattr(sparse_experts, "grouped_runs_on", lambda x: True)
     monkeypatch.setattr(sparse_experts, "eager_ms", fake_ms)
+    measured_aside = []   # each measurement on a side stream (off a compiled model's graph pool)
+    monkeypatch.setattr(sparse_experts, "side_stream", lambda x: contextlib.nullcontext(measured_aside.append(x)))
     assert experts_mode(sparse, x, top, weights) == "grouped" and timed == ["grouped", "loop"]
     speed[grouped_experts_forward] = 3.0
     assert experts_mode(sparse, x[:5], top[:5], weights[:5]) == "grouped" and len(timed) == 2   # same bucket
     assert experts_mode(sparse, x[:2], top[:2], weights[:2]) == "loop" and len(timed) == 4     # bucket 2: measured
+    assert len(measured_aside) == 2
     assert experts_mode(sparse, x[:2]) == "loop"
     monkeypatch.setattr(sparse_experts, "grouped_experts_forward", lambda *a: want + 0.1 * want.abs().max())
     release_mode_choices()

@@ -47,7 +47,7 @@ from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, expert
 from shuffleprune.deploy.format import check_compressed, check_index_map, compress, meta_bits
 from shuffleprune.deploy.sparse_linear import AGREE_RTOL, SparseLinear, relative_error, token_bucket
 from shuffleprune.errors import UserError
-from shuffleprune.runtime import capturing, eager_ms
+from shuffleprune.runtime import capturing, eager_ms, side_stream
 from shuffleprune.stacked_experts import expert_layout, matmul_operands
 
 IMPLEMENTATION = "shuffleprune_nm"
@@ -210,8 +210,9 @@ def experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: to
         return "loop"
     key = (str(hidden_states.device), hidden_states.dtype, top_k_index.shape[-1], getattr(module, "has_bias", False),
            token_bucket(hidden_states.shape[0]), *(h.kind() for h in held))
-    if key not in _MODE_CHOICES:
-        _MODE_CHOICES[key] = measure_experts_mode(module, hidden_states, top_k_index, top_k_weights)
+    if key not in _MODE_CHOICES:   # off any CUDA graph pool, as SparseLinear measures (what it makes lazily is kept)
+        with side_stream(hidden_states):
+            _MODE_CHOICES[key] = measure_experts_mode(module, hidden_states, top_k_index, top_k_weights)
     return _MODE_CHOICES[key]
 
 
