@@ -19,11 +19,12 @@ try:
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
-from shuffleprune.kernels import gpu, split_k
+from shuffleprune.kernels import gpu, overlap, split_k
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
-    from shuffleprune.kernels.nm_words import dense_tile, mma_step
+    from shuffleprune.kernels.nm_words import dense_tile, mma_step, prefetch_positions
+    from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
     from shuffleprune.kernels.split_k import write_output
 
     @triton.jit
@@ -32,7 +33,13 @@ if triton is not None:
                         SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_T: tl.constexpr,
                         WEIGHT_A: tl.constexpr = False, TILED: tl.constexpr = False, SUM_HERE: tl.constexpr = False,
-                        NATIVE: tl.constexpr = True):
+                        NATIVE: tl.constexpr = True, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                        LINE: tl.constexpr = 64, PREFETCH_WORDS: tl.constexpr = 0):
+        """Token tile × row tile ``program_id(0)`` (in grouped order), dense columns of split
+        ``program_id(1)``. ``PDL`` (a programmatic dependent, :mod:`.overlap`): the programs of the first
+        token tile prefetch the first ``PREFETCH`` kept values of their rows in their split and their
+        ``PREFETCH_WORDS`` position words into L2 while the kernel before still runs; nothing is read of
+        the input, nor written, before that kernel has ended."""
         BLOCK_K: tl.constexpr = BLOCK_C * N // M
         pid, pid_s = tl.program_id(0), tl.program_id(1)
         n_t, n_r = tl.cdiv(T, BLOCK_T), tl.cdiv(R, BLOCK_R)
@@ -49,6 +56,14 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         c_start = pid_s * C_PER_SPLIT
+        if PREFETCH > 0:   # once per row tile: by the first token tile's programs
+            lead = row_ok & (pid_t == 0)
+            k_lo, k_hi = c_start * N // M, tl.minimum(c_start + C_PER_SPLIT, C) * N // M
+            prefetch_rows(val_ptr, rows, lead, K, k_lo, k_hi, PREFETCH, LINE)
+            if PREFETCH_WORDS > 0:
+                prefetch_positions(word_ptr, rows, lead, k_lo, k_hi, WORDS, BITS, BLOCK_R, PREFETCH_WORDS, TILED)
+        wait_for_inputs(PDL)
+        release_next(PDL)
         for c0 in range(c_start, tl.minimum(c_start + C_PER_SPLIT, C), BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             xs = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_ok[:, None] & (cols < C)[None, :],
@@ -152,11 +167,13 @@ def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
 def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
             bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None,
             split: int | None = None, weight_a: bool = False, tiled: bool = False,
-            sum_in_kernel: bool | None = None) -> torch.Tensor:
+            sum_in_kernel: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """``x`` ``[..., C]`` already in the weight's (permuted) column order → ``x @ W_pᵀ + bias``
     (``tile`` and ``split`` default to :func:`gemm_plan`'s; a given ``tile`` alone runs unsplit).
     ``weight_a``: the weight tile is the MMA's A operand (``acc[rows, tokens]``), see
-    :data:`GEMM_TILES_SWAP`. ``sum_in_kernel``: as in :func:`nm_decode`."""
+    :data:`GEMM_TILES_SWAP`. ``sum_in_kernel``: as in :func:`nm_decode`. ``pdl``: launch as a
+    programmatic dependent that prefetches its weight's first part into L2 while the kernel before it
+    ends (as :func:`nm_decode`'s ``pdl``; an ordinary launch where :func:`.overlap.enabled` is false)."""
     check_pattern(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -175,13 +192,20 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     part = split_k.partials(split, y)
     grid = (triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r), split)
     counts = split_k.summing(split, grid[0], x.device, sum_in_kernel)
+    dependent = {}
+    if pdl and overlap.enabled(x):   # each row tile's first kept values of each split, and their positions
+        share = overlap.prefetch_per_row(triton.cdiv(rows, block_r) * split, block_r, per_split * n // m,
+                                         values.element_size())
+        dependent = dict(PDL=True, LINE=overlap.LINE_BYTES // values.element_size(), PREFETCH=share,
+                         PREFETCH_WORDS=overlap.position_words_per_row(share, bits, tiled),
+                         **overlap.launch_options(True))
     _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, part,
                           counts if counts is not None else values, tokens, rows, cols, kept,
                           words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
                           HAS_BIAS=bias is not None, SPLIT=split, PREC=gpu.precision(x), UPCAST=gpu.upcast(x),
                           BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, WEIGHT_A=weight_a,
                           TILED=tiled, SUM_HERE=counts is not None, NATIVE=gpu.native(x), num_warps=warps,
-                          num_stages=stages)
+                          num_stages=stages, **dependent)
     if split > 1 and counts is None:
         y = split_k.sum_partials(part, bias, y)
     return y.reshape(*lead, rows)

@@ -6,7 +6,7 @@
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
 map, the weight-as-A decode on the gathered input and reading the map itself, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch, the first kernels
 ``gather`` / ``group``, the producer-side ``rmsnorm_mapped``, and ``…_pdl``: the gather kernel and the
-decode launched as programmatic dependents, as ``SparseLinear``'s ``+pdl`` choices run them) on bf16
+decode or GEMM launched as programmatic dependents, as ``SparseLinear``'s ``+pdl`` choices run them) on bf16
 (plus fp16/fp32 and 4:8 on one shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
 (``kernels/compile_check.py``). Each row: registers, spills, shared memory, programs per SM, waves,
 the widest global load, the grid dependency instructions (``grid_dependency``: wait, release, L2
@@ -87,6 +87,8 @@ def cases(quick: bool) -> list[dict]:
         out.append(dict(impl="decode_mapped_pdl", shape=(rows, cols), tokens=t))
     for t in (1, 16):   # in cuSPARSELt's buffer (load's default on Hopper): its position words prefetched by slices
         out.append(dict(impl="decode_pdl", shape=(rows, cols), tokens=t, tiled=True))
+    for impl in ("gemm_pdl", "gemm_swap_pdl"):   # the GEMMs as dependents at 64 tokens: gather, then GEMM
+        out.append(dict(impl=impl, shape=(rows, cols), tokens=GEMM_TOKENS[0]))
     return out
 
 
@@ -125,7 +127,10 @@ def run_case(case: dict) -> None:
         from shuffleprune.kernels.gather import gather_columns
 
         kernel = impl.removesuffix("_pdl")
-        if kernel == "decode_mapped":   # no gather: the decode reads the map itself, after its wait
+        if kernel in ("gemm", "gemm_swap"):
+            nm_gemm.nm_gemm(gather_columns(x, perm, pdl=True), values, words, n, m, bits, weight_a=kernel == "gemm_swap",
+                            pdl=True)
+        elif kernel == "decode_mapped":   # no gather: the decode reads the map itself, after its wait
             nm_decode.nm_decode(x, values, words, n, m, bits, perm, pdl=True, tiled=tiled, **DECODE_KERNELS[kernel])
         else:
             nm_decode.nm_decode(gather_columns(x, perm, pdl=True), values, words, n, m, bits, pdl=True, tiled=tiled,

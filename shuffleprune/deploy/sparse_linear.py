@@ -45,11 +45,11 @@ the eager winner (``self.eager_choices``): a model served with CUDA graphs prefi
 tensor cores, and one run eagerly (``generate`` without graphs) does not pay the plan per call. The
 choices are shared by every layer of the same shape, pattern, map and bias on that device and dtype,
 so a 32-block model measures each kind of layer once, not 32 times (``release_choices`` forgets them).
-On Hopper and later the two fastest decode kernels are timed once more launched as programmatic
-dependents (``decode+pdl`` and so on, ``kernels/overlap.py``: each call's kernels start while the
-previous call's end and prefetch the first part of their weight into L2; a mapped input's gather is
-then the Triton gather that lets the decode start early, not ``index_select``), and the fastest of
-all is kept (a plain launch on a tie).
+On Hopper and later the two fastest Triton kernels of the word layout (decode and GEMM) are timed
+once more launched as programmatic dependents (``decode+pdl``, ``gemm_swap+pdl`` and so on,
+``kernels/overlap.py``: each call's kernels start while the previous call's end and prefetch the
+first part of their weight into L2; a mapped input's gather is then the Triton gather that lets the
+kernel start early, not ``index_select``), and the fastest of all is kept (a plain launch on a tie).
 """
 from __future__ import annotations
 
@@ -80,10 +80,12 @@ MAPPED_MAX_TOKENS = 16
 # tensor-core form whose gather the pipeline copies ahead)
 DECODE_KERNELS = {"decode": {}, "decode_mapped": {"weight_a": True}, "decode_select": {"use_dot": False},
                   "decode_swap": {"use_dot": True, "weight_a": True}}
-# a decode implementation's name with this suffix launches it as a programmatic dependent (its gather
-# too): on Hopper it starts while the kernel before it ends, prefetching its weight (kernels/overlap.py)
+# the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
+# programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
+# prefetching its weight (kernels/overlap.py)
+PDL_KERNELS = (*DECODE_KERNELS, "gemm", "gemm_swap")
 PDL_SUFFIX = "+pdl"
-PDL_RETIMED = 2   # the fastest decode kernels auto times again launched so (the order may change: a separate
+PDL_RETIMED = 2   # the fastest of PDL_KERNELS auto times again launched so (the order may change: a separate
                   # gather's launch is what a dependent launch hides best)
 COLD_L2 = 2.5     # auto times each candidate over copies of the weight that together exceed the L2 this many
                   # times, so no call finds its weight there (in a model every layer's weight comes from DRAM)
@@ -171,9 +173,9 @@ class SparseLinear(nn.Module):
     def __init__(self, values: torch.Tensor, meta: torch.Tensor, in_features: int, n: int, m: int,
                  perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, policy: str = "auto"):
         super().__init__()
-        if policy != "auto" and policy not in IMPLS and split_pdl(policy)[0] not in DECODE_KERNELS:
+        if policy != "auto" and policy not in IMPLS and split_pdl(policy)[0] not in PDL_KERNELS:
             raise ValueError(f"unknown SparseLinear policy {policy!r}; use auto or one of {', '.join(IMPLS)} "
-                             f"(a decode one may end in {PDL_SUFFIX})")
+                             f"(a decode or gemm one may end in {PDL_SUFFIX})")
         self.in_features, self.out_features = in_features, values.shape[0]
         self.n, self.m, self.bits = n, m, meta_bits(m)
         self.register_buffer("values", values)
@@ -317,8 +319,8 @@ class SparseLinear(nn.Module):
         if impl in ("gemm", "gemm_swap"):
             from shuffleprune.kernels.nm_gemm import nm_gemm
 
-            return nm_gemm(self._gathered(x), self.values, self.words(), self.n, self.m, self.bits, self.bias,
-                           weight_a=impl == "gemm_swap", tiled=self.tiled)
+            return nm_gemm(self._gathered(x, pdl), self.values, self.words(), self.n, self.m, self.bits, self.bias,
+                           weight_a=impl == "gemm_swap", tiled=self.tiled, pdl=pdl)
         if impl in ("gather", "group"):
             from shuffleprune.kernels.nm_matmul import nm_gather_matmul
 
@@ -418,8 +420,8 @@ class SparseLinear(nn.Module):
                     timed[impl] = self._graph_ms(impl, x, calls, reps)[0]
                 except candidate_errors():  # e.g. a tile that does not fit this GPU's shared memory
                     continue
-            if overlap_enabled(x):   # the fastest decode kernels again, as programmatic dependents
-                for impl in sorted((i for i in timed if i in DECODE_KERNELS), key=timed.__getitem__)[:PDL_RETIMED]:
+            if overlap_enabled(x):   # the fastest Triton kernels again, as programmatic dependents
+                for impl in sorted((i for i in timed if i in PDL_KERNELS), key=timed.__getitem__)[:PDL_RETIMED]:
                     self._time_pdl(x, ref, impl, timed, calls, reps)
             best = min(timed, key=timed.__getitem__) if timed else fallback   # the first of a tie, as before
             eager = best
