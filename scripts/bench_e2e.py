@@ -208,7 +208,13 @@ def main() -> None:
 
         how, run_step = "eager", step
         if args.decode == "compile":
-            run_step, how = compiled_step(), "torch.compile(reduce-overhead)"
+            try:
+                run_step, how = compiled_step(), "torch.compile(reduce-overhead)"
+            except Exception as exc:  # noqa: BLE001 - recorded in the row: what failed, and the eager decode's time
+                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                print(f"{label}: torch.compile failed ({first_line}); eager", flush=True)
+                restart()
+                how = f"eager (torch.compile failed: {type(exc).__name__}: {first_line})"
         elif cuda:
             try:
                 graph = capture(lambda: (step(), restart()), step)
@@ -312,6 +318,7 @@ def main() -> None:
     # load's default layout on this device (cuSPARSELt's buffer on Hopper): the key of its variant below
     default_variant = "cslt_buffer_stacked" if cuda and cslt_by_default(device) else "stacked"
     if args.decode == "compile":   # load's default only: each compile of a 32-layer model takes minutes
+        save({}, [dense_row], complete=False)
         done = arrange_for_serving(model)
         row, _ = measure(model, f"2:4 as load lays it out ({default_variant})")
         row.update(maps_moved=len(done["maps_moved"]), groups=len(done["stacked_groups"]),
