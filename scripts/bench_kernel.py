@@ -58,6 +58,7 @@ SERVING_IMPLS = ["auto", "auto_nomap", "auto_tiled", "auto_nomap_tiled"]
 SERVING_TOKENS = [1, 16, 512]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
+NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which counted the graph's launch in each)
 # auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
@@ -321,9 +322,10 @@ def main() -> None:
             ref = norm(x).index_select(-1, perm)
             impls = {"rmsnorm": lambda: norm(x), "rmsnorm+gather": lambda: norm(x).index_select(-1, perm),
                      "rmsnorm_mapped": lambda: mapped(x)}
-            for impl, call in impls.items():
-                ms, how = timed([call])
-                row = {"width": width, "tokens": tokens, "impl": impl, "ms": ms, "timing": how}
+            for impl, call in impls.items():   # several calls per graph: one graph launch's own latency (µs) is
+                ms, how = timed([call] * NORM_CALLS)   # not the norm's (the norms run inside a model's one graph)
+                row = {"width": width, "tokens": tokens, "impl": impl, "ms": ms, "timing": how,
+                       "calls_per_graph": NORM_CALLS}
                 if impl == "rmsnorm_mapped":
                     row["max_rel_err"] = relative_error(call(), ref)
                 norm_rows.append(row)
