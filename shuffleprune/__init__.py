@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shuffleprune.version import __version__  # noqa: F401 (re-exported)
+from shuffleprune.version import __version__
 
 
 def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = True, cslt: bool | None = None):

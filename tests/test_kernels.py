@@ -500,7 +500,7 @@ def test_auto_times_each_candidate_over_copies_of_the_weight_in_turn(monkeypatch
     ref = layer._reference(x)
     copies = [layer._weight_copy() for _ in range(2)]
     monkeypatch.setattr(SparseLinear, "_weight_copies",
-                        lambda self: [(self.values, self.meta, self._packed, self._words), *copies])
+                        lambda self: [self._own_weight(), *copies])
     ran, graphs = [], []
     original = SparseLinear._run
 

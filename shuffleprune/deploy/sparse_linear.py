@@ -433,12 +433,11 @@ class SparseLinear(nn.Module):
         return best, eager
 
     def _weight_copies(self) -> list[tuple]:
-        """The layer's weight (``values``, ``meta``, the cuSPARSELt buffer and the position words, as
-        :meth:`_run_on` takes them) and copies of it, :func:`timing_copies` in all on a CUDA device:
-        the weights :meth:`_graph_ms` cycles through."""
+        """The layer's weight (:meth:`_own_weight`) and copies of it, :func:`timing_copies` in all on a
+        CUDA device: the weights :meth:`_graph_ms` cycles through."""
         if self.tiled:
             self._packed_buffer()   # made again first where .to() copied values and meta apart
-        weights = [(self.values, self.meta, self._packed, self._words)]
+        weights = [self._own_weight()]
         if not self.values.is_cuda:
             return weights
         from shuffleprune.kernels.gpu import l2_bytes
@@ -456,10 +455,15 @@ class SparseLinear(nn.Module):
             return (*split_buffer(packed), packed, None)
         return self.values.clone(), self.meta.clone(), None, None
 
+    def _own_weight(self) -> tuple:
+        """The layer's weight in :meth:`_run_on`'s form: ``values``, ``meta``, the cuSPARSELt buffer and
+        the position words."""
+        return self.values, self.meta, self._packed, self._words
+
     def _run_on(self, weight: tuple, impl: str, x: torch.Tensor) -> torch.Tensor:
         """:meth:`_run` with the layer's weight swapped for ``weight`` (one of :meth:`_weight_copies`) for
         the call (a CUDA graph captured meanwhile reads that copy at every replay)."""
-        own = (self.values, self.meta, self._packed, self._words)
+        own = self._own_weight()
         self.values, self.meta, self._packed, self._words = weight
         try:
             return self._run(impl, x)
@@ -494,7 +498,7 @@ class SparseLinear(nn.Module):
         """Milliseconds per call of ``impl`` on ``x``: at least ``calls`` calls in one CUDA graph, in turn
         on each weight of :meth:`_measure`'s copies (the layer's own outside it), median of ``reps``
         replays (eagerly timed where it cannot be captured), and how (:func:`cuda_graph_ms`)."""
-        weights = self._timing_weights or [(self.values, self.meta, self._packed, self._words)]
+        weights = self._timing_weights or [self._own_weight()]
         turns = [weights[i % len(weights)] for i in range(max(calls, len(weights)))]
         return cuda_graph_ms([lambda w=w: self._run_on(w, impl, x) for w in turns], reps, warm=3)
 
