@@ -30,7 +30,9 @@ before it, as programmatic dependents (``kernels/overlap.py``, Hopper): each cal
 while the previous call's end and prefetch their weight's first part into L2 (``map_cost_pdl`` in the
 summary: ``decode+pdl`` over ``decode_nomap+pdl``). ``norm_rows``: the producer-side alternative for a shared map —
 an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
-writing its output through the map (``rmsnorm_mapped``, ``kernels/norm_map.py``), per input width.
+writing its output through the map (``rmsnorm_mapped``, ``kernels/norm_map.py``), per input width;
+beside them a mapped layer's gather alone, PyTorch's ``index_select`` (``gather``) and the Triton
+gather of the ``+pdl`` choices launched plainly (``gather_columns``, ``kernels/gather.py``).
 
 Timing: every implementation runs on ``copies`` separate weight copies in turn (at least 4, and
 together more than 2.5× the GPU's L2, so no call finds its weight in L2), ``calls`` calls captured
@@ -310,6 +312,7 @@ def main() -> None:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from shuffleprune.deploy.producer_maps import MappedOutput
+    from shuffleprune.kernels.gather import gather_columns
 
     for width in sorted({in_f for _, in_f in shapes}):
         norm = LlamaRMSNorm(width, eps=1e-5).to(device, dtype)
@@ -317,19 +320,26 @@ def main() -> None:
             norm.weight.normal_()
         perm = torch.randperm(width, generator=gen).to(device)
         mapped = MappedOutput(norm, perm, kernel=True)
+        perm32 = perm.to(torch.int32)
         for tokens in tokens_list:
             x = torch.randn(tokens, width, generator=gen).to(device, dtype)
             ref = norm(x).index_select(-1, perm)
             impls = {"rmsnorm": lambda: norm(x), "rmsnorm+gather": lambda: norm(x).index_select(-1, perm),
-                     "rmsnorm_mapped": lambda: mapped(x)}
+                     "rmsnorm_mapped": lambda: mapped(x),
+                     # a mapped layer's own gather alone, launched plainly: PyTorch's, and the Triton one
+                     # the "+pdl" choices launch (as a dependent there)
+                     "gather": lambda: x.index_select(-1, perm), "gather_columns": lambda: gather_columns(x, perm32)}
             for impl, call in impls.items():   # several calls per graph: one graph launch's own latency (µs) is
                 ms, how = timed([call] * NORM_CALLS)   # not the norm's (the norms run inside a model's one graph)
                 row = {"width": width, "tokens": tokens, "impl": impl, "ms": ms, "timing": how,
                        "calls_per_graph": NORM_CALLS}
                 if impl == "rmsnorm_mapped":
                     row["max_rel_err"] = relative_error(call(), ref)
+                if impl == "gather_columns":
+                    row["max_rel_err"] = relative_error(call(), x.index_select(-1, perm))
                 norm_rows.append(row)
-            print(f"norm {width} t={tokens}: " + "  ".join(f"{r['impl']} {r['ms']:.4f}" for r in norm_rows[-3:]), flush=True)
+            print(f"norm {width} t={tokens}: " + "  ".join(f"{r['impl']} {r['ms']:.4f}" for r in norm_rows[-len(impls):]),
+                  flush=True)
 
     summary = save(done=True)
     print(json.dumps(summary))
