@@ -338,8 +338,8 @@ def main() -> None:
                 if impl == "gather_columns":
                     row["max_rel_err"] = relative_error(call(), x.index_select(-1, perm))
                 norm_rows.append(row)
-            print(f"norm {width} t={tokens}: " + "  ".join(f"{r['impl']} {r['ms']:.4f}" for r in norm_rows[-len(impls):]),
-                  flush=True)
+            line = "  ".join(f"{r['impl']} {r['ms']:.4f}" for r in norm_rows[-len(impls):])
+            print(f"norm {width} t={tokens}: {line}", flush=True)
 
     summary = save(done=True)
     print(json.dumps(summary))

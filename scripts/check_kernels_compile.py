@@ -123,13 +123,13 @@ def run_case(case: dict) -> None:
     meta = torch.zeros(rows, -(-kept * bits // 8), dtype=torch.uint8)
     words = nm_words.position_words(meta)
     x = torch.zeros(tokens, cols, dtype=dtype)
-    if impl.endswith("_pdl"):   # as SparseLinear runs "decode+pdl": the gather kernel, then the decode
+    if impl.endswith("_pdl"):   # as SparseLinear runs "decode+pdl", "gemm+pdl": the gather kernel, then the kernel
         from shuffleprune.kernels.gather import gather_columns
 
         kernel = impl.removesuffix("_pdl")
         if kernel in ("gemm", "gemm_swap"):
-            nm_gemm.nm_gemm(gather_columns(x, perm, pdl=True), values, words, n, m, bits, weight_a=kernel == "gemm_swap",
-                            pdl=True)
+            nm_gemm.nm_gemm(gather_columns(x, perm, pdl=True), values, words, n, m, bits,
+                            weight_a=kernel == "gemm_swap", pdl=True)
         elif kernel == "decode_mapped":   # no gather: the decode reads the map itself, after its wait
             nm_decode.nm_decode(x, values, words, n, m, bits, perm, pdl=True, tiled=tiled, **DECODE_KERNELS[kernel])
         else:

@@ -191,7 +191,6 @@ class SparseLinear(nn.Module):
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None  # (meta it was made from, its int32 words)
         self.tiled = False   # meta holds cuSPARSELt's metadata words (use_cslt_layout), values and meta one buffer
         self._packed: torch.Tensor | None = None
-        self._timing_weights: list[tuple] = []   # the weight copies auto's timing cycles through (_measure)
         self._register()
 
     def _register(self) -> None:
@@ -410,26 +409,26 @@ class SparseLinear(nn.Module):
         timed: dict[str, float] = {}
         try:
             ref = self._reference(x)
-            self._timing_weights = self._weight_copies()
+            weights = self._weight_copies()
             for impl in candidates:
                 try:
                     if not self._agrees(impl, x, ref):
                         if fallback == impl:
                             fallback = "scratch"
                         continue
-                    timed[impl] = self._graph_ms(impl, x, calls, reps)[0]
+                    timed[impl] = self._graph_ms(impl, x, weights, calls, reps)[0]
                 except candidate_errors():  # e.g. a tile that does not fit this GPU's shared memory
                     continue
             if overlap_enabled(x):   # the fastest Triton kernels again, as programmatic dependents
                 for impl in sorted((i for i in timed if i in PDL_KERNELS), key=timed.__getitem__)[:PDL_RETIMED]:
-                    self._time_pdl(x, ref, impl, timed, calls, reps)
+                    self._time_pdl(x, ref, impl, timed, weights, calls, reps)
             best = min(timed, key=timed.__getitem__) if timed else fallback   # the first of a tie, as before
             eager = best
             others = sorted((impl for impl in timed if impl not in EAGER_CHECKED), key=timed.__getitem__)
             if best in EAGER_CHECKED and others:
                 eager = faster_eagerly([best, others[0]], lambda impl: self._run(impl, x), calls, reps)
         finally:
-            self.shared_gather, self._timing_weights = shared, []
+            self.shared_gather = shared
         return best, eager
 
     def _weight_copies(self) -> list[tuple]:
@@ -470,15 +469,15 @@ class SparseLinear(nn.Module):
         finally:
             self.values, self.meta, self._packed, self._words = own
 
-    def _time_pdl(self, x: torch.Tensor, ref: torch.Tensor, impl: str, timed: dict[str, float], calls: int,
-                  reps: int) -> None:
+    def _time_pdl(self, x: torch.Tensor, ref: torch.Tensor, impl: str, timed: dict[str, float],
+                  weights: list[tuple], calls: int, reps: int) -> None:
         """Add ``impl`` launched as a programmatic dependent (:data:`PDL_SUFFIX`) to ``timed`` where its
         output agrees and it can be captured in a CUDA graph: that graph's time (:meth:`_graph_ms`), each
         call's kernels starting while the previous call's end, as a model's layers do."""
         pdl = impl + PDL_SUFFIX
         try:
             if self._agrees(pdl, x, ref):
-                ms, how = self._graph_ms(pdl, x, calls, reps)
+                ms, how = self._graph_ms(pdl, x, weights, calls, reps)
                 if how == "cuda_graph":
                     timed[pdl] = ms
         except candidate_errors():
@@ -494,11 +493,11 @@ class SparseLinear(nn.Module):
                       "output's scale on this device; not used", RuntimeWarning, stacklevel=3)
         return False
 
-    def _graph_ms(self, impl: str, x: torch.Tensor, calls: int, reps: int) -> tuple[float, str]:
+    def _graph_ms(self, impl: str, x: torch.Tensor, weights: list[tuple], calls: int,
+                  reps: int) -> tuple[float, str]:
         """Milliseconds per call of ``impl`` on ``x``: at least ``calls`` calls in one CUDA graph, in turn
-        on each weight of :meth:`_measure`'s copies (the layer's own outside it), median of ``reps``
-        replays (eagerly timed where it cannot be captured), and how (:func:`cuda_graph_ms`)."""
-        weights = self._timing_weights or [self._own_weight()]
+        on each of ``weights`` (:meth:`_weight_copies`), median of ``reps`` replays (eagerly timed where
+        it cannot be captured), and how (:func:`cuda_graph_ms`)."""
         turns = [weights[i % len(weights)] for i in range(max(calls, len(weights)))]
         return cuda_graph_ms([lambda w=w: self._run_on(w, impl, x) for w in turns], reps, warm=3)
 
