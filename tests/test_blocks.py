@@ -172,3 +172,16 @@ def test_blockwise_perplexity_equals_the_whole_models(arch, bos):
     tokens = torch.randint(2, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     whole = perplexity(model, tokens, 32, batch_size=3, bos=bos)
     assert perplexity(model, tokens, 32, batch_size=3, bos=bos, blockwise=True) == pytest.approx(whole, rel=1e-5)
+
+
+def test_perplexity_refuses_windows_that_predict_nothing():
+    """A window of one token predicts none (ppl would divide by zero); two tokens, one with a BOS, is the least."""
+    from shuffleprune.errors import UserError
+    from shuffleprune.evaluation.perplexity import perplexity
+
+    model = tiny_model("llama")
+    tokens = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    for bos in (None, 1):
+        with pytest.raises(UserError, match="at least 2 tokens"):
+            perplexity(model, tokens, 1, bos=bos)
+        assert perplexity(model, tokens, 2, bos=bos) > 1

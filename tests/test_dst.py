@@ -645,7 +645,10 @@ def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
     assert len(AutoTokenizer.from_pretrained(tmp_path / "diag" / "model")) == 300
     for extra, needle in ((["--method", "magic"], "unknown DST method"), (["--method", "rigl", "--perm", "learned"], "structured method"),
                           (["--config-kw", "n_layer"], "key=value"),
-                          (["--method", "nm", "--sparsity", "0.9"], "pass --sparsity 0.5"), (["--data", str(tmp_path / "none.txt")], "does not exist")):
+                          (["--method", "nm", "--sparsity", "0.9"], "pass --sparsity 0.5"), (["--data", str(tmp_path / "none.txt")], "does not exist"),
+                          (["--lr", "-1"], "--lr"), (["--warmup", "-1"], "--warmup"), (["--eval-tokens", "16"], "one window"),
+                          (["--checkpoint-every", "-1"], "--checkpoint-every"), (["--method", "dsb", "--block", "0"], "--block"),
+                          (["--method", "srigl", "--perm", "learned", "--delta", "0"], "--delta")):
         out = tmp_path / "bad"
         r = CliRunner().invoke(app, base + extra + ["--out", str(out)])
         assert r.exit_code == 2 and needle in r.output, r.output

@@ -42,6 +42,12 @@ class DSTConfig:
             raise UserError("--distribution must be erk or uniform")
         if self.delta_t < 1 or self.t_end < 0 or not 0 <= self.alpha <= 1:
             raise UserError("--delta-t must be ≥ 1, --t-end ≥ 0 and --alpha in [0, 1]")
+        if self.block < 1 or not 0.0 <= self.lowrank_share < 1.0 or not 0.0 <= self.gamma_sal <= 1.0:
+            raise UserError("--block must be ≥ 1, the low-rank share in [0, 1) and the ablation threshold in [0, 1]")
+        if not 0.0 < self.tau_end <= self.tau_start:
+            raise UserError("the diag temperatures need 0 < tau_end ≤ tau_start")
+        if self.perm_lr <= 0 or self.lambda_max < 0 or self.t_perm < 0 or self.delta <= 0:
+            raise UserError("--perm-lr and --delta must be > 0, --lambda-max and --t-perm ≥ 0")
         if not 0.0 <= self.perm_init <= 1.0:
             raise UserError("--perm-start must be in [0, 1]")
         if self.perm not in ("none", "random", "learned"):

@@ -54,6 +54,18 @@ class TrainConfig:
     checkpoint_every: int = 200
     seed: int = 0
 
+    def check(self) -> None:
+        """Refuse sizes and schedule settings no run can use."""
+        if self.steps < 1 or self.batch_size < 1 or self.seq_len < 8:
+            raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
+        if self.lr <= 0 or self.warmup < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
+            raise UserError("--lr and the gradient clip must be > 0, --warmup and the weight decay ≥ 0")
+        if self.eval_every < 0 or self.checkpoint_every < 0:
+            raise UserError("--eval-every and --checkpoint-every must be ≥ 0 (0: only at the end)")
+        if self.eval_tokens is not None and self.eval_tokens < self.seq_len:
+            raise UserError(f"--eval-tokens must be at least one window (--seq-len {self.seq_len}), "
+                            f"got {self.eval_tokens}")
+
 
 def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
     """``default``: the embedded model's tokenizer; ``bpe:N``: a byte-level BPE with N tokens trained
@@ -172,9 +184,7 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
 
 
 def _check_out(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, accelerator) -> None:
-    """Refuse bad sizes and an ``out`` that cannot be used; clear it (main process) for a fresh run."""
-    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.seq_len < 8:
-        raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
+    """Refuse an ``out`` that cannot be used; clear it (main process) for a fresh run."""
     if cfg.batch_size % accelerator.num_processes:
         raise UserError(f"--batch-size {cfg.batch_size} is the global batch: use a multiple of the "
                         f"{accelerator.num_processes} processes")
@@ -326,6 +336,8 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     ckpt = out / CHECKPOINT
     accelerator = Accelerator()
     rank, world = accelerator.process_index, accelerator.num_processes
+    cfg.check()
+    dst.check()   # both before `out` is touched
     _check_out(cfg, out, resume, overwrite, accelerator)
     tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
 

@@ -23,6 +23,8 @@ def perplexity(model: nn.Module, tokens: torch.Tensor, ctx: int, device: torch.d
     all of which are predicted. ``blockwise``: the model stays where it is (the CPU) and only one
     decoder block at a time is on ``device``, all windows passing through it before the next (as
     SparseGPT scores models larger than the GPU); otherwise the model must be on ``device``."""
+    if ctx < 2:
+        raise UserError(f"a perplexity window needs at least 2 tokens, got {ctx}")
     stream = tokens.reshape(-1)
     width = ctx - (bos is not None)
     n_windows = stream.numel() // width if width > 0 else 0

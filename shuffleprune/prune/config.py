@@ -73,12 +73,24 @@ class PruneConfig:
         if "sparsity" in run and run["sparsity"] is not None:
             run["pattern"] = None
         config = cls(recipe=label, **run)
+        config.check_sizes()
         explicit_perm = any(v is not None and STAGE_OPTIONS[k][0] == "permutation" for k, v in stage_opts.items()) \
             or any(o.startswith("permutation") for o in overrides or [])
         config.stages = _resolve(_apply(stages, stage_opts, overrides or []), config,
                                  drop_perm=not is_recipe_file(recipe or DEFAULT_RECIPE) and not explicit_perm)
         config.spec()  # every stage checks its parameters now, before anything is loaded
         return config
+
+    def check_sizes(self) -> None:
+        """Refuse counts and lengths no run can use (before anything is loaded)."""
+        if self.nsamples < 1 or self.seqlen < 2:
+            raise UserError("--nsamples must be >= 1 and --seqlen >= 2")
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.eval_ctx is not None and self.eval_ctx < 2:
+            raise UserError(f"--eval-ctx must be >= 2 (a perplexity window predicts ctx − 1 tokens), got {self.eval_ctx}")
+        if self.eval_tokens is not None and self.eval_tokens < 1:
+            raise UserError(f"--eval-tokens must be >= 1 (leave it out to score all of the text), got {self.eval_tokens}")
 
     # -- reading ----------------------------------------------------------------------------------
     def stage_objects(self) -> list[Stage]:
