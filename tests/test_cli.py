@@ -63,8 +63,10 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
                          (["prune", str(tiny_dir), "--pattern", "2:4", "--sparsity", "0.5"], "not both"),
                          (["eval", str(untokenized), "--tasks", "ppl"], "has no tokenizer files: copy those"),
                          (["prune", str(tiny_dir), "--calib", "c4", "--out", str(tmp_path / "o")], "offline sources"),
-                         (["prune", str(tiny_dir), "--batch-size", "0", "--out", str(tmp_path / "o")], "--batch-size must be"),
-                         (["prune", str(tiny_dir), "--eval-ctx", "1", "--out", str(tmp_path / "o")], "--eval-ctx must be"),
+                         (["prune", str(tiny_dir), "--batch-size", "0", "--out", str(tmp_path / "o")],
+                          "--batch-size must be"),
+                         (["prune", str(tiny_dir), "--eval-ctx", "1", "--out", str(tmp_path / "o")],
+                          "--eval-ctx must be"),
                          (["prune", str(tiny_dir), "--eval-tokens", "0", "--out", str(tmp_path / "o")],
                           "--eval-tokens must be")):
         res = runner.invoke(app, args)

@@ -647,7 +647,8 @@ def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
                           (["--config-kw", "n_layer"], "key=value"),
                           (["--method", "nm", "--sparsity", "0.9"], "pass --sparsity 0.5"), (["--data", str(tmp_path / "none.txt")], "does not exist"),
                           (["--lr", "-1"], "--lr"), (["--warmup", "-1"], "--warmup"), (["--eval-tokens", "16"], "one window"),
-                          (["--checkpoint-every", "-1"], "--checkpoint-every"), (["--method", "dsb", "--block", "0"], "--block"),
+                          (["--checkpoint-every", "-1"], "--checkpoint-every"),
+                          (["--method", "dsb", "--block", "0"], "--block"),
                           (["--method", "srigl", "--perm", "learned", "--delta", "0"], "--delta")):
         out = tmp_path / "bad"
         r = CliRunner().invoke(app, base + extra + ["--out", str(out)])

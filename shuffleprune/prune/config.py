@@ -88,9 +88,11 @@ class PruneConfig:
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.eval_ctx is not None and self.eval_ctx < 2:
-            raise UserError(f"--eval-ctx must be >= 2 (a perplexity window predicts ctx − 1 tokens), got {self.eval_ctx}")
+            raise UserError(f"--eval-ctx must be >= 2 (a perplexity window predicts ctx − 1 tokens), "
+                            f"got {self.eval_ctx}")
         if self.eval_tokens is not None and self.eval_tokens < 1:
-            raise UserError(f"--eval-tokens must be >= 1 (leave it out to score all of the text), got {self.eval_tokens}")
+            raise UserError(f"--eval-tokens must be >= 1 (leave it out to score all of the text), "
+                            f"got {self.eval_tokens}")
 
     # -- reading ----------------------------------------------------------------------------------
     def stage_objects(self) -> list[Stage]:
