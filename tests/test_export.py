@@ -275,6 +275,8 @@ def test_export_cli_errors_leave_nothing(pruned_perm_dir, tmp_path, tiny_dir):
     r = runner.invoke(app, ["export", str(pruned_perm_dir), str(tmp_path / "e4")])
     assert r.exit_code == 0, r.output
     assert "permutations folded" in r.output
+    r = runner.invoke(app, ["export", str(tmp_path / "e4"), str(tmp_path / "e5")])  # an export given again
+    assert r.exit_code == 2 and "is an export already" in r.output and not (tmp_path / "e5").exists()
 
 
 def test_o_proj_map_folds_into_v_proj_without_gqa(tmp_path, text_file):

@@ -56,7 +56,7 @@ from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_map
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.format import compress, meta_bits
-from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE
+from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE, is_exported
 from shuffleprune.deploy.sparse_experts import compress_experts, exportable_experts, was_pruned
 from shuffleprune.stacked_experts import traced_stacked_experts
 
@@ -379,6 +379,9 @@ def _checked_dirs(pruned_dir: str | Path, out_dir: str | Path, overwrite: bool) 
     pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
     if not (pruned_dir / "config.json").is_file():
         raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)")
+    if is_exported(pruned_dir):
+        raise UserError(f"'{pruned_dir}' is an export already (it has {FORMAT_FILE}); export the pruned checkpoint "
+                        "it came from (prune --out), or load this one with shuffleprune.load")
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"export target '{out_dir}' is a file, not a directory; give a directory path")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
