@@ -126,9 +126,15 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
     assert data["offline"] and "hub unreachable" in res.output  # the one-line fallback notice
 
 
-def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tiny_task, tmp_path):
+def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tiny_task, tmp_path, monkeypatch, capfd):
     import shuffleprune
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # run outside a git repository: lm-eval asks git for the working directory's commit, and git's
+    # "fatal: not a git repository" must not reach the user's terminal
+    (tmp_path / "not-a-repo").mkdir()
+    monkeypatch.chdir(tmp_path / "not-a-repo")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
 
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(random_text(2000, seed=5))
@@ -146,6 +152,7 @@ def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tin
     # a model object has no path a command line could load it from: none is claimed
     assert (pruned["path"], pruned["lm_eval_cli"], unpruned["pruned"]) == (None, None, None)
     assert saved["lm_eval_cli"] and pruned["results"]["tiny_mc"]["n_items"] == 4
+    assert "not a git repository" not in capfd.readouterr().err
 
 
 def test_the_hub_is_asked_only_when_something_needs_it(tiny_dir, tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
+from unittest.mock import patch
 
 import torch
 
@@ -198,9 +199,12 @@ def _score_lm_eval(lm: LoadedModel, plan: _TaskPlan, config: EvalConfig, progres
     from lm_eval.models.huggingface import HFLM
 
     wrapper = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=config.batch_size)
-    raw = simple_evaluate(model=wrapper, tasks=plan.lm_tasks, num_fewshot=config.num_fewshot,
-                          limit=config.limit, task_manager=plan.task_manager, log_samples=False,
-                          **LM_EVAL_SEEDS)
+    # lm-eval records the git commit of the working directory (unused here) by running `git describe`,
+    # whose "fatal: not a git repository" would reach the user's terminal outside a repository
+    with patch("lm_eval.evaluator.get_git_commit_hash", return_value=None, create=True):
+        raw = simple_evaluate(model=wrapper, tasks=plan.lm_tasks, num_fewshot=config.num_fewshot,
+                              limit=config.limit, task_manager=plan.task_manager, log_samples=False,
+                              **LM_EVAL_SEEDS)
     scored = {}
     for lm_name, res in raw["results"].items():
         name = plan.display.get(lm_name, stock_name(lm_name))
