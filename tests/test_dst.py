@@ -724,6 +724,21 @@ def test_a_config_with_several_special_ids_is_built_with_the_tokenizers():
     assert build_model(cfg, vocab_size=128, special_id=3).config.eos_token_id == [5, 3]
 
 
+def test_gpt2_trains_with_the_causal_lm_loss_without_a_fallback_warning():
+    """transformers maps no loss to GPT-2's class name and warns when it falls back to the causal-LM
+    loss: the trainer's model names that loss, and it computes the plain next-token cross-entropy."""
+    import torch.nn.functional as F
+
+    from shuffleprune.dst.train import TrainConfig, build_model
+
+    model = build_model(TrainConfig(arch="gpt2", config_kw={"n_layer": 1, "n_embd": 32, "n_head": 2}), vocab_size=64)
+    assert model.loss_type == "ForCausalLM"
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    want = F.cross_entropy(out.logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+    assert torch.allclose(out.loss, want, atol=1e-6)
+
+
 def test_a_strict_config_gets_an_id_the_tokenizer_has_when_it_has_no_end_token():
     """CWM's config is a strict dataclass that refuses None for its special ids; a word-level tokenizer
     with only an unknown token gives its id (was: None, and the build failed validating the config)."""

@@ -132,7 +132,10 @@ def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None
         if hasattr(config, key) and getattr(config, key) < cfg.seq_len:
             setattr(config, key, cfg.seq_len)
     torch.manual_seed(cfg.seed)
-    return AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)
+    if getattr(model, "loss_type", None) is None:   # a class name transformers does not map (GPT-2's): the loss
+        model.loss_type = "ForCausalLM"             # it falls back to, set so that transformers does not warn
+    return model
 
 
 def _batch(stream: torch.Tensor, cfg: TrainConfig, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
