@@ -221,15 +221,18 @@ def upcast_for_cpu(model: PreTrainedModel, dtype: str, device: torch.device) -> 
         model.float()
 
 
-def _load_tokenizer(spec: str | None, path: str):
-    """The tokenizer; a local dir without one gets an error naming the files to copy there."""
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        if not Path(path).is_dir() or any(Path(path).glob("*tokenizer*")) or (Path(path) / "vocab.json").is_file():
-            raise  # a hub id, or tokenizer files that do not load: the general message with their reason
-        raise UserError(f"'{spec}' has no tokenizer files: copy those of the model it came from (tokenizer.json "
-                        "or tokenizer.model, tokenizer_config.json, special_tokens_map.json) into it") from exc
+TOKENIZER_FILES = ("*tokenizer*", "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken")
+
+
+def load_tokenizer(path: str, spec: str | None = None):
+    """The tokenizer of a model dir or hub id. A local dir without tokenizer files is refused with the
+    files to copy there: from the config alone transformers builds a tokenizer with an empty vocabulary,
+    which turns every text into no tokens."""
+    folder = Path(path)
+    if folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise UserError(f"'{spec or path}' has no tokenizer files: copy those of the model it came from "
+                        "(tokenizer.json or tokenizer.model, tokenizer_config.json, special_tokens_map.json) into it")
+    return AutoTokenizer.from_pretrained(path)
 
 
 def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
@@ -246,7 +249,7 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     fmt = read_format(Path(path)) if exported else None
     level = hf_logging.get_verbosity()
     try:
-        tokenizer = _load_tokenizer(spec, path)
+        tokenizer = load_tokenizer(path, spec)
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
             hf_logging.set_verbosity_error()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)

@@ -1,5 +1,6 @@
 import json
 
+from conftest import tiny_model
 from typer.testing import CliRunner
 
 from shuffleprune.cli import app
@@ -53,6 +54,9 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
     untokenized.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(tiny_dir / name, untokenized / name)
+    # from a Qwen2 config alone transformers builds a tokenizer with an empty vocabulary (no error)
+    untokenized_qwen = tmp_path / "no-tokenizer-qwen2"
+    tiny_model("qwen2").save_pretrained(untokenized_qwen)
     for args, needle in ((["prune", str(tiny_dir), "--pattern", "4:2"], "impossible pattern"),
                          (["prune", str(bad), "--out", str(tmp_path / "o")], "do not have the shapes its config.json"),
                          (["dst", "--arch", "llama", "--config-kw", "hidden_size=65,num_attention_heads=4",
@@ -62,6 +66,9 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
                          (["prune", str(tiny_dir), "--device", "tpu"], "unknown --device"),
                          (["prune", str(tiny_dir), "--pattern", "2:4", "--sparsity", "0.5"], "not both"),
                          (["eval", str(untokenized), "--tasks", "ppl"], "has no tokenizer files: copy those"),
+                         (["prune", str(untokenized_qwen), "--out", str(tmp_path / "o")], "has no tokenizer files"),
+                         (["dst", "--arch", "gpt2", "--tokenizer", str(untokenized_qwen), "--out", str(tmp_path / "o")],
+                          "has no tokenizer files"),
                          (["prune", str(tiny_dir), "--calib", "c4", "--out", str(tmp_path / "o")], "offline sources"),
                          (["prune", str(tiny_dir), "--batch-size", "0", "--out", str(tmp_path / "o")],
                           "--batch-size must be"),

@@ -70,9 +70,9 @@ class TrainConfig:
 def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
     """``default``: the embedded model's tokenizer; ``bpe:N``: a byte-level BPE with N tokens trained
     on the training split (deterministic); otherwise a tokenizer dir or hub id."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    from shuffleprune.models import is_embedded, resolve_model_path
+    from shuffleprune.models import is_embedded, load_tokenizer, resolve_model_path
 
     if spec.startswith("bpe:"):
         from tokenizers import ByteLevelBPETokenizer
@@ -96,8 +96,7 @@ def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
                                       pad_token="<|endoftext|>")
         tok.save_pretrained(cached)
         return tok
-    path = resolve_model_path(None) if is_embedded(spec) else spec
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(resolve_model_path(None) if is_embedded(spec) else spec, spec)
 
 
 def special_token_id(tokenizer) -> int:
