@@ -218,7 +218,8 @@ def eval_(
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)  # a count of items, as lm-eval's CLI records it
     config = EvalConfig(models=list(models) if models else [None],
-                        tasks=_split_csv(tasks) or list(DEFAULT_TASKS), limit=limit, num_fewshot=num_fewshot,
+                        tasks=list(DEFAULT_TASKS) if tasks is None else _split_csv(tasks), limit=limit,
+                        num_fewshot=num_fewshot,
                         batch_size=batch_size, device=device, dtype=dtype, offline=offline,
                         include_path=list(include_path) if include_path else None, ppl_text=ppl_text,
                         ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens)

@@ -178,7 +178,8 @@ def test_eval_errors_are_one_line_and_write_nothing(tiny_dir, tiny_task, tmp_pat
              (["eval", str(tiny_dir), "--tasks", "mmlu_anatomy", "--offline"], "need the Hugging Face hub"),
              (["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", "wikitext2", "--offline"], "needs the Hugging Face hub"),
              (["eval", str(tiny_dir), "--tasks", "arc_easy", "--offline", "--num-fewshot", "5"], "few-shot"),
-             (["eval", str(tiny_dir), "--limit", "0"], "--limit"))
+             (["eval", str(tiny_dir), "--limit", "0"], "--limit"),
+             (["eval", str(tiny_dir), "--tasks", ","], "no tasks given"))   # not the default tasks, silently
     for args, needle in cases:
         res = runner.invoke(app, [*args, "--out", str(out), "--quiet"])
         assert res.exit_code == 2, (args, res.output)
