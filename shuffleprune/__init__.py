@@ -19,11 +19,14 @@ from typing import Any
 from shuffleprune.version import __version__
 
 
-def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = True, cslt: bool | None = None):
+def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = True, cslt: bool | None = None,
+         device: str = "auto"):
     """Load a checkpoint written by ``shuffleprune export`` (linears as compressed ``SparseLinear``),
     by ``prune`` (a plain model; an older-layout ``--perm`` checkpoint put back in input order) or
-    any HF model; returns the model (``.eval()``), laid out for serving
-    (:func:`shuffleprune.deploy.serving.arrange_for_serving`).
+    any HF model onto ``device`` (``auto``: the first CUDA GPU if there is one, else the CPU; ``cpu``,
+    ``cuda``, ``cuda:N``); returns the model (``.eval()``), laid out for serving there
+    (:func:`shuffleprune.deploy.serving.arrange_for_serving`). Choose the device here: moved with
+    ``.to()`` afterwards, a model loaded on the CPU runs without cuSPARSELt's buffer (below).
     ``maps="producer"`` (default) moves an export's shared index maps to the modules producing those
     layers' input (an RMSNorm writes its output permuted, in one fused kernel on CUDA); ``"kernel"``
     keeps them in the sparse layers. ``fuse`` runs the sparse layers that read one input tensor
@@ -32,13 +35,15 @@ def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = Tr
     with CUDA graphs run on the sparse tensor cores; ``None`` (default) does so on a Hopper GPU whose
     PyTorch has cuSPARSELt. On an H100, with CUDA graphs, this default decoded a LLaMA-2-7B shape at
     1.58× dense's tokens/s and prefilled 512 tokens in 0.83–0.98× its time, with 0.58× its weight
-    memory (``scripts/results/bench_e2e.json``, README *Benchmarks → GPU*). Load onto the GPU, then ``.to()`` nothing. The tokenizer:
+    memory (``scripts/results/bench_e2e.json``, README *Benchmarks → GPU*). The tokenizer:
     ``transformers.AutoTokenizer.from_pretrained(path)``."""
     from shuffleprune.deploy.serving import arrange_for_serving, check_maps
     from shuffleprune.models import load_model
+    from shuffleprune.runtime import pick_device
 
-    check_maps(maps)   # before the weights are read
-    model = load_model(path, dtype).model
+    check_maps(maps)   # both before the weights are read
+    target = pick_device(str(device))
+    model = load_model(path, dtype).model.to(target)
     arrange_for_serving(model, maps=maps, fuse=fuse, cslt=cslt)
     return model
 

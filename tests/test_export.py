@@ -212,6 +212,19 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
 
     via_hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)  # the transformers path
     assert isinstance(via_hf.get_submodule(names[0]), SparseLinear)
+    # one device, named by `device` (transformers: `device_map`), chosen before the serving layout is
+    assert {p.device.type for p in shuffleprune.load(str(out), device="cpu").parameters()} == {"cpu"}
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA GPU"):
+            shuffleprune.load(str(out), device="cuda")
+        with pytest.raises(UserError, match="no CUDA GPU"):
+            AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, device_map="cuda")
+    with pytest.raises(UserError, match="unknown --device 'tpu'"):
+        shuffleprune.load(str(out), device="tpu")
+    with pytest.raises(ValueError, match="one device"):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, device_map={"": "cpu"})
+    on_cpu = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, device_map="cpu")
+    assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
     with torch.no_grad():
         assert torch.allclose(via_hf(ids).logits, ref_model(ids).logits, atol=1e-5)
     exported_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))

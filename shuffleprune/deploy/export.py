@@ -82,7 +82,12 @@ class ShufflepruneForCausalLM:
     @classmethod
     def from_pretrained(cls, path, *args, **kwargs):
         dtype = kwargs.get("dtype") or kwargs.get("torch_dtype") or "auto"
-        return shuffleprune.load(str(path), dtype=dtype if isinstance(dtype, str) else str(dtype).replace("torch.", ""))
+        device = kwargs.get("device_map") or "auto"   # one device: "auto" is the first GPU, else the CPU
+        if isinstance(device, dict):
+            raise ValueError("a shuffleprune export loads onto one device: "
+                             "device_map='cuda', 'cuda:N', 'cpu' or 'auto'")
+        return shuffleprune.load(str(path), dtype=dtype if isinstance(dtype, str) else str(dtype).replace("torch.", ""),
+                                 device=f"cuda:{device}" if isinstance(device, int) else str(device))
 '''
 
 
@@ -320,7 +325,7 @@ input index map where a learned permutation could not be folded away ({len(fmt['
 
 ```python
 import shuffleprune                      # pip install shuffleprune
-model = shuffleprune.load("PATH")        # on CUDA: the N:M kernels; takes a hub id too
+model = shuffleprune.load("PATH")        # onto the GPU if there is one (device="cpu" keeps it off); a hub id too
 ```
 
 ```python
