@@ -20,13 +20,14 @@ from shuffleprune.version import __version__
 
 
 def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = True, cslt: bool | None = None,
-         device: str = "auto"):
+         device: str | None = None):
     """Load a checkpoint written by ``shuffleprune export`` (linears as compressed ``SparseLinear``),
     by ``prune`` (a plain model; an older-layout ``--perm`` checkpoint put back in input order) or
-    any HF model onto ``device`` (``auto``: the first CUDA GPU if there is one, else the CPU; ``cpu``,
-    ``cuda``, ``cuda:N``); returns the model (``.eval()``), laid out for serving there
-    (:func:`shuffleprune.deploy.serving.arrange_for_serving`). Choose the device here: moved with
-    ``.to()`` afterwards, a model loaded on the CPU runs without cuSPARSELt's buffer (below).
+    any HF model onto ``device`` (``cuda``, ``cuda:N``, ``cpu``, or ``auto``: the first CUDA GPU if there
+    is one; ``None``, the default, leaves it where transformers loads it, the CPU); returns the model
+    (``.eval()``), laid out for serving there (:func:`shuffleprune.deploy.serving.arrange_for_serving`).
+    For a GPU, name it here: loaded on the CPU and moved with ``.to()`` afterwards, a model runs
+    without cuSPARSELt's buffer (below).
     ``maps="producer"`` (default) moves an export's shared index maps to the modules producing those
     layers' input (an RMSNorm writes its output permuted, in one fused kernel on CUDA); ``"kernel"``
     keeps them in the sparse layers. ``fuse`` runs the sparse layers that read one input tensor
@@ -42,8 +43,10 @@ def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = Tr
     from shuffleprune.runtime import pick_device
 
     check_maps(maps)   # both before the weights are read
-    target = pick_device(str(device))
-    model = load_model(path, dtype).model.to(target)
+    target = None if device is None else pick_device(str(device))
+    model = load_model(path, dtype).model
+    if target is not None:
+        model.to(target)
     arrange_for_serving(model, maps=maps, fuse=fuse, cslt=cslt)
     return model
 

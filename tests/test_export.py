@@ -231,7 +231,7 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
     assert exported_bytes < (pruned_perm_dir / "model.safetensors").stat().st_size
     card = (out / "README.md").read_text()  # a model card for the hub: what it holds, how to load it
     assert "sparsity-2:4" in card and "21 linear layers" in card and f"({len(fmt['runtime_gathers'])} layers;" in card
-    assert "trust_remote_code=True" in card and 'shuffleprune.load("PATH")' in card
+    assert "trust_remote_code=True" in card and 'shuffleprune.load("PATH", device="cuda")' in card
 
 
 def test_export_without_folding_keeps_every_map_as_a_gather_and_the_same_logits(pruned_perm_dir, tmp_path):

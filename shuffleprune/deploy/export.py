@@ -82,12 +82,12 @@ class ShufflepruneForCausalLM:
     @classmethod
     def from_pretrained(cls, path, *args, **kwargs):
         dtype = kwargs.get("dtype") or kwargs.get("torch_dtype") or "auto"
-        device = kwargs.get("device_map") or "auto"   # one device: "auto" is the first GPU, else the CPU
+        device = kwargs.get("device_map")   # one device ("auto": the first GPU); none: the CPU, as transformers
         if isinstance(device, dict):
             raise ValueError("a shuffleprune export loads onto one device: "
                              "device_map='cuda', 'cuda:N', 'cpu' or 'auto'")
         return shuffleprune.load(str(path), dtype=dtype if isinstance(dtype, str) else str(dtype).replace("torch.", ""),
-                                 device=f"cuda:{device}" if isinstance(device, int) else str(device))
+                                 device=f"cuda:{device}" if isinstance(device, int) else device and str(device))
 '''
 
 
@@ -325,7 +325,7 @@ input index map where a learned permutation could not be folded away ({len(fmt['
 
 ```python
 import shuffleprune                      # pip install shuffleprune
-model = shuffleprune.load("PATH")        # onto the GPU if there is one (device="cpu" keeps it off); a hub id too
+model = shuffleprune.load("PATH", device="cuda")   # the N:M kernels on the GPU; takes a hub id too
 ```
 
 ```python
