@@ -219,8 +219,7 @@ def eval_(
         limit = int(limit)  # a count of items, as lm-eval's CLI records it
     config = EvalConfig(models=list(models) if models else [None],
                         tasks=list(DEFAULT_TASKS) if tasks is None else _split_csv(tasks), limit=limit,
-                        num_fewshot=num_fewshot,
-                        batch_size=batch_size, device=device, dtype=dtype, offline=offline,
+                        num_fewshot=num_fewshot, batch_size=batch_size, device=device, dtype=dtype, offline=offline,
                         include_path=list(include_path) if include_path else None, ppl_text=ppl_text,
                         ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens)
     try:

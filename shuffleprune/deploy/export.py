@@ -87,7 +87,7 @@ class ShufflepruneForCausalLM:
             raise ValueError("a shuffleprune export loads onto one device: "
                              "device_map='cuda', 'cuda:N', 'cpu' or 'auto'")
         return shuffleprune.load(str(path), dtype=dtype if isinstance(dtype, str) else str(dtype).replace("torch.", ""),
-                                 device=f"cuda:{device}" if isinstance(device, int) else device and str(device))
+                                 device=f"cuda:{device}" if isinstance(device, int) else device)
 '''
 
 

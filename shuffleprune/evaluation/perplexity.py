@@ -26,8 +26,8 @@ def perplexity(model: nn.Module, tokens: torch.Tensor, ctx: int, device: torch.d
     if ctx < 2:
         raise UserError(f"a perplexity window needs at least 2 tokens, got {ctx}")
     stream = tokens.reshape(-1)
-    width = ctx - (bos is not None)
-    n_windows = stream.numel() // width if width > 0 else 0
+    width = ctx - (bos is not None)   # ≥ 1
+    n_windows = stream.numel() // width
     if n_windows == 0:
         raise UserError(f"eval text has {stream.numel()} tokens, fewer than one window of {ctx}")
     windows = stream[: n_windows * width].reshape(n_windows, width)
