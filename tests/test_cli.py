@@ -93,3 +93,35 @@ def test_help_documents_defaults():
     for needle in ("--recipe", "--pattern", "default: (2:4)", "--nsamples", "default: (128)", "--seqlen",
                    "default: (2048)", "--resume", "--set"):
         assert needle in res.output
+
+
+def test_overwrite_never_clears_an_input(tiny_dir, text_file, tmp_path):
+    """`--overwrite` clears `--out` (and `export` its target): refused, with nothing deleted, when that
+    directory is an input or holds one (the model, a text, earlier index maps, the pruned checkpoint)."""
+    import shutil
+
+    work = tmp_path / "work"   # a model and a text inside the directory named as --out
+    shutil.copytree(tiny_dir, work / "model")
+    shutil.copy(text_file, work / "calib.txt")
+    small = ["--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--quiet"]
+    pruned = tmp_path / "pruned"
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), *small, "--out", str(pruned)])
+    assert res.exit_code == 0, res.output
+    before = {p: sorted(x.name for x in p.rglob("*")) for p in (tiny_dir, work, pruned)}
+    for args, needle in (
+            (["prune", str(tiny_dir), "--calib", str(text_file), "--out", str(tiny_dir)], f"is the input '{tiny_dir}'"),
+            (["prune", str(work / "model"), "--calib", str(text_file), "--out", str(work)], "holds the input"),
+            (["prune", str(tiny_dir), "--calib", str(work / "calib.txt"), "--out", str(work)], "calib.txt"),
+            (["prune", str(tiny_dir), "--calib", str(text_file), "--perm-from", str(pruned), "--out", str(pruned)],
+             "is the input"),
+            (["dst", "--data", str(work / "calib.txt"), "--tokenizer", str(tiny_dir), "--steps", "2",
+              "--out", str(work)], "holds the input"),
+            (["dst", "--data", str(text_file), "--tokenizer", str(tiny_dir), "--steps", "2", "--out", str(tiny_dir)],
+             "is the input")):
+        res = runner.invoke(app, [*args, *small, "--overwrite"] if args[0] == "prune" else [*args, "--overwrite"])
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (args, res.output)
+    for target in (pruned, tmp_path):   # the pruned checkpoint itself, and a directory above it
+        res = runner.invoke(app, ["export", str(pruned), str(target), "--overwrite"])
+        assert res.exit_code == 2 and "export target" in res.output and "input" in res.output, res.output
+    assert before == {p: sorted(x.name for x in p.rglob("*")) for p in before}

@@ -52,6 +52,7 @@ from shuffleprune.blocks import (block_linears, expert_name, find_blocks, is_pla
 from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
+from shuffleprune.outdir import refuse_clearing_inputs
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.deploy.block_io import record_block_io
@@ -389,8 +390,10 @@ def _checked_dirs(pruned_dir: str | Path, out_dir: str | Path, overwrite: bool) 
                         "it came from (prune --out), or load this one with shuffleprune.load")
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"export target '{out_dir}' is a file, not a directory; give a directory path")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        refuse_clearing_inputs(out_dir, [pruned_dir], "export target")
+        if not overwrite:
+            raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
     return pruned_dir, out_dir
 
 

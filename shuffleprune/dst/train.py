@@ -30,6 +30,7 @@ from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError, reason
+from shuffleprune.outdir import refuse_clearing_inputs
 from shuffleprune.quiet import library_progress_bars
 
 CHECKPOINT = "checkpoint.pt"
@@ -192,8 +193,10 @@ def _check_out(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, accel
                         f"{accelerator.num_processes} processes")
     if resume and not (out / CHECKPOINT).is_file():
         raise UserError(f"nothing to resume in '{out}': no {CHECKPOINT}")
-    if not resume and out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"output dir '{out}' is not empty; use --resume, --overwrite or another --out")
+    if not resume and out.exists() and any(out.iterdir()):
+        refuse_clearing_inputs(out, [cfg.data, cfg.arch, cfg.tokenizer])  # the texts, a config dir, a tokenizer dir
+        if not overwrite:
+            raise UserError(f"output dir '{out}' is not empty; use --resume, --overwrite or another --out")
     accelerator.wait_for_everyone()  # every process has looked at `out` before the main one clears it
     if not resume and out.exists() and accelerator.is_main_process:
         shutil.rmtree(out)

@@ -29,7 +29,8 @@ from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.masks import satisfies_nm, sparsity_of
-from shuffleprune.models import LoadedModel, load_model, upcast_for_cpu
+from shuffleprune.models import LoadedModel, load_model, local_model_source, upcast_for_cpu
+from shuffleprune.outdir import refuse_clearing_inputs
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.linear import load_index_maps, save_index_maps
 from shuffleprune.prune.atomic import atomic_json, atomic_save
@@ -59,8 +60,8 @@ def resumable(out: Path | str | None) -> bool:
 NOTHING_SELECTED = "no linear layers selected; check --only / --skip"
 
 
-def _prepare_out(out: Path | None, resume: bool, overwrite: bool) -> dict | None:
-    """Validate ``--out``; return the saved resume state when resuming."""
+def _prepare_out(out: Path | None, resume: bool, overwrite: bool, config: PruneConfig) -> dict | None:
+    """Validate ``--out`` (never one holding the run's inputs); return the saved resume state when resuming."""
     if out is None:
         if resume:
             raise UserError("--resume needs --out DIR (where the interrupted run checkpointed)")
@@ -73,12 +74,20 @@ def _prepare_out(out: Path | None, resume: bool, overwrite: bool) -> dict | None
             raise UserError(f"nothing to resume in '{out}': no {RESUME_DIR}/state.json (run without --resume)")
         return json.loads(state_file.read_text())
     if out.exists() and any(out.iterdir()):
+        refuse_clearing_inputs(out, _local_inputs(config))
         leftover = [p.name for p in out.iterdir()] == [RESUME_DIR] and not state_file.is_file()
         if not overwrite and not leftover:  # a run stopped before its first checkpoint left nothing to keep
             hint = "--resume to continue it, or " if state_file.is_file() else ""
             raise UserError(f"output dir '{out}' is not empty; use {hint}--overwrite, or another --out")
         shutil.rmtree(out)
     return None
+
+
+def _local_inputs(config: PruneConfig) -> list[str | None]:
+    """What the run reads from disk: the model (the embedded GGUF when none is named), the texts and
+    earlier index maps (the recipe file was read into ``config`` already)."""
+    maps = [entry.get("path") for entry in config.stages]
+    return [local_model_source(config.model), config.calib, config.eval_text, *maps]
 
 
 def _texts(config: PruneConfig, tokenizer, seqlen: int) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
@@ -157,7 +166,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     t_start = time.time()
     spec = config.spec()
     _check_sources(config)
-    state = _prepare_out(out, resume, overwrite)
+    state = _prepare_out(out, resume, overwrite, config)
     if state is not None and state["config_key"] != config.key():
         raise UserError("--resume with different settings than the interrupted run; repeat its exact options")
     lm, save_dtype = _load_prunable(config, device, loaded)
