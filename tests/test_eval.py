@@ -179,7 +179,8 @@ def test_eval_errors_are_one_line_and_write_nothing(tiny_dir, tiny_task, tmp_pat
              (["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", "wikitext2", "--offline"], "needs the Hugging Face hub"),
              (["eval", str(tiny_dir), "--tasks", "arc_easy", "--offline", "--num-fewshot", "5"], "few-shot"),
              (["eval", str(tiny_dir), "--limit", "0"], "--limit"),
-             (["eval", str(tiny_dir), "--tasks", ","], "no tasks given"))   # not the default tasks, silently
+             (["eval", str(tiny_dir), "--tasks", ","], "no tasks given"),   # not the default tasks, silently
+             (["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-tokens", "0"], "--ppl-tokens must be"))
     for args, needle in cases:
         res = runner.invoke(app, [*args, "--out", str(out), "--quiet"])
         assert res.exit_code == 2, (args, res.output)
@@ -188,6 +189,24 @@ def test_eval_errors_are_one_line_and_write_nothing(tiny_dir, tiny_task, tmp_pat
         assert not out.exists() and not out.with_suffix(".md").exists()
     res = runner.invoke(app, ["eval", str(tiny_dir), "--out", str(tmp_path / "r.txt")])
     assert res.exit_code == 2 and "must name a .json" in res.output
+
+
+def test_eval_replaces_only_its_own_results(tiny_dir, eval_file, tmp_path):
+    """`--out` onto a file eval did not write (the model's config.json; a README.json whose .md is the
+    model card) is refused and the file left as it was; an earlier results file is replaced."""
+    (tiny_dir / "README.md").write_text("the model card")
+    kept = {name: (tiny_dir / name).read_bytes() for name in ("config.json", "README.md")}
+    small = ["--tasks", "ppl", "--ppl-text", str(eval_file), "--ppl-ctx", "32", "--ppl-tokens", "256", "--quiet"]
+    for target in (tiny_dir / "config.json", tiny_dir / "README.json"):
+        res = runner.invoke(app, ["eval", str(tiny_dir), *small, "--out", str(target)])
+        assert res.exit_code == 2 and "is no earlier eval result" in res.output, res.output
+    assert kept == {name: (tiny_dir / name).read_bytes() for name in kept}
+    assert not (tiny_dir / "README.json").exists()
+    out = tiny_dir / "eval.json"
+    for _ in range(2):   # written, then replaced
+        res = runner.invoke(app, ["eval", str(tiny_dir), *small, "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        assert json.loads(out.read_text())["models"][0]["ppl"] > 1 and out.with_suffix(".md").is_file()
 
 
 def test_offline_tasks_are_the_stock_definitions_on_full_local_data():

@@ -85,6 +85,16 @@ def _label(spec: str | None, path: str, seen: set[str]) -> str:
     return label
 
 
+def _earlier_results(out: Path) -> bool:
+    """Whether ``out`` is a results file an earlier ``eval`` wrote (then it and its .md may be replaced)."""
+    try:
+        results = json.loads(out.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(results, dict) and results.get("tool") == "shuffleprune" and "models" in results \
+        and "lm_eval" in results
+
+
 def _validate(config: EvalConfig, out: Path | None) -> None:
     if not config.tasks:
         raise UserError("no tasks given; use --tasks hellaswag,arc_easy,… (ppl = held-out perplexity)")
@@ -92,10 +102,15 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
         raise UserError("--limit must be > 0 (a count, or a fraction below 1)")
     if config.batch_size < 1 or config.ppl_ctx < 2:
         raise UserError("--batch-size must be >= 1 and --ppl-ctx >= 2")
+    if config.ppl_tokens is not None and config.ppl_tokens < 1:
+        raise UserError("--ppl-tokens must be >= 1 (leave it out for the whole test split)")
     if config.num_fewshot is not None and config.num_fewshot < 0:
         raise UserError("--num-fewshot must be >= 0")
     if out is not None and out.suffix != ".json":
         raise UserError(f"--out must name a .json file (a .md table is written next to it), not '{out}'")
+    if out is not None and (out.exists() or out.with_suffix(".md").exists()) and not _earlier_results(out):
+        raise UserError(f"--out '{out}' (or the .md beside it) exists and is no earlier eval result; give another "
+                        "--out (eval replaces only its own results files)")
     for path in config.include_path or []:
         if not Path(path).is_dir():
             raise UserError(f"--include-path '{path}' is not a directory")
