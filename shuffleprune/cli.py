@@ -87,6 +87,7 @@ def prune(
     --perm-init, --perm-loss, --relax, --perm-block/-steps/-lr/-lr-decay/-lambda/-share/-batch/-holdout,
     --mask-stats. See README → Recipes.
     """
+    from shuffleprune.deploy.export import check_export_target
     from shuffleprune.prune import PruneConfig, prune as run_prune, resumable
     from shuffleprune.report import print_prune_report
 
@@ -104,6 +105,10 @@ def prune(
             perm_init=perm_init, perm_loss=perm_loss, relax=relax, perm_block=perm_block, perm_steps=perm_steps,
             perm_lr=perm_lr, perm_lr_decay=perm_lr_decay, perm_lambda=perm_lambda, perm_share=perm_share,
             perm_batch=perm_batch, perm_holdout=perm_holdout, mask_stats=mask_stats)
+        if export is not None:   # before pruning, not after an hour of it
+            if config.sparsity is not None:
+                raise UserError("--export needs an N:M pattern; the recipe sets unstructured sparsity")
+            check_export_target(export, out, overwrite)
         result = run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=not quiet)
     except UserError as exc:
         _fail(exc)

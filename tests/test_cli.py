@@ -123,5 +123,29 @@ def test_overwrite_never_clears_an_input(tiny_dir, text_file, tmp_path):
         assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (args, res.output)
     for target in (pruned, tmp_path):   # the pruned checkpoint itself, and a directory above it
         res = runner.invoke(app, ["export", str(pruned), str(target), "--overwrite"])
-        assert res.exit_code == 2 and "export target" in res.output and "input" in res.output, res.output
+        assert res.exit_code == 2 and "export target" in res.output and "the pruned checkpoint" in res.output, res.output
     assert before == {p: sorted(x.name for x in p.rglob("*")) for p in before}
+
+
+def test_prune_checks_its_export_target_before_pruning(tiny_dir, text_file, tmp_path):
+    """`prune --export` refuses a target it could not write (the --out itself, a dir above it, a file, a
+    non-empty dir without --overwrite, an unstructured recipe) before pruning, not after the whole run."""
+    small = ["--calib", str(text_file), "--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--quiet"]
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    out = tmp_path / "pruned"
+    res = runner.invoke(app, ["prune", str(tiny_dir), *small, "--out", str(out)])
+    recipe = tmp_path / "unstructured.yaml"   # a recipe file can ask for unstructured sparsity (no flag says so)
+    text = (out / "recipe.yaml").read_text().replace("pattern: '2:4'", "pattern: null")
+    recipe.write_text(text.replace("sparsity: null", "sparsity: 0.5").split("- permutation:")[0] + "- prune: wanda\n")
+    out = tmp_path / "o" / "pruned"
+    for extra, needle in (([ "--export", str(out)], "is the pruned checkpoint"),
+                          (["--export", str(tmp_path / "o"), "--overwrite"], "holds the pruned checkpoint"),
+                          (["--export", str(tmp_path / "a-file")], "is a file"),
+                          (["--export", str(tmp_path / "full")], "is not empty"),
+                          (["--export", str(tmp_path / "x"), "--recipe", str(recipe)], "needs an N:M pattern")):
+        res = runner.invoke(app, ["prune", str(tiny_dir), *small, "--out", str(out), *extra])
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (extra, res.output)
+        assert not (tmp_path / "o").exists() and not (tmp_path / "x").exists()   # nothing was pruned

@@ -52,7 +52,7 @@ from shuffleprune.blocks import (block_linears, expert_name, find_blocks, is_pla
 from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
-from shuffleprune.outdir import refuse_clearing_inputs
+from shuffleprune.outdir import holds
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.deploy.block_io import record_block_io
@@ -388,13 +388,22 @@ def _checked_dirs(pruned_dir: str | Path, out_dir: str | Path, overwrite: bool) 
     if is_exported(pruned_dir):
         raise UserError(f"'{pruned_dir}' is an export already (it has {FORMAT_FILE}); export the pruned checkpoint "
                         "it came from (prune --out), or load this one with shuffleprune.load")
+    check_export_target(out_dir, pruned_dir, overwrite)
+    return pruned_dir, out_dir
+
+
+def check_export_target(out_dir: str | Path, pruned_dir: str | Path, overwrite: bool) -> None:
+    """Refuse an export target that is, or holds, the pruned checkpoint (which need not exist yet:
+    ``prune --export`` checks before pruning), that is a file, or (without ``overwrite``) not empty."""
+    out_dir = Path(out_dir)
+    if holds(out_dir, pruned_dir):
+        what = "is" if holds(pruned_dir, out_dir) else "holds"
+        raise UserError(f"export target '{out_dir}' {what} the pruned checkpoint '{pruned_dir}': replacing it would "
+                        "delete that checkpoint; give another export target")
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"export target '{out_dir}' is a file, not a directory; give a directory path")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        refuse_clearing_inputs(out_dir, [pruned_dir], "export target")
-        if not overwrite:
-            raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
-    return pruned_dir, out_dir
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
 
 
 @dataclass
