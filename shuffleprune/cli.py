@@ -88,6 +88,7 @@ def prune(
     --mask-stats. See README → Recipes.
     """
     from shuffleprune.deploy.export import check_export_target
+    from shuffleprune.plots import check_plot_dir
     from shuffleprune.prune import PruneConfig, prune as run_prune, resumable
     from shuffleprune.report import print_prune_report
 
@@ -105,7 +106,11 @@ def prune(
             perm_init=perm_init, perm_loss=perm_loss, relax=relax, perm_block=perm_block, perm_steps=perm_steps,
             perm_lr=perm_lr, perm_lr_decay=perm_lr_decay, perm_lambda=perm_lambda, perm_share=perm_share,
             perm_batch=perm_batch, perm_holdout=perm_holdout, mask_stats=mask_stats)
-        if export is not None:   # before pruning, not after an hour of it
+        if plots is not None:   # these before pruning, not after an hour of it
+            if config.stage_name("permutation") is None:
+                raise UserError("--plots draws the run's permutations and this run has none (--perm none or --sparsity)")
+            check_plot_dir(plots)
+        if export is not None:
             if config.sparsity is not None:
                 raise UserError("--export needs an N:M pattern; the recipe sets unstructured sparsity")
             check_export_target(export, out, overwrite)
@@ -121,7 +126,7 @@ def prune(
     print_prune_report(result.report)
     if out is not None:
         Console().print(f"wrote {out} (HF checkpoint, prune_report.json, recipe.yaml, README.md)")
-    if plots is not None and result.report.get("perm"):
+    if plots is not None:
         _write_plots(result.report, plots)
     if export is not None:
         _export(out, export, overwrite, progress=not quiet)
@@ -184,7 +189,10 @@ def report(
         Console().print(f"dst {rep['dst']['method']} perm {rep['dst']['perm']}: final ppl {rep['final_ppl']:.2f}, "
                         f"density {rep['density']:.4f}, {rep['train_seconds']:.0f} s")
         if plots is not None:
-            Console().print("wrote " + ", ".join(str(p) for p in plot_dst_report(rep, plots)))
+            try:
+                Console().print("wrote " + ", ".join(str(p) for p in plot_dst_report(rep, plots)))
+            except UserError as exc:
+                _fail(exc)
         return
     path = pruned / "prune_report.json"
     if not path.is_file():

@@ -23,6 +23,12 @@ def _kind(unit: list[str]) -> str:
     return label + "".join("+" + t[-1] for t in tails[1:])
 
 
+def check_plot_dir(out_dir: Path) -> None:
+    """Refuse a plot directory that is a file (``prune --plots`` asks before pruning, not after)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--plots '{out_dir}' is a file, not a directory; give a directory path")
+
+
 def plot_perm_report(report: dict, out_dir: Path) -> list[Path]:
     """Write the PNGs for ``report`` (a prune report with ``perm``) into ``out_dir``; return their paths."""
     import matplotlib
@@ -32,7 +38,8 @@ def plot_perm_report(report: dict, out_dir: Path) -> list[Path]:
 
     perm = report.get("perm")
     if not perm or not perm.get("blocks"):
-        raise UserError("this prune report has no permutations to plot (prune with --perm random|learned)")
+        raise UserError("this prune report has no permutations to plot (prune with --perm search|random|learned)")
+    check_plot_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     blocks = perm["blocks"]
     depth_max = max(b["block"] for b in blocks) or 1
@@ -95,6 +102,7 @@ def plot_dst_report(report: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    check_plot_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -149,3 +149,22 @@ def test_prune_checks_its_export_target_before_pruning(tiny_dir, text_file, tmp_
         lines = [l for l in res.output.splitlines() if l.startswith("error:")]
         assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (extra, res.output)
         assert not (tmp_path / "o").exists() and not (tmp_path / "x").exists()   # nothing was pruned
+
+
+
+def test_plots_are_checked_before_pruning_and_drawn_after(tiny_dir, text_file, tmp_path):
+    """`--plots` into a file, or on a run without a permutation (where nothing was drawn, silently),
+    fails before pruning; with the default recipe's permutation the strength picture is written."""
+    small = ["--calib", str(text_file), "--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--quiet"]
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "pruned"
+    for extra, needle in ((["--plots", str(tmp_path / "a-file")], "is a file"),
+                          (["--perm", "none", "--plots", str(tmp_path / "pics")], "this run has none")):
+        res = runner.invoke(app, ["prune", str(tiny_dir), *small, "--out", str(out), *extra])
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (extra, res.output)
+        assert not out.exists() and not (tmp_path / "pics").exists()
+    res = runner.invoke(app, ["prune", str(tiny_dir), *small, "--out", str(out), "--plots", str(tmp_path / "pics")])
+    assert res.exit_code == 0 and (tmp_path / "pics" / "perm_strength.png").stat().st_size > 0, res.output
+    res = runner.invoke(app, ["report", str(out), "--plots", str(tmp_path / "a-file")])
+    assert res.exit_code == 2 and "is a file" in res.output and "Traceback" not in res.output, res.output
