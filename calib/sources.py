@@ -181,12 +181,23 @@ def _brown_all() -> tuple[str, ...]:
     return tuple(strip_brown_tags(p.read_text(encoding="utf-8", errors="replace")) for p in files)
 
 
+def read_text_file(path: Path) -> str:
+    """A text file's contents as UTF-8 (a leading byte-order mark dropped); other bytes are refused."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"'{path}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                        f"convert it first, e.g. iconv -f latin1 -t utf-8 '{path}' > utf8{path.suffix}") from None
+    except OSError as exc:
+        raise UserError(f"cannot read '{path}': {reason(exc)}") from None
+
+
 def _jsonl_docs(path: Path) -> list[str]:
     """A .jsonl file's documents: each line an object, its text in the field a hub dataset's would be
     read from (:func:`_pick_text_column` of the first line's string fields)."""
     column = None
     docs = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text_file(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -212,7 +223,7 @@ def _local(path: Path, split_docs: bool) -> Callable[[str], list[str]]:
         if path.suffix == ".jsonl":
             docs = _jsonl_docs(path)
         else:
-            docs = [d for d in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")) if d.strip()]
+            docs = [d for d in re.split(r"\n\s*\n", read_text_file(path)) if d.strip()]
         if not split_docs:
             return docs  # a file is used as given
         if len(docs) < 2:
@@ -250,6 +261,7 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     if path.suffix in LOCAL_FILE_SUFFIXES:
         if not path.is_file():
             raise UserError(f"text file '{name}' does not exist")
+        read_text_file(path)   # unreadable bytes are refused now, not after the model is loaded
         return TextSource(str(path), _local(path, shared))
     hub = hub_dataset_id(name)
     if hub is not None:

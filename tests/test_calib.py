@@ -71,6 +71,20 @@ def test_bad_jsonl_names_the_line(tmp_path):
             get_source(str(path)).documents("train")
 
 
+def test_text_files_are_utf8_a_byte_order_mark_dropped(tmp_path):
+    """A file saved with a BOM (Windows editors) reads as without one, .jsonl too; other encodings are a
+    one-line error when the source is named (before any model loads), not a UnicodeDecodeError later."""
+    rows = [{"text": "first document"}, {"text": "second one"}]
+    for suffix, text in ((".jsonl", "\n".join(json.dumps(r) for r in rows)), (".txt", "first document\n\nsecond one")):
+        path = tmp_path / f"bom{suffix}"
+        path.write_text(text, encoding="utf-8-sig")
+        assert get_source(str(path)).documents("train") == ["first document", "second one"]
+    path = tmp_path / "latin.txt"
+    path.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(UserError, match=r"'.*latin.txt' is not UTF-8 text \(byte 0xe9 at offset 3\); convert it"):
+        get_source(str(path))
+
+
 def test_jsonl_text_is_read_from_the_field_a_hub_dataset_would_use(tmp_path):
     path = tmp_path / "docs.jsonl"
     rows = [{"id": 1, "content": "first document", "url": "u"}, {"id": 2, "content": "second one", "url": "v"}]
