@@ -63,7 +63,7 @@ def export(pruned: str | Path, out: str | Path, pattern: str | None = None, over
 
 
 def evaluate(models: list[Any], tasks: list[str] | None = None, out: str | Path | None = None, *,
-             tokenizer: Any = None, **options: Any) -> dict:
+             tokenizer: Any = None, progress: bool = False, **options: Any) -> dict:
     """Score ``models`` side by side (lm-eval tasks and ``ppl``); ``options`` as ``EvalConfig``'s fields.
     A model is a hub id, a directory, a ``.gguf``, None (the embedded default), a ``PruneResult``, or a
     transformers causal LM in memory with ``tokenizer`` (scored as it is, moved to the device)."""
@@ -85,7 +85,7 @@ def evaluate(models: list[Any], tasks: list[str] | None = None, out: str | Path 
         specs.append(spec)
         loaded[spec] = lm
     config = EvalConfig(models=specs, tasks=list(tasks or DEFAULT_TASKS), **options)
-    return evaluate_models(config, out=Path(out) if out is not None else None, progress=False, loaded=loaded)
+    return evaluate_models(config, out=Path(out) if out is not None else None, progress=progress, loaded=loaded)
 
 
 def __getattr__(name: str) -> Any:

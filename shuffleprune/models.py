@@ -176,6 +176,15 @@ def is_embedded(spec: str | None) -> bool:
     return spec is None or spec in ("", "default", DEFAULT_MODEL)
 
 
+def inner_model_hint(path: Path) -> str:
+    """What to say of a directory without config.json: where its model is when one subdirectory holds
+    one (a dst run's ``model/``), else what to give."""
+    inner = sorted(p for p in path.iterdir() if (p / "config.json").is_file()) if path.is_dir() else []
+    if len(inner) == 1:
+        return f"; give '{inner[0]}', the model inside it"
+    return " (give an HF model dir or a .gguf)"
+
+
 def resolve_model_path(spec: str | None) -> str:
     """Map what the user typed to a loadable HF dir or hub id (converting GGUF as needed)."""
     if is_embedded(spec):
@@ -187,7 +196,7 @@ def resolve_model_path(spec: str | None) -> str:
         return str(gguf_as_hf_dir(path))
     if path.exists():
         if not (path / "config.json").is_file():
-            raise UserError(f"'{spec}' is not a model: no config.json in it (give an HF model dir or a .gguf)")
+            raise UserError(f"'{spec}' is not a model: no config.json in it{inner_model_hint(path)}")
         return str(path)
     if not looks_like_hub_id(spec):
         raise UserError(f"model path '{spec}' does not exist")

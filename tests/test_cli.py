@@ -168,3 +168,17 @@ def test_plots_are_checked_before_pruning_and_drawn_after(tiny_dir, text_file, t
     assert res.exit_code == 0 and (tmp_path / "pics" / "perm_strength.png").stat().st_size > 0, res.output
     res = runner.invoke(app, ["report", str(out), "--plots", str(tmp_path / "a-file")])
     assert res.exit_code == 2 and "is a file" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_a_dir_holding_a_model_names_it(tiny_dir, tmp_path):
+    """A directory whose model lies one level down (a dst run's OUT/model) is named in the error of
+    every command that takes a model, instead of only 'no config.json'."""
+    import shutil
+
+    run = tmp_path / "dst-run"
+    shutil.copytree(tiny_dir, run / "model")
+    (run / "dst_report.json").write_text("{}")
+    for args in (["prune", str(run)], ["export", str(run), str(tmp_path / "x")], ["eval", str(run), "--tasks", "ppl"]):
+        res = runner.invoke(app, args)
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1 and f"give '{run / 'model'}'" in lines[0], (args, res.output)

@@ -143,7 +143,7 @@ def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tin
     dense = AutoModelForCausalLM.from_pretrained(tiny_dir)
     scores = shuffleprune.evaluate([str(tmp_path / "pruned"), result, dense], tasks=["tiny_mc", "ppl"],
                                    tokenizer=AutoTokenizer.from_pretrained(tiny_dir), include_path=[str(tiny_task)],
-                                   limit=4, ppl_text=str(heldout), ppl_ctx=32)
+                                   limit=4, ppl_text=str(heldout), ppl_ctx=32, progress=False)
     saved, pruned, unpruned = scores["models"]
     assert [m["model"] for m in scores["models"]] == ["pruned", f"{tiny_dir.name} (in memory)",
                                                       f"{tiny_dir.name} (in memory #2)"]

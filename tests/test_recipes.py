@@ -99,6 +99,11 @@ def test_flags_and_set_override_the_recipe():
     ({"recipe": "fast", "perm": "learned", "sparsity": 0.5}, "N:M"),
     ({"recipe": None, "overrides": ["permutation.block=big"]}, "'block' must be int"),
     ({"recipe": None, "overrides": ["update=blockrecon", "update.lr=fast"]}, "'lr' must be float"),
+    # the Python API's values are typed as a recipe file's (were a TypeError deep in the build)
+    ({"recipe": None, "pattern": 4}, "'pattern' must be str, got 4"),
+    ({"recipe": None, "sparsity": "0.5"}, "'sparsity' must be float, got '0.5'"),
+    ({"recipe": None, "nsamples": "128"}, "'nsamples' must be int, got '128'"),
+    ({"recipe": None, "only": "*.q_proj"}, "'only' must be a list of strings"),
 ])
 def test_bad_recipes_and_overrides_are_one_line_errors(kwargs, needle):
     recipe = kwargs.pop("recipe")

@@ -378,13 +378,14 @@ def _checked_dirs(pruned_dir: str | Path, out_dir: str | Path, overwrite: bool) 
     """The pruned checkpoint's directory (a hub id's snapshot, downloaded or cached) and the target,
     refused when the one is no checkpoint or the other a file or (without ``overwrite``) not empty."""
     from shuffleprune.hub import looks_like_hub_id
-    from shuffleprune.models import hub_snapshot
+    from shuffleprune.models import hub_snapshot, inner_model_hint
 
     if not Path(pruned_dir).exists() and looks_like_hub_id(str(pruned_dir)):
         pruned_dir = hub_snapshot(str(pruned_dir), any_repo=True)
     pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
     if not (pruned_dir / "config.json").is_file():
-        raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)")
+        raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)"
+                        f"{inner_model_hint(pruned_dir)}")
     if is_exported(pruned_dir):
         raise UserError(f"'{pruned_dir}' is an export already (it has {FORMAT_FILE}); export the pruned checkpoint "
                         "it came from (prune --out), or load this one with shuffleprune.load")

@@ -69,6 +69,11 @@ class PruneConfig:
                 raise UserError(f"give --pattern {options['pattern']} (N:M) or --sparsity {options['sparsity']} "
                                 "(unstructured), not both")
             run["sparsity"] = None  # an N:M pattern given replaces a recipe's unstructured sparsity
+        options.update({k: list(v) for k, v in options.items() if isinstance(v, tuple)})   # only=("a", "b")
+        for key, value in options.items():   # the Python API's values, typed as a recipe file's are
+            problem = _type_problem(key, value)
+            if problem is not None:
+                raise UserError(problem)
         run.update(options)  # a run setting given as None is applied (eval_text=None: no perplexity)
         if "sparsity" in run and run["sparsity"] is not None:
             run["pattern"] = None
@@ -158,6 +163,11 @@ def check_run_setting(key: str, value: Any) -> str | None:
     if key not in _FIELDS or key in RUN_KEYS_NOT_IN_RECIPES:
         allowed = ", ".join(sorted(_FIELDS - set(RUN_KEYS_NOT_IN_RECIPES)))
         return f"unknown key '{key}' (a recipe has 'recipe', 'stages' and run settings: {allowed})"
+    return _type_problem(key, value)
+
+
+def _type_problem(key: str, value: Any) -> str | None:
+    """Why ``value`` does not fit the type of run setting ``key`` (None when it does)."""
     hint = typing.get_type_hints(PruneConfig)[key]
     allowed_types = typing.get_args(hint) or (hint,)
     if value is None:
