@@ -253,6 +253,16 @@ def load_tokenizer(path: str, spec: str | None = None):
     return AutoTokenizer.from_pretrained(path)
 
 
+def _model_type(path: str) -> str:
+    """The ``model_type`` a checkpoint's config names ('?' when it cannot be read)."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path).model_type
+    except (OSError, ValueError):
+        return "?"
+
+
 def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot."""
     torch_dtype = parse_dtype(dtype)
@@ -275,6 +285,9 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
         if isinstance(exc, SafetensorError):
             raise UserError(f"cannot read the weights of '{spec}': a .safetensors file is truncated or corrupt "
                             f"({reason(exc, 120)}); write or download that checkpoint again") from exc
+        if "Unrecognized configuration class" in str(exc):   # an encoder or encoder-decoder (T5, …)
+            raise UserError(f"cannot load model '{spec}': transformers has no causal-LM class for its model type "
+                            f"'{_model_type(path)}'; shuffleprune prunes decoder LLMs (AutoModelForCausalLM)") from exc
         raise UserError(
             f"cannot load model '{spec}': {reason(exc)} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc

@@ -182,3 +182,19 @@ def test_a_dir_holding_a_model_names_it(tiny_dir, tmp_path):
         res = runner.invoke(app, args)
         lines = [l for l in res.output.splitlines() if l.startswith("error:")]
         assert res.exit_code == 2 and len(lines) == 1 and f"give '{run / 'model'}'" in lines[0], (args, res.output)
+
+
+def test_an_encoder_decoder_is_refused_by_its_model_type(tmp_path):
+    """A checkpoint transformers has no causal-LM class for (T5) says so and its model type, instead of
+    transformers' list of every config class it accepts."""
+    from conftest import make_tokenizer
+    from transformers import AutoConfig
+
+    path = tmp_path / "t5"
+    AutoConfig.for_model("t5", vocab_size=128, d_model=64, num_layers=2, num_heads=4, d_ff=128).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    for args in (["prune", str(path)], ["eval", str(path), "--tasks", "ppl"]):
+        res = runner.invoke(app, args)
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1, res.output
+        assert "no causal-LM class for its model type 't5'" in lines[0] and "Model type should be" not in lines[0]
