@@ -288,6 +288,10 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
         if "Unrecognized configuration class" in str(exc):   # an encoder or encoder-decoder (T5, …)
             raise UserError(f"cannot load model '{spec}': transformers has no causal-LM class for its model type "
                             f"'{_model_type(path)}'; shuffleprune prunes decoder LLMs (AutoModelForCausalLM)") from exc
+        if not Path(path).exists() and isinstance(exc, OSError) and not hub_reachable():
+            raise UserError(f"cannot load model '{spec}': no local directory of that name, and the Hugging Face hub "
+                            "is unreachable (or HF_HUB_OFFLINE is set) with no copy of it in the local cache; "
+                            "give a local HF dir or a .gguf, or fetch it where the hub is reachable") from exc
         raise UserError(
             f"cannot load model '{spec}': {reason(exc)} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc

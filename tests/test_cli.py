@@ -42,9 +42,16 @@ def test_quiet_silences_library_bars_and_restores_them(tiny_dir, tmp_path):
         hf_logging.enable_progress_bar()
 
 
-def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
+def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path, monkeypatch):
     import json
     import shutil
+
+    import huggingface_hub.constants
+
+    from shuffleprune.hub import hub_reachable
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)   # offline on any machine
+    hub_reachable.cache_clear()
 
     bad = tmp_path / "bad-config"  # config.json disagrees with the weights
     shutil.copytree(tiny_dir, bad)
@@ -62,6 +69,7 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
                          (["dst", "--arch", "llama", "--config-kw", "hidden_size=65,num_attention_heads=4",
                            "--tokenizer", str(tiny_dir), "--out", str(tmp_path / "o")], "not a multiple of the number"),
                          (["prune", str(tmp_path / "nope")], "does not exist"),
+                         (["prune", "no-such-owner/no-such-model"], "the Hugging Face hub is unreachable"),
                          (["prune", str(tiny_dir), "--base", "obs"], "--base: unknown prune stage 'obs'"),
                          (["prune", str(tiny_dir), "--device", "tpu"], "unknown --device"),
                          (["prune", str(tiny_dir), "--pattern", "2:4", "--sparsity", "0.5"], "not both"),
@@ -81,6 +89,7 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
         lines = [l for l in res.output.splitlines() if l.startswith("error:")]
         assert len(lines) == 1 and needle in lines[0], res.output
     assert not (tmp_path / "o").exists()
+    hub_reachable.cache_clear()
 
 
 def test_help_documents_defaults():
