@@ -16,6 +16,12 @@ import torch
 from shuffleprune.errors import UserError
 
 
+def check_seed(seed: int) -> None:
+    """Refuse a seed outside ``0 … 2**32 − 1`` (what every generator a run seeds accepts, offsets added)."""
+    if not 0 <= seed < 2**32:
+        raise UserError(f"--seed must be in 0 … {2**32 - 1}, got {seed}")
+
+
 def pick_device(name: str) -> torch.device:
     """``auto`` → the first CUDA GPU if there is one, else CPU; ``cpu``/``cuda``/``cuda:N`` checked."""
     if name == "auto":

@@ -32,6 +32,7 @@ from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError, reason
 from shuffleprune.outdir import refuse_clearing_inputs
 from shuffleprune.quiet import library_progress_bars
+from shuffleprune.runtime import check_seed
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "dst_report.json"
@@ -61,6 +62,7 @@ class TrainConfig:
             raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
         if self.lr <= 0 or self.warmup < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise UserError("--lr and the gradient clip must be > 0, --warmup and the weight decay ≥ 0")
+        check_seed(self.seed)
         if self.eval_every < 0 or self.checkpoint_every < 0:
             raise UserError("--eval-every and --checkpoint-every must be ≥ 0 (0: only at the end)")
         if self.eval_tokens is not None and self.eval_tokens < self.seq_len:

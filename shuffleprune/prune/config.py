@@ -21,6 +21,7 @@ from shuffleprune.prune.recipes import (DEFAULT_RECIPE, RUN_KEYS_NOT_IN_RECIPES,
                                         dump_recipe, is_recipe_file, load_recipe)
 from shuffleprune.prune.registry import kind_of, stage_class, stage_from_entry
 from shuffleprune.prune.stage import KINDS, RunSpec, Stage
+from shuffleprune.runtime import check_seed
 
 
 @dataclass
@@ -92,6 +93,7 @@ class PruneConfig:
             raise UserError("--nsamples must be >= 1 and --seqlen >= 2")
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
+        check_seed(self.seed)
         if self.eval_ctx is not None and self.eval_ctx < 2:
             raise UserError(f"--eval-ctx must be >= 2 (a perplexity window predicts ctx − 1 tokens), "
                             f"got {self.eval_ctx}")
