@@ -952,3 +952,14 @@ def test_linears_outside_the_blocks_are_compressed_only_when_they_own_their_weig
     assert list(_pruned_outside_blocks(untied, pruned, {"model.layers.0.mlp.up_proj"})) == ["lm_head"]
     assert _pruned_outside_blocks(tied, pruned, {"model.layers.0.mlp.up_proj"}) == {}
     assert _pruned_outside_blocks(untied, None, set()) == {}   # without a report only the blocks' zeros count
+
+
+def test_export_of_an_unstructured_run_says_what_it_was(tiny_dir, text_file, tmp_path):
+    """A checkpoint pruned unstructured is refused as such (it was '--pattern must look like N:M, got
+    unstructured-0.5', naming a flag the user never gave)."""
+    pruned = tmp_path / "unstructured"
+    shuffleprune.prune(str(tiny_dir), out=pruned, sparsity=0.5, calib=str(text_file), nsamples=4, seqlen=32,
+                       eval_text=None, progress=False)
+    r = CliRunner().invoke(app, ["export", str(pruned), str(tmp_path / "e")])
+    assert r.exit_code == 2 and "was pruned unstructured (unstructured-0.5)" in r.output, r.output
+    assert not (tmp_path / "e").exists()

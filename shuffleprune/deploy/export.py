@@ -126,10 +126,16 @@ def _pruned_names(kind: str | None, report: dict | None) -> set[str] | None:
 
 def _pattern_of(pruned_dir: Path, pattern: str | None, kind: str | None, report: dict | None) -> tuple[int, int]:
     if pattern is None:
+        if kind == "prune" and (report.get("recipe") or {}).get("sparsity") is not None:
+            raise UserError(f"export compresses N:M checkpoints and '{pruned_dir}' was pruned unstructured "
+                            f"({report['pattern']}); prune it with --pattern 2:4 (or another N:M)")
         if kind == "prune":
             pattern = report["pattern"]
         elif kind == "dst" and report["dst"].get("method") == "nm":
             pattern = report["dst"]["pattern"]  # a `dst --method nm` run's model/
+        elif kind == "dst":
+            raise UserError(f"export compresses N:M checkpoints and '{pruned_dir}' comes from a dst "
+                            f"--method {report['dst'].get('method')} run; train with --method nm for one")
         else:
             raise UserError(f"'{pruned_dir}' has no prune_report.json (nor an N:M dst run's report); pass --pattern N:M")
     p = parse_pattern(pattern, None)
