@@ -77,8 +77,8 @@ def embedded_gguf() -> Path:
 
 
 def local_model_source(spec: str | None) -> str | None:
-    """The local file or directory that ``spec`` loads from, without fetching anything (the embedded
-    GGUF where it is installed; None for a hub id)."""
+    """The local file or directory that ``spec`` loads from, found without fetching anything: the
+    embedded GGUF where it is installed (else None), any other ``spec`` as given (a hub id too)."""
     if is_embedded(spec):
         found = find_installed_file(_EMBEDDED_MEMBER)
         return None if found is None else str(found)

@@ -13,7 +13,7 @@ def holds(directory: str | Path, path: str | Path) -> bool:
     return inner == top or top in inner.parents
 
 
-def refuse_clearing_inputs(out: Path, inputs: Iterable[str | Path | None], flag: str = "--out") -> None:
+def refuse_clearing_inputs(out: Path, inputs: Iterable[str | Path | None]) -> None:
     """Refuse to clear ``out`` when it is, or lies above, an existing local input (a model dir, a
     text file, earlier index maps): ``--overwrite`` would delete that input before it is read, or
     replace it with the result. Names that are no local path (hub ids, ``wiki``) are skipped."""
@@ -22,5 +22,5 @@ def refuse_clearing_inputs(out: Path, inputs: Iterable[str | Path | None], flag:
             continue
         if holds(out, item):
             what = "is" if holds(item, out) else "holds"
-            raise UserError(f"{flag} '{out}' {what} the input '{item}': clearing it would delete that input; "
-                            f"give another {flag}")
+            raise UserError(f"--out '{out}' {what} the input '{item}': clearing it would delete that input; "
+                            "give another --out")
