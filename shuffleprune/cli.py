@@ -178,26 +178,24 @@ def report(
     plots: Optional[Path] = typer.Option(None, "--plots", help="Write permutation PNGs (strength vs depth, penalty and loss curves) here."),
 ) -> None:
     """Show a pruned checkpoint's report again and draw its permutation pictures (or a dst run's curves)."""
-    import json
+    from shuffleprune.report import print_prune_report, read_report
 
-    from shuffleprune.report import print_prune_report
+    try:
+        if (pruned / "dst_report.json").is_file():  # a `dst` run directory
+            from shuffleprune.plots import plot_dst_report
 
-    if (pruned / "dst_report.json").is_file():  # a `dst` run directory
-        from shuffleprune.plots import plot_dst_report
-
-        rep = json.loads((pruned / "dst_report.json").read_text())
-        Console().print(f"dst {rep['dst']['method']} perm {rep['dst']['perm']}: final ppl {rep['final_ppl']:.2f}, "
-                        f"density {rep['density']:.4f}, {rep['train_seconds']:.0f} s")
-        if plots is not None:
-            try:
+            rep = read_report(pruned / "dst_report.json")
+            Console().print(f"dst {rep['dst']['method']} perm {rep['dst']['perm']}: final ppl {rep['final_ppl']:.2f}, "
+                            f"density {rep['density']:.4f}, {rep['train_seconds']:.0f} s")
+            if plots is not None:
                 Console().print("wrote " + ", ".join(str(p) for p in plot_dst_report(rep, plots)))
-            except UserError as exc:
-                _fail(exc)
-        return
-    path = pruned / "prune_report.json"
-    if not path.is_file():
-        _fail(UserError(f"no prune_report.json in '{pruned}' (give a directory written by `shuffleprune prune --out`)"))
-    rep = json.loads(path.read_text())
+            return
+        path = pruned / "prune_report.json"
+        if not path.is_file():
+            raise UserError(f"no prune_report.json in '{pruned}' (give a directory written by `shuffleprune prune --out`)")
+        rep = read_report(path)
+    except UserError as exc:
+        _fail(exc)
     print_prune_report(rep)
     if plots is not None:
         _write_plots(rep, plots)

@@ -1,10 +1,34 @@
 """Human-readable summaries of run reports (rich tables)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
 from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
+from shuffleprune.errors import UserError, reason
+
+# what the commands read of a run's report (a prune run's, a dst run's)
+PRUNE_REPORT_KEYS = ("model", "method", "pattern", "calib", "eval", "ppl", "sparsity", "nm_ok", "seconds", "layers")
+DST_REPORT_KEYS = ("dst", "final_ppl", "density", "train_seconds")
+
+
+def read_report(path: Path) -> dict:
+    """A run's ``prune_report.json`` or ``dst_report.json``, refused in one line when it is not JSON or
+    lacks what the commands read (edited by hand, cut short)."""
+    keys = DST_REPORT_KEYS if path.name == "dst_report.json" else PRUNE_REPORT_KEYS
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"'{path}' is not a readable run report ({reason(exc, 80)}); run the command that "
+                        "wrote it again") from None
+    missing = [key for key in keys if not isinstance(report, dict) or key not in report]
+    if missing:
+        raise UserError(f"'{path}' has no {', '.join(missing)}: not a report shuffleprune wrote, or cut short; "
+                        "run the command that wrote it again")
+    return report
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:

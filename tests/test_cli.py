@@ -211,3 +211,21 @@ def test_an_encoder_decoder_is_refused_by_its_model_type(tmp_path):
         lines = [l for l in res.output.splitlines() if l.startswith("error:")]
         assert res.exit_code == 2 and len(lines) == 1, res.output
         assert "no causal-LM class for its model type 't5'" in lines[0] and "Model type should be" not in lines[0]
+
+
+def test_a_damaged_run_report_is_a_one_line_error(tiny_dir, text_file, tmp_path):
+    """`report` and `export` of a checkpoint whose prune_report.json is cut short or edited into
+    something else say so in one line (they were a JSONDecodeError or KeyError traceback)."""
+    pruned = tmp_path / "pruned"
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--nsamples", "4", "--seqlen", "32",
+                              "--eval-text", "none", "--quiet", "--out", str(pruned)])
+    assert res.exit_code == 0, res.output
+    whole = (pruned / "prune_report.json").read_text()
+    for text, needle in ((whole[: len(whole) // 2], "is not a readable run report"),
+                         ('{"model": "x"}', "has no method, pattern")):
+        (pruned / "prune_report.json").write_text(text)
+        for args in (["report", str(pruned)], ["export", str(pruned), str(tmp_path / "e")]):
+            res = runner.invoke(app, args)
+            lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+            assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (args, res.output)
+    assert not (tmp_path / "e").exists()

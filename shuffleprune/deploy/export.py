@@ -55,6 +55,7 @@ from shuffleprune.masks import parse_pattern
 from shuffleprune.outdir import holds
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
 from shuffleprune.quiet import library_progress_bars
+from shuffleprune.report import read_report
 from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE, is_exported
@@ -97,9 +98,9 @@ def _run_report(pruned_dir: Path) -> tuple[str | None, dict | None]:
     ``("dst", its dst run's dst_report.json)`` for a ``dst`` run's ``model/``; ``(None, None)``."""
     report, dst_report = pruned_dir / "prune_report.json", pruned_dir.parent / "dst_report.json"
     if report.is_file():
-        return "prune", json.loads(report.read_text())
+        return "prune", read_report(report)
     if dst_report.is_file():
-        return "dst", json.loads(dst_report.read_text())
+        return "dst", read_report(dst_report)
     return None, None
 
 

@@ -34,6 +34,7 @@ from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.quiet import library_progress_bars
+from shuffleprune.report import read_report
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from shuffleprune.evaluation.perplexity import perplexity
 from shuffleprune.runtime import fits_on_device, logits_bytes, machine, peak_rss_mb, pick_device, versions
@@ -179,10 +180,10 @@ def _prune_summary(path: str) -> str | None:
     if not report.is_file():
         return None
     try:
-        rep = json.loads(report.read_text())
-        return f"{rep['method']} {rep['pattern']}"
-    except (json.JSONDecodeError, KeyError):
+        rep = read_report(report)
+    except UserError:
         return None
+    return f"{rep['method']} {rep['pattern']}"
 
 
 def _metric_table(task_results: dict) -> dict[str, float]:
