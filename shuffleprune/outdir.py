@@ -1,6 +1,8 @@
-"""Output directories that a run clears: never one that holds the run's own inputs."""
+"""Output directories that a run clears: never one that holds the run's own inputs; a link to one
+(an output dir on another disk) stays a link."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Iterable
 
@@ -24,3 +26,16 @@ def refuse_clearing_inputs(out: Path, inputs: Iterable[str | Path | None]) -> No
             what = "is" if holds(item, out) else "holds"
             raise UserError(f"--out '{out}' {what} the input '{item}': clearing it would delete that input; "
                             "give another --out")
+
+
+def clear_dir(path: Path) -> None:
+    """Empty ``path`` for a fresh run: a directory is removed; a symlink to one keeps its link and loses
+    the contents of the directory it points to."""
+    if path.is_symlink():
+        for child in path.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    elif path.exists():
+        shutil.rmtree(path)

@@ -229,3 +229,27 @@ def test_a_damaged_run_report_is_a_one_line_error(tiny_dir, text_file, tmp_path)
             lines = [l for l in res.output.splitlines() if l.startswith("error:")]
             assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (args, res.output)
     assert not (tmp_path / "e").exists()
+
+
+def test_an_output_dir_that_is_a_symlink_stays_one(tiny_dir, text_file, tmp_path):
+    """`--out` / an export target linked to a directory elsewhere (another disk) is written through the
+    link, which stays a link (`--overwrite` was 'Cannot call rmtree on a symbolic link', and export
+    failed even into an empty linked dir)."""
+    small = ["--calib", str(text_file), "--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--quiet"]
+    for name in ("pruned", "deployed", "trained"):
+        (tmp_path / "disk" / name).mkdir(parents=True)
+        (tmp_path / "disk" / name / "old.txt").write_text("from an earlier run")
+        (tmp_path / name).symlink_to(tmp_path / "disk" / name, target_is_directory=True)
+    pruned, deployed, trained = (tmp_path / n for n in ("pruned", "deployed", "trained"))
+    res = runner.invoke(app, ["prune", str(tiny_dir), *small, "--out", str(pruned), "--overwrite",
+                              "--export", str(deployed)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["dst", "--data", str(text_file), "--tokenizer", str(tiny_dir), "--arch", "llama",
+                              "--config-kw", "hidden_size=32,intermediate_size=64,num_hidden_layers=1,"
+                              "num_attention_heads=2,num_key_value_heads=1", "--seq-len", "16", "--batch-size", "2",
+                              "--steps", "1", "--eval-tokens", "32", "--quiet", "--out", str(trained), "--overwrite"])
+    assert res.exit_code == 0, res.output
+    for link, expect in ((pruned, "prune_report.json"), (deployed, "shuffleprune_format.json"),
+                         (trained, "dst_report.json")):
+        assert link.is_symlink() and (tmp_path / "disk" / link.name / expect).is_file(), link
+        assert not (link / "old.txt").exists()

@@ -465,6 +465,7 @@ def _write_export(out_dir: Path, lm, parts: _Compressed, fmt: dict, prune_report
     """Write the export into a temporary sibling of ``out_dir`` and rename it into place: the dense
     rest (``model.safetensors``), tokenizer, transformers loader, ``sparse.safetensors``, the format,
     the run's report and a model card. A failure leaves nothing behind."""
+    link, out_dir = out_dir, out_dir.resolve() if out_dir.is_symlink() else out_dir   # a link stays a link
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp-"))
     try:
@@ -480,7 +481,7 @@ def _write_export(out_dir: Path, lm, parts: _Compressed, fmt: dict, prune_report
         (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))
         if prune_report is not None:   # (its file, its contents)
             shutil.copy(prune_report[0], tmp / "prune_report.json")
-        (tmp / "README.md").write_text(export_card(fmt, prune_report and prune_report[1], out_dir.name))
+        (tmp / "README.md").write_text(export_card(fmt, prune_report and prune_report[1], link.name))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError, reason
-from shuffleprune.outdir import refuse_clearing_inputs
+from shuffleprune.outdir import clear_dir, refuse_clearing_inputs
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime import check_seed
 
@@ -201,7 +200,7 @@ def _check_out(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, accel
             raise UserError(f"output dir '{out}' is not empty; use --resume, --overwrite or another --out")
     accelerator.wait_for_everyone()  # every process has looked at `out` before the main one clears it
     if not resume and out.exists() and accelerator.is_main_process:
-        shutil.rmtree(out)
+        clear_dir(out)
 
 
 def _token_streams(cfg: TrainConfig, accelerator) -> tuple[object, torch.Tensor, torch.Tensor]:

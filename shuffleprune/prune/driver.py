@@ -30,7 +30,7 @@ from shuffleprune.errors import UserError
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.masks import satisfies_nm, sparsity_of
 from shuffleprune.models import LoadedModel, load_model, local_model_source, upcast_for_cpu
-from shuffleprune.outdir import refuse_clearing_inputs
+from shuffleprune.outdir import clear_dir, refuse_clearing_inputs
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.linear import load_index_maps, save_index_maps
 from shuffleprune.prune.atomic import atomic_json, atomic_save
@@ -79,7 +79,7 @@ def _prepare_out(out: Path | None, resume: bool, overwrite: bool, config: PruneC
         if not overwrite and not leftover:  # a run stopped before its first checkpoint left nothing to keep
             hint = "--resume to continue it, or " if state_file.is_file() else ""
             raise UserError(f"output dir '{out}' is not empty; use {hint}--overwrite, or another --out")
-        shutil.rmtree(out)
+        clear_dir(out)
     return None
 
 
