@@ -2,17 +2,37 @@
 (an output dir on another disk) stays a link."""
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, reason
 
 
 def holds(directory: str | Path, path: str | Path) -> bool:
     """Whether ``path`` is ``directory`` or lies inside it (neither needs to exist yet)."""
     top, inner = Path(directory).expanduser().resolve(), Path(path).expanduser().resolve()
     return inner == top or top in inner.parents
+
+
+def check_writable(directory: Path, flag: str, target: Path | None = None) -> None:
+    """Refuse an output directory (the one ``target``, a file, goes in) that cannot be created or
+    written in, before a run rather than after it: a file is made and removed in ``directory``, or in
+    its nearest existing parent."""
+    place = Path(directory).expanduser().absolute()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        if not place.is_dir():
+            raise NotADirectoryError(f"'{place}' is a file")
+        handle, name = tempfile.mkstemp(dir=place, prefix=".shuffleprune-write-check-")
+        os.close(handle)
+        os.unlink(name)
+    except OSError as exc:
+        raise UserError(f"{flag} '{target or directory}': cannot write in '{place}' "
+                        f"({exc.strerror or reason(exc, 80)}); give a writable path") from None
 
 
 def refuse_clearing_inputs(out: Path, inputs: Iterable[str | Path | None]) -> None:

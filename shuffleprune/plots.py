@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shuffleprune.errors import UserError
+from shuffleprune.outdir import check_writable
 
 
 def _kind(unit: list[str]) -> str:
@@ -27,6 +28,7 @@ def check_plot_dir(out_dir: Path) -> None:
     """Refuse a plot directory that is a file (``prune --plots`` asks before pruning, not after)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--plots '{out_dir}' is a file, not a directory; give a directory path")
+    check_writable(out_dir, "--plots")
 
 
 def plot_perm_report(report: dict, out_dir: Path) -> list[Path]:

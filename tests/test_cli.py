@@ -253,3 +253,25 @@ def test_an_output_dir_that_is_a_symlink_stays_one(tiny_dir, text_file, tmp_path
                          (trained, "dst_report.json")):
         assert link.is_symlink() and (tmp_path / "disk" / link.name / expect).is_file(), link
         assert not (link / "old.txt").exists()
+
+
+def test_unwritable_outputs_are_refused_before_the_run(tiny_dir, text_file, tmp_path):
+    """An output path that cannot be written (here: below a file) is a one-line error before anything
+    runs, for every command's outputs (they were a FileNotFoundError/NotADirectoryError traceback, for
+    prune --export, --plots and eval --out only after the whole run)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    small = ["--calib", str(text_file), "--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--quiet"]
+    pruned = tmp_path / "pruned"
+    cases = ((["prune", str(tiny_dir), *small, "--out", str(blocker / "o")], "--out"),
+             (["prune", str(tiny_dir), *small, "--out", str(pruned), "--export", str(blocker / "e")], "export target"),
+             (["prune", str(tiny_dir), *small, "--out", str(pruned), "--plots", str(blocker / "p")], "--plots"),
+             (["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", str(text_file), "--out", str(blocker / "r.json")],
+              "--out"),
+             (["dst", "--tokenizer", str(tiny_dir), "--data", str(text_file), "--out", str(blocker / "d")], "--out"))
+    for args, flag in cases:
+        res = runner.invoke(app, args)
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1, (args, res.output)
+        assert lines[0].startswith(f"error: {flag} '") and f"cannot write in '{blocker}'" in lines[0], lines[0]
+        assert not pruned.exists()

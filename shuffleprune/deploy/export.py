@@ -52,7 +52,7 @@ from shuffleprune.blocks import (block_linears, expert_name, find_blocks, is_pla
 from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
-from shuffleprune.outdir import holds
+from shuffleprune.outdir import check_writable, holds
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.report import read_report
@@ -410,6 +410,7 @@ def check_export_target(out_dir: str | Path, pruned_dir: str | Path, overwrite: 
                         "delete that checkpoint; give another export target")
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"export target '{out_dir}' is a file, not a directory; give a directory path")
+    check_writable(out_dir, "export target")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")
 

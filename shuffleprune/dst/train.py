@@ -29,7 +29,7 @@ from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError, reason
-from shuffleprune.outdir import clear_dir, refuse_clearing_inputs
+from shuffleprune.outdir import check_writable, clear_dir, refuse_clearing_inputs
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime import check_seed
 
@@ -192,6 +192,7 @@ def _check_out(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, accel
     if cfg.batch_size % accelerator.num_processes:
         raise UserError(f"--batch-size {cfg.batch_size} is the global batch: use a multiple of the "
                         f"{accelerator.num_processes} processes")
+    check_writable(out, "--out")
     if resume and not (out / CHECKPOINT).is_file():
         raise UserError(f"nothing to resume in '{out}': no {CHECKPOINT}")
     if not resume and out.exists() and any(out.iterdir()):

@@ -32,6 +32,7 @@ from shuffleprune.calib.sources import HUB_SOURCES, is_local_source
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
+from shuffleprune.outdir import check_writable
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.report import read_report
@@ -109,6 +110,8 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
         raise UserError("--num-fewshot must be >= 0")
     if out is not None and out.suffix != ".json":
         raise UserError(f"--out must name a .json file (a .md table is written next to it), not '{out}'")
+    if out is not None:
+        check_writable(out.parent, "--out", out)
     if out is not None and (out.exists() or out.with_suffix(".md").exists()) and not _earlier_results(out):
         raise UserError(f"--out '{out}' (or the .md beside it) exists and is no earlier eval result; give another "
                         "--out (eval replaces only its own results files)")

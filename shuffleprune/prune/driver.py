@@ -30,7 +30,7 @@ from shuffleprune.errors import UserError
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.masks import satisfies_nm, sparsity_of
 from shuffleprune.models import LoadedModel, load_model, local_model_source, upcast_for_cpu
-from shuffleprune.outdir import clear_dir, refuse_clearing_inputs
+from shuffleprune.outdir import check_writable, clear_dir, refuse_clearing_inputs
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.linear import load_index_maps, save_index_maps
 from shuffleprune.prune.atomic import atomic_json, atomic_save
@@ -68,6 +68,7 @@ def _prepare_out(out: Path | None, resume: bool, overwrite: bool, config: PruneC
         return None
     if out.exists() and not out.is_dir():
         raise UserError(f"--out '{out}' is a file, not a directory; give a directory path")
+    check_writable(out, "--out")
     state_file = out / RESUME_DIR / "state.json"
     if resume:
         if not state_file.is_file():
