@@ -185,21 +185,43 @@ def inner_model_hint(path: Path) -> str:
     return " (give an HF model dir or a .gguf)"
 
 
-def resolve_model_path(spec: str | None) -> str:
-    """Map what the user typed to a loadable HF dir or hub id (converting GGUF as needed)."""
+def check_model_spec(spec: str | None) -> None:
+    """Refuse a model that cannot be loaded, without loading anything (``eval`` asks this of every
+    model before scoring the first): a missing path or GGUF, a dir without config.json or tokenizer
+    files, a hub id with no cached copy while the hub is unreachable."""
     if is_embedded(spec):
-        return str(gguf_as_hf_dir(embedded_gguf(), "SmolLM2-135M-Instruct"))
+        return
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise UserError(f"GGUF file '{spec}' does not exist")
-        return str(gguf_as_hf_dir(path))
+        return
     if path.exists():
         if not (path / "config.json").is_file():
             raise UserError(f"'{spec}' is not a model: no config.json in it{inner_model_hint(path)}")
-        return str(path)
+        require_tokenizer_files(path, spec)
+        return
     if not looks_like_hub_id(spec):
         raise UserError(f"model path '{spec}' does not exist")
+    if not hub_reachable():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(spec, "config.json"), str):
+            raise UserError(f"cannot load model '{spec}': no local directory of that name, and the Hugging Face hub "
+                            "is unreachable (or HF_HUB_OFFLINE is set) with no copy of it in the local cache; "
+                            "give a local HF dir or a .gguf, or fetch it where the hub is reachable")
+
+
+def resolve_model_path(spec: str | None) -> str:
+    """Map what the user typed to a loadable HF dir or hub id (converting GGUF as needed)."""
+    check_model_spec(spec)
+    if is_embedded(spec):
+        return str(gguf_as_hf_dir(embedded_gguf(), "SmolLM2-135M-Instruct"))
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        return str(gguf_as_hf_dir(path))
+    if path.exists():
+        return str(path)
     return hub_snapshot(spec) or spec
 
 
@@ -242,14 +264,17 @@ def upcast_for_cpu(model: PreTrainedModel, dtype: str, device: torch.device) -> 
 TOKENIZER_FILES = ("*tokenizer*", "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken")
 
 
-def load_tokenizer(path: str, spec: str | None = None):
-    """The tokenizer of a model dir or hub id. A local dir without tokenizer files is refused with the
-    files to copy there: from the config alone transformers builds a tokenizer with an empty vocabulary,
-    which turns every text into no tokens."""
-    folder = Path(path)
+def require_tokenizer_files(folder: Path, spec: str | None = None) -> None:
+    """Refuse a local dir without tokenizer files, naming the files to copy there: from the config
+    alone transformers builds a tokenizer with an empty vocabulary, which turns every text into no tokens."""
     if folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in TOKENIZER_FILES):
-        raise UserError(f"'{spec or path}' has no tokenizer files: copy those of the model it came from "
+        raise UserError(f"'{spec or folder}' has no tokenizer files: copy those of the model it came from "
                         "(tokenizer.json or tokenizer.model, tokenizer_config.json, special_tokens_map.json) into it")
+
+
+def load_tokenizer(path: str, spec: str | None = None):
+    """The tokenizer of a model dir or hub id (a local dir without tokenizer files refused)."""
+    require_tokenizer_files(Path(path), spec)
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -288,10 +313,6 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
         if "Unrecognized configuration class" in str(exc):   # an encoder or encoder-decoder (T5, …)
             raise UserError(f"cannot load model '{spec}': transformers has no causal-LM class for its model type "
                             f"'{_model_type(path)}'; shuffleprune prunes decoder LLMs (AutoModelForCausalLM)") from exc
-        if not Path(path).exists() and isinstance(exc, OSError) and not hub_reachable():
-            raise UserError(f"cannot load model '{spec}': no local directory of that name, and the Hugging Face hub "
-                            "is unreachable (or HF_HUB_OFFLINE is set) with no copy of it in the local cache; "
-                            "give a local HF dir or a .gguf, or fetch it where the hub is reachable") from exc
         raise UserError(
             f"cannot load model '{spec}': {reason(exc)} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc

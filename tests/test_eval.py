@@ -252,3 +252,25 @@ def test_eval_of_a_hub_export_scores_its_snapshot_and_names_the_repo(tiny_dir, t
     assert by_id["ppl"] == local["ppl"] and by_id["results"]["tiny_mc"]["value"] == local["results"]["tiny_mc"]["value"]
     assert by_id["sparsity"] == pytest.approx(0.5)
     assert "pretrained=me/tiny-2of4," in by_id["lm_eval_cli"] and "trust_remote_code=True" in by_id["lm_eval_cli"]
+
+
+def test_every_model_is_found_before_the_first_is_scored(tiny_dir, eval_file, tmp_path, monkeypatch):
+    """A missing model later in the list fails at once (it failed only after the models before it were
+    scored, which on real models takes hours); the one-line error is the loader's."""
+    import huggingface_hub.constants
+
+    from shuffleprune.errors import UserError
+    from shuffleprune.evaluation import evaluate as evaluation
+    from shuffleprune.hub import hub_reachable
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)   # offline on any machine
+    hub_reachable.cache_clear()
+    loads = []
+    monkeypatch.setattr(evaluation, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
+    for missing, needle in ((str(tmp_path / "nowhere"), "does not exist"), ("no-such-owner/no-such-model", "hub"),
+                            (str(tmp_path), "no config.json")):
+        config = EvalConfig(models=[str(tiny_dir), missing], tasks=["ppl"], ppl_text=str(eval_file), ppl_ctx=32)
+        with pytest.raises(UserError, match=needle):
+            evaluate_models(config, progress=False)
+        assert loads == []
+    hub_reachable.cache_clear()

@@ -31,7 +31,7 @@ from shuffleprune.calib import bos_token, eval_tokens, get_source
 from shuffleprune.calib.sources import HUB_SOURCES, is_local_source
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
-from shuffleprune.models import LoadedModel, is_embedded, load_model, upcast_for_cpu
+from shuffleprune.models import LoadedModel, check_model_spec, is_embedded, load_model, upcast_for_cpu
 from shuffleprune.outdir import check_writable
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.quiet import library_progress_bars
@@ -275,6 +275,9 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     memory instead of being loaded from disk (the library path for pipelines and tests).
     """
     _validate(config, out)
+    for spec in config.models:   # every model found before the first is scored
+        if spec not in (loaded or {}):
+            check_model_spec(spec)
     device = pick_device(config.device)
     _quiet_lm_eval(verbose)
     offline = _offline(config, notify)
