@@ -18,9 +18,11 @@ def holds(directory: str | Path, path: str | Path) -> bool:
 
 
 def check_writable(directory: Path, flag: str, target: Path | None = None) -> None:
-    """Refuse an output directory (the one ``target``, a file, goes in) that cannot be created or
-    written in, before a run rather than after it: a file is made and removed in ``directory``, or in
-    its nearest existing parent."""
+    """Refuse an output directory (the one ``target``, a file, goes in) that is a file or cannot be
+    created or written in, before a run rather than after it: a file is made and removed in
+    ``directory``, or in its nearest existing parent."""
+    if target is None and Path(directory).exists() and not Path(directory).is_dir():
+        raise UserError(f"{flag} '{directory}' is a file, not a directory; give a directory path")
     place = Path(directory).expanduser().absolute()
     while not place.exists() and place != place.parent:
         place = place.parent

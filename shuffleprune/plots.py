@@ -25,9 +25,8 @@ def _kind(unit: list[str]) -> str:
 
 
 def check_plot_dir(out_dir: Path) -> None:
-    """Refuse a plot directory that is a file (``prune --plots`` asks before pruning, not after)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--plots '{out_dir}' is a file, not a directory; give a directory path")
+    """Refuse a plot directory that is a file or cannot be written (``prune --plots`` asks before
+    pruning, not after)."""
     check_writable(out_dir, "--plots")
 
 

@@ -408,8 +408,6 @@ def check_export_target(out_dir: str | Path, pruned_dir: str | Path, overwrite: 
         what = "is" if holds(pruned_dir, out_dir) else "holds"
         raise UserError(f"export target '{out_dir}' {what} the pruned checkpoint '{pruned_dir}': replacing it would "
                         "delete that checkpoint; give another export target")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"export target '{out_dir}' is a file, not a directory; give a directory path")
     check_writable(out_dir, "export target")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"output dir '{out_dir}' is not empty; use --overwrite or another dir")

@@ -66,8 +66,6 @@ def _prepare_out(out: Path | None, resume: bool, overwrite: bool, config: PruneC
         if resume:
             raise UserError("--resume needs --out DIR (where the interrupted run checkpointed)")
         return None
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out '{out}' is a file, not a directory; give a directory path")
     check_writable(out, "--out")
     state_file = out / RESUME_DIR / "state.json"
     if resume:
