@@ -192,12 +192,12 @@ def read_text_file(path: Path) -> str:
         raise UserError(f"cannot read '{path}': {reason(exc)}") from None
 
 
-def _jsonl_docs(path: Path) -> list[str]:
+def _jsonl_docs(path: Path, text: str) -> list[str]:
     """A .jsonl file's documents: each line an object, its text in the field a hub dataset's would be
     read from (:func:`_pick_text_column` of the first line's string fields)."""
     column = None
     docs = []
-    for n, line in enumerate(read_text_file(path).splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -218,19 +218,36 @@ def _jsonl_docs(path: Path) -> list[str]:
     return docs
 
 
-def _local(path: Path, split_docs: bool) -> Callable[[str], list[str]]:
+@lru_cache(maxsize=4)
+def _parsed_file(path: Path, size: int, mtime_ns: int) -> tuple[str, ...]:
+    """A local file's documents, read and parsed once per (path, size, mtime): naming a source checks
+    it before the model loads, and using it later does not read it again."""
+    text = read_text_file(path)
+    if path.suffix == ".jsonl":
+        return tuple(_jsonl_docs(path, text))
+    return tuple(d for d in re.split(r"\n\s*\n", text) if d.strip())
+
+
+def _file_documents(path: Path) -> tuple[str, ...]:
+    """The documents of a local ``.txt`` (blank-line separated) or ``.jsonl`` file; bad bytes or lines
+    are a one-line error naming the place."""
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise UserError(f"cannot read '{path}': {reason(exc)}") from None
+    return _parsed_file(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+def _local(path: Path, docs: tuple[str, ...], split_docs: bool) -> Callable[[str], list[str]]:
+    if split_docs and len(docs) < 2:
+        raise UserError(f"'{path}' serves calibration and evaluation but has {len(docs)} document; "
+                        "give --eval-text another file (documents are separated by blank lines)")
+
     def load(split: str) -> list[str]:
-        if path.suffix == ".jsonl":
-            docs = _jsonl_docs(path)
-        else:
-            docs = [d for d in re.split(r"\n\s*\n", read_text_file(path)) if d.strip()]
         if not split_docs:
-            return docs  # a file is used as given
-        if len(docs) < 2:
-            raise UserError(f"'{path}' serves calibration and evaluation but has {len(docs)} document; "
-                            "give --eval-text another file (documents are separated by blank lines)")
+            return list(docs)  # a file is used as given
         # one file for both sides: every 10th document held out (at least one on each side)
-        return _split(docs, split) if len(docs) >= 10 else (docs[-1:] if split == "test" else docs[:-1])
+        return _split(list(docs), split) if len(docs) >= 10 else (list(docs[-1:]) if split == "test" else list(docs[:-1]))
     return load
 
 
@@ -261,8 +278,8 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     if path.suffix in LOCAL_FILE_SUFFIXES:
         if not path.is_file():
             raise UserError(f"text file '{name}' does not exist")
-        read_text_file(path)   # unreadable bytes are refused now, not after the model is loaded
-        return TextSource(str(path), _local(path, shared))
+        docs = _file_documents(path)   # bad bytes or lines are refused now, not after the model is loaded
+        return TextSource(str(path), _local(path, docs, shared))
     hub = hub_dataset_id(name)
     if hub is not None:
         return TextSource(name, lambda s: _load_hub_dataset(*hub, s))

@@ -71,6 +71,29 @@ def test_bad_jsonl_names_the_line(tmp_path):
             get_source(str(path)).documents("train")
 
 
+def test_a_local_file_is_parsed_once_and_its_faults_found_when_named(tmp_path, monkeypatch):
+    """Naming a file checks all of it (a bad line deep in a .jsonl fails before any model loads);
+    naming it again and using it do not read it again, and an edited file is read anew."""
+    import shuffleprune.calib.sources as sources
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(20)) + '\n{"text": 3}\n')
+    with pytest.raises(UserError, match=r"docs.jsonl:21: no 'text' text field"):
+        get_source(str(path))   # no .documents(): the fault is found when the source is named
+    path.write_text("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(20)))
+    reads = []
+    real = sources.read_text_file
+    monkeypatch.setattr(sources, "read_text_file", lambda p: reads.append(p) or real(p))
+    for _ in range(3):
+        src = get_source(str(path), shared=True)
+        assert src.documents("test") == ["doc 9", "doc 19"] and len(src.documents("train")) == 18
+    assert len(reads) == 1
+    path.write_text(json.dumps({"text": "only one"}))
+    with pytest.raises(UserError, match=r"serves calibration and evaluation but has 1 document"):
+        get_source(str(path), shared=True)   # the edited file, and the split's fault at naming time
+    assert len(reads) == 2
+
+
 def test_text_files_are_utf8_a_byte_order_mark_dropped(tmp_path):
     """A file saved with a BOM (Windows editors) reads as without one, .jsonl too; other encodings are a
     one-line error when the source is named (before any model loads), not a UnicodeDecodeError later."""

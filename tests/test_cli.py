@@ -275,3 +275,48 @@ def test_unwritable_outputs_are_refused_before_the_run(tiny_dir, text_file, tmp_
         assert res.exit_code == 2 and len(lines) == 1, (args, res.output)
         assert lines[0].startswith(f"error: {flag} '") and f"cannot write in '{blocker}'" in lines[0], lines[0]
         assert not pruned.exists()
+
+
+def test_text_faults_are_found_before_the_model_loads(tiny_dir, tmp_path, monkeypatch):
+    """A bad line deep in a .jsonl, and one file of one document named for both calibration and
+    evaluation, fail before the model is loaded (they failed only after loading and capture)."""
+    import shuffleprune.prune.driver as driver
+
+    def no_load(*_args, **_kw):
+        raise AssertionError("the model was loaded before the texts were checked")
+
+    monkeypatch.setattr(driver, "_load_prunable", no_load)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps({"text": f"document {i}"}) for i in range(30)) + "\n{oops\n")
+    one = tmp_path / "one.txt"
+    one.write_text("a single document with no blank line in it")
+    for args, needle in ((["--calib", str(bad)], "bad.jsonl:31: not a JSON object"),
+                         (["--calib", str(one), "--eval-text", str(one)], "serves calibration and evaluation but has 1")):
+        res = runner.invoke(app, ["prune", str(tiny_dir), *args, "--out", str(tmp_path / "o"), "--quiet"])
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_input_with_overwrite_keeps_the_earlier_output(tiny_dir, text_file, tmp_path):
+    """--overwrite empties --out only once the run's inputs have loaded: a model that does not load
+    (prune) or a damaged text (dst) is an error that leaves the earlier run's output as it was (both
+    deleted it first)."""
+    import shutil
+
+    bad_model = tmp_path / "bad-config"   # config.json disagrees with the weights: found only when loading
+    shutil.copytree(tiny_dir, bad_model)
+    config = json.loads((bad_model / "config.json").read_text())
+    (bad_model / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    bad_text = tmp_path / "bad.jsonl"
+    bad_text.write_text('{"text": "fine"}\n{oops\n')
+    cases = ((["prune", str(bad_model), "--calib", str(text_file), "--eval-text", "none"], "do not have the shapes"),
+             (["dst", "--data", str(bad_text), "--tokenizer", str(tiny_dir)], "bad.jsonl:2: not a JSON object"))
+    for args, needle in cases:
+        earlier = tmp_path / f"earlier-{args[0]}"
+        earlier.mkdir()
+        (earlier / "result.txt").write_text("an earlier run's output")
+        res = runner.invoke(app, [*args, "--out", str(earlier), "--overwrite", "--quiet"])
+        lines = [l for l in res.output.splitlines() if l.startswith("error:")]
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
+        assert [p.name for p in earlier.iterdir()] == ["result.txt"], args

@@ -188,7 +188,8 @@ def _structure_report(sp: DynamicSparsifier) -> dict:
 
 
 def _check_out(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, accelerator) -> None:
-    """Refuse an ``out`` that cannot be used; clear it (main process) for a fresh run."""
+    """Refuse an ``out`` that cannot be used (it is cleared by :func:`_clear_out` once the data,
+    tokenizer and model are ready, so bad input never costs an earlier run's output)."""
     if cfg.batch_size % accelerator.num_processes:
         raise UserError(f"--batch-size {cfg.batch_size} is the global batch: use a multiple of the "
                         f"{accelerator.num_processes} processes")
@@ -199,9 +200,16 @@ def _check_out(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, accel
         refuse_clearing_inputs(out, [cfg.data, cfg.arch, cfg.tokenizer])  # the texts, a config dir, a tokenizer dir
         if not overwrite:
             raise UserError(f"output dir '{out}' is not empty; use --resume, --overwrite or another --out")
+
+
+def _clear_out(out: Path, resume: bool, accelerator) -> None:
+    """Empty ``out`` (main process) for a fresh run, then make sure it exists."""
     accelerator.wait_for_everyone()  # every process has looked at `out` before the main one clears it
-    if not resume and out.exists() and accelerator.is_main_process:
-        clear_dir(out)
+    if accelerator.is_main_process:
+        if not resume and out.exists():
+            clear_dir(out)
+        out.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()  # no process writes into `out` before it is cleared
 
 
 def _token_streams(cfg: TrainConfig, accelerator) -> tuple[object, torch.Tensor, torch.Tensor]:
@@ -358,7 +366,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
         run.restore(ckpt)
     state = run.state
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    out.mkdir(parents=True, exist_ok=True)
+    _clear_out(out, resume, accelerator)
     device = accelerator.device
 
     def evaluate() -> float:

@@ -61,7 +61,8 @@ NOTHING_SELECTED = "no linear layers selected; check --only / --skip"
 
 
 def _prepare_out(out: Path | None, resume: bool, overwrite: bool, config: PruneConfig) -> dict | None:
-    """Validate ``--out`` (never one holding the run's inputs); return the saved resume state when resuming."""
+    """Validate ``--out`` (never one holding the run's inputs); return the saved resume state when resuming.
+    A fresh run's ``--out`` is emptied later, once the model has loaded (:func:`_clear_out`)."""
     if out is None:
         if resume:
             raise UserError("--resume needs --out DIR (where the interrupted run checkpointed)")
@@ -78,8 +79,14 @@ def _prepare_out(out: Path | None, resume: bool, overwrite: bool, config: PruneC
         if not overwrite and not leftover:  # a run stopped before its first checkpoint left nothing to keep
             hint = "--resume to continue it, or " if state_file.is_file() else ""
             raise UserError(f"output dir '{out}' is not empty; use {hint}--overwrite, or another --out")
-        clear_dir(out)
     return None
+
+
+def _clear_out(out: Path | None, resume: bool) -> None:
+    """Empty a fresh run's ``--out`` (checked by :func:`_prepare_out`): only once the model has
+    loaded and its layers are selected, so a model that fails to load never costs an earlier run's output."""
+    if out is not None and not resume and out.exists() and any(out.iterdir()):
+        clear_dir(out)
 
 
 def _local_inputs(config: PruneConfig) -> list[str | None]:
@@ -91,8 +98,7 @@ def _local_inputs(config: PruneConfig) -> list[str | None]:
 
 def _texts(config: PruneConfig, tokenizer, seqlen: int) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """Calibration windows, held-out tokens, and what was used of each text (documents, tokens, BOS)."""
-    eval_name = None if config.eval_text is None else (
-        default_eval_source(config.calib) if config.eval_text == "auto" else config.eval_text)
+    eval_name = _eval_name(config)
     shared = same_text(config.calib, eval_name)
     bos = bos_token(tokenizer)
     calib_info: dict = {}
@@ -119,11 +125,20 @@ def _held_out_ppl(model: torch.nn.Module, held_out: torch.Tensor, ctx: int, devi
         model.to("cpu")
 
 
+def _eval_name(config: PruneConfig) -> str | None:
+    """The held-out text: ``--eval-text``, the default for the calibration source, or None."""
+    if config.eval_text is None:
+        return None
+    return default_eval_source(config.calib) if config.eval_text == "auto" else config.eval_text
+
+
 def _check_sources(config: PruneConfig) -> None:
-    """Fail on an unknown or missing text before the model is loaded."""
-    get_source(config.calib)
-    if config.eval_text not in (None, "auto"):
-        get_source(config.eval_text)
+    """Fail on an unknown, missing or unreadable text before the model is loaded."""
+    eval_name = _eval_name(config)
+    shared = same_text(config.calib, eval_name)
+    get_source(config.calib, shared)
+    if eval_name is not None and not shared:
+        get_source(eval_name)
 
 
 def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = False, overwrite: bool = False,
@@ -172,6 +187,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     model = lm.model
     blocks = find_blocks(model)
     linears, experts = _selected_weights(blocks, config, spec.pattern)
+    _clear_out(out, state is not None)
     max_pos = getattr(text_config(model), "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
     ctx = min(config.eval_ctx or seqlen, max_pos)
