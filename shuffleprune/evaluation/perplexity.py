@@ -29,7 +29,9 @@ def perplexity(model: nn.Module, tokens: torch.Tensor, ctx: int, device: torch.d
     width = ctx - (bos is not None)   # ≥ 1
     n_windows = stream.numel() // width
     if n_windows == 0:
-        raise UserError(f"eval text has {stream.numel()} tokens, fewer than one window of {ctx}")
+        raise UserError(f"the perplexity text has {stream.numel()} tokens, fewer than one window of {ctx}; give a "
+                        "longer text (or more of it: --eval-tokens / --ppl-tokens) or a shorter window "
+                        "(--eval-ctx / --ppl-ctx)")
     windows = stream[: n_windows * width].reshape(n_windows, width)
     if bos is not None:
         windows = torch.cat([torch.full((n_windows, 1), bos, dtype=windows.dtype), windows], dim=1)
