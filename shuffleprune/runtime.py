@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import platform
+import re
 import resource
 import sys
 import statistics
@@ -23,13 +24,20 @@ def check_seed(seed: int) -> None:
 
 
 def pick_device(name: str) -> torch.device:
-    """``auto`` → the first CUDA GPU if there is one, else CPU; ``cpu``/``cuda``/``cuda:N`` checked."""
+    """``auto`` → the first CUDA GPU if there is one, else CPU; ``cpu``/``cuda``/``cuda:N`` checked
+    (a GPU index this machine does not have is refused here, not by a CUDA error mid-run)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise UserError(f"unknown --device '{name}'; use auto, cpu or cuda")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    found = re.fullmatch(r"cpu|cuda(?::(\d+))?", name)
+    if found is None:
+        raise UserError(f"unknown --device '{name}'; use auto, cpu, cuda or cuda:N")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name} was asked for but no CUDA GPU is available; use --device cpu")
+        count = torch.cuda.device_count()
+        if found.group(1) is not None and int(found.group(1)) >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA GPU{'s' * (count != 1)} "
+                            f"(cuda:0{f' … cuda:{count - 1}' if count > 1 else ''})")
     return torch.device(name)
 
 

@@ -16,3 +16,25 @@ def test_a_per_stage_memory_reset_keeps_the_process_peak():
     # but the process's peak, which reports and bench rows give, is kept (within 1 MB: Linux updates
     # its RSS counters lazily per thread; without the fix it drops by the 256 MB freed above)
     assert peak_rss_mb() >= high - 1.0
+
+
+def test_devices_are_checked_against_the_machine(monkeypatch):
+    """`cuda:N` beyond the GPUs there are, and a malformed name, are one-line errors naming the device
+    (`cuda:3` on a one-GPU machine passed and failed later in CUDA; `cuda:x` was a RuntimeError)."""
+    import pytest
+
+    from shuffleprune.errors import UserError
+    from shuffleprune.runtime import pick_device
+
+    assert pick_device("cpu") == torch.device("cpu")
+    for name in ("cuda:x", "gpu", "cuda:", "cpu:0"):
+        with pytest.raises(UserError, match=rf"unknown --device '{name}'"):
+            pick_device(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"--device cuda:1 was asked for but no CUDA GPU"):
+        pick_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda:1") == torch.device("cuda", 1) and pick_device("cuda") == torch.device("cuda")
+    with pytest.raises(UserError, match=r"--device cuda:2: this machine has 2 CUDA GPUs \(cuda:0 … cuda:1\)"):
+        pick_device("cuda:2")
