@@ -14,12 +14,15 @@ The Python API::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shuffleprune.version import __version__
 
+if TYPE_CHECKING:
+    import torch
 
-def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = True, cslt: bool | None = None,
+
+def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", fuse: bool = True, cslt: bool | None = None,
          device: str | None = None):
     """Load a checkpoint written by ``shuffleprune export`` (linears as compressed ``SparseLinear``),
     by ``prune`` (a plain model; an older-layout ``--perm`` checkpoint put back in input order) or
@@ -28,6 +31,7 @@ def load(path: str, dtype: str = "auto", maps: str = "producer", fuse: bool = Tr
     (``.eval()``), laid out for serving there (:func:`shuffleprune.deploy.serving.arrange_for_serving`).
     For a GPU, name it here: loaded on the CPU and moved with ``.to()`` afterwards, a model runs
     without cuSPARSELt's buffer (below).
+    ``dtype``: ``auto`` (the checkpoint's), ``float32``, ``bfloat16``, ``float16`` or a torch dtype.
     ``maps="producer"`` (default) moves an export's shared index maps to the modules producing those
     layers' input (an RMSNorm writes its output permuted, in one fused kernel on CUDA); ``"kernel"``
     keeps them in the sparse layers. ``fuse`` runs the sparse layers that read one input tensor

@@ -60,14 +60,23 @@ def in_memory(model: Any, tokenizer: Any) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, source=name, path=name, in_memory=True)
 
 
-def parse_dtype(name: str) -> torch.dtype | str:
-    """``auto`` keeps the checkpoint's dtype; otherwise float32 / bfloat16 / float16."""
-    table = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
+def parse_dtype(name: str | torch.dtype) -> torch.dtype | str:
+    """``auto`` keeps the checkpoint's dtype; otherwise float32 / bfloat16 / float16 (by name, or the
+    torch dtype itself from the Python API)."""
+    name = dtype_name(name)
+    return "auto" if name == "auto" else _DTYPES[name]
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def dtype_name(value: str | torch.dtype) -> str:
+    """A ``--dtype`` value as the name a run records (``torch.bfloat16`` → ``bfloat16``), checked."""
+    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    if not isinstance(name, str) or (name != "auto" and name not in _DTYPES):
         raise UserError(f"unknown --dtype '{name}'; use one of auto, float32, bfloat16, float16")
-    return table[name]
+    return name
 
 
 def embedded_gguf() -> Path:

@@ -104,12 +104,30 @@ def test_flags_and_set_override_the_recipe():
     ({"recipe": None, "sparsity": "0.5"}, "'sparsity' must be float, got '0.5'"),
     ({"recipe": None, "nsamples": "128"}, "'nsamples' must be int, got '128'"),
     ({"recipe": None, "only": "*.q_proj"}, "'only' must be a list of strings"),
+    ({"recipe": None, "dtype": torch.float64}, "unknown --dtype 'float64'"),
+    ({"recipe": None, "dtype": "double"}, "unknown --dtype 'double'"),
 ])
 def test_bad_recipes_and_overrides_are_one_line_errors(kwargs, needle):
     recipe = kwargs.pop("recipe")
     with pytest.raises(UserError, match=needle) as exc:
         PruneConfig.build(recipe, **kwargs)
     assert "\n" not in str(exc.value)
+
+
+def test_a_torch_dtype_is_taken_by_its_name_everywhere(tmp_path):
+    """The Python API takes ``dtype=torch.bfloat16`` as transformers does (it was refused by prune,
+    evaluate and load), recorded by its name so the recipe file repeats it."""
+    from shuffleprune.evaluation.evaluate import EvalConfig, _validate
+    from shuffleprune.models import parse_dtype
+
+    config = PruneConfig.build(None, dtype=torch.bfloat16)
+    assert config.dtype == "bfloat16" and PruneConfig.build(None, dtype="bf16").dtype == "bf16"
+    assert parse_dtype(torch.float16) is torch.float16 and parse_dtype("auto") == "auto"
+    evaluation = EvalConfig(dtype=torch.float16)
+    _validate(evaluation, None)
+    assert evaluation.dtype == "float16"
+    with pytest.raises(UserError, match="unknown --dtype 'int8'"):
+        _validate(EvalConfig(dtype=torch.int8), None)   # before any model is loaded
 
 
 @pytest.mark.parametrize("text,needle", [

@@ -31,7 +31,7 @@ from shuffleprune.calib import bos_token, eval_tokens, get_source
 from shuffleprune.calib.sources import HUB_SOURCES, is_local_source
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
-from shuffleprune.models import LoadedModel, check_model_spec, is_embedded, load_model, upcast_for_cpu
+from shuffleprune.models import LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, upcast_for_cpu
 from shuffleprune.outdir import check_writable
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.quiet import library_progress_bars
@@ -98,6 +98,7 @@ def _earlier_results(out: Path) -> bool:
 
 
 def _validate(config: EvalConfig, out: Path | None) -> None:
+    config.dtype = dtype_name(config.dtype)   # checked before any model loads; a torch dtype by its name
     if not config.tasks:
         raise UserError("no tasks given; use --tasks hellaswag,arc_easy,… (ppl = held-out perplexity)")
     if config.limit is not None and config.limit <= 0:

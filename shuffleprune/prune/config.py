@@ -17,6 +17,7 @@ from typing import Any
 
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
+from shuffleprune.models import dtype_name
 from shuffleprune.prune.recipes import (DEFAULT_RECIPE, RUN_KEYS_NOT_IN_RECIPES, StageKeyError, check_stage_entry,
                                         dump_recipe, is_recipe_file, load_recipe)
 from shuffleprune.prune.registry import kind_of, stage_class, stage_from_entry
@@ -71,6 +72,8 @@ class PruneConfig:
                                 "(unstructured), not both")
             run["sparsity"] = None  # an N:M pattern given replaces a recipe's unstructured sparsity
         options.update({k: list(v) for k, v in options.items() if isinstance(v, tuple)})   # only=("a", "b")
+        if options.get("dtype") is not None:
+            options["dtype"] = dtype_name(options["dtype"])   # dtype=torch.bfloat16 as the name it is recorded by
         for key, value in options.items():   # the Python API's values, typed as a recipe file's are
             problem = _type_problem(key, value)
             if problem is not None:
