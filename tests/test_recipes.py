@@ -116,16 +116,17 @@ def test_bad_recipes_and_overrides_are_one_line_errors(kwargs, needle):
 
 def test_a_torch_dtype_is_taken_by_its_name_everywhere(tmp_path):
     """The Python API takes ``dtype=torch.bfloat16`` as transformers does (it was refused by prune,
-    evaluate and load), recorded by its name so the recipe file repeats it."""
+    evaluate and load), and a ``torch.device``, recorded by its name so the recipe file repeats it."""
     from shuffleprune.evaluation.evaluate import EvalConfig, _validate
     from shuffleprune.models import parse_dtype
 
-    config = PruneConfig.build(None, dtype=torch.bfloat16)
+    config = PruneConfig.build(None, dtype=torch.bfloat16, device=torch.device("cuda", 1))
     assert config.dtype == "bfloat16" and PruneConfig.build(None, dtype="bf16").dtype == "bf16"
+    assert config.device == "cuda:1"   # a torch.device too, by its name
     assert parse_dtype(torch.float16) is torch.float16 and parse_dtype("auto") == "auto"
-    evaluation = EvalConfig(dtype=torch.float16)
+    evaluation = EvalConfig(dtype=torch.float16, device=torch.device("cpu"))
     _validate(evaluation, None)
-    assert evaluation.dtype == "float16"
+    assert evaluation.dtype == "float16" and evaluation.device == "cpu"
     with pytest.raises(UserError, match="unknown --dtype 'int8'"):
         _validate(EvalConfig(dtype=torch.int8), None)   # before any model is loaded
 

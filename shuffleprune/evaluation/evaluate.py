@@ -99,6 +99,7 @@ def _earlier_results(out: Path) -> bool:
 
 def _validate(config: EvalConfig, out: Path | None) -> None:
     config.dtype = dtype_name(config.dtype)   # checked before any model loads; a torch dtype by its name
+    config.device = str(config.device)        # a torch.device as its name
     if not config.tasks:
         raise UserError("no tasks given; use --tasks hellaswag,arc_easy,… (ppl = held-out perplexity)")
     if config.limit is not None and config.limit <= 0:

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.models import dtype_name
@@ -74,6 +76,8 @@ class PruneConfig:
         options.update({k: list(v) for k, v in options.items() if isinstance(v, tuple)})   # only=("a", "b")
         if options.get("dtype") is not None:
             options["dtype"] = dtype_name(options["dtype"])   # dtype=torch.bfloat16 as the name it is recorded by
+        if isinstance(options.get("device"), torch.device):
+            options["device"] = str(options["device"])   # device=torch.device("cuda", 1) as "cuda:1"
         for key, value in options.items():   # the Python API's values, typed as a recipe file's are
             problem = _type_problem(key, value)
             if problem is not None:
