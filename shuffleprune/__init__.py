@@ -66,14 +66,19 @@ def export(pruned: str | Path, out: str | Path, pattern: str | None = None, over
     return export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite, progress=progress)
 
 
-def evaluate(models: list[Any], tasks: list[str] | None = None, out: str | Path | None = None, *,
+def evaluate(models: list[Any] | Any, tasks: list[str] | str | None = None, out: str | Path | None = None, *,
              tokenizer: Any = None, progress: bool = False, **options: Any) -> dict:
-    """Score ``models`` side by side (lm-eval tasks and ``ppl``); ``options`` as ``EvalConfig``'s fields.
+    """Score ``models`` side by side (lm-eval tasks and ``ppl``, a list or ``"ppl,arc_easy"``);
+    ``options`` as ``EvalConfig``'s fields.
     A model is a hub id, a directory, a ``.gguf``, None (the embedded default), a ``PruneResult``, or a
     transformers causal LM in memory with ``tokenizer`` (scored as it is, moved to the device)."""
     from shuffleprune.evaluation.evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
     from shuffleprune.models import in_memory
 
+    if isinstance(models, (str, Path)) or not isinstance(models, (list, tuple)):
+        models = [models]   # one model given alone
+    if isinstance(tasks, str):
+        tasks = [t.strip() for t in tasks.split(",") if t.strip()]   # "ppl,arc_easy" as on the command line
     specs: list[str | None] = []
     loaded = {}
     for item in models:

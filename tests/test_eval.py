@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from conftest import WORDS, random_text
 from shuffleprune.cli import app
+from shuffleprune.errors import UserError
 from shuffleprune.evaluation.evaluate import EvalConfig, evaluate_models
 from shuffleprune.models import load_model
 
@@ -153,6 +154,31 @@ def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tin
     assert (pruned["path"], pruned["lm_eval_cli"], unpruned["pruned"]) == (None, None, None)
     assert saved["lm_eval_cli"] and pruned["results"]["tiny_mc"]["n_items"] == 4
     assert "not a git repository" not in capfd.readouterr().err
+
+
+def test_the_python_api_takes_one_model_a_task_string_and_checks_types(tiny_dir, tmp_path):
+    """evaluate("dir", tasks="ppl") scores that model on ppl (a string was iterated letter by letter:
+    models 'd', 'i', … and tasks 'p', 'p', 'l'); a value of the wrong type is a one-line error naming
+    the setting (limit="5" was a TypeError inside lm-eval's setup)."""
+    import shuffleprune
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(random_text(2000, seed=5))
+    common = dict(ppl_text=str(heldout), ppl_ctx=32)
+    alone = shuffleprune.evaluate(str(tiny_dir), tasks="ppl", **common)
+    listed = shuffleprune.evaluate([str(tiny_dir)], tasks=["ppl"], **common)
+    assert [m["model"] for m in alone["models"]] == [tiny_dir.name] and alone["config"]["tasks"] == ["ppl"]
+    assert alone["models"][0]["ppl"] == listed["models"][0]["ppl"]
+    for options, needle in (({"limit": "5"}, "'limit' must be float, got '5'"),
+                            ({"ppl_ctx": 64.0}, "'ppl_ctx' must be int, got 64.0"),
+                            ({"offline": 1}, "'offline' must be true or false"),
+                            ({"include_path": "tasks/"}, "'include_path' must be a list of strings")):
+        with pytest.raises(UserError, match=needle):
+            shuffleprune.evaluate([str(tiny_dir)], tasks=["ppl"], **{**common, **options})
+    with pytest.raises(UserError, match=r"'2:4' is a pattern, not a recipe: give pattern='2:4'"):
+        shuffleprune.prune(str(tiny_dir), "2:4")
+    with pytest.raises(UserError, match=r"'pattern' must be str such as '2:4', got 24"):
+        shuffleprune.export(str(tiny_dir), tmp_path / "e", pattern=24)
 
 
 def test_the_hub_is_asked_only_when_something_needs_it(tiny_dir, tmp_path, monkeypatch):

@@ -285,7 +285,11 @@ def test_export_cli_errors_leave_nothing(pruned_perm_dir, tmp_path, tiny_dir):
     assert r.exit_code == 2 and "--pattern" in r.output and not (tmp_path / "e2").exists()
     r = runner.invoke(app, ["export", str(tiny_dir), str(tmp_path / "e3"), "--pattern", "2:4"])
     assert r.exit_code == 2 and "no sparse nn.Linear layers" in r.output and not (tmp_path / "e3").exists()
-    r = runner.invoke(app, ["export", str(pruned_perm_dir), str(tmp_path / "e4")])
+    # a 2:4 run given another pattern (4:8 holds too, but would lose the 2:4 kernels) is refused
+    r = runner.invoke(app, ["export", str(pruned_perm_dir), str(tmp_path / "e4"), "--pattern", "4:8"])
+    assert r.exit_code == 2 and "was pruned 2:4 (its report says so): leave out --pattern" in r.output, r.output
+    assert not (tmp_path / "e4").exists()
+    r = runner.invoke(app, ["export", str(pruned_perm_dir), str(tmp_path / "e4"), "--pattern", "2:4"])
     assert r.exit_code == 0, r.output
     assert "permutations folded" in r.output
     r = runner.invoke(app, ["export", str(tmp_path / "e4"), str(tmp_path / "e5")])  # an export given again

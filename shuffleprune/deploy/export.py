@@ -142,7 +142,20 @@ def _pattern_of(pruned_dir: Path, pattern: str | None, kind: str | None, report:
     p = parse_pattern(pattern, None)
     if not p.is_nm:
         raise UserError(f"export needs an N:M pattern; '{pruned_dir}' was pruned {pattern}")
+    recorded = _recorded_pattern(kind, report)
+    if recorded is not None and parse_pattern(recorded, None) != p:
+        raise UserError(f"'{pruned_dir}' was pruned {recorded} (its report says so): leave out --pattern, or give "
+                        f"--pattern {recorded} (exporting it as {pattern} would lose the {recorded} kernels)")
     return p.n, p.m
+
+
+def _recorded_pattern(kind: str | None, report: dict | None) -> str | None:
+    """The N:M pattern a run's report records (None: unstructured, or no report)."""
+    if kind == "prune" and (report.get("recipe") or {}).get("sparsity") is None:
+        return report.get("pattern")
+    if kind == "dst" and report["dst"].get("method") == "nm":
+        return report["dst"]["pattern"]
+    return None
 
 
 def _permute_rows(linear: nn.Linear, perm: torch.Tensor) -> None:
@@ -349,6 +362,8 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
                       fold: bool = True, overwrite: bool = False, progress: bool = True) -> dict:
     """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format
     dict. ``progress=False`` silences the loading and writing bars of transformers."""
+    if pattern is not None and not isinstance(pattern, str):
+        raise UserError(f"'pattern' must be str such as '2:4', got {pattern!r}")
     with library_progress_bars(progress):
         return _compress_checkpoint(pruned_dir, out_dir, pattern, fold, overwrite)
 

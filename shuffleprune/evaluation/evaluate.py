@@ -18,7 +18,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 from unittest.mock import patch
@@ -39,6 +39,7 @@ from shuffleprune.report import read_report
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from shuffleprune.evaluation.perplexity import perplexity
 from shuffleprune.runtime import fits_on_device, logits_bytes, machine, peak_rss_mb, pick_device, versions
+from shuffleprune.settings import type_problem
 
 PPL = "ppl"
 DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "openbookqa", PPL)
@@ -100,6 +101,10 @@ def _earlier_results(out: Path) -> bool:
 def _validate(config: EvalConfig, out: Path | None) -> None:
     config.dtype = dtype_name(config.dtype)   # checked before any model loads; a torch dtype by its name
     config.device = str(config.device)        # a torch.device as its name
+    for f in fields(config):   # the Python API's values, typed as the command line's are
+        problem = f.name != "models" and type_problem(EvalConfig, f.name, getattr(config, f.name))
+        if problem:
+            raise UserError(problem)
     if not config.tasks:
         raise UserError("no tasks given; use --tasks hellaswag,arc_easy,… (ppl = held-out perplexity)")
     if config.limit is not None and config.limit <= 0:

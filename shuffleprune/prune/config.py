@@ -25,6 +25,7 @@ from shuffleprune.prune.recipes import (DEFAULT_RECIPE, RUN_KEYS_NOT_IN_RECIPES,
 from shuffleprune.prune.registry import kind_of, stage_class, stage_from_entry
 from shuffleprune.prune.stage import KINDS, RunSpec, Stage
 from shuffleprune.runtime import check_seed
+from shuffleprune.settings import type_problem
 
 
 @dataclass
@@ -177,23 +178,7 @@ def check_run_setting(key: str, value: Any) -> str | None:
 
 def _type_problem(key: str, value: Any) -> str | None:
     """Why ``value`` does not fit the type of run setting ``key`` (None when it does)."""
-    hint = typing.get_type_hints(PruneConfig)[key]
-    allowed_types = typing.get_args(hint) or (hint,)
-    if value is None:
-        return None if type(None) in allowed_types else f"'{key}' must not be empty"
-    origin = [typing.get_origin(t) or t for t in allowed_types]
-    if bool in origin:
-        return None if isinstance(value, bool) else f"'{key}' must be true or false, got {value!r}"
-    if isinstance(value, bool):
-        return f"'{key}' must be {' or '.join(t.__name__ for t in origin if t is not type(None))}, got {value!r}"
-    if float in origin and isinstance(value, (int, float)):
-        return None
-    if list in origin:
-        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
-        return None if ok else f"'{key}' must be a list of strings, got {value!r}"
-    if not any(isinstance(value, t) for t in origin if t is not type(None)):
-        return f"'{key}' must be {' or '.join(t.__name__ for t in origin if t is not type(None))}, got {value!r}"
-    return None
+    return type_problem(PruneConfig, key, value)
 
 
 def _index(stages: list[dict], kind: str) -> int | None:

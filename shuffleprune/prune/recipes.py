@@ -19,6 +19,7 @@ is a named preset below or a YAML file::
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,6 +68,8 @@ def load_recipe(recipe: str | Path, check_setting: SettingCheck) -> dict[str, An
     value)`` says what is wrong with a run setting, or None)."""
     if not is_recipe_file(recipe):
         if recipe not in PRESETS:
+            if re.fullmatch(r"\d+:\d+", str(recipe)):   # shuffleprune.prune(model, "2:4"): the pattern meant
+                raise UserError(f"'{recipe}' is a pattern, not a recipe: give pattern='{recipe}' (--pattern {recipe})")
             raise UserError(f"unknown recipe '{recipe}'; use one of {', '.join(PRESETS)} or a .yaml file")
         return {"recipe": str(recipe), "stages": [dict(s) for s in PRESETS[str(recipe)]["stages"]]}
     path = Path(recipe)
