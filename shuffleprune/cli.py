@@ -7,19 +7,23 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from shuffleprune.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="N:M sparsity for pretrained LLMs with learned input-channel permutations.")
-err = Console(stderr=True)
+# text from users and libraries (paths, names, messages) is printed as it is: no rich markup ('[x]' was
+# dropped), no emoji codes (':abc:' became an emoji), no highlighting
+out_console = Console(markup=False, emoji=False, highlight=False)
+err = Console(stderr=True, markup=False, emoji=False, highlight=False)
 
 
 def _print_version(value: bool) -> None:
     if value:
         from shuffleprune.version import __version__
 
-        Console().print(f"shuffleprune {__version__}", highlight=False)
+        out_console.print(f"shuffleprune {__version__}")
         raise typer.Exit()
 
 
@@ -30,7 +34,7 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
 
 
 def _fail(exc: Exception) -> None:
-    err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    err.print(Text.assemble(("error:", "bold red"), f" {exc}"), soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -119,13 +123,13 @@ def prune(
         _fail(exc)
     except KeyboardInterrupt:
         if resumable(out):
-            err.print(f"interrupted; continue with the same command plus --resume (state in {out})")
+            err.print(f"interrupted; continue with the same command plus --resume (state in {out})", soft_wrap=True)
         else:
-            err.print("interrupted before the first checkpoint; nothing to resume: rerun the same command")
+            err.print("interrupted before the first checkpoint; nothing to resume: rerun the same command", soft_wrap=True)
         raise typer.Exit(130)
-    print_prune_report(result.report)
+    print_prune_report(result.report, out_console)
     if out is not None:
-        Console().print(f"wrote {out} (HF checkpoint, prune_report.json, recipe.yaml, README.md)")
+        out_console.print(f"wrote {out} (HF checkpoint, prune_report.json, recipe.yaml, README.md)", soft_wrap=True)
     if plots is not None:
         _write_plots(result.report, plots)
     if export is not None:
@@ -143,10 +147,10 @@ def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = N
     dense = sum(f.stat().st_size for f in pruned.glob("*.safetensors") if f.name != "index_maps.safetensors")
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     experts = sum(e["experts"] for e in fmt["experts"].values())
-    Console().print(f"wrote {out}: {len(fmt['layers'])} {fmt['pattern']} layers, "
-                    f"{len(fmt['runtime_gathers'])} with a runtime gather, {len(fmt['folded'])} permutations folded"
-                    f"{f', {experts} MoE expert matrices' if experts else ''}; "
-                    f"{size / 2**20:.1f} MiB (pruned checkpoint {dense / 2**20:.1f} MiB)")
+    out_console.print(f"wrote {out}: {len(fmt['layers'])} {fmt['pattern']} layers, "
+                      f"{len(fmt['runtime_gathers'])} with a runtime gather, {len(fmt['folded'])} permutations folded"
+                      f"{f', {experts} MoE expert matrices' if experts else ''}; "
+                      f"{size / 2**20:.1f} MiB (pruned checkpoint {dense / 2**20:.1f} MiB)", soft_wrap=True)
 
 
 @app.command()
@@ -169,7 +173,7 @@ def _write_plots(report: dict, plots: Path) -> None:
         paths = plot_perm_report(report, plots)
     except UserError as exc:
         _fail(exc)
-    Console().print("wrote " + ", ".join(str(p) for p in paths))
+    out_console.print("wrote " + ", ".join(str(p) for p in paths), soft_wrap=True)
 
 
 @app.command()
@@ -185,10 +189,10 @@ def report(
             from shuffleprune.plots import plot_dst_report
 
             rep = read_report(pruned / "dst_report.json")
-            Console().print(f"dst {rep['dst']['method']} perm {rep['dst']['perm']}: final ppl {rep['final_ppl']:.2f}, "
-                            f"density {rep['density']:.4f}, {rep['train_seconds']:.0f} s")
+            out_console.print(f"dst {rep['dst']['method']} perm {rep['dst']['perm']}: final ppl {rep['final_ppl']:.2f}, "
+                              f"density {rep['density']:.4f}, {rep['train_seconds']:.0f} s", soft_wrap=True)
             if plots is not None:
-                Console().print("wrote " + ", ".join(str(p) for p in plot_dst_report(rep, plots)))
+                out_console.print("wrote " + ", ".join(str(p) for p in plot_dst_report(rep, plots)), soft_wrap=True)
             return
         path = pruned / "prune_report.json"
         if not path.is_file():
@@ -196,7 +200,7 @@ def report(
         rep = read_report(path)
     except UserError as exc:
         _fail(exc)
-    print_prune_report(rep)
+    print_prune_report(rep, out_console)
     if plots is not None:
         _write_plots(rep, plots)
 
@@ -236,16 +240,16 @@ def eval_(
                         ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens)
     try:
         results = evaluate_models(config, out=out, progress=not quiet,
-                                  notify=lambda msg: err.print(msg, highlight=False, soft_wrap=True),
+                                  notify=lambda msg: err.print(msg, soft_wrap=True),
                                   verbose=verbose)
     except UserError as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        err.print("interrupted; nothing written")
+        err.print("interrupted; nothing written", soft_wrap=True)
         raise typer.Exit(130)
-    print_eval_report(results)
+    print_eval_report(results, out_console)
     if out is not None:
-        Console().print(f"wrote {out} and {out.with_suffix('.md')}")
+        out_console.print(f"wrote {out} and {out.with_suffix('.md')}", soft_wrap=True)
 
 
 def _config_kw(pairs: Optional[List[str]]) -> dict:
@@ -318,13 +322,13 @@ def dst(
     except UserError as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        err.print(f"interrupted; continue with the same command plus --resume (checkpoint in {out})")
+        err.print(f"interrupted; continue with the same command plus --resume (checkpoint in {out})", soft_wrap=True)
         raise typer.Exit(130)
     from accelerate import PartialState
 
     if PartialState().is_main_process:
-        Console().print(f"final ppl {report['final_ppl']:.2f} ({data} test, ctx {seq_len}), density {report['density']:.4f}, "
-                        f"{report['train_seconds']:.0f} s; wrote {out}")
+        out_console.print(f"final ppl {report['final_ppl']:.2f} ({data} test, ctx {seq_len}), density {report['density']:.4f}, "
+                          f"{report['train_seconds']:.0f} s; wrote {out}", soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover

@@ -60,8 +60,13 @@ def prune_table(report: dict) -> Table:
     return table
 
 
+def _plain_console() -> Console:
+    """A console that prints names and paths as they are (no rich markup or emoji codes in them)."""
+    return Console(markup=False, emoji=False, highlight=False)
+
+
 def print_prune_report(report: dict, console: Console | None = None) -> None:
-    (console or Console()).print(prune_table(report))
+    (console or _plain_console()).print(prune_table(report))
 
 
 def _eval_rows(results: dict) -> tuple[list[str], list[list[str]]]:
@@ -116,4 +121,4 @@ def eval_markdown(results: dict) -> str:
 
 
 def print_eval_report(results: dict, console: Console | None = None) -> None:
-    (console or Console()).print(eval_table(results))
+    (console or _plain_console()).print(eval_table(results))

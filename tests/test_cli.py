@@ -320,3 +320,14 @@ def test_bad_input_with_overwrite_keeps_the_earlier_output(tiny_dir, text_file, 
         lines = [l for l in res.output.splitlines() if l.startswith("error:")]
         assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
         assert [p.name for p in earlier.iterdir()] == ["result.txt"], args
+
+
+def test_paths_and_messages_are_printed_as_they_are(tiny_dir, text_file, tmp_path):
+    """Text from the user or a library is not rich markup or emoji codes: a model named
+    'nope[red]:smile:' was shown as 'nope😄', an output dir 'o[bold]x' as 'ox'."""
+    res = runner.invoke(app, ["prune", str(tmp_path / "nope[red]:smile:")])
+    assert res.exit_code == 2 and f"error: model path '{tmp_path}/nope[red]:smile:' does not exist" in res.output
+    out = tmp_path / "o[bold]x"
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--nsamples", "4", "--seqlen", "32",
+                              "--eval-text", "none", "--quiet", "--out", str(out)])
+    assert res.exit_code == 0 and f"wrote {out} (HF checkpoint" in res.output, res.output
