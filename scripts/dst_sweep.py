@@ -40,7 +40,7 @@ def one_family(model_type: str, tmp: Path, seed: int) -> dict:
     from bench_stage_cost import word_tokenizer
     from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.dst.config import DSTConfig
-    from shuffleprune.dst.train import TrainConfig, train
+    from shuffleprune.dst.train import TrainConfig, config_builder, train, unknown_config_keys
     from shuffleprune.models import load_model
     from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
 
@@ -50,7 +50,10 @@ def one_family(model_type: str, tmp: Path, seed: int) -> dict:
     text = tmp / "text.txt"
     text.write_text("\n\n".join(" ".join(f"w{rng.randrange(255)}" for _ in range(60)) for _ in range(80)))
     size = {k: v for k, v in SIZE.items() if "token_id" not in k and k != "vocab_size"}
-    cfg = TrainConfig(arch=model_type, config_kw={**size, **EXTRA.get(model_type, {})}, tokenizer=str(tmp / "tokenizer"),
+    config_kw = {**size, **EXTRA.get(model_type, {})}   # the sweep's sizes under every family's names: the family's
+    unused = unknown_config_keys(config_builder(model_type), config_kw)   # own are passed (dst refuses the others)
+    config_kw = {k: v for k, v in config_kw.items() if k not in unused}
+    cfg = TrainConfig(arch=model_type, config_kw=config_kw, tokenizer=str(tmp / "tokenizer"),
                       data=str(text), seq_len=32, batch_size=4, steps=6, warmup=2, eval_every=3, eval_tokens=1024,
                       checkpoint_every=100, seed=seed)
     dcfg = DSTConfig(method="nm", pattern="2:4", sparsity=0.5, delta_t=2, t_end=4, perm="learned", t_perm=5,

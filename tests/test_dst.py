@@ -739,6 +739,29 @@ def test_gpt2_trains_with_the_causal_lm_loss_without_a_fallback_warning():
     assert torch.allclose(out.loss, want, atol=1e-6)
 
 
+def test_config_overrides_the_architecture_does_not_take_are_refused(tiny_dir):
+    """A misspelt --config-kw key (GPT-2's n_layers for n_layer) was kept by transformers as an unused
+    attribute and the default 12 layers trained; a key a config dir's settings make a no-op
+    (rope_theta beside its rope_parameters) was dropped. Both are one-line errors naming the setting
+    meant; keys the config takes, aliases and conversions included, build the model they say."""
+    from shuffleprune.dst.train import TrainConfig, build_model
+
+    with pytest.raises(UserError, match=r"--config-kw n_layers: a 'gpt2' config has no setting 'n_layers' "
+                                        r"\(it would change nothing\); did you mean n_layer\?"):
+        build_model(TrainConfig(arch="gpt2", config_kw={"n_layers": 1, "n_embd": 32, "n_head": 2}), vocab_size=64)
+    with pytest.raises(UserError, match=r"--config-kw rope_theta: a 'llama' config has no setting"):
+        build_model(TrainConfig(arch=str(tiny_dir), config_kw={"rope_theta": 5e5}), vocab_size=64)
+    gpt2 = build_model(TrainConfig(arch="gpt2", config_kw={"num_hidden_layers": 1, "n_embd": 32, "n_head": 2}),
+                       vocab_size=64)   # an alias of n_layer
+    assert gpt2.config.n_layer == 1
+    small = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+             "num_key_value_heads": 1}
+    llama = build_model(TrainConfig(arch="llama", config_kw={**small, "rope_theta": 5e5}), vocab_size=64)
+    assert llama.config.rope_parameters["rope_theta"] == 5e5   # converted by the config: taken
+    from_dir = build_model(TrainConfig(arch=str(tiny_dir), config_kw={"num_hidden_layers": 1}), vocab_size=64)
+    assert from_dir.config.num_hidden_layers == 1 and from_dir.config.hidden_size == 64   # the dir's, overridden
+
+
 def test_a_strict_config_gets_an_id_the_tokenizer_has_when_it_has_no_end_token():
     """CWM's config is a strict dataclass that refuses None for its special ids; a word-level tokenizer
     with only an unknown token gives its id (was: None, and the build failed validating the config)."""

@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -108,19 +109,68 @@ def special_token_id(tokenizer) -> int:
     return next((i for i in ids if i is not None), 0)
 
 
+def config_builder(arch: str) -> Callable[[dict], object]:
+    """``arch`` (a model type, or a config dir / hub id whose settings come first) as a function of the
+    overrides that builds its transformers config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if Path(arch).is_dir() or "/" in arch:
+        base = dict(PretrainedConfig.get_config_dict(arch)[0])
+        model_type = base.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("its config.json has no model_type")
+    else:
+        base, model_type = {}, arch
+    return lambda kw: AutoConfig.for_model(model_type, **{**base, **kw})
+
+
+def _has_setting(config, key: str) -> bool:
+    try:
+        getattr(config, key)
+    except AttributeError:
+        return False
+    except Exception:   # a per-layer setting asked globally (heterogeneous configs) is a setting
+        return True
+    return True
+
+
+def unknown_config_keys(config_of: Callable[[dict], object], config_kw: dict) -> dict[str, list[str]]:
+    """The keys of ``config_kw`` the architecture does not take, each with the settings it may have
+    meant: a key that is no setting of the default config and either stays an extra attribute
+    (transformers keeps any key so: a misspelt ``n_layers=2`` for GPT-2 trained the default 12
+    layers) or changes nothing (a config dir's ``rope_parameters`` win over ``rope_theta``). A key the
+    config converts (``rope_theta`` into a model type's ``rope_parameters``) is taken."""
+    import difflib
+
+    default = config_of({})
+    config = config_of(config_kw)
+    unknown = {}
+    for key in config_kw:
+        if _has_setting(default, key):
+            continue
+        if key in vars(config) or config.to_dict() == config_of({k: v for k, v in config_kw.items() if k != key}).to_dict():
+            known = sorted(k for k in default.to_dict() if not k.startswith("_"))
+            unknown[key] = difflib.get_close_matches(key, known, n=3)
+    return unknown
+
+
 def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None):
-    """A fresh model from ``cfg.arch`` (a model type, or a config dir / hub id) + ``cfg.config_kw``."""
+    """A fresh model from ``cfg.arch`` (a model type, or a config dir / hub id) + ``cfg.config_kw``
+    (every key one the architecture takes)."""
     from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     try:
-        if Path(cfg.arch).is_dir() or "/" in cfg.arch:
-            config = AutoConfig.from_pretrained(cfg.arch, **cfg.config_kw)
-        else:
-            config = AutoConfig.for_model(cfg.arch, **cfg.config_kw)
+        config_of = config_builder(cfg.arch)
+        config = config_of(cfg.config_kw)
+        unknown = unknown_config_keys(config_of, cfg.config_kw) if cfg.config_kw else {}
     except (ValueError, OSError, TypeError, StrictDataclassError) as exc:
         # transformers' config validation nests the reason under a header line: keep all of it, on one line
         raise UserError(f"cannot build a config for '{cfg.arch}': {reason(exc, 240)}") from exc
+    for key, close in unknown.items():
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise UserError(f"--config-kw {key}: a '{config.model_type}' config has no setting '{key}' "
+                        f"(it would change nothing){hint}")
     config.vocab_size = vocab_size
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's, not the architecture default
         value = getattr(config, key, None)
