@@ -751,6 +751,9 @@ def test_config_overrides_the_architecture_does_not_take_are_refused(tiny_dir):
         build_model(TrainConfig(arch="gpt2", config_kw={"n_layers": 1, "n_embd": 32, "n_head": 2}), vocab_size=64)
     with pytest.raises(UserError, match=r"--config-kw rope_theta: a 'llama' config has no setting"):
         build_model(TrainConfig(arch=str(tiny_dir), config_kw={"rope_theta": 5e5}), vocab_size=64)
+    # an unknown model type: one line with the nearest (was transformers' list of every type, cut at 240 chars)
+    with pytest.raises(UserError, match=r"--arch lama: transformers \S+ has no model type 'lama'; did you mean llama"):
+        build_model(TrainConfig(arch="lama"), vocab_size=64)
     gpt2 = build_model(TrainConfig(arch="gpt2", config_kw={"num_hidden_layers": 1, "n_embd": 32, "n_head": 2}),
                        vocab_size=64)   # an alias of n_layer
     assert gpt2.config.n_layer == 1

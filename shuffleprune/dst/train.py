@@ -111,8 +111,12 @@ def special_token_id(tokenizer) -> int:
 
 def config_builder(arch: str) -> Callable[[dict], object]:
     """``arch`` (a model type, or a config dir / hub id whose settings come first) as a function of the
-    overrides that builds its transformers config."""
-    from transformers import AutoConfig, PretrainedConfig
+    overrides that builds its transformers config; a model type transformers lacks is refused with
+    the nearest ones."""
+    import difflib
+
+    import transformers
+    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
     if Path(arch).is_dir() or "/" in arch:
         base = dict(PretrainedConfig.get_config_dict(arch)[0])
@@ -121,6 +125,11 @@ def config_builder(arch: str) -> Callable[[dict], object]:
             raise ValueError("its config.json has no model_type")
     else:
         base, model_type = {}, arch
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
+        raise UserError(f"--arch {arch}: transformers {transformers.__version__} has no model type '{model_type}'"
+                        + (f"; did you mean {' or '.join(close)}?" if close else
+                           " (give one such as gpt2 or llama, a config dir or a hub id)"))
     return lambda kw: AutoConfig.for_model(model_type, **{**base, **kw})
 
 
@@ -154,11 +163,10 @@ def unknown_config_keys(config_of: Callable[[dict], object], config_kw: dict) ->
     return unknown
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None):
-    """A fresh model from ``cfg.arch`` (a model type, or a config dir / hub id) + ``cfg.config_kw``
-    (every key one the architecture takes)."""
+def model_config(cfg: TrainConfig):
+    """The transformers config of ``cfg.arch`` (a model type, or a config dir / hub id) with
+    ``cfg.config_kw`` (every key one the architecture takes); a one-line error when there is none."""
     from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoModelForCausalLM
 
     try:
         config_of = config_builder(cfg.arch)
@@ -171,6 +179,14 @@ def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise UserError(f"--config-kw {key}: a '{config.model_type}' config has no setting '{key}' "
                         f"(it would change nothing){hint}")
+    return config
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None):
+    """A fresh model of :func:`model_config`, its vocabulary and special ids the tokenizer's."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(cfg)
     config.vocab_size = vocab_size
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's, not the architecture default
         value = getattr(config, key, None)
@@ -403,6 +419,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     rank, world = accelerator.process_index, accelerator.num_processes
     cfg.check()
     dst.check()   # both before `out` is touched
+    model_config(cfg)   # an unknown architecture or setting fails before the text is read
     _check_out(cfg, out, resume, overwrite, accelerator)
     tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
 
