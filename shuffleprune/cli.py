@@ -310,9 +310,6 @@ def dst(
                       batch_size=batch_size, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every,
                       eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed)
     try:
-        if sparsity is None:
-            n, m = DSTConfig(pattern=pattern).nm()
-            sparsity = 1 - n / m if method == "nm" else 0.9
         dcfg = DSTConfig(method=method, sparsity=sparsity, pattern=pattern, distribution=distribution, delta_t=delta_t, alpha=alpha,
                          t_end=t_end if t_end is not None else int(0.75 * steps), block=block, perm=perm,
                          perm_lr=perm_lr, lambda_max=lambda_max, t_perm=t_perm if t_perm is not None else steps // 2,

@@ -8,12 +8,13 @@ from shuffleprune.masks import parse_pattern
 
 METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag", "nm")
 MASK_METHODS = ("rigl", "set", "srigl", "dsb", "nm")  # a mask is all they add: fused MoE experts can take them
+DEFAULT_SPARSITY = 0.9   # the unstructured methods' budget, as RigL's papers train
 
 
 @dataclass
 class DSTConfig:
     method: str = "rigl"
-    sparsity: float = 0.9
+    sparsity: float | None = None  # None: 1 − N/M for nm, else 0.9
     distribution: str = "erk"     # erk | uniform
     delta_t: int = 100            # steps between mask updates
     alpha: float = 0.3            # initial drop fraction
@@ -32,6 +33,10 @@ class DSTConfig:
     perm_init: float = 0.5        # soft start α·I + (1−α)/d·11ᵀ
     sparse_head: bool = False     # also sparsify an untied LM head (prune leaves it dense; export compresses it)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sparsity is None:   # the budget a method implies (nm: its pattern's), as the command line's default
+            self.sparsity = 1 - self.nm()[0] / self.nm()[1] if self.method == "nm" else DEFAULT_SPARSITY
 
     def check(self) -> None:
         if self.method not in METHODS:
