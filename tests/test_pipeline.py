@@ -32,7 +32,9 @@ def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir,
     assert report["calib"] == {"source": str(text_file), "nsamples": 6, "seqlen": 32, "seed": 0, "documents": 112,
                                "tokens": 6000, "split_from_shared_file": False}  # the whole file: used as given
     assert {"calibration", "prune", "eval"} <= set(report["seconds"]) and report["peak_rss_mb"] > 0
-    assert f"{eval_file} (the whole file, " in (out / "README.md").read_text()   # the card: a held-out text file
+    card = (out / "README.md").read_text()
+    assert f"{eval_file} (the whole file, " in card   # the card: a held-out text file
+    assert "(112 documents, 6000 tokens)" in card and f"prune {tiny_dir} --recipe PATH/recipe.yaml --out OUT" in card
     assert not (out / ".resume").exists() and not (out / ".staging").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = torch.randint(0, 100, (2, 20))

@@ -182,12 +182,12 @@ Perplexity text: {eval_line}.
 - Recipe `{recipe['recipe']}` (all settings in `recipe.yaml`), stages:
 {stages}
 - Calibration: {calib['source']}, {calib['nsamples']} windows of {calib['seqlen']} tokens, seed {calib['seed']}
-  ({calib['documents']} documents{'' if calib['tokens'] is None else f", {calib['tokens']} tokens"}{
+  ({calib['documents']} document{'' if calib['documents'] == 1 else 's'}{'' if calib['tokens'] is None else f", {calib['tokens']} tokens"}{
   ", the other documents of the perplexity file" if calib['split_from_shared_file'] else ""}).
 - N:M holds for every pruned layer in the column order the export stores it: {report['nm_ok']}.{_experts_line(report)}{_outside_line(report)}
 - Saved in {report['saved_dtype'].replace('torch.', '')}; computed in {report['compute_dtype'].replace('torch.', '')} on {report['device']}.
 
-Repeat the run: `shuffleprune prune {base if not base.startswith('embedded:') else ''} --recipe recipe.yaml --out OUT`.
+Repeat the run: `shuffleprune prune {'' if base.startswith('embedded:') else base + ' '}--recipe PATH/recipe.yaml --out OUT`.
 
 ## Load it
 
