@@ -338,7 +338,7 @@ tags:
 A [shuffleprune](https://pypi.org/project/shuffleprune/) export{f" of a model pruned from `{base}`" if base else ""}:
 {len(fmt['layers'])} linear layers{f" and the experts of {len(fmt['experts'])} fused MoE projections" if fmt['experts'] else ""}
 stored as their kept values plus {fmt['meta_bits']}-bit in-group positions ({fmt['pattern']}), with an
-input index map where a learned permutation could not be folded away ({len(fmt['runtime_gathers'])} layers;
+input index map where the run's permutation could not be folded away ({len(fmt['runtime_gathers'])} layers;
 {len(fmt['folded'])} folded into the layers that produce their input). Format `{fmt['format']}` v{fmt['version']},
 {fmt['dtype']}.{f" Stored dense, N:M-valued: {_kept_dense_why(fmt['kept_dense'])}." if fmt.get('kept_dense') else ""}
 {f"{chr(10)}| model | perplexity |{chr(10)}|---|---|{chr(10)}{ppl_lines}{chr(10)}{ppl_note}" if ppl_lines else ""}
