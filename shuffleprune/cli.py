@@ -155,7 +155,7 @@ def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = N
 
 @app.command()
 def export(
-    pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out`."),
+    pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`)."),
     out: Path = typer.Argument(..., help="Where to write the compressed checkpoint."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern (default: the one in prune_report.json)."),
     fold: bool = typer.Option(True, "--fold/--no-fold", help="Fold input permutations into producer rows where the logits stay the same."),
@@ -178,7 +178,7 @@ def _write_plots(report: dict, plots: Path) -> None:
 
 @app.command()
 def report(
-    pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out`."),
+    pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Write permutation PNGs (strength vs depth, penalty and loss curves) here."),
 ) -> None:
     """Show a pruned checkpoint's report again and draw its permutation pictures (or a dst run's curves)."""
@@ -196,7 +196,10 @@ def report(
             return
         path = pruned / "prune_report.json"
         if not path.is_file():
-            raise UserError(f"no prune_report.json in '{pruned}' (give a directory written by `shuffleprune prune --out`)")
+            run_dir = pruned.parent if (pruned.parent / "dst_report.json").is_file() else None
+            raise UserError(f"no prune_report.json (nor a dst run's dst_report.json) in '{pruned}'; " +
+                            (f"give '{run_dir}', the dst run it belongs to" if run_dir is not None else
+                             "give a directory written by `shuffleprune prune --out` or `shuffleprune dst --out`"))
         rep = read_report(path)
     except UserError as exc:
         _fail(exc)

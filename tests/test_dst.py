@@ -624,6 +624,8 @@ def test_trainer_resume_after_kill_reproduces_the_uninterrupted_run(tiny_dir, te
     r = CliRunner().invoke(app, ["report", str(tmp_path / "full"), "--plots", str(tmp_path / "plots")])
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["dst_loss.png", "dst_penalty.png", "dst_strength.png"]
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "full" / "model")])   # the model inside names its run
+    assert r.exit_code == 2 and f"give '{tmp_path / 'full'}', the dst run it belongs to" in r.output, r.output
 
 
 def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
