@@ -93,7 +93,7 @@ def evaluate(models: list[Any] | Any, tasks: list[str] | str | None = None, out:
             spec, k = f"{lm.source} (in memory #{k})", k + 1
         specs.append(spec)
         loaded[spec] = lm
-    config = EvalConfig(models=specs, tasks=list(tasks or DEFAULT_TASKS), **options)
+    config = EvalConfig(models=specs, tasks=list(DEFAULT_TASKS) if tasks is None else list(tasks), **options)
     return evaluate_models(config, out=Path(out) if out is not None else None, progress=progress, loaded=loaded)
 
 

@@ -172,9 +172,10 @@ def test_the_python_api_takes_one_model_a_task_string_and_checks_types(tiny_dir,
     for options, needle in (({"limit": "5"}, "'limit' must be float, got '5'"),
                             ({"ppl_ctx": 64.0}, "'ppl_ctx' must be int, got 64.0"),
                             ({"offline": 1}, "'offline' must be true or false"),
-                            ({"include_path": "tasks/"}, "'include_path' must be a list of strings")):
+                            ({"include_path": "tasks/"}, "'include_path' must be a list of strings"),
+                            ({"tasks": []}, "no tasks given")):   # an empty list is no call for the defaults
         with pytest.raises(UserError, match=needle):
-            shuffleprune.evaluate([str(tiny_dir)], tasks=["ppl"], **{**common, **options})
+            shuffleprune.evaluate([str(tiny_dir)], **{"tasks": ["ppl"], **common, **options})
     with pytest.raises(UserError, match=r"'2:4' is a pattern, not a recipe: give pattern='2:4'"):
         shuffleprune.prune(str(tiny_dir), "2:4")
     with pytest.raises(UserError, match=r"'pattern' must be str such as '2:4', got 24"):
