@@ -62,7 +62,11 @@ def export(pruned: str | Path, out: str | Path, pattern: str | None = None, over
     prune report (e.g. ``"2:4"``); ``fold=False`` keeps every index map as a runtime gather
     (the command line's ``--no-fold``)."""
     from shuffleprune.deploy.export import export_checkpoint
+    from shuffleprune.errors import UserError
 
+    if not isinstance(pruned, (str, Path)):
+        raise UserError(f"export reads a pruned checkpoint from disk, not a {type(pruned).__name__}: prune with "
+                        "out='DIR' and export 'DIR'")
     return export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite, progress=progress)
 
 

@@ -180,6 +180,8 @@ def test_the_python_api_takes_one_model_a_task_string_and_checks_types(tiny_dir,
         shuffleprune.prune(str(tiny_dir), "2:4")
     with pytest.raises(UserError, match=r"'pattern' must be str such as '2:4', got 24"):
         shuffleprune.export(str(tiny_dir), tmp_path / "e", pattern=24)
+    with pytest.raises(UserError, match=r"export reads a pruned checkpoint from disk, not a dict: prune with out="):
+        shuffleprune.export({"report": {}}, tmp_path / "e")   # e.g. what prune() returned (a TypeError deep inside)
 
 
 def test_the_hub_is_asked_only_when_something_needs_it(tiny_dir, tmp_path, monkeypatch):
