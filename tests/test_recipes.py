@@ -106,6 +106,8 @@ def test_flags_and_set_override_the_recipe():
     ({"recipe": None, "only": "*.q_proj"}, "'only' must be a list of strings"),
     ({"recipe": None, "dtype": torch.float64}, "unknown --dtype 'float64'"),
     ({"recipe": None, "dtype": "double"}, "unknown --dtype 'double'"),
+    ({"recipe": None, "nsample": 4}, r"unknown prune option\(s\) nsample; did you mean nsamples= for nsample\?"),
+    ({"recipe": None, "base": "wanda"}, r"unknown prune option\(s\) base; did you mean method= for base\?"),
 ])
 def test_bad_recipes_and_overrides_are_one_line_errors(kwargs, needle):
     recipe = kwargs.pop("recipe")

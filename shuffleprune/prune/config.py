@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,7 @@ class PruneConfig:
         stage_opts = {k: options.pop(k) for k in list(options) if k in STAGE_OPTIONS}
         unknown = [k for k in options if k not in _FIELDS]
         if unknown:
-            raise UserError(f"unknown prune option(s) {', '.join(unknown)}")
+            raise UserError(f"unknown prune option(s) {', '.join(unknown)}{_option_hint(unknown)}")
         if options.get("pattern") is not None:
             if options.get("sparsity") is not None:
                 raise UserError(f"give --pattern {options['pattern']} (N:M) or --sparsity {options['sparsity']} "
@@ -174,6 +173,19 @@ def check_run_setting(key: str, value: Any) -> str | None:
         allowed = ", ".join(sorted(_FIELDS - set(RUN_KEYS_NOT_IN_RECIPES)))
         return f"unknown key '{key}' (a recipe has 'recipe', 'stages' and run settings: {allowed})"
     return _type_problem(key, value)
+
+
+_CLI_NAMES = {"base": "method"}   # the command line's --base is the Python API's method=
+
+
+def _option_hint(unknown: list[str]) -> str:
+    """The options the unknown ones may have meant (``nsample`` → ``nsamples``, ``base`` → ``method``)."""
+    import difflib
+
+    names = sorted((_FIELDS - {"model"}) | set(STAGE_OPTIONS))   # model is prune()'s first argument
+    meant = {k: _CLI_NAMES.get(k) or next(iter(difflib.get_close_matches(k, names, n=1)), None) for k in unknown}
+    pairs = [f"{v}= for {k}" for k, v in meant.items() if v]
+    return f"; did you mean {', '.join(pairs)}?" if pairs else f" (options: {', '.join(names)})"
 
 
 def _type_problem(key: str, value: Any) -> str | None:
