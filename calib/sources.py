@@ -277,7 +277,8 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     path = Path(name).expanduser()
     if path.suffix in LOCAL_FILE_SUFFIXES:
         if not path.is_file():
-            raise UserError(f"text file '{name}' does not exist")
+            raise UserError(f"text file '{name}' " + ("is a directory; give a .txt or .jsonl file in it" if path.is_dir()
+                                                     else "does not exist"))
         docs = _file_documents(path)   # bad bytes or lines are refused now, not after the model is loaded
         return TextSource(str(path), _local(path, docs, shared))
     hub = hub_dataset_id(name)

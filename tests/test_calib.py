@@ -92,6 +92,9 @@ def test_a_local_file_is_parsed_once_and_its_faults_found_when_named(tmp_path, m
     with pytest.raises(UserError, match=r"serves calibration and evaluation but has 1 document"):
         get_source(str(path), shared=True)   # the edited file, and the split's fault at naming time
     assert len(reads) == 2
+    (tmp_path / "folder.txt").mkdir()
+    with pytest.raises(UserError, match=r"text file '.*folder.txt' is a directory; give a .txt or .jsonl file"):
+        get_source(str(tmp_path / "folder.txt"))   # was "does not exist"
 
 
 def test_text_files_are_utf8_a_byte_order_mark_dropped(tmp_path):
