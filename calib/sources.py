@@ -218,24 +218,14 @@ def _jsonl_docs(path: Path, text: str) -> list[str]:
     return docs
 
 
-@lru_cache(maxsize=4)
-def _parsed_file(path: Path, size: int, mtime_ns: int) -> tuple[str, ...]:
-    """A local file's documents, read and parsed once per (path, size, mtime): naming a source checks
-    it before the model loads, and using it later does not read it again."""
+def _file_documents(path: Path) -> tuple[str, ...]:
+    """The documents of a local ``.txt`` (blank-line separated) or ``.jsonl`` file, read and parsed
+    when the source is named (bad bytes or lines are a one-line error naming the place) and held by
+    its :class:`TextSource` only, so a large training text is freed with it."""
     text = read_text_file(path)
     if path.suffix == ".jsonl":
         return tuple(_jsonl_docs(path, text))
     return tuple(d for d in re.split(r"\n\s*\n", text) if d.strip())
-
-
-def _file_documents(path: Path) -> tuple[str, ...]:
-    """The documents of a local ``.txt`` (blank-line separated) or ``.jsonl`` file; bad bytes or lines
-    are a one-line error naming the place."""
-    try:
-        stat = path.stat()
-    except OSError as exc:
-        raise UserError(f"cannot read '{path}': {reason(exc)}") from None
-    return _parsed_file(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
 def _local(path: Path, docs: tuple[str, ...], split_docs: bool) -> Callable[[str], list[str]]:

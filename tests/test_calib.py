@@ -71,9 +71,10 @@ def test_bad_jsonl_names_the_line(tmp_path):
             get_source(str(path)).documents("train")
 
 
-def test_a_local_file_is_parsed_once_and_its_faults_found_when_named(tmp_path, monkeypatch):
-    """Naming a file checks all of it (a bad line deep in a .jsonl fails before any model loads);
-    naming it again and using it do not read it again, and an edited file is read anew."""
+def test_a_local_file_is_parsed_when_named_and_its_faults_found_then(tmp_path, monkeypatch):
+    """Naming a file checks all of it (a bad line deep in a .jsonl fails before any model loads, and
+    one file of one document for both sides); using the source reads it no more (it was read at
+    every documents() call)."""
     import shuffleprune.calib.sources as sources
 
     path = tmp_path / "docs.jsonl"
@@ -84,14 +85,13 @@ def test_a_local_file_is_parsed_once_and_its_faults_found_when_named(tmp_path, m
     reads = []
     real = sources.read_text_file
     monkeypatch.setattr(sources, "read_text_file", lambda p: reads.append(p) or real(p))
+    src = get_source(str(path), shared=True)
     for _ in range(3):
-        src = get_source(str(path), shared=True)
         assert src.documents("test") == ["doc 9", "doc 19"] and len(src.documents("train")) == 18
     assert len(reads) == 1
     path.write_text(json.dumps({"text": "only one"}))
     with pytest.raises(UserError, match=r"serves calibration and evaluation but has 1 document"):
-        get_source(str(path), shared=True)   # the edited file, and the split's fault at naming time
-    assert len(reads) == 2
+        get_source(str(path), shared=True)   # the split's fault at naming time
     (tmp_path / "folder.txt").mkdir()
     with pytest.raises(UserError, match=r"text file '.*folder.txt' is a directory; give a .txt or .jsonl file"):
         get_source(str(tmp_path / "folder.txt"))   # was "does not exist"
