@@ -281,10 +281,30 @@ def require_tokenizer_files(folder: Path, spec: str | None = None) -> None:
                         "(tokenizer.json or tokenizer.model, tokenizer_config.json, special_tokens_map.json) into it")
 
 
+def check_tokenizer_spec(spec: str) -> None:
+    """Refuse a tokenizer that cannot be loaded, without loading it: a missing path, a dir without
+    tokenizer files, a hub id with no cached copy while the hub is unreachable."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        require_tokenizer_files(path, spec)
+        return
+    if not looks_like_hub_id(spec):
+        raise UserError(f"tokenizer '{spec}' does not exist (give a tokenizer or model dir, a hub id, default or bpe:N)")
+    if not hub_reachable():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not any(isinstance(try_to_load_from_cache(spec, f), str) for f in ("tokenizer_config.json", "tokenizer.json")):
+            raise UserError(f"cannot load tokenizer '{spec}': no local directory of that name, and the Hugging Face "
+                            "hub is unreachable (or HF_HUB_OFFLINE is set) with no copy of it in the local cache")
+
+
 def load_tokenizer(path: str, spec: str | None = None):
     """The tokenizer of a model dir or hub id (a local dir without tokenizer files refused)."""
     require_tokenizer_files(Path(path), spec)
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as exc:   # a hub repo that is gone, gated or unreachable
+        raise UserError(f"cannot load the tokenizer of '{spec or path}': {reason(exc)}") from exc
 
 
 def _model_type(path: str) -> str:

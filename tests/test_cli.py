@@ -81,6 +81,9 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path, monkeypatch):
                          (["prune", str(untokenized_qwen), "--out", str(tmp_path / "o")], "has no tokenizer files"),
                          (["dst", "--arch", "gpt2", "--tokenizer", str(untokenized_qwen), "--out", str(tmp_path / "o")],
                           "has no tokenizer files"),
+                         (["dst", "--tokenizer", "no-such-owner/no-such-tokenizer", "--out", str(tmp_path / "o")],
+                          "cannot load tokenizer 'no-such-owner/no-such-tokenizer': no local directory"),  # was an OSError
+                         (["dst", "--tokenizer", "bpe:0", "--out", str(tmp_path / "o")], "use bpe:VOCAB_SIZE"),
                          (["prune", str(tiny_dir), "--calib", "c4", "--out", str(tmp_path / "o")], "offline sources"),
                          (["prune", str(tiny_dir), "--batch-size", "0", "--out", str(tmp_path / "o")],
                           "--batch-size must be"),

@@ -68,6 +68,18 @@ class TrainConfig:
         if self.eval_tokens is not None and self.eval_tokens < self.seq_len:
             raise UserError(f"--eval-tokens must be at least one window (--seq-len {self.seq_len}), "
                             f"got {self.eval_tokens}")
+        _check_tokenizer(self.tokenizer)
+
+
+def _check_tokenizer(spec: str) -> None:
+    """Refuse a ``--tokenizer`` that cannot be had, before anything is read or written."""
+    from shuffleprune.models import check_tokenizer_spec, is_embedded
+
+    if spec.startswith("bpe:"):
+        if not spec[4:].isdigit() or int(spec[4:]) < 1:
+            raise UserError(f"--tokenizer {spec}: use bpe:VOCAB_SIZE, e.g. bpe:8192")
+    elif not is_embedded(spec):
+        check_tokenizer_spec(spec)
 
 
 def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
@@ -80,10 +92,8 @@ def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
     if spec.startswith("bpe:"):
         from tokenizers import ByteLevelBPETokenizer
 
-        try:
-            vocab = int(spec[4:])
-        except ValueError:
-            raise UserError(f"--tokenizer {spec}: use bpe:VOCAB_SIZE, e.g. bpe:8192") from None
+        _check_tokenizer(spec)
+        vocab = int(spec[4:])
         import hashlib
 
         from shuffleprune.cache import cache_dir
