@@ -66,7 +66,7 @@ def _hub_unreachable(name: str, exc: Exception) -> UserError:
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
     return UserError(
         f"cannot load '{name}' from the Hugging Face hub ({reason}); offline sources: "
-        "--calib wiki, --calib brown or --calib PATH.txt|.jsonl")
+        "wiki, brown or a PATH.txt|.jsonl (for --calib, --eval-text, --ppl-text or --data)")
 
 
 def _load_hub(name: str, split: str) -> list[str]:
