@@ -212,13 +212,19 @@ def check_model_spec(spec: str | None) -> None:
         return
     if not looks_like_hub_id(spec):
         raise UserError(f"model path '{spec}' does not exist")
-    if not hub_reachable():
-        from huggingface_hub import try_to_load_from_cache
+    _refuse_uncached_offline(spec, "model", ("config.json",),
+                             "; give a local HF dir or a .gguf, or fetch it where the hub is reachable")
 
-        if not isinstance(try_to_load_from_cache(spec, "config.json"), str):
-            raise UserError(f"cannot load model '{spec}': no local directory of that name, and the Hugging Face hub "
-                            "is unreachable (or HF_HUB_OFFLINE is set) with no copy of it in the local cache; "
-                            "give a local HF dir or a .gguf, or fetch it where the hub is reachable")
+
+def _refuse_uncached_offline(repo_id: str, what: str, files: tuple[str, ...], hint: str = "") -> None:
+    """Refuse a hub id while the hub is unreachable and none of ``files`` of it is in the local cache."""
+    if hub_reachable():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if not any(isinstance(try_to_load_from_cache(repo_id, f), str) for f in files):
+        raise UserError(f"cannot load {what} '{repo_id}': no local directory of that name, and the Hugging Face hub "
+                        f"is unreachable (or HF_HUB_OFFLINE is set) with no copy of it in the local cache{hint}")
 
 
 def resolve_model_path(spec: str | None) -> str:
@@ -290,12 +296,7 @@ def check_tokenizer_spec(spec: str) -> None:
         return
     if not looks_like_hub_id(spec):
         raise UserError(f"tokenizer '{spec}' does not exist (give a tokenizer or model dir, a hub id, default or bpe:N)")
-    if not hub_reachable():
-        from huggingface_hub import try_to_load_from_cache
-
-        if not any(isinstance(try_to_load_from_cache(spec, f), str) for f in ("tokenizer_config.json", "tokenizer.json")):
-            raise UserError(f"cannot load tokenizer '{spec}': no local directory of that name, and the Hugging Face "
-                            "hub is unreachable (or HF_HUB_OFFLINE is set) with no copy of it in the local cache")
+    _refuse_uncached_offline(spec, "tokenizer", ("tokenizer_config.json", "tokenizer.json"))
 
 
 def load_tokenizer(path: str, spec: str | None = None):

@@ -126,23 +126,16 @@ def _pruned_names(kind: str | None, report: dict | None) -> set[str] | None:
 
 
 def _pattern_of(pruned_dir: Path, pattern: str | None, kind: str | None, report: dict | None) -> tuple[int, int]:
+    """``(N, M)`` to export with: ``pattern``, else the one the run's report records; a pattern that
+    differs from the recorded one, or a run that recorded none, is refused."""
+    recorded = _recorded_pattern(kind, report)
     if pattern is None:
-        if kind == "prune" and (report.get("recipe") or {}).get("sparsity") is not None:
-            raise UserError(f"export compresses N:M checkpoints and '{pruned_dir}' was pruned unstructured "
-                            f"({report['pattern']}); prune it with --pattern 2:4 (or another N:M)")
-        if kind == "prune":
-            pattern = report["pattern"]
-        elif kind == "dst" and report["dst"].get("method") == "nm":
-            pattern = report["dst"]["pattern"]  # a `dst --method nm` run's model/
-        elif kind == "dst":
-            raise UserError(f"export compresses N:M checkpoints and '{pruned_dir}' comes from a dst "
-                            f"--method {report['dst'].get('method')} run; train with --method nm for one")
-        else:
-            raise UserError(f"'{pruned_dir}' has no prune_report.json (nor an N:M dst run's report); pass --pattern N:M")
+        if recorded is None:
+            _refuse_unrecorded(pruned_dir, kind, report)
+        pattern = recorded
     p = parse_pattern(pattern, None)
     if not p.is_nm:
         raise UserError(f"export needs an N:M pattern; '{pruned_dir}' was pruned {pattern}")
-    recorded = _recorded_pattern(kind, report)
     if recorded is not None and parse_pattern(recorded, None) != p:
         raise UserError(f"'{pruned_dir}' was pruned {recorded} (its report says so): leave out --pattern, or give "
                         f"--pattern {recorded} (exporting it as {pattern} would lose the {recorded} kernels)")
@@ -150,12 +143,23 @@ def _pattern_of(pruned_dir: Path, pattern: str | None, kind: str | None, report:
 
 
 def _recorded_pattern(kind: str | None, report: dict | None) -> str | None:
-    """The N:M pattern a run's report records (None: unstructured, or no report)."""
+    """The N:M pattern a run's report records (None: unstructured, another dst method, or no report)."""
     if kind == "prune" and (report.get("recipe") or {}).get("sparsity") is None:
-        return report.get("pattern")
+        return report["pattern"]
     if kind == "dst" and report["dst"].get("method") == "nm":
-        return report["dst"]["pattern"]
+        return report["dst"]["pattern"]  # a `dst --method nm` run's model/
     return None
+
+
+def _refuse_unrecorded(pruned_dir: Path, kind: str | None, report: dict | None) -> None:
+    """Why a checkpoint whose report records no N:M pattern cannot be exported without ``--pattern``."""
+    if kind == "prune":
+        raise UserError(f"export compresses N:M checkpoints and '{pruned_dir}' was pruned unstructured "
+                        f"({report['pattern']}); prune it with --pattern 2:4 (or another N:M)")
+    if kind == "dst":
+        raise UserError(f"export compresses N:M checkpoints and '{pruned_dir}' comes from a dst "
+                        f"--method {report['dst'].get('method')} run; train with --method nm for one")
+    raise UserError(f"'{pruned_dir}' has no prune_report.json (nor an N:M dst run's report); pass --pattern N:M")
 
 
 def _permute_rows(linear: nn.Linear, perm: torch.Tensor) -> None:

@@ -92,8 +92,7 @@ def _tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
     if spec.startswith("bpe:"):
         from tokenizers import ByteLevelBPETokenizer
 
-        _check_tokenizer(spec)
-        vocab = int(spec[4:])
+        vocab = int(spec[4:])   # TrainConfig.check refused any other bpe: value
         import hashlib
 
         from shuffleprune.cache import cache_dir
@@ -185,7 +184,8 @@ def model_config(cfg: TrainConfig):
     except (ValueError, OSError, TypeError, StrictDataclassError) as exc:
         # transformers' config validation nests the reason under a header line: keep all of it, on one line
         raise UserError(f"cannot build a config for '{cfg.arch}': {reason(exc, 240)}") from exc
-    for key, close in unknown.items():
+    if unknown:
+        key, close = next(iter(unknown.items()))
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise UserError(f"--config-kw {key}: a '{config.model_type}' config has no setting '{key}' "
                         f"(it would change nothing){hint}")
