@@ -11,8 +11,8 @@ Sources (``--calib`` / ``--eval-text``):
 
 The offline sources are split deterministically: every 10th document is held out for perplexity
 (``split="test"``), the rest is for calibration (``split="train"``). A local file is used whole
-on either side; only when one file serves both sides (``get_source(path, shared=True)``) are its
-documents split the same way.
+on either side; only when one file serves both sides (``get_source(path, shared=True)``: prune's
+``--calib`` and ``--eval-text`` the same file, ``dst --data``) are its documents split the same way.
 
 Where a model's tokenizer starts every text with a BOS token (LLaMA, Gemma, …), each calibration
 and perplexity window starts with it too (``bos_token``), as lm-eval and the papers' loaders do.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -230,8 +231,9 @@ def _file_documents(path: Path) -> tuple[str, ...]:
 
 def _local(path: Path, docs: tuple[str, ...], split_docs: bool) -> Callable[[str], list[str]]:
     if split_docs and len(docs) < 2:
-        raise UserError(f"'{path}' serves calibration and evaluation but has {len(docs)} document; "
-                        "give --eval-text another file (documents are separated by blank lines)")
+        raise UserError(f"'{path}' serves both fitting and held-out perplexity (its documents are split) but has "
+                        f"{len(docs)} document; give a file of several documents separated by blank lines (prune: or "
+                        "another file as --eval-text)")
 
     def load(split: str) -> list[str]:
         if not split_docs:
@@ -276,6 +278,15 @@ def get_source(name: str, shared: bool = False) -> TextSource:
         return TextSource(name, lambda s: _load_hub_dataset(*hub, s))
     raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wikitext103, wiki, brown, a hub dataset "
                     "OWNER/NAME[:CONFIG], or a .txt/.jsonl path")
+
+
+def held_out_part(name: str, split_from_shared: bool = False) -> str:
+    """Which part of a held-out text perplexity reads, for tables and model cards: a corpus's test
+    split, or a local file whole (``--eval-text``, ``--ppl-text``) or its held-out documents (one
+    file split between fitting and evaluation: ``--calib`` and ``--eval-text`` the same, ``dst --data``)."""
+    if Path(name).suffix not in LOCAL_FILE_SUFFIXES:
+        return "test split"
+    return "its held-out documents" if split_from_shared else "the whole file"
 
 
 def default_eval_source(calib: str) -> str:
@@ -328,6 +339,10 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
         stream = _encode(tokenizer, source.joiner.join(docs))
         if stream.numel() <= text_len:
             raise UserError(f"'{source.name}' has only {stream.numel()} tokens; need more than --seqlen {seqlen}")
+        if nsamples * text_len > stream.numel():
+            warnings.warn(f"'{source.name}' has {stream.numel()} calibration tokens, fewer than the {nsamples} windows of "
+                          f"{text_len} ask ({nsamples * text_len}): the windows overlap; give a longer text or fewer "
+                          "--nsamples", stacklevel=2)
         for _ in range(nsamples):
             start = rng.randint(0, stream.numel() - text_len - 1)
             rows.append(stream[start:start + text_len])

@@ -42,11 +42,11 @@ def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", f
     1.58× dense's tokens/s and prefilled 512 tokens in 0.83–0.98× its time, with 0.58× its weight
     memory (``scripts/results/bench_e2e.json``, README *Benchmarks → GPU*). The tokenizer:
     ``transformers.AutoTokenizer.from_pretrained(path)``."""
-    from shuffleprune.deploy.serving import arrange_for_serving, check_maps
+    from shuffleprune.deploy.serving import arrange_for_serving, check_serving_options
     from shuffleprune.models import load_model
     from shuffleprune.runtime import pick_device
 
-    check_maps(maps)   # both before the weights are read
+    check_serving_options(maps, fuse, cslt)   # before the weights are read
     target = None if device is None else pick_device(str(device))
     model = load_model(path, dtype).model
     if target is not None:

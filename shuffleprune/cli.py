@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
@@ -27,10 +28,29 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _ours(filename: str) -> bool:
+    """Whether ``filename`` is in this package (its calib and kernels are installed beside it, or sit
+    at the top of a source checkout)."""
+    files = [getattr(sys.modules.get(name), "__file__", None) for name in ("shuffleprune", "shuffleprune.calib",
+                                                                           "shuffleprune.kernels")]
+    roots = [Path(f).resolve().parent for f in files if f]
+    return any(Path(filename).resolve().is_relative_to(root) for root in roots)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning) -> None:
+    """This tool's own warnings as one ``warning: …`` line (not Python's file:line form with the
+    source line); other libraries' warnings as Python prints them."""
+    if issubclass(category, UserWarning) and _ours(filename):
+        err.print(Text.assemble(("warning:", "bold yellow"), f" {message}"), soft_wrap=True)
+    else:
+        _default(message, category, filename, lineno, file, line)
+
+
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                        help="Print the version and exit.")) -> None:
     """N:M sparsity for pretrained LLMs with learned input-channel permutations."""
+    warnings.showwarning = _show_warning
 
 
 def _fail(exc: Exception) -> None:
@@ -306,6 +326,7 @@ def dst(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
     """Dynamic sparse training from scratch (RigL-style schedules, structured masks, learned permutations)."""
+    from shuffleprune.calib import held_out_part
     from shuffleprune.dst.config import DSTConfig
     from shuffleprune.dst.train import TrainConfig, train
 
@@ -327,7 +348,7 @@ def dst(
     from accelerate import PartialState
 
     if PartialState().is_main_process:
-        out_console.print(f"final ppl {report['final_ppl']:.2f} ({data} test, ctx {seq_len}), density {report['density']:.4f}, "
+        out_console.print(f"final ppl {report['final_ppl']:.2f} ({data}, {held_out_part(data, split_from_shared=True)}, ctx {seq_len}), density {report['density']:.4f}, "
                           f"{report['train_seconds']:.0f} s; wrote {out}", soft_wrap=True)
 
 

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
+from shuffleprune.calib import held_out_part
 from shuffleprune.errors import UserError, reason
 
 # what the commands read of a run's report (a prune run's, a dst run's)
@@ -42,7 +43,8 @@ def prune_table(report: dict) -> Table:
              f"{report['calib']['nsamples']}×{report['calib']['seqlen']} seed {report['calib']['seed']}")
     table = Table(title=title)
     table.add_column("model")
-    table.add_column(f"ppl ({ev['text']} test, ctx {ev['ctx']}, {ev['tokens']} tokens)" if ev["text"]
+    part = held_out_part(str(ev["text"]), report["calib"]["split_from_shared_file"]) if ev["text"] else ""
+    table.add_column(f"ppl ({ev['text']}, {part}, ctx {ev['ctx']}, {ev['tokens']} tokens)" if ev["text"]
                      else "ppl (not measured)", justify="right")
     table.add_column("sparsity (pruned layers)", justify="right")
     table.add_column("N:M holds", justify="center")
@@ -77,7 +79,7 @@ def _eval_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             ["sparsity (decoder linears, experts)", *[_fmt(m["sparsity"], 4) for m in models]]]
     if "ppl" in results["tasks"]:
         ev = results.get("ppl_eval") or next((m.get("ppl_eval") for m in models if m.get("ppl_eval")), None)
-        label = f"ppl ↓ ({ev['text']} test, ctx {ev['ctx']}, {ev['tokens']} tok)" if ev else "ppl ↓"
+        label = f"ppl ↓ ({ev['text']}, {held_out_part(str(ev['text']))}, ctx {ev['ctx']}, {ev['tokens']} tok)" if ev else "ppl ↓"
         rows.append([label, *[_fmt(m["ppl"]) for m in models]])
     for name in dict.fromkeys(k for m in models for k in m["results"]):
         first = next(m["results"][name] for m in models if name in m["results"])
@@ -98,7 +100,8 @@ def eval_table(results: dict) -> Table:
     lim = results["lm_eval"]["limit"]
     title = (f"shuffleprune eval · lm-eval {results['lm_eval']['version']} · "
              f"{'offline data' if results['offline'] else 'hub data'} · "
-             f"limit {lim if lim is not None else 'none'} · accuracy in %")
+             f"limit {lim if lim is not None else 'none'} · accuracy in %"
+             if set(results["tasks"]) - {"ppl"} else "shuffleprune eval · perplexity")   # no lm-eval task: no task data
     table = Table(title=title)
     table.add_column(header[0])
     for h in header[1:]:
@@ -111,12 +114,15 @@ def eval_table(results: dict) -> Table:
 def eval_markdown(results: dict) -> str:
     header, rows = _eval_rows(results)
     lim = results["lm_eval"]["limit"]
-    lines = [f"lm-eval {results['lm_eval']['version']}, {'offline' if results['offline'] else 'hub'} task data, "
+    tasks = set(results["tasks"]) - {"ppl"}
+    about = (f"lm-eval {results['lm_eval']['version']}, {'offline' if results['offline'] else 'hub'} task data, "
              f"limit {lim if lim is not None else 'none'}, n-shot {results['lm_eval']['num_fewshot'] or 0}, "
-             f"batch size {results['lm_eval']['batch_size']}, device {results['device']}; accuracy in %.", "",
-             "| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+             f"batch size {results['lm_eval']['batch_size']}, device {results['device']}; accuracy in %."
+             if tasks else f"Perplexity, device {results['device']}.")
+    lines = [about, "", "| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += ["", "Task data:"] + [f"- {t}: {o}" for t, o in results["lm_eval"]["task_data"].items()]
+    if tasks:
+        lines += ["", "Task data:"] + [f"- {t}: {o}" for t, o in results["lm_eval"]["task_data"].items()]
     return "\n".join(lines) + "\n"
 
 

@@ -90,7 +90,7 @@ def test_a_local_file_is_parsed_when_named_and_its_faults_found_then(tmp_path, m
         assert src.documents("test") == ["doc 9", "doc 19"] and len(src.documents("train")) == 18
     assert len(reads) == 1
     path.write_text(json.dumps({"text": "only one"}))
-    with pytest.raises(UserError, match=r"serves calibration and evaluation but has 1 document"):
+    with pytest.raises(UserError, match=r"serves both fitting and held-out perplexity .* but has 1 document"):
         get_source(str(path), shared=True)   # the split's fault at naming time
     (tmp_path / "folder.txt").mkdir()
     with pytest.raises(UserError, match=r"text file '.*folder.txt' is a directory; give a .txt or .jsonl file"):

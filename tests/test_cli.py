@@ -19,6 +19,20 @@ def test_prune_cli_end_to_end(tiny_dir, text_file, eval_file, tmp_path):
     assert report["pattern"] == "4:8" and report["nm_ok"]
 
 
+def test_a_short_text_warns_that_the_windows_overlap_in_one_line(tiny_dir, tmp_path):
+    """Asking for more calibration tokens than the text has is a warning (the windows repeat text;
+    it was silent), printed as ``warning: …`` rather than Python's file:line form."""
+    short = tmp_path / "short.txt"
+    short.write_text(" ".join(["the of and to in a is that"] * 5))   # 40 tokens
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(short), "--eval-text", "none", "--nsamples", "4",
+                              "--seqlen", "32", "--recipe", "fast", "--quiet"])
+    assert res.exit_code == 0, res.output
+    lines = [l for l in res.output.splitlines() if "overlap" in l]
+    assert len(lines) == 1 and lines[0].startswith(f"warning: '{short}' has 40 calibration tokens, fewer than the 4 "
+                                                   "windows of 32 ask (128): the windows overlap"), res.output
+    assert "UserWarning" not in res.output and "warnings.warn" not in res.output
+
+
 def test_quiet_silences_library_bars_and_restores_them(tiny_dir, tmp_path):
     from huggingface_hub.utils import are_progress_bars_disabled
     from transformers.utils import logging as hf_logging
@@ -294,7 +308,7 @@ def test_text_faults_are_found_before_the_model_loads(tiny_dir, tmp_path, monkey
     one = tmp_path / "one.txt"
     one.write_text("a single document with no blank line in it")
     for args, needle in ((["--calib", str(bad)], "bad.jsonl:31: not a JSON object"),
-                         (["--calib", str(one), "--eval-text", str(one)], "serves calibration and evaluation but has 1")):
+                         (["--calib", str(one), "--eval-text", str(one)], "serves both fitting and held-out perplexity (its documents are split) but has 1")):
         res = runner.invoke(app, ["prune", str(tiny_dir), *args, "--out", str(tmp_path / "o"), "--quiet"])
         lines = [l for l in res.output.splitlines() if l.startswith("error:")]
         assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output

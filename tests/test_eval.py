@@ -154,6 +154,13 @@ def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tin
     assert (pruned["path"], pruned["lm_eval_cli"], unpruned["pruned"]) == (None, None, None)
     assert saved["lm_eval_cli"] and pruned["results"]["tiny_mc"]["n_items"] == 4
     assert "not a git repository" not in capfd.readouterr().err
+    from rich.console import Console
+
+    from shuffleprune.report import print_eval_report
+
+    console = Console(width=300, record=True)
+    print_eval_report(scores, console)   # the row said "heldout.txt test" of a file read whole
+    assert f"ppl ↓ ({heldout}, the whole file, ctx 32, " in console.export_text()
 
 
 def test_the_python_api_takes_one_model_a_task_string_and_checks_types(tiny_dir, tmp_path):
@@ -191,8 +198,11 @@ def test_the_hub_is_asked_only_when_something_needs_it(tiny_dir, tmp_path, monke
     monkeypatch.setattr(evaluation, "hub_reachable", lambda: asked.append(1) or False)
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(random_text(2000, seed=4))
-    res = runner.invoke(app, ["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", str(heldout), "--ppl-ctx", "32", "--quiet"])
+    res = runner.invoke(app, ["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", str(heldout), "--ppl-ctx", "32", "--quiet",
+                              "--out", str(tmp_path / "ppl.json")])
     assert res.exit_code == 0 and not asked and "hub unreachable" not in res.output, res.output
+    assert "shuffleprune eval · perplexity" in res.output and "hub data" not in res.output  # no lm-eval task ran
+    assert (tmp_path / "ppl.md").read_text().startswith("Perplexity, device cpu.") and "Task data" not in (tmp_path / "ppl.md").read_text()
     res = runner.invoke(app, ["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-ctx", "32", "--ppl-tokens", "2000", "--quiet"])
     assert res.exit_code == 0 and asked, res.output  # auto: wikitext2 if the hub answers, else brown, said so
     notice = next(l for l in res.output.splitlines() if l.startswith("hub unreachable"))

@@ -400,7 +400,7 @@ def test_load_holds_cslt_buffers_by_default_only_where_cslt_by_default_says(prun
     assert asked == [torch.device("cpu")] and any(m.tiled for m in hopper.modules() if isinstance(m, SparseLinear))
     assert not any(m.tiled for m in shuffleprune.load(str(tmp_path / "exported"), "bfloat16", cslt=False).modules()
                    if isinstance(m, SparseLinear))
-    with pytest.raises(ValueError, match="maps must be"):
+    with pytest.raises(UserError, match="maps must be"):
         serving.arrange_for_serving(default, maps="layers")
 
 
@@ -634,8 +634,12 @@ def test_index_maps_move_to_the_norms_that_produce_their_input(pruned_perm_dir, 
             if isinstance(mod, MappedOutput):
                 mod.kernel = True  # the Triton kernel, interpreted on the CPU
         assert torch.allclose(model(ids).logits, expected, atol=1e-4)
-    with pytest.raises(ValueError, match="maps must be"):
+    with pytest.raises(UserError, match="maps must be"):
         shuffleprune.load(str(tmp_path / "exported"), maps="norm")
+    for option, needle in (({"fuse": "no"}, "fuse must be True or False, not 'no'"),   # a string was taken as true
+                           ({"cslt": "off"}, "cslt must be None .*, True or False, not 'off'")):
+        with pytest.raises(UserError, match=needle):
+            shuffleprune.load(str(tmp_path / "exported"), **option)
 
 
 def test_a_map_stays_in_the_layers_when_another_module_reads_the_producer_output(pruned_perm_dir, tmp_path):

@@ -4,12 +4,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from rich.console import Console
 from transformers import AutoModelForCausalLM
 
 from shuffleprune.errors import UserError
 from shuffleprune.masks import satisfies_nm
 from shuffleprune.models import load_model
 from shuffleprune.prune import prune
+from shuffleprune.report import print_prune_report
 from conftest import flat_config
 
 
@@ -34,6 +36,9 @@ def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir,
     assert {"calibration", "prune", "eval"} <= set(report["seconds"]) and report["peak_rss_mb"] > 0
     card = (out / "README.md").read_text()
     assert f"{eval_file} (the whole file, " in card   # the card: a held-out text file
+    console = Console(width=300, record=True)
+    print_prune_report(report, console)   # the table said "heldout.txt test" of a file read whole
+    assert f"ppl ({eval_file}, the whole file, ctx 32, " in console.export_text()
     assert "(112 documents, 6000 tokens)" in card and f"prune {tiny_dir} --recipe PATH/recipe.yaml --out OUT" in card
     assert not (out / ".resume").exists() and not (out / ".staging").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -43,6 +48,21 @@ def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir,
     for name, w in reloaded.named_parameters():
         if name.endswith("proj.weight"):
             assert satisfies_nm(w, 2, 4), name
+
+
+def test_each_text_file_is_read_once_per_run(tiny_dir, text_file, eval_file, monkeypatch):
+    """A run reads each local text once (it was read to check it before the model loaded and again to
+    use it), and one file serving both sides once."""
+    import shuffleprune.calib.sources as sources
+
+    reads = []
+    real = sources.read_text_file
+    monkeypatch.setattr(sources, "read_text_file", lambda p: reads.append(Path(p).name) or real(p))
+    prune(config(tiny_dir, text_file, eval_file, nsamples=2), progress=False)
+    assert sorted(reads) == sorted([text_file.name, eval_file.name])
+    reads.clear()
+    prune(config(tiny_dir, text_file, text_file, nsamples=2), progress=False)
+    assert reads == [text_file.name]
 
 
 def test_weights_outside_linears_are_reported_and_warned_about(tiny_dir, text_file, eval_file, tmp_path):

@@ -8,14 +8,20 @@ import torch
 from torch import nn
 
 from shuffleprune.block_inputs import lazy_block_probe
+from shuffleprune.errors import UserError
 
 MAPS_PLACES = ("kernel", "producer")
 
 
-def check_maps(maps: str) -> None:
-    """Refuse a ``maps`` that is no place for an index map (``load`` calls it before reading weights)."""
-    if maps not in MAPS_PLACES:
-        raise ValueError(f"maps must be 'kernel' or 'producer', not {maps!r}")
+def check_serving_options(maps: str, fuse: bool = True, cslt: bool | None = None) -> None:
+    """Refuse a ``maps`` that is no place for an index map, and a ``fuse`` or ``cslt`` that is no
+    yes or no (a string was taken as true); ``load`` asks before reading weights."""
+    if not isinstance(maps, str) or maps not in MAPS_PLACES:
+        raise UserError(f"maps must be 'kernel' or 'producer', not {maps!r}")
+    if not isinstance(fuse, bool):
+        raise UserError(f"fuse must be True or False, not {fuse!r}")
+    if cslt is not None and not isinstance(cslt, bool):
+        raise UserError(f"cslt must be None (the device decides), True or False, not {cslt!r}")
 
 
 def cslt_by_default(device: torch.device) -> bool:
@@ -34,7 +40,7 @@ def arrange_for_serving(model: nn.Module, maps: str = "producer", fuse: bool = T
     ``cslt`` holds each 2:4 16-bit layer as one cuSPARSELt buffer (None: :func:`cslt_by_default` on
     the model's device); ``fuse`` stacks the layers that read one input (q/k/v, gate/up). Returns
     what changed: ``maps_moved`` ({producer: layers}), ``cslt_layers``, ``stacked_groups``."""
-    check_maps(maps)
+    check_serving_options(maps, fuse, cslt)
     probe = lazy_block_probe(model)   # one probe for both rewrites, built only if one needs it
     done: dict[str, Any] = {"maps_moved": {}, "cslt_layers": [], "stacked_groups": []}
     if maps == "producer":

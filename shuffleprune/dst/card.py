@@ -1,6 +1,8 @@
 """The model card (``README.md``) a ``dst`` run writes beside its trained model."""
 from __future__ import annotations
 
+from shuffleprune.calib import held_out_part
+
 
 def model_card(report: dict) -> str:
     """A hub-style ``README.md`` for ``OUT/model``: how it was trained, its perplexity, how to load it."""
@@ -31,7 +33,7 @@ seed {train['seed']}.
 
 - Architecture: {arch}; tokenizer `{train['tokenizer']}`.
 - Density of the sparsified layers: {report['density']:.4f}; held-out perplexity at the end:
-  {report['final_ppl']:.2f} (windows of {train['seq_len']} tokens).
+  {report['final_ppl']:.2f} ({held_out_part(train['data'], split_from_shared=True)}, windows of {train['seq_len']} tokens).
 {perm_line}
 ## Load it
 

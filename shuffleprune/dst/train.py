@@ -294,7 +294,7 @@ def _token_streams(cfg: TrainConfig, accelerator) -> tuple[object, torch.Tensor,
     from shuffleprune.calib.sources import _encode
 
     with accelerator.main_process_first():  # downloads, and a bpe:N tokenizer's training, happen once
-        source = get_source(cfg.data)
+        source = get_source(cfg.data, shared=True)   # a local file: every 10th document held out
         train_docs = source.documents("train")
         tokenizer = _tokenizer(cfg.tokenizer, train_docs, source.name)
     train_stream = _encode(tokenizer, source.joiner.join(train_docs))

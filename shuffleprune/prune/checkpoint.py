@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
-from shuffleprune.calib.sources import LOCAL_FILE_SUFFIXES
+from shuffleprune.calib.sources import held_out_part
 from shuffleprune.version import __version__
 from shuffleprune.masks import Pattern
 from shuffleprune.models import LoadedModel, base_model_id, is_embedded
@@ -153,8 +153,7 @@ def model_card(report: dict) -> str:
                  "input index map (`index_maps.safetensors`), not in memory order: `shuffleprune export` "
                  "compresses it in that order for the 2:4 runtime.\n"
                  if report["perm"] and report["perm"].get("index_maps") else "")
-    is_file = Path(str(ev["text"])).suffix in LOCAL_FILE_SUFFIXES   # a text file calib reads, not a named corpus
-    part = ("its held-out documents" if calib["split_from_shared_file"] else "the whole file") if is_file else "test split"
+    part = held_out_part(str(ev["text"]), calib["split_from_shared_file"]) if ev["text"] else ""
     eval_line = (f"{ev['text']} ({part}, {ev.get('tokens_scored', ev['tokens'])} tokens scored in windows of "
                  f"{ev['ctx']}{', each starting with BOS' if report['bos'] else ''})" if ev["text"] else "not measured")
     tags = ["shuffleprune", "pruned", "sparse", f"sparsity-{report['pattern']}"]

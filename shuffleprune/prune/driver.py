@@ -23,7 +23,8 @@ from shuffleprune.block_inputs import CapturedInputs, called_modules, capture_bl
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, block_linears, find_blocks,
                                   GATING_WIDTH, gating_linears, is_plain_linear, parse_expert_name, selected_by_globs, text_config,
                                   weights_outside_linears)
-from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
+from shuffleprune.calib import (TextSource, bos_token, calibration_windows, default_eval_source, eval_tokens, get_source,
+                               same_text)
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
@@ -96,17 +97,34 @@ def _local_inputs(config: PruneConfig) -> list[str | None]:
     return [local_model_source(config.model), config.calib, config.eval_text, *maps]
 
 
-def _texts(config: PruneConfig, tokenizer, seqlen: int) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-    """Calibration windows, held-out tokens, and what was used of each text (documents, tokens, BOS)."""
+@dataclass
+class _Texts:
+    """The run's texts, opened (a local file read and parsed) before the model loads."""
+
+    calib: TextSource
+    eval: TextSource | None
+    eval_name: str | None
+    shared: bool   # one local file split between calibration and evaluation
+
+
+def _open_texts(config: PruneConfig) -> _Texts:
+    """Open ``--calib`` and the held-out text: an unknown, missing or unreadable text fails here,
+    before the model is loaded, and a local file is read once for the run."""
     eval_name = _eval_name(config)
     shared = same_text(config.calib, eval_name)
+    calib = get_source(config.calib, shared)
+    held = None if eval_name is None else (calib if shared else get_source(eval_name))
+    return _Texts(calib, held, eval_name, shared)
+
+
+def _texts(config: PruneConfig, texts: _Texts, tokenizer, seqlen: int) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """Calibration windows, held-out tokens, and what was used of each text (documents, tokens, BOS)."""
     bos = bos_token(tokenizer)
     calib_info: dict = {}
-    tokens = calibration_windows(get_source(config.calib, shared), tokenizer, config.nsamples, seqlen, config.seed,
-                                 bos=bos, info=calib_info)
+    tokens = calibration_windows(texts.calib, tokenizer, config.nsamples, seqlen, config.seed, bos=bos, info=calib_info)
     eval_info: dict = {}
-    held_out = eval_tokens(get_source(eval_name, shared), tokenizer, config.eval_tokens, eval_info) if eval_name else None
-    info = {"eval_text": eval_name, "shared_file_split": shared, "bos": bos is not None,
+    held_out = eval_tokens(texts.eval, tokenizer, config.eval_tokens, eval_info) if texts.eval is not None else None
+    info = {"eval_text": texts.eval_name, "shared_file_split": texts.shared, "bos": bos is not None,
             "calib": {"documents": calib_info["documents"], "tokens": calib_info["tokens"]},
             "eval": None if held_out is None else {**eval_info, "tokens_read": int(held_out.numel())}}
     return tokens, held_out, info
@@ -130,15 +148,6 @@ def _eval_name(config: PruneConfig) -> str | None:
     if config.eval_text is None:
         return None
     return default_eval_source(config.calib) if config.eval_text == "auto" else config.eval_text
-
-
-def _check_sources(config: PruneConfig) -> None:
-    """Fail on an unknown, missing or unreadable text before the model is loaded."""
-    eval_name = _eval_name(config)
-    shared = same_text(config.calib, eval_name)
-    get_source(config.calib, shared)
-    if eval_name is not None and not shared:
-        get_source(eval_name)
 
 
 def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = False, overwrite: bool = False,
@@ -179,7 +188,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     """The run: load, calibrate (or reload a resumed run's data), capture, prepare, walk the blocks, report."""
     t_start = time.time()
     spec = config.spec()
-    _check_sources(config)
+    texts = _open_texts(config)
     state = _prepare_out(out, resume, overwrite, config)
     if state is not None and state["config_key"] != config.key():
         raise UserError("--resume with different settings than the interrupted run; repeat its exact options")
@@ -193,10 +202,11 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     ctx = min(config.eval_ctx or seqlen, max_pos)
     work = out / RESUME_DIR if out is not None else None
     if state is None:
-        state, tokens, held_out = _start_state(config, lm, seqlen, ctx, device, progress, work)
+        state, tokens, held_out = _start_state(config, texts, lm, seqlen, ctx, device, progress, work)
     else:   # the blocks done are reloaded after the capture (in _block_streams)
         data = torch.load(work / "data.pt")
         tokens, held_out = data["tokens"], data["held_out"]
+    del texts   # a large local text is not held through the walk
 
     run = Run(model=model, blocks=blocks, linears=linears, experts=experts, tokens=tokens, pattern=spec.pattern,
               spec=spec, device=device, batch_size=config.batch_size, seed=config.seed, work=work, progress=progress)
@@ -247,12 +257,12 @@ def _load_prunable(config: PruneConfig, device: torch.device, loaded: LoadedMode
     return lm, save_dtype
 
 
-def _start_state(config: PruneConfig, lm: LoadedModel, seqlen: int, ctx: int, device: torch.device, progress: bool,
-                 work: Path | None) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+def _start_state(config: PruneConfig, texts_in: _Texts, lm: LoadedModel, seqlen: int, ctx: int,
+                 device: torch.device, progress: bool, work: Path | None) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
     """A new run: its calibration windows and held-out tokens (saved for ``--resume``), the dense
     model's held-out perplexity, and the state every checkpoint updates."""
     t0 = time.time()
-    tokens, held_out, texts = _texts(config, lm.tokenizer, seqlen)
+    tokens, held_out, texts = _texts(config, texts_in, lm.tokenizer, seqlen)
     calib_seconds = time.time() - t0
     if work is not None:  # created only once all inputs are known to be good
         work.mkdir(parents=True, exist_ok=True)
