@@ -12,7 +12,8 @@ Sources (``--calib`` / ``--eval-text``):
 The offline sources are split deterministically: every 10th document is held out for perplexity
 (``split="test"``), the rest is for calibration (``split="train"``). A local file is used whole
 on either side; only when one file serves both sides (``get_source(path, shared=True)``: prune's
-``--calib`` and ``--eval-text`` the same file, ``dst --data``) are its documents split the same way.
+``--calib`` and ``--eval-text`` the same file, ``dst --data``) are its documents split the same way
+(a file of one document: its last tenth held out).
 
 Where a model's tokenizer starts every text with a BOS token (LLaMA, Gemma, …), each calibration
 and perplexity window starts with it too (``bos_token``), as lm-eval and the papers' loaders do.
@@ -229,16 +230,30 @@ def _file_documents(path: Path) -> tuple[str, ...]:
     return tuple(d for d in re.split(r"\n\s*\n", text) if d.strip())
 
 
+def _last_tenth(doc: str) -> tuple[str, str] | None:
+    """One document as two for a split: its first nine tenths and the rest, cut at the first line
+    break (else space) from 90 % of it on, or right there in a text without either; None when too short."""
+    cut = int(len(doc) * 0.9)
+    for at in (doc.find("\n", cut), doc.find(" ", cut), cut):
+        if at > 0 and doc[:at].strip() and doc[at:].strip():
+            return doc[:at], doc[at:]
+    return None
+
+
 def _local(path: Path, docs: tuple[str, ...], split_docs: bool) -> Callable[[str], list[str]]:
-    if split_docs and len(docs) < 2:
-        raise UserError(f"'{path}' serves both fitting and held-out perplexity (its documents are split) but has "
-                        f"{len(docs)} document; give a file of several documents separated by blank lines (prune: or "
-                        "another file as --eval-text)")
+    if not docs:
+        raise UserError(f"text file '{path}' holds no text")
+    if split_docs and len(docs) == 1:
+        docs = _last_tenth(docs[0])
+        if docs is None:
+            raise UserError(f"'{path}' is too short to split into text to fit on and held-out text; give a longer file"
+                            " (prune: or another file as --eval-text)")
 
     def load(split: str) -> list[str]:
         if not split_docs:
             return list(docs)  # a file is used as given
-        # one file for both sides: every 10th document held out (at least one on each side)
+        # one file for both sides: every 10th document held out (at least one on each side; one document
+        # is cut into its first nine tenths and the rest)
         return _split(list(docs), split) if len(docs) >= 10 else (list(docs[-1:]) if split == "test" else list(docs[:-1]))
     return load
 
@@ -282,11 +297,11 @@ def get_source(name: str, shared: bool = False) -> TextSource:
 
 def held_out_part(name: str, split_from_shared: bool = False) -> str:
     """Which part of a held-out text perplexity reads, for tables and model cards: a corpus's test
-    split, or a local file whole (``--eval-text``, ``--ppl-text``) or its held-out documents (one
+    split, or a local file whole (``--eval-text``, ``--ppl-text``) or its held-out part (one
     file split between fitting and evaluation: ``--calib`` and ``--eval-text`` the same, ``dst --data``)."""
     if Path(name).suffix not in LOCAL_FILE_SUFFIXES:
         return "test split"
-    return "its held-out documents" if split_from_shared else "the whole file"
+    return "its held-out part" if split_from_shared else "the whole file"
 
 
 def default_eval_source(calib: str) -> str:

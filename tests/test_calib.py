@@ -89,9 +89,17 @@ def test_a_local_file_is_parsed_when_named_and_its_faults_found_then(tmp_path, m
     for _ in range(3):
         assert src.documents("test") == ["doc 9", "doc 19"] and len(src.documents("train")) == 18
     assert len(reads) == 1
-    path.write_text(json.dumps({"text": "only one"}))
-    with pytest.raises(UserError, match=r"serves both fitting and held-out perplexity .* but has 1 document"):
+    lines = [f"sentence {i} of the only document" for i in range(20)]
+    path.write_text(json.dumps({"text": "\n".join(lines)}))   # one document (one line per sentence): its last tenth
+    src = get_source(str(path), shared=True)                  # held out (it was an error)
+    (head,), (tail,) = src.documents("train"), src.documents("test")
+    assert head + tail == "\n".join(lines) and tail.startswith("\nsentence 19") and len(tail) <= len(head) // 9
+    path.write_text(json.dumps({"text": "x"}))
+    with pytest.raises(UserError, match=r"'.*docs.jsonl' is too short to split into text to fit on and held-out text"):
         get_source(str(path), shared=True)   # the split's fault at naming time
+    path.write_text("\n\n")
+    with pytest.raises(UserError, match=r"text file '.*docs.jsonl' holds no text"):
+        get_source(str(path))
     (tmp_path / "folder.txt").mkdir()
     with pytest.raises(UserError, match=r"text file '.*folder.txt' is a directory; give a .txt or .jsonl file"):
         get_source(str(tmp_path / "folder.txt"))   # was "does not exist"

@@ -306,9 +306,9 @@ def test_text_faults_are_found_before_the_model_loads(tiny_dir, tmp_path, monkey
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(json.dumps({"text": f"document {i}"}) for i in range(30)) + "\n{oops\n")
     one = tmp_path / "one.txt"
-    one.write_text("a single document with no blank line in it")
+    one.write_text("a")
     for args, needle in ((["--calib", str(bad)], "bad.jsonl:31: not a JSON object"),
-                         (["--calib", str(one), "--eval-text", str(one)], "serves both fitting and held-out perplexity (its documents are split) but has 1")):
+                         (["--calib", str(one), "--eval-text", str(one)], "one.txt' is too short to split into text to fit")):
         res = runner.invoke(app, ["prune", str(tiny_dir), *args, "--out", str(tmp_path / "o"), "--quiet"])
         lines = [l for l in res.output.splitlines() if l.startswith("error:")]
         assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output

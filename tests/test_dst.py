@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_model
+from conftest import WORDS, tiny_model
 from shuffleprune.dst import DSTConfig, DynamicSparsifier
 from shuffleprune.dst.layers import grad_of, layer_densities, out_in, sparsifiable_layers, weight_of
 from shuffleprune.errors import UserError
@@ -129,7 +129,7 @@ def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_d
     assert "lm_head" in report["layers"] and "lm_head" in report["permutations"]
     card = (tmp_path / "run" / "model" / "README.md").read_text()  # a model card for the hub
     assert "# nm · 2:4 (N:M)" in card and f"{report['final_ppl']:.2f}" in card and "index_maps.safetensors" in card
-    assert f"{report['final_ppl']:.2f} (its held-out documents, windows of 32 tokens)" in card
+    assert f"{report['final_ppl']:.2f} (its held-out part, windows of 32 tokens)" in card
     assert "shuffleprune export PATH DEPLOYED" in card and 'from_pretrained("PATH")' in card
     assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
     assert any(p["strength"] < 1 for p in report["permutations"].values())  # not all identities
@@ -598,9 +598,10 @@ def _train_cfg(tiny_dir, text_file, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def test_a_text_file_is_split_into_training_and_held_out_documents(tiny_dir, tmp_path):
-    """``--data FILE`` holds every 10th document out for the perplexity (it trained and scored on the
-    whole file: the reported held-out perplexity was a training perplexity)."""
+def test_a_text_file_is_split_into_training_and_held_out_text(tiny_dir, tmp_path):
+    """``--data FILE`` holds every 10th document out for the perplexity, or a single document's last
+    tenth (it trained and scored on the whole file: the reported held-out perplexity was a training
+    perplexity)."""
     from accelerate import PartialState
 
     from shuffleprune.dst.train import _token_streams
@@ -611,9 +612,11 @@ def test_a_text_file_is_split_into_training_and_held_out_documents(tiny_dir, tmp
     held = set(tokenizer("she her there", add_special_tokens=False)["input_ids"])
     assert set(test.tolist()) == held and not held & set(train.tolist())
     assert train.numel() == 9 * test.numel()
-    path.write_text("one single document " * 40)
-    with pytest.raises(UserError, match="serves both fitting and held-out perplexity .* but has 1 document"):
-        _token_streams(_train_cfg(tiny_dir, path), PartialState())
+    text = "\n".join(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(8)) for i in range(50))
+    path.write_text(text)   # one document: its last tenth held out, cut at a line break
+    tokenizer, train, test = _token_streams(_train_cfg(tiny_dir, path, eval_tokens=None), PartialState())
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert train.tolist() + test.tolist() == whole and test.numel() in (5 * 8, 4 * 8)
 
 
 def test_trainer_resume_after_kill_reproduces_the_uninterrupted_run(tiny_dir, text_file, tmp_path):
