@@ -117,7 +117,7 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
         r = m["results"]["tiny_mc"]
         assert r["metric"] == "acc" and 0 <= r["value"] <= 1 and r["stderr"] is not None
         assert r["version"] == 3.0 and r["n_shot"] == 0 and r["n_items"] == 10 and r["n_items_total"] == 16
-        assert m["ppl"] > 1 and m["ppl_eval"] == {"text": str(heldout), "split": "test", "ctx": 32, "bos": False,
+        assert m["ppl"] > 1 and m["ppl_eval"] == {"text": str(heldout), "split": "the whole file", "ctx": 32, "bos": False,
                                                   "tokens": m["ppl_eval"]["tokens"]} and m["ppl_eval"]["tokens"] > 0
         assert m["average"] == r["value"] and "--limit 10" in m["lm_eval_cli"] and m["path"] in m["lm_eval_cli"]
     assert sparse["ppl"] != dense["ppl"]

@@ -35,7 +35,7 @@ def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir,
                                "tokens": 6000, "split_from_shared_file": False}  # the whole file: used as given
     assert {"calibration", "prune", "eval"} <= set(report["seconds"]) and report["peak_rss_mb"] > 0
     card = (out / "README.md").read_text()
-    assert f"{eval_file} (the whole file, " in card   # the card: a held-out text file
+    assert f"{eval_file} (the whole file, " in card and report["eval"]["split"] == "the whole file"   # it said "test"
     console = Console(width=300, record=True)
     print_prune_report(report, console)   # the table said "heldout.txt test" of a file read whole
     assert f"ppl ({eval_file}, the whole file, ctx 32, " in console.export_text()

@@ -27,7 +27,7 @@ import torch
 
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
-from shuffleprune.calib import bos_token, eval_tokens, get_source
+from shuffleprune.calib import bos_token, eval_tokens, get_source, held_out_part
 from shuffleprune.calib.sources import HUB_SOURCES, is_local_source
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
@@ -403,7 +403,7 @@ def _perplexity_of(run: _EvalRun, lm: LoadedModel, blockwise: bool) -> tuple[flo
     ppl = perplexity(lm.model, tokens, ctx, run.device, batch_size=1, progress=run.progress, bos=bos,
                      blockwise=blockwise)
     per_window = ctx - (bos is not None)
-    return ppl, {"text": run.ppl_name, "split": "test", "ctx": ctx, "bos": bos is not None,
+    return ppl, {"text": run.ppl_name, "split": held_out_part(run.ppl_name), "ctx": ctx, "bos": bos is not None,
                  "tokens": (tokens.numel() // per_window) * per_window}
 
 
