@@ -103,6 +103,9 @@ def test_flags_and_set_override_the_recipe():
     ({"recipe": None, "pattern": 4}, "'pattern' must be str, got 4"),
     ({"recipe": None, "sparsity": "0.5"}, "'sparsity' must be float, got '0.5'"),
     ({"recipe": None, "nsamples": "128"}, "'nsamples' must be int, got '128'"),
+    # documents in memory: the value cut short (all of it was printed), and how to pass them
+    ({"recipe": None, "calib": ["a long document"] * 500}, r"^'calib' must be str, got \['a long document', 'a long "
+     r"document', 'a long document', \.\.\.\] \(a source name, .*: write documents to a \.jsonl file"),
     ({"recipe": None, "only": "*.q_proj"}, "'only' must be a list of strings"),
     ({"recipe": None, "dtype": torch.float64}, "unknown --dtype 'float64'"),
     ({"recipe": None, "dtype": "double"}, "unknown --dtype 'double'"),

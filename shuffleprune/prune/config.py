@@ -188,9 +188,16 @@ def _option_hint(unknown: list[str]) -> str:
     return f"; did you mean {', '.join(pairs)}?" if pairs else f" (options: {', '.join(names)})"
 
 
+_TEXT_KEYS = ("calib", "eval_text")
+
+
 def _type_problem(key: str, value: Any) -> str | None:
-    """Why ``value`` does not fit the type of run setting ``key`` (None when it does)."""
-    return type_problem(PruneConfig, key, value)
+    """Why ``value`` does not fit the type of run setting ``key`` (None when it does); a text given
+    as documents is told how to pass them."""
+    problem = type_problem(PruneConfig, key, value)
+    if problem is not None and key in _TEXT_KEYS and not isinstance(value, str):
+        problem += " (a source name, a hub dataset or a .txt/.jsonl path: write documents to a .jsonl file, one {\"text\": ...} per line)"
+    return problem
 
 
 def _index(stages: list[dict], kind: str) -> int | None:
