@@ -24,7 +24,8 @@ ARGS = ["--arch", "gpt2", "--config-kw", "n_layer=2,n_embd=64,n_head=4,resid_pdr
 def _run(processes: int, args: list[str]) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([*(launcher if processes > 1 else [sys.executable]), "-m", "shuffleprune.cli", "dst", *args],
+    # `python -m shuffleprune`, as the README launches a multi-GPU run (torchrun / accelerate launch -m)
+    return subprocess.run([*(launcher if processes > 1 else [sys.executable]), "-m", "shuffleprune", "dst", *args],
                           capture_output=True, text=True, env=env, timeout=300)
 
 
