@@ -24,6 +24,7 @@ their WikiText-2 loader (documents joined, tokenized once, random windows).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -31,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -109,14 +110,14 @@ def _pick_text_column(strings: list[str]) -> str | None:
     return named[0] if named else (strings[0] if len(strings) == 1 else None)
 
 
-def _text_column(repo: str, features) -> str:
-    """The dataset's text column (:func:`_pick_text_column` of its string columns)."""
+def _text_column(what: str, features, fix: str) -> str:
+    """The dataset's text column (:func:`_pick_text_column` of its string columns); ``what`` names
+    the dataset in the error, ``fix`` what to do."""
     strings = [c for c, f in features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
     column = _pick_text_column(strings)
     if column is not None:
         return column
-    raise UserError(f"hub dataset '{repo}' has no single text column (string columns: {', '.join(strings) or 'none'}); "
-                    "write the text to a .jsonl file with a 'text' field and pass that instead")
+    raise UserError(f"{what} has no single text column (string columns: {', '.join(strings) or 'none'}); {fix}")
 
 
 def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
@@ -134,7 +135,8 @@ def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
         held_out = next((s for s in ("test", "validation") if s in splits), None)
         read = held_out if split == "test" and held_out else ("train" if "train" in splits else splits[0])
         stream = datasets.load_dataset(repo, config, split=read, streaming=True)
-        column = _text_column(name, stream.features)
+        column = _text_column(f"hub dataset '{name}'", stream.features,
+                              "write the text to a .jsonl file with a 'text' field and pass that instead")
         docs = [row[column] for _, row in zip(range(HUB_DATASET_DOCS), stream)]
     except UserError:
         raise
@@ -240,14 +242,16 @@ def _last_tenth(doc: str) -> tuple[str, str] | None:
     return None
 
 
-def _local(path: Path, docs: tuple[str, ...], split_docs: bool) -> Callable[[str], list[str]]:
+def _local(path: Path | str, docs: tuple[str, ...], split_docs: bool) -> Callable[[str], list[str]]:
+    """The loader of a text held whole (a file's, or documents passed in memory): as given, or split
+    when it serves both fitting and held-out perplexity."""
     if not docs:
-        raise UserError(f"text file '{path}' holds no text")
+        raise UserError(f"text file '{path}' holds no text" if isinstance(path, Path) else f"{path} hold no text")
     if split_docs and len(docs) == 1:
         docs = _last_tenth(docs[0])
         if docs is None:
-            raise UserError(f"'{path}' is too short to split into text to fit on and held-out text; give a longer file"
-                            " (prune: or another file as --eval-text)")
+            raise UserError(f"'{path}' is too short to split into text to fit on and held-out text; give a longer text"
+                            " (prune: or another one as --eval-text)")
 
     def load(split: str) -> list[str]:
         if not split_docs:
@@ -258,13 +262,47 @@ def _local(path: Path, docs: tuple[str, ...], split_docs: bool) -> Callable[[str
     return load
 
 
+MEMORY_PREFIX = "documents:"   # a text passed to the Python API as documents, named by their digest
+
+
+def as_documents(value: Any, key: str) -> tuple[str, ...]:
+    """Documents passed in memory (a list or tuple of strings, or a ``datasets.Dataset``, whose text
+    column is picked as a hub dataset's) as a tuple of non-empty strings; a one-line error otherwise."""
+    if type(value).__name__ == "Dataset" and hasattr(value, "features"):
+        column = _text_column(f"the {key} dataset", value.features,
+                              "rename its text column 'text' (dataset.rename_column) or pass a list of strings")
+        value = list(value[column])
+    if not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):
+        raise UserError(f"'{key}' takes a text source name, a .txt/.jsonl path, a list of strings or a datasets.Dataset; "
+                        f"got {type(value).__name__}")
+    docs = tuple(d for d in value if d.strip())
+    if not docs:
+        raise UserError(f"'{key}' holds no text")
+    return docs
+
+
+def documents_name(docs: tuple[str, ...]) -> str:
+    """The name that stands for ``docs`` in a run's config and report: their count and digest (the
+    same documents, the same name; a resumed run passes them again)."""
+    digest = hashlib.sha256("\0".join(docs).encode()).hexdigest()[:16]
+    return f"{MEMORY_PREFIX}{len(docs)}:{digest}"
+
+
+def documents_source(name: str, docs: tuple[str, ...], shared: bool = False) -> TextSource:
+    """The :class:`TextSource` of documents passed in memory (used whole, or split when ``shared``)."""
+    return TextSource(name, _local(f"the documents of '{name}'", docs, shared))
+
+
 def is_local_source(name: str) -> bool:
     """Whether :func:`get_source` reads ``name`` without the hub (an offline source or a text file)."""
-    return name in OFFLINE_SOURCES or Path(name).suffix in LOCAL_FILE_SUFFIXES
+    return name in OFFLINE_SOURCES or Path(name).suffix in LOCAL_FILE_SUFFIXES or name.startswith(MEMORY_PREFIX)
 
 
 def same_text(a: str | None, b: str | None) -> bool:
-    """Whether two ``--calib`` / ``--eval-text`` values name the same local file."""
+    """Whether two ``--calib`` / ``--eval-text`` values name the same local file (or the same
+    documents passed in memory)."""
+    if a is not None and a.startswith(MEMORY_PREFIX):
+        return a == b
     if a is None or b is None or not a.endswith((".txt", ".jsonl")) or not b.endswith((".txt", ".jsonl")):
         return False
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
@@ -288,6 +326,9 @@ def get_source(name: str, shared: bool = False) -> TextSource:
                                                      else "does not exist"))
         docs = _file_documents(path)   # bad bytes or lines are refused now, not after the model is loaded
         return TextSource(str(path), _local(path, docs, shared))
+    if name.startswith(MEMORY_PREFIX):
+        raise UserError(f"'{name}' stands for documents passed in memory to the Python API; pass them again "
+                        "(calib=[...] / eval_text=[...]), or give a text source or file")
     hub = hub_dataset_id(name)
     if hub is not None:
         return TextSource(name, lambda s: _load_hub_dataset(*hub, s))
@@ -299,9 +340,11 @@ def held_out_part(name: str, split_from_shared: bool = False) -> str:
     """Which part of a held-out text perplexity reads, for tables and model cards: a corpus's test
     split, or a local file whole (``--eval-text``, ``--ppl-text``) or its held-out part (one
     file split between fitting and evaluation: ``--calib`` and ``--eval-text`` the same, ``dst --data``)."""
-    if Path(name).suffix not in LOCAL_FILE_SUFFIXES:
-        return "test split"
-    return "its held-out part" if split_from_shared else "the whole file"
+    if split_from_shared and (name.startswith(MEMORY_PREFIX) or Path(name).suffix in LOCAL_FILE_SUFFIXES):
+        return "its held-out part"
+    if name.startswith(MEMORY_PREFIX):
+        return "all of them"
+    return "the whole file" if Path(name).suffix in LOCAL_FILE_SUFFIXES else "test split"
 
 
 def default_eval_source(calib: str) -> str:

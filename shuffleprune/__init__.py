@@ -75,7 +75,8 @@ def evaluate(models: list[Any] | Any, tasks: list[str] | str | None = None, out:
     """Score ``models`` side by side (lm-eval tasks and ``ppl``, a list or ``"ppl,arc_easy"``);
     ``options`` as ``EvalConfig``'s fields.
     A model is a hub id, a directory, a ``.gguf``, None (the embedded default), a ``PruneResult``, or a
-    transformers causal LM in memory with ``tokenizer`` (scored as it is, moved to the device)."""
+    transformers causal LM in memory with ``tokenizer`` (scored as it is, moved to the device).
+    ``ppl_text`` also takes documents in memory (a list of strings or a ``datasets.Dataset``), scored whole."""
     from shuffleprune.evaluation.evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
     from shuffleprune.models import in_memory
 
@@ -97,8 +98,18 @@ def evaluate(models: list[Any] | Any, tasks: list[str] | str | None = None, out:
             spec, k = f"{lm.source} (in memory #{k})", k + 1
         specs.append(spec)
         loaded[spec] = lm
+    documents = None
+    if isinstance(options.get("ppl_text"), Path):
+        options["ppl_text"] = str(options["ppl_text"])
+    elif options.get("ppl_text") is not None and not isinstance(options["ppl_text"], str):   # documents in memory
+        from shuffleprune.calib.sources import as_documents, documents_name
+
+        docs = as_documents(options["ppl_text"], "ppl_text")
+        options["ppl_text"] = documents_name(docs)
+        documents = {options["ppl_text"]: docs}
     config = EvalConfig(models=specs, tasks=list(DEFAULT_TASKS) if tasks is None else list(tasks), **options)
-    return evaluate_models(config, out=Path(out) if out is not None else None, progress=progress, loaded=loaded)
+    return evaluate_models(config, out=Path(out) if out is not None else None, progress=progress, loaded=loaded,
+                           documents=documents)
 
 
 def __getattr__(name: str) -> Any:

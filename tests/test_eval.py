@@ -163,6 +163,19 @@ def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tin
     assert f"ppl ↓ ({heldout}, the whole file, ctx 32, " in console.export_text()
 
 
+def test_perplexity_of_documents_in_memory_is_that_of_the_same_text_in_a_file(tiny_dir, eval_file):
+    """``evaluate(..., ppl_text=[...])`` scores documents held in memory (only names and paths were
+    taken), as the same documents in a .txt file score."""
+    import shuffleprune
+
+    docs = [d for d in eval_file.read_text().split("\n\n") if d.strip()]
+    common = dict(tasks="ppl", ppl_ctx=32)
+    from_file = shuffleprune.evaluate(str(tiny_dir), ppl_text=eval_file, **common)["models"][0]   # a Path too
+    from_list = shuffleprune.evaluate(str(tiny_dir), ppl_text=docs, **common)["models"][0]
+    assert from_list["ppl"] == from_file["ppl"] and from_list["ppl_eval"]["split"] == "all of them"
+    assert from_list["ppl_eval"]["text"].startswith(f"documents:{len(docs)}:")
+
+
 def test_the_python_api_takes_one_model_a_task_string_and_checks_types(tiny_dir, tmp_path):
     """evaluate("dir", tasks="ppl") scores that model on ppl (a string was iterated letter by letter:
     models 'd', 'i', … and tasks 'p', 'p', 'l'); a value of the wrong type is a one-line error naming

@@ -65,6 +65,40 @@ def test_each_text_file_is_read_once_per_run(tiny_dir, text_file, eval_file, mon
     assert reads == [text_file.name]
 
 
+def test_documents_in_memory_calibrate_as_the_same_text_in_a_file_does(tiny_dir, text_file, tmp_path):
+    """``shuffleprune.prune(calib=[...])`` and ``calib=datasets.Dataset`` (the Python API took only
+    names and paths): the same windows, so the same checkpoint, as those documents in a .txt; one
+    list for both sides is split as one file is; the recipe file names them by digest and asks for
+    them again."""
+    import datasets
+
+    import shuffleprune
+
+    docs = [d for d in text_file.read_text().split("\n\n") if d.strip()]
+    kw = dict(nsamples=4, seqlen=32, progress=False)
+    from_file = shuffleprune.prune(str(tiny_dir), "fast", calib=str(text_file), eval_text=str(text_file), **kw)
+    from_list = shuffleprune.prune(str(tiny_dir), "fast", tmp_path / "out", calib=docs, eval_text=list(docs), **kw)
+    for a, b in zip(from_file.model.parameters(), from_list.model.parameters()):
+        assert torch.equal(a, b)
+    report = from_list.report
+    assert report["calib"]["source"].startswith("documents:") and report["calib"]["split_from_shared_file"]
+    assert report["eval"]["split"] == "its held-out part" and report["ppl"] == from_file.report["ppl"]
+    assert "calib=<the same documents>, eval_text=<the same documents>" in (tmp_path / "out" / "README.md").read_text()
+    table = datasets.Dataset.from_dict({"content": docs, "n": list(range(len(docs)))})   # a dataset's text column
+    from_dataset = shuffleprune.prune(str(tiny_dir), "fast", calib=table, eval_text=None, **kw)
+    assert from_dataset.report["calib"]["source"] == report["calib"]["source"]
+    with pytest.raises(UserError, match=r"'documents:\d+:\w+' stands for documents passed in memory .* pass them again"):
+        shuffleprune.prune(str(tiny_dir), tmp_path / "out" / "recipe.yaml", **kw)
+    again = shuffleprune.prune(str(tiny_dir), tmp_path / "out" / "recipe.yaml", calib=docs, eval_text=docs, **kw)
+    assert again.report["ppl"] == report["ppl"]
+    for bad, needle in (({"calib": {"text": "a"}}, "'calib' takes a text source name, .* got dict"),
+                        ({"calib": ["", " "]}, "'calib' holds no text"),
+                        ({"calib": datasets.Dataset.from_dict({"q": ["a"], "a": ["b"]})},
+                         r"the calib dataset has no single text column \(string columns: q, a\); rename")):
+        with pytest.raises(UserError, match=needle):
+            shuffleprune.prune(str(tiny_dir), "fast", **bad, **kw)
+
+
 def test_weights_outside_linears_are_reported_and_warned_about(tiny_dir, text_file, eval_file, tmp_path):
     """Matrices prune does not act on (here a Mixtral's fused experts, skipped by --skip) are reported as
     left dense — a warning, the report and the model card — where a dense LLaMA has none."""

@@ -105,7 +105,7 @@ def test_flags_and_set_override_the_recipe():
     ({"recipe": None, "nsamples": "128"}, "'nsamples' must be int, got '128'"),
     # documents in memory: the value cut short (all of it was printed), and how to pass them
     ({"recipe": None, "calib": ["a long document"] * 500}, r"^'calib' must be str, got \['a long document', 'a long "
-     r"document', 'a long document', \.\.\.\] \(a source name, .*: write documents to a \.jsonl file"),
+     r"document', 'a long document', \.\.\.\] \(a source name, .*; documents in memory go to shuffleprune\.prune"),
     ({"recipe": None, "only": "*.q_proj"}, "'only' must be a list of strings"),
     ({"recipe": None, "dtype": torch.float64}, "unknown --dtype 'float64'"),
     ({"recipe": None, "dtype": "double"}, "unknown --dtype 'double'"),

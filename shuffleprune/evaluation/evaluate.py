@@ -28,7 +28,7 @@ import torch
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
 from shuffleprune.calib import bos_token, eval_tokens, get_source, held_out_part
-from shuffleprune.calib.sources import HUB_SOURCES, is_local_source
+from shuffleprune.calib.sources import HUB_SOURCES, documents_source, is_local_source
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, upcast_for_cpu
@@ -275,11 +275,12 @@ def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, 
 def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool = True,
                     loaded: dict[str | None, LoadedModel] | None = None,
                     notify: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
-                    verbose: bool = False) -> dict:
+                    verbose: bool = False, documents: dict[str, tuple[str, ...]] | None = None) -> dict:
     """Score every model in ``config.models``; returns the results dict (and writes it to ``out``).
 
     ``loaded`` maps a model spec to an already-loaded model, which is then scored as it is in
-    memory instead of being loaded from disk (the library path for pipelines and tests).
+    memory instead of being loaded from disk (the library path for pipelines and tests);
+    ``documents`` the perplexity text passed in memory, under the name ``config.ppl_text`` gives it.
     """
     _validate(config, out)
     for spec in config.models:   # every model found before the first is scored
@@ -289,7 +290,9 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     _quiet_lm_eval(verbose)
     offline = _offline(config, notify)
     ppl_name = _ppl_text(config, offline)
-    ppl_source = get_source(ppl_name) if ppl_name is not None else None
+    documents = documents or {}
+    ppl_source = (None if ppl_name is None else documents_source(ppl_name, documents[ppl_name]) if ppl_name in documents
+                  else get_source(ppl_name))
     run = _EvalRun(config, _plan_tasks(config, offline), device, ppl_name, ppl_source, progress, notify)
     rows = []
     with library_progress_bars(progress):

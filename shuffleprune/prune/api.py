@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from shuffleprune.calib.sources import as_documents, documents_name
 from shuffleprune.models import in_memory
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.driver import PruneResult, prune as run_prune
@@ -18,10 +19,22 @@ def prune_model(model: Any = None, recipe: str | Path | None = None, out: str | 
     (``fast``, ``balanced``, ``accurate``, ``paper``, ``best``, ``learned`` or a YAML file; default
     ``accurate``) and ``options`` that override it (the command line's names: ``pattern``, ``method``,
     ``perm``, ``nsamples``, ``perm_steps`` …). With ``out``, the checkpoint, report, recipe and model
-    card are written there. Returns a ``PruneResult`` (``.report``, ``.model``, ``.tokenizer``)."""
+    card are written there. ``calib`` and ``eval_text`` also take documents in memory (a list of
+    strings or a ``datasets.Dataset``), recorded by their count and digest (``documents:N:…``; one
+    such text for both is split as a shared file is). Returns a ``PruneResult`` (``.report``,
+    ``.model``, ``.tokenizer``)."""
     loaded = None if isinstance(model, (str, Path, type(None))) else in_memory(model, tokenizer)
     if loaded is None and tokenizer is not None:
         raise TypeError("tokenizer= goes with a model object; a model path or hub id brings its own tokenizer")
     name = loaded.source if loaded is not None else (str(model) if model is not None else None)
+    documents = {}
+    for key in ("calib", "eval_text"):   # texts in memory: named by their digest in the config and report
+        if isinstance(options.get(key), Path):
+            options[key] = str(options[key])
+        elif key in options and not isinstance(options[key], (str, type(None))):
+            docs = as_documents(options[key], key)
+            options[key] = documents_name(docs)
+            documents[options[key]] = docs
     config = PruneConfig.build(recipe, model=name, **options)
-    return run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=progress, loaded=loaded)
+    return run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=progress, loaded=loaded,
+                     documents=documents)

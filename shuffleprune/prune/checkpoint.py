@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
-from shuffleprune.calib.sources import held_out_part
+from shuffleprune.calib.sources import MEMORY_PREFIX, held_out_part
 from shuffleprune.version import __version__
 from shuffleprune.masks import Pattern
 from shuffleprune.models import LoadedModel, base_model_id, is_embedded
@@ -144,6 +144,17 @@ def _ppl(x: float | None) -> str:
     return "not measured" if x is None else f"{x:.2f}"
 
 
+def _repeat_line(report: dict) -> str:
+    """The command that repeats the run; a Python call when its texts were documents in memory."""
+    base = report["model"]
+    in_memory = [k for k, t in (("calib", report["calib"]["source"]), ("eval_text", report["eval"]["text"]))
+                 if str(t).startswith(MEMORY_PREFIX)]
+    if in_memory:
+        texts = ", ".join(f"{k}=<the same documents>" for k in in_memory)
+        return f"`shuffleprune.prune({None if base.startswith('embedded:') else base!r}, \"PATH/recipe.yaml\", {texts})`"
+    return f"`shuffleprune prune {'' if base.startswith('embedded:') else base + ' '}--recipe PATH/recipe.yaml --out OUT`"
+
+
 def model_card(report: dict) -> str:
     """A hub-style ``README.md`` for the pruned checkpoint."""
     base = report["model"]
@@ -184,11 +195,11 @@ Perplexity text: {eval_line}.
 {stages}
 - Calibration: {calib['source']}, {calib['nsamples']} windows of {calib['seqlen']} tokens, seed {calib['seed']}
   ({calib['documents']} document{'' if calib['documents'] == 1 else 's'}{'' if calib['tokens'] is None else f", {calib['tokens']} tokens"}{
-  ", the other documents of the perplexity file" if calib['split_from_shared_file'] else ""}).
+  ", the rest of the text perplexity reads" if calib['split_from_shared_file'] else ""}).
 - N:M holds for every pruned layer in the column order the export stores it: {report['nm_ok']}.{_experts_line(report)}{_outside_line(report)}
 - Saved in {report['saved_dtype'].replace('torch.', '')}; computed in {report['compute_dtype'].replace('torch.', '')} on {report['device']}.
 
-Repeat the run: `shuffleprune prune {'' if base.startswith('embedded:') else base + ' '}--recipe PATH/recipe.yaml --out OUT`.
+Repeat the run: {_repeat_line(report)}.
 
 ## Load it
 

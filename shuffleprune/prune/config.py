@@ -196,7 +196,7 @@ def _type_problem(key: str, value: Any) -> str | None:
     as documents is told how to pass them."""
     problem = type_problem(PruneConfig, key, value)
     if problem is not None and key in _TEXT_KEYS and not isinstance(value, str):
-        problem += " (a source name, a hub dataset or a .txt/.jsonl path: write documents to a .jsonl file, one {\"text\": ...} per line)"
+        problem += " (a source name, a hub dataset or a .txt/.jsonl path; documents in memory go to shuffleprune.prune(calib=[...]))"
     return problem
 
 

@@ -25,6 +25,7 @@ from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeigh
                                   weights_outside_linears)
 from shuffleprune.calib import (TextSource, bos_token, calibration_windows, default_eval_source, eval_tokens, get_source,
                                same_text)
+from shuffleprune.calib.sources import documents_source
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
@@ -107,13 +108,18 @@ class _Texts:
     shared: bool   # one local file split between calibration and evaluation
 
 
-def _open_texts(config: PruneConfig) -> _Texts:
-    """Open ``--calib`` and the held-out text: an unknown, missing or unreadable text fails here,
-    before the model is loaded, and a local file is read once for the run."""
+def _open_texts(config: PruneConfig, documents: dict[str, tuple[str, ...]]) -> _Texts:
+    """Open ``--calib`` and the held-out text (a name in ``documents``: those passed in memory): an
+    unknown, missing or unreadable text fails here, before the model is loaded, and a local file is
+    read once for the run."""
     eval_name = _eval_name(config)
     shared = same_text(config.calib, eval_name)
-    calib = get_source(config.calib, shared)
-    held = None if eval_name is None else (calib if shared else get_source(eval_name))
+
+    def source(name: str, split: bool = False) -> TextSource:
+        return documents_source(name, documents[name], split) if name in documents else get_source(name, split)
+
+    calib = source(config.calib, shared)
+    held = None if eval_name is None else (calib if shared else source(eval_name))
     return _Texts(calib, held, eval_name, shared)
 
 
@@ -152,12 +158,14 @@ def _eval_name(config: PruneConfig) -> str | None:
 
 def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = False, overwrite: bool = False,
           progress: bool = True, on_block_done: Callable[[int], None] | None = None,
-          loaded: LoadedModel | None = None) -> PruneResult:
+          loaded: LoadedModel | None = None, documents: dict[str, tuple[str, ...]] | None = None) -> PruneResult:
     """Prune ``config.model`` with ``config.stages`` and (with ``out``) write an HF checkpoint,
     ``prune_report.json``, ``recipe.yaml`` and a ``README.md`` model card.
 
     ``on_block_done(i)`` is called after block ``i`` is pruned and checkpointed (tests use it to
-    simulate a crash). ``loaded`` lets a Python caller pass an already-loaded model. With
+    simulate a crash). ``loaded`` lets a Python caller pass an already-loaded model, ``documents``
+    texts in memory under the names ``config.calib`` / ``config.eval_text`` give them
+    (:func:`~shuffleprune.calib.sources.documents_name`). With
     ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run (restored afterwards).
     """
     device = pick_device(config.device)
@@ -165,7 +173,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     existed = out is not None and out.exists()
     try:
         with tf32_matmuls(device, config.tf32), library_progress_bars(progress):
-            return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded)
+            return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded, documents or {})
     except BaseException:
         if out is not None:
             _discard_unresumable(out, existed)
@@ -184,11 +192,12 @@ def _discard_unresumable(out: Path, existed: bool) -> None:
 
 
 def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: bool, overwrite: bool,
-          progress: bool, on_block_done: Callable[[int], None] | None, loaded: LoadedModel | None) -> PruneResult:
+          progress: bool, on_block_done: Callable[[int], None] | None, loaded: LoadedModel | None,
+          documents: dict[str, tuple[str, ...]]) -> PruneResult:
     """The run: load, calibrate (or reload a resumed run's data), capture, prepare, walk the blocks, report."""
     t_start = time.time()
     spec = config.spec()
-    texts = _open_texts(config)
+    texts = _open_texts(config, documents)
     state = _prepare_out(out, resume, overwrite, config)
     if state is not None and state["config_key"] != config.key():
         raise UserError("--resume with different settings than the interrupted run; repeat its exact options")
