@@ -7,17 +7,14 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
+from shuffleprune.console import plain_console
 from shuffleprune.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="N:M sparsity for pretrained LLMs with learned input-channel permutations.")
-# text from users and libraries (paths, names, messages) is printed as it is: no rich markup ('[x]' was
-# dropped), no emoji codes (':abc:' became an emoji), no highlighting
-out_console = Console(markup=False, emoji=False, highlight=False)
-err = Console(stderr=True, markup=False, emoji=False, highlight=False)
+out_console, err = plain_console(), plain_console(stderr=True)
 
 
 def _print_version(value: bool) -> None:

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
 from shuffleprune.calib import held_out_part
+from shuffleprune.console import plain_console
 from shuffleprune.errors import UserError, reason
 
 # what the commands read of a run's report (a prune run's, a dst run's)
@@ -62,13 +63,8 @@ def prune_table(report: dict) -> Table:
     return table
 
 
-def _plain_console() -> Console:
-    """A console that prints names and paths as they are (no rich markup or emoji codes in them)."""
-    return Console(markup=False, emoji=False, highlight=False)
-
-
 def print_prune_report(report: dict, console: Console | None = None) -> None:
-    (console or _plain_console()).print(prune_table(report))
+    (console or plain_console()).print(prune_table(report))
 
 
 def _eval_rows(results: dict) -> tuple[list[str], list[list[str]]]:
@@ -127,4 +123,4 @@ def eval_markdown(results: dict) -> str:
 
 
 def print_eval_report(results: dict, console: Console | None = None) -> None:
-    (console or _plain_console()).print(eval_table(results))
+    (console or plain_console()).print(eval_table(results))
