@@ -176,6 +176,22 @@ def test_perplexity_of_documents_in_memory_is_that_of_the_same_text_in_a_file(ti
     assert from_list["ppl_eval"]["text"].startswith(f"documents:{len(docs)}:")
 
 
+def test_scoring_a_model_on_its_calibration_text_is_warned_about(tiny_dir, text_file, eval_file, tmp_path):
+    """``eval --ppl-text`` naming the file a checkpoint was calibrated on warns that the perplexity is
+    not held out (it was scored silently); another text does not."""
+    import shuffleprune
+
+    shuffleprune.prune(str(tiny_dir), "fast", tmp_path / "pruned", calib=str(text_file), eval_text=None, nsamples=4,
+                       seqlen=32, progress=False)
+    for ppl_text, warned in ((text_file, True), (eval_file, False)):
+        res = CliRunner().invoke(app, ["eval", str(tmp_path / "pruned"), str(tiny_dir), "--tasks", "ppl", "--ppl-text",
+                                       str(ppl_text), "--ppl-ctx", "32", "--ppl-tokens", "256", "--quiet"])
+        assert res.exit_code == 0, res.output
+        lines = [l for l in res.output.splitlines() if "not held out" in l]
+        assert lines == ([f"warning: pruned was calibrated on '{text_file}', the perplexity text: its perplexity is not "
+                          "held out (give --ppl-text another text)"] if warned else []), res.output
+
+
 def test_the_python_api_takes_one_model_a_task_string_and_checks_types(tiny_dir, tmp_path):
     """evaluate("dir", tasks="ppl") scores that model on ppl (a string was iterated letter by letter:
     models 'd', 'i', … and tasks 'p', 'p', 'l'); a value of the wrong type is a one-line error naming

@@ -27,7 +27,7 @@ import torch
 
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
-from shuffleprune.calib import bos_token, eval_tokens, get_source, held_out_part
+from shuffleprune.calib import bos_token, eval_tokens, get_source, held_out_part, same_text
 from shuffleprune.calib.sources import HUB_SOURCES, documents_source, is_local_source
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
@@ -185,15 +185,25 @@ def _sparsity(model: torch.nn.Module) -> float | None:
     return round(zeros / total, 6) if total else None
 
 
-def _prune_summary(path: str) -> str | None:
+def _prune_report(path: str) -> dict | None:
+    """The prune report beside a model (a pruned or exported checkpoint), if there is a readable one."""
     report = Path(path) / "prune_report.json"
     if not report.is_file():
         return None
     try:
-        rep = read_report(report)
+        return read_report(report)
     except UserError:
         return None
-    return f"{rep['method']} {rep['pattern']}"
+
+
+def _prune_summary(report: dict | None) -> str | None:
+    return None if report is None else f"{report['method']} {report['pattern']}"
+
+
+def _calibrated_on_ppl_text(report: dict | None, ppl_name: str | None) -> bool:
+    """Whether the perplexity text is the local text (file, or documents by digest) the model was
+    calibrated on: all of it or the held-out part is then scored with the calibration documents."""
+    return report is not None and ppl_name is not None and same_text(report["calib"]["source"], ppl_name)
 
 
 def _metric_table(task_results: dict) -> dict[str, float]:
@@ -360,10 +370,14 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
     model = lm.model
     whole = _place_model(run, spec, model)
     dtype_used = str(model.dtype).replace("torch.", "")
+    report = None if lm.in_memory else _prune_report(lm.path)
     row = {"model": _label(spec, lm.path, run.labels), "spec": spec, "path": None if lm.in_memory else lm.path,
-           "pruned": None if lm.in_memory else _prune_summary(lm.path), "sparsity": _sparsity(model), "dtype": dtype_used,
+           "pruned": _prune_summary(report), "sparsity": _sparsity(model), "dtype": dtype_used,
            "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
     if run.ppl_name is not None:
+        if _calibrated_on_ppl_text(report, run.ppl_name):
+            run.notify(f"warning: {row['model']} was calibrated on '{run.ppl_name}', the perplexity text: its perplexity "
+                       "is not held out (give --ppl-text another text)")
         t0 = time.time()
         row["ppl"], row["ppl_eval"] = _perplexity_of(run, lm, blockwise=not whole)
         row["seconds"]["ppl"] = round(time.time() - t0, 2)
