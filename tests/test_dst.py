@@ -130,6 +130,12 @@ def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_d
     card = (tmp_path / "run" / "model" / "README.md").read_text()  # a model card for the hub
     assert "# nm · 2:4 (N:M)" in card and f"{report['final_ppl']:.2f}" in card and "index_maps.safetensors" in card
     assert f"{report['final_ppl']:.2f} (its held-out part, windows of 32 tokens)" in card
+    from shuffleprune.evaluation.evaluate import EvalConfig, evaluate_models
+
+    said = []   # scoring the trained model on its training text is warned about
+    evaluate_models(EvalConfig(models=[str(tmp_path / "run" / "model")], tasks=["ppl"], ppl_text=str(text_file),
+                               ppl_ctx=32, ppl_tokens=256), progress=False, notify=said.append)
+    assert any(f"was calibrated or trained on '{text_file}'" in m for m in said), said
     assert "shuffleprune export PATH DEPLOYED" in card and 'from_pretrained("PATH")' in card
     assert all(l["n_of_m"] and l["pruned_weights_zero"] for l in report["layers"].values())
     assert any(p["strength"] < 1 for p in report["permutations"].values())  # not all identities

@@ -188,8 +188,8 @@ def test_scoring_a_model_on_its_calibration_text_is_warned_about(tiny_dir, text_
                                        str(ppl_text), "--ppl-ctx", "32", "--ppl-tokens", "256", "--quiet"])
         assert res.exit_code == 0, res.output
         lines = [l for l in res.output.splitlines() if "not held out" in l]
-        assert lines == ([f"warning: pruned was calibrated on '{text_file}', the perplexity text: its perplexity is not "
-                          "held out (give --ppl-text another text)"] if warned else []), res.output
+        assert lines == ([f"warning: pruned was calibrated or trained on '{text_file}', the perplexity text: its "
+                          "perplexity is not held out (give --ppl-text another text)"] if warned else []), res.output
 
 
 def test_the_python_api_takes_one_model_a_task_string_and_checks_types(tiny_dir, tmp_path):

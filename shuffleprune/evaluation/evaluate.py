@@ -200,10 +200,18 @@ def _prune_summary(report: dict | None) -> str | None:
     return None if report is None else f"{report['method']} {report['pattern']}"
 
 
-def _calibrated_on_ppl_text(report: dict | None, ppl_name: str | None) -> bool:
-    """Whether the perplexity text is the local text (file, or documents by digest) the model was
-    calibrated on: all of it or the held-out part is then scored with the calibration documents."""
-    return report is not None and ppl_name is not None and same_text(report["calib"]["source"], ppl_name)
+def _fitted_text(path: str, report: dict | None) -> str | None:
+    """The text a checkpoint was fitted to: its prune report's calibration text, or the training text
+    of the ``dst`` run whose ``model/`` it is."""
+    if report is not None:
+        return report["calib"]["source"]
+    run = Path(path).parent / "dst_report.json"
+    if Path(path).name == "model" and run.is_file():
+        try:
+            return read_report(run)["train"]["data"]
+        except (UserError, KeyError, TypeError):
+            return None
+    return None
 
 
 def _metric_table(task_results: dict) -> dict[str, float]:
@@ -371,13 +379,14 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
     whole = _place_model(run, spec, model)
     dtype_used = str(model.dtype).replace("torch.", "")
     report = None if lm.in_memory else _prune_report(lm.path)
+    fitted = None if lm.in_memory else _fitted_text(lm.path, report)
     row = {"model": _label(spec, lm.path, run.labels), "spec": spec, "path": None if lm.in_memory else lm.path,
            "pruned": _prune_summary(report), "sparsity": _sparsity(model), "dtype": dtype_used,
            "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
     if run.ppl_name is not None:
-        if _calibrated_on_ppl_text(report, run.ppl_name):
-            run.notify(f"warning: {row['model']} was calibrated on '{run.ppl_name}', the perplexity text: its perplexity "
-                       "is not held out (give --ppl-text another text)")
+        if same_text(fitted, run.ppl_name):   # the local text (file, or documents by digest) it was fitted to
+            run.notify(f"warning: {row['model']} was calibrated or trained on '{run.ppl_name}', the perplexity text: its "
+                       "perplexity is not held out (give --ppl-text another text)")
         t0 = time.time()
         row["ppl"], row["ppl_eval"] = _perplexity_of(run, lm, blockwise=not whole)
         row["seconds"]["ppl"] = round(time.time() - t0, 2)
