@@ -338,8 +338,9 @@ def get_source(name: str, shared: bool = False) -> TextSource:
 
 def held_out_part(name: str, split_from_shared: bool = False) -> str:
     """Which part of a held-out text perplexity reads, for tables and model cards: a corpus's test
-    split, or a local file whole (``--eval-text``, ``--ppl-text``) or its held-out part (one
-    file split between fitting and evaluation: ``--calib`` and ``--eval-text`` the same, ``dst --data``)."""
+    split, or a local file (documents in memory) whole (``--eval-text``, ``--ppl-text``) or its
+    held-out part (one text split between fitting and evaluation: ``--calib`` and ``--eval-text`` the
+    same, ``dst --data``)."""
     if split_from_shared and (name.startswith(MEMORY_PREFIX) or Path(name).suffix in LOCAL_FILE_SUFFIXES):
         return "its held-out part"
     if name.startswith(MEMORY_PREFIX):
