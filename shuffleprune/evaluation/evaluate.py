@@ -423,8 +423,8 @@ def _place_model(run: _EvalRun, spec: str | None, model: torch.nn.Module) -> boo
 def _perplexity_of(run: _EvalRun, lm: LoadedModel, blockwise: bool) -> tuple[float, dict]:
     """The model's perplexity on the run's text, and what it was scored on (text, context, BOS, tokens)."""
     config = run.config
-    tokens = eval_tokens(run.ppl_source, lm.tokenizer, config.ppl_tokens)
     ctx = min(config.ppl_ctx, getattr(text_config(lm.model), "max_position_embeddings", None) or config.ppl_ctx)
+    tokens = eval_tokens(run.ppl_source, lm.tokenizer, config.ppl_tokens, ctx=ctx)
     bos = bos_token(lm.tokenizer)  # windows start with BOS where the tokenizer adds one
     ppl = perplexity(lm.model, tokens, ctx, run.device, batch_size=1, progress=run.progress, bos=bos,
                      blockwise=blockwise)

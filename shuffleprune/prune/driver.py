@@ -123,13 +123,14 @@ def _open_texts(config: PruneConfig, documents: dict[str, tuple[str, ...]]) -> _
     return _Texts(calib, held, eval_name, shared)
 
 
-def _texts(config: PruneConfig, texts: _Texts, tokenizer, seqlen: int) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+def _texts(config: PruneConfig, texts: _Texts, tokenizer, seqlen: int,
+           ctx: int) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """Calibration windows, held-out tokens, and what was used of each text (documents, tokens, BOS)."""
     bos = bos_token(tokenizer)
     calib_info: dict = {}
     tokens = calibration_windows(texts.calib, tokenizer, config.nsamples, seqlen, config.seed, bos=bos, info=calib_info)
     eval_info: dict = {}
-    held_out = eval_tokens(texts.eval, tokenizer, config.eval_tokens, eval_info) if texts.eval is not None else None
+    held_out = eval_tokens(texts.eval, tokenizer, config.eval_tokens, eval_info, ctx) if texts.eval is not None else None
     info = {"eval_text": texts.eval_name, "shared_file_split": texts.shared, "bos": bos is not None,
             "calib": {"documents": calib_info["documents"], "tokens": calib_info["tokens"]},
             "eval": None if held_out is None else {**eval_info, "tokens_read": int(held_out.numel())}}
@@ -271,7 +272,7 @@ def _start_state(config: PruneConfig, texts_in: _Texts, lm: LoadedModel, seqlen:
     """A new run: its calibration windows and held-out tokens (saved for ``--resume``), the dense
     model's held-out perplexity, and the state every checkpoint updates."""
     t0 = time.time()
-    tokens, held_out, texts = _texts(config, texts_in, lm.tokenizer, seqlen)
+    tokens, held_out, texts = _texts(config, texts_in, lm.tokenizer, seqlen, ctx)
     calib_seconds = time.time() - t0
     if work is not None:  # created only once all inputs are known to be good
         work.mkdir(parents=True, exist_ok=True)
