@@ -21,7 +21,8 @@ and perplexity window starts with it too (``bos_token``), as lm-eval and the pap
 
 Recipes: ``c4`` follows the SparseGPT/Wanda calibration loader exactly (random document longer than
 ``seqlen``, random window inside it, Python ``random`` seeded with ``seed``); every other source uses
-their WikiText-2 loader (documents joined, tokenized once, random windows). Perplexity follows their
+their WikiText-2 loader (documents joined, with spaces for WikiText's train split as theirs, tokenized
+once, random windows). Perplexity follows their
 evaluation loaders: WikiText-2's whole test split; c4's first 1100 validation documents, joined with
 spaces, scored on at most 256 windows of the context.
 """
@@ -62,6 +63,11 @@ class TextSource:
     joiner: str = "\n\n"
     doc_windows: bool = False  # c4 recipe: windows inside single long documents
     eval_windows: int | None = None   # c4 recipe: perplexity on this many windows of the context at most
+    calib_joiner: str | None = None   # WikiText-2 recipe: calibration joins the train split with spaces
+
+    def joined(self, docs: list[str], calibration: bool = False) -> str:
+        """The documents as one text, joined as the recipe joins that side."""
+        return (self.calib_joiner if calibration and self.calib_joiner is not None else self.joiner).join(docs)
 
     def documents(self, split: str) -> list[str]:
         if split not in ("train", "test"):
@@ -323,7 +329,7 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     if name == "c4":
         return TextSource("c4", lambda s: _load_hub("c4", s), joiner=" ", doc_windows=True, eval_windows=C4_EVAL_WINDOWS)
     if name in ("wikitext2", "wikitext103"):
-        return TextSource(name, lambda s: _load_hub(name, s), joiner="\n\n")
+        return TextSource(name, lambda s: _load_hub(name, s), joiner="\n\n", calib_joiner=" ")
     if name == "wiki":
         return TextSource("wiki", lambda s: _split(list(_wiki_all()), s))
     if name == "brown":
@@ -404,7 +410,7 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
             rows.append(ids[start:start + text_len])
         tokens = None
     else:
-        stream = _encode(tokenizer, source.joiner.join(docs))
+        stream = _encode(tokenizer, source.joined(docs, calibration=True))
         if stream.numel() <= text_len:
             raise UserError(f"'{source.name}' has only {stream.numel()} tokens; need more than --seqlen {seqlen}")
         if nsamples * text_len > stream.numel():
@@ -429,7 +435,7 @@ def eval_tokens(source: TextSource, tokenizer, max_tokens: int | None = None, in
     source scored on a set number of windows as the papers do (c4: 256), to that many windows of
     ``ctx`` tokens; ``info`` (a dict) receives the number of documents and of tokens before truncation."""
     docs = source.documents("test")
-    stream = _encode(tokenizer, source.joiner.join(docs))
+    stream = _encode(tokenizer, source.joined(docs))
     if info is not None:
         info.update({"documents": len(docs), "tokens_available": int(stream.numel())})
     caps = [max_tokens, source.eval_windows * ctx if source.eval_windows and ctx else None]

@@ -170,6 +170,27 @@ def test_c4_perplexity_reads_what_sparsegpt_and_wanda_score(monkeypatch):
     assert len(source.documents("train")) == 1500   # calibration reads the train shard whole
 
 
+def test_wikitext2_is_joined_as_the_papers_join_it(monkeypatch):
+    """WikiText-2 calibration windows come from the train lines joined with spaces, its perplexity
+    from the test lines joined with blank lines, as SparseGPT's and Wanda's loaders build them (both
+    were joined with blank lines)."""
+    import datasets
+
+    import shuffleprune.calib.sources as sources
+    import shuffleprune.hub
+
+    lines = {"train": [random_text(12, i) + "\n" for i in range(60)], "test": [random_text(12, 100 + i) for i in range(9)]}
+    monkeypatch.setattr(shuffleprune.hub, "hub_reachable", lambda *a, **k: True)
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda repo, config=None, split=None: datasets.Dataset.from_dict({"text": lines[split]}))
+    encoded, encode = [], sources._encode
+    monkeypatch.setattr(sources, "_encode", lambda tokenizer, text: encoded.append(text) or encode(tokenizer, text))
+    source = get_source("wikitext2")
+    calibration_windows(source, make_tokenizer(), nsamples=3, seqlen=16, seed=5)
+    eval_tokens(source, make_tokenizer())
+    assert encoded == [" ".join(lines["train"]), "\n\n".join(lines["test"])]
+
+
 def test_brown_tags_are_stripped():
     raw = "\n\n\tThe/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' ,/, Friday/nr ./.\n\n\tIt/pps ran/vbd ./.\n"
     assert strip_brown_tags(raw) == 'The jury said "no evidence", Friday.\nIt ran.'

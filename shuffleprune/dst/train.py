@@ -297,8 +297,8 @@ def _token_streams(cfg: TrainConfig, accelerator) -> tuple[object, torch.Tensor,
         source = get_source(cfg.data, shared=True)   # a local file: every 10th document held out
         train_docs = source.documents("train")
         tokenizer = _tokenizer(cfg.tokenizer, train_docs, source.name)
-    train_stream = _encode(tokenizer, source.joiner.join(train_docs))
-    test_stream = _encode(tokenizer, source.joiner.join(source.documents("test")))
+    train_stream = _encode(tokenizer, source.joined(train_docs))
+    test_stream = _encode(tokenizer, source.joined(source.documents("test")))
     if cfg.eval_tokens:
         test_stream = test_stream[:cfg.eval_tokens]
     if train_stream.numel() <= cfg.seq_len or test_stream.numel() < cfg.seq_len:
