@@ -360,6 +360,8 @@ def held_out_part(name: str, split_from_shared: bool = False) -> str:
         return "its held-out part"
     if name.startswith(MEMORY_PREFIX):
         return "all of them"
+    if name == "c4":
+        return "validation split"
     return "the whole file" if Path(name).suffix in LOCAL_FILE_SUFFIXES else "test split"
 
 

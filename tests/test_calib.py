@@ -5,7 +5,7 @@ import torch
 
 from conftest import make_tokenizer, random_text
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
-from shuffleprune.calib.sources import strip_brown_tags
+from shuffleprune.calib.sources import held_out_part, strip_brown_tags
 from shuffleprune.errors import UserError
 
 
@@ -168,6 +168,7 @@ def test_c4_perplexity_reads_what_sparsegpt_and_wanda_score(monkeypatch):
     assert eval_tokens(source, tokenizer, ctx=16)[0].tolist() == whole[:256 * 16]
     assert eval_tokens(source, tokenizer, 100, ctx=16).numel() == 100   # a smaller --eval-tokens still wins
     assert len(source.documents("train")) == 1500   # calibration reads the train shard whole
+    assert held_out_part("c4") == "validation split" and held_out_part("wikitext2") == "test split"
 
 
 def test_wikitext2_is_joined_as_the_papers_join_it(monkeypatch):
