@@ -39,6 +39,11 @@ def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir,
     console = Console(width=300, record=True)
     print_prune_report(report, console)   # the table said "heldout.txt test" of a file read whole
     assert f"ppl ({eval_file}, the whole file, ctx 32, " in console.export_text()
+    if method == "wanda":   # the export's card says so too
+        import shuffleprune
+
+        shuffleprune.export(out, tmp_path / "exported", progress=False)
+        assert f"pruning run ({eval_file}, the whole file, windows of 32" in (tmp_path / "exported" / "README.md").read_text()
     assert "(112 documents, 6000 tokens)" in card and f"prune {tiny_dir} --recipe PATH/recipe.yaml --out OUT" in card
     assert not (out / ".resume").exists() and not (out / ".staging").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -328,7 +328,9 @@ def export_card(fmt: dict, report: dict | None, name: str) -> str:
     ppl = (report or {}).get("ppl") or {}
     ppl_lines = "".join(f"| {k} | {v:.2f} |\n" for k, v in ppl.items() if v is not None)
     ev = (report or {}).get("eval") or {}
-    ppl_note = f"Perplexity from the pruning run ({ev.get('text')}, windows of {ev.get('ctx')} tokens); the export computes the pruned model.\n"
+    part = f", {ev['split']}" if ev.get("split") and ev["split"] != "test" else ""   # reports before the label said "test"
+    ppl_note = (f"Perplexity from the pruning run ({ev.get('text')}{part}, windows of {ev.get('ctx')} tokens); "
+                "the export computes the pruned model.\n")
     return f"""---
 {f"base_model: {hub_base}{chr(10)}" if hub_base else ""}library_name: transformers
 tags:
