@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shuffleprune.calib.sources import as_documents, documents_name
+from shuffleprune.calib import as_documents, documents_name
 from shuffleprune.models import in_memory
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.driver import PruneResult, prune as run_prune

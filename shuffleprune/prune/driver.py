@@ -23,9 +23,8 @@ from shuffleprune.block_inputs import CapturedInputs, called_modules, capture_bl
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, block_linears, find_blocks,
                                   GATING_WIDTH, gating_linears, is_plain_linear, parse_expert_name, selected_by_globs, text_config,
                                   weights_outside_linears)
-from shuffleprune.calib import (TextSource, bos_token, calibration_windows, default_eval_source, eval_tokens, get_source,
-                               same_text)
-from shuffleprune.calib.sources import documents_source
+from shuffleprune.calib import (TextSource, bos_token, calibration_windows, default_eval_source, documents_source,
+                               eval_tokens, get_source, same_text)
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
