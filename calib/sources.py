@@ -18,7 +18,9 @@ on either side; only when one file serves both sides (``get_source(path, shared=
 (a file of one document: its last tenth held out).
 
 Where a model's tokenizer starts every text with a BOS token (LLaMA, Gemma, …), each calibration
-and perplexity window starts with it too (``bos_token``), as lm-eval and the papers' loaders do.
+and perplexity window starts with it too by default (``bos_token``), as lm-eval does; with
+``special_tokens`` a text is instead encoded once as the tokenizer encodes it alone (BOS at its
+start only) and the windows cut from that, as SparseGPT's and Wanda's loaders do (``--bos text``).
 
 Recipes: ``c4`` follows the SparseGPT/Wanda calibration loader exactly (random document longer than
 ``seqlen``, random window inside it, Python ``random`` seeded with ``seed``); every other source uses
@@ -392,6 +394,16 @@ def default_eval_source(calib: str) -> str:
     return "brown" if calib == "wiki" else "wiki"
 
 
+BOS_MODES = ("window", "text")   # where a tokenizer's BOS goes: every window (lm-eval), or each text's start
+                                # as the tokenizer encodes it alone (SparseGPT's and Wanda's loaders)
+
+
+def check_bos_mode(mode: str, flag: str) -> None:
+    if mode not in BOS_MODES:
+        raise UserError(f"{flag} must be window (every window starts with BOS, as lm-eval) or text (BOS only at the "
+                        f"start of each text, as SparseGPT's and Wanda's loaders), not {mode!r}")
+
+
 def bos_token(tokenizer) -> int | None:
     """The BOS id when ``tokenizer`` starts an encoded text with it (LLaMA, Gemma, …), else None."""
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -402,15 +414,17 @@ def bos_token(tokenizer) -> int | None:
     return bos if ids and ids[0] == bos and plain[:1] != [bos] else None
 
 
-def _encode(tokenizer, text: str) -> torch.Tensor:
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+def _encode(tokenizer, text: str, special_tokens: bool = False) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=special_tokens)["input_ids"], dtype=torch.long)
 
 
 def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: int, seed: int,
-                        bos: int | None = None, info: dict | None = None) -> torch.Tensor:
+                        bos: int | None = None, info: dict | None = None, special_tokens: bool = False) -> torch.Tensor:
     """``[nsamples, seqlen]`` token windows from the source's train split, reproducible from ``seed``.
-    With ``bos``, each window is that token followed by ``seqlen − 1`` tokens of text. ``info``
-    (a dict) receives the number of documents and tokens drawn from."""
+    With ``bos``, each window is that token followed by ``seqlen − 1`` tokens of text; with
+    ``special_tokens``, each text is encoded as the tokenizer encodes it alone (a BOS at its start:
+    SparseGPT's and Wanda's loaders). ``info`` (a dict) receives the number of documents and tokens
+    drawn from."""
     if nsamples < 1 or seqlen < 2 + (bos is not None):
         raise UserError("--nsamples must be >= 1 and --seqlen >= 2")
     docs = source.documents("train")
@@ -421,7 +435,7 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
         long_enough = 0
         for _ in range(nsamples):
             for _attempt in range(100_000):
-                ids = _encode(tokenizer, docs[rng.randint(0, len(docs) - 1)])
+                ids = _encode(tokenizer, docs[rng.randint(0, len(docs) - 1)], special_tokens)
                 if ids.numel() > text_len:
                     long_enough += 1
                     break
@@ -431,7 +445,7 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
             rows.append(ids[start:start + text_len])
         tokens = None
     else:
-        stream = _encode(tokenizer, source.joined(docs, calibration=True))
+        stream = _encode(tokenizer, source.joined(docs, calibration=True), special_tokens)
         if stream.numel() <= text_len:
             raise UserError(f"'{source.name}' has only {stream.numel()} tokens; need more than --seqlen {seqlen}")
         if nsamples * text_len > stream.numel():
@@ -451,12 +465,13 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
 
 
 def eval_tokens(source: TextSource, tokenizer, max_tokens: int | None = None, info: dict | None = None,
-                ctx: int | None = None) -> torch.Tensor:
-    """The source's test split as one token stream ``[1, T]``, truncated to ``max_tokens`` and, for a
-    source scored on a set number of windows as the papers do (c4: 256), to that many windows of
-    ``ctx`` tokens; ``info`` (a dict) receives the number of documents and of tokens before truncation."""
+                ctx: int | None = None, special_tokens: bool = False) -> torch.Tensor:
+    """The source's test split as one token stream ``[1, T]`` (encoded with the tokenizer's special
+    tokens when ``special_tokens``), truncated to ``max_tokens`` and, for a source scored on a set
+    number of windows as the papers do (c4: 256), to that many windows of ``ctx`` tokens; ``info``
+    (a dict) receives the number of documents and of tokens before truncation."""
     docs = source.documents("test")
-    stream = _encode(tokenizer, source.joined(docs))
+    stream = _encode(tokenizer, source.joined(docs), special_tokens)
     if info is not None:
         info.update({"documents": len(docs), "tokens_available": int(stream.numel())})
     caps = [max_tokens, source.eval_windows * ctx if source.eval_windows and ctx else None]

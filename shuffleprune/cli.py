@@ -75,6 +75,7 @@ def prune(
     eval_text: Optional[str] = typer.Option(None, "--eval-text", rich_help_panel=_DATA, help="Perplexity text (a file is used whole; the same file as --calib is split), 'none' to skip", show_default="auto = wikitext2 for hub calibration, else the other offline source"),
     eval_ctx: Optional[int] = typer.Option(None, "--eval-ctx", rich_help_panel=_DATA, help="Perplexity window length", show_default="--seqlen"),
     eval_tokens: Optional[int] = typer.Option(None, "--eval-tokens", rich_help_panel=_DATA, help="Score at most this many held-out tokens", show_default="all of the text; c4: 256 windows, as the papers"),
+    bos: Optional[str] = typer.Option(None, "--bos", rich_help_panel=_DATA, help="For tokenizers that add a BOS token (LLaMA, Gemma, …): window (every calibration and perplexity window starts with it, as lm-eval) or text (only the start of each text, as SparseGPT's and Wanda's loaders: their numbers)", show_default="window"),
     out: Optional[Path] = typer.Option(None, "--out", rich_help_panel=_OUT, help="Write the pruned HF checkpoint, prune_report.json, recipe.yaml and a README.md card here."),
     export: Optional[Path] = typer.Option(None, "--export", rich_help_panel=_OUT, help="Also write the deployable compressed N:M checkpoint here (needs --out)."),
     resume: bool = typer.Option(False, "--resume", rich_help_panel=_OUT, help="Continue an interrupted run from its last finished block in --out."),
@@ -118,7 +119,8 @@ def prune(
     try:
         given = dict(model=model, pattern=pattern, sparsity=sparsity, calib=calib, nsamples=nsamples, seqlen=seqlen,
                      seed=seed, only=only or None, skip=skip or None, dtype=dtype, eval_text=eval_text,
-                     eval_ctx=eval_ctx, eval_tokens=eval_tokens, device=device, batch_size=batch_size, tf32=tf32)
+                     eval_ctx=eval_ctx, eval_tokens=eval_tokens, device=device, batch_size=batch_size, tf32=tf32,
+                     bos=bos)
         given = {k: v for k, v in given.items() if v is not None}  # what was typed overrides the recipe
         if given.get("eval_text") == "none":
             given["eval_text"] = None
@@ -240,6 +242,7 @@ def eval_(
     include_path: Optional[List[str]] = typer.Option(None, "--include-path", help="Extra directory of lm-eval task YAMLs (repeatable)."),
     ppl_text: str = typer.Option("auto", "--ppl-text", help="Perplexity text: auto (wikitext2 online, brown offline), wikitext2, c4, a hub dataset OWNER/NAME[:CONFIG], wiki, brown, a .txt/.jsonl path or a directory of such files."),
     ppl_ctx: int = typer.Option(2048, "--ppl-ctx", help="Perplexity window length (capped by the model's context)."),
+    ppl_bos: str = typer.Option("window", "--ppl-bos", help="For tokenizers that add a BOS token: window (every perplexity window starts with it, as lm-eval) or text (only the start of the text, as SparseGPT's and Wanda's loaders)."),
     ppl_tokens: Optional[int] = typer.Option(None, "--ppl-tokens", help="Use at most this many held-out tokens (default: the whole test split; c4: 256 windows, as the papers)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (checkpoint dtype; float32 on CPU), float32, bfloat16, float16."),
@@ -257,7 +260,7 @@ def eval_(
                         tasks=list(DEFAULT_TASKS) if tasks is None else _split_csv(tasks), limit=limit,
                         num_fewshot=num_fewshot, batch_size=batch_size, device=device, dtype=dtype, offline=offline,
                         include_path=list(include_path) if include_path else None, ppl_text=ppl_text,
-                        ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens)
+                        ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens, ppl_bos=ppl_bos)
     try:
         results = evaluate_models(config, out=out, progress=not quiet,
                                   notify=lambda msg: err.print(msg, soft_wrap=True),

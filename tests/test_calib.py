@@ -57,6 +57,17 @@ def test_windows_start_with_bos_where_the_tokenizer_adds_it():
     src = TextSource("t", lambda split: [text])
     w = calibration_windows(src, bos_tok, 4, 16, seed=0, bos=bos_id)
     assert w.shape == (4, 16) and (w[:, 0] == bos_id).all() and not (w[:, 1:] == bos_id).any()
+    # --bos text: the text encoded as the tokenizer encodes it alone (BOS at its start only) and windows
+    # cut from it as SparseGPT's and Wanda's loaders cut them
+    import random
+
+    stream, rng = bos_tok(text)["input_ids"], random.Random(0)
+    papers = []
+    for _ in range(4):
+        start = rng.randint(0, len(stream) - 16 - 1)
+        papers.append(stream[start:start + 16])
+    assert calibration_windows(src, bos_tok, 4, 16, seed=0, special_tokens=True).tolist() == papers
+    assert eval_tokens(src, bos_tok, special_tokens=True)[0].tolist() == stream
 
 
 def test_bad_jsonl_names_the_line(tmp_path):
@@ -204,7 +215,7 @@ def test_wikitext2_is_joined_as_the_papers_join_it(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset",
                         lambda repo, config=None, split=None: datasets.Dataset.from_dict({"text": lines[split]}))
     encoded, encode = [], sources._encode
-    monkeypatch.setattr(sources, "_encode", lambda tokenizer, text: encoded.append(text) or encode(tokenizer, text))
+    monkeypatch.setattr(sources, "_encode", lambda tokenizer, text, *rest: encoded.append(text) or encode(tokenizer, text, *rest))
     source = get_source("wikitext2")
     calibration_windows(source, make_tokenizer(), nsamples=3, seqlen=16, seed=5)
     eval_tokens(source, make_tokenizer())

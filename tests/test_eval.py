@@ -118,7 +118,8 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
         assert r["metric"] == "acc" and 0 <= r["value"] <= 1 and r["stderr"] is not None
         assert r["version"] == 3.0 and r["n_shot"] == 0 and r["n_items"] == 10 and r["n_items_total"] == 16
         assert m["ppl"] > 1 and m["ppl_eval"] == {"text": str(heldout), "split": "the whole file", "ctx": 32, "bos": False,
-                                                  "tokens": m["ppl_eval"]["tokens"]} and m["ppl_eval"]["tokens"] > 0
+                                                  "bos_mode": None, "tokens": m["ppl_eval"]["tokens"]}
+        assert m["ppl_eval"]["tokens"] > 0
         assert m["average"] == r["value"] and "--limit 10" in m["lm_eval_cli"] and m["path"] in m["lm_eval_cli"]
     assert sparse["ppl"] != dense["ppl"]
     md = out.with_suffix(".md").read_text()
@@ -190,6 +191,45 @@ def test_scoring_a_model_on_its_calibration_text_is_warned_about(tiny_dir, text_
         lines = [l for l in res.output.splitlines() if "not held out" in l]
         assert lines == ([f"warning: pruned was calibrated or trained on '{text_file}', the perplexity text: its "
                           "perplexity is not held out (give --ppl-text another text)"] if warned else []), res.output
+
+
+def test_bos_text_mode_scores_and_calibrates_as_the_papers_loaders(eval_file, text_file):
+    """``ppl_bos="text"`` / ``bos="text"``: for a tokenizer that adds BOS, the perplexity text is
+    encoded once with BOS at its start and cut into consecutive windows, as SparseGPT's and Wanda's
+    evaluation loops do (the default puts BOS at the start of every window); prune's dense
+    perplexity is that same number, and its report says which mode ran."""
+    import math
+
+    from tokenizers import processors
+
+    import shuffleprune
+    from conftest import make_tokenizer, tiny_model
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "[BOS]"})
+    bos = tokenizer.bos_token_id
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", bos)])
+    model = tiny_model().eval()
+    stream = torch.tensor(tokenizer(eval_file.read_text())["input_ids"])
+    assert stream[0] == bos and (stream[1:] != bos).all()
+    windows = stream[: stream.numel() // 16 * 16].view(-1, 16)
+    with torch.no_grad():
+        logits = model(windows).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+    papers = math.exp(nll.item())
+    common = dict(tasks="ppl", ppl_text=str(eval_file), ppl_ctx=16)
+    row = shuffleprune.evaluate(model, tokenizer=tokenizer, ppl_bos="text", **common)["models"][0]
+    assert row["ppl"] == pytest.approx(papers, rel=1e-5) and row["ppl_eval"]["bos_mode"] == "text"
+    default = shuffleprune.evaluate(model, tokenizer=tokenizer, **common)["models"][0]
+    assert default["ppl_eval"]["bos"] and default["ppl"] != pytest.approx(papers, rel=1e-3)
+    result = shuffleprune.prune(model, "fast", tokenizer=tokenizer, calib=str(text_file), eval_text=str(eval_file),
+                                nsamples=2, seqlen=16, bos="text", progress=False)
+    assert result.report["ppl"]["dense"] == pytest.approx(papers, rel=1e-5)
+    assert (result.report["bos"], result.report["bos_mode"]) == (False, "text")
+    with pytest.raises(UserError, match="--ppl-bos must be window .* or text"):
+        shuffleprune.evaluate(model, tokenizer=tokenizer, ppl_bos="first", **common)
+    with pytest.raises(UserError, match="--bos must be window"):
+        shuffleprune.prune(model, "fast", tokenizer=tokenizer, bos="first")
 
 
 def test_the_python_api_takes_one_model_a_task_string_and_checks_types(tiny_dir, tmp_path):

@@ -28,7 +28,7 @@ import torch
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
 from shuffleprune.calib import bos_token, eval_tokens, get_source, held_out_part, same_text
-from shuffleprune.calib.sources import HUB_SOURCES, documents_source, is_local_source
+from shuffleprune.calib.sources import HUB_SOURCES, check_bos_mode, documents_source, is_local_source
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, upcast_for_cpu
@@ -68,6 +68,7 @@ class EvalConfig:
     ppl_text: str = "auto"                # auto: wikitext2 online, brown offline; or a source name/path
     ppl_ctx: int = 2048
     ppl_tokens: int | None = None         # cap on held-out tokens (default: the whole test split)
+    ppl_bos: str = "window"               # BOS of tokenizers that add one: every window | the text's start (the papers')
 
 
 @dataclass
@@ -111,6 +112,7 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
         raise UserError("--limit must be > 0 (a count, or a fraction below 1)")
     if config.batch_size < 1 or config.ppl_ctx < 2:
         raise UserError("--batch-size must be >= 1 and --ppl-ctx >= 2")
+    check_bos_mode(config.ppl_bos, "--ppl-bos")
     if config.ppl_tokens is not None and config.ppl_tokens < 1:
         raise UserError("--ppl-tokens must be >= 1 (leave it out for the whole test split)")
     if config.num_fewshot is not None and config.num_fewshot < 0:
@@ -424,12 +426,15 @@ def _perplexity_of(run: _EvalRun, lm: LoadedModel, blockwise: bool) -> tuple[flo
     """The model's perplexity on the run's text, and what it was scored on (text, context, BOS, tokens)."""
     config = run.config
     ctx = min(config.ppl_ctx, getattr(text_config(lm.model), "max_position_embeddings", None) or config.ppl_ctx)
-    tokens = eval_tokens(run.ppl_source, lm.tokenizer, config.ppl_tokens, ctx=ctx)
-    bos = bos_token(lm.tokenizer)  # windows start with BOS where the tokenizer adds one
+    tokens = eval_tokens(run.ppl_source, lm.tokenizer, config.ppl_tokens, ctx=ctx, special_tokens=config.ppl_bos == "text")
+    # windows start with BOS where the tokenizer adds one (or, "text", only the text does, as the papers' loaders)
+    tokenizer_bos = bos_token(lm.tokenizer)
+    bos = tokenizer_bos if config.ppl_bos == "window" else None
     ppl = perplexity(lm.model, tokens, ctx, run.device, batch_size=1, progress=run.progress, bos=bos,
                      blockwise=blockwise)
     per_window = ctx - (bos is not None)
     return ppl, {"text": run.ppl_name, "split": held_out_part(run.ppl_name), "ctx": ctx, "bos": bos is not None,
+                 "bos_mode": config.ppl_bos if tokenizer_bos is not None else None,
                  "tokens": (tokens.numel() // per_window) * per_window}
 
 

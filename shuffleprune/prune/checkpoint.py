@@ -80,7 +80,7 @@ def build_report(config: PruneConfig, lm: LoadedModel, state: dict, pattern: Pat
                  **({"documents": texts["eval"]["documents"], "tokens_available": texts["eval"]["tokens_available"],
                      "tokens_scored": texts["eval"]["tokens_scored"],
                      "block_by_block": texts["eval"].get("block_by_block", False)} if texts["eval"] else {})},
-        "bos": texts["bos"],
+        "bos": texts["bos"], "bos_mode": texts.get("bos_mode"),
         "ppl": {"dense": state["dense_ppl"], "pruned": state["pruned_ppl"]},
         "sparsity": _overall_sparsity(state["layers"]),
         "nm_ok": all(l["nm_ok"] for l in state["layers"]) if pattern.is_nm else None,
@@ -144,6 +144,12 @@ def _ppl(x: float | None) -> str:
     return "not measured" if x is None else f"{x:.2f}"
 
 
+def _bos_note(report: dict) -> str:
+    if report["bos"]:
+        return ", each starting with BOS"
+    return ", BOS only at the start of the text, as SparseGPT and Wanda" if report.get("bos_mode") == "text" else ""
+
+
 def _repeat_line(report: dict) -> str:
     """The command that repeats the run; a Python call when its texts were documents in memory."""
     base = report["model"]
@@ -168,7 +174,7 @@ def model_card(report: dict) -> str:
                  if report["perm"] and report["perm"].get("index_maps") else "")
     part = held_out_part(str(ev["text"]), calib["split_from_shared_file"]) if ev["text"] else ""
     eval_line = (f"{ev['text']} ({part}, {ev.get('tokens_scored', ev['tokens'])} tokens scored in windows of "
-                 f"{ev['ctx']}{', each starting with BOS' if report['bos'] else ''})" if ev["text"] else "not measured")
+                 f"{ev['ctx']}{_bos_note(report)})" if ev["text"] else "not measured")
     tags = ["shuffleprune", "pruned", "sparse", f"sparsity-{report['pattern']}"]
     hub_base = base_model_id(base)
     return f"""---

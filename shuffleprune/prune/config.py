@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from shuffleprune.calib.sources import check_bos_mode
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.models import dtype_name
@@ -46,6 +47,7 @@ class PruneConfig:
     eval_text: str | None = "auto"     # None: no perplexity
     eval_ctx: int | None = None        # default: the calibration seqlen
     eval_tokens: int | None = None     # cap on held-out tokens (default: all of them)
+    bos: str = "window"                # BOS of tokenizers that add one: every window | each text's start (the papers')
     device: str = "auto"
     batch_size: int = 8                # calibration windows per block forward
     tf32: bool = False                 # allow TF32 matmuls on CUDA (faster permutation learning)
@@ -107,6 +109,7 @@ class PruneConfig:
         if self.eval_tokens is not None and self.eval_tokens < 1:
             raise UserError(f"--eval-tokens must be >= 1 (leave it out to score all of the text), "
                             f"got {self.eval_tokens}")
+        check_bos_mode(self.bos, "--bos")
 
     # -- reading ----------------------------------------------------------------------------------
     def stage_objects(self) -> list[Stage]:

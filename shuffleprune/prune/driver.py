@@ -125,12 +125,17 @@ def _open_texts(config: PruneConfig, documents: dict[str, tuple[str, ...]]) -> _
 def _texts(config: PruneConfig, texts: _Texts, tokenizer, seqlen: int,
            ctx: int) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """Calibration windows, held-out tokens, and what was used of each text (documents, tokens, BOS)."""
-    bos = bos_token(tokenizer)
+    tokenizer_bos = bos_token(tokenizer)
+    bos = tokenizer_bos if config.bos == "window" else None
+    special = config.bos == "text"   # each text encoded as the tokenizer encodes it alone, as the papers' loaders
     calib_info: dict = {}
-    tokens = calibration_windows(texts.calib, tokenizer, config.nsamples, seqlen, config.seed, bos=bos, info=calib_info)
+    tokens = calibration_windows(texts.calib, tokenizer, config.nsamples, seqlen, config.seed, bos=bos, info=calib_info,
+                                 special_tokens=special)
     eval_info: dict = {}
-    held_out = eval_tokens(texts.eval, tokenizer, config.eval_tokens, eval_info, ctx) if texts.eval is not None else None
+    held_out = (eval_tokens(texts.eval, tokenizer, config.eval_tokens, eval_info, ctx, special)
+                if texts.eval is not None else None)
     info = {"eval_text": texts.eval_name, "shared_file_split": texts.shared, "bos": bos is not None,
+            "bos_mode": config.bos if tokenizer_bos is not None else None,   # None: the tokenizer adds no BOS
             "calib": {"documents": calib_info["documents"], "tokens": calib_info["tokens"]},
             "eval": None if held_out is None else {**eval_info, "tokens_read": int(held_out.numel())}}
     return tokens, held_out, info
