@@ -336,6 +336,16 @@ def same_text(a: str | None, b: str | None) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
+def text_contains(a: str | None, b: str | None) -> bool:
+    """Whether local text ``a`` holds all of ``b``: the same file or documents, or a directory with
+    ``b`` (a file or a directory) under it."""
+    if same_text(a, b):
+        return True
+    if a is None or b is None or not is_text_path(a) or not is_text_path(b) or not Path(a).expanduser().is_dir():
+        return False
+    return Path(b).expanduser().resolve().is_relative_to(Path(a).expanduser().resolve())
+
+
 def get_source(name: str, shared: bool = False) -> TextSource:
     """Resolve a ``--calib`` / ``--eval-text`` value. ``shared``: a local file that serves both
     calibration and evaluation, whose documents are then split."""

@@ -5,7 +5,7 @@ import torch
 
 from conftest import make_tokenizer, random_text
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
-from shuffleprune.calib.sources import held_out_part, strip_brown_tags
+from shuffleprune.calib.sources import held_out_part, strip_brown_tags, text_contains
 from shuffleprune.errors import UserError
 
 
@@ -133,6 +133,8 @@ def test_a_directory_is_the_documents_of_its_text_files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert same_text("corpus", str(corpus) + "/") and not same_text("corpus", str(corpus / "b.txt"))
     assert held_out_part("corpus") == "all of its files" and held_out_part("corpus", True) == "its held-out part"
+    assert text_contains("corpus", "corpus/sub/c.txt") and text_contains("corpus", "corpus/sub")
+    assert not text_contains("corpus/sub", "corpus") and not text_contains("corpus/b.txt", "corpus/sub/c.txt")
 
 
 def test_text_files_are_utf8_a_byte_order_mark_dropped(tmp_path):

@@ -1,6 +1,6 @@
 import json
 
-from conftest import tiny_model
+from conftest import random_text, tiny_model
 from typer.testing import CliRunner
 
 from shuffleprune.cli import app
@@ -31,6 +31,16 @@ def test_a_short_text_warns_that_the_windows_overlap_in_one_line(tiny_dir, tmp_p
     assert len(lines) == 1 and lines[0].startswith(f"warning: '{short}' has 40 calibration tokens, fewer than the 4 "
                                                    "windows of 32 ask (128): the windows overlap"), res.output
     assert "UserWarning" not in res.output and "warnings.warn" not in res.output
+    corpus = tmp_path / "corpus"   # a perplexity file inside the calibration directory is no held-out text
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(random_text(600, 1))
+    (corpus / "b.txt").write_text(random_text(600, 2))
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(corpus), "--eval-text", str(corpus / "b.txt"),
+                              "--nsamples", "2", "--seqlen", "32", "--recipe", "fast", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert [l for l in res.output.splitlines() if "not held out" in l] == [
+        f"warning: the perplexity text '{corpus / 'b.txt'}' is part of the calibration text '{corpus}': its perplexity "
+        "is not held out (give --eval-text a text outside it, or the same directory to split it)"], res.output
 
 
 def test_quiet_silences_library_bars_and_restores_them(tiny_dir, tmp_path):

@@ -27,8 +27,8 @@ import torch
 
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
-from shuffleprune.calib import bos_token, eval_tokens, get_source, held_out_part, same_text
-from shuffleprune.calib.sources import HUB_SOURCES, check_bos_mode, documents_source, is_local_source
+from shuffleprune.calib import bos_token, eval_tokens, get_source, held_out_part
+from shuffleprune.calib.sources import HUB_SOURCES, check_bos_mode, documents_source, is_local_source, text_contains
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, upcast_for_cpu
@@ -386,7 +386,7 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
            "pruned": _prune_summary(report), "sparsity": _sparsity(model), "dtype": dtype_used,
            "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
     if run.ppl_name is not None:
-        if same_text(fitted, run.ppl_name):   # the local text (file, or documents by digest) it was fitted to
+        if text_contains(fitted, run.ppl_name):   # the local text (file, directory, documents) it was fitted to
             run.notify(f"warning: {row['model']} was calibrated or trained on '{run.ppl_name}', the perplexity text: its "
                        "perplexity is not held out (give --ppl-text another text)")
         t0 = time.time()

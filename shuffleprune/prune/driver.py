@@ -24,7 +24,7 @@ from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeigh
                                   GATING_WIDTH, gating_linears, is_plain_linear, parse_expert_name, selected_by_globs, text_config,
                                   weights_outside_linears)
 from shuffleprune.calib import (TextSource, bos_token, calibration_windows, default_eval_source, documents_source,
-                               eval_tokens, get_source, same_text)
+                               eval_tokens, get_source, same_text, text_contains)
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
@@ -113,6 +113,10 @@ def _open_texts(config: PruneConfig, documents: dict[str, tuple[str, ...]]) -> _
     read once for the run."""
     eval_name = _eval_name(config)
     shared = same_text(config.calib, eval_name)
+    if not shared and text_contains(config.calib, eval_name):
+        warnings.warn(f"the perplexity text '{eval_name}' is part of the calibration text '{config.calib}': its perplexity "
+                      "is not held out (give --eval-text a text outside it, or the same directory to split it)",
+                      stacklevel=2)
 
     def source(name: str, split: bool = False) -> TextSource:
         return documents_source(name, documents[name], split) if name in documents else get_source(name, split)
