@@ -311,6 +311,28 @@ def documents_source(name: str, docs: tuple[str, ...], shared: bool = False) -> 
     return TextSource(name, _local(f"the documents of '{name}'", docs, shared))
 
 
+def texts_in_memory(options: dict[str, Any], keys: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The texts of a Python call's ``options`` at ``keys`` given as documents in memory: each replaced
+    in ``options`` by its name (:func:`documents_name`) and returned under it; a ``Path`` is taken as
+    its string."""
+    documents = {}
+    for key in keys:
+        value = options.get(key)
+        if isinstance(value, Path):
+            options[key] = str(value)
+        elif value is not None and not isinstance(value, str):
+            docs = as_documents(value, key)
+            options[key] = documents_name(docs)
+            documents[options[key]] = docs
+    return documents
+
+
+def open_text(name: str, documents: dict[str, tuple[str, ...]], shared: bool = False) -> TextSource:
+    """A text by name: documents passed in memory under that name (:func:`texts_in_memory`), else
+    :func:`get_source`'s."""
+    return documents_source(name, documents[name], shared) if name in documents else get_source(name, shared)
+
+
 def is_text_path(name: str) -> bool:
     """Whether ``name`` is a local text: a ``.txt``/``.jsonl`` file, or a directory of them (a named
     source of the same name comes first)."""

@@ -98,15 +98,9 @@ def evaluate(models: list[Any] | Any, tasks: list[str] | str | None = None, out:
             spec, k = f"{lm.source} (in memory #{k})", k + 1
         specs.append(spec)
         loaded[spec] = lm
-    documents = None
-    if isinstance(options.get("ppl_text"), Path):
-        options["ppl_text"] = str(options["ppl_text"])
-    elif options.get("ppl_text") is not None and not isinstance(options["ppl_text"], str):   # documents in memory
-        from shuffleprune.calib.sources import as_documents, documents_name
+    from shuffleprune.calib import texts_in_memory
 
-        docs = as_documents(options["ppl_text"], "ppl_text")
-        options["ppl_text"] = documents_name(docs)
-        documents = {options["ppl_text"]: docs}
+    documents = texts_in_memory(options, ("ppl_text",))
     config = EvalConfig(models=specs, tasks=list(DEFAULT_TASKS) if tasks is None else list(tasks), **options)
     return evaluate_models(config, out=Path(out) if out is not None else None, progress=progress, loaded=loaded,
                            documents=documents)

@@ -7,7 +7,6 @@ import types
 import typing
 
 
-
 def _short(value: typing.Any) -> str:
     """``repr(value)`` cut short (a list of documents must not fill the terminal)."""
     r = reprlib.Repr()

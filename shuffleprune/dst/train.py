@@ -192,11 +192,12 @@ def model_config(cfg: TrainConfig):
     return config
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None):
-    """A fresh model of :func:`model_config`, its vocabulary and special ids the tokenizer's."""
+def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None, config=None):
+    """A fresh model of :func:`model_config` (or of ``config``, one it built already), its vocabulary and
+    special ids the tokenizer's."""
     from transformers import AutoModelForCausalLM
 
-    config = model_config(cfg)
+    config = model_config(cfg) if config is None else config
     config.vocab_size = vocab_size
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the tokenizer's, not the architecture default
         value = getattr(config, key, None)
@@ -429,11 +430,11 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     rank, world = accelerator.process_index, accelerator.num_processes
     cfg.check()
     dst.check()   # both before `out` is touched
-    model_config(cfg)   # an unknown architecture or setting fails before the text is read
+    config = model_config(cfg)   # an unknown architecture or setting fails before the text is read
     _check_out(cfg, out, resume, overwrite, accelerator)
     tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
 
-    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer))
+    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config)
     sparsifier = DynamicSparsifier(dst)
     sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
     optimizer, scheduler = _optimizer(model, cfg)

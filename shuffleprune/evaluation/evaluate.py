@@ -27,8 +27,8 @@ import torch
 
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
-from shuffleprune.calib import bos_token, eval_tokens, get_source, held_out_part
-from shuffleprune.calib.sources import HUB_SOURCES, check_bos_mode, documents_source, is_local_source, text_contains
+from shuffleprune.calib import bos_token, eval_tokens, held_out_part, open_text
+from shuffleprune.calib.sources import HUB_SOURCES, check_bos_mode, is_local_source, text_contains
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, upcast_for_cpu
@@ -310,9 +310,7 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     _quiet_lm_eval(verbose)
     offline = _offline(config, notify)
     ppl_name = _ppl_text(config, offline)
-    documents = documents or {}
-    ppl_source = (None if ppl_name is None else documents_source(ppl_name, documents[ppl_name]) if ppl_name in documents
-                  else get_source(ppl_name))
+    ppl_source = open_text(ppl_name, documents or {}) if ppl_name is not None else None
     run = _EvalRun(config, _plan_tasks(config, offline), device, ppl_name, ppl_source, progress, notify)
     rows = []
     with library_progress_bars(progress):

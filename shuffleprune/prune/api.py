@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shuffleprune.calib import as_documents, documents_name
+from shuffleprune.calib import texts_in_memory
 from shuffleprune.models import in_memory
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.driver import PruneResult, prune as run_prune
@@ -27,14 +27,7 @@ def prune_model(model: Any = None, recipe: str | Path | None = None, out: str | 
     if loaded is None and tokenizer is not None:
         raise TypeError("tokenizer= goes with a model object; a model path or hub id brings its own tokenizer")
     name = loaded.source if loaded is not None else (str(model) if model is not None else None)
-    documents = {}
-    for key in ("calib", "eval_text"):   # texts in memory: named by their digest in the config and report
-        if isinstance(options.get(key), Path):
-            options[key] = str(options[key])
-        elif key in options and not isinstance(options[key], (str, type(None))):
-            docs = as_documents(options[key], key)
-            options[key] = documents_name(docs)
-            documents[options[key]] = docs
+    documents = texts_in_memory(options, ("calib", "eval_text"))   # named by their digest in the config and report
     config = PruneConfig.build(recipe, model=name, **options)
     return run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=progress, loaded=loaded,
                      documents=documents)

@@ -23,8 +23,8 @@ from shuffleprune.block_inputs import CapturedInputs, called_modules, capture_bl
 from shuffleprune.blocks import (OUTSIDE_LINEARS_WARN_SHARE, Blocks, ExpertWeight, block_experts, block_linears, find_blocks,
                                   GATING_WIDTH, gating_linears, is_plain_linear, parse_expert_name, selected_by_globs, text_config,
                                   weights_outside_linears)
-from shuffleprune.calib import (TextSource, bos_token, calibration_windows, default_eval_source, documents_source,
-                               eval_tokens, get_source, same_text, text_contains)
+from shuffleprune.calib import (TextSource, bos_token, calibration_windows, default_eval_source, eval_tokens, open_text,
+                               same_text, text_contains)
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
@@ -117,12 +117,8 @@ def _open_texts(config: PruneConfig, documents: dict[str, tuple[str, ...]]) -> _
         warnings.warn(f"the perplexity text '{eval_name}' is part of the calibration text '{config.calib}': its perplexity "
                       "is not held out (give --eval-text a text outside it, or the same directory to split it)",
                       stacklevel=2)
-
-    def source(name: str, split: bool = False) -> TextSource:
-        return documents_source(name, documents[name], split) if name in documents else get_source(name, split)
-
-    calib = source(config.calib, shared)
-    held = None if eval_name is None else (calib if shared else source(eval_name))
+    calib = open_text(config.calib, documents, shared)
+    held = None if eval_name is None else (calib if shared else open_text(eval_name, documents))
     return _Texts(calib, held, eval_name, shared)
 
 
