@@ -75,7 +75,8 @@ def evaluate(models: list[Any] | Any, tasks: list[str] | str | None = None, out:
     """Score ``models`` side by side (lm-eval tasks and ``ppl``, a list or ``"ppl,arc_easy"``);
     ``options`` as ``EvalConfig``'s fields.
     A model is a hub id, a directory, a ``.gguf``, None (the embedded default), a ``PruneResult``, or a
-    transformers causal LM in memory with ``tokenizer`` (scored as it is, moved to the device).
+    transformers causal LM in memory with ``tokenizer`` (scored in eval mode on the device, or where
+    its ``device_map`` dispatched it, then given back on its devices, in its dtypes and mode).
     ``ppl_text`` also takes documents in memory (a list of strings or a ``datasets.Dataset``), scored whole."""
     from shuffleprune.evaluation.evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
     from shuffleprune.models import in_memory

@@ -318,8 +318,28 @@ def _model_type(path: str) -> str:
         return "?"
 
 
-def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
-    """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot."""
+def quantization_method(config) -> str | None:
+    """The quantization a model's config declares (``gptq``, ``awq``, ``bitsandbytes``, ``fp8``,
+    ``compressed-tensors`` …), or None for full-precision weights."""
+    q = getattr(config, "quantization_config", None)
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method) or "quantized")
+
+
+def refuse_quantized(config, spec: str | None) -> None:
+    """Refuse a quantized model where its full-precision weights are needed (``prune``: N:M masks
+    and weight updates act on the dense weights)."""
+    method = quantization_method(config)
+    if method is not None:
+        raise UserError(f"'{spec or DEFAULT_MODEL}' is quantized ({method}): pruning needs its full-precision weights; "
+                        "prune the unquantized model it came from (and quantize the pruned one)")
+
+
+def load_model(spec: str | None = None, dtype: str = "auto", full_precision: bool = False) -> LoadedModel:
+    """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot (and, with
+    ``full_precision``, for a quantized checkpoint, before its weights are read)."""
     torch_dtype = parse_dtype(dtype)
     path = resolve_model_path(spec)
     if not Path(path).exists():
@@ -332,6 +352,10 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
     fmt = read_format(Path(path)) if exported else None
     level = hf_logging.get_verbosity()
     try:
+        if full_precision:
+            from transformers import AutoConfig
+
+            refuse_quantized(AutoConfig.from_pretrained(path), spec)
         tokenizer = load_tokenizer(path, spec)
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
             hf_logging.set_verbosity_error()
@@ -346,6 +370,8 @@ def load_model(spec: str | None = None, dtype: str = "auto") -> LoadedModel:
         raise UserError(
             f"cannot load model '{spec}': {reason(exc)} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc
+    except ImportError as exc:   # a quantized checkpoint without its library (optimum, bitsandbytes, …)
+        raise UserError(f"cannot load model '{spec}': {reason(exc)}") from exc
     except RuntimeError as exc:
         if "mismatch" not in str(exc):
             raise

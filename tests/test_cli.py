@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from conftest import random_text, tiny_model
 from typer.testing import CliRunner
 
@@ -358,3 +359,44 @@ def test_paths_and_messages_are_printed_as_they_are(tiny_dir, text_file, tmp_pat
     res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--nsamples", "4", "--seqlen", "32",
                               "--eval-text", "none", "--quiet", "--out", str(out)])
     assert res.exit_code == 0 and f"wrote {out} (HF checkpoint" in res.output, res.output
+
+
+def test_a_quantized_checkpoint_is_refused_by_prune_and_needs_its_library_for_eval(tiny_dir, text_file, tmp_path,
+                                                                                      monkeypatch):
+    """prune needs full-precision weights: a quantized checkpoint (or model in memory) is refused before
+    its weights are read and before --out is touched; eval names the library a quantized checkpoint needs
+    in one line (it was an ImportError traceback)."""
+    import shutil
+
+    import shuffleprune
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quantized = tmp_path / "gptq"
+    shutil.copytree(tiny_dir, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (quantized / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "earlier.txt").write_text("kept")
+    res = runner.invoke(app, ["prune", str(quantized), "--calib", str(text_file), "--nsamples", "2", "--seqlen", "16",
+                              "--out", str(out), "--overwrite", "--quiet"])
+    assert res.exit_code == 2 and res.output.strip() == (
+        f"error: '{quantized}' is quantized (gptq): pruning needs its full-precision weights; prune the unquantized "
+        "model it came from (and quantize the pruned one)"), res.output
+    assert (out / "earlier.txt").read_text() == "kept"
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model.config.quantization_config = {"quant_method": "awq", "bits": 4}   # as a quantized model in memory says
+    from shuffleprune.errors import UserError
+
+    with pytest.raises(UserError, match=r"is quantized \(awq\)"):
+        shuffleprune.prune(model, "fast", tokenizer=AutoTokenizer.from_pretrained(tiny_dir), calib=str(text_file))
+
+    def needs_optimum(*args, **kwargs):
+        raise ImportError("Loading a GPTQ quantized model requires optimum (`pip install optimum`)")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", needs_optimum)
+    res = runner.invoke(app, ["eval", str(quantized), "--tasks", "ppl", "--ppl-text", str(text_file)])
+    assert res.exit_code == 2 and res.output.strip() == (
+        f"error: cannot load model '{quantized}': Loading a GPTQ quantized model requires optimum (`pip install "
+        "optimum`)"), res.output

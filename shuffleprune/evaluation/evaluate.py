@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -34,6 +35,7 @@ from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, upcast_for_cpu
 from shuffleprune.outdir import check_writable
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
+from shuffleprune.placement import is_dispatched, left_as_found, weights_readable
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.report import read_report
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
@@ -182,8 +184,9 @@ def _sparsity(model: torch.nn.Module) -> float | None:
     for i, block in enumerate(blocks.layers):
         prefix = f"{blocks.name}.{i}"
         for lin in {**block_linears(block, prefix), **block_experts(block, prefix)}.values():
-            zeros += int((lin.weight == 0).sum())
-            total += lin.weight.numel()
+            with weights_readable(getattr(lin, "owner", lin)):   # an expert's: its experts module's
+                zeros += int((lin.weight == 0).sum())
+                total += lin.weight.numel()
     return round(zeros / total, 6) if total else None
 
 
@@ -317,7 +320,8 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
         for spec in config.models:
             t0 = time.time()
             lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
-            rows.append(_score_model(run, spec, lm, t0))
+            with left_as_found(lm.model) if lm.in_memory else nullcontext():   # a caller's model, given back as it was
+                rows.append(_score_model(run, spec, lm, t0))
             if spec not in (loaded or {}):
                 del lm
                 gc.collect()
@@ -406,7 +410,11 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
 
 def _place_model(run: _EvalRun, spec: str | None, model: torch.nn.Module) -> bool:
     """Put ``model`` on the run's device in eval mode, whole where it fits (then True); one that does
-    not stays where it is for a block-at-a-time perplexity, and lm-eval's tasks are refused for it."""
+    not stays where it is for a block-at-a-time perplexity, and lm-eval's tasks are refused for it. A
+    model that accelerate dispatched (a caller's, loaded with a ``device_map``) is scored where it is."""
+    if is_dispatched(model):
+        model.eval()
+        return True
     upcast_for_cpu(model, run.config.dtype, run.device)
     whole = fits_on_device(model, run.device, logits_bytes(model, run.config.ppl_ctx * run.config.batch_size))
     if whole:

@@ -15,7 +15,8 @@ def prune_model(model: Any = None, recipe: str | Path | None = None, out: str | 
                 tokenizer: Any = None, resume: bool = False, overwrite: bool = False, progress: bool = True,
                 **options: Any) -> PruneResult:
     """Prune ``model`` (hub id, HF dir, ``.gguf``; None: the embedded SmolLM2-135M-Instruct; or a
-    transformers causal LM already in memory, with its ``tokenizer``, pruned in place) with a recipe
+    transformers causal LM already in memory, with its ``tokenizer``, pruned in place and left where it
+    was: on its devices, or dispatched by its ``device_map`` again) with a recipe
     (``fast``, ``balanced``, ``accurate``, ``paper``, ``best``, ``learned`` or a YAML file; default
     ``accurate``) and ``options`` that override it (the command line's names: ``pattern``, ``method``,
     ``perm``, ``nsamples``, ``perm_steps`` …). With ``out``, the checkpoint, report, recipe and model

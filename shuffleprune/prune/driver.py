@@ -11,6 +11,7 @@ import json
 import shutil
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,9 +31,10 @@ from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.masks import satisfies_nm, sparsity_of
-from shuffleprune.models import LoadedModel, load_model, local_model_source, upcast_for_cpu
+from shuffleprune.models import LoadedModel, load_model, local_model_source, refuse_quantized, upcast_for_cpu
 from shuffleprune.outdir import check_writable, clear_dir, refuse_clearing_inputs
 from shuffleprune.perm.core import strength
+from shuffleprune.placement import held_for_run
 from shuffleprune.perm.linear import load_index_maps, save_index_maps
 from shuffleprune.prune.atomic import atomic_json, atomic_save
 from shuffleprune.prune.checkpoint import build_report, write_checkpoint
@@ -168,7 +170,9 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     ``prune_report.json``, ``recipe.yaml`` and a ``README.md`` model card.
 
     ``on_block_done(i)`` is called after block ``i`` is pruned and checkpointed (tests use it to
-    simulate a crash). ``loaded`` lets a Python caller pass an already-loaded model, ``documents``
+    simulate a crash). ``loaded`` lets a Python caller pass an already-loaded model (pruned in place,
+    run in eval mode, given back on its devices in its dtypes and mode, or dispatched by its
+    ``device_map`` again: :func:`~shuffleprune.placement.held_for_run`), ``documents``
     texts in memory under the names ``config.calib`` / ``config.eval_text`` give them
     (:func:`~shuffleprune.calib.sources.documents_name`). With
     ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run (restored afterwards).
@@ -176,8 +180,9 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     device = pick_device(config.device)
     out = Path(out) if out is not None else None
     existed = out is not None and out.exists()
-    try:
-        with tf32_matmuls(device, config.tf32), library_progress_bars(progress):
+    try:   # a caller's model is pruned in place and given back where and as it was
+        with held_for_run(loaded.model) if loaded is not None else nullcontext(), \
+                tf32_matmuls(device, config.tf32), library_progress_bars(progress):
             return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded, documents or {})
     except BaseException:
         if out is not None:
@@ -261,7 +266,8 @@ def _load_prunable(config: PruneConfig, device: torch.device, loaded: LoadedMode
                    ) -> tuple[LoadedModel, torch.dtype]:
     """The model to prune (``loaded`` or ``config.model``), in its compute dtype for ``device``, and the
     dtype its checkpoint is saved in; an exported (already compressed) checkpoint is refused."""
-    lm = loaded or load_model(config.model, config.dtype)
+    lm = loaded or load_model(config.model, config.dtype, full_precision=True)
+    refuse_quantized(lm.model.config, lm.source)   # a caller's model in memory
     linears_from_conv1d(lm.model)   # a caller's own GPT-2-style model: its Conv1D layers as nn.Linear
     save_dtype = lm.save_dtype or lm.model.dtype
     upcast_for_cpu(lm.model, config.dtype, device)  # the checkpoint keeps save_dtype
