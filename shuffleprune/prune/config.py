@@ -199,7 +199,7 @@ def _type_problem(key: str, value: Any) -> str | None:
     as documents is told how to pass them."""
     problem = type_problem(PruneConfig, key, value)
     if problem is not None and key in _TEXT_KEYS and not isinstance(value, str):
-        problem += " (a source name, a hub dataset or a .txt/.jsonl path; documents in memory go to shuffleprune.prune(calib=[...]))"
+        problem += " (a source name, a hub dataset or a .txt, .jsonl, .json or .parquet path; documents in memory go to shuffleprune.prune(calib=[...]))"
     return problem
 
 
