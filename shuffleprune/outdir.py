@@ -1,12 +1,16 @@
-"""Output directories that a run clears: never one that holds the run's own inputs; a link to one
-(an output dir on another disk) stays a link."""
+"""Output directories: writable, never cleared when they hold the run's own inputs (a link to one, an
+output dir on another disk, stays a link), with room for what a run writes there; a write that runs
+out of space named as such."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 from shuffleprune.errors import UserError, reason
 
@@ -61,3 +65,75 @@ def clear_dir(path: Path) -> None:
                 child.unlink()
     elif path.exists():
         shutil.rmtree(path)
+
+
+def _existing(path: Path) -> Path:
+    place = Path(path).expanduser().absolute()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    return place
+
+
+def free_bytes(directory: Path) -> int:
+    """Free bytes on the disk that ``directory`` (or its nearest existing parent) is on."""
+    return shutil.disk_usage(_existing(directory)).free
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files under ``path`` (through a link to a directory: what clearing it frees)."""
+    if not path.exists():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def size_text(n: float) -> str:
+    """``n`` bytes for a message: ``512 KiB``, ``3.4 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KiB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_free_space(out: Path, result: int, peak: int, flag: str = "--out", freed: int = 0) -> None:
+    """Refuse ``out`` when its disk cannot hold the run's ``result`` (the files it ends with), and warn
+    when it has less than the run's ``peak`` (its work files beside them), before the run rather than
+    hours into it; ``freed``: the bytes the run clears from ``out`` first."""
+    free = free_bytes(out) + freed
+    if free < result:
+        raise UserError(f"{flag} '{out}': {size_text(free)} free on its disk, and what the run writes there takes about "
+                        f"{size_text(result)}; free space or give another {flag}")
+    if free < peak:
+        warnings.warn(f"{flag} '{out}': {size_text(free)} free on its disk, and the run may write up to about "
+                      f"{size_text(peak)} there (its checkpoints along the way, then its result): it may run out of space",
+                      UserWarning, stacklevel=2)
+
+
+def out_of_space(exc: BaseException, directory: Path) -> bool:
+    """Whether ``exc`` is a write that ran out of space in ``directory``: ENOSPC in its chain, or a write
+    error while less than 16 MiB is free there (torch's serializer reports a short write as a position
+    mismatch)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return free_bytes(directory) < 16 * 2**20
+    except OSError:
+        return False
+
+
+@contextmanager
+def space_errors(directory: Path, flag: str, shown: Path | None = None,
+                 hint: Callable[[], str] = lambda: "") -> Iterator[None]:
+    """Within the block, a write that runs out of space in ``directory`` (:func:`out_of_space`) is a
+    one-line error naming where (``shown``, by default ``directory``), what to do (``flag``: the
+    option that chose it) and ``hint()``, asked at once (before the caller removes its files)."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, UserError) or not out_of_space(exc, directory):
+            raise
+        raise UserError(f"ran out of disk space writing in '{shown or directory}' ({reason(exc, 100)}): free space "
+                        f"or give another {flag}{hint()}") from exc

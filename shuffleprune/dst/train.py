@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +32,7 @@ from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError, reason
-from shuffleprune.outdir import check_writable, clear_dir, refuse_clearing_inputs
+from shuffleprune.outdir import check_writable, clear_dir, refuse_clearing_inputs, space_errors
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime import check_seed
 
@@ -348,12 +350,16 @@ class _Trainer:
     def save(self, ckpt: Path, model: torch.nn.Module) -> None:
         """Write the checkpoint atomically; ``model`` is the unwrapped model."""
         tmp = ckpt.with_suffix(".tmp")
-        torch.save({"train_config": asdict(self.cfg), "dst_config": asdict(self.dst),
-                    "model": model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "sparsifier": self.sparsifier.state_dict(),
-                    "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                    "state": self.state}, tmp)
+        try:
+            torch.save({"train_config": asdict(self.cfg), "dst_config": asdict(self.dst),
+                        "model": model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(), "sparsifier": self.sparsifier.state_dict(),
+                        "rng": torch.get_rng_state(),
+                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                        "state": self.state}, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)   # a part written (a full disk): the last whole checkpoint stays
+            raise
         os.replace(tmp, ckpt)
 
 
@@ -378,16 +384,26 @@ def _report(run: _Trainer, final_ppl: float, device: torch.device, processes: in
 def _write_model(out: Path, model: torch.nn.Module, sp: DynamicSparsifier, tokenizer, report: dict) -> None:
     """``out/model``: the trained model with its weights in their inputs' own column order (as
     ``prune --perm`` stores them: any client computes it), the tokenizer, a model card and the index
-    maps (the order N:M holds in, for ``export``); and ``out/dst_report.json``."""
-    model.save_pretrained(out / "model", state_dict=sp.checkpoint_state_dict(model))
-    tokenizer.save_pretrained(out / "model")
-    (out / "model" / "README.md").write_text(model_card(report))
-    hard = {n: p.hard for n, p in sp.perms.items() if p.hard is not None}
-    if hard:
-        from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
+    maps (the order N:M holds in, for ``export``); and ``out/dst_report.json``. Each appears whole
+    or not at all (written beside, then renamed into place)."""
+    from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 
-        save_index_maps(hard, out / "model" / INDEX_MAPS)
-    (out / REPORT).write_text(json.dumps(report, indent=1))
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix="model.tmp-"))
+    try:
+        model.save_pretrained(tmp, state_dict=sp.checkpoint_state_dict(model))
+        tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(report))
+        hard = {n: p.hard for n, p in sp.perms.items() if p.hard is not None}
+        if hard:
+            save_index_maps(hard, tmp / INDEX_MAPS)
+        if (out / "model").exists():
+            shutil.rmtree(out / "model")
+        os.replace(tmp, out / "model")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (out / f"{REPORT}.tmp").write_text(json.dumps(report, indent=1))
+    os.replace(out / f"{REPORT}.tmp", out / REPORT)
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
@@ -418,13 +434,26 @@ def _ranks_agree(accelerator, model: torch.nn.Module, sparsifier: DynamicSparsif
 def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
           progress: bool = True, stop_after: int | None = None) -> dict:
     """Train; returns the report (also written to ``out/dst_report.json``). ``stop_after`` ends the
-    run after that many steps as if killed (tests)."""
+    run after that many steps as if killed (tests). A write that runs out of disk space is a one-line error."""
+    out = Path(out)
+    existed = out.exists()
+    resumable = lambda: "; then the same command with --resume continues it" if (out / CHECKPOINT).exists() else ""
+    try:
+        with space_errors(out, "--out", hint=resumable):
+            return _train(cfg, dst, out, resume, overwrite, progress, stop_after)
+    except BaseException:
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()   # made by this run, which wrote nothing in it
+        raise
+
+
+def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite: bool, progress: bool,
+           stop_after: int | None) -> dict:
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
     from shuffleprune.evaluation.perplexity import perplexity
 
-    out = Path(out)
     ckpt = out / CHECKPOINT
     accelerator = Accelerator()
     rank, world = accelerator.process_index, accelerator.num_processes

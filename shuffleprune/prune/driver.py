@@ -32,10 +32,11 @@ from shuffleprune.errors import UserError
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.masks import satisfies_nm, sparsity_of
 from shuffleprune.models import LoadedModel, load_model, local_model_source, refuse_quantized, upcast_for_cpu
-from shuffleprune.outdir import check_writable, clear_dir, refuse_clearing_inputs
+from shuffleprune.outdir import (check_free_space, check_writable, clear_dir, refuse_clearing_inputs, space_errors,
+                                 tree_bytes)
 from shuffleprune.perm.core import strength
-from shuffleprune.placement import held_for_run
 from shuffleprune.perm.linear import load_index_maps, save_index_maps
+from shuffleprune.placement import held_for_run
 from shuffleprune.prune.atomic import atomic_json, atomic_save
 from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
@@ -180,8 +181,10 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     device = pick_device(config.device)
     out = Path(out) if out is not None else None
     existed = out is not None and out.exists()
+    full = nullcontext() if out is None else space_errors(
+        out, "--out", hint=lambda: "; then the same command with --resume continues it" if resumable(out) else "")
     try:   # a caller's model is pruned in place and given back where and as it was
-        with held_for_run(loaded.model) if loaded is not None else nullcontext(), \
+        with full, held_for_run(loaded.model) if loaded is not None else nullcontext(), \
                 tf32_matmuls(device, config.tf32), library_progress_bars(progress):
             return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded, documents or {})
     except BaseException:
@@ -215,9 +218,12 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     model = lm.model
     blocks = find_blocks(model)
     linears, experts = _selected_weights(blocks, config, spec.pattern)
-    _clear_out(out, state is not None)
     max_pos = getattr(text_config(model), "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
+    if out is not None:   # before --out is cleared: a run its disk cannot hold leaves the earlier output
+        result, peak = _disk_need(model, blocks, config.nsamples * seqlen, "dense_stream" in spec.needs(), save_dtype)
+        check_free_space(out, result, peak, freed=tree_bytes(out) if state is None else 0)
+    _clear_out(out, state is not None)
     ctx = min(config.eval_ctx or seqlen, max_pos)
     work = out / RESUME_DIR if out is not None else None
     if state is None:
@@ -260,6 +266,20 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         write_checkpoint(out, model, lm.tokenizer, report, all_perms, config)
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
     return PruneResult(report=report, model=model, tokenizer=lm.tokenizer)
+
+
+def _disk_need(model: torch.nn.Module, blocks: Blocks, tokens: int, dense_stream: bool,
+               save_dtype: torch.dtype) -> tuple[int, int]:
+    """About the bytes a run writes in ``--out``: the checkpoint it ends with (every parameter in
+    ``save_dtype``), and its peak, with the per-block checkpoints (in the compute dtype) and two
+    copies of the calibration activations between blocks (per stream) still there."""
+    result = sum(p.numel() for p in model.parameters()) * torch.finfo(save_dtype).bits // 8
+    block_files = sum(p.numel() * p.element_size() for p in blocks.layers.parameters())
+    embed = model.get_input_embeddings()
+    width = getattr(text_config(model), "hidden_size", None) or (embed.weight.shape[1] if embed is not None else 0)
+    compute = next(model.parameters()).element_size()
+    activations = 2 * tokens * width * compute * (2 if dense_stream else 1)
+    return result, result + block_files + activations
 
 
 def _load_prunable(config: PruneConfig, device: torch.device, loaded: LoadedModel | None

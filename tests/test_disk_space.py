@@ -1,0 +1,103 @@
+"""Disk space: prune refuses an --out whose disk cannot hold its result (before clearing it) and warns
+when the run's checkpoints may not fit; a write that runs out of space in prune, export or dst is a
+one-line error (it was a traceback from torch or safetensors) that leaves no half-written output."""
+import errno
+import json
+
+import pytest
+import torch
+from conftest import flat_config
+
+import shuffleprune.outdir as outdir
+from shuffleprune.errors import UserError
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_prune_checks_the_space_of_out_before_clearing_it(tiny_dir, text_file, tmp_path, monkeypatch):
+    from shuffleprune.prune import prune
+
+    config = flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "earlier.txt").write_text("kept")
+    monkeypatch.setattr(outdir, "free_bytes", lambda d: 1000)   # and the 4 bytes --overwrite frees
+    with pytest.raises(UserError, match=rf"--out '{out}': 1004 B free on its disk, and what the run writes there takes "
+                                        r"about \d+ KiB; free space or give another --out"):
+        prune(config, out=out, overwrite=True, progress=False)
+    assert (out / "earlier.txt").read_text() == "kept"
+    result = prune(config, progress=False)   # the same run without --out: nothing is written, nothing checked
+    size = sum(p.numel() for p in result.model.parameters()) * 4   # the checkpoint in float32
+    monkeypatch.setattr(outdir, "free_bytes", lambda d: size + 1000 - outdir.tree_bytes(out))   # room for it alone
+    with pytest.warns(UserWarning, match=r"and the run may write up to about .* there \(its checkpoints along the way, "
+                                         r"then its result\): it may run out of space"):
+        report = prune(config, out=out, overwrite=True, progress=False).report
+    assert report["nm_ok"] and not (out / "earlier.txt").exists()   # cleared: its bytes were counted as freed
+
+
+def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes(tiny_dir, text_file, tmp_path, monkeypatch):
+    import shuffleprune.prune.driver as driver
+
+    config = flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None)
+    out, real = tmp_path / "out", driver.save_file
+    calls = []
+
+    def fills_at_block_1(*args, **kwargs):
+        calls.append(args[1])
+        return _no_space() if len(calls) == 2 else real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "save_file", fills_at_block_1)
+    with pytest.raises(UserError, match=rf"^ran out of disk space writing in '{out}' \(\[Errno 28\] No space left on device\): "
+                                        r"free space or give another --out; then the same command with --resume continues it$"):
+        driver.prune(config, out=out, progress=False)
+    assert calls[-1].endswith("block_1.safetensors")
+    monkeypatch.setattr(driver, "save_file", real)
+    assert driver.prune(config, out=out, resume=True, progress=False).report["nm_ok"]
+    assert not (out / ".resume").exists()
+
+    def short_write(*args, **kwargs):   # torch's serializer on a full disk: no errno, a position mismatch
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1920 vs 1872")
+
+    monkeypatch.setattr(driver, "atomic_save", short_write)
+    monkeypatch.setattr(outdir, "free_bytes", lambda d: 2**30)   # the disk has room: some other fault, shown as it is
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        driver.prune(config, out=tmp_path / "other", progress=False)
+    monkeypatch.setattr(outdir, "free_bytes", lambda d: 2**20)   # the checks pass …
+    monkeypatch.setattr(driver, "check_free_space", lambda *a, **k: None)
+    with pytest.raises(UserError, match=r"ran out of disk space writing in .* \(\[enforce fail .* unexpected pos 1920 vs 1872\)"):
+        driver.prune(config, out=tmp_path / "other", progress=False)   # … and the write fails with 1 MiB left
+    assert not (tmp_path / "other").exists()   # nothing to resume: the run's dir is gone again
+
+
+def test_export_and_dst_name_a_full_disk_and_leave_no_partial_output(tiny_dir, text_file, tmp_path, monkeypatch):
+    import shuffleprune.deploy.export as export
+    from shuffleprune.dst import DSTConfig
+    from shuffleprune.dst.train import CHECKPOINT, REPORT, TrainConfig, train
+    from shuffleprune.prune import prune
+
+    prune(flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None),
+          out=tmp_path / "pruned", progress=False)
+    monkeypatch.setattr(export, "save_file", _no_space)
+    with pytest.raises(UserError, match=rf"^ran out of disk space writing in '{tmp_path / 'deployed'}' .*: free space or "
+                                        r"give another export target$"):
+        export.export_checkpoint(tmp_path / "pruned", tmp_path / "deployed", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "pruned", "tiny-llama"]   # no temporary sibling
+
+    cfg = TrainConfig(arch="gpt2", config_kw={"n_layer": 1, "n_embd": 32, "n_head": 2}, tokenizer=str(tiny_dir),
+                      data=str(text_file), seq_len=32, batch_size=2, steps=4, warmup=1, eval_every=0, eval_tokens=1024,
+                      checkpoint_every=3)
+    real_save, saves = torch.save, []
+
+    def save_then_fill(obj, path, *args, **kwargs):   # the disk fills after the first checkpoint
+        saves.append(path)
+        return real_save(obj, path, *args, **kwargs) if len(saves) == 1 else _no_space()
+
+    monkeypatch.setattr(torch, "save", save_then_fill)
+    run = tmp_path / "dst"
+    with pytest.raises(UserError, match=rf"^ran out of disk space writing in '{run}' .*; then the same command with "
+                                        r"--resume continues it$"):
+        train(cfg, DSTConfig(method="nm", pattern="2:4"), run, progress=False)
+    assert sorted(p.name for p in run.iterdir()) == [CHECKPOINT, "dst_report.json", "model"]   # none half-written
+    assert json.loads((run / REPORT).read_text())["final_ppl"] > 0 and (run / "model" / "config.json").is_file()
