@@ -95,16 +95,18 @@ def size_text(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def check_free_space(out: Path, result: int, peak: int, flag: str = "--out", freed: int = 0) -> None:
+def check_free_space(out: Path, result: int, peak: int, flag: str = "--out", freed: int = 0,
+                     shown: Path | None = None) -> None:
     """Refuse ``out`` when its disk cannot hold the run's ``result`` (the files it ends with), and warn
     when it has less than the run's ``peak`` (its work files beside them), before the run rather than
-    hours into it; ``freed``: the bytes the run clears from ``out`` first."""
+    hours into it; ``freed``: the bytes the run clears from ``out`` first; ``shown``: the path to name
+    (by default ``out``)."""
     free = free_bytes(out) + freed
     if free < result:
-        raise UserError(f"{flag} '{out}': {size_text(free)} free on its disk, and what the run writes there takes about "
-                        f"{size_text(result)}; free space or give another {flag}")
+        raise UserError(f"{flag} '{shown or out}': {size_text(free)} free on its disk, and what the run writes there takes "
+                        f"about {size_text(result)}; free space or give another {flag}")
     if free < peak:
-        warnings.warn(f"{flag} '{out}': {size_text(free)} free on its disk, and the run may write up to about "
+        warnings.warn(f"{flag} '{shown or out}': {size_text(free)} free on its disk, and the run may write up to about "
                       f"{size_text(peak)} there (its checkpoints along the way, then its result): it may run out of space",
                       UserWarning, stacklevel=2)
 

@@ -101,3 +101,23 @@ def test_export_and_dst_name_a_full_disk_and_leave_no_partial_output(tiny_dir, t
         train(cfg, DSTConfig(method="nm", pattern="2:4"), run, progress=False)
     assert sorted(p.name for p in run.iterdir()) == [CHECKPOINT, "dst_report.json", "model"]   # none half-written
     assert json.loads((run / REPORT).read_text())["final_ppl"] > 0 and (run / "model" / "config.json").is_file()
+
+
+def test_eval_checks_the_space_for_its_results_and_a_full_disk_leaves_no_temporary_file(tiny_dir, eval_file, tmp_path,
+                                                                                         monkeypatch):
+    from pathlib import Path
+
+    import shuffleprune
+
+    out = tmp_path / "results.json"
+    monkeypatch.setattr(outdir, "free_bytes", lambda d: 0)
+    with pytest.raises(UserError, match=rf"^--out '{out}': 0 B free on its disk, and what the run writes there takes "
+                                        r"about 1\.0 MiB; free space or give another --out$"):
+        shuffleprune.evaluate(str(tiny_dir), tasks="ppl", ppl_text=str(eval_file), out=out)
+    monkeypatch.undo()
+    real = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: _no_space() if self.name.endswith(".md.tmp")
+                        else real(self, *a, **k))   # the disk fills after the .json
+    with pytest.raises(UserError, match=rf"^ran out of disk space writing in '{out}' \(\[Errno 28\] No space left on device\)"):
+        shuffleprune.evaluate(str(tiny_dir), tasks="ppl", ppl_text=str(eval_file), out=out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heldout.txt", "results.json", "tiny-llama"]

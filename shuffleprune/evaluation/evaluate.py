@@ -33,7 +33,7 @@ from shuffleprune.calib.sources import HUB_SOURCES, check_bos_mode, is_local_sou
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, upcast_for_cpu
-from shuffleprune.outdir import check_writable
+from shuffleprune.outdir import check_free_space, check_writable, space_errors
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.placement import is_dispatched, left_as_found, weights_readable
 from shuffleprune.quiet import library_progress_bars
@@ -101,6 +101,9 @@ def _earlier_results(out: Path) -> bool:
         and "lm_eval" in results
 
 
+RESULTS_ROOM = 2**20   # the bytes eval's results files may take, about (a few KiB a model)
+
+
 def _validate(config: EvalConfig, out: Path | None) -> None:
     config.dtype = dtype_name(config.dtype)   # checked before any model loads; a torch dtype by its name
     config.device = str(config.device)        # a torch.device as its name
@@ -123,6 +126,7 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
         raise UserError(f"--out must name a .json file (a .md table is written next to it), not '{out}'")
     if out is not None:
         check_writable(out.parent, "--out", out)
+        check_free_space(out.parent, RESULTS_ROOM, RESULTS_ROOM, shown=out)   # not only once every model is scored
     if out is not None and (out.exists() or out.with_suffix(".md").exists()) and not _earlier_results(out):
         raise UserError(f"--out '{out}' (or the .md beside it) exists and is no earlier eval result; give another "
                         "--out (eval replaces only its own results files)")
@@ -469,5 +473,10 @@ def write_results(results: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for path, text in ((out, json.dumps(results, indent=2)), (out.with_suffix(".md"), eval_markdown(results))):
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
+        try:
+            with space_errors(out.parent, "--out", shown=out):
+                tmp.write_text(text)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)
