@@ -337,6 +337,23 @@ def refuse_quantized(config, spec: str | None) -> None:
                         "prune the unquantized model it came from (and quantize the pruned one)")
 
 
+def refuse_missing_weights(info: dict, spec: str) -> None:
+    """Refuse a checkpoint that lacks weights its config asks for (transformers would initialise them at
+    random and run): say what is missing and, for the files a loaded export's ``save_pretrained``
+    writes (compressed ``.values`` / ``.meta`` tensors without their format file), where they came from."""
+    missing = sorted(info.get("missing_keys") or ())
+    if not missing:
+        return
+    more = f", and {len(missing) - 1} more" if len(missing) > 1 else ""
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if any(k.endswith(".values") for k in unexpected) and any(k.endswith(".meta") for k in unexpected):
+        raise UserError(f"'{spec}' holds compressed N:M tensors (e.g. {next(k for k in unexpected if k.endswith('.values'))}) "
+                        "without shuffleprune_format.json: it was saved with save_pretrained from a loaded export, which "
+                        "transformers cannot read back; use the export directory it was loaded from")
+    raise UserError(f"'{spec}' lacks weights its config.json asks for ({missing[0]}{more}), which transformers would "
+                    "initialise at random; give the complete checkpoint")
+
+
 def load_model(spec: str | None = None, dtype: str = "auto", full_precision: bool = False) -> LoadedModel:
     """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot (and, with
     ``full_precision``, for a quantized checkpoint, before its weights are read)."""
@@ -346,7 +363,7 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
         hub_reachable()  # offline: fail fast from the local cache
     from transformers.utils import logging as hf_logging
 
-    from shuffleprune.deploy.load import attach_sparse_layers, is_exported, read_format
+    from shuffleprune.deploy.load import attach_sparse_layers, is_exported, read_format, refuse_saving
 
     exported = is_exported(path)
     fmt = read_format(Path(path)) if exported else None
@@ -359,7 +376,8 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
         tokenizer = load_tokenizer(path, spec)
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
             hf_logging.set_verbosity_error()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True,
+                                                           output_loading_info=True)
     except (OSError, ValueError, SafetensorError, StrictDataclassError) as exc:  # the last: an invalid config.json
         if isinstance(exc, SafetensorError):
             raise UserError(f"cannot read the weights of '{spec}': a .safetensors file is truncated or corrupt "
@@ -379,10 +397,13 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
                         "(transformers printed which above); fix config.json or use the checkpoint it came with") from exc
     finally:
         hf_logging.set_verbosity(level)
+    if not exported:   # (an export's compressed layers are missing from model.safetensors by design)
+        refuse_missing_weights(info, spec or DEFAULT_MODEL)
     linears_from_conv1d(model)   # GPT-2-style layers as nn.Linear (saved in their own layout)
     maps_file = Path(path) / INDEX_MAPS
     if exported:  # an exported checkpoint: compressed N:M SparseLinear layers
         attach_sparse_layers(model, Path(path), fmt)
+        refuse_saving(model, path)
     elif maps_file.is_file() and weights_stored_permuted(maps_file):  # the older --perm layout: W[:, perm]
         to_plain_linears(apply_index_maps(model, load_index_maps(maps_file), weights_are_permuted=True))
     model.eval()

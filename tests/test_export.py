@@ -971,3 +971,32 @@ def test_export_of_an_unstructured_run_says_what_it_was(tiny_dir, text_file, tmp
     r = CliRunner().invoke(app, ["export", str(pruned), str(tmp_path / "e")])
     assert r.exit_code == 2 and "was pruned unstructured (unstructured-0.5)" in r.output, r.output
     assert not (tmp_path / "e").exists()
+
+
+def test_a_loaded_export_is_not_saved_as_an_untrained_model(tiny_dir, text_file, tmp_path):
+    """``save_pretrained`` (``push_to_hub``) of a loaded export wrote its compressed tensors under names
+    transformers does not read, so the copy loaded, with a load report, as a randomly initialised
+    model; it is now refused, and such a copy (or any checkpoint missing weights) is refused on load."""
+    from transformers import AutoTokenizer, PreTrainedModel
+
+    prune(flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None),
+          out=tmp_path / "pruned", progress=False)
+    export_checkpoint(tmp_path / "pruned", tmp_path / "deployed", progress=False)
+    model = shuffleprune.load(str(tmp_path / "deployed"))
+    for call in (lambda: model.save_pretrained(tmp_path / "copy"), lambda: model.push_to_hub("me/copy")):
+        with pytest.raises(UserError, match=rf"^a model loaded from the export '{tmp_path / 'deployed'}' cannot be saved "
+                                            r"with save_pretrained or push_to_hub \(its compressed layers would be lost\)"):
+            call()
+    assert not (tmp_path / "copy").exists()
+    PreTrainedModel.save_pretrained(model, tmp_path / "copy")   # what it wrote before (or an older shuffleprune)
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "copy")
+    with pytest.raises(UserError, match=r"'.*copy' holds compressed N:M tensors \(e\.g\. model\.layers\.0\..*\.values\) "
+                                        "without shuffleprune_format.json: it was saved with save_pretrained"):
+        shuffleprune.load(str(tmp_path / "copy"))
+    tensors = load_file(str(tmp_path / "pruned" / "model.safetensors"))
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "pruned" / "model.safetensors"), metadata={"format": "pt"})
+    res = CliRunner().invoke(app, ["eval", str(tmp_path / "pruned"), "--tasks", "ppl", "--ppl-text", str(text_file)])
+    assert res.exit_code == 2 and res.output.strip().splitlines()[-1] == (
+        f"error: '{tmp_path / 'pruned'}' lacks weights its config.json asks for (model.layers.2.mlp.up_proj.weight), which "
+        "transformers would initialise at random; give the complete checkpoint"), res.output

@@ -71,3 +71,15 @@ def attach_sparse_layers(model: nn.Module, path: Path, fmt: dict, policy: str = 
         setattr(parent, child, layer)
     attach_sparse_experts(model, tensors, fmt, policy)
     return model
+
+
+def refuse_saving(model: nn.Module, path: Path | str) -> None:
+    """Make ``save_pretrained`` and ``push_to_hub`` of a model loaded from an export a one-line error
+    (before any repo is made): transformers would write its compressed layers in a form nothing reads
+    back, as an untrained model. The export directory itself is the checkpoint to copy or upload."""
+    def refused(*args, **kwargs):
+        raise UserError(f"a model loaded from the export '{path}' cannot be saved with save_pretrained or push_to_hub "
+                        f"(its compressed layers would be lost): copy or upload that directory itself "
+                        f"(hf upload OWNER/NAME '{path}')")
+
+    model.save_pretrained = model.push_to_hub = refused
