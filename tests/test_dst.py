@@ -854,3 +854,61 @@ def test_the_readme_own_loop_example_trains_and_saves_a_model_any_client_compute
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(saved(ids[0]).logits, model(ids[0]).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_keep_fine_tunes_a_pruned_checkpoint_whose_export_stays_exact(tiny_dir, text_file, tmp_path):
+    """``DynamicSparsifier(DSTConfig(method="keep"))`` in a user's own loop: a pruned checkpoint with
+    index maps, fine-tuned with AdamW, keeps its zeros (so its N:M in its maps' order: the export's
+    check passes) while its other weights learn; the export computes the fine-tuned model."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    import shuffleprune
+    from shuffleprune.deploy.export import export_checkpoint
+    from shuffleprune.prune import PruneConfig, prune
+
+    pruned = tmp_path / "pruned"
+    prune(PruneConfig.build("fast", model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None),
+          out=pruned, progress=False)
+    ids = torch.randint(2, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def fine_tune(model, sparsifier=None):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        if sparsifier is not None:
+            sparsifier.prepare(model, optimizer)
+        for _ in range(4):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            if sparsifier is not None:
+                sparsifier.step()
+            optimizer.zero_grad()
+        return model
+
+    before = AutoModelForCausalLM.from_pretrained(pruned)
+    zeros = {n: p == 0 for n, p in before.named_parameters() if ".layers." in n and p.dim() == 2}
+    assert all(z.float().mean() == 0.5 for z in zeros.values())
+    plain = fine_tune(AutoModelForCausalLM.from_pretrained(pruned))   # without it the zeros fill in
+    assert all(not torch.any(dict(plain.named_parameters())[n][z] == 0) for n, z in zeros.items())
+    sparsifier = DynamicSparsifier(DSTConfig(method="keep"))
+    model = fine_tune(AutoModelForCausalLM.from_pretrained(pruned), sparsifier)
+    weights = dict(model.named_parameters())
+    assert all(torch.all(weights[n][z] == 0) and torch.all(weights[n][~z] != 0) for n, z in zeros.items())
+    assert all(not torch.equal(weights[n], p) for n, p in before.named_parameters() if n in zeros)   # it learned
+    assert set(sparsifier.masks) == {n.removesuffix(".weight") for n in zeros}   # dense layers get no mask
+    assert all(sparsifier.densities[n.removesuffix(".weight")] == 0.5 for n in zeros)
+    tuned = tmp_path / "tuned"
+    shutil.copytree(pruned, tuned)   # the run's report and index maps, with the fine-tuned weights
+    model.save_pretrained(tuned)
+    export_checkpoint(tuned, tmp_path / "deployed", progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(shuffleprune.load(str(tmp_path / "deployed"))(ids).logits, model.eval()(ids).logits,
+                                   rtol=0, atol=1e-4)
+    with pytest.raises(UserError, match="method 'keep' holds the zeros the model already has .* no sparsity"):
+        DynamicSparsifier(DSTConfig(method="keep", sparsity=0.5))
+    from shuffleprune.dst.train import TrainConfig, train
+
+    with pytest.raises(UserError, match=r"method 'keep' holds a pruned model's zeros while you fine-tune it"):
+        train(TrainConfig(arch="gpt2", tokenizer=str(tiny_dir), data=str(text_file)), DSTConfig(method="keep"),
+              tmp_path / "never")
+    assert not (tmp_path / "never").exists()

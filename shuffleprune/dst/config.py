@@ -6,15 +6,15 @@ from dataclasses import dataclass
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 
-METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag", "nm")
-MASK_METHODS = ("rigl", "set", "srigl", "dsb", "nm")  # a mask is all they add: fused MoE experts can take them
+METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag", "nm", "keep")
+MASK_METHODS = ("rigl", "set", "srigl", "dsb", "nm", "keep")  # a mask is all they add: fused MoE experts can take them
 DEFAULT_SPARSITY = 0.9   # the unstructured methods' budget, as RigL's papers train
 
 
 @dataclass
 class DSTConfig:
     method: str = "rigl"
-    sparsity: float | None = None  # None: 1 − N/M for nm, else 0.9
+    sparsity: float | None = None  # None: 1 − N/M for nm, the model's own zeros for keep, else 0.9
     distribution: str = "erk"     # erk | uniform
     delta_t: int = 100            # steps between mask updates
     alpha: float = 0.3            # initial drop fraction
@@ -35,12 +35,17 @@ class DSTConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.sparsity is None:   # the budget a method implies (nm: its pattern's), as the command line's default
+        if self.sparsity is None and self.method != "keep":   # the budget a method implies (nm: its pattern's)
             self.sparsity = 1 - self.nm()[0] / self.nm()[1] if self.method == "nm" else DEFAULT_SPARSITY
 
     def check(self) -> None:
         if self.method not in METHODS:
             raise UserError(f"unknown DST method '{self.method}'; use one of {', '.join(METHODS)}")
+        if self.method == "keep":
+            if self.sparsity is not None or self.perm != "none":
+                raise UserError("method 'keep' holds the zeros the model already has (a pruned checkpoint's, in its "
+                                "own order): it takes no sparsity and no permutation")
+            return
         if not 0.0 <= self.sparsity < 1.0:
             raise UserError("--sparsity must be in [0, 1)")
         if self.distribution not in ("erk", "uniform"):

@@ -43,6 +43,10 @@ Methods (structure of every mask, after every update):
   offered). Densities are N/M in every layer (``distribution`` does not apply). With ``perm``, the
   groups are formed in permuted coordinates — the export's index map.
 - ``dense``: no masks.
+- ``keep``: the zeros the model has when ``prepare`` is called stay zero, and nothing else changes:
+  fine-tuning a pruned checkpoint (``prune`` or ``dst``) in your own loop keeps its N:M pattern,
+  in whatever column order it holds (a ``--perm`` checkpoint's index maps stay valid), so
+  ``export`` compresses the result. Only layers holding zeros get a mask.
 
 Permutations (``perm``, structured methods; srigl's constant fan-in is row-wise, so there only the
 soft phase's mixing can matter): ``random`` fixes a random input permutation
@@ -127,6 +131,13 @@ class DynamicSparsifier:
         self.layers, self.optimizer = found, optimizer
         if self.config.method == "dense":
             return
+        if self.config.method == "keep":   # a pruned model's zeros, never updated
+            for name, module in found.items():
+                kept = weight_of(module).detach() != 0
+                self.densities[name] = kept.float().mean().item()
+                if not kept.all():
+                    self.masks[name] = kept.cpu()
+            return
         shapes = {n: shape_of(m) for n, m in found.items()}
         distribution = "uniform" if self.config.method == "nm" else self.config.distribution
         self.densities = layer_densities(shapes, 1.0 - self.config.sparsity, distribution)
@@ -174,7 +185,7 @@ class DynamicSparsifier:
         self._permutation_step()
         if self.selectors:
             self._diagonal_step()
-        if self.step_count % c.delta_t == 0 and self.step_count < c.t_end and c.method not in ("pixelfly", "diag"):
+        if self.step_count % c.delta_t == 0 and self.step_count < c.t_end and c.method not in ("pixelfly", "diag", "keep"):
             self.update_masks(self.drop_fraction(self.step_count))
         self.apply_masks()
 
@@ -359,8 +370,10 @@ class DynamicSparsifier:
 
     @torch.no_grad()
     def update_masks(self, fraction: float) -> None:
-        """One prune-and-grow update of every layer (drop ``fraction`` of its active weights)."""
+        """One prune-and-grow update of every layer (drop ``fraction`` of its active weights; ``keep``: none)."""
         c = self.config
+        if c.method == "keep":
+            return
         record = {"step": self.step_count, "drop_fraction": round(fraction, 6), "layers": {}}
         for name, layer in self.layers.items():
             w = weight_of(layer).float().cpu()

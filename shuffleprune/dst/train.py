@@ -458,6 +458,9 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
     accelerator = Accelerator()
     rank, world = accelerator.process_index, accelerator.num_processes
     cfg.check()
+    if dst.method == "keep":
+        raise UserError("method 'keep' holds a pruned model's zeros while you fine-tune it in your own loop "
+                        "(shuffleprune.DynamicSparsifier); dst trains a model from scratch, which has none")
     dst.check()   # both before `out` is touched
     config = model_config(cfg)   # an unknown architecture or setting fails before the text is read
     _check_out(cfg, out, resume, overwrite, accelerator)
