@@ -890,6 +890,11 @@ def test_keep_fine_tunes_a_pruned_checkpoint_whose_export_stays_exact(tiny_dir, 
     assert all(z.float().mean() == 0.5 for z in zeros.values())
     plain = fine_tune(AutoModelForCausalLM.from_pretrained(pruned))   # without it the zeros fill in
     assert all(not torch.any(dict(plain.named_parameters())[n][z] == 0) for n, z in zeros.items())
+    shutil.copytree(pruned, tmp_path / "plain")
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(UserError, match=r"is not 2:4 in memory order; .* \(one fine-tuned after pruning keeps its zeros "
+                                        r"under DynamicSparsifier\(DSTConfig\(method='keep'\)\)\)"):
+        export_checkpoint(tmp_path / "plain", tmp_path / "never-exported", progress=False)
     sparsifier = DynamicSparsifier(DSTConfig(method="keep"))
     model = fine_tune(AutoModelForCausalLM.from_pretrained(pruned), sparsifier)
     weights = dict(model.named_parameters())

@@ -41,7 +41,8 @@ def compress(weight: torch.Tensor, n: int, m: int, name: str = "weight") -> tupl
     """``(values, meta)`` of an N:M weight ``[R, C]`` (raises if it is not N:M in memory order)."""
     rows, cols = weight.shape
     if cols % m or not satisfies_nm(weight, n, m):
-        raise UserError(f"'{name}' is not {n}:{m} in memory order; export needs a checkpoint pruned with --pattern {n}:{m}")
+        raise UserError(f"'{name}' is not {n}:{m} in memory order; export needs a checkpoint pruned with --pattern {n}:{m} "
+                        "(one fine-tuned after pruning keeps its zeros under DynamicSparsifier(DSTConfig(method='keep')))")
     groups = weight.reshape(rows, cols // m, m)
     nonzero = groups != 0
     # kept slots: the non-zeros first (stable, in column order), padded with zeros' positions
