@@ -49,7 +49,12 @@ class LoadedModel:
 
 def in_memory(model: Any, tokenizer: Any) -> LoadedModel:
     """A caller's own transformers causal LM and tokenizer as a :class:`LoadedModel` (named by the
-    checkpoint it was loaded from, when it says)."""
+    checkpoint it was loaded from, when it says; a ``torch.compile`` wrapper stands for the model it
+    wraps)."""
+    model = getattr(model, "_orig_mod", model)   # torch.compile's wrapper: the module it compiles
+    if type(model).__name__.startswith("Peft"):
+        raise TypeError(f"model is a PEFT {type(model).__name__}: merge its adapters first (model.merge_and_unload()), "
+                        "then prune the merged model (adapters left beside it would add dense weights back)")
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a hub id, a path or a transformers PreTrainedModel, not {type(model).__name__}")
     if tokenizer is None:

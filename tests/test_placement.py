@@ -81,3 +81,21 @@ def test_a_model_in_training_mode_is_pruned_and_scored_without_dropout_and_given
     (score, ppl, weights), (score_t, ppl_t, weights_t) = results
     assert score_t == score and ppl_t == ppl
     assert all(torch.equal(weights[k], weights_t[k]) for k in weights)
+
+
+def test_a_compiled_model_is_pruned_as_the_model_it_wraps_and_a_peft_model_is_refused(text_file):
+    from conftest import make_tokenizer, tiny_model
+
+    model = tiny_model("llama")
+    compiled = torch.compile(model)   # nothing is compiled before a call
+    result = shuffleprune.prune(compiled, "fast", tokenizer=make_tokenizer(), calib=str(text_file), nsamples=4,
+                                seqlen=32, eval_text=None, progress=False)
+    assert result.model is model and result.report["nm_ok"]
+    assert (model.model.layers[0].mlp.up_proj.weight == 0).float().mean() == 0.5
+
+    class PeftModelForCausalLM(torch.nn.Module):   # peft's wrapper, by its name (peft is not a dependency)
+        pass
+
+    with pytest.raises(TypeError, match=r"^model is a PEFT PeftModelForCausalLM: merge its adapters first "
+                                        r"\(model\.merge_and_unload\(\)\)"):
+        shuffleprune.prune(PeftModelForCausalLM(), tokenizer=make_tokenizer())
