@@ -179,6 +179,8 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run (restored afterwards).
     """
     device = pick_device(config.device)
+    if loaded is not None:   # before it is moved (a named model is refused as it loads)
+        refuse_quantized(loaded.model.config, loaded.source)
     out = Path(out) if out is not None else None
     existed = out is not None and out.exists()
     full = nullcontext() if out is None else space_errors(
@@ -287,7 +289,6 @@ def _load_prunable(config: PruneConfig, device: torch.device, loaded: LoadedMode
     """The model to prune (``loaded`` or ``config.model``), in its compute dtype for ``device``, and the
     dtype its checkpoint is saved in; an exported (already compressed) checkpoint is refused."""
     lm = loaded or load_model(config.model, config.dtype, full_precision=True)
-    refuse_quantized(lm.model.config, lm.source)   # a caller's model in memory
     linears_from_conv1d(lm.model)   # a caller's own GPT-2-style model: its Conv1D layers as nn.Linear
     save_dtype = lm.save_dtype or lm.model.dtype
     upcast_for_cpu(lm.model, config.dtype, device)  # the checkpoint keeps save_dtype
