@@ -13,9 +13,11 @@ so every later run loads a plain HF checkpoint.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -359,6 +361,37 @@ def refuse_missing_weights(info: dict, spec: str) -> None:
                     "initialise at random; give the complete checkpoint")
 
 
+def warn_if_short_of_memory(path: Path, dtype: torch.dtype | str, spec: str) -> None:
+    """Warn when a local checkpoint's weights (its safetensors files, in the dtype asked for) are more
+    than the CPU memory available: the model loads whole into it, and a process short of it is killed
+    without a word."""
+    from shuffleprune.outdir import size_text
+    from shuffleprune.runtime import available_memory_bytes
+
+    files = list(path.glob("*.safetensors")) if path.is_dir() else []
+    available = available_memory_bytes()
+    if not files or available is None:
+        return
+    need = sum(f.stat().st_size for f in files if f.name not in ("index_maps.safetensors",))
+    stored = getattr(_read_config_dtype(path), "itemsize", None)
+    if isinstance(dtype, torch.dtype) and stored:
+        need = need * dtype.itemsize // stored
+    if need > available:
+        warnings.warn(f"'{spec}' takes about {size_text(need)} of CPU memory to load (its weights are held there whole), "
+                      f"and {size_text(available)} is available: the process may be killed for memory", UserWarning,
+                      stacklevel=3)
+
+
+def _read_config_dtype(path: Path) -> torch.dtype | None:
+    """The dtype a checkpoint's config.json says its weights are stored in, if it says."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    return _DTYPES.get(name) if isinstance(name, str) else None
+
+
 def load_model(spec: str | None = None, dtype: str = "auto", full_precision: bool = False) -> LoadedModel:
     """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot (and, with
     ``full_precision``, for a quantized checkpoint, before its weights are read)."""
@@ -366,6 +399,8 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
     path = resolve_model_path(spec)
     if not Path(path).exists():
         hub_reachable()  # offline: fail fast from the local cache
+    else:
+        warn_if_short_of_memory(Path(path), torch_dtype, spec or DEFAULT_MODEL)
     from transformers.utils import logging as hf_logging
 
     from shuffleprune.deploy.load import attach_sparse_layers, is_exported, read_format, refuse_saving

@@ -190,6 +190,26 @@ def _hwm_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def available_memory_bytes() -> int | None:
+    """The CPU memory a new allocation can get, about: Linux's ``MemAvailable``, capped by a cgroup v2
+    limit (a container's); None where neither can be read."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
 def peak_rss_mb() -> float:
     """Peak RSS of this process image, over its whole life (resets of the per-stage mark included).
     Reads ``VmHWM`` where available: Linux's ``ru_maxrss`` survives exec and can report a parent's

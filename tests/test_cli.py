@@ -400,3 +400,22 @@ def test_a_quantized_checkpoint_is_refused_by_prune_and_needs_its_library_for_ev
     assert res.exit_code == 2 and res.output.strip() == (
         f"error: cannot load model '{quantized}': Loading a GPTQ quantized model requires optimum (`pip install "
         "optimum`)"), res.output
+
+
+def test_a_model_larger_than_the_free_memory_is_warned_about_before_it_loads(tiny_dir, tmp_path, monkeypatch):
+    """Loading holds the weights whole in CPU memory; a process short of it is killed without a word,
+    so the shortfall is one warning line first (the run goes on: the estimate may be pessimistic)."""
+    import shuffleprune.runtime as runtime
+
+    text = tmp_path / "held.txt"
+    text.write_text(random_text(400, 3))
+    args = ["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", str(text)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0 and "CPU memory" not in res.output, res.output
+    monkeypatch.setattr(runtime, "available_memory_bytes", lambda: 1000)
+    size = sum(f.stat().st_size for f in tiny_dir.glob("*.safetensors"))
+    res = runner.invoke(app, args + ["--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    assert [l for l in res.output.splitlines() if "CPU memory" in l] == [
+        f"warning: '{tiny_dir}' takes about {size / 1024:.0f} KiB of CPU memory to load (its weights are held there "
+        "whole), and 1000 B is available: the process may be killed for memory"], res.output
