@@ -55,16 +55,45 @@ def refuse_clearing_inputs(out: Path, inputs: Iterable[str | Path | None]) -> No
 
 
 def clear_dir(path: Path) -> None:
-    """Empty ``path`` for a fresh run: a directory is removed; a symlink to one keeps its link and loses
-    the contents of the directory it points to."""
-    if path.is_symlink():
-        for child in path.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
+    """Empty ``path`` for a fresh run: the directory (or the one a symlink points to, the link kept)
+    stays, and loses its contents (so the run's hold on it, :func:`held_alone`, holds on)."""
+    if not path.exists():
+        return
+    for child in path.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+@contextmanager
+def held_alone(out: Path, flag: str = "--out") -> Iterator[None]:
+    """Hold the output directory ``out`` for this run alone (created if need be): a second run on it
+    while this one goes on (another process on this host, or on one sharing the file system where
+    it locks files) is refused, instead of both writing into it. The hold is a lock on the directory,
+    released when the run ends or its process dies (a killed run never blocks its ``--resume``).
+    Where ``out`` cannot be made or locked, the run goes on unguarded (its own checks say why)."""
+    try:
+        import fcntl
+    except ImportError:   # not POSIX
+        yield
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = os.open(out, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another run is writing in {flag} '{out}'; wait for it to end, or give another {flag}") from None
+        except OSError:   # a file system without locks
+            pass
+        yield
+    finally:
+        os.close(handle)
 
 
 def _existing(path: Path) -> Path:

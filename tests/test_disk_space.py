@@ -121,3 +121,30 @@ def test_eval_checks_the_space_for_its_results_and_a_full_disk_leaves_no_tempora
     with pytest.raises(UserError, match=rf"^ran out of disk space writing in '{out}' \(\[Errno 28\] No space left on device\)"):
         shuffleprune.evaluate(str(tiny_dir), tasks="ppl", ppl_text=str(eval_file), out=out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heldout.txt", "results.json", "tiny-llama"]
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_goes_on(tiny_dir, text_file, tmp_path):
+    """Two runs writing one --out at once (a job started twice) interleaved their checkpoints; the
+    second is now refused and touches nothing of the first's, which is then free to go on."""
+    from shuffleprune.dst import DSTConfig
+    from shuffleprune.dst.train import TrainConfig, train
+    from shuffleprune.prune import prune
+
+    config = flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None)
+    out = tmp_path / "out"
+    with outdir.held_alone(out):   # the first run, between its start and its first checkpoint
+        (out / ".resume").mkdir()
+        (out / ".resume" / "data.pt").write_bytes(b"the first run's")
+        for second in (lambda: prune(config, out=out, overwrite=True, progress=False),
+                       lambda: train(TrainConfig(arch="gpt2", tokenizer=str(tiny_dir), data=str(text_file)),
+                                     DSTConfig(method="nm", pattern="2:4"), out, overwrite=True, progress=False)):
+            with pytest.raises(UserError, match=rf"^another run is writing in --out '{out}'; wait for it to end, or give "
+                                                r"another --out$"):
+                second()
+            assert (out / ".resume" / "data.pt").read_bytes() == b"the first run's"
+    assert prune(config, out=out, overwrite=True, progress=False).report["nm_ok"]   # released: a run goes on
+    link = tmp_path / "link"
+    link.symlink_to(out, target_is_directory=True)
+    with outdir.held_alone(out):   # the same directory through a link is the same hold
+        with pytest.raises(UserError, match="another run is writing in --out"):
+            prune(config, out=link, overwrite=True, progress=False)

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,7 +33,7 @@ from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError, reason
-from shuffleprune.outdir import check_writable, clear_dir, refuse_clearing_inputs, space_errors
+from shuffleprune.outdir import check_writable, clear_dir, held_alone, refuse_clearing_inputs, space_errors
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime import check_seed
 
@@ -438,13 +439,15 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     out = Path(out)
     existed = out.exists()
     resumable = lambda: "; then the same command with --resume continues it" if (out / CHECKPOINT).exists() else ""
-    try:
-        with space_errors(out, "--out", hint=resumable):
-            return _train(cfg, dst, out, resume, overwrite, progress, stop_after)
-    except BaseException:
-        if not existed and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()   # made by this run, which wrote nothing in it
-        raise
+    main = os.environ.get("RANK", "0") == "0"   # torchrun / accelerate launch: the main process holds --out
+    with held_alone(out) if main else nullcontext():   # a second run on --out is refused, touching nothing
+        try:
+            with space_errors(out, "--out", hint=resumable):
+                return _train(cfg, dst, out, resume, overwrite, progress, stop_after)
+        except BaseException:
+            if not existed and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()   # made by this run, which wrote nothing in it
+            raise
 
 
 def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite: bool, progress: bool,

@@ -32,8 +32,8 @@ from shuffleprune.errors import UserError
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.masks import satisfies_nm, sparsity_of
 from shuffleprune.models import LoadedModel, load_model, local_model_source, refuse_quantized, upcast_for_cpu
-from shuffleprune.outdir import (check_free_space, check_writable, clear_dir, refuse_clearing_inputs, space_errors,
-                                 tree_bytes)
+from shuffleprune.outdir import (check_free_space, check_writable, clear_dir, held_alone, refuse_clearing_inputs,
+                                 space_errors, tree_bytes)
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.linear import load_index_maps, save_index_maps
 from shuffleprune.placement import held_for_run
@@ -185,14 +185,15 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     existed = out is not None and out.exists()
     full = nullcontext() if out is None else space_errors(
         out, "--out", hint=lambda: "; then the same command with --resume continues it" if resumable(out) else "")
-    try:   # a caller's model is pruned in place and given back where and as it was
-        with full, held_for_run(loaded.model) if loaded is not None else nullcontext(), \
-                tf32_matmuls(device, config.tf32), library_progress_bars(progress):
-            return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded, documents or {})
-    except BaseException:
-        if out is not None:
-            _discard_unresumable(out, existed)
-        raise
+    with held_alone(out) if out is not None else nullcontext():   # a second run on --out is refused, touching nothing
+        try:   # a caller's model is pruned in place and given back where and as it was
+            with full, held_for_run(loaded.model) if loaded is not None else nullcontext(), \
+                    tf32_matmuls(device, config.tf32), library_progress_bars(progress):
+                return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded, documents or {})
+        except BaseException:
+            if out is not None:
+                _discard_unresumable(out, existed)
+            raise
 
 
 def _discard_unresumable(out: Path, existed: bool) -> None:
