@@ -131,10 +131,14 @@ def _pick_text_column(strings: list[str]) -> str | None:
     return named[0] if named else (strings[0] if len(strings) == 1 else None)
 
 
-def _text_column(what: str, features, fix: str) -> str:
-    """The dataset's text column (:func:`_pick_text_column` of its string columns); ``what`` names
-    the dataset in the error, ``fix`` what to do."""
-    strings = [c for c, f in features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+def _string_columns(features) -> list[str]:
+    """The string columns of a ``datasets`` dataset's features."""
+    return [c for c, f in features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+
+
+def _text_column(what: str, strings: list[str], fix: str) -> str:
+    """The text column among a table's ``strings`` columns (:func:`_pick_text_column`); ``what``
+    names the table in the error, ``fix`` what to do."""
     column = _pick_text_column(strings)
     if column is not None:
         return column
@@ -156,7 +160,7 @@ def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
         held_out = next((s for s in ("test", "validation") if s in splits), None)
         read = held_out if split == "test" and held_out else ("train" if "train" in splits else splits[0])
         stream = datasets.load_dataset(repo, config, split=read, streaming=True)
-        column = _text_column(f"hub dataset '{name}'", stream.features,
+        column = _text_column(f"hub dataset '{name}'", _string_columns(stream.features),
                               "write the text to a .jsonl file with a 'text' field and pass that instead")
         docs = [row[column] for _, row in zip(range(HUB_DATASET_DOCS), stream)]
     except UserError:
@@ -207,14 +211,26 @@ def _brown_all() -> tuple[str, ...]:
 
 
 def read_text_file(path: Path) -> str:
-    """A text file's contents as UTF-8 (a leading byte-order mark dropped); other bytes are refused."""
+    """A text file's contents as UTF-8 (a leading byte-order mark dropped; a ``.gz`` file decompressed);
+    other bytes, and a damaged archive, are refused."""
+    import gzip
+    import zlib
+
+    packed = path.suffix == ".gz"
     try:
+        if packed:
+            with gzip.open(path, "rt", encoding="utf-8-sig") as f:
+                return f.read()
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise UserError(f"'{path}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+        where = f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
+        if packed:
+            raise UserError(f"'{path}' does not hold UTF-8 text ({where} after decompressing)") from None
+        raise UserError(f"'{path}' is not UTF-8 text ({where}); "
                         f"convert it first, e.g. iconv -f latin1 -t utf-8 '{path}' > utf8{path.suffix}") from None
-    except OSError as exc:
-        raise UserError(f"cannot read '{path}': {reason(exc)}") from None
+    except (OSError, EOFError, zlib.error) as exc:
+        damaged = " (a damaged or truncated gzip file?)" if packed else ""
+        raise UserError(f"cannot read '{path}': {reason(exc)}{damaged}") from None
 
 
 def _jsonl_docs(path: Path, text: str) -> list[str]:
@@ -253,22 +269,6 @@ def text_file_kind(path: Path) -> str | None:
     return suffixes[-1] if suffixes and suffixes[-1] in TEXT_FILE_KINDS else None
 
 
-def _read_gzip_text(path: Path) -> str:
-    """A gzip-compressed text file's contents as UTF-8 (refused like :func:`read_text_file`'s, plus a
-    damaged archive)."""
-    import gzip
-    import zlib
-
-    try:
-        with gzip.open(path, "rt", encoding="utf-8-sig") as f:
-            return f.read()
-    except UnicodeDecodeError as exc:
-        raise UserError(f"'{path}' does not hold UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start} "
-                        "after decompressing)") from None
-    except (OSError, EOFError, zlib.error) as exc:
-        raise UserError(f"cannot read '{path}': {reason(exc)} (a damaged or truncated gzip file?)") from None
-
-
 def _json_docs(path: Path, text: str) -> list[str]:
     """A ``.json`` file's documents: one JSON array (of strings, or of objects read as ``.jsonl`` rows
     are), else JSON lines (C4's shards)."""
@@ -293,10 +293,7 @@ def _parquet_docs(path: Path) -> list[str]:
     except (OSError, pa.ArrowException) as exc:
         raise UserError(f"cannot read '{path}' as Parquet: {reason(exc, 120)}") from None
     strings = [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
-    column = _pick_text_column(strings)
-    if column is None:
-        raise UserError(f"'{path}' has no single text column (string columns: {', '.join(strings) or 'none'}); "
-                        f"name it one of {', '.join(TEXT_COLUMNS)}")
+    column = _text_column(f"'{path}'", strings, f"name it one of {', '.join(TEXT_COLUMNS)}")
     return [d for d in table.column(column).to_pylist() if d]
 
 
@@ -308,7 +305,7 @@ def _file_documents(path: Path) -> tuple[str, ...]:
     kind = text_file_kind(path)
     if kind == ".parquet":
         return tuple(_parquet_docs(path))
-    text = _read_gzip_text(path) if path.suffix == ".gz" else read_text_file(path)
+    text = read_text_file(path)
     if kind == ".jsonl":
         return tuple(_jsonl_docs(path, text))
     if kind == ".json":
@@ -330,7 +327,7 @@ def _local(path: Path | str, docs: tuple[str, ...], split_docs: bool) -> Callabl
     """The loader of a text held whole (a file's, or documents passed in memory): as given, or split
     when it serves both fitting and held-out perplexity."""
     if not docs:
-        raise UserError(f"'{path}' holds no text" if isinstance(path, Path) else f"{path} hold no text")
+        raise UserError(f"'{path}' holds no text")   # (documents in memory are refused empty before)
     if split_docs and len(docs) == 1:
         docs = _last_tenth(docs[0])
         if docs is None:
@@ -353,7 +350,7 @@ def as_documents(value: Any, key: str) -> tuple[str, ...]:
     """Documents passed in memory (a list or tuple of strings, or a ``datasets.Dataset``, whose text
     column is picked as a hub dataset's) as a tuple of non-empty strings; a one-line error otherwise."""
     if type(value).__name__ == "Dataset" and hasattr(value, "features"):
-        column = _text_column(f"the {key} dataset", value.features,
+        column = _text_column(f"the {key} dataset", _string_columns(value.features),
                               "rename its text column 'text' (dataset.rename_column) or pass a list of strings")
         value = list(value[column])
     if not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):

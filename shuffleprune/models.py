@@ -372,7 +372,7 @@ def warn_if_short_of_memory(path: Path, dtype: torch.dtype | str, spec: str) -> 
     available = available_memory_bytes()
     if not files or available is None:
         return
-    need = sum(f.stat().st_size for f in files if f.name not in ("index_maps.safetensors",))
+    need = sum(f.stat().st_size for f in files if f.name != INDEX_MAPS)
     stored = getattr(_read_config_dtype(path), "itemsize", None)
     if isinstance(dtype, torch.dtype) and stored:
         need = need * dtype.itemsize // stored

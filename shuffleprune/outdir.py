@@ -21,15 +21,21 @@ def holds(directory: str | Path, path: str | Path) -> bool:
     return inner == top or top in inner.parents
 
 
+def _existing(path: Path) -> Path:
+    """``path``, or its nearest parent that exists."""
+    place = Path(path).expanduser().absolute()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    return place
+
+
 def check_writable(directory: Path, flag: str, target: Path | None = None) -> None:
     """Refuse an output directory (the one ``target``, a file, goes in) that is a file or cannot be
     created or written in, before a run rather than after it: a file is made and removed in
     ``directory``, or in its nearest existing parent."""
     if target is None and Path(directory).exists() and not Path(directory).is_dir():
         raise UserError(f"{flag} '{directory}' is a file, not a directory; give a directory path")
-    place = Path(directory).expanduser().absolute()
-    while not place.exists() and place != place.parent:
-        place = place.parent
+    place = _existing(directory)
     try:
         if not place.is_dir():
             raise NotADirectoryError(f"'{place}' is a file")
@@ -96,13 +102,6 @@ def held_alone(out: Path, flag: str = "--out") -> Iterator[None]:
         os.close(handle)
 
 
-def _existing(path: Path) -> Path:
-    place = Path(path).expanduser().absolute()
-    while not place.exists() and place != place.parent:
-        place = place.parent
-    return place
-
-
 def free_bytes(directory: Path) -> int:
     """Free bytes on the disk that ``directory`` (or its nearest existing parent) is on."""
     return shutil.disk_usage(_existing(directory)).free
@@ -117,11 +116,11 @@ def tree_bytes(path: Path) -> int:
 
 def size_text(n: float) -> str:
     """``n`` bytes for a message: ``512 KiB``, ``3.4 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit in ("B", "KiB") else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} GiB"
 
 
 def check_free_space(out: Path, result: int, peak: int, flag: str = "--out", freed: int = 0,
@@ -168,3 +167,26 @@ def space_errors(directory: Path, flag: str, shown: Path | None = None,
             raise
         raise UserError(f"ran out of disk space writing in '{shown or directory}' ({reason(exc, 100)}): free space "
                         f"or give another {flag}{hint()}") from exc
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` to a temporary file, then rename it onto ``path``: a reader finds it whole or not at all."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+@contextmanager
+def written_beside(target: Path) -> Iterator[Path]:
+    """A new directory beside ``target`` for the block to write in; when the block ends, it replaces
+    ``target`` (which appears whole or not at all); when the block fails, it is removed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
+    try:
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -31,9 +31,7 @@ attention).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -52,7 +50,7 @@ from shuffleprune.blocks import (block_linears, expert_name, find_blocks, is_pla
 from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
-from shuffleprune.outdir import check_writable, holds, space_errors
+from shuffleprune.outdir import check_writable, holds, space_errors, written_beside
 from shuffleprune.perm.linear import INDEX_MAPS, PermutedLinear, apply_index_maps, load_index_maps, to_plain_linears
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.report import read_report
@@ -486,26 +484,17 @@ def _write_export(out_dir: Path, lm, parts: _Compressed, fmt: dict, prune_report
     rest (``model.safetensors``), tokenizer, transformers loader, ``sparse.safetensors``, the format,
     the run's report and a model card. A failure leaves nothing behind."""
     link, out_dir = out_dir, out_dir.resolve() if out_dir.is_symlink() else out_dir   # a link stays a link
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp-"))
-    try:
-        with space_errors(tmp, "export target", shown=link):
-            dense_state = {k: v for k, v in lm.model.state_dict().items()
-                           if k not in parts.skip_keys and not k.endswith(".perm")}
-            lm.model.save_pretrained(tmp, state_dict=dense_state)
-            lm.tokenizer.save_pretrained(tmp)
-            (tmp / HF_LOADER_FILE).write_text(HF_LOADER)
-            config = json.loads((tmp / "config.json").read_text())
-            config["auto_map"] = {"AutoModelForCausalLM": f"{HF_LOADER_FILE[:-3]}.ShufflepruneForCausalLM"}
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
-            save_file({k: v.contiguous() for k, v in parts.sparse.items()}, str(tmp / SPARSE_FILE))
-            (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))
-            if prune_report is not None:   # (its file, its contents)
-                shutil.copy(prune_report[0], tmp / "prune_report.json")
-            (tmp / "README.md").write_text(export_card(fmt, prune_report and prune_report[1], link.name))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with written_beside(out_dir) as tmp, space_errors(tmp, "export target", shown=link):
+        dense_state = {k: v for k, v in lm.model.state_dict().items()
+                       if k not in parts.skip_keys and not k.endswith(".perm")}
+        lm.model.save_pretrained(tmp, state_dict=dense_state)
+        lm.tokenizer.save_pretrained(tmp)
+        (tmp / HF_LOADER_FILE).write_text(HF_LOADER)
+        config = json.loads((tmp / "config.json").read_text())
+        config["auto_map"] = {"AutoModelForCausalLM": f"{HF_LOADER_FILE[:-3]}.ShufflepruneForCausalLM"}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file({k: v.contiguous() for k, v in parts.sparse.items()}, str(tmp / SPARSE_FILE))
+        (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))
+        if prune_report is not None:   # (its file, its contents)
+            shutil.copy(prune_report[0], tmp / "prune_report.json")
+        (tmp / "README.md").write_text(export_card(fmt, prune_report and prune_report[1], link.name))

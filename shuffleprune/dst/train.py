@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -33,7 +31,8 @@ from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError, reason
-from shuffleprune.outdir import check_writable, clear_dir, held_alone, refuse_clearing_inputs, space_errors
+from shuffleprune.outdir import (atomic_write, check_writable, clear_dir, held_alone, refuse_clearing_inputs,
+                                 space_errors, written_beside)
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime import check_seed
 
@@ -389,22 +388,14 @@ def _write_model(out: Path, model: torch.nn.Module, sp: DynamicSparsifier, token
     or not at all (written beside, then renamed into place)."""
     from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 
-    tmp = Path(tempfile.mkdtemp(dir=out, prefix="model.tmp-"))
-    try:
+    with written_beside(out / "model") as tmp:
         model.save_pretrained(tmp, state_dict=sp.checkpoint_state_dict(model))
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(report))
         hard = {n: p.hard for n, p in sp.perms.items() if p.hard is not None}
         if hard:
             save_index_maps(hard, tmp / INDEX_MAPS)
-        if (out / "model").exists():
-            shutil.rmtree(out / "model")
-        os.replace(tmp, out / "model")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (out / f"{REPORT}.tmp").write_text(json.dumps(report, indent=1))
-    os.replace(out / f"{REPORT}.tmp", out / REPORT)
+    atomic_write(out / REPORT, lambda path: path.write_text(json.dumps(report, indent=1)))
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,

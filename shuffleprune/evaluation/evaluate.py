@@ -29,7 +29,7 @@ import torch
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
 from shuffleprune.calib import bos_token, eval_tokens, held_out_part, open_text
-from shuffleprune.calib.sources import HUB_SOURCES, check_bos_mode, is_local_source, text_contains
+from shuffleprune.calib.sources import HUB_SOURCES, TEXT_FILES, check_bos_mode, is_local_source, text_contains
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, upcast_for_cpu
@@ -363,7 +363,7 @@ def _ppl_text(config: EvalConfig, offline: bool) -> str | None:
         return None
     name = config.ppl_text if config.ppl_text != "auto" else (OFFLINE_PPL_TEXT if offline else ONLINE_PPL_TEXT)
     if offline and name in HUB_SOURCES:
-        raise UserError(f"--ppl-text {name} needs the Hugging Face hub; offline: wiki, brown or a .txt, .jsonl, .json or .parquet path")
+        raise UserError(f"--ppl-text {name} needs the Hugging Face hub; offline: wiki, brown or a {TEXT_FILES} path")
     return name
 
 

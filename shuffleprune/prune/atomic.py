@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from shuffleprune.outdir import atomic_write
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """``write`` to a temporary file, then rename it onto ``path``: a reader finds it whole or not at all."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+__all__ = ["atomic_write", "atomic_save", "atomic_json"]
 
 
 def atomic_save(obj: Any, path: Path) -> None:

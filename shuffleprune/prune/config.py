@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shuffleprune.calib.sources import check_bos_mode
+from shuffleprune.calib.sources import TEXT_FILES, check_bos_mode
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.models import dtype_name
@@ -199,7 +199,8 @@ def _type_problem(key: str, value: Any) -> str | None:
     as documents is told how to pass them."""
     problem = type_problem(PruneConfig, key, value)
     if problem is not None and key in _TEXT_KEYS and not isinstance(value, str):
-        problem += " (a source name, a hub dataset or a .txt, .jsonl, .json or .parquet path; documents in memory go to shuffleprune.prune(calib=[...]))"
+        problem += (f" (a source name, a hub dataset or a {TEXT_FILES} path; documents in memory go to "
+                    "shuffleprune.prune(calib=[...]))")
     return problem
 
 
