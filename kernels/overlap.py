@@ -45,8 +45,13 @@ from shuffleprune.kernels import gpu
 
 LINE_BYTES = 128                 # one L2 prefetch request per cache line
 LINE_WORDS = LINE_BYTES // 4     # 32-bit position words per line
-PREFETCH_BYTES = 8 << 20         # weight bytes one launch pulls into L2 before its input is ready, over all
-                                 # programs: about 2.5 µs of an H100's HBM3, a sixth of its 50 MB L2
+PREFETCH_BYTES = 8 << 20         # weight bytes a GEMM launch pulls into L2 before its input is ready, over all
+                                 # programs: about 2.5 µs of an H100's HBM3, a sixth of its 50 MB L2 (not swept)
+DECODE_PREFETCH_BYTES = 4 << 20  # the decodes' budget from 2 tokens; at one token none. On an H100
+                                 # (tune_pdl.json, 2026-11-27: 1024/4096/11008×4096, 1/2/16 tokens, 0/4/8/16 MiB)
+                                 # no prefetch was fastest at one token on every shape and kernel (4096×4096:
+                                 # 9.9 µs against 11.1 at 8 MiB), and 4 MiB at 2–16 tokens as fast as 8 or faster
+                                 # on all but one row (1 % slower)
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -71,12 +76,20 @@ def position_words_per_row(kept: int, bits: int, tiled: bool) -> int:
     return max(1, kept // per_word) if tiled else max(LINE_WORDS, kept // per_word)
 
 
-def prefetch_per_row(programs: int, block_rows: int, row_elements: int, element_bytes: int) -> int:
-    """Elements of each of a program's rows to prefetch: :data:`PREFETCH_BYTES` shared by ``programs``
-    programs of ``block_rows`` rows, at most the row's own ``row_elements``, a power of two of whole
-    lines (0: less than one line each, or nothing to prefetch)."""
+def decode_prefetch_bytes(tokens: int) -> int:
+    """The weight bytes a decode launch of ``tokens`` tokens prefetches (:data:`DECODE_PREFETCH_BYTES`)."""
+    return DECODE_PREFETCH_BYTES if tokens > 1 else 0
+
+
+def prefetch_per_row(programs: int, block_rows: int, row_elements: int, element_bytes: int,
+                     budget: int | None = None) -> int:
+    """Elements of each of a program's rows to prefetch: ``budget`` bytes (default
+    :data:`PREFETCH_BYTES`) shared by ``programs`` programs of ``block_rows`` rows, at most the row's
+    own ``row_elements``, a power of two of whole lines (0: less than one line each, or nothing to
+    prefetch)."""
+    budget = PREFETCH_BYTES if budget is None else budget
     line = LINE_BYTES // element_bytes
-    share = min(PREFETCH_BYTES // max(1, programs * block_rows * element_bytes), row_elements)
+    share = min(budget // max(1, programs * block_rows * element_bytes), row_elements)
     if share < line:
         return 0
     return 1 << (share.bit_length() - 1)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from shuffleprune.runtime import outside_graph_pools
+
 try:
     import triton
     import triton.language as tl
@@ -102,7 +104,8 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     if entry is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        entry = _COUNTERS[str(device)] = [torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device), 0]
+        counters = outside_graph_pools(lambda: torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device), device)
+        entry = _COUNTERS[str(device)] = [counters, 0]
     counters, start = entry
     if start + tiles > SPLIT_COUNTERS:
         start = 0

@@ -7,6 +7,8 @@ CUDA graphs for both (issue 24's second table).
     python scripts/bench_e2e.py --arch mixtral  # CUDA, 8 Mixtral-8x7B layers → scripts/results/bench_e2e_mixtral.json
     python scripts/bench_e2e.py --decode compile  # decode steps by torch.compile(mode="reduce-overhead"), as users
                                                   # serve → scripts/results/bench_e2e_compile.json
+    python scripts/bench_e2e.py --decode eager    # decode steps run eagerly, as a plain generate() runs them
+                                                  # (the host's launches counted) → scripts/results/bench_e2e_eager.json
 
 Per model: prefill of the ``--prompt`` tokens into a transformers ``StaticCache``, eagerly (as
 ``generate`` runs a prompt: host-bound at this size) and replayed from one CUDA graph (the GPU's
@@ -27,7 +29,7 @@ does, with the layers that read one input run as one stacked layer (``fuse_share
 unstacked and stacked again, with each layer's weight held as one cuSPARSELt buffer
 (``use_cslt_layout``: ``auto`` may then prefill on Hopper's sparse tensor cores; ``cslt_buffer``).
 ``load_default`` names the variant ``load`` serves on this device (``arrange_for_serving``: the
-stacked cuSPARSELt buffer on Hopper); ``--decode compile`` measures that one only. The eager prefill
+stacked cuSPARSELt buffer on Hopper); ``--decode compile`` and ``--decode eager`` measure that one only. The eager prefill
 (``prefill_eager_ms``) shows what a model run without CUDA graphs gets: there ``auto`` keeps
 cuSPARSELt only if it also wins eagerly (``eager_kernel_choices_…``). Last, that model again with
 every kernel ``auto`` chose as a programmatic dependent (``+pdl``, Hopper) launched plainly
@@ -55,13 +57,14 @@ def main() -> None:
     ap.add_argument("--arch", choices=("llama", "mixtral"), default="llama",
                     help="mixtral: a Mixtral-8x7B-shaped MoE (8 experts, top 2), --layers of its 32 decoder layers")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the mixtral model (all 32 need 94 GB dense)")
-    ap.add_argument("--decode", choices=("graph", "compile"), default="graph",
+    ap.add_argument("--decode", choices=("graph", "compile", "eager"), default="graph",
                     help="graph: each decode step replayed from one CUDA graph captured by hand; compile: as "
-                         "torch.compile(model.forward, mode='reduce-overhead') runs it (→ …_compile.json)")
+                         "torch.compile(model.forward, mode='reduce-overhead') runs it (→ …_compile.json); eager: "
+                         "run as is, as generate() without CUDA graphs runs it (→ …_eager.json)")
     ap.add_argument("--out", default=None, help="default: scripts/results/bench_e2e.json (mixtral: bench_e2e_mixtral.json)")
     args = ap.parse_args()
     moe = args.arch == "mixtral"
-    name = ("bench_e2e_mixtral" if moe else "bench_e2e") + ("_compile" if args.decode == "compile" else "")
+    name = ("bench_e2e_mixtral" if moe else "bench_e2e") + ("" if args.decode == "graph" else f"_{args.decode}")
     args.out = args.out or str(ROOT / "scripts" / "results" / f"{name}.json")
 
     import torch
@@ -215,7 +218,7 @@ def main() -> None:
                 print(f"{label}: torch.compile failed ({first_line}); eager", flush=True)
                 restart()
                 how = f"eager (torch.compile failed: {type(exc).__name__}: {first_line})"
-        elif cuda:
+        elif cuda and args.decode == "graph":
             try:
                 graph = capture(lambda: (step(), restart()), step)
                 how, run_step = "cuda_graph", graph.replay
@@ -300,7 +303,8 @@ def main() -> None:
         """Write the results file (after every model measured, so a run cut off by its time limit keeps
         its rows; ``complete`` says whether every variant was reached)."""
         result = {"complete": complete, "what": f"end-to-end prefill/decode, random {shape}, static cache, "
-                          + ("decode by torch.compile(mode='reduce-overhead')" if args.decode == "compile" else "CUDA graphs")
+                          + {"compile": "decode by torch.compile(mode='reduce-overhead')",
+                             "eager": "decode eager (no CUDA graphs)"}.get(args.decode, "CUDA graphs")
                           + (" (smoke)" if args.smoke else ""),
                   "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
                   "seed": 0, "batch": 1, "prompt": args.prompt, "new_tokens": args.new_tokens, "runs": args.runs,
@@ -317,7 +321,7 @@ def main() -> None:
 
     # load's default layout on this device (cuSPARSELt's buffer on Hopper): the key of its variant below
     default_variant = "cslt_buffer_stacked" if cuda and cslt_by_default(device) else "stacked"
-    if args.decode == "compile":   # load's default only: each compile of a 32-layer model takes minutes
+    if args.decode != "graph":   # load's default only (each compile of a 32-layer model takes minutes)
         save({}, [dense_row], complete=False)
         done = arrange_for_serving(model)
         row, _ = measure(model, f"2:4 as load lays it out ({default_variant})")

@@ -4,8 +4,8 @@
 # with kernels/ and calib/ mapped as on install. Each named step appends or writes its
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
-#   bash scripts/gpu_run.sh                    # issue 24's measurements in one device call (at most 590 s):
-#                                              # kernel e2e targets e2e_compile (the targets table after e2e)
+#   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 480 s):
+#                                              # e2e_compile e2e_eager (next1: kernel e2e targets, the full tables)
 #                                              # Put nothing else under $OUT: the device tool returns a limited
 #                                              # number of files, and past it none of the named ones come back
 #   bash scripts/gpu_run.sh stage_cost         # pruning stages' cost on LLaMA-2-7B-shaped blocks (a second call:
@@ -40,6 +40,9 @@
 #                                              # experts served stacked: loop, grouped, auto, grouped with maps
 #   bash scripts/gpu_run.sh e2e_compile        # end to end as e2e, each decode step by torch.compile(mode=
 #                                              # "reduce-overhead") as users serve, dense against load's default
+#   bash scripts/gpu_run.sh e2e_eager          # end to end as e2e, each decode step run eagerly (a plain generate()
+#                                              # without CUDA graphs: the host's launches count), dense against
+#                                              # load's default
 #   bash scripts/gpu_run.sh e2e_moe            # end to end as e2e, 8 Mixtral-8x7B layers: dense (transformers'
 #                                              # experts forward) against 2:4 experts with maps (~23 GB dense)
 #   bash scripts/gpu_run.sh e2e_moe_compile    # e2e_moe with each decode step by torch.compile(mode="reduce-overhead"):
@@ -79,20 +82,22 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     [ "$SMOKE" = 1 ] || echo "$name rc=$rc seconds=$((SECONDS - t0)) limit=$limit" >> "$OUT/gpu_run_steps.txt"
     [ "$SMOKE" = 1 ] || { [ -f "$result" ] && cp "$result" "$OUT/"; }
 }
-# A session has 15 minutes of device time in all, the machine's start (about 30 s on 2026-11-26) included, and
-# one call runs 600 s at most: issue24 is the one call that measures what issue 24 must show (per-layer table
-# with Triton compiling on every core first, the model end to end, the targets table) and then load's default
-# under torch.compile(mode="reduce-overhead"); its limits sum to 590 s (measured on 2026-11-26: kernel 63-69 s
-# before the three "+pdl" candidates were added (about 30 % more rows, hence 150 s), e2e 65-98 s, e2e_compile
-# failed after 89 s, so its length when it runs through is unknown: last, so a cut loses only it). next1..next5 are what no GPU has timed yet, one call each (limits summing to at most 500 s),
-# in the order they matter to the issue, for later sessions or time left after issue24 (each step's seconds go
-# to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five, for the CPU smoke run.
-ISSUE24=(kernel e2e targets e2e_compile)            # 150 + 150 + 10 + 280 s
-NEXT1=(tune_pdl tune_gather)                        # 150 + 150 s
+# A session has 15 minutes of device time in all, the machine's start (about 30 s) included, and one call runs
+# 600 s at most. On 2026-11-27 (H100) one call ran kernel 114 s, e2e 139 s, targets 5 s and e2e_compile 157 s,
+# where torch.compile's CUDA graphs refused the sparse model (128 kept tensors in their pool) and it decoded
+# eagerly at 0.12x the compiled dense model. issue24 is now what that run left unmeasured: load's default under
+# torch.compile(mode="reduce-overhead") after the fix (the fused norm one operator, what layers keep allocated
+# off the calling thread), whose length when the sparse model compiles through is unknown (157 s with it
+# failing and decoding eagerly), and eager decode (no CUDA graphs, as a plain generate() runs). next1 measures the per-layer table, the model end
+# to end and the targets table again (after kernel changes); next2..next5 are what no GPU has timed yet, one
+# call each (limits summing to at most 500 s), in the order they matter to the issue (each step's seconds go to
+# $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five, for the CPU smoke run.
+ISSUE24=(e2e_compile e2e_eager)                     # 280 + 200 s
+NEXT1=(kernel e2e targets)                          # 150 + 150 + 10 s
 NEXT2=(moe)                                         # 300 s
 NEXT3=(moe_stacked)                                 # 300 s
 NEXT4=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
-NEXT5=(cslt_buffer tune_split_deep)                 # 240 + 200 s: the cuSPARSELt-buffer table again, after changes
+NEXT5=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
 [ $# -eq 0 ] && set -- issue24
 steps=(); for s in "$@"; do case $s in
     tune_tiles) steps+=(tune_select tune_dot tune_gemm) ;;
@@ -189,6 +194,7 @@ for s in "$@"; do
         targets) step targets 10 scripts/results/gpu_targets.json $PY scripts/gpu_targets.py \
             --json scripts/results/gpu_targets.json ;;
         e2e_compile) step e2e_compile 280 scripts/results/bench_e2e_compile.json $PY scripts/bench_e2e.py --decode compile ;;
+        e2e_eager) step e2e_eager 200 scripts/results/bench_e2e_eager.json $PY scripts/bench_e2e.py --decode eager ;;
         moe) step moe 300 scripts/results/bench_moe.json $PY scripts/bench_moe.py ;;
         moe_stacked) step moe_stacked 300 scripts/results/bench_stacked_moe.json $PY scripts/bench_stacked_moe.py ;;
         e2e_moe) step e2e_moe 400 scripts/results/bench_e2e_mixtral.json $PY scripts/bench_e2e.py --arch mixtral ;;

@@ -167,7 +167,7 @@ def main() -> None:
 
                 def run(values=values, words=words, br=br, bk=bk, nw=nw, st=st, sp=sp, variant=variant, mb=mb):
                     if mb is not None:   # read by nm_decode at each call (also while a CUDA graph is captured)
-                        overlap.PREFETCH_BYTES = int(mb * 2**20)
+                        overlap.decode_prefetch_bytes = lambda tokens, budget=int(mb * 2**20): budget
                     if variant == "decompress":   # the scratch's fill, then the dense product of the scratch
                         dense = nm_decompress_into(values, words, 2, 4, meta_bits(4), in_f, scratch, br, bk, nw)
                         return F.linear(xp, dense)

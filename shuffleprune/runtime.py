@@ -7,14 +7,17 @@ import resource
 import sys
 import statistics
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, TypeVar
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
 from shuffleprune.errors import UserError
+
+T = TypeVar("T")
 
 
 def check_seed(seed: int) -> None:
@@ -69,23 +72,48 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-@contextmanager
-def side_stream(x: torch.Tensor) -> Iterator[None]:
-    """Run the body on a stream of its own (after the current stream's work on ``x``; the current
-    stream waits for the body's work): what it allocates comes from the ordinary allocator even where
-    the current stream allocates from a CUDA graph pool, as ``torch.compile(mode="reduce-overhead")``
-    routes its warm-up runs, whose pool may only hold what the compiled graphs return. Nothing off CUDA."""
-    if not x.is_cuda:
-        yield
-        return
-    current = torch.cuda.current_stream(x.device)
-    side = torch.cuda.Stream(x.device)
-    side.wait_stream(current)
-    try:
-        with torch.cuda.stream(side):
-            yield
-    finally:
-        current.wait_stream(side)
+# PyTorch 2.8 on routes a CUDA graph pool's allocations by thread (every allocation the capturing or
+# warming-up thread makes); before, by stream
+_POOLS_BY_THREAD = hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool")
+
+
+def outside_graph_pools(fn: Callable[[], T], x: torch.Tensor | torch.device) -> T:
+    """``fn()`` with every tensor it allocates taken from PyTorch's ordinary allocator, never from a
+    CUDA graph's memory pool: for what a layer builds at its first call and keeps (measured choices,
+    the shared scratch, stacked weights, split-K counters). ``torch.compile(mode="reduce-overhead")``
+    runs its first calls with the calling thread's allocations routed into its graphs' pool (by
+    stream before PyTorch 2.8), which may hold nothing but the compiled graphs' outputs: a tensor
+    kept there fails the compiled model ("Detected … tensor(s) in the cudagraph pool not tracked as
+    outputs"). Where that can happen (:func:`pool_may_route`) ``fn`` runs on a thread of its own (the
+    caller waits; its grad and inference modes carry over), on the caller's stream, or before
+    PyTorch 2.8 on a stream of its own ordered after the caller's, which waits for it; elsewhere it
+    is simply called."""
+    device = x.device if isinstance(x, torch.Tensor) else torch.device(x)
+    if not pool_may_route(device):
+        return fn()
+    caller = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def run() -> T:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            if caller is None:
+                return fn()
+            stream = caller if _POOLS_BY_THREAD else torch.cuda.Stream(device)
+            stream.wait_stream(caller)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                out = fn()
+            caller.wait_stream(stream)
+            return out
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shuffleprune-outside-pools") as worker:
+        return worker.submit(run).result()
+
+
+def pool_may_route(device: torch.device) -> bool:
+    """Whether the calling thread's allocations on ``device`` may be going to a CUDA graph pool it
+    cannot keep tensors in: a CUDA device, not capturing (a capture's allocations belong to its
+    graph, which nothing here escapes)."""
+    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
 
 def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2) -> tuple[float, str]:

@@ -634,6 +634,12 @@ def test_index_maps_move_to_the_norms_that_produce_their_input(pruned_perm_dir, 
             if isinstance(mod, MappedOutput):
                 mod.kernel = True  # the Triton kernel, interpreted on the CPU
         assert torch.allclose(model(ids).logits, expected, atol=1e-4)
+        torch._dynamo.reset()   # torch.compile: the fused norm is one operator (Dynamo traced its kernel before)
+        explained = torch._dynamo.explain(model)(ids)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0
+        assert sum(str(g.code).count("torch.ops.shuffleprune.rmsnorm_mapped") for g in explained.graphs) == 2 * len(model.model.layers)
+        assert torch.allclose(torch.compile(model, backend="aot_eager")(ids).logits, expected, atol=1e-4)
+        torch._dynamo.reset()
     with pytest.raises(UserError, match="maps must be"):
         shuffleprune.load(str(tmp_path / "exported"), maps="norm")
     for option, needle in (({"fuse": "no"}, "fuse must be True or False, not 'no'"),   # a string was taken as true

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.sparse_linear import IMPLS, LIBRARY_IMPLS, SparseLinear, default_choice
@@ -316,6 +317,38 @@ def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
     assert torch.equal(dense, w) and dense.data_ptr() == buf.data_ptr()
 
 
+def test_kernel_plans_are_worked_out_once_per_shape_and_device_facts(monkeypatch):
+    """The decode and GEMM plans the host needs at every launch are looked up after their first
+    working-out (16–21 µs and 0.4–0.8 ms on a 2-core CPU, more than an H100's time for the layer):
+    the same answer as working it out, a fresh dict each time for the decode's, and worked out anew
+    when the device facts they read differ (SM count, shared memory per SM)."""
+    from shuffleprune.kernels import gpu, nm_decode, nm_gemm
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(gpu, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gpu, "smem_per_sm", lambda device: 228 * 1024)
+    monkeypatch.setattr(nm_decode, "_PLANS", {})
+    monkeypatch.setattr(nm_gemm, "_PLANS", {})
+    worked = []
+    plan_decode, plan_gemm = nm_decode.plan_decode, nm_gemm.plan_gemm
+    monkeypatch.setattr(nm_decode, "plan_decode", lambda *a: worked.append("decode") or plan_decode(*a))
+    monkeypatch.setattr(nm_gemm, "plan_gemm", lambda *a: worked.append("gemm") or plan_gemm(*a))
+    for tokens in (1, 2, 16, 32, 64):
+        first = nm_decode.decode_plan(4096, 2048, tokens, 2, 4, 2, cuda)
+        first["split"] = -1   # a caller's change stays its own
+        assert nm_decode.decode_plan(4096, 2048, tokens, 2, 4, 2, cuda) == plan_decode(4096, 2048, tokens, 2, 4, 2, cuda)
+    for tokens in (17, 512, 2048):
+        assert nm_gemm.gemm_plan(tokens, 4096, 4096, 2, 4, 2, cuda) == nm_gemm.gemm_plan(tokens, 4096, 4096, 2, 4, 2, cuda) \
+            == plan_gemm(tokens, 4096, 4096, 2, 4, 2, cuda)
+    assert worked == ["decode"] * 5 + ["gemm"] * 3
+    monkeypatch.setattr(gpu, "sm_count", lambda device: 4)   # another device: planned for its SMs
+    assert nm_decode.decode_plan(4096, 2048, 16, 2, 4, 2, cuda) == plan_decode(4096, 2048, 16, 2, 4, 2, cuda)
+    assert nm_gemm.gemm_plan(512, 1024, 4096, 2, 4, 2, cuda) == plan_gemm(512, 1024, 4096, 2, 4, 2, cuda)
+    monkeypatch.setattr(gpu, "smem_per_sm", lambda device: 100 * 1024)
+    assert nm_decode.decode_plan(4096, 2048, 32, 2, 4, 2, cuda)["per_sm"] == 1   # one 32-token pipeline fits
+    assert worked == ["decode"] * 5 + ["gemm"] * 3 + ["decode", "gemm", "decode"]
+
+
 def test_gemm_plan_follows_tokens_rows_and_sm_count(monkeypatch):
     """The prefill tile and split-K come from the cost model over GEMM_TILES: long prompts take the
     256-token tile unsplit (the weight expanded once for more tokens), few tokens or rows smaller
@@ -409,7 +442,8 @@ def test_prefetch_share_is_whole_lines_within_the_budget_and_the_row():
     """Each program of a dependent decode prefetches a power of two of whole 128-byte lines per row,
     all programs together at most ``PREFETCH_BYTES``, never past the row's kept values, and the
     position words of those values."""
-    from shuffleprune.kernels.overlap import LINE_BYTES, PREFETCH_BYTES, position_words_per_row, prefetch_per_row
+    from shuffleprune.kernels.overlap import (LINE_BYTES, PREFETCH_BYTES, decode_prefetch_bytes, position_words_per_row,
+                                              prefetch_per_row)
 
     for programs, block_r, row, elt in [(256, 16, 2048, 2), (132, 64, 7168, 2), (8, 16, 96, 2), (64, 64, 1024, 4)]:
         count = prefetch_per_row(programs, block_r, row, elt)
@@ -418,6 +452,8 @@ def test_prefetch_share_is_whole_lines_within_the_budget_and_the_row():
         assert 2 * count > min(row, PREFETCH_BYTES // (programs * block_r * elt))   # the largest such power
     assert prefetch_per_row(256, 16, 2048, 2) == 1024          # 8 MiB over 4096 rows of bf16: 2 KiB each
     assert prefetch_per_row(100_000, 64, 4096, 2) == 0         # less than a line each: nothing
+    assert prefetch_per_row(256, 16, 2048, 2, decode_prefetch_bytes(2)) == 512   # a decode's 4 MiB
+    assert prefetch_per_row(256, 16, 2048, 2, decode_prefetch_bytes(1)) == 0     # one token: none (timed fastest)
     # and the position words holding those values: 16 per word for 2:4, 8 for 4:8; the export's rows by whole
     # 128-byte lines (32 words at least), cuSPARSELt's order by words; none beside no values
     assert [position_words_per_row(kept, bits, tiled) for kept, bits, tiled in [
@@ -528,38 +564,108 @@ def test_auto_times_each_candidate_over_copies_of_the_weight_in_turn(monkeypatch
     assert all(torch.equal(c[0], own[0]) and torch.equal(c[1], own[1]) for c in copies)
 
 
-def test_auto_measures_on_a_side_stream_of_its_own(monkeypatch):
-    """A kind of layer's first call measures inside :func:`shuffleprune.runtime.side_stream` (on CUDA a
-    stream whose allocations stay out of a compiled model's CUDA graph pool, where the shared scratch
-    it allocates would be an unaccounted tensor); a measured kind does not enter it again. Off CUDA the
-    context runs its body on the current stream."""
-    import contextlib
+class _ThreadAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """The tensors PyTorch's operators allocate on the calling thread while active (a dispatch mode is
+    the thread's own; an output sharing an input's storage, a view, allocates nothing): what PyTorch
+    2.8 on routes into a CUDA graph pool while ``torch.compile(mode="reduce-overhead")`` warms up."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        self.made += [weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out)
+                      if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given]
+        return out
+
+    def kept(self, *outputs: torch.Tensor) -> list[tuple]:
+        """What was allocated here and is still alive, besides ``outputs``' storage."""
+        import gc
+
+        gc.collect()
+        returned = {t.untyped_storage().data_ptr() for t in outputs}
+        return [(tuple(t.shape), t.dtype) for ref in self.made
+                if (t := ref()) is not None and t.untyped_storage().data_ptr() not in returned]
+
+
+def test_what_layers_keep_from_their_first_call_is_not_allocated_by_the_calling_thread(monkeypatch):
+    """The state a sparse layer builds at its first call and keeps — the shared scratch, a stacked
+    group's weight, split-K's counters, what ``auto`` measures — is allocated through
+    :func:`shuffleprune.runtime.outside_graph_pools`, off the calling thread: a compiled model's CUDA
+    graphs (``mode="reduce-overhead"``) take every allocation of that thread into a pool that may hold
+    only their outputs (on an H100 they refused 128 kept tensors). The CPU stands in for the CUDA
+    warm-up here; the layers' outputs are unchanged and a later call allocates nothing it keeps."""
     from shuffleprune import runtime
     from shuffleprune.deploy import sparse_linear
+    from shuffleprune.deploy.fused_inputs import FusedInputs
+    from shuffleprune.kernels import split_k
 
+    monkeypatch.setattr(runtime, "pool_may_route", lambda device: True)
+    sparse_linear.release_scratch()
     sparse_linear.release_choices()
-    inside, events = [False], []
+    monkeypatch.setattr(split_k, "_COUNTERS", {})
+    _, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias, policy="scratch")
+    want = F.linear(x[:, perm], layer.dense_permuted(), bias)
+    with _ThreadAllocations() as first:                 # the shared scratch is made and kept
+        y = layer(x)
+    assert torch.allclose(y, want, atol=1e-5) and first.kept(y) == []
+    assert sparse_linear._SCRATCH                       # (it was made: by the worker thread)
+    with _ThreadAllocations() as later:
+        y = layer(x)
+    assert later.kept(y) == []
 
-    @contextlib.contextmanager
-    def recording_stream(x):
-        inside[0] = True
-        events.append("enter")
-        yield
-        inside[0] = False
+    a = SparseLinear(values, meta, 64, 2, 4, perm=perm, policy="scratch")
+    b = SparseLinear(values[:8].clone(), meta[:8].clone(), 64, 2, 4, perm=perm, policy="scratch")
+    a.fused_inputs = b.fused_inputs = group = FusedInputs([a, b])
+    with _ThreadAllocations() as stacking:              # the group's stacked weight is built and kept
+        ya, yb = a(x), b(x)
+    assert group.stacked is not None and stacking.kept(ya, yb) == []
+    assert torch.allclose(ya, want - bias, atol=1e-5) and torch.allclose(yb, want[:, :8] - bias[:8], atol=1e-5)
 
-    def fake_measure(self, x, candidates):
-        events.append(("measured", inside[0]))
+    with _ThreadAllocations() as counting:              # split-K's arrival counters, made once per device
+        counters = split_k.split_counters(torch.device("cpu"), 4)
+    assert counters is not None and not counters.any() and counting.kept() == []
+
+    kept_by_measuring = []
+
+    def fake_measure(self, x, candidates):              # auto measures once per kind of layer and keeps buffers
+        kept_by_measuring.append(torch.zeros(5))
         return "scratch", "scratch"
 
-    monkeypatch.setattr(sparse_linear, "side_stream", recording_stream)
     monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
-    _, values, meta, x, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
-    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
-    assert layer._choice(x) == layer._choice(x) == "scratch"
-    assert events == ["enter", ("measured", True)]
-    with runtime.side_stream(x):   # the CPU: a no-op
-        assert torch.equal(x + 0, x)
+    auto = SparseLinear(values, meta, 64, 2, 4, perm=perm)
+    with _ThreadAllocations() as measuring:
+        assert auto._choice(x) == auto._choice(x) == "scratch"
+    assert len(kept_by_measuring) == 1 and measuring.kept() == []
+
+
+def test_outside_graph_pools_runs_elsewhere_only_where_a_pool_may_take_allocations(monkeypatch):
+    """On the CPU (and in a capture) the function is simply called; where a CUDA graph pool may take
+    the thread's allocations it runs on a thread of its own with the caller's grad and inference
+    modes, returns its value and raises its error."""
+    import threading
+
+    from shuffleprune import runtime
+
+    def where() -> tuple:
+        return threading.get_ident(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    here = threading.get_ident()
+    assert runtime.outside_graph_pools(where, torch.zeros(1)) == (here, True, False)
+    monkeypatch.setattr(runtime, "pool_may_route", lambda device: True)
+    with torch.no_grad():
+        ident, grad, inference = runtime.outside_graph_pools(where, torch.device("cpu"))
+    assert ident != here and not grad and not inference
+    with torch.inference_mode():
+        assert runtime.outside_graph_pools(where, torch.zeros(1))[1:] == (False, True)
+    with pytest.raises(ValueError, match="from the worker"):
+        runtime.outside_graph_pools(lambda: (_ for _ in ()).throw(ValueError("from the worker")), torch.zeros(1))
 
 
 def test_timing_copies_exceed_the_l2_within_free_memory():
@@ -891,8 +997,11 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
         if r["kernel"] == "_gather_columns_kernel":
             assert dep["loads_before_wait"] and all(op.endswith("b32") for op in dep["loads_before_wait"]), r
         else:
-            assert dep["prefetches"] >= 2 and dep["prefetch_before_wait"] and dep["loads_before_wait"] == [], r
-            assert r["constexprs"]["PREFETCH"] > 0 and r["constexprs"]["PREFETCH_WORDS"] > 0, r   # values and positions
+            assert dep["prefetch_before_wait"] and dep["loads_before_wait"] == [], r
+            if r["impl"].startswith("decode") and r["tokens"] == 1:   # a one-token decode prefetches nothing
+                assert dep["prefetches"] == 0 and r["constexprs"]["PREFETCH"] == 0, r
+            else:   # values and positions
+                assert dep["prefetches"] >= 2 and r["constexprs"]["PREFETCH"] > 0 and r["constexprs"]["PREFETCH_WORDS"] > 0, r
             plain = {"decode_pdl": ("decode_nomap", 1), "decode_swap_pdl": ("decode_swap", 16),
                      "decode_mapped_pdl": ("decode_mapped" if r["tokens"] > 1 else "decode", r["tokens"]),
                      "gemm_pdl": ("gemm", 64), "gemm_swap_pdl": ("gemm_swap", 64)}.get(r["impl"])

@@ -24,7 +24,7 @@ from shuffleprune.block_inputs import block_probe
 from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.sparse_linear import InputShared, SparseLinear
-from shuffleprune.runtime import capturing
+from shuffleprune.runtime import capturing, outside_graph_pools
 
 
 class FusedInputs:
@@ -79,7 +79,7 @@ class FusedInputs:
         if not current:
             if capturing(x):
                 return None
-            self._build()   # forgets the cached output
+            outside_graph_pools(self._build, x)   # forgets the cached output; kept, so outside a compiled model's pool
         lo, hi = self.offsets[id(layer)]
         return self.output_cache.get(x, id(layer), self.stacked)[..., lo:hi]
 

@@ -86,10 +86,30 @@ class MappedOutput(nn.Module):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         fused = self.scale is not None and not args and not kwargs and (self.kernel or (self.kernel is None and x.is_cuda))
         if fused:
+            if torch.compiler.is_compiling():   # one opaque op: Dynamo neither traces the kernel nor its launch
+                return torch.ops.shuffleprune.rmsnorm_mapped(x, self.scale, self.perm, self.eps)
             from shuffleprune.kernels.norm_map import rmsnorm_mapped
 
             return rmsnorm_mapped(x, self.scale, self.perm, self.eps)
         return self.inner(x, *args, **kwargs).index_select(-1, self.perm)
+
+
+@torch.library.custom_op("shuffleprune::rmsnorm_mapped", mutates_args=())
+def rmsnorm_mapped_op(x: torch.Tensor, scale: torch.Tensor, perm: torch.Tensor, eps: float) -> torch.Tensor:
+    """The fused RMSNorm kernel (:func:`shuffleprune.kernels.norm_map.rmsnorm_mapped`) as one operator of a
+    ``torch.compile`` graph. Traced as a user Triton kernel instead, its inline assembly (the
+    dependent-launch release) defeats PyTorch's analysis of what the kernel writes, so every input
+    counts as written and is copied, the norm's ``scale`` and ``perm`` buffers included (on an H100
+    the compiled LLaMA-shaped model's CUDA graphs then found 128 kept tensors they did not track: two
+    per mapped norm, 64 norms; ``scripts/results/bench_e2e_compile.json``)."""
+    from shuffleprune.kernels.norm_map import rmsnorm_mapped
+
+    return rmsnorm_mapped(x, scale, perm, eps)
+
+
+@rmsnorm_mapped_op.register_fake
+def _rmsnorm_mapped_shape(x: torch.Tensor, scale: torch.Tensor, perm: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape)
 
 
 def _is_mapped(module: nn.Module) -> bool:

@@ -47,7 +47,7 @@ from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, expert
 from shuffleprune.deploy.format import check_compressed, check_index_map, compress, meta_bits
 from shuffleprune.deploy.sparse_linear import AGREE_RTOL, SparseLinear, relative_error, token_bucket
 from shuffleprune.errors import UserError
-from shuffleprune.runtime import capturing, eager_ms, side_stream
+from shuffleprune.runtime import capturing, eager_ms, outside_graph_pools
 from shuffleprune.stacked_experts import expert_layout, matmul_operands
 
 IMPLEMENTATION = "shuffleprune_nm"
@@ -121,7 +121,8 @@ class SparseExperts(nn.Module):
 
         if self._words is None or self._words[0] is not self.meta:
             experts, rows, nbytes = self.meta.shape
-            self._words = (self.meta, position_words(self.meta.reshape(experts * rows, nbytes)).view(experts, rows, -1))
+            words = outside_graph_pools(lambda: position_words(self.meta.reshape(experts * rows, nbytes)), self.meta)
+            self._words = (self.meta, words.view(experts, rows, -1))
         return self._words[1]
 
     def grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, x_div: int, routes=None) -> tuple:
@@ -211,8 +212,8 @@ def experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: to
     key = (str(hidden_states.device), hidden_states.dtype, top_k_index.shape[-1], getattr(module, "has_bias", False),
            token_bucket(hidden_states.shape[0]), *(h.kind() for h in held))
     if key not in _MODE_CHOICES:   # off any CUDA graph pool, as SparseLinear measures (what it makes lazily is kept)
-        with side_stream(hidden_states):
-            _MODE_CHOICES[key] = measure_experts_mode(module, hidden_states, top_k_index, top_k_weights)
+        _MODE_CHOICES[key] = outside_graph_pools(
+            lambda: measure_experts_mode(module, hidden_states, top_k_index, top_k_weights), hidden_states)
     return _MODE_CHOICES[key]
 
 

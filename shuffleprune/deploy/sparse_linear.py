@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
-from shuffleprune.runtime import capturing, cuda_graph_ms, eager_ms, side_stream
+from shuffleprune.runtime import capturing, cuda_graph_ms, eager_ms, outside_graph_pools
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "gather", "group",
@@ -97,12 +97,13 @@ _CHOICES: dict[tuple, tuple[str, str]] = {}   # (device, dtype, rows, cols, N, M
 
 def scratch_buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The shared scratch of ``device`` and ``dtype``, grown to at least ``numel`` elements (it lives
-    as long as the process; every layer's dense form is written into it per call)."""
+    as long as the process, outside any CUDA graph pool but a capture's; every layer's dense form is
+    written into it per call)."""
     key = (str(device), dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
         _SCRATCH.pop(key, None)
-        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+        buf = _SCRATCH[key] = outside_graph_pools(lambda: torch.empty(numel, dtype=dtype, device=device), device)
     return buf
 
 
@@ -238,7 +239,7 @@ class SparseLinear(nn.Module):
         if self.tiled:
             return self.meta
         if self._words is None or self._words[0] is not self.meta:  # rebuilt only when meta is replaced (.to())
-            self._words = (self.meta, position_words(self.meta))
+            self._words = (self.meta, outside_graph_pools(lambda: position_words(self.meta), self.meta))
         return self._words[1]
 
     def use_cslt_layout(self) -> bool:
@@ -274,7 +275,7 @@ class SparseLinear(nn.Module):
         p = self._packed
         if p is None or self.values.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() or \
                 self.values.device != p.device:
-            p = self._packed = join_buffer(self.values, self.meta)
+            p = self._packed = outside_graph_pools(lambda: join_buffer(self.values, self.meta), self.values)
             self.values, self.meta = split_buffer(p)
         return p
 
@@ -332,8 +333,9 @@ class SparseLinear(nn.Module):
                 from torch.sparse import SparseSemiStructuredTensorCUTLASS, to_sparse_semi_structured
 
                 w = self.dense_permuted()
-                self._semi[impl] = (to_sparse_semi_structured(w) if impl == "semi_structured"
-                                    else SparseSemiStructuredTensorCUTLASS.from_dense(w))
+                self._semi[impl] = outside_graph_pools(
+                    lambda: to_sparse_semi_structured(w) if impl == "semi_structured"
+                    else SparseSemiStructuredTensorCUTLASS.from_dense(w), w)
             xg = self._gathered(x)
             y = F.linear(xg.reshape(-1, xg.shape[-1]), self._semi[impl]).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
@@ -350,7 +352,7 @@ class SparseLinear(nn.Module):
             packed = self._packed_buffer()
         else:
             if "cslt" not in self._semi:
-                self._semi["cslt"] = torch._cslt_compress(self.dense_permuted())
+                self._semi["cslt"] = outside_graph_pools(lambda: torch._cslt_compress(self.dense_permuted()), x)
             packed = self._semi["cslt"]
         xg = self._gathered(x)
         xt = xg.reshape(-1, xg.shape[-1]).t()   # [C, T]: cuSPARSELt multiplies the sparse matrix from the left
@@ -530,8 +532,7 @@ class SparseLinear(nn.Module):
             key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
                    self.perm is not None, self.bias is not None, self.tiled, bucket)
             if key not in _CHOICES:   # off any CUDA graph pool: the shared scratch it allocates is kept
-                with side_stream(x):
-                    _CHOICES[key] = self._measure(x, self._candidates(x))
+                _CHOICES[key] = outside_graph_pools(lambda: self._measure(x, self._candidates(x)), x)
             self.choices[bucket], self.eager_choices[bucket] = _CHOICES[key]
         return (self.choices if in_graph else self.eager_choices)[bucket]
 
