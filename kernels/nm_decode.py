@@ -245,8 +245,8 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
                 element_bytes: int = 2, weight_a: bool = False) -> dict:
     """:func:`plan_decode`, worked out once per shape, token count, options and device facts (SM count,
     shared memory per SM) and then looked up: the host runs it at every decode launch, and working
-    it out took 24 µs of a layer's eager call on a 2-core CPU, about as long as an H100 spends on a
-    4096×4096 layer's one-token decode."""
+    it out took 13–19 µs on a 2-core CPU (``scripts/results/bench_host_overhead.json``), longer than an
+    H100's one-token decode of a 4096×4096 layer."""
     key = (rows, kept, tokens, n, m, bits, block_r, block_k, split, stages, num_warps, use_dot, element_bytes,
            weight_a, gpu.sm_count(device), gpu.smem_per_sm(device))
     plan = _PLANS.get(key)

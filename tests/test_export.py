@@ -789,6 +789,16 @@ def test_layers_reading_one_input_run_as_one_stacked_layer(pruned_perm_dir, tmp_
         assert torch.allclose(attn.k_proj(x), 2 * k, atol=1e-5) and len(rows) == 2
         ref = plain.model.layers[0].self_attn
         assert torch.allclose(q, ref.q_proj(x / 2), atol=1e-5) and torch.allclose(v, ref.v_proj(x / 2), atol=1e-5)
+        kept = attn.k_proj.values
+        attn.k_proj.values = kept * 0                 # a member's weight replaced: the group is built again
+        rows.clear()
+        assert not attn.k_proj(x).any() and group.stacked is not stacked
+        assert torch.allclose(attn.q_proj(x), 2 * q, atol=1e-5)   # the rebuilt stack's one call serves q
+        stacked = group.stacked
+        assert torch.allclose(attn.v_proj(x), 2 * v, atol=1e-5) and group.stacked is stacked   # unchanged: not rebuilt
+        assert rows == [stacked.out_features]
+        attn.k_proj.values = kept                     # and back
+        assert torch.allclose(attn.k_proj(x), 2 * k, atol=1e-5) and group.stacked is not stacked
     model.double()
     plain.double()
     with torch.no_grad():
