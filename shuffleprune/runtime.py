@@ -6,6 +6,7 @@ import re
 import resource
 import sys
 import statistics
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -75,6 +76,7 @@ def capturing(x: torch.Tensor) -> bool:
 # PyTorch 2.8 on routes a CUDA graph pool's allocations by thread (every allocation the capturing or
 # warming-up thread makes); before, by stream
 _POOLS_BY_THREAD = hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool")
+_ASIDE = threading.local()   # .active on outside_graph_pools' own threads
 
 
 def outside_graph_pools(fn: Callable[[], T], x: torch.Tensor | torch.device) -> T:
@@ -95,6 +97,7 @@ def outside_graph_pools(fn: Callable[[], T], x: torch.Tensor | torch.device) -> 
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def run() -> T:
+        _ASIDE.active = True   # this thread's allocations are nobody's pool's: nested calls run in place
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             if caller is None:
                 return fn()
@@ -112,8 +115,9 @@ def outside_graph_pools(fn: Callable[[], T], x: torch.Tensor | torch.device) -> 
 def pool_may_route(device: torch.device) -> bool:
     """Whether the calling thread's allocations on ``device`` may be going to a CUDA graph pool it
     cannot keep tensors in: a CUDA device, not capturing (a capture's allocations belong to its
-    graph, which nothing here escapes)."""
-    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+    graph, which nothing here escapes), and not already :func:`outside_graph_pools`' own thread."""
+    return device.type == "cuda" and not getattr(_ASIDE, "active", False) and \
+        not torch.cuda.is_current_stream_capturing()
 
 
 def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2) -> tuple[float, str]:

@@ -658,7 +658,10 @@ def test_outside_graph_pools_runs_elsewhere_only_where_a_pool_may_take_allocatio
 
     here = threading.get_ident()
     assert runtime.outside_graph_pools(where, torch.zeros(1)) == (here, True, False)
+    routes = runtime.pool_may_route
     monkeypatch.setattr(runtime, "pool_may_route", lambda device: True)
+    # its own thread is in no pool, so a call nested in it (the scratch grown while auto measures) runs in place
+    assert runtime.outside_graph_pools(lambda: routes(torch.device("cuda")), torch.zeros(1)) is False
     with torch.no_grad():
         ident, grad, inference = runtime.outside_graph_pools(where, torch.device("cpu"))
     assert ident != here and not grad and not inference
