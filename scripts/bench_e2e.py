@@ -80,6 +80,7 @@ def main() -> None:
                                                    split_pdl, use_cslt_layout)
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
+    from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -313,9 +314,7 @@ def main() -> None:
                   "machine": machine(), "versions": versions("triton")}
         out = Path(args.out) if not args.smoke else Path(args.out).with_name(Path(args.out).stem + "_smoke.json")
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(out)
+        atomic_write(out, lambda tmp: tmp.write_text(json.dumps(result, indent=1)))
         if complete:
             print(json.dumps(ratio, indent=1))
 

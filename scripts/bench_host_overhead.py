@@ -48,6 +48,7 @@ def main() -> None:
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.kernels import nm_decode, nm_gemm
     from shuffleprune.masks import nm_keep_mask
+    from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, versions
 
     torch.manual_seed(0)
@@ -114,9 +115,7 @@ def main() -> None:
     if args.smoke:
         out = out.with_name(out.stem + "_smoke.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    atomic_write(out, lambda tmp: tmp.write_text(json.dumps(result, indent=1)))
     print(f"wrote {out}")
 
 

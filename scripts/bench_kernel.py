@@ -175,6 +175,7 @@ def main() -> None:
     from shuffleprune.deploy.sparse_linear import SparseLinear, candidate_errors, relative_error
     from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.masks import nm_keep_mask
+    from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -234,9 +235,7 @@ def main() -> None:
                   "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
                   "versions": versions("triton"), "summary": summary, "rows": rows, "norm_rows": norm_rows}
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(out)
+        atomic_write(out, lambda tmp: tmp.write_text(json.dumps(result, indent=1)))
         return summary
 
     gen = torch.Generator().manual_seed(0)

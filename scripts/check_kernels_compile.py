@@ -206,6 +206,7 @@ def main() -> None:
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
 
     from shuffleprune.kernels.compile_check import H100, compile_only, report
+    from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, versions
 
     rows, failed = [], 0
@@ -258,9 +259,7 @@ def main() -> None:
         "seconds": round(time.time() - t0, 1), "summary": summary, "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
+    atomic_write(Path(args.out), lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
     print(json.dumps(summary))
     sys.exit(1 if failed else 0)
 

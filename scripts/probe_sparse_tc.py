@@ -46,6 +46,7 @@ def main() -> None:
     from shuffleprune.deploy.sparse_layout import (PATTERNS, LayoutError, dense_from_patterns, layout_at,
                                                    learn_layout, random_24)
     from shuffleprune.deploy.sparse_linear import relative_error
+    from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -156,9 +157,7 @@ def main() -> None:
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
               "versions": versions("triton"), "layouts": results}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    atomic_write(out, lambda tmp: tmp.write_text(json.dumps(result, indent=1)))
     print(f"wrote {out}")
 
 

@@ -100,8 +100,8 @@ def rmsnorm_mapped_op(x: torch.Tensor, scale: torch.Tensor, perm: torch.Tensor, 
     ``torch.compile`` graph. Traced as a user Triton kernel instead, its inline assembly (the
     dependent-launch release) defeats PyTorch's analysis of what the kernel writes, so every input
     counts as written and is copied, the norm's ``scale`` and ``perm`` buffers included (on an H100
-    the compiled LLaMA-shaped model's CUDA graphs then found 128 kept tensors they did not track: two
-    per mapped norm, 64 norms; ``scripts/results/bench_e2e_compile.json``)."""
+    the compiled LLaMA-shaped model's CUDA graphs then found 128 kept tensors they did not track, as
+    many as two per mapped norm for its 64; ``scripts/results/bench_e2e_compile.json``)."""
     from shuffleprune.kernels.norm_map import rmsnorm_mapped
 
     return rmsnorm_mapped(x, scale, perm, eps)
