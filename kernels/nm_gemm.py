@@ -148,7 +148,7 @@ _PLANS: dict[tuple, tuple] = {}   # gemm_plan's answers by its arguments and the
 def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, device: torch.device,
               element_bytes: int = 2, weight_a: bool = False) -> tuple[tuple[int, int, int, int, int], int]:
     """:func:`plan_gemm`, costed once per token count, shape, pattern, options and SM count and then
-    looked up: the host runs it at every GEMM launch, and costing every tile and split took 0.28–0.55
+    looked up: the host runs it at every GEMM launch, and costing every tile and split took 0.26–0.53
     ms on a 2-core CPU (``scripts/results/bench_host_overhead.json``), several times an H100's time for
     a 512-token 4096×4096 layer."""
     key = (tokens, rows, cols, n, m, bits, element_bytes, weight_a, gpu.sm_count(device))

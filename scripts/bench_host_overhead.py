@@ -109,7 +109,7 @@ def main() -> None:
         SparseLinear._run = run
 
     result = {"what": "host µs per call of the sparse runtime's eager path, kernels stubbed (no GPU needed)",
-              "calls": calls, "rows": rows, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "calls": calls, "seed": 0, "rows": rows, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": machine(), "versions": versions("triton")}
     out = Path(args.out)
     if args.smoke:

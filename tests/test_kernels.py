@@ -319,7 +319,7 @@ def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
 
 def test_kernel_plans_are_worked_out_once_per_shape_and_device_facts(monkeypatch):
     """The decode and GEMM plans the host needs at every launch are looked up after their first
-    working-out (13–19 µs and 0.28–0.55 ms on a 2-core CPU, more than an H100's time for the layer):
+    working-out (13–19 µs and 0.26–0.53 ms on a 2-core CPU, more than an H100's time for the layer):
     the same answer as working it out, a fresh dict each time for the decode's, and worked out anew
     when the device facts they read differ (SM count, shared memory per SM)."""
     from shuffleprune.kernels import gpu, nm_decode, nm_gemm
