@@ -31,8 +31,10 @@ while the previous call's end and prefetch their weight's first part into L2 (``
 summary: ``decode+pdl`` over ``decode_nomap+pdl``). ``norm_rows``: the producer-side alternative for a shared map —
 an RMSNorm (``rmsnorm``), the same followed by a gather (``rmsnorm+gather``), and the fused norm
 writing its output through the map (``rmsnorm_mapped``, ``kernels/norm_map.py``), per input width;
-beside them a mapped layer's gather alone, PyTorch's ``index_select`` (``gather``) and the Triton
-gather of the ``+pdl`` choices launched plainly (``gather_columns``, ``kernels/gather.py``).
+beside them a mapped layer's gather alone, PyTorch's ``index_select`` (``gather``), the Triton
+gather of the ``+pdl`` choices launched plainly (``gather_columns``, ``kernels/gather.py``) and the
+row gather that stages whole rows in shared memory (``gather_rows``); a layer's gathers run whichever
+of the three ``deploy/input_gather.py`` measured fastest for that width and token count.
 
 Timing: every implementation runs on ``copies`` separate weight copies in turn (at least 4, and
 together more than 2.5× the GPU's L2, so no call finds its weight in L2), ``calls`` calls captured
@@ -172,11 +174,12 @@ def main() -> None:
     import torch.nn.functional as F
 
     from shuffleprune.deploy.format import compress
-    from shuffleprune.deploy.sparse_linear import SparseLinear, candidate_errors, relative_error
+    from shuffleprune.deploy.input_gather import gather_orders, token_bucket
+    from shuffleprune.deploy.sparse_linear import SparseLinear, relative_error
     from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import cuda_graph_ms, machine, versions
+    from shuffleprune.runtime import candidate_errors, cuda_graph_ms, machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -294,6 +297,8 @@ def main() -> None:
                        "speedup_vs_dense": dense_ms / ms}
                 if impl.startswith("auto"):
                     row["choice"] = dict(layers[impl][0].choices)
+                    if impl != "auto_nomap":   # how its input was gathered: the ways measured, fastest first
+                        row["gather_order"] = gather_orders().get((in_f, token_bucket(tokens)))
                 rows.append(row)
                 line.append(f"{impl} {ms:.4f}")
             print(f"{out_f}x{in_f} t={tokens}: " + "  ".join(line), flush=True)
@@ -311,7 +316,7 @@ def main() -> None:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from shuffleprune.deploy.producer_maps import MappedOutput
-    from shuffleprune.kernels.gather import gather_columns
+    from shuffleprune.kernels.gather import gather_columns, gather_rows, rows_fit
 
     for width in sorted({in_f for _, in_f in shapes}):
         norm = LlamaRMSNorm(width, eps=1e-5).to(device, dtype)
@@ -328,13 +333,15 @@ def main() -> None:
                      # a mapped layer's own gather alone, launched plainly: PyTorch's, and the Triton one
                      # the "+pdl" choices launch (as a dependent there)
                      "gather": lambda: x.index_select(-1, perm), "gather_columns": lambda: gather_columns(x, perm32)}
+            if rows_fit(width, dtype):   # the row gather (rows staged in shared memory) that auto's gathers may pick
+                impls["gather_rows"] = lambda: gather_rows(x, perm32)
             for impl, call in impls.items():   # several calls per graph: one graph launch's own latency (µs) is
                 ms, how = timed([call] * NORM_CALLS)   # not the norm's (the norms run inside a model's one graph)
                 row = {"width": width, "tokens": tokens, "impl": impl, "ms": ms, "timing": how,
                        "calls_per_graph": NORM_CALLS}
                 if impl == "rmsnorm_mapped":
                     row["max_rel_err"] = relative_error(call(), ref)
-                if impl == "gather_columns":
+                if impl in ("gather_columns", "gather_rows"):
                     row["max_rel_err"] = relative_error(call(), x.index_select(-1, perm))
                 norm_rows.append(row)
             line = "  ".join(f"{r['impl']} {r['ms']:.4f}" for r in norm_rows[-len(impls):])

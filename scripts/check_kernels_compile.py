@@ -5,7 +5,7 @@
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
 map, the weight-as-A decode on the gathered input and reading the map itself, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch, the first kernels
-``gather`` / ``group``, the producer-side ``rmsnorm_mapped``, and ``…_pdl``: the gather kernel and the
+``gather`` / ``group``, the producer-side ``rmsnorm_mapped``, the row gather ``gather_rows``, and ``…_pdl``: the gather kernel and the
 decode or GEMM launched as programmatic dependents, as ``SparseLinear``'s ``+pdl`` choices run them) on bf16
 (plus fp16/fp32 and 4:8 on one shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
 (``kernels/compile_check.py``). Each row: registers, spills, shared memory, programs per SM, waves,
@@ -80,6 +80,10 @@ def cases(quick: bool) -> list[dict]:
             out.append(dict(impl=impl, shape=(rows, cols), tokens=t))
     for width in ([4096] if quick else [4096, 11008, 14336]):
         out.append(dict(impl="rmsnorm_mapped", shape=(0, width), tokens=1))
+        for t in (16, 2048):   # the row gather (whole rows staged in shared memory), as a dependent
+            out.append(dict(impl="gather_rows", shape=(0, width), tokens=t))
+    out.append(dict(impl="gather_rows", shape=(0, 28672), tokens=2048))   # its widest 16-bit row: 32768 padded
+    out.append(dict(impl="gather_rows", shape=(0, 8192), tokens=2048, dtype="float32"))
     for t in (1, 16):   # launched as programmatic dependents (SparseLinear's "+pdl" choices): gather, then decode
         out.append(dict(impl="decode_pdl", shape=(rows, cols), tokens=t))
     out.append(dict(impl="decode_swap_pdl", shape=(rows, cols), tokens=16))
@@ -108,6 +112,11 @@ def run_case(case: dict) -> None:
     impl, tokens, tiled = case["impl"], max(1, case["tokens"]), case.get("tiled", False)
     if impl == "rmsnorm_mapped":
         norm_map.rmsnorm_mapped(torch.zeros(tokens, cols, dtype=dtype), torch.ones(cols), perm, 1e-6)
+        return
+    if impl == "gather_rows":
+        from shuffleprune.kernels.gather import gather_rows
+
+        gather_rows(torch.zeros(tokens, cols, dtype=dtype), perm, pdl=True)
         return
     kept = cols // m * n
     if impl.startswith("experts"):   # 8 experts stacked, each token routed to 2 of them

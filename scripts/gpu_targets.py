@@ -94,7 +94,7 @@ def e2e_checks(result: dict) -> list[dict]:
 def dependent_launches(result: dict) -> dict:
     """Of the ``auto`` rows that record their choices, how many ran one launched as a programmatic
     dependent (``+pdl``, ``kernels/overlap.py``) at their own token count."""
-    from shuffleprune.deploy.sparse_linear import token_bucket
+    from shuffleprune.deploy.input_gather import token_bucket
 
     rows = [r for r in result.get("rows", []) if r.get("impl", "").startswith("auto") and r.get("choice")]
     chosen = [r["choice"].get(str(token_bucket(r["tokens"])), "") for r in rows]

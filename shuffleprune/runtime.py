@@ -151,6 +151,18 @@ def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 
     return _events_ms(run, reps, len(calls)), how
 
 
+def candidate_errors() -> tuple[type[Exception], ...]:
+    """What a candidate that cannot run on this device raises (Triton's own errors among them: a tile
+    sized for an H100's 228 KB of shared memory is out of resources on a GPU with 100 KB): ``auto``
+    and the input gathers skip it and time the others."""
+    errors: tuple[type[Exception], ...] = (RuntimeError, NotImplementedError, ValueError)
+    try:
+        from triton.errors import TritonError
+    except ImportError:
+        return errors
+    return errors + (TritonError,)
+
+
 def eager_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 1) -> float:
     """Milliseconds per call of ``calls`` (run in turn) run eagerly, the host's launches and
     synchronisations included, as a model run without CUDA graphs runs them: ``warm`` rounds, then

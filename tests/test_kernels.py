@@ -422,20 +422,36 @@ def test_every_sparse_linear_policy_matches_float64(policy, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 64), (3, 100), (2, 2, 1500)])   # one token, ragged, two column blocks
-def test_gather_kernel_is_index_select(shape, dtype):
-    """The gather ``decode+pdl`` runs (a Triton kernel that can let the decode start early) writes
-    exactly ``x[..., perm]``, also from a strided input; a map of the wrong width is refused."""
-    from shuffleprune.kernels.gather import gather_columns
+@pytest.mark.parametrize("shape", [(1, 64), (3, 100), (2, 2, 1500), (37, 7)])   # one token, ragged, two column
+@pytest.mark.parametrize("kernel", ["gather_columns", "gather_rows"])                # blocks, rows past a program's end
+def test_gather_kernels_are_index_select(kernel, shape, dtype):
+    """Both Triton gathers (the many-program column kernel, and the row kernel that stages whole rows
+    in shared memory, several rows per program) write exactly ``x[..., perm]``, also from a strided
+    input and with or without a dependent launch; a map of the wrong width is refused."""
+    from shuffleprune.kernels import gather
 
+    gather_fn = getattr(gather, kernel)
     g = torch.Generator().manual_seed(shape[-1])
     x = torch.randn(*shape[:-1], 2 * shape[-1], generator=g).to(dtype)[..., ::2]   # every other column: strided
     perm = torch.randperm(shape[-1], generator=g).to(torch.int32)
     for pdl in (False, True):   # on the CPU pdl is an ordinary launch
-        y = gather_columns(x, perm, pdl=pdl)
+        y = gather_fn(x, perm, pdl=pdl)
         assert y.shape == x.shape and y.is_contiguous() and torch.equal(y, x[..., perm.long()])
     with pytest.raises(ValueError, match="must be"):
-        gather_columns(x, perm[:-1])
+        gather_fn(x, perm[:-1])
+
+
+def test_gather_rows_takes_rows_that_fit_its_shared_memory_and_splits_tokens_over_programs():
+    """The row gather stages at most 64 KiB per row (32768 16-bit columns, 16384 float32 ones, padded
+    to a power of two) and refuses wider rows, naming the other gather; a program takes 1–8 rows,
+    leaving about four programs per SM."""
+    from shuffleprune.kernels.gather import gather_rows, rows_fit, rows_per_program
+
+    assert rows_fit(32768, torch.bfloat16) and not rows_fit(32769, torch.bfloat16)
+    assert rows_fit(16384, torch.float32) and not rows_fit(16385, torch.float32)
+    with pytest.raises(ValueError, match="gather_columns"):
+        gather_rows(torch.zeros(1, 16385), torch.zeros(16385, dtype=torch.int32))
+    assert [rows_per_program(t, 132) for t in (1, 527, 528, 2048, 10**6)] == [1, 1, 1, 3, 8]
 
 
 def test_prefetch_share_is_whole_lines_within_the_budget_and_the_row():
@@ -1020,8 +1036,17 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     norm = [r for r in rows if r["impl"] == "rmsnorm_mapped"]
     assert norm and all(not r["launch_pdl"] and r["grid_dependency"]["release"] and not r["grid_dependency"]["wait"]
                         for r in norm)
+    # the row gather: whole rows read with 16-byte loads and staged in shared memory (its padded row), launched as
+    # a dependent that reads only its map (32-bit words) before the wait
+    staged = [r for r in rows if r["impl"] == "gather_rows"]
+    assert {r["tokens"] for r in staged} == {16, 2048}, staged
+    for r in staged:
+        padded = 1 << (r["shape"][1] - 1).bit_length()
+        assert r["widest_load_bytes"] == 16 and r["shared_bytes"] >= padded * 2 and r["launch_pdl"], r
+        dep = r["grid_dependency"]
+        assert dep["wait"] and dep["release"] and all(op.endswith("b32") for op in dep["loads_before_wait"]), r
     assert all(r["grid_dependency"] is None and not r["launch_pdl"] for r in rows
-               if "_pdl" not in r["impl"] and r["impl"] != "rmsnorm_mapped")
+               if "_pdl" not in r["impl"] and r["impl"] not in ("rmsnorm_mapped", "gather_rows"))
     summed_here = [r for r in rows if r["constexprs"].get("SUM_HERE")]
     assert summed_here and all(r["grid"][1] > 1 and r["split_sum_fenced"] for r in summed_here), summed_here
     assert all(r["split_sum_fenced"] is None for r in rows if not r["constexprs"].get("SUM_HERE"))

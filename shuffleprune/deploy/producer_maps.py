@@ -21,6 +21,7 @@ from torch import nn
 from shuffleprune.block_inputs import block_probe
 from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
+from shuffleprune.deploy.input_gather import gather_input
 from shuffleprune.deploy.sparse_linear import SparseLinear
 
 
@@ -91,7 +92,7 @@ class MappedOutput(nn.Module):
             from shuffleprune.kernels.norm_map import rmsnorm_mapped
 
             return rmsnorm_mapped(x, self.scale, self.perm, self.eps)
-        return self.inner(x, *args, **kwargs).index_select(-1, self.perm)
+        return gather_input(self.inner(x, *args, **kwargs), self.perm)
 
 
 @torch.library.custom_op("shuffleprune::rmsnorm_mapped", mutates_args=())

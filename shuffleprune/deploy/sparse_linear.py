@@ -5,7 +5,9 @@
 No layer keeps a dense copy: GPU memory holds the compressed size. Implementations (``IMPLS``):
 
 - ``decode`` (CUDA, 1–64 tokens; float32 1–16): the bandwidth kernel of ``kernels/nm_decode.py``
-  (position words, split-K) over the gathered input (one small gather, shared by a group's layers);
+  (position words, split-K) over the gathered input (one gather, shared by a group's layers; every
+  implementation but ``decode_mapped``, ``gather`` and ``group`` reads its input so, gathered the way
+  ``deploy/input_gather.py`` measured fastest for its width and token count);
 - ``decode_mapped``: the same kernel reading the index map itself (no gather launch; on an H100 its
   gather, a synchronous load inside the loop, cost 6–34 % at one token and far more on the tensor
   cores). It now reads the gather as 32-bit words the pipeline copies ahead, in the select loop (1–2
@@ -63,7 +65,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
-from shuffleprune.runtime import capturing, cuda_graph_ms, eager_ms, outside_graph_pools
+from shuffleprune.deploy.input_gather import gather_input, token_bucket
+from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "gather", "group",
@@ -161,11 +164,6 @@ class SharedGather(InputShared):
         """Count one more layer reading through this gather; returns it."""
         self.members += 1
         return self
-
-
-def token_bucket(tokens: int) -> int:
-    """Token counts grouped by powers of two (1, 2, 4, …): one measured choice per bucket."""
-    return 1 << max(0, (tokens - 1).bit_length())
 
 
 class SparseLinear(nn.Module):
@@ -280,16 +278,13 @@ class SparseLinear(nn.Module):
         return p
 
     def _gathered(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        """``x[..., perm]`` (shared with the layers of the same map and input); ``pdl``: by the gather
-        kernel that lets the next kernel start early (:func:`shuffleprune.kernels.gather.gather_columns`)."""
+        """``x[..., perm]`` (shared with the layers of the same map and input) by the gather measured
+        fastest for this input (:func:`~shuffleprune.deploy.input_gather.gather_input`); ``pdl``: by a
+        Triton gather that lets the next kernel start early."""
         if self.perm is None:
             return x
         def gather(t: torch.Tensor) -> torch.Tensor:
-            if pdl:
-                from shuffleprune.kernels.gather import gather_columns
-
-                return gather_columns(t, self.perm, pdl=True)
-            return t.index_select(-1, self.perm)
+            return gather_input(t, self.perm, pdl)
 
         if self.shared_gather is not None:
             return self.shared_gather.get(x, id(self), gather)
@@ -597,18 +592,6 @@ def timing_copies(weight_bytes: int, l2_bytes: int, free_bytes: int) -> int:
     ``free_bytes`` (it is then timed partly from L2)."""
     count = min(64, -(-int(COLD_L2 * l2_bytes) // weight_bytes))
     return 1 if count <= 1 or (count - 1) * weight_bytes + 2**28 > free_bytes else count
-
-
-def candidate_errors() -> tuple[type[Exception], ...]:
-    """What a candidate that cannot run on this device raises (Triton's own errors among them: a tile
-    sized for an H100's 228 KB of shared memory is out of resources on a GPU with 100 KB): ``auto``
-    skips it and times the others."""
-    errors: tuple[type[Exception], ...] = (RuntimeError, NotImplementedError, ValueError)
-    try:
-        from triton.errors import TritonError
-    except ImportError:
-        return errors
-    return errors + (TritonError,)
 
 
 def faster_eagerly(impls: list[str], run, calls: int, reps: int) -> str:

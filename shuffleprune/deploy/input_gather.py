@@ -1,0 +1,126 @@
+"""A layer's input read through its index map, ``x[..., perm]``, gathered the fastest way where it runs.
+
+On the CPU (and inside ``torch.compile``'s tracing) it is PyTorch's ``index_select``. On a CUDA GPU
+there are three ways (:data:`GATHERS`): ``index_select``, and the two Triton gathers of
+:mod:`shuffleprune.kernels.gather`, ``columns`` (many small programs, one load per element) and
+``rows`` (whole rows staged in shared memory). Which is fastest depends on the token count and the
+width: on an H100 the column kernel took less than half of ``index_select``'s time at 1–64 tokens and
+1.5× more at 2048 × 14336, where both moved under 0.6 TB/s (``scripts/results/bench_kernel.json``,
+``norm_rows``). So the first gather of each device, dtype, width and token-count bucket (1, 2, 4, …
+tokens) checks each way against ``index_select``, times each as a CUDA graph of repeated calls
+(what a model served with CUDA graphs runs) and keeps their order, fastest first
+(:func:`gather_order`); every later gather of that kind runs the first. A gather launched as a
+programmatic dependent (``pdl``, :mod:`shuffleprune.kernels.overlap`) runs the fastest Triton one
+(``index_select`` cannot launch so). Met first inside a CUDA graph capture, where nothing can be
+timed, a gather takes ``index_select`` (``columns`` with ``pdl``) without keeping that choice.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, outside_graph_pools
+
+GATHERS = ("index_select", "columns", "rows")
+TRITON_GATHERS = ("columns", "rows")
+TIMED_CALLS = 8   # gathers per timed CUDA graph
+TIMED_REPS = 5    # replays; the median is kept
+
+_ORDERS: dict[tuple, tuple[str, ...]] = {}   # (device, dtype, width, token bucket) → ways, fastest first
+
+
+def token_bucket(tokens: int) -> int:
+    """Token counts grouped by powers of two (1, 2, 4, …): one measured choice per bucket (the gathers'
+    and :class:`~shuffleprune.deploy.sparse_linear.SparseLinear`'s)."""
+    return 1 << max(0, (tokens - 1).bit_length())
+
+
+def gather_orders(device: torch.device | str | None = None) -> dict[tuple[int, int], tuple[str, ...]]:
+    """The measured orders, fastest first, by ``(width, token bucket)`` (of ``device`` where given; of the
+    last dtype measured where several were): what a benchmark records beside its timings."""
+    return {(width, bucket): order for (dev, _, width, bucket), order in _ORDERS.items()
+            if device is None or dev == str(device)}
+
+
+def release_gather_choices() -> None:
+    """Forget the measured orders (the next gather of each kind measures again)."""
+    _ORDERS.clear()
+
+
+def gather_input(x: torch.Tensor, perm: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``x[..., perm]`` (``perm``: int32 ``[C]`` on ``x``'s device) by the way measured fastest for this
+    kind of input (module docstring); ``pdl``: by a Triton gather launched as a programmatic dependent."""
+    if not measured_here(x):
+        return x.index_select(-1, perm)
+    order = gather_order(x, perm)
+    if pdl:
+        how = next(h for h in (*order, "columns") if h in TRITON_GATHERS)
+    else:
+        how = order[0]
+    return run_gather(how, x, perm, pdl)
+
+
+def run_gather(how: str, x: torch.Tensor, perm: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``x[..., perm]`` by one of :data:`GATHERS` (``pdl`` applies to the Triton ones)."""
+    if how == "index_select":
+        return x.index_select(-1, perm)
+    from shuffleprune.kernels.gather import gather_columns, gather_rows
+
+    if how == "columns":
+        return gather_columns(x, perm, pdl=pdl)
+    if how == "rows":
+        return gather_rows(x, perm, pdl=pdl)
+    raise ValueError(f"unknown gather {how!r}; use one of {', '.join(GATHERS)}")
+
+
+def gather_ways(x: torch.Tensor) -> list[str]:
+    """The gathers that apply to ``x``: ``index_select`` always; the Triton ones where Triton is
+    installed, ``rows`` where a row fits its shared memory."""
+    if not _triton_gathers(x):
+        return ["index_select"]
+    from shuffleprune.kernels.gather import rows_fit
+
+    return ["index_select", "columns", *(["rows"] if rows_fit(x.shape[-1], x.dtype) else [])]
+
+
+def gather_order(x: torch.Tensor, perm: torch.Tensor) -> tuple[str, ...]:
+    """The ways of :func:`gather_ways` that agree with ``index_select`` on ``x``, fastest first: measured
+    at the first gather of this device, dtype, width and token bucket, then looked up. Inside a CUDA
+    graph capture with nothing measured yet: ``("index_select",)``, not kept."""
+    key = (str(x.device), x.dtype, x.shape[-1], token_bucket(x.numel() // max(1, x.shape[-1])))
+    order = _ORDERS.get(key)
+    if order is None:
+        if capturing(x):
+            return ("index_select",)
+        order = _ORDERS[key] = outside_graph_pools(lambda: _measure(x, perm), x)
+    return order
+
+
+def _measure(x: torch.Tensor, perm: torch.Tensor) -> tuple[str, ...]:
+    """Each way of :func:`gather_ways` checked against ``index_select`` (one that differs, or cannot run
+    on this device, is dropped, with a warning for a difference) and timed; their names, fastest first."""
+    ref = x.index_select(-1, perm)
+    times: dict[str, float] = {}
+    for how in gather_ways(x):
+        try:
+            if not torch.equal(run_gather(how, x, perm), ref):
+                warnings.warn(f"the {how} gather of {x.shape[-1]} columns differs from index_select on this "
+                              "device; not used", RuntimeWarning, stacklevel=4)
+                continue
+            times[how] = cuda_graph_ms([lambda how=how: run_gather(how, x, perm)] * TIMED_CALLS, TIMED_REPS)[0]
+        except candidate_errors():   # e.g. a staged row larger than this GPU's shared memory
+            continue
+    return tuple(sorted(times, key=times.__getitem__)) or ("index_select",)
+
+
+def measured_here(x: torch.Tensor) -> bool:
+    """Whether gathers of ``x`` choose by measurement: on a CUDA device, outside ``torch.compile``'s
+    tracing (where ``index_select`` is an op it knows), with Triton installed."""
+    return x.is_cuda and not torch.compiler.is_compiling() and _triton_gathers(x)
+
+
+def _triton_gathers(x: torch.Tensor) -> bool:
+    from shuffleprune.kernels.gather import triton
+
+    return triton is not None and x.dim() > 0 and x.shape[-1] > 0

@@ -1,0 +1,145 @@
+"""How a mapped layer's input is gathered (``shuffleprune/deploy/input_gather.py``): the measured order
+of the three ways, kept per device, dtype, width and token bucket; a dependent launch's Triton gather;
+what a capture gets; and that ``SparseLinear`` and ``MappedOutput`` gather through it. The GPU's
+timer is faked (the kernels run under ``TRITON_INTERPRET=1``); which way is really fastest on an H100
+is what ``scripts/bench_kernel.py`` measures (``norm_rows``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shuffleprune.deploy import input_gather
+from shuffleprune.deploy.format import compress
+from shuffleprune.deploy.sparse_linear import SparseLinear
+from shuffleprune.masks import nm_keep_mask
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """Gathers measured on the CPU: each way's faked CUDA-graph time is ``times[way]``; returns
+    ``(times, measured)``, ``measured`` listing each way as it is timed."""
+    times = {"index_select": 3.0, "columns": 2.0, "rows": 1.0}
+    measured: list[str] = []
+
+    def graph_timer(calls, reps, warm=2):
+        before = list(ran)
+        calls[0]()
+        measured.append(ran[len(before)])
+        return times[measured[-1]], "cuda_graph"
+
+    ran: list[str] = []
+    real_run = input_gather.run_gather
+
+    def run(how, x, perm, pdl=False):
+        ran.append(how)
+        return real_run(how, x, perm, pdl)
+
+    input_gather.release_gather_choices()
+    monkeypatch.setattr(input_gather, "measured_here", lambda x: True)
+    monkeypatch.setattr(input_gather, "cuda_graph_ms", graph_timer)
+    monkeypatch.setattr(input_gather, "run_gather", run)
+    yield times, measured, ran
+    input_gather.release_gather_choices()
+
+
+def _input(tokens: int, width: int, dtype=torch.float16):
+    g = torch.Generator().manual_seed(tokens * 1000 + width)
+    return torch.randn(tokens, width, generator=g).to(dtype), torch.randperm(width, generator=g).to(torch.int32)
+
+
+def test_the_fastest_way_gathers_and_is_measured_once_per_kind_of_input(timed):
+    """The first gather of a width, dtype and token bucket times every way; later ones of that kind
+    (3 and 4 tokens share a bucket) run the fastest without timing; another bucket, width or dtype
+    measures again. Every answer is ``x[..., perm]``."""
+    times, measured, ran = timed
+    x, perm = _input(3, 40)
+    assert torch.equal(input_gather.gather_input(x, perm), x[..., perm.long()])
+    assert sorted(measured) == ["columns", "index_select", "rows"] and ran[-1] == "rows"
+    x4, _ = _input(4, 40)
+    assert torch.equal(input_gather.gather_input(x4, perm), x4[..., perm.long()])
+    assert len(measured) == 3 and ran[-1] == "rows"
+    times.update(rows=5.0)
+    x5, _ = _input(5, 40)                       # bucket 8: measured again, now columns is fastest
+    input_gather.gather_input(x5, perm)
+    assert len(measured) == 6 and ran[-1] == "columns"
+    input_gather.gather_input(x4.float(), perm)          # another dtype
+    input_gather.gather_input(*_input(3, 48))           # another width
+    assert len(measured) == 12
+
+
+def test_a_dependent_launch_takes_the_fastest_triton_gather(timed):
+    """With ``pdl`` the gather is the fastest of the Triton ones, even where ``index_select`` is faster
+    (it cannot let the next kernel start early)."""
+    times, measured, ran = timed
+    times.update(index_select=0.5, columns=2.0, rows=1.0)
+    x, perm = _input(2, 64)
+    input_gather.gather_input(x, perm)
+    assert ran[-1] == "index_select"
+    assert torch.equal(input_gather.gather_input(x, perm, pdl=True), x[..., perm.long()]) and ran[-1] == "rows"
+
+
+def test_a_way_that_disagrees_or_cannot_run_is_dropped(timed, monkeypatch):
+    """A gather whose output differs from ``index_select`` is dropped with a warning; one that raises
+    what a kernel that cannot run on this device raises is dropped silently; the others are timed."""
+    times, measured, ran = timed
+    real = input_gather.run_gather
+
+    def flawed(how, x, perm, pdl=False):
+        if how == "rows":
+            return real(how, x, perm, pdl) + 1
+        if how == "columns":
+            raise RuntimeError("out of resources")
+        return real(how, x, perm, pdl)
+
+    monkeypatch.setattr(input_gather, "run_gather", flawed)
+    x, perm = _input(16, 24)
+    with pytest.warns(RuntimeWarning, match="rows gather of 24 columns differs"):
+        assert input_gather.gather_order(x, perm) == ("index_select",)
+
+
+def test_a_capture_with_nothing_measured_takes_index_select_without_keeping_it(timed, monkeypatch):
+    """Inside a CUDA graph capture nothing is timed: ``index_select`` (the column kernel for a dependent
+    launch), and the next gather outside a capture measures."""
+    times, measured, ran = timed
+    monkeypatch.setattr(input_gather, "capturing", lambda x: True)
+    x, perm = _input(8, 32)
+    assert torch.equal(input_gather.gather_input(x, perm), x[..., perm.long()]) and ran[-1] == "index_select"
+    input_gather.gather_input(x, perm, pdl=True)
+    assert ran[-1] == "columns" and measured == []
+    monkeypatch.setattr(input_gather, "capturing", lambda x: False)
+    input_gather.gather_input(x, perm)
+    assert len(measured) == 3 and ran[-1] == "rows"
+
+
+def test_rows_is_not_a_way_for_rows_too_wide_for_its_shared_memory():
+    """Only the ways that apply are timed: no row gather past 64 KiB of row."""
+    assert input_gather.gather_ways(torch.zeros(2, 100, dtype=torch.float16)) == ["index_select", "columns", "rows"]
+    assert input_gather.gather_ways(torch.zeros(2, 16385)) == ["index_select", "columns"]
+    with pytest.raises(ValueError, match="unknown gather"):
+        input_gather.run_gather("scatter", torch.zeros(1, 4), torch.arange(4, dtype=torch.int32))
+
+
+def test_off_the_gpu_a_gather_is_index_select_and_nothing_is_measured(monkeypatch):
+    """On the CPU (no measured choice) the gather is ``index_select`` and nothing is timed."""
+    monkeypatch.setattr(input_gather, "cuda_graph_ms", lambda *a, **k: pytest.fail("timed on the CPU"))
+    x, perm = _input(5, 30)
+    assert not input_gather.measured_here(x)
+    assert torch.equal(input_gather.gather_input(x, perm), x[..., perm.long()])
+
+
+def test_sparse_linear_and_mapped_norms_gather_through_the_measured_way(timed):
+    """A mapped ``SparseLinear`` gathers its input the measured way (here the row kernel) and gives the
+    reference output; a ``MappedOutput`` over a module that is no RMSNorm gathers the same way."""
+    from shuffleprune.deploy.producer_maps import MappedOutput
+
+    times, measured, ran = timed
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 64, generator=g)
+    w = w * nm_keep_mask(w.abs(), 2, 4).float()
+    values, meta = compress(w, 2, 4)
+    perm = torch.randperm(64, generator=g)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, policy="scratch")
+    x = torch.randn(2, 5, 64, generator=g)
+    assert torch.allclose(layer(x), x[..., perm] @ w.T, atol=1e-5) and ran[-1] == "rows"
+    relu = MappedOutput(torch.nn.ReLU(), perm)
+    assert torch.equal(relu(x), torch.relu(x)[..., perm]) and ran[-1] == "rows"
