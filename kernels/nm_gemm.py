@@ -6,6 +6,12 @@
   A operand.
 - :func:`nm_decompress_into`: the dense ``W_p`` written into a caller's buffer (the shared scratch a
   dense matmul reads; no layer keeps a dense copy).
+- :func:`nm_decompress_mapped_into`: the dense weight in the input's *original* order,
+  ``W[:, c] = W_p[:, inv[c]]``, written into such a buffer: a dense matmul then reads the layer's
+  input as it is, with no gathered copy of it (on a prompt that copy is a full read and write of the
+  activation: 2048 × 14336 took 199 µs with ``index_select`` on an H100). Each program expands whole
+  rows elementwise and reorders them in shared memory (``tl.gather``), rows up to
+  :data:`MAPPED_MAX_BYTES` wide.
 
 Both run on the CPU under ``TRITON_INTERPRET=1``.
 """
@@ -91,6 +97,30 @@ if triton is not None:
                            "evict_first", TILED, NATIVE)
         cols = (k0 // N) * M + tl.arange(0, G * M)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], dense, mask=row_ok[:, None] & (cols < C)[None, :])
+
+    @triton.jit
+    def _nm_decompress_mapped_kernel(val_ptr, word_ptr, inv_ptr, out_ptr, R, C, K, WORDS, rows,
+                                     N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, CP: tl.constexpr):
+        """Weight rows ``program_id(0)·rows …`` (fewer at the end), each whole: dense column ``j`` of ``W_p``
+        (``CP`` ≥ ``C`` of them) is the kept value of group ``j // M`` whose position is ``j % M``, else 0,
+        computed elementwise over the row (loads that neighbouring columns share); the row is then put
+        in the input's order through shared memory (``out[r, c] = W_p[r, inv[c]]``) and stored whole."""
+        F: tl.constexpr = 32 // BITS
+        cols = tl.arange(0, CP)
+        ok = cols < C
+        inv = tl.load(inv_ptr + cols, mask=ok, other=0)
+        first = tl.program_id(0).to(tl.int64) * rows
+        for step in range(rows):
+            r = first + step
+            live = cols < tl.where(r < R, C, 0)
+            dense = tl.zeros((CP,), dtype=val_ptr.dtype.element_ty)
+            for k in tl.static_range(N):
+                i = cols // M * N + k                      # the group's k-th kept value
+                word = tl.load(word_ptr + r * WORDS + i // F, mask=live, other=0)
+                pos = (word >> ((i % F) * BITS)) & ((1 << BITS) - 1)
+                value = tl.load(val_ptr + r * K + i, mask=live, other=0.0, eviction_policy="evict_first")
+                dense = tl.where(pos == cols % M, value, dense)
+            tl.store(out_ptr + r * C + cols, tl.gather(dense, inv, 0), mask=live)
 
 
 # prefill tiles (block_t, block_r, block_c, warps, stages), each with its loop's instructions per warp
@@ -225,6 +255,42 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     if split > 1 and counts is None:
         y = split_k.sum_partials(part, bias, y)
     return y.reshape(*lead, rows)
+
+
+MAPPED_MAX_BYTES = 32 * 1024     # nm_decompress_mapped_into's widest row (padded to a power of two), staged in
+                                 # shared memory: 16384 16-bit columns, 8192 float32 ones (compiled for sm_90a,
+                                 # 32768 16-bit columns spilled 216 bytes; 16384 none)
+
+
+def mapped_fits(cols: int, n: int, m: int, dtype: torch.dtype) -> bool:
+    """Whether :func:`nm_decompress_mapped_into` takes rows of ``cols`` columns of ``dtype`` (N and M
+    powers of two, the row padded to a power of two within :data:`MAPPED_MAX_BYTES`)."""
+    return triton is not None and not (n & (n - 1) or m & (m - 1)) and \
+        triton.next_power_of_2(cols) * dtype.itemsize <= MAPPED_MAX_BYTES
+
+
+def nm_decompress_mapped_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int, cols: int,
+                              inverse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the dense ``[R, cols]`` weight in the input's original order, ``W_p[:, inverse]`` (``inverse``:
+    int32 ``[cols]``, the index map's inverse), into ``out`` (at least ``R·cols`` elements of the values'
+    dtype); returns that view. A dense matmul of the *un*-gathered input with it is the mapped layer."""
+    from shuffleprune.kernels.gather import rows_per_program
+
+    check_pattern(n, m, bits)
+    if not mapped_fits(cols, n, m, values.dtype):
+        raise ValueError(f"the mapped decompress stages at most {MAPPED_MAX_BYTES} bytes per row; {cols} columns "
+                         f"of {values.dtype} do not fit: decompress in the permuted order and gather the input")
+    if inverse.shape != (cols,):
+        raise ValueError(f"inverse map {tuple(inverse.shape)} must be ({cols},)")
+    rows, kept = values.shape
+    dense = out.reshape(-1)[: rows * cols].view(rows, cols)
+    if rows:
+        width = triton.next_power_of_2(cols)
+        per_program = rows_per_program(rows, gpu.sm_count(values.device))
+        _nm_decompress_mapped_kernel[(triton.cdiv(rows, per_program),)](
+            values, words, inverse, dense, rows, cols, kept, words.shape[1], per_program, N=n, M=m, BITS=bits,
+            CP=width, num_warps=max(4, min(16, width // 512)))
+    return dense
 
 
 def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int, cols: int,

@@ -18,7 +18,8 @@ and each candidate (``decode``: the input gathered through the map by one small 
 decode kernel; ``decode_mapped``: the kernel reading the map itself; ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
-weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, the first kernel ``gather``; only
+weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, ``scratch_mapped`` (from 17
+tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
 ``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm, ``cslt`` (the last two
 from 64 tokens)). A ``_nomap`` suffix runs that policy on a layer without a map, on the already
@@ -66,7 +67,7 @@ NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which 
 # auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
-              "gather", "decode+pdl", "decode_swap+pdl", "decode_nomap+pdl"]
+              "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl", "decode_nomap+pdl"]
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.sparse_linear import LIBRARY_IMPLS as SPARSE_TC, PDL_SUFFIX  # noqa: E402  (no Triton import)
@@ -95,7 +96,7 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
         return rows * cols * elt + io
     kept = cols // 2
     weight = rows * kept * elt + rows * kept // 4           # values + 2-bit positions
-    if impl == "scratch":
+    if impl in ("scratch", "scratch_mapped"):
         weight += 2 * rows * cols * elt                       # dense written to the scratch, then read
     if impl in SPARSE_TC:
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
@@ -117,6 +118,8 @@ def runs_at(impl: str, tokens: int) -> bool:
     if impl in ("decode_select", "decode_swap") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
         return False
     if impl in ("gather", "group") and tokens > 64:
+        return False
+    if impl == "scratch_mapped" and tokens < 17:   # auto weighs it from GEMM_MIN_TOKENS
         return False
     return not (impl in ("semi_cutlass", "cslt") and tokens < 64)
 

@@ -4,7 +4,7 @@
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
-map, the weight-as-A decode on the gathered input and reading the map itself, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch, the first kernels
+map, the weight-as-A decode on the gathered input and reading the map itself, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
 ``gather`` / ``group``, the producer-side ``rmsnorm_mapped``, the row gather ``gather_rows``, and ``…_pdl``: the gather kernel and the
 decode or GEMM launched as programmatic dependents, as ``SparseLinear``'s ``+pdl`` choices run them) on bf16
 (plus fp16/fp32 and 4:8 on one shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
@@ -51,6 +51,7 @@ def cases(quick: bool) -> list[dict]:
             out.append(dict(impl="gemm", shape=(rows, cols), tokens=t))
             out.append(dict(impl="gemm_swap", shape=(rows, cols), tokens=t))
         out.append(dict(impl="scratch", shape=(rows, cols), tokens=0))
+        out.append(dict(impl="scratch_mapped", shape=(rows, cols), tokens=0))
     from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP
 
     rows, cols = SHAPES[0]
@@ -155,6 +156,8 @@ def run_case(case: dict) -> None:
         swap = impl == "gemm_swap_tile"
         table = nm_gemm.GEMM_TILES_SWAP if swap else nm_gemm.GEMM_TILES
         nm_gemm.nm_gemm(x, values, words, n, m, bits, tile=table[(n, m)][case["tile"]][0], weight_a=swap)
+    elif impl == "scratch_mapped":   # the weight written in the input's order (the map's inverse applied)
+        nm_gemm.nm_decompress_mapped_into(values, words, n, m, bits, cols, perm, torch.empty(rows * cols, dtype=dtype))
     elif impl == "scratch":
         nm_gemm.nm_decompress_into(values, words, n, m, bits, cols, torch.empty(rows * cols, dtype=dtype), tiled=tiled)
     else:

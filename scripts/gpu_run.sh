@@ -4,11 +4,13 @@
 # with kernels/ and calib/ mapped as on install. Each named step appends or writes its
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
-#   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 580 s):
+#   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
 #                                              # e2e_compile e2e_eager gather (next1: kernel e2e targets, the full tables)
 #   bash scripts/gpu_run.sh gather             # a mapped input's three gathers (index_select, Triton columns, Triton
 #                                              # rows staged in shared memory) alone, and auto / auto_tiled with the
-#                                              # map at 1-2048 tokens on the three input widths (bench_gather.json)
+#                                              # map at 1-2048 tokens on the three input widths, with scratch (gathered
+#                                              # input) against scratch_mapped (the map in the weight written to the
+#                                              # scratch, no gather) on prompts (bench_gather.json)
 #                                              # Put nothing else under $OUT: the device tool returns a limited
 #                                              # number of files, and past it none of the named ones come back
 #   bash scripts/gpu_run.sh stage_cost         # pruning stages' cost on LLaMA-2-7B-shaped blocks (a second call:
@@ -96,7 +98,7 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # to end and the targets table again (after kernel changes); next2..next5 are what no GPU has timed yet, one
 # call each (limits summing to at most 500 s), in the order they matter to the issue (each step's seconds go to
 # $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five, for the CPU smoke run.
-ISSUE24=(e2e_compile e2e_eager gather)              # 280 + 200 + 100 s (a step's file comes back as it ends)
+ISSUE24=(e2e_compile e2e_eager gather)              # 280 + 200 + 120 s (a step's file comes back as it ends)
 NEXT1=(kernel e2e targets)                          # 150 + 150 + 10 s
 NEXT2=(moe)                                         # 300 s
 NEXT3=(moe_stacked)                                 # 300 s
@@ -151,8 +153,9 @@ for s in "$@"; do
                 --out scripts/results/bench_sparse_tc.json ;;
         cslt_buffer) step cslt_buffer 240 scripts/results/bench_kernel_cslt.json $PY scripts/bench_kernel.py \
                 --impls auto auto_tiled decode_nomap decode_tiled --out scripts/results/bench_kernel_cslt.json ;;
-        gather) step gather 100 scripts/results/bench_gather.json $PY scripts/bench_kernel.py --warm-jobs 15 \
-                --shapes 4096x4096 4096x11008 4096x14336 --tokens 1 16 512 2048 --impls auto auto_tiled \
+        gather) step gather 120 scripts/results/bench_gather.json $PY scripts/bench_kernel.py --warm-jobs 15 \
+                --shapes 4096x4096 4096x11008 4096x14336 --tokens 1 16 512 2048 \
+                --impls auto auto_tiled scratch scratch_mapped \
                 --out scripts/results/bench_gather.json ;;
         cslt_buffer_quick) step cslt_buffer_quick 90 scripts/results/bench_kernel_cslt_quick.json $PY scripts/bench_kernel.py \
                 --shapes 11008x4096 4096x14336 1024x4096 --tokens 1 2 16 --impls auto auto_tiled decode decode_tiled \

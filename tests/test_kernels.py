@@ -317,6 +317,46 @@ def test_decompress_into_a_shared_buffer_is_exact(rows, cols, n, m):
     assert torch.equal(dense, w) and dense.data_ptr() == buf.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,n,m", [(37, 96, 2, 4), (33, 136, 4, 8), (5, 24, 2, 4), (20, 64, 1, 4), (3, 200, 2, 4)])
+def test_mapped_decompress_writes_the_weight_in_the_inputs_original_order(rows, cols, n, m, dtype):
+    """``nm_decompress_mapped_into`` writes ``W`` with ``W[:, perm[j]] = W_p[:, j]`` (so ``x @ Wᵀ`` is the
+    mapped layer without gathering ``x``) over stale buffer contents, several rows per program and a
+    last program with fewer (37 rows); a row too wide for its shared memory, or an inverse map of the
+    wrong width, is refused."""
+    from shuffleprune.kernels.nm_gemm import mapped_fits, nm_decompress_mapped_into
+    from shuffleprune.kernels.nm_words import position_words
+
+    w, values, meta, x, perm, _ = _case(rows, cols, n, m, 3, dtype)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(cols)
+    buf = torch.full((rows * cols + 11,), 7.0, dtype=dtype)
+    dense = nm_decompress_mapped_into(values, position_words(meta), n, m, meta_bits(m), cols, inverse.int(), buf)
+    original = torch.empty_like(w)
+    original[:, perm] = w
+    assert torch.equal(dense, original) and dense.data_ptr() == buf.data_ptr()
+    assert torch.allclose(x.double() @ dense.double().t(), x.double()[:, perm] @ w.double().t())
+    with pytest.raises(ValueError, match="must be"):
+        nm_decompress_mapped_into(values, position_words(meta), n, m, meta_bits(m), cols, inverse[1:].int(), buf)
+    assert mapped_fits(16384, 2, 4, torch.bfloat16) and not mapped_fits(16385, 2, 4, torch.bfloat16)
+    assert mapped_fits(8192, 2, 4, torch.float32) and not mapped_fits(8193, 2, 4, torch.float32)
+    assert not mapped_fits(96, 3, 6, torch.float16)
+    with pytest.raises(ValueError, match="gather the input"):
+        nm_decompress_mapped_into(torch.zeros(1, 4098, dtype=torch.float32), torch.zeros(1, 257, dtype=torch.int32),
+                                  2, 4, 2, 8196, torch.zeros(8196, dtype=torch.int32), torch.empty(8196))
+
+
+def test_a_layers_inverse_map_is_made_once_per_map():
+    """``SparseLinear.inverse_map`` inverts the index map, is kept, and is made again once ``perm`` is replaced."""
+    _, values, meta, _, perm, _ = _case(8, 64, 2, 4, 1, torch.float16)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
+    inv = layer.inverse_map()
+    assert inv.dtype == torch.int32 and torch.equal(inv[perm], torch.arange(64, dtype=torch.int32))
+    assert layer.inverse_map() is inv
+    layer.perm = torch.randperm(64, generator=torch.Generator().manual_seed(3)).int()
+    assert torch.equal(layer.inverse_map()[layer.perm.long()], torch.arange(64, dtype=torch.int32))
+
+
 def test_kernel_plans_are_worked_out_once_per_shape_and_device_facts(monkeypatch):
     """The decode and GEMM plans the host needs at every launch are looked up after their first
     working-out (13–19 µs and 0.26–0.53 ms on a 2-core CPU, more than an H100's time for the layer):
@@ -913,8 +953,12 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     assert plain._candidates(x1) == ["decode", "scratch", "gather"]
     assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select", "decode_swap",
                                                               "scratch", "gather"]
-    assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch"]   # map in-kernel: ≤ 16
-    assert mapped._candidates(x70) == ["gemm", "gemm_swap", "scratch"]
+    assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch",   # map in-kernel: ≤ 16
+                                       "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
+    assert mapped._candidates(x70) == ["gemm", "gemm_swap", "scratch", "scratch_mapped"]
+    assert plain._candidates(x70) == ["gemm", "gemm_swap", "scratch"]
+    wide = SparseLinear(*_case(8, 16392, 2, 4, 1, torch.float16)[1:3], 16392, 2, 4, perm=torch.randperm(16392))
+    assert "scratch_mapped" not in wide._candidates(torch.randn(20, 16392).half())   # a row past its shared memory
     assert plain._candidates(torch.randn(5, 64).float())[:2] == ["decode", "decode_select"]   # float32: up to 16
     assert "decode_swap" not in plain._candidates(torch.randn(20, 64).float())
     assert default_choice(mapped._candidates(x1)) == "decode"
@@ -973,7 +1017,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert all(r["spill_bytes"] == 0 and r["fits"] for r in rows)
     impls = {r["impl"] for r in rows}
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
-            "rmsnorm_mapped", "experts", "experts_mapped"} <= impls
+            "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -1036,6 +1080,10 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     norm = [r for r in rows if r["impl"] == "rmsnorm_mapped"]
     assert norm and all(not r["launch_pdl"] and r["grid_dependency"]["release"] and not r["grid_dependency"]["wait"]
                         for r in norm)
+    # the weight written in the input's order: whole rows reordered in shared memory, 16-byte loads, read once
+    for r in (r for r in rows if r["impl"] == "scratch_mapped"):
+        padded = 1 << (r["shape"][1] - 1).bit_length()
+        assert r["shared_bytes"] >= padded * 2 and r["widest_load_bytes"] == 16 and r["evict_first"], r
     # the row gather: whole rows read with 16-byte loads and staged in shared memory (its padded row), launched as
     # a dependent that reads only its map (32-bit words) before the wait
     staged = [r for r in rows if r["impl"] == "gather_rows"]

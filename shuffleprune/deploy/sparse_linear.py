@@ -25,6 +25,9 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   the tensor-core call overlaps the next tile's expansion;
 - ``scratch`` (any device): ``W_p`` decompressed into one scratch buffer shared by every layer of
   that device and dtype, then a dense matmul (cuBLAS on the GPU);
+- ``scratch_mapped`` (CUDA, a mapped layer, from 17 tokens): the weight decompressed into that scratch
+  in the input's *original* order (``kernels/nm_gemm.py``'s ``nm_decompress_mapped_into``), then a
+  dense matmul of the input as it is: no gathered copy of a prompt's activation is made or read;
 - ``gather`` / ``group``: the first Triton kernels (``kernels/nm_matmul.py``), kept as candidates;
 - ``semi_structured`` / ``semi_cutlass``: PyTorch's 2:4 tensors; ``cslt``: cuSPARSELt called directly
   (Hopper's sparse tensor cores), its algorithm and split-K searched once per token count and the
@@ -69,8 +72,8 @@ from shuffleprune.deploy.input_gather import gather_input, token_bucket
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
-IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "gather", "group",
-         *LIBRARY_IMPLS)
+IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "scratch_mapped",
+         "gather", "group", *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
@@ -188,6 +191,7 @@ class SparseLinear(nn.Module):
         self.eager_choices: dict[int, str] = {}   # token bucket → implementation outside one
         self._semi: dict[str, object] = {}
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None  # (meta it was made from, its int32 words)
+        self._inverse: tuple[torch.Tensor, torch.Tensor] | None = None  # (perm it was made from, its int32 inverse)
         self.tiled = False   # meta holds cuSPARSELt's metadata words (use_cslt_layout), values and meta one buffer
         self._packed: torch.Tensor | None = None
         self._register()
@@ -293,6 +297,35 @@ class SparseLinear(nn.Module):
     def _pow2(self) -> bool:
         return not (self.n & (self.n - 1) or self.m & (self.m - 1))
 
+    def inverse_map(self) -> torch.Tensor:
+        """The index map's inverse as int32 (``inverse[perm[j]] = j``), made once per map (again after
+        ``.to()`` replaced it)."""
+        if self._inverse is None or self._inverse[0] is not self.perm:
+            def invert() -> torch.Tensor:
+                inv = torch.empty_like(self.perm)
+                inv[self.perm.long()] = torch.arange(self.perm.numel(), dtype=self.perm.dtype, device=self.perm.device)
+                return inv
+            self._inverse = (self.perm, outside_graph_pools(invert, self.perm))
+        return self._inverse[1]
+
+    def _maps_into_scratch(self) -> bool:
+        """Whether ``scratch_mapped`` applies: a mapped layer in the export's layout (not cuSPARSELt's), N and M
+        powers of two, rows narrow enough for the kernel's shared memory."""
+        from shuffleprune.kernels.nm_gemm import mapped_fits
+
+        return self.perm is not None and not self.tiled and mapped_fits(self.in_features, self.n, self.m,
+                                                                        self.values.dtype)
+
+    def _scratch_mapped(self) -> torch.Tensor:
+        """The weight in the input's original order (``W_p[:, inverse]``) written into the shared scratch."""
+        from shuffleprune.kernels.nm_gemm import nm_decompress_mapped_into
+
+        if self.tiled:
+            raise ValueError("scratch_mapped reads the export's layout; this layer holds cuSPARSELt's (use_cslt_layout)")
+        buf = scratch_buffer(self.out_features * self.in_features, self.values.device, self.values.dtype)
+        return nm_decompress_mapped_into(self.values, self.words(), self.n, self.m, self.bits, self.in_features,
+                                         self.inverse_map(), buf)
+
     def _scratch_dense(self) -> torch.Tensor:
         """``W_p`` written into the shared scratch (a Triton kernel on CUDA, PyTorch elsewhere)."""
         buf = scratch_buffer(self.out_features * self.in_features, self.values.device, self.values.dtype)
@@ -334,6 +367,8 @@ class SparseLinear(nn.Module):
             xg = self._gathered(x)
             y = F.linear(xg.reshape(-1, xg.shape[-1]), self._semi[impl]).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
+        if impl == "scratch_mapped":
+            return F.linear(x, self._scratch_mapped() if self.perm is not None else self._scratch_dense(), self.bias)
         return F.linear(self._gathered(x), self._scratch_dense(), self.bias)
 
     def _cslt(self, x: torch.Tensor) -> torch.Tensor:
@@ -379,6 +414,8 @@ class SparseLinear(nn.Module):
         if self.tiled and tokens >= GEMM_MIN_TOKENS and x.is_cuda:   # cuSPARSELt on the layer's own buffer
             out.append("cslt")
         out.append("scratch")
+        if self._maps_into_scratch() and tokens >= GEMM_MIN_TOKENS:
+            out.append("scratch_mapped")
         if tokens <= GATHER_MAX_TOKENS and not self.tiled:
             out.append("gather")
         return out
