@@ -50,7 +50,7 @@ def _input(tokens: int, width: int, dtype=torch.float16):
 def test_the_fastest_way_gathers_and_is_measured_once_per_kind_of_input(timed):
     """The first gather of a width, dtype and token bucket times every way; later ones of that kind
     (3 and 4 tokens share a bucket) run the fastest without timing; another bucket, width or dtype
-    measures again. Every answer is ``x[..., perm]``."""
+    measures again, and so does any after ``release_choices``. Every answer is ``x[..., perm]``."""
     times, measured, ran = timed
     x, perm = _input(3, 40)
     assert torch.equal(input_gather.gather_input(x, perm), x[..., perm.long()])
@@ -65,6 +65,11 @@ def test_the_fastest_way_gathers_and_is_measured_once_per_kind_of_input(timed):
     input_gather.gather_input(x4.float(), perm)          # another dtype
     input_gather.gather_input(*_input(3, 48))           # another width
     assert len(measured) == 12
+    from shuffleprune.deploy.sparse_linear import release_choices
+
+    release_choices()                                   # forgetting auto's choices forgets the gathers' too
+    input_gather.gather_input(x4, perm)
+    assert len(measured) == 15
 
 
 def test_a_dependent_launch_takes_the_fastest_triton_gather(timed):

@@ -4,9 +4,9 @@ On the CPU (and inside ``torch.compile``'s tracing) it is PyTorch's ``index_sele
 there are three ways (:data:`GATHERS`): ``index_select``, and the two Triton gathers of
 :mod:`shuffleprune.kernels.gather`, ``columns`` (many small programs, one load per element) and
 ``rows`` (whole rows staged in shared memory). Which is fastest depends on the token count and the
-width: on an H100 the column kernel took less than half of ``index_select``'s time at 1–64 tokens and
-1.5× more at 2048 × 14336, where both moved under 0.6 TB/s (``scripts/results/bench_kernel.json``,
-``norm_rows``). So the first gather of each device, dtype, width and token-count bucket (1, 2, 4, …
+width: on an H100 the column kernel took about half of ``index_select``'s time at 1–16 tokens (2.1–3.0
+µs against 5.1–5.5) and 1.5× more at 2048 × 14336, where both moved under 0.6 TB/s
+(``scripts/results/bench_kernel.json``, ``norm_rows``). So the first gather of each device, dtype, width and token-count bucket (1, 2, 4, …
 tokens) checks each way against ``index_select``, times each as a CUDA graph of repeated calls
 (what a model served with CUDA graphs runs) and keeps their order, fastest first
 (:func:`gather_order`); every later gather of that kind runs the first. A gather launched as a

@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
-from shuffleprune.deploy.input_gather import gather_input, token_bucket
+from shuffleprune.deploy.input_gather import gather_input, release_gather_choices, token_bucket
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
@@ -123,10 +123,11 @@ _CSLT_CONFIGS: dict[tuple, tuple[int, ...]] = {}   # (device, dtype, rows, cols,
 
 
 def release_choices() -> None:
-    """Forget the implementations ``auto`` measured and cuSPARSELt's searched configurations (the next
-    call of each kind of layer measures again)."""
+    """Forget the implementations ``auto`` measured, cuSPARSELt's searched configurations and the input
+    gathers' measured orders (the next call of each kind of layer measures again)."""
     _CHOICES.clear()
     _CSLT_CONFIGS.clear()
+    release_gather_choices()
 
 
 class InputShared:
