@@ -10,7 +10,7 @@
   ``W[:, c] = W_p[:, inv[c]]``, written into such a buffer: a dense matmul then reads the layer's
   input as it is, with no gathered copy of it (on a prompt that copy is a full read and write of the
   activation: 2048 × 14336 took 199 µs with ``index_select`` on an H100). Each program expands whole
-  rows elementwise and reorders them in shared memory (``tl.gather``), rows up to
+  rows group by group and reorders them in shared memory (``tl.gather``), rows up to
   :data:`MAPPED_MAX_BYTES` wide.
 
 Both run on the CPU under ``TRITON_INTERPRET=1``.
@@ -101,25 +101,32 @@ if triton is not None:
     @triton.jit
     def _nm_decompress_mapped_kernel(val_ptr, word_ptr, inv_ptr, out_ptr, R, C, K, WORDS, rows,
                                      N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, CP: tl.constexpr):
-        """Weight rows ``program_id(0)·rows …`` (fewer at the end), each whole: dense column ``j`` of ``W_p``
-        (``CP`` ≥ ``C`` of them) is the kept value of group ``j // M`` whose position is ``j % M``, else 0,
-        computed elementwise over the row (loads that neighbouring columns share); the row is then put
-        in the input's order through shared memory (``out[r, c] = W_p[r, inv[c]]``) and stored whole."""
+        """Weight rows ``program_id(0)·rows …`` (fewer at the end), each whole: every group of ``W_p``'s row
+        (``CP / M`` of them, ``CP`` ≥ ``C``) puts each of its ``N`` kept values at its position among its
+        ``M`` columns (zeros elsewhere), the row is put in the input's order through shared memory
+        (``out[r, c] = W_p[r, inv[c]]``) and stored whole. (Expanded per column instead, each column
+        loading its group's words and values, the sm_90a loop took 704 instructions per 16384-column
+        row; per group, 519.)"""
         F: tl.constexpr = 32 // BITS
+        G: tl.constexpr = CP // M
         cols = tl.arange(0, CP)
         ok = cols < C
         inv = tl.load(inv_ptr + cols, mask=ok, other=0)
+        groups = tl.arange(0, G)
+        slots = tl.arange(0, M)
         first = tl.program_id(0).to(tl.int64) * rows
         for step in range(rows):
             r = first + step
             live = cols < tl.where(r < R, C, 0)
-            dense = tl.zeros((CP,), dtype=val_ptr.dtype.element_ty)
+            g_ok = groups < tl.where(r < R, K // N, 0)
+            dense = tl.zeros((G, M), dtype=val_ptr.dtype.element_ty)
             for k in tl.static_range(N):
-                i = cols // M * N + k                      # the group's k-th kept value
-                word = tl.load(word_ptr + r * WORDS + i // F, mask=live, other=0)
+                i = groups * N + k                      # each group's k-th kept value
+                word = tl.load(word_ptr + r * WORDS + i // F, mask=g_ok, other=0)
                 pos = (word >> ((i % F) * BITS)) & ((1 << BITS) - 1)
-                value = tl.load(val_ptr + r * K + i, mask=live, other=0.0, eviction_policy="evict_first")
-                dense = tl.where(pos == cols % M, value, dense)
+                value = tl.load(val_ptr + r * K + i, mask=g_ok, other=0.0, eviction_policy="evict_first")
+                dense = tl.where(pos[:, None] == slots[None, :], value[:, None], dense)
+            dense = tl.reshape(dense, (CP,))
             tl.store(out_ptr + r * C + cols, tl.gather(dense, inv, 0), mask=live)
 
 
