@@ -72,6 +72,7 @@ def main() -> None:
 
     from shuffleprune.blocks import block_experts, block_linears, experts_by_tensor, find_blocks
     from shuffleprune.deploy.format import compress
+    from shuffleprune.deploy.input_gather import gather_orders
     from shuffleprune.deploy.fused_inputs import fuse_shared_inputs, unfuse_shared_inputs
     from shuffleprune.deploy.producer_maps import move_maps_to_producers
     from shuffleprune.deploy.serving import arrange_for_serving, cslt_by_default
@@ -400,7 +401,9 @@ def main() -> None:
     save(ratio, rows, load_default=default_variant, kernel_choices=choices,
          kernel_choices_maps_at_producer=choices_at_producer, kernel_choices_stacked=choices_stacked,
          kernel_choices_cslt_buffer=choices_cslt, kernel_choices_cslt_buffer_stacked=choices_cslt_stacked,
-         eager_kernel_choices_cslt_buffer_stacked=eager_choices_cslt_stacked)
+         eager_kernel_choices_cslt_buffer_stacked=eager_choices_cslt_stacked,
+         gather_orders={f"{width} cols, {bucket} tokens": list(order)   # how mapped inputs were gathered
+                        for (width, bucket), order in sorted(gather_orders().items())})
 
 if __name__ == "__main__":
     main()
