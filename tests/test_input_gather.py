@@ -17,7 +17,8 @@ from shuffleprune.masks import nm_keep_mask
 @pytest.fixture
 def timed(monkeypatch):
     """Gathers measured on the CPU: each way's faked CUDA-graph time is ``times[way]``; returns
-    ``(times, measured)``, ``measured`` listing each way as it is timed."""
+    ``(times, measured, ran, sizes)``: each way as it is timed, each way as it runs, and the calls in
+    each timed graph."""
     times = {"index_select": 3.0, "columns": 2.0, "rows": 1.0}
     measured: list[str] = []
 
@@ -25,9 +26,11 @@ def timed(monkeypatch):
         before = list(ran)
         calls[0]()
         measured.append(ran[len(before)])
+        sizes.append(len(calls))
         return times[measured[-1]], "cuda_graph"
 
     ran: list[str] = []
+    sizes: list[int] = []
     real_run = input_gather.run_gather
 
     def run(how, x, perm, pdl=False):
@@ -38,7 +41,7 @@ def timed(monkeypatch):
     monkeypatch.setattr(input_gather, "measured_here", lambda x: True)
     monkeypatch.setattr(input_gather, "cuda_graph_ms", graph_timer)
     monkeypatch.setattr(input_gather, "run_gather", run)
-    yield times, measured, ran
+    yield times, measured, ran, sizes
     input_gather.release_gather_choices()
 
 
@@ -51,10 +54,11 @@ def test_the_fastest_way_gathers_and_is_measured_once_per_kind_of_input(timed):
     """The first gather of a width, dtype and token bucket times every way; later ones of that kind
     (3 and 4 tokens share a bucket) run the fastest without timing; another bucket, width or dtype
     measures again, and so does any after ``release_choices``. Every answer is ``x[..., perm]``."""
-    times, measured, ran = timed
+    times, measured, ran, sizes = timed
     x, perm = _input(3, 40)
     assert torch.equal(input_gather.gather_input(x, perm), x[..., perm.long()])
     assert sorted(measured) == ["columns", "index_select", "rows"] and ran[-1] == "rows"
+    assert sizes == [8, 8, 8]   # each way timed as 8 calls in one graph
     x4, _ = _input(4, 40)
     assert torch.equal(input_gather.gather_input(x4, perm), x4[..., perm.long()])
     assert len(measured) == 3 and ran[-1] == "rows"
@@ -75,7 +79,7 @@ def test_the_fastest_way_gathers_and_is_measured_once_per_kind_of_input(timed):
 def test_a_dependent_launch_takes_the_fastest_triton_gather(timed):
     """With ``pdl`` the gather is the fastest of the Triton ones, even where ``index_select`` is faster
     (it cannot let the next kernel start early)."""
-    times, measured, ran = timed
+    times, measured, ran, sizes = timed
     times.update(index_select=0.5, columns=2.0, rows=1.0)
     x, perm = _input(2, 64)
     input_gather.gather_input(x, perm)
@@ -86,7 +90,7 @@ def test_a_dependent_launch_takes_the_fastest_triton_gather(timed):
 def test_a_way_that_disagrees_or_cannot_run_is_dropped(timed, monkeypatch):
     """A gather whose output differs from ``index_select`` is dropped with a warning; one that raises
     what a kernel that cannot run on this device raises is dropped silently; the others are timed."""
-    times, measured, ran = timed
+    times, measured, ran, sizes = timed
     real = input_gather.run_gather
 
     def flawed(how, x, perm, pdl=False):
@@ -105,7 +109,7 @@ def test_a_way_that_disagrees_or_cannot_run_is_dropped(timed, monkeypatch):
 def test_a_capture_with_nothing_measured_takes_index_select_without_keeping_it(timed, monkeypatch):
     """Inside a CUDA graph capture nothing is timed: ``index_select`` (the column kernel for a dependent
     launch), and the next gather outside a capture measures."""
-    times, measured, ran = timed
+    times, measured, ran, sizes = timed
     monkeypatch.setattr(input_gather, "capturing", lambda x: True)
     x, perm = _input(8, 32)
     assert torch.equal(input_gather.gather_input(x, perm), x[..., perm.long()]) and ran[-1] == "index_select"
@@ -114,6 +118,14 @@ def test_a_capture_with_nothing_measured_takes_index_select_without_keeping_it(t
     monkeypatch.setattr(input_gather, "capturing", lambda x: False)
     input_gather.gather_input(x, perm)
     assert len(measured) == 3 and ran[-1] == "rows"
+
+
+def test_a_long_prompts_gather_is_timed_over_fewer_calls():
+    """The timed graph holds at most 1 GiB of gathered outputs: 8 calls of a decode's input, fewer of a
+    long prompt's, one of anything larger."""
+    assert input_gather.timed_calls(2 * 14336) == 8
+    assert input_gather.timed_calls(32768 * 4096 * 2) == 4
+    assert input_gather.timed_calls(32768 * 14336 * 2) == 1 == input_gather.timed_calls(10**12)
 
 
 def test_rows_is_not_a_way_for_rows_too_wide_for_its_shared_memory():
@@ -137,7 +149,7 @@ def test_sparse_linear_and_mapped_norms_gather_through_the_measured_way(timed):
     reference output; a ``MappedOutput`` over a module that is no RMSNorm gathers the same way."""
     from shuffleprune.deploy.producer_maps import MappedOutput
 
-    times, measured, ran = timed
+    times, measured, ran, sizes = timed
     g = torch.Generator().manual_seed(0)
     w = torch.randn(24, 64, generator=g)
     w = w * nm_keep_mask(w.abs(), 2, 4).float()

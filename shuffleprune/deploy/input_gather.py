@@ -24,7 +24,9 @@ from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, out
 
 GATHERS = ("index_select", "columns", "rows")
 TRITON_GATHERS = ("columns", "rows")
-TIMED_CALLS = 8   # gathers per timed CUDA graph
+TIMED_CALLS = 8   # gathers per timed CUDA graph, at most
+TIMED_BYTES = 1 << 30   # ... and no more than this many bytes of outputs held by that graph (a long prompt's
+                        # activation is hundreds of MB: 32k tokens × 14336 columns in bf16, 0.9 GB)
 TIMED_REPS = 5    # replays; the median is kept
 
 _ORDERS: dict[tuple, tuple[str, ...]] = {}   # (device, dtype, width, token bucket) → ways, fastest first
@@ -101,6 +103,7 @@ def _measure(x: torch.Tensor, perm: torch.Tensor) -> tuple[str, ...]:
     """Each way of :func:`gather_ways` checked against ``index_select`` (one that differs, or cannot run
     on this device, is dropped, with a warning for a difference) and timed; their names, fastest first."""
     ref = x.index_select(-1, perm)
+    calls = timed_calls(x.numel() * x.element_size())
     times: dict[str, float] = {}
     for how in gather_ways(x):
         try:
@@ -108,10 +111,16 @@ def _measure(x: torch.Tensor, perm: torch.Tensor) -> tuple[str, ...]:
                 warnings.warn(f"the {how} gather of {x.shape[-1]} columns differs from index_select on this "
                               "device; not used", RuntimeWarning, stacklevel=4)
                 continue
-            times[how] = cuda_graph_ms([lambda how=how: run_gather(how, x, perm)] * TIMED_CALLS, TIMED_REPS)[0]
+            times[how] = cuda_graph_ms([lambda how=how: run_gather(how, x, perm)] * calls, TIMED_REPS)[0]
         except candidate_errors():   # e.g. a staged row larger than this GPU's shared memory
             continue
     return tuple(sorted(times, key=times.__getitem__)) or ("index_select",)
+
+
+def timed_calls(nbytes: int) -> int:
+    """Gathers of ``nbytes`` of output per timed CUDA graph: :data:`TIMED_CALLS`, fewer where their
+    outputs together would pass :data:`TIMED_BYTES` (one at least)."""
+    return max(1, min(TIMED_CALLS, TIMED_BYTES // max(1, nbytes)))
 
 
 def measured_here(x: torch.Tensor) -> bool:
