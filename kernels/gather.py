@@ -32,8 +32,9 @@ from shuffleprune.kernels import gpu, overlap
 
 BLOCK_COLS = 1024
 ROWS_MAX_BYTES = 64 * 1024   # gather_rows stages a row of at most this many bytes (padded to a power of two)
-                             # in shared memory: 32768 columns in 16 bits, 16384 in float32; it fits every
-                             # CUDA GPU since Volta (96 KB and more per block)
+                             # in shared memory: 32768 columns in 16 bits, 16384 in float32 (Volta, Ampere,
+                             # Ada and Hopper give a block 96–227 KB; where a GPU gives less, the launch
+                             # fails and the measured choice drops this gather)
 ROWS_PER_PROGRAM_MAX = 8     # gather_rows reuses a program's map over at most this many token rows
 
 
