@@ -107,6 +107,12 @@ def test_sparse_linear_holds_one_buffer_and_runs_every_path_on_it(monkeypatch):
     for policy in ("decode", "decode_mapped", "decode_select", "gemm", "scratch"):
         plain.policy = layer.policy = policy
         assert torch.equal(layer(x), plain(x)), policy
+    # the weight written in the input's order reads the export's layout only: not a candidate here, refused if named
+    assert "scratch_mapped" in plain._candidates(torch.randn(20, 64).bfloat16())
+    assert "scratch_mapped" not in layer._candidates(torch.randn(20, 64).bfloat16())
+    layer.policy = "scratch_mapped"
+    with pytest.raises(ValueError, match="cuSPARSELt"):
+        layer(x)
 
     # cuSPARSELt runs on the layer's own buffer: nothing is compressed again
     monkeypatch.setattr(torch, "_cslt_compress", lambda dense: pytest.fail("a second compressed copy was made"))
