@@ -8,7 +8,9 @@ Rows, each the mean µs per call over ``--calls`` calls after a warm-up: ``decod
 ``gemm_plan`` looked up (as every launch now does) against worked out (``plan_decode``,
 ``plan_gemm``: what every launch did before); ``nm_decode`` on a 4096×4096 bf16 2:4 weight with an
 index map at one token, its Triton launch replaced by a no-op (the rest of the wrapper: plan, checks,
-output and split-K buffers, launch arguments); a member of a stacked q/k/v group (``FusedInputs``)
+output and split-K buffers, launch arguments); a mapped input's gather by ``index_select`` alone and
+through ``deploy/input_gather.py`` (its measured order looked up, as on CUDA, then ``index_select``:
+the difference is what the measured choice adds); a member of a stacked q/k/v group (``FusedInputs``)
 and a plain ``SparseLinear``, each with ``_run`` (the kernel) stubbed. The launch itself (Triton's
 launcher, the driver) is not counted: it needs a GPU.
 """
@@ -88,6 +90,22 @@ def main() -> None:
             mean_us(lambda: nm_decode.nm_decode(x, values, words, 2, 4, 2, layer.perm), calls))
     finally:
         nm_decode._nm_decode_kernel = kernel
+
+    # a mapped input's gather: index_select alone, and through input_gather with its measured order looked
+    # up (what a mapped layer's gather on CUDA adds on the host; here the order is set, not measured)
+    from shuffleprune.deploy import input_gather
+
+    xs, perm32 = torch.randn(1, 4096, dtype=torch.bfloat16), layer.perm
+    row("index_select 4096 bf16, 1 token", mean_us(lambda: xs.index_select(-1, perm32), calls))
+    measured_here = input_gather.measured_here
+    input_gather.measured_here = lambda x: True
+    input_gather._ORDERS[(xs.device, xs.dtype, 4096, 1)] = ("index_select",)
+    try:
+        row("gather_input 4096 bf16, 1 token, order looked up (index_select)",
+            mean_us(lambda: input_gather.gather_input(xs, perm32), calls))
+    finally:
+        input_gather.measured_here = measured_here
+        input_gather.release_gather_choices()
 
     outputs: dict = {}
 

@@ -59,6 +59,9 @@ def test_the_fastest_way_gathers_and_is_measured_once_per_kind_of_input(timed):
     assert torch.equal(input_gather.gather_input(x, perm), x[..., perm.long()])
     assert sorted(measured) == ["columns", "index_select", "rows"] and ran[-1] == "rows"
     assert sizes == [8, 8, 8]   # each way timed as 8 calls in one graph
+    assert input_gather.gather_orders() == input_gather.gather_orders("cpu") == {(40, 4): ("rows", "columns",
+                                                                                          "index_select")}
+    assert input_gather.gather_orders("cuda:0") == {}
     x4, _ = _input(4, 40)
     assert torch.equal(input_gather.gather_input(x4, perm), x4[..., perm.long()])
     assert len(measured) == 3 and ran[-1] == "rows"

@@ -30,6 +30,7 @@ TIMED_BYTES = 1 << 30   # ... and no more than this many bytes of outputs held b
 TIMED_REPS = 5    # replays; the median is kept
 
 _ORDERS: dict[tuple, tuple[str, ...]] = {}   # (device, dtype, width, token bucket) → ways, fastest first
+_HAS_TRITON: list[bool] = []                 # whether the Triton gathers exist here, looked up once
 
 
 def token_bucket(tokens: int) -> int:
@@ -42,7 +43,7 @@ def gather_orders(device: torch.device | str | None = None) -> dict[tuple[int, i
     """The measured orders, fastest first, by ``(width, token bucket)`` (of ``device`` where given; of the
     last dtype measured where several were): what a benchmark records beside its timings."""
     return {(width, bucket): order for (dev, _, width, bucket), order in _ORDERS.items()
-            if device is None or dev == str(device)}
+            if device is None or dev == torch.device(device)}
 
 
 def release_gather_choices() -> None:
@@ -90,7 +91,8 @@ def gather_order(x: torch.Tensor, perm: torch.Tensor) -> tuple[str, ...]:
     """The ways of :func:`gather_ways` that agree with ``index_select`` on ``x``, fastest first: measured
     at the first gather of this device, dtype, width and token bucket, then looked up. Inside a CUDA
     graph capture with nothing measured yet: ``("index_select",)``, not kept."""
-    key = (str(x.device), x.dtype, x.shape[-1], token_bucket(x.numel() // max(1, x.shape[-1])))
+    width = x.shape[-1]
+    key = (x.device, x.dtype, width, token_bucket(x.numel() // width if width else 0))
     order = _ORDERS.get(key)
     if order is None:
         if capturing(x):
@@ -130,6 +132,8 @@ def measured_here(x: torch.Tensor) -> bool:
 
 
 def _triton_gathers(x: torch.Tensor) -> bool:
-    from shuffleprune.kernels.gather import triton
+    if not _HAS_TRITON:
+        from shuffleprune.kernels.gather import triton
 
-    return triton is not None and x.dim() > 0 and x.shape[-1] > 0
+        _HAS_TRITON.append(triton is not None)
+    return _HAS_TRITON[0] and x.dim() > 0 and x.shape[-1] > 0
