@@ -99,7 +99,7 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # call each (limits summing to at most 500 s), in the order they matter to the issue (each step's seconds go to
 # $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five, for the CPU smoke run.
 ISSUE24=(e2e_compile e2e_eager gather)              # 280 + 200 + 120 s (a step's file comes back as it ends)
-NEXT1=(kernel e2e targets)                          # 150 + 150 + 10 s
+NEXT1=(kernel e2e targets)                          # 200 + 150 + 10 s (kernel took 114 s on 11-27, before scratch_mapped and gather_rows)
 NEXT2=(moe)                                         # 300 s
 NEXT3=(moe_stacked)                                 # 300 s
 NEXT4=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
@@ -123,7 +123,7 @@ for s in "$@"; do
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 ;;
         perm_cost_tf32) step perm_cost_tf32 150 scripts/results/bench_perm_cost.json \
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 --tf32 --no-search ;;
-        kernel) step kernel 150 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py --warm-jobs 15 --warm-serving ;;
+        kernel) step kernel 200 scripts/results/bench_kernel.json $PY scripts/bench_kernel.py --warm-jobs 15 --warm-serving ;;
         tune) step tune 150 scripts/results/tune_kernel.json $PY scripts/tune_kernel.py --variants gather ;;
         tune_group) step tune_group 150 scripts/results/tune_kernel_group.json $PY scripts/tune_kernel.py --variants group \
             --block-r 8 16 32 --block-k 128 256 512 --num-warps 4 8 --out scripts/results/tune_kernel_group.json ;;
