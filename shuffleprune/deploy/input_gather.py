@@ -6,8 +6,8 @@ there are three ways (:data:`GATHERS`): ``index_select``, and the two Triton gat
 ``rows`` (whole rows staged in shared memory). Which is fastest depends on the token count and the
 width: on an H100 the column kernel took about half of ``index_select``'s time at 1–16 tokens (2.1–3.0
 µs against 5.1–5.5) and 1.5× more at 2048 × 14336, where both moved under 0.6 TB/s
-(``scripts/results/bench_kernel.json``, ``norm_rows``). So the first gather of each device, dtype, width and token-count bucket (1, 2, 4, …
-tokens) checks each way against ``index_select``, times each as a CUDA graph of repeated calls
+(``scripts/results/bench_kernel.json``, ``norm_rows``). So the first gather of each device, dtype,
+width and token-count bucket (1, 2, 4, … tokens) checks each way against ``index_select``, times each as a CUDA graph of repeated calls
 (what a model served with CUDA graphs runs) and keeps their order, fastest first
 (:func:`gather_order`); every later gather of that kind runs the first. A gather launched as a
 programmatic dependent (``pdl``, :mod:`shuffleprune.kernels.overlap`) runs the fastest Triton one
@@ -16,6 +16,7 @@ timed, a gather takes ``index_select`` (``columns`` with ``pdl``) without keepin
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -30,7 +31,6 @@ TIMED_BYTES = 1 << 30   # ... and no more than this many bytes of outputs held b
 TIMED_REPS = 5    # replays; the median is kept
 
 _ORDERS: dict[tuple, tuple[str, ...]] = {}   # (device, dtype, width, token bucket) → ways, fastest first
-_HAS_TRITON: list[bool] = []                 # whether the Triton gathers exist here, looked up once
 
 
 def token_bucket(tokens: int) -> int:
@@ -131,9 +131,13 @@ def measured_here(x: torch.Tensor) -> bool:
     return x.is_cuda and not torch.compiler.is_compiling() and _triton_gathers(x)
 
 
-def _triton_gathers(x: torch.Tensor) -> bool:
-    if not _HAS_TRITON:
-        from shuffleprune.kernels.gather import triton
+@functools.cache
+def _has_triton() -> bool:
+    """Whether the Triton gathers exist here (looked up once: the check runs at every mapped call)."""
+    from shuffleprune.kernels.gather import triton
 
-        _HAS_TRITON.append(triton is not None)
-    return _HAS_TRITON[0] and x.dim() > 0 and x.shape[-1] > 0
+    return triton is not None
+
+
+def _triton_gathers(x: torch.Tensor) -> bool:
+    return _has_triton() and x.dim() > 0 and x.shape[-1] > 0

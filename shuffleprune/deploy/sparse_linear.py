@@ -302,11 +302,8 @@ class SparseLinear(nn.Module):
         """The index map's inverse as int32 (``inverse[perm[j]] = j``), made once per map (again after
         ``.to()`` replaced it)."""
         if self._inverse is None or self._inverse[0] is not self.perm:
-            def invert() -> torch.Tensor:
-                inv = torch.empty_like(self.perm)
-                inv[self.perm.long()] = torch.arange(self.perm.numel(), dtype=self.perm.dtype, device=self.perm.device)
-                return inv
-            self._inverse = (self.perm, outside_graph_pools(invert, self.perm))
+            perm = self.perm
+            self._inverse = (perm, outside_graph_pools(lambda: torch.argsort(perm).to(torch.int32), perm))
         return self._inverse[1]
 
     def _maps_into_scratch(self) -> bool:
