@@ -348,6 +348,8 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     x2 = x.reshape(-1, cols).contiguous()
     tokens = x2.shape[0]
     rows, kept = values.shape
+    if tokens == 0:   # nothing to launch (a tile of no tokens does not compile)
+        return x.new_empty(*lead, rows)
     p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
     check_tiled(tiled, p["block_r"])
     can_words = perm is not None and word_gather(x2) and (not p["use_dot"] or p["weight_a"])

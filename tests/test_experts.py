@@ -366,9 +366,9 @@ def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_th
     (two launches over all (token, slot) pairs) and the per-expert loop both give transformers' eager
     experts forward on the same weights — gpt-oss's transposed experts, biases and clamped gate included,
     and with an expert-parallel sentinel id among the choices — and the grouped one reads nothing back
-    to the host (so a decode step captures into a CUDA graph), where the loop does. ``auto`` measures
-    which is faster once per kind of layer and token bucket, and never takes a grouped kernel whose
-    output disagrees with the loop's."""
+    to the host (so a decode step captures into a CUDA graph), where the loop does; no tokens give an
+    empty output. ``auto`` measures which is faster once per kind of layer and token bucket (never on
+    no tokens), and never takes a grouped kernel whose output disagrees with the loop's."""
     import copy
 
     from shuffleprune.deploy.format import compress
@@ -408,6 +408,7 @@ def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_th
                 got = nm_experts_forward(sparse, x, top, weights)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert (syncs.seen == []) == (mode == "grouped"), (mode, syncs.seen)
+            assert nm_experts_forward(sparse, x[:0], top[:0], weights[:0]).shape == (0, x.shape[1])   # no tokens
     # auto: the loop on the CPU and without a routing to measure with; where the grouped kernel runs, what
     # was measured faster (once per kind of layer and token bucket), the grouped one in a graph capture
     set_experts_mode(holder, "auto")
@@ -433,6 +434,7 @@ def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_th
     assert experts_mode(sparse, x[:2], top[:2], weights[:2]) == "loop" and len(timed) == 4     # bucket 2: measured
     assert len(measured_aside) == 2
     assert experts_mode(sparse, x[:2]) == "loop"
+    assert experts_mode(sparse, x[:0], top[:0], weights[:0]) == "loop" and len(timed) == 4   # no tokens: not measured
     monkeypatch.setattr(sparse_experts, "grouped_experts_forward", lambda *a: want + 0.1 * want.abs().max())
     release_mode_choices()
     with pytest.warns(RuntimeWarning, match="grouped experts kernel is off by 0.1"):

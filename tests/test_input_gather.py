@@ -79,6 +79,18 @@ def test_the_fastest_way_gathers_and_is_measured_once_per_kind_of_input(timed):
     assert len(measured) == 15
 
 
+def test_no_tokens_are_gathered_without_measuring_and_have_no_bucket_of_their_own(timed):
+    """An empty input (no tokens: an expert nothing was routed to) is gathered as it is and times
+    nothing, so no order is kept for it; before, its bucket was that of two tokens, and an empty
+    input's timings would have chosen their gather."""
+    times, measured, ran, sizes = timed
+    assert [input_gather.token_bucket(t) for t in (0, 1, 2, 3, 4, 5, 17)] == [0, 1, 2, 4, 4, 8, 32]
+    x, perm = _input(0, 40)
+    for empty in (x, x.view(2, 0, 40)):
+        y = input_gather.gather_input(empty, perm)
+        assert y.shape == empty.shape and measured == [] and input_gather.gather_orders() == {}
+
+
 def test_a_dependent_launch_takes_the_fastest_triton_gather(timed):
     """With ``pdl`` the gather is the fastest of the Triton ones, even where ``index_select`` is faster
     (it cannot let the next kernel start early)."""

@@ -461,6 +461,31 @@ def test_every_sparse_linear_policy_matches_float64(policy, tokens):
     assert y.shape == (1, tokens, 24) and _close(y, ref, torch.float16)
 
 
+def test_no_tokens_give_an_empty_output_with_nothing_launched_or_measured(monkeypatch):
+    """An empty input (an expert no token was routed to, an empty batch): every policy, ``auto``
+    included, returns an empty ``[..., 0, R]`` output of the input's dtype without running an
+    implementation or measuring one (before, the decode kernels failed to compile a tile of no
+    tokens, and ``auto`` would have timed its candidates on nothing, under the bucket of two
+    tokens); the decode kernel's own entry point returns one too."""
+    from shuffleprune.kernels.nm_decode import nm_decode
+    from shuffleprune.kernels.nm_words import position_words
+
+    _, values, meta, _, perm, bias = _case(24, 64, 2, 4, 1, torch.float16)
+    assert nm_decode(torch.randn(3, 0, 64).half(), values, position_words(meta), 2, 4, 2, perm.to(torch.int32),
+                     bias).shape == (3, 0, 24)
+
+    def refuse(*args):
+        raise AssertionError("nothing runs or is measured on no tokens")
+
+    monkeypatch.setattr(SparseLinear, "_run", refuse)
+    monkeypatch.setattr(SparseLinear, "_measure", refuse)
+    for policy in ("auto", *(p for p in IMPLS if p not in LIBRARY_IMPLS)):
+        lin = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias, policy=policy)
+        for shape in ((0, 64), (2, 0, 64)):
+            y = lin(torch.randn(*shape).half())
+            assert y.shape == (*shape[:-1], 24) and y.dtype == torch.float16 and lin.choices == {}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (3, 100), (2, 2, 1500), (37, 7)])   # one token, ragged, two column
 @pytest.mark.parametrize("kernel", ["gather_columns", "gather_rows"])                # blocks, rows past a program's end

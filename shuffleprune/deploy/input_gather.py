@@ -35,8 +35,9 @@ _ORDERS: dict[tuple, tuple[str, ...]] = {}   # (device, dtype, width, token buck
 
 def token_bucket(tokens: int) -> int:
     """Token counts grouped by powers of two (1, 2, 4, …): one measured choice per bucket (the gathers'
-    and :class:`~shuffleprune.deploy.sparse_linear.SparseLinear`'s)."""
-    return 1 << max(0, (tokens - 1).bit_length())
+    and :class:`~shuffleprune.deploy.sparse_linear.SparseLinear`'s). No tokens: bucket 0, which nothing
+    is measured on (an empty input would otherwise pass for two tokens)."""
+    return 1 << (tokens - 1).bit_length() if tokens > 0 else 0
 
 
 def gather_orders(device: torch.device | str | None = None) -> dict[tuple[int, int], tuple[str, ...]]:
@@ -54,7 +55,7 @@ def release_gather_choices() -> None:
 def gather_input(x: torch.Tensor, perm: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``x[..., perm]`` (``perm``: int32 ``[C]`` on ``x``'s device) by the way measured fastest for this
     kind of input (module docstring); ``pdl``: by a Triton gather launched as a programmatic dependent."""
-    if not measured_here(x):
+    if not measured_here(x) or x.numel() == 0:   # nothing to time on an empty input
         return x.index_select(-1, perm)
     order = gather_order(x, perm)
     if pdl:

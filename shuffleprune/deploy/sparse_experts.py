@@ -208,7 +208,7 @@ def experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: to
         return "loop"
     if capturing(hidden_states):
         return "grouped"
-    if top_k_index is None or top_k_weights is None:   # nothing to measure with
+    if top_k_index is None or top_k_weights is None or hidden_states.shape[0] == 0:   # nothing to measure with
         return "loop"
     key = (str(hidden_states.device), hidden_states.dtype, top_k_index.shape[-1], getattr(module, "has_bias", False),
            token_bucket(hidden_states.shape[0]), *(h.kind() for h in held))
@@ -273,7 +273,7 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
     weights = top_k_weights.reshape(-1).float() * local
-    out = (y.float() * weights[:, None]).view(hidden_states.shape[0], k, -1).sum(1)
+    out = (y.float() * weights[:, None]).view(hidden_states.shape[0], k, y.shape[-1]).sum(1)   # also no tokens
     return out.to(hidden_states.dtype)
 
 

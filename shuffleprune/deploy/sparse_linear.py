@@ -540,7 +540,10 @@ class SparseLinear(nn.Module):
 
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward outside ``torch.compile``: the layer's stacked group, its policy, or the
-        implementation measured fastest for this token count."""
+        implementation measured fastest for this token count. No tokens (an expert no token was routed
+        to, an empty batch): an empty output, nothing launched or measured."""
+        if x.numel() == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
         if self.fused_inputs is not None:  # one stacked call for the layers reading this input
             y = self.fused_inputs.output(self, x)
             if y is not None:
