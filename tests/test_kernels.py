@@ -486,6 +486,18 @@ def test_no_tokens_give_an_empty_output_with_nothing_launched_or_measured(monkey
             assert y.shape == (*shape[:-1], 24) and y.dtype == torch.float16 and lin.choices == {}
 
 
+@pytest.mark.parametrize("policy", ["auto", *(p for p in IMPLS if p not in LIBRARY_IMPLS)])
+def test_an_input_of_another_width_is_refused_by_every_policy(policy):
+    """As ``nn.Linear`` refuses it: before, the kernels read the first ``in_features`` columns of a wider
+    input (and the gather its first ones through the map) and returned an output of the right shape."""
+    _, values, meta, _, perm, bias = _case(24, 64, 2, 4, 1, torch.float16)
+    lin = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias, policy=policy)
+    for shape in ((3, 65), (0, 63), (65,)):
+        with pytest.raises(ValueError, match="last dimension is 64"):
+            lin(torch.randn(*shape).half())
+    assert lin(torch.randn(64).half()).shape == (24,)   # one vector, as nn.Linear takes it
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (3, 100), (2, 2, 1500), (37, 7)])   # one token, ragged, two column
 @pytest.mark.parametrize("kernel", ["gather_columns", "gather_rows"])                # blocks, rows past a program's end

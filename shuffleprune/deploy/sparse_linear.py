@@ -541,7 +541,11 @@ class SparseLinear(nn.Module):
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward outside ``torch.compile``: the layer's stacked group, its policy, or the
         implementation measured fastest for this token count. No tokens (an expert no token was routed
-        to, an empty batch): an empty output, nothing launched or measured."""
+        to, an empty batch): an empty output, nothing launched or measured. An input of another width is
+        refused, as ``nn.Linear`` refuses it (the kernels would read its first ``in_features`` columns)."""
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"this {self.out_features}×{self.in_features} SparseLinear takes inputs whose last "
+                             f"dimension is {self.in_features}, not {tuple(x.shape)}")
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         if self.fused_inputs is not None:  # one stacked call for the layers reading this input
