@@ -159,7 +159,8 @@ def test_prune_with_learned_perm_writes_index_maps_that_reload_to_the_same_logit
 
 def test_perm_options_are_checked(tiny_dir, text_file):
     for kwargs, needle in (({"perm": "sorted"}, "unknown permutation stage 'sorted'"), ({"perm": "learned", "pattern": None, "sparsity": 0.5}, "N:M"),
-                           ({"perm": "learned", "perm_block": 6}, "multiple of M"),
+                           ({"perm": "learned", "perm_block": 6}, "multiple of M=4: set --perm-block 8 "),
+                           ({"perm": "search", "pattern": "2:3"}, "multiple of M=3: set --perm-block 63 "),
                            ({"perm": "learned", "perm_block": 0}, "positive multiple of M"),
                            ({"perm": "learned", "relax": "x"}, "--relax"),
                            ({"perm": "learned", "perm_holdout": 1.0}, "--perm-holdout"),

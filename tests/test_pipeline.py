@@ -44,6 +44,18 @@ def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir,
 
         shuffleprune.export(out, tmp_path / "exported", progress=False)
         assert f"pruning run ({eval_file}, the whole file, windows of 32" in (tmp_path / "exported" / "README.md").read_text()
+        # eval on the same text and windows: the same perplexity, and both tables count the same tokens scored
+        # (the prune table counted every token read, eval's the tokens in whole windows, predicted or not)
+        from shuffleprune.report import print_eval_report
+
+        scores = shuffleprune.evaluate(str(out), tasks="ppl", ppl_text=eval_file, ppl_ctx=32)
+        assert scores["models"][0]["ppl"] == pytest.approx(report["ppl"]["pruned"], rel=1e-6)
+        scored = report["eval"]["tokens_scored"]
+        assert scored == report["eval"]["tokens"] // 32 * 31 < report["eval"]["tokens"]   # no BOS: 31 predicted per window
+        print_prune_report(report, console)
+        print_eval_report(scores, console)
+        text = console.export_text()
+        assert f"ctx 32, {scored} tokens scored)" in text and f"ctx 32, {scored} tok scored)" in text
     assert "(112 documents, 6000 tokens)" in card and f"prune {tiny_dir} --recipe PATH/recipe.yaml --out OUT" in card
     assert not (out / ".resume").exists() and not (out / ".staging").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -39,7 +39,7 @@ from shuffleprune.placement import is_dispatched, left_as_found, weights_readabl
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.report import read_report
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
-from shuffleprune.evaluation.perplexity import perplexity
+from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.runtime import fits_on_device, logits_bytes, machine, peak_rss_mb, pick_device, versions
 from shuffleprune.settings import type_problem
 
@@ -445,7 +445,8 @@ def _perplexity_of(run: _EvalRun, lm: LoadedModel, blockwise: bool) -> tuple[flo
     per_window = ctx - (bos is not None)
     return ppl, {"text": run.ppl_name, "split": held_out_part(run.ppl_name), "ctx": ctx, "bos": bos is not None,
                  "bos_mode": config.ppl_bos if tokenizer_bos is not None else None,
-                 "tokens": (tokens.numel() // per_window) * per_window}
+                 "tokens": (tokens.numel() // per_window) * per_window,
+                 "tokens_scored": scored_tokens(tokens.numel(), ctx, bos)}
 
 
 def _results(config: EvalConfig, offline: bool, device: torch.device, plan: _TaskPlan, rows: list[dict]) -> dict:

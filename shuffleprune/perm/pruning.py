@@ -82,7 +82,9 @@ class PermOptions:
         if self.share not in ("group", "linear"):
             raise UserError(f"unknown --perm-share '{self.share}'; use group or linear")
         if self.block < pattern.m or self.block % pattern.m:
-            raise UserError(f"--perm-block {self.block} must be a positive multiple of M={pattern.m} (e.g. 64)")
+            fit = pattern.m * max(1, round(self.block / pattern.m))
+            raise UserError(f"--perm-block {self.block} must be a positive multiple of M={pattern.m}: set --perm-block {fit} "
+                            f"(--set permutation.block={fit}), or --perm none")
         if self.steps < 1 or self.batch < 1 or self.lr <= 0:
             raise UserError("--perm-steps, --perm-batch and --perm-lr must be positive")
         if not 0.0 <= self.holdout < 1.0:
