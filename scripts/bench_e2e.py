@@ -402,8 +402,8 @@ def main() -> None:
          kernel_choices_maps_at_producer=choices_at_producer, kernel_choices_stacked=choices_stacked,
          kernel_choices_cslt_buffer=choices_cslt, kernel_choices_cslt_buffer_stacked=choices_cslt_stacked,
          eager_kernel_choices_cslt_buffer_stacked=eager_choices_cslt_stacked,
-         gather_orders={f"{width} cols, {bucket} tokens": list(order)   # how mapped inputs were gathered
-                        for (width, bucket), order in sorted(gather_orders().items())})
+         gather_orders={f"{width} cols, {bucket} tokens, map span {span}": list(order)   # how mapped inputs were gathered
+                        for (width, bucket, span), order in sorted(gather_orders().items(), key=str)})
 
 if __name__ == "__main__":
     main()

@@ -99,10 +99,10 @@ def main() -> None:
     row("index_select 4096 bf16, 1 token", mean_us(lambda: xs.index_select(-1, perm32), calls))
     measured_here = input_gather.measured_here
     input_gather.measured_here = lambda x: True
-    input_gather._ORDERS[(xs.device, xs.dtype, 4096, 1)] = ("index_select",)
+    input_gather._ORDERS[(xs.device, xs.dtype, 4096, 1, layer.map_span)] = ("index_select",)
     try:
         row("gather_input 4096 bf16, 1 token, order looked up (index_select)",
-            mean_us(lambda: input_gather.gather_input(xs, perm32), calls))
+            mean_us(lambda: input_gather.gather_input(xs, perm32, span=layer.map_span), calls))
     finally:
         input_gather.measured_here = measured_here
         input_gather.release_gather_choices()

@@ -68,19 +68,27 @@ NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which 
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
               "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl", "decode_nomap+pdl"]
+# the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
+# where the gather reads x nearly in order: auto (measured apart, by map span) and the in-kernel map, 1-16 tokens
+BLOCKMAP_IMPLS = ["auto_blockmap", "decode_mapped_blockmap"]
+BLOCKMAP_MAX_TOKENS = 16
+MAP_BLOCK = 64
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.sparse_linear import LIBRARY_IMPLS as SPARSE_TC, PDL_SUFFIX  # noqa: E402  (no Triton import)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
-def split_impl(impl: str) -> tuple[str, bool, bool]:
-    """``(policy, mapped, tiled)`` of an implementation's name: ``_tiled`` and ``_nomap`` suffixes off
-    (a ``+pdl`` suffix stays on the policy)."""
+def split_impl(impl: str) -> tuple[str, str | None, bool]:
+    """``(policy, map, tiled)`` of an implementation's name: ``_tiled``, ``_nomap`` and ``_blockmap``
+    suffixes off (a ``+pdl`` suffix stays on the policy); ``map`` is ``"random"`` (a random map over all
+    columns), ``"block"`` (``_blockmap``: a random map within blocks of 64 columns, what ``prune`` makes)
+    or None (``_nomap``)."""
     base, pdl = impl.removesuffix(PDL_SUFFIX), impl.endswith(PDL_SUFFIX)
     tiled = base.endswith("_tiled")
     base = base.removesuffix("_tiled")
-    return base.removesuffix("_nomap") + (PDL_SUFFIX if pdl else ""), not base.endswith("_nomap"), tiled
+    kind = None if base.endswith("_nomap") else "block" if base.endswith("_blockmap") else "random"
+    return base.removesuffix("_nomap").removesuffix("_blockmap") + (PDL_SUFFIX if pdl else ""), kind, tiled
 
 
 def kernel_of(impl: str) -> str:
@@ -112,6 +120,8 @@ def runs_at(impl: str, tokens: int) -> bool:
     1–16 tokens ran 3–4× slower than dense; the first kernels 4–160× slower from 16 tokens)."""
     from shuffleprune.kernels.nm_decode import decode_max_tokens
 
+    if split_impl(impl)[1] == "block" and tokens > BLOCKMAP_MAX_TOKENS:
+        return False
     impl = kernel_of(impl)   # with or without a map, in either layout, launched either way
     if impl.startswith("decode") and tokens > decode_max_tokens(2):
         return False
@@ -155,7 +165,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--shapes", nargs="+", default=None, help="OUTxIN, e.g. 4096x4096")
     ap.add_argument("--tokens", nargs="+", type=int, default=None)
-    ap.add_argument("--impls", nargs="+", default=["auto", "auto_nomap", *CANDIDATES])
+    ap.add_argument("--impls", nargs="+", default=["auto", "auto_nomap", *CANDIDATES, *BLOCKMAP_IMPLS])
     ap.add_argument("--reps", type=int, default=20, help="graph replays per case (median taken)")
     ap.add_argument("--warm", action="store_true",
                     help="compile only: one weight copy, every case called once, nothing timed or written")
@@ -182,6 +192,7 @@ def main() -> None:
     from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.outdir import atomic_write
+    from shuffleprune.perm.core import random_block_perm
     from shuffleprune.runtime import candidate_errors, cuda_graph_ms, machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -225,6 +236,8 @@ def main() -> None:
                 dense, auto = ms_of(shape, tokens, "dense"), ms_of(shape, tokens, "auto")
                 mapped, nomap = ms_of(shape, tokens, "decode"), ms_of(shape, tokens, "decode_nomap")
                 inkernel = ms_of(shape, tokens, "decode_mapped")
+                auto_nomap, auto_block = ms_of(shape, tokens, "auto_nomap"), ms_of(shape, tokens, "auto_blockmap")
+                inkernel_block = ms_of(shape, tokens, "decode_mapped_blockmap")
                 mapped_pdl, nomap_pdl = ms_of(shape, tokens, "decode+pdl"), ms_of(shape, tokens, "decode_nomap+pdl")
                 if dense is None:
                     continue
@@ -232,7 +245,13 @@ def main() -> None:
                                 "auto_speedup": round(dense / auto, 3) if dense and auto else None,
                                 "map_cost": round(mapped / nomap - 1, 4) if mapped and nomap else None,
                                 "map_cost_in_kernel": round(inkernel / nomap - 1, 4) if inkernel and nomap else None,
-                                "map_cost_pdl": round(mapped_pdl / nomap_pdl - 1, 4) if mapped_pdl and nomap_pdl else None})
+                                "map_cost_pdl": round(mapped_pdl / nomap_pdl - 1, 4) if mapped_pdl and nomap_pdl else None,
+                                # under a map within blocks of 64 columns (prune's): auto's speed-up, and auto's
+                                # and the in-kernel map's cost against the layer without a map
+                                "auto_speedup_blockmap": round(dense / auto_block, 3) if dense and auto_block else None,
+                                "map_cost_blockmap": round(auto_block / auto_nomap - 1, 4) if auto_block and auto_nomap else None,
+                                "map_cost_in_kernel_blockmap":
+                                    round(inkernel_block / nomap - 1, 4) if inkernel_block and nomap else None})
         for r in rows:
             r.update(device=dev_name, dtype="bfloat16")
         result = {"what": "2:4 linear implementations vs dense cuBLAS (rotating weight copies, CUDA graphs)",
@@ -249,6 +268,7 @@ def main() -> None:
         dense_bytes = out_f * in_f * 2
         copies = 1 if not cuda or args.warm else max(4, math.ceil(2.5 * l2 / (dense_bytes * 9 / 16)))
         perm = torch.randperm(in_f, generator=gen)
+        maps = {"random": perm, "block": random_block_perm(in_f, MAP_BLOCK, gen), None: None}
         weights, layers = [], {impl: [] for impl in args.impls}
         for c in range(copies):
             w = torch.randn(out_f, in_f, generator=gen).to(device)  # drawn on the CPU (seeded), masked on the device
@@ -256,8 +276,8 @@ def main() -> None:
             values, meta = compress(w, 2, 4)
             weights.append(w)
             for impl in args.impls:
-                policy, has_map, tiled = split_impl(impl)
-                layer = SparseLinear(values, meta, in_f, 2, 4, perm if has_map else None, policy=policy).to(device)
+                policy, kind, tiled = split_impl(impl)
+                layer = SparseLinear(values, meta, in_f, 2, 4, maps[kind], policy=policy).to(device)
                 if tiled and not layer.use_cslt_layout():   # one cuSPARSELt buffer
                     raise SystemExit(f"{out_f}x{in_f} cannot take cuSPARSELt's layout")
                 layers[impl].append(layer)
@@ -268,6 +288,7 @@ def main() -> None:
             x = torch.randn(tokens, in_f, generator=gen).to(device, dtype)
             xp = x.index_select(1, perm_d)
             ref = F.linear(xp, weights[0])                        # dense bf16 matmul of the decompressed weight
+            ref_block = F.linear(x.index_select(1, maps["block"].to(device)), weights[0])   # under the block map
             if args.warm:   # compile (auto: its candidates too) and nothing else
                 for impl in args.impls:
                     if runs_at(impl, tokens):
@@ -293,7 +314,7 @@ def main() -> None:
                     rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
                                  "error": str(exc).splitlines()[0][:200]})
                     continue
-                err = relative_error(y, ref)
+                err = relative_error(y, ref_block if split_impl(impl)[1] == "block" else ref)
                 nbytes = bytes_moved(impl, out_f, in_f, tokens)
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": ms, "timing": how,
                        "copies": copies, "bytes": nbytes, "tb_s": nbytes / ms / 1e9, "max_rel_err": err,
@@ -301,7 +322,7 @@ def main() -> None:
                 if impl.startswith("auto"):
                     row["choice"] = dict(layers[impl][0].choices)
                     if impl != "auto_nomap":   # how its input was gathered: the ways measured, fastest first
-                        row["gather_order"] = gather_orders().get((in_f, token_bucket(tokens)))
+                        row["gather_order"] = gather_orders().get((in_f, token_bucket(tokens), layers[impl][0].map_span))
                 rows.append(row)
                 line.append(f"{impl} {ms:.4f}")
             print(f"{out_f}x{in_f} t={tokens}: " + "  ".join(line), flush=True)

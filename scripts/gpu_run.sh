@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # e2e_compile e2e_eager gather (next1: kernel e2e targets, the full tables)
+#                                              # kernel targets e2e_compile (next1: e2e_eager gather e2e targets)
 #   bash scripts/gpu_run.sh gather             # a mapped input's three gathers (index_select, Triton columns, Triton
 #                                              # rows staged in shared memory) alone, and auto / auto_tiled with the
 #                                              # map at 1-2048 tokens on the three input widths, with scratch (gathered
@@ -90,16 +90,19 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # A session has 15 minutes of device time in all, the machine's start (about 30 s) included, and one call runs
 # 600 s at most. On 2026-11-27 (H100) one call ran kernel 114 s, e2e 139 s, targets 5 s and e2e_compile 157 s,
 # where torch.compile's CUDA graphs refused the sparse model (128 kept tensors in their pool) and it decoded
-# eagerly at 0.12x the compiled dense model. issue24 is now what that run left unmeasured: load's default under
-# torch.compile(mode="reduce-overhead") after the fix (the fused norm one operator, what layers keep allocated
-# off the calling thread), whose length when the sparse model compiles through is unknown (157 s with it
-# failing and decoding eagerly), eager decode (no CUDA graphs, as a plain generate() runs), and the row gather
-# built after that run (bench_gather.json: what a mapped layer's gather costs on a prompt). next1 measures the per-layer table, the model end
-# to end and the targets table again (after kernel changes); next2..next5 are what no GPU has timed yet, one
+# eagerly at 0.12x the compiled dense model. issue24 is now, first, the per-layer table again with what was built
+# since (the decodes' L2 prefetch in auto's choices, scratch_mapped, the measured gathers, and the layer under a
+# map within 64-column blocks as prune writes them: auto_blockmap, whose one-token map cost is what the issue's
+# 2 % target is about) and the targets table; then load's default under torch.compile(mode="reduce-overhead")
+# after the fix (the fused norm one operator, what layers keep allocated off the calling thread), whose length
+# when the sparse model compiles through is unknown (157 s with it failing and decoding eagerly). next1: eager
+# decode (no CUDA graphs, as a plain generate() runs), the row gather (bench_gather.json: what a mapped layer's
+# gather costs on a prompt), the model end to end and the targets again; next2..next5 are what no GPU has timed yet, one
 # call each (limits summing to at most 500 s), in the order they matter to the issue (each step's seconds go to
 # $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five, for the CPU smoke run.
-ISSUE24=(e2e_compile e2e_eager gather)              # 280 + 200 + 120 s (a step's file comes back as it ends)
-NEXT1=(kernel e2e targets)                          # 200 + 190 + 10 s (on 11-27 kernel 114 s and e2e 139 s, before scratch_mapped and the measured gathers)
+ISSUE24=(kernel targets e2e_compile)               # 200 + 10 + 280 s (on 11-27 kernel 114 s, before scratch_mapped, the
+                                                    # measured gathers and the block-map rows; a step's file comes back as it ends)
+NEXT1=(e2e_eager gather e2e targets)                # 200 + 120 + 190 + 10 s (e2e 139 s on 11-27)
 NEXT2=(moe)                                         # 300 s
 NEXT3=(moe_stacked)                                 # 300 s
 NEXT4=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)

@@ -219,11 +219,11 @@ def check_model_spec(spec: str | None) -> None:
         return
     if not looks_like_hub_id(spec):
         raise UserError(f"model path '{spec}' does not exist")
-    _refuse_uncached_offline(spec, "model", ("config.json",),
+    refuse_uncached_offline(spec, "model", ("config.json",),
                              "; give a local HF dir or a .gguf, or fetch it where the hub is reachable")
 
 
-def _refuse_uncached_offline(repo_id: str, what: str, files: tuple[str, ...], hint: str = "") -> None:
+def refuse_uncached_offline(repo_id: str, what: str, files: tuple[str, ...], hint: str = "") -> None:
     """Refuse a hub id while the hub is unreachable and none of ``files`` of it is in the local cache."""
     if hub_reachable():
         return
@@ -303,7 +303,7 @@ def check_tokenizer_spec(spec: str) -> None:
         return
     if not looks_like_hub_id(spec):
         raise UserError(f"tokenizer '{spec}' does not exist (give a tokenizer or model dir, a hub id, default or bpe:N)")
-    _refuse_uncached_offline(spec, "tokenizer", ("tokenizer_config.json", "tokenizer.json"))
+    refuse_uncached_offline(spec, "tokenizer", ("tokenizer_config.json", "tokenizer.json"))
 
 
 def load_tokenizer(path: str, spec: str | None = None):

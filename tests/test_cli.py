@@ -95,6 +95,8 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path, monkeypatch):
                            "--tokenizer", str(tiny_dir), "--out", str(tmp_path / "o")], "not a multiple of the number"),
                          (["prune", str(tmp_path / "nope")], "does not exist"),
                          (["prune", "no-such-owner/no-such-model"], "the Hugging Face hub is unreachable"),
+                         (["export", "no-such-run", str(tmp_path / "e")],   # was huggingface_hub's offline message
+                          "cannot load pruned checkpoint 'no-such-run': no local directory of that name"),
                          (["prune", str(tiny_dir), "--seed", str(10**20), "--out", str(tmp_path / "o")],
                           "--seed must be in 0"),
                          (["dst", "--tokenizer", str(tiny_dir), "--seed", "-1", "--out", str(tmp_path / "o")],

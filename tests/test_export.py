@@ -174,7 +174,7 @@ def test_hub_ids_of_exports_and_perm_checkpoints_load_from_their_snapshots(prune
         assert torch.allclose(by_id(ids).logits, ref, atol=1e-5)
         shuffleprune.export("me/tiny-pruned", tmp_path / "again")  # the Python API, from a hub id
         assert torch.allclose(shuffleprune.load(str(tmp_path / "again"))(ids).logits, ref, atol=1e-5)
-    with pytest.raises(UserError, match="cannot download 'me/absent'"):
+    with pytest.raises(UserError, match="cannot load pruned checkpoint 'me/absent': no local directory"):
         export_checkpoint("me/absent", tmp_path / "nothing")
     assert not (tmp_path / "nothing").exists()
     from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps

@@ -59,8 +59,8 @@ def test_the_fastest_way_gathers_and_is_measured_once_per_kind_of_input(timed):
     assert torch.equal(input_gather.gather_input(x, perm), x[..., perm.long()])
     assert sorted(measured) == ["columns", "index_select", "rows"] and ran[-1] == "rows"
     assert sizes == [8, 8, 8]   # each way timed as 8 calls in one graph
-    assert input_gather.gather_orders() == input_gather.gather_orders("cpu") == {(40, 4): ("rows", "columns",
-                                                                                          "index_select")}
+    assert input_gather.gather_orders() == input_gather.gather_orders("cpu") == {(40, 4, None): ("rows", "columns",
+                                                                                                "index_select")}
     assert input_gather.gather_orders("cuda:0") == {}
     x4, _ = _input(4, 40)
     assert torch.equal(input_gather.gather_input(x4, perm), x4[..., perm.long()])
@@ -175,3 +175,41 @@ def test_sparse_linear_and_mapped_norms_gather_through_the_measured_way(timed):
     assert torch.allclose(layer(x), x[..., perm] @ w.T, atol=1e-5) and ran[-1] == "rows"
     relu = MappedOutput(torch.nn.ReLU(), perm)
     assert torch.equal(relu(x), torch.relu(x)[..., perm]) and ran[-1] == "rows"
+    # both measured under the map's span (a random map over 64 columns: 64), once for the two
+    assert len(measured) == 3 and set(input_gather.gather_orders()) == {(64, 16, 64)}
+
+
+def test_map_span_is_how_far_a_map_moves_an_index_in_aligned_blocks():
+    """The smallest power-of-two block that holds every move: 1 for the identity, the block of a
+    block-diagonal map (prune's: 64), the width rounded up for a map over all columns."""
+    from shuffleprune.perm.core import random_block_perm
+
+    g = torch.Generator().manual_seed(0)
+    assert input_gather.map_span(torch.arange(4096)) == 1
+    assert input_gather.map_span(torch.tensor([1, 0, 2, 3])) == 2
+    assert input_gather.map_span(torch.tensor([0, 1, 3, 2, 4])) == 2
+    assert input_gather.map_span(torch.tensor([0, 2, 1, 3])) == 4   # 1 and 2 lie in different blocks of 2
+    assert input_gather.map_span(random_block_perm(4096, 64, g)) == 64
+    assert input_gather.map_span(random_block_perm(11008, 64, g).to(torch.int32)) == 64   # int32, as layers hold maps
+    assert input_gather.map_span(random_block_perm(100, 64, g)) == 64   # a tail block of 36
+    assert input_gather.map_span(torch.randperm(4096, generator=g)) == 4096
+    assert input_gather.map_span(torch.randperm(11008, generator=g)) == 16384
+    assert input_gather.map_span(torch.zeros(0, dtype=torch.long)) == 1
+
+
+def test_maps_of_another_span_measure_their_own_gather(timed):
+    """A gather given its map's span measures apart from another span's: a map within blocks of 64
+    columns reads the input nearly in order and may want another way than one over all columns."""
+    from shuffleprune.perm.core import random_block_perm
+
+    times, measured, ran, sizes = timed
+    x, perm = _input(3, 128)
+    block = random_block_perm(128, 64, torch.Generator().manual_seed(1)).to(torch.int32)
+    input_gather.gather_input(x, perm, span=input_gather.map_span(perm))
+    input_gather.gather_input(x, perm, span=input_gather.map_span(perm))
+    assert len(measured) == 3
+    times.update(rows=5.0)
+    assert torch.equal(input_gather.gather_input(x, block, span=64), x[..., block.long()])
+    assert len(measured) == 6 and ran[-1] == "columns"
+    assert input_gather.gather_orders() == {(128, 4, 128): ("rows", "columns", "index_select"),
+                                            (128, 4, 64): ("columns", "index_select", "rows")}

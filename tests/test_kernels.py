@@ -778,10 +778,13 @@ def test_timing_copies_exceed_the_l2_within_free_memory():
 
 
 def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
-    """``auto``'s timed choice is shared by layers of the same shape, pattern, map and bias: the
+    """``auto``'s timed choice is shared by layers of the same shape, pattern, map span and bias: the
     second q-like layer reuses the first's, another shape or a layer without a map measures anew,
-    and so does a new token bucket."""
+    and so does a new token bucket, and a map of another span (one within blocks of 16 columns, as
+    prune's within 64, reads the input nearly in order; one over all columns jumps): before, every
+    map shared the choice measured on the first."""
     from shuffleprune.deploy import sparse_linear
+    from shuffleprune.perm.core import random_block_perm
 
     sparse_linear.release_choices()
     measured = []
@@ -790,12 +793,22 @@ def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
         measured.append((self.out_features, self.perm is not None, x.shape[-2]))
         return candidates[0], candidates[0]
 
-    monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
+    assert SparseLinear(values, meta, 64, 2, 4, perm=perm).map_span == 64   # a random map over all 64 columns
+    monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
+    x1 = torch.randn(1, 1, 64).half()
+    gen = torch.Generator().manual_seed(3)
+    block_a, block_b = (SparseLinear(values, meta, 64, 2, 4, perm=random_block_perm(64, 16, gen)) for _ in range(2))
+    assert block_a.map_span == block_b.map_span == 16
+    block_a._choice(x1), block_b._choice(x1), SparseLinear(values, meta, 64, 2, 4, perm=perm)._choice(x1)
+    assert measured == [(24, True, 1), (24, True, 1)]   # the two block maps share one measurement
+    sparse_linear.release_choices()
+    measured.clear()
+
     _, values2, meta2, *_ = _case(40, 64, 2, 4, 1, torch.float16)
     q, k = (SparseLinear(values, meta, 64, 2, 4, perm=perm) for _ in range(2))
     other, unmapped = SparseLinear(values2, meta2, 64, 2, 4, perm=perm), SparseLinear(values, meta, 64, 2, 4)
-    x1, x5 = torch.randn(1, 1, 64).half(), torch.randn(1, 5, 64).half()
+    x5 = torch.randn(1, 5, 64).half()
     assert q._choice(x1) == k._choice(x1) == q.choices[1] == k.choices[1]
     other._choice(x1), unmapped._choice(x1), q._choice(x5), k._choice(x5)
     assert measured == [(24, True, 1), (40, True, 1), (24, False, 1), (24, True, 5)]

@@ -404,9 +404,11 @@ def _checked_dirs(pruned_dir: str | Path, out_dir: str | Path, overwrite: bool) 
     """The pruned checkpoint's directory (a hub id's snapshot, downloaded or cached) and the target,
     refused when the one is no checkpoint or the other a file or (without ``overwrite``) not empty."""
     from shuffleprune.hub import looks_like_hub_id
-    from shuffleprune.models import hub_snapshot, inner_model_hint
+    from shuffleprune.models import hub_snapshot, inner_model_hint, refuse_uncached_offline
 
     if not Path(pruned_dir).exists() and looks_like_hub_id(str(pruned_dir)):
+        refuse_uncached_offline(str(pruned_dir), "pruned checkpoint", ("config.json",),
+                                "; give the directory `prune --out` wrote, or fetch it where the hub is reachable")
         pruned_dir = hub_snapshot(str(pruned_dir), any_repo=True)
     pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
     if not (pruned_dir / "config.json").is_file():

@@ -7,8 +7,10 @@ there are three ways (:data:`GATHERS`): ``index_select``, and the two Triton gat
 width: on an H100 the column kernel took about half of ``index_select``'s time at 1–16 tokens (2.1–3.0
 µs against 5.1–5.5) and 1.5× more at 2048 × 14336, where both moved under 0.6 TB/s
 (``scripts/results/bench_kernel.json``, ``norm_rows``). So the first gather of each device, dtype,
-width and token-count bucket (1, 2, 4, … tokens) checks each way against ``index_select``, times each as a CUDA graph of repeated calls
-(what a model served with CUDA graphs runs) and keeps their order, fastest first
+width, token-count bucket (1, 2, 4, … tokens) and map span (:func:`map_span`: a map kept within
+blocks of 64 columns, as ``prune``'s, reads memory nearly in order; one over all columns jumps)
+checks each way against ``index_select``, times each as a CUDA graph of repeated calls (what a
+model served with CUDA graphs runs) and keeps their order, fastest first
 (:func:`gather_order`); every later gather of that kind runs the first. A gather launched as a
 programmatic dependent (``pdl``, :mod:`shuffleprune.kernels.overlap`) runs the fastest Triton one
 (``index_select`` cannot launch so). Met first inside a CUDA graph capture, where nothing can be
@@ -30,7 +32,7 @@ TIMED_BYTES = 1 << 30   # ... and no more than this many bytes of outputs held b
                         # activation is hundreds of MB: 32k tokens × 14336 columns in bf16, 0.9 GB)
 TIMED_REPS = 5    # replays; the median is kept
 
-_ORDERS: dict[tuple, tuple[str, ...]] = {}   # (device, dtype, width, token bucket) → ways, fastest first
+_ORDERS: dict[tuple, tuple[str, ...]] = {}   # (device, dtype, width, token bucket, map span) → ways, fastest first
 
 
 def token_bucket(tokens: int) -> int:
@@ -40,10 +42,23 @@ def token_bucket(tokens: int) -> int:
     return 1 << (tokens - 1).bit_length() if tokens > 0 else 0
 
 
-def gather_orders(device: torch.device | str | None = None) -> dict[tuple[int, int], tuple[str, ...]]:
-    """The measured orders, fastest first, by ``(width, token bucket)`` (of ``device`` where given; of the
-    last dtype measured where several were): what a benchmark records beside its timings."""
-    return {(width, bucket): order for (dev, _, width, bucket), order in _ORDERS.items()
+def map_span(perm: torch.Tensor) -> int:
+    """The smallest power of two ``B`` such that ``perm`` keeps every index in its aligned block of
+    ``B`` (``perm[j] // B == j // B``): 1 for the identity, at most 64 for the maps ``prune`` makes
+    (block-diagonal, block 64), the width rounded up to a power of two for a map over all columns
+    (``dst``'s). How far a read of ``x[perm]`` jumps, and so what it costs: gathers and kernels are
+    measured per span. Reads ``perm`` on the host (a device map: one synchronization)."""
+    p = perm.detach().to("cpu", torch.int64).reshape(-1)
+    if p.numel() == 0:
+        return 1
+    moved = int((p ^ torch.arange(p.numel())).max())   # the highest bit in which perm[j] and j differ
+    return 1 << moved.bit_length()
+
+
+def gather_orders(device: torch.device | str | None = None) -> dict[tuple[int, int, int | None], tuple[str, ...]]:
+    """The measured orders, fastest first, by ``(width, token bucket, map span)`` (of ``device`` where
+    given; of the last dtype measured where several were): what a benchmark records beside its timings."""
+    return {(width, bucket, span): order for (dev, _, width, bucket, span), order in _ORDERS.items()
             if device is None or dev == torch.device(device)}
 
 
@@ -52,12 +67,13 @@ def release_gather_choices() -> None:
     _ORDERS.clear()
 
 
-def gather_input(x: torch.Tensor, perm: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def gather_input(x: torch.Tensor, perm: torch.Tensor, pdl: bool = False, span: int | None = None) -> torch.Tensor:
     """``x[..., perm]`` (``perm``: int32 ``[C]`` on ``x``'s device) by the way measured fastest for this
-    kind of input (module docstring); ``pdl``: by a Triton gather launched as a programmatic dependent."""
+    kind of input (module docstring); ``pdl``: by a Triton gather launched as a programmatic dependent.
+    ``span``: the map's :func:`map_span`, where the caller knows it (measured apart from other spans)."""
     if not measured_here(x) or x.numel() == 0:   # nothing to time on an empty input
         return x.index_select(-1, perm)
-    order = gather_order(x, perm)
+    order = gather_order(x, perm, span)
     if pdl:
         how = next(h for h in (*order, "columns") if h in TRITON_GATHERS)
     else:
@@ -88,12 +104,12 @@ def gather_ways(x: torch.Tensor) -> list[str]:
     return ["index_select", "columns", *(["rows"] if rows_fit(x.shape[-1], x.dtype) else [])]
 
 
-def gather_order(x: torch.Tensor, perm: torch.Tensor) -> tuple[str, ...]:
+def gather_order(x: torch.Tensor, perm: torch.Tensor, span: int | None = None) -> tuple[str, ...]:
     """The ways of :func:`gather_ways` that agree with ``index_select`` on ``x``, fastest first: measured
-    at the first gather of this device, dtype, width and token bucket, then looked up. Inside a CUDA
-    graph capture with nothing measured yet: ``("index_select",)``, not kept."""
+    at the first gather of this device, dtype, width, token bucket and map span (``None``: not given),
+    then looked up. Inside a CUDA graph capture with nothing measured yet: ``("index_select",)``, not kept."""
     width = x.shape[-1]
-    key = (x.device, x.dtype, width, token_bucket(x.numel() // width if width else 0))
+    key = (x.device, x.dtype, width, token_bucket(x.numel() // width if width else 0), span)
     order = _ORDERS.get(key)
     if order is None:
         if capturing(x):

@@ -21,7 +21,7 @@ from torch import nn
 from shuffleprune.block_inputs import block_probe
 from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
-from shuffleprune.deploy.input_gather import gather_input
+from shuffleprune.deploy.input_gather import gather_input, map_span
 from shuffleprune.deploy.sparse_linear import SparseLinear
 
 
@@ -68,6 +68,7 @@ class MappedOutput(nn.Module):
         super().__init__()
         self.inner, self.kernel = inner, kernel
         self.register_buffer("perm", perm.to(torch.int32))
+        self.map_span = map_span(perm)   # the gather is measured per span (input_gather)
         form = rms_form(inner, perm.numel())
         self.eps = None if form is None else form[1]
         scale = None if form is None else (form[0].detach().float() + form[2])[perm.long().to(form[0].device)]
@@ -92,7 +93,7 @@ class MappedOutput(nn.Module):
             from shuffleprune.kernels.norm_map import rmsnorm_mapped
 
             return rmsnorm_mapped(x, self.scale, self.perm, self.eps)
-        return gather_input(self.inner(x, *args, **kwargs), self.perm)
+        return gather_input(self.inner(x, *args, **kwargs), self.perm, span=self.map_span)
 
 
 @torch.library.custom_op("shuffleprune::rmsnorm_mapped", mutates_args=())

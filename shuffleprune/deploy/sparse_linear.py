@@ -48,8 +48,10 @@ cuSPARSELt's plan on every ``_cslt_sparse_mm`` call before its 2026 fix, about h
 H100), it is timed eagerly against the fastest other candidate too, and calls outside a capture run
 the eager winner (``self.eager_choices``): a model served with CUDA graphs prefills on the sparse
 tensor cores, and one run eagerly (``generate`` without graphs) does not pay the plan per call. The
-choices are shared by every layer of the same shape, pattern, map and bias on that device and dtype,
-so a 32-block model measures each kind of layer once, not 32 times (``release_choices`` forgets them).
+choices are shared by every layer of the same shape, pattern, bias and map span (none, a map within
+blocks of 64 columns as ``prune`` makes, one over all columns: ``input_gather.map_span``, since how far
+the map jumps decides what reading through it costs) on that device and dtype, so a 32-block model
+measures each kind of layer once, not 32 times (``release_choices`` forgets them).
 On Hopper and later the two fastest Triton kernels of the word layout (decode and GEMM) are timed
 once more launched as programmatic dependents (``decode+pdl``, ``gemm_swap+pdl`` and so on,
 ``kernels/overlap.py``: each call's kernels start while the previous call's end and prefetch the
@@ -68,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shuffleprune.deploy.format import decompress, meta_bits
-from shuffleprune.deploy.input_gather import gather_input, release_gather_choices, token_bucket
+from shuffleprune.deploy.input_gather import gather_input, map_span, release_gather_choices, token_bucket
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
@@ -97,7 +99,7 @@ COLD_L2 = 2.5     # auto times each candidate over copies of the weight that tog
                   # times, so no call finds its weight there (in a model every layer's weight comes from DRAM)
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-_CHOICES: dict[tuple, tuple[str, str]] = {}   # (device, dtype, rows, cols, N, M, map?, bias?, tiled?, bucket)
+_CHOICES: dict[tuple, tuple[str, str]] = {}   # (device, dtype, rows, cols, N, M, map span, bias?, tiled?, bucket)
                                               # → (implementation in a CUDA graph, implementation eagerly)
 
 
@@ -184,6 +186,9 @@ class SparseLinear(nn.Module):
         self.register_buffer("values", values)
         self.register_buffer("meta", meta)
         self.register_buffer("perm", None if perm is None else perm.to(torch.int32))
+        # how far the map jumps (input_gather.map_span), from the map given here: auto and the gathers
+        # measure maps of different spans apart (a map within blocks of 64 reads x nearly in order)
+        self.map_span = None if perm is None else map_span(perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.policy = policy
         self.shared_gather: SharedGather | None = None  # set by export's loader for layers sharing a map
@@ -289,7 +294,7 @@ class SparseLinear(nn.Module):
         if self.perm is None:
             return x
         def gather(t: torch.Tensor) -> torch.Tensor:
-            return gather_input(t, self.perm, pdl)
+            return gather_input(t, self.perm, pdl, self.map_span)
 
         if self.shared_gather is not None:
             return self.shared_gather.get(x, id(self), gather)
@@ -567,7 +572,7 @@ class SparseLinear(nn.Module):
             if in_graph:  # nothing can be timed in a capture
                 return default_choice(self._candidates(x))
             key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
-                   self.perm is not None, self.bias is not None, self.tiled, bucket)
+                   self.map_span if self.perm is not None else None, self.bias is not None, self.tiled, bucket)
             if key not in _CHOICES:   # off any CUDA graph pool: the shared scratch it allocates is kept
                 _CHOICES[key] = outside_graph_pools(lambda: self._measure(x, self._candidates(x)), x)
             self.choices[bucket], self.eager_choices[bucket] = _CHOICES[key]
