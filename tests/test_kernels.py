@@ -817,6 +817,29 @@ def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
     assert measured[-1] == (24, True, 1) and len(measured) == 5
 
 
+def test_a_device_maps_span_is_read_at_the_first_call_outside_a_capture(monkeypatch):
+    """A layer built with its map on a device (here the meta device stands in) does not read the map
+    while it is built, nor inside a CUDA graph capture (a read synchronizes, which a capture refuses):
+    it reads it once, at the first call outside one. Built with a host map, it reads it at once."""
+    from shuffleprune.deploy import sparse_linear
+
+    reads = []
+
+    def fake_span(perm):
+        reads.append(perm.device.type)
+        return 64
+
+    monkeypatch.setattr(sparse_linear, "map_span", fake_span)
+    _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm.to("meta"))
+    monkeypatch.setattr(sparse_linear, "capturing", lambda x: True)
+    assert layer.map_span is None and reads == []
+    monkeypatch.setattr(sparse_linear, "capturing", lambda x: False)
+    assert layer.map_span == layer.map_span == 64 and reads == ["meta"]
+    assert SparseLinear(values, meta, 64, 2, 4, perm=perm).map_span == 64 and reads == ["meta", "cpu"]
+    assert SparseLinear(values, meta, 64, 2, 4).map_span is None and len(reads) == 2
+
+
 def _fake_timers(monkeypatch, graph_ms: dict[str, float], eager: dict[str, float]) -> list[str]:
     """``SparseLinear`` on the CPU with its timers faked: each candidate's output is the reference,
     its CUDA-graph time ``graph_ms[impl]`` and its eager time ``eager[impl]``; returns the list the

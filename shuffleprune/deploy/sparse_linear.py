@@ -186,9 +186,9 @@ class SparseLinear(nn.Module):
         self.register_buffer("values", values)
         self.register_buffer("meta", meta)
         self.register_buffer("perm", None if perm is None else perm.to(torch.int32))
-        # how far the map jumps (input_gather.map_span), from the map given here: auto and the gathers
-        # measure maps of different spans apart (a map within blocks of 64 reads x nearly in order)
-        self.map_span = None if perm is None else map_span(perm)
+        # how far the map jumps (map_span below): read now from a map on the host, else at the first call
+        # outside a CUDA graph capture (a device map's read synchronizes, which no capture allows)
+        self._span = None if perm is None or perm.device.type != "cpu" else map_span(perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.policy = policy
         self.shared_gather: SharedGather | None = None  # set by export's loader for layers sharing a map
@@ -214,6 +214,17 @@ class SparseLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.n}:{self.m}, "
                 f"perm={'yes' if self.perm is not None else 'no'}, bias={self.bias is not None}")
+
+    @property
+    def map_span(self) -> int | None:
+        """How far the index map jumps (:func:`~shuffleprune.deploy.input_gather.map_span`; None without a
+        map): ``auto`` and the gathers measure maps of different spans apart, since a map within blocks of
+        64 columns (``prune``'s) reads the input nearly in order and one over all columns does not. Read
+        from the map the layer was built with (a layer given its map on a device reads it at its first call
+        outside a CUDA graph capture; inside one, None until then)."""
+        if self._span is None and self.perm is not None and not capturing(self.perm):
+            self._span = map_span(self.perm)
+        return self._span
 
     @property
     def weight(self) -> torch.Tensor:
