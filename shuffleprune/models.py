@@ -220,7 +220,7 @@ def check_model_spec(spec: str | None) -> None:
     if not looks_like_hub_id(spec):
         raise UserError(f"model path '{spec}' does not exist")
     refuse_uncached_offline(spec, "model", ("config.json",),
-                             "; give a local HF dir or a .gguf, or fetch it where the hub is reachable")
+                            "; give a local HF dir or a .gguf, or fetch it where the hub is reachable")
 
 
 def refuse_uncached_offline(repo_id: str, what: str, files: tuple[str, ...], hint: str = "") -> None:

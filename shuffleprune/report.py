@@ -37,6 +37,12 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def tokens_scored(ev: dict) -> int:
+    """The tokens a perplexity record's windows predicted, which its perplexity averages over (records
+    written before ``tokens_scored`` was kept give their ``tokens``)."""
+    return ev.get("tokens_scored", ev["tokens"])
+
+
 def prune_table(report: dict) -> Table:
     """Dense vs pruned: perplexity, sparsity, N:M check, time."""
     ev = report["eval"]
@@ -45,8 +51,7 @@ def prune_table(report: dict) -> Table:
     table = Table(title=title)
     table.add_column("model")
     part = held_out_part(str(ev["text"]), report["calib"]["split_from_shared_file"]) if ev["text"] else ""
-    scored = ev.get("tokens_scored", ev["tokens"])   # as eval's table: the tokens the windows hold, not all that were read
-    table.add_column(f"ppl ({ev['text']}, {part}, ctx {ev['ctx']}, {scored} tokens scored)" if ev["text"]
+    table.add_column(f"ppl ({ev['text']}, {part}, ctx {ev['ctx']}, {tokens_scored(ev)} tokens scored)" if ev["text"]
                      else "ppl (not measured)", justify="right")
     table.add_column("sparsity (pruned layers)", justify="right")
     table.add_column("N:M holds", justify="center")
@@ -76,7 +81,7 @@ def _eval_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             ["sparsity (decoder linears, experts)", *[_fmt(m["sparsity"], 4) for m in models]]]
     if "ppl" in results["tasks"]:
         ev = results.get("ppl_eval") or next((m.get("ppl_eval") for m in models if m.get("ppl_eval")), None)
-        label = f"ppl ↓ ({ev['text']}, {held_out_part(str(ev['text']))}, ctx {ev['ctx']}, {ev.get('tokens_scored', ev['tokens'])} tok scored)" if ev else "ppl ↓"
+        label = f"ppl ↓ ({ev['text']}, {held_out_part(str(ev['text']))}, ctx {ev['ctx']}, {tokens_scored(ev)} tok scored)" if ev else "ppl ↓"
         rows.append([label, *[_fmt(m["ppl"]) for m in models]])
     for name in dict.fromkeys(k for m in models for k in m["results"]):
         first = next(m["results"][name] for m in models if name in m["results"])

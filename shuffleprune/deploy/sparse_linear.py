@@ -222,7 +222,9 @@ class SparseLinear(nn.Module):
         64 columns (``prune``'s) reads the input nearly in order and one over all columns does not. Read
         from the map the layer was built with (a layer given its map on a device reads it at its first call
         outside a CUDA graph capture; inside one, None until then)."""
-        if self._span is None and self.perm is not None and not capturing(self.perm):
+        if self.perm is None:   # no map, or it moved to the producer (the span kept for its return)
+            return None
+        if self._span is None and not capturing(self.perm):
             self._span = map_span(self.perm)
         return self._span
 
@@ -583,7 +585,7 @@ class SparseLinear(nn.Module):
             if in_graph:  # nothing can be timed in a capture
                 return default_choice(self._candidates(x))
             key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
-                   self.map_span if self.perm is not None else None, self.bias is not None, self.tiled, bucket)
+                   self.map_span, self.bias is not None, self.tiled, bucket)
             if key not in _CHOICES:   # off any CUDA graph pool: the shared scratch it allocates is kept
                 _CHOICES[key] = outside_graph_pools(lambda: self._measure(x, self._candidates(x)), x)
             self.choices[bucket], self.eager_choices[bucket] = _CHOICES[key]

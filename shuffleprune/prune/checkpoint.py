@@ -19,6 +19,7 @@ from shuffleprune.masks import Pattern
 from shuffleprune.models import LoadedModel, base_model_id, is_embedded
 from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 from shuffleprune.prune.config import PruneConfig
+from shuffleprune.report import tokens_scored
 from shuffleprune.runtime import cpu_facts, peak_rss_mb, versions
 
 REPORT_NAME = "prune_report.json"
@@ -173,7 +174,7 @@ def model_card(report: dict) -> str:
                  "compresses it in that order for the 2:4 runtime.\n"
                  if report["perm"] and report["perm"].get("index_maps") else "")
     part = held_out_part(str(ev["text"]), calib["split_from_shared_file"]) if ev["text"] else ""
-    eval_line = (f"{ev['text']} ({part}, {ev.get('tokens_scored', ev['tokens'])} tokens scored in windows of "
+    eval_line = (f"{ev['text']} ({part}, {tokens_scored(ev)} tokens scored in windows of "
                  f"{ev['ctx']}{_bos_note(report)})" if ev["text"] else "not measured")
     tags = ["shuffleprune", "pruned", "sparse", f"sparsity-{report['pattern']}"]
     hub_base = base_model_id(base)
