@@ -56,7 +56,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--arch", choices=("llama", "mixtral"), default="llama",
                     help="mixtral: a Mixtral-8x7B-shaped MoE (8 experts, top 2), --layers of its 32 decoder layers")
-    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the mixtral model (all 32 need 94 GB dense)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: llama 32, as LLaMA-2-7B; mixtral 8, since all 32 need 94 GB dense)")
     ap.add_argument("--decode", choices=("graph", "compile", "eager"), default="graph",
                     help="graph: each decode step replayed from one CUDA graph captured by hand; compile: as "
                          "torch.compile(model.forward, mode='reduce-overhead') runs it (→ …_compile.json); eager: "
@@ -83,6 +84,7 @@ def main() -> None:
     from shuffleprune.perm.core import random_block_perm
     from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, versions
+    from capture_probe import capture_modes, step_profile
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -91,7 +93,7 @@ def main() -> None:
     if moe:
         small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, num_local_experts=4, vocab_size=1000, max_position_embeddings=1024)
-        full = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers, num_attention_heads=32,
+        full = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers or 8, num_attention_heads=32,
                     num_key_value_heads=8, num_local_experts=8, vocab_size=32000, max_position_embeddings=4096)
         cfg = MixtralConfig(**(small if args.smoke else full), num_experts_per_tok=2)
         if args.smoke:
@@ -101,7 +103,7 @@ def main() -> None:
                           vocab_size=1000, max_position_embeddings=1024)
         args.prompt, args.new_tokens, args.runs = 32, 8, 2
     else:
-        cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=args.layers or 32, num_attention_heads=32,
                           num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
@@ -152,7 +154,7 @@ def main() -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         prefill_eager_s = statistics.median(wall(prefill) for _ in range(args.runs))
-        prefill_how, prefill_s, graph_err = "eager", prefill_eager_s, None
+        prefill_how, prefill_s, graph_err, probe = "eager", prefill_eager_s, None, None
         if cuda:  # the prompt as one CUDA graph too: the GPU's time, without the host's launch cost
             try:
                 replayed: dict[str, torch.Tensor] = {}
@@ -165,6 +167,8 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - recorded: the eager time stands
                 print(f"{label}: prefill graph capture failed ({str(exc).splitlines()[0][:120]})", flush=True)
                 torch.cuda.synchronize()
+                probe = capture_modes(model, prefill)   # where it broke, and which capture modes allow it
+                print(json.dumps({"prefill_capture_probe": probe}), flush=True)
         first = prefill()[:, -1:].argmax(-1)
         tok = first.clone()
         pos = torch.tensor([args.prompt], device=device)
@@ -239,6 +243,11 @@ def main() -> None:
             tokens_out.append(int(tok.item()))
 
         decode_s = statistics.median(wall(decode) for _ in range(args.runs))
+        profiled = None
+        if cuda and args.decode == "eager":   # where an eager step's host time goes (launches, any sync)
+            restart()
+            profiled = step_profile(run_step)
+            print(json.dumps({"eager_step_profile": profiled}), flush=True)
         row = {"model": label, "decode_mode": how, "prefill_mode": prefill_how, "prefill_ms": round(prefill_s * 1e3, 2),
                "prefill_eager_ms": round(prefill_eager_s * 1e3, 2),
                "decode_ms_per_token": round(decode_s * 1e3 / args.new_tokens, 3),
@@ -246,6 +255,8 @@ def main() -> None:
                "weights_mb": round(held_bytes(model) / 2**20, 1),
                "peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
                "prefill_graph_vs_eager_max_rel_err": graph_err,
+               **({"prefill_capture_probe": probe} if probe else {}),
+               **({"eager_step_profile": profiled} if profiled else {}),
                "last_token_each_run": tokens_out}
         print(json.dumps(row), flush=True)
         return row, first
@@ -299,7 +310,7 @@ def main() -> None:
     shape = (f"Mixtral-8x7B-shaped model ({cfg.num_hidden_layers} layers, {cfg.num_local_experts} experts, top 2; "
              "experts 2:4 with a map "
              "each, the grouped kernel or the loop as auto measures, the grouped one in CUDA graphs)") if moe \
-        else "LLaMA-2-7B-shaped model"
+        else f"LLaMA-2-7B-shaped model ({cfg.num_hidden_layers} layers)"
 
     def save(ratio: dict, rows: list[dict], complete: bool = True, **extra) -> None:
         """Write the results file (after every model measured, so a run cut off by its time limit keeps

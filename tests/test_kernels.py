@@ -840,6 +840,39 @@ def test_a_device_maps_span_is_read_at_the_first_call_outside_a_capture(monkeypa
     assert SparseLinear(values, meta, 64, 2, 4).map_span is None and len(reads) == 2
 
 
+def test_a_graph_choice_unlike_the_eager_one_runs_once_on_the_calling_thread(monkeypatch):
+    """``auto`` measures on a thread of its own, and a library's handle is per thread (PyTorch's
+    cuSPARSELt handle is thread-local): where a layer takes a CUDA-graph choice that differs from its
+    eager one, it runs that choice once on the calling thread, outside the group's shared gather, so a
+    later capture makes nothing (on an H100 a prompt whose capture ran cuSPARSELt first could not be
+    captured). Where both choices agree, or the bucket is known, nothing extra runs."""
+    import threading
+
+    from shuffleprune.deploy import sparse_linear
+    from shuffleprune.deploy.sparse_linear import SharedGather
+
+    sparse_linear.release_choices()
+    answer = {"choices": ("gemm", "scratch")}
+    monkeypatch.setattr(SparseLinear, "_measure", lambda self, x, candidates: answer["choices"])
+    ran = []
+    monkeypatch.setattr(SparseLinear, "_run",
+                        lambda self, impl, x: ran.append((impl, threading.get_ident(), self.shared_gather)))
+    _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
+    layer, other = (SparseLinear(values, meta, 64, 2, 4, perm=perm) for _ in range(2))
+    shared = SharedGather()
+    layer.shared_gather, other.shared_gather = shared.join(), shared.join()
+    x1, x5 = torch.randn(1, 1, 64).half(), torch.randn(1, 5, 64).half()
+    assert layer._choice(x1) == "scratch" and layer.choices[1] == "gemm"
+    assert ran == [("gemm", threading.get_ident(), None)] and layer.shared_gather is shared
+    layer._choice(x1)
+    assert len(ran) == 1                      # a known bucket runs nothing more
+    assert other._choice(x1) == "scratch"     # the choice measured on the first layer, run once here too
+    assert [impl for impl, *_ in ran] == ["gemm", "gemm"]
+    answer["choices"] = ("decode", "decode")
+    assert layer._choice(x5) == "decode" and len(ran) == 2
+    sparse_linear.release_choices()
+
+
 def _fake_timers(monkeypatch, graph_ms: dict[str, float], eager: dict[str, float]) -> list[str]:
     """``SparseLinear`` on the CPU with its timers faked: each candidate's output is the reference,
     its CUDA-graph time ``graph_ms[impl]`` and its eager time ``eager[impl]``; returns the list the

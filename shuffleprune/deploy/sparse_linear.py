@@ -578,7 +578,8 @@ class SparseLinear(nn.Module):
 
     def _choice(self, x: torch.Tensor) -> str:
         """The implementation of this token-count bucket, inside a CUDA graph capture or outside one:
-        measured once per kind of layer."""
+        measured once per kind of layer. Where the two differ, the one for CUDA graphs is run once
+        here, on the calling thread, when the layer takes it (:meth:`_prepare_for_capture`)."""
         bucket = token_bucket(x.numel() // x.shape[-1])
         in_graph = capturing(x)
         if bucket not in self.choices:
@@ -589,7 +590,26 @@ class SparseLinear(nn.Module):
             if key not in _CHOICES:   # off any CUDA graph pool: the shared scratch it allocates is kept
                 _CHOICES[key] = outside_graph_pools(lambda: self._measure(x, self._candidates(x)), x)
             self.choices[bucket], self.eager_choices[bucket] = _CHOICES[key]
+            if self.choices[bucket] != self.eager_choices[bucket]:
+                self._prepare_for_capture(self.choices[bucket], x)
         return (self.choices if in_graph else self.eager_choices)[bucket]
+
+    def _prepare_for_capture(self, impl: str, x: torch.Tensor) -> None:
+        """Run ``impl`` on ``x`` once, now, on the calling thread: what it sets up at its first run must
+        exist before a CUDA graph capture, which refuses it. ``auto`` measures on a thread of its own
+        (:func:`~shuffleprune.runtime.outside_graph_pools`), and a library's handle is per thread: on an
+        H100 (2026-11-27) the prompt of a model whose eager calls ran a Triton GEMM and whose capture ran
+        cuSPARSELt could not be captured at all (cuSPARSELt's handle made inside the capture, refused in
+        the "global" and "thread_local" capture modes; ``scripts/capture_probe.py``). What the run builds
+        and keeps (cuSPARSELt's buffer, a compressed copy) is built off any graph pool, as always."""
+        if self.shared_gather is None:
+            self._run(impl, x)
+            return
+        shared, self.shared_gather = self.shared_gather, None   # the group's shared gather is left as it was
+        try:
+            self._run(impl, x)
+        finally:
+            self.shared_gather = shared
 
 
 _KEYS = itertools.count()

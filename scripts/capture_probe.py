@@ -1,0 +1,130 @@
+"""Where a CUDA graph capture of a model's call broke: the benchmarks' diagnosis when a capture fails.
+
+A capture can be invalidated by a call that raises nothing (a launch whose error goes unchecked); the
+next checked call then fails with "operation failed due to a previous error during capture", which
+names the wrong place. :func:`where_capture_broke` captures the call again with a hook before and
+after every module's forward that reads the capturing stream's status from the CUDA driver
+(``cuStreamIsCapturing``: active or invalidated), so the first module that ends with the capture
+invalidated is named, with the sparse layer's state where it is one, and the error and its last
+frames. :func:`capture_modes` tries each of PyTorch's capture error modes: a capture that only
+``"relaxed"`` allows made a call that is unsafe in a capture (an allocation, a module load)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import traceback
+from typing import Callable
+
+import torch
+from torch import nn
+
+INVALIDATED = 2   # CUstreamCaptureStatus: 0 none, 1 active, 2 invalidated
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def capture_status() -> int:
+    """The current stream's capture status from the driver (0 none, 1 active, 2 invalidated)."""
+    status = ctypes.c_int(-1)
+    _driver().cuStreamIsCapturing(ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), ctypes.byref(status))
+    return status.value
+
+
+def layer_state(module: nn.Module) -> dict:
+    """What a sparse layer would run (its choices, layout, map, group), for the report."""
+    out = {"type": type(module).__name__}
+    for attr in ("policy", "choices", "eager_choices", "tiled", "map_span", "in_features", "out_features"):
+        if hasattr(module, attr):
+            try:
+                value = getattr(module, attr)
+            except Exception as exc:  # noqa: BLE001 - a property that cannot be read in this state
+                value = f"unreadable: {exc}"
+            out[attr] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+    fused = getattr(module, "fused_inputs", None)
+    if fused is not None:
+        out["stacked_current"] = fused._current()
+    return out
+
+
+def where_capture_broke(model: nn.Module, call: Callable[[], object], mode: str = "global") -> dict:
+    """Capture ``call`` (after one eager run on the capturing stream) with status hooks on every module
+    of ``model``; returns ``{"ok": bool, "first_invalidated": "in NAME" | "before NAME" | None,
+    "last_ok": NAME, "state": layer_state, "error": str, "frames": [...]}``."""
+    found: dict = {}
+    last_ok: list[str] = [""]
+
+    def check(name: str, where: str, module: nn.Module) -> None:
+        if "first_invalidated" in found:
+            return
+        if capture_status() == INVALIDATED:
+            found["first_invalidated"] = f"{where} {name}"
+            found["state"] = layer_state(module)
+        elif where == "in":
+            last_ok[0] = name
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda m, a, n=name: check(n, "before", m)))
+        handles.append(module.register_forward_hook(lambda m, a, o, n=name: check(n, "in", m)))
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    report: dict = {"mode": mode, "ok": True}
+    try:
+        with torch.cuda.stream(side):
+            call()
+            with torch.cuda.graph(graph, stream=side, capture_error_mode=mode):
+                call()
+    except Exception as exc:  # noqa: BLE001 - the report is the point
+        report["ok"] = False
+        report["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        report["frames"] = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                            for f in traceback.extract_tb(exc.__traceback__)[-8:]]
+        torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+        torch.cuda.current_stream().wait_stream(side)
+    report["first_invalidated"] = found.get("first_invalidated")
+    report["last_ok"] = last_ok[0]
+    if "state" in found:
+        report["state"] = found["state"]
+    del graph
+    return report
+
+
+def capture_modes(model: nn.Module, call: Callable[[], object]) -> list[dict]:
+    """:func:`where_capture_broke` in each capture error mode, strictest first."""
+    return [where_capture_broke(model, call, mode) for mode in ("global", "thread_local", "relaxed")]
+
+
+def step_profile(step: Callable[[], object], top: int = 12) -> dict:
+    """One call of ``step`` under PyTorch's profiler: the host's time queuing it (perf_counter, no sync)
+    against its time to the GPU's end, the CUDA runtime and driver calls made (count and host µs; a
+    synchronize or a blocking copy among them makes the host wait for the GPU), the kernels run, and
+    the operators with the most host time of their own."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    queued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    done = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    api = {e.key: {"count": e.count, "host_us": round(e.cpu_time_total, 1)} for e in events
+           if e.key.startswith(("cuda", "cu")) and not e.key.startswith("cutlass")}
+    kernels = sum(e.count for e in events if getattr(e, "device_type", None) is not None
+                  and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0)
+    ops = sorted((e for e in events if not e.key.startswith(("cuda", "cu"))), key=lambda e: -e.self_cpu_time_total)
+    return {"host_queue_ms": round(queued * 1e3, 3), "to_gpu_end_ms": round(done * 1e3, 3),
+            "runtime_calls": dict(sorted(api.items(), key=lambda kv: -kv[1]["count"])), "kernels": kernels,
+            "top_host_ops": [{"op": e.key[:80], "count": e.count, "self_host_us": round(e.self_cpu_time_total, 1)}
+                             for e in ops[:top]]}
