@@ -13,6 +13,16 @@ through ``deploy/input_gather.py`` (its measured order looked up, as on CUDA, th
 the difference is what the measured choice adds); a member of a stacked q/k/v group (``FusedInputs``)
 and a plain ``SparseLinear``, each with ``_run`` (the kernel) stubbed. The launch itself (Triton's
 launcher, the driver) is not counted: it needs a GPU.
+
+    python scripts/bench_host_overhead.py --gpu   # → scripts/results/bench_host_overhead_cuda.json
+
+On a GPU (``--gpu``) the same pieces run for real, launches included, on shapes small enough
+that the GPU keeps up (1024 columns, one token): each row is the host's µs per call, ``--calls``
+calls queued without a synchronisation (median of 5 rounds), so what an eager ``generate()`` pays
+per layer shows apart from the kernels' time: ``nn.Linear`` (cuBLAS) and transformers' RMSNorm
+against a bare Triton launch (the gather), ``nm_decode`` called directly (plain and as a dependent
+launch), a ``SparseLinear`` with and without a map and a stacked group's member as ``auto`` runs
+them eagerly, and the fused norm with a map (``MappedOutput``).
 """
 from __future__ import annotations
 
@@ -39,9 +49,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_host_overhead.json"))
+    ap.add_argument("--gpu", action="store_true",
+                    help="the real calls on CUDA, launches included (with --smoke: their CPU paths)")
+    ap.add_argument("--out", default=None, help="default: scripts/results/bench_host_overhead[_cuda].json")
     args = ap.parse_args()
     calls = 50 if args.smoke else args.calls
+    args.out = args.out or str(ROOT / "scripts" / "results"
+                               / f"bench_host_overhead{'_cuda' if args.gpu else ''}.json")
+    if args.gpu:
+        return gpu_main(args, calls)
 
     import torch
 
@@ -129,6 +145,107 @@ def main() -> None:
     result = {"what": "host µs per call of the sparse runtime's eager path, kernels stubbed (no GPU needed)",
               "calls": calls, "seed": 0, "rows": rows, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": machine(), "versions": versions("triton")}
+    out = Path(args.out)
+    if args.smoke:
+        out = out.with_name(out.stem + "_smoke.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda tmp: tmp.write_text(json.dumps(result, indent=1)))
+    print(f"wrote {out}")
+
+
+def gpu_main(args, calls: int) -> None:
+    """The real eager calls' host time per call on a CUDA device (module docstring)."""
+    import statistics
+
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.deploy.fused_inputs import FusedInputs
+    from shuffleprune.deploy.producer_maps import MappedOutput
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+    from shuffleprune.masks import nm_keep_mask
+    from shuffleprune.outdir import atomic_write
+    from shuffleprune.perm.core import random_block_perm
+    from shuffleprune.runtime import machine, versions
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        raise SystemExit("no CUDA device: run on a GPU machine, or --smoke on CPU")
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    torch.manual_seed(0)
+    width, rows = 1024, []
+
+    def host_us(fn) -> float:
+        """Median over 5 rounds of the host's µs per call, ``calls`` calls queued between synchronisations."""
+        for _ in range(20):
+            fn()
+        sync()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - start) / calls * 1e6)
+            sync()
+        return round(statistics.median(times), 2)
+
+    def row(what: str, fn) -> None:
+        us = host_us(fn)
+        rows.append({"what": what, "host_us_per_call": us})
+        print(f"{what:60s} {us:9.2f} µs", flush=True)
+
+    def sparse_layer(out: int, perm=None) -> SparseLinear:
+        w = torch.randn(out, width)
+        w = w * nm_keep_mask(w.abs(), 2, 4)
+        values, meta = compress(w.to(dtype), 2, 4)
+        return SparseLinear(values, meta, width, 2, 4, perm).to(device)
+
+    x = torch.randn(1, 1, width, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(0)
+    perm = random_block_perm(width, 64, gen)
+    dense = torch.nn.Linear(width, width, bias=False, device=device, dtype=dtype)
+    norm = LlamaRMSNorm(width).to(device, dtype)
+    mapped_norm = MappedOutput(LlamaRMSNorm(width).to(device, dtype), perm.to(device))
+    with torch.no_grad():
+        row(f"nn.Linear {width}x{width}, 1 token (cuBLAS)", lambda: dense(x))
+        row(f"LlamaRMSNorm {width}, 1 token (transformers, eager)", lambda: norm(x))
+        row(f"MappedOutput(LlamaRMSNorm) {width}, 1 token (fused norm + map)", lambda: mapped_norm(x))
+        if cuda:
+            from shuffleprune.kernels.gather import gather_columns
+            from shuffleprune.kernels.nm_decode import nm_decode
+
+            p32 = perm.to(device=device, dtype=torch.int32)
+            row(f"gather_columns {width}, 1 token (a bare Triton launch)", lambda: gather_columns(x, p32))
+            plain = sparse_layer(width)
+            words = plain.words()
+            row(f"nm_decode {width}x{width}, 1 token, called directly",
+                lambda: nm_decode(x, plain.values, words, 2, 4, plain.bits))
+            row(f"nm_decode {width}x{width}, 1 token, as a dependent launch",
+                lambda: nm_decode(x, plain.values, words, 2, 4, plain.bits, pdl=True))
+        else:
+            plain = sparse_layer(width)
+        row(f"SparseLinear {width}x{width}, no map, 1 token (auto, eager)", lambda: plain(x))
+        mapped = sparse_layer(width, perm)
+        row(f"SparseLinear {width}x{width}, 64-column block map, 1 token (auto, eager)", lambda: mapped(x))
+        q, k, v = (sparse_layer(r) for r in (width, width // 4, width // 4))
+        group = FusedInputs([q, k, v])
+        for member in (q, k, v):
+            member.fused_inputs = group
+        member_us = host_us(lambda: (q(x), k(x), v(x)))
+        rows.append({"what": "stacked q/k/v member call, 1 token (per member)", "host_us_per_call": round(member_us / 3, 2)})
+        print(f"{rows[-1]['what']:60s} {rows[-1]['host_us_per_call']:9.2f} µs", flush=True)
+        if cuda:
+            choices = {"plain": plain.eager_choices, "mapped": mapped.eager_choices,
+                       "stacked": group.stacked.eager_choices if group.stacked is not None else None}
+        else:
+            choices = None
+    result = {"what": "host µs per eager call, real launches (queued, no synchronisation per call)",
+              "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
+              "width": width, "tokens": 1, "calls": calls, "seed": 0, "rows": rows, "eager_choices": choices,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
+              "versions": versions("triton")}
     out = Path(args.out)
     if args.smoke:
         out = out.with_name(out.stem + "_smoke.json")

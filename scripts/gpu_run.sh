@@ -5,7 +5,10 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel targets e2e_compile (next1: e2e_eager gather e2e targets)
+#                                              # host e2e_compile e2e targets (next1: e2e_eager kernel targets)
+#   bash scripts/gpu_run.sh host               # the host's µs per eager call, real launches: nn.Linear, RMSNorm, a
+#                                              # bare Triton launch, nm_decode, SparseLinear, a stacked member, the
+#                                              # fused norm (bench_host_overhead_cuda.json)
 #   bash scripts/gpu_run.sh gather             # a mapped input's three gathers (index_select, Triton columns, Triton
 #                                              # rows staged in shared memory) alone, and auto / auto_tiled with the
 #                                              # map at 1-2048 tokens on the three input widths, with scratch (gathered
@@ -88,21 +91,18 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     [ "$SMOKE" = 1 ] || { [ -f "$result" ] && cp "$result" "$OUT/"; }
 }
 # A session has 15 minutes of device time in all, the machine's start (about 30 s) included, and one call runs
-# 600 s at most. On 2026-11-27 (H100) one call ran kernel 114 s, e2e 139 s, targets 5 s and e2e_compile 157 s,
-# where torch.compile's CUDA graphs refused the sparse model (128 kept tensors in their pool) and it decoded
-# eagerly at 0.12x the compiled dense model. issue24 is now, first, the per-layer table again with what was built
-# since (the decodes' L2 prefetch in auto's choices, scratch_mapped, the measured gathers, and the layer under a
-# map within 64-column blocks as prune writes them: auto_blockmap, whose one-token map cost is what the issue's
-# 2 % target is about) and the targets table; then load's default under torch.compile(mode="reduce-overhead")
-# after the fix (the fused norm one operator, what layers keep allocated off the calling thread), whose length
-# when the sparse model compiles through is unknown (157 s with it failing and decoding eagerly). next1: eager
-# decode (no CUDA graphs, as a plain generate() runs), the row gather (bench_gather.json: what a mapped layer's
-# gather costs on a prompt), the model end to end and the targets again; next2..next5 are what no GPU has timed yet, one
-# call each (limits summing to at most 500 s), in the order they matter to the issue (each step's seconds go to
-# $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five, for the CPU smoke run.
-ISSUE24=(kernel targets e2e_compile)               # 200 + 10 + 280 s (on 11-27 kernel 114 s, before scratch_mapped, the
-                                                    # measured gathers and the block-map rows; a step's file comes back as it ends)
-NEXT1=(e2e_eager gather e2e targets)                # 200 + 120 + 190 + 10 s (e2e 139 s on 11-27)
+# 600 s at most. On 2026-11-27 (H100, c0cc1a9) one call ran kernel 122 s, targets 4 s and e2e_compile 97 s, a second
+# e2e_eager 74 s and gather 50 s; on f7687fe e2e_eager took 146 s (its profiled step included) and e2e did not end
+# within the session's last 290 s (it took 139 s on 71238d6). There the 2:4 model's prompt could not be captured
+# (cuSPARSELt's thread-local handle made inside the capture), fixed in f7687fe and seen captured in e2e_eager; its
+# eager decode ran at 0.48-0.68x dense, host-bound. issue24 is now: host (each eager call's host time, real launches:
+# where the eager decode's time goes), e2e_compile (the compiled decode, and the prompt captured after the fix),
+# e2e (the CUDA-graph table on the code of today) and the targets. next1: the eager decode again, the per-layer
+# table and the targets; next2..next5 are what no GPU has timed yet, one call each (limits summing to at most
+# 500 s), in the order they matter to the issue (each step's seconds go to $OUT/gpu_run_steps.txt for later
+# plans); next: issue24 and all five, for the CPU smoke run.
+ISSUE24=(host e2e_compile e2e targets)             # 60 + 280 + 190 + 10 s (e2e_compile 97 s, e2e 139 s so far)
+NEXT1=(e2e_eager kernel targets)                    # 200 + 200 + 10 s (e2e_eager 146 s, kernel 122 s on 11-27)
 NEXT2=(moe)                                         # 300 s
 NEXT3=(moe_stacked)                                 # 300 s
 NEXT4=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
@@ -207,6 +207,7 @@ for s in "$@"; do
         targets) step targets 10 scripts/results/gpu_targets.json $PY scripts/gpu_targets.py \
             --json scripts/results/gpu_targets.json ;;
         e2e_compile) step e2e_compile 280 scripts/results/bench_e2e_compile.json $PY scripts/bench_e2e.py --decode compile ;;
+        host) step host 60 scripts/results/bench_host_overhead_cuda.json $PY scripts/bench_host_overhead.py --gpu ;;
         e2e_eager) step e2e_eager 200 scripts/results/bench_e2e_eager.json $PY scripts/bench_e2e.py --decode eager ;;
         moe) step moe 300 scripts/results/bench_moe.json $PY scripts/bench_moe.py ;;
         moe_stacked) step moe_stacked 300 scripts/results/bench_stacked_moe.json $PY scripts/bench_stacked_moe.py ;;
