@@ -35,18 +35,37 @@ if triton is not None:
     from shuffleprune.kernels.split_k import write_output
 
     @triton.jit
+    def _map_source(perm_ptr, cols, col_ok, HAS_PERM: tl.constexpr, MAP_SPAN: tl.constexpr):
+        """The input column each permuted column ``cols`` reads: the map's entry, or with ``MAP_SPAN``
+        (``perm_ptr`` holding :func:`block_map_offsets`) its offset within its aligned block, taken from
+        the 32-bit word holding it (a 1-byte load stays synchronous inside the loop; a 4-byte one the
+        pipeline copies ahead)."""
+        if HAS_PERM:
+            if MAP_SPAN > 0:
+                word = tl.load(perm_ptr.to(tl.pointer_type(tl.int32)) + cols // 4, mask=col_ok, other=0)
+                src = (cols // MAP_SPAN) * MAP_SPAN + ((word >> ((cols & 3) * 8)) & 0xFF)
+            else:
+                src = tl.load(perm_ptr + cols, mask=col_ok, other=0)
+        else:
+            src = cols
+        return src
+
+    @triton.jit
     def _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
-                     G: tl.constexpr, HAS_PERM: tl.constexpr, X_WORDS: tl.constexpr = False):
+                     G: tl.constexpr, HAS_PERM: tl.constexpr, X_WORDS: tl.constexpr = False,
+                     MAP_SPAN: tl.constexpr = 0):
         """The inputs of the ``G`` groups starting at kept value ``k0``, in permuted column order and
         read once through the index map: ``[BLOCK_T, G·M]`` in ``x``'s dtype. ``X_WORDS`` (16-bit
         ``x`` at a 4-byte aligned address, even row stride): each input is taken from the 32-bit word
         that holds it, so the gather is a 4-byte load — one the software pipeline turns into an
         asynchronous copy issued stages ahead, behind the map's own (a 2-byte gather stays a
-        synchronous load inside the loop, and the step's weight copies wait behind it)."""
+        synchronous load inside the loop, and the step's weight copies wait behind it). ``MAP_SPAN``:
+        the map is read as 1-byte offsets within aligned blocks of that many columns
+        (:func:`_map_source`), a quarter of the int32 map's bytes per step."""
         cols = (k0 // N) * M + tl.arange(0, G * M)
         col_ok = cols < C
         ok = tok_ok[:, None] & col_ok[None, :]
-        src = tl.load(perm_ptr + cols, mask=col_ok, other=0) if HAS_PERM else cols
+        src = _map_source(perm_ptr, cols, col_ok, HAS_PERM, MAP_SPAN)
         if X_WORDS:
             word = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + toks[:, None] * (stride_xt // 2) + (src // 2)[None, :],
                            mask=ok, other=0)
@@ -57,7 +76,7 @@ if triton is not None:
     @triton.jit
     def _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
                       G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, AHEAD: tl.constexpr,
-                      X_WORDS: tl.constexpr = False):
+                      X_WORDS: tl.constexpr = False, MAP_SPAN: tl.constexpr = 0):
         """The step's inputs (:func:`_step_inputs`) and the carried tile for the next step. ``AHEAD``
         (with a map read by 2-byte loads, not ``X_WORDS``): the inputs were read one step earlier, and
         the next step's are read now — such a gather depends on a load (the map's), which the
@@ -66,9 +85,10 @@ if triton is not None:
         load them ahead) and the carried tile is passed on unused."""
         if AHEAD and HAS_PERM and not X_WORDS:
             xs = x_ahead
-            x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM)
+            x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM,
+                                   False, MAP_SPAN)
         else:
-            xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
+            xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS, MAP_SPAN)
         return xs, x_ahead
 
 
@@ -102,12 +122,13 @@ if triton is not None:
                           TILED: tl.constexpr = False, X_WORDS: tl.constexpr = False,
                           SUM_HERE: tl.constexpr = False, NATIVE: tl.constexpr = True,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
-                          PREFETCH_WORDS: tl.constexpr = 0):
+                          PREFETCH_WORDS: tl.constexpr = 0, MAP_SPAN: tl.constexpr = 0):
         """Rows ``program_id(0)``, kept values of split ``program_id(1)``, every token: the select loop
         (:func:`select_loop`: few tokens, no tensor cores, no dense tile) or, with ``USE_DOT``, the
         tensor-core loop (:func:`dot_loop`; ``PREC``, ``UPCAST``, ``WEIGHT_A`` and ``NATIVE`` are its
         own). A map's gather is read as 32-bit words the pipeline copies (``X_WORDS``, see
-        :func:`_step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`). ``PDL``
+        :func:`_step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`); a map within
+        aligned blocks of ``MAP_SPAN`` columns as 1-byte offsets. ``PDL``
         (launched as a programmatic dependent, :mod:`.overlap`): the first ``PREFETCH`` kept values of
         each row and their ``PREFETCH_WORDS`` position words go to L2 while the kernel before still
         runs; nothing is read of the input, nor written, before that kernel has ended."""
@@ -123,10 +144,11 @@ if triton is not None:
         if USE_DOT:
             acc = dot_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
                            stride_xt, N, M, BITS, HAS_PERM, PREC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, WEIGHT_A,
-                           TILED, X_WORDS, NATIVE)
+                           TILED, X_WORDS, NATIVE, MAP_SPAN)
         else:
             acc = select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C,
-                              WORDS, stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, TILED, X_WORDS)
+                              WORDS, stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, TILED, X_WORDS,
+                              MAP_SPAN)
         _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
                       HAS_BIAS, SPLIT, SUM_HERE, BLOCK_R, BLOCK_T)
 
@@ -135,7 +157,7 @@ if triton is not None:
                  stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
                  PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_T: tl.constexpr, STAGES: tl.constexpr, WEIGHT_A: tl.constexpr, TILED: tl.constexpr,
-                 X_WORDS: tl.constexpr, NATIVE: tl.constexpr):
+                 X_WORDS: tl.constexpr, NATIVE: tl.constexpr, MAP_SPAN: tl.constexpr = 0):
         """The tensor-core decode's loop over kept values ``k_start … k_end`` of rows ``rows`` for the input
         rows ``toks`` of ``x`` (any rows: the MoE kernel passes the tokens routed to one expert): float32
         ``[BLOCK_R, BLOCK_T]``."""
@@ -144,7 +166,8 @@ if triton is not None:
             acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
+        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
+                               MAP_SPAN)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             # the byte-permute expansion but for 32 tokens in the MMA's rows (sm_90a: 1361 loop instructions
             # and 182 registers against the selects' 1267 and 150)
@@ -152,7 +175,7 @@ if triton is not None:
                                "evict_first", TILED, NATIVE, WEIGHT_A or BLOCK_T != 32)
             # a step ahead up to 16 tokens (at 32 the carried tile spills the 2:4 tile)
             xs, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, BLOCK_K,
-                                        HAS_PERM, BLOCK_T <= 16, X_WORDS)
+                                        HAS_PERM, BLOCK_T <= 16, X_WORDS, MAP_SPAN)
             acc = mma_step(acc, dense, xs, WEIGHT_A, UPCAST, PREC)
         if not WEIGHT_A:
             acc = tl.trans(acc)
@@ -162,13 +185,14 @@ if triton is not None:
     def select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
                     stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-                    TILED: tl.constexpr, X_WORDS: tl.constexpr):
+                    TILED: tl.constexpr, X_WORDS: tl.constexpr, MAP_SPAN: tl.constexpr = 0):
         """The select decode's loop over kept values ``k_start … k_end`` of rows ``rows`` for the input rows
         ``toks`` of ``x`` (any rows, as :func:`dot_loop`): float32 ``[BLOCK_R, BLOCK_T]``."""
         G: tl.constexpr = BLOCK_K // N
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         # with a map the inputs are read one step ahead (_inputs_ahead) unless the pipeline copies them (X_WORDS)
-        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS)
+        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
+                               MAP_SPAN)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             v, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
                                  "evict_first", TILED)
@@ -178,7 +202,7 @@ if triton is not None:
                 pos = positions(words, N, BITS, BLOCK_R, BLOCK_K)[:, :, :, None]
             if M == 4:  # 2:4 and 1:4: the group's inputs read once, then a tree of 3 selects on the position's bits
                 x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
-                                                BLOCK_K, HAS_PERM, True, X_WORDS)
+                                                BLOCK_K, HAS_PERM, True, X_WORDS, MAP_SPAN)
                 xs = tl.trans(x_step.to(tl.float32))
                 even, odd = tl.split(tl.permute(tl.reshape(xs, (G, 2, 2, BLOCK_T)), (0, 3, 1, 2)))
                 x0, x2 = tl.split(even)                                    # [G, BLOCK_T] each: slots 0 and 2
@@ -192,7 +216,7 @@ if triton is not None:
                 picked = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
                 for j in tl.static_range(M):
                     col_ok = first + j < C
-                    src = tl.load(perm_ptr + first + j, mask=col_ok, other=0) if HAS_PERM else first + j
+                    src = _map_source(perm_ptr, first + j, col_ok, HAS_PERM, MAP_SPAN)
                     xj = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None],
                                  mask=col_ok[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # slot j of each group
                     picked = tl.where(pos == j, xj[None, :, None, :], picked)
@@ -330,7 +354,7 @@ def word_gather(x2: torch.Tensor) -> bool:
 def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
               perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
               async_gather: bool | None = None, sum_in_kernel: bool | None = None, pdl: bool = False,
-              **plan_overrides) -> torch.Tensor:
+              block_map: tuple[torch.Tensor, int] | None = None, **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with at most :func:`decode_max_tokens` tokens (64; float32: 16) →
     ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]``. ``tiled``: ``words`` ``[R, C/32]`` hold 2:4
     positions in cuSPARSELt's order (:func:`shuffleprune.deploy.cslt_layout.cslt_words`), not row
@@ -342,7 +366,9 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     :func:`.split_k.split_counters`); ``False``: a second launch does (:func:`.split_k.sum_partials`).
     ``pdl``: launch as a programmatic dependent that prefetches its weight's first part into L2 while
     the kernel before it ends (:mod:`.overlap`; where :func:`.overlap.enabled`, else an ordinary
-    launch: the same result either way)."""
+    launch: the same result either way). ``block_map``: ``perm`` again as ``(offsets, span)``
+    (:func:`block_map_offsets`, a map within aligned blocks of ``span`` columns): the kernel reads the
+    map as those 1-byte offsets, a quarter of the int32 map's bytes."""
     check_pattern(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -352,11 +378,14 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
         return x.new_empty(*lead, rows)
     p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
     check_tiled(tiled, p["block_r"])
+    span = block_span(block_map, perm, cols)
     can_words = perm is not None and word_gather(x2) and (not p["use_dot"] or p["weight_a"])
     if async_gather and perm is not None and not can_words:
         raise ValueError("async_gather needs the select kernel or weight_a, and 16-bit inputs at a 4-byte aligned "
                          "address with an even row stride")
     x_words = can_words and async_gather is not False
+    if span:
+        perm = block_map[0]
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     part = split_k.partials(p["split"], y)
     dummy = values
@@ -366,7 +395,8 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
             counts if counts is not None else dummy, tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0), p["per_split"])
     common = dict(N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
-                  TILED=tiled, X_WORDS=x_words, SUM_HERE=counts is not None, num_warps=p["num_warps"])
+                  TILED=tiled, X_WORDS=x_words, SUM_HERE=counts is not None, num_warps=p["num_warps"],
+                  **({"MAP_SPAN": span} if span else {}))
     dot = dict(PREC=gpu.precision(x), UPCAST=gpu.upcast(x), WEIGHT_A=p["weight_a"], NATIVE=gpu.native(x))
     pdl = pdl and overlap.enabled(x)
     if pdl:   # each program prefetches its rows' first kept values of its split, and their positions
@@ -379,3 +409,30 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     if p["split"] > 1 and counts is None:
         y = split_k.sum_partials(part, bias, y)
     return y.reshape(*lead, rows)
+
+
+MAX_BLOCK_SPAN = 256   # the widest block whose offsets fit one byte
+
+
+def block_map_offsets(perm: torch.Tensor, span: int) -> torch.Tensor:
+    """An index map within aligned blocks of ``span`` columns (``perm[c] // span == c // span``, as
+    :func:`shuffleprune.deploy.input_gather.map_span` finds; the last block may be cut short) as each
+    column's offset within its block, one byte each (``uint8 [C]``): what the decode kernels read
+    instead of the int32 map."""
+    if not 0 < span <= MAX_BLOCK_SPAN or span & (span - 1):
+        raise ValueError(f"a block map's span is a power of two up to {MAX_BLOCK_SPAN}, not {span}")
+    base = torch.arange(perm.numel(), device=perm.device) // span * span
+    offsets = perm.long() - base
+    if bool(((offsets < 0) | (offsets >= span)).any()):
+        raise ValueError(f"this map leaves its blocks of {span} columns: use its map_span")
+    return offsets.to(torch.uint8)
+
+
+def block_span(block_map: tuple[torch.Tensor, int] | None, perm: torch.Tensor | None, cols: int) -> int:
+    """The span :func:`nm_decode` reads ``block_map`` with: its own where there is a map and the offsets
+    cover the input's ``cols`` columns, a multiple of 4, from a 4-byte aligned address (the kernels
+    read them as 32-bit words); else 0 (the int32 map is read)."""
+    if block_map is None or perm is None or block_map[0].numel() != cols or cols % 4 or \
+            block_map[0].data_ptr() % 4:   # read as 32-bit words
+        return 0
+    return block_map[1]

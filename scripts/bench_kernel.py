@@ -70,7 +70,7 @@ CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decod
               "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl", "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
 # where the gather reads x nearly in order: auto (measured apart, by map span) and the in-kernel map, 1-16 tokens
-BLOCKMAP_IMPLS = ["auto_blockmap", "decode_mapped_blockmap"]
+BLOCKMAP_IMPLS = ["auto_blockmap", "decode_mapped_blockmap", "decode_offsets_blockmap"]   # offsets: the map as bytes
 BLOCKMAP_MAX_TOKENS = 16
 MAP_BLOCK = 64
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
@@ -238,6 +238,7 @@ def main() -> None:
                 inkernel = ms_of(shape, tokens, "decode_mapped")
                 auto_nomap, auto_block = ms_of(shape, tokens, "auto_nomap"), ms_of(shape, tokens, "auto_blockmap")
                 inkernel_block = ms_of(shape, tokens, "decode_mapped_blockmap")
+                offsets_block = ms_of(shape, tokens, "decode_offsets_blockmap")
                 mapped_pdl, nomap_pdl = ms_of(shape, tokens, "decode+pdl"), ms_of(shape, tokens, "decode_nomap+pdl")
                 if dense is None:
                     continue
@@ -251,7 +252,9 @@ def main() -> None:
                                 "auto_speedup_blockmap": round(dense / auto_block, 3) if dense and auto_block else None,
                                 "map_cost_blockmap": round(auto_block / auto_nomap - 1, 4) if auto_block and auto_nomap else None,
                                 "map_cost_in_kernel_blockmap":
-                                    round(inkernel_block / nomap - 1, 4) if inkernel_block and nomap else None})
+                                    round(inkernel_block / nomap - 1, 4) if inkernel_block and nomap else None,
+                                "map_cost_offsets_blockmap":
+                                    round(offsets_block / nomap - 1, 4) if offsets_block and nomap else None})
         for r in rows:
             r.update(device=dev_name, dtype="bfloat16")
         result = {"what": "2:4 linear implementations vs dense cuBLAS (rotating weight copies, CUDA graphs)",

@@ -4,7 +4,7 @@
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
-map, the weight-as-A decode on the gathered input and reading the map itself, ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
+map, the weight-as-A decode on the gathered input and reading the map itself (and a 64-column block map as 1-byte offsets), ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
 ``gather`` / ``group``, the producer-side ``rmsnorm_mapped``, the row gather ``gather_rows``, and ``…_pdl``: the gather kernel and the
 decode or GEMM launched as programmatic dependents, as ``SparseLinear``'s ``+pdl`` choices run them) on bf16
 (plus fp16/fp32 and 4:8 on one shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
@@ -47,6 +47,8 @@ def cases(quick: bool) -> list[dict]:
             out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=t))
         for t in (4, 16) if quick else DECODE_TOKENS[2:5]:   # SparseLinear times it to 16 tokens
             out.append(dict(impl="decode_mapped", shape=(rows, cols), tokens=t))
+        for t in (1, 16) if quick else DECODE_TOKENS[:5]:     # prune's 64-column block map read as offsets
+            out.append(dict(impl="decode_blockmap", shape=(rows, cols), tokens=t))
         for t in GEMM_TOKENS[:1] if quick else GEMM_TOKENS:
             out.append(dict(impl="gemm", shape=(rows, cols), tokens=t))
             out.append(dict(impl="gemm_swap", shape=(rows, cols), tokens=t))
@@ -145,6 +147,12 @@ def run_case(case: dict) -> None:
         else:
             nm_decode.nm_decode(gather_columns(x, perm, pdl=True), values, words, n, m, bits, pdl=True, tiled=tiled,
                                 **DECODE_KERNELS[kernel])
+    elif impl == "decode_blockmap":   # the map within 64-column blocks as 1-byte offsets, read in the kernel
+        from shuffleprune.perm.core import random_block_perm
+
+        block = random_block_perm(cols, 64, torch.Generator().manual_seed(0)).to(torch.int32)
+        nm_decode.nm_decode(x, values, words, n, m, bits, perm=block, tiled=tiled,
+                            block_map=(nm_decode.block_map_offsets(block, 64), 64), **DECODE_KERNELS["decode_mapped"])
     elif impl in ("decode", "decode_nomap"):
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None, tiled=tiled)
     elif impl in ("decode_swap", "decode_mapped"):   # as SparseLinear runs them (the mapped one reading the map)

@@ -76,6 +76,45 @@ def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot,
         assert plan["split"] == split
 
 
+@pytest.mark.parametrize("rows,cols,n,m,tokens,span,over", [
+    (40, 192, 2, 4, 1, 64, {"block_k": 32}),                    # select, three blocks per step, several steps
+    (24, 160, 2, 4, 2, 16, {"block_k": 16, "split": 2}),       # select, split-K, K not a multiple of the step
+    (33, 128, 4, 8, 2, 16, {"use_dot": False}),                 # 4:8: the select loop's per-slot reads
+    (40, 96, 2, 4, 8, 32, {"weight_a": True, "block_k": 16}),   # tensor cores, weight as the MMA's A operand
+    (24, 128, 2, 4, 16, 64, {"use_dot": True}),                 # tensor cores, inputs as the A operand
+    (30, 96, 2, 4, 1, 64, {}),                                  # 96 columns: the last block cut short
+])
+def test_decode_reads_a_block_map_as_offsets(rows, cols, n, m, tokens, span, over):
+    """A map within aligned blocks (as ``prune`` writes them) given as 1-byte offsets: the select and
+    tensor-core decodes read them instead of the int32 map and give the float64 product (another
+    block map's offsets give that map's product, so the offsets are what was read); offsets that do
+    not cover the input fall back to the int32 map. Offsets of a map that leaves its blocks, or of a
+    span that is no power of two, are refused."""
+    from shuffleprune.kernels.nm_decode import block_map_offsets, block_span, nm_decode
+    from shuffleprune.kernels.nm_words import position_words
+    from shuffleprune.perm.core import random_block_perm
+
+    dtype = torch.bfloat16
+    w, values, meta, x, _, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows + span)
+    gen = torch.Generator().manual_seed(span)
+    perm, other = random_block_perm(cols, span, gen), random_block_perm(cols, span, gen)
+    ref, ref_other = (x.double()[:, p] @ w.double().t() + bias.double() for p in (perm, other))
+    perm32, offsets = perm.to(torch.int32), block_map_offsets(perm, span)
+    assert offsets.dtype == torch.uint8 and int(offsets.max()) < span
+    args = (values, position_words(meta), n, m, meta_bits(m), perm32, bias)
+    assert _close(nm_decode(x, *args, block_map=(offsets, span), **over), ref, dtype)
+    # the offsets are what the kernel read: another block map's give that map's product
+    assert _close(nm_decode(x, *args, block_map=(block_map_offsets(other, span), span), **over), ref_other, dtype)
+    # offsets that do not cover the input's columns: the int32 map is read
+    assert _close(nm_decode(x, *args, block_map=(block_map_offsets(other, span)[:-span], span), **over), ref, dtype)
+    assert block_span((offsets, span), perm32, cols) == span and block_span((offsets[:-1], span), perm32, cols) == 0
+    assert block_span(None, perm32, cols) == block_span((offsets, span), None, cols) == 0
+    with pytest.raises(ValueError, match="leaves its blocks"):
+        block_map_offsets(torch.randperm(cols, generator=torch.Generator().manual_seed(0)), span)
+    with pytest.raises(ValueError, match="power of two"):
+        block_map_offsets(perm, 48)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens,kernel", [(1, {}), (2, {}), (5, {"weight_a": True}), (20, {"weight_a": True})])
 def test_mapped_decode_reads_its_gather_as_words_only_where_aligned(tokens, kernel, dtype):
@@ -840,6 +879,28 @@ def test_a_device_maps_span_is_read_at_the_first_call_outside_a_capture(monkeypa
     assert SparseLinear(values, meta, 64, 2, 4).map_span is None and len(reads) == 2
 
 
+def test_auto_times_the_block_offsets_decode_only_for_maps_within_small_blocks():
+    """``decode_offsets`` (the map read as 1-byte offsets) is a candidate for a map within aligned blocks
+    of at most 256 columns, up to 16 tokens, not for a map over 512 columns nor a layer without a map;
+    its offsets are made once per map and again after the map is replaced."""
+    from shuffleprune.perm.core import random_block_perm
+
+    gen = torch.Generator().manual_seed(5)
+    _, values, meta, *_ = _case(24, 512, 2, 4, 1, torch.float16)
+    block = SparseLinear(values, meta, 512, 2, 4, perm=random_block_perm(512, 64, gen))
+    wide = SparseLinear(values, meta, 512, 2, 4, perm=torch.randperm(512, generator=gen))
+    plain = SparseLinear(values, meta, 512, 2, 4)
+    one, many = torch.randn(1, 512).half(), torch.randn(17, 512).half()
+    assert "decode_offsets" in block._candidates(one) and "decode_offsets" not in block._candidates(many)
+    assert "decode_offsets" not in wide._candidates(one) and "decode_offsets" not in plain._candidates(one)
+    assert wide.block_map() is None and plain.block_map() is None
+    offsets, span = block.block_map()
+    assert span == 64 and offsets.dtype == torch.uint8 and block.block_map()[0] is offsets
+    assert torch.equal(torch.arange(512) // 64 * 64 + offsets.long(), block.perm.long())
+    block.perm = random_block_perm(512, 64, gen).to(torch.int32)
+    assert block.block_map()[0] is not offsets
+
+
 def test_a_graph_choice_unlike_the_eager_one_runs_once_on_the_calling_thread(monkeypatch):
     """``auto`` measures on a thread of its own, and a library's handle is per thread (PyTorch's
     cuSPARSELt handle is thread-local): where a layer takes a CUDA-graph choice that differs from its
@@ -931,13 +992,15 @@ def test_auto_runs_the_graph_choice_in_a_capture_and_the_eager_one_outside(monke
         measured.append(x.shape[-2])
         return "cslt", "scratch"
 
-    in_capture = [False]
+    in_capture, ran = [False], []
     monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
+    monkeypatch.setattr(SparseLinear, "_run", lambda self, impl, x: ran.append(impl))
     monkeypatch.setattr(sparse_linear, "capturing", lambda x: in_capture[0])
     _, values, meta, _, perm, _ = _case(64, 64, 2, 4, 1, torch.float16)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
     x32, x5 = torch.randn(1, 32, 64).half(), torch.randn(1, 5, 64).half()
     assert layer._choice(x32) == "scratch" and measured == [32]
+    assert ran == ["cslt"]   # the graph's pick run once outside the capture, where the layer took it
     in_capture[0] = True
     assert layer._choice(x32) == "cslt" and measured == [32]
     assert layer._choice(x5) == default_choice(layer._candidates(x5)) and measured == [32]   # not measured in a capture
@@ -1055,10 +1118,11 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     mapped, plain = SparseLinear(values, meta, 64, 2, 4, perm=perm), SparseLinear(values, meta, 64, 2, 4)
     x1, x20, x70 = (torch.randn(t, 64).half() for t in (1, 20, 70))
-    assert mapped._candidates(x1) == ["decode", "decode_mapped", "scratch", "gather"]
+    # a map over 64 columns lies within one block of 64: the map as 1-byte offsets is weighed too
+    assert mapped._candidates(x1) == ["decode", "decode_mapped", "decode_offsets", "scratch", "gather"]
     assert plain._candidates(x1) == ["decode", "scratch", "gather"]
-    assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select", "decode_swap",
-                                                              "scratch", "gather"]
+    assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_offsets", "decode_select",
+                                                              "decode_swap", "scratch", "gather"]
     assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch",   # map in-kernel: ≤ 16
                                        "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
     assert mapped._candidates(x70) == ["gemm", "gemm_swap", "scratch", "scratch_mapped"]
@@ -1123,7 +1187,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert all(r["spill_bytes"] == 0 and r["fits"] for r in rows)
     impls = {r["impl"] for r in rows}
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
-            "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped"} <= impls
+            "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -1137,8 +1201,9 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["tensor_core"], r
         if "swap" in r["impl"] or r["impl"] == "decode_mapped":   # the weight as the A operand: asynchronous wgmma
             assert r["wgmma"] and r["widest_load_bytes"] == 16 and r["async_copies"], r
-        if r["impl"] == "decode_mapped" or (r["impl"] == "decode" and not r["tensor_core"]):
-            assert r["loop_sync_loads"] == 0, r   # the map's gather too is copied ahead by the pipeline
+        if r["impl"] in ("decode_mapped", "decode_blockmap") or (r["impl"] == "decode" and not r["tensor_core"]):
+            assert r["loop_sync_loads"] == 0, r   # the map's gather too is copied ahead by the pipeline (its
+                                                  # 1-byte offsets read as 32-bit words)
         if r["impl"] == "decode_mapped":
             assert r["plan_per_sm"] <= r["programs_per_sm"], r
         if r["impl"] == "decode_swap":

@@ -14,6 +14,11 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   tokens) and above that, to 16 tokens (``MAPPED_MAX_TOKENS``), in the weight-as-A tensor-core
   decode (``decode_swap``'s kernel, the one whose word gather compiles without spilling); not yet
   timed;
+- ``decode_offsets`` (a map within aligned blocks of at most 256 columns, as ``prune`` writes them):
+  ``decode_mapped`` reading the map as 1-byte offsets within its blocks (``block_map``), a quarter of
+  the int32 map's bytes per step; built after the H100 put the in-kernel map's cost at one token at
+  1–9 % under a 64-column block map (``bench_kernel.json``, 2026-11-27), not yet timed (``auto``
+  measures it beside the others);
 - ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
   instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
   tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
@@ -74,8 +79,8 @@ from shuffleprune.deploy.input_gather import gather_input, map_span, release_gat
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
-IMPLS = ("decode", "decode_mapped", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", "scratch_mapped",
-         "gather", "group", *LIBRARY_IMPLS)
+IMPLS = ("decode", "decode_mapped", "decode_offsets", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
+         "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
@@ -86,7 +91,8 @@ MAPPED_MAX_TOKENS = 16
 # nm_decode's kernel choice per decode policy: all but decode_mapped run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
 # tensor-core form whose gather the pipeline copies ahead)
-DECODE_KERNELS = {"decode": {}, "decode_mapped": {"weight_a": True}, "decode_select": {"use_dot": False},
+DECODE_KERNELS = {"decode": {}, "decode_mapped": {"weight_a": True}, "decode_offsets": {"weight_a": True},
+                  "decode_select": {"use_dot": False},
                   "decode_swap": {"use_dot": True, "weight_a": True}}
 # the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
 # programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
@@ -198,6 +204,7 @@ class SparseLinear(nn.Module):
         self._semi: dict[str, object] = {}
         self._words: tuple[torch.Tensor, torch.Tensor] | None = None  # (meta it was made from, its int32 words)
         self._inverse: tuple[torch.Tensor, torch.Tensor] | None = None  # (perm it was made from, its int32 inverse)
+        self._offsets: tuple[torch.Tensor, tuple[torch.Tensor, int]] | None = None  # (perm, block_map())
         self.tiled = False   # meta holds cuSPARSELt's metadata words (use_cslt_layout), values and meta one buffer
         self._packed: torch.Tensor | None = None
         self._register()
@@ -324,6 +331,29 @@ class SparseLinear(nn.Module):
             self._inverse = (perm, outside_graph_pools(lambda: torch.argsort(perm).to(torch.int32), perm))
         return self._inverse[1]
 
+    def _offsets_apply(self) -> bool:
+        """Whether the map fits ``decode_offsets``: within aligned blocks of at most 256 columns (as ``prune``
+        writes them), its width a multiple of 4."""
+        from shuffleprune.kernels.nm_decode import MAX_BLOCK_SPAN
+
+        span = self.map_span
+        return span is not None and span <= MAX_BLOCK_SPAN and self.in_features % 4 == 0
+
+    def block_map(self) -> tuple[torch.Tensor, int] | None:
+        """The map as 1-byte offsets within its blocks and their span (``decode_offsets``), made once per
+        map, outside any CUDA graph capture (inside one with none made yet, and for a map that jumps
+        further: None, and the int32 map is read)."""
+        if not self._offsets_apply():
+            return None
+        if self._offsets is None or self._offsets[0] is not self.perm:
+            if capturing(self.perm):
+                return None
+            from shuffleprune.kernels.nm_decode import block_map_offsets
+
+            perm, span = self.perm, self.map_span
+            self._offsets = (perm, (outside_graph_pools(lambda: block_map_offsets(perm, span), perm), span))
+        return self._offsets[1]
+
     def _maps_into_scratch(self) -> bool:
         """Whether ``scratch_mapped`` applies: a mapped layer in the export's layout (not cuSPARSELt's), N and M
         powers of two, rows narrow enough for the kernel's shared memory."""
@@ -357,9 +387,11 @@ class SparseLinear(nn.Module):
         if impl in DECODE_KERNELS:
             from shuffleprune.kernels.nm_decode import nm_decode
 
-            inp, perm = (x, self.perm) if impl == "decode_mapped" else (self._gathered(x, pdl), None)
+            in_kernel = impl in ("decode_mapped", "decode_offsets")
+            inp, perm = (x, self.perm) if in_kernel else (self._gathered(x, pdl), None)
             return nm_decode(inp, self.values, self.words(), self.n, self.m, self.bits, perm, self.bias,
-                             tiled=self.tiled, pdl=pdl, **DECODE_KERNELS[impl])
+                             tiled=self.tiled, pdl=pdl, block_map=self.block_map() if impl == "decode_offsets" else None,
+                             **DECODE_KERNELS[impl])
         if impl in ("gemm", "gemm_swap"):
             from shuffleprune.kernels.nm_gemm import nm_gemm
 
@@ -422,6 +454,8 @@ class SparseLinear(nn.Module):
                 out.append("decode")
             if self.perm is not None and tokens <= min(decode_limit, MAPPED_MAX_TOKENS):
                 out.append("decode_mapped")
+                if self._offsets_apply():
+                    out.append("decode_offsets")
             if SELECT_MAX_TOKENS < tokens <= SELECT_LIMIT_TOKENS:   # below, decode is the select kernel already
                 out.append("decode_select")
             if 2 <= tokens <= decode_limit:
