@@ -877,6 +877,16 @@ def test_a_device_maps_span_is_read_at_the_first_call_outside_a_capture(monkeypa
     assert layer.map_span == layer.map_span == 64 and reads == ["meta"]
     assert SparseLinear(values, meta, 64, 2, 4, perm=perm).map_span == 64 and reads == ["meta", "cpu"]
     assert SparseLinear(values, meta, 64, 2, 4).map_span is None and len(reads) == 2
+    monkeypatch.undo()
+    # a map assigned anew is read anew (decode_offsets relies on its span); .to() keeps the same map's
+    from shuffleprune.perm.core import random_block_perm
+
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
+    assert layer.map_span == 64
+    layer.perm = random_block_perm(64, 16, torch.Generator().manual_seed(1)).to(torch.int32)
+    assert layer.map_span == 16 and layer.to(torch.float16).map_span == 16
+    layer.perm = None
+    assert layer.map_span is None
 
 
 def test_auto_times_the_block_offsets_decode_only_for_maps_within_small_blocks():

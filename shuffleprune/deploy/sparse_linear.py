@@ -218,6 +218,13 @@ class SparseLinear(nn.Module):
         super().__setstate__(state)
         self._register()
 
+    def __setattr__(self, name: str, value) -> None:
+        """A map assigned anew (``layer.perm = …``) is another map: its span is read again (from a host
+        map at once, else at the next call outside a capture). ``.to()`` moves the same map and keeps it."""
+        super().__setattr__(name, value)
+        if name == "perm" and "_span" in self.__dict__:
+            self._span = None if value is None or value.device.type != "cpu" else map_span(value)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.n}:{self.m}, "
                 f"perm={'yes' if self.perm is not None else 'no'}, bias={self.bias is not None}")
@@ -229,7 +236,7 @@ class SparseLinear(nn.Module):
         64 columns (``prune``'s) reads the input nearly in order and one over all columns does not. Read
         from the map the layer was built with (a layer given its map on a device reads it at its first call
         outside a CUDA graph capture; inside one, None until then)."""
-        if self.perm is None:   # no map, or it moved to the producer (the span kept for its return)
+        if self.perm is None:   # no map, or it moved to the producer
             return None
         if self._span is None and not capturing(self.perm):
             self._span = map_span(self.perm)
