@@ -34,6 +34,13 @@ stacked cuSPARSELt buffer on Hopper); ``--decode compile`` and ``--decode eager`
 cuSPARSELt only if it also wins eagerly (``eager_kernel_choices_…``). Last, that model again with
 every kernel ``auto`` chose as a programmatic dependent (``+pdl``, Hopper) launched plainly
 (``cslt_buffer_stacked_no_pdl``): what the dependent launches add end to end.
+
+A prompt whose CUDA-graph capture fails is captured again by ``scripts/capture_probe.py`` (the row's
+``prefill_capture_probe``: the first module after which the capture was invalidated, the error, and
+which of PyTorch's capture modes allow it). ``--decode eager`` profiles one decode step per model
+(``eager_step_profile``: the host's queueing time against the GPU's end, the CUDA calls made, the
+kernels run, the operators with the most host time). ``--layers`` sets the decoder layers (a short
+model for a quick check).
 """
 from __future__ import annotations
 
