@@ -52,7 +52,10 @@ def layer_state(module: nn.Module) -> dict:
 def where_capture_broke(model: nn.Module, call: Callable[[], object], mode: str = "global") -> dict:
     """Capture ``call`` (after one eager run on the capturing stream) with status hooks on every module
     of ``model``; returns ``{"ok": bool, "first_invalidated": "in NAME" | "before NAME" | None,
-    "last_ok": NAME, "state": layer_state, "error": str, "frames": [...]}``."""
+    "last_ok": NAME, "state": layer_state, "error": str, "frames": [...], "raised_inside": {...}}``:
+    ``last_ok`` is the last module whose forward ended with the capture intact, and where the call
+    itself raised (on an H100 a library refused to set itself up in the capture), ``raised_inside``
+    holds that error, which the capture's failing end otherwise hides."""
     found: dict = {}
     last_ok: list[str] = [""]
 
@@ -79,9 +82,10 @@ def where_capture_broke(model: nn.Module, call: Callable[[], object], mode: str 
                 call()
     except Exception as exc:  # noqa: BLE001 - the report is the point
         report["ok"] = False
-        report["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
-        report["frames"] = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
-                            for f in traceback.extract_tb(exc.__traceback__)[-8:]]
+        report.update(_described(exc))
+        inner = exc.__context__   # raised inside the captured call, then hidden by the capture's end failing
+        if inner is not None:
+            report["raised_inside"] = _described(inner)
         torch.cuda.synchronize()
     finally:
         for h in handles:
@@ -93,6 +97,13 @@ def where_capture_broke(model: nn.Module, call: Callable[[], object], mode: str 
         report["state"] = found["state"]
     del graph
     return report
+
+
+def _described(exc: BaseException) -> dict:
+    """An exception's type and first line, and its last frames."""
+    return {"error": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}",
+            "frames": [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                       for f in traceback.extract_tb(exc.__traceback__)[-8:]]}
 
 
 def capture_modes(model: nn.Module, call: Callable[[], object]) -> list[dict]:
