@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # host e2e_compile e2e targets (next1: e2e_eager kernel targets)
+#                                              # host e2e_compile e2e kernel targets (next1: e2e_eager gather targets)
 #   bash scripts/gpu_run.sh host               # the host's µs per eager call, real launches: nn.Linear, RMSNorm, a
 #                                              # bare Triton launch, nm_decode, SparseLinear, a stacked member, the
 #                                              # fused norm (bench_host_overhead_cuda.json)
@@ -97,12 +97,14 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # (cuSPARSELt's thread-local handle made inside the capture), fixed in f7687fe and seen captured in e2e_eager; its
 # eager decode ran at 0.48-0.68x dense, host-bound. issue24 is now: host (each eager call's host time, real launches:
 # where the eager decode's time goes), e2e_compile (the compiled decode, and the prompt captured after the fix),
-# e2e (the CUDA-graph table on the code of today) and the targets. next1: the eager decode again, the per-layer
-# table and the targets; next2..next5 are what no GPU has timed yet, one call each (limits summing to at most
-# 500 s), in the order they matter to the issue (each step's seconds go to $OUT/gpu_run_steps.txt for later
-# plans); next: issue24 and all five, for the CPU smoke run.
-ISSUE24=(host e2e_compile e2e targets)             # 60 + 280 + 190 + 10 s (e2e_compile 97 s, e2e 139 s so far)
-NEXT1=(e2e_eager kernel targets)                    # 200 + 200 + 10 s (e2e_eager 146 s, kernel 122 s on 11-27)
+# e2e (the CUDA-graph table on the code of today), kernel (the per-layer table with decode_offsets, the block map
+# read as 1-byte offsets) and the targets. next1: the eager decode again, the gathers and the targets;
+# next2..next5 are what no GPU has timed yet, one call each (limits summing to at most 500 s), in the order
+# they matter to the issue (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24
+# and all five, for the CPU smoke run.
+ISSUE24=(host e2e_compile e2e kernel targets)      # limits 60 + 280 + 190 + 200 + 10 s; on 11-27 e2e_compile took 97 s,
+                                                    # e2e 139 s, kernel 122 s: about 400 s with host
+NEXT1=(e2e_eager gather targets)                    # 200 + 120 + 10 s (e2e_eager 146 s, gather 50 s on 11-27)
 NEXT2=(moe)                                         # 300 s
 NEXT3=(moe_stacked)                                 # 300 s
 NEXT4=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
