@@ -66,8 +66,6 @@ def main() -> None:
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.kernels import nm_decode, nm_gemm
     from shuffleprune.masks import nm_keep_mask
-    from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, versions
 
     torch.manual_seed(0)
     cpu = torch.device("cpu")
@@ -142,9 +140,16 @@ def main() -> None:
     finally:
         SparseLinear._run = run
 
-    result = {"what": "host µs per call of the sparse runtime's eager path, kernels stubbed (no GPU needed)",
-              "calls": calls, "seed": 0, "rows": rows, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "machine": machine(), "versions": versions("triton")}
+    write_result(args, {"what": "host µs per call of the sparse runtime's eager path, kernels stubbed (no GPU needed)",
+                        "calls": calls, "seed": 0, "rows": rows})
+
+
+def write_result(args, result: dict) -> None:
+    """``result`` with the command, machine and versions to ``--out`` (``…_smoke.json`` under ``--smoke``)."""
+    from shuffleprune.outdir import atomic_write
+    from shuffleprune.runtime import machine, versions
+
+    result.update(command=" ".join([Path(sys.executable).name, *sys.argv]), machine=machine(), versions=versions("triton"))
     out = Path(args.out)
     if args.smoke:
         out = out.with_name(out.stem + "_smoke.json")
@@ -165,9 +170,7 @@ def gpu_main(args, calls: int) -> None:
     from shuffleprune.deploy.producer_maps import MappedOutput
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.masks import nm_keep_mask
-    from shuffleprune.outdir import atomic_write
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -191,8 +194,9 @@ def gpu_main(args, calls: int) -> None:
             sync()
         return round(statistics.median(times), 2)
 
-    def row(what: str, fn) -> None:
-        us = host_us(fn)
+    def row(what: str, fn, per: int = 1) -> None:
+        """``fn``'s host time, divided among the ``per`` calls it makes."""
+        us = round(host_us(fn) / per, 2)
         rows.append({"what": what, "host_us_per_call": us})
         print(f"{what:60s} {us:9.2f} µs", flush=True)
 
@@ -233,25 +237,16 @@ def gpu_main(args, calls: int) -> None:
         group = FusedInputs([q, k, v])
         for member in (q, k, v):
             member.fused_inputs = group
-        member_us = host_us(lambda: (q(x), k(x), v(x)))
-        rows.append({"what": "stacked q/k/v member call, 1 token (per member)", "host_us_per_call": round(member_us / 3, 2)})
-        print(f"{rows[-1]['what']:60s} {rows[-1]['host_us_per_call']:9.2f} µs", flush=True)
+        row("stacked q/k/v member call, 1 token (per member)", lambda: (q(x), k(x), v(x)), per=3)
         if cuda:
             choices = {"plain": plain.eager_choices, "mapped": mapped.eager_choices,
                        "stacked": group.stacked.eager_choices if group.stacked is not None else None}
         else:
             choices = None
-    result = {"what": "host µs per eager call, real launches (queued, no synchronisation per call)",
-              "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
-              "width": width, "tokens": 1, "calls": calls, "seed": 0, "rows": rows, "eager_choices": choices,
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-              "versions": versions("triton")}
-    out = Path(args.out)
-    if args.smoke:
-        out = out.with_name(out.stem + "_smoke.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, lambda tmp: tmp.write_text(json.dumps(result, indent=1)))
-    print(f"wrote {out}")
+    write_result(args, {"what": "host µs per eager call, real launches (queued, no synchronisation per call)",
+                        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "dtype": str(dtype),
+                        "width": width, "tokens": 1, "calls": calls, "seed": 0, "rows": rows,
+                        "eager_choices": choices})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Where a CUDA graph capture of a model's call broke: the benchmarks' diagnosis when a capture fails.
+"""The end-to-end benchmark's two diagnoses: where a CUDA graph capture of a model's call broke, and
+where an eager decode step's host time goes (:func:`step_profile`).
 
 A capture can be invalidated by a call that raises nothing (a launch whose error goes unchecked); the
 next checked call then fails with "operation failed due to a previous error during capture", which

@@ -37,52 +37,46 @@ def row_ms(rows: list[dict], shape: list[int], tokens: int, impl: str) -> float 
 
 
 def kernel_checks(result: dict) -> list[dict]:
-    """One line per target and shape: the worst ratio over the token counts it covers, and whether it holds."""
+    """One line per target and shape: the worst ratio over the token counts it covers, and whether it holds;
+    then the decode targets (1–16 tokens) and the map's cost once more for ``auto_blockmap``, the layer
+    under a random map within blocks of 64 columns, the kind ``prune`` makes (``bench_kernel`` times it
+    to 16 tokens)."""
     rows, out = result["rows"], []
     shapes = sorted({tuple(r["shape"]) for r in rows}, key=lambda s: (s[1], s[0]))
     for shape in map(list, shapes):
-        speedups = {}
-        for tokens in sorted({r["tokens"] for r in rows if r["shape"] == shape}):
-            dense, auto = row_ms(rows, shape, tokens, "dense"), row_ms(rows, shape, tokens, "auto")
-            if dense and auto:
-                speedups[tokens] = dense / auto
-        for target, (lowest, highest), floor in KERNEL_TARGETS:
-            covered = {t: v for t, v in speedups.items() if lowest <= t <= highest}
-            if covered:
-                worst = min(covered, key=covered.get)
-                out.append({"shape": shape, "target": target, "worst": round(covered[worst], 3),
-                            "at_tokens": worst, "ok": covered[worst] >= floor})
-        auto = row_ms(rows, shape, 1, "auto")
+        out += speed_checks(rows, shape, "auto", KERNEL_TARGETS)
         nomap = row_ms(rows, shape, 1, "auto_nomap") or row_ms(rows, shape, 1, "decode_nomap")
-        if auto and nomap:
-            cost = auto / nomap - 1
-            out.append({"shape": shape, "target": "map ≤2 % at one token (in the layer)", "worst": round(cost, 4),
-                        "at_tokens": 1, "ok": cost <= MAP_COST_MAX})
-        out += blockmap_checks(rows, shape)
+        out += map_cost_check(rows, shape, "auto", nomap, "map ≤2 % at one token (in the layer)")
+        out += speed_checks(rows, shape, "auto_blockmap", KERNEL_TARGETS[:2], ", block map")
+        out += map_cost_check(rows, shape, "auto_blockmap", row_ms(rows, shape, 1, "auto_nomap"),
+                              "map ≤2 % at one token, block map")
     return out
 
 
-def blockmap_checks(rows: list[dict], shape: list[int]) -> list[dict]:
-    """The decode targets (1–16 tokens) and the map's cost for ``auto_blockmap``: the layer under a random
-    map within blocks of 64 columns, the kind ``prune`` makes (``bench_kernel`` times it to 16 tokens)."""
-    out = []
+def speed_checks(rows: list[dict], shape: list[int], impl: str, targets: list, label: str = "") -> list[dict]:
+    """Per target of ``targets``, ``impl``'s worst speed-up over dense among the token counts it covers."""
     speedups = {}
     for tokens in sorted({r["tokens"] for r in rows if r["shape"] == shape}):
-        dense, auto = row_ms(rows, shape, tokens, "dense"), row_ms(rows, shape, tokens, "auto_blockmap")
-        if dense and auto:
-            speedups[tokens] = dense / auto
-    for target, (lowest, highest), floor in KERNEL_TARGETS[:2]:
+        dense, ms = row_ms(rows, shape, tokens, "dense"), row_ms(rows, shape, tokens, impl)
+        if dense and ms:
+            speedups[tokens] = dense / ms
+    out = []
+    for target, (lowest, highest), floor in targets:
         covered = {t: v for t, v in speedups.items() if lowest <= t <= highest}
         if covered:
             worst = min(covered, key=covered.get)
-            out.append({"shape": shape, "target": f"{target}, block map", "worst": round(covered[worst], 3),
+            out.append({"shape": shape, "target": target + label, "worst": round(covered[worst], 3),
                         "at_tokens": worst, "ok": covered[worst] >= floor})
-    auto, nomap = row_ms(rows, shape, 1, "auto_blockmap"), row_ms(rows, shape, 1, "auto_nomap")
-    if auto and nomap:
-        cost = auto / nomap - 1
-        out.append({"shape": shape, "target": "map ≤2 % at one token, block map", "worst": round(cost, 4),
-                    "at_tokens": 1, "ok": cost <= MAP_COST_MAX})
     return out
+
+
+def map_cost_check(rows: list[dict], shape: list[int], impl: str, nomap: float | None, target: str) -> list[dict]:
+    """``impl``'s cost at one token over the same layer without a map (``nomap`` ms), where both were timed."""
+    ms = row_ms(rows, shape, 1, impl)
+    if not (ms and nomap):
+        return []
+    cost = ms / nomap - 1
+    return [{"shape": shape, "target": target, "worst": round(cost, 4), "at_tokens": 1, "ok": cost <= MAP_COST_MAX}]
 
 
 def producer_map_costs(result: dict) -> list[dict]:

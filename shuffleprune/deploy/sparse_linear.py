@@ -68,7 +68,8 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -495,10 +496,9 @@ class SparseLinear(nn.Module):
         winner serves eager calls too unless it is in ``EAGER_CHECKED``: then it and the fastest other
         candidate are timed eagerly and the faster serves them. The shared gather is bypassed, so
         ``decode`` pays for its own gather."""
-        shared, self.shared_gather = self.shared_gather, None
         fallback = default_choice(candidates)   # what runs if no candidate is timed
         timed: dict[str, float] = {}
-        try:
+        with self._own_gather():
             ref = self._reference(x)
             weights = self._weight_copies()
             for impl in candidates:
@@ -518,9 +518,16 @@ class SparseLinear(nn.Module):
             others = sorted((impl for impl in timed if impl not in EAGER_CHECKED), key=timed.__getitem__)
             if best in EAGER_CHECKED and others:
                 eager = faster_eagerly([best, others[0]], lambda impl: self._run(impl, x), calls, reps)
+        return best, eager
+
+    @contextmanager
+    def _own_gather(self) -> Iterator[None]:
+        """Inside: the layer gathers its input itself, the group's shared gather left as it was."""
+        shared, self.shared_gather = self.shared_gather, None
+        try:
+            yield
         finally:
             self.shared_gather = shared
-        return best, eager
 
     def _weight_copies(self) -> list[tuple]:
         """The layer's weight (:meth:`_own_weight`) and copies of it, :func:`timing_copies` in all on a
@@ -643,14 +650,8 @@ class SparseLinear(nn.Module):
         cuSPARSELt could not be captured at all (cuSPARSELt's handle made inside the capture, refused in
         the "global" and "thread_local" capture modes; ``scripts/capture_probe.py``). What the run builds
         and keeps (cuSPARSELt's buffer, a compressed copy) is built off any graph pool, as always."""
-        if self.shared_gather is None:
+        with self._own_gather():
             self._run(impl, x)
-            return
-        shared, self.shared_gather = self.shared_gather, None   # the group's shared gather is left as it was
-        try:
-            self._run(impl, x)
-        finally:
-            self.shared_gather = shared
 
 
 _KEYS = itertools.count()
