@@ -9,5 +9,6 @@ decode loops per block of pairs routed to one expert). ``nm_matmul``: the first 
 kernels, kept as candidates. ``norm_map``: an RMSNorm that writes its output through an index map
 (producer-side maps). ``overlap``: programmatic dependent launch (a decode starting, and prefetching
 its weight, while the kernel before it ends); ``gather``: an index map's gather that lets the decode
-after it start early. ``compile_check``: compile them for sm_90a without a GPU and read the result.
+after it start early. ``launch``: launches that skip Triton's per-call dispatch once a kind of call
+was seen (the eager host's cost per kernel). ``compile_check``: compile them for sm_90a without a GPU and read the result.
 """

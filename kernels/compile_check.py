@@ -86,34 +86,73 @@ class _CompileOnlyDriver:
 
 
 @contextlib.contextmanager
-def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
-    """Inside, every ``kernel[grid](…)`` compiles for ``spec`` and returns without running (outputs stay
-    uninitialised); the host functions plan as on that GPU (its SM count, no interpreter upcasts).
-    Yields the list of :class:`Launch` records, filled as launches happen."""
+def _planned_as_on(spec: GPUSpec) -> Iterator[None]:
+    """Triton's driver answering for ``spec`` (target, device 0, stream 0; nothing behind it) and the
+    host functions planning as on that GPU (its SM count, shared memory, no interpreter upcasts)."""
     if not isinstance(_a_kernel(), JITFunction):
         raise RuntimeError("the kernels were decorated under TRITON_INTERPRET=1; compile in a process without it")
     from shuffleprune.kernels import gpu
 
-    launches: list[Launch] = []
-    run, active = JITFunction.run, driver._active
+    active = driver._active
     upcast, sm_count, smem, native, pdl = gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl
+    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", spec.arch, 32)))
+    gpu.upcast, gpu.sm_count, gpu.native = (lambda x: False), (lambda device: spec.sms), (lambda x: True)
+    gpu.smem_per_sm = lambda device: spec.smem_per_sm
+    gpu.pdl = lambda x: spec.arch >= 90
+    try:
+        yield
+    finally:
+        driver._active = active
+        gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl = upcast, sm_count, smem, native, pdl
+
+
+@contextlib.contextmanager
+def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
+    """Inside, every ``kernel[grid](…)`` compiles for ``spec`` and returns without running (outputs stay
+    uninitialised); the host functions plan as on that GPU (its SM count, no interpreter upcasts).
+    Yields the list of :class:`Launch` records, filled as launches happen."""
+    from shuffleprune.kernels import launch
+
+    launches: list[Launch] = []
+    run = JITFunction.run
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         launches.append(Launch(self.fn.__name__, tuple(grid), kernel))
         return kernel
 
-    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", spec.arch, 32)))
-    JITFunction.run = compile_launch
-    gpu.upcast, gpu.sm_count, gpu.native = (lambda x: False), (lambda device: spec.sms), (lambda x: True)
-    gpu.smem_per_sm = lambda device: spec.smem_per_sm
-    gpu.pdl = lambda x: spec.arch >= 90
-    try:
-        yield launches
-    finally:
-        JITFunction.run = run
-        driver._active = active
-        gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl = upcast, sm_count, smem, native, pdl
+    with _planned_as_on(spec):
+        JITFunction.run = compile_launch
+        try:
+            with launch.disabled():   # every launch through the JIT's run, which compiles and records it
+                yield launches
+        finally:
+            JITFunction.run = run
+
+
+@contextlib.contextmanager
+def recorded_launches(spec: GPUSpec = H100) -> Iterator[list[tuple]]:
+    """Inside, Triton's dispatch runs as on ``spec`` (compiling each kernel for it) up to the launch,
+    and every launch — by Triton's dispatch or by :mod:`.launch`'s fast path — appends what it passed
+    the compiled kernel's launcher (grid, stream, function, metadata, hooks, arguments) to the yielded
+    list instead of running: how ``scripts/check_fast_launch.py`` compares the two on a machine
+    without a GPU. Each compiled kernel's ``function`` is a placeholder object of its own."""
+    from triton.compiler.compiler import CompiledKernel
+
+    calls: list[tuple] = []
+    init = CompiledKernel._init_handles
+
+    def recorded(self) -> None:
+        if self.module is None:
+            self.module, self.function = "recorded", object()
+            self._run = lambda *args: calls.append(args)
+
+    with _planned_as_on(spec):
+        CompiledKernel._init_handles = recorded
+        try:
+            yield calls
+        finally:
+            CompiledKernel._init_handles = init
 
 
 def _a_kernel():

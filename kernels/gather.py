@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 from shuffleprune.kernels import gpu, overlap
+from shuffleprune.kernels.launch import fast
 
 BLOCK_COLS = 1024
 ROWS_MAX_BYTES = 64 * 1024   # gather_rows stages a row of at most this many bytes (padded to a power of two)
@@ -112,7 +113,7 @@ def gather_rows(x: torch.Tensor, perm: torch.Tensor, pdl: bool = False) -> torch
         block = triton.next_power_of_2(cols)
         rows = rows_per_program(tokens, gpu.sm_count(x.device))
         pdl = pdl and overlap.enabled(x)
-        _gather_rows_kernel[(triton.cdiv(tokens, rows),)](
+        fast(_gather_rows_kernel)[(triton.cdiv(tokens, rows),)](
             x2, perm, y, tokens, cols, x2.stride(0), y.stride(0), rows, BLOCK=block, PDL=pdl,
             num_warps=max(4, min(16, block // 512)), **overlap.launch_options(pdl))
     return y.view(*x.shape[:-1], cols)
@@ -129,7 +130,7 @@ def gather_columns(x: torch.Tensor, perm: torch.Tensor, pdl: bool = False) -> to
     if x2.numel():
         pdl = pdl and overlap.enabled(x)
         block = min(BLOCK_COLS, triton.next_power_of_2(cols))
-        _gather_columns_kernel[(x2.shape[0], triton.cdiv(cols, block))](
+        fast(_gather_columns_kernel)[(x2.shape[0], triton.cdiv(cols, block))](
             x2, perm, y, cols, x2.stride(0), y.stride(0), PDL=pdl, BLOCK=block, num_warps=4,
             **overlap.launch_options(pdl))
     return y.view(*x.shape[:-1], cols)

@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 from shuffleprune.kernels import gpu, overlap, split_k
+from shuffleprune.kernels.launch import fast
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
@@ -404,7 +405,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
                                          overlap.decode_prefetch_bytes(tokens))
         common.update(PDL=True, LINE=overlap.LINE_BYTES // values.element_size(), PREFETCH=share,
                       PREFETCH_WORDS=overlap.position_words_per_row(share, bits, tiled))
-    _nm_decode_kernel[grid](*args, USE_DOT=p["use_dot"], **(dot if p["use_dot"] else {}), **common,
+    fast(_nm_decode_kernel)[grid](*args, USE_DOT=p["use_dot"], **(dot if p["use_dot"] else {}), **common,
                             **overlap.launch_options(pdl))
     if p["split"] > 1 and counts is None:
         y = split_k.sum_partials(part, bias, y)

@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 from shuffleprune.kernels import gpu, overlap, split_k
+from shuffleprune.kernels.launch import fast
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
@@ -252,7 +253,7 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
         dependent = dict(PDL=True, LINE=overlap.LINE_BYTES // values.element_size(), PREFETCH=share,
                          PREFETCH_WORDS=overlap.position_words_per_row(share, bits, tiled),
                          **overlap.launch_options(True))
-    _nm_gemm_kernel[grid](x2, values, words, bias if bias is not None else values, y, part,
+    fast(_nm_gemm_kernel)[grid](x2, values, words, bias if bias is not None else values, y, part,
                           counts if counts is not None else values, tokens, rows, cols, kept,
                           words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
                           HAS_BIAS=bias is not None, SPLIT=split, PREC=gpu.precision(x), UPCAST=gpu.upcast(x),
@@ -294,7 +295,7 @@ def nm_decompress_mapped_into(values: torch.Tensor, words: torch.Tensor, n: int,
     if rows:
         width = triton.next_power_of_2(cols)
         per_program = rows_per_program(rows, gpu.sm_count(values.device))
-        _nm_decompress_mapped_kernel[(triton.cdiv(rows, per_program),)](
+        fast(_nm_decompress_mapped_kernel)[(triton.cdiv(rows, per_program),)](
             values, words, inverse, dense, rows, cols, kept, words.shape[1], per_program, N=n, M=m, BITS=bits,
             CP=width, num_warps=max(4, min(16, width // 512)))
     return dense
@@ -311,7 +312,7 @@ def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int
     block_k = max(32 // bits, block_k)
     check_tiled(tiled, block_r)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(kept, block_k))
-    _nm_decompress_kernel[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
+    fast(_nm_decompress_kernel)[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
                                 BLOCK_R=block_r, BLOCK_K=block_k, TILED=tiled, NATIVE=gpu.native(values),
                                 num_warps=num_warps)
     return dense

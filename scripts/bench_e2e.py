@@ -39,7 +39,9 @@ A prompt whose CUDA-graph capture fails is captured again by ``scripts/capture_p
 ``prefill_capture_probe``: the first module after which the capture was invalidated, the error, and
 which of PyTorch's capture modes allow it). ``--decode eager`` profiles one decode step per model
 (``eager_step_profile``: the host's queueing time against the GPU's end, the CUDA calls made, the
-kernels run, the operators with the most host time). ``--layers`` sets the decoder layers (a short
+kernels run, the operators with the most host time; ``python``: three steps under ``cProfile``, Python's
+own time by package — Triton's launcher, this package, transformers, torch — and the costliest
+functions, which the smoke run on the CPU also reports). ``--layers`` sets the decoder layers (a short
 model for a quick check).
 """
 from __future__ import annotations
@@ -53,6 +55,55 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def sparsify_like_export(model, gen) -> None:
+    """Every decoder linear of ``model`` 2:4 in a random 64-column block map's order, as ``export``
+    leaves it (in place, on the model's device): a :class:`SparseLinear` with that map (q/k/v and
+    gate/up sharing theirs through a :class:`SharedGather`; down_proj without one, as ``export`` folds
+    it into gate/up's rows), and MoE experts each 2:4 under a map of its own, held as ``export`` holds
+    them."""
+    import torch
+
+    from shuffleprune.blocks import block_experts, block_linears, experts_by_tensor, find_blocks
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts
+    from shuffleprune.deploy.sparse_linear import SharedGather, SparseLinear
+    from shuffleprune.masks import nm_keep_mask
+    from shuffleprune.perm.core import random_block_perm
+
+    device = next(model.parameters()).device
+    blocks = find_blocks(model)
+    with torch.no_grad():
+        for i, block in enumerate(blocks.layers):
+            maps: dict[str, torch.Tensor] = {}
+            gathers: dict[str, SharedGather] = {}
+            for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
+                kind = name.rsplit(".", 1)[-1]
+                share = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"}.get(kind, kind)
+                perm = None if kind == "down_proj" else maps.setdefault(share, random_block_perm(lin.in_features, 64, gen))
+                w = lin.weight.data
+                w = w if perm is None else w[:, perm.to(device)]
+                w = w * nm_keep_mask(w.float().abs(), 2, 4).to(w.dtype)
+                values, meta = compress(w, 2, 4, name)
+                layer = SparseLinear(values, meta, lin.in_features, 2, 4, perm).to(device)
+                if perm is not None:
+                    layer.shared_gather = gathers.setdefault(share, SharedGather()).join()
+                parent_name, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), child, layer)
+                del w, lin
+            tensors, entries = {}, {}   # MoE: every expert 2:4 in its own random map's order, held as export does
+            for fused, experts in experts_by_tensor(block_experts(block, f"{blocks.name}.{i}")).items():
+                maps = {}
+                for e, expert in experts.items():
+                    maps[e] = perm = random_block_perm(expert.in_features, 64, gen).to(device)
+                    wp = expert.weight[:, perm]
+                    expert.weight[:, perm] = wp * nm_keep_mask(wp.float().abs(), 2, 4).to(wp.dtype)
+                compressed, entries[fused] = compress_experts(fused, experts, 2, 4, maps)
+                tensors.update(compressed)
+            if entries:
+                attach_sparse_experts(model, tensors, {"n": 2, "m": 4, "experts": entries})
+                del tensors
 
 
 def main() -> None:
@@ -78,20 +129,14 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, StaticCache
 
-    from shuffleprune.blocks import block_experts, block_linears, experts_by_tensor, find_blocks
-    from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.input_gather import gather_orders
     from shuffleprune.deploy.fused_inputs import fuse_shared_inputs, unfuse_shared_inputs
     from shuffleprune.deploy.producer_maps import move_maps_to_producers
     from shuffleprune.deploy.serving import arrange_for_serving, cslt_by_default
-    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts
-    from shuffleprune.deploy.sparse_linear import (SharedGather, SparseLinear, relative_error, release_scratch,
-                                                   split_pdl, use_cslt_layout)
-    from shuffleprune.masks import nm_keep_mask
-    from shuffleprune.perm.core import random_block_perm
+    from shuffleprune.deploy.sparse_linear import SparseLinear, relative_error, release_scratch, split_pdl, use_cslt_layout
     from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, versions
-    from capture_probe import capture_modes, step_profile
+    from capture_probe import capture_modes, python_profile, step_profile
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -251,10 +296,12 @@ def main() -> None:
 
         decode_s = statistics.median(wall(decode) for _ in range(args.runs))
         profiled = None
-        if cuda and args.decode == "eager":   # where an eager step's host time goes (launches, any sync)
+        if args.decode == "eager":   # where an eager step's host time goes (launches, any sync; Python by package)
             restart()
-            profiled = step_profile(run_step)
-            print(json.dumps({"eager_step_profile": profiled}), flush=True)
+            profiled = step_profile(run_step) if cuda else {}
+            profiled["python"] = python_profile(run_step)
+            print(json.dumps({"eager_host_queue_ms": profiled.get("host_queue_ms"),
+                              "python_own_ms_by_area": profiled["python"]["own_ms_per_step_by_area"]}), flush=True)
         row = {"model": label, "decode_mode": how, "prefill_mode": prefill_how, "prefill_ms": round(prefill_s * 1e3, 2),
                "prefill_eager_ms": round(prefill_eager_s * 1e3, 2),
                "decode_ms_per_token": round(decode_s * 1e3 / args.new_tokens, 3),
@@ -265,44 +312,13 @@ def main() -> None:
                **({"prefill_capture_probe": probe} if probe else {}),
                **({"eager_step_profile": profiled} if profiled else {}),
                "last_token_each_run": tokens_out}
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "eager_step_profile"}), flush=True)   # in the file
         return row, first
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     dense_row, dense_first = measure(model, "dense")
-    blocks = find_blocks(model)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for i, block in enumerate(blocks.layers):
-            maps: dict[str, torch.Tensor] = {}
-            gathers: dict[str, SharedGather] = {}
-            for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
-                kind = name.rsplit(".", 1)[-1]
-                share = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"}.get(kind, kind)
-                perm = None if kind == "down_proj" else maps.setdefault(share, random_block_perm(lin.in_features, 64, gen))
-                w = lin.weight.data
-                w = w if perm is None else w[:, perm.to(device)]
-                w = w * nm_keep_mask(w.float().abs(), 2, 4).to(w.dtype)
-                values, meta = compress(w, 2, 4, name)
-                layer = SparseLinear(values, meta, lin.in_features, 2, 4, perm).to(device)
-                if perm is not None:
-                    layer.shared_gather = gathers.setdefault(share, SharedGather()).join()
-                parent_name, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent_name), child, layer)
-                del w, lin
-            tensors, entries = {}, {}   # MoE: every expert 2:4 in its own random map's order, held as export does
-            for fused, experts in experts_by_tensor(block_experts(block, f"{blocks.name}.{i}")).items():
-                maps = {}
-                for e, expert in experts.items():
-                    maps[e] = perm = random_block_perm(expert.in_features, 64, gen).to(device)
-                    wp = expert.weight[:, perm]
-                    expert.weight[:, perm] = wp * nm_keep_mask(wp.float().abs(), 2, 4).to(wp.dtype)
-                compressed, entries[fused] = compress_experts(fused, experts, 2, 4, maps)
-                tensors.update(compressed)
-            if entries:
-                attach_sparse_experts(model, tensors, {"n": 2, "m": 4, "experts": entries})
-                del tensors
+    sparsify_like_export(model, torch.Generator().manual_seed(0))
     if cuda:
         torch.cuda.empty_cache()
     release_scratch()

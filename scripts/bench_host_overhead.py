@@ -22,7 +22,9 @@ calls queued without a synchronisation (median of 5 rounds), so what an eager ``
 per layer shows apart from the kernels' time: ``nn.Linear`` (cuBLAS) and transformers' RMSNorm
 against a bare Triton launch (the gather), ``nm_decode`` called directly (plain and as a dependent
 launch), a ``SparseLinear`` with and without a map and a stacked group's member as ``auto`` runs
-them eagerly, and the fused norm with a map (``MappedOutput``).
+them eagerly, and the fused norm with a map (``MappedOutput``); ``nm_decode`` and the two
+``SparseLinear`` again with fast launches off (``kernels/launch.py``: each launch through Triton's
+own dispatch), so the rows show what skipping that dispatch saves.
 """
 from __future__ import annotations
 
@@ -158,10 +160,26 @@ def write_result(args, result: dict) -> None:
     print(f"wrote {out}")
 
 
-def gpu_main(args, calls: int) -> None:
-    """The real eager calls' host time per call on a CUDA device (module docstring)."""
+def host_us(call, sync, calls: int) -> float:
+    """Median over 5 rounds of the host's µs per ``call()``, ``calls`` calls queued between ``sync()``s
+    (after 20 warm-up calls)."""
     import statistics
 
+    for _ in range(20):
+        call()
+    sync()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        sync()
+    return round(statistics.median(times), 2)
+
+
+def gpu_main(args, calls: int) -> None:
+    """The real eager calls' host time per call on a CUDA device (module docstring)."""
     import torch
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -169,6 +187,7 @@ def gpu_main(args, calls: int) -> None:
     from shuffleprune.deploy.fused_inputs import FusedInputs
     from shuffleprune.deploy.producer_maps import MappedOutput
     from shuffleprune.deploy.sparse_linear import SparseLinear
+    from shuffleprune.kernels import launch
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
 
@@ -180,23 +199,9 @@ def gpu_main(args, calls: int) -> None:
     torch.manual_seed(0)
     width, rows = 1024, []
 
-    def host_us(fn) -> float:
-        """Median over 5 rounds of the host's µs per call, ``calls`` calls queued between synchronisations."""
-        for _ in range(20):
-            fn()
-        sync()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - start) / calls * 1e6)
-            sync()
-        return round(statistics.median(times), 2)
-
     def row(what: str, fn, per: int = 1) -> None:
         """``fn``'s host time, divided among the ``per`` calls it makes."""
-        us = round(host_us(fn) / per, 2)
+        us = round(host_us(fn, sync, calls) / per, 2)
         rows.append({"what": what, "host_us_per_call": us})
         print(f"{what:60s} {us:9.2f} µs", flush=True)
 
@@ -228,11 +233,18 @@ def gpu_main(args, calls: int) -> None:
                 lambda: nm_decode(x, plain.values, words, 2, 4, plain.bits))
             row(f"nm_decode {width}x{width}, 1 token, as a dependent launch",
                 lambda: nm_decode(x, plain.values, words, 2, 4, plain.bits, pdl=True))
+            with launch.enabled(False):
+                row(f"nm_decode {width}x{width}, 1 token, called directly, Triton's dispatch (fast launches off)",
+                    lambda: nm_decode(x, plain.values, words, 2, 4, plain.bits))
         else:
             plain = sparse_layer(width)
         row(f"SparseLinear {width}x{width}, no map, 1 token (auto, eager)", lambda: plain(x))
         mapped = sparse_layer(width, perm)
         row(f"SparseLinear {width}x{width}, 64-column block map, 1 token (auto, eager)", lambda: mapped(x))
+        with launch.enabled(False):
+            row(f"SparseLinear {width}x{width}, no map, 1 token (auto, eager), fast launches off", lambda: plain(x))
+            row(f"SparseLinear {width}x{width}, 64-column block map, 1 token (auto, eager), fast launches off",
+                lambda: mapped(x))
         q, k, v = (sparse_layer(r) for r in (width, width // 4, width // 4))
         group = FusedInputs([q, k, v])
         for member in (q, k, v):

@@ -1,5 +1,6 @@
 """The end-to-end benchmark's two diagnoses: where a CUDA graph capture of a model's call broke, and
-where an eager decode step's host time goes (:func:`step_profile`).
+where an eager decode step's host time goes (:func:`step_profile`, and by Python package and function:
+:func:`python_profile`).
 
 A capture can be invalidated by a call that raises nothing (a launch whose error goes unchecked); the
 next checked call then fails with "operation failed due to a previous error during capture", which
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import traceback
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -140,3 +142,70 @@ def step_profile(step: Callable[[], object], top: int = 12) -> dict:
             "runtime_calls": dict(sorted(api.items(), key=lambda kv: -kv[1]["count"])), "kernels": kernels,
             "top_host_ops": [{"op": e.key[:80], "count": e.count, "self_host_us": round(e.self_cpu_time_total, 1)}
                              for e in ops[:top]]}
+
+
+# Python's own time grouped by where it runs: this package (its modules' folders, kernels/ and calib/
+# included wherever they are installed from), else the first area whose marker is in a function's file (or,
+# for a built-in, its name)
+AREAS = (("triton", "/triton/"), ("transformers", "/transformers/"), ("torch.nn modules", "/torch/nn/"),
+         ("torch (other Python)", "/torch/"), ("torch built-ins", "torch"))
+# Triton's dispatch, its compile-or-load on a cache miss and our fast launches: calls per step (a miss in a
+# steady decode would be a kernel looked up anew at every step)
+WATCHED = {("jit.py", "run"): "triton_dispatches", ("jit.py", "_do_compile"): "triton_cache_misses",
+           ("launch.py", "launch"): "fast_kernel_calls"}
+
+
+@functools.cache
+def _package_dirs() -> tuple[str, ...]:
+    import shuffleprune
+    from shuffleprune import calib, kernels
+
+    return tuple(str(Path(m.__file__).resolve().parent) + "/" for m in (shuffleprune, kernels, calib))
+
+
+def area_of(filename: str, funcname: str) -> str:
+    """The area a profiled function belongs to: ``shuffleprune``, one of :data:`AREAS`, or ``other``."""
+    if filename != "~" and str(Path(filename).resolve()).startswith(_package_dirs()):
+        return "shuffleprune"
+    where = funcname if filename == "~" else filename
+    return next((name for name, marker in AREAS if marker in where), "other")
+
+
+def python_profile(step: Callable[[], object], steps: int = 3, top: int = 20) -> dict:
+    """``steps`` calls of ``step`` under :mod:`cProfile`: the host time per step, the time Python spent
+    inside each area (:func:`area_of`: functions' own time, so nothing counts twice; built-ins such as
+    a launch into the CUDA driver count under the area named in their name, else ``other``), the
+    calls per step of :data:`WATCHED` (Triton's dispatch, its cache misses, our fast launches) and the
+    functions with the most own time. The profiler slows every Python call alike, so the split between
+    areas (and between two models' profiles) is what to read, not the absolute times. Runs anywhere
+    (the end-to-end benchmark's CPU smoke checks it)."""
+    import cProfile
+    import pstats
+    import time
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats   # (file, line, function) -> (prim calls, calls, own s, cumulative s, callers)
+    areas: dict[str, float] = {}
+    for (filename, _, funcname), (_, calls, own, _, _) in stats.items():
+        area = area_of(filename, funcname)
+        areas[area] = areas.get(area, 0.0) + own
+    watched = {name: 0 for name in WATCHED.values()}
+    for (filename, _, funcname), (_, calls, _, _, _) in stats.items():
+        name = WATCHED.get((Path(filename).name, funcname))
+        if name is not None:
+            watched[name] += calls
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    per_step = lambda s: round(s * 1e3 / steps, 3)   # noqa: E731
+    return {"steps": steps, "profiled_ms_per_step": per_step(wall),
+            "own_ms_per_step_by_area": {a: per_step(t) for a, t in sorted(areas.items(), key=lambda kv: -kv[1])},
+            "calls_per_step": {name: round(n / steps, 1) for name, n in watched.items()},
+            "top_functions": [{"function": f"{fn.rsplit('/', 2)[-1] if fn != '~' else ''}:{line} {name}"[:120],
+                               "area": area_of(fn, name), "calls_per_step": round(calls / steps, 1),
+                               "own_ms_per_step": per_step(own), "cumulative_ms_per_step": per_step(cum)}
+                              for (fn, line, name), (_, calls, own, cum, _) in ranked]}

@@ -1283,3 +1283,65 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
         tiles = [r for r in rows if r["impl"] == impl]
         assert {r["pattern"] for r in tiles} == {"2:4", "4:8"} and len(tiles) >= 6
         assert tiles[0]["tensor_share"] > 0.8, tiles   # 2:4's 256-token tile of long prompts
+
+
+def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp_path):
+    """``kernels/launch.py`` (compile-only, no GPU: ``scripts/check_fast_launch.py``): for every kernel an
+    eager decode or prefill launches (the decodes plain, mapped, split-K summed either way, as dependent
+    launches; the GEMM; both scratch fills; both gathers; the mapped norm), the launcher call of the fast
+    path is Triton's own for the same arguments, argument for argument; a call of a kind seen before
+    goes fast; and the fast path's key never joins two calls Triton specializes apart."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = tmp_path / "fast_launch.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "check_fast_launch.py"
+    proc = subprocess.run([sys.executable, str(script), "--calls", "20", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    launches = [r for r in result["rows"] if "call" in r]
+    assert result["ok"] and all(r["identical"] and r["key_refines"] for r in launches)
+    assert {r["kernel"] for r in launches} == {
+        "_nm_decode_kernel", "_sum_partials_kernel", "_nm_gemm_kernel", "_nm_decompress_kernel",
+        "_nm_decompress_mapped_kernel", "_gather_columns_kernel", "_gather_rows_kernel", "_rmsnorm_mapped_kernel"}
+    assert all(r["fast"] for r in launches if r["call"] == 3)
+    assert not any(r["fast"] for r in launches if r["call"] == 1)   # the first of each kind goes through Triton
+
+
+def test_fast_launch_keys_tell_apart_what_triton_specializes_on():
+    """A launch's key (``kernels/launch.arg_key``) changes with a pointer's 16-byte alignment and dtype, an
+    integer's being 1, divisible by 16 or past 32 bits; a float's value does not enter it; an argument of
+    another kind is refused (that call goes through Triton's dispatch)."""
+    from shuffleprune.kernels.launch import arg_key
+
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    assert arg_key(t) != arg_key(t[1:])                       # 2 bytes off: not 16-byte aligned
+    assert arg_key(t) == arg_key(t[8:])                       # 16 bytes off: aligned
+    assert arg_key(t) != arg_key(t.float())
+    assert arg_key(torch.nn.Parameter(t, requires_grad=False)) == arg_key(t)
+    keys = [arg_key(v) for v in (1, 16, 17, 32, (1 << 31) + 16, 1 << 63)]
+    assert len(set(keys)) == 5 and keys[1] == keys[3]
+    assert arg_key(True) != arg_key(False) != arg_key(0)
+    assert arg_key(1e-5) == arg_key(0.5) and arg_key(None) is None
+    with pytest.raises(TypeError):
+        arg_key("a string")
+
+
+def test_fast_launch_runs_tritons_own_dispatch_under_the_interpreter():
+    """Under ``TRITON_INTERPRET=1`` (CI) a wrapped kernel is launched by Triton as before: the same
+    output, nothing launched fast."""
+    from shuffleprune.kernels import launch
+    from shuffleprune.kernels.gather import _gather_columns_kernel, gather_columns
+
+    x = torch.randn(3, 96)
+    perm = torch.randperm(96).to(torch.int32)
+    before = launch.fast(_gather_columns_kernel).fast_launches
+    for _ in range(3):
+        assert torch.equal(gather_columns(x, perm), x[:, perm.long()])
+    assert launch.fast(_gather_columns_kernel).fast_launches == before

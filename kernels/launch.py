@@ -1,0 +1,176 @@
+"""Triton launches without Triton's per-call dispatch: each kernel's compiled form reused by key.
+
+Every ``kernel[grid](…)`` of a ``@triton.jit`` function first pays Triton's dispatch on the host —
+binding the arguments to the signature, specializing each (dtype and 16-byte alignment of a pointer,
+an integer equal to 1 or divisible by 16), building the cache key and looking it up — and only then
+the driver's launch. Public measurements put that dispatch at 9–13 µs per call for ~19 arguments on
+recent hosts against 3–5 µs for calling the compiled kernel's launcher directly; the decode kernel
+has 36 parameters, and an eager decode step (a plain ``generate()`` without CUDA graphs) launches
+about eight of our kernels per decoder layer. :func:`fast` wraps a kernel so that ``fast(k)[grid](…)``
+keys each call by a refinement of what Triton specializes on (:func:`arg_key`: never one key where
+Triton would compile two kernels) and, for a key seen before, calls the compiled kernel's launcher
+with what Triton's dispatch passes it (grid, stream, function, packed metadata, the hooks as Triton
+holds them, then every argument in signature order, constants included) but the launch metadata,
+which only a hook reads: None, as Triton 3.6 passes it with no hook set); the first call
+of each key goes through Triton — compiling where needed — and keeps the compiled kernel it returns.
+``scripts/check_fast_launch.py`` compares the two launches argument by argument (compile-only on the
+CPU, a test runs it) and their outputs on a GPU.
+
+Triton's own dispatch runs instead under the interpreter (``TRITON_INTERPRET=1``), inside
+:func:`disabled` (the compile-only check), with a launch hook set (a profiler reading launch
+metadata), for a grid given as a function, an argument passed by name that is not a compile-time
+constant, or ``SHUFFLEPRUNE_FAST_LAUNCH=0`` in the environment.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+try:
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    JITFunction = driver = None
+try:
+    from triton import knobs
+except ImportError:  # a Triton before knobs (3.4): launch hooks cannot be read, so never fast
+    knobs = None
+
+_STATE = {"enabled": os.environ.get("SHUFFLEPRUNE_FAST_LAUNCH", "1") != "0"}
+_I32 = (-(1 << 31), 1 << 31)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return t.dtype, not t.data_ptr() & 15
+
+
+def _int_key(v: int) -> tuple:
+    return int, v == 1, not v & 15, _I32[0] <= v < _I32[1], v < (1 << 63)
+
+
+_KEYS = {torch.Tensor: _tensor_key, torch.nn.Parameter: _tensor_key, int: _int_key,
+         bool: lambda v: (bool, v), float: lambda v: float, type(None): lambda v: None}
+
+
+def arg_key(value: Any) -> Any:
+    """What a runtime (not ``constexpr``) argument contributes to a launch's key: for a tensor its dtype
+    and whether its address is 16-byte aligned; for an integer whether it is 1, divisible by 16, and
+    whether it fits 32 bits or 64 (Triton's ``i32``/``i64``/``u64``); a bool its value; a float
+    nothing but its kind; None itself. Anything else raises ``TypeError`` (the call goes through
+    Triton's dispatch)."""
+    key = _KEYS.get(type(value))
+    if key is not None:
+        return key(value)
+    if isinstance(value, torch.Tensor):   # a subclass
+        return _tensor_key(value)
+    raise TypeError(f"no launch key for a {type(value).__name__}")
+
+
+class FastKernel:
+    """A ``@triton.jit`` kernel launched through its compiled kernel once a key has been seen."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+        self.jit = JITFunction is not None and isinstance(kernel, JITFunction)
+        params = list(inspect.signature(kernel.fn).parameters.values()) if self.jit else []
+        self.names = [p.name for p in params]
+        self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        self.constexpr = {kp.name for kp in kernel.params if kp.is_constexpr} if self.jit else set()
+        self._plans: dict[tuple, tuple | None] = {}   # (positional count, keyword names) → what the call fills
+        self._compiled: dict[tuple, tuple] = {}       # launch key → (compiled kernel, constants in signature order)
+        self.fast_launches = 0                        # launches that skipped Triton's dispatch (for the checks)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def _plan(self, n_args: int, names: tuple[str, ...]) -> tuple | None:
+        """For a call of ``n_args`` positional arguments and keywords ``names``: the names of the
+        parameters after the positional ones (each from the keywords or its default), or None where the
+        call cannot go fast (a positional constant, a runtime argument by name, a parameter missing)."""
+        if any(name in self.constexpr for name in self.names[:n_args]):
+            return None
+        rest = self.names[n_args:]
+        if any(name not in self.constexpr and name in names for name in rest):
+            return None
+        if any(name not in names and name not in self.defaults for name in rest):
+            return None
+        return tuple(rest)
+
+    def launch(self, grid, args: tuple, kwargs: dict) -> Any:
+        """``kernel[grid](*args, **kwargs)``, through the compiled kernel where this kind of call was seen."""
+        if not (self.jit and _STATE["enabled"]) or callable(grid) or getattr(self.kernel, "pre_run_hooks", None) \
+                or _hooked():
+            return self.kernel[grid](*args, **kwargs)
+        names = tuple(kwargs)
+        shape = (len(args), names)
+        if shape not in self._plans:
+            self._plans[shape] = self._plan(*shape)
+        plan = self._plans[shape]
+        if plan is None:
+            return self.kernel[grid](*args, **kwargs)
+        device = driver.active.get_current_device()
+        try:
+            key = (device, shape, tuple(map(arg_key, args)), tuple(kwargs.values()))
+            hit = self._compiled.get(key)
+        except TypeError:   # an argument of another kind, or an unhashable constant
+            return self.kernel[grid](*args, **kwargs)
+        if hit is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                tail = tuple(kwargs[name] if name in kwargs else self.defaults[name] for name in plan)
+                self._compiled[key] = (compiled, tail)
+            return compiled
+        compiled, tail = hit
+        g = tuple(grid)
+        compiled.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1,
+                     driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args, *tail)
+        self.fast_launches += 1
+        return compiled
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (a profiler): Triton's dispatch then builds the launch metadata the
+    hook reads. Triton 3.6 leaves an unset hook None; later ones hold an empty chain of hooks."""
+    if knobs is None:
+        return True
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
+_FAST: dict[int, FastKernel] = {}
+
+
+def fast(kernel: Any) -> FastKernel:
+    """The :class:`FastKernel` of ``kernel`` (one per kernel, made at its first use)."""
+    wrapped = _FAST.get(id(kernel))
+    if wrapped is None or wrapped.kernel is not kernel:
+        wrapped = _FAST[id(kernel)] = FastKernel(kernel)
+    return wrapped
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Every launch inside goes through Triton's dispatch (the compile-only check replaces that dispatch)."""
+    before = _STATE["enabled"]
+    _STATE["enabled"] = False
+    try:
+        yield
+    finally:
+        _STATE["enabled"] = before
+
+
+@contextlib.contextmanager
+def enabled(on: bool = True) -> Iterator[None]:
+    """Fast launches on (or off) inside, whatever the environment says (the checks and benchmarks)."""
+    before = _STATE["enabled"]
+    _STATE["enabled"] = on
+    try:
+        yield
+    finally:
+        _STATE["enabled"] = before

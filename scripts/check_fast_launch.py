@@ -1,0 +1,229 @@
+"""Check ``kernels/launch.py``'s fast launches against Triton's own dispatch, kernel by kernel.
+
+    python scripts/check_fast_launch.py          # no GPU needed → scripts/results/fast_launch.json
+    python scripts/check_fast_launch.py --gpu    # CUDA → scripts/results/fast_launch_cuda.json
+
+Each case calls a host function the runtime calls (``nm_decode`` at 1, 2 and 16 tokens, plain, with a
+map, split-K summed in the kernel or by a second launch, as a dependent launch; ``nm_gemm``; the
+scratch fills; both gathers; the mapped RMSNorm) three times on the same inputs: the first call
+compiles and keeps the compiled kernel, the later ones take the fast path (split-K's arrival counters
+move along a ring, so a second call may meet a new alignment, which Triton compiles apart too).
+
+Without a GPU (run in a process without ``TRITON_INTERPRET``; the tests do), every kernel is compiled
+for sm_90a and nothing runs (``kernels/compile_check.recorded_launches``): at every launch, what
+Triton's dispatch passes the compiled kernel's launcher for these arguments is recorded beside what
+the fast path passes, and the two must be the same objects in the same order, the launch metadata
+apart (``identical``); the
+third call must have gone fast (``fast``). Then the key: for each launch, each positional argument
+is varied where Triton's specialization can change (a pointer off 16-byte alignment; an integer of
+1, 16, 17, 2³¹+16) and Triton's own binder is asked for its specialization: two variants the fast
+path's key (:func:`~shuffleprune.kernels.launch.arg_key`) calls the same must be the same to Triton
+(``key_refines``). Last, each case's host µs per call both ways, the launcher a list append: Triton's
+dispatch against the fast path on this machine's CPU, the driver's launch left out.
+
+On a GPU (``--gpu``) the kernels run: each case's output with fast launches on must equal its output
+through Triton's dispatch bit for bit (``identical``), and the host's µs per call are timed both ways
+(calls queued without a synchronisation, median of 5 rounds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from bench_host_overhead import host_us  # noqa: E402  (scripts/, this script's folder, is on the path)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cases(device, dtype):
+    """``(name, call)`` pairs: each ``call()`` runs one host function on fixed inputs."""
+    import torch
+
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.kernels.gather import gather_columns, gather_rows
+    from shuffleprune.kernels.nm_decode import nm_decode
+    from shuffleprune.kernels.nm_gemm import nm_decompress_into, nm_decompress_mapped_into, nm_gemm
+    from shuffleprune.kernels.nm_words import position_words
+    from shuffleprune.kernels.norm_map import rmsnorm_mapped
+    from shuffleprune.masks import nm_keep_mask
+    from shuffleprune.perm.core import random_block_perm
+
+    gen = torch.Generator().manual_seed(0)
+    rows, cols = 512, 1024
+    w = torch.randn(rows, cols, generator=gen)
+    w = w * nm_keep_mask(w.abs(), 2, 4)
+    values, meta = compress(w.to(dtype), 2, 4)
+    values, words = values.to(device), position_words(meta).to(device)
+    perm = random_block_perm(cols, 64, gen).to(device=device, dtype=torch.int32)
+    inverse = torch.argsort(perm).to(torch.int32)
+    scale = torch.rand(cols, generator=gen).to(device)
+    bias = torch.randn(rows, generator=gen).to(device, dtype)
+    scratch = torch.empty(rows * cols, dtype=dtype, device=device)
+    x = {t: torch.randn(t, cols, generator=gen).to(device, dtype) for t in (1, 2, 16, 64)}
+    return [
+        ("nm_decode 1 token", lambda: nm_decode(x[1], values, words, 2, 4, 2)),
+        ("nm_decode 1 token, map read in the kernel, bias", lambda: nm_decode(x[1], values, words, 2, 4, 2, perm, bias)),
+        ("nm_decode 1 token, dependent launch", lambda: nm_decode(x[1], values, words, 2, 4, 2, pdl=True)),
+        ("nm_decode 2 tokens, split-K summed by a second launch",
+         lambda: nm_decode(x[2], values, words, 2, 4, 2, split=4, sum_in_kernel=False)),
+        ("nm_decode 2 tokens, split-K summed in the kernel", lambda: nm_decode(x[2], values, words, 2, 4, 2, split=4)),
+        ("nm_decode 16 tokens", lambda: nm_decode(x[16], values, words, 2, 4, 2)),
+        ("nm_gemm 64 tokens", lambda: nm_gemm(x[64], values, words, 2, 4, 2, bias)),
+        ("nm_decompress_into", lambda: nm_decompress_into(values, words, 2, 4, 2, cols, scratch)),
+        ("nm_decompress_mapped_into", lambda: nm_decompress_mapped_into(values, words, 2, 4, 2, cols, inverse, scratch)),
+        ("gather_columns 1 token", lambda: gather_columns(x[1], perm)),
+        ("gather_rows 64 tokens, dependent launch", lambda: gather_rows(x[64], perm, pdl=True)),
+        ("rmsnorm_mapped 16 tokens", lambda: rmsnorm_mapped(x[16], scale, perm, 1e-5)),
+    ]
+
+
+METADATA = 6   # the launcher's launch-metadata argument, which only a launch hook reads (none is set here)
+
+
+def same_call(a: tuple, b: tuple) -> bool:
+    """Whether two recorded launcher calls passed the same things: tensors the same objects, the rest
+    equal, but the launch metadata (Triton from 3.7 builds it whether or not a hook reads it; the fast
+    path passes None, as Triton 3.6 does with no hook set)."""
+    import torch
+
+    if len(a) != len(b):
+        return False
+    a, b = a[:METADATA] + a[METADATA + 1:], b[:METADATA] + b[METADATA + 1:]
+    return all(u is v if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor) else
+               (u is v or (type(u) is type(v) and u == v)) for u, v in zip(a, b))
+
+
+def variants(value):
+    """``value`` and values of its kind that Triton may specialize differently (see the module docstring)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        flat = value.reshape(-1)
+        return [value] + ([flat[1:]] if flat.numel() > 1 else [])
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value, 1, 16, 17, (1 << 31) + 16]
+    return [value]
+
+
+def key_refines(kernel, grid_args: tuple, kwargs: dict) -> bool:
+    """Whether, varying each positional argument in turn, every two variants with one fast-path key
+    have one Triton specialization (and options)."""
+    from triton.runtime.driver import driver
+
+    from shuffleprune.kernels.launch import arg_key
+
+    binder = kernel.device_caches[driver.active.get_current_device()][4]
+    for i, value in enumerate(grid_args):
+        seen: dict = {}
+        for v in variants(value):
+            args = grid_args[:i] + (v,) + grid_args[i + 1:]
+            _, spec, options = binder(*args, **kwargs)
+            ours = (tuple(map(arg_key, args)), tuple(kwargs.values()))
+            theirs = (str(spec), str(options))
+            if seen.setdefault(ours, theirs) != theirs:
+                return False
+    return True
+
+
+def check_recorded(timed_calls: int) -> list[dict]:
+    """The compile-only comparison (no GPU): every launch of every case, Triton's call against ours."""
+    import torch
+
+    from shuffleprune.kernels import launch
+    from shuffleprune.kernels.compile_check import recorded_launches
+
+    rows: list[dict] = []
+    original = launch.FastKernel.launch
+    current: dict = {}
+
+    def compared(self, grid, args, kwargs):
+        calls.clear()
+        self.kernel[grid](*args, **kwargs)              # Triton's dispatch, for the same arguments
+        theirs = calls[-1]
+        before, n = self.fast_launches, len(calls)
+        out = original(self, grid, args, kwargs)
+        ours = calls[-1] if len(calls) > n else None
+        rows.append({"case": current["name"], "call": current["call"], "kernel": self.kernel.fn.__name__,
+                     "fast": self.fast_launches > before, "identical": ours is not None and same_call(theirs, ours),
+                     "key_refines": key_refines(self.kernel, args, kwargs)})
+        return out
+
+    with recorded_launches() as calls, launch.enabled():
+        launch.FastKernel.launch = compared
+        try:
+            for name, call in cases(torch.device("cpu"), torch.bfloat16):
+                for n in (1, 2, 3):
+                    current.update(name=name, call=n)
+                    call()
+        finally:
+            launch.FastKernel.launch = original
+        for name, call in cases(torch.device("cpu"), torch.bfloat16):   # the host's µs, the launch a list append
+            times = {}
+            for on in (False, True):
+                with launch.enabled(on):
+                    times[on] = host_us(call, lambda: calls.clear(), timed_calls)
+            rows.append({"case": name, "host_us_triton_dispatch": times[False], "host_us_fast": times[True]})
+            print(f"{name:55s} {times[False]:7.2f} → {times[True]:7.2f} µs per call (launch not run)", flush=True)
+    return rows
+
+
+def check_gpu(calls: int) -> list[dict]:
+    """Outputs with fast launches on against Triton's dispatch, and the host's µs per call both ways."""
+    import torch
+
+    from shuffleprune.kernels import launch
+
+    rows = []
+    for name, call in cases(torch.device("cuda"), torch.bfloat16):
+        with launch.enabled(False):
+            ref = call().clone()
+            slow = host_us(call, torch.cuda.synchronize, calls)
+        with launch.enabled(True):
+            call(), call()
+            out = call()
+            fast = host_us(call, torch.cuda.synchronize, calls)
+        torch.cuda.synchronize()
+        rows.append({"case": name, "identical": bool(torch.equal(out, ref)), "host_us_triton_dispatch": slow,
+                     "host_us_fast": fast})
+        print(f"{name:55s} identical={rows[-1]['identical']}  {slow:7.2f} → {fast:7.2f} µs", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="store_true", help="run the kernels on CUDA (default: compile-only, no GPU)")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run without TRITON_INTERPRET=1: the check compiles the kernels (for sm_90a without a GPU)")
+    import torch
+
+    from shuffleprune.outdir import atomic_write
+    from shuffleprune.runtime import machine, versions
+
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or without --gpu")
+    rows = check_gpu(args.calls) if args.gpu else check_recorded(args.calls)
+    if args.gpu:
+        ok = all(r["identical"] for r in rows)
+    else:
+        launches = [r for r in rows if "call" in r]
+        thirds = [r for r in launches if r["call"] == 3]
+        ok = bool(thirds) and all(r["identical"] and r["key_refines"] for r in launches) and all(r["fast"] for r in thirds)
+    out = Path(args.out or ROOT / "scripts" / "results" / f"fast_launch{'_cuda' if args.gpu else ''}.json")
+    result = {"what": "fast launches (kernels/launch.py) against Triton's dispatch" + (
+                  ", run on the GPU" if args.gpu else ", compile-only for sm_90a (launches recorded, not run)"),
+              "ok": ok, "device": torch.cuda.get_device_name() if args.gpu else "none (compile-only, sm_90a)",
+              "rows": rows, "command": "python " + " ".join(sys.argv), "machine": machine(),
+              "versions": versions("triton")}
+    atomic_write(out, lambda path: path.write_text(json.dumps(result, indent=1) + "\n"))
+    print(f"{'ok' if ok else 'FAILED'}: {len(rows)} launches checked → {out}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
