@@ -18,8 +18,11 @@ third call must have gone fast (``fast``). Then the key: for each launch, each p
 is varied where Triton's specialization can change (a pointer off 16-byte alignment; an integer of
 1, 16, 17, 2³¹+16) and Triton's own binder is asked for its specialization: two variants the fast
 path's key (:func:`~shuffleprune.kernels.launch.arg_key`) calls the same must be the same to Triton
-(``key_refines``). Last, each case's host µs per call both ways, the launcher a list append: Triton's
-dispatch against the fast path on this machine's CPU, the driver's launch left out.
+(``key_refines``). Then each case's host µs per call both ways, the launcher a list append: Triton's
+dispatch against the fast path on this machine's CPU, the driver's launch left out. Last, a whole eager
+decode step of a small LLaMA laid out as ``load`` serves it (the decode kernels an H100 chose, the fused
+norms): every Triton launch of a warmed-up step must go fast (no call site of the decode path falls back
+to Triton's dispatch), and its host ms per step both ways.
 
 On a GPU (``--gpu``) the kernels run: each case's output with fast launches on must equal its output
 through Triton's dispatch bit for bit (``identical``), and the host's µs per call are timed both ways
@@ -167,7 +170,76 @@ def check_recorded(timed_calls: int) -> list[dict]:
                     times[on] = host_us(call, lambda: calls.clear(), timed_calls)
             rows.append({"case": name, "host_us_triton_dispatch": times[False], "host_us_fast": times[True]})
             print(f"{name:55s} {times[False]:7.2f} → {times[True]:7.2f} µs per call (launch not run)", flush=True)
+        rows.append(check_step(calls, max(5, timed_calls // 100)))
     return rows
+
+
+def decode_step_model(layers: int = 4):
+    """A small LLaMA (512 wide) laid out as ``load`` serves it (maps at the fused norms, q/k/v and gate/up
+    stacked; export's layout), every sparse layer on the decode kernel an H100 chose eagerly at one token
+    (the map read in the kernel where one is left, a dependent launch), the norms on their kernel on any
+    device; and its one-token eager decode step (a static cache, reset to the same position each step)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
+
+    from bench_e2e import sparsify_like_export
+    from shuffleprune.deploy.producer_maps import MappedOutput
+    from shuffleprune.deploy.serving import arrange_for_serving
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=layers, num_attention_heads=8,
+                      num_key_value_heads=8, vocab_size=1000, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    sparsify_like_export(model, torch.Generator().manual_seed(0))
+    arrange_for_serving(model, cslt=False)
+    for mod in model.modules():
+        if isinstance(mod, SparseLinear):
+            mod.policy = "decode_mapped+pdl" if mod.perm is not None else "decode+pdl"
+        elif isinstance(mod, MappedOutput):
+            mod.kernel = True
+    prompt = 8
+    cache = StaticCache(config=cfg, max_cache_len=prompt + 4)
+    tok, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([prompt])
+
+    @torch.no_grad()
+    def step() -> None:
+        for layer in cache.layers:   # the write position back to the prompt's end (a tensor from transformers 5)
+            if isinstance(layer.cumulative_length, torch.Tensor):
+                layer.cumulative_length.fill_(prompt)
+            else:
+                layer.cumulative_length = prompt
+        model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True)
+
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, prompt, dtype=torch.long), past_key_values=cache,
+              cache_position=torch.arange(prompt), use_cache=True)
+    return model, step
+
+
+def check_step(calls: list, timed_steps: int) -> dict:
+    """One eager decode step of :func:`decode_step_model` with launches recorded: how many Triton launches
+    it makes and how many went fast (after warm-up steps: all should), and the host's ms per step both ways."""
+    from shuffleprune.kernels import launch
+
+    model, step = decode_step_model()
+    for _ in range(3):
+        step()
+    wrapped = list(launch._FAST.values())
+    before = sum(k.fast_launches for k in wrapped)
+    calls.clear()
+    step()
+    launches, fast_ones = len(calls), sum(k.fast_launches for k in wrapped) - before
+    times = {}
+    for on in (False, True):
+        with launch.enabled(on):
+            times[on] = host_us(step, calls.clear, timed_steps) / 1e3
+    row = {"case": "eager decode step, 4-layer LLaMA 512 wide as load serves it (decode kernels, fused norms)",
+           "launches_per_step": launches, "fast_launches_per_step": fast_ones,
+           "host_ms_per_step_triton_dispatch": round(times[False], 3), "host_ms_per_step_fast": round(times[True], 3)}
+    print(f"{row['case']}: {launches} launches, {fast_ones} fast; {times[False]:.3f} → {times[True]:.3f} ms per step",
+          flush=True)
+    return row
 
 
 def check_gpu(calls: int) -> list[dict]:
@@ -213,7 +285,10 @@ def main() -> None:
     else:
         launches = [r for r in rows if "call" in r]
         thirds = [r for r in launches if r["call"] == 3]
-        ok = bool(thirds) and all(r["identical"] and r["key_refines"] for r in launches) and all(r["fast"] for r in thirds)
+        steps = [r for r in rows if "launches_per_step" in r]
+        ok = bool(thirds) and all(r["identical"] and r["key_refines"] for r in launches) and \
+            all(r["fast"] for r in thirds) and bool(steps) and \
+            all(r["launches_per_step"] > 0 and r["fast_launches_per_step"] == r["launches_per_step"] for r in steps)
     out = Path(args.out or ROOT / "scripts" / "results" / f"fast_launch{'_cuda' if args.gpu else ''}.json")
     result = {"what": "fast launches (kernels/launch.py) against Triton's dispatch" + (
                   ", run on the GPU" if args.gpu else ", compile-only for sm_90a (launches recorded, not run)"),

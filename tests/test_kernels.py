@@ -1290,7 +1290,8 @@ def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp
     eager decode or prefill launches (the decodes plain, mapped, split-K summed either way, as dependent
     launches; the GEMM; both scratch fills; both gathers; the mapped norm), the launcher call of the fast
     path is Triton's own for the same arguments, argument for argument; a call of a kind seen before
-    goes fast; and the fast path's key never joins two calls Triton specializes apart."""
+    goes fast; the fast path's key never joins two calls Triton specializes apart; and every launch of a
+    warmed-up eager decode step of a model laid out as ``load`` serves it goes fast."""
     import json
     import os
     import subprocess
@@ -1312,6 +1313,8 @@ def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp
         "_nm_decompress_mapped_kernel", "_gather_columns_kernel", "_gather_rows_kernel", "_rmsnorm_mapped_kernel"}
     assert all(r["fast"] for r in launches if r["call"] == 3)
     assert not any(r["fast"] for r in launches if r["call"] == 1)   # the first of each kind goes through Triton
+    step = next(r for r in result["rows"] if "launches_per_step" in r)   # a whole eager decode step, as load serves
+    assert step["launches_per_step"] >= 6 * 4 and step["fast_launches_per_step"] == step["launches_per_step"]
 
 
 def test_fast_launch_keys_tell_apart_what_triton_specializes_on():
