@@ -124,7 +124,7 @@ def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
     with _planned_as_on(spec):
         JITFunction.run = compile_launch
         try:
-            with launch.disabled():   # every launch through the JIT's run, which compiles and records it
+            with launch.enabled(False):   # every launch through the JIT's run, which compiles and records it
                 yield launches
         finally:
             JITFunction.run = run

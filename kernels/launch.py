@@ -17,7 +17,7 @@ of each key goes through Triton — compiling where needed — and keeps the com
 CPU, a test runs it) and their outputs on a GPU.
 
 Triton's own dispatch runs instead under the interpreter (``TRITON_INTERPRET=1``), inside
-:func:`disabled` (the compile-only check), with a launch hook set (a profiler reading launch
+:func:`enabled` ``(False)`` (the compile-only check), with a launch hook set (a profiler reading launch
 metadata), for a grid given as a function, an argument passed by name that is not a compile-time
 constant, or ``SHUFFLEPRUNE_FAST_LAUNCH=0`` in the environment.
 """
@@ -155,19 +155,9 @@ def fast(kernel: Any) -> FastKernel:
 
 
 @contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Every launch inside goes through Triton's dispatch (the compile-only check replaces that dispatch)."""
-    before = _STATE["enabled"]
-    _STATE["enabled"] = False
-    try:
-        yield
-    finally:
-        _STATE["enabled"] = before
-
-
-@contextlib.contextmanager
 def enabled(on: bool = True) -> Iterator[None]:
-    """Fast launches on (or off) inside, whatever the environment says (the checks and benchmarks)."""
+    """Fast launches on (or off) inside, whatever the environment says (the checks and benchmarks; off
+    in the compile-only check, which replaces Triton's dispatch)."""
     before = _STATE["enabled"]
     _STATE["enabled"] = on
     try:

@@ -22,9 +22,9 @@ calls queued without a synchronisation (median of 5 rounds), so what an eager ``
 per layer shows apart from the kernels' time: ``nn.Linear`` (cuBLAS) and transformers' RMSNorm
 against a bare Triton launch (the gather), ``nm_decode`` called directly (plain and as a dependent
 launch), a ``SparseLinear`` with and without a map and a stacked group's member as ``auto`` runs
-them eagerly, and the fused norm with a map (``MappedOutput``); ``nm_decode`` and the two
-``SparseLinear`` again with fast launches off (``kernels/launch.py``: each launch through Triton's
-own dispatch), so the rows show what skipping that dispatch saves.
+them eagerly, and the fused norm with a map (``MappedOutput``); the gather, ``nm_decode`` and the
+two ``SparseLinear`` again with fast launches off (``kernels/launch.py``: each launch through
+Triton's own dispatch), so the rows show what skipping that dispatch saves.
 """
 from __future__ import annotations
 
@@ -227,6 +227,9 @@ def gpu_main(args, calls: int) -> None:
 
             p32 = perm.to(device=device, dtype=torch.int32)
             row(f"gather_columns {width}, 1 token (a bare Triton launch)", lambda: gather_columns(x, p32))
+            with launch.enabled(False):
+                row(f"gather_columns {width}, 1 token, Triton's dispatch (fast launches off)",
+                    lambda: gather_columns(x, p32))
             plain = sparse_layer(width)
             words = plain.words()
             row(f"nm_decode {width}x{width}, 1 token, called directly",
