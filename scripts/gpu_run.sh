@@ -5,8 +5,8 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # fast_launch host e2e_compile e2e kernel targets (next1: e2e_eager
-#                                              # gather targets)
+#                                              # fast_launch host kernel e2e targets e2e_eager (next1:
+#                                              # e2e_compile gather targets)
 #   bash scripts/gpu_run.sh fast_launch        # kernels/launch.py's fast launches against Triton's dispatch: outputs
 #                                              # bit for bit and the host's µs per call both ways (fast_launch_cuda.json)
 #   bash scripts/gpu_run.sh host               # the host's µs per eager call, real launches: nn.Linear, RMSNorm, a
@@ -98,19 +98,19 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # e2e_eager 74 s and gather 50 s; on f7687fe e2e_eager took 146 s (its profiled step included) and e2e did not end
 # within the session's last 290 s (it took 139 s on 71238d6). There the 2:4 model's prompt could not be captured
 # (cuSPARSELt's thread-local handle made inside the capture), fixed in f7687fe and seen captured in e2e_eager; its
-# eager decode ran at 0.48-0.68x dense, host-bound. issue24 is now: fast_launch (launches that skip Triton's
-# per-call dispatch, checked against it on the GPU), host (each eager call's host time, real launches:
-# where the eager decode's time goes), e2e_compile (the compiled decode, and the prompt captured after the fix),
-# e2e (the CUDA-graph table on the code of today), kernel (the per-layer table with decode_offsets, the block map
-# read as 1-byte offsets) and the targets. next1: the eager decode again, the gathers and the targets;
+# eager decode ran at 0.48-0.68x dense, host-bound. issue24 is now, the targets' tables first: fast_launch
+# (launches that skip Triton's per-call dispatch, checked against it on the GPU), host (each eager call's host
+# time, real launches), kernel (the per-layer table with decode_offsets, the block map read as 1-byte offsets),
+# e2e (the CUDA-graph table on the code of today), the targets, then e2e_eager (the eager decode with fast
+# launches, its step's Python time by package: where the eager decode's time goes). next1: the compiled
+# decode (and the prompt captured after the fix under torch.compile), the gathers and the targets;
 # next2..next5 are what no GPU has timed yet, one call each (limits summing to at most 500 s), in the order
 # they matter to the issue (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24
 # and all five, for the CPU smoke run.
-ISSUE24=(fast_launch host e2e_compile e2e kernel targets)   # limits 90 + 60 + 280 + 190 + 200 + 10 s; on 11-27
-                                                    # e2e_compile took 97 s, e2e 139 s, kernel 122 s: about 430 s with
-                                                    # fast_launch and host (fast_launch failing turns fast launches off
-                                                    # for the steps after it)
-NEXT1=(e2e_eager gather targets)                    # 200 + 120 + 10 s (e2e_eager 146 s, gather 50 s on 11-27)
+ISSUE24=(fast_launch host kernel e2e targets e2e_eager)   # limits 90 + 60 + 200 + 190 + 10 + 200 s; by the 11-27
+                                                    # timings about 450 s (kernel 122, e2e 139, e2e_eager 146 s);
+                                                    # fast_launch failing turns fast launches off for the steps after it
+NEXT1=(e2e_compile gather targets)                  # 280 + 120 + 10 s (e2e_compile 97 s, gather 50 s on 11-27)
 NEXT2=(moe)                                         # 300 s
 NEXT3=(moe_stacked)                                 # 300 s
 NEXT4=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
