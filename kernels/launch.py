@@ -9,10 +9,10 @@ has 36 parameters, and an eager decode step (a plain ``generate()`` without CUDA
 about eight of our kernels per decoder layer. :func:`fast` wraps a kernel so that ``fast(k)[grid](…)``
 keys each call by a refinement of what Triton specializes on (:func:`arg_key`: never one key where
 Triton would compile two kernels) and, for a key seen before, calls the compiled kernel's launcher
-with what Triton's dispatch passes it (grid, stream, function, packed metadata, the hooks as Triton
-holds them, then every argument in signature order, constants included) but the launch metadata,
-which only a hook reads: None, as Triton 3.6 passes it with no hook set); the first call
-of each key goes through Triton — compiling where needed — and keeps the compiled kernel it returns.
+with what Triton's dispatch passes it — grid, stream, function, packed metadata, the hooks as Triton
+holds them, then every argument in signature order, constants included — except the launch metadata,
+which only a hook reads (None, as Triton 3.6 passes it when no hook is set). The first call of each
+key goes through Triton, compiling where needed, and keeps the compiled kernel it returns.
 ``scripts/check_fast_launch.py`` compares the two launches argument by argument (compile-only on the
 CPU, a test runs it) and their outputs on a GPU.
 

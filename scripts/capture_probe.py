@@ -192,11 +192,10 @@ def python_profile(step: Callable[[], object], steps: int = 3, top: int = 20) ->
     wall = time.perf_counter() - t0
     stats = pstats.Stats(prof).stats   # (file, line, function) -> (prim calls, calls, own s, cumulative s, callers)
     areas: dict[str, float] = {}
+    watched = {name: 0 for name in WATCHED.values()}
     for (filename, _, funcname), (_, calls, own, _, _) in stats.items():
         area = area_of(filename, funcname)
         areas[area] = areas.get(area, 0.0) + own
-    watched = {name: 0 for name in WATCHED.values()}
-    for (filename, _, funcname), (_, calls, _, _, _) in stats.items():
         name = WATCHED.get((Path(filename).name, funcname))
         if name is not None:
             watched[name] += calls

@@ -13,8 +13,7 @@ Without a GPU (run in a process without ``TRITON_INTERPRET``; the tests do), eve
 for sm_90a and nothing runs (``kernels/compile_check.recorded_launches``): at every launch, what
 Triton's dispatch passes the compiled kernel's launcher for these arguments is recorded beside what
 the fast path passes, and the two must be the same objects in the same order, the launch metadata
-apart (``identical``); the
-third call must have gone fast (``fast``). Then the key: for each launch, each positional argument
+apart (``identical``); the third call must have gone fast (``fast``). Then the key: for each launch, each positional argument
 is varied where Triton's specialization can change (a pointer off 16-byte alignment; an integer of
 1, 16, 17, 2³¹+16) and Triton's own binder is asked for its specialization: two variants the fast
 path's key (:func:`~shuffleprune.kernels.launch.arg_key`) calls the same must be the same to Triton
