@@ -5,7 +5,7 @@
 
 Each case calls a host function the runtime calls (``nm_decode`` at 1, 2 and 16 tokens, plain, with a
 map, split-K summed in the kernel or by a second launch, as a dependent launch; ``nm_gemm``; the
-scratch fills; both gathers; the mapped RMSNorm) three times on the same inputs: the first call
+scratch fills; both gathers; the mapped RMSNorm; the MoE experts kernel) three times on the same inputs: the first call
 compiles and keeps the compiled kernel, the later ones take the fast path (split-K's arrival counters
 move along a ring, so a second call may meet a new alignment, which Triton compiles apart too).
 
@@ -47,6 +47,7 @@ def cases(device, dtype):
     from shuffleprune.deploy.format import compress
     from shuffleprune.kernels.gather import gather_columns, gather_rows
     from shuffleprune.kernels.nm_decode import nm_decode
+    from shuffleprune.kernels.nm_experts import nm_experts
     from shuffleprune.kernels.nm_gemm import nm_decompress_into, nm_decompress_mapped_into, nm_gemm
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.kernels.norm_map import rmsnorm_mapped
@@ -65,6 +66,12 @@ def cases(device, dtype):
     bias = torch.randn(rows, generator=gen).to(device, dtype)
     scratch = torch.empty(rows * cols, dtype=dtype, device=device)
     x = {t: torch.randn(t, cols, generator=gen).to(device, dtype) for t in (1, 2, 16, 64)}
+    experts = [compress((e * nm_keep_mask(e.abs(), 2, 4)).to(dtype), 2, 4)
+               for e in torch.randn(4, rows // 2, cols, generator=gen)]   # 4 experts, each with a map
+    e_values = torch.stack([v for v, _ in experts]).to(device)
+    e_words = torch.stack([position_words(meta) for _, meta in experts]).to(device)
+    e_perm = torch.stack([random_block_perm(cols, 64, gen) for _ in experts]).to(device=device, dtype=torch.int32)
+    routed = torch.tensor([[0, 2], [1, 2]], device=device)   # 2 tokens, top 2
     return [
         ("nm_decode 1 token", lambda: nm_decode(x[1], values, words, 2, 4, 2)),
         ("nm_decode 1 token, map read in the kernel, bias", lambda: nm_decode(x[1], values, words, 2, 4, 2, perm, bias)),
@@ -79,6 +86,7 @@ def cases(device, dtype):
         ("gather_columns 1 token", lambda: gather_columns(x[1], perm)),
         ("gather_rows 64 tokens, dependent launch", lambda: gather_rows(x[64], perm, pdl=True)),
         ("rmsnorm_mapped 16 tokens", lambda: rmsnorm_mapped(x[16], scale, perm, 1e-5)),
+        ("nm_experts 2 tokens, top 2, maps", lambda: nm_experts(x[2], e_values, e_words, 2, 4, 2, routed, 2, e_perm)[0]),
     ]
 
 

@@ -1288,9 +1288,9 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
 def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp_path):
     """``kernels/launch.py`` (compile-only, no GPU: ``scripts/check_fast_launch.py``): for every kernel an
     eager decode or prefill launches (the decodes plain, mapped, split-K summed either way, as dependent
-    launches; the GEMM; both scratch fills; both gathers; the mapped norm), the launcher call of the fast
-    path is Triton's own for the same arguments, argument for argument; a call of a kind seen before
-    goes fast; the fast path's key never joins two calls Triton specializes apart; and every launch of a
+    launches; the GEMM; both scratch fills; both gathers; the mapped norm; the MoE experts kernel), the
+    launcher call of the fast path is Triton's own for the same arguments, argument for argument; a call
+    of a kind seen before goes fast; the fast path's key never joins two calls Triton specializes apart; and every launch of a
     warmed-up eager decode step of a model laid out as ``load`` serves it goes fast."""
     import json
     import os
@@ -1310,7 +1310,8 @@ def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp
     assert result["ok"] and all(r["identical"] and r["key_refines"] for r in launches)
     assert {r["kernel"] for r in launches} == {
         "_nm_decode_kernel", "_sum_partials_kernel", "_nm_gemm_kernel", "_nm_decompress_kernel",
-        "_nm_decompress_mapped_kernel", "_gather_columns_kernel", "_gather_rows_kernel", "_rmsnorm_mapped_kernel"}
+        "_nm_decompress_mapped_kernel", "_gather_columns_kernel", "_gather_rows_kernel", "_rmsnorm_mapped_kernel",
+        "_nm_experts_kernel"}
     assert all(r["fast"] for r in launches if r["call"] == 3)
     assert not any(r["fast"] for r in launches if r["call"] == 1)   # the first of each kind goes through Triton
     step = next(r for r in result["rows"] if "launches_per_step" in r)   # a whole eager decode step, as load serves
