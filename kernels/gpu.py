@@ -37,10 +37,24 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def properties(device: torch.device):
+    """A CUDA device's properties: read once per device index (the host plans every decode launch with
+    its SM count and shared memory, and PyTorch's lookup costs microseconds each time); a device named
+    without an index (the current one) is asked each time."""
+    if device.index is None:
+        return torch.cuda.get_device_properties(device)
+    return _indexed_properties(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _indexed_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (a small number under the interpreter)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return properties(device).multi_processor_count
     return 4  # the interpreter: any small number exercises the split path
 
 
@@ -50,7 +64,7 @@ L2_BYTES = 50 * 2**20   # H100: L2 cache where the device does not say
 def l2_bytes(device: torch.device) -> int:
     """The L2 cache's size: the device's own figure on CUDA, :data:`L2_BYTES` elsewhere."""
     if device.type == "cuda":
-        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or L2_BYTES
+        return getattr(properties(device), "L2_cache_size", 0) or L2_BYTES
     return L2_BYTES
 
 
@@ -61,5 +75,5 @@ def smem_per_sm(device: torch.device) -> int:
     """Shared memory per SM (what bounds the tensor-core decode's residency): the device's own
     figure on CUDA (A100 164 KB, H100 228 KB), :data:`SMEM_PER_SM` elsewhere."""
     if device.type == "cuda":
-        return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", SMEM_PER_SM)
+        return getattr(properties(device), "shared_memory_per_multiprocessor", SMEM_PER_SM)
     return SMEM_PER_SM

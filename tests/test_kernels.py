@@ -475,6 +475,30 @@ def test_decode_split_reads_the_devices_shared_memory(monkeypatch):
     assert (a100["per_sm"], h100["per_sm"], unknown["per_sm"]) == (1, 2, 2)
 
 
+def test_device_facts_are_read_once_per_device_index(monkeypatch):
+    """The SM count and shared memory every decode launch plans with are read from PyTorch once per
+    device index (its lookup costs microseconds per call on the host); a device named without an index
+    (whichever is current) is asked each time."""
+    from types import SimpleNamespace
+
+    from shuffleprune.kernels import gpu
+
+    asked = []
+    props = SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=228 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: asked.append(device) or props)
+    gpu._indexed_properties.cache_clear()
+    try:
+        for _ in range(3):
+            assert gpu.sm_count(torch.device("cuda", 5)) == 132
+            assert gpu.smem_per_sm(torch.device("cuda", 5)) == 228 * 1024
+        assert asked == [5]
+        gpu.sm_count(torch.device("cuda"))
+        gpu.sm_count(torch.device("cuda"))
+        assert len(asked) == 3
+    finally:
+        gpu._indexed_properties.cache_clear()
+
+
 def test_position_words_are_the_export_bytes_read_four_at_a_time():
     from shuffleprune.kernels.nm_words import position_words
 
