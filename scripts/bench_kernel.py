@@ -15,7 +15,8 @@ cuSPARSELt's buffer), so the end-to-end run that follows compiles little.
 For every weight shape ``[out, in]`` and token count, bf16, a random 2:4 mask in permuted column
 order and a random index map: ``dense`` (F.linear, cuBLAS), ``auto`` (what ``SparseLinear`` runs),
 and each candidate (``decode``: the input gathered through the map by one small kernel, then the
-decode kernel; ``decode_mapped``: the kernel reading the map itself; ``decode_nomap``: a layer
+decode kernel; ``decode_shallow`` (1–2 tokens): the same with its pipeline a tile shallower;
+``decode_mapped``: the kernel reading the map itself; ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
 weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, ``scratch_mapped`` (from 17
@@ -66,8 +67,8 @@ TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
 NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which counted the graph's launch in each)
 # auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
-CANDIDATES = ["decode", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
-              "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl", "decode_nomap+pdl"]
+CANDIDATES = ["decode", "decode_shallow", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm",
+              "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl", "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
 # where the gather reads x nearly in order: auto (measured apart, by map span) and the in-kernel map, 1-16 tokens
 BLOCKMAP_IMPLS = ["auto_blockmap", "decode_mapped_blockmap", "decode_offsets_blockmap"]   # offsets: the map as bytes
@@ -109,7 +110,8 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
     if impl in SPARSE_TC:
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if not has_map else cols * 4
-    if has_map and impl in ("decode", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch", *SPARSE_TC):
+    if has_map and impl in ("decode", "decode_shallow", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
+                            *SPARSE_TC):
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped
 
@@ -126,6 +128,8 @@ def runs_at(impl: str, tokens: int) -> bool:
     if impl.startswith("decode") and tokens > decode_max_tokens(2):
         return False
     if impl in ("decode_select", "decode_swap") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
+        return False
+    if impl == "decode_shallow" and tokens > 2:   # auto weighs it on the select loop only (1-2 tokens)
         return False
     if impl in ("gather", "group") and tokens > 64:
         return False

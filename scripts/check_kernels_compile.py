@@ -43,6 +43,7 @@ def cases(quick: bool) -> list[dict]:
         for t in DECODE_TOKENS:
             out.append(dict(impl="decode", shape=(rows, cols), tokens=t))
         out.append(dict(impl="decode_nomap", shape=(rows, cols), tokens=1))
+        out.append(dict(impl="decode_shallow", shape=(rows, cols), tokens=1))   # the select loop, 3 tiles in flight
         for t in (16, 64) if quick else DECODE_TOKENS[1:]:
             out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=t))
         for t in (4, 16) if quick else DECODE_TOKENS[2:5]:   # SparseLinear times it to 16 tokens
@@ -153,8 +154,9 @@ def run_case(case: dict) -> None:
         block = random_block_perm(cols, 64, torch.Generator().manual_seed(0)).to(torch.int32)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=block, tiled=tiled,
                             block_map=(nm_decode.block_map_offsets(block, 64), 64), **DECODE_KERNELS["decode_mapped"])
-    elif impl in ("decode", "decode_nomap"):
-        nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode" else None, tiled=tiled)
+    elif impl in ("decode", "decode_nomap", "decode_shallow"):
+        nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl != "decode_nomap" else None, tiled=tiled,
+                            **DECODE_KERNELS.get(impl, {}))
     elif impl in ("decode_swap", "decode_mapped"):   # as SparseLinear runs them (the mapped one reading the map)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
                           **DECODE_KERNELS[impl])

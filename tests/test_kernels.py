@@ -1144,17 +1144,32 @@ def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch)
     assert len(caught) == 2
 
 
+def test_decode_shallow_plans_the_select_loop_three_tiles_deep(monkeypatch):
+    """``decode_shallow`` is ``decode`` planned with 3 pipeline stages instead of 4 (and computes the same:
+    the policy test above checks it against float64)."""
+    from shuffleprune.kernels import nm_decode
+
+    depths, plan = [], nm_decode.decode_plan
+    monkeypatch.setattr(nm_decode, "decode_plan", lambda *a, **k: depths.append(k.get("stages", 4)) or plan(*a, **k))
+    _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
+    x = torch.randn(1, 64).half()
+    for policy in ("decode", "decode_shallow"):
+        SparseLinear(values, meta, 64, 2, 4, perm=perm, policy=policy)(x)
+    assert depths == [4, 3]
+
+
 def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_decode():
     """Mapped layers weigh the gather-then-decode path against the kernel reading the map itself (to 16 tokens);
-    from two tokens the select loop and the weight-as-A tensor-core decode, from 17 both GEMMs, are
-    weighed too; where nothing can be timed (a first call inside a graph capture), decode runs, else the scratch."""
+    at 1-2 tokens the select loop with its pipeline a tile shallower, from two tokens the select loop
+    and the weight-as-A tensor-core decode, from 17 both GEMMs, are weighed too; where nothing can be timed (a first call inside a graph capture), decode runs, else the scratch."""
 
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     mapped, plain = SparseLinear(values, meta, 64, 2, 4, perm=perm), SparseLinear(values, meta, 64, 2, 4)
     x1, x20, x70 = (torch.randn(t, 64).half() for t in (1, 20, 70))
     # a map over 64 columns lies within one block of 64: the map as 1-byte offsets is weighed too
-    assert mapped._candidates(x1) == ["decode", "decode_mapped", "decode_offsets", "scratch", "gather"]
-    assert plain._candidates(x1) == ["decode", "scratch", "gather"]
+    assert mapped._candidates(x1) == ["decode", "decode_shallow", "decode_mapped", "decode_offsets", "scratch", "gather"]
+    assert plain._candidates(x1) == ["decode", "decode_shallow", "scratch", "gather"]
+    assert plain._candidates(torch.randn(2, 64).half())[:2] == ["decode", "decode_shallow"]   # the select loop's two depths
     assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_offsets", "decode_select",
                                                               "decode_swap", "scratch", "gather"]
     assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch",   # map in-kernel: ≤ 16

@@ -19,6 +19,10 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   the int32 map's bytes per step; built after the H100 put the in-kernel map's cost at one token at
   1–9 % under a 64-column block map (``bench_kernel.json``, 2026-11-27), not yet timed (``auto``
   measures it beside the others);
+- ``decode_shallow`` (1–2 tokens): ``decode`` with its software pipeline one tile shallower (3 tiles
+  in flight, not 4). An H100 sweep of the select loop at one token (``tune_decode_select.json``) had
+  it fastest on 11008×4096 (23.1 against 24.5 µs) and slower on 4096×4096 and 4096×11008 (2–4 %),
+  so ``auto`` times both rather than a rule choosing by shape; not yet timed as a candidate;
 - ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
   instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
   tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
@@ -80,8 +84,8 @@ from shuffleprune.deploy.input_gather import gather_input, map_span, release_gat
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
-IMPLS = ("decode", "decode_mapped", "decode_offsets", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
-         "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
+IMPLS = ("decode", "decode_shallow", "decode_mapped", "decode_offsets", "decode_select", "decode_swap", "gemm",
+         "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
@@ -92,7 +96,8 @@ MAPPED_MAX_TOKENS = 16
 # nm_decode's kernel choice per decode policy: all but decode_mapped run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
 # tensor-core form whose gather the pipeline copies ahead)
-DECODE_KERNELS = {"decode": {}, "decode_mapped": {"weight_a": True}, "decode_offsets": {"weight_a": True},
+DECODE_KERNELS = {"decode": {}, "decode_shallow": {"stages": 3}, "decode_mapped": {"weight_a": True},
+                  "decode_offsets": {"weight_a": True},
                   "decode_select": {"use_dot": False},
                   "decode_swap": {"use_dot": True, "weight_a": True}}
 # the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
@@ -460,6 +465,8 @@ class SparseLinear(nn.Module):
         if self._pow2():  # from 17 to 64 tokens both Triton kernels are timed
             if tokens <= decode_limit:
                 out.append("decode")
+            if tokens <= SELECT_MAX_TOKENS:   # the select loop: its pipeline's depth timed both ways
+                out.append("decode_shallow")
             if self.perm is not None and tokens <= min(decode_limit, MAPPED_MAX_TOKENS):
                 out.append("decode_mapped")
                 if self._offsets_apply():
