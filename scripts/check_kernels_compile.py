@@ -4,7 +4,7 @@
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
-map, the weight-as-A decode on the gathered input and reading the map itself (and a 64-column block map as 1-byte offsets), ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
+map, at one token also with its pipeline a stage shallower (``decode_shallow``), the weight-as-A decode on the gathered input and reading the map itself (and a 64-column block map as 1-byte offsets), ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
 ``gather`` / ``group``, the producer-side ``rmsnorm_mapped``, the row gather ``gather_rows``, and ``…_pdl``: the gather kernel and the
 decode or GEMM launched as programmatic dependents, as ``SparseLinear``'s ``+pdl`` choices run them) on bf16
 (plus fp16/fp32 and 4:8 on one shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
