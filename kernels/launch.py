@@ -11,7 +11,8 @@ keys each call by a refinement of what Triton specializes on (:func:`arg_key`: n
 Triton would compile two kernels) and, for a key seen before, calls the compiled kernel's launcher
 with what Triton's dispatch passes it — grid, stream, function, packed metadata, the hooks as Triton
 holds them, then every argument in signature order, constants included — except the launch metadata,
-which only a hook reads (None, as Triton 3.6 passes it when no hook is set). The first call of each
+which only a hook reads (None: what Triton's dispatch passes where an unset hook is None; 3.9 builds it
+anyway, its unset hooks being empty chains). The first call of each
 key goes through Triton, compiling where needed, and keeps the compiled kernel it returns.
 ``scripts/check_fast_launch.py`` compares the two launches argument by argument (compile-only on the
 CPU, a test runs it) and their outputs on a GPU.
@@ -136,7 +137,7 @@ class FastKernel:
 
 def _hooked() -> bool:
     """Whether a launch hook is set (a profiler): Triton's dispatch then builds the launch metadata the
-    hook reads. Triton 3.6 leaves an unset hook None; later ones hold an empty chain of hooks."""
+    hook reads. An unset hook is None, or an empty chain of hooks (Triton 3.9)."""
     if knobs is None:
         return True
     return any(hook is not None and bool(getattr(hook, "calls", True))

@@ -96,8 +96,8 @@ METADATA = 6   # the launcher's launch-metadata argument, which only a launch ho
 def same_call(a: tuple, b: tuple) -> bool:
     """Whether two recorded launcher calls passed the same things: tensors the same objects, the rest
     equal, but the launch metadata (Triton 3.9, here, builds it whether or not a hook reads it, since its
-    unset hooks are empty chains, not None; the fast path passes None, as Triton 3.6 does with no hook
-    set)."""
+    unset hooks are empty chains, not None; the fast path passes None, what Triton's dispatch passes
+    where an unset hook is None)."""
     import torch
 
     if len(a) != len(b):
