@@ -57,6 +57,19 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def set_cache_length(cache, n: int) -> None:
+    """Point a static cache's write position at ``n`` (transformers ≥ 5 keeps it in a tensor per layer,
+    updated in place — graph-safe; older versions read ``cache_position``)."""
+    import torch
+
+    for layer in getattr(cache, "layers", []):
+        length = getattr(layer, "cumulative_length", None)
+        if isinstance(length, torch.Tensor):
+            length.fill_(n)
+        elif length is not None:
+            layer.cumulative_length = n
+
+
 def sparsify_like_export(model, gen) -> None:
     """Every decoder linear of ``model`` 2:4 in a random 64-column block map's order, as ``export``
     leaves it (in place, on the model's device): a :class:`SparseLinear` with that map (q/k/v and
@@ -188,18 +201,8 @@ def main() -> None:
         cache = StaticCache(config=model.config, max_cache_len=total)
         positions = torch.arange(args.prompt, device=device)
 
-        def set_length(n: int) -> None:
-            """Point the static cache's write position at ``n`` (transformers ≥ 5 keeps it in a tensor
-            per layer, updated in place — graph-safe; older versions read ``cache_position``)."""
-            for layer in getattr(cache, "layers", []):
-                length = getattr(layer, "cumulative_length", None)
-                if isinstance(length, torch.Tensor):
-                    length.fill_(n)
-                elif length is not None:
-                    layer.cumulative_length = n
-
         def prefill() -> torch.Tensor:
-            set_length(0)
+            set_cache_length(cache, 0)
             return model(input_ids=ids, past_key_values=cache, cache_position=positions, use_cache=True).logits
 
         prefill()  # SparseLinear chooses its prompt-length kernels here; Triton compiles
@@ -234,7 +237,7 @@ def main() -> None:
         def restart() -> None:
             tok.copy_(first)
             pos.fill_(args.prompt)
-            set_length(args.prompt)
+            set_cache_length(cache, args.prompt)
 
         if args.decode != "compile":   # the one-token kernels are chosen and compiled outside any capture
             for _ in range(3):           # (compile: inside the compiled step's first call, as a user's model is)

@@ -175,7 +175,7 @@ def check_recorded(timed_calls: int) -> list[dict]:
             times = {}
             for on in (False, True):
                 with launch.enabled(on):
-                    times[on] = host_us(call, lambda: calls.clear(), timed_calls)
+                    times[on] = host_us(call, calls.clear, timed_calls)
             rows.append({"case": name, "host_us_triton_dispatch": times[False], "host_us_fast": times[True]})
             print(f"{name:55s} {times[False]:7.2f} → {times[True]:7.2f} µs per call (launch not run)", flush=True)
         rows.append(check_step(calls, max(5, timed_calls // 100)))
@@ -190,7 +190,7 @@ def decode_step_model(layers: int = 4):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
 
-    from bench_e2e import sparsify_like_export
+    from bench_e2e import set_cache_length, sparsify_like_export
     from shuffleprune.deploy.producer_maps import MappedOutput
     from shuffleprune.deploy.serving import arrange_for_serving
     from shuffleprune.deploy.sparse_linear import SparseLinear
@@ -212,11 +212,7 @@ def decode_step_model(layers: int = 4):
 
     @torch.no_grad()
     def step() -> None:
-        for layer in cache.layers:   # the write position back to the prompt's end (a tensor from transformers 5)
-            if isinstance(layer.cumulative_length, torch.Tensor):
-                layer.cumulative_length.fill_(prompt)
-            else:
-                layer.cumulative_length = prompt
+        set_cache_length(cache, prompt)   # the write position back to the prompt's end
         model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True)
 
     with torch.no_grad():
