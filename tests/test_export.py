@@ -842,6 +842,28 @@ def test_torch_compile_keeps_each_sparse_layer_one_operator_in_one_graph(pruned_
     torch._dynamo.reset()
 
 
+def test_generate_with_a_static_cache_compiles_the_export_and_keeps_its_tokens(pruned_perm_dir, tmp_path):
+    """``generate(cache_implementation="static")``, the one argument that makes transformers compile the
+    decoding step itself (on a GPU by default, with ``mode="reduce-overhead"``; here on the CPU through
+    ``CompileConfig``), compiles a loaded export whole (``fullgraph``: no break) and gives the greedy
+    tokens of an eager ``generate``."""
+    from transformers import CompileConfig
+
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    model = shuffleprune.load(str(tmp_path / "exported"))
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    torch._dynamo.utils.counters.clear()
+    config = CompileConfig(backend="aot_eager", mode=None, fullgraph=True)
+    config._compile_all_devices = True   # transformers compiles on CUDA only unless asked
+    got = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static", compile_config=config)
+    assert torch.equal(got, want)
+    assert getattr(model, "_compiled_call", None) is not None     # the decoding step was compiled, as one graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def test_load_with_cusparselt_buffers_gives_the_same_model(pruned_perm_dir, tmp_path):
     """``load(cslt=True)``: the layers whose shape allows it hold one cuSPARSELt buffer (k/v, 32 rows,
     do not), stacked groups of such layers share one, and the model computes what the export's
