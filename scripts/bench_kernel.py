@@ -16,7 +16,9 @@ For every weight shape ``[out, in]`` and token count, bf16, a random 2:4 mask in
 order and a random index map: ``dense`` (F.linear, cuBLAS), ``auto`` (what ``SparseLinear`` runs),
 and each candidate (``decode``: the input gathered through the map by one small kernel, then the
 decode kernel; ``decode_shallow`` (1–2 tokens): the same with its pipeline a tile shallower;
-``decode_mapped``: the kernel reading the map itself; ``decode_nomap``: a layer
+``decode_tall`` / ``decode_wide`` (one token; ``_wide`` also at two): the select loop's 32-row or
+256-value tile; ``decode_mapped``: the kernel reading the map itself (``_tall``, ``_wide``: in those
+tiles, one token); ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
 weight as the MMA's A operand), ``gemm``, ``gemm_swap``, ``scratch``, ``scratch_mapped`` (from 17
@@ -67,8 +69,10 @@ TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
 NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which counted the graph's launch in each)
 # auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
-CANDIDATES = ["decode", "decode_shallow", "decode_mapped", "decode_nomap", "decode_select", "decode_swap", "gemm",
-              "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl", "decode_nomap+pdl"]
+CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
+              "decode_mapped_wide", "decode_nomap", "decode_tall_nomap", "decode_wide_nomap", "decode_select",
+              "decode_swap", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl",
+              "decode_swap+pdl", "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
 # where the gather reads x nearly in order: auto (measured apart, by map span) and the in-kernel map, 1-16 tokens
 BLOCKMAP_IMPLS = ["auto_blockmap", "decode_mapped_blockmap", "decode_offsets_blockmap"]   # offsets: the map as bytes
@@ -76,7 +80,8 @@ BLOCKMAP_MAX_TOKENS = 16
 MAP_BLOCK = 64
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
-from shuffleprune.deploy.sparse_linear import LIBRARY_IMPLS as SPARSE_TC, PDL_SUFFIX  # noqa: E402  (no Triton import)
+from shuffleprune.deploy.sparse_linear import (LIBRARY_IMPLS as SPARSE_TC, PDL_SUFFIX,  # noqa: E402  (no Triton import)
+                                               TILE_MAX_TOKENS)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
@@ -110,8 +115,8 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
     if impl in SPARSE_TC:
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if not has_map else cols * 4
-    if has_map and impl in ("decode", "decode_shallow", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
-                            *SPARSE_TC):
+    if has_map and impl in ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_select", "decode_swap",
+                            "gemm", "gemm_swap", "scratch", *SPARSE_TC):
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped
 
@@ -130,6 +135,8 @@ def runs_at(impl: str, tokens: int) -> bool:
     if impl in ("decode_select", "decode_swap") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
         return False
     if impl == "decode_shallow" and tokens > 2:   # auto weighs it on the select loop only (1-2 tokens)
+        return False
+    if tokens > TILE_MAX_TOKENS.get(impl, tokens):   # the select loop's other tiles: where auto weighs them
         return False
     if impl in ("gather", "group") and tokens > 64:
         return False

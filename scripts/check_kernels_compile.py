@@ -4,7 +4,7 @@
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
-map, at one token also with its pipeline a stage shallower (``decode_shallow``), the weight-as-A decode on the gathered input and reading the map itself (and a 64-column block map as 1-byte offsets), ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
+map, at one token also with its pipeline a stage shallower (``decode_shallow``) and in the select loop's 32-row and 256-value tiles (``decode_tall``, ``decode_wide``, ``decode_mapped_tall``, ``decode_mapped_wide``; the gathered 256-value one at two tokens too), the weight-as-A decode on the gathered input and reading the map itself (and a 64-column block map as 1-byte offsets), ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
 ``gather`` / ``group``, the producer-side ``rmsnorm_mapped``, the row gather ``gather_rows``, and ``…_pdl``: the gather kernel and the
 decode or GEMM launched as programmatic dependents, as ``SparseLinear``'s ``+pdl`` choices run them) on bf16
 (plus fp16/fp32 and 4:8 on one shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+from shuffleprune.deploy.sparse_linear import TILE_MAX_TOKENS  # noqa: E402  (no Triton import)
+
+TILE_IMPLS = tuple(TILE_MAX_TOKENS)
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]
 GEMM_TOKENS = [64, 512, 2048]
@@ -44,6 +47,8 @@ def cases(quick: bool) -> list[dict]:
             out.append(dict(impl="decode", shape=(rows, cols), tokens=t))
         out.append(dict(impl="decode_nomap", shape=(rows, cols), tokens=1))
         out.append(dict(impl="decode_shallow", shape=(rows, cols), tokens=1))   # the select loop, 3 tiles in flight
+        for impl in TILE_IMPLS:   # the select loop's 32-row and 256-value tiles, gathered input or map in the kernel
+            out += [dict(impl=impl, shape=(rows, cols), tokens=t) for t in (1, 2)[:TILE_MAX_TOKENS[impl]]]
         for t in (16, 64) if quick else DECODE_TOKENS[1:]:
             out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=t))
         for t in (4, 16) if quick else DECODE_TOKENS[2:5]:   # SparseLinear times it to 16 tokens
@@ -157,6 +162,9 @@ def run_case(case: dict) -> None:
     elif impl in ("decode", "decode_nomap", "decode_shallow"):
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl != "decode_nomap" else None, tiled=tiled,
                             **DECODE_KERNELS.get(impl, {}))
+    elif impl in TILE_IMPLS:   # as SparseLinear runs them: the gathered input, or (decode_mapped_…) the map read
+        nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl.startswith("decode_mapped") else None,
+                            tiled=tiled, **DECODE_KERNELS[impl])
     elif impl in ("decode_swap", "decode_mapped"):   # as SparseLinear runs them (the mapped one reading the map)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
                           **DECODE_KERNELS[impl])

@@ -1144,18 +1144,29 @@ def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch)
     assert len(caught) == 2
 
 
-def test_decode_shallow_plans_the_select_loop_three_tiles_deep(monkeypatch):
-    """``decode_shallow`` is ``decode`` planned with 3 pipeline stages instead of 4 (and computes the same:
-    the policy test above checks it against float64)."""
+def test_the_decode_policies_plan_the_select_tiles_they_name(monkeypatch):
+    """At one token ``decode_shallow`` is ``decode`` planned with 3 pipeline stages instead of 4, the
+    ``_tall`` policies with 32 rows per program and the ``_wide`` ones with 256 kept values per step
+    instead of 16 and 128, on the gathered input or (``decode_mapped_…``) reading the map in the kernel;
+    all compute the same (the policy test above checks each against float64)."""
+    from shuffleprune.deploy import sparse_linear
     from shuffleprune.kernels import nm_decode
 
-    depths, plan = [], nm_decode.decode_plan
-    monkeypatch.setattr(nm_decode, "decode_plan", lambda *a, **k: depths.append(k.get("stages", 4)) or plan(*a, **k))
+    plans, plan, gathers = [], nm_decode.decode_plan, []
+    monkeypatch.setattr(nm_decode, "decode_plan", lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1])
+    gather = sparse_linear.gather_input
+    monkeypatch.setattr(sparse_linear, "gather_input", lambda *a, **k: gathers.append(1) or gather(*a, **k))
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     x = torch.randn(1, 64).half()
-    for policy in ("decode", "decode_shallow"):
+    policies = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
+                "decode_mapped_wide")
+    for policy in policies:
+        gathers.clear()
         SparseLinear(values, meta, 64, 2, 4, perm=perm, policy=policy)(x)
-    assert depths == [4, 3]
+        assert bool(gathers) == (not policy.startswith("decode_mapped")), policy   # the map: gathered or in-kernel
+    assert [(p["stages"], p["block_r"], p["block_k"], p["use_dot"]) for p in plans] == [
+        (4, 16, 128, False), (3, 16, 128, False), (4, 32, 128, False), (4, 16, 256, False),
+        (4, 16, 128, False), (4, 32, 128, False), (4, 16, 256, False)]
 
 
 def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_decode():
@@ -1167,9 +1178,17 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     mapped, plain = SparseLinear(values, meta, 64, 2, 4, perm=perm), SparseLinear(values, meta, 64, 2, 4)
     x1, x20, x70 = (torch.randn(t, 64).half() for t in (1, 20, 70))
     # a map over 64 columns lies within one block of 64: the map as 1-byte offsets is weighed too
-    assert mapped._candidates(x1) == ["decode", "decode_shallow", "decode_mapped", "decode_offsets", "scratch", "gather"]
-    assert plain._candidates(x1) == ["decode", "decode_shallow", "scratch", "gather"]
-    assert plain._candidates(torch.randn(2, 64).half())[:2] == ["decode", "decode_shallow"]   # the select loop's two depths
+    # at one token the select loop's other tiles (32 rows; 256 kept values a step) on either input, at two the
+    # gathered input's 256-value step; not for 4:8 (its decode is the tensor cores') nor float32 inputs
+    assert mapped._candidates(x1) == ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped",
+                                      "decode_mapped_tall", "decode_mapped_wide", "decode_offsets", "scratch", "gather"]
+    assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_tall", "decode_wide", "scratch", "gather"]
+    assert mapped._candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
+        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_offsets", "decode_swap", "scratch", "gather"]
+    assert plain._candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
+    _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)
+    assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(x1) == [
+        "decode", "decode_shallow", "decode_mapped", "decode_offsets", "scratch", "gather"]
     assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_offsets", "decode_select",
                                                               "decode_swap", "scratch", "gather"]
     assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch",   # map in-kernel: ≤ 16
@@ -1236,7 +1255,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert all(r["spill_bytes"] == 0 and r["fits"] for r in rows)
     impls = {r["impl"] for r in rows}
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
-            "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap"} <= impls
+            "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap", "decode_tall",
+            "decode_wide", "decode_mapped_tall", "decode_mapped_wide"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -1254,6 +1274,11 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["loop_sync_loads"] == 0, r   # the map's gather too is copied ahead by the pipeline (its
                                                   # 1-byte offsets read as 32-bit words)
         if r["impl"] == "decode_mapped":
+            assert r["plan_per_sm"] <= r["programs_per_sm"], r
+        if r["impl"].endswith(("_tall", "_wide")):   # the select loop's other tiles stream as its own does
+            assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
+            assert not r["tensor_core"] and r["loop_sync_loads"] == 0, r
+            assert r["issue_ceiling_tbs"] > 3.35 or r["tokens"] == 2, r
             assert r["plan_per_sm"] <= r["programs_per_sm"], r
         if r["impl"] == "decode_swap":
             assert r["evict_first"] and r["plan_per_sm"] == r["programs_per_sm"], r

@@ -23,6 +23,12 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   in flight, not 4). An H100 sweep of the select loop at one token (``tune_decode_select.json``) had
   it fastest on 11008×4096 (23.1 against 24.5 µs) and slower on 4096×4096 and 4096×11008 (2–4 %),
   so ``auto`` times both rather than a rule choosing by shape; not yet timed as a candidate;
+- ``decode_tall`` (one token), ``decode_wide`` (1–2 tokens), ``decode_mapped_tall`` and
+  ``decode_mapped_wide`` (one token; 16-bit inputs, N:M but 4:8): ``decode`` and ``decode_mapped`` with
+  the select loop's other tiles, 32 rows per program or 256 kept values per step
+  (``DECODE_KERNELS_TILE``). An H100 sweep had them 2–6 % faster than the default tile on a tall or
+  a wide shape and not on the square one (``tune_gather.json``), so ``auto`` times them; not yet
+  timed as candidates;
 - ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
   instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
   tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
@@ -84,8 +90,9 @@ from shuffleprune.deploy.input_gather import gather_input, map_span, release_gat
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
-IMPLS = ("decode", "decode_shallow", "decode_mapped", "decode_offsets", "decode_select", "decode_swap", "gemm",
-         "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
+IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
+         "decode_mapped_wide", "decode_offsets", "decode_select", "decode_swap", "gemm", "gemm_swap", "scratch",
+         "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
@@ -93,13 +100,27 @@ GATHER_MAX_TOKENS = 16
 # fewer programs per SM than decode_plan sizes split-K for (2 where DOT_TILES_SWAP says 4 at 64 tokens, as
 # compiled), and on an H100 the in-kernel map ran 5.6–7.5× slower than the gathered input at 64 tokens
 MAPPED_MAX_TOKENS = 16
-# nm_decode's kernel choice per decode policy: all but decode_mapped run on the gathered input;
+# the select loop's other tiles at one token (``_tall``: 32 rows per program; ``_wide``: 256 kept values
+# per step), each on the gathered input and reading the map itself. An H100 sweep on the code of
+# c0cc1a9 (tune_gather.json, one token) had the 32-row tile faster on 11008×4096 (the map read in the
+# kernel 25.7 against 27.4 µs, the gathered input 24.0 against 24.5) and the 256-value step on
+# 4096×11008 (24.1 against 25.1, and 23.3 against 24.1) and on the gathered 4096×4096 (10.6 against
+# 10.8), the default tile fastest on the mapped 4096×4096: auto times them instead of a rule by shape
+# (the gathered 256-value step at two tokens too: 2–3 % faster on all three shapes there)
+DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
+TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1}
+# nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
 # tensor-core form whose gather the pipeline copies ahead)
 DECODE_KERNELS = {"decode": {}, "decode_shallow": {"stages": 3}, "decode_mapped": {"weight_a": True},
                   "decode_offsets": {"weight_a": True},
                   "decode_select": {"use_dot": False},
-                  "decode_swap": {"use_dot": True, "weight_a": True}}
+                  "decode_swap": {"use_dot": True, "weight_a": True},
+                  **{f"{name}_{shape}": {**DECODE_KERNELS_TILE[shape], **kw}
+                     for name, kw in (("decode", {}), ("decode_mapped", {"weight_a": True}))
+                     for shape in ("tall", "wide")}}
+# the decodes that read the index map themselves (the others read the gathered input)
+MAPPED_DECODES = ("decode_mapped", "decode_mapped_tall", "decode_mapped_wide", "decode_offsets")
 # the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
 # programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
 # prefetching its weight (kernels/overlap.py)
@@ -400,7 +421,7 @@ class SparseLinear(nn.Module):
         if impl in DECODE_KERNELS:
             from shuffleprune.kernels.nm_decode import nm_decode
 
-            in_kernel = impl in ("decode_mapped", "decode_offsets")
+            in_kernel = impl in MAPPED_DECODES
             inp, perm = (x, self.perm) if in_kernel else (self._gathered(x, pdl), None)
             return nm_decode(inp, self.values, self.words(), self.n, self.m, self.bits, perm, self.bias,
                              tiled=self.tiled, pdl=pdl, block_map=self.block_map() if impl == "decode_offsets" else None,
@@ -467,8 +488,13 @@ class SparseLinear(nn.Module):
                 out.append("decode")
             if tokens <= SELECT_MAX_TOKENS:   # the select loop: its pipeline's depth timed both ways
                 out.append("decode_shallow")
+            # the select loop's other tiles: 16-bit inputs (as swept; 4:8 decodes on the tensor cores)
+            select = tokens <= SELECT_MAX_TOKENS and (self.n, self.m) != (4, 8) and x.element_size() == 2
+            out += [impl for impl in ("decode_tall", "decode_wide") if select and tokens <= TILE_MAX_TOKENS[impl]]
             if self.perm is not None and tokens <= min(decode_limit, MAPPED_MAX_TOKENS):
                 out.append("decode_mapped")
+                out += [impl for impl in ("decode_mapped_tall", "decode_mapped_wide")
+                        if select and tokens <= TILE_MAX_TOKENS[impl]]
                 if self._offsets_apply():
                     out.append("decode_offsets")
             if SELECT_MAX_TOKENS < tokens <= SELECT_LIMIT_TOKENS:   # below, decode is the select kernel already
