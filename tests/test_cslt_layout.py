@@ -107,6 +107,10 @@ def test_sparse_linear_holds_one_buffer_and_runs_every_path_on_it(monkeypatch):
     for policy in ("decode", "decode_mapped", "decode_select", "gemm", "scratch"):
         plain.policy = layer.policy = policy
         assert torch.equal(layer(x), plain(x)), policy
+    x1 = x[:1, :1]   # one token: the select loop's other tiles read the cuSPARSELt order too (32 rows: 2 slices of 16)
+    for policy in ("decode_shallow", "decode_tall", "decode_wide", "decode_mapped_tall", "decode_mapped_wide"):
+        plain.policy = layer.policy = policy
+        assert torch.equal(layer(x1), plain(x1)), policy
     # the weight written in the input's order reads the export's layout only: not a candidate here, refused if named
     assert "scratch_mapped" in plain._candidates(torch.randn(20, 64).bfloat16())
     assert "scratch_mapped" not in layer._candidates(torch.randn(20, 64).bfloat16())
