@@ -24,7 +24,7 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   it fastest on 11008×4096 (23.1 against 24.5 µs) and slower on 4096×4096 and 4096×11008 (2–4 %),
   so ``auto`` times both rather than a rule choosing by shape; not yet timed as a candidate;
 - ``decode_tall`` (one token), ``decode_wide`` (1–2 tokens), ``decode_mapped_tall`` and
-  ``decode_mapped_wide`` (one token; 16-bit inputs, N:M but 4:8): ``decode`` and ``decode_mapped`` with
+  ``decode_mapped_wide`` (one token; 16-bit inputs, any N:M but 4:8): ``decode`` and ``decode_mapped`` with
   the select loop's other tiles, 32 rows per program or 256 kept values per step
   (``DECODE_KERNELS_TILE``). An H100 sweep had them 2–6 % faster than the default tile on a tall or
   a wide shape and not on the square one (``tune_gather.json``), so ``auto`` times them; not yet
@@ -100,13 +100,9 @@ GATHER_MAX_TOKENS = 16
 # fewer programs per SM than decode_plan sizes split-K for (2 where DOT_TILES_SWAP says 4 at 64 tokens, as
 # compiled), and on an H100 the in-kernel map ran 5.6–7.5× slower than the gathered input at 64 tokens
 MAPPED_MAX_TOKENS = 16
-# the select loop's other tiles at one token (``_tall``: 32 rows per program; ``_wide``: 256 kept values
-# per step), each on the gathered input and reading the map itself. An H100 sweep on the code of
-# c0cc1a9 (tune_gather.json, one token) had the 32-row tile faster on 11008×4096 (the map read in the
-# kernel 25.7 against 27.4 µs, the gathered input 24.0 against 24.5) and the 256-value step on
-# 4096×11008 (24.1 against 25.1, and 23.3 against 24.1) and on the gathered 4096×4096 (10.6 against
-# 10.8), the default tile fastest on the mapped 4096×4096: auto times them instead of a rule by shape
-# (the gathered 256-value step at two tokens too: 2–3 % faster on all three shapes there)
+# the select loop's other tiles (``_tall``: 32 rows per program; ``_wide``: 256 kept values per step), each
+# on the gathered input and reading the map itself, which auto weighs up to these token counts (the module
+# docstring says why)
 DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1}
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
