@@ -256,6 +256,12 @@ SELECT_MAX_TOKENS = 2
 SELECT_LIMIT_TOKENS = 16  # the most tokens the select kernel takes (its per-token accumulators grow with them)
 
 
+def selects(tokens: int, n: int, m: int) -> bool:
+    """Whether :func:`plan_decode` puts ``tokens`` of an N:M weight on the select loop by default (1–2
+    tokens, any N:M but 4:8, whose select chains 8 slots) rather than on the tensor cores."""
+    return tokens <= SELECT_MAX_TOKENS and (n, m) != (4, 8)
+
+
 def decode_max_tokens(element_bytes: int) -> int:
     """The most tokens :func:`nm_decode` takes for inputs of this element size."""
     return DECODE_MAX_TOKENS_FP32 if element_bytes >= 4 else DECODE_MAX_TOKENS
@@ -309,7 +315,7 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         raise ValueError(f"nm_decode takes at most {limit} tokens of {element_bytes}-byte elements (got {tokens}); "
                          "use nm_gemm")
     if use_dot is None:  # 4:8's select chains 8 slots (2.2 TB/s at one token), its expansion does not (3.6)
-        use_dot = tokens > SELECT_MAX_TOKENS or (n, m) == (4, 8)
+        use_dot = not selects(tokens, n, m)
     if not use_dot and tokens > SELECT_LIMIT_TOKENS:
         raise ValueError(f"the select decode takes at most {SELECT_LIMIT_TOKENS} tokens (got {tokens})")
     block_t = max(16, triton.next_power_of_2(tokens)) if use_dot else triton.next_power_of_2(tokens)  # tl.dot: ≥ 16

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from shuffleprune.deploy.sparse_linear import TILE_MAX_TOKENS  # noqa: E402  (no Triton import)
+from shuffleprune.deploy.sparse_linear import MAPPED_DECODES, TILE_MAX_TOKENS  # noqa: E402  (no Triton import)
 
 TILE_IMPLS = tuple(TILE_MAX_TOKENS)
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
@@ -162,8 +162,8 @@ def run_case(case: dict) -> None:
     elif impl in ("decode", "decode_nomap", "decode_shallow"):
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl != "decode_nomap" else None, tiled=tiled,
                             **DECODE_KERNELS.get(impl, {}))
-    elif impl in TILE_IMPLS:   # as SparseLinear runs them: the gathered input, or (decode_mapped_…) the map read
-        nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl.startswith("decode_mapped") else None,
+    elif impl in TILE_IMPLS:   # as SparseLinear runs them: the gathered input, or (MAPPED_DECODES) the map read
+        nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl in MAPPED_DECODES else None,
                             tiled=tiled, **DECODE_KERNELS[impl])
     elif impl in ("decode_swap", "decode_mapped"):   # as SparseLinear runs them (the mapped one reading the map)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,

@@ -116,7 +116,7 @@ DECODE_KERNELS = {"decode": {}, "decode_shallow": {"stages": 3}, "decode_mapped"
                      for name, kw in (("decode", {}), ("decode_mapped", {"weight_a": True}))
                      for shape in ("tall", "wide")}}
 # the decodes that read the index map themselves (the others read the gathered input)
-MAPPED_DECODES = ("decode_mapped", "decode_mapped_tall", "decode_mapped_wide", "decode_offsets")
+MAPPED_DECODES = (*(name for name in DECODE_KERNELS if name.startswith("decode_mapped")), "decode_offsets")
 # the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
 # programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
 # prefetching its weight (kernels/overlap.py)
@@ -472,7 +472,8 @@ class SparseLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _candidates(self, x: torch.Tensor) -> list[str]:
-        from shuffleprune.kernels.nm_decode import SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, triton
+        from shuffleprune.kernels.nm_decode import (SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, selects,
+                                                    triton)
 
         if triton is None:
             return ["scratch"]
@@ -484,8 +485,8 @@ class SparseLinear(nn.Module):
                 out.append("decode")
             if tokens <= SELECT_MAX_TOKENS:   # the select loop: its pipeline's depth timed both ways
                 out.append("decode_shallow")
-            # the select loop's other tiles: 16-bit inputs (as swept; 4:8 decodes on the tensor cores)
-            select = tokens <= SELECT_MAX_TOKENS and (self.n, self.m) != (4, 8) and x.element_size() == 2
+            # the select loop's other tiles, where the plan takes the select loop: 16-bit inputs (as swept)
+            select = selects(tokens, self.n, self.m) and x.element_size() == 2
             out += [impl for impl in ("decode_tall", "decode_wide") if select and tokens <= TILE_MAX_TOKENS[impl]]
             if self.perm is not None and tokens <= min(decode_limit, MAPPED_MAX_TOKENS):
                 out.append("decode_mapped")
