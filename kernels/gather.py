@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 from shuffleprune.kernels import gpu, overlap
+from shuffleprune.kernels.gpu import cdiv, next_pow2
 from shuffleprune.kernels.launch import fast
 
 BLOCK_COLS = 1024
@@ -89,7 +90,7 @@ def _rows_2d(x: torch.Tensor, perm: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def rows_fit(cols: int, dtype: torch.dtype) -> bool:
     """Whether :func:`gather_rows` takes rows of ``cols`` elements of ``dtype`` (its staged row, padded to
     a power of two, within :data:`ROWS_MAX_BYTES`)."""
-    return triton is not None and triton.next_power_of_2(cols) * dtype.itemsize <= ROWS_MAX_BYTES
+    return triton is not None and next_pow2(cols) * dtype.itemsize <= ROWS_MAX_BYTES
 
 
 def rows_per_program(tokens: int, sms: int) -> int:
@@ -110,10 +111,10 @@ def gather_rows(x: torch.Tensor, perm: torch.Tensor, pdl: bool = False) -> torch
     x2, y = _rows_2d(x, perm)
     tokens, cols = x2.shape
     if tokens:
-        block = triton.next_power_of_2(cols)
+        block = next_pow2(cols)
         rows = rows_per_program(tokens, gpu.sm_count(x.device))
         pdl = pdl and overlap.enabled(x)
-        fast(_gather_rows_kernel)[(triton.cdiv(tokens, rows),)](
+        fast(_gather_rows_kernel)[(cdiv(tokens, rows),)](
             x2, perm, y, tokens, cols, x2.stride(0), y.stride(0), rows, BLOCK=block, PDL=pdl,
             num_warps=max(4, min(16, block // 512)), **overlap.launch_options(pdl))
     return y.view(*x.shape[:-1], cols)
@@ -129,8 +130,8 @@ def gather_columns(x: torch.Tensor, perm: torch.Tensor, pdl: bool = False) -> to
     cols = x2.shape[1]
     if x2.numel():
         pdl = pdl and overlap.enabled(x)
-        block = min(BLOCK_COLS, triton.next_power_of_2(cols))
-        fast(_gather_columns_kernel)[(x2.shape[0], triton.cdiv(cols, block))](
+        block = min(BLOCK_COLS, next_pow2(cols))
+        fast(_gather_columns_kernel)[(x2.shape[0], cdiv(cols, block))](
             x2, perm, y, cols, x2.stride(0), y.stride(0), PDL=pdl, BLOCK=block, num_warps=4,
             **overlap.launch_options(pdl))
     return y.view(*x.shape[:-1], cols)

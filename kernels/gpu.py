@@ -7,6 +7,18 @@ import functools
 import torch
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host's grid and plan arithmetic: ``triton.cdiv`` is a constexpr function,
+    about 2 µs a call from the host on a 2-core CPU against a tenth of that for this one."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two at least ``n`` (0 for 0), as ``triton.next_power_of_2`` gives it, for
+    the host (the same constexpr-function cost as :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def precision(x: torch.Tensor) -> str:
     """float32 inputs multiply in full precision (not TF32); 16-bit ones on the tensor cores."""
     return "ieee" if x.dtype == torch.float32 else "tf32"

@@ -17,6 +17,8 @@ All run on the CPU under ``TRITON_INTERPRET=1`` (how CI checks them against floa
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:
@@ -26,6 +28,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 from shuffleprune.kernels import gpu, overlap, split_k
+from shuffleprune.kernels.gpu import cdiv, next_pow2
 from shuffleprune.kernels.launch import fast
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
@@ -318,7 +321,7 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         use_dot = not selects(tokens, n, m)
     if not use_dot and tokens > SELECT_LIMIT_TOKENS:
         raise ValueError(f"the select decode takes at most {SELECT_LIMIT_TOKENS} tokens (got {tokens})")
-    block_t = max(16, triton.next_power_of_2(tokens)) if use_dot else triton.next_power_of_2(tokens)  # tl.dot: ≥ 16
+    block_t = max(16, next_pow2(tokens)) if use_dot else next_pow2(tokens)  # tl.dot: ≥ 16
     if use_dot:
         table = DOT_TILES_SWAP if weight_a else DOT_TILES
         tile = DOT_TILE_FP32 if element_bytes >= 4 else table.get((n, m), DOT_TILES_OTHER)[block_t]
@@ -331,8 +334,8 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         block_r = block_r or 16
         block_k = block_k or max(fields, n, 128)
         num_warps = num_warps or (8 if tokens > 2 else 4)
-    row_programs = triton.cdiv(rows, block_r)
-    steps = triton.cdiv(kept, block_k)
+    row_programs = cdiv(rows, block_r)
+    steps = cdiv(kept, block_k)
     per_sm = 1   # select: split only when the rows leave SMs idle (an H100 timed split-K's partial sums
                  # and their reduction as slower than one program per SM streaming more rows)
     if use_dot:  # as many as the registers (the tile's compile) and the pipeline's buffers let reside
@@ -342,12 +345,12 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         per_sm = max(1, min(by_registers, gpu.smem_per_sm(device) // buffers))
     if split is None:
         slots = per_sm * gpu.sm_count(device)
-        split = max(1, min(steps, triton.cdiv(slots, row_programs)))
+        split = max(1, min(steps, cdiv(slots, row_programs)))
         if use_dot:  # the split with the fewest waves per unit of work (ties: fewer partial sums)
             split = min(range(1, min(steps, 2 * split) + 1),
-                        key=lambda s: (triton.cdiv(row_programs * s, slots) / s, s))
-    per_split = triton.cdiv(steps, split) * block_k
-    split = triton.cdiv(kept, per_split)
+                        key=lambda s: (cdiv(row_programs * s, slots) / s, s))
+    per_split = cdiv(steps, split) * block_k
+    split = cdiv(kept, per_split)
     return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split, stages=stages,
                 num_warps=num_warps, use_dot=use_dot, per_sm=per_sm, weight_a=weight_a and use_dot)
 
@@ -376,46 +379,83 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     launch: the same result either way). ``block_map``: ``perm`` again as ``(offsets, span)``
     (:func:`block_map_offsets`, a map within aligned blocks of ``span`` columns): the kernel reads the
     map as those 1-byte offsets, a quarter of the int32 map's bytes."""
-    check_pattern(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
     tokens = x2.shape[0]
     rows, kept = values.shape
     if tokens == 0:   # nothing to launch (a tile of no tokens does not compile)
+        check_pattern(n, m, bits)
         return x.new_empty(*lead, rows)
-    p = decode_plan(rows, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(), **plan_overrides)
-    check_tiled(tiled, p["block_r"])
+    device = x.device
+    pdl = pdl and overlap.enabled(x)
     span = block_span(block_map, perm, cols)
+    key = (rows, kept, tokens, cols, n, m, bits, x2.dtype, values.dtype, device, gpu.sm_count(device),
+           gpu.smem_per_sm(device), tiled, perm is None, bias is None, perm is not None and word_gather(x2),
+           async_gather, pdl, span, tuple(plan_overrides.items()))
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _LAUNCHES[key] = _decode_launch(x2, values, n, m, bits, perm, bias, tiled, async_gather, pdl,
+                                                 span, plan_overrides)
+    if span:
+        perm = block_map[0]
+    y = torch.empty(tokens, rows, dtype=x.dtype, device=device)
+    split = launch.split
+    part = split_k.partials(split, y)
+    counts = split_k.summing(split, launch.grid[0], device, sum_in_kernel)
+    dummy = values
+    args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
+            counts if counts is not None else dummy, tokens, rows, kept, cols, words.shape[1], x2.stride(0),
+            y.stride(0), launch.per_split)
+    fast(_nm_decode_kernel)[launch.grid](*args, **(launch.summed if counts is not None else launch.plain))
+    if split > 1 and counts is None:
+        y = split_k.sum_partials(part, bias, y)
+    return y.reshape(*lead, rows)
+
+
+class DecodeLaunch(NamedTuple):
+    """What a decode launch's shapes, dtypes and options fix (:func:`_decode_launch`): everything but
+    the tensors' addresses and split-K's arrival counters, which change from call to call."""
+
+    grid: tuple[int, int]
+    split: int
+    per_split: int
+    plain: dict      # the kernel's keyword arguments (compile-time constants, warps, launch options)
+    summed: dict     # the same for a split-K launch that adds its partial sums in the kernel
+
+
+_LAUNCHES: dict[tuple, DecodeLaunch] = {}   # nm_decode's launches by everything that fixes them
+
+
+def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits: int, perm: torch.Tensor | None,
+                   bias: torch.Tensor | None, tiled: bool, async_gather: bool | None, pdl: bool, span: int,
+                   plan_overrides: dict) -> DecodeLaunch:
+    """:func:`nm_decode`'s plan, grid and keyword arguments for ``x2`` ``[T, C]`` on ``values``, worked
+    out once per kind of call and then looked up (:data:`_LAUNCHES`): an eager decode step launches
+    several per decoder layer, and the host's work per launch is what a plain ``generate()`` waits
+    on (``scripts/bench_host_overhead.py``)."""
+    check_pattern(n, m, bits)
+    tokens, cols = x2.shape
+    rows, kept = values.shape
+    p = decode_plan(rows, kept, tokens, n, m, bits, x2.device, element_bytes=x2.element_size(), **plan_overrides)
+    check_tiled(tiled, p["block_r"])
     can_words = perm is not None and word_gather(x2) and (not p["use_dot"] or p["weight_a"])
     if async_gather and perm is not None and not can_words:
         raise ValueError("async_gather needs the select kernel or weight_a, and 16-bit inputs at a 4-byte aligned "
                          "address with an even row stride")
-    x_words = can_words and async_gather is not False
-    if span:
-        perm = block_map[0]
-    y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
-    part = split_k.partials(p["split"], y)
-    dummy = values
-    grid = (triton.cdiv(rows, p["block_r"]), p["split"])
-    counts = split_k.summing(p["split"], grid[0], x.device, sum_in_kernel)
-    args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
-            counts if counts is not None else dummy, tokens, rows, kept, cols, words.shape[1], x2.stride(0), y.stride(0), p["per_split"])
+    grid = (cdiv(rows, p["block_r"]), p["split"])
     common = dict(N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
-                  TILED=tiled, X_WORDS=x_words, SUM_HERE=counts is not None, num_warps=p["num_warps"],
+                  TILED=tiled, X_WORDS=can_words and async_gather is not False, num_warps=p["num_warps"],
                   **({"MAP_SPAN": span} if span else {}))
-    dot = dict(PREC=gpu.precision(x), UPCAST=gpu.upcast(x), WEIGHT_A=p["weight_a"], NATIVE=gpu.native(x))
-    pdl = pdl and overlap.enabled(x)
     if pdl:   # each program prefetches its rows' first kept values of its split, and their positions
         share = overlap.prefetch_per_row(grid[0] * grid[1], p["block_r"], p["per_split"], values.element_size(),
                                          overlap.decode_prefetch_bytes(tokens))
         common.update(PDL=True, LINE=overlap.LINE_BYTES // values.element_size(), PREFETCH=share,
                       PREFETCH_WORDS=overlap.position_words_per_row(share, bits, tiled))
-    fast(_nm_decode_kernel)[grid](*args, USE_DOT=p["use_dot"], **(dot if p["use_dot"] else {}), **common,
-                            **overlap.launch_options(pdl))
-    if p["split"] > 1 and counts is None:
-        y = split_k.sum_partials(part, bias, y)
-    return y.reshape(*lead, rows)
+    dot = dict(PREC=gpu.precision(x2), UPCAST=gpu.upcast(x2), WEIGHT_A=p["weight_a"], NATIVE=gpu.native(x2))
+    plain = dict(USE_DOT=p["use_dot"], **(dot if p["use_dot"] else {}), **common, SUM_HERE=False,
+                 **overlap.launch_options(pdl))
+    return DecodeLaunch(grid, p["split"], p["per_split"], plain, {**plain, "SUM_HERE": True})
 
 
 MAX_BLOCK_SPAN = 256   # the widest block whose offsets fit one byte

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from shuffleprune.kernels import gpu
+from shuffleprune.kernels.gpu import cdiv
 from shuffleprune.kernels.launch import fast
 from shuffleprune.kernels.nm_decode import DECODE_MAX_TOKENS, decode_max_tokens, decode_plan, triton, word_gather
 from shuffleprune.kernels.nm_words import check_pattern
@@ -141,7 +142,7 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     x_words = perm is not None and word_gather(x2)
     split = plan["split"]
     part = torch.zeros(split, pairs, rows, dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (triton.cdiv(rows, plan["block_r"]), routes.block_expert.numel(), split)
+    grid = (cdiv(rows, plan["block_r"]), routes.block_expert.numel(), split)
     fast(_nm_experts_kernel)[grid](
         x2, values, words, perm if perm is not None else words, y, part, routes.slots, routes.block_expert,
         pairs, rows, kept, cols, words.shape[-1], x2.stride(0), x_div, plan["per_split"],

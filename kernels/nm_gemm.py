@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 from shuffleprune.kernels import gpu, overlap, split_k
+from shuffleprune.kernels.gpu import cdiv, next_pow2
 from shuffleprune.kernels.launch import fast
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
@@ -169,15 +170,15 @@ def gemm_cycles(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, in
     block_t, block_r, block_c, warps, _ = tile
     issue = loop * warps / 4
     tensor = 2 * block_t * block_r * block_c / TENSOR_FLOP_PER_CYCLE
-    programs = triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r) * split
-    on_sm = triton.cdiv(programs, sms)
+    programs = cdiv(tokens, block_t) * cdiv(rows, block_r) * split
+    on_sm = cdiv(programs, sms)
     batches = [per_sm] * (on_sm // per_sm) + ([on_sm % per_sm] if on_sm % per_sm else [])
     if overlap:
         step = sum(b * max(issue, tensor) for b in batches)
     else:
         step = sum(max(issue + tensor, b * issue, b * tensor) for b in batches)
     reduce = 0 if split == 1 else (2 * split * 4 + 2) * tokens * rows / (sms * L2_BYTES_PER_CYCLE)
-    return triton.cdiv(triton.cdiv(cols, block_c), split) * step + reduce
+    return cdiv(cdiv(cols, block_c), split) * step + reduce
 
 
 _PLANS: dict[tuple, tuple] = {}   # gemm_plan's answers by its arguments and the device's SM count
@@ -213,7 +214,7 @@ def plan_gemm(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
     if not tiles:                        # sparse position words (1:16): the smallest tile, wider
         return (32, 64, min_c, 4, 3), 1
     sms = gpu.sm_count(device)
-    options = [(t, s) for t in tiles for s in (1, 2, 4, 8) if s == 1 or triton.cdiv(cols, t[0][2]) >= 4 * s]
+    options = [(t, s) for t in tiles for s in (1, 2, 4, 8) if s == 1 or cdiv(cols, t[0][2]) >= 4 * s]
     (tile, _, _), split = min(options, key=lambda o: (gemm_cycles(tokens, rows, cols, *o[0], sms, o[1], weight_a), o[1]))
     return tile, split
 
@@ -240,15 +241,15 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     if (block_c * n // m) % (32 // bits):
         raise ValueError(f"block_c {block_c} must hold whole position words for {n}:{m}")
     check_tiled(tiled, block_r)
-    per_split = triton.cdiv(triton.cdiv(cols, block_c), split or 1) * block_c
-    split = triton.cdiv(cols, per_split)
+    per_split = cdiv(cdiv(cols, block_c), split or 1) * block_c
+    split = cdiv(cols, per_split)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     part = split_k.partials(split, y)
-    grid = (triton.cdiv(tokens, block_t) * triton.cdiv(rows, block_r), split)
+    grid = (cdiv(tokens, block_t) * cdiv(rows, block_r), split)
     counts = split_k.summing(split, grid[0], x.device, sum_in_kernel)
     dependent = {}
     if pdl and overlap.enabled(x):   # each row tile's first kept values of each split, and their positions
-        share = overlap.prefetch_per_row(triton.cdiv(rows, block_r) * split, block_r, per_split * n // m,
+        share = overlap.prefetch_per_row(cdiv(rows, block_r) * split, block_r, per_split * n // m,
                                          values.element_size())
         dependent = dict(PDL=True, LINE=overlap.LINE_BYTES // values.element_size(), PREFETCH=share,
                          PREFETCH_WORDS=overlap.position_words_per_row(share, bits, tiled),
@@ -274,7 +275,7 @@ def mapped_fits(cols: int, n: int, m: int, dtype: torch.dtype) -> bool:
     """Whether :func:`nm_decompress_mapped_into` takes rows of ``cols`` columns of ``dtype`` (N and M
     powers of two, the row padded to a power of two within :data:`MAPPED_MAX_BYTES`)."""
     return triton is not None and not (n & (n - 1) or m & (m - 1)) and \
-        triton.next_power_of_2(cols) * dtype.itemsize <= MAPPED_MAX_BYTES
+        next_pow2(cols) * dtype.itemsize <= MAPPED_MAX_BYTES
 
 
 def nm_decompress_mapped_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int, cols: int,
@@ -293,9 +294,9 @@ def nm_decompress_mapped_into(values: torch.Tensor, words: torch.Tensor, n: int,
     rows, kept = values.shape
     dense = out.reshape(-1)[: rows * cols].view(rows, cols)
     if rows:
-        width = triton.next_power_of_2(cols)
+        width = next_pow2(cols)
         per_program = rows_per_program(rows, gpu.sm_count(values.device))
-        fast(_nm_decompress_mapped_kernel)[(triton.cdiv(rows, per_program),)](
+        fast(_nm_decompress_mapped_kernel)[(cdiv(rows, per_program),)](
             values, words, inverse, dense, rows, cols, kept, words.shape[1], per_program, N=n, M=m, BITS=bits,
             CP=width, num_warps=max(4, min(16, width // 512)))
     return dense
@@ -311,7 +312,7 @@ def nm_decompress_into(values: torch.Tensor, words: torch.Tensor, n: int, m: int
     dense = out.reshape(-1)[: rows * cols].view(rows, cols)
     block_k = max(32 // bits, block_k)
     check_tiled(tiled, block_r)
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(kept, block_k))
+    grid = (cdiv(rows, block_r), cdiv(kept, block_k))
     fast(_nm_decompress_kernel)[grid](values, words, dense, rows, cols, kept, words.shape[1], N=n, M=m, BITS=bits,
                                 BLOCK_R=block_r, BLOCK_K=block_k, TILED=tiled, NATIVE=gpu.native(values),
                                 num_warps=num_warps)

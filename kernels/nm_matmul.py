@@ -20,6 +20,8 @@ try:
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
+from shuffleprune.kernels.gpu import cdiv, next_pow2
+
 
 def available() -> bool:
     """Whether the Triton kernel can run here (a CUDA device, or the interpreter)."""
@@ -140,10 +142,10 @@ def nm_gather_matmul(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, 
     tokens = x2.shape[0]
     rows, kept = values.shape
     y = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
-    block_t = max(1, min(16, triton.next_power_of_2(tokens)))
+    block_t = max(1, min(16, next_pow2(tokens)))
     tile = default_tile(tokens, variant)
     block_r, block_k, num_warps = block_r or tile[0], block_k or tile[1], num_warps or tile[2]
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(tokens, block_t))
+    grid = (cdiv(rows, block_r), cdiv(tokens, block_t))
     dummy = values  # any tensor: unused pointer when HAS_PERM / HAS_BIAS is off
     common = dict(N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
                   BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_T=block_t, num_warps=num_warps)

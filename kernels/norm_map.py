@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 from shuffleprune.kernels import overlap
+from shuffleprune.kernels.gpu import next_pow2
 from shuffleprune.kernels.launch import fast
 
 if triton is not None:
@@ -55,7 +56,7 @@ def rmsnorm_mapped(x: torch.Tensor, scale: torch.Tensor, perm: torch.Tensor, eps
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        block = triton.next_power_of_2(d)
+        block = next_pow2(d)
         fast(_rmsnorm_mapped_kernel)[(x2.shape[0],)](x2, scale, perm, y, d, x2.stride(0), y.stride(0), float(eps),
                                                BLOCK_D=block, num_warps=max(1, min(16, block // 256)),
                                                RELEASE=overlap.enabled(x))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from shuffleprune.kernels.gpu import cdiv
 from shuffleprune.kernels.launch import fast
 from shuffleprune.runtime import outside_graph_pools
 
@@ -126,7 +127,7 @@ def sum_partials(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor)
     """The splits' partial sums added, plus the bias, written into ``y`` in its dtype: one launch
     (PyTorch's sum, add and cast took three, each a few microseconds on a graph's critical path)."""
     numel, block = y.numel(), 1024
-    fast(_sum_partials_kernel)[(triton.cdiv(numel, block),)](part, bias if bias is not None else part, y, numel,
+    fast(_sum_partials_kernel)[(cdiv(numel, block),)](part, bias if bias is not None else part, y, numel,
                                                        y.shape[-1], SPLIT=part.shape[0], HAS_BIAS=bias is not None,
                                                        BLOCK=block, num_warps=4)
     return y

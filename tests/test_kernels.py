@@ -428,6 +428,34 @@ def test_kernel_plans_are_worked_out_once_per_shape_and_device_facts(monkeypatch
     assert worked == ["decode"] * 5 + ["gemm"] * 3 + ["decode", "gemm", "decode"]
 
 
+def test_a_decode_launch_is_worked_out_once_per_kind_of_call(monkeypatch):
+    """``nm_decode`` works out its plan, grid and kernel arguments once per kind of call (shapes, dtypes,
+    options, whether the input can be read as words) and looks them up after: a second layer of the same
+    shape reuses them, another token count or an input that starts mid-word does not; every output is
+    the float64 product."""
+    from shuffleprune.kernels import nm_decode
+    from shuffleprune.kernels.nm_words import position_words
+
+    monkeypatch.setattr(nm_decode, "_LAUNCHES", {})
+    worked = []
+    work = nm_decode._decode_launch
+    monkeypatch.setattr(nm_decode, "_decode_launch", lambda *a: worked.append(a[0].shape) or work(*a))
+    layers = [_case(40, 192, 2, 4, 2, torch.bfloat16, seed=s) for s in (1, 2)]
+    for tokens in (1, 1, 2):
+        for w, values, meta, x, perm, bias in layers:
+            x = x[:tokens]
+            y = nm_decode.nm_decode(x, values, position_words(meta), 2, 4, meta_bits(4), perm.to(torch.int32), bias)
+            assert _close(y, x.double()[:, perm] @ w.double().t() + bias.double(), torch.bfloat16)
+    assert worked == [(1, 192), (2, 192)]
+    w, values, meta, x, perm, bias = layers[0]
+    odd = torch.empty(192 + 1, dtype=torch.bfloat16)[1:].view(1, 192)   # 2 bytes into a word: read element-wise
+    odd.copy_(x[:1])
+    y = nm_decode.nm_decode(odd, values, position_words(meta), 2, 4, meta_bits(4), perm.to(torch.int32), bias)
+    assert _close(y, x[:1].double()[:, perm] @ w.double().t() + bias.double(), torch.bfloat16)
+    assert worked == [(1, 192), (2, 192), (1, 192)]
+    assert [launch.plain["X_WORDS"] for launch in nm_decode._LAUNCHES.values()] == [True, True, False]
+
+
 def test_gemm_plan_follows_tokens_rows_and_sm_count(monkeypatch):
     """The prefill tile and split-K come from the cost model over GEMM_TILES: long prompts take the
     256-token tile unsplit (the weight expanded once for more tokens), few tokens or rows smaller
