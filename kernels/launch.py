@@ -82,8 +82,7 @@ class FastKernel:
         self.names = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self.constexpr = {kp.name for kp in kernel.params if kp.is_constexpr} if self.jit else set()
-        self._plans: dict[tuple, tuple | None] = {}   # (positional count, keyword names) → what the call fills
-        self._compiled: dict[tuple, tuple] = {}       # launch key → (compiled kernel, constants in signature order)
+        self._bound: dict[tuple, BoundLaunch] = {}    # (positional count, keyword items) → that kind of call
         self.fast_launches = 0                        # launches that skipped Triton's dispatch (for the checks)
 
     def __getitem__(self, grid):
@@ -102,36 +101,60 @@ class FastKernel:
             return None
         return tuple(rest)
 
+    def bind(self, n_args: int, kwargs: dict) -> "BoundLaunch":
+        """The launches of this kernel with ``n_args`` positional arguments and these keyword arguments
+        (one :class:`BoundLaunch` per kind, kept): a caller that launches the same kind of call again and
+        again holds it and calls it with the grid and the positional arguments alone."""
+        try:
+            kind = (n_args, tuple(kwargs.items()))
+            bound = self._bound.get(kind)
+        except TypeError:   # an unhashable constant: never fast
+            return BoundLaunch(self, n_args, kwargs, hashable=False)
+        if bound is None:
+            bound = self._bound[kind] = BoundLaunch(self, n_args, kwargs)
+        return bound
+
     def launch(self, grid, args: tuple, kwargs: dict) -> Any:
         """``kernel[grid](*args, **kwargs)``, through the compiled kernel where this kind of call was seen."""
-        if not (self.jit and _STATE["enabled"]) or callable(grid) or getattr(self.kernel, "pre_run_hooks", None) \
-                or _hooked():
-            return self.kernel[grid](*args, **kwargs)
-        names = tuple(kwargs)
-        shape = (len(args), names)
-        if shape not in self._plans:
-            self._plans[shape] = self._plan(*shape)
-        plan = self._plans[shape]
-        if plan is None:
-            return self.kernel[grid](*args, **kwargs)
+        return self.bind(len(args), kwargs)(grid, *args)
+
+
+class BoundLaunch:
+    """One kind of call of a :class:`FastKernel` (its count of positional arguments and its keyword
+    arguments): what they fix — whether it can go fast, the constants after the positional arguments in
+    signature order — is worked out once, and each call keys only its positional arguments
+    (:func:`arg_key`) and the device."""
+
+    def __init__(self, kernel: FastKernel, n_args: int, kwargs: dict, hashable: bool = True):
+        self.fast_kernel, self.n_args, self.kwargs = kernel, n_args, kwargs
+        plan = kernel._plan(n_args, tuple(kwargs)) if kernel.jit and hashable else None
+        self.tail = None if plan is None else tuple(kwargs[name] if name in kwargs else kernel.defaults[name]
+                                                    for name in plan)
+        self._compiled: dict[tuple, Any] = {}   # (device, argument keys) → the compiled kernel
+
+    def __call__(self, grid, *args) -> Any:
+        """``kernel[grid](*args, **kwargs)``: the compiled kernel's launcher for arguments keyed as before,
+        else Triton's dispatch (which compiles where needed; its compiled kernel is kept)."""
+        fk = self.fast_kernel
+        if self.tail is None or not _STATE["enabled"] or callable(grid) or len(args) != self.n_args \
+                or getattr(fk.kernel, "pre_run_hooks", None) or _hooked():
+            return fk.kernel[grid](*args, **self.kwargs)
         device = driver.active.get_current_device()
         try:
-            key = (device, shape, tuple(map(arg_key, args)), tuple(kwargs.values()))
-            hit = self._compiled.get(key)
-        except TypeError:   # an argument of another kind, or an unhashable constant
-            return self.kernel[grid](*args, **kwargs)
-        if hit is None:
-            compiled = self.kernel[grid](*args, **kwargs)
+            key = (device, tuple(map(arg_key, args)))
+        except TypeError:   # an argument of another kind
+            return fk.kernel[grid](*args, **self.kwargs)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = fk.kernel[grid](*args, **self.kwargs)
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-                tail = tuple(kwargs[name] if name in kwargs else self.defaults[name] for name in plan)
-                self._compiled[key] = (compiled, tail)
+                self._compiled[key] = compiled
             return compiled
-        compiled, tail = hit
-        g = tuple(grid)
-        compiled.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1,
-                     driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
-                     None, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args, *tail)
-        self.fast_launches += 1
+        g = grid if len(grid) == 3 else (*grid, 1, 1)
+        compiled.run(g[0], g[1], g[2], driver.active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
+                     *args, *self.tail)
+        fk.fast_launches += 1
         return compiled
 
 

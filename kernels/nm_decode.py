@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
 
 from shuffleprune.kernels import gpu, overlap, split_k
 from shuffleprune.kernels.gpu import cdiv, next_pow2
-from shuffleprune.kernels.launch import fast
+from shuffleprune.kernels.launch import BoundLaunch, fast
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
@@ -406,7 +406,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
             counts if counts is not None else dummy, tokens, rows, kept, cols, words.shape[1], x2.stride(0),
             y.stride(0), launch.per_split)
-    fast(_nm_decode_kernel)[launch.grid](*args, **(launch.summed if counts is not None else launch.plain))
+    (launch.summed if counts is not None else launch.plain)(launch.grid, *args)
     if split > 1 and counts is None:
         y = split_k.sum_partials(part, bias, y)
     return y.reshape(*lead, rows)
@@ -419,8 +419,8 @@ class DecodeLaunch(NamedTuple):
     grid: tuple[int, int]
     split: int
     per_split: int
-    plain: dict      # the kernel's keyword arguments (compile-time constants, warps, launch options)
-    summed: dict     # the same for a split-K launch that adds its partial sums in the kernel
+    plain: BoundLaunch    # the kernel with its keyword arguments (compile-time constants, warps, launch options)
+    summed: BoundLaunch   # the same for a split-K launch that adds its partial sums in the kernel
 
 
 _LAUNCHES: dict[tuple, DecodeLaunch] = {}   # nm_decode's launches by everything that fixes them
@@ -455,7 +455,12 @@ def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits:
     dot = dict(PREC=gpu.precision(x2), UPCAST=gpu.upcast(x2), WEIGHT_A=p["weight_a"], NATIVE=gpu.native(x2))
     plain = dict(USE_DOT=p["use_dot"], **(dot if p["use_dot"] else {}), **common, SUM_HERE=False,
                  **overlap.launch_options(pdl))
-    return DecodeLaunch(grid, p["split"], p["per_split"], plain, {**plain, "SUM_HERE": True})
+    kernel = fast(_nm_decode_kernel)
+    return DecodeLaunch(grid, p["split"], p["per_split"], kernel.bind(DECODE_ARGS, plain),
+                        kernel.bind(DECODE_ARGS, {**plain, "SUM_HERE": True}))
+
+
+DECODE_ARGS = 16   # the decode kernel's positional (runtime) arguments, as nm_decode passes them
 
 
 MAX_BLOCK_SPAN = 256   # the widest block whose offsets fit one byte

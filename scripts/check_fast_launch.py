@@ -147,30 +147,32 @@ def check_recorded(timed_calls: int) -> list[dict]:
     from shuffleprune.kernels.compile_check import recorded_launches
 
     rows: list[dict] = []
-    original = launch.FastKernel.launch
+    original = launch.BoundLaunch.__call__   # every fast launch goes through one (FastKernel.launch too)
     current: dict = {}
 
-    def compared(self, grid, args, kwargs):
+    def compared(self, grid, *args):
+        kernel, kwargs = self.fast_kernel.kernel, self.kwargs
         calls.clear()
-        self.kernel[grid](*args, **kwargs)              # Triton's dispatch, for the same arguments
+        kernel[grid](*args, **kwargs)              # Triton's dispatch, for the same arguments
         theirs = calls[-1]
-        before, n = self.fast_launches, len(calls)
-        out = original(self, grid, args, kwargs)
+        before, n = self.fast_kernel.fast_launches, len(calls)
+        out = original(self, grid, *args)
         ours = calls[-1] if len(calls) > n else None
-        rows.append({"case": current["name"], "call": current["call"], "kernel": self.kernel.fn.__name__,
-                     "fast": self.fast_launches > before, "identical": ours is not None and same_call(theirs, ours),
-                     "key_refines": key_refines(self.kernel, args, kwargs)})
+        rows.append({"case": current["name"], "call": current["call"], "kernel": kernel.fn.__name__,
+                     "fast": self.fast_kernel.fast_launches > before,
+                     "identical": ours is not None and same_call(theirs, ours),
+                     "key_refines": key_refines(kernel, args, kwargs)})
         return out
 
     with recorded_launches() as calls, launch.enabled():
-        launch.FastKernel.launch = compared
+        launch.BoundLaunch.__call__ = compared
         try:
             for name, call in cases(torch.device("cpu"), torch.bfloat16):
                 for n in (1, 2, 3):
                     current.update(name=name, call=n)
                     call()
         finally:
-            launch.FastKernel.launch = original
+            launch.BoundLaunch.__call__ = original
         for name, call in cases(torch.device("cpu"), torch.bfloat16):   # the host's µs, the launch a list append
             times = {}
             for on in (False, True):

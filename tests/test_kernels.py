@@ -453,7 +453,7 @@ def test_a_decode_launch_is_worked_out_once_per_kind_of_call(monkeypatch):
     y = nm_decode.nm_decode(odd, values, position_words(meta), 2, 4, meta_bits(4), perm.to(torch.int32), bias)
     assert _close(y, x[:1].double()[:, perm] @ w.double().t() + bias.double(), torch.bfloat16)
     assert worked == [(1, 192), (2, 192), (1, 192)]
-    assert [launch.plain["X_WORDS"] for launch in nm_decode._LAUNCHES.values()] == [True, True, False]
+    assert [launch.plain.kwargs["X_WORDS"] for launch in nm_decode._LAUNCHES.values()] == [True, True, False]
 
 
 def test_gemm_plan_follows_tokens_rows_and_sm_count(monkeypatch):
