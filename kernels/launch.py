@@ -72,6 +72,18 @@ def arg_key(value: Any) -> Any:
     raise TypeError(f"no launch key for a {type(value).__name__}")
 
 
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+_U64 = 1 << 63
+
+
+def args_key(args: tuple) -> tuple:
+    """``tuple(map(arg_key, args))`` in one pass, tensors and integers without a call each (the key of
+    every fast launch: a decode launch has 16 positional arguments)."""
+    lo, hi = _I32
+    return tuple([(a.dtype, not a.data_ptr() & 15) if (kind := type(a)) is _TENSOR or kind is _PARAMETER else
+                  (int, a == 1, not a & 15, lo <= a < hi, a < _U64) if kind is int else arg_key(a) for a in args])
+
+
 class FastKernel:
     """A ``@triton.jit`` kernel launched through its compiled kernel once a key has been seen."""
 
@@ -123,7 +135,7 @@ class BoundLaunch:
     """One kind of call of a :class:`FastKernel` (its count of positional arguments and its keyword
     arguments): what they fix — whether it can go fast, the constants after the positional arguments in
     signature order — is worked out once, and each call keys only its positional arguments
-    (:func:`arg_key`) and the device."""
+    (:func:`args_key`) and the device."""
 
     def __init__(self, kernel: FastKernel, n_args: int, kwargs: dict, hashable: bool = True):
         self.fast_kernel, self.n_args, self.kwargs = kernel, n_args, kwargs
@@ -141,7 +153,7 @@ class BoundLaunch:
             return fk.kernel[grid](*args, **self.kwargs)
         device = driver.active.get_current_device()
         try:
-            key = (device, tuple(map(arg_key, args)))
+            key = (device, args_key(args))
         except TypeError:   # an argument of another kind
             return fk.kernel[grid](*args, **self.kwargs)
         compiled = self._compiled.get(key)
@@ -163,8 +175,11 @@ def _hooked() -> bool:
     hook reads. An unset hook is None, or an empty chain of hooks (Triton 3.9)."""
     if knobs is None:
         return True
-    return any(hook is not None and bool(getattr(hook, "calls", True))
-               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    runtime = knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 _FAST: dict[int, FastKernel] = {}

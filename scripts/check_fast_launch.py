@@ -16,7 +16,7 @@ the fast path passes, and the two must be the same objects in the same order, th
 apart (``identical``); the third call must have gone fast (``fast``). Then the key: for each launch, each positional argument
 is varied where Triton's specialization can change (a pointer off 16-byte alignment; an integer of
 1, 16, 17, 2³¹+16) and Triton's own binder is asked for its specialization: two variants the fast
-path's key (:func:`~shuffleprune.kernels.launch.arg_key`) calls the same must be the same to Triton
+path's key (:func:`~shuffleprune.kernels.launch.args_key`) calls the same must be the same to Triton
 (``key_refines``). Then each case's host µs per call both ways, the launcher a list append: Triton's
 dispatch against the fast path on this machine's CPU, the driver's launch left out. Last, a whole eager
 decode step of a small LLaMA laid out as ``load`` serves it (the decode kernels an H100 chose, the fused
@@ -124,7 +124,7 @@ def key_refines(kernel, grid_args: tuple, kwargs: dict) -> bool:
     have one Triton specialization (and options)."""
     from triton.runtime.driver import driver
 
-    from shuffleprune.kernels.launch import arg_key
+    from shuffleprune.kernels.launch import args_key
 
     binder = kernel.device_caches[driver.active.get_current_device()][4]
     for i, value in enumerate(grid_args):
@@ -132,7 +132,7 @@ def key_refines(kernel, grid_args: tuple, kwargs: dict) -> bool:
         for v in variants(value):
             args = grid_args[:i] + (v,) + grid_args[i + 1:]
             _, spec, options = binder(*args, **kwargs)
-            ours = (tuple(map(arg_key, args)), tuple(kwargs.values()))
+            ours = (args_key(args), tuple(kwargs.values()))
             theirs = (str(spec), str(options))
             if seen.setdefault(ours, theirs) != theirs:
                 return False

@@ -1414,7 +1414,7 @@ def test_fast_launch_keys_tell_apart_what_triton_specializes_on():
     """A launch's key (``kernels/launch.arg_key``) changes with a pointer's 16-byte alignment and dtype, an
     integer's being 1, divisible by 16 or past 32 bits; a float's value does not enter it; an argument of
     another kind is refused (that call goes through Triton's dispatch)."""
-    from shuffleprune.kernels.launch import arg_key
+    from shuffleprune.kernels.launch import arg_key, args_key
 
     t = torch.zeros(64, dtype=torch.bfloat16)
     assert arg_key(t) != arg_key(t[1:])                       # 2 bytes off: not 16-byte aligned
@@ -1427,6 +1427,10 @@ def test_fast_launch_keys_tell_apart_what_triton_specializes_on():
     assert arg_key(1e-5) == arg_key(0.5) and arg_key(None) is None
     with pytest.raises(TypeError):
         arg_key("a string")
+    values = (t, t[1:], torch.nn.Parameter(t.float(), requires_grad=False), 1, 16, 17, -5, 1 << 40, True, 0.5, None)
+    assert args_key(values) == tuple(map(arg_key, values))   # the one-pass key of a launch's arguments
+    with pytest.raises(TypeError):
+        args_key((t, "a string"))
 
 
 def test_fast_launch_runs_tritons_own_dispatch_under_the_interpreter():

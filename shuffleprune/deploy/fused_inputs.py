@@ -50,7 +50,10 @@ class FusedInputs:
         s = self.stacked
         if s is None or self.layers[0]._buffers.get("perm") is not s._buffers.get("perm"):
             return False
-        return all(layer._buffers.get("values") is view for layer, view in zip(self.layers, self._views))
+        for layer, view in zip(self.layers, self._views):
+            if layer._buffers.get("values") is not view:
+                return False
+        return True
 
     def _build(self) -> None:
         """Stack the members' rows into one layer and make each member's buffers views of it."""
