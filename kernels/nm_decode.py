@@ -393,7 +393,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
            gpu.smem_per_sm(device), tiled, perm is None, bias is None, perm is not None and word_gather(x2),
            async_gather, pdl, span, tuple(plan_overrides.items()))
     launch = _LAUNCHES.get(key)
-    if launch is None:
+    if launch is None or launch.plain.fast_kernel.kernel is not _nm_decode_kernel:   # (a kernel swapped in)
         launch = _LAUNCHES[key] = _decode_launch(x2, values, n, m, bits, perm, bias, tiled, async_gather, pdl,
                                                  span, plan_overrides)
     if span:

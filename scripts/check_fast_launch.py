@@ -21,7 +21,9 @@ path's key (:func:`~shuffleprune.kernels.launch.args_key`) calls the same must b
 dispatch against the fast path on this machine's CPU, the driver's launch left out. Last, a whole eager
 decode step of a small LLaMA laid out as ``load`` serves it (the decode kernels an H100 chose, the fused
 norms): every Triton launch of a warmed-up step must go fast (no call site of the decode path falls back
-to Triton's dispatch), and its host ms per step both ways.
+to Triton's dispatch), its host ms per step both ways, and the sparse runtime's share of it (µs and
+Python function calls per decoder layer: the step's less the same step with the sparse layers and
+fused norms stubbed; the calls, counted by cProfile, do not move with the machine's load).
 
 On a GPU (``--gpu``) the kernels run: each case's output with fast launches on must equal its output
 through Triton's dispatch bit for bit (``identical``), and the host's µs per call are timed both ways
@@ -30,9 +32,11 @@ through Triton's dispatch bit for bit (``identical``), and the host's µs per ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench_host_overhead import host_us  # noqa: E402  (scripts/, this script's folder, is on the path)
@@ -223,12 +227,50 @@ def decode_step_model(layers: int = 4):
     return model, step
 
 
+LAYERS = 4   # decode_step_model's decoder layers in the step checked
+
+
+def python_calls(step, sync, steps: int = 10) -> float:
+    """Python function calls (those of C builtins too) per ``step()``, counted by cProfile: a measure of
+    the interpreter's work per step that does not move with the machine's load, as its time does."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        step()
+    profile.disable()
+    sync()
+    return pstats.Stats(profile).total_calls / steps
+
+
+@contextlib.contextmanager
+def sparse_stubbed() -> Iterator[None]:
+    """Every sparse layer and fused norm returns an empty output of its shape at once (no host work of
+    ours, no launch): a step's host time and calls without the sparse runtime."""
+    import torch
+
+    from shuffleprune.deploy.producer_maps import MappedOutput
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+
+    before = SparseLinear.forward, MappedOutput.forward
+    SparseLinear.forward = lambda self, x: x.new_empty(*x.shape[:-1], self.out_features)
+    MappedOutput.forward = lambda self, x, *args, **kwargs: torch.empty_like(x)
+    try:
+        yield
+    finally:
+        SparseLinear.forward, MappedOutput.forward = before
+
+
 def check_step(calls: list, timed_steps: int) -> dict:
     """One eager decode step of :func:`decode_step_model` with launches recorded: how many Triton launches
-    it makes and how many went fast (after warm-up steps: all should), and the host's ms per step both ways."""
+    it makes and how many went fast (after warm-up steps: all should), the host's ms per step both ways,
+    and the sparse runtime's share of the step (fast launches on): its host µs and Python calls per
+    decoder layer, the step's less the same step with the sparse layers and fused norms stubbed."""
     from shuffleprune.kernels import launch
 
-    model, step = decode_step_model()
+    model, step = decode_step_model(LAYERS)
     for _ in range(3):
         step()
     wrapped = list(launch._FAST.values())
@@ -240,11 +282,19 @@ def check_step(calls: list, timed_steps: int) -> dict:
     for on in (False, True):
         with launch.enabled(on):
             times[on] = host_us(step, calls.clear, timed_steps) / 1e3
-    row = {"case": "eager decode step, 4-layer LLaMA 512 wide as load serves it (decode kernels, fused norms)",
+    counted = python_calls(step, calls.clear)
+    with sparse_stubbed():
+        stub_ms = host_us(step, calls.clear, timed_steps) / 1e3
+        stub_calls = python_calls(step, calls.clear)
+    row = {"case": f"eager decode step, {LAYERS}-layer LLaMA 512 wide as load serves it (decode kernels, fused norms)",
            "launches_per_step": launches, "fast_launches_per_step": fast_ones,
-           "host_ms_per_step_triton_dispatch": round(times[False], 3), "host_ms_per_step_fast": round(times[True], 3)}
-    print(f"{row['case']}: {launches} launches, {fast_ones} fast; {times[False]:.3f} → {times[True]:.3f} ms per step",
-          flush=True)
+           "host_ms_per_step_triton_dispatch": round(times[False], 3), "host_ms_per_step_fast": round(times[True], 3),
+           "host_ms_per_step_sparse_stubbed": round(stub_ms, 3),
+           "sparse_runtime_host_us_per_layer": round((times[True] - stub_ms) * 1e3 / LAYERS, 1),
+           "sparse_runtime_python_calls_per_layer": round((counted - stub_calls) / LAYERS, 1)}
+    print(f"{row['case']}: {launches} launches, {fast_ones} fast; {times[False]:.3f} → {times[True]:.3f} ms per step; "
+          f"the sparse runtime {row['sparse_runtime_host_us_per_layer']} µs and "
+          f"{row['sparse_runtime_python_calls_per_layer']} Python calls per layer", flush=True)
     return row
 
 
