@@ -160,16 +160,16 @@ def write_result(args, result: dict) -> None:
     print(f"wrote {out}")
 
 
-def host_us(call, sync, calls: int) -> float:
-    """Median over 5 rounds of the host's µs per ``call()``, ``calls`` calls queued between ``sync()``s
-    (after 20 warm-up calls)."""
+def host_us(call, sync, calls: int, rounds: int = 5) -> float:
+    """Median over ``rounds`` rounds of the host's µs per ``call()``, ``calls`` calls queued between
+    ``sync()``s (after 20 warm-up calls)."""
     import statistics
 
     for _ in range(20):
         call()
     sync()
     times = []
-    for _ in range(5):
+    for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(calls):
             call()

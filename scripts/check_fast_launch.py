@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,7 +266,8 @@ def sparse_stubbed() -> Iterator[None]:
 
 def check_step(calls: list, timed_steps: int) -> dict:
     """One eager decode step of :func:`decode_step_model` with launches recorded: how many Triton launches
-    it makes and how many went fast (after warm-up steps: all should), the host's ms per step both ways,
+    it makes and how many went fast (after warm-up steps: all should), the host's ms per step both ways
+    (median of 7 rounds, the modes' rounds interleaved),
     and the sparse runtime's share of the step (fast launches on): its host µs and Python calls per
     decoder layer, the step's less the same step with the sparse layers and fused norms stubbed."""
     from shuffleprune.kernels import launch
@@ -278,13 +280,16 @@ def check_step(calls: list, timed_steps: int) -> dict:
     calls.clear()
     step()
     launches, fast_ones = len(calls), sum(k.fast_launches for k in wrapped) - before
-    times = {}
-    for on in (False, True):
-        with launch.enabled(on):
-            times[on] = host_us(step, calls.clear, timed_steps) / 1e3
+    modes = {False: lambda: launch.enabled(False), True: lambda: launch.enabled(True), "stub": sparse_stubbed}
+    rounds: dict = {mode: [] for mode in modes}
+    for _ in range(7):   # the modes' rounds interleaved, so a drift of the machine's speed moves all three alike
+        for mode, context in modes.items():
+            with context():
+                rounds[mode].append(host_us(step, calls.clear, timed_steps, rounds=1) / 1e3)
+    times = {mode: statistics.median(ms) for mode, ms in rounds.items()}
+    stub_ms = times["stub"]
     counted = python_calls(step, calls.clear)
     with sparse_stubbed():
-        stub_ms = host_us(step, calls.clear, timed_steps) / 1e3
         stub_calls = python_calls(step, calls.clear)
     row = {"case": f"eager decode step, {LAYERS}-layer LLaMA 512 wide as load serves it (decode kernels, fused norms)",
            "launches_per_step": launches, "fast_launches_per_step": fast_ones,
