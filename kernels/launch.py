@@ -13,7 +13,10 @@ with what Triton's dispatch passes it — grid, stream, function, packed metadat
 holds them, then every argument in signature order, constants included — except the launch metadata,
 which only a hook reads (None: what Triton's dispatch passes where an unset hook is None; 3.9 builds it
 anyway, its unset hooks being empty chains). The first call of each
-key goes through Triton, compiling where needed, and keeps the compiled kernel it returns.
+key goes through Triton, compiling where needed, and keeps the compiled kernel it returns. What a
+call's keyword arguments fix (whether it can go fast, the constants in signature order) is worked out
+once per kind of call (:class:`BoundLaunch`); a caller that launches one kind again and again
+(``nm_decode``) holds its ``fast(k).bind(…)`` and passes only the grid and positional arguments.
 ``scripts/check_fast_launch.py`` compares the two launches argument by argument (compile-only on the
 CPU, a test runs it) and their outputs on a GPU.
 
