@@ -424,6 +424,7 @@ class DecodeLaunch(NamedTuple):
 
 
 _LAUNCHES: dict[tuple, DecodeLaunch] = {}   # nm_decode's launches by everything that fixes them
+DECODE_ARGS = 16   # the decode kernel's positional (runtime) arguments, as nm_decode passes them
 
 
 def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits: int, perm: torch.Tensor | None,
@@ -458,9 +459,6 @@ def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits:
     kernel = fast(_nm_decode_kernel)
     return DecodeLaunch(grid, p["split"], p["per_split"], kernel.bind(DECODE_ARGS, plain),
                         kernel.bind(DECODE_ARGS, {**plain, "SUM_HERE": True}))
-
-
-DECODE_ARGS = 16   # the decode kernel's positional (runtime) arguments, as nm_decode passes them
 
 
 MAX_BLOCK_SPAN = 256   # the widest block whose offsets fit one byte

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from shuffleprune.kernels import gpu
-from shuffleprune.kernels.gpu import cdiv
+from shuffleprune.kernels.gpu import cdiv, next_pow2
 from shuffleprune.kernels.launch import fast
 from shuffleprune.kernels.nm_decode import DECODE_MAX_TOKENS, decode_max_tokens, decode_plan, triton, word_gather
 from shuffleprune.kernels.nm_words import check_pattern
@@ -32,6 +32,32 @@ if triton is not None:
     import triton.language as tl
 
     from shuffleprune.kernels.nm_decode import dot_loop, select_loop
+
+    @triton.jit
+    def _route_blocks_kernel(ids_ptr, slot_ptr, expert_ptr, P, E, SLOTS, BLOCKS,
+                             BT: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
+        """:func:`route_blocks` for at most ``BLOCK_P`` pairs in one program, by comparing every pair with
+        every other (no sort): a pair's rank among its expert's pairs, its expert's pair count, and the
+        blocks of the experts before it, summed over each expert's first pair (its leader)."""
+        p = tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int64)
+        live = (p < P) & (ids >= 0) & (ids < E)
+        key = tl.where(live, ids, E)
+        same = (key[:, None] == key[None, :]) & live[:, None] & live[None, :]           # [pair, other pair]
+        rank = tl.sum((same & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
+        blocks = (tl.sum(same.to(tl.int32), axis=1) + BT - 1) // BT                  # of the pair's expert
+        leader = live & (rank == 0)
+        first = tl.sum(tl.where(leader[None, :] & (key[None, :] < key[:, None]), blocks[None, :], 0), axis=1)
+        for s0 in range(0, SLOTS, CHUNK):   # every slot empty, then each local pair's filled
+            s = s0 + tl.arange(0, CHUNK)
+            tl.store(slot_ptr + s, tl.zeros([CHUNK], tl.int32) + P, mask=s < SLOTS)
+        tl.debug_barrier()
+        tl.store(slot_ptr + first * BT + rank, p.to(tl.int32), mask=live)
+        for b0 in range(0, BLOCKS, CHUNK):   # a block's expert: the leader whose blocks cover it, else −1
+            b = b0 + tl.arange(0, CHUNK)
+            cover = leader[None, :] & (b[:, None] >= first[None, :]) & (b[:, None] < first[None, :] + blocks[None, :])
+            expert = tl.max(tl.where(cover, key[None, :], -1), axis=1)
+            tl.store(expert_ptr + b, expert.to(tl.int32), mask=b < BLOCKS)
 
     @triton.jit
     def _nm_experts_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, y_ptr, part_ptr, slot_ptr, expert_ptr,
@@ -78,15 +104,33 @@ def experts_block_t(pairs: int, experts: int, limit: int = DECODE_MAX_TOKENS) ->
     return min(limit, 1 << max(0, (mean - 1).bit_length()))
 
 
-def route_blocks(expert_ids: torch.Tensor, num_experts: int, block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
+ROUTE_KERNEL_PAIRS = 64   # the most pairs route_blocks groups in one launch (its pair-by-pair tiles: 64 × 64;
+                          # 128 × 128 spilled on any warp count under Triton 3.6, the H100's)
+
+
+def route_blocks(expert_ids: torch.Tensor, num_experts: int, block_t: int,
+                 kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the router's choices ``expert_ids`` (any shape, flattened into pairs) by expert, in blocks of
     ``block_t`` slots: ``slots`` int32 ``[blocks·block_t]`` (the pair of each slot, ``P`` where empty)
     and ``block_expert`` int32 ``[blocks]`` (−1 for a block no pair filled), with ``blocks =
     ⌈P/block_t⌉ + min(E, P)``, a bound fixed by the shapes. Pairs of an expert keep their order; ids
-    outside ``0 … E−1`` are dropped. Device ops only (sort, scatter, search): nothing waits on the host."""
-    ids = expert_ids.reshape(-1).long()
+    outside ``0 … E−1`` are dropped. Nothing waits on the host. Up to :data:`ROUTE_KERNEL_PAIRS` pairs
+    on CUDA (a decode step's; ``kernel``: True anywhere Triton runs, False never) one Triton launch does
+    it, where PyTorch's sort, scatter and search take about 35 (each a launch of some microseconds on
+    the host and on the GPU, once per MoE layer and token)."""
+    ids = expert_ids.reshape(-1)
     pairs, device = ids.numel(), ids.device
     blocks = -(-pairs // block_t) + min(num_experts, pairs)
+    if kernel is None:
+        kernel = ids.is_cuda and triton is not None
+    if kernel and 0 < pairs <= ROUTE_KERNEL_PAIRS:
+        slots = torch.empty(blocks * block_t, dtype=torch.int32, device=device)
+        block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+        width = max(16, next_pow2(pairs))
+        fast(_route_blocks_kernel)[(1,)](ids, slots, block_expert, pairs, num_experts, slots.numel(), blocks,
+                                         BT=block_t, BLOCK_P=width, CHUNK=width, num_warps=max(4, width // 8))
+        return slots, block_expert
+    ids = ids.long()
     key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)   # dropped pairs: one bucket past the last
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
     per_expert = (counts[:num_experts] + block_t - 1) // block_t          # blocks each expert takes

@@ -19,7 +19,9 @@ eagerly, CUDA events around ``--calls`` calls, median of ``--runs``, after a war
 ``--calls`` calls where they can be (``timing`` says which: ``cuda_graph`` or ``events``), as a decode
 step served with CUDA graphs runs them. The fused weights are far larger than L2 (2.8 GB dense for
 Mixtral's layer), so no copies rotate. Each row records the maximum relative error against the dense
-eager output of the same weights; ``bytes`` holds each layer's parameters and buffers.
+eager output of the same weights; ``bytes`` holds each layer's parameters and buffers. Last, the
+routing alone at the token counts a decode step has (``route_kernel``, one launch, against
+``route_torch``, PyTorch's ops), captured likewise.
 """
 from __future__ import annotations
 
@@ -171,7 +173,36 @@ def main() -> None:
                 if mode == "auto":   # what auto measured faster for this token count (run eagerly, as it chose)
                     rows[-1]["choice"] = experts_mode(layer.experts, x, top, weights)
                 print(rows[-1], flush=True)
+        rows += route_rows(args, device, gen, timed_ms)
     save_moe_results(args, __doc__, dtype, nbytes, rows)
+
+
+def route_rows(args: argparse.Namespace, device, gen, timed_ms) -> list[dict]:
+    """The router's pairs grouped by expert (``route_blocks``, once per MoE layer and step) at each token
+    count the one-launch kernel takes: ``route_kernel`` against ``route_torch`` (PyTorch's sort, scatter
+    and search), each captured into a CUDA graph; ``rel_err`` 0 where the two give the same slots and
+    blocks (else 1)."""
+    import torch
+
+    from shuffleprune.kernels.nm_experts import ROUTE_KERNEL_PAIRS, experts_block_t, route_blocks
+
+    rows = []
+    for tokens in args.tokens:
+        pairs = tokens * args.top_k
+        if pairs > ROUTE_KERNEL_PAIRS:
+            continue
+        top = torch.rand(tokens, args.experts, generator=gen).topk(args.top_k, dim=-1).indices.to(device)
+        block_t = experts_block_t(pairs, args.experts)
+        ref = route_blocks(top, args.experts, block_t, kernel=False)
+        for impl, kernel in (("route_kernel", True), ("route_torch", False)):
+            got = route_blocks(top, args.experts, block_t, kernel=kernel)
+            same = all(torch.equal(a, b) for a, b in zip(got, ref))
+            ms, how = timed_ms(lambda kernel=kernel: route_blocks(top, args.experts, block_t, kernel=kernel), True)
+            rows.append({"shape": f"{args.experts} experts, top {args.top_k}", "tokens": tokens, "impl": impl,
+                         "ms": round(ms, 4), "timing": how, "rel_err": 0.0 if same else 1.0,
+                         "block_t": block_t})
+            print(rows[-1], flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 
 Each case calls a host function the runtime calls (``nm_decode`` at 1, 2 and 16 tokens, plain, with a
 map, split-K summed in the kernel or by a second launch, as a dependent launch; ``nm_gemm``; the
-scratch fills; both gathers; the mapped RMSNorm; the MoE experts kernel) three times on the same inputs: the first call
+scratch fills; both gathers; the mapped RMSNorm; the MoE experts kernel and its one-launch routing) three times on the same inputs: the first call
 compiles and keeps the compiled kernel, the later ones take the fast path (split-K's arrival counters
 move along a ring, so a second call may meet a new alignment, which Triton compiles apart too).
 
@@ -52,7 +52,7 @@ def cases(device, dtype):
     from shuffleprune.deploy.format import compress
     from shuffleprune.kernels.gather import gather_columns, gather_rows
     from shuffleprune.kernels.nm_decode import nm_decode
-    from shuffleprune.kernels.nm_experts import nm_experts
+    from shuffleprune.kernels.nm_experts import nm_experts, route_blocks
     from shuffleprune.kernels.nm_gemm import nm_decompress_into, nm_decompress_mapped_into, nm_gemm
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.kernels.norm_map import rmsnorm_mapped
@@ -92,6 +92,7 @@ def cases(device, dtype):
         ("gather_rows 64 tokens, dependent launch", lambda: gather_rows(x[64], perm, pdl=True)),
         ("rmsnorm_mapped 16 tokens", lambda: rmsnorm_mapped(x[16], scale, perm, 1e-5)),
         ("nm_experts 2 tokens, top 2, maps", lambda: nm_experts(x[2], e_values, e_words, 2, 4, 2, routed, 2, e_perm)[0]),
+        ("route_blocks 2 tokens, top 2, one launch", lambda: route_blocks(routed, 4, 1, kernel=True)[0]),
     ]
 
 

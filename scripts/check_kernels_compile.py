@@ -87,6 +87,8 @@ def cases(quick: bool) -> list[dict]:
     for t in (1, 16, 64):   # a MoE layer's 8 experts (top 2) in one grouped launch: 2, 32, 128 pairs
         for impl in ("experts", "experts_mapped"):
             out.append(dict(impl=impl, shape=(rows, cols), tokens=t))
+    for t, experts, top_k in ((1, 8, 2), (32, 8, 2), (8, 512, 8)):   # the routing alone, one launch: 2–64 pairs
+        out.append(dict(impl="route_blocks", shape=(experts, top_k), tokens=t))
     for width in ([4096] if quick else [4096, 11008, 14336]):
         out.append(dict(impl="rmsnorm_mapped", shape=(0, width), tokens=1))
         for t in (16, 2048):   # the row gather (whole rows staged in shared memory), as a dependent
@@ -126,6 +128,13 @@ def run_case(case: dict) -> None:
         from shuffleprune.kernels.gather import gather_rows
 
         gather_rows(torch.zeros(tokens, cols, dtype=dtype), perm, pdl=True)
+        return
+    if impl == "route_blocks":   # shape: (experts, top_k); each token's top_k experts in turn
+        from shuffleprune.kernels.nm_experts import experts_block_t, route_blocks
+
+        experts, top_k = case["shape"]
+        ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+        route_blocks(ids, experts, experts_block_t(ids.numel(), experts), kernel=True)
         return
     kept = cols // m * n
     if impl.startswith("experts"):   # 8 experts stacked, each token routed to 2 of them

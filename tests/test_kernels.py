@@ -325,6 +325,24 @@ def test_route_blocks_groups_each_experts_pairs_in_order_in_blocks_of_one_expert
     assert sorted(placed) == local and placed == sorted(local, key=lambda p: (int(ids[p]), p))
 
 
+@pytest.mark.parametrize("shape,experts,block_t,dtype", [
+    ((1,), 8, 1, torch.int64), ((7, 2), 4, 2, torch.int64), ((40,), 8, 16, torch.int32), ((9,), 64, 1, torch.int64),
+    ((8, 8), 128, 1, torch.int64), ((30,), 3, 4, torch.int32), ((64,), 512, 16, torch.int64), ((32, 2), 6, 32, torch.int64)])
+def test_route_blocks_kernel_groups_as_the_sort_does(shape, experts, block_t, dtype):
+    """The one-launch grouping (up to 64 pairs: a decode step's) gives ``route_blocks``' sort-and-scatter
+    answer exactly, dropped ids (−1, ≥ E) and empty blocks included, for any ids layout and dtype."""
+    from shuffleprune.kernels.nm_experts import ROUTE_KERNEL_PAIRS, route_blocks
+
+    g = torch.Generator().manual_seed(sum(shape) + experts)
+    ids = torch.randint(-1, experts + 1, shape, generator=g).to(dtype)
+    ids.view(-1)[: ids.numel() // 3] = ids.view(-1)[0]   # several pairs of one expert, more than a block's worth
+    assert ids.numel() <= ROUTE_KERNEL_PAIRS
+    slots, block_expert = route_blocks(ids, experts, block_t, kernel=True)
+    ref_slots, ref_expert = route_blocks(ids, experts, block_t, kernel=False)
+    assert slots.dtype == block_expert.dtype == torch.int32
+    assert torch.equal(block_expert, ref_expert) and torch.equal(slots, ref_slots)
+
+
 def test_sparse_experts_hold_one_stacked_copy_with_each_expert_a_view():
     """SparseExperts: each expert's SparseLinear reads views of the stacked buffers (no copy), its own map
     or none, gives that expert's product, and is made again over the new buffers after ``.to()``."""
@@ -1293,7 +1311,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     impls = {r["impl"] for r in rows}
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
             "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap", "decode_tall",
-            "decode_wide", "decode_mapped_tall", "decode_mapped_wide"} <= impls
+            "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "route_blocks"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -1412,7 +1430,7 @@ def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp
     assert {r["kernel"] for r in launches} == {
         "_nm_decode_kernel", "_sum_partials_kernel", "_nm_gemm_kernel", "_nm_decompress_kernel",
         "_nm_decompress_mapped_kernel", "_gather_columns_kernel", "_gather_rows_kernel", "_rmsnorm_mapped_kernel",
-        "_nm_experts_kernel"}
+        "_nm_experts_kernel", "_route_blocks_kernel"}
     assert all(r["fast"] for r in launches if r["call"] == 3)
     assert not any(r["fast"] for r in launches if r["call"] == 1)   # the first of each kind goes through Triton
     step = next(r for r in result["rows"] if "launches_per_step" in r)   # a whole eager decode step, as load serves
