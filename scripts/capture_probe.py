@@ -152,7 +152,7 @@ AREAS = (("triton", "/triton/"), ("transformers", "/transformers/"), ("torch.nn 
 # Triton's dispatch, its compile-or-load on a cache miss and our fast launches: calls per step (a miss in a
 # steady decode would be a kernel looked up anew at every step)
 WATCHED = {("jit.py", "run"): "triton_dispatches", ("jit.py", "_do_compile"): "triton_cache_misses",
-           ("launch.py", "launch"): "fast_kernel_calls"}
+           ("launch.py", "__call__"): "fast_kernel_calls"}   # BoundLaunch.__call__: every call of a fast(kernel)
 
 
 @functools.cache

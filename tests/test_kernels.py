@@ -1460,6 +1460,33 @@ def test_fast_launch_keys_tell_apart_what_triton_specializes_on():
         args_key((t, "a string"))
 
 
+def test_the_eager_profile_counts_every_call_of_a_fast_wrapped_kernel():
+    """``scripts/capture_probe.python_profile`` (the eager decode's profile on a GPU) counts each call of a
+    kernel through ``kernels/launch.py`` once per step, whether it goes through ``fast(k)[grid]`` (the
+    gathers, the norm) or a bound launch held by its caller (``nm_decode``)."""
+    import importlib.util
+    from pathlib import Path
+
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.kernels.gather import gather_columns
+    from shuffleprune.kernels.nm_decode import nm_decode
+    from shuffleprune.kernels.nm_words import position_words
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "capture_probe.py"
+    spec = importlib.util.spec_from_file_location("capture_probe_for_test", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    w = torch.randn(16, 64)
+    values, meta = compress(w * nm_keep_mask(w.abs(), 2, 4), 2, 4)
+    words, x, perm = position_words(meta), torch.randn(1, 64), torch.randperm(64).to(torch.int32)
+
+    def step() -> None:
+        nm_decode(gather_columns(x, perm), values, words, 2, 4, 2)
+
+    step()
+    assert probe.python_profile(step, steps=2)["calls_per_step"]["fast_kernel_calls"] == 2
+
+
 def test_fast_launch_runs_tritons_own_dispatch_under_the_interpreter():
     """Under ``TRITON_INTERPRET=1`` (CI) a wrapped kernel is launched by Triton as before: the same
     output, nothing launched fast."""
