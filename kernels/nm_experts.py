@@ -127,8 +127,8 @@ def route_blocks(expert_ids: torch.Tensor, num_experts: int, block_t: int,
         slots = torch.empty(blocks * block_t, dtype=torch.int32, device=device)
         block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
         width = max(16, next_pow2(pairs))
-        fast(_route_blocks_kernel)[(1,)](ids, slots, block_expert, pairs, num_experts, slots.numel(), blocks,
-                                         BT=block_t, BLOCK_P=width, CHUNK=width, num_warps=max(4, width // 8))
+        fast(_route_blocks_kernel)[(1,)](ids.contiguous(), slots, block_expert, pairs, num_experts, slots.numel(),
+                                         blocks, BT=block_t, BLOCK_P=width, CHUNK=width, num_warps=max(4, width // 8))
         return slots, block_expert
     ids = ids.long()
     key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)   # dropped pairs: one bucket past the last

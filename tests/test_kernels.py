@@ -341,6 +341,9 @@ def test_route_blocks_kernel_groups_as_the_sort_does(shape, experts, block_t, dt
     ref_slots, ref_expert = route_blocks(ids, experts, block_t, kernel=False)
     assert slots.dtype == block_expert.dtype == torch.int32
     assert torch.equal(block_expert, ref_expert) and torch.equal(slots, ref_slots)
+    strided = torch.stack([ids.reshape(-1), ids.reshape(-1) + 1], 1)[:, :1]   # a column: flattened, a strided view
+    assert ids.numel() == 1 or not strided.reshape(-1).is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(route_blocks(strided, experts, block_t, kernel=True), (ref_slots, ref_expert)))
 
 
 def test_sparse_experts_hold_one_stacked_copy_with_each_expert_a_view():
