@@ -23,6 +23,7 @@ import warnings
 
 import torch
 
+from shuffleprune.kernels.gpu import next_pow2
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, outside_graph_pools
 
 GATHERS = ("index_select", "columns", "rows")
@@ -39,7 +40,7 @@ def token_bucket(tokens: int) -> int:
     """Token counts grouped by powers of two (1, 2, 4, …): one measured choice per bucket (the gathers'
     and :class:`~shuffleprune.deploy.sparse_linear.SparseLinear`'s). No tokens: bucket 0, which nothing
     is measured on (an empty input would otherwise pass for two tokens)."""
-    return 1 << (tokens - 1).bit_length() if tokens > 0 else 0
+    return next_pow2(tokens)
 
 
 def map_span(perm: torch.Tensor) -> int:
