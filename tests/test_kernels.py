@@ -1071,6 +1071,28 @@ def test_auto_keeps_cslt_for_eager_calls_only_when_it_wins_eagerly_too(monkeypat
     assert layer._measure(x, ["cslt", "gemm", "scratch"]) == ("scratch", "scratch") and eager == []
 
 
+def test_auto_times_as_dependents_every_kernel_near_the_fastest_not_just_two(monkeypatch):
+    """With dependent launches on, ``auto`` times again so the two fastest Triton kernels and any other
+    within ``PDL_RETIME_WITHIN`` of the fastest candidate: the H100's 1024×4096 layer at 2 tokens
+    (2026-11-27), where the gathered decode, 4th without it, won as a dependent (9.2 → 7.4 µs). One
+    far slower is not timed again."""
+    from shuffleprune.deploy import sparse_linear
+
+    w, values, meta, x, perm, bias = _case(64, 64, 2, 4, 2, torch.float16)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
+    graph = {"decode_mapped": 8.2, "decode_shallow": 9.1, "decode_swap": 9.15, "decode": 9.2, "gemm": 30.0,
+             "scratch": 20.0, "decode_mapped+pdl": 8.4, "decode_shallow+pdl": 9.5, "decode_swap+pdl": 8.9,
+             "decode+pdl": 7.4, "gemm+pdl": 1.0}
+    _fake_timers(monkeypatch, graph, {})
+    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: True)
+    assert layer._measure(x, ["decode_mapped", "decode_shallow", "decode_swap", "decode", "gemm", "scratch"]) == (
+        "decode+pdl", "decode+pdl")
+    assert sparse_linear.pdl_retimed({k: v for k, v in graph.items() if "+" not in k}) == [
+        "decode_mapped", "decode_shallow", "decode_swap", "decode"]   # gemm (3.7× the fastest) is not
+    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: False)
+    assert layer._measure(x, ["decode_mapped", "decode", "scratch"]) == ("decode_mapped", "decode_mapped")
+
+
 def test_auto_runs_the_graph_choice_in_a_capture_and_the_eager_one_outside(monkeypatch):
     """``_choice``: a measured bucket answers with the graph's pick inside a CUDA graph capture and
     the eager pick outside; an unmeasured bucket met first inside a capture takes the default without
