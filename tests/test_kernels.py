@@ -971,10 +971,12 @@ def test_a_device_maps_span_is_read_at_the_first_call_outside_a_capture(monkeypa
     assert layer.map_span is None
 
 
-def test_auto_times_the_block_offsets_decode_only_for_maps_within_small_blocks():
-    """``decode_offsets`` (the map read as 1-byte offsets) is a candidate for a map within aligned blocks
-    of at most 256 columns, up to 16 tokens, not for a map over 512 columns nor a layer without a map;
-    its offsets are made once per map and again after the map is replaced."""
+def test_block_offsets_are_made_only_for_maps_within_small_blocks_and_auto_no_longer_weighs_them():
+    """``decode_offsets`` (the map read as 1-byte offsets) applies to a map within aligned blocks of at
+    most 256 columns, not to a map over 512 columns nor a layer without a map; its offsets are made
+    once per map. ``auto`` no longer weighs it, nor ``decode_tall`` (``NOT_WEIGHED``: never picked on
+    the H100), though both still run when named."""
+    from shuffleprune.deploy.sparse_linear import NOT_WEIGHED
     from shuffleprune.perm.core import random_block_perm
 
     gen = torch.Generator().manual_seed(5)
@@ -983,8 +985,11 @@ def test_auto_times_the_block_offsets_decode_only_for_maps_within_small_blocks()
     wide = SparseLinear(values, meta, 512, 2, 4, perm=torch.randperm(512, generator=gen))
     plain = SparseLinear(values, meta, 512, 2, 4)
     one, many = torch.randn(1, 512).half(), torch.randn(17, 512).half()
-    assert "decode_offsets" in block._candidates(one) and "decode_offsets" not in block._candidates(many)
-    assert "decode_offsets" not in wide._candidates(one) and "decode_offsets" not in plain._candidates(one)
+    assert block._offsets_apply() and not wide._offsets_apply() and not plain._offsets_apply()
+    for layer in (block, wide, plain):
+        assert not set(NOT_WEIGHED) & set(layer._candidates(one) + layer._candidates(many))
+    assert "decode_mapped_tall" in block._candidates(one)   # the 32-row tile reading the map stays weighed
+    assert set(NOT_WEIGHED) <= set(IMPLS)   # policies still: each runs against the reference in the IMPLS test above
     assert wide.block_map() is None and plain.block_map() is None
     offsets, span = block.block_map()
     assert span == 64 and offsets.dtype == torch.uint8 and block.block_map()[0] is offsets
@@ -1257,19 +1262,19 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     mapped, plain = SparseLinear(values, meta, 64, 2, 4, perm=perm), SparseLinear(values, meta, 64, 2, 4)
     x1, x20, x70 = (torch.randn(t, 64).half() for t in (1, 20, 70))
-    # a map over 64 columns lies within one block of 64: the map as 1-byte offsets is weighed too
-    # at one token the select loop's other tiles (32 rows; 256 kept values a step) on either input, at two the
-    # gathered input's 256-value step; not for 4:8 (its decode is the tensor cores') nor float32 inputs
-    assert mapped._candidates(x1) == ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped",
-                                      "decode_mapped_tall", "decode_mapped_wide", "decode_offsets", "scratch", "gather"]
-    assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_tall", "decode_wide", "scratch", "gather"]
+    # at one token the 256-value step on either input and the 32-row tile reading the map (the gathered input's
+    # is not weighed: NOT_WEIGHED), at two the gathered input's 256-value step; not for 4:8 (its decode is the
+    # tensor cores') nor float32 inputs
+    assert mapped._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_mapped",
+                                      "decode_mapped_tall", "decode_mapped_wide", "scratch", "gather"]
+    assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "scratch", "gather"]
     assert mapped._candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
-        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_offsets", "decode_swap", "scratch", "gather"]
+        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_swap", "scratch", "gather"]
     assert plain._candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
     _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(x1) == [
-        "decode", "decode_shallow", "decode_mapped", "decode_offsets", "scratch", "gather"]
-    assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_offsets", "decode_select",
+        "decode", "decode_shallow", "decode_mapped", "scratch", "gather"]
+    assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select",
                                                               "decode_swap", "scratch", "gather"]
     assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch",   # map in-kernel: ≤ 16
                                        "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather

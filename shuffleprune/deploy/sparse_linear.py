@@ -17,18 +17,22 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
 - ``decode_offsets`` (a map within aligned blocks of at most 256 columns, as ``prune`` writes them):
   ``decode_mapped`` reading the map as 1-byte offsets within its blocks (``block_map``), a quarter of
   the int32 map's bytes per step; built after the H100 put the in-kernel map's cost at one token at
-  1–9 % under a 64-column block map (``bench_kernel.json``, 2026-11-27), not yet timed (``auto``
-  measures it beside the others);
+  1–9 % under a 64-column block map (``bench_kernel.json``, 2026-11-27). Timed on the H100 the same
+  day it ran 5–14 % slower than ``decode_mapped`` at 1–2 tokens, so ``auto`` no longer weighs it
+  (``NOT_WEIGHED``); it runs when named;
 - ``decode_shallow`` (1–2 tokens): ``decode`` with its software pipeline one tile shallower (3 tiles
   in flight, not 4). An H100 sweep of the select loop at one token (``tune_decode_select.json``) had
   it fastest on 11008×4096 (23.1 against 24.5 µs) and slower on 4096×4096 and 4096×11008 (2–4 %),
-  so ``auto`` times both rather than a rule choosing by shape; not yet timed as a candidate;
+  so ``auto`` times both rather than a rule choosing by shape (on the H100 on 2026-11-27 it was
+  ``auto``'s pick in 3 of its 18 one-token rows, on 11008×4096 and 14336×4096);
 - ``decode_tall`` (one token), ``decode_wide`` (1–2 tokens), ``decode_mapped_tall`` and
   ``decode_mapped_wide`` (one token; 16-bit inputs, any N:M but 4:8): ``decode`` and ``decode_mapped`` with
   the select loop's other tiles, 32 rows per program or 256 kept values per step
   (``DECODE_KERNELS_TILE``). An H100 sweep had them 2–6 % faster than the default tile on a tall or
-  a wide shape and not on the square one (``tune_gather.json``), so ``auto`` times them; not yet
-  timed as candidates;
+  a wide shape and not on the square one (``tune_gather.json``), so ``auto`` times them. Timed as
+  candidates on the H100 (2026-11-27), the three others were ``auto``'s picks in 15 of its 36 one- and
+  two-token rows (11 of 18 at one token), ``decode_tall`` in none, so ``auto`` no longer weighs it
+  (``NOT_WEIGHED``);
 - ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
   instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
   tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
@@ -104,6 +108,10 @@ MAPPED_MAX_TOKENS = 16
 # on the gathered input and reading the map itself, which auto weighs up to these token counts (the module
 # docstring says why)
 DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
+# policies auto no longer weighs (still run when named): on an H100 (2026-11-27, bench_kernel.json, 126 auto rows)
+# neither was ever picked; decode_offsets ran 5–14 % slower than decode_mapped under the same block map at 1–2
+# tokens on all six shapes and within 1.6 % either way at 4–16, decode_tall within 1 % of the default tile at best
+NOT_WEIGHED = ("decode_tall", "decode_offsets")
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1}
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
@@ -510,7 +518,7 @@ class SparseLinear(nn.Module):
             out.append("scratch_mapped")
         if tokens <= GATHER_MAX_TOKENS and not self.tiled:
             out.append("gather")
-        return out
+        return [impl for impl in out if impl not in NOT_WEIGHED]
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., perm] @ W_pᵀ + b`` by PyTorch alone (``W_p`` decompressed into the shared scratch, no
