@@ -40,7 +40,7 @@ def pdl(x: torch.Tensor) -> bool:
     """Whether kernels on ``x``'s device may launch as programmatic dependents (``kernels/overlap.py``):
     an NVIDIA GPU of compute capability 9.0 or more (Hopper's grid dependency control); never
     interpreted on the CPU."""
-    return x.device.type == "cuda" and torch.version.hip is None and _capability(x.device.index)[0] >= 9
+    return x.is_cuda and torch.version.hip is None and _capability(x.get_device())[0] >= 9   # (no device object)
 
 
 @functools.lru_cache(maxsize=None)

@@ -88,7 +88,7 @@ def partials(split: int, y: torch.Tensor) -> torch.Tensor:
 
 
 SPLIT_COUNTERS = 1 << 16   # arrival counters per device (256 KB of int32), handed out as a ring
-_COUNTERS: dict[str, list] = {}   # device → [the zeroed counters, where the next launch's start]
+_COUNTERS: dict[torch.device, list] = {}   # device → [the zeroed counters, where the next launch's start]
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
@@ -102,12 +102,12 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     zeroed only when the graph first runs)."""
     if tiles > SPLIT_COUNTERS:
         return None
-    entry = _COUNTERS.get(str(device))
+    entry = _COUNTERS.get(device)   # keyed by the device itself: its str() cost microseconds at every split launch
     if entry is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         counters = outside_graph_pools(lambda: torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device), device)
-        entry = _COUNTERS[str(device)] = [counters, 0]
+        entry = _COUNTERS[device] = [counters, 0]
     counters, start = entry
     if start + tiles > SPLIT_COUNTERS:
         start = 0

@@ -5,8 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # fast_launch host kernel e2e targets e2e_eager (next1:
-#                                              # e2e_compile gather targets)
+#                                              # kernel targets moe (next1: moe_stacked e2e targets)
 #   bash scripts/gpu_run.sh fast_launch        # kernels/launch.py's fast launches against Triton's dispatch: outputs
 #                                              # bit for bit and the host's µs per call both ways (fast_launch_cuda.json)
 #   bash scripts/gpu_run.sh host               # the host's µs per eager call, real launches: nn.Linear, RMSNorm, a
@@ -94,26 +93,24 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     [ "$SMOKE" = 1 ] || { [ -f "$result" ] && cp "$result" "$OUT/"; }
 }
 # A session has 15 minutes of device time in all, the machine's start (about 30 s) included, and one call runs
-# 600 s at most. On 2026-11-27 (H100, c0cc1a9) one call ran kernel 122 s, targets 4 s and e2e_compile 97 s, a second
-# e2e_eager 74 s and gather 50 s; on f7687fe e2e_eager took 146 s (its profiled step included) and e2e did not end
-# within the session's last 290 s (it took 139 s on 71238d6). There the 2:4 model's prompt could not be captured
-# (cuSPARSELt's thread-local handle made inside the capture), fixed in f7687fe and seen captured in e2e_eager; its
-# eager decode ran at 0.48-0.68x dense, host-bound. issue24 is now, the targets' tables first: fast_launch
-# (launches that skip Triton's per-call dispatch, checked against it on the GPU), host (each eager call's host
-# time, real launches), kernel (the per-layer table with decode_offsets, the block map read as 1-byte offsets),
-# e2e (the CUDA-graph table on the code of today), the targets, then e2e_eager (the eager decode with fast
-# launches, its step's Python time by package: where the eager decode's time goes). next1: the compiled
-# decode (and the prompt captured after the fix under torch.compile), the gathers and the targets;
-# next2..next5 are what no GPU has timed yet, one call each (limits summing to at most 500 s), in the order
-# they matter to the issue (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24
-# and all five, for the CPU smoke run.
-ISSUE24=(fast_launch host kernel e2e targets e2e_eager)   # limits 90 + 60 + 200 + 190 + 10 + 200 s; by the 11-27
-                                                    # timings about 450 s (kernel 122, e2e 139, e2e_eager 146 s);
-                                                    # fast_launch failing turns fast launches off for the steps after it
-NEXT1=(e2e_compile gather targets)                  # 280 + 120 + 10 s (e2e_compile 97 s, gather 50 s on 11-27)
-NEXT2=(moe)                                         # 300 s
-NEXT3=(moe_stacked)                                 # 300 s
-NEXT4=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
+# 600 s at most. On 2026-11-27 (H100, 3616890) one call ran fast_launch 38 s, host 54, kernel 125, e2e 150, targets 4
+# and e2e_eager 93 (476 s), a second e2e_compile 115 and gather 55: every step of the issue's tables then, the
+# fast launches checked bit for bit. That second call's targets step read the committed kernel and e2e files,
+# not the first call's (each call starts from this checkout), so targets now runs only in a call that ran kernel
+# or e2e. issue24 is now what changed after those calls and what never ran: kernel (auto's dependent-launch
+# retiming of every kernel near its fastest, its candidates without decode_offsets and decode_tall), the targets,
+# then moe (the MoE experts and the one-launch routing, never timed). next1: moe_stacked and the CUDA-graph e2e
+# table again; next2..next5 the rest, one call each (limits summing to at most 600 s), in the order they matter
+# to the issue (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five,
+# for the CPU smoke run.
+ISSUE24=(kernel targets moe)                        # limits 200 + 10 + 300 s (kernel 125 s on 3616890; moe never run):
+                                                    # auto's dependent-launch retiming and its candidates without
+                                                    # decode_offsets / decode_tall, then the MoE experts and the
+                                                    # one-launch routing, never timed
+NEXT1=(moe_stacked e2e targets)                     # 300 + 190 + 10 s (e2e 150 s on 3616890)
+NEXT2=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
+NEXT3=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
+NEXT4=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 54 and 55 s on 3616890)
 NEXT5=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
 [ $# -eq 0 ] && set -- issue24
 steps=(); for s in "$@"; do case $s in
@@ -128,7 +125,9 @@ steps=(); for s in "$@"; do case $s in
     *) steps+=("$s") ;;
 esac; done
 set -- "${steps[@]}"
+ran=()   # the steps of this call so far
 for s in "$@"; do
+    ran+=("$s")
     case $s in
         perm_cost) step perm_cost 280 scripts/results/bench_perm_cost.json \
             $PY scripts/bench_perm_cost.py --llama7b-block --device cuda --windows 128 --seqlen 1024 --batch 4 --steps 10 ;;
@@ -212,8 +211,10 @@ for s in "$@"; do
         stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
             $PY scripts/bench_stage_cost.py --device cuda ;;
         e2e) step e2e 190 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
-        targets) step targets 10 scripts/results/gpu_targets.json $PY scripts/gpu_targets.py \
-            --json scripts/results/gpu_targets.json ;;
+        targets) if [[ " ${ran[*]} " != *" kernel "* && " ${ran[*]} " != *" e2e "* ]]; then   # the files a call
+                echo "=== targets: neither kernel nor e2e ran in this call (skipped: it would read the committed files)"
+            else step targets 10 scripts/results/gpu_targets.json $PY scripts/gpu_targets.py \
+                --json scripts/results/gpu_targets.json; fi ;;
         e2e_compile) step e2e_compile 280 scripts/results/bench_e2e_compile.json $PY scripts/bench_e2e.py --decode compile ;;
         fast_launch) rm -f scripts/results/fast_launch_cuda.json   # a failed check leaves no file of an earlier run
             step fast_launch 90 scripts/results/fast_launch_cuda.json $PY scripts/check_fast_launch.py --gpu
