@@ -691,8 +691,9 @@ def test_dependent_launch_is_off_the_gpu_and_where_the_environment_turns_it_off(
 
 def test_auto_times_the_two_fastest_triton_kernels_again_as_dependent_launches(monkeypatch):
     """Where kernels can launch as programmatic dependents, the two fastest decode or GEMM kernels (and any
-    other near the fastest candidate: the next test) are timed once more with ``+pdl`` (where the output agrees and a CUDA graph captures them), and the fastest
-    of all candidates is kept, a plain launch on a tie; nothing of it off Hopper."""
+    other near the fastest candidate: the next test) are timed once more with ``+pdl`` (where the output
+    agrees and a CUDA graph captures them), and the fastest of all candidates is kept, a plain launch on
+    a tie; nothing of it off Hopper."""
     from shuffleprune.deploy import sparse_linear
 
     w, values, meta, x, perm, bias = _case(64, 64, 2, 4, 4, torch.float32)

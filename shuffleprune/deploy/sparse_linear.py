@@ -728,7 +728,8 @@ def pdl_retimed(timed: dict[str, float]) -> list[str]:
     :data:`PDL_RETIME_WITHIN` of the fastest candidate of all, fastest first."""
     fastest = min(timed.values())
     kernels = sorted((impl for impl in timed if impl in PDL_KERNELS), key=timed.__getitem__)
-    return kernels[:PDL_RETIMED] + [impl for impl in kernels[PDL_RETIMED:] if timed[impl] <= PDL_RETIME_WITHIN * fastest]
+    near = [impl for impl in kernels[PDL_RETIMED:] if timed[impl] <= PDL_RETIME_WITHIN * fastest]
+    return kernels[:PDL_RETIMED] + near
 
 
 def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
