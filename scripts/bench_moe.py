@@ -66,18 +66,24 @@ def moe_row(args: argparse.Namespace, tokens: int, impl: str, ms: float, how: st
             "rel_err": float(relative_error(got, want)), "device": machine().get("gpu", "cpu")}
 
 
-def save_moe_results(args: argparse.Namespace, doc: str, dtype, nbytes: dict, rows: list[dict]) -> None:
-    """Write the benchmark's results file (machine, versions, command, config); a smoke run writes none."""
+def save_moe_results(args: argparse.Namespace, doc: str, dtype, nbytes: dict, rows: list[dict],
+                     complete: bool = True) -> None:
+    """Write the benchmark's results file (machine, versions, command, config, ``complete``: whether every
+    token count ran; the benchmarks write it after each, so a step cut off by its time limit keeps what
+    it measured); a smoke run writes none."""
     from shuffleprune.runtime import machine, versions
 
     if args.smoke:
-        print("smoke: every implementation ran; no results written")
+        if complete:
+            print("smoke: every implementation ran; no results written")
         return
-    result = {"what": doc.splitlines()[0], "command": " ".join(["python3", *sys.argv]),
+    result = {"what": doc.splitlines()[0], "complete": complete, "command": " ".join(["python3", *sys.argv]),
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "smoke")}, "dtype": str(dtype),
               "bytes": nbytes, "machine": machine(), "versions": versions("triton"), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    tmp = Path(args.out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(args.out)   # never a half-written file
+    print(f"wrote {args.out}" + ("" if complete else " (so far)"), flush=True)
 
 
 def main() -> None:
@@ -155,7 +161,8 @@ def main() -> None:
             return cuda_graph_ms([fn] * args.calls, args.runs, warm=3)
         return eager_ms([fn] * args.calls, args.runs, warm=0), "events"   # warmed up by the caller
 
-    rows = []
+    rows = route_rows(args, device, gen, timed_ms)   # first: quick, and never timed on a GPU before
+    save_moe_results(args, __doc__, dtype, nbytes, rows, complete=False)
     with torch.no_grad():
         for tokens in args.tokens:
             x = torch.randn(tokens, args.hidden, generator=gen).to(device, dtype)
@@ -173,7 +180,7 @@ def main() -> None:
                 if mode == "auto":   # what auto measured faster for this token count (run eagerly, as it chose)
                     rows[-1]["choice"] = experts_mode(layer.experts, x, top, weights)
                 print(rows[-1], flush=True)
-        rows += route_rows(args, device, gen, timed_ms)
+            save_moe_results(args, __doc__, dtype, nbytes, rows, complete=False)
     save_moe_results(args, __doc__, dtype, nbytes, rows)
 
 

@@ -117,6 +117,7 @@ def main() -> None:
                 ms, how = timed_ms(call)
                 rows.append(moe_row(args, tokens, name, ms, how, got, want))
                 print(rows[-1], flush=True)
+            save_moe_results(args, __doc__, dtype, nbytes, rows, complete=False)   # kept if the step is cut off
     save_moe_results(args, __doc__, dtype, nbytes, rows)
 
 
