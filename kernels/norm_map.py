@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
 
 from shuffleprune.kernels import overlap
 from shuffleprune.kernels.gpu import next_pow2
-from shuffleprune.kernels.launch import fast
+from shuffleprune.kernels.launch import BoundLaunch, fast
 
 if triton is not None:
     from shuffleprune.kernels.overlap import release_next
@@ -56,8 +56,20 @@ def rmsnorm_mapped(x: torch.Tensor, scale: torch.Tensor, perm: torch.Tensor, eps
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        block = next_pow2(d)
-        fast(_rmsnorm_mapped_kernel)[(x2.shape[0],)](x2, scale, perm, y, d, x2.stride(0), y.stride(0), float(eps),
-                                               BLOCK_D=block, num_warps=max(1, min(16, block // 256)),
-                                               RELEASE=overlap.enabled(x))
+        _launch(d, overlap.enabled(x))((x2.shape[0],), x2, scale, perm, y, d, x2.stride(0), y.stride(0), float(eps))
     return y.view(*x.shape)
+
+
+_LAUNCHES: dict[tuple[int, bool], BoundLaunch] = {}   # the norm's launch by width and dependent release
+
+
+def _launch(d: int, release: bool) -> BoundLaunch:
+    """The norm's launch for rows of ``d`` (its block and warps) and whether it releases a dependent kernel
+    early, bound once (:meth:`~.launch.FastKernel.bind`) and looked up: the norm runs twice per decoder
+    layer and decode step, and binding its keywords at each call cost host time an eager step pays."""
+    bound = _LAUNCHES.get((d, release))
+    if bound is None or bound.fast_kernel.kernel is not _rmsnorm_mapped_kernel:   # (a kernel swapped in)
+        block = next_pow2(d)
+        bound = _LAUNCHES[(d, release)] = fast(_rmsnorm_mapped_kernel).bind(
+            8, {"BLOCK_D": block, "num_warps": max(1, min(16, block // 256)), "RELEASE": release})
+    return bound
