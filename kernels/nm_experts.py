@@ -100,7 +100,7 @@ def experts_block_t(pairs: int, experts: int, limit: int = DECODE_MAX_TOKENS) ->
     """Pairs per block: the mean pairs per expert that some pair chose, as a power of two — 1 while
     most experts get at most one pair (each block then a matrix-vector product on the select
     loop), at most ``limit`` (the decode's widest token tile, :func:`decode_max_tokens`)."""
-    mean = -(-pairs // max(1, min(experts, pairs)))
+    mean = cdiv(pairs, max(1, min(experts, pairs)))
     return min(limit, 1 << max(0, (mean - 1).bit_length()))
 
 
@@ -120,7 +120,7 @@ def route_blocks(expert_ids: torch.Tensor, num_experts: int, block_t: int,
     the host and on the GPU, once per MoE layer and token)."""
     ids = expert_ids.reshape(-1)
     pairs, device = ids.numel(), ids.device
-    blocks = -(-pairs // block_t) + min(num_experts, pairs)
+    blocks = cdiv(pairs, block_t) + min(num_experts, pairs)
     if kernel is None:
         kernel = ids.is_cuda and triton is not None
     if kernel and 0 < pairs <= ROUTE_KERNEL_PAIRS:

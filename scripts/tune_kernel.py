@@ -83,7 +83,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from shuffleprune.kernels import overlap
-    from shuffleprune.kernels.gpu import l2_bytes
+    from shuffleprune.kernels.gpu import l2_bytes, next_pow2
     from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
     from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP, gemm_plan, nm_decompress_into, nm_gemm
     from shuffleprune.kernels.nm_words import position_words
@@ -161,7 +161,7 @@ def main() -> None:
             else:
                 plan_args = {k: v for k, v in DECODE.get(variant, {}).items() if k not in NM_DECODE_ONLY}
                 block_t = (decode_plan(out_f, values.shape[1], tokens, 2, 4, meta_bits(4), dev, **plan_args)["block_t"]
-                           if decode else min(16, 1 << (tokens - 1).bit_length()))   # the kernel's token tile
+                           if decode else min(16, next_pow2(tokens)))   # the kernel's token tile
                 if br * bk * block_t > args.max_tile or (not decode and st != args.stages[0]):
                     continue
 
