@@ -66,6 +66,26 @@ def text_config(model: nn.Module):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def head_layout(attention: nn.Module, config, width: int) -> tuple[int | None, int | None, int | None]:
+    """(query heads, KV heads, head size) of the attention module whose output projection reads
+    ``width`` inputs: from the module's own ``head_dim`` and ``num_key_value_groups`` where it has
+    them (transformers' attention modules; per layer, so models whose layers differ are read right),
+    else from the model config (``None`` where it has no single value)."""
+    d, groups = getattr(attention, "head_dim", None), getattr(attention, "num_key_value_groups", None)
+    if isinstance(d, int) and isinstance(groups, int) and d > 0 and groups > 0 and width % (d * groups) == 0:
+        return width // d, width // d // groups, d
+    return tuple(config_value(config, key) for key in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+
+
+def config_value(config, key: str) -> int | None:
+    """A config's value, ``None`` where it has none or none for the whole model (transformers refuses
+    to read a per-layer attribute of a config whose layers differ, Gemma 4's ``head_dim``)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, and any config that raises
+        return None
+
+
 def is_plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` that computes ``x Wᵀ + b``: ``nn.Linear`` itself, a class that says so
     (``is_linear_map``: shuffleprune's ``PermutedLinear``), or a subclass whose own ``forward`` gives

@@ -132,7 +132,7 @@ def test_an_expert_no_token_reached_gets_a_magnitude_mask_and_no_update():
     # the swap search scores each expert the way it is pruned: by Wanda's score, or by magnitude unrouted
     from shuffleprune.perm.search import swap_search
     from shuffleprune.prune.stages.permutation import Search
-    run = type("R", (), {"pattern": pattern, "seed": 0, "device": torch.device("cpu"), "captured": None})()
+    run = type("R", (), {"pattern": pattern, "seed": 0, "device": torch.device("cpu"), "captured": None, "model": model})()
     for n in names:
         experts[n].weight.copy_(dense[n])
     Search(block=16).apply(run, work)

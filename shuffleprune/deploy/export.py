@@ -45,8 +45,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shuffleprune.block_inputs import block_probe
-from shuffleprune.blocks import (block_linears, expert_name, find_blocks, is_plain_linear, parse_expert_name,
-                                  text_config)
+from shuffleprune.blocks import (block_linears, decoder_of, expert_name, find_blocks, head_layout,
+                                  is_plain_linear, parse_expert_name, text_config)
 from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
@@ -65,6 +65,11 @@ HF_LOADER_FILE = "shuffleprune_hf.py"
 # largest value: an exact fold only reorders sums (0 to 3e-7 seen), an inexact one moved it by 1.6e-5
 # (a norm's weights left behind) to 4.6e-5 (rows of a linear that does not feed the consumer permuted too)
 FOLD_TOLERANCE = 1e-5
+# After every block's folds the whole decoder runs the probe once more: a fold can pass its own block's
+# check and still change a later block that reads what it changed through the KV cache (Gemma 3n's
+# shared KV: o_proj's map folded into v_proj's rows reorders the cached values another layer reads).
+# Reordered sums alone stay far below this, relative to the decoder output's largest value.
+MODEL_FOLD_TOLERANCE = 1e-3
 # Written next to an export so that transformers can load it too:
 # AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) → shuffleprune.load(dir).
 HF_LOADER = '''"""transformers entry point of a shuffleprune export (needs `pip install shuffleprune`)."""
@@ -171,7 +176,7 @@ def _grouped_head_perm(perm: torch.Tensor, heads_of: tuple[int | None, int | Non
     """GQA: the row permutation of a producer with ``rows`` = KV heads × head size that matches
     ``perm`` over query heads × head size — when ``perm`` stays within heads and is identical for
     all query heads sharing a KV head; else None. ``heads_of``: (query heads, KV heads, head size),
-    any of them unknown (:func:`_head_layout`)."""
+    any of them unknown (:func:`~shuffleprune.blocks.head_layout`)."""
     heads, kv, d = heads_of
     kv = kv or heads
     if not heads or not kv or heads % kv or perm.numel() % heads:
@@ -189,26 +194,6 @@ def _grouped_head_perm(perm: torch.Tensor, heads_of: tuple[int | None, int | Non
     return (local[:, 0] + (torch.arange(kv) * d).unsqueeze(1)).flatten()
 
 
-def _head_layout(attention: nn.Module, config, width: int) -> tuple[int | None, int | None, int | None]:
-    """(query heads, KV heads, head size) of the attention module whose output projection reads
-    ``width`` inputs: from the module's own ``head_dim`` and ``num_key_value_groups`` where it has
-    them (transformers' attention modules; per layer, so models whose layers differ are read right),
-    else from the model config (``None`` where it has no single value)."""
-    d, groups = getattr(attention, "head_dim", None), getattr(attention, "num_key_value_groups", None)
-    if isinstance(d, int) and isinstance(groups, int) and d > 0 and groups > 0 and width % (d * groups) == 0:
-        return width // d, width // d // groups, d
-    return tuple(_config_value(config, key) for key in ("num_attention_heads", "num_key_value_heads", "head_dim"))
-
-
-def _config_value(config, key: str) -> int | None:
-    """A config's value, ``None`` where it has none or none for the whole model (transformers refuses
-    to read a per-layer attribute of a config whose layers differ, Gemma 4's ``head_dim``)."""
-    try:
-        return getattr(config, key, None)
-    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, and any config that raises
-        return None
-
-
 def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     """Fold input index maps into producer rows where the block's output stays the same; returns
     ``{consumer: [producers]}`` of the folds made (in place: folded consumers become plain linears
@@ -216,7 +201,9 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     blocks = find_blocks(model)
     run = block_probe(model, blocks)
     config = text_config(model)
-    folded = {}
+    whole = _decoder_probe(model, blocks)
+    whole_reference = whole()
+    made: list[_Fold] = []
     for i, block in enumerate(blocks.layers):
         reference = run(i)
         scale = reference.abs().max().clamp_min(1e-6)
@@ -233,7 +220,7 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
             subsets = [[p] for p in producers] + [list(c) for c in combinations(producers, 2)]
             subsets += [producers] if len(producers) > 2 else []
             attempts = [(subset, {p: perm for p in subset}) for subset in subsets if subset]
-            heads_of = _head_layout(model.get_submodule(name.rpartition(".")[0]), config, consumer.in_features)
+            heads_of = head_layout(model.get_submodule(name.rpartition(".")[0]), config, consumer.in_features)
             for n, lin in linears.items():  # GQA: a narrower producer (v_proj) under a head-consistent map
                 if n != name and lin.out_features < consumer.in_features:
                     rows = _grouped_head_perm(perm, heads_of, lin.out_features)
@@ -249,19 +236,79 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
             if consumer.bias is not None:
                 plain.bias.data = consumer.bias.data
             for k, (subset, row_perms) in enumerate(attempts):
-                moved = channel if k == 0 else []
-                for p in subset:
-                    _permute_rows(linears[p], row_perms[p])
-                _permute_channels(moved, perm)
-                model.set_submodule(name, plain)
+                fold = _Fold(name, consumer, plain, {p: (linears[p], row_perms[p]) for p in subset},
+                             channel if k == 0 else [], perm)
+                fold.apply(model)
                 if ((run(i) - reference).abs().max() / scale) < FOLD_TOLERANCE:
-                    folded[name] = subset
+                    made.append(fold)
+                    linears[name] = plain   # the module in the model now: a later fold may move its rows
                     break
-                model.set_submodule(name, consumer)  # undo
-                _permute_channels(moved, torch.argsort(perm))
-                for p in subset:
-                    _permute_rows(linears[p], torch.argsort(row_perms[p]))
-    return folded
+                fold.undo(model)
+    _undo_folds_that_change_the_model(model, made, lambda: bool(_moved(whole(), whole_reference) < MODEL_FOLD_TOLERANCE))
+    return {fold.name: list(fold.rows) for fold in made}
+
+
+@dataclass
+class _Fold:
+    """One fold: ``name``'s consumer replaced by its plain twin ``plain``, the producers' rows (and the
+    vectors of a per-channel module between them) permuted."""
+
+    name: str
+    consumer: nn.Module
+    plain: nn.Module
+    rows: dict[str, tuple[nn.Module, torch.Tensor]]   # producer name → (module, row permutation)
+    channels: list[nn.Module]
+    perm: torch.Tensor
+
+    def apply(self, model: nn.Module) -> None:
+        for module, rows in self.rows.values():
+            _permute_rows(module, rows)
+        _permute_channels(self.channels, self.perm)
+        model.set_submodule(self.name, self.plain)
+
+    def undo(self, model: nn.Module) -> None:
+        model.set_submodule(self.name, self.consumer)
+        _permute_channels(self.channels, torch.argsort(self.perm))
+        for module, rows in self.rows.values():
+            _permute_rows(module, torch.argsort(rows))
+
+
+def _decoder_probe(model: nn.Module, blocks) -> Callable[[], torch.Tensor]:
+    """The decoder's output (float32) on a fixed random 16-token probe, run as a whole (KV cache and
+    all, as generation runs it)."""
+    decoder = decoder_of(model, blocks)
+    tokens = torch.randint(0, text_config(model).vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(next(model.parameters()).device)
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            return decoder(input_ids=tokens).last_hidden_state.float()
+    return run
+
+
+def _moved(out: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    return (out - reference).abs().max() / reference.abs().max().clamp_min(1e-6)
+
+
+def _undo_folds_that_change_the_model(model: nn.Module, made: list[_Fold], unchanged: Callable[[], bool]) -> None:
+    """Where the whole decoder moved although every fold passed its block's check: undo folds from the
+    last until it does not, then put back, one at a time, those undone before the one that made the
+    difference, keeping each that leaves the decoder unchanged (``made`` is updated in place)."""
+    if not made or unchanged():
+        return
+    undone = []
+    while made and not unchanged():
+        undone.append(made.pop())
+        undone[-1].undo(model)
+    if not unchanged():
+        raise RuntimeError("export: undoing every permutation fold did not restore the model's output")
+    undone.pop()   # the fold whose undo restored the output stays undone
+    for fold in reversed(undone):
+        fold.apply(model)
+        if unchanged():
+            made.append(fold)
+        else:
+            fold.undo(model)
 
 
 def _through_channelwise(block: nn.Module, prefix: str, run: Callable[[], torch.Tensor], name: str,

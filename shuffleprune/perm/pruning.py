@@ -38,6 +38,7 @@ from shuffleprune.masks import Pattern
 from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, kl_loss, learn_permutations, masked_weight
 from shuffleprune.perm.search import swap_search
 from shuffleprune.perm.core import LR_DECAYS, PermSchedule, SoftPermutation, random_block_perm, strength
+from shuffleprune.perm.heads import HeadTie
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class PermOptions:
     rounds: int = 200           # swap search: rounds at most (it stops earlier once no swap helps)
     batch: int = 4              # calibration windows per step
     holdout: float = 0.0        # fraction of windows kept out of learning, used only to choose the final permutation
+    tie_heads: bool = False     # GQA: one map per KV head for the output projection, so export folds it (perm.heads)
     seed: int = 0
 
     def check(self, pattern: Pattern) -> None:
@@ -128,18 +130,35 @@ def _searched(units: list[list[str]], scores: dict[str, torch.Tensor], pattern: 
     return found, time.time() - t0
 
 
-def _fixed_perms(units: list[list[str]], perms_of_unit: dict[str, torch.Tensor],
+def _unit_ties(units: list[list[str]], ties: dict[str, HeadTie]) -> dict[str, HeadTie]:
+    """The ties of the units (by first member) whose every member has the same one."""
+    out = {}
+    for u in units:
+        tie = ties.get(u[0])
+        if tie is not None and all(ties.get(n) == tie for n in u):
+            out[u[0]] = tie
+    return out
+
+
+def _expanded(perms_of_unit: dict[str, torch.Tensor], ties: dict[str, HeadTie]) -> dict[str, torch.Tensor]:
+    """Each unit's map over its layers' columns (a tied unit's over ``heads·d``, :meth:`HeadTie.expand`)."""
+    return {k: ties[k].expand(p) if k in ties else p for k, p in perms_of_unit.items()}
+
+
+def _fixed_perms(units: list[list[str]], perms_of_unit: dict[str, torch.Tensor], ties: dict[str, HeadTie],
                  summary: dict | None = None) -> tuple[dict, dict]:
-    perms = {name: perms_of_unit[u[0]] for u in units for name in u}
-    info = {u[0]: {"linears": u, "strength": round(strength(perms_of_unit[u[0]]), 4)} for u in units}
+    full = _expanded(perms_of_unit, ties)
+    perms = {name: full[u[0]] for u in units for name in u}
+    info = {u[0]: {"linears": u, "strength": round(strength(full[u[0]]), 4),
+                   **({"tied_heads": ties[u[0]].group} if u[0] in ties else {})} for u in units}
     return perms, {"perms": info, "summary": summary or {}}
 
 
 @dataclass
 class _Problem:
     """What the permutations of one block (or of the model) are learned for: the units sharing one
-    permutation, their linears with their frozen float32 weights and Wanda's scores, and the swap
-    search's permutations."""
+    permutation, their linears with their frozen float32 weights and Wanda's scores (a tied unit's
+    folded, :meth:`HeadTie.fold`), and the swap search's permutations (over those columns)."""
     units: list[list[str]]
     linears: dict[str, nn.Linear | ExpertWeight]
     weights: dict[str, torch.Tensor]
@@ -148,27 +167,40 @@ class _Problem:
     search_seconds: float
     pattern: Pattern
     opts: PermOptions
+    ties: dict[str, HeadTie]   # by unit
 
     @property
     def key(self) -> dict[str, str]:
         """Each linear's unit (its first member's name)."""
         return {name: u[0] for u in self.units for name in u}
 
+    def width(self, unit: str) -> int:
+        """The columns ``unit``'s permutation is over."""
+        return self.weights[unit].shape[1]
+
     def effective(self, perms: dict, masked: Callable) -> dict[str, torch.Tensor]:
         """Every linear's masked weight under its unit's permutation (soft blocks or hard index)."""
         key, pattern = self.key, self.pattern
-        return {n: masked(self.weights[n], self.scores[n], perms[key[n]], pattern.n, pattern.m)
-                .to(lin.weight.dtype) for n, lin in self.linears.items()}
+        out = {}
+        for n, lin in self.linears.items():
+            w = masked(self.weights[n], self.scores[n], perms[key[n]], pattern.n, pattern.m)
+            out[n] = (self.ties[key[n]].unfold(w) if key[n] in self.ties else w).to(lin.weight.dtype)
+        return out
 
 
 def _problem(linears: dict[str, nn.Linear | ExpertWeight], norms: dict[str, torch.Tensor | None],
-             groups: list[list[str]], pattern: Pattern, opts: PermOptions) -> _Problem:
-    """Units, scores and (where asked for) the swap search's permutations."""
+             groups: list[list[str]], pattern: Pattern, opts: PermOptions,
+             ties: dict[str, HeadTie] | None = None) -> _Problem:
+    """Units, scores and (where asked for) the swap search's permutations; ``ties`` by linear name."""
     units = _units(groups, opts.share)
+    unit_ties = _unit_ties(units, ties or {})
+    tie_of = {name: unit_ties[u[0]] for u in units for name in u if u[0] in unit_ties}
     weights = {name: lin.weight.detach().float() for name, lin in linears.items()}
     scores = {name: _score(w, norms[name]) for name, w in weights.items()}
+    for name, tie in tie_of.items():
+        weights[name], scores[name] = tie.fold(weights[name]), tie.fold(scores[name])
     searched, search_seconds = _searched(units, scores, pattern, opts)
-    return _Problem(units, linears, weights, scores, searched, search_seconds, pattern, opts)
+    return _Problem(units, linears, weights, scores, searched, search_seconds, pattern, opts, unit_ties)
 
 
 def _learn_and_choose(problem: _Problem, recon: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
@@ -179,7 +211,7 @@ def _learn_and_choose(problem: _Problem, recon: Callable[[dict[str, torch.Tensor
     search, identity} kept — judged on every calibration window, or on the held-out ones
     (``opts.holdout``)."""
     opts, searched = problem.opts, problem.searched
-    soft = {u[0]: SoftPermutation(problem.linears[u[0]].in_features, opts.block, opts.relax,
+    soft = {u[0]: SoftPermutation(problem.width(u[0]), opts.block, opts.relax,
                                   init_perm=searched.get(u[0])).to(device) for u in problem.units}
     learn_rows, judge_rows = split_windows(n_windows, opts.holdout, gen)
 
@@ -205,13 +237,14 @@ def _learn_and_choose(problem: _Problem, recon: Callable[[dict[str, torch.Tensor
         losses = {name: full_loss(c) for name, c in candidates.items()}
     chosen = min(candidates, key=lambda c: losses[c])
     key = problem.key
-    perms = {name: candidates[chosen][key[name]] for name in problem.linears}
+    full = _expanded(candidates[chosen], problem.ties)
+    perms = {name: full[key[name]] for name in problem.linears}
     info = {}
     for k in soft:
-        p = candidates[chosen][k]
-        info[k] = {"linears": [n for n in problem.linears if key[n] == k], "strength": round(strength(p), 4),
+        info[k] = {"linears": [n for n in problem.linears if key[n] == k], "strength": round(strength(full[k]), 4),
                    "penalty_curve": [round(v, 4) for v in result.penalty_per_perm[k]],
-                   "hardening_step": opts.steps, "chosen": chosen}
+                   "hardening_step": opts.steps, "chosen": chosen,
+                   **({"tied_heads": problem.ties[k].group} if k in problem.ties else {})}
     summary = {"loss_curve": [round(v, 6) for v in result.loss], "best_step": result.best_step,
                "recon_before": round(losses["identity"], 6), "recon_after": round(losses[chosen], 6),
                "recon_final": round(losses["final"], 6), "recon_best_step": round(losses["best_step"], 6),
@@ -243,18 +276,24 @@ def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWe
                        norms: dict[str, torch.Tensor | None], groups: list[list[str]], hidden: torch.Tensor,
                        target: torch.Tensor | None, captured: CapturedInputs, index: int, pattern: Pattern,
                        opts: PermOptions, device: torch.device,
-                       on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
+                       on_step: Callable[[int, float, float], None] | None = None,
+                       ties: dict[str, HeadTie] | None = None) -> tuple[dict, dict]:
     """Index maps ``{layer name: perm}`` for one block's linears and experts of fused MoE layers
     (``--recon block``), and report entries:
     ``{"perms": per permutation (its linears, strength, penalty curve…), "summary": block loss
-    curve and recon before/after}``."""
+    curve and recon before/after}``. ``ties``: the linears whose maps are tied across query heads
+    (:func:`shuffleprune.perm.heads.head_ties`)."""
+    ties = ties or {}
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + index)
     if opts.perm == "random":
         units = _units(groups, opts.share)
-        return _fixed_perms(units, {u[0]: random_block_perm(linears[u[0]].in_features, opts.block, gen) for u in units})
-    problem = _problem(linears, norms, groups, pattern, opts)
+        unit_ties = _unit_ties(units, ties)
+        width = {u[0]: unit_ties[u[0]].width if u[0] in unit_ties else linears[u[0]].in_features for u in units}
+        return _fixed_perms(units, {u[0]: random_block_perm(width[u[0]], opts.block, gen) for u in units}, unit_ties)
+    problem = _problem(linears, norms, groups, pattern, opts, ties)
     if opts.perm == "search":
-        return _fixed_perms(problem.units, problem.searched, {"seconds_search": round(problem.search_seconds, 3)})
+        return _fixed_perms(problem.units, problem.searched, problem.ties,
+                            {"seconds_search": round(problem.search_seconds, 3)})
 
     assert target is not None
     as_params = weight_params(block, linears)
@@ -272,19 +311,20 @@ def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWe
 def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWeight], norms: dict[str, torch.Tensor],
                        groups: list[list[str]], tokens: torch.Tensor, pattern: Pattern, opts: PermOptions,
                        device: torch.device, batch_size: int = 8,
-                       on_step: Callable[[int, float, float], None] | None = None) -> tuple[dict, dict]:
+                       on_step: Callable[[int, float, float], None] | None = None,
+                       ties: dict[str, HeadTie] | None = None) -> tuple[dict, dict]:
     """``--recon model`` (PermLLM's setting): all permutations trained jointly on the calibration
     windows ``tokens`` ``[n, L]``, every layer sparsified at once from the dense embeddings, against
     ``1 − cos`` of the dense model's final hidden state (the decoder's output, before the LM head;
     ``opts.loss == "cos"``, the paper) or the KL divergence from the dense model's next-token
     distribution (``"kl"``: both final hidden states through the model's output embeddings — a
     deviation from the paper, aimed at perplexity). ``norms`` are the dense model's input column norms.
-    Needs the whole model on ``device``."""
+    Needs the whole model on ``device``. ``ties`` as :func:`block_permutations`'."""
     head = model.get_output_embeddings() if opts.loss == "kl" else None
     if opts.loss == "kl" and head is None:
         raise UserError("--perm-loss kl needs a model with an LM head (output embeddings); use --perm-loss cos")
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + 999_983)
-    problem = _problem(linears, norms, groups, pattern, opts)
+    problem = _problem(linears, norms, groups, pattern, opts, ties)
     decoder = decoder_of(model, find_blocks(model))
     as_params = weight_params(decoder, linears)
     model.to(device)

@@ -23,7 +23,9 @@ from tqdm.auto import tqdm
 
 from shuffleprune.errors import UserError, reason
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
+from shuffleprune.blocks import text_config
 from shuffleprune.perm.core import strength
+from shuffleprune.perm.heads import HeadTie, head_ties
 from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps, save_index_maps
 from shuffleprune.perm.pruning import PermOptions, block_permutations, model_permutations
 from shuffleprune.prune.atomic import atomic_json
@@ -32,6 +34,13 @@ from shuffleprune.prune.stage import BlockWork, Run, RunSpec, Stage, register
 from shuffleprune.prune.stages.statistics import dense_stats
 
 MODEL_PERMS_FILE = "model_perms.safetensors"
+
+
+def _ties(model: torch.nn.Module, root: torch.nn.Module, layers: dict, groups: list[list[str]],
+          opts: PermOptions) -> dict[str, HeadTie]:
+    """The layers whose maps are tied across the query heads of a KV head (``tie_heads``), so that
+    ``export`` folds them (:mod:`shuffleprune.perm.heads`)."""
+    return head_ties(root, layers, groups, text_config(model), opts.block) if opts.tie_heads else {}
 
 
 def _norms(stats: dict) -> dict[str, torch.Tensor | None]:
@@ -57,9 +66,11 @@ class _PermStage(Stage):
         def on_step(step: int, loss: float, penalty: float) -> None:
             run.status(f"block {work.index} perm step {step + 1}: loss {loss:.4g} P(M) {penalty:.3g}")
 
+        groups = work.groups + work.expert_groups
         work.perms, work.perm_info = block_permutations(
-            work.block, work.weights(), _norms(work.stats), work.groups + work.expert_groups, work.hidden, target,
-            run.captured, work.index, run.pattern, opts, run.device, on_step=on_step)
+            work.block, work.weights(), _norms(work.stats), groups, work.hidden, target,
+            run.captured, work.index, run.pattern, opts, run.device, on_step=on_step,
+            ties=_ties(run.model, work.block, work.weights(), groups, opts))
 
 
 @dataclass
@@ -68,6 +79,7 @@ class _Fixed(_PermStage):
 
     block: int = 64
     share: str = "group"
+    tie_heads: bool = False  # GQA: the output projection's map shared by the query heads of a KV head (export folds it)
 
 
 @register
@@ -101,6 +113,7 @@ class Learned(_PermStage):
     loss: str = "cos"           # recon model: cos (paper) | kl (next-token distributions)
     block: int = 64
     share: str = "group"
+    tie_heads: bool = False
     steps: int = 100
     lr: float = 3e-2
     lr_decay: str = "constant"
@@ -128,10 +141,10 @@ class Learned(_PermStage):
                 bar.update(1)
                 bar.set_postfix_str(f"loss {loss:.4g} P(M) {pen:.3g}")
 
-            perms, info = model_permutations(run.model, {**run.all_linears(), **run.all_experts()}, _norms(stats),
-                                             input_groups(stats),
-                                             run.tokens, run.pattern, self.options(run.seed), run.device,
-                                             run.batch_size, on_step)
+            layers, groups, opts = {**run.all_linears(), **run.all_experts()}, input_groups(stats), self.options(run.seed)
+            perms, info = model_permutations(run.model, layers, _norms(stats), groups, run.tokens, run.pattern, opts,
+                                             run.device, run.batch_size, on_step,
+                                             ties=_ties(run.model, run.model, layers, groups, opts))
             bar.close()
             if saved is not None:
                 save_index_maps(perms, saved)
