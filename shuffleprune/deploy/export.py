@@ -195,9 +195,9 @@ def _grouped_head_perm(perm: torch.Tensor, heads_of: tuple[int | None, int | Non
 
 
 def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
-    """Fold input index maps into producer rows where the block's output stays the same; returns
-    ``{consumer: [producers]}`` of the folds made (in place: folded consumers become plain linears
-    reading their input in order)."""
+    """Fold input index maps into producer rows where the block's output stays the same, and the whole
+    decoder's too (:func:`_undo_folds_that_change_the_model`); returns ``{consumer: [producers]}`` of
+    the folds made (in place: folded consumers become plain linears reading their input in order)."""
     blocks = find_blocks(model)
     run = block_probe(model, blocks)
     config = text_config(model)
