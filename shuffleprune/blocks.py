@@ -77,6 +77,18 @@ def head_layout(attention: nn.Module, config, width: int) -> tuple[int | None, i
     return tuple(config_value(config, key) for key in ("num_attention_heads", "num_key_value_heads", "head_dim"))
 
 
+def resolved_heads(heads_of: tuple[int | None, int | None, int | None], width: int) -> tuple[int, int, int] | None:
+    """:func:`head_layout`'s answer completed for a layer of ``width`` head columns: (query heads, KV
+    heads, head size), a missing KV count read as multi-head and a missing head size as ``width /
+    heads``; None where it does not describe ``width`` columns of whole KV groups."""
+    heads, kv, d = heads_of
+    kv = kv or heads
+    if not heads or not kv or heads % kv or width % heads:
+        return None
+    d = d or width // heads
+    return (heads, kv, d) if heads * d == width else None
+
+
 def config_value(config, key: str) -> int | None:
     """A config's value, ``None`` where it has none or none for the whole model (transformers refuses
     to read a per-layer attribute of a config whose layers differ, Gemma 4's ``head_dim``)."""

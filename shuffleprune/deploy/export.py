@@ -46,7 +46,7 @@ from torch import nn
 
 from shuffleprune.block_inputs import block_probe
 from shuffleprune.blocks import (block_linears, decoder_of, expert_name, find_blocks, head_layout,
-                                  is_plain_linear, parse_expert_name, text_config)
+                                  is_plain_linear, parse_expert_name, resolved_heads, text_config)
 from shuffleprune.conv1d import plain_linear_like
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
@@ -177,13 +177,10 @@ def _grouped_head_perm(perm: torch.Tensor, heads_of: tuple[int | None, int | Non
     ``perm`` over query heads × head size — when ``perm`` stays within heads and is identical for
     all query heads sharing a KV head; else None. ``heads_of``: (query heads, KV heads, head size),
     any of them unknown (:func:`~shuffleprune.blocks.head_layout`)."""
-    heads, kv, d = heads_of
-    kv = kv or heads
-    if not heads or not kv or heads % kv or perm.numel() % heads:
+    layout = resolved_heads(heads_of, perm.numel())
+    if layout is None or layout[1] * layout[2] != rows:
         return None
-    d = d or perm.numel() // heads
-    if heads * d != perm.numel() or kv * d != rows:
-        return None
+    heads, kv, d = layout
     local = perm.view(heads, d) - (torch.arange(heads) * d).unsqueeze(1)
     if local.min() < 0 or local.max() >= d:
         return None  # leaves its head

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shuffleprune.blocks import ExpertWeight, head_layout
+from shuffleprune.blocks import ExpertWeight, head_layout, resolved_heads
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,10 @@ def head_ties(root: nn.Module, linears: dict[str, nn.Module | ExpertWeight], gro
         parent = parent_of.get(id(layer))
         if isinstance(layer, ExpertWeight) or parent is None:
             continue
-        heads, kv, d = head_layout(parent, config, layer.in_features)
-        kv = kv or heads
-        if not heads or not kv or heads % kv or heads == kv or layer.in_features % heads:
+        layout = resolved_heads(head_layout(parent, config, layer.in_features), layer.in_features)
+        if layout is None or layout[0] == layout[1] or layout[2] % block:
             continue
-        d = d or layer.in_features // heads
-        if heads * d != layer.in_features or d % block:
-            continue
+        heads, kv, d = layout
         if any(other is not layer and not isinstance(other, ExpertWeight) and parent_of.get(id(other)) is parent
                and other.out_features == kv * d and group_of.get(other_name) != group_of.get(name)
                for other_name, other in linears.items()):
