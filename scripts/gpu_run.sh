@@ -5,7 +5,10 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel targets moe (next1: moe_stacked e2e targets)
+#                                              # kernel targets moe (next1: pipeline e2e targets)
+#   bash scripts/gpu_run.sh pipeline           # the commands users type on CUDA: prune (every recipe) / export /
+#                                              # load / generate / eval ppl / dst, a random GQA LLaMA-shaped model
+#                                              # saved locally (gpu_pipeline.json)
 #   bash scripts/gpu_run.sh fast_launch        # kernels/launch.py's fast launches against Triton's dispatch: outputs
 #                                              # bit for bit and the host's µs per call both ways (fast_launch_cuda.json)
 #   bash scripts/gpu_run.sh host               # the host's µs per eager call, real launches: nn.Linear, RMSNorm, a
@@ -99,19 +102,22 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # not the first call's (each call starts from this checkout), so targets now runs only in a call that ran kernel
 # or e2e. issue24 is now what changed after those calls and what never ran: kernel (auto's dependent-launch
 # retiming of every kernel near its fastest, its candidates without decode_offsets and decode_tall), the targets,
-# then moe (the MoE experts and the one-launch routing, never timed). next1: moe_stacked and the CUDA-graph e2e
-# table again; next2..next5 the rest, one call each (limits summing to at most 600 s), in the order they matter
-# to the issue (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all five,
-# for the CPU smoke run.
+# then moe (the MoE experts and the one-launch routing, never timed). next1: pipeline (the commands users type,
+# prune / export / load / generate / eval / dst on CUDA, never run on a GPU) and the CUDA-graph e2e table again;
+# next2..next6 the rest, one call each (limits summing to at most 600 s), in the order they matter to the issue
+# (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all six, for the CPU
+# smoke run.
 ISSUE24=(kernel targets moe)                        # limits 200 + 10 + 300 s (kernel 125 s on 3616890; moe never run):
                                                     # auto's dependent-launch retiming and its candidates without
                                                     # decode_offsets / decode_tall, then the MoE experts and the
                                                     # one-launch routing, never timed
-NEXT1=(moe_stacked e2e targets)                     # 300 + 190 + 10 s (e2e 150 s on 3616890)
-NEXT2=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
-NEXT3=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
-NEXT4=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 54 and 55 s on 3616890)
-NEXT5=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
+NEXT1=(pipeline e2e targets)                        # 300 + 190 + 10 s (e2e 150 s on 3616890; pipeline never run: the
+                                                    # user's prune / export / load / eval / dst on CUDA, never run there)
+NEXT2=(moe_stacked)                                 # 300 s
+NEXT3=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
+NEXT4=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
+NEXT5=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 54 and 55 s on 3616890)
+NEXT6=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
 [ $# -eq 0 ] && set -- issue24
 steps=(); for s in "$@"; do case $s in
     tune_tiles) steps+=(tune_select tune_dot tune_gemm) ;;
@@ -121,7 +127,9 @@ steps=(); for s in "$@"; do case $s in
     next3) steps+=("${NEXT3[@]}") ;;
     next4) steps+=("${NEXT4[@]}") ;;
     next5) steps+=("${NEXT5[@]}") ;;
-    next) steps+=("${ISSUE24[@]}" "${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" e2e_moe_compile) ;;
+    next6) steps+=("${NEXT6[@]}") ;;
+    next) steps+=("${ISSUE24[@]}" "${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}"
+                  e2e_moe_compile) ;;
     *) steps+=("$s") ;;
 esac; done
 set -- "${steps[@]}"
@@ -211,12 +219,14 @@ for s in "$@"; do
         stage_cost) step stage_cost 540 scripts/results/bench_stage_cost.json \
             $PY scripts/bench_stage_cost.py --device cuda ;;
         e2e) step e2e 190 scripts/results/bench_e2e.json $PY scripts/bench_e2e.py ;;
+        pipeline) step pipeline 300 scripts/results/gpu_pipeline.json $PY scripts/gpu_pipeline.py ;;
         targets) if [[ " ${ran[*]} " != *" kernel "* && " ${ran[*]} " != *" e2e "* ]]; then   # the files a call
                 echo "=== targets: neither kernel nor e2e ran in this call (skipped: it would read the committed files)"
             else step targets 10 scripts/results/gpu_targets.json $PY scripts/gpu_targets.py \
                 --json scripts/results/gpu_targets.json; fi ;;
         e2e_compile) step e2e_compile 280 scripts/results/bench_e2e_compile.json $PY scripts/bench_e2e.py --decode compile ;;
-        fast_launch) rm -f scripts/results/fast_launch_cuda.json   # a failed check leaves no file of an earlier run
+        fast_launch) [ "$SMOKE" = 1 ] || rm -f scripts/results/fast_launch_cuda.json   # a failed check leaves no
+            # file of an earlier run (a smoke run writes none, so it keeps the committed one)
             step fast_launch 90 scripts/results/fast_launch_cuda.json $PY scripts/check_fast_launch.py --gpu
             if [ "$SMOKE" != 1 ] && ! grep -q '"ok": true' scripts/results/fast_launch_cuda.json 2>/dev/null; then
                 export SHUFFLEPRUNE_FAST_LAUNCH=0; echo "=== fast launches off for the steps after (the check failed)"

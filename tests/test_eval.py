@@ -165,6 +165,20 @@ def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tin
     assert f"ppl ↓ ({heldout}, the whole file, ctx 32, " in console.export_text()
 
 
+def test_perplexity_alone_needs_no_lm_eval(tiny_dir, eval_file, monkeypatch):
+    """``eval --tasks ppl`` scores without importing lm-eval (nor building its task index, ~2 s): a
+    GPU box or a slim install without the harness still gets perplexities."""
+    import sys
+
+    import shuffleprune
+
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)   # any import of it now raises ImportError
+    scores = shuffleprune.evaluate(str(tiny_dir), tasks="ppl", ppl_text=str(eval_file), ppl_ctx=32)
+    assert scores["models"][0]["ppl"] > 1
+
+
 def test_perplexity_of_documents_in_memory_is_that_of_the_same_text_in_a_file(tiny_dir, eval_file):
     """``evaluate(..., ppl_text=[...])`` scores documents held in memory (only names and paths were
     taken), as the same documents in a .txt file score."""

@@ -137,12 +137,12 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
 
 def _plan_tasks(config: EvalConfig, offline: bool) -> _TaskPlan:
     """Check every task name against lm-eval's index and decide where its data comes from."""
-    from lm_eval.tasks import TaskManager
-
     names = [t for t in dict.fromkeys(config.tasks) if t != PPL]
     user_paths = [str(Path(p).resolve()) for p in config.include_path or []]
-    if not names:
+    if not names:   # perplexity alone: lm-eval is not imported (nor its task index built)
         return _TaskPlan([], {}, {}, user_paths, None)
+    from lm_eval.tasks import TaskManager
+
     tm = TaskManager(include_path=user_paths or None)
     unknown = [n for n in names if n not in tm.all_tasks]
     if unknown:
