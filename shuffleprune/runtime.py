@@ -316,6 +316,16 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def gpu_facts(device: torch.device) -> dict:
+    """What a report records of a CUDA compute device, the one named (``cuda:1`` too, not the current
+    device): its name and the peak memory allocated on it since :func:`reset_peak_memory`, in MB; for
+    any other device, nothing."""
+    if device.type != "cuda":
+        return {}
+    return {"gpu": torch.cuda.get_device_name(device),
+            "peak_cuda_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
+
+
 def cpu_facts() -> dict:
     """The CPU's model and the vector ISA torch's kernels use: float results (and so masks) can
     differ between hosts whose ISA differs (AVX-512 vs AVX2), not with the thread count."""

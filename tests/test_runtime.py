@@ -38,3 +38,17 @@ def test_devices_are_checked_against_the_machine(monkeypatch):
     assert pick_device("cuda:1") == torch.device("cuda", 1) and pick_device("cuda") == torch.device("cuda")
     with pytest.raises(UserError, match=r"--device cuda:2: this machine has 2 CUDA GPUs \(cuda:0 … cuda:1\)"):
         pick_device("cuda:2")
+
+
+def test_a_gpu_run_reports_the_gpu_it_ran_on_and_its_own_peak(monkeypatch):
+    """A report of a run on ``cuda:1`` names that GPU and its peak memory, not the current device's
+    (``torch.cuda.max_memory_allocated()`` without a device read cuda:0's), and the CPU none."""
+    from shuffleprune.runtime import gpu_facts
+
+    peaks = {0: 7 * 2**20, 1: 3 * 2**30}
+    names = {0: "first GPU", 1: "second GPU"}
+    index = lambda device=None: 0 if device is None else torch.device(device).index   # noqa: E731
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peaks[index(device)])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[index(device)])
+    assert gpu_facts(torch.device("cuda", 1)) == {"gpu": "second GPU", "peak_cuda_mb": 3072.0}
+    assert gpu_facts(torch.device("cpu")) == {}

@@ -20,7 +20,7 @@ from shuffleprune.models import LoadedModel, base_model_id, is_embedded
 from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.report import tokens_scored
-from shuffleprune.runtime import cpu_facts, peak_rss_mb, versions
+from shuffleprune.runtime import cpu_facts, gpu_facts, peak_rss_mb, versions
 
 REPORT_NAME = "prune_report.json"
 RECIPE_NAME = "recipe.yaml"
@@ -67,6 +67,7 @@ def build_report(config: PruneConfig, lm: LoadedModel, state: dict, pattern: Pat
                 "from": options.get("path") if name == "from" else None, "blocks": state["perm_blocks"],
                 "model": state.get("perm_model"), "index_maps": INDEX_MAPS if perms else None}
     stats = config.stage_name("statistics")
+    gpu = gpu_facts(device)
     return {
         "tool": "shuffleprune", "version": __version__,
         "model": lm.source, "model_path": lm.path, "recipe": config.effective_recipe(),
@@ -96,8 +97,9 @@ def build_report(config: PruneConfig, lm: LoadedModel, state: dict, pattern: Pat
         "seconds": {"calibration": round(state["calib_seconds"], 2), "prune": round(state["prune_seconds"], 2),
                     "eval": round(state["eval_seconds"], 2), "this_process": round(seconds, 2)},
         "peak_rss_mb": round(peak_rss_mb(), 1),
-        "peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device.type == "cuda" else None,
-        "device": str(device), "compute_dtype": compute_dtype, "saved_dtype": save_dtype, "machine": cpu_facts(),
+        "peak_cuda_mb": gpu.get("peak_cuda_mb"),
+        "device": str(device), "compute_dtype": compute_dtype, "saved_dtype": save_dtype,
+        "machine": {**cpu_facts(), **({"gpu": gpu["gpu"]} if gpu else {})},
         "resumed": resumed, "command": " ".join(sys.argv),
         "versions": versions(),
         "config": asdict(config),
