@@ -1,7 +1,8 @@
 """The commands users type, run on a GPU: the command line's ``prune … --export`` (the default recipe),
 ``load`` onto the GPU, greedy ``generate`` with a static cache, ``eval``'s perplexity, ``dst`` with learned
-maps (exported and loaded), every recipe of ``prune --device cuda``, the command line's run again
-(same command, same checkpoint?), and the default recipe on the CPU beside them.
+maps (exported and loaded), every recipe of ``prune --device cuda``, the command line's run again and
+the ``paper`` recipe again (same call, same checkpoint? ``paper`` learns its maps through the blocks'
+backward pass, where a GPU's atomic adds may sum in any order), and the default recipe on the CPU.
 
     python scripts/gpu_pipeline.py            # CUDA → scripts/results/gpu_pipeline.json
     python scripts/gpu_pipeline.py --smoke    # CPU, a tinier model: the code path only; nothing written
@@ -223,6 +224,8 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="+", default=None, help="default: every preset, the default recipe first")
     ap.add_argument("--cpu-recipes", nargs="*", default=["accurate"],
                     help="recipes also run on the CPU for the perplexity each device reaches")
+    ap.add_argument("--repeat", nargs="*", default=["paper"],
+                    help="recipes run a second time on the GPU: does the same call give the same checkpoint?")
     ap.add_argument("--dst-steps", type=int, default=60)
     ap.add_argument("--dst-config", default="hidden_size=256,intermediate_size=704,num_hidden_layers=2,"
                                             "num_attention_heads=4,num_key_value_heads=2")
@@ -241,7 +244,7 @@ def main() -> None:
         args.recipes = [DEFAULT_RECIPE, *(r for r in PRESETS if r != DEFAULT_RECIPE)]
     if args.smoke:
         args.hidden, args.inter, args.layers, args.heads, args.kv_heads, args.vocab = 128, 256, 2, 4, 2, 512
-        args.nsamples, args.seqlen, args.dst_steps, args.recipes, args.cpu_recipes = 4, 64, 6, ["fast", "accurate"], []
+        args.nsamples, args.seqlen, args.dst_steps, args.recipes, args.cpu_recipes = 4, 64, 6, ["fast", "paper"], []
         args.dst_config = "hidden_size=64,intermediate_size=128,num_hidden_layers=1,num_attention_heads=4,num_key_value_heads=2"
         device = "cpu"
     else:
@@ -279,6 +282,12 @@ def main() -> None:
         again["same_checkpoint_as_first"] = again.get("checkpoint_sha256") == first["checkpoint_sha256"]
         again["same_checkpoint_as_api"] = api is not None and api["checkpoint_sha256"] == first["checkpoint_sha256"]
         record(again)
+    for recipe in args.repeat:   # a recipe that trains through the blocks' backward (atomics on a GPU) once more
+        before = next((r for r in rows if r.get("recipe") == recipe and r["device"] == device and r.get("ok")), None)
+        if before is not None:
+            again = prune_row(recipe, device, work, model_dir, calib, heldout, args)
+            record({**again, "step": "prune again", "same_checkpoint_as_before":
+                    again.get("checkpoint_sha256") == before["checkpoint_sha256"]})
     for recipe in args.cpu_recipes:
         record(prune_row(recipe, "cpu", work, model_dir, calib, heldout, args))
     print(f"all steps: {time.perf_counter() - started:.1f} s; failed: "
