@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -254,6 +255,15 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_pipeline_"))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        run_steps(args, device, work)
+    finally:
+        if args.work is None:   # a temporary directory of its own: its checkpoints go with it
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_steps(args: argparse.Namespace, device: str, work: Path) -> None:
+    """Every step in order, each row printed and saved as it ends."""
     model_dir, calib, heldout = work / "model", work / "calib.txt", work / "heldout.txt"
     words = make_model_dir(model_dir, args.hidden, args.inter, args.layers, args.heads, args.kv_heads, args.vocab, args.seed)
     calib.write_text(zipf_text(words, args.nsamples * args.seqlen * 2, seed=1))
