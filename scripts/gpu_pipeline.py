@@ -15,7 +15,8 @@ one, and the texts Zipf-distributed words from a fixed vocabulary (calibration a
 their own). Each row records what ran, whether it worked (the one-line error where not), seconds,
 perplexities, whether every pruned layer is N:M, peak GPU memory and each stage's seconds per block;
 the CPU row gives the perplexity the same command reaches on the CPU, which differs from the GPU's
-only through float rounding (masks flip at near-ties), so the two should be close, not equal. The rows
+only through rounding (the GPU computes in the checkpoint's bfloat16, the CPU in float32; masks flip at
+near-ties), so the two should be close, not equal. The rows
 are written after each (``complete: false`` until the last), in the order above.
 """
 from __future__ import annotations
