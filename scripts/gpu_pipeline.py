@@ -33,30 +33,27 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))   # bench_stage_cost's word tokenizer
 
 
 def make_model_dir(path: Path, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int,
                    seed: int) -> list[str]:
-    """A random LLaMA-shaped model (bfloat16, as users' checkpoints are) with a word-level tokenizer over
-    ``vocab`` words saved in ``path``; returns the words."""
+    """A random LLaMA-shaped model (bfloat16, as users' checkpoints are) with the scripts' word-level
+    tokenizer over ``vocab − 1`` words (``bench_stage_cost.word_tokenizer``) saved in ``path``; returns the
+    words. No end-of-text token: a greedy generation runs its whole length."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    words = [f"w{i}" for i in range(vocab - 3)]
-    table = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(table, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]",
-                                        eos_token="[EOS]", pad_token="[EOS]")
+    from bench_stage_cost import word_tokenizer
+
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return words
+    word_tokenizer(vocab - 1).save_pretrained(path)
+    return [f"w{i}" for i in range(vocab - 1)]
 
 
 def zipf_text(words: list[str], n_words: int, seed: int) -> str:
@@ -144,7 +141,7 @@ def serving_row(pruned: Path, deployed: Path, heldout: Path, device: str) -> dic
         served = shuffleprune.load(str(deployed), device=device)
         with torch.no_grad():
             want, got = plain(ids).logits.float(), served(ids).logits.float()
-            gen = dict(max_new_tokens=32, do_sample=False, cache_implementation="static", pad_token_id=tok.pad_token_id)
+            gen = dict(max_new_tokens=32, do_sample=False, cache_implementation="static")
             a = plain.generate(ids, **gen)[0, ids.shape[1]:]
             b = served.generate(ids, **gen)[0, ids.shape[1]:]
         nbytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
