@@ -203,7 +203,6 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     made: list[_Fold] = []
     for i, block in enumerate(blocks.layers):
         reference = run(i)
-        scale = reference.abs().max().clamp_min(1e-6)
         linears = block_linears(block, f"{blocks.name}.{i}")
         for name, consumer in linears.items():
             if not isinstance(consumer, PermutedLinear):
@@ -236,7 +235,7 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
                 fold = _Fold(name, consumer, plain, {p: (linears[p], row_perms[p]) for p in subset},
                              channel if k == 0 else [], perm)
                 fold.apply(model)
-                if ((run(i) - reference).abs().max() / scale) < FOLD_TOLERANCE:
+                if _moved(run(i), reference) < FOLD_TOLERANCE:
                     made.append(fold)
                     linears[name] = plain   # the module in the model now: a later fold may move its rows
                     break
@@ -284,6 +283,8 @@ def _decoder_probe(model: nn.Module, blocks) -> Callable[[], torch.Tensor]:
 
 
 def _moved(out: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """How far ``out`` is from ``reference`` (a block's probe or the decoder's), relative to the
+    reference's largest value."""
     return (out - reference).abs().max() / reference.abs().max().clamp_min(1e-6)
 
 
