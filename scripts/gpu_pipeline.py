@@ -2,7 +2,9 @@
 ``load`` onto the GPU, greedy ``generate`` with a static cache, ``eval``'s perplexity, ``dst`` with learned
 maps (exported and loaded), every recipe of ``prune --device cuda``, the command line's run again and
 the ``paper`` recipe again (same call, same checkpoint? ``paper`` learns its maps through the blocks'
-backward pass, where a GPU's atomic adds may sum in any order), and the default recipe on the CPU.
+backward pass, where a GPU's atomic adds may sum in any order), ``paper`` twice with ``--deterministic``
+(PyTorch's deterministic algorithms: do those two agree, and at what cost in seconds?), ``dst
+--deterministic``, and the default recipe on the CPU.
 
     python scripts/gpu_pipeline.py            # CUDA → scripts/results/gpu_pipeline.json
     python scripts/gpu_pipeline.py --smoke    # CPU, a tinier model: the code path only; nothing written
@@ -78,19 +80,22 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
-def prune_row(recipe: str, device: str, work: Path, model_dir: Path, calib: Path, heldout: Path, args) -> dict:
-    """One ``shuffleprune.prune`` run of ``recipe`` on ``device`` (the Python API the command line calls)."""
+def prune_row(recipe: str, device: str, work: Path, model_dir: Path, calib: Path, heldout: Path, args,
+              deterministic: bool = False) -> dict:
+    """One ``shuffleprune.prune`` run of ``recipe`` on ``device`` (the Python API the command line calls),
+    with ``deterministic`` under PyTorch's deterministic algorithms (``--deterministic``)."""
     import torch
 
     import shuffleprune
 
-    out = work / f"{recipe}-{device}"
-    row = {"step": "prune", "recipe": recipe, "device": device}
+    out = work / f"{recipe}-{device}{'-deterministic' if deterministic else ''}"
+    row = {"step": "prune", "recipe": recipe, "device": device, "deterministic": deterministic}
     t0 = time.perf_counter()
     try:
         result = shuffleprune.prune(str(model_dir), recipe=recipe, out=str(out), overwrite=True, calib=str(calib),
                                     eval_text=str(heldout), nsamples=args.nsamples, seqlen=args.seqlen,
-                                    eval_ctx=args.seqlen, seed=args.seed, device=device, progress=False)
+                                    eval_ctx=args.seqlen, seed=args.seed, device=device, progress=False,
+                                    deterministic=deterministic)
     except Exception as exc:   # noqa: BLE001 - a failing recipe is a result, the others still run
         traceback.print_exc()
         return {**row, "ok": False, "error": one_line(exc), "seconds": round(time.perf_counter() - t0, 2)}
@@ -173,20 +178,22 @@ def eval_row(pruned: Path, deployed: Path, heldout: Path, device: str, ctx: int)
         return {**row, "ok": False, "error": one_line(exc)}
 
 
-def dst_row(work: Path, model_dir: Path, data: Path, args, device: str) -> dict:
-    """``shuffleprune dst`` (2:4, learned maps) on ``device``, then its export loaded there: logits against the
-    trained checkpoint."""
-    out, dep = work / "dst", work / "dst-deployed"
+def dst_row(work: Path, model_dir: Path, data: Path, args, device: str, deterministic: bool = False) -> dict:
+    """``shuffleprune dst`` (2:4, learned maps; with ``deterministic``, ``--deterministic``) on ``device``, then
+    its export loaded there: logits against the trained checkpoint."""
+    tag = "-deterministic" if deterministic else ""
+    out, dep = work / f"dst{tag}", work / f"dst{tag}-deployed"
     steps = args.dst_steps
     cmd = [sys.executable, "-m", "shuffleprune", "dst", "--arch", "llama", "--config-kw", args.dst_config,
            "--tokenizer", str(model_dir), "--data", str(data), "--method", "nm", "--pattern", "2:4", "--perm", "learned",
            "--steps", str(steps), "--delta-t", str(max(1, steps // 6)), "--warmup", str(max(1, steps // 10)),
            "--seq-len", str(args.seqlen), "--batch-size", "8", "--eval-every", "0", "--eval-tokens", "8192",
-           "--checkpoint-every", "0", "--seed", str(args.seed), "--out", str(out), "--overwrite", "--quiet"]
+           "--checkpoint-every", "0", "--seed", str(args.seed), "--out", str(out), "--overwrite", "--quiet",
+           *(["--deterministic"] if deterministic else [])]
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    row = {"step": "dst", "device": device, "rc": proc.returncode, "seconds": round(time.perf_counter() - t0, 2),
+    row = {"step": "dst", "device": device, "deterministic": deterministic, "rc": proc.returncode, "seconds": round(time.perf_counter() - t0, 2),
            "command": " ".join(["shuffleprune", *cmd[3:]])}
     if proc.returncode != 0:
         return {**row, "ok": False, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
@@ -298,6 +305,14 @@ def run_steps(args: argparse.Namespace, device: str, work: Path) -> None:
             again = prune_row(recipe, device, work, model_dir, calib, heldout, args)
             record({**again, "step": "prune again", "same_checkpoint_as_before":
                     again.get("checkpoint_sha256") == before["checkpoint_sha256"]})
+    for recipe in args.repeat:   # twice more with --deterministic: do those two agree, where the plain pair may not?
+        first_det = prune_row(recipe, device, work, model_dir, calib, heldout, args, deterministic=True)
+        record(first_det)
+        if first_det["ok"]:
+            again = prune_row(recipe, device, work, model_dir, calib, heldout, args, deterministic=True)
+            record({**again, "step": "prune again", "same_checkpoint_as_before":
+                    again.get("checkpoint_sha256") == first_det["checkpoint_sha256"]})
+    record(dst_row(work, model_dir, calib, args, device, deterministic=True))   # does training run strict on the GPU?
     for recipe in args.cpu_recipes:
         record(prune_row(recipe, "cpu", work, model_dir, calib, heldout, args))
     print(f"all steps: {time.perf_counter() - started:.1f} s; failed: "

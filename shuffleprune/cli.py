@@ -88,6 +88,7 @@ def prune(
     only: Optional[List[str]] = typer.Option(None, "--only", rich_help_panel=_RUN, help="Prune only linears and MoE experts whose full name matches this glob (repeatable; experts are named like model.layers.0.mlp.experts.down_proj[3])."),
     skip: Optional[List[str]] = typer.Option(None, "--skip", rich_help_panel=_RUN, help="Do not prune linears or MoE experts whose full name matches this glob (repeatable; e.g. '*experts*')."),
     tf32: Optional[bool] = typer.Option(None, "--tf32", rich_help_panel=_RUN, help="On CUDA: TF32 float32 matmuls (faster permutation learning)."),
+    deterministic: Optional[bool] = typer.Option(None, "--deterministic", rich_help_panel=_RUN, help="PyTorch's deterministic algorithms: the same command repeats bit for bit on a GPU too (slower there; CPU runs repeat without it)."),
     quiet: bool = typer.Option(False, "--quiet", rich_help_panel=_RUN, help="No progress bars."),
     recon: Optional[str] = typer.Option(None, "--recon", hidden=True),
     perm_init: Optional[str] = typer.Option(None, "--perm-init", hidden=True),
@@ -120,7 +121,7 @@ def prune(
         given = dict(model=model, pattern=pattern, sparsity=sparsity, calib=calib, nsamples=nsamples, seqlen=seqlen,
                      seed=seed, only=only or None, skip=skip or None, dtype=dtype, eval_text=eval_text,
                      eval_ctx=eval_ctx, eval_tokens=eval_tokens, device=device, batch_size=batch_size, tf32=tf32,
-                     bos=bos)
+                     deterministic=deterministic, bos=bos)
         given = {k: v for k, v in given.items() if v is not None}  # what was typed overrides the recipe
         if given.get("eval_text") == "none":
             given["eval_text"] = None
@@ -321,6 +322,7 @@ def dst(
     eval_tokens: Optional[int] = typer.Option(65536, "--eval-tokens", help="Held-out tokens for perplexity."),
     checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Steps between checkpoints for --resume (0: only at the end)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the initialisation and every random choice."),
+    deterministic: bool = typer.Option(False, "--deterministic", help="PyTorch's deterministic algorithms: the same command repeats bit for bit on a GPU too (slower there)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint.pt (same options)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (never one holding an input)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
@@ -339,7 +341,8 @@ def dst(
                          perm_lr=perm_lr, lambda_max=lambda_max, t_perm=t_perm if t_perm is not None else steps // 2,
                          delta=delta, perm_init=perm_init, sparse_head=sparse_head, seed=seed)
         dcfg.check()
-        report = train(cfg, dcfg, out, resume=resume, overwrite=overwrite, progress=not quiet)
+        report = train(cfg, dcfg, out, resume=resume, overwrite=overwrite, progress=not quiet,
+                       deterministic=deterministic)
     except UserError as exc:
         _fail(exc)
     except KeyboardInterrupt:

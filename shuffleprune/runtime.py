@@ -1,6 +1,7 @@
 """Facts about where a run happens: compute device, peak memory, package versions; GPU timing."""
 from __future__ import annotations
 
+import os
 import platform
 import re
 import resource
@@ -202,6 +203,41 @@ def tf32_matmuls(device: torch.device, enabled: bool) -> Iterator[bool]:
         yield on
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+_NO_DETERMINISTIC = re.compile(r"(\S+) does not have a deterministic implementation")
+CUBLAS_WORKSPACE = ":4096:8"   # cuBLAS's fixed workspace that deterministic mode asks for (CUDA >= 10.2)
+
+
+@contextmanager
+def deterministic_algorithms(enabled: bool, flag: str = "--deterministic") -> Iterator[bool]:
+    """With ``enabled``, while inside: PyTorch's deterministic algorithms, strict (an op that has none
+    raises, here as a one-line :class:`UserError` naming ``flag``; in warn-only mode the flash and
+    memory-efficient attention backward would keep their atomic, run-to-run varying sums), cuBLAS on a
+    fixed workspace (``CUBLAS_WORKSPACE_CONFIG`` unless set, read at the process's first cuBLAS call) and
+    ``torch.empty`` left unfilled (nothing reads uninitialized memory). All restored on exit; yields
+    whether it is on. CPU runs repeat bit for bit without it; on a GPU it makes a run's repeat do so."""
+    if not enabled:
+        yield False
+        return
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield True
+    except RuntimeError as exc:
+        found = _NO_DETERMINISTIC.search(str(exc))
+        if found is None:
+            raise
+        raise UserError(f"{found.group(1)} has no deterministic implementation in PyTorch {torch.__version__} "
+                        f"on this device; run without {flag}") from exc
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
+        if saved[3] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 @contextmanager

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from shuffleprune.errors import UserError
 from shuffleprune.masks import satisfies_nm
 from shuffleprune.models import load_model
-from shuffleprune.prune import prune
+from shuffleprune.prune import PruneConfig, prune
 from shuffleprune.report import print_prune_report
 from conftest import flat_config
 
@@ -345,6 +345,35 @@ def test_tf32_is_switched_on_for_cuda_only_and_restored():
             assert on and torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
             raise RuntimeError("a failing run")
     assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+@pytest.mark.parametrize("recipe", ["paper", "learned"])
+def test_deterministic_runs_every_stage_strictly_and_resumes_across_the_setting(recipe, tiny_dir, text_file, eval_file,
+                                                                                tmp_path):
+    """``--deterministic`` runs the learned permutations' backward (block and whole-model) under PyTorch's
+    strict deterministic algorithms, with no op that lacks one, and says so in the report; on the CPU, where
+    runs repeat without it, the checkpoint is the one a plain run writes. It is not part of the run's key:
+    an interrupted run may resume with it on or off, as on another device."""
+    from typer.testing import CliRunner
+
+    from shuffleprune.cli import app
+
+    plain = PruneConfig.build(recipe, model=str(tiny_dir), calib=str(text_file), eval_text=str(eval_file),
+                              nsamples=4, seqlen=32, batch_size=4, perm_steps=3)
+    prune(plain, out=tmp_path / "plain", progress=False)
+    args = ["prune", str(tiny_dir), "--recipe", recipe, "--calib", str(text_file), "--eval-text", str(eval_file),
+            "--nsamples", "4", "--seqlen", "32", "--batch-size", "4", "--perm-steps", "3", "--quiet"]
+    res = CliRunner().invoke(app, [*args, "--deterministic", "--out", str(tmp_path / "det")])
+    assert res.exit_code == 0, res.output
+    assert not torch.are_deterministic_algorithms_enabled()   # given back
+    det = json.loads((tmp_path / "det" / "prune_report.json").read_text())
+    before = json.loads((tmp_path / "plain" / "prune_report.json").read_text())
+    assert det["deterministic_algorithms"] is True and before["deterministic_algorithms"] is False
+    assert det["config"]["deterministic"] is True and det["ppl"] == before["ppl"]
+    a, b = load_file(tmp_path / "plain" / "model.safetensors"), load_file(tmp_path / "det" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert PruneConfig.build(recipe, model=str(tiny_dir), calib=str(text_file), eval_text=str(eval_file), nsamples=4,
+                             seqlen=32, batch_size=4, perm_steps=3, deterministic=True).key() == plain.key()
 
 
 def test_a_model_too_large_for_the_device_is_scored_block_by_block(tiny_dir, text_file, eval_file, tmp_path, monkeypatch):

@@ -1,9 +1,13 @@
 """Facts a run reports about where it ran: memory high-water marks."""
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
-from shuffleprune.runtime import peak_memory_mb, peak_rss_mb, reset_peak_memory
+from shuffleprune.errors import UserError
+from shuffleprune.runtime import deterministic_algorithms, peak_memory_mb, peak_rss_mb, reset_peak_memory
 
 
 def test_a_per_stage_memory_reset_keeps_the_process_peak():
@@ -52,3 +56,39 @@ def test_a_gpu_run_reports_the_gpu_it_ran_on_and_its_own_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[index(device)])
     assert gpu_facts(torch.device("cuda", 1)) == {"gpu": "second GPU", "peak_cuda_mb": 3072.0}
     assert gpu_facts(torch.device("cpu")) == {}
+
+
+def test_deterministic_algorithms_are_strict_inside_and_restored(monkeypatch):
+    """Strict, not warn-only (where SDPA's flash and memory-efficient backward keep their atomic sums),
+    cuBLAS's fixed workspace unless one is set, no NaN fill of every ``torch.empty``; a caller's own
+    settings come back on exit."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with deterministic_algorithms(False) as on:
+        assert not on and not torch.are_deterministic_algorithms_enabled()
+    with deterministic_algorithms(True) as on:
+        assert on and torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.utils.deterministic.fill_uninitialized_memory is False
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    assert torch.utils.deterministic.fill_uninitialized_memory is True
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with deterministic_algorithms(True):
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_an_op_without_a_deterministic_implementation_is_a_one_line_error_naming_the_fix():
+    x = torch.zeros(4)
+    with pytest.raises(UserError, match=r"^put_ has no deterministic implementation .*; run without --deterministic$"):
+        with deterministic_algorithms(True):
+            x.put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))   # no deterministic form on any device
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(RuntimeError, match="^something else$"):   # other errors pass through unchanged
+        with deterministic_algorithms(True):
+            raise RuntimeError("something else")

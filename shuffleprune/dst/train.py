@@ -34,7 +34,7 @@ from shuffleprune.errors import UserError, reason
 from shuffleprune.outdir import (atomic_write, check_writable, clear_dir, held_alone, refuse_clearing_inputs,
                                  space_errors, written_beside)
 from shuffleprune.quiet import library_progress_bars
-from shuffleprune.runtime import check_seed
+from shuffleprune.runtime import check_seed, deterministic_algorithms
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "dst_report.json"
@@ -378,6 +378,7 @@ def _report(run: _Trainer, final_ppl: float, device: torch.device, processes: in
                          for (n, p), s in zip(sp.perms.items(), sp.permutation_strength().values())},
         "mask_updates": sp.history, "versions": versions("accelerate"), "device": str(device),
         "processes": processes, "ranks_agree": ranks_agree,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
 
 
@@ -424,16 +425,18 @@ def _ranks_agree(accelerator, model: torch.nn.Module, sparsifier: DynamicSparsif
 
 
 def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
-          progress: bool = True, stop_after: int | None = None) -> dict:
+          progress: bool = True, stop_after: int | None = None, deterministic: bool = False) -> dict:
     """Train; returns the report (also written to ``out/dst_report.json``). ``stop_after`` ends the
-    run after that many steps as if killed (tests). A write that runs out of disk space is a one-line error."""
+    run after that many steps as if killed (tests). ``deterministic``: PyTorch's deterministic algorithms
+    (:func:`~shuffleprune.runtime.deterministic_algorithms`), so that a GPU run repeats bit for bit; a
+    resumed run may set it otherwise. A write that runs out of disk space is a one-line error."""
     out = Path(out)
     existed = out.exists()
     resumable = lambda: "; then the same command with --resume continues it" if (out / CHECKPOINT).exists() else ""
     main = os.environ.get("RANK", "0") == "0"   # torchrun / accelerate launch: the main process holds --out
     with held_alone(out) if main else nullcontext():   # a second run on --out is refused, touching nothing
         try:
-            with space_errors(out, "--out", hint=resumable):
+            with space_errors(out, "--out", hint=resumable), deterministic_algorithms(deterministic):
                 return _train(cfg, dst, out, resume, overwrite, progress, stop_after)
         except BaseException:
             if not existed and out.is_dir() and not any(out.iterdir()):

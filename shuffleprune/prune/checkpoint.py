@@ -99,6 +99,7 @@ def build_report(config: PruneConfig, lm: LoadedModel, state: dict, pattern: Pat
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "peak_cuda_mb": gpu.get("peak_cuda_mb"),
         "device": str(device), "compute_dtype": compute_dtype, "saved_dtype": save_dtype,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "machine": {**cpu_facts(), **({"gpu": gpu["gpu"]} if gpu else {})},
         "resumed": resumed, "command": " ".join(sys.argv),
         "versions": versions(),

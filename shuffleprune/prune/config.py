@@ -51,6 +51,7 @@ class PruneConfig:
     device: str = "auto"
     batch_size: int = 8                # calibration windows per block forward
     tf32: bool = False                 # allow TF32 matmuls on CUDA (faster permutation learning)
+    deterministic: bool = False        # PyTorch's deterministic algorithms: a GPU run repeats bit for bit
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
@@ -138,7 +139,7 @@ class PruneConfig:
 
     def key(self) -> str:
         """Fingerprint of every setting that determines the result (a ``--resume`` must match it)."""
-        fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "recipe")}
+        fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "recipe", "deterministic")}
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
 
     def effective_recipe(self) -> dict[str, Any]:

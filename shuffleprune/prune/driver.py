@@ -42,8 +42,8 @@ from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
 from shuffleprune.quiet import library_progress_bars
-from shuffleprune.runtime import (fits_on_device, logits_bytes, peak_memory_mb, pick_device, reset_peak_memory,
-                                  tf32_matmuls)
+from shuffleprune.runtime import (deterministic_algorithms, fits_on_device, logits_bytes, peak_memory_mb, pick_device,
+                                  reset_peak_memory, tf32_matmuls)
 from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
 
 RESUME_DIR = ".resume"
@@ -176,7 +176,9 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     ``device_map`` again: :func:`~shuffleprune.placement.held_for_run`), ``documents``
     texts in memory under the names ``config.calib`` / ``config.eval_text`` give them
     (:func:`~shuffleprune.calib.sources.documents_name`). With
-    ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run (restored afterwards).
+    ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run; with ``config.deterministic``,
+    PyTorch's deterministic algorithms run it (:func:`~shuffleprune.runtime.deterministic_algorithms`;
+    both restored afterwards).
     """
     device = pick_device(config.device)
     if loaded is not None:   # before it is moved (a named model is refused as it loads)
@@ -188,7 +190,8 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     with held_alone(out) if out is not None else nullcontext():   # a second run on --out is refused, touching nothing
         try:   # a caller's model is pruned in place and given back where and as it was
             with full, held_for_run(loaded.model) if loaded is not None else nullcontext(), \
-                    tf32_matmuls(device, config.tf32), library_progress_bars(progress):
+                    tf32_matmuls(device, config.tf32), deterministic_algorithms(config.deterministic), \
+                    library_progress_bars(progress):
                 return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded, documents or {})
         except BaseException:
             if out is not None:
