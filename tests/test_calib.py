@@ -228,7 +228,7 @@ def test_wikitext2_is_joined_as_the_papers_join_it(monkeypatch):
     calibration_windows(source, make_tokenizer(), nsamples=3, seqlen=16, seed=5)
     eval_tokens(source, make_tokenizer())
     assert encoded == [" ".join(lines["train"]), "\n\n".join(lines["test"])]
-    # the papers' `wikitext` under its namespaced id: the bare name does not resolve with newer huggingface_hub
+    # the papers' `wikitext` under the id it moved to (the bare name is reported not to resolve with newer hubs)
     assert asked == [("Salesforce/wikitext", "wikitext-2-raw-v1", "train"), ("Salesforce/wikitext", "wikitext-2-raw-v1", "test")]
     asked.clear()
     get_source("wikitext103").documents("train")
