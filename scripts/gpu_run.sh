@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel targets moe (next1: pipeline e2e targets)
+#                                              # kernel targets pipeline (next1: e2e moe targets)
 #   bash scripts/gpu_run.sh pipeline           # the commands users type on CUDA: prune (every recipe) / export /
 #                                              # load / generate / eval ppl / dst, a random GQA LLaMA-shaped model
 #                                              # saved locally (gpu_pipeline.json)
@@ -102,17 +102,18 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # not the first call's (each call starts from this checkout), so targets now runs only in a call that ran kernel
 # or e2e. issue24 is now what changed after those calls and what never ran: kernel (auto's dependent-launch
 # retiming of every kernel near its fastest, its candidates without decode_offsets and decode_tall), the targets,
-# then moe (the MoE experts and the one-launch routing, never timed). next1: pipeline (the commands users type,
-# prune / export / load / generate / eval / dst on CUDA, never run on a GPU) and the CUDA-graph e2e table again;
+# then pipeline (the commands users type, prune / export / load / generate / eval / dst on CUDA, never run on a
+# GPU: what every GPU user runs first). next1: the CUDA-graph e2e table again and moe (the MoE experts and the
+# one-launch routing, never timed);
 # next2..next6 the rest, one call each (limits summing to at most 600 s), in the order they matter to the issue
 # (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all six, for the CPU
 # smoke run.
-ISSUE24=(kernel targets moe)                        # limits 200 + 10 + 300 s (kernel 125 s on 3616890; moe never run):
-                                                    # auto's dependent-launch retiming and its candidates without
-                                                    # decode_offsets / decode_tall, then the MoE experts and the
-                                                    # one-launch routing, never timed
-NEXT1=(pipeline e2e targets)                        # 300 + 190 + 10 s (e2e 150 s on 3616890; pipeline never run: the
-                                                    # user's prune / export / load / eval / dst on CUDA, never run there)
+ISSUE24=(kernel targets pipeline)                   # limits 200 + 10 + 300 s (kernel 125 s on 3616890): auto's
+                                                    # dependent-launch retiming and its candidates without
+                                                    # decode_offsets / decode_tall, then the user's prune / export /
+                                                    # load / eval / dst on CUDA, never run there (rows kept as each ends)
+NEXT1=(e2e moe targets)                             # 190 + 300 + 10 s (e2e 150 s on 3616890; moe never run: the MoE
+                                                    # experts and the one-launch routing, never timed)
 NEXT2=(moe_stacked)                                 # 300 s
 NEXT3=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
 NEXT4=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
