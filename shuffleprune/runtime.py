@@ -216,7 +216,8 @@ def deterministic_algorithms(enabled: bool, flag: str = "--deterministic") -> It
     memory-efficient attention backward would keep their atomic, run-to-run varying sums), cuBLAS on a
     fixed workspace (``CUBLAS_WORKSPACE_CONFIG`` unless set, read at the process's first cuBLAS call) and
     ``torch.empty`` left unfilled (nothing reads uninitialized memory). All restored on exit; yields
-    whether it is on. CPU runs repeat bit for bit without it; on a GPU it makes a run's repeat do so."""
+    whether it is on. CPU runs repeat bit for bit without it; on a GPU it is what should make a run's repeat
+    do so (not yet run on one: README, *Same command, same checkpoint*)."""
     if not enabled:
         yield False
         return
