@@ -210,9 +210,10 @@ CUBLAS_WORKSPACE = ":4096:8"   # cuBLAS's fixed workspace that deterministic mod
 
 
 @contextmanager
-def deterministic_algorithms(enabled: bool, flag: str = "--deterministic") -> Iterator[bool]:
+def deterministic_algorithms(enabled: bool, flag: str = "--deterministic",
+                             hint: Callable[[], str] = lambda: "") -> Iterator[bool]:
     """With ``enabled``, while inside: PyTorch's deterministic algorithms, strict (an op that has none
-    raises, here as a one-line :class:`UserError` naming ``flag``; in warn-only mode the flash and
+    raises, here as a one-line :class:`UserError` naming ``flag`` and ``hint()``; in warn-only mode the flash and
     memory-efficient attention backward would keep their atomic, run-to-run varying sums), cuBLAS on a
     fixed workspace (``CUBLAS_WORKSPACE_CONFIG`` unless set, read at the process's first cuBLAS call) and
     ``torch.empty`` left unfilled (nothing reads uninitialized memory). All restored on exit; yields
@@ -233,7 +234,7 @@ def deterministic_algorithms(enabled: bool, flag: str = "--deterministic") -> It
         if found is None:
             raise
         raise UserError(f"{found.group(1)} has no deterministic implementation in PyTorch {torch.__version__} "
-                        f"on this device; run without {flag}") from exc
+                        f"on this device; run without {flag}{hint()}") from exc
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.utils.deterministic.fill_uninitialized_memory = saved[2]

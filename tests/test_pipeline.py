@@ -376,6 +376,30 @@ def test_deterministic_runs_every_stage_strictly_and_resumes_across_the_setting(
                              seqlen=32, batch_size=4, perm_steps=3, deterministic=True).key() == plain.key()
 
 
+def test_an_op_without_a_deterministic_form_stops_a_deterministic_run_and_resume_continues_without_it(
+        tiny_dir, text_file, eval_file, tmp_path):
+    """An op with no deterministic form met after block 0 (on a GPU: a float cumsum, say) ends a
+    ``--deterministic`` run with one line naming the op, the flag to drop and ``--resume``; resumed without
+    the flag, the run keeps block 0 and writes the checkpoint a plain run writes."""
+    cfg = config(tiny_dir, text_file, eval_file, method="wanda")
+    prune(cfg, out=tmp_path / "plain", progress=False)
+
+    def nondeterministic_op(i):
+        if i == 0:
+            torch.zeros(2).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))   # no deterministic form
+
+    strict = config(tiny_dir, text_file, eval_file, method="wanda", deterministic=True)
+    part = tmp_path / "part"
+    with pytest.raises(UserError, match=r"^put_ has no deterministic implementation .*; run without --deterministic "
+                                        r"and with --resume, which continues from the last finished block$"):
+        prune(strict, out=part, progress=False, on_block_done=nondeterministic_op)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert json.loads((part / ".resume" / "state.json").read_text())["next_block"] == 1
+    prune(cfg, out=part, resume=True, progress=False)
+    a, b = load_file(tmp_path / "plain" / "model.safetensors"), load_file(part / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_model_too_large_for_the_device_is_scored_block_by_block(tiny_dir, text_file, eval_file, tmp_path, monkeypatch):
     """When the model does not fit the device whole, prune's and eval's perplexities are measured
     one block at a time on it, and equal the whole model's; eval's lm-eval tasks, which need the

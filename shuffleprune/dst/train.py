@@ -433,10 +433,12 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     out = Path(out)
     existed = out.exists()
     resumable = lambda: "; then the same command with --resume continues it" if (out / CHECKPOINT).exists() else ""
+    strict = deterministic_algorithms(deterministic, hint=lambda: (
+        " and with --resume, which continues from the last checkpoint" if (out / CHECKPOINT).exists() else ""))
     main = os.environ.get("RANK", "0") == "0"   # torchrun / accelerate launch: the main process holds --out
     with held_alone(out) if main else nullcontext():   # a second run on --out is refused, touching nothing
         try:
-            with space_errors(out, "--out", hint=resumable), deterministic_algorithms(deterministic):
+            with space_errors(out, "--out", hint=resumable), strict:
                 return _train(cfg, dst, out, resume, overwrite, progress, stop_after)
         except BaseException:
             if not existed and out.is_dir() and not any(out.iterdir()):

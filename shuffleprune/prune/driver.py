@@ -187,11 +187,12 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     existed = out is not None and out.exists()
     full = nullcontext() if out is None else space_errors(
         out, "--out", hint=lambda: "; then the same command with --resume continues it" if resumable(out) else "")
+    strict = deterministic_algorithms(config.deterministic, hint=lambda: (
+        " and with --resume, which continues from the last finished block" if resumable(out) else ""))
     with held_alone(out) if out is not None else nullcontext():   # a second run on --out is refused, touching nothing
         try:   # a caller's model is pruned in place and given back where and as it was
             with full, held_for_run(loaded.model) if loaded is not None else nullcontext(), \
-                    tf32_matmuls(device, config.tf32), deterministic_algorithms(config.deterministic), \
-                    library_progress_bars(progress):
+                    tf32_matmuls(device, config.tf32), strict, library_progress_bars(progress):
                 return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded, documents or {})
         except BaseException:
             if out is not None:
