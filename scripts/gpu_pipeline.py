@@ -193,8 +193,8 @@ def dst_row(work: Path, model_dir: Path, data: Path, args, device: str, determin
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    row = {"step": "dst", "device": device, "deterministic": deterministic, "rc": proc.returncode, "seconds": round(time.perf_counter() - t0, 2),
-           "command": " ".join(["shuffleprune", *cmd[3:]])}
+    row = {"step": "dst", "device": device, "deterministic": deterministic, "rc": proc.returncode,
+           "seconds": round(time.perf_counter() - t0, 2), "command": " ".join(["shuffleprune", *cmd[3:]])}
     if proc.returncode != 0:
         return {**row, "ok": False, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
     try:
@@ -299,19 +299,21 @@ def run_steps(args: argparse.Namespace, device: str, work: Path) -> None:
         again["same_checkpoint_as_first"] = again.get("checkpoint_sha256") == first["checkpoint_sha256"]
         again["same_checkpoint_as_api"] = api is not None and api["checkpoint_sha256"] == first["checkpoint_sha256"]
         record(again)
+    def run_again(before: dict) -> None:
+        """``before``'s call once more, as it ran: the same checkpoint?"""
+        again = prune_row(before["recipe"], device, work, model_dir, calib, heldout, args, before["deterministic"])
+        record({**again, "step": "prune again", "same_checkpoint_as_before":
+                again.get("checkpoint_sha256") == before["checkpoint_sha256"]})
+
     for recipe in args.repeat:   # a recipe that trains through the blocks' backward (atomics on a GPU) once more
         before = next((r for r in rows if r.get("recipe") == recipe and r["device"] == device and r.get("ok")), None)
         if before is not None:
-            again = prune_row(recipe, device, work, model_dir, calib, heldout, args)
-            record({**again, "step": "prune again", "same_checkpoint_as_before":
-                    again.get("checkpoint_sha256") == before["checkpoint_sha256"]})
+            run_again(before)
     for recipe in args.repeat:   # twice more with --deterministic: do those two agree, where the plain pair may not?
         first_det = prune_row(recipe, device, work, model_dir, calib, heldout, args, deterministic=True)
         record(first_det)
         if first_det["ok"]:
-            again = prune_row(recipe, device, work, model_dir, calib, heldout, args, deterministic=True)
-            record({**again, "step": "prune again", "same_checkpoint_as_before":
-                    again.get("checkpoint_sha256") == first_det["checkpoint_sha256"]})
+            run_again(first_det)
     record(dst_row(work, model_dir, calib, args, device, deterministic=True))   # does training run strict on the GPU?
     for recipe in args.cpu_recipes:
         record(prune_row(recipe, "cpu", work, model_dir, calib, heldout, args))
