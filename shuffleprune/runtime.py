@@ -210,20 +210,21 @@ CUBLAS_WORKSPACE = ":4096:8"   # cuBLAS's fixed workspace that deterministic mod
 
 
 @contextmanager
-def deterministic_algorithms(enabled: bool, flag: str = "--deterministic",
-                             hint: Callable[[], str] = lambda: "") -> Iterator[bool]:
+def deterministic_algorithms(enabled: bool, hint: Callable[[], str] = lambda: "") -> Iterator[bool]:
     """With ``enabled``, while inside: PyTorch's deterministic algorithms, strict (an op that has none
-    raises, here as a one-line :class:`UserError` naming ``flag`` and ``hint()``; in warn-only mode the flash and
-    memory-efficient attention backward would keep their atomic, run-to-run varying sums), cuBLAS on a
-    fixed workspace (``CUBLAS_WORKSPACE_CONFIG`` unless set, read at the process's first cuBLAS call) and
-    ``torch.empty`` left unfilled (nothing reads uninitialized memory). All restored on exit; yields
-    whether it is on. CPU runs repeat bit for bit without it; on a GPU it is what should make a run's repeat
-    do so (not yet run on one: README, *Same command, same checkpoint*)."""
+    raises, here as a one-line :class:`UserError` naming ``--deterministic`` and ``hint()``; in warn-only
+    mode the flash and memory-efficient attention backward would keep their atomic, run-to-run varying
+    sums), cuBLAS on a fixed workspace (``CUBLAS_WORKSPACE_CONFIG`` unless set, read at the process's
+    first cuBLAS call) and ``torch.empty`` left unfilled (nothing reads uninitialized memory). All
+    restored on exit; yields whether it is on. CPU runs repeat bit for bit without it; on a GPU it is
+    what should make a run's repeat do so (not yet run on one: README, *Same command, same checkpoint*)."""
     if not enabled:
         yield False
         return
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.utils.deterministic.fill_uninitialized_memory, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -234,11 +235,11 @@ def deterministic_algorithms(enabled: bool, flag: str = "--deterministic",
         if found is None:
             raise
         raise UserError(f"{found.group(1)} has no deterministic implementation in PyTorch {torch.__version__} "
-                        f"on this device; run without {flag}{hint()}") from exc
+                        f"on this device; run without --deterministic{hint()}") from exc
     finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
-        if saved[3] is None:
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+        if workspace is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 

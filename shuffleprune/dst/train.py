@@ -432,9 +432,10 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     resumed run may set it otherwise. A write that runs out of disk space is a one-line error."""
     out = Path(out)
     existed = out.exists()
-    resumable = lambda: "; then the same command with --resume continues it" if (out / CHECKPOINT).exists() else ""
+    checkpointed = lambda: (out / CHECKPOINT).exists()
+    resumable = lambda: "; then the same command with --resume continues it" if checkpointed() else ""
     strict = deterministic_algorithms(deterministic, hint=lambda: (
-        " and with --resume, which continues from the last checkpoint" if (out / CHECKPOINT).exists() else ""))
+        " and with --resume, which continues from the last checkpoint" if checkpointed() else ""))
     main = os.environ.get("RANK", "0") == "0"   # torchrun / accelerate launch: the main process holds --out
     with held_alone(out) if main else nullcontext():   # a second run on --out is refused, touching nothing
         try:
