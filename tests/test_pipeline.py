@@ -358,8 +358,9 @@ def test_deterministic_runs_every_stage_strictly_and_resumes_across_the_setting(
 
     from shuffleprune.cli import app
 
-    plain = PruneConfig.build(recipe, model=str(tiny_dir), calib=str(text_file), eval_text=str(eval_file),
-                              nsamples=4, seqlen=32, batch_size=4, perm_steps=3)
+    options = dict(model=str(tiny_dir), calib=str(text_file), eval_text=str(eval_file), nsamples=4, seqlen=32,
+                   batch_size=4, perm_steps=3)
+    plain = PruneConfig.build(recipe, **options)
     prune(plain, out=tmp_path / "plain", progress=False)
     args = ["prune", str(tiny_dir), "--recipe", recipe, "--calib", str(text_file), "--eval-text", str(eval_file),
             "--nsamples", "4", "--seqlen", "32", "--batch-size", "4", "--perm-steps", "3", "--quiet"]
@@ -372,8 +373,7 @@ def test_deterministic_runs_every_stage_strictly_and_resumes_across_the_setting(
     assert det["config"]["deterministic"] is True and det["ppl"] == before["ppl"]
     a, b = load_file(tmp_path / "plain" / "model.safetensors"), load_file(tmp_path / "det" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert PruneConfig.build(recipe, model=str(tiny_dir), calib=str(text_file), eval_text=str(eval_file), nsamples=4,
-                             seqlen=32, batch_size=4, perm_steps=3, deterministic=True).key() == plain.key()
+    assert PruneConfig.build(recipe, **options, deterministic=True).key() == plain.key()
 
 
 def test_an_op_without_a_deterministic_form_stops_a_deterministic_run_and_resume_continues_without_it(
