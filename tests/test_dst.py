@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import WORDS, tiny_model
+from conftest import WORDS, random_text, tiny_model
 from shuffleprune.dst import DSTConfig, DynamicSparsifier
 from shuffleprune.dst.layers import grad_of, layer_densities, out_in, sparsifiable_layers, weight_of
 from shuffleprune.errors import UserError
@@ -710,6 +710,29 @@ def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
         r = CliRunner().invoke(app, base + extra + ["--out", str(out)])
         assert r.exit_code == 2 and needle in r.output, r.output
         assert not out.exists()
+
+
+def test_a_text_too_short_for_the_window_names_the_longest_window_that_fits(tiny_dir, tmp_path):
+    import re
+
+    from typer.testing import CliRunner
+
+    from shuffleprune.cli import app
+
+    short = tmp_path / "short.txt"
+    short.write_text(random_text(2000, seed=3))
+    base = ["dst", "--arch", "gpt2", "--config-kw", "n_layer=1,n_embd=32,n_head=2", "--tokenizer", str(tiny_dir),
+            "--data", str(short), "--batch-size", "2", "--steps", "1", "--warmup", "0", "--eval-every", "0", "--quiet"]
+    r = CliRunner().invoke(app, base + ["--seq-len", "256", "--out", str(tmp_path / "long")])
+    found = re.search(r"too short for --seq-len 256: (\d+) tokens to train on, (\d+) held out; "
+                      r"give a longer text or --seq-len (\d+) or less", r.output)
+    assert r.exit_code == 2 and found, r.output
+    train, held, fits = map(int, found.groups())
+    assert fits == min(train - 1, held) and fits < 256
+    r = CliRunner().invoke(app, base + ["--seq-len", str(fits + 1), "--out", str(tmp_path / "over")])
+    assert r.exit_code == 2 and "too short" in r.output, r.output   # the bound is the longest that fits
+    r = CliRunner().invoke(app, base + ["--seq-len", str(fits), "--out", str(tmp_path / "fits")])
+    assert r.exit_code == 0, r.output
 
 
 def test_pixelfly_is_a_static_butterfly_plus_trained_low_rank():

@@ -305,8 +305,15 @@ def _token_streams(cfg: TrainConfig, accelerator) -> tuple[object, torch.Tensor,
     if cfg.eval_tokens:
         test_stream = test_stream[:cfg.eval_tokens]
     if train_stream.numel() <= cfg.seq_len or test_stream.numel() < cfg.seq_len:
-        raise UserError(f"'{cfg.data}' is too short for --seq-len {cfg.seq_len}")
+        raise UserError(_too_short(cfg, train_stream.numel(), test_stream.numel()))
     return tokenizer, train_stream, test_stream
+
+
+def _too_short(cfg: TrainConfig, train_tokens: int, test_tokens: int) -> str:
+    """The one-line error for a text whose parts cannot hold a window of ``--seq-len``: their token counts and the fix."""
+    fits = min(train_tokens - 1, test_tokens)   # training windows take seq-len + 1 tokens, held-out ones seq-len
+    fix = f"give a longer text or --seq-len {fits} or less" if fits >= 8 else "give a longer text"
+    return f"'{cfg.data}' is too short for --seq-len {cfg.seq_len}: {train_tokens} tokens to train on, {test_tokens} held out; {fix}"
 
 
 def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, object]:
