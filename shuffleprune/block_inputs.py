@@ -513,7 +513,8 @@ def run_blocks(blocks: Blocks, hidden: torch.Tensor, captured: CapturedInputs, d
     for i, block in enumerate(tqdm(blocks.layers, desc="blocks", disable=not progress, leave=False)):
         home = _module_device(block)
         try:
-            with around(block.to(device)) if around is not None else nullcontext():
+            block.to(device)
+            with around(block) if around is not None else nullcontext():
                 hidden = run_block(block, hidden, captured, i, device, batch_size)
         finally:
             block.to(home)

@@ -324,25 +324,25 @@ def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWe
     if opts.loss == "kl" and head is None:
         raise UserError("--perm-loss kl needs a model with an LM head (output embeddings); use --perm-loss cos")
     gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + 999_983)
-    problem = _problem(linears, norms, groups, pattern, opts, ties)
     decoder = decoder_of(model, find_blocks(model))
     as_params = weight_params(decoder, linears)
     model.to(device)
-    with torch.no_grad():
-        target = torch.cat([decoder(input_ids=tokens[s:s + batch_size].to(device), use_cache=False).last_hidden_state.cpu()
-                            for s in range(0, tokens.shape[0], batch_size)])
-
-    def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        params = as_params(eff)
-        out = functional_call(decoder, params, (), {"input_ids": tokens[rows].to(device), "use_cache": False}).last_hidden_state
-        dense = target[rows].to(device)
-        if head is None:
-            return cosine_loss(dense, out)
-        with torch.no_grad():  # recomputed per call: every window's logits would not fit (n·L·vocab floats)
-            dense_logits = head(dense)
-        return kl_loss(dense_logits, head(out))
-
     try:
+        problem = _problem(linears, norms, groups, pattern, opts, ties)   # frozen weights and scores on the device
+        with torch.no_grad():
+            target = torch.cat([decoder(input_ids=tokens[s:s + batch_size].to(device), use_cache=False).last_hidden_state.cpu()
+                                for s in range(0, tokens.shape[0], batch_size)])
+
+        def recon(eff: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+            params = as_params(eff)
+            out = functional_call(decoder, params, (), {"input_ids": tokens[rows].to(device), "use_cache": False}).last_hidden_state
+            dense = target[rows].to(device)
+            if head is None:
+                return cosine_loss(dense, out)
+            with torch.no_grad():  # recomputed per call: every window's logits would not fit (n·L·vocab floats)
+                dense_logits = head(dense)
+            return kl_loss(dense_logits, head(out))
+
         with FrozenParams(model):
             return _learn_and_choose(problem, recon, tokens.shape[0], device, gen, on_step)
     finally:
