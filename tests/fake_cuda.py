@@ -256,10 +256,7 @@ def _indexing(func, args):
         if t.requires_grad and torch.is_grad_enabled():
             return _Gather.apply(t, inner_idx)
         return OnCuda(t.inner[inner_idx])
-    v = value[0]
-    if isinstance(v, torch.Tensor) and not isinstance(v, OnCuda) and v.dim() > 0:
-        pass   # a CPU source is copied across, as CUDA's setitem does
-    t.inner[inner_idx] = _unwrap(v)
+    t.inner[inner_idx] = _unwrap(value[0])   # a CPU source is copied across, as CUDA's setitem does
     return None
 
 
