@@ -80,6 +80,25 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
+def buffers_row(model_dir: Path) -> dict:
+    """On a machine with a GPU, does the loader ``prune`` and ``eval`` use give the model's buffers that
+    its checkpoint does not hold (RoPE's ``inv_freq``) their values? Compared with the same config built
+    in memory. (A CUDA device emulated on the CPU, tests/fake_cuda.py, leaves them uninitialised.)"""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shuffleprune.models import load_model
+
+    row = {"step": "load: buffers not in the checkpoint"}
+    try:
+        loaded = dict(load_model(str(model_dir)).model.named_buffers())
+        built = dict(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).named_buffers())
+        differ = [n for n, b in built.items() if n in loaded and not torch.equal(b.float(), loaded[n].float().cpu())]
+        return {**row, "ok": not differ and loaded.keys() == built.keys(), "buffers": sorted(built), "differ": differ}
+    except Exception as exc:   # noqa: BLE001 — a failing step is a row, not the end of the run
+        return {**row, "ok": False, "error": one_line(exc)}
+
+
 def prune_row(recipe: str, device: str, work: Path, model_dir: Path, calib: Path, heldout: Path, args,
               deterministic: bool = False) -> dict:
     """One ``shuffleprune.prune`` run of ``recipe`` on ``device`` (the Python API the command line calls),
@@ -283,6 +302,7 @@ def run_steps(args: argparse.Namespace, device: str, work: Path) -> None:
         print(json.dumps(row), flush=True)
         save(args, rows, complete=False)
 
+    record(buffers_row(model_dir))   # a second or so
     # the default recipe and what users do with its output first, so that a step cut off by its time limit
     # keeps the rows that matter most; then the other recipes, then the CPU's perplexities
     first = cli_row(work, model_dir, calib, heldout, args, device, "1")
