@@ -8,8 +8,13 @@ An op that mixes a "CUDA" tensor with a CPU one raises the error a real GPU woul
 forgets a ``.to(device)`` fails here as it would on a GPU. Outputs of ops on "CUDA" tensors are
 "CUDA" tensors; ``.cpu()`` / ``.to("cpu")`` give plain CPU tensors back.
 
+The wrapper is a CPU tensor to C++ (so the autograd engine and composite ops never ask for a CUDA
+runtime this build lacks) and ``cuda:0`` to Python; SDPA runs the CPU's kernels, forward and backward,
+so a run here computes the CPU run's numbers bit for bit.
+
 What it does not emulate: Triton kernels, CUDA graphs, streams' concurrency (streams and events are
-no-ops), nondeterminism, memory limits (memory queries answer from the CPU's counts).
+no-ops), nondeterminism, memory limits (memory queries answer fixed sizes). Loading a checkpoint with
+``from_pretrained`` inside it leaves RoPE's ``inv_freq`` uninitialised: load outside, then move.
 """
 from __future__ import annotations
 
