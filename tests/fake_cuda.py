@@ -101,6 +101,19 @@ def _is_cuda(device) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
+def _on_cpu(x) -> bool:
+    """A CPU operand that CUDA refuses beside a CUDA one (not a 0-dim scalar)."""
+    return isinstance(x, torch.Tensor) and not isinstance(x, OnCuda) and x.dim() > 0
+
+
+def _refuse_mix(what, operands: list) -> None:
+    """PyTorch's CUDA rule: raise where ``operands`` hold a "CUDA" tensor and a CPU one."""
+    cpu = [x for x in operands if _on_cpu(x)]
+    if cpu and any(isinstance(x, OnCuda) for x in operands):
+        raise DeviceMixError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                             f"cuda:0 and cpu! ({what}: CPU operands {[tuple(t.shape) for t in cpu]})")
+
+
 def _unwrap(x):
     return x.inner if isinstance(x, OnCuda) else x
 
@@ -116,10 +129,8 @@ def _run(func, args, kwargs):
     target = kwargs.get("device")
     if not on_cuda and not _is_cuda(target):
         return func(*args, **kwargs)
-    on_cpu = [x for x in leaves if isinstance(x, torch.Tensor) and not isinstance(x, OnCuda) and x.dim() > 0]
-    if on_cuda and on_cpu and func not in CROSS_DEVICE:
-        raise DeviceMixError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                             f"cuda:0 and cpu! ({func}: CPU operands {[tuple(t.shape) for t in on_cpu]})")
+    if func not in CROSS_DEVICE:
+        _refuse_mix(func, leaves)
     if target is not None:
         kwargs = {**kwargs, "device": torch.device("cpu")}
     if func is aten.histc.default and not args[0].dtype.is_floating_point:   # CUDA's histc counts integers
@@ -129,9 +140,7 @@ def _run(func, args, kwargs):
         return args[0]
     if func is aten._local_scalar_dense.default:
         return out
-    if _is_cuda(target) or (target is None and on_cuda and func is not aten._to_copy.default):
-        return tree_map(_wrap, out)
-    if func is aten._to_copy.default and target is None and on_cuda:   # a dtype change stays on the device
+    if _is_cuda(target) or (target is None and on_cuda):   # asked for the device, or kept there (a dtype change too)
         return tree_map(_wrap, out)
     return out
 
@@ -163,8 +172,7 @@ def _to(t: torch.Tensor, *args, **kwargs):
         out = OnCuda(moved, requires_grad=False)
         return _keep_grad(t, out)
     if isinstance(t, OnCuda):
-        out = inner.clone() if inner is t.inner else inner
-        return out
+        return inner.clone() if inner is t.inner else inner   # to the CPU: a copy
     return inner
 
 
@@ -221,18 +229,14 @@ def _on_inner(func, args, kwargs):
     tensors = [x for x in _leaves((args, kwargs), []) if isinstance(x, torch.Tensor)]
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
         raise NotImplementedError(f"fake_cuda: {func} needs the CUDA runtime and a gradient through it")
-    if any(isinstance(t, OnCuda) for t in tensors) and any(not isinstance(t, OnCuda) and t.dim() > 0 for t in tensors):
-        raise DeviceMixError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                             f"cuda:0 and cpu! ({func})")
+    _refuse_mix(func, tensors)
     return tree_map(_wrap, func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs)))
 
 
 def _attention(q, k, v, attn_mask=None, **options):
     """``F.scaled_dot_product_attention`` by the CPU's own kernels on the inner tensors, forward and
     backward, so a run on the emulated GPU computes what the same run on the CPU computes, bit for bit."""
-    if any(isinstance(t, torch.Tensor) and not isinstance(t, OnCuda) and t.dim() > 0 for t in (k, v, attn_mask)):
-        raise DeviceMixError("Expected all tensors to be on the same device, but found at least two devices, "
-                             "cuda:0 and cpu! (scaled_dot_product_attention)")
+    _refuse_mix("scaled_dot_product_attention", [q, k, v, attn_mask])
     return _Attention.apply(q, k, v, None if attn_mask is None else _unwrap(attn_mask), options)
 
 

@@ -1,4 +1,4 @@
-"""`prune` and `evaluate` on a CUDA device, emulated on the CPU (tests/fake_cuda.py): every tensor the
+"""`prune` and perplexity on a CUDA device, emulated on the CPU (tests/fake_cuda.py): every tensor the
 run puts on the GPU must meet only tensors on the GPU, as a real one demands, and since the emulated
 device computes with the CPU's kernels, the checkpoint must be the CPU run's, bit for bit."""
 from __future__ import annotations
