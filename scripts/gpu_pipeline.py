@@ -83,7 +83,7 @@ def one_line(exc: BaseException) -> str:
 def buffers_row(model_dir: Path) -> dict:
     """On a machine with a GPU, does the loader ``prune`` and ``eval`` use give the model's buffers that
     its checkpoint does not hold (RoPE's ``inv_freq``) their values? Compared with the same config built
-    in memory. (A CUDA device emulated on the CPU, tests/fake_cuda.py, leaves them uninitialised.)"""
+    in memory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -13,8 +13,7 @@ runtime this build lacks) and ``cuda:0`` to Python; SDPA runs the CPU's kernels,
 so a run here computes the CPU run's numbers bit for bit.
 
 What it does not emulate: Triton kernels, CUDA graphs, streams' concurrency (streams and events are
-no-ops), nondeterminism, memory limits (memory queries answer fixed sizes). Loading a checkpoint with
-``from_pretrained`` inside it leaves RoPE's ``inv_freq`` uninitialised: load outside, then move.
+no-ops), nondeterminism, memory limits (memory queries answer fixed sizes).
 """
 from __future__ import annotations
 
@@ -204,10 +203,8 @@ class _Functions(TorchFunctionMode):
             return _to(args[0], "cuda")
         if func is torch.Tensor.cpu:
             return _to(args[0], "cpu")
-        if func is torch.tensor or func is torch.as_tensor:
-            device = kwargs.pop("device", None)
-            out = func(*args, **kwargs)
-            return OnCuda(out) if _is_cuda(device) else out
+        if (func is torch.tensor or func is torch.as_tensor) and _is_cuda(kwargs.get("device")):
+            return OnCuda(func(*args, **{**kwargs, "device": "cpu"}))   # another device (meta, cpu) is kept
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and isinstance(args[0], OnCuda):
             return _indexing(func, args)
         if func is torch.Tensor.pin_memory:

@@ -1,6 +1,7 @@
-"""`prune` and perplexity on a CUDA device, emulated on the CPU (tests/fake_cuda.py): every tensor the
-run puts on the GPU must meet only tensors on the GPU, as a real one demands, and since the emulated
-device computes with the CPU's kernels, the checkpoint must be the CPU run's, bit for bit."""
+"""`prune` (in memory, and loaded by path, killed and resumed) and perplexity on a CUDA device,
+emulated on the CPU (tests/fake_cuda.py): every tensor the run puts on the GPU must meet only tensors
+on the GPU, as a real one demands, and since the emulated device computes with the CPU's kernels, the
+checkpoint must be the CPU run's, bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -58,6 +59,8 @@ def test_the_emulated_gpu_refuses_what_a_gpu_refuses():
         with pytest.raises(DeviceMixError):
             layer(torch.ones(1, 4))
         assert type(layer.to("cpu").weight) is torch.nn.Parameter
+        with torch.device("meta"):   # transformers asks this way whether it builds a model on the meta device
+            assert torch.tensor([]).device.type == "meta"
     assert not torch.cuda.is_available() or torch.version.cuda
 
 
@@ -87,3 +90,43 @@ def test_perplexity_on_a_gpu_is_the_cpus(blockwise):
         got = perplexity(model if blockwise else model.to("cuda"), tokens, 64, "cuda", blockwise=blockwise)
         model.to("cpu")
     assert got == want
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("arch, recipe", [("llama", "accurate"), ("llama", "learned"), ("gemma3n_text", "accurate")])
+def test_a_run_killed_and_resumed_on_a_gpu_gives_the_cpus_checkpoint(arch, recipe, text_file, eval_file, tmp_path,
+                                                                    one_thread):
+    # a checkpoint loaded by path on the GPU (transformers builds it on the meta device, then fills RoPE's
+    # buffers), killed after a block and resumed there. Gemma 3n's blocks hand keys and values on, so its
+    # resume replays the finished blocks on the GPU (they ran on the CPU before 8747549)
+    from safetensors.torch import load_file
+
+    from shuffleprune.prune.config import PruneConfig
+    from shuffleprune.prune.driver import prune
+
+    src = tmp_path / arch
+    tiny_model(arch, layers=3).save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    crash_at = 1 if arch == "gemma3n_text" else 0   # Gemma 3n: after the block that stores keys and values
+
+    def cfg(device: str) -> PruneConfig:
+        return PruneConfig.build(recipe, model=str(src), calib=str(text_file), eval_text=str(eval_file),
+                                 nsamples=4, seqlen=32, eval_ctx=32, device=device)
+
+    def crash(i: int) -> None:
+        if i == crash_at:
+            raise Crash
+
+    full, part = tmp_path / "cpu", tmp_path / "gpu"
+    want = prune(cfg("cpu"), out=full, progress=False).report
+    with fake_cuda():
+        with pytest.raises(Crash):
+            prune(cfg("cuda"), out=part, progress=False, on_block_done=crash)
+        got = prune(cfg("cuda"), out=part, resume=True, progress=False).report
+    assert got["device"].startswith("cuda") and got["nm_ok"]
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(part / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    assert got["ppl"] == want["ppl"]
