@@ -45,6 +45,8 @@
 #                                              # launch (…_launch), the plan's tiles, 1024/4096/11008 rows, 1-16 tokens
 #   bash scripts/gpu_run.sh tune_split_deep    # the tensor-core decodes at 4 and 16 tokens split 8 and 16 ways
 #                                              # against the plan's one wave (2 programs per SM, 4 steps each)
+#   bash scripts/gpu_run.sh dst_overhead       # DST steps with permutations none / random / learned (soft, hardened)
+#                                              # at GPT-2 Small's shape, seq 1024, batch 8 (bench_dst_overhead_cuda.json)
 #   bash scripts/gpu_run.sh moe                # one Mixtral-8x7B experts layer: transformers' grouped_mm and eager
 #                                              # experts forwards against an export's 2:4 experts, the per-expert
 #                                              # loop and the grouped kernel (CUDA graph), with and without maps,
@@ -105,8 +107,9 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # then pipeline (the commands users type, prune / export / load / generate / eval / dst on CUDA, never run on a
 # GPU: what every GPU user runs first). next1: the CUDA-graph e2e table again and moe (the MoE experts and the
 # one-launch routing, never timed);
-# next2..next6 the rest, one call each (limits summing to at most 600 s), in the order they matter to the issue
-# (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all six, for the CPU
+# next2..next6 the rest, one call each (limits summing to at most 600 s), in the order they matter to the issue;
+# next7 issue 6's DST step cost at GPT-2 Small's shape with the soft permutations now on the GPU
+# (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all seven, for the CPU
 # smoke run.
 ISSUE24=(kernel targets pipeline)                   # limits 200 + 10 + 300 s (kernel 125 s on 3616890): auto's
                                                     # dependent-launch retiming and its candidates without
@@ -119,6 +122,7 @@ NEXT3=(e2e_moe)                                     # 400 s (e2e_moe_compile, 42
 NEXT4=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
 NEXT5=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 54 and 55 s on 3616890)
 NEXT6=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
+NEXT7=(dst_overhead)                                # 200 s: issue 6's DST step cost at GPT-2 Small's shape on the GPU
 [ $# -eq 0 ] && set -- issue24
 steps=(); for s in "$@"; do case $s in
     tune_tiles) steps+=(tune_select tune_dot tune_gemm) ;;
@@ -129,7 +133,8 @@ steps=(); for s in "$@"; do case $s in
     next4) steps+=("${NEXT4[@]}") ;;
     next5) steps+=("${NEXT5[@]}") ;;
     next6) steps+=("${NEXT6[@]}") ;;
-    next) steps+=("${ISSUE24[@]}" "${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}"
+    next7) steps+=("${NEXT7[@]}") ;;
+    next) steps+=("${ISSUE24[@]}" "${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}"
                   e2e_moe_compile) ;;
     *) steps+=("$s") ;;
 esac; done
@@ -211,6 +216,9 @@ for s in "$@"; do
                     --section ComputeWorkloadAnalysis $PY scripts/profile_decode.py --kernel $kern --tokens $toks \
                     --shape $shape >> $RES 2>&1
             done ;;
+        dst_overhead) step dst_overhead 200 scripts/results/bench_dst_overhead_cuda.json $PY scripts/bench_dst_overhead.py \
+            --config-kw n_layer=12,n_embd=768,n_head=12 --vocab 50257 --seq-len 1024 --batch-size 8 \
+            --methods srigl dsb diag --steps 3 --rounds 3 --device cuda --out scripts/results/bench_dst_overhead_cuda.json ;;
         kernel_fused) step kernel_fused 60 scripts/results/bench_kernel_fused.json $PY scripts/bench_kernel.py \
             --shapes 12288x4096 22016x4096 --tokens 1 2 16 --impls auto decode decode_nomap \
             --out scripts/results/bench_kernel_fused.json ;;

@@ -31,6 +31,11 @@ aten = torch.ops.aten
 CROSS_DEVICE = {aten._to_copy.default, aten.copy_.default, aten.index.Tensor, aten.index_put_.default,
                 aten.index_put.default, aten._index_put_impl_.default, aten.lift_fresh.default,
                 aten._local_scalar_dense.default}
+# x.new_*(…): the device is x's unless one is named. C++ names it from x's options, which say CPU for the
+# wrapper (autograd's AccumulateGrad makes a gradient laid out as its parameter so); Python naming the CPU
+# is answered in _Functions
+NEW_OF_SELF = {aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default,
+               aten.new_ones.default, aten.new_full.default}
 
 
 class DeviceMixError(RuntimeError):
@@ -126,6 +131,10 @@ def _run(func, args, kwargs):
     leaves = _leaves((args, kwargs), [])
     on_cuda = [x for x in leaves if isinstance(x, OnCuda)]
     target = kwargs.get("device")
+    if func in NEW_OF_SELF and isinstance(args[0], OnCuda):
+        target = CUDA
+    if _is_cuda(target) and getattr(kwargs.get("generator"), "device", CUDA).type != "cuda":
+        raise DeviceMixError(f"Expected a 'cuda' device type for generator but found 'cpu' ({func})")
     if not on_cuda and not _is_cuda(target):
         return func(*args, **kwargs)
     if func not in CROSS_DEVICE:
@@ -192,6 +201,10 @@ class _ToDevice(torch.autograd.Function):
         return _unwrap(grad)
 
 
+NEW_FROM_PYTHON = {torch.Tensor.new_empty_strided, torch.Tensor.new_empty, torch.Tensor.new_zeros,
+                   torch.Tensor.new_ones, torch.Tensor.new_full}
+
+
 class _Functions(TorchFunctionMode):
     """Entry points whose C++ argument parsing would refuse a CUDA device on a CPU build."""
 
@@ -207,6 +220,8 @@ class _Functions(TorchFunctionMode):
             return OnCuda(func(*args, **{**kwargs, "device": "cpu"}))   # another device (meta, cpu) is kept
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and isinstance(args[0], OnCuda):
             return _indexing(func, args)
+        if func in NEW_FROM_PYTHON and isinstance(args[0], OnCuda) and not _is_cuda(kwargs.get("device", CUDA)):
+            return func(args[0].inner, *args[1:], **kwargs)   # x.new_zeros(…, device="cpu"): on the CPU
         if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.nn.functional.one_hot and isinstance(args[0], OnCuda):
@@ -267,16 +282,18 @@ def _indexing(func, args):
 
 
 class _Gather(torch.autograd.Function):
+    """``t[idx]`` with the CPU's own backward (repeated indices sum their gradients)."""
+
     @staticmethod
     def forward(ctx, t, idx):
-        ctx.idx, ctx.shape, ctx.dtype = idx, t.shape, t.dtype
-        return OnCuda(t.inner[idx].clone())
+        ctx.inner = t.inner.detach().requires_grad_()
+        with torch.enable_grad():
+            ctx.out = ctx.inner[idx]
+        return OnCuda(ctx.out.detach().clone())
 
     @staticmethod
     def backward(ctx, grad):
-        full = torch.zeros(ctx.shape, dtype=ctx.dtype)
-        full[ctx.idx] += _unwrap(grad)
-        return OnCuda(full), None
+        return OnCuda(torch.autograd.grad(ctx.out, ctx.inner, _unwrap(grad))[0]), None
 
 
 def _device_properties(device=None):

@@ -61,6 +61,14 @@ def test_the_emulated_gpu_refuses_what_a_gpu_refuses():
         assert type(layer.to("cpu").weight) is torch.nn.Parameter
         with torch.device("meta"):   # transformers asks this way whether it builds a model on the meta device
             assert torch.tensor([]).device.type == "meta"
+        with pytest.raises(DeviceMixError):   # a CPU generator for a GPU draw
+            torch.rand(3, generator=torch.Generator(), device="cuda")
+        w = torch.nn.Parameter(torch.arange(4.0).to("cuda"))
+        (w[torch.tensor([0, 0, 3, 3, 3])] * torch.arange(5.0).to("cuda")).sum().backward()   # repeats sum
+        assert w.grad.device.type == "cuda" and torch.equal(w.grad.cpu(), torch.tensor([1.0, 0.0, 0.0, 9.0]))
+        w = torch.nn.Parameter(torch.zeros(2, 3).to("cuda"))
+        (w.t() * torch.arange(6.0).view(3, 2).to("cuda")).sum().backward()   # a gradient laid out as w
+        assert w.grad.device.type == "cuda" and torch.equal(w.grad.cpu(), torch.arange(6.0).view(3, 2).t())
     assert not torch.cuda.is_available() or torch.version.cuda
 
 
@@ -130,3 +138,86 @@ def test_a_run_killed_and_resumed_on_a_gpu_gives_the_cpus_checkpoint(arch, recip
     a, b = load_file(str(full / "model.safetensors")), load_file(str(part / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
     assert got["ppl"] == want["ppl"]
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate keeps its device in a process-wide state: made anew inside the emulation, and after."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def _dst_config(tiny_dir, text_file):
+    from shuffleprune.dst.train import TrainConfig
+
+    return TrainConfig(arch="gpt2", config_kw={"n_layer": 2, "n_embd": 64, "n_head": 4}, tokenizer=str(tiny_dir),
+                       data=str(text_file), seq_len=32, batch_size=4, steps=8, warmup=2, eval_every=4,
+                       eval_tokens=2048, checkpoint_every=3)
+
+
+@pytest.mark.parametrize("method", ["nm", "srigl", "dsb", "pixelfly", "diag"])
+def test_dst_with_learned_permutations_trains_on_a_gpu_the_cpus_model(method, tiny_dir, text_file, tmp_path,
+                                                                      fresh_accelerate):
+    # GPT-2's Conv1D weights reach their layers transposed, the soft permutations train beside them on
+    # the device (they stayed on the CPU: a copy each way per layer and step, and Adam and the
+    # projection on the host); diag and pixelfly add parameters of their own
+    from safetensors.torch import load_file
+
+    from shuffleprune.dst import DSTConfig
+    from shuffleprune.dst.train import train
+
+    cfg = _dst_config(tiny_dir, text_file)
+    dcfg = DSTConfig(method=method, sparsity=0.5 if method == "nm" else 0.75, block=16, delta_t=2, t_end=6,
+                     perm="learned", t_perm=5, lambda_max=1e-2)
+    torch.manual_seed(0)
+    want = train(cfg, dcfg, tmp_path / "cpu", progress=False)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    torch.manual_seed(0)
+    with fake_cuda():
+        got = train(cfg, dcfg, tmp_path / "gpu", progress=False)
+    assert got["device"].startswith("cuda") and want["device"] == "cpu"
+    assert got["final_ppl"] == want["final_ppl"] and got["loss_curve"] == want["loss_curve"]
+    a = load_file(str(tmp_path / "cpu" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "gpu" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dst_killed_and_resumed_on_a_gpu_gives_the_cpus_model(tiny_dir, text_file, tmp_path, fresh_accelerate):
+    from safetensors.torch import load_file
+
+    from shuffleprune.dst import DSTConfig
+    from shuffleprune.dst.train import train
+
+    cfg = _dst_config(tiny_dir, text_file)
+    dcfg = DSTConfig(method="dsb", block=16, sparsity=0.75, delta_t=2, t_end=6, perm="learned", t_perm=5,
+                     lambda_max=1e-2, distribution="uniform")
+    torch.manual_seed(0)
+    want = train(cfg, dcfg, tmp_path / "cpu", progress=False)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    torch.manual_seed(0)
+    with fake_cuda():
+        assert train(cfg, dcfg, tmp_path / "gpu", progress=False, stop_after=4) == {"stopped_at": 4}
+        got = train(cfg, dcfg, tmp_path / "gpu", resume=True, progress=False)
+    assert got["final_ppl"] == want["final_ppl"] and got["loss_curve"] == want["loss_curve"]
+    a = load_file(str(tmp_path / "cpu" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "gpu" / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_sparsifier_keeps_its_soft_permutations_on_the_models_device():
+    from shuffleprune.dst import DSTConfig, DynamicSparsifier
+
+    model = tiny_model("gpt2", layers=2)
+    with fake_cuda():
+        model.to("cuda")
+        sp = DynamicSparsifier(DSTConfig(method="srigl", sparsity=0.75, perm="learned", delta_t=2, t_end=6, t_perm=5))
+        sp.prepare(model)
+        assert sp.perms and all(isinstance(b, OnCuda) for p in sp.perms.values() for b in p.soft.blocks)
+        model.to("cpu")

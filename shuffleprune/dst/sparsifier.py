@@ -87,7 +87,7 @@ from shuffleprune.blocks import ExpertWeight
 from shuffleprune.dst.config import MASK_METHODS, DSTConfig
 from shuffleprune.dst.input_perm import InputPermutation, attach_to_experts, attach_to_linear, average_across_processes
 from shuffleprune.dst.layers import (Layer, grad_of, is_conv1d, layer_densities, moments_of, shape_of, sparsifiable_layers,
-                                     weight_of)
+                                     stored_param, weight_of)
 from shuffleprune.dst.structures import (DiagonalSelect, add_lowrank, butterfly_mask, expand, kept_first, pool,
                                          select_mask, srigl_mask, top_entries)
 from shuffleprune.errors import UserError
@@ -120,7 +120,8 @@ class DynamicSparsifier:
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 layers: list[str] | None = None) -> None:
         """Attach to ``model`` (all sparsifiable layers, or the named ones) and draw the initial
-        random masks at the configured densities (srigl: constant fan-in)."""
+        random masks at the configured densities (srigl: constant fan-in). Learned permutations are
+        made on their layers' device: move the model to its device first."""
         found = sparsifiable_layers(model, experts=self.config.method in MASK_METHODS + ("dense",),
                                     head=self.config.sparse_head)
         if layers is not None:
@@ -164,6 +165,8 @@ class DynamicSparsifier:
             if self.config.perm != "none":
                 fixed = torch.randperm(in_f, generator=self.generator) if self.config.perm == "random" else None
                 self.perms[name] = perm = InputPermutation(in_f, fixed, self.config.perm_init)
+                if perm.soft is not None:   # M trains beside its layer: no copy across devices per step
+                    perm.soft.to(stored_param(module).device)
                 if not isinstance(module, ExpertWeight):
                     attach_to_linear(module, perm)
                 elif perm.soft is not None:  # a hard (random) map needs no forward: the expert stays in plain order

@@ -342,7 +342,7 @@ class _Trainer:
 
     def restore(self, ckpt: Path) -> None:
         """Continue from ``ckpt``: weights, optimizer, schedule, masks and maps, random state, counters."""
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False)   # copied onto each process's device below
         if saved["train_config"] != asdict(self.cfg) or saved["dst_config"] != asdict(self.dst):
             raise UserError("--resume with different settings than the checkpointed run; repeat its exact options")
         self.model.load_state_dict(saved["model"])
@@ -473,8 +473,8 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
     _check_out(cfg, out, resume, overwrite, accelerator)
     tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
 
-    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config)
-    sparsifier = DynamicSparsifier(dst)
+    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config).to(accelerator.device)
+    sparsifier = DynamicSparsifier(dst)   # its soft permutations made beside the layers, on the device
     sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
     optimizer, scheduler = _optimizer(model, cfg)
     sparsifier.optimizer = optimizer
