@@ -119,7 +119,12 @@ def _refuse_mix(what, operands: list) -> None:
 
 
 def _unwrap(x):
-    return x.inner if isinstance(x, OnCuda) else x
+    """The CPU tensor inside; a conjugate or negative view made by a CPU op (``x.conj()`` in a complex
+    backward) resolved, since a kernel called from ``__torch_dispatch__`` reads such bits as plain data."""
+    if not isinstance(x, OnCuda):
+        return x
+    inner = x.inner
+    return inner.resolve_conj().resolve_neg() if inner.is_conj() or inner.is_neg() else inner
 
 
 def _wrap(x):
