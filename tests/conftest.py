@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight decoder LMs (built from configs, no downloads) and a tokenizer."""
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -142,3 +143,34 @@ def local_hub(tmp_path: Path, monkeypatch):
         shutil.copytree(src, root / "snapshots" / commit)
         return root / "snapshots" / commit
     return publish
+
+
+@pytest.fixture
+def tiny_task(tmp_path: Path) -> Path:
+    """A 3-way multiple-choice lm-eval task over the tiny tokenizer's words, in its own directory."""
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    rng = random.Random(0)
+    with open(task_dir / "tiny_mc.jsonl", "w") as fh:
+        for _ in range(16):
+            fh.write(json.dumps({"question": " ".join(rng.choice(WORDS) for _ in range(6)),
+                                 "choices": [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(3)],
+                                 "gold": rng.randrange(3)}) + "\n")
+    (task_dir / "tiny_mc.yaml").write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {task_dir / 'tiny_mc.jsonl'}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 3.0
+""")
+    return task_dir

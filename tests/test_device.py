@@ -231,3 +231,27 @@ def test_a_sparsifier_keeps_its_soft_permutations_on_the_models_device():
         sp.prepare(model)
         assert sp.perms and all(isinstance(b, OnCuda) for p in sp.perms.values() for b in p.soft.blocks)
         model.to("cpu")
+
+
+def test_eval_on_a_gpu_scores_what_the_cpu_scores(tiny_dir, tiny_task, tmp_path):
+    # perplexity and an lm-eval task through HFLM on the model moved to the device
+    from conftest import random_text
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(random_text(2000, seed=3))
+    common = dict(tasks=["tiny_mc", "ppl"], include_path=[str(tiny_task)], ppl_text=str(heldout), ppl_ctx=32,
+                  batch_size=4, progress=False)
+    want = shuffleprune.evaluate([str(tiny_dir)], device="cpu", **common)["models"][0]
+    seen = []
+    with fake_cuda():
+        from torch.nn.modules.module import register_module_forward_hook
+
+        hook = register_module_forward_hook(
+            lambda module, args, out: seen.append(isinstance(out, OnCuda)) if isinstance(out, torch.Tensor) else None)
+        try:
+            got = shuffleprune.evaluate([str(tiny_dir)], device="cuda", **common)["models"][0]
+        finally:
+            hook.remove()
+    assert seen and all(seen)   # every module's tensor output was on the device
+    assert "--device cuda" in got["lm_eval_cli"]
+    assert got["ppl"] == want["ppl"] and got["results"] == want["results"]
