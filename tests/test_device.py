@@ -255,3 +255,36 @@ def test_eval_on_a_gpu_scores_what_the_cpu_scores(tiny_dir, tiny_task, tmp_path)
     assert seen and all(seen)   # every module's tensor output was on the device
     assert "--device cuda" in got["lm_eval_cli"]
     assert got["ppl"] == want["ppl"] and got["results"] == want["results"]
+
+
+def test_a_whole_model_stage_the_gpu_cannot_hold_is_refused_before_any_data(tiny_dir, text_file, eval_file, tmp_path):
+    # --recon model (recipe learned) holds the model, float32 copies and scores of its weights and a
+    # step's saved tensors on the device at once (a 7B model: more than 180 GB); it ran out of memory
+    # only after loading and calibrating. Refused up front, by one line naming the ways out
+    from shuffleprune.blocks import block_linears, find_blocks
+    from shuffleprune.errors import UserError
+    from shuffleprune.models import load_model
+    from shuffleprune.perm.pruning import model_recon_bytes
+    from shuffleprune.prune.config import PruneConfig
+    from shuffleprune.prune.driver import _check_device_memory, prune
+
+    def cfg(recipe: str) -> PruneConfig:
+        return PruneConfig.build(recipe, model=str(tiny_dir), calib=str(text_file), eval_text=str(eval_file),
+                                 nsamples=4, seqlen=32, eval_ctx=32, device="cuda")
+
+    model = load_model(str(tiny_dir)).model
+    blocks = find_blocks(model)
+    weights = {n: w for i, b in enumerate(blocks.layers) for n, w in block_linears(b, f"{blocks.name}.{i}").items()}
+    need = model_recon_bytes(model, weights)
+    stages = cfg("learned").spec().stages
+    out = tmp_path / "out"
+    with fake_cuda():
+        torch.cuda.mem_get_info = lambda *a, **k: (need + 2**30, 80 * 2**30)   # restored by fake_cuda
+        _check_device_memory(stages, model, weights, torch.device("cuda"))     # just fits: 1 GiB to spare
+        torch.cuda.mem_get_info = lambda *a, **k: (need + 2**30 - 1, 80 * 2**30)
+        with pytest.raises(UserError, match=r"holds the whole model on cuda.*--recon block.*--device cpu"):
+            _check_device_memory(stages, model, weights, torch.device("cuda"))
+        with pytest.raises(UserError, match="GiB are free there"):
+            prune(cfg("learned"), out=out, progress=False)
+        assert not out.exists()   # nothing read, nothing written
+        _check_device_memory(cfg("accurate").spec().stages, model, weights, torch.device("cuda"))   # block by block

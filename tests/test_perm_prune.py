@@ -367,3 +367,42 @@ def test_holdout_windows_are_never_learned_on_and_decide_the_choice():
             return float(cosine_loss(windows[held] @ weight.T, windows[held] @ w.T))
         assert held_loss(perms["w"]) == pytest.approx(s["recon_after"], rel=1e-5)
         assert s["recon_after"] == min(s["recon_final"], s["recon_best_step"], s["recon_before"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_recon_memory_bound_is_what_a_step_saves_for_its_backward(dtype):
+    """``model_recon_bytes`` (the pre-flight of ``--recon model`` on a GPU) counts STEP_SAVED_BYTES per
+    learned weight for what one step keeps for its backward: measured here on the step's own effective
+    weights (soft maps over every linear of a block, each used by its layer), it is a lower bound and
+    not a loose one."""
+    from torch.func import functional_call
+
+    from shuffleprune.blocks import block_linears, find_blocks
+    from conftest import tiny_model
+    from shuffleprune.perm.pruning import STEP_SAVED_BYTES, PermOptions, _problem, model_recon_bytes
+
+    model = tiny_model("llama", layers=1).to(dtype)
+    block = find_blocks(model).layers[0]
+    linears = block_linears(block, "b")
+    groups = [[n] for n in linears]
+    problem = _problem(linears, {n: None for n in linears}, groups, Pattern(2, 4), PermOptions(perm="learned"))
+    soft = {u[0]: SoftPermutation(problem.width(u[0]), 16) for u in problem.units}
+    frozen = {t.untyped_storage().data_ptr() for t in (*problem.weights.values(), *problem.scores.values())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = {n: torch.randn(1, lin.in_features, dtype=dtype) for n, lin in linears.items()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        eff = problem.effective({k: sp.soft() for k, sp in soft.items()}, masked_weight)
+        for n, lin in linears.items():
+            functional_call(lin, {"weight": eff[n]}, (x[n],))
+    inputs = {t.untyped_storage().data_ptr() for t in x.values()}
+    per_weight = sum(b for p, b in saved.items() if p not in frozen | inputs) / sum(l.weight.numel() for l in linears.values())
+    assert STEP_SAVED_BYTES <= per_weight <= STEP_SAVED_BYTES + 4, per_weight
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    learned = sum(l.weight.numel() for l in linears.values())
+    copies = 4 if dtype != torch.float32 else 0   # a float32 model's weights are its frozen copies
+    assert model_recon_bytes(model, linears) == held + learned * (copies + 4 + STEP_SAVED_BYTES)

@@ -308,6 +308,22 @@ def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWe
         return _learn_and_choose(problem, recon, hidden.shape[0], device, gen, on_step)
 
 
+# What one --recon model step saves for its backward per weight element it learns a map for
+# (W M̄, S M̄, the soft and straight-through masks, their product, the layer's effective weight): 19.5
+# bytes measured, a float32 or bfloat16 model alike; tests/test_perm_prune.py holds this bound to it
+STEP_SAVED_BYTES = 18
+
+
+def model_recon_bytes(model: nn.Module, linears: dict[str, nn.Linear | ExpertWeight]) -> int:
+    """At least the bytes :func:`model_permutations` holds on its device at once: the model, a float32
+    copy of each weight it learns a map for (none when the model is float32 already), their Wanda
+    scores in float32, and what one step saves for its backward (activations not counted)."""
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    weights = [lin.weight for lin in linears.values()]
+    copies = sum(w.numel() * 4 for w in weights if w.dtype != torch.float32)
+    return held + copies + sum(w.numel() * (4 + STEP_SAVED_BYTES) for w in weights)
+
+
 def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWeight], norms: dict[str, torch.Tensor],
                        groups: list[list[str]], tokens: torch.Tensor, pattern: Pattern, opts: PermOptions,
                        device: torch.device, batch_size: int = 8,

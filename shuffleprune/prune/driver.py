@@ -32,7 +32,7 @@ from shuffleprune.errors import UserError
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.masks import satisfies_nm, sparsity_of
 from shuffleprune.models import LoadedModel, load_model, local_model_source, refuse_quantized, upcast_for_cpu
-from shuffleprune.outdir import (check_free_space, check_writable, clear_dir, held_alone, refuse_clearing_inputs,
+from shuffleprune.outdir import (check_free_space, check_writable, clear_dir, held_alone, refuse_clearing_inputs, size_text,
                                  space_errors, tree_bytes)
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.linear import load_index_maps, save_index_maps
@@ -225,6 +225,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     model = lm.model
     blocks = find_blocks(model)
     linears, experts = _selected_weights(blocks, config, spec.pattern)
+    _check_device_memory(spec.stages, model, {n: w for block in linears + experts for n, w in block.items()}, device)
     max_pos = getattr(text_config(model), "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
     if out is not None:   # before --out is cleared: a run its disk cannot hold leaves the earlier output
@@ -273,6 +274,21 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
         write_checkpoint(out, model, lm.tokenizer, report, all_perms, config)
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
     return PruneResult(report=report, model=model, tokenizer=lm.tokenizer)
+
+
+def _check_device_memory(stages: list, model: torch.nn.Module, weights: dict, device: torch.device) -> None:
+    """Refuse, before any data is read, a run with a stage that holds more on the CUDA device at once
+    than is free there (with 1 GiB to spare): it could only fail later, out of memory."""
+    if device.type != "cuda":
+        return
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    for stage in stages:
+        need = stage.device_bytes(model, weights)
+        if need and not fits_on_device(model, device, need - held):
+            free = torch.cuda.mem_get_info(device if device.index is not None else None)[0]
+            raise UserError(f"the '{stage.name}' {stage.kind} stage holds the whole model on {device} at once, at least "
+                            f"{size_text(need)} (and 1 GiB to spare), and {size_text(free)} are free there; {stage.smaller}, "
+                            "or run on --device cpu")
 
 
 def _disk_need(model: torch.nn.Module, blocks: Blocks, tokens: int, dense_stream: bool,

@@ -27,7 +27,7 @@ from shuffleprune.blocks import text_config
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.heads import HeadTie, head_ties
 from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps, save_index_maps
-from shuffleprune.perm.pruning import PermOptions, block_permutations, model_permutations
+from shuffleprune.perm.pruning import PermOptions, block_permutations, model_permutations, model_recon_bytes
 from shuffleprune.prune.atomic import atomic_json
 from shuffleprune.prune.input_stats import input_groups
 from shuffleprune.prune.stage import BlockWork, Run, RunSpec, Stage, register
@@ -125,6 +125,11 @@ class Learned(_PermStage):
         super().check(spec)
         if self.holdout and spec.nsamples < 2:
             raise UserError(f"--perm-holdout needs at least 2 calibration windows (--nsamples {spec.nsamples}); raise --nsamples")
+
+    smaller = "learn the permutations block by block (--recon block, recipe 'paper') or take recipe 'accurate'"
+
+    def device_bytes(self, model: torch.nn.Module, weights: dict) -> int:
+        return model_recon_bytes(model, weights) if self.recon == "model" else 0
 
     def prepare(self, run: Run) -> None:
         if self.recon != "model":
