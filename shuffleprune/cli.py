@@ -123,8 +123,6 @@ def prune(
                      eval_ctx=eval_ctx, eval_tokens=eval_tokens, device=device, batch_size=batch_size, tf32=tf32,
                      deterministic=deterministic, bos=bos)
         given = {k: v for k, v in given.items() if v is not None}  # what was typed overrides the recipe
-        if given.get("eval_text") == "none":
-            given["eval_text"] = None
         config = PruneConfig.build(
             recipe, overrides=list(set_ or []), **given, method=base, perm=perm, perm_from=str(perm_from) if perm_from else None, recon=recon,
             perm_init=perm_init, perm_loss=perm_loss, relax=relax, perm_block=perm_block, perm_steps=perm_steps,

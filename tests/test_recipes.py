@@ -323,3 +323,14 @@ def test_the_default_recipe_is_balanced_then_float32_lsq(tiny_dir, text_file, tm
     assert _identical(tmp_path / "default", tmp_path / "spelled_out")
     assert _identical(tmp_path / "default_no_update", tmp_path / "balanced")
     assert not _identical(tmp_path / "default", tmp_path / "balanced")
+
+
+def test_no_perplexity_is_spelled_none_in_python_and_recipe_files_as_on_the_command_line(tmp_path):
+    # only the command line knew "none" (Python's eval_text="none" was looked up as a text source)
+    assert PruneConfig.build("fast", eval_text="none").eval_text is None
+    assert PruneConfig.build("fast", eval_text="None").eval_text is None
+    assert PruneConfig.build("fast", eval_text=None).eval_text is None
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("recipe: mine\neval_text: none\nstages:\n  - statistics: sequential\n  - prune: wanda\n")
+    assert PruneConfig.build(str(recipe)).eval_text is None
+    assert PruneConfig.build("fast").eval_text == "auto"

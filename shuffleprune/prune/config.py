@@ -86,6 +86,8 @@ class PruneConfig:
             if problem is not None:
                 raise UserError(problem)
         run.update(options)  # a run setting given as None is applied (eval_text=None: no perplexity)
+        if isinstance(run.get("eval_text"), str) and run["eval_text"].lower() == "none":
+            run["eval_text"] = None   # the command line's spelling, in Python and recipe files too
         if "sparsity" in run and run["sparsity"] is not None:
             run["pattern"] = None
         config = cls(recipe=label, **run)
