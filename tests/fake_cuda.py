@@ -172,38 +172,37 @@ def _to(t: torch.Tensor, *args, **kwargs):
         device, dtype = args[0].device, args[0].dtype
     else:
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    dtype = None if dtype == t.dtype else dtype
+    target = device if device is not None else t.device
+    if _is_cuda(target) and isinstance(t, OnCuda):   # staying on the device: a dtype change or a copy, with autograd
+        if dtype is not None:
+            return torch.ops.aten._to_copy.default(t, dtype=dtype)
+        return t.clone() if copy else t
     inner = _unwrap(t)
-    if dtype is not None and dtype != inner.dtype:
+    if dtype is not None:
         inner = inner.to(dtype)
     elif copy:
         inner = inner.clone()
-    target = device if device is not None else t.device
-    if _is_cuda(target):
-        if isinstance(t, OnCuda) and inner is t.inner:
-            return t
-        moved = inner.detach() if isinstance(t, OnCuda) else inner.detach().clone()   # across devices: a copy
-        out = OnCuda(moved, requires_grad=False)
-        return _keep_grad(t, out)
+    if _is_cuda(target):   # from the CPU: a copy onto the device, keeping the autograd history
+        if t.requires_grad and torch.is_grad_enabled():
+            return _ToDevice.apply(t, inner.dtype)
+        return OnCuda(inner.detach() if inner is not t else inner.detach().clone(), requires_grad=False)
     if isinstance(t, OnCuda):
         return inner.clone() if inner is t.inner else inner   # to the CPU: a copy
     return inner
 
 
-def _keep_grad(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """A copy to the device that keeps ``src``'s autograd history (``x.to("cuda")`` of a tensor needing grad)."""
-    if src.requires_grad and torch.is_grad_enabled():
-        return _ToDevice.apply(src)
-    return out
-
-
 class _ToDevice(torch.autograd.Function):
+    """``x.to("cuda", dtype)`` of a CPU tensor needing grad: the gradient comes back to the CPU in ``x``'s dtype."""
+
     @staticmethod
-    def forward(ctx, x):
-        return OnCuda(x.detach().clone())
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        return OnCuda(x.detach().to(dtype, copy=True))
 
     @staticmethod
     def backward(ctx, grad):
-        return _unwrap(grad)
+        return _unwrap(grad).to(ctx.dtype), None
 
 
 NEW_FROM_PYTHON = {torch.Tensor.new_empty_strided, torch.Tensor.new_empty, torch.Tensor.new_zeros,

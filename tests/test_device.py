@@ -258,9 +258,10 @@ def test_eval_on_a_gpu_scores_what_the_cpu_scores(tiny_dir, tiny_task, tmp_path)
 
 
 def test_a_whole_model_stage_the_gpu_cannot_hold_is_refused_before_any_data(tiny_dir, text_file, eval_file, tmp_path):
-    # --recon model (recipe learned) holds the model, float32 copies and scores of its weights and a
-    # step's saved tensors on the device at once (a 7B model: more than 180 GB); it ran out of memory
-    # only after loading and calibrating. Refused up front, by one line naming the ways out
+    # --recon model (recipe learned) holds the model, float32 copies and scores of its weights and
+    # their effective weights on the device at once (a 7B model: at least 72.9 GiB before activations);
+    # a GPU too small would run out of memory only after loading and calibrating. Refused up front,
+    # by one line naming the ways out
     from shuffleprune.blocks import block_linears, find_blocks
     from shuffleprune.errors import UserError
     from shuffleprune.models import load_model

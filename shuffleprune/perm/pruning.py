@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from shuffleprune.block_inputs import CapturedInputs
 from shuffleprune.blocks import ExpertWeight, decoder_of, find_blocks, weight_params
@@ -179,11 +180,17 @@ class _Problem:
         return self.weights[unit].shape[1]
 
     def effective(self, perms: dict, masked: Callable) -> dict[str, torch.Tensor]:
-        """Every linear's masked weight under its unit's permutation (soft blocks or hard index)."""
+        """Every linear's masked weight under its unit's permutation (soft blocks or hard index). On a
+        GPU, with gradients on, each is recomputed in the backward rather than kept (activation
+        checkpointing: the same values and gradients, without the ~20 bytes a weight of float32
+        intermediates a learning step would otherwise hold until its backward; on the CPU, where
+        memory is not what binds, the recomputation's time is not spent)."""
         key, pattern = self.key, self.pattern
         out = {}
         for n, lin in self.linears.items():
-            w = masked(self.weights[n], self.scores[n], perms[key[n]], pattern.n, pattern.m)
+            args = (self.weights[n], self.scores[n], perms[key[n]], pattern.n, pattern.m)
+            recompute = torch.is_grad_enabled() and self.weights[n].is_cuda
+            w = checkpoint(masked, *args, use_reentrant=False) if recompute else masked(*args)
             out[n] = (self.ties[key[n]].unfold(w) if key[n] in self.ties else w).to(lin.weight.dtype)
         return out
 
@@ -308,20 +315,15 @@ def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWe
         return _learn_and_choose(problem, recon, hidden.shape[0], device, gen, on_step)
 
 
-# What one --recon model step saves for its backward per weight element it learns a map for
-# (W M̄, S M̄, the soft and straight-through masks, their product, the layer's effective weight): 19.5
-# bytes measured, a float32 or bfloat16 model alike; tests/test_perm_prune.py holds this bound to it
-STEP_SAVED_BYTES = 18
-
-
 def model_recon_bytes(model: nn.Module, linears: dict[str, nn.Linear | ExpertWeight]) -> int:
-    """At least the bytes :func:`model_permutations` holds on its device at once: the model, a float32
-    copy of each weight it learns a map for (none when the model is float32 already), their Wanda
-    scores in float32, and what one step saves for its backward (activations not counted)."""
+    """At least the bytes :func:`model_permutations` holds on a GPU at once: the model, a float32 copy
+    of each weight it learns a map for (none when the model is float32 already), their Wanda scores in
+    float32, and what one step keeps for its backward per weight, its layer's effective weight in the
+    model's dtype (:meth:`_Problem.effective` recomputes the rest; activations are not counted)."""
     held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     weights = [lin.weight for lin in linears.values()]
     copies = sum(w.numel() * 4 for w in weights if w.dtype != torch.float32)
-    return held + copies + sum(w.numel() * (4 + STEP_SAVED_BYTES) for w in weights)
+    return held + copies + sum(w.numel() * (4 + w.element_size()) for w in weights)
 
 
 def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWeight], norms: dict[str, torch.Tensor],
