@@ -122,11 +122,27 @@ def prune_row(recipe: str, device: str, work: Path, model_dir: Path, calib: Path
     del result
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    if recipe == "learned" and device == "cuda":   # the pre-flight's lower bound against what the run held
+        row["recon_lower_bound_mb"] = round(recon_lower_bound(model_dir) / 2**20, 1)
+        row["lower_bound_held"] = rep.get("peak_cuda_mb") is not None and rep["peak_cuda_mb"] >= row["recon_lower_bound_mb"]
     return {**row, "ok": bool(rep.get("nm_ok")), "seconds": round(time.perf_counter() - t0, 2),
             "ran_on": rep.get("device"), "ppl_dense": rep["ppl"].get("dense"), "ppl_pruned": rep["ppl"].get("pruned"),
             "nm_ok": rep.get("nm_ok"), "sparsity": rep.get("sparsity"), "peak_cuda_mb": rep.get("peak_cuda_mb"),
             "stage_seconds_per_block": {k: v.get("seconds_per_block") for k, v in rep.get("stage_cost", {}).items()},
             "checkpoint_sha256": file_digest(out / "model.safetensors") if (out / "model.safetensors").is_file() else None}
+
+
+def recon_lower_bound(model_dir: Path) -> int:
+    """``model_recon_bytes`` of the model as ``prune`` loads it: what ``--recon model`` holds on the GPU at
+    least (the pre-flight that refuses a run the GPU cannot hold), to compare with its measured peak."""
+    from shuffleprune.blocks import block_linears, find_blocks
+    from shuffleprune.models import load_model
+    from shuffleprune.perm.pruning import model_recon_bytes
+
+    model = load_model(str(model_dir)).model
+    blocks = find_blocks(model)
+    weights = {n: w for i, b in enumerate(blocks.layers) for n, w in block_linears(b, f"{blocks.name}.{i}").items()}
+    return model_recon_bytes(model, weights)
 
 
 def cli_row(work: Path, model_dir: Path, calib: Path, heldout: Path, args, device: str, tag: str) -> dict:
