@@ -184,13 +184,14 @@ class _Problem:
         GPU, with gradients on, each is recomputed in the backward rather than kept (activation
         checkpointing: the same values and gradients, without the ~20 bytes a weight of float32
         intermediates a learning step would otherwise hold until its backward; on the CPU, where
-        memory is not what binds, the recomputation's time is not spent)."""
+        memory is not what binds, the recomputation's time is not spent; it draws no random numbers, so
+        no RNG state is kept for it)."""
         key, pattern = self.key, self.pattern
         out = {}
         for n, lin in self.linears.items():
             args = (self.weights[n], self.scores[n], perms[key[n]], pattern.n, pattern.m)
             recompute = torch.is_grad_enabled() and self.weights[n].is_cuda
-            w = checkpoint(masked, *args, use_reentrant=False) if recompute else masked(*args)
+            w = checkpoint(masked, *args, use_reentrant=False, preserve_rng_state=False) if recompute else masked(*args)
             out[n] = (self.ties[key[n]].unfold(w) if key[n] in self.ties else w).to(lin.weight.dtype)
         return out
 
