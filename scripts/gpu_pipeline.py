@@ -132,17 +132,23 @@ def prune_row(recipe: str, device: str, work: Path, model_dir: Path, calib: Path
             "checkpoint_sha256": file_digest(out / "model.safetensors") if (out / "model.safetensors").is_file() else None}
 
 
+def nbytes(model) -> int:
+    """The bytes of a model's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
 def recon_lower_bound(model_dir: Path) -> int:
-    """``model_recon_bytes`` of the model as ``prune`` loads it: what ``--recon model`` holds on the GPU at
-    least (the pre-flight that refuses a run the GPU cannot hold), to compare with its measured peak."""
+    """What ``--recon model`` holds on the GPU at least for the model as ``prune`` loads it (the model and
+    ``recon_learning_bytes``, the pre-flight that refuses a run the GPU cannot hold), to compare with
+    its measured peak."""
     from shuffleprune.blocks import block_linears, find_blocks
     from shuffleprune.models import load_model
-    from shuffleprune.perm.pruning import model_recon_bytes
+    from shuffleprune.perm.pruning import recon_learning_bytes
 
     model = load_model(str(model_dir)).model
     blocks = find_blocks(model)
     weights = {n: w for i, b in enumerate(blocks.layers) for n, w in block_linears(b, f"{blocks.name}.{i}").items()}
-    return model_recon_bytes(model, weights)
+    return nbytes(model) + recon_learning_bytes(weights)
 
 
 def cli_row(work: Path, model_dir: Path, calib: Path, heldout: Path, args, device: str, tag: str) -> dict:
@@ -184,7 +190,6 @@ def serving_row(pruned: Path, deployed: Path, heldout: Path, device: str) -> dic
             gen = dict(max_new_tokens=32, do_sample=False, cache_implementation="static")
             a = plain.generate(ids, **gen)[0, ids.shape[1]:]
             b = served.generate(ids, **gen)[0, ids.shape[1]:]
-        nbytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
         same = int((a == b).sum())
         first_diff = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
         rel = float((got - want).abs().max() / want.abs().max())

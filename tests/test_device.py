@@ -265,7 +265,7 @@ def test_a_whole_model_stage_the_gpu_cannot_hold_is_refused_before_any_data(tiny
     from shuffleprune.blocks import block_linears, find_blocks
     from shuffleprune.errors import UserError
     from shuffleprune.models import load_model
-    from shuffleprune.perm.pruning import model_recon_bytes
+    from shuffleprune.perm.pruning import recon_learning_bytes
     from shuffleprune.prune.config import PruneConfig
     from shuffleprune.prune.driver import _check_device_memory, prune
 
@@ -276,14 +276,15 @@ def test_a_whole_model_stage_the_gpu_cannot_hold_is_refused_before_any_data(tiny
     model = load_model(str(tiny_dir)).model
     blocks = find_blocks(model)
     weights = {n: w for i, b in enumerate(blocks.layers) for n, w in block_linears(b, f"{blocks.name}.{i}").items()}
-    need = model_recon_bytes(model, weights)
+    need = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) \
+        + recon_learning_bytes(weights)   # the model, moved whole, and what learning holds beside it
     stages = cfg("learned").spec().stages
     out = tmp_path / "out"
     with fake_cuda():
         torch.cuda.mem_get_info = lambda *a, **k: (need + 2**30, 80 * 2**30)   # restored by fake_cuda
         _check_device_memory(stages, model, weights, torch.device("cuda"))     # just fits: 1 GiB to spare
         torch.cuda.mem_get_info = lambda *a, **k: (need + 2**30 - 1, 80 * 2**30)
-        with pytest.raises(UserError, match=r"holds the whole model on cuda.*--recon block.*--device cpu"):
+        with pytest.raises(UserError, match=r"holds the whole model on cuda and at least .* more.*--recon block.*--device cpu"):
             _check_device_memory(stages, model, weights, torch.device("cuda"))
         with pytest.raises(UserError, match="GiB are free there"):
             prune(cfg("learned"), out=out, progress=False)

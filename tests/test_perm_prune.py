@@ -410,10 +410,10 @@ def _saved_per_weight(model, on_gpu: bool) -> float:
 def test_model_recon_keeps_one_effective_weight_a_layer_on_a_gpu_and_its_bound_counts_it(dtype):
     """On a GPU a --recon model step keeps, per learned weight, only its layer's effective weight
     for the backward (the masked weight's float32 intermediates are recomputed: ~20 bytes a weight
-    on the CPU, which keeps them), and ``model_recon_bytes`` (the GPU pre-flight) counts exactly that."""
+    on the CPU, which keeps them), and ``recon_learning_bytes`` (the GPU pre-flight) counts exactly that."""
     from conftest import tiny_model
     from shuffleprune.blocks import block_linears, find_blocks
-    from shuffleprune.perm.pruning import model_recon_bytes
+    from shuffleprune.perm.pruning import recon_learning_bytes
 
     model = tiny_model("llama", layers=1).to(dtype)
     size = torch.finfo(dtype).bits // 8
@@ -421,7 +421,6 @@ def test_model_recon_keeps_one_effective_weight_a_layer_on_a_gpu_and_its_bound_c
     on_gpu = _saved_per_weight(model, on_gpu=True)
     assert size <= on_gpu <= size + 0.5, on_gpu
     linears = block_linears(find_blocks(model).layers[0], "b")
-    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     learned = sum(l.weight.numel() for l in linears.values())
     copies = 4 if dtype != torch.float32 else 0   # a float32 model's weights are its frozen copies
-    assert model_recon_bytes(model, linears) == held + learned * (copies + 4 + size)
+    assert recon_learning_bytes(linears) == learned * (copies + 4 + size)

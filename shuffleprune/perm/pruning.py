@@ -316,15 +316,13 @@ def block_permutations(block: nn.Module, linears: dict[str, nn.Linear | ExpertWe
         return _learn_and_choose(problem, recon, hidden.shape[0], device, gen, on_step)
 
 
-def model_recon_bytes(model: nn.Module, linears: dict[str, nn.Linear | ExpertWeight]) -> int:
-    """At least the bytes :func:`model_permutations` holds on a GPU at once: the model, a float32 copy
-    of each weight it learns a map for (none when the model is float32 already), their Wanda scores in
-    float32, and what one step keeps for its backward per weight, its layer's effective weight in the
-    model's dtype (:meth:`_Problem.effective` recomputes the rest; activations are not counted)."""
-    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    weights = [lin.weight for lin in linears.values()]
-    copies = sum(w.numel() * 4 for w in weights if w.dtype != torch.float32)
-    return held + copies + sum(w.numel() * (4 + w.element_size()) for w in weights)
+def recon_learning_bytes(linears: dict[str, nn.Linear | ExpertWeight]) -> int:
+    """At least the bytes :func:`model_permutations` holds on a GPU besides the model: per weight it
+    learns a map for, a float32 copy (none when the weight is float32 already), its Wanda score in
+    float32, and what one step keeps for its backward, its layer's effective weight in the weight's
+    dtype (:meth:`_Problem.effective` recomputes the rest; activations are not counted)."""
+    return sum(w.numel() * ((0 if w.dtype == torch.float32 else 4) + 4 + w.element_size())
+               for w in (lin.weight for lin in linears.values()))
 
 
 def model_permutations(model: nn.Module, linears: dict[str, nn.Linear | ExpertWeight], norms: dict[str, torch.Tensor],

@@ -281,14 +281,13 @@ def _check_device_memory(stages: list, model: torch.nn.Module, weights: dict, de
     than is free there (with 1 GiB to spare): it could only fail later, out of memory."""
     if device.type != "cuda":
         return
-    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     for stage in stages:
-        need = stage.device_bytes(model, weights)
-        if need and not fits_on_device(model, device, need - held):
+        extra = stage.device_bytes(weights)
+        if extra and not fits_on_device(model, device, extra):
             free = torch.cuda.mem_get_info(device if device.index is not None else None)[0]
-            raise UserError(f"the '{stage.name}' {stage.kind} stage holds the whole model on {device} at once, at least "
-                            f"{size_text(need)} (and 1 GiB to spare), and {size_text(free)} are free there; {stage.smaller}, "
-                            "or run on --device cpu")
+            raise UserError(f"the '{stage.name}' {stage.kind} stage holds the whole model on {device} and at least "
+                            f"{size_text(extra)} more at once (with 1 GiB to spare), and {size_text(free)} are free "
+                            f"there; {stage.smaller}, or run on --device cpu")
 
 
 def _disk_need(model: torch.nn.Module, blocks: Blocks, tokens: int, dense_stream: bool,

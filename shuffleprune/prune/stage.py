@@ -3,8 +3,8 @@
 A stage does one job. The driver calls, for every stage of a recipe in order:
 
 - ``check(spec)`` once, before anything is loaded (bad parameters fail fast);
-- ``device_bytes(model, weights)`` once the model is loaded, before any data: what the stage holds
-  on the device at once, the model included if it moves it there whole (0: one block at a time),
+- ``device_bytes(weights)`` once the model is loaded, before any data: what the stage holds on the
+  device at once besides the whole model, when it moves the model there (0: one block at a time),
   so a run the device cannot hold is refused before any work;
 - ``prepare(run)`` once, before the first block (model-level passes: dense statistics, learning
   every permutation jointly, reading maps of an earlier run);
@@ -121,9 +121,9 @@ class Stage:
     def check(self, spec: RunSpec) -> None:
         """Raise ``UserError`` for parameters that cannot work with this run."""
 
-    def device_bytes(self, model: nn.Module, weights: dict[str, nn.Linear | ExpertWeight]) -> int:
-        """At least the bytes this stage holds on the device at once, the model included if it moves
-        it there whole; 0 for a stage that works one block at a time (the driver's own need)."""
+    def device_bytes(self, weights: dict[str, nn.Linear | ExpertWeight]) -> int:
+        """At least the bytes this stage holds on the device at once besides the whole model, when it
+        moves the model there; 0 for a stage that works one block at a time (the driver's own need)."""
         return 0
 
     def prepare(self, run: Run) -> None:

@@ -27,7 +27,7 @@ from shuffleprune.blocks import text_config
 from shuffleprune.perm.core import strength
 from shuffleprune.perm.heads import HeadTie, head_ties
 from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps, save_index_maps
-from shuffleprune.perm.pruning import PermOptions, block_permutations, model_permutations, model_recon_bytes
+from shuffleprune.perm.pruning import PermOptions, block_permutations, model_permutations, recon_learning_bytes
 from shuffleprune.prune.atomic import atomic_json
 from shuffleprune.prune.input_stats import input_groups
 from shuffleprune.prune.stage import BlockWork, Run, RunSpec, Stage, register
@@ -128,8 +128,8 @@ class Learned(_PermStage):
 
     smaller = "learn the permutations block by block (--recon block, recipe 'paper') or take recipe 'accurate'"
 
-    def device_bytes(self, model: torch.nn.Module, weights: dict) -> int:
-        return model_recon_bytes(model, weights) if self.recon == "model" else 0
+    def device_bytes(self, weights: dict) -> int:
+        return recon_learning_bytes(weights) if self.recon == "model" else 0
 
     def prepare(self, run: Run) -> None:
         if self.recon != "model":
