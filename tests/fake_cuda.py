@@ -253,23 +253,27 @@ def _attention(q, k, v, attn_mask=None, **options):
     """``F.scaled_dot_product_attention`` by the CPU's own kernels on the inner tensors, forward and
     backward, so a run on the emulated GPU computes what the same run on the CPU computes, bit for bit."""
     _refuse_mix("scaled_dot_product_attention", [q, k, v, attn_mask])
-    return _Attention.apply(q, k, v, None if attn_mask is None else _unwrap(attn_mask), options)
+    mask = None if attn_mask is None else _unwrap(attn_mask)
+    return _ByCpuAutograd.apply(
+        lambda *qkv: torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=mask, **options), q, k, v)
 
 
-class _Attention(torch.autograd.Function):
+class _ByCpuAutograd(torch.autograd.Function):
+    """``fn`` of "CUDA" tensors run on their inner CPU tensors under the CPU's own autograd, whose
+    backward gives the gradients (SDPA's kernels; indexing, whose repeated indices sum theirs)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, options):
-        inputs = [_unwrap(t).detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    def forward(ctx, fn, *tensors):
+        ctx.inputs = [_unwrap(t).detach().requires_grad_(t.requires_grad) for t in tensors]
         with torch.enable_grad():
-            out = torch.nn.functional.scaled_dot_product_attention(*inputs, attn_mask=mask, **options)
-        ctx.inputs, ctx.out = inputs, out
-        return OnCuda(out.detach())
+            ctx.out = fn(*ctx.inputs)
+        return OnCuda(ctx.out.detach())
 
     @staticmethod
     def backward(ctx, grad):
         wanted = [t for t in ctx.inputs if t.requires_grad]
         found = iter(torch.autograd.grad(ctx.out, wanted, _unwrap(grad)))
-        return (*(OnCuda(next(found)) if t.requires_grad else None for t in ctx.inputs), None, None)
+        return (None, *(OnCuda(next(found)) if t.requires_grad else None for t in ctx.inputs))
 
 
 def _indexing(func, args):
@@ -279,25 +283,10 @@ def _indexing(func, args):
     inner_idx = inner_idx if isinstance(idx, tuple) else inner_idx[0]
     if func is torch.Tensor.__getitem__:
         if t.requires_grad and torch.is_grad_enabled():
-            return _Gather.apply(t, inner_idx)
+            return _ByCpuAutograd.apply(lambda inner: inner[inner_idx].clone(), t)
         return OnCuda(t.inner[inner_idx])
     t.inner[inner_idx] = _unwrap(value[0])   # a CPU source is copied across, as CUDA's setitem does
     return None
-
-
-class _Gather(torch.autograd.Function):
-    """``t[idx]`` with the CPU's own backward (repeated indices sum their gradients)."""
-
-    @staticmethod
-    def forward(ctx, t, idx):
-        ctx.inner = t.inner.detach().requires_grad_()
-        with torch.enable_grad():
-            ctx.out = ctx.inner[idx]
-        return OnCuda(ctx.out.detach().clone())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return OnCuda(torch.autograd.grad(ctx.out, ctx.inner, _unwrap(grad))[0]), None
 
 
 def _device_properties(device=None):

@@ -168,56 +168,49 @@ def _dst_config(tiny_dir, text_file):
                        eval_tokens=2048, checkpoint_every=3)
 
 
+def _dst_on_cpu_then_gpu(tiny_dir, text_file, tmp_path, dcfg, kill_at: int | None = None) -> tuple:
+    """The same dst run on the CPU, then on the emulated GPU (there killed after step ``kill_at`` and
+    resumed, if given): both reports and both saved models."""
+    from accelerate.state import AcceleratorState
+    from safetensors.torch import load_file
+
+    from shuffleprune.dst.train import train
+
+    cfg = _dst_config(tiny_dir, text_file)
+    torch.manual_seed(0)
+    want = train(cfg, dcfg, tmp_path / "cpu", progress=False)
+    AcceleratorState._reset_state(True)   # accelerate picks its device anew, inside the emulation
+    torch.manual_seed(0)
+    with fake_cuda():
+        if kill_at is not None:
+            assert train(cfg, dcfg, tmp_path / "gpu", progress=False, stop_after=kill_at) == {"stopped_at": kill_at}
+        got = train(cfg, dcfg, tmp_path / "gpu", resume=kill_at is not None, progress=False)
+    return want, got, *(load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("cpu", "gpu"))
+
+
 @pytest.mark.parametrize("method", ["nm", "srigl", "dsb", "pixelfly", "diag"])
 def test_dst_with_learned_permutations_trains_on_a_gpu_the_cpus_model(method, tiny_dir, text_file, tmp_path,
                                                                       fresh_accelerate):
     # GPT-2's Conv1D weights reach their layers transposed, the soft permutations train beside them on
     # the device (they stayed on the CPU: a copy each way per layer and step, and Adam and the
     # projection on the host); diag and pixelfly add parameters of their own
-    from safetensors.torch import load_file
-
     from shuffleprune.dst import DSTConfig
-    from shuffleprune.dst.train import train
 
-    cfg = _dst_config(tiny_dir, text_file)
     dcfg = DSTConfig(method=method, sparsity=0.5 if method == "nm" else 0.75, block=16, delta_t=2, t_end=6,
                      perm="learned", t_perm=5, lambda_max=1e-2)
-    torch.manual_seed(0)
-    want = train(cfg, dcfg, tmp_path / "cpu", progress=False)
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    torch.manual_seed(0)
-    with fake_cuda():
-        got = train(cfg, dcfg, tmp_path / "gpu", progress=False)
+    want, got, a, b = _dst_on_cpu_then_gpu(tiny_dir, text_file, tmp_path, dcfg)
     assert got["device"].startswith("cuda") and want["device"] == "cpu"
     assert got["final_ppl"] == want["final_ppl"] and got["loss_curve"] == want["loss_curve"]
-    a = load_file(str(tmp_path / "cpu" / "model" / "model.safetensors"))
-    b = load_file(str(tmp_path / "gpu" / "model" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_dst_killed_and_resumed_on_a_gpu_gives_the_cpus_model(tiny_dir, text_file, tmp_path, fresh_accelerate):
-    from safetensors.torch import load_file
-
     from shuffleprune.dst import DSTConfig
-    from shuffleprune.dst.train import train
 
-    cfg = _dst_config(tiny_dir, text_file)
     dcfg = DSTConfig(method="dsb", block=16, sparsity=0.75, delta_t=2, t_end=6, perm="learned", t_perm=5,
                      lambda_max=1e-2, distribution="uniform")
-    torch.manual_seed(0)
-    want = train(cfg, dcfg, tmp_path / "cpu", progress=False)
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    torch.manual_seed(0)
-    with fake_cuda():
-        assert train(cfg, dcfg, tmp_path / "gpu", progress=False, stop_after=4) == {"stopped_at": 4}
-        got = train(cfg, dcfg, tmp_path / "gpu", resume=True, progress=False)
+    want, got, a, b = _dst_on_cpu_then_gpu(tiny_dir, text_file, tmp_path, dcfg, kill_at=4)
     assert got["final_ppl"] == want["final_ppl"] and got["loss_curve"] == want["loss_curve"]
-    a = load_file(str(tmp_path / "cpu" / "model" / "model.safetensors"))
-    b = load_file(str(tmp_path / "gpu" / "model" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
