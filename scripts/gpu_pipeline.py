@@ -159,7 +159,7 @@ def cli_row(work: Path, model_dir: Path, calib: Path, heldout: Path, args, devic
            str(args.seed), "--eval-text", str(heldout), "--device", device, "--out", str(out), "--export", str(dep),
            "--overwrite", "--quiet"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work)   # not the checkout: its shuffleprune/ lacks calib/
     row = {"step": "cli prune --export", "tag": tag, "device": device, "rc": proc.returncode,
            "seconds": round(time.perf_counter() - t0, 2), "command": " ".join(["shuffleprune", *cmd[3:]])}
     if proc.returncode != 0:
@@ -232,7 +232,7 @@ def dst_row(work: Path, model_dir: Path, data: Path, args, device: str, determin
            *(["--deterministic"] if deterministic else [])]
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work)   # as cli_row
     row = {"step": "dst", "device": device, "deterministic": deterministic, "rc": proc.returncode,
            "seconds": round(time.perf_counter() - t0, 2), "command": " ".join(["shuffleprune", *cmd[3:]])}
     if proc.returncode != 0:
