@@ -29,6 +29,10 @@
 #   bash scripts/gpu_run.sh tune_decode kernel kernel_fused e2e   # the decode kernels' tiles and split-K on
 #                                              # the gathered input, timed as bench_kernel times (rotating copies,
 #                                              # CUDA graphs); kernel_fused: q/k/v and gate/up as one layer each
+#   bash scripts/gpu_run.sh tune_bandwidth     # the select (1-2 tokens) and weight-as-A (2-16) decodes' tiles,
+#                                              # pipeline depths (to 6) and split-K (2, 4 programs per SM) on a GPU
+#                                              # with more bandwidth per SM than the H100 the tiles were tuned on
+#                                              # (an H200: same SMs and clocks, 1.4x the HBM bandwidth)
 #   bash scripts/gpu_run.sh tune_swap          # the weight-as-A-operand decode (2–64 tokens) and GEMM against the
 #                                              # others' tiles, and the in-kernel map's tiles at 1 token
 #   bash scripts/gpu_run.sh sparse_tc          # cuSPARSELt's 2:4 layout learned (probe_sparse_tc.py) and its GEMM,
@@ -184,6 +188,13 @@ for s in "$@"; do
         cslt_buffer_quick) step cslt_buffer_quick 90 scripts/results/bench_kernel_cslt_quick.json $PY scripts/bench_kernel.py \
                 --shapes 11008x4096 4096x14336 1024x4096 --tokens 1 2 16 --impls auto auto_tiled decode decode_tiled \
                 --out scripts/results/bench_kernel_cslt_quick.json ;;
+        tune_bandwidth) step tune_bw_select 150 scripts/results/tune_bw_select.json $PY scripts/tune_kernel.py \
+                --variants select --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 2 --block-r 16 32 \
+                --block-k 128 256 --num-warps 4 --stages 4 6 --splits 0 2 --out scripts/results/tune_bw_select.json
+            step tune_bw_swap 210 scripts/results/tune_bw_swap.json $PY scripts/tune_kernel.py \
+                --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 64 \
+                --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
+                --out scripts/results/tune_bw_swap.json ;;
         tune_pdl) step tune_pdl 150 scripts/results/tune_pdl.json $PY scripts/tune_kernel.py \
                 --variants decode decode_pdl swap swap_pdl mapped mapped_pdl --shapes 1024x4096 4096x4096 11008x4096 \
                 --tokens 1 2 16 --block-r 0 --block-k 0 --num-warps 0 --stages 4 --prefetch-mb 0 4 8 16 \
