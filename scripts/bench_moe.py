@@ -134,7 +134,7 @@ def main() -> None:
                     unpruned = fused_unpruned[name.rpartition(".")[2]]
                     for e, expert in experts.items():
                         maps[e] = perm = random_block_perm(expert.in_features, 64, gen).to(device)
-                        wp = unpruned[e][:, perm].to(device, dtype)
+                        wp = unpruned[e].to(device)[:, perm].to(dtype)   # (the map is on the device)
                         expert.weight[:, perm] = wp * nm_keep_mask(wp.abs().float(), 2, 4).to(dtype)
                 compressed, entries[name] = compress_experts(name, experts, 2, 4, maps)
                 tensors.update(compressed)
