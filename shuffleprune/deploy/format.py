@@ -102,5 +102,5 @@ def check_compressed(name: str, values: torch.Tensor, meta: torch.Tensor, shape:
 
 def check_index_map(name: str, perm: torch.Tensor | None, cols: int) -> None:
     """Refuse a stored index map that is not a permutation of the layer's ``cols`` inputs."""
-    if perm is not None and (perm.numel() != cols or not torch.equal(perm.long().sort().values, torch.arange(cols))):
+    if perm is not None and (perm.numel() != cols or not torch.equal(perm.long().sort().values, torch.arange(cols, device=perm.device))):
         raise UserError(f"corrupt sparse tensor '{name}.perm': not a permutation of {cols} inputs")

@@ -384,7 +384,8 @@ def attach_sparse_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fm
             perms.append(tensors.pop(f"{key}.perm", None))
         mapped = [p is not None for p in perms]
         perm = None if not any(mapped) else torch.stack(
-            [p.to(torch.int32) if p is not None else torch.arange(cols, dtype=torch.int32) for p in perms])
+            [p.to(dense.device, torch.int32) if p is not None else torch.arange(cols, dtype=torch.int32, device=dense.device)
+             for p in perms])
         if not hasattr(module, "nm_experts"):
             module.nm_experts = nn.ModuleDict()
         module.nm_experts[param] = SparseExperts(torch.stack(values).to(dense.device), torch.stack(metas).to(dense.device),
