@@ -12,9 +12,12 @@ all the pairs routed to it. Up to :data:`.nm_decode.SELECT_MAX_TOKENS` pairs per
 loop, above that the tensor-core loop with the weight as the MMA's A operand. Split-K writes float32
 partial sums that one ``sum`` adds (in split order: deterministic). Output: ``[P, R]``, one row per
 pair; pairs routed to no local expert (ids ``≥ E``: expert-parallel sentinels) are left at zero.
+With maps, one launch first gathers every pair's input in its expert's order (:func:`gather_pairs`),
+and the kernel reads that in order.
 
 Checked on the CPU under ``TRITON_INTERPRET=1`` against float64; compiled for sm_90a by
-``scripts/check_kernels_compile.py``; not yet timed on a GPU (``scripts/bench_moe.py``).
+``scripts/check_kernels_compile.py``; timed on an H200 (``scripts/bench_moe.py`` → ``bench_moe.json``,
+2026-11-28, Mixtral-8x7B's experts, before the gather: the kernel read its input through the maps).
 """
 from __future__ import annotations
 
@@ -58,6 +61,20 @@ if triton is not None:
             cover = leader[None, :] & (b[:, None] >= first[None, :]) & (b[:, None] < first[None, :] + blocks[None, :])
             expert = tl.max(tl.where(cover, key[None, :], -1), axis=1)
             tl.store(expert_ptr + b, expert.to(tl.int32), mask=b < BLOCKS)
+
+    @triton.jit
+    def _gather_pairs_kernel(x_ptr, perm_ptr, ids_ptr, out_ptr, C, E, stride_xt, X_DIV, BLOCK_C: tl.constexpr):
+        """Columns block ``program_id(1)`` of pair ``program_id(0)``'s row: its input row (``pair // X_DIV``)
+        read through its expert's map. A pair with no local expert reads the last expert's (its output
+        stays zero whatever it reads)."""
+        p = tl.program_id(0).to(tl.int64)
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        e = tl.minimum(tl.maximum(e, 0), E - 1)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = c < C
+        src = tl.load(perm_ptr + e * C + c, mask=ok, other=0)
+        v = tl.load(x_ptr + (p // X_DIV) * stride_xt + src, mask=ok)
+        tl.store(out_ptr + p * C + c, v, mask=ok)
 
     @triton.jit
     def _nm_experts_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, y_ptr, part_ptr, slot_ptr, expert_ptr,
@@ -149,6 +166,22 @@ def route_blocks(expert_ids: torch.Tensor, num_experts: int, block_t: int,
     return slots[:-1], block_expert
 
 
+GATHER_BLOCK_C = 1024   # columns per program of the pairs' gather
+
+
+def gather_pairs(x2: torch.Tensor, perm: torch.Tensor, expert_ids: torch.Tensor, x_div: int) -> torch.Tensor:
+    """``out[p] = x2[p // x_div][perm[e_p]]`` ``[P, C]``: every (token, slot) pair's input in its expert's
+    map order (``expert_ids`` ``[P]``, ``perm`` ``[E, C]`` int32), one launch, so the grouped kernel
+    then reads its input in order."""
+    pairs, cols = expert_ids.numel(), x2.shape[-1]
+    out = torch.empty(pairs, cols, dtype=x2.dtype, device=x2.device)
+    if pairs:
+        fast(_gather_pairs_kernel)[(pairs, cdiv(cols, GATHER_BLOCK_C))](
+            x2, perm, expert_ids.reshape(-1).contiguous(), out, cols, perm.shape[0], x2.stride(0), x_div,
+            BLOCK_C=GATHER_BLOCK_C, num_warps=4)
+    return out
+
+
 class Routes(NamedTuple):
     """The router's pairs grouped by expert in blocks of ``block_t`` (:func:`route_blocks`)."""
 
@@ -159,7 +192,7 @@ class Routes(NamedTuple):
 
 def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
                expert_ids: torch.Tensor, x_div: int = 1, perm: torch.Tensor | None = None,
-               block_t: int | None = None, routes: Routes | None = None,
+               block_t: int | None = None, routes: Routes | None = None, gather_first: bool = True,
                **plan_overrides) -> tuple[torch.Tensor, Routes | None]:
     """``y[p] = x[p // x_div][perm_e] @ W_eᵀ`` for every pair ``p`` of ``expert_ids`` (``[P]`` or ``[T,
     top_k]``; ``e`` its expert) → ``[P, R]`` in ``x``'s dtype (zero for a pair with no local expert),
@@ -167,6 +200,10 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     ``perm`` ``[E, C]`` int32 or ``None``. ``block_t`` (pairs per block) defaults to
     :func:`experts_block_t`; ``routes``: those a call with the same ``expert_ids`` returned (the second
     projection of a layer reuses the first's grouping; made again if its blocks are another width);
+    ``gather_first``: with maps, every pair's input is first gathered in its expert's order
+    (:func:`gather_pairs`) and the kernel reads it in order; ``False``: the kernel reads ``x`` through
+    the maps itself (an H200 ran it 1.2–1.4× the unmapped layer's time at 1–8 tokens of Mixtral-8x7B's
+    experts and 3.9–6.7× from 16, ``bench_moe.json``, where a gather moves only ``2·P·C`` elements);
     ``plan_overrides`` (``block_r``, ``block_k``, ``split``, ``stages``, ``num_warps``, ``use_dot``) go
     to the decode plan."""
     check_pattern(n, m, bits)
@@ -177,6 +214,8 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     y = torch.zeros(pairs, rows, dtype=x.dtype, device=x.device)
     if pairs == 0:
         return y, routes
+    if perm is not None and gather_first:
+        x2, x_div, perm = gather_pairs(x2, perm, expert_ids, x_div), 1, None
     busy = min(experts, pairs)          # blocks holding pairs when each expert's pairs fit in one block
     plan = decode_plan(rows * busy, kept, block_t or experts_block_t(pairs, experts, decode_max_tokens(x.element_size())), n, m, bits, x.device,
                        element_bytes=x.element_size(), weight_a=True, **plan_overrides)

@@ -11,7 +11,9 @@ compressed per expert and attached as an export's are (``attach_sparse_experts``
 the per-expert loop (each expert's ``SparseLinear``, ``auto`` kernel choice), and ``nm_grouped``, one
 launch of the grouped kernel per projection (``kernels/nm_experts.py``), and ``nm_auto``, what
 ``auto`` measured faster at that token count (``choice``); each again with a random
-block index map per expert (``…_mapped``; each expert then pruned 2:4 in its map's order). Routing:
+block index map per expert (``…_mapped``; each expert then pruned 2:4 in its map's order), and
+``nm_grouped_mapped_in_kernel``: the grouped kernel reading those maps itself instead of after one
+gather of every pair's input (``SparseExperts.gather_first``; before 2026-11-28 the only way). Routing:
 each token picks ``top_k`` distinct experts uniformly at random, softmax weights (seed ``--seed``).
 Timing: forwards that wait on the host (the loops group tokens with a host synchronisation) are timed
 eagerly, CUDA events around ``--calls`` calls, median of ``--runs``, after a warm-up that also makes
@@ -147,9 +149,9 @@ def main() -> None:
     layers = {"dense_eager": (dense, None), "dense_grouped_mm": (own_copy("eager" if args.smoke else "grouped_mm"), None),
               "nm_loop": (nm, "loop"), "nm_grouped": (nm, "grouped"), "nm_auto": (nm, "auto"),
               "nm_loop_mapped": (nm_mapped, "loop"), "nm_grouped_mapped": (nm_mapped, "grouped"),
-              "nm_auto_mapped": (nm_mapped, "auto")}
+              "nm_auto_mapped": (nm_mapped, "auto"), "nm_grouped_mapped_in_kernel": (nm_mapped, "grouped")}
     references = {"dense_eager": dense, "dense_grouped_mm": dense, **{k: nm_reference for k in layers if k.startswith("nm_")},
-                  **{k: nm_mapped_reference for k in layers if k.endswith("_mapped")}}
+                  **{k: nm_mapped_reference for k in layers if "_mapped" in k}}
     nbytes = {name: sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
               for name, (m, _) in layers.items()}
 
@@ -171,11 +173,15 @@ def main() -> None:
             for name, (layer, mode) in layers.items():
                 if mode is not None:
                     set_experts_mode(layer, mode)
+                    for held in layer.modules():   # _in_kernel: the kernel reads the maps, no gather first
+                        if hasattr(held, "gather_first"):
+                            held.gather_first = not name.endswith("_in_kernel")
                 want = references[name].experts(x, top, weights)
                 call = lambda layer=layer: layer.experts(x, top, weights)  # noqa: E731
                 for _ in range(3):   # warm-up: compiles kernels and makes auto's choices
                     got = call()
-                ms, how = timed_ms(call, graph=name in ("nm_grouped", "nm_grouped_mapped", "dense_grouped_mm"))
+                ms, how = timed_ms(call, graph=name in ("nm_grouped", "nm_grouped_mapped", "nm_grouped_mapped_in_kernel",
+                                                                "dense_grouped_mm"))
                 rows.append(moe_row(args, tokens, name, ms, how, got, want))
                 if mode == "auto":   # what auto measured faster for this token count (run eagerly, as it chose)
                     rows[-1]["choice"] = experts_mode(layer.experts, x, top, weights)

@@ -5,7 +5,7 @@
 
 Each case calls a host function the runtime calls (``nm_decode`` at 1, 2 and 16 tokens, plain, with a
 map, split-K summed in the kernel or by a second launch, as a dependent launch; ``nm_gemm``; the
-scratch fills; both gathers; the mapped RMSNorm; the MoE experts kernel and its one-launch routing) three times on the same inputs: the first call
+scratch fills; both gathers; the mapped RMSNorm; the MoE experts kernel, its one-launch routing and its pairs' gather) three times on the same inputs: the first call
 compiles and keeps the compiled kernel, the later ones take the fast path (split-K's arrival counters
 move along a ring, so a second call may meet a new alignment, which Triton compiles apart too).
 

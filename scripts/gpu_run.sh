@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel targets pipeline (next1: e2e moe targets)
+#                                              # kernel moe targets (next1: e2e e2e_compile targets)
 #   bash scripts/gpu_run.sh pipeline           # the commands users type on CUDA: prune (every recipe) / export /
 #                                              # load / generate / eval ppl / dst, a random GQA LLaMA-shaped model
 #                                              # saved locally (gpu_pipeline.json)
@@ -106,21 +106,18 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # and e2e_eager 93 (476 s), a second e2e_compile 115 and gather 55: every step of the issue's tables then, the
 # fast launches checked bit for bit. That second call's targets step read the committed kernel and e2e files,
 # not the first call's (each call starts from this checkout), so targets now runs only in a call that ran kernel
-# or e2e. issue24 is now what changed after those calls and what never ran: kernel (auto's dependent-launch
-# retiming of every kernel near its fastest, its candidates without decode_offsets and decode_tall), the targets,
-# then pipeline (the commands users type, prune / export / load / generate / eval / dst on CUDA, never run on a
-# GPU: what every GPU user runs first). next1: the CUDA-graph e2e table again and moe (the MoE experts and the
-# one-launch routing, never timed);
+# or e2e. On 2026-11-28 (H200, stop 74) tune_bw_select 34 s, tune_bw_swap 53, e2e 148, targets 5, moe 114 and
+# e2e_compile 141, in four calls. issue24 is now what changed after those: kernel (auto with the half-step
+# weight-as-A candidate decode_swap_narrow, the H200 sweep's pick on 11008x4096), moe (mapped experts through
+# the pairs' gather, against the kernel reading the maps, nm_grouped_mapped_in_kernel), the targets. next1: the
+# CUDA-graph and compiled e2e tables with that candidate. pipeline (the commands users type on CUDA) ran whole
+# on the H200 on 2026-11-28 and is a step of its own now;
 # next2..next6 the rest, one call each (limits summing to at most 600 s), in the order they matter to the issue;
 # next7 issue 6's DST step cost at GPT-2 Small's shape with the soft permutations now on the GPU
 # (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all seven, for the CPU
 # smoke run.
-ISSUE24=(kernel targets pipeline)                   # limits 200 + 10 + 300 s (kernel 125 s on 3616890): auto's
-                                                    # dependent-launch retiming and its candidates without
-                                                    # decode_offsets / decode_tall, then the user's prune / export /
-                                                    # load / eval / dst on CUDA, never run there (rows kept as each ends)
-NEXT1=(e2e moe targets)                             # 190 + 300 + 10 s (e2e 150 s on 3616890; moe never run: the MoE
-                                                    # experts and the one-launch routing, never timed)
+ISSUE24=(kernel moe targets)                        # limits 200 + 300 + 10 s (kernel 115 s, moe 114 on the H200)
+NEXT1=(e2e e2e_compile targets)                     # 190 + 280 + 10 s (148 and 141 s on the H200)
 NEXT2=(moe_stacked)                                 # 300 s
 NEXT3=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
 NEXT4=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
@@ -138,7 +135,7 @@ steps=(); for s in "$@"; do case $s in
     next5) steps+=("${NEXT5[@]}") ;;
     next6) steps+=("${NEXT6[@]}") ;;
     next7) steps+=("${NEXT7[@]}") ;;
-    next) steps+=("${ISSUE24[@]}" "${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}"
+    next) steps+=("${ISSUE24[@]}" "${NEXT1[@]}" pipeline "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}"
                   e2e_moe_compile) ;;
     *) steps+=("$s") ;;
 esac; done

@@ -295,12 +295,36 @@ def test_grouped_experts_kernel_matches_float64(rows, cols, n, m, tokens, top_k,
         again, reused = nm_experts(x, values, words, n, m, meta_bits(m), ids, x_div, perm, block_t=block_t,
                                    routes=routes, **over)
         assert reused is routes and torch.equal(again, y)   # a second projection reuses the grouping
+        if perm is not None:   # the maps read by the kernel itself: the same sums of the same products
+            in_kernel, _ = nm_experts(x, values, words, n, m, meta_bits(m), ids, x_div, perm, block_t=block_t,
+                                      gather_first=False, **over)
+            assert torch.equal(in_kernel, y)
         ref = torch.zeros(tokens * top_k, rows, dtype=torch.float64)
         for pair, e in enumerate(ids.reshape(-1).tolist()):
             if e < experts:
                 ref[pair] = dense[e].double() @ x[pair // x_div].double()[perms[e]]
         assert y.shape == ref.shape and _close(y, ref, dtype), (x_div, (y.double() - ref).abs().max())
         assert not y[ids.reshape(-1) == experts].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_pairs_reads_each_pairs_input_through_its_experts_map(dtype):
+    """``gather_pairs``: row ``p`` is input row ``p // x_div`` in expert ``ids[p]``'s map order, for both
+    projections' ``x_div``, over more columns than one program's block; a pair routed to no local
+    expert (id ``E``, a sentinel) still gets a row (any: the grouped kernel leaves its output zero)."""
+    from shuffleprune.kernels.nm_experts import GATHER_BLOCK_C, gather_pairs
+
+    g = torch.Generator().manual_seed(3)
+    experts, cols = 3, GATHER_BLOCK_C + 40
+    perm = torch.stack([torch.randperm(cols, generator=g) for _ in range(experts)]).to(torch.int32)
+    ids = torch.tensor([[2, 0], [1, 3], [0, 2]])   # 3 tokens, top 2; id 3 is dropped
+    for x_div, x in ((2, torch.randn(3, cols, generator=g)), (1, torch.randn(6, cols, generator=g))):
+        x = x.to(dtype)
+        got = gather_pairs(x, perm, ids, x_div)
+        assert got.shape == (6, cols) and got.dtype == dtype
+        for p, e in enumerate(ids.reshape(-1).tolist()):
+            if e < experts:
+                assert torch.equal(got[p], x[p // x_div][perm[e].long()]), (x_div, p)
 
 
 @pytest.mark.parametrize("pairs,experts,block_t", [(1, 8, 1), (14, 4, 2), (40, 8, 16), (9, 64, 1), (30, 3, 4)])
@@ -1258,7 +1282,8 @@ def test_the_decode_policies_plan_the_select_tiles_they_name(monkeypatch):
 def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_decode():
     """Mapped layers weigh the gather-then-decode path against the kernel reading the map itself (to 16 tokens);
     at 1-2 tokens the select loop with its pipeline a tile shallower, from two tokens the select loop
-    and the weight-as-A tensor-core decode, from 17 both GEMMs, are weighed too; where nothing can be timed (a first call inside a graph capture), decode runs, else the scratch."""
+    and the weight-as-A tensor-core decode (2:4 at 2-16 tokens also with half its step), from 17 both GEMMs,
+    are weighed too; where nothing can be timed (a first call inside a graph capture), decode runs, else the scratch."""
 
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     mapped, plain = SparseLinear(values, meta, 64, 2, 4, perm=perm), SparseLinear(values, meta, 64, 2, 4)
@@ -1270,13 +1295,17 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
                                       "decode_mapped_tall", "decode_mapped_wide", "scratch", "gather"]
     assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "scratch", "gather"]
     assert mapped._candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
-        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_swap", "scratch", "gather"]
+        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_swap", "decode_swap_narrow", "scratch",
+        "gather"]
     assert plain._candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
     _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(x1) == [
         "decode", "decode_shallow", "decode_mapped", "scratch", "gather"]
     assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select",
-                                                              "decode_swap", "scratch", "gather"]
+                                                              "decode_swap", "decode_swap_narrow", "scratch", "gather"]
+    assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(torch.randn(5, 64).half()) == [
+        "decode", "decode_mapped", "decode_select", "decode_swap", "scratch", "gather"]   # the half step: 2:4's
+    assert "decode_swap_narrow" not in mapped._candidates(torch.randn(5, 64))          # swept on 16-bit inputs
     assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch",   # map in-kernel: ≤ 16
                                        "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
     assert mapped._candidates(x70) == ["gemm", "gemm_swap", "scratch", "scratch_mapped"]
@@ -1438,7 +1467,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
 def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp_path):
     """``kernels/launch.py`` (compile-only, no GPU: ``scripts/check_fast_launch.py``): for every kernel an
     eager decode or prefill launches (the decodes plain, mapped, split-K summed either way, as dependent
-    launches; the GEMM; both scratch fills; both gathers; the mapped norm; the MoE experts kernel), the
+    launches; the GEMM; both scratch fills; both gathers; the mapped norm; the MoE experts kernel and its pairs' gather), the
     launcher call of the fast path is Triton's own for the same arguments, argument for argument; a call
     of a kind seen before goes fast; the fast path's key never joins two calls Triton specializes apart; and every launch of a
     warmed-up eager decode step of a model laid out as ``load`` serves it goes fast."""
@@ -1461,7 +1490,7 @@ def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp
     assert {r["kernel"] for r in launches} == {
         "_nm_decode_kernel", "_sum_partials_kernel", "_nm_gemm_kernel", "_nm_decompress_kernel",
         "_nm_decompress_mapped_kernel", "_gather_columns_kernel", "_gather_rows_kernel", "_rmsnorm_mapped_kernel",
-        "_nm_experts_kernel", "_route_blocks_kernel"}
+        "_nm_experts_kernel", "_route_blocks_kernel", "_gather_pairs_kernel"}
     assert all(r["fast"] for r in launches if r["call"] == 3)
     assert not any(r["fast"] for r in launches if r["call"] == 1)   # the first of each kind goes through Triton
     step = next(r for r in result["rows"] if "launches_per_step" in r)   # a whole eager decode step, as load serves

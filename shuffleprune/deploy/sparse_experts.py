@@ -60,7 +60,11 @@ class SparseExperts(nn.Module):
     ``[E, R, B]`` (the export's bytes), ``perm`` ``[E, C]`` int32 or ``None`` (an expert without a map
     holds the identity there, ``mapped`` says which have one). ``self[e]`` is expert ``e`` as a
     :class:`SparseLinear` over views of these (no copy; made again after ``.to()`` moved them);
-    :meth:`grouped` runs every expert at once."""
+    :meth:`grouped` runs every expert at once; ``gather_first`` (default) gathers each pair's input in
+    its expert's map order before the grouped kernel, ``False`` has the kernel read the maps itself
+    (kept for ``scripts/bench_moe.py`` to time both)."""
+
+    gather_first: bool = True
 
     def __init__(self, values: torch.Tensor, meta: torch.Tensor, in_features: int, n: int, m: int,
                  perm: torch.Tensor | None, mapped: list[bool], policy: str = "auto", mode: str = "auto"):
@@ -133,7 +137,7 @@ class SparseExperts(nn.Module):
         from shuffleprune.kernels.nm_experts import nm_experts
 
         return nm_experts(x, self.values, self.words(), self.n, self.m, meta_bits(self.m), expert_ids, x_div,
-                          self.perm, routes=routes)
+                          self.perm, routes=routes, gather_first=self.gather_first)
 
 
 def _project(module: nn.Module, param: str, expert: int, x: torch.Tensor) -> torch.Tensor:
