@@ -51,6 +51,8 @@ def cases(quick: bool) -> list[dict]:
             out += [dict(impl=impl, shape=(rows, cols), tokens=t) for t in (1, 2)[:TILE_MAX_TOKENS[impl]]]
         for t in (16, 64) if quick else DECODE_TOKENS[1:]:
             out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=t))
+        for t in (2, 16):   # the half step auto also times, 2:4 at 2–16 tokens
+            out.append(dict(impl="decode_swap_narrow", shape=(rows, cols), tokens=t))
         for t in (4, 16) if quick else DECODE_TOKENS[2:5]:   # SparseLinear times it to 16 tokens
             out.append(dict(impl="decode_mapped", shape=(rows, cols), tokens=t))
         for t in (1, 16) if quick else DECODE_TOKENS[:5]:     # prune's 64-column block map read as offsets
@@ -174,7 +176,8 @@ def run_case(case: dict) -> None:
     elif impl in TILE_IMPLS:   # as SparseLinear runs them: the gathered input, or (MAPPED_DECODES) the map read
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl in MAPPED_DECODES else None,
                             tiled=tiled, **DECODE_KERNELS[impl])
-    elif impl in ("decode_swap", "decode_mapped"):   # as SparseLinear runs them (the mapped one reading the map)
+    elif impl in ("decode_swap", "decode_swap_narrow", "decode_mapped"):   # as SparseLinear runs them (the
+        # mapped one reading the map)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
                           **DECODE_KERNELS[impl])
     elif impl in ("gemm", "gemm_swap"):
@@ -263,6 +266,9 @@ def main() -> None:
                 row = {**label, **report(launch, H100)}
                 if launch.kernel == "_gather_columns_kernel":   # a "_pdl" case's gather before its decode
                     rows.append({**row, "impl": "gather_columns_pdl"})
+                    continue
+                if launch.kernel == "_gather_pairs_kernel":   # mapped experts: the pairs' gather before the kernel
+                    rows.append({**row, "impl": "gather_pairs"})
                     continue
                 if case["impl"].startswith(("decode", "experts")):
                     row["issue_ceiling_tbs"] = decode_issue_ceiling(row, case)

@@ -122,9 +122,10 @@ def prune_row(recipe: str, device: str, work: Path, model_dir: Path, calib: Path
     del result
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    if recipe == "learned" and device == "cuda":   # the pre-flight's lower bound, for the record: the report's
-        # peak_cuda_mb is since the last stage's reset of the peak, not over the learning, so no comparison
+    if recipe == "learned" and device == "cuda":   # the pre-flight's lower bound against the run's measured peak
+        # (the report's peak_cuda_mb: the whole run's since 2026-11-28, before that the last stage's)
         row["recon_lower_bound_mb"] = round(recon_lower_bound(model_dir) / 2**20, 1)
+        row["lower_bound_held"] = (rep.get("peak_cuda_mb") or 0) >= row["recon_lower_bound_mb"]
     return {**row, "ok": bool(rep.get("nm_ok")), "seconds": round(time.perf_counter() - t0, 2),
             "ran_on": rep.get("device"), "ppl_dense": rep["ppl"].get("dense"), "ppl_pruned": rep["ppl"].get("pruned"),
             "nm_ok": rep.get("nm_ok"), "sparsity": rep.get("sparsity"), "peak_cuda_mb": rep.get("peak_cuda_mb"),

@@ -300,12 +300,21 @@ def peak_rss_mb() -> float:
     return max(_PEAK_BEFORE_RESET_MB, _hwm_mb())
 
 
+_CUDA_PEAK_BEFORE_RESET: dict[int, int] = {}   # per GPU index: bytes allocated at most before the last reset
+
+
+def _cuda_key(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new high-water mark for :func:`peak_memory_mb`: the CUDA allocator's on a GPU; the
     process's peak RSS on Linux (``/proc/self/clear_refs``; where that is refused the mark simply
-    keeps rising). :func:`peak_rss_mb` still reports the whole process's peak."""
+    keeps rising). :func:`peak_rss_mb` and :func:`gpu_facts` still report the whole process's peak."""
     global _PEAK_BEFORE_RESET_MB
     if device.type == "cuda":
+        key = _cuda_key(device)
+        _CUDA_PEAK_BEFORE_RESET[key] = max(_CUDA_PEAK_BEFORE_RESET.get(key, 0), torch.cuda.max_memory_allocated(device))
         torch.cuda.reset_peak_memory_stats(device)
         return
     _PEAK_BEFORE_RESET_MB = peak_rss_mb()
@@ -313,6 +322,14 @@ def reset_peak_memory(device: torch.device) -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+
+
+def start_run_peak(device: torch.device) -> None:
+    """On a GPU, start the whole-run high-water mark :func:`gpu_facts` reports (a run's, not an earlier
+    run's in the same process); elsewhere nothing (the host's RSS peak is the process's)."""
+    if device.type == "cuda":
+        _CUDA_PEAK_BEFORE_RESET.pop(_cuda_key(device), None)
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -357,12 +374,13 @@ def _cpu_count() -> int:
 
 def gpu_facts(device: torch.device) -> dict:
     """What a report records of a CUDA compute device, the one named (``cuda:1`` too, not the current
-    device): its name and the peak memory allocated on it since :func:`reset_peak_memory`, in MB; for
-    any other device, nothing."""
+    device): its name and the peak memory allocated on it since :func:`start_run_peak` (else over this
+    process's life), in MB, the per-stage marks of :func:`reset_peak_memory` included; for any other
+    device, nothing."""
     if device.type != "cuda":
         return {}
-    return {"gpu": torch.cuda.get_device_name(device),
-            "peak_cuda_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
+    peak = max(_CUDA_PEAK_BEFORE_RESET.get(_cuda_key(device), 0), torch.cuda.max_memory_allocated(device))
+    return {"gpu": torch.cuda.get_device_name(device), "peak_cuda_mb": round(peak / 2**20, 1)}
 
 
 def cpu_facts() -> dict:

@@ -1371,7 +1371,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     impls = {r["impl"] for r in rows}
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
             "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap", "decode_tall",
-            "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "route_blocks"} <= impls
+            "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "route_blocks", "decode_swap_narrow",
+            "gather_pairs"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -1397,6 +1398,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["plan_per_sm"] <= r["programs_per_sm"], r
         if r["impl"] == "decode_swap":
             assert r["evict_first"] and r["plan_per_sm"] == r["programs_per_sm"], r
+        if r["impl"] == "decode_swap_narrow":   # the half step: no more programs planned than reside
+            assert r["evict_first"] and r["plan_per_sm"] <= r["programs_per_sm"], r
         if r["impl"].startswith("experts"):   # the grouped MoE kernel streams each expert as decode streams a layer
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
             assert r["loop_sync_loads"] == 0, r   # an expert's map read as words the pipeline copies too

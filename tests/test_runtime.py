@@ -46,7 +46,9 @@ def test_devices_are_checked_against_the_machine(monkeypatch):
 
 def test_a_gpu_run_reports_the_gpu_it_ran_on_and_its_own_peak(monkeypatch):
     """A report of a run on ``cuda:1`` names that GPU and its peak memory, not the current device's
-    (``torch.cuda.max_memory_allocated()`` without a device read cuda:0's), and the CPU none."""
+    (``torch.cuda.max_memory_allocated()`` without a device read cuda:0's), and the CPU none; the peak is
+    the whole run's, not the last stage's since its reset."""
+    from shuffleprune import runtime
     from shuffleprune.runtime import gpu_facts
 
     peaks = {0: 7 * 2**20, 1: 3 * 2**30}
@@ -56,6 +58,16 @@ def test_a_gpu_run_reports_the_gpu_it_ran_on_and_its_own_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[index(device)])
     assert gpu_facts(torch.device("cuda", 1)) == {"gpu": "second GPU", "peak_cuda_mb": 3072.0}
     assert gpu_facts(torch.device("cpu")) == {}
+    # a stage's reset of the mark (the driver's, per stage) does not lose the run's peak from the report
+    monkeypatch.setattr(runtime, "_CUDA_PEAK_BEFORE_RESET", {})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peaks.update({index(device): 0}))
+    runtime.reset_peak_memory(torch.device("cuda", 1))
+    peaks[1] = 2**30   # the next stage's own, lower peak
+    assert runtime.peak_memory_mb(torch.device("cuda", 1)) == 1024.0   # the stage's mark: since the reset
+    assert gpu_facts(torch.device("cuda", 1))["peak_cuda_mb"] == 3072.0 and peaks[0] == 7 * 2**20
+    runtime.start_run_peak(torch.device("cuda", 1))   # a second run in the process: its own peak only
+    peaks[1] = 2**29
+    assert gpu_facts(torch.device("cuda", 1))["peak_cuda_mb"] == 512.0
 
 
 def test_deterministic_algorithms_are_strict_inside_and_restored(monkeypatch):

@@ -43,7 +43,7 @@ from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime import (deterministic_algorithms, fits_on_device, logits_bytes, peak_memory_mb, pick_device,
-                                  reset_peak_memory, tf32_matmuls)
+                                  reset_peak_memory, start_run_peak, tf32_matmuls)
 from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
 
 RESUME_DIR = ".resume"
@@ -181,6 +181,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     both restored afterwards).
     """
     device = pick_device(config.device)
+    start_run_peak(device)   # the report's peak_cuda_mb: this run's
     if loaded is not None:   # before it is moved (a named model is refused as it loads)
         refuse_quantized(loaded.model.config, loaded.source)
     out = Path(out) if out is not None else None
