@@ -203,7 +203,7 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     ``gather_first``: with maps, every pair's input is first gathered in its expert's order
     (:func:`gather_pairs`) and the kernel reads it in order; ``False``: the kernel reads ``x`` through
     the maps itself (an H200 ran it 1.2–1.4× the unmapped layer's time at 1–8 tokens of Mixtral-8x7B's
-    experts and 3.9–6.7× from 16, ``bench_moe.json``, where a gather moves only ``2·P·C`` elements);
+    experts and 3.6–6.7× from 16, ``bench_moe.json``, where a gather moves only ``2·P·C`` elements);
     ``plan_overrides`` (``block_r``, ``block_k``, ``split``, ``stages``, ``num_warps``, ``use_dot``) go
     to the decode plan."""
     check_pattern(n, m, bits)

@@ -310,7 +310,8 @@ def _cuda_key(device: torch.device) -> int:
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new high-water mark for :func:`peak_memory_mb`: the CUDA allocator's on a GPU; the
     process's peak RSS on Linux (``/proc/self/clear_refs``; where that is refused the mark simply
-    keeps rising). :func:`peak_rss_mb` and :func:`gpu_facts` still report the whole process's peak."""
+    keeps rising). :func:`peak_rss_mb` still reports the whole process's peak, :func:`gpu_facts` the
+    run's since :func:`start_run_peak`."""
     global _PEAK_BEFORE_RESET_MB
     if device.type == "cuda":
         key = _cuda_key(device)
