@@ -35,7 +35,8 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))   # bench_stage_cost's word tokenizer
+sys.path.insert(0, str(ROOT / "scripts"))   # bench_stage_cost's word tokenizer, recon_memory's counts
+from recon_memory import model_bytes, recon_lower_bound_bytes  # noqa: E402
 
 
 def make_model_dir(path: Path, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int,
@@ -133,23 +134,12 @@ def prune_row(recipe: str, device: str, work: Path, model_dir: Path, calib: Path
             "checkpoint_sha256": file_digest(out / "model.safetensors") if (out / "model.safetensors").is_file() else None}
 
 
-def nbytes(model) -> int:
-    """The bytes of a model's parameters and buffers."""
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-
 def recon_lower_bound(model_dir: Path) -> int:
-    """What ``--recon model`` holds on the GPU at least for the model as ``prune`` loads it (the model and
-    ``recon_learning_bytes``, the pre-flight that refuses a run the GPU cannot hold), to compare with
-    its measured peak."""
-    from shuffleprune.blocks import block_linears, find_blocks
+    """What ``--recon model`` holds on the GPU at least for the model as ``prune`` loads it
+    (``recon_memory.recon_lower_bound_bytes``), to compare with its measured peak."""
     from shuffleprune.models import load_model
-    from shuffleprune.perm.pruning import recon_learning_bytes
 
-    model = load_model(str(model_dir)).model
-    blocks = find_blocks(model)
-    weights = {n: w for i, b in enumerate(blocks.layers) for n, w in block_linears(b, f"{blocks.name}.{i}").items()}
-    return nbytes(model) + recon_learning_bytes(weights)
+    return recon_lower_bound_bytes(load_model(str(model_dir)).model)
 
 
 def cli_row(work: Path, model_dir: Path, calib: Path, heldout: Path, args, device: str, tag: str) -> dict:
@@ -196,7 +186,7 @@ def serving_row(pruned: Path, deployed: Path, heldout: Path, device: str) -> dic
         rel = float((got - want).abs().max() / want.abs().max())
         return {**row, "ok": rel < 2e-2 and len(b) == 32, "max_rel_logit_diff": rel,
                 "greedy_tokens_equal": f"{same}/{len(a)}", "first_different_token": first_diff,
-                "weights_mb_pruned": round(nbytes(plain) / 2**20, 2), "weights_mb_deployed": round(nbytes(served) / 2**20, 2),
+                "weights_mb_pruned": round(model_bytes(plain) / 2**20, 2), "weights_mb_deployed": round(model_bytes(served) / 2**20, 2),
                 "served_linears": sorted({type(m).__name__ for m in served.modules() if hasattr(m, "in_features")})}
     except Exception as exc:   # noqa: BLE001
         traceback.print_exc()

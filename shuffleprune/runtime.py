@@ -46,13 +46,18 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def indexed_cuda(device: torch.device) -> torch.device:
+    """A CUDA ``device`` with its index: a bare ``cuda`` is the current GPU."""
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def fits_on_device(model: torch.nn.Module, device: torch.device, working_bytes: int = 0) -> bool:
     """Whether ``model`` can be moved whole onto ``device`` with ``working_bytes`` (and 1 GiB more) to
     spare for the work on it: always on the CPU; on CUDA, the bytes of its parameters and buffers not
     already there against the device's free memory."""
     if device.type != "cuda":
         return True
-    target = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    target = indexed_cuda(device)
     tensors = list(model.parameters()) + list(model.buffers())
     missing = sum(t.numel() * t.element_size() for t in tensors if t.device != target)  # "cuda" is cuda:N there
     free, _ = torch.cuda.mem_get_info(target)
@@ -303,10 +308,6 @@ def peak_rss_mb() -> float:
 _CUDA_PEAK_BEFORE_RESET: dict[int, int] = {}   # per GPU index: bytes allocated at most before the last reset
 
 
-def _cuda_key(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new high-water mark for :func:`peak_memory_mb`: the CUDA allocator's on a GPU; the
     process's peak RSS on Linux (``/proc/self/clear_refs``; where that is refused the mark simply
@@ -314,7 +315,7 @@ def reset_peak_memory(device: torch.device) -> None:
     run's since :func:`start_run_peak`."""
     global _PEAK_BEFORE_RESET_MB
     if device.type == "cuda":
-        key = _cuda_key(device)
+        key = indexed_cuda(device).index
         _CUDA_PEAK_BEFORE_RESET[key] = max(_CUDA_PEAK_BEFORE_RESET.get(key, 0), torch.cuda.max_memory_allocated(device))
         torch.cuda.reset_peak_memory_stats(device)
         return
@@ -329,7 +330,7 @@ def start_run_peak(device: torch.device) -> None:
     """On a GPU, start the whole-run high-water mark :func:`gpu_facts` reports (a run's, not an earlier
     run's in the same process); elsewhere nothing (the host's RSS peak is the process's)."""
     if device.type == "cuda":
-        _CUDA_PEAK_BEFORE_RESET.pop(_cuda_key(device), None)
+        _CUDA_PEAK_BEFORE_RESET.pop(indexed_cuda(device).index, None)
         torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -380,7 +381,7 @@ def gpu_facts(device: torch.device) -> dict:
     device, nothing."""
     if device.type != "cuda":
         return {}
-    peak = max(_CUDA_PEAK_BEFORE_RESET.get(_cuda_key(device), 0), torch.cuda.max_memory_allocated(device))
+    peak = max(_CUDA_PEAK_BEFORE_RESET.get(indexed_cuda(device).index, 0), torch.cuda.max_memory_allocated(device))
     return {"gpu": torch.cuda.get_device_name(device), "peak_cuda_mb": round(peak / 2**20, 1)}
 
 

@@ -42,8 +42,8 @@ from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
 from shuffleprune.quiet import library_progress_bars
-from shuffleprune.runtime import (deterministic_algorithms, fits_on_device, logits_bytes, peak_memory_mb, pick_device,
-                                  reset_peak_memory, start_run_peak, tf32_matmuls)
+from shuffleprune.runtime import (deterministic_algorithms, fits_on_device, indexed_cuda, logits_bytes, peak_memory_mb,
+                                  pick_device, reset_peak_memory, start_run_peak, tf32_matmuls)
 from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
 
 RESUME_DIR = ".resume"
@@ -285,7 +285,7 @@ def _check_device_memory(stages: list, model: torch.nn.Module, weights: dict, de
     for stage in stages:
         extra = stage.device_bytes(weights)
         if extra and not fits_on_device(model, device, extra):
-            free = torch.cuda.mem_get_info(device if device.index is not None else None)[0]
+            free = torch.cuda.mem_get_info(indexed_cuda(device))[0]
             raise UserError(f"the '{stage.name}' {stage.kind} stage holds the whole model on {device} and at least "
                             f"{size_text(extra)} more at once (with 1 GiB to spare), and {size_text(free)} are free "
                             f"there; {stage.smaller}, or run on --device cpu")
