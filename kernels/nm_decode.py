@@ -250,6 +250,10 @@ DOT_TILES_SWAP = {
     (2, 4): {16: (64, 256, 4, 2), 32: (64, 64, 4, 5), 64: (64, 64, 4, 4)},
     (4, 8): {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (64, 128, 4, 2)},
 }
+# the weight-as-A tiles SparseLinear also times (its ``decode_swap_sync``: 32 rows of 2 warps, 128 dense columns
+# per step, the synchronous mma) by (block_r, dense columns, warps): the programs an SM holds as compiled for
+# sm_90a at 2-16 tokens of 2:4 (shared memory allows 6, registers 9)
+DOT_RESIDENT_SWAP = {(32, 128, 2): 6}
 DOT_TILE_FP32 = (16, 128, 8, 1)
 DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP32 = 64, 16
 # up to this many tokens the select kernel is the default: on an H100 at 2 tokens it took 12.5–29.7 µs on
@@ -341,7 +345,10 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     if use_dot:  # as many as the registers (the tile's compile) and the pipeline's buffers let reside
         buffers = max(1, stages - 1) * (block_r * block_k * element_bytes + block_r * block_k * bits // 8
                                         + block_t * block_k * m // n * element_bytes)   # stages − 1 loads ahead
-        by_registers = tile[3] if (block_r, num_warps) == (tile[0], tile[2]) else 4   # a tile being tuned: up to 4
+        if (block_r, num_warps) == (tile[0], tile[2]):
+            by_registers = tile[3]
+        else:   # another tile SparseLinear times, or one being tuned: up to 4
+            by_registers = DOT_RESIDENT_SWAP.get((block_r, block_k * m // n, num_warps), 4) if weight_a else 4
         per_sm = max(1, min(by_registers, gpu.smem_per_sm(device) // buffers))
     if split is None:
         slots = per_sm * gpu.sm_count(device)

@@ -21,7 +21,8 @@ decode kernel; ``decode_shallow`` (1–2 tokens): the same with its pipeline a t
 tiles, one token); ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
-weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_swap`` with half its step), ``gemm``, ``gemm_swap``, ``scratch``, ``scratch_mapped`` (from 17
+weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_swap`` with half its step), ``decode_swap_sync`` (2–16 tokens: on
+32 rows of 2 warps, the synchronous ``mma``), ``gemm``, ``gemm_swap``, ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
 ``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm, ``cslt`` (the last two
@@ -71,7 +72,7 @@ NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which 
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
               "decode_mapped_wide", "decode_nomap", "decode_tall_nomap", "decode_wide_nomap", "decode_select",
-              "decode_swap", "decode_swap_narrow", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl",
+              "decode_swap", "decode_swap_narrow", "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl",
               "decode_swap+pdl", "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
 # where the gather reads x nearly in order: auto (measured apart, by map span) and the in-kernel map, 1-16 tokens
@@ -133,7 +134,7 @@ def runs_at(impl: str, tokens: int) -> bool:
     impl = kernel_of(impl)   # with or without a map, in either layout, launched either way
     if impl.startswith("decode") and tokens > decode_max_tokens(2):
         return False
-    if impl in ("decode_select", "decode_swap", "decode_swap_narrow") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
+    if impl in ("decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
         return False
     if impl == "decode_shallow" and tokens > 2:   # auto weighs it on the select loop only (1-2 tokens)
         return False

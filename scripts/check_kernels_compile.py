@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from shuffleprune.deploy.sparse_linear import MAPPED_DECODES, TILE_MAX_TOKENS  # noqa: E402  (no Triton import)
+from shuffleprune.deploy.sparse_linear import MAPPED_DECODES, SWAP_TILES, TILE_MAX_TOKENS  # noqa: E402  (no Triton import)
 
-TILE_IMPLS = tuple(TILE_MAX_TOKENS)
+TILE_IMPLS = tuple(impl for impl in TILE_MAX_TOKENS if impl not in SWAP_TILES)   # the select loop's other tiles
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]
 GEMM_TOKENS = [64, 512, 2048]
@@ -51,8 +51,8 @@ def cases(quick: bool) -> list[dict]:
             out += [dict(impl=impl, shape=(rows, cols), tokens=t) for t in (1, 2)[:TILE_MAX_TOKENS[impl]]]
         for t in (16, 64) if quick else DECODE_TOKENS[1:]:
             out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=t))
-        for t in (2, 16):   # the half step auto also times, 2:4 at 2–16 tokens
-            out.append(dict(impl="decode_swap_narrow", shape=(rows, cols), tokens=t))
+        for t in (2, 16):   # the half step and the 32-row synchronous-mma tile auto also times, 2:4 at 2–16 tokens
+            out += [dict(impl=impl, shape=(rows, cols), tokens=t) for impl in SWAP_TILES]
         for t in (4, 16) if quick else DECODE_TOKENS[2:5]:   # SparseLinear times it to 16 tokens
             out.append(dict(impl="decode_mapped", shape=(rows, cols), tokens=t))
         for t in (1, 16) if quick else DECODE_TOKENS[:5]:     # prune's 64-column block map read as offsets
@@ -176,7 +176,7 @@ def run_case(case: dict) -> None:
     elif impl in TILE_IMPLS:   # as SparseLinear runs them: the gathered input, or (MAPPED_DECODES) the map read
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl in MAPPED_DECODES else None,
                             tiled=tiled, **DECODE_KERNELS[impl])
-    elif impl in ("decode_swap", "decode_swap_narrow", "decode_mapped"):   # as SparseLinear runs them (the
+    elif impl in ("decode_swap", *SWAP_TILES, "decode_mapped"):   # as SparseLinear runs them (the
         # mapped one reading the map)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
                           **DECODE_KERNELS[impl])

@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel moe targets (next1: e2e e2e_compile targets)
+#                                              # kernel targets tune_swap_sync moe (next1: e2e e2e_compile targets)
 #   bash scripts/gpu_run.sh pipeline           # the commands users type on CUDA: prune (every recipe) / export /
 #                                              # load / generate / eval ppl / dst, a random GQA LLaMA-shaped model
 #                                              # saved locally (gpu_pipeline.json)
@@ -109,14 +109,16 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # or e2e. On 2026-11-28 (H200, stop 74) tune_bw_select 34 s, tune_bw_swap 53, e2e 148, targets 5, moe 114 and
 # e2e_compile 141, in four calls. issue24 is now what changed after those: kernel (auto with the half-step
 # weight-as-A candidate decode_swap_narrow, the H200 sweep's pick on 11008x4096), moe (mapped experts through
-# the pairs' gather, against the kernel reading the maps, nm_grouped_mapped_in_kernel), the targets. next1: the
+# the pairs' gather, against the kernel reading the maps, nm_grouped_mapped_in_kernel), the targets, and
+# tune_swap_sync: the weight-as-A decode on 16- and 32-row tiles of 1-2 warps (the synchronous mma, more programs
+# per SM; sweeps before had 64 and 128 rows, all wgmma), whose 32-row tile auto now weighs. next1: the
 # CUDA-graph and compiled e2e tables with that candidate. pipeline (the commands users type on CUDA) ran whole
 # on the H200 on 2026-11-28 and is a step of its own now;
 # next2..next6 the rest, one call each (limits summing to at most 600 s), in the order they matter to the issue;
 # next7 issue 6's DST step cost at GPT-2 Small's shape with the soft permutations now on the GPU
 # (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all seven, for the CPU
 # smoke run.
-ISSUE24=(kernel moe targets)                        # limits 200 + 300 + 10 s (kernel 115 s, moe 114 on the H200)
+ISSUE24=(kernel targets tune_swap_sync moe)         # limits 200 + 10 + 90 + 300 s (kernel 115 s, moe 114 on the H200)
 NEXT1=(e2e e2e_compile targets)                     # 190 + 280 + 10 s (148 and 141 s on the H200)
 NEXT2=(moe_stacked)                                 # 300 s
 NEXT3=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
@@ -192,6 +194,10 @@ for s in "$@"; do
                 --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 64 \
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
+        tune_swap_sync) step tune_swap_sync 90 scripts/results/tune_swap_sync.json $PY scripts/tune_kernel.py \
+                --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 16 32 \
+                --block-k 64 128 --num-warps 1 2 --stages 3 4 --max-tile 1048576 \
+                --out scripts/results/tune_swap_sync.json ;;
         tune_pdl) step tune_pdl 150 scripts/results/tune_pdl.json $PY scripts/tune_kernel.py \
                 --variants decode decode_pdl swap swap_pdl mapped mapped_pdl --shapes 1024x4096 4096x4096 11008x4096 \
                 --tokens 1 2 16 --block-r 0 --block-k 0 --num-warps 0 --stages 4 --prefetch-mb 0 4 8 16 \

@@ -1295,17 +1295,17 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
                                       "decode_mapped_tall", "decode_mapped_wide", "scratch", "gather"]
     assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "scratch", "gather"]
     assert mapped._candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
-        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_swap", "decode_swap_narrow", "scratch",
+        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch",
         "gather"]
     assert plain._candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
     _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(x1) == [
         "decode", "decode_shallow", "decode_mapped", "scratch", "gather"]
     assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select",
-                                                              "decode_swap", "decode_swap_narrow", "scratch", "gather"]
+                                                              "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch", "gather"]
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(torch.randn(5, 64).half()) == [
         "decode", "decode_mapped", "decode_select", "decode_swap", "scratch", "gather"]   # the half step: 2:4's
-    assert "decode_swap_narrow" not in mapped._candidates(torch.randn(5, 64))          # swept on 16-bit inputs
+    assert not {"decode_swap_narrow", "decode_swap_sync"} & set(mapped._candidates(torch.randn(5, 64)))   # 16-bit
     assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch",   # map in-kernel: ≤ 16
                                        "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
     assert mapped._candidates(x70) == ["gemm", "gemm_swap", "scratch", "scratch_mapped"]
@@ -1372,7 +1372,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
             "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap", "decode_tall",
             "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "route_blocks", "decode_swap_narrow",
-            "gather_pairs"} <= impls
+            "decode_swap_sync", "gather_pairs"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -1384,7 +1384,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["plan_per_sm"] <= r["programs_per_sm"], r   # split-K never assumes more than reside
         if (r["impl"] == "decode" and r["tokens"] > SELECT_MAX_TOKENS) or r["impl"] == "gemm":
             assert r["tensor_core"], r
-        if "swap" in r["impl"] or r["impl"] == "decode_mapped":   # the weight as the A operand: asynchronous wgmma
+        if ("swap" in r["impl"] and r["impl"] != "decode_swap_sync") or r["impl"] == "decode_mapped":   # the weight
+            # as the A operand: asynchronous wgmma (but the 32-row tile's synchronous mma, checked below)
             assert r["wgmma"] and r["widest_load_bytes"] == 16 and r["async_copies"], r
         if r["impl"] in ("decode_mapped", "decode_blockmap") or (r["impl"] == "decode" and not r["tensor_core"]):
             assert r["loop_sync_loads"] == 0, r   # the map's gather too is copied ahead by the pipeline (its
@@ -1400,6 +1401,10 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["evict_first"] and r["plan_per_sm"] == r["programs_per_sm"], r
         if r["impl"] == "decode_swap_narrow":   # the half step: no more programs planned than reside
             assert r["evict_first"] and r["plan_per_sm"] <= r["programs_per_sm"], r
+        if r["impl"] == "decode_swap_sync":   # 32 rows of 2 warps: tensor cores by the synchronous mma, not wgmma,
+            assert r["evict_first"] and r["tensor_core"] and not r["wgmma"], r   # more programs than the 64-row tile
+            assert r["plan_per_sm"] <= r["programs_per_sm"] and r["programs_per_sm"] > 2, r
+            assert r["widest_load_bytes"] == 16 and r["async_copies"] and r["loop_sync_loads"] == 0, r
         if r["impl"].startswith("experts"):   # the grouped MoE kernel streams each expert as decode streams a layer
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
             assert r["loop_sync_loads"] == 0, r   # an expert's map read as words the pipeline copies too

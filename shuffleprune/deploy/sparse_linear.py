@@ -44,6 +44,14 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   on 11008×4096 (24.7–25.7 µs at 2–16 tokens against the default tile's 28.2–29.0 and cuBLAS's
   25.5–26.8) and slower on 4096×4096 and 4096×14336; on the H100 the same step had been slower on
   all three (``tune_swap_decode.json``), so ``auto`` times it rather than a rule;
+- ``decode_swap_sync`` (2:4, 2–16 tokens): ``decode_swap`` on 32 rows of 2 warps and 64 kept values
+  per step, which Triton compiles to the warp-synchronous ``mma`` instead of the warpgroup's
+  asynchronous ``wgmma`` (the H100 and H200 sweeps covered only 64 and 128 rows, all wgmma). Both
+  sweeps found the wgmma decode latency-bound at 2–16 tokens, not issue-bound: each warpgroup waits for
+  its wgmma before the registers holding the expanded tile are reused. As compiled for sm_90a
+  (``scripts/results/kernel_compile_sm90.json``), 6 such programs (12 warps) reside per SM where the
+  default tile has 2 (8 warps), with about the same instruction ceiling (5.1–5.5 against 5.9–6.4 TB/s).
+  Not yet timed on a GPU; ``auto`` weighs it;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion;
@@ -100,8 +108,8 @@ from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eag
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-         "decode_mapped_wide", "decode_offsets", "decode_select", "decode_swap", "decode_swap_narrow", "gemm",
-         "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
+         "decode_mapped_wide", "decode_offsets", "decode_select", "decode_swap", "decode_swap_narrow",
+         "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
@@ -118,7 +126,8 @@ DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
 # tokens on all six shapes and within 1.6 % either way at 4–16, decode_tall within 1 % of the default tile at best
 NOT_WEIGHED = ("decode_tall", "decode_offsets")
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1,
-                   "decode_swap_narrow": 16}
+                   "decode_swap_narrow": 16, "decode_swap_sync": 16}
+SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync")   # decode_swap's other tiles: 2:4, 16-bit, 2-16 tokens
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
 # tensor-core form whose gather the pipeline copies ahead)
@@ -127,6 +136,7 @@ DECODE_KERNELS = {"decode": {}, "decode_shallow": {"stages": 3}, "decode_mapped"
                   "decode_select": {"use_dot": False},
                   "decode_swap": {"use_dot": True, "weight_a": True},
                   "decode_swap_narrow": {"use_dot": True, "weight_a": True, "block_k": 64, "stages": 3},
+                  "decode_swap_sync": {"use_dot": True, "weight_a": True, "block_r": 32, "num_warps": 2, "block_k": 64},
                   **{f"{name}_{shape}": {**DECODE_KERNELS_TILE[shape], **kw}
                      for name, kw in (("decode", {}), ("decode_mapped", {"weight_a": True}))
                      for shape in ("tall", "wide")}}
@@ -517,9 +527,8 @@ class SparseLinear(nn.Module):
                 out.append("decode_select")
             if 2 <= tokens <= decode_limit:
                 out.append("decode_swap")
-            if (2 <= tokens <= TILE_MAX_TOKENS["decode_swap_narrow"] and (self.n, self.m) == (2, 4)
-                    and x.element_size() == 2):   # as swept: 2:4's 128 dense columns per step, 16-bit inputs
-                out.append("decode_swap_narrow")
+            if (self.n, self.m) == (2, 4) and x.element_size() == 2:   # as swept and compiled: 2:4, 16-bit inputs
+                out += [impl for impl in SWAP_TILES if 2 <= tokens <= TILE_MAX_TOKENS[impl]]
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
         if self.tiled and tokens >= GEMM_MIN_TOKENS and x.is_cuda:   # cuSPARSELt on the layer's own buffer
             out.append("cslt")
