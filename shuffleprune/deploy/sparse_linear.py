@@ -46,9 +46,10 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   all three (``tune_swap_decode.json``), so ``auto`` times it rather than a rule;
 - ``decode_swap_sync`` (2:4, 2–16 tokens): ``decode_swap`` on 32 rows of 2 warps and 64 kept values
   per step, which Triton compiles to the warp-synchronous ``mma`` instead of the warpgroup's
-  asynchronous ``wgmma`` (the H100 and H200 sweeps covered only 64 and 128 rows, all wgmma). Both
-  sweeps found the wgmma decode latency-bound at 2–16 tokens, not issue-bound: each warpgroup waits for
-  its wgmma before the registers holding the expanded tile are reused. As compiled for sm_90a
+  asynchronous ``wgmma`` (the H100 and H200 sweeps covered only 64 and 128 rows, all wgmma). The wgmma
+  decode ran at 1.8 TB/s on the H200 where its loop's instructions alone would allow about 6: bound
+  by latency, with at most one wgmma group in flight per warpgroup (``WARPGROUP.DEPBAR.LE gsb0, 0x1``
+  in its sm_90a loop) and 2 programs per SM. As compiled for sm_90a
   (``scripts/results/kernel_compile_sm90.json``), 6 such programs (12 warps) reside per SM where the
   default tile has 2 (8 warps), with about the same instruction ceiling (5.1–5.5 against 5.9–6.4 TB/s).
   Not yet timed on a GPU; ``auto`` weighs it;
