@@ -82,7 +82,7 @@ MAP_BLOCK = 64
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.sparse_linear import (  # noqa: E402  (no Triton import)
-    DECODE_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, TILE_MAX_TOKENS)
+    DECODE_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, SWAP_TILES, TILE_MAX_TOKENS)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
@@ -134,7 +134,7 @@ def runs_at(impl: str, tokens: int) -> bool:
     impl = kernel_of(impl)   # with or without a map, in either layout, launched either way
     if impl.startswith("decode") and tokens > decode_max_tokens(2):
         return False
-    if impl in ("decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync") and (tokens == 1 or tokens > 16 and impl == "decode_select"):
+    if impl in ("decode_select", "decode_swap", *SWAP_TILES) and (tokens == 1 or tokens > 16 and impl == "decode_select"):
         return False
     if impl == "decode_shallow" and tokens > 2:   # auto weighs it on the select loop only (1-2 tokens)
         return False

@@ -1304,7 +1304,7 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select",
                                                               "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch", "gather"]
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(torch.randn(5, 64).half()) == [
-        "decode", "decode_mapped", "decode_select", "decode_swap", "scratch", "gather"]   # the half step: 2:4's
+        "decode", "decode_mapped", "decode_select", "decode_swap", "scratch", "gather"]   # decode_swap's other tiles: 2:4's
     assert not {"decode_swap_narrow", "decode_swap_sync"} & set(mapped._candidates(torch.randn(5, 64)))   # 16-bit
     assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch",   # map in-kernel: ≤ 16
                                        "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
