@@ -91,7 +91,7 @@ def sparsify_like_export(model, gen) -> None:
         for i, block in enumerate(blocks.layers):
             maps: dict[str, torch.Tensor] = {}
             gathers: dict[str, SharedGather] = {}
-            for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
+            for name, lin in block_linears(block, blocks.prefix(i)).items():
                 kind = name.rsplit(".", 1)[-1]
                 share = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"}.get(kind, kind)
                 perm = None if kind == "down_proj" else maps.setdefault(share, random_block_perm(lin.in_features, 64, gen))
@@ -106,7 +106,7 @@ def sparsify_like_export(model, gen) -> None:
                 setattr(model.get_submodule(parent_name), child, layer)
                 del w, lin
             tensors, entries = {}, {}   # MoE: every expert 2:4 in its own random map's order, held as export does
-            for fused, experts in experts_by_tensor(block_experts(block, f"{blocks.name}.{i}")).items():
+            for fused, experts in experts_by_tensor(block_experts(block, blocks.prefix(i))).items():
                 maps = {}
                 for e, expert in experts.items():
                     maps[e] = perm = random_block_perm(expert.in_features, 64, gen).to(device)
@@ -148,7 +148,7 @@ def main() -> None:
     from shuffleprune.deploy.serving import arrange_for_serving, cslt_by_default
     from shuffleprune.deploy.sparse_linear import SparseLinear, relative_error, release_scratch, split_pdl, use_cslt_layout
     from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime import machine, module_bytes, versions
     from capture_probe import capture_modes, python_profile, step_profile
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -180,9 +180,6 @@ def main() -> None:
         fn()
         sync()
         return time.perf_counter() - t
-
-    def held_bytes(model) -> int:
-        return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
     def capture(warm, body) -> torch.cuda.CUDAGraph:
         """One CUDA graph of ``body``, after ``warm`` ran on the capturing stream."""
@@ -309,7 +306,7 @@ def main() -> None:
                "prefill_eager_ms": round(prefill_eager_s * 1e3, 2),
                "decode_ms_per_token": round(decode_s * 1e3 / args.new_tokens, 3),
                "decode_tokens_per_s": round(args.new_tokens / decode_s, 2),
-               "weights_mb": round(held_bytes(model) / 2**20, 1),
+               "weights_mb": round(module_bytes(model) / 2**20, 1),
                "peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
                "prefill_graph_vs_eager_max_rel_err": graph_err,
                **({"prefill_capture_probe": probe} if probe else {}),

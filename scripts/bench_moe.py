@@ -100,7 +100,7 @@ def main() -> None:
     from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts, experts_mode, set_experts_mode
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import cuda_graph_ms, eager_ms
+    from shuffleprune.runtime import cuda_graph_ms, eager_ms, module_bytes
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -152,8 +152,7 @@ def main() -> None:
               "nm_auto_mapped": (nm_mapped, "auto"), "nm_grouped_mapped_in_kernel": (nm_mapped, "grouped")}
     references = {"dense_eager": dense, "dense_grouped_mm": dense, **{k: nm_reference for k in layers if k.startswith("nm_")},
                   **{k: nm_mapped_reference for k in layers if "_mapped" in k}}
-    nbytes = {name: sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-              for name, (m, _) in layers.items()}
+    nbytes = {name: module_bytes(m) for name, (m, _) in layers.items()}
 
     def timed_ms(fn, graph: bool) -> tuple[float, str]:
         if device.type != "cuda":

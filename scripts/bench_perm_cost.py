@@ -69,7 +69,7 @@ def main() -> None:
     captured = capture_block_inputs(model, blocks, tokens, device, 2)
     hidden = captured.hidden
     block = blocks.layers[0].to(device)
-    linears = block_linears(block, f"{blocks.name}.0")
+    linears = block_linears(block, blocks.prefix(0))
     with collect_input_stats(linears, False) as stats:
         target = run_block(block, hidden, captured, 0, device, 2)
     groups = input_groups(stats)

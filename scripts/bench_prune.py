@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from shuffleprune.calib import calibration_windows, eval_tokens, get_source
 from shuffleprune.evaluation.perplexity import perplexity
-from shuffleprune.blocks import block_linears, find_blocks
+from shuffleprune.blocks import find_blocks, model_linears
 from shuffleprune.masks import parse_pattern, satisfies_nm
 from shuffleprune.models import load_model, resolve_model_path
 
@@ -68,10 +68,8 @@ def main() -> None:
         if row["method"] == "dense":
             row["nm_ok"] = None
         else:
-            blocks = find_blocks(model)
             row["nm_ok"] = all(satisfies_nm(lin.weight, pattern.n, pattern.m)
-                               for i, block in enumerate(blocks.layers)
-                               for lin in block_linears(block, f"{blocks.name}.{i}").values())
+                               for lin in model_linears(find_blocks(model)).values())
         rows.append({**base, **row})
         print(json.dumps(rows[-1]), flush=True)
 

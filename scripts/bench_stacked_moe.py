@@ -41,7 +41,7 @@ def main() -> None:
     from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts, set_experts_mode
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import cuda_graph_ms
+    from shuffleprune.runtime import cuda_graph_ms, module_bytes
     from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
 
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -90,8 +90,7 @@ def main() -> None:
     nm_mapped, nm_mapped_reference = sparse_copy(True)
     layers = {"dense": (dense, None, dense), "nm_loop": (nm, "loop", dense), "nm_grouped": (nm, "grouped", dense),
               "nm_auto": (nm, "auto", dense), "nm_grouped_mapped": (nm_mapped, "grouped", nm_mapped_reference)}
-    nbytes = {name: sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-              for name, (m, _, _) in layers.items()}
+    nbytes = {name: module_bytes(m) for name, (m, _, _) in layers.items()}
 
     def timed_ms(fn) -> tuple[float, str]:
         if device.type != "cuda":

@@ -37,7 +37,7 @@ def dense_blocks(nsamples: int, seqlen: int, seed: int, upto: int, batch: int = 
     hidden = cap.hidden
     for idx in range(upto + 1):
         block = blocks.layers[idx]
-        prefix = f"{blocks.name}.{idx}"
+        prefix = blocks.prefix(idx)
         linears = block_linears(block, prefix)
         with collect_input_stats(linears, False) as stats:
             target = run_block(block, hidden, cap, idx, dev, batch)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))   # bench_stage_cost's word tokenizer, recon_memory's counts
-from recon_memory import model_bytes, recon_lower_bound_bytes  # noqa: E402
+from recon_memory import recon_lower_bound_bytes  # noqa: E402
 
 
 def make_model_dir(path: Path, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int,
@@ -167,6 +167,7 @@ def serving_row(pruned: Path, deployed: Path, heldout: Path, device: str) -> dic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import shuffleprune
+    from shuffleprune.runtime import module_bytes
 
     row = {"step": "load + generate", "device": device}
     try:
@@ -186,7 +187,7 @@ def serving_row(pruned: Path, deployed: Path, heldout: Path, device: str) -> dic
         rel = float((got - want).abs().max() / want.abs().max())
         return {**row, "ok": rel < 2e-2 and len(b) == 32, "max_rel_logit_diff": rel,
                 "greedy_tokens_equal": f"{same}/{len(a)}", "first_different_token": first_diff,
-                "weights_mb_pruned": round(model_bytes(plain) / 2**20, 2), "weights_mb_deployed": round(model_bytes(served) / 2**20, 2),
+                "weights_mb_pruned": round(module_bytes(plain) / 2**20, 2), "weights_mb_deployed": round(module_bytes(served) / 2**20, 2),
                 "served_linears": sorted({type(m).__name__ for m in served.modules() if hasattr(m, "in_features")})}
     except Exception as exc:   # noqa: BLE001
         traceback.print_exc()

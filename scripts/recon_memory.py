@@ -24,25 +24,20 @@ SHAPES = {   # LlamaConfig keywords
 }
 
 
-def model_bytes(model) -> int:
-    """The bytes of a model's parameters and buffers."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
-
 def learned_weights(model) -> dict:
     """Every decoder block's linears, by name: the weights ``--recon model`` learns maps for."""
-    from shuffleprune.blocks import block_linears, find_blocks
+    from shuffleprune.blocks import find_blocks, model_linears
 
-    blocks = find_blocks(model)
-    return {n: w for i, b in enumerate(blocks.layers) for n, w in block_linears(b, f"{blocks.name}.{i}").items()}
+    return model_linears(find_blocks(model))
 
 
 def recon_lower_bound_bytes(model) -> int:
     """What ``--recon model`` holds on the GPU at least: the model and ``recon_learning_bytes`` of its
     blocks' linears (the pre-flight's count; activations not counted)."""
     from shuffleprune.perm.pruning import recon_learning_bytes
+    from shuffleprune.runtime import module_bytes
 
-    return model_bytes(model) + recon_learning_bytes(learned_weights(model))
+    return module_bytes(model) + recon_learning_bytes(learned_weights(model))
 
 
 def main() -> None:
@@ -50,14 +45,14 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from shuffleprune.perm.pruning import recon_learning_bytes
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime import machine, module_bytes, versions
 
     rows = []
     for name, shape in SHAPES.items():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
         weights = learned_weights(model)
-        held = model_bytes(model)
+        held = module_bytes(model)
         learning = recon_learning_bytes(weights)
         rows.append({"model": name, "config": shape, "dtype": "bfloat16",
                      "parameters": sum(p.numel() for p in model.parameters()),

@@ -2,7 +2,7 @@
 
 ``find_blocks`` locates the decoder block list (the largest ``ModuleList`` of blocks that all
 contain linear layers), ``block_linears`` lists a block's ``nn.Linear`` layers filtered by
-``--only`` / ``--skip`` globs, ``block_experts`` the expert matrices of its fused MoE layers (each
+``--only`` / ``--skip`` globs (``model_linears``: every block's), ``block_experts`` the expert matrices of its fused MoE layers (each
 seen as a linear's weight, :class:`ExpertWeight`; experts in a layout of the model's own are found
 by tracing a block, :mod:`shuffleprune.stacked_experts`), and ``weights_outside_linears`` what
 none reaches. How blocks are called and run alone is :mod:`shuffleprune.block_inputs`. No branch looks
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -31,6 +31,14 @@ class Blocks:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def prefix(self, index: int) -> str:
+        """Block ``index``'s dotted name, which its layers' full names start with."""
+        return f"{self.name}.{index}"
+
+    def named(self) -> Iterator[tuple[str, nn.Module]]:
+        """``(prefix, block)`` of every block, in order."""
+        return ((self.prefix(i), block) for i, block in enumerate(self.layers))
 
 
 def find_blocks(model: nn.Module) -> Blocks:
@@ -137,6 +145,12 @@ def block_linears(block: nn.Module, prefix: str, only: list[str] | None = None,
         if selected_by_globs(full, only, skip):
             found[full] = module
     return found
+
+
+def model_linears(blocks: Blocks, only: list[str] | None = None,
+                  skip: list[str] | None = None) -> dict[str, nn.Linear]:
+    """:func:`block_linears` of every block, in block order."""
+    return {name: lin for prefix, block in blocks.named() for name, lin in block_linears(block, prefix, only, skip).items()}
 
 
 def decoder_of(model: nn.Module, blocks: Blocks) -> nn.Module:

@@ -8,7 +8,7 @@ import resource
 import sys
 import statistics
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterator, TypeVar
@@ -51,6 +51,16 @@ def indexed_cuda(device: torch.device) -> torch.device:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes the tensors' elements take."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """The bytes of a module's parameters and buffers (what it holds in memory)."""
+    return tensor_bytes((*module.parameters(), *module.buffers()))
+
+
 def fits_on_device(model: torch.nn.Module, device: torch.device, working_bytes: int = 0) -> bool:
     """Whether ``model`` can be moved whole onto ``device`` with ``working_bytes`` (and 1 GiB more) to
     spare for the work on it: always on the CPU; on CUDA, the bytes of its parameters and buffers not
@@ -58,8 +68,8 @@ def fits_on_device(model: torch.nn.Module, device: torch.device, working_bytes: 
     if device.type != "cuda":
         return True
     target = indexed_cuda(device)
-    tensors = list(model.parameters()) + list(model.buffers())
-    missing = sum(t.numel() * t.element_size() for t in tensors if t.device != target)  # "cuda" is cuda:N there
+    tensors = (*model.parameters(), *model.buffers())
+    missing = tensor_bytes(t for t in tensors if t.device != target)  # "cuda" is cuda:N there
     free, _ = torch.cuda.mem_get_info(target)
     return missing + working_bytes + 2**30 <= free
 

@@ -3,8 +3,9 @@ import torch
 
 from conftest import tiny_model
 from shuffleprune.block_inputs import capture_block_inputs, run_block
-from shuffleprune.blocks import block_linears, find_blocks
+from shuffleprune.blocks import block_linears, find_blocks, model_linears
 from shuffleprune.prune.input_stats import collect_input_stats, input_groups
+from shuffleprune.runtime import module_bytes
 
 ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gemma3_text"]
 
@@ -17,7 +18,7 @@ def test_blocks_found_and_replayed_exactly(arch):
     model = tiny_model(arch)
     blocks = find_blocks(model)
     assert len(blocks) == 3
-    linears = block_linears(blocks.layers[0], f"{blocks.name}.0")
+    linears = block_linears(blocks.layers[0], blocks.prefix(0))
     assert len(linears) == 7 and all(n.startswith(blocks.name + ".0.") for n in linears)
     tokens = torch.randint(0, 128, (5, 24), generator=torch.Generator().manual_seed(0))
     captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
@@ -26,6 +27,23 @@ def test_blocks_found_and_replayed_exactly(arch):
     # the last entry of hidden_states is after the final norm
     assert torch.allclose(model.get_decoder().norm(hidden), ref[-1], atol=1e-5)
 
+
+
+def test_model_linears_lists_every_block_in_order_with_the_globs():
+    """``model_linears``: every block's linears under its full name, block by block, ``--only`` /
+    ``--skip`` applied; ``module_bytes`` counts parameters and buffers at their element sizes."""
+    model = tiny_model("llama")
+    blocks = find_blocks(model)
+    every = model_linears(blocks)
+    assert len(every) == 7 * len(blocks)
+    assert [n.split(".")[2] for n in every] == [str(i) for i in range(len(blocks)) for _ in range(7)]
+    assert all(every[n] is model.get_submodule(n) for n in every)
+    only = model_linears(blocks, only=["*.mlp.*"], skip=["*.2.*"])
+    assert sorted(only) == sorted(n for n in every if ".mlp." in n and f"{blocks.name}.2." not in n)
+    floats = sum(t.numel() for t in (*model.parameters(), *model.buffers()))   # all float32 here
+    assert module_bytes(model) == 4 * floats
+    model.register_buffer("extra", torch.zeros(3, dtype=torch.float16))
+    assert module_bytes(model) == 4 * floats + 6
 
 def _replay_matches_the_model(model, blocks, captured, tokens):
     """Run the captured block-0 inputs through every block with its captured arguments, 3 windows at a

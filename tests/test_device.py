@@ -255,7 +255,7 @@ def test_a_whole_model_stage_the_gpu_cannot_hold_is_refused_before_any_data(tiny
     # their effective weights on the device at once (a 7B model: at least 72.9 GiB before activations);
     # a GPU too small would run out of memory only after loading and calibrating. Refused up front,
     # by one line naming the ways out
-    from shuffleprune.blocks import block_linears, find_blocks
+    from shuffleprune.blocks import find_blocks, model_linears
     from shuffleprune.errors import UserError
     from shuffleprune.models import load_model
     from shuffleprune.perm.pruning import recon_learning_bytes
@@ -267,8 +267,7 @@ def test_a_whole_model_stage_the_gpu_cannot_hold_is_refused_before_any_data(tiny
                                  nsamples=4, seqlen=32, eval_ctx=32, device="cuda")
 
     model = load_model(str(tiny_dir)).model
-    blocks = find_blocks(model)
-    weights = {n: w for i, b in enumerate(blocks.layers) for n, w in block_linears(b, f"{blocks.name}.{i}").items()}
+    weights = model_linears(find_blocks(model))
     need = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) \
         + recon_learning_bytes(weights)   # the model, moved whole, and what learning holds beside it
     stages = cfg("learned").spec().stages

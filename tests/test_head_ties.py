@@ -33,7 +33,7 @@ def test_fold_unfold_and_expand_agree_with_indexing_the_layer():
 
 def _block_layers(model):
     blocks = find_blocks(model)
-    layers = block_linears(blocks.layers[0], f"{blocks.name}.0")
+    layers = block_linears(blocks.layers[0], blocks.prefix(0))
     names = {k.rpartition(".")[2]: k for k in layers}
     groups = [[names[n] for n in ("q_proj", "k_proj", "v_proj")], [names["o_proj"]],
               [names["gate_proj"], names["up_proj"]], [names["down_proj"]]]

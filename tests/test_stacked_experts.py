@@ -21,7 +21,7 @@ def _traced(model, block_index: int, ids: torch.Tensor) -> dict:
     trace = MatmulTrace()
     with trace.watch(blocks.layers[block_index]), torch.no_grad():
         model(ids)
-    return stacked_experts(blocks.layers[block_index], f"{blocks.name}.{block_index}", trace)
+    return stacked_experts(blocks.layers[block_index], blocks.prefix(block_index), trace)
 
 
 def _reference_matrices(model_type: str, model, i: int) -> dict[str, torch.Tensor]:
@@ -333,7 +333,7 @@ def test_linears_that_route_gate_or_mix_stay_dense(model_type, block_gates, text
     model.save_pretrained(src)
     make_tokenizer().save_pretrained(src)
     blocks = find_blocks(model)
-    gates = [f"{blocks.name}.{i}.{gate}" for i in range(2) for gate in block_gates]
+    gates = [f"{blocks.prefix(i)}.{gate}" for i in range(2) for gate in block_gates]
     cfg = flat_config(model=str(src), calib=str(text_file), eval_text=None, nsamples=4, seqlen=32, batch_size=4,
                       method="wanda", pattern="2:4")
     report = prune(cfg, out=tmp_path / "out", progress=False).report

@@ -203,7 +203,7 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
     made: list[_Fold] = []
     for i, block in enumerate(blocks.layers):
         reference = run(i)
-        linears = block_linears(block, f"{blocks.name}.{i}")
+        linears = block_linears(block, blocks.prefix(i))
         for name, consumer in linears.items():
             if not isinstance(consumer, PermutedLinear):
                 continue
@@ -222,7 +222,7 @@ def fold_permutations(model: nn.Module) -> dict[str, list[str]]:
                     rows = _grouped_head_perm(perm, heads_of, lin.out_features)
                     if rows is not None:
                         attempts.append(([n], {n: rows}))
-            through = _through_channelwise(block, f"{blocks.name}.{i}", partial(run, i), name, consumer, linears)
+            through = _through_channelwise(block, blocks.prefix(i), partial(run, i), name, consumer, linears)
             channel = []
             if through is not None:   # producer → norm → consumer: the norm's weights move with the rows
                 attempts.insert(0, ([through[0]], {through[0]: perm}))
@@ -512,10 +512,10 @@ def _compress_model(model: nn.Module, pruned: set[str] | None, maps: dict[str, t
     stacked = traced_stacked_experts(model, blocks) if any(parse_expert_name(n) for n in pruned or ()) else None
     out = _Compressed()
     for i, block in enumerate(blocks.layers):
-        for name, lin in block_linears(block, f"{blocks.name}.{i}").items():
+        for name, lin in block_linears(block, blocks.prefix(i)).items():
             if was_pruned(name, lin.weight.data, pruned):  # a linear left dense (--skip / --only) stays in model.safetensors
                 out.add_linear(name, lin, n, m)
-        for name, experts in exportable_experts(block, f"{blocks.name}.{i}", pruned, stacked and stacked[i]).items():
+        for name, experts in exportable_experts(block, blocks.prefix(i), pruned, stacked and stacked[i]).items():
             stored = {e: _stored_map(expert_maps.get(expert_name(name, e))) for e in experts}
             tensors, out.experts[name] = compress_experts(name, experts, n, m,
                                                           {e: p for e, p in stored.items() if p is not None})

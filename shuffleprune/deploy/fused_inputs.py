@@ -119,7 +119,7 @@ def fuse_shared_inputs(model: nn.Module, probe: Callable[[int], torch.Tensor] | 
             fused = FusedInputs(group)
             for layer in group:
                 layer.fused_inputs = fused
-            made.append([f"{blocks.name}.{i}.{n}" for n, layer in zip(names, layers) if layer in group])
+            made.append([f"{blocks.prefix(i)}.{n}" for n, layer in zip(names, layers) if layer in group])
     return made
 
 

@@ -136,7 +136,7 @@ def move_maps_to_producers(model: nn.Module, kernel: bool | None = None,
     half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
     moved: dict[str, list[str]] = {}
     for i, block in enumerate(blocks.layers):
-        prefix = f"{blocks.name}.{i}"
+        prefix = blocks.prefix(i)
         groups: dict[str, list[str]] = {}
         io = record_block_io(block, partial(run, i), _is_mapped, leaves=True)
         reference = io.output

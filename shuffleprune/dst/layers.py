@@ -64,10 +64,10 @@ def block_gates(blocks: Blocks, layers: dict[str, nn.Module], stacked: dict[str,
     """The names among ``layers`` (named from the model's root) that route, gate or mix in a decoder
     block (:func:`~shuffleprune.blocks.gating_linears`; ``stacked``: the blocks' traced experts)."""
     gates = set()
-    for i, block in enumerate(blocks.layers):
-        prefix = f"{blocks.name}.{i}."
-        in_block = {n: m for n, m in layers.items() if n.startswith(prefix)}
-        experts = block_experts(block, prefix[:-1]) | {n: e for n, e in stacked.items() if n.startswith(prefix)}
+    for prefix, block in blocks.named():
+        inside = prefix + "."
+        in_block = {n: m for n, m in layers.items() if n.startswith(inside)}
+        experts = block_experts(block, prefix) | {n: e for n, e in stacked.items() if n.startswith(inside)}
         gates |= gating_linears(in_block, experts)
     return gates
 

@@ -185,8 +185,7 @@ def _sparsity(model: torch.nn.Module) -> float | None:
     except UserError:
         return None
     zeros = total = 0
-    for i, block in enumerate(blocks.layers):
-        prefix = f"{blocks.name}.{i}"
+    for prefix, block in blocks.named():
         for lin in {**block_linears(block, prefix), **block_experts(block, prefix)}.values():
             with weights_readable(getattr(lin, "owner", lin)):   # an expert's: its experts module's
                 zeros += int((lin.weight == 0).sum())

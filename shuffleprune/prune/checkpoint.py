@@ -20,7 +20,7 @@ from shuffleprune.models import LoadedModel, base_model_id, is_embedded
 from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.report import tokens_scored
-from shuffleprune.runtime import cpu_facts, gpu_facts, peak_rss_mb, versions
+from shuffleprune.runtime import cpu_facts, gpu_facts, peak_rss_mb, tensor_bytes, versions
 
 REPORT_NAME = "prune_report.json"
 RECIPE_NAME = "recipe.yaml"
@@ -134,7 +134,7 @@ def write_checkpoint(out: Path, model, tokenizer, report: dict, perms: dict[str,
     except Exception as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if _disk_full(exc):
-            need = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**30
+            need = tensor_bytes(model.state_dict().values()) / 2**30
             raise UserError(f"no space left on the device of '{out}' for the checkpoint (~{need:.1f} GiB): free "
                             "space or pick another --out; rerun the same command with --resume to write it "
                             "without pruning again") from exc

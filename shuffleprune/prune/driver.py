@@ -43,7 +43,7 @@ from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime import (deterministic_algorithms, fits_on_device, indexed_cuda, logits_bytes, peak_memory_mb,
-                                  pick_device, reset_peak_memory, start_run_peak, tf32_matmuls)
+                                  pick_device, reset_peak_memory, start_run_peak, tensor_bytes, tf32_matmuls)
 from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
 
 RESUME_DIR = ".resume"
@@ -297,7 +297,7 @@ def _disk_need(model: torch.nn.Module, blocks: Blocks, tokens: int, dense_stream
     ``save_dtype``), and its peak, with the per-block checkpoints (in the compute dtype) and two
     copies of the calibration activations between blocks (per stream) still there."""
     result = sum(p.numel() for p in model.parameters()) * torch.finfo(save_dtype).bits // 8
-    block_files = sum(p.numel() * p.element_size() for p in blocks.layers.parameters())
+    block_files = tensor_bytes(blocks.layers.parameters())
     embed = model.get_input_embeddings()
     width = getattr(text_config(model), "hidden_size", None) or (embed.weight.shape[1] if embed is not None else 0)
     compute = next(model.parameters()).element_size()
@@ -409,7 +409,7 @@ def _prune_blocks(run: Run, state: dict, streams: _Streams, recipe: str,
     for i in bar:
         t0 = time.time()
         block = blocks.layers[i].to(run.device)
-        work_i = BlockWork(index=i, prefix=f"{blocks.name}.{i}", block=block, linears=run.linears[i],
+        work_i = BlockWork(index=i, prefix=blocks.prefix(i), block=block, linears=run.linears[i],
                            hidden=streams.hidden, experts=run.experts[i])
         if streams.dense_captured is not None:  # the block is still dense here: its outputs on the dense inputs
             work_i.dense_outputs = run_block(block, streams.dense_hidden, streams.dense_captured, i, run.device,
@@ -439,9 +439,9 @@ def _selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict],
     blocks tie their parameters) is pruned once, in the first block that holds it."""
     linears, experts, seen = [], [], set()
     for i, block in enumerate(blocks.layers):
-        found = {n: lin for n, lin in block_linears(block, f"{blocks.name}.{i}", config.only, config.skip).items()
+        found = {n: lin for n, lin in block_linears(block, blocks.prefix(i), config.only, config.skip).items()
                  if id(lin.weight) not in seen}
-        found_experts = {n: e for n, e in block_experts(block, f"{blocks.name}.{i}", config.only, config.skip).items()
+        found_experts = {n: e for n, e in block_experts(block, blocks.prefix(i), config.only, config.skip).items()
                          if _matrix_key(e) not in seen}
         seen.update(id(lin.weight) for lin in found.values())
         seen.update(_matrix_key(e) for e in found_experts.values())
@@ -473,7 +473,7 @@ def _trace_calls(run: Run, hidden: torch.Tensor, config: PruneConfig) -> tuple[d
     seen = {_matrix_key(e) for block in run.experts for e in block.values()}
     gates: dict[str, torch.nn.Module] = {}
     for i, block in enumerate(run.blocks.layers):
-        prefix = f"{run.blocks.name}.{i}"
+        prefix = run.blocks.prefix(i)
         stacked = stacked_experts(block, prefix, trace)
         for name, e in stacked.items():
             if selected_by_globs(name, config.only, config.skip) and _matrix_key(e) not in seen:
@@ -504,7 +504,7 @@ def _dense_outside_linears(blocks, experts: list[dict[str, ExpertWeight]],
     model with an unsupported experts layout gets only its attention and shared layers pruned)."""
     unseen, in_linears = {name: lin.weight.numel() for name, lin in not_called.items()}, 0
     for i, block in enumerate(blocks.layers):
-        prefix = f"{blocks.name}.{i}"
+        prefix = blocks.prefix(i)
         unseen.update(weights_outside_linears(block, prefix))
         in_linears += sum(m.weight.numel() for m in block.modules() if is_plain_linear(m))
         for name, expert in experts[i].items():
