@@ -33,8 +33,8 @@ from shuffleprune.kernels.launch import BoundLaunch, fast
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
-    from shuffleprune.kernels.nm_words import (cslt_positions, dense_tile, kept_tile, mma_step, positions,
-                                               prefetch_positions)
+    from shuffleprune.kernels.nm_words import (cslt_group_codes, cslt_positions, dense_tile, group_codes, kept_tile,
+                                               mma_step, positions, prefetch_positions)
     from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
     from shuffleprune.kernels.split_k import write_output
 
@@ -126,13 +126,14 @@ if triton is not None:
                           TILED: tl.constexpr = False, X_WORDS: tl.constexpr = False,
                           SUM_HERE: tl.constexpr = False, NATIVE: tl.constexpr = True,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
-                          PREFETCH_WORDS: tl.constexpr = 0, MAP_SPAN: tl.constexpr = 0):
+                          PREFETCH_WORDS: tl.constexpr = 0, MAP_SPAN: tl.constexpr = 0, BY_GROUP: tl.constexpr = True):
         """Rows ``program_id(0)``, kept values of split ``program_id(1)``, every token: the select loop
         (:func:`select_loop`: few tokens, no tensor cores, no dense tile) or, with ``USE_DOT``, the
         tensor-core loop (:func:`dot_loop`; ``PREC``, ``UPCAST``, ``WEIGHT_A`` and ``NATIVE`` are its
         own). A map's gather is read as 32-bit words the pipeline copies (``X_WORDS``, see
         :func:`_step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`); a map within
-        aligned blocks of ``MAP_SPAN`` columns as 1-byte offsets. ``PDL``
+        aligned blocks of ``MAP_SPAN`` columns as 1-byte offsets; ``BY_GROUP``: the select loop's own.
+        ``PDL``
         (launched as a programmatic dependent, :mod:`.overlap`): the first ``PREFETCH`` kept values of
         each row and their ``PREFETCH_WORDS`` position words go to L2 while the kernel before still
         runs; nothing is read of the input, nor written, before that kernel has ended."""
@@ -152,7 +153,7 @@ if triton is not None:
         else:
             acc = select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C,
                               WORDS, stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, TILED, X_WORDS,
-                              MAP_SPAN)
+                              MAP_SPAN, BY_GROUP)
         _store_decode(acc, rows, row_ok, toks, tok_ok, bias_ptr, y_ptr, part_ptr, count_ptr, pid_s, T, R, stride_yt,
                       HAS_BIAS, SPLIT, SUM_HERE, BLOCK_R, BLOCK_T)
 
@@ -189,10 +190,17 @@ if triton is not None:
     def select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
                     stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr,
-                    TILED: tl.constexpr, X_WORDS: tl.constexpr, MAP_SPAN: tl.constexpr = 0):
+                    TILED: tl.constexpr, X_WORDS: tl.constexpr, MAP_SPAN: tl.constexpr = 0,
+                    BY_GROUP: tl.constexpr = True):
         """The select decode's loop over kept values ``k_start … k_end`` of rows ``rows`` for the input rows
-        ``toks`` of ``x`` (any rows, as :func:`dot_loop`): float32 ``[BLOCK_R, BLOCK_T]``."""
+        ``toks`` of ``x`` (any rows, as :func:`dot_loop`): float32 ``[BLOCK_R, BLOCK_T]``. ``BY_GROUP``
+        (2:4, 16-bit values, 1–2 tokens): :func:`_select_loop_pairs`; otherwise, and
+        without it, each kept value selects its input in a ``[BLOCK_R, groups, N, BLOCK_T]`` tile."""
         G: tl.constexpr = BLOCK_K // N
+        if BY_GROUP and BLOCK_T <= 2 and N == 2 and M == 4 and val_ptr.dtype.element_ty.primitive_bitwidth == 16:
+            return _select_loop_pairs(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end,
+                                      K, C, WORDS, stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES,
+                                      TILED, X_WORDS, MAP_SPAN)
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         # with a map the inputs are read one step ahead (_inputs_ahead) unless the pipeline copies them (X_WORDS)
         x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
@@ -227,6 +235,65 @@ if triton is not None:
             acc += v.to(tl.float32)[:, :, :, None] * picked
         return tl.sum(tl.reshape(acc, (BLOCK_R, BLOCK_K, BLOCK_T)), axis=1)
 
+
+    @triton.jit
+    def _pick_and_add(acc, first, second, code, xs, G: tl.constexpr):
+        """``acc`` ``[BLOCK_R, G]`` plus each group's two values times the inputs their 4-bit ``code``
+        picks among the group's four in ``xs`` ``[G·4]`` (float32): a tree of selects per value."""
+        even, odd = tl.split(tl.reshape(xs, (G, 2, 2)))              # [G, 2] each: slots 0, 2 and 1, 3
+        x0, x2 = tl.split(even)                                      # [G] each
+        x1, x3 = tl.split(odd)
+        x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]
+        a = tl.where((code & 2) != 0, tl.where((code & 1) != 0, x3, x2), tl.where((code & 1) != 0, x1, x0))
+        b = tl.where((code & 8) != 0, tl.where((code & 4) != 0, x3, x2), tl.where((code & 4) != 0, x1, x0))
+        acc = acc + first * a      # two fused multiply-adds, not a product, a fma and an add
+        return acc + second * b
+
+    @triton.jit
+    def _select_loop_pairs(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C,
+                           WORDS, stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
+                           HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                           STAGES: tl.constexpr, TILED: tl.constexpr, X_WORDS: tl.constexpr, MAP_SPAN: tl.constexpr):
+        """:func:`select_loop` at one or two tokens of 2:4 with 16-bit values, by group, every tensor
+        ``[BLOCK_R, groups]``: each group's two values read as one 32-bit word and widened by a shift and
+        a mask (bfloat16), their positions taken from the group's 4-bit code (:func:`_pick_and_add`).
+        Against the 4-D select of :func:`select_loop`, its sm_90a loop at one token of 16 rows × 128
+        kept values has 183 instructions instead of 217 (232 instead of 283 through an index map)."""
+        G: tl.constexpr = BLOCK_K // N
+        acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
+        acc_second = tl.zeros((BLOCK_R, G), dtype=tl.float32)   # the second token's (BLOCK_T == 2)
+        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
+                               MAP_SPAN)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+            pair, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
+                                    "evict_first", TILED, True)
+            if TILED:
+                code = cslt_group_codes(words, rows, BLOCK_R, BLOCK_K)
+            else:
+                code = group_codes(words, N, BITS, BLOCK_R, BLOCK_K)
+            if val_ptr.dtype.element_ty == tl.bfloat16:   # a bfloat16 is the top half of its float32
+                first = (pair << 16).to(tl.float32, bitcast=True)
+                second = (pair & -65536).to(tl.float32, bitcast=True)
+            else:
+                first = (pair & 0xFFFF).to(tl.int16).to(val_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+                second = (pair >> 16).to(tl.int16).to(val_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+            x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
+                                            BLOCK_K, HAS_PERM, True, X_WORDS, MAP_SPAN)
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                xs = (x_step.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            else:
+                xs = x_step.to(tl.float32)
+            if BLOCK_T == 1:
+                acc = _pick_and_add(acc, first, second, code, tl.reshape(xs, (G * M,)), G)
+            else:
+                x_one, x_two = tl.split(tl.trans(xs))
+                acc = _pick_and_add(acc, first, second, code, x_one, G)
+                acc_second = _pick_and_add(acc_second, first, second, code, x_two, G)
+        if BLOCK_T == 1:
+            out = tl.sum(acc, axis=1)[:, None]
+        else:
+            out = tl.join(tl.sum(acc, axis=1), tl.sum(acc_second, axis=1))
+        return out
 
 # tensor-core decode tiles by token tile (block_t): (block_r, dense columns per step, warps, the
 # programs an SM holds by their registers as compiled for sm_90a), for the split-and-select
@@ -280,29 +347,30 @@ _PLANS: dict[tuple, dict] = {}   # decode_plan's answers by its arguments and th
 def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
                 stages: int = 4, num_warps: int | None = None, use_dot: bool | None = None,
-                element_bytes: int = 2, weight_a: bool = False) -> dict:
+                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True) -> dict:
     """:func:`plan_decode`, worked out once per shape, token count, options and device facts (SM count,
     shared memory per SM) and then looked up: the host runs it at every decode launch, and working
     it out took 13–19 µs on a 2-core CPU (``scripts/results/bench_host_overhead.json``), longer than an
     H100's one-token decode of a 4096×4096 layer."""
     key = (rows, kept, tokens, n, m, bits, block_r, block_k, split, stages, num_warps, use_dot, element_bytes,
-           weight_a, gpu.sm_count(device), gpu.smem_per_sm(device))
+           weight_a, by_group, gpu.sm_count(device), gpu.smem_per_sm(device))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = plan_decode(rows, kept, tokens, n, m, bits, device, block_r, block_k, split, stages,
-                                         num_warps, use_dot, element_bytes, weight_a)
+                                         num_warps, use_dot, element_bytes, weight_a, by_group)
     return dict(plan)
 
 
 def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
                 stages: int = 4, num_warps: int | None = None, use_dot: bool | None = None,
-                element_bytes: int = 2, weight_a: bool = False) -> dict:
+                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True) -> dict:
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
     Up to :data:`SELECT_MAX_TOKENS` tokens take the select kernel (but 4:8), more the tensor-core one
     (``use_dot`` forces either; select takes at most 16). ``weight_a``: the tensor-core kernel
-    multiplies with the weight tile as the MMA's A operand (:data:`DOT_TILES_SWAP`), not the inputs. The
+    multiplies with the weight tile as the MMA's A operand (:data:`DOT_TILES_SWAP`), not the inputs;
+    ``by_group=False``: the select loop selects per kept value, not by 2:4 group (:func:`select_loop`). The
     tiles are the ones whose compiled loop leaves the most room under an H100's issue rate without
     spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values on 4
     warps lets one token stream at up to 4.9 TB/s of instruction issue (3.8 through an index map); the
@@ -359,7 +427,8 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     per_split = cdiv(steps, split) * block_k
     split = cdiv(kept, per_split)
     return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split, stages=stages,
-                num_warps=num_warps, use_dot=use_dot, per_sm=per_sm, weight_a=weight_a and use_dot)
+                num_warps=num_warps, use_dot=use_dot, per_sm=per_sm, weight_a=weight_a and use_dot,
+                by_group=by_group or use_dot)
 
 
 def word_gather(x2: torch.Tensor) -> bool:
@@ -454,7 +523,7 @@ def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits:
     common = dict(N=n, M=m, BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
                   TILED=tiled, X_WORDS=can_words and async_gather is not False, num_warps=p["num_warps"],
-                  **({"MAP_SPAN": span} if span else {}))
+                  **({"MAP_SPAN": span} if span else {}), **({} if p["by_group"] else {"BY_GROUP": False}))
     if pdl:   # each program prefetches its rows' first kept values of its split, and their positions
         share = overlap.prefetch_per_row(grid[0] * grid[1], p["block_r"], p["per_split"], values.element_size(),
                                          overlap.decode_prefetch_bytes(tokens))

@@ -65,7 +65,7 @@ if triton is not None:
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K``: values ``[BLOCK_R, BLOCK_K/N, N]`` (``PAIRS``:
         each 2:4 group's two 16-bit values as one int32 word, ``[BLOCK_R, BLOCK_K/2]``) and their
         position words ``[BLOCK_R, BLOCK_K·BITS/32]`` (read them with :func:`positions` or
-        :func:`_group_codes`). ``EVICT``: the loads' eviction policy (``"evict_first"`` where the
+        :func:`group_codes`). ``EVICT``: the loads' eviction policy (``"evict_first"`` where the
         weight is read once, ``""`` where tiles are reused). ``TILED``: ``word_ptr`` holds 2:4
         positions in cuSPARSELt's order (:mod:`shuffleprune.deploy.cslt_layout`): with 2, read by
         16-row slices and turned into the same words (``BLOCK_R % 16 == 0``); with 1, the raw 64-bit
@@ -166,6 +166,18 @@ if triton is not None:
         return tl.reshape(pos.to(tl.int32), (BLOCK_R, BLOCK_K // N, N))
 
     @triton.jit
+    def cslt_group_codes(pairs, rows, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Each 2:4 group's 4-bit code ``[BLOCK_R, BLOCK_K/2]`` (as :func:`group_codes` gives it) straight
+        from cuSPARSELt's 64-bit pairs: a group's two positions lie side by side, at the bit
+        :func:`cslt_positions` gives its first kept value."""
+        g = tl.arange(0, 8)
+        offs = 32 * ((g >> 1) & 1) + 8 * (2 * (g & 1) + (g >> 2))
+        shift = (((rows % 64) // 8) % 2) * 4
+        bit = (offs[None, None, :] + shift[:, None, None]).to(tl.int64)
+        code = (tl.broadcast_to(pairs[:, :, None], (BLOCK_R, BLOCK_K // 16, 8)) >> bit) & 15
+        return tl.reshape(code.to(tl.int32), (BLOCK_R, BLOCK_K // 2))
+
+    @triton.jit
     def positions(words, N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         """Position words ``[BLOCK_R, W]`` → each kept value's in-group position ``[BLOCK_R, BLOCK_K/N, N]``."""
         F: tl.constexpr = 32 // BITS
@@ -174,7 +186,7 @@ if triton is not None:
         return tl.reshape(pos, (BLOCK_R, BLOCK_K // N, N))
 
     @triton.jit
-    def _group_codes(words, N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    def group_codes(words, N: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         """Position words ``[BLOCK_R, W]`` → each group's ``N·BITS``-bit code ``[BLOCK_R, BLOCK_K/N]`` (the
         group's ``j``-th position in bits ``BITS·j…``)."""
         GPW: tl.constexpr = 32 // (N * BITS)       # groups per word
@@ -198,12 +210,12 @@ if triton is not None:
         # one return at the end: Triton compiles the statements after a constexpr branch's return, and
         # ``v`` holds int32 pairs in the first branch only
         if AS_PAIRS:
-            dense = _dense_2of4_pairs(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G,
+            dense = _dense_2of4_pairs(v, group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G,
                                       val_ptr.dtype.element_ty, NATIVE)
         elif N == 2 and M == 4:
-            dense = _dense_2of4(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
+            dense = _dense_2of4(v, group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
         elif N == 4 and M == 8:
-            dense = _dense_4of8(v, _group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
+            dense = _dense_4of8(v, group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
         else:
             pos = positions(words, N, BITS, BLOCK_R, BLOCK_K)
             hit = pos[:, :, :, None] == tl.arange(0, M)[None, None, None, :]

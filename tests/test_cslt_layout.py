@@ -65,11 +65,11 @@ def test_metadata_order_round_trips_and_refuses_partial_bands():
     assert not cslt_supported(128, 96, 2, 4, torch.float32)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 24])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 24])
 @pytest.mark.parametrize("mapped,bias", [(False, False), (True, True)])
 def test_kernels_read_the_cusparselt_order(tokens, mapped, bias):
-    """Decode (select at 1 token, tensor cores from 2), the prefill GEMM and the decompression on the
-    tiled words give what float64 gives for the same weight."""
+    """Decode (the select loop by group at 1–2 tokens, tensor cores from 3), the prefill GEMM and the
+    decompression on the tiled words give what float64 gives for the same weight."""
     rows, cols = 128, 96
     w = _weight(rows, cols)
     values, meta = compress(w, 2, 4)

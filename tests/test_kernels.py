@@ -1258,7 +1258,8 @@ def test_the_decode_policies_plan_the_select_tiles_they_name(monkeypatch):
     """At one token ``decode_shallow`` is ``decode`` planned with 3 pipeline stages instead of 4, the
     ``_tall`` policies with 32 rows per program and the ``_wide`` ones with 256 kept values per step
     instead of 16 and 128, on the gathered input or (``decode_mapped_…``) reading the map in the kernel;
-    all compute the same (the policy test above checks each against float64)."""
+    ``decode_mapped_by_value`` selects per kept value, not by group; all compute the same (the policy
+    test above checks each against float64)."""
     from shuffleprune.deploy import sparse_linear
     from shuffleprune.kernels import nm_decode
 
@@ -1269,14 +1270,14 @@ def test_the_decode_policies_plan_the_select_tiles_they_name(monkeypatch):
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     x = torch.randn(1, 64).half()
     policies = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-                "decode_mapped_wide")
+                "decode_mapped_wide", "decode_mapped_by_value")
     for policy in policies:
         gathers.clear()
         SparseLinear(values, meta, 64, 2, 4, perm=perm, policy=policy)(x)
         assert bool(gathers) == (not policy.startswith("decode_mapped")), policy   # the map: gathered or in-kernel
-    assert [(p["stages"], p["block_r"], p["block_k"], p["use_dot"]) for p in plans] == [
-        (4, 16, 128, False), (3, 16, 128, False), (4, 32, 128, False), (4, 16, 256, False),
-        (4, 16, 128, False), (4, 32, 128, False), (4, 16, 256, False)]
+    assert [(p["stages"], p["block_r"], p["block_k"], p["use_dot"], p["by_group"]) for p in plans] == [
+        (4, 16, 128, False, True), (3, 16, 128, False, True), (4, 32, 128, False, True), (4, 16, 256, False, True),
+        (4, 16, 128, False, True), (4, 32, 128, False, True), (4, 16, 256, False, True), (4, 16, 128, False, False)]
 
 
 def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_decode():
@@ -1292,10 +1293,11 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     # is not weighed: NOT_WEIGHED), at two the gathered input's 256-value step; not for 4:8 (its decode is the
     # tensor cores') nor float32 inputs
     assert mapped._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_mapped",
-                                      "decode_mapped_tall", "decode_mapped_wide", "scratch", "gather"]
+                                      "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value", "scratch",
+                                      "gather"]
     assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "scratch", "gather"]
     assert mapped._candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
-        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch",
+        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_mapped_by_value", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch",
         "gather"]
     assert plain._candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
     _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)

@@ -33,6 +33,12 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   candidates on the H100 (2026-11-27), the three others were ``auto``'s picks in 15 of its 36 one- and
   two-token rows (11 of 18 at one token), ``decode_tall`` in none, so ``auto`` no longer weighs it
   (``NOT_WEIGHED``);
+- ``decode_mapped_by_value`` (2:4, 16-bit, 1–2 tokens): ``decode_mapped`` with the
+  select loop of before 2026-11-28, each kept value selecting its input in a 4-D tile, not the loop by
+  2:4 group (``nm_decode.select_loop``). Compiled for sm_90a the group loop is shorter everywhere under
+  Triton 3.9 and everywhere but here under Triton 3.6, the GPU machine's: one token through the map,
+  335 instructions and 96 registers per step against 276 and 64 (``kernel_compile_sm90_triton36.json``),
+  so ``auto`` times both. Neither form is timed on a GPU yet;
 - ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
   instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
   tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
@@ -109,7 +115,7 @@ from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eag
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-         "decode_mapped_wide", "decode_offsets", "decode_select", "decode_swap", "decode_swap_narrow",
+         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_select", "decode_swap", "decode_swap_narrow",
          "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
@@ -127,12 +133,13 @@ DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
 # tokens on all six shapes and within 1.6 % either way at 4–16, decode_tall within 1 % of the default tile at best
 NOT_WEIGHED = ("decode_tall", "decode_offsets")
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1,
-                   "decode_swap_narrow": 16, "decode_swap_sync": 16}
+                   "decode_mapped_by_value": 2, "decode_swap_narrow": 16, "decode_swap_sync": 16}
 SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync")   # decode_swap's other tiles: 2:4, 16-bit, 2-16 tokens
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
 # tensor-core form whose gather the pipeline copies ahead)
 DECODE_KERNELS = {"decode": {}, "decode_shallow": {"stages": 3}, "decode_mapped": {"weight_a": True},
+                  "decode_mapped_by_value": {"weight_a": True, "by_group": False},
                   "decode_offsets": {"weight_a": True},
                   "decode_select": {"use_dot": False},
                   "decode_swap": {"use_dot": True, "weight_a": True},
@@ -522,6 +529,8 @@ class SparseLinear(nn.Module):
                 out.append("decode_mapped")
                 out += [impl for impl in ("decode_mapped_tall", "decode_mapped_wide")
                         if select and tokens <= TILE_MAX_TOKENS[impl]]
+                if select and (self.n, self.m) == (2, 4) and tokens <= TILE_MAX_TOKENS["decode_mapped_by_value"]:
+                    out.append("decode_mapped_by_value")
                 if self._offsets_apply():
                     out.append("decode_offsets")
             if SELECT_MAX_TOKENS < tokens <= SELECT_LIMIT_TOKENS:   # below, decode is the select kernel already
