@@ -6,7 +6,9 @@ BLOCK_K]`` value tile and its position words (16-byte evict-first loads: the wei
 loop is software-pipelined, ``stages − 1`` tiles loaded ahead by asynchronous copies) and reads the
 step's ``BLOCK_K·M/N`` inputs once, through the index map, for all its rows. At one and two tokens
 each kept value then *selects* its input among its group's ``M`` (a tree of selects on the position
-bits) and accumulates element-wise, with one reduction after the loop (:func:`select_loop`); from
+bits) and accumulates element-wise, with one reduction after the loop (:func:`select_loop`; 2:4 with
+16-bit values goes by group, each group's two values one 32-bit word and its positions one 4-bit code:
+:func:`_select_loop_pairs`); from
 three tokens (4:8: from one) the tile is expanded to dense in registers and multiplied on the tensor
 cores (:func:`dot_loop`: ``tl.dot``, tokens in the MMA's rows; with ``weight_a`` the weight's rows
 are, so Hopper's asynchronous wgmma reads the expanded tile from registers). Where the row count is
@@ -373,7 +375,8 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     ``by_group=False``: the select loop selects per kept value, not by 2:4 group (:func:`select_loop`). The
     tiles are the ones whose compiled loop leaves the most room under an H100's issue rate without
     spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values on 4
-    warps lets one token stream at up to 4.9 TB/s of instruction issue (3.8 through an index map); the
+    warps lets one token stream at up to 5.8 TB/s of instruction issue (4.6 through an index map; Triton
+    3.9, by group); the
     tensor-core kernel's 64 rows × 256 dense columns on 4 warps up to 4.2 TB/s at 3–16 tokens on 2:4
     (6.2–6.4 with ``weight_a``) and 3.4 at 32 (4:8: 64 × 128, 3.4 and 2.8 TB/s), 64 × 128 on 8 warps 3.0
     at 64 tokens (2:4 with the byte-permute expansion, :func:`_dense_2of4_pairs`). Other N:M and

@@ -1373,8 +1373,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     impls = {r["impl"] for r in rows}
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
             "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap", "decode_tall",
-            "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "route_blocks", "decode_swap_narrow",
-            "decode_swap_sync", "gather_pairs"} <= impls
+            "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value", "route_blocks",
+            "decode_swap_narrow", "decode_swap_sync", "gather_pairs"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -1394,7 +1394,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
                                                   # 1-byte offsets read as 32-bit words)
         if r["impl"] == "decode_mapped":
             assert r["plan_per_sm"] <= r["programs_per_sm"], r
-        if r["impl"].endswith(("_tall", "_wide")):   # the select loop's other tiles stream as its own does
+        if r["impl"].endswith(("_tall", "_wide", "_by_value")):   # the select loop's other tiles and form stream
+                                                                  # as its own does
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
             assert not r["tensor_core"] and r["loop_sync_loads"] == 0, r
             assert r["issue_ceiling_tbs"] > 3.35 or r["tokens"] == 2, r
@@ -1417,6 +1418,11 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
         if r["impl"] in ("gemm_tile", "gemm_swap_tile"):   # the tables gemm_plan's cost model reads are the compiled ones
             assert r["programs_per_sm"] == r["table_per_sm"], r
             assert abs(r["loop_instructions"] - r["table_loop"]) <= 0.1 * r["table_loop"], r
+    # the select loop by 2:4 group (the default) and by kept value (decode_mapped_by_value) are two loops
+    loops = {(r["impl"], r["tokens"]): r["loop_instructions"] for r in sixteen_bit
+             if r["dtype"] == "bfloat16" and r["pattern"] == "2:4"}
+    for t in (1, 2):
+        assert loops[("decode", t)] != loops[("decode_mapped_by_value", t)], t
     # programmatic dependents ("+pdl"): the decode or GEMM prefetches, then waits, then releases the next kernel,
     # reading nothing before the wait (the in-kernel map's reads too), its main loop no longer than launched plainly;
     # the gather reads only its map before the wait; the mapped norm releases the decode after it at once; nothing
