@@ -76,6 +76,31 @@ def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot,
         assert plan["split"] == split
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_select_loop_by_group_and_by_value_both_match_float64(tokens, dtype, tiled):
+    """The 2:4 select loop by group (the default: a group's two values as one word, its positions as one
+    4-bit code) and per kept value (``by_group=False``) give the float64 product at 1–2 tokens, with the
+    map read in the kernel or not, in the export's position words and in cuSPARSELt's order; ragged
+    rows and kept values split over two programs."""
+    from shuffleprune.deploy.cslt_layout import cslt_words
+    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.nm_words import position_words
+
+    rows, cols = (64, 96) if tiled else (37, 160)   # cuSPARSELt's order: whole 64-row bands, 32-column tiles
+    w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=3 + tokens)
+    words = cslt_words(position_words(meta)) if tiled else position_words(meta)
+    for p in (perm.to(torch.int32), None):
+        ref = (x.double() if p is None else x.double()[:, p.long()]) @ w.double().t() + bias.double()
+        for by_group in (True, False):
+            y = nm_decode(x, values, words, 2, 4, meta_bits(4), p, bias, tiled=tiled, split=2, block_k=32,
+                          by_group=by_group)
+            assert _close(y, ref, dtype), (p is None, by_group)
+    assert decode_plan(rows, values.shape[1], tokens, 2, 4, 2, x.device, by_group=False)["by_group"] is False
+    assert decode_plan(rows, values.shape[1], 3, 2, 4, 2, x.device, by_group=False)["by_group"]   # tensor cores
+
+
 @pytest.mark.parametrize("rows,cols,n,m,tokens,span,over", [
     (40, 192, 2, 4, 1, 64, {"block_k": 32}),                    # select, three blocks per step, several steps
     (24, 160, 2, 4, 2, 16, {"block_k": 16, "split": 2}),       # select, split-K, K not a multiple of the step
