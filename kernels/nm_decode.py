@@ -237,7 +237,6 @@ if triton is not None:
             acc += v.to(tl.float32)[:, :, :, None] * picked
         return tl.sum(tl.reshape(acc, (BLOCK_R, BLOCK_K, BLOCK_T)), axis=1)
 
-
     @triton.jit
     def _pick_and_add(acc, first, second, code, xs, G: tl.constexpr):
         """``acc`` ``[BLOCK_R, G]`` plus each group's two values times the inputs their 4-bit ``code``
@@ -260,7 +259,9 @@ if triton is not None:
         ``[BLOCK_R, groups]``: each group's two values read as one 32-bit word and widened by a shift and
         a mask (bfloat16), their positions taken from the group's 4-bit code (:func:`_pick_and_add`).
         Against the 4-D select of :func:`select_loop`, its sm_90a loop at one token of 16 rows × 128
-        kept values has 183 instructions instead of 217 (232 instead of 283 through an index map)."""
+        kept values has 183 instructions instead of 217 (232 instead of 283 through an index map) under
+        Triton 3.9; under 3.6, 203 instead of 218 but 335 instead of 276 through the map (``auto`` times
+        both forms there: ``decode_mapped_by_value``)."""
         G: tl.constexpr = BLOCK_K // N
         acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
         acc_second = tl.zeros((BLOCK_R, G), dtype=tl.float32)   # the second token's (BLOCK_T == 2)
@@ -281,7 +282,7 @@ if triton is not None:
                 second = (pair >> 16).to(tl.int16).to(val_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
             x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
                                             BLOCK_K, HAS_PERM, True, X_WORDS, MAP_SPAN)
-            if x_ptr.dtype.element_ty == tl.bfloat16:
+            if x_ptr.dtype.element_ty == tl.bfloat16:   # widened by a shift too (3.9: 183 not 198 instructions)
                 xs = (x_step.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
             else:
                 xs = x_step.to(tl.float32)
@@ -296,6 +297,7 @@ if triton is not None:
         else:
             out = tl.join(tl.sum(acc, axis=1), tl.sum(acc_second, axis=1))
         return out
+
 
 # tensor-core decode tiles by token tile (block_t): (block_r, dense columns per step, warps, the
 # programs an SM holds by their registers as compiled for sm_90a), for the split-and-select
