@@ -260,8 +260,8 @@ if triton is not None:
         a mask (bfloat16), their positions taken from the group's 4-bit code (:func:`_pick_and_add`).
         Against the 4-D select of :func:`select_loop`, its sm_90a loop at one token of 16 rows × 128
         kept values has 183 instructions instead of 217 (232 instead of 283 through an index map) under
-        Triton 3.9; under 3.6, 203 instead of 218 but 335 instead of 276 through the map (``auto`` times
-        both forms there: ``decode_mapped_by_value``)."""
+        Triton 3.9, and 186 instead of 218 (231 instead of 276) under 3.6; never timed on a GPU, so
+        ``auto`` times the per-value form through the map too (``decode_mapped_by_value``)."""
         G: tl.constexpr = BLOCK_K // N
         acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
         acc_second = tl.zeros((BLOCK_R, G), dtype=tl.float32)   # the second token's (BLOCK_T == 2)
@@ -286,10 +286,17 @@ if triton is not None:
                 xs = (x_step.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
             else:
                 xs = x_step.to(tl.float32)
-            if BLOCK_T == 1:
+            # each token's inputs through a sum over a length-1 axis: Triton 3.6 then widens each input once and
+            # hands it to the threads that read it, rather than widening it again in each of them (sm_90a, one
+            # token through the map: 231 loop instructions, not 335; Triton 3.9 does so either way). Not for one
+            # token in order at 256 kept values per step, where both compilers gave 533-542 instead of 314-316
+            if BLOCK_T == 1 and not HAS_PERM and BLOCK_K > 128:
                 acc = _pick_and_add(acc, first, second, code, tl.reshape(xs, (G * M,)), G)
+            elif BLOCK_T == 1:
+                acc = _pick_and_add(acc, first, second, code, tl.sum(xs, axis=0), G)
             else:
                 x_one, x_two = tl.split(tl.trans(xs))
+                x_one, x_two = tl.sum(x_one[None, :], axis=0), tl.sum(x_two[None, :], axis=0)
                 acc = _pick_and_add(acc, first, second, code, x_one, G)
                 acc_second = _pick_and_add(acc_second, first, second, code, x_two, G)
         if BLOCK_T == 1:

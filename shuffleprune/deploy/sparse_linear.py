@@ -33,12 +33,12 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   candidates on the H100 (2026-11-27), the three others were ``auto``'s picks in 15 of its 36 one- and
   two-token rows (11 of 18 at one token), ``decode_tall`` in none, so ``auto`` no longer weighs it
   (``NOT_WEIGHED``);
-- ``decode_mapped_by_value`` (2:4, 16-bit, 1–2 tokens): ``decode_mapped`` with the
-  select loop of before 2026-11-28, each kept value selecting its input in a 4-D tile, not the loop by
-  2:4 group (``nm_decode.select_loop``). Compiled for sm_90a the group loop is shorter everywhere under
-  Triton 3.9 and everywhere but here under Triton 3.6, the GPU machine's: one token through the map,
-  335 instructions and 96 registers per step against 276 and 64 (``kernel_compile_sm90_triton36.json``),
-  so ``auto`` times both. Neither form is timed on a GPU yet;
+- ``decode_mapped_by_value`` (2:4, 16-bit, 1–2 tokens): ``decode_mapped`` with the select loop of
+  before 2026-11-28, each kept value selecting its input in a 4-D tile, instead of the loop by 2:4
+  group (``nm_decode.select_loop``). Compiled for sm_90a the group loop is the shorter under Triton
+  3.9 and 3.6 alike (one token through the map: 232 and 231 instructions per step against 283 and
+  276, ``kernel_compile_sm90*.json``), but only the per-value loop has ever been timed on a GPU, so
+  ``auto`` times both through the map and a GPU run of ``bench_kernel`` compares them;
 - ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
   instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
   tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
