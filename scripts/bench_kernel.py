@@ -18,7 +18,8 @@ and each candidate (``decode``: the input gathered through the map by one small 
 decode kernel; ``decode_shallow`` (1–2 tokens): the same with its pipeline a tile shallower;
 ``decode_tall`` / ``decode_wide`` (one token; ``_wide`` also at two): the select loop's 32-row or
 256-value tile; ``decode_mapped``: the kernel reading the map itself (``_tall``, ``_wide``: in those
-tiles, one token; ``_by_value``: 1–2 tokens, its select loop per kept value, not by 2:4 group); ``decode_nomap``: a layer
+tiles, one token; ``_by_value``: 1–2 tokens, its select loop per kept value, not by 2:4 group);
+``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
 weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_swap`` with half its step), ``decode_swap_sync`` (2–16 tokens: on
@@ -71,9 +72,10 @@ NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which 
 # auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-              "decode_mapped_wide", "decode_mapped_by_value", "decode_nomap", "decode_tall_nomap", "decode_wide_nomap", "decode_select",
-              "decode_swap", "decode_swap_narrow", "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl",
-              "decode_swap+pdl", "decode_nomap+pdl"]
+              "decode_mapped_wide", "decode_mapped_by_value", "decode_nomap", "decode_tall_nomap",
+              "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "gemm",
+              "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
+              "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
 # where the gather reads x nearly in order: auto (measured apart, by map span) and the in-kernel map, 1-16 tokens
 BLOCKMAP_IMPLS = ["auto_blockmap", "decode_mapped_blockmap", "decode_offsets_blockmap"]   # offsets: the map as bytes

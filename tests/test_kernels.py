@@ -1322,8 +1322,8 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
                                       "gather"]
     assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "scratch", "gather"]
     assert mapped._candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
-        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_mapped_by_value", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch",
-        "gather"]
+        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_mapped_by_value", "decode_swap",
+        "decode_swap_narrow", "decode_swap_sync", "scratch", "gather"]
     assert plain._candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
     _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(x1) == [

@@ -115,8 +115,9 @@ from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eag
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_select", "decode_swap", "decode_swap_narrow",
-         "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
+         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_select", "decode_swap",
+         "decode_swap_narrow", "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "group",
+         *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
