@@ -88,10 +88,10 @@ def sparsify_like_export(model, gen) -> None:
     device = next(model.parameters()).device
     blocks = find_blocks(model)
     with torch.no_grad():
-        for i, block in enumerate(blocks.layers):
+        for prefix, block in blocks.named():
             maps: dict[str, torch.Tensor] = {}
             gathers: dict[str, SharedGather] = {}
-            for name, lin in block_linears(block, blocks.prefix(i)).items():
+            for name, lin in block_linears(block, prefix).items():
                 kind = name.rsplit(".", 1)[-1]
                 share = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"}.get(kind, kind)
                 perm = None if kind == "down_proj" else maps.setdefault(share, random_block_perm(lin.in_features, 64, gen))
@@ -106,7 +106,7 @@ def sparsify_like_export(model, gen) -> None:
                 setattr(model.get_submodule(parent_name), child, layer)
                 del w, lin
             tensors, entries = {}, {}   # MoE: every expert 2:4 in its own random map's order, held as export does
-            for fused, experts in experts_by_tensor(block_experts(block, blocks.prefix(i))).items():
+            for fused, experts in experts_by_tensor(block_experts(block, prefix)).items():
                 maps = {}
                 for e, expert in experts.items():
                     maps[e] = perm = random_block_perm(expert.in_features, 64, gen).to(device)

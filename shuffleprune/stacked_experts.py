@@ -184,4 +184,4 @@ def traced_stacked_experts(model: nn.Module, blocks: Blocks) -> list[dict[str, E
     captured = probe_inputs(model, blocks)
     trace = MatmulTrace()
     run_blocks(blocks, captured.hidden, captured, next(model.parameters()).device, 1, around=trace.watch)
-    return [stacked_experts(block, blocks.prefix(i), trace) for i, block in enumerate(blocks.layers)]
+    return [stacked_experts(block, prefix, trace) for prefix, block in blocks.named()]

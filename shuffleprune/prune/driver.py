@@ -438,10 +438,10 @@ def _selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict],
     each checked against the pattern. A weight several blocks share (Zamba2's shared attention
     blocks tie their parameters) is pruned once, in the first block that holds it."""
     linears, experts, seen = [], [], set()
-    for i, block in enumerate(blocks.layers):
-        found = {n: lin for n, lin in block_linears(block, blocks.prefix(i), config.only, config.skip).items()
+    for prefix, block in blocks.named():
+        found = {n: lin for n, lin in block_linears(block, prefix, config.only, config.skip).items()
                  if id(lin.weight) not in seen}
-        found_experts = {n: e for n, e in block_experts(block, blocks.prefix(i), config.only, config.skip).items()
+        found_experts = {n: e for n, e in block_experts(block, prefix, config.only, config.skip).items()
                          if _matrix_key(e) not in seen}
         seen.update(id(lin.weight) for lin in found.values())
         seen.update(_matrix_key(e) for e in found_experts.values())
