@@ -2,7 +2,8 @@
 
 The word-layout N:M kernels ``SparseLinear`` runs on CUDA: ``nm_words`` (the layout, read and
 expanded to dense tiles in registers), ``nm_decode`` (1–64 tokens: the select and tensor-core decode
-loops and their plan), ``nm_gemm`` (prefill GEMM and decompression into the shared scratch),
+loops and their plan), ``nm_resident`` (2:4 at 1–2 tokens, each program's inputs read once through
+the map and rows streamed past them), ``nm_gemm`` (prefill GEMM and decompression into the shared scratch),
 ``split_k`` (column splits' partial sums, added in the same launch), ``gpu`` (the device facts the
 host code plans with). ``nm_experts``: every expert of a fused MoE projection in one launch (the
 decode loops per block of pairs routed to one expert). ``nm_matmul``: the first gather / group

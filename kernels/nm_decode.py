@@ -57,7 +57,7 @@ if triton is not None:
         return src
 
     @triton.jit
-    def _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
+    def step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
                      G: tl.constexpr, HAS_PERM: tl.constexpr, X_WORDS: tl.constexpr = False,
                      MAP_SPAN: tl.constexpr = 0):
         """The inputs of the ``G`` groups starting at kept value ``k0``, in permuted column order and
@@ -83,7 +83,7 @@ if triton is not None:
     def _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
                       G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, AHEAD: tl.constexpr,
                       X_WORDS: tl.constexpr = False, MAP_SPAN: tl.constexpr = 0):
-        """The step's inputs (:func:`_step_inputs`) and the carried tile for the next step. ``AHEAD``
+        """The step's inputs (:func:`step_inputs`) and the carried tile for the next step. ``AHEAD``
         (with a map read by 2-byte loads, not ``X_WORDS``): the inputs were read one step earlier, and
         the next step's are read now — such a gather depends on a load (the map's), which the
         compiler's pipeline leaves synchronous inside the loop, so each step would wait for it.
@@ -91,10 +91,10 @@ if triton is not None:
         load them ahead) and the carried tile is passed on unused."""
         if AHEAD and HAS_PERM and not X_WORDS:
             xs = x_ahead
-            x_ahead = _step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM,
+            x_ahead = step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM,
                                    False, MAP_SPAN)
         else:
-            xs = _step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS, MAP_SPAN)
+            xs = step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS, MAP_SPAN)
         return xs, x_ahead
 
 
@@ -133,7 +133,7 @@ if triton is not None:
         (:func:`select_loop`: few tokens, no tensor cores, no dense tile) or, with ``USE_DOT``, the
         tensor-core loop (:func:`dot_loop`; ``PREC``, ``UPCAST``, ``WEIGHT_A`` and ``NATIVE`` are its
         own). A map's gather is read as 32-bit words the pipeline copies (``X_WORDS``, see
-        :func:`_step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`); a map within
+        :func:`step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`); a map within
         aligned blocks of ``MAP_SPAN`` columns as 1-byte offsets; ``BY_GROUP``: the select loop's own.
         ``PDL``
         (launched as a programmatic dependent, :mod:`.overlap`): the first ``PREFETCH`` kept values of
@@ -173,7 +173,7 @@ if triton is not None:
             acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
+        x_ahead = step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
                                MAP_SPAN)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             # the byte-permute expansion but for 32 tokens in the MMA's rows (sm_90a: 1361 loop instructions
@@ -205,7 +205,7 @@ if triton is not None:
                                       TILED, X_WORDS, MAP_SPAN)
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         # with a map the inputs are read one step ahead (_inputs_ahead) unless the pipeline copies them (X_WORDS)
-        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
+        x_ahead = step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
                                MAP_SPAN)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             v, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
@@ -238,7 +238,23 @@ if triton is not None:
         return tl.sum(tl.reshape(acc, (BLOCK_R, BLOCK_K, BLOCK_T)), axis=1)
 
     @triton.jit
-    def _pick_and_add(acc, first, second, code, xs, G: tl.constexpr):
+    def widen(v, DTYPE: tl.constexpr):
+        """16-bit floats (or float32) of ``DTYPE`` to float32; bfloat16 by a shift (its bits are a float32's top half)."""
+        if DTYPE == tl.bfloat16:
+            return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return v.to(tl.float32)
+
+    @triton.jit
+    def widen_pairs(pair, DTYPE: tl.constexpr):
+        """int32 words each holding a 2:4 group's two 16-bit values of ``DTYPE`` → the first and the second
+        as float32 (bfloat16 by a shift and a mask)."""
+        if DTYPE == tl.bfloat16:
+            return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+        return ((pair & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32),
+                (pair >> 16).to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32))
+
+    @triton.jit
+    def pick_and_add(acc, first, second, code, xs, G: tl.constexpr):
         """``acc`` ``[BLOCK_R, G]`` plus each group's two values times the inputs their 4-bit ``code``
         picks among the group's four in ``xs`` ``[G·4]`` (float32): a tree of selects per value."""
         even, odd = tl.split(tl.reshape(xs, (G, 2, 2)))              # [G, 2] each: slots 0, 2 and 1, 3
@@ -257,7 +273,7 @@ if triton is not None:
                            STAGES: tl.constexpr, TILED: tl.constexpr, X_WORDS: tl.constexpr, MAP_SPAN: tl.constexpr):
         """:func:`select_loop` at one or two tokens of 2:4 with 16-bit values, by group, every tensor
         ``[BLOCK_R, groups]``: each group's two values read as one 32-bit word and widened by a shift and
-        a mask (bfloat16), their positions taken from the group's 4-bit code (:func:`_pick_and_add`).
+        a mask (bfloat16), their positions taken from the group's 4-bit code (:func:`pick_and_add`).
         Against the 4-D select of :func:`select_loop`, its sm_90a loop at one token of 16 rows × 128
         kept values has 183 instructions instead of 217 (232 instead of 283 through an index map) under
         Triton 3.9, and 186 instead of 218 (231 instead of 276) under 3.6; never timed on a GPU, so
@@ -265,7 +281,7 @@ if triton is not None:
         G: tl.constexpr = BLOCK_K // N
         acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
         acc_second = tl.zeros((BLOCK_R, G), dtype=tl.float32)   # the second token's (BLOCK_T == 2)
-        x_ahead = _step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
+        x_ahead = step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
                                MAP_SPAN)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             pair, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
@@ -274,31 +290,23 @@ if triton is not None:
                 code = cslt_group_codes(words, rows, BLOCK_R, BLOCK_K)
             else:
                 code = group_codes(words, N, BITS, BLOCK_R, BLOCK_K)
-            if val_ptr.dtype.element_ty == tl.bfloat16:   # a bfloat16 is the top half of its float32
-                first = (pair << 16).to(tl.float32, bitcast=True)
-                second = (pair & -65536).to(tl.float32, bitcast=True)
-            else:
-                first = (pair & 0xFFFF).to(tl.int16).to(val_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-                second = (pair >> 16).to(tl.int16).to(val_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+            first, second = widen_pairs(pair, val_ptr.dtype.element_ty)
             x_step, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G,
                                             BLOCK_K, HAS_PERM, True, X_WORDS, MAP_SPAN)
-            if x_ptr.dtype.element_ty == tl.bfloat16:   # widened by a shift too (3.9: 183 not 198 instructions)
-                xs = (x_step.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            else:
-                xs = x_step.to(tl.float32)
+            xs = widen(x_step, x_ptr.dtype.element_ty)   # bfloat16 by a shift too (3.9: 183 not 198 instructions)
             # each token's inputs through a sum over a length-1 axis: Triton 3.6 then widens each input once and
             # hands it to the threads that read it, rather than widening it again in each of them (sm_90a, one
             # token through the map: 231 loop instructions, not 335; Triton 3.9 does so either way). Not for one
             # token in order at 256 kept values per step, where both compilers gave 533-542 instead of 314-316
             if BLOCK_T == 1 and not HAS_PERM and BLOCK_K > 128:
-                acc = _pick_and_add(acc, first, second, code, tl.reshape(xs, (G * M,)), G)
+                acc = pick_and_add(acc, first, second, code, tl.reshape(xs, (G * M,)), G)
             elif BLOCK_T == 1:
-                acc = _pick_and_add(acc, first, second, code, tl.sum(xs, axis=0), G)
+                acc = pick_and_add(acc, first, second, code, tl.sum(xs, axis=0), G)
             else:
                 x_one, x_two = tl.split(tl.trans(xs))
                 x_one, x_two = tl.sum(x_one[None, :], axis=0), tl.sum(x_two[None, :], axis=0)
-                acc = _pick_and_add(acc, first, second, code, x_one, G)
-                acc_second = _pick_and_add(acc_second, first, second, code, x_two, G)
+                acc = pick_and_add(acc, first, second, code, x_one, G)
+                acc_second = pick_and_add(acc_second, first, second, code, x_two, G)
         if BLOCK_T == 1:
             out = tl.sum(acc, axis=1)[:, None]
         else:

@@ -19,6 +19,10 @@ decode kernel; ``decode_shallow`` (1–2 tokens): the same with its pipeline a t
 ``decode_tall`` / ``decode_wide`` (one token; ``_wide`` also at two): the select loop's 32-row or
 256-value tile; ``decode_mapped``: the kernel reading the map itself (``_tall``, ``_wide``: in those
 tiles, one token; ``_by_value``: 1–2 tokens, its select loop per kept value, not by 2:4 group);
+``auto_tiled`` (the table's default too: the layer as ``shuffleprune.load`` holds it on Hopper, one
+cuSPARSELt buffer, where ``auto`` also weighs cuSPARSELt's GEMM from 17 tokens);
+``decode_resident`` (1–2 tokens): the kernel that reads each chunk's inputs once, through the map, and
+streams rows past them (``kernels/nm_resident.py``; ``decode_resident_nomap`` on a layer without a map);
 ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
@@ -72,7 +76,8 @@ NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which 
 # auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-              "decode_mapped_wide", "decode_mapped_by_value", "decode_nomap", "decode_tall_nomap",
+              "decode_mapped_wide", "decode_mapped_by_value", "decode_resident", "decode_resident_nomap",
+              "decode_nomap", "decode_tall_nomap",
               "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "gemm",
               "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
@@ -180,7 +185,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--shapes", nargs="+", default=None, help="OUTxIN, e.g. 4096x4096")
     ap.add_argument("--tokens", nargs="+", type=int, default=None)
-    ap.add_argument("--impls", nargs="+", default=["auto", "auto_nomap", *CANDIDATES, *BLOCKMAP_IMPLS])
+    ap.add_argument("--impls", nargs="+", default=["auto", "auto_nomap", "auto_tiled", *CANDIDATES, *BLOCKMAP_IMPLS])
     ap.add_argument("--reps", type=int, default=20, help="graph replays per case (median taken)")
     ap.add_argument("--warm", action="store_true",
                     help="compile only: one weight copy, every case called once, nothing timed or written")
@@ -255,6 +260,9 @@ def main() -> None:
                 inkernel_block = ms_of(shape, tokens, "decode_mapped_blockmap")
                 offsets_block = ms_of(shape, tokens, "decode_offsets_blockmap")
                 mapped_pdl, nomap_pdl = ms_of(shape, tokens, "decode+pdl"), ms_of(shape, tokens, "decode_nomap+pdl")
+                resident, resident_nomap = ms_of(shape, tokens, "decode_resident"), ms_of(shape, tokens,
+                                                                                            "decode_resident_nomap")
+                auto_tiled = ms_of(shape, tokens, "auto_tiled")
                 if dense is None:
                     continue
                 summary.append({"shape": list(shape), "tokens": tokens,
@@ -262,6 +270,11 @@ def main() -> None:
                                 "map_cost": round(mapped / nomap - 1, 4) if mapped and nomap else None,
                                 "map_cost_in_kernel": round(inkernel / nomap - 1, 4) if inkernel and nomap else None,
                                 "map_cost_pdl": round(mapped_pdl / nomap_pdl - 1, 4) if mapped_pdl and nomap_pdl else None,
+                                # the resident-input decode with the map against itself without one
+                                "map_cost_resident":
+                                    round(resident / resident_nomap - 1, 4) if resident and resident_nomap else None,
+                                # the layer as load holds it on Hopper (one cuSPARSELt buffer)
+                                "auto_speedup_tiled": round(dense / auto_tiled, 3) if dense and auto_tiled else None,
                                 # under a map within blocks of 64 columns (prune's): auto's speed-up, and auto's
                                 # and the in-kernel map's cost against the layer without a map
                                 "auto_speedup_blockmap": round(dense / auto_block, 3) if dense and auto_block else None,

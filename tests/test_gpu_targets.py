@@ -45,6 +45,19 @@ def test_kernel_targets_take_the_worst_token_count_each_target_covers():
     assert _targets().producer_map_costs(KERNEL) == [{"width": 32, "extra_ms": 0.002, "ratio": 1.2}]
 
 
+def test_the_layer_in_cusparselt_buffer_is_judged_where_timed():
+    """``auto_tiled`` (the layer as ``load`` holds it on Hopper) gets the three speed targets of its own,
+    labelled apart; a file without it gets none."""
+    tiled = {**KERNEL, "rows": [*KERNEL["rows"], _row(1, "auto_tiled", 0.7), _row(2, "auto_tiled", 0.8),
+                                _row(512, "auto_tiled", 0.95)]}
+    checks = {c["target"]: c for c in _targets().kernel_checks(tiled)}
+    assert not checks["one token ≥1.5×, cuSPARSELt buffer"]["ok"]                  # 1.43×
+    assert checks["2–16 tokens ≥1.2×, cuSPARSELt buffer"]["ok"]                     # 1.25×
+    never = checks["never slower, cuSPARSELt buffer"]
+    assert never["ok"] and never["at_tokens"] == 512 and never["worst"] == round(1 / 0.95, 3)
+    assert not any("cuSPARSELt" in c["target"] for c in _targets().kernel_checks(KERNEL))
+
+
 def test_a_map_costing_more_than_two_percent_misses():
     slow_map = {**KERNEL, "rows": [_row(1, "dense", 1.0), _row(1, "auto", 0.6), _row(1, "decode_nomap", 0.58)]}
     cost = {c["target"]: c for c in _targets().kernel_checks(slow_map)}["map ≤2 % at one token (in the layer)"]

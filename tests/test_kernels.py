@@ -101,6 +101,51 @@ def test_select_loop_by_group_and_by_value_both_match_float64(tokens, dtype, til
     assert decode_plan(rows, values.shape[1], 3, 2, 4, 2, x.device, by_group=False)["by_group"]   # tensor cores
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_resident_input_decode_matches_float64(tokens, dtype, tiled):
+    """The resident-input 2:4 decode (``kernels/nm_resident.py``: a program reads its chunk's inputs once,
+    through the map, then streams rows past them) gives the float64 product at 1–2 tokens, with the map
+    or without, with bias or without, in the export's words and in cuSPARSELt's order: one chunk of the
+    kept values, and five chunks over three row ranges (ragged rows), their partial sums added by the
+    last program of each range or by a second launch."""
+    from shuffleprune.deploy.cslt_layout import cslt_words
+    from shuffleprune.kernels.nm_resident import nm_decode_resident, resident_plan
+    from shuffleprune.kernels.nm_words import position_words
+
+    rows, cols = (64, 96) if tiled else (37, 160)   # cuSPARSELt's order: whole 64-row bands, 32-column tiles
+    w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=7 + tokens)
+    words = cslt_words(position_words(meta)) if tiled else position_words(meta)
+    chunked = {"block_k": 16, "rows_per": 16}
+    plan = resident_plan(rows, values.shape[1], tokens, 1, **chunked)
+    assert (plan["split"], plan["ranges"]) == ((3, 4) if tiled else (5, 3))
+    assert resident_plan(rows, values.shape[1], tokens, 1)["split"] == 1
+    for p, b in ((perm.to(torch.int32), bias), (None, None)):
+        ref = (x.double() if p is None else x.double()[:, p.long()]) @ w.double().t() + (0 if b is None else b.double())
+        for over, in_kernel in (({}, None), (chunked, None), (chunked, False)):
+            y = nm_decode_resident(x, values, words, 2, 4, 2, p, b, tiled=tiled, sum_in_kernel=in_kernel, **over)
+            assert y.shape == (tokens, rows) and _close(y, ref, dtype), (p is None, over, in_kernel)
+
+
+def test_resident_input_decode_refuses_what_it_does_not_run():
+    """More than two tokens, a pattern other than 2:4, 32-bit values or a row range that is no power of
+    two are refused; ``SparseLinear``'s ``decode_resident`` runs ``decode_mapped`` there instead."""
+    from shuffleprune.kernels.nm_resident import nm_decode_resident, resident_plan
+    from shuffleprune.kernels.nm_words import position_words
+
+    w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float16)
+    with pytest.raises(ValueError, match="1-2 tokens of a 2:4 weight"):
+        nm_decode_resident(x, values, position_words(meta), 2, 4, 2)
+    _, v32, m32, x32, *_ = _case(24, 64, 2, 4, 1, torch.float32)
+    with pytest.raises(ValueError, match="16-bit values"):
+        nm_decode_resident(x32, v32, position_words(m32), 2, 4, 2)
+    with pytest.raises(ValueError, match="power of two rows"):
+        resident_plan(24, 32, 1, 1, rows_per=24)
+    lin = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias, policy="decode_resident")
+    assert _close(lin(x), x.double()[:, perm] @ w.double().t() + bias.double(), torch.float16)
+
+
 @pytest.mark.parametrize("rows,cols,n,m,tokens,span,over", [
     (40, 192, 2, 4, 1, 64, {"block_k": 32}),                    # select, three blocks per step, several steps
     (24, 160, 2, 4, 2, 16, {"block_k": 16, "split": 2}),       # select, split-K, K not a multiple of the step
@@ -1318,12 +1363,12 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     # is not weighed: NOT_WEIGHED), at two the gathered input's 256-value step; not for 4:8 (its decode is the
     # tensor cores') nor float32 inputs
     assert mapped._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_mapped",
-                                      "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value", "scratch",
-                                      "gather"]
-    assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "scratch", "gather"]
+                                      "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value",
+                                      "decode_resident", "scratch", "gather"]
+    assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_resident", "scratch", "gather"]
     assert mapped._candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
-        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_mapped_by_value", "decode_swap",
-        "decode_swap_narrow", "decode_swap_sync", "scratch", "gather"]
+        "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_mapped_by_value", "decode_resident",
+        "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch", "gather"]
     assert plain._candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
     _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(x1) == [
@@ -1399,7 +1444,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
             "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap", "decode_tall",
             "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value", "route_blocks",
-            "decode_swap_narrow", "decode_swap_sync", "gather_pairs"} <= impls
+            "decode_swap_narrow", "decode_swap_sync", "gather_pairs", "decode_resident", "decode_resident_nomap"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -1443,6 +1488,18 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
         if r["impl"] in ("gemm_tile", "gemm_swap_tile"):   # the tables gemm_plan's cost model reads are the compiled ones
             assert r["programs_per_sm"] == r["table_per_sm"], r
             assert abs(r["loop_instructions"] - r["table_loop"]) <= 0.1 * r["table_loop"], r
+    # the resident-input decode streams as the select loop does, its map read before the loop: the same loop
+    # with the map and without, shorter per kept value than the select loop's through the map
+    resident = {(r["impl"], r["tokens"]): r for r in sixteen_bit if r["impl"].startswith("decode_resident")}
+    assert len(resident) == 3
+    for r in resident.values():
+        assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
+        assert not r["tensor_core"] and r["loop_sync_loads"] == 0 and r["plan_per_sm"] <= r["programs_per_sm"], r
+    assert resident[("decode_resident", 1)]["loop_instructions"] == resident[("decode_resident_nomap", 1)]["loop_instructions"]
+    for t in (1, 2):   # "decode": the select loop reading the map itself
+        select = next(r for r in sixteen_bit if (r["impl"], r["tokens"], r["dtype"], r["pattern"]) ==
+                      ("decode", t, "bfloat16", "2:4"))
+        assert resident[("decode_resident", t)]["issue_ceiling_tbs"] > max(3.35, select["issue_ceiling_tbs"]), t
     # the select loop by 2:4 group (the default) and by kept value (decode_mapped_by_value) are two loops
     loops = {(r["impl"], r["tokens"]): r["loop_instructions"] for r in sixteen_bit
              if r["dtype"] == "bfloat16" and r["pattern"] == "2:4"}

@@ -39,6 +39,13 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   3.9 and 3.6 alike (one token through the map: 232 and 231 instructions per step against 283 and
   276, ``kernel_compile_sm90*.json``), but only the per-value loop has ever been timed on a GPU, so
   ``auto`` times both through the map and a GPU run of ``bench_kernel`` compares them;
+- ``decode_resident`` (2:4, 16-bit, 1–2 tokens; with a map or without): ``kernels/nm_resident.py``, where a
+  program owns a chunk of 256 kept values and a range of rows, reads its chunk's inputs once (through
+  the map) before its loop and streams the rows past them, each row's partial sum per chunk added by
+  the last program of its range. Built so a map costs what no map costs: compiled for sm_90a its loop
+  has 10.75 instructions per kept value through the map and without (the select decode: 14.5 and
+  11.4), ``kernel_compile_sm90.json``. Not yet timed on a GPU, so ``auto`` times it. Named as a policy,
+  it runs ``decode_mapped`` where it does not apply (more tokens, another pattern, 32-bit values);
 - ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
   instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
   tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
@@ -115,7 +122,7 @@ from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eag
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_select", "decode_swap",
+         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_select", "decode_swap",
          "decode_swap_narrow", "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "group",
          *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
@@ -133,8 +140,9 @@ DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
 # neither was ever picked; decode_offsets ran 5–14 % slower than decode_mapped under the same block map at 1–2
 # tokens on all six shapes and within 1.6 % either way at 4–16, decode_tall within 1 % of the default tile at best
 NOT_WEIGHED = ("decode_tall", "decode_offsets")
+# the most tokens auto weighs these at (and bench_kernel times them at)
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1,
-                   "decode_mapped_by_value": 2, "decode_swap_narrow": 16, "decode_swap_sync": 16}
+                   "decode_mapped_by_value": 2, "decode_resident": 2, "decode_swap_narrow": 16, "decode_swap_sync": 16}
 SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync")   # decode_swap's other tiles: 2:4, 16-bit, 2-16 tokens
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
@@ -452,6 +460,13 @@ class SparseLinear(nn.Module):
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
         impl, pdl = split_pdl(impl)
+        if impl == "decode_resident":   # reads the map itself, once per program
+            from shuffleprune.kernels.nm_resident import nm_decode_resident, resident_applies
+
+            if resident_applies(x.numel() // x.shape[-1], self.n, self.m, self.values):
+                return nm_decode_resident(x, self.values, self.words(), self.n, self.m, self.bits, self.perm,
+                                          self.bias, tiled=self.tiled)
+            impl = "decode_mapped"   # more tokens, another pattern or 32-bit values: the decode reading the map
         if impl in DECODE_KERNELS:
             from shuffleprune.kernels.nm_decode import nm_decode
 
@@ -534,6 +549,9 @@ class SparseLinear(nn.Module):
                     out.append("decode_mapped_by_value")
                 if self._offsets_apply():
                     out.append("decode_offsets")
+            if select and (self.n, self.m) == (2, 4) and tokens <= TILE_MAX_TOKENS["decode_resident"] and \
+                    self.values.element_size() == 2:
+                out.append("decode_resident")
             if SELECT_MAX_TOKENS < tokens <= SELECT_LIMIT_TOKENS:   # below, decode is the select kernel already
                 out.append("decode_select")
             if 2 <= tokens <= decode_limit:

@@ -1,0 +1,238 @@
+"""The 2:4 decode with its inputs resident (1–2 tokens): ``y = x[..., perm] @ W_pᵀ (+ b)`` where each
+program reads its inputs once, through the index map, and then streams rows past them.
+
+The select decode of :mod:`.nm_decode` owns rows and walks the kept values: every step needs new
+inputs, gathered through the map and handed to the threads that read them (sm_90a, one token of
+16 rows × 128 kept values per step: 232 loop instructions through a map against 183 without,
+``scripts/results/kernel_compile_sm90.json``; on an H200 the map cost 9–32 % at one token,
+``bench_kernel.json``). Here a program owns one *chunk* of ``BLOCK_K`` kept values (``BLOCK_K·2``
+input columns) and a range of ``ROWS`` rows: it reads its chunk's inputs once before its loop and
+keeps them in registers, each thread the inputs of the groups it holds; each step then loads a
+``[BLOCK_R, BLOCK_K/2]`` tile of value pairs and position codes, picks each group's two inputs
+(:func:`.nm_decode.pick_and_add`) and sums each row across the chunk. The map is read once per
+program, so a layer with a map runs the loop of one without. What the chunks add: each row's
+float32 partial sum per chunk (8 bytes per row and chunk at 256 kept values: 1.4 % of the weight's
+bytes), written in the loop and added by the last program of each row range to finish
+(:func:`_sum_row_range`; a second launch, :func:`.split_k.sum_partials`, where no counters can be had).
+
+2:4 with 16-bit values, either position layout (the export's words or cuSPARSELt's order). Compiled
+for sm_90a (4096×4096, one token of 16 rows × 256 kept values per step): 344 loop instructions under
+Triton 3.9 (349 under 3.6), 10.75 per kept value with or without a map (the select decode: 14.5 with,
+11.4 without), 72 registers (64). The inputs are read as 32-bit words even without a map: read in
+order, Triton laid them out so that every step moved both picked inputs through shared memory (609
+instructions). Not yet timed on a GPU: ``SparseLinear``'s ``auto`` times it (``decode_resident``).
+Runs on the CPU under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from shuffleprune.kernels import gpu, split_k
+from shuffleprune.kernels.gpu import cdiv, next_pow2
+from shuffleprune.kernels.launch import BoundLaunch, fast
+from shuffleprune.kernels.nm_decode import triton, word_gather
+from shuffleprune.kernels.nm_words import check_pattern, check_tiled
+
+if triton is not None:
+    import triton.language as tl
+
+    from shuffleprune.kernels.nm_decode import pick_and_add, step_inputs, widen, widen_pairs
+    from shuffleprune.kernels.nm_words import cslt_group_codes, group_codes, kept_tile
+
+    @triton.jit
+    def _row_sums(pair, code, x_one, x_two, DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
+        """Each row's sum over the tile's groups, per token (``[BLOCK_R]`` twice; the second zeros at one
+        token): value ``pair``s (int32, two 16-bit values of ``DTYPE``) times the inputs their ``code``
+        picks among each group's four."""
+        first, second = widen_pairs(pair, DTYPE)
+        zero = tl.zeros((BLOCK_R, G), dtype=tl.float32)
+        one = tl.sum(pick_and_add(zero, first, second, code, x_one, G), axis=1)
+        if BLOCK_T == 2:
+            two = tl.sum(pick_and_add(zero, first, second, code, x_two, G), axis=1)
+        else:
+            two = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        return one, two
+
+    @triton.jit
+    def _store_rows(s, tok, rows, row_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt,
+                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+        """Token ``tok``'s sums of ``rows`` to ``y`` (+ bias) when unsplit, else to chunk ``pid_s``'s partials."""
+        ok = row_ok & (rows * 0 + tok < T)
+        if SPLIT == 1:
+            if HAS_BIAS:
+                s += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + tok * stride_yt + rows, s.to(y_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(part_ptr + (pid_s * T + tok) * R + rows, s, mask=ok)
+
+    @triton.jit
+    def _sum_row_range(bias_ptr, y_ptr, part_ptr, count_ptr, row0, T, R, stride_yt, HAS_BIAS: tl.constexpr,
+                       SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, ROWS: tl.constexpr, SUM_R: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+        """The chunks of row range ``program_id(1)`` count their arrivals in ``count_ptr`` (the release-acquire
+        pattern of :func:`.split_k._sum_in_last_split`); the last adds the ``SPLIT`` partial sums of its
+        ``ROWS`` rows, all chunks' loads of ``SUM_R`` rows issued at once (a loop over the chunks would
+        wait on each load in turn), adds the bias, writes ``y`` and sets its counter back to 0."""
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            splits = tl.arange(0, SPLIT_P2)
+            for r in tl.static_range(0, ROWS, SUM_R):
+                rows = row0 + r + tl.arange(0, SUM_R)
+                row_ok = rows < R
+                for t in tl.static_range(BLOCK_T):
+                    t_ok = row_ok & (rows * 0 + t < T)
+                    ok = (splits < SPLIT)[:, None] & t_ok[None, :]
+                    part = tl.load(part_ptr + (splits[:, None] * T + t) * R + rows[None, :], mask=ok, other=0.0,
+                                   cache_modifier=".cg")
+                    total = tl.sum(part, axis=0)
+                    if HAS_BIAS:
+                        total += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+                    tl.store(y_ptr + t * stride_yt + rows, total.to(y_ptr.dtype.element_ty), mask=t_ok)
+            tl.atomic_xchg(count_ptr + tl.program_id(1), 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _nm_resident_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+                            T, R, K, C, WORDS, stride_xt, stride_yt,
+                            BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr, SUM_R: tl.constexpr,
+                            STAGES: tl.constexpr, TILED: tl.constexpr, X_WORDS: tl.constexpr,
+                            SUM_HERE: tl.constexpr):
+        """Chunk ``program_id(0)`` (kept values ``BLOCK_K·pid …``) of rows ``ROWS·program_id(1) …``, every
+        token: its inputs read once, through the map (``X_WORDS``: as 32-bit words, see
+        :func:`.nm_decode.step_inputs`), then ``[BLOCK_R, BLOCK_K/2]`` value pairs per step (16-byte
+        evict-first loads, ``STAGES`` tiles in the software pipeline), each row's sum stored per step."""
+        G: tl.constexpr = BLOCK_K // 2
+        DTYPE: tl.constexpr = val_ptr.dtype.element_ty
+        pid_s = tl.program_id(0)
+        toks = tl.arange(0, BLOCK_T)
+        k0 = pid_s * BLOCK_K
+        xs = widen(step_inputs(x_ptr, perm_ptr, k0, C, toks, toks < T, stride_xt, 2, 4, G, HAS_PERM, X_WORDS, 0),
+                    x_ptr.dtype.element_ty)                                    # [BLOCK_T, G·4] float32
+        if BLOCK_T == 1:
+            x_one = tl.reshape(xs, (G * 4,))
+            x_two = x_one
+        else:
+            x_one, x_two = tl.split(tl.trans(xs))
+        row0 = tl.program_id(1) * ROWS
+        for r in tl.range(row0, tl.minimum(row0 + ROWS, R), BLOCK_R, num_stages=STAGES):
+            rows = r + tl.arange(0, BLOCK_R)
+            row_ok = rows < R
+            pair, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, 2, BITS, BLOCK_R, BLOCK_K,
+                                    "evict_first", TILED, True)
+            if TILED:
+                code = cslt_group_codes(words, rows, BLOCK_R, BLOCK_K)
+            else:
+                code = group_codes(words, 2, BITS, BLOCK_R, BLOCK_K)
+            one, two = _row_sums(pair, code, x_one, x_two, DTYPE, G, BLOCK_R, BLOCK_T)
+            _store_rows(one, 0, rows, row_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt, HAS_BIAS, SPLIT)
+            if BLOCK_T == 2:
+                _store_rows(two, 1, rows, row_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt, HAS_BIAS, SPLIT)
+        if SPLIT > 1 and SUM_HERE:
+            _sum_row_range(bias_ptr, y_ptr, part_ptr, count_ptr, row0, T, R, stride_yt, HAS_BIAS, SPLIT, SPLIT_P2,
+                           ROWS, SUM_R, BLOCK_T)
+
+
+RESIDENT_MAX_TOKENS = 2      # the inputs of more tokens would not stay in registers beside the tile
+RESIDENT_BLOCK_R = 16        # rows per step: 4 warps, 16 rows × 128 value pairs (Triton's 16-byte loads)
+RESIDENT_BLOCK_K = 256       # kept values per chunk (512 input columns): the partial sums are 1.4 % of the weight
+RESIDENT_PER_SM = 4          # programs per SM the row ranges are sized for (8 reside, as compiled for sm_90a)
+RESIDENT_MAX_ROWS = 1024     # the longest row range (the last program's sum reads ROWS rows of every chunk)
+SUM_ELEMENTS = 4096          # partial sums the last program of a row range loads at once (32 per thread)
+
+
+def resident_applies(tokens: int, n: int, m: int, values: torch.Tensor) -> bool:
+    """Whether :func:`nm_decode_resident` takes this call: 1–2 tokens of a 2:4 weight with 16-bit values."""
+    return 1 <= tokens <= RESIDENT_MAX_TOKENS and (n, m) == (2, 4) and values.element_size() == 2
+
+
+def resident_plan(rows: int, kept: int, tokens: int, sms: int, block_r: int = RESIDENT_BLOCK_R,
+                  block_k: int | None = None, per_sm: int = RESIDENT_PER_SM, rows_per: int | None = None) -> dict:
+    """Chunks and row ranges for :func:`nm_decode_resident`: chunks of ``block_k`` kept values (at most
+    :data:`RESIDENT_BLOCK_K`, fewer for narrow layers) and row ranges of a power of two rows (at least
+    ``block_r``, at most :data:`RESIDENT_MAX_ROWS`) such that the programs fill ``per_sm`` per SM
+    (``rows_per``: that many rows per range instead)."""
+    block_k = block_k or max(16, min(RESIDENT_BLOCK_K, next_pow2(kept)))
+    if block_r < 16 or block_r & (block_r - 1) or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"the resident decode takes powers of two block_r ≥ 16 and block_k ≥ 16 (got {block_r}, "
+                         f"{block_k})")
+    split = cdiv(kept, block_k)
+    ranges = max(1, min(cdiv(rows, block_r), cdiv(per_sm * sms, split)))
+    rows_per = rows_per or min(RESIDENT_MAX_ROWS, max(block_r, next_pow2(cdiv(rows, ranges))))
+    if rows_per % block_r or rows_per & (rows_per - 1):
+        raise ValueError(f"a row range is a power of two rows, a multiple of block_r {block_r} (got {rows_per})")
+    split_p2 = next_pow2(split)
+    return dict(block_r=block_r, block_k=block_k, block_t=next_pow2(tokens), split=split, split_p2=split_p2,
+                rows=rows_per, ranges=cdiv(rows, rows_per), sum_r=min(rows_per, max(16, SUM_ELEMENTS // split_p2)))
+
+
+class ResidentLaunch(NamedTuple):
+    """What a resident decode's shapes, dtypes and options fix: all but the tensors and split counters."""
+
+    grid: tuple[int, int]
+    split: int
+    plain: BoundLaunch
+    summed: BoundLaunch
+
+
+_LAUNCHES: dict[tuple, ResidentLaunch] = {}
+RESIDENT_ARGS = 15   # the kernel's positional (runtime) arguments
+
+
+def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
+                       perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
+                       sum_in_kernel: bool | None = None, stages: int = 4, num_warps: int = 4,
+                       **plan_overrides) -> torch.Tensor:
+    """``x`` ``[..., C]`` with 1–2 tokens → ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]`` for a 2:4 weight with
+    16-bit ``values`` in the word layout (``tiled``: cuSPARSELt's order, as :func:`.nm_decode.nm_decode`),
+    by the resident-input kernel. ``sum_in_kernel`` as :func:`.nm_decode.nm_decode`; ``plan_overrides``:
+    :func:`resident_plan`'s ``block_r``, ``block_k`` and ``per_sm``."""
+    check_pattern(n, m, bits)
+    lead, cols = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, cols).contiguous()
+    tokens = x2.shape[0]
+    rows, kept = values.shape
+    if not resident_applies(tokens, n, m, values):
+        raise ValueError(f"the resident decode takes 1-{RESIDENT_MAX_TOKENS} tokens of a 2:4 weight with 16-bit values "
+                         f"(got {tokens} tokens, {n}:{m}, {values.dtype})")
+    device = x.device
+    key = (rows, kept, tokens, cols, bits, x2.dtype, values.dtype, device, gpu.sm_count(device), tiled,
+           perm is None, bias is None, word_gather(x2), stages, num_warps,
+           tuple(plan_overrides.items()))
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _LAUNCHES[key] = _resident_launch(x2, values, bits, perm, bias, tiled, stages, num_warps,
+                                                   plan_overrides)
+    y = torch.empty(tokens, rows, dtype=x.dtype, device=device)
+    part = split_k.partials(launch.split, y)
+    counts = split_k.summing(launch.split, launch.grid[1], device, sum_in_kernel)
+    dummy = values
+    args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
+            counts if counts is not None else dummy, tokens, rows, kept, cols, words.shape[1], x2.stride(0),
+            y.stride(0))
+    (launch.summed if counts is not None else launch.plain)(launch.grid, *args)
+    if launch.split > 1 and counts is None:
+        y = split_k.sum_partials(part, bias, y)
+    return y.reshape(*lead, rows)
+
+
+def _resident_launch(x2: torch.Tensor, values: torch.Tensor, bits: int, perm: torch.Tensor | None,
+                     bias: torch.Tensor | None, tiled: bool, stages: int, num_warps: int,
+                     plan_overrides: dict) -> ResidentLaunch:
+    """:func:`nm_decode_resident`'s plan, grid and keyword arguments, worked out once per kind of call."""
+    tokens, cols = x2.shape
+    rows, kept = values.shape
+    p = resident_plan(rows, kept, tokens, gpu.sm_count(x2.device), **plan_overrides)
+    check_tiled(tiled, p["block_r"])
+    grid = (p["split"], p["ranges"])   # a row range's chunks launch side by side and end about together
+    common = dict(BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
+                  SPLIT_P2=p["split_p2"], BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"],
+                  ROWS=p["rows"], SUM_R=p["sum_r"], STAGES=stages, TILED=tiled,
+                  X_WORDS=word_gather(x2), num_warps=num_warps)
+    kernel = fast(_nm_resident_kernel)
+    return ResidentLaunch(grid, p["split"], kernel.bind(RESIDENT_ARGS, {**common, "SUM_HERE": False}),
+                          kernel.bind(RESIDENT_ARGS, {**common, "SUM_HERE": True}))
