@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from shuffleprune.kernels import gpu, split_k
+from shuffleprune.kernels import gpu, overlap, split_k
 from shuffleprune.kernels.gpu import cdiv, next_pow2
 from shuffleprune.kernels.launch import BoundLaunch, fast
 from shuffleprune.kernels.nm_decode import triton, word_gather
@@ -39,7 +39,8 @@ if triton is not None:
     import triton.language as tl
 
     from shuffleprune.kernels.nm_decode import pick_and_add, step_inputs, widen, widen_pairs
-    from shuffleprune.kernels.nm_words import cslt_group_codes, group_codes, kept_tile
+    from shuffleprune.kernels.nm_words import cslt_group_codes, group_codes, kept_tile, prefetch_positions
+    from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
 
     @triton.jit
     def _row_sums(pair, code, x_one, x_two, DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -101,16 +102,29 @@ if triton is not None:
                             SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr, SUM_R: tl.constexpr,
                             STAGES: tl.constexpr, TILED: tl.constexpr, X_WORDS: tl.constexpr,
-                            SUM_HERE: tl.constexpr):
+                            SUM_HERE: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                            PREFETCH_WORDS: tl.constexpr = 0, LINE: tl.constexpr = 64):
         """Chunk ``program_id(0)`` (kept values ``BLOCK_K·pid …``) of rows ``ROWS·program_id(1) …``, every
         token: its inputs read once, through the map (``X_WORDS``: as 32-bit words, see
         :func:`.nm_decode.step_inputs`), then ``[BLOCK_R, BLOCK_K/2]`` value pairs per step (16-byte
-        evict-first loads, ``STAGES`` tiles in the software pipeline), each row's sum stored per step."""
+        evict-first loads, ``STAGES`` tiles in the software pipeline), each row's sum stored per step.
+        ``PDL`` (a programmatic dependent, :mod:`.overlap`): the chunk of its first ``PREFETCH`` rows and
+        their ``PREFETCH_WORDS`` position words go to L2 while the kernel before still runs; nothing is
+        read of the input, nor written, before that kernel has ended."""
         G: tl.constexpr = BLOCK_K // 2
         DTYPE: tl.constexpr = val_ptr.dtype.element_ty
         pid_s = tl.program_id(0)
         toks = tl.arange(0, BLOCK_T)
         k0 = pid_s * BLOCK_K
+        row0 = tl.program_id(1) * ROWS
+        if PREFETCH > 0:
+            first = row0 + tl.arange(0, PREFETCH)
+            prefetch_rows(val_ptr, first, first < R, K, k0, k0 + BLOCK_K, BLOCK_K, LINE)
+            if PREFETCH_WORDS > 0:
+                prefetch_positions(word_ptr, first, first < R, k0, k0 + BLOCK_K, WORDS, BITS, PREFETCH,
+                                   PREFETCH_WORDS, TILED)
+        wait_for_inputs(PDL)
+        release_next(PDL)
         xs = widen(step_inputs(x_ptr, perm_ptr, k0, C, toks, toks < T, stride_xt, 2, 4, G, HAS_PERM, X_WORDS, 0),
                     x_ptr.dtype.element_ty)                                    # [BLOCK_T, G·4] float32
         if BLOCK_T == 1:
@@ -118,7 +132,6 @@ if triton is not None:
             x_two = x_one
         else:
             x_one, x_two = tl.split(tl.trans(xs))
-        row0 = tl.program_id(1) * ROWS
         for r in tl.range(row0, tl.minimum(row0 + ROWS, R), BLOCK_R, num_stages=STAGES):
             rows = r + tl.arange(0, BLOCK_R)
             row_ok = rows < R
@@ -185,12 +198,13 @@ RESIDENT_ARGS = 15   # the kernel's positional (runtime) arguments
 
 def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
                        perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
-                       sum_in_kernel: bool | None = None, stages: int = 4, num_warps: int = 4,
+                       sum_in_kernel: bool | None = None, pdl: bool = False, stages: int = 4, num_warps: int = 4,
                        **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with 1–2 tokens → ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]`` for a 2:4 weight with
     16-bit ``values`` in the word layout (``tiled``: cuSPARSELt's order, as :func:`.nm_decode.nm_decode`),
-    by the resident-input kernel. ``sum_in_kernel`` as :func:`.nm_decode.nm_decode`; ``plan_overrides``:
-    :func:`resident_plan`'s ``block_r``, ``block_k`` and ``per_sm``."""
+    by the resident-input kernel. ``sum_in_kernel`` and ``pdl`` as :func:`.nm_decode.nm_decode` (a
+    programmatic dependent prefetches its first rows' chunk into L2 from 2 tokens, as the decode does);
+    ``plan_overrides``: :func:`resident_plan`'s ``block_r``, ``block_k``, ``per_sm`` and ``rows_per``."""
     check_pattern(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -200,12 +214,12 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
         raise ValueError(f"the resident decode takes 1-{RESIDENT_MAX_TOKENS} tokens of a 2:4 weight with 16-bit values "
                          f"(got {tokens} tokens, {n}:{m}, {values.dtype})")
     device = x.device
+    pdl = pdl and overlap.enabled(x)
     key = (rows, kept, tokens, cols, bits, x2.dtype, values.dtype, device, gpu.sm_count(device), tiled,
-           perm is None, bias is None, word_gather(x2), stages, num_warps,
-           tuple(plan_overrides.items()))
+           perm is None, bias is None, word_gather(x2), pdl, stages, num_warps, tuple(plan_overrides.items()))
     launch = _LAUNCHES.get(key)
     if launch is None:
-        launch = _LAUNCHES[key] = _resident_launch(x2, values, bits, perm, bias, tiled, stages, num_warps,
+        launch = _LAUNCHES[key] = _resident_launch(x2, values, bits, perm, bias, tiled, pdl, stages, num_warps,
                                                    plan_overrides)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=device)
     part = split_k.partials(launch.split, y)
@@ -221,7 +235,7 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
 
 
 def _resident_launch(x2: torch.Tensor, values: torch.Tensor, bits: int, perm: torch.Tensor | None,
-                     bias: torch.Tensor | None, tiled: bool, stages: int, num_warps: int,
+                     bias: torch.Tensor | None, tiled: bool, pdl: bool, stages: int, num_warps: int,
                      plan_overrides: dict) -> ResidentLaunch:
     """:func:`nm_decode_resident`'s plan, grid and keyword arguments, worked out once per kind of call."""
     tokens, cols = x2.shape
@@ -233,6 +247,24 @@ def _resident_launch(x2: torch.Tensor, values: torch.Tensor, bits: int, perm: to
                   SPLIT_P2=p["split_p2"], BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"],
                   ROWS=p["rows"], SUM_R=p["sum_r"], STAGES=stages, TILED=tiled,
                   X_WORDS=word_gather(x2), num_warps=num_warps)
+    if pdl:
+        common.update(PDL=True, **overlap.launch_options(True), **prefetch_plan(p, tokens, values.element_size(), bits,
+                                                                                 tiled))
     kernel = fast(_nm_resident_kernel)
     return ResidentLaunch(grid, p["split"], kernel.bind(RESIDENT_ARGS, {**common, "SUM_HERE": False}),
                           kernel.bind(RESIDENT_ARGS, {**common, "SUM_HERE": True}))
+
+
+def prefetch_plan(p: dict, tokens: int, element_bytes: int, bits: int, tiled: bool) -> dict:
+    """What a dependent launch of plan ``p`` prefetches per program before its wait: its chunk of the first
+    ``PREFETCH`` rows of its range (a power of two, 16 or more in cuSPARSELt's order, which is prefetched by
+    16-row slices) within the decode's budget (:func:`.overlap.decode_prefetch_bytes`: none at one token),
+    and their position words; nothing where a chunk is shorter than a cache line."""
+    budget = overlap.decode_prefetch_bytes(tokens)
+    chunk = p["block_k"] * element_bytes
+    rows = min(p["rows"], budget // max(1, p["split"] * p["ranges"] * chunk)) if chunk >= overlap.LINE_BYTES else 0
+    rows = 1 << (rows.bit_length() - 1) if rows else 0
+    if tiled and rows < 16:
+        rows = 0
+    words = overlap.position_words_per_row(p["block_k"], bits, tiled) if rows else 0
+    return dict(PREFETCH=rows, PREFETCH_WORDS=words, LINE=overlap.LINE_BYTES // element_bytes)

@@ -22,7 +22,8 @@ tiles, one token; ``_by_value``: 1–2 tokens, its select loop per kept value, n
 ``auto_tiled`` (the table's default too: the layer as ``shuffleprune.load`` holds it on Hopper, one
 cuSPARSELt buffer, where ``auto`` also weighs cuSPARSELt's GEMM from 17 tokens);
 ``decode_resident`` (1–2 tokens): the kernel that reads each chunk's inputs once, through the map, and
-streams rows past them (``kernels/nm_resident.py``; ``decode_resident_nomap`` on a layer without a map);
+streams rows past them (``kernels/nm_resident.py``; ``decode_resident_nomap`` on a layer without a map,
+``decode_resident+pdl`` launched as a programmatic dependent);
 ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
@@ -77,6 +78,7 @@ NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which 
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
               "decode_mapped_wide", "decode_mapped_by_value", "decode_resident", "decode_resident_nomap",
+              "decode_resident+pdl",
               "decode_nomap", "decode_tall_nomap",
               "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "gemm",
               "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",

@@ -106,6 +106,8 @@ def cases(quick: bool) -> list[dict]:
     out.append(dict(impl="decode_swap_pdl", shape=(rows, cols), tokens=16))
     for t in (1, 4):   # the in-kernel map (select loop, then the weight-as-A kernel)
         out.append(dict(impl="decode_mapped_pdl", shape=(rows, cols), tokens=t))
+    for t in (1, 2):   # the resident-input decode: its map read after the wait, its first rows prefetched from 2 tokens
+        out.append(dict(impl="decode_resident_pdl", shape=(rows, cols), tokens=t))
     for t in (1, 16):   # in cuSPARSELt's buffer (load's default on Hopper): its position words prefetched by slices
         out.append(dict(impl="decode_pdl", shape=(rows, cols), tokens=t, tiled=True))
     for impl in ("gemm_pdl", "gemm_swap_pdl"):   # the GEMMs as dependents at 64 tokens: gather, then GEMM
@@ -163,6 +165,10 @@ def run_case(case: dict) -> None:
         if kernel in ("gemm", "gemm_swap"):
             nm_gemm.nm_gemm(gather_columns(x, perm, pdl=True), values, words, n, m, bits,
                             weight_a=kernel == "gemm_swap", pdl=True)
+        elif kernel == "decode_resident":
+            from shuffleprune.kernels.nm_resident import nm_decode_resident
+
+            nm_decode_resident(x, values, words, n, m, bits, perm, pdl=True, tiled=tiled)
         elif kernel == "decode_mapped":   # no gather: the decode reads the map itself, after its wait
             nm_decode.nm_decode(x, values, words, n, m, bits, perm, pdl=True, tiled=tiled, **DECODE_KERNELS[kernel])
         else:

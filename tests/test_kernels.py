@@ -128,6 +128,23 @@ def test_resident_input_decode_matches_float64(tokens, dtype, tiled):
             assert y.shape == (tokens, rows) and _close(y, ref, dtype), (p is None, over, in_kernel)
 
 
+def test_resident_decode_launched_as_a_dependent_prefetches_its_first_rows_from_two_tokens():
+    """As the decode: nothing at one token; from two, each program's chunk of its first rows (a power of two,
+    the decode's 4 MiB over all programs) and one line of their position words; in cuSPARSELt's order
+    whole 16-row slices or nothing; nothing where a chunk is shorter than a cache line."""
+    from shuffleprune.kernels.nm_resident import prefetch_plan, resident_plan
+
+    p = resident_plan(4096, 2048, 2, 132)                       # 8 chunks × 64 ranges of 64 rows
+    assert prefetch_plan(resident_plan(4096, 2048, 1, 132), 1, 2, 2, False)["PREFETCH"] == 0
+    two = prefetch_plan(p, 2, 2, 2, False)
+    assert two == {"PREFETCH": 16, "PREFETCH_WORDS": 32, "LINE": 64}
+    assert 8 * 64 * two["PREFETCH"] * 256 * 2 <= 4 << 20
+    assert prefetch_plan(resident_plan(256, 2048, 2, 132), 2, 2, 2, True)["PREFETCH"] == 16   # rows: 16-row slices
+    many = resident_plan(4096, 8192, 2, 132, per_sm=8)          # 1024 programs: 8 rows each
+    assert prefetch_plan(many, 2, 2, 2, False)["PREFETCH"] == 8 and prefetch_plan(many, 2, 2, 2, True)["PREFETCH"] == 0
+    assert prefetch_plan(resident_plan(64, 24, 2, 132), 2, 2, 2, False)["PREFETCH"] == 0      # 32-value chunks
+
+
 def test_resident_input_decode_refuses_what_it_does_not_run():
     """More than two tokens, a pattern other than 2:4, 32-bit values or a row range that is no power of
     two are refused; ``SparseLinear``'s ``decode_resident`` runs ``decode_mapped`` there instead."""
@@ -1491,7 +1508,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     # the resident-input decode streams as the select loop does, its map read before the loop: the same loop
     # with the map and without, shorter per kept value than the select loop's through the map
     resident = {(r["impl"], r["tokens"]): r for r in sixteen_bit if r["impl"].startswith("decode_resident")}
-    assert len(resident) == 3
+    assert len(resident) == 5   # with the map at 1-2 tokens, without at one, launched as a dependent at 1-2
     for r in resident.values():
         assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
         assert not r["tensor_core"] and r["loop_sync_loads"] == 0 and r["plan_per_sm"] <= r["programs_per_sm"], r
@@ -1511,7 +1528,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     # else has any of it
     by_key = {(r["impl"], r["tokens"], r["kernel"]): r for r in rows if r["dtype"] == "bfloat16" and r["pattern"] == "2:4"}
     pdl_rows = [r for r in rows if "_pdl" in r["impl"]]   # the export's layout and cuSPARSELt's ("…_pdl_tiled")
-    assert len(pdl_rows) == 16 and all(r["launch_pdl"] and r["grid_dependency"]["wait"]
+    assert len(pdl_rows) == 18 and all(r["launch_pdl"] and r["grid_dependency"]["wait"]
                                       and r["grid_dependency"]["release"] for r in pdl_rows), pdl_rows
     for r in pdl_rows:
         dep = r["grid_dependency"]
@@ -1525,6 +1542,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
                 assert dep["prefetches"] >= 2 and r["constexprs"]["PREFETCH"] > 0 and r["constexprs"]["PREFETCH_WORDS"] > 0, r
             plain = {"decode_pdl": ("decode_nomap", 1), "decode_swap_pdl": ("decode_swap", 16),
                      "decode_mapped_pdl": ("decode_mapped" if r["tokens"] > 1 else "decode", r["tokens"]),
+                     "decode_resident_pdl": ("decode_resident", r["tokens"]),
                      "gemm_pdl": ("gemm", 64), "gemm_swap_pdl": ("gemm_swap", 64)}.get(r["impl"])
             if plain and plain[1] == r["tokens"]:   # the same kernel launched plainly
                 plain = by_key[(*plain, r["kernel"])]

@@ -162,7 +162,7 @@ MAPPED_DECODES = (*(name for name in DECODE_KERNELS if name.startswith("decode_m
 # the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
 # programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
 # prefetching its weight (kernels/overlap.py)
-PDL_KERNELS = (*DECODE_KERNELS, "gemm", "gemm_swap")
+PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", "gemm", "gemm_swap")
 PDL_SUFFIX = "+pdl"
 PDL_RETIMED = 2   # the fastest of PDL_KERNELS auto times again launched so (the order may change: a separate
                   # gather's launch is what a dependent launch hides best)
@@ -465,7 +465,7 @@ class SparseLinear(nn.Module):
 
             if resident_applies(x.numel() // x.shape[-1], self.n, self.m, self.values):
                 return nm_decode_resident(x, self.values, self.words(), self.n, self.m, self.bits, self.perm,
-                                          self.bias, tiled=self.tiled)
+                                          self.bias, tiled=self.tiled, pdl=pdl)
             impl = "decode_mapped"   # more tokens, another pattern or 32-bit values: the decode reading the map
         if impl in DECODE_KERNELS:
             from shuffleprune.kernels.nm_decode import nm_decode
