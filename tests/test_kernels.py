@@ -148,9 +148,11 @@ def test_resident_decode_launched_as_a_dependent_prefetches_its_first_rows_from_
 def test_resident_input_decode_refuses_what_it_does_not_run():
     """More than two tokens, a pattern other than 2:4, 32-bit values or a row range that is no power of
     two are refused; ``SparseLinear``'s ``decode_resident`` runs ``decode_mapped`` there instead."""
-    from shuffleprune.kernels.nm_resident import nm_decode_resident, resident_plan
+    from shuffleprune.deploy.sparse_linear import TILE_MAX_TOKENS
+    from shuffleprune.kernels.nm_resident import RESIDENT_MAX_TOKENS, nm_decode_resident, resident_plan
     from shuffleprune.kernels.nm_words import position_words
 
+    assert TILE_MAX_TOKENS["decode_resident"] == RESIDENT_MAX_TOKENS   # auto weighs it where it runs
     w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float16)
     with pytest.raises(ValueError, match="1-2 tokens of a 2:4 weight"):
         nm_decode_resident(x, values, position_words(meta), 2, 4, 2)

@@ -122,9 +122,9 @@ from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eag
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_select", "decode_swap",
-         "decode_swap_narrow", "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped", "gather", "group",
-         *LIBRARY_IMPLS)
+         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_select",
+         "decode_swap", "decode_swap_narrow", "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped",
+         "gather", "group", *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
@@ -140,7 +140,7 @@ DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
 # neither was ever picked; decode_offsets ran 5–14 % slower than decode_mapped under the same block map at 1–2
 # tokens on all six shapes and within 1.6 % either way at 4–16, decode_tall within 1 % of the default tile at best
 NOT_WEIGHED = ("decode_tall", "decode_offsets")
-# the most tokens auto weighs these at (and bench_kernel times them at)
+# the most tokens auto weighs these at (and bench_kernel times them at; decode_resident: nm_resident's own limit)
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1,
                    "decode_mapped_by_value": 2, "decode_resident": 2, "decode_swap_narrow": 16, "decode_swap_sync": 16}
 SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync")   # decode_swap's other tiles: 2:4, 16-bit, 2-16 tokens
@@ -527,6 +527,7 @@ class SparseLinear(nn.Module):
     def _candidates(self, x: torch.Tensor) -> list[str]:
         from shuffleprune.kernels.nm_decode import (SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, selects,
                                                     triton)
+        from shuffleprune.kernels.nm_resident import resident_applies
 
         if triton is None:
             return ["scratch"]
@@ -549,8 +550,7 @@ class SparseLinear(nn.Module):
                     out.append("decode_mapped_by_value")
                 if self._offsets_apply():
                     out.append("decode_offsets")
-            if select and (self.n, self.m) == (2, 4) and tokens <= TILE_MAX_TOKENS["decode_resident"] and \
-                    self.values.element_size() == 2:
+            if select and resident_applies(tokens, self.n, self.m, self.values):   # with a map or without
                 out.append("decode_resident")
             if SELECT_MAX_TOKENS < tokens <= SELECT_LIMIT_TOKENS:   # below, decode is the select kernel already
                 out.append("decode_select")
