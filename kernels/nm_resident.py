@@ -108,9 +108,12 @@ if triton is not None:
         token: its inputs read once, through the map (``X_WORDS``: as 32-bit words, see
         :func:`.nm_decode.step_inputs`), then ``[BLOCK_R, BLOCK_K/2]`` value pairs per step (16-byte
         evict-first loads, ``STAGES`` tiles in the software pipeline), each row's sum stored per step.
-        ``PDL`` (a programmatic dependent, :mod:`.overlap`): the chunk of its first ``PREFETCH`` rows and
-        their ``PREFETCH_WORDS`` position words go to L2 while the kernel before still runs; nothing is
-        read of the input, nor written, before that kernel has ended."""
+        First the chunk of its first ``PREFETCH`` rows and their ``PREFETCH_WORDS`` position words are
+        requested into L2: the inputs' gather (the map, then the inputs it names, then their exchange
+        through shared memory) comes before the pipeline's first weight copies in the compiled program,
+        and the weight's first bytes would otherwise be asked for only after two memory round trips.
+        ``PDL`` (a programmatic dependent, :mod:`.overlap`): that prefetch runs while the kernel before
+        still runs; nothing is read of the input, nor written, before that kernel has ended."""
         G: tl.constexpr = BLOCK_K // 2
         DTYPE: tl.constexpr = val_ptr.dtype.element_ty
         pid_s = tl.program_id(0)
@@ -198,13 +201,14 @@ RESIDENT_ARGS = 15   # the kernel's positional (runtime) arguments
 
 def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
                        perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
-                       sum_in_kernel: bool | None = None, pdl: bool = False, stages: int = 4, num_warps: int = 4,
-                       **plan_overrides) -> torch.Tensor:
+                       sum_in_kernel: bool | None = None, pdl: bool = False, head_prefetch: bool = True,
+                       stages: int = 4, num_warps: int = 4, **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with 1–2 tokens → ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]`` for a 2:4 weight with
     16-bit ``values`` in the word layout (``tiled``: cuSPARSELt's order, as :func:`.nm_decode.nm_decode`),
-    by the resident-input kernel. ``sum_in_kernel`` and ``pdl`` as :func:`.nm_decode.nm_decode` (a
-    programmatic dependent prefetches its first rows' chunk into L2 from 2 tokens, as the decode does);
-    ``plan_overrides``: :func:`resident_plan`'s ``block_r``, ``block_k``, ``per_sm`` and ``rows_per``."""
+    by the resident-input kernel. ``sum_in_kernel`` and ``pdl`` as :func:`.nm_decode.nm_decode`;
+    ``head_prefetch``: each program first requests the tiles its pipeline loads first into L2
+    (:func:`prefetch_plan`; compiled for an NVIDIA GPU only); ``plan_overrides``: :func:`resident_plan`'s ``block_r``, ``block_k``,
+    ``per_sm`` and ``rows_per``."""
     check_pattern(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -215,12 +219,14 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
                          f"(got {tokens} tokens, {n}:{m}, {values.dtype})")
     device = x.device
     pdl = pdl and overlap.enabled(x)
+    head_prefetch = head_prefetch and gpu.native(x)   # an L2 prefetch is PTX: not interpreted, not on ROCm
     key = (rows, kept, tokens, cols, bits, x2.dtype, values.dtype, device, gpu.sm_count(device), tiled,
-           perm is None, bias is None, word_gather(x2), pdl, stages, num_warps, tuple(plan_overrides.items()))
+           perm is None, bias is None, word_gather(x2), pdl, head_prefetch, stages, num_warps,
+           tuple(plan_overrides.items()))
     launch = _LAUNCHES.get(key)
     if launch is None:
-        launch = _LAUNCHES[key] = _resident_launch(x2, values, bits, perm, bias, tiled, pdl, stages, num_warps,
-                                                   plan_overrides)
+        launch = _LAUNCHES[key] = _resident_launch(x2, values, bits, perm, bias, tiled, pdl, head_prefetch, stages,
+                                                   num_warps, plan_overrides)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=device)
     part = split_k.partials(launch.split, y)
     counts = split_k.summing(launch.split, launch.grid[1], device, sum_in_kernel)
@@ -235,8 +241,8 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
 
 
 def _resident_launch(x2: torch.Tensor, values: torch.Tensor, bits: int, perm: torch.Tensor | None,
-                     bias: torch.Tensor | None, tiled: bool, pdl: bool, stages: int, num_warps: int,
-                     plan_overrides: dict) -> ResidentLaunch:
+                     bias: torch.Tensor | None, tiled: bool, pdl: bool, head_prefetch: bool, stages: int,
+                     num_warps: int, plan_overrides: dict) -> ResidentLaunch:
     """:func:`nm_decode_resident`'s plan, grid and keyword arguments, worked out once per kind of call."""
     tokens, cols = x2.shape
     rows, kept = values.shape
@@ -247,22 +253,25 @@ def _resident_launch(x2: torch.Tensor, values: torch.Tensor, bits: int, perm: to
                   SPLIT_P2=p["split_p2"], BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"],
                   ROWS=p["rows"], SUM_R=p["sum_r"], STAGES=stages, TILED=tiled,
                   X_WORDS=word_gather(x2), num_warps=num_warps)
+    common.update(prefetch_plan(p, tokens, values.element_size(), bits, tiled, stages if head_prefetch else 0, pdl))
     if pdl:
-        common.update(PDL=True, **overlap.launch_options(True), **prefetch_plan(p, tokens, values.element_size(), bits,
-                                                                                 tiled))
+        common.update(PDL=True, **overlap.launch_options(True))
     kernel = fast(_nm_resident_kernel)
     return ResidentLaunch(grid, p["split"], kernel.bind(RESIDENT_ARGS, {**common, "SUM_HERE": False}),
                           kernel.bind(RESIDENT_ARGS, {**common, "SUM_HERE": True}))
 
 
-def prefetch_plan(p: dict, tokens: int, element_bytes: int, bits: int, tiled: bool) -> dict:
-    """What a dependent launch of plan ``p`` prefetches per program before its wait: its chunk of the first
-    ``PREFETCH`` rows of its range (a power of two, 16 or more in cuSPARSELt's order, which is prefetched by
-    16-row slices) within the decode's budget (:func:`.overlap.decode_prefetch_bytes`: none at one token),
-    and their position words; nothing where a chunk is shorter than a cache line."""
-    budget = overlap.decode_prefetch_bytes(tokens)
+def prefetch_plan(p: dict, tokens: int, element_bytes: int, bits: int, tiled: bool, stages: int = 0,
+                  pdl: bool = False) -> dict:
+    """What a program of plan ``p`` requests into L2 before anything else: its chunk of the first ``PREFETCH``
+    rows of its range (a power of two, 16 or more in cuSPARSELt's order, which is prefetched by 16-row
+    slices) and their position words. The rows its pipeline of ``stages`` loads first (none: 0), and a
+    dependent launch (``pdl``) as many as the decode's budget allows (:func:`.overlap.decode_prefetch_bytes`:
+    none at one token) if more; nothing where a chunk is shorter than a cache line."""
     chunk = p["block_k"] * element_bytes
-    rows = min(p["rows"], budget // max(1, p["split"] * p["ranges"] * chunk)) if chunk >= overlap.LINE_BYTES else 0
+    budget = overlap.decode_prefetch_bytes(tokens) if pdl else 0
+    rows = max((stages - 1) * p["block_r"] if stages else 0, budget // max(1, p["split"] * p["ranges"] * chunk))
+    rows = min(p["rows"], rows) if chunk >= overlap.LINE_BYTES else 0
     rows = 1 << (rows.bit_length() - 1) if rows else 0
     if tiled and rows < 16:
         rows = 0

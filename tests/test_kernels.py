@@ -128,21 +128,24 @@ def test_resident_input_decode_matches_float64(tokens, dtype, tiled):
             assert y.shape == (tokens, rows) and _close(y, ref, dtype), (p is None, over, in_kernel)
 
 
-def test_resident_decode_launched_as_a_dependent_prefetches_its_first_rows_from_two_tokens():
-    """As the decode: nothing at one token; from two, each program's chunk of its first rows (a power of two,
-    the decode's 4 MiB over all programs) and one line of their position words; in cuSPARSELt's order
-    whole 16-row slices or nothing; nothing where a chunk is shorter than a cache line."""
+def test_resident_decode_requests_its_first_tiles_into_l2_before_its_inputs():
+    """Each program first requests into L2 its chunk of the rows its pipeline loads first (4 stages of 16
+    rows: 48, as a power of two 32), with one line of their position words; a dependent launch from two
+    tokens as many rows as the decode's 4 MiB over all programs allows if that is more; in cuSPARSELt's
+    order whole 16-row slices or nothing; nothing where a chunk is shorter than a cache line."""
     from shuffleprune.kernels.nm_resident import prefetch_plan, resident_plan
 
     p = resident_plan(4096, 2048, 2, 132)                       # 8 chunks × 64 ranges of 64 rows
-    assert prefetch_plan(resident_plan(4096, 2048, 1, 132), 1, 2, 2, False)["PREFETCH"] == 0
-    two = prefetch_plan(p, 2, 2, 2, False)
-    assert two == {"PREFETCH": 16, "PREFETCH_WORDS": 32, "LINE": 64}
-    assert 8 * 64 * two["PREFETCH"] * 256 * 2 <= 4 << 20
-    assert prefetch_plan(resident_plan(256, 2048, 2, 132), 2, 2, 2, True)["PREFETCH"] == 16   # rows: 16-row slices
-    many = resident_plan(4096, 8192, 2, 132, per_sm=8)          # 1024 programs: 8 rows each
-    assert prefetch_plan(many, 2, 2, 2, False)["PREFETCH"] == 8 and prefetch_plan(many, 2, 2, 2, True)["PREFETCH"] == 0
-    assert prefetch_plan(resident_plan(64, 24, 2, 132), 2, 2, 2, False)["PREFETCH"] == 0      # 32-value chunks
+    assert prefetch_plan(p, 1, 2, 2, False, stages=4) == {"PREFETCH": 32, "PREFETCH_WORDS": 32, "LINE": 64}
+    assert prefetch_plan(p, 2, 2, 2, False, stages=4, pdl=True)["PREFETCH"] == 32    # the budget's 16 are fewer
+    assert prefetch_plan(p, 1, 2, 2, False, pdl=True)["PREFETCH"] == 0               # no head, one token: none
+    assert prefetch_plan(p, 2, 2, 2, False, pdl=True)["PREFETCH"] == 16              # 8·64 programs · 16 rows · 512 B
+    many = resident_plan(4096, 8192, 2, 132, per_sm=8)          # 1024 programs: 8 rows each within the budget
+    assert prefetch_plan(many, 2, 2, 2, False, pdl=True)["PREFETCH"] == 8
+    assert prefetch_plan(many, 2, 2, 2, True, pdl=True)["PREFETCH"] == 0             # not a whole 16-row slice
+    assert prefetch_plan(many, 2, 2, 2, True, stages=4, pdl=True)["PREFETCH"] == 32
+    assert prefetch_plan(resident_plan(16, 2048, 1, 132), 1, 2, 2, False, stages=4)["PREFETCH"] == 16   # its rows
+    assert prefetch_plan(resident_plan(64, 24, 2, 132), 2, 2, 2, False, stages=4)["PREFETCH"] == 0      # 32 values
 
 
 def test_resident_input_decode_refuses_what_it_does_not_run():
@@ -1514,6 +1517,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     for r in resident.values():
         assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
         assert not r["tensor_core"] and r["loop_sync_loads"] == 0 and r["plan_per_sm"] <= r["programs_per_sm"], r
+        assert r["constexprs"]["PREFETCH"] == 32 and r["constexprs"]["PREFETCH_WORDS"] > 0, r   # the head in L2 first
     assert resident[("decode_resident", 1)]["loop_instructions"] == resident[("decode_resident_nomap", 1)]["loop_instructions"]
     for t in (1, 2):   # "decode": the select loop reading the map itself
         select = next(r for r in sixteen_bit if (r["impl"], r["tokens"], r["dtype"], r["pattern"]) ==
@@ -1538,7 +1542,9 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert dep["loads_before_wait"] and all(op.endswith("b32") for op in dep["loads_before_wait"]), r
         else:
             assert dep["prefetch_before_wait"] and dep["loads_before_wait"] == [], r
-            if r["impl"].startswith("decode") and r["tokens"] == 1:   # a one-token decode prefetches nothing
+            if r["impl"] == "decode_resident_pdl":   # its pipeline's first tiles, whatever the token count
+                assert dep["prefetches"] >= 2 and r["constexprs"]["PREFETCH"] == 32, r
+            elif r["impl"].startswith("decode") and r["tokens"] == 1:   # a one-token decode prefetches nothing
                 assert dep["prefetches"] == 0 and r["constexprs"]["PREFETCH"] == 0, r
             else:   # values and positions
                 assert dep["prefetches"] >= 2 and r["constexprs"]["PREFETCH"] > 0 and r["constexprs"]["PREFETCH_WORDS"] > 0, r
