@@ -167,18 +167,22 @@ def resident_applies(tokens: int, n: int, m: int, values: torch.Tensor) -> bool:
 
 
 def resident_plan(rows: int, kept: int, tokens: int, sms: int, block_r: int = RESIDENT_BLOCK_R,
-                  block_k: int | None = None, per_sm: int = RESIDENT_PER_SM, rows_per: int | None = None) -> dict:
+                  block_k: int | None = None, per_sm: int = RESIDENT_PER_SM, rows_per: int | None = None,
+                  stages: int = 4) -> dict:
     """Chunks and row ranges for :func:`nm_decode_resident`: chunks of ``block_k`` kept values (at most
-    :data:`RESIDENT_BLOCK_K`, fewer for narrow layers) and row ranges of a power of two rows (at least
-    ``block_r``, at most :data:`RESIDENT_MAX_ROWS`) such that the programs fill ``per_sm`` per SM
-    (``rows_per``: that many rows per range instead)."""
+    :data:`RESIDENT_BLOCK_K`, fewer for narrow layers) and row ranges of a power of two rows such that the
+    programs fill ``per_sm`` per SM, each at least ``stages`` steps of ``block_r`` rows where the layer has
+    them (a program of fewer steps than its pipeline holds tiles runs no loop: 1024×4096 would take 512
+    programs of one step each) and at most :data:`RESIDENT_MAX_ROWS` (``rows_per``: that many rows per
+    range instead)."""
     block_k = block_k or max(16, min(RESIDENT_BLOCK_K, next_pow2(kept)))
     if block_r < 16 or block_r & (block_r - 1) or block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"the resident decode takes powers of two block_r ≥ 16 and block_k ≥ 16 (got {block_r}, "
                          f"{block_k})")
     split = cdiv(kept, block_k)
     ranges = max(1, min(cdiv(rows, block_r), cdiv(per_sm * sms, split)))
-    rows_per = rows_per or min(RESIDENT_MAX_ROWS, max(block_r, next_pow2(cdiv(rows, ranges))))
+    least = min(block_r * stages, max(block_r, next_pow2(rows)))
+    rows_per = rows_per or min(RESIDENT_MAX_ROWS, max(least, next_pow2(cdiv(rows, ranges))))
     if rows_per % block_r or rows_per & (rows_per - 1):
         raise ValueError(f"a row range is a power of two rows, a multiple of block_r {block_r} (got {rows_per})")
     split_p2 = next_pow2(split)
@@ -246,7 +250,7 @@ def _resident_launch(x2: torch.Tensor, values: torch.Tensor, bits: int, perm: to
     """:func:`nm_decode_resident`'s plan, grid and keyword arguments, worked out once per kind of call."""
     tokens, cols = x2.shape
     rows, kept = values.shape
-    p = resident_plan(rows, kept, tokens, gpu.sm_count(x2.device), **plan_overrides)
+    p = resident_plan(rows, kept, tokens, gpu.sm_count(x2.device), stages=stages, **plan_overrides)
     check_tiled(tiled, p["block_r"])
     grid = (p["split"], p["ranges"])   # a row range's chunks launch side by side and end about together
     common = dict(BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
