@@ -156,7 +156,7 @@ if triton is not None:
 RESIDENT_MAX_TOKENS = 2      # built for 4 tokens: 28-31 loop instructions per kept value, as many as the select loop's
 RESIDENT_BLOCK_R = 16        # rows per step: 4 warps, 16 rows × 128 value pairs (Triton's 16-byte loads)
 RESIDENT_BLOCK_K = 256       # kept values per chunk (512 input columns): the partial sums are 1.4 % of the weight
-RESIDENT_PER_SM = 4          # programs per SM the row ranges are sized for (8 reside, as compiled for sm_90a)
+RESIDENT_PER_SM = 4          # programs per SM the row ranges are sized for (7-8 reside, as compiled for sm_90a)
 RESIDENT_MAX_ROWS = 1024     # the longest row range (the last program's sum reads ROWS rows of every chunk)
 SUM_ELEMENTS = 4096          # partial sums the last program of a row range loads at once (32 per thread)
 
