@@ -58,8 +58,8 @@ if triton is not None:
 
     @triton.jit
     def step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N: tl.constexpr, M: tl.constexpr,
-                     G: tl.constexpr, HAS_PERM: tl.constexpr, X_WORDS: tl.constexpr = False,
-                     MAP_SPAN: tl.constexpr = 0):
+                    G: tl.constexpr, HAS_PERM: tl.constexpr, X_WORDS: tl.constexpr = False,
+                    MAP_SPAN: tl.constexpr = 0):
         """The inputs of the ``G`` groups starting at kept value ``k0``, in permuted column order and
         read once through the index map: ``[BLOCK_T, G·M]`` in ``x``'s dtype. ``X_WORDS`` (16-bit
         ``x`` at a 4-byte aligned address, even row stride): each input is taken from the 32-bit word
@@ -92,7 +92,7 @@ if triton is not None:
         if AHEAD and HAS_PERM and not X_WORDS:
             xs = x_ahead
             x_ahead = step_inputs(x_ptr, perm_ptr, k0 + BLOCK_K, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM,
-                                   False, MAP_SPAN)
+                                  False, MAP_SPAN)
         else:
             xs = step_inputs(x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS, MAP_SPAN)
         return xs, x_ahead
@@ -174,7 +174,7 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         x_ahead = step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
-                               MAP_SPAN)
+                              MAP_SPAN)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             # the byte-permute expansion but for 32 tokens in the MMA's rows (sm_90a: 1361 loop instructions
             # and 182 registers against the selects' 1267 and 150)
@@ -206,7 +206,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
         # with a map the inputs are read one step ahead (_inputs_ahead) unless the pipeline copies them (X_WORDS)
         x_ahead = step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
-                               MAP_SPAN)
+                              MAP_SPAN)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             v, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
                                  "evict_first", TILED)
@@ -282,7 +282,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
         acc_second = tl.zeros((BLOCK_R, G), dtype=tl.float32)   # the second token's (BLOCK_T == 2)
         x_ahead = step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
-                               MAP_SPAN)
+                              MAP_SPAN)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
             pair, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K,
                                     "evict_first", TILED, True)
