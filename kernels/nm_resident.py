@@ -13,7 +13,8 @@ keeps them in registers, each thread the inputs of the groups it holds; each ste
 program, so a layer with a map runs the loop of one without. What the chunks add: each row's
 float32 partial sum per chunk (8 bytes per row and chunk at 256 kept values: 1.4 % of the weight's
 bytes), written in the loop and added by the last program of each row range to finish
-(:func:`_sum_row_range`; a second launch, :func:`.split_k.sum_partials`, where no counters can be had).
+(:func:`_sum_row_range`, in chunk order; a second launch, :func:`.split_k.sum_partials`, where no counters
+can be had: the same sum, bit for bit).
 
 2:4 with 16-bit values, either position layout (the export's words or cuSPARSELt's order). Compiled
 for sm_90a (4096×4096, one token of 16 rows × 256 kept values per step): 344 loop instructions under
@@ -71,25 +72,24 @@ if triton is not None:
 
     @triton.jit
     def _sum_row_range(bias_ptr, y_ptr, part_ptr, count_ptr, row0, T, R, stride_yt, HAS_BIAS: tl.constexpr,
-                       SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, ROWS: tl.constexpr, SUM_R: tl.constexpr,
-                       BLOCK_T: tl.constexpr):
+                       SPLIT: tl.constexpr, ROWS: tl.constexpr, SUM_R: tl.constexpr, BLOCK_T: tl.constexpr):
         """The chunks of row range ``program_id(1)`` count their arrivals in ``count_ptr`` (the release-acquire
         pattern of :func:`.split_k._sum_in_last_split`); the last adds the ``SPLIT`` partial sums of its
-        ``ROWS`` rows, all chunks' loads of ``SUM_R`` rows issued at once (a loop over the chunks would
-        wait on each load in turn), adds the bias, writes ``y`` and sets its counter back to 0."""
+        ``ROWS`` rows in chunk order (the same sum, bit for bit, as :func:`.split_k.sum_partials`), ``SUM_R``
+        rows at a time with the chunks unrolled, so all their loads are issued before the adds wait (a loop
+        over the chunks would wait on each load in turn), adds the bias, writes ``y`` and sets its counter
+        back to 0."""
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            splits = tl.arange(0, SPLIT_P2)
             for r in tl.static_range(0, ROWS, SUM_R):
                 rows = row0 + r + tl.arange(0, SUM_R)
                 row_ok = rows < R
                 for t in tl.static_range(BLOCK_T):
                     t_ok = row_ok & (rows * 0 + t < T)
-                    ok = (splits < SPLIT)[:, None] & t_ok[None, :]
-                    part = tl.load(part_ptr + (splits[:, None] * T + t) * R + rows[None, :], mask=ok, other=0.0,
-                                   cache_modifier=".cg")
-                    total = tl.sum(part, axis=0)
+                    total = tl.zeros((SUM_R,), dtype=tl.float32)
+                    for s in tl.static_range(SPLIT):
+                        total += tl.load(part_ptr + (s * T + t) * R + rows, mask=t_ok, other=0.0, cache_modifier=".cg")
                     if HAS_BIAS:
                         total += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
                     tl.store(y_ptr + t * stride_yt + rows, total.to(y_ptr.dtype.element_ty), mask=t_ok)
@@ -99,7 +99,7 @@ if triton is not None:
     def _nm_resident_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
                             T, R, K, C, WORDS, stride_xt, stride_yt,
                             BITS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_R: tl.constexpr,
+                            SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr, SUM_R: tl.constexpr,
                             STAGES: tl.constexpr, TILED: tl.constexpr, X_WORDS: tl.constexpr,
                             SUM_HERE: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
@@ -149,8 +149,8 @@ if triton is not None:
             if BLOCK_T == 2:
                 _store_rows(two, 1, rows, row_ok, bias_ptr, y_ptr, part_ptr, pid_s, T, R, stride_yt, HAS_BIAS, SPLIT)
         if SPLIT > 1 and SUM_HERE:
-            _sum_row_range(bias_ptr, y_ptr, part_ptr, count_ptr, row0, T, R, stride_yt, HAS_BIAS, SPLIT, SPLIT_P2,
-                           ROWS, SUM_R, BLOCK_T)
+            _sum_row_range(bias_ptr, y_ptr, part_ptr, count_ptr, row0, T, R, stride_yt, HAS_BIAS, SPLIT, ROWS,
+                           SUM_R, BLOCK_T)
 
 
 RESIDENT_MAX_TOKENS = 2      # built for 4 tokens: 28-31 loop instructions per kept value, as many as the select loop's
@@ -185,9 +185,8 @@ def resident_plan(rows: int, kept: int, tokens: int, sms: int, block_r: int = RE
     rows_per = rows_per or min(RESIDENT_MAX_ROWS, max(least, next_pow2(cdiv(rows, ranges))))
     if rows_per % block_r or rows_per & (rows_per - 1):
         raise ValueError(f"a row range is a power of two rows, a multiple of block_r {block_r} (got {rows_per})")
-    split_p2 = next_pow2(split)
-    return dict(block_r=block_r, block_k=block_k, block_t=next_pow2(tokens), split=split, split_p2=split_p2,
-                rows=rows_per, ranges=cdiv(rows, rows_per), sum_r=min(rows_per, max(16, SUM_ELEMENTS // split_p2)))
+    return dict(block_r=block_r, block_k=block_k, block_t=next_pow2(tokens), split=split, rows=rows_per,
+                ranges=cdiv(rows, rows_per), sum_r=min(rows_per, max(16, SUM_ELEMENTS // next_pow2(split))))
 
 
 class ResidentLaunch(NamedTuple):
@@ -254,7 +253,7 @@ def _resident_launch(x2: torch.Tensor, values: torch.Tensor, bits: int, perm: to
     check_tiled(tiled, p["block_r"])
     grid = (p["split"], p["ranges"])   # a row range's chunks launch side by side and end about together
     common = dict(BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
-                  SPLIT_P2=p["split_p2"], BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"],
+                  BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"],
                   ROWS=p["rows"], SUM_R=p["sum_r"], STAGES=stages, TILED=tiled,
                   X_WORDS=word_gather(x2), num_warps=num_warps)
     common.update(prefetch_plan(p, tokens, values.element_size(), bits, tiled, stages if head_prefetch else 0, pdl))

@@ -109,7 +109,7 @@ def test_resident_input_decode_matches_float64(tokens, dtype, tiled):
     through the map, then streams rows past them) gives the float64 product at 1–2 tokens, with the map
     or without, with bias or without, in the export's words and in cuSPARSELt's order: one chunk of the
     kept values, and five chunks over three row ranges (ragged rows), their partial sums added by the
-    last program of each range or by a second launch."""
+    last program of each range or by a second launch (the two bit for bit: both add in chunk order)."""
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.kernels.nm_resident import nm_decode_resident, resident_plan
     from shuffleprune.kernels.nm_words import position_words
@@ -123,9 +123,12 @@ def test_resident_input_decode_matches_float64(tokens, dtype, tiled):
     assert resident_plan(rows, values.shape[1], tokens, 1)["split"] == 1
     for p, b in ((perm.to(torch.int32), bias), (None, None)):
         ref = (x.double() if p is None else x.double()[:, p.long()]) @ w.double().t() + (0 if b is None else b.double())
+        ys = {}
         for over, in_kernel in (({}, None), (chunked, None), (chunked, False)):
-            y = nm_decode_resident(x, values, words, 2, 4, 2, p, b, tiled=tiled, sum_in_kernel=in_kernel, **over)
+            y = ys[bool(over), in_kernel] = nm_decode_resident(x, values, words, 2, 4, 2, p, b, tiled=tiled,
+                                                                sum_in_kernel=in_kernel, **over)
             assert y.shape == (tokens, rows) and _close(y, ref, dtype), (p is None, over, in_kernel)
+        assert torch.equal(ys[True, None], ys[True, False])
 
 
 def test_resident_decode_requests_its_first_tiles_into_l2_before_its_inputs():
