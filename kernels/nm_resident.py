@@ -18,7 +18,7 @@ can be had: the same sum, bit for bit).
 
 2:4 with 16-bit values, either position layout (the export's words or cuSPARSELt's order). Compiled
 for sm_90a (4096×4096, one token of 16 rows × 256 kept values per step): 344 loop instructions under
-Triton 3.9 (350 under 3.6), 10.75 per kept value with or without a map (the select decode: 14.5 with,
+Triton 3.9 (349 under 3.6), 10.75 per kept value with or without a map (the select decode: 14.5 with,
 11.4 without), 72 registers (64). The inputs are read as 32-bit words even without a map: read in
 order, Triton laid them out so that every step moved both picked inputs through shared memory (609
 instructions). Not yet timed on a GPU: ``SparseLinear``'s ``auto`` times it (``decode_resident``).
