@@ -42,6 +42,7 @@ if triton is not None:
     from shuffleprune.kernels.nm_decode import pick_and_add, step_inputs, widen, widen_pairs
     from shuffleprune.kernels.nm_words import cslt_group_codes, group_codes, kept_tile, prefetch_positions
     from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
+    from shuffleprune.kernels.split_k import last_to_arrive, reset_counter
 
     @triton.jit
     def _row_sums(pair, code, x_one, x_two, DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -73,15 +74,13 @@ if triton is not None:
     @triton.jit
     def _sum_row_range(bias_ptr, y_ptr, part_ptr, count_ptr, row0, T, R, stride_yt, HAS_BIAS: tl.constexpr,
                        SPLIT: tl.constexpr, ROWS: tl.constexpr, SUM_R: tl.constexpr, BLOCK_T: tl.constexpr):
-        """The chunks of row range ``program_id(1)`` count their arrivals in ``count_ptr`` (the release-acquire
-        pattern of :func:`.split_k._sum_in_last_split`); the last adds the ``SPLIT`` partial sums of its
+        """The chunks of row range ``program_id(1)`` count their arrivals in ``count_ptr``
+        (:func:`.split_k.last_to_arrive`, as split-K's tiles do); the last adds the ``SPLIT`` partial sums of its
         ``ROWS`` rows in chunk order (the same sum, bit for bit, as :func:`.split_k.sum_partials`), ``SUM_R``
         rows at a time with the chunks unrolled, so all their loads are issued before the adds wait (a loop
         over the chunks would wait on each load in turn), adds the bias, writes ``y`` and sets its counter
         back to 0."""
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
+        if last_to_arrive(count_ptr, tl.program_id(1), SPLIT):
             for r in tl.static_range(0, ROWS, SUM_R):
                 rows = row0 + r + tl.arange(0, SUM_R)
                 row_ok = rows < R
@@ -93,7 +92,7 @@ if triton is not None:
                     if HAS_BIAS:
                         total += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
                     tl.store(y_ptr + t * stride_yt + rows, total.to(y_ptr.dtype.element_ty), mask=t_ok)
-            tl.atomic_xchg(count_ptr + tl.program_id(1), 0, sem="relaxed", scope="gpu")
+            reset_counter(count_ptr, tl.program_id(1))
 
     @triton.jit
     def _nm_resident_kernel(x_ptr, val_ptr, word_ptr, perm_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,

@@ -44,14 +44,10 @@ if triton is not None:
         """Split-K without a second launch: the split programs of an output tile (``program_id(0)``) count
         their arrivals in ``count_ptr``, and the last to arrive adds the ``SPLIT`` partial sums in split
         order (the same sum, bit for bit, as :func:`sum_partials`, whatever the arrival order), adds the
-        bias, writes ``y`` and sets its counter back to 0. Every thread's partial sums are stored before
-        the barrier, then one thread's release-acquire atomic publishes them (CUTLASS's split-K semaphore
-        pattern; sm_90a: ``MEMBAR.GPU``, the atomic, ``CCTL.IVALL``), and the last program reads them from
-        L2 (``.cg``) 16 tokens at a time, in a layout of its own (a GEMM's 256-token tile summed at once
+        bias, writes ``y`` and sets its counter back to 0 (:func:`last_to_arrive`, :func:`reset_counter`). It
+        reads them 16 tokens at a time, in a layout of its own (a GEMM's 256-token tile summed at once
         raised its registers from 117 to 134, one program fewer per SM)."""
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
+        if last_to_arrive(count_ptr, tl.program_id(0), SPLIT):
             CHUNK_T: tl.constexpr = BLOCK_T if BLOCK_T < 16 else 16
             rows = row0 + tl.arange(0, BLOCK_R)
             if HAS_BIAS:
@@ -66,7 +62,23 @@ if triton is not None:
                 if HAS_BIAS:
                     total += bias
                 tl.store(y_ptr + toks[:, None] * stride_yt + rows[None, :], total.to(y_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(count_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+            reset_counter(count_ptr, tl.program_id(0))
+
+    @triton.jit
+    def last_to_arrive(count_ptr, tile, SPLIT: tl.constexpr):
+        """Whether this program is the last of the ``SPLIT`` that share counter ``tile`` to arrive: every
+        thread's partial sums are stored before the barrier, then one thread's release-acquire atomic
+        publishes them and reads the count (CUTLASS's split-K semaphore pattern; sm_90a: ``MEMBAR.GPU``,
+        the atomic, ``CCTL.IVALL``). The last reads the others' sums from L2 (``.cg``) and then calls
+        :func:`reset_counter`."""
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        return arrived == SPLIT - 1
+
+    @triton.jit
+    def reset_counter(count_ptr, tile):
+        """Counter ``tile`` back to 0 for the next launch that takes it (:func:`split_counters`)."""
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
     @triton.jit
