@@ -201,9 +201,11 @@ def _sass(cubin: bytes, arch: int) -> str:
 
 
 def main_loop(sass: str) -> list[str]:
-    """The machine instructions of the longest loop body (label … backward branch to it): what one
-    warp issues per iteration of the kernel's main loop; empty when the kernel has no loop."""
-    body, seen, instructions = (0, 0), {}, []
+    """The machine instructions of the longest loop body (label … backward branch to it, with no
+    ``EXIT`` between): what one warp issues per iteration of the kernel's main loop; empty when the
+    kernel has no loop. (A barrier wait's retry placed after the kernel's exits branches back into
+    the loop: that span is no loop body.)"""
+    body, seen, instructions, exits = (0, 0), {}, [], []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
         if label:
@@ -213,8 +215,11 @@ def main_loop(sass: str) -> list[str]:
         if not ins:
             continue
         instructions.append(ins.group(1))
+        if re.search(r"\bEXIT\b", ins.group(1)):
+            exits.append(len(instructions) - 1)
         target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", ins.group(1))
-        if target and target.group(1) in seen and len(instructions) - seen[target.group(1)] > body[1] - body[0]:
+        if target and target.group(1) in seen and len(instructions) - seen[target.group(1)] > body[1] - body[0] \
+                and not any(seen[target.group(1)] <= e for e in exits):
             body = (seen[target.group(1)], len(instructions))
     return instructions[body[0]:body[1]]
 
@@ -287,6 +292,7 @@ def report(launch: Launch, spec: GPUSpec = H100) -> dict:
         "widest_load_bytes": max((_load_bytes(op) for op in loads), default=0),
         "evict_first": "evict_first" in ptx,
         "async_copies": bool(re.search(r"\bcp\.async\.", ptx)),   # a software-pipelined loop's loads
+        "bulk_copies": "cp.async.bulk.tensor" in ptx,   # tiles copied by the Tensor Memory Accelerator
         "tensor_core": bool(re.search(r"\b(wgmma|mma)\.", ptx)),
         "wgmma": "wgmma." in ptx,
         "loop_instructions": len(loop),

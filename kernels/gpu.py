@@ -43,6 +43,12 @@ def pdl(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.version.hip is None and _capability(x.get_device())[0] >= 9   # (no device object)
 
 
+def tma(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x``'s device may copy tiles by the Tensor Memory Accelerator (tensor
+    descriptors): an NVIDIA GPU of compute capability 9.0 or more, or the CPU's interpreter."""
+    return x.device.type == "cpu" or pdl(x)
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int | None) -> tuple[int, int]:
     """A CUDA device's compute capability, looked up once (the mapped norm asks on every call)."""

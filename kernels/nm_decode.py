@@ -28,6 +28,10 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - a Triton before host-side tensor descriptors (3.4)
+    TensorDescriptor = None
 
 from shuffleprune.kernels import gpu, overlap, split_k
 from shuffleprune.kernels.gpu import cdiv, next_pow2
@@ -36,7 +40,7 @@ from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
     from shuffleprune.kernels.nm_words import (cslt_group_codes, cslt_positions, dense_tile, group_codes, kept_tile,
-                                               mma_step, positions, prefetch_positions)
+                                               mma_step, positions, prefetch_positions, tma_dense_tile)
     from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
     from shuffleprune.kernels.split_k import write_output
 
@@ -128,13 +132,15 @@ if triton is not None:
                           TILED: tl.constexpr = False, X_WORDS: tl.constexpr = False,
                           SUM_HERE: tl.constexpr = False, NATIVE: tl.constexpr = True,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
-                          PREFETCH_WORDS: tl.constexpr = 0, MAP_SPAN: tl.constexpr = 0, BY_GROUP: tl.constexpr = True):
+                          PREFETCH_WORDS: tl.constexpr = 0, MAP_SPAN: tl.constexpr = 0, BY_GROUP: tl.constexpr = True,
+                          TMA: tl.constexpr = False):
         """Rows ``program_id(0)``, kept values of split ``program_id(1)``, every token: the select loop
         (:func:`select_loop`: few tokens, no tensor cores, no dense tile) or, with ``USE_DOT``, the
         tensor-core loop (:func:`dot_loop`; ``PREC``, ``UPCAST``, ``WEIGHT_A`` and ``NATIVE`` are its
         own). A map's gather is read as 32-bit words the pipeline copies (``X_WORDS``, see
         :func:`step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`); a map within
-        aligned blocks of ``MAP_SPAN`` columns as 1-byte offsets; ``BY_GROUP``: the select loop's own.
+        aligned blocks of ``MAP_SPAN`` columns as 1-byte offsets; ``BY_GROUP``: the select loop's own;
+        ``TMA``: the tensor-core loop's, ``val_ptr`` and ``word_ptr`` then tensor descriptors.
         ``PDL``
         (launched as a programmatic dependent, :mod:`.overlap`): the first ``PREFETCH`` kept values of
         each row and their ``PREFETCH_WORDS`` position words go to L2 while the kernel before still
@@ -151,7 +157,7 @@ if triton is not None:
         if USE_DOT:
             acc = dot_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
                            stride_xt, N, M, BITS, HAS_PERM, PREC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, WEIGHT_A,
-                           TILED, X_WORDS, NATIVE, MAP_SPAN)
+                           TILED, X_WORDS, NATIVE, MAP_SPAN, TMA)
         else:
             acc = select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C,
                               WORDS, stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, TILED, X_WORDS,
@@ -164,10 +170,11 @@ if triton is not None:
                  stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
                  PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_T: tl.constexpr, STAGES: tl.constexpr, WEIGHT_A: tl.constexpr, TILED: tl.constexpr,
-                 X_WORDS: tl.constexpr, NATIVE: tl.constexpr, MAP_SPAN: tl.constexpr = 0):
+                 X_WORDS: tl.constexpr, NATIVE: tl.constexpr, MAP_SPAN: tl.constexpr = 0, TMA: tl.constexpr = False):
         """The tensor-core decode's loop over kept values ``k_start … k_end`` of rows ``rows`` for the input
         rows ``toks`` of ``x`` (any rows: the MoE kernel passes the tokens routed to one expert): float32
-        ``[BLOCK_R, BLOCK_T]``."""
+        ``[BLOCK_R, BLOCK_T]``. ``TMA``: ``val_ptr`` (and without ``TILED`` ``word_ptr``) are tensor descriptors of
+        a 16-bit 2:4 weight (:func:`.nm_words.tma_dense_tile`), ``rows`` consecutive."""
         G: tl.constexpr = BLOCK_K // N
         if WEIGHT_A:
             acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
@@ -175,11 +182,16 @@ if triton is not None:
             acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         x_ahead = step_inputs(x_ptr, perm_ptr, k_start, C, toks, tok_ok, stride_xt, N, M, G, HAS_PERM, X_WORDS,
                               MAP_SPAN)
+        row0 = tl.min(rows, axis=0) if TMA else 0
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-            # the byte-permute expansion but for 32 tokens in the MMA's rows (sm_90a: 1361 loop instructions
-            # and 182 registers against the selects' 1267 and 150)
-            dense = dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
-                               "evict_first", TILED, NATIVE, WEIGHT_A or BLOCK_T != 32)
+            if TMA:
+                dense = tma_dense_tile(val_ptr, word_ptr, row0, rows, row_ok, k0, WORDS, BITS, BLOCK_R, BLOCK_K,
+                                       x_ptr.dtype.element_ty, TILED, NATIVE)
+            else:
+                # the byte-permute expansion but for 32 tokens in the MMA's rows (sm_90a: 1361 loop
+                # instructions and 182 registers against the selects' 1267 and 150)
+                dense = dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
+                                   "evict_first", TILED, NATIVE, WEIGHT_A or BLOCK_T != 32)
             # a step ahead up to 16 tokens (at 32 the carried tile spills the 2:4 tile)
             xs, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, BLOCK_K,
                                         HAS_PERM, BLOCK_T <= 16, X_WORDS, MAP_SPAN)
@@ -340,6 +352,11 @@ DOT_TILES_SWAP = {
 # per step, the synchronous mma) by (block_r, dense columns, warps): the programs an SM holds as compiled for
 # sm_90a at 2-16 tokens of 2:4 (shared memory allows 6, registers 9)
 DOT_RESIDENT_SWAP = {(32, 128, 2): 6}
+# the same with the weight's tiles copied by the Tensor Memory Accelerator (SparseLinear's ``decode_swap_tma``:
+# 64 rows × 256 dense columns on 4 warps, 3 stages): no thread holds the copies' addresses, so the default
+# tile compiles to 126 registers, not 200 (Triton 3.6: 124, not 166), and 3 programs reside per SM (by
+# shared memory), not 2
+DOT_RESIDENT_TMA = {(64, 256, 4): 3}
 DOT_TILE_FP32 = (16, 128, 8, 1)
 DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP32 = 64, 16
 # up to this many tokens the select kernel is the default: on an H100 at 2 tokens it took 12.5–29.7 µs on
@@ -366,24 +383,24 @@ _PLANS: dict[tuple, dict] = {}   # decode_plan's answers by its arguments and th
 def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
                 stages: int = 4, num_warps: int | None = None, use_dot: bool | None = None,
-                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True) -> dict:
+                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True, tma: bool = False) -> dict:
     """:func:`plan_decode`, worked out once per shape, token count, options and device facts (SM count,
     shared memory per SM) and then looked up: the host runs it at every decode launch, and working
     it out took 13–19 µs on a 2-core CPU (``scripts/results/bench_host_overhead.json``), longer than an
     H100's one-token decode of a 4096×4096 layer."""
     key = (rows, kept, tokens, n, m, bits, block_r, block_k, split, stages, num_warps, use_dot, element_bytes,
-           weight_a, by_group, gpu.sm_count(device), gpu.smem_per_sm(device))
+           weight_a, by_group, tma, gpu.sm_count(device), gpu.smem_per_sm(device))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = plan_decode(rows, kept, tokens, n, m, bits, device, block_r, block_k, split, stages,
-                                         num_warps, use_dot, element_bytes, weight_a, by_group)
+                                         num_warps, use_dot, element_bytes, weight_a, by_group, tma)
     return dict(plan)
 
 
 def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
                 stages: int = 4, num_warps: int | None = None, use_dot: bool | None = None,
-                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True) -> dict:
+                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True, tma: bool = False) -> dict:
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
     Up to :data:`SELECT_MAX_TOKENS` tokens take the select kernel (but 4:8), more the tensor-core one
@@ -400,7 +417,8 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     float32 take smaller tiles: larger ones spill. Split-K makes enough programs to fill every SM: one
     per SM for select (an H100's timing: fewer, longer programs beat split-K there), and for the
     tensor-core kernel as many as its pipeline buffers let reside in the SM's shared memory (2 for the
-    2:4 tiles). ``stages`` tiles are in the software pipeline. Timed on an H100 (``scripts/gpu_run.sh
+    2:4 tiles; ``tma``, the weight's tiles copied by the Tensor Memory Accelerator: as
+    :data:`DOT_RESIDENT_TMA` says). ``stages`` tiles are in the software pipeline. Timed on an H100 (``scripts/gpu_run.sh
     tune_decode`` → ``scripts/results/tune_decode_*.json``): at one token these tiles unsplit were
     within 5 % of the best of 32; the tensor-core tiles are within 3 % of the best swept, but at about
     dense speed."""
@@ -411,6 +429,8 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
                          "use nm_gemm")
     if use_dot is None:  # 4:8's select chains 8 slots (2.2 TB/s at one token), its expansion does not (3.6)
         use_dot = not selects(tokens, n, m)
+    if tma and not (use_dot and weight_a and (n, m) == (2, 4) and element_bytes == 2):
+        raise ValueError("tma takes the weight-as-A tensor-core decode (use_dot, weight_a) of 2:4 on 16-bit inputs")
     if not use_dot and tokens > SELECT_LIMIT_TOKENS:
         raise ValueError(f"the select decode takes at most {SELECT_LIMIT_TOKENS} tokens (got {tokens})")
     block_t = max(16, next_pow2(tokens)) if use_dot else next_pow2(tokens)  # tl.dot: ≥ 16
@@ -422,6 +442,9 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         num_warps = num_warps or tile[2]
         if block_r < 16 or block_k // n * m < 16:
             raise ValueError(f"the tensor-core decode needs block_r ≥ 16 and block_k·M/N ≥ 16 (got {block_r}, {block_k})")
+        if tma and block_k * bits < 128:
+            raise ValueError(f"tma copies at least 16 bytes of position words per row: at least {128 // bits} kept "
+                             f"values per step (got {block_k})")
     else:
         block_r = block_r or 16
         block_k = block_k or max(fields, n, 128)
@@ -433,7 +456,9 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     if use_dot:  # as many as the registers (the tile's compile) and the pipeline's buffers let reside
         buffers = max(1, stages - 1) * (block_r * block_k * element_bytes + block_r * block_k * bits // 8
                                         + block_t * block_k * m // n * element_bytes)   # stages − 1 loads ahead
-        if (block_r, num_warps) == (tile[0], tile[2]):
+        if tma:
+            by_registers = DOT_RESIDENT_TMA.get((block_r, block_k * m // n, num_warps), 4)
+        elif (block_r, num_warps) == (tile[0], tile[2]):
             by_registers = tile[3]
         else:   # another tile SparseLinear times, or one being tuned: up to 4
             by_registers = DOT_RESIDENT_SWAP.get((block_r, block_k * m // n, num_warps), 4) if weight_a else 4
@@ -448,7 +473,7 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     split = cdiv(kept, per_split)
     return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split, stages=stages,
                 num_warps=num_warps, use_dot=use_dot, per_sm=per_sm, weight_a=weight_a and use_dot,
-                by_group=by_group or use_dot)
+                by_group=by_group or use_dot, tma=tma)
 
 
 def word_gather(x2: torch.Tensor) -> bool:
@@ -474,7 +499,9 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     the kernel before it ends (:mod:`.overlap`; where :func:`.overlap.enabled`, else an ordinary
     launch: the same result either way). ``block_map``: ``perm`` again as ``(offsets, span)``
     (:func:`block_map_offsets`, a map within aligned blocks of ``span`` columns): the kernel reads the
-    map as those 1-byte offsets, a quarter of the int32 map's bytes."""
+    map as those 1-byte offsets, a quarter of the int32 map's bytes. ``tma=True`` (with ``use_dot`` and
+    ``weight_a``): the weight's tiles are copied by the Tensor Memory Accelerator, where
+    :func:`tma_applies`."""
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
     tokens = x2.shape[0]
@@ -498,9 +525,14 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     split = launch.split
     part = split_k.partials(split, y)
     counts = split_k.summing(split, launch.grid[0], device, sum_in_kernel)
-    dummy = values
+    dummy, n_words = values, words.shape[1]
+    if launch.tma_tile is not None:   # Triton's own dispatch takes descriptors (no fast launch)
+        if not tma_applies(x2, values, words, n, m, tiled):
+            raise ValueError("tma needs 2:4 values of the inputs' 16-bit dtype and int32 position words, "
+                             "contiguous, 16-byte aligned, rows a multiple of 16 bytes, on sm_90 or later")
+        values, words = tma_descriptors(values, words, bits, tiled, *launch.tma_tile)
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
-            counts if counts is not None else dummy, tokens, rows, kept, cols, words.shape[1], x2.stride(0),
+            counts if counts is not None else dummy, tokens, rows, kept, cols, n_words, x2.stride(0),
             y.stride(0), launch.per_split)
     (launch.summed if counts is not None else launch.plain)(launch.grid, *args)
     if split > 1 and counts is None:
@@ -517,6 +549,7 @@ class DecodeLaunch(NamedTuple):
     per_split: int
     plain: BoundLaunch    # the kernel with its keyword arguments (compile-time constants, warps, launch options)
     summed: BoundLaunch   # the same for a split-K launch that adds its partial sums in the kernel
+    tma_tile: tuple[int, int] | None = None   # (rows, kept values) of the weight's tensor-descriptor tiles
 
 
 _LAUNCHES: dict[tuple, DecodeLaunch] = {}   # nm_decode's launches by everything that fixes them
@@ -544,7 +577,11 @@ def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits:
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
                   TILED=tiled, X_WORDS=can_words and async_gather is not False, num_warps=p["num_warps"],
                   **({"MAP_SPAN": span} if span else {}), **({} if p["by_group"] else {"BY_GROUP": False}))
-    if pdl:   # each program prefetches its rows' first kept values of its split, and their positions
+    if p["tma"]:
+        if values.dtype != x2.dtype:
+            raise ValueError("tma reads values of the inputs' dtype")
+        common["TMA"] = True
+    if pdl and not p["tma"]:   # each program prefetches its rows' first kept values of its split, and their positions
         share = overlap.prefetch_per_row(grid[0] * grid[1], p["block_r"], p["per_split"], values.element_size(),
                                          overlap.decode_prefetch_bytes(tokens))
         common.update(PDL=True, LINE=overlap.LINE_BYTES // values.element_size(), PREFETCH=share,
@@ -554,7 +591,31 @@ def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits:
                  **overlap.launch_options(pdl))
     kernel = fast(_nm_decode_kernel)
     return DecodeLaunch(grid, p["split"], p["per_split"], kernel.bind(DECODE_ARGS, plain),
-                        kernel.bind(DECODE_ARGS, {**plain, "SUM_HERE": True}))
+                        kernel.bind(DECODE_ARGS, {**plain, "SUM_HERE": True}),
+                        (p["block_r"], p["block_k"]) if p["tma"] else None)
+
+
+def tma_applies(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, tiled: bool) -> bool:
+    """Whether :func:`nm_decode` may read this weight by tensor descriptors (``tma=True``): 2:4 values of
+    ``x``'s 16-bit dtype and (in the export's layout; cuSPARSELt's order is read as without) the int32
+    position words, each contiguous at a 16-byte aligned address with rows a multiple of 16 bytes (the
+    Tensor Memory Accelerator's terms), on a device that has one (:func:`.gpu.tma`) and a Triton with
+    tensor descriptors."""
+    described = (values,) if tiled else (values, words)
+    return (TensorDescriptor is not None and (n, m) == (2, 4) and gpu.tma(x) and values.dtype == x.dtype
+            and values.element_size() == 2 and (tiled or words.dtype == torch.int32)
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[1] * t.element_size() % 16 == 0
+                    for t in described))
+
+
+def tma_descriptors(values: torch.Tensor, words: torch.Tensor, bits: int, tiled: bool, block_r: int,
+                    block_k: int) -> tuple:
+    """The decode's ``TMA`` weight arguments: a tensor descriptor of the 16-bit 2:4 value pairs as int32
+    ``[R, K/2]`` in blocks ``[block_r, block_k/2]``, and one of the position words in blocks ``[block_r,
+    block_k·bits/32]`` (``tiled``: the words as they are). Made per call: a descriptor holds its
+    tensor."""
+    pairs = TensorDescriptor.from_tensor(values.view(torch.int32), [block_r, block_k // 2])
+    return pairs, words if tiled else TensorDescriptor.from_tensor(words, [block_r, block_k * bits // 32])
 
 
 MAX_BLOCK_SPAN = 256   # the widest block whose offsets fit one byte

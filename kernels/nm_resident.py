@@ -33,14 +33,15 @@ import torch
 from shuffleprune.kernels import gpu, overlap, split_k
 from shuffleprune.kernels.gpu import cdiv, next_pow2
 from shuffleprune.kernels.launch import BoundLaunch, fast
-from shuffleprune.kernels.nm_decode import triton, word_gather
+from shuffleprune.kernels.nm_decode import tma_applies, tma_descriptors, triton, word_gather
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
     import triton.language as tl
 
     from shuffleprune.kernels.nm_decode import pick_and_add, step_inputs, widen, widen_pairs
-    from shuffleprune.kernels.nm_words import cslt_group_codes, group_codes, kept_tile, prefetch_positions
+    from shuffleprune.kernels.nm_words import (cslt_group_codes, group_codes, kept_tile, prefetch_positions,
+                                               tma_kept_pairs)
     from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
     from shuffleprune.kernels.split_k import last_to_arrive, reset_counter
 
@@ -102,7 +103,7 @@ if triton is not None:
                             BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr, SUM_R: tl.constexpr,
                             STAGES: tl.constexpr, TILED: tl.constexpr, X_WORDS: tl.constexpr,
                             SUM_HERE: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                            PREFETCH_WORDS: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                            PREFETCH_WORDS: tl.constexpr = 0, LINE: tl.constexpr = 64, TMA: tl.constexpr = False):
         """Chunk ``program_id(0)`` (kept values ``BLOCK_K·pid …``) of rows ``ROWS·program_id(1) …``, every
         token: its inputs read once, through the map (``X_WORDS``: as 32-bit words, see
         :func:`.nm_decode.step_inputs`), then ``[BLOCK_R, BLOCK_K/2]`` value pairs per step (16-byte
@@ -112,9 +113,11 @@ if triton is not None:
         through shared memory) comes before the pipeline's first weight copies in the compiled program,
         and the weight's first bytes would otherwise be asked for only after two memory round trips.
         ``PDL`` (a programmatic dependent, :mod:`.overlap`): that prefetch runs while the kernel before
-        still runs; nothing is read of the input, nor written, before that kernel has ended."""
+        still runs; nothing is read of the input, nor written, before that kernel has ended. ``TMA``:
+        ``val_ptr`` (and without ``TILED`` ``word_ptr``) are tensor descriptors whose tiles the Tensor
+        Memory Accelerator copies (:func:`.nm_words.tma_kept_pairs`; no head prefetch)."""
         G: tl.constexpr = BLOCK_K // 2
-        DTYPE: tl.constexpr = val_ptr.dtype.element_ty
+        DTYPE: tl.constexpr = x_ptr.dtype.element_ty if TMA else val_ptr.dtype.element_ty   # (tma: the same)
         pid_s = tl.program_id(0)
         toks = tl.arange(0, BLOCK_T)
         k0 = pid_s * BLOCK_K
@@ -137,8 +140,12 @@ if triton is not None:
         for r in tl.range(row0, tl.minimum(row0 + ROWS, R), BLOCK_R, num_stages=STAGES):
             rows = r + tl.arange(0, BLOCK_R)
             row_ok = rows < R
-            pair, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, 2, BITS, BLOCK_R, BLOCK_K,
-                                    "evict_first", TILED, True)
+            if TMA:
+                pair, words = tma_kept_pairs(val_ptr, word_ptr, r, rows, row_ok, k0, WORDS, BITS, BLOCK_R, BLOCK_K,
+                                             TILED)
+            else:
+                pair, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, 2, BITS, BLOCK_R, BLOCK_K,
+                                        "evict_first", TILED, True)
             if TILED:
                 code = cslt_group_codes(words, rows, BLOCK_R, BLOCK_K)
             else:
@@ -195,6 +202,8 @@ class ResidentLaunch(NamedTuple):
     split: int
     plain: BoundLaunch
     summed: BoundLaunch
+    block_r: int
+    block_k: int
 
 
 _LAUNCHES: dict[tuple, ResidentLaunch] = {}
@@ -204,13 +213,15 @@ RESIDENT_ARGS = 15   # the kernel's positional (runtime) arguments
 def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
                        perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, tiled: bool = False,
                        sum_in_kernel: bool | None = None, pdl: bool = False, head_prefetch: bool = True,
-                       stages: int = 4, num_warps: int = 4, **plan_overrides) -> torch.Tensor:
+                       stages: int = 4, num_warps: int = 4, tma: bool = False, **plan_overrides) -> torch.Tensor:
     """``x`` ``[..., C]`` with 1–2 tokens → ``x[..., perm] @ W_pᵀ + bias`` ``[..., R]`` for a 2:4 weight with
     16-bit ``values`` in the word layout (``tiled``: cuSPARSELt's order, as :func:`.nm_decode.nm_decode`),
     by the resident-input kernel. ``sum_in_kernel`` and ``pdl`` as :func:`.nm_decode.nm_decode`;
     ``head_prefetch``: each program first requests the tiles its pipeline loads first into L2
-    (:func:`prefetch_plan`; compiled for an NVIDIA GPU only); ``plan_overrides``: :func:`resident_plan`'s ``block_r``, ``block_k``,
-    ``per_sm`` and ``rows_per``."""
+    (:func:`prefetch_plan`; compiled for an NVIDIA GPU only); ``tma``: the weight's tiles copied by the Tensor
+    Memory Accelerator instead (where :func:`.nm_decode.tma_applies`, with at least 64 kept values per
+    chunk); ``plan_overrides``: :func:`resident_plan`'s ``block_r``, ``block_k``, ``per_sm`` and
+    ``rows_per``."""
     check_pattern(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
@@ -221,20 +232,26 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
                          f"(got {tokens} tokens, {n}:{m}, {values.dtype})")
     device = x.device
     pdl = pdl and overlap.enabled(x)
-    head_prefetch = head_prefetch and gpu.native(x)   # an L2 prefetch is PTX: not interpreted, not on ROCm
+    head_prefetch = head_prefetch and gpu.native(x) and not tma   # an L2 prefetch is PTX: not interpreted, not on ROCm
     key = (rows, kept, tokens, cols, bits, x2.dtype, values.dtype, device, gpu.sm_count(device), tiled,
-           perm is None, bias is None, word_gather(x2), pdl, head_prefetch, stages, num_warps,
+           perm is None, bias is None, word_gather(x2), pdl, head_prefetch, stages, num_warps, tma,
            tuple(plan_overrides.items()))
     launch = _LAUNCHES.get(key)
     if launch is None:
         launch = _LAUNCHES[key] = _resident_launch(x2, values, bits, perm, bias, tiled, pdl, head_prefetch, stages,
-                                                   num_warps, plan_overrides)
+                                                   num_warps, tma, plan_overrides)
     y = torch.empty(tokens, rows, dtype=x.dtype, device=device)
     part = split_k.partials(launch.split, y)
     counts = split_k.summing(launch.split, launch.grid[1], device, sum_in_kernel)
-    dummy = values
+    dummy, n_words = values, words.shape[1]
+    if tma:   # Triton's own dispatch takes descriptors (no fast launch)
+        if not tma_applies(x2, values, words, n, m, tiled) or launch.block_k * bits < 128:
+            raise ValueError("tma needs 2:4 values of the inputs' 16-bit dtype and int32 position words, contiguous, "
+                             "16-byte aligned, rows a multiple of 16 bytes, at least 64 kept values per chunk, on "
+                             "sm_90 or later")
+        values, words = tma_descriptors(values, words, bits, tiled, launch.block_r, launch.block_k)
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
-            counts if counts is not None else dummy, tokens, rows, kept, cols, words.shape[1], x2.stride(0),
+            counts if counts is not None else dummy, tokens, rows, kept, cols, n_words, x2.stride(0),
             y.stride(0))
     (launch.summed if counts is not None else launch.plain)(launch.grid, *args)
     if launch.split > 1 and counts is None:
@@ -244,7 +261,7 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
 
 def _resident_launch(x2: torch.Tensor, values: torch.Tensor, bits: int, perm: torch.Tensor | None,
                      bias: torch.Tensor | None, tiled: bool, pdl: bool, head_prefetch: bool, stages: int,
-                     num_warps: int, plan_overrides: dict) -> ResidentLaunch:
+                     num_warps: int, tma: bool, plan_overrides: dict) -> ResidentLaunch:
     """:func:`nm_decode_resident`'s plan, grid and keyword arguments, worked out once per kind of call."""
     tokens, cols = x2.shape
     rows, kept = values.shape
@@ -254,13 +271,15 @@ def _resident_launch(x2: torch.Tensor, values: torch.Tensor, bits: int, perm: to
     common = dict(BITS=bits, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=p["split"],
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"],
                   ROWS=p["rows"], SUM_R=p["sum_r"], STAGES=stages, TILED=tiled,
-                  X_WORDS=word_gather(x2), num_warps=num_warps)
-    common.update(prefetch_plan(p, tokens, values.element_size(), bits, tiled, stages if head_prefetch else 0, pdl))
+                  X_WORDS=word_gather(x2), num_warps=num_warps, **({"TMA": True} if tma else {}))
+    if not tma:   # the prefetch reads the weight's addresses, which a descriptor does not give
+        common.update(prefetch_plan(p, tokens, values.element_size(), bits, tiled, stages if head_prefetch else 0,
+                                    pdl))
     if pdl:
         common.update(PDL=True, **overlap.launch_options(True))
     kernel = fast(_nm_resident_kernel)
     return ResidentLaunch(grid, p["split"], kernel.bind(RESIDENT_ARGS, {**common, "SUM_HERE": False}),
-                          kernel.bind(RESIDENT_ARGS, {**common, "SUM_HERE": True}))
+                          kernel.bind(RESIDENT_ARGS, {**common, "SUM_HERE": True}), p["block_r"], p["block_k"])
 
 
 def prefetch_plan(p: dict, tokens: int, element_bytes: int, bits: int, tiled: bool, stages: int = 0,

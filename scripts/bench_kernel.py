@@ -23,12 +23,14 @@ tiles, one token; ``_by_value``: 1–2 tokens, its select loop per kept value, n
 cuSPARSELt buffer, where ``auto`` also weighs cuSPARSELt's GEMM from 17 tokens);
 ``decode_resident`` (1–2 tokens): the kernel that reads each chunk's inputs once, through the map, and
 streams rows past them (``kernels/nm_resident.py``; ``decode_resident_nomap`` on a layer without a map,
-``decode_resident+pdl`` launched as a programmatic dependent);
+``decode_resident+pdl`` launched as a programmatic dependent, ``decode_resident_tma`` with its weight tiles copied
+by the Tensor Memory Accelerator);
 ``decode_nomap``: a layer
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
 weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_swap`` with half its step), ``decode_swap_sync`` (2–16 tokens: on
-32 rows of 2 warps, the synchronous ``mma``), ``gemm``, ``gemm_swap``, ``scratch``, ``scratch_mapped`` (from 17
+32 rows of 2 warps, the synchronous ``mma``), ``decode_swap_tma`` (2–16 tokens: its weight tiles copied by the
+Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``gemm``, ``gemm_swap``, ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
 ``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm, ``cslt`` (the last two
@@ -78,9 +80,10 @@ NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which 
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
               "decode_mapped_wide", "decode_mapped_by_value", "decode_resident", "decode_resident_nomap",
-              "decode_resident+pdl",
+              "decode_resident+pdl", "decode_resident_tma",
               "decode_nomap", "decode_tall_nomap",
-              "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "gemm",
+              "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync",
+              "decode_swap_tma", "decode_swap_tma_tiled", "gemm",
               "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
@@ -143,7 +146,8 @@ def runs_at(impl: str, tokens: int) -> bool:
     impl = kernel_of(impl)   # with or without a map, in either layout, launched either way
     if impl.startswith("decode") and tokens > decode_max_tokens(2):
         return False
-    if impl in ("decode_select", "decode_swap", *SWAP_TILES) and (tokens == 1 or tokens > 16 and impl == "decode_select"):
+    if impl in ("decode_select", "decode_swap", *SWAP_TILES, "decode_swap_tma") and \
+            (tokens == 1 or tokens > 16 and impl == "decode_select"):
         return False
     if impl == "decode_shallow" and tokens > 2:   # auto weighs it on the select loop only (1-2 tokens)
         return False

@@ -4,7 +4,7 @@
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
-map, at one token also with its pipeline a stage shallower (``decode_shallow``) and in the select loop's 32-row and 256-value tiles (``decode_tall``, ``decode_wide``, ``decode_mapped_tall``, ``decode_mapped_wide``; the gathered 256-value one at two tokens too), the select loop by kept value instead of by 2:4 group through the map at 1–2 tokens (``decode_mapped_by_value``), the resident-input decode (``decode_resident``, 1–2 tokens through the map, one token without), the weight-as-A decode on the gathered input and reading the map itself (and a 64-column block map as 1-byte offsets), ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
+map, at one token also with its pipeline a stage shallower (``decode_shallow``) and in the select loop's 32-row and 256-value tiles (``decode_tall``, ``decode_wide``, ``decode_mapped_tall``, ``decode_mapped_wide``; the gathered 256-value one at two tokens too), the select loop by kept value instead of by 2:4 group through the map at 1–2 tokens (``decode_mapped_by_value``), the resident-input decode (``decode_resident``, 1–2 tokens through the map, one token without; ``decode_resident_tma``: its weight tiles copied by the Tensor Memory Accelerator), the weight-as-A decode on the gathered input and reading the map itself (and with its weight tiles copied by the Tensor Memory Accelerator, ``decode_swap_tma``) (and a 64-column block map as 1-byte offsets), ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
 ``gather`` / ``group``, the producer-side ``rmsnorm_mapped``, the row gather ``gather_rows``, and ``…_pdl``: the gather kernel and the
 decode or GEMM launched as programmatic dependents, as ``SparseLinear``'s ``+pdl`` choices run them) on bf16
 (plus fp16/fp32 and 4:8 on one shape) with every launch compiled by Triton and ``ptxas`` for sm_90a instead of run
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from shuffleprune.deploy.sparse_linear import MAPPED_DECODES, SWAP_TILES, TILE_MAX_TOKENS  # noqa: E402  (no Triton import)
 
 TILE_IMPLS = tuple(impl for impl in TILE_MAX_TOKENS   # the select loop's other tiles
-                   if impl not in SWAP_TILES and impl != "decode_resident")
+                   if impl not in (*SWAP_TILES, "decode_swap_tma", "decode_resident", "decode_resident_tma"))
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]
 GEMM_TOKENS = [64, 512, 2048]
@@ -52,11 +52,12 @@ def cases(quick: bool) -> list[dict]:
             out += [dict(impl=impl, shape=(rows, cols), tokens=t) for t in (1, 2)[:TILE_MAX_TOKENS[impl]]]
         for t in (16, 64) if quick else DECODE_TOKENS[1:]:
             out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=t))
-        for t in (1, 2):   # the resident-input decode, reading the map itself as SparseLinear runs it
-            out.append(dict(impl="decode_resident", shape=(rows, cols), tokens=t))
+        for t in (1, 2):   # the resident-input decode, reading the map itself as SparseLinear runs it (and
+            out.append(dict(impl="decode_resident", shape=(rows, cols), tokens=t))   # with TMA-copied tiles)
+            out.append(dict(impl="decode_resident_tma", shape=(rows, cols), tokens=t))
         out.append(dict(impl="decode_resident_nomap", shape=(rows, cols), tokens=1))   # and a layer without a map
         for t in (2, 16):   # the half step and the 32-row synchronous-mma tile auto also times, 2:4 at 2–16 tokens
-            out += [dict(impl=impl, shape=(rows, cols), tokens=t) for impl in SWAP_TILES]
+            out += [dict(impl=impl, shape=(rows, cols), tokens=t) for impl in (*SWAP_TILES, "decode_swap_tma")]
         for t in (4, 16) if quick else DECODE_TOKENS[2:5]:   # SparseLinear times it to 16 tokens
             out.append(dict(impl="decode_mapped", shape=(rows, cols), tokens=t))
         for t in (1, 16) if quick else DECODE_TOKENS[:5]:     # prune's 64-column block map read as offsets
@@ -174,10 +175,11 @@ def run_case(case: dict) -> None:
         else:
             nm_decode.nm_decode(gather_columns(x, perm, pdl=True), values, words, n, m, bits, pdl=True, tiled=tiled,
                                 **DECODE_KERNELS[kernel])
-    elif impl in ("decode_resident", "decode_resident_nomap"):
+    elif impl in ("decode_resident", "decode_resident_nomap", "decode_resident_tma"):
         from shuffleprune.kernels.nm_resident import nm_decode_resident
 
-        nm_decode_resident(x, values, words, n, m, bits, perm if impl == "decode_resident" else None, tiled=tiled)
+        nm_decode_resident(x, values, words, n, m, bits, perm if impl != "decode_resident_nomap" else None, tiled=tiled,
+                           tma=impl == "decode_resident_tma")
     elif impl == "decode_blockmap":   # the map within 64-column blocks as 1-byte offsets, read in the kernel
         from shuffleprune.perm.core import random_block_perm
 
@@ -190,7 +192,7 @@ def run_case(case: dict) -> None:
     elif impl in TILE_IMPLS:   # as SparseLinear runs them: the gathered input, or (MAPPED_DECODES) the map read
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl in MAPPED_DECODES else None,
                             tiled=tiled, **DECODE_KERNELS[impl])
-    elif impl in ("decode_swap", *SWAP_TILES, "decode_mapped"):   # as SparseLinear runs them (the
+    elif impl in ("decode_swap", *SWAP_TILES, "decode_swap_tma", "decode_mapped"):   # as SparseLinear runs them (the
         # mapped one reading the map)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
                           **DECODE_KERNELS[impl])

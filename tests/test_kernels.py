@@ -131,6 +131,92 @@ def test_resident_input_decode_matches_float64(tokens, dtype, tiled):
         assert torch.equal(ys[True, None], ys[True, False])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [2, 9, 16])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_tma_weight_tiles_decode_as_the_loads_do(tokens, dtype, tiled):
+    """The weight-as-A tensor-core decode with its weight tiles copied by tensor descriptors (``tma``) gives
+    the float64 product, bit for bit what its per-thread loads give: ragged rows (the descriptor's
+    zeros past the last), the map and bias or neither, several steps per split, split-K summed in the
+    kernel and by a second launch, the export's words (by descriptor) and cuSPARSELt's order (read
+    as without)."""
+    from shuffleprune.deploy.cslt_layout import cslt_words
+    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.nm_words import position_words
+
+    rows, cols = (128, 512) if tiled else (100, 512)   # cuSPARSELt's order: whole 64-row bands
+    w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=3 + tokens)
+    words = cslt_words(position_words(meta)) if tiled else position_words(meta)
+    for p, b in ((perm.to(torch.int32), bias), (None, None)):
+        ref = (x.double() if p is None else x.double()[:, p.long()]) @ w.double().t() + (0 if b is None else b.double())
+        for over in ({}, {"block_r": 32, "block_k": 64, "split": 2}, {"block_r": 16, "block_k": 64, "split": 2,
+                                                                      "sum_in_kernel": False}):
+            kw = dict(use_dot=True, weight_a=True, tiled=tiled, **over)
+            y = nm_decode(x, values, words, 2, 4, 2, p, b, tma=True, **kw)
+            assert y.shape == (tokens, rows) and _close(y, ref, dtype), (p is None, over)
+            assert torch.equal(y, nm_decode(x, values, words, 2, 4, 2, p, b, **kw))
+    plan = decode_plan(4096, 2048, tokens, 2, 4, 2, x.device, weight_a=True, use_dot=True, tma=True, stages=3)
+    assert plan["tma"] and plan["per_sm"] == 3   # DOT_RESIDENT_TMA's tile, as compiled
+    assert not decode_plan(4096, 2048, tokens, 2, 4, 2, x.device, weight_a=True, use_dot=True)["tma"]
+
+
+def test_tma_decode_refuses_what_the_copies_cannot_read():
+    """Tensor descriptors need 16-bit 2:4 values of the inputs' dtype, the weight-as-A tensor-core loop and
+    rows of a multiple of 16 bytes; ``SparseLinear`` weighs ``decode_swap_tma`` only where they hold."""
+    from shuffleprune.kernels.nm_decode import nm_decode, tma_applies
+    from shuffleprune.kernels.nm_words import position_words
+
+    w, values, meta, x, perm, bias = _case(24, 256, 2, 4, 4, torch.bfloat16)
+    words = position_words(meta)
+    assert tma_applies(x, values, words, 2, 4, False)
+    with pytest.raises(ValueError, match="weight-as-A"):
+        nm_decode(x, values, words, 2, 4, 2, tma=True, use_dot=True)
+    with pytest.raises(ValueError, match="at least 64 kept values"):   # a step's words: 16 bytes at least
+        nm_decode(x, values, words, 2, 4, 2, tma=True, use_dot=True, weight_a=True, block_k=32)
+    _, v32, m32, x32, *_ = _case(24, 256, 2, 4, 4, torch.float32)
+    assert not tma_applies(x32, v32, position_words(m32), 2, 4, False)
+    with pytest.raises(ValueError, match="16-bit inputs"):
+        nm_decode(x32, v32, position_words(m32), 2, 4, 2, tma=True, use_dot=True, weight_a=True)
+    _, v96, m96, x96, *_ = _case(24, 96, 2, 4, 4, torch.bfloat16)   # 48 kept values: rows of 96 bytes, words of 12
+    assert not tma_applies(x96, v96, position_words(m96), 2, 4, False)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        nm_decode(x96, v96, position_words(m96), 2, 4, 2, tma=True, use_dot=True, weight_a=True)
+    assert not tma_applies(x.half(), values, words, 2, 4, False)   # values of another dtype
+    lin = SparseLinear(values, meta, 256, 2, 4, perm=perm, bias=bias)
+    assert "decode_swap_tma" in lin._candidates(x) and "decode_resident_tma" in lin._candidates(x[:1])
+    assert not {"decode_swap_tma", "decode_resident_tma"} & set(SparseLinear(v96, m96, 96, 2, 4)._candidates(x96[:2]))
+    w96 = _case(24, 96, 2, 4, 4, torch.bfloat16)[0].double()
+    for policy, xs in (("decode_swap_tma", x96), ("decode_resident_tma", x96[:1])):   # where they cannot run: the
+        named = SparseLinear(v96, m96, 96, 2, 4, policy=policy)                       # decodes without copies
+        assert _close(named(xs), xs.double() @ w96.t(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_resident_decode_with_tma_tiles_gives_what_its_loads_give(tokens, dtype, tiled):
+    """The resident decode with its weight's tiles copied by tensor descriptors (``tma``) gives, bit for bit,
+    what its per-thread loads give, and the float64 product: ragged rows past the last descriptor row,
+    the map and bias or neither, one chunk and four over three row ranges, summed in the kernel and by
+    a second launch; the export's words (by descriptor) and cuSPARSELt's order (read as without).
+    Chunks under 64 kept values are refused (a row's words in a step: 16 bytes at least)."""
+    from shuffleprune.deploy.cslt_layout import cslt_words
+    from shuffleprune.kernels.nm_resident import nm_decode_resident
+    from shuffleprune.kernels.nm_words import position_words
+
+    rows, cols = (64, 512) if tiled else (37, 512)
+    w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=11 + tokens)
+    words = cslt_words(position_words(meta)) if tiled else position_words(meta)
+    for p, b in ((perm.to(torch.int32), bias), (None, None)):
+        ref = (x.double() if p is None else x.double()[:, p.long()]) @ w.double().t() + (0 if b is None else b.double())
+        for over in ({}, {"block_k": 64, "rows_per": 16}, {"block_k": 64, "rows_per": 16, "sum_in_kernel": False}):
+            y = nm_decode_resident(x, values, words, 2, 4, 2, p, b, tiled=tiled, tma=True, **over)
+            assert _close(y, ref, dtype), (p is None, over)
+            assert torch.equal(y, nm_decode_resident(x, values, words, 2, 4, 2, p, b, tiled=tiled, **over))
+    with pytest.raises(ValueError, match="at least 64 kept values"):
+        nm_decode_resident(x, values, words, 2, 4, 2, tiled=tiled, tma=True, block_k=32)
+
+
 def test_resident_decode_requests_its_first_tiles_into_l2_before_its_inputs():
     """Each program first requests into L2 its chunk of the rows its pipeline loads first (4 stages of 16
     rows: 48, as a power of two 32), with one line of their position words; a dependent launch from two
@@ -1469,7 +1555,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
             "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap", "decode_tall",
             "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value", "route_blocks",
-            "decode_swap_narrow", "decode_swap_sync", "gather_pairs", "decode_resident", "decode_resident_nomap"} <= impls
+            "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", "gather_pairs", "decode_resident",
+            "decode_resident_nomap", "decode_resident_tma"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
         if r["impl"] in ("decode", "decode_nomap"):
@@ -1481,7 +1568,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["plan_per_sm"] <= r["programs_per_sm"], r   # split-K never assumes more than reside
         if (r["impl"] == "decode" and r["tokens"] > SELECT_MAX_TOKENS) or r["impl"] == "gemm":
             assert r["tensor_core"], r
-        if ("swap" in r["impl"] and r["impl"] != "decode_swap_sync") or r["impl"] == "decode_mapped":   # the weight
+        if ("swap" in r["impl"] and r["impl"] not in ("decode_swap_sync", "decode_swap_tma")) \
+                or r["impl"] == "decode_mapped":   # the weight
             # as the A operand: asynchronous wgmma (but the 32-row tile's synchronous mma, checked below)
             assert r["wgmma"] and r["widest_load_bytes"] == 16 and r["async_copies"], r
         if r["impl"] in ("decode_mapped", "decode_blockmap") or (r["impl"] == "decode" and not r["tensor_core"]):
@@ -1503,6 +1591,13 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["evict_first"] and r["tensor_core"] and not r["wgmma"], r   # more programs than the 64-row tile
             assert r["plan_per_sm"] <= r["programs_per_sm"] and r["programs_per_sm"] > 2, r
             assert r["widest_load_bytes"] == 16 and r["async_copies"] and r["loop_sync_loads"] == 0, r
+        if r["impl"] == "decode_swap_tma":   # the weight's tiles by the Tensor Memory Accelerator: fewer registers,
+            # more programs per SM than decode_swap (2), the same loop
+            swap = next(q for q in sixteen_bit if q["impl"] == "decode_swap" and q["tokens"] == 16
+                        and q["shape"] == r["shape"] and q["pattern"] == "2:4")
+            assert r["wgmma"] and r["bulk_copies"] and r["loop_sync_loads"] == 0, r
+            assert r["plan_per_sm"] == r["programs_per_sm"] == 3 > swap["programs_per_sm"], r
+            assert r["registers"] < swap["registers"] and r["loop_instructions"] <= 1.02 * swap["loop_instructions"], r
         if r["impl"].startswith("experts"):   # the grouped MoE kernel streams each expert as decode streams a layer
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
             assert r["loop_sync_loads"] == 0, r   # an expert's map read as words the pipeline copies too
@@ -1515,8 +1610,14 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert abs(r["loop_instructions"] - r["table_loop"]) <= 0.1 * r["table_loop"], r
     # the resident-input decode streams as the select loop does, its map read before the loop: the same loop
     # with the map and without, shorter per kept value than the select loop's through the map
-    resident = {(r["impl"], r["tokens"]): r for r in sixteen_bit if r["impl"].startswith("decode_resident")}
+    resident = {(r["impl"], r["tokens"]): r for r in sixteen_bit if r["impl"].startswith("decode_resident")
+                and r["impl"] != "decode_resident_tma"}
     assert len(resident) == 5   # with the map at 1-2 tokens, without at one, launched as a dependent at 1-2
+    for t in (1, 2):   # with its tiles by the Tensor Memory Accelerator: fewer registers, a loop within 3 %
+        r, plain = next(q for q in sixteen_bit if (q["impl"], q["tokens"]) == ("decode_resident_tma", t)), \
+            resident["decode_resident", t]
+        assert r["bulk_copies"] and r["loop_sync_loads"] == 0 and r["plan_per_sm"] <= r["programs_per_sm"], r
+        assert r["registers"] < plain["registers"] and r["loop_instructions"] <= 1.03 * plain["loop_instructions"], r
     for r in resident.values():
         assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
         assert not r["tensor_core"] and r["loop_sync_loads"] == 0 and r["plan_per_sm"] <= r["programs_per_sm"], r

@@ -46,6 +46,10 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   has 10.75 instructions per kept value through the map and without (the select decode: 14.5 and
   11.4), ``kernel_compile_sm90.json``. Not yet timed on a GPU, so ``auto`` times it. Named as a policy,
   it runs ``decode_mapped`` where it does not apply (more tokens, another pattern, 32-bit values);
+- ``decode_resident_tma`` (as ``decode_resident``): the resident decode with its weight's tiles copied by the
+  Tensor Memory Accelerator (as ``decode_swap_tma``, below; no head prefetch). Not yet timed on a GPU;
+  ``auto`` weighs it where the descriptors can read the weight, and named elsewhere it runs
+  ``decode_resident``;
 - ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
   instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
   tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
@@ -66,6 +70,15 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   (``scripts/results/kernel_compile_sm90.json``), 6 such programs (12 warps) reside per SM where the
   default tile has 2 (8 warps), with about the same instruction ceiling (5.1–5.5 against 5.9–6.4 TB/s).
   Not yet timed on a GPU; ``auto`` weighs it;
+- ``decode_swap_tma`` (2:4, 16-bit, 2–16 tokens): ``decode_swap`` (3 tiles in flight) with its weight's tiles
+  copied by Hopper's Tensor Memory Accelerator (tensor descriptors), not by every thread's 16-byte
+  asynchronous copies. At 2–16 tokens the 2:4 decodes took the H100's time on the H200 (4096×14336, 2
+  tokens: 34.6 against 34.7 µs) where cuBLAS, whose loads are bulk copies, sped up with the H200's 1.4×
+  bandwidth (32.7 against 46.1): what the threads' copies keep in flight per SM may be what binds them. Compiled for sm_90a no thread holds the copies' addresses: 126
+  registers against 200 and 3 programs per SM against 2, with the same loop (665 instructions
+  against 669 at 16 tokens, ``kernel_compile_sm90.json``). Not yet timed on
+  a GPU; ``auto`` weighs it where the descriptors can read the weight (rows of a multiple of 16 bytes,
+  values of the inputs' dtype), and named elsewhere it runs ``decode_swap``;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion;
@@ -122,8 +135,9 @@ from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eag
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_select",
-         "decode_swap", "decode_swap_narrow", "decode_swap_sync", "gemm", "gemm_swap", "scratch", "scratch_mapped",
+         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
+         "decode_select",
+         "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", "gemm", "gemm_swap", "scratch", "scratch_mapped",
          "gather", "group", *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
@@ -142,7 +156,9 @@ DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
 NOT_WEIGHED = ("decode_tall", "decode_offsets")
 # the most tokens auto weighs these at (and bench_kernel times them at; decode_resident: nm_resident's own limit)
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1,
-                   "decode_mapped_by_value": 2, "decode_resident": 2, "decode_swap_narrow": 16, "decode_swap_sync": 16}
+                   "decode_mapped_by_value": 2, "decode_resident": 2, "decode_resident_tma": 2, "decode_swap_narrow": 16,
+                   "decode_swap_sync": 16,
+                   "decode_swap_tma": 16}
 SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync")   # decode_swap's other tiles: 2:4, 16-bit, 2-16 tokens
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
@@ -154,6 +170,7 @@ DECODE_KERNELS = {"decode": {}, "decode_shallow": {"stages": 3}, "decode_mapped"
                   "decode_swap": {"use_dot": True, "weight_a": True},
                   "decode_swap_narrow": {"use_dot": True, "weight_a": True, "block_k": 64, "stages": 3},
                   "decode_swap_sync": {"use_dot": True, "weight_a": True, "block_r": 32, "num_warps": 2, "block_k": 64},
+                  "decode_swap_tma": {"use_dot": True, "weight_a": True, "stages": 3, "tma": True},
                   **{f"{name}_{shape}": {**DECODE_KERNELS_TILE[shape], **kw}
                      for name, kw in (("decode", {}), ("decode_mapped", {"weight_a": True}))
                      for shape in ("tall", "wide")}}
@@ -460,13 +477,16 @@ class SparseLinear(nn.Module):
 
     def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
         impl, pdl = split_pdl(impl)
-        if impl == "decode_resident":   # reads the map itself, once per program
+        if impl in ("decode_resident", "decode_resident_tma"):   # reads the map itself, once per program
             from shuffleprune.kernels.nm_resident import nm_decode_resident, resident_applies
 
             if resident_applies(x.numel() // x.shape[-1], self.n, self.m, self.values):
                 return nm_decode_resident(x, self.values, self.words(), self.n, self.m, self.bits, self.perm,
-                                          self.bias, tiled=self.tiled, pdl=pdl)
+                                          self.bias, tiled=self.tiled, pdl=pdl,
+                                          tma=impl == "decode_resident_tma" and self._tma_applies(x, resident=True))
             impl = "decode_mapped"   # more tokens, another pattern or 32-bit values: the decode reading the map
+        if impl == "decode_swap_tma" and not self._tma_applies(x):
+            impl = "decode_swap"   # a weight or input the tensor descriptors cannot read
         if impl in DECODE_KERNELS:
             from shuffleprune.kernels.nm_decode import nm_decode
 
@@ -524,6 +544,15 @@ class SparseLinear(nn.Module):
         y = torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True, *config)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def _tma_applies(self, x: torch.Tensor, resident: bool = False) -> bool:
+        """Whether ``decode_swap_tma`` (``resident``: ``decode_resident_tma``) can read this layer's weight for
+        ``x`` by tensor descriptors (:func:`.nm_decode.tma_applies`; the resident decode's chunks hold at
+        least 64 kept values where the layer has them)."""
+        from shuffleprune.kernels.nm_decode import tma_applies
+
+        return tma_applies(x, self.values, self.words(), self.n, self.m, self.tiled) and \
+            (not resident or self.values.shape[1] >= 64)
+
     def _candidates(self, x: torch.Tensor) -> list[str]:
         from shuffleprune.kernels.nm_decode import (SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, selects,
                                                     triton)
@@ -552,12 +581,16 @@ class SparseLinear(nn.Module):
                     out.append("decode_offsets")
             if select and resident_applies(tokens, self.n, self.m, self.values):   # with a map or without
                 out.append("decode_resident")
+                if self._tma_applies(x, resident=True):
+                    out.append("decode_resident_tma")
             if SELECT_MAX_TOKENS < tokens <= SELECT_LIMIT_TOKENS:   # below, decode is the select kernel already
                 out.append("decode_select")
             if 2 <= tokens <= decode_limit:
                 out.append("decode_swap")
             if (self.n, self.m) == (2, 4) and x.element_size() == 2:   # as swept and compiled: 2:4, 16-bit inputs
                 out += [impl for impl in SWAP_TILES if 2 <= tokens <= TILE_MAX_TOKENS[impl]]
+            if 2 <= tokens <= TILE_MAX_TOKENS["decode_swap_tma"] and self._tma_applies(x):
+                out.append("decode_swap_tma")
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
         if self.tiled and tokens >= GEMM_MIN_TOKENS and x.is_cuda:   # cuSPARSELt on the layer's own buffer
             out.append("cslt")
