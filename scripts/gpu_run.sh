@@ -67,6 +67,8 @@
 #   bash scripts/gpu_run.sh e2e_moe_compile    # e2e_moe with each decode step by torch.compile(mode="reduce-overhead"):
 #                                              # the experts one operator each, the grouped kernel in the CUDA graph
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
+#   bash scripts/gpu_run.sh profile_swap       # the same on decode_swap, with its tiles by TMA, and cuBLAS at 16 tokens
+#                                              # (ncu_swap.txt: where their warps stall)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
@@ -123,7 +125,8 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # smoke run.
 ISSUE24=(kernel tune_swap_sync e2e targets)         # limits 260 + 90 + 210 + 10 s (kernel 115 s, e2e 148 on the H200)
 NEXT1=(e2e_compile moe)                             # 280 + 300 s (141 and 114 s on the H200)
-NEXT2=(moe_stacked)                                 # 300 s
+NEXT2=(moe_stacked profile_swap)                    # 300 + 3 × 90 s (profile_swap: Nsight Compute on decode_swap,
+                                                    # the same with TMA copies, and cuBLAS at 16 tokens)
 NEXT3=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
 NEXT4=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
 NEXT5=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 54 and 55 s on 3616890)
@@ -221,10 +224,15 @@ for s in "$@"; do
             step tune_select_tokens 120 scripts/results/tune_select_tokens.json $PY scripts/tune_kernel.py \
                 --variants select --tokens 2 4 8 16 --block-r 16 --block-k 128 256 --num-warps 4 8 --stages 4 \
                 --splits 0 1 --max-tile 1048576 --out scripts/results/tune_select_tokens.json ;;
-        profile) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-            RES=scripts/results/ncu_decode.txt; : > $RES
-            for case in "select 1 11008x4096" "dot 2 11008x4096" "dot 16 11008x4096" "swap 16 11008x4096" "dense 1 11008x4096" \
-                        "select 1 4096x4096" "dense 1 4096x4096"; do
+        profile|profile_swap) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+            if [ "$s" = profile ]; then RES=scripts/results/ncu_decode.txt
+                cases=("select 1 11008x4096" "dot 2 11008x4096" "dot 16 11008x4096" "swap 16 11008x4096" "dense 1 11008x4096"
+                       "select 1 4096x4096" "dense 1 4096x4096")
+            else RES=scripts/results/ncu_swap.txt   # the weight-as-A decode's copies: per thread against TMA
+                cases=("swap 16 11008x4096" "swap_tma 16 11008x4096" "dense 16 11008x4096"); fi
+            [ "$SMOKE" = 1 ] && RES=$SP/$(basename $RES)   # a CPU check leaves the committed profile alone
+            : > $RES
+            for case in "${cases[@]}"; do
                 read -r kern toks shape <<< "$case"
                 echo "##### $kern tokens=$toks shape=$shape" >> $RES
                 step "profile_${kern}_$toks" 90 $RES "$NCU" --clock-control none --profile-from-start off \

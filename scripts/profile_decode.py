@@ -1,7 +1,8 @@
 """Run one decode case repeatedly for Nsight Compute (``scripts/gpu_run.sh profile``): a random 2:4
 bf16 weight of ``--shape`` on the gathered input of ``--tokens`` tokens, ``--kernel`` ``select``,
 ``dot``, ``swap`` (``nm_decode`` forced onto that kernel, unsplit; swap: the tensor-core kernel with
-the weight as the MMA's A operand) or ``dense`` (``F.linear`` on the dense
+the weight as the MMA's A operand), ``swap_tma`` (swap with its weight tiles copied by the Tensor Memory
+Accelerator, ``tma=True``) or ``dense`` (``F.linear`` on the dense
 weight). Setup runs first; only the timed calls lie inside the CUDA profiler range that
 ``ncu --profile-from-start off`` captures.
 
@@ -16,7 +17,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="11008x4096", help="OUTxIN")
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--kernel", choices=["select", "dot", "swap", "dense"], default="select")
+    ap.add_argument("--kernel", choices=["select", "dot", "swap", "swap_tma", "dense"], default="select")
     ap.add_argument("--calls", type=int, default=6)
     args = ap.parse_args()
 
@@ -41,7 +42,7 @@ def main() -> None:
         if args.kernel == "dense":
             return F.linear(x, w)
         return nm_decode(x, values, words, 2, 4, meta_bits(4), None, None, use_dot=args.kernel != "select", split=1,
-                         weight_a=args.kernel == "swap")
+                         weight_a=args.kernel.startswith("swap"), **({"tma": True} if args.kernel == "swap_tma" else {}))
 
     ref = F.linear(x.float(), w.float())
     y = call()  # compiles
