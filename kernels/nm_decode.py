@@ -418,10 +418,10 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     per SM for select (an H100's timing: fewer, longer programs beat split-K there), and for the
     tensor-core kernel as many as its pipeline buffers let reside in the SM's shared memory (2 for the
     2:4 tiles; ``tma``, the weight's tiles copied by the Tensor Memory Accelerator: as
-    :data:`DOT_RESIDENT_TMA` says). ``stages`` tiles are in the software pipeline. Timed on an H100 (``scripts/gpu_run.sh
-    tune_decode`` → ``scripts/results/tune_decode_*.json``): at one token these tiles unsplit were
-    within 5 % of the best of 32; the tensor-core tiles are within 3 % of the best swept, but at about
-    dense speed."""
+    :data:`DOT_RESIDENT_TMA` says). ``stages`` tiles are in the software pipeline. Timed on an H100
+    (``scripts/gpu_run.sh tune_decode`` → ``scripts/results/tune_decode_*.json``): at one token these tiles
+    unsplit were within 5 % of the best of 32; the tensor-core tiles are within 3 % of the best swept, but
+    at about dense speed."""
     fields = 32 // bits
     limit = decode_max_tokens(element_bytes)
     if tokens > limit:

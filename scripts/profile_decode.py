@@ -41,8 +41,9 @@ def main() -> None:
     def call() -> torch.Tensor:
         if args.kernel == "dense":
             return F.linear(x, w)
+        tma = {"tma": True} if args.kernel == "swap_tma" else {}
         return nm_decode(x, values, words, 2, 4, meta_bits(4), None, None, use_dot=args.kernel != "select", split=1,
-                         weight_a=args.kernel.startswith("swap"), **({"tma": True} if args.kernel == "swap_tma" else {}))
+                         weight_a=args.kernel.startswith("swap"), **tma)
 
     ref = F.linear(x.float(), w.float())
     y = call()  # compiles

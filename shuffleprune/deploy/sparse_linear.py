@@ -74,11 +74,12 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   copied by Hopper's Tensor Memory Accelerator (tensor descriptors), not by every thread's 16-byte
   asynchronous copies. At 2–16 tokens the 2:4 decodes took the H100's time on the H200 (4096×14336, 2
   tokens: 34.6 against 34.7 µs) where cuBLAS, whose loads are bulk copies, sped up with the H200's 1.4×
-  bandwidth (32.7 against 46.1): what the threads' copies keep in flight per SM may be what binds them. Compiled for sm_90a no thread holds the copies' addresses: 126
-  registers against 200 and 3 programs per SM against 2, with the same loop (665 instructions
-  against 669 at 16 tokens, ``kernel_compile_sm90.json``). Not yet timed on
-  a GPU; ``auto`` weighs it where the descriptors can read the weight (rows of a multiple of 16 bytes,
-  values of the inputs' dtype), and named elsewhere it runs ``decode_swap``;
+  bandwidth (32.7 against 46.1): what the threads' copies keep in flight per SM may be what binds them.
+  Compiled for sm_90a no thread holds the copies' addresses: 126 registers against 200 and 3 programs
+  per SM against 2, with the same loop (665 instructions against 669 at 16 tokens,
+  ``kernel_compile_sm90.json``). Not yet timed on a GPU; ``auto`` weighs it where the descriptors can
+  read the weight (rows of a multiple of 16 bytes, values of the inputs' dtype), and named elsewhere it
+  runs ``decode_swap``;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion;
@@ -136,9 +137,8 @@ from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eag
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
-         "decode_select",
-         "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", "gemm", "gemm_swap", "scratch", "scratch_mapped",
-         "gather", "group", *LIBRARY_IMPLS)
+         "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", "gemm",
+         "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 EAGER_CHECKED = ("cslt",)   # candidates timed eagerly as well when a CUDA graph's timing picks them
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
@@ -156,8 +156,8 @@ DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
 NOT_WEIGHED = ("decode_tall", "decode_offsets")
 # the most tokens auto weighs these at (and bench_kernel times them at; decode_resident: nm_resident's own limit)
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1,
-                   "decode_mapped_by_value": 2, "decode_resident": 2, "decode_resident_tma": 2, "decode_swap_narrow": 16,
-                   "decode_swap_sync": 16,
+                   "decode_mapped_by_value": 2, "decode_resident": 2, "decode_resident_tma": 2,
+                   "decode_swap_narrow": 16, "decode_swap_sync": 16,
                    "decode_swap_tma": 16}
 SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync")   # decode_swap's other tiles: 2:4, 16-bit, 2-16 tokens
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
