@@ -269,6 +269,8 @@ def main() -> None:
                 resident, resident_nomap = ms_of(shape, tokens, "decode_resident"), ms_of(shape, tokens,
                                                                                             "decode_resident_nomap")
                 auto_tiled = ms_of(shape, tokens, "auto_tiled")
+                swap, swap_tma = ms_of(shape, tokens, "decode_swap"), ms_of(shape, tokens, "decode_swap_tma")
+                resident_tma = ms_of(shape, tokens, "decode_resident_tma")
                 if dense is None:
                     continue
                 summary.append({"shape": list(shape), "tokens": tokens,
@@ -279,6 +281,10 @@ def main() -> None:
                                 # the resident-input decode with the map against itself without one
                                 "map_cost_resident":
                                     round(resident / resident_nomap - 1, 4) if resident and resident_nomap else None,
+                                # the weight tiles by the Tensor Memory Accelerator against per-thread copies
+                                # (> 1: the bulk copies are faster), both through the map
+                                "tma_gain_swap": round(swap / swap_tma, 3) if swap and swap_tma else None,
+                                "tma_gain_resident": round(resident / resident_tma, 3) if resident and resident_tma else None,
                                 # the layer as load holds it on Hopper (one cuSPARSELt buffer)
                                 "auto_speedup_tiled": round(dense / auto_tiled, 3) if dense and auto_tiled else None,
                                 # under a map within blocks of 64 columns (prune's): auto's speed-up, and auto's
