@@ -527,10 +527,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     counts = split_k.summing(split, launch.grid[0], device, sum_in_kernel)
     dummy, n_words = values, words.shape[1]
     if launch.tma_tile is not None:   # Triton's own dispatch takes descriptors (no fast launch)
-        if not tma_applies(x2, values, words, n, m, tiled):
-            raise ValueError("tma needs 2:4 values of the inputs' 16-bit dtype and int32 position words, "
-                             "contiguous, 16-byte aligned, rows a multiple of 16 bytes, on sm_90 or later")
-        values, words = tma_descriptors(values, words, bits, tiled, *launch.tma_tile)
+        values, words = tma_descriptors(x2, values, words, n, m, bits, tiled, *launch.tma_tile)
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
             counts if counts is not None else dummy, tokens, rows, kept, cols, n_words, x2.stride(0),
             y.stride(0), launch.per_split)
@@ -608,12 +605,16 @@ def tma_applies(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: i
                     for t in described))
 
 
-def tma_descriptors(values: torch.Tensor, words: torch.Tensor, bits: int, tiled: bool, block_r: int,
-                    block_k: int) -> tuple:
-    """The decode's ``TMA`` weight arguments: a tensor descriptor of the 16-bit 2:4 value pairs as int32
-    ``[R, K/2]`` in blocks ``[block_r, block_k/2]``, and one of the position words in blocks ``[block_r,
-    block_k·bits/32]`` (``tiled``: the words as they are). Made per call: a descriptor holds its
-    tensor."""
+def tma_descriptors(x2: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
+                    tiled: bool, block_r: int, block_k: int) -> tuple:
+    """The ``TMA`` weight arguments of a decode of ``x2``: a tensor descriptor of the 16-bit 2:4 value pairs
+    as int32 ``[R, K/2]`` in blocks ``[block_r, block_k/2]``, and one of the position words in blocks
+    ``[block_r, block_k·bits/32]`` (``tiled``: the words as they are). Made per call: a descriptor holds
+    its tensor. Refuses what :func:`tma_applies` refuses, and steps of under 16 bytes of words per row."""
+    if not tma_applies(x2, values, words, n, m, tiled) or block_k * bits < 128:
+        raise ValueError("tma needs 2:4 values of the inputs' 16-bit dtype and int32 position words, contiguous, "
+                         "16-byte aligned, rows a multiple of 16 bytes, at least 64 kept values per step, on "
+                         "sm_90 or later")
     pairs = TensorDescriptor.from_tensor(values.view(torch.int32), [block_r, block_k // 2])
     return pairs, words if tiled else TensorDescriptor.from_tensor(words, [block_r, block_k * bits // 32])
 

@@ -33,7 +33,7 @@ import torch
 from shuffleprune.kernels import gpu, overlap, split_k
 from shuffleprune.kernels.gpu import cdiv, next_pow2
 from shuffleprune.kernels.launch import BoundLaunch, fast
-from shuffleprune.kernels.nm_decode import tma_applies, tma_descriptors, triton, word_gather
+from shuffleprune.kernels.nm_decode import tma_descriptors, triton, word_gather
 from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 
 if triton is not None:
@@ -219,8 +219,7 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
     by the resident-input kernel. ``sum_in_kernel`` and ``pdl`` as :func:`.nm_decode.nm_decode`;
     ``head_prefetch``: each program first requests the tiles its pipeline loads first into L2
     (:func:`prefetch_plan`; compiled for an NVIDIA GPU only); ``tma``: the weight's tiles copied by the Tensor
-    Memory Accelerator instead (where :func:`.nm_decode.tma_applies`, with at least 64 kept values per
-    chunk); ``plan_overrides``: :func:`resident_plan`'s ``block_r``, ``block_k``, ``per_sm`` and
+    Memory Accelerator instead (:func:`.nm_decode.tma_descriptors`: at least 64 kept values per chunk); ``plan_overrides``: :func:`resident_plan`'s ``block_r``, ``block_k``, ``per_sm`` and
     ``rows_per``."""
     check_pattern(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
@@ -245,11 +244,7 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
     counts = split_k.summing(launch.split, launch.grid[1], device, sum_in_kernel)
     dummy, n_words = values, words.shape[1]
     if tma:   # Triton's own dispatch takes descriptors (no fast launch)
-        if not tma_applies(x2, values, words, n, m, tiled) or launch.block_k * bits < 128:
-            raise ValueError("tma needs 2:4 values of the inputs' 16-bit dtype and int32 position words, contiguous, "
-                             "16-byte aligned, rows a multiple of 16 bytes, at least 64 kept values per chunk, on "
-                             "sm_90 or later")
-        values, words = tma_descriptors(values, words, bits, tiled, launch.block_r, launch.block_k)
+        values, words = tma_descriptors(x2, values, words, n, m, bits, tiled, launch.block_r, launch.block_k)
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
             counts if counts is not None else dummy, tokens, rows, kept, cols, n_words, x2.stride(0),
             y.stride(0))
