@@ -574,9 +574,7 @@ def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits:
                   BLOCK_R=p["block_r"], BLOCK_K=p["block_k"], BLOCK_T=p["block_t"], STAGES=p["stages"],
                   TILED=tiled, X_WORDS=can_words and async_gather is not False, num_warps=p["num_warps"],
                   **({"MAP_SPAN": span} if span else {}), **({} if p["by_group"] else {"BY_GROUP": False}))
-    if p["tma"]:
-        if values.dtype != x2.dtype:
-            raise ValueError("tma reads values of the inputs' dtype")
+    if p["tma"]:   # what the descriptors can read is checked where they are made (tma_descriptors)
         common["TMA"] = True
     if pdl and not p["tma"]:   # each program prefetches its rows' first kept values of its split, and their positions
         share = overlap.prefetch_per_row(grid[0] * grid[1], p["block_r"], p["per_split"], values.element_size(),

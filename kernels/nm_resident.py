@@ -219,8 +219,8 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
     by the resident-input kernel. ``sum_in_kernel`` and ``pdl`` as :func:`.nm_decode.nm_decode`;
     ``head_prefetch``: each program first requests the tiles its pipeline loads first into L2
     (:func:`prefetch_plan`; compiled for an NVIDIA GPU only); ``tma``: the weight's tiles copied by the Tensor
-    Memory Accelerator instead (:func:`.nm_decode.tma_descriptors`: at least 64 kept values per chunk); ``plan_overrides``: :func:`resident_plan`'s ``block_r``, ``block_k``, ``per_sm`` and
-    ``rows_per``."""
+    Memory Accelerator instead (:func:`.nm_decode.tma_descriptors`: at least 64 kept values per chunk);
+    ``plan_overrides``: :func:`resident_plan`'s ``block_r``, ``block_k``, ``per_sm`` and ``rows_per``."""
     check_pattern(n, m, bits)
     lead, cols = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, cols).contiguous()
