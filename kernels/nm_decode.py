@@ -352,11 +352,15 @@ DOT_TILES_SWAP = {
 # per step, the synchronous mma) by (block_r, dense columns, warps): the programs an SM holds as compiled for
 # sm_90a at 2-16 tokens of 2:4 (shared memory allows 6, registers 9)
 DOT_RESIDENT_SWAP = {(32, 128, 2): 6}
-# the same with the weight's tiles copied by the Tensor Memory Accelerator (SparseLinear's ``decode_swap_tma``:
-# 64 rows × 256 dense columns on 4 warps, 3 stages): no thread holds the copies' addresses, so the default
-# tile compiles to 126 registers, not 200 (Triton 3.6: 124, not 166), and 3 programs reside per SM (by
-# shared memory), not 2
-DOT_RESIDENT_TMA = {(64, 256, 4): 3}
+# the same with the weight's tiles copied by the Tensor Memory Accelerator (SparseLinear's ``decode_swap_tma``,
+# 2:4 on 16-bit inputs, 3 stages), by tokens: (block_r, dense columns, warps, programs per SM as compiled for
+# sm_90a). No thread holds the copies' addresses, so at 16 tokens the 64 × 256 tile compiles to 126 registers,
+# not 200 (Triton 3.6: 124, not 166), and 3 programs reside per SM (by shared memory), not 2. A step copies at
+# least 16 bytes of position words per row (64 kept values), so at 32 and 64 tokens the step is 128 dense
+# columns, twice decode_swap's: 114 and 132 registers, 4 and 3 programs per SM (by registers and by shared
+# memory: 64 tokens' three take 222 of the SM's 228 KiB), 382 and 404 loop instructions per 64 × 64 kept
+# values against decode_swap's 236 and 248 per 64 × 32 (issue ceilings 5.6 and 5.3 TB/s against 4.5 and 4.3)
+DOT_TILES_SWAP_TMA = {16: (64, 256, 4, 3), 32: (64, 128, 4, 4), 64: (64, 128, 4, 3)}
 DOT_TILE_FP32 = (16, 128, 8, 1)
 DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP32 = 64, 16
 # up to this many tokens the select kernel is the default: on an H100 at 2 tokens it took 12.5–29.7 µs on
@@ -417,8 +421,8 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     float32 take smaller tiles: larger ones spill. Split-K makes enough programs to fill every SM: one
     per SM for select (an H100's timing: fewer, longer programs beat split-K there), and for the
     tensor-core kernel as many as its pipeline buffers let reside in the SM's shared memory (2 for the
-    2:4 tiles; ``tma``, the weight's tiles copied by the Tensor Memory Accelerator: as
-    :data:`DOT_RESIDENT_TMA` says). ``stages`` tiles are in the software pipeline. Timed on an H100
+    2:4 tiles; ``tma``, the weight's tiles copied by the Tensor Memory Accelerator: its own tiles,
+    :data:`DOT_TILES_SWAP_TMA`). ``stages`` tiles are in the software pipeline. Timed on an H100
     (``scripts/gpu_run.sh tune_decode`` → ``scripts/results/tune_decode_*.json``): at one token these tiles
     unsplit were within 5 % of the best of 32; the tensor-core tiles are within 3 % of the best swept, but
     at about dense speed."""
@@ -436,7 +440,8 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     block_t = max(16, next_pow2(tokens)) if use_dot else next_pow2(tokens)  # tl.dot: ≥ 16
     if use_dot:
         table = DOT_TILES_SWAP if weight_a else DOT_TILES
-        tile = DOT_TILE_FP32 if element_bytes >= 4 else table.get((n, m), DOT_TILES_OTHER)[block_t]
+        tile = DOT_TILE_FP32 if element_bytes >= 4 else DOT_TILES_SWAP_TMA[block_t] if tma else \
+            table.get((n, m), DOT_TILES_OTHER)[block_t]
         block_r = block_r or tile[0]
         block_k = block_k or max(fields, n, tile[1] * n // m)
         num_warps = num_warps or tile[2]
@@ -456,9 +461,7 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     if use_dot:  # as many as the registers (the tile's compile) and the pipeline's buffers let reside
         buffers = max(1, stages - 1) * (block_r * block_k * element_bytes + block_r * block_k * bits // 8
                                         + block_t * block_k * m // n * element_bytes)   # stages − 1 loads ahead
-        if tma:
-            by_registers = DOT_RESIDENT_TMA.get((block_r, block_k * m // n, num_warps), 4)
-        elif (block_r, num_warps) == (tile[0], tile[2]):
+        if (block_r, num_warps) == (tile[0], tile[2]):
             by_registers = tile[3]
         else:   # another tile SparseLinear times, or one being tuned: up to 4
             by_registers = DOT_RESIDENT_SWAP.get((block_r, block_k * m // n, num_warps), 4) if weight_a else 4

@@ -132,7 +132,7 @@ def test_resident_input_decode_matches_float64(tokens, dtype, tiled):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [2, 9, 16])
+@pytest.mark.parametrize("tokens", [2, 9, 16, 40])
 @pytest.mark.parametrize("tiled", [False, True])
 def test_tma_weight_tiles_decode_as_the_loads_do(tokens, dtype, tiled):
     """The weight-as-A tensor-core decode with its weight tiles copied by tensor descriptors (``tma``) gives
@@ -141,7 +141,7 @@ def test_tma_weight_tiles_decode_as_the_loads_do(tokens, dtype, tiled):
     kernel and by a second launch, the export's words (by descriptor) and cuSPARSELt's order (read
     as without)."""
     from shuffleprune.deploy.cslt_layout import cslt_words
-    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.nm_decode import DOT_TILES_SWAP_TMA, decode_plan, nm_decode
     from shuffleprune.kernels.nm_words import position_words
 
     rows, cols = (128, 512) if tiled else (100, 512)   # cuSPARSELt's order: whole 64-row bands
@@ -154,9 +154,14 @@ def test_tma_weight_tiles_decode_as_the_loads_do(tokens, dtype, tiled):
             kw = dict(use_dot=True, weight_a=True, tiled=tiled, **over)
             y = nm_decode(x, values, words, 2, 4, 2, p, b, tma=True, **kw)
             assert y.shape == (tokens, rows) and _close(y, ref, dtype), (p is None, over)
-            assert torch.equal(y, nm_decode(x, values, words, 2, 4, 2, p, b, **kw))
+            tile = decode_plan(rows, values.shape[1], tokens, 2, 4, 2, x.device, use_dot=True, weight_a=True, tma=True,
+                               **{k: v for k, v in over.items() if k != "sum_in_kernel"})
+            same = {k: tile[k] for k in ("block_r", "block_k", "split", "num_warps")}   # the loads on its tile
+            assert torch.equal(y, nm_decode(x, values, words, 2, 4, 2, p, b, **{**kw, **same}))
     plan = decode_plan(4096, 2048, tokens, 2, 4, 2, x.device, weight_a=True, use_dot=True, tma=True, stages=3)
-    assert plan["tma"] and plan["per_sm"] == 3   # DOT_RESIDENT_TMA's tile, as compiled
+    block_r, columns, warps, per_sm = DOT_TILES_SWAP_TMA[plan["block_t"]]   # its own tile, as compiled
+    assert plan["tma"] and (plan["block_r"], plan["block_k"] * 2, plan["num_warps"]) == (block_r, columns, warps)
+    assert plan["per_sm"] == per_sm and plan["block_k"] * 2 >= 64   # 16 bytes of position words per row and step
     assert not decode_plan(4096, 2048, tokens, 2, 4, 2, x.device, weight_a=True, use_dot=True)["tma"]
 
 
@@ -1532,12 +1537,16 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     ``decode_mapped``, ``gemm_swap``, residency as DOT_TILES_SWAP says), no synchronous load left in
     the loop where an index map is read as words (the select loop, ``decode_mapped``), split-K summed in
     the kernel behind a release-acquire atomic, prefill tiles that stay in L2 (no evict-first),
-    and the GEMM tile tables (loop length, residency) that ``gemm_plan``'s cost model reads still true."""
+    and the GEMM tile tables (loop length, residency) that ``gemm_plan``'s cost model reads still true, and
+    the TMA-fed decode's tiles (bulk copies, residency as DOT_TILES_SWAP_TMA says)."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
+
+    from shuffleprune.kernels.gpu import next_pow2
+    from shuffleprune.kernels.nm_decode import DOT_TILES_SWAP_TMA
 
     from shuffleprune.kernels.nm_decode import SELECT_MAX_TOKENS
 
@@ -1591,13 +1600,18 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["evict_first"] and r["tensor_core"] and not r["wgmma"], r   # more programs than the 64-row tile
             assert r["plan_per_sm"] <= r["programs_per_sm"] and r["programs_per_sm"] > 2, r
             assert r["widest_load_bytes"] == 16 and r["async_copies"] and r["loop_sync_loads"] == 0, r
-        if r["impl"] == "decode_swap_tma":   # the weight's tiles by the Tensor Memory Accelerator: fewer registers,
-            # more programs per SM than decode_swap (2), the same loop
-            swap = next(q for q in sixteen_bit if q["impl"] == "decode_swap" and q["tokens"] == 16
-                        and q["shape"] == r["shape"] and q["pattern"] == "2:4")
+        if r["impl"] == "decode_swap_tma":   # the weight's tiles by the Tensor Memory Accelerator, on its own tiles
+            block_r, columns, _, per_sm = DOT_TILES_SWAP_TMA[max(16, next_pow2(r["tokens"]))]
             assert r["wgmma"] and r["bulk_copies"] and r["loop_sync_loads"] == 0, r
-            assert r["plan_per_sm"] == r["programs_per_sm"] == 3 > swap["programs_per_sm"], r
-            assert r["registers"] < swap["registers"] and r["loop_instructions"] <= 1.02 * swap["loop_instructions"], r
+            assert r["plan_per_sm"] == r["programs_per_sm"] == per_sm, r
+            assert (r["constexprs"]["BLOCK_R"], 2 * r["constexprs"]["BLOCK_K"]) == (block_r, columns), r
+            swap = next((q for q in sixteen_bit if q["impl"] == "decode_swap" and q["tokens"] == r["tokens"]
+                         and q["shape"] == r["shape"] and q["pattern"] == "2:4"), None)
+            if r["tokens"] == 16:   # fewer registers, more programs per SM than decode_swap (2), the same loop
+                assert per_sm > swap["programs_per_sm"] and r["registers"] < swap["registers"], r
+                assert r["loop_instructions"] <= 1.02 * swap["loop_instructions"], r
+            elif swap is not None:   # 32-64 tokens: twice decode_swap's step, fewer instructions per byte
+                assert r["issue_ceiling_tbs"] > swap["issue_ceiling_tbs"], r
         if r["impl"].startswith("experts"):   # the grouped MoE kernel streams each expert as decode streams a layer
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
             assert r["loop_sync_loads"] == 0, r   # an expert's map read as words the pipeline copies too

@@ -70,16 +70,17 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   (``scripts/results/kernel_compile_sm90.json``), 6 such programs (12 warps) reside per SM where the
   default tile has 2 (8 warps), with about the same instruction ceiling (5.1–5.5 against 5.9–6.4 TB/s).
   Not yet timed on a GPU; ``auto`` weighs it;
-- ``decode_swap_tma`` (2:4, 16-bit, 2–16 tokens): ``decode_swap`` (3 tiles in flight) with its weight's tiles
+- ``decode_swap_tma`` (2:4, 16-bit, 2–64 tokens): ``decode_swap`` (3 tiles in flight) with its weight's tiles
   copied by Hopper's Tensor Memory Accelerator (tensor descriptors), not by every thread's 16-byte
   asynchronous copies. At 2–16 tokens the 2:4 decodes took the H100's time on the H200 (4096×14336, 2
   tokens: 34.6 against 34.7 µs) where cuBLAS, whose loads are bulk copies, sped up with the H200's 1.4×
   bandwidth (32.7 against 46.1): what the threads' copies keep in flight per SM may be what binds them.
   Compiled for sm_90a no thread holds the copies' addresses: 126 registers against 200 and 3 programs
   per SM against 2, with the same loop (665 instructions against 669 at 16 tokens,
-  ``kernel_compile_sm90.json``). Not yet timed on a GPU; ``auto`` weighs it where the descriptors can
-  read the weight (rows of a multiple of 16 bytes, values of the inputs' dtype), and named elsewhere it
-  runs ``decode_swap``;
+  ``kernel_compile_sm90.json``). At 32–64 tokens a step copies 64 kept values per row (the descriptors'
+  16 bytes of position words), twice ``decode_swap``'s step there (``nm_decode.DOT_TILES_SWAP_TMA``). Not yet
+  timed on a GPU; ``auto`` weighs it where the descriptors can read the weight (rows of a multiple of 16
+  bytes, values of the inputs' dtype), and named elsewhere it runs ``decode_swap``;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion;
@@ -158,7 +159,7 @@ NOT_WEIGHED = ("decode_tall", "decode_offsets")
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1,
                    "decode_mapped_by_value": 2, "decode_resident": 2, "decode_resident_tma": 2,
                    "decode_swap_narrow": 16, "decode_swap_sync": 16,
-                   "decode_swap_tma": 16}
+                   "decode_swap_tma": 64}
 SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync")   # decode_swap's other tiles: 2:4, 16-bit, 2-16 tokens
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
