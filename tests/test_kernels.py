@@ -189,6 +189,9 @@ def test_tma_decode_refuses_what_the_copies_cannot_read():
     assert not tma_applies(x.half(), values, words, 2, 4, False)   # values of another dtype
     lin = SparseLinear(values, meta, 256, 2, 4, perm=perm, bias=bias)
     assert "decode_swap_tma" in lin._candidates(x) and "decode_resident_tma" in lin._candidates(x[:1])
+    x40 = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert "decode_swap_tma" in lin._candidates(x40)   # its 128-column step to 64 tokens
+    assert "decode_swap_tma" not in lin._candidates(torch.cat([x40, x40]))   # 80: past the decodes
     assert not {"decode_swap_tma", "decode_resident_tma"} & set(SparseLinear(v96, m96, 96, 2, 4)._candidates(x96[:2]))
     w96 = _case(24, 96, 2, 4, 4, torch.bfloat16)[0].double()
     for policy, xs in (("decode_swap_tma", x96), ("decode_resident_tma", x96[:1])):   # where they cannot run: the
