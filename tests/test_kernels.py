@@ -1290,6 +1290,29 @@ def test_auto_keeps_cslt_for_eager_calls_only_when_it_wins_eagerly_too(monkeypat
     assert layer._measure(x, ["cslt", "gemm", "scratch"]) == ("scratch", "scratch") and eager == []
 
 
+def test_auto_times_the_tma_decodes_eagerly_too_when_a_graph_picks_them(monkeypatch):
+    """The TMA-fed decodes make their tensor descriptors per call and launch by Triton's dispatch, so a
+    graph's pick of one (plain or as a dependent) is timed eagerly against the fastest other candidate,
+    and the faster of the two serves eager calls."""
+    from shuffleprune.deploy import sparse_linear
+
+    w, values, meta, x, perm, bias = _case(64, 256, 2, 4, 8, torch.bfloat16)
+    layer = SparseLinear(values, meta, 256, 2, 4, perm=perm, bias=bias)
+    graph = {"decode_swap_tma": 1.0, "decode_swap": 1.2, "decode_resident_tma": 0.9, "scratch": 3.0}
+    eager = _fake_timers(monkeypatch, graph, {"decode_swap_tma": 5.0, "decode_swap": 2.0, "scratch": 4.0})
+    assert layer._measure(x, ["decode_swap_tma", "decode_swap", "scratch"]) == ("decode_swap_tma", "decode_swap")
+    assert sorted(eager) == ["decode_swap", "decode_swap_tma"]
+    eager = _fake_timers(monkeypatch, graph, {"decode_swap_tma": 1.5, "decode_swap": 2.0})
+    assert layer._measure(x, ["decode_swap_tma", "decode_swap"]) == ("decode_swap_tma", "decode_swap_tma")
+    eager = _fake_timers(monkeypatch, graph, {"decode_resident_tma": 3.0, "decode_swap": 2.0})   # the TMA runner-up
+    assert layer._measure(x, ["decode_resident_tma", "decode_swap_tma", "decode_swap"]) == (   # is not the rival
+        "decode_resident_tma", "decode_swap")
+    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: True)   # a dependent launch's pick, by its kernel
+    eager = _fake_timers(monkeypatch, {**graph, "decode_swap_tma+pdl": 0.8, "decode_swap+pdl": 1.1},
+                         {"decode_swap_tma+pdl": 4.0, "decode_swap+pdl": 2.5})
+    assert layer._measure(x, ["decode_swap_tma", "decode_swap"]) == ("decode_swap_tma+pdl", "decode_swap+pdl")
+
+
 def test_auto_times_as_dependents_every_kernel_near_the_fastest_not_just_two(monkeypatch):
     """With dependent launches on, ``auto`` times again so the two fastest Triton kernels and any other
     within ``PDL_RETIME_WITHIN`` of the fastest candidate: the H100's 1024×4096 layer at 2 tokens
