@@ -35,6 +35,9 @@
 #                                              # (an H200: same SMs and clocks, 1.4x the HBM bandwidth)
 #   bash scripts/gpu_run.sh tune_swap          # the weight-as-A-operand decode (2–64 tokens) and GEMM against the
 #                                              # others' tiles, and the in-kernel map's tiles at 1 token
+#   bash scripts/gpu_run.sh tune_tma           # the same decode with its weight tiles copied by the Tensor Memory
+#                                              # Accelerator: 64/128 rows, 64/128 kept values per step, 4/8 warps,
+#                                              # 2-4 stages at 2, 16 and 64 tokens (tune_tma.json)
 #   bash scripts/gpu_run.sh sparse_tc          # cuSPARSELt's 2:4 layout learned (probe_sparse_tc.py) and its GEMM,
 #                                              # algorithm searched, against cuBLAS and the Triton GEMMs at 64-2048 tokens
 #   bash scripts/gpu_run.sh cslt_buffer e2e     # cslt_buffer: auto and the decode on one cuSPARSELt buffer per layer
@@ -116,22 +119,26 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # per SM; sweeps before had 64 and 128 rows, all wgmma), whose 32-row tile auto now weighs. Since stop 77 the
 # kernel table also times the resident-input decode (decode_resident, with and without a map: the map read once
 # per program) and auto_tiled, the layer as load holds it on Hopper (one cuSPARSELt buffer), which the targets
-# judge too; e2e follows in the same call so the targets read both tables of one checkout. next1: the compiled
-# e2e table and moe. pipeline (the commands users type on CUDA) ran whole on the H200 on 2026-11-28 and is a
+# judge too; e2e follows in the same call so the targets read both tables of one checkout. Since stop 78 it
+# times the TMA-fed decodes too (decode_swap_tma at 2-64 tokens, decode_resident_tma at 1-2). next1: the
+# compiled e2e table and tune_tma, the TMA decode's tiles (rows, kept values per step, warps, stages) at 2, 16
+# and 64 tokens; moe moved to next7. pipeline (the commands users type on CUDA) ran whole on the H200 on 2026-11-28 and is a
 # step of its own now;
 # next2..next6 the rest, one call each (limits summing to at most 600 s), in the order they matter to the issue;
 # next7 issue 6's DST step cost at GPT-2 Small's shape with the soft permutations now on the GPU
 # (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all seven, for the CPU
 # smoke run.
 ISSUE24=(kernel tune_swap_sync e2e targets)         # limits 260 + 90 + 210 + 10 s (kernel 115 s, e2e 148 on the H200)
-NEXT1=(e2e_compile moe)                             # 280 + 300 s (141 and 114 s on the H200)
+NEXT1=(e2e_compile tune_tma)                        # 280 + 150 s (e2e_compile 141 s on the H200; tune_tma's
+                                                    # 216 timings: tune_bw_swap's 243 took 53 s there)
 NEXT2=(moe_stacked profile_swap)                    # 300 + 3 × 90 s (profile_swap: Nsight Compute on decode_swap,
                                                     # the same with TMA copies, and cuBLAS at 16 tokens)
 NEXT3=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
 NEXT4=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
 NEXT5=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 54 and 55 s on 3616890)
 NEXT6=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
-NEXT7=(dst_overhead)                                # 200 s: issue 6's DST step cost at GPT-2 Small's shape on the GPU
+NEXT7=(dst_overhead moe)                            # 200 + 300 s: issue 6's DST step cost at GPT-2 Small's shape on
+                                                    # the GPU; the Mixtral experts layer (114 s on the H200)
 [ $# -eq 0 ] && set -- issue24
 steps=(); for s in "$@"; do case $s in
     tune_tiles) steps+=(tune_select tune_dot tune_gemm) ;;
@@ -200,6 +207,10 @@ for s in "$@"; do
                 --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 64 \
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
+        tune_tma) step tune_tma 150 scripts/results/tune_tma.json $PY scripts/tune_kernel.py \
+                --variants swap_tma --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 16 64 --block-r 64 128 \
+                --block-k 64 128 --num-warps 4 8 --stages 2 3 4 --max-tile 1048576 \
+                --out scripts/results/tune_tma.json ;;
         tune_swap_sync) step tune_swap_sync 90 scripts/results/tune_swap_sync.json $PY scripts/tune_kernel.py \
                 --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 16 32 \
                 --block-k 64 128 --num-warps 1 2 --stages 3 4 --max-tile 1048576 \

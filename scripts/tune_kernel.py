@@ -2,6 +2,8 @@
 count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for the decode variants
 (``kernels/nm_decode.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
 tensor-core kernel, ``swap`` the tensor-core kernel with the weight as the MMA's A operand,
+``swap_tma`` the same with its weight tiles copied by the Tensor Memory Accelerator (2:4, 16-bit, at least 64
+kept values per step),
 ``mapped`` the planned kernel reading the index map itself, ``mapped_sync`` the same with the map's gather
 one step ahead in registers instead of the pipeline's word copies; each also as ``…_launch``, split-K's
 partial sums added by a second kernel instead of the last split; ``decode_pdl``, ``swap_pdl`` and
@@ -44,6 +46,7 @@ SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
 # operand (swap), and the plan's kernel reading the index map itself (mapped: the map's in-kernel cost;
 # mapped_sync: its gather one step ahead in registers, not as the pipeline's asynchronous word copies)
 DECODE = {"decode": {}, "select": {"use_dot": False}, "dot": {"use_dot": True}, "swap": {"use_dot": True, "weight_a": True},
+          "swap_tma": {"use_dot": True, "weight_a": True, "tma": True},
           "mapped": {}, "mapped_sync": {"async_gather": False}}
 # ..._launch: the same with split-K's partial sums added by a second kernel, not by the last split in the kernel
 DECODE.update({f"{name}_launch": {**kw, "sum_in_kernel": False} for name, kw in list(DECODE.items())})
@@ -95,8 +98,9 @@ def main() -> None:
     if not torch.cuda.is_available() and not args.smoke:
         raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on CPU")
     cuda = not args.smoke
-    dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if cuda else [(96, 64), (64, 160)]
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
+    dtype = torch.bfloat16   # as served (the smoke too: the TMA decode takes 16-bit weights only)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if cuda else [(96, 64), (64, 160), (80, 256)]
 
     l2 = l2_bytes(dev)
 
@@ -198,8 +202,8 @@ def main() -> None:
                          "speedup_vs_dense": round(dense_ms / top["ms"], 3) if top and top["ms"] else None})
             what = top and (top.get("tile") or (top['block_r'], top['block_k'], top['num_warps'], top.get('stages'),
                                                 top.get('split')))
-            print(f"{out_f}x{in_f} t={tokens} {variant}: dense {dense_ms:.4f} ms, best {top and top['ms']:.4f} ms "
-                  f"{what}", flush=True)
+            print(f"{out_f}x{in_f} t={tokens} {variant}: dense {dense_ms:.4f} ms, "
+                  + (f"best {top['ms']:.4f} ms {what}" if top else "no tile ran"), flush=True)
         save()   # after every case: a sweep cut off by its time limit keeps what it measured
     print(f"wrote {out}")
 
