@@ -44,6 +44,10 @@ try:
     from triton import knobs
 except ImportError:  # a Triton before knobs (3.4): launch hooks cannot be read, so never fast
     knobs = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton before host-side tensor descriptors (3.4): none is passed
+    TensorDescriptor = None
 
 _STATE = {"enabled": os.environ.get("SHUFFLEPRUNE_FAST_LAUNCH", "1") != "0"}
 _I32 = (-(1 << 31), 1 << 31)
@@ -57,16 +61,23 @@ def _int_key(v: int) -> tuple:
     return int, v == 1, not v & 15, _I32[0] <= v < _I32[1], v < (1 << 63)
 
 
+def _descriptor_key(d: Any) -> tuple:
+    return "tensordesc", d.base.dtype, tuple(d.block_shape), d.padding, getattr(d, "round_f32_to_tf32", False)
+
+
 _KEYS = {torch.Tensor: _tensor_key, torch.nn.Parameter: _tensor_key, int: _int_key,
-         bool: lambda v: (bool, v), float: lambda v: float, type(None): lambda v: None}
+         bool: lambda v: (bool, v), float: lambda v: float, type(None): lambda v: None,
+         **({TensorDescriptor: _descriptor_key} if TensorDescriptor is not None else {})}
 
 
 def arg_key(value: Any) -> Any:
     """What a runtime (not ``constexpr``) argument contributes to a launch's key: for a tensor its dtype
     and whether its address is 16-byte aligned; for an integer whether it is 1, divisible by 16, and
     whether it fits 32 bits or 64 (Triton's ``i32``/``i64``/``u64``); a bool its value; a float
-    nothing but its kind; None itself. Anything else raises ``TypeError`` (the call goes through
-    Triton's dispatch)."""
+    nothing but its kind; None itself; a host tensor descriptor its tensor's dtype and its block shape
+    (Triton's ``tensordesc<i32[64, 64]>``; Triton 3.6 and 3.9 specialize on nothing else of it) and
+    its padding. The compiled kernel's launcher turns a descriptor into the TMA's own at each launch,
+    on either path. Anything else raises ``TypeError`` (the call goes through Triton's dispatch)."""
     key = _KEYS.get(type(value))
     if key is not None:
         return key(value)

@@ -529,7 +529,7 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     part = split_k.partials(split, y)
     counts = split_k.summing(split, launch.grid[0], device, sum_in_kernel)
     dummy, n_words = values, words.shape[1]
-    if launch.tma_tile is not None:   # Triton's own dispatch takes descriptors (no fast launch)
+    if launch.tma_tile is not None:   # a descriptor holds its tensor: made per call
         values, words = tma_descriptors(x2, values, words, n, m, bits, tiled, *launch.tma_tile)
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
             counts if counts is not None else dummy, tokens, rows, kept, cols, n_words, x2.stride(0),

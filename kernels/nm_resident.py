@@ -243,7 +243,7 @@ def nm_decode_resident(x: torch.Tensor, values: torch.Tensor, words: torch.Tenso
     part = split_k.partials(launch.split, y)
     counts = split_k.summing(launch.split, launch.grid[1], device, sum_in_kernel)
     dummy, n_words = values, words.shape[1]
-    if tma:   # Triton's own dispatch takes descriptors (no fast launch)
+    if tma:   # a descriptor holds its tensor: made per call
         values, words = tma_descriptors(x2, values, words, n, m, bits, tiled, launch.block_r, launch.block_k)
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
             counts if counts is not None else dummy, tokens, rows, kept, cols, n_words, x2.stride(0),

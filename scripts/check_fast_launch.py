@@ -4,7 +4,8 @@
     python scripts/check_fast_launch.py --gpu    # CUDA → scripts/results/fast_launch_cuda.json
 
 Each case calls a host function the runtime calls (``nm_decode`` at 1, 2 and 16 tokens, plain, with a
-map, split-K summed in the kernel or by a second launch, as a dependent launch; ``nm_gemm``; the
+map, split-K summed in the kernel or by a second launch, as a dependent launch, with its weight tiles
+copied by the Tensor Memory Accelerator; the resident decode so too; ``nm_gemm``; the
 scratch fills; both gathers; the mapped RMSNorm; the MoE experts kernel, its one-launch routing and its pairs' gather) three times on the same inputs: the first call
 compiles and keeps the compiled kernel, the later ones take the fast path (split-K's arrival counters
 move along a ring, so a second call may meet a new alignment, which Triton compiles apart too).
@@ -15,7 +16,7 @@ Triton's dispatch passes the compiled kernel's launcher for these arguments is r
 the fast path passes, and the two must be the same objects in the same order, the launch metadata
 apart (``identical``); the third call must have gone fast (``fast``). Then the key: for each launch, each positional argument
 is varied where Triton's specialization can change (a pointer off 16-byte alignment; an integer of
-1, 16, 17, 2³¹+16) and Triton's own binder is asked for its specialization: two variants the fast
+1, 16, 17, 2³¹+16; a tensor descriptor over fewer rows, with another block, of another dtype) and Triton's own binder is asked for its specialization: two variants the fast
 path's key (:func:`~shuffleprune.kernels.launch.args_key`) calls the same must be the same to Triton
 (``key_refines``). Then each case's host µs per call both ways, the launcher a list append: Triton's
 dispatch against the fast path on this machine's CPU, the driver's launch left out. Last, a whole eager
@@ -54,6 +55,7 @@ def cases(device, dtype):
     from shuffleprune.kernels.nm_decode import nm_decode
     from shuffleprune.kernels.nm_experts import nm_experts, route_blocks
     from shuffleprune.kernels.nm_gemm import nm_decompress_into, nm_decompress_mapped_into, nm_gemm
+    from shuffleprune.kernels.nm_resident import nm_decode_resident
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.kernels.norm_map import rmsnorm_mapped
     from shuffleprune.masks import nm_keep_mask
@@ -85,6 +87,10 @@ def cases(device, dtype):
          lambda: nm_decode(x[2], values, words, 2, 4, 2, split=4, sum_in_kernel=False)),
         ("nm_decode 2 tokens, split-K summed in the kernel", lambda: nm_decode(x[2], values, words, 2, 4, 2, split=4)),
         ("nm_decode 16 tokens", lambda: nm_decode(x[16], values, words, 2, 4, 2)),
+        ("nm_decode 16 tokens, weight tiles by TMA (tensor descriptors)",
+         lambda: nm_decode(x[16], values, words, 2, 4, 2, use_dot=True, weight_a=True, stages=3, tma=True)),
+        ("nm_decode_resident 1 token, map, weight tiles by TMA",
+         lambda: nm_decode_resident(x[1], values, words, 2, 4, 2, perm, tma=True)),
         ("nm_gemm 64 tokens", lambda: nm_gemm(x[64], values, words, 2, 4, 2, bias)),
         ("nm_decompress_into", lambda: nm_decompress_into(values, words, 2, 4, 2, cols, scratch)),
         ("nm_decompress_mapped_into", lambda: nm_decompress_mapped_into(values, words, 2, 4, 2, cols, inverse, scratch)),
@@ -122,6 +128,11 @@ def variants(value):
         return [value] + ([flat[1:]] if flat.numel() > 1 else [])
     if isinstance(value, int) and not isinstance(value, bool):
         return [value, 1, 16, 17, (1 << 31) + 16]
+    if type(value).__name__ == "TensorDescriptor":   # fewer rows; another block; another dtype
+        rows, block = value.base.shape[0], list(value.block_shape)
+        return [value, type(value).from_tensor(value.base[: max(1, rows // 2)], block),
+                type(value).from_tensor(value.base, [max(1, block[0] // 2), *block[1:]]),
+                type(value).from_tensor(value.base.view(torch.float32), block)]
     return [value]
 
 

@@ -1291,7 +1291,7 @@ def test_auto_keeps_cslt_for_eager_calls_only_when_it_wins_eagerly_too(monkeypat
 
 
 def test_auto_times_the_tma_decodes_eagerly_too_when_a_graph_picks_them(monkeypatch):
-    """The TMA-fed decodes make their tensor descriptors per call and launch by Triton's dispatch, so a
+    """The TMA-fed decodes make their tensor descriptors per call (the launcher encodes them), so a
     graph's pick of one (plain or as a dependent) is timed eagerly against the fastest other candidate,
     and the faster of the two serves eager calls."""
     from shuffleprune.deploy import sparse_linear
@@ -1735,7 +1735,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
 def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp_path):
     """``kernels/launch.py`` (compile-only, no GPU: ``scripts/check_fast_launch.py``): for every kernel an
     eager decode or prefill launches (the decodes plain, mapped, split-K summed either way, as dependent
-    launches; the GEMM; both scratch fills; both gathers; the mapped norm; the MoE experts kernel and its pairs' gather), the
+    launches, with their weight tiles by TMA descriptors; the resident decode; the GEMM; both scratch fills; both gathers; the mapped norm; the MoE experts kernel and its pairs' gather), the
     launcher call of the fast path is Triton's own for the same arguments, argument for argument; a call
     of a kind seen before goes fast; the fast path's key never joins two calls Triton specializes apart; and every launch of a
     warmed-up eager decode step of a model laid out as ``load`` serves it goes fast."""
@@ -1758,8 +1758,10 @@ def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp
     assert {r["kernel"] for r in launches} == {
         "_nm_decode_kernel", "_sum_partials_kernel", "_nm_gemm_kernel", "_nm_decompress_kernel",
         "_nm_decompress_mapped_kernel", "_gather_columns_kernel", "_gather_rows_kernel", "_rmsnorm_mapped_kernel",
-        "_nm_experts_kernel", "_route_blocks_kernel", "_gather_pairs_kernel"}
-    assert all(r["fast"] for r in launches if r["call"] == 3)
+        "_nm_experts_kernel", "_route_blocks_kernel", "_gather_pairs_kernel", "_nm_resident_kernel"}
+    assert all(r["fast"] for r in launches if r["call"] == 3)   # the TMA decodes too (descriptors keyed)
+    assert {r["case"] for r in launches if "TMA" in r["case"]} >= {
+        "nm_decode 16 tokens, weight tiles by TMA (tensor descriptors)", "nm_decode_resident 1 token, map, weight tiles by TMA"}
     assert not any(r["fast"] for r in launches if r["call"] == 1)   # the first of each kind goes through Triton
     step = next(r for r in result["rows"] if "launches_per_step" in r)   # a whole eager decode step, as load serves
     assert step["launches_per_step"] >= 6 * 4 and step["fast_launches_per_step"] == step["launches_per_step"]
@@ -1767,8 +1769,9 @@ def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp
 
 def test_fast_launch_keys_tell_apart_what_triton_specializes_on():
     """A launch's key (``kernels/launch.arg_key``) changes with a pointer's 16-byte alignment and dtype, an
-    integer's being 1, divisible by 16 or past 32 bits; a float's value does not enter it; an argument of
-    another kind is refused (that call goes through Triton's dispatch)."""
+    integer's being 1, divisible by 16 or past 32 bits, a tensor descriptor's dtype and block; a float's
+    value and a descriptor's shape do not enter it; an argument of another kind is refused (that call
+    goes through Triton's dispatch)."""
     from shuffleprune.kernels.launch import arg_key, args_key
 
     t = torch.zeros(64, dtype=torch.bfloat16)
@@ -1782,7 +1785,14 @@ def test_fast_launch_keys_tell_apart_what_triton_specializes_on():
     assert arg_key(1e-5) == arg_key(0.5) and arg_key(None) is None
     with pytest.raises(TypeError):
         arg_key("a string")
-    values = (t, t[1:], torch.nn.Parameter(t.float(), requires_grad=False), 1, 16, 17, -5, 1 << 40, True, 0.5, None)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    w = torch.zeros(128, 64, dtype=torch.int32)
+    d = TensorDescriptor.from_tensor(w, [64, 32])   # a tensor descriptor: its dtype and block shape (and padding)
+    assert arg_key(d) == arg_key(TensorDescriptor.from_tensor(w[:96], [64, 32]))   # not its shape or address
+    assert arg_key(d) != arg_key(TensorDescriptor.from_tensor(w, [32, 32]))
+    assert arg_key(d) != arg_key(TensorDescriptor.from_tensor(w.view(torch.float32), [64, 32]))
+    values = (t, t[1:], torch.nn.Parameter(t.float(), requires_grad=False), 1, 16, 17, -5, 1 << 40, True, 0.5, None, d)
     assert args_key(values) == tuple(map(arg_key, values))   # the one-pass key of a launch's arguments
     with pytest.raises(TypeError):
         args_key((t, "a string"))

@@ -106,11 +106,11 @@ in an H100's L2, and timed alone it is read from there), and keeps the fastest
 (``self.choices``); a first call made during a graph capture takes :func:`default_choice`. Where
 that is one whose eager call costs more than its replay (``EAGER_CHECKED``: PyTorch builds
 cuSPARSELt's plan on every ``_cslt_sparse_mm`` call before its 2026 fix, about half a millisecond on an
-H100; the TMA-fed decodes make two tensor descriptors per call and launch through Triton's own
-dispatch, not the fast launch), it is timed eagerly against the fastest other candidate too, and calls
-outside a capture run the eager winner (``self.eager_choices``): a model served with CUDA graphs
-prefills on the sparse tensor cores, and one run eagerly (``generate`` without graphs) does not pay
-the plan, or the descriptors and dispatch, per call. The
+H100; the TMA-fed decodes make two tensor descriptors per call, which the launcher encodes at each
+launch), it is timed eagerly against the fastest other candidate too, and calls outside a capture run
+the eager winner (``self.eager_choices``): a model served with CUDA graphs prefills on the sparse
+tensor cores, and one run eagerly (``generate`` without graphs) does not pay the plan, or the
+descriptors, per call. The
 choices are shared by every layer of the same shape, pattern, bias and map span (none, a map within
 blocks of 64 columns as ``prune`` makes, one over all columns: ``input_gather.map_span``, since how far
 the map jumps decides what reading through it costs) on that device and dtype, so a 32-block model
@@ -144,8 +144,9 @@ IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mappe
          "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
-# TMA decodes make two tensor descriptors per call and launch by Triton's dispatch, which took 80.8 µs of host
-# time per one-token decode call against the fast launch's 58.8 on the H100's host (fast_launch_cuda.json)
+# TMA decodes make two tensor descriptors per call (12.7 µs of host time on this project's 2-core CPU;
+# fast_launch.json: 39.6 against the plain decode's 24.8 µs per 16-token call, the launch recorded, not run)
+# and the launcher encodes them at each launch
 EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
