@@ -144,9 +144,9 @@ IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mappe
          "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
-# TMA decodes make two tensor descriptors per call (12.7 µs of host time on this project's 2-core CPU;
-# fast_launch.json: 39.6 against the plain decode's 24.8 µs per 16-token call, the launch recorded, not run)
-# and the launcher encodes them at each launch
+# TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
+# the plain decode's 24.8 µs of host time per 16-token call, the launch recorded, not run) and the launcher
+# encodes them at each launch
 EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 GATHER_MAX_TOKENS = 16
