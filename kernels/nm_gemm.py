@@ -3,7 +3,7 @@
 - :func:`nm_gemm` (from 17 tokens): a tiled GEMM ``y = x_p @ W_pᵀ`` over already-permuted inputs whose
   weight tiles are decompressed in registers for ``tl.dot``; its tile and split-K come from a cost
   model (:func:`gemm_plan`) over tiles compiled for sm_90a; ``weight_a`` puts the weight in the MMA's
-  A operand.
+  A operand, ``tall`` gives each program 128 weight rows (two warpgroups) for each input tile it reads.
 - :func:`nm_decompress_into`: the dense ``W_p`` written into a caller's buffer (the shared scratch a
   dense matmul reads; no layer keeps a dense copy).
 - :func:`nm_decompress_mapped_into`: the dense weight in the input's *original* order,
@@ -154,6 +154,17 @@ GEMM_TILES_SWAP = {
     (4, 8): (((256, 64, 64, 4, 3), 657, 2), ((256, 64, 32, 8, 3), 194, 2),
              ((128, 64, 32, 4, 4), 301, 4), ((64, 64, 64, 4, 4), 575, 4)),
 }
+# the weight-as-A GEMM over 128 weight rows per program (two warpgroups of 64 rows, 8 warps): each input
+# tile it reads from L2 serves twice the rows. On an H100 the 64-row tiles of 2048 tokens ran at the rate
+# L2 hands out their operands (input and weight tiles, every step of every program: 4096×4096 201.5 µs,
+# 6.0 TB/s; 11008×4096 554 µs, 5.9; 4096×11008 503 µs, 6.5; ``tune_swap_gemm.json``), 2.5–2.7× the time
+# :func:`gemm_cycles` expects of their tensor and issue work. These tiles read 0.56× (256 tokens) and
+# 0.68× (128) the 256 × 64 tile's operand bytes per FLOP. Compiled for sm_90a as GEMM_TILES (no spill;
+# 4:8's 128 × 128 tile holds one program per SM); not yet timed. ``auto`` times them as ``gemm_swap_tall``.
+GEMM_TILES_SWAP_TALL = {
+    (2, 4): (((256, 128, 64, 8, 3), 269, 1), ((128, 128, 64, 8, 3), 257, 2), ((64, 128, 64, 8, 4), 231, 2)),
+    (4, 8): (((256, 128, 64, 8, 3), 588, 1), ((128, 128, 64, 8, 3), 564, 1), ((64, 128, 64, 8, 4), 548, 2)),
+}
 GEMM_TILE_FP32 = (32, 64, 32, 4, 3)  # float32: full-precision FMA, no tensor cores; larger tiles spill
 TENSOR_FLOP_PER_CYCLE = 4096          # dense 16-bit tensor-core FLOP per SM per clock (H100: 989 TFLOP/s)
 L2_BYTES_PER_CYCLE = 24               # per SM: about 5.5 TB/s of H100 L2, where split-K's partial sums stay
@@ -185,31 +196,33 @@ _PLANS: dict[tuple, tuple] = {}   # gemm_plan's answers by its arguments and the
 
 
 def gemm_plan(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, device: torch.device,
-              element_bytes: int = 2, weight_a: bool = False) -> tuple[tuple[int, int, int, int, int], int]:
+              element_bytes: int = 2, weight_a: bool = False,
+              tall: bool = False) -> tuple[tuple[int, int, int, int, int], int]:
     """:func:`plan_gemm`, costed once per token count, shape, pattern, options and SM count and then
     looked up: the host runs it at every GEMM launch, and costing every tile and split took 0.26–0.53
     ms on a 2-core CPU (``scripts/results/bench_host_overhead.json``), several times an H100's time for
     a 512-token 4096×4096 layer."""
-    key = (tokens, rows, cols, n, m, bits, element_bytes, weight_a, gpu.sm_count(device))
+    key = (tokens, rows, cols, n, m, bits, element_bytes, weight_a, tall, gpu.sm_count(device))
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = plan_gemm(tokens, rows, cols, n, m, bits, device, element_bytes, weight_a)
+        plan = _PLANS[key] = plan_gemm(tokens, rows, cols, n, m, bits, device, element_bytes, weight_a, tall)
     return plan
 
 
 def plan_gemm(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, device: torch.device,
-              element_bytes: int = 2, weight_a: bool = False) -> tuple[tuple[int, int, int, int, int], int]:
+              element_bytes: int = 2, weight_a: bool = False,
+              tall: bool = False) -> tuple[tuple[int, int, int, int, int], int]:
     """``((block_t, block_r, block_c, num_warps, num_stages), split)`` of :func:`nm_gemm`: of the
-    :data:`GEMM_TILES` (``weight_a``: :data:`GEMM_TILES_SWAP`, costed with the tensor-core call
-    overlapping the next expansion) of N:M whose steps hold whole position words, and of 1, 2, 4
-    or 8 column splits, the pair :func:`gemm_cycles` finds fastest on this device's SMs. Large
+    :data:`GEMM_TILES` (``weight_a``: :data:`GEMM_TILES_SWAP`, ``tall`` as well: :data:`GEMM_TILES_SWAP_TALL`,
+    costed with the tensor-core call overlapping the next expansion) of N:M whose steps hold whole position
+    words, and of 1, 2, 4 or 8 column splits, the pair :func:`gemm_cycles` finds fastest on this device's SMs. Large
     token tiles expand each weight tile once for more tokens; smaller tiles and split-K give every
     SM programs when tokens or rows are few."""
     min_c = 32 // bits * m // n          # dense columns per step that hold one whole position word
     if element_bytes >= 4:
         block_t, block_r, block_c, warps, stages = GEMM_TILE_FP32
         return (block_t, block_r, max(block_c, min_c), warps, stages), 1
-    table = GEMM_TILES_SWAP if weight_a else GEMM_TILES
+    table = (GEMM_TILES_SWAP_TALL if tall else GEMM_TILES_SWAP) if weight_a else GEMM_TILES
     tiles = [t for t in table.get((n, m), table[(2, 4)]) if t[0][2] % min_c == 0]
     if not tiles:                        # sparse position words (1:16): the smallest tile, wider
         return (32, 64, min_c, 4, 3), 1
@@ -222,11 +235,12 @@ def plan_gemm(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
 def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
             bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None,
             split: int | None = None, weight_a: bool = False, tiled: bool = False,
-            sum_in_kernel: bool | None = None, pdl: bool = False) -> torch.Tensor:
+            sum_in_kernel: bool | None = None, pdl: bool = False, tall: bool = False) -> torch.Tensor:
     """``x`` ``[..., C]`` already in the weight's (permuted) column order → ``x @ W_pᵀ + bias``
     (``tile`` and ``split`` default to :func:`gemm_plan`'s; a given ``tile`` alone runs unsplit).
     ``weight_a``: the weight tile is the MMA's A operand (``acc[rows, tokens]``), see
-    :data:`GEMM_TILES_SWAP`. ``sum_in_kernel``: as in :func:`nm_decode`. ``pdl``: launch as a
+    :data:`GEMM_TILES_SWAP`; ``tall`` (with ``weight_a``): planned over :data:`GEMM_TILES_SWAP_TALL`.
+    ``sum_in_kernel``: as in :func:`nm_decode`. ``pdl``: launch as a
     programmatic dependent that prefetches its weight's first part into L2 while the kernel before it
     ends (as :func:`nm_decode`'s ``pdl``; an ordinary launch where :func:`.overlap.enabled` is false)."""
     check_pattern(n, m, bits)
@@ -235,7 +249,7 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
     tokens = x2.shape[0]
     rows, kept = values.shape
     if tile is None:
-        tile, planned = gemm_plan(tokens, rows, cols, n, m, bits, x.device, x.element_size(), weight_a)
+        tile, planned = gemm_plan(tokens, rows, cols, n, m, bits, x.device, x.element_size(), weight_a, tall)
         split = split or planned
     block_t, block_r, block_c, warps, stages = tile
     if (block_c * n // m) % (32 // bits):

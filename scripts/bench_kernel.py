@@ -30,7 +30,8 @@ without a map on the already-permuted input — the map's cost is the others' ra
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
 weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_swap`` with half its step), ``decode_swap_sync`` (2–16 tokens: on
 32 rows of 2 warps, the synchronous ``mma``), ``decode_swap_tma`` (2–64 tokens: its weight tiles copied by the
-Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``gemm``, ``gemm_swap``, ``scratch``, ``scratch_mapped`` (from 17
+Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``gemm``, ``gemm_swap``,
+``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
 ``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm, ``cslt`` (the last two
@@ -84,7 +85,7 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_nomap", "decode_tall_nomap",
               "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync",
               "decode_swap_tma", "decode_swap_tma_tiled", "gemm",
-              "gemm_swap", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
+              "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
 # where the gather reads x nearly in order: auto (measured apart, by map span) and the in-kernel map, 1-16 tokens
@@ -128,8 +129,8 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
     if impl in SPARSE_TC:
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if not has_map else cols * 4
-    gathered = impl in DECODE_KERNELS and impl not in MAPPED_DECODES or impl in ("gemm", "gemm_swap", "scratch",
-                                                                                 *SPARSE_TC)
+    gathered = impl in DECODE_KERNELS and impl not in MAPPED_DECODES or impl in ("gemm", "gemm_swap", "gemm_swap_tall",
+                                                                                 "scratch", *SPARSE_TC)
     if has_map and gathered:
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped
@@ -155,7 +156,7 @@ def runs_at(impl: str, tokens: int) -> bool:
         return False
     if impl in ("gather", "group") and tokens > 64:
         return False
-    if impl == "scratch_mapped" and tokens < 17:   # auto weighs it from GEMM_MIN_TOKENS
+    if impl in ("scratch_mapped", "gemm_swap_tall") and tokens < 17:   # auto weighs them from GEMM_MIN_TOKENS
         return False
     return not (impl in ("semi_cutlass", "cslt") and tokens < 64)
 

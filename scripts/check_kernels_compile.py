@@ -67,12 +67,14 @@ def cases(quick: bool) -> list[dict]:
         for t in GEMM_TOKENS[:1] if quick else GEMM_TOKENS:
             out.append(dict(impl="gemm", shape=(rows, cols), tokens=t))
             out.append(dict(impl="gemm_swap", shape=(rows, cols), tokens=t))
+            out.append(dict(impl="gemm_swap_tall", shape=(rows, cols), tokens=t))
         out.append(dict(impl="scratch", shape=(rows, cols), tokens=0))
         out.append(dict(impl="scratch_mapped", shape=(rows, cols), tokens=0))
-    from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP
+    from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP, GEMM_TILES_SWAP_TALL
 
     rows, cols = SHAPES[0]
-    for impl, table in (("gemm_tile", GEMM_TILES), ("gemm_swap_tile", GEMM_TILES_SWAP)):
+    for impl, table in (("gemm_tile", GEMM_TILES), ("gemm_swap_tile", GEMM_TILES_SWAP),
+                        ("gemm_swap_tall_tile", GEMM_TILES_SWAP_TALL)):
         for pattern, tiles in table.items():
             for index in range(len(tiles)):
                 out.append(dict(impl=impl, shape=(rows, cols), tokens=2048, tile=index, pattern=pattern))
@@ -198,12 +200,11 @@ def run_case(case: dict) -> None:
         # mapped one reading the map)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
                           **DECODE_KERNELS[impl])
-    elif impl in ("gemm", "gemm_swap"):
-        nm_gemm.nm_gemm(x, values, words, n, m, bits, weight_a=impl == "gemm_swap")
-    elif impl in ("gemm_tile", "gemm_swap_tile"):
-        swap = impl == "gemm_swap_tile"
-        table = nm_gemm.GEMM_TILES_SWAP if swap else nm_gemm.GEMM_TILES
-        nm_gemm.nm_gemm(x, values, words, n, m, bits, tile=table[(n, m)][case["tile"]][0], weight_a=swap)
+    elif impl in ("gemm", "gemm_swap", "gemm_swap_tall"):
+        nm_gemm.nm_gemm(x, values, words, n, m, bits, weight_a=impl != "gemm", tall=impl == "gemm_swap_tall")
+    elif impl in GEMM_TILE_TABLES:
+        nm_gemm.nm_gemm(x, values, words, n, m, bits, tile=gemm_tile_table(impl)[(n, m)][case["tile"]][0],
+                        weight_a=impl != "gemm_tile")
     elif impl == "scratch_mapped":   # the weight written in the input's order (the map's inverse applied)
         nm_gemm.nm_decompress_mapped_into(values, words, n, m, bits, cols, perm, torch.empty(rows * cols, dtype=dtype))
     elif impl == "scratch":
@@ -247,6 +248,17 @@ def decode_plan_per_sm(case: dict) -> int:
     plan = nm_decode.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
                                  element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **kernel)
     return plan["per_sm"]
+
+
+GEMM_TILE_TABLES = {"gemm_tile": "GEMM_TILES", "gemm_swap_tile": "GEMM_TILES_SWAP",
+                    "gemm_swap_tall_tile": "GEMM_TILES_SWAP_TALL"}   # a case per tile of each nm_gemm table
+
+
+def gemm_tile_table(impl: str) -> dict:
+    """The :mod:`.nm_gemm` tile table a ``…_tile`` case compiles a tile of."""
+    from shuffleprune.kernels import nm_gemm
+
+    return getattr(nm_gemm, GEMM_TILE_TABLES[impl])
 
 
 def gemm_tensor_share(row: dict) -> float:
@@ -301,11 +313,8 @@ def main() -> None:
                     row["plan_per_sm"] = decode_plan_per_sm(case)
                 if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
                     row["tensor_share"] = gemm_tensor_share(row)
-                if case["impl"] in ("gemm_tile", "gemm_swap_tile"):
-                    from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP
-
-                    table = GEMM_TILES_SWAP if case["impl"] == "gemm_swap_tile" else GEMM_TILES
-                    row["table_loop"], row["table_per_sm"] = table[case["pattern"]][case["tile"]][1:]
+                if case["impl"] in GEMM_TILE_TABLES:
+                    row["table_loop"], row["table_per_sm"] = gemm_tile_table(case["impl"])[case["pattern"]][case["tile"]][1:]
                 rows.append(row)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a result, recorded
             failed += 1

@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel tune_swap_sync e2e targets (next1: e2e_compile moe)
+#                                              # kernel tune_swap_sync e2e targets (next1: e2e_compile tune_tma tune_tall)
 #   bash scripts/gpu_run.sh pipeline           # the commands users type on CUDA: prune (every recipe) / export /
 #                                              # load / generate / eval ppl / dst, a random GQA LLaMA-shaped model
 #                                              # saved locally (gpu_pipeline.json)
@@ -35,6 +35,8 @@
 #                                              # (an H200: same SMs and clocks, 1.4x the HBM bandwidth)
 #   bash scripts/gpu_run.sh tune_swap          # the weight-as-A-operand decode (2–64 tokens) and GEMM against the
 #                                              # others' tiles, and the in-kernel map's tiles at 1 token
+#   bash scripts/gpu_run.sh tune_tall          # the weight-as-A GEMM on 128 weight rows per program (GEMM_TILES_SWAP_TALL)
+#                                              # against its 64-row tiles, every tile at 64/512/2048 tokens (tune_tall.json)
 #   bash scripts/gpu_run.sh tune_tma           # the same decode with its weight tiles copied by the Tensor Memory
 #                                              # Accelerator: 64/128 rows, 64/128 kept values per step, 4/8 warps,
 #                                              # 2-4 stages at 2, 16 and 64 tokens (tune_tma.json)
@@ -129,8 +131,9 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all seven, for the CPU
 # smoke run.
 ISSUE24=(kernel tune_swap_sync e2e targets)         # limits 260 + 90 + 210 + 10 s (kernel 115 s, e2e 148 on the H200)
-NEXT1=(e2e_compile tune_tma)                        # 280 + 150 s (e2e_compile 141 s on the H200; tune_tma's
-                                                    # 216 timings: tune_bw_swap's 243 took 53 s there)
+NEXT1=(e2e_compile tune_tma tune_tall)              # 280 + 150 + 150 s (e2e_compile 141 s on the H200; tune_tma's
+                                                    # 216 timings: tune_bw_swap's 243 took 53 s there; tune_tall's
+                                                    # 63 GEMM timings)
 NEXT2=(moe_stacked profile_swap)                    # 300 + 3 × 90 s (profile_swap: Nsight Compute on decode_swap,
                                                     # the same with TMA copies, and cuBLAS at 16 tokens)
 NEXT3=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
@@ -207,6 +210,8 @@ for s in "$@"; do
                 --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 64 \
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
+        tune_tall) step tune_tall 150 scripts/results/tune_tall.json $PY scripts/tune_kernel.py \
+                --variants gemm_swap gemm_swap_tall --tokens 64 512 2048 --out scripts/results/tune_tall.json ;;
         tune_tma) step tune_tma 150 scripts/results/tune_tma.json $PY scripts/tune_kernel.py \
                 --variants swap_tma --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 16 64 --block-r 64 128 \
                 --block-k 64 128 --num-warps 4 8 --stages 2 3 4 --max-tile 1048576 \

@@ -9,8 +9,8 @@ one step ahead in registers instead of the pipeline's word copies; each also as 
 partial sums added by a second kernel instead of the last split; ``decode_pdl``, ``swap_pdl`` and
 ``mapped_pdl`` launched as programmatic dependents, each ``--prefetch-mb`` budget of weight prefetched
 before the input is ready) every pipeline depth in ``--stages``;
-for the prefill ``gemm`` / ``gemm_swap`` every tile of ``nm_gemm.GEMM_TILES[(2, 4)]`` /
-``GEMM_TILES_SWAP[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
+for the prefill ``gemm`` / ``gemm_swap`` / ``gemm_swap_tall`` every tile of ``nm_gemm.GEMM_TILES[(2, 4)]`` /
+``GEMM_TILES_SWAP[(2, 4)]`` / ``GEMM_TILES_SWAP_TALL[(2, 4)]`` (and ``--gemm-tiles``), unsplit, with the tile ``gemm_plan``'s cost model picks marked —
 is checked against the dense result and timed: calls over rotating weight copies (together more
 than 2.5× the L2, so no call finds its weight there) captured in one CUDA graph, the median replay
 over the calls, as ``bench_kernel.py`` times (``triton.testing.do_bench`` timed each call after an
@@ -54,7 +54,8 @@ DECODE.update({f"{name}_launch": {**kw, "sum_in_kernel": False} for name, kw in 
 # starts while the previous copy's call ends and prefetches that many MiB of its weight into L2 first
 DECODE.update({f"{name}_pdl": {**DECODE[name], "pdl": True} for name in ("decode", "swap", "mapped")})
 NM_DECODE_ONLY = ("async_gather", "sum_in_kernel", "pdl")   # nm_decode's own arguments, not decode_plan's
-GEMMS = {"gemm": False, "gemm_swap": True}   # nm_gemm over its tile table, the weight as the MMA's B or A operand
+# nm_gemm over its tile table: the weight as the MMA's B or A operand, or as A over 128 rows per program
+GEMMS = {"gemm": (False, False), "gemm_swap": (True, False), "gemm_swap_tall": (True, True)}
 
 
 def main() -> None:
@@ -88,7 +89,8 @@ def main() -> None:
     from shuffleprune.kernels import overlap
     from shuffleprune.kernels.gpu import l2_bytes, next_pow2
     from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
-    from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP, gemm_plan, nm_decompress_into, nm_gemm
+    from shuffleprune.kernels.nm_gemm import (GEMM_TILES, GEMM_TILES_SWAP, GEMM_TILES_SWAP_TALL, gemm_plan,
+                                              nm_decompress_into, nm_gemm)
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
@@ -143,7 +145,8 @@ def main() -> None:
         configs = []   # (variant, block_r, block_k, num_warps, stages, split, gemm tile)
         for variant in args.variants:
             if variant in GEMMS:
-                table = GEMM_TILES_SWAP if GEMMS[variant] else GEMM_TILES
+                swap, tall = GEMMS[variant]
+                table = (GEMM_TILES_SWAP_TALL if tall else GEMM_TILES_SWAP) if swap else GEMM_TILES
                 tiles = [t[0] for t in table[(2, 4)]] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
                 configs += [(variant, None, None, None, None, 0, tile, None) for tile in tiles]
             elif variant in DECODE:
@@ -154,12 +157,12 @@ def main() -> None:
             else:
                 configs += [(variant, *c, 0, None, None) for c in
                             itertools.product(args.block_r, args.block_k, args.num_warps, args.stages)]
-        modelled = {v: gemm_plan(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size(), swap)[0]
-                    for v, swap in GEMMS.items()}
+        modelled = {v: gemm_plan(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size(), swap, tall)[0]
+                    for v, (swap, tall) in GEMMS.items()}
         for variant, br, bk, nw, st, sp, gtile, mb in configs:
             decode = variant in DECODE
             if gtile is not None:
-                def run(values=values, words=words, gtile=gtile, swap=GEMMS[variant]):
+                def run(values=values, words=words, gtile=gtile, swap=GEMMS[variant][0]):
                     return nm_gemm(xp, values, words, 2, 4, meta_bits(4), None, tile=gtile, weight_a=swap)
                 tile = {"tile": list(gtile), "modelled": gtile == modelled[variant]}
             else:

@@ -374,7 +374,7 @@ def test_gemm_kernel_matches_float64(rows, cols, n, m, tokens, dtype):
 def test_weight_as_mma_a_operand_matches_float64(rows, cols, n, m, tokens, dtype):
     """The tensor-core decode and the GEMM with the weight tile as the MMA's A operand (``acc[rows,
     tokens]``, stored transposed): ragged rows and K, 2:4, 4:8 and the generic expansion, index map
-    and bias, split-K, and the tiles of DOT_TILES_SWAP / GEMM_TILES_SWAP."""
+    and bias, split-K, and the tiles of DOT_TILES_SWAP / GEMM_TILES_SWAP / GEMM_TILES_SWAP_TALL."""
     from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
     from shuffleprune.kernels.nm_gemm import nm_gemm
     from shuffleprune.kernels.nm_words import position_words
@@ -393,6 +393,8 @@ def test_weight_as_mma_a_operand_matches_float64(rows, cols, n, m, tokens, dtype
         assert plan["weight_a"] and plan["use_dot"]
     xp = x[:, perm].contiguous()
     y = nm_gemm(xp, values, words, n, m, bits, bias, weight_a=True)   # the plan's swap tile
+    assert _close(y, ref, dtype)
+    y = nm_gemm(xp, values, words, n, m, bits, bias, weight_a=True, tall=True)   # 128 weight rows per program
     assert _close(y, ref, dtype)
     y = nm_gemm(xp, values, words, n, m, bits, None, tile=(16, 16, 64, 4, 1), split=2, weight_a=True)
     assert _close(y, ref - bias.double(), dtype)
@@ -718,6 +720,11 @@ def test_gemm_plan_follows_tokens_rows_and_sm_count(monkeypatch):
         assert block_c * n // m % (32 // meta_bits(m)) == 0       # whole position words per step
     assert nm_gemm.gemm_plan(1, 8, 64, 1, 16, 4, cuda)[0][2] == 128   # 1:16: eight 4-bit fields need 128 columns
     assert nm_gemm.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda, element_bytes=4) == (nm_gemm.GEMM_TILE_FP32, 1)
+    tall = [t[0] for t in nm_gemm.GEMM_TILES_SWAP_TALL[(2, 4)]]   # the weight-as-A GEMM on 128 weight rows per program
+    assert nm_gemm.gemm_plan(2048, 4096, 4096, 2, 4, 2, cuda, weight_a=True, tall=True) == (tall[0], 1)
+    assert nm_gemm.gemm_plan(64, 4096, 4096, 2, 4, 2, cuda, weight_a=True, tall=True)[0] == tall[-1]   # 64 tokens
+    assert nm_gemm.gemm_plan(512, 4096, 4096, 4, 8, 4, cuda, weight_a=True, tall=True)[0] in \
+        [t[0] for t in nm_gemm.GEMM_TILES_SWAP_TALL[(4, 8)]]
     loop, per_sm = nm_gemm.GEMM_TILES[(2, 4)][0][1:]
     full = nm_gemm.gemm_cycles(2048, 4096, 4096, big, loop, per_sm, 132)
     assert nm_gemm.gemm_cycles(4096, 4096, 4096, big, loop, per_sm, 132) == pytest.approx(2 * full, rel=0.05)
@@ -1520,10 +1527,12 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(torch.randn(5, 64).half()) == [
         "decode", "decode_mapped", "decode_select", "decode_swap", "scratch", "gather"]   # decode_swap's other tiles: 2:4's
     assert not {"decode_swap_narrow", "decode_swap_sync"} & set(mapped._candidates(torch.randn(5, 64)))   # 16-bit
-    assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "scratch",   # map in-kernel: ≤ 16
-                                       "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
-    assert mapped._candidates(x70) == ["gemm", "gemm_swap", "scratch", "scratch_mapped"]
-    assert plain._candidates(x70) == ["gemm", "gemm_swap", "scratch"]
+    assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "gemm_swap_tall",   # map in-kernel: ≤ 16
+                                       "scratch", "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
+    assert mapped._candidates(x70) == ["gemm", "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped"]
+    assert plain._candidates(x70) == ["gemm", "gemm_swap", "gemm_swap_tall", "scratch"]
+    assert "gemm_swap_tall" not in plain._candidates(torch.randn(16, 64).half())   # the GEMMs from 17 tokens
+    assert "gemm_swap_tall" not in plain._candidates(x70.float())   # float32: the one FMA tile, as gemm_swap's
     wide = SparseLinear(*_case(8, 16392, 2, 4, 1, torch.float16)[1:3], 16392, 2, 4, perm=torch.randperm(16392))
     assert "scratch_mapped" not in wide._candidates(torch.randn(20, 16392).half())   # a row past its shared memory
     assert plain._candidates(torch.randn(5, 64).float())[:2] == ["decode", "decode_select"]   # float32: up to 16
@@ -1587,7 +1596,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert rows and all("error" not in r for r in rows)
     assert all(r["spill_bytes"] == 0 and r["fits"] for r in rows)
     impls = {r["impl"] for r in rows}
-    assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_tile", "gemm_swap_tile", "scratch",
+    assert {"decode", "decode_nomap", "decode_swap", "decode_mapped", "gemm", "gemm_swap", "gemm_swap_tall", "gemm_tile",
+            "gemm_swap_tile", "gemm_swap_tall_tile", "scratch",
             "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap", "decode_tall",
             "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value", "route_blocks",
             "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", "gather_pairs", "decode_resident",
@@ -1612,8 +1622,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
                                                   # 1-byte offsets read as 32-bit words)
         if r["impl"] == "decode_mapped":
             assert r["plan_per_sm"] <= r["programs_per_sm"], r
-        if r["impl"].endswith(("_tall", "_wide", "_by_value")):   # the select loop's other tiles and form stream
-                                                                  # as its own does
+        if r["impl"].startswith("decode") and r["impl"].endswith(("_tall", "_wide", "_by_value")):   # the select
+                                                                  # loop's other tiles and form stream as its own does
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
             assert not r["tensor_core"] and r["loop_sync_loads"] == 0, r
             assert r["issue_ceiling_tbs"] > 3.35 or r["tokens"] == 2, r
@@ -1645,7 +1655,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["issue_ceiling_tbs"] > 3.35, r
         if r["impl"].startswith("gemm"):
             assert not r["evict_first"], r
-        if r["impl"] in ("gemm_tile", "gemm_swap_tile"):   # the tables gemm_plan's cost model reads are the compiled ones
+        if r["impl"] in ("gemm_tile", "gemm_swap_tile", "gemm_swap_tall_tile"):   # the tables gemm_plan's cost model reads are the compiled ones
             assert r["programs_per_sm"] == r["table_per_sm"], r
             assert abs(r["loop_instructions"] - r["table_loop"]) <= 0.1 * r["table_loop"], r
     # the resident-input decode streams as the select loop does, its map read before the loop: the same loop
@@ -1726,10 +1736,12 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     summed_here = [r for r in rows if r["constexprs"].get("SUM_HERE")]
     assert summed_here and all(r["grid"][1] > 1 and r["split_sum_fenced"] for r in summed_here), summed_here
     assert all(r["split_sum_fenced"] is None for r in rows if not r["constexprs"].get("SUM_HERE"))
-    for impl in ("gemm_tile", "gemm_swap_tile"):
+    for impl in ("gemm_tile", "gemm_swap_tile", "gemm_swap_tall_tile"):
         tiles = [r for r in rows if r["impl"] == impl]
         assert {r["pattern"] for r in tiles} == {"2:4", "4:8"} and len(tiles) >= 6
         assert tiles[0]["tensor_share"] > 0.8, tiles   # 2:4's 256-token tile of long prompts
+    for r in (r for r in sixteen_bit if r["impl"].startswith("gemm_swap_tall")):   # 128 weight rows: two warpgroups' wgmma
+        assert r["constexprs"]["BLOCK_R"] == 128 and r["num_warps"] == 8 and r["wgmma"], r
 
 
 def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp_path):

@@ -83,7 +83,9 @@ No layer keeps a dense copy: GPU memory holds the compressed size. Implementatio
   bytes, values of the inputs' dtype), and named elsewhere it runs ``decode_swap``;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
-  the tensor-core call overlaps the next tile's expansion;
+  the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
+  128 weight rows per program, so each input tile read from L2 serves twice the rows
+  (``nm_gemm.GEMM_TILES_SWAP_TALL`` says why);
 - ``scratch`` (any device): ``W_p`` decompressed into one scratch buffer shared by every layer of
   that device and dtype, then a dense matmul (cuBLAS on the GPU);
 - ``scratch_mapped`` (CUDA, a mapped layer, from 17 tokens): the weight decompressed into that scratch
@@ -141,7 +143,7 @@ LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
          "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", "gemm",
-         "gemm_swap", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
+         "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
 # TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
@@ -187,7 +189,7 @@ MAPPED_DECODES = (*(name for name in DECODE_KERNELS if name.startswith("decode_m
 # the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
 # programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
 # prefetching its weight (kernels/overlap.py)
-PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", "gemm", "gemm_swap")
+PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", "gemm", "gemm_swap", "gemm_swap_tall")
 PDL_SUFFIX = "+pdl"
 PDL_RETIMED = 2   # the fastest of PDL_KERNELS auto times again launched so (the order may change: a separate
                   # gather's launch is what a dependent launch hides best)
@@ -503,11 +505,11 @@ class SparseLinear(nn.Module):
             return nm_decode(inp, self.values, self.words(), self.n, self.m, self.bits, perm, self.bias,
                              tiled=self.tiled, pdl=pdl, block_map=self.block_map() if impl == "decode_offsets" else None,
                              **DECODE_KERNELS[impl])
-        if impl in ("gemm", "gemm_swap"):
+        if impl in ("gemm", "gemm_swap", "gemm_swap_tall"):
             from shuffleprune.kernels.nm_gemm import nm_gemm
 
             return nm_gemm(self._gathered(x, pdl), self.values, self.words(), self.n, self.m, self.bits, self.bias,
-                           weight_a=impl == "gemm_swap", tiled=self.tiled, pdl=pdl)
+                           weight_a=impl != "gemm", tall=impl == "gemm_swap_tall", tiled=self.tiled, pdl=pdl)
         if impl in ("gather", "group"):
             from shuffleprune.kernels.nm_matmul import nm_gather_matmul
 
@@ -600,6 +602,8 @@ class SparseLinear(nn.Module):
             if 2 <= tokens <= TILE_MAX_TOKENS["decode_swap_tma"] and self._tma_applies(x):
                 out.append("decode_swap_tma")
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
+            if tokens >= GEMM_MIN_TOKENS and x.element_size() == 2:   # float32 runs the one FMA tile either way
+                out.append("gemm_swap_tall")
         if self.tiled and tokens >= GEMM_MIN_TOKENS and x.is_cuda:   # cuSPARSELt on the layer's own buffer
             out.append("cslt")
         out.append("scratch")
