@@ -192,6 +192,19 @@ def gemm_cycles(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, in
     return cdiv(cdiv(cols, block_c), split) * step + reduce
 
 
+def operand_bytes(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, int, int], split: int = 1,
+                  n: int = 2, m: int = 4, bits: int = 2, element_bytes: int = 2) -> float:
+    """Bytes :func:`nm_gemm`'s programs read from L2 with ``tile``: every step of every program its
+    ``block_t × block_c`` input tile and its ``block_r × block_c`` N:M weight tile (values and position
+    bits). :func:`gemm_cycles` does not count them; at 2048 tokens on an H100 the 64-row weight-as-A tiles
+    ran at 5.9–6.5 TB/s of them (:data:`GEMM_TILES_SWAP_TALL`)."""
+    block_t, block_r, block_c = tile[:3]
+    programs = cdiv(tokens, block_t) * cdiv(rows, block_r) * split
+    steps = cdiv(cdiv(cols, block_c), split)
+    per_step = block_c * (block_t * element_bytes + block_r * n / m * element_bytes + block_r * bits / m / 8)
+    return programs * steps * per_step
+
+
 _PLANS: dict[tuple, tuple] = {}   # gemm_plan's answers by its arguments and the device's SM count
 
 

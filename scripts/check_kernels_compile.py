@@ -15,7 +15,8 @@ tensor-core instructions, the machine instructions of the main loop and its sync
 loads (``LDG``: what the pipeline left for the loop to wait on), and for decode the weight
 traffic (TB/s) at which those instructions alone would fill every issue slot of an H100: below the
 3.35 TB/s of HBM3 the kernel is instruction-bound whatever its loads do; for the GEMM the share of
-the tensor cores' peak that ``nm_gemm.gemm_cycles`` expects from those instructions. No timing: that needs the
+the tensor cores' peak that ``nm_gemm.gemm_cycles`` expects from those instructions, and the TB/s of
+input and weight tiles L2 would have to hand out at that pace (``l2_operand_tbs``). No timing: that needs the
 GPU (``scripts/gpu_run.sh``).
 """
 from __future__ import annotations
@@ -261,9 +262,14 @@ def gemm_tile_table(impl: str) -> dict:
     return getattr(nm_gemm, GEMM_TILE_TABLES[impl])
 
 
-def gemm_tensor_share(row: dict) -> float:
+def gemm_tensor_share(row: dict) -> tuple[float, float]:
     """The share of the tensor cores' peak that :func:`nm_gemm.gemm_cycles` expects of this GEMM
-    launch on an H100, from its compiled loop and residency."""
+    launch on an H100, from its compiled loop and residency, and the TB/s of operands
+    (:func:`nm_gemm.operand_bytes`) L2 would hand out at that pace: above the 5.9–6.5 TB/s the 64-row
+    weight-as-A tiles drew at 2048 tokens, L2 binds first."""
+    import torch
+
+    from shuffleprune.deploy.format import meta_bits
     from shuffleprune.kernels import nm_gemm
     from shuffleprune.kernels.compile_check import H100
 
@@ -273,7 +279,10 @@ def gemm_tensor_share(row: dict) -> float:
     cycles = nm_gemm.gemm_cycles(tokens, rows, cols, tile, row["loop_instructions"], row["programs_per_sm"], H100.sms,
                                  c["SPLIT"], overlap=bool(c.get("WEIGHT_A")))
     ideal = 2 * tokens * rows * cols / nm_gemm.TENSOR_FLOP_PER_CYCLE / H100.sms
-    return round(ideal / cycles, 2)
+    n, m = (int(v) for v in row["pattern"].split(":"))
+    operands = nm_gemm.operand_bytes(tokens, rows, cols, tile, c["SPLIT"], n, m, meta_bits(m),
+                                     getattr(torch, row["dtype"]).itemsize)
+    return round(ideal / cycles, 2), round(operands / (cycles / (H100.clock_ghz * 1e9)) / 1e12, 2)
 
 
 def main() -> None:
@@ -312,7 +321,7 @@ def main() -> None:
                 if case["impl"].startswith("decode"):
                     row["plan_per_sm"] = decode_plan_per_sm(case)
                 if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
-                    row["tensor_share"] = gemm_tensor_share(row)
+                    row["tensor_share"], row["l2_operand_tbs"] = gemm_tensor_share(row)
                 if case["impl"] in GEMM_TILE_TABLES:
                     row["table_loop"], row["table_per_sm"] = gemm_tile_table(case["impl"])[case["pattern"]][case["tile"]][1:]
                 rows.append(row)
@@ -325,7 +334,8 @@ def main() -> None:
                  f" regs {r['registers']:3d} spill {r['spill_bytes']:4d} smem {r['shared_bytes']:6d} "
                  f"progs/SM {r['programs_per_sm']:2d} waves {r['waves']:6.2f} load {r['widest_load_bytes']:2d}B "
                  f"evict_first {r['evict_first']} async {r['async_copies']} tc {r['tensor_core']} "
-                 f"loop {r['loop_instructions']} (LDG {r['loop_sync_loads']}) ceiling {r.get('issue_ceiling_tbs')} tensor {r.get('tensor_share')}"), flush=True)
+                 f"loop {r['loop_instructions']} (LDG {r['loop_sync_loads']}) ceiling {r.get('issue_ceiling_tbs')} tensor {r.get('tensor_share')} "
+                 f"L2 {r.get('l2_operand_tbs')}"), flush=True)
     summary = {
         "compiled": sum("error" not in r for r in rows), "failed": failed,
         "with_spills": sum(r.get("spill_bytes", 0) > 0 for r in rows),

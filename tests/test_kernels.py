@@ -1740,6 +1740,10 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
         tiles = [r for r in rows if r["impl"] == impl]
         assert {r["pattern"] for r in tiles} == {"2:4", "4:8"} and len(tiles) >= 6
         assert tiles[0]["tensor_share"] > 0.8, tiles   # 2:4's 256-token tile of long prompts
+    swap, tall = (next(r for r in rows if r["impl"] == impl and r["pattern"] == "2:4")
+                  for impl in ("gemm_swap_tile", "gemm_swap_tall_tile"))   # each table's 256-token tile
+    # the 64-row tile needs operands faster than L2 handed them out on an H100 (5.9-6.5 TB/s); 128 rows, 0.56x
+    assert swap["l2_operand_tbs"] > 6.5 and tall["l2_operand_tbs"] < 0.6 * swap["l2_operand_tbs"], (swap, tall)
     for r in (r for r in sixteen_bit if r["impl"].startswith("gemm_swap_tall")):   # 128 weight rows: two warpgroups' wgmma
         assert r["constexprs"]["BLOCK_R"] == 128 and r["num_warps"] == 8 and r["wgmma"], r
 
