@@ -45,7 +45,7 @@ if triton is not None:
     from shuffleprune.kernels.split_k import write_output
 
     @triton.jit
-    def _map_source(perm_ptr, cols, col_ok, HAS_PERM: tl.constexpr, MAP_SPAN: tl.constexpr):
+    def map_source(perm_ptr, cols, col_ok, HAS_PERM: tl.constexpr, MAP_SPAN: tl.constexpr):
         """The input column each permuted column ``cols`` reads: the map's entry, or with ``MAP_SPAN``
         (``perm_ptr`` holding :func:`block_map_offsets`) its offset within its aligned block, taken from
         the 32-bit word holding it (a 1-byte load stays synchronous inside the loop; a 4-byte one the
@@ -71,11 +71,18 @@ if triton is not None:
         asynchronous copy issued stages ahead, behind the map's own (a 2-byte gather stays a
         synchronous load inside the loop, and the step's weight copies wait behind it). ``MAP_SPAN``:
         the map is read as 1-byte offsets within aligned blocks of that many columns
-        (:func:`_map_source`), a quarter of the int32 map's bytes per step."""
+        (:func:`map_source`), a quarter of the int32 map's bytes per step."""
         cols = (k0 // N) * M + tl.arange(0, G * M)
         col_ok = cols < C
         ok = tok_ok[:, None] & col_ok[None, :]
-        src = _map_source(perm_ptr, cols, col_ok, HAS_PERM, MAP_SPAN)
+        return gather_inputs(x_ptr, map_source(perm_ptr, cols, col_ok, HAS_PERM, MAP_SPAN), ok, toks, stride_xt,
+                             X_WORDS)
+
+    @triton.jit
+    def gather_inputs(x_ptr, src, ok, toks, stride_xt, X_WORDS: tl.constexpr = False):
+        """The inputs at columns ``src`` (:func:`map_source`'s) of tokens ``toks`` where ``ok`` (``[BLOCK_T,
+        len(src)]``, tokens and columns in range): ``[BLOCK_T, len(src)]`` in ``x``'s dtype (``X_WORDS``: as
+        in :func:`step_inputs`)."""
         if X_WORDS:
             word = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + toks[:, None] * (stride_xt // 2) + (src // 2)[None, :],
                            mask=ok, other=0)
@@ -242,7 +249,7 @@ if triton is not None:
                 picked = tl.zeros((BLOCK_R, G, N, BLOCK_T), dtype=tl.float32)
                 for j in tl.static_range(M):
                     col_ok = first + j < C
-                    src = _map_source(perm_ptr, first + j, col_ok, HAS_PERM, MAP_SPAN)
+                    src = map_source(perm_ptr, first + j, col_ok, HAS_PERM, MAP_SPAN)
                     xj = tl.load(x_ptr + toks[None, :] * stride_xt + src[:, None],
                                  mask=col_ok[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # slot j of each group
                     picked = tl.where(pos == j, xj[None, :, None, :], picked)

@@ -39,7 +39,7 @@ from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 if triton is not None:
     import triton.language as tl
 
-    from shuffleprune.kernels.nm_decode import pick_and_add, step_inputs, widen, widen_pairs
+    from shuffleprune.kernels.nm_decode import gather_inputs, map_source, pick_and_add, widen, widen_pairs
     from shuffleprune.kernels.nm_words import (cslt_group_codes, group_codes, kept_tile, prefetch_positions,
                                                tma_kept_pairs)
     from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
@@ -105,15 +105,17 @@ if triton is not None:
                             SUM_HERE: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                             PREFETCH_WORDS: tl.constexpr = 0, LINE: tl.constexpr = 64, TMA: tl.constexpr = False):
         """Chunk ``program_id(0)`` (kept values ``BLOCK_K·pid …``) of rows ``ROWS·program_id(1) …``, every
-        token: its inputs read once, through the map (``X_WORDS``: as 32-bit words, see
-        :func:`.nm_decode.step_inputs`), then ``[BLOCK_R, BLOCK_K/2]`` value pairs per step (16-byte
+        token: its inputs read once, through the map (:func:`.nm_decode.map_source`, then
+        :func:`.nm_decode.gather_inputs`; ``X_WORDS``: as 32-bit words, see :func:`.nm_decode.step_inputs`),
+        then ``[BLOCK_R, BLOCK_K/2]`` value pairs per step (16-byte
         evict-first loads, ``STAGES`` tiles in the software pipeline), each row's sum stored per step.
         First the chunk of its first ``PREFETCH`` rows and their ``PREFETCH_WORDS`` position words are
         requested into L2: the inputs' gather (the map, then the inputs it names, then their exchange
         through shared memory) comes before the pipeline's first weight copies in the compiled program,
         and the weight's first bytes would otherwise be asked for only after two memory round trips.
-        ``PDL`` (a programmatic dependent, :mod:`.overlap`): that prefetch runs while the kernel before
-        still runs; nothing is read of the input, nor written, before that kernel has ended. ``TMA``:
+        ``PDL`` (a programmatic dependent, :mod:`.overlap`): that prefetch and the read of the chunk's map
+        run while the kernel before still runs, so only the inputs' own load waits for it; nothing is read
+        of the input, nor written, before that kernel has ended. ``TMA``:
         ``val_ptr`` (and without ``TILED`` ``word_ptr``) are tensor descriptors whose tiles the Tensor
         Memory Accelerator copies (:func:`.nm_words.tma_kept_pairs`; no head prefetch)."""
         G: tl.constexpr = BLOCK_K // 2
@@ -128,10 +130,13 @@ if triton is not None:
             if PREFETCH_WORDS > 0:
                 prefetch_positions(word_ptr, first, first < R, k0, k0 + BLOCK_K, WORDS, BITS, PREFETCH,
                                    PREFETCH_WORDS, TILED)
+        cols = (k0 // 2) * 4 + tl.arange(0, G * 4)   # the chunk's input columns, in permuted order
+        col_ok = cols < C
+        src = map_source(perm_ptr, cols, col_ok, HAS_PERM, 0)   # the map: no kernel writes it, so read before the wait
         wait_for_inputs(PDL)
         release_next(PDL)
-        xs = widen(step_inputs(x_ptr, perm_ptr, k0, C, toks, toks < T, stride_xt, 2, 4, G, HAS_PERM, X_WORDS, 0),
-                    x_ptr.dtype.element_ty)                                    # [BLOCK_T, G·4] float32
+        xs = widen(gather_inputs(x_ptr, src, (toks < T)[:, None] & col_ok[None, :], toks, stride_xt, X_WORDS),
+                   x_ptr.dtype.element_ty)                                     # [BLOCK_T, G·4] float32
         if BLOCK_T == 1:
             x_one = tl.reshape(xs, (G * 4,))
             x_two = x_one

@@ -4,7 +4,7 @@ Launched with ``launch_pdl=True``, a kernel's programs may become resident once 
 kernel before it has called :func:`release_next` (``griddepcontrol.launch_dependents``), instead of
 after that kernel has ended. Until :func:`wait_for_inputs` (``griddepcontrol.wait``: the kernel before
 has ended and its writes are visible) such a kernel may only read what no kernel writes — its own
-weight — and write nothing. The decode kernels use that window to pull the first part of their
+weight and index map — and write nothing. The decode kernels use that window to pull the first part of their
 weight — values and their position words — into L2 (:func:`prefetch_rows`,
 :func:`shuffleprune.kernels.nm_words.prefetch_positions`) while the previous layer's kernel still streams its own, so a
 layer's first loads neither wait for its launch nor for DRAM. A kernel the one before never releases

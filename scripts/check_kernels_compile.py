@@ -112,7 +112,7 @@ def cases(quick: bool) -> list[dict]:
     out.append(dict(impl="decode_swap_pdl", shape=(rows, cols), tokens=16))
     for t in (1, 4):   # the in-kernel map (select loop, then the weight-as-A kernel)
         out.append(dict(impl="decode_mapped_pdl", shape=(rows, cols), tokens=t))
-    for t in (1, 2):   # the resident-input decode: its map read after the wait, its first rows prefetched from 2 tokens
+    for t in (1, 2):   # the resident-input decode: its map read before the wait, its inputs after; its first rows prefetched
         out.append(dict(impl="decode_resident_pdl", shape=(rows, cols), tokens=t))
     for t in (1, 16):   # in cuSPARSELt's buffer (load's default on Hopper): its position words prefetched by slices
         out.append(dict(impl="decode_pdl", shape=(rows, cols), tokens=t, tiled=True))
