@@ -104,7 +104,7 @@ def test_sparse_linear_holds_one_buffer_and_runs_every_path_on_it(monkeypatch):
     assert sum(t.numel() * t.element_size() for t in layer.buffers()) == held
     assert torch.equal(layer.export_meta(), meta) and torch.equal(layer.weight, plain.weight)
     x = torch.randn(2, 3, 64).bfloat16()
-    for policy in ("decode", "decode_mapped", "decode_select", "gemm", "scratch"):
+    for policy in ("decode", "decode_mapped", "decode_select", "gemm", "gemm_swap", "gemm_swap_tall", "scratch"):
         plain.policy = layer.policy = policy
         assert torch.equal(layer(x), plain(x)), policy
     x1 = x[:1, :1]   # one token: the select loop's other tiles read the cuSPARSELt order too (32 rows: 2 slices of 16)
