@@ -205,6 +205,14 @@ def operand_bytes(tokens: int, rows: int, cols: int, tile: tuple[int, int, int, 
     return programs * steps * per_step
 
 
+def gemm_tiles(weight_a: bool = False, tall: bool = False) -> dict:
+    """The tile table :func:`plan_gemm` chooses from: :data:`GEMM_TILES`, with ``weight_a``
+    :data:`GEMM_TILES_SWAP`, with ``tall`` as well :data:`GEMM_TILES_SWAP_TALL`."""
+    if not weight_a:
+        return GEMM_TILES
+    return GEMM_TILES_SWAP_TALL if tall else GEMM_TILES_SWAP
+
+
 _PLANS: dict[tuple, tuple] = {}   # gemm_plan's answers by its arguments and the device's SM count
 
 
@@ -226,8 +234,8 @@ def plan_gemm(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
               element_bytes: int = 2, weight_a: bool = False,
               tall: bool = False) -> tuple[tuple[int, int, int, int, int], int]:
     """``((block_t, block_r, block_c, num_warps, num_stages), split)`` of :func:`nm_gemm`: of the
-    :data:`GEMM_TILES` (``weight_a``: :data:`GEMM_TILES_SWAP`, ``tall`` as well: :data:`GEMM_TILES_SWAP_TALL`,
-    costed with the tensor-core call overlapping the next expansion) of N:M whose steps hold whole position
+    tiles of :func:`gemm_tiles` (with ``weight_a`` costed with the tensor-core call overlapping the next
+    expansion) of N:M whose steps hold whole position
     words, and of 1, 2, 4 or 8 column splits, the pair :func:`gemm_cycles` finds fastest on this device's SMs. Large
     token tiles expand each weight tile once for more tokens; smaller tiles and split-K give every
     SM programs when tokens or rows are few."""
@@ -235,7 +243,7 @@ def plan_gemm(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
     if element_bytes >= 4:
         block_t, block_r, block_c, warps, stages = GEMM_TILE_FP32
         return (block_t, block_r, max(block_c, min_c), warps, stages), 1
-    table = (GEMM_TILES_SWAP_TALL if tall else GEMM_TILES_SWAP) if weight_a else GEMM_TILES
+    table = gemm_tiles(weight_a, tall)
     tiles = [t for t in table.get((n, m), table[(2, 4)]) if t[0][2] % min_c == 0]
     if not tiles:                        # sparse position words (1:16): the smallest tile, wider
         return (32, 64, min_c, 4, 3), 1

@@ -95,7 +95,7 @@ MAP_BLOCK = 64
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.sparse_linear import (  # noqa: E402  (no Triton import)
-    DECODE_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, SWAP_TILES, TILE_MAX_TOKENS)
+    DECODE_KERNELS, GEMM_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, SWAP_TILES, TILE_MAX_TOKENS)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
@@ -129,8 +129,7 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
     if impl in SPARSE_TC:
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if not has_map else cols * 4
-    gathered = impl in DECODE_KERNELS and impl not in MAPPED_DECODES or impl in ("gemm", "gemm_swap", "gemm_swap_tall",
-                                                                                 "scratch", *SPARSE_TC)
+    gathered = impl in DECODE_KERNELS and impl not in MAPPED_DECODES or impl in (*GEMM_KERNELS, "scratch", *SPARSE_TC)
     if has_map and gathered:
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped

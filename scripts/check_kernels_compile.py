@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from shuffleprune.deploy.sparse_linear import MAPPED_DECODES, SWAP_TILES, TILE_MAX_TOKENS  # noqa: E402  (no Triton import)
+from shuffleprune.deploy.sparse_linear import (  # noqa: E402  (no Triton import)
+    GEMM_KERNELS, MAPPED_DECODES, SWAP_TILES, TILE_MAX_TOKENS)
 
 TILE_IMPLS = tuple(impl for impl in TILE_MAX_TOKENS   # the select loop's other tiles
                    if impl not in (*SWAP_TILES, "decode_swap_tma", "decode_resident", "decode_resident_tma"))
@@ -66,19 +67,16 @@ def cases(quick: bool) -> list[dict]:
         for t in (1, 16) if quick else DECODE_TOKENS[:5]:     # prune's 64-column block map read as offsets
             out.append(dict(impl="decode_blockmap", shape=(rows, cols), tokens=t))
         for t in GEMM_TOKENS[:1] if quick else GEMM_TOKENS:
-            out.append(dict(impl="gemm", shape=(rows, cols), tokens=t))
-            out.append(dict(impl="gemm_swap", shape=(rows, cols), tokens=t))
-            out.append(dict(impl="gemm_swap_tall", shape=(rows, cols), tokens=t))
+            out += [dict(impl=impl, shape=(rows, cols), tokens=t) for impl in GEMM_KERNELS]
         out.append(dict(impl="scratch", shape=(rows, cols), tokens=0))
         out.append(dict(impl="scratch_mapped", shape=(rows, cols), tokens=0))
-    from shuffleprune.kernels.nm_gemm import GEMM_TILES, GEMM_TILES_SWAP, GEMM_TILES_SWAP_TALL
+    from shuffleprune.kernels.nm_gemm import gemm_tiles
 
     rows, cols = SHAPES[0]
-    for impl, table in (("gemm_tile", GEMM_TILES), ("gemm_swap_tile", GEMM_TILES_SWAP),
-                        ("gemm_swap_tall_tile", GEMM_TILES_SWAP_TALL)):
-        for pattern, tiles in table.items():
+    for kernel, options in GEMM_KERNELS.items():   # each tile of each GEMM's table: "gemm_tile", "gemm_swap_tile", ...
+        for pattern, tiles in gemm_tiles(**options).items():
             for index in range(len(tiles)):
-                out.append(dict(impl=impl, shape=(rows, cols), tokens=2048, tile=index, pattern=pattern))
+                out.append(dict(impl=f"{kernel}_tile", shape=(rows, cols), tokens=2048, tile=index, pattern=pattern))
     for dtype in ("float16", "float32"):
         for t in (1, 16) if dtype == "float32" else (1, 16, 64):
             out.append(dict(impl="decode", shape=(rows, cols), tokens=t, dtype=dtype))
@@ -168,9 +166,9 @@ def run_case(case: dict) -> None:
         from shuffleprune.kernels.gather import gather_columns
 
         kernel = impl.removesuffix("_pdl")
-        if kernel in ("gemm", "gemm_swap"):
-            nm_gemm.nm_gemm(gather_columns(x, perm, pdl=True), values, words, n, m, bits,
-                            weight_a=kernel == "gemm_swap", pdl=True)
+        if kernel in GEMM_KERNELS:
+            nm_gemm.nm_gemm(gather_columns(x, perm, pdl=True), values, words, n, m, bits, pdl=True,
+                            **GEMM_KERNELS[kernel])
         elif kernel == "decode_resident":
             from shuffleprune.kernels.nm_resident import nm_decode_resident
 
@@ -201,11 +199,12 @@ def run_case(case: dict) -> None:
         # mapped one reading the map)
         nm_decode.nm_decode(x, values, words, n, m, bits, perm=perm if impl == "decode_mapped" else None, tiled=tiled,
                           **DECODE_KERNELS[impl])
-    elif impl in ("gemm", "gemm_swap", "gemm_swap_tall"):
-        nm_gemm.nm_gemm(x, values, words, n, m, bits, weight_a=impl != "gemm", tall=impl == "gemm_swap_tall")
-    elif impl in GEMM_TILE_TABLES:
-        nm_gemm.nm_gemm(x, values, words, n, m, bits, tile=gemm_tile_table(impl)[(n, m)][case["tile"]][0],
-                        weight_a=impl != "gemm_tile")
+    elif impl in GEMM_KERNELS:
+        nm_gemm.nm_gemm(x, values, words, n, m, bits, **GEMM_KERNELS[impl])
+    elif is_tile_case(impl):   # one tile of the GEMM's table, unsplit
+        options = GEMM_KERNELS[impl.removesuffix("_tile")]
+        nm_gemm.nm_gemm(x, values, words, n, m, bits, tile=nm_gemm.gemm_tiles(**options)[(n, m)][case["tile"]][0],
+                        weight_a=options.get("weight_a", False))
     elif impl == "scratch_mapped":   # the weight written in the input's order (the map's inverse applied)
         nm_gemm.nm_decompress_mapped_into(values, words, n, m, bits, cols, perm, torch.empty(rows * cols, dtype=dtype))
     elif impl == "scratch":
@@ -251,18 +250,12 @@ def decode_plan_per_sm(case: dict) -> int:
     return plan["per_sm"]
 
 
-GEMM_TILE_TABLES = {"gemm_tile": "GEMM_TILES", "gemm_swap_tile": "GEMM_TILES_SWAP",
-                    "gemm_swap_tall_tile": "GEMM_TILES_SWAP_TALL"}   # a case per tile of each nm_gemm table
+def is_tile_case(impl: str) -> bool:
+    """Whether ``impl`` names a case that compiles one tile of a GEMM's table (``gemm_swap_tile``, ...)."""
+    return impl.endswith("_tile") and impl.removesuffix("_tile") in GEMM_KERNELS
 
 
-def gemm_tile_table(impl: str) -> dict:
-    """The :mod:`.nm_gemm` tile table a ``…_tile`` case compiles a tile of."""
-    from shuffleprune.kernels import nm_gemm
-
-    return getattr(nm_gemm, GEMM_TILE_TABLES[impl])
-
-
-def gemm_tensor_share(row: dict) -> tuple[float, float]:
+def gemm_share_and_l2_rate(row: dict) -> tuple[float, float]:
     """The share of the tensor cores' peak that :func:`nm_gemm.gemm_cycles` expects of this GEMM
     launch on an H100, from its compiled loop and residency, and the TB/s of operands
     (:func:`nm_gemm.operand_bytes`) L2 would hand out at that pace: above the 5.9–6.5 TB/s the 64-row
@@ -321,9 +314,12 @@ def main() -> None:
                 if case["impl"].startswith("decode"):
                     row["plan_per_sm"] = decode_plan_per_sm(case)
                 if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
-                    row["tensor_share"], row["l2_operand_tbs"] = gemm_tensor_share(row)
-                if case["impl"] in GEMM_TILE_TABLES:
-                    row["table_loop"], row["table_per_sm"] = gemm_tile_table(case["impl"])[case["pattern"]][case["tile"]][1:]
+                    row["tensor_share"], row["l2_operand_tbs"] = gemm_share_and_l2_rate(row)
+                if is_tile_case(case["impl"]):
+                    from shuffleprune.kernels.nm_gemm import gemm_tiles
+
+                    table = gemm_tiles(**GEMM_KERNELS[case["impl"].removesuffix("_tile")])
+                    row["table_loop"], row["table_per_sm"] = table[case["pattern"]][case["tile"]][1:]
                 rows.append(row)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a result, recorded
             failed += 1

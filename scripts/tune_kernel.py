@@ -54,8 +54,6 @@ DECODE.update({f"{name}_launch": {**kw, "sum_in_kernel": False} for name, kw in 
 # starts while the previous copy's call ends and prefetches that many MiB of its weight into L2 first
 DECODE.update({f"{name}_pdl": {**DECODE[name], "pdl": True} for name in ("decode", "swap", "mapped")})
 NM_DECODE_ONLY = ("async_gather", "sum_in_kernel", "pdl")   # nm_decode's own arguments, not decode_plan's
-# nm_gemm over its tile table: the weight as the MMA's B or A operand, or as A over 128 rows per program
-GEMMS = {"gemm": (False, False), "gemm_swap": (True, False), "gemm_swap_tall": (True, True)}
 
 
 def main() -> None:
@@ -89,8 +87,8 @@ def main() -> None:
     from shuffleprune.kernels import overlap
     from shuffleprune.kernels.gpu import l2_bytes, next_pow2
     from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
-    from shuffleprune.kernels.nm_gemm import (GEMM_TILES, GEMM_TILES_SWAP, GEMM_TILES_SWAP_TALL, gemm_plan,
-                                              nm_decompress_into, nm_gemm)
+    from shuffleprune.deploy.sparse_linear import GEMM_KERNELS as GEMMS   # nm_gemm's options per GEMM variant
+    from shuffleprune.kernels.nm_gemm import gemm_plan, gemm_tiles, nm_decompress_into, nm_gemm
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
@@ -145,9 +143,7 @@ def main() -> None:
         configs = []   # (variant, block_r, block_k, num_warps, stages, split, gemm tile)
         for variant in args.variants:
             if variant in GEMMS:
-                swap, tall = GEMMS[variant]
-                table = (GEMM_TILES_SWAP_TALL if tall else GEMM_TILES_SWAP) if swap else GEMM_TILES
-                tiles = [t[0] for t in table[(2, 4)]] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
+                tiles = [t[0] for t in gemm_tiles(**GEMMS[variant])[(2, 4)]] + [tuple(int(v) for v in t.split(",")) for t in args.gemm_tiles]
                 configs += [(variant, None, None, None, None, 0, tile, None) for tile in tiles]
             elif variant in DECODE:
                 budgets = args.prefetch_mb if DECODE[variant].get("pdl") else [None]
@@ -157,12 +153,12 @@ def main() -> None:
             else:
                 configs += [(variant, *c, 0, None, None) for c in
                             itertools.product(args.block_r, args.block_k, args.num_warps, args.stages)]
-        modelled = {v: gemm_plan(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size(), swap, tall)[0]
-                    for v, (swap, tall) in GEMMS.items()}
+        modelled = {v: gemm_plan(tokens, out_f, in_f, 2, 4, meta_bits(4), dev, x.element_size(), **options)[0]
+                    for v, options in GEMMS.items()}
         for variant, br, bk, nw, st, sp, gtile, mb in configs:
             decode = variant in DECODE
             if gtile is not None:
-                def run(values=values, words=words, gtile=gtile, swap=GEMMS[variant][0]):
+                def run(values=values, words=words, gtile=gtile, swap=GEMMS[variant].get("weight_a", False)):
                     return nm_gemm(xp, values, words, 2, 4, meta_bits(4), None, tile=gtile, weight_a=swap)
                 tile = {"tile": list(gtile), "modelled": gtile == modelled[variant]}
             else:

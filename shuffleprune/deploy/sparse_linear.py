@@ -140,10 +140,13 @@ from shuffleprune.deploy.input_gather import gather_input, map_span, release_gat
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
 
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
+# nm_gemm's options per prompt policy (on the gathered input): the weight as the MMA's B operand, as its A
+# operand, and as A over 128 rows per program
+GEMM_KERNELS = {"gemm": {}, "gemm_swap": {"weight_a": True}, "gemm_swap_tall": {"weight_a": True, "tall": True}}
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
-         "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", "gemm",
-         "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
+         "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", *GEMM_KERNELS,
+         "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
 # TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
@@ -189,7 +192,7 @@ MAPPED_DECODES = (*(name for name in DECODE_KERNELS if name.startswith("decode_m
 # the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
 # programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
 # prefetching its weight (kernels/overlap.py)
-PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", "gemm", "gemm_swap", "gemm_swap_tall")
+PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", *GEMM_KERNELS)
 PDL_SUFFIX = "+pdl"
 PDL_RETIMED = 2   # the fastest of PDL_KERNELS auto times again launched so (the order may change: a separate
                   # gather's launch is what a dependent launch hides best)
@@ -505,11 +508,11 @@ class SparseLinear(nn.Module):
             return nm_decode(inp, self.values, self.words(), self.n, self.m, self.bits, perm, self.bias,
                              tiled=self.tiled, pdl=pdl, block_map=self.block_map() if impl == "decode_offsets" else None,
                              **DECODE_KERNELS[impl])
-        if impl in ("gemm", "gemm_swap", "gemm_swap_tall"):
+        if impl in GEMM_KERNELS:
             from shuffleprune.kernels.nm_gemm import nm_gemm
 
             return nm_gemm(self._gathered(x, pdl), self.values, self.words(), self.n, self.m, self.bits, self.bias,
-                           weight_a=impl != "gemm", tall=impl == "gemm_swap_tall", tiled=self.tiled, pdl=pdl)
+                           tiled=self.tiled, pdl=pdl, **GEMM_KERNELS[impl])
         if impl in ("gather", "group"):
             from shuffleprune.kernels.nm_matmul import nm_gather_matmul
 
