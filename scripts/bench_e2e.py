@@ -81,7 +81,8 @@ def sparsify_like_export(model, gen) -> None:
     from shuffleprune.blocks import block_experts, block_linears, experts_by_tensor, find_blocks
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts
-    from shuffleprune.deploy.sparse_linear import SharedGather, SparseLinear
+    from shuffleprune.deploy.shared_input import SharedGather
+    from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
 
@@ -146,7 +147,9 @@ def main() -> None:
     from shuffleprune.deploy.fused_inputs import fuse_shared_inputs, unfuse_shared_inputs
     from shuffleprune.deploy.producer_maps import move_maps_to_producers
     from shuffleprune.deploy.serving import arrange_for_serving, cslt_by_default
-    from shuffleprune.deploy.sparse_linear import SparseLinear, relative_error, release_scratch, split_pdl, use_cslt_layout
+    from shuffleprune.deploy.auto_choice import relative_error
+    from shuffleprune.deploy.impls import split_pdl
+    from shuffleprune.deploy.sparse_linear import SparseLinear, release_scratch, use_cslt_layout
     from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, module_bytes, versions
     from capture_probe import capture_modes, python_profile, step_profile

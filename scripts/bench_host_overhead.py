@@ -11,7 +11,7 @@ index map at one token, its Triton launch replaced by a no-op (the rest of the w
 output and split-K buffers, launch arguments); a mapped input's gather by ``index_select`` alone and
 through ``deploy/input_gather.py`` (its measured order looked up, as on CUDA, then ``index_select``:
 the difference is what the measured choice adds); a member of a stacked q/k/v group (``FusedInputs``)
-and a plain ``SparseLinear``, each with ``_run`` (the kernel) stubbed. The launch itself (Triton's
+and a plain ``SparseLinear``, each with ``run`` (the kernel) stubbed. The launch itself (Triton's
 launcher, the driver) is not counted: it needs a GPU.
 
     python scripts/bench_host_overhead.py --gpu   # → scripts/results/bench_host_overhead_cuda.json
@@ -129,7 +129,7 @@ def main() -> None:
         key = (self.out_features, tuple(x.shape[:-1]))
         return outputs.setdefault(key, torch.empty(*x.shape[:-1], self.out_features))
 
-    run, SparseLinear._run = SparseLinear._run, stub_run
+    run, SparseLinear.run = SparseLinear.run, stub_run
     try:
         x = torch.randn(1, 1, 256)
         plain = SparseLinear(*sparse(256, 256), 256, 2, 4)
@@ -140,7 +140,7 @@ def main() -> None:
         row("SparseLinear call, kernel stubbed", mean_us(lambda: plain(x), calls))
         row("stacked q/k/v member call, kernel stubbed", round(mean_us(lambda: (q(x), k(x), v(x)), calls) / 3, 2))
     finally:
-        SparseLinear._run = run
+        SparseLinear.run = run
 
     write_result(args, {"what": "host µs per call of the sparse runtime's eager path, kernels stubbed (no GPU needed)",
                         "calls": calls, "seed": 0, "rows": rows})

@@ -77,7 +77,7 @@ SERVING_TOKENS = [1, 16, 512]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 64, 512, 2048]
 NORM_CALLS = 8   # norm rows: calls per CUDA graph (until 2026-11-26 one, which counted the graph's launch in each)
-# auto's candidates (SparseLinear._candidates) and the map-free decode the map's cost is read against; the
+# auto's candidates (SparseLinear.candidates) and the map-free decode the map's cost is read against; the
 # first 'group' kernel and PyTorch's semi_structured tensors (never auto's choice) only when named in --impls
 CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
               "decode_mapped_wide", "decode_mapped_by_value", "decode_resident", "decode_resident_nomap",
@@ -94,7 +94,7 @@ BLOCKMAP_MAX_TOKENS = 16
 MAP_BLOCK = 64
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
-from shuffleprune.deploy.sparse_linear import (  # noqa: E402  (no Triton import)
+from shuffleprune.deploy.impls import (  # noqa: E402  (no Triton import)
     DECODE_KERNELS, GEMM_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, SWAP_TILES, TILE_MAX_TOKENS)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
@@ -214,7 +214,8 @@ def main() -> None:
 
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.input_gather import gather_orders, token_bucket
-    from shuffleprune.deploy.sparse_linear import SparseLinear, relative_error
+    from shuffleprune.deploy.auto_choice import relative_error
+    from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.outdir import atomic_write

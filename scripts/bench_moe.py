@@ -60,7 +60,7 @@ def moe_args(doc: str, experts: int, top_k: int, hidden: int, inter: int, out: s
 
 def moe_row(args: argparse.Namespace, tokens: int, impl: str, ms: float, how: str, got, want) -> dict:
     """One timed row of an experts-layer benchmark."""
-    from shuffleprune.deploy.sparse_linear import relative_error
+    from shuffleprune.deploy.auto_choice import relative_error
     from shuffleprune.runtime import machine
 
     return {"shape": f"{args.experts}x({2 * args.inter}x{args.hidden}+{args.hidden}x{args.inter})",

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from shuffleprune.deploy.sparse_linear import (  # noqa: E402  (no Triton import)
+from shuffleprune.deploy.impls import (  # noqa: E402  (no Triton import)
     GEMM_KERNELS, MAPPED_DECODES, SWAP_TILES, TILE_MAX_TOKENS)
 
 TILE_IMPLS = tuple(impl for impl in TILE_MAX_TOKENS   # the select loop's other tiles
@@ -124,7 +124,7 @@ def run_case(case: dict) -> None:
     import torch
 
     from shuffleprune.deploy.format import meta_bits
-    from shuffleprune.deploy.sparse_linear import DECODE_KERNELS
+    from shuffleprune.deploy.impls import DECODE_KERNELS
     from shuffleprune.kernels import nm_decode, nm_gemm, nm_matmul, nm_words, norm_map
 
     rows, cols = case["shape"]
@@ -233,7 +233,7 @@ def decode_plan_per_sm(case: dict) -> int:
     import torch
 
     from shuffleprune.deploy.format import meta_bits
-    from shuffleprune.deploy.sparse_linear import DECODE_KERNELS
+    from shuffleprune.deploy.impls import DECODE_KERNELS
     from shuffleprune.kernels import nm_decode
 
     (rows, cols), (n, m) = case["shape"], case.get("pattern", (2, 4))

@@ -45,7 +45,7 @@ def main() -> None:
 
     from shuffleprune.deploy.sparse_layout import (PATTERNS, LayoutError, dense_from_patterns, layout_at,
                                                    learn_layout, random_24)
-    from shuffleprune.deploy.sparse_linear import relative_error
+    from shuffleprune.deploy.auto_choice import relative_error
     from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, versions
 

@@ -25,7 +25,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from shuffleprune.deploy.format import compress, meta_bits
-    from shuffleprune.deploy.sparse_linear import relative_error
+    from shuffleprune.deploy.auto_choice import relative_error
     from shuffleprune.kernels.nm_decode import nm_decode
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.masks import nm_keep_mask

@@ -112,8 +112,8 @@ def test_sparse_linear_holds_one_buffer_and_runs_every_path_on_it(monkeypatch):
         plain.policy = layer.policy = policy
         assert torch.equal(layer(x1), plain(x1)), policy
     # the weight written in the input's order reads the export's layout only: not a candidate here, refused if named
-    assert "scratch_mapped" in plain._candidates(torch.randn(20, 64).bfloat16())
-    assert "scratch_mapped" not in layer._candidates(torch.randn(20, 64).bfloat16())
+    assert "scratch_mapped" in plain.candidates(torch.randn(20, 64).bfloat16())
+    assert "scratch_mapped" not in layer.candidates(torch.randn(20, 64).bfloat16())
     layer.policy = "scratch_mapped"
     with pytest.raises(ValueError, match="cuSPARSELt"):
         layer(x)

@@ -776,8 +776,8 @@ def test_layers_reading_one_input_run_as_one_stacked_layer(pruned_perm_dir, tmp_
             {stacked.values.untyped_storage().data_ptr()}
 
     rows = []
-    original = SparseLinear._run
-    monkeypatch.setattr(SparseLinear, "_run", lambda self, impl, x: rows.append(self.out_features) or original(self, impl, x))
+    original = SparseLinear.run
+    monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: rows.append(self.out_features) or original(self, impl, x))
     x = torch.randn(1, 5, attn.q_proj.in_features)
     with torch.no_grad():
         q = attn.q_proj(x)
@@ -822,8 +822,8 @@ def test_torch_compile_keeps_each_sparse_layer_one_operator_in_one_graph(pruned_
         explained = torch._dynamo.explain(model)(ids)
         assert explained.graph_count == 1 and explained.graph_break_count == 0
         rows = []
-        original = SparseLinear._run
-        monkeypatch.setattr(SparseLinear, "_run", lambda self, impl, x: rows.append(self.out_features) or original(self, impl, x))
+        original = SparseLinear.run
+        monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: rows.append(self.out_features) or original(self, impl, x))
         got = torch.compile(model, backend="aot_eager")(ids).logits
         assert torch.allclose(got, want, atol=1e-5)
         q_proj = model.model.layers[0].self_attn.q_proj

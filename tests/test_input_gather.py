@@ -72,7 +72,7 @@ def test_the_fastest_way_gathers_and_is_measured_once_per_kind_of_input(timed):
     input_gather.gather_input(x4.float(), perm)          # another dtype
     input_gather.gather_input(*_input(3, 48))           # another width
     assert len(measured) == 12
-    from shuffleprune.deploy.sparse_linear import release_choices
+    from shuffleprune.deploy.auto_choice import release_choices
 
     release_choices()                                   # forgetting auto's choices forgets the gathers' too
     input_gather.gather_input(x4, perm)

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from shuffleprune.deploy.format import compress, meta_bits
-from shuffleprune.deploy.sparse_linear import IMPLS, LIBRARY_IMPLS, SparseLinear, default_choice
+from shuffleprune.deploy import auto_choice
+from shuffleprune.deploy.impls import IMPLS, LIBRARY_IMPLS, default_choice
+from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.masks import nm_keep_mask
 
 pytest.importorskip("triton")
@@ -188,11 +190,11 @@ def test_tma_decode_refuses_what_the_copies_cannot_read():
         nm_decode(x96, v96, position_words(m96), 2, 4, 2, tma=True, use_dot=True, weight_a=True)
     assert not tma_applies(x.half(), values, words, 2, 4, False)   # values of another dtype
     lin = SparseLinear(values, meta, 256, 2, 4, perm=perm, bias=bias)
-    assert "decode_swap_tma" in lin._candidates(x) and "decode_resident_tma" in lin._candidates(x[:1])
+    assert "decode_swap_tma" in lin.candidates(x) and "decode_resident_tma" in lin.candidates(x[:1])
     x40 = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    assert "decode_swap_tma" in lin._candidates(x40)   # its 128-column step to 64 tokens
-    assert "decode_swap_tma" not in lin._candidates(torch.cat([x40, x40]))   # 80: past the decodes
-    assert not {"decode_swap_tma", "decode_resident_tma"} & set(SparseLinear(v96, m96, 96, 2, 4)._candidates(x96[:2]))
+    assert "decode_swap_tma" in lin.candidates(x40)   # its 128-column step to 64 tokens
+    assert "decode_swap_tma" not in lin.candidates(torch.cat([x40, x40]))   # 80: past the decodes
+    assert not {"decode_swap_tma", "decode_resident_tma"} & set(SparseLinear(v96, m96, 96, 2, 4).candidates(x96[:2]))
     w96 = _case(24, 96, 2, 4, 4, torch.bfloat16)[0].double()
     for policy, xs in (("decode_swap_tma", x96), ("decode_resident_tma", x96[:1])):   # where they cannot run: the
         named = SparseLinear(v96, m96, 96, 2, 4, policy=policy)                       # decodes without copies
@@ -248,7 +250,7 @@ def test_resident_decode_requests_its_first_tiles_into_l2_before_its_inputs():
 def test_resident_input_decode_refuses_what_it_does_not_run():
     """More than two tokens, a pattern other than 2:4, 32-bit values or a row range that is no power of
     two are refused; ``SparseLinear``'s ``decode_resident`` runs ``decode_mapped`` there instead."""
-    from shuffleprune.deploy.sparse_linear import TILE_MAX_TOKENS
+    from shuffleprune.deploy.impls import TILE_MAX_TOKENS
     from shuffleprune.kernels.nm_resident import RESIDENT_MAX_TOKENS, nm_decode_resident, resident_plan
     from shuffleprune.kernels.nm_words import position_words
 
@@ -818,8 +820,8 @@ def test_no_tokens_give_an_empty_output_with_nothing_launched_or_measured(monkey
     def refuse(*args):
         raise AssertionError("nothing runs or is measured on no tokens")
 
-    monkeypatch.setattr(SparseLinear, "_run", refuse)
-    monkeypatch.setattr(SparseLinear, "_measure", refuse)
+    monkeypatch.setattr(SparseLinear, "run", refuse)
+    monkeypatch.setattr(auto_choice, "measure", refuse)
     for policy in ("auto", *(p for p in IMPLS if p not in LIBRARY_IMPLS)):
         lin = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias, policy=policy)
         for shape in ((0, 64), (2, 0, 64)):
@@ -914,11 +916,10 @@ def test_auto_times_the_two_fastest_triton_kernels_again_as_dependent_launches(m
     other near the fastest candidate: the next test) are timed once more with ``+pdl`` (where the output
     agrees and a CUDA graph captures them), and the fastest of all candidates is kept, a plain launch on
     a tie; nothing of it off Hopper."""
-    from shuffleprune.deploy import sparse_linear
 
     w, values, meta, x, perm, bias = _case(64, 64, 2, 4, 4, torch.float32)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
-    ref = layer._reference(x)
+    ref = layer.reference(x)
     outputs, ran = {}, []
 
     def fake_run(self, impl, x):
@@ -927,13 +928,13 @@ def test_auto_times_the_two_fastest_triton_kernels_again_as_dependent_launches(m
 
     def measure(graph: dict[str, float], how: str = "cuda_graph",
                 candidates=("decode", "decode_swap", "decode_select", "scratch")) -> tuple[str, str]:
-        monkeypatch.setattr(sparse_linear, "cuda_graph_ms", lambda calls, reps, warm=2: (
+        monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (
             calls[0](), graph[ran[-1]], how if ran[-1].endswith("+pdl") else "cuda_graph")[1:])
         ran.clear()
-        return layer._measure(x, list(candidates))
+        return auto_choice.measure(layer, x, list(candidates))
 
-    monkeypatch.setattr(SparseLinear, "_run", fake_run)
-    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: True)
+    monkeypatch.setattr(SparseLinear, "run", fake_run)
+    monkeypatch.setattr(auto_choice, "overlap_enabled", lambda x: True)
     plain = {"decode": 2.0, "decode_swap": 1.0, "decode_select": 3.0, "scratch": 4.0}
     assert measure({**plain, "decode_swap+pdl": 0.8, "decode+pdl": 0.9}) == ("decode_swap+pdl", "decode_swap+pdl")
     assert "decode_select+pdl" not in ran                                              # only the two fastest
@@ -948,7 +949,7 @@ def test_auto_times_the_two_fastest_triton_kernels_again_as_dependent_launches(m
     gemms = {"gemm": 1.5, "gemm_swap": 0.9, "decode": 2.0, "scratch": 4.0}   # the GEMMs too (17–64 tokens)
     assert measure({**gemms, "gemm_swap+pdl": 0.7, "gemm+pdl": 1.4}, candidates=gemms)[0] == "gemm_swap+pdl"
     assert {"gemm_swap+pdl", "gemm+pdl"} <= set(ran) and "decode+pdl" not in ran
-    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: False)
+    monkeypatch.setattr(auto_choice, "overlap_enabled", lambda x: False)
     assert measure({**plain})[0] == "decode_swap" and not any(i.endswith("+pdl") for i in ran)
     with pytest.raises(ValueError, match="may end in"):
         SparseLinear(values, meta, 64, 2, 4, policy="scratch+pdl")
@@ -961,19 +962,17 @@ def test_auto_times_each_candidate_over_copies_of_the_weight_in_turn(monkeypatch
     no call finds its weight in L2): each copy is new memory with the same weight (the output is the
     reference's), in the layer's layout (cuSPARSELt's buffer too); afterwards the layer holds its own
     tensors again and no copy is kept."""
-    from shuffleprune.deploy import sparse_linear
 
     w, values, meta, x, perm, bias = _case(64, 64, 2, 4, 2, torch.float16)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
     if tiled:
         assert layer.use_cslt_layout() and layer.tiled
     own = (layer.values, layer.meta)
-    ref = layer._reference(x)
+    ref = layer.reference(x)
     copies = [layer._weight_copy() for _ in range(2)]
-    monkeypatch.setattr(SparseLinear, "_weight_copies",
-                        lambda self: [self._own_weight(), *copies])
+    monkeypatch.setattr(auto_choice, "weight_copies", lambda layer: [layer._own_weight(), *copies])
     ran, graphs = [], []
-    original = SparseLinear._run
+    original = SparseLinear.run
 
     def spy(self, impl, x):
         ran.append((self.values.data_ptr(), self.meta.data_ptr(), self.tiled and self._packed_buffer().data_ptr()))
@@ -986,9 +985,9 @@ def test_auto_times_each_candidate_over_copies_of_the_weight_in_turn(monkeypatch
         assert all(torch.allclose(y.float(), ref.float(), atol=2e-2) for y in outputs)
         return (1.0 if len(graphs) == 1 else 2.0), "cuda_graph"
 
-    monkeypatch.setattr(SparseLinear, "_run", spy)
-    monkeypatch.setattr(sparse_linear, "cuda_graph_ms", graph_timer)
-    assert layer._measure(x, ["decode", "scratch"], calls=5) == ("decode", "decode")
+    monkeypatch.setattr(SparseLinear, "run", spy)
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", graph_timer)
+    assert auto_choice.measure(layer, x, ["decode", "scratch"], calls=5) == ("decode", "decode")
     mine = (own[0].data_ptr(), own[1].data_ptr(), tiled and layer._packed.data_ptr())
     theirs = [(c[0].data_ptr(), c[1].data_ptr(), tiled and c[2].data_ptr()) for c in copies]
     assert len({mine, *theirs}) == 3 and all(mine[i] != t[i] for t in theirs for i in (0, 1))
@@ -1042,7 +1041,7 @@ def test_what_layers_keep_from_their_first_call_is_not_allocated_by_the_calling_
 
     monkeypatch.setattr(runtime, "pool_may_route", lambda device: True)
     sparse_linear.release_scratch()
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
     monkeypatch.setattr(split_k, "_COUNTERS", {})
     _, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias, policy="scratch")
@@ -1069,11 +1068,11 @@ def test_what_layers_keep_from_their_first_call_is_not_allocated_by_the_calling_
 
     kept_by_measuring = []
 
-    def fake_measure(self, x, candidates):              # auto measures once per kind of layer and keeps buffers
+    def fake_measure(layer, x, candidates):              # auto measures once per kind of layer and keeps buffers
         kept_by_measuring.append(torch.zeros(5))
         return "scratch", "scratch"
 
-    monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
+    monkeypatch.setattr(auto_choice, "measure", fake_measure)
     auto = SparseLinear(values, meta, 64, 2, 4, perm=perm)
     with _ThreadAllocations() as measuring:
         assert auto._choice(x) == auto._choice(x) == "scratch"
@@ -1109,7 +1108,7 @@ def test_outside_graph_pools_runs_elsewhere_only_where_a_pool_may_take_allocatio
 def test_timing_copies_exceed_the_l2_within_free_memory():
     """How many weights ``auto`` cycles through: enough to pass 2.5× the L2 together, at most 64, one
     where the weight alone passes it or the copies would not leave 256 MiB free."""
-    from shuffleprune.deploy.sparse_linear import timing_copies
+    from shuffleprune.deploy.auto_choice import timing_copies
 
     mib, free = 2**20, 80 * 2**30
     assert timing_copies(9 * mib, 50 * mib, free) == 14          # a 4096×4096 2:4 bf16 weight on an H100
@@ -1125,26 +1124,25 @@ def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
     and so does a new token bucket, and a map of another span (one within blocks of 16 columns, as
     prune's within 64, reads the input nearly in order; one over all columns jumps): before, every
     map shared the choice measured on the first."""
-    from shuffleprune.deploy import sparse_linear
     from shuffleprune.perm.core import random_block_perm
 
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
     measured = []
 
-    def fake_measure(self, x, candidates):
-        measured.append((self.out_features, self.perm is not None, x.shape[-2]))
+    def fake_measure(layer, x, candidates):
+        measured.append((layer.out_features, layer.perm is not None, x.shape[-2]))
         return candidates[0], candidates[0]
 
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     assert SparseLinear(values, meta, 64, 2, 4, perm=perm).map_span == 64   # a random map over all 64 columns
-    monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
+    monkeypatch.setattr(auto_choice, "measure", fake_measure)
     x1 = torch.randn(1, 1, 64).half()
     gen = torch.Generator().manual_seed(3)
     block_a, block_b = (SparseLinear(values, meta, 64, 2, 4, perm=random_block_perm(64, 16, gen)) for _ in range(2))
     assert block_a.map_span == block_b.map_span == 16
     block_a._choice(x1), block_b._choice(x1), SparseLinear(values, meta, 64, 2, 4, perm=perm)._choice(x1)
     assert measured == [(24, True, 1), (24, True, 1)]   # the two block maps share one measurement
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
     measured.clear()
 
     _, values2, meta2, *_ = _case(40, 64, 2, 4, 1, torch.float16)
@@ -1154,7 +1152,7 @@ def test_auto_measures_each_kind_of_layer_once_per_token_bucket(monkeypatch):
     assert q._choice(x1) == k._choice(x1) == q.choices[1] == k.choices[1]
     other._choice(x1), unmapped._choice(x1), q._choice(x5), k._choice(x5)
     assert measured == [(24, True, 1), (40, True, 1), (24, False, 1), (24, True, 5)]
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
     SparseLinear(values, meta, 64, 2, 4, perm=perm)._choice(x1)
     assert measured[-1] == (24, True, 1) and len(measured) == 5
 
@@ -1197,7 +1195,7 @@ def test_block_offsets_are_made_only_for_maps_within_small_blocks_and_auto_no_lo
     most 256 columns, not to a map over 512 columns nor a layer without a map; its offsets are made
     once per map. ``auto`` no longer weighs it, nor ``decode_tall`` (``NOT_WEIGHED``: never picked on
     the H100), though both still run when named."""
-    from shuffleprune.deploy.sparse_linear import NOT_WEIGHED
+    from shuffleprune.deploy.impls import NOT_WEIGHED
     from shuffleprune.perm.core import random_block_perm
 
     gen = torch.Generator().manual_seed(5)
@@ -1208,8 +1206,8 @@ def test_block_offsets_are_made_only_for_maps_within_small_blocks_and_auto_no_lo
     one, many = torch.randn(1, 512).half(), torch.randn(17, 512).half()
     assert block._offsets_apply() and not wide._offsets_apply() and not plain._offsets_apply()
     for layer in (block, wide, plain):
-        assert not set(NOT_WEIGHED) & set(layer._candidates(one) + layer._candidates(many))
-    assert "decode_mapped_tall" in block._candidates(one)   # the 32-row tile reading the map stays weighed
+        assert not set(NOT_WEIGHED) & set(layer.candidates(one) + layer.candidates(many))
+    assert "decode_mapped_tall" in block.candidates(one)   # the 32-row tile reading the map stays weighed
     assert set(NOT_WEIGHED) <= set(IMPLS)   # policies still: each runs against the reference in the IMPLS test above
     assert wide.block_map() is None and plain.block_map() is None
     offsets, span = block.block_map()
@@ -1227,14 +1225,13 @@ def test_a_graph_choice_unlike_the_eager_one_runs_once_on_the_calling_thread(mon
     captured). Where both choices agree, or the bucket is known, nothing extra runs."""
     import threading
 
-    from shuffleprune.deploy import sparse_linear
-    from shuffleprune.deploy.sparse_linear import SharedGather
+    from shuffleprune.deploy.shared_input import SharedGather
 
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
     answer = {"choices": ("gemm", "scratch")}
-    monkeypatch.setattr(SparseLinear, "_measure", lambda self, x, candidates: answer["choices"])
+    monkeypatch.setattr(auto_choice, "measure", lambda layer, x, candidates: answer["choices"])
     ran = []
-    monkeypatch.setattr(SparseLinear, "_run",
+    monkeypatch.setattr(SparseLinear, "run",
                         lambda self, impl, x: ran.append((impl, threading.get_ident(), self.shared_gather)))
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     layer, other = (SparseLinear(values, meta, 64, 2, 4, perm=perm) for _ in range(2))
@@ -1249,20 +1246,18 @@ def test_a_graph_choice_unlike_the_eager_one_runs_once_on_the_calling_thread(mon
     assert [impl for impl, *_ in ran] == ["gemm", "gemm"]
     answer["choices"] = ("decode", "decode")
     assert layer._choice(x5) == "decode" and len(ran) == 2
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
 
 
 def _fake_timers(monkeypatch, graph_ms: dict[str, float], eager: dict[str, float]) -> list[str]:
     """``SparseLinear`` on the CPU with its timers faked: each candidate's output is the reference,
     its CUDA-graph time ``graph_ms[impl]`` and its eager time ``eager[impl]``; returns the list the
     eagerly timed candidates are appended to."""
-    from shuffleprune.deploy import sparse_linear
-
     ran, timed_eagerly = [], []
 
     def fake_run(self, impl, x):
         ran.append(impl)
-        return self._reference(x)
+        return self.reference(x)
 
     def graph_timer(calls, reps, warm=2):
         calls[0]()
@@ -1273,9 +1268,9 @@ def _fake_timers(monkeypatch, graph_ms: dict[str, float], eager: dict[str, float
         timed_eagerly.append(ran[-1])
         return eager[ran[-1]]
 
-    monkeypatch.setattr(SparseLinear, "_run", fake_run)
-    monkeypatch.setattr(sparse_linear, "cuda_graph_ms", graph_timer)
-    monkeypatch.setattr(sparse_linear, "eager_ms", eager_timer)
+    monkeypatch.setattr(SparseLinear, "run", fake_run)
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", graph_timer)
+    monkeypatch.setattr(auto_choice, "eager_ms", eager_timer)
     return timed_eagerly
 
 
@@ -1287,37 +1282,36 @@ def test_auto_keeps_cslt_for_eager_calls_only_when_it_wins_eagerly_too(monkeypat
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
     graph = {"cslt": 1.0, "gemm": 3.0, "scratch": 2.0}
     eager = _fake_timers(monkeypatch, graph, {"cslt": 9.0, "gemm": 0.5, "scratch": 4.0})
-    assert layer._measure(x, ["cslt", "gemm", "scratch"]) == ("cslt", "scratch")
+    assert auto_choice.measure(layer, x, ["cslt", "gemm", "scratch"]) == ("cslt", "scratch")
     assert sorted(eager) == ["cslt", "scratch"]      # against the graph's runner-up only
     eager.clear()
     eager_ms = {"cslt": 3.0, "gemm": 0.5, "scratch": 4.0}
     eager = _fake_timers(monkeypatch, graph, eager_ms)
-    assert layer._measure(x, ["cslt", "gemm", "scratch"]) == ("cslt", "cslt")   # a PyTorch with the plan cached
+    assert auto_choice.measure(layer, x, ["cslt", "gemm", "scratch"]) == ("cslt", "cslt")   # a PyTorch with the plan cached
     eager = _fake_timers(monkeypatch, {"cslt": 5.0, "gemm": 3.0, "scratch": 2.0}, eager_ms)
-    assert layer._measure(x, ["cslt", "gemm", "scratch"]) == ("scratch", "scratch") and eager == []
+    assert auto_choice.measure(layer, x, ["cslt", "gemm", "scratch"]) == ("scratch", "scratch") and eager == []
 
 
 def test_auto_times_the_tma_decodes_eagerly_too_when_a_graph_picks_them(monkeypatch):
     """The TMA-fed decodes make their tensor descriptors per call (the launcher encodes them), so a
     graph's pick of one (plain or as a dependent) is timed eagerly against the fastest other candidate,
     and the faster of the two serves eager calls."""
-    from shuffleprune.deploy import sparse_linear
 
     w, values, meta, x, perm, bias = _case(64, 256, 2, 4, 8, torch.bfloat16)
     layer = SparseLinear(values, meta, 256, 2, 4, perm=perm, bias=bias)
     graph = {"decode_swap_tma": 1.0, "decode_swap": 1.2, "decode_resident_tma": 0.9, "scratch": 3.0}
     eager = _fake_timers(monkeypatch, graph, {"decode_swap_tma": 5.0, "decode_swap": 2.0, "scratch": 4.0})
-    assert layer._measure(x, ["decode_swap_tma", "decode_swap", "scratch"]) == ("decode_swap_tma", "decode_swap")
+    assert auto_choice.measure(layer, x, ["decode_swap_tma", "decode_swap", "scratch"]) == ("decode_swap_tma", "decode_swap")
     assert sorted(eager) == ["decode_swap", "decode_swap_tma"]
     eager = _fake_timers(monkeypatch, graph, {"decode_swap_tma": 1.5, "decode_swap": 2.0})
-    assert layer._measure(x, ["decode_swap_tma", "decode_swap"]) == ("decode_swap_tma", "decode_swap_tma")
+    assert auto_choice.measure(layer, x, ["decode_swap_tma", "decode_swap"]) == ("decode_swap_tma", "decode_swap_tma")
     eager = _fake_timers(monkeypatch, graph, {"decode_resident_tma": 3.0, "decode_swap": 2.0})   # the TMA runner-up
-    assert layer._measure(x, ["decode_resident_tma", "decode_swap_tma", "decode_swap"]) == (   # is not the rival
+    assert auto_choice.measure(layer, x, ["decode_resident_tma", "decode_swap_tma", "decode_swap"]) == (   # is not the rival
         "decode_resident_tma", "decode_swap")
-    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: True)   # a dependent launch's pick, by its kernel
+    monkeypatch.setattr(auto_choice, "overlap_enabled", lambda x: True)   # a dependent launch's pick, by its kernel
     eager = _fake_timers(monkeypatch, {**graph, "decode_swap_tma+pdl": 0.8, "decode_swap+pdl": 1.1},
                          {"decode_swap_tma+pdl": 4.0, "decode_swap+pdl": 2.5})
-    assert layer._measure(x, ["decode_swap_tma", "decode_swap"]) == ("decode_swap_tma+pdl", "decode_swap+pdl")
+    assert auto_choice.measure(layer, x, ["decode_swap_tma", "decode_swap"]) == ("decode_swap_tma+pdl", "decode_swap+pdl")
 
 
 def test_auto_times_as_dependents_every_kernel_near_the_fastest_not_just_two(monkeypatch):
@@ -1325,7 +1319,6 @@ def test_auto_times_as_dependents_every_kernel_near_the_fastest_not_just_two(mon
     within ``PDL_RETIME_WITHIN`` of the fastest candidate: the H100's 1024×4096 layer at 2 tokens
     (2026-11-27), where the gathered decode, 4th without it, won as a dependent (9.2 → 7.4 µs). One
     far slower is not timed again."""
-    from shuffleprune.deploy import sparse_linear
 
     w, values, meta, x, perm, bias = _case(64, 64, 2, 4, 2, torch.float16)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
@@ -1333,13 +1326,13 @@ def test_auto_times_as_dependents_every_kernel_near_the_fastest_not_just_two(mon
              "scratch": 20.0, "decode_mapped+pdl": 8.4, "decode_shallow+pdl": 9.5, "decode_swap+pdl": 8.9,
              "decode+pdl": 7.4, "gemm+pdl": 1.0}
     _fake_timers(monkeypatch, graph, {})
-    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: True)
-    assert layer._measure(x, ["decode_mapped", "decode_shallow", "decode_swap", "decode", "gemm", "scratch"]) == (
+    monkeypatch.setattr(auto_choice, "overlap_enabled", lambda x: True)
+    assert auto_choice.measure(layer, x, ["decode_mapped", "decode_shallow", "decode_swap", "decode", "gemm", "scratch"]) == (
         "decode+pdl", "decode+pdl")
-    assert sparse_linear.pdl_retimed({k: v for k, v in graph.items() if "+" not in k}) == [
+    assert auto_choice.pdl_retimed({k: v for k, v in graph.items() if "+" not in k}) == [
         "decode_mapped", "decode_shallow", "decode_swap", "decode"]   # gemm (3.7× the fastest) is not
-    monkeypatch.setattr(sparse_linear, "overlap_enabled", lambda x: False)
-    assert layer._measure(x, ["decode_mapped", "decode", "scratch"]) == ("decode_mapped", "decode_mapped")
+    monkeypatch.setattr(auto_choice, "overlap_enabled", lambda x: False)
+    assert auto_choice.measure(layer, x, ["decode_mapped", "decode", "scratch"]) == ("decode_mapped", "decode_mapped")
 
 
 def test_auto_runs_the_graph_choice_in_a_capture_and_the_eager_one_outside(monkeypatch):
@@ -1348,16 +1341,16 @@ def test_auto_runs_the_graph_choice_in_a_capture_and_the_eager_one_outside(monke
     measuring; ``forget_choices`` (a new layout or input order) forgets both picks."""
     from shuffleprune.deploy import sparse_linear
 
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
     measured = []
 
-    def fake_measure(self, x, candidates):
+    def fake_measure(layer, x, candidates):
         measured.append(x.shape[-2])
         return "cslt", "scratch"
 
     in_capture, ran = [False], []
-    monkeypatch.setattr(SparseLinear, "_measure", fake_measure)
-    monkeypatch.setattr(SparseLinear, "_run", lambda self, impl, x: ran.append(impl))
+    monkeypatch.setattr(auto_choice, "measure", fake_measure)
+    monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: ran.append(impl))
     monkeypatch.setattr(sparse_linear, "capturing", lambda x: in_capture[0])
     _, values, meta, _, perm, _ = _case(64, 64, 2, 4, 1, torch.float16)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
@@ -1366,20 +1359,18 @@ def test_auto_runs_the_graph_choice_in_a_capture_and_the_eager_one_outside(monke
     assert ran == ["cslt"]   # the graph's pick run once outside the capture, where the layer took it
     in_capture[0] = True
     assert layer._choice(x32) == "cslt" and measured == [32]
-    assert layer._choice(x5) == default_choice(layer._candidates(x5)) and measured == [32]   # not measured in a capture
+    assert layer._choice(x5) == default_choice(layer.candidates(x5)) and measured == [32]   # not measured in a capture
     assert layer.choices == {32: "cslt"} and layer.eager_choices == {32: "scratch"}
     layer.forget_choices()
     assert layer.choices == {} and layer.eager_choices == {}
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
 
 
 def test_cslt_configuration_is_searched_once_per_kind_of_layer_and_never_in_a_capture(monkeypatch):
     """cuSPARSELt's searched configuration is shared by layers of one shape and token count (``auto``
     measures one layer of each kind; the others must not run unsearched in a CUDA graph); a count
     first met inside a capture runs cuSPARSELt's default there and is searched at its first eager call."""
-    from shuffleprune.deploy import sparse_linear
-
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
     searched, configs, in_capture = [], [], [False]
 
     def fake_search(packed, xt, bias):
@@ -1390,8 +1381,8 @@ def test_cslt_configuration_is_searched_once_per_kind_of_layer_and_never_in_a_ca
         configs.append(config)
         return torch.zeros(xt.shape[1], packed.shape[0], dtype=xt.dtype)
 
-    monkeypatch.setattr(sparse_linear, "cslt_search", fake_search)
-    monkeypatch.setattr(sparse_linear, "capturing", lambda x: in_capture[0])
+    monkeypatch.setattr(auto_choice, "cslt_search", fake_search)
+    monkeypatch.setattr(auto_choice, "capturing", lambda x: in_capture[0])
     monkeypatch.setattr(torch, "_cslt_sparse_mm", fake_mm)
     _, values, meta, *_ = _case(64, 64, 2, 4, 1, torch.bfloat16)
     layers = [SparseLinear(values, meta, 64, 2, 4) for _ in range(3)]
@@ -1406,7 +1397,7 @@ def test_cslt_configuration_is_searched_once_per_kind_of_layer_and_never_in_a_ca
     in_capture[0] = False
     layers[2]._cslt(x20)
     assert searched == [32, 20] and configs[-1] == (3, 2, 1)
-    sparse_linear.release_choices()
+    auto_choice.release_choices()
     layers[0]._cslt(x32)
     assert searched == [32, 20, 32]
 
@@ -1417,7 +1408,6 @@ def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
     fatal; any other error (a bug) propagates."""
     from triton.runtime.errors import OutOfResources
 
-    from shuffleprune.deploy import sparse_linear
 
     times = {"decode": OutOfResources(232448, 101376, "shared memory"), "decode_swap": 0.5, "scratch": 0.7,
              "gather": ValueError("does not fit")}
@@ -1433,43 +1423,42 @@ def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
         fake_timer.impl = impl
         return torch.ones(4, 24)
 
-    monkeypatch.setattr(sparse_linear, "cuda_graph_ms", lambda calls, reps, warm=2: (calls[0](), fake_timer(calls, reps))[1])
-    monkeypatch.setattr(SparseLinear, "_run", fake_run)
-    monkeypatch.setattr(SparseLinear, "_reference", lambda self, x: torch.ones(4, 24))
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (calls[0](), fake_timer(calls, reps))[1])
+    monkeypatch.setattr(SparseLinear, "run", fake_run)
+    monkeypatch.setattr(SparseLinear, "reference", lambda self, x: torch.ones(4, 24))
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
     x = torch.randn(4, 64).half()
-    assert layer._measure(x, list(times)) == ("decode_swap", "decode_swap")   # graph and eager: no cslt to recheck
+    assert auto_choice.measure(layer, x, list(times)) == ("decode_swap", "decode_swap")   # graph and eager: no cslt to recheck
     times["decode_swap"] = RuntimeError("an unexpected bug")
-    assert layer._measure(x, list(times)) == ("scratch", "scratch")   # RuntimeError: as before, a candidate that cannot run
+    assert auto_choice.measure(layer, x, list(times)) == ("scratch", "scratch")   # RuntimeError: as before, a candidate that cannot run
     times["scratch"] = KeyError("a bug")
     with pytest.raises(KeyError):
-        layer._measure(x, list(times))
+        auto_choice.measure(layer, x, list(times))
 
 
 def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch):
     """Before timing, ``auto`` checks each candidate's output against PyTorch's own product of the
     decompressed weight: a kernel that is wrong on this device (here: its output perturbed, or NaN) is
     dropped with a warning even when it is the fastest, and the default falls back to the scratch."""
-    from shuffleprune.deploy import sparse_linear
 
     w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
-    ref = layer._reference(x)
+    ref = layer.reference(x)
     assert _close(ref, x.double()[:, perm] @ w.double().t() + bias.double(), torch.float32)
     outputs = {"decode": ref + 0.05 * ref.abs().max(), "decode_swap": ref * float("nan"), "gather": ref + 1e-3,
                "scratch": ref}
     speed = {"decode": 0.1, "decode_swap": 0.1, "gather": 0.5, "scratch": 0.7}
-    monkeypatch.setattr(SparseLinear, "_run", lambda self, impl, x: outputs[impl])
-    monkeypatch.setattr(sparse_linear, "cuda_graph_ms",
+    monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: outputs[impl])
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms",
                         lambda calls, reps, warm=2: (speed[next(k for k, v in outputs.items() if v is calls[0]())],
                                                      "cuda_graph"))
     with pytest.warns(RuntimeWarning) as caught:
-        assert layer._measure(x, list(outputs))[0] == "gather"   # within 16-bit rounding of the reference
+        assert auto_choice.measure(layer, x, list(outputs))[0] == "gather"   # within 16-bit rounding of the reference
     assert [re.search(r": (\w+ is off by \S+)", str(c.message)).group(1) for c in caught] == [
         "decode is off by 0.05", "decode_swap is off by nan"]
     with pytest.warns(RuntimeWarning) as caught:
-        assert layer._measure(x, ["decode", "decode_swap"]) == ("scratch", "scratch")
+        assert auto_choice.measure(layer, x, ["decode", "decode_swap"]) == ("scratch", "scratch")
     assert len(caught) == 2
 
 
@@ -1511,34 +1500,34 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     # at one token the 256-value step on either input and the 32-row tile reading the map (the gathered input's
     # is not weighed: NOT_WEIGHED), at two the gathered input's 256-value step; not for 4:8 (its decode is the
     # tensor cores') nor float32 inputs
-    assert mapped._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_mapped",
+    assert mapped.candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_mapped",
                                       "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value",
                                       "decode_resident", "scratch", "gather"]
-    assert plain._candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_resident", "scratch", "gather"]
-    assert mapped._candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
+    assert plain.candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_resident", "scratch", "gather"]
+    assert mapped.candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
         "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_mapped_by_value", "decode_resident",
         "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch", "gather"]
-    assert plain._candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
+    assert plain.candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
     _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)
-    assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(x1) == [
+    assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48).candidates(x1) == [
         "decode", "decode_shallow", "decode_mapped", "scratch", "gather"]
-    assert mapped._candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select",
+    assert mapped.candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select",
                                                               "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch", "gather"]
-    assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48)._candidates(torch.randn(5, 64).half()) == [
+    assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48).candidates(torch.randn(5, 64).half()) == [
         "decode", "decode_mapped", "decode_select", "decode_swap", "scratch", "gather"]   # decode_swap's other tiles: 2:4's
-    assert not {"decode_swap_narrow", "decode_swap_sync"} & set(mapped._candidates(torch.randn(5, 64)))   # 16-bit
-    assert mapped._candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "gemm_swap_tall",   # map in-kernel: ≤ 16
+    assert not {"decode_swap_narrow", "decode_swap_sync"} & set(mapped.candidates(torch.randn(5, 64)))   # 16-bit
+    assert mapped.candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "gemm_swap_tall",   # map in-kernel: ≤ 16
                                        "scratch", "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
-    assert mapped._candidates(x70) == ["gemm", "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped"]
-    assert plain._candidates(x70) == ["gemm", "gemm_swap", "gemm_swap_tall", "scratch"]
-    assert "gemm_swap_tall" not in plain._candidates(torch.randn(16, 64).half())   # the GEMMs from 17 tokens
-    assert "gemm_swap_tall" not in plain._candidates(x70.float())   # float32: the one FMA tile, as gemm_swap's
+    assert mapped.candidates(x70) == ["gemm", "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped"]
+    assert plain.candidates(x70) == ["gemm", "gemm_swap", "gemm_swap_tall", "scratch"]
+    assert "gemm_swap_tall" not in plain.candidates(torch.randn(16, 64).half())   # the GEMMs from 17 tokens
+    assert "gemm_swap_tall" not in plain.candidates(x70.float())   # float32: the one FMA tile, as gemm_swap's
     wide = SparseLinear(*_case(8, 16392, 2, 4, 1, torch.float16)[1:3], 16392, 2, 4, perm=torch.randperm(16392))
-    assert "scratch_mapped" not in wide._candidates(torch.randn(20, 16392).half())   # a row past its shared memory
-    assert plain._candidates(torch.randn(5, 64).float())[:2] == ["decode", "decode_select"]   # float32: up to 16
-    assert "decode_swap" not in plain._candidates(torch.randn(20, 64).float())
-    assert default_choice(mapped._candidates(x1)) == "decode"
-    assert default_choice(mapped._candidates(x70)) == "scratch"
+    assert "scratch_mapped" not in wide.candidates(torch.randn(20, 16392).half())   # a row past its shared memory
+    assert plain.candidates(torch.randn(5, 64).float())[:2] == ["decode", "decode_select"]   # float32: up to 16
+    assert "decode_swap" not in plain.candidates(torch.randn(20, 64).float())
+    assert default_choice(mapped.candidates(x1)) == "decode"
+    assert default_choice(mapped.candidates(x70)) == "scratch"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -23,7 +23,8 @@ from torch import nn
 from shuffleprune.block_inputs import block_probe
 from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
-from shuffleprune.deploy.sparse_linear import InputShared, SparseLinear
+from shuffleprune.deploy.shared_input import InputShared
+from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.runtime import capturing, outside_graph_pools
 
 

@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from shuffleprune.deploy.format import check_compressed, check_index_map
+from shuffleprune.deploy.shared_input import SharedGather
 from shuffleprune.deploy.sparse_experts import attach_sparse_experts
-from shuffleprune.deploy.sparse_linear import SharedGather, SparseLinear
+from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
 
 FORMAT_FILE = "shuffleprune_format.json"

@@ -46,7 +46,8 @@ from torch.overrides import TorchFunctionMode
 from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, experts_by_tensor, is_fused_experts
 from shuffleprune.deploy.format import check_compressed, check_index_map, compress, meta_bits
 from shuffleprune.deploy.input_gather import token_bucket
-from shuffleprune.deploy.sparse_linear import AGREE_RTOL, SparseLinear, relative_error
+from shuffleprune.deploy.auto_choice import AGREE_RTOL, relative_error
+from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
 from shuffleprune.runtime import capturing, eager_ms, outside_graph_pools
 from shuffleprune.stacked_experts import expert_layout, matmul_operands

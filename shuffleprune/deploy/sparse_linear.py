@@ -2,210 +2,35 @@
 
 ``y = W_p · x[perm] + b`` with ``W_p`` held compressed only (``values`` + packed positions, see
 :mod:`format`) and ``perm`` the input index map (``None`` when the layer reads its input in order).
-No layer keeps a dense copy: GPU memory holds the compressed size. Implementations (``IMPLS``):
+No layer keeps a dense copy: GPU memory holds the compressed size.
 
-- ``decode`` (CUDA, 1–64 tokens; float32 1–16): the bandwidth kernel of ``kernels/nm_decode.py``
-  (position words, split-K) over the gathered input (one gather, shared by a group's layers; every
-  implementation but ``decode_mapped``, ``gather`` and ``group`` reads its input so, gathered the way
-  ``deploy/input_gather.py`` measured fastest for its width and token count);
-- ``decode_mapped``: the same kernel reading the index map itself (no gather launch; on an H100 its
-  gather, a synchronous load inside the loop, cost 6–34 % at one token and far more on the tensor
-  cores). It now reads the gather as 32-bit words the pipeline copies ahead, in the select loop (1–2
-  tokens) and above that, to 16 tokens (``MAPPED_MAX_TOKENS``), in the weight-as-A tensor-core
-  decode (``decode_swap``'s kernel, the one whose word gather compiles without spilling); not yet
-  timed;
-- ``decode_offsets`` (a map within aligned blocks of at most 256 columns, as ``prune`` writes them):
-  ``decode_mapped`` reading the map as 1-byte offsets within its blocks (``block_map``), a quarter of
-  the int32 map's bytes per step; built after the H100 put the in-kernel map's cost at one token at
-  1–9 % under a 64-column block map (``bench_kernel.json``, 2026-11-27). Timed on the H100 the same
-  day it ran 5–14 % slower than ``decode_mapped`` at 1–2 tokens, so ``auto`` no longer weighs it
-  (``NOT_WEIGHED``); it runs when named;
-- ``decode_shallow`` (1–2 tokens): ``decode`` with its software pipeline one tile shallower (3 tiles
-  in flight, not 4). An H100 sweep of the select loop at one token (``tune_decode_select.json``) had
-  it fastest on 11008×4096 (23.1 against 24.5 µs) and slower on 4096×4096 and 4096×11008 (2–4 %),
-  so ``auto`` times both rather than a rule choosing by shape (on the H100 on 2026-11-27 it was
-  ``auto``'s pick in 3 of its 18 one-token rows, on 11008×4096 and 14336×4096);
-- ``decode_tall`` (one token), ``decode_wide`` (1–2 tokens), ``decode_mapped_tall`` and
-  ``decode_mapped_wide`` (one token; 16-bit inputs, any N:M but 4:8): ``decode`` and ``decode_mapped`` with
-  the select loop's other tiles, 32 rows per program or 256 kept values per step
-  (``DECODE_KERNELS_TILE``). An H100 sweep had them 2–6 % faster than the default tile on a tall or
-  a wide shape and not on the square one (``tune_gather.json``), so ``auto`` times them. Timed as
-  candidates on the H100 (2026-11-27), the three others were ``auto``'s picks in 15 of its 36 one- and
-  two-token rows (11 of 18 at one token), ``decode_tall`` in none, so ``auto`` no longer weighs it
-  (``NOT_WEIGHED``);
-- ``decode_mapped_by_value`` (2:4, 16-bit, 1–2 tokens): ``decode_mapped`` with the select loop of
-  before 2026-11-28, each kept value selecting its input in a 4-D tile, instead of the loop by 2:4
-  group (``nm_decode.select_loop``). Compiled for sm_90a the group loop is the shorter under Triton
-  3.9 and 3.6 alike (one token through the map: 232 and 231 instructions per step against 283 and
-  276, ``kernel_compile_sm90*.json``), but only the per-value loop has ever been timed on a GPU, so
-  ``auto`` times both through the map and a GPU run of ``bench_kernel`` compares them;
-- ``decode_resident`` (2:4, 16-bit, 1–2 tokens; with a map or without): ``kernels/nm_resident.py``, where a
-  program owns a chunk of 256 kept values and a range of rows, reads its chunk's inputs once (through
-  the map) before its loop and streams the rows past them, each row's partial sum per chunk added by
-  the last program of its range. Built so a map costs what no map costs: compiled for sm_90a its loop
-  has 10.75 instructions per kept value through the map and without (the select decode: 14.5 and
-  11.4), ``kernel_compile_sm90.json``. Not yet timed on a GPU, so ``auto`` times it. Named as a policy,
-  it runs ``decode_mapped`` where it does not apply (more tokens, another pattern, 32-bit values);
-- ``decode_resident_tma`` (as ``decode_resident``): the resident decode with its weight's tiles copied by the
-  Tensor Memory Accelerator (as ``decode_swap_tma``, below; no head prefetch). Not yet timed on a GPU;
-  ``auto`` weighs it where the descriptors can read the weight, and named elsewhere it runs
-  ``decode_resident``;
-- ``decode_select`` (3–16 tokens): the decode forced onto the select-and-add loop of 1–2 tokens
-  instead of the tensor cores (on an H100 the tensor-core decode ran at about dense speed from 2
-  tokens on, the select loop 1.5× faster than dense at one token and 1.2–1.35× at two);
-- ``decode_swap`` (2–64 tokens): the tensor-core decode with the weight tile as the MMA's A operand
-  (rows in the MMA's M: Hopper's asynchronous wgmma from registers), built after the tensor-core
-  decode measured at about dense speed, latency-bound;
-- ``decode_swap_narrow`` (2:4, 2–16 tokens): ``decode_swap`` with half its step (64 kept values, 128
-  dense columns) and 3 tiles in flight. An H200 sweep (``tune_bw_swap.json``, 2026-11-28) had it fastest
-  on 11008×4096 (24.7–25.7 µs at 2–16 tokens against the default tile's 28.2–29.0 and cuBLAS's
-  25.5–26.8) and slower on 4096×4096 and 4096×14336; on the H100 the same step had been slower on
-  all three (``tune_swap_decode.json``), so ``auto`` times it rather than a rule;
-- ``decode_swap_sync`` (2:4, 2–16 tokens): ``decode_swap`` on 32 rows of 2 warps and 64 kept values
-  per step, which Triton compiles to the warp-synchronous ``mma`` instead of the warpgroup's
-  asynchronous ``wgmma`` (the H100 and H200 sweeps covered only 64 and 128 rows, all wgmma). The wgmma
-  decode ran at 1.8 TB/s on the H200 where its loop's instructions alone would allow about 6: bound
-  by latency, with at most one wgmma group in flight per warpgroup (``WARPGROUP.DEPBAR.LE gsb0, 0x1``
-  in its sm_90a loop) and 2 programs per SM. As compiled for sm_90a
-  (``scripts/results/kernel_compile_sm90.json``), 6 such programs (12 warps) reside per SM where the
-  default tile has 2 (8 warps), with about the same instruction ceiling (5.1–5.5 against 5.9–6.4 TB/s).
-  Not yet timed on a GPU; ``auto`` weighs it;
-- ``decode_swap_tma`` (2:4, 16-bit, 2–64 tokens): ``decode_swap`` (3 tiles in flight) with its weight's tiles
-  copied by Hopper's Tensor Memory Accelerator (tensor descriptors), not by every thread's 16-byte
-  asynchronous copies. At 2–16 tokens the 2:4 decodes took the H100's time on the H200 (4096×14336, 2
-  tokens: 34.6 against 34.7 µs) where cuBLAS, whose loads are bulk copies, sped up with the H200's 1.4×
-  bandwidth (32.7 against 46.1): what the threads' copies keep in flight per SM may be what binds them.
-  Compiled for sm_90a no thread holds the copies' addresses: 126 registers against 200 and 3 programs
-  per SM against 2, with the same loop (665 instructions against 669 at 16 tokens,
-  ``kernel_compile_sm90.json``). At 32–64 tokens a step copies 64 kept values per row (the descriptors'
-  16 bytes of position words), twice ``decode_swap``'s step there (``nm_decode.DOT_TILES_SWAP_TMA``). Not yet
-  timed on a GPU; ``auto`` weighs it where the descriptors can read the weight (rows of a multiple of 16
-  bytes, values of the inputs' dtype), and named elsewhere it runs ``decode_swap``;
-- ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
-  registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
-  the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
-  128 weight rows per program, so each input tile read from L2 serves twice the rows
-  (``nm_gemm.GEMM_TILES_SWAP_TALL`` says why);
-- ``scratch`` (any device): ``W_p`` decompressed into one scratch buffer shared by every layer of
-  that device and dtype, then a dense matmul (cuBLAS on the GPU);
-- ``scratch_mapped`` (CUDA, a mapped layer, from 17 tokens): the weight decompressed into that scratch
-  in the input's *original* order (``kernels/nm_gemm.py``'s ``nm_decompress_mapped_into``), then a
-  dense matmul of the input as it is: no gathered copy of a prompt's activation is made or read;
-- ``gather`` / ``group``: the first Triton kernels (``kernels/nm_matmul.py``), kept as candidates;
-- ``semi_structured`` / ``semi_cutlass``: PyTorch's 2:4 tensors; ``cslt``: cuSPARSELt called directly
-  (Hopper's sparse tensor cores), its algorithm and split-K searched once per token count and the
-  output's transpose fused. On a layer in the export's layout they hold their own compressed copy,
-  so only an explicit ``policy`` runs them (benchmarks). After :meth:`SparseLinear.use_cslt_layout`
-  the layer's one buffer *is* cuSPARSELt's (``deploy/cslt_layout.py``): the decode kernels read it
-  and ``auto`` times ``cslt`` on it from 17 tokens.
-
-``policy="auto"``: on the CPU ``scratch``; on CUDA the first call of each token-count bucket
-(1, 2, 4, … tokens) checks the applicable candidates' outputs against PyTorch's (dropping one that
-disagrees), times them, each as a CUDA graph of repeated calls (so the host's launch cost, which
-graphs remove, does not decide) that cycle through copies of the weight larger together than the L2
-(so each call reads its weight from DRAM, as a model's layers do: one 2:4 weight of a 7B model fits
-in an H100's L2, and timed alone it is read from there), and keeps the fastest
-(``self.choices``); a first call made during a graph capture takes :func:`default_choice`. Where
-that is one whose eager call costs more than its replay (``EAGER_CHECKED``: PyTorch builds
-cuSPARSELt's plan on every ``_cslt_sparse_mm`` call before its 2026 fix, about half a millisecond on an
-H100; the TMA-fed decodes make two tensor descriptors per call, which the launcher encodes at each
-launch), it is timed eagerly against the fastest other candidate too, and calls outside a capture run
-the eager winner (``self.eager_choices``): a model served with CUDA graphs prefills on the sparse
-tensor cores, and one run eagerly (``generate`` without graphs) does not pay the plan, or the
-descriptors, per call. The
-choices are shared by every layer of the same shape, pattern, bias and map span (none, a map within
-blocks of 64 columns as ``prune`` makes, one over all columns: ``input_gather.map_span``, since how far
-the map jumps decides what reading through it costs) on that device and dtype, so a 32-block model
-measures each kind of layer once, not 32 times (``release_choices`` forgets them).
-On Hopper and later the two fastest Triton kernels of the word layout (decode and GEMM) are timed
-once more launched as programmatic dependents (``decode+pdl``, ``gemm_swap+pdl`` and so on,
-``kernels/overlap.py``: each call's kernels start while the previous call's end and prefetch the
-first part of their weight into L2; a mapped input's gather is then the Triton gather that lets the
-kernel start early, not ``index_select``), and the fastest of all is kept (a plain launch on a tie).
+The layer holds its weight and index map, knows which implementations can run it for an input
+(:meth:`SparseLinear.candidates`; the implementations and their kernel options are :mod:`.impls`) and
+runs one (:meth:`SparseLinear.run`): its ``policy``, or under ``policy="auto"`` the one
+:mod:`.auto_choice` measured fastest for this kind of layer and token count (on the CPU ``scratch``).
+Under ``torch.compile`` the layer is one opaque operator (:func:`sparse_linear_op`).
 """
 from __future__ import annotations
 
 import itertools
-import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shuffleprune.deploy import auto_choice
 from shuffleprune.deploy.format import decompress, meta_bits
-from shuffleprune.deploy.input_gather import gather_input, map_span, release_gather_choices, token_bucket
-from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
-
-LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
-# nm_gemm's options per prompt policy (on the gathered input): the weight as the MMA's B operand, as its A
-# operand, and as A over 128 rows per program
-GEMM_KERNELS = {"gemm": {}, "gemm_swap": {"weight_a": True}, "gemm_swap_tall": {"weight_a": True, "tall": True}}
-IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
-         "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
-         "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", *GEMM_KERNELS,
-         "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
-# candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
-# cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
-# TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
-# the plain decode's 24.8 µs of host time per 16-token call, the launch recorded, not run) and the launcher
-# encodes them at each launch
-EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma")
-GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
-GATHER_MAX_TOKENS = 16
-# decode_mapped is timed up to this many tokens: above it the word gather holds the weight-as-A tiles to
-# fewer programs per SM than decode_plan sizes split-K for (2 where DOT_TILES_SWAP says 4 at 64 tokens, as
-# compiled), and on an H100 the in-kernel map ran 5.6–7.5× slower than the gathered input at 64 tokens
-MAPPED_MAX_TOKENS = 16
-# the select loop's other tiles (``_tall``: 32 rows per program; ``_wide``: 256 kept values per step), each
-# on the gathered input and reading the map itself, which auto weighs up to these token counts (the module
-# docstring says why)
-DECODE_KERNELS_TILE = {"tall": {"block_r": 32}, "wide": {"block_k": 256}}
-# policies auto no longer weighs (still run when named): on an H100 (2026-11-27, bench_kernel.json, 126 auto rows)
-# neither was ever picked; decode_offsets ran 5–14 % slower than decode_mapped under the same block map at 1–2
-# tokens on all six shapes and within 1.6 % either way at 4–16, decode_tall within 1 % of the default tile at best
-NOT_WEIGHED = ("decode_tall", "decode_offsets")
-# the most tokens auto weighs these at (and bench_kernel times them at; decode_resident: nm_resident's own limit)
-TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1,
-                   "decode_mapped_by_value": 2, "decode_resident": 2, "decode_resident_tma": 2,
-                   "decode_swap_narrow": 16, "decode_swap_sync": 16,
-                   "decode_swap_tma": 64}
-SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync")   # decode_swap's other tiles: 2:4, 16-bit, 2-16 tokens
-# nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
-# decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
-# tensor-core form whose gather the pipeline copies ahead)
-DECODE_KERNELS = {"decode": {}, "decode_shallow": {"stages": 3}, "decode_mapped": {"weight_a": True},
-                  "decode_mapped_by_value": {"weight_a": True, "by_group": False},
-                  "decode_offsets": {"weight_a": True},
-                  "decode_select": {"use_dot": False},
-                  "decode_swap": {"use_dot": True, "weight_a": True},
-                  "decode_swap_narrow": {"use_dot": True, "weight_a": True, "block_k": 64, "stages": 3},
-                  "decode_swap_sync": {"use_dot": True, "weight_a": True, "block_r": 32, "num_warps": 2, "block_k": 64},
-                  "decode_swap_tma": {"use_dot": True, "weight_a": True, "stages": 3, "tma": True},
-                  **{f"{name}_{shape}": {**DECODE_KERNELS_TILE[shape], **kw}
-                     for name, kw in (("decode", {}), ("decode_mapped", {"weight_a": True}))
-                     for shape in ("tall", "wide")}}
-# the decodes that read the index map themselves (the others read the gathered input)
-MAPPED_DECODES = (*(name for name in DECODE_KERNELS if name.startswith("decode_mapped")), "decode_offsets")
-# the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
-# programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
-# prefetching its weight (kernels/overlap.py)
-PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", *GEMM_KERNELS)
-PDL_SUFFIX = "+pdl"
-PDL_RETIMED = 2   # the fastest of PDL_KERNELS auto times again launched so (the order may change: a separate
-                  # gather's launch is what a dependent launch hides best)
-PDL_RETIME_WITHIN = 1.3   # and any other of them within this factor of the fastest candidate: on an H100 (2026-11-27,
-                          # bench_kernel.json) a dependent launch made a decode up to 1.24× faster, and the winners
-                          # at 2 tokens (1024×4096: decode 9.2 → 7.4 µs; 4096×4096: decode_swap 16.0 → 13.9) were
-                          # 3rd–5th without it, so the two fastest alone missed them
-COLD_L2 = 2.5     # auto times each candidate over copies of the weight that together exceed the L2 this many
-                  # times, so no call finds its weight there (in a model every layer's weight comes from DRAM)
+from shuffleprune.deploy.impls import (DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS, GEMM_MIN_TOKENS, IMPLS,
+                                       MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED, PDL_SUFFIX, SWAP_TILES,
+                                       TILE_MAX_TOKENS, default_choice, known_policy, split_pdl)
+from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
+from shuffleprune.deploy.shared_input import SharedGather
+from shuffleprune.runtime import capturing, outside_graph_pools
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-_CHOICES: dict[tuple, tuple[str, str]] = {}   # (device, dtype, rows, cols, N, M, map span, bias?, tiled?, bucket)
-                                              # → (implementation in a CUDA graph, implementation eagerly)
 
 
 def scratch_buffer(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -225,65 +50,13 @@ def release_scratch() -> None:
     _SCRATCH.clear()
 
 
-_CSLT_CONFIGS: dict[tuple, tuple[int, ...]] = {}   # (device, dtype, rows, cols, bias?, tokens) → cslt_search's
-                                                   # configuration: one search per kind of layer, as _CHOICES
-
-
-def release_choices() -> None:
-    """Forget the implementations ``auto`` measured, cuSPARSELt's searched configurations and the input
-    gathers' measured orders (the next call of each kind of layer measures again)."""
-    _CHOICES.clear()
-    _CSLT_CONFIGS.clear()
-    release_gather_choices()
-
-
-class InputShared:
-    """A tensor computed once from an input and shared by ``members`` readers while the input is the
-    same object, unmodified; let go once every member has read it (0 members: kept until the next
-    input), so no cache outlives its use (peak memory; a CUDA graph pool's tensors held by Python
-    state are what ``torch.compile``'s CUDA graphs refuse)."""
-
-    def __init__(self, members: int = 0) -> None:
-        self.members = members
-        self.release()
-
-    def get(self, x: torch.Tensor, reader: int, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``compute(x)``, computed at the first read of ``x`` (``reader``: who reads, by id)."""
-        if x is not self._source or x._version != self._version:   # held, so its memory cannot be reused
-            self._source, self._version, self._value, self._readers = x, x._version, compute(x), set()
-        value = self._value
-        self._readers.add(reader)
-        if len(self._readers) == self.members:   # every member has read it
-            self.release()
-        return value
-
-    def release(self) -> None:
-        """Let go of the input and the computed tensor."""
-        self._source: torch.Tensor | None = None
-        self._version = -1
-        self._value: torch.Tensor | None = None
-        self._readers: set[int] = set()
-
-
-class SharedGather(InputShared):
-    """One gathered input ``x[..., perm]`` shared by the layers of a group that read the same input
-    through the same index map (q/k/v, gate/up): the first layer gathers (:meth:`get` with its gather),
-    the others reuse it while the input tensor is the same object, unmodified. Layers join with
-    :meth:`join`."""
-
-    def join(self) -> "SharedGather":
-        """Count one more layer reading through this gather; returns it."""
-        self.members += 1
-        return self
-
-
 class SparseLinear(nn.Module):
     """A compressed N:M linear layer with an optional input index map."""
 
     def __init__(self, values: torch.Tensor, meta: torch.Tensor, in_features: int, n: int, m: int,
                  perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, policy: str = "auto"):
         super().__init__()
-        if policy != "auto" and policy not in IMPLS and split_pdl(policy)[0] not in PDL_KERNELS:
+        if not known_policy(policy):
             raise ValueError(f"unknown SparseLinear policy {policy!r}; use auto or one of {', '.join(IMPLS)} "
                              f"(a decode or gemm one may end in {PDL_SUFFIX})")
         self.in_features, self.out_features = in_features, values.shape[0]
@@ -488,7 +261,9 @@ class SparseLinear(nn.Module):
                                       tiled=self.tiled)
         return decompress(self.values, self.export_meta(), self.n, self.m, self.in_features, out=buf)
 
-    def _run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
+    def run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., perm] @ W_pᵀ + b`` by implementation ``impl`` (one of ``IMPLS``, perhaps ``+pdl``;
+        one that does not apply to this input runs its nearest that does, as each branch says)."""
         impl, pdl = split_pdl(impl)
         if impl in ("decode_resident", "decode_resident_tma"):   # reads the map itself, once per program
             from shuffleprune.kernels.nm_resident import nm_decode_resident, resident_applies
@@ -537,11 +312,8 @@ class SparseLinear(nn.Module):
 
     def _cslt(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., perm] @ W_pᵀ + b`` by cuSPARSELt with the configuration its search finds fastest for
-        this shape and token count, searched eagerly at the first call of each (``_CSLT_CONFIGS``,
-        shared by every layer of that shape: ``auto`` measures one of them, and the others' first
-        call may be inside a CUDA graph capture, where nothing is searched and cuSPARSELt's default
-        configuration runs): on the layer's own buffer after :meth:`use_cslt_layout`, else on a
-        compressed copy made at the first call."""
+        this kind of layer and token count (:func:`.auto_choice.cslt_config`): on the layer's own buffer
+        after :meth:`use_cslt_layout`, else on a compressed copy made at the first call."""
         if self.tiled:
             packed = self._packed_buffer()
         else:
@@ -550,10 +322,7 @@ class SparseLinear(nn.Module):
             packed = self._semi["cslt"]
         xg = self._gathered(x)
         xt = xg.reshape(-1, xg.shape[-1]).t()   # [C, T]: cuSPARSELt multiplies the sparse matrix from the left
-        key = (str(xt.device), xt.dtype, self.out_features, self.in_features, self.bias is not None, xt.shape[1])
-        config = _CSLT_CONFIGS.get(key)
-        if config is None:
-            config = () if capturing(xt) else _CSLT_CONFIGS.setdefault(key, cslt_search(packed, xt, self.bias))
+        config = auto_choice.cslt_config(packed, xt, self.bias, self.out_features)
         y = torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True, *config)
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -566,7 +335,9 @@ class SparseLinear(nn.Module):
         return tma_applies(x, self.values, self.words(), self.n, self.m, self.tiled) and \
             (not resident or self.values.shape[1] >= 64)
 
-    def _candidates(self, x: torch.Tensor) -> list[str]:
+    def candidates(self, x: torch.Tensor) -> list[str]:
+        """The implementations ``auto`` weighs for this layer on ``x`` (its token count, dtype and device),
+        in the order it times them."""
         from shuffleprune.kernels.nm_decode import (SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, selects,
                                                     triton)
         from shuffleprune.kernels.nm_resident import resident_applies
@@ -616,51 +387,15 @@ class SparseLinear(nn.Module):
             out.append("gather")
         return [impl for impl in out if impl not in NOT_WEIGHED]
 
-    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., perm] @ W_pᵀ + b`` by PyTorch alone (``W_p`` decompressed into the shared scratch, no
         Triton kernel): what ``auto`` checks each candidate's output against before timing it."""
         buf = scratch_buffer(self.out_features * self.in_features, self.values.device, self.values.dtype)
         w = decompress(self.values, self.export_meta(), self.n, self.m, self.in_features, out=buf)
         return F.linear(self._gathered(x), w, self.bias)
 
-    def _measure(self, x: torch.Tensor, candidates: list[str], calls: int = 10,
-                 reps: int = 5) -> tuple[str, str]:
-        """The fastest candidate on ``x`` in a CUDA graph and eagerly: each is compiled and run eagerly,
-        its output checked against :meth:`_reference` (one that disagrees — a kernel miscompiled or
-        racing on this GPU — is dropped with a warning), then at least ``calls`` calls, each on the
-        next of :meth:`_weight_copies` (the weight read from DRAM, as in a model, not from L2), are
-        captured in one CUDA graph whose replays are timed (median of ``reps``), as a model served
-        with CUDA graphs runs them; a candidate that cannot be captured is timed eagerly. The graph's
-        winner serves eager calls too unless it is in ``EAGER_CHECKED``: then it and the fastest other
-        candidate are timed eagerly and the faster serves them. The shared gather is bypassed, so
-        ``decode`` pays for its own gather."""
-        fallback = default_choice(candidates)   # what runs if no candidate is timed
-        timed: dict[str, float] = {}
-        with self._own_gather():
-            ref = self._reference(x)
-            weights = self._weight_copies()
-            for impl in candidates:
-                try:
-                    if not self._agrees(impl, x, ref):
-                        if fallback == impl:
-                            fallback = "scratch"
-                        continue
-                    timed[impl] = self._graph_ms(impl, x, weights, calls, reps)[0]
-                except candidate_errors():  # e.g. a tile that does not fit this GPU's shared memory
-                    continue
-            if overlap_enabled(x) and timed:   # the fastest Triton kernels again, as programmatic dependents
-                for impl in pdl_retimed(timed):
-                    self._time_pdl(x, ref, impl, timed, weights, calls, reps)
-            best = min(timed, key=timed.__getitem__) if timed else fallback   # the first of a tie, as before
-            eager = best
-            others = sorted((impl for impl in timed if split_pdl(impl)[0] not in EAGER_CHECKED),
-                            key=timed.__getitem__)
-            if split_pdl(best)[0] in EAGER_CHECKED and others:
-                eager = faster_eagerly([best, others[0]], lambda impl: self._run(impl, x), calls, reps)
-        return best, eager
-
     @contextmanager
-    def _own_gather(self) -> Iterator[None]:
+    def own_gather(self) -> Iterator[None]:
         """Inside: the layer gathers its input itself, the group's shared gather left as it was."""
         shared, self.shared_gather = self.shared_gather, None
         try:
@@ -668,22 +403,15 @@ class SparseLinear(nn.Module):
         finally:
             self.shared_gather = shared
 
-    def _weight_copies(self) -> list[tuple]:
-        """The layer's weight (:meth:`_own_weight`) and copies of it, :func:`timing_copies` in all on a
-        CUDA device: the weights :meth:`_graph_ms` cycles through."""
+    def weight_copies(self, count: int) -> list[tuple]:
+        """The layer's weight (:meth:`_own_weight`) and ``count - 1`` copies of it, each in :meth:`run_on`'s
+        form: what ``auto``'s timing cycles through (:func:`.auto_choice.weight_copies`)."""
         if self.tiled:
             self._packed_buffer()   # made again first where .to() copied values and meta apart
-        weights = [self._own_weight()]
-        if not self.values.is_cuda:
-            return weights
-        from shuffleprune.kernels.gpu import l2_bytes
-
-        count = timing_copies(self.values.nbytes + self.meta.nbytes, l2_bytes(self.values.device),
-                              torch.cuda.mem_get_info(self.values.device)[0])
-        return weights + [self._weight_copy() for _ in range(count - 1)]
+        return [self._own_weight()] + [self._weight_copy() for _ in range(count - 1)]
 
     def _weight_copy(self) -> tuple:
-        """A copy of the layer's weight in :meth:`_run_on`'s form (the same layout, new memory)."""
+        """A copy of the layer's weight in :meth:`run_on`'s form (the same layout, new memory)."""
         if self.tiled:
             from shuffleprune.deploy.cslt_layout import split_buffer
 
@@ -692,51 +420,19 @@ class SparseLinear(nn.Module):
         return self.values.clone(), self.meta.clone(), None, None
 
     def _own_weight(self) -> tuple:
-        """The layer's weight in :meth:`_run_on`'s form: ``values``, ``meta``, the cuSPARSELt buffer and
+        """The layer's weight in :meth:`run_on`'s form: ``values``, ``meta``, the cuSPARSELt buffer and
         the position words."""
         return self.values, self.meta, self._packed, self._words
 
-    def _run_on(self, weight: tuple, impl: str, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`_run` with the layer's weight swapped for ``weight`` (one of :meth:`_weight_copies`) for
+    def run_on(self, weight: tuple, impl: str, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` with the layer's weight swapped for ``weight`` (one of :meth:`weight_copies`) for
         the call (a CUDA graph captured meanwhile reads that copy at every replay)."""
         own = self._own_weight()
         self.values, self.meta, self._packed, self._words = weight
         try:
-            return self._run(impl, x)
+            return self.run(impl, x)
         finally:
             self.values, self.meta, self._packed, self._words = own
-
-    def _time_pdl(self, x: torch.Tensor, ref: torch.Tensor, impl: str, timed: dict[str, float],
-                  weights: list[tuple], calls: int, reps: int) -> None:
-        """Add ``impl`` launched as a programmatic dependent (:data:`PDL_SUFFIX`) to ``timed`` where its
-        output agrees and it can be captured in a CUDA graph: that graph's time (:meth:`_graph_ms`), each
-        call's kernels starting while the previous call's end, as a model's layers do."""
-        pdl = impl + PDL_SUFFIX
-        try:
-            if self._agrees(pdl, x, ref):
-                ms, how = self._graph_ms(pdl, x, weights, calls, reps)
-                if how == "cuda_graph":
-                    timed[pdl] = ms
-        except candidate_errors():
-            pass
-
-    def _agrees(self, impl: str, x: torch.Tensor, ref: torch.Tensor) -> bool:
-        """Whether ``impl``'s output on ``x`` (compiled and run eagerly) is within :data:`AGREE_RTOL` of
-        ``ref``; a warning where it is not (a kernel miscompiled or racing on this GPU)."""
-        error = relative_error(self._run(impl, x), ref)
-        if error <= AGREE_RTOL:
-            return True
-        warnings.warn(f"SparseLinear {self.out_features}x{self.in_features}: {impl} is off by {error:.3g} of the "
-                      "output's scale on this device; not used", RuntimeWarning, stacklevel=3)
-        return False
-
-    def _graph_ms(self, impl: str, x: torch.Tensor, weights: list[tuple], calls: int,
-                  reps: int) -> tuple[float, str]:
-        """Milliseconds per call of ``impl`` on ``x``: at least ``calls`` calls in one CUDA graph, in turn
-        on each of ``weights`` (:meth:`_weight_copies`), median of ``reps`` replays (eagerly timed where
-        it cannot be captured), and how (:func:`cuda_graph_ms`)."""
-        turns = [weights[i % len(weights)] for i in range(max(calls, len(weights)))]
-        return cuda_graph_ms([lambda w=w: self._run_on(w, impl, x) for w in turns], reps, warm=3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():   # one opaque op in the graph; this eager forward runs inside it
@@ -758,10 +454,10 @@ class SparseLinear(nn.Module):
             if y is not None:
                 return y
         if self.policy != "auto":  # an explicit choice (tests and benchmarks), on any device
-            return self._run(self.policy, x)
+            return self.run(self.policy, x)
         if not x.is_cuda:
-            return self._run("scratch", x)
-        return self._run(self._choice(x), x)
+            return self.run("scratch", x)
+        return self.run(self._choice(x), x)
 
     def _choice(self, x: torch.Tensor) -> str:
         """The implementation of this token-count bucket, inside a CUDA graph capture or outside one:
@@ -771,12 +467,8 @@ class SparseLinear(nn.Module):
         in_graph = capturing(x)
         if bucket not in self.choices:
             if in_graph:  # nothing can be timed in a capture
-                return default_choice(self._candidates(x))
-            key = (str(x.device), x.dtype, self.out_features, self.in_features, self.n, self.m,
-                   self.map_span, self.bias is not None, self.tiled, bucket)
-            if key not in _CHOICES:   # off any CUDA graph pool: the shared scratch it allocates is kept
-                _CHOICES[key] = outside_graph_pools(lambda: self._measure(x, self._candidates(x)), x)
-            self.choices[bucket], self.eager_choices[bucket] = _CHOICES[key]
+                return default_choice(self.candidates(x))
+            self.choices[bucket], self.eager_choices[bucket] = auto_choice.measured_choice(self, x, bucket)
             if self.choices[bucket] != self.eager_choices[bucket]:
                 self._prepare_for_capture(self.choices[bucket], x)
         return (self.choices if in_graph else self.eager_choices)[bucket]
@@ -789,8 +481,8 @@ class SparseLinear(nn.Module):
         cuSPARSELt could not be captured at all (cuSPARSELt's handle made inside the capture, refused in
         the "global" and "thread_local" capture modes; ``scripts/capture_probe.py``). What the run builds
         and keeps (cuSPARSELt's buffer, a compressed copy) is built off any graph pool, as always."""
-        with self._own_gather():
-            self._run(impl, x)
+        with self.own_gather():
+            self.run(impl, x)
 
 
 _KEYS = itertools.count()
@@ -815,76 +507,7 @@ def _sparse_linear_shape(x: torch.Tensor, key: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], _LAYERS[key].out_features))
 
 
-AGREE_RTOL = 2e-2   # auto drops a candidate whose largest error exceeds this share of the output's largest magnitude
-                    # (16-bit rounding gives at most about 5e-3: scripts/results/bench_kernel.json's max_rel_err)
-
-
-def pdl_retimed(timed: dict[str, float]) -> list[str]:
-    """The candidates of ``timed`` (ms each) that ``auto`` times again as programmatic dependents: the
-    :data:`PDL_RETIMED` fastest of :data:`PDL_KERNELS`, and every other one within
-    :data:`PDL_RETIME_WITHIN` of the fastest candidate of all, fastest first."""
-    fastest = min(timed.values())
-    kernels = sorted((impl for impl in timed if impl in PDL_KERNELS), key=timed.__getitem__)
-    near = [impl for impl in kernels[PDL_RETIMED:] if timed[impl] <= PDL_RETIME_WITHIN * fastest]
-    return kernels[:PDL_RETIMED] + near
-
-
-def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """The largest absolute difference over the largest magnitude of ``ref`` (``inf`` for a shape
-    mismatch or a non-finite value)."""
-    if y.shape != ref.shape:
-        return float("inf")
-    diff = (y.float() - ref.float()).abs().max()
-    return float(diff / ref.float().abs().max().clamp_min(torch.finfo(torch.float32).tiny))
-
-
-def cslt_search(packed: torch.Tensor, xt: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
-    """cuSPARSELt's fastest configuration for ``packed @ xt`` (output transposed): ``(alg_id, split_k,
-    split_k_mode)`` from ``torch._C._cusparselt.mm_search``, the trailing arguments of
-    ``torch._cslt_sparse_mm``. PyTorch builds without it have only the deprecated search, which
-    returns the algorithm alone and runs it unsplit (``split_k = 1``)."""
-    search = getattr(getattr(torch._C, "_cusparselt", None), "mm_search", None)
-    if search is None:
-        return (int(torch._cslt_sparse_mm_search(packed, xt, bias, transpose_result=True)),)
-    alg_id, split_k, split_k_mode, _ = search(packed, xt, bias, None, None, True)
-    return int(alg_id), int(split_k), int(split_k_mode)
-
-
 def use_cslt_layout(model: nn.Module) -> list[str]:
     """:meth:`SparseLinear.use_cslt_layout` on every sparse layer of ``model`` that is not stacked and can
     take it (in place); returns their names. Run it before ``fuse_shared_inputs``, where the model lives."""
     return [name for name, mod in model.named_modules() if isinstance(mod, SparseLinear) and mod.use_cslt_layout()]
-
-
-def timing_copies(weight_bytes: int, l2_bytes: int, free_bytes: int) -> int:
-    """How many weights of ``weight_bytes`` ``auto``'s timing cycles through (the layer's own and
-    copies): together more than :data:`COLD_L2` times the L2, at most 64; only the layer's own where
-    it alone is that large or the copies would leave less than 256 MiB of the device's
-    ``free_bytes`` (it is then timed partly from L2)."""
-    count = min(64, -(-int(COLD_L2 * l2_bytes) // weight_bytes))
-    return 1 if count <= 1 or (count - 1) * weight_bytes + 2**28 > free_bytes else count
-
-
-def faster_eagerly(impls: list[str], run, calls: int, reps: int) -> str:
-    """The one of ``impls`` whose ``calls`` calls of ``run(impl)`` take least time run eagerly (the
-    host's launches and any per-call setup counted; the first of a tie)."""
-    times = {impl: eager_ms([lambda impl=impl: run(impl)] * calls, reps) for impl in impls}
-    return min(impls, key=times.__getitem__)
-
-
-def split_pdl(impl: str) -> tuple[str, bool]:
-    """``(implementation, launched as a programmatic dependent)`` of an implementation's name."""
-    return impl.removesuffix(PDL_SUFFIX), impl.endswith(PDL_SUFFIX)
-
-
-def overlap_enabled(x: torch.Tensor) -> bool:
-    """Whether the decode kernels may launch as programmatic dependents on ``x``'s device (Hopper on)."""
-    from shuffleprune.kernels.overlap import enabled
-
-    return enabled(x)
-
-
-def default_choice(candidates: list[str]) -> str:
-    """What ``auto`` runs where it cannot measure: the decode kernel where it applies, else the
-    shared scratch (the fastest on an H100: ``scripts/results/bench_kernel.json``)."""
-    return "decode" if "decode" in candidates else "scratch"
