@@ -14,5 +14,9 @@ demo: setup
 		--seed 0 --eval-text brown --eval-ctx 512 --eval-tokens 32768 --out out/smollm2-wanda-2of4 --overwrite \
 		--export out/smollm2-wanda-2of4-deployed
 
+# the suite across the machine's cores (pytest-xdist: at most 4 workers, as each holds its own torch; 0 on one
+# core, which runs it in one process)
+TEST_WORKERS ?= $(shell python3 -c "import os; n = len(os.sched_getaffinity(0)); print(min(4, n) if n > 1 else 0)")
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)

@@ -14,6 +14,13 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 if not torch.cuda.is_available():  # Triton kernels run on the CPU through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:  # pytest-xdist (the Makefile's test): the machine's cores shared out among its workers, the
+    # command-line runs a test starts too, rather than each worker's threads contending for all of them
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
 WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which "
          "but have an they you were her she there been one all we their has would when if so no will "
          "what up out more can about into than them only other time new some could these two may first "
