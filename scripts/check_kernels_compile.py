@@ -2,6 +2,7 @@
 
     python scripts/check_kernels_compile.py           # issue 24's shapes → scripts/results/kernel_compile_sm90.json
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
+    python scripts/check_kernels_compile.py --jobs 2  # the same table, compiled in two processes
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
 map, at one token also with its pipeline a stage shallower (``decode_shallow``) and in the select loop's 32-row and 256-value tiles (``decode_tall``, ``decode_wide``, ``decode_mapped_tall``, ``decode_mapped_wide``; the gathered 256-value one at two tokens too), the select loop by kept value instead of by 2:4 group through the map at 1–2 tokens (``decode_mapped_by_value``), the resident-input decode (``decode_resident``, 1–2 tokens through the map, one token without; ``decode_resident_tma``: its weight tiles copied by the Tensor Memory Accelerator), the weight-as-A decode on the gathered input and reading the map itself (and with its weight tiles copied by the Tensor Memory Accelerator, ``decode_swap_tma``) (and a 64-column block map as 1-byte offsets), ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
@@ -278,21 +279,13 @@ def gemm_share_and_l2_rate(row: dict) -> tuple[float, float]:
     return round(ideal / cycles, 2), round(operands / (cycles / (H100.clock_ghz * 1e9)) / 1e12, 2)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the first shape only (what the tests check)")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "kernel_compile_sm90.json"))
-    args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
-
+def compile_cases(indexed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """Compile each ``(index, case)`` for the H100 and report its launches: ``(index, row)`` pairs, a
+    case that fails to compile one row with its error."""
     from shuffleprune.kernels.compile_check import H100, compile_only, report
-    from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, versions
 
-    rows, failed = [], 0
-    t0 = time.time()
-    for case in cases(args.quick):
+    rows: list[tuple[int, dict]] = []
+    for index, case in indexed:
         label = {"impl": case["impl"] + ("_tiled" if case.get("tiled") else ""), "shape": list(case["shape"]),
                  "tokens": case["tokens"], "dtype": case.get("dtype", "bfloat16"),
                  "pattern": "{}:{}".format(*case.get("pattern", (2, 4)))}
@@ -304,10 +297,10 @@ def main() -> None:
                     continue
                 row = {**label, **report(launch, H100)}
                 if launch.kernel == "_gather_columns_kernel":   # a "_pdl" case's gather before its decode
-                    rows.append({**row, "impl": "gather_columns_pdl"})
+                    rows.append((index, {**row, "impl": "gather_columns_pdl"}))
                     continue
                 if launch.kernel == "_gather_pairs_kernel":   # mapped experts: the pairs' gather before the kernel
-                    rows.append({**row, "impl": "gather_pairs"})
+                    rows.append((index, {**row, "impl": "gather_pairs"}))
                     continue
                 if case["impl"].startswith(("decode", "experts")):
                     row["issue_ceiling_tbs"] = decode_issue_ceiling(row, case)
@@ -320,11 +313,10 @@ def main() -> None:
 
                     table = gemm_tiles(**GEMM_KERNELS[case["impl"].removesuffix("_tile")])
                     row["table_loop"], row["table_per_sm"] = table[case["pattern"]][case["tile"]][1:]
-                rows.append(row)
+                rows.append((index, row))
         except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a result, recorded
-            failed += 1
-            rows.append({**label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"})
-        r = rows[-1]
+            rows.append((index, {**label, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}))
+        r = rows[-1][1]
         print(f"{r['impl']:>14} {r['dtype']:>8} {r['pattern']} {str(tuple(r['shape'])):>14} t={r['tokens']:<5}"
               + (f" ERROR {r['error']}" if "error" in r else
                  f" regs {r['registers']:3d} spill {r['spill_bytes']:4d} smem {r['shared_bytes']:6d} "
@@ -332,6 +324,53 @@ def main() -> None:
                  f"evict_first {r['evict_first']} async {r['async_copies']} tc {r['tensor_core']} "
                  f"loop {r['loop_instructions']} (LDG {r['loop_sync_loads']}) ceiling {r.get('issue_ceiling_tbs')} tensor {r.get('tensor_share')} "
                  f"L2 {r.get('l2_operand_tbs')}"), flush=True)
+    return rows
+
+
+def compile_in_processes(indexed: list[tuple[int, dict]], jobs: int, quick: bool) -> list[tuple[int, dict]]:
+    """:func:`compile_cases` over ``jobs`` processes, each compiling every ``jobs``-th case (``--shard``);
+    their ``(index, row)`` pairs, each shard's written to a file of its own and read back."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for shard in range(jobs):
+            out = Path(tmp) / f"shard{shard}.json"
+            cmd = [sys.executable, __file__, "--shard", f"{shard}/{jobs}", "--out", str(out), *(["--quick"] if quick else [])]
+            procs.append((subprocess.Popen(cmd), out))
+        rows: list[tuple[int, dict]] = []
+        for proc, out in procs:
+            if proc.wait() != 0 and not out.is_file():
+                raise SystemExit(f"a compile shard failed before writing its rows ({' '.join(proc.args)})")
+            rows += [tuple(pair) for pair in json.loads(out.read_text())]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the first shape only (what the tests check)")
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "kernel_compile_sm90.json"))
+    ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes (the table is the same)")
+    ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)   # i/n: one of --jobs' processes
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+
+    from shuffleprune.kernels.compile_check import H100
+    from shuffleprune.outdir import atomic_write
+    from shuffleprune.runtime import machine, versions
+
+    indexed = list(enumerate(cases(args.quick)))
+    if args.shard:   # one process of --jobs: its cases' (index, row) pairs, for the parent to merge
+        shard, shards = map(int, args.shard.split("/"))
+        pairs = compile_cases(indexed[shard::shards])
+        Path(args.out).write_text(json.dumps(pairs))
+        return
+    t0 = time.time()
+    pairs = compile_in_processes(indexed, args.jobs, args.quick) if args.jobs > 1 else compile_cases(indexed)
+    rows = [row for _, row in sorted(pairs, key=lambda pair: pair[0])]   # case order (stable within a case)
+    failed = sum("error" in r for r in rows)
     summary = {
         "compiled": sum("error" not in r for r in rows), "failed": failed,
         "with_spills": sum(r.get("spill_bytes", 0) > 0 for r in rows),
