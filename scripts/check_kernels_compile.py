@@ -283,6 +283,7 @@ def compile_cases(indexed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
     """Compile each ``(index, case)`` for the H100 and report its launches: ``(index, row)`` pairs, a
     case that fails to compile one row with its error."""
     from shuffleprune.kernels.compile_check import H100, compile_only, report
+    from shuffleprune.kernels.nm_gemm import gemm_tiles
 
     rows: list[tuple[int, dict]] = []
     for index, case in indexed:
@@ -309,8 +310,6 @@ def compile_cases(indexed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
                 if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
                     row["tensor_share"], row["l2_operand_tbs"] = gemm_share_and_l2_rate(row)
                 if is_tile_case(case["impl"]):
-                    from shuffleprune.kernels.nm_gemm import gemm_tiles
-
                     table = gemm_tiles(**GEMM_KERNELS[case["impl"].removesuffix("_tile")])
                     row["table_loop"], row["table_per_sm"] = table[case["pattern"]][case["tile"]][1:]
                 rows.append((index, row))
@@ -327,24 +326,15 @@ def compile_cases(indexed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
     return rows
 
 
-def compile_in_processes(indexed: list[tuple[int, dict]], jobs: int, quick: bool) -> list[tuple[int, dict]]:
-    """:func:`compile_cases` over ``jobs`` processes, each compiling every ``jobs``-th case (``--shard``);
-    their ``(index, row)`` pairs, each shard's written to a file of its own and read back."""
-    import subprocess
-    import tempfile
+def compile_in_processes(indexed: list[tuple[int, dict]], jobs: int) -> list[tuple[int, dict]]:
+    """:func:`compile_cases` in ``jobs`` processes (each compiling every ``jobs``-th case), their
+    ``(index, row)`` pairs together."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for shard in range(jobs):
-            out = Path(tmp) / f"shard{shard}.json"
-            cmd = [sys.executable, __file__, "--shard", f"{shard}/{jobs}", "--out", str(out), *(["--quick"] if quick else [])]
-            procs.append((subprocess.Popen(cmd), out))
-        rows: list[tuple[int, dict]] = []
-        for proc, out in procs:
-            if proc.wait() != 0 and not out.is_file():
-                raise SystemExit(f"a compile shard failed before writing its rows ({' '.join(proc.args)})")
-            rows += [tuple(pair) for pair in json.loads(out.read_text())]
-    return rows
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        shards = pool.map(compile_cases, [indexed[shard::jobs] for shard in range(jobs)])
+        return [pair for shard in shards for pair in shard]
 
 
 def main() -> None:
@@ -352,7 +342,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the first shape only (what the tests check)")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "kernel_compile_sm90.json"))
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes (the table is the same)")
-    ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)   # i/n: one of --jobs' processes
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
@@ -361,14 +350,9 @@ def main() -> None:
     from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, versions
 
-    indexed = list(enumerate(cases(args.quick)))
-    if args.shard:   # one process of --jobs: its cases' (index, row) pairs, for the parent to merge
-        shard, shards = map(int, args.shard.split("/"))
-        pairs = compile_cases(indexed[shard::shards])
-        Path(args.out).write_text(json.dumps(pairs))
-        return
     t0 = time.time()
-    pairs = compile_in_processes(indexed, args.jobs, args.quick) if args.jobs > 1 else compile_cases(indexed)
+    indexed = list(enumerate(cases(args.quick)))
+    pairs = compile_in_processes(indexed, args.jobs) if args.jobs > 1 else compile_cases(indexed)
     rows = [row for _, row in sorted(pairs, key=lambda pair: pair[0])]   # case order (stable within a case)
     failed = sum("error" in r for r in rows)
     summary = {
