@@ -71,6 +71,9 @@
 #                                              # experts forward) against 2:4 experts with maps (~23 GB dense)
 #   bash scripts/gpu_run.sh e2e_moe_compile    # e2e_moe with each decode step by torch.compile(mode="reduce-overhead"):
 #                                              # the experts one operator each, the grouped kernel in the CUDA graph
+#   bash scripts/gpu_run.sh warm_start         # a new process's first prompt and decode step: cold (Triton compiles,
+#                                              # auto measures), auto measuring alone, auto's stored choices (a
+#                                              # restart), 2 LLaMA-2-7B-shaped layers (bench_warm_start.json)
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
 #   bash scripts/gpu_run.sh profile_swap       # the same on decode_swap, with its tiles by TMA, and cuBLAS at 16 tokens
 #                                              # (ncu_swap.txt: where their warps stall)
@@ -136,7 +139,8 @@ NEXT1=(e2e_compile tune_tma tune_tall)              # 280 + 150 + 150 s (e2e_com
                                                     # 63 GEMM timings)
 NEXT2=(moe_stacked profile_swap)                    # 300 + 3 × 90 s (profile_swap: Nsight Compute on decode_swap,
                                                     # the same with TMA copies, and cuBLAS at 16 tokens)
-NEXT3=(e2e_moe)                                     # 400 s (e2e_moe_compile, 420 s, a call of its own after it)
+NEXT3=(e2e_moe warm_start)                          # 400 + 190 s (e2e_moe_compile, 420 s, a call of its own after it;
+                                                    # warm_start: three processes, cold / measuring / stored choices)
 NEXT4=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
 NEXT5=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 54 and 55 s on 3616890)
 NEXT6=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
@@ -286,6 +290,7 @@ for s in "$@"; do
         moe) step moe 300 scripts/results/bench_moe.json $PY scripts/bench_moe.py ;;
         moe_stacked) step moe_stacked 300 scripts/results/bench_stacked_moe.json $PY scripts/bench_stacked_moe.py ;;
         e2e_moe) step e2e_moe 400 scripts/results/bench_e2e_mixtral.json $PY scripts/bench_e2e.py --arch mixtral ;;
+        warm_start) step warm_start 190 scripts/results/bench_warm_start.json $PY scripts/bench_warm_start.py ;;
         e2e_moe_compile) step e2e_moe_compile 420 scripts/results/bench_e2e_mixtral_compile.json $PY scripts/bench_e2e.py --arch mixtral --decode compile ;;
         *) echo "unknown step $s"; status=1 ;;
     esac

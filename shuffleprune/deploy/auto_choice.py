@@ -19,7 +19,9 @@ descriptors, per call. The
 choices are shared by every layer of the same shape, pattern, bias and map span (none, a map within
 blocks of 64 columns as ``prune`` makes, one over all columns: ``input_gather.map_span``, since how far
 the map jumps decides what reading through it costs) on that device and dtype, so a 32-block model
-measures each kind of layer once, not 32 times (:func:`release_choices` forgets them).
+measures each kind of layer once, not 32 times (:func:`release_choices` forgets them). Each answer is
+also written to :mod:`.choice_store` and read back by a later process on the same kind of GPU and code,
+which then measures only what it has not stored (or what names an implementation no longer weighed).
 On Hopper and later the two fastest Triton kernels of the word layout (decode and GEMM) are timed
 once more launched as programmatic dependents (``decode+pdl``, ``gemm_swap+pdl`` and so on,
 ``kernels/overlap.py``: each call's kernels start while the previous call's end and prefetch the
@@ -34,6 +36,7 @@ from typing import Protocol
 
 import torch
 
+from shuffleprune.deploy import choice_store
 from shuffleprune.deploy.impls import EAGER_CHECKED, PDL_KERNELS, PDL_SUFFIX, default_choice, split_pdl
 from shuffleprune.deploy.input_gather import release_gather_choices
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
@@ -80,7 +83,8 @@ _CSLT_CONFIGS: dict[tuple, tuple[int, ...]] = {}   # (device, dtype, rows, cols,
 
 def release_choices() -> None:
     """Forget the implementations ``auto`` measured, cuSPARSELt's searched configurations and the input
-    gathers' measured orders (the next call of each kind of layer measures again)."""
+    gathers' measured orders in this process (the next call of each kind of layer takes the stored answer
+    where :mod:`.choice_store` has one, else measures again)."""
     _CHOICES.clear()
     _CSLT_CONFIGS.clear()
     release_gather_choices()
@@ -93,8 +97,21 @@ def measured_choice(layer: SparseLinear, x: torch.Tensor, bucket: int) -> tuple[
     key = (str(x.device), x.dtype, layer.out_features, layer.in_features, layer.n, layer.m,
            layer.map_span, layer.bias is not None, layer.tiled, bucket)
     if key not in _CHOICES:
-        _CHOICES[key] = outside_graph_pools(lambda: measure(layer, x, layer.candidates(x)), x)
+        candidates = layer.candidates(x)
+        stored = choice_store.recall("layers", key)
+        if stored_applies(stored, candidates):
+            _CHOICES[key] = tuple(stored)
+        else:
+            _CHOICES[key] = outside_graph_pools(lambda: measure(layer, x, candidates), x)
+            choice_store.remember("layers", key, _CHOICES[key])
     return _CHOICES[key]
+
+
+def stored_applies(stored, candidates: list[str]) -> bool:
+    """Whether ``stored`` (:func:`.choice_store.recall`'s answer) is a pair of implementations this layer
+    weighs now (``+pdl`` launches of them too): one stored under other conditions is measured again."""
+    return (isinstance(stored, list) and len(stored) == 2 and all(isinstance(impl, str) for impl in stored)
+            and all(split_pdl(impl)[0] in candidates for impl in stored))
 
 
 def measure(layer: SparseLinear, x: torch.Tensor, candidates: list[str], calls: int = 10,
@@ -230,7 +247,14 @@ def cslt_config(packed: torch.Tensor, xt: torch.Tensor, bias: torch.Tensor | Non
     key = (str(xt.device), xt.dtype, rows, xt.shape[0], bias is not None, xt.shape[1])
     config = _CSLT_CONFIGS.get(key)
     if config is None:
-        config = () if capturing(xt) else _CSLT_CONFIGS.setdefault(key, cslt_search(packed, xt, bias))
+        stored = choice_store.recall("cslt", key)
+        if isinstance(stored, list) and len(stored) in (1, 3) and all(isinstance(i, int) for i in stored):
+            config = _CSLT_CONFIGS[key] = tuple(stored)
+        elif capturing(xt):
+            config = ()
+        else:
+            config = _CSLT_CONFIGS[key] = cslt_search(packed, xt, bias)
+            choice_store.remember("cslt", key, config)
     return config
 
 

@@ -23,6 +23,7 @@ import warnings
 
 import torch
 
+from shuffleprune.deploy import choice_store
 from shuffleprune.kernels.gpu import next_pow2
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, outside_graph_pools
 
@@ -113,9 +114,14 @@ def gather_order(x: torch.Tensor, perm: torch.Tensor, span: int | None = None) -
     key = (x.device, x.dtype, width, token_bucket(x.numel() // width if width else 0), span)
     order = _ORDERS.get(key)
     if order is None:
-        if capturing(x):
+        stored = choice_store.recall("gathers", key)
+        if isinstance(stored, list) and stored and set(stored) <= set(gather_ways(x)):
+            order = _ORDERS[key] = tuple(stored)
+        elif capturing(x):
             return ("index_select",)
-        order = _ORDERS[key] = outside_graph_pools(lambda: _measure(x, perm), x)
+        else:
+            order = _ORDERS[key] = outside_graph_pools(lambda: _measure(x, perm), x)
+            choice_store.remember("gathers", key, order)
     return order
 
 

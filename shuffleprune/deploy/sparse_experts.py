@@ -44,6 +44,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, experts_by_tensor, is_fused_experts
+from shuffleprune.deploy import choice_store
 from shuffleprune.deploy.format import check_compressed, check_index_map, compress, meta_bits
 from shuffleprune.deploy.input_gather import token_bucket
 from shuffleprune.deploy.auto_choice import AGREE_RTOL, relative_error
@@ -218,8 +219,13 @@ def experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: to
     key = (str(hidden_states.device), hidden_states.dtype, top_k_index.shape[-1], getattr(module, "has_bias", False),
            token_bucket(hidden_states.shape[0]), *(h.kind() for h in held))
     if key not in _MODE_CHOICES:   # off any CUDA graph pool, as SparseLinear measures (what it makes lazily is kept)
-        _MODE_CHOICES[key] = outside_graph_pools(
-            lambda: measure_experts_mode(module, hidden_states, top_k_index, top_k_weights), hidden_states)
+        stored = choice_store.recall("experts", key)
+        if stored in ("grouped", "loop"):
+            _MODE_CHOICES[key] = stored
+        else:
+            _MODE_CHOICES[key] = outside_graph_pools(
+                lambda: measure_experts_mode(module, hidden_states, top_k_index, top_k_weights), hidden_states)
+            choice_store.remember("experts", key, _MODE_CHOICES[key])
     return _MODE_CHOICES[key]
 
 
