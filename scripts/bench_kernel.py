@@ -34,8 +34,9 @@ Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), 
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
-``semi_cutlass``, and cuSPARSELt called directly with its searched algorithm, ``cslt`` (the last two
-from 64 tokens)). A ``_nomap`` suffix runs that policy on a layer without a map, on the already
+``semi_cutlass`` (from 64 tokens), and cuSPARSELt called directly with its searched algorithm on a
+compressed copy, ``cslt``; ``cslt_tiled``, cuSPARSELt on the layer's own buffer, is timed at every token
+count, its tokens padded to a multiple of 8 as ``SparseLinear`` pads them). A ``_nomap`` suffix runs that policy on a layer without a map, on the already
 permuted input (``auto_nomap``: what a layer whose map moved to its producer runs). A ``_tiled`` suffix
 (``auto_tiled``, ``decode_tiled``) runs that policy on a layer holding its weight as one cuSPARSELt
 buffer (``SparseLinear.use_cslt_layout``: ``auto`` then also times ``cslt`` on it). A ``+pdl`` suffix
@@ -84,7 +85,7 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_resident+pdl", "decode_resident_tma",
               "decode_nomap", "decode_tall_nomap",
               "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync",
-              "decode_swap_tma", "decode_swap_tma_tiled", "gemm",
+              "decode_swap_tma", "decode_swap_tma_tiled", "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
@@ -137,8 +138,9 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
 
 def runs_at(impl: str, tokens: int) -> bool:
     """Whether ``impl`` is timed at ``tokens``: the decodes to 64 tokens (select and weight-as-A from
-    2, select to 16), the first kernels to 64, the libraries' GEMMs from 64 (semi_structured's rows at
-    1–16 tokens ran 3–4× slower than dense; the first kernels 4–160× slower from 16 tokens)."""
+    2, select to 16), the first kernels to 64, CUTLASS's 2:4 GEMM from 64 (semi_structured's rows at
+    1–16 tokens ran 3–4× slower than dense; the first kernels 4–160× slower from 16 tokens), cuSPARSELt
+    at every token count (``auto`` weighs it on a layer holding its buffer from one token)."""
     from shuffleprune.kernels.nm_decode import decode_max_tokens
 
     if split_impl(impl)[1] == "block" and tokens > BLOCKMAP_MAX_TOKENS:
@@ -157,7 +159,7 @@ def runs_at(impl: str, tokens: int) -> bool:
         return False
     if impl in ("scratch_mapped", "gemm_swap_tall") and tokens < 17:   # auto weighs them from GEMM_MIN_TOKENS
         return False
-    return not (impl in ("semi_cutlass", "cslt") and tokens < 64)
+    return not (impl == "semi_cutlass" and tokens < 64)
 
 
 def warm_in_parallel(args: argparse.Namespace) -> None:

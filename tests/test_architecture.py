@@ -93,3 +93,30 @@ def test_prune_and_dst_share_one_permutation_core():
     assert "shuffleprune.perm.core" in graph["shuffleprune.dst.sparsifier"]
     assert "shuffleprune.perm.core" in graph["shuffleprune.perm.learning"]
     assert not any(m.startswith("shuffleprune.prune") for m in graph["shuffleprune.perm.pruning"])
+
+
+def test_what_auto_choice_reads_of_a_layer_is_what_sparse_linear_has():
+    """``auto_choice`` reads the layer through a ``Protocol`` (the layer imports it, not the other way
+    round); nothing checks that at run time, so here: every attribute it names is set on a real layer,
+    and every method it names exists on ``SparseLinear`` with the same parameters."""
+    import inspect
+    from typing import get_type_hints
+
+    import torch
+
+    from shuffleprune.deploy import auto_choice
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+
+    protocol = auto_choice.SparseLinear
+    w = torch.randn(8, 16)
+    w[:, 1::2] = 0
+    layer = SparseLinear(*compress(w, 2, 4), 16, 2, 4)
+    attributes = get_type_hints(protocol)
+    assert {"values", "meta", "bias", "map_span", "tiled"} <= set(attributes)
+    assert [name for name in attributes if not hasattr(layer, name)] == []
+    methods = [name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name.startswith("_")]
+    assert {"candidates", "run", "run_on", "reference", "weight_copies", "own_gather"} <= set(methods)
+    for name in methods:
+        want = list(inspect.signature(getattr(protocol, name)).parameters)
+        assert list(inspect.signature(getattr(SparseLinear, name)).parameters) == want, name

@@ -149,6 +149,13 @@ def test_an_unreadable_or_unwritable_store_is_warned_of_and_the_choices_kept_in_
         choice_store.remember("kernels", key, "decode")
 
     restart()
+    monkeypatch.setenv("SHUFFLEPRUNE_CACHE", str(tmp_path / "a_file" / "auto_choices" / "below"))   # cannot be made
+    with pytest.warns(RuntimeWarning, match="cannot store kernel choices") as seen:
+        assert choice_store.recall("gathers", key) is None
+        choice_store.remember("gathers", key, ("rows",))
+    assert len(seen) == 1
+
+    restart()
     monkeypatch.setenv("SHUFFLEPRUNE_CACHE", str(tmp_path / "off"))
     monkeypatch.setenv(choice_store.STORE_ENV, "0")
     choice_store.remember("gathers", key, ("rows",))

@@ -120,7 +120,9 @@ def test_sparse_linear_holds_only_the_compressed_weight_and_shares_one_scratch()
 
 def test_cslt_policy_multiplies_the_gathered_input_and_searches_once_per_token_count(monkeypatch):
     """cuSPARSELt runs only on CUDA: its three calls are stood in by dense float64 arithmetic with the
-    library's contract (A compressed [R, C] from the left, B [C, T], transpose_result → [T, R])."""
+    library's contract (A compressed [R, C] from the left, B [C, T], transpose_result → [T, R]). The
+    tokens reach it padded with zeros to a multiple of 8 (as PyTorch's 2:4 tensors pad them for it), and
+    the padded rows never reach the output: 6 and 10 tokens search at 8 and 16, 1 and 7 reuse 8's."""
     searched = []
     monkeypatch.setattr(torch, "_cslt_compress", lambda dense: dense.double())
     monkeypatch.setattr(torch._C, "_cusparselt", SimpleNamespace(
@@ -129,17 +131,19 @@ def test_cslt_policy_multiplies_the_gathered_input_and_searches_once_per_token_c
 
     def sparse_mm(a, b, bias, alpha, out_dtype, transpose_result, alg_id, split_k, split_k_mode):
         assert transpose_result and (alg_id, split_k, split_k_mode) == (7, 2, 1)   # the searched configuration
+        assert b.shape[1] % 8 == 0, b.shape
         y = a @ b.double() + (0 if bias is None else bias.double()[:, None])
         return y.t()
 
     monkeypatch.setattr(torch, "_cslt_sparse_mm", sparse_mm)
     w, perm = _nm_weight(12, 32, 2, 4), torch.randperm(32)
     lin = SparseLinear(*compress(w, 2, 4), 32, 2, 4, perm=perm, bias=torch.randn(12), policy="cslt")
-    for tokens in (3, 5, 3):
-        x = torch.randn(2, tokens, 32)
+    for shape in ((2, 3), (2, 5), (2, 3), (1, 1), (7,), (1, 16)):
+        x = torch.randn(*shape, 32)
         ref = x.double()[..., perm] @ w.double().t() + lin.bias.double()
-        assert torch.allclose(lin(x).double(), ref, atol=1e-5)
-    assert searched == [6, 10]   # one search per token count (2 × 3 and 2 × 5 rows)
+        y = lin(x)
+        assert y.shape == (*shape, 12) and torch.allclose(y.double(), ref, atol=1e-5)
+    assert searched == [8, 16]   # one search per padded token count (6 → 8, 10 → 16; 1 and 7 → 8; 16 as it is)
 
 
 @pytest.fixture

@@ -95,7 +95,14 @@ def store_file(device: torch.device | str) -> Path | None:
     if not enabled():
         return None
     fingerprint = device_fingerprint(str(device))
-    return None if fingerprint is None else store_dir() / f"{fingerprint}.json"
+    if fingerprint is None:
+        return None
+    try:
+        return store_dir() / f"{fingerprint}.json"
+    except OSError as exc:   # the cache folder cannot be made (a read-only home): choices stay in memory
+        _warn_once(Path(fingerprint), f"cannot store kernel choices ({exc}); they are kept in memory only "
+                                      f"(set SHUFFLEPRUNE_CACHE to a writable folder, or {STORE_ENV}=0)")
+        return None
 
 
 @functools.cache

@@ -95,7 +95,9 @@
   output's transpose fused. On a layer in the export's layout they hold their own compressed copy,
   so only an explicit ``policy`` runs them (benchmarks). After :meth:`SparseLinear.use_cslt_layout`
   the layer's one buffer *is* cuSPARSELt's (``deploy/cslt_layout.py``): the decode kernels read it
-  and ``auto`` times ``cslt`` on it from 17 tokens.
+  and ``auto`` times ``cslt`` on it at every token count (its tokens padded to a multiple of
+  ``CSLT_TOKEN_MULTIPLE``; at 1–16 tokens it reads the same 2:4 bytes the decodes read, on Hopper's
+  sparse tensor cores: not yet timed there).
 """
 from __future__ import annotations
 
@@ -114,6 +116,8 @@ IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mappe
 # encodes them at each launch
 EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
+CSLT_TOKEN_MULTIPLE = 8   # cuSPARSELt's dense operand takes tokens padded to this (PyTorch's semi-structured tensors
+                          # pad 16-bit inputs to 8 rows for it: torch/sparse/semi_structured.py, dense_min_rows)
 GATHER_MAX_TOKENS = 16
 # decode_mapped is timed up to this many tokens: above it the word gather holds the weight-as-A tiles to
 # fewer programs per SM than decode_plan sizes split-K for (2 where DOT_TILES_SWAP says 4 at 64 tokens, as

@@ -23,9 +23,10 @@ from torch import nn
 
 from shuffleprune.deploy import auto_choice
 from shuffleprune.deploy.format import decompress, meta_bits
-from shuffleprune.deploy.impls import (DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS, GEMM_MIN_TOKENS, IMPLS,
-                                       MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED, PDL_SUFFIX, SWAP_TILES,
-                                       TILE_MAX_TOKENS, default_choice, known_policy, split_pdl)
+from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS,
+                                       GEMM_MIN_TOKENS, IMPLS, MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED,
+                                       PDL_SUFFIX, SWAP_TILES, TILE_MAX_TOKENS, default_choice, known_policy,
+                                       split_pdl)
 from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
 from shuffleprune.deploy.shared_input import SharedGather
 from shuffleprune.runtime import capturing, outside_graph_pools
@@ -313,7 +314,9 @@ class SparseLinear(nn.Module):
     def _cslt(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., perm] @ W_pᵀ + b`` by cuSPARSELt with the configuration its search finds fastest for
         this kind of layer and token count (:func:`.auto_choice.cslt_config`): on the layer's own buffer
-        after :meth:`use_cslt_layout`, else on a compressed copy made at the first call."""
+        after :meth:`use_cslt_layout`, else on a compressed copy made at the first call. The tokens are
+        padded with zeros to a multiple of :data:`CSLT_TOKEN_MULTIPLE`, as PyTorch's own 2:4 tensors pad
+        the dense operand for cuSPARSELt, so every token count of a bucket runs what ``auto`` chose."""
         if self.tiled:
             packed = self._packed_buffer()
         else:
@@ -321,10 +324,15 @@ class SparseLinear(nn.Module):
                 self._semi["cslt"] = outside_graph_pools(lambda: torch._cslt_compress(self.dense_permuted()), x)
             packed = self._semi["cslt"]
         xg = self._gathered(x)
-        xt = xg.reshape(-1, xg.shape[-1]).t()   # [C, T]: cuSPARSELt multiplies the sparse matrix from the left
+        x2 = xg.reshape(-1, xg.shape[-1])
+        tokens = x2.shape[0]
+        pad = -tokens % CSLT_TOKEN_MULTIPLE
+        if pad:   # zero tokens up to cuSPARSELt's multiple, their rows of the output dropped
+            x2 = F.pad(x2, (0, 0, 0, pad))
+        xt = x2.t()   # [C, T]: cuSPARSELt multiplies the sparse matrix from the left
         config = auto_choice.cslt_config(packed, xt, self.bias, self.out_features)
         y = torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True, *config)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return (y[:tokens] if pad else y).reshape(*x.shape[:-1], self.out_features)
 
     def _tma_applies(self, x: torch.Tensor, resident: bool = False) -> bool:
         """Whether ``decode_swap_tma`` (``resident``: ``decode_resident_tma``) can read this layer's weight for
@@ -378,8 +386,8 @@ class SparseLinear(nn.Module):
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
             if tokens >= GEMM_MIN_TOKENS and x.element_size() == 2:   # float32 runs the one FMA tile either way
                 out.append("gemm_swap_tall")
-        if self.tiled and tokens >= GEMM_MIN_TOKENS and x.is_cuda:   # cuSPARSELt on the layer's own buffer
-            out.append("cslt")
+        if self.tiled and x.is_cuda:   # cuSPARSELt on the layer's own buffer; at 1-16 tokens too (padded to 8 or 16
+            out.append("cslt")         # tokens: reading its 2:4 weight is the cost there, not the MMAs)
         out.append("scratch")
         if self._maps_into_scratch() and tokens >= GEMM_MIN_TOKENS:
             out.append("scratch_mapped")
