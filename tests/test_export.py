@@ -238,6 +238,33 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
     assert "trust_remote_code=True" in card and 'shuffleprune.load("PATH", device="cuda")' in card
 
 
+def test_warm_up_runs_every_sparse_layer_at_each_token_bucket(pruned_perm_dir, tmp_path):
+    """``warm_up`` calls the model once per token bucket up to its limit (powers of two, and the limit
+    itself), so every sparse layer — stacked ones included — meets each bucket before a user's request;
+    the model's mode and outputs stay as they were; a limit that is no positive count is refused."""
+    from shuffleprune.deploy.serving import warm_up
+
+    export_checkpoint(pruned_perm_dir, tmp_path / "exported")
+    model = shuffleprune.load(str(tmp_path / "exported"))
+    seen: dict[str, set[int]] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, SparseLinear):
+            mod.register_forward_pre_hook(lambda m, args, name=name: seen.setdefault(name, set()).add(
+                args[0].numel() // args[0].shape[-1]))
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        before = model(ids).logits
+    seen.clear()
+    assert warm_up(model, 6) == [1, 2, 4, 6] and warm_up(model, 8)[-2:] == [4, 8] and warm_up(model, 1) == [1]
+    assert len(seen) == 21 and all(tokens == {1, 2, 4, 6, 8} for tokens in seen.values())
+    assert not model.training
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    for bad in (0, -3, 2.5, True, "512"):
+        with pytest.raises(UserError, match="max_tokens must be a positive whole number"):
+            warm_up(model, bad)
+
+
 def test_export_without_folding_keeps_every_map_as_a_gather_and_the_same_logits(pruned_perm_dir, tmp_path):
     fmt = shuffleprune.export(pruned_perm_dir, tmp_path / "unfolded", fold=False, progress=False)
     assert fmt["folded"] == {} and fmt["runtime_gathers"] == sorted(fmt["layers"])  # random maps on every layer

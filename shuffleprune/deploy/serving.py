@@ -1,5 +1,6 @@
 """How ``shuffleprune.load`` lays out an exported model for serving, as one call the benchmarks make too:
-index maps moved to their producers, cuSPARSELt's buffer where it helps, shared-input layers stacked."""
+index maps moved to their producers, cuSPARSELt's buffer where it helps, shared-input layers stacked;
+and ``warm_up``, which makes ``auto``'s measurements before a server takes requests."""
 from __future__ import annotations
 
 from typing import Any
@@ -56,3 +57,21 @@ def arrange_for_serving(model: nn.Module, maps: str = "producer", fuse: bool = T
 
         done["stacked_groups"] = fuse_shared_inputs(model, probe=probe)
     return done
+
+
+def warm_up(model: nn.Module, max_tokens: int = 2048) -> list[int]:
+    """Run ``model`` once at each token-count bucket up to ``max_tokens`` (1, 2, 4, … and ``max_tokens``
+    itself; batch 1, token id 0, no gradients), so that what ``auto`` measures at a bucket's
+    first call (each kind of sparse layer's implementation, cuSPARSELt's configuration, the gathers,
+    the experts' mode) and Triton's compiles happen now rather than in a user's first requests of each
+    length; on CUDA the answers also go to :mod:`.choice_store` for later processes. Returns the token
+    counts run. On the CPU nothing is measured (the scratch path runs), so it only runs the model."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise UserError(f"max_tokens must be a positive whole number of tokens, not {max_tokens!r}")
+    counts = [1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens] + [max_tokens]
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for tokens in counts:
+            model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device=device))
+    return counts
+
