@@ -56,7 +56,8 @@ def child(args: argparse.Namespace) -> dict:
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=args.layers,
                           num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).to(device).eval()
+    with torch.device(device):   # initialised where it runs, as bench_e2e does
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     sparsify_like_export(model, torch.Generator().manual_seed(0))
     arrange_for_serving(model)
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)
