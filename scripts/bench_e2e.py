@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -136,6 +137,8 @@ def main() -> None:
                          "run as is, as generate() without CUDA graphs runs it (→ …_eager.json)")
     ap.add_argument("--out", default=None, help="default: scripts/results/bench_e2e.json (mixtral: bench_e2e_mixtral.json)")
     args = ap.parse_args()
+    os.environ["SHUFFLEPRUNE_AUTO_STORE"] = "0"   # auto measures here (first_prefill_s, first_step_s: a cold start),
+                                                  # not from choices an earlier run stored (deploy/choice_store.py)
     moe = args.arch == "mixtral"
     name = ("bench_e2e_mixtral" if moe else "bench_e2e") + ("" if args.decode == "graph" else f"_{args.decode}")
     args.out = args.out or str(ROOT / "scripts" / "results" / f"{name}.json")

@@ -189,6 +189,9 @@ def warm_in_parallel(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    # auto measures in this process, not from choices stored by earlier runs (deploy/choice_store.py), and the
+    # --warm processes, timed 15 at a time against each other, store nothing for it to find
+    os.environ["SHUFFLEPRUNE_AUTO_STORE"] = "0"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--shapes", nargs="+", default=None, help="OUTxIN, e.g. 4096x4096")

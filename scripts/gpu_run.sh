@@ -94,6 +94,7 @@ mkdir -p "$OUT"
 SP=$(mktemp -d)
 cp -r shuffleprune "$SP/" && cp -r kernels "$SP/shuffleprune/kernels" && cp -r calib "$SP/shuffleprune/calib"
 export PYTHONPATH="$SP" PYTHONUNBUFFERED=1
+export SHUFFLEPRUNE_AUTO_STORE=0   # every step measures auto's choices itself (warm_start sets the store up itself)
 [ "$SMOKE" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 $PY -c "import torch, triton, transformers, scipy; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 status=0

@@ -1395,11 +1395,11 @@ def test_cslt_configuration_is_searched_once_per_kind_of_layer_and_never_in_a_ca
     layers[2]._cslt(x32), layers[2]._cslt(x20)
     assert searched == [32] and configs[2:] == [(3, 2, 1), ()]   # the shared search; the default in a capture
     in_capture[0] = False
-    layers[2]._cslt(x20)
-    assert searched == [32, 20] and configs[-1] == (3, 2, 1)
+    assert layers[2]._cslt(x20).shape == (20, 64)
+    assert searched == [32, 24] and configs[-1] == (3, 2, 1)   # 20 tokens reach cuSPARSELt padded to 24
     auto_choice.release_choices()
     layers[0]._cslt(x32)
-    assert searched == [32, 20, 32]
+    assert searched == [32, 24, 32]
 
 
 def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
