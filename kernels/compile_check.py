@@ -40,6 +40,7 @@ class GPUSpec:
     max_warps_per_sm: int = 64
     max_blocks_per_sm: int = 32
     issue_per_cycle: int = 4               # warp instructions one SM issues per cycle (one per scheduler)
+    smem_bytes_per_cycle: int = 128        # shared memory bandwidth per SM (32 banks of 4 bytes)
     clock_ghz: float = 1.755               # sustained SM clock under load
     dram_tbs: float = 3.35                 # HBM3 bandwidth
 
@@ -260,6 +261,55 @@ def grid_dependency(ptx: str) -> dict | None:
             "loads_before_wait": early}
 
 
+_SMEM_ACCESS = re.compile(r"^(LDS|STS|LDSM|LDGSTS)((?:\.\w+)*)\s")
+_HGMMA = re.compile(r"^HGMMA\.(\d+)x(\d+)x(\d+)\.\w+\.(\w+)\s+R\d+,\s*(\S+)")
+_ELEMENT_BYTES = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1, "S8": 1, "U8": 1}
+
+
+def loop_shared_bytes(loop: list[str]) -> int:
+    """Bytes one warp moves through shared memory per iteration of ``loop`` (SASS instructions): its
+    loads and stores (``LDS``, ``STS``, ``LDSM``: a layout conversion's round trip shows here), the
+    asynchronous copies' writes (``LDGSTS``), and its share (a quarter) of the shared operands each
+    warpgroup MMA (``HGMMA``) reads (B, and A where A is not in registers). Not counted: the Tensor
+    Memory Accelerator's writes (``UTMALDG``: their size is not in the instruction) and instructions
+    under the never-true predicate ``@!PT`` (the compiler's placeholders)."""
+    total = 0.0
+    for ins in loop:
+        if ins.startswith("@!PT "):
+            continue
+        ins = re.sub(r"^@!?U?P\w+\s+", "", ins)
+        access = _SMEM_ACCESS.match(ins + " ")
+        if access:
+            op, mods = access.group(1), access.group(2).split(".")
+            if op == "LDSM":   # .16.M88.N: N 8×8 matrices of 16-bit values, 4 bytes of each per thread
+                count = next((int(mod) for mod in mods[3:] if mod.isdigit()), 1)
+                total += 32 * 4 * count
+            else:
+                width = next((int(mod) // 8 for mod in mods if mod in ("64", "128")), None)
+                width = width or next((1 if "8" in mod else 2 for mod in mods if mod in ("U8", "S8", "U16", "S16")), 4)
+                total += 32 * width
+            continue
+        mma = _HGMMA.match(ins)
+        if mma:
+            m, n, k = (int(mma.group(i)) for i in (1, 2, 3))
+            elt = _ELEMENT_BYTES.get(mma.group(4), 2)
+            a_in_registers = re.fullmatch(r"R\d+,?", mma.group(5)) is not None
+            total += ((0 if a_in_registers else m * k) + n * k) * elt / 4
+    return int(total)
+
+
+def shared_ceiling_tbs(bytes_per_iteration: float, shared_bytes_per_warp: int, num_warps: int,
+                       spec: GPUSpec = H100) -> float | None:
+    """The memory rate (TB/s) at which a streaming loop's shared-memory traffic alone would take all of
+    every SM's shared-memory bandwidth: ``bytes`` read from memory per iteration by a program of
+    ``num_warps`` warps, each moving ``shared_bytes_per_warp`` (:func:`loop_shared_bytes`) through shared
+    memory. Below the DRAM rate the loop cannot stream at it, however few instructions it issues."""
+    if not shared_bytes_per_warp:
+        return None
+    per_cycle = spec.smem_bytes_per_cycle * bytes_per_iteration / (shared_bytes_per_warp * num_warps)
+    return per_cycle * spec.clock_ghz * 1e9 * spec.sms / 1e12
+
+
 def issue_ceiling_tbs(bytes_per_iteration: float, loop_insts: int, num_warps: int,
                       spec: GPUSpec = H100) -> float | None:
     """The memory rate (TB/s) at which a streaming loop's instructions alone would take all of every
@@ -296,6 +346,7 @@ def report(launch: Launch, spec: GPUSpec = H100) -> dict:
         "tensor_core": bool(re.search(r"\b(wgmma|mma)\.", ptx)),
         "wgmma": "wgmma." in ptx,
         "loop_instructions": len(loop),
+        "loop_shared_bytes": loop_shared_bytes(loop),
         "loop_sync_loads": sync_loads(loop),
         "split_sum_fenced": published_sum(sass),
         "launch_pdl": bool(getattr(md, "launch_pdl", False)),

@@ -214,19 +214,23 @@ def run_case(case: dict) -> None:
         nm_matmul.nm_gather_matmul(x, values, meta, n, m, bits, perm=perm, variant=impl)
 
 
-def decode_issue_ceiling(row: dict, case: dict) -> float | None:
+def decode_ceilings(row: dict, case: dict) -> tuple[float | None, float | None]:
     """TB/s of weight traffic at which decode's loop would use every issue slot of an H100
-    (``compile_check.issue_ceiling_tbs``): per iteration a program reads ``BLOCK_R × BLOCK_K`` kept
+    (``compile_check.issue_ceiling_tbs``), and all of its shared-memory bandwidth
+    (``compile_check.shared_ceiling_tbs``): per iteration a program reads ``BLOCK_R × BLOCK_K`` kept
     values and their position bits."""
     import torch
 
     from shuffleprune.deploy.format import meta_bits
-    from shuffleprune.kernels.compile_check import H100, issue_ceiling_tbs
+    from shuffleprune.kernels.compile_check import H100, issue_ceiling_tbs, shared_ceiling_tbs
 
     c = row["constexprs"]
     per_value = getattr(torch, case.get("dtype", "bfloat16")).itemsize + meta_bits(case.get("pattern", (2, 4))[1]) / 8
-    ceiling = issue_ceiling_tbs(c["BLOCK_R"] * c["BLOCK_K"] * per_value, row["loop_instructions"], row["num_warps"], H100)
-    return None if ceiling is None else round(ceiling, 2)
+    weight = c["BLOCK_R"] * c["BLOCK_K"] * per_value
+    issue = issue_ceiling_tbs(weight, row["loop_instructions"], row["num_warps"], H100)
+    shared = shared_ceiling_tbs(weight, row["loop_shared_bytes"], row["num_warps"], H100) \
+        if row["loop_instructions"] else None
+    return tuple(None if ceiling is None else round(ceiling, 2) for ceiling in (issue, shared))
 
 
 def decode_plan_per_sm(case: dict) -> int:
@@ -304,7 +308,7 @@ def compile_cases(indexed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
                     rows.append((index, {**row, "impl": "gather_pairs"}))
                     continue
                 if case["impl"].startswith(("decode", "experts")):
-                    row["issue_ceiling_tbs"] = decode_issue_ceiling(row, case)
+                    row["issue_ceiling_tbs"], row["shared_ceiling_tbs"] = decode_ceilings(row, case)
                 if case["impl"].startswith("decode"):
                     row["plan_per_sm"] = decode_plan_per_sm(case)
                 if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
@@ -321,7 +325,8 @@ def compile_cases(indexed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
                  f" regs {r['registers']:3d} spill {r['spill_bytes']:4d} smem {r['shared_bytes']:6d} "
                  f"progs/SM {r['programs_per_sm']:2d} waves {r['waves']:6.2f} load {r['widest_load_bytes']:2d}B "
                  f"evict_first {r['evict_first']} async {r['async_copies']} tc {r['tensor_core']} "
-                 f"loop {r['loop_instructions']} (LDG {r['loop_sync_loads']}) ceiling {r.get('issue_ceiling_tbs')} tensor {r.get('tensor_share')} "
+                 f"loop {r['loop_instructions']} (LDG {r['loop_sync_loads']}) ceiling {r.get('issue_ceiling_tbs')} "
+                 f"shared {r.get('shared_ceiling_tbs')} tensor {r.get('tensor_share')} "
                  f"L2 {r.get('l2_operand_tbs')}"), flush=True)
     return rows
 

@@ -1105,6 +1105,26 @@ def test_outside_graph_pools_runs_elsewhere_only_where_a_pool_may_take_allocatio
         runtime.outside_graph_pools(lambda: (_ for _ in ()).throw(ValueError("from the worker")), torch.zeros(1))
 
 
+def test_loop_shared_bytes_counts_what_a_warp_moves_through_shared_memory():
+    """Per warp and iteration: 32 threads × each load's or store's width (``LDSM``'s 8×8 matrices 4
+    bytes each per thread, an asynchronous copy's write), a quarter of each warpgroup MMA's shared
+    operands (B alone where A is in registers); the never-true ``@!PT`` placeholders count nothing.
+    The shared ceiling is the weight rate at which that traffic fills an SM's 128 bytes per cycle."""
+    from shuffleprune.kernels.compile_check import H100, loop_shared_bytes, shared_ceiling_tbs
+
+    loop = ["LDS R104, [R22+0x16000]", "LDS.128 R92, [R20]", "STS.128 [R144+UR7+0x14000], R8",
+            "LDSM.16.M88.4 R8, [R146+UR7+0x14000]", "@!PT LDS RZ, [RZ]", "IMAD.MOV.U32 R1, RZ, RZ, R2",
+            "HGMMA.64x16x16.F32.BF16 R24, R68, gdesc[UR20], R24", "HGMMA.64x64x16.F32.BF16 R56, gdesc[UR4], R56, gsb0",
+            "LDGSTS.E.BYPASS.128 [R15], desc[UR4][R8.64], P6", "LDGSTS.E [R158+UR4+0x16000], desc[UR5][R8.64], P6",
+            "@P0 LDS.U8 R1, [R2]", "LDSM.16.MT88.2 R4, [R6]"]
+    assert loop_shared_bytes(loop) == (128 + 512 + 512 + 512 + 16 * 16 * 2 // 4 + (64 * 16 + 64 * 16) * 2 // 4
+                                       + 512 + 128 + 32 + 256)
+    assert loop_shared_bytes(["IMAD R1, R2, R3, R4", "BRA `(.L_x_1)"]) == 0
+    assert shared_ceiling_tbs(18432, 0, 4) is None
+    # 18 KB of weight per iteration, 4 warps moving 8 KB each: 128 B/cycle × 18/32 × 1.755 GHz × 132 SMs
+    assert shared_ceiling_tbs(18432, 8192, 4, H100) == pytest.approx(128 * 18432 / 32768 * 1.755e9 * 132 / 1e12)
+
+
 def test_timing_copies_exceed_the_l2_within_free_memory():
     """How many weights ``auto`` cycles through: enough to pass 2.5× the L2 together, at most 64, one
     where the weight alone passes it or the copies would not leave 256 MiB free."""
@@ -1597,6 +1617,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["widest_load_bytes"] == 16 and r["evict_first"] and r["async_copies"], r
             if r["pattern"] == "2:4" and (r["tokens"] == 1 or r["tensor_core"] and r["tokens"] <= 32):
                 assert r["issue_ceiling_tbs"] > 3.35, r   # its loop can issue faster than HBM3 delivers
+            if r["pattern"] == "2:4" and r["tokens"] == 1:   # the select loop: its weight through shared memory
+                assert r["loop_shared_bytes"] > 0 and r["shared_ceiling_tbs"] > 3.35, r   # once, in and out
             if r["pattern"] == "2:4":   # and faster than the dense weight could stream at HBM3's peak
                 assert r["issue_ceiling_tbs"] * 2 / (1 + 2 / 16) > 3.35, r
             assert r["plan_per_sm"] <= r["programs_per_sm"], r   # split-K never assumes more than reside
