@@ -71,6 +71,15 @@ def set_cache_length(cache, n: int) -> None:
             layer.cumulative_length = n
 
 
+def wall_seconds(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    """Seconds ``fn()`` takes, ``sync`` (the device's synchronisation) called before and after."""
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
 def sparsify_like_export(model, gen) -> None:
     """Every decoder linear of ``model`` 2:4 in a random 64-column block map's order, as ``export``
     leaves it (in place, on the model's device): a :class:`SparseLinear` with that map (q/k/v and
@@ -181,11 +190,7 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)
 
     def wall(fn) -> float:
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t
+        return wall_seconds(fn, sync)
 
     def capture(warm, body) -> torch.cuda.CUDAGraph:
         """One CUDA graph of ``body``, after ``warm`` ran on the capturing stream."""

@@ -40,7 +40,7 @@ def child(args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
 
-    from bench_e2e import set_cache_length, sparsify_like_export
+    from bench_e2e import set_cache_length, sparsify_like_export, wall_seconds
     from shuffleprune.deploy import choice_store
     from shuffleprune.deploy.serving import arrange_for_serving
     from shuffleprune.deploy.sparse_linear import SparseLinear
@@ -66,11 +66,7 @@ def child(args: argparse.Namespace) -> dict:
     tok, pos = ids[:, -1:].clone(), torch.tensor([args.prompt], device=device)
 
     def wall(fn) -> float:
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t
+        return wall_seconds(fn, sync)
 
     def prefill() -> None:
         set_cache_length(cache, 0)
