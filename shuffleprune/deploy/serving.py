@@ -74,4 +74,3 @@ def warm_up(model: nn.Module, max_tokens: int = 2048) -> list[int]:
         for tokens in counts:
             model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device=device))
     return counts
-
