@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel tune_swap_sync e2e targets (next1: e2e_compile tune_tma tune_tall)
+#                                              # kernel tune_swap_sync e2e targets (next1: profile_swap tune_tma tune_tall)
 #   bash scripts/gpu_run.sh pipeline           # the commands users type on CUDA: prune (every recipe) / export /
 #                                              # load / generate / eval ppl / dst, a random GQA LLaMA-shaped model
 #                                              # saved locally (gpu_pipeline.json)
@@ -126,20 +126,23 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # kernel table also times the resident-input decode (decode_resident, with and without a map: the map read once
 # per program) and auto_tiled, the layer as load holds it on Hopper (one cuSPARSELt buffer), which the targets
 # judge too; e2e follows in the same call so the targets read both tables of one checkout. Since stop 78 it
-# times the TMA-fed decodes too (decode_swap_tma at 2-64 tokens, decode_resident_tma at 1-2). next1: the
-# compiled e2e table and tune_tma, the TMA decode's tiles (rows, kept values per step, warps, stages) at 2, 16
-# and 64 tokens; moe moved to next7. pipeline (the commands users type on CUDA) ran whole on the H200 on 2026-11-28 and is a
+# times the TMA-fed decodes too (decode_swap_tma at 2-64 tokens, decode_resident_tma at 1-2). next1: Nsight
+# Compute on decode_swap (since stop 82 the compile table's shared ceiling says the tensor-core decodes' trip of
+# the expanded tile through shared memory caps them near an H100's bandwidth; the profile's memory workload and
+# warp stalls test that), tune_tma, the TMA decode's tiles (rows, kept values per step, warps, stages) at 2, 16
+# and 64 tokens, and tune_tall; the compiled e2e table moved to next2; moe moved to next7. pipeline (the commands users type on CUDA) ran whole on the H200 on 2026-11-28 and is a
 # step of its own now;
 # next2..next6 the rest, one call each (limits summing to at most 600 s), in the order they matter to the issue;
 # next7 issue 6's DST step cost at GPT-2 Small's shape with the soft permutations now on the GPU
 # (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all seven, for the CPU
 # smoke run.
 ISSUE24=(kernel tune_swap_sync e2e targets)         # limits 260 + 90 + 210 + 10 s (kernel 115 s, e2e 148 on the H200)
-NEXT1=(e2e_compile tune_tma tune_tall)              # 280 + 150 + 150 s (e2e_compile 141 s on the H200; tune_tma's
-                                                    # 216 timings: tune_bw_swap's 243 took 53 s there; tune_tall's
-                                                    # 63 GEMM timings)
-NEXT2=(moe_stacked profile_swap)                    # 300 + 3 × 90 s (profile_swap: Nsight Compute on decode_swap,
-                                                    # the same with TMA copies, and cuBLAS at 16 tokens)
+NEXT1=(profile_swap tune_tma tune_tall)             # 3 × 90 + 150 + 150 s (profile_swap: Nsight Compute on decode_swap,
+                                                    # the same with TMA copies, and cuBLAS at 16 tokens: its shared
+                                                    # memory throughput and barrier stalls test the compile table's
+                                                    # shared ceiling; tune_tma's 216 timings: tune_bw_swap's 243 took
+                                                    # 53 s on the H200; tune_tall's 63 GEMM timings)
+NEXT2=(moe_stacked e2e_compile)                     # 300 + 280 s (e2e_compile 141 s on the H200)
 NEXT3=(e2e_moe warm_start)                          # 400 + 190 s (e2e_moe_compile, 420 s, a call of its own after it;
                                                     # warm_start: three processes, cold / measuring / stored choices)
 NEXT4=(e2e_eager e2e_compile)                       # 200 + 280 s (93 and 115 s on 3616890)
