@@ -240,8 +240,10 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
 
 def test_warm_up_runs_every_sparse_layer_at_each_token_bucket(pruned_perm_dir, tmp_path):
     """``warm_up`` calls the model once per token bucket up to its limit (powers of two, and the limit
-    itself), so every sparse layer — stacked ones included — meets each bucket before a user's request;
-    the model's mode and outputs stay as they were; a limit that is no positive count is refused."""
+    itself), so every sparse layer — stacked ones included — meets each bucket before a user's request,
+    on distinct token ids within the vocabulary (one repeated id would route an MoE model's tokens all
+    to the same experts, and the experts' mode measured on that would be stored); the model's mode and
+    outputs stay as they were; a limit that is no positive count is refused."""
     from shuffleprune.deploy.serving import warm_up
 
     export_checkpoint(pruned_perm_dir, tmp_path / "exported")
@@ -255,8 +257,11 @@ def test_warm_up_runs_every_sparse_layer_at_each_token_bucket(pruned_perm_dir, t
     with torch.no_grad():
         before = model(ids).logits
     seen.clear()
+    fed = []   # the token ids: spread over the vocabulary (an MoE model routes them to many experts)
+    model.get_input_embeddings().register_forward_pre_hook(lambda m, args: fed.append(args[0]))
     assert warm_up(model, 6) == [1, 2, 4, 6] and warm_up(model, 8)[-2:] == [4, 8] and warm_up(model, 1) == [1]
     assert len(seen) == 21 and all(tokens == {1, 2, 4, 6, 8} for tokens in seen.values())
+    assert fed[3].shape == (1, 6) and len(set(fed[3].tolist()[0])) == 6 and int(fed[3].max()) < 128
     assert not model.training
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)

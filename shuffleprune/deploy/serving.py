@@ -61,7 +61,8 @@ def arrange_for_serving(model: nn.Module, maps: str = "producer", fuse: bool = T
 
 def warm_up(model: nn.Module, max_tokens: int = 2048) -> list[int]:
     """Run ``model`` once at each token-count bucket up to ``max_tokens`` (1, 2, 4, … and ``max_tokens``
-    itself; batch 1, token id 0, no gradients), so that what ``auto`` measures at a bucket's
+    itself; batch 1, no gradients; token ids spread over the vocabulary, so that an MoE model routes them
+    to many experts as text does, not all to the experts one repeated token picks), so that what ``auto`` measures at a bucket's
     first call (each kind of sparse layer's implementation, cuSPARSELt's configuration, the gathers,
     the experts' mode) and Triton's compiles happen now rather than in a user's first requests of each
     length; on CUDA the answers also go to :mod:`.choice_store` for later processes. Returns the token
@@ -70,7 +71,9 @@ def warm_up(model: nn.Module, max_tokens: int = 2048) -> list[int]:
         raise UserError(f"max_tokens must be a positive whole number of tokens, not {max_tokens!r}")
     counts = [1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens] + [max_tokens]
     device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
     with torch.no_grad():
-        for tokens in counts:
-            model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device=device))
+        for tokens in counts:   # a fixed stride through the vocabulary: the same ids at every call
+            ids = (torch.arange(tokens, device=device) * 7919 + 1) % vocab
+            model(input_ids=ids.unsqueeze(0))
     return counts
