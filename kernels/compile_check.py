@@ -263,6 +263,7 @@ def grid_dependency(ptx: str) -> dict | None:
 
 _SMEM_ACCESS = re.compile(r"^(LDS|STS|LDSM|LDGSTS)((?:\.\w+)*)\s")
 _HGMMA = re.compile(r"^HGMMA\.(\d+)x(\d+)x(\d+)\.\w+\.(\w+)\s+R\d+,\s*(\S+)")
+_ACCESS_BYTES = {"64": 8, "128": 16, "U8": 1, "S8": 1, "U16": 2, "S16": 2}   # per thread; 4 without a width
 _ELEMENT_BYTES = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1, "S8": 1, "U8": 1}
 
 
@@ -285,9 +286,7 @@ def loop_shared_bytes(loop: list[str]) -> int:
                 count = next((int(mod) for mod in mods[3:] if mod.isdigit()), 1)
                 total += 32 * 4 * count
             else:
-                width = next((int(mod) // 8 for mod in mods if mod in ("64", "128")), None)
-                width = width or next((1 if "8" in mod else 2 for mod in mods if mod in ("U8", "S8", "U16", "S16")), 4)
-                total += 32 * width
+                total += 32 * next((_ACCESS_BYTES[mod] for mod in mods if mod in _ACCESS_BYTES), 4)
             continue
         mma = _HGMMA.match(ins)
         if mma:

@@ -228,8 +228,7 @@ def decode_ceilings(row: dict, case: dict) -> tuple[float | None, float | None]:
     per_value = getattr(torch, case.get("dtype", "bfloat16")).itemsize + meta_bits(case.get("pattern", (2, 4))[1]) / 8
     weight = c["BLOCK_R"] * c["BLOCK_K"] * per_value
     issue = issue_ceiling_tbs(weight, row["loop_instructions"], row["num_warps"], H100)
-    shared = shared_ceiling_tbs(weight, row["loop_shared_bytes"], row["num_warps"], H100) \
-        if row["loop_instructions"] else None
+    shared = shared_ceiling_tbs(weight, row["loop_shared_bytes"], row["num_warps"], H100)
     return tuple(None if ceiling is None else round(ceiling, 2) for ceiling in (issue, shared))
 
 

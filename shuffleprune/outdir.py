@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -170,10 +171,16 @@ def space_errors(directory: Path, flag: str, shown: Path | None = None,
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """``write`` to a temporary file, then rename it onto ``path``: a reader finds it whole or not at all."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    """``write`` to a temporary file beside ``path``, named for this process and thread, then rename it onto
+    ``path``: a reader finds it whole or not at all, two writers at once never write into one temporary
+    file (the last rename wins), and a write that fails leaves no temporary file behind."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextmanager

@@ -25,12 +25,14 @@ import importlib.util
 import json
 import os
 import re
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shuffleprune.outdir import atomic_write
+from shuffleprune.runtime import package_version
 
 STORE_ENV = "SHUFFLEPRUNE_AUTO_STORE"
 FORMAT_NAME, FORMAT_VERSION = "shuffleprune.auto_choices", 1
@@ -114,15 +116,9 @@ def device_fingerprint(device: str) -> str | None:
     if dev.type != "cuda":
         return None
     props = torch.cuda.get_device_properties(dev)
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     facts = [props.name, props.major, props.minor, props.multi_processor_count, props.total_memory,
-             getattr(props, "L2_cache_size", None), torch.__version__, torch.version.cuda, triton_version,
-             code_fingerprint()]
+             getattr(props, "L2_cache_size", None), torch.__version__, torch.version.cuda,
+             package_version("triton"), code_fingerprint()]
     return fingerprint_name(props.name, facts)
 
 
@@ -187,19 +183,12 @@ def _read(path: Path, warn: bool) -> dict[str, dict[str, Any]]:
 
 
 def _write(path: Path, tables: dict[str, dict[str, Any]]) -> None:
-    """Replace ``path`` by ``tables`` whole: written to a file beside it, then renamed over it."""
-    data = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "tables": tables}
+    """Replace ``path`` by ``tables`` whole (:func:`~shuffleprune.outdir.atomic_write`)."""
+    text = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, "tables": tables}, indent=1,
+                      sort_keys=True) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, lambda tmp: tmp.write_text(text))
     except OSError as exc:
         _warn_once(path, f"cannot store kernel choices in '{path.parent}' ({exc}); they are kept in memory only "
                          f"(set {STORE_ENV}=0 to skip the store, or SHUFFLEPRUNE_CACHE to a writable folder)")
