@@ -5,7 +5,11 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel tune_swap_sync e2e targets (next1: profile_swap tune_tma tune_tall)
+#                                              # kernel tune_swap_sync e2e targets, then `fill`: the queued steps
+#                                              # (next1 … next7, in order) that fit in what is left of BUDGET_S
+#   BUDGET_S=570 (default; 0: none)            # the call's seconds: a step starts only with at least 15 s left and runs
+#                                              # at most what is left (its file keeps what it measured); a `fill` step
+#                                              # starts only when its whole limit fits
 #   bash scripts/gpu_run.sh pipeline           # the commands users type on CUDA: prune (every recipe) / export /
 #                                              # load / generate / eval ppl / dst, a random GQA LLaMA-shaped model
 #                                              # saved locally (gpu_pipeline.json)
@@ -90,6 +94,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then PY=${PY:-.venv/bin/python}; export TRITON_INTERPRET=1; else PY=${PY:-python3}; fi
+# the device tool stops a call at 600 s, before the last step's file is copied: the steps stop by BUDGET_S
+if [ "$SMOKE" = 1 ]; then BUDGET_S=${BUDGET_S:-0}; else BUDGET_S=${BUDGET_S:-570}; fi
+FILLING=0   # 1 while a `fill` step runs: it starts only if its whole limit fits in the budget
 mkdir -p "$OUT"
 SP=$(mktemp -d)
 cp -r shuffleprune "$SP/" && cp -r kernels "$SP/shuffleprune/kernels" && cp -r calib "$SP/shuffleprune/calib"
@@ -104,6 +111,15 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
         if [ "$1" != "$PY" ] || ! grep -q 'args.smoke' "$2"; then echo "=== $name: no CPU smoke (skipped)"; return; fi
         local a args=(); for a in "$@"; do [ "$a" = cuda ] && args+=(cpu) || args+=("$a"); done   # --device cuda
         set -- "${args[@]}" --smoke; limit=$((limit * 3))
+    fi
+    if [ "$BUDGET_S" -gt 0 ]; then
+        local left=$((BUDGET_S - SECONDS))
+        if [ "$left" -lt 15 ] || { [ "$FILLING" = 1 ] && [ "$limit" -gt "$left" ]; }; then
+            echo "=== $name: skipped (limit ${limit}s, ${left}s of BUDGET_S=$BUDGET_S left)"
+            [ "$SMOKE" = 1 ] || echo "$name skipped limit=$limit left=$left" >> "$OUT/gpu_run_steps.txt"
+            return
+        fi
+        [ "$limit" -gt "$left" ] && { echo "=== $name: limit ${limit}s cut to the ${left}s left"; limit=$left; }
     fi
     echo "=== $name: $* (limit ${limit}s)"
     local t0=$SECONDS
@@ -133,6 +149,8 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # and 64 tokens, and tune_tall; the compiled e2e table moved to next2; moe moved to next7. pipeline (the commands users type on CUDA) ran whole on the H200 on 2026-11-28 and is a
 # step of its own now;
 # next2..next6 the rest, one call each (limits summing to at most 600 s), in the order they matter to the issue;
+# the default call ends with `fill`: those of next1..next7 that fit in the seconds its first steps left (on the
+# H200 kernel, e2e and targets took about 270 s of their 480 s of limits);
 # next7 issue 6's DST step cost at GPT-2 Small's shape with the soft permutations now on the GPU
 # (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all seven, for the CPU
 # smoke run.
@@ -150,8 +168,10 @@ NEXT5=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 
 NEXT6=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
 NEXT7=(dst_overhead moe)                            # 200 + 300 s: issue 6's DST step cost at GPT-2 Small's shape on
                                                     # the GPU; the Mixtral experts layer (114 s on the H200)
-[ $# -eq 0 ] && set -- issue24
+FILL=("${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}")
+[ $# -eq 0 ] && set -- issue24 fill
 steps=(); for s in "$@"; do case $s in
+    fill) for f in "${FILL[@]}"; do steps+=("+$f"); done ;;   # "+": run only if it fits (and not run already)
     tune_tiles) steps+=(tune_select tune_dot tune_gemm) ;;
     issue24) steps+=("${ISSUE24[@]}") ;;
     next1) steps+=("${NEXT1[@]}") ;;
@@ -167,7 +187,15 @@ steps=(); for s in "$@"; do case $s in
 esac; done
 set -- "${steps[@]}"
 ran=()   # the steps of this call so far
+fits() {  # fits LIMIT_S: whether a fill step of that limit may start now
+    [ "$FILLING" = 0 ] || [ "$BUDGET_S" -le 0 ] || [ "$1" -le $((BUDGET_S - SECONDS)) ]
+}
 for s in "$@"; do
+    FILLING=0
+    if [ "${s#+}" != "$s" ]; then
+        s=${s#+}; FILLING=1
+        [[ " ${ran[*]} " == *" $s "* ]] && continue   # queued twice (e2e_compile), or named in this call
+    fi
     ran+=("$s")
     case $s in
         perm_cost) step perm_cost 280 scripts/results/bench_perm_cost.json \
@@ -255,6 +283,7 @@ for s in "$@"; do
             else RES=scripts/results/ncu_swap.txt   # the weight-as-A decode's copies: per thread against TMA
                 cases=("swap 16 11008x4096" "swap_tma 16 11008x4096" "dense 16 11008x4096"); fi
             [ "$SMOKE" = 1 ] && RES=$SP/$(basename $RES)   # a CPU check leaves the committed profile alone
+            fits $((90 * ${#cases[@]})) || { echo "=== $s: skipped (${#cases[@]} profiles of 90 s do not fit)"; continue; }
             : > $RES
             for case in "${cases[@]}"; do
                 read -r kern toks shape <<< "$case"
