@@ -1522,19 +1522,19 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     # tensor cores') nor float32 inputs
     assert mapped.candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_mapped",
                                       "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value",
-                                      "decode_resident", "scratch", "gather"]
-    assert plain.candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_resident", "scratch", "gather"]
+                                      "decode_resident", "scratch"]
+    assert plain.candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_resident", "scratch"]
     assert mapped.candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
         "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_mapped_by_value", "decode_resident",
-        "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch", "gather"]
+        "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch"]
     assert plain.candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
     _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48).candidates(x1) == [
-        "decode", "decode_shallow", "decode_mapped", "scratch", "gather"]
+        "decode", "decode_shallow", "decode_mapped", "scratch"]
     assert mapped.candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select",
-                                                              "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch", "gather"]
+                                                              "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch"]
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48).candidates(torch.randn(5, 64).half()) == [
-        "decode", "decode_mapped", "decode_select", "decode_swap", "scratch", "gather"]   # decode_swap's other tiles: 2:4's
+        "decode", "decode_mapped", "decode_select", "decode_swap", "scratch"]   # decode_swap's other tiles: 2:4's
     assert not {"decode_swap_narrow", "decode_swap_sync"} & set(mapped.candidates(torch.randn(5, 64)))   # 16-bit
     assert mapped.candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "gemm_swap_tall",   # map in-kernel: ≤ 16
                                        "scratch", "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
@@ -1548,6 +1548,9 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     assert "decode_swap" not in plain.candidates(torch.randn(20, 64).float())
     assert default_choice(mapped.candidates(x1)) == "decode"
     assert default_choice(mapped.candidates(x70)) == "scratch"
+    # the first kernel is weighed only where no decode applies (a pattern of M not a power of two)
+    _, values36, meta36, _, _, _ = _case(24, 66, 3, 6, 1, torch.float16)
+    assert SparseLinear(values36, meta36, 66, 3, 6).candidates(torch.randn(1, 66).half()) == ["scratch", "gather"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -89,7 +89,8 @@
 - ``scratch_mapped`` (CUDA, a mapped layer, from 17 tokens): the weight decompressed into that scratch
   in the input's *original* order (``kernels/nm_gemm.py``'s ``nm_decompress_mapped_into``), then a
   dense matmul of the input as it is: no gathered copy of a prompt's activation is made or read;
-- ``gather`` / ``group``: the first Triton kernels (``kernels/nm_matmul.py``), kept as candidates;
+- ``gather`` / ``group``: the first Triton kernels (``kernels/nm_matmul.py``); ``auto`` weighs ``gather`` only
+  where no decode applies (M not a power of two): elsewhere no GPU table ever had it picked;
 - ``semi_structured`` / ``semi_cutlass``: PyTorch's 2:4 tensors; ``cslt``: cuSPARSELt called directly
   (Hopper's sparse tensor cores), its algorithm and split-K searched once per token count and the
   output's transpose fused. On a layer in the export's layout they hold their own compressed copy,
