@@ -392,8 +392,8 @@ class SparseLinear(nn.Module):
         if self._maps_into_scratch() and tokens >= GEMM_MIN_TOKENS:
             out.append("scratch_mapped")
         # the first kernel, only where the decodes do not apply: in every GPU table committed (H100 and H200,
-        # over a thousand of auto's choices, those at 1-16 tokens among them) it was never picked, at 0.54-0.70x cuBLAS at one token
-        # where the decodes ran 1.2-1.4x (bench_kernel.json, 2026-11-28)
+        # over a thousand of auto's choices, those at 1-16 tokens among them) it was never picked, at
+        # 0.54-0.70x cuBLAS at one token where the decodes ran 1.2-1.4x (bench_kernel.json, 2026-11-28)
         if tokens <= GATHER_MAX_TOKENS and not self.tiled and not self._pow2():
             out.append("gather")
         return [impl for impl in out if impl not in NOT_WEIGHED]
