@@ -530,12 +530,10 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
     rng = random.Random(seed)
     rows = []
     if source.doc_windows:
-        long_enough = 0
         for _ in range(nsamples):
             for _attempt in range(100_000):
                 ids = _encode(tokenizer, docs[rng.randint(0, len(docs) - 1)], special_tokens)
                 if ids.numel() > text_len:
-                    long_enough += 1
                     break
             else:
                 raise UserError(f"'{source.name}' has no documents longer than --seqlen {seqlen}")
