@@ -13,6 +13,12 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 if not torch.cuda.is_available():  # Triton kernels run on the CPU through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":   # ... and every load, store and atomic of theirs is bounds-checked
+    from interpret_bounds import install as _install_bounds_checks, violations as _bounds_violations
+
+    BOUNDS_CHECKED = _install_bounds_checks()
+else:
+    BOUNDS_CHECKED, _bounds_violations = False, []
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:  # pytest-xdist (the Makefile's test): the machine's cores shared out among its workers, the
@@ -96,6 +102,16 @@ def random_text(n_words: int, seed: int) -> str:
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Tests write their cache into a temp dir, except the embedded-model cache which is reused."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_in_bounds():
+    """Fail a test whose interpreted Triton kernels touched memory outside their tensors, even where the
+    code under test caught the error (``interpret_bounds``: on a GPU that is an illegal address)."""
+    before = len(_bounds_violations)
+    yield
+    stray = _bounds_violations[before:]
+    assert not stray, f"{len(stray)} out-of-bounds kernel accesses, first: {stray[0]}"
 
 
 @pytest.fixture

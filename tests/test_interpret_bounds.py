@@ -1,0 +1,71 @@
+"""The interpreter's bounds checks (``interpret_bounds``), which every kernel test runs under: a stray
+access is refused, recorded even when caught, and masked-off or in-bounds accesses pass."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import interpret_bounds
+from conftest import BOUNDS_CHECKED
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not BOUNDS_CHECKED, reason="the kernels run compiled on a GPU here, not interpreted")
+
+
+@triton.jit
+def _copy(src, dst, n, EXTRA: tl.constexpr, MASKED: tl.constexpr):
+    offs = tl.arange(0, 16)
+    if MASKED:
+        tl.store(dst + offs, tl.load(src + offs + EXTRA, mask=offs + EXTRA < n, other=0.0), mask=offs < n)
+    else:
+        tl.store(dst + offs, tl.load(src + offs + EXTRA))
+
+
+@triton.jit
+def _count(counter):
+    tl.atomic_add(counter + 1, 1)
+
+
+def test_a_read_past_a_tensor_is_refused_and_recorded_even_when_caught():
+    src, dst = torch.randn(16), torch.empty(16)
+    _copy[(1,)](src, dst, 16, EXTRA=0, MASKED=False)   # exactly the tensors: passes
+    assert torch.equal(dst, src)
+    before = len(interpret_bounds.violations)
+    with pytest.raises(Exception, match="outside its tensors"):
+        _copy[(1,)](src, dst, 16, EXTRA=1, MASKED=False)   # the 17th element of src
+    assert len(interpret_bounds.violations) == before + 1 and "_copy" in interpret_bounds.violations[-1]
+    del interpret_bounds.violations[before:]   # the fixture would fail this test for the refusal it provoked
+
+
+def test_masked_off_lanes_and_a_view_read_within_its_span_pass_and_a_view_read_past_it_is_refused():
+    src, dst = torch.randn(16), torch.empty(16)
+    _copy[(1,)](src, dst, 16, EXTRA=3, MASKED=True)   # lanes past the end are masked off
+    assert torch.equal(dst[:13], src[3:]) and not dst[13:].any()
+    whole = torch.randn(40)
+    view = whole[8:24]   # a view: the storage reaches past it, the kernel may not
+    _copy[(1,)](view, dst, 16, EXTRA=0, MASKED=False)
+    assert torch.equal(dst, view)
+    before = len(interpret_bounds.violations)
+    with pytest.raises(Exception, match="outside its tensors"):
+        _copy[(1,)](view, dst, 16, EXTRA=2, MASKED=False)
+    del interpret_bounds.violations[before:]
+
+
+def test_an_atomic_past_its_tensor_is_refused():
+    before = len(interpret_bounds.violations)
+    _count[(1,)](torch.zeros(2, dtype=torch.int32))   # element 1 of 2: fine
+    with pytest.raises(Exception, match="outside its tensors"):
+        _count[(1,)](torch.zeros(1, dtype=torch.int32))
+    del interpret_bounds.violations[before:]
+
+
+def test_stray_addresses_need_each_element_whole_inside_one_span():
+    spans = [(100, 116), (108, 120), (200, 208)]   # overlapping views, and a second tensor
+    addresses = np.array([100, 112, 116, 118, 196, 200, 204, 206], dtype=np.uint64)
+    assert interpret_bounds.stray_addresses(addresses, 4, spans).tolist() == [118, 196, 206]
+    column = torch.empty(3, 4)[:, 1]   # a strided view: from its first element to its last, nothing past it
+    (start, end), = interpret_bounds.tensor_spans([torch.empty(0), (column, 7)])   # empty tensors and ints: none
+    assert start == column.data_ptr() and end - start == (2 * 4 + 1) * 4
