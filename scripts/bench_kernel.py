@@ -8,7 +8,10 @@
 such a process per shape and half of the token counts, J side by side, so Triton compiles on the
 machine's cores at once and the timed run (one process, one shape after another, nothing else on
 the GPU) finds every kernel in its disk cache; a warm process that fails only leaves its kernels to
-be compiled by the timed run.
+be compiled by the timed run. One that ends at a kernel faulting the GPU (an illegal address: a
+``DeviceFault`` naming it) is run again without that kernel, and the timed run leaves it out too
+(``SHUFFLEPRUNE_SKIP_IMPLS``, its rows an error, the file's ``skipped_impls``), so one bad kernel does
+not cost the table.
 ``--warm-serving`` adds a process per layer of ``bench_e2e``'s model (mapped or not, stacked, in
 cuSPARSELt's buffer), so the end-to-end run that follows compiles little.
 
@@ -64,7 +67,9 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -96,7 +101,8 @@ MAP_BLOCK = 64
 # the libraries' 2:4 GEMMs, each on its own compressed copy (semi_cutlass and cslt only when named in
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.impls import (  # noqa: E402  (no Triton import)
-    DECODE_KERNELS, GEMM_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, SWAP_TILES, TILE_MAX_TOKENS)
+    DECODE_KERNELS, GEMM_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, SKIP_ENV, SWAP_TILES,
+    TILE_MAX_TOKENS, skipped_impls)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
@@ -162,6 +168,12 @@ def runs_at(impl: str, tokens: int) -> bool:
     return not (impl == "semi_cutlass" and tokens < 64)
 
 
+def fault_culprit(stderr: str) -> str | None:
+    """The implementation a failed process's ``DeviceFault`` named (its advice ``SHUFFLEPRUNE_SKIP_IMPLS=…``), if any."""
+    found = re.findall(rf"{SKIP_ENV}=([\w+]+)", stderr)
+    return found[-1] if found else None
+
+
 def warm_in_parallel(args: argparse.Namespace) -> None:
     """Run ``--warm`` processes, ``args.warm_jobs`` at a time, and wait for all: one per shape and half
     of the token counts (and with ``--warm-serving`` one per layer ``bench_e2e`` serves)."""
@@ -178,13 +190,26 @@ def warm_in_parallel(args: argparse.Namespace) -> None:
                  for o, i in SERVING_SHAPES]
 
     def run(cmd: list[str]) -> None:
-        rc = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
-        if rc:
-            print(f"warm {' '.join(cmd[3:])}: exit {rc} (its kernels compile when timed)", flush=True)
+        for _ in range(4):   # again without each kernel that faulted the GPU (a few at most)
+            env = {**os.environ, SKIP_ENV: ",".join(sorted(faulted))}
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+            if done.returncode == 0:
+                return
+            culprit = fault_culprit(done.stderr)
+            print(f"warm {' '.join(cmd[3:])}: exit {done.returncode}"
+                  + (f", {culprit} faulted the GPU: left out from here on" if culprit else
+                     f" (its kernels compile when timed): {done.stderr.strip().splitlines()[-1:]}"), flush=True)
+            if not culprit or culprit in faulted:
+                return
+            with lock:
+                faulted.add(culprit)
 
+    faulted, lock = set(skipped_impls()), threading.Lock()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(args.warm_jobs) as pool:
         list(pool.map(run, jobs))
+    if faulted:   # the timed run (this process) leaves them out as the warm ones did
+        os.environ[SKIP_ENV] = ",".join(sorted(faulted))
     print(f"warm: {len(jobs)} processes, {args.warm_jobs} at a time, in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -225,7 +250,7 @@ def main() -> None:
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.outdir import atomic_write
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import candidate_errors, cuda_graph_ms, machine, versions
+    from shuffleprune.runtime import candidate_errors, cuda_graph_ms, machine, raise_if_fault, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -306,12 +331,14 @@ def main() -> None:
         result = {"what": "2:4 linear implementations vs dense cuBLAS (rotating weight copies, CUDA graphs)",
                   "smoke": args.smoke, "complete": done, "device": dev_name, "seed": 0, "l2_bytes": l2,
                   "targets": "auto ≥1.5× dense at 1 token, ≥1.2× at 2–16, never slower; map cost ≤2 % at 1 token",
+                  "skipped_impls": sorted(left_out),
                   "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
                   "versions": versions("triton"), "summary": summary, "rows": rows, "norm_rows": norm_rows}
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out, lambda tmp: tmp.write_text(json.dumps(result, indent=1)))
         return summary
 
+    left_out = skipped_impls()   # kernels that faulted the GPU in a warm process (or named by the caller)
     gen = torch.Generator().manual_seed(0)
     for out_f, in_f in shapes:
         dense_bytes = out_f * in_f * 2
@@ -340,11 +367,12 @@ def main() -> None:
             ref_block = F.linear(x.index_select(1, maps["block"].to(device)), weights[0])   # under the block map
             if args.warm:   # compile (auto: its candidates too) and nothing else
                 for impl in args.impls:
-                    if runs_at(impl, tokens):
+                    if runs_at(impl, tokens) and split_impl(impl)[0] not in left_out:
                         try:
                             layers[impl][0](x if split_impl(impl)[1] else xp)
-                        except candidate_errors():
-                            pass
+                        except candidate_errors() as exc:   # one that faults the GPU ends the process, named
+                            raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)",
+                                           f"leave it out with {SKIP_ENV}={split_impl(impl)[0]}")
                 print(f"{out_f}x{in_f} t={tokens}: compiled", flush=True)
                 continue
             dense_ms, how = timed([lambda w=w: F.linear(x, w) for w in originals])
@@ -355,11 +383,17 @@ def main() -> None:
             for impl in args.impls:
                 if not runs_at(impl, tokens):
                     continue
+                if split_impl(impl)[0] in left_out:
+                    rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
+                                 "error": f"left out ({SKIP_ENV}): it faulted the GPU"})
+                    continue
                 inp = x if split_impl(impl)[1] else xp
                 try:
                     y = layers[impl][0](inp)
                     ms, how = timed([lambda l=l: l(inp) for l in layers[impl]])
                 except candidate_errors() as exc:
+                    raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)",
+                                   f"leave it out with {SKIP_ENV}={split_impl(impl)[0]}")
                     rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
                                  "error": str(exc).splitlines()[0][:200]})
                     continue

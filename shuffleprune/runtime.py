@@ -179,6 +179,38 @@ def candidate_errors() -> tuple[type[Exception], ...]:
     return errors + (TritonError,)
 
 
+# CUDA's errors that leave the context unusable (cudaGetErrorString's words, as PyTorch and Triton quote them):
+# after one, every later call on the device fails, so no other candidate can be timed
+_FATAL_CUDA_ERRORS = ("an illegal memory access was encountered", "misaligned address",
+                      "an illegal instruction was encountered", "unspecified launch failure",
+                      "device-side assert triggered", "uncorrectable ECC error", "the launch timed out and was terminated",
+                      "hardware stack error", "an exception occurred on the device")
+
+
+class DeviceFault(RuntimeError):
+    """A kernel left the GPU in an error no later call recovers from (the process has to end)."""
+
+
+def device_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` reports one of CUDA's errors that end the context (an illegal address, a misaligned
+    one, a launch failure …), not one a candidate may be skipped for (a tile too large for this GPU)."""
+    text = str(exc)
+    return any(words in text for words in _FATAL_CUDA_ERRORS)
+
+
+def raise_if_fault(exc: BaseException, what: str, fix: str = "") -> None:
+    """Raise :class:`DeviceFault` naming ``what`` (the candidate that ran) and ``fix`` where ``exc``, caught
+    as one of :func:`candidate_errors`, is a :func:`device_fault`: skipping it would only have every later
+    call fail with the same error. A ``DeviceFault`` raised inside (a gather measured within a candidate's
+    call) goes on unchanged: it names the kernel that faulted."""
+    if isinstance(exc, DeviceFault):
+        raise exc
+    if device_fault(exc):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DeviceFault(f"{what} failed on this GPU with an error that ends the process ({first})"
+                          + (f"; {fix}" if fix else "")) from exc
+
+
 def eager_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 1) -> float:
     """Milliseconds per call of ``calls`` (run in turn) run eagerly, the host's launches and
     synchronisations included, as a model run without CUDA graphs runs them: ``warm`` rounds, then

@@ -1457,6 +1457,92 @@ def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
         auto_choice.measure(layer, x, list(times))
 
 
+def test_auto_stops_at_a_candidate_that_faults_the_gpu_and_leaves_out_those_named_to_skip(monkeypatch):
+    """An error CUDA cannot recover from (an illegal address) is not a candidate to skip: every later call would
+    fail with it, so ``auto`` stops with a ``DeviceFault`` naming the kernel and the variable that leaves it out;
+    ``SHUFFLEPRUNE_SKIP_IMPLS`` takes it (and a ``+pdl`` launch alone) out of the candidates and the stored
+    choices; a name that is no implementation is a one-line error."""
+    from shuffleprune.deploy.impls import SKIP_ENV
+    from shuffleprune.errors import UserError
+    from shuffleprune.runtime import DeviceFault, device_fault, raise_if_fault
+
+    assert device_fault(RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ..."))
+    assert device_fault(RuntimeError("Triton Error [CUDA]: misaligned address"))
+    assert not device_fault(RuntimeError("out of resource: shared memory, Required: 232448, Hardware limit: 101376"))
+    inner = DeviceFault("the rows gather of 64 columns failed on this GPU with an error that ends the process (...)")
+    with pytest.raises(DeviceFault) as passed:   # raised inside a candidate's call: it goes on as it was
+        raise_if_fault(inner, "SparseLinear 24x64: decode on 4 tokens", "leave it out")
+    assert passed.value is inner
+    faults = {"decode": RuntimeError("CUDA error: an illegal memory access was encountered"), "scratch": None}
+
+    def fake_run(self, impl, x):
+        if faults[impl] is not None:
+            raise faults[impl]
+        return torch.ones(4, 24)
+
+    monkeypatch.setattr(SparseLinear, "run", fake_run)
+    monkeypatch.setattr(SparseLinear, "reference", lambda self, x: torch.ones(4, 24))
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (calls[0](), (0.5, "cuda_graph"))[1])
+    _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
+    x = torch.randn(4, 64).half()
+    with pytest.raises(DeviceFault, match=rf"24x64: decode on 4 tokens failed .*illegal memory access.*{SKIP_ENV}=decode"):
+        auto_choice.measure(layer, x, ["decode", "scratch"])
+    monkeypatch.setenv(SKIP_ENV, "decode, decode_swap_tma decode_swap+pdl")
+    x1 = torch.randn(1, 64).half()
+    left = layer.candidates(x1)
+    assert "decode" not in left and "decode_shallow" in left   # the named one out, the others kept
+    assert "decode_swap" in layer.candidates(torch.randn(5, 64).half())   # only its +pdl launch is left out
+    assert not auto_choice.stored_applies(["decode_swap+pdl", "decode_swap"], ["decode_swap"])
+    assert auto_choice.stored_applies(["decode_swap", "decode_swap"], ["decode_swap"])
+    timed = {}
+    auto_choice.time_pdl(layer, x, None, "decode_swap", timed, [], 1, 1)   # left out: not even run
+    assert timed == {}
+    monkeypatch.setenv(SKIP_ENV, "decode,no_such_kernel")
+    with pytest.raises(UserError, match="'no_such_kernel', which is no implementation"):
+        layer.candidates(x1)
+
+
+def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_leaves_it_out_after(monkeypatch):
+    """A warm process of ``scripts/bench_kernel.py`` that ends at a ``DeviceFault`` is run again with the kernel it
+    names left out, the processes after it leave it out from the start, and so does the timed run (its
+    environment), so one faulting kernel costs neither the compile pass nor the table."""
+    import argparse
+    import importlib.util
+    import os
+    import subprocess
+    import types
+    from pathlib import Path
+
+    from shuffleprune.deploy.impls import SKIP_ENV
+    from shuffleprune.runtime import DeviceFault, raise_if_fault
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("bench_kernel_under_test", scripts / "bench_kernel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(DeviceFault) as fault:
+        raise_if_fault(RuntimeError("CUDA error: an illegal memory access was encountered"),
+                       "decode_swap_tma (64x64, 16 tokens)", f"leave it out with {SKIP_ENV}=decode_swap_tma")
+    assert bench.fault_culprit(f"Traceback ...\nshuffleprune.runtime.DeviceFault: {fault.value}\n") == "decode_swap_tma"
+    assert bench.fault_culprit("RuntimeError: out of resource: shared memory") is None
+    skips = []
+
+    def fake_run(cmd, stdout=None, stderr=None, text=None, env=None):
+        skips.append(env[SKIP_ENV])
+        if "decode_swap_tma" in env[SKIP_ENV]:
+            return types.SimpleNamespace(returncode=0, stderr="")
+        return types.SimpleNamespace(returncode=1, stderr=f"Traceback ...\nshuffleprune.runtime.DeviceFault: {fault.value}\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.delenv(SKIP_ENV, raising=False)
+    args = argparse.Namespace(smoke=True, tokens=[1, 16], shapes=["64x64"], impls=["auto"], warm_serving=False,
+                              warm_jobs=1)
+    bench.warm_in_parallel(args)   # two processes: tokens 1, then 16
+    assert skips == ["", "decode_swap_tma", "decode_swap_tma"] and os.environ[SKIP_ENV] == "decode_swap_tma"
+
+
 def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch):
     """Before timing, ``auto`` checks each candidate's output against PyTorch's own product of the
     decompressed weight: a kernel that is wrong on this device (here: its output perturbed, or NaN) is

@@ -37,9 +37,11 @@ from typing import Protocol
 import torch
 
 from shuffleprune.deploy import choice_store
-from shuffleprune.deploy.impls import EAGER_CHECKED, PDL_KERNELS, PDL_SUFFIX, default_choice, split_pdl
+from shuffleprune.deploy.impls import (EAGER_CHECKED, PDL_KERNELS, PDL_SUFFIX, SKIP_ENV, default_choice,
+                                       skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import release_gather_choices
-from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools
+from shuffleprune.runtime import (candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools,
+                                  raise_if_fault)
 
 
 
@@ -111,7 +113,7 @@ def stored_applies(stored, candidates: list[str]) -> bool:
     """Whether ``stored`` (:func:`.choice_store.recall`'s answer) is a pair of implementations this layer
     weighs now (``+pdl`` launches of them too): one stored under other conditions is measured again."""
     return (isinstance(stored, list) and len(stored) == 2 and all(isinstance(impl, str) for impl in stored)
-            and all(split_pdl(impl)[0] in candidates for impl in stored))
+            and all(split_pdl(impl)[0] in candidates and impl not in skipped_impls() for impl in stored))
 
 
 def measure(layer: SparseLinear, x: torch.Tensor, candidates: list[str], calls: int = 10,
@@ -137,7 +139,8 @@ def measure(layer: SparseLinear, x: torch.Tensor, candidates: list[str], calls: 
                         fallback = "scratch"
                     continue
                 timed[impl] = graph_ms(layer, impl, x, weights, calls, reps)[0]
-            except candidate_errors():  # e.g. a tile that does not fit this GPU's shared memory
+            except candidate_errors() as exc:  # e.g. a tile that does not fit this GPU's shared memory
+                raise_if_fault(exc, *_culprit(layer, impl, x))   # not an illegal address: that ends the process
                 continue
         if overlap_enabled(x) and timed:   # the fastest Triton kernels again, as programmatic dependents
             for impl in pdl_retimed(timed):
@@ -168,13 +171,21 @@ def time_pdl(layer: SparseLinear, x: torch.Tensor, ref: torch.Tensor, impl: str,
     agrees and it can be captured in a CUDA graph: that graph's time (:func:`graph_ms`), each call's
     kernels starting while the previous call's end, as a model's layers do."""
     pdl = impl + PDL_SUFFIX
+    if pdl in skipped_impls():
+        return
     try:
         if agrees(layer, pdl, x, ref):
             ms, how = graph_ms(layer, pdl, x, weights, calls, reps)
             if how == "cuda_graph":
                 timed[pdl] = ms
-    except candidate_errors():
-        pass
+    except candidate_errors() as exc:
+        raise_if_fault(exc, *_culprit(layer, pdl, x))
+
+
+def _culprit(layer: SparseLinear, impl: str, x: torch.Tensor) -> tuple[str, str]:
+    """What :func:`~shuffleprune.runtime.raise_if_fault` says of ``impl`` failing on ``x``, and the fix."""
+    return (f"SparseLinear {layer.out_features}x{layer.in_features}: {impl} on {x.numel() // x.shape[-1]} tokens",
+            f"leave it out with {SKIP_ENV}={impl} and please report it")
 
 
 def agrees(layer: SparseLinear, impl: str, x: torch.Tensor, ref: torch.Tensor) -> bool:

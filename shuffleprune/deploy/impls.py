@@ -102,6 +102,11 @@
 """
 from __future__ import annotations
 
+import os
+import re
+
+from shuffleprune.errors import UserError
+
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 # nm_gemm's options per prompt policy (on the gathered input): the weight as the MMA's B operand, as its A
 # operand, and as A over 128 rows per program
@@ -170,6 +175,21 @@ def known_policy(policy: str) -> bool:
     """Whether ``policy`` names something a layer can run: ``auto``, one of ``IMPLS``, or one of
     ``PDL_KERNELS`` ending in ``PDL_SUFFIX``."""
     return policy == "auto" or policy in IMPLS or split_pdl(policy)[0] in PDL_KERNELS
+
+
+SKIP_ENV = "SHUFFLEPRUNE_SKIP_IMPLS"   # implementations auto never weighs in this process (skipped_impls)
+
+
+def skipped_impls() -> frozenset[str]:
+    """The implementations ``auto`` leaves out here: ``SHUFFLEPRUNE_SKIP_IMPLS``, names separated by commas or
+    spaces, for a kernel that fails on this GPU or driver (:class:`~shuffleprune.runtime.DeviceFault` names
+    it); a name ending in ``PDL_SUFFIX`` leaves out only that launch of it."""
+    names = frozenset(name for name in re.split(r"[,\s]+", os.environ.get(SKIP_ENV, "")) if name)
+    unknown = sorted(name for name in names if name == "auto" or not known_policy(name))
+    if unknown:
+        raise UserError(f"{SKIP_ENV} names {', '.join(map(repr, unknown))}, which is no implementation; use names "
+                        f"of shuffleprune.deploy.impls.IMPLS (decode_swap_tma, or decode{PDL_SUFFIX} for that launch alone)")
+    return names
 
 
 def default_choice(candidates: list[str]) -> str:

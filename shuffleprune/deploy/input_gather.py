@@ -25,7 +25,7 @@ import torch
 
 from shuffleprune.deploy import choice_store
 from shuffleprune.kernels.gpu import next_pow2
-from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, outside_graph_pools
+from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, outside_graph_pools, raise_if_fault
 
 GATHERS = ("index_select", "columns", "rows")
 TRITON_GATHERS = ("columns", "rows")
@@ -138,7 +138,8 @@ def _measure(x: torch.Tensor, perm: torch.Tensor) -> tuple[str, ...]:
                               "device; not used", RuntimeWarning, stacklevel=4)
                 continue
             times[how] = cuda_graph_ms([lambda how=how: run_gather(how, x, perm)] * calls, TIMED_REPS)[0]
-        except candidate_errors():   # e.g. a staged row larger than this GPU's shared memory
+        except candidate_errors() as exc:   # e.g. a staged row larger than this GPU's shared memory
+            raise_if_fault(exc, f"the {how} gather of {x.shape[-1]} columns", "please report it")
             continue
     return tuple(sorted(times, key=times.__getitem__)) or ("index_select",)
 

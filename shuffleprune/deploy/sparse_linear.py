@@ -26,7 +26,7 @@ from shuffleprune.deploy.format import decompress, meta_bits
 from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS,
                                        GEMM_MIN_TOKENS, IMPLS, MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED,
                                        PDL_SUFFIX, SWAP_TILES, TILE_MAX_TOKENS, default_choice, known_policy,
-                                       split_pdl)
+                                       skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
 from shuffleprune.deploy.shared_input import SharedGather
 from shuffleprune.runtime import capturing, outside_graph_pools
@@ -396,7 +396,8 @@ class SparseLinear(nn.Module):
         # 0.54-0.70x cuBLAS at one token where the decodes ran 1.2-1.4x (bench_kernel.json, 2026-11-28)
         if tokens <= GATHER_MAX_TOKENS and not self.tiled and not self._pow2():
             out.append("gather")
-        return [impl for impl in out if impl not in NOT_WEIGHED]
+        left_out = skipped_impls()
+        return [impl for impl in out if impl not in NOT_WEIGHED and impl not in left_out]
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., perm] @ W_pᵀ + b`` by PyTorch alone (``W_p`` decompressed into the shared scratch, no
