@@ -6,8 +6,9 @@ memory as it is, so such a kernel passes its CPU tests. With :func:`install` eve
 store and atomic checks that each address its mask lets through lies, whole, within one of the
 launch's tensor arguments (the span its sizes and strides reach from its first element, not the whole
 storage: a read past a view's end is refused too) and raises :class:`OutOfBounds` naming the kernel
-and the first stray address otherwise. Tensor-descriptor (TMA) copies are left alone: the interpreter
-clips them as the hardware does.
+and the first stray address otherwise. Tensor-descriptor (TMA) copies are checked too: the interpreter
+reads them as masked loads of the descriptor's shape (clipped there, as the hardware clips), so a
+descriptor declared larger than its tensor is caught.
 """
 from __future__ import annotations
 
