@@ -62,6 +62,27 @@ def test_an_atomic_past_its_tensor_is_refused():
     del interpret_bounds.violations[before:]
 
 
+@triton.jit
+def _copy_tiles(desc, dst):
+    tl.store(dst + tl.arange(0, 32), desc.load([0]))
+
+
+def test_a_tensor_descriptor_declared_past_its_tensor_is_refused():
+    """The TMA copies' emulation reads the descriptor's shape (clipping beyond it, as the hardware does):
+    one within its tensor passes, one declared larger than its tensor is an out-of-bounds read."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    src, dst = torch.randn(32), torch.empty(32)
+    _copy_tiles[(1,)](TensorDescriptor(src, [32], [1], [32]), dst)
+    assert torch.equal(dst, src)
+    _copy_tiles[(1,)](TensorDescriptor(src[:16], [16], [1], [32]), dst)   # clipped at its shape: zeros after
+    assert torch.equal(dst[:16], src[:16]) and not dst[16:].any()
+    before = len(interpret_bounds.violations)
+    with pytest.raises(Exception, match="outside its tensors"):
+        _copy_tiles[(1,)](TensorDescriptor(src[:16], [32], [1], [32]), dst)
+    del interpret_bounds.violations[before:]
+
+
 def test_stray_addresses_need_each_element_whole_inside_one_span():
     spans = [(100, 116), (108, 120), (200, 208)]   # overlapping views, and a second tensor
     addresses = np.array([100, 112, 116, 118, 196, 200, 204, 206], dtype=np.uint64)
