@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 if not torch.cuda.is_available():  # Triton kernels run on the CPU through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":   # ... and every load, store and atomic of theirs is bounds-checked
-    from interpret_bounds import install as _install_bounds_checks, violations as _bounds_violations
+    from interpret_checks import install as _install_bounds_checks, violations as _bounds_violations
 
-    BOUNDS_CHECKED = _install_bounds_checks()
+    BOUNDS_CHECKED = _install_bounds_checks()   # and programs run shuffled
 else:
     BOUNDS_CHECKED, _bounds_violations = False, []
 
@@ -107,7 +107,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(autouse=True)
 def _kernels_in_bounds():
     """Fail a test whose interpreted Triton kernels touched memory outside their tensors, even where the
-    code under test caught the error (``interpret_bounds``: on a GPU that is an illegal address)."""
+    code under test caught the error (``interpret_checks``: on a GPU that is an illegal address)."""
     before = len(_bounds_violations)
     yield
     stray = _bounds_violations[before:]

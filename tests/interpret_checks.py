@@ -1,4 +1,5 @@
-"""Out-of-bounds checks for Triton kernels run by the interpreter (``TRITON_INTERPRET=1``).
+"""Checks for Triton kernels run by the interpreter (``TRITON_INTERPRET=1``): out-of-bounds accesses, and
+programs run out of order.
 
 On a GPU a load or store outside every tensor a kernel was given is an illegal address that ends the
 process (or, inside another allocation, silently wrong data); the interpreter reads and writes host
@@ -9,6 +10,11 @@ storage: a read past a view's end is refused too) and raises :class:`OutOfBounds
 and the first stray address otherwise. Tensor-descriptor (TMA) copies are checked too: the interpreter
 reads them as masked loads of the descriptor's shape (clipped there, as the hardware clips), so a
 descriptor declared larger than its tensor is caught.
+
+The interpreter also runs a launch's programs one after another in grid order, where a GPU runs them
+side by side in any order: a kernel that relies on program 0 running first (say, to zero a buffer the
+others then add to) passes there and fails on a GPU. With :func:`install` each launch runs its programs
+in a shuffled order instead (seeded by the grid's shape, so a failure repeats), each still exactly once.
 """
 from __future__ import annotations
 
@@ -68,6 +74,14 @@ def stray_addresses(addresses: np.ndarray, item_bytes: int, spans: list[tuple[in
     return addresses[~covered]
 
 
+def shuffled_programs(nx: int, ny: int, nz: int) -> list[tuple[int, int, int]]:
+    """Every program id of an ``nx × ny × nz`` grid once, in an order shuffled by a generator seeded with the
+    grid's shape."""
+    ids = [(x, y, z) for x in range(nx) for y in range(ny) for z in range(nz)]
+    order = np.random.default_rng([nx, ny, nz]).permutation(len(ids))
+    return [ids[i] for i in order]
+
+
 def _check(ptrs, mask) -> None:
     spans = getattr(_launch, "spans", None)
     if spans is None:   # a builder call outside a launch (none in Triton's interpreter): nothing to check against
@@ -88,20 +102,21 @@ def _check(ptrs, mask) -> None:
 
 
 def install() -> bool:
-    """Patch Triton's interpreter so every launch checks its memory accesses (idempotent). False where the
-    interpreter lacks the hooks this relies on (another Triton), so nothing is checked."""
+    """Patch Triton's interpreter so every launch checks its memory accesses and runs its programs shuffled
+    (idempotent). False where the interpreter lacks the hooks this relies on (another Triton): nothing changes."""
     try:
         from triton.runtime import interpreter as interp
     except ImportError:
         return False
     builder, executor = getattr(interp, "InterpreterBuilder", None), getattr(interp, "GridExecutor", None)
-    hooks = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas")
+    hooks = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas", "set_grid_dim",
+             "set_grid_idx")
     if builder is None or executor is None or not all(hasattr(builder, h) for h in hooks) \
             or not hasattr(executor, "_init_args_hst"):
         return False
     if getattr(builder, "_bounds_checked", False):
         return True
-    load, store, rmw, cas = (getattr(builder, h) for h in hooks)
+    load, store, rmw, cas = (getattr(builder, h) for h in hooks[:4])
     init_args, call = executor._init_args_hst, executor.__call__
 
     def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
@@ -134,6 +149,16 @@ def install() -> bool:
         finally:
             _launch.spans, _launch.raw, _launch.kernel = outer
 
+    def grid_dim(self, nx, ny, nz):
+        grid_dim_set(self, nx, ny, nz)
+        self._program_order = shuffled_programs(nx, ny, nz)
+
+    def grid_idx(self, x, y, z):   # the loop's k-th program runs as the k-th of the shuffled order
+        nx, ny, nz = self.grid_dim
+        return grid_idx_set(self, *self._program_order[(x * ny + y) * nz + z])
+
+    grid_dim_set, grid_idx_set = builder.set_grid_dim, builder.set_grid_idx
+    builder.set_grid_dim, builder.set_grid_idx = grid_dim, grid_idx
     builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
     builder.create_atomic_rmw, builder.create_atomic_cas = atomic_rmw, atomic_cas
     executor._init_args_hst, executor.__call__ = init_args_hst, launch

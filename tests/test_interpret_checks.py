@@ -1,12 +1,13 @@
-"""The interpreter's bounds checks (``interpret_bounds``), which every kernel test runs under: a stray
-access is refused, recorded even when caught, and masked-off or in-bounds accesses pass."""
+"""The interpreter's checks (``interpret_checks``), which every kernel test runs under: a stray access is
+refused, recorded even when caught, and masked-off or in-bounds accesses pass; a launch's programs run in a
+shuffled order, each once, so a kernel relying on grid order fails here as it would on a GPU."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-import interpret_bounds
+import interpret_checks
 from conftest import BOUNDS_CHECKED
 
 triton = pytest.importorskip("triton")
@@ -33,11 +34,11 @@ def test_a_read_past_a_tensor_is_refused_and_recorded_even_when_caught():
     src, dst = torch.randn(16), torch.empty(16)
     _copy[(1,)](src, dst, 16, EXTRA=0, MASKED=False)   # exactly the tensors: passes
     assert torch.equal(dst, src)
-    before = len(interpret_bounds.violations)
+    before = len(interpret_checks.violations)
     with pytest.raises(Exception, match="outside its tensors"):
         _copy[(1,)](src, dst, 16, EXTRA=1, MASKED=False)   # the 17th element of src
-    assert len(interpret_bounds.violations) == before + 1 and "_copy" in interpret_bounds.violations[-1]
-    del interpret_bounds.violations[before:]   # the fixture would fail this test for the refusal it provoked
+    assert len(interpret_checks.violations) == before + 1 and "_copy" in interpret_checks.violations[-1]
+    del interpret_checks.violations[before:]   # the fixture would fail this test for the refusal it provoked
 
 
 def test_masked_off_lanes_and_a_view_read_within_its_span_pass_and_a_view_read_past_it_is_refused():
@@ -48,18 +49,18 @@ def test_masked_off_lanes_and_a_view_read_within_its_span_pass_and_a_view_read_p
     view = whole[8:24]   # a view: the storage reaches past it, the kernel may not
     _copy[(1,)](view, dst, 16, EXTRA=0, MASKED=False)
     assert torch.equal(dst, view)
-    before = len(interpret_bounds.violations)
+    before = len(interpret_checks.violations)
     with pytest.raises(Exception, match="outside its tensors"):
         _copy[(1,)](view, dst, 16, EXTRA=2, MASKED=False)
-    del interpret_bounds.violations[before:]
+    del interpret_checks.violations[before:]
 
 
 def test_an_atomic_past_its_tensor_is_refused():
-    before = len(interpret_bounds.violations)
+    before = len(interpret_checks.violations)
     _count[(1,)](torch.zeros(2, dtype=torch.int32))   # element 1 of 2: fine
     with pytest.raises(Exception, match="outside its tensors"):
         _count[(1,)](torch.zeros(1, dtype=torch.int32))
-    del interpret_bounds.violations[before:]
+    del interpret_checks.violations[before:]
 
 
 @triton.jit
@@ -77,16 +78,36 @@ def test_a_tensor_descriptor_declared_past_its_tensor_is_refused():
     assert torch.equal(dst, src)
     _copy_tiles[(1,)](TensorDescriptor(src[:16], [16], [1], [32]), dst)   # clipped at its shape: zeros after
     assert torch.equal(dst[:16], src[:16]) and not dst[16:].any()
-    before = len(interpret_bounds.violations)
+    before = len(interpret_checks.violations)
     with pytest.raises(Exception, match="outside its tensors"):
         _copy_tiles[(1,)](TensorDescriptor(src[:16], [32], [1], [32]), dst)
-    del interpret_bounds.violations[before:]
+    del interpret_checks.violations[before:]
+
+
+@triton.jit
+def _zero_then_count(counter, seen):
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.atomic_add(seen + pid, 1)
+    if pid == 0:   # wrong on a GPU: the other programs may have added already
+        tl.store(counter, 0)
+    else:
+        tl.atomic_add(counter, 1)
+
+
+def test_programs_run_once_each_in_a_shuffled_order_that_exposes_a_kernel_relying_on_grid_order():
+    order = interpret_checks.shuffled_programs(4, 2, 1)
+    assert sorted(order) == [(x, y, 0) for x in range(4) for y in range(2)] and order[0] != (0, 0, 0)
+    counter, seen = torch.full((1,), 100, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    _zero_then_count[(4, 2)](counter, seen)
+    assert seen.tolist() == [1] * 8   # each program once
+    after_zero = 7 - order.index((0, 0, 0))   # only the programs run after program 0 are counted
+    assert int(counter) == after_zero < 7   # in grid order it would have been 7
 
 
 def test_stray_addresses_need_each_element_whole_inside_one_span():
     spans = [(100, 116), (108, 120), (200, 208)]   # overlapping views, and a second tensor
     addresses = np.array([100, 112, 116, 118, 196, 200, 204, 206], dtype=np.uint64)
-    assert interpret_bounds.stray_addresses(addresses, 4, spans).tolist() == [118, 196, 206]
+    assert interpret_checks.stray_addresses(addresses, 4, spans).tolist() == [118, 196, 206]
     column = torch.empty(3, 4)[:, 1]   # a strided view: from its first element to its last, nothing past it
-    (start, end), = interpret_bounds.tensor_spans([torch.empty(0), (column, 7)])   # empty tensors and ints: none
+    (start, end), = interpret_checks.tensor_spans([torch.empty(0), (column, 7)])   # empty tensors and ints: none
     assert start == column.data_ptr() and end - start == (2 * 4 + 1) * 4
