@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 if not torch.cuda.is_available():  # Triton kernels run on the CPU through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":   # ... and every load, store and atomic of theirs is bounds-checked
-    from interpret_checks import install as _install_bounds_checks, violations as _bounds_violations
+if os.environ.get("TRITON_INTERPRET") == "1":   # ... every access of theirs checked, their programs shuffled
+    from interpret_checks import install as _install_kernel_checks, violations as _kernel_violations
 
-    BOUNDS_CHECKED = _install_bounds_checks()   # and programs run shuffled
+    KERNELS_CHECKED = _install_kernel_checks()
 else:
-    BOUNDS_CHECKED, _bounds_violations = False, []
+    KERNELS_CHECKED, _kernel_violations = False, []
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:  # pytest-xdist (the Makefile's test): the machine's cores shared out among its workers, the
@@ -105,13 +105,14 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _kernels_in_bounds():
-    """Fail a test whose interpreted Triton kernels touched memory outside their tensors, even where the
-    code under test caught the error (``interpret_checks``: on a GPU that is an illegal address)."""
-    before = len(_bounds_violations)
+def _kernels_checked():
+    """Fail a test whose interpreted Triton kernels touched memory outside their tensors or had two programs
+    store to one address, even where the code under test caught the error (``interpret_checks``: on a GPU
+    an illegal address, or a race)."""
+    before = len(_kernel_violations)
     yield
-    stray = _bounds_violations[before:]
-    assert not stray, f"{len(stray)} out-of-bounds kernel accesses, first: {stray[0]}"
+    found = _kernel_violations[before:]
+    assert not found, f"{len(found)} kernel check failures, first: {found[0]}"
 
 
 @pytest.fixture

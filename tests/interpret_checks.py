@@ -1,5 +1,5 @@
-"""Checks for Triton kernels run by the interpreter (``TRITON_INTERPRET=1``): out-of-bounds accesses, and
-programs run out of order.
+"""Checks for Triton kernels run by the interpreter (``TRITON_INTERPRET=1``): out-of-bounds accesses, programs
+run out of order, and programs storing to the same address.
 
 On a GPU a load or store outside every tensor a kernel was given is an illegal address that ends the
 process (or, inside another allocation, silently wrong data); the interpreter reads and writes host
@@ -15,6 +15,8 @@ The interpreter also runs a launch's programs one after another in grid order, w
 side by side in any order: a kernel that relies on program 0 running first (say, to zero a buffer the
 others then add to) passes there and fails on a GPU. With :func:`install` each launch runs its programs
 in a shuffled order instead (seeded by the grid's shape, so a failure repeats), each still exactly once.
+And two programs of one launch storing to the same address (not by atomics) race on a GPU, whichever
+wins: each launch's plain stores are checked to come from one program per address.
 """
 from __future__ import annotations
 
@@ -27,8 +29,27 @@ class OutOfBounds(AssertionError):
     """A kernel touched memory outside every tensor it was given."""
 
 
-_launch = threading.local()   # .spans: the running launch's tensor spans (sorted_spans); .kernel: its name
+class Race(AssertionError):
+    """Two programs of one launch stored to the same address without atomics."""
+
+
+class _Launch:
+    """What the checks know of the running launch: its kernel's name, its tensors' spans, the program
+    running, and the plain stores so far (flat addresses, program)."""
+
+    def __init__(self, kernel: str, raw: list[tuple[int, int]]):
+        self.kernel, self.raw, self.spans = kernel, raw, sorted_spans(raw)
+        self.program, self.atomic = 0, False
+        self.stores: list[tuple[np.ndarray, int]] = []
+
+
+_state = threading.local()    # .now: the running _Launch (None outside a launch)
 violations: list[str] = []    # every refusal, also those a caller's ``except`` swallowed (the tests' fixture reads it)
+
+
+def _refuse(error: type[AssertionError], message: str) -> None:
+    violations.append(message)
+    raise error(message)
 
 
 def tensor_spans(args) -> list[tuple[int, int]]:
@@ -74,6 +95,22 @@ def stray_addresses(addresses: np.ndarray, item_bytes: int, spans: list[tuple[in
     return addresses[~covered]
 
 
+def shared_stores(stores: list[tuple[np.ndarray, int]]) -> tuple[int, int, int] | None:
+    """An address two programs stored to, and the two, among ``stores`` (flat addresses, program); None."""
+    stores = [(a, p) for a, p in stores if a.size]
+    if len({p for _, p in stores}) < 2:
+        return None
+    addresses = np.concatenate([a for a, _ in stores])
+    programs = np.concatenate([np.full(a.size, p, dtype=np.int64) for a, p in stores])
+    order = np.argsort(addresses, kind="stable")
+    addresses, programs = addresses[order], programs[order]
+    clash = np.flatnonzero((addresses[1:] == addresses[:-1]) & (programs[1:] != programs[:-1]))
+    if clash.size == 0:
+        return None
+    i = int(clash[0])
+    return int(addresses[i]), int(programs[i]), int(programs[i + 1])
+
+
 def shuffled_programs(nx: int, ny: int, nz: int) -> list[tuple[int, int, int]]:
     """Every program id of an ``nx × ny × nz`` grid once, in an order shuffled by a generator seeded with the
     grid's shape."""
@@ -82,72 +119,94 @@ def shuffled_programs(nx: int, ny: int, nz: int) -> list[tuple[int, int, int]]:
     return [ids[i] for i in order]
 
 
-def _check(ptrs, mask) -> None:
-    spans = getattr(_launch, "spans", None)
-    if spans is None:   # a builder call outside a launch (none in Triton's interpreter): nothing to check against
-        return
+def _checked(ptrs, mask) -> np.ndarray | None:
+    """The addresses ``mask`` lets through, each checked to lie within the launch's tensors (None outside a
+    launch: a builder call of none, which Triton's interpreter does not make)."""
+    now = getattr(_state, "now", None)
+    if now is None:
+        return None
     addresses = np.asarray(ptrs.data, dtype=np.uint64)
     if mask is not None:
         addresses = addresses[np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)]
     addresses = addresses.reshape(-1)
     if addresses.size == 0:
-        return
+        return addresses
     item = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
-    stray = stray_addresses(addresses, item, spans)
+    stray = stray_addresses(addresses, item, now.spans)
     if stray.size:
-        near = ", ".join(f"[{s:#x}, {e:#x})" for s, e in _launch.raw)
-        violations.append(f"{_launch.kernel}: {stray.size} of {addresses.size} addresses outside its tensors, "
-                          f"first {int(stray[0]):#x} ({item}-byte elements); the tensors span {near}")
-        raise OutOfBounds(violations[-1])
+        near = ", ".join(f"[{s:#x}, {e:#x})" for s, e in now.raw)
+        _refuse(OutOfBounds, f"{now.kernel}: {stray.size} of {addresses.size} addresses outside its tensors, "
+                             f"first {int(stray[0]):#x} ({item}-byte elements); the tensors span {near}")
+    return addresses
 
 
 def install() -> bool:
-    """Patch Triton's interpreter so every launch checks its memory accesses and runs its programs shuffled
-    (idempotent). False where the interpreter lacks the hooks this relies on (another Triton): nothing changes."""
+    """Patch Triton's interpreter so every launch checks its memory accesses and stores and runs its programs
+    shuffled (idempotent). False where the interpreter lacks the hooks this relies on (another Triton):
+    nothing changes."""
     try:
         from triton.runtime import interpreter as interp
     except ImportError:
         return False
     builder, executor = getattr(interp, "InterpreterBuilder", None), getattr(interp, "GridExecutor", None)
-    hooks = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas", "set_grid_dim",
-             "set_grid_idx")
+    hooks = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas",
+             "create_atomic_store", "set_grid_dim", "set_grid_idx")
     if builder is None or executor is None or not all(hasattr(builder, h) for h in hooks) \
             or not hasattr(executor, "_init_args_hst"):
         return False
-    if getattr(builder, "_bounds_checked", False):
+    if getattr(builder, "_checked", False):
         return True
-    load, store, rmw, cas = (getattr(builder, h) for h in hooks[:4])
+    load, store, rmw, cas, atomic_store, grid_dim_set, grid_idx_set = (getattr(builder, h) for h in hooks)
     init_args, call = executor._init_args_hst, executor.__call__
 
     def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
-        _check(ptrs, mask)
+        _checked(ptrs, mask)
         return load(self, ptrs, mask, other, cache_policy, is_volatile)
 
     def masked_store(self, ptrs, value, mask, cache_policy):
-        _check(ptrs, mask)
+        addresses = _checked(ptrs, mask)
+        now = _state.now
+        if addresses is not None and not now.atomic:
+            now.stores.append((addresses, now.program))
         return store(self, ptrs, value, mask, cache_policy)
 
+    def atomic_store_(self, ptr, val, mask, sem, scope):   # through masked_store, not a plain store
+        now = getattr(_state, "now", None)
+        if now is not None:
+            now.atomic = True
+        try:
+            return atomic_store(self, ptr, val, mask, sem, scope)
+        finally:
+            if now is not None:
+                now.atomic = False
+
     def atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
-        _check(ptr, mask)
+        _checked(ptr, mask)
         return rmw(self, rmw_op, ptr, val, mask, sem, scope)
 
     def atomic_cas(self, ptr, cmp, val, sem, scope):
-        _check(ptr, None)
+        _checked(ptr, None)
         return cas(self, ptr, cmp, val, sem, scope)
 
     def init_args_hst(self, args_dev, kwargs):
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
-        _launch.raw = sorted(tensor_spans([*args_hst, *kwargs_hst.values()]))
-        _launch.spans = sorted_spans(_launch.raw)
-        _launch.kernel = getattr(self.fn, "__name__", "a kernel")
+        _state.now = _Launch(getattr(self.fn, "__name__", "a kernel"),
+                             sorted(tensor_spans([*args_hst, *kwargs_hst.values()])))
         return args_hst, kwargs_hst
 
     def launch(self, *args, **kwargs):
-        outer = getattr(_launch, "spans", None), getattr(_launch, "raw", None), getattr(_launch, "kernel", None)
+        outer = getattr(_state, "now", None)
         try:
-            return call(self, *args, **kwargs)
+            result = call(self, *args, **kwargs)
+            now = _state.now
+            clash = shared_stores(now.stores) if now is not None else None
+            if clash:
+                address, first, second = clash
+                _refuse(Race, f"{now.kernel}: programs {first} and {second} of one launch both store to {address:#x} "
+                              "(without atomics: on a GPU whichever runs last wins)")
+            return result
         finally:
-            _launch.spans, _launch.raw, _launch.kernel = outer
+            _state.now = outer
 
     def grid_dim(self, nx, ny, nz):
         grid_dim_set(self, nx, ny, nz)
@@ -155,12 +214,15 @@ def install() -> bool:
 
     def grid_idx(self, x, y, z):   # the loop's k-th program runs as the k-th of the shuffled order
         nx, ny, nz = self.grid_dim
-        return grid_idx_set(self, *self._program_order[(x * ny + y) * nz + z])
+        program = self._program_order[(x * ny + y) * nz + z]
+        now = getattr(_state, "now", None)
+        if now is not None:
+            now.program = (program[0] * ny + program[1]) * nz + program[2]
+        return grid_idx_set(self, *program)
 
-    grid_dim_set, grid_idx_set = builder.set_grid_dim, builder.set_grid_idx
     builder.set_grid_dim, builder.set_grid_idx = grid_dim, grid_idx
     builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
-    builder.create_atomic_rmw, builder.create_atomic_cas = atomic_rmw, atomic_cas
+    builder.create_atomic_rmw, builder.create_atomic_cas, builder.create_atomic_store = atomic_rmw, atomic_cas, atomic_store_
     executor._init_args_hst, executor.__call__ = init_args_hst, launch
-    builder._bounds_checked = True
+    builder._checked = True
     return True

@@ -1,6 +1,7 @@
 """The interpreter's checks (``interpret_checks``), which every kernel test runs under: a stray access is
 refused, recorded even when caught, and masked-off or in-bounds accesses pass; a launch's programs run in a
-shuffled order, each once, so a kernel relying on grid order fails here as it would on a GPU."""
+shuffled order, each once, so a kernel relying on grid order fails here as it would on a GPU; two programs
+storing to one address are refused, atomics and one program's own stores are not."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,12 +9,12 @@ import pytest
 import torch
 
 import interpret_checks
-from conftest import BOUNDS_CHECKED
+from conftest import KERNELS_CHECKED
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not BOUNDS_CHECKED, reason="the kernels run compiled on a GPU here, not interpreted")
+pytestmark = pytest.mark.skipif(not KERNELS_CHECKED, reason="the kernels run compiled on a GPU here, not interpreted")
 
 
 @triton.jit
@@ -102,6 +103,28 @@ def test_programs_run_once_each_in_a_shuffled_order_that_exposes_a_kernel_relyin
     assert seen.tolist() == [1] * 8   # each program once
     after_zero = 7 - order.index((0, 0, 0))   # only the programs run after program 0 are counted
     assert int(counter) == after_zero < 7   # in grid order it would have been 7
+
+
+@triton.jit
+def _store_at(dst, SHARED: tl.constexpr):
+    pid = tl.program_id(0)
+    where = 0 if SHARED else pid
+    tl.store(dst + where, pid.to(tl.float32))
+    tl.store(dst + where, pid.to(tl.float32) + 1)   # a program's own second store: no race
+    tl.atomic_add(dst + 8, 1.0)                     # every program's atomic on one address: no race
+
+
+def test_two_programs_storing_to_one_address_are_refused_and_atomics_are_not():
+    dst = torch.zeros(9)
+    _store_at[(8,)](dst, SHARED=False)
+    assert dst.tolist() == [1.0 + p for p in range(8)] + [8.0]
+    before = len(interpret_checks.violations)
+    with pytest.raises(interpret_checks.Race, match="both store to"):
+        _store_at[(8,)](dst, SHARED=True)
+    del interpret_checks.violations[before:]
+    assert interpret_checks.shared_stores([(np.array([8, 16], dtype=np.uint64), 0),
+                                           (np.array([24, 16], dtype=np.uint64), 3)]) == (16, 0, 3)
+    assert interpret_checks.shared_stores([(np.array([8, 8], dtype=np.uint64), 2)]) is None
 
 
 def test_stray_addresses_need_each_element_whole_inside_one_span():
