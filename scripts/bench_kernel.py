@@ -11,7 +11,7 @@ the GPU) finds every kernel in its disk cache; a warm process that fails only le
 be compiled by the timed run. One that ends at a kernel faulting the GPU (an illegal address: a
 ``DeviceFault`` naming it) is run again without that kernel, and the timed run leaves it out too
 (``SHUFFLEPRUNE_SKIP_IMPLS``, its rows an error, the file's ``skipped_impls``), so one bad kernel does
-not cost the table.
+not cost the table; a fault in the timed run ends it, the rows so far and the kernel in the file.
 ``--warm-serving`` adds a process per layer of ``bench_e2e``'s model (mapped or not, stacked, in
 cuSPARSELt's buffer), so the end-to-end run that follows compiles little.
 
@@ -250,7 +250,7 @@ def main() -> None:
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.outdir import atomic_write
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import candidate_errors, cuda_graph_ms, machine, raise_if_fault, versions
+    from shuffleprune.runtime import DeviceFault, candidate_errors, cuda_graph_ms, machine, raise_if_fault, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -340,80 +340,87 @@ def main() -> None:
 
     left_out = skipped_impls()   # kernels that faulted the GPU in a warm process (or named by the caller)
     gen = torch.Generator().manual_seed(0)
-    for out_f, in_f in shapes:
-        dense_bytes = out_f * in_f * 2
-        copies = 1 if not cuda or args.warm else max(4, math.ceil(2.5 * l2 / (dense_bytes * 9 / 16)))
-        perm = torch.randperm(in_f, generator=gen)
-        maps = {"random": perm, "block": random_block_perm(in_f, MAP_BLOCK, gen), None: None}
-        weights, layers = [], {impl: [] for impl in args.impls}
-        for c in range(copies):
-            w = torch.randn(out_f, in_f, generator=gen).to(device)  # drawn on the CPU (seeded), masked on the device
-            w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)      # 2:4 in permuted (memory) order
-            values, meta = compress(w, 2, 4)
-            weights.append(w)
-            for impl in args.impls:
-                policy, kind, tiled = split_impl(impl)
-                layer = SparseLinear(values, meta, in_f, 2, 4, maps[kind], policy=policy).to(device)
-                if tiled and not layer.use_cslt_layout():   # one cuSPARSELt buffer
-                    raise SystemExit(f"{out_f}x{in_f} cannot take cuSPARSELt's layout")
-                layers[impl].append(layer)
-        perm_d = perm.to(device)
-        # the dense model's own weight: W = W_p with the map undone (so dense and sparse compute the same y)
-        originals = [torch.empty_like(w).index_copy_(1, perm_d, w) for w in weights]
-        for tokens in tokens_list:
-            x = torch.randn(tokens, in_f, generator=gen).to(device, dtype)
-            xp = x.index_select(1, perm_d)
-            ref = F.linear(xp, weights[0])                        # dense bf16 matmul of the decompressed weight
-            ref_block = F.linear(x.index_select(1, maps["block"].to(device)), weights[0])   # under the block map
-            if args.warm:   # compile (auto: its candidates too) and nothing else
+    try:
+        for out_f, in_f in shapes:
+            dense_bytes = out_f * in_f * 2
+            copies = 1 if not cuda or args.warm else max(4, math.ceil(2.5 * l2 / (dense_bytes * 9 / 16)))
+            perm = torch.randperm(in_f, generator=gen)
+            maps = {"random": perm, "block": random_block_perm(in_f, MAP_BLOCK, gen), None: None}
+            weights, layers = [], {impl: [] for impl in args.impls}
+            for c in range(copies):
+                w = torch.randn(out_f, in_f, generator=gen).to(device)  # drawn on the CPU (seeded), masked on the device
+                w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)      # 2:4 in permuted (memory) order
+                values, meta = compress(w, 2, 4)
+                weights.append(w)
                 for impl in args.impls:
-                    if runs_at(impl, tokens) and split_impl(impl)[0] not in left_out:
-                        try:
-                            layers[impl][0](x if split_impl(impl)[1] else xp)
-                        except candidate_errors() as exc:   # one that faults the GPU ends the process, named
-                            raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)",
-                                           f"leave it out with {SKIP_ENV}={split_impl(impl)[0]}")
-                print(f"{out_f}x{in_f} t={tokens}: compiled", flush=True)
-                continue
-            dense_ms, how = timed([lambda w=w: F.linear(x, w) for w in originals])
-            rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense_ms, "timing": how,
-                         "copies": copies, "bytes": bytes_moved("dense", out_f, in_f, tokens),
-                         "tb_s": bytes_moved("dense", out_f, in_f, tokens) / dense_ms / 1e9})
-            line = [f"dense {dense_ms:.4f}"]
-            for impl in args.impls:
-                if not runs_at(impl, tokens):
+                    policy, kind, tiled = split_impl(impl)
+                    layer = SparseLinear(values, meta, in_f, 2, 4, maps[kind], policy=policy).to(device)
+                    if tiled and not layer.use_cslt_layout():   # one cuSPARSELt buffer
+                        raise SystemExit(f"{out_f}x{in_f} cannot take cuSPARSELt's layout")
+                    layers[impl].append(layer)
+            perm_d = perm.to(device)
+            # the dense model's own weight: W = W_p with the map undone (so dense and sparse compute the same y)
+            originals = [torch.empty_like(w).index_copy_(1, perm_d, w) for w in weights]
+            for tokens in tokens_list:
+                x = torch.randn(tokens, in_f, generator=gen).to(device, dtype)
+                xp = x.index_select(1, perm_d)
+                ref = F.linear(xp, weights[0])                        # dense bf16 matmul of the decompressed weight
+                ref_block = F.linear(x.index_select(1, maps["block"].to(device)), weights[0])   # under the block map
+                if args.warm:   # compile (auto: its candidates too) and nothing else
+                    for impl in args.impls:
+                        if runs_at(impl, tokens) and split_impl(impl)[0] not in left_out:
+                            try:
+                                layers[impl][0](x if split_impl(impl)[1] else xp)
+                            except candidate_errors() as exc:   # one that faults the GPU ends the process, named
+                                raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)",
+                                               f"leave it out with {SKIP_ENV}={split_impl(impl)[0]}")
+                    print(f"{out_f}x{in_f} t={tokens}: compiled", flush=True)
                     continue
-                if split_impl(impl)[0] in left_out:
-                    rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
-                                 "error": f"left out ({SKIP_ENV}): it faulted the GPU"})
-                    continue
-                inp = x if split_impl(impl)[1] else xp
-                try:
-                    y = layers[impl][0](inp)
-                    ms, how = timed([lambda l=l: l(inp) for l in layers[impl]])
-                except candidate_errors() as exc:
-                    raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)",
-                                   f"leave it out with {SKIP_ENV}={split_impl(impl)[0]}")
-                    rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
-                                 "error": str(exc).splitlines()[0][:200]})
-                    continue
-                err = relative_error(y, ref_block if split_impl(impl)[1] == "block" else ref)
-                nbytes = bytes_moved(impl, out_f, in_f, tokens)
-                row = {"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": ms, "timing": how,
-                       "copies": copies, "bytes": nbytes, "tb_s": nbytes / ms / 1e9, "max_rel_err": err,
-                       "speedup_vs_dense": dense_ms / ms}
-                if impl.startswith("auto"):
-                    row["choice"] = dict(layers[impl][0].choices)
-                    if impl != "auto_nomap":   # how its input was gathered: the ways measured, fastest first
-                        row["gather_order"] = gather_orders().get((in_f, token_bucket(tokens), layers[impl][0].map_span))
-                rows.append(row)
-                line.append(f"{impl} {ms:.4f}")
-            print(f"{out_f}x{in_f} t={tokens}: " + "  ".join(line), flush=True)
-        del weights, layers, originals
-        if not args.warm:
+                dense_ms, how = timed([lambda w=w: F.linear(x, w) for w in originals])
+                rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense_ms, "timing": how,
+                             "copies": copies, "bytes": bytes_moved("dense", out_f, in_f, tokens),
+                             "tb_s": bytes_moved("dense", out_f, in_f, tokens) / dense_ms / 1e9})
+                line = [f"dense {dense_ms:.4f}"]
+                for impl in args.impls:
+                    if not runs_at(impl, tokens):
+                        continue
+                    if split_impl(impl)[0] in left_out:
+                        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
+                                     "error": f"left out ({SKIP_ENV}): it faulted the GPU"})
+                        continue
+                    inp = x if split_impl(impl)[1] else xp
+                    try:
+                        y = layers[impl][0](inp)
+                        ms, how = timed([lambda l=l: l(inp) for l in layers[impl]])
+                    except candidate_errors() as exc:
+                        raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)",
+                                       f"leave it out with {SKIP_ENV}={split_impl(impl)[0]}")
+                        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
+                                     "error": str(exc).splitlines()[0][:200]})
+                        continue
+                    err = relative_error(y, ref_block if split_impl(impl)[1] == "block" else ref)
+                    nbytes = bytes_moved(impl, out_f, in_f, tokens)
+                    row = {"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": ms, "timing": how,
+                           "copies": copies, "bytes": nbytes, "tb_s": nbytes / ms / 1e9, "max_rel_err": err,
+                           "speedup_vs_dense": dense_ms / ms}
+                    if impl.startswith("auto"):
+                        row["choice"] = dict(layers[impl][0].choices)
+                        if impl != "auto_nomap":   # how its input was gathered: the ways measured, fastest first
+                            row["gather_order"] = gather_orders().get((in_f, token_bucket(tokens), layers[impl][0].map_span))
+                    rows.append(row)
+                    line.append(f"{impl} {ms:.4f}")
+                print(f"{out_f}x{in_f} t={tokens}: " + "  ".join(line), flush=True)
+            del weights, layers, originals
+            if not args.warm:
+                save(done=False)
+            if cuda:
+                torch.cuda.empty_cache()
+    except DeviceFault as exc:   # the timed run faulted the GPU: its rows so far, and the kernel it names, stay
+        culprit = fault_culprit(str(exc))
+        if culprit and not args.warm:
+            left_out = left_out | {culprit}
             save(done=False)
-        if cuda:
-            torch.cuda.empty_cache()
+        raise
 
     if args.warm:
         return

@@ -1543,6 +1543,38 @@ def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_le
     assert skips == ["", "decode_swap_tma", "decode_swap_tma"] and os.environ[SKIP_ENV] == "decode_swap_tma"
 
 
+def test_bench_kernels_timed_run_keeps_its_rows_and_names_the_kernel_that_faulted(monkeypatch, tmp_path):
+    """A ``DeviceFault`` in ``bench_kernel``'s timed run ends it, with the rows measured so far and the kernel
+    it names in the file's ``skipped_impls``, which ``gpu_run.sh`` leaves out of the steps after."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from shuffleprune.runtime import DeviceFault
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("bench_kernel_under_test", scripts / "bench_kernel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = SparseLinear.run
+
+    def faulting(self, impl, x):
+        if impl == "decode_swap" and x.shape[0] == 5:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return run(self, impl, x)
+
+    monkeypatch.setattr(SparseLinear, "run", faulting)
+    monkeypatch.setattr(sys, "argv", ["bench_kernel.py", "--smoke", "--impls", "decode", "decode_swap", "--tokens", "1", "5",
+                                      "--out", str(tmp_path / "bench_kernel.json")])
+    with pytest.raises(DeviceFault, match="decode_swap .48x64, 5 tokens. failed"):
+        bench.main()
+    written = json.loads((tmp_path / "bench_kernel_smoke.json").read_text())
+    assert written["skipped_impls"] == ["decode_swap"] and not written["complete"]
+    assert {(r["tokens"], r["impl"]) for r in written["rows"]} >= {(1, "decode"), (1, "dense"), (5, "decode")}
+
+
 def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch):
     """Before timing, ``auto`` checks each candidate's output against PyTorch's own product of the
     decompressed weight: a kernel that is wrong on this device (here: its output perturbed, or NaN) is
