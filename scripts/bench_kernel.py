@@ -191,7 +191,8 @@ def warm_in_parallel(args: argparse.Namespace) -> None:
 
     def run(cmd: list[str]) -> None:
         for _ in range(4):   # again without each kernel that faulted the GPU (a few at most)
-            env = {**os.environ, SKIP_ENV: ",".join(sorted(faulted))}
+            with lock:   # another thread may be adding to it
+                env = {**os.environ, SKIP_ENV: ",".join(sorted(faulted))}
             done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
             if done.returncode == 0:
                 return
