@@ -1536,7 +1536,7 @@ def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_le
         return types.SimpleNamespace(returncode=1, stderr=f"Traceback ...\nshuffleprune.runtime.DeviceFault: {fault.value}\n")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    monkeypatch.delenv(SKIP_ENV, raising=False)
+    monkeypatch.setenv(SKIP_ENV, "")   # (set, not deleted: the run's own setting is then undone after the test)
     args = argparse.Namespace(smoke=True, tokens=[1, 16], shapes=["64x64"], impls=["auto"], warm_serving=False,
                               warm_jobs=1)
     bench.warm_in_parallel(args)   # two processes: tokens 1, then 16
@@ -1551,6 +1551,7 @@ def test_bench_kernels_timed_run_keeps_its_rows_and_names_the_kernel_that_faulte
     import sys
     from pathlib import Path
 
+    from shuffleprune.deploy.impls import SKIP_ENV
     from shuffleprune.runtime import DeviceFault
 
     scripts = Path(__file__).resolve().parents[1] / "scripts"
@@ -1566,6 +1567,7 @@ def test_bench_kernels_timed_run_keeps_its_rows_and_names_the_kernel_that_faulte
         return run(self, impl, x)
 
     monkeypatch.setattr(SparseLinear, "run", faulting)
+    monkeypatch.setenv(SKIP_ENV, "")
     monkeypatch.setattr(sys, "argv", ["bench_kernel.py", "--smoke", "--impls", "decode", "decode_swap", "--tokens", "1", "5",
                                       "--out", str(tmp_path / "bench_kernel.json")])
     with pytest.raises(DeviceFault, match="decode_swap .48x64, 5 tokens. failed"):
