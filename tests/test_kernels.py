@@ -1568,6 +1568,7 @@ def test_bench_kernels_timed_run_keeps_its_rows_and_names_the_kernel_that_faulte
 
     monkeypatch.setattr(SparseLinear, "run", faulting)
     monkeypatch.setenv(SKIP_ENV, "")
+    monkeypatch.setenv("SHUFFLEPRUNE_AUTO_STORE", "0")   # main() sets it so: undone after the test
     monkeypatch.setattr(sys, "argv", ["bench_kernel.py", "--smoke", "--impls", "decode", "decode_swap", "--tokens", "1", "5",
                                       "--out", str(tmp_path / "bench_kernel.json")])
     with pytest.raises(DeviceFault, match="decode_swap .48x64, 5 tokens. failed"):
