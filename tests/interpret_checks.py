@@ -20,7 +20,9 @@ wins: each launch's plain stores are checked to come from one program per addres
 """
 from __future__ import annotations
 
+import functools
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -226,3 +228,44 @@ def install() -> bool:
     executor._init_args_hst, executor.__call__ = init_args_hst, launch
     builder._checked = True
     return True
+
+
+_EMPTIES = ("empty", "empty_like", "empty_strided")
+
+
+def poison(t):
+    """Fill a tensor fresh from an ``empty`` as PyTorch's ``fill_uninitialized_memory`` does: NaN where it
+    holds floats, the largest value where it holds integers (what a GPU's uninitialized memory may hold)."""
+    import torch
+
+    if t.numel() and not t.is_meta:
+        if t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).max)
+    return t
+
+
+@contextmanager
+def poisoned_empties():
+    """``torch.empty``, ``empty_like``, ``empty_strided`` and ``Tensor.new_empty`` give poisoned tensors
+    (:func:`poison`) while this lasts: a kernel that reads a scratch element no program wrote (a partial sum
+    of a split with no work, say) then computes NaN or an absurd index here, where fresh memory on the CPU
+    (or a GPU's, often zeroed) would have hidden it."""
+    import torch
+
+    originals = {name: getattr(torch, name) for name in _EMPTIES}
+    new_empty = torch.Tensor.new_empty
+
+    def wrap(make):
+        return functools.wraps(make)(lambda *args, **kwargs: poison(make(*args, **kwargs)))
+
+    try:
+        for name, make in originals.items():
+            setattr(torch, name, wrap(make))
+        torch.Tensor.new_empty = wrap(new_empty)
+        yield
+    finally:
+        for name, make in originals.items():
+            setattr(torch, name, make)
+        torch.Tensor.new_empty = new_empty

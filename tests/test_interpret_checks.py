@@ -1,7 +1,8 @@
 """The interpreter's checks (``interpret_checks``), which every kernel test runs under: a stray access is
 refused, recorded even when caught, and masked-off or in-bounds accesses pass; a launch's programs run in a
 shuffled order, each once, so a kernel relying on grid order fails here as it would on a GPU; two programs
-storing to one address are refused, atomics and one program's own stores are not."""
+storing to one address are refused, atomics and one program's own stores are not; and ``torch.empty`` and
+its kin can be made to give poisoned memory, as the kernel tests run."""
 from __future__ import annotations
 
 import numpy as np
@@ -134,3 +135,23 @@ def test_stray_addresses_need_each_element_whole_inside_one_span():
     column = torch.empty(3, 4)[:, 1]   # a strided view: from its first element to its last, nothing past it
     (start, end), = interpret_checks.tensor_spans([torch.empty(0), (column, 7)])   # empty tensors and ints: none
     assert start == column.data_ptr() and end - start == (2 * 4 + 1) * 4
+
+
+@triton.jit
+def _sum_parts(part, out, SPLIT: tl.constexpr):
+    total = 0.0
+    for s in tl.static_range(SPLIT):
+        total += tl.load(part + s)
+    tl.store(out, total)
+
+
+def test_empties_are_poisoned_while_asked_so_a_read_of_memory_no_one_wrote_shows():
+    with interpret_checks.poisoned_empties():
+        floats, ints = torch.empty(3), torch.empty(2, 2, dtype=torch.int32).new_empty(4)
+        assert floats.isnan().all() and ints.tolist() == [2**31 - 1] * 4
+        assert torch.empty_like(floats).isnan().all() and torch.empty_strided((2,), (1,)).isnan().all()
+        part, out = torch.empty(3), torch.empty(1)   # partial sums of which one split wrote none
+        part[:2] = 1.0
+        _sum_parts[(1,)](part, out, SPLIT=3)
+        assert out.isnan().all()   # fresh memory holding 0 would have given a plausible 2.0
+    assert not torch.empty(10**6).isnan().all()   # restored: uninitialized again (not poisoned)
