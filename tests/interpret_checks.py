@@ -1,5 +1,6 @@
 """Checks for Triton kernels run by the interpreter (``TRITON_INTERPRET=1``): out-of-bounds accesses, programs
-run out of order, and programs storing to the same address.
+run out of order, programs storing to the same address (:func:`install`), and reads of memory nobody wrote
+(:func:`poisoned_empties`).
 
 On a GPU a load or store outside every tensor a kernel was given is an illegal address that ends the
 process (or, inside another allocation, silently wrong data); the interpreter reads and writes host
