@@ -67,7 +67,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import threading
 import time
@@ -102,7 +101,7 @@ MAP_BLOCK = 64
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.impls import (  # noqa: E402  (no Triton import)
     DECODE_KERNELS, GEMM_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, SKIP_ENV, SWAP_TILES,
-    TILE_MAX_TOKENS, skipped_impls)
+    TILE_MAX_TOKENS, advised_skip, skip_advice, skipped_impls)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
@@ -168,12 +167,6 @@ def runs_at(impl: str, tokens: int) -> bool:
     return not (impl == "semi_cutlass" and tokens < 64)
 
 
-def fault_culprit(stderr: str) -> str | None:
-    """The implementation a failed process's ``DeviceFault`` named (its advice ``SHUFFLEPRUNE_SKIP_IMPLS=…``), if any."""
-    found = re.findall(rf"{SKIP_ENV}=([\w+]+)", stderr)
-    return found[-1] if found else None
-
-
 def warm_in_parallel(args: argparse.Namespace) -> None:
     """Run ``--warm`` processes, ``args.warm_jobs`` at a time, and wait for all: one per shape and half
     of the token counts (and with ``--warm-serving`` one per layer ``bench_e2e`` serves)."""
@@ -196,7 +189,7 @@ def warm_in_parallel(args: argparse.Namespace) -> None:
             done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
             if done.returncode == 0:
                 return
-            culprit = fault_culprit(done.stderr)
+            culprit = advised_skip(done.stderr)
             print(f"warm {' '.join(cmd[3:])}: exit {done.returncode}"
                   + (f", {culprit} faulted the GPU: left out from here on" if culprit else
                      f" (its kernels compile when timed): {done.stderr.strip().splitlines()[-1:]}"), flush=True)
@@ -340,6 +333,11 @@ def main() -> None:
         return summary
 
     left_out = skipped_impls()   # kernels that faulted the GPU in a warm process (or named by the caller)
+
+    def fault_check(exc: Exception, impl: str, out_f: int, in_f: int, tokens: int) -> None:
+        """A DeviceFault naming ``impl``'s policy where ``exc`` faulted the GPU (the process then ends)."""
+        raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)", skip_advice(split_impl(impl)[0]))
+
     gen = torch.Generator().manual_seed(0)
     try:
         for out_f, in_f in shapes:
@@ -373,8 +371,7 @@ def main() -> None:
                             try:
                                 layers[impl][0](x if split_impl(impl)[1] else xp)
                             except candidate_errors() as exc:   # one that faults the GPU ends the process, named
-                                raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)",
-                                               f"leave it out with {SKIP_ENV}={split_impl(impl)[0]}")
+                                fault_check(exc, impl, out_f, in_f, tokens)
                     print(f"{out_f}x{in_f} t={tokens}: compiled", flush=True)
                     continue
                 dense_ms, how = timed([lambda w=w: F.linear(x, w) for w in originals])
@@ -394,8 +391,7 @@ def main() -> None:
                         y = layers[impl][0](inp)
                         ms, how = timed([lambda l=l: l(inp) for l in layers[impl]])
                     except candidate_errors() as exc:
-                        raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)",
-                                       f"leave it out with {SKIP_ENV}={split_impl(impl)[0]}")
+                        fault_check(exc, impl, out_f, in_f, tokens)
                         rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
                                      "error": str(exc).splitlines()[0][:200]})
                         continue
@@ -417,7 +413,7 @@ def main() -> None:
             if cuda:
                 torch.cuda.empty_cache()
     except DeviceFault as exc:   # the timed run faulted the GPU: its rows so far, and the kernel it names, stay
-        culprit = fault_culprit(str(exc))
+        culprit = advised_skip(str(exc))
         if culprit and not args.warm:
             left_out = left_out | {culprit}
             save(done=False)

@@ -1514,7 +1514,7 @@ def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_le
     import types
     from pathlib import Path
 
-    from shuffleprune.deploy.impls import SKIP_ENV
+    from shuffleprune.deploy.impls import SKIP_ENV, advised_skip
     from shuffleprune.runtime import DeviceFault, raise_if_fault
 
     scripts = Path(__file__).resolve().parents[1] / "scripts"
@@ -1525,8 +1525,8 @@ def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_le
     with pytest.raises(DeviceFault) as fault:
         raise_if_fault(RuntimeError("CUDA error: an illegal memory access was encountered"),
                        "decode_swap_tma (64x64, 16 tokens)", f"leave it out with {SKIP_ENV}=decode_swap_tma")
-    assert bench.fault_culprit(f"Traceback ...\nshuffleprune.runtime.DeviceFault: {fault.value}\n") == "decode_swap_tma"
-    assert bench.fault_culprit("RuntimeError: out of resource: shared memory") is None
+    assert advised_skip(f"Traceback ...\nshuffleprune.runtime.DeviceFault: {fault.value}\n") == "decode_swap_tma"
+    assert advised_skip("RuntimeError: out of resource: shared memory") is None
     skips = []
 
     def fake_run(cmd, stdout=None, stderr=None, text=None, env=None):

@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 
 from shuffleprune.deploy import choice_store
-from shuffleprune.deploy.impls import (EAGER_CHECKED, PDL_KERNELS, PDL_SUFFIX, SKIP_ENV, default_choice,
+from shuffleprune.deploy.impls import (EAGER_CHECKED, PDL_KERNELS, PDL_SUFFIX, default_choice, skip_advice,
                                        skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import release_gather_choices
 from shuffleprune.runtime import (candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools,
@@ -112,8 +112,9 @@ def measured_choice(layer: SparseLinear, x: torch.Tensor, bucket: int) -> tuple[
 def stored_applies(stored, candidates: list[str]) -> bool:
     """Whether ``stored`` (:func:`.choice_store.recall`'s answer) is a pair of implementations this layer
     weighs now (``+pdl`` launches of them too): one stored under other conditions is measured again."""
+    left_out = skipped_impls()
     return (isinstance(stored, list) and len(stored) == 2 and all(isinstance(impl, str) for impl in stored)
-            and all(split_pdl(impl)[0] in candidates and impl not in skipped_impls() for impl in stored))
+            and all(split_pdl(impl)[0] in candidates and impl not in left_out for impl in stored))
 
 
 def measure(layer: SparseLinear, x: torch.Tensor, candidates: list[str], calls: int = 10,
@@ -185,7 +186,7 @@ def time_pdl(layer: SparseLinear, x: torch.Tensor, ref: torch.Tensor, impl: str,
 def _culprit(layer: SparseLinear, impl: str, x: torch.Tensor) -> tuple[str, str]:
     """What :func:`~shuffleprune.runtime.raise_if_fault` says of ``impl`` failing on ``x``, and the fix."""
     return (f"SparseLinear {layer.out_features}x{layer.in_features}: {impl} on {x.numel() // x.shape[-1]} tokens",
-            f"leave it out with {SKIP_ENV}={impl} and please report it")
+            f"{skip_advice(impl)} and please report it")
 
 
 def agrees(layer: SparseLinear, impl: str, x: torch.Tensor, ref: torch.Tensor) -> bool:

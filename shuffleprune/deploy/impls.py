@@ -192,6 +192,18 @@ def skipped_impls() -> frozenset[str]:
     return names
 
 
+def skip_advice(impl: str) -> str:
+    """What a :class:`~shuffleprune.runtime.DeviceFault` advises for a faulting ``impl`` (:func:`advised_skip`
+    reads the name back)."""
+    return f"leave it out with {SKIP_ENV}={impl}"
+
+
+def advised_skip(text: str) -> str | None:
+    """The implementation the last :func:`skip_advice` in ``text`` (a failed process's output) names, or None."""
+    found = re.findall(rf"{SKIP_ENV}=([\w+]+)", text)
+    return found[-1] if found else None
+
+
 def default_choice(candidates: list[str]) -> str:
     """What ``auto`` runs where it cannot measure: the decode kernel where it applies, else the
     shared scratch (the fastest on an H100: ``scripts/results/bench_kernel.json``)."""
