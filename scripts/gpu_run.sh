@@ -105,6 +105,9 @@ export SHUFFLEPRUNE_AUTO_STORE=0   # every step measures auto's choices itself (
 [ "$SMOKE" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 $PY -c "import torch, triton, transformers, scipy; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 status=0
+fits() {  # fits LIMIT_S: whether a fill step of that limit may start now
+    [ "$FILLING" = 0 ] || [ "$BUDGET_S" -le 0 ] || [ "$1" -le $((BUDGET_S - SECONDS)) ]
+}
 step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     local name=$1 limit=$2 result=$3; shift 3
     if [ "$SMOKE" = 1 ]; then   # the script's own CPU check, where it has one
@@ -114,7 +117,7 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     fi
     if [ "$BUDGET_S" -gt 0 ]; then
         local left=$((BUDGET_S - SECONDS))
-        if [ "$left" -lt 15 ] || { [ "$FILLING" = 1 ] && [ "$limit" -gt "$left" ]; }; then
+        if [ "$left" -lt 15 ] || ! fits "$limit"; then
             echo "=== $name: skipped (limit ${limit}s, ${left}s of BUDGET_S=$BUDGET_S left)"
             [ "$SMOKE" = 1 ] || echo "$name skipped limit=$limit left=$left" >> "$OUT/gpu_run_steps.txt"
             return
@@ -187,9 +190,6 @@ steps=(); for s in "$@"; do case $s in
 esac; done
 set -- "${steps[@]}"
 ran=()   # the steps of this call so far
-fits() {  # fits LIMIT_S: whether a fill step of that limit may start now
-    [ "$FILLING" = 0 ] || [ "$BUDGET_S" -le 0 ] || [ "$1" -le $((BUDGET_S - SECONDS)) ]
-}
 for s in "$@"; do
     FILLING=0
     if [ "${s#+}" != "$s" ]; then
