@@ -24,6 +24,7 @@ from pathlib import Path
 
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
+from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 
 
@@ -46,6 +47,19 @@ class GPUSpec:
 
 
 H100 = GPUSpec()
+# the other NVIDIA data-centre GPUs users serve on (NVIDIA's published figures): the Ampere A100 (SXM, 80 GB)
+# and the Ada L40S, whose 100 KB of shared memory per SM is what a Hopper-sized tile can outgrow
+A100 = GPUSpec(name="A100 (sm_80)", arch=80, sms=108, smem_per_sm=164 * 1024, smem_per_block=163 * 1024,
+               clock_ghz=1.41, dram_tbs=2.04)
+L40S = GPUSpec(name="L40S (sm_89)", arch=89, sms=142, smem_per_sm=100 * 1024, smem_per_block=99 * 1024,
+               max_warps_per_sm=48, max_blocks_per_sm=24, clock_ghz=2.52, dram_tbs=0.864)
+SPECS = {"h100": H100, "a100": A100, "l40s": L40S}
+
+
+def ptxas_arch(arch: int) -> str:
+    """``ptxas``' name of ``arch``: Hopper's architecture-specific sm_90a (wgmma, TMA, griddepcontrol),
+    the plain name below it."""
+    return f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
 
 
 @dataclasses.dataclass
@@ -95,22 +109,24 @@ def _planned_as_on(spec: GPUSpec) -> Iterator[None]:
     from shuffleprune.kernels import gpu
 
     active = driver._active
-    upcast, sm_count, smem, native, pdl = gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl
+    saved = gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl, gpu.tma
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", spec.arch, 32)))
     gpu.upcast, gpu.sm_count, gpu.native = (lambda x: False), (lambda device: spec.sms), (lambda x: True)
     gpu.smem_per_sm = lambda device: spec.smem_per_sm
-    gpu.pdl = lambda x: spec.arch >= 90
+    gpu.pdl = gpu.tma = lambda x: spec.arch >= 90   # Hopper's grid dependency control and tensor descriptors
     try:
         yield
     finally:
         driver._active = active
-        gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl = upcast, sm_count, smem, native, pdl
+        gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl, gpu.tma = saved
 
 
 @contextlib.contextmanager
 def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
     """Inside, every ``kernel[grid](…)`` compiles for ``spec`` and returns without running (outputs stay
-    uninitialised); the host functions plan as on that GPU (its SM count, no interpreter upcasts).
+    uninitialised), or raises Triton's ``OutOfResources`` where the kernel needs more shared memory than
+    ``spec`` gives a program, as loading it there would; the host functions plan as on that GPU (its
+    SM count, no interpreter upcasts).
     Yields the list of :class:`Launch` records, filled as launches happen."""
     from shuffleprune.kernels import launch
 
@@ -119,6 +135,8 @@ def compile_only(spec: GPUSpec = H100) -> Iterator[list[Launch]]:
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        if kernel.metadata.shared > spec.smem_per_block:   # what Triton's loader raises on that GPU, before any run
+            raise OutOfResources(kernel.metadata.shared, spec.smem_per_block, "shared memory")
         launches.append(Launch(self.fn.__name__, tuple(grid), kernel))
         return kernel
 
@@ -169,7 +187,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        out = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", f.name, "-o", "/dev/null"],
+        out = subprocess.run([get_ptxas(arch).path, f"-arch={ptxas_arch(arch)}", "-v", f.name, "-o", "/dev/null"],
                              capture_output=True, text=True, check=True)
     text = out.stdout + out.stderr
     regs = int(re.search(r"Used (\d+) registers", text).group(1))

@@ -6,6 +6,11 @@ import functools
 
 import torch
 
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    OutOfResources = None
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for the host's grid and plan arithmetic: ``triton.cdiv`` is a constexpr function,
@@ -95,3 +100,25 @@ def smem_per_sm(device: torch.device) -> int:
     if device.type == "cuda":
         return getattr(properties(device), "shared_memory_per_multiprocessor", SMEM_PER_SM)
     return SMEM_PER_SM
+
+
+def short_of_shared_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is Triton refusing a compiled kernel that needs more shared memory than this GPU
+    gives one program (its ``OutOfResources``, raised at the first launch before anything runs): the
+    tiles and pipelines here were sized on Hopper (227 KB a program); an A100 gives 163 KB, Ada and
+    Ampere's smaller chips 99 KB."""
+    return OutOfResources is not None and isinstance(exc, OutOfResources) and exc.name == "shared memory"
+
+
+def with_fewer_stages(launch, stages: int):
+    """``launch(stages)``, and where its kernel is :func:`short_of_shared_memory` the same with one
+    software-pipeline stage fewer, down to one (no tile loaded ahead): the first stage count whose
+    kernel fits, and what it returned, as ``(stages, result)``. Any other error, or one stage that still
+    does not fit, is raised."""
+    while True:
+        try:
+            return stages, launch(stages)
+        except Exception as exc:  # noqa: BLE001 - only Triton's shared-memory refusal is retried
+            if stages <= 1 or not short_of_shared_memory(exc):
+                raise
+            stages -= 1

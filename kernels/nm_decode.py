@@ -388,12 +388,13 @@ def decode_max_tokens(element_bytes: int) -> int:
     return DECODE_MAX_TOKENS_FP32 if element_bytes >= 4 else DECODE_MAX_TOKENS
 
 
+DECODE_STAGES = 4   # the decode's software pipeline: tiles in flight (fewer where a GPU's shared memory is short)
 _PLANS: dict[tuple, dict] = {}   # decode_plan's answers by its arguments and the device facts it reads
 
 
 def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
-                stages: int = 4, num_warps: int | None = None, use_dot: bool | None = None,
+                stages: int = DECODE_STAGES, num_warps: int | None = None, use_dot: bool | None = None,
                 element_bytes: int = 2, weight_a: bool = False, by_group: bool = True, tma: bool = False) -> dict:
     """:func:`plan_decode`, worked out once per shape, token count, options and device facts (SM count,
     shared memory per SM) and then looked up: the host runs it at every decode launch, and working
@@ -410,7 +411,7 @@ def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
 
 def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
-                stages: int = 4, num_warps: int | None = None, use_dot: bool | None = None,
+                stages: int = DECODE_STAGES, num_warps: int | None = None, use_dot: bool | None = None,
                 element_bytes: int = 2, weight_a: bool = False, by_group: bool = True, tma: bool = False) -> dict:
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
@@ -526,25 +527,42 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
            gpu.smem_per_sm(device), tiled, perm is None, bias is None, perm is not None and word_gather(x2),
            async_gather, pdl, span, tuple(plan_overrides.items()))
     launch = _LAUNCHES.get(key)
-    if launch is None or launch.plain.fast_kernel.kernel is not _nm_decode_kernel:   # (a kernel swapped in)
-        launch = _LAUNCHES[key] = _decode_launch(x2, values, n, m, bits, perm, bias, tiled, async_gather, pdl,
-                                                 span, plan_overrides)
     if span:
         perm = block_map[0]
-    y = torch.empty(tokens, rows, dtype=x.dtype, device=device)
+    args = (x2, values, words, perm, bias, sum_in_kernel)
+    if launch is None or launch.plain.fast_kernel.kernel is not _nm_decode_kernel:   # (a kernel swapped in)
+        def first(stages: int) -> tuple[DecodeLaunch, torch.Tensor]:   # the launch at this pipeline depth, run
+            fitted = _decode_launch(x2, values, n, m, bits, perm, bias, tiled, async_gather, pdl, span,
+                                    {**plan_overrides, "stages": stages})
+            return fitted, _run_decode(fitted, *args)
+
+        # the plan's depth, or on a GPU with less shared memory than Hopper's the deepest that fits
+        launch, y = gpu.with_fewer_stages(first, plan_overrides.get("stages", DECODE_STAGES))[1]
+        _LAUNCHES[key] = launch
+    else:
+        y = _run_decode(launch, *args)
+    return y.reshape(*lead, rows)
+
+
+def _run_decode(launch: DecodeLaunch, x2: torch.Tensor, values: torch.Tensor, words: torch.Tensor,
+                perm: torch.Tensor | None, bias: torch.Tensor | None, sum_in_kernel: bool | None) -> torch.Tensor:
+    """One :func:`nm_decode` launch (and split-K's separate sum where the kernel does not add its partial
+    sums): ``y`` ``[T, R]``."""
+    (tokens, cols), (rows, kept), device = x2.shape, values.shape, x2.device
+    y = torch.empty(tokens, rows, dtype=x2.dtype, device=device)
     split = launch.split
     part = split_k.partials(split, y)
     counts = split_k.summing(split, launch.grid[0], device, sum_in_kernel)
     dummy, n_words = values, words.shape[1]
-    if launch.tma_tile is not None:   # a descriptor holds its tensor: made per call
-        values, words = tma_descriptors(x2, values, words, n, m, bits, tiled, *launch.tma_tile)
+    if launch.tma is not None:   # a descriptor holds its tensor: made per call
+        values, words = tma_descriptors(x2, values, words, *launch.tma)
     args = (x2, values, words, perm if perm is not None else dummy, bias if bias is not None else dummy, y, part,
             counts if counts is not None else dummy, tokens, rows, kept, cols, n_words, x2.stride(0),
             y.stride(0), launch.per_split)
     (launch.summed if counts is not None else launch.plain)(launch.grid, *args)
     if split > 1 and counts is None:
         y = split_k.sum_partials(part, bias, y)
-    return y.reshape(*lead, rows)
+    return y
 
 
 class DecodeLaunch(NamedTuple):
@@ -556,7 +574,7 @@ class DecodeLaunch(NamedTuple):
     per_split: int
     plain: BoundLaunch    # the kernel with its keyword arguments (compile-time constants, warps, launch options)
     summed: BoundLaunch   # the same for a split-K launch that adds its partial sums in the kernel
-    tma_tile: tuple[int, int] | None = None   # (rows, kept values) of the weight's tensor-descriptor tiles
+    tma: tuple | None = None   # tma_descriptors' arguments after the tensors: N, M, bits, tiled and the tile
 
 
 _LAUNCHES: dict[tuple, DecodeLaunch] = {}   # nm_decode's launches by everything that fixes them
@@ -597,7 +615,7 @@ def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits:
     kernel = fast(_nm_decode_kernel)
     return DecodeLaunch(grid, p["split"], p["per_split"], kernel.bind(DECODE_ARGS, plain),
                         kernel.bind(DECODE_ARGS, {**plain, "SUM_HERE": True}),
-                        (p["block_r"], p["block_k"]) if p["tma"] else None)
+                        (n, m, bits, tiled, p["block_r"], p["block_k"]) if p["tma"] else None)
 
 
 def tma_applies(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, tiled: bool) -> bool:

@@ -28,7 +28,8 @@ import torch
 from shuffleprune.kernels import gpu
 from shuffleprune.kernels.gpu import cdiv, next_pow2
 from shuffleprune.kernels.launch import fast
-from shuffleprune.kernels.nm_decode import DECODE_MAX_TOKENS, decode_max_tokens, decode_plan, triton, word_gather
+from shuffleprune.kernels.nm_decode import (DECODE_MAX_TOKENS, DECODE_STAGES, decode_max_tokens, decode_plan, triton,
+                                            word_gather)
 from shuffleprune.kernels.nm_words import check_pattern
 
 if triton is not None:
@@ -217,22 +218,35 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     if perm is not None and gather_first:
         x2, x_div, perm = gather_pairs(x2, perm, expert_ids, x_div), 1, None
     busy = min(experts, pairs)          # blocks holding pairs when each expert's pairs fit in one block
-    plan = decode_plan(rows * busy, kept, block_t or experts_block_t(pairs, experts, decode_max_tokens(x.element_size())), n, m, bits, x.device,
-                       element_bytes=x.element_size(), weight_a=True, **plan_overrides)
-    block_t = plan["block_t"]           # the tensor cores take at least 16 tokens: blocks that wide
-    if routes is None or routes.block_t != block_t:
-        routes = Routes(block_t, *route_blocks(expert_ids, experts, block_t))
+    tokens = block_t or experts_block_t(pairs, experts, decode_max_tokens(x.element_size()))
     x_words = perm is not None and word_gather(x2)
-    split = plan["split"]
-    part = torch.zeros(split, pairs, rows, dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (cdiv(rows, plan["block_r"]), routes.block_expert.numel(), split)
-    fast(_nm_experts_kernel)[grid](
-        x2, values, words, perm if perm is not None else words, y, part, routes.slots, routes.block_expert,
-        pairs, rows, kept, cols, words.shape[-1], x2.stride(0), x_div, plan["per_split"],
-        N=n, M=m, BITS=bits, HAS_PERM=perm is not None, SPLIT=split, USE_DOT=plan["use_dot"], PREC=gpu.precision(x),
-        UPCAST=gpu.upcast(x), BLOCK_R=plan["block_r"], BLOCK_K=plan["block_k"], BLOCK_T=block_t, STAGES=plan["stages"],
-        X_WORDS=x_words, NATIVE=gpu.native(x), num_warps=plan["num_warps"])
-    if split > 1:
-        y.copy_(part.sum(0))
+
+    def launch(stages: int) -> tuple[int, Routes]:   # split-K and the routes of the plan at this pipeline depth
+        nonlocal routes
+        plan = decode_plan(rows * busy, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(),
+                           weight_a=True, **{**plan_overrides, "stages": stages})
+        block = plan["block_t"]             # the tensor cores take at least 16 tokens: blocks that wide
+        if routes is None or routes.block_t != block:
+            routes = Routes(block, *route_blocks(expert_ids, experts, block))
+        split = plan["split"]
+        part = torch.zeros(split, pairs, rows, dtype=torch.float32, device=x.device) if split > 1 else y
+        grid = (cdiv(rows, plan["block_r"]), routes.block_expert.numel(), split)
+        fast(_nm_experts_kernel)[grid](
+            x2, values, words, perm if perm is not None else words, y, part, routes.slots, routes.block_expert,
+            pairs, rows, kept, cols, words.shape[-1], x2.stride(0), x_div, plan["per_split"],
+            N=n, M=m, BITS=bits, HAS_PERM=perm is not None, SPLIT=split, USE_DOT=plan["use_dot"],
+            PREC=gpu.precision(x), UPCAST=gpu.upcast(x), BLOCK_R=plan["block_r"], BLOCK_K=plan["block_k"],
+            BLOCK_T=block, STAGES=plan["stages"], X_WORDS=x_words, NATIVE=gpu.native(x), num_warps=plan["num_warps"])
+        if split > 1:
+            y.copy_(part.sum(0))
+        return routes
+
+    # the plan's pipeline depth, or on a GPU with less shared memory than Hopper's the deepest that fits
+    key = (rows * busy, kept, tokens, n, m, bits, x.device, x.dtype, tuple(plan_overrides.items()))
+    stages, routes = gpu.with_fewer_stages(launch, _FITTED_STAGES.get(key, plan_overrides.get("stages", DECODE_STAGES)))
+    _FITTED_STAGES[key] = stages
     return y, routes
+
+
+_FITTED_STAGES: dict[tuple, int] = {}   # nm_experts' pipeline depth by plan, where the GPU's shared memory cut it
 

@@ -253,6 +253,9 @@ def plan_gemm(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
     return tile, split
 
 
+_FITTED_STAGES: dict[tuple, int] = {}   # nm_gemm's pipeline depth by tile, where the GPU's shared memory cut it
+
+
 def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
             bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None,
             split: int | None = None, weight_a: bool = False, tiled: bool = False,
@@ -289,13 +292,19 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
         dependent = dict(PDL=True, LINE=overlap.LINE_BYTES // values.element_size(), PREFETCH=share,
                          PREFETCH_WORDS=overlap.position_words_per_row(share, bits, tiled),
                          **overlap.launch_options(True))
-    fast(_nm_gemm_kernel)[grid](x2, values, words, bias if bias is not None else values, y, part,
-                          counts if counts is not None else values, tokens, rows, cols, kept,
-                          words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
-                          HAS_BIAS=bias is not None, SPLIT=split, PREC=gpu.precision(x), UPCAST=gpu.upcast(x),
-                          BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, WEIGHT_A=weight_a,
-                          TILED=tiled, SUM_HERE=counts is not None, NATIVE=gpu.native(x), num_warps=warps,
-                          num_stages=stages, **dependent)
+
+    def launch(stages: int) -> None:
+        fast(_nm_gemm_kernel)[grid](x2, values, words, bias if bias is not None else values, y, part,
+                              counts if counts is not None else values, tokens, rows, cols, kept,
+                              words.shape[1], x2.stride(0), y.stride(0), per_split, N=n, M=m, BITS=bits,
+                              HAS_BIAS=bias is not None, SPLIT=split, PREC=gpu.precision(x), UPCAST=gpu.upcast(x),
+                              BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_C=block_c, GROUP_T=8, WEIGHT_A=weight_a,
+                              TILED=tiled, SUM_HERE=counts is not None, NATIVE=gpu.native(x), num_warps=warps,
+                              num_stages=stages, **dependent)
+
+    # the tile's pipeline depth, or on a GPU with less shared memory than Hopper's the deepest that fits
+    key = (tile, weight_a, tiled, n, m, x.dtype, values.dtype, x.device, bool(dependent))
+    _FITTED_STAGES[key] = gpu.with_fewer_stages(launch, _FITTED_STAGES.get(key, stages))[0]
     if split > 1 and counts is None:
         y = split_k.sum_partials(part, bias, y)
     return y.reshape(*lead, rows)

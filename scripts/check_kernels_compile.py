@@ -120,6 +120,13 @@ def cases(quick: bool) -> list[dict]:
     return out
 
 
+def offered(case: dict, arch: int) -> bool:
+    """Whether the runtime launches ``case``'s kernel on a GPU of architecture ``arch``: the kernels
+    whose weight tiles the Tensor Memory Accelerator copies need Hopper (sm_90); ``SparseLinear``
+    offers them nowhere else. (A ``…_pdl`` case runs there as a plain launch.)"""
+    return arch >= 90 or not case["impl"].endswith("_tma")
+
+
 def run_case(case: dict) -> None:
     """Call the host function of ``case`` once (its launch is compiled, not run)."""
     import torch
@@ -214,43 +221,47 @@ def run_case(case: dict) -> None:
         nm_matmul.nm_gather_matmul(x, values, meta, n, m, bits, perm=perm, variant=impl)
 
 
-def decode_ceilings(row: dict, case: dict) -> tuple[float | None, float | None]:
-    """TB/s of weight traffic at which decode's loop would use every issue slot of an H100
+def decode_ceilings(row: dict, case: dict, spec) -> tuple[float | None, float | None]:
+    """TB/s of weight traffic at which decode's loop would use every issue slot of ``spec``'s GPU
     (``compile_check.issue_ceiling_tbs``), and all of its shared-memory bandwidth
     (``compile_check.shared_ceiling_tbs``): per iteration a program reads ``BLOCK_R × BLOCK_K`` kept
     values and their position bits."""
     import torch
 
     from shuffleprune.deploy.format import meta_bits
-    from shuffleprune.kernels.compile_check import H100, issue_ceiling_tbs, shared_ceiling_tbs
+    from shuffleprune.kernels.compile_check import issue_ceiling_tbs, shared_ceiling_tbs
 
     c = row["constexprs"]
     per_value = getattr(torch, case.get("dtype", "bfloat16")).itemsize + meta_bits(case.get("pattern", (2, 4))[1]) / 8
     weight = c["BLOCK_R"] * c["BLOCK_K"] * per_value
-    issue = issue_ceiling_tbs(weight, row["loop_instructions"], row["num_warps"], H100)
-    shared = shared_ceiling_tbs(weight, row["loop_shared_bytes"], row["num_warps"], H100)
+    issue = issue_ceiling_tbs(weight, row["loop_instructions"], row["num_warps"], spec)
+    shared = shared_ceiling_tbs(weight, row["loop_shared_bytes"], row["num_warps"], spec)
     return tuple(None if ceiling is None else round(ceiling, 2) for ceiling in (issue, shared))
 
 
-def decode_plan_per_sm(case: dict) -> int:
-    """The programs per SM ``decode_plan`` sized its split-K for (at most what the compile gives)."""
+def decode_plan_per_sm(case: dict, spec, stages: int | None = None) -> int:
+    """The programs per SM ``decode_plan`` sized its split-K for on ``spec``'s GPU at the launch's pipeline
+    depth ``stages`` (at most what the compile gives)."""
     import torch
 
     from shuffleprune.deploy.format import meta_bits
     from shuffleprune.deploy.impls import DECODE_KERNELS
     from shuffleprune.kernels import nm_decode
+    from shuffleprune.kernels.compile_check import compile_only
 
     (rows, cols), (n, m) = case["shape"], case.get("pattern", (2, 4))
     if case["impl"].startswith("decode_resident"):   # its chunks × row ranges over the SMs
-        from shuffleprune.kernels.compile_check import H100
         from shuffleprune.kernels.gpu import cdiv
         from shuffleprune.kernels.nm_resident import resident_plan
 
-        plan = resident_plan(rows, cols // m * n, case["tokens"], H100.sms)
-        return cdiv(plan["split"] * plan["ranges"], H100.sms)
-    kernel = DECODE_KERNELS.get(case["impl"].removesuffix("_pdl"), {})   # decode, decode_nomap: the plan's own
-    plan = nm_decode.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
-                                 element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **kernel)
+        plan = resident_plan(rows, cols // m * n, case["tokens"], spec.sms)
+        return cdiv(plan["split"] * plan["ranges"], spec.sms)
+    kernel = dict(DECODE_KERNELS.get(case["impl"].removesuffix("_pdl"), {}))   # decode, decode_nomap: the plan's own
+    if stages is not None:
+        kernel["stages"] = stages
+    with compile_only(spec):   # planned with that GPU's SM count and shared memory
+        plan = nm_decode.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
+                                     element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **kernel)
     return plan["per_sm"]
 
 
@@ -259,47 +270,47 @@ def is_tile_case(impl: str) -> bool:
     return impl.endswith("_tile") and impl.removesuffix("_tile") in GEMM_KERNELS
 
 
-def gemm_share_and_l2_rate(row: dict) -> tuple[float, float]:
+def gemm_share_and_l2_rate(row: dict, spec) -> tuple[float, float]:
     """The share of the tensor cores' peak that :func:`nm_gemm.gemm_cycles` expects of this GEMM
-    launch on an H100, from its compiled loop and residency, and the TB/s of operands
+    launch on ``spec``'s GPU (its cost model's tensor-core rate is Hopper's), from its compiled loop and residency, and the TB/s of operands
     (:func:`nm_gemm.operand_bytes`) L2 would hand out at that pace: above the 5.9–6.5 TB/s the 64-row
     weight-as-A tiles drew at 2048 tokens, L2 binds first."""
     import torch
 
     from shuffleprune.deploy.format import meta_bits
     from shuffleprune.kernels import nm_gemm
-    from shuffleprune.kernels.compile_check import H100
 
     c = row["constexprs"]
     tile = (c["BLOCK_T"], c["BLOCK_R"], c["BLOCK_C"], row["num_warps"], row["num_stages"])
     (rows, cols), tokens = row["shape"], row["tokens"]
-    cycles = nm_gemm.gemm_cycles(tokens, rows, cols, tile, row["loop_instructions"], row["programs_per_sm"], H100.sms,
+    cycles = nm_gemm.gemm_cycles(tokens, rows, cols, tile, row["loop_instructions"], row["programs_per_sm"], spec.sms,
                                  c["SPLIT"], overlap=bool(c.get("WEIGHT_A")))
-    ideal = 2 * tokens * rows * cols / nm_gemm.TENSOR_FLOP_PER_CYCLE / H100.sms
+    ideal = 2 * tokens * rows * cols / nm_gemm.TENSOR_FLOP_PER_CYCLE / spec.sms
     n, m = (int(v) for v in row["pattern"].split(":"))
     operands = nm_gemm.operand_bytes(tokens, rows, cols, tile, c["SPLIT"], n, m, meta_bits(m),
                                      getattr(torch, row["dtype"]).itemsize)
-    return round(ideal / cycles, 2), round(operands / (cycles / (H100.clock_ghz * 1e9)) / 1e12, 2)
+    return round(ideal / cycles, 2), round(operands / (cycles / (spec.clock_ghz * 1e9)) / 1e12, 2)
 
 
-def compile_cases(indexed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
-    """Compile each ``(index, case)`` for the H100 and report its launches: ``(index, row)`` pairs, a
-    case that fails to compile one row with its error."""
-    from shuffleprune.kernels.compile_check import H100, compile_only, report
+def compile_cases(indexed: list[tuple[int, dict]], gpu: str = "h100") -> list[tuple[int, dict]]:
+    """Compile each ``(index, case)`` for the GPU ``gpu`` names (``compile_check.SPECS``) and report its
+    launches: ``(index, row)`` pairs, a case that fails to compile one row with its error."""
+    from shuffleprune.kernels.compile_check import SPECS, compile_only, report
     from shuffleprune.kernels.nm_gemm import gemm_tiles
 
+    spec = SPECS[gpu]
     rows: list[tuple[int, dict]] = []
     for index, case in indexed:
         label = {"impl": case["impl"] + ("_tiled" if case.get("tiled") else ""), "shape": list(case["shape"]),
                  "tokens": case["tokens"], "dtype": case.get("dtype", "bfloat16"),
                  "pattern": "{}:{}".format(*case.get("pattern", (2, 4)))}
         try:
-            with compile_only(H100) as launches:
+            with compile_only(spec) as launches:
                 run_case(case)
             for launch in launches:
                 if launch.kernel == "_sum_partials_kernel":  # split-K's elementwise sum: compiled, not reported
                     continue
-                row = {**label, **report(launch, H100)}
+                row = {**label, **report(launch, spec)}
                 if launch.kernel == "_gather_columns_kernel":   # a "_pdl" case's gather before its decode
                     rows.append((index, {**row, "impl": "gather_columns_pdl"}))
                     continue
@@ -307,11 +318,11 @@ def compile_cases(indexed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
                     rows.append((index, {**row, "impl": "gather_pairs"}))
                     continue
                 if case["impl"].startswith(("decode", "experts")):
-                    row["issue_ceiling_tbs"], row["shared_ceiling_tbs"] = decode_ceilings(row, case)
+                    row["issue_ceiling_tbs"], row["shared_ceiling_tbs"] = decode_ceilings(row, case, spec)
                 if case["impl"].startswith("decode"):
-                    row["plan_per_sm"] = decode_plan_per_sm(case)
+                    row["plan_per_sm"] = decode_plan_per_sm(case, spec, row["constexprs"].get("STAGES"))
                 if case["impl"].startswith("gemm") and row["loop_instructions"] and row["dtype"] != "float32":
-                    row["tensor_share"], row["l2_operand_tbs"] = gemm_share_and_l2_rate(row)
+                    row["tensor_share"], row["l2_operand_tbs"] = gemm_share_and_l2_rate(row, spec)
                 if is_tile_case(case["impl"]):
                     table = gemm_tiles(**GEMM_KERNELS[case["impl"].removesuffix("_tile")])
                     row["table_loop"], row["table_per_sm"] = table[case["pattern"]][case["tile"]][1:]
@@ -330,33 +341,38 @@ def compile_cases(indexed: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
     return rows
 
 
-def compile_in_processes(indexed: list[tuple[int, dict]], jobs: int) -> list[tuple[int, dict]]:
+def compile_in_processes(indexed: list[tuple[int, dict]], jobs: int, gpu: str) -> list[tuple[int, dict]]:
     """:func:`compile_cases` in ``jobs`` processes (each compiling every ``jobs``-th case), their
     ``(index, row)`` pairs together."""
+    import functools
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        shards = pool.map(compile_cases, [indexed[shard::jobs] for shard in range(jobs)])
+        shards = pool.map(functools.partial(compile_cases, gpu=gpu), [indexed[shard::jobs] for shard in range(jobs)])
         return [pair for shard in shards for pair in shard]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the first shape only (what the tests check)")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "kernel_compile_sm90.json"))
+    ap.add_argument("--gpu", choices=("h100", "a100", "l40s"), default="h100",
+                    help="the GPU to compile for: h100 (sm_90a), a100 (sm_80) or l40s (sm_89)")
+    ap.add_argument("--out", help="the table (default: scripts/results/kernel_compile_sm<arch>.json)")
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes (the table is the same)")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
 
-    from shuffleprune.kernels.compile_check import H100
+    from shuffleprune.kernels.compile_check import SPECS
     from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, versions
 
+    spec = SPECS[args.gpu]
+    out = Path(args.out or ROOT / "scripts" / "results" / f"kernel_compile_sm{spec.arch}.json")
     t0 = time.time()
-    indexed = list(enumerate(cases(args.quick)))
-    pairs = compile_in_processes(indexed, args.jobs) if args.jobs > 1 else compile_cases(indexed)
+    indexed = list(enumerate(case for case in cases(args.quick) if offered(case, spec.arch)))
+    pairs = compile_in_processes(indexed, args.jobs, args.gpu) if args.jobs > 1 else compile_cases(indexed, args.gpu)
     rows = [row for _, row in sorted(pairs, key=lambda pair: pair[0])]   # case order (stable within a case)
     failed = sum("error" in r for r in rows)
     summary = {
@@ -365,13 +381,13 @@ def main() -> None:
         "not_fitting": sum(r.get("fits") is False for r in rows),
     }
     result = {
-        "what": "Triton kernels of the 2:4 runtime compiled for sm_90a without a GPU (no timing)",
-        "target": H100.name, "machine": machine(), "versions": versions("triton"),
+        "what": f"Triton kernels of the 2:4 runtime compiled for {spec.name} without a GPU (no timing)",
+        "target": spec.name, "machine": machine(), "versions": versions("triton"),
         "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "seconds": round(time.time() - t0, 1), "summary": summary, "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(Path(args.out), lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda tmp: tmp.write_text(json.dumps(result, indent=1) + "\n"))
     print(json.dumps(summary))
     sys.exit(1 if failed else 0)
 

@@ -666,6 +666,82 @@ def test_kernel_plans_are_worked_out_once_per_shape_and_device_facts(monkeypatch
     assert worked == ["decode"] * 5 + ["gemm"] * 3 + ["decode", "gemm", "decode"]
 
 
+def _shared_memory_for(monkeypatch, stages: int) -> list[tuple[str, int]]:
+    """Triton's interpreter refusing every kernel launched with a software pipeline deeper than ``stages``
+    (its ``STAGES`` or ``num_stages``) as a GPU with less shared memory than Hopper's refuses it: Triton's
+    ``OutOfResources`` at the launch, before any program runs. The list it returns fills with the
+    refused launches' (kernel, depth)."""
+    from triton.runtime.errors import OutOfResources
+    from triton.runtime.interpreter import InterpretedFunction
+
+    refused: list[tuple[str, int]] = []
+    run = InterpretedFunction.run
+
+    def short_of_memory(self, *args, grid, warmup, **kwargs):
+        depth = kwargs.get("STAGES", kwargs.get("num_stages"))
+        if depth is not None and depth > stages:
+            refused.append((self.fn.__name__, depth))
+            raise OutOfResources(depth * 40_000, stages * 40_000, "shared memory")
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", short_of_memory)
+    return refused
+
+
+def test_kernels_sized_for_hopper_run_with_a_shallower_pipeline_where_shared_memory_is_short(monkeypatch):
+    """On a GPU that gives a program less shared memory than an H100 (Ada's 99 KB, an A100's 163 KB) a
+    tile's pipeline sized on Hopper is refused at its first launch (``kernel_compile_sm89.json``: the
+    tensor-core decodes, the grouped experts kernel and one GEMM tile). The decode, the grouped experts
+    kernel and the GEMM then run with one stage fewer at a time until the kernel fits, give the float64
+    product, and keep that depth: a second call launches the fitting kernel at once. A kernel that does
+    not fit with one stage, or any other error, is raised."""
+    from triton.runtime.errors import OutOfResources
+
+    from shuffleprune.kernels import gpu, nm_decode, nm_experts, nm_gemm
+    from shuffleprune.kernels.nm_words import position_words
+
+    for module in (nm_decode,):
+        monkeypatch.setattr(module, "_LAUNCHES", {})
+    for module in (nm_experts, nm_gemm):
+        monkeypatch.setattr(module, "_FITTED_STAGES", {})
+    refused = _shared_memory_for(monkeypatch, 2)
+    w, values, meta, x, perm, bias = _case(40, 192, 2, 4, 16, torch.bfloat16, seed=3)
+    words, ref = position_words(meta), x.double()[:, perm] @ w.double().t() + bias.double()
+    for call in range(2):   # the tensor-core decode (4 stages on Hopper): 4 and 3 refused, once
+        y = nm_decode.nm_decode(x, values, words, 2, 4, meta_bits(4), perm.to(torch.int32), bias)
+        assert _close(y, ref, torch.bfloat16)
+        assert refused == [("_nm_decode_kernel", 4), ("_nm_decode_kernel", 3)]
+    assert [launch.plain.kwargs["STAGES"] for launch in nm_decode._LAUNCHES.values()] == [2]
+
+    refused.clear()
+    y = nm_gemm.nm_gemm(x, values, words, 2, 4, meta_bits(4), bias, tile=(16, 32, 64, 4, 4))
+    y2 = nm_gemm.nm_gemm(x, values, words, 2, 4, meta_bits(4), bias, tile=(16, 32, 64, 4, 4))
+    xg = x.double()
+    assert _close(y, xg @ w.double().t() + bias.double(), torch.bfloat16) and torch.equal(y, y2)
+    assert refused == [("_nm_gemm_kernel", 4), ("_nm_gemm_kernel", 3)] and list(nm_gemm._FITTED_STAGES.values()) == [2]
+
+    refused.clear()
+    dense, ev, ewords, eperm, perms = _experts_case(4, 29, 96, 2, 4, torch.bfloat16, [True] * 4, seed=5)
+    ids = torch.tensor([[0, 2], [1, 3], [2, 0]])
+    xe = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for call in range(2):
+        ye, _ = nm_experts.nm_experts(xe, ev, ewords, 2, 4, meta_bits(4), ids, 2, eperm, block_t=16, use_dot=True)
+        expected = torch.stack([dense[e].double() @ xe[pair // 2].double()[perms[e]]
+                                for pair, e in enumerate(ids.reshape(-1).tolist())])
+        assert _close(ye, expected, torch.bfloat16)
+    assert [depth for name, depth in refused if name == "_nm_experts_kernel"] == [4, 3]
+    assert list(nm_experts._FITTED_STAGES.values()) == [2]
+
+    _shared_memory_for(monkeypatch, 0)   # not even one stage fits: Triton's error, as before
+    with pytest.raises(OutOfResources):
+        nm_decode.nm_decode(x[:8], values, words, 2, 4, meta_bits(4), perm.to(torch.int32), bias)
+    for error in (OutOfResources(1, 0, "threads"), RuntimeError("another failure")):
+        def launch(stages: int, error=error):
+            raise error
+        with pytest.raises(type(error)):
+            gpu.with_fewer_stages(launch, 4)
+
+
 def test_a_decode_launch_is_worked_out_once_per_kind_of_call(monkeypatch):
     """``nm_decode`` works out its plan, grid and kernel arguments once per kind of call (shapes, dtypes,
     options, whether the input can be read as words) and looks them up after: a second layer of the same
@@ -1883,6 +1959,40 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     assert swap["l2_operand_tbs"] > 6.5 and tall["l2_operand_tbs"] < 0.6 * swap["l2_operand_tbs"], (swap, tall)
     for r in (r for r in sixteen_bit if r["impl"].startswith("gemm_swap_tall")):   # 128 weight rows: two warpgroups' wgmma
         assert r["constexprs"]["BLOCK_R"] == 128 and r["num_warps"] == 8 and r["wgmma"], r
+
+
+def test_every_kernel_path_compiles_and_fits_an_ada_gpus_shared_memory(tmp_path):
+    """Compiled for an L40S (sm_89, Ada: 99 KB of shared memory a program, no wgmma, no Tensor Memory
+    Accelerator) as ``SparseLinear`` would launch them there: every kernel path compiles and fits (the
+    compile-only launch refuses what Triton's loader would), the tensor-core decodes, the grouped experts
+    kernel and the deepest GEMM tile by a shallower pipeline than on Hopper (they need 103–113 KB at
+    Hopper's depth), mma.sync on the tensor cores, and none of the Hopper-only kernels offered."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shuffleprune.kernels.nm_decode import DECODE_STAGES
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = tmp_path / "compile_sm89.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "check_kernels_compile.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--gpu", "l40s", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    table = json.loads(out.read_text())
+    rows = table["rows"]
+    assert table["target"].startswith("L40S") and rows and all("error" not in r and r["fits"] for r in rows)
+    assert all(r["shared_bytes"] <= 99 * 1024 for r in rows)
+    assert not any(r["impl"].endswith("_tma") or r["bulk_copies"] or r["wgmma"] or r["launch_pdl"] for r in rows)
+    shallower = {r["impl"] for r in rows if r["constexprs"].get("STAGES", DECODE_STAGES) < DECODE_STAGES
+                 and r["impl"] not in ("decode_shallow", "decode_swap_narrow")}   # (3 stages by design)
+    assert {"decode", "decode_swap", "experts", "experts_mapped"} <= shallower, shallower
+    assert any(r["impl"] == "gemm_swap_tall_tile" and r["num_stages"] < 3 for r in rows)
+    assert all(r["tensor_core"] for r in rows if r["impl"] in ("decode_swap", "gemm", "experts") and r["tokens"] >= 16
+               and r["dtype"] != "float32")   # (float32 multiplies in full precision, off the tensor cores)
 
 
 def test_fast_launches_pass_the_compiled_kernel_what_tritons_dispatch_passes(tmp_path):
