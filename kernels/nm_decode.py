@@ -529,26 +529,26 @@ def nm_decode(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int
     launch = _LAUNCHES.get(key)
     if span:
         perm = block_map[0]
-    args = (x2, values, words, perm, bias, sum_in_kernel)
     if launch is None or launch.plain.fast_kernel.kernel is not _nm_decode_kernel:   # (a kernel swapped in)
         def first(stages: int) -> tuple[DecodeLaunch, torch.Tensor]:   # the launch at this pipeline depth, run
             fitted = _decode_launch(x2, values, n, m, bits, perm, bias, tiled, async_gather, pdl, span,
                                     {**plan_overrides, "stages": stages})
-            return fitted, _run_decode(fitted, *args)
+            return fitted, _run_decode(fitted, x2, values, words, perm, bias, sum_in_kernel, tokens, rows, kept, cols,
+                                       device)
 
         # the plan's depth, or on a GPU with less shared memory than Hopper's the deepest that fits
         launch, y = gpu.with_fewer_stages(first, plan_overrides.get("stages", DECODE_STAGES))[1]
         _LAUNCHES[key] = launch
     else:
-        y = _run_decode(launch, *args)
+        y = _run_decode(launch, x2, values, words, perm, bias, sum_in_kernel, tokens, rows, kept, cols, device)
     return y.reshape(*lead, rows)
 
 
 def _run_decode(launch: DecodeLaunch, x2: torch.Tensor, values: torch.Tensor, words: torch.Tensor,
-                perm: torch.Tensor | None, bias: torch.Tensor | None, sum_in_kernel: bool | None) -> torch.Tensor:
+                perm: torch.Tensor | None, bias: torch.Tensor | None, sum_in_kernel: bool | None, tokens: int,
+                rows: int, kept: int, cols: int, device: torch.device) -> torch.Tensor:
     """One :func:`nm_decode` launch (and split-K's separate sum where the kernel does not add its partial
-    sums): ``y`` ``[T, R]``."""
-    (tokens, cols), (rows, kept), device = x2.shape, values.shape, x2.device
+    sums) of ``x2`` ``[tokens, cols]`` on ``values`` ``[rows, kept]``: ``y`` ``[tokens, rows]``."""
     y = torch.empty(tokens, rows, dtype=x2.dtype, device=device)
     split = launch.split
     part = split_k.partials(split, y)

@@ -3,6 +3,13 @@
     python scripts/check_kernels_compile.py           # issue 24's shapes → scripts/results/kernel_compile_sm90.json
     python scripts/check_kernels_compile.py --quick   # one shape: what the tests check
     python scripts/check_kernels_compile.py --jobs 2  # the same table, compiled in two processes
+    python scripts/check_kernels_compile.py --gpu l40s   # for an L40S (sm_89, 99 KB of shared memory a
+                                                         # program) → kernel_compile_sm89.json; --gpu a100: sm_80
+
+On another GPU than Hopper the Tensor Memory Accelerator's kernels are left out (the runtime offers them
+only on sm_90), and a launch whose kernel needs more shared memory than the GPU gives a program is
+refused as Triton's loader refuses it there: the host functions then launch it with a shallower
+pipeline (``kernels/gpu.py``'s ``with_fewer_stages``), and the row shows the depth that fits.
 
 Runs the host functions SparseLinear calls (``nm_decode`` for 1–64 tokens with and without an index
 map, at one token also with its pipeline a stage shallower (``decode_shallow``) and in the select loop's 32-row and 256-value tiles (``decode_tall``, ``decode_wide``, ``decode_mapped_tall``, ``decode_mapped_wide``; the gathered 256-value one at two tokens too), the select loop by kept value instead of by 2:4 group through the map at 1–2 tokens (``decode_mapped_by_value``), the resident-input decode (``decode_resident``, 1–2 tokens through the map, one token without; ``decode_resident_tma``: its weight tiles copied by the Tensor Memory Accelerator), the weight-as-A decode on the gathered input and reading the map itself (and with its weight tiles copied by the Tensor Memory Accelerator, ``decode_swap_tma``) (and a 64-column block map as 1-byte offsets), ``nm_gemm`` for prompts, each of its ``GEMM_TILES`` (2:4, 4:8) at 2048 tokens, ``nm_decompress_into`` for the shared scratch and ``nm_decompress_mapped_into`` for it in the input's order, the first kernels
