@@ -3,6 +3,7 @@ check of :mod:`.compile_check` can answer for an H100 on a machine without one).
 from __future__ import annotations
 
 import functools
+from typing import Callable, TypeVar
 
 import torch
 
@@ -110,7 +111,10 @@ def short_of_shared_memory(exc: BaseException) -> bool:
     return OutOfResources is not None and isinstance(exc, OutOfResources) and exc.name == "shared memory"
 
 
-def with_fewer_stages(launch, stages: int):
+T = TypeVar("T")
+
+
+def with_fewer_stages(launch: Callable[[int], T], stages: int) -> tuple[int, T]:
     """``launch(stages)``, and where its kernel is :func:`short_of_shared_memory` the same with one
     software-pipeline stage fewer, down to one (no tile loaded ahead): the first stage count whose
     kernel fits, and what it returned, as ``(stages, result)``. Any other error, or one stage that still

@@ -191,6 +191,9 @@ class Routes(NamedTuple):
     block_expert: torch.Tensor
 
 
+_FITTED_STAGES: dict[tuple, int] = {}   # nm_experts' pipeline depth by plan, where the GPU's shared memory cut it
+
+
 def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
                expert_ids: torch.Tensor, x_div: int = 1, perm: torch.Tensor | None = None,
                block_t: int | None = None, routes: Routes | None = None, gather_first: bool = True,
@@ -221,7 +224,7 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     tokens = block_t or experts_block_t(pairs, experts, decode_max_tokens(x.element_size()))
     x_words = perm is not None and word_gather(x2)
 
-    def launch(stages: int) -> tuple[int, Routes]:   # split-K and the routes of the plan at this pipeline depth
+    def launch(stages: int) -> Routes:   # one launch of the plan at this pipeline depth; the routes it ran on
         nonlocal routes
         plan = decode_plan(rows * busy, kept, tokens, n, m, bits, x.device, element_bytes=x.element_size(),
                            weight_a=True, **{**plan_overrides, "stages": stages})
@@ -246,7 +249,3 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
     stages, routes = gpu.with_fewer_stages(launch, _FITTED_STAGES.get(key, plan_overrides.get("stages", DECODE_STAGES)))
     _FITTED_STAGES[key] = stages
     return y, routes
-
-
-_FITTED_STAGES: dict[tuple, int] = {}   # nm_experts' pipeline depth by plan, where the GPU's shared memory cut it
-
