@@ -439,6 +439,25 @@ def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_th
     release_mode_choices()
     with pytest.warns(RuntimeWarning, match="grouped experts kernel is off by 0.1"):
         assert experts_mode(sparse, x, top, weights) == "loop"   # disagrees with the loop: not used, even if faster
+    from triton.runtime.errors import OutOfResources
+
+    from shuffleprune.runtime import DeviceFault
+
+    def cannot_run(*a):   # a kernel this GPU refuses (as Triton's loader refuses one over its shared memory)
+        raise OutOfResources(120_000, 101_376, "shared memory")
+
+    monkeypatch.setattr(sparse_experts, "grouped_experts_forward", cannot_run)
+    release_mode_choices()
+    with pytest.warns(RuntimeWarning, match="grouped experts kernel cannot run on this device.*OutOfResources"):
+        assert experts_mode(sparse, x, top, weights) == "loop"   # the loop runs the model instead of the error
+
+    def faults(*a):   # an error after which no kernel runs in this process: named, not skipped
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(sparse_experts, "grouped_experts_forward", faults)
+    release_mode_choices()
+    with pytest.raises(DeviceFault, match="grouped experts kernel.*set_experts_mode"):
+        experts_mode(sparse, x, top, weights)
     release_mode_choices()
     sparse.nm_experts["down_proj"].mode = "loop"   # one projection's choice holds for the layer
     assert experts_mode(sparse, x, top, weights) == "loop"

@@ -50,7 +50,7 @@ from shuffleprune.deploy.input_gather import token_bucket
 from shuffleprune.deploy.auto_choice import AGREE_RTOL, relative_error
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
-from shuffleprune.runtime import capturing, eager_ms, outside_graph_pools
+from shuffleprune.runtime import candidate_errors, capturing, eager_ms, outside_graph_pools, raise_if_fault
 from shuffleprune.stacked_experts import expert_layout, matmul_operands
 
 IMPLEMENTATION = "shuffleprune_nm"
@@ -250,10 +250,21 @@ def measure_experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_i
     run eagerly (:func:`shuffleprune.runtime.eager_ms`, 5 calls, median of 3; inside a capture only
     the grouped one can run at all). The grouped
     output is first checked against the loop's (whose sparse layers check their own kernels against
-    PyTorch): one that disagrees — a kernel miscompiled on this GPU — is not used, with a warning."""
+    PyTorch): one that disagrees — a kernel miscompiled on this GPU — is not used, with a warning, nor
+    one that cannot run here (a Triton or CUDA error, as ``auto`` skips a SparseLinear candidate); an
+    error that ends the process's use of the GPU is raised as a ``DeviceFault``."""
     args = (module, hidden_states, top_k_index, top_k_weights)
     with torch.no_grad():
-        error = relative_error(grouped_experts_forward(*args), loop_experts_forward(*args))
+        try:
+            grouped = grouped_experts_forward(*args)
+        except candidate_errors() as exc:   # a kernel this GPU or Triton cannot build or launch: the loop runs
+            raise_if_fault(exc, "the grouped experts kernel", "run the per-expert loop, shuffleprune.deploy."
+                           "sparse_experts.set_experts_mode(model, 'loop'), and please report it")
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            warnings.warn(f"the grouped experts kernel cannot run on this device ({type(exc).__name__}: {first}); "
+                          "the per-expert loop runs instead", RuntimeWarning, stacklevel=2)
+            return "loop"
+        error = relative_error(grouped, loop_experts_forward(*args))
     if not error <= AGREE_RTOL:
         warnings.warn(f"the grouped experts kernel is off by {error:.3g} of the output's scale on this device; "
                       "the per-expert loop runs instead", RuntimeWarning, stacklevel=2)
