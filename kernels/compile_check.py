@@ -108,7 +108,8 @@ def _planned_as_on(spec: GPUSpec) -> Iterator[None]:
         raise RuntimeError("the kernels were decorated under TRITON_INTERPRET=1; compile in a process without it")
     from shuffleprune.kernels import gpu
 
-    active = driver._active
+    held = "_active" if "_active" in vars(driver) else "active"   # Triton 3.5+ holds it privately, behind a property
+    active = vars(driver)[held]   # as held: reading the property would make the CUDA driver, which needs a GPU
     saved = gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl, gpu.tma
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", spec.arch, 32)))
     gpu.upcast, gpu.sm_count, gpu.native = (lambda x: False), (lambda device: spec.sms), (lambda x: True)
@@ -117,7 +118,7 @@ def _planned_as_on(spec: GPUSpec) -> Iterator[None]:
     try:
         yield
     finally:
-        driver._active = active
+        setattr(driver, held, active)
         gpu.upcast, gpu.sm_count, gpu.smem_per_sm, gpu.native, gpu.pdl, gpu.tma = saved
 
 
@@ -180,14 +181,24 @@ def _a_kernel():
     return nm_gemm._nm_gemm_kernel
 
 
-def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
-    """``(registers per thread, spill bytes)`` from ``ptxas -v`` on the kernel's PTX."""
+def _ptxas(arch: int) -> str:
+    """The path of the ``ptxas`` Triton ships for ``arch`` (its lookup's signature and answer changed over
+    3.3–3.5: ``(path, version)``, then an object with ``.path``; 3.4 takes no architecture)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
+    try:
+        found = get_ptxas(arch)
+    except TypeError:   # Triton 3.4: one ptxas for every architecture
+        found = get_ptxas()
+    return found[0] if isinstance(found, tuple) else found.path
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """``(registers per thread, spill bytes)`` from ``ptxas -v`` on the kernel's PTX."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        out = subprocess.run([get_ptxas(arch).path, f"-arch={ptxas_arch(arch)}", "-v", f.name, "-o", "/dev/null"],
+        out = subprocess.run([_ptxas(arch), f"-arch={ptxas_arch(arch)}", "-v", f.name, "-o", "/dev/null"],
                              capture_output=True, text=True, check=True)
     text = out.stdout + out.stderr
     regs = int(re.search(r"Used (\d+) registers", text).group(1))
@@ -210,9 +221,7 @@ def _load_bytes(op: str) -> int:
 
 
 def _sass(cubin: bytes, arch: int) -> str:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    nvdisasm = str(Path(get_ptxas(arch).path).with_name("nvdisasm"))
+    nvdisasm = str(Path(_ptxas(arch)).with_name("nvdisasm"))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

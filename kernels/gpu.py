@@ -126,3 +126,28 @@ def with_fewer_stages(launch: Callable[[int], T], stages: int) -> tuple[int, T]:
             if stages <= 1 or not short_of_shared_memory(exc):
                 raise
             stages -= 1
+
+
+MIN_TRITON = (3, 4)   # the oldest Triton that builds every kernel here (PyTorch 2.8's): under 3.2 and 3.3 most of
+                      # them fail to compile (chained conditions, no tl.gather; check_kernels_compile, 2026-11-29)
+
+
+@functools.cache
+def kernels_build() -> bool:
+    """Whether this machine's Triton builds the N:M kernels: installed, and :data:`MIN_TRITON` or later.
+    Where it does not, every sparse layer runs by PyTorch (its weight decompressed for a matmul), with
+    one warning naming the upgrade."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    found = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
+    if found >= MIN_TRITON:
+        return True
+    import warnings
+
+    warnings.warn(f"Triton {triton.__version__} cannot build shuffleprune's N:M kernels (they need "
+                  f"{'.'.join(map(str, MIN_TRITON))} or later, as PyTorch 2.8 installs): sparse layers run by "
+                  "PyTorch instead, slower than the dense model; upgrade PyTorch (and with it Triton)",
+                  RuntimeWarning, stacklevel=3)
+    return False

@@ -18,6 +18,7 @@ prefetches, in that order before the first load of the input).
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -29,9 +30,12 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    HAS_GDC = True
-except ImportError:  # a Triton before grid dependency control (3.4): every launch is an ordinary one
+    # Triton 3.4.0's (PyTorch 2.8's) take the ``_builder`` its own compiler no longer passes (it passes
+    # ``_semantic``): no kernel calling them compiles there
+    HAS_GDC = "_semantic" in inspect.signature(gdc_wait).parameters
+except ImportError:  # a Triton before grid dependency control (3.4)
     HAS_GDC = False
+if not HAS_GDC:   # every launch is an ordinary one
     if triton is not None:   # never called with PDL set there: stand-ins the JIT can resolve
         @triton.jit
         def gdc_wait():

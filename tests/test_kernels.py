@@ -2100,3 +2100,37 @@ def test_fast_launch_runs_tritons_own_dispatch_under_the_interpreter():
     for _ in range(3):
         assert torch.equal(gather_columns(x, perm), x[:, perm.long()])
     assert launch.fast(_gather_columns_kernel).fast_launches == before
+
+
+def test_a_triton_too_old_for_the_kernels_leaves_every_layer_to_pytorch_with_one_warning(monkeypatch):
+    """Under Triton 3.2 and 3.3 (PyTorch 2.6, 2.7) most kernels do not compile (chained conditions, no
+    ``tl.gather``): the runtime then offers none of them — a sparse layer's only candidate is PyTorch's
+    ``scratch``, and the Triton gathers are not used — and says so once. 3.4 and later (local builds'
+    ``+git`` suffixes too) build them, and this machine's Triton has working grid dependency control
+    (Triton 3.4.0's does not compile: ``overlap.HAS_GDC`` is false there)."""
+    import triton
+
+    from shuffleprune.deploy import input_gather
+    from shuffleprune.kernels import gpu, overlap
+
+    assert overlap.HAS_GDC
+    for version, builds in (("3.3.1", False), ("3.2.0", False), ("3.4.0", True), ("3.5.1+git9a3f", True),
+                            ("3.9.0", True)):
+        monkeypatch.setattr(triton, "__version__", version)
+        gpu.kernels_build.cache_clear()
+        if builds:
+            assert gpu.kernels_build()
+            continue
+        with pytest.warns(RuntimeWarning, match=f"Triton {version} cannot build .* 3.4 or later"):
+            assert not gpu.kernels_build()
+        assert not gpu.kernels_build()   # once: the answer is kept
+        w, values, meta, x, perm, bias = _case(40, 64, 2, 4, 1, torch.bfloat16)
+        layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
+        assert layer.candidates(x) == ["scratch"]
+    monkeypatch.setattr(triton, "__version__", "3.3.1")
+    gpu.kernels_build.cache_clear()
+    input_gather._has_triton.cache_clear()
+    with pytest.warns(RuntimeWarning):
+        assert not input_gather._has_triton()
+    input_gather._has_triton.cache_clear()
+    gpu.kernels_build.cache_clear()

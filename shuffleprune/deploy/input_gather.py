@@ -158,10 +158,11 @@ def measured_here(x: torch.Tensor) -> bool:
 
 @functools.cache
 def _has_triton() -> bool:
-    """Whether the Triton gathers exist here (looked up once: the check runs at every mapped call)."""
-    from shuffleprune.kernels.gather import triton
+    """Whether the Triton gathers build here (:func:`shuffleprune.kernels.gpu.kernels_build`; looked up once:
+    the check runs at every mapped call)."""
+    from shuffleprune.kernels.gpu import kernels_build
 
-    return triton is not None
+    return kernels_build()
 
 
 def _triton_gathers(x: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.input_gather import gather_input, map_span
 from shuffleprune.deploy.sparse_linear import SparseLinear
+from shuffleprune.kernels.gpu import kernels_build
 
 
 # A move is kept when the block's output on the probe (float32) moves by less than this, relative to its
@@ -86,7 +87,8 @@ class MappedOutput(nn.Module):
             return getattr(super().__getattr__("inner"), name)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        fused = self.scale is not None and not args and not kwargs and (self.kernel or (self.kernel is None and x.is_cuda))
+        fused = self.scale is not None and not args and not kwargs and \
+            (self.kernel or (self.kernel is None and x.is_cuda and kernels_build()))
         if fused:
             if torch.compiler.is_compiling():   # one opaque op: Dynamo neither traces the kernel nor its launch
                 return torch.ops.shuffleprune.rmsnorm_mapped(x, self.scale, self.perm, self.eps)

@@ -239,9 +239,9 @@ def release_mode_choices() -> None:
 
 def grouped_runs_on(x: torch.Tensor) -> bool:
     """Whether ``auto`` may run the grouped kernel on ``x``'s device: compiled Triton on CUDA."""
-    from shuffleprune.kernels.nm_words import triton
+    from shuffleprune.kernels.gpu import kernels_build
 
-    return x.is_cuda and triton is not None
+    return x.is_cuda and kernels_build()
 
 
 def measure_experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -346,11 +346,11 @@ class SparseLinear(nn.Module):
     def candidates(self, x: torch.Tensor) -> list[str]:
         """The implementations ``auto`` weighs for this layer on ``x`` (its token count, dtype and device),
         in the order it times them."""
-        from shuffleprune.kernels.nm_decode import (SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, selects,
-                                                    triton)
+        from shuffleprune.kernels.gpu import kernels_build
+        from shuffleprune.kernels.nm_decode import SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, selects
         from shuffleprune.kernels.nm_resident import resident_applies
 
-        if triton is None:
+        if not kernels_build():
             return ["scratch"]
         tokens = x.numel() // x.shape[-1]
         decode_limit = decode_max_tokens(x.element_size())
