@@ -114,18 +114,27 @@ def short_of_shared_memory(exc: BaseException) -> bool:
 T = TypeVar("T")
 
 
-def with_fewer_stages(launch: Callable[[int], T], stages: int) -> tuple[int, T]:
+FITTED_STAGES: dict[tuple, int] = {}   # with_fewer_stages' depths that fit, by kind of launch, where shallower than asked
+
+
+def with_fewer_stages(launch: Callable[[int], T], stages: int, key: tuple | None = None) -> tuple[int, T]:
     """``launch(stages)``, and where its kernel is :func:`short_of_shared_memory` the same with one
     software-pipeline stage fewer, down to one (no tile loaded ahead): the first stage count whose
     kernel fits, and what it returned, as ``(stages, result)``. Any other error, or one stage that still
-    does not fit, is raised."""
+    does not fit, is raised. ``key`` names the kind of launch: a shallower depth that fitted it before is
+    where it starts, and one found now is kept (:data:`FITTED_STAGES`)."""
+    fitted = FITTED_STAGES.get(key, stages) if key is not None else stages
     while True:
         try:
-            return stages, launch(stages)
+            result = launch(fitted)
+            break
         except Exception as exc:  # noqa: BLE001 - only Triton's shared-memory refusal is retried
-            if stages <= 1 or not short_of_shared_memory(exc):
+            if fitted <= 1 or not short_of_shared_memory(exc):
                 raise
-            stages -= 1
+            fitted -= 1
+    if key is not None and fitted < stages:
+        FITTED_STAGES[key] = fitted
+    return fitted, result
 
 
 MIN_TRITON = (3, 4)   # the oldest Triton that builds every kernel here (PyTorch 2.8's): under 3.2 and 3.3 most of

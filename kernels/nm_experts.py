@@ -191,9 +191,6 @@ class Routes(NamedTuple):
     block_expert: torch.Tensor
 
 
-_FITTED_STAGES: dict[tuple, int] = {}   # nm_experts' pipeline depth by plan, where the GPU's shared memory cut it
-
-
 def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
                expert_ids: torch.Tensor, x_div: int = 1, perm: torch.Tensor | None = None,
                block_t: int | None = None, routes: Routes | None = None, gather_first: bool = True,
@@ -245,7 +242,6 @@ def nm_experts(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: in
         return routes
 
     # the plan's pipeline depth, or on a GPU with less shared memory than Hopper's the deepest that fits
-    key = (rows * busy, kept, tokens, n, m, bits, x.device, x.dtype, tuple(plan_overrides.items()))
-    stages, routes = gpu.with_fewer_stages(launch, _FITTED_STAGES.get(key, plan_overrides.get("stages", DECODE_STAGES)))
-    _FITTED_STAGES[key] = stages
+    key = ("nm_experts", rows * busy, kept, tokens, n, m, bits, x.device, x.dtype, tuple(plan_overrides.items()))
+    routes = gpu.with_fewer_stages(launch, plan_overrides.get("stages", DECODE_STAGES), key)[1]
     return y, routes

@@ -253,9 +253,6 @@ def plan_gemm(tokens: int, rows: int, cols: int, n: int, m: int, bits: int, devi
     return tile, split
 
 
-_FITTED_STAGES: dict[tuple, int] = {}   # nm_gemm's pipeline depth by tile, where the GPU's shared memory cut it
-
-
 def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, m: int, bits: int,
             bias: torch.Tensor | None = None, tile: tuple[int, int, int, int, int] | None = None,
             split: int | None = None, weight_a: bool = False, tiled: bool = False,
@@ -303,8 +300,8 @@ def nm_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, n: int, 
                               num_stages=stages, **dependent)
 
     # the tile's pipeline depth, or on a GPU with less shared memory than Hopper's the deepest that fits
-    key = (tile, weight_a, tiled, n, m, x.dtype, values.dtype, x.device, bool(dependent))
-    _FITTED_STAGES[key] = gpu.with_fewer_stages(launch, _FITTED_STAGES.get(key, stages))[0]
+    gpu.with_fewer_stages(launch, stages, ("nm_gemm", tile, weight_a, tiled, n, m, x.dtype, values.dtype, x.device,
+                                           bool(dependent)))
     if split > 1 and counts is None:
         y = split_k.sum_partials(part, bias, y)
     return y.reshape(*lead, rows)

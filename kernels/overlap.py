@@ -28,22 +28,31 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    # Triton 3.4.0's (PyTorch 2.8's) take the ``_builder`` its own compiler no longer passes (it passes
-    # ``_semantic``): no kernel calling them compiles there
-    HAS_GDC = "_semantic" in inspect.signature(gdc_wait).parameters
-except ImportError:  # a Triton before grid dependency control (3.4)
-    HAS_GDC = False
-if not HAS_GDC:   # every launch is an ordinary one
-    if triton is not None:   # never called with PDL set there: stand-ins the JIT can resolve
-        @triton.jit
-        def gdc_wait():
-            pass
 
-        @triton.jit
-        def gdc_launch_dependents():
-            pass
+
+def _grid_dependency_control() -> tuple | None:
+    """Triton's ``(gdc_wait, gdc_launch_dependents)`` where they compile: not before 3.4, and not in 3.4.0
+    (PyTorch 2.8's), whose functions take the ``_builder`` its own compiler no longer passes (it passes
+    ``_semantic``)."""
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:
+        return None
+    return (gdc_wait, gdc_launch_dependents) if "_semantic" in inspect.signature(gdc_wait).parameters else None
+
+
+_GDC = _grid_dependency_control()
+HAS_GDC = _GDC is not None
+if HAS_GDC:
+    gdc_wait, gdc_launch_dependents = _GDC
+elif triton is not None:   # every launch is an ordinary one, never called with PDL set: stand-ins the JIT can resolve
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 from shuffleprune.kernels import gpu
 

@@ -244,7 +244,8 @@ def main() -> None:
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.outdir import atomic_write
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import DeviceFault, candidate_errors, cuda_graph_ms, machine, raise_if_fault, versions
+    from shuffleprune.runtime import (DeviceFault, candidate_errors, cuda_graph_ms, first_line, machine, raise_if_fault,
+                                      versions)
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -393,7 +394,7 @@ def main() -> None:
                     except candidate_errors() as exc:
                         fault_check(exc, impl, out_f, in_f, tokens)
                         rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
-                                     "error": str(exc).splitlines()[0][:200]})
+                                     "error": first_line(exc)[:200]})
                         continue
                     err = relative_error(y, ref_block if split_impl(impl)[1] == "block" else ref)
                     nbytes = bytes_moved(impl, out_f, in_f, tokens)

@@ -198,6 +198,12 @@ def device_fault(exc: BaseException) -> bool:
     return any(words in text for words in _FATAL_CUDA_ERRORS)
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message ("" where it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def raise_if_fault(exc: BaseException, what: str, fix: str = "") -> None:
     """Raise :class:`DeviceFault` naming ``what`` (the candidate that ran) and ``fix`` where ``exc``, caught
     as one of :func:`candidate_errors`, is a :func:`device_fault`: skipping it would only have every later
@@ -206,8 +212,8 @@ def raise_if_fault(exc: BaseException, what: str, fix: str = "") -> None:
     if isinstance(exc, DeviceFault):
         raise exc
     if device_fault(exc):
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DeviceFault(f"{what} failed on this GPU with an error that ends the process ({first})"
+        raise DeviceFault(f"{what} failed on this GPU with an error that ends the process "
+                          f"({first_line(exc) or type(exc).__name__})"
                           + (f"; {fix}" if fix else "")) from exc
 
 

@@ -700,10 +700,12 @@ def test_kernels_sized_for_hopper_run_with_a_shallower_pipeline_where_shared_mem
     from shuffleprune.kernels import gpu, nm_decode, nm_experts, nm_gemm
     from shuffleprune.kernels.nm_words import position_words
 
-    for module in (nm_decode,):
-        monkeypatch.setattr(module, "_LAUNCHES", {})
-    for module in (nm_experts, nm_gemm):
-        monkeypatch.setattr(module, "_FITTED_STAGES", {})
+    monkeypatch.setattr(nm_decode, "_LAUNCHES", {})
+    monkeypatch.setattr(gpu, "FITTED_STAGES", {})
+
+    def fitted(kernel: str) -> list[int]:   # the depths kept for that kernel's kinds of launch
+        return [depth for key, depth in gpu.FITTED_STAGES.items() if key[0] == kernel]
+
     refused = _shared_memory_for(monkeypatch, 2)
     w, values, meta, x, perm, bias = _case(40, 192, 2, 4, 16, torch.bfloat16, seed=3)
     words, ref = position_words(meta), x.double()[:, perm] @ w.double().t() + bias.double()
@@ -718,7 +720,7 @@ def test_kernels_sized_for_hopper_run_with_a_shallower_pipeline_where_shared_mem
     y2 = nm_gemm.nm_gemm(x, values, words, 2, 4, meta_bits(4), bias, tile=(16, 32, 64, 4, 4))
     xg = x.double()
     assert _close(y, xg @ w.double().t() + bias.double(), torch.bfloat16) and torch.equal(y, y2)
-    assert refused == [("_nm_gemm_kernel", 4), ("_nm_gemm_kernel", 3)] and list(nm_gemm._FITTED_STAGES.values()) == [2]
+    assert refused == [("_nm_gemm_kernel", 4), ("_nm_gemm_kernel", 3)] and fitted("nm_gemm") == [2]
 
     refused.clear()
     dense, ev, ewords, eperm, perms = _experts_case(4, 29, 96, 2, 4, torch.bfloat16, [True] * 4, seed=5)
@@ -730,7 +732,7 @@ def test_kernels_sized_for_hopper_run_with_a_shallower_pipeline_where_shared_mem
                                 for pair, e in enumerate(ids.reshape(-1).tolist())])
         assert _close(ye, expected, torch.bfloat16)
     assert [depth for name, depth in refused if name == "_nm_experts_kernel"] == [4, 3]
-    assert list(nm_experts._FITTED_STAGES.values()) == [2]
+    assert fitted("nm_experts") == [2]
 
     _shared_memory_for(monkeypatch, 0)   # not even one stage fits: Triton's error, as before
     with pytest.raises(OutOfResources):
@@ -2129,8 +2131,6 @@ def test_a_triton_too_old_for_the_kernels_leaves_every_layer_to_pytorch_with_one
         assert layer.candidates(x) == ["scratch"]
     monkeypatch.setattr(triton, "__version__", "3.3.1")
     gpu.kernels_build.cache_clear()
-    input_gather._has_triton.cache_clear()
     with pytest.warns(RuntimeWarning):
-        assert not input_gather._has_triton()
-    input_gather._has_triton.cache_clear()
+        assert not input_gather._triton_gathers(x)
     gpu.kernels_build.cache_clear()

@@ -18,13 +18,12 @@ timed, a gather takes ``index_select`` (``columns`` with ``pdl``) without keepin
 """
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 
 from shuffleprune.deploy import choice_store
-from shuffleprune.kernels.gpu import next_pow2
+from shuffleprune.kernels.gpu import kernels_build, next_pow2
 from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, outside_graph_pools, raise_if_fault
 
 GATHERS = ("index_select", "columns", "rows")
@@ -156,14 +155,5 @@ def measured_here(x: torch.Tensor) -> bool:
     return x.is_cuda and not torch.compiler.is_compiling() and _triton_gathers(x)
 
 
-@functools.cache
-def _has_triton() -> bool:
-    """Whether the Triton gathers build here (:func:`shuffleprune.kernels.gpu.kernels_build`; looked up once:
-    the check runs at every mapped call)."""
-    from shuffleprune.kernels.gpu import kernels_build
-
-    return kernels_build()
-
-
 def _triton_gathers(x: torch.Tensor) -> bool:
-    return _has_triton() and x.dim() > 0 and x.shape[-1] > 0
+    return kernels_build() and x.dim() > 0 and x.shape[-1] > 0

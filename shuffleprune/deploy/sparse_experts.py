@@ -50,7 +50,8 @@ from shuffleprune.deploy.input_gather import token_bucket
 from shuffleprune.deploy.auto_choice import AGREE_RTOL, relative_error
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
-from shuffleprune.runtime import candidate_errors, capturing, eager_ms, outside_graph_pools, raise_if_fault
+from shuffleprune.runtime import (candidate_errors, capturing, eager_ms, first_line, outside_graph_pools,
+                                  raise_if_fault)
 from shuffleprune.stacked_experts import expert_layout, matmul_operands
 
 IMPLEMENTATION = "shuffleprune_nm"
@@ -260,8 +261,8 @@ def measure_experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_i
         except candidate_errors() as exc:   # a kernel this GPU or Triton cannot build or launch: the loop runs
             raise_if_fault(exc, "the grouped experts kernel", "run the per-expert loop, shuffleprune.deploy."
                            "sparse_experts.set_experts_mode(model, 'loop'), and please report it")
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            warnings.warn(f"the grouped experts kernel cannot run on this device ({type(exc).__name__}: {first}); "
+            warnings.warn(f"the grouped experts kernel cannot run on this device ({type(exc).__name__}: "
+                          f"{first_line(exc)}); "
                           "the per-expert loop runs instead", RuntimeWarning, stacklevel=2)
             return "loop"
         error = relative_error(grouped, loop_experts_forward(*args))
