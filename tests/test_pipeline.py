@@ -334,6 +334,57 @@ def test_gguf_cache_key_follows_contents_not_location(tmp_path):
     assert gguf_fingerprint(b) != gguf_fingerprint(a)
 
 
+def test_gguf_cache_entry_is_converted_again_under_another_transformers_major(tmp_path, monkeypatch):
+    """A directory converted by transformers 5 names a tokenizer class transformers 4 lacks (and the
+    cache is shared by virtualenvs): each major version converts, and then reuses, its own entry."""
+    import transformers
+
+    from shuffleprune import models
+
+    monkeypatch.setenv("SHUFFLEPRUNE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    converted = []
+
+    def convert(path, out):
+        converted.append(out)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "convert_gguf", convert)
+    for version in ("4.57.6", "5.0.0", "5.24.0", "4.56.1"):
+        monkeypatch.setattr(transformers, "__version__", version)
+        models.gguf_as_hf_dir(gguf)
+    assert len(converted) == 2 and converted[0] != converted[1]
+    assert [out.name.endswith(f"transformers{major}") for out, major in zip(converted, "45")] == [True, True]
+
+
+def test_a_transformers_older_than_the_tested_one_is_warned_about_once(tiny_dir, monkeypatch):
+    """A pin elsewhere or a --no-deps install can leave a transformers older than pyproject's floor,
+    where MoE experts are laid out differently: loading warns once with the upgrade, then loads."""
+    import warnings
+
+    import transformers
+
+    from shuffleprune import models
+
+    want = ".".join(map(str, models.MIN_TRANSFORMERS))
+    for version, warns in (("4.57.6", True), (f"{models.MIN_TRANSFORMERS[0]}.{models.MIN_TRANSFORMERS[1] - 1}.2", True),
+                           (want + ".0", False), ("6.0.0.dev0", False)):
+        monkeypatch.setattr(transformers, "__version__", version)
+        models.warn_if_old_transformers.cache_clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            models.load_model(str(tiny_dir))
+            models.load_model(str(tiny_dir))
+        told = [w for w in caught if "shuffleprune is tested" in str(w.message)]
+        assert len(told) == int(warns), (version, [str(w.message) for w in caught])
+        if warns:
+            assert f"transformers {version} is older" in str(told[0].message)
+            assert f"pip install -U 'transformers>={want}'" in str(told[0].message)
+    models.warn_if_old_transformers.cache_clear()
+
+
 def test_tf32_is_switched_on_for_cuda_only_and_restored():
     from shuffleprune.runtime import tf32_matmuls
 

@@ -179,6 +179,9 @@ def model_config(cfg: TrainConfig):
     ``cfg.config_kw`` (every key one the architecture takes); a one-line error when there is none."""
     from huggingface_hub.errors import StrictDataclassError
 
+    from shuffleprune.models import warn_if_old_transformers
+
+    warn_if_old_transformers()
     try:
         config_of = config_builder(cfg.arch)
         config = config_of(cfg.config_kw)
