@@ -50,9 +50,9 @@ def warn_if_old_transformers() -> None:
     ``--no-deps`` install or a pin elsewhere can leave one): models load, but MoE experts and some
     architectures are laid out differently there and may be pruned wrongly or refused."""
     import transformers
+    from packaging.version import Version   # transformers' own dependency
 
-    found = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
-    if found < MIN_TRANSFORMERS:
+    if Version(transformers.__version__).release[:2] < MIN_TRANSFORMERS:
         want = ".".join(map(str, MIN_TRANSFORMERS))
         warnings.warn(f"transformers {transformers.__version__} is older than the {want} shuffleprune is tested "
                       f"with (MoE experts and some architectures are laid out differently there): "

@@ -370,7 +370,7 @@ def test_a_transformers_older_than_the_tested_one_is_warned_about_once(tiny_dir,
 
     want = ".".join(map(str, models.MIN_TRANSFORMERS))
     for version, warns in (("4.57.6", True), (f"{models.MIN_TRANSFORMERS[0]}.{models.MIN_TRANSFORMERS[1] - 1}.2", True),
-                           (want + ".0", False), ("6.0.0.dev0", False)):
+                           (want + ".0", False), (want + ".0rc1", False), ("6.0.0.dev0", False)):
         monkeypatch.setattr(transformers, "__version__", version)
         models.warn_if_old_transformers.cache_clear()
         with warnings.catch_warnings(record=True) as caught:
