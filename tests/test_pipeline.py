@@ -369,6 +369,8 @@ def test_a_transformers_older_than_the_tested_one_is_warned_about_once(tiny_dir,
     from shuffleprune import models
 
     want = ".".join(map(str, models.MIN_TRANSFORMERS))
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'"transformers>={want}"' in pyproject   # the floor pip enforces is the one warned about
     for version, warns in (("4.57.6", True), (f"{models.MIN_TRANSFORMERS[0]}.{models.MIN_TRANSFORMERS[1] - 1}.2", True),
                            (want + ".0", False), (want + ".0rc1", False), ("6.0.0.dev0", False)):
         monkeypatch.setattr(transformers, "__version__", version)
