@@ -150,8 +150,9 @@ def kernels_build() -> bool:
         import triton
     except ImportError:
         return False
-    found = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
-    if found >= MIN_TRITON:
+    from packaging.version import Version   # a local build's "+git…" and an "rc" parse too
+
+    if Version(triton.__version__).release[:2] >= MIN_TRITON:
         return True
     import warnings
 

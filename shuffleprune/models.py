@@ -45,15 +45,22 @@ MIN_TRANSFORMERS = (5, 15)   # the oldest transformers the test suite passes on 
                              # MoE experts in other layouts (DBRX's), 4.x all of them, as other modules
 
 
+def _transformers_release() -> tuple[int, ...]:
+    """The installed transformers' release numbers: ``(5, 24, 0)`` for 5.24.0, 5.24.0rc1 or 5.24.0.dev0."""
+    import transformers
+    from packaging.version import Version   # transformers' own dependency
+
+    return Version(transformers.__version__).release
+
+
 @functools.cache
 def warn_if_old_transformers() -> None:
     """One warning when the installed transformers is older than :data:`MIN_TRANSFORMERS` (a
     ``--no-deps`` install or a pin elsewhere can leave one): models load, but MoE experts and some
     architectures are laid out differently there and may be pruned wrongly or refused."""
     import transformers
-    from packaging.version import Version   # transformers' own dependency
 
-    if Version(transformers.__version__).release[:2] < MIN_TRANSFORMERS:
+    if _transformers_release()[:2] < MIN_TRANSFORMERS:
         want = ".".join(map(str, MIN_TRANSFORMERS))
         warnings.warn(f"transformers {transformers.__version__} is older than the {want} shuffleprune is tested "
                       f"with (MoE experts and some architectures are laid out differently there): "
@@ -191,10 +198,6 @@ def gguf_fingerprint(gguf_path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def _transformers_major() -> str:
-    import transformers
-
-    return transformers.__version__.split(".")[0]
 
 
 def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
@@ -202,7 +205,7 @@ def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
     major version of transformers that converts it: the saved tokenizer files of one major cannot be
     read by another (transformers 5 names a class 4.x lacks), and virtualenvs share one cache."""
     out = (cache_dir() / "models"
-           / f"{label or gguf_path.stem}-{gguf_fingerprint(gguf_path)}-transformers{_transformers_major()}")
+           / f"{label or gguf_path.stem}-{gguf_fingerprint(gguf_path)}-transformers{_transformers_release()[0]}")
     if not (out / "config.json").is_file():
         convert_gguf(gguf_path, out)
     return out
