@@ -140,14 +140,15 @@ if triton is not None:
                           SUM_HERE: tl.constexpr = False, NATIVE: tl.constexpr = True,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
                           PREFETCH_WORDS: tl.constexpr = 0, MAP_SPAN: tl.constexpr = 0, BY_GROUP: tl.constexpr = True,
-                          TMA: tl.constexpr = False):
+                          TMA: tl.constexpr = False, SPREAD: tl.constexpr = False):
         """Rows ``program_id(0)``, kept values of split ``program_id(1)``, every token: the select loop
         (:func:`select_loop`: few tokens, no tensor cores, no dense tile) or, with ``USE_DOT``, the
         tensor-core loop (:func:`dot_loop`; ``PREC``, ``UPCAST``, ``WEIGHT_A`` and ``NATIVE`` are its
         own). A map's gather is read as 32-bit words the pipeline copies (``X_WORDS``, see
         :func:`step_inputs`), else a step ahead in registers (:func:`_inputs_ahead`); a map within
         aligned blocks of ``MAP_SPAN`` columns as 1-byte offsets; ``BY_GROUP``: the select loop's own;
-        ``TMA``: the tensor-core loop's, ``val_ptr`` and ``word_ptr`` then tensor descriptors.
+        ``TMA``: the tensor-core loop's, ``val_ptr`` and ``word_ptr`` then tensor descriptors; ``SPREAD``: its
+        expansion's (:func:`.nm_words.dense_tile`).
         ``PDL``
         (launched as a programmatic dependent, :mod:`.overlap`): the first ``PREFETCH`` kept values of
         each row and their ``PREFETCH_WORDS`` position words go to L2 while the kernel before still
@@ -164,7 +165,7 @@ if triton is not None:
         if USE_DOT:
             acc = dot_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C, WORDS,
                            stride_xt, N, M, BITS, HAS_PERM, PREC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, WEIGHT_A,
-                           TILED, X_WORDS, NATIVE, MAP_SPAN, TMA)
+                           TILED, X_WORDS, NATIVE, MAP_SPAN, TMA, SPREAD)
         else:
             acc = select_loop(x_ptr, val_ptr, word_ptr, perm_ptr, rows, row_ok, toks, tok_ok, k_start, k_end, K, C,
                               WORDS, stride_xt, N, M, BITS, HAS_PERM, BLOCK_R, BLOCK_K, BLOCK_T, STAGES, TILED, X_WORDS,
@@ -177,11 +178,13 @@ if triton is not None:
                  stride_xt, N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, HAS_PERM: tl.constexpr,
                  PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_T: tl.constexpr, STAGES: tl.constexpr, WEIGHT_A: tl.constexpr, TILED: tl.constexpr,
-                 X_WORDS: tl.constexpr, NATIVE: tl.constexpr, MAP_SPAN: tl.constexpr = 0, TMA: tl.constexpr = False):
+                 X_WORDS: tl.constexpr, NATIVE: tl.constexpr, MAP_SPAN: tl.constexpr = 0, TMA: tl.constexpr = False,
+                 SPREAD: tl.constexpr = False):
         """The tensor-core decode's loop over kept values ``k_start … k_end`` of rows ``rows`` for the input
         rows ``toks`` of ``x`` (any rows: the MoE kernel passes the tokens routed to one expert): float32
         ``[BLOCK_R, BLOCK_T]``. ``TMA``: ``val_ptr`` (and without ``TILED`` ``word_ptr``) are tensor descriptors of
-        a 16-bit 2:4 weight (:func:`.nm_words.tma_dense_tile`), ``rows`` consecutive."""
+        a 16-bit 2:4 weight (:func:`.nm_words.tma_dense_tile`), ``rows`` consecutive; ``SPREAD``: the other
+        form of its expansion (:func:`.nm_words.dense_tile`)."""
         G: tl.constexpr = BLOCK_K // N
         if WEIGHT_A:
             acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
@@ -198,7 +201,7 @@ if triton is not None:
                 # the byte-permute expansion but for 32 tokens in the MMA's rows (sm_90a: 1361 loop
                 # instructions and 182 registers against the selects' 1267 and 150)
                 dense = dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, M, BITS, BLOCK_R, BLOCK_K,
-                                   "evict_first", TILED, NATIVE, WEIGHT_A or BLOCK_T != 32)
+                                   "evict_first", TILED, NATIVE, WEIGHT_A or BLOCK_T != 32, SPREAD)
             # a step ahead up to 16 tokens (at 32 the carried tile spills the 2:4 tile)
             xs, x_ahead = _inputs_ahead(x_ahead, x_ptr, perm_ptr, k0, C, toks, tok_ok, stride_xt, N, M, G, BLOCK_K,
                                         HAS_PERM, BLOCK_T <= 16, X_WORDS, MAP_SPAN)
@@ -359,6 +362,10 @@ DOT_TILES_SWAP = {
 # per step, the synchronous mma) by (block_r, dense columns, warps): the programs an SM holds as compiled for
 # sm_90a at 2-16 tokens of 2:4 (shared memory allows 6, registers 9)
 DOT_RESIDENT_SWAP = {(32, 128, 2): 6}
+# the same with the tile expanded by broadcasts (``spread``, SparseLinear's ``decode_swap_spread_sync``): no
+# layout change through shared memory, so 26 KB of pipeline buffers and 88 registers (Triton 3.6; 3.9: 96),
+# 8 per SM
+DOT_RESIDENT_SWAP_SPREAD = {(32, 128, 2): 8}
 # the same with the weight's tiles copied by the Tensor Memory Accelerator (SparseLinear's ``decode_swap_tma``,
 # 2:4 on 16-bit inputs, 3 stages), by tokens: (block_r, dense columns, warps, programs per SM as compiled for
 # sm_90a). No thread holds the copies' addresses, so at 16 tokens the 64 × 256 tile compiles to 126 registers,
@@ -395,30 +402,33 @@ _PLANS: dict[tuple, dict] = {}   # decode_plan's answers by its arguments and th
 def decode_plan(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
                 stages: int = DECODE_STAGES, num_warps: int | None = None, use_dot: bool | None = None,
-                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True, tma: bool = False) -> dict:
+                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True, tma: bool = False,
+                spread: bool = False) -> dict:
     """:func:`plan_decode`, worked out once per shape, token count, options and device facts (SM count,
     shared memory per SM) and then looked up: the host runs it at every decode launch, and working
     it out took 13–19 µs on a 2-core CPU (``scripts/results/bench_host_overhead.json``), longer than an
     H100's one-token decode of a 4096×4096 layer."""
     key = (rows, kept, tokens, n, m, bits, block_r, block_k, split, stages, num_warps, use_dot, element_bytes,
-           weight_a, by_group, tma, gpu.sm_count(device), gpu.smem_per_sm(device))
+           weight_a, by_group, tma, spread, gpu.sm_count(device), gpu.smem_per_sm(device))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = plan_decode(rows, kept, tokens, n, m, bits, device, block_r, block_k, split, stages,
-                                         num_warps, use_dot, element_bytes, weight_a, by_group, tma)
+                                         num_warps, use_dot, element_bytes, weight_a, by_group, tma, spread)
     return dict(plan)
 
 
 def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, device: torch.device,
                 block_r: int | None = None, block_k: int | None = None, split: int | None = None,
                 stages: int = DECODE_STAGES, num_warps: int | None = None, use_dot: bool | None = None,
-                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True, tma: bool = False) -> dict:
+                element_bytes: int = 2, weight_a: bool = False, by_group: bool = True, tma: bool = False,
+                spread: bool = False) -> dict:
     """Kernel, tile, warps, split-K and pipeline depth for :func:`nm_decode`.
 
     Up to :data:`SELECT_MAX_TOKENS` tokens take the select kernel (but 4:8), more the tensor-core one
     (``use_dot`` forces either; select takes at most 16). ``weight_a``: the tensor-core kernel
     multiplies with the weight tile as the MMA's A operand (:data:`DOT_TILES_SWAP`), not the inputs;
-    ``by_group=False``: the select loop selects per kept value, not by 2:4 group (:func:`select_loop`). The
+    ``by_group=False``: the select loop selects per kept value, not by 2:4 group (:func:`select_loop`);
+    ``spread``: the tensor-core kernel expands 16-bit 2:4 tiles by broadcasts (:func:`.nm_words.dense_tile`). The
     tiles are the ones whose compiled loop leaves the most room under an H100's issue rate without
     spilling (``scripts/check_kernels_compile.py``): the select kernel's 16 rows × 128 kept values on 4
     warps lets one token stream at up to 5.8 TB/s of instruction issue (4.6 through an index map; Triton
@@ -443,6 +453,8 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         use_dot = not selects(tokens, n, m)
     if tma and not (use_dot and weight_a and (n, m) == (2, 4) and element_bytes == 2):
         raise ValueError("tma takes the weight-as-A tensor-core decode (use_dot, weight_a) of 2:4 on 16-bit inputs")
+    if spread and (tma or not (use_dot and (n, m) == (2, 4) and element_bytes == 2)):
+        raise ValueError("spread takes the tensor-core decode (use_dot, no tma) of 2:4 on 16-bit inputs")
     if not use_dot and tokens > SELECT_LIMIT_TOKENS:
         raise ValueError(f"the select decode takes at most {SELECT_LIMIT_TOKENS} tokens (got {tokens})")
     block_t = max(16, next_pow2(tokens)) if use_dot else next_pow2(tokens)  # tl.dot: ≥ 16
@@ -472,7 +484,8 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
         if (block_r, num_warps) == (tile[0], tile[2]):
             by_registers = tile[3]
         else:   # another tile SparseLinear times, or one being tuned: up to 4
-            by_registers = DOT_RESIDENT_SWAP.get((block_r, block_k * m // n, num_warps), 4) if weight_a else 4
+            resident = DOT_RESIDENT_SWAP_SPREAD if spread else DOT_RESIDENT_SWAP
+            by_registers = resident.get((block_r, block_k * m // n, num_warps), 4) if weight_a else 4
         per_sm = max(1, min(by_registers, gpu.smem_per_sm(device) // buffers))
     if split is None:
         slots = per_sm * gpu.sm_count(device)
@@ -484,7 +497,7 @@ def plan_decode(rows: int, kept: int, tokens: int, n: int, m: int, bits: int, de
     split = cdiv(kept, per_split)
     return dict(block_r=block_r, block_k=block_k, block_t=block_t, split=split, per_split=per_split, stages=stages,
                 num_warps=num_warps, use_dot=use_dot, per_sm=per_sm, weight_a=weight_a and use_dot,
-                by_group=by_group or use_dot, tma=tma)
+                by_group=by_group or use_dot, tma=tma, spread=spread)
 
 
 def word_gather(x2: torch.Tensor) -> bool:
@@ -604,6 +617,8 @@ def _decode_launch(x2: torch.Tensor, values: torch.Tensor, n: int, m: int, bits:
                   **({"MAP_SPAN": span} if span else {}), **({} if p["by_group"] else {"BY_GROUP": False}))
     if p["tma"]:   # what the descriptors can read is checked where they are made (tma_descriptors)
         common["TMA"] = True
+    if p["spread"]:
+        common["SPREAD"] = True
     if pdl and not p["tma"]:   # each program prefetches its rows' first kept values of its split, and their positions
         share = overlap.prefetch_per_row(grid[0] * grid[1], p["block_r"], p["per_split"], values.element_size(),
                                          overlap.decode_prefetch_bytes(tokens))

@@ -222,11 +222,11 @@ if triton is not None:
     def dense_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS,
                    N: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr, TILED: tl.constexpr, NATIVE: tl.constexpr,
-                   PAIRS: tl.constexpr = True):
+                   PAIRS: tl.constexpr = True, SPREAD: tl.constexpr = False):
         """Rows ``rows`` × kept values ``k0 … k0+BLOCK_K`` expanded to their ``BLOCK_K·M/N`` dense
         columns (zeros where pruned), in the values' dtype. 16-bit 2:4 values are read as one 32-bit
         word per group and expanded by byte permutes (:func:`_dense_2of4_pairs`; ``NATIVE``: PTX's
-        ``prmt``, else its emulation), unless ``PAIRS`` is off."""
+        ``prmt``, else its emulation; ``SPREAD``: its form made of broadcasts), unless ``PAIRS`` is off."""
         G: tl.constexpr = BLOCK_K // N
         AS_PAIRS: tl.constexpr = N == 2 and M == 4 and PAIRS and val_ptr.dtype.element_ty.primitive_bitwidth == 16
         v, words = kept_tile(val_ptr, word_ptr, rows, row_ok, k0, K, WORDS, N, BITS, BLOCK_R, BLOCK_K, EVICT,
@@ -235,7 +235,7 @@ if triton is not None:
         # ``v`` holds int32 pairs in the first branch only
         if AS_PAIRS:
             dense = _dense_2of4_pairs(v, group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G,
-                                      val_ptr.dtype.element_ty, NATIVE)
+                                      val_ptr.dtype.element_ty, NATIVE, SPREAD)
         elif N == 2 and M == 4:
             dense = _dense_2of4(v, group_codes(words, N, BITS, BLOCK_R, BLOCK_K), BLOCK_R, G)
         elif N == 4 and M == 8:
@@ -275,7 +275,7 @@ if triton is not None:
 
     @triton.jit
     def _dense_2of4_pairs(pairs, code, BLOCK_R: tl.constexpr, G: tl.constexpr, DTYPE: tl.constexpr,
-                          NATIVE: tl.constexpr):
+                          NATIVE: tl.constexpr, SPREAD: tl.constexpr = False):
         """16-bit 2:4 groups, each value pair as one 32-bit word ``[BLOCK_R, G]`` (first value in the low
         half), and their 4-bit codes → ``[BLOCK_R, G·4]`` dense in ``DTYPE`` by two byte permutes per
         group: dense slots 0–1 and 2–3 are each a ``prmt`` of the pair and zero, whose selector — bytes
@@ -284,11 +284,26 @@ if triton is not None:
         never overlap; the upper half's selector is the same word shifted down 16 bits). About 11
         instructions per group where :func:`_dense_2of4`'s selects took about 22 (sm_90a: the 16-token
         decode's loop 968 → 669 instructions with the weight as the A operand, 917 → 762 without; the
-        512-token GEMM's 151 → 130)."""
+        512-token GEMM's 151 → 130).
+
+        ``SPREAD``: each pair and selector is broadcast to the group's two dense words and each word is one
+        ``prmt`` of them, where the pairs' ``join`` made them side by side. Made only of broadcasts and
+        element-wise operations, the expansion lets the compiler give the pairs, as they are read from
+        shared memory, the layout of the MMA's A operand (each thread the two dense words it feeds the
+        tensor cores): compiled for sm_90a (Triton 3.9; 64 rows × 128 kept values, 16 tokens, weight as A)
+        the expanded tile no longer goes through shared memory to change layout (the loop's shared-memory
+        traffic 30.2 → 18.9 KB, its barrier for that gone), for more instructions (669 → 922: each
+        group's selector is worked out by the two threads that hold its halves)."""
         t = ((0x54 << ((code << 3) & 0x18)) | (0x76 << ((code << 1) & 0x18))) ^ 0x44444444
-        lo = _prmt(pairs, t, NATIVE)
-        hi = _prmt(pairs, t >> 16, NATIVE)
-        words = tl.reshape(tl.join(lo, hi), (BLOCK_R, G * 2))
+        if SPREAD:
+            half = tl.arange(0, 2)[None, None, :]
+            sel = tl.reshape(t[:, :, None] >> (16 * half), (BLOCK_R, G * 2))
+            spread = tl.reshape(tl.broadcast_to(pairs[:, :, None], (BLOCK_R, G, 2)), (BLOCK_R, G * 2))
+            words = _prmt(spread, sel, NATIVE)
+        else:
+            lo = _prmt(pairs, t, NATIVE)
+            hi = _prmt(pairs, t >> 16, NATIVE)
+            words = tl.reshape(tl.join(lo, hi), (BLOCK_R, G * 2))
         halves = tl.join(words & 0xFFFF, words >> 16).to(tl.int16)
         return tl.reshape(halves.to(DTYPE, bitcast=True), (BLOCK_R, G * 4))
 

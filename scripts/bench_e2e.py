@@ -234,6 +234,9 @@ def main() -> None:
                 torch.cuda.synchronize()
                 probe = capture_modes(model, prefill)   # where it broke, and which capture modes allow it
                 print(json.dumps({"prefill_capture_probe": probe}), flush=True)
+        # where an eager prompt's time goes (host queue against the GPU's end, the kernels with the most GPU time):
+        # load's default layout took 2.66x dense's eager prompt on the H200 (stop 85), 1.41x with dependent launches off
+        prefill_profile = step_profile(prefill) if cuda and label != "dense" else None
         first = prefill()[:, -1:].argmax(-1)
         tok = first.clone()
         pos = torch.tensor([args.prompt], device=device)
@@ -329,8 +332,9 @@ def main() -> None:
                "prefill_graph_vs_eager_max_rel_err": graph_err,
                **({"prefill_capture_probe": probe} if probe else {}),
                **({"eager_step_profile": profiled} if profiled else {}),
+               **({"eager_prefill_profile": prefill_profile} if prefill_profile else {}),
                "last_token_each_run": tokens_out}
-        print(json.dumps({k: v for k, v in row.items() if k != "eager_step_profile"}), flush=True)   # in the file
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_profile")}), flush=True)   # in the file
         return row, first
 
     with torch.device(device):
@@ -398,12 +402,17 @@ def main() -> None:
         return changed
 
     def kernel_choices(eager: bool = False) -> dict:
-        """Per kind of layer, token bucket → what auto runs in a CUDA graph (``eager``: outside one)."""
+        """Per kind of layer, token bucket → what auto runs in a CUDA graph (``eager``: outside one); a
+        stacked group's own layer (what its members run) as ``ROWSxCOLS stacked``."""
         choices = {}
-        for mod in model.modules():
-            if isinstance(mod, SparseLinear):
-                key = f"{mod.out_features}x{mod.in_features}{'+map' if mod.perm is not None else ''}"
-                made = mod.eager_choices if eager else mod.choices
+        layers = [mod for mod in model.modules() if isinstance(mod, SparseLinear)]
+        stacked = {id(m.fused_inputs): m.fused_inputs.stacked for m in layers
+                   if m.fused_inputs is not None and m.fused_inputs.stacked is not None}
+        for mod in layers + list(stacked.values()):
+            key = f"{mod.out_features}x{mod.in_features}{'+map' if mod.perm is not None else ''}"
+            key += " stacked" if any(mod is s for s in stacked.values()) else ""
+            made = mod.eager_choices if eager else mod.choices
+            if made:
                 choices.setdefault(key, {str(k): v for k, v in made.items()})
         return choices
 
@@ -411,11 +420,19 @@ def main() -> None:
     done = [dense_row, sparse_row]
     save(ratios(sparse_row), done, complete=False, kernel_choices=choices)
 
+    from shuffleprune.deploy.fused_inputs import FusedInputs
+
+    built: list[int] = []   # the stacked layers built (FusedInputs._build): once per group and placement, unless
+    build = FusedInputs._build   # something replaces a member's buffers (then at every call: its weight stacked anew)
+    FusedInputs._build = lambda self: built.append(1) or build(self)
+
     def measured(label: str, **facts) -> tuple[dict, dict]:
-        """The model as it stands now: its row (with ``facts``) and the kernels ``auto`` chose; the
-        rows so far saved."""
+        """The model as it stands now: its row (with ``facts``, the stacked layers built while it was
+        measured and what auto runs outside a CUDA graph) and the kernels ``auto`` chose; the rows so
+        far saved."""
+        before = len(built)
         row, _ = measure(model, label)
-        row.update(facts)
+        row.update(facts, stacked_builds=len(built) - before, eager_kernel_choices=kernel_choices(eager=True))
         done.append(row)
         save({**ratios(sparse_row), "partial": {r["model"]: ratios(r) for r in done[2:]}}, done, complete=False,
              kernel_choices=choices)

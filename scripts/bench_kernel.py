@@ -32,7 +32,9 @@ by the Tensor Memory Accelerator);
 without a map on the already-permuted input — the map's cost is the others' ratio to it —,
 ``decode_select`` and ``decode_swap`` (2–64 tokens: the select loop, the tensor-core decode with the
 weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_swap`` with half its step), ``decode_swap_sync`` (2–16 tokens: on
-32 rows of 2 warps, the synchronous ``mma``), ``decode_swap_tma`` (2–64 tokens: its weight tiles copied by the
+32 rows of 2 warps, the synchronous ``mma``), ``decode_swap_spread`` (2–64 tokens) and ``decode_swap_spread_sync`` (2–16:
+``decode_swap`` and ``decode_swap_sync`` with the tile expanded by broadcasts, straight into the MMA's operand
+layout), ``decode_swap_tma`` (2–64 tokens: its weight tiles copied by the
 Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
@@ -89,7 +91,7 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_resident+pdl", "decode_resident_tma",
               "decode_nomap", "decode_tall_nomap",
               "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync",
-              "decode_swap_tma", "decode_swap_tma_tiled", "cslt_tiled", "gemm",
+              "decode_swap_spread", "decode_swap_spread_sync", "decode_swap_tma", "decode_swap_tma_tiled", "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),

@@ -117,8 +117,9 @@ def capture_modes(model: nn.Module, call: Callable[[], object]) -> list[dict]:
 def step_profile(step: Callable[[], object], top: int = 12) -> dict:
     """One call of ``step`` under PyTorch's profiler: the host's time queuing it (perf_counter, no sync)
     against its time to the GPU's end, the CUDA runtime and driver calls made (count and host µs; a
-    synchronize or a blocking copy among them makes the host wait for the GPU), the kernels run, and
-    the operators with the most host time of their own."""
+    synchronize or a blocking copy among them makes the host wait for the GPU), the kernels run (and
+    the ``top`` with the most GPU time: name, launches, µs), and the operators with the most host time of
+    their own."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
@@ -135,11 +136,15 @@ def step_profile(step: Callable[[], object], top: int = 12) -> dict:
     events = prof.key_averages()
     api = {e.key: {"count": e.count, "host_us": round(e.cpu_time_total, 1)} for e in events
            if e.key.startswith(("cuda", "cu")) and not e.key.startswith("cutlass")}
-    kernels = sum(e.count for e in events if getattr(e, "device_type", None) is not None
-                  and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0)
+    on_gpu = [e for e in events if getattr(e, "device_type", None) is not None
+              and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+    kernels = sum(e.count for e in on_gpu)
+    top_kernels = [{"kernel": e.key[:100], "count": e.count, "gpu_us": round(e.self_device_time_total, 1)}
+                   for e in sorted(on_gpu, key=lambda e: -e.self_device_time_total)[:top]]
     ops = sorted((e for e in events if not e.key.startswith(("cuda", "cu"))), key=lambda e: -e.self_cpu_time_total)
     return {"host_queue_ms": round(queued * 1e3, 3), "to_gpu_end_ms": round(done * 1e3, 3),
             "runtime_calls": dict(sorted(api.items(), key=lambda kv: -kv[1]["count"])), "kernels": kernels,
+            "gpu_ms": round(sum(e.self_device_time_total for e in on_gpu) / 1e3, 3), "top_kernels": top_kernels,
             "top_host_ops": [{"op": e.key[:80], "count": e.count, "self_host_us": round(e.self_cpu_time_total, 1)}
                              for e in ops[:top]]}
 

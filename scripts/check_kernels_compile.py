@@ -68,8 +68,9 @@ def cases(quick: bool) -> list[dict]:
         out.append(dict(impl="decode_resident_nomap", shape=(rows, cols), tokens=1))   # and a layer without a map
         for t in (2, 16):   # the half step and the 32-row synchronous-mma tile auto also times, 2:4 at 2–16 tokens
             out += [dict(impl=impl, shape=(rows, cols), tokens=t) for impl in (*SWAP_TILES, "decode_swap_tma")]
-        for t in (32, 64):   # the TMA-fed decode's 128-column step (SparseLinear weighs it to 64 tokens)
-            out.append(dict(impl="decode_swap_tma", shape=(rows, cols), tokens=t))
+        for t in (32, 64):   # the TMA-fed decode's 128-column step and the broadcast expansion (SparseLinear weighs
+            out.append(dict(impl="decode_swap_tma", shape=(rows, cols), tokens=t))   # both to 64 tokens)
+            out.append(dict(impl="decode_swap_spread", shape=(rows, cols), tokens=t))
         for t in (4, 16) if quick else DECODE_TOKENS[2:5]:   # SparseLinear times it to 16 tokens
             out.append(dict(impl="decode_mapped", shape=(rows, cols), tokens=t))
         for t in (1, 16) if quick else DECODE_TOKENS[:5]:     # prune's 64-column block map read as offsets

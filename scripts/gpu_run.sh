@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel tune_swap_sync e2e targets, then `fill`: the queued steps
+#                                              # spread profile_swap e2e targets, then `fill`: the queued steps
 #                                              # (next1 … next7, in order) that fit in what is left of BUDGET_S
 #   BUDGET_S=570 (default; 0: none)            # the call's seconds: a step starts only with at least 15 s left and runs
 #                                              # at most what is left (its file keeps what it measured); a `fill` step
@@ -79,8 +79,11 @@
 #                                              # auto measures), auto measuring alone, auto's stored choices (a
 #                                              # restart), 2 LLaMA-2-7B-shaped layers (bench_warm_start.json)
 #   bash scripts/gpu_run.sh profile            # Nsight Compute on the decode kernels and cuBLAS (ncu_decode.txt)
-#   bash scripts/gpu_run.sh profile_swap       # the same on decode_swap, with its tiles by TMA, and cuBLAS at 16 tokens
-#                                              # (ncu_swap.txt: where their warps stall)
+#   bash scripts/gpu_run.sh profile_swap       # the same on decode_swap, with its tile expanded by broadcasts, and cuBLAS
+#                                              # at 16 tokens (ncu_swap.txt: where their warps stall)
+#   bash scripts/gpu_run.sh spread             # the weight-as-A decodes' tiles and expansions (decode_swap, _narrow, _sync,
+#                                              # and the broadcast expansion's decode_swap_spread, _spread_sync) with
+#                                              # auto and cuBLAS, the 6 shapes at 2-16 and 64 tokens (bench_spread.json)
 #   bash scripts/gpu_run.sh kernel e2e tune_scratch   # tune_scratch: the scratch fill's tile (prefill) and the
 #                                              # select decode at 2–16 tokens
 #   bash scripts/gpu_run.sh perm_cost perm_cost_tf32 kernel tune tune_group e2e
@@ -157,12 +160,16 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # next7 issue 6's DST step cost at GPT-2 Small's shape with the soft permutations now on the GPU
 # (each step's seconds go to $OUT/gpu_run_steps.txt for later plans); next: issue24 and all seven, for the CPU
 # smoke run.
-ISSUE24=(kernel tune_swap_sync e2e targets)         # limits 260 + 90 + 210 + 10 s (kernel 115 s, e2e 148 on the H200)
-NEXT1=(profile_swap tune_tma tune_tall)             # 3 × 90 + 150 + 150 s (profile_swap: Nsight Compute on decode_swap,
-                                                    # the same with TMA copies, and cuBLAS at 16 tokens: its shared
-                                                    # memory throughput and barrier stalls test the compile table's
-                                                    # shared ceiling; tune_tma's 216 timings: tune_bw_swap's 243 took
-                                                    # 53 s on the H200; tune_tall's 63 GEMM timings)
+# Since stop 86 issue24 is what that session built on the CPU: the weight-as-A decode with its 2:4 tile
+# expanded by broadcasts (decode_swap_spread, _spread_sync: compiled for sm_90a, the expanded tile no longer
+# goes through shared memory to reach the MMA's layout), timed against the other tiles (spread), profiled
+# against decode_swap and cuBLAS (profile_swap: never run before, its three profiles did not fit), then e2e,
+# where auto weighs them and the file now also records the stacked layers' choices and a profile of one
+# eager prompt (stop 85: the default layout's eager prompt took 2.66x dense's, 1.41x with dependent
+# launches off), and the targets.
+ISSUE24=(spread profile_swap e2e targets)           # limits 120 + 3 × 70 + 210 + 10 s (e2e 179 s on the H200)
+NEXT1=(kernel tune_tall)                            # 260 + 150 s (the whole kernel table, spread among auto's
+                                                    # candidates; tune_tall's 63 GEMM timings)
 NEXT2=(moe_stacked e2e_compile)                     # 300 + 280 s (e2e_compile 141 s on the H200)
 NEXT3=(e2e_moe warm_start)                          # 400 + 190 s (e2e_moe_compile, 420 s, a call of its own after it;
                                                     # warm_start: three processes, cold / measuring / stored choices)
@@ -233,6 +240,9 @@ for s in "$@"; do
             step sparse_tc_bench 240 scripts/results/bench_sparse_tc.json $PY scripts/bench_kernel.py --tokens 64 512 2048 \
                 --impls auto scratch gemm gemm_swap semi_structured semi_cutlass cslt \
                 --out scripts/results/bench_sparse_tc.json ;;
+        spread) step spread 120 scripts/results/bench_spread.json $PY scripts/bench_kernel.py --tokens 2 4 8 16 64 \
+                --impls auto decode_swap decode_swap_narrow decode_swap_sync decode_swap_spread decode_swap_spread_sync \
+                --out scripts/results/bench_spread.json ;;
         cslt_buffer) step cslt_buffer 240 scripts/results/bench_kernel_cslt.json $PY scripts/bench_kernel.py \
                 --impls auto auto_tiled decode_nomap decode_tiled --out scripts/results/bench_kernel_cslt.json ;;
         gather) step gather 120 scripts/results/bench_gather.json $PY scripts/bench_kernel.py --warm-jobs 15 \
@@ -283,15 +293,19 @@ for s in "$@"; do
             if [ "$s" = profile ]; then RES=scripts/results/ncu_decode.txt
                 cases=("select 1 11008x4096" "dot 2 11008x4096" "dot 16 11008x4096" "swap 16 11008x4096" "dense 1 11008x4096"
                        "select 1 4096x4096" "dense 1 4096x4096")
-            else RES=scripts/results/ncu_swap.txt   # the weight-as-A decode's copies: per thread against TMA
-                cases=("swap 16 11008x4096" "swap_tma 16 11008x4096" "dense 16 11008x4096"); fi
+            else RES=scripts/results/ncu_swap.txt   # the weight-as-A decode's expansions: joined against broadcast
+                cases=("swap 16 11008x4096" "swap_spread 16 11008x4096" "dense 16 11008x4096"); fi
             [ "$SMOKE" = 1 ] && RES=$SP/$(basename $RES)   # a CPU check leaves the committed profile alone
-            fits $((90 * ${#cases[@]})) || { echo "=== $s: skipped (${#cases[@]} profiles of 90 s do not fit)"; continue; }
+            if [ "$BUDGET_S" -gt 0 ] && [ $((70 * ${#cases[@]})) -gt $((BUDGET_S - SECONDS)) ]; then
+                echo "=== $s: skipped (${#cases[@]} profiles of 70 s do not fit)"
+                echo "$s skipped limit=$((70 * ${#cases[@]})) left=$((BUDGET_S - SECONDS))" >> "$OUT/gpu_run_steps.txt"
+                continue
+            fi
             : > $RES
             for case in "${cases[@]}"; do
                 read -r kern toks shape <<< "$case"
                 echo "##### $kern tokens=$toks shape=$shape" >> $RES
-                step "profile_${kern}_$toks" 90 $RES "$NCU" --clock-control none --profile-from-start off \
+                step "profile_${kern}_$toks" 70 $RES "$NCU" --clock-control none --profile-from-start off \
                     --launch-skip 3 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
                     --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
                     --section ComputeWorkloadAnalysis $PY scripts/profile_decode.py --kernel $kern --tokens $toks \

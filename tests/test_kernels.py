@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy import auto_choice
-from shuffleprune.deploy.impls import IMPLS, LIBRARY_IMPLS, default_choice
+from shuffleprune.deploy.impls import IMPLS, LIBRARY_IMPLS, SWAP_TILES, default_choice
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.masks import nm_keep_mask
 
@@ -165,6 +165,55 @@ def test_tma_weight_tiles_decode_as_the_loads_do(tokens, dtype, tiled):
     assert plan["tma"] and (plan["block_r"], plan["block_k"] * 2, plan["num_warps"]) == (block_r, columns, warps)
     assert plan["per_sm"] == per_sm and plan["block_k"] * 2 >= 64   # 16 bytes of position words per row and step
     assert not decode_plan(4096, 2048, tokens, 2, 4, 2, x.device, weight_a=True, use_dot=True)["tma"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [2, 9, 16])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_spread_expansion_decodes_what_the_joined_one_does(tokens, dtype, tiled):
+    """The weight-as-A tensor-core decode with its 2:4 tiles expanded by broadcasts (``spread``) gives the
+    float64 product, bit for bit what the pairs' joined expansion gives on the same tile: ragged rows and
+    kept values, the map and bias or neither, split-K summed in the kernel and by a second launch, the
+    64-row 4-warp tile and the 32-row 2-warp one SparseLinear weighs (``decode_swap_spread``,
+    ``decode_swap_spread_sync``), the export's words and cuSPARSELt's order."""
+    from shuffleprune.deploy.cslt_layout import cslt_words
+    from shuffleprune.deploy.impls import DECODE_KERNELS
+    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.nm_words import position_words
+
+    rows, cols = (128, 352) if tiled else (100, 352)   # 176 kept values: not a multiple of any step
+    w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=7 + tokens)
+    words = cslt_words(position_words(meta)) if tiled else position_words(meta)
+    tiles = ({k: v for k, v in DECODE_KERNELS[name].items() if k != "spread"}
+             for name in ("decode_swap_spread", "decode_swap_spread_sync"))
+    for p, b in ((perm.to(torch.int32), bias), (None, None)):
+        ref = (x.double() if p is None else x.double()[:, p.long()]) @ w.double().t() + (0 if b is None else b.double())
+        for over in (*tiles, {"use_dot": True, "weight_a": True, "block_r": 16, "block_k": 32, "split": 3,
+                              "sum_in_kernel": False}):
+            y = nm_decode(x, values, words, 2, 4, 2, p, b, tiled=tiled, spread=True, **over)
+            assert y.shape == (tokens, rows) and _close(y, ref, dtype), (p is None, over)
+            assert torch.equal(y, nm_decode(x, values, words, 2, 4, 2, p, b, tiled=tiled, **over)), (p is None, over)
+    plan = decode_plan(4096, 2048, tokens, 2, 4, 2, x.device, use_dot=True, weight_a=True, spread=True)
+    assert plan["spread"] and plan == {**decode_plan(4096, 2048, tokens, 2, 4, 2, x.device, use_dot=True,
+                                                     weight_a=True), "spread": True}   # the same tile and split
+    _, v48, m48, x48, *_ = _case(24, 256, 4, 8, 4, dtype)
+    with pytest.raises(ValueError, match="spread takes"):   # 4:8, 32-bit inputs, TMA's tiles, the select loop
+        nm_decode(x48, v48, position_words(m48), 4, 8, 4, spread=True, use_dot=True, weight_a=True)
+    _, v32, m32, x32, *_ = _case(24, 256, 2, 4, 4, torch.float32)
+    with pytest.raises(ValueError, match="spread takes"):
+        nm_decode(x32, v32, position_words(m32), 2, 4, 2, spread=True, use_dot=True, weight_a=True)
+    with pytest.raises(ValueError, match="spread takes"):
+        decode_plan(4096, 2048, tokens, 2, 4, 2, x.device, use_dot=True, weight_a=True, tma=True, spread=True)
+    with pytest.raises(ValueError, match="spread takes"):
+        decode_plan(4096, 2048, 2, 2, 4, 2, x.device, use_dot=False, spread=True)
+    lin = SparseLinear(values, meta, cols, 2, 4, perm=perm, bias=bias)
+    assert {"decode_swap_spread", "decode_swap_spread_sync"} <= set(lin.candidates(x))   # 2-16 tokens, 16-bit
+    assert not {"decode_swap_spread", "decode_swap_spread_sync"} & set(lin.candidates(x[:1]))
+    assert "decode_swap_spread" in lin.candidates(x.repeat(17, 1)[:17])   # 64 rows: to 64 tokens as decode_swap
+    assert "decode_swap_spread_sync" not in lin.candidates(x.repeat(17, 1)[:17])   # 32 rows: to 16
+    assert not {"decode_swap_spread", "decode_swap_spread_sync"} & set(lin.candidates(x.repeat(65, 1)[:65]))
+    named = SparseLinear(values, meta, cols, 2, 4, perm=perm, bias=bias, policy="decode_swap_spread")
+    assert _close(named(x), (x.double()[:, perm] @ w.double().t() + bias.double()), dtype)   # the gathered input
 
 
 def test_tma_decode_refuses_what_the_copies_cannot_read():
@@ -1725,17 +1774,20 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     assert plain.candidates(x1) == ["decode", "decode_shallow", "decode_wide", "decode_resident", "scratch"]
     assert mapped.candidates(torch.randn(2, 64).half()) == [   # the select loop's two depths and the wide step
         "decode", "decode_shallow", "decode_wide", "decode_mapped", "decode_mapped_by_value", "decode_resident",
-        "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch"]
+        "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_spread", "decode_swap_spread_sync",
+        "scratch"]
     assert plain.candidates(x1.float())[:3] == ["decode", "decode_shallow", "scratch"]
     _, values48, meta48, _, perm48, _ = _case(24, 64, 4, 8, 1, torch.float16)
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48).candidates(x1) == [
         "decode", "decode_shallow", "decode_mapped", "scratch"]
     assert mapped.candidates(torch.randn(5, 64).half()) == ["decode", "decode_mapped", "decode_select",
-                                                              "decode_swap", "decode_swap_narrow", "decode_swap_sync", "scratch"]
+                                                              "decode_swap", "decode_swap_narrow", "decode_swap_sync",
+                                                              "decode_swap_spread", "decode_swap_spread_sync", "scratch"]
     assert SparseLinear(values48, meta48, 64, 4, 8, perm=perm48).candidates(torch.randn(5, 64).half()) == [
         "decode", "decode_mapped", "decode_select", "decode_swap", "scratch"]   # decode_swap's other tiles: 2:4's
-    assert not {"decode_swap_narrow", "decode_swap_sync"} & set(mapped.candidates(torch.randn(5, 64)))   # 16-bit
-    assert mapped.candidates(x20) == ["decode", "decode_swap", "gemm", "gemm_swap", "gemm_swap_tall",   # map in-kernel: ≤ 16
+    assert not set(SWAP_TILES) & set(mapped.candidates(torch.randn(5, 64)))   # 16-bit
+    assert mapped.candidates(x20) == ["decode", "decode_swap", "decode_swap_spread", "gemm", "gemm_swap",
+                                       "gemm_swap_tall",   # map in-kernel: ≤ 16
                                        "scratch", "scratch_mapped"]   # from 17 tokens, the map into the scratch instead of a gather
     assert mapped.candidates(x70) == ["gemm", "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped"]
     assert plain.candidates(x70) == ["gemm", "gemm_swap", "gemm_swap_tall", "scratch"]
@@ -1811,7 +1863,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             "gemm_swap_tile", "gemm_swap_tall_tile", "scratch",
             "scratch_mapped", "rmsnorm_mapped", "experts", "experts_mapped", "decode_blockmap", "decode_tall",
             "decode_wide", "decode_mapped_tall", "decode_mapped_wide", "decode_mapped_by_value", "route_blocks",
-            "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", "gather_pairs", "decode_resident",
+            "decode_swap_narrow", "decode_swap_sync", "decode_swap_spread", "decode_swap_spread_sync", "decode_swap_tma",
+            "gather_pairs", "decode_resident",
             "decode_resident_nomap", "decode_resident_tma"} <= impls
     sixteen_bit = [r for r in rows if r["dtype"] != "float32"]
     for r in sixteen_bit:
@@ -1826,7 +1879,7 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["plan_per_sm"] <= r["programs_per_sm"], r   # split-K never assumes more than reside
         if (r["impl"] == "decode" and r["tokens"] > SELECT_MAX_TOKENS) or r["impl"] == "gemm":
             assert r["tensor_core"], r
-        if ("swap" in r["impl"] and r["impl"] not in ("decode_swap_sync", "decode_swap_tma")) \
+        if ("swap" in r["impl"] and r["impl"] not in ("decode_swap_sync", "decode_swap_spread_sync", "decode_swap_tma")) \
                 or r["impl"] == "decode_mapped":   # the weight
             # as the A operand: asynchronous wgmma (but the 32-row tile's synchronous mma, checked below)
             assert r["wgmma"] and r["widest_load_bytes"] == 16 and r["async_copies"], r
@@ -1849,6 +1902,17 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["evict_first"] and r["tensor_core"] and not r["wgmma"], r   # more programs than the 64-row tile
             assert r["plan_per_sm"] <= r["programs_per_sm"] and r["programs_per_sm"] > 2, r
             assert r["widest_load_bytes"] == 16 and r["async_copies"] and r["loop_sync_loads"] == 0, r
+        if r["impl"] in ("decode_swap_spread", "decode_swap_spread_sync"):   # the tile expanded by broadcasts: the
+            # expanded tile no longer goes through shared memory to change layout (only the weight's and the
+            # inputs' copies do), on the same tile as its joined expansion
+            joined = next((q for q in sixteen_bit if q["impl"] == r["impl"].replace("_spread", "")
+                           and q["tokens"] == r["tokens"] and q["shape"] == r["shape"] and q["pattern"] == "2:4"), None)
+            assert joined or r["tokens"] != 16, r   # both are compiled at 16 tokens
+            assert r["constexprs"]["SPREAD"], r
+            assert joined is None or r["loop_shared_bytes"] < 0.8 * joined["loop_shared_bytes"], (r, joined)
+            assert (r["wgmma"] or r["impl"] == "decode_swap_spread_sync") and r["tensor_core"], r
+            assert r["evict_first"] and r["async_copies"] and r["loop_sync_loads"] == 0, r
+            assert r["plan_per_sm"] <= r["programs_per_sm"], r
         if r["impl"] == "decode_swap_tma":   # the weight's tiles by the Tensor Memory Accelerator, on its own tiles
             block_r, columns, _, per_sm = DOT_TILES_SWAP_TMA[max(16, next_pow2(r["tokens"]))]
             assert r["wgmma"] and r["bulk_copies"] and r["loop_sync_loads"] == 0, r

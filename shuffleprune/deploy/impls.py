@@ -68,6 +68,15 @@
   (``scripts/results/kernel_compile_sm90.json``), 6 such programs (12 warps) reside per SM where the
   default tile has 2 (8 warps), with about the same instruction ceiling (5.1–5.5 against 5.9–6.4 TB/s).
   Not yet timed on a GPU; ``auto`` weighs it;
+- ``decode_swap_spread`` (2:4, 16-bit, 2–64 tokens) and ``decode_swap_spread_sync`` (2–16): ``decode_swap`` and
+  ``decode_swap_sync`` with the tile expanded by broadcasts (``kernels/nm_words.py``'s ``_dense_2of4_pairs``,
+  ``SPREAD``), so the compiler reads the value pairs from shared memory straight into the MMA's operand
+  layout: compiled for sm_90a the expanded tile no longer makes a trip through shared memory and a barrier
+  per step to change layout (the default tile's loop moves 18.9 KB of shared memory where it moved 30.2,
+  the 32-row one 13.6 where 19.2; 8 of the 32-row programs reside per SM where 6 did), for 28–38 % more
+  loop instructions under Triton 3.9. Under Triton 3.6 (PyTorch 2.11's, the GPU machine's) the 32-row tile's
+  loop is shorter too (325 instructions against 388 at 16 tokens on 4096×4096, 11.5 KB of shared memory
+  against 19.2, 88 registers against 102). Not yet timed on a GPU; ``auto`` weighs them;
 - ``decode_swap_tma`` (2:4, 16-bit, 2–64 tokens): ``decode_swap`` (3 tiles in flight) with its weight's tiles
   copied by Hopper's Tensor Memory Accelerator (tensor descriptors), not by every thread's 16-byte
   asynchronous copies. At 2–16 tokens the 2:4 decodes took the H100's time on the H200 (4096×14336, 2
@@ -113,7 +122,8 @@ LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 
 GEMM_KERNELS = {"gemm": {}, "gemm_swap": {"weight_a": True}, "gemm_swap_tall": {"weight_a": True, "tall": True}}
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
-         "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_tma", *GEMM_KERNELS,
+         "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_spread",
+         "decode_swap_spread_sync", "decode_swap_tma", *GEMM_KERNELS,
          "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
@@ -140,9 +150,10 @@ NOT_WEIGHED = ("decode_tall", "decode_offsets")
 # the most tokens auto weighs these at (and bench_kernel times them at; decode_resident: nm_resident's own limit)
 TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, "decode_mapped_wide": 1,
                    "decode_mapped_by_value": 2, "decode_resident": 2, "decode_resident_tma": 2,
-                   "decode_swap_narrow": 16, "decode_swap_sync": 16,
-                   "decode_swap_tma": 64}
-SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync")   # decode_swap's other tiles: 2:4, 16-bit, 2-16 tokens
+                   "decode_swap_narrow": 16, "decode_swap_sync": 16, "decode_swap_spread": 64,
+                   "decode_swap_spread_sync": 16, "decode_swap_tma": 64}
+# decode_swap's other tiles and expansions: 2:4, 16-bit, 2-16 tokens
+SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync", "decode_swap_spread", "decode_swap_spread_sync")
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
 # tensor-core form whose gather the pipeline copies ahead)
@@ -153,6 +164,9 @@ DECODE_KERNELS = {"decode": {}, "decode_shallow": {"stages": 3}, "decode_mapped"
                   "decode_swap": {"use_dot": True, "weight_a": True},
                   "decode_swap_narrow": {"use_dot": True, "weight_a": True, "block_k": 64, "stages": 3},
                   "decode_swap_sync": {"use_dot": True, "weight_a": True, "block_r": 32, "num_warps": 2, "block_k": 64},
+                  "decode_swap_spread": {"use_dot": True, "weight_a": True, "spread": True},
+                  "decode_swap_spread_sync": {"use_dot": True, "weight_a": True, "block_r": 32, "num_warps": 2,
+                                              "block_k": 64, "spread": True},
                   "decode_swap_tma": {"use_dot": True, "weight_a": True, "stages": 3, "tma": True},
                   **{f"{name}_{shape}": {**DECODE_KERNELS_TILE[shape], **kw}
                      for name, kw in (("decode", {}), ("decode_mapped", {"weight_a": True}))
