@@ -11,7 +11,9 @@ bits) and accumulates element-wise, with one reduction after the loop (:func:`se
 :func:`_select_loop_pairs`); from
 three tokens (4:8: from one) the tile is expanded to dense in registers and multiplied on the tensor
 cores (:func:`dot_loop`: ``tl.dot``, tokens in the MMA's rows; with ``weight_a`` the weight's rows
-are, so Hopper's asynchronous wgmma reads the expanded tile from registers). Where the row count is
+are, so Hopper's asynchronous wgmma reads the expanded tile from registers; with ``spread`` the 2:4 tile
+is expanded by broadcasts, which lets the compiler read it from shared memory straight into that
+operand's layout instead of moving the expanded tile there through shared memory). Where the row count is
 too small to fill the GPU, the kept values are split (:mod:`.split_k`). :func:`decode_plan` picks the
 kernel, tile and split; the loops are shared with the MoE experts kernel (:mod:`.nm_experts`).
 

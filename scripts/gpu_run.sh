@@ -41,6 +41,9 @@
 #                                              # others' tiles, and the in-kernel map's tiles at 1 token
 #   bash scripts/gpu_run.sh tune_tall          # the weight-as-A GEMM on 128 weight rows per program (GEMM_TILES_SWAP_TALL)
 #                                              # against its 64-row tiles, every tile at 64/512/2048 tokens (tune_tall.json)
+#   bash scripts/gpu_run.sh tune_spread        # the weight-as-A decode's tiles (32/64 rows, 64/128 kept values per step,
+#                                              # 2/4 warps, 3/4 stages) with the joined and the broadcast expansion, 2 and
+#                                              # 16 tokens, three shapes (tune_spread.json)
 #   bash scripts/gpu_run.sh tune_tma           # the same decode with its weight tiles copied by the Tensor Memory
 #                                              # Accelerator: 64/128 rows, 64/128 kept values per step, 4/8 warps,
 #                                              # 2-4 stages at 2, 16 and 64 tokens (tune_tma.json)
@@ -168,7 +171,8 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # eager prompt (stop 85: the default layout's eager prompt took 2.66x dense's, 1.41x with dependent
 # launches off), and the targets.
 ISSUE24=(spread profile_swap e2e targets)           # limits 120 + 3 × 70 + 210 + 10 s (e2e 179 s on the H200)
-NEXT1=(kernel tune_tall)                            # 260 + 150 s (the whole kernel table, spread among auto's
+NEXT1=(tune_spread kernel tune_tall)                # 90 + 260 + 150 s (the broadcast expansion's tiles against the
+                                                    # joined one's; the whole kernel table, spread among auto's
                                                     # candidates; tune_tall's 63 GEMM timings)
 NEXT2=(moe_stacked e2e_compile)                     # 300 + 280 s (e2e_compile 141 s on the H200)
 NEXT3=(e2e_moe warm_start)                          # 400 + 190 s (e2e_moe_compile, 420 s, a call of its own after it;
@@ -259,6 +263,10 @@ for s in "$@"; do
                 --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 64 \
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
+        tune_spread) step tune_spread 90 scripts/results/tune_spread.json $PY scripts/tune_kernel.py \
+                --variants swap swap_spread --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 16 --block-r 32 64 \
+                --block-k 64 128 --num-warps 2 4 --stages 3 4 --max-tile 1048576 \
+                --out scripts/results/tune_spread.json ;;
         tune_tall) step tune_tall 150 scripts/results/tune_tall.json $PY scripts/tune_kernel.py \
                 --variants gemm_swap gemm_swap_tall --tokens 64 512 2048 --out scripts/results/tune_tall.json ;;
         tune_tma) step tune_tma 150 scripts/results/tune_tma.json $PY scripts/tune_kernel.py \

@@ -3,7 +3,8 @@ count, every (``block_r``, ``block_k``, ``num_warps``) in the grid — and for t
 (``kernels/nm_decode.py``: ``decode`` as planned, ``select`` and ``dot`` forcing the select or the
 tensor-core kernel, ``swap`` the tensor-core kernel with the weight as the MMA's A operand,
 ``swap_tma`` the same with its weight tiles copied by the Tensor Memory Accelerator (2:4, 16-bit, at least 64
-kept values per step),
+kept values per step), ``swap_spread`` the same with its 2:4 tile expanded by broadcasts (``spread``: read
+straight into the MMA's operand layout),
 ``mapped`` the planned kernel reading the index map itself, ``mapped_sync`` the same with the map's gather
 one step ahead in registers instead of the pipeline's word copies; each also as ``…_launch``, split-K's
 partial sums added by a second kernel instead of the last split; ``decode_pdl``, ``swap_pdl`` and
@@ -47,6 +48,7 @@ SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [out, in]
 # mapped_sync: its gather one step ahead in registers, not as the pipeline's asynchronous word copies)
 DECODE = {"decode": {}, "select": {"use_dot": False}, "dot": {"use_dot": True}, "swap": {"use_dot": True, "weight_a": True},
           "swap_tma": {"use_dot": True, "weight_a": True, "tma": True},
+          "swap_spread": {"use_dot": True, "weight_a": True, "spread": True},
           "mapped": {}, "mapped_sync": {"async_gather": False}}
 # ..._launch: the same with split-K's partial sums added by a second kernel, not by the last split in the kernel
 DECODE.update({f"{name}_launch": {**kw, "sum_in_kernel": False} for name, kw in list(DECODE.items())})
