@@ -101,7 +101,9 @@ def cases(quick: bool) -> list[dict]:
                 out.append(dict(impl=impl, shape=(rows, cols), tokens=t))
     for t in (1, 2, 16, 64):   # positions in cuSPARSELt's order (SparseLinear.use_cslt_layout): "…_tiled" rows
         out.append(dict(impl="decode", shape=(rows, cols), tokens=t, tiled=True))
-    out.append(dict(impl="decode_swap", shape=(rows, cols), tokens=16, tiled=True))
+    for impl in ("decode_swap", "decode_swap_sync", "decode_swap_spread", "decode_swap_spread_sync"):   # joined and
+        # by broadcasts
+        out.append(dict(impl=impl, shape=(rows, cols), tokens=16, tiled=True))
     out.append(dict(impl="scratch", shape=(rows, cols), tokens=0, tiled=True))
     for t in (1, 16, 64):   # a MoE layer's 8 experts (top 2) in one grouped launch: 2, 32, 128 pairs
         for impl in ("experts", "experts_mapped"):

@@ -1879,7 +1879,8 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["plan_per_sm"] <= r["programs_per_sm"], r   # split-K never assumes more than reside
         if (r["impl"] == "decode" and r["tokens"] > SELECT_MAX_TOKENS) or r["impl"] == "gemm":
             assert r["tensor_core"], r
-        if ("swap" in r["impl"] and r["impl"] not in ("decode_swap_sync", "decode_swap_spread_sync", "decode_swap_tma")) \
+        if ("swap" in r["impl"]
+                and r["impl"].removesuffix("_tiled") not in ("decode_swap_sync", "decode_swap_spread_sync", "decode_swap_tma")) \
                 or r["impl"] == "decode_mapped":   # the weight
             # as the A operand: asynchronous wgmma (but the 32-row tile's synchronous mma, checked below)
             assert r["wgmma"] and r["widest_load_bytes"] == 16 and r["async_copies"], r
@@ -1902,15 +1903,15 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
             assert r["evict_first"] and r["tensor_core"] and not r["wgmma"], r   # more programs than the 64-row tile
             assert r["plan_per_sm"] <= r["programs_per_sm"] and r["programs_per_sm"] > 2, r
             assert r["widest_load_bytes"] == 16 and r["async_copies"] and r["loop_sync_loads"] == 0, r
-        if r["impl"] in ("decode_swap_spread", "decode_swap_spread_sync"):   # the tile expanded by broadcasts: the
-            # expanded tile no longer goes through shared memory to change layout (only the weight's and the
-            # inputs' copies do), on the same tile as its joined expansion
+        if r["impl"].removesuffix("_tiled") in ("decode_swap_spread", "decode_swap_spread_sync"):   # the tile expanded
+            # by broadcasts (in either position layout): the expanded tile no longer goes through shared memory
+            # to change layout (only the weight's and the inputs' copies do), on the same tile as its joined expansion
             joined = next((q for q in sixteen_bit if q["impl"] == r["impl"].replace("_spread", "")
                            and q["tokens"] == r["tokens"] and q["shape"] == r["shape"] and q["pattern"] == "2:4"), None)
             assert joined or r["tokens"] != 16, r   # both are compiled at 16 tokens
             assert r["constexprs"]["SPREAD"], r
             assert joined is None or r["loop_shared_bytes"] < 0.8 * joined["loop_shared_bytes"], (r, joined)
-            assert (r["wgmma"] or r["impl"] == "decode_swap_spread_sync") and r["tensor_core"], r
+            assert (r["wgmma"] or r["impl"].startswith("decode_swap_spread_sync")) and r["tensor_core"], r
             assert r["evict_first"] and r["async_copies"] and r["loop_sync_loads"] == 0, r
             assert r["plan_per_sm"] <= r["programs_per_sm"], r
         if r["impl"] == "decode_swap_tma":   # the weight's tiles by the Tensor Memory Accelerator, on its own tiles
