@@ -289,7 +289,7 @@ if triton is not None:
         ``SPREAD``: each pair and selector is broadcast to the group's two dense words and each word is one
         ``prmt`` of them, where the pairs' ``join`` made them side by side. Made only of broadcasts and
         element-wise operations, the expansion lets the compiler give the pairs, as they are read from
-        shared memory, the layout of the MMA's A operand (each thread the two dense words it feeds the
+        shared memory, the layout of the MMA's A operand (each thread the dense words it feeds the
         tensor cores): compiled for sm_90a (Triton 3.9; 64 rows × 128 kept values, 16 tokens, weight as A)
         the expanded tile no longer goes through shared memory to change layout (the loop's shared-memory
         traffic 30.2 → 18.9 KB, its barrier for that gone), for more instructions (669 → 922: each

@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # spread profile_swap e2e targets, then `fill`: the queued steps
+#                                              # kernel e2e targets, then `fill`: the queued steps
 #                                              # (next1 … next7, in order) that fit in what is left of BUDGET_S
 #   BUDGET_S=570 (default; 0: none)            # the call's seconds: a step starts only with at least 15 s left and runs
 #                                              # at most what is left (its file keeps what it measured); a `fill` step
@@ -165,15 +165,17 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # smoke run.
 # Since stop 86 issue24 is what that session built on the CPU: the weight-as-A decode with its 2:4 tile
 # expanded by broadcasts (decode_swap_spread, _spread_sync: compiled for sm_90a, the expanded tile no longer
-# goes through shared memory to reach the MMA's layout), timed against the other tiles (spread), profiled
-# against decode_swap and cuBLAS (profile_swap: never run before, its three profiles did not fit), then e2e,
-# where auto weighs them and the file now also records the stacked layers' choices and a profile of one
-# eager prompt (stop 85: the default layout's eager prompt took 2.66x dense's, 1.41x with dependent
-# launches off), and the targets.
-ISSUE24=(spread profile_swap e2e targets)           # limits 120 + 3 × 70 + 210 + 10 s (e2e 179 s on the H200)
-NEXT1=(tune_spread kernel tune_tall)                # 90 + 260 + 150 s (the broadcast expansion's tiles against the
-                                                    # joined one's; the whole kernel table, spread among auto's
-                                                    # candidates; tune_tall's 63 GEMM timings)
+# goes through shared memory to reach the MMA's layout), which auto now weighs: the whole per-layer table
+# (kernel, whose auto rows the targets judge), then e2e, where the file now also records the stacked layers'
+# choices and a profile of one eager prompt (stop 85: the default layout's eager prompt took 2.66x dense's,
+# 1.41x with dependent launches off), and the targets; next1 (filled in as time allows, else the next call)
+# sweeps the broadcast tiles (tune_spread) and profiles decode_swap, its broadcast form and cuBLAS
+# (profile_swap: never run before, its three profiles never fit). `spread` alone times the weight-as-A
+# decodes' tiles and expansions with auto and cuBLAS (a quicker look than kernel).
+ISSUE24=(kernel e2e targets)                        # limits 260 + 210 + 10 s (kernel 175 s, e2e 179 on the H200)
+NEXT1=(tune_spread profile_swap tune_tall)          # 90 + 3 × 70 + 150 s (the broadcast expansion's tiles against the
+                                                    # joined one's; Nsight Compute on decode_swap, its broadcast
+                                                    # form and cuBLAS at 16 tokens; tune_tall's 63 GEMM timings)
 NEXT2=(moe_stacked e2e_compile)                     # 300 + 280 s (e2e_compile 141 s on the H200)
 NEXT3=(e2e_moe warm_start)                          # 400 + 190 s (e2e_moe_compile, 420 s, a call of its own after it;
                                                     # warm_start: three processes, cold / measuring / stored choices)
