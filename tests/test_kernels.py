@@ -184,8 +184,8 @@ def test_spread_expansion_decodes_what_the_joined_one_does(tokens, dtype, tiled)
     rows, cols = (128, 352) if tiled else (100, 352)   # 176 kept values: not a multiple of any step
     w, values, meta, x, perm, bias = _case(rows, cols, 2, 4, tokens, dtype, seed=7 + tokens)
     words = cslt_words(position_words(meta)) if tiled else position_words(meta)
-    tiles = ({k: v for k, v in DECODE_KERNELS[name].items() if k != "spread"}
-             for name in ("decode_swap_spread", "decode_swap_spread_sync"))
+    tiles = [{k: v for k, v in DECODE_KERNELS[name].items() if k != "spread"}
+             for name in ("decode_swap_spread", "decode_swap_spread_sync")]
     for p, b in ((perm.to(torch.int32), bias), (None, None)):
         ref = (x.double() if p is None else x.double()[:, p.long()]) @ w.double().t() + (0 if b is None else b.double())
         for over in (*tiles, {"use_dot": True, "weight_a": True, "block_r": 16, "block_k": 32, "split": 3,
@@ -1759,7 +1759,8 @@ def test_the_decode_policies_plan_the_select_tiles_they_name(monkeypatch):
 def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_decode():
     """Mapped layers weigh the gather-then-decode path against the kernel reading the map itself (to 16 tokens);
     at 1-2 tokens the select loop with its pipeline a tile shallower, from two tokens the select loop
-    and the weight-as-A tensor-core decode (2:4 at 2-16 tokens also with half its step), from 17 both GEMMs,
+    and the weight-as-A tensor-core decode (2:4 at 2-16 tokens also with half its step, on 32 rows, and
+    expanded by broadcasts on either tile; the 64-row one to 64 tokens), from 17 both GEMMs,
     are weighed too; where nothing can be timed (a first call inside a graph capture), decode runs, else the scratch."""
 
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)

@@ -73,7 +73,7 @@
   ``SPREAD``), so the compiler reads the value pairs from shared memory straight into the MMA's operand
   layout: compiled for sm_90a the expanded tile no longer makes a trip through shared memory and a barrier
   per step to change layout (the default tile's loop moves 18.9 KB of shared memory where it moved 30.2,
-  the 32-row one 13.6 where 19.2; 8 of the 32-row programs reside per SM where 6 did), for 28–38 % more
+  the 32-row one 13.6 where 19.2; 8 of the 32-row programs reside per SM where 6 did), for 14–38 % more
   loop instructions under Triton 3.9. Under Triton 3.6 (PyTorch 2.11's, the GPU machine's) the 32-row tile's
   loop is shorter too (325 instructions against 388 at 16 tokens on 4096×4096, 11.5 KB of shared memory
   against 19.2, 88 registers against 102). Not yet timed on a GPU; ``auto`` weighs them;
@@ -152,7 +152,7 @@ TILE_MAX_TOKENS = {"decode_tall": 1, "decode_wide": 2, "decode_mapped_tall": 1, 
                    "decode_mapped_by_value": 2, "decode_resident": 2, "decode_resident_tma": 2,
                    "decode_swap_narrow": 16, "decode_swap_sync": 16, "decode_swap_spread": 64,
                    "decode_swap_spread_sync": 16, "decode_swap_tma": 64}
-# decode_swap's other tiles and expansions: 2:4, 16-bit, 2-16 tokens
+# decode_swap's other tiles and expansions: 2:4, 16-bit, from 2 tokens to their TILE_MAX_TOKENS
 SWAP_TILES = ("decode_swap_narrow", "decode_swap_sync", "decode_swap_spread", "decode_swap_spread_sync")
 # nm_decode's kernel choice per decode policy: all but the MAPPED_DECODES run on the gathered input;
 # decode_mapped reads the map itself, above the select loop's tokens in the weight-as-A kernel (the
