@@ -388,13 +388,18 @@ def main() -> None:
     save({}, [dense_row], complete=False)
     sparse_row, _ = measure(model, "2:4+index maps (SparseLinear auto)")
 
-    def launch_plainly(model) -> int:
-        """Every sparse layer's (and stacked group's) ``+pdl`` choices launched plainly; returns how many."""
+    def layers_and_stacks() -> tuple[list, list]:
+        """The model's sparse layers, and the stacked layers their groups run (built so far)."""
         layers = [mod for mod in model.modules() if isinstance(mod, SparseLinear)]
-        layers += list({id(m.fused_inputs): m.fused_inputs.stacked for m in layers
-                        if m.fused_inputs is not None and m.fused_inputs.stacked is not None}.values())
+        stacks = list({id(m.fused_inputs): m.fused_inputs.stacked for m in layers
+                       if m.fused_inputs is not None and m.fused_inputs.stacked is not None}.values())
+        return layers, stacks
+
+    def launch_plainly() -> int:
+        """Every sparse layer's (and stacked group's) ``+pdl`` choices launched plainly; returns how many."""
+        layers, stacks = layers_and_stacks()
         changed = 0
-        for layer in layers:
+        for layer in layers + stacks:
             for made in (layer.choices, layer.eager_choices):
                 for bucket, impl in made.items():
                     made[bucket], pdl = split_pdl(impl)
@@ -405,12 +410,9 @@ def main() -> None:
         """Per kind of layer, token bucket → what auto runs in a CUDA graph (``eager``: outside one); a
         stacked group's own layer (what its members run) as ``ROWSxCOLS stacked``."""
         choices = {}
-        layers = [mod for mod in model.modules() if isinstance(mod, SparseLinear)]
-        stacked = {id(m.fused_inputs): m.fused_inputs.stacked for m in layers
-                   if m.fused_inputs is not None and m.fused_inputs.stacked is not None}
-        for mod in layers + list(stacked.values()):
-            key = f"{mod.out_features}x{mod.in_features}{'+map' if mod.perm is not None else ''}"
-            key += " stacked" if any(mod is s for s in stacked.values()) else ""
+        layers, stacks = layers_and_stacks()
+        for mod, suffix in [(mod, "") for mod in layers] + [(mod, " stacked") for mod in stacks]:
+            key = f"{mod.out_features}x{mod.in_features}{'+map' if mod.perm is not None else ''}{suffix}"
             made = mod.eager_choices if eager else mod.choices
             if made:
                 choices.setdefault(key, {str(k): v for k, v in made.items()})
@@ -462,7 +464,7 @@ def main() -> None:
     # The same model with every "+pdl" choice launched plainly: what programmatic dependent launch adds
     # (kernels/overlap.py; none of the choices has it off Hopper, and the row then repeats the one before)
     plain_row, _ = measured("2:4 in cuSPARSELt's buffer, maps at the producer, stacked, no dependent launches",
-                            choices_made_plain=launch_plainly(model))
+                            choices_made_plain=launch_plainly())
     rows = [dense_row, sparse_row, producer_row, fused_row, cslt_row, cslt_fused_row, plain_row]
     ratio = {**ratios(sparse_row), "maps_at_producer": ratios(producer_row), "stacked": ratios(fused_row),
              "cslt_buffer": ratios(cslt_row), "cslt_buffer_stacked": ratios(cslt_fused_row),

@@ -198,8 +198,6 @@ def gguf_fingerprint(gguf_path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-
-
 def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
     """Cached HF directory for a GGUF file (converted on first use), keyed by its contents and by the
     major version of transformers that converts it: the saved tokenizer files of one major cannot be
