@@ -1,0 +1,244 @@
+// A 2:4 decode on the sparse tensor cores: y[T, R] = x[T, C] @ W[R, C]^T (+ bias) by mma.sp m16n8k32,
+// W's kept values and position codes read as they lie (no expansion to dense, no trip through shared
+// memory). Triton has no sparse MMA, so this one kernel is CUDA C++, compiled at the first call by NVRTC
+// (kernels/nm_sparse_mma.py); the same text also runs on the CPU under tests/sparse_mma_emulator.hpp.
+//
+// Layouts (the layer's own buffer, nothing re-laid out):
+//   values  [R, C/2] 16-bit, row-major kept values (two per group of four, the lower position first);
+//   meta    [R, C/32] 32-bit: TILED = 0, the export's row words (group q of a word in bits 4q..4q+3, code
+//           a | b << 2 for kept positions a < b); TILED = 1, cuSPARSELt's order (deploy/cslt_layout.py:
+//           64-row bands, 32-column tiles of 64 words, row 16a + 8b + c in the 64-bit pair 8a + c, in its
+//           low nibbles for b = 0 and high for b = 1, groups 0 4 1 5 in the low word, 2 6 3 7 in the high).
+//
+// The MMA (PTX ISA, sparse mma m16n8k32, 16-bit): lane = 4g + t. A holds the 16x16 kept values as the
+// dense m16n8k16 A fragment: a[0] row g slot t, a[1] row g+8 slot t, a[2] row g slot t+4, a[3] row g+8
+// slot t+4 (a slot is one group of four columns: its two kept values). B (32 x 8): b[i] holds rows
+// 2t + 8i + {0,1}, column (token) g. The metadata of selector s comes from lanes 4g + 2s + {0,1}: bits
+// 0..15 row g, 16..31 row g+8, slot 4j + k (j = lane & 1) in nibble k. D: d[0..1] row g, tokens 2t+{0,1};
+// d[2..3] row g+8.
+//
+// What a warp reads: a step is 128 columns, two blocks of 64 (16 groups). In a block, lane t reads 16
+// bytes of row g and of row g+8: groups 4t..4t+3. Those feed two MMAs ("halves" h = 0, 1): slot t takes
+// group 4t + 2h, slot t+4 group 4t + 2h + 1. So every weight byte is one 16-byte load, and the input's
+// columns follow the same assignment (B row q: slot q/4, column 4 * group + q % 4). Block b's MMAs take
+// their metadata by selector b from lanes 4g + 2b + {0,1}: each lane works out the two metadata words of
+// its own block (b = t >> 1) and role (t & 1), and passes them to both blocks' MMAs (the lanes a selector
+// does not name are not read).
+//
+// Work split: a CTA owns RW * MT * 16 rows and KS columns (blockIdx.y picks the columns: split-K); its
+// WARPS = RW * KW warps take MT m-tiles each and every KW-th step of the CTA's columns. Partial sums meet
+// in shared memory; with split-K each CTA writes its fp32 partial, and the last of a row block to finish
+// (a counter, reset for the next call) adds them in split order, so the result does not depend on timing.
+//
+// Compile-time parameters (#define before this text): NT (n-tiles of 8 tokens), MT, RW, KW, TILED,
+// HAS_BIAS, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead).
+
+#define WARPS (RW * KW)
+#define ROWS_PER_CTA (RW * MT * 16)
+
+struct SpStage {
+  u32x4 va[MT][2];     // [m-tile][block]: 4 groups of row g
+  u32x4 vb[MT][2];     //                  ... of row g + 8
+  u32x2 m0[MT];        // TILED: tiles 2b, 2b+1 pair words of rows (g, g+8); ROW: row g tiles (2b, 2b+1)
+  u32x2 m1[MT];        // TILED: tile 2b+1; ROW: row g+8
+#if BPRE
+  unsigned bx[2][2][NT][4];   // [block][half][n-tile][register]
+#endif
+};
+
+SP_DEV unsigned sp_b_column(int c0, int block, int half, int reg, int t) {
+  // the input column of B register `reg` (its first of two) for lane t in (block, half) of the step at c0
+  int slot = 2 * reg + (t >> 1);
+  int group = 4 * (slot & 3) + 2 * half + (slot >> 2);
+  return (unsigned)(c0 + 64 * block + 4 * group + 2 * (t & 1));
+}
+
+SP_DEV unsigned sp_load_b(const unsigned short* x, int xs, int T, int token, unsigned col) {
+  return token < T ? sp_ld32(x + (long long)token * xs + col) : 0u;
+}
+
+SP_DEV void sp_load_stage(SpStage& st, const unsigned short* values, const unsigned* meta,
+                          const unsigned short* x, int xs, int T, int R, int C, int row0, int c0, int lane) {
+  int g = lane >> 2, t = lane & 3;
+  int half_c = C >> 1;
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    int ra = row0 + 16 * i + g, rb = ra + 8;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      long long off = (long long)(c0 + 64 * b) / 2 + 8 * t;
+      st.va[i][b] = sp_ld128(values + (long long)ra * half_c + off);
+      st.vb[i][b] = sp_ld128(values + (long long)rb * half_c + off);
+    }
+    int tile = c0 / 32 + 2 * (t >> 1);      // this lane's metadata block's first 32-column tile
+#if TILED
+    int r16 = row0 + 16 * i;                // the m-tile's first row: band r16 / 64, a = (r16 % 64) / 16
+    long long w = (long long)(r16 / 64) * (2LL * C) + (long long)tile * 64 + (((r16 % 64) / 16) * 8 + g) * 2;
+    st.m0[i] = sp_ld64(meta + w);
+    st.m1[i] = sp_ld64(meta + w + 64);
+#else
+    int words = C / 32;
+    st.m0[i] = sp_ld64(meta + (long long)ra * words + tile);
+    st.m1[i] = sp_ld64(meta + (long long)rb * words + tile);
+#endif
+  }
+#if BPRE
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          st.bx[b][h][n][r] = sp_load_b(x, xs, T, 8 * n + g, sp_b_column(c0, b, h, r, t));
+#endif
+}
+
+SP_DEV unsigned sp_meta_word(const SpStage& st, int i, int half, int role) {
+  // the metadata register of m-tile i, half `half`, for this lane's block and role (slots 4 * role ..)
+#if TILED
+  // half 0 reads the low words (groups 0 4 1 5 | 8 12 9 13), half 1 the high ones (2 6 3 7 | 10 14 11 15);
+  // role 0 takes each word's bytes 0-1 (groups 4k + 2h), role 1 bytes 2-3 (4k + 2h + 1)
+  unsigned w0 = half ? st.m0[i].y : st.m0[i].x, w1 = half ? st.m1[i].y : st.m1[i].x;
+  unsigned p = sp_byte_perm(w0, w1, role ? 0x7632u : 0x5410u);   // byte k: row g+8's code << 4 | row g's
+  unsigned lo = p & 0x0F0F0F0Fu, hi = (p >> 4) & 0x0F0F0F0Fu;
+  lo |= lo >> 4;
+  hi |= hi >> 4;
+  return sp_byte_perm(lo, hi, 0x6420u);
+#else
+  // group 4k + q (q = 2 * half + role) of the block: nibble q and q + 4 of each of its two row words
+  int q = 2 * half + role;
+  unsigned ga0 = st.m0[i].x >> (4 * q), ga1 = st.m0[i].y >> (4 * q);
+  unsigned gb0 = st.m1[i].x >> (4 * q), gb1 = st.m1[i].y >> (4 * q);
+  unsigned lo = (ga0 & 0xFu) | ((ga0 >> 12) & 0xF0u) | ((ga1 & 0xFu) << 8) | ((ga1 >> 4) & 0xF000u);
+  unsigned hi = (gb0 & 0xFu) | ((gb0 >> 12) & 0xF0u) | ((gb1 & 0xFu) << 8) | ((gb1 >> 4) & 0xF000u);
+  return lo | (hi << 16);
+#endif
+}
+
+SP_DEV unsigned sp_word(const u32x4& v, int k) {
+  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
+
+SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const unsigned short* x, int xs, int T,
+                             int c0, int lane) {
+  int g = lane >> 2, t = lane & 3, role = t & 1;
+  (void)g;   // read only where the input is loaded here (BPRE = 0)
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    unsigned e[2] = {sp_meta_word(st, i, 0, role), sp_meta_word(st, i, 1, role)};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        unsigned a[4] = {sp_word(st.va[i][b], 2 * h), sp_word(st.vb[i][b], 2 * h),
+                         sp_word(st.va[i][b], 2 * h + 1), sp_word(st.vb[i][b], 2 * h + 1)};
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          unsigned bb[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+#if BPRE
+            bb[r] = st.bx[b][h][n][r];
+#else
+            bb[r] = sp_load_b(x, xs, T, 8 * n + g, sp_b_column(c0, b, h, r, t));
+#endif
+          }
+          if (b == 0)
+            sp_mma<0>(acc[i][n], a, bb, e[h]);
+          else
+            sp_mma<1>(acc[i][n], a, bb, e[h]);
+        }
+      }
+    }
+  }
+}
+
+extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
+    const unsigned short* x, const unsigned short* values, const unsigned* meta, const unsigned short* bias,
+    unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
+  __shared__ float red[WARPS][MT][NT][32][4];
+  __shared__ int last_flag;
+  int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int rg = warp % RW, kg = warp / RW;
+  int row0 = blockIdx.x * ROWS_PER_CTA + rg * MT * 16;
+  int k_begin = blockIdx.y * KS;
+  int k_end = k_begin + KS < C ? k_begin + KS : C;
+  int steps = (k_end - k_begin) / 128;
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][n][j] = 0.f;
+
+  // two stages in registers: the next step's loads are in flight while this one multiplies
+  SpStage s0, s1;
+  int s = kg;
+  if (s < steps) sp_load_stage(s0, values, meta, x, xs, T, R, C, row0, k_begin + 128 * s, lane);
+  while (s < steps) {
+    int s_next = s + KW;
+    if (s_next < steps) sp_load_stage(s1, values, meta, x, xs, T, R, C, row0, k_begin + 128 * s_next, lane);
+    sp_compute_stage(s0, acc, x, xs, T, k_begin + 128 * s, lane);
+    if (s_next >= steps) break;
+    int s_after = s_next + KW;
+    if (s_after < steps) sp_load_stage(s0, values, meta, x, xs, T, R, C, row0, k_begin + 128 * s_after, lane);
+    sp_compute_stage(s1, acc, x, xs, T, k_begin + 128 * s_next, lane);
+    s = s_after;
+  }
+
+  // the CTA's warps that share rows add their K parts in shared memory
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) red[warp][i][n][lane][j] = acc[i][n][j];
+  __syncthreads();
+
+  const int outputs = RW * MT * NT * 32 * 4;   // one per (row group, m-tile, n-tile, lane, register)
+  bool split = gridDim.y > 1;
+  for (int o = tid; o < outputs; o += 32 * WARPS) {
+    int j = o & 3, l = (o >> 2) & 31, rest = o >> 7;
+    int n = rest % NT, i = (rest / NT) % MT, r_g = rest / (NT * MT);
+    float sum = 0.f;
+    for (int k = 0; k < KW; ++k) sum += red[k * RW + r_g][i][n][l][j];
+    int row = blockIdx.x * ROWS_PER_CTA + r_g * MT * 16 + 16 * i + (l >> 2) + 8 * (j >> 1);
+    int token = 8 * n + 2 * (l & 3) + (j & 1);
+    if (token >= T) continue;
+    if (split) {
+      sp_st_float(partial + ((long long)blockIdx.y * T + token) * R + row, sum);
+    } else {
+#if HAS_BIAS
+      sum += sp_to_float(sp_ld16(bias + row));
+#endif
+      sp_st16(y + (long long)token * R + row, sp_from_float(sum));
+    }
+  }
+  if (!split) return;
+
+  // split-K: the last CTA of this row block adds every split's partial, in split order
+  sp_threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int done = sp_atomic_add(counters + blockIdx.x, 1);
+    last_flag = done == (int)gridDim.y - 1;
+  }
+  __syncthreads();
+  if (!last_flag) return;
+  sp_threadfence();
+  const int rows_tokens = ROWS_PER_CTA * T;
+  for (int o = tid; o < rows_tokens; o += 32 * WARPS) {
+    int token = o / ROWS_PER_CTA, row = blockIdx.x * ROWS_PER_CTA + o % ROWS_PER_CTA;
+    float sum = 0.f;
+    for (int k = 0; k < (int)gridDim.y; ++k) sum += sp_ld_volatile(partial + ((long long)k * T + token) * R + row);
+#if HAS_BIAS
+    sum += sp_to_float(sp_ld16(bias + row));
+#endif
+    sp_st16(y + (long long)token * R + row, sp_from_float(sum));
+  }
+  if (tid == 0) sp_st_int(counters + blockIdx.x, 0);   // ready for the next call (and the next graph replay)
+}

@@ -1,0 +1,262 @@
+"""The 2:4 decode on the sparse tensor cores (``mma.sp``): ``kernels/nm_sparse_mma.cu``, compiled by NVRTC
+at its first call on a GPU (PyTorch's ``torch.cuda._compile_kernel``), for 1–64 tokens of 16-bit inputs.
+
+Triton has no sparse MMA (triton-lang/triton#6891), so every Triton decode expands its 2:4 tile to dense
+in registers before ``tl.dot``: that expansion, not the weight's bytes, bounds them from 2 tokens on
+(``bench_kernel.json``: 1.0–1.3 TB/s at 16–64 tokens where cuBLAS moves 2.5–2.8). ``mma.sp`` multiplies the
+kept values as they lie, each position code a 2-bit index the tensor core reads itself, so the decode's
+work per weight byte is the same at 1 token as at 64. It reads the layer's one buffer as it is (the
+export's row words, or cuSPARSELt's order after ``use_cslt_layout``): no copy, no re-layout. The
+kernel's text says how lanes map to the MMA's fragments; :func:`sparse_mma_plan` sizes its grid.
+
+The same ``.cu`` text runs on the CPU under ``tests/sparse_mma_emulator.hpp`` (a CUDA thread model
+with the MMA computed as the PTX ISA defines it), which is how the tests check it against float64.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+import torch
+
+from shuffleprune.kernels.gpu import cdiv
+
+SOURCE = Path(__file__).with_name("nm_sparse_mma.cu")
+KERNEL_NAME = "nm_sparse_mma"
+STEP = 128                 # columns a warp reads per step (two blocks of 64)
+MAX_TOKENS = 64            # 8 n-tiles of 8 tokens
+SHARED_LIMIT = 48 * 1024   # static shared memory per CTA without an opt-in
+TARGET_WARPS_PER_SM = 16   # resident warps the plan aims the grid at (loads in flight per SM)
+
+# what each kernel source needs from the GPU side; the emulator (tests/) defines the same names for the CPU
+DEVICE_PRELUDE = r"""
+typedef uint4 u32x4;
+typedef uint2 u32x2;
+#define SP_DEV __device__ __forceinline__
+#define SP_BOUNDS(n) __launch_bounds__(n)
+SP_DEV u32x4 sp_ld128(const void* p) {   // the weight: read once, kept out of L1
+  u32x4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+SP_DEV u32x2 sp_ld64(const void* p) {
+  u32x2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+SP_DEV unsigned sp_ld32(const void* p) { return __ldg((const unsigned*)p); }   // the input: shared by every warp
+SP_DEV float sp_ld_volatile(const float* p) { return *(const volatile float*)p; }
+SP_DEV unsigned short sp_ld16(const unsigned short* p) { return *p; }
+SP_DEV void sp_st16(unsigned short* p, unsigned short v) { *p = v; }
+SP_DEV void sp_st_float(float* p, float v) { *p = v; }
+SP_DEV void sp_st_int(int* p, int v) { *p = v; }
+SP_DEV unsigned sp_byte_perm(unsigned a, unsigned b, unsigned s) { return __byte_perm(a, b, s); }
+SP_DEV void sp_threadfence() { __threadfence(); }
+SP_DEV int sp_atomic_add(int* p, int v) { return atomicAdd(p, v); }
+#if IS_BF16
+#define SP_TYPE "bf16"
+SP_DEV float sp_to_float(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+SP_DEV unsigned short sp_from_float(float f) {
+  unsigned short r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+#else
+#define SP_TYPE "f16"
+SP_DEV float sp_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+SP_DEV unsigned short sp_from_float(float f) {
+  unsigned short r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+#endif
+#if ORDERED
+#define SP_MMA "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32." SP_TYPE "." SP_TYPE ".f32 "
+#else
+#define SP_MMA "mma.sp.sync.aligned.m16n8k32.row.col.f32." SP_TYPE "." SP_TYPE ".f32 "
+#endif
+template <int SEL>
+SP_DEV void sp_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[4], unsigned e) {
+  asm volatile(SP_MMA "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, %13;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]),
+                 "r"(e), "n"(SEL));
+}
+"""
+
+
+@dataclass(frozen=True)
+class SparseMmaPlan:
+    """A launch of the kernel: ``nt`` n-tiles of 8 tokens, ``mt`` m-tiles of 16 rows per warp, ``rw`` row
+    groups and ``kw`` K groups of warps per CTA, ``ks`` columns per CTA (``splits`` CTAs along K), and
+    ``bpre`` whether the input's fragments are loaded a step ahead with the weight's."""
+    nt: int
+    mt: int
+    rw: int
+    kw: int
+    ks: int
+    splits: int
+    bpre: bool
+
+    @property
+    def warps(self) -> int:
+        return self.rw * self.kw
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.rw * self.mt * 16
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        return rows // self.rows_per_cta, self.splits, 1
+
+    def shared_bytes(self) -> int:
+        return self.warps * self.mt * self.nt * 32 * 4 * 4 + 4
+
+
+def sparse_mma_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes this layer and input: 2:4, 16-bit, 1–64 tokens, columns in whole steps of
+    128 and rows in whole m-tiles of 16 (any layout the layer holds)."""
+    return ((n, m) == (2, 4) and dtype in (torch.float16, torch.bfloat16) and 1 <= tokens <= MAX_TOKENS
+            and cols % STEP == 0 and rows % 16 == 0)
+
+
+def sparse_mma_available(device: torch.device) -> bool:
+    """Whether ``device`` runs it: an NVIDIA GPU of compute capability 8.0 or more (sparse ``mma``) whose
+    PyTorch compiles CUDA C++ at run time (``torch.cuda._compile_kernel``, PyTorch 2.8 and later)."""
+    if device.type != "cuda" or torch.version.hip is not None or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, **override) -> SparseMmaPlan:
+    """The launch for ``tokens`` tokens on a ``[rows, cols]`` weight and ``sms`` multiprocessors: warps split
+    K inside a CTA (their sums meet in shared memory) and, where the rows alone give too few warps to keep
+    :data:`TARGET_WARPS_PER_SM` per SM, CTAs split it further (``splits``), each warp keeping at least two
+    steps so its next step's loads are in flight while it multiplies. ``override`` sets any field (tuning)."""
+    nt = min(8, _pow2_at_least(cdiv(tokens, 8)))
+    mt = 1 if nt <= 2 else 2
+    while rows % (16 * mt):
+        mt //= 2
+    steps = cols // STEP
+    kw = max(1, min(8 if nt <= 2 else 4, steps // 2))
+    row_groups = rows // (16 * mt)
+    want = cdiv(TARGET_WARPS_PER_SM * sms, row_groups * kw)
+    splits = max(1, min(want, steps // (2 * kw) if steps >= 2 * kw else 1))
+    ks = cdiv(cdiv(cols, splits), STEP) * STEP
+    splits = cdiv(cols, ks)
+    fields = dict(nt=nt, mt=mt, rw=1, kw=kw, ks=ks, splits=splits, bpre=nt <= 2)
+    fields.update(override)
+    if "ks" in override and "splits" not in override:
+        fields["splits"] = cdiv(cols, fields["ks"])
+    if "splits" in override and "ks" not in override:
+        fields["ks"] = cdiv(cdiv(cols, fields["splits"]), STEP) * STEP
+        fields["splits"] = cdiv(cols, fields["ks"])
+    plan = SparseMmaPlan(**fields)
+    check_plan(plan, tokens, rows, cols)
+    return plan
+
+
+def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int) -> None:
+    """Refuse a plan the kernel cannot run, in one line naming what to change."""
+    if tokens > 8 * plan.nt:
+        raise ValueError(f"nt={plan.nt} holds {8 * plan.nt} tokens, not {tokens}: take nt >= {cdiv(tokens, 8)}")
+    if rows % plan.rows_per_cta:
+        raise ValueError(f"{rows} rows are not whole CTAs of {plan.rows_per_cta} (rw·mt·16): take smaller rw or mt")
+    if plan.ks % STEP or plan.ks * (plan.splits - 1) >= cols or plan.ks * plan.splits < cols:
+        raise ValueError(f"ks={plan.ks} × splits={plan.splits} does not cover {cols} columns in steps of {STEP}")
+    if plan.shared_bytes() > SHARED_LIMIT:
+        raise ValueError(f"warps·mt·nt = {plan.warps * plan.mt * plan.nt} needs {plan.shared_bytes()} bytes of "
+                         f"shared memory (at most {SHARED_LIMIT}): take fewer warps, m-tiles or n-tiles")
+
+
+def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool) -> dict:
+    """The compile-time parameters of one kernel variant (``#define`` s before the source)."""
+    return {"NT": plan.nt, "MT": plan.mt, "RW": plan.rw, "KW": plan.kw, "TILED": int(tiled),
+            "HAS_BIAS": int(has_bias), "IS_BF16": int(dtype == torch.bfloat16), "BPRE": int(plan.bpre),
+            "ORDERED": int(ordered)}
+
+
+def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
+    """The full text of one variant: its defines, the side's prelude (GPU here; the CPU emulator's in
+    the tests), then ``nm_sparse_mma.cu``."""
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    return head + prelude + SOURCE.read_text()
+
+
+def ordered_metadata() -> bool:
+    """``mma.sp::ordered_metadata`` (PTX ISA 8.5, CUDA 12.5+: the form Hopper runs at full rate) where
+    PyTorch's CUDA has it; the plain ``mma.sp`` before (every code this project writes is ordered)."""
+    version = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    return version >= (12, 5)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(defines: tuple, device_index: int):
+    """One variant compiled for one GPU (NVRTC, about a second the first time in a process)."""
+    source = kernel_source(dict(defines))
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(source, KERNEL_NAME, nvcc_options=["-std=c++17"])
+
+
+_WORKSPACE: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, partial_numel: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K partial sums and row-block counters, one pair per device shared by every layer (the
+    kernels run one after another on a stream; each leaves its counters at zero). Grown, never shrunk;
+    made outside any CUDA graph's pool."""
+    from shuffleprune.runtime import outside_graph_pools
+
+    key = (device.index or 0, device.type)
+    ws = _WORKSPACE.get(key)
+    if ws is None or ws["partial"].numel() < partial_numel or ws["counters"].numel() < counters:
+        p = max(partial_numel, 0 if ws is None else ws["partial"].numel(), 1)
+        c = max(counters, 0 if ws is None else ws["counters"].numel(), 1)
+        like = torch.empty(0, device=device)
+        ws = _WORKSPACE[key] = outside_graph_pools(lambda: {
+            "partial": torch.empty(p, device=device, dtype=torch.float32),
+            "counters": torch.zeros(c, device=device, dtype=torch.int32)}, like)
+    return ws["partial"], ws["counters"]
+
+
+def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,
+                  tiled: bool = False, plan: SparseMmaPlan | None = None, **override) -> torch.Tensor:
+    """``x @ Wᵀ + bias`` for a 2:4 ``W`` held as ``values`` ``[R, C/2]`` and position ``words`` ``[R, C/32]``
+    (row words, or cuSPARSELt's order when ``tiled``), ``x`` ``[..., C]`` already in the weight's column order
+    (gathered), on the sparse tensor cores. ``plan`` (or ``override``'s fields) replaces :func:`sparse_mma_plan`'s."""
+    rows, cols = values.shape[0], 2 * values.shape[1]
+    x2 = x.reshape(-1, cols)
+    tokens = x2.shape[0]
+    if not sparse_mma_applies(tokens, rows, cols, 2, 4, x.dtype) or values.dtype != x.dtype:
+        raise ValueError(f"the sparse-MMA decode takes 2:4 16-bit weights of the input's dtype, 1-{MAX_TOKENS} "
+                         f"tokens, columns in steps of {STEP} and rows in 16s; not {tokens} tokens of {x.dtype} "
+                         f"on [{rows}, {cols}] {values.dtype}")
+    if x2.stride(-1) != 1 or x2.stride(0) % 2 or x2.data_ptr() % 4:
+        x2 = x2.contiguous()
+    if plan is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        plan = sparse_mma_plan(tokens, rows, cols, sms, **override)
+    kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata()).items()),
+                       x.device.index or 0)
+    y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
+    grid = plan.grid(rows)
+    partial, counters = _workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0, grid[0])
+    kernel(grid=grid, block=(32 * plan.warps, 1, 1),
+           args=[x2, values, words, bias if bias is not None else values, y, partial, counters,
+                 tokens, rows, cols, x2.stride(0), plan.ks])
+    return y.reshape(*x.shape[:-1], rows)
+
+
+def plan_fields(plan: SparseMmaPlan) -> dict:
+    """A plan as a dict (results files, compile checks)."""
+    return asdict(plan)

@@ -1,0 +1,69 @@
+"""Run ``kernels/nm_sparse_mma.cu`` on the CPU: its text with ``sparse_mma_emulator.hpp`` as the prelude
+(CUDA's threads, barriers and the sparse MMA as the PTX ISA defines them), built by g++ and called by ctypes."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shuffleprune.kernels.nm_sparse_mma import SparseMmaPlan, kernel_defines, kernel_source
+
+HERE = Path(__file__).parent
+_BUILD = Path(tempfile.gettempdir()) / "shuffleprune_sparse_mma"
+_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def build(defines: dict) -> ctypes.CDLL:
+    """The kernel variant of ``defines`` as a shared library (built once per text, reused across runs)."""
+    source = kernel_source(defines, (HERE / "sparse_mma_emulator.hpp").read_text()) + \
+        (HERE / "sparse_mma_launcher.cpp").read_text()
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
+    if key not in _LIBS:
+        _BUILD.mkdir(exist_ok=True)
+        lib = _BUILD / f"sparse_mma_{key}.so"
+        if not lib.exists():
+            src = _BUILD / f"sparse_mma_{key}.cpp"
+            src.write_text(source)
+            tmp = lib.with_suffix(f".{id(source)}.tmp")
+            subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-o", str(tmp), str(src)],
+                           check=True, capture_output=True, text=True)
+            tmp.replace(lib)
+        cdll = ctypes.CDLL(str(lib))
+        cdll.spemu_launch.restype = ctypes.c_char_p
+        _LIBS[key] = cdll
+    return _LIBS[key]
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _bytes(t: torch.Tensor) -> ctypes.c_size_t:
+    """The bytes from ``t``'s first element to the end of its storage (what a view may reach)."""
+    return ctypes.c_size_t(t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
+
+
+def run_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, tiled: bool,
+            plan: SparseMmaPlan, seed: int = 0, x_stride: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output ``[T, R]`` for ``x`` ``[T, C]`` (a view whose rows are ``x_stride`` apart if given),
+    and its split-K counters after the launch (the kernel leaves them at zero)."""
+    rows, cols = values.shape[0], 2 * values.shape[1]
+    tokens = x.shape[0]
+    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True))
+    y = torch.full((tokens, rows), float("nan"), dtype=x.dtype)
+    partial = torch.full((max(plan.splits * tokens * rows, 1),), float("nan"), dtype=torch.float32)
+    grid = plan.grid(rows)
+    counters = torch.zeros(grid[0], dtype=torch.int32)
+    b = bias if bias is not None else values
+    err = lib.spemu_launch(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(32 * plan.warps),
+                           ctypes.c_uint(seed), _ptr(x), _bytes(x), _ptr(values), _bytes(values), _ptr(words),
+                           _bytes(words), _ptr(b), _bytes(b), _ptr(y), _bytes(y), _ptr(partial), _bytes(partial),
+                           _ptr(counters), _bytes(counters), ctypes.c_int(tokens), ctypes.c_int(rows),
+                           ctypes.c_int(cols), ctypes.c_int(x_stride or x.stride(0)), ctypes.c_int(plan.ks))
+    if err is not None:
+        raise RuntimeError(err.decode())
+    return y, counters

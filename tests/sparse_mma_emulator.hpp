@@ -1,0 +1,179 @@
+// The CPU side of kernels/nm_sparse_mma.cu: what its device prelude (kernels/nm_sparse_mma.py) defines for
+// the GPU, defined here for g++ so the kernel's own text runs on the CPU. Every thread of a CTA is a
+// std::thread; __syncthreads is a barrier of the CTA; a warp's mma.sp gathers its 32 lanes' registers
+// and lane 0 computes the product as the PTX ISA defines the sparse m16n8k32 fragments (16-bit A as the
+// dense m16n8k16 A fragment of kept values, metadata from the lanes the selector names, ordered codes).
+// Loads and stores are checked against the launch's buffers and their alignment: a fault on the GPU is
+// an error here. CTAs run one at a time, in an order the launch shuffles.
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace spemu {
+struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+inline thread_local Dim3 tid3, bid3;
+inline Dim3 grid3, block3;
+struct Range { const char* lo; const char* hi; };
+inline std::vector<Range> ranges;
+inline std::mutex error_mu;
+inline std::string error;
+
+inline void fail(const std::string& what) {
+  std::lock_guard<std::mutex> lock(error_mu);
+  if (error.empty()) error = what;
+}
+
+inline bool access_ok(const void* p, size_t bytes, size_t align) {
+  if (reinterpret_cast<uintptr_t>(p) % align) {
+    fail("misaligned access of " + std::to_string(bytes) + " bytes");
+    return false;
+  }
+  const char* c = static_cast<const char*>(p);
+  for (const Range& r : ranges)
+    if (c >= r.lo && c + bytes <= r.hi) return true;
+  fail("access of " + std::to_string(bytes) + " bytes outside every buffer");
+  return false;
+}
+
+struct Warp {
+  unsigned a[32][4], b[32][4], e[32];
+  int sel[32];
+  float c[32][4], d[32][4];
+  std::unique_ptr<std::barrier<>> bar;
+};
+inline std::barrier<>* cta_barrier = nullptr;
+inline std::vector<Warp>* warps = nullptr;
+}  // namespace spemu
+
+#define threadIdx (spemu::tid3)
+#define blockIdx (spemu::bid3)
+#define gridDim (spemu::grid3)
+#define blockDim (spemu::block3)
+#define __global__
+#define __shared__ static
+#define SP_DEV static inline
+#define SP_BOUNDS(n)
+
+struct u32x4 { unsigned x, y, z, w; };
+struct u32x2 { unsigned x, y; };
+
+static inline void __syncthreads() { spemu::cta_barrier->arrive_and_wait(); }
+
+template <typename V>
+static inline V spemu_load(const void* p, size_t align) {
+  V v{};
+  if (spemu::access_ok(p, sizeof(V), align)) std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+SP_DEV u32x4 sp_ld128(const void* p) { return spemu_load<u32x4>(p, 16); }
+SP_DEV u32x2 sp_ld64(const void* p) { return spemu_load<u32x2>(p, 8); }
+SP_DEV unsigned sp_ld32(const void* p) { return spemu_load<unsigned>(p, 4); }
+SP_DEV unsigned short sp_ld16(const unsigned short* p) { return spemu_load<unsigned short>(p, 2); }
+SP_DEV float sp_ld_volatile(const float* p) { return spemu_load<float>(p, 4); }
+template <typename V>
+static inline void spemu_store(void* p, V v) {
+  if (spemu::access_ok(p, sizeof(V), sizeof(V))) std::memcpy(p, &v, sizeof(V));
+}
+SP_DEV void sp_st16(unsigned short* p, unsigned short v) { spemu_store(p, v); }
+SP_DEV void sp_st_float(float* p, float v) { spemu_store(p, v); }
+SP_DEV void sp_st_int(int* p, int v) { spemu_store(p, v); }
+SP_DEV void sp_threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+SP_DEV int sp_atomic_add(int* p, int v) {
+  if (!spemu::access_ok(p, 4, 4)) return 0;
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+SP_DEV unsigned sp_byte_perm(unsigned a, unsigned b, unsigned s) {   // CUDA's __byte_perm (default mode)
+  unsigned long long both = (unsigned long long)b << 32 | a;
+  unsigned r = 0;
+  for (int k = 0; k < 4; ++k) r |= (unsigned)((both >> (8 * ((s >> (4 * k)) & 7))) & 0xFF) << (8 * k);
+  return r;
+}
+
+#if IS_BF16
+SP_DEV float sp_to_float(unsigned short h) {
+  unsigned u = (unsigned)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+SP_DEV unsigned short sp_from_float(float f) {   // round to nearest even, as cvt.rn.bf16.f32
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+#else
+SP_DEV float sp_to_float(unsigned short h) {
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return (float)v;
+}
+SP_DEV unsigned short sp_from_float(float f) {
+  _Float16 v = (_Float16)f;
+  unsigned short h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+#endif
+
+namespace spemu {
+// D = A · B + C for one warp, A (16 x 32) 2:4 sparse, from the registers its lanes hold (PTX ISA, sparse
+// mma.m16n8k32 with .f16/.bf16: A as the dense m16n8k16 A fragment of the kept values, B rows 2t + 8i +
+// {0,1} of column g, metadata of row g in bits 0-15 and of row g + 8 in bits 16-31 of lanes 4g + 2·sel
+// + {0, 1}, the second holding slots 4-7)
+inline void mma_sp_m16n8k32(Warp& w) {
+  int sel = w.sel[0];
+  for (int l = 1; l < 32; ++l)
+    if (w.sel[l] != sel) fail("lanes of a warp disagree on the sparsity selector");
+  double A[16][32] = {}, B[32][8];
+  for (int r = 0; r < 16; ++r) {
+    int g = r % 8;
+    for (int s = 0; s < 8; ++s) {
+      int t = s % 4, reg = (r >= 8 ? 1 : 0) + (s >= 4 ? 2 : 0);
+      unsigned word = w.a[4 * g + t][reg];
+      unsigned meta = w.e[4 * g + 2 * sel + (s >= 4 ? 1 : 0)];
+      unsigned half = r >= 8 ? meta >> 16 : meta & 0xFFFFu;
+      unsigned code = (half >> (4 * (s % 4))) & 0xFu;
+      unsigned i0 = code & 3u, i1 = code >> 2;
+      if (i0 >= i1) fail("metadata code " + std::to_string(code) + " is not an ordered pair of positions");
+      A[r][4 * s + i0] = sp_to_float((unsigned short)(word & 0xFFFFu));
+      A[r][4 * s + i1] = sp_to_float((unsigned short)(word >> 16));
+    }
+  }
+  for (int q = 0; q < 32; ++q)
+    for (int n = 0; n < 8; ++n) {
+      unsigned word = w.b[4 * n + (q % 8) / 2][q / 8];
+      B[q][n] = sp_to_float((unsigned short)(q % 2 ? word >> 16 : word & 0xFFFFu));
+    }
+  for (int r = 0; r < 16; ++r)
+    for (int n = 0; n < 8; ++n) {
+      int lane = 4 * (r % 8) + n / 2, j = 2 * (r >= 8 ? 1 : 0) + n % 2;
+      double acc = w.c[lane][j];
+      for (int q = 0; q < 32; ++q) acc += A[r][q] * B[q][n];
+      w.d[lane][j] = (float)acc;
+    }
+}
+}  // namespace spemu
+
+template <int SEL>
+SP_DEV void sp_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[4], unsigned e) {
+  unsigned lane = threadIdx.x & 31u;
+  spemu::Warp& w = (*spemu::warps)[threadIdx.x >> 5];
+  std::memcpy(w.a[lane], a, sizeof w.a[lane]);
+  std::memcpy(w.b[lane], b, sizeof w.b[lane]);
+  std::memcpy(w.c[lane], d, sizeof w.c[lane]);
+  w.e[lane] = e;
+  w.sel[lane] = SEL;
+  w.bar->arrive_and_wait();
+  if (lane == 0) spemu::mma_sp_m16n8k32(w);
+  w.bar->arrive_and_wait();
+  std::memcpy(d, w.d[lane], sizeof w.d[lane]);
+}

@@ -1,0 +1,106 @@
+"""The sparse-tensor-core decode (``kernels/nm_sparse_mma.cu``) run on the CPU by its emulator, against float64."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from shuffleprune.deploy.cslt_layout import cslt_words
+from shuffleprune.deploy.format import compress
+from shuffleprune.kernels.nm_sparse_mma import (SparseMmaPlan, check_plan, nm_sparse_mma, sparse_mma_applies,
+                                                 sparse_mma_available, sparse_mma_plan)
+from shuffleprune.kernels.nm_words import position_words
+from shuffleprune.masks import nm_keep_mask
+
+from sparse_mma_cpu import run_cpu
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator is built by g++")
+
+
+def _case(rows: int, cols: int, tokens: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    w = w * nm_keep_mask(w.abs(), 2, 4)
+    w[0, :4] = 0          # a group with no non-zero: its positions are the zeros' (still an ordered pair)
+    w[1, 4:8] = 0
+    w[1, 5] = 1.5         # one non-zero
+    w = w.to(dtype)
+    values, meta = compress(w, 2, 4)
+    x = torch.randn(tokens, cols, generator=g).to(dtype)
+    bias = torch.randn(rows, generator=g).to(dtype)
+    return w, values, position_words(meta), x, bias
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    # fp32 sums of 16-bit products, then one rounding to the output's dtype
+    tol = (1e-2 if dtype == torch.float16 else 3e-2) * max(1.0, ref.abs().max().item())
+    assert y.dtype == dtype and not y.isnan().any()
+    assert (y.double() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("rows,cols,tokens,plan", [
+    (64, 256, 1, dict(nt=1, mt=1, rw=1, kw=1, ks=256, splits=1, bpre=True)),    # one warp, two steps
+    (64, 384, 3, dict(nt=1, mt=1, rw=2, kw=2, ks=384, splits=1, bpre=False)),   # 2x2 warps, odd step count
+    (128, 512, 8, dict(nt=1, mt=2, rw=1, kw=2, ks=256, splits=2, bpre=True)),   # split-K, two m-tiles a warp
+    (64, 640, 11, dict(nt=2, mt=1, rw=1, kw=2, ks=256, splits=3, bpre=True)),   # last split shorter (128 of 256)
+    (128, 256, 29, dict(nt=4, mt=2, rw=2, kw=1, ks=128, splits=2, bpre=False)),  # 4 n-tiles, tokens ragged
+    (64, 256, 64, dict(nt=8, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=False)),   # 64 tokens
+])
+def test_sparse_mma_decode_matches_float64(rows, cols, tokens, plan, tiled, dtype):
+    w, values, words, x, bias = _case(rows, cols, tokens, dtype)
+    plan = SparseMmaPlan(**plan)
+    check_plan(plan, tokens, rows, cols)
+    ref = x.double() @ w.double().t()
+    y, counters = run_cpu(x, values, cslt_words(words) if tiled else words, bias, tiled, plan, seed=rows + tokens)
+    _check(y, ref + bias.double(), dtype)
+    assert not counters.any()   # every row block's counter back at zero for the next call
+    y2, _ = run_cpu(x, values, cslt_words(words) if tiled else words, None, tiled, plan, seed=7)
+    _check(y2, ref, dtype)
+    if plan.splits > 1:   # the last CTA adds the splits in their order: another finishing order, the same bits
+        assert torch.equal(run_cpu(x, values, cslt_words(words) if tiled else words, None, tiled, plan, seed=8)[0], y2)
+
+
+def test_sparse_mma_reads_an_input_whose_rows_are_apart():
+    w, values, words, x, bias = _case(64, 256, 5, torch.bfloat16)
+    wide = torch.zeros(5, 256 + 64, dtype=torch.bfloat16)
+    wide[:, 32:288] = x
+    view = wide[:, 32:288]
+    plan = SparseMmaPlan(nt=1, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=True)
+    y, _ = run_cpu(view, values, words, bias, False, plan, x_stride=view.stride(0))
+    _check(y, x.double() @ w.double().t() + bias.double(), torch.bfloat16)
+
+
+def test_the_default_plans_fit_the_kernel_on_the_benchmark_shapes():
+    for rows, cols in [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096),
+                       (576, 1536), (64, 128)]:
+        for tokens in (1, 2, 4, 8, 16, 33, 64):
+            plan = sparse_mma_plan(tokens, rows, cols, sms=132)   # raises where it would not run
+            assert 8 * plan.nt >= tokens and rows % plan.rows_per_cta == 0
+            assert plan.splits == -(-cols // plan.ks) and plan.ks % 128 == 0
+
+
+def test_a_plan_the_kernel_cannot_run_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="take nt >= 2"):
+        check_plan(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=256, splits=1, bpre=True), 9, 64, 256)
+    with pytest.raises(ValueError, match="whole CTAs"):
+        check_plan(SparseMmaPlan(nt=1, mt=2, rw=2, kw=1, ks=256, splits=1, bpre=True), 1, 96, 256)
+    with pytest.raises(ValueError, match="does not cover"):
+        check_plan(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=192, splits=2, bpre=True), 1, 64, 384)
+    with pytest.raises(ValueError, match="shared memory"):
+        check_plan(SparseMmaPlan(nt=8, mt=2, rw=1, kw=8, ks=1024, splits=1, bpre=False), 64, 64, 1024)
+
+
+def test_sparse_mma_takes_only_what_it_runs():
+    assert sparse_mma_applies(16, 4096, 4096, 2, 4, torch.bfloat16)
+    assert not sparse_mma_applies(65, 4096, 4096, 2, 4, torch.bfloat16)       # beyond 8 n-tiles
+    assert not sparse_mma_applies(1, 4096, 4096, 4, 8, torch.float16)         # 4:8: no sparse MMA
+    assert not sparse_mma_applies(1, 4096, 4096, 2, 4, torch.float32)         # 32-bit: another MMA shape
+    assert not sparse_mma_applies(1, 4096, 4032, 2, 4, torch.bfloat16)        # columns not whole steps of 128
+    assert not sparse_mma_applies(1, 4100, 4096, 2, 4, torch.bfloat16)        # rows not whole m-tiles
+    assert not sparse_mma_available(torch.device("cpu"))
+    w, values, words, x, bias = _case(64, 192, 1, torch.bfloat16)
+    with pytest.raises(ValueError, match="steps of 128"):
+        nm_sparse_mma(x, values, words, bias)
