@@ -14,13 +14,14 @@ with the MMA computed as the PTX ISA defines it), which is how the tests check i
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass, asdict
 from pathlib import Path
 
 import torch
 
-from shuffleprune.kernels.gpu import cdiv
+from shuffleprune.kernels.gpu import _capability, cdiv
 
 SOURCE = Path(__file__).with_name("nm_sparse_mma.cu")
 KERNEL_NAME = "nm_sparse_mma"
@@ -131,31 +132,41 @@ def sparse_mma_available(device: torch.device) -> bool:
     PyTorch compiles CUDA C++ at run time (``torch.cuda._compile_kernel``, PyTorch 2.8 and later)."""
     if device.type != "cuda" or torch.version.hip is not None or not hasattr(torch.cuda, "_compile_kernel"):
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 8
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, **override) -> SparseMmaPlan:
-    """The launch for ``tokens`` tokens on a ``[rows, cols]`` weight and ``sms`` multiprocessors: warps split
-    K inside a CTA (their sums meet in shared memory) and, where the rows alone give too few warps to keep
-    :data:`TARGET_WARPS_PER_SM` per SM, CTAs split it further (``splits``), each warp keeping at least two
-    steps so its next step's loads are in flight while it multiplies. ``override`` sets any field (tuning)."""
+# the tile per n-tile count: m-tiles per warp, warps splitting K in a CTA, the input loaded a step ahead. As
+# compiled for sm_90 by NVRTC 13.5 (scripts/results/sparse_mma_compile.json) these hold 100–150 registers and
+# spill nothing; two m-tiles a warp from 4 n-tiles up spilled (255 registers), loading the input ahead at 2 n-tiles
+# took 162 registers (one 256-thread CTA per SM)
+TILES = {1: dict(mt=1, kw=4, bpre=True), 2: dict(mt=1, kw=4, bpre=False), 4: dict(mt=1, kw=4, bpre=False),
+         8: dict(mt=1, kw=2, bpre=False)}
+DEFAULT_CTAS_PER_SM = 4   # what the plan assumes before the compiled kernel's occupancy is known
+
+
+def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
+                    **override) -> SparseMmaPlan:
+    """The launch for ``tokens`` tokens on a ``[rows, cols]`` weight, ``sms`` multiprocessors holding
+    ``ctas_per_sm`` of its CTAs each: the n-tile's tile (:data:`TILES`), and CTAs along K (``splits``) until
+    the grid fills one wave of the GPU, each warp keeping at least one step (its next step's loads are in
+    flight while it multiplies where it has two or more). ``override`` sets any field (tuning)."""
     nt = min(8, _pow2_at_least(cdiv(tokens, 8)))
-    mt = 1 if nt <= 2 else 2
-    while rows % (16 * mt):
-        mt //= 2
+    tile = dict(TILES[nt])
+    for name in ("mt", "kw", "bpre", "rw"):
+        if name in override:
+            tile[name] = override[name]
+    mt, kw, rw = tile["mt"], tile["kw"], tile.get("rw", 1)
     steps = cols // STEP
-    kw = max(1, min(8 if nt <= 2 else 4, steps // 2))
-    row_groups = rows // (16 * mt)
-    want = cdiv(TARGET_WARPS_PER_SM * sms, row_groups * kw)
-    splits = max(1, min(want, steps // (2 * kw) if steps >= 2 * kw else 1))
+    kw = max(1, min(kw, steps))
+    row_blocks = max(1, rows // (16 * mt * rw))
+    splits = max(1, min(round(sms * ctas_per_sm / row_blocks), steps // kw))
     ks = cdiv(cdiv(cols, splits), STEP) * STEP
-    splits = cdiv(cols, ks)
-    fields = dict(nt=nt, mt=mt, rw=1, kw=kw, ks=ks, splits=splits, bpre=nt <= 2)
-    fields.update(override)
+    fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"])
+    fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw")})
     if "ks" in override and "splits" not in override:
         fields["splits"] = cdiv(cols, fields["ks"])
     if "splits" in override and "ks" not in override:
@@ -208,6 +219,42 @@ def _compiled(defines: tuple, device_index: int):
         return torch.cuda._compile_kernel(source, KERNEL_NAME, nvcc_options=["-std=c++17"])
 
 
+def _driver():
+    """The CUDA driver library as PyTorch loads it (its helper's name changed across releases)."""
+    from torch.cuda import _utils
+
+    for name in ("_get_gpu_runtime_library", "_get_cuda_library"):
+        if hasattr(_utils, name):
+            return getattr(_utils, name)()
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def resident_ctas(kernel, threads: int) -> int:
+    """How many CTAs of ``threads`` threads of a compiled kernel one SM holds (the driver's occupancy;
+    :data:`DEFAULT_CTAS_PER_SM` where the driver cannot be asked)."""
+    count = ctypes.c_int()
+    try:
+        status = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(count), kernel.func, ctypes.c_int(threads), ctypes.c_size_t(0))
+    except (AttributeError, OSError):
+        return DEFAULT_CTAS_PER_SM
+    return count.value if status == 0 and count.value > 0 else DEFAULT_CTAS_PER_SM
+
+
+@functools.lru_cache(maxsize=None)
+def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, has_bias: bool, device_index: int,
+            override: tuple) -> tuple:
+    """``(kernel, plan)`` for one kind of call: the plan worked out again with the compiled kernel's
+    occupancy in place of :data:`DEFAULT_CTAS_PER_SM` (once per kind of call and process)."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    plan = sparse_mma_plan(tokens, rows, cols, sms, **dict(override))
+    kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata()).items()), device_index)
+    ctas = resident_ctas(kernel, 32 * plan.warps)
+    if ctas != DEFAULT_CTAS_PER_SM:
+        plan = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm=ctas, **dict(override))
+    return kernel, plan
+
+
 _WORKSPACE: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
 
@@ -229,6 +276,14 @@ def _workspace(device: torch.device, partial_numel: int, counters: int) -> tuple
     return ws["partial"], ws["counters"]
 
 
+def launch_plan(x: torch.Tensor, values: torch.Tensor, tiled: bool = False, has_bias: bool = False,
+                **override) -> SparseMmaPlan:
+    """The plan :func:`nm_sparse_mma` launches for ``x`` on ``values`` (the compiled kernel's occupancy in it)."""
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _launch(x.numel() // x.shape[-1], values.shape[0], 2 * values.shape[1], x.dtype, tiled, has_bias, index,
+                   tuple(sorted(override.items())))[1]
+
+
 def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,
                   tiled: bool = False, plan: SparseMmaPlan | None = None, **override) -> torch.Tensor:
     """``x @ Wᵀ + bias`` for a 2:4 ``W`` held as ``values`` ``[R, C/2]`` and position ``words`` ``[R, C/32]``
@@ -243,11 +298,14 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
                          f"on [{rows}, {cols}] {values.dtype}")
     if x2.stride(-1) != 1 or x2.stride(0) % 2 or x2.data_ptr() % 4:
         x2 = x2.contiguous()
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if plan is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        plan = sparse_mma_plan(tokens, rows, cols, sms, **override)
-    kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata()).items()),
-                       x.device.index or 0)
+        kernel, plan = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, index,
+                               tuple(sorted(override.items())))
+    else:
+        check_plan(plan, tokens, rows, cols)
+        kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata()).items()),
+                           index)
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
     grid = plan.grid(rows)
     partial, counters = _workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0, grid[0])

@@ -35,7 +35,8 @@ weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_
 32 rows of 2 warps, the synchronous ``mma``), ``decode_swap_spread`` (2–64 tokens) and ``decode_swap_spread_sync`` (2–16:
 ``decode_swap`` and ``decode_swap_sync`` with the tile expanded by broadcasts, straight into the MMA's operand
 layout), ``decode_swap_tma`` (2–64 tokens: its weight tiles copied by the
-Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``gemm``, ``gemm_swap``,
+Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``decode_sparse_mma`` (1–64
+tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_nomap`` and ``_tiled`` too), ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
@@ -91,7 +92,8 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_resident+pdl", "decode_resident_tma",
               "decode_nomap", "decode_tall_nomap",
               "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync",
-              "decode_swap_spread", "decode_swap_spread_sync", "decode_swap_tma", "decode_swap_tma_tiled", "cslt_tiled", "gemm",
+              "decode_swap_spread", "decode_swap_spread_sync", "decode_swap_tma", "decode_swap_tma_tiled",
+              "decode_sparse_mma", "decode_sparse_mma_nomap", "decode_sparse_mma_tiled", "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
@@ -137,7 +139,8 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
     if impl in SPARSE_TC:
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if not has_map else cols * 4
-    gathered = impl in DECODE_KERNELS and impl not in MAPPED_DECODES or impl in (*GEMM_KERNELS, "scratch", *SPARSE_TC)
+    gathered = impl in DECODE_KERNELS and impl not in MAPPED_DECODES or \
+        impl in (*GEMM_KERNELS, "scratch", *SPARSE_TC, "decode_sparse_mma")
     if has_map and gathered:
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped

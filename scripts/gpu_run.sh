@@ -5,7 +5,7 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # kernel e2e targets, then `fill`: the queued steps
+#                                              # sparse_mma kernel e2e targets, then `fill`: the queued steps
 #                                              # (next1 … next7, in order) that fit in what is left of BUDGET_S
 #   BUDGET_S=570 (default; 0: none)            # the call's seconds: a step starts only with at least 15 s left and runs
 #                                              # at most what is left (its file keeps what it measured); a `fill` step
@@ -41,6 +41,11 @@
 #                                              # others' tiles, and the in-kernel map's tiles at 1 token
 #   bash scripts/gpu_run.sh tune_tall          # the weight-as-A GEMM on 128 weight rows per program (GEMM_TILES_SWAP_TALL)
 #                                              # against its 64-row tiles, every tile at 64/512/2048 tokens (tune_tall.json)
+#   bash scripts/gpu_run.sh sparse_mma         # the decode on the sparse tensor cores (mma.sp) checked against a dense
+#                                              # bf16 matmul and timed against cuBLAS, 6 shapes, 1-64 tokens, in
+#                                              # cuSPARSELt's layout (tune_sparse_mma.json)
+#   bash scripts/gpu_run.sh tune_sparse_mma    # its tiles: warps and CTAs along K, the input a step ahead or not, at 1,
+#                                              # 16 and 64 tokens on three shapes (tune_sparse_mma_sweep.json)
 #   bash scripts/gpu_run.sh tune_spread        # the weight-as-A decode's tiles (32/64 rows, 64/128 kept values per step,
 #                                              # 2/4 warps, 3/4 stages) with the joined and the broadcast expansion, 2 and
 #                                              # 16 tokens, three shapes (tune_spread.json)
@@ -172,11 +177,18 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # sweeps the broadcast tiles (tune_spread) and profiles decode_swap, its broadcast form and cuBLAS
 # (profile_swap: never run before, its three profiles never fit). `spread` alone times the weight-as-A
 # decodes' tiles and expansions with auto and cuBLAS (a quicker look than kernel).
-ISSUE24=(kernel e2e targets)                        # limits 260 + 240 + 10 s (kernel 175 s, e2e 179 on the H200
-                                                    # before it profiled one eager prompt per sparse variant)
-NEXT1=(tune_spread profile_swap tune_tall)          # 90 + 3 × 70 + 150 s (the broadcast expansion's tiles against the
-                                                    # joined one's; Nsight Compute on decode_swap, its broadcast
-                                                    # form and cuBLAS at 16 tokens; tune_tall's 63 GEMM timings)
+# Since stop 87 issue24 starts with sparse_mma: the decode on the sparse tensor cores (kernels/nm_sparse_mma.cu,
+# mma.sp through NVRTC; run on the CPU only under the tests' emulator), checked against a dense bf16 matmul and
+# timed against cuBLAS at 1-64 tokens on the six shapes in cuSPARSELt's layout (tune_sparse_mma.json); kernel then
+# has auto weigh it (and times it alone as decode_sparse_mma, _nomap, _tiled). next1 begins with its tile sweep.
+ISSUE24=(sparse_mma kernel e2e targets)             # limits 90 + 260 + 240 + 10 s (kernel 175 s, e2e 179 on the H200
+                                                    # before it profiled one eager prompt per sparse variant; e2e is
+                                                    # cut to what is left of the call's 570 s)
+NEXT1=(tune_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 3 × 70 + 150 s (the sparse-MMA decode's
+                                                    # tiles: warps and CTAs along K, the input ahead or not; the
+                                                    # broadcast expansion's tiles against the joined one's; Nsight
+                                                    # Compute on decode_swap, its broadcast form and cuBLAS at 16
+                                                    # tokens; tune_tall's 63 GEMM timings)
 NEXT2=(moe_stacked e2e_compile)                     # 300 + 280 s (e2e_compile 141 s on the H200)
 NEXT3=(e2e_moe warm_start)                          # 400 + 190 s (e2e_moe_compile, 420 s, a call of its own after it;
                                                     # warm_start: three processes, cold / measuring / stored choices)
@@ -266,6 +278,11 @@ for s in "$@"; do
                 --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 64 \
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
+        sparse_mma) step sparse_mma 90 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
+                --layouts tiled --out scripts/results/tune_sparse_mma.json ;;
+        tune_sparse_mma) step tune_sparse_mma 150 scripts/results/tune_sparse_mma_sweep.json $PY scripts/tune_sparse_mma.py \
+                --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 64 --kw 0 1 2 8 \
+                --splits 0 1 2 4 --bpre -1 0 1 --out scripts/results/tune_sparse_mma_sweep.json ;;
         tune_spread) step tune_spread 90 scripts/results/tune_spread.json $PY scripts/tune_kernel.py \
                 --variants swap swap_spread --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 16 --block-r 32 64 \
                 --block-k 64 128 --num-warps 2 4 --stages 3 4 --max-tile 1048576 \

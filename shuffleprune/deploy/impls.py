@@ -88,6 +88,16 @@
   16 bytes of position words), twice ``decode_swap``'s step there (``nm_decode.DOT_TILES_SWAP_TMA``). Not yet
   timed on a GPU; ``auto`` weighs it where the descriptors can read the weight (rows of a multiple of 16
   bytes, values of the inputs' dtype), and named elsewhere it runs ``decode_swap``;
+- ``decode_sparse_mma`` (2:4, 16-bit, 1–64 tokens, columns a multiple of 128; an NVIDIA GPU of compute
+  capability 8.0 or more): ``kernels/nm_sparse_mma.cu``, the decode on the sparse tensor cores (``mma.sp``),
+  CUDA C++ compiled by NVRTC at its first call, over the gathered input. Triton has no sparse MMA, so every
+  Triton decode above expands its tile to dense before ``tl.dot``, and from 2 tokens on that expansion, not
+  the weight's bytes, bounds them (1.0–1.3 TB/s at 16–64 tokens on the H200 where cuBLAS moved 2.5–2.8);
+  ``mma.sp`` multiplies the kept values as they lie, with the position codes as its metadata, from the
+  layer's one buffer in either layout. Checked on the CPU by running its text under an emulator of CUDA's
+  threads and of the sparse MMA as the PTX ISA defines it (``tests/sparse_mma_emulator.hpp``), and compiled
+  for sm_90 and sm_80 by NVRTC without spills (``sparse_mma_compile.json``); not yet run on a GPU, so
+  ``auto`` checks and times it (its launch goes through ctypes: timed eagerly too, ``EAGER_CHECKED``);
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
@@ -123,14 +133,14 @@ GEMM_KERNELS = {"gemm": {}, "gemm_swap": {"weight_a": True}, "gemm_swap_tall": {
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
          "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_spread",
-         "decode_swap_spread_sync", "decode_swap_tma", *GEMM_KERNELS,
+         "decode_swap_spread_sync", "decode_swap_tma", "decode_sparse_mma", *GEMM_KERNELS,
          "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
 # TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
 # the plain decode's 24.8 µs of host time per 16-token call, the launch recorded, not run) and the launcher
-# encodes them at each launch
-EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma")
+# encodes them at each launch; the sparse-MMA decode's launch builds its arguments through ctypes
+EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", "decode_sparse_mma")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 CSLT_TOKEN_MULTIPLE = 8   # cuSPARSELt's dense operand takes tokens padded to this (PyTorch's semi-structured tensors
                           # pad 16-bit inputs to 8 rows for it: torch/sparse/semi_structured.py, dense_min_rows)

@@ -1,0 +1,171 @@
+"""Compile the sparse-tensor-core decode (``kernels/nm_sparse_mma.cu``) for Hopper and Ampere on a machine
+without a GPU: NVRTC (the ``nvidia-cuda-nvrtc`` wheel's library, or ``--nvrtc PATH``) builds each variant
+the runtime would launch for issue 24's shapes and token counts, and the table records what ptxas reports
+(registers, spills, shared memory), the CTAs per SM those allow, and from the machine code (Triton's
+``cuobjdump``, where installed) the sparse MMAs and loads the kernel holds.
+
+    pip install --target /tmp/nvrtc nvidia-cuda-nvrtc
+    python scripts/check_sparse_mma_compile.py --nvrtc /tmp/nvrtc/nvidia/cu13/lib/libnvrtc.so.13
+        → scripts/results/sparse_mma_compile.json (sm_90 and sm_80)
+
+No timing and no run: ``scripts/gpu_run.sh sparse_mma`` times it on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from shuffleprune.kernels import nm_sparse_mma as sm  # noqa: E402
+
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
+TOKENS = [1, 2, 4, 8, 16, 32, 64]
+SMS = {"sm_90": 132, "sm_80": 108}
+SHARED_PER_SM = {"sm_90": 228 * 1024, "sm_80": 164 * 1024}
+
+
+def find_nvrtc(given: str | None) -> str:
+    """The NVRTC library to load: ``given``, else one under an installed ``nvidia`` package."""
+    if given:
+        return given
+    for base in sys.path:
+        for found in sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*")) +
+                            glob.glob(os.path.join(base, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*"))):
+            if "builtins" not in found:
+                return found
+    raise SystemExit("no NVRTC library found: pip install nvidia-cuda-nvrtc, or pass --nvrtc PATH")
+
+
+class Nvrtc:
+    """Just enough of NVRTC's C API to compile one source to a cubin with ptxas's report."""
+
+    def __init__(self, path: str):
+        self.lib = ctypes.CDLL(path)
+
+    def version(self) -> str:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        return f"{major.value}.{minor.value}"
+
+    def compile(self, source: str, arch: str) -> tuple[bool, str, bytes]:
+        prog = ctypes.c_void_p()
+        if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"nm_sparse_mma.cu", 0, None, None):
+            raise RuntimeError("nvrtcCreateProgram failed")
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
+        ok = self.lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
+        size = ctypes.c_size_t()
+        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        self.lib.nvrtcGetProgramLog(prog, log)
+        cubin = b""
+        if ok:
+            self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            self.lib.nvrtcGetCUBIN(prog, buf)
+            cubin = buf.raw
+        self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        return ok, log.value.decode(errors="replace"), cubin
+
+
+def cuobjdump() -> str | None:
+    """Triton's ``cuobjdump`` (it ships one), if Triton is installed."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(path) if path.exists() else None
+
+
+def sass_counts(cubin: bytes, tool: str | None) -> dict | None:
+    """Instructions of the kernel's machine code: all, sparse MMAs, 16/8/4-byte global loads, moves."""
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", out)
+    return {"instructions": len(ins),
+            "mma_sp": sum("HMMA.SP" in i for i in ins),
+            "ldg_128": sum(bool(re.search(r"LDG\.[\w.]*128", i)) for i in ins),
+            "ldg_64": sum(bool(re.search(r"LDG\.[\w.]*64", i)) for i in ins),
+            "ldg_32": sum("LDG" in i and not re.search(r"LDG\.[\w.]*(128|64)", i) for i in ins),
+            "moves": sum(bool(re.match(r"(@!?P\d\s+)?(IMAD\.)?MOV", i)) for i in ins)}
+
+
+def resident(registers: int, shared: int, threads: int, arch: str) -> int:
+    """CTAs of this kernel one SM holds: registers (allocated per warp in 256s), shared memory, 64 warps."""
+    per_warp = -(-registers * 32 // 256) * 256
+    warps = threads // 32
+    by_regs = 65536 // (per_warp * warps)
+    by_shared = SHARED_PER_SM[arch] // (shared + 1024)
+    return max(0, min(by_regs, by_shared, 64 // warps, 32))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: the nvidia-cuda-nvrtc wheel's)")
+    ap.add_argument("--arch", nargs="+", default=["sm_90", "sm_80"])
+    ap.add_argument("--out", default=str(ROOT / "scripts/results/sparse_mma_compile.json"))
+    args = ap.parse_args()
+    nvrtc = Nvrtc(find_nvrtc(args.nvrtc))
+    tool = cuobjdump()
+    rows, seen = [], {}
+    t0 = time.time()
+    for arch in args.arch:
+        for shape in SHAPES:
+            for tokens in TOKENS:
+                plan = sm.sparse_mma_plan(tokens, *shape, sms=SMS[arch])
+                for tiled in (False, True):
+                    defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True)
+                    key = (arch, tuple(defines.items()))
+                    if key not in seen:
+                        ok, log, cubin = nvrtc.compile(sm.kernel_source(defines), arch)
+                        regs = re.search(r"Used (\d+) registers", log)
+                        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+                        smem = re.search(r"(\d+) bytes smem", log)
+                        seen[key] = {"compiled": ok, "registers": int(regs.group(1)) if regs else None,
+                                     "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
+                                     "shared_bytes": int(smem.group(1)) if smem else None,
+                                     "sass": sass_counts(cubin, tool) if ok else None,
+                                     "log": None if ok else log[-2000:]}
+                    info = dict(seen[key])
+                    threads = 32 * plan.warps
+                    ctas = resident(info["registers"], info["shared_bytes"], threads, arch) if info["compiled"] else 0
+                    grid = plan.grid(shape[0])
+                    rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled,
+                                 "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": threads,
+                                 **info, "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
+                                 "waves": round(grid[0] * grid[1] / max(1, ctas * SMS[arch]), 2)})
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "nvrtc": nvrtc.version()}
+    out = {"what": "the sparse-tensor-core decode (kernels/nm_sparse_mma.cu) compiled by NVRTC, not run",
+           "command": "python scripts/check_sparse_mma_compile.py " + " ".join(sys.argv[1:]),
+           "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "gpu": None},
+           "versions": versions, "seconds": round(time.time() - t0, 1),
+           "variants": len(seen), "failed": sum(not v["compiled"] for v in seen.values()),
+           "spilling": sum(bool(v["spill_bytes"]) for v in seen.values()), "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{len(seen)} variants, {out['failed']} failed, {out['spilling']} spilling → {args.out}")
+    for r in rows:
+        if r["arch"] == "sm_90" and r["shape"] == [4096, 4096] and not r["tiled"]:
+            print(r["tokens"], r["plan"], "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
+                  "warps/SM", r["warps_per_sm"], "waves", r["waves"], r["sass"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Time the sparse-tensor-core decode (``kernels/nm_sparse_mma.cu``) on a GPU against cuBLAS: for each
+shape and token count, the plan's launch and each variation of its tile in the grid given (warps splitting K
+in a CTA, CTAs splitting it, m-tiles per warp, the input loaded a step ahead), in both position layouts
+(row words; cuSPARSELt's order, as a layer holds it after ``use_cslt_layout``). Every launch is first checked
+against a dense bf16 matmul of the decompressed weight (its maximum relative error is recorded; a launch off
+by more than 2 % is not timed) and then timed as ``bench_kernel.py`` times: calls over rotating weight copies
+(together more than 2.5× the L2) captured in one CUDA graph, the median replay.
+
+    python scripts/tune_sparse_mma.py                                # → scripts/results/tune_sparse_mma.json
+    python scripts/tune_sparse_mma.py --smoke                        # CPU: tiny shapes on the tests' emulator (g++)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="weights as OUTxIN")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--kw", type=int, nargs="+", default=[0], help="warps splitting K in a CTA (0: the plan's)")
+    ap.add_argument("--splits", type=int, nargs="+", default=[0], help="CTAs splitting K (0: the plan's)")
+    ap.add_argument("--mt", type=int, nargs="+", default=[0], help="m-tiles of 16 rows per warp (0: the plan's)")
+    ap.add_argument("--bpre", type=int, nargs="+", default=[-1], help="1/0: the input loaded a step ahead or not (-1: the plan's)")
+    ap.add_argument("--layouts", nargs="+", default=["rows", "tiled"], choices=["rows", "tiled"])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tune_sparse_mma.json"))
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    from shuffleprune.deploy.cslt_layout import cslt_words
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.kernels.gpu import l2_bytes
+    from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, launch_plan, nm_sparse_mma,
+                                                     plan_fields, sparse_mma_plan)
+    from shuffleprune.kernels.nm_words import position_words
+    from shuffleprune.masks import nm_keep_mask
+    from shuffleprune.runtime import cuda_graph_ms, machine, versions
+
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on the CPU")
+    dev = torch.device("cuda" if cuda else "cpu")
+    if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
+        sys.path.insert(0, str(ROOT / "tests"))
+        from sparse_mma_cpu import run_cpu
+        shapes, args.tokens = [(64, 256), (128, 384)], [1, 9]
+    else:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    dtype = torch.bfloat16
+    l2 = l2_bytes(dev)
+    gen = torch.Generator().manual_seed(0)
+    rows, best = [], []
+    out = Path(args.out) if cuda else Path(args.out).with_name("tune_sparse_mma_smoke.json")
+
+    def save() -> None:
+        out.write_text(json.dumps({
+            "what": "the sparse-tensor-core decode's launches against cuBLAS (bf16, gathered input, rotating weight "
+                    "copies, CUDA graphs; rel_err: max |y - dense| / max |dense| of a dense bf16 matmul)",
+            "smoke": args.smoke, "seed": 0, "device": torch.cuda.get_device_name() if cuda else "cpu (emulator)",
+            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
+            "versions": versions("triton"), "best": best, "rows": rows}, indent=1) + "\n")
+
+    for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
+        w = torch.randn(out_f, in_f, generator=gen)
+        w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)
+        values, meta = compress(w, 2, 4)
+        words = position_words(meta)
+        x = torch.randn(tokens, in_f, generator=gen).to(dtype)
+        w_dev, x_dev = w.to(dev), x.to(dev)
+        want = F.linear(x_dev, w_dev).float()
+        scale = want.abs().max().item() or 1.0
+        n_copies = max(4, -(-int(2.5 * l2) // (values.numel() * values.element_size() * 9 // 8))) if cuda else 1
+        dense_ms = None
+        if cuda:
+            dense = [w_dev] + [w_dev.clone() for _ in range(max(4, n_copies // 2) - 1)]
+            dense_ms = cuda_graph_ms([lambda d=d: F.linear(x_dev, d) for d in dense], args.reps)[0]
+            del dense
+        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense_ms})
+        case = []
+        for layout in args.layouts:
+            tiled = layout == "tiled"
+            if tiled and out_f % 64:
+                continue
+            lw = (cslt_words(words) if tiled else words).contiguous()
+            copies = [(values.to(dev), lw.to(dev))]
+            copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
+            for kw, splits, mt, bpre in itertools.product(args.kw, args.splits, args.mt, args.bpre):
+                override = {k: v for k, v, skip in (("kw", kw, 0), ("splits", splits, 0), ("mt", mt, 0),
+                                                    ("bpre", bpre, -1)) if v != skip}
+                if "bpre" in override:
+                    override["bpre"] = bool(override["bpre"])
+                row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_mma", "layout": layout,
+                       "override": override}
+                try:
+                    if cuda:
+                        y = nm_sparse_mma(x_dev, *copies[0], None, tiled=tiled, **override)
+                        torch.cuda.synchronize()
+                        plan = launch_plan(x_dev, copies[0][0], tiled, False, **override)
+                    else:
+                        plan = sparse_mma_plan(tokens, out_f, in_f, 4, DEFAULT_CTAS_PER_SM, **override)
+                        y = run_cpu(x, values, lw, None, tiled, plan)[0]
+                except Exception as exc:  # noqa: BLE001 - a variation that does not compile or fit: recorded
+                    rows.append({**row, "ms": None, "error": str(exc).splitlines()[0][:200]})
+                    continue
+                err = float((y.float() - want).abs().max() / scale)
+                row.update(plan=plan_fields(plan), rel_err=err)
+                if cuda and err < 2e-2:
+                    row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_mma(x_dev, *c, None, tiled=tiled, **override)
+                                               for c in copies], args.reps)[0]
+                    row["speedup_vs_dense"] = dense_ms / row["ms"]
+                    row["tb_s"] = (values.numel() * 2 * 9 / 8 + x.numel() * 2 + out_f * tokens * 2) / row["ms"] / 1e9
+                    case.append(row)
+                rows.append(row)
+                print(out_f, in_f, tokens, layout, override, f"err {err:.1e}", f"{row.get('ms') or 0:.4f} ms",
+                      f"x{row.get('speedup_vs_dense') or 0:.2f}", flush=True)
+        if case:
+            top = min(case, key=lambda r: r["ms"])
+            best.append({k: top[k] for k in ("shape", "tokens", "layout", "override", "plan", "ms", "speedup_vs_dense")})
+        save()
+    save()
+
+
+if __name__ == "__main__":
+    main()
