@@ -30,8 +30,12 @@
 // in shared memory; with split-K each CTA writes its fp32 partial, and the last of a row block to finish
 // (a counter, reset for the next call) adds them in split order, so the result does not depend on timing.
 //
+// With an index map (HAS_PERM), the CTA first gathers its columns of every token through the map into shared
+// memory (T x KS 16-bit values, the launch's dynamic shared memory), its first step's weight loads in flight,
+// and its warps read B from there: the map costs one gather per CTA, not a launch.
+//
 // Compile-time parameters (#define before this text): NT (n-tiles of 8 tokens), MT, RW, KW, TILED,
-// HAS_BIAS, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead).
+// HAS_BIAS, HAS_PERM, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead).
 
 #define WARPS (RW * KW)
 #define ROWS_PER_CTA (RW * MT * 16)
@@ -53,12 +57,37 @@ SP_DEV unsigned sp_b_column(int c0, int block, int half, int reg, int t) {
   return (unsigned)(c0 + 64 * block + 4 * group + 2 * (t & 1));
 }
 
-SP_DEV unsigned sp_load_b(const unsigned short* x, int xs, int T, int token, unsigned col) {
-  return token < T ? sp_ld32(x + (long long)token * xs + col) : 0u;
+struct SpInput {            // where B's columns are read: the gathered input in global memory, or (HAS_PERM)
+  const unsigned short* x;  // the CTA's columns staged through the index map in shared memory
+  int stride, col0, T;
+};
+
+SP_DEV unsigned sp_load_b(const SpInput& in, int token, unsigned col) {
+  if (token >= in.T) return 0u;
+#if HAS_PERM
+  return sp_lds32(in.x + token * in.stride + (col - in.col0));
+#else
+  return sp_ld32(in.x + (long long)token * in.stride + col);
+#endif
 }
 
-SP_DEV void sp_load_stage(SpStage& st, const unsigned short* values, const unsigned* meta,
-                          const unsigned short* x, int xs, int T, int R, int C, int row0, int c0, int lane) {
+SP_DEV void sp_load_inputs(SpStage& st, const SpInput& in, int c0, int lane) {
+#if BPRE
+  int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          st.bx[b][h][n][r] = sp_load_b(in, 8 * n + g, sp_b_column(c0, b, h, r, t));
+#endif
+}
+
+SP_DEV void sp_load_weights(SpStage& st, const unsigned short* values, const unsigned* meta, int C, int row0, int c0,
+                            int lane) {
   int g = lane >> 2, t = lane & 3;
   int half_c = C >> 1;
 #pragma unroll
@@ -82,17 +111,12 @@ SP_DEV void sp_load_stage(SpStage& st, const unsigned short* values, const unsig
     st.m1[i] = sp_ld64(meta + (long long)rb * words + tile);
 #endif
   }
-#if BPRE
-#pragma unroll
-  for (int b = 0; b < 2; ++b)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          st.bx[b][h][n][r] = sp_load_b(x, xs, T, 8 * n + g, sp_b_column(c0, b, h, r, t));
-#endif
+}
+
+SP_DEV void sp_load_stage(SpStage& st, const unsigned short* values, const unsigned* meta, const SpInput& in, int C,
+                          int row0, int c0, int lane) {
+  sp_load_weights(st, values, meta, C, row0, c0, lane);
+  sp_load_inputs(st, in, c0, lane);
 }
 
 SP_DEV unsigned sp_meta_word(const SpStage& st, int i, int half, int role) {
@@ -121,8 +145,7 @@ SP_DEV unsigned sp_word(const u32x4& v, int k) {
   return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
 }
 
-SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const unsigned short* x, int xs, int T,
-                             int c0, int lane) {
+SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const SpInput& in, int c0, int lane) {
   int g = lane >> 2, t = lane & 3, role = t & 1;
   (void)g;   // read only where the input is loaded here (BPRE = 0)
 #pragma unroll
@@ -142,7 +165,7 @@ SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const u
 #if BPRE
             bb[r] = st.bx[b][h][n][r];
 #else
-            bb[r] = sp_load_b(x, xs, T, 8 * n + g, sp_b_column(c0, b, h, r, t));
+            bb[r] = sp_load_b(in, 8 * n + g, sp_b_column(c0, b, h, r, t));
 #endif
           }
           if (b == 0)
@@ -156,8 +179,8 @@ SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const u
 }
 
 extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
-    const unsigned short* x, const unsigned short* values, const unsigned* meta, const unsigned short* bias,
-    unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
+    const unsigned short* x, const unsigned short* values, const unsigned* meta, const int* perm,
+    const unsigned short* bias, unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
   __shared__ float red[WARPS][MT][NT][32][4];
   __shared__ int last_flag;
   int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -178,15 +201,32 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   // two stages in registers: the next step's loads are in flight while this one multiplies
   SpStage s0, s1;
   int s = kg;
-  if (s < steps) sp_load_stage(s0, values, meta, x, xs, T, R, C, row0, k_begin + 128 * s, lane);
+#if HAS_PERM
+  // the CTA's columns of every token, gathered through the map once into shared memory (the first step's
+  // weight loads already in flight), then read by every warp as the gathered input would be
+  SP_DYNAMIC_SHARED(unsigned short, staged);
+  if (s < steps) sp_load_weights(s0, values, meta, C, row0, k_begin + 128 * s, lane);
+  int width = k_end - k_begin;
+  for (int i = tid; i < T * width; i += 32 * WARPS) {
+    int token = i / width, c = i - token * width;
+    sp_st_shared16(staged + i, sp_ld16(x + (long long)token * xs + sp_ld_int(perm + k_begin + c)));
+  }
+  __syncthreads();
+  SpInput in = {staged, width, k_begin, T};
+  if (s < steps) sp_load_inputs(s0, in, k_begin + 128 * s, lane);
+#else
+  SpInput in = {x, xs, 0, T};
+  (void)perm;
+  if (s < steps) sp_load_stage(s0, values, meta, in, C, row0, k_begin + 128 * s, lane);
+#endif
   while (s < steps) {
     int s_next = s + KW;
-    if (s_next < steps) sp_load_stage(s1, values, meta, x, xs, T, R, C, row0, k_begin + 128 * s_next, lane);
-    sp_compute_stage(s0, acc, x, xs, T, k_begin + 128 * s, lane);
+    if (s_next < steps) sp_load_stage(s1, values, meta, in, C, row0, k_begin + 128 * s_next, lane);
+    sp_compute_stage(s0, acc, in, k_begin + 128 * s, lane);
     if (s_next >= steps) break;
     int s_after = s_next + KW;
-    if (s_after < steps) sp_load_stage(s0, values, meta, x, xs, T, R, C, row0, k_begin + 128 * s_after, lane);
-    sp_compute_stage(s1, acc, x, xs, T, k_begin + 128 * s_next, lane);
+    if (s_after < steps) sp_load_stage(s0, values, meta, in, C, row0, k_begin + 128 * s_after, lane);
+    sp_compute_stage(s1, acc, in, k_begin + 128 * s_next, lane);
     s = s_after;
   }
 

@@ -27,6 +27,8 @@ SOURCE = Path(__file__).with_name("nm_sparse_mma.cu")
 KERNEL_NAME = "nm_sparse_mma"
 STEP = 128                 # columns a warp reads per step (two blocks of 64)
 MAX_TOKENS = 64            # 8 n-tiles of 8 tokens
+MAPPED_MAX_TOKENS = 16     # reading the map itself: every token's columns of a CTA staged in shared memory
+STAGED_LIMIT = 32 * 1024   # the most bytes of staged input a CTA takes (its columns split further to fit)
 SHARED_LIMIT = 48 * 1024   # static shared memory per CTA without an opt-in
 TARGET_WARPS_PER_SM = 16   # resident warps the plan aims the grid at (loads in flight per SM)
 
@@ -50,6 +52,10 @@ SP_DEV u32x2 sp_ld64(const void* p) {
 SP_DEV unsigned sp_ld32(const void* p) { return __ldg((const unsigned*)p); }   // the input: shared by every warp
 SP_DEV float sp_ld_volatile(const float* p) { return *(const volatile float*)p; }
 SP_DEV unsigned short sp_ld16(const unsigned short* p) { return *p; }
+SP_DEV int sp_ld_int(const int* p) { return __ldg(p); }
+SP_DEV unsigned sp_lds32(const unsigned short* p) { return *(const unsigned*)p; }   // shared memory
+SP_DEV void sp_st_shared16(unsigned short* p, unsigned short v) { *p = v; }
+#define SP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 SP_DEV void sp_st16(unsigned short* p, unsigned short v) { *p = v; }
 SP_DEV void sp_st_float(float* p, float v) { *p = v; }
 SP_DEV void sp_st_int(int* p, int v) { *p = v; }
@@ -117,14 +123,20 @@ class SparseMmaPlan:
         return rows // self.rows_per_cta, self.splits, 1
 
     def shared_bytes(self) -> int:
+        """Static shared memory: the warps' partial sums (and the last-CTA flag)."""
         return self.warps * self.mt * self.nt * 32 * 4 * 4 + 4
 
+    def staged_bytes(self, tokens: int) -> int:
+        """Dynamic shared memory of the kernel reading the map itself: the CTA's columns of every token."""
+        return tokens * self.ks * 2
 
-def sparse_mma_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel takes this layer and input: 2:4, 16-bit, 1–64 tokens, columns in whole steps of
-    128 and rows in whole m-tiles of 16 (any layout the layer holds)."""
+
+def sparse_mma_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype: torch.dtype,
+                       mapped: bool = False) -> bool:
+    """Whether the kernel takes this layer and input: 2:4, 16-bit, 1–64 tokens (1–16 reading the map
+    itself), columns in whole steps of 128 and rows in whole m-tiles of 16 (any layout the layer holds)."""
     return ((n, m) == (2, 4) and dtype in (torch.float16, torch.bfloat16) and 1 <= tokens <= MAX_TOKENS
-            and cols % STEP == 0 and rows % 16 == 0)
+            and cols % STEP == 0 and rows % 16 == 0 and (not mapped or tokens <= MAPPED_MAX_TOKENS))
 
 
 def sparse_mma_available(device: torch.device) -> bool:
@@ -149,11 +161,12 @@ DEFAULT_CTAS_PER_SM = 4   # what the plan assumes before the compiled kernel's o
 
 
 def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
-                    **override) -> SparseMmaPlan:
+                    mapped: bool = False, **override) -> SparseMmaPlan:
     """The launch for ``tokens`` tokens on a ``[rows, cols]`` weight, ``sms`` multiprocessors holding
     ``ctas_per_sm`` of its CTAs each: the n-tile's tile (:data:`TILES`), and CTAs along K (``splits``) until
     the grid fills one wave of the GPU, each warp keeping at least one step (its next step's loads are in
-    flight while it multiplies where it has two or more). ``override`` sets any field (tuning)."""
+    flight while it multiplies where it has two or more). ``mapped``: the CTAs' columns also split until
+    every token's fit in :data:`STAGED_LIMIT` bytes of shared memory. ``override`` sets any field (tuning)."""
     nt = min(8, _pow2_at_least(cdiv(tokens, 8)))
     tile = dict(TILES[nt])
     for name in ("mt", "kw", "bpre", "rw"):
@@ -164,6 +177,8 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
     kw = max(1, min(kw, steps))
     row_blocks = max(1, rows // (16 * mt * rw))
     splits = max(1, min(round(sms * ctas_per_sm / row_blocks), steps // kw))
+    if mapped:
+        splits = max(splits, cdiv(tokens * cols * 2, STAGED_LIMIT))
     ks = cdiv(cdiv(cols, splits), STEP) * STEP
     fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"])
     fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw")})
@@ -173,11 +188,11 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
         fields["ks"] = cdiv(cdiv(cols, fields["splits"]), STEP) * STEP
         fields["splits"] = cdiv(cols, fields["ks"])
     plan = SparseMmaPlan(**fields)
-    check_plan(plan, tokens, rows, cols)
+    check_plan(plan, tokens, rows, cols, mapped)
     return plan
 
 
-def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int) -> None:
+def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, mapped: bool = False) -> None:
     """Refuse a plan the kernel cannot run, in one line naming what to change."""
     if tokens > 8 * plan.nt:
         raise ValueError(f"nt={plan.nt} holds {8 * plan.nt} tokens, not {tokens}: take nt >= {cdiv(tokens, 8)}")
@@ -188,13 +203,17 @@ def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int) -> None:
     if plan.shared_bytes() > SHARED_LIMIT:
         raise ValueError(f"warps·mt·nt = {plan.warps * plan.mt * plan.nt} needs {plan.shared_bytes()} bytes of "
                          f"shared memory (at most {SHARED_LIMIT}): take fewer warps, m-tiles or n-tiles")
+    if mapped and plan.staged_bytes(tokens) > STAGED_LIMIT:
+        raise ValueError(f"ks={plan.ks} stages {plan.staged_bytes(tokens)} bytes of {tokens} tokens' input (at most "
+                         f"{STAGED_LIMIT}): take more splits")
 
 
-def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool) -> dict:
+def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool,
+                   mapped: bool = False) -> dict:
     """The compile-time parameters of one kernel variant (``#define`` s before the source)."""
     return {"NT": plan.nt, "MT": plan.mt, "RW": plan.rw, "KW": plan.kw, "TILED": int(tiled),
-            "HAS_BIAS": int(has_bias), "IS_BF16": int(dtype == torch.bfloat16), "BPRE": int(plan.bpre),
-            "ORDERED": int(ordered)}
+            "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "IS_BF16": int(dtype == torch.bfloat16),
+            "BPRE": int(plan.bpre), "ORDERED": int(ordered)}
 
 
 def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
@@ -229,29 +248,30 @@ def _driver():
     return ctypes.CDLL("libcuda.so.1")
 
 
-def resident_ctas(kernel, threads: int) -> int:
+def resident_ctas(kernel, threads: int, dynamic_shared: int = 0) -> int:
     """How many CTAs of ``threads`` threads of a compiled kernel one SM holds (the driver's occupancy;
     :data:`DEFAULT_CTAS_PER_SM` where the driver cannot be asked)."""
     count = ctypes.c_int()
     try:
         status = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            ctypes.byref(count), kernel.func, ctypes.c_int(threads), ctypes.c_size_t(0))
+            ctypes.byref(count), kernel.func, ctypes.c_int(threads), ctypes.c_size_t(dynamic_shared))
     except (AttributeError, OSError):
         return DEFAULT_CTAS_PER_SM
     return count.value if status == 0 and count.value > 0 else DEFAULT_CTAS_PER_SM
 
 
 @functools.lru_cache(maxsize=None)
-def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, has_bias: bool, device_index: int,
-            override: tuple) -> tuple:
+def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, has_bias: bool, mapped: bool,
+            device_index: int, override: tuple) -> tuple:
     """``(kernel, plan)`` for one kind of call: the plan worked out again with the compiled kernel's
     occupancy in place of :data:`DEFAULT_CTAS_PER_SM` (once per kind of call and process)."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    plan = sparse_mma_plan(tokens, rows, cols, sms, **dict(override))
-    kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata()).items()), device_index)
-    ctas = resident_ctas(kernel, 32 * plan.warps)
+    plan = sparse_mma_plan(tokens, rows, cols, sms, mapped=mapped, **dict(override))
+    kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata(), mapped).items()),
+                       device_index)
+    ctas = resident_ctas(kernel, 32 * plan.warps, plan.staged_bytes(tokens) if mapped else 0)
     if ctas != DEFAULT_CTAS_PER_SM:
-        plan = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm=ctas, **dict(override))
+        plan = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm=ctas, mapped=mapped, **dict(override))
     return kernel, plan
 
 
@@ -277,41 +297,52 @@ def _workspace(device: torch.device, partial_numel: int, counters: int) -> tuple
 
 
 def launch_plan(x: torch.Tensor, values: torch.Tensor, tiled: bool = False, has_bias: bool = False,
-                **override) -> SparseMmaPlan:
+                mapped: bool = False, **override) -> SparseMmaPlan:
     """The plan :func:`nm_sparse_mma` launches for ``x`` on ``values`` (the compiled kernel's occupancy in it)."""
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _launch(x.numel() // x.shape[-1], values.shape[0], 2 * values.shape[1], x.dtype, tiled, has_bias, index,
-                   tuple(sorted(override.items())))[1]
+    return _launch(x.numel() // x.shape[-1], values.shape[0], 2 * values.shape[1], x.dtype, tiled, has_bias, mapped,
+                   index, tuple(sorted(override.items())))[1]
 
 
 def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,
-                  tiled: bool = False, plan: SparseMmaPlan | None = None, **override) -> torch.Tensor:
-    """``x @ Wᵀ + bias`` for a 2:4 ``W`` held as ``values`` ``[R, C/2]`` and position ``words`` ``[R, C/32]``
-    (row words, or cuSPARSELt's order when ``tiled``), ``x`` ``[..., C]`` already in the weight's column order
-    (gathered), on the sparse tensor cores. ``plan`` (or ``override``'s fields) replaces :func:`sparse_mma_plan`'s."""
+                  tiled: bool = False, perm: torch.Tensor | None = None, plan: SparseMmaPlan | None = None,
+                  **override) -> torch.Tensor:
+    """``x[..., perm] @ Wᵀ + bias`` for a 2:4 ``W`` held as ``values`` ``[R, C/2]`` and position ``words``
+    ``[R, C/32]`` (row words, or cuSPARSELt's order when ``tiled``) on the sparse tensor cores; ``perm`` (int32,
+    1–16 tokens) is read by the kernel itself, else ``x`` is already in the weight's column order (gathered).
+    ``plan`` (or ``override``'s fields) replaces :func:`sparse_mma_plan`'s."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     x2 = x.reshape(-1, cols)
     tokens = x2.shape[0]
-    if not sparse_mma_applies(tokens, rows, cols, 2, 4, x.dtype) or values.dtype != x.dtype:
+    mapped = perm is not None
+    if not sparse_mma_applies(tokens, rows, cols, 2, 4, x.dtype, mapped) or values.dtype != x.dtype:
         raise ValueError(f"the sparse-MMA decode takes 2:4 16-bit weights of the input's dtype, 1-{MAX_TOKENS} "
-                         f"tokens, columns in steps of {STEP} and rows in 16s; not {tokens} tokens of {x.dtype} "
+                         f"tokens ({MAPPED_MAX_TOKENS} through a map), columns in steps of {STEP} and rows in 16s; "
+                         f"not {tokens} tokens of {x.dtype} "
                          f"on [{rows}, {cols}] {values.dtype}")
+    if not (values.is_contiguous() and words.is_contiguous() and words.dtype == torch.int32 and
+            words.shape == (rows, cols // 32) and values.data_ptr() % 16 == 0 and words.data_ptr() % 8 == 0):
+        raise ValueError("the sparse-MMA decode reads contiguous values (16-byte aligned) and int32 position words "
+                         f"[{rows}, {cols // 32}] (8-byte aligned); got {tuple(words.shape)} {words.dtype}")
+    if mapped and (perm.dtype != torch.int32 or perm.shape != (cols,) or not perm.is_contiguous()):
+        raise ValueError(f"the sparse-MMA decode reads its index map as int32 [{cols}], not {perm.dtype} "
+                         f"{tuple(perm.shape)}")
     if x2.stride(-1) != 1 or x2.stride(0) % 2 or x2.data_ptr() % 4:
         x2 = x2.contiguous()
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if plan is None:
-        kernel, plan = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, index,
+        kernel, plan = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, mapped, index,
                                tuple(sorted(override.items())))
     else:
-        check_plan(plan, tokens, rows, cols)
-        kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata()).items()),
-                           index)
+        check_plan(plan, tokens, rows, cols, mapped)
+        kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata(),
+                                                mapped).items()), index)
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
     grid = plan.grid(rows)
     partial, counters = _workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0, grid[0])
-    kernel(grid=grid, block=(32 * plan.warps, 1, 1),
-           args=[x2, values, words, bias if bias is not None else values, y, partial, counters,
-                 tokens, rows, cols, x2.stride(0), plan.ks])
+    kernel(grid=grid, block=(32 * plan.warps, 1, 1), shared_mem=plan.staged_bytes(tokens) if mapped else 0,
+           args=[x2, values, words, perm if mapped else words, bias if bias is not None else values, y, partial,
+                 counters, tokens, rows, cols, x2.stride(0), plan.ks])
     return y.reshape(*x.shape[:-1], rows)
 
 

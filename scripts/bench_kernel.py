@@ -36,7 +36,8 @@ weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_
 ``decode_swap`` and ``decode_swap_sync`` with the tile expanded by broadcasts, straight into the MMA's operand
 layout), ``decode_swap_tma`` (2–64 tokens: its weight tiles copied by the
 Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``decode_sparse_mma`` (1–64
-tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_nomap`` and ``_tiled`` too), ``gemm``, ``gemm_swap``,
+tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_nomap`` and ``_tiled`` too;
+``decode_sparse_mma_mapped``, 1–16 tokens: the same reading the map itself), ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
@@ -93,7 +94,8 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_nomap", "decode_tall_nomap",
               "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync",
               "decode_swap_spread", "decode_swap_spread_sync", "decode_swap_tma", "decode_swap_tma_tiled",
-              "decode_sparse_mma", "decode_sparse_mma_nomap", "decode_sparse_mma_tiled", "cslt_tiled", "gemm",
+              "decode_sparse_mma", "decode_sparse_mma_nomap", "decode_sparse_mma_tiled", "decode_sparse_mma_mapped",
+              "decode_sparse_mma_mapped_tiled", "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
@@ -162,6 +164,8 @@ def runs_at(impl: str, tokens: int) -> bool:
             (tokens == 1 or tokens > 16 and impl == "decode_select"):
         return False
     if impl == "decode_shallow" and tokens > 2:   # auto weighs it on the select loop only (1-2 tokens)
+        return False
+    if impl == "decode_sparse_mma_mapped" and tokens > 16:   # the map staged in shared memory: to 16 tokens
         return False
     if tokens > TILE_MAX_TOKENS.get(impl, tokens):   # the select loop's other tiles: where auto weighs them
         return False

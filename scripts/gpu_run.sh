@@ -43,7 +43,8 @@
 #                                              # against its 64-row tiles, every tile at 64/512/2048 tokens (tune_tall.json)
 #   bash scripts/gpu_run.sh sparse_mma         # the decode on the sparse tensor cores (mma.sp) checked against a dense
 #                                              # bf16 matmul and timed against cuBLAS, 6 shapes, 1-64 tokens, in
-#                                              # cuSPARSELt's layout (tune_sparse_mma.json)
+#                                              # cuSPARSELt's layout, with no map and (1-16) reading a random
+#                                              # one itself (tune_sparse_mma.json)
 #   bash scripts/gpu_run.sh tune_sparse_mma    # its tiles: warps and CTAs along K, the input a step ahead or not, at 1,
 #                                              # 16 and 64 tokens on three shapes (tune_sparse_mma_sweep.json)
 #   bash scripts/gpu_run.sh tune_spread        # the weight-as-A decode's tiles (32/64 rows, 64/128 kept values per step,
@@ -179,11 +180,13 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # decodes' tiles and expansions with auto and cuBLAS (a quicker look than kernel).
 # Since stop 87 issue24 starts with sparse_mma: the decode on the sparse tensor cores (kernels/nm_sparse_mma.cu,
 # mma.sp through NVRTC; run on the CPU only under the tests' emulator), checked against a dense bf16 matmul and
-# timed against cuBLAS at 1-64 tokens on the six shapes in cuSPARSELt's layout (tune_sparse_mma.json); kernel then
+# timed against cuBLAS at 1-64 tokens on the six shapes in cuSPARSELt's layout, without a map and reading a random
+# one itself at 1-16 tokens (tune_sparse_mma.json); kernel then
 # has auto weigh it (and times it alone as decode_sparse_mma, _nomap, _tiled). next1 begins with its tile sweep.
-ISSUE24=(sparse_mma kernel e2e targets)             # limits 90 + 260 + 240 + 10 s (kernel 175 s, e2e 179 on the H200
-                                                    # before it profiled one eager prompt per sparse variant; e2e is
-                                                    # cut to what is left of the call's 570 s)
+ISSUE24=(sparse_mma kernel targets e2e targets)    # limits 120 + 260 + 10 + 240 + 10 s (kernel 175 s, e2e 179 on the
+                                                    # H200 before it profiled one eager prompt per sparse variant):
+                                                    # targets read the new kernel table first, then again after e2e
+                                                    # if e2e fits in what is left of the call's 570 s
 NEXT1=(tune_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 3 × 70 + 150 s (the sparse-MMA decode's
                                                     # tiles: warps and CTAs along K, the input ahead or not; the
                                                     # broadcast expansion's tiles against the joined one's; Nsight
@@ -278,8 +281,8 @@ for s in "$@"; do
                 --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 64 \
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
-        sparse_mma) step sparse_mma 90 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
-                --layouts tiled --out scripts/results/tune_sparse_mma.json ;;
+        sparse_mma) step sparse_mma 120 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
+                --layouts tiled --maps none random --out scripts/results/tune_sparse_mma.json ;;
         tune_sparse_mma) step tune_sparse_mma 150 scripts/results/tune_sparse_mma_sweep.json $PY scripts/tune_sparse_mma.py \
                 --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 64 --kw 0 1 2 8 \
                 --splits 0 1 2 4 --bpre -1 0 1 --out scripts/results/tune_sparse_mma_sweep.json ;;

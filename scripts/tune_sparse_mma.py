@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--mt", type=int, nargs="+", default=[0], help="m-tiles of 16 rows per warp (0: the plan's)")
     ap.add_argument("--bpre", type=int, nargs="+", default=[-1], help="1/0: the input loaded a step ahead or not (-1: the plan's)")
     ap.add_argument("--layouts", nargs="+", default=["rows", "tiled"], choices=["rows", "tiled"])
+    ap.add_argument("--maps", nargs="+", default=["none"], choices=["none", "random"],
+                    help="random: a random index map over all columns, read by the kernel itself (1-16 tokens)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tune_sparse_mma.json"))
@@ -79,6 +81,7 @@ def main() -> None:
         x = torch.randn(tokens, in_f, generator=gen).to(dtype)
         w_dev, x_dev = w.to(dev), x.to(dev)
         want = F.linear(x_dev, w_dev).float()
+        # with a map the kernel multiplies x[:, perm] (the same weight, the input read through the map)
         scale = want.abs().max().item() or 1.0
         n_copies = max(4, -(-int(2.5 * l2) // (values.numel() * values.element_size() * 9 // 8))) if cuda else 1
         dense_ms = None
@@ -88,7 +91,11 @@ def main() -> None:
             del dense
         rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense_ms})
         case = []
-        for layout in args.layouts:
+        perm = torch.randperm(in_f, generator=gen).to(torch.int32)
+        want_mapped = F.linear(x_dev[:, perm.long().to(dev)], w_dev).float()
+        for layout, kind in itertools.product(args.layouts, args.maps):
+            if kind == "random" and tokens > 16:
+                continue
             tiled = layout == "tiled"
             if tiled and out_f % 64:
                 continue
@@ -101,32 +108,39 @@ def main() -> None:
                 if "bpre" in override:
                     override["bpre"] = bool(override["bpre"])
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_mma", "layout": layout,
-                       "override": override}
+                       "map": kind, "override": override}
+                p_dev = perm.to(dev) if kind == "random" else None
+                want_here = want if p_dev is None else want_mapped
                 try:
                     if cuda:
-                        y = nm_sparse_mma(x_dev, *copies[0], None, tiled=tiled, **override)
+                        y = nm_sparse_mma(x_dev, *copies[0], None, tiled=tiled, perm=p_dev, **override)
                         torch.cuda.synchronize()
-                        plan = launch_plan(x_dev, copies[0][0], tiled, False, **override)
+                        plan = launch_plan(x_dev, copies[0][0], tiled, False, p_dev is not None, **override)
                     else:
-                        plan = sparse_mma_plan(tokens, out_f, in_f, 4, DEFAULT_CTAS_PER_SM, **override)
-                        y = run_cpu(x, values, lw, None, tiled, plan)[0]
+                        plan = sparse_mma_plan(tokens, out_f, in_f, 4, DEFAULT_CTAS_PER_SM, p_dev is not None,
+                                               **override)
+                        y = run_cpu(x, values, lw, None, tiled, plan, perm=p_dev)[0]
                 except Exception as exc:  # noqa: BLE001 - a variation that does not compile or fit: recorded
                     rows.append({**row, "ms": None, "error": str(exc).splitlines()[0][:200]})
                     continue
-                err = float((y.float() - want).abs().max() / scale)
+                err = float((y.float() - want_here).abs().max() / scale)
                 row.update(plan=plan_fields(plan), rel_err=err)
                 if cuda and err < 2e-2:
-                    row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_mma(x_dev, *c, None, tiled=tiled, **override)
-                                               for c in copies], args.reps)[0]
+                    row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_mma(x_dev, *c, None, tiled=tiled, perm=p_dev,
+                                                                         **override) for c in copies], args.reps)[0]
                     row["speedup_vs_dense"] = dense_ms / row["ms"]
                     row["tb_s"] = (values.numel() * 2 * 9 / 8 + x.numel() * 2 + out_f * tokens * 2) / row["ms"] / 1e9
                     case.append(row)
                 rows.append(row)
-                print(out_f, in_f, tokens, layout, override, f"err {err:.1e}", f"{row.get('ms') or 0:.4f} ms",
+                print(out_f, in_f, tokens, layout, kind, override, f"err {err:.1e}", f"{row.get('ms') or 0:.4f} ms",
                       f"x{row.get('speedup_vs_dense') or 0:.2f}", flush=True)
         if case:
-            top = min(case, key=lambda r: r["ms"])
-            best.append({k: top[k] for k in ("shape", "tokens", "layout", "override", "plan", "ms", "speedup_vs_dense")})
+            for kind in args.maps:
+                mine = [r for r in case if r["map"] == kind]
+                if mine:
+                    top = min(mine, key=lambda r: r["ms"])
+                    best.append({k: top[k] for k in ("shape", "tokens", "layout", "map", "override", "plan", "ms",
+                                                     "speedup_vs_dense")})
         save()
     save()
 

@@ -48,22 +48,27 @@ def _bytes(t: torch.Tensor) -> ctypes.c_size_t:
 
 
 def run_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, tiled: bool,
-            plan: SparseMmaPlan, seed: int = 0, x_stride: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's output ``[T, R]`` for ``x`` ``[T, C]`` (a view whose rows are ``x_stride`` apart if given),
-    and its split-K counters after the launch (the kernel leaves them at zero)."""
+            plan: SparseMmaPlan, seed: int = 0, x_stride: int | None = None,
+            perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output ``[T, R]`` for ``x`` ``[T, C]`` (a view whose rows are ``x_stride`` apart if given;
+    read through the int32 index map ``perm`` if given), and its split-K counters after the launch (the kernel
+    leaves them at zero)."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     tokens = x.shape[0]
-    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True))
+    mapped = perm is not None
+    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True, mapped))
     y = torch.full((tokens, rows), float("nan"), dtype=x.dtype)
     partial = torch.full((max(plan.splits * tokens * rows, 1),), float("nan"), dtype=torch.float32)
     grid = plan.grid(rows)
     counters = torch.zeros(grid[0], dtype=torch.int32)
     b = bias if bias is not None else values
+    p = perm if mapped else words
     err = lib.spemu_launch(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(32 * plan.warps),
                            ctypes.c_uint(seed), _ptr(x), _bytes(x), _ptr(values), _bytes(values), _ptr(words),
-                           _bytes(words), _ptr(b), _bytes(b), _ptr(y), _bytes(y), _ptr(partial), _bytes(partial),
+                           _bytes(words), _ptr(p), _bytes(p), _ptr(b), _bytes(b), _ptr(y), _bytes(y), _ptr(partial), _bytes(partial),
                            _ptr(counters), _bytes(counters), ctypes.c_int(tokens), ctypes.c_int(rows),
-                           ctypes.c_int(cols), ctypes.c_int(x_stride or x.stride(0)), ctypes.c_int(plan.ks))
+                           ctypes.c_int(cols), ctypes.c_int(x_stride or x.stride(0)), ctypes.c_int(plan.ks),
+                           ctypes.c_uint(plan.staged_bytes(tokens) if mapped else 0))
     if err is not None:
         raise RuntimeError(err.decode())
     return y, counters

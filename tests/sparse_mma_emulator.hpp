@@ -23,6 +23,7 @@ inline thread_local Dim3 tid3, bid3;
 inline Dim3 grid3, block3;
 struct Range { const char* lo; const char* hi; };
 inline std::vector<Range> ranges;
+inline std::vector<unsigned char> dyn_smem;   // a CTA's dynamic shared memory (CTAs run one at a time)
 inline std::mutex error_mu;
 inline std::string error;
 
@@ -78,6 +79,28 @@ SP_DEV u32x2 sp_ld64(const void* p) { return spemu_load<u32x2>(p, 8); }
 SP_DEV unsigned sp_ld32(const void* p) { return spemu_load<unsigned>(p, 4); }
 SP_DEV unsigned short sp_ld16(const unsigned short* p) { return spemu_load<unsigned short>(p, 2); }
 SP_DEV float sp_ld_volatile(const float* p) { return spemu_load<float>(p, 4); }
+SP_DEV int sp_ld_int(const int* p) { return spemu_load<int>(p, 4); }
+static inline bool spemu_shared_ok(const void* p, size_t bytes) {
+  const unsigned char* c = static_cast<const unsigned char*>(p);
+  if (reinterpret_cast<uintptr_t>(p) % bytes) {
+    spemu::fail("misaligned shared-memory access");
+    return false;
+  }
+  if (c < spemu::dyn_smem.data() || c + bytes > spemu::dyn_smem.data() + spemu::dyn_smem.size()) {
+    spemu::fail("shared-memory access outside the launch's dynamic shared memory");
+    return false;
+  }
+  return true;
+}
+SP_DEV unsigned sp_lds32(const unsigned short* p) {
+  unsigned v = 0;
+  if (spemu_shared_ok(p, 4)) std::memcpy(&v, p, 4);
+  return v;
+}
+SP_DEV void sp_st_shared16(unsigned short* p, unsigned short v) {
+  if (spemu_shared_ok(p, 2)) std::memcpy(p, &v, 2);
+}
+#define SP_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(spemu::dyn_smem.data())
 template <typename V>
 static inline void spemu_store(void* p, V v) {
   if (spemu::access_ok(p, sizeof(V), sizeof(V))) std::memcpy(p, &v, sizeof(V));

@@ -2,16 +2,17 @@
 // the kernel over a grid, one CTA at a time in a seeded shuffled order, its threads as std::threads.
 extern "C" const char* spemu_launch(unsigned gx, unsigned gy, unsigned threads, unsigned seed,
                                     const unsigned short* x, size_t x_bytes, const unsigned short* values,
-                                    size_t values_bytes, const unsigned* meta, size_t meta_bytes,
-                                    const unsigned short* bias, size_t bias_bytes, unsigned short* y, size_t y_bytes,
+                                    size_t values_bytes, const unsigned* meta, size_t meta_bytes, const int* perm,
+                                    size_t perm_bytes, const unsigned short* bias, size_t bias_bytes, unsigned short* y, size_t y_bytes,
                                     float* partial, size_t partial_bytes, int* counters, size_t counters_bytes,
-                                    int T, int R, int C, int xs, int KS) {
+                                    int T, int R, int C, int xs, int KS, unsigned shared_bytes) {
   auto range = [](const void* p, size_t n) {
     const char* c = static_cast<const char*>(p);
     return spemu::Range{c, c + n};
   };
   spemu::error.clear();
-  spemu::ranges = {range(x, x_bytes), range(values, values_bytes), range(meta, meta_bytes), range(bias, bias_bytes),
+  spemu::ranges = {range(x, x_bytes), range(values, values_bytes), range(meta, meta_bytes), range(perm, perm_bytes),
+                   range(bias, bias_bytes),
                    range(y, y_bytes), range(partial, partial_bytes), range(counters, counters_bytes)};
   spemu::grid3 = {gx, gy, 1};
   spemu::block3 = {threads, 1, 1};
@@ -24,13 +25,14 @@ extern "C" const char* spemu_launch(unsigned gx, unsigned gy, unsigned threads, 
     std::vector<spemu::Warp> warps(threads / 32);
     for (auto& w : warps) w.bar = std::make_unique<std::barrier<>>(32);
     spemu::cta_barrier = &cta;
+    spemu::dyn_smem.assign(shared_bytes, 0xFF);   // what a CTA did not write reads as NaN
     spemu::warps = &warps;
     std::vector<std::thread> pool;
     for (unsigned t = 0; t < threads; ++t)
       pool.emplace_back([&, t, bx = bx, by = by] {
         spemu::tid3 = {t, 0, 0};
         spemu::bid3 = {bx, by, 0};
-        nm_sparse_mma(x, values, meta, bias, y, partial, counters, T, R, C, xs, KS);
+        nm_sparse_mma(x, values, meta, perm, bias, y, partial, counters, T, R, C, xs, KS);
       });
     for (auto& th : pool) th.join();
   }

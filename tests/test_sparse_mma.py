@@ -63,6 +63,22 @@ def test_sparse_mma_decode_matches_float64(rows, cols, tokens, plan, tiled, dtyp
         assert torch.equal(run_cpu(x, values, cslt_words(words) if tiled else words, None, tiled, plan, seed=8)[0], y2)
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("rows,cols,tokens,plan", [
+    (64, 256, 1, dict(nt=1, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=True)),     # the map staged, input ahead
+    (128, 512, 5, dict(nt=1, mt=1, rw=2, kw=2, ks=256, splits=2, bpre=False)),   # split-K: each CTA its columns
+    (64, 640, 16, dict(nt=2, mt=1, rw=1, kw=2, ks=256, splits=3, bpre=True)),    # last split shorter, 16 tokens
+])
+def test_sparse_mma_reading_the_map_itself_matches_float64(rows, cols, tokens, plan, tiled):
+    w, values, words, x, bias = _case(rows, cols, tokens, torch.bfloat16, seed=3)
+    perm = torch.randperm(cols, generator=torch.Generator().manual_seed(4)).to(torch.int32)
+    plan = SparseMmaPlan(**plan)
+    check_plan(plan, tokens, rows, cols, mapped=True)
+    y, counters = run_cpu(x, values, cslt_words(words) if tiled else words, bias, tiled, plan, perm=perm, seed=tokens)
+    _check(y, x.double()[:, perm.long()] @ w.double().t() + bias.double(), torch.bfloat16)
+    assert not counters.any()
+
+
 def test_sparse_mma_reads_an_input_whose_rows_are_apart():
     w, values, words, x, bias = _case(64, 256, 5, torch.bfloat16)
     wide = torch.zeros(5, 256 + 64, dtype=torch.bfloat16)
@@ -91,6 +107,10 @@ def test_a_plan_the_kernel_cannot_run_is_refused_in_one_line():
         check_plan(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=192, splits=2, bpre=True), 1, 64, 384)
     with pytest.raises(ValueError, match="shared memory"):
         check_plan(SparseMmaPlan(nt=8, mt=2, rw=1, kw=8, ks=1024, splits=1, bpre=False), 64, 64, 1024)
+    with pytest.raises(ValueError, match="take more splits"):   # 16 tokens of 2048 columns: 64 KB staged
+        check_plan(SparseMmaPlan(nt=2, mt=1, rw=1, kw=4, ks=2048, splits=1, bpre=False), 16, 64, 2048, mapped=True)
+    plan = sparse_mma_plan(16, 4096, 4096, sms=132, mapped=True)   # the plan splits until every token fits
+    assert plan.staged_bytes(16) <= 32 * 1024 and plan.splits >= 4
 
 
 def test_sparse_mma_takes_only_what_it_runs():
@@ -100,7 +120,14 @@ def test_sparse_mma_takes_only_what_it_runs():
     assert not sparse_mma_applies(1, 4096, 4096, 2, 4, torch.float32)         # 32-bit: another MMA shape
     assert not sparse_mma_applies(1, 4096, 4032, 2, 4, torch.bfloat16)        # columns not whole steps of 128
     assert not sparse_mma_applies(1, 4100, 4096, 2, 4, torch.bfloat16)        # rows not whole m-tiles
+    assert sparse_mma_applies(16, 4096, 4096, 2, 4, torch.bfloat16, mapped=True)
+    assert not sparse_mma_applies(17, 4096, 4096, 2, 4, torch.bfloat16, mapped=True)   # the map staged: to 16
     assert not sparse_mma_available(torch.device("cpu"))
     w, values, words, x, bias = _case(64, 192, 1, torch.bfloat16)
     with pytest.raises(ValueError, match="steps of 128"):
         nm_sparse_mma(x, values, words, bias)
+    w, values, words, x, bias = _case(64, 256, 1, torch.bfloat16)
+    with pytest.raises(ValueError, match="int32 position words"):
+        nm_sparse_mma(x, values, words.view(torch.uint8), bias)   # the export's bytes, not its words
+    with pytest.raises(ValueError, match="index map as int32"):
+        nm_sparse_mma(x, values, words, bias, perm=torch.arange(256))   # int64

@@ -98,6 +98,9 @@
   threads and of the sparse MMA as the PTX ISA defines it (``tests/sparse_mma_emulator.hpp``), and compiled
   for sm_90 and sm_80 by NVRTC without spills (``sparse_mma_compile.json``); not yet run on a GPU, so
   ``auto`` checks and times it (its launch goes through ctypes: timed eagerly too, ``EAGER_CHECKED``);
+  ``decode_sparse_mma_mapped`` (1–16 tokens): the same kernel reading the index map itself, each CTA gathering
+  its columns of every token through the map into shared memory once, its first step's weight loads in
+  flight meanwhile (no gather launch; the map's cost is one gather per CTA);
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
@@ -133,14 +136,14 @@ GEMM_KERNELS = {"gemm": {}, "gemm_swap": {"weight_a": True}, "gemm_swap_tall": {
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
          "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_spread",
-         "decode_swap_spread_sync", "decode_swap_tma", "decode_sparse_mma", *GEMM_KERNELS,
+         "decode_swap_spread_sync", "decode_swap_tma", "decode_sparse_mma", "decode_sparse_mma_mapped", *GEMM_KERNELS,
          "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
 # TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
 # the plain decode's 24.8 µs of host time per 16-token call, the launch recorded, not run) and the launcher
 # encodes them at each launch; the sparse-MMA decode's launch builds its arguments through ctypes
-EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", "decode_sparse_mma")
+EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", "decode_sparse_mma", "decode_sparse_mma_mapped")
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 CSLT_TOKEN_MULTIPLE = 8   # cuSPARSELt's dense operand takes tokens padded to this (PyTorch's semi-structured tensors
                           # pad 16-bit inputs to 8 rows for it: torch/sparse/semi_structured.py, dense_min_rows)

@@ -274,11 +274,13 @@ class SparseLinear(nn.Module):
                                           self.bias, tiled=self.tiled, pdl=pdl,
                                           tma=impl == "decode_resident_tma" and self._tma_applies(x, resident=True))
             impl = "decode_mapped"   # more tokens, another pattern or 32-bit values: the decode reading the map
-        if impl == "decode_sparse_mma":
+        if impl in ("decode_sparse_mma", "decode_sparse_mma_mapped"):
             from shuffleprune.kernels.nm_sparse_mma import nm_sparse_mma
 
-            if self._sparse_mma_applies(x):
-                return nm_sparse_mma(self._gathered(x), self.values, self.words(), self.bias, tiled=self.tiled)
+            mapped = impl == "decode_sparse_mma_mapped" and self.perm is not None
+            if self._sparse_mma_applies(x, mapped):
+                inp, perm = (x, self.perm) if mapped else (self._gathered(x), None)
+                return nm_sparse_mma(inp, self.values, self.words(), self.bias, tiled=self.tiled, perm=perm)
             # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
             impl = "decode" if self._pow2() and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
         if impl == "decode_swap_tma" and not self._tma_applies(x):
@@ -350,14 +352,15 @@ class SparseLinear(nn.Module):
         return tma_applies(x, self.values, self.words(), self.n, self.m, self.tiled) and \
             (not resident or self.values.shape[1] >= 64)
 
-    def _sparse_mma_applies(self, x: torch.Tensor) -> bool:
-        """Whether ``decode_sparse_mma`` runs this layer on ``x``: 2:4 values of the input's 16-bit dtype, 1–64
-        tokens, whole steps of 128 columns, on a GPU with sparse tensor cores (:mod:`.nm_sparse_mma`)."""
+    def _sparse_mma_applies(self, x: torch.Tensor, mapped: bool = False) -> bool:
+        """Whether ``decode_sparse_mma`` (``mapped``: reading the map itself) runs this layer on ``x``: 2:4 values
+        of the input's 16-bit dtype, 1–64 tokens (1–16 mapped), whole steps of 128 columns, on a GPU with sparse
+        tensor cores (:mod:`.nm_sparse_mma`)."""
         from shuffleprune.kernels.nm_sparse_mma import sparse_mma_applies, sparse_mma_available
 
         return (x.dtype == self.values.dtype and x.is_cuda and
                 sparse_mma_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
-                                   x.dtype) and sparse_mma_available(x.device))
+                                   x.dtype, mapped) and sparse_mma_available(x.device))
 
     def candidates(self, x: torch.Tensor) -> list[str]:
         """The implementations ``auto`` weighs for this layer on ``x`` (its token count, dtype and device),
@@ -401,6 +404,8 @@ class SparseLinear(nn.Module):
                 out.append("decode_swap_tma")
             if self._sparse_mma_applies(x):
                 out.append("decode_sparse_mma")
+                if self.perm is not None and self._sparse_mma_applies(x, mapped=True):
+                    out.append("decode_sparse_mma_mapped")
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
             if tokens >= GEMM_MIN_TOKENS and x.element_size() == 2:   # float32 runs the one FMA tile either way
                 out.append("gemm_swap_tall")
