@@ -206,10 +206,37 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   // weight loads already in flight), then read by every warp as the gathered input would be
   SP_DYNAMIC_SHARED(unsigned short, staged);
   if (s < steps) sp_load_weights(s0, values, meta, C, row0, k_begin + 128 * s, lane);
-  int width = k_end - k_begin;
-  for (int i = tid; i < T * width; i += 32 * WARPS) {
-    int token = i / width, c = i - token * width;
-    sp_st_shared16(staged + i, sp_ld16(x + (long long)token * xs + sp_ld_int(perm + k_begin + c)));
+  int width = k_end - k_begin, quads = width / 4;
+  // items of 4 columns of one token, 4 items a thread at a time: their map loads, then their 16 gathers, in flight
+  // together (a loop of single loads would wait out two round trips per value)
+  for (int i0 = tid; i0 < T * quads; i0 += 4 * 32 * WARPS) {
+    u32x4 cols[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      int i = i0 + u * 32 * WARPS;
+      if (i < T * quads) cols[u] = sp_ldg128(perm + k_begin + 4 * (i % quads));
+    }
+    unsigned short v[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      int i = i0 + u * 32 * WARPS;
+      if (i < T * quads) {
+        const unsigned short* row = x + (long long)(i / quads) * xs;
+        v[u][0] = sp_ld16(row + cols[u].x);
+        v[u][1] = sp_ld16(row + cols[u].y);
+        v[u][2] = sp_ld16(row + cols[u].z);
+        v[u][3] = sp_ld16(row + cols[u].w);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      int i = i0 + u * 32 * WARPS;
+      if (i < T * quads) {
+        unsigned short* to = staged + (i / quads) * width + 4 * (i % quads);
+        sp_st_shared32(to, (unsigned)v[u][0] | (unsigned)v[u][1] << 16);
+        sp_st_shared32(to + 2, (unsigned)v[u][2] | (unsigned)v[u][3] << 16);
+      }
+    }
   }
   __syncthreads();
   SpInput in = {staged, width, k_begin, T};

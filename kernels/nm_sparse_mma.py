@@ -52,9 +52,9 @@ SP_DEV u32x2 sp_ld64(const void* p) {
 SP_DEV unsigned sp_ld32(const void* p) { return __ldg((const unsigned*)p); }   // the input: shared by every warp
 SP_DEV float sp_ld_volatile(const float* p) { return *(const volatile float*)p; }
 SP_DEV unsigned short sp_ld16(const unsigned short* p) { return *p; }
-SP_DEV int sp_ld_int(const int* p) { return __ldg(p); }
+SP_DEV u32x4 sp_ldg128(const void* p) { return __ldg((const uint4*)p); }   // the map: cached, read per token
 SP_DEV unsigned sp_lds32(const unsigned short* p) { return *(const unsigned*)p; }   // shared memory
-SP_DEV void sp_st_shared16(unsigned short* p, unsigned short v) { *p = v; }
+SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) { *(unsigned*)p = v; }
 #define SP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 SP_DEV void sp_st16(unsigned short* p, unsigned short v) { *p = v; }
 SP_DEV void sp_st_float(float* p, float v) { *p = v; }
@@ -324,9 +324,10 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
             words.shape == (rows, cols // 32) and values.data_ptr() % 16 == 0 and words.data_ptr() % 8 == 0):
         raise ValueError("the sparse-MMA decode reads contiguous values (16-byte aligned) and int32 position words "
                          f"[{rows}, {cols // 32}] (8-byte aligned); got {tuple(words.shape)} {words.dtype}")
-    if mapped and (perm.dtype != torch.int32 or perm.shape != (cols,) or not perm.is_contiguous()):
-        raise ValueError(f"the sparse-MMA decode reads its index map as int32 [{cols}], not {perm.dtype} "
-                         f"{tuple(perm.shape)}")
+    if mapped and (perm.dtype != torch.int32 or perm.shape != (cols,) or not perm.is_contiguous() or
+                   perm.data_ptr() % 16):
+        raise ValueError(f"the sparse-MMA decode reads its index map as int32 [{cols}] (16-byte aligned), not "
+                         f"{perm.dtype} {tuple(perm.shape)}")
     if x2.stride(-1) != 1 or x2.stride(0) % 2 or x2.data_ptr() % 4:
         x2 = x2.contiguous()
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()

@@ -130,9 +130,10 @@ def main() -> None:
     for arch in args.arch:
         for shape in SHAPES:
             for tokens in TOKENS:
-                plan = sm.sparse_mma_plan(tokens, *shape, sms=SMS[arch])
+              for mapped in (False, True) if tokens <= sm.MAPPED_MAX_TOKENS else (False,):
+                plan = sm.sparse_mma_plan(tokens, *shape, sms=SMS[arch], mapped=mapped)
                 for tiled in (False, True):
-                    defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True)
+                    defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped)
                     key = (arch, tuple(defines.items()))
                     if key not in seen:
                         ok, log, cubin = nvrtc.compile(sm.kernel_source(defines), arch)
@@ -146,9 +147,10 @@ def main() -> None:
                                      "log": None if ok else log[-2000:]}
                     info = dict(seen[key])
                     threads = 32 * plan.warps
-                    ctas = resident(info["registers"], info["shared_bytes"], threads, arch) if info["compiled"] else 0
+                    shared = info["shared_bytes"] + (plan.staged_bytes(tokens) if mapped else 0)
+                    ctas = resident(info["registers"], shared, threads, arch) if info["compiled"] else 0
                     grid = plan.grid(shape[0])
-                    rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled,
+                    rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled, "mapped": mapped,
                                  "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": threads,
                                  **info, "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
                                  "waves": round(grid[0] * grid[1] / max(1, ctas * SMS[arch]), 2)})
@@ -162,8 +164,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"{len(seen)} variants, {out['failed']} failed, {out['spilling']} spilling → {args.out}")
     for r in rows:
-        if r["arch"] == "sm_90" and r["shape"] == [4096, 4096] and not r["tiled"]:
-            print(r["tokens"], r["plan"], "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
+        if r["arch"] == "sm_90" and r["shape"] == [4096, 4096] and r["tiled"]:
+            print(r["tokens"], "mapped" if r["mapped"] else "", r["plan"], "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
                   "warps/SM", r["warps_per_sm"], "waves", r["waves"], r["sass"])
 
 

@@ -79,7 +79,7 @@ SP_DEV u32x2 sp_ld64(const void* p) { return spemu_load<u32x2>(p, 8); }
 SP_DEV unsigned sp_ld32(const void* p) { return spemu_load<unsigned>(p, 4); }
 SP_DEV unsigned short sp_ld16(const unsigned short* p) { return spemu_load<unsigned short>(p, 2); }
 SP_DEV float sp_ld_volatile(const float* p) { return spemu_load<float>(p, 4); }
-SP_DEV int sp_ld_int(const int* p) { return spemu_load<int>(p, 4); }
+SP_DEV u32x4 sp_ldg128(const void* p) { return spemu_load<u32x4>(p, 16); }
 static inline bool spemu_shared_ok(const void* p, size_t bytes) {
   const unsigned char* c = static_cast<const unsigned char*>(p);
   if (reinterpret_cast<uintptr_t>(p) % bytes) {
@@ -97,8 +97,8 @@ SP_DEV unsigned sp_lds32(const unsigned short* p) {
   if (spemu_shared_ok(p, 4)) std::memcpy(&v, p, 4);
   return v;
 }
-SP_DEV void sp_st_shared16(unsigned short* p, unsigned short v) {
-  if (spemu_shared_ok(p, 2)) std::memcpy(p, &v, 2);
+SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) {
+  if (spemu_shared_ok(p, 4)) std::memcpy(p, &v, 4);
 }
 #define SP_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(spemu::dyn_smem.data())
 template <typename V>
