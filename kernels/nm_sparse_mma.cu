@@ -35,7 +35,8 @@
 // and its warps read B from there: the map costs one gather per CTA, not a launch.
 //
 // Compile-time parameters (#define before this text): NT (n-tiles of 8 tokens), MT, RW, KW, TILED,
-// HAS_BIAS, HAS_PERM, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead).
+// HAS_BIAS, HAS_PERM, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead), STAGES
+// (steps held in registers: STAGES - 1 loading while one multiplies).
 
 #define WARPS (RW * KW)
 #define ROWS_PER_CTA (RW * MT * 16)
@@ -198,14 +199,16 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[i][n][j] = 0.f;
 
-  // two stages in registers: the next step's loads are in flight while this one multiplies
-  SpStage s0, s1;
-  int s = kg;
+  // STAGES steps in registers: the next STAGES - 1 steps' loads are in flight while one multiplies (a warp's
+  // steps are kg, kg + KW, ...; stage j of a round holds its j-th)
+  SpStage st[STAGES];
 #if HAS_PERM
-  // the CTA's columns of every token, gathered through the map once into shared memory (the first step's
+  // the CTA's columns of every token, gathered through the map once into shared memory (the first steps'
   // weight loads already in flight), then read by every warp as the gathered input would be
   SP_DYNAMIC_SHARED(unsigned short, staged);
-  if (s < steps) sp_load_weights(s0, values, meta, C, row0, k_begin + 128 * s, lane);
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j)
+    if (kg + j * KW < steps) sp_load_weights(st[j], values, meta, C, row0, k_begin + 128 * (kg + j * KW), lane);
   int width = k_end - k_begin, quads = width / 4;
   // items of 4 columns of one token, 4 items a thread at a time: their map loads, then their 16 gathers, in flight
   // together (a loop of single loads would wait out two round trips per value)
@@ -240,21 +243,26 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   }
   __syncthreads();
   SpInput in = {staged, width, k_begin, T};
-  if (s < steps) sp_load_inputs(s0, in, k_begin + 128 * s, lane);
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j)
+    if (kg + j * KW < steps) sp_load_inputs(st[j], in, k_begin + 128 * (kg + j * KW), lane);
 #else
   SpInput in = {x, xs, 0, T};
   (void)perm;
-  if (s < steps) sp_load_stage(s0, values, meta, in, C, row0, k_begin + 128 * s, lane);
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j)
+    if (kg + j * KW < steps) sp_load_stage(st[j], values, meta, in, C, row0, k_begin + 128 * (kg + j * KW), lane);
 #endif
-  while (s < steps) {
-    int s_next = s + KW;
-    if (s_next < steps) sp_load_stage(s1, values, meta, in, C, row0, k_begin + 128 * s_next, lane);
-    sp_compute_stage(s0, acc, in, k_begin + 128 * s, lane);
-    if (s_next >= steps) break;
-    int s_after = s_next + KW;
-    if (s_after < steps) sp_load_stage(s0, values, meta, in, C, row0, k_begin + 128 * s_after, lane);
-    sp_compute_stage(s1, acc, in, k_begin + 128 * s_next, lane);
-    s = s_after;
+  for (int round = kg; round < steps; round += STAGES * KW) {
+#pragma unroll
+    for (int j = 0; j < STAGES; ++j) {
+      int step = round + j * KW, ahead = step + (STAGES - 1) * KW;
+      if (step < steps) {
+        if (ahead < steps)
+          sp_load_stage(st[(j + STAGES - 1) % STAGES], values, meta, in, C, row0, k_begin + 128 * ahead, lane);
+        sp_compute_stage(st[j], acc, in, k_begin + 128 * step, lane);
+      }
+    }
   }
 
   // the CTA's warps that share rows add their K parts in shared memory

@@ -102,7 +102,8 @@ SP_DEV void sp_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[4]
 class SparseMmaPlan:
     """A launch of the kernel: ``nt`` n-tiles of 8 tokens, ``mt`` m-tiles of 16 rows per warp, ``rw`` row
     groups and ``kw`` K groups of warps per CTA, ``ks`` columns per CTA (``splits`` CTAs along K), and
-    ``bpre`` whether the input's fragments are loaded a step ahead with the weight's."""
+    ``bpre`` whether the input's fragments are loaded a step ahead with the weight's, ``stages`` the steps a warp
+    holds in registers (``stages - 1`` loading while one multiplies)."""
     nt: int
     mt: int
     rw: int
@@ -110,6 +111,7 @@ class SparseMmaPlan:
     ks: int
     splits: int
     bpre: bool
+    stages: int = 2
 
     @property
     def warps(self) -> int:
@@ -169,7 +171,7 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
     every token's fit in :data:`STAGED_LIMIT` bytes of shared memory. ``override`` sets any field (tuning)."""
     nt = min(8, _pow2_at_least(cdiv(tokens, 8)))
     tile = dict(TILES[nt])
-    for name in ("mt", "kw", "bpre", "rw"):
+    for name in ("mt", "kw", "bpre", "rw", "stages"):
         if name in override:
             tile[name] = override[name]
     mt, kw, rw = tile["mt"], tile["kw"], tile.get("rw", 1)
@@ -180,8 +182,9 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
     if mapped:
         splits = max(splits, cdiv(tokens * cols * 2, STAGED_LIMIT))
     ks = cdiv(cdiv(cols, splits), STEP) * STEP
-    fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"])
-    fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw")})
+    fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"],
+                  stages=tile.get("stages", 2))
+    fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw", "stages")})
     if "ks" in override and "splits" not in override:
         fields["splits"] = cdiv(cols, fields["ks"])
     if "splits" in override and "ks" not in override:
@@ -200,6 +203,8 @@ def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, mapped: b
         raise ValueError(f"{rows} rows are not whole CTAs of {plan.rows_per_cta} (rw·mt·16): take smaller rw or mt")
     if plan.ks % STEP or plan.ks * (plan.splits - 1) >= cols or plan.ks * plan.splits < cols:
         raise ValueError(f"ks={plan.ks} × splits={plan.splits} does not cover {cols} columns in steps of {STEP}")
+    if plan.stages not in (2, 3, 4):
+        raise ValueError(f"stages={plan.stages}: the kernel holds 2, 3 or 4 steps in registers")
     if plan.shared_bytes() > SHARED_LIMIT:
         raise ValueError(f"warps·mt·nt = {plan.warps * plan.mt * plan.nt} needs {plan.shared_bytes()} bytes of "
                          f"shared memory (at most {SHARED_LIMIT}): take fewer warps, m-tiles or n-tiles")
@@ -213,7 +218,7 @@ def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bia
     """The compile-time parameters of one kernel variant (``#define`` s before the source)."""
     return {"NT": plan.nt, "MT": plan.mt, "RW": plan.rw, "KW": plan.kw, "TILED": int(tiled),
             "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "IS_BF16": int(dtype == torch.bfloat16),
-            "BPRE": int(plan.bpre), "ORDERED": int(ordered)}
+            "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered)}
 
 
 def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
@@ -234,8 +239,12 @@ def ordered_metadata() -> bool:
 def _compiled(defines: tuple, device_index: int):
     """One variant compiled for one GPU (NVRTC, about a second the first time in a process)."""
     source = kernel_source(dict(defines))
-    with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(source, KERNEL_NAME, nvcc_options=["-std=c++17"])
+    try:
+        with torch.cuda.device(device_index):
+            return torch.cuda._compile_kernel(source, KERNEL_NAME)   # NVRTC's default dialect: C++17
+    except Exception as exc:   # noqa: BLE001 - a private API: any failure leaves the candidate out (a RuntimeError)
+        raise RuntimeError(f"the sparse-MMA decode did not compile through torch.cuda._compile_kernel: "
+                           f"{type(exc).__name__}: {str(exc).strip()[:500]}") from exc
 
 
 def _driver():

@@ -45,8 +45,9 @@
 #                                              # bf16 matmul and timed against cuBLAS, 6 shapes, 1-64 tokens, in
 #                                              # cuSPARSELt's layout, with no map and (1-16) reading a random
 #                                              # one itself (tune_sparse_mma.json)
-#   bash scripts/gpu_run.sh tune_sparse_mma    # its tiles: warps and CTAs along K, the input a step ahead or not, at 1,
-#                                              # 16 and 64 tokens on three shapes (tune_sparse_mma_sweep.json)
+#   bash scripts/gpu_run.sh tune_sparse_mma    # its tiles: warps and CTAs along K, m-tiles per warp, 2 or 3 steps in
+#                                              # registers, at 1 and 16 tokens on three shapes
+#                                              # (tune_sparse_mma_sweep.json)
 #   bash scripts/gpu_run.sh tune_spread        # the weight-as-A decode's tiles (32/64 rows, 64/128 kept values per step,
 #                                              # 2/4 warps, 3/4 stages) with the joined and the broadcast expansion, 2 and
 #                                              # 16 tokens, three shapes (tune_spread.json)
@@ -188,7 +189,7 @@ ISSUE24=(sparse_mma kernel targets e2e targets)    # limits 120 + 260 + 10 + 240
                                                     # targets read the new kernel table first, then again after e2e
                                                     # if e2e fits in what is left of the call's 570 s
 NEXT1=(tune_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 3 × 70 + 150 s (the sparse-MMA decode's
-                                                    # tiles: warps and CTAs along K, the input ahead or not; the
+                                                    # tiles: warps and CTAs along K, m-tiles, stages; the
                                                     # broadcast expansion's tiles against the joined one's; Nsight
                                                     # Compute on decode_swap, its broadcast form and cuBLAS at 16
                                                     # tokens; tune_tall's 63 GEMM timings)
@@ -284,8 +285,8 @@ for s in "$@"; do
         sparse_mma) step sparse_mma 120 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
                 --layouts tiled --maps none random --out scripts/results/tune_sparse_mma.json ;;
         tune_sparse_mma) step tune_sparse_mma 150 scripts/results/tune_sparse_mma_sweep.json $PY scripts/tune_sparse_mma.py \
-                --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 64 --kw 0 1 2 8 \
-                --splits 0 1 2 4 --bpre -1 0 1 --out scripts/results/tune_sparse_mma_sweep.json ;;
+                --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 --kw 0 2 8 \
+                --splits 0 1 4 --mt 0 2 --stages 0 3 --out scripts/results/tune_sparse_mma_sweep.json ;;
         tune_spread) step tune_spread 90 scripts/results/tune_spread.json $PY scripts/tune_kernel.py \
                 --variants swap swap_spread --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 16 --block-r 32 64 \
                 --block-k 64 128 --num-warps 2 4 --stages 3 4 --max-tile 1048576 \

@@ -1,6 +1,7 @@
 """Time the sparse-tensor-core decode (``kernels/nm_sparse_mma.cu``) on a GPU against cuBLAS: for each
 shape and token count, the plan's launch and each variation of its tile in the grid given (warps splitting K
-in a CTA, CTAs splitting it, m-tiles per warp, the input loaded a step ahead), in both position layouts
+in a CTA, CTAs splitting it, m-tiles per warp, the input loaded a step ahead, steps held in registers), with no
+map or (``--maps random``, 1–16 tokens) reading a random one itself, in both position layouts
 (row words; cuSPARSELt's order, as a layer holds it after ``use_cslt_layout``). Every launch is first checked
 against a dense bf16 matmul of the decompressed weight (its maximum relative error is recorded; a launch off
 by more than 2 % is not timed) and then timed as ``bench_kernel.py`` times: calls over rotating weight copies
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[0], help="CTAs splitting K (0: the plan's)")
     ap.add_argument("--mt", type=int, nargs="+", default=[0], help="m-tiles of 16 rows per warp (0: the plan's)")
     ap.add_argument("--bpre", type=int, nargs="+", default=[-1], help="1/0: the input loaded a step ahead or not (-1: the plan's)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[0], help="steps a warp holds in registers (0: the plan's)")
     ap.add_argument("--layouts", nargs="+", default=["rows", "tiled"], choices=["rows", "tiled"])
     ap.add_argument("--maps", nargs="+", default=["none"], choices=["none", "random"],
                     help="random: a random index map over all columns, read by the kernel itself (1-16 tokens)")
@@ -102,9 +104,9 @@ def main() -> None:
             lw = (cslt_words(words) if tiled else words).contiguous()
             copies = [(values.to(dev), lw.to(dev))]
             copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
-            for kw, splits, mt, bpre in itertools.product(args.kw, args.splits, args.mt, args.bpre):
+            for kw, splits, mt, bpre, stages in itertools.product(args.kw, args.splits, args.mt, args.bpre, args.stages):
                 override = {k: v for k, v, skip in (("kw", kw, 0), ("splits", splits, 0), ("mt", mt, 0),
-                                                    ("bpre", bpre, -1)) if v != skip}
+                                                    ("bpre", bpre, -1), ("stages", stages, 0)) if v != skip}
                 if "bpre" in override:
                     override["bpre"] = bool(override["bpre"])
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_mma", "layout": layout,

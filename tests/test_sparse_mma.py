@@ -48,6 +48,8 @@ def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     (64, 640, 11, dict(nt=2, mt=1, rw=1, kw=2, ks=256, splits=3, bpre=True)),   # last split shorter (128 of 256)
     (128, 256, 29, dict(nt=4, mt=2, rw=2, kw=1, ks=128, splits=2, bpre=False)),  # 4 n-tiles, tokens ragged
     (64, 256, 64, dict(nt=8, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=False)),   # 64 tokens
+    (64, 1152, 2, dict(nt=1, mt=1, rw=1, kw=2, ks=1152, splits=1, bpre=True, stages=3)),   # 3 steps in registers,
+    (128, 896, 12, dict(nt=2, mt=2, rw=1, kw=1, ks=512, splits=2, bpre=False, stages=4)),  # 4; steps not whole rounds
 ])
 def test_sparse_mma_decode_matches_float64(rows, cols, tokens, plan, tiled, dtype):
     w, values, words, x, bias = _case(rows, cols, tokens, dtype)
@@ -68,6 +70,7 @@ def test_sparse_mma_decode_matches_float64(rows, cols, tokens, plan, tiled, dtyp
     (64, 256, 1, dict(nt=1, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=True)),     # the map staged, input ahead
     (128, 512, 5, dict(nt=1, mt=1, rw=2, kw=2, ks=256, splits=2, bpre=False)),   # split-K: each CTA its columns
     (64, 640, 16, dict(nt=2, mt=1, rw=1, kw=2, ks=256, splits=3, bpre=True)),    # last split shorter, 16 tokens
+    (64, 1024, 3, dict(nt=1, mt=1, rw=1, kw=2, ks=1024, splits=1, bpre=True, stages=3)),   # 3 stages' weights first
 ])
 def test_sparse_mma_reading_the_map_itself_matches_float64(rows, cols, tokens, plan, tiled):
     w, values, words, x, bias = _case(rows, cols, tokens, torch.bfloat16, seed=3)
@@ -107,6 +110,8 @@ def test_a_plan_the_kernel_cannot_run_is_refused_in_one_line():
         check_plan(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=192, splits=2, bpre=True), 1, 64, 384)
     with pytest.raises(ValueError, match="shared memory"):
         check_plan(SparseMmaPlan(nt=8, mt=2, rw=1, kw=8, ks=1024, splits=1, bpre=False), 64, 64, 1024)
+    with pytest.raises(ValueError, match="2, 3 or 4 steps"):
+        check_plan(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=256, splits=1, bpre=True, stages=5), 1, 64, 256)
     with pytest.raises(ValueError, match="take more splits"):   # 16 tokens of 2048 columns: 64 KB staged
         check_plan(SparseMmaPlan(nt=2, mt=1, rw=1, kw=4, ks=2048, splits=1, bpre=False), 16, 64, 2048, mapped=True)
     plan = sparse_mma_plan(16, 4096, 4096, sms=132, mapped=True)   # the plan splits until every token fits
