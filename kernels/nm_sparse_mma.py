@@ -269,6 +269,36 @@ def resident_ctas(kernel, threads: int, dynamic_shared: int = 0) -> int:
     return count.value if status == 0 and count.value > 0 else DEFAULT_CTAS_PER_SM
 
 
+class KernelLaunch:
+    """``cuLaunchKernel`` of one compiled kernel with its argument block built once: a call writes the
+    tensors' addresses and the integers into it and launches on the current stream. PyTorch's own
+    ``_CudaKernel`` call builds every ctypes argument anew (the host's cost, not the GPU's, on an eager
+    decode step); ``fallback`` is that call, taken where the driver cannot be reached directly."""
+
+    POINTERS, INTS = 8, 5   # x, values, words, perm, bias, y, partial, counters; T, R, C, xs, KS
+
+    def __init__(self, kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int, driver=None):
+        self.kernel, self.grid, self.block, self.shared = kernel, grid, block, shared
+        self.driver = driver
+        self.pointers = [ctypes.c_void_p() for _ in range(self.POINTERS)]
+        self.ints = [ctypes.c_int() for _ in range(self.INTS)]
+        values = self.pointers + self.ints
+        self.params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+
+    def __call__(self, tensors: list[torch.Tensor], ints: list[int], stream: int) -> None:
+        for slot, t in zip(self.pointers, tensors):
+            slot.value = t.data_ptr()
+        for slot, v in zip(self.ints, ints):
+            slot.value = v
+        status = self.driver.cuLaunchKernel(self.kernel.func, *self.grid, *self.block, self.shared,
+                                            ctypes.c_void_p(stream), self.params, None)
+        if status:
+            text = ctypes.c_char_p()
+            self.driver.cuGetErrorString(status, ctypes.byref(text))
+            raise RuntimeError(f"CUDA error: {(text.value or b'unknown').decode()} (cuLaunchKernel of the sparse-MMA "
+                               f"decode, status {status})")
+
+
 @functools.lru_cache(maxsize=None)
 def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, has_bias: bool, mapped: bool,
             device_index: int, override: tuple) -> tuple:
@@ -281,7 +311,19 @@ def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, 
     ctas = resident_ctas(kernel, 32 * plan.warps, plan.staged_bytes(tokens) if mapped else 0)
     if ctas != DEFAULT_CTAS_PER_SM:
         plan = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm=ctas, mapped=mapped, **dict(override))
-    return kernel, plan
+    return kernel, plan, _bound(kernel, plan, rows, tokens, mapped)
+
+
+def _bound(kernel, plan: SparseMmaPlan, rows: int, tokens: int, mapped: bool) -> KernelLaunch | None:
+    """The launch of ``kernel`` for one kind of call, or None where the driver is not reachable (then
+    PyTorch's ``_CudaKernel`` call launches it)."""
+    try:
+        driver = _driver()
+        driver.cuLaunchKernel   # noqa: B018 - present in every driver; a stub without it falls back
+    except (AttributeError, OSError):
+        return None
+    return KernelLaunch(kernel, plan.grid(rows), (32 * plan.warps, 1, 1),
+                        plan.staged_bytes(tokens) if mapped else 0, driver)
 
 
 _WORKSPACE: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -341,18 +383,23 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
         x2 = x2.contiguous()
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if plan is None:
-        kernel, plan = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, mapped, index,
-                               tuple(sorted(override.items())))
+        kernel, plan, bound = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, mapped, index,
+                                      tuple(sorted(override.items())))
     else:
         check_plan(plan, tokens, rows, cols, mapped)
         kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata(),
                                                 mapped).items()), index)
+        bound = None
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
     grid = plan.grid(rows)
     partial, counters = _workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0, grid[0])
-    kernel(grid=grid, block=(32 * plan.warps, 1, 1), shared_mem=plan.staged_bytes(tokens) if mapped else 0,
-           args=[x2, values, words, perm if mapped else words, bias if bias is not None else values, y, partial,
-                 counters, tokens, rows, cols, x2.stride(0), plan.ks])
+    tensors = [x2, values, words, perm if mapped else words, bias if bias is not None else values, y, partial, counters]
+    ints = [tokens, rows, cols, x2.stride(0), plan.ks]
+    if bound is not None:
+        bound(tensors, ints, torch.cuda.current_stream(x.device).cuda_stream)
+    else:
+        kernel(grid=grid, block=(32 * plan.warps, 1, 1), shared_mem=plan.staged_bytes(tokens) if mapped else 0,
+               args=[*tensors, *ints])
     return y.reshape(*x.shape[:-1], rows)
 
 

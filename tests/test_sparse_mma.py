@@ -1,6 +1,7 @@
 """The sparse-tensor-core decode (``kernels/nm_sparse_mma.cu``) run on the CPU by its emulator, against float64."""
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import pytest
@@ -8,8 +9,8 @@ import torch
 
 from shuffleprune.deploy.cslt_layout import cslt_words
 from shuffleprune.deploy.format import compress
-from shuffleprune.kernels.nm_sparse_mma import (SparseMmaPlan, check_plan, nm_sparse_mma, sparse_mma_applies,
-                                                 sparse_mma_available, sparse_mma_plan)
+from shuffleprune.kernels.nm_sparse_mma import (KernelLaunch, SparseMmaPlan, check_plan, nm_sparse_mma,
+                                                 sparse_mma_applies, sparse_mma_available, sparse_mma_plan)
 from shuffleprune.kernels.nm_words import position_words
 from shuffleprune.masks import nm_keep_mask
 
@@ -136,3 +137,39 @@ def test_sparse_mma_takes_only_what_it_runs():
         nm_sparse_mma(x, values, words.view(torch.uint8), bias)   # the export's bytes, not its words
     with pytest.raises(ValueError, match="index map as int32"):
         nm_sparse_mma(x, values, words, bias, perm=torch.arange(256))   # int64
+
+
+class _RecordingDriver:
+    """A CUDA driver stand-in: records cuLaunchKernel's arguments, reading the argument block as the driver does."""
+
+    def __init__(self, status: int = 0):
+        self.status, self.calls = status, []
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        pointers = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p))[0] for i in range(KernelLaunch.POINTERS)]
+        ints = [ctypes.cast(params[KernelLaunch.POINTERS + i], ctypes.POINTER(ctypes.c_int))[0]
+                for i in range(KernelLaunch.INTS)]
+        self.calls.append(dict(func=func.value, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared,
+                               stream=stream.value, pointers=pointers, ints=ints, extra=extra))
+        return self.status
+
+    def cuGetErrorString(self, status, out):
+        out._obj.value = b"an illegal memory access was encountered"
+        return 0
+
+
+def test_a_bound_launch_passes_each_calls_tensors_and_integers_in_the_kernels_order():
+    kernel = type("Compiled", (), {"func": ctypes.c_void_p(0xBEEF)})()
+    driver = _RecordingDriver()
+    launch = KernelLaunch(kernel, (64, 2, 1), (128, 1, 1), 4096, driver)
+    for tokens in (1, 3):   # the block is built once; each call writes its own addresses and integers
+        tensors = [torch.empty(4) for _ in range(KernelLaunch.POINTERS)]
+        launch(tensors, [tokens, 4096, 4096, 4096 * tokens, 2048], stream=0x1234)
+        call = driver.calls[-1]
+        assert call["pointers"] == [t.data_ptr() for t in tensors]
+        assert call["ints"] == [tokens, 4096, 4096, 4096 * tokens, 2048]
+        assert (call["func"], call["grid"], call["block"], call["shared"], call["stream"], call["extra"]) == \
+            (0xBEEF, (64, 2, 1), (128, 1, 1), 4096, 0x1234, None)
+    failing = KernelLaunch(kernel, (1, 1, 1), (32, 1, 1), 0, _RecordingDriver(status=700))
+    with pytest.raises(RuntimeError, match="an illegal memory access was encountered"):   # a DeviceFault's words
+        failing([torch.empty(1)] * KernelLaunch.POINTERS, [1, 16, 128, 128, 128], stream=0)
