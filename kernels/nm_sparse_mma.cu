@@ -36,7 +36,8 @@
 //
 // Compile-time parameters (#define before this text): NT (n-tiles of 8 tokens), MT, RW, KW, TILED,
 // HAS_BIAS, HAS_PERM, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead), STAGES
-// (steps held in registers: STAGES - 1 loading while one multiplies).
+// (steps held in registers: STAGES - 1 loading while one multiplies), PDL (launched as a programmatic dependent:
+// griddepcontrol.wait after the first weight loads, then launch_dependents; sm_90 and later).
 
 #define WARPS (RW * KW)
 #define ROWS_PER_CTA (RW * MT * 16)
@@ -202,13 +203,19 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   // STAGES steps in registers: the next STAGES - 1 steps' loads are in flight while one multiplies (a warp's
   // steps are kg, kg + KW, ...; stage j of a round holds its j-th)
   SpStage st[STAGES];
+  // the first steps' weight loads (nothing any kernel writes) go out before anything else; as a programmatic
+  // dependent (PDL) the kernel then waits for the one before it to end, and lets the next one start
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j)
+    if (kg + j * KW < steps) sp_load_weights(st[j], values, meta, C, row0, k_begin + 128 * (kg + j * KW), lane);
+#if PDL
+  sp_grid_wait();
+  sp_grid_release();
+#endif
 #if HAS_PERM
   // the CTA's columns of every token, gathered through the map once into shared memory (the first steps'
   // weight loads already in flight), then read by every warp as the gathered input would be
   SP_DYNAMIC_SHARED(unsigned short, staged);
-#pragma unroll
-  for (int j = 0; j < STAGES - 1; ++j)
-    if (kg + j * KW < steps) sp_load_weights(st[j], values, meta, C, row0, k_begin + 128 * (kg + j * KW), lane);
   int width = k_end - k_begin, quads = width / 4;
   // items of 4 columns of one token, 4 items a thread at a time: their map loads, then their 16 gathers, in flight
   // together (a loop of single loads would wait out two round trips per value)
@@ -243,16 +250,13 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   }
   __syncthreads();
   SpInput in = {staged, width, k_begin, T};
-#pragma unroll
-  for (int j = 0; j < STAGES - 1; ++j)
-    if (kg + j * KW < steps) sp_load_inputs(st[j], in, k_begin + 128 * (kg + j * KW), lane);
 #else
   SpInput in = {x, xs, 0, T};
   (void)perm;
+#endif
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j)
-    if (kg + j * KW < steps) sp_load_stage(st[j], values, meta, in, C, row0, k_begin + 128 * (kg + j * KW), lane);
-#endif
+    if (kg + j * KW < steps) sp_load_inputs(st[j], in, k_begin + 128 * (kg + j * KW), lane);
   for (int round = kg; round < steps; round += STAGES * KW) {
 #pragma unroll
     for (int j = 0; j < STAGES; ++j) {

@@ -62,6 +62,10 @@ SP_DEV void sp_st_int(int* p, int v) { *p = v; }
 SP_DEV unsigned sp_byte_perm(unsigned a, unsigned b, unsigned s) { return __byte_perm(a, b, s); }
 SP_DEV void sp_threadfence() { __threadfence(); }
 SP_DEV int sp_atomic_add(int* p, int v) { return atomicAdd(p, v); }
+#if PDL
+SP_DEV void sp_grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+SP_DEV void sp_grid_release() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+#endif
 #if IS_BF16
 #define SP_TYPE "bf16"
 SP_DEV float sp_to_float(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
@@ -214,11 +218,11 @@ def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, mapped: b
 
 
 def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool,
-                   mapped: bool = False) -> dict:
+                   mapped: bool = False, pdl: bool = False) -> dict:
     """The compile-time parameters of one kernel variant (``#define`` s before the source)."""
     return {"NT": plan.nt, "MT": plan.mt, "RW": plan.rw, "KW": plan.kw, "TILED": int(tiled),
             "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "IS_BF16": int(dtype == torch.bfloat16),
-            "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered)}
+            "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered), "PDL": int(pdl)}
 
 
 def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
@@ -269,29 +273,57 @@ def resident_ctas(kernel, threads: int, dynamic_shared: int = 0) -> int:
     return count.value if status == 0 and count.value > 0 else DEFAULT_CTAS_PER_SM
 
 
+class _AttributeValue(ctypes.Union):   # CUlaunchAttributeValue (cuda.h): 64 bytes
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
+
+
+class _Attribute(ctypes.Structure):    # CUlaunchAttribute: the id, padded to 8 bytes, then the value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):   # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class KernelLaunch:
     """``cuLaunchKernel`` of one compiled kernel with its argument block built once: a call writes the
     tensors' addresses and the integers into it and launches on the current stream. PyTorch's own
     ``_CudaKernel`` call builds every ctypes argument anew (the host's cost, not the GPU's, on an eager
-    decode step); ``fallback`` is that call, taken where the driver cannot be reached directly."""
+    decode step). ``pdl``: ``cuLaunchKernelEx`` with programmatic stream serialization allowed, so the kernel
+    may start while the one before it ends (its ``griddepcontrol.wait`` keeps its inputs safe)."""
 
     POINTERS, INTS = 8, 5   # x, values, words, perm, bias, y, partial, counters; T, R, C, xs, KS
 
-    def __init__(self, kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int, driver=None):
+    def __init__(self, kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int, driver=None,
+                 pdl: bool = False):
         self.kernel, self.grid, self.block, self.shared = kernel, grid, block, shared
-        self.driver = driver
+        self.driver, self.pdl = driver, pdl
         self.pointers = [ctypes.c_void_p() for _ in range(self.POINTERS)]
         self.ints = [ctypes.c_int() for _ in range(self.INTS)]
         values = self.pointers + self.ints
         self.params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+        if pdl:
+            self.attribute = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+            self.attribute.value.programmatic_stream_serialization_allowed = 1
+            self.config = _LaunchConfig(*grid, *block, shared, None, ctypes.pointer(self.attribute), 1)
 
     def __call__(self, tensors: list[torch.Tensor], ints: list[int], stream: int) -> None:
         for slot, t in zip(self.pointers, tensors):
             slot.value = t.data_ptr()
         for slot, v in zip(self.ints, ints):
             slot.value = v
-        status = self.driver.cuLaunchKernel(self.kernel.func, *self.grid, *self.block, self.shared,
-                                            ctypes.c_void_p(stream), self.params, None)
+        if self.pdl:
+            self.config.stream = stream
+            status = self.driver.cuLaunchKernelEx(ctypes.byref(self.config), self.kernel.func, self.params, None)
+        else:
+            status = self.driver.cuLaunchKernel(self.kernel.func, *self.grid, *self.block, self.shared,
+                                                ctypes.c_void_p(stream), self.params, None)
         if status:
             text = ctypes.c_char_p()
             self.driver.cuGetErrorString(status, ctypes.byref(text))
@@ -301,29 +333,29 @@ class KernelLaunch:
 
 @functools.lru_cache(maxsize=None)
 def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, has_bias: bool, mapped: bool,
-            device_index: int, override: tuple) -> tuple:
+            device_index: int, override: tuple, pdl: bool = False) -> tuple:
     """``(kernel, plan)`` for one kind of call: the plan worked out again with the compiled kernel's
     occupancy in place of :data:`DEFAULT_CTAS_PER_SM` (once per kind of call and process)."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     plan = sparse_mma_plan(tokens, rows, cols, sms, mapped=mapped, **dict(override))
-    kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata(), mapped).items()),
+    kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata(), mapped, pdl).items()),
                        device_index)
     ctas = resident_ctas(kernel, 32 * plan.warps, plan.staged_bytes(tokens) if mapped else 0)
     if ctas != DEFAULT_CTAS_PER_SM:
         plan = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm=ctas, mapped=mapped, **dict(override))
-    return kernel, plan, _bound(kernel, plan, rows, tokens, mapped)
+    return kernel, plan, _bound(kernel, plan, rows, tokens, mapped, pdl)
 
 
-def _bound(kernel, plan: SparseMmaPlan, rows: int, tokens: int, mapped: bool) -> KernelLaunch | None:
+def _bound(kernel, plan: SparseMmaPlan, rows: int, tokens: int, mapped: bool, pdl: bool) -> KernelLaunch | None:
     """The launch of ``kernel`` for one kind of call, or None where the driver is not reachable (then
-    PyTorch's ``_CudaKernel`` call launches it)."""
+    PyTorch's ``_CudaKernel`` call launches it, never as a programmatic dependent: its wait is then a no-op)."""
     try:
         driver = _driver()
-        driver.cuLaunchKernel   # noqa: B018 - present in every driver; a stub without it falls back
+        driver.cuLaunchKernelEx if pdl else driver.cuLaunchKernel   # noqa: B018 - a driver without it falls back
     except (AttributeError, OSError):
         return None
     return KernelLaunch(kernel, plan.grid(rows), (32 * plan.warps, 1, 1),
-                        plan.staged_bytes(tokens) if mapped else 0, driver)
+                        plan.staged_bytes(tokens) if mapped else 0, driver, pdl)
 
 
 _WORKSPACE: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -357,11 +389,12 @@ def launch_plan(x: torch.Tensor, values: torch.Tensor, tiled: bool = False, has_
 
 def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,
                   tiled: bool = False, perm: torch.Tensor | None = None, plan: SparseMmaPlan | None = None,
-                  **override) -> torch.Tensor:
+                  pdl: bool = False, **override) -> torch.Tensor:
     """``x[..., perm] @ Wᵀ + bias`` for a 2:4 ``W`` held as ``values`` ``[R, C/2]`` and position ``words``
     ``[R, C/32]`` (row words, or cuSPARSELt's order when ``tiled``) on the sparse tensor cores; ``perm`` (int32,
     1–16 tokens) is read by the kernel itself, else ``x`` is already in the weight's column order (gathered).
-    ``plan`` (or ``override``'s fields) replaces :func:`sparse_mma_plan`'s."""
+    ``plan`` (or ``override``'s fields) replaces :func:`sparse_mma_plan`'s; ``pdl`` launches it as a programmatic
+    dependent where the GPU has them (compute capability 9.0 or more)."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     x2 = x.reshape(-1, cols)
     tokens = x2.shape[0]
@@ -384,7 +417,7 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if plan is None:
         kernel, plan, bound = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, mapped, index,
-                                      tuple(sorted(override.items())))
+                                      tuple(sorted(override.items())), pdl and _capability(index)[0] >= 9)
     else:
         check_plan(plan, tokens, rows, cols, mapped)
         kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata(),

@@ -37,7 +37,7 @@ weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_
 layout), ``decode_swap_tma`` (2–64 tokens: its weight tiles copied by the
 Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``decode_sparse_mma`` (1–64
 tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_nomap`` and ``_tiled`` too;
-``decode_sparse_mma_mapped``, 1–16 tokens: the same reading the map itself), ``gemm``, ``gemm_swap``,
+``decode_sparse_mma_mapped``, 1–16 tokens: the same reading the map itself; both ``_tiled+pdl`` as well), ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
@@ -95,7 +95,8 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_wide_nomap", "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync",
               "decode_swap_spread", "decode_swap_spread_sync", "decode_swap_tma", "decode_swap_tma_tiled",
               "decode_sparse_mma", "decode_sparse_mma_nomap", "decode_sparse_mma_tiled", "decode_sparse_mma_mapped",
-              "decode_sparse_mma_mapped_tiled", "cslt_tiled", "gemm",
+              "decode_sparse_mma_mapped_tiled", "decode_sparse_mma_tiled+pdl", "decode_sparse_mma_mapped_tiled+pdl",
+              "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
@@ -306,6 +307,9 @@ def main() -> None:
                 auto_tiled = ms_of(shape, tokens, "auto_tiled")
                 swap, swap_tma = ms_of(shape, tokens, "decode_swap"), ms_of(shape, tokens, "decode_swap_tma")
                 resident_tma = ms_of(shape, tokens, "decode_resident_tma")
+                sp_tiled, sp_nomap = ms_of(shape, tokens, "decode_sparse_mma_tiled"), ms_of(shape, tokens,
+                                                                                          "decode_sparse_mma_nomap")
+                sp_mapped = ms_of(shape, tokens, "decode_sparse_mma_mapped")
                 if dense is None:
                     continue
                 summary.append({"shape": list(shape), "tokens": tokens,
@@ -329,7 +333,11 @@ def main() -> None:
                                 "map_cost_in_kernel_blockmap":
                                     round(inkernel_block / nomap - 1, 4) if inkernel_block and nomap else None,
                                 "map_cost_offsets_blockmap":
-                                    round(offsets_block / nomap - 1, 4) if offsets_block and nomap else None})
+                                    round(offsets_block / nomap - 1, 4) if offsets_block and nomap else None,
+                                # the sparse-tensor-core decode on the layer as load holds it on Hopper (through the
+                                # gathered input), and its map read in the kernel against itself without a map
+                                "sparse_mma_speedup_tiled": round(dense / sp_tiled, 3) if dense and sp_tiled else None,
+                                "map_cost_sparse_mma": round(sp_mapped / sp_nomap - 1, 4) if sp_mapped and sp_nomap else None})
         for r in rows:
             r.update(device=dev_name, dtype="bfloat16")
         result = {"what": "2:4 linear implementations vs dense cuBLAS (rotating weight copies, CUDA graphs)",

@@ -100,7 +100,11 @@ def sass_counts(cubin: bytes, tool: str | None) -> dict | None:
         f.flush()
         out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", out)
+    ops = [re.sub(r"^@!?P\d\s+", "", i).split()[0] for i in ins]
+    wait = ops.index("ACQBULK") if "ACQBULK" in ops else None   # griddepcontrol.wait (a programmatic dependent)
     return {"instructions": len(ins),
+            "loads_before_wait": None if wait is None else [o for o in ops[:wait] if o.startswith("LDG")],
+            "release_after_wait": None if wait is None else "PREEXIT" in ops[wait:],
             "mma_sp": sum("HMMA.SP" in i for i in ins),
             "ldg_128": sum(bool(re.search(r"LDG\.[\w.]*128", i)) for i in ins),
             "ldg_64": sum(bool(re.search(r"LDG\.[\w.]*64", i)) for i in ins),
@@ -131,9 +135,11 @@ def main() -> None:
         for shape in SHAPES:
             for tokens in TOKENS:
               for mapped in (False, True) if tokens <= sm.MAPPED_MAX_TOKENS else (False,):
+               # launched as a programmatic dependent (Hopper only) at 1 and 16 tokens
+               for pdl in (False, True) if arch == "sm_90" and tokens in (1, 16) else (False,):
                 plan = sm.sparse_mma_plan(tokens, *shape, sms=SMS[arch], mapped=mapped)
                 for tiled in (False, True):
-                    defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped)
+                    defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped, pdl)
                     key = (arch, tuple(defines.items()))
                     if key not in seen:
                         ok, log, cubin = nvrtc.compile(sm.kernel_source(defines), arch)
@@ -151,6 +157,7 @@ def main() -> None:
                     ctas = resident(info["registers"], shared, threads, arch) if info["compiled"] else 0
                     grid = plan.grid(shape[0])
                     rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled, "mapped": mapped,
+                                 "pdl": pdl,
                                  "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": threads,
                                  **info, "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
                                  "waves": round(grid[0] * grid[1] / max(1, ctas * SMS[arch]), 2)})
@@ -165,7 +172,7 @@ def main() -> None:
     print(f"{len(seen)} variants, {out['failed']} failed, {out['spilling']} spilling → {args.out}")
     for r in rows:
         if r["arch"] == "sm_90" and r["shape"] == [4096, 4096] and r["tiled"]:
-            print(r["tokens"], "mapped" if r["mapped"] else "", r["plan"], "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
+            print(r["tokens"], "mapped" if r["mapped"] else "", "pdl" if r["pdl"] else "", r["plan"], "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
                   "warps/SM", r["warps_per_sm"], "waves", r["waves"], r["sass"])
 
 

@@ -49,14 +49,14 @@ def _bytes(t: torch.Tensor) -> ctypes.c_size_t:
 
 def run_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, tiled: bool,
             plan: SparseMmaPlan, seed: int = 0, x_stride: int | None = None,
-            perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            perm: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's output ``[T, R]`` for ``x`` ``[T, C]`` (a view whose rows are ``x_stride`` apart if given;
-    read through the int32 index map ``perm`` if given), and its split-K counters after the launch (the kernel
-    leaves them at zero)."""
+    read through the int32 index map ``perm`` if given; ``pdl``: the text of a programmatic dependent, whose grid
+    wait and release do nothing here), and its split-K counters after the launch (the kernel leaves them at zero)."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     tokens = x.shape[0]
     mapped = perm is not None
-    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True, mapped))
+    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True, mapped, pdl))
     y = torch.full((tokens, rows), float("nan"), dtype=x.dtype)
     partial = torch.full((max(plan.splits * tokens * rows, 1),), float("nan"), dtype=torch.float32)
     grid = plan.grid(rows)

@@ -108,6 +108,8 @@ static inline void spemu_store(void* p, V v) {
 SP_DEV void sp_st16(unsigned short* p, unsigned short v) { spemu_store(p, v); }
 SP_DEV void sp_st_float(float* p, float v) { spemu_store(p, v); }
 SP_DEV void sp_st_int(int* p, int v) { spemu_store(p, v); }
+SP_DEV void sp_grid_wait() {}      // one kernel at a time here: the one before has always ended
+SP_DEV void sp_grid_release() {}
 SP_DEV void sp_threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 SP_DEV int sp_atomic_add(int* p, int v) {
   if (!spemu::access_ok(p, 4, 4)) return 0;

@@ -83,6 +83,18 @@ def test_sparse_mma_reading_the_map_itself_matches_float64(rows, cols, tokens, p
     assert not counters.any()
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_sparse_mma_as_a_programmatic_dependent_computes_the_same(mapped):
+    w, values, words, x, bias = _case(64, 512, 3, torch.bfloat16, seed=5)
+    perm = torch.randperm(512, generator=torch.Generator().manual_seed(6)).to(torch.int32) if mapped else None
+    plan = SparseMmaPlan(nt=1, mt=1, rw=1, kw=2, ks=256, splits=2, bpre=True, stages=3)
+    plain, _ = run_cpu(x, values, words, bias, False, plan, perm=perm)
+    dependent, _ = run_cpu(x, values, words, bias, False, plan, perm=perm, pdl=True)
+    assert torch.equal(plain, dependent)   # the weight loads moved before the wait: the same sums, in the same order
+    xin = x if perm is None else x[:, perm.long()]
+    _check(dependent, xin.double() @ w.double().t() + bias.double(), torch.bfloat16)
+
+
 def test_sparse_mma_reads_an_input_whose_rows_are_apart():
     w, values, words, x, bias = _case(64, 256, 5, torch.bfloat16)
     wide = torch.zeros(5, 256 + 64, dtype=torch.bfloat16)
@@ -153,6 +165,16 @@ class _RecordingDriver:
                                stream=stream.value, pointers=pointers, ints=ints, extra=extra))
         return self.status
 
+    def cuLaunchKernelEx(self, config, func, params, extra):
+        c = config._obj
+        attr = c.attrs[0]
+        self.calls.append(dict(func=func.value, grid=(c.grid_x, c.grid_y, c.grid_z),
+                               block=(c.block_x, c.block_y, c.block_z), shared=c.shared_bytes, stream=c.stream,
+                               attrs=[(attr.id, attr.value.programmatic_stream_serialization_allowed)][:c.num_attrs],
+                               pointers=[ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p))[0]
+                                         for i in range(KernelLaunch.POINTERS)], extra=extra))
+        return self.status
+
     def cuGetErrorString(self, status, out):
         out._obj.value = b"an illegal memory access was encountered"
         return 0
@@ -170,6 +192,14 @@ def test_a_bound_launch_passes_each_calls_tensors_and_integers_in_the_kernels_or
         assert call["ints"] == [tokens, 4096, 4096, 4096 * tokens, 2048]
         assert (call["func"], call["grid"], call["block"], call["shared"], call["stream"], call["extra"]) == \
             (0xBEEF, (64, 2, 1), (128, 1, 1), 4096, 0x1234, None)
+    dependent = KernelLaunch(kernel, (32, 4, 1), (256, 1, 1), 0, driver, pdl=True)
+    tensors = [torch.empty(2) for _ in range(KernelLaunch.POINTERS)]
+    dependent(tensors, [1, 4096, 4096, 4096, 1024], stream=0x99)
+    call = driver.calls[-1]   # cuLaunchKernelEx with programmatic stream serialization allowed (attribute 6)
+    assert (call["grid"], call["block"], call["shared"], call["stream"], call["attrs"]) == \
+        ((32, 4, 1), (256, 1, 1), 0, 0x99, [(6, 1)])
+    assert call["pointers"] == [t.data_ptr() for t in tensors]
+    assert ctypes.sizeof(type(dependent.attribute)) == 72   # cuda.h's CUlaunchAttribute: id, pad, a 64-byte union
     failing = KernelLaunch(kernel, (1, 1, 1), (32, 1, 1), 0, _RecordingDriver(status=700))
     with pytest.raises(RuntimeError, match="an illegal memory access was encountered"):   # a DeviceFault's words
         failing([torch.empty(1)] * KernelLaunch.POINTERS, [1, 16, 128, 128, 128], stream=0)

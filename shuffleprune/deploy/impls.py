@@ -186,10 +186,10 @@ DECODE_KERNELS = {"decode": {}, "decode_shallow": {"stages": 3}, "decode_mapped"
                      for shape in ("tall", "wide")}}
 # the decodes that read the index map themselves (the others read the gathered input)
 MAPPED_DECODES = (*(name for name in DECODE_KERNELS if name.startswith("decode_mapped")), "decode_offsets")
-# the name of one of these (the Triton kernels of the word layout) with this suffix launches it as a
-# programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
-# prefetching its weight (kernels/overlap.py)
-PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", *GEMM_KERNELS)
+# the name of one of these (the Triton kernels of the word layout, and the sparse-MMA decode) with this suffix
+# launches it as a programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
+# prefetching its weight (kernels/overlap.py; the sparse-MMA decode loads its first steps' weight into registers)
+PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", "decode_sparse_mma", "decode_sparse_mma_mapped", *GEMM_KERNELS)
 PDL_SUFFIX = "+pdl"
 
 

@@ -279,8 +279,8 @@ class SparseLinear(nn.Module):
 
             mapped = impl == "decode_sparse_mma_mapped" and self.perm is not None
             if self._sparse_mma_applies(x, mapped):
-                inp, perm = (x, self.perm) if mapped else (self._gathered(x), None)
-                return nm_sparse_mma(inp, self.values, self.words(), self.bias, tiled=self.tiled, perm=perm)
+                inp, perm = (x, self.perm) if mapped else (self._gathered(x, pdl), None)
+                return nm_sparse_mma(inp, self.values, self.words(), self.bias, tiled=self.tiled, perm=perm, pdl=pdl)
             # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
             impl = "decode" if self._pow2() and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
         if impl == "decode_swap_tma" and not self._tma_applies(x):
