@@ -21,7 +21,8 @@ that the GPU keeps up (1024 columns, one token): each row is the host's µs per 
 calls queued without a synchronisation (median of 5 rounds), so what an eager ``generate()`` pays
 per layer shows apart from the kernels' time: ``nn.Linear`` (cuBLAS) and transformers' RMSNorm
 against a bare Triton launch (the gather), ``nm_decode`` called directly (plain and as a dependent
-launch), a ``SparseLinear`` with and without a map and a stacked group's member as ``auto`` runs
+launch; ``nm_sparse_mma``, the sparse-tensor-core decode, by its ``cuLaunchKernel``), a ``SparseLinear`` with
+and without a map and a stacked group's member as ``auto`` runs
 them eagerly, and the fused norm with a map (``MappedOutput``); the gather, ``nm_decode`` and the
 two ``SparseLinear`` again with fast launches off (``kernels/launch.py``: each launch through
 Triton's own dispatch), so the rows show what skipping that dispatch saves.
@@ -239,6 +240,16 @@ def gpu_main(args, calls: int) -> None:
             with launch.enabled(False):
                 row(f"nm_decode {width}x{width}, 1 token, called directly, Triton's dispatch (fast launches off)",
                     lambda: nm_decode(x, plain.values, words, 2, 4, plain.bits))
+            from shuffleprune.kernels.nm_sparse_mma import nm_sparse_mma, sparse_mma_available
+
+            if sparse_mma_available(device):   # CUDA C++ through NVRTC: its launch by cuLaunchKernel, ctypes
+                try:
+                    row(f"nm_sparse_mma {width}x{width}, 1 token, called directly (cuLaunchKernel)",
+                        lambda: nm_sparse_mma(x, plain.values, words))
+                    row(f"nm_sparse_mma {width}x{width}, 1 token, reading the map, as a dependent launch",
+                        lambda: nm_sparse_mma(x, plain.values, words, perm=p32, pdl=True))
+                except RuntimeError as exc:   # it did not compile or launch here: the row says so
+                    rows.append({"what": f"nm_sparse_mma {width}x{width}", "error": str(exc).splitlines()[0][:200]})
         else:
             plain = sparse_layer(width)
         row(f"SparseLinear {width}x{width}, no map, 1 token (auto, eager)", lambda: plain(x))
