@@ -186,6 +186,9 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
     if mapped:
         splits = max(splits, cdiv(tokens * cols * 2, STAGED_LIMIT))
     ks = cdiv(cdiv(cols, splits), STEP) * STEP
+    while mapped and tokens * ks * 2 > STAGED_LIMIT and ks > STEP:   # the rounding up to whole steps went over
+        splits += 1
+        ks = cdiv(cdiv(cols, splits), STEP) * STEP
     fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"],
                   stages=tile.get("stages", 2))
     fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw", "stages")})

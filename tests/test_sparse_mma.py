@@ -112,6 +112,10 @@ def test_the_default_plans_fit_the_kernel_on_the_benchmark_shapes():
             plan = sparse_mma_plan(tokens, rows, cols, sms=132)   # raises where it would not run
             assert 8 * plan.nt >= tokens and rows % plan.rows_per_cta == 0
             assert plan.splits == -(-cols // plan.ks) and plan.ks % 128 == 0
+    for cols in range(128, 20000, 128 * 7):   # reading the map: every token's columns of a CTA fit its shared memory
+        for tokens in range(1, 17):
+            plan = sparse_mma_plan(tokens, 4096, cols, sms=132, mapped=True)
+            assert plan.staged_bytes(tokens) <= 32 * 1024 and plan.splits == -(-cols // plan.ks)
 
 
 def test_a_plan_the_kernel_cannot_run_is_refused_in_one_line():
