@@ -48,6 +48,8 @@
 #   bash scripts/gpu_run.sh tune_sparse_mma    # its tiles: warps and CTAs along K, m-tiles per warp, 2 or 3 steps in
 #                                              # registers, at 1 and 16 tokens on three shapes
 #                                              # (tune_sparse_mma_sweep.json)
+#   bash scripts/gpu_run.sh profile_sparse_mma # Nsight Compute on the sparse-MMA decode at 1 and 16 tokens, 11008x4096
+#                                              # (ncu_sparse_mma.txt)
 #   bash scripts/gpu_run.sh tune_spread        # the weight-as-A decode's tiles (32/64 rows, 64/128 kept values per step,
 #                                              # 2/4 warps, 3/4 stages) with the joined and the broadcast expansion, 2 and
 #                                              # 16 tokens, three shapes (tune_spread.json)
@@ -188,8 +190,9 @@ ISSUE24=(sparse_mma kernel targets e2e targets)    # limits 120 + 260 + 10 + 240
                                                     # H200 before it profiled one eager prompt per sparse variant):
                                                     # targets read the new kernel table first, then again after e2e
                                                     # if e2e fits in what is left of the call's 570 s
-NEXT1=(tune_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 3 × 70 + 150 s (the sparse-MMA decode's
-                                                    # tiles: warps and CTAs along K, m-tiles, stages; the
+NEXT1=(tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 2 × 70 + 90 + 3 × 70 + 150 s
+                                                    # (the sparse-MMA decode's tiles: warps and CTAs along K, m-tiles,
+                                                    # stages, and Nsight Compute on it at 1 and 16 tokens; the
                                                     # broadcast expansion's tiles against the joined one's; Nsight
                                                     # Compute on decode_swap, its broadcast form and cuBLAS at 16
                                                     # tokens; tune_tall's 63 GEMM timings)
@@ -321,10 +324,12 @@ for s in "$@"; do
             step tune_select_tokens 120 scripts/results/tune_select_tokens.json $PY scripts/tune_kernel.py \
                 --variants select --tokens 2 4 8 16 --block-r 16 --block-k 128 256 --num-warps 4 8 --stages 4 \
                 --splits 0 1 --max-tile 1048576 --out scripts/results/tune_select_tokens.json ;;
-        profile|profile_swap) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        profile|profile_swap|profile_sparse_mma) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
             if [ "$s" = profile ]; then RES=scripts/results/ncu_decode.txt
                 cases=("select 1 11008x4096" "dot 2 11008x4096" "dot 16 11008x4096" "swap 16 11008x4096" "dense 1 11008x4096"
                        "select 1 4096x4096" "dense 1 4096x4096")
+            elif [ "$s" = profile_sparse_mma ]; then RES=scripts/results/ncu_sparse_mma.txt   # the sparse-MMA decode
+                cases=("sparse_mma 1 11008x4096" "sparse_mma 16 11008x4096")
             else RES=scripts/results/ncu_swap.txt   # the weight-as-A decode's expansions: joined against broadcast
                 cases=("swap 16 11008x4096" "swap_spread 16 11008x4096" "dense 16 11008x4096"); fi
             [ "$SMOKE" = 1 ] && RES=$SP/$(basename $RES)   # a CPU check leaves the committed profile alone
