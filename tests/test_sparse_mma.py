@@ -207,3 +207,29 @@ def test_a_bound_launch_passes_each_calls_tensors_and_integers_in_the_kernels_or
     failing = KernelLaunch(kernel, (1, 1, 1), (32, 1, 1), 0, _RecordingDriver(status=700))
     with pytest.raises(RuntimeError, match="an illegal memory access was encountered"):   # a DeviceFault's words
         failing([torch.empty(1)] * KernelLaunch.POINTERS, [1, 16, 128, 128, 128], stream=0)
+
+
+def test_auto_weighs_the_sparse_mma_decode_where_it_runs(monkeypatch):
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+    from shuffleprune.kernels import nm_sparse_mma
+
+    def layer(cols: int, n: int, m: int, dtype: torch.dtype, perm: bool) -> SparseLinear:
+        w = torch.randn(64, cols)
+        w = (w * nm_keep_mask(w.abs(), n, m)).to(dtype)
+        values, meta = compress(w, n, m)
+        return SparseLinear(values, meta, cols, n, m, torch.randperm(cols) if perm else None)
+
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    mapped = layer(256, 2, 4, torch.bfloat16, True)
+    assert not any(c.startswith("decode_sparse_mma") for c in mapped.candidates(x))   # the CPU has no sparse MMA
+    monkeypatch.setattr(nm_sparse_mma, "sparse_mma_available", lambda device: True)   # as on a GPU that has it
+    assert {"decode_sparse_mma", "decode_sparse_mma_mapped"} <= set(mapped.candidates(x))
+    many = x.repeat(17, 1)   # 17 tokens: past the map's staging, not past the kernel
+    assert "decode_sparse_mma" in mapped.candidates(many) and "decode_sparse_mma_mapped" not in mapped.candidates(many)
+    assert not {"decode_sparse_mma", "decode_sparse_mma_mapped"} & set(mapped.candidates(x.repeat(65, 1)))
+    plain = layer(256, 2, 4, torch.bfloat16, False)
+    assert "decode_sparse_mma" in plain.candidates(x) and "decode_sparse_mma_mapped" not in plain.candidates(x)
+    for other, inp in ((layer(192, 2, 4, torch.bfloat16, False), x[:, :192]),   # columns not whole steps
+                       (layer(256, 4, 8, torch.bfloat16, False), x),             # 4:8
+                       (layer(256, 2, 4, torch.float32, False), x.float())):      # 32-bit
+        assert not any(c.startswith("decode_sparse_mma") for c in other.candidates(inp))

@@ -358,7 +358,7 @@ class SparseLinear(nn.Module):
         tensor cores (:mod:`.nm_sparse_mma`)."""
         from shuffleprune.kernels.nm_sparse_mma import sparse_mma_applies, sparse_mma_available
 
-        return (x.dtype == self.values.dtype and x.is_cuda and
+        return (x.dtype == self.values.dtype and
                 sparse_mma_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
                                    x.dtype, mapped) and sparse_mma_available(x.device))
 
