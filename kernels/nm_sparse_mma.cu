@@ -45,8 +45,8 @@
 struct SpStage {
   u32x4 va[MT][2];     // [m-tile][block]: 4 groups of row g
   u32x4 vb[MT][2];     //                  ... of row g + 8
-  u32x2 m0[MT];        // TILED: tiles 2b, 2b+1 pair words of rows (g, g+8); ROW: row g tiles (2b, 2b+1)
-  u32x2 m1[MT];        // TILED: tile 2b+1; ROW: row g+8
+  u32x2 m0[MT];        // TILED: tile 2b's pair of words (low, high) holding rows g and g+8; ROW: row g's words
+  u32x2 m1[MT];        //   of tiles 2b, 2b+1.  TILED: tile 2b+1's pair; ROW: row g+8's words of tiles 2b, 2b+1
 #if BPRE
   unsigned bx[2][2][NT][4];   // [block][half][n-tile][register]
 #endif
