@@ -382,12 +382,21 @@ def _workspace(device: torch.device, partial_numel: int, counters: int) -> tuple
     return ws["partial"], ws["counters"]
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device's index (the current one where ``device`` names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def stream_handle(device: torch.device) -> int:
+    """The current stream's ``CUstream`` on ``device`` (a graph's capture stream while one is captured)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def launch_plan(x: torch.Tensor, values: torch.Tensor, tiled: bool = False, has_bias: bool = False,
                 mapped: bool = False, **override) -> SparseMmaPlan:
     """The plan :func:`nm_sparse_mma` launches for ``x`` on ``values`` (the compiled kernel's occupancy in it)."""
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return _launch(x.numel() // x.shape[-1], values.shape[0], 2 * values.shape[1], x.dtype, tiled, has_bias, mapped,
-                   index, tuple(sorted(override.items())))[1]
+                   device_index(x.device), tuple(sorted(override.items())))[1]
 
 
 def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,
@@ -417,7 +426,7 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
                          f"{perm.dtype} {tuple(perm.shape)}")
     if x2.stride(-1) != 1 or x2.stride(0) % 2 or x2.data_ptr() % 4:
         x2 = x2.contiguous()
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = device_index(x.device)
     if plan is None:
         kernel, plan, bound = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, mapped, index,
                                       tuple(sorted(override.items())), pdl and _capability(index)[0] >= 9)
@@ -432,7 +441,7 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
     tensors = [x2, values, words, perm if mapped else words, bias if bias is not None else values, y, partial, counters]
     ints = [tokens, rows, cols, x2.stride(0), plan.ks]
     if bound is not None:
-        bound(tensors, ints, torch.cuda.current_stream(x.device).cuda_stream)
+        bound(tensors, ints, stream_handle(x.device))
     else:
         kernel(grid=grid, block=(32 * plan.warps, 1, 1), shared_mem=plan.staged_bytes(tokens) if mapped else 0,
                args=[*tensors, *ints])

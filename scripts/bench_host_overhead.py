@@ -108,6 +108,26 @@ def main() -> None:
     finally:
         nm_decode._nm_decode_kernel = kernel
 
+    # the sparse-MMA decode's wrapper (checks, plan and launch looked up, output and split-K buffers, the
+    # argument block written), its cuLaunchKernel replaced by a no-op
+    from shuffleprune.kernels import nm_sparse_mma as sp
+
+    class NoDriver:
+        def cuLaunchKernel(self, *args):
+            return 0
+
+    plan = sp.sparse_mma_plan(1, 4096, 4096, 132, mapped=True)
+    bound = sp.KernelLaunch(type("Compiled", (), {"func": None})(), plan.grid(4096), (32 * plan.warps, 1, 1),
+                            plan.staged_bytes(1), NoDriver())
+    saved = sp._launch, sp.device_index, sp.stream_handle
+    sp._launch = lambda *a: (None, plan, bound)
+    sp.device_index, sp.stream_handle = (lambda device: 0), (lambda device: 0)
+    try:
+        row("nm_sparse_mma 4096x4096 bf16 2:4 + map read in the kernel, 1 token, launch stubbed",
+            mean_us(lambda: sp.nm_sparse_mma(x, values, words, perm=layer.perm), calls))
+    finally:
+        sp._launch, sp.device_index, sp.stream_handle = saved
+
     # a mapped input's gather: index_select alone, and through input_gather with its measured order looked
     # up (what a mapped layer's gather on CUDA adds on the host; here the order is set, not measured)
     from shuffleprune.deploy import input_gather
