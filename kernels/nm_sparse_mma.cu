@@ -38,6 +38,10 @@
 // HAS_BIAS, HAS_PERM, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead), STAGES
 // (steps held in registers: STAGES - 1 loading while one multiplies), PDL (launched as a programmatic dependent:
 // griddepcontrol.wait after the first weight loads, then launch_dependents; sm_90 and later).
+//
+// Three readings of the PTX ISA's fragments, each 0 as read above, can be flipped for a probe on a GPU
+// (scripts/tune_sparse_mma.py --probe): A_SWAP (A's registers as row g slots t, t+4, then row g+8's),
+// META_HALF_SWAP (row g+8's metadata in the low 16 bits), META_ROLE_SWAP (lane 4g + 2s + 1 holding slots 0-3).
 
 #define WARPS (RW * KW)
 #define ROWS_PER_CTA (RW * MT * 16)
@@ -131,7 +135,11 @@ SP_DEV unsigned sp_meta_word(const SpStage& st, int i, int half, int role) {
   unsigned lo = p & 0x0F0F0F0Fu, hi = (p >> 4) & 0x0F0F0F0Fu;
   lo |= lo >> 4;
   hi |= hi >> 4;
+#if META_HALF_SWAP
+  return sp_byte_perm(hi, lo, 0x6420u);
+#else
   return sp_byte_perm(lo, hi, 0x6420u);
+#endif
 #else
   // group 4k + q (q = 2 * half + role) of the block: nibble q and q + 4 of each of its two row words
   int q = 2 * half + role;
@@ -139,7 +147,11 @@ SP_DEV unsigned sp_meta_word(const SpStage& st, int i, int half, int role) {
   unsigned gb0 = st.m1[i].x >> (4 * q), gb1 = st.m1[i].y >> (4 * q);
   unsigned lo = (ga0 & 0xFu) | ((ga0 >> 12) & 0xF0u) | ((ga1 & 0xFu) << 8) | ((ga1 >> 4) & 0xF000u);
   unsigned hi = (gb0 & 0xFu) | ((gb0 >> 12) & 0xF0u) | ((gb1 & 0xFu) << 8) | ((gb1 >> 4) & 0xF000u);
+#if META_HALF_SWAP
+  return hi | (lo << 16);
+#else
   return lo | (hi << 16);
+#endif
 #endif
 }
 
@@ -148,7 +160,7 @@ SP_DEV unsigned sp_word(const u32x4& v, int k) {
 }
 
 SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const SpInput& in, int c0, int lane) {
-  int g = lane >> 2, t = lane & 3, role = t & 1;
+  int g = lane >> 2, t = lane & 3, role = (t & 1) ^ META_ROLE_SWAP;
   (void)g;   // read only where the input is loaded here (BPRE = 0)
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
@@ -157,8 +169,13 @@ SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const S
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
+#if A_SWAP
+        unsigned a[4] = {sp_word(st.va[i][b], 2 * h), sp_word(st.va[i][b], 2 * h + 1),
+                         sp_word(st.vb[i][b], 2 * h), sp_word(st.vb[i][b], 2 * h + 1)};
+#else
         unsigned a[4] = {sp_word(st.va[i][b], 2 * h), sp_word(st.vb[i][b], 2 * h),
                          sp_word(st.va[i][b], 2 * h + 1), sp_word(st.vb[i][b], 2 * h + 1)};
+#endif
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           unsigned bb[4];

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass, asdict
 from pathlib import Path
 
@@ -225,7 +226,31 @@ def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bia
     """The compile-time parameters of one kernel variant (``#define`` s before the source)."""
     return {"NT": plan.nt, "MT": plan.mt, "RW": plan.rw, "KW": plan.kw, "TILED": int(tiled),
             "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "IS_BF16": int(dtype == torch.bfloat16),
-            "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered), "PDL": int(pdl)}
+            "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered), "PDL": int(pdl),
+            **{knob: int(knob in fragment_reading()) for knob in FRAGMENT_KNOBS}}
+
+
+FRAGMENT_KNOBS = ("A_SWAP", "META_HALF_SWAP", "META_ROLE_SWAP")   # the .cu text's other readings of the PTX ISA
+READING_ENV = "SHUFFLEPRUNE_SPARSE_MMA_READING"   # knobs to flip, separated by commas (a GPU probe's finding)
+
+
+def fragment_reading() -> frozenset[str]:
+    """The fragment knobs flipped in this process (:data:`READING_ENV`; none by default: the reading the
+    kernel's text documents). Only a probe on a GPU (``scripts/tune_sparse_mma.py --probe``) has reason to
+    set it; an unknown name is refused in one line."""
+    names = frozenset(n.strip().upper() for n in os.environ.get(READING_ENV, "").split(",") if n.strip())
+    unknown = sorted(names - set(FRAGMENT_KNOBS))
+    if unknown:
+        raise ValueError(f"{READING_ENV} names {', '.join(unknown)}: use some of {', '.join(FRAGMENT_KNOBS)}")
+    return names
+
+
+def set_fragment_reading(knobs) -> None:
+    """Flip ``knobs`` (some of :data:`FRAGMENT_KNOBS`) for the rest of this process: the environment
+    variable set, and every launch worked out before forgotten (a probe's use)."""
+    os.environ[READING_ENV] = ",".join(sorted(knobs))
+    fragment_reading()   # refuses a name that is no knob
+    _launch.cache_clear()
 
 
 def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:

@@ -286,7 +286,11 @@ for s in "$@"; do
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
         sparse_mma) step sparse_mma 120 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
-                --layouts tiled --maps none random --out scripts/results/tune_sparse_mma.json ;;
+                --probe --layouts tiled --maps none random --out scripts/results/tune_sparse_mma.json
+            # a reading of the MMA's fragments other than the kernel's own, if the probe found one right: the steps
+            # after it run with it too (SHUFFLEPRUNE_SPARSE_MMA_READING)
+            reading=$($PY -c "import json; r = json.load(open('scripts/results/tune_sparse_mma.json')).get('reading'); print(','.join(r or []))" 2>/dev/null)
+            [ -n "$reading" ] && { export SHUFFLEPRUNE_SPARSE_MMA_READING=$reading; echo "=== the sparse-MMA decode reads its fragments as: $reading"; } ;;
         tune_sparse_mma) step tune_sparse_mma 150 scripts/results/tune_sparse_mma_sweep.json $PY scripts/tune_sparse_mma.py \
                 --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 --kw 0 2 8 \
                 --splits 0 1 4 --mt 0 2 --stages 0 3 --out scripts/results/tune_sparse_mma_sweep.json ;;

@@ -9,6 +9,8 @@ by more than 2 % is not timed) and then timed as ``bench_kernel.py`` times: call
 
     python scripts/tune_sparse_mma.py                                # → scripts/results/tune_sparse_mma.json
     python scripts/tune_sparse_mma.py --smoke                        # CPU: tiny shapes on the tests' emulator (g++)
+    python scripts/tune_sparse_mma.py --probe ...                    # the fragments' reading checked first (and, if
+                                                                     # wrong, the others tried: "probe", "reading")
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=["rows", "tiled"], choices=["rows", "tiled"])
     ap.add_argument("--maps", nargs="+", default=["none"], choices=["none", "random"],
                     help="random: a random index map over all columns, read by the kernel itself (1-16 tokens)")
+    ap.add_argument("--probe", action="store_true",
+                    help="first check the kernel's reading of the PTX fragments on a small case in both layouts; "
+                         "if it is wrong, try the others (FRAGMENT_KNOBS) and time with the first that is right")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tune_sparse_mma.json"))
@@ -45,8 +50,8 @@ def main() -> None:
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.deploy.format import compress
     from shuffleprune.kernels.gpu import l2_bytes
-    from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, launch_plan, nm_sparse_mma,
-                                                     plan_fields, sparse_mma_plan)
+    from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, FRAGMENT_KNOBS, launch_plan, nm_sparse_mma,
+                                                     plan_fields, set_fragment_reading, sparse_mma_plan)
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
@@ -73,8 +78,40 @@ def main() -> None:
                     "copies, CUDA graphs; rel_err: max |y - dense| / max |dense| of a dense bf16 matmul)",
             "smoke": args.smoke, "seed": 0, "device": torch.cuda.get_device_name() if cuda else "cpu (emulator)",
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-            "versions": versions("triton"), "best": best, "rows": rows}, indent=1) + "\n")
+            "versions": versions("triton"), "probe": probe, "reading": reading, "best": best, "rows": rows},
+            indent=1) + "\n")
 
+    probe, reading = [], None
+    if args.probe:   # the first reading, then (only if it is wrong) the others, default first
+        pw = torch.randn(128, 512, generator=gen)
+        pw = (pw * nm_keep_mask(pw.abs(), 2, 4)).to(dtype)
+        pvalues, pmeta = compress(pw, 2, 4)
+        pwords, px = position_words(pmeta), torch.randn(3, 512, generator=gen).to(dtype)
+        pwant = (px.double() @ pw.double().t()).float()
+        combos = [sorted(c) for k in range(len(FRAGMENT_KNOBS) + 1) for c in itertools.combinations(FRAGMENT_KNOBS, k)]
+        for knobs in combos:
+            set_fragment_reading(knobs)
+            result = {"knobs": knobs}
+            for layout in ("rows", "tiled"):
+                lw = (cslt_words(pwords) if layout == "tiled" else pwords).contiguous()
+                try:
+                    if cuda:
+                        y = nm_sparse_mma(px.to(dev), pvalues.to(dev), lw.to(dev), None, tiled=layout == "tiled")
+                    else:
+                        y = run_cpu(px, pvalues, lw, None, layout == "tiled",
+                                    sparse_mma_plan(3, 128, 512, 4, DEFAULT_CTAS_PER_SM))[0]
+                    result[layout] = float((y.float().cpu() - pwant).abs().max() / pwant.abs().max())
+                except Exception as exc:  # noqa: BLE001 - a reading the emulator refuses, or a fault: recorded
+                    result[layout] = str(exc).splitlines()[0][:200]
+            result["right"] = all(isinstance(result[k], float) and result[k] < 2e-2 for k in ("rows", "tiled"))
+            probe.append(result)
+            print("probe", knobs, {k: result[k] for k in ("rows", "tiled")}, "right" if result["right"] else "wrong",
+                  flush=True)
+            if result["right"]:
+                reading = knobs
+                break
+        set_fragment_reading(reading or [])
+        save()
     for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
         w = torch.randn(out_f, in_f, generator=gen)
         w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)

@@ -95,6 +95,29 @@ def test_sparse_mma_as_a_programmatic_dependent_computes_the_same(mapped):
     _check(dependent, xin.double() @ w.double().t() + bias.double(), torch.bfloat16)
 
 
+@pytest.mark.parametrize("knob", ["A_SWAP", "META_HALF_SWAP", "META_ROLE_SWAP"])
+def test_each_other_reading_of_the_fragments_computes_something_else(knob, monkeypatch):
+    # what a GPU probe flips if the first reading of the PTX ISA is wrong: under the emulator (that reading) each
+    # flip must change the result, or the probe could not tell the readings apart
+    w, values, words, x, bias = _case(64, 256, 3, torch.bfloat16, seed=9)
+    plan = SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=256, splits=1, bpre=True)
+    monkeypatch.setenv("SHUFFLEPRUNE_SPARSE_MMA_READING", knob.lower())
+    try:
+        y, _ = run_cpu(x, values, cslt_words(words), None, True, plan)
+    except RuntimeError as exc:   # the emulator refused it (a metadata code that is no ordered pair)
+        assert "ordered pair" in str(exc)
+        return
+    assert (y.double() - x.double() @ w.double().t()).abs().max() > 0.5
+
+
+def test_an_unknown_reading_is_refused(monkeypatch):
+    from shuffleprune.kernels.nm_sparse_mma import fragment_reading
+
+    monkeypatch.setenv("SHUFFLEPRUNE_SPARSE_MMA_READING", "a_swap,b_swap")
+    with pytest.raises(ValueError, match="B_SWAP: use some of A_SWAP"):
+        fragment_reading()
+
+
 def test_sparse_mma_reads_an_input_whose_rows_are_apart():
     w, values, words, x, bias = _case(64, 256, 5, torch.bfloat16)
     wide = torch.zeros(5, 256 + 64, dtype=torch.bfloat16)
