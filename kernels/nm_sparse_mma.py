@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import os
+import sys
 from dataclasses import dataclass, asdict
 from pathlib import Path
 
@@ -147,9 +149,10 @@ def sparse_mma_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype:
 
 
 def sparse_mma_available(device: torch.device) -> bool:
-    """Whether ``device`` runs it: an NVIDIA GPU of compute capability 8.0 or more (sparse ``mma``) whose
-    PyTorch compiles CUDA C++ at run time (``torch.cuda._compile_kernel``, PyTorch 2.8 and later)."""
-    if device.type != "cuda" or torch.version.hip is not None or not hasattr(torch.cuda, "_compile_kernel"):
+    """Whether ``device`` runs it: an NVIDIA GPU of compute capability 8.0 or more (sparse ``mma``). It is
+    compiled at its first call by PyTorch's ``torch.cuda._compile_kernel`` (2.8 and later) or by NVRTC called
+    here; where neither works the call raises and ``auto`` leaves it out."""
+    if device.type != "cuda" or torch.version.hip is not None:
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 8
 
@@ -267,16 +270,105 @@ def ordered_metadata() -> bool:
     return version >= (12, 5)
 
 
+class Nvrtc:
+    """Just enough of NVRTC's C API to compile one source to a cubin (and ptxas's report of it)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def version(self) -> str:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        return f"{major.value}.{minor.value}"
+
+    def compile(self, source: str, arch: str, report: bool = False) -> tuple[bool, str, bytes]:
+        """``(compiled, log, cubin)`` of ``source`` for ``arch`` (``sm_90``), ptxas's report in the log if asked."""
+        prog = ctypes.c_void_p()
+        if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"nm_sparse_mma.cu", 0, None, None):
+            raise RuntimeError("nvrtcCreateProgram failed")
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", *([b"--ptxas-options=-v"] if report else [])]
+        ok = self.lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
+        size = ctypes.c_size_t()
+        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        self.lib.nvrtcGetProgramLog(prog, log)
+        cubin = b""
+        if ok:
+            self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            self.lib.nvrtcGetCUBIN(prog, buf)
+            cubin = buf.raw
+        self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        return ok, log.value.decode(errors="replace"), cubin
+
+
+def find_nvrtc() -> str | None:
+    """The NVRTC library of an installed ``nvidia-cuda-nvrtc`` wheel (PyTorch's CUDA wheels depend on one)."""
+    for base in sys.path:
+        for found in sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*")) +
+                            glob.glob(os.path.join(base, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*"))):
+            if "builtins" not in found:
+                return found
+    return None
+
+
+class CompiledKernel:
+    """A kernel this module compiled and loaded itself: its ``CUfunction`` (``func``, what :class:`KernelLaunch`
+    launches) and the module that holds it."""
+
+    def __init__(self, func: ctypes.c_void_p, module: ctypes.c_void_p):
+        self.func, self.module = func, module
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("the sparse-MMA decode compiled here launches only through the CUDA driver (KernelLaunch)")
+
+
+def _compile_own(source: str, device_index: int) -> CompiledKernel:
+    """NVRTC (the wheel's library, or the system's) to a cubin for this GPU, loaded by the driver: where
+    PyTorch has no ``torch.cuda._compile_kernel`` or it failed."""
+    path = find_nvrtc()
+    nvrtc = Nvrtc(ctypes.CDLL(path or "libnvrtc.so"))
+    major, minor = _capability(device_index)
+    ok, log, cubin = nvrtc.compile(source, f"sm_{major}{minor}")
+    if not ok:
+        raise RuntimeError(f"NVRTC did not compile the sparse-MMA decode: {log.strip()[-500:]}")
+    driver = _driver()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream(device_index)   # the device's context made current on this thread
+        module, func = ctypes.c_void_p(), ctypes.c_void_p()
+        status = driver.cuModuleLoadData(ctypes.byref(module), cubin)
+        if status == 0:
+            status = driver.cuModuleGetFunction(ctypes.byref(func), module, KERNEL_NAME.encode())
+    if status:
+        raise RuntimeError(f"the CUDA driver did not load the sparse-MMA decode (status {status})")
+    return CompiledKernel(func, module)
+
+
+_FAILED: dict[tuple, str] = {}   # variants that compiled nowhere: refused at once the next time
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(defines: tuple, device_index: int):
-    """One variant compiled for one GPU (NVRTC, about a second the first time in a process)."""
+    """One variant compiled for one GPU (NVRTC, about a second the first time in a process): through
+    PyTorch's ``torch.cuda._compile_kernel``, else by this module's own NVRTC call and the driver. Any
+    failure is a RuntimeError (``auto`` leaves the candidate out), given at once the next time."""
+    key = (defines, device_index)
+    if key in _FAILED:
+        raise RuntimeError(_FAILED[key])
     source = kernel_source(dict(defines))
+    errors = []
+    if hasattr(torch.cuda, "_compile_kernel"):
+        try:
+            with torch.cuda.device(device_index):
+                return torch.cuda._compile_kernel(source, KERNEL_NAME)   # NVRTC's default dialect: C++17
+        except Exception as exc:   # noqa: BLE001 - a private API: its failure sends us to our own NVRTC call
+            errors.append(f"torch.cuda._compile_kernel: {type(exc).__name__}: {str(exc).strip()[:300]}")
     try:
-        with torch.cuda.device(device_index):
-            return torch.cuda._compile_kernel(source, KERNEL_NAME)   # NVRTC's default dialect: C++17
-    except Exception as exc:   # noqa: BLE001 - a private API: any failure leaves the candidate out (a RuntimeError)
-        raise RuntimeError(f"the sparse-MMA decode did not compile through torch.cuda._compile_kernel: "
-                           f"{type(exc).__name__}: {str(exc).strip()[:500]}") from exc
+        return _compile_own(source, device_index)
+    except Exception as exc:   # noqa: BLE001 - no NVRTC, no driver, a compile error: the candidate is left out
+        errors.append(f"own NVRTC: {type(exc).__name__}: {str(exc).strip()[:300]}")
+    _FAILED[key] = "the sparse-MMA decode did not compile: " + "; ".join(errors)
+    raise RuntimeError(_FAILED[key])
 
 
 def _driver():

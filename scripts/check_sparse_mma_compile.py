@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import json
 import os
 import platform
@@ -38,47 +37,12 @@ SMS = {"sm_90": 132, "sm_80": 108}
 SHARED_PER_SM = {"sm_90": 228 * 1024, "sm_80": 164 * 1024}
 
 
-def find_nvrtc(given: str | None) -> str:
-    """The NVRTC library to load: ``given``, else one under an installed ``nvidia`` package."""
-    if given:
-        return given
-    for base in sys.path:
-        for found in sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*")) +
-                            glob.glob(os.path.join(base, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*"))):
-            if "builtins" not in found:
-                return found
-    raise SystemExit("no NVRTC library found: pip install nvidia-cuda-nvrtc, or pass --nvrtc PATH")
-
-
-class Nvrtc:
-    """Just enough of NVRTC's C API to compile one source to a cubin with ptxas's report."""
-
-    def __init__(self, path: str):
-        self.lib = ctypes.CDLL(path)
-
-    def version(self) -> str:
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-        return f"{major.value}.{minor.value}"
-
-    def compile(self, source: str, arch: str) -> tuple[bool, str, bytes]:
-        prog = ctypes.c_void_p()
-        if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"nm_sparse_mma.cu", 0, None, None):
-            raise RuntimeError("nvrtcCreateProgram failed")
-        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
-        ok = self.lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
-        size = ctypes.c_size_t()
-        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        self.lib.nvrtcGetProgramLog(prog, log)
-        cubin = b""
-        if ok:
-            self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-            buf = ctypes.create_string_buffer(size.value)
-            self.lib.nvrtcGetCUBIN(prog, buf)
-            cubin = buf.raw
-        self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        return ok, log.value.decode(errors="replace"), cubin
+def nvrtc_path(given: str | None) -> str:
+    """The NVRTC library to load: ``given``, else an installed ``nvidia-cuda-nvrtc`` wheel's."""
+    found = given or sm.find_nvrtc()
+    if not found:
+        raise SystemExit("no NVRTC library found: pip install nvidia-cuda-nvrtc, or pass --nvrtc PATH")
+    return found
 
 
 def cuobjdump() -> str | None:
@@ -127,7 +91,7 @@ def main() -> None:
     ap.add_argument("--arch", nargs="+", default=["sm_90", "sm_80"])
     ap.add_argument("--out", default=str(ROOT / "scripts/results/sparse_mma_compile.json"))
     args = ap.parse_args()
-    nvrtc = Nvrtc(find_nvrtc(args.nvrtc))
+    nvrtc = sm.Nvrtc(ctypes.CDLL(nvrtc_path(args.nvrtc)))
     tool = cuobjdump()
     rows, seen = [], {}
     t0 = time.time()
@@ -142,7 +106,7 @@ def main() -> None:
                     defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped, pdl)
                     key = (arch, tuple(defines.items()))
                     if key not in seen:
-                        ok, log, cubin = nvrtc.compile(sm.kernel_source(defines), arch)
+                        ok, log, cubin = nvrtc.compile(sm.kernel_source(defines), arch, report=True)
                         regs = re.search(r"Used (\d+) registers", log)
                         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
                         smem = re.search(r"(\d+) bytes smem", log)

@@ -256,3 +256,22 @@ def test_auto_weighs_the_sparse_mma_decode_where_it_runs(monkeypatch):
                        (layer(256, 4, 8, torch.bfloat16, False), x),             # 4:8
                        (layer(256, 2, 4, torch.float32, False), x.float())):      # 32-bit
         assert not any(c.startswith("decode_sparse_mma") for c in other.candidates(inp))
+
+
+def test_a_variant_that_compiles_nowhere_is_refused_once_then_at_once(monkeypatch):
+    from shuffleprune.kernels import nm_sparse_mma as sp
+
+    tries = []
+
+    def own(source, device_index):   # no NVRTC here: what a machine without one answers
+        tries.append(device_index)
+        raise OSError("libnvrtc.so: cannot open shared object file")
+
+    monkeypatch.setattr(sp, "_compile_own", own)
+    monkeypatch.setattr(sp, "_FAILED", {})
+    defines = tuple(sp.kernel_defines(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=128, splits=1, bpre=True),
+                                      torch.bfloat16, False, False, True).items()) + (("TEST_ONLY", 1),)
+    for _ in range(2):   # a RuntimeError both times (auto leaves the candidate out); NVRTC asked only the first
+        with pytest.raises(RuntimeError, match="did not compile: .*own NVRTC: OSError"):
+            sp._compiled(defines, 0)
+    assert tries == [0]
