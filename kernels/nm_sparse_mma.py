@@ -14,21 +14,21 @@ with the MMA computed as the PTX ISA defines it), which is how the tests check i
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import glob
 import os
-import sys
 from dataclasses import dataclass, asdict
 from pathlib import Path
 
 import torch
 
+from shuffleprune.kernels.cuda_rtc import KernelLaunch, compile_cuda, driver, resident_ctas
 from shuffleprune.kernels.gpu import _capability, cdiv
 
 SOURCE = Path(__file__).with_name("nm_sparse_mma.cu")
 KERNEL_NAME = "nm_sparse_mma"
 STEP = 128                 # columns a warp reads per step (two blocks of 64)
+ARG_POINTERS, ARG_INTS = 8, 5   # the kernel's parameters: x, values, words, perm, bias, y, partial, counters; T, R,
+                                # C, xs, KS
 MAX_TOKENS = 64            # 8 n-tiles of 8 tokens
 MAPPED_MAX_TOKENS = 16     # reading the map itself: every token's columns of a CTA staged in shared memory
 STAGED_LIMIT = 32 * 1024   # the most bytes of staged input a CTA takes (its columns split further to fit)
@@ -270,185 +270,10 @@ def ordered_metadata() -> bool:
     return version >= (12, 5)
 
 
-class Nvrtc:
-    """Just enough of NVRTC's C API to compile one source to a cubin (and ptxas's report of it)."""
-
-    def __init__(self, lib):
-        self.lib = lib
-
-    def version(self) -> str:
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-        return f"{major.value}.{minor.value}"
-
-    def compile(self, source: str, arch: str, report: bool = False) -> tuple[bool, str, bytes]:
-        """``(compiled, log, cubin)`` of ``source`` for ``arch`` (``sm_90``), ptxas's report in the log if asked."""
-        prog = ctypes.c_void_p()
-        if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"nm_sparse_mma.cu", 0, None, None):
-            raise RuntimeError("nvrtcCreateProgram failed")
-        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", *([b"--ptxas-options=-v"] if report else [])]
-        ok = self.lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
-        size = ctypes.c_size_t()
-        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        self.lib.nvrtcGetProgramLog(prog, log)
-        cubin = b""
-        if ok:
-            self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-            buf = ctypes.create_string_buffer(size.value)
-            self.lib.nvrtcGetCUBIN(prog, buf)
-            cubin = buf.raw
-        self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        return ok, log.value.decode(errors="replace"), cubin
-
-
-def find_nvrtc() -> str | None:
-    """The NVRTC library of an installed ``nvidia-cuda-nvrtc`` wheel (PyTorch's CUDA wheels depend on one)."""
-    for base in sys.path:
-        for found in sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*")) +
-                            glob.glob(os.path.join(base, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*"))):
-            if "builtins" not in found:
-                return found
-    return None
-
-
-class CompiledKernel:
-    """A kernel this module compiled and loaded itself: its ``CUfunction`` (``func``, what :class:`KernelLaunch`
-    launches) and the module that holds it."""
-
-    def __init__(self, func: ctypes.c_void_p, module: ctypes.c_void_p):
-        self.func, self.module = func, module
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError("the sparse-MMA decode compiled here launches only through the CUDA driver (KernelLaunch)")
-
-
-def _compile_own(source: str, device_index: int) -> CompiledKernel:
-    """NVRTC (the wheel's library, or the system's) to a cubin for this GPU, loaded by the driver: where
-    PyTorch has no ``torch.cuda._compile_kernel`` or it failed."""
-    path = find_nvrtc()
-    nvrtc = Nvrtc(ctypes.CDLL(path or "libnvrtc.so"))
-    major, minor = _capability(device_index)
-    ok, log, cubin = nvrtc.compile(source, f"sm_{major}{minor}")
-    if not ok:
-        raise RuntimeError(f"NVRTC did not compile the sparse-MMA decode: {log.strip()[-500:]}")
-    driver = _driver()
-    with torch.cuda.device(device_index):
-        torch.cuda.current_stream(device_index)   # the device's context made current on this thread
-        module, func = ctypes.c_void_p(), ctypes.c_void_p()
-        status = driver.cuModuleLoadData(ctypes.byref(module), cubin)
-        if status == 0:
-            status = driver.cuModuleGetFunction(ctypes.byref(func), module, KERNEL_NAME.encode())
-    if status:
-        raise RuntimeError(f"the CUDA driver did not load the sparse-MMA decode (status {status})")
-    return CompiledKernel(func, module)
-
-
-_FAILED: dict[tuple, str] = {}   # variants that compiled nowhere: refused at once the next time
-
-
 @functools.lru_cache(maxsize=None)
 def _compiled(defines: tuple, device_index: int):
-    """One variant compiled for one GPU (NVRTC, about a second the first time in a process): through
-    PyTorch's ``torch.cuda._compile_kernel``, else by this module's own NVRTC call and the driver. Any
-    failure is a RuntimeError (``auto`` leaves the candidate out), given at once the next time."""
-    key = (defines, device_index)
-    if key in _FAILED:
-        raise RuntimeError(_FAILED[key])
-    source = kernel_source(dict(defines))
-    errors = []
-    if hasattr(torch.cuda, "_compile_kernel"):
-        try:
-            with torch.cuda.device(device_index):
-                return torch.cuda._compile_kernel(source, KERNEL_NAME)   # NVRTC's default dialect: C++17
-        except Exception as exc:   # noqa: BLE001 - a private API: its failure sends us to our own NVRTC call
-            errors.append(f"torch.cuda._compile_kernel: {type(exc).__name__}: {str(exc).strip()[:300]}")
-    try:
-        return _compile_own(source, device_index)
-    except Exception as exc:   # noqa: BLE001 - no NVRTC, no driver, a compile error: the candidate is left out
-        errors.append(f"own NVRTC: {type(exc).__name__}: {str(exc).strip()[:300]}")
-    _FAILED[key] = "the sparse-MMA decode did not compile: " + "; ".join(errors)
-    raise RuntimeError(_FAILED[key])
-
-
-def _driver():
-    """The CUDA driver library as PyTorch loads it (its helper's name changed across releases)."""
-    from torch.cuda import _utils
-
-    for name in ("_get_gpu_runtime_library", "_get_cuda_library"):
-        if hasattr(_utils, name):
-            return getattr(_utils, name)()
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def resident_ctas(kernel, threads: int, dynamic_shared: int = 0) -> int:
-    """How many CTAs of ``threads`` threads of a compiled kernel one SM holds (the driver's occupancy;
-    :data:`DEFAULT_CTAS_PER_SM` where the driver cannot be asked)."""
-    count = ctypes.c_int()
-    try:
-        status = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            ctypes.byref(count), kernel.func, ctypes.c_int(threads), ctypes.c_size_t(dynamic_shared))
-    except (AttributeError, OSError):
-        return DEFAULT_CTAS_PER_SM
-    return count.value if status == 0 and count.value > 0 else DEFAULT_CTAS_PER_SM
-
-
-class _AttributeValue(ctypes.Union):   # CUlaunchAttributeValue (cuda.h): 64 bytes
-    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
-
-
-class _Attribute(ctypes.Structure):    # CUlaunchAttribute: the id, padded to 8 bytes, then the value
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttributeValue)]
-
-
-class _LaunchConfig(ctypes.Structure):   # CUlaunchConfig
-    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)),
-                ("num_attrs", ctypes.c_uint)]
-
-
-PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-class KernelLaunch:
-    """``cuLaunchKernel`` of one compiled kernel with its argument block built once: a call writes the
-    tensors' addresses and the integers into it and launches on the current stream. PyTorch's own
-    ``_CudaKernel`` call builds every ctypes argument anew (the host's cost, not the GPU's, on an eager
-    decode step). ``pdl``: ``cuLaunchKernelEx`` with programmatic stream serialization allowed, so the kernel
-    may start while the one before it ends (its ``griddepcontrol.wait`` keeps its inputs safe)."""
-
-    POINTERS, INTS = 8, 5   # x, values, words, perm, bias, y, partial, counters; T, R, C, xs, KS
-
-    def __init__(self, kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int, driver=None,
-                 pdl: bool = False):
-        self.kernel, self.grid, self.block, self.shared = kernel, grid, block, shared
-        self.driver, self.pdl = driver, pdl
-        self.pointers = [ctypes.c_void_p() for _ in range(self.POINTERS)]
-        self.ints = [ctypes.c_int() for _ in range(self.INTS)]
-        values = self.pointers + self.ints
-        self.params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        if pdl:
-            self.attribute = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-            self.attribute.value.programmatic_stream_serialization_allowed = 1
-            self.config = _LaunchConfig(*grid, *block, shared, None, ctypes.pointer(self.attribute), 1)
-
-    def __call__(self, tensors: list[torch.Tensor], ints: list[int], stream: int) -> None:
-        for slot, t in zip(self.pointers, tensors):
-            slot.value = t.data_ptr()
-        for slot, v in zip(self.ints, ints):
-            slot.value = v
-        if self.pdl:
-            self.config.stream = stream
-            status = self.driver.cuLaunchKernelEx(ctypes.byref(self.config), self.kernel.func, self.params, None)
-        else:
-            status = self.driver.cuLaunchKernel(self.kernel.func, *self.grid, *self.block, self.shared,
-                                                ctypes.c_void_p(stream), self.params, None)
-        if status:
-            text = ctypes.c_char_p()
-            self.driver.cuGetErrorString(status, ctypes.byref(text))
-            raise RuntimeError(f"CUDA error: {(text.value or b'unknown').decode()} (cuLaunchKernel of the sparse-MMA "
-                               f"decode, status {status})")
+    """One variant compiled for one GPU (:func:`.cuda_rtc.compile_cuda`: about a second the first time)."""
+    return compile_cuda(kernel_source(dict(defines)), KERNEL_NAME, device_index, key=defines)
 
 
 @functools.lru_cache(maxsize=None)
@@ -460,7 +285,7 @@ def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, 
     plan = sparse_mma_plan(tokens, rows, cols, sms, mapped=mapped, **dict(override))
     kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata(), mapped, pdl).items()),
                        device_index)
-    ctas = resident_ctas(kernel, 32 * plan.warps, plan.staged_bytes(tokens) if mapped else 0)
+    ctas = resident_ctas(kernel, 32 * plan.warps, plan.staged_bytes(tokens) if mapped else 0) or DEFAULT_CTAS_PER_SM
     if ctas != DEFAULT_CTAS_PER_SM:
         plan = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm=ctas, mapped=mapped, **dict(override))
     return kernel, plan, _bound(kernel, plan, rows, tokens, mapped, pdl)
@@ -470,12 +295,12 @@ def _bound(kernel, plan: SparseMmaPlan, rows: int, tokens: int, mapped: bool, pd
     """The launch of ``kernel`` for one kind of call, or None where the driver is not reachable (then
     PyTorch's ``_CudaKernel`` call launches it, never as a programmatic dependent: its wait is then a no-op)."""
     try:
-        driver = _driver()
-        driver.cuLaunchKernelEx if pdl else driver.cuLaunchKernel   # noqa: B018 - a driver without it falls back
+        cuda = driver()
+        cuda.cuLaunchKernelEx if pdl else cuda.cuLaunchKernel   # noqa: B018 - a driver without it falls back
     except (AttributeError, OSError):
         return None
-    return KernelLaunch(kernel, plan.grid(rows), (32 * plan.warps, 1, 1),
-                        plan.staged_bytes(tokens) if mapped else 0, driver, pdl)
+    return KernelLaunch(kernel, plan.grid(rows), (32 * plan.warps, 1, 1), plan.staged_bytes(tokens) if mapped else 0,
+                        cuda, ARG_POINTERS, ARG_INTS, pdl)
 
 
 _WORKSPACE: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

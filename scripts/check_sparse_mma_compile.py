@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from shuffleprune.kernels import nm_sparse_mma as sm  # noqa: E402
+from shuffleprune.kernels.cuda_rtc import Nvrtc, find_nvrtc  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 32, 64]
@@ -39,7 +40,7 @@ SHARED_PER_SM = {"sm_90": 228 * 1024, "sm_80": 164 * 1024}
 
 def nvrtc_path(given: str | None) -> str:
     """The NVRTC library to load: ``given``, else an installed ``nvidia-cuda-nvrtc`` wheel's."""
-    found = given or sm.find_nvrtc()
+    found = given or find_nvrtc()
     if not found:
         raise SystemExit("no NVRTC library found: pip install nvidia-cuda-nvrtc, or pass --nvrtc PATH")
     return found
@@ -91,7 +92,7 @@ def main() -> None:
     ap.add_argument("--arch", nargs="+", default=["sm_90", "sm_80"])
     ap.add_argument("--out", default=str(ROOT / "scripts/results/sparse_mma_compile.json"))
     args = ap.parse_args()
-    nvrtc = sm.Nvrtc(ctypes.CDLL(nvrtc_path(args.nvrtc)))
+    nvrtc = Nvrtc(ctypes.CDLL(nvrtc_path(args.nvrtc)))
     tool = cuobjdump()
     rows, seen = [], {}
     t0 = time.time()

@@ -9,7 +9,8 @@ import torch
 
 from shuffleprune.deploy.cslt_layout import cslt_words
 from shuffleprune.deploy.format import compress
-from shuffleprune.kernels.nm_sparse_mma import (KernelLaunch, SparseMmaPlan, check_plan, nm_sparse_mma,
+from shuffleprune.kernels.cuda_rtc import KernelLaunch
+from shuffleprune.kernels.nm_sparse_mma import (ARG_INTS, ARG_POINTERS, SparseMmaPlan, check_plan, nm_sparse_mma,
                                                  sparse_mma_applies, sparse_mma_available, sparse_mma_plan)
 from shuffleprune.kernels.nm_words import position_words
 from shuffleprune.masks import nm_keep_mask
@@ -185,9 +186,9 @@ class _RecordingDriver:
         self.status, self.calls = status, []
 
     def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        pointers = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p))[0] for i in range(KernelLaunch.POINTERS)]
-        ints = [ctypes.cast(params[KernelLaunch.POINTERS + i], ctypes.POINTER(ctypes.c_int))[0]
-                for i in range(KernelLaunch.INTS)]
+        pointers = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p))[0] for i in range(ARG_POINTERS)]
+        ints = [ctypes.cast(params[ARG_POINTERS + i], ctypes.POINTER(ctypes.c_int))[0]
+                for i in range(ARG_INTS)]
         self.calls.append(dict(func=func.value, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared,
                                stream=stream.value, pointers=pointers, ints=ints, extra=extra))
         return self.status
@@ -199,7 +200,7 @@ class _RecordingDriver:
                                block=(c.block_x, c.block_y, c.block_z), shared=c.shared_bytes, stream=c.stream,
                                attrs=[(attr.id, attr.value.programmatic_stream_serialization_allowed)][:c.num_attrs],
                                pointers=[ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p))[0]
-                                         for i in range(KernelLaunch.POINTERS)], extra=extra))
+                                         for i in range(ARG_POINTERS)], extra=extra))
         return self.status
 
     def cuGetErrorString(self, status, out):
@@ -210,26 +211,26 @@ class _RecordingDriver:
 def test_a_bound_launch_passes_each_calls_tensors_and_integers_in_the_kernels_order():
     kernel = type("Compiled", (), {"func": ctypes.c_void_p(0xBEEF)})()
     driver = _RecordingDriver()
-    launch = KernelLaunch(kernel, (64, 2, 1), (128, 1, 1), 4096, driver)
+    launch = KernelLaunch(kernel, (64, 2, 1), (128, 1, 1), 4096, driver, ARG_POINTERS, ARG_INTS)
     for tokens in (1, 3):   # the block is built once; each call writes its own addresses and integers
-        tensors = [torch.empty(4) for _ in range(KernelLaunch.POINTERS)]
+        tensors = [torch.empty(4) for _ in range(ARG_POINTERS)]
         launch(tensors, [tokens, 4096, 4096, 4096 * tokens, 2048], stream=0x1234)
         call = driver.calls[-1]
         assert call["pointers"] == [t.data_ptr() for t in tensors]
         assert call["ints"] == [tokens, 4096, 4096, 4096 * tokens, 2048]
         assert (call["func"], call["grid"], call["block"], call["shared"], call["stream"], call["extra"]) == \
             (0xBEEF, (64, 2, 1), (128, 1, 1), 4096, 0x1234, None)
-    dependent = KernelLaunch(kernel, (32, 4, 1), (256, 1, 1), 0, driver, pdl=True)
-    tensors = [torch.empty(2) for _ in range(KernelLaunch.POINTERS)]
+    dependent = KernelLaunch(kernel, (32, 4, 1), (256, 1, 1), 0, driver, ARG_POINTERS, ARG_INTS, pdl=True)
+    tensors = [torch.empty(2) for _ in range(ARG_POINTERS)]
     dependent(tensors, [1, 4096, 4096, 4096, 1024], stream=0x99)
     call = driver.calls[-1]   # cuLaunchKernelEx with programmatic stream serialization allowed (attribute 6)
     assert (call["grid"], call["block"], call["shared"], call["stream"], call["attrs"]) == \
         ((32, 4, 1), (256, 1, 1), 0, 0x99, [(6, 1)])
     assert call["pointers"] == [t.data_ptr() for t in tensors]
     assert ctypes.sizeof(type(dependent.attribute)) == 72   # cuda.h's CUlaunchAttribute: id, pad, a 64-byte union
-    failing = KernelLaunch(kernel, (1, 1, 1), (32, 1, 1), 0, _RecordingDriver(status=700))
+    failing = KernelLaunch(kernel, (1, 1, 1), (32, 1, 1), 0, _RecordingDriver(status=700), ARG_POINTERS, ARG_INTS)
     with pytest.raises(RuntimeError, match="an illegal memory access was encountered"):   # a DeviceFault's words
-        failing([torch.empty(1)] * KernelLaunch.POINTERS, [1, 16, 128, 128, 128], stream=0)
+        failing([torch.empty(1)] * ARG_POINTERS, [1, 16, 128, 128, 128], stream=0)
 
 
 def test_auto_weighs_the_sparse_mma_decode_where_it_runs(monkeypatch):
@@ -259,19 +260,19 @@ def test_auto_weighs_the_sparse_mma_decode_where_it_runs(monkeypatch):
 
 
 def test_a_variant_that_compiles_nowhere_is_refused_once_then_at_once(monkeypatch):
-    from shuffleprune.kernels import nm_sparse_mma as sp
+    from shuffleprune.kernels import cuda_rtc, nm_sparse_mma as sp
 
     tries = []
 
-    def own(source, device_index):   # no NVRTC here: what a machine without one answers
+    def own(source, name, device_index):   # no NVRTC here: what a machine without one answers
         tries.append(device_index)
         raise OSError("libnvrtc.so: cannot open shared object file")
 
-    monkeypatch.setattr(sp, "_compile_own", own)
-    monkeypatch.setattr(sp, "_FAILED", {})
+    monkeypatch.setattr(cuda_rtc, "compile_own", own)
+    monkeypatch.setattr(cuda_rtc, "_FAILED", {})
     defines = tuple(sp.kernel_defines(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=128, splits=1, bpre=True),
                                       torch.bfloat16, False, False, True).items()) + (("TEST_ONLY", 1),)
     for _ in range(2):   # a RuntimeError both times (auto leaves the candidate out); NVRTC asked only the first
-        with pytest.raises(RuntimeError, match="did not compile: .*own NVRTC: OSError"):
+        with pytest.raises(RuntimeError, match="nm_sparse_mma did not compile: .*own NVRTC: OSError"):
             sp._compiled(defines, 0)
     assert tries == [0]
