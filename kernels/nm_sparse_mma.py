@@ -3,8 +3,8 @@ at its first call on a GPU (PyTorch's ``torch.cuda._compile_kernel``), for 1–6
 
 Triton has no sparse MMA (triton-lang/triton#6891), so every Triton decode expands its 2:4 tile to dense
 in registers before ``tl.dot``: that expansion, not the weight's bytes, bounds them from 2 tokens on
-(``bench_kernel.json``: 1.0–1.3 TB/s at 16–64 tokens where cuBLAS moves 2.5–2.8). ``mma.sp`` multiplies the
-kept values as they lie, each position code a 2-bit index the tensor core reads itself, so the decode's
+(``bench_kernel.json``, H200, 4096×4096: 1.0–1.5 TB/s at 16–64 tokens where cuBLAS moved 2.5–2.8). ``mma.sp``
+multiplies the kept values as they lie, each position code a 2-bit index the tensor core reads itself, so the decode's
 work per weight byte is the same at 1 token as at 64. It reads the layer's one buffer as it is (the
 export's row words, or cuSPARSELt's order after ``use_cslt_layout``): no copy, no re-layout. The
 kernel's text says how lanes map to the MMA's fragments; :func:`sparse_mma_plan` sizes its grid.

@@ -137,7 +137,8 @@ def main() -> None:
     print(f"{len(seen)} variants, {out['failed']} failed, {out['spilling']} spilling → {args.out}")
     for r in rows:
         if r["arch"] == "sm_90" and r["shape"] == [4096, 4096] and r["tiled"]:
-            print(r["tokens"], "mapped" if r["mapped"] else "", "pdl" if r["pdl"] else "", r["plan"], "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
+            print(r["tokens"], "mapped" if r["mapped"] else "", "pdl" if r["pdl"] else "", r["plan"],
+                  "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
                   "warps/SM", r["warps_per_sm"], "waves", r["waves"], r["sass"])
 
 

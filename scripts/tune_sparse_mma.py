@@ -31,8 +31,10 @@ def main() -> None:
     ap.add_argument("--kw", type=int, nargs="+", default=[0], help="warps splitting K in a CTA (0: the plan's)")
     ap.add_argument("--splits", type=int, nargs="+", default=[0], help="CTAs splitting K (0: the plan's)")
     ap.add_argument("--mt", type=int, nargs="+", default=[0], help="m-tiles of 16 rows per warp (0: the plan's)")
-    ap.add_argument("--bpre", type=int, nargs="+", default=[-1], help="1/0: the input loaded a step ahead or not (-1: the plan's)")
-    ap.add_argument("--stages", type=int, nargs="+", default=[0], help="steps a warp holds in registers (0: the plan's)")
+    ap.add_argument("--bpre", type=int, nargs="+", default=[-1],
+                    help="1/0: the input loaded a step ahead or not (-1: the plan's)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[0],
+                    help="steps a warp holds in registers (0: the plan's)")
     ap.add_argument("--layouts", nargs="+", default=["rows", "tiled"], choices=["rows", "tiled"])
     ap.add_argument("--maps", nargs="+", default=["none"], choices=["none", "random"],
                     help="random: a random index map over all columns, read by the kernel itself (1-16 tokens)")
@@ -141,7 +143,8 @@ def main() -> None:
             lw = (cslt_words(words) if tiled else words).contiguous()
             copies = [(values.to(dev), lw.to(dev))]
             copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
-            for kw, splits, mt, bpre, stages in itertools.product(args.kw, args.splits, args.mt, args.bpre, args.stages):
+            grid = itertools.product(args.kw, args.splits, args.mt, args.bpre, args.stages)
+            for kw, splits, mt, bpre, stages in grid:
                 override = {k: v for k, v, skip in (("kw", kw, 0), ("splits", splits, 0), ("mt", mt, 0),
                                                     ("bpre", bpre, -1), ("stages", stages, 0)) if v != skip}
                 if "bpre" in override:

@@ -65,7 +65,8 @@ def run_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: to
     p = perm if mapped else words
     err = lib.spemu_launch(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(32 * plan.warps),
                            ctypes.c_uint(seed), _ptr(x), _bytes(x), _ptr(values), _bytes(values), _ptr(words),
-                           _bytes(words), _ptr(p), _bytes(p), _ptr(b), _bytes(b), _ptr(y), _bytes(y), _ptr(partial), _bytes(partial),
+                           _bytes(words), _ptr(p), _bytes(p), _ptr(b), _bytes(b), _ptr(y), _bytes(y), _ptr(partial),
+                           _bytes(partial),
                            _ptr(counters), _bytes(counters), ctypes.c_int(tokens), ctypes.c_int(rows),
                            ctypes.c_int(cols), ctypes.c_int(x_stride or x.stride(0)), ctypes.c_int(plan.ks),
                            ctypes.c_uint(plan.staged_bytes(tokens) if mapped else 0))

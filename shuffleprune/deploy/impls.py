@@ -92,7 +92,8 @@
   capability 8.0 or more): ``kernels/nm_sparse_mma.cu``, the decode on the sparse tensor cores (``mma.sp``),
   CUDA C++ compiled by NVRTC at its first call, over the gathered input. Triton has no sparse MMA, so every
   Triton decode above expands its tile to dense before ``tl.dot``, and from 2 tokens on that expansion, not
-  the weight's bytes, bounds them (1.0–1.3 TB/s at 16–64 tokens on the H200 where cuBLAS moved 2.5–2.8);
+  the weight's bytes, bounds them (on the H200, 4096×4096 at 16–64 tokens: 1.0–1.5 TB/s where cuBLAS moved
+  2.5–2.8);
   ``mma.sp`` multiplies the kept values as they lie, with the position codes as its metadata, from the
   layer's one buffer in either layout. Checked on the CPU by running its text under an emulator of CUDA's
   threads and of the sparse MMA as the PTX ISA defines it (``tests/sparse_mma_emulator.hpp``), and compiled
