@@ -84,9 +84,15 @@ def test_straight_through_forward_is_hard_and_gradients_reach_m():
 def test_sinkhorn_relaxation_is_doubly_stochastic_and_starts_at_identity():
     sp = SoftPermutation(48, block=16, relax="sinkhorn")
     assert torch.equal(sp.harden(), torch.arange(48))
-    for m in sinkhorn([torch.randn(2, 16, 16)], tau=0.3, iters=30):
-        assert torch.allclose(m.sum(-1), torch.ones(2, 16), atol=1e-3)
-        assert torch.allclose(m.sum(-2), torch.ones(2, 16), atol=1e-5)
+    # a seeded draw: the input used to come from whatever state the global RNG was left in by the tests before it,
+    # and at τ = 0.3 thirty rounds leave the rows of about 40 % of draws more than 1e-3 off (up to 0.019)
+    logits = [torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))]
+    row_error = []
+    for iters in (30, 200):
+        for m in sinkhorn(logits, tau=0.3, iters=iters):
+            assert torch.allclose(m.sum(-2), torch.ones(2, 16), atol=1e-5)   # columns: normalised last
+            row_error.append(float((m.sum(-1) - 1).abs().max()))
+    assert row_error[1] < 1e-3 and row_error[1] < row_error[0] / 10      # rows: converging
     assert float(sp.penalty()) == 0.0
 
 
