@@ -41,7 +41,8 @@
 //
 // Three readings of the PTX ISA's fragments, each 0 as read above, can be flipped for a probe on a GPU
 // (scripts/tune_sparse_mma.py --probe): A_SWAP (A's registers as row g slots t, t+4, then row g+8's),
-// META_HALF_SWAP (row g+8's metadata in the low 16 bits), META_ROLE_SWAP (lane 4g + 2s + 1 holding slots 0-3).
+// META_HALF_SWAP (row g+8's metadata in the low 16 bits), META_ROLE_SWAP (lane 4g + 2s + 1 holding slots 0-3),
+// B_SWAP (B's registers 1 and 2 exchanged: rows 2t + 16 before 2t + 8).
 
 #define WARPS (RW * KW)
 #define ROWS_PER_CTA (RW * MT * 16)
@@ -58,6 +59,9 @@ struct SpStage {
 
 SP_DEV unsigned sp_b_column(int c0, int block, int half, int reg, int t) {
   // the input column of B register `reg` (its first of two) for lane t in (block, half) of the step at c0
+#if B_SWAP
+  reg = ((reg & 1) << 1) | (reg >> 1);   // the other reading: registers 1 and 2 hold rows 2t + 16 and 2t + 8
+#endif
   int slot = 2 * reg + (t >> 1);
   int group = 4 * (slot & 3) + 2 * half + (slot >> 2);
   return (unsigned)(c0 + 64 * block + 4 * group + 2 * (t & 1));

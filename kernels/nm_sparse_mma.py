@@ -233,7 +233,8 @@ def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bia
             **{knob: int(knob in fragment_reading()) for knob in FRAGMENT_KNOBS}}
 
 
-FRAGMENT_KNOBS = ("A_SWAP", "META_HALF_SWAP", "META_ROLE_SWAP")   # the .cu text's other readings of the PTX ISA
+# the .cu text's other readings of the PTX ISA's fragments (each 0 in the reading it documents)
+FRAGMENT_KNOBS = ("A_SWAP", "META_HALF_SWAP", "META_ROLE_SWAP", "B_SWAP")
 READING_ENV = "SHUFFLEPRUNE_SPARSE_MMA_READING"   # knobs to flip, separated by commas (a GPU probe's finding)
 
 

@@ -96,7 +96,7 @@ def test_sparse_mma_as_a_programmatic_dependent_computes_the_same(mapped):
     _check(dependent, xin.double() @ w.double().t() + bias.double(), torch.bfloat16)
 
 
-@pytest.mark.parametrize("knob", ["A_SWAP", "META_HALF_SWAP", "META_ROLE_SWAP"])
+@pytest.mark.parametrize("knob", ["A_SWAP", "META_HALF_SWAP", "META_ROLE_SWAP", "B_SWAP"])
 def test_each_other_reading_of_the_fragments_computes_something_else(knob, monkeypatch):
     # what a GPU probe flips if the first reading of the PTX ISA is wrong: under the emulator (that reading) each
     # flip must change the result, or the probe could not tell the readings apart
@@ -114,8 +114,8 @@ def test_each_other_reading_of_the_fragments_computes_something_else(knob, monke
 def test_an_unknown_reading_is_refused(monkeypatch):
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
 
-    monkeypatch.setenv("SHUFFLEPRUNE_SPARSE_MMA_READING", "a_swap,b_swap")
-    with pytest.raises(ValueError, match="B_SWAP: use some of A_SWAP"):
+    monkeypatch.setenv("SHUFFLEPRUNE_SPARSE_MMA_READING", "a_swap,c_swap")
+    with pytest.raises(ValueError, match="C_SWAP: use some of A_SWAP"):
         fragment_reading()
 
 
