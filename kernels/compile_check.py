@@ -220,7 +220,8 @@ def _load_bytes(op: str) -> int:
     return (int(vec.group(1)) if vec else 1) * (int(width.group(1)) // 8 if width else 4)
 
 
-def _sass(cubin: bytes, arch: int) -> str:
+def disassemble(cubin: bytes, arch: int) -> str:
+    """The machine code of ``cubin`` as text (``nvdisasm``, the one beside Triton's ``ptxas``)."""
     nvdisasm = str(Path(_ptxas(arch)).with_name("nvdisasm"))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -347,18 +348,25 @@ def issue_ceiling_tbs(bytes_per_iteration: float, loop_insts: int, num_warps: in
     return per_cycle * spec.clock_ghz * 1e9 * spec.sms / 1e12
 
 
+def resident_programs(spec: GPUSpec, registers: int, warps: int, shared: int) -> int:
+    """Programs (CTAs) of ``warps`` warps, ``registers`` per thread and ``shared`` bytes of shared memory that
+    one SM of ``spec`` holds: registers are allocated per warp in units of 256, and the driver reserves 1 KB
+    of shared memory per program."""
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_regs = spec.regs_per_sm // (regs_per_warp * warps)
+    by_smem = spec.smem_per_sm // (shared + 1024) if shared else spec.max_blocks_per_sm
+    return min(by_regs, by_smem, spec.max_warps_per_sm // warps, spec.max_blocks_per_sm)
+
+
 def report(launch: Launch, spec: GPUSpec = H100) -> dict:
     """Resource use and instruction mix of one compiled launch, and its occupancy on ``spec``."""
     k = launch.compiled
     md, ptx = k.metadata, k.asm["ptx"]
     regs, spills = _ptxas_usage(ptx, spec.arch)
     warps = md.num_warps
-    regs_per_warp = -(-regs * 32 // 256) * 256          # registers are allocated per warp in units of 256
-    by_regs = spec.regs_per_sm // (regs_per_warp * warps)
-    by_smem = spec.smem_per_sm // (md.shared + 1024) if md.shared else spec.max_blocks_per_sm
-    per_sm = min(by_regs, by_smem, spec.max_warps_per_sm // warps, spec.max_blocks_per_sm)
+    per_sm = resident_programs(spec, regs, warps, md.shared)
     loads = _LOAD.findall(ptx)
-    sass = _sass(k.asm["cubin"], spec.arch)
+    sass = disassemble(k.asm["cubin"], spec.arch)
     loop = main_loop(sass)
     return {
         "kernel": launch.kernel, "grid": list(launch.grid), "programs": launch.programs,

@@ -33,7 +33,7 @@ class Nvrtc:
     def compile(self, source: str, arch: str, report: bool = False) -> tuple[bool, str, bytes]:
         """``(compiled, log, cubin)`` of ``source`` for ``arch`` (``sm_90``), ptxas's report in the log if asked."""
         prog = ctypes.c_void_p()
-        if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"nm_sparse_mma.cu", 0, None, None):
+        if self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
             raise RuntimeError("nvrtcCreateProgram failed")
         opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", *([b"--ptxas-options=-v"] if report else [])]
         ok = self.lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0

@@ -201,6 +201,15 @@ SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const S
   }
 }
 
+SP_DEV void sp_store_output(unsigned short* y, const unsigned short* bias, int R, int token, int row, float sum) {
+#if HAS_BIAS
+  sum += sp_to_float(sp_ld16(bias + row));
+#else
+  (void)bias;
+#endif
+  sp_st16(y + (long long)token * R + row, sp_from_float(sum));
+}
+
 extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     const unsigned short* x, const unsigned short* values, const unsigned* meta, const int* perm,
     const unsigned short* bias, unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
@@ -312,10 +321,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     if (split) {
       sp_st_float(partial + ((long long)blockIdx.y * T + token) * R + row, sum);
     } else {
-#if HAS_BIAS
-      sum += sp_to_float(sp_ld16(bias + row));
-#endif
-      sp_st16(y + (long long)token * R + row, sp_from_float(sum));
+      sp_store_output(y, bias, R, token, row, sum);
     }
   }
   if (!split) return;
@@ -335,10 +341,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     int token = o / ROWS_PER_CTA, row = blockIdx.x * ROWS_PER_CTA + o % ROWS_PER_CTA;
     float sum = 0.f;
     for (int k = 0; k < (int)gridDim.y; ++k) sum += sp_ld_volatile(partial + ((long long)k * T + token) * R + row);
-#if HAS_BIAS
-    sum += sp_to_float(sp_ld16(bias + row));
-#endif
-    sp_st16(y + (long long)token * R + row, sp_from_float(sum));
+    sp_store_output(y, bias, R, token, row, sum);
   }
   if (tid == 0) sp_st_int(counters + blockIdx.x, 0);   // ready for the next call (and the next graph replay)
 }

@@ -33,7 +33,6 @@ MAX_TOKENS = 64            # 8 n-tiles of 8 tokens
 MAPPED_MAX_TOKENS = 16     # reading the map itself: every token's columns of a CTA staged in shared memory
 STAGED_LIMIT = 32 * 1024   # the most bytes of staged input a CTA takes (its columns split further to fit)
 SHARED_LIMIT = 48 * 1024   # static shared memory per CTA without an opt-in
-TARGET_WARPS_PER_SM = 16   # resident warps the plan aims the grid at (loads in flight per SM)
 
 # what each kernel source needs from the GPU side; the emulator (tests/) defines the same names for the CPU
 DEVICE_PRELUDE = r"""
@@ -154,11 +153,16 @@ def sparse_mma_available(device: torch.device) -> bool:
     here; where neither works the call raises and ``auto`` leaves it out."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 8
+    return _capability(device_index(device))[0] >= 8
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def _columns_per_cta(cols: int, splits: int) -> int:
+    """Each of ``splits`` CTAs' share of ``cols`` columns, rounded up to whole steps."""
+    return cdiv(cdiv(cols, splits), STEP) * STEP
 
 
 # the tile per n-tile count: m-tiles per warp, warps splitting K in a CTA, the input loaded a step ahead. As
@@ -189,17 +193,17 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
     splits = max(1, min(round(sms * ctas_per_sm / row_blocks), steps // kw))
     if mapped:
         splits = max(splits, cdiv(tokens * cols * 2, STAGED_LIMIT))
-    ks = cdiv(cdiv(cols, splits), STEP) * STEP
+    ks = _columns_per_cta(cols, splits)
     while mapped and tokens * ks * 2 > STAGED_LIMIT and ks > STEP:   # the rounding up to whole steps went over
         splits += 1
-        ks = cdiv(cdiv(cols, splits), STEP) * STEP
+        ks = _columns_per_cta(cols, splits)
     fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"],
                   stages=tile.get("stages", 2))
     fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw", "stages")})
     if "ks" in override and "splits" not in override:
         fields["splits"] = cdiv(cols, fields["ks"])
     if "splits" in override and "ks" not in override:
-        fields["ks"] = cdiv(cdiv(cols, fields["splits"]), STEP) * STEP
+        fields["ks"] = _columns_per_cta(cols, fields["splits"])
         fields["splits"] = cdiv(cols, fields["ks"])
     plan = SparseMmaPlan(**fields)
     check_plan(plan, tokens, rows, cols, mapped)
@@ -227,10 +231,11 @@ def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, mapped: b
 def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool,
                    mapped: bool = False, pdl: bool = False) -> dict:
     """The compile-time parameters of one kernel variant (``#define`` s before the source)."""
+    reading = fragment_reading()
     return {"NT": plan.nt, "MT": plan.mt, "RW": plan.rw, "KW": plan.kw, "TILED": int(tiled),
             "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "IS_BF16": int(dtype == torch.bfloat16),
             "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered), "PDL": int(pdl),
-            **{knob: int(knob in fragment_reading()) for knob in FRAGMENT_KNOBS}}
+            **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
 
 
 # the .cu text's other readings of the PTX ISA's fragments (each 0 in the reading it documents)
@@ -318,10 +323,9 @@ def _workspace(device: torch.device, partial_numel: int, counters: int) -> tuple
     if ws is None or ws["partial"].numel() < partial_numel or ws["counters"].numel() < counters:
         p = max(partial_numel, 0 if ws is None else ws["partial"].numel(), 1)
         c = max(counters, 0 if ws is None else ws["counters"].numel(), 1)
-        like = torch.empty(0, device=device)
         ws = _WORKSPACE[key] = outside_graph_pools(lambda: {
             "partial": torch.empty(p, device=device, dtype=torch.float32),
-            "counters": torch.zeros(c, device=device, dtype=torch.int32)}, like)
+            "counters": torch.zeros(c, device=device, dtype=torch.int32)}, device)
     return ws["partial"], ws["counters"]
 
 
@@ -377,7 +381,7 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
         check_plan(plan, tokens, rows, cols, mapped)
         kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata(),
                                                 mapped).items()), index)
-        bound = None
+        bound = _bound(kernel, plan, rows, tokens, mapped, False)
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
     grid = plan.grid(rows)
     partial, counters = _workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0, grid[0])

@@ -1,8 +1,8 @@
 """Compile the sparse-tensor-core decode (``kernels/nm_sparse_mma.cu``) for Hopper and Ampere on a machine
 without a GPU: NVRTC (the ``nvidia-cuda-nvrtc`` wheel's library, or ``--nvrtc PATH``) builds each variant
 the runtime would launch for issue 24's shapes and token counts, and the table records what ptxas reports
-(registers, spills, shared memory), the CTAs per SM those allow, and from the machine code (Triton's
-``cuobjdump``, where installed) the sparse MMAs and loads the kernel holds.
+(registers, spills, shared memory), the CTAs per SM those allow (``kernels/compile_check.py``'s figures of an
+H100 and an A100), and from the machine code (``nvdisasm``, Triton's) the sparse MMAs and loads the kernel holds.
 
     pip install --target /tmp/nvrtc nvidia-cuda-nvrtc
     python scripts/check_sparse_mma_compile.py --nvrtc /tmp/nvrtc/nvidia/cu13/lib/libnvrtc.so.13
@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import platform
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,12 +29,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from shuffleprune.kernels import nm_sparse_mma as sm  # noqa: E402
+from shuffleprune.kernels.compile_check import A100, H100, disassemble, resident_programs  # noqa: E402
 from shuffleprune.kernels.cuda_rtc import Nvrtc, find_nvrtc  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 32, 64]
-SMS = {"sm_90": 132, "sm_80": 108}
-SHARED_PER_SM = {"sm_90": 228 * 1024, "sm_80": 164 * 1024}
+GPUS = {"sm_90": H100, "sm_80": A100}   # kernels/compile_check.py's figures of each GPU
 
 
 def nvrtc_path(given: str | None) -> str:
@@ -46,25 +45,10 @@ def nvrtc_path(given: str | None) -> str:
     return found
 
 
-def cuobjdump() -> str | None:
-    """Triton's ``cuobjdump`` (it ships one), if Triton is installed."""
-    try:
-        import triton
-    except ImportError:
-        return None
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(path) if path.exists() else None
-
-
-def sass_counts(cubin: bytes, tool: str | None) -> dict | None:
-    """Instructions of the kernel's machine code: all, sparse MMAs, 16/8/4-byte global loads, moves."""
-    if tool is None:
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", out)
+def sass_counts(cubin: bytes, arch: int) -> dict:
+    """Instructions of the kernel's machine code: all, sparse MMAs, 16/8/4-byte global loads, moves, and for a
+    programmatic dependent the loads before its grid wait."""
+    ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", disassemble(cubin, arch))
     ops = [re.sub(r"^@!?P\d\s+", "", i).split()[0] for i in ins]
     wait = ops.index("ACQBULK") if "ACQBULK" in ops else None   # griddepcontrol.wait (a programmatic dependent)
     return {"instructions": len(ins),
@@ -77,13 +61,13 @@ def sass_counts(cubin: bytes, tool: str | None) -> dict | None:
             "moves": sum(bool(re.match(r"(@!?P\d\s+)?(IMAD\.)?MOV", i)) for i in ins)}
 
 
-def resident(registers: int, shared: int, threads: int, arch: str) -> int:
-    """CTAs of this kernel one SM holds: registers (allocated per warp in 256s), shared memory, 64 warps."""
-    per_warp = -(-registers * 32 // 256) * 256
-    warps = threads // 32
-    by_regs = 65536 // (per_warp * warps)
-    by_shared = SHARED_PER_SM[arch] // (shared + 1024)
-    return max(0, min(by_regs, by_shared, 64 // warps, 32))
+def variants(archs: list[str]):
+    """``(arch, shape, tokens, mapped, pdl)`` to compile: the map read in the kernel to 16 tokens, and launched as a
+    programmatic dependent (Hopper only) at 1 and 16 tokens."""
+    for arch, shape, tokens in itertools.product(archs, SHAPES, TOKENS):
+        for mapped in (False, True) if tokens <= sm.MAPPED_MAX_TOKENS else (False,):
+            for pdl in (False, True) if arch == "sm_90" and tokens in (1, 16) else (False,):
+                yield arch, shape, tokens, mapped, pdl
 
 
 def main() -> None:
@@ -93,39 +77,32 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "scripts/results/sparse_mma_compile.json"))
     args = ap.parse_args()
     nvrtc = Nvrtc(ctypes.CDLL(nvrtc_path(args.nvrtc)))
-    tool = cuobjdump()
     rows, seen = [], {}
     t0 = time.time()
-    for arch in args.arch:
-        for shape in SHAPES:
-            for tokens in TOKENS:
-              for mapped in (False, True) if tokens <= sm.MAPPED_MAX_TOKENS else (False,):
-               # launched as a programmatic dependent (Hopper only) at 1 and 16 tokens
-               for pdl in (False, True) if arch == "sm_90" and tokens in (1, 16) else (False,):
-                plan = sm.sparse_mma_plan(tokens, *shape, sms=SMS[arch], mapped=mapped)
-                for tiled in (False, True):
-                    defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped, pdl)
-                    key = (arch, tuple(defines.items()))
-                    if key not in seen:
-                        ok, log, cubin = nvrtc.compile(sm.kernel_source(defines), arch, report=True)
-                        regs = re.search(r"Used (\d+) registers", log)
-                        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-                        smem = re.search(r"(\d+) bytes smem", log)
-                        seen[key] = {"compiled": ok, "registers": int(regs.group(1)) if regs else None,
-                                     "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
-                                     "shared_bytes": int(smem.group(1)) if smem else None,
-                                     "sass": sass_counts(cubin, tool) if ok else None,
-                                     "log": None if ok else log[-2000:]}
-                    info = dict(seen[key])
-                    threads = 32 * plan.warps
-                    shared = info["shared_bytes"] + (plan.staged_bytes(tokens) if mapped else 0)
-                    ctas = resident(info["registers"], shared, threads, arch) if info["compiled"] else 0
-                    grid = plan.grid(shape[0])
-                    rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled, "mapped": mapped,
-                                 "pdl": pdl,
-                                 "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": threads,
-                                 **info, "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
-                                 "waves": round(grid[0] * grid[1] / max(1, ctas * SMS[arch]), 2)})
+    for arch, shape, tokens, mapped, pdl in variants(args.arch):
+        gpu = GPUS[arch]
+        plan = sm.sparse_mma_plan(tokens, *shape, sms=gpu.sms, mapped=mapped)
+        for tiled in (False, True):
+            defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped, pdl)
+            key = (arch, tuple(defines.items()))
+            if key not in seen:
+                ok, log, cubin = nvrtc.compile(sm.kernel_source(defines), arch, report=True)
+                regs = re.search(r"Used (\d+) registers", log)
+                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+                smem = re.search(r"(\d+) bytes smem", log)
+                seen[key] = {"compiled": ok, "registers": int(regs.group(1)) if regs else None,
+                             "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
+                             "shared_bytes": int(smem.group(1)) if smem else None,
+                             "sass": sass_counts(cubin, gpu.arch) if ok else None,
+                             "log": None if ok else log[-2000:]}
+            info = dict(seen[key])
+            shared = info["shared_bytes"] + (plan.staged_bytes(tokens) if mapped else 0)
+            ctas = resident_programs(gpu, info["registers"], plan.warps, shared) if info["compiled"] else 0
+            grid = plan.grid(shape[0])
+            rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled, "mapped": mapped,
+                         "pdl": pdl, "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": 32 * plan.warps,
+                         **info, "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
+                         "waves": round(grid[0] * grid[1] / max(1, ctas * gpu.sms), 2)})
     versions = {"python": platform.python_version(), "torch": torch.__version__, "nvrtc": nvrtc.version()}
     out = {"what": "the sparse-tensor-core decode (kernels/nm_sparse_mma.cu) compiled by NVRTC, not run",
            "command": "python scripts/check_sparse_mma_compile.py " + " ".join(sys.argv[1:]),
