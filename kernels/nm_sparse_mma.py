@@ -15,6 +15,7 @@ with the MMA computed as the PTX ISA defines it), which is how the tests check i
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from dataclasses import dataclass, asdict
 from pathlib import Path
@@ -172,6 +173,48 @@ def _columns_per_cta(cols: int, splits: int) -> int:
 TILES = {1: dict(mt=1, kw=4, bpre=True), 2: dict(mt=1, kw=4, bpre=False), 4: dict(mt=1, kw=4, bpre=False),
          8: dict(mt=1, kw=2, bpre=False)}
 DEFAULT_CTAS_PER_SM = 4   # what the plan assumes before the compiled kernel's occupancy is known
+# the tall plans' CTAs (warps sharing their input through L1 or the staged map): row groups and K groups of warps
+# tried, at most this many threads a CTA, keeping at least this share of the default tile's resident warps
+TALL_ROW_WARPS, TALL_K_WARPS, TALL_MAX_THREADS, TALL_MIN_OCCUPANCY = (1, 2, 4), (1, 2, 4), 128, 0.5
+
+
+def side_traffic(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, in_bytes: int = 2) -> int:
+    """The bytes a launch moves besides its weight: the input, read once per row block (every CTA reads its
+    columns of every token; :data:`TILES`' CTAs of 16 rows read it ``rows / 16`` times over), and split-K's fp32
+    partial sums, written and read back. At 64 tokens on 4096×4096 the default tile's input reads are 134 MB
+    against the weight's 19 (values and position words): what :func:`tall_plan` trades against partial sums."""
+    reads = rows // plan.rows_per_cta * tokens * cols * in_bytes
+    return reads + (2 * plan.splits * tokens * rows * 4 if plan.splits > 1 else 0)
+
+
+def tall_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
+              mapped: bool = False, **override) -> SparseMmaPlan:
+    """The plan whose CTAs share each input read among more rows: of the row groups (``rw``) and K groups
+    (``kw``) of warps in :data:`TALL_ROW_WARPS` × :data:`TALL_K_WARPS` (at most :data:`TALL_MAX_THREADS` threads,
+    keeping :data:`TALL_MIN_OCCUPANCY` of the default tile's resident warps: registers bound them per thread, so
+    a CTA of more warps has fewer CTAs a multiprocessor), the one with the least :func:`side_traffic`, then the
+    most resident warps. ``ctas_per_sm`` is the default tile's occupancy; ``override`` as in
+    :func:`sparse_mma_plan` (``rw`` or ``kw`` given: searched over the other; both: that plan)."""
+    if "rw" in override and "kw" in override:
+        return sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm, mapped, **override)
+    base = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm, mapped, **override)
+    warps_per_sm = ctas_per_sm * base.warps
+    best, best_key = base, (side_traffic(base, tokens, rows, cols), -warps_per_sm, base.warps)
+    for rw, kw in itertools.product([override["rw"]] if "rw" in override else TALL_ROW_WARPS,
+                                    [override["kw"]] if "kw" in override else TALL_K_WARPS):
+        warps = rw * kw
+        resident = warps_per_sm // warps * warps
+        if 32 * warps > TALL_MAX_THREADS or resident < TALL_MIN_OCCUPANCY * warps_per_sm:
+            continue
+        try:
+            plan = sparse_mma_plan(tokens, rows, cols, sms, warps_per_sm // warps, mapped, **{**override, "rw": rw,
+                                                                                               "kw": kw})
+        except ValueError:   # rows not whole CTAs of these, or too much shared memory
+            continue
+        key = (side_traffic(plan, tokens, rows, cols), -resident, warps)
+        if key < best_key:
+            best, best_key = plan, key
+    return best
 
 
 def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
@@ -180,7 +223,8 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
     ``ctas_per_sm`` of its CTAs each: the n-tile's tile (:data:`TILES`), and CTAs along K (``splits``) until
     the grid fills one wave of the GPU, each warp keeping at least one step (its next step's loads are in
     flight while it multiplies where it has two or more). ``mapped``: the CTAs' columns also split until
-    every token's fit in :data:`STAGED_LIMIT` bytes of shared memory. ``override`` sets any field (tuning)."""
+    every token's fit in :data:`STAGED_LIMIT` bytes of shared memory. ``override`` sets any field (tuning).
+    :func:`tall_plan` is the other plan, its CTAs sharing the input among more rows."""
     nt = min(8, _pow2_at_least(cdiv(tokens, 8)))
     tile = dict(TILES[nt])
     for name in ("mt", "kw", "bpre", "rw", "stages"):
@@ -226,6 +270,10 @@ def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, mapped: b
     if mapped and plan.staged_bytes(tokens) > STAGED_LIMIT:
         raise ValueError(f"ks={plan.ks} stages {plan.staged_bytes(tokens)} bytes of {tokens} tokens' input (at most "
                          f"{STAGED_LIMIT}): take more splits")
+    if mapped and plan.shared_bytes() + plan.staged_bytes(tokens) > SHARED_LIMIT:
+        raise ValueError(f"the warps' sums ({plan.shared_bytes()} bytes) and the staged input "
+                         f"({plan.staged_bytes(tokens)}) exceed {SHARED_LIMIT} bytes of shared memory: take more "
+                         f"splits, or fewer warps or m-tiles")
 
 
 def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool,
@@ -284,16 +332,18 @@ def _compiled(defines: tuple, device_index: int):
 
 @functools.lru_cache(maxsize=None)
 def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, has_bias: bool, mapped: bool,
-            device_index: int, override: tuple, pdl: bool = False) -> tuple:
-    """``(kernel, plan)`` for one kind of call: the plan worked out again with the compiled kernel's
-    occupancy in place of :data:`DEFAULT_CTAS_PER_SM` (once per kind of call and process)."""
+            device_index: int, override: tuple, pdl: bool = False, tall: bool = False) -> tuple:
+    """``(kernel, plan)`` for one kind of call (``tall``: :func:`tall_plan`'s CTAs): the plan's split worked out
+    again with the compiled kernel's occupancy in place of :data:`DEFAULT_CTAS_PER_SM`, its warps kept (once per
+    kind of call and process)."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    plan = sparse_mma_plan(tokens, rows, cols, sms, mapped=mapped, **dict(override))
+    plan = (tall_plan if tall else sparse_mma_plan)(tokens, rows, cols, sms, mapped=mapped, **dict(override))
     kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata(), mapped, pdl).items()),
                        device_index)
     ctas = resident_ctas(kernel, 32 * plan.warps, plan.staged_bytes(tokens) if mapped else 0) or DEFAULT_CTAS_PER_SM
     if ctas != DEFAULT_CTAS_PER_SM:
-        plan = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm=ctas, mapped=mapped, **dict(override))
+        plan = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm=ctas, mapped=mapped,
+                               **{**dict(override), "rw": plan.rw, "kw": plan.kw})
     return kernel, plan, _bound(kernel, plan, rows, tokens, mapped, pdl)
 
 
@@ -340,20 +390,33 @@ def stream_handle(device: torch.device) -> int:
 
 
 def launch_plan(x: torch.Tensor, values: torch.Tensor, tiled: bool = False, has_bias: bool = False,
-                mapped: bool = False, **override) -> SparseMmaPlan:
+                mapped: bool = False, tall: bool = False, **override) -> SparseMmaPlan:
     """The plan :func:`nm_sparse_mma` launches for ``x`` on ``values`` (the compiled kernel's occupancy in it)."""
     return _launch(x.numel() // x.shape[-1], values.shape[0], 2 * values.shape[1], x.dtype, tiled, has_bias, mapped,
-                   device_index(x.device), tuple(sorted(override.items())))[1]
+                   device_index(x.device), tuple(sorted(override.items())), False, tall)[1]
+
+
+TALL_WORTH = 0.25   # the tall plan is weighed where the default tile's side traffic is at least this share of the weight
+
+
+def tall_worth_weighing(tokens: int, rows: int, cols: int, sms: int, mapped: bool = False) -> bool:
+    """Whether :func:`tall_plan` differs from the default plan and the default's :func:`side_traffic` is at least
+    :data:`TALL_WORTH` of the 16-bit 2:4 weight's bytes (values and position words: 1.125 bytes a dense
+    element): from about 4 tokens on the benchmark's shapes, where the input read once per 16 rows starts to
+    weigh against the weight itself."""
+    base = sparse_mma_plan(tokens, rows, cols, sms, mapped=mapped)
+    tall = tall_plan(tokens, rows, cols, sms, mapped=mapped)
+    return tall != base and side_traffic(base, tokens, rows, cols) >= TALL_WORTH * 1.125 * rows * cols
 
 
 def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,
                   tiled: bool = False, perm: torch.Tensor | None = None, plan: SparseMmaPlan | None = None,
-                  pdl: bool = False, **override) -> torch.Tensor:
+                  pdl: bool = False, tall: bool = False, **override) -> torch.Tensor:
     """``x[..., perm] @ Wᵀ + bias`` for a 2:4 ``W`` held as ``values`` ``[R, C/2]`` and position ``words``
     ``[R, C/32]`` (row words, or cuSPARSELt's order when ``tiled``) on the sparse tensor cores; ``perm`` (int32,
     1–16 tokens) is read by the kernel itself, else ``x`` is already in the weight's column order (gathered).
-    ``plan`` (or ``override``'s fields) replaces :func:`sparse_mma_plan`'s; ``pdl`` launches it as a programmatic
-    dependent where the GPU has them (compute capability 9.0 or more)."""
+    ``plan`` (or ``override``'s fields) replaces :func:`sparse_mma_plan`'s (``tall``: :func:`tall_plan`'s);
+    ``pdl`` launches it as a programmatic dependent where the GPU has them (compute capability 9.0 or more)."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     x2 = x.reshape(-1, cols)
     tokens = x2.shape[0]
@@ -376,7 +439,7 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
     index = device_index(x.device)
     if plan is None:
         kernel, plan, bound = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, mapped, index,
-                                      tuple(sorted(override.items())), pdl and _capability(index)[0] >= 9)
+                                      tuple(sorted(override.items())), pdl and _capability(index)[0] >= 9, tall)
     else:
         check_plan(plan, tokens, rows, cols, mapped)
         kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata(),

@@ -37,7 +37,9 @@ weight as the MMA's A operand), ``decode_swap_narrow`` (2–16 tokens: ``decode_
 layout), ``decode_swap_tma`` (2–64 tokens: its weight tiles copied by the
 Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``decode_sparse_mma`` (1–64
 tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_nomap`` and ``_tiled`` too;
-``decode_sparse_mma_mapped``, 1–16 tokens: the same reading the map itself; both ``_tiled+pdl`` as well), ``gemm``, ``gemm_swap``,
+``decode_sparse_mma_mapped``, 1–16 tokens: the same reading the map itself; both ``_tiled+pdl`` as well;
+``decode_sparse_mma_tall_tiled`` and ``decode_sparse_mma_mapped_tall_tiled`` from 4 tokens: both with the tall
+plan's CTAs, each input read shared by more rows), ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
@@ -96,6 +98,7 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_swap_spread", "decode_swap_spread_sync", "decode_swap_tma", "decode_swap_tma_tiled",
               "decode_sparse_mma", "decode_sparse_mma_nomap", "decode_sparse_mma_tiled", "decode_sparse_mma_mapped",
               "decode_sparse_mma_mapped_tiled", "decode_sparse_mma_tiled+pdl", "decode_sparse_mma_mapped_tiled+pdl",
+              "decode_sparse_mma_tall_tiled", "decode_sparse_mma_mapped_tall_tiled",
               "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
@@ -143,7 +146,7 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if not has_map else cols * 4
     gathered = impl in DECODE_KERNELS and impl not in MAPPED_DECODES or \
-        impl in (*GEMM_KERNELS, "scratch", *SPARSE_TC, "decode_sparse_mma")
+        impl in (*GEMM_KERNELS, "scratch", *SPARSE_TC, "decode_sparse_mma", "decode_sparse_mma_tall")
     if has_map and gathered:
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped
@@ -166,7 +169,9 @@ def runs_at(impl: str, tokens: int) -> bool:
         return False
     if impl == "decode_shallow" and tokens > 2:   # auto weighs it on the select loop only (1-2 tokens)
         return False
-    if impl == "decode_sparse_mma_mapped" and tokens > 16:   # the map staged in shared memory: to 16 tokens
+    if impl.startswith("decode_sparse_mma_mapped") and tokens > 16:   # the map staged in shared memory: to 16 tokens
+        return False
+    if impl.startswith("decode_sparse_mma") and impl.endswith("_tall") and tokens < 4:   # where auto weighs them
         return False
     if tokens > TILE_MAX_TOKENS.get(impl, tokens):   # the select loop's other tiles: where auto weighs them
         return False
@@ -310,6 +315,7 @@ def main() -> None:
                 sp_tiled, sp_nomap = ms_of(shape, tokens, "decode_sparse_mma_tiled"), ms_of(shape, tokens,
                                                                                           "decode_sparse_mma_nomap")
                 sp_mapped = ms_of(shape, tokens, "decode_sparse_mma_mapped")
+                sp_tall = ms_of(shape, tokens, "decode_sparse_mma_tall_tiled")
                 if dense is None:
                     continue
                 summary.append({"shape": list(shape), "tokens": tokens,
@@ -337,6 +343,8 @@ def main() -> None:
                                 # the sparse-tensor-core decode on the layer as load holds it on Hopper (through the
                                 # gathered input), and its map read in the kernel against itself without a map
                                 "sparse_mma_speedup_tiled": round(dense / sp_tiled, 3) if dense and sp_tiled else None,
+                                # the same with the tall plan's CTAs (each input read shared by more rows)
+                                "sparse_mma_tall_speedup_tiled": round(dense / sp_tall, 3) if dense and sp_tall else None,
                                 "map_cost_sparse_mma": round(sp_mapped / sp_nomap - 1, 4) if sp_mapped and sp_nomap else None})
         for r in rows:
             r.update(device=dev_name, dtype="bfloat16")

@@ -44,10 +44,13 @@
 #   bash scripts/gpu_run.sh sparse_mma         # the decode on the sparse tensor cores (mma.sp) checked against a dense
 #                                              # bf16 matmul and timed against cuBLAS, 6 shapes, 1-64 tokens, in
 #                                              # cuSPARSELt's layout, with no map and (1-16) reading a random
-#                                              # one itself (tune_sparse_mma.json)
+#                                              # one itself, each also with the tall plan's CTAs from 4 tokens
+#                                              # (tune_sparse_mma.json)
 #   bash scripts/gpu_run.sh tune_sparse_mma    # its tiles: warps and CTAs along K, m-tiles per warp, 2 or 3 steps in
-#                                              # registers, at 1 and 16 tokens on three shapes
-#                                              # (tune_sparse_mma_sweep.json)
+#                                              # registers, at 1, 16 and 64 tokens on three shapes
+#                                              # (tune_sparse_mma_sweep.json); then row groups of warps (rw) and K
+#                                              # groups against the tall plan's pick at 4-64 tokens
+#                                              # (tune_sparse_mma_rows.json)
 #   bash scripts/gpu_run.sh profile_sparse_mma # Nsight Compute on the sparse-MMA decode at 1 and 16 tokens, 11008x4096
 #                                              # (ncu_sparse_mma.txt)
 #   bash scripts/gpu_run.sh tune_spread        # the weight-as-A decode's tiles (32/64 rows, 64/128 kept values per step,
@@ -186,11 +189,11 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # timed against cuBLAS at 1-64 tokens on the six shapes in cuSPARSELt's layout, without a map and reading a random
 # one itself at 1-16 tokens (tune_sparse_mma.json); kernel then
 # has auto weigh it (and times it alone as decode_sparse_mma, _nomap, _tiled). next1 begins with its tile sweep.
-ISSUE24=(sparse_mma kernel targets e2e targets)    # limits 120 + 260 + 10 + 240 + 10 s (kernel 175 s, e2e 179 on the
+ISSUE24=(sparse_mma kernel targets e2e targets)    # limits 150 + 260 + 10 + 240 + 10 s (kernel 175 s, e2e 179 on the
                                                     # H200 before it profiled one eager prompt per sparse variant):
                                                     # targets read the new kernel table first, then again after e2e
                                                     # if e2e fits in what is left of the call's 570 s
-NEXT1=(tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 2 × 70 + 90 + 3 × 70 + 150 s
+NEXT1=(tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 2 × 70 + 90 + 3 × 70 + 150 s
                                                     # (the sparse-MMA decode's tiles: warps and CTAs along K, m-tiles,
                                                     # stages, and Nsight Compute on it at 1 and 16 tokens; the
                                                     # broadcast expansion's tiles against the joined one's; Nsight
@@ -285,15 +288,18 @@ for s in "$@"; do
                 --variants swap --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 4 16 --block-r 64 \
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
-        sparse_mma) step sparse_mma 120 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
-                --probe --layouts tiled --maps none random --out scripts/results/tune_sparse_mma.json
+        sparse_mma) step sparse_mma 150 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
+                --probe --layouts tiled --maps none random --tall 0 1 --out scripts/results/tune_sparse_mma.json
             # a reading of the MMA's fragments other than the kernel's own, if the probe found one right: the steps
             # after it run with it too (SHUFFLEPRUNE_SPARSE_MMA_READING)
             reading=$($PY -c "import json; r = json.load(open('scripts/results/tune_sparse_mma.json')).get('reading'); print(','.join(r or []))" 2>/dev/null)
             [ -n "$reading" ] && { export SHUFFLEPRUNE_SPARSE_MMA_READING=$reading; echo "=== the sparse-MMA decode reads its fragments as: $reading"; } ;;
         tune_sparse_mma) step tune_sparse_mma 150 scripts/results/tune_sparse_mma_sweep.json $PY scripts/tune_sparse_mma.py \
-                --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 --kw 0 2 8 \
-                --splits 0 1 4 --mt 0 2 --stages 0 3 --out scripts/results/tune_sparse_mma_sweep.json ;;
+                --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 64 --kw 0 2 8 \
+                --splits 0 1 4 --mt 0 2 --stages 0 3 --out scripts/results/tune_sparse_mma_sweep.json
+            step tune_sparse_mma_rows 90 scripts/results/tune_sparse_mma_rows.json $PY scripts/tune_sparse_mma.py \
+                --layouts tiled --shapes 4096x4096 14336x4096 1024x4096 --tokens 4 16 64 --tall 0 1 --rw 0 1 2 4 \
+                --kw 0 1 2 --out scripts/results/tune_sparse_mma_rows.json ;;
         tune_spread) step tune_spread 90 scripts/results/tune_spread.json $PY scripts/tune_kernel.py \
                 --variants swap swap_spread --shapes 4096x4096 11008x4096 4096x14336 --tokens 2 16 --block-r 32 64 \
                 --block-k 64 128 --num-warps 2 4 --stages 3 4 --max-tile 1048576 \

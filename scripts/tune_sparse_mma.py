@@ -1,6 +1,7 @@
 """Time the sparse-tensor-core decode (``kernels/nm_sparse_mma.cu``) on a GPU against cuBLAS: for each
-shape and token count, the plan's launch and each variation of its tile in the grid given (warps splitting K
-in a CTA, CTAs splitting it, m-tiles per warp, the input loaded a step ahead, steps held in registers), with no
+shape and token count, the plan's launch and each variation of its tile in the grid given (the tall plan's CTAs,
+``--tall 1``: each input read shared by more rows; warps splitting K in a CTA, row groups of warps, CTAs
+splitting K, m-tiles per warp, the input loaded a step ahead, steps held in registers), with no
 map or (``--maps random``, 1–16 tokens) reading a random one itself, in both position layouts
 (row words; cuSPARSELt's order, as a layer holds it after ``use_cslt_layout``). Every launch is first checked
 against a dense bf16 matmul of the decompressed weight (its maximum relative error is recorded; a launch off
@@ -28,7 +29,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="weights as OUTxIN")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--tall", type=int, nargs="+", default=[0],
+                    help="1: tall_plan's CTAs (from 4 tokens, where it differs from the default plan); 0: the default")
     ap.add_argument("--kw", type=int, nargs="+", default=[0], help="warps splitting K in a CTA (0: the plan's)")
+    ap.add_argument("--rw", type=int, nargs="+", default=[0], help="row groups of warps in a CTA (0: the plan's)")
     ap.add_argument("--splits", type=int, nargs="+", default=[0], help="CTAs splitting K (0: the plan's)")
     ap.add_argument("--mt", type=int, nargs="+", default=[0], help="m-tiles of 16 rows per warp (0: the plan's)")
     ap.add_argument("--bpre", type=int, nargs="+", default=[-1],
@@ -53,7 +57,7 @@ def main() -> None:
     from shuffleprune.deploy.format import compress
     from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, FRAGMENT_KNOBS, launch_plan, nm_sparse_mma,
-                                                     plan_fields, set_fragment_reading, sparse_mma_plan)
+                                                     plan_fields, set_fragment_reading, sparse_mma_plan, tall_plan)
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
@@ -70,6 +74,7 @@ def main() -> None:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     dtype = torch.bfloat16
     l2 = l2_bytes(dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 4   # the emulator: a small GPU
     gen = torch.Generator().manual_seed(0)
     rows, best = [], []
     out = Path(args.out) if cuda else Path(args.out).with_name("tune_sparse_mma_smoke.json")
@@ -142,24 +147,28 @@ def main() -> None:
             lw = (cslt_words(words) if tiled else words).contiguous()
             copies = [(values.to(dev), lw.to(dev))]
             copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
-            grid = itertools.product(args.kw, args.splits, args.mt, args.bpre, args.stages)
-            for kw, splits, mt, bpre, stages in grid:
-                override = {k: v for k, v, skip in (("kw", kw, 0), ("splits", splits, 0), ("mt", mt, 0),
+            grid = itertools.product(args.tall, args.kw, args.rw, args.splits, args.mt, args.bpre, args.stages)
+            for tall, kw, rw, splits, mt, bpre, stages in grid:
+                override = {k: v for k, v, skip in (("kw", kw, 0), ("rw", rw, 0), ("splits", splits, 0), ("mt", mt, 0),
                                                     ("bpre", bpre, -1), ("stages", stages, 0)) if v != skip}
                 if "bpre" in override:
                     override["bpre"] = bool(override["bpre"])
-                row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_mma", "layout": layout,
-                       "map": kind, "override": override}
-                p_dev = perm.to(dev) if kind == "random" else None
+                mapped = kind == "random"
+                if tall and (tokens < 4 or tall_plan(tokens, out_f, in_f, sms, mapped=mapped, **override) ==
+                             sparse_mma_plan(tokens, out_f, in_f, sms, mapped=mapped, **override)):
+                    continue   # where auto does not weigh it, or the same launch as the default plan's
+                row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_mma_tall" if tall else "sparse_mma",
+                       "layout": layout, "map": kind, "override": override}
+                p_dev = perm.to(dev) if mapped else None
                 want_here = want if p_dev is None else want_mapped
                 try:
                     if cuda:
-                        y = nm_sparse_mma(x_dev, *copies[0], None, tiled=tiled, perm=p_dev, **override)
+                        y = nm_sparse_mma(x_dev, *copies[0], None, tiled=tiled, perm=p_dev, tall=bool(tall), **override)
                         torch.cuda.synchronize()
-                        plan = launch_plan(x_dev, copies[0][0], tiled, False, p_dev is not None, **override)
+                        plan = launch_plan(x_dev, copies[0][0], tiled, False, mapped, bool(tall), **override)
                     else:
-                        plan = sparse_mma_plan(tokens, out_f, in_f, 4, DEFAULT_CTAS_PER_SM, p_dev is not None,
-                                               **override)
+                        plan = (tall_plan if tall else sparse_mma_plan)(tokens, out_f, in_f, sms, DEFAULT_CTAS_PER_SM,
+                                                                         mapped, **override)
                         y = run_cpu(x, values, lw, None, tiled, plan, perm=p_dev)[0]
                 except Exception as exc:  # noqa: BLE001 - a variation that does not compile or fit: recorded
                     rows.append({**row, "ms": None, "error": str(exc).splitlines()[0][:200]})
@@ -168,20 +177,21 @@ def main() -> None:
                 row.update(plan=plan_fields(plan), rel_err=err)
                 if cuda and err < 2e-2:
                     row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_mma(x_dev, *c, None, tiled=tiled, perm=p_dev,
-                                                                         **override) for c in copies], args.reps)[0]
+                                                                         tall=bool(tall), **override) for c in copies],
+                                              args.reps)[0]
                     row["speedup_vs_dense"] = dense_ms / row["ms"]
                     row["tb_s"] = (values.numel() * 2 * 9 / 8 + x.numel() * 2 + out_f * tokens * 2) / row["ms"] / 1e9
                     case.append(row)
                 rows.append(row)
-                print(out_f, in_f, tokens, layout, kind, override, f"err {err:.1e}", f"{row.get('ms') or 0:.4f} ms",
+                print(out_f, in_f, tokens, layout, kind, "tall" if tall else "", override, f"err {err:.1e}", f"{row.get('ms') or 0:.4f} ms",
                       f"x{row.get('speedup_vs_dense') or 0:.2f}", flush=True)
         if case:
             for kind in args.maps:
                 mine = [r for r in case if r["map"] == kind]
                 if mine:
                     top = min(mine, key=lambda r: r["ms"])
-                    best.append({k: top[k] for k in ("shape", "tokens", "layout", "map", "override", "plan", "ms",
-                                                     "speedup_vs_dense")})
+                    best.append({k: top[k] for k in ("shape", "tokens", "impl", "layout", "map", "override", "plan",
+                                                     "ms", "speedup_vs_dense")})
         save()
     save()
 

@@ -10,8 +10,9 @@ import torch
 from shuffleprune.deploy.cslt_layout import cslt_words
 from shuffleprune.deploy.format import compress
 from shuffleprune.kernels.cuda_rtc import KernelLaunch
-from shuffleprune.kernels.nm_sparse_mma import (ARG_INTS, ARG_POINTERS, SparseMmaPlan, check_plan, nm_sparse_mma,
-                                                 sparse_mma_applies, sparse_mma_available, sparse_mma_plan)
+from shuffleprune.kernels.nm_sparse_mma import (ARG_INTS, ARG_POINTERS, TALL_MAX_THREADS, SparseMmaPlan, check_plan,
+                                                 nm_sparse_mma, side_traffic, sparse_mma_applies, sparse_mma_available,
+                                                 sparse_mma_plan, tall_plan, tall_worth_weighing)
 from shuffleprune.kernels.nm_words import position_words
 from shuffleprune.masks import nm_keep_mask
 
@@ -52,6 +53,7 @@ def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     (64, 256, 64, dict(nt=8, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=False)),   # 64 tokens
     (64, 1152, 2, dict(nt=1, mt=1, rw=1, kw=2, ks=1152, splits=1, bpre=True, stages=3)),   # 3 steps in registers,
     (128, 896, 12, dict(nt=2, mt=2, rw=1, kw=1, ks=512, splits=2, bpre=False, stages=4)),  # 4; steps not whole rounds
+    (128, 512, 40, dict(nt=8, mt=1, rw=8, kw=1, ks=256, splits=2, bpre=False)),  # a tall plan's CTA: 8 row warps
 ])
 def test_sparse_mma_decode_matches_float64(rows, cols, tokens, plan, tiled, dtype):
     w, values, words, x, bias = _case(rows, cols, tokens, dtype)
@@ -73,6 +75,7 @@ def test_sparse_mma_decode_matches_float64(rows, cols, tokens, plan, tiled, dtyp
     (128, 512, 5, dict(nt=1, mt=1, rw=2, kw=2, ks=256, splits=2, bpre=False)),   # split-K: each CTA its columns
     (64, 640, 16, dict(nt=2, mt=1, rw=1, kw=2, ks=256, splits=3, bpre=True)),    # last split shorter, 16 tokens
     (64, 1024, 3, dict(nt=1, mt=1, rw=1, kw=2, ks=1024, splits=1, bpre=True, stages=3)),   # 3 stages' weights first
+    (64, 512, 13, dict(nt=2, mt=1, rw=4, kw=2, ks=256, splits=2, bpre=False)),   # tall: 4 row warps share the staging
 ])
 def test_sparse_mma_reading_the_map_itself_matches_float64(rows, cols, tokens, plan, tiled):
     w, values, words, x, bias = _case(rows, cols, tokens, torch.bfloat16, seed=3)
@@ -140,6 +143,28 @@ def test_the_default_plans_fit_the_kernel_on_the_benchmark_shapes():
         for tokens in range(1, 17):
             plan = sparse_mma_plan(tokens, 4096, cols, sms=132, mapped=True)
             assert plan.staged_bytes(tokens) <= 32 * 1024 and plan.splits == -(-cols // plan.ks)
+
+
+def test_the_tall_plan_shares_the_input_among_more_rows_where_its_reads_weigh():
+    weight = int(1.125 * 4096 * 4096)   # bf16 values and 2-bit positions
+    for tokens in (16, 64):
+        base, tall = sparse_mma_plan(tokens, 4096, 4096, sms=132), tall_plan(tokens, 4096, 4096, sms=132)
+        check_plan(tall, tokens, 4096, 4096)
+        assert tall.rows_per_cta > base.rows_per_cta == 16 and 32 * tall.warps <= TALL_MAX_THREADS
+        # the default CTA reads the input once per 16 rows: more than the weight itself from 16 tokens on
+        assert side_traffic(base, tokens, 4096, 4096) > weight
+        assert side_traffic(tall, tokens, 4096, 4096) < side_traffic(base, tokens, 4096, 4096) / 2.5
+        assert tall_worth_weighing(tokens, 4096, 4096, sms=132)
+    assert not tall_worth_weighing(1, 4096, 4096, sms=132)     # one token: 2 MB of input reads, 19 MB of weight
+    for tokens in range(1, 17):   # reading the map: the staged input still fits
+        plan = tall_plan(tokens, 4096, 4096, sms=132, mapped=True)
+        check_plan(plan, tokens, 4096, 4096, mapped=True)
+    # split-K's partial sums count: CTAs of 64 rows split 32 ways write more than they save on input reads
+    many_splits = SparseMmaPlan(nt=8, mt=1, rw=4, kw=1, ks=128, splits=32, bpre=False)
+    assert side_traffic(many_splits, 64, 4096, 4096) > side_traffic(SparseMmaPlan(nt=8, mt=1, rw=4, kw=1, ks=1024,
+                                                                                 splits=4, bpre=False), 64, 4096, 4096)
+    pinned = tall_plan(16, 4096, 4096, sms=132, rw=2, kw=2)   # both given: that plan, no search
+    assert (pinned.rw, pinned.kw) == (2, 2)
 
 
 def test_a_plan_the_kernel_cannot_run_is_refused_in_one_line():
@@ -248,6 +273,8 @@ def test_auto_weighs_the_sparse_mma_decode_where_it_runs(monkeypatch):
     assert not any(c.startswith("decode_sparse_mma") for c in mapped.candidates(x))   # the CPU has no sparse MMA
     monkeypatch.setattr(nm_sparse_mma, "sparse_mma_available", lambda device: True)   # as on a GPU that has it
     assert {"decode_sparse_mma", "decode_sparse_mma_mapped"} <= set(mapped.candidates(x))
+    assert not {"decode_sparse_mma_tall", "decode_sparse_mma_mapped_tall"} & set(mapped.candidates(x))   # 1 token
+    assert {"decode_sparse_mma_tall", "decode_sparse_mma_mapped_tall"} <= set(mapped.candidates(x.repeat(16, 1)))
     many = x.repeat(17, 1)   # 17 tokens: past the map's staging, not past the kernel
     assert "decode_sparse_mma" in mapped.candidates(many) and "decode_sparse_mma_mapped" not in mapped.candidates(many)
     assert not {"decode_sparse_mma", "decode_sparse_mma_mapped"} & set(mapped.candidates(x.repeat(65, 1)))
@@ -276,3 +303,34 @@ def test_a_variant_that_compiles_nowhere_is_refused_once_then_at_once(monkeypatc
         with pytest.raises(RuntimeError, match="nm_sparse_mma did not compile: .*own NVRTC: OSError"):
             sp._compiled(defines, 0)
     assert tries == [0]
+
+
+@pytest.mark.parametrize("impl", ["decode_sparse_mma", "decode_sparse_mma_tall", "decode_sparse_mma_mapped",
+                                  "decode_sparse_mma_mapped_tall"])
+def test_a_layer_runs_each_sparse_mma_policy_with_its_plan(monkeypatch, impl):
+    """``SparseLinear.run`` hands each sparse-MMA policy its input (gathered, or with the map) and plan; the kernel
+    (here its text under the emulator, 4 SMs) computes the layer's output with either plan."""
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+    from shuffleprune.kernels import nm_sparse_mma as sp
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(128, 512, generator=g)
+    w = (w * nm_keep_mask(w.abs(), 2, 4)).to(torch.bfloat16)
+    values, meta = compress(w, 2, 4)
+    layer = SparseLinear(values, meta, 512, 2, 4, torch.randperm(512, generator=g))
+    x = torch.randn(12, 512, generator=g).to(torch.bfloat16)
+    launched = []
+
+    def on_the_emulator(inp, values, words, bias=None, tiled=False, perm=None, pdl=False, tall=False):
+        tokens, rows, cols = inp.shape[0], values.shape[0], 2 * values.shape[1]
+        plan = (sp.tall_plan if tall else sp.sparse_mma_plan)(tokens, rows, cols, 4, mapped=perm is not None)
+        launched.append((tall, perm is not None, plan.rw))
+        return run_cpu(inp, values, words, bias, tiled, plan, perm=None if perm is None else perm.to(torch.int32))[0]
+
+    monkeypatch.setattr(sp, "nm_sparse_mma", on_the_emulator)
+    monkeypatch.setattr(SparseLinear, "_sparse_mma_applies", lambda self, x, mapped=False: True)
+    y = layer.run(impl, x)
+    tall, mapped, rw = launched[-1]
+    assert (tall, mapped) == (impl.endswith("_tall"), "mapped" in impl)
+    assert (rw > 1) == tall   # the tall plan's CTAs hold more rows here
+    _check(y, x.double()[:, layer.perm.long()] @ w.double().t(), torch.bfloat16)

@@ -102,6 +102,14 @@
   ``decode_sparse_mma_mapped`` (1–16 tokens): the same kernel reading the index map itself, each CTA gathering
   its columns of every token through the map into shared memory once, its first step's weight loads in
   flight meanwhile (no gather launch; the map's cost is one gather per CTA);
+  ``decode_sparse_mma_tall`` and ``decode_sparse_mma_mapped_tall``: the two with CTAs of more rows
+  (``nm_sparse_mma.tall_plan``: up to 4 warps of 16 rows each, sharing every input read through L1 or the
+  staged map). The default CTA holds 16 rows and its warps split K, so each CTA reads its columns of every
+  token for 16 rows: at 16 tokens on 4096×4096 that is 35 MB of input reads and partial sums against the
+  weight's 19 MB, at 64 tokens 140 MB (``nm_sparse_mma.side_traffic``); the tall plan's CTAs of 64 rows move
+  13 and 46 MB (CTAs of 8 warps compiled to 80 registers and spilled, or to 150 and more with a
+  one-CTA launch bound: ``sparse_mma_compile.json`` has the 4-warp ones, no spills). ``auto`` weighs them where the default's reads are a quarter of the weight's
+  bytes or more (from about 4 tokens; ``nm_sparse_mma.tall_worth_weighing``);
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
@@ -130,6 +138,10 @@ import re
 
 from shuffleprune.errors import UserError
 
+# the sparse-tensor-core decodes (kernels/nm_sparse_mma.cu): on the gathered input, reading the map, and each with
+# the tall plan's CTAs
+SPARSE_MMA_DECODES = ("decode_sparse_mma", "decode_sparse_mma_tall", "decode_sparse_mma_mapped",
+                      "decode_sparse_mma_mapped_tall")
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 # nm_gemm's options per prompt policy (on the gathered input): the weight as the MMA's B operand, as its A
 # operand, and as A over 128 rows per program
@@ -137,14 +149,14 @@ GEMM_KERNELS = {"gemm": {}, "gemm_swap": {"weight_a": True}, "gemm_swap_tall": {
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
          "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_spread",
-         "decode_swap_spread_sync", "decode_swap_tma", "decode_sparse_mma", "decode_sparse_mma_mapped", *GEMM_KERNELS,
+         "decode_swap_spread_sync", "decode_swap_tma", *SPARSE_MMA_DECODES, *GEMM_KERNELS,
          "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
 # TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
 # the plain decode's 24.8 µs of host time per 16-token call, the launch recorded, not run) and the launcher
 # encodes them at each launch; the sparse-MMA decode's launch builds its arguments through ctypes
-EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", "decode_sparse_mma", "decode_sparse_mma_mapped")
+EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", *SPARSE_MMA_DECODES)
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 CSLT_TOKEN_MULTIPLE = 8   # cuSPARSELt's dense operand takes tokens padded to this (PyTorch's semi-structured tensors
                           # pad 16-bit inputs to 8 rows for it: torch/sparse/semi_structured.py, dense_min_rows)
@@ -190,7 +202,7 @@ MAPPED_DECODES = (*(name for name in DECODE_KERNELS if name.startswith("decode_m
 # the name of one of these (the Triton kernels of the word layout, and the sparse-MMA decode) with this suffix
 # launches it as a programmatic dependent (its gather too): on Hopper it starts while the kernel before it ends,
 # prefetching its weight (kernels/overlap.py; the sparse-MMA decode loads its first steps' weight into registers)
-PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", "decode_sparse_mma", "decode_sparse_mma_mapped", *GEMM_KERNELS)
+PDL_KERNELS = (*DECODE_KERNELS, "decode_resident", *SPARSE_MMA_DECODES, *GEMM_KERNELS)
 PDL_SUFFIX = "+pdl"
 
 

@@ -25,8 +25,8 @@ from shuffleprune.deploy import auto_choice
 from shuffleprune.deploy.format import decompress, meta_bits
 from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS,
                                        GEMM_MIN_TOKENS, IMPLS, MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED,
-                                       PDL_SUFFIX, SWAP_TILES, TILE_MAX_TOKENS, default_choice, known_policy,
-                                       skipped_impls, split_pdl)
+                                       PDL_SUFFIX, SPARSE_MMA_DECODES, SWAP_TILES, TILE_MAX_TOKENS, default_choice,
+                                       known_policy, skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
 from shuffleprune.deploy.shared_input import SharedGather
 from shuffleprune.runtime import capturing, outside_graph_pools
@@ -274,13 +274,14 @@ class SparseLinear(nn.Module):
                                           self.bias, tiled=self.tiled, pdl=pdl,
                                           tma=impl == "decode_resident_tma" and self._tma_applies(x, resident=True))
             impl = "decode_mapped"   # more tokens, another pattern or 32-bit values: the decode reading the map
-        if impl in ("decode_sparse_mma", "decode_sparse_mma_mapped"):
+        if impl in SPARSE_MMA_DECODES:
             from shuffleprune.kernels.nm_sparse_mma import nm_sparse_mma
 
-            mapped = impl == "decode_sparse_mma_mapped" and self.perm is not None
+            mapped = impl.startswith("decode_sparse_mma_mapped") and self.perm is not None
             if self._sparse_mma_applies(x, mapped):
                 inp, perm = (x, self.perm) if mapped else (self._gathered(x, pdl), None)
-                return nm_sparse_mma(inp, self.values, self.words(), self.bias, tiled=self.tiled, perm=perm, pdl=pdl)
+                return nm_sparse_mma(inp, self.values, self.words(), self.bias, tiled=self.tiled, perm=perm, pdl=pdl,
+                                     tall=impl.endswith("_tall"))
             # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
             impl = "decode" if self._pow2() and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
         if impl == "decode_swap_tma" and not self._tma_applies(x):
@@ -362,6 +363,15 @@ class SparseLinear(nn.Module):
                 sparse_mma_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
                                    x.dtype, mapped) and sparse_mma_available(x.device))
 
+    def _sparse_mma_tall_worth(self, x: torch.Tensor, mapped: bool = False) -> bool:
+        """Whether ``auto`` also weighs the sparse-MMA decode with :func:`.nm_sparse_mma.tall_plan`'s CTAs on ``x``
+        (:func:`.nm_sparse_mma.tall_worth_weighing`: where the input read per 16 rows weighs against the weight)."""
+        from shuffleprune.kernels.gpu import sm_count
+        from shuffleprune.kernels.nm_sparse_mma import tall_worth_weighing
+
+        return tall_worth_weighing(x.numel() // x.shape[-1], self.out_features, self.in_features, sm_count(x.device),
+                                   mapped)
+
     def candidates(self, x: torch.Tensor) -> list[str]:
         """The implementations ``auto`` weighs for this layer on ``x`` (its token count, dtype and device),
         in the order it times them."""
@@ -404,8 +414,10 @@ class SparseLinear(nn.Module):
                 out.append("decode_swap_tma")
             if self._sparse_mma_applies(x):
                 out.append("decode_sparse_mma")
+                out += ["decode_sparse_mma_tall"] if self._sparse_mma_tall_worth(x) else []
                 if self.perm is not None and self._sparse_mma_applies(x, mapped=True):
                     out.append("decode_sparse_mma_mapped")
+                    out += ["decode_sparse_mma_mapped_tall"] if self._sparse_mma_tall_worth(x, mapped=True) else []
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
             if tokens >= GEMM_MIN_TOKENS and x.element_size() == 2:   # float32 runs the one FMA tile either way
                 out.append("gemm_swap_tall")
