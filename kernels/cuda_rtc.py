@@ -140,6 +140,20 @@ def resident_ctas(kernel, threads: int, dynamic_shared: int = 0) -> int | None:
     return count.value if status == 0 and count.value > 0 else None
 
 
+MAX_DYNAMIC_SHARED_SIZE_BYTES = 8   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def allow_dynamic_shared(kernel, nbytes: int) -> None:
+    """Let a compiled kernel take ``nbytes`` of dynamic shared memory, over the 48 KB a launch gets without
+    asking (``cuFuncSetAttribute``); a RuntimeError where the driver refuses or cannot be asked."""
+    try:
+        status = driver().cuFuncSetAttribute(kernel.func, MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(nbytes))
+    except (AttributeError, OSError) as exc:
+        raise RuntimeError(f"the CUDA driver was not reachable to allow {nbytes} bytes of shared memory: {exc}") from exc
+    if status:
+        raise RuntimeError(f"the CUDA driver refused {nbytes} bytes of dynamic shared memory (status {status})")
+
+
 class _AttributeValue(ctypes.Union):   # CUlaunchAttributeValue (cuda.h): 64 bytes
     _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
 

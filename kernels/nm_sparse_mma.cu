@@ -32,10 +32,15 @@
 //
 // With an index map (HAS_PERM), the CTA first gathers its columns of every token through the map into shared
 // memory (T x KS 16-bit values, the launch's dynamic shared memory), its first step's weight loads in flight,
-// and its warps read B from there: the map costs one gather per CTA, not a launch.
+// and its warps read B from there: the map costs one gather per CTA, not a launch. STAGE_X (no map) stages the
+// gathered input in a ring of two rounds instead (a round: one step per K group), copied by asynchronous 8-byte
+// copies two rounds ahead: each input byte then leaves L2 once per CTA, not once per warp, and the warps read B
+// from shared memory, where a 32-bit load from global memory touches 8 token rows (8 cache lines) at once.
+// Staged rows are swizzled (sp_swizzle): a B load's 32 lanes read words {0, 1, 8, 9} + fixed of 8 token rows, so
+// each row's words XORed by its token in bits 1, 2 and 4 fall in 32 distinct banks.
 //
 // Compile-time parameters (#define before this text): NT (n-tiles of 8 tokens), MT, RW, KW, TILED,
-// HAS_BIAS, HAS_PERM, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead), STAGES
+// HAS_BIAS, HAS_PERM, STAGE_X, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead), STAGES
 // (steps held in registers: STAGES - 1 loading while one multiplies), PDL (launched as a programmatic dependent:
 // griddepcontrol.wait after the first weight loads, then launch_dependents; sm_90 and later).
 //
@@ -46,6 +51,12 @@
 
 #define WARPS (RW * KW)
 #define ROWS_PER_CTA (RW * MT * 16)
+#define STAGED (HAS_PERM || STAGE_X)
+
+SP_DEV int sp_swizzle(int token) {
+  // the XOR on a staged row's 32-bit words: bits 1 and 2 from the token's low two bits, bit 4 from its third
+  return ((token & 3) << 1) | ((token & 4) << 2);
+}
 
 struct SpStage {
   u32x4 va[MT][2];     // [m-tile][block]: 4 groups of row g
@@ -67,15 +78,16 @@ SP_DEV unsigned sp_b_column(int c0, int block, int half, int reg, int t) {
   return (unsigned)(c0 + 64 * block + 4 * group + 2 * (t & 1));
 }
 
-struct SpInput {            // where B's columns are read: the gathered input in global memory, or (HAS_PERM)
-  const unsigned short* x;  // the CTA's columns staged through the index map in shared memory
+struct SpInput {            // where B's columns are read: the gathered input in global memory, or (STAGED)
+  const unsigned short* x;  // the CTA's columns staged (through the index map) in shared memory, swizzled
   int stride, col0, T;
 };
 
 SP_DEV unsigned sp_load_b(const SpInput& in, int token, unsigned col) {
   if (token >= in.T) return 0u;
-#if HAS_PERM
-  return sp_lds32(in.x + token * in.stride + (col - in.col0));
+#if STAGED
+  int word = ((int)(col - in.col0) >> 1) ^ sp_swizzle(token);
+  return sp_lds32(in.x + token * in.stride + 2 * word);
 #else
   return sp_ld32(in.x + (long long)token * in.stride + col);
 #endif
@@ -201,6 +213,22 @@ SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const S
   }
 }
 
+#if STAGE_X && !HAS_PERM
+SP_DEV void sp_stage_round(unsigned short* to, const unsigned short* x, int xs, int T, int k_begin, int steps, int r,
+                           int tid) {
+  // round r's columns of every token (T rows of 128 * KW, fewer in the last round) into a ring slot, by 8-byte
+  // asynchronous copies; a word pair keeps its place under the swizzle (it XORs bits 1, 2 and 4 of the word)
+  int first = r * KW;
+  if (first >= steps) return;
+  int width = 128 * KW, pairs = 128 * (steps - first < KW ? steps - first : KW) / 4;
+  for (int i = tid; i < T * pairs; i += 32 * WARPS) {
+    int token = i / pairs, pair = i % pairs;
+    sp_cp_async8(to + token * width + 2 * ((2 * pair) ^ sp_swizzle(token)),
+                 x + (long long)token * xs + k_begin + 128 * first + 4 * pair);
+  }
+}
+#endif
+
 SP_DEV void sp_store_output(unsigned short* y, const unsigned short* bias, int R, int token, int row, float sum) {
 #if HAS_BIAS
   sum += sp_to_float(sp_ld16(bias + row));
@@ -213,7 +241,9 @@ SP_DEV void sp_store_output(unsigned short* y, const unsigned short* bias, int R
 extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     const unsigned short* x, const unsigned short* values, const unsigned* meta, const int* perm,
     const unsigned short* bias, unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
-  __shared__ float red[WARPS][MT][NT][32][4];
+#if KW > 1
+  __shared__ float red[WARPS][MT][NT][32][4];   // the K groups' sums of a row group, added below
+#endif
   __shared__ int last_flag;
   int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   int rg = warp % RW, kg = warp / RW;
@@ -243,10 +273,11 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   sp_grid_release();
 #endif
 #if HAS_PERM
-  // the CTA's columns of every token, gathered through the map once into shared memory (the first steps'
-  // weight loads already in flight), then read by every warp as the gathered input would be
+  // the CTA's columns of every token, gathered once through the map into shared memory (the first steps'
+  // weight loads already in flight), then read by every warp as the gathered input would be; rows swizzled
   SP_DYNAMIC_SHARED(unsigned short, staged);
-  int width = k_end - k_begin, quads = width / 4;
+  int width = k_end - k_begin;
+  int quads = width / 4;
   // items of 4 columns of one token, 4 items a thread at a time: their map loads, then their 16 gathers, in flight
   // together (a loop of single loads would wait out two round trips per value)
   for (int i0 = tid; i0 < T * quads; i0 += 4 * 32 * WARPS) {
@@ -272,7 +303,8 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     for (int u = 0; u < 4; ++u) {
       int i = i0 + u * 32 * WARPS;
       if (i < T * quads) {
-        unsigned short* to = staged + (i / quads) * width + 4 * (i % quads);
+        int token = i / quads;
+        unsigned short* to = staged + token * width + 2 * ((2 * (i % quads)) ^ sp_swizzle(token));
         sp_st_shared32(to, (unsigned)v[u][0] | (unsigned)v[u][1] << 16);
         sp_st_shared32(to + 2, (unsigned)v[u][2] | (unsigned)v[u][3] << 16);
       }
@@ -280,10 +312,43 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   }
   __syncthreads();
   SpInput in = {staged, width, k_begin, T};
+#elif STAGE_X
+  // a ring of two rounds in shared memory: round r (the CTA's steps r * KW .. r * KW + KW - 1, one per K group)
+  // is copied by every thread's asynchronous 8-byte copies two rounds ahead, while the round before is read
+  SP_DYNAMIC_SHARED(unsigned short, ring);
+  const int round_cols = 128 * KW, rounds = (steps + KW - 1) / KW, slot = T * round_cols;
+  sp_stage_round(ring, x, xs, T, k_begin, steps, 0, tid);
+  sp_cp_async_commit();
+  sp_stage_round(ring + slot, x, xs, T, k_begin, steps, 1, tid);
+  sp_cp_async_commit();
+  (void)perm;
 #else
   SpInput in = {x, xs, 0, T};
   (void)perm;
 #endif
+#if STAGE_X && !HAS_PERM
+  // the same register pipeline as below, by rounds: every warp of the CTA on the same round, two barriers a round
+  for (int r0 = 0; r0 < rounds; r0 += STAGES) {
+#pragma unroll
+    for (int j = 0; j < STAGES; ++j) {
+      int r = r0 + j;
+      if (r < rounds) {   // the same for every thread of the CTA: its barriers are met by all
+        sp_cp_async_wait_one();   // this thread's copies of round r landed (round r + 1's may still fly)
+        __syncthreads();          // and every thread's
+        SpInput in = {ring + (r & 1) * slot, round_cols, k_begin + round_cols * r, T};
+        int step = r * KW + kg, ahead = step + (STAGES - 1) * KW;
+        if (step < steps) {
+          if (ahead < steps)
+            sp_load_weights(st[(j + STAGES - 1) % STAGES], values, meta, C, row0, k_begin + 128 * ahead, lane);
+          sp_compute_stage(st[j], acc, in, k_begin + 128 * step, lane);
+        }
+        __syncthreads();          // every warp is done with this slot: round r + 2 may overwrite it
+        sp_stage_round(ring + (r & 1) * slot, x, xs, T, k_begin, steps, r + 2, tid);
+        sp_cp_async_commit();     // a group each round, empty past the last, so the wait above counts right
+      }
+    }
+  }
+#else
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j)
     if (kg + j * KW < steps) sp_load_inputs(st[j], in, k_begin + 128 * (kg + j * KW), lane);
@@ -298,7 +363,10 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
       }
     }
   }
+#endif
 
+  bool split = gridDim.y > 1;
+#if KW > 1
   // the CTA's warps that share rows add their K parts in shared memory
 #pragma unroll
   for (int i = 0; i < MT; ++i)
@@ -309,12 +377,18 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   __syncthreads();
 
   const int outputs = RW * MT * NT * 32 * 4;   // one per (row group, m-tile, n-tile, lane, register)
-  bool split = gridDim.y > 1;
   for (int o = tid; o < outputs; o += 32 * WARPS) {
     int j = o & 3, l = (o >> 2) & 31, rest = o >> 7;
     int n = rest % NT, i = (rest / NT) % MT, r_g = rest / (NT * MT);
     float sum = 0.f;
     for (int k = 0; k < KW; ++k) sum += red[k * RW + r_g][i][n][l][j];
+#else
+  // one K group: each warp holds its rows' whole sums (of this CTA's columns) and writes them as they are
+#pragma unroll
+  for (int o = 0; o < MT * NT * 4; ++o) {
+    int j = o & 3, n = (o >> 2) % NT, i = (o >> 2) / NT, l = lane, r_g = rg;
+    float sum = acc[i][n][j];
+#endif
     int row = blockIdx.x * ROWS_PER_CTA + r_g * MT * 16 + 16 * i + (l >> 2) + 8 * (j >> 1);
     int token = 8 * n + 2 * (l & 3) + (j & 1);
     if (token >= T) continue;

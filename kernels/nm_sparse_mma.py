@@ -7,7 +7,9 @@ in registers before ``tl.dot``: that expansion, not the weight's bytes, bounds t
 multiplies the kept values as they lie, each position code a 2-bit index the tensor core reads itself, so the decode's
 work per weight byte is the same at 1 token as at 64. It reads the layer's one buffer as it is (the
 export's row words, or cuSPARSELt's order after ``use_cslt_layout``): no copy, no re-layout. The
-kernel's text says how lanes map to the MMA's fragments; :func:`sparse_mma_plan` sizes its grid.
+kernel's text says how lanes map to the MMA's fragments; :func:`sparse_mma_plan` sizes its grid, and
+:func:`tall_plan` the other launch, whose CTAs stage the input in shared memory and share it among more rows
+(by :func:`side_traffic`, the input and partial-sum bytes a launch moves besides its weight).
 
 The same ``.cu`` text runs on the CPU under ``tests/sparse_mma_emulator.hpp`` (a CUDA thread model
 with the MMA computed as the PTX ISA defines it), which is how the tests check it against float64.
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from shuffleprune.kernels.cuda_rtc import KernelLaunch, compile_cuda, driver, resident_ctas
+from shuffleprune.kernels.cuda_rtc import (KernelLaunch, allow_dynamic_shared, compile_cuda, driver,
+                                           resident_ctas)
 from shuffleprune.kernels.gpu import _capability, cdiv
 
 SOURCE = Path(__file__).with_name("nm_sparse_mma.cu")
@@ -34,6 +37,11 @@ MAX_TOKENS = 64            # 8 n-tiles of 8 tokens
 MAPPED_MAX_TOKENS = 16     # reading the map itself: every token's columns of a CTA staged in shared memory
 STAGED_LIMIT = 32 * 1024   # the most bytes of staged input a CTA takes (its columns split further to fit)
 SHARED_LIMIT = 48 * 1024   # static shared memory per CTA without an opt-in
+# a plan that stages its input by choice (``stage``: the tall plan) takes up to this much, over 48 KB by the
+# driver's opt-in (cuFuncSetAttribute: every CUDA GPU of compute capability 8.0 or more allows 99 KB or more a CTA):
+# through the map every token's columns of the CTA; without one a ring of two rounds of 128 columns per K group
+STAGED_OPTIN_LIMIT = 96 * 1024
+SHARED_OPTIN_LIMIT = 99 * 1024
 
 # what each kernel source needs from the GPU side; the emulator (tests/) defines the same names for the CPU
 DEVICE_PRELUDE = r"""
@@ -58,6 +66,12 @@ SP_DEV unsigned short sp_ld16(const unsigned short* p) { return *p; }
 SP_DEV u32x4 sp_ldg128(const void* p) { return __ldg((const uint4*)p); }   // the map: cached, read per token
 SP_DEV unsigned sp_lds32(const unsigned short* p) { return *(const unsigned*)p; }   // shared memory
 SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) { *(unsigned*)p = v; }
+SP_DEV void sp_cp_async8(unsigned short* to, const unsigned short* from) {   // global to shared, not through registers
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"((unsigned)__cvta_generic_to_shared(to)), "l"(from)
+               : "memory");
+}
+SP_DEV void sp_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+SP_DEV void sp_cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 #define SP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 SP_DEV void sp_st16(unsigned short* p, unsigned short v) { *p = v; }
 SP_DEV void sp_st_float(float* p, float v) { *p = v; }
@@ -110,7 +124,10 @@ class SparseMmaPlan:
     """A launch of the kernel: ``nt`` n-tiles of 8 tokens, ``mt`` m-tiles of 16 rows per warp, ``rw`` row
     groups and ``kw`` K groups of warps per CTA, ``ks`` columns per CTA (``splits`` CTAs along K), and
     ``bpre`` whether the input's fragments are loaded a step ahead with the weight's, ``stages`` the steps a warp
-    holds in registers (``stages - 1`` loading while one multiplies)."""
+    holds in registers (``stages - 1`` loading while one multiplies), ``stage`` whether the CTA stages its input in
+    shared memory by choice: without a map in a ring of two rounds (a round: 128 columns per K group of every
+    token, copied asynchronously two rounds ahead; the input then read at each step, ``bpre`` off), through a map
+    every token's columns as a map always stages them but up to :data:`STAGED_OPTIN_LIMIT` bytes."""
     nt: int
     mt: int
     rw: int
@@ -119,6 +136,7 @@ class SparseMmaPlan:
     splits: int
     bpre: bool
     stages: int = 2
+    stage: bool = False
 
     @property
     def warps(self) -> int:
@@ -132,12 +150,24 @@ class SparseMmaPlan:
         return rows // self.rows_per_cta, self.splits, 1
 
     def shared_bytes(self) -> int:
-        """Static shared memory: the warps' partial sums (and the last-CTA flag)."""
-        return self.warps * self.mt * self.nt * 32 * 4 * 4 + 4
+        """Static shared memory: the warps' partial sums where several K groups add them (and the last-CTA flag)."""
+        return (self.warps * self.mt * self.nt * 32 * 4 * 4 if self.kw > 1 else 0) + 4
 
     def staged_bytes(self, tokens: int) -> int:
         """Dynamic shared memory of the kernel reading the map itself: the CTA's columns of every token."""
         return tokens * self.ks * 2
+
+    def ring_bytes(self, tokens: int) -> int:
+        """Dynamic shared memory of the ring a ``stage`` plan without a map stages its input in: two rounds."""
+        return 2 * tokens * STEP * self.kw * 2
+
+    def staged_limit(self) -> int:
+        """The most staged bytes this plan may take: :data:`STAGED_OPTIN_LIMIT` where it stages by choice."""
+        return STAGED_OPTIN_LIMIT if self.stage else STAGED_LIMIT
+
+    def dynamic_shared(self, tokens: int, mapped: bool) -> int:
+        """The launch's dynamic shared memory: the staged input where it stages one (a map; a ring for ``stage``)."""
+        return self.staged_bytes(tokens) if mapped else self.ring_bytes(tokens) if self.stage else 0
 
 
 def sparse_mma_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype: torch.dtype,
@@ -189,17 +219,20 @@ def side_traffic(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, in_byte
 
 def tall_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
               mapped: bool = False, **override) -> SparseMmaPlan:
-    """The plan whose CTAs share each input read among more rows: of the row groups (``rw``) and K groups
-    (``kw``) of warps in :data:`TALL_ROW_WARPS` × :data:`TALL_K_WARPS` (at most :data:`TALL_MAX_THREADS` threads,
-    keeping :data:`TALL_MIN_OCCUPANCY` of the default tile's resident warps: registers bound them per thread, so
-    a CTA of more warps has fewer CTAs a multiprocessor), the one with the least :func:`side_traffic`, then the
-    most resident warps. ``ctas_per_sm`` is the default tile's occupancy; ``override`` as in
-    :func:`sparse_mma_plan` (``rw`` or ``kw`` given: searched over the other; both: that plan)."""
+    """The plan whose CTAs stage their input in shared memory (``stage``) and share it among more rows: of the
+    row groups (``rw``) and K groups (``kw``) of warps in :data:`TALL_ROW_WARPS` × :data:`TALL_K_WARPS` (at most
+    :data:`TALL_MAX_THREADS` threads, keeping :data:`TALL_MIN_OCCUPANCY` of the default tile's resident warps:
+    registers bound them per thread, so a CTA of more warps has fewer CTAs a multiprocessor), the one with the
+    least :func:`side_traffic`, then the most resident warps. ``ctas_per_sm`` is the default tile's occupancy;
+    ``override`` as in :func:`sparse_mma_plan` (``rw`` or ``kw`` given: searched over the other; both: that
+    plan)."""
+    override = {**override, "stage": override.get("stage", True)}
     if "rw" in override and "kw" in override:
         return sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm, mapped, **override)
-    base = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm, mapped, **override)
+    base = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm, mapped,
+                           **{k: v for k, v in override.items() if k != "stage"})
     warps_per_sm = ctas_per_sm * base.warps
-    best, best_key = base, (side_traffic(base, tokens, rows, cols), -warps_per_sm, base.warps)
+    best, best_key = None, None
     for rw, kw in itertools.product([override["rw"]] if "rw" in override else TALL_ROW_WARPS,
                                     [override["kw"]] if "kw" in override else TALL_K_WARPS):
         warps = rw * kw
@@ -212,8 +245,11 @@ def tall_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: int = DE
         except ValueError:   # rows not whole CTAs of these, or too much shared memory
             continue
         key = (side_traffic(plan, tokens, rows, cols), -resident, warps)
-        if key < best_key:
+        if best_key is None or key < best_key:
             best, best_key = plan, key
+    if best is None:   # no CTA of these fits: the default tile's, staged
+        return sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm, mapped, **{**override, "rw": base.rw,
+                                                                                 "kw": base.kw})
     return best
 
 
@@ -223,27 +259,31 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
     ``ctas_per_sm`` of its CTAs each: the n-tile's tile (:data:`TILES`), and CTAs along K (``splits``) until
     the grid fills one wave of the GPU, each warp keeping at least one step (its next step's loads are in
     flight while it multiplies where it has two or more). ``mapped``: the CTAs' columns also split until
-    every token's fit in :data:`STAGED_LIMIT` bytes of shared memory. ``override`` sets any field (tuning).
-    :func:`tall_plan` is the other plan, its CTAs sharing the input among more rows."""
+    every token's fit in :data:`STAGED_LIMIT` bytes of shared memory (``stage``: staged without a map too, to
+    :data:`STAGED_OPTIN_LIMIT`). ``override`` sets any field (tuning). :func:`tall_plan` is the other plan, its
+    CTAs staging the input and sharing it among more rows."""
     nt = min(8, _pow2_at_least(cdiv(tokens, 8)))
     tile = dict(TILES[nt])
-    for name in ("mt", "kw", "bpre", "rw", "stages"):
+    for name in ("mt", "kw", "bpre", "rw", "stages", "stage"):
         if name in override:
             tile[name] = override[name]
-    mt, kw, rw = tile["mt"], tile["kw"], tile.get("rw", 1)
+    mt, kw, rw, stage = tile["mt"], tile["kw"], tile.get("rw", 1), bool(tile.get("stage", False))
+    staged, limit = mapped, STAGED_OPTIN_LIMIT if stage else STAGED_LIMIT   # the map stages the CTA's columns
+    if stage and not mapped and "bpre" not in override:   # the ring's input is read at its step, never ahead
+        tile["bpre"] = False
     steps = cols // STEP
     kw = max(1, min(kw, steps))
     row_blocks = max(1, rows // (16 * mt * rw))
     splits = max(1, min(round(sms * ctas_per_sm / row_blocks), steps // kw))
-    if mapped:
-        splits = max(splits, cdiv(tokens * cols * 2, STAGED_LIMIT))
+    if staged:
+        splits = max(splits, cdiv(tokens * cols * 2, limit))
     ks = _columns_per_cta(cols, splits)
-    while mapped and tokens * ks * 2 > STAGED_LIMIT and ks > STEP:   # the rounding up to whole steps went over
+    while staged and tokens * ks * 2 > limit and ks > STEP:   # the rounding up to whole steps went over
         splits += 1
         ks = _columns_per_cta(cols, splits)
     fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"],
-                  stages=tile.get("stages", 2))
-    fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw", "stages")})
+                  stages=tile.get("stages", 2), stage=stage)
+    fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw", "stages", "stage")})
     if "ks" in override and "splits" not in override:
         fields["splits"] = cdiv(cols, fields["ks"])
     if "splits" in override and "ks" not in override:
@@ -267,13 +307,16 @@ def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, mapped: b
     if plan.shared_bytes() > SHARED_LIMIT:
         raise ValueError(f"warps·mt·nt = {plan.warps * plan.mt * plan.nt} needs {plan.shared_bytes()} bytes of "
                          f"shared memory (at most {SHARED_LIMIT}): take fewer warps, m-tiles or n-tiles")
-    if mapped and plan.staged_bytes(tokens) > STAGED_LIMIT:
-        raise ValueError(f"ks={plan.ks} stages {plan.staged_bytes(tokens)} bytes of {tokens} tokens' input (at most "
-                         f"{STAGED_LIMIT}): take more splits")
-    if mapped and plan.shared_bytes() + plan.staged_bytes(tokens) > SHARED_LIMIT:
-        raise ValueError(f"the warps' sums ({plan.shared_bytes()} bytes) and the staged input "
-                         f"({plan.staged_bytes(tokens)}) exceed {SHARED_LIMIT} bytes of shared memory: take more "
-                         f"splits, or fewer warps or m-tiles")
+    staged, total = plan.dynamic_shared(tokens, mapped), SHARED_OPTIN_LIMIT if plan.stage else SHARED_LIMIT
+    ring = plan.stage and not mapped
+    if ring and plan.bpre:
+        raise ValueError("a plan staging its input in a ring reads it at each step: take bpre=False")
+    if staged > plan.staged_limit():
+        raise ValueError(f"{'the ring' if ring else f'ks={plan.ks}'} stages {staged} bytes of {tokens} tokens' input "
+                         f"(at most {plan.staged_limit()}): take {'fewer K groups of warps' if ring else 'more splits'}")
+    if staged and plan.shared_bytes() + staged > total:
+        raise ValueError(f"the warps' sums ({plan.shared_bytes()} bytes) and the staged input ({staged}) exceed "
+                         f"{total} bytes of shared memory: take more splits, or fewer warps or m-tiles")
 
 
 def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool,
@@ -281,7 +324,8 @@ def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bia
     """The compile-time parameters of one kernel variant (``#define`` s before the source)."""
     reading = fragment_reading()
     return {"NT": plan.nt, "MT": plan.mt, "RW": plan.rw, "KW": plan.kw, "TILED": int(tiled),
-            "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "IS_BF16": int(dtype == torch.bfloat16),
+            "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "STAGE_X": int(plan.stage and not mapped),
+            "IS_BF16": int(dtype == torch.bfloat16),
             "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered), "PDL": int(pdl),
             **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
 
@@ -340,11 +384,21 @@ def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, 
     plan = (tall_plan if tall else sparse_mma_plan)(tokens, rows, cols, sms, mapped=mapped, **dict(override))
     kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata(), mapped, pdl).items()),
                        device_index)
-    ctas = resident_ctas(kernel, 32 * plan.warps, plan.staged_bytes(tokens) if mapped else 0) or DEFAULT_CTAS_PER_SM
+    _allow_shared(kernel, plan, tokens, mapped)
+    ctas = resident_ctas(kernel, 32 * plan.warps, plan.dynamic_shared(tokens, mapped)) or DEFAULT_CTAS_PER_SM
     if ctas != DEFAULT_CTAS_PER_SM:
         plan = sparse_mma_plan(tokens, rows, cols, sms, ctas_per_sm=ctas, mapped=mapped,
-                               **{**dict(override), "rw": plan.rw, "kw": plan.kw})
+                               **{**dict(override), "rw": plan.rw, "kw": plan.kw, "stage": plan.stage})
+        _allow_shared(kernel, plan, tokens, mapped)
     return kernel, plan, _bound(kernel, plan, rows, tokens, mapped, pdl)
+
+
+def _allow_shared(kernel, plan: SparseMmaPlan, tokens: int, mapped: bool) -> None:
+    """Raise ``kernel``'s dynamic shared memory limit to what ``plan`` stages where it needs more than 48 KB in all
+    (:func:`.cuda_rtc.allow_dynamic_shared`: a RuntimeError where the driver refuses, and ``auto`` leaves it out)."""
+    dynamic = plan.dynamic_shared(tokens, mapped)
+    if dynamic + plan.shared_bytes() > SHARED_LIMIT:
+        allow_dynamic_shared(kernel, dynamic)
 
 
 def _bound(kernel, plan: SparseMmaPlan, rows: int, tokens: int, mapped: bool, pdl: bool) -> KernelLaunch | None:
@@ -355,7 +409,7 @@ def _bound(kernel, plan: SparseMmaPlan, rows: int, tokens: int, mapped: bool, pd
         cuda.cuLaunchKernelEx if pdl else cuda.cuLaunchKernel   # noqa: B018 - a driver without it falls back
     except (AttributeError, OSError):
         return None
-    return KernelLaunch(kernel, plan.grid(rows), (32 * plan.warps, 1, 1), plan.staged_bytes(tokens) if mapped else 0,
+    return KernelLaunch(kernel, plan.grid(rows), (32 * plan.warps, 1, 1), plan.dynamic_shared(tokens, mapped),
                         cuda, ARG_POINTERS, ARG_INTS, pdl)
 
 
@@ -436,6 +490,9 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
                          f"{perm.dtype} {tuple(perm.shape)}")
     if x2.stride(-1) != 1 or x2.stride(0) % 2 or x2.data_ptr() % 4:
         x2 = x2.contiguous()
+    ring = not mapped and (tall or override.get("stage") or (plan is not None and plan.stage))
+    if ring and (x2.stride(0) % 4 or x2.data_ptr() % 8):   # the ring's 8-byte copies: rows 8-byte aligned
+        x2 = x2.clone(memory_format=torch.contiguous_format)
     index = device_index(x.device)
     if plan is None:
         kernel, plan, bound = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, mapped, index,
@@ -444,6 +501,7 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
         check_plan(plan, tokens, rows, cols, mapped)
         kernel = _compiled(tuple(kernel_defines(plan, x.dtype, tiled, bias is not None, ordered_metadata(),
                                                 mapped).items()), index)
+        _allow_shared(kernel, plan, tokens, mapped)
         bound = _bound(kernel, plan, rows, tokens, mapped, False)
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
     grid = plan.grid(rows)
@@ -453,7 +511,7 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
     if bound is not None:
         bound(tensors, ints, stream_handle(x.device))
     else:
-        kernel(grid=grid, block=(32 * plan.warps, 1, 1), shared_mem=plan.staged_bytes(tokens) if mapped else 0,
+        kernel(grid=grid, block=(32 * plan.warps, 1, 1), shared_mem=plan.dynamic_shared(tokens, mapped),
                args=[*tensors, *ints])
     return y.reshape(*x.shape[:-1], rows)
 

@@ -98,7 +98,7 @@ def main() -> None:
                              "sass": sass_counts(cubin, gpu.arch) if ok else None,
                              "log": None if ok else log[-2000:]}
             info = dict(seen[key])
-            shared = info["shared_bytes"] + (plan.staged_bytes(tokens) if mapped else 0)
+            shared = info["shared_bytes"] + plan.dynamic_shared(tokens, mapped)
             ctas = resident_programs(gpu, info["registers"], plan.warps, shared) if info["compiled"] else 0
             grid = plan.grid(shape[0])
             rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled, "mapped": mapped,

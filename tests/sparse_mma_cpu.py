@@ -69,7 +69,7 @@ def run_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: to
                            _bytes(partial),
                            _ptr(counters), _bytes(counters), ctypes.c_int(tokens), ctypes.c_int(rows),
                            ctypes.c_int(cols), ctypes.c_int(x_stride or x.stride(0)), ctypes.c_int(plan.ks),
-                           ctypes.c_uint(plan.staged_bytes(tokens) if mapped else 0))
+                           ctypes.c_uint(plan.dynamic_shared(tokens, mapped)))
     if err is not None:
         raise RuntimeError(err.decode())
     return y, counters

@@ -100,6 +100,25 @@ SP_DEV unsigned sp_lds32(const unsigned short* p) {
 SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) {
   if (spemu_shared_ok(p, 4)) std::memcpy(p, &v, 4);
 }
+// cp.async as late as the PTX ISA lets it land: a thread's copies are queued by commit group, and only a wait
+// lands them (wait_group 1: every group but the newest), so a read of a slot before its wait reads the poison
+struct SpemuCopy { unsigned short* to; u32x2 v; };
+inline thread_local std::vector<SpemuCopy> spemu_open_copies;                 // issued, not yet committed
+inline thread_local std::vector<std::vector<SpemuCopy>> spemu_copy_groups;    // committed, not yet landed
+SP_DEV void sp_cp_async8(unsigned short* to, const unsigned short* from) {
+  u32x2 v = spemu_load<u32x2>(from, 8);   // the source is read now (nothing writes it during the kernel)
+  if (spemu_shared_ok(to, 8)) spemu_open_copies.push_back({to, v});
+}
+SP_DEV void sp_cp_async_commit() {
+  spemu_copy_groups.push_back(std::move(spemu_open_copies));
+  spemu_open_copies.clear();
+}
+SP_DEV void sp_cp_async_wait_one() {
+  while (spemu_copy_groups.size() > 1) {
+    for (const SpemuCopy& c : spemu_copy_groups.front()) std::memcpy(c.to, &c.v, 8);
+    spemu_copy_groups.erase(spemu_copy_groups.begin());
+  }
+}
 #define SP_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(spemu::dyn_smem.data())
 template <typename V>
 static inline void spemu_store(void* p, V v) {

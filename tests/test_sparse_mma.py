@@ -54,6 +54,13 @@ def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     (64, 1152, 2, dict(nt=1, mt=1, rw=1, kw=2, ks=1152, splits=1, bpre=True, stages=3)),   # 3 steps in registers,
     (128, 896, 12, dict(nt=2, mt=2, rw=1, kw=1, ks=512, splits=2, bpre=False, stages=4)),  # 4; steps not whole rounds
     (128, 512, 40, dict(nt=8, mt=1, rw=8, kw=1, ks=256, splits=2, bpre=False)),  # a tall plan's CTA: 8 row warps
+    # the input staged in a ring of two rounds in shared memory (swizzled rows, copies landing only at their wait):
+    # one K group (sums written from registers), two K groups with the last split shorter, 64 tokens over 3 rounds,
+    # 3 register stages over 9 steps of 2 K groups (the last round one step)
+    (128, 512, 13, dict(nt=2, mt=1, rw=4, kw=1, ks=256, splits=2, bpre=False, stage=True)),
+    (64, 640, 11, dict(nt=2, mt=1, rw=2, kw=2, ks=256, splits=3, bpre=False, stage=True)),
+    (64, 384, 64, dict(nt=8, mt=1, rw=4, kw=1, ks=384, splits=1, bpre=False, stage=True)),
+    (64, 1152, 5, dict(nt=1, mt=1, rw=1, kw=2, ks=1152, splits=1, bpre=False, stages=3, stage=True)),
 ])
 def test_sparse_mma_decode_matches_float64(rows, cols, tokens, plan, tiled, dtype):
     w, values, words, x, bias = _case(rows, cols, tokens, dtype)
@@ -127,9 +134,10 @@ def test_sparse_mma_reads_an_input_whose_rows_are_apart():
     wide = torch.zeros(5, 256 + 64, dtype=torch.bfloat16)
     wide[:, 32:288] = x
     view = wide[:, 32:288]
-    plan = SparseMmaPlan(nt=1, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=True)
-    y, _ = run_cpu(view, values, words, bias, False, plan, x_stride=view.stride(0))
-    _check(y, x.double() @ w.double().t() + bias.double(), torch.bfloat16)
+    for stage in (False, True):   # staged by 8-byte copies from rows 640 bytes apart
+        plan = SparseMmaPlan(nt=1, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=not stage, stage=stage)
+        y, _ = run_cpu(view, values, words, bias, False, plan, x_stride=view.stride(0))
+        _check(y, x.double() @ w.double().t() + bias.double(), torch.bfloat16)
 
 
 def test_the_default_plans_fit_the_kernel_on_the_benchmark_shapes():
@@ -178,6 +186,10 @@ def test_a_plan_the_kernel_cannot_run_is_refused_in_one_line():
         check_plan(SparseMmaPlan(nt=8, mt=2, rw=1, kw=8, ks=1024, splits=1, bpre=False), 64, 64, 1024)
     with pytest.raises(ValueError, match="2, 3 or 4 steps"):
         check_plan(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=256, splits=1, bpre=True, stages=5), 1, 64, 256)
+    with pytest.raises(ValueError, match="bpre=False"):   # the ring's input is not there a step ahead
+        check_plan(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=256, splits=1, bpre=True, stage=True), 1, 64, 256)
+    with pytest.raises(ValueError, match="fewer K groups"):   # 64 tokens × 4 K groups: a 128 KB ring
+        check_plan(SparseMmaPlan(nt=8, mt=1, rw=1, kw=4, ks=1024, splits=1, bpre=False, stage=True), 64, 64, 1024)
     with pytest.raises(ValueError, match="take more splits"):   # 16 tokens of 2048 columns: 64 KB staged
         check_plan(SparseMmaPlan(nt=2, mt=1, rw=1, kw=4, ks=2048, splits=1, bpre=False), 16, 64, 2048, mapped=True)
     plan = sparse_mma_plan(16, 4096, 4096, sms=132, mapped=True)   # the plan splits until every token fits

@@ -102,14 +102,17 @@
   ``decode_sparse_mma_mapped`` (1–16 tokens): the same kernel reading the index map itself, each CTA gathering
   its columns of every token through the map into shared memory once, its first step's weight loads in
   flight meanwhile (no gather launch; the map's cost is one gather per CTA);
-  ``decode_sparse_mma_tall`` and ``decode_sparse_mma_mapped_tall``: the two with CTAs of more rows
-  (``nm_sparse_mma.tall_plan``: up to 4 warps of 16 rows each, sharing every input read through L1 or the
-  staged map). The default CTA holds 16 rows and its warps split K, so each CTA reads its columns of every
-  token for 16 rows: at 16 tokens on 4096×4096 that is 35 MB of input reads and partial sums against the
-  weight's 19 MB, at 64 tokens 140 MB (``nm_sparse_mma.side_traffic``); the tall plan's CTAs of 64 rows move
-  13 and 46 MB (CTAs of 8 warps compiled to 80 registers and spilled, or to 150 and more with a
-  one-CTA launch bound: ``sparse_mma_compile.json`` has the 4-warp ones, no spills). ``auto`` weighs them where the default's reads are a quarter of the weight's
-  bytes or more (from about 4 tokens; ``nm_sparse_mma.tall_worth_weighing``);
+  ``decode_sparse_mma_tall`` and ``decode_sparse_mma_mapped_tall``: the two with ``nm_sparse_mma.tall_plan``'s
+  CTAs, which stage the input in shared memory and share it among up to 4 warps of 16 rows. The default CTA
+  reads B from global memory once per 16 rows, each 32-bit load touching 8 token rows: by count 35 MB of input
+  reads and partial sums at 16 tokens on 4096×4096 against the weight's 19 MB, 140 MB at 64
+  (``nm_sparse_mma.side_traffic``). The tall plan's CTAs of 64 rows copy each round of their columns (128 per
+  K group, every token) into a ring of two rounds by asynchronous 8-byte copies two rounds ahead, and read B
+  from there in swizzled rows with no bank conflicts (through a map: its staging, swizzled the same way):
+  13 and 46 MB there, and no split forced by shared memory. CTAs of 8 warps compiled to 80 registers with
+  spills, or to 150 and more under a one-CTA launch bound, so 4 at most. ``auto`` weighs them where the
+  default's reads are a quarter of the weight's bytes or more (from about 4 tokens;
+  ``nm_sparse_mma.tall_worth_weighing``);
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
