@@ -51,7 +51,8 @@
 #                                              # (tune_sparse_mma_sweep.json); then row groups of warps (rw) and K
 #                                              # groups against the tall plan's pick at 4-64 tokens
 #                                              # (tune_sparse_mma_rows.json)
-#   bash scripts/gpu_run.sh profile_sparse_mma # Nsight Compute on the sparse-MMA decode at 1 and 16 tokens, 11008x4096
+#   bash scripts/gpu_run.sh profile_sparse_mma # Nsight Compute on the sparse-MMA decode at 1 and 16 tokens, 11008x4096,
+#                                              # and against its tall plan at 16 (11008x4096) and 64 tokens (4096x4096)
 #                                              # (ncu_sparse_mma.txt)
 #   bash scripts/gpu_run.sh tune_spread        # the weight-as-A decode's tiles (32/64 rows, 64/128 kept values per step,
 #                                              # 2/4 warps, 3/4 stages) with the joined and the broadcast expansion, 2 and
@@ -193,9 +194,10 @@ ISSUE24=(sparse_mma kernel targets e2e targets)    # limits 150 + 260 + 10 + 240
                                                     # H200 before it profiled one eager prompt per sparse variant):
                                                     # targets read the new kernel table first, then again after e2e
                                                     # if e2e fits in what is left of the call's 570 s
-NEXT1=(tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 2 × 70 + 90 + 3 × 70 + 150 s
+NEXT1=(tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 5 × 70 + 90 + 3 × 70 + 150 s
                                                     # (the sparse-MMA decode's tiles: warps and CTAs along K, m-tiles,
-                                                    # stages, and Nsight Compute on it at 1 and 16 tokens; the
+                                                    # stages, row warps against the tall plan, and Nsight Compute on
+                                                    # both plans at 1-64 tokens, bank conflicts included; the
                                                     # broadcast expansion's tiles against the joined one's; Nsight
                                                     # Compute on decode_swap, its broadcast form and cuBLAS at 16
                                                     # tokens; tune_tall's 63 GEMM timings)
@@ -339,7 +341,8 @@ for s in "$@"; do
                 cases=("select 1 11008x4096" "dot 2 11008x4096" "dot 16 11008x4096" "swap 16 11008x4096" "dense 1 11008x4096"
                        "select 1 4096x4096" "dense 1 4096x4096")
             elif [ "$s" = profile_sparse_mma ]; then RES=scripts/results/ncu_sparse_mma.txt   # the sparse-MMA decode
-                cases=("sparse_mma 1 11008x4096" "sparse_mma 16 11008x4096")
+                cases=("sparse_mma 1 11008x4096" "sparse_mma 16 11008x4096" "sparse_mma_tall 16 11008x4096"
+                       "sparse_mma 64 4096x4096" "sparse_mma_tall 64 4096x4096")
             else RES=scripts/results/ncu_swap.txt   # the weight-as-A decode's expansions: joined against broadcast
                 cases=("swap 16 11008x4096" "swap_spread 16 11008x4096" "dense 16 11008x4096"); fi
             [ "$SMOKE" = 1 ] && RES=$SP/$(basename $RES)   # a CPU check leaves the committed profile alone
@@ -354,6 +357,7 @@ for s in "$@"; do
                 echo "##### $kern tokens=$toks shape=$shape" >> $RES
                 step "profile_${kern}_$toks" 70 $RES "$NCU" --clock-control none --profile-from-start off \
                     --launch-skip 3 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                    --section MemoryWorkloadAnalysis_Tables \
                     --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
                     --section ComputeWorkloadAnalysis $PY scripts/profile_decode.py --kernel $kern --tokens $toks \
                     --shape $shape >> $RES 2>&1

@@ -3,7 +3,8 @@ bf16 weight of ``--shape`` on the gathered input of ``--tokens`` tokens, ``--ker
 ``dot``, ``swap`` (``nm_decode`` forced onto that kernel, unsplit; swap: the tensor-core kernel with
 the weight as the MMA's A operand), ``swap_tma`` (swap with its weight tiles copied by the Tensor Memory
 Accelerator, ``tma=True``), ``swap_spread`` (swap with its tile expanded by broadcasts, ``spread=True``),
-``sparse_mma`` (the sparse-tensor-core decode, ``kernels/nm_sparse_mma.cu``, as planned) or ``dense`` (``F.linear``
+``sparse_mma`` (the sparse-tensor-core decode, ``kernels/nm_sparse_mma.cu``, as planned), ``sparse_mma_tall`` (the
+same with ``tall_plan``'s CTAs: the input staged in a shared-memory ring) or ``dense`` (``F.linear``
 on the dense weight). Setup runs first; only the timed calls lie inside the CUDA profiler range that
 ``ncu --profile-from-start off`` captures.
 
@@ -18,7 +19,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="11008x4096", help="OUTxIN")
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--kernel", choices=["select", "dot", "swap", "swap_tma", "swap_spread", "sparse_mma", "dense"],
+    ap.add_argument("--kernel", choices=["select", "dot", "swap", "swap_tma", "swap_spread", "sparse_mma",
+                                         "sparse_mma_tall", "dense"],
                     default="select")
     ap.add_argument("--calls", type=int, default=6)
     args = ap.parse_args()
@@ -43,10 +45,10 @@ def main() -> None:
     def call() -> torch.Tensor:
         if args.kernel == "dense":
             return F.linear(x, w)
-        if args.kernel == "sparse_mma":
+        if args.kernel.startswith("sparse_mma"):
             from shuffleprune.kernels.nm_sparse_mma import nm_sparse_mma
 
-            return nm_sparse_mma(x, values, words)
+            return nm_sparse_mma(x, values, words, tall=args.kernel == "sparse_mma_tall")
         tma = {"tma": True} if args.kernel == "swap_tma" else {"spread": True} if args.kernel == "swap_spread" else {}
         return nm_decode(x, values, words, 2, 4, meta_bits(4), None, None, use_dot=args.kernel != "select", split=1,
                          weight_a=args.kernel.startswith("swap"), **tma)
