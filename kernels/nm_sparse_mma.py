@@ -208,12 +208,16 @@ DEFAULT_CTAS_PER_SM = 4   # what the plan assumes before the compiled kernel's o
 TALL_ROW_WARPS, TALL_K_WARPS, TALL_MAX_THREADS, TALL_MIN_OCCUPANCY = (1, 2, 4), (1, 2, 4), 128, 0.5
 
 
-def side_traffic(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, in_bytes: int = 2) -> int:
+GATHER_SECTOR = 32   # bytes a scattered 2-byte gather through a map costs: a sector of its own
+
+
+def side_traffic(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, mapped: bool = False) -> int:
     """The bytes a launch moves besides its weight: the input, read once per row block (every CTA reads its
     columns of every token; :data:`TILES`' CTAs of 16 rows read it ``rows / 16`` times over), and split-K's fp32
     partial sums, written and read back. At 64 tokens on 4096×4096 the default tile's input reads are 134 MB
-    against the weight's 19 (values and position words): what :func:`tall_plan` trades against partial sums."""
-    reads = rows // plan.rows_per_cta * tokens * cols * in_bytes
+    against the weight's 19 (values and position words): what :func:`tall_plan` trades against partial sums.
+    ``mapped``: each input value is gathered through the map alone, counted as a sector (:data:`GATHER_SECTOR`)."""
+    reads = rows // plan.rows_per_cta * tokens * cols * (GATHER_SECTOR if mapped else 2)
     return reads + (2 * plan.splits * tokens * rows * 4 if plan.splits > 1 else 0)
 
 
@@ -244,7 +248,7 @@ def tall_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: int = DE
                                                                                                "kw": kw})
         except ValueError:   # rows not whole CTAs of these, or too much shared memory
             continue
-        key = (side_traffic(plan, tokens, rows, cols), -resident, warps)
+        key = (side_traffic(plan, tokens, rows, cols, mapped), -resident, warps)
         if best_key is None or key < best_key:
             best, best_key = plan, key
     if best is None:   # no CTA of these fits: the default tile's, staged
@@ -457,10 +461,10 @@ def tall_worth_weighing(tokens: int, rows: int, cols: int, sms: int, mapped: boo
     """Whether :func:`tall_plan` differs from the default plan and the default's :func:`side_traffic` is at least
     :data:`TALL_WORTH` of the 16-bit 2:4 weight's bytes (values and position words: 1.125 bytes a dense
     element): from about 4 tokens on the benchmark's shapes, where the input read once per 16 rows starts to
-    weigh against the weight itself."""
+    weigh against the weight itself; through a map from one token (every CTA gathers its columns value by value)."""
     base = sparse_mma_plan(tokens, rows, cols, sms, mapped=mapped)
     tall = tall_plan(tokens, rows, cols, sms, mapped=mapped)
-    return tall != base and side_traffic(base, tokens, rows, cols) >= TALL_WORTH * 1.125 * rows * cols
+    return tall != base and side_traffic(base, tokens, rows, cols, mapped) >= TALL_WORTH * 1.125 * rows * cols
 
 
 def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,

@@ -38,8 +38,8 @@ layout), ``decode_swap_tma`` (2–64 tokens: its weight tiles copied by the
 Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``decode_sparse_mma`` (1–64
 tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_nomap`` and ``_tiled`` too;
 ``decode_sparse_mma_mapped``, 1–16 tokens: the same reading the map itself; both ``_tiled+pdl`` as well;
-``decode_sparse_mma_tall_tiled`` and ``decode_sparse_mma_mapped_tall_tiled`` from 4 tokens: both with the tall
-plan's CTAs, each input read shared by more rows), ``gemm``, ``gemm_swap``,
+``decode_sparse_mma_tall_tiled`` from 4 tokens and ``decode_sparse_mma_mapped_tall_tiled`` from one: both with the
+tall plan's CTAs, the input staged in shared memory and shared by more rows), ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
 when named in ``--impls``: the first ``group`` kernel, PyTorch's 2:4 tensors ``semi_structured`` and
@@ -171,7 +171,7 @@ def runs_at(impl: str, tokens: int) -> bool:
         return False
     if impl.startswith("decode_sparse_mma_mapped") and tokens > 16:   # the map staged in shared memory: to 16 tokens
         return False
-    if impl.startswith("decode_sparse_mma") and impl.endswith("_tall") and tokens < 4:   # where auto weighs them
+    if impl == "decode_sparse_mma_tall" and tokens < 4:   # where auto weighs it (through a map from one token)
         return False
     if tokens > TILE_MAX_TOKENS.get(impl, tokens):   # the select loop's other tiles: where auto weighs them
         return False

@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="weights as OUTxIN")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--tall", type=int, nargs="+", default=[0],
-                    help="1: tall_plan's CTAs (from 4 tokens, where it differs from the default plan); 0: the default")
+                    help="1: tall_plan's CTAs (where auto weighs them: tall_worth_weighing); 0: the default plan")
     ap.add_argument("--kw", type=int, nargs="+", default=[0], help="warps splitting K in a CTA (0: the plan's)")
     ap.add_argument("--rw", type=int, nargs="+", default=[0], help="row groups of warps in a CTA (0: the plan's)")
     ap.add_argument("--splits", type=int, nargs="+", default=[0], help="CTAs splitting K (0: the plan's)")
@@ -57,7 +57,8 @@ def main() -> None:
     from shuffleprune.deploy.format import compress
     from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, FRAGMENT_KNOBS, launch_plan, nm_sparse_mma,
-                                                     plan_fields, set_fragment_reading, sparse_mma_plan, tall_plan)
+                                                     plan_fields, set_fragment_reading, sparse_mma_plan, tall_plan,
+                                                     tall_worth_weighing)
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
@@ -154,9 +155,8 @@ def main() -> None:
                 if "bpre" in override:
                     override["bpre"] = bool(override["bpre"])
                 mapped = kind == "random"
-                if tall and (tokens < 4 or tall_plan(tokens, out_f, in_f, sms, mapped=mapped, **override) ==
-                             sparse_mma_plan(tokens, out_f, in_f, sms, mapped=mapped, **override)):
-                    continue   # where auto does not weigh it, or the same launch as the default plan's
+                if tall and not tall_worth_weighing(tokens, out_f, in_f, sms, mapped):
+                    continue   # where auto does not weigh it
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_mma_tall" if tall else "sparse_mma",
                        "layout": layout, "map": kind, "override": override}
                 p_dev = perm.to(dev) if mapped else None

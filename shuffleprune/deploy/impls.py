@@ -111,8 +111,8 @@
   from there in swizzled rows with no bank conflicts (through a map: its staging, swizzled the same way):
   13 and 46 MB there, and no split forced by shared memory. CTAs of 8 warps compiled to 80 registers with
   spills, or to 150 and more under a one-CTA launch bound, so 4 at most. ``auto`` weighs them where the
-  default's reads are a quarter of the weight's bytes or more (from about 4 tokens;
-  ``nm_sparse_mma.tall_worth_weighing``);
+  default's reads are a quarter of the weight's bytes or more (from about 4 tokens; through a map, whose
+  gathers each cost a sector, from one: ``nm_sparse_mma.tall_worth_weighing``);
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
