@@ -1,9 +1,10 @@
 """CUDA C++ compiled at run time and launched by the driver: what the one kernel Triton cannot express
 (``nm_sparse_mma.cu``, Hopper's and Ampere's sparse MMA) needs from the host, with nothing but PyTorch.
 
-:func:`compile_cuda` compiles a source by PyTorch's ``torch.cuda._compile_kernel`` (2.8 and later), else by
-NVRTC called here (:class:`Nvrtc`, the ``nvidia-cuda-nvrtc`` wheel PyTorch's CUDA builds install) and loaded
-by the driver; :class:`KernelLaunch` launches one kernel from an argument block built once per kind of call
+:func:`compile_cuda` compiles a source by NVRTC called here (:class:`Nvrtc`, the ``nvidia-cuda-nvrtc`` wheel
+PyTorch's CUDA builds install), keeping each cubin on disk (:func:`cubin_path`: a later process loads it
+instead of compiling again, about a second a variant), else by PyTorch's ``torch.cuda._compile_kernel`` (2.8 and
+later); :class:`KernelLaunch` launches one kernel from an argument block built once per kind of call
 (``cuLaunchKernel``; ``cuLaunchKernelEx`` as a programmatic dependent); :func:`resident_ctas` asks the driver
 how many CTAs of it an SM holds.
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -72,15 +75,60 @@ class CompiledKernel:
         raise RuntimeError("a kernel compiled here launches only through the CUDA driver (KernelLaunch)")
 
 
+def own_nvrtc() -> Nvrtc:
+    """NVRTC as this module calls it: the ``nvidia-cuda-nvrtc`` wheel's library, else the system's."""
+    return Nvrtc(ctypes.CDLL(find_nvrtc() or "libnvrtc.so"))
+
+
+CUBIN_DIR = "cuda_kernels"   # under shuffleprune's cache folder (shuffleprune.cache.cache_dir)
+
+
+def cubin_path(source: str, name: str, arch: str, nvrtc_version: str) -> Path:
+    """Where the cubin of ``name`` in ``source`` that NVRTC ``nvrtc_version`` made for ``arch`` is kept: named by a
+    hash of all four, so a changed kernel text, GPU or compiler never finds another's."""
+    from shuffleprune.cache import cache_dir
+
+    digest = hashlib.sha256("\0".join((source, name, arch, nvrtc_version)).encode()).hexdigest()[:32]
+    return cache_dir() / CUBIN_DIR / f"{name}-{arch}-{digest}.cubin"
+
+
+def _read_cubin(path: Path) -> bytes | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return data if data.startswith(b"\x7fELF") else None   # a cubin is an ELF file; anything else is compiled again
+
+
+def _keep_cubin(path: Path, cubin: bytes) -> None:
+    """Write ``cubin`` whole or not at all; a folder that cannot be written only costs the next process a compile."""
+    from shuffleprune.outdir import atomic_write
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: tmp.write_bytes(cubin))
+    except OSError:
+        pass
+
+
 def compile_own(source: str, name: str, device_index: int) -> CompiledKernel:
-    """NVRTC (the wheel's library, or the system's) to a cubin for this GPU, loaded by the driver: where
-    PyTorch has no ``torch.cuda._compile_kernel`` or it failed."""
-    path = find_nvrtc()
-    nvrtc = Nvrtc(ctypes.CDLL(path or "libnvrtc.so"))
+    """NVRTC (the wheel's library, or the system's) to a cubin for this GPU, kept on disk (:func:`cubin_path`)
+    and loaded by the driver; a cubin kept by an earlier process is loaded without compiling."""
+    nvrtc = own_nvrtc()
     major, minor = _capability(device_index)
-    ok, log, cubin = nvrtc.compile(source, f"sm_{major}{minor}")
-    if not ok:
-        raise RuntimeError(f"NVRTC did not compile {name}: {log.strip()[-500:]}")
+    arch = f"sm_{major}{minor}"
+    path = cubin_path(source, name, arch, nvrtc.version())
+    cubin = _read_cubin(path)
+    if cubin is None:
+        ok, log, cubin = nvrtc.compile(source, arch)
+        if not ok:
+            raise RuntimeError(f"NVRTC did not compile {name}: {log.strip()[-500:]}")
+        _keep_cubin(path, cubin)
+    return load_cubin(cubin, name, device_index)
+
+
+def load_cubin(cubin: bytes, name: str, device_index: int) -> CompiledKernel:
+    """Kernel ``name`` of a cubin, loaded by the driver into the device's context."""
     cuda = driver()
     with torch.cuda.device(device_index):
         torch.cuda.current_stream(device_index)   # the device's context made current on this thread
@@ -97,23 +145,23 @@ _FAILED: dict[object, str] = {}   # sources that compiled nowhere: refused at on
 
 
 def compile_cuda(source: str, name: str, device_index: int, key: object = None):
-    """``source``'s kernel ``name`` compiled for one GPU: through PyTorch's ``torch.cuda._compile_kernel``, else
-    by :func:`compile_own`. Any failure is a RuntimeError (``auto`` leaves the candidate out), given at once
-    the next time for the same ``key`` (default: the source)."""
+    """``source``'s kernel ``name`` compiled for one GPU: by :func:`compile_own` (its cubin kept on disk), else
+    through PyTorch's ``torch.cuda._compile_kernel``. Any failure is a RuntimeError (``auto`` leaves the candidate
+    out), given at once the next time for the same ``key`` (default: the source)."""
     key = (source if key is None else key, name, device_index)
     if key in _FAILED:
         raise RuntimeError(_FAILED[key])
     errors = []
+    try:
+        return compile_own(source, name, device_index)
+    except Exception as exc:   # noqa: BLE001 - no NVRTC, no driver, a compile error: PyTorch's own NVRTC call next
+        errors.append(f"own NVRTC: {type(exc).__name__}: {str(exc).strip()[:300]}")
     if hasattr(torch.cuda, "_compile_kernel"):
         try:
             with torch.cuda.device(device_index):
                 return torch.cuda._compile_kernel(source, name)   # NVRTC's default dialect: C++17
-        except Exception as exc:   # noqa: BLE001 - a private API: its failure sends us to our own NVRTC call
+        except Exception as exc:   # noqa: BLE001 - a private API: any failure leaves the candidate out
             errors.append(f"torch.cuda._compile_kernel: {type(exc).__name__}: {str(exc).strip()[:300]}")
-    try:
-        return compile_own(source, name, device_index)
-    except Exception as exc:   # noqa: BLE001 - no NVRTC, no driver, a compile error: the candidate is left out
-        errors.append(f"own NVRTC: {type(exc).__name__}: {str(exc).strip()[:300]}")
     _FAILED[key] = f"{name} did not compile: " + "; ".join(errors)
     raise RuntimeError(_FAILED[key])
 

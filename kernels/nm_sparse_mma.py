@@ -1,5 +1,6 @@
 """The 2:4 decode on the sparse tensor cores (``mma.sp``): ``kernels/nm_sparse_mma.cu``, compiled by NVRTC
-at its first call on a GPU (PyTorch's ``torch.cuda._compile_kernel``), for 1–64 tokens of 16-bit inputs.
+at its first call on a GPU (:func:`.cuda_rtc.compile_cuda`, each cubin kept on disk), for 1–64 tokens of 16-bit
+inputs.
 
 Triton has no sparse MMA (triton-lang/triton#6891), so every Triton decode expands its 2:4 tile to dense
 in registers before ``tl.dot``: that expansion, not the weight's bytes, bounds them from 2 tokens on
@@ -180,8 +181,8 @@ def sparse_mma_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype:
 
 def sparse_mma_available(device: torch.device) -> bool:
     """Whether ``device`` runs it: an NVIDIA GPU of compute capability 8.0 or more (sparse ``mma``). It is
-    compiled at its first call by PyTorch's ``torch.cuda._compile_kernel`` (2.8 and later) or by NVRTC called
-    here; where neither works the call raises and ``auto`` leaves it out."""
+    compiled at its first call by NVRTC called here or by PyTorch's ``torch.cuda._compile_kernel`` (2.8 and
+    later); where neither works the call raises and ``auto`` leaves it out."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     return _capability(device_index(device))[0] >= 8

@@ -348,3 +348,43 @@ def test_a_layer_runs_each_sparse_mma_policy_with_its_plan(monkeypatch, impl):
     assert (tall, mapped) == (impl.endswith("_tall"), "mapped" in impl)
     assert (rw > 1) == tall   # the tall plan's CTAs hold more rows here
     _check(y, x.double()[:, layer.perm.long()] @ w.double().t(), torch.bfloat16)
+
+
+def test_a_compiled_variant_is_kept_on_disk_and_loaded_without_compiling(monkeypatch, tmp_path):
+    """``compile_own`` keeps NVRTC's cubin under the cache folder; a later process (here: the cache of compiled
+    variants forgotten) loads it without compiling, and a changed source, GPU or NVRTC compiles anew."""
+    from shuffleprune.kernels import cuda_rtc
+
+    monkeypatch.setenv("SHUFFLEPRUNE_CACHE", str(tmp_path))
+    compiled, loaded = [], []
+
+    class FakeNvrtc:
+        version_text = "13.0"
+
+        def version(self):
+            return self.version_text
+
+        def compile(self, source, arch, report=False):
+            compiled.append((source, arch))
+            return True, "", b"\x7fELF" + source.encode()
+
+    nvrtc = FakeNvrtc()
+    monkeypatch.setattr(cuda_rtc, "own_nvrtc", lambda: nvrtc)
+    monkeypatch.setattr(cuda_rtc, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(cuda_rtc, "load_cubin", lambda cubin, name, index: loaded.append(cubin) or cubin)
+    assert cuda_rtc.compile_own("text a", "k", 0) == b"\x7fELFtext a"
+    assert cuda_rtc.compile_own("text a", "k", 0) == b"\x7fELFtext a"   # from disk
+    assert compiled == [("text a", "sm_90")] and len(loaded) == 2
+    kept = cuda_rtc.cubin_path("text a", "k", "sm_90", "13.0")
+    assert kept.parent == tmp_path / "cuda_kernels" and kept.read_bytes() == b"\x7fELFtext a"
+    cuda_rtc.compile_own("text b", "k", 0)                        # another source
+    monkeypatch.setattr(cuda_rtc, "_capability", lambda index: (8, 0))
+    cuda_rtc.compile_own("text a", "k", 0)                        # another GPU
+    nvrtc.version_text = "13.1"
+    monkeypatch.setattr(cuda_rtc, "_capability", lambda index: (9, 0))
+    cuda_rtc.compile_own("text a", "k", 0)                        # another NVRTC
+    assert compiled[1:] == [("text b", "sm_90"), ("text a", "sm_80"), ("text a", "sm_90")]
+    kept.write_bytes(b"half a fi")                                 # a damaged file: compiled again, rewritten
+    nvrtc.version_text = "13.0"
+    cuda_rtc.compile_own("text a", "k", 0)
+    assert compiled[-1] == ("text a", "sm_90") and kept.read_bytes() == b"\x7fELFtext a"
