@@ -83,11 +83,15 @@ struct SpInput {            // where B's columns are read: the gathered input in
   int stride, col0, T;
 };
 
+SP_DEV int sp_staged_word(int token, unsigned col, int col0) {
+  // the 32-bit word of a staged row holding input column col (and col + 1) of token
+  return ((int)(col - col0) >> 1) ^ sp_swizzle(token);
+}
+
 SP_DEV unsigned sp_load_b(const SpInput& in, int token, unsigned col) {
   if (token >= in.T) return 0u;
 #if STAGED
-  int word = ((int)(col - in.col0) >> 1) ^ sp_swizzle(token);
-  return sp_lds32(in.x + token * in.stride + 2 * word);
+  return sp_lds32(in.x + token * in.stride + 2 * sp_staged_word(token, col, in.col0));
 #else
   return sp_ld32(in.x + (long long)token * in.stride + col);
 #endif

@@ -38,3 +38,10 @@ extern "C" const char* spemu_launch(unsigned gx, unsigned gy, unsigned threads, 
   }
   return spemu::error.empty() ? nullptr : spemu::error.c_str();
 }
+
+// The staged word a B load of lane `lane` reads for n-tile n, block, half and register reg of a step at column 0
+// (the kernel's own sp_b_column and sp_staged_word): the tests check that a warp's 32 loads hit 32 banks.
+extern "C" int spemu_staged_word(int n, int block, int half, int reg, int lane) {
+  int token = 8 * n + (lane >> 2);
+  return sp_staged_word(token, sp_b_column(0, block, half, reg, lane & 3), 0);
+}

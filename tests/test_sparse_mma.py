@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import shutil
 
 import pytest
@@ -11,8 +12,8 @@ from shuffleprune.deploy.cslt_layout import cslt_words
 from shuffleprune.deploy.format import compress
 from shuffleprune.kernels.cuda_rtc import KernelLaunch
 from shuffleprune.kernels.nm_sparse_mma import (ARG_INTS, ARG_POINTERS, TALL_MAX_THREADS, SparseMmaPlan, check_plan,
-                                                 nm_sparse_mma, side_traffic, sparse_mma_applies, sparse_mma_available,
-                                                 sparse_mma_plan, tall_plan, tall_worth_weighing)
+                                                 kernel_defines, nm_sparse_mma, side_traffic, sparse_mma_applies,
+                                                 sparse_mma_available, sparse_mma_plan, tall_plan, tall_worth_weighing)
 from shuffleprune.kernels.nm_words import position_words
 from shuffleprune.masks import nm_keep_mask
 
@@ -388,3 +389,17 @@ def test_a_compiled_variant_is_kept_on_disk_and_loaded_without_compiling(monkeyp
     nvrtc.version_text = "13.0"
     cuda_rtc.compile_own("text a", "k", 0)
     assert compiled[-1] == ("text a", "sm_90") and kept.read_bytes() == b"\x7fELFtext a"
+
+
+def test_a_warps_loads_from_the_staged_input_hit_32_banks():
+    """Every B load of a warp from a staged input (the ring, or the map's staging) reads 32 different banks, by the
+    kernel's own column assignment and swizzle (a staged row's length is a multiple of 128 columns, 64 words, so
+    each row starts at bank 0); without the swizzle 8 token rows share 4 banks."""
+    from sparse_mma_cpu import build
+
+    lib = build(kernel_defines(SparseMmaPlan(nt=8, mt=1, rw=1, kw=1, ks=128, splits=1, bpre=False, stage=True),
+                               torch.bfloat16, False, False, True))
+    for n, block, half, reg in itertools.product(range(8), range(2), range(2), range(4)):
+        words = [lib.spemu_staged_word(n, block, half, reg, lane) for lane in range(32)]
+        assert len({w % 32 for w in words}) == 32, (n, block, half, reg, words)
+        assert all(0 <= w < 64 * (block + 1) and w >= 32 * block for w in words)   # inside its 64-column block
