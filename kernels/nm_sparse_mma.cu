@@ -42,7 +42,8 @@
 // Compile-time parameters (#define before this text): NT (n-tiles of 8 tokens), MT, RW, KW, TILED,
 // HAS_BIAS, HAS_PERM, STAGE_X, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead), STAGES
 // (steps held in registers: STAGES - 1 loading while one multiplies), PDL (launched as a programmatic dependent:
-// griddepcontrol.wait after the first weight loads, then launch_dependents; sm_90 and later).
+// griddepcontrol.wait after the first weight loads, then launch_dependents; sm_90 and later), PREFETCH (the CTA's
+// further kept values asked into L2 before it stages its input, at most PREFETCH_BUDGET bytes a launch).
 //
 // Three readings of the PTX ISA's fragments, each 0 as read above, can be flipped for a probe on a GPU
 // (scripts/tune_sparse_mma.py --probe): A_SWAP (A's registers as row g slots t, t+4, then row g+8's),
@@ -275,6 +276,20 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
 #if PDL
   sp_grid_wait();
   sp_grid_release();
+#endif
+#if PREFETCH
+  {
+    // the CTA's kept values past the steps already loaded into registers, asked into L2 by 128-byte lines while
+    // the CTA gathers its input (the weight streams from DRAM meanwhile, not after); at most PREFETCH_BUDGET bytes
+    // over the whole grid, so a weight larger than L2 does not evict its own first lines
+    int first_col = k_begin + 128 * (STAGES - 1) * KW;
+    long long budget = PREFETCH_BUDGET / ((long long)gridDim.x * gridDim.y * ROWS_PER_CTA);
+    int lines = first_col < k_end ? (int)((k_end - first_col < budget ? k_end - first_col : budget) / 128) : 0;
+    for (int i = tid; i < ROWS_PER_CTA * lines; i += 32 * WARPS) {
+      long long row = (long long)blockIdx.x * ROWS_PER_CTA + i / lines;
+      sp_prefetch_l2(values + row * (C / 2) + first_col / 2 + 64 * (i % lines));   // a row's values: C bytes
+    }
+  }
 #endif
 #if HAS_PERM
   // the CTA's columns of every token, gathered once through the map into shared memory (the first steps'

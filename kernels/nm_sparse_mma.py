@@ -43,6 +43,7 @@ SHARED_LIMIT = 48 * 1024   # static shared memory per CTA without an opt-in
 # through the map every token's columns of the CTA; without one a ring of two rounds of 128 columns per K group
 STAGED_OPTIN_LIMIT = 96 * 1024
 SHARED_OPTIN_LIMIT = 99 * 1024
+PREFETCH_BUDGET = 16 << 20   # the most weight bytes a launch asks into L2 ahead (``prefetch``): a third of an H100's L2
 
 # what each kernel source needs from the GPU side; the emulator (tests/) defines the same names for the CPU
 DEVICE_PRELUDE = r"""
@@ -65,6 +66,7 @@ SP_DEV unsigned sp_ld32(const void* p) { return __ldg((const unsigned*)p); }   /
 SP_DEV float sp_ld_volatile(const float* p) { return *(const volatile float*)p; }
 SP_DEV unsigned short sp_ld16(const unsigned short* p) { return *p; }
 SP_DEV u32x4 sp_ldg128(const void* p) { return __ldg((const uint4*)p); }   // the map: cached, read per token
+SP_DEV void sp_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 SP_DEV unsigned sp_lds32(const unsigned short* p) { return *(const unsigned*)p; }   // shared memory
 SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) { *(unsigned*)p = v; }
 SP_DEV void sp_cp_async8(unsigned short* to, const unsigned short* from) {   // global to shared, not through registers
@@ -128,7 +130,9 @@ class SparseMmaPlan:
     holds in registers (``stages - 1`` loading while one multiplies), ``stage`` whether the CTA stages its input in
     shared memory by choice: without a map in a ring of two rounds (a round: 128 columns per K group of every
     token, copied asynchronously two rounds ahead; the input then read at each step, ``bpre`` off), through a map
-    every token's columns as a map always stages them but up to :data:`STAGED_OPTIN_LIMIT` bytes."""
+    every token's columns as a map always stages them but up to :data:`STAGED_OPTIN_LIMIT` bytes; ``prefetch``
+    whether the CTA asks its further kept values into L2 before it stages its input (reading a map: the weight
+    streams while the CTA gathers, at most :data:`PREFETCH_BUDGET` bytes a launch)."""
     nt: int
     mt: int
     rw: int
@@ -138,6 +142,7 @@ class SparseMmaPlan:
     bpre: bool
     stages: int = 2
     stage: bool = False
+    prefetch: bool = False
 
     @property
     def warps(self) -> int:
@@ -287,7 +292,7 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
         splits += 1
         ks = _columns_per_cta(cols, splits)
     fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"],
-                  stages=tile.get("stages", 2), stage=stage)
+                  stages=tile.get("stages", 2), stage=stage, prefetch=mapped)
     fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw", "stages", "stage")})
     if "ks" in override and "splits" not in override:
         fields["splits"] = cdiv(cols, fields["ks"])
@@ -332,6 +337,7 @@ def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bia
             "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "STAGE_X": int(plan.stage and not mapped),
             "IS_BF16": int(dtype == torch.bfloat16),
             "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered), "PDL": int(pdl),
+            "PREFETCH": int(plan.prefetch), "PREFETCH_BUDGET": f"{PREFETCH_BUDGET}LL",
             **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
 
 

@@ -46,8 +46,8 @@ def nvrtc_path(given: str | None) -> str:
 
 
 def sass_counts(cubin: bytes, arch: int) -> dict:
-    """Instructions of the kernel's machine code: all, sparse MMAs, 16/8/4-byte global loads, moves, and for a
-    programmatic dependent the loads before its grid wait."""
+    """Instructions of the kernel's machine code: all, sparse MMAs, 16/8/4-byte global loads, moves, L2 prefetches,
+    asynchronous copies, shared-memory loads, and for a programmatic dependent the loads before its grid wait."""
     ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", disassemble(cubin, arch))
     ops = [re.sub(r"^@!?P\d\s+", "", i).split()[0] for i in ins]
     wait = ops.index("ACQBULK") if "ACQBULK" in ops else None   # griddepcontrol.wait (a programmatic dependent)
@@ -58,7 +58,10 @@ def sass_counts(cubin: bytes, arch: int) -> dict:
             "ldg_128": sum(bool(re.search(r"LDG\.[\w.]*128", i)) for i in ins),
             "ldg_64": sum(bool(re.search(r"LDG\.[\w.]*64", i)) for i in ins),
             "ldg_32": sum("LDG" in i and not re.search(r"LDG\.[\w.]*(128|64)", i) for i in ins),
-            "moves": sum(bool(re.match(r"(@!?P\d\s+)?(IMAD\.)?MOV", i)) for i in ins)}
+            "moves": sum(bool(re.match(r"(@!?P\d\s+)?(IMAD\.)?MOV", i)) for i in ins),
+            "l2_prefetches": ops.count("CCTL.E.PF2"),            # prefetch.global.L2 (``prefetch`` plans)
+            "async_copies": sum(o.startswith("LDGSTS") for o in ops),   # cp.async (the ring of ``stage`` plans)
+            "shared_loads": sum(o.startswith("LDS") for o in ops)}
 
 
 def variants(archs: list[str]):

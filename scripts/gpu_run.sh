@@ -45,6 +45,7 @@
 #                                              # bf16 matmul and timed against cuBLAS, 6 shapes, 1-64 tokens, in
 #                                              # cuSPARSELt's layout, with no map and (1-16) reading a random
 #                                              # one itself, each also with the tall plan's CTAs from 4 tokens
+#                                              # (through a map from 1), the map's also without its L2 prefetch
 #                                              # (tune_sparse_mma.json)
 #   bash scripts/gpu_run.sh tune_sparse_mma    # its tiles: warps and CTAs along K, m-tiles per warp, 2 or 3 steps in
 #                                              # registers, at 1, 16 and 64 tokens on three shapes
@@ -291,7 +292,8 @@ for s in "$@"; do
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
         sparse_mma) step sparse_mma 150 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
-                --probe --layouts tiled --maps none random --tall 0 1 --out scripts/results/tune_sparse_mma.json
+                --probe --layouts tiled --maps none random --tall 0 1 --prefetch -1 0 --tokens 1 2 4 8 16 64 \
+                --out scripts/results/tune_sparse_mma.json
             # a reading of the MMA's fragments other than the kernel's own, if the probe found one right: the steps
             # after it run with it too (SHUFFLEPRUNE_SPARSE_MMA_READING)
             reading=$($PY -c "import json; r = json.load(open('scripts/results/tune_sparse_mma.json')).get('reading'); print(','.join(r or []))" 2>/dev/null)

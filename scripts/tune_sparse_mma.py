@@ -39,6 +39,9 @@ def main() -> None:
                     help="1/0: the input loaded a step ahead or not (-1: the plan's)")
     ap.add_argument("--stages", type=int, nargs="+", default=[0],
                     help="steps a warp holds in registers (0: the plan's)")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[-1],
+                    help="1/0: the CTA's further weight asked into L2 before it stages its input or not (-1: the "
+                         "plan's: on where it reads a map)")
     ap.add_argument("--layouts", nargs="+", default=["rows", "tiled"], choices=["rows", "tiled"])
     ap.add_argument("--maps", nargs="+", default=["none"], choices=["none", "random"],
                     help="random: a random index map over all columns, read by the kernel itself (1-16 tokens)")
@@ -148,15 +151,27 @@ def main() -> None:
             lw = (cslt_words(words) if tiled else words).contiguous()
             copies = [(values.to(dev), lw.to(dev))]
             copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
-            grid = itertools.product(args.tall, args.kw, args.rw, args.splits, args.mt, args.bpre, args.stages)
-            for tall, kw, rw, splits, mt, bpre, stages in grid:
+            grid = itertools.product(args.tall, args.kw, args.rw, args.splits, args.mt, args.bpre, args.stages,
+                                     args.prefetch)
+            seen = set()
+            for tall, kw, rw, splits, mt, bpre, stages, prefetch in grid:
                 override = {k: v for k, v, skip in (("kw", kw, 0), ("rw", rw, 0), ("splits", splits, 0), ("mt", mt, 0),
-                                                    ("bpre", bpre, -1), ("stages", stages, 0)) if v != skip}
-                if "bpre" in override:
-                    override["bpre"] = bool(override["bpre"])
+                                                    ("bpre", bpre, -1), ("stages", stages, 0),
+                                                    ("prefetch", prefetch, -1)) if v != skip}
+                for flag in ("bpre", "prefetch"):
+                    if flag in override:
+                        override[flag] = bool(override[flag])
                 mapped = kind == "random"
                 if tall and not tall_worth_weighing(tokens, out_f, in_f, sms, mapped):
                     continue   # where auto does not weigh it
+                try:   # a variation that is the launch of one timed already (as planned on the device's SM count)
+                    planned = (tall_plan if tall else sparse_mma_plan)(tokens, out_f, in_f, sms, mapped=mapped,
+                                                                       **override)
+                except ValueError:
+                    planned = None
+                if planned is not None and planned in seen:
+                    continue
+                seen.add(planned)
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_mma_tall" if tall else "sparse_mma",
                        "layout": layout, "map": kind, "override": override}
                 p_dev = perm.to(dev) if mapped else None

@@ -73,3 +73,13 @@ def run_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: to
     if err is not None:
         raise RuntimeError(err.decode())
     return y, counters
+
+
+def prefetched(plan: SparseMmaPlan, x: torch.Tensor, values: torch.Tensor, tiled: bool, mapped: bool) -> list[int]:
+    """The values buffer offsets (in elements) the last :func:`run_cpu` launch of that variant asked into L2."""
+    lib = build(kernel_defines(plan, x.dtype, tiled, False, True, mapped, False))
+    lib.spemu_prefetches.restype = ctypes.c_size_t
+    count = lib.spemu_prefetches(None, ctypes.c_size_t(0))
+    out = (ctypes.c_void_p * max(count, 1))()
+    lib.spemu_prefetches(out, ctypes.c_size_t(count))
+    return sorted((out[i] - values.data_ptr()) // values.element_size() for i in range(count))

@@ -80,6 +80,13 @@ SP_DEV unsigned sp_ld32(const void* p) { return spemu_load<unsigned>(p, 4); }
 SP_DEV unsigned short sp_ld16(const unsigned short* p) { return spemu_load<unsigned short>(p, 2); }
 SP_DEV float sp_ld_volatile(const float* p) { return spemu_load<float>(p, 4); }
 SP_DEV u32x4 sp_ldg128(const void* p) { return spemu_load<u32x4>(p, 16); }
+inline std::mutex spemu_prefetch_mu;
+inline std::vector<const void*> spemu_prefetched;   // every L2 prefetch's address, in no order (the tests read them)
+SP_DEV void sp_prefetch_l2(const void* p) {   // an address inside a buffer, recorded
+  if (!spemu::access_ok(p, 2, 2)) return;
+  std::lock_guard<std::mutex> lock(spemu_prefetch_mu);
+  spemu_prefetched.push_back(p);
+}
 static inline bool spemu_shared_ok(const void* p, size_t bytes) {
   const unsigned char* c = static_cast<const unsigned char*>(p);
   if (reinterpret_cast<uintptr_t>(p) % bytes) {

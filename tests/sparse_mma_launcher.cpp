@@ -11,6 +11,7 @@ extern "C" const char* spemu_launch(unsigned gx, unsigned gy, unsigned threads, 
     return spemu::Range{c, c + n};
   };
   spemu::error.clear();
+  spemu_prefetched.clear();
   spemu::ranges = {range(x, x_bytes), range(values, values_bytes), range(meta, meta_bytes), range(perm, perm_bytes),
                    range(bias, bias_bytes),
                    range(y, y_bytes), range(partial, partial_bytes), range(counters, counters_bytes)};
@@ -44,4 +45,10 @@ extern "C" const char* spemu_launch(unsigned gx, unsigned gy, unsigned threads, 
 extern "C" int spemu_staged_word(int n, int block, int half, int reg, int lane) {
   int token = 8 * n + (lane >> 2);
   return sp_staged_word(token, sp_b_column(0, block, half, reg, lane & 3), 0);
+}
+
+// The last launch's L2 prefetch addresses (at most `cap` into `out`) and their count.
+extern "C" size_t spemu_prefetches(const void** out, size_t cap) {
+  for (size_t i = 0; i < spemu_prefetched.size() && i < cap; ++i) out[i] = spemu_prefetched[i];
+  return spemu_prefetched.size();
 }

@@ -403,3 +403,27 @@ def test_a_warps_loads_from_the_staged_input_hit_32_banks():
         words = [lib.spemu_staged_word(n, block, half, reg, lane) for lane in range(32)]
         assert len({w % 32 for w in words}) == 32, (n, block, half, reg, words)
         assert all(0 <= w < 64 * (block + 1) and w >= 32 * block for w in words)   # inside its 64-column block
+
+
+@pytest.mark.parametrize("budget_rows", [None, 1])
+def test_a_mapped_plan_asks_its_further_values_into_l2_before_it_gathers(monkeypatch, budget_rows):
+    """Reading a map, each CTA prefetches its rows' kept values past the steps its registers already hold, line by
+    line, within the launch's budget (here the whole weight, then one line a row)."""
+    from shuffleprune.kernels import nm_sparse_mma as sp
+    from sparse_mma_cpu import prefetched
+
+    rows, cols, tokens = 64, 1024, 3
+    w, values, words, x, bias = _case(rows, cols, tokens, torch.bfloat16, seed=11)
+    perm = torch.randperm(cols, generator=torch.Generator().manual_seed(12)).to(torch.int32)
+    plan = SparseMmaPlan(nt=1, mt=1, rw=2, kw=1, ks=512, splits=2, bpre=True, prefetch=True)   # 4 CTAs
+    if budget_rows is not None:   # one 128-byte line a row over the whole grid
+        monkeypatch.setattr(sp, "PREFETCH_BUDGET", budget_rows * 128 * rows * plan.splits)
+    y, _ = run_cpu(x, values, words, bias, False, plan, perm=perm)
+    _check(y, x.double()[:, perm.long()] @ w.double().t() + bias.double(), torch.bfloat16)
+    got = prefetched(plan, x, values, False, True)
+    # each CTA: its 32 rows, columns from the first step past the one in registers (128 on) to its end (512):
+    # 384 columns = 192 values = 3 lines of 64 a row; with the budget, the first line only
+    lines = [0] if budget_rows else [0, 1, 2]
+    want = sorted(r * (cols // 2) + split * 256 + 64 + 64 * line
+                  for r in range(rows) for split in range(plan.splits) for line in lines)
+    assert got == want

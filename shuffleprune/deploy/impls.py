@@ -101,7 +101,8 @@
   ``auto`` checks and times it (its launch goes through ctypes: timed eagerly too, ``EAGER_CHECKED``);
   ``decode_sparse_mma_mapped`` (1–16 tokens): the same kernel reading the index map itself, each CTA gathering
   its columns of every token through the map into shared memory once, its first step's weight loads in
-  flight meanwhile (no gather launch; the map's cost is one gather per CTA);
+  flight and its further kept values asked into L2 meanwhile (no gather launch; the map's cost is one gather
+  per CTA);
   ``decode_sparse_mma_tall`` and ``decode_sparse_mma_mapped_tall``: the two with ``nm_sparse_mma.tall_plan``'s
   CTAs, which stage the input in shared memory and share it among up to 4 warps of 16 rows. The default CTA
   reads B from global memory once per 16 rows, each 32-bit load touching 8 token rows: by count 35 MB of input
