@@ -42,7 +42,7 @@
 #   bash scripts/gpu_run.sh tune_tall          # the weight-as-A GEMM on 128 weight rows per program (GEMM_TILES_SWAP_TALL)
 #                                              # against its 64-row tiles, every tile at 64/512/2048 tokens (tune_tall.json)
 #   bash scripts/gpu_run.sh sparse_mma         # the decode on the sparse tensor cores (mma.sp) checked against a dense
-#                                              # bf16 matmul and timed against cuBLAS, 6 shapes, 1-64 tokens, in
+#                                              # bf16 matmul and timed against cuBLAS, 4 shapes, 1-64 tokens, in
 #                                              # cuSPARSELt's layout, with no map and (1-16) reading a random
 #                                              # one itself, each also with the tall plan's CTAs from 4 tokens
 #                                              # (through a map from 1), the map's also without its L2 prefetch
@@ -188,9 +188,11 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # decodes' tiles and expansions with auto and cuBLAS (a quicker look than kernel).
 # Since stop 87 issue24 starts with sparse_mma: the decode on the sparse tensor cores (kernels/nm_sparse_mma.cu,
 # mma.sp through NVRTC; run on the CPU only under the tests' emulator), checked against a dense bf16 matmul and
-# timed against cuBLAS at 1-64 tokens on the six shapes in cuSPARSELt's layout, without a map and reading a random
-# one itself at 1-16 tokens (tune_sparse_mma.json); kernel then
-# has auto weigh it (and times it alone as decode_sparse_mma, _nomap, _tiled). next1 begins with its tile sweep.
+# timed against cuBLAS at 1-64 tokens on four of the six shapes in cuSPARSELt's layout, without a map and reading a
+# random one itself at 1-16 tokens, each with the default and the tall plan (since stop 88: CTAs of 64 rows sharing
+# an input staged in shared memory), the map's with and without its L2 prefetch (tune_sparse_mma.json); kernel then
+# has auto weigh them (and times them alone as decode_sparse_mma, _nomap, _tiled, _tall_tiled, _mapped_tall_tiled).
+# next1 begins with its tile sweep.
 ISSUE24=(sparse_mma kernel targets e2e targets)    # limits 150 + 260 + 10 + 240 + 10 s (kernel 175 s, e2e 179 on the
                                                     # H200 before it profiled one eager prompt per sparse variant):
                                                     # targets read the new kernel table first, then again after e2e
@@ -293,6 +295,7 @@ for s in "$@"; do
                 --out scripts/results/tune_bw_swap.json ;;
         sparse_mma) step sparse_mma 150 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
                 --probe --layouts tiled --maps none random --tall 0 1 --prefetch -1 0 --tokens 1 2 4 8 16 64 \
+                --shapes 4096x4096 14336x4096 4096x14336 1024x4096 \
                 --out scripts/results/tune_sparse_mma.json
             # a reading of the MMA's fragments other than the kernel's own, if the probe found one right: the steps
             # after it run with it too (SHUFFLEPRUNE_SPARSE_MMA_READING)
