@@ -53,6 +53,7 @@
 #define WARPS (RW * KW)
 #define ROWS_PER_CTA (RW * MT * 16)
 #define STAGED (HAS_PERM || STAGE_X)
+#define SP_RED_ITEMS 2   // the split-K sum's items a thread reads at once (each 4 rows of a token, 4 splits deep)
 
 SP_DEV int sp_swizzle(int token) {
   // the XOR on a staged row's 32-bit words: bits 1 and 2 from the token's low two bits, bit 4 from its third
@@ -429,12 +430,48 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   __syncthreads();
   if (!last_flag) return;
   sp_threadfence();
-  const int rows_tokens = ROWS_PER_CTA * T;
-  for (int o = tid; o < rows_tokens; o += 32 * WARPS) {
-    int token = o / ROWS_PER_CTA, row = blockIdx.x * ROWS_PER_CTA + o % ROWS_PER_CTA;
-    float sum = 0.f;
-    for (int k = 0; k < (int)gridDim.y; ++k) sum += sp_ld_volatile(partial + ((long long)k * T + token) * R + row);
-    sp_store_output(y, bias, R, token, row, sum);
+  // an item is 4 consecutive rows of one token, read as 16 bytes from L2 (past L1, which never held another CTA's
+  // partials); a thread's items' loads for 4 splits at a time are all in flight before any is added (a chain of
+  // one load and one add per split would wait out the L2 latency once per split and output), added in split order
+  const int row_quads = ROWS_PER_CTA / 4, items = row_quads * T, splits = (int)gridDim.y;
+  for (int o0 = tid; o0 < items; o0 += SP_RED_ITEMS * 32 * WARPS) {
+    float sum[SP_RED_ITEMS][4];
+#pragma unroll
+    for (int u = 0; u < SP_RED_ITEMS; ++u)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sum[u][j] = 0.f;
+    for (int k0 = 0; k0 < splits; k0 += 4) {
+      u32x4 v[4][SP_RED_ITEMS];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int u = 0; u < SP_RED_ITEMS; ++u) {
+          int o = o0 + u * 32 * WARPS;
+          v[kk][u] = u32x4{0u, 0u, 0u, 0u};
+          if (k0 + kk < splits && o < items)
+            v[kk][u] = sp_ld_cg128(partial + ((long long)(k0 + kk) * T + o / row_quads) * R + blockIdx.x * ROWS_PER_CTA +
+                                   4 * (o % row_quads));
+        }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int u = 0; u < SP_RED_ITEMS; ++u)
+          if (k0 + kk < splits) {
+            sum[u][0] += sp_bits_float(v[kk][u].x);
+            sum[u][1] += sp_bits_float(v[kk][u].y);
+            sum[u][2] += sp_bits_float(v[kk][u].z);
+            sum[u][3] += sp_bits_float(v[kk][u].w);
+          }
+    }
+#pragma unroll
+    for (int u = 0; u < SP_RED_ITEMS; ++u) {
+      int o = o0 + u * 32 * WARPS;
+      if (o < items) {
+        int token = o / row_quads, row = blockIdx.x * ROWS_PER_CTA + 4 * (o % row_quads);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sp_store_output(y, bias, R, token, row + j, sum[u][j]);
+      }
+    }
   }
   if (tid == 0) sp_st_int(counters + blockIdx.x, 0);   // ready for the next call (and the next graph replay)
 }

@@ -63,7 +63,13 @@ SP_DEV u32x2 sp_ld64(const void* p) {
   return v;
 }
 SP_DEV unsigned sp_ld32(const void* p) { return __ldg((const unsigned*)p); }   // the input: shared by every warp
-SP_DEV float sp_ld_volatile(const float* p) { return *(const volatile float*)p; }
+SP_DEV u32x4 sp_ld_cg128(const float* p) {   // L2 only: other CTAs' partial sums, never a stale L1 line
+  u32x4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+SP_DEV float sp_bits_float(unsigned u) { return __uint_as_float(u); }
 SP_DEV unsigned short sp_ld16(const unsigned short* p) { return *p; }
 SP_DEV u32x4 sp_ldg128(const void* p) { return __ldg((const uint4*)p); }   // the map: cached, read per token
 SP_DEV void sp_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }

@@ -78,7 +78,12 @@ SP_DEV u32x4 sp_ld128(const void* p) { return spemu_load<u32x4>(p, 16); }
 SP_DEV u32x2 sp_ld64(const void* p) { return spemu_load<u32x2>(p, 8); }
 SP_DEV unsigned sp_ld32(const void* p) { return spemu_load<unsigned>(p, 4); }
 SP_DEV unsigned short sp_ld16(const unsigned short* p) { return spemu_load<unsigned short>(p, 2); }
-SP_DEV float sp_ld_volatile(const float* p) { return spemu_load<float>(p, 4); }
+SP_DEV u32x4 sp_ld_cg128(const float* p) { return spemu_load<u32x4>(p, 16); }
+SP_DEV float sp_bits_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 SP_DEV u32x4 sp_ldg128(const void* p) { return spemu_load<u32x4>(p, 16); }
 inline std::mutex spemu_prefetch_mu;
 inline std::vector<const void*> spemu_prefetched;   // every L2 prefetch's address, in no order (the tests read them)

@@ -55,6 +55,7 @@ def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     (64, 1152, 2, dict(nt=1, mt=1, rw=1, kw=2, ks=1152, splits=1, bpre=True, stages=3)),   # 3 steps in registers,
     (128, 896, 12, dict(nt=2, mt=2, rw=1, kw=1, ks=512, splits=2, bpre=False, stages=4)),  # 4; steps not whole rounds
     (128, 512, 40, dict(nt=8, mt=1, rw=8, kw=1, ks=256, splits=2, bpre=False)),  # a tall plan's CTA: 8 row warps
+    (64, 896, 11, dict(nt=2, mt=1, rw=2, kw=1, ks=128, splits=7, bpre=False)),   # 7 splits summed 4 deep, then 3
     # the input staged in a ring of two rounds in shared memory (swizzled rows, copies landing only at their wait):
     # one K group (sums written from registers), two K groups with the last split shorter, 64 tokens over 3 rounds,
     # 3 register stages over 9 steps of 2 K groups (the last round one step)
