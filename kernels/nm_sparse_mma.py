@@ -475,8 +475,11 @@ def tall_worth_weighing(tokens: int, rows: int, cols: int, sms: int, mapped: boo
     :data:`TALL_WORTH` of the 16-bit 2:4 weight's bytes (values and position words: 1.125 bytes a dense
     element): from about 4 tokens on the benchmark's shapes, where the input read once per 16 rows starts to
     weigh against the weight itself; through a map from one token (every CTA gathers its columns value by value)."""
-    base = sparse_mma_plan(tokens, rows, cols, sms, mapped=mapped)
-    tall = tall_plan(tokens, rows, cols, sms, mapped=mapped)
+    try:
+        base = sparse_mma_plan(tokens, rows, cols, sms, mapped=mapped)
+        tall = tall_plan(tokens, rows, cols, sms, mapped=mapped)
+    except ValueError:   # no launch of either fits this layer and input
+        return False
     return tall != base and side_traffic(base, tokens, rows, cols, mapped) >= TALL_WORTH * 1.125 * rows * cols
 
 

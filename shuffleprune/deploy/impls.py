@@ -97,7 +97,8 @@
   ``mma.sp`` multiplies the kept values as they lie, with the position codes as its metadata, from the
   layer's one buffer in either layout. Checked on the CPU by running its text under an emulator of CUDA's
   threads and of the sparse MMA as the PTX ISA defines it (``tests/sparse_mma_emulator.hpp``), and compiled
-  for sm_90 and sm_80 by NVRTC without spills (``sparse_mma_compile.json``); not yet run on a GPU, so
+  for sm_90 and sm_80 by NVRTC (``sparse_mma_compile.json``: 62 variants, two spilling 16 bytes or less on
+  sm_90); not yet run on a GPU, so
   ``auto`` checks and times it (its launch goes through ctypes: timed eagerly too, ``EAGER_CHECKED``);
   ``decode_sparse_mma_mapped`` (1–16 tokens): the same kernel reading the index map itself, each CTA gathering
   its columns of every token through the map into shared memory once, its first step's weight loads in
