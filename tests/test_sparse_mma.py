@@ -176,6 +176,13 @@ def test_the_tall_plan_shares_the_input_among_more_rows_where_its_reads_weigh():
                                                                                  splits=4, bpre=False), 64, 4096, 4096)
     pinned = tall_plan(16, 4096, 4096, sms=132, rw=2, kw=2)   # both given: that plan, no search
     assert (pinned.rw, pinned.kw) == (2, 2)
+    weighed = 0   # wherever auto weighs it, on rows of any multiple of 16, the tall plan is one the kernel runs
+    for rows, cols, tokens, mapped in itertools.product((16, 48, 80, 1040, 4096), (128, 384, 4096, 11264),
+                                                        range(1, 65), (False, True)):
+        if (not mapped or tokens <= 16) and tall_worth_weighing(tokens, rows, cols, sms=132, mapped=mapped):
+            check_plan(tall_plan(tokens, rows, cols, sms=132, mapped=mapped), tokens, rows, cols, mapped)
+            weighed += 1
+    assert weighed > 1000
 
 
 def test_a_plan_the_kernel_cannot_run_is_refused_in_one_line():
