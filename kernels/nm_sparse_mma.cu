@@ -221,16 +221,18 @@ SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const S
 
 #if STAGE_X && !HAS_PERM
 SP_DEV void sp_stage_round(unsigned short* to, const unsigned short* x, int xs, int T, int k_begin, int steps, int r,
-                           int tid) {
-  // round r's columns of every token (T rows of 128 * KW, fewer in the last round) into a ring slot, by 8-byte
-  // asynchronous copies; a word pair keeps its place under the swizzle (it XORs bits 1, 2 and 4 of the word)
+                           int warp, int lane) {
+  // round r's columns of every token (T rows of 128 * KW, fewer steps in the last round) into a ring slot by 8-byte
+  // asynchronous copies: a warp copies one token's step (256 contiguous bytes) at a time, lane by lane, so nothing
+  // divides; a word pair keeps its place under the swizzle (it XORs bits 1, 2 and 4 of the word)
   int first = r * KW;
-  if (first >= steps) return;
-  int width = 128 * KW, pairs = 128 * (steps - first < KW ? steps - first : KW) / 4;
-  for (int i = tid; i < T * pairs; i += 32 * WARPS) {
-    int token = i / pairs, pair = i % pairs;
-    sp_cp_async8(to + token * width + 2 * ((2 * pair) ^ sp_swizzle(token)),
-                 x + (long long)token * xs + k_begin + 128 * first + 4 * pair);
+#pragma unroll
+  for (int s = 0; s < KW; ++s) {
+    if (first + s >= steps) break;
+    int pair = 32 * s + lane;
+    for (int token = warp; token < T; token += WARPS)
+      sp_cp_async8(to + token * (128 * KW) + 2 * ((2 * pair) ^ sp_swizzle(token)),
+                   x + (long long)token * xs + k_begin + 128 * first + 4 * pair);
   }
 }
 #endif
@@ -337,9 +339,9 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   // is copied by every thread's asynchronous 8-byte copies two rounds ahead, while the round before is read
   SP_DYNAMIC_SHARED(unsigned short, ring);
   const int round_cols = 128 * KW, rounds = (steps + KW - 1) / KW, slot = T * round_cols;
-  sp_stage_round(ring, x, xs, T, k_begin, steps, 0, tid);
+  sp_stage_round(ring, x, xs, T, k_begin, steps, 0, warp, lane);
   sp_cp_async_commit();
-  sp_stage_round(ring + slot, x, xs, T, k_begin, steps, 1, tid);
+  sp_stage_round(ring + slot, x, xs, T, k_begin, steps, 1, warp, lane);
   sp_cp_async_commit();
   (void)perm;
 #else
@@ -363,7 +365,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
           sp_compute_stage(st[j], acc, in, k_begin + 128 * step, lane);
         }
         __syncthreads();          // every warp is done with this slot: round r + 2 may overwrite it
-        sp_stage_round(ring + (r & 1) * slot, x, xs, T, k_begin, steps, r + 2, tid);
+        sp_stage_round(ring + (r & 1) * slot, x, xs, T, k_begin, steps, r + 2, warp, lane);
         sp_cp_async_commit();     // a group each round, empty past the last, so the wait above counts right
       }
     }
