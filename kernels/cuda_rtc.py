@@ -117,13 +117,17 @@ def compile_own(source: str, name: str, device_index: int) -> CompiledKernel:
     nvrtc = own_nvrtc()
     major, minor = _capability(device_index)
     arch = f"sm_{major}{minor}"
-    path = cubin_path(source, name, arch, nvrtc.version())
-    cubin = _read_cubin(path)
+    try:
+        path = cubin_path(source, name, arch, nvrtc.version())
+    except OSError:   # no cache folder can be made (a read-only home): compiled each process, as before
+        path = None
+    cubin = _read_cubin(path) if path is not None else None
     if cubin is None:
         ok, log, cubin = nvrtc.compile(source, arch)
         if not ok:
             raise RuntimeError(f"NVRTC did not compile {name}: {log.strip()[-500:]}")
-        _keep_cubin(path, cubin)
+        if path is not None:
+            _keep_cubin(path, cubin)
     return load_cubin(cubin, name, device_index)
 
 

@@ -397,6 +397,10 @@ def test_a_compiled_variant_is_kept_on_disk_and_loaded_without_compiling(monkeyp
     nvrtc.version_text = "13.0"
     cuda_rtc.compile_own("text a", "k", 0)
     assert compiled[-1] == ("text a", "sm_90") and kept.read_bytes() == b"\x7fELFtext a"
+    blocked = tmp_path / "a file, not a folder"                   # no cache folder can be made: compiled, loaded
+    blocked.write_text("")
+    monkeypatch.setenv("SHUFFLEPRUNE_CACHE", str(blocked / "cache"))
+    assert cuda_rtc.compile_own("text c", "k", 0) == b"\x7fELFtext c" and compiled[-1] == ("text c", "sm_90")
 
 
 def test_a_warps_loads_from_the_staged_input_hit_32_banks():
