@@ -86,7 +86,8 @@ struct SpInput {            // where B's columns are read: the gathered input in
 };
 
 SP_DEV int sp_staged_word(int token, unsigned col, int col0) {
-  // the 32-bit word of a staged row holding input column col (and col + 1) of token
+  // the 32-bit word of a staged row holding input column col (and col + 1) of token: where the staging writes it
+  // and B loads read it
   return ((int)(col - col0) >> 1) ^ sp_swizzle(token);
 }
 
@@ -231,7 +232,7 @@ SP_DEV void sp_stage_round(unsigned short* to, const unsigned short* x, int xs, 
     if (first + s >= steps) break;
     int pair = 32 * s + lane;
     for (int token = warp; token < T; token += WARPS)
-      sp_cp_async8(to + token * (128 * KW) + 2 * ((2 * pair) ^ sp_swizzle(token)),
+      sp_cp_async8(to + token * (128 * KW) + 2 * sp_staged_word(token, 4 * pair, 0),
                    x + (long long)token * xs + k_begin + 128 * first + 4 * pair);
   }
 }
@@ -326,7 +327,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
       int i = i0 + u * 32 * WARPS;
       if (i < T * quads) {
         int token = i / quads;
-        unsigned short* to = staged + token * width + 2 * ((2 * (i % quads)) ^ sp_swizzle(token));
+        unsigned short* to = staged + token * width + 2 * sp_staged_word(token, 4 * (i % quads), 0);
         sp_st_shared32(to, (unsigned)v[u][0] | (unsigned)v[u][1] << 16);
         sp_st_shared32(to + 2, (unsigned)v[u][2] | (unsigned)v[u][3] << 16);
       }
