@@ -79,8 +79,22 @@ SP_DEV void sp_cp_async8(unsigned short* to, const unsigned short* from) {   // 
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"((unsigned)__cvta_generic_to_shared(to)), "l"(from)
                : "memory");
 }
+SP_DEV void sp_cp_async16(unsigned short* to, const void* from, int bytes) {   // bytes 16, or 0: zeros
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"((unsigned)__cvta_generic_to_shared(to)),
+               "l"(from), "r"(bytes) : "memory");
+}
 SP_DEV void sp_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 SP_DEV void sp_cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+template <int N>
+SP_DEV void sp_cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+SP_DEV void sp_ldmatrix4(unsigned (&r)[4], const unsigned short* p) {   // four 8x8 16-bit matrices, rows by lanes
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+SP_DEV unsigned sp_lds_word(const unsigned* p) { return *p; }   // shared memory
+SP_DEV void sp_sts16(unsigned short* p, unsigned short v) { *p = v; }
+SP_DEV u32x4 sp_lds128(const unsigned short* p) { return *(const u32x4*)p; }
+SP_DEV void sp_st128(unsigned short* p, u32x4 v) { *(u32x4*)p = v; }
 #define SP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 SP_DEV void sp_st16(unsigned short* p, unsigned short v) { *p = v; }
 SP_DEV void sp_st_float(float* p, float v) { *p = v; }

@@ -17,25 +17,32 @@ _BUILD = Path(tempfile.gettempdir()) / "shuffleprune_sparse_mma"
 _LIBS: dict[str, ctypes.CDLL] = {}
 
 
-def build(defines: dict) -> ctypes.CDLL:
-    """The kernel variant of ``defines`` as a shared library (built once per text, reused across runs)."""
-    source = kernel_source(defines, (HERE / "sparse_mma_emulator.hpp").read_text()) + \
-        (HERE / "sparse_mma_launcher.cpp").read_text()
+def build_text(source: str, stem: str) -> ctypes.CDLL:
+    """``source`` (a kernel's text after the emulator, then its launcher) as a shared library, built once per text
+    and reused across runs."""
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     if key not in _LIBS:
         _BUILD.mkdir(exist_ok=True)
-        lib = _BUILD / f"sparse_mma_{key}.so"
+        lib = _BUILD / f"{stem}_{key}.so"
         if not lib.exists():
-            src = _BUILD / f"sparse_mma_{key}.cpp"
+            src = _BUILD / f"{stem}_{key}.cpp"
             src.write_text(source)
             tmp = lib.with_suffix(f".{id(source)}.tmp")
-            subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-o", str(tmp), str(src)],
-                           check=True, capture_output=True, text=True)
+            done = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-o", str(tmp),
+                                   str(src)], capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"g++ failed on {src}:\n{done.stderr[-4000:]}")
             tmp.replace(lib)
-        cdll = ctypes.CDLL(str(lib))
-        cdll.spemu_launch.restype = ctypes.c_char_p
-        _LIBS[key] = cdll
+        _LIBS[key] = ctypes.CDLL(str(lib))
     return _LIBS[key]
+
+
+def build(defines: dict) -> ctypes.CDLL:
+    """The decode variant of ``defines`` as a shared library."""
+    lib = build_text(kernel_source(defines, (HERE / "sparse_mma_emulator.hpp").read_text()) +
+                     (HERE / "sparse_mma_launcher.cpp").read_text(), "sparse_mma")
+    lib.spemu_launch.restype = ctypes.c_char_p
+    return lib
 
 
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:

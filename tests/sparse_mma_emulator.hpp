@@ -48,6 +48,7 @@ struct Warp {
   unsigned a[32][4], b[32][4], e[32];
   int sel[32];
   float c[32][4], d[32][4];
+  const unsigned short* rows[32];   // ldmatrix: the row each lane names
   std::unique_ptr<std::barrier<>> bar;
 };
 inline std::barrier<>* cta_barrier = nullptr;
@@ -112,31 +113,52 @@ SP_DEV unsigned sp_lds32(const unsigned short* p) {
 SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) {
   if (spemu_shared_ok(p, 4)) std::memcpy(p, &v, 4);
 }
+SP_DEV unsigned sp_lds_word(const unsigned* p) { return sp_lds32(reinterpret_cast<const unsigned short*>(p)); }
+SP_DEV void sp_sts16(unsigned short* p, unsigned short v) {
+  if (spemu_shared_ok(p, 2)) std::memcpy(p, &v, 2);
+}
+SP_DEV u32x4 sp_lds128(const unsigned short* p) {
+  u32x4 v{};
+  if (spemu_shared_ok(p, 16)) std::memcpy(&v, p, 16);
+  return v;
+}
 // cp.async as late as the PTX ISA lets it land: a thread's copies are queued by commit group, and only a wait
 // lands them (wait_group 1: every group but the newest), so a read of a slot before its wait reads the poison
-struct SpemuCopy { unsigned short* to; u32x2 v; };
+struct SpemuCopy { unsigned short* to; unsigned char v[16]; unsigned bytes; };
 inline thread_local std::vector<SpemuCopy> spemu_open_copies;                 // issued, not yet committed
 inline thread_local std::vector<std::vector<SpemuCopy>> spemu_copy_groups;    // committed, not yet landed
 SP_DEV void sp_cp_async8(unsigned short* to, const unsigned short* from) {
   u32x2 v = spemu_load<u32x2>(from, 8);   // the source is read now (nothing writes it during the kernel)
-  if (spemu_shared_ok(to, 8)) spemu_open_copies.push_back({to, v});
+  SpemuCopy c{to, {}, 8};
+  std::memcpy(c.v, &v, 8);
+  if (spemu_shared_ok(to, 8)) spemu_open_copies.push_back(c);
+}
+SP_DEV void sp_cp_async16(unsigned short* to, const void* from, int bytes) {   // 16 bytes, or (bytes 0) zeros
+  if (bytes != 0 && bytes != 16) spemu::fail("cp.async of 16 bytes given a source size other than 0 or 16");
+  u32x4 v = spemu_load<u32x4>(from, 16);   // the address must lie in a buffer even where nothing is read
+  SpemuCopy c{to, {}, 16};
+  if (bytes) std::memcpy(c.v, &v, 16);
+  if (spemu_shared_ok(to, 16)) spemu_open_copies.push_back(c);
 }
 SP_DEV void sp_cp_async_commit() {
   spemu_copy_groups.push_back(std::move(spemu_open_copies));
   spemu_open_copies.clear();
 }
-SP_DEV void sp_cp_async_wait_one() {
-  while (spemu_copy_groups.size() > 1) {
-    for (const SpemuCopy& c : spemu_copy_groups.front()) std::memcpy(c.to, &c.v, 8);
+template <int N>
+SP_DEV void sp_cp_async_wait() {   // every committed group but the newest N lands
+  while (spemu_copy_groups.size() > (size_t)N) {
+    for (const SpemuCopy& c : spemu_copy_groups.front()) std::memcpy(c.to, c.v, c.bytes);
     spemu_copy_groups.erase(spemu_copy_groups.begin());
   }
 }
+SP_DEV void sp_cp_async_wait_one() { sp_cp_async_wait<1>(); }
 #define SP_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(spemu::dyn_smem.data())
 template <typename V>
 static inline void spemu_store(void* p, V v) {
   if (spemu::access_ok(p, sizeof(V), sizeof(V))) std::memcpy(p, &v, sizeof(V));
 }
 SP_DEV void sp_st16(unsigned short* p, unsigned short v) { spemu_store(p, v); }
+SP_DEV void sp_st128(unsigned short* p, u32x4 v) { spemu_store(p, v); }
 SP_DEV void sp_st_float(float* p, float v) { spemu_store(p, v); }
 SP_DEV void sp_st_int(int* p, int v) { spemu_store(p, v); }
 SP_DEV void sp_grid_wait() {}      // one kernel at a time here: the one before has always ended
@@ -232,4 +254,19 @@ SP_DEV void sp_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[4]
   if (lane == 0) spemu::mma_sp_m16n8k32(w);
   w.bar->arrive_and_wait();
   std::memcpy(d, w.d[lane], sizeof w.d[lane]);
+}
+
+// ldmatrix.x4 (16-bit): lanes 8j..8j+7 name the 8 rows (16 bytes each, in shared memory) of matrix j, and lane
+// 4g + t receives word t of row g of every matrix
+SP_DEV void sp_ldmatrix4(unsigned (&r)[4], const unsigned short* p) {
+  unsigned lane = threadIdx.x & 31u;
+  spemu::Warp& w = (*spemu::warps)[threadIdx.x >> 5];
+  w.rows[lane] = p;
+  w.bar->arrive_and_wait();
+  for (int j = 0; j < 4; ++j) {
+    const unsigned short* row = w.rows[8 * j + (lane >> 2)];
+    r[j] = 0;
+    if (spemu_shared_ok(row, 16)) std::memcpy(&r[j], row + 2 * (lane & 3), 4);
+  }
+  w.bar->arrive_and_wait();
 }

@@ -115,6 +115,14 @@
   spills, or to 150 and more under a one-CTA launch bound, so 4 at most. ``auto`` weighs them where the
   default's reads are a quarter of the weight's bytes or more (from about 4 tokens; through a map, whose
   gathers each cost a sector, from one: ``nm_sparse_mma.tall_worth_weighing``);
+- ``gemm_sparse_mma`` (2:4, 16-bit, rows in 64s, columns in 64s; from 32 tokens; the GPUs the decode above runs on):
+  ``kernels/nm_sparse_gemm.cu``, a GEMM on the sparse tensor cores for prompts, over the gathered input. From a few
+  hundred tokens a dense layer is bound by its MMAs, and every other path here but cuSPARSELt does the dense MMAs
+  after expanding the weight; ``mma.sp`` does half of them. CTAs of up to 128 rows × 128 tokens copy 64 columns of
+  kept values, position words and input a stage into shared memory (``cp.async``, 3 stages in flight), and each
+  fragment read there (``ldmatrix``, swizzled rows: no bank conflicts) serves a warp's other tiles. Checked under the
+  same emulator (ragged tokens, both layouts, bias, fp16/bf16), compiled for sm_90 and sm_80
+  (``sparse_mma_compile.json``); not yet run on a GPU;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
@@ -147,6 +155,10 @@ from shuffleprune.errors import UserError
 # the tall plan's CTAs
 SPARSE_MMA_DECODES = ("decode_sparse_mma", "decode_sparse_mma_tall", "decode_sparse_mma_mapped",
                       "decode_sparse_mma_mapped_tall")
+# the prompt GEMM on the sparse tensor cores (kernels/nm_sparse_gemm.cu), on the gathered input, weighed from this many
+# tokens (below, the decodes hold the weight in registers once and need no shared-memory trip)
+SPARSE_GEMM = "gemm_sparse_mma"
+SPARSE_GEMM_MIN_TOKENS = 32
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 # nm_gemm's options per prompt policy (on the gathered input): the weight as the MMA's B operand, as its A
 # operand, and as A over 128 rows per program
@@ -154,14 +166,14 @@ GEMM_KERNELS = {"gemm": {}, "gemm_swap": {"weight_a": True}, "gemm_swap_tall": {
 IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mapped", "decode_mapped_tall",
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
          "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_spread",
-         "decode_swap_spread_sync", "decode_swap_tma", *SPARSE_MMA_DECODES, *GEMM_KERNELS,
+         "decode_swap_spread_sync", "decode_swap_tma", *SPARSE_MMA_DECODES, *GEMM_KERNELS, SPARSE_GEMM,
          "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
 # TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
 # the plain decode's 24.8 µs of host time per 16-token call, the launch recorded, not run) and the launcher
 # encodes them at each launch; the sparse-MMA decode's launch builds its arguments through ctypes
-EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", *SPARSE_MMA_DECODES)
+EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", *SPARSE_MMA_DECODES, SPARSE_GEMM)
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 CSLT_TOKEN_MULTIPLE = 8   # cuSPARSELt's dense operand takes tokens padded to this (PyTorch's semi-structured tensors
                           # pad 16-bit inputs to 8 rows for it: torch/sparse/semi_structured.py, dense_min_rows)

@@ -25,8 +25,8 @@ from shuffleprune.deploy import auto_choice
 from shuffleprune.deploy.format import decompress, meta_bits
 from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS,
                                        GEMM_MIN_TOKENS, IMPLS, MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED,
-                                       PDL_SUFFIX, SPARSE_MMA_DECODES, SWAP_TILES, TILE_MAX_TOKENS, default_choice,
-                                       known_policy, skipped_impls, split_pdl)
+                                       PDL_SUFFIX, SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_MMA_DECODES, SWAP_TILES,
+                                       TILE_MAX_TOKENS, default_choice, known_policy, skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
 from shuffleprune.deploy.shared_input import SharedGather
 from shuffleprune.runtime import capturing, outside_graph_pools
@@ -284,6 +284,13 @@ class SparseLinear(nn.Module):
                                      tall=impl.endswith("_tall"))
             # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
             impl = "decode" if self._pow2() and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
+        if impl == SPARSE_GEMM:
+            if self._sparse_gemm_applies(x):
+                from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
+
+                return nm_sparse_gemm(self._gathered(x, pdl), self.values, self.words(), self.bias, tiled=self.tiled)
+            # another pattern, dtype, device or shape: the Triton GEMM where it runs, else the shared scratch
+            impl = "gemm_swap" if self._pow2() and x.is_cuda else "scratch"
         if impl == "decode_swap_tma" and not self._tma_applies(x):
             impl = "decode_swap"   # a weight or input the tensor descriptors cannot read
         if impl in DECODE_KERNELS:
@@ -363,6 +370,15 @@ class SparseLinear(nn.Module):
                 sparse_mma_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
                                    x.dtype, mapped) and sparse_mma_available(x.device))
 
+    def _sparse_gemm_applies(self, x: torch.Tensor) -> bool:
+        """Whether ``gemm_sparse_mma`` runs this layer on ``x``: 2:4 values of the input's 16-bit dtype, rows and
+        columns in 64s, on a GPU with sparse tensor cores (:mod:`.nm_sparse_gemm`)."""
+        from shuffleprune.kernels.nm_sparse_gemm import sparse_gemm_applies, sparse_gemm_available
+
+        return (x.dtype == self.values.dtype and
+                sparse_gemm_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
+                                    x.dtype) and sparse_gemm_available(x.device))
+
     def _sparse_mma_tall_worth(self, x: torch.Tensor, mapped: bool = False) -> bool:
         """Whether ``auto`` also weighs the sparse-MMA decode with :func:`.nm_sparse_mma.tall_plan`'s CTAs on ``x``
         (:func:`.nm_sparse_mma.tall_worth_weighing`: where the input read per 16 rows weighs against the weight)."""
@@ -418,6 +434,8 @@ class SparseLinear(nn.Module):
                 if self.perm is not None and self._sparse_mma_applies(x, mapped=True):
                     out.append("decode_sparse_mma_mapped")
                     out += ["decode_sparse_mma_mapped_tall"] if self._sparse_mma_tall_worth(x, mapped=True) else []
+            if tokens >= SPARSE_GEMM_MIN_TOKENS and self._sparse_gemm_applies(x):
+                out.append(SPARSE_GEMM)
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
             if tokens >= GEMM_MIN_TOKENS and x.element_size() == 2:   # float32 runs the one FMA tile either way
                 out.append("gemm_swap_tall")

@@ -1,0 +1,197 @@
+// A 2:4 GEMM on the sparse tensor cores for prompts (64 tokens and more): y[T, R] = x[T, C] @ W[R, C]^T (+ bias)
+// by mma.sp m16n8k32, tiled as a GEMM. nm_sparse_mma.cu (the decode) holds every weight byte in registers once and
+// reads the input per warp; here the weight's kept values, position words and the input's tile pass through shared
+// memory, so each fragment read there serves several MMAs (a warp's MT m-tiles share each B fragment, its NT
+// n-tiles each A fragment). Same layouts, same MMA and same fragment readings as the decode (nm_sparse_mma.cu says
+// them); the device prelude of kernels/nm_sparse_mma.py comes first, on the CPU tests/sparse_mma_emulator.hpp.
+//
+// A CTA owns BM = WM * MT * 16 rows and BN = WN * NT * 8 tokens (blockIdx.y the row block, blockIdx.x the token
+// block: the token blocks of a row block run side by side and share its weight in L2). Its WM x WN warps hold MT x NT
+// tiles of 16 rows x 8 tokens each. K goes by stages of 64 columns, STAGES of them in flight in shared memory,
+// copied by cp.async (16 bytes; tokens past T read as zeros):
+//   A  BM rows x 32 kept values (64 bytes a row, four 16-byte chunks, chunk c at c ^ ((row >> 1) & 3));
+//   B  BN tokens x 64 columns (128 bytes a token, eight chunks, chunk c at c ^ (token & 7));
+//   E  the position words of those 64 columns: 2 words a row (TILED = 0: row r's words at 2r, 2r + 1), or for each
+//      64-row band its two 32-column tiles of cuSPARSELt's order (TILED = 1: 64 words a tile, as the layer holds them).
+// The swizzles put each ldmatrix phase's 8 rows of 16 bytes on 32 distinct banks. Per 32 columns (one k32 MMA)
+// a warp loads its NT B fragments and MT A fragments by ldmatrix.x4 (A: the dense m16n8k16 fragment of the kept
+// values; B: 8 tokens x 32 columns, matrix j = columns 8j..8j+7) and issues MT * NT MMAs. Lanes 4g + 2s + {0,1} hold
+// the metadata of the stage's s-th 32 columns (selector s), so one register a m-tile covers a stage.
+// The sums go through shared memory (rounded to 16 bits, bias added first) and leave as 16-byte rows of y.
+//
+// Compile-time parameters: MT, NT, WM, WN, STAGES, TILED, HAS_BIAS, IS_BF16, ORDERED and the four fragment knobs
+// (A_SWAP, META_HALF_SWAP, META_ROLE_SWAP, B_SWAP: as in nm_sparse_mma.cu).
+
+#define WARPS (WM * WN)
+#define THREADS (32 * WARPS)
+#define BM (WM * MT * 16)
+#define BN (WN * NT * 8)
+#define A_HALVES (BM * 32)           // a stage's kept values, 16-bit
+#define B_HALVES (BN * 64)           // a stage's input, 16-bit
+#define E_WORDS (BM * 2)             // a stage's position words (both layouts: 2 words of 32 columns a row)
+#define STAGE_HALVES (A_HALVES + B_HALVES + 2 * E_WORDS)
+#define OUT_LD (BM + 8)              // the output tile's row (a token) in 16-bit units: rows 16 bytes apart in banks
+
+SP_DEV int sp_a_offset(int row, int chunk) { return row * 32 + 8 * (chunk ^ ((row >> 1) & 3)); }
+SP_DEV int sp_x_offset(int token, int chunk) { return token * 64 + 8 * (chunk ^ (token & 7)); }
+
+SP_DEV void sp_gemm_copy_stage(unsigned short* stage, const unsigned short* x, const unsigned short* values,
+                               const unsigned* meta, int T, int C, int xs, int row_base, int tok_base, int kt,
+                               int tid) {
+  // stage kt's kept values, input and position words into shared memory, by asynchronous copies
+  unsigned short* As = stage;
+  unsigned short* Bs = stage + A_HALVES;
+  unsigned* Es = (unsigned*)(stage + A_HALVES + B_HALVES);
+  const int half_c = C >> 1;
+  for (int i = tid; i < BM * 4; i += THREADS) {
+    int r = i >> 2, c = i & 3;
+    sp_cp_async16(As + sp_a_offset(r, c), values + (long long)(row_base + r) * half_c + kt * 32 + 8 * c, 16);
+  }
+  for (int i = tid; i < BN * 8; i += THREADS) {
+    int n = i >> 3, c = i & 7, token = tok_base + n;
+    int valid = token < T;
+    // a token past T copies nothing and zero-fills (its source kept inside x all the same)
+    sp_cp_async16(Bs + sp_x_offset(n, c), x + (long long)(valid ? token : T - 1) * xs + kt * 64 + 8 * c,
+                  valid ? 16 : 0);
+  }
+#if TILED
+  // each 64-row band's tiles 2kt and 2kt + 1: 128 consecutive words of the layer's buffer
+  for (int i = tid; i < (BM / 64) * 32; i += THREADS) {
+    int band = i >> 5, c = i & 31;
+    sp_cp_async16((unsigned short*)(Es + band * 128 + 4 * c),
+                  meta + (long long)(row_base / 64 + band) * (2LL * C) + (long long)kt * 128 + 4 * c, 16);
+  }
+#else
+  const int words = C / 32;
+  for (int r = tid; r < BM; r += THREADS)
+    sp_cp_async8((unsigned short*)(Es + 2 * r), (const unsigned short*)(meta + (long long)(row_base + r) * words + 2 * kt));
+#endif
+}
+
+SP_DEV unsigned sp_gemm_meta(const unsigned* Es, int r16, int lane) {
+  // the metadata register of the m-tile at CTA row r16 for this lane: its stage's 32 columns kk = t >> 1 (selector
+  // kk), role t & 1 (slots 4 * role ..), row g's codes in bits 0-15 and row g + 8's in 16-31
+  int g = lane >> 2, t = lane & 3, kk = t >> 1, role = (t & 1) ^ META_ROLE_SWAP;
+#if TILED
+  // pair 8a + g of the band's tile kk: rows g (low nibbles) and g + 8 (high), groups 0 4 1 5 | 2 6 3 7
+  const unsigned* p = Es + (r16 / 64) * 128 + kk * 64 + 2 * (8 * ((r16 % 64) / 16) + g);
+  unsigned q = sp_byte_perm(sp_lds_word(p), sp_lds_word(p + 1), role ? 0x7531u : 0x6420u);   // groups 4·role + 0..3
+  unsigned lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+  lo |= lo >> 4;
+  hi |= hi >> 4;
+#if META_HALF_SWAP
+  return sp_byte_perm(hi, lo, 0x6420u);
+#else
+  return sp_byte_perm(lo, hi, 0x6420u);
+#endif
+#else
+  unsigned wa = sp_lds_word(Es + 2 * (r16 + g) + kk), wb = sp_lds_word(Es + 2 * (r16 + g + 8) + kk);
+#if META_HALF_SWAP
+  return sp_byte_perm(wb, wa, role ? 0x7632u : 0x5410u);
+#else
+  return sp_byte_perm(wa, wb, role ? 0x7632u : 0x5410u);
+#endif
+#endif
+}
+
+SP_DEV void sp_gemm_compute_stage(const unsigned short* stage, float (&acc)[MT][NT][4], int wr, int wc, int lane) {
+  const unsigned short* As = stage;
+  const unsigned short* Bs = stage + A_HALVES;
+  const unsigned* Es = (const unsigned*)(stage + A_HALVES + B_HALVES);
+  unsigned e[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) e[i] = sp_gemm_meta(Es, wr * MT * 16 + 16 * i, lane);
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    unsigned b[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      int token = wc * NT * 8 + 8 * n + (lane & 7);
+      sp_ldmatrix4(b[n], Bs + sp_x_offset(token, 4 * kk + (lane >> 3)));
+#if B_SWAP
+      unsigned s = b[n][1];
+      b[n][1] = b[n][2];
+      b[n][2] = s;
+#endif
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      unsigned a[4];
+      int row = wr * MT * 16 + 16 * i + (lane & 7) + 8 * ((lane >> 3) & 1);
+      sp_ldmatrix4(a, As + sp_a_offset(row, 2 * kk + (lane >> 4)));
+#if A_SWAP
+      unsigned s = a[1];
+      a[1] = a[2];
+      a[2] = s;
+#endif
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        if (kk == 0)
+          sp_mma<0>(acc[i][n], a, b[n], e[i]);
+        else
+          sp_mma<1>(acc[i][n], a, b[n], e[i]);
+      }
+    }
+  }
+}
+
+extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
+    const unsigned short* x, const unsigned short* values, const unsigned* meta, const unsigned short* bias,
+    unsigned short* y, int T, int R, int C, int xs) {
+  SP_DYNAMIC_SHARED(unsigned short, smem);
+  int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int wr = warp % WM, wc = warp / WM;
+  int row_base = blockIdx.y * BM, tok_base = blockIdx.x * BN;
+  int stages_k = C / 64;
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][n][j] = 0.f;
+
+  // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < stages_k) sp_gemm_copy_stage(smem + s * STAGE_HALVES, x, values, meta, T, C, xs, row_base, tok_base, s, tid);
+    sp_cp_async_commit();
+  }
+  for (int kt = 0; kt < stages_k; ++kt) {
+    sp_cp_async_wait<STAGES - 2>();   // this thread's copies of stage kt landed
+    __syncthreads();                   // every thread's; and every warp is done with stage kt - 1's slot
+    int next = kt + STAGES - 1;
+    if (next < stages_k)
+      sp_gemm_copy_stage(smem + (next % STAGES) * STAGE_HALVES, x, values, meta, T, C, xs, row_base, tok_base, next,
+                         tid);
+    sp_cp_async_commit();
+    sp_gemm_compute_stage(smem + (kt % STAGES) * STAGE_HALVES, acc, wr, wc, lane);
+  }
+  sp_cp_async_wait<0>();
+  __syncthreads();   // every warp is done with the stages: the output tile takes their place
+
+  // the sums (bias added) rounded to 16 bits into the output tile [BN tokens][BM rows], then 16-byte rows of y
+  unsigned short* out = smem;
+  int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        int row = wr * MT * 16 + 16 * i + g + 8 * (j >> 1), token = wc * NT * 8 + 8 * n + 2 * t + (j & 1);
+        float sum = acc[i][n][j];
+#if HAS_BIAS
+        sum += sp_to_float(sp_ld16(bias + row_base + row));
+#else
+        (void)bias;
+#endif
+        sp_sts16(out + token * OUT_LD + row, sp_from_float(sum));
+      }
+  __syncthreads();
+  for (int i = tid; i < BN * (BM / 8); i += THREADS) {
+    int n = i / (BM / 8), c = i % (BM / 8), token = tok_base + n;
+    if (token < T) sp_st128(y + (long long)token * R + row_base + 8 * c, sp_lds128(out + n * OUT_LD + 8 * c));
+  }
+}

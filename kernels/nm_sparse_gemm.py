@@ -1,0 +1,209 @@
+"""The 2:4 GEMM on the sparse tensor cores for prompts: ``kernels/nm_sparse_gemm.cu``, compiled by NVRTC at its first
+call on a GPU, like the decode (:mod:`.nm_sparse_mma`, whose device prelude, MMA and fragment readings it shares).
+
+From a few hundred tokens a dense layer is bound by its MMAs, not by its weight's bytes, and every path of this
+runtime but cuSPARSELt did the dense FLOPs after expanding the weight, so none could beat cuBLAS there
+(``bench_kernel.json``, H200: 0.56–0.84× at 512 tokens). ``mma.sp`` does half the MMAs' work for the same result. The
+decode's CTAs hold each weight byte in registers once and read the input per warp, which at 512 tokens would bind them
+to their input loads; here the kept values, position words and the input's tile are copied into shared memory a
+stage of 64 columns at a time (``cp.async``, :data:`SparseGemmPlan.stages` in flight) and each fragment read there
+(``ldmatrix``) serves a warp's other tiles: a B fragment its ``mt`` m-tiles, an A fragment its ``nt`` n-tiles. The
+layer's own buffer is read as it is, in either layout. The same text runs on the CPU under the tests' emulator.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from shuffleprune.kernels.cuda_rtc import KernelLaunch, allow_dynamic_shared, compile_cuda, driver
+from shuffleprune.kernels.gpu import cdiv
+from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
+                                                fragment_reading, ordered_metadata, sparse_mma_available,
+                                                stream_handle)
+
+SOURCE = Path(__file__).with_name("nm_sparse_gemm.cu")
+KERNEL_NAME = "nm_sparse_gemm"
+BK = 64                        # columns a stage copies (two k32 MMAs)
+ARG_POINTERS, ARG_INTS = 5, 4  # x, values, words, bias, y; T, R, C, xs
+SHARED_OPTIN_LIMIT = 99 * 1024  # the most a CTA takes by the driver's opt-in on every GPU of compute capability 8.0+
+
+
+@dataclass(frozen=True)
+class SparseGemmPlan:
+    """A launch: ``wm`` × ``wn`` warps a CTA, each holding ``mt`` m-tiles of 16 rows × ``nt`` n-tiles of 8 tokens
+    (a CTA: ``bm`` rows × ``bn`` tokens), ``stages`` stages of :data:`BK` columns in flight in shared memory."""
+    mt: int
+    nt: int
+    wm: int
+    wn: int
+    stages: int = 3
+
+    @property
+    def warps(self) -> int:
+        return self.wm * self.wn
+
+    @property
+    def bm(self) -> int:
+        return self.wm * self.mt * 16
+
+    @property
+    def bn(self) -> int:
+        return self.wn * self.nt * 8
+
+    def grid(self, tokens: int, rows: int) -> tuple[int, int, int]:
+        """Token blocks along x (a row block's token blocks run side by side, sharing its weight in L2), row blocks
+        along y."""
+        return cdiv(tokens, self.bn), rows // self.bm, 1
+
+    def stage_bytes(self) -> int:
+        """One stage: kept values (64 bytes a row), the input (128 bytes a token) and position words (8 bytes a row)."""
+        return self.bm * 64 + self.bn * 128 + self.bm * 8
+
+    def dynamic_shared(self) -> int:
+        """The stages, or the output tile (``bn`` tokens × ``bm + 8`` 16-bit sums) after them, whichever is more."""
+        return max(self.stages * self.stage_bytes(), self.bn * (self.bm + 8) * 2)
+
+
+# the tiles tried, largest first: (mt, nt, wm, wn). A warp tile of 64 rows × 64 tokens reads 192 bytes of shared
+# memory per MMA (A and B fragments), 32 × 32 reads 512: the larger tiles leave the MMAs, not the shared-memory reads,
+# to bind, where the grid still fills the GPU
+GEMM_TILES = ((4, 8, 2, 2), (4, 4, 2, 4), (2, 8, 2, 2), (4, 4, 2, 2), (2, 4, 2, 2))
+DEFAULT_STAGES = 3
+FILL = 0.9   # the share of the multiprocessors a tile's grid must reach (128 CTAs of 128 x 128 on 132 do)
+
+
+def sparse_gemm_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype: torch.dtype) -> bool:
+    """Whether the GEMM takes this layer and input: 2:4, 16-bit, rows in 64-row bands, columns in stages of 64."""
+    return ((n, m) == (2, 4) and dtype in (torch.float16, torch.bfloat16) and tokens >= 1 and rows % 64 == 0
+            and cols % BK == 0)
+
+
+def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, **override) -> SparseGemmPlan:
+    """The largest tile of :data:`GEMM_TILES` whose CTAs (row blocks × token blocks) fill :data:`FILL` of the
+    multiprocessors once, else the one with the most CTAs (ties: the fewest padding tokens, then the larger tile).
+    ``override`` sets any field (tuning)."""
+    tiles = [SparseGemmPlan(*tile, stages=DEFAULT_STAGES) for tile in GEMM_TILES]
+    fits = [p for p in tiles if rows % p.bm == 0]
+    if not fits:
+        raise ValueError(f"{rows} rows are not whole 64-row blocks: the sparse GEMM takes rows in 64s")
+    ctas = {p: cdiv(tokens, p.bn) * (rows // p.bm) for p in fits}
+    padding = {p: cdiv(tokens, p.bn) * p.bn - tokens for p in fits}
+    plan = next((p for p in fits if ctas[p] >= FILL * sms and padding[p] < p.bn // 2), None) or \
+        max(fits, key=lambda p: (ctas[p], -padding[p], p.bm * p.bn))
+    plan = SparseGemmPlan(**{**asdict(plan), **override})
+    check_gemm_plan(plan, rows, cols)
+    return plan
+
+
+def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int) -> None:
+    """Refuse a plan the kernel cannot run, in one line naming what to change."""
+    if rows % plan.bm or plan.bm % 64:
+        raise ValueError(f"{rows} rows are not whole CTAs of {plan.bm} (wm·mt·16, a multiple of 64): change wm or mt")
+    if cols % BK:
+        raise ValueError(f"{cols} columns are not whole stages of {BK}")
+    if plan.stages < 2:
+        raise ValueError(f"stages={plan.stages}: the pipeline holds 2 or more stages")
+    if plan.dynamic_shared() > SHARED_OPTIN_LIMIT:
+        raise ValueError(f"{plan.stages} stages of {plan.stage_bytes()} bytes exceed {SHARED_OPTIN_LIMIT} bytes of "
+                         "shared memory: take fewer stages or a smaller tile")
+
+
+def kernel_defines(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool) -> dict:
+    """The compile-time parameters of one variant (``#define`` s before the source); the fragment knobs a probe of
+    the decode flipped (:func:`.nm_sparse_mma.fragment_reading`) apply here too: the same MMA."""
+    reading = fragment_reading()
+    return {"MT": plan.mt, "NT": plan.nt, "WM": plan.wm, "WN": plan.wn, "STAGES": plan.stages, "TILED": int(tiled),
+            "HAS_BIAS": int(has_bias), "IS_BF16": int(dtype == torch.bfloat16), "ORDERED": int(ordered),
+            **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
+
+
+def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
+    """The full text of one variant: its defines, the side's prelude, then ``nm_sparse_gemm.cu``."""
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    return head + prelude + SOURCE.read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(defines: tuple, device_index: int):
+    return compile_cuda(kernel_source(dict(defines)), KERNEL_NAME, device_index, key=defines)
+
+
+def _prepare(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, index: int):
+    kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata()).items()), index)
+    if plan.dynamic_shared() > SHARED_LIMIT:
+        allow_dynamic_shared(kernel, plan.dynamic_shared())
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, has_bias: bool, index: int,
+            override: tuple) -> tuple:
+    """``(kernel, plan, bound launch or None)`` for one kind of call (once per kind and process)."""
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    plan = sparse_gemm_plan(tokens, rows, cols, sms, **dict(override))
+    kernel = _prepare(plan, dtype, tiled, has_bias, index)
+    try:
+        bound = KernelLaunch(kernel, plan.grid(tokens, rows), (32 * plan.warps, 1, 1), plan.dynamic_shared(),
+                             driver(), ARG_POINTERS, ARG_INTS)
+    except (AttributeError, OSError):   # no driver reachable: PyTorch's _CudaKernel call launches it
+        bound = None
+    return kernel, plan, bound
+
+
+def launch_plan(x: torch.Tensor, values: torch.Tensor, tiled: bool = False, has_bias: bool = False,
+                **override) -> SparseGemmPlan:
+    """The plan :func:`nm_sparse_gemm` launches for ``x`` on ``values``."""
+    return _launch(x.numel() // x.shape[-1], values.shape[0], 2 * values.shape[1], x.dtype, tiled, has_bias,
+                   device_index(x.device), tuple(sorted(override.items())))[1]
+
+
+def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,
+                   tiled: bool = False, plan: SparseGemmPlan | None = None, **override) -> torch.Tensor:
+    """``x @ Wᵀ + bias`` for a 2:4 ``W`` held as ``values`` ``[R, C/2]`` and position ``words`` ``[R, C/32]`` (row
+    words, or cuSPARSELt's order when ``tiled``) on the sparse tensor cores, ``x`` in the weight's column order
+    (gathered). ``plan`` (or ``override``'s fields) replaces :func:`sparse_gemm_plan`'s."""
+    rows, cols = values.shape[0], 2 * values.shape[1]
+    x2 = x.reshape(-1, cols)
+    tokens = x2.shape[0]
+    if not sparse_gemm_applies(tokens, rows, cols, 2, 4, x.dtype) or values.dtype != x.dtype:
+        raise ValueError(f"the sparse GEMM takes 2:4 16-bit weights of the input's dtype, rows in 64s and columns in "
+                         f"{BK}s; not {tokens} tokens of {x.dtype} on [{rows}, {cols}] {values.dtype}")
+    if not (values.is_contiguous() and words.is_contiguous() and words.dtype == torch.int32 and
+            words.shape == (rows, cols // 32) and values.data_ptr() % 16 == 0 and
+            words.data_ptr() % (16 if tiled else 8) == 0):
+        raise ValueError("the sparse GEMM reads contiguous values (16-byte aligned) and int32 position words "
+                         f"[{rows}, {cols // 32}] (16-byte aligned in cuSPARSELt's order, else 8); got "
+                         f"{tuple(words.shape)} {words.dtype}")
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (rows,) or not bias.is_contiguous()):
+        raise ValueError(f"the sparse GEMM adds a contiguous bias [{rows}] of the input's dtype")
+    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:   # 16-byte copies of each row
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    index = device_index(x.device)
+    if plan is None:
+        kernel, plan, bound = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, index,
+                                      tuple(sorted(override.items())))
+    else:
+        check_gemm_plan(plan, rows, cols)
+        kernel, bound = _prepare(plan, x.dtype, tiled, bias is not None, index), None
+    y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
+    tensors = [x2, values, words, bias if bias is not None else values, y]
+    ints = [tokens, rows, cols, x2.stride(0)]
+    if bound is not None:
+        bound(tensors, ints, stream_handle(x.device))
+    else:
+        kernel(grid=plan.grid(tokens, rows), block=(32 * plan.warps, 1, 1), shared_mem=plan.dynamic_shared(),
+               args=[*tensors, *ints])
+    return y.reshape(*x.shape[:-1], rows)
+
+
+def sparse_gemm_available(device: torch.device) -> bool:
+    """Whether ``device`` runs it: where the decode runs (an NVIDIA GPU of compute capability 8.0 or more)."""
+    return sparse_mma_available(device)
+
+
+def plan_fields(plan: SparseGemmPlan) -> dict:
+    """A plan as a dict (results files, compile checks)."""
+    return asdict(plan)

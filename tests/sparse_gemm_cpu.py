@@ -1,0 +1,37 @@
+"""Run ``kernels/nm_sparse_gemm.cu`` on the CPU: its text with ``sparse_mma_emulator.hpp`` as the prelude, built by
+g++ (:func:`sparse_mma_cpu.build_text`) and called by ctypes."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from shuffleprune.kernels.nm_sparse_gemm import SparseGemmPlan, kernel_defines, kernel_source
+
+from sparse_mma_cpu import HERE, _bytes, _ptr, build_text
+
+
+def build(defines: dict) -> ctypes.CDLL:
+    """The GEMM variant of ``defines`` as a shared library (built once per text)."""
+    lib = build_text(kernel_source(defines, (HERE / "sparse_mma_emulator.hpp").read_text()) +
+                     (HERE / "sparse_gemm_launcher.cpp").read_text(), "sparse_gemm")
+    lib.spemu_gemm_launch.restype = ctypes.c_char_p
+    return lib
+
+
+def run_gemm_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, tiled: bool,
+                 plan: SparseGemmPlan, seed: int = 0, x_stride: int | None = None) -> torch.Tensor:
+    """The kernel's output ``[T, R]`` for ``x`` ``[T, C]`` (rows ``x_stride`` apart if given)."""
+    rows, cols = values.shape[0], 2 * values.shape[1]
+    tokens = x.shape[0]
+    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True))
+    y = torch.full((tokens, rows), float("nan"), dtype=x.dtype)
+    b = bias if bias is not None else values
+    gx, gy, _ = plan.grid(tokens, rows)
+    err = lib.spemu_gemm_launch(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(seed), _ptr(x), _bytes(x),
+                                _ptr(values), _bytes(values), _ptr(words), _bytes(words), _ptr(b), _bytes(b), _ptr(y),
+                                _bytes(y), ctypes.c_int(tokens), ctypes.c_int(rows), ctypes.c_int(cols),
+                                ctypes.c_int(x_stride or x.stride(0)), ctypes.c_uint(plan.dynamic_shared()))
+    if err is not None:
+        raise RuntimeError(err.decode())
+    return y

@@ -1,0 +1,186 @@
+"""The prompt GEMM on the sparse tensor cores (``kernels/nm_sparse_gemm.cu``) run on the CPU by the decode's emulator,
+against float64; its plans, its bank-conflict-free staging, and how a layer weighs and runs it."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from shuffleprune.deploy.cslt_layout import cslt_words
+from shuffleprune.deploy.format import compress
+from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, nm_sparse_gemm,
+                                                  sparse_gemm_applies, sparse_gemm_plan)
+from shuffleprune.masks import nm_keep_mask
+
+from test_sparse_mma import _case, _check
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator is built by g++")
+
+
+def _run(*args, **kwargs):
+    from sparse_gemm_cpu import run_gemm_cpu
+
+    return run_gemm_cpu(*args, **kwargs)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("rows,cols,tokens,plan,dtype", [
+    (64, 128, 5, (2, 4, 2, 2, 3), torch.bfloat16),      # fewer K stages (2) than the pipeline holds, 5 of 64 tokens
+    (128, 640, 70, (4, 4, 2, 2, 3), torch.bfloat16),    # 10 K stages, two token blocks, the second ragged
+    (128, 256, 33, (2, 2, 2, 2, 2), torch.float16),     # two row blocks, two stages in flight
+    (64, 384, 17, (2, 4, 2, 2, 4), torch.float16),      # four stages in flight over six
+    (128, 192, 130, (4, 8, 2, 2, 3), torch.bfloat16),   # the largest tile: 64 x 64 a warp, 2 token blocks
+    (128, 256, 40, (4, 4, 2, 4, 3), torch.bfloat16),    # 8 warps
+])
+def test_sparse_gemm_matches_float64(rows, cols, tokens, plan, dtype, tiled):
+    w, values, words, x, bias = _case(rows, cols, tokens, dtype, seed=tokens)
+    plan = SparseGemmPlan(*plan)
+    check_gemm_plan(plan, rows, cols)
+    y = _run(x, values, cslt_words(words) if tiled else words, bias, tiled, plan, seed=rows + tokens)
+    _check(y, x.double() @ w.double().t() + bias.double(), dtype)
+
+
+def test_sparse_gemm_without_bias_on_spaced_rows_is_the_same_in_any_order():
+    w, values, words, x, _ = _case(128, 256, 45, torch.bfloat16, seed=2)
+    plan = SparseGemmPlan(2, 4, 2, 2, 3)
+    spaced = torch.zeros(45, 256 + 64, dtype=torch.bfloat16)
+    spaced[:, :256] = x
+    view = spaced[:, :256]   # rows 640 bytes apart: each still 16-byte aligned for the copies
+    y = _run(view, values, words, None, False, plan, seed=1)
+    _check(y, x.double() @ w.double().t(), torch.bfloat16)
+    assert torch.equal(_run(x, values, words, None, False, plan, seed=5), y)   # no sum depends on the CTAs' order
+
+
+@pytest.mark.parametrize("knob", ["A_SWAP", "META_HALF_SWAP", "META_ROLE_SWAP", "B_SWAP"])
+def test_each_other_reading_of_the_fragments_computes_something_else(knob, monkeypatch):
+    # the decode's probe on a GPU hands its finding to this kernel too: each flip must change what it computes
+    w, values, words, x, _ = _case(64, 128, 9, torch.bfloat16, seed=9)
+    plan = SparseGemmPlan(2, 4, 2, 2, 2)
+    monkeypatch.setenv("SHUFFLEPRUNE_SPARSE_MMA_READING", knob.lower())
+    try:
+        y = _run(x, values, cslt_words(words), None, True, plan)
+    except RuntimeError as exc:   # the emulator refused it (a metadata code that is no ordered pair)
+        assert "ordered pair" in str(exc)
+        return
+    assert (y.double() - x.double() @ w.double().t()).abs().max() > 0.1
+
+
+def test_each_ldmatrix_phase_reads_32_banks():
+    """The 8 rows of 16 bytes an ldmatrix phase reads lie in 8 different 16-byte bank groups, by the kernel's own
+    swizzles (a staged kept-value row is 64 bytes, an input row 128: unswizzled, 2 and 8 of those rows share banks)."""
+    import ctypes
+
+    from sparse_gemm_cpu import build
+    from shuffleprune.kernels.nm_sparse_gemm import kernel_defines
+
+    lib = build(kernel_defines(SparseGemmPlan(4, 8, 2, 2, 3), torch.bfloat16, False, False, True))
+    for fn in (lib.spemu_a_offset, lib.spemu_x_offset):
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
+    for base in range(0, 128, 16):   # an m-tile's first row
+        for kk in (0, 1):
+            for j in range(4):       # matrix j: rows +8 for j odd, the next 8 kept values for j >= 2
+                units = {lib.spemu_a_offset(base + r + 8 * (j & 1), 2 * kk + (j >> 1)) // 8 % 8 for r in range(8)}
+                assert len(units) == 8
+    for base in range(0, 128, 8):    # an n-tile's first token
+        for chunk in range(8):
+            assert len({lib.spemu_x_offset(base + r, chunk) // 8 % 8 for r in range(8)}) == 8
+    # and each row's chunks land on distinct places (a permutation of the row)
+    assert sorted(lib.spemu_a_offset(5, c) for c in range(4)) == [5 * 32 + 8 * c for c in range(4)]
+    assert sorted(lib.spemu_x_offset(11, c) for c in range(8)) == [11 * 64 + 8 * c for c in range(8)]
+
+
+def test_the_plan_fills_the_gpu_with_the_largest_tile_that_does():
+    shapes = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
+    for rows, cols in shapes:
+        for tokens in (64, 512, 2048):
+            plan = sparse_gemm_plan(tokens, rows, cols, 132)
+            ctas = plan.grid(tokens, rows)[0] * plan.grid(tokens, rows)[1]
+            bigger = [SparseGemmPlan(*t) for t in GEMM_TILES[:GEMM_TILES.index((plan.mt, plan.nt, plan.wm, plan.wn))]]
+            if ctas >= 0.9 * 132:   # every larger tile would leave multiprocessors idle, or pad half its tokens
+                assert all((tokens + p.bn - 1) // p.bn * (rows // p.bm) < 0.9 * 132 or tokens % p.bn >= p.bn // 2
+                           for p in bigger)
+            else:                   # no tile fills the GPU: the most CTAs there are
+                assert all((tokens + p.bn - 1) // p.bn * (rows // p.bm) <= ctas
+                           for p in (SparseGemmPlan(*t) for t in GEMM_TILES))
+    big = sparse_gemm_plan(2048, 4096, 4096, 132)
+    assert (big.bm, big.bn, big.warps) == (128, 128, 4)
+    small = sparse_gemm_plan(64, 1024, 4096, 132)   # 16 CTAs whatever the tile: none padding 64 tokens to 128
+    assert (small.bm, small.bn) == (128, 64) and small.grid(64, 1024)[:2] == (1, 8) or \
+        (small.bm, small.bn) == (64, 64)
+
+
+def test_a_plan_or_input_the_gemm_cannot_run_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="rows in 64s"):
+        sparse_gemm_plan(64, 96, 256, 132)
+    with pytest.raises(ValueError, match="whole CTAs of 128"):
+        check_gemm_plan(SparseGemmPlan(4, 4, 2, 2), 192, 256)
+    with pytest.raises(ValueError, match="stages=1"):
+        check_gemm_plan(SparseGemmPlan(2, 4, 2, 2, stages=1), 64, 256)
+    with pytest.raises(ValueError, match="fewer stages"):
+        check_gemm_plan(SparseGemmPlan(4, 8, 2, 2, stages=5), 128, 256)
+    assert sparse_gemm_applies(64, 128, 256, 2, 4, torch.bfloat16)
+    assert not sparse_gemm_applies(64, 128, 256, 4, 8, torch.bfloat16)
+    assert not sparse_gemm_applies(64, 128, 256, 2, 4, torch.float32)
+    assert not sparse_gemm_applies(64, 96, 256, 2, 4, torch.bfloat16)
+    assert not sparse_gemm_applies(64, 128, 224, 2, 4, torch.bfloat16)
+    _, values, words, x, bias = _case(64, 256, 40, torch.bfloat16)
+    with pytest.raises(ValueError, match="16-bit weights of the input's dtype"):
+        nm_sparse_gemm(x.float(), values, words)
+    with pytest.raises(ValueError, match="int32 position words"):
+        nm_sparse_gemm(x, values, words.long())
+    with pytest.raises(ValueError, match="contiguous bias"):
+        nm_sparse_gemm(x, values, words, bias.float())
+
+
+def test_auto_weighs_the_sparse_gemm_from_32_tokens_where_it_runs(monkeypatch):
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+    from shuffleprune.kernels import nm_sparse_gemm
+
+    def layer(rows: int, cols: int, n: int, m: int, dtype: torch.dtype) -> SparseLinear:
+        w = torch.randn(rows, cols)
+        w = (w * nm_keep_mask(w.abs(), n, m)).to(dtype)
+        values, meta = compress(w, n, m)
+        return SparseLinear(values, meta, cols, n, m, torch.randperm(cols))
+
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    plain = layer(128, 256, 2, 4, torch.bfloat16)
+    assert "gemm_sparse_mma" not in plain.candidates(x)   # the CPU has no sparse MMA
+    monkeypatch.setattr(nm_sparse_gemm, "sparse_gemm_available", lambda device: True)   # as on a GPU that has it
+    assert "gemm_sparse_mma" in plain.candidates(x) and "gemm_sparse_mma" in plain.candidates(x.repeat(64, 1))
+    assert "gemm_sparse_mma" not in plain.candidates(x[:31])   # below 32 tokens the decodes take it
+    for other, inp in ((layer(96, 256, 2, 4, torch.bfloat16), x),              # rows not whole 64-row bands
+                       (layer(128, 224, 2, 4, torch.bfloat16), x[:, :224]),   # columns not whole stages
+                       (layer(128, 256, 4, 8, torch.bfloat16), x),            # 4:8
+                       (layer(128, 256, 2, 4, torch.float32), x.float())):    # 32-bit
+        assert "gemm_sparse_mma" not in other.candidates(inp)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, tiled):
+    """``SparseLinear.run("gemm_sparse_mma")`` hands the kernel (here its text under the emulator) the gathered input,
+    the layer's one buffer in its layout and its bias, and returns the layer's output."""
+    from shuffleprune.deploy.sparse_linear import SparseLinear
+    from shuffleprune.kernels import nm_sparse_gemm as sg
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(128, 256, generator=g)
+    w = (w * nm_keep_mask(w.abs(), 2, 4)).to(torch.bfloat16)
+    values, meta = compress(w, 2, 4)
+    bias = torch.randn(128, generator=g).to(torch.bfloat16)
+    layer = SparseLinear(values, meta, 256, 2, 4, torch.randperm(256, generator=g), bias=bias)
+    if tiled:
+        layer.use_cslt_layout()
+    x = torch.randn(2, 20, 256, generator=g).to(torch.bfloat16)
+    seen = []
+
+    def on_the_emulator(inp, values, words, bias=None, tiled=False):
+        seen.append(tiled)
+        plan = sg.sparse_gemm_plan(inp.numel() // inp.shape[-1], values.shape[0], 2 * values.shape[1], 4)
+        return _run(inp.reshape(-1, inp.shape[-1]), values, words, bias, tiled, plan).reshape(*inp.shape[:-1], -1)
+
+    monkeypatch.setattr(sg, "nm_sparse_gemm", on_the_emulator)
+    monkeypatch.setattr(SparseLinear, "_sparse_gemm_applies", lambda self, x: True)
+    y = layer.run("gemm_sparse_mma", x)
+    assert seen == [tiled] and y.shape == (2, 20, 128)
+    _check(y, x.double()[..., layer.perm.long()] @ w.double().t() + bias.double(), torch.bfloat16)
