@@ -1,6 +1,6 @@
-"""Compile the sparse-tensor-core decode (``kernels/nm_sparse_mma.cu``) for Hopper and Ampere on a machine
-without a GPU: NVRTC (the ``nvidia-cuda-nvrtc`` wheel's library, or ``--nvrtc PATH``) builds each variant
-the runtime would launch for issue 24's shapes and token counts, and the table records what ptxas reports
+"""Compile the sparse-tensor-core decode (``kernels/nm_sparse_mma.cu``) and prompt GEMM
+(``kernels/nm_sparse_gemm.cu``) for Hopper and Ampere on a machine without a GPU: NVRTC (the ``nvidia-cuda-nvrtc``
+wheel's library, or ``--nvrtc PATH``) builds each variant the runtime would launch for issue 24's shapes and token counts, and the table records what ptxas reports
 (registers, spills, shared memory), the CTAs per SM those allow (``kernels/compile_check.py``'s figures of an
 H100 and an A100), and from the machine code (``nvdisasm``, Triton's) the sparse MMAs and loads the kernel holds.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from shuffleprune.kernels import nm_sparse_mma as sm  # noqa: E402
+from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
 from shuffleprune.kernels.compile_check import A100, H100, disassemble, resident_programs  # noqa: E402
 from shuffleprune.kernels.cuda_rtc import Nvrtc, find_nvrtc  # noqa: E402
 
@@ -61,7 +61,8 @@ def sass_counts(cubin: bytes, arch: int) -> dict:
             "moves": sum(bool(re.match(r"(@!?P\d\s+)?(IMAD\.)?MOV", i)) for i in ins),
             "l2_prefetches": ops.count("CCTL.E.PF2"),            # prefetch.global.L2 (``prefetch`` plans)
             "async_copies": sum(o.startswith("LDGSTS") for o in ops),   # cp.async (the ring of ``stage`` plans)
-            "shared_loads": sum(o.startswith("LDS") for o in ops)}
+            "shared_loads": sum(o.startswith("LDS") for o in ops),
+            "ldmatrix": sum(o.startswith("LDSM") for o in ops)}   # the prompt GEMM's fragment loads
 
 
 def variants(archs: list[str]):
@@ -108,13 +109,32 @@ def main() -> None:
                          "pdl": pdl, "tall": tall, "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": 32 * plan.warps,
                          **info, "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
                          "waves": round(grid[0] * grid[1] / max(1, ctas * gpu.sms), 2)})
+    gemm_rows = []   # the prompt GEMM (kernels/nm_sparse_gemm.cu): every tile with 3 and 4 stages, both layouts
+    for arch, tile, stages, tiled in itertools.product(args.arch, sg.GEMM_TILES, (3, 4), (False, True)):
+        gpu, plan = GPUS[arch], sg.SparseGemmPlan(*tile, stages=stages)
+        defines = sg.kernel_defines(plan, torch.bfloat16, tiled, False, True)
+        ok, log, cubin = nvrtc.compile(sg.kernel_source(defines), arch, report=True)
+        regs = re.search(r"Used (\d+) registers", log)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        seen[(arch, "gemm", tuple(defines.items()))] = info = {
+            "compiled": ok, "registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
+            "sass": sass_counts(cubin, gpu.arch) if ok else None, "log": None if ok else log[-2000:]}
+        fits = plan.dynamic_shared() <= sg.SHARED_OPTIN_LIMIT
+        ctas = resident_programs(gpu, info["registers"], plan.warps, plan.dynamic_shared()) if ok and fits else 0
+        gemm_rows.append({"arch": arch, "tiled": tiled, "plan": sg.plan_fields(plan), "bm": plan.bm, "bn": plan.bn,
+                          "threads": 32 * plan.warps, "dynamic_shared": plan.dynamic_shared(), **info,
+                          "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
+                          # shared-memory bytes a warp reads per MMA: its A and B fragments of one k32 step
+                          "shared_bytes_per_mma": round(512 * (plan.mt + plan.nt) / (plan.mt * plan.nt))})
     versions = {"python": platform.python_version(), "torch": torch.__version__, "nvrtc": nvrtc.version()}
-    out = {"what": "the sparse-tensor-core decode (kernels/nm_sparse_mma.cu) compiled by NVRTC, not run",
+    out = {"what": "the sparse-tensor-core decode (kernels/nm_sparse_mma.cu; rows) and prompt GEMM "
+                   "(kernels/nm_sparse_gemm.cu; gemm_rows) compiled by NVRTC, not run",
            "command": "python scripts/check_sparse_mma_compile.py " + " ".join(sys.argv[1:]),
            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "gpu": None},
            "versions": versions, "seconds": round(time.time() - t0, 1),
            "variants": len(seen), "failed": sum(not v["compiled"] for v in seen.values()),
-           "spilling": sum(bool(v["spill_bytes"]) for v in seen.values()), "rows": rows}
+           "spilling": sum(bool(v["spill_bytes"]) for v in seen.values()), "rows": rows, "gemm_rows": gemm_rows}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"{len(seen)} variants, {out['failed']} failed, {out['spilling']} spilling → {args.out}")
     for r in rows:
@@ -122,6 +142,10 @@ def main() -> None:
             print(r["tokens"], "mapped" if r["mapped"] else "", "pdl" if r["pdl"] else "", r["plan"],
                   "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
                   "warps/SM", r["warps_per_sm"], "waves", r["waves"], r["sass"])
+    for r in gemm_rows:
+        if r["arch"] == "sm_90" and r["tiled"]:
+            print("gemm", r["bm"], "x", r["bn"], r["plan"], "regs", r["registers"], "spill", r["spill_bytes"],
+                  "ctas/SM", r["ctas_per_sm"], "warps/SM", r["warps_per_sm"], r["sass"])
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@
 # scripts/results/*.json, copied to $OUT (default /tmp/gpu_out) as soon as it ends.
 #
 #   bash scripts/gpu_run.sh                    # what issue 24 has not measured, in one device call (at most 600 s):
-#                                              # sparse_mma kernel e2e targets, then `fill`: the queued steps
-#                                              # (next1 … next7, in order) that fit in what is left of BUDGET_S
+#                                              # sparse_mma sparse_gemm kernel targets, then `fill`: the queued
+#                                              # steps (e2e targets, next1 … next7, in order) that fit in what is
+#                                              # left of BUDGET_S
 #   BUDGET_S=570 (default; 0: none)            # the call's seconds: a step starts only with at least 15 s left and runs
 #                                              # at most what is left (its file keeps what it measured); a `fill` step
 #                                              # starts only when its whole limit fits
@@ -47,6 +48,10 @@
 #                                              # one itself, each also with the tall plan's CTAs from 4 tokens
 #                                              # (through a map from 1), the map's also without its L2 prefetch
 #                                              # (tune_sparse_mma.json)
+#   bash scripts/gpu_run.sh sparse_gemm        # the prompt GEMM on the sparse tensor cores, every tile of GEMM_TILES
+#                                              # with 3 and 4 stages, checked against a dense bf16 matmul and timed
+#                                              # against cuBLAS at 64, 512 and 2048 tokens on three shapes, in
+#                                              # cuSPARSELt's layout (tune_sparse_gemm.json)
 #   bash scripts/gpu_run.sh tune_sparse_mma    # its tiles: warps and CTAs along K, m-tiles per warp, 2 or 3 steps in
 #                                              # registers, at 1, 16 and 64 tokens on three shapes
 #                                              # (tune_sparse_mma_sweep.json); then row groups of warps (rw) and K
@@ -193,10 +198,10 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # an input staged in shared memory), the map's with and without its L2 prefetch (tune_sparse_mma.json); kernel then
 # has auto weigh them (and times them alone as decode_sparse_mma, _nomap, _tiled, _tall_tiled, _mapped_tall_tiled).
 # next1 begins with its tile sweep.
-ISSUE24=(sparse_mma kernel targets e2e targets)    # limits 150 + 260 + 10 + 240 + 10 s (kernel 175 s, e2e 179 on the
-                                                    # H200 before it profiled one eager prompt per sparse variant):
-                                                    # targets read the new kernel table first, then again after e2e
-                                                    # if e2e fits in what is left of the call's 570 s
+ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 150 + 100 + 260 + 10 s (kernel 175 s on the H200): the
+                                                    # sparse-MMA decode and prompt GEMM checked and timed, then the
+                                                    # kernel table and the targets read from it; e2e (met on the H200
+                                                    # at stop 85) heads the queue after them, run if it fits
 NEXT1=(tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 5 × 70 + 90 + 3 × 70 + 150 s
                                                     # (the sparse-MMA decode's tiles: warps and CTAs along K, m-tiles,
                                                     # stages, row warps against the tall plan, and Nsight Compute on
@@ -212,7 +217,7 @@ NEXT5=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 
 NEXT6=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
 NEXT7=(dst_overhead moe)                            # 200 + 300 s: issue 6's DST step cost at GPT-2 Small's shape on
                                                     # the GPU; the Mixtral experts layer (114 s on the H200)
-FILL=("${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}")
+FILL=(e2e targets "${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}")
 [ $# -eq 0 ] && set -- issue24 fill
 steps=(); for s in "$@"; do case $s in
     fill) for f in "${FILL[@]}"; do steps+=("+$f"); done ;;   # "+": run only if it fits (and not run already)
@@ -225,7 +230,7 @@ steps=(); for s in "$@"; do case $s in
     next5) steps+=("${NEXT5[@]}") ;;
     next6) steps+=("${NEXT6[@]}") ;;
     next7) steps+=("${NEXT7[@]}") ;;
-    next) steps+=("${ISSUE24[@]}" "${NEXT1[@]}" pipeline "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}"
+    next) steps+=("${ISSUE24[@]}" e2e targets "${NEXT1[@]}" pipeline "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}"
                   e2e_moe_compile) ;;
     *) steps+=("$s") ;;
 esac; done
@@ -301,6 +306,9 @@ for s in "$@"; do
             # after it run with it too (SHUFFLEPRUNE_SPARSE_MMA_READING)
             reading=$($PY -c "import json; r = json.load(open('scripts/results/tune_sparse_mma.json')).get('reading'); print(','.join(r or []))" 2>/dev/null)
             [ -n "$reading" ] && { export SHUFFLEPRUNE_SPARSE_MMA_READING=$reading; echo "=== the sparse-MMA decode reads its fragments as: $reading"; } ;;
+        sparse_gemm) step sparse_gemm 100 scripts/results/tune_sparse_gemm.json $PY scripts/tune_sparse_gemm.py \
+                --shapes 4096x4096 14336x4096 1024x4096 --tokens 64 512 2048 --stages 3 4 --layouts tiled \
+                --out scripts/results/tune_sparse_gemm.json ;;
         tune_sparse_mma) step tune_sparse_mma 150 scripts/results/tune_sparse_mma_sweep.json $PY scripts/tune_sparse_mma.py \
                 --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 64 --kw 0 2 8 \
                 --splits 0 1 4 --mt 0 2 --stages 0 3 --out scripts/results/tune_sparse_mma_sweep.json

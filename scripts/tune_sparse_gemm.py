@@ -1,0 +1,132 @@
+"""Time the prompt GEMM on the sparse tensor cores (``kernels/nm_sparse_gemm.cu``) on a GPU against cuBLAS: for each
+shape and token count, the plan's tile and every other tile of ``GEMM_TILES`` with each number of stages given, in
+cuSPARSELt's layout (as a layer holds it after ``use_cslt_layout``) or the export's row words. Every launch is first
+checked against a dense bf16 matmul of the decompressed weight (its maximum relative error is recorded; one off by more
+than 2 % is not timed), then timed as ``bench_kernel.py`` times: calls over rotating weight copies (together more than
+2.5× the L2) captured in one CUDA graph, the median replay. The fragments are read as the decode's probe found
+(``SHUFFLEPRUNE_SPARSE_MMA_READING``, which ``gpu_run.sh sparse_mma`` exports): the same MMA.
+
+    python scripts/tune_sparse_gemm.py                 # → scripts/results/tune_sparse_gemm.json
+    python scripts/tune_sparse_gemm.py --smoke         # CPU: tiny shapes on the tests' emulator (g++)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="weights as OUTxIN")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 2048])
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 4], help="stages of 64 columns in flight")
+    ap.add_argument("--layouts", nargs="+", default=["tiled"], choices=["rows", "tiled"])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tune_sparse_gemm.json"))
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    from shuffleprune.deploy.cslt_layout import cslt_words
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.kernels.gpu import l2_bytes
+    from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, nm_sparse_gemm,
+                                                      plan_fields, sparse_gemm_plan)
+    from shuffleprune.kernels.nm_sparse_mma import fragment_reading
+    from shuffleprune.kernels.nm_words import position_words
+    from shuffleprune.masks import nm_keep_mask
+    from shuffleprune.runtime import cuda_graph_ms, machine, versions
+
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on the CPU")
+    dev = torch.device("cuda" if cuda else "cpu")
+    if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
+        sys.path.insert(0, str(ROOT / "tests"))
+        from sparse_gemm_cpu import run_gemm_cpu
+        shapes, args.tokens, args.stages = [(128, 256)], [40], [2, 3]
+    else:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    dtype = torch.bfloat16
+    l2 = l2_bytes(dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 4   # the emulator: a small GPU
+    gen = torch.Generator().manual_seed(0)
+    rows, best = [], []
+    out = Path(args.out) if cuda else Path(args.out).with_name("tune_sparse_gemm_smoke.json")
+
+    def save() -> None:
+        out.write_text(json.dumps({
+            "what": "the prompt GEMM on the sparse tensor cores against cuBLAS (bf16, gathered input, rotating weight "
+                    "copies, CUDA graphs; rel_err: max |y - dense| / max |dense| of a dense bf16 matmul)",
+            "smoke": args.smoke, "seed": 0, "device": torch.cuda.get_device_name() if cuda else "cpu (emulator)",
+            "reading": sorted(fragment_reading()),
+            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
+            "versions": versions("triton"), "best": best, "rows": rows}, indent=1) + "\n")
+
+    for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
+        w = torch.randn(out_f, in_f, generator=gen)
+        w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)
+        values, meta = compress(w, 2, 4)
+        words = position_words(meta)
+        x = torch.randn(tokens, in_f, generator=gen).to(dtype)
+        w_dev, x_dev = w.to(dev), x.to(dev)
+        want = F.linear(x_dev, w_dev).float()
+        n_copies = max(4, -(-int(2.5 * l2) // (values.numel() * values.element_size() * 9 // 8))) if cuda else 1
+        dense_ms = None
+        if cuda:
+            dense = [w_dev] + [w_dev.clone() for _ in range(max(4, n_copies // 2) - 1)]
+            dense_ms = cuda_graph_ms([lambda d=d: F.linear(x_dev, d) for d in dense], args.reps)[0]
+            del dense
+        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense_ms})
+        planned = sparse_gemm_plan(tokens, out_f, in_f, sms)
+        for layout in args.layouts:
+            tiled = layout == "tiled"
+            lw = (cslt_words(words) if tiled else words).contiguous()
+            copies = [(values.to(dev), lw.to(dev))]
+            copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
+            case = []
+            for tile, stages in itertools.product(GEMM_TILES, args.stages):
+                plan = SparseGemmPlan(*tile, stages=stages)
+                row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_gemm", "layout": layout,
+                       "plan": plan_fields(plan), "planned": plan == planned,
+                       "grid": list(plan.grid(tokens, out_f)[:2])}
+                try:
+                    check_gemm_plan(plan, out_f, in_f)
+                    if cuda:
+                        y = nm_sparse_gemm(x_dev, *copies[0], None, tiled=tiled, plan=plan)
+                        torch.cuda.synchronize()
+                    else:
+                        y = run_gemm_cpu(x, values, lw, None, tiled, plan)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit, compile or run: recorded
+                    rows.append({**row, "ms": None, "error": str(exc).splitlines()[0][:200]})
+                    continue
+                err = float((y.float() - want).abs().max() / (want.abs().max().item() or 1.0))
+                row["rel_err"] = err
+                if cuda and err < 2e-2:
+                    row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_gemm(x_dev, *c, None, tiled=tiled, plan=plan)
+                                               for c in copies], args.reps)[0]
+                    row["speedup_vs_dense"] = dense_ms / row["ms"]
+                    row["tflops_dense_equiv"] = 2 * tokens * out_f * in_f / row["ms"] / 1e9
+                    case.append(row)
+                rows.append(row)
+                print(out_f, in_f, tokens, layout, tile, stages, "planned" if row["planned"] else "",
+                      f"err {err:.1e}", f"{row.get('ms') or 0:.4f} ms", f"x{row.get('speedup_vs_dense') or 0:.2f}",
+                      flush=True)
+            if case:
+                top = min(case, key=lambda r: r["ms"])
+                best.append({k: top[k] for k in ("shape", "tokens", "layout", "plan", "planned", "ms",
+                                                 "speedup_vs_dense")})
+        save()
+    save()
+
+
+if __name__ == "__main__":
+    main()
