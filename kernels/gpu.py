@@ -103,6 +103,17 @@ def smem_per_sm(device: torch.device) -> int:
     return SMEM_PER_SM
 
 
+SMEM_PER_BLOCK_OPTIN = 99 * 1024   # what every CUDA GPU of compute capability 8.0 or more lets one CTA take by opt-in
+
+
+def smem_per_block_optin(device: torch.device) -> int:
+    """The most shared memory one CTA may take by the driver's opt-in: the device's own figure on CUDA (H100 227 KB,
+    A100 163 KB, Ada 99 KB), :data:`SMEM_PER_BLOCK_OPTIN` elsewhere."""
+    if device.type == "cuda":
+        return getattr(properties(device), "shared_memory_per_block_optin", 0) or SMEM_PER_BLOCK_OPTIN
+    return SMEM_PER_BLOCK_OPTIN
+
+
 def short_of_shared_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is Triton refusing a compiled kernel that needs more shared memory than this GPU
     gives one program (its ``OutOfResources``, raised at the first launch before anything runs): the

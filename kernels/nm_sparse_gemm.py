@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shuffleprune.kernels.cuda_rtc import KernelLaunch, allow_dynamic_shared, compile_cuda, driver
-from shuffleprune.kernels.gpu import cdiv
+from shuffleprune.kernels.gpu import SMEM_PER_BLOCK_OPTIN, cdiv, smem_per_block_optin
 from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
                                                 fragment_reading, ordered_metadata, sparse_mma_available,
                                                 stream_handle)
@@ -28,7 +28,6 @@ SOURCE = Path(__file__).with_name("nm_sparse_gemm.cu")
 KERNEL_NAME = "nm_sparse_gemm"
 BK = 64                        # columns a stage copies (two k32 MMAs)
 ARG_POINTERS, ARG_INTS = 5, 4  # x, values, words, bias, y; T, R, C, xs
-SHARED_OPTIN_LIMIT = 99 * 1024  # the most a CTA takes by the driver's opt-in on every GPU of compute capability 8.0+
 
 
 @dataclass(frozen=True)
@@ -69,8 +68,10 @@ class SparseGemmPlan:
 
 # the tiles tried, largest first: (mt, nt, wm, wn). A warp tile of 64 rows × 64 tokens reads 192 bytes of shared
 # memory per MMA (A and B fragments), 32 × 32 reads 512: the larger tiles leave the MMAs, not the shared-memory reads,
-# to bind, where the grid still fills the GPU
-GEMM_TILES = ((4, 8, 2, 2), (4, 4, 2, 4), (2, 8, 2, 2), (4, 4, 2, 2), (2, 4, 2, 2))
+# to bind, where the grid still fills the GPU. A CTA's stage moves (bm · 72 + bn · 128) bytes from L2 for
+# bm · bn · 128 dense-equivalent FLOPs: 256 × 128 (8 warps; 3 stages take 104 KB, Hopper's opt-in) needs 40 % less
+# L2 bandwidth per FLOP than 128 × 128, which at a sparse MMA's rate could otherwise bind
+GEMM_TILES = ((4, 8, 4, 2), (4, 8, 2, 2), (4, 4, 2, 4), (2, 8, 2, 2), (4, 4, 2, 2), (2, 4, 2, 2))
 DEFAULT_STAGES = 3
 FILL = 0.9   # the share of the multiprocessors a tile's grid must reach (128 CTAs of 128 x 128 on 132 do)
 
@@ -81,12 +82,14 @@ def sparse_gemm_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype
             and cols % BK == 0)
 
 
-def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, **override) -> SparseGemmPlan:
+def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, shared_limit: int = SMEM_PER_BLOCK_OPTIN,
+                     **override) -> SparseGemmPlan:
     """The largest tile of :data:`GEMM_TILES` whose CTAs (row blocks × token blocks) fill :data:`FILL` of the
-    multiprocessors once, else the one with the most CTAs (ties: the fewest padding tokens, then the larger tile).
-    ``override`` sets any field (tuning)."""
+    multiprocessors once, else the one with the most CTAs (ties: the fewest padding tokens, then the larger tile),
+    of those whose stages fit ``shared_limit`` bytes (the GPU's opt-in limit a CTA). ``override`` sets any field
+    (tuning)."""
     tiles = [SparseGemmPlan(*tile, stages=DEFAULT_STAGES) for tile in GEMM_TILES]
-    fits = [p for p in tiles if rows % p.bm == 0]
+    fits = [p for p in tiles if rows % p.bm == 0 and p.dynamic_shared() <= shared_limit]
     if not fits:
         raise ValueError(f"{rows} rows are not whole 64-row blocks: the sparse GEMM takes rows in 64s")
     ctas = {p: cdiv(tokens, p.bn) * (rows // p.bm) for p in fits}
@@ -94,11 +97,11 @@ def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, **override) ->
     plan = next((p for p in fits if ctas[p] >= FILL * sms and padding[p] < p.bn // 2), None) or \
         max(fits, key=lambda p: (ctas[p], -padding[p], p.bm * p.bn))
     plan = SparseGemmPlan(**{**asdict(plan), **override})
-    check_gemm_plan(plan, rows, cols)
+    check_gemm_plan(plan, rows, cols, shared_limit)
     return plan
 
 
-def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int) -> None:
+def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int, shared_limit: int = SMEM_PER_BLOCK_OPTIN) -> None:
     """Refuse a plan the kernel cannot run, in one line naming what to change."""
     if rows % plan.bm or plan.bm % 64:
         raise ValueError(f"{rows} rows are not whole CTAs of {plan.bm} (wm·mt·16, a multiple of 64): change wm or mt")
@@ -106,9 +109,9 @@ def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int) -> None:
         raise ValueError(f"{cols} columns are not whole stages of {BK}")
     if plan.stages < 2:
         raise ValueError(f"stages={plan.stages}: the pipeline holds 2 or more stages")
-    if plan.dynamic_shared() > SHARED_OPTIN_LIMIT:
-        raise ValueError(f"{plan.stages} stages of {plan.stage_bytes()} bytes exceed {SHARED_OPTIN_LIMIT} bytes of "
-                         "shared memory: take fewer stages or a smaller tile")
+    if plan.dynamic_shared() > shared_limit:
+        raise ValueError(f"{plan.stages} stages of {plan.stage_bytes()} bytes exceed {shared_limit} bytes of "
+                         "shared memory a CTA: take fewer stages or a smaller tile")
 
 
 def kernel_defines(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool) -> dict:
@@ -143,7 +146,8 @@ def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, 
             override: tuple) -> tuple:
     """``(kernel, plan, bound launch or None)`` for one kind of call (once per kind and process)."""
     sms = torch.cuda.get_device_properties(index).multi_processor_count
-    plan = sparse_gemm_plan(tokens, rows, cols, sms, **dict(override))
+    plan = sparse_gemm_plan(tokens, rows, cols, sms, smem_per_block_optin(torch.device("cuda", index)),
+                            **dict(override))
     kernel = _prepare(plan, dtype, tiled, has_bias, index)
     try:
         bound = KernelLaunch(kernel, plan.grid(tokens, rows), (32 * plan.warps, 1, 1), plan.dynamic_shared(),
@@ -186,7 +190,7 @@ def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, b
         kernel, plan, bound = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, index,
                                       tuple(sorted(override.items())))
     else:
-        check_gemm_plan(plan, rows, cols)
+        check_gemm_plan(plan, rows, cols, smem_per_block_optin(torch.device("cuda", index)))
         kernel, bound = _prepare(plan, x.dtype, tiled, bias is not None, index), None
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
     tensors = [x2, values, words, bias if bias is not None else values, y]

@@ -57,7 +57,8 @@ def sass_counts(cubin: bytes, arch: int) -> dict:
             "mma_sp": sum("HMMA.SP" in i for i in ins),
             "ldg_128": sum(bool(re.search(r"LDG\.[\w.]*128", i)) for i in ins),
             "ldg_64": sum(bool(re.search(r"LDG\.[\w.]*64", i)) for i in ins),
-            "ldg_32": sum("LDG" in i and not re.search(r"LDG\.[\w.]*(128|64)", i) for i in ins),
+            "ldg_32": sum(o.startswith("LDG") and not o.startswith(("LDGSTS", "LDGDEPBAR")) and
+                          not re.search(r"LDG\.[\w.]*(128|64)", i) for o, i in zip(ops, ins)),
             "moves": sum(bool(re.match(r"(@!?P\d\s+)?(IMAD\.)?MOV", i)) for i in ins),
             "l2_prefetches": ops.count("CCTL.E.PF2"),            # prefetch.global.L2 (``prefetch`` plans)
             "async_copies": sum(o.startswith("LDGSTS") for o in ops),   # cp.async (the ring of ``stage`` plans)
@@ -120,7 +121,7 @@ def main() -> None:
             "compiled": ok, "registers": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
             "sass": sass_counts(cubin, gpu.arch) if ok else None, "log": None if ok else log[-2000:]}
-        fits = plan.dynamic_shared() <= sg.SHARED_OPTIN_LIMIT
+        fits = plan.dynamic_shared() <= gpu.smem_per_block
         ctas = resident_programs(gpu, info["registers"], plan.warps, plan.dynamic_shared()) if ok and fits else 0
         gemm_rows.append({"arch": arch, "tiled": tiled, "plan": sg.plan_fields(plan), "bm": plan.bm, "bn": plan.bn,
                           "threads": 32 * plan.warps, "dynamic_shared": plan.dynamic_shared(), **info,

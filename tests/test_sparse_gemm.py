@@ -32,6 +32,7 @@ def _run(*args, **kwargs):
     (64, 384, 17, (2, 4, 2, 2, 4), torch.float16),      # four stages in flight over six
     (128, 192, 130, (4, 8, 2, 2, 3), torch.bfloat16),   # the largest tile: 64 x 64 a warp, 2 token blocks
     (128, 256, 40, (4, 4, 2, 4, 3), torch.bfloat16),    # 8 warps
+    (256, 128, 20, (4, 8, 4, 2, 2), torch.bfloat16),    # 256 rows x 128 tokens (Hopper's opt-in with 3 stages)
 ])
 def test_sparse_gemm_matches_float64(rows, cols, tokens, plan, dtype, tiled):
     w, values, words, x, bias = _case(rows, cols, tokens, dtype, seed=tokens)
@@ -96,15 +97,20 @@ def test_the_plan_fills_the_gpu_with_the_largest_tile_that_does():
         for tokens in (64, 512, 2048):
             plan = sparse_gemm_plan(tokens, rows, cols, 132)
             ctas = plan.grid(tokens, rows)[0] * plan.grid(tokens, rows)[1]
-            bigger = [SparseGemmPlan(*t) for t in GEMM_TILES[:GEMM_TILES.index((plan.mt, plan.nt, plan.wm, plan.wn))]]
+            tiles = [SparseGemmPlan(*t) for t in GEMM_TILES]
+            tiles = [p for p in tiles if rows % p.bm == 0 and p.dynamic_shared() <= 99 * 1024]
+            bigger = tiles[:tiles.index(plan)]
             if ctas >= 0.9 * 132:   # every larger tile would leave multiprocessors idle, or pad half its tokens
-                assert all((tokens + p.bn - 1) // p.bn * (rows // p.bm) < 0.9 * 132 or tokens % p.bn >= p.bn // 2
+                assert all((tokens + p.bn - 1) // p.bn * (rows // p.bm) < 0.9 * 132 or -tokens % p.bn >= p.bn // 2
                            for p in bigger)
             else:                   # no tile fills the GPU: the most CTAs there are
-                assert all((tokens + p.bn - 1) // p.bn * (rows // p.bm) <= ctas
-                           for p in (SparseGemmPlan(*t) for t in GEMM_TILES))
-    big = sparse_gemm_plan(2048, 4096, 4096, 132)
+                assert all((tokens + p.bn - 1) // p.bn * (rows // p.bm) <= ctas for p in tiles)
+    big = sparse_gemm_plan(2048, 4096, 4096, 132)   # 99 KB a CTA: 256 x 128's three stages (104 KB) do not fit
     assert (big.bm, big.bn, big.warps) == (128, 128, 4)
+    hopper = sparse_gemm_plan(2048, 4096, 4096, 132, shared_limit=227 * 1024)
+    assert (hopper.bm, hopper.bn, hopper.warps) == (256, 128, 8) and hopper.dynamic_shared() > 99 * 1024
+    with pytest.raises(ValueError, match="shared memory a CTA"):
+        check_gemm_plan(hopper, 4096, 4096)
     small = sparse_gemm_plan(64, 1024, 4096, 132)   # 16 CTAs whatever the tile: none padding 64 tokens to 128
     assert (small.bm, small.bn) == (128, 64) and small.grid(64, 1024)[:2] == (1, 8) or \
         (small.bm, small.bn) == (64, 64)
@@ -118,7 +124,8 @@ def test_a_plan_or_input_the_gemm_cannot_run_is_refused_in_one_line():
     with pytest.raises(ValueError, match="stages=1"):
         check_gemm_plan(SparseGemmPlan(2, 4, 2, 2, stages=1), 64, 256)
     with pytest.raises(ValueError, match="fewer stages"):
-        check_gemm_plan(SparseGemmPlan(4, 8, 2, 2, stages=5), 128, 256)
+        check_gemm_plan(SparseGemmPlan(4, 8, 2, 2, stages=4), 128, 256)   # 100 KB: past 99 KB, within Hopper's
+    check_gemm_plan(SparseGemmPlan(4, 8, 2, 2, stages=4), 128, 256, shared_limit=227 * 1024)
     assert sparse_gemm_applies(64, 128, 256, 2, 4, torch.bfloat16)
     assert not sparse_gemm_applies(64, 128, 256, 4, 8, torch.bfloat16)
     assert not sparse_gemm_applies(64, 128, 256, 2, 4, torch.float32)

@@ -118,7 +118,7 @@
 - ``gemm_sparse_mma`` (2:4, 16-bit, rows in 64s, columns in 64s; from 32 tokens; the GPUs the decode above runs on):
   ``kernels/nm_sparse_gemm.cu``, a GEMM on the sparse tensor cores for prompts, over the gathered input. From a few
   hundred tokens a dense layer is bound by its MMAs, and every other path here but cuSPARSELt does the dense MMAs
-  after expanding the weight; ``mma.sp`` does half of them. CTAs of up to 128 rows × 128 tokens copy 64 columns of
+  after expanding the weight; ``mma.sp`` does half of them. CTAs of up to 256 rows × 128 tokens copy 64 columns of
   kept values, position words and input a stage into shared memory (``cp.async``, 3 stages in flight), and each
   fragment read there (``ldmatrix``, swizzled rows: no bank conflicts) serves a warp's other tiles. Checked under the
   same emulator (ragged tokens, both layouts, bias, fp16/bf16), compiled for sm_90 and sm_80
