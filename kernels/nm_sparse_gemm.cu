@@ -18,6 +18,9 @@
 // values; B: 8 tokens x 32 columns, matrix j = columns 8j..8j+7) and issues MT * NT MMAs. Lanes 4g + 2s + {0,1} hold
 // the metadata of the stage's s-th 32 columns (selector s), so one register a m-tile covers a stage.
 // The sums go through shared memory (rounded to 16 bits, bias added first) and leave as 16-byte rows of y.
+// Split-K (gridDim.z > 1, where the row and token blocks alone would leave SMs idle: short prompts, few rows): CTA z
+// takes KS columns from z * KS and writes its fp32 sums to partial[z][T][R]; the last CTA of a tile to finish (a
+// counter, left at zero for the next call) adds the splits in split order, so the result does not depend on timing.
 //
 // Compile-time parameters: MT, NT, WM, WN, STAGES, TILED, HAS_BIAS, IS_BF16, ORDERED and the four fragment knobs
 // (A_SWAP, META_HALF_SWAP, META_ROLE_SWAP, B_SWAP: as in nm_sparse_mma.cu).
@@ -38,7 +41,8 @@ SP_DEV int sp_x_offset(int token, int chunk) { return token * 64 + 8 * (chunk ^ 
 SP_DEV void sp_gemm_copy_stage(unsigned short* stage, const unsigned short* x, const unsigned short* values,
                                const unsigned* meta, int T, int C, int xs, int row_base, int tok_base, int kt,
                                int tid) {
-  // stage kt's kept values, input and position words into shared memory, by asynchronous copies
+  // the kept values, input and position words of columns 64 kt .. 64 kt + 63 into shared memory, by asynchronous
+  // copies
   unsigned short* As = stage;
   unsigned short* Bs = stage + A_HALVES;
   unsigned* Es = (unsigned*)(stage + A_HALVES + B_HALVES);
@@ -137,12 +141,14 @@ SP_DEV void sp_gemm_compute_stage(const unsigned short* stage, float (&acc)[MT][
 
 extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
     const unsigned short* x, const unsigned short* values, const unsigned* meta, const unsigned short* bias,
-    unsigned short* y, int T, int R, int C, int xs) {
+    unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
   SP_DYNAMIC_SHARED(unsigned short, smem);
+  __shared__ int last_flag;
   int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   int wr = warp % WM, wc = warp / WM;
   int row_base = blockIdx.y * BM, tok_base = blockIdx.x * BN;
-  int stages_k = C / 64;
+  int k0 = (int)blockIdx.z * (KS / 64);                              // this split's first stage of 64 columns
+  int stages_k = ((C - (int)blockIdx.z * KS < KS ? C - (int)blockIdx.z * KS : KS)) / 64;
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -155,7 +161,8 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
   // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < stages_k) sp_gemm_copy_stage(smem + s * STAGE_HALVES, x, values, meta, T, C, xs, row_base, tok_base, s, tid);
+    if (s < stages_k)
+      sp_gemm_copy_stage(smem + s * STAGE_HALVES, x, values, meta, T, C, xs, row_base, tok_base, k0 + s, tid);
     sp_cp_async_commit();
   }
   for (int kt = 0; kt < stages_k; ++kt) {
@@ -163,17 +170,60 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
     __syncthreads();                   // every thread's; and every warp is done with stage kt - 1's slot
     int next = kt + STAGES - 1;
     if (next < stages_k)
-      sp_gemm_copy_stage(smem + (next % STAGES) * STAGE_HALVES, x, values, meta, T, C, xs, row_base, tok_base, next,
-                         tid);
+      sp_gemm_copy_stage(smem + (next % STAGES) * STAGE_HALVES, x, values, meta, T, C, xs, row_base, tok_base,
+                         k0 + next, tid);
     sp_cp_async_commit();
     sp_gemm_compute_stage(smem + (kt % STAGES) * STAGE_HALVES, acc, wr, wc, lane);
   }
   sp_cp_async_wait<0>();
   __syncthreads();   // every warp is done with the stages: the output tile takes their place
+  int g = lane >> 2, t = lane & 3;
+  if (gridDim.z > 1) {
+    // split-K: this split's fp32 sums to partial[z][T][R] (8 lanes a token write 32 consecutive bytes), then the last
+    // CTA of the tile adds every split's, in split order, 4 rows (16 bytes, from L2) of a token at a time
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          int row = row_base + wr * MT * 16 + 16 * i + g + 8 * (j >> 1);
+          int token = tok_base + wc * NT * 8 + 8 * n + 2 * t + (j & 1);
+          if (token < T) sp_st_float(partial + ((long long)blockIdx.z * T + token) * R + row, acc[i][n][j]);
+        }
+    sp_threadfence();
+    __syncthreads();
+    int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    if (tid == 0) last_flag = sp_atomic_add(counters + tile, 1) == (int)gridDim.z - 1;
+    __syncthreads();
+    if (!last_flag) return;
+    sp_threadfence();
+    for (int o = tid; o < BN * (BM / 4); o += THREADS) {
+      int token = tok_base + o / (BM / 4), row = row_base + 4 * (o % (BM / 4));
+      if (token >= T) continue;
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+      for (int z = 0; z < (int)gridDim.z; ++z) {
+        u32x4 v = sp_ld_cg128(partial + ((long long)z * T + token) * R + row);
+        sum[0] += sp_bits_float(v.x);
+        sum[1] += sp_bits_float(v.y);
+        sum[2] += sp_bits_float(v.z);
+        sum[3] += sp_bits_float(v.w);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#if HAS_BIAS
+        sum[j] += sp_to_float(sp_ld16(bias + row + j));
+#endif
+        sp_st16(y + (long long)token * R + row + j, sp_from_float(sum[j]));
+      }
+    }
+    if (tid == 0) sp_st_int(counters + tile, 0);   // ready for the next call (and the next graph replay)
+    return;
+  }
 
   // the sums (bias added) rounded to 16 bits into the output tile [BN tokens][BM rows], then 16-byte rows of y
   unsigned short* out = smem;
-  int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll

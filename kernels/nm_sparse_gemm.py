@@ -13,6 +13,7 @@ layer's own buffer is read as it is, in either layout. The same text runs on the
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,25 +21,28 @@ import torch
 
 from shuffleprune.kernels.cuda_rtc import KernelLaunch, allow_dynamic_shared, compile_cuda, driver
 from shuffleprune.kernels.gpu import SMEM_PER_BLOCK_OPTIN, cdiv, smem_per_block_optin
-from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
-                                                fragment_reading, ordered_metadata, sparse_mma_available,
-                                                stream_handle)
+from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, _workspace,
+                                                device_index, fragment_reading, ordered_metadata,
+                                                sparse_mma_available, stream_handle)
 
 SOURCE = Path(__file__).with_name("nm_sparse_gemm.cu")
 KERNEL_NAME = "nm_sparse_gemm"
 BK = 64                        # columns a stage copies (two k32 MMAs)
-ARG_POINTERS, ARG_INTS = 5, 4  # x, values, words, bias, y; T, R, C, xs
+ARG_POINTERS, ARG_INTS = 7, 5  # x, values, words, bias, y, partial, counters; T, R, C, xs, KS
+MIN_SPLIT_STAGES = 4           # a split of K keeps at least this many stages (its pipeline's fill is worth it)
 
 
 @dataclass(frozen=True)
 class SparseGemmPlan:
     """A launch: ``wm`` × ``wn`` warps a CTA, each holding ``mt`` m-tiles of 16 rows × ``nt`` n-tiles of 8 tokens
-    (a CTA: ``bm`` rows × ``bn`` tokens), ``stages`` stages of :data:`BK` columns in flight in shared memory."""
+    (a CTA: ``bm`` rows × ``bn`` tokens), ``stages`` stages of :data:`BK` columns in flight in shared memory,
+    ``splits`` CTAs along K (fp32 partial sums, added by the last CTA of a tile in split order)."""
     mt: int
     nt: int
     wm: int
     wn: int
     stages: int = 3
+    splits: int = 1
 
     @property
     def warps(self) -> int:
@@ -54,8 +58,12 @@ class SparseGemmPlan:
 
     def grid(self, tokens: int, rows: int) -> tuple[int, int, int]:
         """Token blocks along x (a row block's token blocks run side by side, sharing its weight in L2), row blocks
-        along y."""
-        return cdiv(tokens, self.bn), rows // self.bm, 1
+        along y, splits of K along z."""
+        return cdiv(tokens, self.bn), rows // self.bm, self.splits
+
+    def k_split(self, cols: int) -> int:
+        """The columns each split takes (whole stages; the last split may take fewer)."""
+        return cdiv(cdiv(cols, BK), self.splits) * BK
 
     def stage_bytes(self) -> int:
         """One stage: kept values (64 bytes a row), the input (128 bytes a token) and position words (8 bytes a row)."""
@@ -82,23 +90,56 @@ def sparse_gemm_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype
             and cols % BK == 0)
 
 
+def gemm_traffic(plan: SparseGemmPlan, tokens: int, rows: int, cols: int) -> int:
+    """The bytes a launch moves from L2 into its CTAs, by count: the weight (values and position words, 1.125 bytes a
+    dense element) once per token block, the input once per row block (tokens past the end are zero-filled, not
+    read), and split-K's fp32 partial sums written and read back."""
+    token_blocks, row_blocks = cdiv(tokens, plan.bn), rows // plan.bm
+    partials = 2 * plan.splits * tokens * rows * 4 if plan.splits > 1 else 0
+    return int(rows * cols * 1.125) * token_blocks + tokens * cols * 2 * row_blocks + partials
+
+
 def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, shared_limit: int = SMEM_PER_BLOCK_OPTIN,
                      **override) -> SparseGemmPlan:
-    """The largest tile of :data:`GEMM_TILES` whose CTAs (row blocks × token blocks) fill :data:`FILL` of the
-    multiprocessors once, else the one with the most CTAs (ties: the fewest padding tokens, then the larger tile),
-    of those whose stages fit ``shared_limit`` bytes (the GPU's opt-in limit a CTA). ``override`` sets any field
-    (tuning)."""
+    """Of the tiles of :data:`GEMM_TILES` whose stages fit ``shared_limit`` bytes (the GPU's opt-in limit a CTA) and
+    that pad fewer than half a token block (where one does), each split along K until the grid reaches :data:`FILL`
+    of the ``sms`` multiprocessors (each split keeping :data:`MIN_SPLIT_STAGES` stages): the one moving the fewest
+    bytes (:func:`gemm_traffic`) of those whose grid fills the GPU, else the one with the most CTAs. ``override``
+    sets any field (tuning)."""
     tiles = [SparseGemmPlan(*tile, stages=DEFAULT_STAGES) for tile in GEMM_TILES]
     fits = [p for p in tiles if rows % p.bm == 0 and p.dynamic_shared() <= shared_limit]
     if not fits:
         raise ValueError(f"{rows} rows are not whole 64-row blocks: the sparse GEMM takes rows in 64s")
-    ctas = {p: cdiv(tokens, p.bn) * (rows // p.bm) for p in fits}
-    padding = {p: cdiv(tokens, p.bn) * p.bn - tokens for p in fits}
-    plan = next((p for p in fits if ctas[p] >= FILL * sms and padding[p] < p.bn // 2), None) or \
-        max(fits, key=lambda p: (ctas[p], -padding[p], p.bm * p.bn))
-    plan = SparseGemmPlan(**{**asdict(plan), **override})
+    unpadded = [p for p in fits if -tokens % p.bn < p.bn // 2]
+    fits = unpadded or fits
+    plans = [filling_splits(p, tokens, rows, cols, sms) for p in fits]
+
+    def cost(p: SparseGemmPlan) -> tuple:   # bytes moved, within 10 %; then the MMAs spent on padding tokens
+        return round(math.log(gemm_traffic(p, tokens, rows, cols)) / math.log(1.1)), -tokens % p.bn, -p.bm * p.bn
+
+    full = [p for p in plans if _ctas(p, tokens, rows) >= FILL * sms]
+    plan = min(full, key=cost) if full else max(plans, key=lambda p: (_ctas(p, tokens, rows), [-c for c in cost(p)]))
+    plan = whole_splits(SparseGemmPlan(**{**asdict(plan), **override}), cols)
     check_gemm_plan(plan, rows, cols, shared_limit)
     return plan
+
+
+def filling_splits(plan: SparseGemmPlan, tokens: int, rows: int, cols: int, sms: int) -> SparseGemmPlan:
+    """``plan``'s tile split along K until its grid reaches :data:`FILL` of ``sms`` multiprocessors, each split keeping
+    at least :data:`MIN_SPLIT_STAGES` stages (unsplit where the row and token blocks fill the GPU already)."""
+    blocks = max(1, cdiv(tokens, plan.bn) * (rows // plan.bm))   # none: a tile taller than the layer (refused later)
+    splits = min(max(1, cols // BK // MIN_SPLIT_STAGES), max(1, cdiv(int(FILL * sms), blocks)))
+    return whole_splits(SparseGemmPlan(**{**asdict(plan), "splits": splits}), cols)
+
+
+def whole_splits(plan: SparseGemmPlan, cols: int) -> SparseGemmPlan:
+    """``plan`` with as many splits as its columns per split (whole stages) make: none of them empty."""
+    return SparseGemmPlan(**{**asdict(plan), "splits": cdiv(cols, plan.k_split(cols))})
+
+
+def _ctas(plan: SparseGemmPlan, tokens: int, rows: int) -> int:
+    gx, gy, gz = plan.grid(tokens, rows)
+    return gx * gy * gz
 
 
 def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int, shared_limit: int = SMEM_PER_BLOCK_OPTIN) -> None:
@@ -109,6 +150,9 @@ def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int, shared_limit: in
         raise ValueError(f"{cols} columns are not whole stages of {BK}")
     if plan.stages < 2:
         raise ValueError(f"stages={plan.stages}: the pipeline holds 2 or more stages")
+    if plan.splits < 1 or plan.k_split(cols) * (plan.splits - 1) >= cols:
+        raise ValueError(f"splits={plan.splits} leaves a split of {cols} columns in stages of {BK} empty: take "
+                         f"{cdiv(cols, plan.k_split(cols))} or fewer")
     if plan.dynamic_shared() > shared_limit:
         raise ValueError(f"{plan.stages} stages of {plan.stage_bytes()} bytes exceed {shared_limit} bytes of "
                          "shared memory a CTA: take fewer stages or a smaller tile")
@@ -193,13 +237,15 @@ def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, b
         check_gemm_plan(plan, rows, cols, smem_per_block_optin(torch.device("cuda", index)))
         kernel, bound = _prepare(plan, x.dtype, tiled, bias is not None, index), None
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
-    tensors = [x2, values, words, bias if bias is not None else values, y]
-    ints = [tokens, rows, cols, x2.stride(0)]
+    grid = plan.grid(tokens, rows)
+    partial, counters = _workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0,
+                                   grid[0] * grid[1] if plan.splits > 1 else 0)
+    tensors = [x2, values, words, bias if bias is not None else values, y, partial, counters]
+    ints = [tokens, rows, cols, x2.stride(0), plan.k_split(cols)]
     if bound is not None:
         bound(tensors, ints, stream_handle(x.device))
     else:
-        kernel(grid=plan.grid(tokens, rows), block=(32 * plan.warps, 1, 1), shared_mem=plan.dynamic_shared(),
-               args=[*tensors, *ints])
+        kernel(grid=grid, block=(32 * plan.warps, 1, 1), shared_mem=plan.dynamic_shared(), args=[*tensors, *ints])
     return y.reshape(*x.shape[:-1], rows)
 
 

@@ -198,7 +198,7 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # an input staged in shared memory), the map's with and without its L2 prefetch (tune_sparse_mma.json); kernel then
 # has auto weigh them (and times them alone as decode_sparse_mma, _nomap, _tiled, _tall_tiled, _mapped_tall_tiled).
 # next1 begins with its tile sweep.
-ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 150 + 100 + 260 + 10 s (kernel 175 s on the H200): the
+ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 150 + 120 + 260 + 10 s (kernel 175 s on the H200): the
                                                     # sparse-MMA decode and prompt GEMM checked and timed, then the
                                                     # kernel table and the targets read from it; e2e (met on the H200
                                                     # at stop 85) heads the queue after them, run if it fits
@@ -306,8 +306,8 @@ for s in "$@"; do
             # after it run with it too (SHUFFLEPRUNE_SPARSE_MMA_READING)
             reading=$($PY -c "import json; r = json.load(open('scripts/results/tune_sparse_mma.json')).get('reading'); print(','.join(r or []))" 2>/dev/null)
             [ -n "$reading" ] && { export SHUFFLEPRUNE_SPARSE_MMA_READING=$reading; echo "=== the sparse-MMA decode reads its fragments as: $reading"; } ;;
-        sparse_gemm) step sparse_gemm 100 scripts/results/tune_sparse_gemm.json $PY scripts/tune_sparse_gemm.py \
-                --shapes 4096x4096 14336x4096 1024x4096 --tokens 64 512 2048 --stages 3 4 --layouts tiled \
+        sparse_gemm) step sparse_gemm 120 scripts/results/tune_sparse_gemm.json $PY scripts/tune_sparse_gemm.py \
+                --shapes 4096x4096 14336x4096 1024x4096 --tokens 64 512 2048 --stages 3 4 --splits 0 1 --layouts tiled \
                 --out scripts/results/tune_sparse_gemm.json ;;
         tune_sparse_mma) step tune_sparse_mma 150 scripts/results/tune_sparse_mma_sweep.json $PY scripts/tune_sparse_mma.py \
                 --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 64 --kw 0 2 8 \

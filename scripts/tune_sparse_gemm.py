@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="weights as OUTxIN")
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 2048])
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 4], help="stages of 64 columns in flight")
+    ap.add_argument("--splits", type=int, nargs="+", default=[0],
+                    help="CTAs along K (0: what the plan splits that tile into to fill the GPU)")
     ap.add_argument("--layouts", nargs="+", default=["tiled"], choices=["rows", "tiled"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true")
@@ -37,9 +39,10 @@ def main() -> None:
 
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.deploy.format import compress
-    from shuffleprune.kernels.gpu import l2_bytes
-    from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, nm_sparse_gemm,
-                                                      plan_fields, sparse_gemm_plan)
+    from shuffleprune.kernels.gpu import l2_bytes, smem_per_block_optin
+    from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, filling_splits,
+                                                      gemm_traffic, nm_sparse_gemm, plan_fields, sparse_gemm_plan,
+                                                      whole_splits)
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.masks import nm_keep_mask
@@ -52,12 +55,13 @@ def main() -> None:
     if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
         sys.path.insert(0, str(ROOT / "tests"))
         from sparse_gemm_cpu import run_gemm_cpu
-        shapes, args.tokens, args.stages = [(128, 256)], [40], [2, 3]
+        shapes, args.tokens, args.stages, args.splits = [(128, 256)], [40], [2, 3], [0, 2]
     else:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     dtype = torch.bfloat16
     l2 = l2_bytes(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 4   # the emulator: a small GPU
+    shared_limit = smem_per_block_optin(dev)
     gen = torch.Generator().manual_seed(0)
     rows, best = [], []
     out = Path(args.out) if cuda else Path(args.out).with_name("tune_sparse_gemm_smoke.json")
@@ -86,20 +90,26 @@ def main() -> None:
             dense_ms = cuda_graph_ms([lambda d=d: F.linear(x_dev, d) for d in dense], args.reps)[0]
             del dense
         rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense_ms})
-        planned = sparse_gemm_plan(tokens, out_f, in_f, sms)
+        planned = sparse_gemm_plan(tokens, out_f, in_f, sms, shared_limit)
         for layout in args.layouts:
             tiled = layout == "tiled"
             lw = (cslt_words(words) if tiled else words).contiguous()
             copies = [(values.to(dev), lw.to(dev))]
             copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
             case = []
-            for tile, stages in itertools.product(GEMM_TILES, args.stages):
+            seen = set()
+            for tile, stages, splits in itertools.product(GEMM_TILES, args.stages, args.splits):
                 plan = SparseGemmPlan(*tile, stages=stages)
+                plan = filling_splits(plan, tokens, out_f, in_f, sms) if splits == 0 else \
+                    whole_splits(SparseGemmPlan(*tile, stages=stages, splits=splits), in_f)
+                if plan in seen:
+                    continue
+                seen.add(plan)
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_gemm", "layout": layout,
-                       "plan": plan_fields(plan), "planned": plan == planned,
-                       "grid": list(plan.grid(tokens, out_f)[:2])}
+                       "plan": plan_fields(plan), "planned": plan == planned, "grid": list(plan.grid(tokens, out_f)),
+                       "traffic_mb": round(gemm_traffic(plan, tokens, out_f, in_f) / 1e6, 1)}
                 try:
-                    check_gemm_plan(plan, out_f, in_f)
+                    check_gemm_plan(plan, out_f, in_f, shared_limit)
                     if cuda:
                         y = nm_sparse_gemm(x_dev, *copies[0], None, tiled=tiled, plan=plan)
                         torch.cuda.synchronize()
@@ -117,7 +127,7 @@ def main() -> None:
                     row["tflops_dense_equiv"] = 2 * tokens * out_f * in_f / row["ms"] / 1e9
                     case.append(row)
                 rows.append(row)
-                print(out_f, in_f, tokens, layout, tile, stages, "planned" if row["planned"] else "",
+                print(out_f, in_f, tokens, layout, tile, stages, plan.splits, "planned" if row["planned"] else "",
                       f"err {err:.1e}", f"{row.get('ms') or 0:.4f} ms", f"x{row.get('speedup_vs_dense') or 0:.2f}",
                       flush=True)
             if case:

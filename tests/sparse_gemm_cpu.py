@@ -20,18 +20,24 @@ def build(defines: dict) -> ctypes.CDLL:
 
 
 def run_gemm_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, tiled: bool,
-                 plan: SparseGemmPlan, seed: int = 0, x_stride: int | None = None) -> torch.Tensor:
-    """The kernel's output ``[T, R]`` for ``x`` ``[T, C]`` (rows ``x_stride`` apart if given)."""
+                 plan: SparseGemmPlan, seed: int = 0, x_stride: int | None = None,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's output ``[T, R]`` for ``x`` ``[T, C]`` (rows ``x_stride`` apart if given); ``counters`` (the split-K
+    tiles' arrival counts, zeros) is the launch's if given, so a test can read it after."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     tokens = x.shape[0]
     lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True))
     y = torch.full((tokens, rows), float("nan"), dtype=x.dtype)
     b = bias if bias is not None else values
-    gx, gy, _ = plan.grid(tokens, rows)
-    err = lib.spemu_gemm_launch(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(seed), _ptr(x), _bytes(x),
-                                _ptr(values), _bytes(values), _ptr(words), _bytes(words), _ptr(b), _bytes(b), _ptr(y),
-                                _bytes(y), ctypes.c_int(tokens), ctypes.c_int(rows), ctypes.c_int(cols),
-                                ctypes.c_int(x_stride or x.stride(0)), ctypes.c_uint(plan.dynamic_shared()))
+    gx, gy, gz = plan.grid(tokens, rows)
+    partial = torch.full((max(gz * tokens * rows, 1) if gz > 1 else 1,), float("nan"), dtype=torch.float32)
+    counters = torch.zeros(gx * gy, dtype=torch.int32) if counters is None else counters
+    err = lib.spemu_gemm_launch(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz), ctypes.c_uint(seed), _ptr(x),
+                                _bytes(x), _ptr(values), _bytes(values), _ptr(words), _bytes(words), _ptr(b), _bytes(b),
+                                _ptr(y), _bytes(y), _ptr(partial), _bytes(partial), _ptr(counters), _bytes(counters),
+                                ctypes.c_int(tokens), ctypes.c_int(rows), ctypes.c_int(cols),
+                                ctypes.c_int(x_stride or x.stride(0)), ctypes.c_int(plan.k_split(cols)),
+                                ctypes.c_uint(plan.dynamic_shared()))
     if err is not None:
         raise RuntimeError(err.decode())
     return y

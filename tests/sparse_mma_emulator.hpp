@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace spemu {
@@ -153,9 +154,20 @@ SP_DEV void sp_cp_async_wait() {   // every committed group but the newest N lan
 }
 SP_DEV void sp_cp_async_wait_one() { sp_cp_async_wait<1>(); }
 #define SP_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(spemu::dyn_smem.data())
+// which CTA stored at each address in this launch: a second CTA's plain store to the same address is a race on a
+// GPU (their order is not defined), so it is an error here (the launchers clear this map at each launch)
+inline std::mutex spemu_store_mu;
+inline std::unordered_map<const void*, unsigned> spemu_stored;
 template <typename V>
 static inline void spemu_store(void* p, V v) {
-  if (spemu::access_ok(p, sizeof(V), sizeof(V))) std::memcpy(p, &v, sizeof(V));
+  if (!spemu::access_ok(p, sizeof(V), sizeof(V))) return;
+  unsigned cta = spemu::bid3.x + spemu::grid3.x * (spemu::bid3.y + spemu::grid3.y * spemu::bid3.z);
+  {
+    std::lock_guard<std::mutex> lock(spemu_store_mu);
+    auto [it, fresh] = spemu_stored.emplace(p, cta);
+    if (!fresh && it->second != cta) spemu::fail("two CTAs store to one address (a race on a GPU)");
+  }
+  std::memcpy(p, &v, sizeof(V));
 }
 SP_DEV void sp_st16(unsigned short* p, unsigned short v) { spemu_store(p, v); }
 SP_DEV void sp_st128(unsigned short* p, u32x4 v) { spemu_store(p, v); }

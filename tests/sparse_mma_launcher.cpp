@@ -11,6 +11,7 @@ extern "C" const char* spemu_launch(unsigned gx, unsigned gy, unsigned threads, 
     return spemu::Range{c, c + n};
   };
   spemu::error.clear();
+  spemu_stored.clear();
   spemu_prefetched.clear();
   spemu::ranges = {range(x, x_bytes), range(values, values_bytes), range(meta, meta_bytes), range(perm, perm_bytes),
                    range(bias, bias_bytes),

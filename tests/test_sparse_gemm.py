@@ -2,6 +2,7 @@
 against float64; its plans, its bank-conflict-free staging, and how a layer weighs and runs it."""
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 
 from shuffleprune.deploy.cslt_layout import cslt_words
 from shuffleprune.deploy.format import compress
-from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, nm_sparse_gemm,
-                                                  sparse_gemm_applies, sparse_gemm_plan)
+from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, gemm_traffic,
+                                                  nm_sparse_gemm, sparse_gemm_applies, sparse_gemm_plan, whole_splits)
 from shuffleprune.masks import nm_keep_mask
 
 from test_sparse_mma import _case, _check
@@ -33,6 +34,11 @@ def _run(*args, **kwargs):
     (128, 192, 130, (4, 8, 2, 2, 3), torch.bfloat16),   # the largest tile: 64 x 64 a warp, 2 token blocks
     (128, 256, 40, (4, 4, 2, 4, 3), torch.bfloat16),    # 8 warps
     (256, 128, 20, (4, 8, 4, 2, 2), torch.bfloat16),    # 256 rows x 128 tokens (Hopper's opt-in with 3 stages)
+    # split-K: 3 splits of 4 stages, the last of 2; 2 splits over 2 token blocks x 2 row blocks; a split shorter
+    # than the pipeline
+    (64, 640, 21, (2, 4, 2, 2, 3, 3), torch.bfloat16),
+    (128, 512, 70, (2, 4, 2, 2, 3, 2), torch.float16),
+    (128, 192, 9, (4, 4, 2, 2, 4, 3), torch.bfloat16),
 ])
 def test_sparse_gemm_matches_float64(rows, cols, tokens, plan, dtype, tiled):
     w, values, words, x, bias = _case(rows, cols, tokens, dtype, seed=tokens)
@@ -40,6 +46,19 @@ def test_sparse_gemm_matches_float64(rows, cols, tokens, plan, dtype, tiled):
     check_gemm_plan(plan, rows, cols)
     y = _run(x, values, cslt_words(words) if tiled else words, bias, tiled, plan, seed=rows + tokens)
     _check(y, x.double() @ w.double().t() + bias.double(), dtype)
+
+
+def test_split_k_adds_the_splits_in_their_order_and_leaves_its_counters_at_zero():
+    w, values, words, x, bias = _case(128, 768, 40, torch.bfloat16, seed=4)
+    plan = SparseGemmPlan(2, 4, 2, 2, 3, splits=5)   # 12 stages in 5 splits of 3 (the last empty: refused)
+    with pytest.raises(ValueError, match="empty"):
+        check_gemm_plan(plan, 128, 768)
+    plan = SparseGemmPlan(2, 4, 2, 2, 3, splits=4)
+    counters = torch.zeros(2, dtype=torch.int32)
+    y = _run(x, values, words, bias, False, plan, seed=1, counters=counters)
+    _check(y, x.double() @ w.double().t() + bias.double(), torch.bfloat16)
+    assert not counters.any()   # every tile's count back at zero for the next call
+    assert torch.equal(_run(x, values, words, bias, False, plan, seed=9), y)   # another finishing order, the same bits
 
 
 def test_sparse_gemm_without_bias_on_spaced_rows_is_the_same_in_any_order():
@@ -91,29 +110,32 @@ def test_each_ldmatrix_phase_reads_32_banks():
     assert sorted(lib.spemu_x_offset(11, c) for c in range(8)) == [11 * 64 + 8 * c for c in range(8)]
 
 
-def test_the_plan_fills_the_gpu_with_the_largest_tile_that_does():
+def test_the_plan_fills_the_gpu_with_the_tile_that_moves_the_fewest_bytes():
+    """Each plan's grid (row blocks × token blocks × splits of K) fills 90 % of 132 SMs, and no other tile that fits
+    (split to fill the GPU too) moves 10 % fewer bytes by :func:`gemm_traffic`: large prompts take the largest tile
+    the GPU's shared memory holds, unsplit; short ones split K."""
     shapes = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
-    for rows, cols in shapes:
-        for tokens in (64, 512, 2048):
-            plan = sparse_gemm_plan(tokens, rows, cols, 132)
-            ctas = plan.grid(tokens, rows)[0] * plan.grid(tokens, rows)[1]
-            tiles = [SparseGemmPlan(*t) for t in GEMM_TILES]
-            tiles = [p for p in tiles if rows % p.bm == 0 and p.dynamic_shared() <= 99 * 1024]
-            bigger = tiles[:tiles.index(plan)]
-            if ctas >= 0.9 * 132:   # every larger tile would leave multiprocessors idle, or pad half its tokens
-                assert all((tokens + p.bn - 1) // p.bn * (rows // p.bm) < 0.9 * 132 or -tokens % p.bn >= p.bn // 2
-                           for p in bigger)
-            else:                   # no tile fills the GPU: the most CTAs there are
-                assert all((tokens + p.bn - 1) // p.bn * (rows // p.bm) <= ctas for p in tiles)
+    for limit in (99 * 1024, 227 * 1024):
+        for (rows, cols), tokens in itertools.product(shapes, (64, 512, 2048)):
+            plan = sparse_gemm_plan(tokens, rows, cols, 132, shared_limit=limit)
+            gx, gy, gz = plan.grid(tokens, rows)
+            assert gx * gy * gz >= 0.9 * 132 and plan.k_split(cols) * (gz - 1) < cols
+            for tile in GEMM_TILES:
+                other = SparseGemmPlan(*tile)
+                if rows % other.bm or other.dynamic_shared() > limit or -tokens % other.bn >= other.bn // 2:
+                    continue
+                blocks = (tokens + other.bn - 1) // other.bn * (rows // other.bm)
+                other = whole_splits(SparseGemmPlan(*tile, splits=max(1, min(cols // 256, -(-119 // blocks)))), cols)
+                assert gemm_traffic(other, tokens, rows, cols) > 0.9 * gemm_traffic(plan, tokens, rows, cols)
     big = sparse_gemm_plan(2048, 4096, 4096, 132)   # 99 KB a CTA: 256 x 128's three stages (104 KB) do not fit
-    assert (big.bm, big.bn, big.warps) == (128, 128, 4)
+    assert (big.bm, big.bn, big.warps, big.splits) == (128, 128, 4, 1)
     hopper = sparse_gemm_plan(2048, 4096, 4096, 132, shared_limit=227 * 1024)
-    assert (hopper.bm, hopper.bn, hopper.warps) == (256, 128, 8) and hopper.dynamic_shared() > 99 * 1024
+    assert (hopper.bm, hopper.bn, hopper.warps, hopper.splits) == (256, 128, 8, 1) and hopper.dynamic_shared() > 99 * 1024
     with pytest.raises(ValueError, match="shared memory a CTA"):
         check_gemm_plan(hopper, 4096, 4096)
-    small = sparse_gemm_plan(64, 1024, 4096, 132)   # 16 CTAs whatever the tile: none padding 64 tokens to 128
-    assert (small.bm, small.bn) == (128, 64) and small.grid(64, 1024)[:2] == (1, 8) or \
-        (small.bm, small.bn) == (64, 64)
+    short = sparse_gemm_plan(64, 4096, 4096, 132)   # 32 row blocks of 128 x 64 tokens, K split 4 ways
+    assert (short.bm, short.bn, short.splits) == (128, 64, 4)
+    assert sparse_gemm_plan(512, 1024, 4096, 132).splits > 1   # 1024 rows: the row blocks alone leave SMs idle
 
 
 def test_a_plan_or_input_the_gemm_cannot_run_is_refused_in_one_line():

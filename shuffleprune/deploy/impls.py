@@ -120,7 +120,8 @@
   hundred tokens a dense layer is bound by its MMAs, and every other path here but cuSPARSELt does the dense MMAs
   after expanding the weight; ``mma.sp`` does half of them. CTAs of up to 256 rows × 128 tokens copy 64 columns of
   kept values, position words and input a stage into shared memory (``cp.async``, 3 stages in flight), and each
-  fragment read there (``ldmatrix``, swizzled rows: no bank conflicts) serves a warp's other tiles. Checked under the
+  fragment read there (``ldmatrix``, swizzled rows: no bank conflicts) serves a warp's other tiles; K split over CTAs
+  where the tiles alone leave SMs idle (the last CTA of a tile adds the splits in order). Checked under the
   same emulator (ragged tokens, both layouts, bias, fp16/bf16), compiled for sm_90 and sm_80
   (``sparse_mma_compile.json``); not yet run on a GPU;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
