@@ -58,8 +58,8 @@
 #                                              # groups against the tall plan's pick at 4-64 tokens
 #                                              # (tune_sparse_mma_rows.json)
 #   bash scripts/gpu_run.sh profile_sparse_mma # Nsight Compute on the sparse-MMA decode at 1 and 16 tokens, 11008x4096,
-#                                              # and against its tall plan at 16 (11008x4096) and 64 tokens (4096x4096)
-#                                              # (ncu_sparse_mma.txt)
+#                                              # and against its tall plan at 16 (11008x4096) and 64 tokens (4096x4096),
+#                                              # and the prompt GEMM against cuBLAS at 512 tokens (ncu_sparse_mma.txt)
 #   bash scripts/gpu_run.sh tune_spread        # the weight-as-A decode's tiles (32/64 rows, 64/128 kept values per step,
 #                                              # 2/4 warps, 3/4 stages) with the joined and the broadcast expansion, 2 and
 #                                              # 16 tokens, three shapes (tune_spread.json)
@@ -202,7 +202,7 @@ ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 150 + 120 + 260 + 10
                                                     # sparse-MMA decode and prompt GEMM checked and timed, then the
                                                     # kernel table and the targets read from it; e2e (met on the H200
                                                     # at stop 85) heads the queue after them, run if it fits
-NEXT1=(tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 5 × 70 + 90 + 3 × 70 + 150 s
+NEXT1=(tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 7 × 70 + 90 + 3 × 70 + 150 s
                                                     # (the sparse-MMA decode's tiles: warps and CTAs along K, m-tiles,
                                                     # stages, row warps against the tall plan, and Nsight Compute on
                                                     # both plans at 1-64 tokens, bank conflicts included; the
@@ -355,7 +355,8 @@ for s in "$@"; do
                        "select 1 4096x4096" "dense 1 4096x4096")
             elif [ "$s" = profile_sparse_mma ]; then RES=scripts/results/ncu_sparse_mma.txt   # the sparse-MMA decode
                 cases=("sparse_mma 1 11008x4096" "sparse_mma 16 11008x4096" "sparse_mma_tall 16 11008x4096"
-                       "sparse_mma 64 4096x4096" "sparse_mma_tall 64 4096x4096")
+                       "sparse_mma 64 4096x4096" "sparse_mma_tall 64 4096x4096" "sparse_gemm 512 4096x4096"
+                       "dense 512 4096x4096")
             else RES=scripts/results/ncu_swap.txt   # the weight-as-A decode's expansions: joined against broadcast
                 cases=("swap 16 11008x4096" "swap_spread 16 11008x4096" "dense 16 11008x4096"); fi
             [ "$SMOKE" = 1 ] && RES=$SP/$(basename $RES)   # a CPU check leaves the committed profile alone

@@ -4,7 +4,8 @@ bf16 weight of ``--shape`` on the gathered input of ``--tokens`` tokens, ``--ker
 the weight as the MMA's A operand), ``swap_tma`` (swap with its weight tiles copied by the Tensor Memory
 Accelerator, ``tma=True``), ``swap_spread`` (swap with its tile expanded by broadcasts, ``spread=True``),
 ``sparse_mma`` (the sparse-tensor-core decode, ``kernels/nm_sparse_mma.cu``, as planned), ``sparse_mma_tall`` (the
-same with ``tall_plan``'s CTAs: the input staged in a shared-memory ring) or ``dense`` (``F.linear``
+same with ``tall_plan``'s CTAs: the input staged in a shared-memory ring), ``sparse_gemm`` (the prompt GEMM on the
+sparse tensor cores, ``kernels/nm_sparse_gemm.cu``, as planned) or ``dense`` (``F.linear``
 on the dense weight). Setup runs first; only the timed calls lie inside the CUDA profiler range that
 ``ncu --profile-from-start off`` captures.
 
@@ -20,7 +21,7 @@ def main() -> None:
     ap.add_argument("--shape", default="11008x4096", help="OUTxIN")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--kernel", choices=["select", "dot", "swap", "swap_tma", "swap_spread", "sparse_mma",
-                                         "sparse_mma_tall", "dense"],
+                                         "sparse_mma_tall", "sparse_gemm", "dense"],
                     default="select")
     ap.add_argument("--calls", type=int, default=6)
     args = ap.parse_args()
@@ -45,6 +46,10 @@ def main() -> None:
     def call() -> torch.Tensor:
         if args.kernel == "dense":
             return F.linear(x, w)
+        if args.kernel == "sparse_gemm":
+            from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
+
+            return nm_sparse_gemm(x, values, words)
         if args.kernel.startswith("sparse_mma"):
             from shuffleprune.kernels.nm_sparse_mma import nm_sparse_mma
 
