@@ -21,8 +21,8 @@ import torch
 
 from shuffleprune.kernels.cuda_rtc import KernelLaunch, allow_dynamic_shared, compile_cuda, driver
 from shuffleprune.kernels.gpu import SMEM_PER_BLOCK_OPTIN, cdiv, smem_per_block_optin
-from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, _workspace,
-                                                device_index, fragment_reading, ordered_metadata,
+from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
+                                                fragment_reading, ordered_metadata, split_k_workspace,
                                                 sparse_mma_available, stream_handle)
 
 SOURCE = Path(__file__).with_name("nm_sparse_gemm.cu")
@@ -238,7 +238,7 @@ def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, b
         kernel, bound = _prepare(plan, x.dtype, tiled, bias is not None, index), None
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
     grid = plan.grid(tokens, rows)
-    partial, counters = _workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0,
+    partial, counters = split_k_workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0,
                                    grid[0] * grid[1] if plan.splits > 1 else 0)
     tensors = [x2, values, words, bias if bias is not None else values, y, partial, counters]
     ints = [tokens, rows, cols, x2.stride(0), plan.k_split(cols)]

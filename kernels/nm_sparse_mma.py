@@ -447,7 +447,7 @@ def _bound(kernel, plan: SparseMmaPlan, rows: int, tokens: int, mapped: bool, pd
 _WORKSPACE: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, partial_numel: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_k_workspace(device: torch.device, partial_numel: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-K partial sums and row-block counters, one pair per device shared by every layer (the
     kernels run one after another on a stream; each leaves its counters at zero). Grown, never shrunk;
     made outside any CUDA graph's pool."""
@@ -539,7 +539,7 @@ def nm_sparse_mma(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bi
         bound = _bound(kernel, plan, rows, tokens, mapped, False)
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
     grid = plan.grid(rows)
-    partial, counters = _workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0, grid[0])
+    partial, counters = split_k_workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0, grid[0])
     tensors = [x2, values, words, perm if mapped else words, bias if bias is not None else values, y, partial, counters]
     ints = [tokens, rows, cols, x2.stride(0), plan.ks]
     if bound is not None:
