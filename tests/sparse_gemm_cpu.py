@@ -8,25 +8,26 @@ import torch
 
 from shuffleprune.kernels.nm_sparse_gemm import SparseGemmPlan, kernel_defines, kernel_source
 
-from sparse_mma_cpu import HERE, _bytes, _ptr, build_text
+from sparse_mma_cpu import HERE, _bytes, _ptr, build_text, emulator
 
 
-def build(defines: dict) -> ctypes.CDLL:
-    """The GEMM variant of ``defines`` as a shared library (built once per text)."""
-    lib = build_text(kernel_source(defines, (HERE / "sparse_mma_emulator.hpp").read_text()) +
-                     (HERE / "sparse_gemm_launcher.cpp").read_text(), "sparse_gemm")
+def build(defines: dict, hardware: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The GEMM variant of ``defines`` as a shared library (built once per text; ``hardware``: as in
+    :func:`sparse_mma_cpu.emulator`)."""
+    lib = build_text(kernel_source(defines, emulator(hardware)) + (HERE / "sparse_gemm_launcher.cpp").read_text(),
+                     "sparse_gemm")
     lib.spemu_gemm_launch.restype = ctypes.c_char_p
     return lib
 
 
 def run_gemm_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, tiled: bool,
                  plan: SparseGemmPlan, seed: int = 0, x_stride: int | None = None,
-                 counters: torch.Tensor | None = None) -> torch.Tensor:
+                 counters: torch.Tensor | None = None, hardware: tuple[str, ...] = ()) -> torch.Tensor:
     """The kernel's output ``[T, R]`` for ``x`` ``[T, C]`` (rows ``x_stride`` apart if given); ``counters`` (the split-K
     tiles' arrival counts, zeros) is the launch's if given, so a test can read it after."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     tokens = x.shape[0]
-    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True))
+    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True), hardware)
     y = torch.full((tokens, rows), float("nan"), dtype=x.dtype)
     b = bias if bias is not None else values
     gx, gy, gz = plan.grid(tokens, rows)

@@ -37,10 +37,17 @@ def build_text(source: str, stem: str) -> ctypes.CDLL:
     return _LIBS[key]
 
 
-def build(defines: dict) -> ctypes.CDLL:
-    """The decode variant of ``defines`` as a shared library."""
-    lib = build_text(kernel_source(defines, (HERE / "sparse_mma_emulator.hpp").read_text()) +
-                     (HERE / "sparse_mma_launcher.cpp").read_text(), "sparse_mma")
+def emulator(hardware: tuple[str, ...] = ()) -> str:
+    """The emulator's text, reading the MMA's fragments as the PTX ISA says, or with ``hardware``'s knobs (some of
+    ``FRAGMENT_KNOBS``) flipped: another GPU's reading, as a probe would find it."""
+    return "".join(f"#define SPEMU_HW_{knob} 1\n" for knob in hardware) + (HERE / "sparse_mma_emulator.hpp").read_text()
+
+
+def build(defines: dict, hardware: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The decode variant of ``defines`` as a shared library (on an emulated GPU reading the fragments as ``hardware``
+    says: :func:`emulator`)."""
+    lib = build_text(kernel_source(defines, emulator(hardware)) + (HERE / "sparse_mma_launcher.cpp").read_text(),
+                     "sparse_mma")
     lib.spemu_launch.restype = ctypes.c_char_p
     return lib
 
@@ -56,14 +63,15 @@ def _bytes(t: torch.Tensor) -> ctypes.c_size_t:
 
 def run_cpu(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, tiled: bool,
             plan: SparseMmaPlan, seed: int = 0, x_stride: int | None = None,
-            perm: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            perm: torch.Tensor | None = None, pdl: bool = False,
+            hardware: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's output ``[T, R]`` for ``x`` ``[T, C]`` (a view whose rows are ``x_stride`` apart if given;
     read through the int32 index map ``perm`` if given; ``pdl``: the text of a programmatic dependent, whose grid
     wait and release do nothing here), and its split-K counters after the launch (the kernel leaves them at zero)."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     tokens = x.shape[0]
     mapped = perm is not None
-    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True, mapped, pdl))
+    lib = build(kernel_defines(plan, x.dtype, tiled, bias is not None, True, mapped, pdl), hardware)
     y = torch.full((tokens, rows), float("nan"), dtype=x.dtype)
     partial = torch.full((max(plan.splits * tokens * rows, 1),), float("nan"), dtype=torch.float32)
     grid = plan.grid(rows)

@@ -214,6 +214,21 @@ SP_DEV unsigned short sp_from_float(float f) {
 }
 #endif
 
+// Another GPU's reading of the fragments, for the tests that check a kernel built with the matching knob (what a probe
+// on that GPU would flip) computes right on it: each 0 here, the PTX ISA's reading, unless the build defines it
+#ifndef SPEMU_HW_A_SWAP
+#define SPEMU_HW_A_SWAP 0
+#endif
+#ifndef SPEMU_HW_META_HALF_SWAP
+#define SPEMU_HW_META_HALF_SWAP 0
+#endif
+#ifndef SPEMU_HW_META_ROLE_SWAP
+#define SPEMU_HW_META_ROLE_SWAP 0
+#endif
+#ifndef SPEMU_HW_B_SWAP
+#define SPEMU_HW_B_SWAP 0
+#endif
+
 namespace spemu {
 // D = A · B + C for one warp, A (16 x 32) 2:4 sparse, from the registers its lanes hold (PTX ISA, sparse
 // mma.m16n8k32 with .f16/.bf16: A as the dense m16n8k16 A fragment of the kept values, B rows 2t + 8i +
@@ -227,10 +242,18 @@ inline void mma_sp_m16n8k32(Warp& w) {
   for (int r = 0; r < 16; ++r) {
     int g = r % 8;
     for (int s = 0; s < 8; ++s) {
+#if SPEMU_HW_A_SWAP
+      int t = s % 4, reg = (r >= 8 ? 2 : 0) + (s >= 4 ? 1 : 0);
+#else
       int t = s % 4, reg = (r >= 8 ? 1 : 0) + (s >= 4 ? 2 : 0);
+#endif
       unsigned word = w.a[4 * g + t][reg];
-      unsigned meta = w.e[4 * g + 2 * sel + (s >= 4 ? 1 : 0)];
+      unsigned meta = w.e[4 * g + 2 * sel + ((s >= 4 ? 1 : 0) ^ SPEMU_HW_META_ROLE_SWAP)];
+#if SPEMU_HW_META_HALF_SWAP
+      unsigned half = r >= 8 ? meta & 0xFFFFu : meta >> 16;
+#else
       unsigned half = r >= 8 ? meta >> 16 : meta & 0xFFFFu;
+#endif
       unsigned code = (half >> (4 * (s % 4))) & 0xFu;
       unsigned i0 = code & 3u, i1 = code >> 2;
       if (i0 >= i1) fail("metadata code " + std::to_string(code) + " is not an ordered pair of positions");
@@ -240,7 +263,11 @@ inline void mma_sp_m16n8k32(Warp& w) {
   }
   for (int q = 0; q < 32; ++q)
     for (int n = 0; n < 8; ++n) {
-      unsigned word = w.b[4 * n + (q % 8) / 2][q / 8];
+      int reg = q / 8;
+#if SPEMU_HW_B_SWAP
+      reg = (reg == 1 || reg == 2) ? 3 - reg : reg;
+#endif
+      unsigned word = w.b[4 * n + (q % 8) / 2][reg];
       B[q][n] = sp_to_float((unsigned short)(q % 2 ? word >> 16 : word & 0xFFFFu));
     }
   for (int r = 0; r < 16; ++r)

@@ -86,6 +86,35 @@ def test_each_other_reading_of_the_fragments_computes_something_else(knob, monke
     assert (y.double() - x.double() @ w.double().t()).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("knob", ["A_SWAP", "META_HALF_SWAP", "META_ROLE_SWAP", "B_SWAP"])
+def test_a_probes_finding_makes_both_kernels_right_on_a_gpu_that_reads_that_way(knob, monkeypatch):
+    """On an emulated GPU that reads the MMA's fragments with ``knob`` flipped, the decode and the prompt GEMM are both
+    wrong as written, and both right built with that knob: what ``gpu_run.sh sparse_mma``'s probe hands to the steps
+    after it (``SHUFFLEPRUNE_SPARSE_MMA_READING``) serves both kernels."""
+    from shuffleprune.kernels.nm_sparse_mma import SparseMmaPlan
+
+    from sparse_mma_cpu import run_cpu
+
+    w, values, words, x, bias = _case(64, 256, 9, torch.bfloat16, seed=11)
+    want = x.double() @ w.double().t() + bias.double()
+    decode_plan = SparseMmaPlan(nt=2, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=True)
+    gemm_plan = SparseGemmPlan(2, 4, 2, 2, 2)
+    for tiled in (False, True):
+        lw = cslt_words(words) if tiled else words
+        wrong = []
+        for run in (lambda: run_cpu(x, values, lw, bias, tiled, decode_plan, hardware=(knob,))[0],
+                    lambda: _run(x, values, lw, bias, tiled, gemm_plan, hardware=(knob,))):
+            try:
+                wrong.append((run().double() - want).abs().max().item() > 0.5)
+            except RuntimeError as exc:   # a metadata code that is no ordered pair
+                wrong.append("ordered pair" in str(exc))
+        assert wrong == [True, True]
+        monkeypatch.setenv("SHUFFLEPRUNE_SPARSE_MMA_READING", knob.lower())
+        _check(run_cpu(x, values, lw, bias, tiled, decode_plan, hardware=(knob,))[0], want, torch.bfloat16)
+        _check(_run(x, values, lw, bias, tiled, gemm_plan, hardware=(knob,)), want, torch.bfloat16)
+        monkeypatch.delenv("SHUFFLEPRUNE_SPARSE_MMA_READING")
+
+
 def test_each_ldmatrix_phase_reads_32_banks():
     """The 8 rows of 16 bytes an ldmatrix phase reads lie in 8 different 16-byte bank groups, by the kernel's own
     swizzles (a staged kept-value row is 64 bytes, an input row 128: unswizzled, 2 and 8 of those rows share banks)."""
