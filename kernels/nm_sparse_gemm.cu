@@ -68,7 +68,8 @@ SP_DEV void sp_gemm_copy_stage(unsigned short* stage, const unsigned short* x, c
 #else
   const int words = C / 32;
   for (int r = tid; r < BM; r += THREADS)
-    sp_cp_async8((unsigned short*)(Es + 2 * r), (const unsigned short*)(meta + (long long)(row_base + r) * words + 2 * kt));
+    sp_cp_async8((unsigned short*)(Es + 2 * r),
+                 (const unsigned short*)(meta + (long long)(row_base + r) * words + 2 * kt));
 #endif
 }
 
@@ -79,15 +80,8 @@ SP_DEV unsigned sp_gemm_meta(const unsigned* Es, int r16, int lane) {
 #if TILED
   // pair 8a + g of the band's tile kk: rows g (low nibbles) and g + 8 (high), groups 0 4 1 5 | 2 6 3 7
   const unsigned* p = Es + (r16 / 64) * 128 + kk * 64 + 2 * (8 * ((r16 % 64) / 16) + g);
-  unsigned q = sp_byte_perm(sp_lds_word(p), sp_lds_word(p + 1), role ? 0x7531u : 0x6420u);   // groups 4·role + 0..3
-  unsigned lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
-  lo |= lo >> 4;
-  hi |= hi >> 4;
-#if META_HALF_SWAP
-  return sp_byte_perm(hi, lo, 0x6420u);
-#else
-  return sp_byte_perm(lo, hi, 0x6420u);
-#endif
+  // bytes of groups 4 role + 0..3
+  return sp_codes_register(sp_byte_perm(sp_lds_word(p), sp_lds_word(p + 1), role ? 0x7531u : 0x6420u));
 #else
   unsigned wa = sp_lds_word(Es + 2 * (r16 + g) + kk), wb = sp_lds_word(Es + 2 * (r16 + g + 8) + kk);
 #if META_HALF_SWAP
@@ -151,12 +145,7 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
   int stages_k = ((C - (int)blockIdx.z * KS < KS ? C - (int)blockIdx.z * KS : KS)) / 64;
 
   float acc[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[i][n][j] = 0.f;
+  sp_zero(acc);
 
   // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
 #pragma unroll
@@ -177,20 +166,30 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
   }
   sp_cp_async_wait<0>();
   __syncthreads();   // every warp is done with the stages: the output tile takes their place
-  int g = lane >> 2, t = lane & 3;
-  if (gridDim.z > 1) {
-    // split-K: this split's fp32 sums to partial[z][T][R] (8 lanes a token write 32 consecutive bytes), then the last
-    // CTA of the tile adds every split's, in split order, 4 rows (16 bytes, from L2) of a token at a time
+  (void)bias;
+  // each sum of the warp: with split-K to partial[z][T][R] in fp32 (8 lanes of a token write 32 consecutive bytes),
+  // else bias added and rounded to 16 bits into the output tile [BN tokens][BM rows]
+  bool split = gridDim.z > 1;
+  unsigned short* out = smem;
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          int row = row_base + wr * MT * 16 + 16 * i + g + 8 * (j >> 1);
-          int token = tok_base + wc * NT * 8 + 8 * n + 2 * t + (j & 1);
-          if (token < T) sp_st_float(partial + ((long long)blockIdx.z * T + token) * R + row, acc[i][n][j]);
-        }
+  for (int o = 0; o < MT * NT * 4; ++o) {
+    int i = o / (NT * 4), n = (o / 4) % NT, j = o & 3;
+    int row = wr * MT * 16 + 16 * i + (lane >> 2) + 8 * (j >> 1);
+    int token = wc * NT * 8 + 8 * n + 2 * (lane & 3) + (j & 1);
+    if (split) {
+      if (tok_base + token < T)
+        sp_st_float(partial + ((long long)blockIdx.z * T + tok_base + token) * R + row_base + row, acc[i][n][j]);
+    } else {
+      float sum = acc[i][n][j];
+#if HAS_BIAS
+      sum += sp_to_float(sp_ld16(bias + row_base + row));
+#endif
+      sp_sts16(out + token * OUT_LD + row, sp_from_float(sum));
+    }
+  }
+  if (split) {
+    // the last CTA of the tile to finish adds every split's sums, in split order, 4 rows (16 bytes, from L2) of a
+    // token at a time
     sp_threadfence();
     __syncthreads();
     int tile = blockIdx.y * gridDim.x + blockIdx.x;
@@ -221,24 +220,6 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
     if (tid == 0) sp_st_int(counters + tile, 0);   // ready for the next call (and the next graph replay)
     return;
   }
-
-  // the sums (bias added) rounded to 16 bits into the output tile [BN tokens][BM rows], then 16-byte rows of y
-  unsigned short* out = smem;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        int row = wr * MT * 16 + 16 * i + g + 8 * (j >> 1), token = wc * NT * 8 + 8 * n + 2 * t + (j & 1);
-        float sum = acc[i][n][j];
-#if HAS_BIAS
-        sum += sp_to_float(sp_ld16(bias + row_base + row));
-#else
-        (void)bias;
-#endif
-        sp_sts16(out + token * OUT_LD + row, sp_from_float(sum));
-      }
   __syncthreads();
   for (int i = tid; i < BN * (BM / 8); i += THREADS) {
     int n = i / (BM / 8), c = i % (BM / 8), token = tok_base + n;

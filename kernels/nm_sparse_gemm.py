@@ -21,7 +21,7 @@ import torch
 
 from shuffleprune.kernels.cuda_rtc import KernelLaunch, allow_dynamic_shared, compile_cuda, driver
 from shuffleprune.kernels.gpu import SMEM_PER_BLOCK_OPTIN, cdiv, smem_per_block_optin
-from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
+from shuffleprune.kernels.nm_sparse_mma import (COMMON, DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
                                                 fragment_reading, ordered_metadata, split_k_workspace,
                                                 sparse_mma_available, stream_handle)
 
@@ -168,9 +168,10 @@ def kernel_defines(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bi
 
 
 def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
-    """The full text of one variant: its defines, the side's prelude, then ``nm_sparse_gemm.cu``."""
+    """The full text of one variant: its defines, the side's prelude, what both sparse-MMA kernels share
+    (:data:`.nm_sparse_mma.COMMON`), then ``nm_sparse_gemm.cu``."""
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    return head + prelude + SOURCE.read_text()
+    return head + prelude + COMMON.read_text() + SOURCE.read_text()
 
 
 @functools.lru_cache(maxsize=None)

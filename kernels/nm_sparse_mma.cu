@@ -154,15 +154,7 @@ SP_DEV unsigned sp_meta_word(const SpStage& st, int i, int half, int role) {
   // half 0 reads the low words (groups 0 4 1 5 | 8 12 9 13), half 1 the high ones (2 6 3 7 | 10 14 11 15);
   // role 0 takes each word's bytes 0-1 (groups 4k + 2h), role 1 bytes 2-3 (4k + 2h + 1)
   unsigned w0 = half ? st.m0[i].y : st.m0[i].x, w1 = half ? st.m1[i].y : st.m1[i].x;
-  unsigned p = sp_byte_perm(w0, w1, role ? 0x7632u : 0x5410u);   // byte k: row g+8's code << 4 | row g's
-  unsigned lo = p & 0x0F0F0F0Fu, hi = (p >> 4) & 0x0F0F0F0Fu;
-  lo |= lo >> 4;
-  hi |= hi >> 4;
-#if META_HALF_SWAP
-  return sp_byte_perm(hi, lo, 0x6420u);
-#else
-  return sp_byte_perm(lo, hi, 0x6420u);
-#endif
+  return sp_codes_register(sp_byte_perm(w0, w1, role ? 0x7632u : 0x5410u));   // byte k: row g+8's code << 4 | row g's
 #else
   // group 4k + q (q = 2 * half + role) of the block: nibble q and q + 4 of each of its two row words
   int q = 2 * half + role;
@@ -262,12 +254,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   int steps = (k_end - k_begin) / 128;
 
   float acc[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[i][n][j] = 0.f;
+  sp_zero(acc);
 
   // STAGES steps in registers: the next STAGES - 1 steps' loads are in flight while one multiplies (a warp's
   // steps are kg, kg + KW, ...; stage j of a round holds its j-th)

@@ -30,6 +30,7 @@ from shuffleprune.kernels.cuda_rtc import (KernelLaunch, allow_dynamic_shared, c
 from shuffleprune.kernels.gpu import _capability, cdiv
 
 SOURCE = Path(__file__).with_name("nm_sparse_mma.cu")
+COMMON = Path(__file__).with_name("nm_sparse_common.cuh")   # what the decode and the prompt GEMM share
 KERNEL_NAME = "nm_sparse_mma"
 STEP = 128                 # columns a warp reads per step (two blocks of 64)
 ARG_POINTERS, ARG_INTS = 8, 5   # the kernel's parameters: x, values, words, perm, bias, y, partial, counters; T, R,
@@ -387,9 +388,9 @@ def set_fragment_reading(knobs) -> None:
 
 def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
     """The full text of one variant: its defines, the side's prelude (GPU here; the CPU emulator's in
-    the tests), then ``nm_sparse_mma.cu``."""
+    the tests), what both sparse-MMA kernels share (:data:`COMMON`), then ``nm_sparse_mma.cu``."""
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    return head + prelude + SOURCE.read_text()
+    return head + prelude + COMMON.read_text() + SOURCE.read_text()
 
 
 def ordered_metadata() -> bool:

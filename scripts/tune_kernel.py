@@ -97,10 +97,10 @@ def main() -> None:
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
     from shuffleprune.deploy.format import compress, meta_bits
 
-    if not torch.cuda.is_available() and not args.smoke:
-        raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on CPU")
-    cuda = not args.smoke
-    dev = torch.device("cuda") if cuda else torch.device("cpu")
+    from kernel_cases import rotated_copies, timing_device
+
+    dev = timing_device(args.smoke)
+    cuda = dev.type == "cuda"
     dtype = torch.bfloat16   # as served (the smoke too: the TMA decode takes 16-bit weights only)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if cuda else [(96, 64), (64, 160), (80, 256)]
 
@@ -131,7 +131,7 @@ def main() -> None:
         values, meta = compress(w, 2, 4)
         values, meta, perm = values.to(dev), meta.to(dev), torch.randperm(in_f, generator=gen).to(dev, torch.int32)
         words = position_words(meta)
-        n_copies = max(4, -(-int(2.5 * l2) // (values.numel() * values.element_size() * 9 // 8))) if cuda else 1
+        n_copies = rotated_copies(values, l2, cuda)
         copies = [(values, words)] + [(values.clone(), words.clone()) for _ in range(n_copies - 1)]
         x, w_dev = torch.randn(tokens, in_f, generator=gen).to(dev, dtype), w.to(dev)
         want = F.linear(x[:, perm.long()].float(), w_dev.float())

@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from kernel_cases import add_timing_args  # noqa: E402  (scripts/, this script's folder, is on the path)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
 
@@ -29,29 +31,23 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[0],
                     help="CTAs along K (0: what the plan splits that tile into to fill the GPU)")
     ap.add_argument("--layouts", nargs="+", default=["tiled"], choices=["rows", "tiled"])
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tune_sparse_gemm.json"))
+    add_timing_args(ap, ROOT / "scripts" / "results" / "tune_sparse_gemm.json")
     args = ap.parse_args()
 
     import torch
     import torch.nn.functional as F
 
+    from kernel_cases import dense_ms, random_24_layer, rotated_copies, timing_device
     from shuffleprune.deploy.cslt_layout import cslt_words
-    from shuffleprune.deploy.format import compress
     from shuffleprune.kernels.gpu import l2_bytes, smem_per_block_optin
     from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, filling_splits,
                                                       gemm_traffic, nm_sparse_gemm, plan_fields, sparse_gemm_plan,
                                                       whole_splits)
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
-    from shuffleprune.kernels.nm_words import position_words
-    from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
 
-    cuda = not args.smoke
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on the CPU")
-    dev = torch.device("cuda" if cuda else "cpu")
+    dev = timing_device(args.smoke)
+    cuda = dev.type == "cuda"
     if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
         sys.path.insert(0, str(ROOT / "tests"))
         from sparse_gemm_cpu import run_gemm_cpu
@@ -76,20 +72,12 @@ def main() -> None:
             "versions": versions("triton"), "best": best, "rows": rows}, indent=1) + "\n")
 
     for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
-        w = torch.randn(out_f, in_f, generator=gen)
-        w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)
-        values, meta = compress(w, 2, 4)
-        words = position_words(meta)
-        x = torch.randn(tokens, in_f, generator=gen).to(dtype)
+        w, values, words, x = random_24_layer(out_f, in_f, tokens, gen, dtype)
         w_dev, x_dev = w.to(dev), x.to(dev)
         want = F.linear(x_dev, w_dev).float()
-        n_copies = max(4, -(-int(2.5 * l2) // (values.numel() * values.element_size() * 9 // 8))) if cuda else 1
-        dense_ms = None
-        if cuda:
-            dense = [w_dev] + [w_dev.clone() for _ in range(max(4, n_copies // 2) - 1)]
-            dense_ms = cuda_graph_ms([lambda d=d: F.linear(x_dev, d) for d in dense], args.reps)[0]
-            del dense
-        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense_ms})
+        n_copies = rotated_copies(values, l2, cuda)
+        dense = dense_ms(x_dev, w_dev, n_copies, args.reps) if cuda else None
+        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense})
         planned = sparse_gemm_plan(tokens, out_f, in_f, sms, shared_limit)
         for layout in args.layouts:
             tiled = layout == "tiled"
@@ -123,7 +111,7 @@ def main() -> None:
                 if cuda and err < 2e-2:
                     row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_gemm(x_dev, *c, None, tiled=tiled, plan=plan)
                                                for c in copies], args.reps)[0]
-                    row["speedup_vs_dense"] = dense_ms / row["ms"]
+                    row["speedup_vs_dense"] = dense / row["ms"]
                     row["tflops_dense_equiv"] = 2 * tokens * out_f * in_f / row["ms"] / 1e9
                     case.append(row)
                 rows.append(row)

@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from kernel_cases import add_timing_args  # noqa: E402  (scripts/, this script's folder, is on the path)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 
@@ -48,28 +50,22 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true",
                     help="first check the kernel's reading of the PTX fragments on a small case in both layouts; "
                          "if it is wrong, try the others (FRAGMENT_KNOBS) and time with the first that is right")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "tune_sparse_mma.json"))
+    add_timing_args(ap, ROOT / "scripts" / "results" / "tune_sparse_mma.json")
     args = ap.parse_args()
 
     import torch
     import torch.nn.functional as F
 
+    from kernel_cases import dense_ms, random_24_layer, rotated_copies, timing_device
     from shuffleprune.deploy.cslt_layout import cslt_words
-    from shuffleprune.deploy.format import compress
     from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, FRAGMENT_KNOBS, launch_plan, nm_sparse_mma,
                                                      plan_fields, set_fragment_reading, sparse_mma_plan, tall_plan,
                                                      tall_worth_weighing)
-    from shuffleprune.kernels.nm_words import position_words
-    from shuffleprune.masks import nm_keep_mask
     from shuffleprune.runtime import cuda_graph_ms, machine, versions
 
-    cuda = not args.smoke
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on the CPU")
-    dev = torch.device("cuda" if cuda else "cpu")
+    dev = timing_device(args.smoke)
+    cuda = dev.type == "cuda"
     if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
         sys.path.insert(0, str(ROOT / "tests"))
         from sparse_mma_cpu import run_cpu
@@ -94,10 +90,7 @@ def main() -> None:
 
     probe, reading = [], None
     if args.probe:   # the first reading, then (only if it is wrong) the others, default first
-        pw = torch.randn(128, 512, generator=gen)
-        pw = (pw * nm_keep_mask(pw.abs(), 2, 4)).to(dtype)
-        pvalues, pmeta = compress(pw, 2, 4)
-        pwords, px = position_words(pmeta), torch.randn(3, 512, generator=gen).to(dtype)
+        pw, pvalues, pwords, px = random_24_layer(128, 512, 3, gen, dtype)
         pwant = (px.double() @ pw.double().t()).float()
         combos = [sorted(c) for k in range(len(FRAGMENT_KNOBS) + 1) for c in itertools.combinations(FRAGMENT_KNOBS, k)]
         for knobs in combos:
@@ -124,20 +117,12 @@ def main() -> None:
         set_fragment_reading(reading or [])
         save()
     for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
-        w = torch.randn(out_f, in_f, generator=gen)
-        w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)
-        values, meta = compress(w, 2, 4)
-        words = position_words(meta)
-        x = torch.randn(tokens, in_f, generator=gen).to(dtype)
+        w, values, words, x = random_24_layer(out_f, in_f, tokens, gen, dtype)
         w_dev, x_dev = w.to(dev), x.to(dev)
         want = F.linear(x_dev, w_dev).float()
-        n_copies = max(4, -(-int(2.5 * l2) // (values.numel() * values.element_size() * 9 // 8))) if cuda else 1
-        dense_ms = None
-        if cuda:
-            dense = [w_dev] + [w_dev.clone() for _ in range(max(4, n_copies // 2) - 1)]
-            dense_ms = cuda_graph_ms([lambda d=d: F.linear(x_dev, d) for d in dense], args.reps)[0]
-            del dense
-        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense_ms})
+        n_copies = rotated_copies(values, l2, cuda)
+        dense = dense_ms(x_dev, w_dev, n_copies, args.reps) if cuda else None
+        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense})
         case = []
         perm = torch.randperm(in_f, generator=gen).to(torch.int32)
         # with a map the kernel multiplies x[:, perm] (the same weight, the input read through the map)
@@ -194,7 +179,7 @@ def main() -> None:
                     row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_mma(x_dev, *c, None, tiled=tiled, perm=p_dev,
                                                                          tall=bool(tall), **override) for c in copies],
                                               args.reps)[0]
-                    row["speedup_vs_dense"] = dense_ms / row["ms"]
+                    row["speedup_vs_dense"] = dense / row["ms"]
                     row["tb_s"] = (values.numel() * 2 * 9 / 8 + x.numel() * 2 + out_f * tokens * 2) / row["ms"] / 1e9
                     case.append(row)
                 rows.append(row)

@@ -309,3 +309,43 @@ SP_DEV void sp_ldmatrix4(unsigned (&r)[4], const unsigned short* p) {
   }
   w.bar->arrive_and_wait();
 }
+
+// A launch's start: no error yet, nothing stored or prefetched, and the buffers (address, bytes) it may touch
+inline void spemu_begin_launch(std::vector<std::pair<const void*, size_t>> buffers) {
+  spemu::error.clear();
+  spemu_stored.clear();
+  spemu_prefetched.clear();
+  spemu::ranges.clear();
+  for (auto [p, n] : buffers) spemu::ranges.push_back({static_cast<const char*>(p), static_cast<const char*>(p) + n});
+}
+
+namespace spemu {
+// A launch: every CTA of `grid` one at a time, in an order shuffled by `seed`, each with `threads` std::threads
+// running `body` (the kernel's call), its dynamic shared memory `shared_bytes` of 0xFF (unwritten reads as NaN)
+template <typename Body>
+inline void run_grid(Dim3 grid, unsigned threads, unsigned seed, size_t shared_bytes, Body body) {
+  grid3 = grid;
+  block3 = {threads, 1, 1};
+  std::vector<Dim3> order;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) order.push_back({x, y, z});
+  std::shuffle(order.begin(), order.end(), std::mt19937(seed));
+  for (Dim3 b : order) {
+    std::barrier<> cta(threads);
+    std::vector<Warp> cta_warps(threads / 32);
+    for (auto& w : cta_warps) w.bar = std::make_unique<std::barrier<>>(32);
+    cta_barrier = &cta;
+    dyn_smem.assign(shared_bytes, 0xFF);
+    warps = &cta_warps;
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t)
+      pool.emplace_back([&, t, b] {
+        tid3 = {t, 0, 0};
+        bid3 = b;
+        body();
+      });
+    for (auto& th : pool) th.join();
+  }
+}
+}  // namespace spemu

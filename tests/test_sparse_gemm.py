@@ -159,7 +159,8 @@ def test_the_plan_fills_the_gpu_with_the_tile_that_moves_the_fewest_bytes():
     big = sparse_gemm_plan(2048, 4096, 4096, 132)   # 99 KB a CTA: 256 x 128's three stages (104 KB) do not fit
     assert (big.bm, big.bn, big.warps, big.splits) == (128, 128, 4, 1)
     hopper = sparse_gemm_plan(2048, 4096, 4096, 132, shared_limit=227 * 1024)
-    assert (hopper.bm, hopper.bn, hopper.warps, hopper.splits) == (256, 128, 8, 1) and hopper.dynamic_shared() > 99 * 1024
+    assert (hopper.bm, hopper.bn, hopper.warps, hopper.splits) == (256, 128, 8, 1)
+    assert hopper.dynamic_shared() > 99 * 1024
     with pytest.raises(ValueError, match="shared memory a CTA"):
         check_gemm_plan(hopper, 4096, 4096)
     short = sparse_gemm_plan(64, 4096, 4096, 132)   # 32 row blocks of 128 x 64 tokens, K split 4 ways

@@ -1,0 +1,55 @@
+"""What the kernel tuning scripts (``tune_kernel.py``, ``tune_sparse_mma.py``, ``tune_sparse_gemm.py``) share: the GPU
+or the CPU smoke's device, a random 2:4 layer and input, and how many weight copies a timing rotates through."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+ROTATE_L2 = 2.5   # the rotated copies of a weight together hold this many times the L2, so none is read from it
+
+
+def add_timing_args(ap: argparse.ArgumentParser, out: Path) -> None:
+    """The options every tuning script takes: ``--reps`` (CUDA graph replays a timing), ``--smoke`` (the CPU check of
+    the code path) and ``--out`` (its results file, default ``out``)."""
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=str(out))
+
+
+def timing_device(smoke: bool) -> torch.device:
+    """The CUDA device, or the CPU for ``--smoke``; without a GPU and without ``--smoke``, exit in one line."""
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or --smoke to check the code path on the CPU")
+    return torch.device("cpu" if smoke else "cuda")
+
+
+def random_24_layer(out_f: int, in_f: int, tokens: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16):
+    """A random 2:4 weight ``[out_f, in_f]`` (by magnitude), its kept values and position words, and ``tokens`` random
+    inputs: ``(w, values, words, x)``, on the CPU."""
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.kernels.nm_words import position_words
+    from shuffleprune.masks import nm_keep_mask
+
+    w = torch.randn(out_f, in_f, generator=gen)
+    w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)
+    values, meta = compress(w, 2, 4)
+    return w, values, position_words(meta), torch.randn(tokens, in_f, generator=gen).to(dtype)
+
+
+def rotated_copies(values: torch.Tensor, l2: int, cuda: bool) -> int:
+    """How many copies of a 2:4 weight (``values`` and position words: 9/8 of the values' bytes) a timing cycles
+    through so they hold :data:`ROTATE_L2` times the L2 together, at least 4 (one on the CPU)."""
+    return max(4, -(-int(ROTATE_L2 * l2) // (values.numel() * values.element_size() * 9 // 8))) if cuda else 1
+
+
+def dense_ms(x: torch.Tensor, w: torch.Tensor, copies: int, reps: int) -> float:
+    """cuBLAS's time for ``x @ wᵀ`` over ``max(4, copies // 2)`` copies of the dense weight (twice the 2:4 one's bytes
+    each) in one CUDA graph, the median replay (``runtime.cuda_graph_ms``)."""
+    import torch.nn.functional as F
+
+    from shuffleprune.runtime import cuda_graph_ms
+
+    dense = [w] + [w.clone() for _ in range(max(4, copies // 2) - 1)]
+    return cuda_graph_ms([lambda d=d: F.linear(x, d) for d in dense], reps)[0]
