@@ -177,3 +177,16 @@ def test_the_store_file_names_the_gpu_and_changes_with_anything_that_decides_spe
     assert choice_store.stored_count("cpu") == 0
     code = choice_store.code_fingerprint()
     assert len(code) == 64 and code == choice_store.code_fingerprint()
+
+
+def test_the_code_fingerprint_reads_the_cuda_text_of_the_kernels_too(monkeypatch, tmp_path):
+    """The sparse-MMA kernels are CUDA text NVRTC compiles: a change to it, or to a header both share, must make
+    earlier answers inapplicable like a change to any Python kernel."""
+    names = {p.name for p in choice_store.fingerprinted_files()}
+    assert {"nm_sparse_mma.cu", "nm_sparse_gemm.cu", "nm_sparse_common.cuh", "nm_sparse_gemm.py", "runtime.py"} <= names
+    kernel = tmp_path / "k.cu"
+    kernel.write_text("one text")
+    monkeypatch.setattr(choice_store, "fingerprinted_files", lambda: [kernel])
+    before = choice_store.code_fingerprint.__wrapped__()
+    kernel.write_text("another text")
+    assert choice_store.code_fingerprint.__wrapped__() != before

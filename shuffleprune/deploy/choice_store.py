@@ -129,18 +129,26 @@ def fingerprint_name(name: str, facts: list) -> str:
     return f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-') or 'gpu'}-{digest}"
 
 
+KERNEL_SOURCES = ("*.py", "*.cu", "*.cuh")   # the kernels' files: Python and Triton, and the CUDA text NVRTC compiles
+
+
+def fingerprinted_files() -> list[Path]:
+    """The files whose text decides which implementation ``auto`` picks: the runtime, every kernel source
+    (:data:`KERNEL_SOURCES`, CUDA included) and the deploy layers."""
+    deploy = Path(__file__).parent
+    kernels = Path(importlib.util.find_spec("shuffleprune.kernels").origin).parent
+    return [deploy.parent / "runtime.py", *sorted(p for pattern in KERNEL_SOURCES for p in kernels.glob(pattern)),
+            *sorted(deploy.glob("*.py"))]
+
+
 @functools.cache
 def code_fingerprint() -> str:
-    """SHA-256 of this package's version and the source of its kernels and runtime layers
-    (``shuffleprune.kernels``, ``shuffleprune.deploy``, ``shuffleprune.runtime``): a change to any kernel
-    or to what ``auto`` weighs makes earlier answers inapplicable."""
+    """SHA-256 of this package's version and the text of :func:`fingerprinted_files`: a change to any kernel
+    (its CUDA text too) or to what ``auto`` weighs makes earlier answers inapplicable."""
     from shuffleprune.version import __version__
 
     digest = hashlib.sha256(__version__.encode())
-    deploy = Path(__file__).parent
-    kernels = Path(importlib.util.find_spec("shuffleprune.kernels").origin).parent
-    files = [deploy.parent / "runtime.py", *sorted(kernels.glob("*.py")), *sorted(deploy.glob("*.py"))]
-    for path in files:
+    for path in fingerprinted_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
