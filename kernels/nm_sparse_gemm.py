@@ -3,7 +3,7 @@ call on a GPU, like the decode (:mod:`.nm_sparse_mma`, whose device prelude, MMA
 
 From a few hundred tokens a dense layer is bound by its MMAs, not by its weight's bytes, and every path of this
 runtime but cuSPARSELt did the dense FLOPs after expanding the weight, so none could beat cuBLAS there
-(``bench_kernel.json``, H200: 0.56–0.84× at 512 tokens). ``mma.sp`` does half the MMAs' work for the same result. The
+(``bench_kernel.json``, H200: ``auto`` at 0.56–0.59× cuBLAS at 512 tokens in the export's layout). ``mma.sp`` does half the MMAs' work for the same result. The
 decode's CTAs hold each weight byte in registers once and read the input per warp, which at 512 tokens would bind them
 to their input loads; here the kept values, position words and the input's tile are copied into shared memory a
 stage of 64 columns at a time (``cp.async``, :data:`SparseGemmPlan.stages` in flight) and each fragment read there
@@ -77,7 +77,7 @@ class SparseGemmPlan:
 # the tiles tried, largest first: (mt, nt, wm, wn). A warp tile of 64 rows × 64 tokens reads 192 bytes of shared
 # memory per MMA (A and B fragments), 32 × 32 reads 512: the larger tiles leave the MMAs, not the shared-memory reads,
 # to bind, where the grid still fills the GPU. A CTA's stage moves (bm · 72 + bn · 128) bytes from L2 for
-# bm · bn · 128 dense-equivalent FLOPs: 256 × 128 (8 warps; 3 stages take 104 KB, Hopper's opt-in) needs 40 % less
+# bm · bn · 128 dense-equivalent FLOPs: 256 × 128 (8 warps; 3 stages take 104 KB, Hopper's opt-in) needs a third less
 # L2 bandwidth per FLOP than 128 × 128, which at a sparse MMA's rate could otherwise bind
 GEMM_TILES = ((4, 8, 4, 2), (4, 8, 2, 2), (4, 4, 2, 4), (2, 8, 2, 2), (4, 4, 2, 2), (2, 4, 2, 2))
 DEFAULT_STAGES = 3
