@@ -4,9 +4,8 @@ call on a GPU, like the decode (:mod:`.nm_sparse_mma`, whose device prelude, MMA
 From a few hundred tokens a dense layer is bound by its MMAs, not by its weight's bytes, and every path of this
 runtime but cuSPARSELt did the dense FLOPs after expanding the weight, so none could beat cuBLAS there
 (``bench_kernel.json``, H200: ``auto`` at 0.56–0.59× cuBLAS at 512 tokens in the export's layout). ``mma.sp`` does
-half the MMAs' work for the same result. The
-decode's CTAs hold each weight byte in registers once and read the input per warp, which at 512 tokens would bind them
-to their input loads; here the kept values, position words and the input's tile are copied into shared memory a
+half the MMAs' work for the same result. The decode's CTAs hold each weight byte in registers once and read the input
+per warp, which at 512 tokens would bind them to their input loads; here the kept values, position words and the input's tile are copied into shared memory a
 stage of 64 columns at a time (``cp.async``, :data:`SparseGemmPlan.stages` in flight) and each fragment read there
 (``ldmatrix``) serves a warp's other tiles: a B fragment its ``mt`` m-tiles, an A fragment its ``nt`` n-tiles. The
 layer's own buffer is read as it is, in either layout. The same text runs on the CPU under the tests' emulator.
