@@ -25,6 +25,25 @@ def timing_device(smoke: bool) -> torch.device:
     return torch.device("cpu" if smoke else "cuda")
 
 
+def timing_setup(args: argparse.Namespace, smoke_shapes: list[tuple[int, int]]):
+    """``(device, cuda, shapes, l2 bytes, SMs)`` of a tuning run: the GPU's, with ``args.shapes`` (``OUTxIN``); or for
+    ``--smoke`` the CPU's with ``smoke_shapes``, an emulated GPU of 4 SMs, and the tests' folder on the path (their
+    emulator runs the CUDA kernels there)."""
+    import sys
+
+    from shuffleprune.kernels.gpu import l2_bytes
+
+    dev = timing_device(args.smoke)
+    cuda = dev.type == "cuda"
+    if args.smoke:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        shapes = smoke_shapes
+    else:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 4
+    return dev, cuda, shapes, l2_bytes(dev), sms
+
+
 def random_24_layer(out_f: int, in_f: int, tokens: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16):
     """A random 2:4 weight ``[out_f, in_f]`` (by magnitude), its kept values and position words, and ``tokens`` random
     inputs: ``(w, values, words, x)``, on the CPU."""
@@ -53,3 +72,15 @@ def dense_ms(x: torch.Tensor, w: torch.Tensor, copies: int, reps: int) -> float:
 
     dense = [w] + [w.clone() for _ in range(max(4, copies // 2) - 1)]
     return cuda_graph_ms([lambda d=d: F.linear(x, d) for d in dense], reps)[0]
+
+
+def run_facts(smoke: bool, cuda: bool) -> dict:
+    """What a tuning run's results file records about the run: smoke or not, the seed, the device, the command,
+    the machine and the versions (``runtime.machine``, ``runtime.versions``)."""
+    import sys
+
+    from shuffleprune.runtime import machine, versions
+
+    return {"smoke": smoke, "seed": 0, "device": torch.cuda.get_device_name() if cuda else "cpu (emulator)",
+            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
+            "versions": versions("triton")}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 from kernel_cases import add_timing_args  # noqa: E402  (scripts/, this script's folder, is on the path)
@@ -37,26 +36,20 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from kernel_cases import dense_ms, random_24_layer, rotated_copies, timing_device
+    from kernel_cases import dense_ms, random_24_layer, rotated_copies, run_facts, timing_setup
     from shuffleprune.deploy.cslt_layout import cslt_words
-    from shuffleprune.kernels.gpu import l2_bytes, smem_per_block_optin
+    from shuffleprune.kernels.gpu import smem_per_block_optin
     from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, filling_splits,
                                                       gemm_traffic, nm_sparse_gemm, plan_fields, sparse_gemm_plan,
                                                       whole_splits)
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
-    from shuffleprune.runtime import cuda_graph_ms, machine, versions
+    from shuffleprune.runtime import cuda_graph_ms
 
-    dev = timing_device(args.smoke)
-    cuda = dev.type == "cuda"
+    dev, cuda, shapes, l2, sms = timing_setup(args, [(128, 256)])
     if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
-        sys.path.insert(0, str(ROOT / "tests"))
         from sparse_gemm_cpu import run_gemm_cpu
-        shapes, args.tokens, args.stages, args.splits = [(128, 256)], [40], [2, 3], [0, 2]
-    else:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+        args.tokens, args.stages, args.splits = [40], [2, 3], [0, 2]
     dtype = torch.bfloat16
-    l2 = l2_bytes(dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 4   # the emulator: a small GPU
     shared_limit = smem_per_block_optin(dev)
     gen = torch.Generator().manual_seed(0)
     rows, best = [], []
@@ -66,10 +59,8 @@ def main() -> None:
         out.write_text(json.dumps({
             "what": "the prompt GEMM on the sparse tensor cores against cuBLAS (bf16, gathered input, rotating weight "
                     "copies, CUDA graphs; rel_err: max |y - dense| / max |dense| of a dense bf16 matmul)",
-            "smoke": args.smoke, "seed": 0, "device": torch.cuda.get_device_name() if cuda else "cpu (emulator)",
-            "reading": sorted(fragment_reading()),
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-            "versions": versions("triton"), "best": best, "rows": rows}, indent=1) + "\n")
+            **run_facts(args.smoke, cuda), "reading": sorted(fragment_reading()), "best": best, "rows": rows},
+            indent=1) + "\n")
 
     for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
         w, values, words, x = random_24_layer(out_f, in_f, tokens, gen, dtype)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 from kernel_cases import add_timing_args  # noqa: E402  (scripts/, this script's folder, is on the path)
@@ -56,25 +55,18 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from kernel_cases import dense_ms, random_24_layer, rotated_copies, timing_device
+    from kernel_cases import dense_ms, random_24_layer, rotated_copies, run_facts, timing_setup
     from shuffleprune.deploy.cslt_layout import cslt_words
-    from shuffleprune.kernels.gpu import l2_bytes
     from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, FRAGMENT_KNOBS, launch_plan, nm_sparse_mma,
                                                      plan_fields, set_fragment_reading, sparse_mma_plan, tall_plan,
                                                      tall_worth_weighing)
-    from shuffleprune.runtime import cuda_graph_ms, machine, versions
+    from shuffleprune.runtime import cuda_graph_ms
 
-    dev = timing_device(args.smoke)
-    cuda = dev.type == "cuda"
+    dev, cuda, shapes, l2, sms = timing_setup(args, [(64, 256), (128, 384)])
     if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
-        sys.path.insert(0, str(ROOT / "tests"))
         from sparse_mma_cpu import run_cpu
-        shapes, args.tokens = [(64, 256), (128, 384)], [1, 9]
-    else:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+        args.tokens = [1, 9]
     dtype = torch.bfloat16
-    l2 = l2_bytes(dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 4   # the emulator: a small GPU
     gen = torch.Generator().manual_seed(0)
     rows, best = [], []
     out = Path(args.out) if cuda else Path(args.out).with_name("tune_sparse_mma_smoke.json")
@@ -83,9 +75,7 @@ def main() -> None:
         out.write_text(json.dumps({
             "what": "the sparse-tensor-core decode's launches against cuBLAS (bf16, gathered input, rotating weight "
                     "copies, CUDA graphs; rel_err: max |y - dense| / max |dense| of a dense bf16 matmul)",
-            "smoke": args.smoke, "seed": 0, "device": torch.cuda.get_device_name() if cuda else "cpu (emulator)",
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-            "versions": versions("triton"), "probe": probe, "reading": reading, "best": best, "rows": rows},
+            **run_facts(args.smoke, cuda), "probe": probe, "reading": reading, "best": best, "rows": rows},
             indent=1) + "\n")
 
     probe, reading = [], None
