@@ -36,11 +36,14 @@
 // gathered input in a ring of two rounds instead (a round: one step per K group), copied by asynchronous 8-byte
 // copies two rounds ahead: each input byte then leaves L2 once per CTA, not once per warp, and the warps read B
 // from shared memory, where a 32-bit load from global memory touches 8 token rows (8 cache lines) at once.
+// MAP_INLINE (with HAS_PERM) stages nothing: each B register reads its two columns' map entries (one 8-byte load) and
+// gathers the two inputs from global memory as it is loaded, a step ahead with the weight under BPRE, so no gather
+// and no barrier stand before the first MMA (the map and the input, a few KB at 1 token, stay in L1).
 // Staged rows are swizzled (sp_swizzle): a B load's 32 lanes read words {0, 1, 8, 9} + fixed of 8 token rows, so
 // each row's words XORed by its token in bits 1, 2 and 4 fall in 32 distinct banks.
 //
 // Compile-time parameters (#define before this text): NT (n-tiles of 8 tokens), MT, RW, KW, TILED,
-// HAS_BIAS, HAS_PERM, STAGE_X, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead), STAGES
+// HAS_BIAS, HAS_PERM, MAP_INLINE, STAGE_X, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead), STAGES
 // (steps held in registers: STAGES - 1 loading while one multiplies), PDL (launched as a programmatic dependent:
 // griddepcontrol.wait after the first weight loads, then launch_dependents; sm_90 and later), PREFETCH (the CTA's
 // further kept values asked into L2 before it stages its input, at most PREFETCH_BUDGET bytes a launch).
@@ -52,7 +55,7 @@
 
 #define WARPS (RW * KW)
 #define ROWS_PER_CTA (RW * MT * 16)
-#define STAGED (HAS_PERM || STAGE_X)
+#define STAGED ((HAS_PERM && !MAP_INLINE) || STAGE_X)
 #define SP_RED_ITEMS 2   // the split-K sum's items a thread reads at once (each 4 rows of a token, 4 splits deep)
 
 SP_DEV int sp_swizzle(int token) {
@@ -81,8 +84,9 @@ SP_DEV unsigned sp_b_column(int c0, int block, int half, int reg, int t) {
 }
 
 struct SpInput {            // where B's columns are read: the gathered input in global memory, or (STAGED)
-  const unsigned short* x;  // the CTA's columns staged (through the index map) in shared memory, swizzled
-  int stride, col0, T;
+  const unsigned short* x;  // the CTA's columns staged (through the index map) in shared memory, swizzled, or
+  int stride, col0, T;      // (MAP_INLINE) the input in its own order, read through
+  const int* perm;          // the map
 };
 
 SP_DEV int sp_staged_word(int token, unsigned col, int col0) {
@@ -95,6 +99,10 @@ SP_DEV unsigned sp_load_b(const SpInput& in, int token, unsigned col) {
   if (token >= in.T) return 0u;
 #if STAGED
   return sp_lds32(in.x + token * in.stride + 2 * sp_staged_word(token, col, in.col0));
+#elif MAP_INLINE
+  u32x2 p = sp_ldg64(in.perm + col);   // the map's entries of col and col + 1 (col is even: 8 bytes aligned)
+  const unsigned short* row = in.x + (long long)token * in.stride;
+  return (unsigned)sp_ld16(row + (int)p.x) | (unsigned)sp_ld16(row + (int)p.y) << 16;
 #else
   return sp_ld32(in.x + (long long)token * in.stride + col);
 #endif
@@ -282,7 +290,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     }
   }
 #endif
-#if HAS_PERM
+#if HAS_PERM && !MAP_INLINE
   // the CTA's columns of every token, gathered once through the map into shared memory (the first steps'
   // weight loads already in flight), then read by every warp as the gathered input would be; rows swizzled
   SP_DYNAMIC_SHARED(unsigned short, staged);
@@ -321,7 +329,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     }
   }
   __syncthreads();
-  SpInput in = {staged, width, k_begin, T};
+  SpInput in = {staged, width, k_begin, T, perm};
 #elif STAGE_X
   // a ring of two rounds in shared memory: round r (the CTA's steps r * KW .. r * KW + KW - 1, one per K group)
   // is copied by every thread's asynchronous 8-byte copies two rounds ahead, while the round before is read
@@ -333,8 +341,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   sp_cp_async_commit();
   (void)perm;
 #else
-  SpInput in = {x, xs, 0, T};
-  (void)perm;
+  SpInput in = {x, xs, 0, T, perm};   // the map read at each B load under MAP_INLINE, else not at all
 #endif
 #if STAGE_X && !HAS_PERM
   // the same register pipeline as below, by rounds: every warp of the CTA on the same round, two barriers a round
@@ -345,7 +352,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
       if (r < rounds) {   // the same for every thread of the CTA: its barriers are met by all
         sp_cp_async_wait_one();   // this thread's copies of round r landed (round r + 1's may still fly)
         __syncthreads();          // and every thread's
-        SpInput in = {ring + (r & 1) * slot, round_cols, k_begin + round_cols * r, T};
+        SpInput in = {ring + (r & 1) * slot, round_cols, k_begin + round_cols * r, T, perm};
         int step = r * KW + kg, ahead = step + (STAGES - 1) * KW;
         if (step < steps) {
           if (ahead < steps)

@@ -73,6 +73,7 @@ SP_DEV u32x4 sp_ld_cg128(const float* p) {   // L2 only: other CTAs' partial sum
 SP_DEV float sp_bits_float(unsigned u) { return __uint_as_float(u); }
 SP_DEV unsigned short sp_ld16(const unsigned short* p) { return *p; }
 SP_DEV u32x4 sp_ldg128(const void* p) { return __ldg((const uint4*)p); }   // the map: cached, read per token
+SP_DEV u32x2 sp_ldg64(const void* p) { return __ldg((const uint2*)p); }
 SP_DEV void sp_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 SP_DEV unsigned sp_lds32(const unsigned short* p) { return *(const unsigned*)p; }   // shared memory
 SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) { *(unsigned*)p = v; }
@@ -153,7 +154,9 @@ class SparseMmaPlan:
     token, copied asynchronously two rounds ahead; the input then read at each step, ``bpre`` off), through a map
     every token's columns as a map always stages them but up to :data:`STAGED_OPTIN_LIMIT` bytes; ``prefetch``
     whether the CTA asks its further kept values into L2 before it stages its input (reading a map: the weight
-    streams while the CTA gathers, at most :data:`PREFETCH_BUDGET` bytes a launch)."""
+    streams while the CTA gathers, at most :data:`PREFETCH_BUDGET` bytes a launch); ``inline_map`` whether, reading a
+    map, each B load reads its columns' map entries and gathers its inputs itself, nothing staged (no gather before
+    the first MMA, no barrier)."""
     nt: int
     mt: int
     rw: int
@@ -164,6 +167,7 @@ class SparseMmaPlan:
     stages: int = 2
     stage: bool = False
     prefetch: bool = False
+    inline_map: bool = False
 
     @property
     def warps(self) -> int:
@@ -193,8 +197,11 @@ class SparseMmaPlan:
         return STAGED_OPTIN_LIMIT if self.stage else STAGED_LIMIT
 
     def dynamic_shared(self, tokens: int, mapped: bool) -> int:
-        """The launch's dynamic shared memory: the staged input where it stages one (a map; a ring for ``stage``)."""
-        return self.staged_bytes(tokens) if mapped else self.ring_bytes(tokens) if self.stage else 0
+        """The launch's dynamic shared memory: the staged input where it stages one (a map, unless read inline; a ring
+        for ``stage``)."""
+        if mapped:
+            return 0 if self.inline_map else self.staged_bytes(tokens)
+        return self.ring_bytes(tokens) if self.stage else 0
 
 
 def sparse_mma_applies(tokens: int, rows: int, cols: int, n: int, m: int, dtype: torch.dtype,
@@ -299,7 +306,9 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
         if name in override:
             tile[name] = override[name]
     mt, kw, rw, stage = tile["mt"], tile["kw"], tile.get("rw", 1), bool(tile.get("stage", False))
-    staged, limit = mapped, STAGED_OPTIN_LIMIT if stage else STAGED_LIMIT   # the map stages the CTA's columns
+    inline_map = bool(override.get("inline_map", False))
+    # the map stages the CTA's columns (unless each B load reads it inline)
+    staged, limit = mapped and not inline_map, STAGED_OPTIN_LIMIT if stage else STAGED_LIMIT
     if stage and not mapped and "bpre" not in override:   # the ring's input is read at its step, never ahead
         tile["bpre"] = False
     steps = cols // STEP
@@ -313,7 +322,7 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
         splits += 1
         ks = _columns_per_cta(cols, splits)
     fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"],
-                  stages=tile.get("stages", 2), stage=stage, prefetch=mapped)
+                  stages=tile.get("stages", 2), stage=stage, prefetch=mapped and not inline_map, inline_map=inline_map)
     fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw", "stages", "stage")})
     if "ks" in override and "splits" not in override:
         fields["splits"] = cdiv(cols, fields["ks"])
@@ -342,6 +351,8 @@ def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, mapped: b
     ring = plan.stage and not mapped
     if ring and plan.bpre:
         raise ValueError("a plan staging its input in a ring reads it at each step: take bpre=False")
+    if plan.inline_map and plan.stage:
+        raise ValueError("inline_map reads the map at each B load, staging nothing: take stage=False")
     if staged > plan.staged_limit():
         raise ValueError(f"{'the ring' if ring else f'ks={plan.ks}'} stages {staged} bytes of {tokens} tokens' input "
                          f"(at most {plan.staged_limit()}): take {'fewer K groups of warps' if ring else 'more splits'}")
@@ -355,7 +366,8 @@ def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bia
     """The compile-time parameters of one kernel variant (``#define`` s before the source)."""
     reading = fragment_reading()
     return {"NT": plan.nt, "MT": plan.mt, "RW": plan.rw, "KW": plan.kw, "TILED": int(tiled),
-            "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "STAGE_X": int(plan.stage and not mapped),
+            "HAS_BIAS": int(has_bias), "HAS_PERM": int(mapped), "MAP_INLINE": int(mapped and plan.inline_map),
+            "STAGE_X": int(plan.stage and not mapped),
             "IS_BF16": int(dtype == torch.bfloat16),
             "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered), "PDL": int(pdl),
             "PREFETCH": int(plan.prefetch), "PREFETCH_BUDGET": f"{PREFETCH_BUDGET}LL",

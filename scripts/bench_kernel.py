@@ -38,6 +38,7 @@ layout), ``decode_swap_tma`` (2–64 tokens: its weight tiles copied by the
 Tensor Memory Accelerator; ``decode_swap_tma_tiled`` on the cuSPARSELt buffer), ``decode_sparse_mma`` (1–64
 tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_nomap`` and ``_tiled`` too;
 ``decode_sparse_mma_mapped``, 1–16 tokens: the same reading the map itself; both ``_tiled+pdl`` as well;
+``decode_sparse_mma_mapped_inline`` (and ``_tiled``), 1–16 tokens: the map read by each B load, nothing staged;
 ``decode_sparse_mma_tall_tiled`` from 4 tokens and ``decode_sparse_mma_mapped_tall_tiled`` from one: both with the
 tall plan's CTAs, the input staged in shared memory and shared by more rows), ``gemm_sparse_mma`` and
 ``gemm_sparse_mma_tiled`` (from 32 tokens: the prompt GEMM on the sparse tensor cores, ``kernels/nm_sparse_gemm.cu``),
@@ -100,7 +101,8 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_swap_spread", "decode_swap_spread_sync", "decode_swap_tma", "decode_swap_tma_tiled",
               "decode_sparse_mma", "decode_sparse_mma_nomap", "decode_sparse_mma_tiled", "decode_sparse_mma_mapped",
               "decode_sparse_mma_mapped_tiled", "decode_sparse_mma_tiled+pdl", "decode_sparse_mma_mapped_tiled+pdl",
-              "decode_sparse_mma_tall_tiled", "decode_sparse_mma_mapped_tall_tiled",
+              "decode_sparse_mma_tall_tiled", "decode_sparse_mma_mapped_tall_tiled", "decode_sparse_mma_mapped_inline",
+              "decode_sparse_mma_mapped_inline_tiled",
               "gemm_sparse_mma", "gemm_sparse_mma_tiled", "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
@@ -319,6 +321,7 @@ def main() -> None:
                 sp_tiled, sp_nomap = ms_of(shape, tokens, "decode_sparse_mma_tiled"), ms_of(shape, tokens,
                                                                                           "decode_sparse_mma_nomap")
                 sp_mapped = ms_of(shape, tokens, "decode_sparse_mma_mapped")
+                sp_inline = ms_of(shape, tokens, "decode_sparse_mma_mapped_inline")
                 sp_tall = ms_of(shape, tokens, "decode_sparse_mma_tall_tiled")
                 sp_gemm = ms_of(shape, tokens, "gemm_sparse_mma_tiled")
                 if dense is None:
@@ -352,7 +355,10 @@ def main() -> None:
                                 "sparse_mma_tall_speedup_tiled": round(dense / sp_tall, 3) if dense and sp_tall else None,
                                 # the prompt GEMM on the sparse tensor cores, on the layer as load holds it on Hopper
                                 "sparse_gemm_speedup_tiled": round(dense / sp_gemm, 3) if dense and sp_gemm else None,
-                                "map_cost_sparse_mma": round(sp_mapped / sp_nomap - 1, 4) if sp_mapped and sp_nomap else None})
+                                "map_cost_sparse_mma": round(sp_mapped / sp_nomap - 1, 4) if sp_mapped and sp_nomap else None,
+                                # the same with the map read by each B load, nothing staged
+                                "map_cost_sparse_mma_inline":
+                                    round(sp_inline / sp_nomap - 1, 4) if sp_inline and sp_nomap else None})
         for r in rows:
             r.update(device=dev_name, dtype="bfloat16")
         result = {"what": "2:4 linear implementations vs dense cuBLAS (rotating weight copies, CUDA graphs)",

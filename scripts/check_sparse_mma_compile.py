@@ -67,14 +67,17 @@ def sass_counts(cubin: bytes, arch: int) -> dict:
 
 
 def variants(archs: list[str]):
-    """``(arch, shape, tokens, mapped, pdl, tall)`` to compile: the map read in the kernel to 16 tokens, launched as
-    a programmatic dependent (Hopper only) at 1 and 16 tokens, and the tall plan where ``auto`` weighs it."""
+    """``(arch, shape, tokens, mapped, pdl, tall, inline)`` to compile: the map read in the kernel to 16 tokens (staged,
+    and read inline by each B load), launched as a programmatic dependent (Hopper only) at 1 and 16 tokens, and the
+    tall plan where ``auto`` weighs it."""
     for arch, shape, tokens in itertools.product(archs, SHAPES, TOKENS):
         for mapped in (False, True) if tokens <= sm.MAPPED_MAX_TOKENS else (False,):
             for pdl in (False, True) if arch == "sm_90" and tokens in (1, 16) else (False,):
-                yield arch, shape, tokens, mapped, pdl, False
+                yield arch, shape, tokens, mapped, pdl, False, False
+            if mapped:
+                yield arch, shape, tokens, mapped, False, False, True
             if sm.tall_worth_weighing(tokens, *shape, GPUS[arch].sms, mapped):
-                yield arch, shape, tokens, mapped, False, True
+                yield arch, shape, tokens, mapped, False, True, False
 
 
 def main() -> None:
@@ -86,9 +89,10 @@ def main() -> None:
     nvrtc = Nvrtc(ctypes.CDLL(nvrtc_path(args.nvrtc)))
     rows, seen = [], {}
     t0 = time.time()
-    for arch, shape, tokens, mapped, pdl, tall in variants(args.arch):
+    for arch, shape, tokens, mapped, pdl, tall, inline in variants(args.arch):
         gpu = GPUS[arch]
-        plan = (sm.tall_plan if tall else sm.sparse_mma_plan)(tokens, *shape, sms=gpu.sms, mapped=mapped)
+        plan = (sm.tall_plan if tall else sm.sparse_mma_plan)(tokens, *shape, sms=gpu.sms, mapped=mapped,
+                                                               **({"inline_map": True} if inline else {}))
         for tiled in (False, True):
             defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped, pdl)
             key = (arch, tuple(defines.items()))
@@ -107,7 +111,7 @@ def main() -> None:
             ctas = resident_programs(gpu, info["registers"], plan.warps, shared) if info["compiled"] else 0
             grid = plan.grid(shape[0])
             rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled, "mapped": mapped,
-                         "pdl": pdl, "tall": tall, "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": 32 * plan.warps,
+                         "pdl": pdl, "tall": tall, "inline": inline, "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": 32 * plan.warps,
                          **info, "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
                          "waves": round(grid[0] * grid[1] / max(1, ctas * gpu.sms), 2)})
     gemm_rows = []   # the prompt GEMM (kernels/nm_sparse_gemm.cu): every tile with 3 and 4 stages, both layouts

@@ -47,7 +47,7 @@
 #                                              # cuSPARSELt's layout, with no map and (1-16) reading a random
 #                                              # one itself, each also with the tall plan's CTAs from 4 tokens
 #                                              # (through a map from 1), the map's also without its L2 prefetch
-#                                              # (tune_sparse_mma.json)
+#                                              # and read inline by each B load (tune_sparse_mma.json)
 #   bash scripts/gpu_run.sh sparse_gemm        # the prompt GEMM on the sparse tensor cores, every tile of GEMM_TILES
 #                                              # with 3 and 4 stages, checked against a dense bf16 matmul and timed
 #                                              # against cuBLAS at 64, 512 and 2048 tokens on three shapes, in
@@ -299,7 +299,7 @@ for s in "$@"; do
                 --block-k 64 128 256 --num-warps 4 --stages 3 4 6 --splits 0 2 4 --max-tile 1048576 \
                 --out scripts/results/tune_bw_swap.json ;;
         sparse_mma) step sparse_mma 150 scripts/results/tune_sparse_mma.json $PY scripts/tune_sparse_mma.py \
-                --probe --layouts tiled --maps none random --tall 0 1 --prefetch -1 0 --tokens 1 2 4 8 16 64 \
+                --probe --layouts tiled --maps none random --tall 0 1 --prefetch -1 0 --inline 0 1 --tokens 1 2 4 8 16 64 \
                 --shapes 4096x4096 14336x4096 4096x14336 1024x4096 \
                 --out scripts/results/tune_sparse_mma.json
             # a reading of the MMA's fragments other than the kernel's own, if the probe found one right: the steps

@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="+", default=[-1],
                     help="1/0: the CTA's further weight asked into L2 before it stages its input or not (-1: the "
                          "plan's: on where it reads a map)")
+    ap.add_argument("--inline", type=int, nargs="+", default=[0],
+                    help="1: through a map, each B load reads the map itself, nothing staged (inline_map); 0: staged")
     ap.add_argument("--layouts", nargs="+", default=["rows", "tiled"], choices=["rows", "tiled"])
     ap.add_argument("--maps", nargs="+", default=["none"], choices=["none", "random"],
                     help="random: a random index map over all columns, read by the kernel itself (1-16 tokens)")
@@ -127,16 +129,18 @@ def main() -> None:
             copies = [(values.to(dev), lw.to(dev))]
             copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
             grid = itertools.product(args.tall, args.kw, args.rw, args.splits, args.mt, args.bpre, args.stages,
-                                     args.prefetch)
+                                     args.prefetch, args.inline)
             seen = set()
-            for tall, kw, rw, splits, mt, bpre, stages, prefetch in grid:
+            for tall, kw, rw, splits, mt, bpre, stages, prefetch, inline in grid:
+                mapped = kind == "random"
+                if inline and (tall or not mapped):
+                    continue   # the inline map: through a map, on the default plan's CTAs
                 override = {k: v for k, v, skip in (("kw", kw, 0), ("rw", rw, 0), ("splits", splits, 0), ("mt", mt, 0),
                                                     ("bpre", bpre, -1), ("stages", stages, 0),
-                                                    ("prefetch", prefetch, -1)) if v != skip}
-                for flag in ("bpre", "prefetch"):
+                                                    ("prefetch", prefetch, -1), ("inline_map", inline, 0)) if v != skip}
+                for flag in ("bpre", "prefetch", "inline_map"):
                     if flag in override:
                         override[flag] = bool(override[flag])
-                mapped = kind == "random"
                 if tall and not tall_worth_weighing(tokens, out_f, in_f, sms, mapped):
                     continue   # where auto does not weigh it
                 try:   # a variation that is the launch of one timed already (as planned on the device's SM count)

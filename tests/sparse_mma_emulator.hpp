@@ -87,6 +87,7 @@ SP_DEV float sp_bits_float(unsigned u) {
   return f;
 }
 SP_DEV u32x4 sp_ldg128(const void* p) { return spemu_load<u32x4>(p, 16); }
+SP_DEV u32x2 sp_ldg64(const void* p) { return spemu_load<u32x2>(p, 8); }
 inline std::mutex spemu_prefetch_mu;
 inline std::vector<const void*> spemu_prefetched;   // every L2 prefetch's address, in no order (the tests read them)
 SP_DEV void sp_prefetch_l2(const void* p) {   // an address inside a buffer, recorded

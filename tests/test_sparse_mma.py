@@ -85,6 +85,10 @@ def test_sparse_mma_decode_matches_float64(rows, cols, tokens, plan, tiled, dtyp
     (64, 640, 16, dict(nt=2, mt=1, rw=1, kw=2, ks=256, splits=3, bpre=True)),    # last split shorter, 16 tokens
     (64, 1024, 3, dict(nt=1, mt=1, rw=1, kw=2, ks=1024, splits=1, bpre=True, stages=3)),   # 3 stages' weights first
     (64, 512, 13, dict(nt=2, mt=1, rw=4, kw=2, ks=256, splits=2, bpre=False)),   # tall: 4 row warps share the staging
+    # the map read inline by each B load (nothing staged): a step ahead with the weight, at the step, split-K over 3
+    (64, 256, 1, dict(nt=1, mt=1, rw=1, kw=2, ks=256, splits=1, bpre=True, inline_map=True)),
+    (128, 512, 7, dict(nt=1, mt=2, rw=1, kw=2, ks=256, splits=2, bpre=False, inline_map=True)),
+    (64, 640, 16, dict(nt=2, mt=1, rw=2, kw=1, ks=256, splits=3, bpre=True, stages=3, inline_map=True)),
 ])
 def test_sparse_mma_reading_the_map_itself_matches_float64(rows, cols, tokens, plan, tiled):
     w, values, words, x, bias = _case(rows, cols, tokens, torch.bfloat16, seed=3)
@@ -204,6 +208,12 @@ def test_a_plan_the_kernel_cannot_run_is_refused_in_one_line():
         check_plan(SparseMmaPlan(nt=2, mt=1, rw=1, kw=4, ks=2048, splits=1, bpre=False), 16, 64, 2048, mapped=True)
     plan = sparse_mma_plan(16, 4096, 4096, sms=132, mapped=True)   # the plan splits until every token fits
     assert plan.staged_bytes(16) <= 32 * 1024 and plan.splits >= 4
+    with pytest.raises(ValueError, match="stage=False"):   # the inline map stages nothing
+        check_plan(SparseMmaPlan(nt=1, mt=1, rw=1, kw=1, ks=256, splits=1, bpre=False, stage=True, inline_map=True),
+                   1, 64, 256, mapped=True)
+    inline = sparse_mma_plan(16, 4096, 4096, sms=132, mapped=True, inline_map=True)   # no staging: no split for it,
+    assert inline.dynamic_shared(16, True) == 0 and not inline.prefetch             # and no gather to prefetch over
+    assert inline.splits <= plan.splits
 
 
 def test_sparse_mma_takes_only_what_it_runs():
@@ -294,12 +304,14 @@ def test_auto_weighs_the_sparse_mma_decode_where_it_runs(monkeypatch):
     mapped = layer(256, 2, 4, torch.bfloat16, True)
     assert not any(c.startswith("decode_sparse_mma") for c in mapped.candidates(x))   # the CPU has no sparse MMA
     monkeypatch.setattr(nm_sparse_mma, "sparse_mma_available", lambda device: True)   # as on a GPU that has it
-    assert {"decode_sparse_mma", "decode_sparse_mma_mapped"} <= set(mapped.candidates(x))
+    weighed = set(mapped.candidates(x))
+    assert {"decode_sparse_mma", "decode_sparse_mma_mapped", "decode_sparse_mma_mapped_inline"} <= weighed
     # one token: the input read per 16 rows is small beside the weight, the map's gathers value by value are not
     assert "decode_sparse_mma_tall" not in mapped.candidates(x) and "decode_sparse_mma_mapped_tall" in mapped.candidates(x)
     assert {"decode_sparse_mma_tall", "decode_sparse_mma_mapped_tall"} <= set(mapped.candidates(x.repeat(16, 1)))
     many = x.repeat(17, 1)   # 17 tokens: past the map's staging, not past the kernel
-    assert "decode_sparse_mma" in mapped.candidates(many) and "decode_sparse_mma_mapped" not in mapped.candidates(many)
+    assert "decode_sparse_mma" in mapped.candidates(many)
+    assert not {"decode_sparse_mma_mapped", "decode_sparse_mma_mapped_inline"} & set(mapped.candidates(many))
     assert not {"decode_sparse_mma", "decode_sparse_mma_mapped"} & set(mapped.candidates(x.repeat(65, 1)))
     plain = layer(256, 2, 4, torch.bfloat16, False)
     assert "decode_sparse_mma" in plain.candidates(x) and "decode_sparse_mma_mapped" not in plain.candidates(x)
@@ -329,7 +341,7 @@ def test_a_variant_that_compiles_nowhere_is_refused_once_then_at_once(monkeypatc
 
 
 @pytest.mark.parametrize("impl", ["decode_sparse_mma", "decode_sparse_mma_tall", "decode_sparse_mma_mapped",
-                                  "decode_sparse_mma_mapped_tall"])
+                                  "decode_sparse_mma_mapped_tall", "decode_sparse_mma_mapped_inline"])
 def test_a_layer_runs_each_sparse_mma_policy_with_its_plan(monkeypatch, impl):
     """``SparseLinear.run`` hands each sparse-MMA policy its input (gathered, or with the map) and plan; the kernel
     (here its text under the emulator, 4 SMs) computes the layer's output with either plan."""
@@ -344,17 +356,18 @@ def test_a_layer_runs_each_sparse_mma_policy_with_its_plan(monkeypatch, impl):
     x = torch.randn(12, 512, generator=g).to(torch.bfloat16)
     launched = []
 
-    def on_the_emulator(inp, values, words, bias=None, tiled=False, perm=None, pdl=False, tall=False):
+    def on_the_emulator(inp, values, words, bias=None, tiled=False, perm=None, pdl=False, tall=False, **override):
         tokens, rows, cols = inp.shape[0], values.shape[0], 2 * values.shape[1]
-        plan = (sp.tall_plan if tall else sp.sparse_mma_plan)(tokens, rows, cols, 4, mapped=perm is not None)
-        launched.append((tall, perm is not None, plan.rw))
+        plan = (sp.tall_plan if tall else sp.sparse_mma_plan)(tokens, rows, cols, 4, mapped=perm is not None,
+                                                               **override)
+        launched.append((tall, perm is not None, plan.rw, plan.inline_map))
         return run_cpu(inp, values, words, bias, tiled, plan, perm=None if perm is None else perm.to(torch.int32))[0]
 
     monkeypatch.setattr(sp, "nm_sparse_mma", on_the_emulator)
     monkeypatch.setattr(SparseLinear, "_sparse_mma_applies", lambda self, x, mapped=False: True)
     y = layer.run(impl, x)
-    tall, mapped, rw = launched[-1]
-    assert (tall, mapped) == (impl.endswith("_tall"), "mapped" in impl)
+    tall, mapped, rw, inline = launched[-1]
+    assert (tall, mapped, inline) == (impl.endswith("_tall"), "mapped" in impl, impl.endswith("_inline"))
     assert (rw > 1) == tall   # the tall plan's CTAs hold more rows here
     _check(y, x.double()[:, layer.perm.long()] @ w.double().t(), torch.bfloat16)
 

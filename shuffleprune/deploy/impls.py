@@ -104,6 +104,9 @@
   its columns of every token through the map into shared memory once, its first step's weight loads in
   flight and its further kept values asked into L2 meanwhile (no gather launch; the map's cost is one gather
   per CTA);
+  ``decode_sparse_mma_mapped_inline`` (1–16 tokens): the map read by each B load itself, a step ahead with the
+  weight, nothing staged: no gather and no barrier before the first MMA (at one token the map and the input are a
+  few KB, in L1);
   ``decode_sparse_mma_tall`` and ``decode_sparse_mma_mapped_tall``: the two with ``nm_sparse_mma.tall_plan``'s
   CTAs, which stage the input in shared memory and share it among up to 4 warps of 16 rows. The default CTA
   reads B from global memory once per 16 rows, each 32-bit load touching 8 token rows: by count 35 MB of input
@@ -155,7 +158,7 @@ from shuffleprune.errors import UserError
 # the sparse-tensor-core decodes (kernels/nm_sparse_mma.cu): on the gathered input, reading the map, and each with
 # the tall plan's CTAs
 SPARSE_MMA_DECODES = ("decode_sparse_mma", "decode_sparse_mma_tall", "decode_sparse_mma_mapped",
-                      "decode_sparse_mma_mapped_tall")
+                      "decode_sparse_mma_mapped_tall", "decode_sparse_mma_mapped_inline")
 # the prompt GEMM on the sparse tensor cores (kernels/nm_sparse_gemm.cu), on the gathered input, weighed from this many
 # tokens (below, the decodes hold the weight in registers once and need no shared-memory trip)
 SPARSE_GEMM = "gemm_sparse_mma"

@@ -280,8 +280,9 @@ class SparseLinear(nn.Module):
             mapped = impl.startswith("decode_sparse_mma_mapped") and self.perm is not None
             if self._sparse_mma_applies(x, mapped):
                 inp, perm = (x, self.perm) if mapped else (self._gathered(x, pdl), None)
+                inline = {"inline_map": True} if mapped and impl.endswith("_inline") else {}
                 return nm_sparse_mma(inp, self.values, self.words(), self.bias, tiled=self.tiled, perm=perm, pdl=pdl,
-                                     tall=impl.endswith("_tall"))
+                                     tall=impl.endswith("_tall"), **inline)
             # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
             impl = "decode" if self._pow2() and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
         if impl == SPARSE_GEMM:
@@ -432,7 +433,7 @@ class SparseLinear(nn.Module):
                 out.append("decode_sparse_mma")
                 out += ["decode_sparse_mma_tall"] if self._sparse_mma_tall_worth(x) else []
                 if self.perm is not None and self._sparse_mma_applies(x, mapped=True):
-                    out.append("decode_sparse_mma_mapped")
+                    out += ["decode_sparse_mma_mapped", "decode_sparse_mma_mapped_inline"]
                     out += ["decode_sparse_mma_mapped_tall"] if self._sparse_mma_tall_worth(x, mapped=True) else []
             if tokens >= SPARSE_GEMM_MIN_TOKENS and self._sparse_gemm_applies(x):
                 out.append(SPARSE_GEMM)
