@@ -1,9 +1,10 @@
-// A 2:4 GEMM on the sparse tensor cores for prompts (64 tokens and more): y[T, R] = x[T, C] @ W[R, C]^T (+ bias)
+// A 2:4 GEMM on the sparse tensor cores for prompts (auto weighs it from 32 tokens): y[T, R] = x[T, C] @ W[R, C]^T (+ bias)
 // by mma.sp m16n8k32, tiled as a GEMM. nm_sparse_mma.cu (the decode) holds every weight byte in registers once and
 // reads the input per warp; here the weight's kept values, position words and the input's tile pass through shared
 // memory, so each fragment read there serves several MMAs (a warp's MT m-tiles share each B fragment, its NT
 // n-tiles each A fragment). Same layouts, same MMA and same fragment readings as the decode (nm_sparse_mma.cu says
-// them); the device prelude of kernels/nm_sparse_mma.py comes first, on the CPU tests/sparse_mma_emulator.hpp.
+// them); the device prelude of kernels/nm_sparse_mma.py comes first (on the CPU tests/sparse_mma_emulator.hpp), then
+// nm_sparse_common.cuh.
 //
 // A CTA owns BM = WM * MT * 16 rows and BN = WN * NT * 8 tokens (blockIdx.y the row block, blockIdx.x the token
 // block: the token blocks of a row block run side by side and share its weight in L2). Its WM x WN warps hold MT x NT
