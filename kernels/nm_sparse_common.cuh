@@ -23,3 +23,13 @@ SP_DEV void sp_zero(float (&acc)[M][N][4]) {   // a warp's accumulators: M m-til
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[i][n][j] = 0.f;
 }
+
+SP_DEV void sp_store_output(unsigned short* y, const unsigned short* bias, int R, int token, int row, float sum) {
+  // one output y[token][row], bias added, rounded to 16 bits
+#if HAS_BIAS
+  sum += sp_to_float(sp_ld16(bias + row));
+#else
+  (void)bias;
+#endif
+  sp_st16(y + (long long)token * R + row, sp_from_float(sum));
+}

@@ -1,7 +1,7 @@
-// A 2:4 GEMM on the sparse tensor cores for prompts (auto weighs it from 32 tokens): y[T, R] = x[T, C] @ W[R, C]^T (+ bias)
-// by mma.sp m16n8k32, tiled as a GEMM. nm_sparse_mma.cu (the decode) holds every weight byte in registers once and
-// reads the input per warp; here the weight's kept values, position words and the input's tile pass through shared
-// memory, so each fragment read there serves several MMAs (a warp's MT m-tiles share each B fragment, its NT
+// A 2:4 GEMM on the sparse tensor cores for prompts (auto weighs it from 32 tokens): y[T, R] = x[T, C] @ W[R, C]^T
+// (+ bias) by mma.sp m16n8k32, tiled as a GEMM. nm_sparse_mma.cu (the decode) holds every weight byte in registers
+// once and reads the input per warp; here the weight's kept values, position words and the input's tile pass through
+// shared memory, so each fragment read there serves several MMAs (a warp's MT m-tiles share each B fragment, its NT
 // n-tiles each A fragment). Same layouts, same MMA and same fragment readings as the decode (nm_sparse_mma.cu says
 // them); the device prelude of kernels/nm_sparse_mma.py comes first (on the CPU tests/sparse_mma_emulator.hpp), then
 // nm_sparse_common.cuh.
@@ -82,9 +82,11 @@ SP_DEV unsigned sp_gemm_meta(const unsigned* Es, int r16, int lane) {
   // pair 8a + g of the band's tile kk: rows g (low nibbles) and g + 8 (high), groups 0 4 1 5 | 2 6 3 7
   const unsigned* p = Es + (r16 / 64) * 128 + kk * 64 + 2 * (8 * ((r16 % 64) / 16) + g);
   // bytes of groups 4 role + 0..3
-  return sp_codes_register(sp_byte_perm(sp_lds_word(p), sp_lds_word(p + 1), role ? 0x7531u : 0x6420u));
+  unsigned lo = sp_lds32((const unsigned short*)p), hi = sp_lds32((const unsigned short*)(p + 1));
+  return sp_codes_register(sp_byte_perm(lo, hi, role ? 0x7531u : 0x6420u));
 #else
-  unsigned wa = sp_lds_word(Es + 2 * (r16 + g) + kk), wb = sp_lds_word(Es + 2 * (r16 + g + 8) + kk);
+  unsigned wa = sp_lds32((const unsigned short*)(Es + 2 * (r16 + g) + kk));
+  unsigned wb = sp_lds32((const unsigned short*)(Es + 2 * (r16 + g + 8) + kk));
 #if META_HALF_SWAP
   return sp_byte_perm(wb, wa, role ? 0x7632u : 0x5410u);
 #else
@@ -132,6 +134,18 @@ SP_DEV void sp_gemm_compute_stage(const unsigned short* stage, float (&acc)[MT][
       }
     }
   }
+}
+
+SP_DEV bool sp_last_to_arrive(int* counter, int arrivals, int& flag, int tid) {
+  // split-K: whether this CTA is the last of `arrivals` to finish its part (after its partial sums are written); its
+  // sums and every earlier CTA's are then visible to it. `flag` is a __shared__ int of the CTA; every thread calls this
+  sp_threadfence();
+  __syncthreads();
+  if (tid == 0) flag = sp_atomic_add(counter, 1) == arrivals - 1;
+  __syncthreads();
+  if (!flag) return false;
+  sp_threadfence();
+  return true;
 }
 
 extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
@@ -189,15 +203,11 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
     }
   }
   if (split) {
-    // the last CTA of the tile to finish adds every split's sums, in split order, 4 rows (16 bytes, from L2) of a
-    // token at a time
-    sp_threadfence();
-    __syncthreads();
+    // the last CTA of the tile to finish adds every split's sums, in split order
     int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    if (tid == 0) last_flag = sp_atomic_add(counters + tile, 1) == (int)gridDim.z - 1;
-    __syncthreads();
-    if (!last_flag) return;
-    sp_threadfence();
+    if (!sp_last_to_arrive(counters + tile, (int)gridDim.z, last_flag, tid)) return;
+    // one 16-byte item (4 rows of a token) a thread at a time, split order kept: the decode's batched sum (2 items, 4
+    // splits deep) took 40 more registers here as compiled for sm_90 (8-warp 128 x 128: 126 -> 166, one CTA an SM)
     for (int o = tid; o < BN * (BM / 4); o += THREADS) {
       int token = tok_base + o / (BM / 4), row = row_base + 4 * (o % (BM / 4));
       if (token >= T) continue;
@@ -211,12 +221,7 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
         sum[3] += sp_bits_float(v.w);
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-#if HAS_BIAS
-        sum[j] += sp_to_float(sp_ld16(bias + row + j));
-#endif
-        sp_st16(y + (long long)token * R + row + j, sp_from_float(sum[j]));
-      }
+      for (int j = 0; j < 4; ++j) sp_store_output(y, bias, R, token, row + j, sum[j]);
     }
     if (tid == 0) sp_st_int(counters + tile, 0);   // ready for the next call (and the next graph replay)
     return;

@@ -4,11 +4,12 @@ call on a GPU, like the decode (:mod:`.nm_sparse_mma`, whose device prelude, MMA
 From a few hundred tokens a dense layer is bound by its MMAs, not by its weight's bytes, and every path of this
 runtime but cuSPARSELt did the dense FLOPs after expanding the weight, so none could beat cuBLAS there
 (``bench_kernel.json``, H200: ``auto`` at 0.56–0.59× cuBLAS at 512 tokens in the export's layout). ``mma.sp`` does
-half the MMAs' work for the same result. The decode's CTAs hold each weight byte in registers once and read the input
-per warp, which at 512 tokens would bind them to their input loads; here the kept values, position words and the input's tile are copied into shared memory a
-stage of 64 columns at a time (``cp.async``, :data:`SparseGemmPlan.stages` in flight) and each fragment read there
-(``ldmatrix``) serves a warp's other tiles: a B fragment its ``mt`` m-tiles, an A fragment its ``nt`` n-tiles. The
-layer's own buffer is read as it is, in either layout. The same text runs on the CPU under the tests' emulator.
+half the MMAs' work for the same result. The decode's CTAs hold each weight byte in registers once and read the
+input per warp, which at 512 tokens would bind them to their input loads; here the kept values, position words and
+the input's tile are copied into shared memory a stage of 64 columns at a time (``cp.async``,
+:data:`SparseGemmPlan.stages` in flight) and each fragment read there (``ldmatrix``) serves a warp's other tiles: a
+B fragment its ``mt`` m-tiles, an A fragment its ``nt`` n-tiles. The layer's own buffer is read as it is, in either
+layout. The same text runs on the CPU under the tests' emulator.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ import torch
 
 from shuffleprune.kernels.cuda_rtc import KernelLaunch, allow_dynamic_shared, compile_cuda, driver
 from shuffleprune.kernels.gpu import SMEM_PER_BLOCK_OPTIN, cdiv, smem_per_block_optin
-from shuffleprune.kernels.nm_sparse_mma import (COMMON, DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
+from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
                                                 fragment_reading, ordered_metadata, split_k_workspace,
                                                 sparse_mma_available, stream_handle)
+from shuffleprune.kernels.nm_sparse_mma import kernel_source as sparse_mma_source
 
 SOURCE = Path(__file__).with_name("nm_sparse_gemm.cu")
 KERNEL_NAME = "nm_sparse_gemm"
@@ -168,10 +170,8 @@ def kernel_defines(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bi
 
 
 def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
-    """The full text of one variant: its defines, the side's prelude, what both sparse-MMA kernels share
-    (:data:`.nm_sparse_mma.COMMON`), then ``nm_sparse_gemm.cu``."""
-    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    return head + prelude + COMMON.read_text() + SOURCE.read_text()
+    """The full text of one variant (:func:`.nm_sparse_mma.kernel_source` of ``nm_sparse_gemm.cu``)."""
+    return sparse_mma_source(defines, prelude, SOURCE)
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,8 +43,8 @@
 // each row's words XORed by its token in bits 1, 2 and 4 fall in 32 distinct banks.
 //
 // Compile-time parameters (#define before this text): NT (n-tiles of 8 tokens), MT, RW, KW, TILED,
-// HAS_BIAS, HAS_PERM, MAP_INLINE, STAGE_X, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step ahead), STAGES
-// (steps held in registers: STAGES - 1 loading while one multiplies), PDL (launched as a programmatic dependent:
+// HAS_BIAS, HAS_PERM, MAP_INLINE, STAGE_X, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step
+// ahead), STAGES (steps held in registers: STAGES - 1 loading while one multiplies), PDL (launched as a programmatic dependent:
 // griddepcontrol.wait after the first weight loads, then launch_dependents; sm_90 and later), PREFETCH (the CTA's
 // further kept values asked into L2 before it stages its input, at most PREFETCH_BUDGET bytes a launch).
 //
@@ -238,15 +238,6 @@ SP_DEV void sp_stage_round(unsigned short* to, const unsigned short* x, int xs, 
 }
 #endif
 
-SP_DEV void sp_store_output(unsigned short* y, const unsigned short* bias, int R, int token, int row, float sum) {
-#if HAS_BIAS
-  sum += sp_to_float(sp_ld16(bias + row));
-#else
-  (void)bias;
-#endif
-  sp_st16(y + (long long)token * R + row, sp_from_float(sum));
-}
-
 extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     const unsigned short* x, const unsigned short* values, const unsigned* meta, const int* perm,
     const unsigned short* bias, unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
@@ -350,7 +341,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     for (int j = 0; j < STAGES; ++j) {
       int r = r0 + j;
       if (r < rounds) {   // the same for every thread of the CTA: its barriers are met by all
-        sp_cp_async_wait_one();   // this thread's copies of round r landed (round r + 1's may still fly)
+        sp_cp_async_wait<1>();   // this thread's copies of round r landed (round r + 1's may still fly)
         __syncthreads();          // and every thread's
         SpInput in = {ring + (r & 1) * slot, round_cols, k_begin + round_cols * r, T, perm};
         int step = r * KW + kg, ahead = step + (STAGES - 1) * KW;

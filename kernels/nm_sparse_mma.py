@@ -86,14 +86,12 @@ SP_DEV void sp_cp_async16(unsigned short* to, const void* from, int bytes) {   /
                "l"(from), "r"(bytes) : "memory");
 }
 SP_DEV void sp_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-SP_DEV void sp_cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 template <int N>
 SP_DEV void sp_cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 SP_DEV void sp_ldmatrix4(unsigned (&r)[4], const unsigned short* p) {   // four 8x8 16-bit matrices, rows by lanes
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
 }
-SP_DEV unsigned sp_lds_word(const unsigned* p) { return *p; }   // shared memory
 SP_DEV void sp_sts16(unsigned short* p, unsigned short v) { *p = v; }
 SP_DEV u32x4 sp_lds128(const unsigned short* p) { return *(const u32x4*)p; }
 SP_DEV void sp_st128(unsigned short* p, u32x4 v) { *(u32x4*)p = v; }
@@ -398,11 +396,12 @@ def set_fragment_reading(knobs) -> None:
     _launch.cache_clear()
 
 
-def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
+def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE, source: Path = SOURCE) -> str:
     """The full text of one variant: its defines, the side's prelude (GPU here; the CPU emulator's in
-    the tests), what both sparse-MMA kernels share (:data:`COMMON`), then ``nm_sparse_mma.cu``."""
+    the tests), what both sparse-MMA kernels share (:data:`COMMON`), then ``source`` (``nm_sparse_mma.cu``, or the
+    prompt GEMM's ``nm_sparse_gemm.cu``)."""
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    return head + prelude + COMMON.read_text() + SOURCE.read_text()
+    return head + prelude + COMMON.read_text() + source.read_text()
 
 
 def ordered_metadata() -> bool:

@@ -115,7 +115,6 @@ SP_DEV unsigned sp_lds32(const unsigned short* p) {
 SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) {
   if (spemu_shared_ok(p, 4)) std::memcpy(p, &v, 4);
 }
-SP_DEV unsigned sp_lds_word(const unsigned* p) { return sp_lds32(reinterpret_cast<const unsigned short*>(p)); }
 SP_DEV void sp_sts16(unsigned short* p, unsigned short v) {
   if (spemu_shared_ok(p, 2)) std::memcpy(p, &v, 2);
 }
@@ -153,7 +152,6 @@ SP_DEV void sp_cp_async_wait() {   // every committed group but the newest N lan
     spemu_copy_groups.erase(spemu_copy_groups.begin());
   }
 }
-SP_DEV void sp_cp_async_wait_one() { sp_cp_async_wait<1>(); }
 #define SP_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(spemu::dyn_smem.data())
 // which CTA stored at each address in this launch: a second CTA's plain store to the same address is a race on a
 // GPU (their order is not defined), so it is an error here (the launchers clear this map at each launch)
