@@ -4,7 +4,10 @@ cuSPARSELt's layout (as a layer holds it after ``use_cslt_layout``) or the expor
 checked against a dense bf16 matmul of the decompressed weight (its maximum relative error is recorded; one off by more
 than 2 % is not timed), then timed as ``bench_kernel.py`` times: calls over rotating weight copies (together more than
 2.5× the L2) captured in one CUDA graph, the median replay. The fragments are read as the decode's probe found
-(``SHUFFLEPRUNE_SPARSE_MMA_READING``, which ``gpu_run.sh sparse_mma`` exports): the same MMA.
+(``SHUFFLEPRUNE_SPARSE_MMA_READING``, which ``gpu_run.sh sparse_mma`` exports): the same MMA. First, the tensor cores'
+ceiling through ``mma.sp`` and the dense ``mma`` (``mma_ceiling.py``: MMAs alone, on every SM), recorded as
+``ceiling`` beside each row's dense-equivalent TFLOPS and cuBLAS's: how far the GEMM stands from what its MMA allows,
+and whether that MMA can beat cuBLAS's ``wgmma`` at all.
 
     python scripts/tune_sparse_gemm.py                 # → scripts/results/tune_sparse_gemm.json
     python scripts/tune_sparse_gemm.py --smoke         # CPU: tiny shapes on the tests' emulator (g++)
@@ -53,13 +56,20 @@ def main() -> None:
     shared_limit = smem_per_block_optin(dev)
     gen = torch.Generator().manual_seed(0)
     rows, best = [], []
+    ceiling = None
+    if cuda:
+        from mma_ceiling import measure
+
+        ceiling = measure(dev)
+        print("ceiling", json.dumps(ceiling), flush=True)
     out = Path(args.out) if cuda else Path(args.out).with_name("tune_sparse_gemm_smoke.json")
 
     def save() -> None:
         out.write_text(json.dumps({
             "what": "the prompt GEMM on the sparse tensor cores against cuBLAS (bf16, gathered input, rotating weight "
                     "copies, CUDA graphs; rel_err: max |y - dense| / max |dense| of a dense bf16 matmul)",
-            **run_facts(args.smoke, cuda), "reading": sorted(fragment_reading()), "best": best, "rows": rows},
+            **run_facts(args.smoke, cuda), "reading": sorted(fragment_reading()), "ceiling": ceiling, "best": best,
+            "rows": rows},
             indent=1) + "\n")
 
     for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
@@ -68,7 +78,8 @@ def main() -> None:
         want = F.linear(x_dev, w_dev).float()
         n_copies = rotated_copies(values, l2, cuda)
         dense = dense_ms(x_dev, w_dev, n_copies, args.reps) if cuda else None
-        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense})
+        rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense,
+                     "tflops": 2 * tokens * out_f * in_f / dense / 1e9 if dense else None})
         planned = sparse_gemm_plan(tokens, out_f, in_f, sms, shared_limit)
         for layout in args.layouts:
             tiled = layout == "tiled"
@@ -112,7 +123,7 @@ def main() -> None:
             if case:
                 top = min(case, key=lambda r: r["ms"])
                 best.append({k: top[k] for k in ("shape", "tokens", "layout", "plan", "planned", "ms",
-                                                 "speedup_vs_dense")})
+                                                 "speedup_vs_dense", "tflops_dense_equiv")})
         save()
     save()
 

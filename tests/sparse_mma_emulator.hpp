@@ -277,7 +277,38 @@ inline void mma_sp_m16n8k32(Warp& w) {
       w.d[lane][j] = (float)acc;
     }
 }
+
+// D = A · B + C for one warp, dense m16n8k16 (PTX ISA, .f16/.bf16): A row g in registers 0 (columns 2t, 2t + 1) and 2
+// (2t + 8, 2t + 9) of lane 4g + t, row g + 8 in 1 and 3; B column g rows 2t, 2t + 1 in register 0 of lane 4g + t,
+// rows 2t + 8, 2t + 9 in register 1; C and D as for the sparse MMA
+inline void mma_m16n8k16(Warp& w) {
+  for (int r = 0; r < 16; ++r)
+    for (int n = 0; n < 8; ++n) {
+      int lane = 4 * (r % 8) + n / 2, j = 2 * (r >= 8 ? 1 : 0) + n % 2;
+      double acc = w.c[lane][j];
+      for (int q = 0; q < 16; ++q) {
+        int t = (q % 8) / 2, hi = q % 2;
+        unsigned aw = w.a[4 * (r % 8) + t][(r >= 8 ? 1 : 0) + (q >= 8 ? 2 : 0)];
+        unsigned bw = w.b[4 * n + t][q >= 8 ? 1 : 0];
+        acc += (double)sp_to_float((unsigned short)(hi ? aw >> 16 : aw & 0xFFFFu)) *
+               sp_to_float((unsigned short)(hi ? bw >> 16 : bw & 0xFFFFu));
+      }
+      w.d[lane][j] = (float)acc;
+    }
+}
 }  // namespace spemu
+
+SP_DEV void sp_mma_dense(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[4]) {   // b[0], b[1]: m16n8k16
+  unsigned lane = threadIdx.x & 31u;
+  spemu::Warp& w = (*spemu::warps)[threadIdx.x >> 5];
+  std::memcpy(w.a[lane], a, sizeof w.a[lane]);
+  std::memcpy(w.b[lane], b, sizeof w.b[lane]);
+  std::memcpy(w.c[lane], d, sizeof w.c[lane]);
+  w.bar->arrive_and_wait();
+  if (lane == 0) spemu::mma_m16n8k16(w);
+  w.bar->arrive_and_wait();
+  std::memcpy(d, w.d[lane], sizeof w.d[lane]);
+}
 
 template <int SEL>
 SP_DEV void sp_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[4], unsigned e) {
