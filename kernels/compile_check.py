@@ -229,10 +229,11 @@ def disassemble(cubin: bytes, arch: int) -> str:
         return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def main_loop(sass: str) -> list[str]:
+def main_loop(sass: str, holding: str | None = None) -> list[str]:
     """The machine instructions of the longest loop body (label … backward branch to it, with no
-    ``EXIT`` between): what one warp issues per iteration of the kernel's main loop; empty when the
-    kernel has no loop. (A barrier wait's retry placed after the kernel's exits branches back into
+    ``EXIT`` between), of those holding an instruction that contains ``holding`` if given (``HMMA``: the
+    loop of the MMAs, not a longer epilogue's): what one warp issues per iteration of the kernel's main loop;
+    empty when the kernel has no such loop. (A barrier wait's retry placed after the kernel's exits branches back into
     the loop: that span is no loop body.)"""
     body, seen, instructions, exits = (0, 0), {}, [], []
     for line in sass.splitlines():
@@ -248,7 +249,8 @@ def main_loop(sass: str) -> list[str]:
             exits.append(len(instructions) - 1)
         target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", ins.group(1))
         if target and target.group(1) in seen and len(instructions) - seen[target.group(1)] > body[1] - body[0] \
-                and not any(seen[target.group(1)] <= e for e in exits):
+                and not any(seen[target.group(1)] <= e for e in exits) \
+                and (holding is None or any(holding in i for i in instructions[seen[target.group(1)]:])):
             body = (seen[target.group(1)], len(instructions))
     return instructions[body[0]:body[1]]
 

@@ -39,39 +39,84 @@
 SP_DEV int sp_a_offset(int row, int chunk) { return row * 32 + 8 * (chunk ^ ((row >> 1) & 3)); }
 SP_DEV int sp_x_offset(int token, int chunk) { return token * 64 + 8 * (chunk ^ (token & 7)); }
 
-SP_DEV void sp_gemm_copy_stage(unsigned short* stage, const unsigned short* x, const unsigned short* values,
-                               const unsigned* meta, int T, int C, int xs, int row_base, int tok_base, int kt,
-                               int tid) {
-  // the kept values, input and position words of columns 64 kt .. 64 kt + 63 into shared memory, by asynchronous
-  // copies
-  unsigned short* As = stage;
-  unsigned short* Bs = stage + A_HALVES;
-  unsigned* Es = (unsigned*)(stage + A_HALVES + B_HALVES);
-  const int half_c = C >> 1;
-  for (int i = tid; i < BM * 4; i += THREADS) {
-    int r = i >> 2, c = i & 3;
-    sp_cp_async16(As + sp_a_offset(r, c), values + (long long)(row_base + r) * half_c + kt * 32 + 8 * c, 16);
-  }
-  for (int i = tid; i < BN * 8; i += THREADS) {
-    int n = i >> 3, c = i & 7, token = tok_base + n;
-    int valid = token < T;
-    // a token past T copies nothing and zero-fills (its source kept inside x all the same)
-    sp_cp_async16(Bs + sp_x_offset(n, c), x + (long long)(valid ? token : T - 1) * xs + kt * 64 + 8 * c,
-                  valid ? 16 : 0);
-  }
+// What a thread copies each stage, worked out once (per stage it then issues A_COPIES + X_COPIES (+ 1) copies, each a
+// pointer step and a cp.async: no division, no loop, no branch). Thread tid's kept-value chunks are chunk tid & 3 of
+// rows tid / 4 + j * A_ROW_STEP, its input chunks chunk tid & 7 of tokens tid / 8 + j * X_TOKEN_STEP; both steps are
+// multiples of 8 rows, so every chunk j of a thread lands in the same swizzled column of its row.
+#define A_COPIES (BM * 4 / THREADS)   // 16-byte kept-value chunks a thread copies a stage
+#define X_COPIES (BN * 8 / THREADS)   // 16-byte input chunks
+#define A_ROW_STEP (THREADS / 4)
+#define X_TOKEN_STEP (THREADS / 8)
 #if TILED
-  // each 64-row band's tiles 2kt and 2kt + 1: 128 consecutive words of the layer's buffer
-  for (int i = tid; i < (BM / 64) * 32; i += THREADS) {
-    int band = i >> 5, c = i & 31;
-    sp_cp_async16((unsigned short*)(Es + band * 128 + 4 * c),
-                  meta + (long long)(row_base / 64 + band) * (2LL * C) + (long long)kt * 128 + 4 * c, 16);
-  }
+#define E_COPIERS (BM / 2)            // threads that copy 16 bytes of position words (a 64-row band's 2 tiles: 512 B)
+#define E_STAGE_STEP 128              // words from one stage's position words to the next's
 #else
-  const int words = C / 32;
-  for (int r = tid; r < BM; r += THREADS)
-    sp_cp_async8((unsigned short*)(Es + 2 * r),
-                 (const unsigned short*)(meta + (long long)(row_base + r) * words + 2 * kt));
+#define E_COPIERS BM                  // threads that copy a row's 2 position words (8 bytes)
+#define E_STAGE_STEP 2
 #endif
+static_assert(A_COPIES * THREADS == BM * 4 && X_COPIES * THREADS == BN * 8, "each thread copies whole chunks");
+static_assert(A_ROW_STEP % 8 == 0 && X_TOKEN_STEP % 8 == 0, "a thread's chunks share their swizzled column");
+static_assert(E_COPIERS <= THREADS, "one copy of position words a thread at most");
+
+struct SpGemmCopies {
+  const unsigned short* a;   // the source of the thread's first kept-value chunk of the next stage to copy
+  const unsigned short* x;   // of its first input chunk
+  const unsigned* e;         // of its position words
+  int a_step, x_step;        // 16-bit elements between the sources of its consecutive chunks (A_ROW_STEP rows;
+                             // X_TOKEN_STEP tokens)
+  int x_last;                // elements from x to the last token's chunk: a chunk past T copies zeros from there
+  int a_at, x_at, e_at;      // where its first chunks go in a stage (16-bit units)
+  int x_valid;               // chunks of its tokens before T
+};
+
+SP_DEV SpGemmCopies sp_gemm_copies(const unsigned short* x, const unsigned short* values, const unsigned* meta, int T,
+                                   int C, int xs, int row_base, int tok_base, int k0, int tid) {
+  SpGemmCopies cp;
+  const int half_c = C >> 1;
+  int r = tid >> 2, ca = tid & 3, n = tid >> 3, cx = tid & 7, token = tok_base + n;
+  cp.a = values + (long long)(row_base + r) * half_c + k0 * 32 + 8 * ca;
+  cp.a_step = A_ROW_STEP * half_c;
+  cp.a_at = sp_a_offset(r, ca);
+  cp.x = x + (long long)token * xs + k0 * 64 + 8 * cx;
+  cp.x_step = X_TOKEN_STEP * xs;
+  cp.x_last = (T - 1 - token) * xs;
+  cp.x_at = A_HALVES + sp_x_offset(n, cx);
+  cp.x_valid = token < T ? (T - 1 - token) / X_TOKEN_STEP + 1 : 0;
+#if TILED
+  // thread tid (< BM / 2) copies 16 bytes of 64-row band tid / 32: the band's tiles 2kt and 2kt + 1 are 128
+  // consecutive words of the layer's buffer
+  int band = tid >> 5, ce = tid & 31;
+  cp.e = meta + (long long)(row_base / 64 + band) * (2LL * C) + (long long)k0 * 128 + 4 * ce;
+  cp.e_at = A_HALVES + B_HALVES + 2 * (band * 128 + 4 * ce);
+#else
+  cp.e = meta + (long long)(row_base + tid) * (C / 32) + 2 * k0;   // row tid's 2 words
+  cp.e_at = A_HALVES + B_HALVES + 2 * (2 * tid);
+#endif
+  return cp;
+}
+
+SP_DEV void sp_gemm_copy_stage(unsigned short* stage, SpGemmCopies& cp, int tid) {
+  // the next stage's kept values, input and position words into shared memory by asynchronous copies; the sources
+  // then move on 64 columns
+  const unsigned short* src = cp.a;
+#pragma unroll
+  for (int j = 0; j < A_COPIES; ++j, src += cp.a_step) sp_cp_async16(stage + cp.a_at + j * (A_ROW_STEP * 32), src, 16);
+  src = cp.x;
+#pragma unroll
+  for (int j = 0; j < X_COPIES; ++j, src += cp.x_step) {
+    bool valid = j < cp.x_valid;   // a token past T copies nothing and zero-fills (its source the last token's)
+    sp_cp_async16(stage + cp.x_at + j * (X_TOKEN_STEP * 64), valid ? src : cp.x + cp.x_last, valid ? 16 : 0);
+  }
+  if (tid < E_COPIERS) {
+#if TILED
+    sp_cp_async16(stage + cp.e_at, cp.e, 16);
+#else
+    sp_cp_async8(stage + cp.e_at, (const unsigned short*)cp.e);
+#endif
+  }
+  cp.a += 32;
+  cp.x += 64;
+  cp.e += E_STAGE_STEP;
 }
 
 SP_DEV unsigned sp_gemm_meta(const unsigned* Es, int r16, int lane) {
@@ -163,21 +208,21 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
   sp_zero(acc);
 
   // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
+  SpGemmCopies cp = sp_gemm_copies(x, values, meta, T, C, xs, row_base, tok_base, k0, tid);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < stages_k)
-      sp_gemm_copy_stage(smem + s * STAGE_HALVES, x, values, meta, T, C, xs, row_base, tok_base, k0 + s, tid);
+    if (s < stages_k) sp_gemm_copy_stage(smem + s * STAGE_HALVES, cp, tid);
     sp_cp_async_commit();
   }
+  int read = 0, write = STAGES - 1;   // the slots of stage kt and of stage kt + STAGES - 1
   for (int kt = 0; kt < stages_k; ++kt) {
     sp_cp_async_wait<STAGES - 2>();   // this thread's copies of stage kt landed
     __syncthreads();                   // every thread's; and every warp is done with stage kt - 1's slot
-    int next = kt + STAGES - 1;
-    if (next < stages_k)
-      sp_gemm_copy_stage(smem + (next % STAGES) * STAGE_HALVES, x, values, meta, T, C, xs, row_base, tok_base,
-                         k0 + next, tid);
+    if (kt + STAGES - 1 < stages_k) sp_gemm_copy_stage(smem + write * STAGE_HALVES, cp, tid);
     sp_cp_async_commit();
-    sp_gemm_compute_stage(smem + (kt % STAGES) * STAGE_HALVES, acc, wr, wc, lane);
+    sp_gemm_compute_stage(smem + read * STAGE_HALVES, acc, wr, wc, lane);
+    read = read == STAGES - 1 ? 0 : read + 1;
+    write = write == STAGES - 1 ? 0 : write + 1;
   }
   sp_cp_async_wait<0>();
   __syncthreads();   // every warp is done with the stages: the output tile takes their place

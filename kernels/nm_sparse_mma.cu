@@ -83,34 +83,93 @@ SP_DEV unsigned sp_b_column(int c0, int block, int half, int reg, int t) {
   return (unsigned)(c0 + 64 * block + 4 * group + 2 * (t & 1));
 }
 
+SP_DEV int sp_lane_column(int t) {
+  // the first input column of lane t's B registers in a step, past the step's first: every register's column is
+  // this plus sp_b_offset (sp_b_column's assignment, split in its lane's part and its register's)
+  return 16 * (t >> 1) + 2 * (t & 1);
+}
+
+SP_DEV int sp_b_offset(int block, int half, int reg) {
+  // the rest of sp_b_column: compile-time in every unrolled load, so a B load is one address plus a constant
+#if B_SWAP
+  reg = ((reg & 1) << 1) | (reg >> 1);
+#endif
+  return 64 * block + 32 * (reg & 1) + 8 * half + 4 * (reg >> 1);
+}
+
 struct SpInput {            // where B's columns are read: the gathered input in global memory, or (STAGED)
   const unsigned short* x;  // the CTA's columns staged (through the index map) in shared memory, swizzled, or
   int stride, col0, T;      // (MAP_INLINE) the input in its own order, read through
-  const int* perm;          // the map
+  const int* perm;          // the map (MAP_INLINE: from this lane's own column, sp_lane_column)
+  // this lane's token of each n-tile (the last token's past T: the same addresses as that token's lanes, no extra
+  // traffic; an MMA's output column n takes only B's column n, and the sums of tokens past T are never stored, so
+  // what such a lane reads needs no branch or select):
+#if STAGED
+  int row[NT];              // its staged row (16-bit units past x)
+  int key[NT];              // its words' XOR (sp_staged_key)
+#else
+  const unsigned short* row[NT];   // its row of the gathered input from its own column, or (MAP_INLINE) of the input
+#endif
 };
+
+SP_DEV int sp_last_token(int token, int T) { return token < T ? token : T - 1; }
+
+SP_DEV int sp_staged_key(int token, int lane) {
+  // what a staged B load of this lane and token XORs its register's word bits with: the row's swizzle (bits 1, 2, 4)
+  // and the lane's own word bits (bits 0 and 3, sp_lane_column / 2), which no register's bits touch
+  return sp_swizzle(token) | (sp_lane_column(lane & 3) >> 1);
+}
+
+SP_DEV int sp_staged_word_at(int c0, int block, int half, int reg, int key) {
+  // the staged word of B register `reg` in (block, half) of a step at c0 (a multiple of 128) past the staged row's
+  // first column: the step's part (a multiple of 64 words) plus the register's bits (1, 2, 4, 5) XOR the lane's key
+  return (c0 >> 1) + ((sp_b_offset(block, half, reg) >> 1) ^ key);
+}
 
 SP_DEV int sp_staged_word(int token, unsigned col, int col0) {
   // the 32-bit word of a staged row holding input column col (and col + 1) of token: where the staging writes it
-  // and B loads read it
+  // (sp_staged_word_at is the same word, in parts)
   return ((int)(col - col0) >> 1) ^ sp_swizzle(token);
 }
 
-SP_DEV unsigned sp_load_b(const SpInput& in, int token, unsigned col) {
-  if (token >= in.T) return 0u;
+SP_DEV SpInput sp_input(const unsigned short* x, int stride, int col0, int T, const int* perm, int lane) {
+  // each lane's rows worked out once, so each B load in the K loop is an address plus the step's column plus a
+  // constant (global memory), or plus a logic op (staged): no multiply, no kernel parameter read again
+  SpInput in = {x, stride, col0, T, perm};
+  int g = lane >> 2;
 #if STAGED
-  return sp_lds32(in.x + token * in.stride + 2 * sp_staged_word(token, col, in.col0));
-#elif MAP_INLINE
-  u32x2 p = sp_ldg64(in.perm + col);   // the map's entries of col and col + 1 (col is even: 8 bytes aligned)
-  const unsigned short* row = in.x + (long long)token * in.stride;
-  return (unsigned)sp_ld16(row + (int)p.x) | (unsigned)sp_ld16(row + (int)p.y) << 16;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    int token = sp_last_token(8 * n + g, T);
+    in.row[n] = token * stride;
+    in.key[n] = sp_staged_key(token, lane);
+  }
 #else
-  return sp_ld32(in.x + (long long)token * in.stride + col);
+  int col = sp_lane_column(lane & 3);
+#if MAP_INLINE
+  in.perm = perm + col;
+  col = 0;
+#endif
+#pragma unroll
+  for (int n = 0; n < NT; ++n) in.row[n] = x + (long long)sp_last_token(8 * n + g, T) * stride + col;
+#endif
+  return in;
+}
+
+SP_DEV unsigned sp_load_b(const SpInput& in, int n, int c0, int block, int half, int reg) {
+  // B register `reg` of n-tile n in (block, half) of the step at column c0, for this lane
+#if STAGED
+  return sp_lds32(in.x + in.row[n] + 2 * sp_staged_word_at(c0 - in.col0, block, half, reg, in.key[n]));
+#elif MAP_INLINE
+  u32x2 p = sp_ldg64(in.perm + c0 + sp_b_offset(block, half, reg));   // the map's entries of the two columns
+  return (unsigned)sp_ld16(in.row[n] + p.x) | (unsigned)sp_ld16(in.row[n] + p.y) << 16;
+#else
+  return sp_ld32(in.row[n] + c0 + sp_b_offset(block, half, reg));
 #endif
 }
 
 SP_DEV void sp_load_inputs(SpStage& st, const SpInput& in, int c0, int lane) {
 #if BPRE
-  int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int b = 0; b < 2; ++b)
 #pragma unroll
@@ -119,7 +178,7 @@ SP_DEV void sp_load_inputs(SpStage& st, const SpInput& in, int c0, int lane) {
       for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int r = 0; r < 4; ++r)
-          st.bx[b][h][n][r] = sp_load_b(in, 8 * n + g, sp_b_column(c0, b, h, r, t));
+          st.bx[b][h][n][r] = sp_load_b(in, n, c0, b, h, r);
 #endif
 }
 
@@ -183,8 +242,7 @@ SP_DEV unsigned sp_word(const u32x4& v, int k) {
 }
 
 SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const SpInput& in, int c0, int lane) {
-  int g = lane >> 2, t = lane & 3, role = (t & 1) ^ META_ROLE_SWAP;
-  (void)g;   // read only where the input is loaded here (BPRE = 0)
+  int role = (lane & 1) ^ META_ROLE_SWAP;
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
     unsigned e[2] = {sp_meta_word(st, i, 0, role), sp_meta_word(st, i, 1, role)};
@@ -207,7 +265,7 @@ SP_DEV void sp_compute_stage(const SpStage& st, float (&acc)[MT][NT][4], const S
 #if BPRE
             bb[r] = st.bx[b][h][n][r];
 #else
-            bb[r] = sp_load_b(in, 8 * n + g, sp_b_column(c0, b, h, r, t));
+            bb[r] = sp_load_b(in, n, c0, b, h, r);
 #endif
           }
           if (b == 0)
@@ -320,7 +378,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
     }
   }
   __syncthreads();
-  SpInput in = {staged, width, k_begin, T, perm};
+  SpInput in = sp_input(staged, width, k_begin, T, perm, lane);
 #elif STAGE_X
   // a ring of two rounds in shared memory: round r (the CTA's steps r * KW .. r * KW + KW - 1, one per K group)
   // is copied by every thread's asynchronous 8-byte copies two rounds ahead, while the round before is read
@@ -332,7 +390,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   sp_cp_async_commit();
   (void)perm;
 #else
-  SpInput in = {x, xs, 0, T, perm};   // the map read at each B load under MAP_INLINE, else not at all
+  SpInput in = sp_input(x, xs, 0, T, perm, lane);   // the map read at each B load under MAP_INLINE, else not at all
 #endif
 #if STAGE_X && !HAS_PERM
   // the same register pipeline as below, by rounds: every warp of the CTA on the same round, two barriers a round
@@ -343,7 +401,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
       if (r < rounds) {   // the same for every thread of the CTA: its barriers are met by all
         sp_cp_async_wait<1>();   // this thread's copies of round r landed (round r + 1's may still fly)
         __syncthreads();          // and every thread's
-        SpInput in = {ring + (r & 1) * slot, round_cols, k_begin + round_cols * r, T, perm};
+        SpInput in = sp_input(ring + (r & 1) * slot, round_cols, k_begin + round_cols * r, T, perm, lane);
         int step = r * KW + kg, ahead = step + (STAGES - 1) * KW;
         if (step < steps) {
           if (ahead < steps)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
-from shuffleprune.kernels.compile_check import A100, H100, disassemble, resident_programs  # noqa: E402
+from shuffleprune.kernels.compile_check import A100, H100, disassemble, main_loop, resident_programs  # noqa: E402
 from shuffleprune.kernels.cuda_rtc import Nvrtc, find_nvrtc  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
@@ -64,6 +64,18 @@ def sass_counts(cubin: bytes, arch: int) -> dict:
             "async_copies": sum(o.startswith("LDGSTS") for o in ops),   # cp.async (the ring of ``stage`` plans)
             "shared_loads": sum(o.startswith("LDS") for o in ops),
             "ldmatrix": sum(o.startswith("LDSM") for o in ops)}   # the prompt GEMM's fragment loads
+
+
+def loop_mix(cubin: bytes, arch: int) -> dict:
+    """A kernel's K loop as one warp issues it (the prompt GEMM's: a stage of 64 columns; the decode's: its unrolled
+    steps of 128): its instructions, sparse MMAs, ``ldmatrix`` and asynchronous copies, and the instructions issued
+    per MMA (the MMA itself included). In the GEMM, where that stands far above 1, the warp schedulers and not the
+    tensor cores set the pace; in the decode, every instruction besides its loads takes issue slots from them."""
+    loop = main_loop(disassemble(cubin, arch), holding="HMMA.SP")
+    mmas = sum("HMMA.SP" in i for i in loop)
+    return {"instructions": len(loop), "mma_sp": mmas, "ldmatrix": sum(i.startswith("LDSM") for i in loop),
+            "async_copies": sum(i.lstrip("@!P0123456 ").startswith("LDGSTS") for i in loop),
+            "per_mma": round(len(loop) / mmas, 2) if mmas else None}
 
 
 def variants(archs: list[str]):
@@ -105,6 +117,7 @@ def main() -> None:
                              "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
                              "shared_bytes": int(smem.group(1)) if smem else None,
                              "sass": sass_counts(cubin, gpu.arch) if ok else None,
+                             "main_loop": loop_mix(cubin, gpu.arch) if ok else None,
                              "log": None if ok else log[-2000:]}
             info = dict(seen[key])
             shared = info["shared_bytes"] + plan.dynamic_shared(tokens, mapped)
@@ -124,7 +137,8 @@ def main() -> None:
         seen[(arch, "gemm", tuple(defines.items()))] = info = {
             "compiled": ok, "registers": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
-            "sass": sass_counts(cubin, gpu.arch) if ok else None, "log": None if ok else log[-2000:]}
+            "sass": sass_counts(cubin, gpu.arch) if ok else None, "log": None if ok else log[-2000:],
+            "main_loop": loop_mix(cubin, gpu.arch) if ok else None}
         fits = plan.dynamic_shared() <= gpu.smem_per_block
         ctas = resident_programs(gpu, info["registers"], plan.warps, plan.dynamic_shared()) if ok and fits else 0
         gemm_rows.append({"arch": arch, "tiled": tiled, "plan": sg.plan_fields(plan), "bm": plan.bm, "bn": plan.bn,
@@ -146,11 +160,11 @@ def main() -> None:
         if r["arch"] == "sm_90" and r["shape"] == [4096, 4096] and r["tiled"]:
             print(r["tokens"], "mapped" if r["mapped"] else "", "pdl" if r["pdl"] else "", r["plan"],
                   "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
-                  "warps/SM", r["warps_per_sm"], "waves", r["waves"], r["sass"])
+                  "warps/SM", r["warps_per_sm"], "waves", r["waves"], r["sass"], r["main_loop"])
     for r in gemm_rows:
         if r["arch"] == "sm_90" and r["tiled"]:
             print("gemm", r["bm"], "x", r["bn"], r["plan"], "regs", r["registers"], "spill", r["spill_bytes"],
-                  "ctas/SM", r["ctas_per_sm"], "warps/SM", r["warps_per_sm"], r["sass"])
+                  "ctas/SM", r["ctas_per_sm"], "warps/SM", r["warps_per_sm"], r["sass"], r["main_loop"])
 
 
 if __name__ == "__main__":

@@ -25,3 +25,16 @@ extern "C" size_t spemu_prefetches(const void** out, size_t cap) {
   for (size_t i = 0; i < spemu_prefetched.size() && i < cap; ++i) out[i] = spemu_prefetched[i];
   return spemu_prefetched.size();
 }
+
+// A B register's input column as the layout assigns it (sp_b_column), as the loads split it (the lane's column plus a
+// constant), and its staged word as the staged loads work it out (sp_staged_word_at, with the lane's sp_staged_key), for the tests to compare.
+extern "C" int spemu_b_column(int c0, int block, int half, int reg, int lane) {
+  return (int)sp_b_column(c0, block, half, reg, lane & 3);
+}
+extern "C" int spemu_b_column_split(int c0, int block, int half, int reg, int lane) {
+  return c0 + sp_lane_column(lane & 3) + sp_b_offset(block, half, reg);
+}
+extern "C" int spemu_staged_word_of(int token, int col) { return sp_staged_word(token, (unsigned)col, 0); }
+extern "C" int spemu_staged_b_word(int token, int c0, int block, int half, int reg, int lane) {
+  return sp_staged_word_at(c0, block, half, reg, sp_staged_key(token, lane));
+}

@@ -1252,6 +1252,25 @@ def test_loop_shared_bytes_counts_what_a_warp_moves_through_shared_memory():
     assert shared_ceiling_tbs(18432, 8192, 4, H100) == pytest.approx(128 * 18432 / 32768 * 1.755e9 * 132 / 1e12)
 
 
+def test_main_loop_is_the_longest_loop_body_or_the_longest_holding_an_instruction():
+    """The longest span from a label to a backward branch to it, with no exit inside; asked for one holding
+    ``HMMA.SP``, the MMAs' loop even where an epilogue's loop is longer (the prompt GEMM's split-K sum)."""
+    from shuffleprune.kernels.compile_check import main_loop
+
+    def ins(i: int, text: str) -> str:
+        return f"        /*{16 * i:04x}*/                   {text} ;"
+
+    body = [".L_x_1:", ins(0, "LDSM.16.M88.4 R8, [R2]"), ins(1, "HMMA.SP.16832.F32.BF16 R4, R8, R12, R4, R3, 0x0"),
+            ins(2, "@P0 BRA `(.L_x_1)"), ".L_x_2:"]
+    body += [ins(3 + k, "LDG.E.128 R4, desc[UR4][R2.64]") for k in range(4)]
+    body += [ins(7, "BRA `(.L_x_2)"), ins(8, "EXIT")]
+    sass = "\n".join(body)
+    assert len(main_loop(sass)) == 5 and "HMMA" not in " ".join(main_loop(sass))
+    mma = main_loop(sass, holding="HMMA.SP")
+    assert len(mma) == 3 and mma[1].startswith("HMMA.SP")
+    assert main_loop(sass, holding="HGMMA") == []
+
+
 def test_timing_copies_exceed_the_l2_within_free_memory():
     """How many weights ``auto`` cycles through: enough to pass 2.5× the L2 together, at most 64, one
     where the weight alone passes it or the copies would not leave 256 MiB free."""

@@ -430,6 +430,23 @@ def test_a_warps_loads_from_the_staged_input_hit_32_banks():
         assert all(0 <= w < 64 * (block + 1) and w >= 32 * block for w in words)   # inside its 64-column block
 
 
+@pytest.mark.parametrize("b_swap", [0, 1])
+def test_the_loads_split_each_b_column_as_the_layout_assigns_it(b_swap):
+    """A B load's address is the lane's own column plus a constant of its register (global memory), or three parts
+    with no bit in common (a staged row): for every lane, register and step, the same column and staged word as the
+    layout's own assignment (sp_b_column, sp_staged_word), under either reading of B's registers."""
+    from sparse_mma_cpu import build
+
+    defines = kernel_defines(SparseMmaPlan(nt=2, mt=1, rw=1, kw=1, ks=256, splits=1, bpre=False), torch.bfloat16,
+                             False, False, True)
+    lib = build({**defines, "B_SWAP": b_swap})
+    for c0, block, half, reg, lane in itertools.product((0, 128, 1024), range(2), range(2), range(4), range(32)):
+        column = lib.spemu_b_column(c0, block, half, reg, lane)
+        assert lib.spemu_b_column_split(c0, block, half, reg, lane) == column
+        for token in (lane >> 2, 8 + (lane >> 2), 13):
+            assert lib.spemu_staged_b_word(token, c0, block, half, reg, lane) == lib.spemu_staged_word_of(token, column)
+
+
 @pytest.mark.parametrize("budget_rows", [None, 1])
 def test_a_mapped_plan_asks_its_further_values_into_l2_before_it_gathers(monkeypatch, budget_rows):
     """Reading a map, each CTA prefetches its rows' kept values past the steps its registers already hold, line by
