@@ -46,7 +46,8 @@
 // HAS_BIAS, HAS_PERM, MAP_INLINE, STAGE_X, IS_BF16, BPRE (the input's fragments loaded with the weight's, one step
 // ahead), STAGES (steps held in registers: STAGES - 1 loading while one multiplies), PDL (launched as a programmatic dependent:
 // griddepcontrol.wait after the first weight loads, then launch_dependents; sm_90 and later), PREFETCH (the CTA's
-// further kept values asked into L2 before it stages its input, at most PREFETCH_BUDGET bytes a launch).
+// further kept values asked into L2 before it stages its input, at most PREFETCH_BUDGET bytes a launch), MIN_CTAS
+// (where not 0, the CTAs an SM must hold: ptxas caps the registers to fit them).
 //
 // Three readings of the PTX ISA's fragments, each 0 as read above, can be flipped for a probe on a GPU
 // (scripts/tune_sparse_mma.py --probe): A_SWAP (A's registers as row g slots t, t+4, then row g+8's),
@@ -168,7 +169,7 @@ SP_DEV unsigned sp_load_b(const SpInput& in, int n, int c0, int block, int half,
 #endif
 }
 
-SP_DEV void sp_load_inputs(SpStage& st, const SpInput& in, int c0, int lane) {
+SP_DEV void sp_load_inputs(SpStage& st, const SpInput& in, int c0) {
 #if BPRE
 #pragma unroll
   for (int b = 0; b < 2; ++b)
@@ -182,37 +183,56 @@ SP_DEV void sp_load_inputs(SpStage& st, const SpInput& in, int c0, int lane) {
 #endif
 }
 
-SP_DEV void sp_load_weights(SpStage& st, const unsigned short* values, const unsigned* meta, int C, int row0, int c0,
-                            int lane) {
+struct SpWeights {              // this lane's weight rows, worked out once: each load then adds the step's column
+  const unsigned short* v[MT];  // its kept values of row g of each m-tile, from its own 16 bytes (row g + 8: + v8)
+  const unsigned* m[MT];        // its position words of each m-tile at column 0 (TILED: its band's pair 8a + g of
+                                // its own tile; rows: row g's words, row g + 8's m8 further)
+  int v8;                       // 16-bit elements from a row's kept values to those 8 rows below
+  int m8;                       // words from a row's position words to those 8 rows below (rows layout)
+};
+
+SP_DEV SpWeights sp_weights(const unsigned short* values, const unsigned* meta, int C, int row0, int lane) {
+  SpWeights w;
   int g = lane >> 2, t = lane & 3;
-  int half_c = C >> 1;
+  w.v8 = 8 * (C >> 1);
+  w.m8 = 8 * (C / 32);
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
-    int ra = row0 + 16 * i + g, rb = ra + 8;
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      long long off = (long long)(c0 + 64 * b) / 2 + 8 * t;
-      st.va[i][b] = sp_ld128(values + (long long)ra * half_c + off);
-      st.vb[i][b] = sp_ld128(values + (long long)rb * half_c + off);
-    }
-    int tile = c0 / 32 + 2 * (t >> 1);      // this lane's metadata block's first 32-column tile
+    int ra = row0 + 16 * i + g;
+    w.v[i] = values + (long long)ra * (C >> 1) + 8 * t;
 #if TILED
     int r16 = row0 + 16 * i;                // the m-tile's first row: band r16 / 64, a = (r16 % 64) / 16
-    long long w = (long long)(r16 / 64) * (2LL * C) + (long long)tile * 64 + (((r16 % 64) / 16) * 8 + g) * 2;
-    st.m0[i] = sp_ld64(meta + w);
-    st.m1[i] = sp_ld64(meta + w + 64);
+    w.m[i] = meta + (long long)(r16 / 64) * (2LL * C) + 2 * (t >> 1) * 64 + (((r16 % 64) / 16) * 8 + g) * 2;
 #else
-    int words = C / 32;
-    st.m0[i] = sp_ld64(meta + (long long)ra * words + tile);
-    st.m1[i] = sp_ld64(meta + (long long)rb * words + tile);
+    w.m[i] = meta + (long long)ra * (C / 32) + 2 * (t >> 1);
+#endif
+  }
+  return w;
+}
+
+SP_DEV void sp_load_weights(SpStage& st, const SpWeights& w, int c0) {
+  // the step at column c0: 16 bytes of rows g and g + 8 of each block, and the lane's metadata block's pair of words
+  // (its first 32-column tile is c0 / 32 + 2 * (t >> 1): TILED, 64 words a tile; rows, one word a tile)
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      st.va[i][b] = sp_ld128(w.v[i] + (c0 >> 1) + 32 * b);
+      st.vb[i][b] = sp_ld128(w.v[i] + w.v8 + (c0 >> 1) + 32 * b);
+    }
+#if TILED
+    st.m0[i] = sp_ld64(w.m[i] + 2 * c0);
+    st.m1[i] = sp_ld64(w.m[i] + 2 * c0 + 64);
+#else
+    st.m0[i] = sp_ld64(w.m[i] + (c0 >> 5));
+    st.m1[i] = sp_ld64(w.m[i] + w.m8 + (c0 >> 5));
 #endif
   }
 }
 
-SP_DEV void sp_load_stage(SpStage& st, const unsigned short* values, const unsigned* meta, const SpInput& in, int C,
-                          int row0, int c0, int lane) {
-  sp_load_weights(st, values, meta, C, row0, c0, lane);
-  sp_load_inputs(st, in, c0, lane);
+SP_DEV void sp_load_stage(SpStage& st, const SpWeights& w, const SpInput& in, int c0) {
+  sp_load_weights(st, w, c0);
+  sp_load_inputs(st, in, c0);
 }
 
 SP_DEV unsigned sp_meta_word(const SpStage& st, int i, int half, int role) {
@@ -296,7 +316,13 @@ SP_DEV void sp_stage_round(unsigned short* to, const unsigned short* x, int xs, 
 }
 #endif
 
-extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
+extern "C" __global__ void
+#if MIN_CTAS
+SP_BOUNDS_MIN(32 * WARPS, MIN_CTAS)
+#else
+SP_BOUNDS(32 * WARPS)
+#endif
+nm_sparse_mma(
     const unsigned short* x, const unsigned short* values, const unsigned* meta, const int* perm,
     const unsigned short* bias, unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
 #if KW > 1
@@ -316,11 +342,12 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
   // STAGES steps in registers: the next STAGES - 1 steps' loads are in flight while one multiplies (a warp's
   // steps are kg, kg + KW, ...; stage j of a round holds its j-th)
   SpStage st[STAGES];
+  const SpWeights w = sp_weights(values, meta, C, row0, lane);
   // the first steps' weight loads (nothing any kernel writes) go out before anything else; as a programmatic
   // dependent (PDL) the kernel then waits for the one before it to end, and lets the next one start
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j)
-    if (kg + j * KW < steps) sp_load_weights(st[j], values, meta, C, row0, k_begin + 128 * (kg + j * KW), lane);
+    if (kg + j * KW < steps) sp_load_weights(st[j], w, k_begin + 128 * (kg + j * KW));
 #if PDL
   sp_grid_wait();
   sp_grid_release();
@@ -405,7 +432,7 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
         int step = r * KW + kg, ahead = step + (STAGES - 1) * KW;
         if (step < steps) {
           if (ahead < steps)
-            sp_load_weights(st[(j + STAGES - 1) % STAGES], values, meta, C, row0, k_begin + 128 * ahead, lane);
+            sp_load_weights(st[(j + STAGES - 1) % STAGES], w, k_begin + 128 * ahead);
           sp_compute_stage(st[j], acc, in, k_begin + 128 * step, lane);
         }
         __syncthreads();          // every warp is done with this slot: round r + 2 may overwrite it
@@ -417,14 +444,14 @@ extern "C" __global__ void SP_BOUNDS(32 * WARPS) nm_sparse_mma(
 #else
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j)
-    if (kg + j * KW < steps) sp_load_inputs(st[j], in, k_begin + 128 * (kg + j * KW), lane);
+    if (kg + j * KW < steps) sp_load_inputs(st[j], in, k_begin + 128 * (kg + j * KW));
   for (int round = kg; round < steps; round += STAGES * KW) {
 #pragma unroll
     for (int j = 0; j < STAGES; ++j) {
       int step = round + j * KW, ahead = step + (STAGES - 1) * KW;
       if (step < steps) {
         if (ahead < steps)
-          sp_load_stage(st[(j + STAGES - 1) % STAGES], values, meta, in, C, row0, k_begin + 128 * ahead, lane);
+          sp_load_stage(st[(j + STAGES - 1) % STAGES], w, in, k_begin + 128 * ahead);
         sp_compute_stage(st[j], acc, in, k_begin + 128 * step, lane);
       }
     }

@@ -52,6 +52,7 @@ typedef uint4 u32x4;
 typedef uint2 u32x2;
 #define SP_DEV __device__ __forceinline__
 #define SP_BOUNDS(n) __launch_bounds__(n)
+#define SP_BOUNDS_MIN(n, ctas) __launch_bounds__(n, ctas)   // and at least `ctas` CTAs an SM: registers capped
 SP_DEV u32x4 sp_ld128(const void* p) {   // the weight: read once, kept out of L1
   u32x4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -154,7 +155,8 @@ class SparseMmaPlan:
     whether the CTA asks its further kept values into L2 before it stages its input (reading a map: the weight
     streams while the CTA gathers, at most :data:`PREFETCH_BUDGET` bytes a launch); ``inline_map`` whether, reading a
     map, each B load reads its columns' map entries and gathers its inputs itself, nothing staged (no gather before
-    the first MMA, no barrier)."""
+    the first MMA, no barrier); ``min_ctas``, where set, the CTAs an SM must hold (``__launch_bounds__``: ptxas then
+    caps the registers, where unbounded it may take more for fewer instructions; a tuning knob, 0 by default)."""
     nt: int
     mt: int
     rw: int
@@ -166,6 +168,7 @@ class SparseMmaPlan:
     stage: bool = False
     prefetch: bool = False
     inline_map: bool = False
+    min_ctas: int = 0
 
     @property
     def warps(self) -> int:
@@ -232,9 +235,15 @@ def _columns_per_cta(cols: int, splits: int) -> int:
 # compiled for sm_90 by NVRTC 13.5 (scripts/results/sparse_mma_compile.json) these hold 100–150 registers and
 # spill nothing; two m-tiles a warp from 4 n-tiles up spilled (255 registers), loading the input ahead at 2 n-tiles
 # took 162 registers (one 256-thread CTA per SM)
-TILES = {1: dict(mt=1, kw=4, bpre=True), 2: dict(mt=1, kw=4, bpre=False), 4: dict(mt=1, kw=4, bpre=False),
-         8: dict(mt=1, kw=2, bpre=False)}
+TILES = {1: dict(mt=1, kw=4, bpre=True, min_ctas=5), 2: dict(mt=1, kw=4, bpre=False),
+         4: dict(mt=1, kw=4, bpre=False), 8: dict(mt=1, kw=2, bpre=False)}
+# min_ctas 5 at 1-8 tokens: unbounded, ptxas took 104-106 registers for the map read inline (4 CTAs an SM); bounded to
+# 5 CTAs every 1-8-token variant holds at most 96, spills nothing and issues no more instructions a K loop pass
+# (scripts/results/sparse_mma_compile.json). At 16 tokens the bound moved the plain decode from 80 registers to 96
+# and spilled the inline one, so it stays unbounded there (the staged map then takes 124: 4 CTAs; `--min-ctas` of
+# tune_sparse_mma.py sweeps it on a GPU)
 DEFAULT_CTAS_PER_SM = 4   # what the plan assumes before the compiled kernel's occupancy is known
+MAX_THREADS_PER_SM = 2048  # every GPU of compute capability 8.0–9.0 (8.6 and 8.9: 1536; the driver refuses past it)
 # the tall plans' CTAs (warps sharing their input through L1 or the staged map): row groups and K groups of warps
 # tried, at most this many threads a CTA, keeping at least this share of the default tile's resident warps
 TALL_ROW_WARPS, TALL_K_WARPS, TALL_MAX_THREADS, TALL_MIN_OCCUPANCY = (1, 2, 4), (1, 2, 4), 128, 0.5
@@ -320,7 +329,8 @@ def sparse_mma_plan(tokens: int, rows: int, cols: int, sms: int, ctas_per_sm: in
         splits += 1
         ks = _columns_per_cta(cols, splits)
     fields = dict(nt=nt, mt=mt, rw=rw, kw=kw, ks=ks, splits=cdiv(cols, ks), bpre=tile["bpre"],
-                  stages=tile.get("stages", 2), stage=stage, prefetch=mapped and not inline_map, inline_map=inline_map)
+                  stages=tile.get("stages", 2), stage=stage, prefetch=mapped and not inline_map, inline_map=inline_map,
+                  min_ctas=tile.get("min_ctas", 0))
     fields.update({k: v for k, v in override.items() if k not in ("mt", "kw", "bpre", "rw", "stages", "stage")})
     if "ks" in override and "splits" not in override:
         fields["splits"] = cdiv(cols, fields["ks"])
@@ -351,6 +361,9 @@ def check_plan(plan: SparseMmaPlan, tokens: int, rows: int, cols: int, mapped: b
         raise ValueError("a plan staging its input in a ring reads it at each step: take bpre=False")
     if plan.inline_map and plan.stage:
         raise ValueError("inline_map reads the map at each B load, staging nothing: take stage=False")
+    if plan.min_ctas < 0 or plan.min_ctas * 32 * plan.warps > MAX_THREADS_PER_SM:
+        raise ValueError(f"min_ctas={plan.min_ctas}: an SM holds at most {MAX_THREADS_PER_SM // (32 * plan.warps)} "
+                         f"CTAs of {plan.warps} warps (0: no bound)")
     if staged > plan.staged_limit():
         raise ValueError(f"{'the ring' if ring else f'ks={plan.ks}'} stages {staged} bytes of {tokens} tokens' input "
                          f"(at most {plan.staged_limit()}): take {'fewer K groups of warps' if ring else 'more splits'}")
@@ -368,7 +381,7 @@ def kernel_defines(plan: SparseMmaPlan, dtype: torch.dtype, tiled: bool, has_bia
             "STAGE_X": int(plan.stage and not mapped),
             "IS_BF16": int(dtype == torch.bfloat16),
             "BPRE": int(plan.bpre), "STAGES": plan.stages, "ORDERED": int(ordered), "PDL": int(pdl),
-            "PREFETCH": int(plan.prefetch), "PREFETCH_BUDGET": f"{PREFETCH_BUDGET}LL",
+            "PREFETCH": int(plan.prefetch), "PREFETCH_BUDGET": f"{PREFETCH_BUDGET}LL", "MIN_CTAS": plan.min_ctas,
             **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
 
 

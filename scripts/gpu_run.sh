@@ -52,6 +52,9 @@
 #                                              # with 3 and 4 stages, checked against a dense bf16 matmul and timed
 #                                              # against cuBLAS at 64, 512 and 2048 tokens on three shapes, in
 #                                              # cuSPARSELt's layout (tune_sparse_gemm.json)
+#   bash scripts/gpu_run.sh tune_sparse_mma_bounds # the decode with its registers capped to hold 0 (none), 5 or 6
+#                                              # CTAs an SM, at 1 and 16 tokens, with and without a map
+#                                              # (tune_sparse_mma_bounds.json)
 #   bash scripts/gpu_run.sh tune_sparse_mma    # its tiles: warps and CTAs along K, m-tiles per warp, 2 or 3 steps in
 #                                              # registers, at 1, 16 and 64 tokens on three shapes
 #                                              # (tune_sparse_mma_sweep.json); then row groups of warps (rw) and K
@@ -202,8 +205,9 @@ ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 165 + 120 + 260 + 10
                                                     # sparse-MMA decode and prompt GEMM checked and timed, then the
                                                     # kernel table and the targets read from it; e2e (met on the H200
                                                     # at stop 85) heads the queue after them, run if it fits
-NEXT1=(tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 150 + 90 + 7 × 70 + 90 + 3 × 70 + 150 s
-                                                    # (the sparse-MMA decode's tiles: warps and CTAs along K, m-tiles,
+NEXT1=(tune_sparse_mma_bounds tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 90 + 150 + 90 + 7 × 70 + 90 + 3 × 70 + 150 s
+                                                    # (the sparse-MMA decode's register bound: CTAs an SM must hold,
+                                                    # 0, 5 or 6; its tiles: warps and CTAs along K, m-tiles,
                                                     # stages, row warps against the tall plan, and Nsight Compute on
                                                     # both plans at 1-64 tokens, bank conflicts included; the
                                                     # broadcast expansion's tiles against the joined one's; Nsight
@@ -309,6 +313,9 @@ for s in "$@"; do
         sparse_gemm) step sparse_gemm 120 scripts/results/tune_sparse_gemm.json $PY scripts/tune_sparse_gemm.py \
                 --shapes 4096x4096 14336x4096 1024x4096 --tokens 64 512 2048 --stages 3 4 --splits 0 1 --layouts tiled \
                 --out scripts/results/tune_sparse_gemm.json ;;
+        tune_sparse_mma_bounds) step tune_sparse_mma_bounds 90 scripts/results/tune_sparse_mma_bounds.json \
+                $PY scripts/tune_sparse_mma.py --layouts tiled --shapes 4096x4096 14336x4096 --tokens 1 16 \
+                --maps none random --inline 0 1 --min-ctas 0 5 6 --out scripts/results/tune_sparse_mma_bounds.json ;;
         tune_sparse_mma) step tune_sparse_mma 150 scripts/results/tune_sparse_mma_sweep.json $PY scripts/tune_sparse_mma.py \
                 --layouts tiled --shapes 4096x4096 11008x4096 4096x14336 --tokens 1 16 64 --kw 0 2 8 \
                 --splits 0 1 4 --mt 0 2 --stages 0 3 --out scripts/results/tune_sparse_mma_sweep.json

@@ -45,6 +45,8 @@ def main() -> None:
                          "plan's: on where it reads a map)")
     ap.add_argument("--inline", type=int, nargs="+", default=[0],
                     help="1: through a map, each B load reads the map itself, nothing staged (inline_map); 0: staged")
+    ap.add_argument("--min-ctas", type=int, nargs="+", default=[-1],
+                    help="CTAs an SM must hold, capping the registers (__launch_bounds__; 0: no bound; -1: the plan's)")
     ap.add_argument("--layouts", nargs="+", default=["rows", "tiled"], choices=["rows", "tiled"])
     ap.add_argument("--maps", nargs="+", default=["none"], choices=["none", "random"],
                     help="random: a random index map over all columns, read by the kernel itself (1-16 tokens)")
@@ -129,15 +131,16 @@ def main() -> None:
             copies = [(values.to(dev), lw.to(dev))]
             copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
             grid = itertools.product(args.tall, args.kw, args.rw, args.splits, args.mt, args.bpre, args.stages,
-                                     args.prefetch, args.inline)
+                                     args.prefetch, args.inline, args.min_ctas)
             seen = set()
-            for tall, kw, rw, splits, mt, bpre, stages, prefetch, inline in grid:
+            for tall, kw, rw, splits, mt, bpre, stages, prefetch, inline, min_ctas in grid:
                 mapped = kind == "random"
                 if inline and (tall or not mapped):
                     continue   # the inline map: through a map, on the default plan's CTAs
                 override = {k: v for k, v, skip in (("kw", kw, 0), ("rw", rw, 0), ("splits", splits, 0), ("mt", mt, 0),
                                                     ("bpre", bpre, -1), ("stages", stages, 0),
-                                                    ("prefetch", prefetch, -1), ("inline_map", inline, 0)) if v != skip}
+                                                    ("prefetch", prefetch, -1), ("inline_map", inline, 0),
+                                                    ("min_ctas", min_ctas, -1)) if v != skip}
                 for flag in ("bpre", "prefetch", "inline_map"):
                     if flag in override:
                         override[flag] = bool(override[flag])

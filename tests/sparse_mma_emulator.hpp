@@ -64,6 +64,7 @@ inline std::vector<Warp>* warps = nullptr;
 #define __shared__ static
 #define SP_DEV static inline
 #define SP_BOUNDS(n)
+#define SP_BOUNDS_MIN(n, ctas)
 
 struct u32x4 { unsigned x, y, z, w; };
 struct u32x2 { unsigned x, y; };

@@ -214,6 +214,25 @@ def test_a_plan_the_kernel_cannot_run_is_refused_in_one_line():
     inline = sparse_mma_plan(16, 4096, 4096, sms=132, mapped=True, inline_map=True)   # no staging: no split for it,
     assert inline.dynamic_shared(16, True) == 0 and not inline.prefetch             # and no gather to prefetch over
     assert inline.splits <= plan.splits
+    with pytest.raises(ValueError, match="at most 16 CTAs of 4 warps"):   # 17 × 128 threads > 2048 an SM
+        check_plan(SparseMmaPlan(nt=1, mt=1, rw=1, kw=4, ks=256, splits=1, bpre=True, min_ctas=17), 1, 64, 256)
+
+
+def test_the_register_bound_is_the_tiles_and_reaches_the_kernels_text():
+    """1–8 tokens: at least 5 CTAs an SM (ptxas then caps the registers); 16 tokens: no bound; an override (tuning)
+    sets it either way, and the kernel's text names it in __launch_bounds__ only where it is set."""
+    from shuffleprune.kernels.nm_sparse_mma import kernel_source
+
+    assert sparse_mma_plan(1, 4096, 4096, sms=132).min_ctas == 5
+    assert sparse_mma_plan(8, 4096, 4096, sms=132, mapped=True, inline_map=True).min_ctas == 5
+    assert sparse_mma_plan(16, 4096, 4096, sms=132).min_ctas == 0
+    assert sparse_mma_plan(16, 4096, 4096, sms=132, min_ctas=6).min_ctas == 6
+    assert sparse_mma_plan(1, 4096, 4096, sms=132, min_ctas=0).min_ctas == 0
+    for min_ctas in (0, 5):
+        plan = sparse_mma_plan(1, 4096, 4096, sms=132, min_ctas=min_ctas)
+        text = kernel_source(kernel_defines(plan, torch.bfloat16, True, False, True))
+        assert f"#define MIN_CTAS {min_ctas}\n" in text
+        assert "__launch_bounds__(n, ctas)" in text and "SP_BOUNDS_MIN(32 * WARPS, MIN_CTAS)" in text
 
 
 def test_sparse_mma_takes_only_what_it_runs():
