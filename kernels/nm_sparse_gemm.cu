@@ -9,7 +9,7 @@
 // A CTA owns BM = WM * MT * 16 rows and BN = WN * NT * 8 tokens (blockIdx.y the row block, blockIdx.x the token
 // block: the token blocks of a row block run side by side and share its weight in L2). Its WM x WN warps hold MT x NT
 // tiles of 16 rows x 8 tokens each. K goes by stages of 64 columns, STAGES of them in flight in shared memory,
-// copied by cp.async (16 bytes; tokens past T read as zeros):
+// copied by cp.async (16 bytes; tokens past T read as zeros; each thread's copies worked out once, sp_gemm_copies):
 //   A  BM rows x 32 kept values (64 bytes a row, four 16-byte chunks, chunk c at c ^ ((row >> 1) & 3));
 //   B  BN tokens x 64 columns (128 bytes a token, eight chunks, chunk c at c ^ (token & 7));
 //   E  the position words of those 64 columns: 2 words a row (TILED = 0: row r's words at 2r, 2r + 1), or for each

@@ -25,6 +25,10 @@
 // its own block (b = t >> 1) and role (t & 1), and passes them to both blocks' MMAs (the lanes a selector
 // does not name are not read).
 //
+// Addresses: each lane works out its rows once (sp_weights: its kept values and position words; sp_input: its tokens'
+// input rows, the last token's for a lane past T, whose sums are never stored), so every load in the K loop is a
+// pointer plus the step's column plus a constant of the unrolled loop: nothing multiplied, no parameter read again.
+//
 // Work split: a CTA owns RW * MT * 16 rows and KS columns (blockIdx.y picks the columns: split-K); its
 // WARPS = RW * KW warps take MT m-tiles each and every KW-th step of the CTA's columns. Partial sums meet
 // in shared memory; with split-K each CTA writes its fp32 partial, and the last of a row block to finish
