@@ -52,6 +52,9 @@
 #                                              # with 3 and 4 stages, checked against a dense bf16 matmul and timed
 #                                              # against cuBLAS at 64, 512 and 2048 tokens on three shapes, in
 #                                              # cuSPARSELt's layout (tune_sparse_gemm.json)
+#   bash scripts/gpu_run.sh mma_ceiling        # the tensor cores' rate through mma.sp, mma, and on Hopper wgmma.sp and
+#                                              # wgmma, MMAs alone (mma_ceiling.json; a process of its own: a wgmma
+#                                              # that faulted would take only this step with it)
 #   bash scripts/gpu_run.sh tune_sparse_mma_bounds # the decode with its registers capped to hold 0 (none), 5 or 6
 #                                              # CTAs an SM, at 1 and 16 tokens, with and without a map
 #                                              # (tune_sparse_mma_bounds.json)
@@ -201,6 +204,10 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # an input staged in shared memory), the map's with and without its L2 prefetch (tune_sparse_mma.json); kernel then
 # has auto weigh them (and times them alone as decode_sparse_mma, _nomap, _tiled, _tall_tiled, _mapped_tall_tiled).
 # next1 begins with its tile sweep.
+# Since stop 90 the fill begins with mma_ceiling (40 s): mma.sp's, mma's and Hopper's wgmma.sp's and wgmma's own rates,
+# in a process of its own (its wgmma part never ran on a GPU), which say whether the prompt GEMM on mma.sp can pass
+# cuBLAS at all or wgmma.sp is the way; sparse_gemm records the mma half in-process beside its rows. next1 then
+# begins with tune_sparse_mma_bounds (the decode's register bound, 0 / 5 / 6 CTAs an SM).
 ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 165 + 120 + 260 + 10 s (kernel 175 s on the H200): the
                                                     # sparse-MMA decode and prompt GEMM checked and timed, then the
                                                     # kernel table and the targets read from it; e2e (met on the H200
@@ -221,7 +228,7 @@ NEXT5=(fast_launch host gather cslt_buffer_quick)   # 90 + 60 + 120 + 90 s (38, 
 NEXT6=(cslt_buffer tune_split_sum)                  # 240 + 170 s: the cuSPARSELt-buffer table again, split-K summed in-kernel
 NEXT7=(dst_overhead moe)                            # 200 + 300 s: issue 6's DST step cost at GPT-2 Small's shape on
                                                     # the GPU; the Mixtral experts layer (114 s on the H200)
-FILL=(e2e targets "${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}")
+FILL=(mma_ceiling e2e targets "${NEXT1[@]}" "${NEXT2[@]}" "${NEXT3[@]}" "${NEXT4[@]}" "${NEXT5[@]}" "${NEXT6[@]}" "${NEXT7[@]}")
 [ $# -eq 0 ] && set -- issue24 fill
 steps=(); for s in "$@"; do case $s in
     fill) for f in "${FILL[@]}"; do steps+=("+$f"); done ;;   # "+": run only if it fits (and not run already)
@@ -313,6 +320,7 @@ for s in "$@"; do
         sparse_gemm) step sparse_gemm 120 scripts/results/tune_sparse_gemm.json $PY scripts/tune_sparse_gemm.py \
                 --shapes 4096x4096 14336x4096 1024x4096 --tokens 64 512 2048 --stages 3 4 --splits 0 1 --layouts tiled \
                 --out scripts/results/tune_sparse_gemm.json ;;
+        mma_ceiling) step mma_ceiling 40 scripts/results/mma_ceiling.json $PY scripts/mma_ceiling.py ;;
         tune_sparse_mma_bounds) step tune_sparse_mma_bounds 90 scripts/results/tune_sparse_mma_bounds.json \
                 $PY scripts/tune_sparse_mma.py --layouts tiled --shapes 4096x4096 14336x4096 --tokens 1 16 \
                 --maps none random --inline 0 1 --min-ctas 0 5 6 --out scripts/results/tune_sparse_mma_bounds.json ;;

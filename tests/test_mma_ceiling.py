@@ -55,3 +55,22 @@ def test_the_operands_are_ones_and_an_ordered_code():
 def test_the_flops_of_each_mma():
     """The dense-equivalent flops the ceiling counts per MMA: m16n8k32 and m16n8k16."""
     assert mc.FLOPS == {True: 2 * 16 * 8 * 32, False: 2 * 16 * 8 * 16}
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_the_wgmma_text_names_each_accumulator_once(sparse):
+    """The wgmma kernels (Hopper only: compiled by mma_ceiling.py --compile-only, run by gpu_run.sh mma_ceiling) get one
+    instruction with the thread's 64 accumulators as operands 0-63, each tied to d[i], the descriptors after them,
+    and the metadata only for the 2:4 one; each thread's expected sum counts 64 outputs of 16 a wgmma."""
+    import re
+
+    text = mc.wgmma_function(sparse)
+    shape = "mma_async.sp.sync.aligned.m64n128k32" if sparse else "mma_async.sync.aligned.m64n128k16"
+    assert text.count("wgmma.") == 1 and shape in text
+    assert re.findall(r'"\+f"\(d\[(\d+)\]\)', text) == [str(i) for i in range(64)]
+    assert "{" + ", ".join(f"%{i}" for i in range(64)) + "}, %64, %65" in text
+    assert ('"r"(e)' in text) == sparse
+    assert mc.wgmma_expected_sum(3) == 3 * mc.WG_GROUP * 64 * mc.PER_MMA
+    assert mc.WG_FLOPS == {True: 2 * 64 * 128 * 32, False: 2 * 64 * 128 * 16}
+    source = mc.ceiling_source(mc.kernel_defines(sparse, 8, 256, torch.bfloat16, True, wgmma=True))
+    assert "#define WGMMA 1" in source and "sp_wgmma(float (&d)[64]" in source
