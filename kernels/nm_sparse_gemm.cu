@@ -64,7 +64,8 @@ struct SpGemmCopies {
   const unsigned* e;         // of its position words
   int a_step, x_step;        // 16-bit elements between the sources of its consecutive chunks (A_ROW_STEP rows;
                              // X_TOKEN_STEP tokens)
-  int x_last;                // elements from x to the last token's chunk: a chunk past T copies zeros from there
+  long long x_last;          // elements from x to the last token's chunk: a chunk past T copies zeros from there
+                             // (64-bit: a long prompt's T x stride passes 2^31)
   int a_at, x_at, e_at;      // where its first chunks go in a stage (16-bit units)
   int x_valid;               // chunks of its tokens before T
 };
@@ -79,7 +80,7 @@ SP_DEV SpGemmCopies sp_gemm_copies(const unsigned short* x, const unsigned short
   cp.a_at = sp_a_offset(r, ca);
   cp.x = x + (long long)token * xs + k0 * 64 + 8 * cx;
   cp.x_step = X_TOKEN_STEP * xs;
-  cp.x_last = (T - 1 - token) * xs;
+  cp.x_last = (long long)(T - 1 - token) * xs;
   cp.x_at = A_HALVES + sp_x_offset(n, cx);
   cp.x_valid = token < T ? (T - 1 - token) / X_TOKEN_STEP + 1 : 0;
 #if TILED
