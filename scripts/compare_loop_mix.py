@@ -1,6 +1,6 @@
 """The sparse-MMA kernels' K loops, this tree's against an earlier commit's, on a machine without a GPU: NVRTC compiles
 the decode (``kernels/nm_sparse_mma.cu``, the plans ``auto`` launches at 1–64 tokens, without a map, staging one and
-reading it inline) and the prompt GEMM (``kernels/nm_sparse_gemm.cu``, every tile of ``GEMM_TILES``, both layouts) for
+reading it inline, in both layouts a layer holds) and the prompt GEMM (``kernels/nm_sparse_gemm.cu``, every tile of ``GEMM_TILES``, both layouts) for
 sm_90 from both texts, and the table records each loop as one warp issues it (``check_sparse_mma_compile.loop_mix``:
 instructions, sparse MMAs, instructions per MMA) beside registers and spills. Instructions a warp issues besides its
 loads and MMAs take issue slots a memory-bound decode or an MMA-bound GEMM needs; a table, not a timing.
@@ -47,17 +47,19 @@ def compiled(nvrtc: Nvrtc, source: str) -> dict:
 def table(nvrtc: Nvrtc, kernels: Path) -> list[dict]:
     """Every variant's row, compiled from the ``.cu`` texts in ``kernels`` (this tree's shared header either way)."""
     rows = []
-    for shape in SHAPES:
-        for tokens in TOKENS:
-            for mapped, inline in ((False, False), (True, False), (True, True)):
-                if mapped and tokens > sm.MAPPED_MAX_TOKENS:
-                    continue
-                plan = sm.sparse_mma_plan(tokens, *shape, SMS, mapped=mapped,
-                                          **({"inline_map": True} if inline else {}))
-                defines = sm.kernel_defines(plan, torch.bfloat16, True, False, True, mapped, False)
-                rows.append({"kernel": "decode", "shape": list(shape), "tokens": tokens,
-                             "map": "inline" if inline else "staged" if mapped else None, "plan": sm.plan_fields(plan),
-                             **compiled(nvrtc, sm.kernel_source(defines, source=kernels / "nm_sparse_mma.cu"))})
+    for tiled in (True, False):   # the layer's buffer in cuSPARSELt's order, or the export's row words
+        for shape in SHAPES:
+            for tokens in TOKENS:
+                for mapped, inline in ((False, False), (True, False), (True, True)):
+                    if mapped and tokens > sm.MAPPED_MAX_TOKENS:
+                        continue
+                    plan = sm.sparse_mma_plan(tokens, *shape, SMS, mapped=mapped,
+                                              **({"inline_map": True} if inline else {}))
+                    defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped, False)
+                    rows.append({"kernel": "decode", "shape": list(shape), "tokens": tokens, "tiled": tiled,
+                                 "map": "inline" if inline else "staged" if mapped else None,
+                                 "plan": sm.plan_fields(plan),
+                                 **compiled(nvrtc, sm.kernel_source(defines, source=kernels / "nm_sparse_mma.cu"))})
     for tile in sg.GEMM_TILES:
         for tiled in (True, False):
             plan = sg.SparseGemmPlan(*tile, stages=3)
@@ -91,8 +93,9 @@ def main() -> None:
            "rows": [{"before": b, "after": a} for b, a in zip(before, after)]}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     for b, a in zip(before, after):
-        what = (f"decode {b['shape'][0]}x{b['shape'][1]} {b['tokens']:>2} tok {b['map'] or '':6}" if b["kernel"] == "decode"
-                else f"gemm {b['tile'][0]}x{b['tile'][1]} {'tiled' if b['tiled'] else 'rows'}")
+        layout = "tiled" if b["tiled"] else "rows"
+        what = (f"decode {layout} {b['shape'][0]}x{b['shape'][1]} {b['tokens']:>2} tok {b['map'] or '':6}"
+                if b["kernel"] == "decode" else f"gemm {b['tile'][0]}x{b['tile'][1]} {layout}")
         print(f"{what:38} loop {b.get('instructions')} -> {a.get('instructions')}  per MMA {b.get('per_mma')} -> "
               f"{a.get('per_mma')}  regs {b.get('registers')} -> {a.get('registers')}  spill {b.get('spill_bytes')} -> "
               f"{a.get('spill_bytes')}")
