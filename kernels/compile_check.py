@@ -193,6 +193,14 @@ def _ptxas(arch: int) -> str:
     return found[0] if isinstance(found, tuple) else found.path
 
 
+def ptxas_report(text: str) -> tuple[int | None, int]:
+    """``(registers per thread, spill bytes stored and loaded)`` from ptxas's report (``ptxas -v``, or NVRTC's log
+    with ``--ptxas-options=-v``); registers None where the text holds no report."""
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
+    return (int(regs.group(1)) if regs else None), spills
+
+
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """``(registers per thread, spill bytes)`` from ``ptxas -v`` on the kernel's PTX."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -200,10 +208,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
         f.flush()
         out = subprocess.run([_ptxas(arch), f"-arch={ptxas_arch(arch)}", "-v", f.name, "-o", "/dev/null"],
                              capture_output=True, text=True, check=True)
-    text = out.stdout + out.stderr
-    regs = int(re.search(r"Used (\d+) registers", text).group(1))
-    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
-    return regs, spills
+    return ptxas_report(out.stdout + out.stderr)
 
 
 _LOAD = re.compile(r"\b(ld\.global[\w:.]*|cp\.async\.(?:ca|cg)\.shared\.global[\w:.]*|cp\.async\.bulk\.tensor[\w:.]*)")

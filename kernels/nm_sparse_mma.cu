@@ -79,7 +79,9 @@ struct SpStage {
 };
 
 SP_DEV unsigned sp_b_column(int c0, int block, int half, int reg, int t) {
-  // the input column of B register `reg` (its first of two) for lane t in (block, half) of the step at c0
+  // the input column of B register `reg` (its first of two) for lane t in (block, half) of the step at c0: the
+  // layout's own assignment, which the staging writes by and the tests hold the loads' split (sp_lane_column +
+  // sp_b_offset, sp_staged_word_at) to
 #if B_SWAP
   reg = ((reg & 1) << 1) | (reg >> 1);   // the other reading: registers 1 and 2 hold rows 2t + 16 and 2t + 8
 #endif
@@ -103,8 +105,8 @@ SP_DEV int sp_b_offset(int block, int half, int reg) {
 }
 
 struct SpInput {            // where B's columns are read: the gathered input in global memory, or (STAGED)
-  const unsigned short* x;  // the CTA's columns staged (through the index map) in shared memory, swizzled, or
-  int stride, col0, T;      // (MAP_INLINE) the input in its own order, read through
+  const unsigned short* x;  // the CTA's columns staged (through the index map) in shared memory, swizzled (from
+  int col0;                 // column col0), or (MAP_INLINE) the input in its own order, read through
   const int* perm;          // the map (MAP_INLINE: from this lane's own column, sp_lane_column)
   // this lane's token of each n-tile (the last token's past T: the same addresses as that token's lanes, no extra
   // traffic; an MMA's output column n takes only B's column n, and the sums of tokens past T are never stored, so
@@ -140,7 +142,7 @@ SP_DEV int sp_staged_word(int token, unsigned col, int col0) {
 SP_DEV SpInput sp_input(const unsigned short* x, int stride, int col0, int T, const int* perm, int lane) {
   // each lane's rows worked out once, so each B load in the K loop is an address plus the step's column plus a
   // constant (global memory), or plus a logic op (staged): no multiply, no kernel parameter read again
-  SpInput in = {x, stride, col0, T, perm};
+  SpInput in = {x, col0, perm};
   int g = lane >> 2;
 #if STAGED
 #pragma unroll

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
-from shuffleprune.kernels.compile_check import A100, H100, disassemble, main_loop, resident_programs  # noqa: E402
+from shuffleprune.kernels.compile_check import (A100, H100, disassemble, main_loop, ptxas_report,  # noqa: E402
+                                                 resident_programs)
 from shuffleprune.kernels.cuda_rtc import Nvrtc, find_nvrtc  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
@@ -110,11 +111,9 @@ def main() -> None:
             key = (arch, tuple(defines.items()))
             if key not in seen:
                 ok, log, cubin = nvrtc.compile(sm.kernel_source(defines), arch, report=True)
-                regs = re.search(r"Used (\d+) registers", log)
-                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+                regs, spill = ptxas_report(log)
                 smem = re.search(r"(\d+) bytes smem", log)
-                seen[key] = {"compiled": ok, "registers": int(regs.group(1)) if regs else None,
-                             "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
+                seen[key] = {"compiled": ok, "registers": regs, "spill_bytes": spill if ok else None,
                              "shared_bytes": int(smem.group(1)) if smem else None,
                              "sass": sass_counts(cubin, gpu.arch) if ok else None,
                              "main_loop": loop_mix(cubin, gpu.arch) if ok else None,
@@ -132,11 +131,9 @@ def main() -> None:
         gpu, plan = GPUS[arch], sg.SparseGemmPlan(*tile, stages=stages)
         defines = sg.kernel_defines(plan, torch.bfloat16, tiled, False, True)
         ok, log, cubin = nvrtc.compile(sg.kernel_source(defines), arch, report=True)
-        regs = re.search(r"Used (\d+) registers", log)
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        regs, spill = ptxas_report(log)
         seen[(arch, "gemm", tuple(defines.items()))] = info = {
-            "compiled": ok, "registers": int(regs.group(1)) if regs else None,
-            "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
+            "compiled": ok, "registers": regs, "spill_bytes": spill if ok else None,
             "sass": sass_counts(cubin, gpu.arch) if ok else None, "log": None if ok else log[-2000:],
             "main_loop": loop_mix(cubin, gpu.arch) if ok else None}
         fits = plan.dynamic_shared() <= gpu.smem_per_block

@@ -14,7 +14,6 @@ import argparse
 import ctypes
 import json
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import torch  # noqa: E402
 
 from check_sparse_mma_compile import loop_mix, nvrtc_path  # noqa: E402
 from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
+from shuffleprune.kernels.compile_check import ptxas_report  # noqa: E402
 from shuffleprune.kernels.cuda_rtc import Nvrtc  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096)]
@@ -39,9 +39,8 @@ def compiled(nvrtc: Nvrtc, source: str) -> dict:
     ok, log, cubin = nvrtc.compile(source, "sm_90", report=True)
     if not ok:
         return {"compiled": False, "log": log[-1000:]}
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {"compiled": True, "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
-            "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else 0, **loop_mix(cubin, 90)}
+    regs, spill = ptxas_report(log)
+    return {"compiled": True, "registers": regs, "spill_bytes": spill, **loop_mix(cubin, 90)}
 
 
 def table(nvrtc: Nvrtc, kernels: Path) -> list[dict]:

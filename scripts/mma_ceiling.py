@@ -174,7 +174,7 @@ def measure(device: torch.device, chains: int = 8, threads: int = 256, iters: in
 def compile_table(nvrtc_path: str) -> dict:
     """Each kernel compiled by NVRTC as a GPU would take it (the mma ones for sm_90 and sm_80, the wgmma ones for
     sm_90a): registers, spills, and its MMA instructions in the machine code (``nvdisasm``), with no GPU."""
-    from shuffleprune.kernels.compile_check import disassemble, main_loop
+    from shuffleprune.kernels.compile_check import disassemble, main_loop, ptxas_report
     from shuffleprune.kernels.cuda_rtc import Nvrtc
 
     nvrtc = Nvrtc(ctypes.CDLL(nvrtc_path))
@@ -186,10 +186,8 @@ def compile_table(nvrtc_path: str) -> dict:
             row = {"kind": kind, "arch": arch, "compiled": ok}
             if ok:
                 loop = main_loop(disassemble(cubin, int(arch[3:5])), holding="MMA")
-                regs = re.search(r"Used (\d+) registers", log)
-                spill = re.search(r"(\d+) bytes spill stores", log)
-                row.update(registers=int(regs.group(1)) if regs else None,
-                           spill_bytes=int(spill.group(1)) if spill else None, loop_instructions=len(loop),
+                regs, spill = ptxas_report(log)
+                row.update(registers=regs, spill_bytes=spill, loop_instructions=len(loop),
                            mma_instructions=sorted({re.sub(r"\s.*", "", i) for i in loop if "MMA" in i}),
                            mmas_in_loop=sum("MMA" in i for i in loop))
             else:

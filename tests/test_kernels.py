@@ -1252,6 +1252,19 @@ def test_loop_shared_bytes_counts_what_a_warp_moves_through_shared_memory():
     assert shared_ceiling_tbs(18432, 8192, 4, H100) == pytest.approx(128 * 18432 / 32768 * 1.755e9 * 132 / 1e12)
 
 
+def test_ptxas_report_reads_registers_and_spills_stored_and_loaded():
+    """ptxas's report as ``ptxas -v`` or NVRTC's log gives it: registers, and spill bytes stored plus loaded; no
+    registers where the text holds no report (a failed compile's log)."""
+    from shuffleprune.kernels.compile_check import ptxas_report
+
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+           "ptxas         .     8 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 96 registers, used 1 barriers, 2052 bytes smem\n")
+    assert ptxas_report(log) == (96, 28)
+    assert ptxas_report(log.replace("16 bytes spill stores, 12", "0 bytes spill stores, 0")) == (96, 0)
+    assert ptxas_report("kernel.cu(3): error: identifier undefined") == (None, 0)
+
+
 def test_main_loop_is_the_longest_loop_body_or_the_longest_holding_an_instruction():
     """The longest span from a label to a backward branch to it, with no exit inside; asked for one holding
     ``HMMA.SP``, the MMAs' loop even where an epilogue's loop is longer (the prompt GEMM's split-K sum)."""
