@@ -111,12 +111,13 @@ def _keep_cubin(path: Path, cubin: bytes) -> None:
         pass
 
 
-def compile_own(source: str, name: str, device_index: int) -> CompiledKernel:
-    """NVRTC (the wheel's library, or the system's) to a cubin for this GPU, kept on disk (:func:`cubin_path`)
+def compile_own(source: str, name: str, device_index: int, arch_specific: bool = False) -> CompiledKernel:
+    """NVRTC (the wheel's library, or the system's) to a cubin for this GPU (``arch_specific``: for its
+    architecture-specific target, ``sm_90a``, which Hopper's ``wgmma`` needs), kept on disk (:func:`cubin_path`)
     and loaded by the driver; a cubin kept by an earlier process is loaded without compiling."""
     nvrtc = own_nvrtc()
     major, minor = _capability(device_index)
-    arch = f"sm_{major}{minor}"
+    arch = f"sm_{major}{minor}" + ("a" if arch_specific else "")
     try:
         path = cubin_path(source, name, arch, nvrtc.version())
     except OSError:   # no cache folder can be made (a read-only home): compiled each process, as before
@@ -148,19 +149,20 @@ def load_cubin(cubin: bytes, name: str, device_index: int) -> CompiledKernel:
 _FAILED: dict[object, str] = {}   # sources that compiled nowhere: refused at once the next time
 
 
-def compile_cuda(source: str, name: str, device_index: int, key: object = None):
+def compile_cuda(source: str, name: str, device_index: int, key: object = None, arch_specific: bool = False):
     """``source``'s kernel ``name`` compiled for one GPU: by :func:`compile_own` (its cubin kept on disk), else
-    through PyTorch's ``torch.cuda._compile_kernel``. Any failure is a RuntimeError (``auto`` leaves the candidate
-    out), given at once the next time for the same ``key`` (default: the source)."""
+    through PyTorch's ``torch.cuda._compile_kernel`` (not for an ``arch_specific`` source: PyTorch compiles for the
+    plain target). Any failure is a RuntimeError (``auto`` leaves the candidate out), given at once the next time
+    for the same ``key`` (default: the source)."""
     key = (source if key is None else key, name, device_index)
     if key in _FAILED:
         raise RuntimeError(_FAILED[key])
     errors = []
     try:
-        return compile_own(source, name, device_index)
+        return compile_own(source, name, device_index, arch_specific)
     except Exception as exc:   # noqa: BLE001 - no NVRTC, no driver, a compile error: PyTorch's own NVRTC call next
         errors.append(f"own NVRTC: {type(exc).__name__}: {str(exc).strip()[:300]}")
-    if hasattr(torch.cuda, "_compile_kernel"):
+    if hasattr(torch.cuda, "_compile_kernel") and not arch_specific:
         try:
             with torch.cuda.device(device_index):
                 return torch.cuda._compile_kernel(source, name)   # NVRTC's default dialect: C++17

@@ -23,8 +23,22 @@
 // takes KS columns from z * KS and writes its fp32 sums to partial[z][T][R]; the last CTA of a tile to finish (a
 // counter, left at zero for the next call) adds the splits in split order, so the result does not depend on timing.
 //
-// Compile-time parameters: MT, NT, WM, WN, STAGES, TILED, HAS_BIAS, IS_BF16, ORDERED and the four fragment knobs
-// (A_SWAP, META_HALF_SWAP, META_ROLE_SWAP, B_SWAP: as in nm_sparse_mma.cu).
+// WGMMA 1 (Hopper, sm_90a): the same CTA, copies, stages and epilogue, its MMAs Hopper's own wgmma.mma_async.sp
+// m64n(BN)k32 instead: each warpgroup (4 warps, 64 rows; MT 1, WN 1, WM a multiple of 4) multiplies its 64 rows of
+// kept values by the whole stage's input tile, both read by the tensor cores from shared memory through matrix
+// descriptors. The tiles above are already the layouts wgmma reads: A K-major in the 64-byte swizzle (64-byte rows,
+// 512-byte groups of 8, chunk c of row r at c ^ ((r >> 1) & 3)), B K-major in the 128-byte swizzle (128-byte rows,
+// 1024-byte groups, chunk c of token n at c ^ (n & 7)); so each stage starts on 1024 bytes, and the second k32 starts
+// 32 bytes into each A row and 64 into each B row. The metadata takes selector 0 (lanes 4g + {0, 1} of each warp: role
+// t & 1, each k32 its own register). Each step waits for its wgmmas before the next (wgmma.wait_group 0): ptxas
+// serializes them anyway where a metadata register is written while one runs ("C7513 ... non wgmma instructions
+// defining input registers", NVRTC 13.5, tried with one group kept in flight over two register sets), so the overlap
+// comes from the other warpgroups on the SM; a slot is copied into again after its stage's barrier, as in the mma.sp
+// loop (STAGES - 1 stages of copies in flight).
+//
+// Compile-time parameters: MT, NT, WM, WN, STAGES, TILED, HAS_BIAS, IS_BF16, ORDERED, WGMMA and the four fragment
+// knobs (A_SWAP, META_HALF_SWAP, META_ROLE_SWAP, B_SWAP: as in nm_sparse_mma.cu; B_SWAP has no effect under WGMMA,
+// where the tensor cores read B themselves).
 
 #define WARPS (WM * WN)
 #define THREADS (32 * WARPS)
@@ -33,7 +47,15 @@
 #define A_HALVES (BM * 32)           // a stage's kept values, 16-bit
 #define B_HALVES (BN * 64)           // a stage's input, 16-bit
 #define E_WORDS (BM * 2)             // a stage's position words (both layouts: 2 words of 32 columns a row)
+#if WGMMA
+// each stage's B tile on 1024 bytes (the swizzle's period, which the tensor cores work out from the address)
+#define STAGE_HALVES ((A_HALVES + B_HALVES + 2 * E_WORDS + 511) / 512 * 512)
+static_assert(MT == 1 && WN == 1 && WM % 4 == 0, "a wgmma CTA: warpgroups of 4 warps along the rows, one m-tile each");
+static_assert(NT * 8 <= 256, "wgmma takes N up to 256");
+static_assert(A_HALVES % 512 == 0, "the B tile after the kept values on 1024 bytes");
+#else
 #define STAGE_HALVES (A_HALVES + B_HALVES + 2 * E_WORDS)
+#endif
 #define OUT_LD (BM + 8)              // the output tile's row (a token) in 16-bit units: rows 16 bytes apart in banks
 
 SP_DEV int sp_a_offset(int row, int chunk) { return row * 32 + 8 * (chunk ^ ((row >> 1) & 3)); }
@@ -120,10 +142,10 @@ SP_DEV void sp_gemm_copy_stage(unsigned short* stage, SpGemmCopies& cp, int tid)
   cp.e += E_STAGE_STEP;
 }
 
-SP_DEV unsigned sp_gemm_meta(const unsigned* Es, int r16, int lane) {
-  // the metadata register of the m-tile at CTA row r16 for this lane: its stage's 32 columns kk = t >> 1 (selector
-  // kk), role t & 1 (slots 4 * role ..), row g's codes in bits 0-15 and row g + 8's in 16-31
-  int g = lane >> 2, t = lane & 3, kk = t >> 1, role = (t & 1) ^ META_ROLE_SWAP;
+SP_DEV unsigned sp_gemm_meta_k(const unsigned* Es, int r16, int lane, int kk) {
+  // the metadata register of the m-tile at CTA row r16 for this lane and the stage's kk-th 32 columns: role t & 1
+  // (slots 4 * role ..), row g's codes in bits 0-15 and row g + 8's in 16-31
+  int g = lane >> 2, t = lane & 3, role = (t & 1) ^ META_ROLE_SWAP;
 #if TILED
   // pair 8a + g of the band's tile kk: rows g (low nibbles) and g + 8 (high), groups 0 4 1 5 | 2 6 3 7
   const unsigned* p = Es + (r16 / 64) * 128 + kk * 64 + 2 * (8 * ((r16 % 64) / 16) + g);
@@ -139,6 +161,11 @@ SP_DEV unsigned sp_gemm_meta(const unsigned* Es, int r16, int lane) {
   return sp_byte_perm(wa, wb, role ? 0x7632u : 0x5410u);
 #endif
 #endif
+}
+
+SP_DEV unsigned sp_gemm_meta(const unsigned* Es, int r16, int lane) {
+  // mma.sp's one register for a stage: lanes 4g + 2kk + {0, 1} hold the stage's kk-th 32 columns (selector kk)
+  return sp_gemm_meta_k(Es, r16, lane, (lane & 3) >> 1);
 }
 
 SP_DEV void sp_gemm_compute_stage(const unsigned short* stage, float (&acc)[MT][NT][4], int wr, int wc, int lane) {
@@ -182,6 +209,49 @@ SP_DEV void sp_gemm_compute_stage(const unsigned short* stage, float (&acc)[MT][
   }
 }
 
+#if WGMMA
+SP_DEV unsigned long long sp_a_descriptor(const unsigned short* a) {
+  // the kept values, K-major in 64-byte swizzled groups of 8 rows (layout 2), the groups 512 bytes apart: the stage's
+  // A tile as sp_a_offset lays it out (chunk c of row r at c ^ ((r >> 1) & 3): the 64-byte swizzle)
+  return (unsigned long long)((sp_shared_address(a) >> 4) & 0x3FFFu) | (1ull << 16) | (32ull << 32) | (2ull << 62);
+}
+
+SP_DEV unsigned long long sp_b_descriptor(const unsigned short* b) {
+  // a K-major operand in 128-byte swizzled groups of 8 rows (layout 1, bits 62-63), the groups 1024 bytes apart
+  // (stride offset, bits 32-45, in 16 bytes), the leading offset unused in this layout (1); the start address in 16
+  // bytes (bits 0-13)
+  return (unsigned long long)((sp_shared_address(b) >> 4) & 0x3FFFu) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+SP_DEV void sp_wgmma_step(unsigned short* smem, int kt, int stages_k, SpGemmCopies& cp, float (&acc)[1][NT][4],
+                          int warp, int lane, int tid) {
+  // step kt: its stage landed (this thread's copies, then everyone's, made visible to the tensor cores), the copies
+  // of stage kt + STAGES - 1 issued into the slot of stage kt - 1 (retired: every warpgroup waited for its wgmmas
+  // before this barrier), this warp's metadata of both k32 halves, two wgmma.sp issued (A and B read from the stage
+  // by the tensor cores), and waited for
+  sp_cp_async_wait<STAGES - 2>();
+  sp_fence_proxy_async();
+  __syncthreads();
+  if (kt + STAGES - 1 < stages_k) sp_gemm_copy_stage(smem + ((kt + STAGES - 1) % STAGES) * STAGE_HALVES, cp, tid);
+  sp_cp_async_commit();
+  const unsigned short* stage = smem + (kt % STAGES) * STAGE_HALVES;
+  const unsigned* Es = (const unsigned*)(stage + A_HALVES + B_HALVES);
+  unsigned e[2];
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) e[kk] = sp_gemm_meta_k(Es, 16 * warp, lane, kk);
+  // A: this warpgroup's 64 rows (64 bytes a row, 64-byte swizzle), the second k32 32 bytes in; B: the stage's tokens
+  // (128 bytes a token, 128-byte swizzle), the second k32 64 bytes in
+  unsigned long long a0 = sp_a_descriptor(stage + (warp / 4) * 64 * 32), b0 = sp_b_descriptor(stage + A_HALVES);
+  unsigned long long desc[2][2] = {{a0, b0}, {a0 + 2, b0 + 4}};
+  sp_wgmma_operands_ready(e, desc);   // every operand defined before the fence, none after
+  sp_wgmma_fence(acc);
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) sp_wgmma_sp(acc, desc[kk][0], desc[kk][1], e[kk]);
+  sp_wgmma_commit();
+  sp_wgmma_wait<0>(acc);
+}
+#endif
+
 SP_DEV bool sp_last_to_arrive(int* counter, int arrivals, int& flag, int tid) {
   // split-K: whether this CTA is the last of `arrivals` to finish its part (after its partial sums are written); its
   // sums and every earlier CTA's are then visible to it. `flag` is a __shared__ int of the CTA; every thread calls this
@@ -197,7 +267,12 @@ SP_DEV bool sp_last_to_arrive(int* counter, int arrivals, int& flag, int tid) {
 extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
     const unsigned short* x, const unsigned short* values, const unsigned* meta, const unsigned short* bias,
     unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
+#if WGMMA
+  SP_DYNAMIC_SHARED(unsigned short, smem_raw);
+  unsigned short* smem = smem_raw + ((1024u - (sp_shared_address(smem_raw) & 1023u)) & 1023u) / 2;   // 1024 spare
+#else
   SP_DYNAMIC_SHARED(unsigned short, smem);
+#endif
   __shared__ int last_flag;
   int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   int wr = warp % WM, wc = warp / WM;
@@ -208,8 +283,17 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
   float acc[MT][NT][4];
   sp_zero(acc);
 
-  // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
   SpGemmCopies cp = sp_gemm_copies(x, values, meta, T, C, xs, row_base, tok_base, k0, tid);
+#if WGMMA
+  // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < stages_k) sp_gemm_copy_stage(smem + s * STAGE_HALVES, cp, tid);
+    sp_cp_async_commit();
+  }
+  for (int kt = 0; kt < stages_k; ++kt) sp_wgmma_step(smem, kt, stages_k, cp, acc, warp, lane, tid);
+#else
+  // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < stages_k) sp_gemm_copy_stage(smem + s * STAGE_HALVES, cp, tid);
@@ -225,6 +309,7 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
     read = read == STAGES - 1 ? 0 : read + 1;
     write = write == STAGES - 1 ? 0 : write + 1;
   }
+#endif
   sp_cp_async_wait<0>();
   __syncthreads();   // every warp is done with the stages: the output tile takes their place
   (void)bias;

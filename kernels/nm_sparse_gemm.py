@@ -10,6 +10,15 @@ the input's tile are copied into shared memory a stage of 64 columns at a time (
 :data:`SparseGemmPlan.stages` in flight) and each fragment read there (``ldmatrix``) serves a warp's other tiles: a
 B fragment its ``mt`` m-tiles, an A fragment its ``nt`` n-tiles. The layer's own buffer is read as it is, in either
 layout. The same text runs on the CPU under the tests' emulator.
+
+On Hopper a plan may take ``wgmma``: the same CTA with Hopper's own asynchronous ``wgmma.mma_async.sp`` in place of
+``mma.sp`` (compiled for ``sm_90a``). ``mma.sp`` is the instruction set Ampere brought; on Hopper cuBLAS reaches its
+dense rate through ``wgmma``, which ``mma`` does not match (``scripts/mma_ceiling.py`` measures both), so only the
+sparse ``wgmma`` can be expected to pass cuBLAS by its factor of two. Each warpgroup multiplies 64 rows' kept values,
+held in registers, by the stage's input tile, which the tensor cores read from shared memory themselves: the stage's
+B tile is already laid out as ``wgmma``'s 128-byte swizzle reads it. The tests' emulator runs it with each ``wgmma``
+computed only when its group retires, so a slot copied into too early, or registers touched while one runs, give a
+wrong answer there.
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ from pathlib import Path
 import torch
 
 from shuffleprune.kernels.cuda_rtc import KernelLaunch, allow_dynamic_shared, compile_cuda, driver
-from shuffleprune.kernels.gpu import SMEM_PER_BLOCK_OPTIN, cdiv, smem_per_block_optin
+from shuffleprune.kernels.gpu import SMEM_PER_BLOCK_OPTIN, _capability, cdiv, smem_per_block_optin
 from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
                                                 fragment_reading, ordered_metadata, split_k_workspace,
                                                 sparse_mma_available, stream_handle)
@@ -45,6 +54,7 @@ class SparseGemmPlan:
     wn: int
     stages: int = 3
     splits: int = 1
+    wgmma: bool = False
 
     @property
     def warps(self) -> int:
@@ -68,12 +78,15 @@ class SparseGemmPlan:
         return cdiv(cdiv(cols, BK), self.splits) * BK
 
     def stage_bytes(self) -> int:
-        """One stage: kept values (64 bytes a row), the input (128 bytes a token) and position words (8 bytes a row)."""
-        return self.bm * 64 + self.bn * 128 + self.bm * 8
+        """One stage: kept values (64 bytes a row), the input (128 bytes a token) and position words (8 bytes a row);
+        under ``wgmma`` rounded up to 1024 bytes (each stage's input tile on the swizzle's period)."""
+        raw = self.bm * 64 + self.bn * 128 + self.bm * 8
+        return cdiv(raw, WGMMA_ALIGN) * WGMMA_ALIGN if self.wgmma else raw
 
     def dynamic_shared(self) -> int:
-        """The stages, or the output tile (``bn`` tokens × ``bm + 8`` 16-bit sums) after them, whichever is more."""
-        return max(self.stages * self.stage_bytes(), self.bn * (self.bm + 8) * 2)
+        """The stages, or the output tile (``bn`` tokens × ``bm + 8`` 16-bit sums) after them, whichever is more
+        (under ``wgmma`` with :data:`WGMMA_ALIGN` bytes to spare, the kernel aligning its stages itself)."""
+        return max(self.stages * self.stage_bytes(), self.bn * (self.bm + 8) * 2) + (WGMMA_ALIGN if self.wgmma else 0)
 
 
 # the tiles tried, largest first: (mt, nt, wm, wn). A warp tile of 64 rows × 64 tokens reads 192 bytes of shared
@@ -83,6 +96,11 @@ class SparseGemmPlan:
 # L2 bandwidth per FLOP than 128 × 128, which at a sparse MMA's rate could otherwise bind
 GEMM_TILES = ((4, 8, 4, 2), (4, 8, 2, 2), (4, 4, 2, 4), (2, 8, 2, 2), (4, 4, 2, 2), (2, 4, 2, 2))
 DEFAULT_STAGES = 3
+# the wgmma tiles (mt, nt, wm, wn): warpgroups of 64 rows along M (mt 1, wn 1), each wgmma m64n(8·nt)k32 over the CTA's
+# tokens; 128 x 256 holds 128 fp32 sums a thread (one CTA an SM), 128 x 128 64 (two)
+WGMMA_TILES = ((1, 32, 8, 1), (1, 16, 8, 1), (1, 16, 4, 1), (1, 8, 8, 1), (1, 8, 4, 1))
+WGMMA_STAGES = 4
+WGMMA_ALIGN = 1024   # the 128-byte swizzle's period: each stage's input tile starts on it
 FILL = 0.9   # the share of the multiprocessors a tile's grid must reach (128 CTAs of 128 x 128 on 132 do)
 
 
@@ -102,13 +120,14 @@ def gemm_traffic(plan: SparseGemmPlan, tokens: int, rows: int, cols: int) -> int
 
 
 def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, shared_limit: int = SMEM_PER_BLOCK_OPTIN,
-                     **override) -> SparseGemmPlan:
-    """Of the tiles of :data:`GEMM_TILES` whose stages fit ``shared_limit`` bytes (the GPU's opt-in limit a CTA) and
-    that pad fewer than half a token block (where one does), each split along K until the grid reaches :data:`FILL`
-    of the ``sms`` multiprocessors (each split keeping :data:`MIN_SPLIT_STAGES` stages): the one moving the fewest
-    bytes (:func:`gemm_traffic`) of those whose grid fills the GPU, else the one with the most CTAs. ``override``
-    sets any field (tuning)."""
-    tiles = [SparseGemmPlan(*tile, stages=DEFAULT_STAGES) for tile in GEMM_TILES]
+                     wgmma: bool = False, **override) -> SparseGemmPlan:
+    """Of the tiles of :data:`GEMM_TILES` (``wgmma``: :data:`WGMMA_TILES`) whose stages fit ``shared_limit`` bytes
+    (the GPU's opt-in limit a CTA) and that pad fewer than half a token block (where one does), each split along K
+    until the grid reaches :data:`FILL` of the ``sms`` multiprocessors (each split keeping :data:`MIN_SPLIT_STAGES`
+    stages): the one moving the fewest bytes (:func:`gemm_traffic`) of those whose grid fills the GPU, else the one
+    with the most CTAs. ``override`` sets any field (tuning)."""
+    tiles = ([SparseGemmPlan(*tile, stages=WGMMA_STAGES, wgmma=True) for tile in WGMMA_TILES] if wgmma else
+             [SparseGemmPlan(*tile, stages=DEFAULT_STAGES) for tile in GEMM_TILES])
     fits = [p for p in tiles if rows % p.bm == 0 and p.dynamic_shared() <= shared_limit]
     if not fits:
         raise ValueError(f"{rows} rows are not whole 64-row blocks: the sparse GEMM takes rows in 64s")
@@ -146,10 +165,17 @@ def _ctas(plan: SparseGemmPlan, tokens: int, rows: int) -> int:
 
 def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int, shared_limit: int = SMEM_PER_BLOCK_OPTIN) -> None:
     """Refuse a plan the kernel cannot run, in one line naming what to change."""
+    if plan.wgmma and (plan.mt != 1 or plan.wn != 1 or plan.wm % 4 or not 1 <= plan.nt <= 32):
+        raise ValueError(f"a wgmma plan takes mt=1, wn=1, wm a multiple of 4 (warpgroups) and nt 1-32 (N up to 256); "
+                         f"not {plan}")
     if rows % plan.bm or plan.bm % 64:
         raise ValueError(f"{rows} rows are not whole CTAs of {plan.bm} (wm·mt·16, a multiple of 64): change wm or mt")
     if cols % BK:
         raise ValueError(f"{cols} columns are not whole stages of {BK}")
+    threads = 32 * plan.warps
+    if plan.bm * 4 % threads or plan.bn * 8 % threads:
+        raise ValueError(f"a CTA of {threads} threads copies its {plan.bm} rows' and {plan.bn} tokens' 16-byte chunks "
+                         "evenly: take more rows or tokens a CTA (mt, nt) or fewer warps")
     if plan.stages < 2:
         raise ValueError(f"stages={plan.stages}: the pipeline holds 2 or more stages")
     if plan.splits < 1 or plan.k_split(cols) * (plan.splits - 1) >= cols:
@@ -166,17 +192,50 @@ def kernel_defines(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bi
     reading = fragment_reading()
     return {"MT": plan.mt, "NT": plan.nt, "WM": plan.wm, "WN": plan.wn, "STAGES": plan.stages, "TILED": int(tiled),
             "HAS_BIAS": int(has_bias), "IS_BF16": int(dtype == torch.bfloat16), "ORDERED": int(ordered),
-            **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
+            "WGMMA": int(plan.wgmma), **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
+
+
+def wgmma_functions(nt: int) -> str:
+    """The GPU side of the ``wgmma`` calls the kernel makes (the emulator defines the same names): the fences, commit
+    and wait, and ``sp_wgmma_sp``, one ``wgmma.mma_async.sp`` m64n(8·nt)k32 with A from registers and B through a
+    descriptor, its accumulator operands written out. Each accumulator is named to the compiler at the fences and
+    waits (an empty asm that reads and writes it), so no read or write of one moves across them."""
+    regs = 4 * nt
+    acc = [f"d[0][{i // 4}][{i % 4}]" for i in range(regs)]
+    outs = ", ".join(f'"+f"({a})' for a in acc)
+    d = ", ".join(f"%{i}" for i in range(regs))
+    touch = "".join(f'  asm volatile("" : "+f"({a}) :: "memory");\n' for a in acc)
+    return (
+        f"SP_DEV void sp_wgmma_touch(float (&d)[1][{nt}][4]) {{\n{touch}}}\n"
+        "SP_DEV void sp_wgmma_operands_ready(unsigned (&e)[2], unsigned long long (&desc)[2][2]) {\n"
+        "  for (int k = 0; k < 2; ++k) {\n"
+        '    asm volatile("" : "+r"(e[k]), "+l"(desc[k][0]), "+l"(desc[k][1]) :: "memory");\n  }\n}\n'
+        "SP_DEV void sp_fence_proxy_async() { asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\"); }\n"
+        f"SP_DEV void sp_wgmma_fence(float (&d)[1][{nt}][4]) {{\n  sp_wgmma_touch(d);\n"
+        '  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n}\n'
+        'SP_DEV void sp_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }\n'
+        f"template <int KEEP>\nSP_DEV void sp_wgmma_wait(float (&d)[1][{nt}][4]) {{\n"
+        '  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(KEEP) : "memory");\n  sp_wgmma_touch(d);\n}\n'
+        f"SP_DEV void sp_wgmma_sp(float (&d)[1][{nt}][4], unsigned long long a, unsigned long long b, unsigned e) {{\n"
+        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n"\n'
+        f'               "wgmma.mma_async.sp.sync.aligned.m64n{8 * nt}k32.f32." SP_TYPE "." SP_TYPE " {{{d}}}, "\n'
+        f'               "%{regs}, %{regs + 1}, %{regs + 2}, 0, p, 1, 1, 0, 0;\\n}}\\n"\n'
+        f'               : {outs}\n'
+        '               : "l"(a), "l"(b), "r"(e));\n}\n')
 
 
 def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
-    """The full text of one variant (:func:`.nm_sparse_mma.kernel_source` of ``nm_sparse_gemm.cu``)."""
+    """The full text of one variant (:func:`.nm_sparse_mma.kernel_source` of ``nm_sparse_gemm.cu``; under ``WGMMA``
+    the GPU prelude gains :func:`wgmma_functions`)."""
+    if defines.get("WGMMA") and prelude is DEVICE_PRELUDE:
+        prelude = prelude + wgmma_functions(int(defines["NT"]))
     return sparse_mma_source(defines, prelude, SOURCE)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(defines: tuple, device_index: int):
-    return compile_cuda(kernel_source(dict(defines)), KERNEL_NAME, device_index, key=defines)
+    return compile_cuda(kernel_source(dict(defines)), KERNEL_NAME, device_index, key=defines,
+                        arch_specific=bool(dict(defines).get("WGMMA")))
 
 
 def _prepare(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, index: int):
@@ -188,10 +247,10 @@ def _prepare(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bias: bo
 
 @functools.lru_cache(maxsize=None)
 def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, has_bias: bool, index: int,
-            override: tuple) -> tuple:
+            override: tuple, wgmma: bool = False) -> tuple:
     """``(kernel, plan, bound launch or None)`` for one kind of call (once per kind and process)."""
     sms = torch.cuda.get_device_properties(index).multi_processor_count
-    plan = sparse_gemm_plan(tokens, rows, cols, sms, smem_per_block_optin(torch.device("cuda", index)),
+    plan = sparse_gemm_plan(tokens, rows, cols, sms, smem_per_block_optin(torch.device("cuda", index)), wgmma=wgmma,
                             **dict(override))
     kernel = _prepare(plan, dtype, tiled, has_bias, index)
     try:
@@ -203,17 +262,19 @@ def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, 
 
 
 def launch_plan(x: torch.Tensor, values: torch.Tensor, tiled: bool = False, has_bias: bool = False,
-                **override) -> SparseGemmPlan:
+                wgmma: bool = False, **override) -> SparseGemmPlan:
     """The plan :func:`nm_sparse_gemm` launches for ``x`` on ``values``."""
     return _launch(x.numel() // x.shape[-1], values.shape[0], 2 * values.shape[1], x.dtype, tiled, has_bias,
-                   device_index(x.device), tuple(sorted(override.items())))[1]
+                   device_index(x.device), tuple(sorted(override.items())), wgmma)[1]
 
 
 def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,
-                   tiled: bool = False, plan: SparseGemmPlan | None = None, **override) -> torch.Tensor:
+                   tiled: bool = False, plan: SparseGemmPlan | None = None, wgmma: bool = False,
+                   **override) -> torch.Tensor:
     """``x @ Wᵀ + bias`` for a 2:4 ``W`` held as ``values`` ``[R, C/2]`` and position ``words`` ``[R, C/32]`` (row
     words, or cuSPARSELt's order when ``tiled``) on the sparse tensor cores, ``x`` in the weight's column order
-    (gathered). ``plan`` (or ``override``'s fields) replaces :func:`sparse_gemm_plan`'s."""
+    (gathered). ``plan`` (or ``override``'s fields) replaces :func:`sparse_gemm_plan`'s; ``wgmma`` plans with
+    Hopper's ``wgmma.mma_async.sp`` (:func:`sparse_wgmma_available` GPUs only)."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     x2 = x.reshape(-1, cols)
     tokens = x2.shape[0]
@@ -231,9 +292,11 @@ def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, b
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:   # 16-byte copies of each row
         x2 = x2.clone(memory_format=torch.contiguous_format)
     index = device_index(x.device)
+    if (wgmma or (plan is not None and plan.wgmma)) and not sparse_wgmma_available(x.device):
+        raise ValueError("the wgmma form of the sparse GEMM runs on Hopper (compute capability 9.0) only")
     if plan is None:
         kernel, plan, bound = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, index,
-                                      tuple(sorted(override.items())))
+                                      tuple(sorted(override.items())), wgmma)
     else:
         check_gemm_plan(plan, rows, cols, smem_per_block_optin(torch.device("cuda", index)))
         kernel, bound = _prepare(plan, x.dtype, tiled, bias is not None, index), None
@@ -253,6 +316,12 @@ def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, b
 def sparse_gemm_available(device: torch.device) -> bool:
     """Whether ``device`` runs it: where the decode runs (an NVIDIA GPU of compute capability 8.0 or more)."""
     return sparse_mma_available(device)
+
+
+def sparse_wgmma_available(device: torch.device) -> bool:
+    """Whether ``device`` runs the ``wgmma`` form: a Hopper GPU (compute capability 9.0 exactly: ``sm_90a`` code runs
+    on no other)."""
+    return sparse_mma_available(device) and _capability(device_index(device)) == (9, 0)
 
 
 def plan_fields(plan: SparseGemmPlan) -> dict:

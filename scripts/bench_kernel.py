@@ -42,6 +42,7 @@ tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_
 ``decode_sparse_mma_tall_tiled`` from 4 tokens and ``decode_sparse_mma_mapped_tall_tiled`` from one: both with the
 tall plan's CTAs, the input staged in shared memory and shared by more rows), ``gemm_sparse_mma`` and
 ``gemm_sparse_mma_tiled`` (from 32 tokens: the prompt GEMM on the sparse tensor cores, ``kernels/nm_sparse_gemm.cu``),
+``gemm_sparse_wgmma`` and ``gemm_sparse_wgmma_tiled`` (the same GEMM on Hopper's ``wgmma.mma_async.sp``),
 ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
@@ -103,7 +104,8 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_sparse_mma_mapped_tiled", "decode_sparse_mma_tiled+pdl", "decode_sparse_mma_mapped_tiled+pdl",
               "decode_sparse_mma_tall_tiled", "decode_sparse_mma_mapped_tall_tiled", "decode_sparse_mma_mapped_inline",
               "decode_sparse_mma_mapped_inline_tiled",
-              "gemm_sparse_mma", "gemm_sparse_mma_tiled", "cslt_tiled", "gemm",
+              "gemm_sparse_mma", "gemm_sparse_mma_tiled", "gemm_sparse_wgmma", "gemm_sparse_wgmma_tiled",
+              "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
 # the same layer under a random map within blocks of 64 columns (prune's maps are such: --perm-block 64),
@@ -115,7 +117,7 @@ MAP_BLOCK = 64
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.impls import (  # noqa: E402  (no Triton import)
     DECODE_KERNELS, GEMM_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, SKIP_ENV, SWAP_TILES,
-    SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, TILE_MAX_TOKENS, advised_skip, skip_advice, skipped_impls)
+    SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_WGMMA, TILE_MAX_TOKENS, advised_skip, skip_advice, skipped_impls)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
@@ -150,7 +152,8 @@ def bytes_moved(impl: str, rows: int, cols: int, tokens: int, elt: int = 2) -> i
         weight = rows * kept * elt + rows * kept // 4          # its own compressed form, about the same
     mapped = 0 if not has_map else cols * 4
     gathered = impl in DECODE_KERNELS and impl not in MAPPED_DECODES or \
-        impl in (*GEMM_KERNELS, "scratch", *SPARSE_TC, "decode_sparse_mma", "decode_sparse_mma_tall", SPARSE_GEMM)
+        impl in (*GEMM_KERNELS, "scratch", *SPARSE_TC, "decode_sparse_mma", "decode_sparse_mma_tall", SPARSE_GEMM,
+                 SPARSE_WGMMA)
     if has_map and gathered:
         mapped += 2 * tokens * cols * elt                     # the gathered input written, then read
     return weight + io + mapped
@@ -179,7 +182,7 @@ def runs_at(impl: str, tokens: int) -> bool:
         return False
     if tokens > TILE_MAX_TOKENS.get(impl, tokens):   # the select loop's other tiles: where auto weighs them
         return False
-    if impl == SPARSE_GEMM and tokens < SPARSE_GEMM_MIN_TOKENS:   # where auto weighs it
+    if impl in (SPARSE_GEMM, SPARSE_WGMMA) and tokens < SPARSE_GEMM_MIN_TOKENS:   # where auto weighs them
         return False
     if impl in ("gather", "group") and tokens > 64:
         return False
@@ -324,6 +327,7 @@ def main() -> None:
                 sp_inline = ms_of(shape, tokens, "decode_sparse_mma_mapped_inline")
                 sp_tall = ms_of(shape, tokens, "decode_sparse_mma_tall_tiled")
                 sp_gemm = ms_of(shape, tokens, "gemm_sparse_mma_tiled")
+                sp_wgmma = ms_of(shape, tokens, "gemm_sparse_wgmma_tiled")
                 if dense is None:
                     continue
                 summary.append({"shape": list(shape), "tokens": tokens,
@@ -355,6 +359,7 @@ def main() -> None:
                                 "sparse_mma_tall_speedup_tiled": round(dense / sp_tall, 3) if dense and sp_tall else None,
                                 # the prompt GEMM on the sparse tensor cores, on the layer as load holds it on Hopper
                                 "sparse_gemm_speedup_tiled": round(dense / sp_gemm, 3) if dense and sp_gemm else None,
+                                "sparse_wgmma_speedup_tiled": round(dense / sp_wgmma, 3) if dense and sp_wgmma else None,
                                 "map_cost_sparse_mma": round(sp_mapped / sp_nomap - 1, 4) if sp_mapped and sp_nomap else None,
                                 # the same with the map read by each B load, nothing staged
                                 "map_cost_sparse_mma_inline":

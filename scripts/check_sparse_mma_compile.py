@@ -67,13 +67,15 @@ def sass_counts(cubin: bytes, arch: int) -> dict:
             "ldmatrix": sum(o.startswith("LDSM") for o in ops)}   # the prompt GEMM's fragment loads
 
 
-def loop_mix(cubin: bytes, arch: int) -> dict:
-    """A kernel's K loop as one warp issues it (the prompt GEMM's: a stage of 64 columns; the decode's: its unrolled
-    steps of 128): its instructions, sparse MMAs, ``ldmatrix`` and asynchronous copies, and the instructions issued
-    per MMA (the MMA itself included). In the GEMM, where that stands far above 1, the warp schedulers and not the
-    tensor cores set the pace; in the decode, every instruction besides its loads takes issue slots from them."""
-    loop = main_loop(disassemble(cubin, arch), holding="HMMA.SP")
-    mmas = sum("HMMA.SP" in i for i in loop)
+def loop_mix(cubin: bytes, arch: int, mma: str = "HMMA.SP") -> dict:
+    """A kernel's K loop as one warp issues it (the prompt GEMM's: a stage of 64 columns, under ``wgmma`` two; the
+    decode's: its unrolled steps of 128): its instructions, sparse MMAs (``mma``: their machine instruction, Hopper's
+    ``HGMMA`` for wgmma), ``ldmatrix`` and asynchronous copies, and the instructions issued per MMA (the MMA itself
+    included). In the GEMM, where that stands far above 1, the warp schedulers and not the tensor cores set the pace
+    (a wgmma is 16 times an mma.sp's work); in the decode, every instruction besides its loads takes issue slots from
+    them."""
+    loop = main_loop(disassemble(cubin, arch), holding=mma)
+    mmas = sum(mma in i for i in loop)
     return {"instructions": len(loop), "mma_sp": mmas, "ldmatrix": sum(i.startswith("LDSM") for i in loop),
             "async_copies": sum(i.lstrip("@!P0123456 ").startswith("LDGSTS") for i in loop),
             "per_mma": round(len(loop) / mmas, 2) if mmas else None}
@@ -143,6 +145,26 @@ def main() -> None:
                           "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
                           # shared-memory bytes a warp reads per MMA: its A and B fragments of one k32 step
                           "shared_bytes_per_mma": round(512 * (plan.mt + plan.nt) / (plan.mt * plan.nt))})
+    # the wgmma form (Hopper only, sm_90a): every wgmma tile with 4 and 5 stages, both layouts. ptxas says where it
+    # had to wait on a wgmma it could not prove safe to run on ("serialized"): recorded as the advisories
+    for tile, stages, tiled in itertools.product(sg.WGMMA_TILES, (4, 5), (False, True)):
+        if "sm_90" not in args.arch:
+            break
+        gpu, plan = H100, sg.SparseGemmPlan(*tile, stages=stages, wgmma=True)
+        defines = sg.kernel_defines(plan, torch.bfloat16, tiled, False, True)
+        ok, log, cubin = nvrtc.compile(sg.kernel_source(defines), "sm_90a", report=True)
+        regs, spill = ptxas_report(log)
+        seen[("sm_90a", "gemm", tuple(defines.items()))] = info = {
+            "compiled": ok, "registers": regs, "spill_bytes": spill if ok else None,
+            "sass": sass_counts(cubin, gpu.arch) if ok else None, "log": None if ok else log[-2000:],
+            "main_loop": loop_mix(cubin, gpu.arch, "HGMMA") if ok else None,
+            "hgmma": len(re.findall(r"HGMMA", disassemble(cubin, gpu.arch))) if ok else None,
+            "wgmma_advisories": [line.strip() for line in log.splitlines() if "wgmma" in line.lower()]}
+        fits = plan.dynamic_shared() <= gpu.smem_per_block
+        ctas = resident_programs(gpu, info["registers"], plan.warps, plan.dynamic_shared()) if ok and fits else 0
+        gemm_rows.append({"arch": "sm_90a", "tiled": tiled, "plan": sg.plan_fields(plan), "bm": plan.bm,
+                          "bn": plan.bn, "threads": 32 * plan.warps, "dynamic_shared": plan.dynamic_shared(), **info,
+                          "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps, "shared_bytes_per_mma": None})
     versions = {"python": platform.python_version(), "torch": torch.__version__, "nvrtc": nvrtc.version()}
     out = {"what": "the sparse-tensor-core decode (kernels/nm_sparse_mma.cu; rows) and prompt GEMM "
                    "(kernels/nm_sparse_gemm.cu; gemm_rows) compiled by NVRTC, not run",
@@ -159,7 +181,7 @@ def main() -> None:
                   "regs", r["registers"], "spill", r["spill_bytes"], "ctas/SM", r["ctas_per_sm"],
                   "warps/SM", r["warps_per_sm"], "waves", r["waves"], r["sass"], r["main_loop"])
     for r in gemm_rows:
-        if r["arch"] == "sm_90" and r["tiled"]:
+        if r["arch"] in ("sm_90", "sm_90a") and r["tiled"]:
             print("gemm", r["bm"], "x", r["bn"], r["plan"], "regs", r["registers"], "spill", r["spill_bytes"],
                   "ctas/SM", r["ctas_per_sm"], "warps/SM", r["warps_per_sm"], r["sass"], r["main_loop"])
 

@@ -7,7 +7,8 @@ than 2 % is not timed), then timed as ``bench_kernel.py`` times: calls over rota
 (``SHUFFLEPRUNE_SPARSE_MMA_READING``, which ``gpu_run.sh sparse_mma`` exports): the same MMA. First, the tensor cores'
 ceiling through ``mma.sp`` and the dense ``mma`` (``mma_ceiling.py``: MMAs alone, on every SM), recorded as
 ``ceiling`` beside each row's dense-equivalent TFLOPS and cuBLAS's: how far the GEMM stands from what its MMA allows,
-and whether that MMA can beat cuBLAS's ``wgmma`` at all.
+and whether that MMA can beat cuBLAS's ``wgmma`` at all. On Hopper also the ``wgmma`` form (``WGMMA_TILES`` with each
+number of ``--wgmma-stages``), its rows marked ``"wgmma": true`` in their plan.
 
     python scripts/tune_sparse_gemm.py                 # → scripts/results/tune_sparse_gemm.json
     python scripts/tune_sparse_gemm.py --smoke         # CPU: tiny shapes on the tests' emulator (g++)
@@ -30,6 +31,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=[f"{o}x{i}" for o, i in SHAPES], help="weights as OUTxIN")
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 2048])
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 4], help="stages of 64 columns in flight")
+    ap.add_argument("--wgmma-stages", type=int, nargs="+", default=[4, 5],
+                    help="stages of the wgmma form (Hopper; 2 fewer copies in flight)")
     ap.add_argument("--splits", type=int, nargs="+", default=[0],
                     help="CTAs along K (0: what the plan splits that tile into to fill the GPU)")
     ap.add_argument("--layouts", nargs="+", default=["tiled"], choices=["rows", "tiled"])
@@ -42,16 +45,16 @@ def main() -> None:
     from kernel_cases import dense_ms, random_24_layer, rotated_copies, run_facts, timing_setup
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.kernels.gpu import smem_per_block_optin
-    from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, filling_splits,
-                                                      gemm_traffic, nm_sparse_gemm, plan_fields, sparse_gemm_plan,
-                                                      whole_splits)
+    from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, WGMMA_TILES, SparseGemmPlan, check_gemm_plan,
+                                                      filling_splits, gemm_traffic, nm_sparse_gemm, plan_fields,
+                                                      sparse_gemm_plan, sparse_wgmma_available, whole_splits)
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
     from shuffleprune.runtime import cuda_graph_ms
 
     dev, cuda, shapes, l2, sms = timing_setup(args, [(128, 256)])
     if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
         from sparse_gemm_cpu import run_gemm_cpu
-        args.tokens, args.stages, args.splits = [40], [2, 3], [0, 2]
+        args.tokens, args.stages, args.splits, args.wgmma_stages = [40], [2, 3], [0, 2], [3]
     dtype = torch.bfloat16
     shared_limit = smem_per_block_optin(dev)
     gen = torch.Generator().manual_seed(0)
@@ -88,10 +91,13 @@ def main() -> None:
             copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
             case = []
             seen = set()
-            for tile, stages, splits in itertools.product(GEMM_TILES, args.stages, args.splits):
-                plan = SparseGemmPlan(*tile, stages=stages)
+            forms = [(tile, stages, False) for tile in GEMM_TILES for stages in args.stages]
+            if not cuda or sparse_wgmma_available(dev):   # the CPU's emulator runs it too
+                forms += [(tile, stages, True) for tile in WGMMA_TILES for stages in args.wgmma_stages]
+            for (tile, stages, wgmma), splits in itertools.product(forms, args.splits):
+                plan = SparseGemmPlan(*tile, stages=stages, wgmma=wgmma)
                 plan = filling_splits(plan, tokens, out_f, in_f, sms) if splits == 0 else \
-                    whole_splits(SparseGemmPlan(*tile, stages=stages, splits=splits), in_f)
+                    whole_splits(SparseGemmPlan(*tile, stages=stages, splits=splits, wgmma=wgmma), in_f)
                 if plan in seen:
                     continue
                 seen.add(plan)

@@ -53,6 +53,11 @@ struct Warp {
   std::unique_ptr<std::barrier<>> bar;
 };
 inline std::barrier<>* cta_barrier = nullptr;
+inline thread_local unsigned barriers_passed = 0;   // this thread's __syncthreads so far in its CTA
+// every cp.async a CTA issued: the issuing thread's barriers passed then, and the 16-byte chunk of shared memory it
+// writes (a wgmma's operands must see no copy issued into them after the barrier before it, until it retires)
+inline std::mutex copy_log_mu;
+inline std::vector<std::pair<unsigned, size_t>> copy_log;
 inline std::vector<Warp>* warps = nullptr;
 }  // namespace spemu
 
@@ -69,7 +74,10 @@ inline std::vector<Warp>* warps = nullptr;
 struct u32x4 { unsigned x, y, z, w; };
 struct u32x2 { unsigned x, y; };
 
-static inline void __syncthreads() { spemu::cta_barrier->arrive_and_wait(); }
+static inline void __syncthreads() {
+  spemu::cta_barrier->arrive_and_wait();
+  ++spemu::barriers_passed;
+}
 
 template <typename V>
 static inline V spemu_load(const void* p, size_t align) {
@@ -129,8 +137,14 @@ SP_DEV u32x4 sp_lds128(const unsigned short* p) {
 struct SpemuCopy { unsigned short* to; unsigned char v[16]; unsigned bytes; };
 inline thread_local std::vector<SpemuCopy> spemu_open_copies;                 // issued, not yet committed
 inline thread_local std::vector<std::vector<SpemuCopy>> spemu_copy_groups;    // committed, not yet landed
+inline void spemu_log_copy(const void* to) {
+  std::lock_guard<std::mutex> lock(spemu::copy_log_mu);
+  spemu::copy_log.push_back({spemu::barriers_passed,
+                             (size_t)(static_cast<const unsigned char*>(to) - spemu::dyn_smem.data()) & ~(size_t)15});
+}
 SP_DEV void sp_cp_async8(unsigned short* to, const unsigned short* from) {
   u32x2 v = spemu_load<u32x2>(from, 8);   // the source is read now (nothing writes it during the kernel)
+  spemu_log_copy(to);
   SpemuCopy c{to, {}, 8};
   std::memcpy(c.v, &v, 8);
   if (spemu_shared_ok(to, 8)) spemu_open_copies.push_back(c);
@@ -138,6 +152,7 @@ SP_DEV void sp_cp_async8(unsigned short* to, const unsigned short* from) {
 SP_DEV void sp_cp_async16(unsigned short* to, const void* from, int bytes) {   // 16 bytes, or (bytes 0) zeros
   if (bytes != 0 && bytes != 16) spemu::fail("cp.async of 16 bytes given a source size other than 0 or 16");
   u32x4 v = spemu_load<u32x4>(from, 16);   // the address must lie in a buffer even where nothing is read
+  spemu_log_copy(to);
   SpemuCopy c{to, {}, 16};
   if (bytes) std::memcpy(c.v, &v, 16);
   if (spemu_shared_ok(to, 16)) spemu_open_copies.push_back(c);
@@ -234,21 +249,16 @@ namespace spemu {
 // mma.m16n8k32 with .f16/.bf16: A as the dense m16n8k16 A fragment of the kept values, B rows 2t + 8i +
 // {0,1} of column g, metadata of row g in bits 0-15 and of row g + 8 in bits 16-31 of lanes 4g + 2·sel
 // + {0, 1}, the second holding slots 4-7)
-inline void mma_sp_m16n8k32(Warp& w) {
-  int sel = w.sel[0];
-  for (int l = 1; l < 32; ++l)
-    if (w.sel[l] != sel) fail("lanes of a warp disagree on the sparsity selector");
-  double A[16][32] = {}, B[32][8];
+// A's 16 x 32 tile from its kept values (kept_of(r, s): the word of row r's two kept values of group s) and the
+// metadata registers of a warp's lanes (e_of(lane)) under selector `sel`, as both sparse MMAs read it (mma.sp m16n8k32,
+// and each warp's 16 rows of wgmma.mma_async.sp)
+template <typename KeptOf, typename EOf>
+inline void sparse_a_tile(KeptOf kept_of, EOf e_of, int sel, double (&A)[16][32]) {
   for (int r = 0; r < 16; ++r) {
     int g = r % 8;
     for (int s = 0; s < 8; ++s) {
-#if SPEMU_HW_A_SWAP
-      int t = s % 4, reg = (r >= 8 ? 2 : 0) + (s >= 4 ? 1 : 0);
-#else
-      int t = s % 4, reg = (r >= 8 ? 1 : 0) + (s >= 4 ? 2 : 0);
-#endif
-      unsigned word = w.a[4 * g + t][reg];
-      unsigned meta = w.e[4 * g + 2 * sel + ((s >= 4 ? 1 : 0) ^ SPEMU_HW_META_ROLE_SWAP)];
+      unsigned word = kept_of(r, s);
+      unsigned meta = e_of(4 * g + 2 * sel + ((s >= 4 ? 1 : 0) ^ SPEMU_HW_META_ROLE_SWAP));
 #if SPEMU_HW_META_HALF_SWAP
       unsigned half = r >= 8 ? meta & 0xFFFFu : meta >> 16;
 #else
@@ -261,6 +271,24 @@ inline void mma_sp_m16n8k32(Warp& w) {
       A[r][4 * s + i1] = sp_to_float((unsigned short)(word >> 16));
     }
   }
+}
+
+inline void mma_sp_m16n8k32(Warp& w) {
+  int sel = w.sel[0];
+  for (int l = 1; l < 32; ++l)
+    if (w.sel[l] != sel) fail("lanes of a warp disagree on the sparsity selector");
+  double A[16][32] = {}, B[32][8];
+  // the dense m16n8k16 A fragment of the kept values: row g's groups 0-3 in register 0 of lanes 4g + t, groups 4-7 in
+  // register 2, row g + 8's in 1 and 3 (registers 1 and 2 the other way round on a GPU reading A_SWAP)
+  auto kept_of = [&](int r, int s) {
+#if SPEMU_HW_A_SWAP
+    int reg = (r >= 8 ? 2 : 0) + (s >= 4 ? 1 : 0);
+#else
+    int reg = (r >= 8 ? 1 : 0) + (s >= 4 ? 2 : 0);
+#endif
+    return w.a[4 * (r % 8) + s % 4][reg];
+  };
+  sparse_a_tile(kept_of, [&](int lane) { return w.e[lane]; }, sel, A);
   for (int q = 0; q < 32; ++q)
     for (int n = 0; n < 8; ++n) {
       int reg = q / 8;
@@ -341,6 +369,168 @@ SP_DEV void sp_ldmatrix4(unsigned (&r)[4], const unsigned short* p) {
   w.bar->arrive_and_wait();
 }
 
+// Hopper's wgmma.mma_async.sp (m64nNk32, 16-bit, A and B through shared-memory descriptors), as loosely timed as the
+// PTX ISA lets it be: it reads its shared-memory operands when it is issued (so a tile whose copies have not landed
+// yet reads the poison) and must find them unchanged when a wgmma.wait_group retires it (a slot copied into while it
+// runs is an error), likewise its metadata registers; it adds into the accumulators only at the retirement (a kernel
+// that touches them before computes something else). Both operands K-major in swizzled groups of 8 rows, the only layouts modeled: A (64 rows x 16 kept values) in
+// the 64-byte swizzle (byte 2c of row r at start + (r / 8) * stride + (r % 8) * 64 + 2c, its 16-byte chunk XORed
+// with bits 7-8 of that offset), B (N tokens x 32 columns) in the 128-byte swizzle (row pitch 128, XOR with bits
+// 7-9). Warp w's 16 rows (16w..) take their metadata from its lanes as mma.sp reads a warp's (selector 0); D as
+// mma's m16n8 fragment for each 8 columns (registers 4j .. 4j + 3 for columns 8j ..).
+namespace spemu {
+struct WgmmaOp {
+  unsigned long long a, b;
+  const unsigned* e;
+  unsigned e_issued;
+  float* d;
+  int n;
+  std::vector<double> tiles;   // thread 0 of the warpgroup: A's kept values and B as read at the issue,
+  std::vector<size_t> chunks;  // the 16-byte chunks they lie in,
+  unsigned barriers = 0;       // and its barriers passed then
+};
+struct WarpGroup {
+  std::unique_ptr<std::barrier<>> bar;
+  std::vector<WgmmaOp>* front[128];
+  size_t counts[128];
+  bool retire = false;
+};
+inline std::vector<WarpGroup>* warpgroups = nullptr;
+inline thread_local std::vector<WgmmaOp> wg_open;                  // issued, not committed
+inline thread_local std::vector<std::vector<WgmmaOp>> wg_groups;   // committed, not retired
+
+// the shared-memory offset of byte `col_byte` of row `row` of a K-major operand: descriptor `desc` of swizzle
+// layout `layout` (1: 128-byte rows, 2: 64-byte rows), the operand's `row_bytes` per wgmma; or SIZE_MAX (an error)
+inline size_t swizzled_offset(unsigned long long desc, unsigned layout, size_t row_bytes, int row, size_t col_byte) {
+  size_t pitch = layout == 1 ? 128 : 64, period = 8 * pitch;
+  if ((desc >> 62) != layout || ((desc >> 49) & 7u) != 0u) {
+    fail("a wgmma descriptor of another swizzle or a base offset (not modeled)");
+    return SIZE_MAX;
+  }
+  size_t start = (desc & 0x3FFFu) << 4, stride = ((desc >> 32) & 0x3FFFu) << 4;
+  if (start % pitch + row_bytes > pitch || start % period >= pitch) {
+    fail("a wgmma's columns do not lie in the first row of a swizzle group");
+    return SIZE_MAX;
+  }
+  size_t off = start + (row / 8) * stride + (row % 8) * pitch + col_byte;
+  off ^= ((off >> 7) & (pitch / 16 - 1)) << 4;
+  if (off + 2 > dyn_smem.size()) {
+    fail("a wgmma reads past the launch's dynamic shared memory");
+    return SIZE_MAX;
+  }
+  return off;
+}
+
+inline unsigned short smem_half(size_t off) {
+  unsigned short h = 0;
+  if (off != SIZE_MAX) std::memcpy(&h, dyn_smem.data() + off, 2);
+  return h;
+}
+
+// the words of A's kept values (64 rows x 8 pairs) then B's halves (32 x n) a wgmma reads from shared memory now (and,
+// given `chunks`, the 16-byte chunks they lie in)
+inline std::vector<double> wgmma_tiles(unsigned long long a, unsigned long long b, int n,
+                                       std::vector<size_t>* chunks = nullptr) {
+  std::vector<double> t(64 * 8 + 32 * n);
+  auto half = [&](size_t off) {
+    if (chunks && off != SIZE_MAX) chunks->push_back(off & ~(size_t)15);
+    return smem_half(off);
+  };
+  for (int r = 0; r < 64; ++r)
+    for (int s = 0; s < 8; ++s)
+      t[r * 8 + s] = (double)((unsigned)half(swizzled_offset(a, 2, 32, r, 4 * s)) |
+                              (unsigned)half(swizzled_offset(a, 2, 32, r, 4 * s + 2)) << 16);
+  for (int c = 0; c < n; ++c)
+    for (int q = 0; q < 32; ++q) t[64 * 8 + q * n + c] = sp_to_float(half(swizzled_offset(b, 1, 64, c, 2 * q)));
+  if (chunks) {
+    std::sort(chunks->begin(), chunks->end());
+    chunks->erase(std::unique(chunks->begin(), chunks->end()), chunks->end());
+  }
+  return t;
+}
+
+inline void wgmma_compute(WarpGroup& g, size_t i) {
+  const WgmmaOp& op0 = g.front[0]->at(i);
+  for (int t = 0; t < 128; ++t) {
+    if (g.front[t]->size() != g.front[0]->size()) return fail("threads of a warpgroup committed different wgmmas");
+    const WgmmaOp& o = g.front[t]->at(i);
+    if (o.a != op0.a || o.b != op0.b || o.n != op0.n)
+      return fail("threads of a warpgroup disagree on a wgmma's operands or shape");
+    if (*o.e != o.e_issued) return fail("a wgmma's metadata register was written while it ran");
+  }
+  int n = op0.n;
+  {
+    std::lock_guard<std::mutex> lock(copy_log_mu);
+    for (auto [after, chunk] : copy_log)
+      if (after >= op0.barriers && std::binary_search(op0.chunks.begin(), op0.chunks.end(), chunk))
+        return fail("a copy into a wgmma's operands was issued after the barrier before it and before it retired");
+  }
+  if (wgmma_tiles(op0.a, op0.b, n) != op0.tiles)
+    return fail("a wgmma's shared-memory operands were written while it ran (a slot copied into before it retired)");
+  const double* B = op0.tiles.data() + 64 * 8;
+  for (int w = 0; w < 4; ++w) {
+    double A[16][32] = {};
+    auto kept_of = [&](int r, int s) { return (unsigned)op0.tiles[(16 * w + r) * 8 + s]; };
+    sparse_a_tile(kept_of, [&](int lane) { return *g.front[32 * w + lane]->at(i).e; }, 0, A);
+    for (int r = 0; r < 16; ++r)
+      for (int c = 0; c < n; ++c) {
+        float* d = g.front[32 * w + 4 * (r % 8) + (c % 8) / 2]->at(i).d;
+        int j = 4 * (c / 8) + 2 * (r >= 8 ? 1 : 0) + c % 2;
+        double acc = d[j];
+        for (int q = 0; q < 32; ++q) acc += A[r][q] * B[q * n + c];
+        d[j] = (float)acc;
+      }
+  }
+}
+}  // namespace spemu
+
+SP_DEV unsigned sp_shared_address(const void* p) {   // the address a shared-memory instruction takes: from the start
+  return (unsigned)(static_cast<const unsigned char*>(p) - spemu::dyn_smem.data());
+}
+SP_DEV void sp_fence_proxy_async() {}
+template <int M, int N>
+SP_DEV void sp_wgmma_fence(float (&)[M][N][4]) {}
+SP_DEV void sp_wgmma_operands_ready(unsigned (&)[2], unsigned long long (&)[2][2]) {}
+template <int M, int N>
+SP_DEV void sp_wgmma_sp(float (&d)[M][N][4], unsigned long long a, unsigned long long b, const unsigned& e) {
+  static_assert(M == 1, "one m-tile a warp");
+  if (!spemu::warpgroups) spemu::fail("a wgmma in a CTA that is not whole warpgroups");
+  spemu::WgmmaOp op{a, b, &e, e, &d[0][0][0], 8 * N, {}};
+  if (threadIdx.x % 128 == 0) {   // its operands as they are now, where they lie, and the barriers passed
+    op.tiles = spemu::wgmma_tiles(a, b, 8 * N, &op.chunks);
+    op.barriers = spemu::barriers_passed;
+  }
+  spemu::wg_open.push_back(std::move(op));
+}
+SP_DEV void sp_wgmma_commit() {
+  spemu::wg_groups.push_back(std::move(spemu::wg_open));
+  spemu::wg_open.clear();
+}
+template <int KEEP, int M, int N>
+SP_DEV void sp_wgmma_wait(float (&)[M][N][4]) {   // every committed group but the newest KEEP retires, in order
+  if (!spemu::warpgroups) return;
+  spemu::WarpGroup& g = (*spemu::warpgroups)[threadIdx.x / 128];
+  unsigned me = threadIdx.x % 128;
+  while (true) {
+    g.counts[me] = spemu::wg_groups.size();
+    g.front[me] = spemu::wg_groups.empty() ? nullptr : &spemu::wg_groups.front();
+    g.bar->arrive_and_wait();
+    if (me == 0) {
+      g.retire = g.counts[0] > (size_t)KEEP;
+      for (int t = 1; t < 128; ++t)
+        if (g.counts[t] != g.counts[0]) {
+          spemu::fail("threads of a warpgroup wait on different numbers of wgmma groups");
+          g.retire = false;
+        }
+      if (g.retire)
+        for (size_t i = 0; i < g.front[0]->size(); ++i) spemu::wgmma_compute(g, i);
+    }
+    g.bar->arrive_and_wait();
+    if (!g.retire) break;
+    spemu::wg_groups.erase(spemu::wg_groups.begin());
+  }
+}
+
 // A launch's start: no error yet, nothing stored or prefetched, and the buffers (address, bytes) it may touch
 inline void spemu_begin_launch(std::vector<std::pair<const void*, size_t>> buffers) {
   spemu::error.clear();
@@ -366,6 +556,10 @@ inline void run_grid(Dim3 grid, unsigned threads, unsigned seed, size_t shared_b
     std::barrier<> cta(threads);
     std::vector<Warp> cta_warps(threads / 32);
     for (auto& w : cta_warps) w.bar = std::make_unique<std::barrier<>>(32);
+    std::vector<WarpGroup> cta_groups(threads % 128 ? 0 : threads / 128);
+    for (auto& g : cta_groups) g.bar = std::make_unique<std::barrier<>>(128);
+    warpgroups = cta_groups.empty() ? nullptr : &cta_groups;
+    copy_log.clear();
     cta_barrier = &cta;
     dyn_smem.assign(shared_bytes, 0xFF);
     warps = &cta_warps;
@@ -374,7 +568,10 @@ inline void run_grid(Dim3 grid, unsigned threads, unsigned seed, size_t shared_b
       pool.emplace_back([&, t, b] {
         tid3 = {t, 0, 0};
         bid3 = b;
+        wg_open.clear();
+        wg_groups.clear();
         body();
+        if (!wg_open.empty() || !wg_groups.empty()) fail("a CTA ended with wgmmas not retired");
       });
     for (auto& th : pool) th.join();
   }

@@ -48,6 +48,77 @@ def test_sparse_gemm_matches_float64(rows, cols, tokens, plan, dtype, tiled):
     _check(y, x.double() @ w.double().t() + bias.double(), dtype)
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("rows,cols,tokens,plan,dtype", [
+    (64, 256, 5, (1, 4, 4, 1, 3), torch.bfloat16),       # one warpgroup, N 32; 4 stages over 3 slots (one reused)
+    (128, 640, 70, (1, 8, 8, 1, 4), torch.bfloat16),     # two warpgroups, 10 stages, two token blocks, the second ragged
+    (64, 384, 17, (1, 16, 4, 1, 2), torch.float16),      # N 128, two slots: each reused every other step
+    (128, 128, 3, (1, 4, 8, 1, 3), torch.float16),       # fewer stages (2) than the pipeline holds; N 32
+    (128, 512, 33, (1, 4, 8, 1, 3, 2), torch.bfloat16),  # split-K: 2 splits of 4 stages
+    (64, 192, 40, (1, 32, 4, 1, 2), torch.bfloat16),     # N 256, the largest wgmma
+])
+def test_sparse_gemm_on_wgmma_matches_float64(rows, cols, tokens, plan, dtype, tiled):
+    """The Hopper form (``wgmma.mma_async.sp``, both operands read from the stage through descriptors) under the
+    emulator, which runs each wgmma as loosely as the PTX ISA lets it (operands read at the issue, checked unchanged
+    and added in at its retirement)."""
+    w, values, words, x, bias = _case(rows, cols, tokens, dtype, seed=tokens + 1)
+    plan = SparseGemmPlan(*plan, wgmma=True)
+    check_gemm_plan(plan, rows, cols)
+    y = _run(x, values, cslt_words(words) if tiled else words, bias, tiled, plan, seed=rows + tokens)
+    _check(y, x.double() @ w.double().t() + bias.double(), dtype)
+
+
+@pytest.mark.parametrize("mutation,error", [
+    # each step keeps its wgmma group in flight: the next step writes the metadata registers it still reads
+    ((("  sp_wgmma_commit();\n  sp_wgmma_wait<0>(acc);\n}", "  sp_wgmma_commit();\n  sp_wgmma_wait<1>(acc);\n}"),
+      ("sp_wgmma_step(smem, kt, stages_k, cp, acc, warp, lane, tid);",
+       "sp_wgmma_step(smem, kt, stages_k, cp, acc, warp, lane, tid);\n  sp_wgmma_wait<0>(acc);")),
+     "metadata register was written while it ran"),
+    # the next stage copied into the slot this step's wgmma reads
+    ((("sp_gemm_copy_stage(smem + ((kt + STAGES - 1) % STAGES) * STAGE_HALVES",
+       "sp_gemm_copy_stage(smem + (kt % STAGES) * STAGE_HALVES"),),
+     "copy into a wgmma's operands was issued after the barrier before it"),
+    # the stage's copies not waited for: the wgmma reads a slot before they land
+    ((("  sp_cp_async_wait<STAGES - 2>();\n  sp_fence_proxy_async();", "  sp_fence_proxy_async();"),),
+     "shared-memory operands were written while it ran"),
+])
+def test_the_emulator_refuses_a_wgmma_pipeline_that_races(mutation, error, monkeypatch):
+    """Three broken pipelines, made from the kernel's own text, each a race on a GPU that the emulator must refuse: a
+    wgmma's metadata registers written while it runs, a slot copied into while a wgmma reading it runs, and a wgmma
+    reading a slot whose copies have not landed (the tests above would have caught any of them)."""
+    import sparse_gemm_cpu
+    from shuffleprune.kernels import nm_sparse_gemm as sg
+
+    text = sg.SOURCE.read_text()
+    for before, after in mutation:
+        assert before in text
+        text = text.replace(before, after)
+    monkeypatch.setattr(sg, "SOURCE", type("Text", (), {"read_text": staticmethod(lambda: text)})())
+    _, values, words, x, bias = _case(64, 384, 20, torch.bfloat16, seed=5)
+    with pytest.raises(RuntimeError, match=error):
+        sparse_gemm_cpu.run_gemm_cpu(x, values, words, bias, False, SparseGemmPlan(1, 4, 4, 1, 3, wgmma=True))
+
+
+def test_wgmma_plans_fill_the_gpu_and_their_stages_sit_on_the_swizzle_period():
+    """The wgmma plans: warpgroups of 64 rows, each stage a multiple of 1024 bytes (its input tile on the 128-byte
+    swizzle's period) with 1024 bytes spare for the kernel to align them, grids filling 90 % of 132 SMs; plans the
+    instruction cannot take are refused in one line."""
+    for (rows, cols), tokens in itertools.product([(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)],
+                                                  (64, 512, 2048)):
+        plan = sparse_gemm_plan(tokens, rows, cols, 132, shared_limit=227 * 1024, wgmma=True)
+        gx, gy, gz = plan.grid(tokens, rows)
+        assert plan.wgmma and plan.mt == 1 and plan.wn == 1 and plan.wm % 4 == 0 and plan.bn <= 256
+        assert plan.stage_bytes() % 1024 == 0 and plan.dynamic_shared() >= plan.stages * plan.stage_bytes() + 1024
+        assert plan.dynamic_shared() <= 227 * 1024 and gx * gy * gz >= 0.9 * 132
+    assert SparseGemmPlan(1, 8, 4, 1, wgmma=True).stage_bytes() == 4096 + 8192 + 1024   # 13056 rounded up
+    for bad in (SparseGemmPlan(2, 8, 4, 1, wgmma=True), SparseGemmPlan(1, 8, 2, 2, wgmma=True),
+                SparseGemmPlan(1, 33, 4, 1, wgmma=True), SparseGemmPlan(1, 8, 6, 1, wgmma=True)):
+        with pytest.raises(ValueError, match="wgmma plan takes|whole CTAs"):
+            check_gemm_plan(bad, 384, 256)
+    with pytest.raises(ValueError, match="16-byte chunks"):   # 16 tokens' 128 chunks over 256 threads
+        check_gemm_plan(SparseGemmPlan(1, 2, 8, 1, wgmma=True), 128, 256)
+
+
 def test_split_k_adds_the_splits_in_their_order_and_leaves_its_counters_at_zero():
     w, values, words, x, bias = _case(128, 768, 40, torch.bfloat16, seed=4)
     plan = SparseGemmPlan(2, 4, 2, 2, 3, splits=5)   # 12 stages in 5 splits of 3 (the last empty: refused)
@@ -207,18 +278,23 @@ def test_auto_weighs_the_sparse_gemm_from_32_tokens_where_it_runs(monkeypatch):
     assert "gemm_sparse_mma" not in plain.candidates(x)   # the CPU has no sparse MMA
     monkeypatch.setattr(nm_sparse_gemm, "sparse_gemm_available", lambda device: True)   # as on a GPU that has it
     assert "gemm_sparse_mma" in plain.candidates(x) and "gemm_sparse_mma" in plain.candidates(x.repeat(64, 1))
+    assert "gemm_sparse_wgmma" not in plain.candidates(x)   # not a Hopper GPU
+    monkeypatch.setattr(nm_sparse_gemm, "sparse_wgmma_available", lambda device: True)   # as on Hopper
+    assert "gemm_sparse_wgmma" in plain.candidates(x) and "gemm_sparse_wgmma" not in plain.candidates(x[:31])
     assert "gemm_sparse_mma" not in plain.candidates(x[:31])   # below 32 tokens the decodes take it
     for other, inp in ((layer(96, 256, 2, 4, torch.bfloat16), x),              # rows not whole 64-row bands
                        (layer(128, 224, 2, 4, torch.bfloat16), x[:, :224]),   # columns not whole stages
                        (layer(128, 256, 4, 8, torch.bfloat16), x),            # 4:8
                        (layer(128, 256, 2, 4, torch.float32), x.float())):    # 32-bit
-        assert "gemm_sparse_mma" not in other.candidates(inp)
+        assert "gemm_sparse_mma" not in other.candidates(inp) and "gemm_sparse_wgmma" not in other.candidates(inp)
 
 
+@pytest.mark.parametrize("impl", ["gemm_sparse_mma", "gemm_sparse_wgmma"])
 @pytest.mark.parametrize("tiled", [False, True])
-def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, tiled):
-    """``SparseLinear.run("gemm_sparse_mma")`` hands the kernel (here its text under the emulator) the gathered input,
-    the layer's one buffer in its layout and its bias, and returns the layer's output."""
+def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, tiled, impl):
+    """``SparseLinear.run("gemm_sparse_mma")`` (and ``"gemm_sparse_wgmma"``) hands the kernel (here its text under the
+    emulator, in its form) the gathered input, the layer's one buffer in its layout and its bias, and returns the
+    layer's output."""
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.kernels import nm_sparse_gemm as sg
 
@@ -233,13 +309,14 @@ def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, 
     x = torch.randn(2, 20, 256, generator=g).to(torch.bfloat16)
     seen = []
 
-    def on_the_emulator(inp, values, words, bias=None, tiled=False):
-        seen.append(tiled)
-        plan = sg.sparse_gemm_plan(inp.numel() // inp.shape[-1], values.shape[0], 2 * values.shape[1], 4)
+    def on_the_emulator(inp, values, words, bias=None, tiled=False, wgmma=False):
+        seen.append((tiled, wgmma))
+        plan = sg.sparse_gemm_plan(inp.numel() // inp.shape[-1], values.shape[0], 2 * values.shape[1], 4,
+                                   wgmma=wgmma)
         return _run(inp.reshape(-1, inp.shape[-1]), values, words, bias, tiled, plan).reshape(*inp.shape[:-1], -1)
 
     monkeypatch.setattr(sg, "nm_sparse_gemm", on_the_emulator)
-    monkeypatch.setattr(SparseLinear, "_sparse_gemm_applies", lambda self, x: True)
-    y = layer.run("gemm_sparse_mma", x)
-    assert seen == [tiled] and y.shape == (2, 20, 128)
+    monkeypatch.setattr(SparseLinear, "_sparse_gemm_applies", lambda self, x, wgmma=False: True)
+    y = layer.run(impl, x)
+    assert seen == [(tiled, impl == "gemm_sparse_wgmma")] and y.shape == (2, 20, 128)
     _check(y, x.double()[..., layer.perm.long()] @ w.double().t() + bias.double(), torch.bfloat16)

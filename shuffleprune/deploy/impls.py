@@ -127,6 +127,13 @@
   where the tiles alone leave SMs idle (the last CTA of a tile adds the splits in order). Checked under the
   same emulator (ragged tokens, both layouts, bias, fp16/bf16), compiled for sm_90 and sm_80
   (``sparse_mma_compile.json``); not yet run on a GPU;
+- ``gemm_sparse_wgmma`` (the same layers and token counts, Hopper only): that GEMM with Hopper's own asynchronous
+  ``wgmma.mma_async.sp`` (``sm_90a``) in place of ``mma.sp``, which on Hopper cannot reach cuBLAS's dense rate
+  (``scripts/mma_ceiling.py`` measures the two): each warpgroup's 64 rows of kept values in registers, the stage's
+  input read by the tensor cores from shared memory through a descriptor (the stage already in ``wgmma``'s 128-byte
+  swizzle), two slots of copies ahead and one ``wgmma`` group in flight while the next is issued. Checked under the
+  emulator with each ``wgmma`` computed only when its group retires (a slot reused early or its registers touched
+  give a wrong answer there); compiled for ``sm_90a``; not yet run on a GPU, so ``auto`` checks its output first;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
@@ -162,6 +169,7 @@ SPARSE_MMA_DECODES = ("decode_sparse_mma", "decode_sparse_mma_tall", "decode_spa
 # the prompt GEMM on the sparse tensor cores (kernels/nm_sparse_gemm.cu), on the gathered input, weighed from this many
 # tokens (below, the decodes hold the weight in registers once and need no shared-memory trip)
 SPARSE_GEMM = "gemm_sparse_mma"
+SPARSE_WGMMA = "gemm_sparse_wgmma"   # the same on Hopper's wgmma.mma_async.sp
 SPARSE_GEMM_MIN_TOKENS = 32
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 # nm_gemm's options per prompt policy (on the gathered input): the weight as the MMA's B operand, as its A
@@ -171,13 +179,13 @@ IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mappe
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
          "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_spread",
          "decode_swap_spread_sync", "decode_swap_tma", *SPARSE_MMA_DECODES, *GEMM_KERNELS, SPARSE_GEMM,
-         "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
+         SPARSE_WGMMA, "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
 # TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
 # the plain decode's 24.8 µs of host time per 16-token call, the launch recorded, not run) and the launcher
 # encodes them at each launch; the sparse-MMA decode's launch builds its arguments through ctypes
-EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", *SPARSE_MMA_DECODES, SPARSE_GEMM)
+EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", *SPARSE_MMA_DECODES, SPARSE_GEMM, SPARSE_WGMMA)
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 CSLT_TOKEN_MULTIPLE = 8   # cuSPARSELt's dense operand takes tokens padded to this (PyTorch's semi-structured tensors
                           # pad 16-bit inputs to 8 rows for it: torch/sparse/semi_structured.py, dense_min_rows)

@@ -25,7 +25,8 @@ from shuffleprune.deploy import auto_choice
 from shuffleprune.deploy.format import decompress, meta_bits
 from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS,
                                        GEMM_MIN_TOKENS, IMPLS, MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED,
-                                       PDL_SUFFIX, SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_MMA_DECODES, SWAP_TILES,
+                                       PDL_SUFFIX, SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_MMA_DECODES, SPARSE_WGMMA,
+                                       SWAP_TILES,
                                        TILE_MAX_TOKENS, default_choice, known_policy, skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
 from shuffleprune.deploy.shared_input import SharedGather
@@ -285,11 +286,14 @@ class SparseLinear(nn.Module):
                                      tall=impl.endswith("_tall"), **inline)
             # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
             impl = "decode" if self._pow2() and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
-        if impl == SPARSE_GEMM:
+        if impl == SPARSE_WGMMA and not self._sparse_gemm_applies(x, wgmma=True):
+            impl = SPARSE_GEMM   # not Hopper: the same GEMM on mma.sp where it runs
+        if impl in (SPARSE_GEMM, SPARSE_WGMMA):
             if self._sparse_gemm_applies(x):
                 from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
 
-                return nm_sparse_gemm(self._gathered(x, pdl), self.values, self.words(), self.bias, tiled=self.tiled)
+                return nm_sparse_gemm(self._gathered(x, pdl), self.values, self.words(), self.bias, tiled=self.tiled,
+                                      wgmma=impl == SPARSE_WGMMA)
             # another pattern, dtype, device or shape: the Triton GEMM where it runs, else the shared scratch
             impl = "gemm_swap" if self._pow2() and x.is_cuda else "scratch"
         if impl == "decode_swap_tma" and not self._tma_applies(x):
@@ -371,14 +375,17 @@ class SparseLinear(nn.Module):
                 sparse_mma_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
                                    x.dtype, mapped) and sparse_mma_available(x.device))
 
-    def _sparse_gemm_applies(self, x: torch.Tensor) -> bool:
-        """Whether ``gemm_sparse_mma`` runs this layer on ``x``: 2:4 values of the input's 16-bit dtype, rows and
-        columns in 64s, on a GPU with sparse tensor cores (:mod:`.nm_sparse_gemm`)."""
-        from shuffleprune.kernels.nm_sparse_gemm import sparse_gemm_applies, sparse_gemm_available
+    def _sparse_gemm_applies(self, x: torch.Tensor, wgmma: bool = False) -> bool:
+        """Whether ``gemm_sparse_mma`` (``wgmma``: ``gemm_sparse_wgmma``) runs this layer on ``x``: 2:4 values of the
+        input's 16-bit dtype, rows and columns in 64s, on a GPU with sparse tensor cores (``wgmma``: Hopper;
+        :mod:`.nm_sparse_gemm`)."""
+        from shuffleprune.kernels.nm_sparse_gemm import (sparse_gemm_applies, sparse_gemm_available,
+                                                          sparse_wgmma_available)
 
+        available = sparse_wgmma_available if wgmma else sparse_gemm_available
         return (x.dtype == self.values.dtype and
                 sparse_gemm_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
-                                    x.dtype) and sparse_gemm_available(x.device))
+                                    x.dtype) and available(x.device))
 
     def _sparse_mma_tall_worth(self, x: torch.Tensor, mapped: bool = False) -> bool:
         """Whether ``auto`` also weighs the sparse-MMA decode with :func:`.nm_sparse_mma.tall_plan`'s CTAs on ``x``
@@ -437,6 +444,7 @@ class SparseLinear(nn.Module):
                     out += ["decode_sparse_mma_mapped_tall"] if self._sparse_mma_tall_worth(x, mapped=True) else []
             if tokens >= SPARSE_GEMM_MIN_TOKENS and self._sparse_gemm_applies(x):
                 out.append(SPARSE_GEMM)
+                out += [SPARSE_WGMMA] if self._sparse_gemm_applies(x, wgmma=True) else []
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
             if tokens >= GEMM_MIN_TOKENS and x.element_size() == 2:   # float32 runs the one FMA tile either way
                 out.append("gemm_swap_tall")
