@@ -208,11 +208,14 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # in a process of its own (its wgmma part never ran on a GPU), which say whether the prompt GEMM on mma.sp can pass
 # cuBLAS at all or wgmma.sp is the way; sparse_gemm records the mma half in-process beside its rows. next1 then
 # begins with tune_sparse_mma_bounds (the decode's register bound, 0 / 5 / 6 CTAs an SM).
+# Since stop 91 sparse_gemm also times the prompt GEMM on Hopper's wgmma.mma_async.sp (gemm_sparse_wgmma: its tiles
+# with 4 stages; mma.sp's with 3 only, to keep the step's count of timings), kernel has auto weigh it from 32 tokens,
+# and next1 begins with tune_sparse_gemm (both forms' other stage counts and splits, all four shapes).
 ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 165 + 120 + 260 + 10 s (kernel 175 s on the H200): the
                                                     # sparse-MMA decode and prompt GEMM checked and timed, then the
                                                     # kernel table and the targets read from it; e2e (met on the H200
                                                     # at stop 85) heads the queue after them, run if it fits
-NEXT1=(tune_sparse_mma_bounds tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 90 + 150 + 90 + 7 × 70 + 90 + 3 × 70 + 150 s
+NEXT1=(tune_sparse_gemm tune_sparse_mma_bounds tune_sparse_mma profile_sparse_mma tune_spread profile_swap tune_tall)   # 120 + 90 + 150 + 90 + 7 × 70 + 90 + 3 × 70 + 150 s
                                                     # (the sparse-MMA decode's register bound: CTAs an SM must hold,
                                                     # 0, 5 or 6; its tiles: warps and CTAs along K, m-tiles,
                                                     # stages, row warps against the tall plan, and Nsight Compute on
@@ -318,8 +321,11 @@ for s in "$@"; do
             reading=$($PY -c "import json; r = json.load(open('scripts/results/tune_sparse_mma.json')).get('reading'); print(','.join(r or []))" 2>/dev/null)
             [ -n "$reading" ] && { export SHUFFLEPRUNE_SPARSE_MMA_READING=$reading; echo "=== the sparse-MMA decode reads its fragments as: $reading"; } ;;
         sparse_gemm) step sparse_gemm 120 scripts/results/tune_sparse_gemm.json $PY scripts/tune_sparse_gemm.py \
-                --shapes 4096x4096 14336x4096 1024x4096 --tokens 64 512 2048 --stages 3 4 --splits 0 1 --layouts tiled \
-                --out scripts/results/tune_sparse_gemm.json ;;
+                --shapes 4096x4096 14336x4096 1024x4096 --tokens 64 512 2048 --stages 3 --wgmma-stages 4 --splits 0 1 \
+                --layouts tiled --out scripts/results/tune_sparse_gemm.json ;;
+        tune_sparse_gemm) step tune_sparse_gemm 120 scripts/results/tune_sparse_gemm_sweep.json \
+                $PY scripts/tune_sparse_gemm.py --shapes 4096x4096 11008x4096 4096x14336 1024x4096 --tokens 64 512 2048 \
+                --stages 4 --wgmma-stages 3 5 --splits 0 2 --layouts tiled --out scripts/results/tune_sparse_gemm_sweep.json ;;
         mma_ceiling) step mma_ceiling 40 scripts/results/mma_ceiling.json $PY scripts/mma_ceiling.py ;;
         tune_sparse_mma_bounds) step tune_sparse_mma_bounds 90 scripts/results/tune_sparse_mma_bounds.json \
                 $PY scripts/tune_sparse_mma.py --layouts tiled --shapes 4096x4096 14336x4096 --tokens 1 16 \
