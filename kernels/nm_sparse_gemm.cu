@@ -284,21 +284,15 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
   sp_zero(acc);
 
   SpGemmCopies cp = sp_gemm_copies(x, values, meta, T, C, xs, row_base, tok_base, k0, tid);
-#if WGMMA
   // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < stages_k) sp_gemm_copy_stage(smem + s * STAGE_HALVES, cp, tid);
     sp_cp_async_commit();
   }
+#if WGMMA
   for (int kt = 0; kt < stages_k; ++kt) sp_wgmma_step(smem, kt, stages_k, cp, acc, warp, lane, tid);
 #else
-  // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < stages_k) sp_gemm_copy_stage(smem + s * STAGE_HALVES, cp, tid);
-    sp_cp_async_commit();
-  }
   int read = 0, write = STAGES - 1;   // the slots of stage kt and of stage kt + STAGES - 1
   for (int kt = 0; kt < stages_k; ++kt) {
     sp_cp_async_wait<STAGES - 2>();   // this thread's copies of stage kt landed
