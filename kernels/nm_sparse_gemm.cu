@@ -30,11 +30,12 @@
 // 512-byte groups of 8, chunk c of row r at c ^ ((r >> 1) & 3)), B K-major in the 128-byte swizzle (128-byte rows,
 // 1024-byte groups, chunk c of token n at c ^ (n & 7)); so each stage starts on 1024 bytes, and the second k32 starts
 // 32 bytes into each A row and 64 into each B row. The metadata takes selector 0 (lanes 4g + {0, 1} of each warp: role
-// t & 1, each k32 its own register). Each step waits for its wgmmas before the next (wgmma.wait_group 0): ptxas
-// serializes them anyway where a metadata register is written while one runs ("C7513 ... non wgmma instructions
-// defining input registers", NVRTC 13.5, tried with one group kept in flight over two register sets), so the overlap
-// comes from the other warpgroups on the SM; a slot is copied into again after its stage's barrier, as in the mma.sp
-// loop (STAGES - 1 stages of copies in flight).
+// t & 1, each k32 its own register). A step's wgmmas run on through the next step's barrier and copies; that step
+// then waits for them (wgmma.wait_group 0) before it writes its own metadata registers, since ptxas serializes the
+// wgmmas where a register one reads is written while any runs ("C7513 ... non wgmma instructions defining input
+// registers", NVRTC 13.5: so with the metadata written in flight, even into a second register set); the position
+// words themselves are read before the wait. So a slot is copied into two steps after its own stage (STAGES - 2
+// stages of copies in flight), and the SM's other warpgroups cover the short gap at each wait.
 //
 // Compile-time parameters: MT, NT, WM, WN, STAGES, TILED, HAS_BIAS, IS_BF16, ORDERED, WGMMA and the four fragment
 // knobs (A_SWAP, META_HALF_SWAP, META_ROLE_SWAP, B_SWAP: as in nm_sparse_mma.cu; B_SWAP has no effect under WGMMA,
@@ -51,10 +52,12 @@
 // each stage's B tile on 1024 bytes (the swizzle's period, which the tensor cores work out from the address)
 #define STAGE_HALVES ((A_HALVES + B_HALVES + 2 * E_WORDS + 511) / 512 * 512)
 static_assert(MT == 1 && WN == 1 && WM % 4 == 0, "a wgmma CTA: warpgroups of 4 warps along the rows, one m-tile each");
-static_assert(NT * 8 <= 256, "wgmma takes N up to 256");
+static_assert(NT * 8 <= 256 && STAGES >= 3, "wgmma takes N up to 256; a slot is copied into two steps after its own");
+#define AHEAD (STAGES - 2)           // stages of copies in flight: a step's wgmmas run on into the next step
 static_assert(A_HALVES % 512 == 0, "the B tile after the kept values on 1024 bytes");
 #else
 #define STAGE_HALVES (A_HALVES + B_HALVES + 2 * E_WORDS)
+#define AHEAD (STAGES - 1)
 #endif
 #define OUT_LD (BM + 8)              // the output tile's row (a token) in 16-bit units: rows 16 bytes apart in banks
 
@@ -142,25 +145,39 @@ SP_DEV void sp_gemm_copy_stage(unsigned short* stage, SpGemmCopies& cp, int tid)
   cp.e += E_STAGE_STEP;
 }
 
-SP_DEV unsigned sp_gemm_meta_k(const unsigned* Es, int r16, int lane, int kk) {
-  // the metadata register of the m-tile at CTA row r16 for this lane and the stage's kk-th 32 columns: role t & 1
-  // (slots 4 * role ..), row g's codes in bits 0-15 and row g + 8's in 16-31
-  int g = lane >> 2, t = lane & 3, role = (t & 1) ^ META_ROLE_SWAP;
+struct SpMetaWords { unsigned lo, hi; };   // the two position words a lane's metadata register is made of
+
+SP_DEV SpMetaWords sp_gemm_meta_words(const unsigned* Es, int r16, int lane, int kk) {
+  // the position words of the m-tile at CTA row r16 this lane's register takes for the stage's kk-th 32 columns
+  int g = lane >> 2;
 #if TILED
   // pair 8a + g of the band's tile kk: rows g (low nibbles) and g + 8 (high), groups 0 4 1 5 | 2 6 3 7
   const unsigned* p = Es + (r16 / 64) * 128 + kk * 64 + 2 * (8 * ((r16 % 64) / 16) + g);
+  return {sp_lds32((const unsigned short*)p), sp_lds32((const unsigned short*)(p + 1))};
+#else
+  // rows g and g + 8
+  return {sp_lds32((const unsigned short*)(Es + 2 * (r16 + g) + kk)),
+          sp_lds32((const unsigned short*)(Es + 2 * (r16 + g + 8) + kk))};
+#endif
+}
+
+SP_DEV unsigned sp_gemm_meta_join(SpMetaWords w, int lane) {
+  // the metadata register from those words: role t & 1 (slots 4 * role ..), row g's codes in bits 0-15 and row
+  // g + 8's in 16-31
+  int role = (lane & 1) ^ META_ROLE_SWAP;
+#if TILED
   // bytes of groups 4 role + 0..3
-  unsigned lo = sp_lds32((const unsigned short*)p), hi = sp_lds32((const unsigned short*)(p + 1));
-  return sp_codes_register(sp_byte_perm(lo, hi, role ? 0x7531u : 0x6420u));
+  return sp_codes_register(sp_byte_perm(w.lo, w.hi, role ? 0x7531u : 0x6420u));
+#elif META_HALF_SWAP
+  return sp_byte_perm(w.hi, w.lo, role ? 0x7632u : 0x5410u);
 #else
-  unsigned wa = sp_lds32((const unsigned short*)(Es + 2 * (r16 + g) + kk));
-  unsigned wb = sp_lds32((const unsigned short*)(Es + 2 * (r16 + g + 8) + kk));
-#if META_HALF_SWAP
-  return sp_byte_perm(wb, wa, role ? 0x7632u : 0x5410u);
-#else
-  return sp_byte_perm(wa, wb, role ? 0x7632u : 0x5410u);
+  return sp_byte_perm(w.lo, w.hi, role ? 0x7632u : 0x5410u);
 #endif
-#endif
+}
+
+SP_DEV unsigned sp_gemm_meta_k(const unsigned* Es, int r16, int lane, int kk) {
+  // the metadata register of the m-tile at CTA row r16 for this lane and the stage's kk-th 32 columns
+  return sp_gemm_meta_join(sp_gemm_meta_words(Es, r16, lane, kk), lane);
 }
 
 SP_DEV unsigned sp_gemm_meta(const unsigned* Es, int r16, int lane) {
@@ -225,30 +242,34 @@ SP_DEV unsigned long long sp_b_descriptor(const unsigned short* b) {
 
 SP_DEV void sp_wgmma_step(unsigned short* smem, int kt, int stages_k, SpGemmCopies& cp, float (&acc)[1][NT][4],
                           int warp, int lane, int tid) {
-  // step kt: its stage landed (this thread's copies, then everyone's, made visible to the tensor cores), the copies
-  // of stage kt + STAGES - 1 issued into the slot of stage kt - 1 (retired: every warpgroup waited for its wgmmas
-  // before this barrier), this warp's metadata of both k32 halves, two wgmma.sp issued (A and B read from the stage
-  // by the tensor cores), and waited for
-  sp_cp_async_wait<STAGES - 2>();
+  // step kt, while the step before's wgmmas still run: its stage landed (this thread's copies, then everyone's, made
+  // visible to the tensor cores), the copies of stage kt + STAGES - 2 issued into the slot of stage kt - 2 (retired:
+  // every warpgroup waited for its wgmmas in step kt - 1, before this barrier); then the step before's wgmmas waited
+  // for, and only then this warp's metadata of both k32 halves written (no wgmma runs while a register it reads is
+  // written), two wgmma.sp issued (A and B read from the stage by the tensor cores) and left running
+  sp_cp_async_wait<STAGES - 3>();
   sp_fence_proxy_async();
   __syncthreads();
-  if (kt + STAGES - 1 < stages_k) sp_gemm_copy_stage(smem + ((kt + STAGES - 1) % STAGES) * STAGE_HALVES, cp, tid);
+  if (kt + STAGES - 2 < stages_k) sp_gemm_copy_stage(smem + ((kt + STAGES - 2) % STAGES) * STAGE_HALVES, cp, tid);
   sp_cp_async_commit();
   const unsigned short* stage = smem + (kt % STAGES) * STAGE_HALVES;
   const unsigned* Es = (const unsigned*)(stage + A_HALVES + B_HALVES);
-  unsigned e[2];
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) e[kk] = sp_gemm_meta_k(Es, 16 * warp, lane, kk);
   // A: this warpgroup's 64 rows (64 bytes a row, 64-byte swizzle), the second k32 32 bytes in; B: the stage's tokens
   // (128 bytes a token, 128-byte swizzle), the second k32 64 bytes in
   unsigned long long a0 = sp_a_descriptor(stage + (warp / 4) * 64 * 32), b0 = sp_b_descriptor(stage + A_HALVES);
   unsigned long long desc[2][2] = {{a0, b0}, {a0 + 2, b0 + 4}};
+  SpMetaWords words[2];   // read while the wgmmas run; the registers they make are written after
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) words[kk] = sp_gemm_meta_words(Es, 16 * warp, lane, kk);
+  sp_wgmma_wait<0>(acc);
+  unsigned e[2];
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) e[kk] = sp_gemm_meta_join(words[kk], lane);
   sp_wgmma_operands_ready(e, desc);   // every operand defined before the fence, none after
   sp_wgmma_fence(acc);
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk) sp_wgmma_sp(acc, desc[kk][0], desc[kk][1], e[kk]);
   sp_wgmma_commit();
-  sp_wgmma_wait<0>(acc);
 }
 #endif
 
@@ -284,14 +305,15 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
   sp_zero(acc);
 
   SpGemmCopies cp = sp_gemm_copies(x, values, meta, T, C, xs, row_base, tok_base, k0, tid);
-  // the first STAGES - 1 stages in flight (a commit group each, empty past the end, so the waits count right)
+  // the first AHEAD stages in flight (a commit group each, empty past the end, so the waits count right)
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  for (int s = 0; s < AHEAD; ++s) {
     if (s < stages_k) sp_gemm_copy_stage(smem + s * STAGE_HALVES, cp, tid);
     sp_cp_async_commit();
   }
 #if WGMMA
   for (int kt = 0; kt < stages_k; ++kt) sp_wgmma_step(smem, kt, stages_k, cp, acc, warp, lane, tid);
+  sp_wgmma_wait<0>(acc);
 #else
   int read = 0, write = STAGES - 1;   // the slots of stage kt and of stage kt + STAGES - 1
   for (int kt = 0; kt < stages_k; ++kt) {

@@ -14,11 +14,12 @@ layout. The same text runs on the CPU under the tests' emulator.
 On Hopper a plan may take ``wgmma``: the same CTA with Hopper's own asynchronous ``wgmma.mma_async.sp`` in place of
 ``mma.sp`` (compiled for ``sm_90a``). ``mma.sp`` is the instruction set Ampere brought; on Hopper cuBLAS reaches its
 dense rate through ``wgmma``, which ``mma`` does not match (``scripts/mma_ceiling.py`` measures both), so only the
-sparse ``wgmma`` can be expected to pass cuBLAS by its factor of two. Each warpgroup multiplies 64 rows' kept values,
-held in registers, by the stage's input tile, which the tensor cores read from shared memory themselves: the stage's
-B tile is already laid out as ``wgmma``'s 128-byte swizzle reads it. The tests' emulator runs it with each ``wgmma``
-computed only when its group retires, so a slot copied into too early, or registers touched while one runs, give a
-wrong answer there.
+sparse ``wgmma`` can be expected to pass cuBLAS by its factor of two. Each warpgroup multiplies 64 rows' kept values by
+the stage's input tile, both read by the tensor cores from shared memory themselves (the stage's tiles are already
+laid out in ``wgmma``'s 64- and 128-byte swizzles), and its ``wgmma`` s run on through the next step's barrier and
+copies. The tests' emulator reads a ``wgmma``'s operands when it is issued and requires them unchanged, with no copy
+issued into them, until its group retires: a slot copied into too early, read before it landed, or metadata written
+while one runs is an error there.
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ class SparseGemmPlan:
 GEMM_TILES = ((4, 8, 4, 2), (4, 8, 2, 2), (4, 4, 2, 4), (2, 8, 2, 2), (4, 4, 2, 2), (2, 4, 2, 2))
 DEFAULT_STAGES = 3
 # the wgmma tiles (mt, nt, wm, wn): warpgroups of 64 rows along M (mt 1, wn 1), each wgmma m64n(8·nt)k32 over the CTA's
-# tokens; 128 x 256 holds 128 fp32 sums a thread (one CTA an SM), 128 x 128 64 (two)
+# tokens; 128 x 256 holds 128 fp32 sums a thread (one CTA an SM), 128 x 128 64 (two). A step's wgmmas run on through
+# the next step's barrier and copies, so a slot is copied into two steps after its own: STAGES - 2 stages ahead
 WGMMA_TILES = ((1, 32, 8, 1), (1, 16, 8, 1), (1, 16, 4, 1), (1, 8, 8, 1), (1, 8, 4, 1))
 WGMMA_STAGES = 4
 WGMMA_ALIGN = 1024   # the 128-byte swizzle's period: each stage's input tile starts on it
@@ -165,9 +167,9 @@ def _ctas(plan: SparseGemmPlan, tokens: int, rows: int) -> int:
 
 def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int, shared_limit: int = SMEM_PER_BLOCK_OPTIN) -> None:
     """Refuse a plan the kernel cannot run, in one line naming what to change."""
-    if plan.wgmma and (plan.mt != 1 or plan.wn != 1 or plan.wm % 4 or not 1 <= plan.nt <= 32):
-        raise ValueError(f"a wgmma plan takes mt=1, wn=1, wm a multiple of 4 (warpgroups) and nt 1-32 (N up to 256); "
-                         f"not {plan}")
+    if plan.wgmma and (plan.mt != 1 or plan.wn != 1 or plan.wm % 4 or not 1 <= plan.nt <= 32 or plan.stages < 3):
+        raise ValueError(f"a wgmma plan takes mt=1, wn=1, wm a multiple of 4 (warpgroups), nt 1-32 (N up to 256) and "
+                         f"3 or more stages (a slot is copied into two steps after its own); not {plan}")
     if rows % plan.bm or plan.bm % 64:
         raise ValueError(f"{rows} rows are not whole CTAs of {plan.bm} (wm·mt·16, a multiple of 64): change wm or mt")
     if cols % BK:

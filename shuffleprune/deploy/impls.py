@@ -131,9 +131,10 @@
   ``wgmma.mma_async.sp`` (``sm_90a``) in place of ``mma.sp``, which on Hopper cannot reach cuBLAS's dense rate
   (``scripts/mma_ceiling.py`` measures the two): each warpgroup's 64 rows of kept values in registers, the stage's
   input read by the tensor cores from shared memory through a descriptor (the stage already in ``wgmma``'s 128-byte
-  swizzle), two slots of copies ahead and one ``wgmma`` group in flight while the next is issued. Checked under the
-  emulator with each ``wgmma`` computed only when its group retires (a slot reused early or its registers touched
-  give a wrong answer there); compiled for ``sm_90a``; not yet run on a GPU, so ``auto`` checks its output first;
+  swizzle), each step's ``wgmma`` s running on through the next step's barrier and copies. Checked under the
+  emulator, which reads a ``wgmma``'s operands at its issue and requires them unchanged, with no copy issued into
+  them, until it retires (a slot reused early, read before it landed, or metadata written while one runs is an
+  error there); compiled for ``sm_90a``; not yet run on a GPU, so ``auto`` checks its output first;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
