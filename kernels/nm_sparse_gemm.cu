@@ -69,7 +69,13 @@ SP_DEV int sp_x_offset(int token, int chunk) { return token * 64 + 8 * (chunk ^ 
 // rows tid / 4 + j * A_ROW_STEP, its input chunks chunk tid & 7 of tokens tid / 8 + j * X_TOKEN_STEP; both steps are
 // multiples of 8 rows, so every chunk j of a thread lands in the same swizzled column of its row.
 #define A_COPIES (BM * 4 / THREADS)   // 16-byte kept-value chunks a thread copies a stage
+#if BN * 8 >= THREADS
 #define X_COPIES (BN * 8 / THREADS)   // 16-byte input chunks
+#define X_COPIERS THREADS
+#else                                 // fewer input chunks than threads (the wgmma form's 8 or 16 tokens a CTA):
+#define X_COPIES 1                    // the first BN * 8 threads copy one each
+#define X_COPIERS (BN * 8)
+#endif
 #define A_ROW_STEP (THREADS / 4)
 #define X_TOKEN_STEP (THREADS / 8)
 #if TILED
@@ -79,7 +85,7 @@ SP_DEV int sp_x_offset(int token, int chunk) { return token * 64 + 8 * (chunk ^ 
 #define E_COPIERS BM                  // threads that copy a row's 2 position words (8 bytes)
 #define E_STAGE_STEP 2
 #endif
-static_assert(A_COPIES * THREADS == BM * 4 && X_COPIES * THREADS == BN * 8, "each thread copies whole chunks");
+static_assert(A_COPIES * THREADS == BM * 4 && X_COPIES * X_COPIERS == BN * 8, "each thread copies whole chunks");
 static_assert(A_ROW_STEP % 8 == 0 && X_TOKEN_STEP % 8 == 0, "a thread's chunks share their swizzled column");
 static_assert(E_COPIERS <= THREADS, "one copy of position words a thread at most");
 
@@ -128,10 +134,12 @@ SP_DEV void sp_gemm_copy_stage(unsigned short* stage, SpGemmCopies& cp, int tid)
 #pragma unroll
   for (int j = 0; j < A_COPIES; ++j, src += cp.a_step) sp_cp_async16(stage + cp.a_at + j * (A_ROW_STEP * 32), src, 16);
   src = cp.x;
+  if (X_COPIERS == THREADS || tid < X_COPIERS) {
 #pragma unroll
-  for (int j = 0; j < X_COPIES; ++j, src += cp.x_step) {
-    bool valid = j < cp.x_valid;   // a token past T copies nothing and zero-fills (its source the last token's)
-    sp_cp_async16(stage + cp.x_at + j * (X_TOKEN_STEP * 64), valid ? src : cp.x + cp.x_last, valid ? 16 : 0);
+    for (int j = 0; j < X_COPIES; ++j, src += cp.x_step) {
+      bool valid = j < cp.x_valid;   // a token past T copies nothing and zero-fills (its source the last token's)
+      sp_cp_async16(stage + cp.x_at + j * (X_TOKEN_STEP * 64), valid ? src : cp.x + cp.x_last, valid ? 16 : 0);
+    }
   }
   if (tid < E_COPIERS) {
 #if TILED
@@ -312,7 +320,11 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
     sp_cp_async_commit();
   }
 #if WGMMA
-  for (int kt = 0; kt < stages_k; ++kt) sp_wgmma_step(smem, kt, stages_k, cp, acc, warp, lane, tid);
+  // every split holds a stage or more (whole_splits): a loop with no path around it, so ptxas sees no accumulator
+  // written (the zeros of a split with no stage) while a wgmma may run ("C7515", the 64 x 16 tile, NVRTC 13.5)
+  int kt = 0;
+  do sp_wgmma_step(smem, kt, stages_k, cp, acc, warp, lane, tid);
+  while (++kt < stages_k);
   sp_wgmma_wait<0>(acc);
 #else
   int read = 0, write = STAGES - 1;   // the slots of stage kt and of stage kt + STAGES - 1

@@ -103,6 +103,14 @@ DEFAULT_STAGES = 3
 WGMMA_TILES = ((1, 32, 8, 1), (1, 16, 8, 1), (1, 16, 4, 1), (1, 8, 8, 1), (1, 8, 4, 1))
 WGMMA_STAGES = 4
 WGMMA_ALIGN = 1024   # the 128-byte swizzle's period: each stage's input tile starts on it
+# up to this many tokens a layer reads far more weight than it computes (at 64 tokens, 114 dense-equivalent flops a
+# weight byte against an H200's ~200 at its bandwidth): the wgmma form then runs as a decode, on CTAs of 64 rows × the
+# fewest tokens of 8, 16, 32 or 64 that hold the input (m64n8 at one token: the MMA's waste costs nothing where the
+# weight's bytes bound), K split until the grid holds DECODE_CTAS_PER_SM CTAs an SM, so enough stages of weight are
+# in flight (each CTA keeps STAGES - 2 ahead, 4.6 KB a stage) to cover DRAM's latency at full bandwidth
+WGMMA_DECODE_MAX_TOKENS = 64
+WGMMA_DECODE_TILES = {8: (1, 1, 4, 1), 16: (1, 2, 4, 1), 32: (1, 4, 4, 1), 64: (1, 8, 4, 1)}
+DECODE_CTAS_PER_SM = 4
 FILL = 0.9   # the share of the multiprocessors a tile's grid must reach (128 CTAs of 128 x 128 on 132 do)
 
 
@@ -127,7 +135,16 @@ def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, shared_limit: 
     (the GPU's opt-in limit a CTA) and that pad fewer than half a token block (where one does), each split along K
     until the grid reaches :data:`FILL` of the ``sms`` multiprocessors (each split keeping :data:`MIN_SPLIT_STAGES`
     stages): the one moving the fewest bytes (:func:`gemm_traffic`) of those whose grid fills the GPU, else the one
-    with the most CTAs. ``override`` sets any field (tuning)."""
+    with the most CTAs. Under ``wgmma``, up to :data:`WGMMA_DECODE_MAX_TOKENS` tokens, the decode's tile of
+    :data:`WGMMA_DECODE_TILES` instead, split as :func:`filling_splits` splits it. ``override`` sets any field
+    (tuning)."""
+    if wgmma and tokens <= WGMMA_DECODE_MAX_TOKENS:
+        bn = next(n for n in sorted(WGMMA_DECODE_TILES) if n >= tokens)
+        plan = filling_splits(SparseGemmPlan(*WGMMA_DECODE_TILES[bn], stages=WGMMA_STAGES, wgmma=True), tokens, rows,
+                              cols, sms)
+        plan = whole_splits(SparseGemmPlan(**{**asdict(plan), **override}), cols)
+        check_gemm_plan(plan, rows, cols, shared_limit)
+        return plan
     tiles = ([SparseGemmPlan(*tile, stages=WGMMA_STAGES, wgmma=True) for tile in WGMMA_TILES] if wgmma else
              [SparseGemmPlan(*tile, stages=DEFAULT_STAGES) for tile in GEMM_TILES])
     fits = [p for p in tiles if rows % p.bm == 0 and p.dynamic_shared() <= shared_limit]
@@ -148,10 +165,12 @@ def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, shared_limit: 
 
 
 def filling_splits(plan: SparseGemmPlan, tokens: int, rows: int, cols: int, sms: int) -> SparseGemmPlan:
-    """``plan``'s tile split along K until its grid reaches :data:`FILL` of ``sms`` multiprocessors, each split keeping
+    """``plan``'s tile split along K until its grid reaches :data:`FILL` of ``sms`` multiprocessors (a ``wgmma`` plan
+    at :data:`WGMMA_DECODE_MAX_TOKENS` tokens or fewer: :data:`DECODE_CTAS_PER_SM` CTAs each), each split keeping
     at least :data:`MIN_SPLIT_STAGES` stages (unsplit where the row and token blocks fill the GPU already)."""
     blocks = max(1, cdiv(tokens, plan.bn) * (rows // plan.bm))   # none: a tile taller than the layer (refused later)
-    splits = min(max(1, cols // BK // MIN_SPLIT_STAGES), max(1, cdiv(int(FILL * sms), blocks)))
+    target = DECODE_CTAS_PER_SM * sms if plan.wgmma and tokens <= WGMMA_DECODE_MAX_TOKENS else int(FILL * sms)
+    splits = min(max(1, cols // BK // MIN_SPLIT_STAGES), max(1, cdiv(target, blocks)))
     return whole_splits(SparseGemmPlan(**{**asdict(plan), "splits": splits}), cols)
 
 
@@ -175,7 +194,7 @@ def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int, shared_limit: in
     if cols % BK:
         raise ValueError(f"{cols} columns are not whole stages of {BK}")
     threads = 32 * plan.warps
-    if plan.bm * 4 % threads or plan.bn * 8 % threads:
+    if plan.bm * 4 % threads or (plan.bn * 8 >= threads and plan.bn * 8 % threads):
         raise ValueError(f"a CTA of {threads} threads copies its {plan.bm} rows' and {plan.bn} tokens' 16-byte chunks "
                          "evenly: take more rows or tokens a CTA (mt, nt) or fewer warps")
     if plan.stages < 2:

@@ -42,7 +42,8 @@ tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_
 ``decode_sparse_mma_tall_tiled`` from 4 tokens and ``decode_sparse_mma_mapped_tall_tiled`` from one: both with the
 tall plan's CTAs, the input staged in shared memory and shared by more rows), ``gemm_sparse_mma`` and
 ``gemm_sparse_mma_tiled`` (from 32 tokens: the prompt GEMM on the sparse tensor cores, ``kernels/nm_sparse_gemm.cu``),
-``gemm_sparse_wgmma`` and ``gemm_sparse_wgmma_tiled`` (the same GEMM on Hopper's ``wgmma.mma_async.sp``),
+``gemm_sparse_wgmma_tiled`` (from 1 token: the same GEMM on Hopper's ``wgmma.mma_async.sp``, a decode up to 64
+tokens; ``gemm_sparse_wgmma`` on the export's layout when named),
 ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
@@ -104,7 +105,7 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_sparse_mma_mapped_tiled", "decode_sparse_mma_tiled+pdl", "decode_sparse_mma_mapped_tiled+pdl",
               "decode_sparse_mma_tall_tiled", "decode_sparse_mma_mapped_tall_tiled", "decode_sparse_mma_mapped_inline",
               "decode_sparse_mma_mapped_inline_tiled",
-              "gemm_sparse_mma", "gemm_sparse_mma_tiled", "gemm_sparse_wgmma", "gemm_sparse_wgmma_tiled",
+              "gemm_sparse_mma", "gemm_sparse_mma_tiled", "gemm_sparse_wgmma_tiled",
               "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
@@ -182,7 +183,7 @@ def runs_at(impl: str, tokens: int) -> bool:
         return False
     if tokens > TILE_MAX_TOKENS.get(impl, tokens):   # the select loop's other tiles: where auto weighs them
         return False
-    if impl in (SPARSE_GEMM, SPARSE_WGMMA) and tokens < SPARSE_GEMM_MIN_TOKENS:   # where auto weighs them
+    if impl == SPARSE_GEMM and tokens < SPARSE_GEMM_MIN_TOKENS:   # where auto weighs it (the wgmma form: from 1)
         return False
     if impl in ("gather", "group") and tokens > 64:
         return False

@@ -145,9 +145,10 @@ def main() -> None:
                           "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
                           # shared-memory bytes a warp reads per MMA: its A and B fragments of one k32 step
                           "shared_bytes_per_mma": round(512 * (plan.mt + plan.nt) / (plan.mt * plan.nt))})
-    # the wgmma form (Hopper only, sm_90a): every wgmma tile with 4 and 5 stages, both layouts. ptxas says where it
-    # had to wait on a wgmma it could not prove safe to run on ("serialized"): recorded as the advisories
-    for tile, stages, tiled in itertools.product(sg.WGMMA_TILES, (4, 5), (False, True)):
+    # the wgmma form (Hopper only, sm_90a): every wgmma tile (its decode's too) with 4 and 5 stages, both layouts.
+    # ptxas says where it had to wait on a wgmma it could not prove safe to run on ("serialized"): the advisories
+    for tile, stages, tiled in itertools.product(dict.fromkeys((*sg.WGMMA_TILES, *sg.WGMMA_DECODE_TILES.values())),
+                                                 (4, 5), (False, True)):
         if "sm_90" not in args.arch:
             break
         gpu, plan = H100, sg.SparseGemmPlan(*tile, stages=stages, wgmma=True)

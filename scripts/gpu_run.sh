@@ -210,7 +210,8 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # begins with tune_sparse_mma_bounds (the decode's register bound, 0 / 5 / 6 CTAs an SM).
 # Since stop 91 sparse_gemm also times the prompt GEMM on Hopper's wgmma.mma_async.sp (gemm_sparse_wgmma: its tiles
 # with 4 stages; mma.sp's with 3 only, to keep the step's count of timings), kernel has auto weigh it from 32 tokens,
-# and next1 begins with tune_sparse_gemm (both forms' other stage counts and splits, all four shapes).
+# and next1 begins with tune_sparse_gemm (both forms' other stage counts and splits, all four shapes). Up to 64
+# tokens gemm_sparse_wgmma runs as a decode (CTAs of 64 rows x 8-64 tokens, 4 an SM): kernel times it from 1 token.
 ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 165 + 120 + 260 + 10 s (kernel 175 s on the H200): the
                                                     # sparse-MMA decode and prompt GEMM checked and timed, then the
                                                     # kernel table and the targets read from it; e2e (met on the H200
@@ -324,7 +325,7 @@ for s in "$@"; do
                 --shapes 4096x4096 14336x4096 1024x4096 --tokens 64 512 2048 --stages 3 --wgmma-stages 4 --splits 0 1 \
                 --layouts tiled --out scripts/results/tune_sparse_gemm.json ;;
         tune_sparse_gemm) step tune_sparse_gemm 120 scripts/results/tune_sparse_gemm_sweep.json \
-                $PY scripts/tune_sparse_gemm.py --shapes 4096x4096 11008x4096 4096x14336 1024x4096 --tokens 64 512 2048 \
+                $PY scripts/tune_sparse_gemm.py --shapes 4096x4096 11008x4096 4096x14336 1024x4096 --tokens 1 16 64 512 2048 \
                 --stages 4 --wgmma-stages 3 5 --splits 0 2 --layouts tiled --out scripts/results/tune_sparse_gemm_sweep.json ;;
         mma_ceiling) step mma_ceiling 40 scripts/results/mma_ceiling.json $PY scripts/mma_ceiling.py ;;
         tune_sparse_mma_bounds) step tune_sparse_mma_bounds 90 scripts/results/tune_sparse_mma_bounds.json \

@@ -8,7 +8,8 @@ than 2 % is not timed), then timed as ``bench_kernel.py`` times: calls over rota
 ceiling through ``mma.sp`` and the dense ``mma`` (``mma_ceiling.py``: MMAs alone, on every SM), recorded as
 ``ceiling`` beside each row's dense-equivalent TFLOPS and cuBLAS's: how far the GEMM stands from what its MMA allows,
 and whether that MMA can beat cuBLAS's ``wgmma`` at all. On Hopper also the ``wgmma`` form (``WGMMA_TILES`` with each
-number of ``--wgmma-stages``), its rows marked ``"wgmma": true`` in their plan.
+number of ``--wgmma-stages``; up to 64 tokens also its decode tiles, ``WGMMA_DECODE_TILES``), its rows marked
+``"wgmma": true`` in their plan.
 
     python scripts/tune_sparse_gemm.py                 # → scripts/results/tune_sparse_gemm.json
     python scripts/tune_sparse_gemm.py --smoke         # CPU: tiny shapes on the tests' emulator (g++)
@@ -45,9 +46,10 @@ def main() -> None:
     from kernel_cases import dense_ms, random_24_layer, rotated_copies, run_facts, timing_setup
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.kernels.gpu import smem_per_block_optin
-    from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, WGMMA_TILES, SparseGemmPlan, check_gemm_plan,
-                                                      filling_splits, gemm_traffic, nm_sparse_gemm, plan_fields,
-                                                      sparse_gemm_plan, sparse_wgmma_available, whole_splits)
+    from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, WGMMA_DECODE_MAX_TOKENS, WGMMA_DECODE_TILES,
+                                                      WGMMA_TILES, SparseGemmPlan, check_gemm_plan, filling_splits,
+                                                      gemm_traffic, nm_sparse_gemm, plan_fields, sparse_gemm_plan,
+                                                      sparse_wgmma_available, whole_splits)
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
     from shuffleprune.runtime import cuda_graph_ms
 
@@ -83,7 +85,9 @@ def main() -> None:
         dense = dense_ms(x_dev, w_dev, n_copies, args.reps) if cuda else None
         rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense,
                      "tflops": 2 * tokens * out_f * in_f / dense / 1e9 if dense else None})
-        planned = sparse_gemm_plan(tokens, out_f, in_f, sms, shared_limit)
+        planned = {sparse_gemm_plan(tokens, out_f, in_f, sms, shared_limit)}
+        if not cuda or sparse_wgmma_available(dev):
+            planned.add(sparse_gemm_plan(tokens, out_f, in_f, sms, shared_limit, wgmma=True))
         for layout in args.layouts:
             tiled = layout == "tiled"
             lw = (cslt_words(words) if tiled else words).contiguous()
@@ -92,8 +96,10 @@ def main() -> None:
             case = []
             seen = set()
             forms = [(tile, stages, False) for tile in GEMM_TILES for stages in args.stages]
-            if not cuda or sparse_wgmma_available(dev):   # the CPU's emulator runs it too
-                forms += [(tile, stages, True) for tile in WGMMA_TILES for stages in args.wgmma_stages]
+            if not cuda or sparse_wgmma_available(dev):   # the CPU's emulator runs it too (up to 64 tokens its decode)
+                wg_tiles = [*WGMMA_TILES, *WGMMA_DECODE_TILES.values()] if tokens <= WGMMA_DECODE_MAX_TOKENS \
+                    else WGMMA_TILES
+                forms += [(tile, stages, True) for tile in wg_tiles for stages in args.wgmma_stages]
             for (tile, stages, wgmma), splits in itertools.product(forms, args.splits):
                 plan = SparseGemmPlan(*tile, stages=stages, wgmma=wgmma)
                 plan = filling_splits(plan, tokens, out_f, in_f, sms) if splits == 0 else \
@@ -102,7 +108,7 @@ def main() -> None:
                     continue
                 seen.add(plan)
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_gemm", "layout": layout,
-                       "plan": plan_fields(plan), "planned": plan == planned, "grid": list(plan.grid(tokens, out_f)),
+                       "plan": plan_fields(plan), "planned": plan in planned, "grid": list(plan.grid(tokens, out_f)),
                        "traffic_mb": round(gemm_traffic(plan, tokens, out_f, in_f) / 1e6, 1)}
                 try:
                     check_gemm_plan(plan, out_f, in_f, shared_limit)

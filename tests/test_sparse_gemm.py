@@ -56,6 +56,11 @@ def test_sparse_gemm_matches_float64(rows, cols, tokens, plan, dtype, tiled):
     (128, 128, 3, (1, 4, 8, 1, 3), torch.float16),       # fewer stages (2) than the pipeline holds; N 32
     (128, 512, 33, (1, 4, 8, 1, 3, 2), torch.bfloat16),  # split-K: 2 splits of 4 stages
     (64, 192, 40, (1, 32, 4, 1, 5), torch.bfloat16),     # N 256, the largest wgmma; more slots than stages
+    # the decode's tiles: 64 rows x 8 tokens at 1 and 5 tokens (64 input chunks copied by half the threads), 16 tokens
+    # at 12 (the 4 warps' 128 chunks), split-K over 5 and 2 splits
+    (64, 640, 1, (1, 1, 4, 1, 4, 5), torch.bfloat16),
+    (128, 320, 5, (1, 1, 4, 1, 3), torch.float16),
+    (64, 512, 12, (1, 2, 4, 1, 4, 2), torch.bfloat16),
 ])
 def test_sparse_gemm_on_wgmma_matches_float64(rows, cols, tokens, plan, dtype, tiled):
     """The Hopper form (``wgmma.mma_async.sp``, both operands read from the stage through descriptors) under the
@@ -113,12 +118,21 @@ def test_wgmma_plans_fill_the_gpu_and_their_stages_sit_on_the_swizzle_period():
         assert plan.stage_bytes() % 1024 == 0 and plan.dynamic_shared() >= plan.stages * plan.stage_bytes() + 1024
         assert plan.dynamic_shared() <= 227 * 1024 and gx * gy * gz >= 0.9 * 132
     assert SparseGemmPlan(1, 8, 4, 1, wgmma=True).stage_bytes() == 4096 + 8192 + 1024   # 13056 rounded up
+    # up to 64 tokens: the decode's tile, the fewest of 8-64 tokens that hold the input, split to 4 CTAs an SM (each
+    # split 4 stages or more)
+    for tokens, bn in ((1, 8), (8, 8), (9, 16), (17, 32), (64, 64)):
+        plan = sparse_gemm_plan(tokens, 4096, 4096, 132, shared_limit=227 * 1024, wgmma=True)
+        assert (plan.bm, plan.bn, plan.splits) == (64, bn, 8) and plan.grid(tokens, 4096) == (1, 64, 8)
+    assert sparse_gemm_plan(1, 14336, 4096, 132, shared_limit=227 * 1024, wgmma=True).splits == 3   # 224 row blocks
+    assert sparse_gemm_plan(1, 1024, 4096, 132, shared_limit=227 * 1024, wgmma=True).splits == 16   # 4 stages a split
+    assert sparse_gemm_plan(65, 4096, 4096, 132, shared_limit=227 * 1024, wgmma=True).bm == 128   # a GEMM tile again
     for bad in (SparseGemmPlan(2, 8, 4, 1, wgmma=True), SparseGemmPlan(1, 8, 2, 2, wgmma=True),
                 SparseGemmPlan(1, 33, 4, 1, wgmma=True), SparseGemmPlan(1, 8, 6, 1, wgmma=True)):
         with pytest.raises(ValueError, match="wgmma plan takes|whole CTAs"):
             check_gemm_plan(bad, 384, 256)
-    with pytest.raises(ValueError, match="16-byte chunks"):   # 16 tokens' 128 chunks over 256 threads
-        check_gemm_plan(SparseGemmPlan(1, 2, 8, 1, wgmma=True), 128, 256)
+    with pytest.raises(ValueError, match="16-byte chunks"):   # 48 tokens' 384 chunks over 256 threads
+        check_gemm_plan(SparseGemmPlan(1, 6, 8, 1, wgmma=True), 128, 256)
+    check_gemm_plan(SparseGemmPlan(1, 2, 8, 1, wgmma=True), 128, 256)   # 128 chunks: half the threads copy one
     with pytest.raises(ValueError, match="3 or more stages"):   # a slot is copied into two steps after its own
         check_gemm_plan(SparseGemmPlan(1, 8, 4, 1, stages=2, wgmma=True), 128, 256)
 
@@ -284,7 +298,7 @@ def test_auto_weighs_the_sparse_gemm_from_32_tokens_where_it_runs(monkeypatch):
     assert "gemm_sparse_mma" in plain.candidates(x) and "gemm_sparse_mma" in plain.candidates(x.repeat(64, 1))
     assert "gemm_sparse_wgmma" not in plain.candidates(x)   # not a Hopper GPU
     monkeypatch.setattr(nm_sparse_gemm, "sparse_wgmma_available", lambda device: True)   # as on Hopper
-    assert "gemm_sparse_wgmma" in plain.candidates(x) and "gemm_sparse_wgmma" not in plain.candidates(x[:31])
+    assert "gemm_sparse_wgmma" in plain.candidates(x) and "gemm_sparse_wgmma" in plain.candidates(x[:1])   # a decode too
     assert "gemm_sparse_mma" not in plain.candidates(x[:31])   # below 32 tokens the decodes take it
     for other, inp in ((layer(96, 256, 2, 4, torch.bfloat16), x),              # rows not whole 64-row bands
                        (layer(128, 224, 2, 4, torch.bfloat16), x[:, :224]),   # columns not whole stages

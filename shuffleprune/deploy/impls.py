@@ -127,14 +127,16 @@
   where the tiles alone leave SMs idle (the last CTA of a tile adds the splits in order). Checked under the
   same emulator (ragged tokens, both layouts, bias, fp16/bf16), compiled for sm_90 and sm_80
   (``sparse_mma_compile.json``); not yet run on a GPU;
-- ``gemm_sparse_wgmma`` (the same layers and token counts, Hopper only): that GEMM with Hopper's own asynchronous
+- ``gemm_sparse_wgmma`` (the same layers, from one token, Hopper only): that GEMM with Hopper's own asynchronous
   ``wgmma.mma_async.sp`` (``sm_90a``) in place of ``mma.sp``, which on Hopper cannot reach cuBLAS's dense rate
   (``scripts/mma_ceiling.py`` measures the two): each warpgroup's 64 rows of kept values in registers, the stage's
   input read by the tensor cores from shared memory through a descriptor (the stage already in ``wgmma``'s 128-byte
   swizzle), each step's ``wgmma`` s running on through the next step's barrier and copies. Checked under the
   emulator, which reads a ``wgmma``'s operands at its issue and requires them unchanged, with no copy issued into
   them, until it retires (a slot reused early, read before it landed, or metadata written while one runs is an
-  error there); compiled for ``sm_90a``; not yet run on a GPU, so ``auto`` checks its output first;
+  error there). Up to 64 tokens it runs as a decode (``nm_sparse_gemm.WGMMA_DECODE_TILES``): CTAs of 64 rows × the
+  fewest of 8–64 tokens that hold the input, K split until 4 CTAs an SM stream the weight through shared memory
+  straight to the tensor cores. Compiled for ``sm_90a``; not yet run on a GPU, so ``auto`` checks its output first;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on

@@ -444,7 +444,8 @@ class SparseLinear(nn.Module):
                     out += ["decode_sparse_mma_mapped_tall"] if self._sparse_mma_tall_worth(x, mapped=True) else []
             if tokens >= SPARSE_GEMM_MIN_TOKENS and self._sparse_gemm_applies(x):
                 out.append(SPARSE_GEMM)
-                out += [SPARSE_WGMMA] if self._sparse_gemm_applies(x, wgmma=True) else []
+            if self._sparse_gemm_applies(x, wgmma=True):   # from one token: up to 64 it runs as a decode
+                out.append(SPARSE_WGMMA)
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
             if tokens >= GEMM_MIN_TOKENS and x.element_size() == 2:   # float32 runs the one FMA tile either way
                 out.append("gemm_swap_tall")
