@@ -345,7 +345,7 @@ def test_a_variant_that_compiles_nowhere_is_refused_once_then_at_once(monkeypatc
 
     tries = []
 
-    def own(source, name, device_index):   # no NVRTC here: what a machine without one answers
+    def own(source, name, device_index, arch_specific=False):   # no NVRTC here: what a machine without one answers
         tries.append(device_index)
         raise OSError("libnvrtc.so: cannot open shared object file")
 
@@ -357,6 +357,47 @@ def test_a_variant_that_compiles_nowhere_is_refused_once_then_at_once(monkeypatc
         with pytest.raises(RuntimeError, match="nm_sparse_mma did not compile: .*own NVRTC: OSError"):
             sp._compiled(defines, 0)
     assert tries == [0]
+
+
+def test_an_architecture_specific_kernel_is_compiled_for_its_target_and_not_by_pytorch(monkeypatch):
+    """The wgmma form needs ``sm_90a``: NVRTC is asked for the architecture-specific target, and where that fails
+    PyTorch's own NVRTC call (which compiles for the plain target) is not tried."""
+    from shuffleprune.kernels import cuda_rtc
+
+    asked, pytorch = [], []
+
+    def own(source, name, device_index, arch_specific=False):
+        asked.append(arch_specific)
+        raise RuntimeError("NVRTC did not compile it")
+
+    monkeypatch.setattr(cuda_rtc, "compile_own", own)
+    monkeypatch.setattr(cuda_rtc, "_FAILED", {})
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: pytorch.append(a), raising=False)
+    with pytest.raises(RuntimeError, match="did not compile: own NVRTC") as err:
+        cuda_rtc.compile_cuda("source", "kernel", 0, key="wgmma", arch_specific=True)
+    assert asked == [True] and pytorch == [] and "_compile_kernel" not in str(err.value)
+
+
+def test_compile_own_asks_nvrtc_for_the_architecture_specific_target(monkeypatch, tmp_path):
+    from shuffleprune.kernels import cuda_rtc
+
+    archs = []
+
+    class Nvrtc:   # records the target, compiles nothing
+        def version(self):
+            return "13.5"
+
+        def compile(self, source, arch, report=False):
+            archs.append(arch)
+            return False, "no", b""
+
+    monkeypatch.setattr(cuda_rtc, "own_nvrtc", lambda: Nvrtc())
+    monkeypatch.setattr(cuda_rtc, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(cuda_rtc, "cubin_path", lambda source, name, arch, version: tmp_path / f"{name}-{arch}")
+    for arch_specific in (False, True):
+        with pytest.raises(RuntimeError, match="NVRTC did not compile"):
+            cuda_rtc.compile_own("source", "kernel", 0, arch_specific)
+    assert archs == ["sm_90", "sm_90a"]
 
 
 @pytest.mark.parametrize("impl", ["decode_sparse_mma", "decode_sparse_mma_tall", "decode_sparse_mma_mapped",
