@@ -16,7 +16,7 @@ On Hopper a plan may take ``wgmma``: the same CTA with Hopper's own asynchronous
 dense rate through ``wgmma``, which ``mma`` does not match (``scripts/mma_ceiling.py`` measures both), so only the
 sparse ``wgmma`` can be expected to pass cuBLAS by its factor of two. Each warpgroup multiplies 64 rows' kept values by
 the stage's input tile, both read by the tensor cores from shared memory themselves (the stage's tiles are already
-laid out in ``wgmma``'s 64- and 128-byte swizzles), and its ``wgmma`` s run on through the next step's barrier and
+laid out in ``wgmma``'s 64- and 128-byte swizzles), and its wgmmas run on through the next step's barrier and
 copies. The tests' emulator reads a ``wgmma``'s operands when it is issued and requires them unchanged, with no copy
 issued into them, until its group retires: a slot copied into too early, read before it landed, or metadata written
 while one runs is an error there.
