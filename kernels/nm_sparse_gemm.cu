@@ -37,7 +37,12 @@
 // words themselves are read before the wait. So a slot is copied into two steps after its own stage (STAGES - 2
 // stages of copies in flight), and the SM's other warpgroups cover the short gap at each wait.
 //
-// Compile-time parameters: MT, NT, WM, WN, STAGES, TILED, HAS_BIAS, IS_BF16, ORDERED, WGMMA and the four fragment
+// MAPPED 1 (under WGMMA, a few tokens): the layer's index map read in the kernel. The stages then hold no input: the
+// CTA first gathers its columns of its tokens through the map (x[token][perm[col]], 8 columns a 16-byte chunk) into
+// a region after the slots, laid out as the stages' input tiles one after another (BN tokens x 128 bytes a stage, the
+// 128-byte swizzle), while its first stages of weight stream in; each step's B descriptor points there.
+//
+// Compile-time parameters: MT, NT, WM, WN, STAGES, TILED, HAS_BIAS, IS_BF16, ORDERED, WGMMA, MAPPED and the four fragment
 // knobs (A_SWAP, META_HALF_SWAP, META_ROLE_SWAP, B_SWAP: as in nm_sparse_mma.cu; B_SWAP has no effect under WGMMA,
 // where the tensor cores read B themselves).
 
@@ -49,8 +54,13 @@
 #define B_HALVES (BN * 64)           // a stage's input, 16-bit
 #define E_WORDS (BM * 2)             // a stage's position words (both layouts: 2 words of 32 columns a row)
 #if WGMMA
+#if MAPPED
+// the input is staged apart (after the slots): a slot holds the kept values and position words, on 1024 bytes
+#define STAGE_HALVES ((A_HALVES + 2 * E_WORDS + 511) / 512 * 512)
+#else
 // each stage's B tile on 1024 bytes (the swizzle's period, which the tensor cores work out from the address)
 #define STAGE_HALVES ((A_HALVES + B_HALVES + 2 * E_WORDS + 511) / 512 * 512)
+#endif
 static_assert(MT == 1 && WN == 1 && WM % 4 == 0, "a wgmma CTA: warpgroups of 4 warps along the rows, one m-tile each");
 static_assert(NT * 8 <= 256 && STAGES >= 3, "wgmma takes N up to 256; a slot is copied into two steps after its own");
 #define AHEAD (STAGES - 2)           // stages of copies in flight: a step's wgmmas run on into the next step
@@ -58,6 +68,14 @@ static_assert(A_HALVES % 512 == 0, "the B tile after the kept values on 1024 byt
 #else
 #define STAGE_HALVES (A_HALVES + B_HALVES + 2 * E_WORDS)
 #define AHEAD (STAGES - 1)
+#endif
+#if MAPPED && !WGMMA
+#error "the map is read in the kernel by its wgmma form only"
+#endif
+#if MAPPED
+#define E_AT A_HALVES                 // a slot's position words, after its kept values
+#else
+#define E_AT (A_HALVES + B_HALVES)
 #endif
 #define OUT_LD (BM + 8)              // the output tile's row (a token) in 16-bit units: rows 16 bytes apart in banks
 
@@ -119,10 +137,10 @@ SP_DEV SpGemmCopies sp_gemm_copies(const unsigned short* x, const unsigned short
   // consecutive words of the layer's buffer
   int band = tid >> 5, ce = tid & 31;
   cp.e = meta + (long long)(row_base / 64 + band) * (2LL * C) + (long long)k0 * 128 + 4 * ce;
-  cp.e_at = A_HALVES + B_HALVES + 2 * (band * 128 + 4 * ce);
+  cp.e_at = E_AT + 2 * (band * 128 + 4 * ce);
 #else
   cp.e = meta + (long long)(row_base + tid) * (C / 32) + 2 * k0;   // row tid's 2 words
-  cp.e_at = A_HALVES + B_HALVES + 2 * (2 * tid);
+  cp.e_at = E_AT + 2 * (2 * tid);
 #endif
   return cp;
 }
@@ -134,7 +152,7 @@ SP_DEV void sp_gemm_copy_stage(unsigned short* stage, SpGemmCopies& cp, int tid)
 #pragma unroll
   for (int j = 0; j < A_COPIES; ++j, src += cp.a_step) sp_cp_async16(stage + cp.a_at + j * (A_ROW_STEP * 32), src, 16);
   src = cp.x;
-  if (X_COPIERS == THREADS || tid < X_COPIERS) {
+  if (!MAPPED && (X_COPIERS == THREADS || tid < X_COPIERS)) {   // mapped: the input is staged apart, once
 #pragma unroll
     for (int j = 0; j < X_COPIES; ++j, src += cp.x_step) {
       bool valid = j < cp.x_valid;   // a token past T copies nothing and zero-fills (its source the last token's)
@@ -248,6 +266,29 @@ SP_DEV unsigned long long sp_b_descriptor(const unsigned short* b) {
   return (unsigned long long)((sp_shared_address(b) >> 4) & 0x3FFFu) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
+#if MAPPED
+SP_DEV void sp_gather_input(unsigned short* xs_tile, const unsigned short* x, const int* perm, int T, int xs,
+                            int tok_base, int k0, int stages_k, int tid) {
+  // the CTA's columns (stages k0 .. k0 + stages_k - 1) of its BN tokens through the map, into the staged region: chunk
+  // (stage s, token n, 8 columns c) of source columns perm[64 (k0 + s) + 8c ..] at s * BN * 64 + sp_x_offset(n, c);
+  // tokens past T are zeros
+  for (int i = tid; i < stages_k * BN * 8; i += THREADS) {
+    int c = i & 7, n = (i >> 3) % BN, s = (i >> 3) / BN, token = tok_base + n;
+    u32x4 v = {0u, 0u, 0u, 0u};
+    if (token < T) {
+      const int* cols = perm + (k0 + s) * 64 + 8 * c;
+      u32x4 p0 = sp_ldg128(cols), p1 = sp_ldg128(cols + 4);
+      const unsigned short* row = x + (long long)token * xs;
+      v.x = sp_ld16(row + p0.x) | ((unsigned)sp_ld16(row + p0.y) << 16);
+      v.y = sp_ld16(row + p0.z) | ((unsigned)sp_ld16(row + p0.w) << 16);
+      v.z = sp_ld16(row + p1.x) | ((unsigned)sp_ld16(row + p1.y) << 16);
+      v.w = sp_ld16(row + p1.z) | ((unsigned)sp_ld16(row + p1.w) << 16);
+    }
+    sp_st_shared128(xs_tile + s * BN * 64 + sp_x_offset(n, c), v);
+  }
+}
+#endif
+
 SP_DEV void sp_wgmma_step(unsigned short* smem, int kt, int stages_k, SpGemmCopies& cp, float (&acc)[1][NT][4],
                           int warp, int lane, int tid) {
   // step kt, while the step before's wgmmas still run: its stage landed (this thread's copies, then everyone's, made
@@ -261,10 +302,15 @@ SP_DEV void sp_wgmma_step(unsigned short* smem, int kt, int stages_k, SpGemmCopi
   if (kt + STAGES - 2 < stages_k) sp_gemm_copy_stage(smem + ((kt + STAGES - 2) % STAGES) * STAGE_HALVES, cp, tid);
   sp_cp_async_commit();
   const unsigned short* stage = smem + (kt % STAGES) * STAGE_HALVES;
-  const unsigned* Es = (const unsigned*)(stage + A_HALVES + B_HALVES);
+  const unsigned* Es = (const unsigned*)(stage + E_AT);
   // A: this warpgroup's 64 rows (64 bytes a row, 64-byte swizzle), the second k32 32 bytes in; B: the stage's tokens
-  // (128 bytes a token, 128-byte swizzle), the second k32 64 bytes in
-  unsigned long long a0 = sp_a_descriptor(stage + (warp / 4) * 64 * 32), b0 = sp_b_descriptor(stage + A_HALVES);
+  // (128 bytes a token, 128-byte swizzle; mapped: its tile of the staged input), the second k32 64 bytes in
+#if MAPPED
+  const unsigned short* b_tile = smem + STAGES * STAGE_HALVES + kt * (BN * 64);
+#else
+  const unsigned short* b_tile = stage + A_HALVES;
+#endif
+  unsigned long long a0 = sp_a_descriptor(stage + (warp / 4) * 64 * 32), b0 = sp_b_descriptor(b_tile);
   unsigned long long desc[2][2] = {{a0, b0}, {a0 + 2, b0 + 4}};
   SpMetaWords words[2];   // read while the wgmmas run; the registers they make are written after
 #pragma unroll
@@ -295,7 +341,7 @@ SP_DEV bool sp_last_to_arrive(int* counter, int arrivals, int& flag, int tid) {
 
 extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
     const unsigned short* x, const unsigned short* values, const unsigned* meta, const unsigned short* bias,
-    unsigned short* y, float* partial, int* counters, int T, int R, int C, int xs, int KS) {
+    unsigned short* y, float* partial, int* counters, const int* perm, int T, int R, int C, int xs, int KS) {
 #if WGMMA
   SP_DYNAMIC_SHARED(unsigned short, smem_raw);
   unsigned short* smem = smem_raw + ((1024u - (sp_shared_address(smem_raw) & 1023u)) & 1023u) / 2;   // 1024 spare
@@ -319,6 +365,11 @@ extern "C" __global__ void SP_BOUNDS(THREADS) nm_sparse_gemm(
     if (s < stages_k) sp_gemm_copy_stage(smem + s * STAGE_HALVES, cp, tid);
     sp_cp_async_commit();
   }
+#if MAPPED
+  sp_gather_input(smem + STAGES * STAGE_HALVES, x, perm, T, xs, tok_base, k0, stages_k, tid);   // weight streaming
+#else
+  (void)perm;
+#endif
 #if WGMMA
   // every split holds a stage or more (whole_splits): a loop with no path around it, so ptxas sees no accumulator
   // written (the zeros of a split with no stage) while a wgmma may run ("C7515", the 64 x 16 tile, NVRTC 13.5)

@@ -40,7 +40,7 @@ from shuffleprune.kernels.nm_sparse_mma import kernel_source as sparse_mma_sourc
 SOURCE = Path(__file__).with_name("nm_sparse_gemm.cu")
 KERNEL_NAME = "nm_sparse_gemm"
 BK = 64                        # columns a stage copies (two k32 MMAs)
-ARG_POINTERS, ARG_INTS = 7, 5  # x, values, words, bias, y, partial, counters; T, R, C, xs, KS
+ARG_POINTERS, ARG_INTS = 8, 5  # x, values, words, bias, y, partial, counters, perm; T, R, C, xs, KS
 MIN_SPLIT_STAGES = 4           # a split of K keeps at least this many stages (its pipeline's fill is worth it)
 
 
@@ -56,6 +56,7 @@ class SparseGemmPlan:
     stages: int = 3
     splits: int = 1
     wgmma: bool = False
+    mapped: bool = False
 
     @property
     def warps(self) -> int:
@@ -79,15 +80,24 @@ class SparseGemmPlan:
         return cdiv(cdiv(cols, BK), self.splits) * BK
 
     def stage_bytes(self) -> int:
-        """One stage: kept values (64 bytes a row), the input (128 bytes a token) and position words (8 bytes a row);
-        under ``wgmma`` rounded up to 1024 bytes (each stage's input tile on the swizzle's period)."""
-        raw = self.bm * 64 + self.bn * 128 + self.bm * 8
+        """One stage: kept values (64 bytes a row), the input (128 bytes a token; none where ``mapped``: staged apart)
+        and position words (8 bytes a row); under ``wgmma`` rounded up to 1024 bytes (each stage's input tile on the
+        swizzle's period)."""
+        raw = self.bm * 64 + (0 if self.mapped else self.bn * 128) + self.bm * 8
         return cdiv(raw, WGMMA_ALIGN) * WGMMA_ALIGN if self.wgmma else raw
 
-    def dynamic_shared(self) -> int:
-        """The stages, or the output tile (``bn`` tokens × ``bm + 8`` 16-bit sums) after them, whichever is more
-        (under ``wgmma`` with :data:`WGMMA_ALIGN` bytes to spare, the kernel aligning its stages itself)."""
-        return max(self.stages * self.stage_bytes(), self.bn * (self.bm + 8) * 2) + (WGMMA_ALIGN if self.wgmma else 0)
+    def staged_bytes(self, cols: int) -> int:
+        """A ``mapped`` plan's input gathered through the map, once: its split's stages × ``bn`` tokens × 128 bytes."""
+        return self.k_split(cols) // BK * self.bn * 128 if self.mapped else 0
+
+    def dynamic_shared(self, cols: int | None = None) -> int:
+        """The stages (and a ``mapped`` plan's staged input, which needs the layer's ``cols``), or the output tile
+        (``bn`` tokens × ``bm + 8`` 16-bit sums) after them, whichever is more (under ``wgmma`` with
+        :data:`WGMMA_ALIGN` bytes to spare, the kernel aligning its stages itself)."""
+        if self.mapped and cols is None:
+            raise ValueError("a mapped plan's shared memory holds its split's input: give the layer's columns")
+        pipeline = self.stages * self.stage_bytes() + (self.staged_bytes(cols) if self.mapped else 0)
+        return max(pipeline, self.bn * (self.bm + 8) * 2) + (WGMMA_ALIGN if self.wgmma else 0)
 
 
 # the tiles tried, largest first: (mt, nt, wm, wn). A warp tile of 64 rows × 64 tokens reads 192 bytes of shared
@@ -111,6 +121,10 @@ WGMMA_ALIGN = 1024   # the 128-byte swizzle's period: each stage's input tile st
 WGMMA_DECODE_MAX_TOKENS = 64
 WGMMA_DECODE_TILES = {8: (1, 1, 4, 1), 16: (1, 2, 4, 1), 32: (1, 4, 4, 1), 64: (1, 8, 4, 1)}
 DECODE_CTAS_PER_SM = 4
+# the map read in the kernel (``mapped``): up to this many tokens (16 a CTA), its split's input staged in shared memory
+# once, at most MAPPED_STAGED_LIMIT bytes (K split further where a split's columns would take more)
+WGMMA_MAPPED_MAX_TOKENS = 16
+MAPPED_STAGED_LIMIT = 32 * 1024
 FILL = 0.9   # the share of the multiprocessors a tile's grid must reach (128 CTAs of 128 x 128 on 132 do)
 
 
@@ -138,16 +152,21 @@ def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, shared_limit: 
     with the most CTAs. Under ``wgmma``, up to :data:`WGMMA_DECODE_MAX_TOKENS` tokens, the decode's tile of
     :data:`WGMMA_DECODE_TILES` instead, split as :func:`filling_splits` splits it. ``override`` sets any field
     (tuning)."""
+    if override.get("mapped") and (not wgmma or tokens > WGMMA_MAPPED_MAX_TOKENS):
+        raise ValueError(f"the map is read in the kernel by the wgmma decode only, up to {WGMMA_MAPPED_MAX_TOKENS} "
+                         f"tokens; not {tokens} tokens{'' if wgmma else ' on mma.sp'}")
     if wgmma and tokens <= WGMMA_DECODE_MAX_TOKENS:
         bn = next(n for n in sorted(WGMMA_DECODE_TILES) if n >= tokens)
-        plan = filling_splits(SparseGemmPlan(*WGMMA_DECODE_TILES[bn], stages=WGMMA_STAGES, wgmma=True), tokens, rows,
-                              cols, sms)
+        mapped = bool(override.pop("mapped", False))
+        plan = filling_splits(SparseGemmPlan(*WGMMA_DECODE_TILES[bn], stages=WGMMA_STAGES, wgmma=True, mapped=mapped),
+                              tokens, rows, cols, sms)
+        plan = staged_within_limit(plan, cols)
         plan = whole_splits(SparseGemmPlan(**{**asdict(plan), **override}), cols)
         check_gemm_plan(plan, rows, cols, shared_limit)
         return plan
     tiles = ([SparseGemmPlan(*tile, stages=WGMMA_STAGES, wgmma=True) for tile in WGMMA_TILES] if wgmma else
              [SparseGemmPlan(*tile, stages=DEFAULT_STAGES) for tile in GEMM_TILES])
-    fits = [p for p in tiles if rows % p.bm == 0 and p.dynamic_shared() <= shared_limit]
+    fits = [p for p in tiles if rows % p.bm == 0 and p.dynamic_shared(cols) <= shared_limit]
     if not fits:
         raise ValueError(f"{rows} rows are not whole 64-row blocks: the sparse GEMM takes rows in 64s")
     unpadded = [p for p in fits if -tokens % p.bn < p.bn // 2]
@@ -174,6 +193,15 @@ def filling_splits(plan: SparseGemmPlan, tokens: int, rows: int, cols: int, sms:
     return whole_splits(SparseGemmPlan(**{**asdict(plan), "splits": splits}), cols)
 
 
+def staged_within_limit(plan: SparseGemmPlan, cols: int) -> SparseGemmPlan:
+    """A ``mapped`` plan split along K at least until each split's staged input fits :data:`MAPPED_STAGED_LIMIT`
+    (others as they are)."""
+    if not plan.mapped:
+        return plan
+    least = cdiv(cdiv(cols, BK) * plan.bn * 128, MAPPED_STAGED_LIMIT)
+    return whole_splits(SparseGemmPlan(**{**asdict(plan), "splits": max(plan.splits, least)}), cols)
+
+
 def whole_splits(plan: SparseGemmPlan, cols: int) -> SparseGemmPlan:
     """``plan`` with as many splits as its columns per split (whole stages) make: none of them empty."""
     return SparseGemmPlan(**{**asdict(plan), "splits": cdiv(cols, plan.k_split(cols))})
@@ -186,6 +214,9 @@ def _ctas(plan: SparseGemmPlan, tokens: int, rows: int) -> int:
 
 def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int, shared_limit: int = SMEM_PER_BLOCK_OPTIN) -> None:
     """Refuse a plan the kernel cannot run, in one line naming what to change."""
+    if plan.mapped and (not plan.wgmma or plan.bn > WGMMA_MAPPED_MAX_TOKENS):
+        raise ValueError(f"the map is read in the kernel by the wgmma form's CTAs of {WGMMA_MAPPED_MAX_TOKENS} tokens or "
+                         f"fewer; not {plan}")
     if plan.wgmma and (plan.mt != 1 or plan.wn != 1 or plan.wm % 4 or not 1 <= plan.nt <= 32 or plan.stages < 3):
         raise ValueError(f"a wgmma plan takes mt=1, wn=1, wm a multiple of 4 (warpgroups), nt 1-32 (N up to 256) and "
                          f"3 or more stages (a slot is copied into two steps after its own); not {plan}")
@@ -202,9 +233,10 @@ def check_gemm_plan(plan: SparseGemmPlan, rows: int, cols: int, shared_limit: in
     if plan.splits < 1 or plan.k_split(cols) * (plan.splits - 1) >= cols:
         raise ValueError(f"splits={plan.splits} leaves a split of {cols} columns in stages of {BK} empty: take "
                          f"{cdiv(cols, plan.k_split(cols))} or fewer")
-    if plan.dynamic_shared() > shared_limit:
-        raise ValueError(f"{plan.stages} stages of {plan.stage_bytes()} bytes exceed {shared_limit} bytes of "
-                         "shared memory a CTA: take fewer stages or a smaller tile")
+    if plan.dynamic_shared(cols) > shared_limit:
+        raise ValueError(f"{plan.stages} stages of {plan.stage_bytes()} bytes (and {plan.staged_bytes(cols)} of staged "
+                         f"input) exceed {shared_limit} bytes of shared memory a CTA: take fewer stages, more splits or a "
+                         "smaller tile")
 
 
 def kernel_defines(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, ordered: bool) -> dict:
@@ -213,7 +245,7 @@ def kernel_defines(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bi
     reading = fragment_reading()
     return {"MT": plan.mt, "NT": plan.nt, "WM": plan.wm, "WN": plan.wn, "STAGES": plan.stages, "TILED": int(tiled),
             "HAS_BIAS": int(has_bias), "IS_BF16": int(dtype == torch.bfloat16), "ORDERED": int(ordered),
-            "WGMMA": int(plan.wgmma), **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
+            "WGMMA": int(plan.wgmma), "MAPPED": int(plan.mapped), **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
 
 
 def wgmma_functions(nt: int) -> str:
@@ -259,10 +291,10 @@ def _compiled(defines: tuple, device_index: int):
                         arch_specific=bool(dict(defines).get("WGMMA")))
 
 
-def _prepare(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, index: int):
+def _prepare(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, index: int, cols: int):
     kernel = _compiled(tuple(kernel_defines(plan, dtype, tiled, has_bias, ordered_metadata()).items()), index)
-    if plan.dynamic_shared() > SHARED_LIMIT:
-        allow_dynamic_shared(kernel, plan.dynamic_shared())
+    if plan.dynamic_shared(cols) > SHARED_LIMIT:
+        allow_dynamic_shared(kernel, plan.dynamic_shared(cols))
     return kernel
 
 
@@ -273,9 +305,9 @@ def _launch(tokens: int, rows: int, cols: int, dtype: torch.dtype, tiled: bool, 
     sms = torch.cuda.get_device_properties(index).multi_processor_count
     plan = sparse_gemm_plan(tokens, rows, cols, sms, smem_per_block_optin(torch.device("cuda", index)), wgmma=wgmma,
                             **dict(override))
-    kernel = _prepare(plan, dtype, tiled, has_bias, index)
+    kernel = _prepare(plan, dtype, tiled, has_bias, index, cols)
     try:
-        bound = KernelLaunch(kernel, plan.grid(tokens, rows), (32 * plan.warps, 1, 1), plan.dynamic_shared(),
+        bound = KernelLaunch(kernel, plan.grid(tokens, rows), (32 * plan.warps, 1, 1), plan.dynamic_shared(cols),
                              driver(), ARG_POINTERS, ARG_INTS)
     except (AttributeError, OSError):   # no driver reachable: PyTorch's _CudaKernel call launches it
         bound = None
@@ -291,11 +323,13 @@ def launch_plan(x: torch.Tensor, values: torch.Tensor, tiled: bool = False, has_
 
 def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None = None,
                    tiled: bool = False, plan: SparseGemmPlan | None = None, wgmma: bool = False,
-                   **override) -> torch.Tensor:
+                   perm: torch.Tensor | None = None, **override) -> torch.Tensor:
     """``x @ Wᵀ + bias`` for a 2:4 ``W`` held as ``values`` ``[R, C/2]`` and position ``words`` ``[R, C/32]`` (row
     words, or cuSPARSELt's order when ``tiled``) on the sparse tensor cores, ``x`` in the weight's column order
-    (gathered). ``plan`` (or ``override``'s fields) replaces :func:`sparse_gemm_plan`'s; ``wgmma`` plans with
-    Hopper's ``wgmma.mma_async.sp`` (:func:`sparse_wgmma_available` GPUs only)."""
+    (gathered), or with ``perm`` (int32 ``[C]``, the wgmma decode up to :data:`WGMMA_MAPPED_MAX_TOKENS` tokens)
+    ``x[..., perm] @ Wᵀ + bias``, the map read in the kernel. ``plan`` (or ``override``'s fields) replaces
+    :func:`sparse_gemm_plan`'s; ``wgmma`` plans with Hopper's ``wgmma.mma_async.sp`` (:func:`sparse_wgmma_available`
+    GPUs only)."""
     rows, cols = values.shape[0], 2 * values.shape[1]
     x2 = x.reshape(-1, cols)
     tokens = x2.shape[0]
@@ -310,28 +344,46 @@ def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, b
                          f"{tuple(words.shape)} {words.dtype}")
     if bias is not None and (bias.dtype != x.dtype or bias.shape != (rows,) or not bias.is_contiguous()):
         raise ValueError(f"the sparse GEMM adds a contiguous bias [{rows}] of the input's dtype")
+    check_map(perm, cols, tokens, wgmma or (plan is not None and plan.wgmma))
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:   # 16-byte copies of each row
         x2 = x2.clone(memory_format=torch.contiguous_format)
     index = device_index(x.device)
     if (wgmma or (plan is not None and plan.wgmma)) and not sparse_wgmma_available(x.device):
         raise ValueError("the wgmma form of the sparse GEMM runs on Hopper (compute capability 9.0) only")
     if plan is None:
+        if perm is not None:
+            override = {**override, "mapped": True}
         kernel, plan, bound = _launch(tokens, rows, cols, x.dtype, tiled, bias is not None, index,
                                       tuple(sorted(override.items())), wgmma)
     else:
+        if plan.mapped != (perm is not None):
+            raise ValueError("a mapped plan takes the map (perm), and only it does")
         check_gemm_plan(plan, rows, cols, smem_per_block_optin(torch.device("cuda", index)))
-        kernel, bound = _prepare(plan, x.dtype, tiled, bias is not None, index), None
+        kernel, bound = _prepare(plan, x.dtype, tiled, bias is not None, index, cols), None
     y = torch.empty(tokens, rows, device=x.device, dtype=x.dtype)
     grid = plan.grid(tokens, rows)
     partial, counters = split_k_workspace(x.device, plan.splits * tokens * rows if plan.splits > 1 else 0,
                                    grid[0] * grid[1] if plan.splits > 1 else 0)
-    tensors = [x2, values, words, bias if bias is not None else values, y, partial, counters]
+    tensors = [x2, values, words, bias if bias is not None else values, y, partial, counters,
+               perm if perm is not None else words]
     ints = [tokens, rows, cols, x2.stride(0), plan.k_split(cols)]
     if bound is not None:
         bound(tensors, ints, stream_handle(x.device))
     else:
-        kernel(grid=grid, block=(32 * plan.warps, 1, 1), shared_mem=plan.dynamic_shared(), args=[*tensors, *ints])
+        kernel(grid=grid, block=(32 * plan.warps, 1, 1), shared_mem=plan.dynamic_shared(cols), args=[*tensors, *ints])
     return y.reshape(*x.shape[:-1], rows)
+
+
+def check_map(perm: torch.Tensor | None, cols: int, tokens: int, wgmma: bool) -> None:
+    """Refuse, in one line, a map the kernel cannot read: only the wgmma decode reads one (up to
+    :data:`WGMMA_MAPPED_MAX_TOKENS` tokens), as contiguous int32 ``[C]`` on 16 bytes."""
+    if perm is None:
+        return
+    if not wgmma or tokens > WGMMA_MAPPED_MAX_TOKENS:
+        raise ValueError(f"the map is read in the kernel by the wgmma decode only, up to {WGMMA_MAPPED_MAX_TOKENS} "
+                         f"tokens (gather the input first): not {tokens} tokens{'' if wgmma else ' on mma.sp'}")
+    if perm.dtype != torch.int32 or perm.shape != (cols,) or not perm.is_contiguous() or perm.data_ptr() % 16:
+        raise ValueError(f"the map is a contiguous int32 [{cols}] on 16 bytes; got {perm.dtype} {tuple(perm.shape)}")
 
 
 def sparse_gemm_available(device: torch.device) -> bool:

@@ -78,6 +78,7 @@ SP_DEV u32x2 sp_ldg64(const void* p) { return __ldg((const uint2*)p); }
 SP_DEV void sp_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 SP_DEV unsigned sp_lds32(const unsigned short* p) { return *(const unsigned*)p; }   // shared memory
 SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) { *(unsigned*)p = v; }
+SP_DEV void sp_st_shared128(unsigned short* p, u32x4 v) { *(u32x4*)p = v; }
 SP_DEV void sp_cp_async8(unsigned short* to, const unsigned short* from) {   // global to shared, not through registers
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"((unsigned)__cvta_generic_to_shared(to)), "l"(from)
                : "memory");

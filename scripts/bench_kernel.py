@@ -43,7 +43,8 @@ tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_
 tall plan's CTAs, the input staged in shared memory and shared by more rows), ``gemm_sparse_mma`` and
 ``gemm_sparse_mma_tiled`` (from 32 tokens: the prompt GEMM on the sparse tensor cores, ``kernels/nm_sparse_gemm.cu``),
 ``gemm_sparse_wgmma_tiled`` (from 1 token: the same GEMM on Hopper's ``wgmma.mma_async.sp``, a decode up to 64
-tokens; ``gemm_sparse_wgmma`` on the export's layout when named),
+tokens; ``gemm_sparse_wgmma`` on the export's layout when named; ``_nomap_tiled`` and ``gemm_sparse_wgmma_mapped_tiled``
+at 1–16 tokens, the latter reading the map itself: the map's cost to that decode),
 ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
@@ -105,7 +106,8 @@ CANDIDATES = ["decode", "decode_shallow", "decode_tall", "decode_wide", "decode_
               "decode_sparse_mma_mapped_tiled", "decode_sparse_mma_tiled+pdl", "decode_sparse_mma_mapped_tiled+pdl",
               "decode_sparse_mma_tall_tiled", "decode_sparse_mma_mapped_tall_tiled", "decode_sparse_mma_mapped_inline",
               "decode_sparse_mma_mapped_inline_tiled",
-              "gemm_sparse_mma", "gemm_sparse_mma_tiled", "gemm_sparse_wgmma_tiled",
+              "gemm_sparse_mma", "gemm_sparse_mma_tiled", "gemm_sparse_wgmma_tiled", "gemm_sparse_wgmma_nomap_tiled",
+              "gemm_sparse_wgmma_mapped_tiled",
               "cslt_tiled", "gemm",
               "gemm_swap", "gemm_swap_tall", "scratch", "scratch_mapped", "gather", "decode+pdl", "decode_swap+pdl",
               "decode_nomap+pdl"]
@@ -118,7 +120,8 @@ MAP_BLOCK = 64
 # --impls: gpu_run.sh sparse_tc)
 from shuffleprune.deploy.impls import (  # noqa: E402  (no Triton import)
     DECODE_KERNELS, GEMM_KERNELS, LIBRARY_IMPLS as SPARSE_TC, MAPPED_DECODES, PDL_SUFFIX, SKIP_ENV, SWAP_TILES,
-    SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_WGMMA, TILE_MAX_TOKENS, advised_skip, skip_advice, skipped_impls)
+    SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_WGMMA, SPARSE_WGMMA_MAPPED, TILE_MAX_TOKENS, advised_skip, skip_advice,
+    skipped_impls)
 from gpu_targets import row_ms  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 
@@ -169,6 +172,7 @@ def runs_at(impl: str, tokens: int) -> bool:
 
     if split_impl(impl)[1] == "block" and tokens > BLOCKMAP_MAX_TOKENS:
         return False
+    has_map = split_impl(impl)[1]
     impl = kernel_of(impl)   # with or without a map, in either layout, launched either way
     if impl.startswith("decode") and tokens > decode_max_tokens(2):
         return False
@@ -184,6 +188,8 @@ def runs_at(impl: str, tokens: int) -> bool:
     if tokens > TILE_MAX_TOKENS.get(impl, tokens):   # the select loop's other tiles: where auto weighs them
         return False
     if impl == SPARSE_GEMM and tokens < SPARSE_GEMM_MIN_TOKENS:   # where auto weighs it (the wgmma form: from 1)
+        return False
+    if (impl == SPARSE_WGMMA_MAPPED or impl == SPARSE_WGMMA and has_map is None) and tokens > 16:   # the map's cost
         return False
     if impl in ("gather", "group") and tokens > 64:
         return False
@@ -329,6 +335,8 @@ def main() -> None:
                 sp_tall = ms_of(shape, tokens, "decode_sparse_mma_tall_tiled")
                 sp_gemm = ms_of(shape, tokens, "gemm_sparse_mma_tiled")
                 sp_wgmma = ms_of(shape, tokens, "gemm_sparse_wgmma_tiled")
+                sp_wgmma_nomap = ms_of(shape, tokens, "gemm_sparse_wgmma_nomap_tiled")
+                sp_wgmma_mapped = ms_of(shape, tokens, "gemm_sparse_wgmma_mapped_tiled")
                 if dense is None:
                     continue
                 summary.append({"shape": list(shape), "tokens": tokens,
@@ -361,6 +369,12 @@ def main() -> None:
                                 # the prompt GEMM on the sparse tensor cores, on the layer as load holds it on Hopper
                                 "sparse_gemm_speedup_tiled": round(dense / sp_gemm, 3) if dense and sp_gemm else None,
                                 "sparse_wgmma_speedup_tiled": round(dense / sp_wgmma, 3) if dense and sp_wgmma else None,
+                                # the map's cost to the wgmma decode: read in the kernel, and gathered first
+                                "map_cost_sparse_wgmma_in_kernel":
+                                    round(sp_wgmma_mapped / sp_wgmma_nomap - 1, 4) if sp_wgmma_mapped and sp_wgmma_nomap
+                                    else None,
+                                "map_cost_sparse_wgmma":
+                                    round(sp_wgmma / sp_wgmma_nomap - 1, 4) if sp_wgmma and sp_wgmma_nomap else None,
                                 "map_cost_sparse_mma": round(sp_mapped / sp_nomap - 1, 4) if sp_mapped and sp_nomap else None,
                                 # the same with the map read by each B load, nothing staged
                                 "map_cost_sparse_mma_inline":

@@ -147,11 +147,13 @@ def main() -> None:
                           "shared_bytes_per_mma": round(512 * (plan.mt + plan.nt) / (plan.mt * plan.nt))})
     # the wgmma form (Hopper only, sm_90a): every wgmma tile (its decode's too) with 4 and 5 stages, both layouts.
     # ptxas says where it had to wait on a wgmma it could not prove safe to run on ("serialized"): the advisories
-    for tile, stages, tiled in itertools.product(dict.fromkeys((*sg.WGMMA_TILES, *sg.WGMMA_DECODE_TILES.values())),
-                                                 (4, 5), (False, True)):
+    # the mapped decode's tiles (8 and 16 tokens) too, their staged input that of 4096 columns in 8 splits
+    wgmma_forms = [(tile, False) for tile in dict.fromkeys((*sg.WGMMA_TILES, *sg.WGMMA_DECODE_TILES.values()))]
+    wgmma_forms += [(tile, True) for bn, tile in sg.WGMMA_DECODE_TILES.items() if bn <= sg.WGMMA_MAPPED_MAX_TOKENS]
+    for (tile, mapped), stages, tiled in itertools.product(wgmma_forms, (4, 5), (False, True)):
         if "sm_90" not in args.arch:
             break
-        gpu, plan = H100, sg.SparseGemmPlan(*tile, stages=stages, wgmma=True)
+        gpu, plan = H100, sg.SparseGemmPlan(*tile, stages=stages, splits=8, wgmma=True, mapped=mapped)
         defines = sg.kernel_defines(plan, torch.bfloat16, tiled, False, True)
         ok, log, cubin = nvrtc.compile(sg.kernel_source(defines), "sm_90a", report=True)
         regs, spill = ptxas_report(log)
@@ -161,10 +163,11 @@ def main() -> None:
             "main_loop": loop_mix(cubin, gpu.arch, "HGMMA") if ok else None,
             "hgmma": len(re.findall(r"HGMMA", disassemble(cubin, gpu.arch))) if ok else None,
             "wgmma_advisories": [line.strip() for line in log.splitlines() if "wgmma" in line.lower()]}
-        fits = plan.dynamic_shared() <= gpu.smem_per_block
-        ctas = resident_programs(gpu, info["registers"], plan.warps, plan.dynamic_shared()) if ok and fits else 0
+        shared = plan.dynamic_shared(4096)
+        fits = shared <= gpu.smem_per_block
+        ctas = resident_programs(gpu, info["registers"], plan.warps, shared) if ok and fits else 0
         gemm_rows.append({"arch": "sm_90a", "tiled": tiled, "plan": sg.plan_fields(plan), "bm": plan.bm,
-                          "bn": plan.bn, "threads": 32 * plan.warps, "dynamic_shared": plan.dynamic_shared(), **info,
+                          "bn": plan.bn, "threads": 32 * plan.warps, "dynamic_shared": shared, **info,
                           "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps, "shared_bytes_per_mma": None})
     versions = {"python": platform.python_version(), "torch": torch.__version__, "nvrtc": nvrtc.version()}
     out = {"what": "the sparse-tensor-core decode (kernels/nm_sparse_mma.cu; rows) and prompt GEMM "

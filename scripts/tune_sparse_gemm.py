@@ -8,7 +8,8 @@ than 2 % is not timed), then timed as ``bench_kernel.py`` times: calls over rota
 ceiling through ``mma.sp`` and the dense ``mma`` (``mma_ceiling.py``: MMAs alone, on every SM), recorded as
 ``ceiling`` beside each row's dense-equivalent TFLOPS and cuBLAS's: how far the GEMM stands from what its MMA allows,
 and whether that MMA can beat cuBLAS's ``wgmma`` at all. On Hopper also the ``wgmma`` form (``WGMMA_TILES`` with each
-number of ``--wgmma-stages``; up to 64 tokens also its decode tiles, ``WGMMA_DECODE_TILES``), its rows marked
+number of ``--wgmma-stages``; up to 64 tokens also its decode tiles, ``WGMMA_DECODE_TILES``, and up to 16 those
+reading a random map themselves, ``"mapped": true``, checked against ``x[:, perm] @ Wᵀ``), its rows marked
 ``"wgmma": true`` in their plan.
 
     python scripts/tune_sparse_gemm.py                 # → scripts/results/tune_sparse_gemm.json
@@ -47,16 +48,17 @@ def main() -> None:
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.kernels.gpu import smem_per_block_optin
     from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, WGMMA_DECODE_MAX_TOKENS, WGMMA_DECODE_TILES,
-                                                      WGMMA_TILES, SparseGemmPlan, check_gemm_plan, filling_splits,
-                                                      gemm_traffic, nm_sparse_gemm, plan_fields, sparse_gemm_plan,
-                                                      sparse_wgmma_available, whole_splits)
+                                                      WGMMA_MAPPED_MAX_TOKENS, WGMMA_TILES, SparseGemmPlan,
+                                                      check_gemm_plan, filling_splits, gemm_traffic, nm_sparse_gemm,
+                                                      plan_fields, sparse_gemm_plan, sparse_wgmma_available,
+                                                      staged_within_limit, whole_splits)
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
     from shuffleprune.runtime import cuda_graph_ms
 
     dev, cuda, shapes, l2, sms = timing_setup(args, [(128, 256)])
     if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
         from sparse_gemm_cpu import run_gemm_cpu
-        args.tokens, args.stages, args.splits, args.wgmma_stages = [40], [2, 3], [0, 2], [3]
+        args.tokens, args.stages, args.splits, args.wgmma_stages = [5, 40], [2, 3], [0, 2], [3]
     dtype = torch.bfloat16
     shared_limit = smem_per_block_optin(dev)
     gen = torch.Generator().manual_seed(0)
@@ -81,6 +83,10 @@ def main() -> None:
         w, values, words, x = random_24_layer(out_f, in_f, tokens, gen, dtype)
         w_dev, x_dev = w.to(dev), x.to(dev)
         want = F.linear(x_dev, w_dev).float()
+        # the mapped decode's rows read x through a random map: x[:, perm] @ W^T
+        perm = torch.randperm(in_f, generator=gen).to(torch.int32)
+        perm_dev = perm.to(dev)
+        want_mapped = F.linear(x_dev[:, perm_dev.long()], w_dev).float()
         n_copies = rotated_copies(values, l2, cuda)
         dense = dense_ms(x_dev, w_dev, n_copies, args.reps) if cuda else None
         rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense,
@@ -100,10 +106,17 @@ def main() -> None:
                 wg_tiles = [*WGMMA_TILES, *WGMMA_DECODE_TILES.values()] if tokens <= WGMMA_DECODE_MAX_TOKENS \
                     else WGMMA_TILES
                 forms += [(tile, stages, True) for tile in wg_tiles for stages in args.wgmma_stages]
-            for (tile, stages, wgmma), splits in itertools.product(forms, args.splits):
-                plan = SparseGemmPlan(*tile, stages=stages, wgmma=wgmma)
+            forms = [(*form, False) for form in forms]
+            if (not cuda or sparse_wgmma_available(dev)) and tokens <= WGMMA_MAPPED_MAX_TOKENS:   # the map read
+                forms += [(tile, stages, True, True) for bn, tile in WGMMA_DECODE_TILES.items()      # in the kernel
+                          if tokens <= bn <= WGMMA_MAPPED_MAX_TOKENS for stages in args.wgmma_stages]
+            for (tile, stages, wgmma, mapped), splits in itertools.product(forms, args.splits):
+                plan = SparseGemmPlan(*tile, stages=stages, wgmma=wgmma, mapped=mapped)
                 plan = filling_splits(plan, tokens, out_f, in_f, sms) if splits == 0 else \
-                    whole_splits(SparseGemmPlan(*tile, stages=stages, splits=splits, wgmma=wgmma), in_f)
+                    whole_splits(SparseGemmPlan(*tile, stages=stages, splits=splits, wgmma=wgmma, mapped=mapped),
+                                 in_f)
+                plan = staged_within_limit(plan, in_f)   # a mapped plan's input fits, as the planner splits it
+                run_map = {"perm": perm_dev} if mapped else {}
                 if plan in seen:
                     continue
                 seen.add(plan)
@@ -113,17 +126,19 @@ def main() -> None:
                 try:
                     check_gemm_plan(plan, out_f, in_f, shared_limit)
                     if cuda:
-                        y = nm_sparse_gemm(x_dev, *copies[0], None, tiled=tiled, plan=plan)
+                        y = nm_sparse_gemm(x_dev, *copies[0], None, tiled=tiled, plan=plan, **run_map)
                         torch.cuda.synchronize()
                     else:
-                        y = run_gemm_cpu(x, values, lw, None, tiled, plan)
+                        y = run_gemm_cpu(x, values, lw, None, tiled, plan, perm=perm if mapped else None)
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit, compile or run: recorded
                     rows.append({**row, "ms": None, "error": str(exc).splitlines()[0][:200]})
                     continue
-                err = float((y.float() - want).abs().max() / (want.abs().max().item() or 1.0))
+                ref = want_mapped if mapped else want
+                err = float((y.float() - ref).abs().max() / (ref.abs().max().item() or 1.0))
                 row["rel_err"] = err
                 if cuda and err < 2e-2:
-                    row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_gemm(x_dev, *c, None, tiled=tiled, plan=plan)
+                    row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_gemm(x_dev, *c, None, tiled=tiled, plan=plan,
+                                                                          **run_map)
                                                for c in copies], args.reps)[0]
                     row["speedup_vs_dense"] = dense / row["ms"]
                     row["tflops_dense_equiv"] = 2 * tokens * out_f * in_f / row["ms"] / 1e9

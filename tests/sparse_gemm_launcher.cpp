@@ -4,12 +4,13 @@ extern "C" const char* spemu_gemm_launch(unsigned gx, unsigned gy, unsigned gz, 
                                          size_t x_bytes, const unsigned short* values, size_t values_bytes,
                                          const unsigned* meta, size_t meta_bytes, const unsigned short* bias,
                                          size_t bias_bytes, unsigned short* y, size_t y_bytes, float* partial,
-                                         size_t partial_bytes, int* counters, size_t counters_bytes, int T, int R,
-                                         int C, int xs, int KS, unsigned shared_bytes) {
+                                         size_t partial_bytes, int* counters, size_t counters_bytes, const int* perm,
+                                         size_t perm_bytes, int T, int R, int C, int xs, int KS,
+                                         unsigned shared_bytes) {
   spemu_begin_launch({{x, x_bytes}, {values, values_bytes}, {meta, meta_bytes}, {bias, bias_bytes}, {y, y_bytes},
-                      {partial, partial_bytes}, {counters, counters_bytes}});
+                      {partial, partial_bytes}, {counters, counters_bytes}, {perm, perm_bytes}});
   spemu::run_grid({gx, gy, gz}, THREADS, seed, shared_bytes,
-                  [&] { nm_sparse_gemm(x, values, meta, bias, y, partial, counters, T, R, C, xs, KS); });
+                  [&] { nm_sparse_gemm(x, values, meta, bias, y, partial, counters, perm, T, R, C, xs, KS); });
   return spemu::error.empty() ? nullptr : spemu::error.c_str();
 }
 

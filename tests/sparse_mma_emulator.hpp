@@ -124,6 +124,9 @@ SP_DEV unsigned sp_lds32(const unsigned short* p) {
 SP_DEV void sp_st_shared32(unsigned short* p, unsigned v) {
   if (spemu_shared_ok(p, 4)) std::memcpy(p, &v, 4);
 }
+SP_DEV void sp_st_shared128(unsigned short* p, u32x4 v) {
+  if (spemu_shared_ok(p, 16)) std::memcpy(p, &v, 16);
+}
 SP_DEV void sp_sts16(unsigned short* p, unsigned short v) {
   if (spemu_shared_ok(p, 2)) std::memcpy(p, &v, 2);
 }

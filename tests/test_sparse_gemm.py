@@ -73,6 +73,45 @@ def test_sparse_gemm_on_wgmma_matches_float64(rows, cols, tokens, plan, dtype, t
     _check(y, x.double() @ w.double().t() + bias.double(), dtype)
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("rows,cols,tokens,plan,dtype", [
+    (64, 256, 1, (1, 1, 4, 1, 3), torch.bfloat16),        # one token, the whole K in one CTA
+    (128, 640, 5, (1, 1, 4, 1, 4, 3), torch.float16),     # 3 splits: each gathers only its own columns
+    (64, 384, 12, (1, 2, 4, 1, 3, 2), torch.bfloat16),    # 16 tokens a CTA, 4 of them past T (zeros)
+])
+def test_the_wgmma_decode_reading_the_map_itself_matches_float64(rows, cols, tokens, plan, dtype, tiled):
+    """``mapped``: each CTA gathers its split's columns of its tokens through the map into shared memory once (the
+    input given in its original order), the stages then holding only the weight."""
+    w, values, words, x, bias = _case(rows, cols, tokens, dtype, seed=tokens + 2)
+    perm = torch.randperm(cols, generator=torch.Generator().manual_seed(tokens)).to(torch.int32)
+    plan = SparseGemmPlan(*plan, wgmma=True, mapped=True)
+    check_gemm_plan(plan, rows, cols, shared_limit=227 * 1024)
+    y = _run(x, values, cslt_words(words) if tiled else words, bias, tiled, plan, seed=tokens, perm=perm)
+    _check(y, x.double()[:, perm.long()] @ w.double().t() + bias.double(), dtype)
+
+
+def test_a_mapped_plan_stages_its_split_within_the_limit_and_bad_maps_are_refused():
+    from shuffleprune.kernels.nm_sparse_gemm import MAPPED_STAGED_LIMIT, check_map
+
+    for (rows, cols), tokens in itertools.product([(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)],
+                                                  (1, 8, 16)):
+        plan = sparse_gemm_plan(tokens, rows, cols, 132, shared_limit=227 * 1024, wgmma=True, mapped=True)
+        assert plan.mapped and plan.bn <= 16 and 0 < plan.staged_bytes(cols) <= MAPPED_STAGED_LIMIT
+        assert plan.dynamic_shared(cols) == plan.stages * plan.stage_bytes() + plan.staged_bytes(cols) + 1024
+    with pytest.raises(ValueError, match="layer's columns"):
+        SparseGemmPlan(1, 1, 4, 1, 4, wgmma=True, mapped=True).dynamic_shared()
+    with pytest.raises(ValueError, match="wgmma decode only"):
+        sparse_gemm_plan(17, 4096, 4096, 132, shared_limit=227 * 1024, wgmma=True, mapped=True)
+    with pytest.raises(ValueError, match="wgmma form's CTAs of 16 tokens"):
+        check_gemm_plan(SparseGemmPlan(2, 4, 2, 2, mapped=True), 128, 256)   # mma.sp reads no map
+    perm = torch.randperm(256).to(torch.int32)
+    check_map(perm, 256, 16, True)
+    for bad, match in (((perm, 256, 17, True), "up to 16 tokens"), ((perm, 256, 4, False), "on mma.sp"),
+                       ((perm.long(), 256, 4, True), "contiguous int32"), ((perm[:128], 256, 4, True), "int32 \\[256\\]")):
+        with pytest.raises(ValueError, match=match):
+            check_map(*bad)
+
+
 @pytest.mark.parametrize("mutation,error", [
     # the metadata registers written before the step before's wgmmas are waited for (they still read them)
     ((("  sp_wgmma_wait<0>(acc);\n  unsigned e[2];\n#pragma unroll\n"
@@ -299,6 +338,11 @@ def test_auto_weighs_the_sparse_gemm_from_32_tokens_where_it_runs(monkeypatch):
     assert "gemm_sparse_wgmma" not in plain.candidates(x)   # not a Hopper GPU
     monkeypatch.setattr(nm_sparse_gemm, "sparse_wgmma_available", lambda device: True)   # as on Hopper
     assert "gemm_sparse_wgmma" in plain.candidates(x) and "gemm_sparse_wgmma" in plain.candidates(x[:1])   # a decode too
+    # the map read by the wgmma decode itself: a mapped layer, up to 16 tokens
+    assert "gemm_sparse_wgmma_mapped" in plain.candidates(x[:16]) and "gemm_sparse_wgmma_mapped" not in plain.candidates(x[:17])
+    unmapped = layer(128, 256, 2, 4, torch.bfloat16)
+    unmapped.perm = None
+    assert "gemm_sparse_wgmma" in unmapped.candidates(x[:1]) and "gemm_sparse_wgmma_mapped" not in unmapped.candidates(x[:1])
     assert "gemm_sparse_mma" not in plain.candidates(x[:31])   # below 32 tokens the decodes take it
     for other, inp in ((layer(96, 256, 2, 4, torch.bfloat16), x),              # rows not whole 64-row bands
                        (layer(128, 224, 2, 4, torch.bfloat16), x[:, :224]),   # columns not whole stages
@@ -307,12 +351,12 @@ def test_auto_weighs_the_sparse_gemm_from_32_tokens_where_it_runs(monkeypatch):
         assert "gemm_sparse_mma" not in other.candidates(inp) and "gemm_sparse_wgmma" not in other.candidates(inp)
 
 
-@pytest.mark.parametrize("impl", ["gemm_sparse_mma", "gemm_sparse_wgmma"])
+@pytest.mark.parametrize("impl", ["gemm_sparse_mma", "gemm_sparse_wgmma", "gemm_sparse_wgmma_mapped"])
 @pytest.mark.parametrize("tiled", [False, True])
 def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, tiled, impl):
     """``SparseLinear.run("gemm_sparse_mma")`` (and ``"gemm_sparse_wgmma"``) hands the kernel (here its text under the
     emulator, in its form) the gathered input, the layer's one buffer in its layout and its bias, and returns the
-    layer's output."""
+    layer's output; ``"gemm_sparse_wgmma_mapped"`` hands it the input as it is and the layer's map."""
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.kernels import nm_sparse_gemm as sg
 
@@ -324,17 +368,19 @@ def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, 
     layer = SparseLinear(values, meta, 256, 2, 4, torch.randperm(256, generator=g), bias=bias)
     if tiled:
         layer.use_cslt_layout()
-    x = torch.randn(2, 20, 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 20 if impl != "gemm_sparse_wgmma_mapped" else 6, 256, generator=g).to(torch.bfloat16)
     seen = []
 
-    def on_the_emulator(inp, values, words, bias=None, tiled=False, wgmma=False):
-        seen.append((tiled, wgmma))
+    def on_the_emulator(inp, values, words, bias=None, tiled=False, wgmma=False, perm=None):
+        seen.append((tiled, wgmma, perm is not None))
         plan = sg.sparse_gemm_plan(inp.numel() // inp.shape[-1], values.shape[0], 2 * values.shape[1], 4,
-                                   wgmma=wgmma)
-        return _run(inp.reshape(-1, inp.shape[-1]), values, words, bias, tiled, plan).reshape(*inp.shape[:-1], -1)
+                                   227 * 1024, wgmma=wgmma, **({"mapped": True} if perm is not None else {}))
+        return _run(inp.reshape(-1, inp.shape[-1]), values, words, bias, tiled, plan,
+                    perm=perm).reshape(*inp.shape[:-1], -1)
 
     monkeypatch.setattr(sg, "nm_sparse_gemm", on_the_emulator)
     monkeypatch.setattr(SparseLinear, "_sparse_gemm_applies", lambda self, x, wgmma=False: True)
     y = layer.run(impl, x)
-    assert seen == [(tiled, impl == "gemm_sparse_wgmma")] and y.shape == (2, 20, 128)
+    assert seen == [(tiled, impl != "gemm_sparse_mma", impl == "gemm_sparse_wgmma_mapped")]
+    assert y.shape == (*x.shape[:-1], 128)
     _check(y, x.double()[..., layer.perm.long()] @ w.double().t() + bias.double(), torch.bfloat16)

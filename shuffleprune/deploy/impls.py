@@ -137,6 +137,9 @@
   error there). Up to 64 tokens it runs as a decode (``nm_sparse_gemm.WGMMA_DECODE_TILES``): CTAs of 64 rows × the
   fewest of 8–64 tokens that hold the input, K split until 4 CTAs an SM stream the weight through shared memory
   straight to the tensor cores. Compiled for ``sm_90a``; not yet run on a GPU, so ``auto`` checks its output first;
+  ``gemm_sparse_wgmma_mapped`` (a mapped layer, 1–16 tokens): that decode reading the map itself, each CTA gathering
+  its split's columns of its tokens through the map into shared memory once (``x[t][perm[c]]``, 8 columns a 16-byte
+  store, in the stages' swizzled input layout) while its first stages of weight stream in: no gather launch;
 - ``gemm`` (CUDA, more than 16 tokens): the tiled Triton GEMM that decompresses weight tiles in
   registers, over the gathered input; ``gemm_swap``: the same with the weight as the A operand, so
   the tensor-core call overlaps the next tile's expansion; ``gemm_swap_tall`` (16-bit inputs): that on
@@ -173,6 +176,7 @@ SPARSE_MMA_DECODES = ("decode_sparse_mma", "decode_sparse_mma_tall", "decode_spa
 # tokens (below, the decodes hold the weight in registers once and need no shared-memory trip)
 SPARSE_GEMM = "gemm_sparse_mma"
 SPARSE_WGMMA = "gemm_sparse_wgmma"   # the same on Hopper's wgmma.mma_async.sp
+SPARSE_WGMMA_MAPPED = "gemm_sparse_wgmma_mapped"   # its decode reading the map itself (up to 16 tokens)
 SPARSE_GEMM_MIN_TOKENS = 32
 LIBRARY_IMPLS = ("semi_structured", "semi_cutlass", "cslt")   # CUDA libraries' 2:4 GEMMs, each on its own copy
 # nm_gemm's options per prompt policy (on the gathered input): the weight as the MMA's B operand, as its A
@@ -182,13 +186,14 @@ IMPLS = ("decode", "decode_shallow", "decode_tall", "decode_wide", "decode_mappe
          "decode_mapped_wide", "decode_mapped_by_value", "decode_offsets", "decode_resident", "decode_resident_tma",
          "decode_select", "decode_swap", "decode_swap_narrow", "decode_swap_sync", "decode_swap_spread",
          "decode_swap_spread_sync", "decode_swap_tma", *SPARSE_MMA_DECODES, *GEMM_KERNELS, SPARSE_GEMM,
-         SPARSE_WGMMA, "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
+         SPARSE_WGMMA, SPARSE_WGMMA_MAPPED, "scratch", "scratch_mapped", "gather", "group", *LIBRARY_IMPLS)
 # candidates timed eagerly as well when a CUDA graph's timing picks them (plain or ``+pdl``): their eager calls
 # cost the host more than their replays. cuSPARSELt builds its plan per call (PyTorch before its 2026 fix); the
 # TMA decodes make two tensor descriptors per call (fast_launch.json, this project's 2-core CPU: 39.6 against
 # the plain decode's 24.8 µs of host time per 16-token call, the launch recorded, not run) and the launcher
 # encodes them at each launch; the sparse-MMA decode's launch builds its arguments through ctypes
-EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", *SPARSE_MMA_DECODES, SPARSE_GEMM, SPARSE_WGMMA)
+EAGER_CHECKED = ("cslt", "decode_swap_tma", "decode_resident_tma", *SPARSE_MMA_DECODES, SPARSE_GEMM, SPARSE_WGMMA,
+                 SPARSE_WGMMA_MAPPED)
 GEMM_MIN_TOKENS = 17   # below this the decode kernel's split-K tiles always win
 CSLT_TOKEN_MULTIPLE = 8   # cuSPARSELt's dense operand takes tokens padded to this (PyTorch's semi-structured tensors
                           # pad 16-bit inputs to 8 rows for it: torch/sparse/semi_structured.py, dense_min_rows)

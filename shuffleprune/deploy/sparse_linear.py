@@ -26,6 +26,7 @@ from shuffleprune.deploy.format import decompress, meta_bits
 from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS,
                                        GEMM_MIN_TOKENS, IMPLS, MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED,
                                        PDL_SUFFIX, SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_MMA_DECODES, SPARSE_WGMMA,
+                                       SPARSE_WGMMA_MAPPED,
                                        SWAP_TILES,
                                        TILE_MAX_TOKENS, default_choice, known_policy, skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
@@ -286,6 +287,13 @@ class SparseLinear(nn.Module):
                                      tall=impl.endswith("_tall"), **inline)
             # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
             impl = "decode" if self._pow2() and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
+        if impl == SPARSE_WGMMA_MAPPED:
+            if self._wgmma_reads_map(x):
+                from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
+
+                return nm_sparse_gemm(x, self.values, self.words(), self.bias, tiled=self.tiled, wgmma=True,
+                                      perm=self.perm)
+            impl = SPARSE_WGMMA   # no map, more tokens or not Hopper: on the gathered input (or its fallbacks)
         if impl == SPARSE_WGMMA and not self._sparse_gemm_applies(x, wgmma=True):
             impl = SPARSE_GEMM   # not Hopper: the same GEMM on mma.sp where it runs
         if impl in (SPARSE_GEMM, SPARSE_WGMMA):
@@ -387,6 +395,14 @@ class SparseLinear(nn.Module):
                 sparse_gemm_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
                                     x.dtype) and available(x.device))
 
+    def _wgmma_reads_map(self, x: torch.Tensor) -> bool:
+        """Whether ``gemm_sparse_wgmma_mapped`` runs this layer on ``x``: a mapped layer the wgmma form takes, up to
+        :data:`.nm_sparse_gemm.WGMMA_MAPPED_MAX_TOKENS` tokens."""
+        from shuffleprune.kernels.nm_sparse_gemm import WGMMA_MAPPED_MAX_TOKENS
+
+        return (self.perm is not None and x.numel() // x.shape[-1] <= WGMMA_MAPPED_MAX_TOKENS and
+                self._sparse_gemm_applies(x, wgmma=True))
+
     def _sparse_mma_tall_worth(self, x: torch.Tensor, mapped: bool = False) -> bool:
         """Whether ``auto`` also weighs the sparse-MMA decode with :func:`.nm_sparse_mma.tall_plan`'s CTAs on ``x``
         (:func:`.nm_sparse_mma.tall_worth_weighing`: where the input read per 16 rows weighs against the weight)."""
@@ -446,6 +462,7 @@ class SparseLinear(nn.Module):
                 out.append(SPARSE_GEMM)
             if self._sparse_gemm_applies(x, wgmma=True):   # from one token: up to 64 it runs as a decode
                 out.append(SPARSE_WGMMA)
+                out += [SPARSE_WGMMA_MAPPED] if self._wgmma_reads_map(x) else []
             out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
             if tokens >= GEMM_MIN_TOKENS and x.element_size() == 2:   # float32 runs the one FMA tile either way
                 out.append("gemm_swap_tall")
