@@ -43,8 +43,8 @@ tokens: the decode on the sparse tensor cores, ``kernels/nm_sparse_mma.cu``; ``_
 tall plan's CTAs, the input staged in shared memory and shared by more rows), ``gemm_sparse_mma`` and
 ``gemm_sparse_mma_tiled`` (from 32 tokens: the prompt GEMM on the sparse tensor cores, ``kernels/nm_sparse_gemm.cu``),
 ``gemm_sparse_wgmma_tiled`` (from 1 token: the same GEMM on Hopper's ``wgmma.mma_async.sp``, a decode up to 64
-tokens; ``gemm_sparse_wgmma`` on the export's layout when named; ``_nomap_tiled`` and ``gemm_sparse_wgmma_mapped_tiled``
-at 1–16 tokens, the latter reading the map itself: the map's cost to that decode),
+tokens; ``gemm_sparse_wgmma`` on the export's layout when named; ``_nomap_tiled`` at one token and
+``gemm_sparse_wgmma_mapped_tiled`` at 1–16, the latter reading the map itself: the map's cost to that decode),
 ``gemm``, ``gemm_swap``,
 ``gemm_swap_tall`` (from 17 tokens: ``gemm_swap`` on 128 weight rows per program), ``scratch``, ``scratch_mapped`` (from 17
 tokens: the map applied to the weight written into the scratch, no gathered input), the first kernel ``gather``; only
@@ -189,7 +189,9 @@ def runs_at(impl: str, tokens: int) -> bool:
         return False
     if impl == SPARSE_GEMM and tokens < SPARSE_GEMM_MIN_TOKENS:   # where auto weighs it (the wgmma form: from 1)
         return False
-    if (impl == SPARSE_WGMMA_MAPPED or impl == SPARSE_WGMMA and has_map is None) and tokens > 16:   # the map's cost
+    if impl == SPARSE_WGMMA_MAPPED and tokens > 16:   # where auto weighs it
+        return False
+    if impl == SPARSE_WGMMA and has_map is None and tokens > 1:   # the map's cost to it at one token (the 2 % target)
         return False
     if impl in ("gather", "group") and tokens > 64:
         return False

@@ -212,7 +212,7 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # with 4 stages; mma.sp's with 3 only, to keep the step's count of timings), kernel has auto weigh it from 32 tokens,
 # and next1 begins with tune_sparse_gemm (both forms' other stage counts and splits, all four shapes). Up to 64
 # tokens gemm_sparse_wgmma runs as a decode (CTAs of 64 rows x 8-64 tokens, 4 an SM): kernel times it from 1 token,
-# and to 16 tokens without a map and reading one itself (gemm_sparse_wgmma_mapped: the map's cost to it).
+# at one token without a map too, and to 16 reading one itself (gemm_sparse_wgmma_mapped: the map's cost to it).
 ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 165 + 120 + 260 + 10 s (kernel 175 s on the H200): the
                                                     # sparse-MMA decode and prompt GEMM checked and timed, then the
                                                     # kernel table and the targets read from it; e2e (met on the H200

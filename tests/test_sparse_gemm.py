@@ -384,3 +384,24 @@ def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, 
     assert seen == [(tiled, impl != "gemm_sparse_mma", impl == "gemm_sparse_wgmma_mapped")]
     assert y.shape == (*x.shape[:-1], 128)
     _check(y, x.double()[..., layer.perm.long()] @ w.double().t() + bias.double(), torch.bfloat16)
+
+
+def test_bench_kernel_times_the_wgmma_rows_where_auto_weighs_them(monkeypatch):
+    """``bench_kernel`` times ``gemm_sparse_wgmma_tiled`` at every token count (a decode up to 64), its no-map row at one
+    token (the map's cost there, the 2 % target) and the decode reading the map itself to 16 tokens, and counts the
+    gathered input's bytes for the first only."""
+    import importlib.util
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("bench_kernel_wgmma", scripts / "bench_kernel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert all(bench.runs_at("gemm_sparse_wgmma_tiled", t) for t in (1, 2, 16, 64, 512, 2048))
+    assert bench.runs_at("gemm_sparse_wgmma_nomap_tiled", 1) and not bench.runs_at("gemm_sparse_wgmma_nomap_tiled", 2)
+    assert bench.runs_at("gemm_sparse_wgmma_mapped_tiled", 16) and not bench.runs_at("gemm_sparse_wgmma_mapped_tiled", 17)
+    assert not bench.runs_at("gemm_sparse_mma_tiled", 16) and bench.runs_at("gemm_sparse_mma_tiled", 32)
+    gathered = bench.bytes_moved("gemm_sparse_wgmma_tiled", 4096, 4096, 1)
+    in_kernel = bench.bytes_moved("gemm_sparse_wgmma_mapped_tiled", 4096, 4096, 1)
+    assert gathered - in_kernel == 2 * 4096 * 2   # the gathered copy written and read back
