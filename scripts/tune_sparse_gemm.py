@@ -2,7 +2,8 @@
 shape and token count, the plan's tile and every other tile of ``GEMM_TILES`` with each number of stages given, in
 cuSPARSELt's layout (as a layer holds it after ``use_cslt_layout``) or the export's row words. Every launch is first
 checked against a dense bf16 matmul of the decompressed weight (its maximum relative error is recorded; one off by more
-than 2 % is not timed), then timed as ``bench_kernel.py`` times: calls over rotating weight copies (together more than
+than 2 % is not timed, and ``layout_probe.py`` records which weight elements and input columns that tile paired
+instead), then timed as ``bench_kernel.py`` times: calls over rotating weight copies (together more than
 2.5× the L2) captured in one CUDA graph, the median replay. The fragments are read as the decode's probe found
 (``SHUFFLEPRUNE_SPARSE_MMA_READING``, which ``gpu_run.sh sparse_mma`` exports): the same MMA. First, the tensor cores'
 ceiling through ``mma.sp`` and the dense ``mma`` (``mma_ceiling.py``: MMAs alone, on every SM), recorded as
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[0],
                     help="CTAs along K (0: what the plan splits that tile into to fill the GPU)")
     ap.add_argument("--layouts", nargs="+", default=["tiled"], choices=["rows", "tiled"])
+    ap.add_argument("--probe", action="store_true",
+                    help="run the layout probe on every tile, not only on those whose output is refused")
     add_timing_args(ap, ROOT / "scripts" / "results" / "tune_sparse_gemm.json")
     args = ap.parse_args()
 
@@ -78,6 +81,39 @@ def main() -> None:
             **run_facts(args.smoke, cuda), "reading": sorted(fragment_reading()), "ceiling": ceiling, "best": best,
             "rows": rows},
             indent=1) + "\n")
+
+    probed = set()
+
+    def probe(plan: SparseGemmPlan, tiled: bool) -> dict | None:
+        """The layout probe (``layout_probe.py``) on this plan's tile, once per tile and form: which weight element and
+        input column the kernel paired for each output, where its output was refused."""
+        from dataclasses import asdict
+
+        from layout_probe import layout_probe
+        from shuffleprune.deploy.format import compress
+        from shuffleprune.kernels.nm_words import position_words
+
+        key = (plan.mt, plan.nt, plan.wm, plan.wn, plan.wgmma, plan.mapped, tiled)
+        if key in probed:
+            return None
+        probed.add(key)
+        cols = 256
+        small = whole_splits(SparseGemmPlan(**{**asdict(plan), "splits": min(plan.splits, 2)}), cols)
+        pm = torch.randperm(cols, generator=torch.Generator().manual_seed(1)).to(torch.int32) if plan.mapped else None
+
+        def run(w, xp):
+            values, meta = compress(w, 2, 4)
+            words = position_words(meta)
+            words = (cslt_words(words) if tiled else words).contiguous()
+            if not cuda:
+                return run_gemm_cpu(xp, values, words, None, tiled, small, perm=pm)
+            return nm_sparse_gemm(xp.to(dev), values.to(dev), words.to(dev), None, tiled=tiled, plan=small,
+                                  **({"perm": pm.to(dev)} if pm is not None else {}))
+
+        try:
+            return {"plan": plan_fields(small), **layout_probe(run, small.bm, cols, min(small.bn, cols), dtype, pm)}
+        except Exception as exc:  # noqa: BLE001 - a probe that cannot run: said so in the row
+            return {"error": str(exc).splitlines()[0][:200]}
 
     for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
         w, values, words, x = random_24_layer(out_f, in_f, tokens, gen, dtype)
@@ -136,6 +172,10 @@ def main() -> None:
                 ref = want_mapped if mapped else want
                 err = float((y.float() - ref).abs().max() / (ref.abs().max().item() or 1.0))
                 row["rel_err"] = err
+                if err >= 2e-2 or args.probe:   # refused (or asked): which elements the kernel paired instead
+                    found = probe(plan, tiled)
+                    if found is not None:
+                        row["probe"] = found
                 if cuda and err < 2e-2:
                     row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_gemm(x_dev, *c, None, tiled=tiled, plan=plan,
                                                                           **run_map)

@@ -405,3 +405,39 @@ def test_bench_kernel_times_the_wgmma_rows_where_auto_weighs_them(monkeypatch):
     gathered = bench.bytes_moved("gemm_sparse_wgmma_tiled", 4096, 4096, 1)
     in_kernel = bench.bytes_moved("gemm_sparse_wgmma_mapped_tiled", 4096, 4096, 1)
     assert gathered - in_kernel == 2 * 4096 * 2   # the gathered copy written and read back
+
+
+@pytest.mark.parametrize("plan,mapped", [((2, 4, 2, 2, 2), False), ((1, 4, 8, 1, 3), False), ((1, 1, 4, 1, 3), True)])
+def test_the_layout_probe_finds_nothing_wrong_in_a_right_kernel_and_names_what_a_misread_pairs(plan, mapped,
+                                                                                                 monkeypatch):
+    """``scripts/layout_probe.py``: with one-hot inputs and integer weights every output is one weight element, so a
+    kernel read as its text assumes (the emulator) has no wrong output, and one run on a GPU reading the metadata's
+    roles the other way round (``META_ROLE_SWAP``) has wrong outputs whose values name the columns it paired."""
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.kernels.nm_words import position_words
+
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from layout_probe import layout_probe
+
+    plan = SparseGemmPlan(*plan, wgmma=plan[0] == 1, mapped=mapped)
+    perm = torch.randperm(128, generator=torch.Generator().manual_seed(3)).to(torch.int32) if mapped else None
+
+    def run_on(hardware):
+        def run(w, x):
+            values, meta = compress(w, 2, 4)
+            return _run(x, values, cslt_words(position_words(meta)), None, True, plan, hardware=hardware, perm=perm)
+        return run
+
+    right = layout_probe(run_on(()), plan.bm, 128, min(plan.bn, 128), torch.bfloat16, perm)
+    assert right["rows"]["wrong"] == 0 and right["cols"]["wrong"] == 0 and right["kept_at_probe"] > 0
+    try:
+        misread = layout_probe(run_on(("META_ROLE_SWAP",)), plan.bm, 128, min(plan.bn, 128), torch.bfloat16, perm)
+    except RuntimeError as exc:   # the emulator refused a code that is no ordered pair: also a finding
+        assert "ordered pair" in str(exc)
+        return
+    # the roles swapped move kept values between a row's column groups, never between rows: the column probe has wrong
+    # outputs (naming the column paired instead), the row probe's outputs are each 0 or the output's own row + 1
+    assert misread["cols"]["wrong"] > 0
+    assert all(got in (0.0, r + 1) for t, r, want, got in misread["rows"]["examples"])
+    assert any(got not in (0.0, want) for t, r, want, got in misread["cols"]["examples"])
