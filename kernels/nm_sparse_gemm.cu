@@ -142,6 +142,18 @@ SP_DEV SpGemmCopies sp_gemm_copies(const unsigned short* x, const unsigned short
   cp.e = meta + (long long)(row_base + tid) * (C / 32) + 2 * k0;   // row tid's 2 words
   cp.e_at = E_AT + 2 * (2 * tid);
 #endif
+#if WGMMA
+  // worked out once: kept in registers, not worked out again from the thread index at every stage, as the compiler
+  // did (sm_90a, NVRTC 13.5: the 128 x 128 tile's loop 122 -> 113 instructions a stage, 94 -> 99 registers; the
+  // mma.sp tiles gained nothing and took 3-8 registers more, so they go without)
+  sp_keep(cp.a_at);
+  sp_keep(cp.x_at);
+  sp_keep(cp.e_at);
+  sp_keep(cp.x_valid);
+  sp_keep(cp.a_step);
+  sp_keep(cp.x_step);
+  sp_keep(cp.x_last);
+#endif
   return cp;
 }
 

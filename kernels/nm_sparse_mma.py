@@ -99,6 +99,8 @@ SP_DEV u32x4 sp_lds128(const unsigned short* p) { return *(const u32x4*)p; }
 SP_DEV void sp_st128(unsigned short* p, u32x4 v) { *(u32x4*)p = v; }
 #define SP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 SP_DEV unsigned sp_shared_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+SP_DEV void sp_keep(int& v) { asm volatile("" : "+r"(v)); }   // a value the compiler may not work out again
+SP_DEV void sp_keep(long long& v) { asm volatile("" : "+l"(v)); }
 SP_DEV void sp_st16(unsigned short* p, unsigned short v) { *p = v; }
 SP_DEV void sp_st_float(float* p, float v) { *p = v; }
 SP_DEV void sp_st_int(int* p, int v) { *p = v; }

@@ -491,6 +491,8 @@ SP_DEV unsigned sp_shared_address(const void* p) {   // the address a shared-mem
   return (unsigned)(static_cast<const unsigned char*>(p) - spemu::dyn_smem.data());
 }
 SP_DEV void sp_fence_proxy_async() {}
+SP_DEV void sp_keep(int&) {}
+SP_DEV void sp_keep(long long&) {}
 template <int M, int N>
 SP_DEV void sp_wgmma_fence(float (&)[M][N][4]) {}
 SP_DEV void sp_wgmma_operands_ready(unsigned (&)[2], unsigned long long (&)[2][2]) {}
