@@ -4,7 +4,9 @@
 // and lane 0 computes the product as the PTX ISA defines the sparse m16n8k32 fragments (16-bit A as the
 // dense m16n8k16 A fragment of kept values, metadata from the lanes the selector names, ordered codes).
 // Loads and stores are checked against the launch's buffers and their alignment: a fault on the GPU is
-// an error here. CTAs run one at a time, in an order the launch shuffles.
+// an error here. CTAs run one at a time, in an order the launch shuffles. Hopper's wgmma.mma_async.sp (the
+// prompt GEMM's WGMMA form) runs per warpgroup through its swizzled shared-memory descriptors, as loosely timed
+// as the PTX ISA lets it be (below).
 #include <algorithm>
 #include <atomic>
 #include <barrier>
