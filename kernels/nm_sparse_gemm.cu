@@ -213,14 +213,9 @@ SP_DEV unsigned sp_gemm_meta_join(SpMetaWords w, int lane) {
 #endif
 }
 
-SP_DEV unsigned sp_gemm_meta_k(const unsigned* Es, int r16, int lane, int kk) {
-  // the metadata register of the m-tile at CTA row r16 for this lane and the stage's kk-th 32 columns
-  return sp_gemm_meta_join(sp_gemm_meta_words(Es, r16, lane, kk), lane);
-}
-
 SP_DEV unsigned sp_gemm_meta(const unsigned* Es, int r16, int lane) {
   // mma.sp's one register for a stage: lanes 4g + 2kk + {0, 1} hold the stage's kk-th 32 columns (selector kk)
-  return sp_gemm_meta_k(Es, r16, lane, (lane & 3) >> 1);
+  return sp_gemm_meta_join(sp_gemm_meta_words(Es, r16, lane, (lane & 3) >> 1), lane);
 }
 
 SP_DEV void sp_gemm_compute_stage(const unsigned short* stage, float (&acc)[MT][NT][4], int wr, int wc, int lane) {

@@ -152,9 +152,8 @@ def sparse_gemm_plan(tokens: int, rows: int, cols: int, sms: int, shared_limit: 
     with the most CTAs. Under ``wgmma``, up to :data:`WGMMA_DECODE_MAX_TOKENS` tokens, the decode's tile of
     :data:`WGMMA_DECODE_TILES` instead, split as :func:`filling_splits` splits it. ``override`` sets any field
     (tuning)."""
-    if override.get("mapped") and (not wgmma or tokens > WGMMA_MAPPED_MAX_TOKENS):
-        raise ValueError(f"the map is read in the kernel by the wgmma decode only, up to {WGMMA_MAPPED_MAX_TOKENS} "
-                         f"tokens; not {tokens} tokens{'' if wgmma else ' on mma.sp'}")
+    if override.get("mapped"):
+        check_map_reader(tokens, wgmma)
     if wgmma and tokens <= WGMMA_DECODE_MAX_TOKENS:
         bn = next(n for n in sorted(WGMMA_DECODE_TILES) if n >= tokens)
         mapped = bool(override.pop("mapped", False))
@@ -250,8 +249,8 @@ def kernel_defines(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bi
 
 def wgmma_functions(nt: int) -> str:
     """The GPU side of the ``wgmma`` calls the kernel makes (the emulator defines the same names): the fences, commit
-    and wait, and ``sp_wgmma_sp``, one ``wgmma.mma_async.sp`` m64n(8·nt)k32 with A from registers and B through a
-    descriptor, its accumulator operands written out. Each accumulator is named to the compiler at the fences and
+    and wait, and ``sp_wgmma_sp``, one ``wgmma.mma_async.sp`` m64n(8·nt)k32 with A and B through descriptors, its
+    accumulator operands written out. Each accumulator is named to the compiler at the fences and
     waits (an empty asm that reads and writes it), so no read or write of one moves across them."""
     regs = 4 * nt
     acc = [f"d[0][{i // 4}][{i % 4}]" for i in range(regs)]
@@ -344,11 +343,12 @@ def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, b
                          f"{tuple(words.shape)} {words.dtype}")
     if bias is not None and (bias.dtype != x.dtype or bias.shape != (rows,) or not bias.is_contiguous()):
         raise ValueError(f"the sparse GEMM adds a contiguous bias [{rows}] of the input's dtype")
-    check_map(perm, cols, tokens, wgmma or (plan is not None and plan.wgmma))
+    wgmma = wgmma or (plan is not None and plan.wgmma)
+    check_map(perm, cols, tokens, wgmma)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:   # 16-byte copies of each row
         x2 = x2.clone(memory_format=torch.contiguous_format)
     index = device_index(x.device)
-    if (wgmma or (plan is not None and plan.wgmma)) and not sparse_wgmma_available(x.device):
+    if wgmma and not sparse_wgmma_available(x.device):
         raise ValueError("the wgmma form of the sparse GEMM runs on Hopper (compute capability 9.0) only")
     if plan is None:
         if perm is not None:
@@ -374,14 +374,20 @@ def nm_sparse_gemm(x: torch.Tensor, values: torch.Tensor, words: torch.Tensor, b
     return y.reshape(*x.shape[:-1], rows)
 
 
-def check_map(perm: torch.Tensor | None, cols: int, tokens: int, wgmma: bool) -> None:
-    """Refuse, in one line, a map the kernel cannot read: only the wgmma decode reads one (up to
-    :data:`WGMMA_MAPPED_MAX_TOKENS` tokens), as contiguous int32 ``[C]`` on 16 bytes."""
-    if perm is None:
-        return
+def check_map_reader(tokens: int, wgmma: bool) -> None:
+    """Refuse, in one line, to read a map in the kernel where it cannot: only the wgmma decode does, up to
+    :data:`WGMMA_MAPPED_MAX_TOKENS` tokens."""
     if not wgmma or tokens > WGMMA_MAPPED_MAX_TOKENS:
         raise ValueError(f"the map is read in the kernel by the wgmma decode only, up to {WGMMA_MAPPED_MAX_TOKENS} "
                          f"tokens (gather the input first): not {tokens} tokens{'' if wgmma else ' on mma.sp'}")
+
+
+def check_map(perm: torch.Tensor | None, cols: int, tokens: int, wgmma: bool) -> None:
+    """Refuse, in one line, a map the kernel cannot read (:func:`check_map_reader`), or one not contiguous int32
+    ``[C]`` on 16 bytes."""
+    if perm is None:
+        return
+    check_map_reader(tokens, wgmma)
     if perm.dtype != torch.int32 or perm.shape != (cols,) or not perm.is_contiguous() or perm.data_ptr() % 16:
         raise ValueError(f"the map is a contiguous int32 [{cols}] on 16 bytes; got {perm.dtype} {tuple(perm.shape)}")
 

@@ -209,8 +209,8 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # cuBLAS at all or wgmma.sp is the way; sparse_gemm records the mma half in-process beside its rows. next1 then
 # begins with tune_sparse_mma_bounds (the decode's register bound, 0 / 5 / 6 CTAs an SM).
 # Since stop 91 sparse_gemm also times the prompt GEMM on Hopper's wgmma.mma_async.sp (gemm_sparse_wgmma: its tiles
-# with 4 stages; mma.sp's with 3 only, to keep the step's count of timings), kernel has auto weigh it from 32 tokens,
-# and next1 begins with tune_sparse_gemm (both forms' other stage counts and splits, all four shapes). Up to 64
+# with 4 stages; mma.sp's with 3 only, to keep the step's count of timings), kernel has auto weigh it, and next1
+# begins with tune_sparse_gemm (both forms' other stage counts and splits, all four shapes). Up to 64
 # tokens gemm_sparse_wgmma runs as a decode (CTAs of 64 rows x 8-64 tokens, 4 an SM): kernel times it from 1 token,
 # at one token without a map too, and to 16 reading one itself (gemm_sparse_wgmma_mapped: the map's cost to it).
 ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 165 + 120 + 260 + 10 s (kernel 175 s on the H200): the

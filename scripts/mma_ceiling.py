@@ -100,25 +100,12 @@ KINDS = {   # name: (sparse, wgmma)
     "wgmma_sp_m64n128k32": (True, True), "wgmma_m64n128k16": (False, True)}
 
 
-def _compiled(source: str, name: str, wgmma: bool, index: int):
-    """The kernel for this GPU: through the runtime's compile path (cubins kept), or for wgmma by NVRTC for sm_90a
-    (the architecture-specific target wgmma needs) and the driver's loader."""
-    from shuffleprune.kernels.cuda_rtc import compile_cuda, load_cubin, own_nvrtc
-
-    if not wgmma:
-        return compile_cuda(source, name, index)
-    ok, log, cubin = own_nvrtc().compile(source, "sm_90a")
-    if not ok:
-        raise RuntimeError(f"NVRTC did not compile {name} for sm_90a: {log.strip()[-300:]}")
-    return load_cubin(cubin, name, index)
-
-
 def measure(device: torch.device, chains: int = 8, threads: int = 256, iters: int = 4096, reps: int = 5,
             wgmma: bool | None = None) -> dict:
     """Each MMA's dense-equivalent TFLOPS on ``device`` (a CUDA GPU; ``wgmma``: also Hopper's, by default where the
     GPU is compute capability 9.0), each on as many CTAs as the SMs hold at once, the median of ``reps`` timed launches
     after one untimed, every thread's sum checked."""
-    from shuffleprune.kernels.cuda_rtc import KernelLaunch, driver, resident_ctas
+    from shuffleprune.kernels.cuda_rtc import KernelLaunch, compile_cuda, driver, resident_ctas
     from shuffleprune.kernels.gpu import _capability
     from shuffleprune.kernels.nm_sparse_mma import device_index, ordered_metadata, stream_handle
 
@@ -136,7 +123,7 @@ def measure(device: torch.device, chains: int = 8, threads: int = 256, iters: in
         try:
             defines = kernel_defines(sparse, chains, threads, dtype, ordered_metadata(), wgmma=wg)
             name = "wgmma_ceiling" if wg else KERNEL_NAME
-            kernel = _compiled(ceiling_source(defines), name, wg, index)
+            kernel = compile_cuda(ceiling_source(defines), name, index, arch_specific=wg)   # wgmma: sm_90a
             block, shared = defines["THREADS"], WG_SMEM_BYTES if wg else 0
             per_sm = resident_ctas(kernel, block, shared) or 1
             grid = sms * per_sm

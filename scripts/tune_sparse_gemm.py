@@ -115,20 +115,31 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run: said so in the row
             return {"error": str(exc).splitlines()[0][:200]}
 
+    wgmma_here = not cuda or sparse_wgmma_available(dev)   # Hopper; the CPU's emulator runs it too
     for (out_f, in_f), tokens in itertools.product(shapes, args.tokens):
         w, values, words, x = random_24_layer(out_f, in_f, tokens, gen, dtype)
         w_dev, x_dev = w.to(dev), x.to(dev)
         want = F.linear(x_dev, w_dev).float()
-        # the mapped decode's rows read x through a random map: x[:, perm] @ W^T
-        perm = torch.randperm(in_f, generator=gen).to(torch.int32)
-        perm_dev = perm.to(dev)
-        want_mapped = F.linear(x_dev[:, perm_dev.long()], w_dev).float()
+        # (tile, stages, wgmma, mapped) of every form timed: mma.sp's tiles; the wgmma ones (up to 64 tokens its
+        # decode's too); up to 16 the decode reading a random map itself, checked against x[:, perm] @ W^T
+        forms = [(tile, stages, False, False) for tile in GEMM_TILES for stages in args.stages]
+        mapped_forms = []
+        if wgmma_here:
+            wg_tiles = [*WGMMA_TILES, *WGMMA_DECODE_TILES.values()] if tokens <= WGMMA_DECODE_MAX_TOKENS else WGMMA_TILES
+            forms += [(tile, stages, True, False) for tile in wg_tiles for stages in args.wgmma_stages]
+            mapped_forms = [(tile, stages, True, True) for bn, tile in WGMMA_DECODE_TILES.items()
+                            if tokens <= bn <= WGMMA_MAPPED_MAX_TOKENS for stages in args.wgmma_stages]
+        if mapped_forms:
+            forms += mapped_forms
+            perm = torch.randperm(in_f, generator=torch.Generator().manual_seed(in_f)).to(torch.int32)
+            perm_dev = perm.to(dev)
+            want_mapped = F.linear(x_dev[:, perm_dev.long()], w_dev).float()
         n_copies = rotated_copies(values, l2, cuda)
         dense = dense_ms(x_dev, w_dev, n_copies, args.reps) if cuda else None
         rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": "dense", "ms": dense,
                      "tflops": 2 * tokens * out_f * in_f / dense / 1e9 if dense else None})
         planned = {sparse_gemm_plan(tokens, out_f, in_f, sms, shared_limit)}
-        if not cuda or sparse_wgmma_available(dev):
+        if wgmma_here:
             planned.add(sparse_gemm_plan(tokens, out_f, in_f, sms, shared_limit, wgmma=True))
         for layout in args.layouts:
             tiled = layout == "tiled"
@@ -137,15 +148,6 @@ def main() -> None:
             copies += [(copies[0][0].clone(), copies[0][1].clone()) for _ in range(n_copies - 1)]
             case = []
             seen = set()
-            forms = [(tile, stages, False) for tile in GEMM_TILES for stages in args.stages]
-            if not cuda or sparse_wgmma_available(dev):   # the CPU's emulator runs it too (up to 64 tokens its decode)
-                wg_tiles = [*WGMMA_TILES, *WGMMA_DECODE_TILES.values()] if tokens <= WGMMA_DECODE_MAX_TOKENS \
-                    else WGMMA_TILES
-                forms += [(tile, stages, True) for tile in wg_tiles for stages in args.wgmma_stages]
-            forms = [(*form, False) for form in forms]
-            if (not cuda or sparse_wgmma_available(dev)) and tokens <= WGMMA_MAPPED_MAX_TOKENS:   # the map read
-                forms += [(tile, stages, True, True) for bn, tile in WGMMA_DECODE_TILES.items()      # in the kernel
-                          if tokens <= bn <= WGMMA_MAPPED_MAX_TOKENS for stages in args.wgmma_stages]
             for (tile, stages, wgmma, mapped), splits in itertools.product(forms, args.splits):
                 plan = SparseGemmPlan(*tile, stages=stages, wgmma=wgmma, mapped=mapped)
                 plan = filling_splits(plan, tokens, out_f, in_f, sms) if splits == 0 else \

@@ -378,8 +378,8 @@ SP_DEV void sp_ldmatrix4(unsigned (&r)[4], const unsigned short* p) {
 // PTX ISA lets it be: it reads its shared-memory operands when it is issued (so a tile whose copies have not landed
 // yet reads the poison) and must find them unchanged when a wgmma.wait_group retires it (a slot copied into while it
 // runs is an error), likewise its metadata registers; it adds into the accumulators only at the retirement (a kernel
-// that touches them before computes something else). Both operands K-major in swizzled groups of 8 rows, the only layouts modeled: A (64 rows x 16 kept values) in
-// the 64-byte swizzle (byte 2c of row r at start + (r / 8) * stride + (r % 8) * 64 + 2c, its 16-byte chunk XORed
+// that touches them before computes something else). Both operands K-major in swizzled groups of 8 rows, the only
+// layouts modeled: A (64 rows x 16 kept values) in the 64-byte swizzle (byte 2c of row r at start + (r / 8) * stride + (r % 8) * 64 + 2c, its 16-byte chunk XORed
 // with bits 7-8 of that offset), B (N tokens x 32 columns) in the 128-byte swizzle (row pitch 128, XOR with bits
 // 7-9). Warp w's 16 rows (16w..) take their metadata from its lanes as mma.sp reads a warp's (selector 0); D as
 // mma's m16n8 fragment for each 8 columns (registers 4j .. 4j + 3 for columns 8j ..).

@@ -129,9 +129,9 @@
   (``sparse_mma_compile.json``); not yet run on a GPU;
 - ``gemm_sparse_wgmma`` (the same layers, from one token, Hopper only): that GEMM with Hopper's own asynchronous
   ``wgmma.mma_async.sp`` (``sm_90a``) in place of ``mma.sp``, which on Hopper cannot reach cuBLAS's dense rate
-  (``scripts/mma_ceiling.py`` measures the two): each warpgroup's 64 rows of kept values in registers, the stage's
-  input read by the tensor cores from shared memory through a descriptor (the stage already in ``wgmma``'s 128-byte
-  swizzle), each step's wgmmas running on through the next step's barrier and copies. Checked under the
+  (``scripts/mma_ceiling.py`` measures the two): each warpgroup's 64 rows of kept values and the stage's input read
+  by the tensor cores from shared memory through descriptors (the stage already in ``wgmma``'s 64- and 128-byte
+  swizzles), each step's wgmmas running on through the next step's barrier and copies. Checked under the
   emulator, which reads a ``wgmma``'s operands at its issue and requires them unchanged, with no copy issued into
   them, until it retires (a slot reused early, read before it landed, or metadata written while one runs is an
   error there). Up to 64 tokens it runs as a decode (``nm_sparse_gemm.WGMMA_DECODE_TILES``): CTAs of 64 rows × the
