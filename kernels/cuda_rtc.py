@@ -15,6 +15,7 @@ import glob
 import hashlib
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,6 +81,15 @@ def own_nvrtc() -> Nvrtc:
     return Nvrtc(ctypes.CDLL(find_nvrtc() or "libnvrtc.so"))
 
 
+@dataclass(frozen=True)
+class CudaSource:
+    """One kernel variant as NVRTC compiles it: its full text, the kernel's name in it, and whether it needs the
+    GPU's architecture-specific target (``sm_90a``)."""
+    text: str
+    name: str
+    arch_specific: bool = False
+
+
 CUBIN_DIR = "cuda_kernels"   # under shuffleprune's cache folder (shuffleprune.cache.cache_dir)
 
 
@@ -111,13 +121,18 @@ def _keep_cubin(path: Path, cubin: bytes) -> None:
         pass
 
 
-def compile_own(source: str, name: str, device_index: int, arch_specific: bool = False) -> CompiledKernel:
-    """NVRTC (the wheel's library, or the system's) to a cubin for this GPU (``arch_specific``: for its
-    architecture-specific target, ``sm_90a``, which Hopper's ``wgmma`` needs), kept on disk (:func:`cubin_path`)
-    and loaded by the driver; a cubin kept by an earlier process is loaded without compiling."""
-    nvrtc = own_nvrtc()
-    major, minor = _capability(device_index)
-    arch = f"sm_{major}{minor}" + ("a" if arch_specific else "")
+def gpu_arch(capability: tuple[int, int], arch_specific: bool = False) -> str:
+    """NVRTC's target for a GPU of ``capability``: ``sm_90``, or with ``arch_specific`` its architecture-specific
+    ``sm_90a`` (which Hopper's ``wgmma`` needs)."""
+    return f"sm_{capability[0]}{capability[1]}" + ("a" if arch_specific else "")
+
+
+def cached_cubin(source: str, name: str, arch: str, nvrtc: Nvrtc | None = None) -> bytes:
+    """The cubin of kernel ``name`` in ``source`` for ``arch``: the one kept on disk (:func:`cubin_path`), else
+    compiled by ``nvrtc`` (default :func:`own_nvrtc`) and kept. Loads nothing, needs no GPU: what
+    ``scripts/compile_ahead.py`` runs in parallel before a GPU run's first kernel asks. A RuntimeError where NVRTC
+    refuses the source."""
+    nvrtc = nvrtc or own_nvrtc()
     try:
         path = cubin_path(source, name, arch, nvrtc.version())
     except OSError:   # no cache folder can be made (a read-only home): compiled each process, as before
@@ -129,7 +144,15 @@ def compile_own(source: str, name: str, device_index: int, arch_specific: bool =
             raise RuntimeError(f"NVRTC did not compile {name}: {log.strip()[-500:]}")
         if path is not None:
             _keep_cubin(path, cubin)
-    return load_cubin(cubin, name, device_index)
+    return cubin
+
+
+def compile_own(source: str, name: str, device_index: int, arch_specific: bool = False) -> CompiledKernel:
+    """NVRTC (the wheel's library, or the system's) to a cubin for this GPU (``arch_specific``: for its
+    architecture-specific target, ``sm_90a``, which Hopper's ``wgmma`` needs), kept on disk (:func:`cubin_path`)
+    and loaded by the driver; a cubin kept by an earlier process is loaded without compiling."""
+    arch = gpu_arch(_capability(device_index), arch_specific)
+    return load_cubin(cached_cubin(source, name, arch), name, device_index)
 
 
 def load_cubin(cubin: bytes, name: str, device_index: int) -> CompiledKernel:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from shuffleprune.kernels.cuda_rtc import KernelLaunch, allow_dynamic_shared, compile_cuda, driver
+from shuffleprune.kernels.cuda_rtc import CudaSource, KernelLaunch, allow_dynamic_shared, compile_cuda, driver
 from shuffleprune.kernels.gpu import SMEM_PER_BLOCK_OPTIN, _capability, cdiv, smem_per_block_optin
 from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
                                                 fragment_reading, ordered_metadata, split_k_workspace,
@@ -247,15 +247,31 @@ def kernel_defines(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bi
             "WGMMA": int(plan.wgmma), "MAPPED": int(plan.mapped), **{knob: int(knob in reading) for knob in FRAGMENT_KNOBS}}
 
 
+def wgmma_asm(n: int, accumulators: list[str], sparse: bool = True, ab_type: str = '" SP_TYPE "') -> str:
+    """One ``asm volatile`` statement issuing ``wgmma.mma_async`` m64n``n`` into the fp32 ``accumulators`` (C lvalues,
+    ``n / 2`` of them), A and B read through the descriptors ``a`` and ``b``: with ``sparse`` the 2:4 k32 with the
+    metadata register ``e`` (selector 0), else the dense k16; scale-d on, A and B as stored. ``ab_type``: the 16-bit
+    type's name, or the C string splice of the ``SP_TYPE`` macro (the kernel's fp16 or bf16)."""
+    regs = len(accumulators)
+    d = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+f"({a})' for a in accumulators)
+    if sparse:
+        op = (f"wgmma.mma_async.sp.sync.aligned.m64n{n}k32.f32.{ab_type}.{ab_type} {{{d}}}, %{regs}, %{regs + 1}, "
+              f"%{regs + 2}, 0, p, 1, 1, 0, 0;")
+        ins = '"l"(a), "l"(b), "r"(e)'
+    else:
+        op = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab_type}.{ab_type} {{{d}}}, %{regs}, %{regs + 1}, "
+              "p, 1, 1, 0, 0;")
+        ins = '"l"(a), "l"(b)'
+    return f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n{op}\\n}}\\n" : {outs} : {ins});\n'
+
+
 def wgmma_functions(nt: int) -> str:
     """The GPU side of the ``wgmma`` calls the kernel makes (the emulator defines the same names): the fences, commit
-    and wait, and ``sp_wgmma_sp``, one ``wgmma.mma_async.sp`` m64n(8·nt)k32 with A and B through descriptors, its
-    accumulator operands written out. Each accumulator is named to the compiler at the fences and
-    waits (an empty asm that reads and writes it), so no read or write of one moves across them."""
-    regs = 4 * nt
-    acc = [f"d[0][{i // 4}][{i % 4}]" for i in range(regs)]
-    outs = ", ".join(f'"+f"({a})' for a in acc)
-    d = ", ".join(f"%{i}" for i in range(regs))
+    and wait, and ``sp_wgmma_sp``, one ``wgmma.mma_async.sp`` m64n(8·nt)k32 with A and B through descriptors
+    (:func:`wgmma_asm`). Each accumulator is named to the compiler at the fences and waits (an empty asm that reads
+    and writes it), so no read or write of one moves across them."""
+    acc = [f"d[0][{i // 4}][{i % 4}]" for i in range(4 * nt)]
     touch = "".join(f'  asm volatile("" : "+f"({a}) :: "memory");\n' for a in acc)
     return (
         f"SP_DEV void sp_wgmma_touch(float (&d)[1][{nt}][4]) {{\n{touch}}}\n"
@@ -269,11 +285,7 @@ def wgmma_functions(nt: int) -> str:
         f"template <int KEEP>\nSP_DEV void sp_wgmma_wait(float (&d)[1][{nt}][4]) {{\n"
         '  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(KEEP) : "memory");\n  sp_wgmma_touch(d);\n}\n'
         f"SP_DEV void sp_wgmma_sp(float (&d)[1][{nt}][4], unsigned long long a, unsigned long long b, unsigned e) {{\n"
-        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n"\n'
-        f'               "wgmma.mma_async.sp.sync.aligned.m64n{8 * nt}k32.f32." SP_TYPE "." SP_TYPE " {{{d}}}, "\n'
-        f'               "%{regs}, %{regs + 1}, %{regs + 2}, 0, p, 1, 1, 0, 0;\\n}}\\n"\n'
-        f'               : {outs}\n'
-        '               : "l"(a), "l"(b), "r"(e));\n}\n')
+        + wgmma_asm(8 * nt, acc) + "}\n")
 
 
 def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
@@ -284,10 +296,15 @@ def kernel_source(defines: dict, prelude: str = DEVICE_PRELUDE) -> str:
     return sparse_mma_source(defines, prelude, SOURCE)
 
 
+def variant_source(defines: dict) -> CudaSource:
+    """What NVRTC compiles for one variant: the wgmma form for the GPU's architecture-specific target (``sm_90a``)."""
+    return CudaSource(kernel_source(defines), KERNEL_NAME, bool(defines.get("WGMMA")))
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(defines: tuple, device_index: int):
-    return compile_cuda(kernel_source(dict(defines)), KERNEL_NAME, device_index, key=defines,
-                        arch_specific=bool(dict(defines).get("WGMMA")))
+    variant = variant_source(dict(defines))
+    return compile_cuda(variant.text, variant.name, device_index, key=defines, arch_specific=variant.arch_specific)
 
 
 def _prepare(plan: SparseGemmPlan, dtype: torch.dtype, tiled: bool, has_bias: bool, index: int, cols: int):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from shuffleprune.kernels.cuda_rtc import (KernelLaunch, allow_dynamic_shared, compile_cuda, driver,
+from shuffleprune.kernels.cuda_rtc import (CudaSource, KernelLaunch, allow_dynamic_shared, compile_cuda, driver,
                                            resident_ctas)
 from shuffleprune.kernels.gpu import _capability, cdiv
 
@@ -428,10 +428,16 @@ def ordered_metadata() -> bool:
     return version >= (12, 5)
 
 
+def variant_source(defines: dict) -> CudaSource:
+    """What NVRTC compiles for one variant (``scripts/compile_ahead.py`` compiles them before a GPU run asks)."""
+    return CudaSource(kernel_source(defines), KERNEL_NAME)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(defines: tuple, device_index: int):
     """One variant compiled for one GPU (:func:`.cuda_rtc.compile_cuda`: about a second the first time)."""
-    return compile_cuda(kernel_source(dict(defines)), KERNEL_NAME, device_index, key=defines)
+    variant = variant_source(dict(defines))
+    return compile_cuda(variant.text, variant.name, device_index, key=defines)
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,6 +33,9 @@ from shuffleprune.kernels.compile_check import (A100, H100, disassemble, main_lo
                                                  resident_programs)
 from shuffleprune.kernels.cuda_rtc import Nvrtc, find_nvrtc  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from kernel_cases import sparse_mma_variants  # noqa: E402
+
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 32, 64]
 GPUS = {"sm_90": H100, "sm_80": A100}   # kernels/compile_check.py's figures of each GPU
@@ -81,20 +84,6 @@ def loop_mix(cubin: bytes, arch: int, mma: str = "HMMA.SP") -> dict:
             "per_mma": round(len(loop) / mmas, 2) if mmas else None}
 
 
-def variants(archs: list[str]):
-    """``(arch, shape, tokens, mapped, pdl, tall, inline)`` to compile: the map read in the kernel to 16 tokens (staged,
-    and read inline by each B load), launched as a programmatic dependent (Hopper only) at 1 and 16 tokens, and the
-    tall plan where ``auto`` weighs it."""
-    for arch, shape, tokens in itertools.product(archs, SHAPES, TOKENS):
-        for mapped in (False, True) if tokens <= sm.MAPPED_MAX_TOKENS else (False,):
-            for pdl in (False, True) if arch == "sm_90" and tokens in (1, 16) else (False,):
-                yield arch, shape, tokens, mapped, pdl, False, False
-            if mapped:
-                yield arch, shape, tokens, mapped, False, False, True
-            if sm.tall_worth_weighing(tokens, *shape, GPUS[arch].sms, mapped):
-                yield arch, shape, tokens, mapped, False, True, False
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: the nvidia-cuda-nvrtc wheel's)")
@@ -104,10 +93,11 @@ def main() -> None:
     nvrtc = Nvrtc(ctypes.CDLL(nvrtc_path(args.nvrtc)))
     rows, seen = [], {}
     t0 = time.time()
-    for arch, shape, tokens, mapped, pdl, tall, inline in variants(args.arch):
-        gpu = GPUS[arch]
-        plan = (sm.tall_plan if tall else sm.sparse_mma_plan)(tokens, *shape, sms=gpu.sms, mapped=mapped,
-                                                               **({"inline_map": True} if inline else {}))
+    cases = [(arch, v) for arch in args.arch   # programmatic dependents at 1 and 16 tokens, on Hopper only
+             for v in sparse_mma_variants(SHAPES, TOKENS, GPUS[arch].sms, (1, 16) if arch == "sm_90" else ())]
+    for arch, v in cases:
+        gpu, plan = GPUS[arch], v["plan"]
+        shape, tokens, mapped, pdl, tall, inline = (v[k] for k in ("shape", "tokens", "mapped", "pdl", "tall", "inline"))
         for tiled in (False, True):
             defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped, pdl)
             key = (arch, tuple(defines.items()))

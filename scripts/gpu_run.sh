@@ -136,6 +136,20 @@ export SHUFFLEPRUNE_AUTO_STORE=0   # every step measures auto's choices itself (
 [ "$SMOKE" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 $PY -c "import torch, triton, transformers, scipy; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 status=0
+# the sparse-tensor-core kernels' variants (decode and prompt GEMM, every form the steps launch) compiled by NVRTC on
+# 12 of the machine's cores beside the first step (compile_ahead.py), so the steps load their cubins instead of
+# compiling each in their own time; its line goes to gpu_run_steps.txt at the end
+AHEAD_PID=
+if [ "$SMOKE" = 1 ]; then
+    $PY scripts/compile_ahead.py --capability 9.0 --list || status=1
+else
+    CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)
+    if [ -n "$CAP" ]; then
+        : > "$SP/compile_ahead.log"
+        $PY scripts/compile_ahead.py --capability "$CAP" --jobs 12 >> "$SP/compile_ahead.log" 2>&1 &
+        AHEAD_PID=$!
+    fi
+fi
 fits() {  # fits LIMIT_S: whether a fill step of that limit may start now
     [ "$FILLING" = 0 ] || [ "$BUDGET_S" -le 0 ] || [ "$1" -le $((BUDGET_S - SECONDS)) ]
 }
@@ -213,6 +227,10 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
 # begins with tune_sparse_gemm (both forms' other stage counts and splits, all four shapes). Up to 64
 # tokens gemm_sparse_wgmma runs as a decode (CTAs of 64 rows x 8-64 tokens, 4 an SM): kernel times it from 1 token,
 # at one token without a map too, and to 16 reading one itself (gemm_sparse_wgmma_mapped: the map's cost to it).
+# Since stop 92 the call first starts compile_ahead.py in the background (NVRTC, 12 processes: the ~140 sparse-MMA and
+# GEMM variants the steps launch, a second each when a step compiled them itself), and kernel times the rows the
+# targets read (dense, auto and its layouts) on every shape before the other candidates: a kernel step its limit
+# cuts short keeps the target table.
 ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 165 + 120 + 260 + 10 s (kernel 175 s on the H200): the
                                                     # sparse-MMA decode and prompt GEMM checked and timed, then the
                                                     # kernel table and the targets read from it; e2e (met on the H200
@@ -433,5 +451,10 @@ for s in "$@"; do
         *) echo "unknown step $s"; status=1 ;;
     esac
 done
+if [ -n "$AHEAD_PID" ]; then   # long done, as a rule (about 140 variants, a second each, 12 at a time)
+    unfinished=; kill "$AHEAD_PID" 2>/dev/null && unfinished=" (unfinished: stopped at the call's end)"
+    wait "$AHEAD_PID" 2>/dev/null
+    echo "$(tail -n 3 "$SP/compile_ahead.log" | tr '\n' ' ')$unfinished" | tee -a "$OUT/gpu_run_steps.txt"
+fi
 rm -rf "$SP"
 exit $status

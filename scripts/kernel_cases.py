@@ -84,3 +84,26 @@ def run_facts(smoke: bool, cuda: bool) -> dict:
     return {"smoke": smoke, "seed": 0, "device": torch.cuda.get_device_name() if cuda else "cpu (emulator)",
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
             "versions": versions("triton")}
+
+
+def sparse_mma_variants(shapes, tokens_list, sms: int, pdl_tokens=()):
+    """The sparse-MMA decode's launches (``kernels/nm_sparse_mma.py``) for ``shapes`` and ``tokens_list`` on a GPU of
+    ``sms`` SMs: dicts of ``shape``, ``tokens``, ``mapped``, ``pdl``, ``tall``, ``inline`` and the ``plan``. The map
+    read in the kernel to 16 tokens (staged, and read inline by each B load), launched as a programmatic dependent at
+    ``pdl_tokens``, and the tall plan where ``auto`` weighs it (``tall_worth_weighing``)."""
+    import itertools
+
+    from shuffleprune.kernels import nm_sparse_mma as sm
+
+    for shape, tokens in itertools.product(shapes, tokens_list):
+        for mapped in (False, True) if tokens <= sm.MAPPED_MAX_TOKENS else (False,):
+            kinds = [(pdl, False, False) for pdl in ((False, True) if tokens in pdl_tokens else (False,))]
+            if mapped:
+                kinds.append((False, False, True))
+            if sm.tall_worth_weighing(tokens, *shape, sms, mapped):
+                kinds.append((False, True, False))
+            for pdl, tall, inline in kinds:
+                plan = (sm.tall_plan if tall else sm.sparse_mma_plan)(tokens, *shape, sms=sms, mapped=mapped,
+                                                                       **({"inline_map": True} if inline else {}))
+                yield {"shape": shape, "tokens": tokens, "mapped": mapped, "pdl": pdl, "tall": tall, "inline": inline,
+                       "plan": plan}

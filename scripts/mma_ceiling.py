@@ -51,21 +51,13 @@ def kernel_defines(sparse: bool, chains: int, threads: int, dtype: torch.dtype, 
 
 def wgmma_function(sparse: bool) -> str:
     """``sp_wgmma(d, a_desc, b_desc, e)``: one ``wgmma.mma_async`` (``.sp`` m64n128k32, or dense m64n128k16) of bf16
-    into a thread's 64 fp32 accumulators, A and B through shared-memory descriptors, as inline PTX (its operand list
-    written out here)."""
-    regs = WG_ACCUMULATORS
-    d = ", ".join(f"%{i}" for i in range(regs))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-    if sparse:   # sp-sel 0, scale-d p, A and B as they are, neither transposed
-        op = (f"wgmma.mma_async.sp.sync.aligned.m64n{WG_N}k32.f32.bf16.bf16 {{{d}}}, %{regs}, %{regs + 1}, "
-              f"%{regs + 2}, 0, p, 1, 1, 0, 0;")
-        ins = '"l"(a), "l"(b), "r"(e)'
-    else:
-        op = f"wgmma.mma_async.sync.aligned.m64n{WG_N}k16.f32.bf16.bf16 {{{d}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;"
-        ins = '"l"(a), "l"(b)'
-    return (f"__device__ __forceinline__ void sp_wgmma(float (&d)[{regs}], unsigned long long a, unsigned long long b,"
-            f" unsigned e) {{\n  (void)e;\n"
-            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n{op}\\n}}\\n" : {outs} : {ins});\n}}\n')
+    into a thread's 64 fp32 accumulators, A and B through shared-memory descriptors, as inline PTX (the kernel's own
+    instruction text, ``nm_sparse_gemm.wgmma_asm``)."""
+    from shuffleprune.kernels.nm_sparse_gemm import wgmma_asm
+
+    return (f"__device__ __forceinline__ void sp_wgmma(float (&d)[{WG_ACCUMULATORS}], unsigned long long a, "
+            f"unsigned long long b, unsigned e) {{\n  (void)e;\n"
+            + wgmma_asm(WG_N, [f"d[{i}]" for i in range(WG_ACCUMULATORS)], sparse, "bf16") + "}\n")
 
 
 def ceiling_source(defines: dict, prelude: str | None = None) -> str:
