@@ -127,6 +127,7 @@ SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then PY=${PY:-.venv/bin/python}; export TRITON_INTERPRET=1; else PY=${PY:-python3}; fi
 # the device tool stops a call at 600 s, before the last step's file is copied: the steps stop by BUDGET_S
 if [ "$SMOKE" = 1 ]; then BUDGET_S=${BUDGET_S:-0}; else BUDGET_S=${BUDGET_S:-570}; fi
+CALL_START=$(date +%s)   # files older than this are an earlier call's (leave_out reads only this call's)
 FILLING=0   # 1 while a `fill` step runs: it starts only if its whole limit fits in the budget
 mkdir -p "$OUT"
 SP=$(mktemp -d)
@@ -175,6 +176,16 @@ step() {  # step NAME LIMIT_S RESULT_FILE COMMAND...
     echo "=== $name took $((SECONDS - t0)) s"
     [ "$SMOKE" = 1 ] || echo "$name rc=$rc seconds=$((SECONDS - t0)) limit=$limit" >> "$OUT/gpu_run_steps.txt"
     [ "$SMOKE" = 1 ] || { [ -f "$result" ] && cp "$result" "$OUT/"; }
+    [ "$SMOKE" = 1 ] || { [ -f "${result%.json}_hung.json" ] && cp "${result%.json}_hung.json" "$OUT/"; }   # a hang
+}
+leave_out() {  # the sparse-tensor-core kernels this call's sparse_mma / sparse_gemm found hung or all wrong: left out
+    # of the steps after (SHUFFLEPRUNE_SKIP_IMPLS), each with its reason in gpu_run_steps.txt
+    local names
+    if [ "$SMOKE" = 1 ]; then names=$($PY scripts/leave_out.py --smoke) || status=1; return; fi
+    names=$($PY scripts/leave_out.py --since "$CALL_START" 2>> "$OUT/gpu_run_steps.txt")
+    [ -n "$names" ] || return 0
+    export SHUFFLEPRUNE_SKIP_IMPLS=${SHUFFLEPRUNE_SKIP_IMPLS:+$SHUFFLEPRUNE_SKIP_IMPLS,}$names
+    echo "=== left out from here on (hung or wrong in the steps before): $names"
 }
 # A session has 15 minutes of device time in all, the machine's start (about 30 s) included, and one call runs
 # 600 s at most. On 2026-11-27 (H100, 3616890) one call ran fast_launch 38 s, host 54, kernel 125, e2e 150, targets 4
@@ -339,10 +350,12 @@ for s in "$@"; do
             # a reading of the MMA's fragments other than the kernel's own, if the probe found one right: the steps
             # after it run with it too (SHUFFLEPRUNE_SPARSE_MMA_READING)
             reading=$($PY -c "import json; r = json.load(open('scripts/results/tune_sparse_mma.json')).get('reading'); print(','.join(r or []))" 2>/dev/null)
-            [ -n "$reading" ] && { export SHUFFLEPRUNE_SPARSE_MMA_READING=$reading; echo "=== the sparse-MMA decode reads its fragments as: $reading"; } ;;
+            [ -n "$reading" ] && { export SHUFFLEPRUNE_SPARSE_MMA_READING=$reading; echo "=== the sparse-MMA decode reads its fragments as: $reading"; }
+            leave_out ;;
         sparse_gemm) step sparse_gemm 120 scripts/results/tune_sparse_gemm.json $PY scripts/tune_sparse_gemm.py \
                 --shapes 4096x4096 14336x4096 1024x4096 --tokens 64 512 2048 --stages 3 --wgmma-stages 4 --splits 0 1 \
-                --layouts tiled --out scripts/results/tune_sparse_gemm.json ;;
+                --layouts tiled --out scripts/results/tune_sparse_gemm.json
+            leave_out ;;
         tune_sparse_gemm) step tune_sparse_gemm 120 scripts/results/tune_sparse_gemm_sweep.json \
                 $PY scripts/tune_sparse_gemm.py --shapes 4096x4096 11008x4096 4096x14336 1024x4096 --tokens 1 16 64 512 2048 \
                 --stages 4 --wgmma-stages 3 5 --splits 0 2 --layouts tiled --out scripts/results/tune_sparse_gemm_sweep.json ;;

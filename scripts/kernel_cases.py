@@ -107,3 +107,42 @@ def sparse_mma_variants(shapes, tokens_list, sms: int, pdl_tokens=()):
                                                                        **({"inline_map": True} if inline else {}))
                 yield {"shape": shape, "tokens": tokens, "mapped": mapped, "pdl": pdl, "tall": tall, "inline": inline,
                        "plan": plan}
+
+
+HUNG_EXIT = 75          # a tuning process's exit status where a launch never finished (hung_marker says which)
+HANG_LIMIT_S = 10.0     # a check launch still running this long after it was issued (its compile done) is hung
+
+
+def hung_marker(out: Path) -> Path:
+    """Where a tuning run whose results file is ``out`` names the launch that hung (``<out>_hung.json``); removed
+    at the run's start, so one found after it is that run's."""
+    return out.with_name(out.stem + "_hung.json")
+
+
+def on_gpu(y) -> bool:
+    """Whether a launch's output ``y`` lies on a CUDA device (its kernel then runs asynchronously)."""
+    return isinstance(y, torch.Tensor) and y.is_cuda
+
+
+def checked_launch(run, label: dict, out: Path, limit_s: float = HANG_LIMIT_S):
+    """``run()`` (one kernel launch, compiled on its first call) and its wait on the GPU, polled: where the kernel has
+    not finished after ``limit_s`` seconds it is taken as hung (a wrong barrier or loop on a GPU never returns, and
+    the step's time limit would take the whole step with it). The process then writes ``label`` to
+    :func:`hung_marker` and exits at once with :data:`HUNG_EXIT`; ``gpu_run.sh`` leaves that kernel out of the steps
+    after. On the CPU, ``run()`` alone."""
+    import json
+    import os
+    import time
+
+    y = run()
+    if not on_gpu(y):
+        return y
+    done, t0 = torch.cuda.Event(), time.perf_counter()
+    done.record()
+    while not done.query():
+        if time.perf_counter() - t0 > limit_s:
+            hung_marker(out).write_text(json.dumps({**label, "seconds": limit_s}) + "\n")
+            print(f"hung: {label} did not finish in {limit_s:.0f} s; the process ends (exit {HUNG_EXIT})", flush=True)
+            os._exit(HUNG_EXIT)
+        time.sleep(0.002)
+    return y

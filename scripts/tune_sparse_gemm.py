@@ -47,7 +47,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from kernel_cases import dense_ms, random_24_layer, rotated_copies, run_facts, timing_setup
+    from kernel_cases import (checked_launch, dense_ms, hung_marker, random_24_layer, rotated_copies, run_facts,
+                              timing_setup)
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.kernels.gpu import smem_per_block_optin
     from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, WGMMA_DECODE_MAX_TOKENS, WGMMA_DECODE_TILES,
@@ -73,6 +74,7 @@ def main() -> None:
         ceiling = measure(dev, wgmma=False)   # the mma kinds only (the GEMM's own MMA); wgmma: mma_ceiling.py
         print("ceiling", json.dumps(ceiling), flush=True)
     out = Path(args.out) if cuda else Path(args.out).with_name("tune_sparse_gemm_smoke.json")
+    hung_marker(out).unlink(missing_ok=True)   # an earlier run's
 
     def save() -> None:
         out.write_text(json.dumps({
@@ -163,9 +165,11 @@ def main() -> None:
                        "traffic_mb": round(gemm_traffic(plan, tokens, out_f, in_f) / 1e6, 1)}
                 try:
                     check_gemm_plan(plan, out_f, in_f, shared_limit)
-                    if cuda:
-                        y = nm_sparse_gemm(x_dev, *copies[0], None, tiled=tiled, plan=plan, **run_map)
-                        torch.cuda.synchronize()
+                    if cuda:   # a launch that never finishes ends the process, named in the hung marker
+                        y = checked_launch(lambda: nm_sparse_gemm(x_dev, *copies[0], None, tiled=tiled, plan=plan,
+                                                                  **run_map),
+                                           {"kernel": "sparse_gemm", "shape": [out_f, in_f], "tokens": tokens,
+                                            "layout": layout, "plan": plan_fields(plan)}, out)
                     else:
                         y = run_gemm_cpu(x, values, lw, None, tiled, plan, perm=perm if mapped else None)
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit, compile or run: recorded

@@ -59,7 +59,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from kernel_cases import dense_ms, random_24_layer, rotated_copies, run_facts, timing_setup
+    from kernel_cases import (checked_launch, dense_ms, hung_marker, random_24_layer, rotated_copies, run_facts,
+                              timing_setup)
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, FRAGMENT_KNOBS, launch_plan, nm_sparse_mma,
                                                      plan_fields, set_fragment_reading, sparse_mma_plan, tall_plan,
@@ -74,6 +75,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows, best = [], []
     out = Path(args.out) if cuda else Path(args.out).with_name("tune_sparse_mma_smoke.json")
+    hung_marker(out).unlink(missing_ok=True)   # an earlier run's
 
     def save() -> None:
         out.write_text(json.dumps({
@@ -93,8 +95,10 @@ def main() -> None:
             for layout in ("rows", "tiled"):
                 lw = (cslt_words(pwords) if layout == "tiled" else pwords).contiguous()
                 try:
-                    if cuda:
-                        y = nm_sparse_mma(px.to(dev), pvalues.to(dev), lw.to(dev), None, tiled=layout == "tiled")
+                    if cuda:   # the decode's first launches: one that never finishes ends the process, named
+                        y = checked_launch(lambda: nm_sparse_mma(px.to(dev), pvalues.to(dev), lw.to(dev), None,
+                                                                 tiled=layout == "tiled"),
+                                           {"kernel": "sparse_mma", "probe": knobs, "layout": layout}, out)
                     else:
                         y = run_cpu(px, pvalues, lw, None, layout == "tiled",
                                     sparse_mma_plan(3, 128, 512, 4, DEFAULT_CTAS_PER_SM))[0]
@@ -159,9 +163,12 @@ def main() -> None:
                 p_dev = perm.to(dev) if mapped else None
                 want_here = want if p_dev is None else want_mapped
                 try:
-                    if cuda:
-                        y = nm_sparse_mma(x_dev, *copies[0], None, tiled=tiled, perm=p_dev, tall=bool(tall), **override)
-                        torch.cuda.synchronize()
+                    if cuda:   # a launch that never finishes ends the process, named in the hung marker
+                        y = checked_launch(lambda: nm_sparse_mma(x_dev, *copies[0], None, tiled=tiled, perm=p_dev,
+                                                                 tall=bool(tall), **override),
+                                           {"kernel": "sparse_mma", "shape": [out_f, in_f], "tokens": tokens,
+                                            "layout": layout, "map": kind, "tall": bool(tall), "override": override},
+                                           out)
                         plan = launch_plan(x_dev, copies[0][0], tiled, False, mapped, bool(tall), **override)
                     else:
                         plan = (tall_plan if tall else sparse_mma_plan)(tokens, out_f, in_f, sms, DEFAULT_CTAS_PER_SM,

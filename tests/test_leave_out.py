@@ -1,0 +1,86 @@
+"""What ``gpu_run.sh`` leaves out after its sparse-tensor-core steps (``scripts/leave_out.py``), and the tuning scripts'
+hang check (``kernel_cases.checked_launch``) that names a launch that never finishes."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import kernel_cases  # noqa: E402
+import leave_out  # noqa: E402
+
+from shuffleprune.deploy.impls import (SPARSE_GEMM, SPARSE_MMA_DECODES, SPARSE_WGMMA,  # noqa: E402
+                                       SPARSE_WGMMA_MAPPED)
+
+
+def _write(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data))
+
+
+def _gemm_row(err: float, wgmma: bool, mapped: bool = False) -> dict:
+    return {"impl": "sparse_gemm", "rel_err": err, "plan": {"wgmma": wgmma, "mapped": mapped}}
+
+
+def test_a_form_whose_every_checked_launch_is_wrong_is_left_out_and_a_right_one_kept(tmp_path):
+    _write(tmp_path / "tune_sparse_gemm.json", {"rows": [
+        {"impl": "dense", "ms": 1.0}, _gemm_row(3e-3, False), _gemm_row(0.9, False),   # mma.sp: one right
+        _gemm_row(0.7, True), _gemm_row(1.0, True),                                      # wgmma: all wrong
+        _gemm_row(0.5, True, True)]})                                                    # its mapped decode too
+    found = leave_out.left_out(tmp_path)
+    assert set(found) == {SPARSE_WGMMA, SPARSE_WGMMA_MAPPED} and "least error 0.7" in found[SPARSE_WGMMA]
+
+
+def test_a_probe_with_no_right_reading_leaves_out_the_decodes_and_the_mma_sp_gemm(tmp_path):
+    rows = [{"impl": "sparse_mma", "rel_err": 0.6}, {"impl": "sparse_mma_tall", "rel_err": 0.4}]
+    _write(tmp_path / "tune_sparse_mma.json", {"probe": [{"knobs": [], "right": False}], "reading": None, "rows": rows})
+    assert set(leave_out.left_out(tmp_path)) == {*SPARSE_MMA_DECODES, SPARSE_GEMM}
+    _write(tmp_path / "tune_sparse_mma.json", {"probe": [{"knobs": [], "right": True}], "reading": [], "rows": rows})
+    assert leave_out.left_out(tmp_path) == {}   # a right reading: its wrong rows are the plans', not the fragments'
+
+
+def test_a_hung_launch_leaves_out_its_kernel_and_files_of_an_earlier_call_are_not_read(tmp_path):
+    gemm = tmp_path / "tune_sparse_gemm.json"
+    _write(kernel_cases.hung_marker(gemm), {"kernel": "sparse_gemm", "plan": {"wgmma": True, "mapped": False}})
+    _write(kernel_cases.hung_marker(tmp_path / "tune_sparse_mma.json"), {"kernel": "sparse_mma", "probe": []})
+    found = leave_out.left_out(tmp_path)
+    assert set(found) == {*SPARSE_MMA_DECODES, SPARSE_WGMMA, SPARSE_WGMMA_MAPPED}
+    assert "hung in tune_sparse_gemm" in found[SPARSE_WGMMA]
+    assert leave_out.left_out(tmp_path, since=time.time() + 60) == {}
+
+
+def test_checked_launch_ends_the_process_naming_a_launch_that_never_finishes(monkeypatch, tmp_path):
+    out = tmp_path / "tune_sparse_gemm.json"
+
+    class Event:   # a kernel that finishes after `polls` queries (never: None)
+        polls = None
+
+        def record(self):
+            self.asked = 0
+
+        def query(self):
+            self.asked += 1
+            return Event.polls is not None and self.asked >= Event.polls
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(kernel_cases, "on_gpu", lambda y: True)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    Event.polls = 3
+    assert kernel_cases.checked_launch(lambda: "y", {"kernel": "sparse_gemm"}, out, limit_s=5) == "y"
+    assert not kernel_cases.hung_marker(out).exists()
+    Event.polls = None
+    with pytest.raises(SystemExit) as ended:
+        kernel_cases.checked_launch(lambda: "y", {"kernel": "sparse_gemm", "plan": {"wgmma": True}}, out, limit_s=0.05)
+    assert ended.value.code == kernel_cases.HUNG_EXIT
+    assert json.loads(kernel_cases.hung_marker(out).read_text()) == {"kernel": "sparse_gemm", "plan": {"wgmma": True},
+                                                                       "seconds": 0.05}
