@@ -384,13 +384,18 @@ SP_DEV void sp_ldmatrix4(unsigned (&r)[4], const unsigned short* p) {
 // 7-9). Warp w's 16 rows (16w..) take their metadata from its lanes as mma.sp reads a warp's (selector 0); D as
 // mma's m16n8 fragment for each 8 columns (registers 4j .. 4j + 3 for columns 8j ..).
 namespace spemu {
+struct WgmmaTiles {            // what a wgmma reads from shared memory: A's kept values as 32-bit words (64 rows x 8
+  std::vector<unsigned> a;     // pairs), B's halves as values (32 x n)
+  std::vector<double> b;
+  bool operator==(const WgmmaTiles& o) const { return a == o.a && b == o.b; }
+};
 struct WgmmaOp {
   unsigned long long a, b;
   const unsigned* e;
   unsigned e_issued;
   float* d;
   int n;
-  std::vector<double> tiles;   // thread 0 of the warpgroup: A's kept values and B as read at the issue,
+  WgmmaTiles tiles;            // thread 0 of the warpgroup: A's kept values and B as read at the issue,
   std::vector<size_t> chunks;  // the 16-byte chunks they lie in,
   unsigned barriers = 0;       // and its barriers passed then
 };
@@ -432,21 +437,20 @@ inline unsigned short smem_half(size_t off) {
   return h;
 }
 
-// the words of A's kept values (64 rows x 8 pairs) then B's halves (32 x n) a wgmma reads from shared memory now (and,
+// the words of A's kept values (64 rows x 8 pairs) and B's halves (32 x n) a wgmma reads from shared memory now (and,
 // given `chunks`, the 16-byte chunks they lie in)
-inline std::vector<double> wgmma_tiles(unsigned long long a, unsigned long long b, int n,
-                                       std::vector<size_t>* chunks = nullptr) {
-  std::vector<double> t(64 * 8 + 32 * n);
+inline WgmmaTiles wgmma_tiles(unsigned long long a, unsigned long long b, int n, std::vector<size_t>* chunks = nullptr) {
+  WgmmaTiles t{std::vector<unsigned>(64 * 8), std::vector<double>(32 * n)};
   auto half = [&](size_t off) {
     if (chunks && off != SIZE_MAX) chunks->push_back(off & ~(size_t)15);
     return smem_half(off);
   };
   for (int r = 0; r < 64; ++r)
     for (int s = 0; s < 8; ++s)
-      t[r * 8 + s] = (double)((unsigned)half(swizzled_offset(a, 2, 32, r, 4 * s)) |
-                              (unsigned)half(swizzled_offset(a, 2, 32, r, 4 * s + 2)) << 16);
+      t.a[r * 8 + s] = (unsigned)half(swizzled_offset(a, 2, 32, r, 4 * s)) |
+                       (unsigned)half(swizzled_offset(a, 2, 32, r, 4 * s + 2)) << 16;
   for (int c = 0; c < n; ++c)
-    for (int q = 0; q < 32; ++q) t[64 * 8 + q * n + c] = sp_to_float(half(swizzled_offset(b, 1, 64, c, 2 * q)));
+    for (int q = 0; q < 32; ++q) t.b[q * n + c] = sp_to_float(half(swizzled_offset(b, 1, 64, c, 2 * q)));
   if (chunks) {
     std::sort(chunks->begin(), chunks->end());
     chunks->erase(std::unique(chunks->begin(), chunks->end()), chunks->end());
@@ -472,10 +476,10 @@ inline void wgmma_compute(WarpGroup& g, size_t i) {
   }
   if (wgmma_tiles(op0.a, op0.b, n) != op0.tiles)
     return fail("a wgmma's shared-memory operands were written while it ran (a slot copied into before it retired)");
-  const double* B = op0.tiles.data() + 64 * 8;
+  const double* B = op0.tiles.b.data();
   for (int w = 0; w < 4; ++w) {
     double A[16][32] = {};
-    auto kept_of = [&](int r, int s) { return (unsigned)op0.tiles[(16 * w + r) * 8 + s]; };
+    auto kept_of = [&](int r, int s) { return op0.tiles.a[(16 * w + r) * 8 + s]; };
     sparse_a_tile(kept_of, [&](int lane) { return *g.front[32 * w + lane]->at(i).e; }, 0, A);
     for (int r = 0; r < 16; ++r)
       for (int c = 0; c < n; ++c) {
