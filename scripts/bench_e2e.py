@@ -477,4 +477,6 @@ def main() -> None:
                         for (width, bucket, span), order in sorted(gather_orders().items(), key=str)})
 
 if __name__ == "__main__":
-    main()
+    from shuffleprune.runtime import run_to_fault
+
+    run_to_fault(main)   # a kernel that faulted or hung the GPU: the process ends at once, named

@@ -543,4 +543,6 @@ def main() -> None:
     print(f"wrote {out}")
 
 if __name__ == "__main__":
-    main()
+    from shuffleprune.runtime import run_to_fault
+
+    run_to_fault(main)   # a kernel that faulted or hung the GPU: the process ends at once, named

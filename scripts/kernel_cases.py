@@ -119,30 +119,23 @@ def hung_marker(out: Path) -> Path:
     return out.with_name(out.stem + "_hung.json")
 
 
-def on_gpu(y) -> bool:
-    """Whether a launch's output ``y`` lies on a CUDA device (its kernel then runs asynchronously)."""
-    return isinstance(y, torch.Tensor) and y.is_cuda
-
-
 def checked_launch(run, label: dict, out: Path, limit_s: float = HANG_LIMIT_S):
-    """``run()`` (one kernel launch, compiled on its first call) and its wait on the GPU, polled: where the kernel has
-    not finished after ``limit_s`` seconds it is taken as hung (a wrong barrier or loop on a GPU never returns, and
-    the step's time limit would take the whole step with it). The process then writes ``label`` to
-    :func:`hung_marker` and exits at once with :data:`HUNG_EXIT`; ``gpu_run.sh`` leaves that kernel out of the steps
-    after. On the CPU, ``run()`` alone."""
+    """``run()`` (one kernel launch, compiled on its first call) and its wait on the GPU
+    (``runtime.finish_or_fault``): where the kernel has not finished ``limit_s`` seconds after its launch it is
+    taken as hung (a wrong barrier or loop on a GPU never returns, and the step's time limit would take the whole
+    step with it). The process then writes ``label`` to :func:`hung_marker` and exits at once with
+    :data:`HUNG_EXIT`, without the interpreter's cleanup (which could wait on the GPU); ``gpu_run.sh`` leaves that
+    kernel out of the steps after. On the CPU, ``run()`` alone."""
     import json
     import os
-    import time
+
+    from shuffleprune.runtime import DeviceFault, finish_or_fault
 
     y = run()
-    if not on_gpu(y):
-        return y
-    done, t0 = torch.cuda.Event(), time.perf_counter()
-    done.record()
-    while not done.query():
-        if time.perf_counter() - t0 > limit_s:
-            hung_marker(out).write_text(json.dumps({**label, "seconds": limit_s}) + "\n")
-            print(f"hung: {label} did not finish in {limit_s:.0f} s; the process ends (exit {HUNG_EXIT})", flush=True)
-            os._exit(HUNG_EXIT)
-        time.sleep(0.002)
+    try:
+        finish_or_fault(y, json.dumps(label), limit_s=limit_s)
+    except DeviceFault as exc:
+        hung_marker(out).write_text(json.dumps({**label, "seconds": limit_s}) + "\n")
+        print(f"hung: {exc}; the process ends (exit {HUNG_EXIT})", flush=True)
+        os._exit(HUNG_EXIT)
     return y

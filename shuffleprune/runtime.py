@@ -217,6 +217,44 @@ def raise_if_fault(exc: BaseException, what: str, fix: str = "") -> None:
                           + (f"; {fix}" if fix else "")) from exc
 
 
+HANG_LIMIT_S = 30.0   # a layer's one call still running this long after it was issued has hung (a kernel's bug)
+
+
+def finish_or_fault(y: object, what: str, fix: str = "", limit_s: float | None = None) -> None:
+    """Wait for the kernels that produce ``y`` (a CUDA tensor: the stream's work so far), polling, and raise
+    :class:`DeviceFault` naming ``what`` and ``fix`` where they are still running after ``limit_s`` seconds: a
+    kernel that never returns (a wrong barrier or loop) would otherwise hang the process at its next
+    synchronisation. The GPU is left running it, so the process has to end. Nothing to wait for on the CPU.
+    ``limit_s`` defaults to :data:`HANG_LIMIT_S`."""
+    import time
+
+    if getattr(y, "is_cuda", False) is not True:
+        return
+    limit_s = HANG_LIMIT_S if limit_s is None else limit_s
+    done, start = torch.cuda.Event(), time.perf_counter()
+    done.record()
+    while not done.query():
+        if time.perf_counter() - start > limit_s:
+            raise DeviceFault(f"{what} did not finish in {limit_s:g} s on this GPU (a kernel that never returns); the "
+                              "GPU is left running it, so the process has to end" + (f"; {fix}" if fix else ""))
+        time.sleep(0.001)
+
+
+def run_to_fault(main: Callable[[], object]) -> None:
+    """Run a GPU script's ``main``; where it ends in a :class:`DeviceFault`, print it and end the process at once
+    (status 1), without the interpreter's cleanup, which could wait forever on a GPU left running a kernel that
+    never returns (its caller, a benchmark step with a time limit, would lose the rest of that limit)."""
+    import traceback
+
+    try:
+        main()
+    except DeviceFault:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def eager_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 1) -> float:
     """Milliseconds per call of ``calls`` (run in turn) run eagerly, the host's launches and
     synchronisations included, as a model run without CUDA graphs runs them: ``warm`` rounds, then

@@ -1737,6 +1737,36 @@ def test_bench_kernels_timed_run_keeps_its_rows_and_names_the_kernel_that_faulte
     assert {(r["tokens"], r["impl"]) for r in written["rows"]} >= {(1, "decode"), (1, "dense"), (5, "decode")}
 
 
+def test_auto_ends_with_a_device_fault_naming_a_candidate_that_never_finishes(monkeypatch):
+    """A candidate whose kernel is still running on the GPU long after its launch (a wrong barrier or loop never
+    returns) stops ``auto`` with a ``DeviceFault`` naming it and how to leave it out, instead of hanging the process
+    at the output check; one that finishes within the limit is checked and timed as before."""
+    from types import SimpleNamespace
+
+    from shuffleprune import runtime
+    from shuffleprune.runtime import DeviceFault
+
+    w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
+    on_gpu = SimpleNamespace(is_cuda=True)   # an output its kernels are still writing
+
+    class Event:   # the stream's work never finishes
+        def record(self):
+            pass
+
+        def query(self):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(runtime, "HANG_LIMIT_S", 0.05)
+    monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: on_gpu if impl == "decode_swap" else self.reference(x))
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (0.1, "cuda_graph"))
+    with pytest.raises(DeviceFault, match=r"decode_swap on 3 tokens did not finish in 0.05 s.*"
+                                          r"SHUFFLEPRUNE_SKIP_IMPLS=decode_swap"):
+        auto_choice.measure(layer, x, ["scratch", "decode_swap", "gather"])
+    assert auto_choice.measure(layer, x, ["scratch", "gather"])[0] == "scratch"
+
+
 def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch):
     """Before timing, ``auto`` checks each candidate's output against PyTorch's own product of the
     decompressed weight: a kernel that is wrong on this device (here: its output perturbed, or NaN) is

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,14 +74,14 @@ def test_checked_launch_ends_the_process_naming_a_launch_that_never_finishes(mon
         raise SystemExit(code)
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(kernel_cases, "on_gpu", lambda y: True)
     monkeypatch.setattr(os, "_exit", exit_now)
+    y = SimpleNamespace(is_cuda=True)   # a launch's output on the GPU
     Event.polls = 3
-    assert kernel_cases.checked_launch(lambda: "y", {"kernel": "sparse_gemm"}, out, limit_s=5) == "y"
+    assert kernel_cases.checked_launch(lambda: y, {"kernel": "sparse_gemm"}, out, limit_s=5) is y
     assert not kernel_cases.hung_marker(out).exists()
     Event.polls = None
     with pytest.raises(SystemExit) as ended:
-        kernel_cases.checked_launch(lambda: "y", {"kernel": "sparse_gemm", "plan": {"wgmma": True}}, out, limit_s=0.05)
+        kernel_cases.checked_launch(lambda: y, {"kernel": "sparse_gemm", "plan": {"wgmma": True}}, out, limit_s=0.05)
     assert ended.value.code == kernel_cases.HUNG_EXIT
     assert json.loads(kernel_cases.hung_marker(out).read_text()) == {"kernel": "sparse_gemm", "plan": {"wgmma": True},
                                                                        "seconds": 0.05}

@@ -104,3 +104,24 @@ def test_an_op_without_a_deterministic_implementation_is_a_one_line_error_naming
     with pytest.raises(RuntimeError, match="^something else$"):   # other errors pass through unchanged
         with deterministic_algorithms(True):
             raise RuntimeError("something else")
+
+
+def test_run_to_fault_ends_a_gpu_script_at_once_on_a_device_fault(tmp_path):
+    """A GPU script's ``DeviceFault`` (a kernel that faulted or hung the GPU) is printed and the process ends with
+    status 1 without the interpreter's cleanup (here an atexit handler), which could wait on the stuck GPU; any
+    other error ends it as Python does."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "gpu_script.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "from shuffleprune.runtime import DeviceFault, run_to_fault\n"
+        "atexit.register(lambda: print('cleanup ran', flush=True))\n"
+        "def main():\n"
+        "    raise (DeviceFault if sys.argv[1] == 'fault' else ValueError)('decode_x hung')\n"
+        "run_to_fault(main)\n")
+    fault = subprocess.run([sys.executable, str(script), "fault"], capture_output=True, text=True)
+    assert fault.returncode == 1 and "DeviceFault: decode_x hung" in fault.stderr and "cleanup ran" not in fault.stdout
+    other = subprocess.run([sys.executable, str(script), "other"], capture_output=True, text=True)
+    assert other.returncode == 1 and "ValueError: decode_x hung" in other.stderr and "cleanup ran" in other.stdout

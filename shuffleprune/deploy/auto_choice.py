@@ -40,8 +40,8 @@ from shuffleprune.deploy import choice_store
 from shuffleprune.deploy.impls import (EAGER_CHECKED, PDL_KERNELS, PDL_SUFFIX, default_choice, skip_advice,
                                        skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import release_gather_choices
-from shuffleprune.runtime import (candidate_errors, capturing, cuda_graph_ms, eager_ms, outside_graph_pools,
-                                  raise_if_fault)
+from shuffleprune.runtime import (candidate_errors, capturing, cuda_graph_ms, eager_ms, finish_or_fault,
+                                  outside_graph_pools, raise_if_fault)
 
 
 
@@ -192,7 +192,9 @@ def _culprit(layer: SparseLinear, impl: str, x: torch.Tensor) -> tuple[str, str]
 def agrees(layer: SparseLinear, impl: str, x: torch.Tensor, ref: torch.Tensor) -> bool:
     """Whether ``impl``'s output on ``x`` (compiled and run eagerly) is within :data:`AGREE_RTOL` of
     ``ref``; a warning where it is not (a kernel miscompiled or racing on this GPU)."""
-    error = relative_error(layer.run(impl, x), ref)
+    y = layer.run(impl, x)
+    finish_or_fault(y, *_culprit(layer, impl, x))   # a candidate that never finishes names itself
+    error = relative_error(y, ref)
     if error <= AGREE_RTOL:
         return True
     warnings.warn(f"SparseLinear {layer.out_features}x{layer.in_features}: {impl} is off by {error:.3g} of the "
