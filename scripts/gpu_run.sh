@@ -241,7 +241,9 @@ leave_out() {  # the sparse-tensor-core kernels this call's sparse_mma / sparse_
 # Since stop 92 the call first starts compile_ahead.py in the background (NVRTC, 12 processes: the ~140 sparse-MMA and
 # GEMM variants the steps launch, a second each when a step compiled them itself), and kernel times the rows the
 # targets read (dense, auto and its layouts) on every shape before the other candidates: a kernel step its limit
-# cuts short keeps the target table.
+# cuts short keeps the target table. sparse_mma and sparse_gemm end at once on a check launch that hangs (10 s, named
+# in tune_sparse_*_hung.json), and after each, leave_out.py's kernels (hung, or wrong on every check) are left out
+# of the later steps; auto's own check stops on a candidate that hangs (30 s) with a DeviceFault naming it.
 ISSUE24=(sparse_mma sparse_gemm kernel targets)    # limits 165 + 120 + 260 + 10 s (kernel 175 s on the H200): the
                                                     # sparse-MMA decode and prompt GEMM checked and timed, then the
                                                     # kernel table and the targets read from it; e2e (met on the H200

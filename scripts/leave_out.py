@@ -5,7 +5,8 @@ steps' results (``tune_sparse_mma.json``, ``tune_sparse_gemm.json``) and hung ma
   every sparse-MMA decode, in the prompt GEMM that form (mma.sp, or wgmma with its mapped decode);
 - the sparse-MMA decode where the probe found no reading of the fragments right, and every launch it checked was
   refused: the decodes, and the mma.sp GEMM (the same fragments);
-- a prompt-GEMM form (mma.sp, wgmma, wgmma reading a map) with checked launches and none right: that form.
+- a prompt-GEMM form (mma.sp, wgmma, wgmma reading a map) with checked launches and none right: that form (the
+  wgmma one with its mapped decode, unless that was checked right itself: the same text reads both).
 
 ``auto`` checks each candidate's output before timing it, so a wrong kernel never serves, but it costs each layer a
 compile and a launch, and the kernel table times it anyway; a hung one would take the step's whole limit.
@@ -75,8 +76,11 @@ def left_out(results: Path, since: float = 0.0, tag: str = "") -> dict[str, str]
                 forms.setdefault(gemm_policies(r["plan"])[:1], []).append(r["rel_err"])
         for (name,), errors in forms.items():
             if min(errors) >= RIGHT:
-                out.setdefault(name, f"all {len(errors)} checked launches wrong (least error {min(errors):.2g}, "
-                                     "tune_sparse_gemm)")
+                why = f"all {len(errors)} checked launches wrong (least error {min(errors):.2g}, tune_sparse_gemm)"
+                out.setdefault(name, why)
+                mapped = forms.get((SPARSE_WGMMA_MAPPED,), [])
+                if name == SPARSE_WGMMA and min(mapped, default=1.0) >= RIGHT:   # its text, its operands' reading
+                    out.setdefault(SPARSE_WGMMA_MAPPED, f"{SPARSE_WGMMA}'s form: {why}")
     return out
 
 

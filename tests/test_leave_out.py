@@ -37,6 +37,10 @@ def test_a_form_whose_every_checked_launch_is_wrong_is_left_out_and_a_right_one_
         _gemm_row(0.5, True, True)]})                                                    # its mapped decode too
     found = leave_out.left_out(tmp_path)
     assert set(found) == {SPARSE_WGMMA, SPARSE_WGMMA_MAPPED} and "least error 0.7" in found[SPARSE_WGMMA]
+    _write(tmp_path / "tune_sparse_gemm.json", {"rows": [_gemm_row(0.7, True)]})   # its mapped decode not checked
+    assert set(leave_out.left_out(tmp_path)) == {SPARSE_WGMMA, SPARSE_WGMMA_MAPPED}
+    _write(tmp_path / "tune_sparse_gemm.json", {"rows": [_gemm_row(0.7, True), _gemm_row(1e-3, True, True)]})
+    assert set(leave_out.left_out(tmp_path)) == {SPARSE_WGMMA}   # the mapped decode checked right itself
 
 
 def test_a_probe_with_no_right_reading_leaves_out_the_decodes_and_the_mma_sp_gemm(tmp_path):
