@@ -232,7 +232,7 @@ def finish_or_fault(y: object, what: str, fix: str = "", limit_s: float | None =
         return
     limit_s = HANG_LIMIT_S if limit_s is None else limit_s
     done, start = torch.cuda.Event(), time.perf_counter()
-    done.record()
+    done.record(torch.cuda.current_stream(getattr(y, "device", None)))   # on y's device, not the current one
     while not done.query():
         if time.perf_counter() - start > limit_s:
             raise DeviceFault(f"{what} did not finish in {limit_s:g} s on this GPU (a kernel that never returns); the "

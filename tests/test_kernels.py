@@ -1751,13 +1751,14 @@ def test_auto_ends_with_a_device_fault_naming_a_candidate_that_never_finishes(mo
     on_gpu = SimpleNamespace(is_cuda=True)   # an output its kernels are still writing
 
     class Event:   # the stream's work never finishes
-        def record(self):
+        def record(self, stream=None):
             pass
 
         def query(self):
             return False
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(runtime, "HANG_LIMIT_S", 0.05)
     monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: on_gpu if impl == "decode_swap" else self.reference(x))
     monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (0.1, "cuda_graph"))

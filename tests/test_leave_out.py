@@ -67,7 +67,7 @@ def test_checked_launch_ends_the_process_naming_a_launch_that_never_finishes(mon
     class Event:   # a kernel that finishes after `polls` queries (never: None)
         polls = None
 
-        def record(self):
+        def record(self, stream=None):
             self.asked = 0
 
         def query(self):
@@ -78,6 +78,7 @@ def test_checked_launch_ends_the_process_naming_a_launch_that_never_finishes(mon
         raise SystemExit(code)
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(os, "_exit", exit_now)
     y = SimpleNamespace(is_cuda=True)   # a launch's output on the GPU
     Event.polls = 3
