@@ -281,8 +281,8 @@ def main() -> None:
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.outdir import atomic_write
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import (DeviceFault, candidate_errors, cuda_graph_ms, first_line, machine, raise_if_fault,
-                                      versions)
+    from shuffleprune.runtime import (DeviceFault, candidate_errors, cuda_graph_ms, finish_or_fault, first_line, machine,
+                                      raise_if_fault, versions)
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -400,9 +400,13 @@ def main() -> None:
 
     left_out = skipped_impls()   # kernels that faulted the GPU in a warm process (or named by the caller)
 
+    def culprit(impl: str, out_f: int, in_f: int, tokens: int) -> tuple[str, str]:
+        """What a ``DeviceFault`` says of ``impl`` (it faulted the GPU, or never finished), and the fix."""
+        return f"{impl} ({out_f}x{in_f}, {tokens} tokens)", skip_advice(split_impl(impl)[0])
+
     def fault_check(exc: Exception, impl: str, out_f: int, in_f: int, tokens: int) -> None:
         """A DeviceFault naming ``impl``'s policy where ``exc`` faulted the GPU (the process then ends)."""
-        raise_if_fault(exc, f"{impl} ({out_f}x{in_f}, {tokens} tokens)", skip_advice(split_impl(impl)[0]))
+        raise_if_fault(exc, *culprit(impl, out_f, in_f, tokens))
 
     def measure_shape(out_f: int, in_f: int, impls: list[str], time_dense: bool) -> None:
         """Time (or, with --warm, compile) ``impls`` on one weight shape at every token count; the dense row too
@@ -437,7 +441,8 @@ def main() -> None:
                 for impl in impls:
                     if runs_at(impl, tokens) and split_impl(impl)[0] not in left_out:
                         try:
-                            layers[impl][0](x if split_impl(impl)[1] else xp)
+                            y = layers[impl][0](x if split_impl(impl)[1] else xp)
+                            finish_or_fault(y, *culprit(impl, out_f, in_f, tokens))   # one that never finishes
                         except candidate_errors() as exc:   # one that faults the GPU ends the process, named
                             fault_check(exc, impl, out_f, in_f, tokens)
                 print(f"{out_f}x{in_f} t={tokens}: compiled", flush=True)
@@ -459,6 +464,7 @@ def main() -> None:
                 inp = x if split_impl(impl)[1] else xp
                 try:
                     y = layers[impl][0](inp)
+                    finish_or_fault(y, *culprit(impl, out_f, in_f, tokens))   # one that never finishes
                     ms, how = timed([lambda l=l: l(inp) for l in layers[impl]])
                 except candidate_errors() as exc:
                     fault_check(exc, impl, out_f, in_f, tokens)
@@ -492,9 +498,9 @@ def main() -> None:
                 if cuda:
                     torch.cuda.empty_cache()
     except DeviceFault as exc:   # the timed run faulted the GPU: its rows so far, and the kernel it names, stay
-        culprit = advised_skip(str(exc))
-        if culprit and not args.warm:
-            left_out = left_out | {culprit}
+        named = advised_skip(str(exc))
+        if named and not args.warm:
+            left_out = left_out | {named}
             save(done=False)
         raise
 

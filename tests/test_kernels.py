@@ -2304,3 +2304,48 @@ def test_bench_kernels_times_the_targets_rows_on_every_shape_before_the_other_ca
     swap = rows[-1]
     assert swap["speedup_vs_dense"] == pytest.approx(rows[0]["ms"] / swap["ms"]) and swap["max_rel_err"] < 1e-2
     assert torch.equal(inputs[(48, 5, "auto")], inputs[(48, 5, "decode_swap")])   # one seeded input, both passes
+
+
+def test_bench_kernels_timed_run_ends_naming_a_kernel_that_never_finishes(monkeypatch, tmp_path):
+    """A candidate still running long after its launch (a kernel that never returns) ends ``bench_kernel``'s run
+    with a ``DeviceFault`` naming it, its rows so far kept and the kernel in ``skipped_impls``, as a fault does,
+    instead of hanging the step until its time limit."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from shuffleprune import runtime
+    from shuffleprune.deploy.impls import SKIP_ENV
+    from shuffleprune.runtime import DeviceFault
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("bench_kernel_under_test", scripts / "bench_kernel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = SparseLinear.run
+
+    class Event:   # the stream's work never finishes
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return False
+
+    monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: SimpleNamespace(is_cuda=True)
+                        if impl == "decode_swap" else run(self, impl, x))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(runtime, "HANG_LIMIT_S", 0.05)
+    monkeypatch.setenv(SKIP_ENV, "")
+    monkeypatch.setenv("SHUFFLEPRUNE_AUTO_STORE", "0")
+    monkeypatch.setattr(sys, "argv", ["bench_kernel.py", "--smoke", "--impls", "decode", "decode_swap", "--tokens", "5",
+                                      "--out", str(tmp_path / "bench_kernel.json")])
+    with pytest.raises(DeviceFault, match=r"decode_swap .48x64, 5 tokens. did not finish in 0.05 s.*"
+                                          r"SHUFFLEPRUNE_SKIP_IMPLS=decode_swap"):
+        bench.main()
+    written = json.loads((tmp_path / "bench_kernel_smoke.json").read_text())
+    assert written["skipped_impls"] == ["decode_swap"] and not written["complete"]
+    assert [(r["tokens"], r["impl"]) for r in written["rows"]] == [(5, "dense"), (5, "decode")]
