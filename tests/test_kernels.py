@@ -1662,25 +1662,48 @@ def test_auto_stops_at_a_candidate_that_faults_the_gpu_and_leaves_out_those_name
         layer.candidates(x1)
 
 
-def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_leaves_it_out_after(monkeypatch):
-    """A warm process of ``scripts/bench_kernel.py`` that ends at a ``DeviceFault`` is run again with the kernel it
-    names left out, the processes after it leave it out from the start, and so does the timed run (its
-    environment), so one faulting kernel costs neither the compile pass nor the table."""
-    import argparse
+def _bench_kernel_script(monkeypatch):
+    """``scripts/bench_kernel.py`` loaded as a module (``scripts/`` on the path for its own imports)."""
     import importlib.util
-    import os
-    import subprocess
-    import types
     from pathlib import Path
-
-    from shuffleprune.deploy.impls import SKIP_ENV, advised_skip
-    from shuffleprune.runtime import DeviceFault, raise_if_fault
 
     scripts = Path(__file__).resolve().parents[1] / "scripts"
     monkeypatch.syspath_prepend(str(scripts))
     spec = importlib.util.spec_from_file_location("bench_kernel_under_test", scripts / "bench_kernel.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def _gpu_that_never_finishes(monkeypatch) -> None:
+    """CUDA events whose work never finishes, and a hang limit of 0.05 s (``runtime.finish_or_fault``)."""
+    from shuffleprune import runtime
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(runtime, "HANG_LIMIT_S", 0.05)
+
+
+def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_leaves_it_out_after(monkeypatch):
+    """A warm process of ``scripts/bench_kernel.py`` that ends at a ``DeviceFault`` is run again with the kernel it
+    names left out, the processes after it leave it out from the start, and so does the timed run (its
+    environment), so one faulting kernel costs neither the compile pass nor the table."""
+    import argparse
+    import os
+    import subprocess
+    import types
+
+    from shuffleprune.deploy.impls import SKIP_ENV, advised_skip
+    from shuffleprune.runtime import DeviceFault, raise_if_fault
+
+    bench = _bench_kernel_script(monkeypatch)
     with pytest.raises(DeviceFault) as fault:
         raise_if_fault(RuntimeError("CUDA error: an illegal memory access was encountered"),
                        "decode_swap_tma (64x64, 16 tokens)", f"leave it out with {SKIP_ENV}=decode_swap_tma")
@@ -1705,19 +1728,13 @@ def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_le
 def test_bench_kernels_timed_run_keeps_its_rows_and_names_the_kernel_that_faulted(monkeypatch, tmp_path):
     """A ``DeviceFault`` in ``bench_kernel``'s timed run ends it, with the rows measured so far and the kernel
     it names in the file's ``skipped_impls``, which ``gpu_run.sh`` leaves out of the steps after."""
-    import importlib.util
     import json
     import sys
-    from pathlib import Path
 
     from shuffleprune.deploy.impls import SKIP_ENV
     from shuffleprune.runtime import DeviceFault
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    spec = importlib.util.spec_from_file_location("bench_kernel_under_test", scripts / "bench_kernel.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_kernel_script(monkeypatch)
     run = SparseLinear.run
 
     def faulting(self, impl, x):
@@ -1743,23 +1760,13 @@ def test_auto_ends_with_a_device_fault_naming_a_candidate_that_never_finishes(mo
     at the output check; one that finishes within the limit is checked and timed as before."""
     from types import SimpleNamespace
 
-    from shuffleprune import runtime
     from shuffleprune.runtime import DeviceFault
 
     w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
     on_gpu = SimpleNamespace(is_cuda=True)   # an output its kernels are still writing
 
-    class Event:   # the stream's work never finishes
-        def record(self, stream=None):
-            pass
-
-        def query(self):
-            return False
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(runtime, "HANG_LIMIT_S", 0.05)
+    _gpu_that_never_finishes(monkeypatch)
     monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: on_gpu if impl == "decode_swap" else self.reference(x))
     monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (0.1, "cuda_graph"))
     with pytest.raises(DeviceFault, match=r"decode_swap on 3 tokens did not finish in 0.05 s.*"
@@ -2269,19 +2276,13 @@ def test_bench_kernels_times_the_targets_rows_on_every_shape_before_the_other_ca
     """``bench_kernel`` times dense and auto's rows on every shape first and the other candidates in a second pass on
     the same seeded layer and inputs: a run cut short in that pass (here a fault on the second shape) still holds
     the target table, and the second pass's rows are read against the first pass's dense times."""
-    import importlib.util
     import json
     import sys
-    from pathlib import Path
 
     from shuffleprune.deploy.impls import SKIP_ENV
     from shuffleprune.runtime import DeviceFault
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    spec = importlib.util.spec_from_file_location("bench_kernel_under_test", scripts / "bench_kernel.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_kernel_script(monkeypatch)
     run, inputs = SparseLinear.run, {}
 
     def faulting(self, impl, x):
@@ -2310,35 +2311,19 @@ def test_bench_kernels_timed_run_ends_naming_a_kernel_that_never_finishes(monkey
     """A candidate still running long after its launch (a kernel that never returns) ends ``bench_kernel``'s run
     with a ``DeviceFault`` naming it, its rows so far kept and the kernel in ``skipped_impls``, as a fault does,
     instead of hanging the step until its time limit."""
-    import importlib.util
     import json
     import sys
-    from pathlib import Path
     from types import SimpleNamespace
 
-    from shuffleprune import runtime
     from shuffleprune.deploy.impls import SKIP_ENV
     from shuffleprune.runtime import DeviceFault
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    spec = importlib.util.spec_from_file_location("bench_kernel_under_test", scripts / "bench_kernel.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_kernel_script(monkeypatch)
     run = SparseLinear.run
-
-    class Event:   # the stream's work never finishes
-        def record(self, stream=None):
-            pass
-
-        def query(self):
-            return False
 
     monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: SimpleNamespace(is_cuda=True)
                         if impl == "decode_swap" else run(self, impl, x))
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(runtime, "HANG_LIMIT_S", 0.05)
+    _gpu_that_never_finishes(monkeypatch)
     monkeypatch.setenv(SKIP_ENV, "")
     monkeypatch.setenv("SHUFFLEPRUNE_AUTO_STORE", "0")
     monkeypatch.setattr(sys, "argv", ["bench_kernel.py", "--smoke", "--impls", "decode", "decode_swap", "--tokens", "5",
