@@ -3,9 +3,10 @@ decode (``kernels/nm_sparse_mma.cu``) and of the prompt GEMM in both its forms (
 and Hopper's wgmma with its decode tiles) that issue 24's shapes, ``bench_e2e``'s layers and the tuning steps launch,
 in both position layouts, by NVRTC in parallel processes into the cubin cache (``cuda_rtc.cached_cubin``). A step that
 then asks for one loads it instead of compiling it (about a second each, one after another, inside the step's time
-limit). Needs no GPU and touches none: the target is named.
+limit). It makes no CUDA context: the target is GPU 0's, asked of the driver, or named.
 
-    python scripts/compile_ahead.py --capability 9.0 --jobs 12   # gpu_run.sh starts it beside its first step
+    python scripts/compile_ahead.py --jobs 12                    # GPU 0's, asked of the driver (no context made):
+                                                                 # gpu_run.sh starts it beside its first step
     python scripts/compile_ahead.py --capability 9.0 --list      # the variants counted, nothing compiled
 
 A variant the steps never ask for costs a worker a second; one they ask for that is not here is compiled by the step
@@ -82,6 +83,25 @@ def ahead_sources(capability: tuple[int, int], sms: int) -> list:
     return list(dict.fromkeys([*decode_sources(sms, hopper), *gemm_sources(hopper)]))
 
 
+def driver_gpu(index: int = 0) -> tuple[tuple[int, int], int]:
+    """``((major, minor), SMs)`` of GPU ``index`` asked of the CUDA driver (``cuInit`` makes no context and takes
+    no GPU memory, so the steps beside this process are untouched); a SystemExit where no driver answers."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        raise SystemExit("no CUDA driver here: give --capability (and --sms) to compile for a GPU elsewhere") from None
+    device, values = ctypes.c_int(), []
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), index):
+        raise SystemExit(f"the CUDA driver has no GPU {index}: give --capability (and --sms)")
+    for attribute in (75, 76, 16):   # compute capability major, minor; multiprocessors (cuda.h's CUdevice_attribute)
+        value = ctypes.c_int()
+        cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, device)
+        values.append(value.value)
+    return (values[0], values[1]), values[2]
+
+
 _NVRTC = None
 
 
@@ -104,24 +124,30 @@ def _compile(job: tuple) -> tuple[str, float, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--capability", required=True, help="the GPU's compute capability, e.g. 9.0 (nvidia-smi's "
-                                                        "compute_cap)")
-    ap.add_argument("--sms", type=int, default=132, help="its SMs (an H100 SXM's and an H200's: 132)")
+    ap.add_argument("--capability", help="the GPU's compute capability, e.g. 9.0 (default: GPU 0's, asked of the "
+                                         "CUDA driver)")
+    ap.add_argument("--sms", type=int, help="its SMs (default: GPU 0's, or with --capability 132: an H100 SXM's and "
+                                            "an H200's)")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 4))
     ap.add_argument("--list", action="store_true", help="count the variants, compile nothing")
     args = ap.parse_args()
-    try:
-        capability = tuple(int(p) for p in args.capability.split("."))[:2]
-    except ValueError:
-        raise SystemExit(f"--capability {args.capability!r}: give major.minor, e.g. 9.0") from None
+    if args.capability is None:
+        capability, sms = driver_gpu()
+    else:
+        try:
+            capability, sms = tuple(int(p) for p in args.capability.split("."))[:2], 132
+        except ValueError:
+            raise SystemExit(f"--capability {args.capability!r}: give major.minor, e.g. 9.0") from None
+    sms = args.sms or sms
     sys.path.insert(0, str(ROOT / "scripts"))
     from shuffleprune.kernels.cuda_rtc import gpu_arch
 
-    sources = ahead_sources(capability, args.sms)
+    sources = ahead_sources(capability, sms)
     jobs = [(s, gpu_arch(capability, s.arch_specific)) for s in sources]
     targets = sorted({arch for _, arch in jobs})
     if args.list or not jobs:
-        print(f"compile_ahead: {len(jobs)} variants for {', '.join(targets) or 'no target'} (listed, none compiled)")
+        print(f"compile_ahead: {len(jobs)} variants for {', '.join(targets) or 'no target'}, {sms} SMs (listed, none "
+              "compiled)")
         return
     t0 = time.perf_counter()
     # forked workers: they start with this process's imports (no second torch import each) and touch no GPU
@@ -129,7 +155,7 @@ def main() -> None:
         results = list(pool.map(_compile, jobs))
     counts = {k: sum(r[0] == k for r in results) for k in ("compiled", "kept", "failed")}
     busy = sum(r[1] for r in results)
-    print(f"compile_ahead: {len(jobs)} variants for {', '.join(targets)}: {counts['compiled']} compiled "
+    print(f"compile_ahead: {len(jobs)} variants for {', '.join(targets)}, {sms} SMs: {counts['compiled']} compiled "
           f"({busy:.0f} s of NVRTC), {counts['kept']} kept already, {counts['failed']} failed, in "
           f"{time.perf_counter() - t0:.0f} s on {args.jobs} processes")
     for (source, arch), (kind, _, error) in zip(jobs, results):

@@ -143,13 +143,10 @@ status=0
 AHEAD_PID=
 if [ "$SMOKE" = 1 ]; then
     $PY scripts/compile_ahead.py --capability 9.0 --list || status=1
-else
-    CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)
-    if [ -n "$CAP" ]; then
-        : > "$SP/compile_ahead.log"
-        $PY scripts/compile_ahead.py --capability "$CAP" --jobs 12 >> "$SP/compile_ahead.log" 2>&1 &
-        AHEAD_PID=$!
-    fi
+else   # GPU 0's capability and SMs asked of the driver (no CUDA context, no GPU memory)
+    : > "$SP/compile_ahead.log"
+    $PY scripts/compile_ahead.py --jobs 12 >> "$SP/compile_ahead.log" 2>&1 &
+    AHEAD_PID=$!
 fi
 fits() {  # fits LIMIT_S: whether a fill step of that limit may start now
     [ "$FILLING" = 0 ] || [ "$BUDGET_S" -le 0 ] || [ "$1" -le $((BUDGET_S - SECONDS)) ]

@@ -96,7 +96,7 @@ def test_compile_ahead_fills_the_cache_the_runtime_loads_from(monkeypatch, tmp_p
     monkeypatch.setattr(sys, "argv", ["compile_ahead.py", "--capability", "9.0", "--jobs", "2"])
     ahead.main()
     out = capsys.readouterr().out
-    assert "3 variants for sm_90, sm_90a: 2 compiled" in out and "1 failed" in out and "refused" in out
+    assert "3 variants for sm_90, sm_90a, 132 SMs: 2 compiled" in out and "1 failed" in out and "refused" in out
     monkeypatch.setattr(cuda_rtc, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(cuda_rtc, "load_cubin", lambda cubin, name, index: cubin)
     compiled.clear()   # the workers' compiles happened in their own processes: none here from now on
@@ -108,4 +108,35 @@ def test_compile_ahead_fills_the_cache_the_runtime_loads_from(monkeypatch, tmp_p
 def test_compile_ahead_refuses_a_capability_it_cannot_read(monkeypatch, ahead):
     monkeypatch.setattr(sys, "argv", ["compile_ahead.py", "--capability", "hopper"])
     with pytest.raises(SystemExit, match="give major.minor"):
+        ahead.main()
+
+
+def test_compile_ahead_asks_the_driver_for_the_gpu_it_compiles_for(monkeypatch, ahead, capsys):
+    """Without ``--capability`` the target and SM count are GPU 0's, asked of the CUDA driver (``cuInit`` and
+    attributes: no context); without a driver, a one-line exit naming the options to give."""
+    import ctypes
+
+    class Driver:
+        def cuInit(self, flags):
+            return 0
+
+        def cuDeviceGet(self, ref, index):
+            ref._obj.value = index
+            return 0
+
+        def cuDeviceGetAttribute(self, ref, attribute, device):
+            ref._obj.value = {75: 9, 76: 0, 16: 114}[attribute]   # an H100 PCIe: 114 SMs
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver())
+    assert ahead.driver_gpu() == ((9, 0), 114)
+    monkeypatch.setattr(sys, "argv", ["compile_ahead.py", "--list"])
+    ahead.main()
+    assert "for sm_90, sm_90a, 114 SMs (listed" in capsys.readouterr().out
+
+    def no_driver(name):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    with pytest.raises(SystemExit, match="no CUDA driver here: give --capability"):
         ahead.main()
