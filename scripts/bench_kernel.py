@@ -70,8 +70,10 @@ Timing: every implementation runs on ``copies`` separate weight copies in turn (
 together more than 2.5× the GPU's L2, so no call finds its weight in L2), ``calls`` calls captured
 in one CUDA graph (no launch overhead), the graph replayed ``--reps`` times; the median replay
 divided by ``calls`` is the time per call. The rows the targets read (``dense``, ``auto``, ``auto_nomap``,
-``auto_tiled``, ``auto_blockmap``) are timed first, on every shape, and the other candidates in a second pass
-on the same seeded weights and inputs, so a run its time limit cuts short still holds the whole target table. Each row records the bytes one call must move (weight,
+``auto_tiled``, ``auto_blockmap``) are timed first, on every shape; then the sparse tensor-core kernels
+(``decode_sparse_mma…``, ``gemm_sparse_…``), on every shape again; then the other candidates. Each shape's weights
+and inputs are drawn once from a generator seeded by the shape and kept for every pass, so a run its time limit
+cuts short still holds the whole target table, and then the newest kernels' rows. Each row records the bytes one call must move (weight,
 positions, map, input, output) and the resulting TB/s, and the maximum error relative to a dense
 bf16 matmul of the same (decompressed, permuted) weight.
 """
@@ -85,6 +87,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 # the layers bench_e2e's LLaMA-2-7B-shaped model serves (each alone, and q/k/v and gate/up stacked as load
@@ -408,21 +411,36 @@ def main() -> None:
         """A DeviceFault naming ``impl``'s policy where ``exc`` faulted the GPU (the process then ends)."""
         raise_if_fault(exc, *culprit(impl, out_f, in_f, tokens))
 
+    cases: dict[tuple[int, int], SimpleNamespace] = {}
+
+    def shape_case(out_f: int, in_f: int) -> SimpleNamespace:
+        """One weight shape's map, 2:4 weight copies (dense and compressed) and inputs, made once and kept for every
+        pass: drawn from a generator seeded by the shape alone, so the table's numbers do not depend on which
+        implementations were asked for or in what order."""
+        if (out_f, in_f) not in cases:
+            gen = torch.Generator().manual_seed(out_f * 65536 + in_f)
+            dense_bytes = out_f * in_f * 2
+            copies = 1 if not cuda or args.warm else max(4, math.ceil(2.5 * l2 / (dense_bytes * 9 / 16)))
+            perm = torch.randperm(in_f, generator=gen)
+            maps = {"random": perm, "block": random_block_perm(in_f, MAP_BLOCK, gen), None: None}
+            weights, compressed = [], []
+            for _ in range(copies):
+                w = torch.randn(out_f, in_f, generator=gen).to(device)  # drawn on the CPU (seeded), masked there
+                w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)      # 2:4 in permuted (memory) order
+                weights.append(w)
+                compressed.append(compress(w, 2, 4))
+            xs = {tokens: torch.randn(tokens, in_f, generator=gen).to(device, dtype) for tokens in tokens_list}
+            cases[(out_f, in_f)] = SimpleNamespace(copies=copies, perm=perm, maps=maps, weights=weights,
+                                                   compressed=compressed, xs=xs)
+        return cases[(out_f, in_f)]
+
     def measure_shape(out_f: int, in_f: int, impls: list[str], time_dense: bool) -> None:
-        """Time (or, with --warm, compile) ``impls`` on one weight shape at every token count; the dense row too
-        where ``time_dense``. Its weights, map and inputs come from a generator seeded by the shape alone, so a
-        later pass over the same shape times the same layer on the same inputs."""
-        gen = torch.Generator().manual_seed(out_f * 65536 + in_f)
-        dense_bytes = out_f * in_f * 2
-        copies = 1 if not cuda or args.warm else max(4, math.ceil(2.5 * l2 / (dense_bytes * 9 / 16)))
-        perm = torch.randperm(in_f, generator=gen)
-        maps = {"random": perm, "block": random_block_perm(in_f, MAP_BLOCK, gen), None: None}
-        weights, layers = [], {impl: [] for impl in impls}
-        for c in range(copies):
-            w = torch.randn(out_f, in_f, generator=gen).to(device)  # drawn on the CPU (seeded), masked on the device
-            w = (w * nm_keep_mask(w.abs(), 2, 4)).to(dtype)      # 2:4 in permuted (memory) order
-            values, meta = compress(w, 2, 4)
-            weights.append(w)
+        """Time (or, with --warm, compile) ``impls`` on one weight shape at every token count (:func:`shape_case`'s
+        weights and inputs); the dense row too where ``time_dense``."""
+        case = shape_case(out_f, in_f)
+        copies, perm, maps, weights = case.copies, case.perm, case.maps, case.weights
+        layers = {impl: [] for impl in impls}
+        for values, meta in case.compressed:
             for impl in impls:
                 policy, kind, tiled = split_impl(impl)
                 layer = SparseLinear(values, meta, in_f, 2, 4, maps[kind], policy=policy).to(device)
@@ -433,7 +451,7 @@ def main() -> None:
         # the dense model's own weight: W = W_p with the map undone (so dense and sparse compute the same y)
         originals = [torch.empty_like(w).index_copy_(1, perm_d, w) for w in weights] if time_dense else []
         for tokens in tokens_list:
-            x = torch.randn(tokens, in_f, generator=gen).to(device, dtype)
+            x = case.xs[tokens]
             xp = x.index_select(1, perm_d)
             ref = F.linear(xp, weights[0])                        # dense bf16 matmul of the decompressed weight
             ref_block = F.linear(x.index_select(1, maps["block"].to(device)), weights[0])   # under the block map
@@ -483,12 +501,15 @@ def main() -> None:
                 rows.append(row)
                 line.append(f"{impl} {ms:.4f}")
             print(f"{out_f}x{in_f} t={tokens}: " + "  ".join(line), flush=True)
-        del weights, layers, originals
+        del layers, originals
 
-    # First the rows the targets read (dense and auto's), every shape; then the other candidates, every shape
-    # again: a run cut off by its time limit has lost candidates' rows, not the table the issue is judged on.
-    primary = [i for i in args.impls if i in TARGET_IMPLS]
-    passes = [args.impls] if args.warm or not primary else [primary, [i for i in args.impls if i not in primary]]
+    # First the rows the targets read (dense and auto's), every shape; then the sparse tensor-core kernels (the
+    # ones no earlier table holds), every shape again; then the other candidates: a run cut off by its time limit
+    # has lost the oldest candidates' rows, not the table the issue is judged on.
+    groups = [[i for i in args.impls if i in TARGET_IMPLS]]
+    groups.append([i for i in args.impls if i not in groups[0] and "sparse" in i])
+    groups.append([i for i in args.impls if i not in groups[0] + groups[1]])
+    passes = [args.impls] if args.warm else [g for g in groups if g]
     try:
         for n, impls in enumerate(passes):
             for out_f, in_f in shapes:

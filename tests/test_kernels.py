@@ -2273,9 +2273,10 @@ def test_a_triton_too_old_for_the_kernels_leaves_every_layer_to_pytorch_with_one
 
 
 def test_bench_kernels_times_the_targets_rows_on_every_shape_before_the_other_candidates(monkeypatch, tmp_path):
-    """``bench_kernel`` times dense and auto's rows on every shape first and the other candidates in a second pass on
-    the same seeded layer and inputs: a run cut short in that pass (here a fault on the second shape) still holds
-    the target table, and the second pass's rows are read against the first pass's dense times."""
+    """``bench_kernel`` times dense and auto's rows on every shape first, then the sparse tensor-core kernels on every
+    shape, then the other candidates, all on the same seeded layer and inputs: a run cut short in the last pass
+    (here a fault on the second shape) still holds the target table and the newest kernels' rows, and the later
+    passes' rows are read against the first pass's dense times."""
     import json
     import sys
 
@@ -2294,14 +2295,14 @@ def test_bench_kernels_times_the_targets_rows_on_every_shape_before_the_other_ca
     monkeypatch.setattr(SparseLinear, "run", faulting)
     monkeypatch.setenv(SKIP_ENV, "")
     monkeypatch.setenv("SHUFFLEPRUNE_AUTO_STORE", "0")
-    monkeypatch.setattr(sys, "argv", ["bench_kernel.py", "--smoke", "--impls", "decode_swap", "auto",
-                                      "--tokens", "5", "--out", str(tmp_path / "bench_kernel.json")])
+    monkeypatch.setattr(sys, "argv", ["bench_kernel.py", "--smoke", "--impls", "decode_swap", "gemm_sparse_wgmma",
+                                      "auto", "--tokens", "5", "--out", str(tmp_path / "bench_kernel.json")])
     with pytest.raises(DeviceFault, match="decode_swap .40x96, 5 tokens. failed"):
         bench.main()
     rows = json.loads((tmp_path / "bench_kernel_smoke.json").read_text())["rows"]
     assert [(r["shape"], r["impl"]) for r in rows] == [
         ([48, 64], "dense"), ([48, 64], "auto"), ([40, 96], "dense"), ([40, 96], "auto"),
-        ([48, 64], "decode_swap")]
+        ([48, 64], "gemm_sparse_wgmma"), ([40, 96], "gemm_sparse_wgmma"), ([48, 64], "decode_swap")]
     swap = rows[-1]
     assert swap["speedup_vs_dense"] == pytest.approx(rows[0]["ms"] / swap["ms"]) and swap["max_rel_err"] < 1e-2
     assert torch.equal(inputs[(48, 5, "auto")], inputs[(48, 5, "decode_swap")])   # one seeded input, both passes
