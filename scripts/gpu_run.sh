@@ -464,7 +464,8 @@ for s in "$@"; do
     esac
 done
 if [ -n "$AHEAD_PID" ]; then   # long done, as a rule (about 140 variants, a second each, 12 at a time)
-    unfinished=; kill "$AHEAD_PID" 2>/dev/null && unfinished=" (unfinished: stopped at the call's end)"
+    unfinished=; pkill -TERM -P "$AHEAD_PID" 2>/dev/null   # its compiling processes first
+    kill "$AHEAD_PID" 2>/dev/null && unfinished=" (unfinished: stopped at the call's end)"
     wait "$AHEAD_PID" 2>/dev/null
     echo "$(tail -n 3 "$SP/compile_ahead.log" | tr '\n' ' ')$unfinished" | tee -a "$OUT/gpu_run_steps.txt"
 fi
