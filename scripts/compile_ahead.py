@@ -23,6 +23,10 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shuffleprune.kernels.cuda_rtc import CudaSource
 
 ROOT = Path(__file__).resolve().parents[1]
 # the sparse_mma step's shapes first (the first kernels asked for), then the rest of bench_kernel's, then bench_e2e's
@@ -34,7 +38,7 @@ GEMM_STAGES = (3, 4)          # gpu_run.sh: sparse_gemm --stages 3, tune_sparse_
 WGMMA_STAGES = (3, 4, 5)      # sparse_gemm --wgmma-stages 4, tune_sparse_gemm 3 5
 
 
-def decode_sources(sms: int, hopper: bool) -> list:
+def decode_sources(sms: int, hopper: bool) -> list[CudaSource]:
     """The decode's variants: the plans of :func:`kernel_cases.sparse_mma_variants` (programmatic dependents too on
     Hopper), and those reading a map also without their L2 prefetch (``tune_sparse_mma --prefetch 0``)."""
     import torch
@@ -54,7 +58,7 @@ def decode_sources(sms: int, hopper: bool) -> list:
     return out
 
 
-def gemm_sources(hopper: bool) -> list:
+def gemm_sources(hopper: bool) -> list[CudaSource]:
     """The prompt GEMM's variants: every mma.sp tile with :data:`GEMM_STAGES`; on Hopper every wgmma tile, its decode
     tiles and the mapped decode's with :data:`WGMMA_STAGES`."""
     import torch
@@ -75,7 +79,7 @@ def gemm_sources(hopper: bool) -> list:
     return out
 
 
-def ahead_sources(capability: tuple[int, int], sms: int) -> list:
+def ahead_sources(capability: tuple[int, int], sms: int) -> list[CudaSource]:
     """Every variant to compile for a GPU of ``capability``, each once, in the order the steps first ask for them."""
     if capability < (8, 0):   # no sparse tensor cores: nothing of these runs
         return []
