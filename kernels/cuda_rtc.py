@@ -127,24 +127,25 @@ def gpu_arch(capability: tuple[int, int], arch_specific: bool = False) -> str:
     return f"sm_{capability[0]}{capability[1]}" + ("a" if arch_specific else "")
 
 
-def cached_cubin(source: str, name: str, arch: str, nvrtc: Nvrtc | None = None) -> bytes:
-    """The cubin of kernel ``name`` in ``source`` for ``arch``: the one kept on disk (:func:`cubin_path`), else
-    compiled by ``nvrtc`` (default :func:`own_nvrtc`) and kept. Loads nothing, needs no GPU: what
-    ``scripts/compile_ahead.py`` runs in parallel before a GPU run's first kernel asks. A RuntimeError where NVRTC
-    refuses the source."""
+def cached_cubin(source: str, name: str, arch: str, nvrtc: Nvrtc | None = None) -> tuple[bytes, bool]:
+    """``(cubin, compiled)``: the cubin of kernel ``name`` in ``source`` for ``arch``, the one kept on disk
+    (:func:`cubin_path`; ``compiled`` False), else compiled by ``nvrtc`` (default :func:`own_nvrtc`) and kept. Loads
+    nothing, needs no GPU: what ``scripts/compile_ahead.py`` runs in parallel before a GPU run's first kernel asks. A
+    RuntimeError where NVRTC refuses the source."""
     nvrtc = nvrtc or own_nvrtc()
     try:
         path = cubin_path(source, name, arch, nvrtc.version())
     except OSError:   # no cache folder can be made (a read-only home): compiled each process, as before
         path = None
     cubin = _read_cubin(path) if path is not None else None
-    if cubin is None:
-        ok, log, cubin = nvrtc.compile(source, arch)
-        if not ok:
-            raise RuntimeError(f"NVRTC did not compile {name}: {log.strip()[-500:]}")
-        if path is not None:
-            _keep_cubin(path, cubin)
-    return cubin
+    if cubin is not None:
+        return cubin, False
+    ok, log, cubin = nvrtc.compile(source, arch)
+    if not ok:
+        raise RuntimeError(f"NVRTC did not compile {name}: {log.strip()[-500:]}")
+    if path is not None:
+        _keep_cubin(path, cubin)
+    return cubin, True
 
 
 def compile_own(source: str, name: str, device_index: int, arch_specific: bool = False) -> CompiledKernel:
@@ -152,7 +153,7 @@ def compile_own(source: str, name: str, device_index: int, arch_specific: bool =
     architecture-specific target, ``sm_90a``, which Hopper's ``wgmma`` needs), kept on disk (:func:`cubin_path`)
     and loaded by the driver; a cubin kept by an earlier process is loaded without compiling."""
     arch = gpu_arch(_capability(device_index), arch_specific)
-    return load_cubin(cached_cubin(source, name, arch), name, device_index)
+    return load_cubin(cached_cubin(source, name, arch)[0], name, device_index)
 
 
 def load_cubin(cubin: bytes, name: str, device_index: int) -> CompiledKernel:

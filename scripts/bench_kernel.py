@@ -73,9 +73,9 @@ divided by ``calls`` is the time per call. The rows the targets read (``dense``,
 ``auto_tiled``, ``auto_blockmap``) are timed first, on every shape; then the sparse tensor-core kernels
 (``decode_sparse_mma…``, ``gemm_sparse_…``), on every shape again; then the other candidates. Each shape's weights
 and inputs are drawn once from a generator seeded by the shape and kept for every pass, so a run its time limit
-cuts short still holds the whole target table, and then the newest kernels' rows. Each row records the bytes one call must move (weight,
-positions, map, input, output) and the resulting TB/s, and the maximum error relative to a dense
-bf16 matmul of the same (decompressed, permuted) weight.
+cuts short still holds the whole target table, and then the newest kernels' rows. Each row records the bytes one
+call must move (weight, positions, map, input, output) and the resulting TB/s, and the maximum error relative to a
+dense bf16 matmul of the same (decompressed, permuted) weight.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from shuffleprune.kernels.compile_check import (A100, H100, disassemble, main_lo
 from shuffleprune.kernels.cuda_rtc import Nvrtc, find_nvrtc  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from kernel_cases import sparse_mma_variants  # noqa: E402
+from kernel_cases import sparse_mma_variants, wgmma_gemm_forms  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (1024, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 32, 64]
@@ -138,9 +138,7 @@ def main() -> None:
     # the wgmma form (Hopper only, sm_90a): every wgmma tile (its decode's too) with 4 and 5 stages, both layouts.
     # ptxas says where it had to wait on a wgmma it could not prove safe to run on ("serialized"): the advisories
     # the mapped decode's tiles (8 and 16 tokens) too, their staged input that of 4096 columns in 8 splits
-    wgmma_forms = [(tile, False) for tile in dict.fromkeys((*sg.WGMMA_TILES, *sg.WGMMA_DECODE_TILES.values()))]
-    wgmma_forms += [(tile, True) for bn, tile in sg.WGMMA_DECODE_TILES.items() if bn <= sg.WGMMA_MAPPED_MAX_TOKENS]
-    for (tile, mapped), stages, tiled in itertools.product(wgmma_forms, (4, 5), (False, True)):
+    for (tile, mapped), stages, tiled in itertools.product(wgmma_gemm_forms(), (4, 5), (False, True)):
         if "sm_90" not in args.arch:
             break
         gpu, plan = H100, sg.SparseGemmPlan(*tile, stages=stages, splits=8, wgmma=True, mapped=mapped)

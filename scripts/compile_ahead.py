@@ -62,16 +62,14 @@ def gemm_sources(hopper: bool) -> list[CudaSource]:
     """The prompt GEMM's variants: every mma.sp tile with :data:`GEMM_STAGES`; on Hopper every wgmma tile, its decode
     tiles and the mapped decode's with :data:`WGMMA_STAGES`."""
     import torch
+    from kernel_cases import wgmma_gemm_forms
 
     from shuffleprune.kernels import nm_sparse_gemm as sg
     from shuffleprune.kernels.nm_sparse_mma import ordered_metadata
 
     forms = [(tile, stages, False, False) for tile in sg.GEMM_TILES for stages in GEMM_STAGES]
     if hopper:
-        tiles = dict.fromkeys((*sg.WGMMA_TILES, *sg.WGMMA_DECODE_TILES.values()))
-        forms += [(tile, stages, True, False) for tile in tiles for stages in WGMMA_STAGES]
-        forms += [(tile, stages, True, True) for bn, tile in sg.WGMMA_DECODE_TILES.items()
-                  if bn <= sg.WGMMA_MAPPED_MAX_TOKENS for stages in WGMMA_STAGES]
+        forms += [(tile, stages, True, mapped) for tile, mapped in wgmma_gemm_forms() for stages in WGMMA_STAGES]
     out = []
     for (tile, stages, wgmma, mapped), tiled in itertools.product(forms, (True, False)):
         plan = sg.SparseGemmPlan(*tile, stages=stages, wgmma=wgmma, mapped=mapped)
@@ -118,10 +116,8 @@ def _compile(job: tuple) -> tuple[str, float, str]:
     t0 = time.perf_counter()
     try:
         _NVRTC = _NVRTC or cuda_rtc.own_nvrtc()
-        if cuda_rtc.cubin_path(source.text, source.name, arch, _NVRTC.version()).is_file():
-            return "kept", 0.0, ""
-        cuda_rtc.cached_cubin(source.text, source.name, arch, _NVRTC)
-        return "compiled", time.perf_counter() - t0, ""
+        compiled = cuda_rtc.cached_cubin(source.text, source.name, arch, _NVRTC)[1]
+        return ("compiled", time.perf_counter() - t0, "") if compiled else ("kept", 0.0, "")
     except Exception as exc:  # noqa: BLE001 - one variant that NVRTC refuses: the step that asks says why
         return "failed", time.perf_counter() - t0, str(exc).splitlines()[0][:200]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 ROTATE_L2 = 2.5   # the rotated copies of a weight together hold this many times the L2, so none is read from it
+REFUSED_REL_ERR = 2e-2   # a checked launch this far off the dense bf16 product (relative) is wrong: not timed
 
 
 def add_timing_args(ap: argparse.ArgumentParser, out: Path) -> None:
@@ -107,6 +108,15 @@ def sparse_mma_variants(shapes, tokens_list, sms: int, pdl_tokens=()):
                                                                        **({"inline_map": True} if inline else {}))
                 yield {"shape": shape, "tokens": tokens, "mapped": mapped, "pdl": pdl, "tall": tall, "inline": inline,
                        "plan": plan}
+
+
+def wgmma_gemm_forms() -> list[tuple[tuple[int, int, int, int], bool]]:
+    """``(tile, mapped)`` of every wgmma form of the prompt GEMM (``kernels/nm_sparse_gemm.py``): its GEMM tiles and
+    decode tiles, then the decode tiles that read a map (up to ``WGMMA_MAPPED_MAX_TOKENS`` tokens)."""
+    from shuffleprune.kernels import nm_sparse_gemm as sg
+
+    forms = [(tile, False) for tile in dict.fromkeys((*sg.WGMMA_TILES, *sg.WGMMA_DECODE_TILES.values()))]
+    return forms + [(tile, True) for bn, tile in sg.WGMMA_DECODE_TILES.items() if bn <= sg.WGMMA_MAPPED_MAX_TOKENS]
 
 
 HUNG_EXIT = 75          # a tuning process's exit status where a launch never finished (hung_marker says which)

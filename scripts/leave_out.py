@@ -25,19 +25,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from kernel_cases import hung_marker  # noqa: E402
+from kernel_cases import REFUSED_REL_ERR, hung_marker  # noqa: E402
 
 from shuffleprune.deploy.impls import (SPARSE_GEMM, SPARSE_MMA_DECODES, SPARSE_WGMMA,  # noqa: E402
                                        SPARSE_WGMMA_MAPPED)
 
-RIGHT = 2e-2   # the tuning scripts' bound on a launch's relative error
+
+def gemm_policy(plan: dict) -> str:
+    """The policy that runs a prompt-GEMM plan's form: mma.sp, wgmma, or the wgmma decode reading a map."""
+    if plan.get("wgmma"):
+        return SPARSE_WGMMA_MAPPED if plan.get("mapped") else SPARSE_WGMMA
+    return SPARSE_GEMM
 
 
 def gemm_policies(plan: dict) -> tuple[str, ...]:
-    """The policies that run a prompt-GEMM plan's form (a wgmma plan's mapped decode shares its text)."""
-    if plan.get("wgmma"):
-        return (SPARSE_WGMMA_MAPPED,) if plan.get("mapped") else (SPARSE_WGMMA, SPARSE_WGMMA_MAPPED)
-    return (SPARSE_GEMM,)
+    """The policies a hang of a prompt-GEMM plan's form leaves out (a wgmma plan's mapped decode shares its text)."""
+    name = gemm_policy(plan)
+    return (SPARSE_WGMMA, SPARSE_WGMMA_MAPPED) if name == SPARSE_WGMMA else (name,)
 
 
 def _read(path: Path, since: float) -> dict | None:
@@ -65,21 +69,21 @@ def left_out(results: Path, since: float = 0.0, tag: str = "") -> dict[str, str]
     if found:
         checked = [r for r in found.get("rows", []) if r.get("impl", "").startswith("sparse_mma") and "rel_err" in r]
         probed_wrong = found.get("probe") and found.get("reading") is None
-        if probed_wrong and not any(r["rel_err"] < RIGHT for r in checked):
+        if probed_wrong and not any(r["rel_err"] < REFUSED_REL_ERR for r in checked):
             for name in (*SPARSE_MMA_DECODES, SPARSE_GEMM):
                 out.setdefault(name, "no reading of the sparse MMA's fragments was right (tune_sparse_mma probe)")
     found = _read(gemm, since)
     if found:
-        forms: dict[tuple[str, ...], list[float]] = {}
+        errors: dict[str, list[float]] = {}   # each form's checked launches
         for r in found.get("rows", []):
             if r.get("impl") == "sparse_gemm" and "rel_err" in r:
-                forms.setdefault(gemm_policies(r["plan"])[:1], []).append(r["rel_err"])
-        for (name,), errors in forms.items():
-            if min(errors) >= RIGHT:
-                why = f"all {len(errors)} checked launches wrong (least error {min(errors):.2g}, tune_sparse_gemm)"
+                errors.setdefault(gemm_policy(r["plan"]), []).append(r["rel_err"])
+        right = {name for name, errs in errors.items() if min(errs) < REFUSED_REL_ERR}
+        for name, errs in errors.items():
+            if name not in right:
+                why = f"all {len(errs)} checked launches wrong (least error {min(errs):.2g}, tune_sparse_gemm)"
                 out.setdefault(name, why)
-                mapped = forms.get((SPARSE_WGMMA_MAPPED,), [])
-                if name == SPARSE_WGMMA and min(mapped, default=1.0) >= RIGHT:   # its text, its operands' reading
+                if name == SPARSE_WGMMA and SPARSE_WGMMA_MAPPED not in right:   # its text, its operands' reading
                     out.setdefault(SPARSE_WGMMA_MAPPED, f"{SPARSE_WGMMA}'s form: {why}")
     return out
 

@@ -26,9 +26,8 @@ from shuffleprune.deploy.format import decompress, meta_bits
 from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS,
                                        GEMM_MIN_TOKENS, IMPLS, MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED,
                                        PDL_SUFFIX, SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_MMA_DECODES, SPARSE_WGMMA,
-                                       SPARSE_WGMMA_MAPPED,
-                                       SWAP_TILES,
-                                       TILE_MAX_TOKENS, default_choice, known_policy, skipped_impls, split_pdl)
+                                       SPARSE_WGMMA_MAPPED, SWAP_TILES, TILE_MAX_TOKENS, default_choice, known_policy,
+                                       skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
 from shuffleprune.deploy.shared_input import SharedGather
 from shuffleprune.runtime import capturing, outside_graph_pools
