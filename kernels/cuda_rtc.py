@@ -76,9 +76,26 @@ class CompiledKernel:
         raise RuntimeError("a kernel compiled here launches only through the CUDA driver (KernelLaunch)")
 
 
+def load_nvrtc(path: str) -> Nvrtc:
+    """NVRTC from the library at ``path``, its builtins library (``libnvrtc-builtins.so.*`` in the same folder)
+    loaded first: NVRTC opens that one by name at its first compile, and some wheels' libnvrtc (13.0.88, the one
+    CUDA 13.0 builds of PyTorch install) carry no run path to find it beside themselves, so without this every
+    compile fails with "failed to open libnvrtc-builtins" unless ``LD_LIBRARY_PATH`` names the folder. Once
+    loaded, the dynamic loader finds it by its name."""
+    folder = os.path.dirname(path)
+    if folder:
+        for builtins in sorted(glob.glob(os.path.join(folder, "libnvrtc-builtins.so*"))):
+            if ".alt." not in os.path.basename(builtins):   # the .alt twin is for static builds
+                try:
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                except OSError:   # the compile then says what is missing
+                    pass
+    return Nvrtc(ctypes.CDLL(path))
+
+
 def own_nvrtc() -> Nvrtc:
     """NVRTC as this module calls it: the ``nvidia-cuda-nvrtc`` wheel's library, else the system's."""
-    return Nvrtc(ctypes.CDLL(find_nvrtc() or "libnvrtc.so"))
+    return load_nvrtc(find_nvrtc() or "libnvrtc.so")
 
 
 @dataclass(frozen=True)

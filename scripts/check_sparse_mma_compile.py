@@ -13,7 +13,6 @@ No timing and no run: ``scripts/gpu_run.sh sparse_mma`` times it on a GPU.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import json
 import os
@@ -31,7 +30,7 @@ import torch  # noqa: E402
 from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
 from shuffleprune.kernels.compile_check import (A100, H100, disassemble, main_loop, ptxas_report,  # noqa: E402
                                                  resident_programs)
-from shuffleprune.kernels.cuda_rtc import Nvrtc, find_nvrtc  # noqa: E402
+from shuffleprune.kernels.cuda_rtc import find_nvrtc, load_nvrtc  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from kernel_cases import sparse_mma_variants, wgmma_gemm_forms  # noqa: E402
@@ -90,7 +89,7 @@ def main() -> None:
     ap.add_argument("--arch", nargs="+", default=["sm_90", "sm_80"])
     ap.add_argument("--out", default=str(ROOT / "scripts/results/sparse_mma_compile.json"))
     args = ap.parse_args()
-    nvrtc = Nvrtc(ctypes.CDLL(nvrtc_path(args.nvrtc)))
+    nvrtc = load_nvrtc(nvrtc_path(args.nvrtc))
     rows, seen = [], {}
     t0 = time.time()
     cases = [(arch, v) for arch in args.arch   # programmatic dependents at 1 and 16 tokens, on Hopper only
@@ -111,8 +110,8 @@ def main() -> None:
                              "main_loop": loop_mix(cubin, gpu.arch) if ok else None,
                              "log": None if ok else log[-2000:]}
             info = dict(seen[key])
-            shared = info["shared_bytes"] + plan.dynamic_shared(tokens, mapped)
-            ctas = resident_programs(gpu, info["registers"], plan.warps, shared) if info["compiled"] else 0
+            ctas = resident_programs(gpu, info["registers"], plan.warps,   # a variant NVRTC refused: none, its log kept
+                                     info["shared_bytes"] + plan.dynamic_shared(tokens, mapped)) if info["compiled"] else 0
             grid = plan.grid(shape[0])
             rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled, "mapped": mapped,
                          "pdl": pdl, "tall": tall, "inline": inline, "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": 32 * plan.warps,

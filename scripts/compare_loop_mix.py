@@ -11,7 +11,6 @@ loads and MMAs take issue slots a memory-bound decode or an MMA-bound GEMM needs
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import platform
 import subprocess
@@ -28,7 +27,7 @@ import torch  # noqa: E402
 from check_sparse_mma_compile import loop_mix, nvrtc_path  # noqa: E402
 from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
 from shuffleprune.kernels.compile_check import ptxas_report  # noqa: E402
-from shuffleprune.kernels.cuda_rtc import Nvrtc  # noqa: E402
+from shuffleprune.kernels.cuda_rtc import Nvrtc, load_nvrtc  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096)]
 TOKENS = [1, 2, 4, 8, 16, 32, 64]
@@ -74,7 +73,7 @@ def main() -> None:
     ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: the nvidia-cuda-nvrtc wheel's)")
     ap.add_argument("--out", default=str(ROOT / "scripts/results/sparse_mma_loop_mix.json"))
     args = ap.parse_args()
-    nvrtc = Nvrtc(ctypes.CDLL(nvrtc_path(args.nvrtc)))
+    nvrtc = load_nvrtc(nvrtc_path(args.nvrtc))
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("nm_sparse_mma.cu", "nm_sparse_gemm.cu"):
             text = subprocess.run(["git", "show", f"{args.before}:kernels/{name}"], cwd=ROOT, capture_output=True,

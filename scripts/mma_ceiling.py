@@ -13,7 +13,6 @@ dense-equivalent rate stands above cuBLAS's; ``wgmma.sp``'s says what a GEMM wri
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import re
 import sys
@@ -154,9 +153,9 @@ def compile_table(nvrtc_path: str) -> dict:
     """Each kernel compiled by NVRTC as a GPU would take it (the mma ones for sm_90 and sm_80, the wgmma ones for
     sm_90a): registers, spills, and its MMA instructions in the machine code (``nvdisasm``), with no GPU."""
     from shuffleprune.kernels.compile_check import disassemble, main_loop, ptxas_report
-    from shuffleprune.kernels.cuda_rtc import Nvrtc
+    from shuffleprune.kernels.cuda_rtc import load_nvrtc
 
-    nvrtc = Nvrtc(ctypes.CDLL(nvrtc_path))
+    nvrtc = load_nvrtc(nvrtc_path)
     rows = []
     for kind, (sparse, wg) in KINDS.items():
         for arch in (["sm_90a"] if wg else ["sm_90", "sm_80"]):

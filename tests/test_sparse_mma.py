@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -376,6 +378,33 @@ def test_an_architecture_specific_kernel_is_compiled_for_its_target_and_not_by_p
     with pytest.raises(RuntimeError, match="did not compile: own NVRTC") as err:
         cuda_rtc.compile_cuda("source", "kernel", 0, key="wgmma", arch_specific=True)
     assert asked == [True] and pytorch == [] and "_compile_kernel" not in str(err.value)
+
+
+def test_nvrtc_is_loaded_after_its_builtins_library_from_the_same_folder(monkeypatch, tmp_path):
+    """NVRTC 13.0.88's libnvrtc has no run path: its builtins must already be loaded, or every compile fails."""
+    from shuffleprune.kernels import cuda_rtc
+
+    for name in ("libnvrtc.so.13", "libnvrtc-builtins.so.13.0", "libnvrtc-builtins.alt.so.13.0", "libnvrtc.alt.so.13"):
+        (tmp_path / name).write_bytes(b"")
+    loaded = []
+
+    def cdll(path, mode=0):
+        loaded.append((os.path.basename(path), mode))
+        if "builtins" in path and os.environ.get("_FAIL_BUILTINS"):
+            raise OSError("cannot load")
+        return SimpleNamespace(path=path)
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    nvrtc = cuda_rtc.load_nvrtc(str(tmp_path / "libnvrtc.so.13"))
+    assert loaded == [("libnvrtc-builtins.so.13.0", ctypes.RTLD_GLOBAL), ("libnvrtc.so.13", 0)]
+    assert nvrtc.lib.path == str(tmp_path / "libnvrtc.so.13")
+    loaded.clear()
+    monkeypatch.setenv("_FAIL_BUILTINS", "1")   # a builtins library that cannot load leaves the compile to say so
+    cuda_rtc.load_nvrtc(str(tmp_path / "libnvrtc.so.13"))
+    assert [name for name, _ in loaded] == ["libnvrtc-builtins.so.13.0", "libnvrtc.so.13"]
+    loaded.clear()
+    cuda_rtc.load_nvrtc("libnvrtc.so")   # a bare name (the system's): nothing beside it to look for
+    assert loaded == [("libnvrtc.so", 0)]
 
 
 def test_compile_own_asks_nvrtc_for_the_architecture_specific_target(monkeypatch, tmp_path):
