@@ -173,11 +173,29 @@ def compile_own(source: str, name: str, device_index: int, arch_specific: bool =
     return load_cubin(cached_cubin(source, name, arch)[0], name, device_index)
 
 
+CUDA_ERROR_INVALID_CONTEXT = 201   # cuda.h: a driver call made on a thread with no current context
+
+
+def bind_context(cuda, device_index: int) -> None:
+    """Make GPU ``device_index``'s primary context (the one PyTorch's runtime calls use) current on this thread
+    where no context, or another GPU's, is: the driver loads modules into and launches from the current context,
+    and a thread whose CUDA work went only through PyTorch may have none bound (Triton's launcher binds it the
+    same way). Nothing where the driver cannot say or refuses: the load or launch then reports its own error."""
+    device, current, ctx = ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p()
+    if cuda.cuDeviceGet(ctypes.byref(device), device_index):
+        return
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value and \
+            cuda.cuCtxGetDevice(ctypes.byref(current)) == 0 and current.value == device.value:
+        return
+    if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device) == 0:
+        cuda.cuCtxSetCurrent(ctx)
+
+
 def load_cubin(cubin: bytes, name: str, device_index: int) -> CompiledKernel:
-    """Kernel ``name`` of a cubin, loaded by the driver into the device's context."""
+    """Kernel ``name`` of a cubin, loaded by the driver into the device's primary context."""
     cuda = driver()
     with torch.cuda.device(device_index):
-        torch.cuda.current_stream(device_index)   # the device's context made current on this thread
+        bind_context(cuda, device_index)
         module, func = ctypes.c_void_p(), ctypes.c_void_p()
         status = cuda.cuModuleLoadData(ctypes.byref(module), cubin)
         if status == 0:
@@ -293,13 +311,18 @@ class KernelLaunch:
             slot.value = t.data_ptr()
         for slot, v in zip(self.ints, ints):
             slot.value = v
-        if self.pdl:
-            self.config.stream = stream
-            status = self.driver.cuLaunchKernelEx(ctypes.byref(self.config), self.kernel.func, self.params, None)
-        else:
-            status = self.driver.cuLaunchKernel(self.kernel.func, *self.grid, *self.block, self.shared,
-                                                ctypes.c_void_p(stream), self.params, None)
+        status = self._launch(stream)
+        if status == CUDA_ERROR_INVALID_CONTEXT:   # a thread with no context bound yet: bind PyTorch's, once
+            bind_context(self.driver, torch.cuda.current_device())
+            status = self._launch(stream)
         if status:
             text = ctypes.c_char_p()
             self.driver.cuGetErrorString(status, ctypes.byref(text))
             raise RuntimeError(f"CUDA error: {(text.value or b'unknown').decode()} (cuLaunchKernel, status {status})")
+
+    def _launch(self, stream: int) -> int:
+        if self.pdl:
+            self.config.stream = stream
+            return self.driver.cuLaunchKernelEx(ctypes.byref(self.config), self.kernel.func, self.params, None)
+        return self.driver.cuLaunchKernel(self.kernel.func, *self.grid, *self.block, self.shared,
+                                          ctypes.c_void_p(stream), self.params, None)

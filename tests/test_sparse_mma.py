@@ -311,6 +311,86 @@ def test_a_bound_launch_passes_each_calls_tensors_and_integers_in_the_kernels_or
         failing([torch.empty(1)] * ARG_POINTERS, [1, 16, 128, 128, 128], stream=0)
 
 
+class _ContextDriver:
+    """The driver's context calls: ``current`` is the context bound to this thread (None: none), ``devices`` maps
+    each context to its GPU; records what was retained, set current and loaded."""
+
+    def __init__(self, current=None, devices=None, status=0):
+        self.current, self.devices, self.status, self.calls = current, devices or {}, status, []
+
+    def cuDeviceGet(self, out, ordinal):
+        out._obj.value = ordinal
+        return self.status
+
+    def cuCtxGetCurrent(self, out):
+        out._obj.value = self.current
+        return 0
+
+    def cuCtxGetDevice(self, out):
+        out._obj.value = self.devices[self.current]
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, out, device):
+        out._obj.value = 0x1000 + device.value
+        self.devices[out._obj.value] = device.value
+        self.calls.append(("retain", device.value))
+        return 0
+
+    def cuCtxSetCurrent(self, ctx):
+        self.current = ctx.value
+        self.calls.append(("set", ctx.value))
+        return 0
+
+    def cuModuleLoadData(self, module, cubin):
+        self.calls.append(("load", self.current))
+        module._obj.value = 0x77
+        return 0
+
+    def cuModuleGetFunction(self, func, module, name):
+        func._obj.value = 0x88
+        return 0
+
+
+def test_the_driver_loads_and_launches_in_the_gpus_primary_context_on_any_thread(monkeypatch):
+    """A thread whose CUDA work went only through PyTorch may have no context bound: the driver's module load and
+    launch then fail with CUDA_ERROR_INVALID_CONTEXT (201) unless the primary context is made current first."""
+    import contextlib
+
+    from shuffleprune.kernels import cuda_rtc
+
+    unbound = _ContextDriver()                        # no context on this thread: GPU 1's primary one bound, then loaded
+    monkeypatch.setattr(cuda_rtc, "driver", lambda: unbound)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    kernel = cuda_rtc.load_cubin(b"\x7fELF", "k", 1)
+    assert unbound.calls == [("retain", 1), ("set", 0x1001), ("load", 0x1001)] and kernel.func.value == 0x88
+    bound = _ContextDriver(current=0x5, devices={0x5: 1})   # already bound to that GPU: left as it is
+    cuda_rtc.bind_context(bound, 1)
+    assert bound.calls == []
+    other = _ContextDriver(current=0x5, devices={0x5: 0})   # bound to another GPU: this one's made current
+    cuda_rtc.bind_context(other, 1)
+    assert other.calls == [("retain", 1), ("set", 0x1001)]
+    cuda_rtc.bind_context(no_gpu := _ContextDriver(status=101), 3)   # no such GPU: the load says so itself
+    assert no_gpu.calls == []
+
+    class LaunchDriver(_RecordingDriver, _ContextDriver):   # refuses a launch until a context is bound
+        def __init__(self):
+            _RecordingDriver.__init__(self)
+            self.current, self.devices = None, {}
+
+        def cuLaunchKernel(self, *args):
+            _RecordingDriver.cuLaunchKernel(self, *args)
+            return 0 if self.current else cuda_rtc.CUDA_ERROR_INVALID_CONTEXT
+
+    driver = LaunchDriver()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launch = KernelLaunch(type("Compiled", (), {"func": ctypes.c_void_p(0xBEEF)})(), (1, 1, 1), (32, 1, 1), 0,
+                          driver, ARG_POINTERS, ARG_INTS)
+    launch([torch.empty(1)] * ARG_POINTERS, [1, 16, 128, 128, 128], stream=0)   # bound, launched again: no error
+    assert len([c for c in driver.calls if isinstance(c, dict)]) == 2 and ("set", 0x1000) in driver.calls
+    launch([torch.empty(1)] * ARG_POINTERS, [1, 16, 128, 128, 128], stream=0)   # bound now: one launch
+    assert len([c for c in driver.calls if isinstance(c, dict)]) == 3
+
+
 def test_auto_weighs_the_sparse_mma_decode_where_it_runs(monkeypatch):
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.kernels import nm_sparse_mma
