@@ -14,11 +14,18 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 if not torch.cuda.is_available():  # Triton kernels run on the CPU through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":   # ... every access of theirs checked, their programs shuffled
-    from interpret_checks import install as _install_kernel_checks, violations as _kernel_violations
+    from interpret_checks import install as _install_kernel_checks, installed_interpreter_mismatch, \
+        violations as _kernel_violations
 
-    KERNELS_CHECKED = _install_kernel_checks()
+    _MISMATCH = installed_interpreter_mismatch()   # pytest_configure stops the run with it
+    KERNELS_CHECKED = not _MISMATCH and _install_kernel_checks()
 else:
-    KERNELS_CHECKED, _kernel_violations = False, []
+    KERNELS_CHECKED, _kernel_violations, _MISMATCH = False, [], None
+
+
+def pytest_configure(config) -> None:
+    if _MISMATCH:   # one line naming the fix, not 400 kernel tests failing on the interpreter itself
+        pytest.exit(_MISMATCH, returncode=2)
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:  # pytest-xdist (the Makefile's test): the machine's cores shared out among its workers, the

@@ -50,6 +50,29 @@ _state = threading.local()    # .now: the running _Launch (None outside a launch
 violations: list[str] = []    # every refusal, also those a caller's ``except`` swallowed (the tests' fixture reads it)
 
 
+def interpreter_mismatch(triton_version: str, numpy_version: str) -> str | None:
+    """Why the installed Triton's interpreter cannot run these tests, or None: before Triton 3.7 it reads a
+    one-element block as an index with ``int(array)``, which numpy 2.4 refuses for arrays of one dimension
+    (every kernel test would fail with "only 0-dimensional arrays can be converted to Python scalars")."""
+    def release(version: str) -> tuple[int, int]:
+        major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+    if release(triton_version) < (3, 7) and release(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter cannot run with numpy {numpy_version} (it reads a block as an "
+                "index through int(array), which numpy 2.4 refuses): pip install 'numpy<2.4' or 'triton>=3.7'")
+    return None
+
+
+def installed_interpreter_mismatch() -> str | None:
+    """:func:`interpreter_mismatch` of the installed Triton and numpy (None without Triton)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return interpreter_mismatch(triton.__version__, np.__version__)
+
+
 def _refuse(error: type[AssertionError], message: str) -> None:
     violations.append(message)
     raise error(message)

@@ -156,3 +156,14 @@ def test_empties_are_poisoned_while_asked_so_a_read_of_memory_no_one_wrote_shows
         _sum_parts[(1,)](part, out, SPLIT=3)
         assert out.isnan().all()   # fresh memory holding 0 would have given a plausible 2.0
     assert (torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty) == originals   # restored
+
+
+def test_a_triton_whose_interpreter_numpy_refuses_is_named_with_the_fix():
+    from interpret_checks import interpreter_mismatch
+
+    message = interpreter_mismatch("3.6.0", "2.4.6")   # seen: every kernel test failed on int(array) in Triton 3.6
+    assert message and "pip install 'numpy<2.4' or 'triton>=3.7'" in message and "\n" not in message
+    assert interpreter_mismatch("3.6.0", "2.3.5") is None       # the numpy it was written for
+    assert interpreter_mismatch("3.7.0", "2.4.6") is None       # int(array.squeeze()) from 3.7 on
+    assert interpreter_mismatch("3.10.0+git1a2b", "2.5.0rc1") is None   # 10, not 1: versions compared as numbers
+    assert interpreter_mismatch("3.6.0", "2.10.1") is not None
