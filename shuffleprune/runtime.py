@@ -136,12 +136,20 @@ def pool_may_route(device: torch.device) -> bool:
         not torch.cuda.is_current_stream_capturing()
 
 
-def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2) -> tuple[float, str]:
+REPLAYED_KEPT = 2   # cuda_graph_ms keeps the outputs of this many last calls: a call and the one before, which a
+                   # programmatic dependent launch lets overlap it (sharing, say, a split-K workspace)
+
+
+def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2,
+                  outputs: list | None = None) -> tuple[float, str]:
     """Milliseconds per call of ``calls`` (run in turn, e.g. one per rotating weight copy) as a model
     served with CUDA graphs runs them: ``warm`` eager rounds on the capturing stream (compiles,
     library handles, workspaces), then one graph of every call whose replays are timed with events,
     the median of ``reps`` over the number of calls. Where capture fails, the rounds run eagerly
-    and the host's launch cost counts. Returns ``(ms, "cuda_graph" | "events")``."""
+    and the host's launch cost counts. Returns ``(ms, "cuda_graph" | "events")``. ``outputs``, where
+    given, receives what the last :data:`REPLAYED_KEPT` calls returned as the timed runs left it (a
+    replay rewrites the captured outputs in place): a check of the results as served, where consecutive
+    calls may overlap, not only of one eager call."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -149,22 +157,33 @@ def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 
             for call in calls:
                 call()
     torch.cuda.synchronize()
+    kept: list = []
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-            for call in calls:
-                call()
+            kept[:] = last_outputs(calls)
         torch.cuda.synchronize()
         run, how = graph.replay, "cuda_graph"
     except Exception:  # noqa: BLE001 - some paths cannot be captured: timed eagerly
         torch.cuda.synchronize()
 
         def run() -> None:
-            for call in calls:
-                call()
+            kept[:] = last_outputs(calls)
         how = "events"
     run()
-    return _events_ms(run, reps, len(calls)), how
+    ms = _events_ms(run, reps, len(calls))
+    if outputs is not None:
+        outputs.extend(kept)
+    return ms, how
+
+
+def last_outputs(calls: Sequence[Callable[[], object]]) -> list:
+    """Run ``calls`` in turn and return what the last :data:`REPLAYED_KEPT` returned (the others' outputs
+    are let go as they go, so a capture's pool reuses their memory)."""
+    last: list = []
+    for call in calls:
+        last = [*last, call()][-REPLAYED_KEPT:]
+    return last
 
 
 def candidate_errors() -> tuple[type[Exception], ...]:

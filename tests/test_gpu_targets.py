@@ -42,6 +42,8 @@ def test_kernel_targets_take_the_worst_token_count_each_target_covers():
     cost = checks["map ≤2 % at one token (in the layer)"]
     assert cost["ok"] and abs(cost["worst"] - (0.6 / 0.59 - 1)) < 1e-4
     assert _targets().max_error(KERNEL) == 3e-3
+    replayed = {**KERNEL, "rows": [*KERNEL["rows"], {**_row(1, "decode", 0.5, 1e-3), "replayed_rel_err": 4e-2}]}
+    assert _targets().max_error(replayed) == 4e-2   # as the timed graph replayed it, not only its eager call
     assert _targets().producer_map_costs(KERNEL) == [{"width": 32, "extra_ms": 0.002, "ratio": 1.2}]
 
 

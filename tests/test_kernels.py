@@ -1055,8 +1055,8 @@ def test_auto_times_the_two_fastest_triton_kernels_again_as_dependent_launches(m
 
     def measure(graph: dict[str, float], how: str = "cuda_graph",
                 candidates=("decode", "decode_swap", "decode_select", "scratch")) -> tuple[str, str]:
-        monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (
-            calls[0](), graph[ran[-1]], how if ran[-1].endswith("+pdl") else "cuda_graph")[1:])
+        monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2, outputs=None: (
+            outputs.append(calls[0]()), graph[ran[-1]], how if ran[-1].endswith("+pdl") else "cuda_graph")[1:])
         ran.clear()
         return auto_choice.measure(layer, x, list(candidates))
 
@@ -1105,9 +1105,9 @@ def test_auto_times_each_candidate_over_copies_of_the_weight_in_turn(monkeypatch
         ran.append((self.values.data_ptr(), self.meta.data_ptr(), self.tiled and self._packed_buffer().data_ptr()))
         return original(self, impl, x)
 
-    def graph_timer(calls, reps, warm=2):
+    def graph_timer(calls, reps, warm=2, outputs=None):
         start = len(ran)
-        outputs = [c() for c in calls]
+        outputs.extend(c() for c in calls)
         graphs.append(ran[start:])
         assert all(torch.allclose(y.float(), ref.float(), atol=2e-2) for y in outputs)
         return (1.0 if len(graphs) == 1 else 2.0), "cuda_graph"
@@ -1438,8 +1438,8 @@ def _fake_timers(monkeypatch, graph_ms: dict[str, float], eager: dict[str, float
         ran.append(impl)
         return self.reference(x)
 
-    def graph_timer(calls, reps, warm=2):
-        calls[0]()
+    def graph_timer(calls, reps, warm=2, outputs=None):
+        outputs.append(calls[0]())
         return graph_ms[ran[-1]], "cuda_graph"
 
     def eager_timer(calls, reps, warm=1):
@@ -1602,7 +1602,8 @@ def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
         fake_timer.impl = impl
         return torch.ones(4, 24)
 
-    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (calls[0](), fake_timer(calls, reps))[1])
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms",
+                        lambda calls, reps, warm=2, outputs=None: (outputs.append(calls[0]()), fake_timer(calls, reps))[1])
     monkeypatch.setattr(SparseLinear, "run", fake_run)
     monkeypatch.setattr(SparseLinear, "reference", lambda self, x: torch.ones(4, 24))
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
@@ -1641,7 +1642,8 @@ def test_auto_stops_at_a_candidate_that_faults_the_gpu_and_leaves_out_those_name
 
     monkeypatch.setattr(SparseLinear, "run", fake_run)
     monkeypatch.setattr(SparseLinear, "reference", lambda self, x: torch.ones(4, 24))
-    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (calls[0](), (0.5, "cuda_graph"))[1])
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms",
+                        lambda calls, reps, warm=2, outputs=None: (outputs.append(calls[0]()), (0.5, "cuda_graph"))[1])
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
     x = torch.randn(4, 64).half()
@@ -1768,11 +1770,51 @@ def test_auto_ends_with_a_device_fault_naming_a_candidate_that_never_finishes(mo
 
     _gpu_that_never_finishes(monkeypatch)
     monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: on_gpu if impl == "decode_swap" else self.reference(x))
-    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2: (0.1, "cuda_graph"))
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2, outputs=None: (0.1, "cuda_graph"))
     with pytest.raises(DeviceFault, match=r"decode_swap on 3 tokens did not finish in 0.05 s.*"
                                           r"SHUFFLEPRUNE_SKIP_IMPLS=decode_swap"):
         auto_choice.measure(layer, x, ["scratch", "decode_swap", "gather"])
     assert auto_choice.measure(layer, x, ["scratch", "gather"])[0] == "scratch"
+
+
+def test_auto_drops_a_candidate_whose_replayed_output_disagrees_though_its_eager_call_agreed(monkeypatch):
+    """In a CUDA graph consecutive calls may overlap (programmatic dependents sharing a split-K workspace): a
+    kernel right in one eager call can be wrong as served. ``auto`` checks the outputs the timed replays left
+    (``cuda_graph_ms(outputs=...)``) as well and drops such a candidate with a warning, the fastest or not."""
+    w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
+    ref = layer.reference(x)
+    ran = []
+    monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: ran.append(impl) or ref)   # every eager call right
+    speed = {"decode": 0.1, "decode_swap": 0.2, "scratch": 0.7}
+
+    def replayed(calls, reps, warm=2, outputs=None):   # decode's last call as replayed: overwritten by the next one
+        calls[-1]()
+        outputs.extend([ref, ref * 2 if ran[-1] == "decode" else ref])
+        return speed[ran[-1]], "cuda_graph"
+
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", replayed)
+    with pytest.warns(RuntimeWarning, match=r"decode is off by 1 of the output's scale as replayed in a CUDA graph"):
+        assert auto_choice.measure(layer, x, ["decode", "decode_swap", "scratch"]) == ("decode_swap", "decode_swap")
+    assert auto_choice.graph_ms(layer, "scratch", x, layer.weight_copies(1), 3, 1, None) == (0.7, "cuda_graph", 0.0)   # no reference
+
+
+def test_the_graph_timer_keeps_the_last_two_calls_outputs_and_lets_the_others_go():
+    import weakref
+
+    from shuffleprune.runtime import REPLAYED_KEPT, last_outputs
+
+    made = []   # weak references: a capture's pool reuses an output's memory only once nothing holds it
+
+    def call(i):
+        y = torch.full((2,), float(i))
+        made.append(weakref.ref(y))
+        return y
+
+    kept = last_outputs([lambda i=i: call(i) for i in range(5)])
+    assert REPLAYED_KEPT == 2 and [int(y[0]) for y in kept] == [3, 4] and kept[1] is made[-1]()
+    assert [ref() for ref in made[:3]] == [None] * 3
+    assert [int(y[0]) for y in last_outputs([lambda: call(9)])] == [9]
 
 
 def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch):
@@ -1789,8 +1831,8 @@ def test_auto_drops_a_candidate_whose_output_disagrees_with_pytorch(monkeypatch)
     speed = {"decode": 0.1, "decode_swap": 0.1, "gather": 0.5, "scratch": 0.7}
     monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: outputs[impl])
     monkeypatch.setattr(auto_choice, "cuda_graph_ms",
-                        lambda calls, reps, warm=2: (speed[next(k for k, v in outputs.items() if v is calls[0]())],
-                                                     "cuda_graph"))
+                        lambda calls, reps, warm=2, **kw: (speed[next(k for k, v in outputs.items() if v is calls[0]())],
+                                                           "cuda_graph"))
     with pytest.warns(RuntimeWarning) as caught:
         assert auto_choice.measure(layer, x, list(outputs))[0] == "gather"   # within 16-bit rounding of the reference
     assert [re.search(r": (\w+ is off by \S+)", str(c.message)).group(1) for c in caught] == [

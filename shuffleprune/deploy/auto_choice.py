@@ -139,7 +139,12 @@ def measure(layer: SparseLinear, x: torch.Tensor, candidates: list[str], calls: 
                     if fallback == impl:
                         fallback = "scratch"
                     continue
-                timed[impl] = graph_ms(layer, impl, x, weights, calls, reps)[0]
+                ms, _, replayed_error = graph_ms(layer, impl, x, weights, calls, reps, ref)
+                if not replay_agrees(layer, impl, replayed_error):
+                    if fallback == impl:
+                        fallback = "scratch"
+                    continue
+                timed[impl] = ms
             except candidate_errors() as exc:  # e.g. a tile that does not fit this GPU's shared memory
                 raise_if_fault(exc, *_culprit(layer, impl, x))   # not an illegal address: that ends the process
                 continue
@@ -176,8 +181,8 @@ def time_pdl(layer: SparseLinear, x: torch.Tensor, ref: torch.Tensor, impl: str,
         return
     try:
         if agrees(layer, pdl, x, ref):
-            ms, how = graph_ms(layer, pdl, x, weights, calls, reps)
-            if how == "cuda_graph":
+            ms, how, replayed_error = graph_ms(layer, pdl, x, weights, calls, reps, ref)
+            if how == "cuda_graph" and replay_agrees(layer, pdl, replayed_error):
                 timed[pdl] = ms
     except candidate_errors() as exc:
         raise_if_fault(exc, *_culprit(layer, pdl, x))
@@ -202,13 +207,28 @@ def agrees(layer: SparseLinear, impl: str, x: torch.Tensor, ref: torch.Tensor) -
     return False
 
 
-def graph_ms(layer: SparseLinear, impl: str, x: torch.Tensor, weights: list[tuple], calls: int,
-             reps: int) -> tuple[float, str]:
+def graph_ms(layer: SparseLinear, impl: str, x: torch.Tensor, weights: list[tuple], calls: int, reps: int,
+             ref: torch.Tensor | None = None) -> tuple[float, str, float]:
     """Milliseconds per call of ``impl`` on ``x``: at least ``calls`` calls in one CUDA graph, in turn on
-    each of ``weights`` (:func:`weight_copies`), median of ``reps`` replays (eagerly timed where it cannot
-    be captured), and how (:func:`~shuffleprune.runtime.cuda_graph_ms`)."""
+    each of ``weights`` (:func:`weight_copies`, the same weight in new memory), median of ``reps`` replays
+    (eagerly timed where it cannot be captured), how (:func:`~shuffleprune.runtime.cuda_graph_ms`), and the
+    largest :func:`relative_error` against ``ref`` of the last calls' outputs as the replays left them (0
+    without ``ref``): in a graph consecutive calls may overlap (programmatic dependents), which one eager call
+    does not show."""
     turns = [weights[i % len(weights)] for i in range(max(calls, len(weights)))]
-    return cuda_graph_ms([lambda w=w: layer.run_on(w, impl, x) for w in turns], reps, warm=3)
+    outputs: list = []
+    ms, how = cuda_graph_ms([lambda w=w: layer.run_on(w, impl, x) for w in turns], reps, warm=3, outputs=outputs)
+    return ms, how, max((relative_error(y, ref) for y in outputs), default=0.0) if ref is not None else 0.0
+
+
+def replay_agrees(layer: SparseLinear, impl: str, error: float) -> bool:
+    """Whether ``impl``'s outputs as replayed (:func:`graph_ms`'s error) are within :data:`AGREE_RTOL`; a
+    warning where they are not (a race between consecutive calls, a workspace one call leaves wrong)."""
+    if error <= AGREE_RTOL:
+        return True
+    warnings.warn(f"SparseLinear {layer.out_features}x{layer.in_features}: {impl} is off by {error:.3g} of the "
+                  "output's scale as replayed in a CUDA graph on this device; not used", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def pdl_retimed(timed: dict[str, float]) -> list[str]:
