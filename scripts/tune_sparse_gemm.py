@@ -57,6 +57,7 @@ def main() -> None:
                                                       plan_fields, sparse_gemm_plan, sparse_wgmma_available,
                                                       staged_within_limit, whole_splits)
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
+    from shuffleprune.deploy.auto_choice import relative_error
     from shuffleprune.runtime import cuda_graph_ms
 
     dev, cuda, shapes, l2, sms = timing_setup(args, [(128, 256)])
@@ -184,9 +185,11 @@ def main() -> None:
                     if found is not None:
                         row["probe"] = found
                 if cuda and err < REFUSED_REL_ERR:
+                    replayed: list = []   # the last two calls as the graph left them (split-K's counters reused)
                     row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_gemm(x_dev, *c, None, tiled=tiled, plan=plan,
                                                                           **run_map)
-                                               for c in copies], args.reps)[0]
+                                               for c in copies], args.reps, outputs=replayed)[0]
+                    row["replayed_rel_err"] = max(relative_error(o, ref) for o in replayed)
                     row["speedup_vs_dense"] = dense / row["ms"]
                     row["tflops_dense_equiv"] = 2 * tokens * out_f * in_f / row["ms"] / 1e9
                     case.append(row)

@@ -65,6 +65,7 @@ def main() -> None:
     from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, FRAGMENT_KNOBS, launch_plan, nm_sparse_mma,
                                                      plan_fields, set_fragment_reading, sparse_mma_plan, tall_plan,
                                                      tall_worth_weighing)
+    from shuffleprune.deploy.auto_choice import relative_error
     from shuffleprune.runtime import cuda_graph_ms
 
     dev, cuda, shapes, l2, sms = timing_setup(args, [(64, 256), (128, 384)])
@@ -181,9 +182,11 @@ def main() -> None:
                 err = float((y.float() - want_here).abs().max() / (want_here.abs().max().item() or 1.0))
                 row.update(plan=plan_fields(plan), rel_err=err)
                 if cuda and err < REFUSED_REL_ERR:
+                    replayed: list = []   # the last two calls as the graph left them (split-K's counters reused)
                     row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_mma(x_dev, *c, None, tiled=tiled, perm=p_dev,
                                                                          tall=bool(tall), **override) for c in copies],
-                                              args.reps)[0]
+                                              args.reps, outputs=replayed)[0]
+                    row["replayed_rel_err"] = max(relative_error(o, want_here) for o in replayed)
                     row["speedup_vs_dense"] = dense / row["ms"]
                     row["tb_s"] = (values.numel() * 2 * 9 / 8 + x.numel() * 2 + out_f * tokens * 2) / row["ms"] / 1e9
                     case.append(row)
