@@ -6,7 +6,9 @@ steps' results (``tune_sparse_mma.json``, ``tune_sparse_gemm.json``) and hung ma
 - the sparse-MMA decode where the probe found no reading of the fragments right, and every launch it checked was
   refused: the decodes, and the mma.sp GEMM (the same fragments);
 - a prompt-GEMM form (mma.sp, wgmma, wgmma reading a map) with checked launches and none right: that form (the
-  wgmma one with its mapped decode, unless that was checked right itself: the same text reads both).
+  wgmma one with its mapped decode, unless that was checked right itself: the same text reads both);
+- the same, read off the outputs the timed CUDA graphs left (``replayed_rel_err``): a decode, or a GEMM form, right
+  in its one checked call but wrong in every timed graph (calls reusing the split-K counters, or overlapping).
 
 ``auto`` checks each candidate's output before timing it, so a wrong kernel never serves, but it costs each layer a
 compile and a launch, and the kernel table times it anyway; a hung one would take the step's whole limit.
@@ -67,24 +69,33 @@ def left_out(results: Path, since: float = 0.0, tag: str = "") -> dict[str, str]
             out.setdefault(name, f"a launch hung in {path.stem} ({json.dumps(hung)[:160]})")
     found = _read(decode, since)
     if found:
-        checked = [r for r in found.get("rows", []) if r.get("impl", "").startswith("sparse_mma") and "rel_err" in r]
+        rows = [r for r in found.get("rows", []) if r.get("impl", "").startswith("sparse_mma")]
+        checked = [r for r in rows if "rel_err" in r]
         probed_wrong = found.get("probe") and found.get("reading") is None
         if probed_wrong and not any(r["rel_err"] < REFUSED_REL_ERR for r in checked):
             for name in (*SPARSE_MMA_DECODES, SPARSE_GEMM):
                 out.setdefault(name, "no reading of the sparse MMA's fragments was right (tune_sparse_mma probe)")
+        replayed = [r["replayed_rel_err"] for r in rows if r.get("replayed_rel_err") is not None]
+        if replayed and min(replayed) >= REFUSED_REL_ERR:
+            for name in SPARSE_MMA_DECODES:
+                out.setdefault(name, f"wrong as replayed in all {len(replayed)} timed CUDA graphs (least error "
+                                     f"{min(replayed):.2g}, tune_sparse_mma)")
     found = _read(gemm, since)
     if found:
-        errors: dict[str, list[float]] = {}   # each form's checked launches
-        for r in found.get("rows", []):
-            if r.get("impl") == "sparse_gemm" and "rel_err" in r:
-                errors.setdefault(gemm_policy(r["plan"]), []).append(r["rel_err"])
-        right = {name for name, errs in errors.items() if min(errs) < REFUSED_REL_ERR}
-        for name, errs in errors.items():
-            if name not in right:
-                why = f"all {len(errs)} checked launches wrong (least error {min(errs):.2g}, tune_sparse_gemm)"
-                out.setdefault(name, why)
-                if name == SPARSE_WGMMA and SPARSE_WGMMA_MAPPED not in right:   # its text, its operands' reading
-                    out.setdefault(SPARSE_WGMMA_MAPPED, f"{SPARSE_WGMMA}'s form: {why}")
+        gemm_rows = [r for r in found.get("rows", []) if r.get("impl") == "sparse_gemm"]
+        for key, what in (("rel_err", "checked launches wrong"),
+                          ("replayed_rel_err", "timed CUDA graphs wrong as replayed")):
+            errors: dict[str, list[float]] = {}   # each form's errors of this kind
+            for r in gemm_rows:
+                if r.get(key) is not None:
+                    errors.setdefault(gemm_policy(r["plan"]), []).append(r[key])
+            right = {name for name, errs in errors.items() if min(errs) < REFUSED_REL_ERR}
+            for name, errs in errors.items():
+                if name not in right:
+                    why = f"all {len(errs)} {what} (least error {min(errs):.2g}, tune_sparse_gemm)"
+                    out.setdefault(name, why)
+                    if name == SPARSE_WGMMA and SPARSE_WGMMA_MAPPED not in right:   # its text, its operands' reading
+                        out.setdefault(SPARSE_WGMMA_MAPPED, f"{SPARSE_WGMMA}'s form: {why}")
     return out
 
 

@@ -51,6 +51,27 @@ def test_a_probe_with_no_right_reading_leaves_out_the_decodes_and_the_mma_sp_gem
     assert leave_out.left_out(tmp_path) == {}   # a right reading: its wrong rows are the plans', not the fragments'
 
 
+def test_a_kernel_right_in_its_check_but_wrong_in_every_timed_graph_is_left_out(tmp_path):
+    def replayed(row: dict, err: float) -> dict:
+        return {**row, "ms": 0.1, "replayed_rel_err": err}
+
+    _write(tmp_path / "tune_sparse_gemm.json", {"rows": [
+        replayed(_gemm_row(1e-3, False), 1e-3), replayed(_gemm_row(1e-3, False), 0.8),   # mma.sp: one graph right
+        replayed(_gemm_row(2e-3, True), 0.5), replayed(_gemm_row(2e-3, True), 0.9)]})    # wgmma: every graph wrong
+    found = leave_out.left_out(tmp_path)
+    assert set(found) == {SPARSE_WGMMA, SPARSE_WGMMA_MAPPED}
+    assert "all 2 timed CUDA graphs wrong as replayed (least error 0.5" in found[SPARSE_WGMMA]
+    rows = [replayed({"impl": "sparse_mma", "rel_err": 1e-3}, 0.3),
+            replayed({"impl": "sparse_mma_tall", "rel_err": 1e-3}, 1.0),
+            {"impl": "sparse_mma", "rel_err": 0.9}]   # refused, never timed: no replayed error
+    _write(tmp_path / "tune_sparse_mma.json", {"rows": rows})
+    found = leave_out.left_out(tmp_path)
+    assert set(SPARSE_MMA_DECODES) <= set(found) and "wrong as replayed in all 2 timed" in found[SPARSE_MMA_DECODES[0]]
+    rows[0]["replayed_rel_err"] = 4e-3   # one graph right: the decodes stay
+    _write(tmp_path / "tune_sparse_mma.json", {"rows": rows})
+    assert not set(SPARSE_MMA_DECODES) & set(leave_out.left_out(tmp_path))
+
+
 def test_a_hung_launch_leaves_out_its_kernel_and_files_of_an_earlier_call_are_not_read(tmp_path):
     gemm = tmp_path / "tune_sparse_gemm.json"
     _write(kernel_cases.hung_marker(gemm), {"kernel": "sparse_gemm", "plan": {"wgmma": True, "mapped": False}})
