@@ -302,10 +302,11 @@ def main() -> None:
         tokens_list = args.tokens or TOKENS
     l2 = l2_bytes(device)
 
-    def timed(calls: list, outputs: list | None = None) -> tuple[float, str]:
+    def timed(calls: list, outputs: list | None = None, what: str = "a timed call", fix: str = "") -> tuple[float, str]:
         """Milliseconds per call over the rotating copies: CUDA graph replays (eager events if the
         capture fails); one wall-clock pass on the CPU smoke run. ``outputs`` receives the last calls'
-        outputs as the timed runs left them (``runtime.cuda_graph_ms``)."""
+        outputs as the timed runs left them; a call that never finishes is a ``DeviceFault`` naming ``what``
+        and ``fix`` (``runtime.cuda_graph_ms``)."""
         if not cuda:
             t = time.perf_counter()
             kept = last_outputs(calls)
@@ -313,7 +314,7 @@ def main() -> None:
             if outputs is not None:
                 outputs.extend(kept)
             return ms, "wall"
-        return cuda_graph_ms(calls, args.reps, outputs=outputs)   # compiled, chosen and allocated in its warm-up
+        return cuda_graph_ms(calls, args.reps, outputs=outputs, what=what, fix=fix)   # compiled in its warm-up
 
     rows: list[dict] = []
     norm_rows: list[dict] = []
@@ -488,7 +489,8 @@ def main() -> None:
                 try:
                     y = layers[impl][0](inp)
                     finish_or_fault(y, *culprit(impl, out_f, in_f, tokens))   # one that never finishes
-                    ms, how = timed([lambda l=l: l(inp) for l in layers[impl]], replayed)
+                    ms, how = timed([lambda l=l: l(inp) for l in layers[impl]], replayed,
+                                    *culprit(impl, out_f, in_f, tokens))
                 except candidate_errors() as exc:
                     fault_check(exc, impl, out_f, in_f, tokens)
                     rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,

@@ -137,7 +137,6 @@ def checked_launch(run, label: dict, out: Path, limit_s: float = HANG_LIMIT_S):
     :data:`HUNG_EXIT`, without the interpreter's cleanup (which could wait on the GPU); ``gpu_run.sh`` leaves that
     kernel out of the steps after. On the CPU, ``run()`` alone."""
     import json
-    import os
 
     from shuffleprune.runtime import DeviceFault, finish_or_fault
 
@@ -145,7 +144,30 @@ def checked_launch(run, label: dict, out: Path, limit_s: float = HANG_LIMIT_S):
     try:
         finish_or_fault(y, json.dumps(label), limit_s=limit_s)
     except DeviceFault as exc:
-        hung_marker(out).write_text(json.dumps({**label, "seconds": limit_s}) + "\n")
-        print(f"hung: {exc}; the process ends (exit {HUNG_EXIT})", flush=True)
-        os._exit(HUNG_EXIT)
+        _end_hung(exc, label, out, limit_s)
     return y
+
+
+def checked_timing(calls: list, reps: int, label: dict, out: Path, outputs: list | None = None,
+                   limit_s: float = HANG_LIMIT_S) -> float:
+    """``runtime.cuda_graph_ms`` of ``calls`` (ms per call), each wait for the GPU bounded by ``limit_s``: a launch
+    whose check finished but that never finishes in the warm rounds or as replayed in the graph ends the process
+    as :func:`checked_launch` does, named in :func:`hung_marker`."""
+    import json
+
+    from shuffleprune.runtime import DeviceFault, cuda_graph_ms
+
+    try:
+        return cuda_graph_ms(calls, reps, outputs=outputs, what=json.dumps(label), limit_s=limit_s)[0]
+    except DeviceFault as exc:
+        _end_hung(exc, {**label, "timed": True}, out, limit_s)
+
+
+def _end_hung(exc: Exception, label: dict, out: Path, limit_s: float):
+    """Name the launch that hung in :func:`hung_marker` and end the process at once with :data:`HUNG_EXIT`."""
+    import json
+    import os
+
+    hung_marker(out).write_text(json.dumps({**label, "seconds": limit_s}) + "\n")
+    print(f"hung: {exc}; the process ends (exit {HUNG_EXIT})", flush=True)
+    os._exit(HUNG_EXIT)

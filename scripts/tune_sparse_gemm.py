@@ -47,7 +47,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from kernel_cases import (REFUSED_REL_ERR, checked_launch, dense_ms, hung_marker, random_24_layer,
+    from kernel_cases import (REFUSED_REL_ERR, checked_launch, checked_timing, dense_ms, hung_marker, random_24_layer,
                               rotated_copies, run_facts, timing_setup)
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.kernels.gpu import smem_per_block_optin
@@ -58,7 +58,6 @@ def main() -> None:
                                                       staged_within_limit, whole_splits)
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
     from shuffleprune.deploy.auto_choice import relative_error
-    from shuffleprune.runtime import cuda_graph_ms
 
     dev, cuda, shapes, l2, sms = timing_setup(args, [(128, 256)])
     if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
@@ -165,13 +164,13 @@ def main() -> None:
                 row = {"shape": [out_f, in_f], "tokens": tokens, "impl": "sparse_gemm", "layout": layout,
                        "plan": plan_fields(plan), "planned": plan in planned, "grid": list(plan.grid(tokens, out_f)),
                        "traffic_mb": round(gemm_traffic(plan, tokens, out_f, in_f) / 1e6, 1)}
+                label = {"kernel": "sparse_gemm", "shape": [out_f, in_f], "tokens": tokens, "layout": layout,
+                         "plan": plan_fields(plan)}   # what a hung marker names
                 try:
                     check_gemm_plan(plan, out_f, in_f, shared_limit)
                     if cuda:   # a launch that never finishes ends the process, named in the hung marker
                         y = checked_launch(lambda: nm_sparse_gemm(x_dev, *copies[0], None, tiled=tiled, plan=plan,
-                                                                  **run_map),
-                                           {"kernel": "sparse_gemm", "shape": [out_f, in_f], "tokens": tokens,
-                                            "layout": layout, "plan": plan_fields(plan)}, out)
+                                                                  **run_map), label, out)
                     else:
                         y = run_gemm_cpu(x, values, lw, None, tiled, plan, perm=perm if mapped else None)
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit, compile or run: recorded
@@ -186,9 +185,9 @@ def main() -> None:
                         row["probe"] = found
                 if cuda and err < REFUSED_REL_ERR:
                     replayed: list = []   # the last two calls as the graph left them (split-K's counters reused)
-                    row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_gemm(x_dev, *c, None, tiled=tiled, plan=plan,
-                                                                          **run_map)
-                                               for c in copies], args.reps, outputs=replayed)[0]
+                    row["ms"] = checked_timing([lambda c=c: nm_sparse_gemm(x_dev, *c, None, tiled=tiled, plan=plan,
+                                                                           **run_map)
+                                                for c in copies], args.reps, label, out, replayed)   # hung: named
                     row["replayed_rel_err"] = max(relative_error(o, ref) for o in replayed)
                     row["speedup_vs_dense"] = dense / row["ms"]
                     row["tflops_dense_equiv"] = 2 * tokens * out_f * in_f / row["ms"] / 1e9

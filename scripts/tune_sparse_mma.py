@@ -59,14 +59,13 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from kernel_cases import (REFUSED_REL_ERR, checked_launch, dense_ms, hung_marker, random_24_layer,
+    from kernel_cases import (REFUSED_REL_ERR, checked_launch, checked_timing, dense_ms, hung_marker, random_24_layer,
                               rotated_copies, run_facts, timing_setup)
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, FRAGMENT_KNOBS, launch_plan, nm_sparse_mma,
                                                      plan_fields, set_fragment_reading, sparse_mma_plan, tall_plan,
                                                      tall_worth_weighing)
     from shuffleprune.deploy.auto_choice import relative_error
-    from shuffleprune.runtime import cuda_graph_ms
 
     dev, cuda, shapes, l2, sms = timing_setup(args, [(64, 256), (128, 384)])
     if args.smoke:   # the kernel's text on the CPU, under the tests' emulator
@@ -164,13 +163,12 @@ def main() -> None:
                        "layout": layout, "map": kind, "override": override}
                 p_dev = perm.to(dev) if mapped else None
                 want_here = want if p_dev is None else want_mapped
+                label = {"kernel": "sparse_mma", "shape": [out_f, in_f], "tokens": tokens, "layout": layout,
+                         "map": kind, "tall": bool(tall), "override": override}   # what a hung marker names
                 try:
                     if cuda:   # a launch that never finishes ends the process, named in the hung marker
                         y = checked_launch(lambda: nm_sparse_mma(x_dev, *copies[0], None, tiled=tiled, perm=p_dev,
-                                                                 tall=bool(tall), **override),
-                                           {"kernel": "sparse_mma", "shape": [out_f, in_f], "tokens": tokens,
-                                            "layout": layout, "map": kind, "tall": bool(tall), "override": override},
-                                           out)
+                                                                 tall=bool(tall), **override), label, out)
                         plan = launch_plan(x_dev, copies[0][0], tiled, False, mapped, bool(tall), **override)
                     else:
                         plan = (tall_plan if tall else sparse_mma_plan)(tokens, out_f, in_f, sms, DEFAULT_CTAS_PER_SM,
@@ -183,9 +181,9 @@ def main() -> None:
                 row.update(plan=plan_fields(plan), rel_err=err)
                 if cuda and err < REFUSED_REL_ERR:
                     replayed: list = []   # the last two calls as the graph left them (split-K's counters reused)
-                    row["ms"] = cuda_graph_ms([lambda c=c: nm_sparse_mma(x_dev, *c, None, tiled=tiled, perm=p_dev,
-                                                                         tall=bool(tall), **override) for c in copies],
-                                              args.reps, outputs=replayed)[0]
+                    row["ms"] = checked_timing([lambda c=c: nm_sparse_mma(x_dev, *c, None, tiled=tiled, perm=p_dev,
+                                                                          tall=bool(tall), **override) for c in copies],
+                                               args.reps, label, out, replayed)   # one hung only as replayed: named
                     row["replayed_rel_err"] = max(relative_error(o, want_here) for o in replayed)
                     row["speedup_vs_dense"] = dense / row["ms"]
                     row["tb_s"] = (values.numel() * 2 * 9 / 8 + x.numel() * 2 + out_f * tokens * 2) / row["ms"] / 1e9

@@ -141,7 +141,8 @@ REPLAYED_KEPT = 2   # cuda_graph_ms keeps the outputs of this many last calls: a
 
 
 def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 2,
-                  outputs: list | None = None) -> tuple[float, str]:
+                  outputs: list | None = None, what: str = "a timed call", fix: str = "",
+                  limit_s: float | None = None) -> tuple[float, str]:
     """Milliseconds per call of ``calls`` (run in turn, e.g. one per rotating weight copy) as a model
     served with CUDA graphs runs them: ``warm`` eager rounds on the capturing stream (compiles,
     library handles, workspaces), then one graph of every call whose replays are timed with events,
@@ -149,13 +150,19 @@ def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 
     and the host's launch cost counts. Returns ``(ms, "cuda_graph" | "events")``. ``outputs``, where
     given, receives what the last :data:`REPLAYED_KEPT` calls returned as the timed runs left it (a
     replay rewrites the captured outputs in place): a check of the results as served, where consecutive
-    calls may overlap, not only of one eager call."""
+    calls may overlap, not only of one eager call. Every wait for the GPU polls (:func:`wait_or_fault`): a
+    call that never finishes, in the warm rounds or only as replayed, is a :class:`DeviceFault` naming
+    ``what`` and ``fix`` after ``limit_s`` (default :data:`HANG_LIMIT_S`), not a process hung until its step's
+    limit."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warm):
             for call in calls:
                 call()
+    warmed = torch.cuda.Event()
+    warmed.record(side)
+    wait_or_fault(warmed, what, fix, limit_s)
     torch.cuda.synchronize()
     kept: list = []
     try:
@@ -170,8 +177,11 @@ def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 
         def run() -> None:
             kept[:] = last_outputs(calls)
         how = "events"
-    run()
-    ms = _events_ms(run, reps, len(calls))
+    run()   # one replay untimed, waited for with a limit
+    replayed = torch.cuda.Event()
+    replayed.record()
+    wait_or_fault(replayed, what, fix, limit_s)
+    ms = _events_ms(run, reps, len(calls), what, fix, limit_s)
     if outputs is not None:
         outputs.extend(kept)
     return ms, how
@@ -245,13 +255,20 @@ def finish_or_fault(y: object, what: str, fix: str = "", limit_s: float | None =
     kernel that never returns (a wrong barrier or loop) would otherwise hang the process at its next
     synchronisation. The GPU is left running it, so the process has to end. Nothing to wait for on the CPU.
     ``limit_s`` defaults to :data:`HANG_LIMIT_S`."""
-    import time
-
     if getattr(y, "is_cuda", False) is not True:
         return
-    limit_s = HANG_LIMIT_S if limit_s is None else limit_s
-    done, start = torch.cuda.Event(), time.perf_counter()
+    done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(getattr(y, "device", None)))   # on y's device, not the current one
+    wait_or_fault(done, what, fix, limit_s)
+
+
+def wait_or_fault(done, what: str, fix: str = "", limit_s: float | None = None) -> None:
+    """Poll the CUDA event ``done`` until the work recorded before it ends; :class:`DeviceFault` naming ``what``
+    and ``fix`` where it has not after ``limit_s`` seconds (default :data:`HANG_LIMIT_S`)."""
+    import time
+
+    limit_s = HANG_LIMIT_S if limit_s is None else limit_s
+    start = time.perf_counter()
     while not done.query():
         if time.perf_counter() - start > limit_s:
             raise DeviceFault(f"{what} did not finish in {limit_s:g} s on this GPU (a kernel that never returns); the "
@@ -287,15 +304,17 @@ def eager_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 1) ->
     return _events_ms(run, reps, len(calls))
 
 
-def _events_ms(run: Callable[[], None], reps: int, calls: int) -> float:
-    """The median over ``reps`` of ``run``'s time between two CUDA events, per one of its ``calls``."""
+def _events_ms(run: Callable[[], None], reps: int, calls: int, what: str = "a timed call",
+               fix: str = "", limit_s: float | None = None) -> float:
+    """The median over ``reps`` of ``run``'s time between two CUDA events, per one of its ``calls``; each wait
+    polls (:func:`wait_or_fault`, naming ``what`` and ``fix``)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
         end.record()
-        end.synchronize()
+        wait_or_fault(end, what, fix, limit_s)
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 

@@ -1055,7 +1055,7 @@ def test_auto_times_the_two_fastest_triton_kernels_again_as_dependent_launches(m
 
     def measure(graph: dict[str, float], how: str = "cuda_graph",
                 candidates=("decode", "decode_swap", "decode_select", "scratch")) -> tuple[str, str]:
-        monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2, outputs=None: (
+        monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2, outputs=None, **kw: (
             outputs.append(calls[0]()), graph[ran[-1]], how if ran[-1].endswith("+pdl") else "cuda_graph")[1:])
         ran.clear()
         return auto_choice.measure(layer, x, list(candidates))
@@ -1105,7 +1105,7 @@ def test_auto_times_each_candidate_over_copies_of_the_weight_in_turn(monkeypatch
         ran.append((self.values.data_ptr(), self.meta.data_ptr(), self.tiled and self._packed_buffer().data_ptr()))
         return original(self, impl, x)
 
-    def graph_timer(calls, reps, warm=2, outputs=None):
+    def graph_timer(calls, reps, warm=2, outputs=None, **kw):
         start = len(ran)
         outputs.extend(c() for c in calls)
         graphs.append(ran[start:])
@@ -1438,7 +1438,7 @@ def _fake_timers(monkeypatch, graph_ms: dict[str, float], eager: dict[str, float
         ran.append(impl)
         return self.reference(x)
 
-    def graph_timer(calls, reps, warm=2, outputs=None):
+    def graph_timer(calls, reps, warm=2, outputs=None, **kw):
         outputs.append(calls[0]())
         return graph_ms[ran[-1]], "cuda_graph"
 
@@ -1602,7 +1602,7 @@ def test_auto_skips_a_candidate_that_cannot_run_on_this_device(monkeypatch):
         fake_timer.impl = impl
         return torch.ones(4, 24)
 
-    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2, outputs=None: (
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2, outputs=None, **kw: (
         outputs.append(calls[0]()), fake_timer(calls, reps))[1])
     monkeypatch.setattr(SparseLinear, "run", fake_run)
     monkeypatch.setattr(SparseLinear, "reference", lambda self, x: torch.ones(4, 24))
@@ -1643,7 +1643,7 @@ def test_auto_stops_at_a_candidate_that_faults_the_gpu_and_leaves_out_those_name
     monkeypatch.setattr(SparseLinear, "run", fake_run)
     monkeypatch.setattr(SparseLinear, "reference", lambda self, x: torch.ones(4, 24))
     monkeypatch.setattr(auto_choice, "cuda_graph_ms",
-                        lambda calls, reps, warm=2, outputs=None: (outputs.append(calls[0]()), (0.5, "cuda_graph"))[1])
+                        lambda calls, reps, warm=2, outputs=None, **kw: (outputs.append(calls[0]()), (0.5, "cuda_graph"))[1])
     _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm)
     x = torch.randn(4, 64).half()
@@ -1770,7 +1770,7 @@ def test_auto_ends_with_a_device_fault_naming_a_candidate_that_never_finishes(mo
 
     _gpu_that_never_finishes(monkeypatch)
     monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: on_gpu if impl == "decode_swap" else self.reference(x))
-    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2, outputs=None: (0.1, "cuda_graph"))
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", lambda calls, reps, warm=2, outputs=None, **kw: (0.1, "cuda_graph"))
     with pytest.raises(DeviceFault, match=r"decode_swap on 3 tokens did not finish in 0.05 s.*"
                                           r"SHUFFLEPRUNE_SKIP_IMPLS=decode_swap"):
         auto_choice.measure(layer, x, ["scratch", "decode_swap", "gather"])
@@ -1788,7 +1788,7 @@ def test_auto_drops_a_candidate_whose_replayed_output_disagrees_though_its_eager
     monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: ran.append(impl) or ref)   # every eager call right
     speed = {"decode": 0.1, "decode_swap": 0.2, "scratch": 0.7}
 
-    def replayed(calls, reps, warm=2, outputs=None):   # decode's last call as replayed: overwritten by the next one
+    def replayed(calls, reps, warm=2, outputs=None, **kw):   # decode's last call as replayed: overwritten by the next one
         calls[-1]()
         outputs.extend([ref, ref * 2 if ran[-1] == "decode" else ref])
         return speed[ran[-1]], "cuda_graph"
@@ -1798,6 +1798,27 @@ def test_auto_drops_a_candidate_whose_replayed_output_disagrees_though_its_eager
         assert auto_choice.measure(layer, x, ["decode", "decode_swap", "scratch"]) == ("decode_swap", "decode_swap")
     no_ref = auto_choice.graph_ms(layer, "scratch", x, layer.weight_copies(1), 3, 1, None)
     assert no_ref == (0.7, "cuda_graph", 0.0)   # no reference: no error asked
+
+
+def test_auto_names_a_candidate_that_never_finishes_only_as_timed(monkeypatch):
+    """A candidate whose checked call finished but whose timed graph never does (``cuda_graph_ms``'s bounded
+    waits) ends ``auto`` with a DeviceFault naming it and the setting that leaves it out."""
+    from shuffleprune.runtime import DeviceFault
+
+    w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
+    layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
+    monkeypatch.setattr(SparseLinear, "run", lambda self, impl, x: self.reference(x))
+
+    def timer(calls, reps, warm=2, outputs=None, what="", fix="", **kw):
+        if "decode_swap" in what:
+            raise DeviceFault(f"{what} did not finish in 30 s on this GPU; {fix}")
+        outputs.append(calls[0]())
+        return 0.5, "cuda_graph"
+
+    monkeypatch.setattr(auto_choice, "cuda_graph_ms", timer)
+    with pytest.raises(DeviceFault, match=r"24x64: decode_swap on 3 tokens did not finish.*"
+                                          r"SHUFFLEPRUNE_SKIP_IMPLS=decode_swap"):
+        auto_choice.measure(layer, x, ["scratch", "decode_swap"])
 
 
 def test_the_graph_timer_keeps_the_last_two_calls_outputs_and_lets_the_others_go():

@@ -111,3 +111,31 @@ def test_checked_launch_ends_the_process_naming_a_launch_that_never_finishes(mon
     assert ended.value.code == kernel_cases.HUNG_EXIT
     assert json.loads(kernel_cases.hung_marker(out).read_text()) == {"kernel": "sparse_gemm", "plan": {"wgmma": True},
                                                                        "seconds": 0.05}
+
+
+def test_checked_timing_ends_the_process_naming_a_launch_that_hangs_only_as_timed(monkeypatch, tmp_path):
+    from shuffleprune import runtime
+    from shuffleprune.runtime import DeviceFault
+
+    out = tmp_path / "tune_sparse_mma.json"
+    asked = {}
+
+    def timer(calls, reps, outputs=None, what="", limit_s=None, **kw):
+        asked.update(what=what, limit_s=limit_s)
+        if limit_s < 1:
+            raise DeviceFault(f"{what} did not finish in {limit_s:g} s on this GPU")
+        outputs.append("y")
+        return 0.25, "cuda_graph"
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(runtime, "cuda_graph_ms", timer)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    label, outputs = {"kernel": "sparse_mma", "tokens": 16}, []
+    assert kernel_cases.checked_timing([], 3, label, out, outputs, limit_s=5) == 0.25 and outputs == ["y"]
+    assert json.loads(asked["what"]) == label and not kernel_cases.hung_marker(out).exists()
+    with pytest.raises(SystemExit) as ended:
+        kernel_cases.checked_timing([], 3, label, out, [], limit_s=0.05)
+    assert ended.value.code == kernel_cases.HUNG_EXIT
+    assert json.loads(kernel_cases.hung_marker(out).read_text()) == {**label, "timed": True, "seconds": 0.05}

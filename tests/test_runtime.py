@@ -125,3 +125,61 @@ def test_run_to_fault_ends_a_gpu_script_at_once_on_a_device_fault(tmp_path):
     assert fault.returncode == 1 and "DeviceFault: decode_x hung" in fault.stderr and "cleanup ran" not in fault.stdout
     other = subprocess.run([sys.executable, str(script), "other"], capture_output=True, text=True)
     assert other.returncode == 1 and "ValueError: decode_x hung" in other.stderr and "cleanup ran" in other.stdout
+
+
+class _TimedGpu:
+    """torch.cuda's streams, graphs and events as ``cuda_graph_ms`` uses them, with no GPU: each event recorded
+    after ``hang_from`` graph replays (None: never) never completes; a completed timing pair spans 2 ms."""
+
+    def __init__(self, monkeypatch, hang_from: int | None = None):
+        import contextlib
+
+        gpu = self
+        self.replays, self.hang_from = 0, hang_from
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.hung = False
+
+            def record(self, stream=None):
+                self.hung = gpu.hang_from is not None and gpu.replays >= gpu.hang_from
+
+            def query(self):
+                return not self.hung
+
+            def elapsed_time(self, end):
+                return 2.0
+
+        class Graph:
+            def replay(self):
+                gpu.replays += 1
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: type("S", (), {"wait_stream": lambda s, o: None})())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", lambda graph, stream=None: contextlib.nullcontext())
+
+
+def test_a_timed_call_that_never_finishes_as_replayed_is_a_device_fault_naming_it(monkeypatch):
+    """Each wait of the CUDA-graph timer polls with a limit: a kernel whose eager check finished but that never
+    returns in the graph's replays ends the timing with a DeviceFault naming the candidate, not a process hung
+    until its step's time limit; one that finishes is timed, and its last two outputs come back."""
+    from shuffleprune.runtime import DeviceFault, cuda_graph_ms
+
+    _TimedGpu(monkeypatch)
+    outputs: list = []
+    calls = [lambda i=i: torch.full((1,), float(i)) for i in range(4)]
+    assert cuda_graph_ms(calls, reps=3, outputs=outputs, limit_s=0.05) == (0.5, "cuda_graph")   # 2 ms over 4 calls
+    assert [int(y) for y in outputs] == [2, 3]
+    gpu = _TimedGpu(monkeypatch, hang_from=1)   # the first replay never ends
+    with pytest.raises(DeviceFault, match=r"^decode \(64x64, 1 tokens\) did not finish in 0.05 s on this GPU.*"
+                                          r"SHUFFLEPRUNE_SKIP_IMPLS=decode$"):
+        cuda_graph_ms(calls, reps=3, what="decode (64x64, 1 tokens)", fix="SHUFFLEPRUNE_SKIP_IMPLS=decode",
+                      limit_s=0.05)
+    assert gpu.replays == 1   # stopped at the first wait after it
+    _TimedGpu(monkeypatch, hang_from=0)   # already in the eager warm rounds
+    with pytest.raises(DeviceFault, match=r"^a timed call did not finish in 0.05 s"):
+        cuda_graph_ms(calls, reps=3, limit_s=0.05)
