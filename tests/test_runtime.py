@@ -183,3 +183,27 @@ def test_a_timed_call_that_never_finishes_as_replayed_is_a_device_fault_naming_i
     _TimedGpu(monkeypatch, hang_from=0)   # already in the eager warm rounds
     with pytest.raises(DeviceFault, match=r"^a timed call did not finish in 0.05 s"):
         cuda_graph_ms(calls, reps=3, limit_s=0.05)
+
+
+def test_a_wait_for_the_gpu_spins_before_it_sleeps(monkeypatch):
+    """A timed replay's wait ends as the GPU does, not up to a millisecond's sleep later (about 25 s over the
+    kernel table): ``wait_or_fault`` queries without sleeping for ``SPIN_S``, then sleeps between queries."""
+    import time
+
+    from shuffleprune import runtime
+
+    class Event:   # done after `after` queries
+        def __init__(self, after):
+            self.after, self.asked = after, 0
+
+        def query(self):
+            self.asked += 1
+            return self.asked > self.after
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s))
+    runtime.wait_or_fault(Event(50), "a timed call")
+    assert slept == []   # done within the spin: no sleep at all
+    monkeypatch.setattr(runtime, "SPIN_S", 0.0)
+    runtime.wait_or_fault(Event(3), "a timed call")
+    assert slept == [0.001] * 3   # past the spin: a millisecond between queries
