@@ -98,6 +98,18 @@ def own_nvrtc() -> Nvrtc:
     return load_nvrtc(find_nvrtc() or "libnvrtc.so")
 
 
+def nvrtc_status() -> str:
+    """One line on the NVRTC :func:`own_nvrtc` loads: its version and path, and whether it compiles an empty kernel
+    (NVRTC missing its builtins library fails there, not at load), or why it cannot be loaded. For a GPU run's log."""
+    path = find_nvrtc() or "libnvrtc.so"
+    try:
+        nvrtc = load_nvrtc(path)
+        ok, log, _ = nvrtc.compile('extern "C" __global__ void k() {}', "sm_80")
+    except (OSError, AttributeError, RuntimeError) as exc:
+        return f"nvrtc: none loadable ({path}: {str(exc).strip()[:160]}); the sparse-MMA kernels are left to PyTorch's"
+    return f"nvrtc {nvrtc.version()} {path}: " + ("compiles" if ok else "FAILS: " + log.strip()[-200:].replace("\n", " "))
+
+
 @dataclass(frozen=True)
 class CudaSource:
     """One kernel variant as NVRTC compiles it: its full text, the kernel's name in it, and whether it needs the

@@ -487,6 +487,33 @@ def test_nvrtc_is_loaded_after_its_builtins_library_from_the_same_folder(monkeyp
     assert loaded == [("libnvrtc.so", 0)]
 
 
+def test_a_gpu_runs_log_says_which_nvrtc_compiles_and_why_not(monkeypatch):
+    from shuffleprune.kernels import cuda_rtc
+
+    class Nvrtc:
+        def __init__(self, ok):
+            self.ok = ok
+
+        def version(self):
+            return "13.0"
+
+        def compile(self, source, arch, report=False):
+            return self.ok, "nvrtc: error: failed to open libnvrtc-builtins.so.13.0.\n", b""
+
+    monkeypatch.setattr(cuda_rtc, "find_nvrtc", lambda: "/site/nvidia/cu13/lib/libnvrtc.so.13")
+    monkeypatch.setattr(cuda_rtc, "load_nvrtc", lambda path: Nvrtc(True))
+    assert cuda_rtc.nvrtc_status() == "nvrtc 13.0 /site/nvidia/cu13/lib/libnvrtc.so.13: compiles"
+    monkeypatch.setattr(cuda_rtc, "load_nvrtc", lambda path: Nvrtc(False))
+    assert cuda_rtc.nvrtc_status().endswith("FAILS: nvrtc: error: failed to open libnvrtc-builtins.so.13.0.")
+
+    def missing(path):
+        raise OSError(f"{path}: cannot open shared object file")
+
+    monkeypatch.setattr(cuda_rtc, "load_nvrtc", missing)
+    status = cuda_rtc.nvrtc_status()
+    assert status.startswith("nvrtc: none loadable (/site/nvidia/cu13/lib/libnvrtc.so.13: ") and "\n" not in status
+
+
 def test_compile_own_asks_nvrtc_for_the_architecture_specific_target(monkeypatch, tmp_path):
     from shuffleprune.kernels import cuda_rtc
 
