@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-if not torch.cuda.is_available():  # Triton kernels run on the CPU through the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():  # Triton kernels run on the CPU through the interpreter: set before anything
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # imports Triton (transformers 5.17 does, and Triton 3.6
+    # then ran a kernel's helpers compiled, not interpreted: "Cannot call @triton.jit'd outside of ... a kernel")
+
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
 if os.environ.get("TRITON_INTERPRET") == "1":   # ... every access of theirs checked, their programs shuffled
     from interpret_checks import install as _install_kernel_checks, installed_interpreter_mismatch, \
         violations as _kernel_violations
