@@ -93,15 +93,20 @@ def load_nvrtc(path: str) -> Nvrtc:
     return Nvrtc(ctypes.CDLL(path))
 
 
+def own_nvrtc_path() -> str:
+    """The NVRTC library this module calls: the ``nvidia-cuda-nvrtc`` wheel's, else the system's by name."""
+    return find_nvrtc() or "libnvrtc.so"
+
+
 def own_nvrtc() -> Nvrtc:
-    """NVRTC as this module calls it: the ``nvidia-cuda-nvrtc`` wheel's library, else the system's."""
-    return load_nvrtc(find_nvrtc() or "libnvrtc.so")
+    """NVRTC as this module calls it (:func:`own_nvrtc_path`)."""
+    return load_nvrtc(own_nvrtc_path())
 
 
 def nvrtc_status() -> str:
     """One line on the NVRTC :func:`own_nvrtc` loads: its version and path, and whether it compiles an empty kernel
     (NVRTC missing its builtins library fails there, not at load), or why it cannot be loaded. For a GPU run's log."""
-    path = find_nvrtc() or "libnvrtc.so"
+    path = own_nvrtc_path()
     try:
         nvrtc = load_nvrtc(path)
         ok, log, _ = nvrtc.compile('extern "C" __global__ void k() {}', "sm_80")

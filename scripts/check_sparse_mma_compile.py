@@ -110,8 +110,10 @@ def main() -> None:
                              "main_loop": loop_mix(cubin, gpu.arch) if ok else None,
                              "log": None if ok else log[-2000:]}
             info = dict(seen[key])
-            shared = info["shared_bytes"] + plan.dynamic_shared(tokens, mapped) if info["compiled"] else None
-            ctas = resident_programs(gpu, info["registers"], plan.warps, shared) if info["compiled"] else 0   # refused: 0
+            ctas = 0   # a variant NVRTC refused: none (its log kept)
+            if info["compiled"]:
+                ctas = resident_programs(gpu, info["registers"], plan.warps,
+                                         info["shared_bytes"] + plan.dynamic_shared(tokens, mapped))
             grid = plan.grid(shape[0])
             rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled, "mapped": mapped,
                          "pdl": pdl, "tall": tall, "inline": inline, "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": 32 * plan.warps,

@@ -135,9 +135,8 @@ cp -r shuffleprune "$SP/" && cp -r kernels "$SP/shuffleprune/kernels" && cp -r c
 export PYTHONPATH="$SP" PYTHONUNBUFFERED=1
 export SHUFFLEPRUNE_AUTO_STORE=0   # every step measures auto's choices itself (warm_start sets the store up itself)
 [ "$SMOKE" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-$PY -c "import torch, triton, transformers, scipy; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
-# the NVRTC the sparse-MMA kernels compile with, and whether it compiles at all (a missing builtins library, say)
-$PY -c "from shuffleprune.kernels.cuda_rtc import nvrtc_status; print(nvrtc_status())"
+# the versions, then the NVRTC the sparse-MMA kernels compile with and whether it compiles (a missing builtins library)
+$PY -c "import torch, triton, transformers, scipy; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'); from shuffleprune.kernels.cuda_rtc import nvrtc_status; print(nvrtc_status())"
 status=0
 # the sparse-tensor-core kernels' variants (decode and prompt GEMM, every form the steps launch) compiled by NVRTC on
 # 12 of the machine's cores beside the first step (compile_ahead.py), so the steps load their cubins instead of

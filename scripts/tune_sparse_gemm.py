@@ -177,7 +177,7 @@ def main() -> None:
                     rows.append({**row, "ms": None, "error": str(exc).splitlines()[0][:200]})
                     continue
                 ref = want_mapped if mapped else want
-                err = float((y.float() - ref).abs().max() / (ref.abs().max().item() or 1.0))
+                err = relative_error(y, ref)
                 row["rel_err"] = err
                 if err >= REFUSED_REL_ERR or args.probe:   # refused (or asked): the elements the kernel paired
                     found = probe(plan, tiled)

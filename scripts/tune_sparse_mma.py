@@ -102,7 +102,7 @@ def main() -> None:
                     else:
                         y = run_cpu(px, pvalues, lw, None, layout == "tiled",
                                     sparse_mma_plan(3, 128, 512, 4, DEFAULT_CTAS_PER_SM))[0]
-                    result[layout] = float((y.float().cpu() - pwant).abs().max() / pwant.abs().max())
+                    result[layout] = relative_error(y.cpu(), pwant)
                 except Exception as exc:  # noqa: BLE001 - a reading the emulator refuses, or a fault: recorded
                     result[layout] = str(exc).splitlines()[0][:200]
             result["right"] = all(isinstance(result[k], float) and result[k] < REFUSED_REL_ERR
@@ -177,7 +177,7 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - a variation that does not compile or fit: recorded
                     rows.append({**row, "ms": None, "error": str(exc).splitlines()[0][:200]})
                     continue
-                err = float((y.float() - want_here).abs().max() / (want_here.abs().max().item() or 1.0))
+                err = relative_error(y, want_here)
                 row.update(plan=plan_fields(plan), rel_err=err)
                 if cuda and err < REFUSED_REL_ERR:
                     replayed: list = []   # the last two calls as the graph left them (split-K's counters reused)

@@ -135,16 +135,13 @@ def measure(layer: SparseLinear, x: torch.Tensor, candidates: list[str], calls: 
         weights = weight_copies(layer)
         for impl in candidates:
             try:
-                if not agrees(layer, impl, x, ref):
-                    if fallback == impl:
-                        fallback = "scratch"
-                    continue
-                ms, _, replayed_error = graph_ms(layer, impl, x, weights, calls, reps, ref)
-                if not replay_agrees(layer, impl, replayed_error):
-                    if fallback == impl:
-                        fallback = "scratch"
-                    continue
-                timed[impl] = ms
+                if agrees(layer, impl, x, ref):
+                    ms, _, replayed_error = graph_ms(layer, impl, x, weights, calls, reps, ref)
+                    if replay_agrees(layer, impl, replayed_error):
+                        timed[impl] = ms
+                        continue
+                if fallback == impl:   # wrong on this device, in its eager call or as replayed
+                    fallback = "scratch"
             except candidate_errors() as exc:  # e.g. a tile that does not fit this GPU's shared memory
                 raise_if_fault(exc, *_culprit(layer, impl, x))   # not an illegal address: that ends the process
                 continue
@@ -199,12 +196,7 @@ def agrees(layer: SparseLinear, impl: str, x: torch.Tensor, ref: torch.Tensor) -
     ``ref``; a warning where it is not (a kernel miscompiled or racing on this GPU)."""
     y = layer.run(impl, x)
     finish_or_fault(y, *_culprit(layer, impl, x))   # a candidate that never finishes names itself
-    error = relative_error(y, ref)
-    if error <= AGREE_RTOL:
-        return True
-    warnings.warn(f"SparseLinear {layer.out_features}x{layer.in_features}: {impl} is off by {error:.3g} of the "
-                  "output's scale on this device; not used", RuntimeWarning, stacklevel=3)
-    return False
+    return _within_rtol(layer, impl, relative_error(y, ref), "")
 
 
 def graph_ms(layer: SparseLinear, impl: str, x: torch.Tensor, weights: list[tuple], calls: int, reps: int,
@@ -226,10 +218,15 @@ def graph_ms(layer: SparseLinear, impl: str, x: torch.Tensor, weights: list[tupl
 def replay_agrees(layer: SparseLinear, impl: str, error: float) -> bool:
     """Whether ``impl``'s outputs as replayed (:func:`graph_ms`'s error) are within :data:`AGREE_RTOL`; a
     warning where they are not (a race between consecutive calls, a workspace one call leaves wrong)."""
+    return _within_rtol(layer, impl, error, " as replayed in a CUDA graph")
+
+
+def _within_rtol(layer: SparseLinear, impl: str, error: float, how: str) -> bool:
+    """Whether ``error`` is within :data:`AGREE_RTOL`; a warning naming ``impl`` (and ``how`` it ran) where not."""
     if error <= AGREE_RTOL:
         return True
     warnings.warn(f"SparseLinear {layer.out_features}x{layer.in_features}: {impl} is off by {error:.3g} of the "
-                  "output's scale as replayed in a CUDA graph on this device; not used", RuntimeWarning, stacklevel=3)
+                  f"output's scale{how} on this device; not used", RuntimeWarning, stacklevel=4)
     return False
 
 
