@@ -54,11 +54,9 @@ def interpreter_mismatch(triton_version: str, numpy_version: str) -> str | None:
     """Why the installed Triton's interpreter cannot run these tests, or None: before Triton 3.7 it reads a
     one-element block as an index with ``int(array)``, which numpy 2.4 refuses for arrays of one dimension
     (every kernel test would fail with "only 0-dimensional arrays can be converted to Python scalars")."""
-    def release(version: str) -> tuple[int, int]:
-        major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
-        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+    from packaging.version import Version   # transformers' dependency
 
-    if release(triton_version) < (3, 7) and release(numpy_version) >= (2, 4):
+    if Version(triton_version).release[:2] < (3, 7) and Version(numpy_version).release[:2] >= (2, 4):
         return (f"Triton {triton_version}'s interpreter cannot run with numpy {numpy_version} (it reads a block as an "
                 "index through int(array), which numpy 2.4 refuses): pip install 'numpy<2.4' or 'triton>=3.7'")
     return None
