@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+E2E_HANG_LIMIT_S = 60.0   # a timed prompt or 128-token decode still running this long after it was queued has hung
 
 
 def set_cache_length(cache, n: int) -> None:
@@ -163,7 +164,7 @@ def main() -> None:
     from shuffleprune.deploy.impls import split_pdl
     from shuffleprune.deploy.sparse_linear import SparseLinear, release_scratch, use_cslt_layout
     from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, module_bytes, versions
+    from shuffleprune.runtime import machine, module_bytes, sync_or_fault, versions
     from capture_probe import capture_modes, python_profile, step_profile
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -185,7 +186,11 @@ def main() -> None:
     else:
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=args.layers or 32, num_attention_heads=32,
                           num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    def sync() -> None:   # every wait polls with a limit: a model step that never ends is a DeviceFault, named
+        if cuda:
+            sync_or_fault("a timed model call (prompt or decode)", "the kernel choices the log printed last are the "
+                          "suspects; SHUFFLEPRUNE_SKIP_IMPLS leaves a kernel family out", limit_s=E2E_HANG_LIMIT_S,
+                          spin_s=E2E_HANG_LIMIT_S)   # spins: the wall time ends with the GPU, not a sleep later
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)
 
@@ -231,7 +236,7 @@ def main() -> None:
                 del graph, replayed
             except Exception as exc:  # noqa: BLE001 - recorded: the eager time stands
                 print(f"{label}: prefill graph capture failed ({str(exc).splitlines()[0][:120]})", flush=True)
-                torch.cuda.synchronize()
+                sync()
                 probe = capture_modes(model, prefill)   # where it broke, and which capture modes allow it
                 print(json.dumps({"prefill_capture_probe": probe}), flush=True)
         # where an eager prompt's time goes (host queue against the GPU's end, the kernels with the most GPU time):

@@ -266,21 +266,32 @@ SPIN_S = 0.05   # wait_or_fault queries without sleeping this long first, so a t
                # microseconds of the GPU (a 1 ms sleep per wait: about 25 s over bench_kernel's ~34 000 waits)
 
 
-def wait_or_fault(done, what: str, fix: str = "", limit_s: float | None = None) -> None:
-    """Poll the CUDA event ``done`` until the work recorded before it ends (spinning for :data:`SPIN_S`, then
-    a millisecond between queries); :class:`DeviceFault` naming ``what`` and ``fix`` where it has not after
-    ``limit_s`` seconds (default :data:`HANG_LIMIT_S`)."""
+def wait_or_fault(done, what: str, fix: str = "", limit_s: float | None = None, spin_s: float | None = None) -> None:
+    """Poll the CUDA event ``done`` until the work recorded before it ends (spinning for ``spin_s``, default
+    :data:`SPIN_S`, then a millisecond between queries); :class:`DeviceFault` naming ``what`` and ``fix`` where
+    it has not after ``limit_s`` seconds (default :data:`HANG_LIMIT_S`)."""
     import time
 
     limit_s = HANG_LIMIT_S if limit_s is None else limit_s
+    spin_s = SPIN_S if spin_s is None else spin_s
     start = time.perf_counter()
     while not done.query():
         waited = time.perf_counter() - start
         if waited > limit_s:
             raise DeviceFault(f"{what} did not finish in {limit_s:g} s on this GPU (a kernel that never returns); the "
                               "GPU is left running it, so the process has to end" + (f"; {fix}" if fix else ""))
-        if waited > SPIN_S:
+        if waited > spin_s:
             time.sleep(0.001)
+
+
+def sync_or_fault(what: str, fix: str = "", limit_s: float | None = None, spin_s: float | None = None) -> None:
+    """``torch.cuda.synchronize()`` with a hang limit: wait (:func:`wait_or_fault`) for the current stream's
+    work so far, then synchronise the device (at once, unless another stream is still busy). A timer that
+    must end within microseconds of the GPU passes ``spin_s`` = ``limit_s`` (never sleeps)."""
+    done = torch.cuda.Event()
+    done.record()
+    wait_or_fault(done, what, fix, limit_s, spin_s)
+    torch.cuda.synchronize()
 
 
 def run_to_fault(main: Callable[[], object]) -> None:

@@ -207,3 +207,41 @@ def test_a_wait_for_the_gpu_spins_before_it_sleeps(monkeypatch):
     monkeypatch.setattr(runtime, "SPIN_S", 0.0)
     runtime.wait_or_fault(Event(3), "a timed call")
     assert slept == [0.001] * 3   # past the spin: a millisecond between queries
+
+
+def test_a_synchronisation_with_a_limit_spins_as_asked_and_names_a_step_that_never_ends(monkeypatch):
+    """``sync_or_fault`` (bench_e2e's wall-clock timer waits through it): it waits for the current stream's work
+    without a sleep where ``spin_s`` covers the wait (the wall time ends with the GPU), synchronises the device
+    after, and a step that never ends is a DeviceFault naming it, with no device synchronise (that would hang)."""
+    import time
+
+    from shuffleprune import runtime
+    from shuffleprune.runtime import DeviceFault
+
+    class Gpu:
+        def __init__(self, busy_for):
+            self.busy_for, self.synced = busy_for, 0
+
+    gpu = Gpu(200)
+
+    class Event:
+        def record(self, stream=None):
+            self.asked = 0
+
+        def query(self):
+            self.asked += 1
+            return self.asked > gpu.busy_for
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s))
+    monkeypatch.setattr(runtime, "SPIN_S", 0.0)   # only spin_s keeps it from sleeping
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: setattr(gpu, "synced", gpu.synced + 1))
+    runtime.sync_or_fault("a prompt", limit_s=5.0, spin_s=5.0)
+    assert slept == [] and gpu.synced == 1
+    runtime.sync_or_fault("a prompt", limit_s=5.0)   # the default spin (0 here): sleeps between queries
+    assert slept == [0.001] * 200 and gpu.synced == 2
+    gpu.busy_for = 10**12
+    with pytest.raises(DeviceFault, match=r"^a decode did not finish in 0.02 s on this GPU.*; try X$"):
+        runtime.sync_or_fault("a decode", "try X", limit_s=0.02, spin_s=0.02)
+    assert gpu.synced == 2
