@@ -188,8 +188,8 @@ def main() -> None:
                           num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
     def sync() -> None:   # every wait polls with a limit: a model step that never ends is a DeviceFault, named
         if cuda:
-            sync_or_fault("a timed model call (prompt or decode)", "the kernel choices the log printed last are the "
-                          "suspects; SHUFFLEPRUNE_SKIP_IMPLS leaves a kernel family out", limit_s=E2E_HANG_LIMIT_S,
+            sync_or_fault("a timed model call (prompt or decode)", "SHUFFLEPRUNE_SKIP_IMPLS=<implementation> leaves "
+                          "a suspect out of auto", limit_s=E2E_HANG_LIMIT_S,
                           spin_s=E2E_HANG_LIMIT_S)   # spins: the wall time ends with the GPU, not a sleep later
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)
