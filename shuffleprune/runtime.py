@@ -160,10 +160,7 @@ def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 
         for _ in range(warm):
             for call in calls:
                 call()
-    warmed = torch.cuda.Event()
-    warmed.record(side)
-    wait_or_fault(warmed, what, fix, limit_s)
-    torch.cuda.synchronize()
+    sync_or_fault(what, fix, limit_s, stream=side)
     kept: list = []
     try:
         graph = torch.cuda.CUDAGraph()
@@ -178,9 +175,7 @@ def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 
             kept[:] = last_outputs(calls)
         how = "events"
     run()   # one replay untimed, waited for with a limit
-    replayed = torch.cuda.Event()
-    replayed.record()
-    wait_or_fault(replayed, what, fix, limit_s)
+    sync_or_fault(what, fix, limit_s)
     ms = _events_ms(run, reps, len(calls), what, fix, limit_s)
     if outputs is not None:
         outputs.extend(kept)
@@ -284,12 +279,13 @@ def wait_or_fault(done, what: str, fix: str = "", limit_s: float | None = None, 
             time.sleep(0.001)
 
 
-def sync_or_fault(what: str, fix: str = "", limit_s: float | None = None, spin_s: float | None = None) -> None:
-    """``torch.cuda.synchronize()`` with a hang limit: wait (:func:`wait_or_fault`) for the current stream's
-    work so far, then synchronise the device (at once, unless another stream is still busy). A timer that
-    must end within microseconds of the GPU passes ``spin_s`` = ``limit_s`` (never sleeps)."""
+def sync_or_fault(what: str, fix: str = "", limit_s: float | None = None, spin_s: float | None = None,
+                  stream: torch.cuda.Stream | None = None) -> None:
+    """``torch.cuda.synchronize()`` with a hang limit: wait (:func:`wait_or_fault`) for the work so far of
+    ``stream`` (default: the current one), then synchronise the device (at once, unless another stream is still
+    busy). A timer that must end within microseconds of the GPU passes ``spin_s`` = ``limit_s`` (never sleeps)."""
     done = torch.cuda.Event()
-    done.record()
+    done.record(stream)
     wait_or_fault(done, what, fix, limit_s, spin_s)
     torch.cuda.synchronize()
 
