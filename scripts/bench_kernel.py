@@ -486,11 +486,11 @@ def main() -> None:
                     continue
                 inp = x if split_impl(impl)[1] else xp
                 replayed: list = []
+                suspect = culprit(impl, out_f, in_f, tokens)   # what a call that never finishes is named by
                 try:
                     y = layers[impl][0](inp)
-                    finish_or_fault(y, *culprit(impl, out_f, in_f, tokens))   # one that never finishes
-                    ms, how = timed([lambda l=l: l(inp) for l in layers[impl]], replayed,
-                                    *culprit(impl, out_f, in_f, tokens))
+                    finish_or_fault(y, *suspect)
+                    ms, how = timed([lambda l=l: l(inp) for l in layers[impl]], replayed, *suspect)
                 except candidate_errors() as exc:
                     fault_check(exc, impl, out_f, in_f, tokens)
                     rows.append({"shape": [out_f, in_f], "tokens": tokens, "impl": impl, "ms": None,
