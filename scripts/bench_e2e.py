@@ -165,7 +165,7 @@ def main() -> None:
     from shuffleprune.deploy.sparse_linear import SparseLinear, release_scratch, use_cslt_layout
     from shuffleprune.outdir import atomic_write
     from shuffleprune.runtime import machine, module_bytes, sync_or_fault, versions
-    from capture_probe import capture_modes, python_profile, step_profile
+    from capture_probe import SUSPECT_FIX, capture_modes, python_profile, step_profile
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -188,8 +188,7 @@ def main() -> None:
                           num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
     def sync() -> None:   # every wait polls with a limit: a model step that never ends is a DeviceFault, named
         if cuda:
-            sync_or_fault("a timed model call (prompt or decode)", "SHUFFLEPRUNE_SKIP_IMPLS=<implementation> leaves "
-                          "a suspect out of auto", limit_s=E2E_HANG_LIMIT_S,
+            sync_or_fault("a timed model call (prompt or decode)", SUSPECT_FIX, limit_s=E2E_HANG_LIMIT_S,
                           spin_s=E2E_HANG_LIMIT_S)   # spins: the wall time ends with the GPU, not a sleep later
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=device)

@@ -22,6 +22,17 @@ import torch
 from torch import nn
 
 INVALIDATED = 2   # CUstreamCaptureStatus: 0 none, 1 active, 2 invalidated
+PROBE_HANG_LIMIT_S = 60.0   # a probed call (a prompt, or a failed capture's leftover work) still running this long has hung
+SUSPECT_FIX = "SHUFFLEPRUNE_SKIP_IMPLS=<implementation> leaves a suspect out of auto"
+
+
+def wait(what: str, stream: torch.cuda.Stream | None = None) -> None:
+    """``torch.cuda.synchronize()`` with the probe's hang limit (spinning, so a wall time ends with the GPU): a
+    probed call that never ends is a :class:`~shuffleprune.runtime.DeviceFault` naming ``what``, not a step
+    that hangs until its time limit."""
+    from shuffleprune.runtime import sync_or_fault
+
+    sync_or_fault(what, SUSPECT_FIX, limit_s=PROBE_HANG_LIMIT_S, spin_s=PROBE_HANG_LIMIT_S, stream=stream)
 
 
 @functools.cache
@@ -89,7 +100,7 @@ def where_capture_broke(model: nn.Module, call: Callable[[], object], mode: str 
         inner = exc.__context__   # raised inside the captured call, then hidden by the capture's end failing
         if inner is not None:
             report["raised_inside"] = _described(inner)
-        torch.cuda.synchronize()
+        wait(f"the work queued before a failed capture ({mode})", stream=side)
     finally:
         for h in handles:
             h.remove()
@@ -116,7 +127,7 @@ def capture_modes(model: nn.Module, call: Callable[[], object]) -> list[dict]:
 
 def step_profile(step: Callable[[], object], top: int = 12) -> dict:
     """One call of ``step`` under PyTorch's profiler: the host's time queuing it (perf_counter, no sync)
-    against its time to the GPU's end, the CUDA runtime and driver calls made (count and host µs; a
+    against its time to the GPU's end (every wait with the probe's hang limit: :func:`wait`), the CUDA runtime and driver calls made (count and host µs; a
     synchronize or a blocking copy among them makes the host wait for the GPU), the kernels run (and
     the ``top`` with the most GPU time: name, launches, µs), and the operators with the most host time of
     their own."""
@@ -124,15 +135,15 @@ def step_profile(step: Callable[[], object], top: int = 12) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
+    wait("the work queued before a profiled step")
     t0 = time.perf_counter()
     step()
     queued = time.perf_counter() - t0
-    torch.cuda.synchronize()
+    wait("a profiled step (timed)")
     done = time.perf_counter() - t0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
-        torch.cuda.synchronize()
+        wait("a profiled step (under the profiler)")
     events = prof.key_averages()
     api = {e.key: {"count": e.count, "host_us": round(e.cpu_time_total, 1)} for e in events
            if e.key.startswith(("cuda", "cu")) and not e.key.startswith("cutlass")}

@@ -2290,6 +2290,47 @@ def test_the_eager_profile_counts_every_call_of_a_fast_wrapped_kernel():
     assert probe.python_profile(step, steps=2)["calls_per_step"]["fast_kernel_calls"] == 2
 
 
+def test_the_capture_probes_waits_have_a_hang_limit_and_spin(monkeypatch):
+    """``scripts/capture_probe``'s waits (around a profiled prompt, after a failed capture) go through the hang
+    limit: a wait that ends is spun (no sleep, so the host's timings end with the GPU) and then synchronises the
+    device; a step that never ends is a DeviceFault naming the step and the way to leave a suspect out, and no
+    device synchronise follows (that would hang)."""
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    from shuffleprune.runtime import DeviceFault
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "capture_probe.py"
+    spec = importlib.util.spec_from_file_location("capture_probe_for_wait_test", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    busy = {"queries": 50, "synced": 0, "streams": []}
+
+    class Event:
+        def record(self, stream=None):
+            self.asked = 0
+            busy["streams"].append(stream)
+
+        def query(self):
+            self.asked += 1
+            return self.asked > busy["queries"]
+
+    slept: list = []
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: busy.__setitem__("synced", busy["synced"] + 1))
+    side = object()
+    probe.wait("a probed prompt", stream=side)
+    assert slept == [] and busy["synced"] == 1 and busy["streams"] == [side]
+    busy["queries"] = 10**12
+    monkeypatch.setattr(probe, "PROBE_HANG_LIMIT_S", 0.02)
+    with pytest.raises(DeviceFault, match=r"^the work queued before a profiled step did not finish in 0.02 s.*"
+                                          r"SHUFFLEPRUNE_SKIP_IMPLS=<implementation> leaves a suspect out of auto$"):
+        probe.step_profile(lambda: None)
+    assert busy["synced"] == 1
+
+
 def test_fast_launch_runs_tritons_own_dispatch_under_the_interpreter():
     """Under ``TRITON_INTERPRET=1`` (CI) a wrapped kernel is launched by Triton as before: the same
     output, nothing launched fast."""
