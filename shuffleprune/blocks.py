@@ -10,6 +10,7 @@ at the model's name.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from typing import Callable, Iterator
@@ -154,11 +155,26 @@ def model_linears(blocks: Blocks, only: list[str] | None = None,
 
 
 def decoder_of(model: nn.Module, blocks: Blocks) -> nn.Module:
-    """The module that holds the block list: the text decoder, which takes ``input_ids`` and returns
-    the final hidden state (``last_hidden_state``, before any LM head). ``model.base_model`` is not
-    always it (Llama 4's causal LM names no base model; a multimodal model's is the whole tower)."""
-    parent = blocks.name.rpartition(".")[0]
-    return model.get_submodule(parent) if parent else model
+    """The text decoder: the innermost module above the block list whose forward takes ``input_ids``, which
+    returns the final hidden state (``last_hidden_state``, before any LM head). Usually the list's parent;
+    where that module runs the blocks on hidden states only (CPM-Ant's encoder, HRM's stacks), the module
+    above it that embeds the tokens. ``model.base_model`` is not always it (Llama 4's causal LM names no base
+    model; a multimodal model's is the whole tower)."""
+    path = blocks.name.rpartition(".")[0]
+    while path:
+        module = model.get_submodule(path)
+        if _takes_input_ids(module):
+            return module
+        path = path.rpartition(".")[0]
+    return model
+
+
+def _takes_input_ids(module: nn.Module) -> bool:
+    """Whether ``module``'s forward names an ``input_ids`` parameter."""
+    try:
+        return "input_ids" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):   # a forward without a signature to read
+        return False
 
 
 def _join(*parts: str) -> str:

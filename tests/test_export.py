@@ -560,6 +560,46 @@ def test_models_whose_config_varies_per_layer_or_whose_blocks_read_their_norms_e
     assert moved and all(mod.weight is mod.inner.weight for mod in moved)
 
 
+@pytest.mark.parametrize("arch,extra", [("cpmant", dict(dim_ff=128, dim_head=16)), ("hrm_text", {})])
+def test_models_whose_block_list_sits_below_the_module_that_embeds_the_tokens_export_and_reload(arch, extra, text_file,
+                                                                                                 tmp_path):
+    """CPM-Ant runs its blocks in an encoder that takes hidden states, HRM in two stacks that do: the decoder
+    export's fold check runs as a whole is the module above them that takes ``input_ids``
+    (``blocks.decoder_of``; export failed on both with "forward() missing … 'hidden_states'"). Both export
+    with index maps and reload to the pruned model's logits, maps in the layers or moved."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import make_tokenizer
+    from shuffleprune.blocks import decoder_of, find_blocks
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  pad_token_id=0, bos_token_id=0, eos_token_id=0, **extra)
+    dense = AutoModelForCausalLM.from_config(config).eval()
+    blocks = find_blocks(dense)
+    assert blocks.name.rpartition(".")[0] != "" and decoder_of(dense, blocks) is not dense.get_submodule(
+        blocks.name.rpartition(".")[0])   # the list's parent takes no tokens: the decoder is above it
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert decoder_of(dense, blocks)(input_ids=ids).last_hidden_state.shape == (2, 20, 64)
+    src = tmp_path / arch
+    dense.save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    pruned, out = tmp_path / "pruned", tmp_path / "exported"
+    cfg = flat_config(model=str(src), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
+                      eval_text=None, perm="random", perm_block=16)
+    prune(cfg, out=pruned, progress=False)
+    export_checkpoint(pruned, out)
+    ref = load_model(str(pruned)).model.eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+        for maps in ("kernel", "producer"):
+            model = shuffleprune.load(str(out), maps=maps)
+            assert sum(isinstance(mod, SparseLinear) for mod in model.modules()) > 0
+            assert torch.allclose(model(ids).logits, want, atol=1e-4 * float(want.abs().max())), maps
+
+
 def test_gpt2_conv1d_model_prunes_loads_with_plain_transformers_and_exports(text_file, tmp_path):
     """GPT-2 stores its layers as ``Conv1D`` (``W`` as ``[in, out]``): prune holds them as linears, the
     checkpoint keeps their layout (plain transformers loads it: the pruned logits, every layer 2:4 in
