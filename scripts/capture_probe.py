@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 INVALIDATED = 2   # CUstreamCaptureStatus: 0 none, 1 active, 2 invalidated
-PROBE_HANG_LIMIT_S = 60.0   # a probed call (a prompt, or a failed capture's leftover work) still running this long has hung
+PROBE_HANG_LIMIT_S = 60.0   # a probed call (a prompt, a failed capture's leftover work) still running this long hung
 SUSPECT_FIX = "SHUFFLEPRUNE_SKIP_IMPLS=<implementation> leaves a suspect out of auto"
 
 
@@ -127,10 +127,10 @@ def capture_modes(model: nn.Module, call: Callable[[], object]) -> list[dict]:
 
 def step_profile(step: Callable[[], object], top: int = 12) -> dict:
     """One call of ``step`` under PyTorch's profiler: the host's time queuing it (perf_counter, no sync)
-    against its time to the GPU's end (every wait with the probe's hang limit: :func:`wait`), the CUDA runtime and driver calls made (count and host µs; a
-    synchronize or a blocking copy among them makes the host wait for the GPU), the kernels run (and
-    the ``top`` with the most GPU time: name, launches, µs), and the operators with the most host time of
-    their own."""
+    against its time to the GPU's end (every wait with the probe's hang limit: :func:`wait`), the CUDA
+    runtime and driver calls made (count and host µs; a synchronize or a blocking copy among them makes
+    the host wait for the GPU), the kernels run (and the ``top`` with the most GPU time: name, launches,
+    µs), and the operators with the most host time of their own."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
