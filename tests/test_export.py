@@ -530,6 +530,21 @@ def test_learned_perm_export_reloads_for_other_architectures(arch, text_file, tm
         assert torch.allclose(mapped(ids).logits, ref(ids).logits, atol=1e-5)
 
 
+def _wanda_random_maps_exported(model, text_file, src):
+    """``model`` saved to ``src`` with the tests' tokenizer, pruned 2:4 by Wanda with random index maps within
+    16-column blocks, and exported beside it; returns the pruned and the exported directories."""
+    from conftest import make_tokenizer
+
+    model.save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    pruned, out = src.parent / "pruned", src.parent / "exported"
+    cfg = flat_config(model=str(src), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
+                      eval_text=None, perm="random", perm_block=16)
+    prune(cfg, out=pruned, progress=False)
+    export_checkpoint(pruned, out)
+    return pruned, out
+
+
 @pytest.mark.parametrize("arch", ["gemma4_text", "falcon_mamba"])
 def test_models_whose_config_varies_per_layer_or_whose_blocks_read_their_norms_export_and_reload(arch, text_file,
                                                                                               tmp_path):
@@ -537,16 +552,9 @@ def test_models_whose_config_varies_per_layer_or_whose_blocks_read_their_norms_e
     model): the export reads each attention module's own head layout instead. FalconMamba's block
     reads ``norm.weight.dtype``: the module that writes a moved map's order answers with its norm's.
     Both export with index maps and reload to the pruned model's logits, maps in the layers or moved."""
-    from conftest import make_tokenizer, tiny_model
+    from conftest import tiny_model
 
-    src = tmp_path / arch
-    tiny_model(arch).save_pretrained(src)
-    make_tokenizer().save_pretrained(src)
-    pruned, out = tmp_path / "pruned", tmp_path / "exported"
-    cfg = flat_config(model=str(src), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
-                      eval_text=None, perm="random", perm_block=16)
-    prune(cfg, out=pruned, progress=False)
-    export_checkpoint(pruned, out)
+    pruned, out = _wanda_random_maps_exported(tiny_model(arch), text_file, tmp_path / arch)
     ref = load_model(str(pruned)).model
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     from shuffleprune.deploy.producer_maps import MappedOutput
@@ -569,7 +577,6 @@ def test_models_whose_block_list_sits_below_the_module_that_embeds_the_tokens_ex
     with index maps and reload to the pruned model's logits, maps in the layers or moved."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from conftest import make_tokenizer
     from shuffleprune.blocks import decoder_of, find_blocks
 
     torch.manual_seed(0)
@@ -583,14 +590,7 @@ def test_models_whose_block_list_sits_below_the_module_that_embeds_the_tokens_ex
     ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert decoder_of(dense, blocks)(input_ids=ids).last_hidden_state.shape == (2, 20, 64)
-    src = tmp_path / arch
-    dense.save_pretrained(src)
-    make_tokenizer().save_pretrained(src)
-    pruned, out = tmp_path / "pruned", tmp_path / "exported"
-    cfg = flat_config(model=str(src), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
-                      eval_text=None, perm="random", perm_block=16)
-    prune(cfg, out=pruned, progress=False)
-    export_checkpoint(pruned, out)
+    pruned, out = _wanda_random_maps_exported(dense, text_file, tmp_path / arch)
     ref = load_model(str(pruned)).model.eval()
     with torch.no_grad():
         want = ref(ids).logits
