@@ -22,17 +22,18 @@ import torch
 from torch import nn
 
 INVALIDATED = 2   # CUstreamCaptureStatus: 0 none, 1 active, 2 invalidated
-PROBE_HANG_LIMIT_S = 60.0   # a probed call (a prompt, a failed capture's leftover work) still running this long hung
+E2E_HANG_LIMIT_S = 60.0   # the end-to-end step's waits: a timed prompt or 128-token decode, a probed call, a failed
+                          # capture's leftover work, still running this long after it was queued, has hung
 SUSPECT_FIX = "SHUFFLEPRUNE_SKIP_IMPLS=<implementation> leaves a suspect out of auto"
 
 
 def wait(what: str, stream: torch.cuda.Stream | None = None) -> None:
-    """``torch.cuda.synchronize()`` with the probe's hang limit (spinning, so a wall time ends with the GPU): a
-    probed call that never ends is a :class:`~shuffleprune.runtime.DeviceFault` naming ``what``, not a step
-    that hangs until its time limit."""
+    """``torch.cuda.synchronize()`` with the end-to-end step's hang limit, spinning the whole wait so a wall time
+    ends with the GPU (``bench_e2e``'s timer and these probes): a call that never ends is a
+    :class:`~shuffleprune.runtime.DeviceFault` naming ``what``, not a step that hangs until its time limit."""
     from shuffleprune.runtime import sync_or_fault
 
-    sync_or_fault(what, SUSPECT_FIX, limit_s=PROBE_HANG_LIMIT_S, spin_s=PROBE_HANG_LIMIT_S, stream=stream)
+    sync_or_fault(what, SUSPECT_FIX, limit_s=E2E_HANG_LIMIT_S, spin_s=E2E_HANG_LIMIT_S, stream=stream)
 
 
 @functools.cache

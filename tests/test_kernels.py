@@ -2263,22 +2263,28 @@ def test_fast_launch_keys_tell_apart_what_triton_specializes_on():
         args_key((t, "a string"))
 
 
-def test_the_eager_profile_counts_every_call_of_a_fast_wrapped_kernel():
-    """``scripts/capture_probe.python_profile`` (the eager decode's profile on a GPU) counts each call of a
-    kernel through ``kernels/launch.py`` once per step, whether it goes through ``fast(k)[grid]`` (the
-    gathers, the norm) or a bound launch held by its caller (``nm_decode``)."""
+def _capture_probe():
+    """``scripts/capture_probe.py`` as a module of its own (a script, not part of the package)."""
     import importlib.util
     from pathlib import Path
-
-    from shuffleprune.deploy.format import compress
-    from shuffleprune.kernels.gather import gather_columns
-    from shuffleprune.kernels.nm_decode import nm_decode
-    from shuffleprune.kernels.nm_words import position_words
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "capture_probe.py"
     spec = importlib.util.spec_from_file_location("capture_probe_for_test", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
+    return probe
+
+
+def test_the_eager_profile_counts_every_call_of_a_fast_wrapped_kernel():
+    """``scripts/capture_probe.python_profile`` (the eager decode's profile on a GPU) counts each call of a
+    kernel through ``kernels/launch.py`` once per step, whether it goes through ``fast(k)[grid]`` (the
+    gathers, the norm) or a bound launch held by its caller (``nm_decode``)."""
+    from shuffleprune.deploy.format import compress
+    from shuffleprune.kernels.gather import gather_columns
+    from shuffleprune.kernels.nm_decode import nm_decode
+    from shuffleprune.kernels.nm_words import position_words
+
+    probe = _capture_probe()
     w = torch.randn(16, 64)
     values, meta = compress(w * nm_keep_mask(w.abs(), 2, 4), 2, 4)
     words, x, perm = position_words(meta), torch.randn(1, 64), torch.randperm(64).to(torch.int32)
@@ -2295,16 +2301,11 @@ def test_the_capture_probes_waits_have_a_hang_limit_and_spin(monkeypatch):
     limit: a wait that ends is spun (no sleep, so the host's timings end with the GPU) and then synchronises the
     device; a step that never ends is a DeviceFault naming the step and the way to leave a suspect out, and no
     device synchronise follows (that would hang)."""
-    import importlib.util
     import time
-    from pathlib import Path
 
     from shuffleprune.runtime import DeviceFault
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "capture_probe.py"
-    spec = importlib.util.spec_from_file_location("capture_probe_for_wait_test", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _capture_probe()
     busy = {"queries": 50, "synced": 0, "streams": []}
 
     class Event:
@@ -2324,7 +2325,7 @@ def test_the_capture_probes_waits_have_a_hang_limit_and_spin(monkeypatch):
     probe.wait("a probed prompt", stream=side)
     assert slept == [] and busy["synced"] == 1 and busy["streams"] == [side]
     busy["queries"] = 10**12
-    monkeypatch.setattr(probe, "PROBE_HANG_LIMIT_S", 0.02)
+    monkeypatch.setattr(probe, "E2E_HANG_LIMIT_S", 0.02)
     with pytest.raises(DeviceFault, match=r"^the work queued before a profiled step did not finish in 0.02 s.*"
                                           r"SHUFFLEPRUNE_SKIP_IMPLS=<implementation> leaves a suspect out of auto$"):
         probe.step_profile(lambda: None)
