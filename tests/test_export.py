@@ -545,6 +545,32 @@ def _wanda_random_maps_exported(model, text_file, src):
     return pruned, out
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_export_with_biases_loads_in_another_dtype_and_runs_as_the_pruned_model_in_it(dtype, text_file, tmp_path):
+    """Qwen2's q/k/v carry biases, stored in the export's dtype (float32 here): loaded in half precision,
+    by ``load`` or by transformers through the export's own class, every tensor of a sparse layer
+    must follow the dtype asked for (a float32 bias failed the first matmul)."""
+    from conftest import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    pruned, out = _wanda_random_maps_exported(tiny_model("qwen2"), text_file, tmp_path / "qwen2")
+    torch_dtype = getattr(torch, dtype)
+    ref = load_model(str(pruned), dtype).model
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    loaded = {"load": shuffleprune.load(str(out), dtype=dtype),
+              "transformers": AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch_dtype)}
+    with torch.no_grad():
+        want = ref(ids).logits.float()
+        for how, model in loaded.items():
+            layers = [mod for mod in model.modules() if isinstance(mod, SparseLinear)]
+            assert layers and any(mod.bias is not None for mod in layers), how
+            assert all(mod.values.dtype == torch_dtype and (mod.bias is None or mod.bias.dtype == torch_dtype)
+                       for mod in layers), how
+            got = model(ids).logits
+            assert got.dtype == torch_dtype, how
+            assert (got.float() - want).abs().max() <= 0.02 * want.abs().max(), how
+
+
 @pytest.mark.parametrize("arch", ["gemma4_text", "falcon_mamba"])
 def test_models_whose_config_varies_per_layer_or_whose_blocks_read_their_norms_export_and_reload(arch, text_file,
                                                                                               tmp_path):

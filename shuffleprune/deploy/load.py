@@ -64,8 +64,10 @@ def attach_sparse_layers(model: nn.Module, path: Path, fmt: dict, policy: str = 
         old = getattr(parent, child, None)
         if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (rows, cols):
             raise UserError(f"exported layer '{name}' ({rows}×{cols}) does not match the model config")
-        dtype = old.weight.dtype
-        layer = SparseLinear(values.to(dtype), meta, cols, n, m, perm, tensors.get(f"{name}.bias", None), policy=policy)
+        dtype = old.weight.dtype   # the dtype the model was loaded in, which may not be the export's
+        bias = tensors.get(f"{name}.bias")
+        layer = SparseLinear(values.to(dtype), meta, cols, n, m, perm, None if bias is None else bias.to(dtype),
+                             policy=policy)
         if perm is not None:  # siblings (same parent module) with the same map share one gather
             key = (parent_name, tuple(perm.tolist()))
             layer.shared_gather = shares.setdefault(key, SharedGather()).join()
