@@ -226,9 +226,11 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
     with pytest.raises(UserError, match="unknown --device 'tpu'"):
         shuffleprune.load(str(out), device="tpu")
     with pytest.raises(ValueError, match="one device"):
-        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, device_map={"": "cpu"})
-    on_cpu = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, device_map="cpu")
-    assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, device_map={"model": "cpu", "lm_head": "disk"})
+    for device_map in ("cpu", {"": "cpu"}):   # the second as lm-eval's HFLM passes it
+        on_cpu = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, device_map=device_map)
+        assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
+        assert isinstance(on_cpu.get_submodule(names[0]), SparseLinear)
     with torch.no_grad():
         assert torch.allclose(via_hf(ids).logits, ref_model(ids).logits, atol=1e-5)
     exported_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))

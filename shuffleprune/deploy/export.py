@@ -88,9 +88,12 @@ class ShufflepruneForCausalLM:
     def from_pretrained(cls, path, *args, **kwargs):
         dtype = kwargs.get("dtype") or kwargs.get("torch_dtype") or "auto"
         device = kwargs.get("device_map")   # one device ("auto": the first GPU); none: the CPU, as transformers
-        if isinstance(device, dict):
-            raise ValueError("a shuffleprune export loads onto one device: "
-                             "device_map='cuda', 'cuda:N', 'cpu' or 'auto'")
+        if isinstance(device, dict):   # lm-eval's HFLM passes {"": "cuda:0"}: one device is fine
+            if len({str(where) for where in device.values()}) != 1:
+                raise ValueError("a shuffleprune export loads onto one device: "
+                                 "device_map='cuda', 'cuda:N', 'cpu', 'auto' or {'': DEVICE}")
+            device = next(iter(device.values()))
+        device = str(device) if device is not None and not isinstance(device, int) else device
         return shuffleprune.load(str(path), dtype=dtype if isinstance(dtype, str) else str(dtype).replace("torch.", ""),
                                  device=f"cuda:{device}" if isinstance(device, int) else device)
 '''
