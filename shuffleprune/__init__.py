@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", fuse: bool = True, cslt: bool | None = None,
-         device: str | None = None):
+         device: str | None = None, *, attn_implementation: str | None = None, config: Any = None):
     """Load a checkpoint written by ``shuffleprune export`` (linears as compressed ``SparseLinear``),
     by ``prune`` (a plain model; an older-layout ``--perm`` checkpoint put back in input order) or
     any HF model onto ``device`` (``cuda``, ``cuda:N``, ``cpu``, or ``auto``: the first CUDA GPU if there
@@ -40,7 +40,9 @@ def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", f
     with CUDA graphs run on the sparse tensor cores; ``None`` (default) does so on a Hopper GPU whose
     PyTorch has cuSPARSELt. On an H100, with CUDA graphs, this default decoded a LLaMA-2-7B shape at
     1.58× dense's tokens/s and prefilled 512 tokens in 0.83–0.98× its time, with 0.58× its weight
-    memory (``scripts/results/bench_e2e.json``, README *Benchmarks → GPU*). The tokenizer:
+    memory (``scripts/results/bench_e2e.json``, README *Benchmarks → GPU*). ``attn_implementation``
+    (``sdpa``, ``eager``, ``flash_attention_2``, …) and ``config`` (a transformers config to build the
+    model from) go to transformers' ``from_pretrained``. The tokenizer:
     ``transformers.AutoTokenizer.from_pretrained(path)``."""
     from shuffleprune.deploy.serving import arrange_for_serving, check_serving_options
     from shuffleprune.models import load_model
@@ -48,7 +50,7 @@ def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", f
 
     check_serving_options(maps, fuse, cslt)   # before the weights are read
     target = None if device is None else pick_device(str(device))
-    model = load_model(path, dtype).model
+    model = load_model(path, dtype, config=config, attn_implementation=attn_implementation).model
     if target is not None:
         model.to(target)
     arrange_for_serving(model, maps=maps, fuse=fuse, cslt=cslt)

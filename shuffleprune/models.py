@@ -423,9 +423,12 @@ def _read_config_dtype(path: Path) -> torch.dtype | None:
     return _DTYPES.get(name) if isinstance(name, str) else None
 
 
-def load_model(spec: str | None = None, dtype: str = "auto", full_precision: bool = False) -> LoadedModel:
+def load_model(spec: str | None = None, dtype: str = "auto", full_precision: bool = False, *,
+               config: Any = None, attn_implementation: str | None = None) -> LoadedModel:
     """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot (and, with
-    ``full_precision``, for a quantized checkpoint, before its weights are read)."""
+    ``full_precision``, for a quantized checkpoint, before its weights are read). ``config`` (a
+    transformers config to build the model from instead of the checkpoint's own) and
+    ``attn_implementation`` go to ``from_pretrained`` when given."""
     warn_if_old_transformers()
     torch_dtype = parse_dtype(dtype)
     path = resolve_model_path(spec)
@@ -448,8 +451,10 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
         tokenizer = load_tokenizer(path, spec)
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
             hf_logging.set_verbosity_error()
+        chosen = {key: value for key, value in (("config", config), ("attn_implementation", attn_implementation))
+                  if value is not None}
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True,
-                                                           output_loading_info=True)
+                                                           output_loading_info=True, **chosen)
     except (OSError, ValueError, SafetensorError, StrictDataclassError) as exc:  # the last: an invalid config.json
         if isinstance(exc, SafetensorError):
             raise UserError(f"cannot read the weights of '{spec}': a .safetensors file is truncated or corrupt "

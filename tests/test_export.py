@@ -573,6 +573,41 @@ def test_an_export_with_biases_loads_in_another_dtype_and_runs_as_the_pruned_mod
             assert (got.float() - want).abs().max() <= 0.02 * want.abs().max(), how
 
 
+def test_transformers_loads_an_export_with_its_arguments_honoured_or_refused(text_file, tmp_path):
+    """``from_pretrained(EXPORT, trust_remote_code=True, **kwargs)`` runs the installed package's
+    ``load_for_transformers``: the attention implementation and config overrides reach the model; arguments
+    an export cannot honour (another revision, quantization, several devices) are a ValueError naming
+    them; one it does not know is a warning, never silently dropped."""
+    import warnings
+
+    from conftest import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    _, out = _wanda_random_maps_exported(tiny_model("llama"), text_file, tmp_path / "llama")
+    assert "load_for_transformers(path, *args, **kwargs)" in (out / "shuffleprune_hf.py").read_text()
+
+    def via_hf(**kwargs):
+        return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, **kwargs)
+
+    assert via_hf().config._attn_implementation == "sdpa"
+    eager = via_hf(attn_implementation="eager", rms_norm_eps=0.5)   # the second: a config override
+    assert eager.config._attn_implementation == "eager" and eager.config.rms_norm_eps == 0.5
+    assert any(isinstance(mod, SparseLinear) for mod in eager.modules())
+    assert shuffleprune.load(str(out), attn_implementation="eager").config._attn_implementation == "eager"
+    lm_eval_like = via_hf(revision="main", subfolder="", gguf_file=None, quantization_config=None,
+                          dtype=torch.bfloat16, device_map={"": "cpu"})
+    assert lm_eval_like.dtype == torch.bfloat16
+    for refused, match in [(dict(revision="v2"), "revision: download that revision"),
+                           (dict(quantization_config={"load_in_4bit": True}), "quantization_config: load it without"),
+                           (dict(device_map={"model": "cpu", "lm_head": "cuda:0"}), "one device")]:
+        with pytest.raises(ValueError, match=match):
+            via_hf(**refused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        via_hf(not_an_argument=1)
+    assert any("ignores these from_pretrained arguments: not_an_argument" in str(w.message) for w in caught)
+
+
 @pytest.mark.parametrize("arch", ["gemma4_text", "falcon_mamba"])
 def test_models_whose_config_varies_per_layer_or_whose_blocks_read_their_norms_export_and_reload(arch, text_file,
                                                                                               tmp_path):

@@ -73,7 +73,7 @@ MODEL_FOLD_TOLERANCE = 1e-3
 # Written next to an export so that transformers can load it too:
 # AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) → shuffleprune.load(dir).
 HF_LOADER = '''"""transformers entry point of a shuffleprune export (needs `pip install shuffleprune`)."""
-import shuffleprune
+from shuffleprune.deploy.hf_entry import load_for_transformers
 
 
 class ShufflepruneForCausalLM:
@@ -86,16 +86,7 @@ class ShufflepruneForCausalLM:
 
     @classmethod
     def from_pretrained(cls, path, *args, **kwargs):
-        dtype = kwargs.get("dtype") or kwargs.get("torch_dtype") or "auto"
-        device = kwargs.get("device_map")   # one device ("auto": the first GPU); none: the CPU, as transformers
-        if isinstance(device, dict):   # lm-eval's HFLM passes {"": "cuda:0"}: one device is fine
-            if len({str(where) for where in device.values()}) != 1:
-                raise ValueError("a shuffleprune export loads onto one device: "
-                                 "device_map='cuda', 'cuda:N', 'cpu', 'auto' or {'': DEVICE}")
-            device = next(iter(device.values()))
-        device = str(device) if device is not None and not isinstance(device, int) else device
-        return shuffleprune.load(str(path), dtype=dtype if isinstance(dtype, str) else str(dtype).replace("torch.", ""),
-                                 device=f"cuda:{device}" if isinstance(device, int) else device)
+        return load_for_transformers(path, *args, **kwargs)
 '''
 
 
