@@ -127,6 +127,85 @@ def hub_dataset_id(name: str) -> tuple[str, str | None] | None:
     return repo, config or None
 
 
+CHAT_FIELDS = ("messages", "conversations", "conversation", "chat")   # preferred, in this order, where several
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}                # ShareGPT's "from" names
+
+
+class Conversation(str):
+    """A chat document (a dataset row's ``messages``: ``role``/``content`` dicts, or ShareGPT's
+    ``from``/``value``). As a string it is the plain rendering, ``role: content`` lines;
+    :func:`rendered` gives it through a tokenizer's chat template instead, as the model was tuned on."""
+
+    messages: tuple[dict, ...]
+
+    def __new__(cls, messages: list[dict] | tuple[dict, ...]) -> Conversation:
+        doc = super().__new__(cls, "\n".join(f"{m['role']}: {m['content']}" for m in messages))
+        doc.messages = tuple(dict(m) for m in messages)
+        return doc
+
+    def __getnewargs__(self) -> tuple:   # pickled (a process pool, a cache) as its messages
+        return (self.messages,)
+
+
+def as_messages(value: Any) -> list[dict] | None:
+    """``value`` as chat messages (``[{"role", "content"}, …]``, roles of ShareGPT's ``from``/``value``
+    form renamed), or None when it is not a non-empty list of such dicts with string roles and contents."""
+    if not isinstance(value, list) or not value:
+        return None
+    messages = []
+    for message in value:
+        if not isinstance(message, dict):
+            return None
+        role, content = message.get("role", message.get("from")), message.get("content", message.get("value"))
+        if not isinstance(role, str) or not isinstance(content, str):
+            return None
+        messages.append({"role": _SHAREGPT_ROLES.get(role, role), "content": content})
+    return messages
+
+
+def rendered(docs: list[str], tokenizer) -> list[str]:
+    """``docs`` as text for ``tokenizer``: each :class:`Conversation` through its chat template when it has
+    one (else, or where the template refuses the conversation, its plain rendering, with a warning)."""
+    if not any(isinstance(d, Conversation) for d in docs) or not getattr(tokenizer, "chat_template", None):
+        return [str(d) for d in docs]
+    out, refused = [], 0
+    for doc in docs:
+        if isinstance(doc, Conversation):
+            try:
+                out.append(tokenizer.apply_chat_template(list(doc.messages), tokenize=False))
+                continue
+            except Exception:   # jinja's TemplateError and others: a role order the template does not allow
+                refused += 1
+        out.append(str(doc))
+    if refused:
+        warnings.warn(f"the tokenizer's chat template refused {refused} of {len(docs)} conversations (their roles' "
+                      "order?); those are read as plain 'role: content' lines", stacklevel=2)
+    return out
+
+
+def row_reader(what: str, row: dict, fix: str | None = None) -> tuple[str, Callable[[dict], str | None]]:
+    """How to read a document from rows shaped as ``row`` (a dataset's or a .jsonl file's first): its text
+    field (:func:`_pick_text_column`: a named one first), else its chat field (:data:`CHAT_FIELDS`, or the
+    only field holding messages) as a :class:`Conversation`, else its only string field. Returns
+    ``(description, reader)``: the field as an error names it, and the reader, which returns None for a row
+    without that field. A one-line error naming ``what`` and ``fix`` (default: rename the text field) when
+    ``row`` has none of these."""
+    strings = [k for k, v in row.items() if isinstance(v, str)]
+    named = [c for c in TEXT_COLUMNS if c in strings]
+    chats = [k for k, v in row.items() if as_messages(v) is not None]
+    chat = next((c for c in CHAT_FIELDS if c in chats), chats[0] if len(chats) == 1 else None)
+    if not named and chat is not None:
+        def conversation(r: dict) -> str | None:
+            messages = as_messages(r.get(chat))
+            return None if messages is None else Conversation(messages)
+        return f"'{chat}' chat field", conversation
+    column = _pick_text_column(strings)
+    if column is None:
+        raise UserError(f"{what}: no single text field (string fields: {', '.join(strings) or 'none'}) and no chat field "
+                        f"(role/content messages); {fix or 'name its text field one of ' + ', '.join(TEXT_COLUMNS)}")
+    return f"'{column}' text field", lambda r: r.get(column) if isinstance(r.get(column), str) else None
+
+
 def _pick_text_column(strings: list[str]) -> str | None:
     """Among a dataset's (or a .jsonl row's) string columns, the text: the first of
     :data:`TEXT_COLUMNS` there, else the only one; None when neither."""
@@ -134,24 +213,12 @@ def _pick_text_column(strings: list[str]) -> str | None:
     return named[0] if named else (strings[0] if len(strings) == 1 else None)
 
 
-def _string_columns(features) -> list[str]:
-    """The string columns of a ``datasets`` dataset's features."""
-    return [c for c, f in features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
-
-
-def _text_column(what: str, strings: list[str], fix: str) -> str:
-    """The text column among a table's ``strings`` columns (:func:`_pick_text_column`); ``what``
-    names the table in the error, ``fix`` what to do."""
-    column = _pick_text_column(strings)
-    if column is not None:
-        return column
-    raise UserError(f"{what} has no single text column (string columns: {', '.join(strings) or 'none'}); {fix}")
-
-
 def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
     """Up to :data:`HUB_DATASET_DOCS` documents of a hub dataset, streamed (nothing else downloaded):
-    calibration reads its ``train`` split; held-out text its ``test`` or ``validation`` split, or
-    every 10th document of ``train`` when it has neither."""
+    calibration reads its ``train`` split (else its first: ``train_sft``); held-out text its ``test`` or
+    ``validation`` split (or the one paired with the first: ``test_sft``), or every 10th document of the
+    calibration split when it has none. Rows are read by :func:`row_reader`: a text column, or a chat
+    column (``messages``) as conversations."""
     import datasets
 
     from shuffleprune.hub import hub_reachable
@@ -160,12 +227,15 @@ def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
     name = repo if config is None else f"{repo}:{config}"
     try:
         splits = datasets.get_dataset_split_names(repo, config)
-        held_out = next((s for s in ("test", "validation") if s in splits), None)
-        read = held_out if split == "test" and held_out else ("train" if "train" in splits else splits[0])
+        train = "train" if "train" in splits else splits[0]
+        paired = [train.replace("train", side, 1) for side in ("test", "validation")] if train.startswith("train") else []
+        held_out = next((s for s in ("test", "validation", *paired) if s in splits), None)   # train_sft: test_sft
+        read = held_out if split == "test" and held_out else train
         stream = datasets.load_dataset(repo, config, split=read, streaming=True)
-        column = _text_column(f"hub dataset '{name}'", _string_columns(stream.features),
-                              "write the text to a .jsonl file with a 'text' field and pass that instead")
-        docs = [row[column] for _, row in zip(range(HUB_DATASET_DOCS), stream)]
+        rows = [row for _, row in zip(range(HUB_DATASET_DOCS), stream)]
+        read_doc = (row_reader(f"hub dataset '{name}'", rows[0], "write the text to a .jsonl file with a 'text' field "
+                               "and pass that instead")[1] if rows else (lambda r: None))
+        docs = [read_doc(row) for row in rows]
     except UserError:
         raise
     except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
@@ -237,9 +307,9 @@ def read_text_file(path: Path) -> str:
 
 
 def _jsonl_docs(path: Path, text: str) -> list[str]:
-    """A .jsonl file's documents: each line an object, its text in the field a hub dataset's would be
-    read from (:func:`_pick_text_column` of the first line's string fields)."""
-    column = None
+    """A .jsonl file's documents: each line an object, its text (or chat) in the field a hub dataset's
+    would be read from (:func:`row_reader` of the first line)."""
+    field, read_doc = "", None
     docs = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -250,15 +320,12 @@ def _jsonl_docs(path: Path, text: str) -> list[str]:
             raise UserError(f"{path}:{n}: not a JSON object ({reason(exc, 80)})") from exc
         if not isinstance(row, dict):
             raise UserError(f"{path}:{n}: each .jsonl line must be a JSON object with a text field")
-        if column is None:
-            strings = [k for k, v in row.items() if isinstance(v, str)]
-            column = _pick_text_column(strings)
-            if column is None:
-                raise UserError(f"{path}:{n}: no single text field (string fields: {', '.join(strings) or 'none'}); "
-                                f"name it one of {', '.join(TEXT_COLUMNS)}")
-        if not isinstance(row.get(column), str):
-            raise UserError(f"{path}:{n}: no '{column}' text field (the field the first line's text is in)")
-        docs.append(row[column])
+        if read_doc is None:
+            field, read_doc = row_reader(f"{path}:{n}", row)
+        doc = read_doc(row)
+        if doc is None:
+            raise UserError(f"{path}:{n}: no {field} (the field the first line's document is in)")
+        docs.append(doc)
     return docs
 
 
@@ -286,8 +353,8 @@ def _json_docs(path: Path, text: str) -> list[str]:
 
 
 def _parquet_docs(path: Path) -> list[str]:
-    """A ``.parquet`` file's documents: its text column (:func:`_pick_text_column` of its string
-    columns), empty cells left out."""
+    """A ``.parquet`` file's documents: its text (or chat) column, read as :func:`row_reader` reads its
+    first row; empty cells left out."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -295,9 +362,11 @@ def _parquet_docs(path: Path) -> list[str]:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as exc:
         raise UserError(f"cannot read '{path}' as Parquet: {reason(exc, 120)}") from None
-    strings = [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
-    column = _text_column(f"'{path}'", strings, f"name it one of {', '.join(TEXT_COLUMNS)}")
-    return [d for d in table.column(column).to_pylist() if d]
+    rows = table.slice(0, 1).to_pylist()
+    if not rows:
+        return []
+    read_doc = row_reader(f"'{path}'", rows[0])[1]
+    return [d for d in map(read_doc, table.to_pylist()) if d]
 
 
 def _file_documents(path: Path) -> tuple[str, ...]:
@@ -353,12 +422,14 @@ def as_documents(value: Any, key: str) -> tuple[str, ...]:
     """Documents passed in memory (a list or tuple of strings, or a ``datasets.Dataset``, whose text
     column is picked as a hub dataset's) as a tuple of non-empty strings; a one-line error otherwise."""
     if type(value).__name__ == "Dataset" and hasattr(value, "features"):
-        column = _text_column(f"the {key} dataset", _string_columns(value.features),
-                              "rename its text column 'text' (dataset.rename_column) or pass a list of strings")
-        value = list(value[column])
+        read_doc = (row_reader(f"the {key} dataset", value[0], "rename its text column 'text' (dataset.rename_column) "
+                               "or pass a list of strings")[1] if len(value) else (lambda r: None))
+        value = [d for d in map(read_doc, value) if d is not None]
+    elif isinstance(value, (list, tuple)) and value and all(as_messages(d) is not None for d in value):
+        value = [Conversation(as_messages(d)) for d in value]   # conversations: lists of role/content messages
     if not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):
-        raise UserError(f"'{key}' takes a text source name, a {TEXT_FILES} path, a list of strings or a datasets.Dataset; "
-                        f"got {type(value).__name__}")
+        raise UserError(f"'{key}' takes a text source name, a {TEXT_FILES} path, a list of strings or of conversations "
+                        f"(role/content messages) or a datasets.Dataset; got {type(value).__name__}")
     docs = tuple(d for d in value if d.strip())
     if not docs:
         raise UserError(f"'{key}' holds no text")
@@ -522,10 +593,12 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
     With ``bos``, each window is that token followed by ``seqlen − 1`` tokens of text; with
     ``special_tokens``, each text is encoded as the tokenizer encodes it alone (a BOS at its start:
     SparseGPT's and Wanda's loaders). ``info`` (a dict) receives the number of documents and tokens
-    drawn from."""
+    drawn from (and of conversations, with whether a chat template rendered them)."""
     if nsamples < 1 or seqlen < 2 + (bos is not None):
         raise UserError("--nsamples must be >= 1 and --seqlen >= 2")
     docs = source.documents("train")
+    chats = sum(isinstance(d, Conversation) for d in docs)
+    docs = rendered(docs, tokenizer)
     text_len = seqlen - (bos is not None)
     rng = random.Random(seed)
     rows = []
@@ -554,6 +627,8 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
         tokens = int(stream.numel())
     if info is not None:
         info.update({"documents": len(docs), "tokens": tokens})
+        if chats:   # how the conversations were read: through the tokenizer's chat template, or as plain lines
+            info.update({"conversations": chats, "chat_template": bool(getattr(tokenizer, "chat_template", None))})
     windows = torch.stack(rows)
     if bos is not None:
         windows = torch.cat([torch.full((nsamples, 1), bos, dtype=windows.dtype), windows], dim=1)
@@ -566,7 +641,7 @@ def eval_tokens(source: TextSource, tokenizer, max_tokens: int | None = None, in
     tokens when ``special_tokens``), truncated to ``max_tokens`` and, for a source scored on a set
     number of windows as the papers do (c4: 256), to that many windows of ``ctx`` tokens; ``info``
     (a dict) receives the number of documents and of tokens before truncation."""
-    docs = source.documents("test")
+    docs = rendered(source.documents("test"), tokenizer)
     stream = _encode(tokenizer, source.joined(docs), special_tokens)
     if info is not None:
         info.update({"documents": len(docs), "tokens_available": int(stream.numel())})

@@ -275,8 +275,51 @@ def test_any_hub_dataset_with_a_text_column_is_a_source(monkeypatch):
     assert get_source("me/stories").documents("train") == [d for i, d in enumerate(train) if i % 10 != 9]
 
     _fake_hub_datasets(monkeypatch, {"train": {"question": ["q"], "answer": ["a"]}})
-    with pytest.raises(UserError, match=r"no single text column \(string columns: question, answer\).*\.jsonl"):
+    with pytest.raises(UserError, match=r"no single text field \(string fields: question, answer\) and no chat field.*\.jsonl"):
         get_source("me/qa").documents("train")
+
+
+def test_chat_datasets_are_read_as_conversations_and_rendered_by_the_chat_template(tmp_path, monkeypatch):
+    """A dataset of conversations (a ``messages`` column of role/content dicts, as UltraChat; ShareGPT's
+    ``conversations`` of from/value) calibrates as the chat model was tuned: each conversation rendered by
+    the tokenizer's chat template, or as plain ``role: content`` lines where there is none or the template
+    refuses it. The hub's ``train_sft`` split pairs with ``test_sft`` for held-out text."""
+    import pickle
+
+    from conftest import make_tokenizer
+    from shuffleprune.calib.sources import Conversation, as_documents, calibration_windows, rendered
+
+    chats = [[{"role": "user", "content": f"the cat {i}"}, {"role": "assistant", "content": "a dog sat"}] for i in range(20)]
+    calls = _fake_hub_datasets(monkeypatch, {
+        "train_sft": {"prompt": [c[0]["content"] for c in chats], "prompt_id": ["x"] * 20, "messages": chats},
+        "test_sft": {"prompt": ["q"], "prompt_id": ["y"], "messages": [chats[0]]}})
+    docs = get_source("me/ultrachat").documents("train")
+    assert [d.messages for d in docs] == [tuple(c) for c in chats]
+    assert docs[3] == "user: the cat 3\nassistant: a dog sat"   # the plain rendering
+    assert get_source("me/ultrachat").documents("test") == [docs[0]] and calls[-1][2] == "test_sft"
+
+    path = tmp_path / "sharegpt.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "conversations": [{"from": "human", "value": c[0]["content"]},
+                                                                          {"from": "gpt", "value": "a dog sat"}]}) + "\n"
+                            for i, c in enumerate(chats)))
+    assert get_source(str(path)).documents("train") == docs
+    assert as_documents(chats, "calib") == tuple(docs)   # conversations passed in memory
+    assert pickle.loads(pickle.dumps(docs[3])).messages == docs[3].messages
+
+    tok = make_tokenizer()
+    assert rendered(docs[:2], tok) == [str(d) for d in docs[:2]]   # no chat template: plain lines
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    assert rendered(docs[:2] + ["plain text"], tok) == ["<user> the cat 0 <assistant> a dog sat ",
+                                                         "<user> the cat 1 <assistant> a dog sat ", "plain text"]
+    info = {}
+    calibration_windows(get_source(str(path)), tok, 2, 8, 0, info=info)
+    stream = tok("\n\n".join(rendered(docs, tok)), add_special_tokens=False)["input_ids"]
+    assert info["tokens"] == len(stream) != len(tok("\n\n".join(docs), add_special_tokens=False)["input_ids"])
+    assert info["conversations"] == 20 and info["chat_template"] is True
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.warns(UserWarning, match="chat template refused 2 of 2 conversations"):
+        assert rendered(docs[:2], tok) == [str(d) for d in docs[:2]]
+    assert isinstance(Conversation(chats[0]), str)
 
 
 def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
@@ -330,7 +373,8 @@ def test_json_parquet_and_gzip_files_are_text_files(tmp_path):
     with pytest.raises(UserError, match=r"cannot read '.*bad.parquet' as Parquet: "):
         get_source(str(tmp_path / "bad.parquet"))
     pq.write_table(pa.table({"a": ["x"], "b": ["y"]}), tmp_path / "two.parquet")
-    with pytest.raises(UserError, match=r"'.*two.parquet' has no single text column \(string columns: a, b\); name it one of"):
+    with pytest.raises(UserError, match=r"'.*two.parquet': no single text field \(string fields: a, b\) and no chat field \(role/content "
+                                         r"messages\); name its text field one of"):
         get_source(str(tmp_path / "two.parquet"))
     (tmp_path / "nums.json").write_text("[1, 2]")
     with pytest.raises(UserError, match=r"nums.json:1: each .jsonl line must be a JSON object with a text field"):
