@@ -104,6 +104,14 @@ def test_documents_in_memory_calibrate_as_the_same_text_in_a_file_does(tiny_dir,
     table = datasets.Dataset.from_dict({"content": docs, "n": list(range(len(docs)))})   # a dataset's text column
     from_dataset = shuffleprune.prune(str(tiny_dir), "fast", calib=table, eval_text=None, **kw)
     assert from_dataset.report["calib"]["source"] == report["calib"]["source"]
+    chats = [[{"role": "user", "content": d[:len(d) // 2]}, {"role": "assistant", "content": d[len(d) // 2:]}] for d in docs]
+    as_chat = shuffleprune.prune(str(tiny_dir), "fast", calib=datasets.Dataset.from_dict({"messages": chats}),
+                                 eval_text=None, **kw)   # no chat template here: read as plain role: content lines
+    as_lines = shuffleprune.prune(str(tiny_dir), "fast", calib=[f"user: {c[0]['content']}\nassistant: {c[1]['content']}"
+                                                                for c in chats], eval_text=None, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(as_chat.model.parameters(), as_lines.model.parameters()))
+    assert as_chat.report["calib"]["conversations"] == len(docs) and as_chat.report["calib"]["chat_template"] is False
+    assert "conversations" not in as_lines.report["calib"]
     with pytest.raises(UserError, match=r"'documents:\d+:\w+' stands for documents passed in memory .* pass them again"):
         shuffleprune.prune(str(tiny_dir), tmp_path / "out" / "recipe.yaml", **kw)
     again = shuffleprune.prune(str(tiny_dir), tmp_path / "out" / "recipe.yaml", calib=docs, eval_text=docs, **kw)
@@ -111,7 +119,8 @@ def test_documents_in_memory_calibrate_as_the_same_text_in_a_file_does(tiny_dir,
     for bad, needle in (({"calib": {"text": "a"}}, "'calib' takes a text source name, .* got dict"),
                         ({"calib": ["", " "]}, "'calib' holds no text"),
                         ({"calib": datasets.Dataset.from_dict({"q": ["a"], "a": ["b"]})},
-                         r"the calib dataset has no single text column \(string columns: q, a\); rename")):
+                         r"the calib dataset: no single text field \(string fields: q, a\) and no chat field "
+                         r"\(role/content messages\); rename")):
         with pytest.raises(UserError, match=needle):
             shuffleprune.prune(str(tiny_dir), "fast", **bad, **kw)
 

@@ -139,7 +139,7 @@ def _texts(config: PruneConfig, texts: _Texts, tokenizer, seqlen: int,
                 if texts.eval is not None else None)
     info = {"eval_text": texts.eval_name, "shared_file_split": texts.shared, "bos": bos is not None,
             "bos_mode": config.bos if tokenizer_bos is not None else None,   # None: the tokenizer adds no BOS
-            "calib": {"documents": calib_info["documents"], "tokens": calib_info["tokens"]},
+            "calib": calib_info,   # documents, tokens (and conversations, chat_template for chat data)
             "eval": None if held_out is None else {**eval_info, "tokens_read": int(held_out.numel())}}
     return tokens, held_out, info
 
