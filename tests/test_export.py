@@ -597,6 +597,10 @@ def test_transformers_loads_an_export_with_its_arguments_honoured_or_refused(tex
     lm_eval_like = via_hf(revision="main", subfolder="", gguf_file=None, quantization_config=None,
                           dtype=torch.bfloat16, device_map={"": "cpu"})
     assert lm_eval_like.dtype == torch.bfloat16
+    from lm_eval.models.huggingface import HFLM   # the client itself: lm_eval --model hf --model_args pretrained=OUT,…
+
+    served = HFLM(pretrained=str(out), trust_remote_code=True, device="cpu", batch_size=1).model
+    assert any(isinstance(mod, SparseLinear) for mod in served.modules())
     for refused, match in [(dict(revision="v2"), "revision: download that revision"),
                            (dict(quantization_config={"load_in_4bit": True}), "quantization_config: load it without"),
                            (dict(device_map={"model": "cpu", "lm_head": "cuda:0"}), "one device")]:
