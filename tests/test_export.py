@@ -603,7 +603,8 @@ def test_transformers_loads_an_export_with_its_arguments_honoured_or_refused(tex
     assert any(isinstance(mod, SparseLinear) for mod in served.modules())
     for refused, match in [(dict(revision="v2"), "revision: download that revision"),
                            (dict(quantization_config={"load_in_4bit": True}), "quantization_config: load it without"),
-                           (dict(device_map={"model": "cpu", "lm_head": "cuda:0"}), "one device")]:
+                           (dict(device_map={"model": "cpu", "lm_head": "cuda:0"}), "one device"),
+                           (dict(device_map="balanced"), "one device")]:
         with pytest.raises(ValueError, match=match):
             via_hf(**refused)
     with warnings.catch_warnings(record=True) as caught:

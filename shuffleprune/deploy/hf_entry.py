@@ -36,11 +36,14 @@ def load_for_transformers(path: str | Path, *args, **kwargs) -> nn.Module:
         raise ValueError(f"a shuffleprune export cannot be loaded with {', '.join(refused)}: {fix}")
     dtype = kwargs.get("dtype") or kwargs.get("torch_dtype") or "auto"
     device = kwargs.get("device_map")   # one device ("auto": the first GPU); none: the CPU, as transformers
+    one_device = ValueError("a shuffleprune export loads onto one device: "
+                            "device_map='cuda', 'cuda:N', 'cpu', 'auto' or {'': DEVICE}")
     if isinstance(device, dict):
         if len({str(where) for where in device.values()}) != 1:
-            raise ValueError("a shuffleprune export loads onto one device: "
-                             "device_map='cuda', 'cuda:N', 'cpu', 'auto' or {'': DEVICE}")
+            raise one_device
         device = next(iter(device.values()))
+    if device in ("balanced", "balanced_low_0", "sequential"):   # accelerate's ways of spreading a model over GPUs
+        raise one_device
     if isinstance(device, int):
         device = f"cuda:{device}"
     known = set(_NOT_FOR_EXPORTS) | _HARMLESS | {"dtype", "torch_dtype", "device_map", "config", "attn_implementation"}
