@@ -577,13 +577,14 @@ def test_transformers_loads_an_export_with_its_arguments_honoured_or_refused(tex
     """``from_pretrained(EXPORT, trust_remote_code=True, **kwargs)`` runs the installed package's
     ``load_for_transformers``: the attention implementation and config overrides reach the model; arguments
     an export cannot honour (another revision, quantization, several devices) are a ValueError naming
-    them; one it does not know is a warning, never silently dropped."""
+    them; one it does not know is a warning, never silently dropped. lm-eval's ``hf`` model and
+    transformers' ``pipeline`` load it by path."""
     import warnings
 
     from conftest import tiny_model
     from transformers import AutoModelForCausalLM
 
-    _, out = _wanda_random_maps_exported(tiny_model("llama"), text_file, tmp_path / "llama")
+    pruned, out = _wanda_random_maps_exported(tiny_model("llama"), text_file, tmp_path / "llama")
     assert "load_for_transformers(path, *args, **kwargs)" in (out / "shuffleprune_hf.py").read_text()
 
     def via_hf(**kwargs):
@@ -601,6 +602,11 @@ def test_transformers_loads_an_export_with_its_arguments_honoured_or_refused(tex
 
     served = HFLM(pretrained=str(out), trust_remote_code=True, device="cpu", batch_size=1).model
     assert any(isinstance(mod, SparseLinear) for mod in served.modules())
+    from transformers import pipeline
+
+    ask = dict(max_new_tokens=6, do_sample=False, pad_token_id=1)
+    generated = pipeline("text-generation", model=str(out), trust_remote_code=True)("the cat of", **ask)
+    assert generated == pipeline("text-generation", model=str(pruned))("the cat of", **ask)
     for refused, match in [(dict(revision="v2"), "revision: download that revision"),
                            (dict(quantization_config={"load_in_4bit": True}), "quantization_config: load it without"),
                            (dict(device_map={"model": "cpu", "lm_head": "cuda:0"}), "one device"),
