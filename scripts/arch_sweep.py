@@ -176,7 +176,26 @@ def agrees(diff: float, reference, noise: float | None) -> bool:
     return diff <= max(1e-5 * float(reference.abs().max()), 4 * (noise or 0.0))
 
 
-def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) -> dict:
+HALF_TOLERANCE = 0.05   # a half-precision load: within this share of the reference's largest logit (rounding only)
+
+
+def half_precision_diff(pruned: Path, exported: Path, dtype: str, ids) -> float:
+    """The export loaded in ``dtype`` against the pruned checkpoint loaded in it, on ``ids``: the largest logit
+    difference relative to the reference's largest logit (a load that leaves a tensor in another dtype fails)."""
+    import torch
+
+    import shuffleprune
+    from shuffleprune.models import load_model
+
+    with torch.no_grad():
+        want = load_model(str(pruned), dtype).model.eval()(ids).logits.float()
+        got = shuffleprune.load(str(exported), dtype=dtype)(ids).logits
+    if got.dtype != getattr(torch, dtype):
+        raise TypeError(f"the export loaded in {dtype} computed {got.dtype} logits")
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int, dtype: str | None = None) -> dict:
     """Prune, export and reload one family; the row of results."""
     import random
 
@@ -225,7 +244,11 @@ def one_family(model_type: str, recipe: str, perm: str, tmp: Path, seed: int) ->
                 set_experts_mode(model, "grouped")
                 diffs["kernel_grouped_experts"] = float((model(ids).logits - want).abs().max())
     noise = float32_noise(ref, ids)
-    return {"model_type": model_type, "ok": agrees(max(diffs.values()), want, noise), "max_abs_logit_diff": diffs,
+    half = {} if dtype is None else {f"{dtype}_rel_logit_diff": half_precision_diff(tmp / "pruned", tmp / "exported",
+                                                                                   dtype, ids)}
+    return {"model_type": model_type, **half,
+            "ok": agrees(max(diffs.values()), want, noise) and all(v <= HALF_TOLERANCE for v in half.values()),
+            "max_abs_logit_diff": diffs,
             "max_rel_logit_diff": max(diffs.values()) / float(want.abs().max()), "float32_noise": noise,
             "pruned_layers": len(result.report["layers"]), "nm_ok": result.report["nm_ok"],
             "pruned_experts": sum(bool(l.get("expert")) for l in result.report["layers"]),
@@ -242,6 +265,9 @@ def main() -> None:
     ap.add_argument("--perm", default="learned")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "arch_sweep.json"))
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default=None,
+                    help="also load the export and the pruned checkpoint in this dtype and compare (within "
+                         f"{HALF_TOLERANCE} of the largest logit)")
     args = ap.parse_args()
 
     from shuffleprune.runtime import machine, versions
@@ -251,9 +277,11 @@ def main() -> None:
                       "largest logit or 4× the float32-vs-float64 difference of the checkpoint's)",
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "seed": args.seed,
               "recipe": args.recipe, "perm": args.perm, "model": {k: v for k, v in SIZE.items() if "token" not in k},
-              "data": "random words, 4 windows × 32 tokens", "machine": machine(), "versions": versions()}
-    sweep(args.types, lambda model_type, tmp: one_family(model_type, args.recipe, args.perm, tmp, args.seed), result,
-          Path(args.out))
+              "data": "random words, 4 windows × 32 tokens", "machine": machine(), "versions": versions(),
+              **({"half_precision": f"also loaded in {args.dtype}: export against pruned checkpoint within "
+                                    f"{HALF_TOLERANCE} of its largest logit"} if args.dtype else {})}
+    sweep(args.types, lambda model_type, tmp: one_family(model_type, args.recipe, args.perm, tmp, args.seed, args.dtype),
+          result, Path(args.out))
 
 
 def sweep(types: list[str], one: Callable[[str, Path], dict], result: dict, out: Path) -> None:
