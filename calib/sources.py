@@ -36,6 +36,7 @@ spaces, scored on at most 256 windows of the context.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -183,13 +184,24 @@ def rendered(docs: list[str], tokenizer) -> list[str]:
     return out
 
 
-def row_reader(what: str, row: dict, fix: str | None = None) -> tuple[str, Callable[[dict], str | None]]:
+@dataclass(frozen=True)
+class RowReader:
+    """Which field of a dataset's rows holds its documents, and how to read one from a row (None where a
+    row lacks it)."""
+
+    field: str
+    kind: str                                  # "text" or "chat"
+    read: Callable[[dict], str | None]
+
+    def __str__(self) -> str:
+        return f"'{self.field}' {self.kind} field"
+
+
+def row_reader(what: str, row: dict, fix: str | None = None) -> RowReader:
     """How to read a document from rows shaped as ``row`` (a dataset's or a .jsonl file's first): its text
     field (:func:`_pick_text_column`: a named one first), else its chat field (:data:`CHAT_FIELDS`, or the
-    only field holding messages) as a :class:`Conversation`, else its only string field. Returns
-    ``(description, reader)``: the field as an error names it, and the reader, which returns None for a row
-    without that field. A one-line error naming ``what`` and ``fix`` (default: rename the text field) when
-    ``row`` has none of these."""
+    only field holding messages) as a :class:`Conversation`, else its only string field. A one-line error
+    naming ``what`` and ``fix`` (default: rename the text field) when ``row`` has none of these."""
     strings = [k for k, v in row.items() if isinstance(v, str)]
     named = [c for c in TEXT_COLUMNS if c in strings]
     chats = [k for k, v in row.items() if as_messages(v) is not None]
@@ -198,12 +210,12 @@ def row_reader(what: str, row: dict, fix: str | None = None) -> tuple[str, Calla
         def conversation(r: dict) -> str | None:
             messages = as_messages(r.get(chat))
             return None if messages is None else Conversation(messages)
-        return f"'{chat}' chat field", conversation
+        return RowReader(chat, "chat", conversation)
     column = _pick_text_column(strings)
     if column is None:
         raise UserError(f"{what}: no single text field (string fields: {', '.join(strings) or 'none'}) and no chat field "
                         f"(role/content messages); {fix or 'name its text field one of ' + ', '.join(TEXT_COLUMNS)}")
-    return f"'{column}' text field", lambda r: r.get(column) if isinstance(r.get(column), str) else None
+    return RowReader(column, "text", lambda r: r.get(column) if isinstance(r.get(column), str) else None)
 
 
 def _pick_text_column(strings: list[str]) -> str | None:
@@ -232,10 +244,11 @@ def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
         held_out = next((s for s in ("test", "validation", *paired) if s in splits), None)   # train_sft: test_sft
         read = held_out if split == "test" and held_out else train
         stream = datasets.load_dataset(repo, config, split=read, streaming=True)
-        rows = [row for _, row in zip(range(HUB_DATASET_DOCS), stream)]
-        read_doc = (row_reader(f"hub dataset '{name}'", rows[0], "write the text to a .jsonl file with a 'text' field "
-                               "and pass that instead")[1] if rows else (lambda r: None))
-        docs = [read_doc(row) for row in rows]
+        rows = itertools.islice(stream, HUB_DATASET_DOCS)
+        first = next(rows, None)
+        read_doc = (row_reader(f"hub dataset '{name}'", first, "write the text to a .jsonl file with a 'text' field "
+                               "and pass that instead").read if first is not None else (lambda r: None))
+        docs = [read_doc(row) for row in itertools.chain([first] if first is not None else [], rows)]
     except UserError:
         raise
     except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
@@ -309,7 +322,7 @@ def read_text_file(path: Path) -> str:
 def _jsonl_docs(path: Path, text: str) -> list[str]:
     """A .jsonl file's documents: each line an object, its text (or chat) in the field a hub dataset's
     would be read from (:func:`row_reader` of the first line)."""
-    field, read_doc = "", None
+    reader = None
     docs = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -320,11 +333,11 @@ def _jsonl_docs(path: Path, text: str) -> list[str]:
             raise UserError(f"{path}:{n}: not a JSON object ({reason(exc, 80)})") from exc
         if not isinstance(row, dict):
             raise UserError(f"{path}:{n}: each .jsonl line must be a JSON object with a text field")
-        if read_doc is None:
-            field, read_doc = row_reader(f"{path}:{n}", row)
-        doc = read_doc(row)
+        if reader is None:
+            reader = row_reader(f"{path}:{n}", row)
+        doc = reader.read(row)
         if doc is None:
-            raise UserError(f"{path}:{n}: no {field} (the field the first line's document is in)")
+            raise UserError(f"{path}:{n}: no {reader} (the field the first line's document is in)")
         docs.append(doc)
     return docs
 
@@ -365,8 +378,8 @@ def _parquet_docs(path: Path) -> list[str]:
     rows = table.slice(0, 1).to_pylist()
     if not rows:
         return []
-    read_doc = row_reader(f"'{path}'", rows[0])[1]
-    return [d for d in map(read_doc, table.to_pylist()) if d]
+    reader = row_reader(f"'{path}'", rows[0])
+    return [d for d in map(reader.read, table.select([reader.field]).to_pylist()) if d]
 
 
 def _file_documents(path: Path) -> tuple[str, ...]:
@@ -423,7 +436,7 @@ def as_documents(value: Any, key: str) -> tuple[str, ...]:
     column is picked as a hub dataset's) as a tuple of non-empty strings; a one-line error otherwise."""
     if type(value).__name__ == "Dataset" and hasattr(value, "features"):
         read_doc = (row_reader(f"the {key} dataset", value[0], "rename its text column 'text' (dataset.rename_column) "
-                               "or pass a list of strings")[1] if len(value) else (lambda r: None))
+                               "or pass a list of strings").read if len(value) else (lambda r: None))
         value = [d for d in map(read_doc, value) if d is not None]
     elif isinstance(value, (list, tuple)) and value and all(as_messages(d) is not None for d in value):
         value = [Conversation(as_messages(d)) for d in value]   # conversations: lists of role/content messages

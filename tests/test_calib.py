@@ -303,6 +303,12 @@ def test_chat_datasets_are_read_as_conversations_and_rendered_by_the_chat_templa
                                                                           {"from": "gpt", "value": "a dog sat"}]}) + "\n"
                             for i, c in enumerate(chats)))
     assert get_source(str(path)).documents("train") == docs
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"n": i, "url": "u", "messages": c} for i, c in enumerate(chats)]),
+                   tmp_path / "chats.parquet")
+    assert [d.messages for d in get_source(str(tmp_path / "chats.parquet")).documents("train")] == [d.messages for d in docs]
     assert as_documents(chats, "calib") == tuple(docs)   # conversations passed in memory
     assert pickle.loads(pickle.dumps(docs[3])).messages == docs[3].messages
 
