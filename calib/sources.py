@@ -353,8 +353,8 @@ def text_file_kind(path: Path) -> str | None:
 
 
 def _json_docs(path: Path, text: str) -> list[str]:
-    """A ``.json`` file's documents: one JSON array (of strings, or of objects read as ``.jsonl`` rows
-    are), else JSON lines (C4's shards)."""
+    """A ``.json`` file's documents: one JSON array (of strings, of conversations, or of objects read as
+    ``.jsonl`` rows are), else JSON lines (C4's shards)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -362,6 +362,8 @@ def _json_docs(path: Path, text: str) -> list[str]:
     rows = data if isinstance(data, list) else [data]
     if all(isinstance(r, str) for r in rows):
         return list(rows)
+    if rows and all(as_messages(r) is not None for r in rows):   # an array of conversations (message lists)
+        return [Conversation(as_messages(r)) for r in rows]
     return _jsonl_docs(path, "\n".join(json.dumps(r) for r in rows))
 
 

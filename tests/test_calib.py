@@ -309,6 +309,8 @@ def test_chat_datasets_are_read_as_conversations_and_rendered_by_the_chat_templa
     pq.write_table(pa.Table.from_pylist([{"n": i, "url": "u", "messages": c} for i, c in enumerate(chats)]),
                    tmp_path / "chats.parquet")
     assert [d.messages for d in get_source(str(tmp_path / "chats.parquet")).documents("train")] == [d.messages for d in docs]
+    (tmp_path / "chats.json").write_text(json.dumps(chats))   # one array of conversations
+    assert [d.messages for d in get_source(str(tmp_path / "chats.json")).documents("train")] == [d.messages for d in docs]
     assert as_documents(chats, "calib") == tuple(docs)   # conversations passed in memory
     assert pickle.loads(pickle.dumps(docs[3])).messages == docs[3].messages
 
