@@ -237,6 +237,7 @@ def eval_(
     limit: Optional[float] = typer.Option(None, "--limit", help="lm-eval --limit: at most this many items per task (below 1: a fraction)."),
     num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples (default: each task's own, 0 for the paper's tasks)."),
     batch_size: int = typer.Option(8, "--batch-size", help="lm-eval batch size."),
+    apply_chat_template: bool = typer.Option(False, "--apply-chat-template", help="lm-eval --apply_chat_template: each item (and its few-shot examples, as turns) through the model's chat template, for instruct models."),
     offline: bool = typer.Option(False, "--offline", help="Use local task data even if the hub is reachable (automatic when it is not)."),
     include_path: Optional[List[str]] = typer.Option(None, "--include-path", help="Extra directory of lm-eval task YAMLs (repeatable)."),
     ppl_text: str = typer.Option("auto", "--ppl-text", help="Perplexity text: auto (wikitext2 online, brown offline), wikitext2, c4, a hub dataset OWNER/NAME[:CONFIG], wiki, brown, a .txt, .jsonl, .json or .parquet path (.gz too) or a directory of such files."),
@@ -259,7 +260,7 @@ def eval_(
                         tasks=list(DEFAULT_TASKS) if tasks is None else _split_csv(tasks), limit=limit,
                         num_fewshot=num_fewshot, batch_size=batch_size, device=device, dtype=dtype, offline=offline,
                         include_path=list(include_path) if include_path else None, ppl_text=ppl_text,
-                        ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens, ppl_bos=ppl_bos)
+                        ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens, ppl_bos=ppl_bos, apply_chat_template=apply_chat_template)
     try:
         results = evaluate_models(config, out=out, progress=not quiet,
                                   notify=lambda msg: err.print(msg, soft_wrap=True),

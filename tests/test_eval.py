@@ -59,6 +59,35 @@ def test_eval_scores_the_in_memory_model(tiny_dir, tiny_task, tmp_path, monkeypa
     assert row["ppl"] == pytest.approx(perplexity(lm.model, eval_tokens(get_source(str(heldout)), lm.tokenizer), 32))
 
 
+def test_apply_chat_template_reaches_lm_eval_and_its_recorded_command(tiny_dir, tiny_task, tmp_path, monkeypatch):
+    """``--apply-chat-template`` (instruct models): every lm-eval item goes through the tokenizer's chat
+    template, the results and the equivalent ``lm_eval`` command say so; a model without a template is a
+    one-line error naming the flag."""
+    from lm_eval.models.huggingface import HFLM
+
+    rendered = []
+    real = HFLM.apply_chat_template
+
+    def spy(self, chat_history, *args, **kwargs):
+        rendered.append(chat_history)
+        return real(self, chat_history, *args, **kwargs)
+
+    monkeypatch.setattr(HFLM, "apply_chat_template", spy)
+    lm = load_model(str(tiny_dir))
+    config = EvalConfig(models=[str(tiny_dir)], tasks=["tiny_mc"], include_path=[str(tiny_task)], limit=4)
+    plain = evaluate_models(config, progress=False, loaded={str(tiny_dir): lm})
+    assert not rendered and "--apply_chat_template" not in plain["models"][0]["lm_eval_cli"]
+    with pytest.raises(UserError, match="has no chat template .* drop --apply-chat-template"):
+        evaluate_models(EvalConfig(**{**config.__dict__, "apply_chat_template": True}), progress=False,
+                        loaded={str(tiny_dir): lm})
+    lm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} the {% endfor %}"
+    chat = evaluate_models(EvalConfig(**{**config.__dict__, "apply_chat_template": True}), progress=False,
+                           loaded={str(tiny_dir): lm})
+    assert len(rendered) == 4 and rendered[0][-1]["role"] == "user"   # one chat per item (its choices share it)
+    assert chat["lm_eval"]["apply_chat_template"] is True
+    assert chat["models"][0]["lm_eval_cli"].endswith("--apply_chat_template")
+
+
 def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(random_text(2000, seed=3))

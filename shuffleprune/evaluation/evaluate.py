@@ -71,6 +71,7 @@ class EvalConfig:
     ppl_ctx: int = 2048
     ppl_tokens: int | None = None         # cap on held-out tokens (default: the whole test split)
     ppl_bos: str = "window"               # BOS of tokenizers that add one: every window | the text's start (the papers')
+    apply_chat_template: bool = False     # lm-eval --apply_chat_template: each item through the model's chat template
 
 
 @dataclass
@@ -250,13 +251,17 @@ def _score_lm_eval(lm: LoadedModel, plan: _TaskPlan, config: EvalConfig, progres
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    if config.apply_chat_template and not getattr(lm.tokenizer, "chat_template", None):
+        raise UserError(f"'{lm.source}' has no chat template (its tokenizer_config.json has none): drop "
+                        "--apply-chat-template for it, or score it in a run of its own")
     wrapper = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=config.batch_size)
     # lm-eval records the git commit of the working directory (unused here) by running `git describe`,
     # whose "fatal: not a git repository" would reach the user's terminal outside a repository
     with patch("lm_eval.evaluator.get_git_commit_hash", return_value=None, create=True):
         raw = simple_evaluate(model=wrapper, tasks=plan.lm_tasks, num_fewshot=config.num_fewshot,
                               limit=config.limit, task_manager=plan.task_manager, log_samples=False,
-                              **LM_EVAL_SEEDS)
+                              apply_chat_template=config.apply_chat_template,
+                              fewshot_as_multiturn=config.apply_chat_template, **LM_EVAL_SEEDS)   # as lm_eval's CLI
     scored = {}
     for lm_name, res in raw["results"].items():
         name = plan.display.get(lm_name, stock_name(lm_name))
@@ -295,6 +300,8 @@ def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, 
         parts += ["--limit", f"{config.limit:g}"]
     if config.num_fewshot is not None:
         parts += ["--num_fewshot", str(config.num_fewshot)]
+    if config.apply_chat_template:
+        parts += ["--apply_chat_template"]
     return shlex.join(parts)
 
 
@@ -460,6 +467,7 @@ def _results(config: EvalConfig, offline: bool, device: torch.device, plan: _Tas
         "tasks": [stock_name(t) if t != PPL else PPL for t in dict.fromkeys(config.tasks)],
         "lm_eval": {"version": versions("lm_eval")["lm_eval"], "limit": config.limit,
                     "num_fewshot": config.num_fewshot, "batch_size": config.batch_size, "seeds": LM_EVAL_SEEDS,
+                    "apply_chat_template": config.apply_chat_template,
                     "task_data": plan.origins, "lm_eval_tasks": plan.lm_tasks, "include_path": plan.include_path},
         "ppl_eval": json.loads(ppl_evals.pop()) if len(ppl_evals) == 1 else None,
         "models": rows,
