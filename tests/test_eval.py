@@ -62,7 +62,7 @@ def test_eval_scores_the_in_memory_model(tiny_dir, tiny_task, tmp_path, monkeypa
 def test_apply_chat_template_reaches_lm_eval_and_its_recorded_command(tiny_dir, tiny_task, tmp_path, monkeypatch):
     """``--apply-chat-template`` (instruct models): every lm-eval item goes through the tokenizer's chat
     template, the results and the equivalent ``lm_eval`` command say so; a model without a template is a
-    one-line error naming the flag."""
+    one-line error naming the flag, found before any model is scored."""
     from lm_eval.models.huggingface import HFLM
 
     rendered = []
@@ -81,6 +81,12 @@ def test_apply_chat_template_reaches_lm_eval_and_its_recorded_command(tiny_dir, 
         evaluate_models(EvalConfig(**{**config.__dict__, "apply_chat_template": True}), progress=False,
                         loaded={str(tiny_dir): lm})
     lm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} the {% endfor %}"
+    scored = []
+    with monkeypatch.context() as patched, pytest.raises(UserError, match=f"'{tiny_dir}' has no chat template"):
+        patched.setattr("shuffleprune.evaluation.evaluate._score_model", lambda *a: scored.append(a))
+        evaluate_models(EvalConfig(**{**config.__dict__, "apply_chat_template": True,   # a model on disk without one:
+                                      "models": ["mine", str(tiny_dir)]}), progress=False, loaded={"mine": lm})
+    assert not scored   # found before any model is scored
     chat = evaluate_models(EvalConfig(**{**config.__dict__, "apply_chat_template": True}), progress=False,
                            loaded={str(tiny_dir): lm})
     assert len(rendered) == 4 and rendered[0][-1]["role"] == "user"   # one chat per item (its choices share it)

@@ -32,7 +32,8 @@ from shuffleprune.calib import bos_token, eval_tokens, held_out_part, open_text
 from shuffleprune.calib.sources import HUB_SOURCES, TEXT_FILES, check_bos_mode, is_local_source, text_contains
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
-from shuffleprune.models import LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, upcast_for_cpu
+from shuffleprune.models import (LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, load_tokenizer,
+                                 resolve_model_path, upcast_for_cpu)
 from shuffleprune.outdir import check_free_space, check_writable, space_errors
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.placement import is_dispatched, left_as_found, weights_readable
@@ -251,9 +252,6 @@ def _score_lm_eval(lm: LoadedModel, plan: _TaskPlan, config: EvalConfig, progres
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    if config.apply_chat_template and not getattr(lm.tokenizer, "chat_template", None):
-        raise UserError(f"'{lm.source}' has no chat template (its tokenizer_config.json has none): drop "
-                        "--apply-chat-template for it, or score it in a run of its own")
     wrapper = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=config.batch_size)
     # lm-eval records the git commit of the working directory (unused here) by running `git describe`,
     # whose "fatal: not a git repository" would reach the user's terminal outside a repository
@@ -319,6 +317,8 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     for spec in config.models:   # every model found before the first is scored
         if spec not in (loaded or {}):
             check_model_spec(spec)
+    if config.apply_chat_template and any(t != PPL for t in config.tasks):
+        _check_chat_templates(config.models, loaded or {})
     device = pick_device(config.device)
     _quiet_lm_eval(verbose)
     offline = _offline(config, notify)
@@ -341,6 +341,16 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     if out is not None:
         write_results(results, out)
     return results
+
+
+def _check_chat_templates(specs: list[str | None], loaded: dict[str | None, LoadedModel]) -> None:
+    """``--apply-chat-template``: every model's tokenizer has a chat template (its tokenizer only is read),
+    else a one-line error naming the model, before any is scored."""
+    for spec in specs:
+        tokenizer = loaded[spec].tokenizer if spec in loaded else load_tokenizer(resolve_model_path(spec), spec)
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"'{spec or 'the embedded default'}' has no chat template (none in its tokenizer files): "
+                            "drop --apply-chat-template, or score that model in a run of its own")
 
 
 def _offline(config: EvalConfig, notify: Callable[[str], None]) -> bool:
