@@ -238,6 +238,7 @@ def test_export_round_trip_folds_and_generates(pruned_perm_dir, tmp_path):
     card = (out / "README.md").read_text()  # a model card for the hub: what it holds, how to load it
     assert "sparsity-2:4" in card and "21 linear layers" in card and f"({len(fmt['runtime_gathers'])} layers;" in card
     assert "trust_remote_code=True" in card and 'shuffleprune.load("PATH", device="cuda")' in card
+    assert "lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True" in card   # (HFLM loads it: below)
 
 
 def test_warm_up_runs_every_sparse_layer_at_each_token_bucket(pruned_perm_dir, tmp_path):

@@ -398,6 +398,13 @@ model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)
 ```
 
 Without `trust_remote_code=True`, transformers would leave the compressed layers uninitialised.
+
+## Evaluate it
+
+```bash
+shuffleprune eval PATH --tasks ppl,arc_easy,hellaswag
+lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True --tasks arc_easy,hellaswag
+```
 """
 
 
