@@ -164,6 +164,12 @@ def as_messages(value: Any) -> list[dict] | None:
     return messages
 
 
+def as_conversations(values: list | tuple) -> list[Conversation] | None:
+    """``values`` as conversations when every one is a list of chat messages (:func:`as_messages`), else None."""
+    chats = [as_messages(v) for v in values]
+    return [Conversation(c) for c in chats] if chats and all(c is not None for c in chats) else None
+
+
 def rendered(docs: list[str], tokenizer) -> list[str]:
     """``docs`` as text for ``tokenizer``: each :class:`Conversation` through its chat template when it has
     one (else, or where the template refuses the conversation, its plain rendering, with a warning)."""
@@ -199,30 +205,23 @@ class RowReader:
 
 def row_reader(what: str, row: dict, fix: str | None = None) -> RowReader:
     """How to read a document from rows shaped as ``row`` (a dataset's or a .jsonl file's first): its text
-    field (:func:`_pick_text_column`: a named one first), else its chat field (:data:`CHAT_FIELDS`, or the
-    only field holding messages) as a :class:`Conversation`, else its only string field. A one-line error
+    field named one of :data:`TEXT_COLUMNS` (the first there), else its chat field (:data:`CHAT_FIELDS`, or
+    the only field holding messages) as a :class:`Conversation`, else its only string field. A one-line error
     naming ``what`` and ``fix`` (default: rename the text field) when ``row`` has none of these."""
     strings = [k for k, v in row.items() if isinstance(v, str)]
-    named = [c for c in TEXT_COLUMNS if c in strings]
+    named = next((c for c in TEXT_COLUMNS if c in strings), None)
     chats = [k for k, v in row.items() if as_messages(v) is not None]
     chat = next((c for c in CHAT_FIELDS if c in chats), chats[0] if len(chats) == 1 else None)
-    if not named and chat is not None:
+    if named is None and chat is not None:
         def conversation(r: dict) -> str | None:
             messages = as_messages(r.get(chat))
             return None if messages is None else Conversation(messages)
         return RowReader(chat, "chat", conversation)
-    column = _pick_text_column(strings)
+    column = named if named is not None else (strings[0] if len(strings) == 1 else None)
     if column is None:
         raise UserError(f"{what}: no single text field (string fields: {', '.join(strings) or 'none'}) and no chat field "
                         f"(role/content messages); {fix or 'name its text field one of ' + ', '.join(TEXT_COLUMNS)}")
     return RowReader(column, "text", lambda r: r.get(column) if isinstance(r.get(column), str) else None)
-
-
-def _pick_text_column(strings: list[str]) -> str | None:
-    """Among a dataset's (or a .jsonl row's) string columns, the text: the first of
-    :data:`TEXT_COLUMNS` there, else the only one; None when neither."""
-    named = [c for c in TEXT_COLUMNS if c in strings]
-    return named[0] if named else (strings[0] if len(strings) == 1 else None)
 
 
 def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
@@ -246,9 +245,9 @@ def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
         stream = datasets.load_dataset(repo, config, split=read, streaming=True)
         rows = itertools.islice(stream, HUB_DATASET_DOCS)
         first = next(rows, None)
-        read_doc = (row_reader(f"hub dataset '{name}'", first, "write the text to a .jsonl file with a 'text' field "
-                               "and pass that instead").read if first is not None else (lambda r: None))
-        docs = [read_doc(row) for row in itertools.chain([first] if first is not None else [], rows)]
+        docs = [] if first is None else list(map(row_reader(
+            f"hub dataset '{name}'", first, "write the text to a .jsonl file with a 'text' field and pass that instead"
+        ).read, itertools.chain([first], rows)))
     except UserError:
         raise
     except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
@@ -362,8 +361,9 @@ def _json_docs(path: Path, text: str) -> list[str]:
     rows = data if isinstance(data, list) else [data]
     if all(isinstance(r, str) for r in rows):
         return list(rows)
-    if rows and all(as_messages(r) is not None for r in rows):   # an array of conversations (message lists)
-        return [Conversation(as_messages(r)) for r in rows]
+    conversations = as_conversations(rows)   # an array of conversations (message lists)
+    if conversations is not None:
+        return conversations
     return _jsonl_docs(path, "\n".join(json.dumps(r) for r in rows))
 
 
@@ -437,11 +437,11 @@ def as_documents(value: Any, key: str) -> tuple[str, ...]:
     """Documents passed in memory (a list or tuple of strings, or a ``datasets.Dataset``, whose text
     column is picked as a hub dataset's) as a tuple of non-empty strings; a one-line error otherwise."""
     if type(value).__name__ == "Dataset" and hasattr(value, "features"):
-        read_doc = (row_reader(f"the {key} dataset", value[0], "rename its text column 'text' (dataset.rename_column) "
-                               "or pass a list of strings").read if len(value) else (lambda r: None))
-        value = [d for d in map(read_doc, value) if d is not None]
-    elif isinstance(value, (list, tuple)) and value and all(as_messages(d) is not None for d in value):
-        value = [Conversation(as_messages(d)) for d in value]   # conversations: lists of role/content messages
+        value = [] if not len(value) else [d for d in map(row_reader(
+            f"the {key} dataset", value[0], "rename its text column 'text' (dataset.rename_column) or pass a list of strings"
+        ).read, value) if d is not None]
+    elif isinstance(value, (list, tuple)):
+        value = as_conversations(value) or value   # conversations: lists of role/content messages
     if not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):
         raise UserError(f"'{key}' takes a text source name, a {TEXT_FILES} path, a list of strings or of conversations "
                         f"(role/content messages) or a datasets.Dataset; got {type(value).__name__}")
