@@ -15,6 +15,7 @@ _NOT_FOR_EXPORTS = {"quantization_config": None, "gguf_file": None, "subfolder":
 # arguments about where the files come from or how transformers reads them: nothing to do for a local export
 _HARMLESS = {"trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "cache_dir", "token", "local_files_only",
              "force_download", "proxies", "code_revision", "adapter_kwargs", "_from_auto", "_commit_hash"}
+_HONOURED = {"dtype", "torch_dtype", "device_map", "config", "attn_implementation"}
 
 
 def load_for_transformers(path: str | Path, *args, **kwargs) -> nn.Module:
@@ -46,8 +47,8 @@ def load_for_transformers(path: str | Path, *args, **kwargs) -> nn.Module:
         raise one_device
     if isinstance(device, int):
         device = f"cuda:{device}"
-    known = set(_NOT_FOR_EXPORTS) | _HARMLESS | {"dtype", "torch_dtype", "device_map", "config", "attn_implementation"}
-    ignored = sorted(key for key, value in kwargs.items() if key not in known and value is not None)
+    ignored = sorted(key for key, value in kwargs.items()
+                     if key not in _NOT_FOR_EXPORTS.keys() | _HARMLESS | _HONOURED and value is not None)
     if ignored:
         warnings.warn(f"shuffleprune.load ignores these from_pretrained arguments: {', '.join(ignored)}", stacklevel=2)
     return shuffleprune.load(str(path), dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
