@@ -44,7 +44,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -118,14 +118,66 @@ HUB_DATASET_DOCS = 20_000   # documents streamed from a hub dataset's split (cal
 TEXT_COLUMNS = ("text", "content", "document", "article", "body")
 
 
-def hub_dataset_id(name: str) -> tuple[str, str | None] | None:
-    """``(repo, config)`` of ``--calib OWNER/NAME`` or ``OWNER/NAME:CONFIG`` (any hub dataset with a
-    text column); None for anything else, a local path included."""
-    repo, _, config = name.partition(":")
-    owner, _, dataset = repo.partition("/")
-    if not (owner and dataset and looks_like_hub_id(repo)) or Path(name).expanduser().exists():
+class HubDataset(NamedTuple):
+    """A ``--calib OWNER/NAME[:CONFIG][@SPLIT[START:STOP]]`` value: a hub dataset, and the rows of one
+    of its splits when one is named (``split`` None: ``train`` and its held-out pair, see
+    :func:`_load_hub_dataset`)."""
+
+    repo: str
+    config: str | None = None
+    split: str | None = None
+    start: int = 0
+    stop: int | None = None   # with a split and no stop: HUB_DATASET_DOCS rows from start
+
+    @property
+    def rows(self) -> range:
+        """The rows an explicit split is read at."""
+        return range(self.start, self.stop if self.stop is not None else self.start + HUB_DATASET_DOCS)
+
+
+_SPLIT = re.compile(r"(?P<split>[\w.-]+)(?:\[(?P<start>[^:\]]*):(?P<stop>[^\]]*)\])?")
+
+
+def _split_rows(name: str, spec: str) -> tuple[str, int, int | None]:
+    """``SPLIT``, ``SPLIT[START:STOP]``, ``SPLIT[:STOP]`` or ``SPLIT[START:]`` as (split, start, stop)."""
+    m = _SPLIT.fullmatch(spec)
+    bad = None
+    if m is None:
+        bad = "is not a split"
+    elif any("%" in (m[k] or "") for k in ("start", "stop")):
+        bad = "gives a percentage, which needs the split's size (a stream does not know it)"
+    elif not all(re.fullmatch(r"\d*", m[k] or "") for k in ("start", "stop")):
+        bad = "gives rows that are not counts from 0"
+    elif m["stop"] and int(m["stop"]) <= int(m["start"] or 0):
+        bad = "selects no rows"
+    if bad:
+        raise UserError(f"'{name}': '@{spec}' {bad}; give a split and optionally its rows as counts, "
+                        "e.g. @train_sft or @train_sft[:512] or @train[1000:2000]")
+    return m["split"], int(m["start"] or 0), int(m["stop"]) if m["stop"] else None
+
+
+def hub_dataset_name(hub: HubDataset) -> str:
+    """``hub`` written as ``--calib`` takes it."""
+    name = hub.repo if hub.config is None else f"{hub.repo}:{hub.config}"
+    if hub.split is None:
+        return name
+    return f"{name}@{hub.split}" + ("" if hub.start == 0 and hub.stop is None else f"[{hub.start or ''}:{hub.stop or ''}]")
+
+
+def hub_dataset_id(name: str) -> HubDataset | None:
+    """The :class:`HubDataset` of ``--calib OWNER/NAME``, ``OWNER/NAME:CONFIG`` and either with
+    ``@SPLIT`` or ``@SPLIT[START:STOP]`` (any hub dataset with a text or chat column); None for anything
+    else, a local path included. A malformed split is a :class:`UserError`."""
+    if Path(name).expanduser().exists():
         return None
-    return repo, config or None
+    base, at, split = name.partition("@")
+    repo, _, config = base.partition(":")
+    owner, _, dataset = repo.partition("/")
+    if not (owner and dataset and looks_like_hub_id(repo)):
+        return None
+    if not at:
+        return HubDataset(repo, config or None)
+    return HubDataset(repo, config or None, *_split_rows(name, split))
 
 
 CHAT_FIELDS = ("messages", "conversations", "conversation", "chat")   # preferred, in this order, where several
@@ -224,26 +276,41 @@ def row_reader(what: str, row: dict, fix: str | None = None) -> RowReader:
     return RowReader(column, "text", lambda r: r.get(column) if isinstance(r.get(column), str) else None)
 
 
-def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
-    """Up to :data:`HUB_DATASET_DOCS` documents of a hub dataset, streamed (nothing else downloaded):
-    calibration reads its ``train`` split (else its first: ``train_sft``); held-out text its ``test`` or
-    ``validation`` split (or the one paired with the first: ``test_sft``), or every 10th document of the
-    calibration split when it has none. Rows are read by :func:`row_reader`: a text column, or a chat
-    column (``messages``) as conversations."""
+def _hub_splits(hub: HubDataset) -> list[str]:
+    """The names of a hub dataset's splits (one the user named among them, else a one-line error naming them)."""
     import datasets
 
     from shuffleprune.hub import hub_reachable
 
     hub_reachable()  # offline: fail fast from the local cache
-    name = repo if config is None else f"{repo}:{config}"
+    name = hub.repo if hub.config is None else f"{hub.repo}:{hub.config}"
     try:
-        splits = datasets.get_dataset_split_names(repo, config)
+        splits = list(datasets.get_dataset_split_names(hub.repo, hub.config))
+    except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
+        raise _hub_unreachable(name, exc) from exc
+    if hub.split is not None and hub.split not in splits:
+        raise UserError(f"hub dataset '{name}' has no split '{hub.split}'; its splits: {', '.join(splits)}")
+    return splits
+
+
+def _load_hub_dataset(hub: HubDataset, split: str) -> list[str]:
+    """Documents of a hub dataset, streamed (nothing else downloaded). With a split named: the rows
+    asked for. Else up to :data:`HUB_DATASET_DOCS`: calibration reads its ``train`` split (else its first:
+    ``train_sft``); held-out text its ``test`` or ``validation`` split (or the one paired with the first:
+    ``test_sft``), or every 10th document of the calibration split when it has none. Rows are read by
+    :func:`row_reader`: a text column, or a chat column (``messages``) as conversations."""
+    import datasets
+
+    splits = _hub_splits(hub)
+    name = hub.repo if hub.config is None else f"{hub.repo}:{hub.config}"
+    try:
         train = "train" if "train" in splits else splits[0]
         paired = [train.replace("train", side, 1) for side in ("test", "validation")] if train.startswith("train") else []
         held_out = next((s for s in ("test", "validation", *paired) if s in splits), None)   # train_sft: test_sft
-        read = held_out if split == "test" and held_out else train
-        stream = datasets.load_dataset(repo, config, split=read, streaming=True)
-        rows = itertools.islice(stream, HUB_DATASET_DOCS)
+        read = hub.split or (held_out if split == "test" and held_out else train)
+        rows = hub.rows if hub.split else range(HUB_DATASET_DOCS)
+        stream = datasets.load_dataset(hub.repo, hub.config, split=read, streaming=True)
+        rows = itertools.islice(stream, rows.start, rows.stop)
         first = next(rows, None)
         docs = [] if first is None else list(map(row_reader(
             f"hub dataset '{name}'", first, "write the text to a .jsonl file with a 'text' field and pass that instead"
@@ -253,7 +320,19 @@ def _load_hub_dataset(repo: str, config: str | None, split: str) -> list[str]:
     except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
         raise _hub_unreachable(name, exc) from exc
     docs = [d for d in docs if isinstance(d, str) and d.strip()]
+    if hub.split:
+        return docs
     return docs if held_out else _split(docs, split)   # one split for both sides: every 10th document held out
+
+
+def _hub_split_loader(hub: HubDataset, shared: bool) -> Callable[[str], list[str]]:
+    """The loader of a hub dataset's named split: its rows on either side, or, when they serve both
+    fitting and held-out perplexity, every 10th held out (as a local file's documents); streamed once."""
+    @lru_cache(maxsize=1)
+    def loader() -> Callable[[str], list[str]]:
+        return _local(hub_dataset_name(hub), tuple(_load_hub_dataset(hub, "train")), shared)
+
+    return lambda split: loader()(split)
 
 
 def _split(docs: list[str], split: str) -> list[str]:
@@ -500,21 +579,32 @@ def is_local_source(name: str) -> bool:
     return name in OFFLINE_SOURCES or is_text_path(name) or name.startswith(MEMORY_PREFIX)
 
 
+def _named_split(name: str | None) -> HubDataset | None:
+    hub = None if name is None else hub_dataset_id(name)
+    return hub if hub is not None and hub.split is not None else None
+
+
 def same_text(a: str | None, b: str | None) -> bool:
     """Whether two ``--calib`` / ``--eval-text`` values name the same local file (or the same
-    documents passed in memory)."""
+    documents passed in memory, or the same rows of a hub dataset's split)."""
     if a is not None and a.startswith(MEMORY_PREFIX):
         return a == b
+    hub_a, hub_b = _named_split(a), _named_split(b)
+    if hub_a is not None:
+        return hub_b is not None and (*hub_a[:3], hub_a.rows) == (*hub_b[:3], hub_b.rows)
     if a is None or b is None or not is_text_path(a) or not is_text_path(b):
         return False
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def text_contains(a: str | None, b: str | None) -> bool:
-    """Whether local text ``a`` holds all of ``b``: the same file or documents, or a directory with
-    ``b`` (a file or a directory) under it."""
+    """Whether text ``a`` holds text of ``b``: the same file or documents, a directory with ``b`` (a
+    file or a directory) under it, or rows of a hub dataset's split that ``b`` reads too."""
     if same_text(a, b):
         return True
+    hub_a, hub_b = _named_split(a), _named_split(b)
+    if hub_a is not None and hub_b is not None:
+        return hub_a[:3] == hub_b[:3] and max(hub_a.rows.start, hub_b.rows.start) < min(hub_a.rows.stop, hub_b.rows.stop)
     if a is None or b is None or not is_text_path(a) or not is_text_path(b) or not Path(a).expanduser().is_dir():
         return False
     return Path(b).expanduser().resolve().is_relative_to(Path(a).expanduser().resolve())
@@ -548,10 +638,16 @@ def get_source(name: str, shared: bool = False) -> TextSource:
         raise UserError(f"'{name}' stands for documents passed in memory to the Python API; pass them again "
                         "(calib=[...] / eval_text=[...]), or give a text source or file")
     hub = hub_dataset_id(name)
+    if hub is not None and hub.split is not None:
+        _hub_splits(hub)   # a split the dataset lacks is refused now, not after the model is loaded
+        return TextSource(name, _hub_split_loader(hub, shared))
     if hub is not None:
-        return TextSource(name, lambda s: _load_hub_dataset(*hub, s))
+        return TextSource(name, lambda s: _load_hub_dataset(hub, s))
+    if name.partition("@")[0] in HUB_SOURCES + OFFLINE_SOURCES:
+        raise UserError(f"'{name}': {name.partition('@')[0]} is read with its own fixed splits; for other rows give a "
+                        "hub dataset with a split, e.g. allenai/c4:en@validation[:1100]")
     raise UserError(f"unknown text source '{name}'; use c4, wikitext2, wikitext103, wiki, brown, a hub dataset "
-                    f"OWNER/NAME[:CONFIG], a {TEXT_FILES} file or a directory of such files")
+                    f"OWNER/NAME[:CONFIG][@SPLIT[START:STOP]], a {TEXT_FILES} file or a directory of such files")
 
 
 def held_out_part(name: str, split_from_shared: bool = False) -> str:
@@ -559,8 +655,11 @@ def held_out_part(name: str, split_from_shared: bool = False) -> str:
     split, or a local file (documents in memory) whole (``--eval-text``, ``--ppl-text``) or its
     held-out part (one text split between fitting and evaluation: ``--calib`` and ``--eval-text`` the
     same, ``dst --data``)."""
-    if split_from_shared and (name.startswith(MEMORY_PREFIX) or is_text_path(name)):
+    hub = _named_split(name)
+    if split_from_shared and (name.startswith(MEMORY_PREFIX) or is_text_path(name) or hub is not None):
         return "its held-out part"
+    if hub is not None:
+        return f"{hub.split} split, rows {hub.rows.start}:{hub.rows.stop}"
     if name.startswith(MEMORY_PREFIX):
         return "all of them"
     if name == "c4":

@@ -165,6 +165,24 @@ def eval_file(tmp_path: Path) -> Path:
     return path
 
 
+def fake_hub_datasets(monkeypatch, splits: dict[str, dict[str, list]]) -> list:
+    """``datasets`` answering for one hub dataset with these splits (columns → values); the calls made."""
+    import datasets
+
+    import shuffleprune.hub
+
+    calls = []
+    monkeypatch.setattr(shuffleprune.hub, "hub_reachable", lambda *a, **k: True)
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda repo, config=None: list(splits))
+
+    def load_dataset(repo, config=None, split=None, streaming=False):
+        calls.append((repo, config, split, streaming))
+        return datasets.Dataset.from_dict(splits[split]).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
 def flat_config(**options):
     """A ``PruneConfig`` from the command line's option names, as the tests of single methods want it:
     no permutation unless one is asked for and no weight update (built on `balanced`, the default minus its update)."""

@@ -1,10 +1,11 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_tokenizer, random_text
+from conftest import fake_hub_datasets, make_tokenizer, random_text
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
 from shuffleprune.calib.sources import held_out_part, strip_brown_tags, text_contains
 from shuffleprune.errors import UserError
@@ -240,41 +241,23 @@ def test_brown_tags_are_stripped():
     assert strip_brown_tags(raw) == 'The jury said "no evidence", Friday.\nIt ran.'
 
 
-def _fake_hub_datasets(monkeypatch, splits: dict[str, dict[str, list]]) -> list:
-    """``datasets`` answering for one hub dataset with these splits (columns → values); the calls made."""
-    import datasets
-
-    import shuffleprune.hub
-
-    calls = []
-    monkeypatch.setattr(shuffleprune.hub, "hub_reachable", lambda *a, **k: True)
-    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda repo, config=None: list(splits))
-
-    def load_dataset(repo, config=None, split=None, streaming=False):
-        calls.append((repo, config, split, streaming))
-        return datasets.Dataset.from_dict(splits[split]).to_iterable_dataset()
-
-    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    return calls
-
-
 def test_any_hub_dataset_with_a_text_column_is_a_source(monkeypatch):
     """``--calib OWNER/NAME[:CONFIG]`` streams that dataset: its text column (named, or its only string
     column), calibration from ``train``, held-out text from ``test`` (or ``validation``); a dataset
     with one split holds out every 10th document; held-out perplexity defaults to wikitext2."""
     train = [f"train document {i}" for i in range(25)]
-    calls = _fake_hub_datasets(monkeypatch, {"train": {"id": list(range(25)), "content": train},
+    calls = fake_hub_datasets(monkeypatch, {"train": {"id": list(range(25)), "content": train},
                                              "validation": {"id": [0, 1], "content": ["held 0", "held 1"]}})
     source = get_source("me/corpus:en")
     assert source.documents("train") == train and source.documents("test") == ["held 0", "held 1"]
     assert calls == [("me/corpus", "en", "train", True), ("me/corpus", "en", "validation", True)]
     assert default_eval_source("me/corpus:en") == "wikitext2"
 
-    _fake_hub_datasets(monkeypatch, {"train": {"n": list(range(25)), "story": train}})   # the only string column
+    fake_hub_datasets(monkeypatch, {"train": {"n": list(range(25)), "story": train}})   # the only string column
     assert get_source("me/stories").documents("test") == train[9::10]
     assert get_source("me/stories").documents("train") == [d for i, d in enumerate(train) if i % 10 != 9]
 
-    _fake_hub_datasets(monkeypatch, {"train": {"question": ["q"], "answer": ["a"]}})
+    fake_hub_datasets(monkeypatch, {"train": {"question": ["q"], "answer": ["a"]}})
     with pytest.raises(UserError, match=r"no single text field \(string fields: question, answer\) and no chat field.*\.jsonl"):
         get_source("me/qa").documents("train")
 
@@ -290,7 +273,7 @@ def test_chat_datasets_are_read_as_conversations_and_rendered_by_the_chat_templa
     from shuffleprune.calib.sources import Conversation, as_documents, calibration_windows, rendered
 
     chats = [[{"role": "user", "content": f"the cat {i}"}, {"role": "assistant", "content": "a dog sat"}] for i in range(20)]
-    calls = _fake_hub_datasets(monkeypatch, {
+    calls = fake_hub_datasets(monkeypatch, {
         "train_sft": {"prompt": [c[0]["content"] for c in chats], "prompt_id": ["x"] * 20, "messages": chats},
         "test_sft": {"prompt": ["q"], "prompt_id": ["y"], "messages": [chats[0]]}})
     docs = get_source("me/ultrachat").documents("train")
@@ -330,11 +313,47 @@ def test_chat_datasets_are_read_as_conversations_and_rendered_by_the_chat_templa
     assert isinstance(Conversation(chats[0]), str)
 
 
+def test_a_named_split_of_a_hub_dataset_reads_those_rows(monkeypatch):
+    """``OWNER/NAME[:CONFIG]@SPLIT[START:STOP]`` (llm-compressor's ``train_sft[:512]``) reads those rows of
+    that split, streamed once, on either side; the same rows for both sides hold out every 10th; rows
+    are counts (a percentage or an empty range is a one-line error), and an unknown split names the
+    dataset's splits. c4 and wikitext keep the papers' fixed splits."""
+    from shuffleprune.calib.sources import hub_dataset_id, hub_dataset_name, same_text, text_contains
+
+    rows = [f"document {i}" for i in range(40)]
+    calls = fake_hub_datasets(monkeypatch, {"train_sft": {"text": rows}, "test_sft": {"text": ["held"] * 3}})
+    source = get_source("me/chat:en@train_sft[5:17]")
+    assert source.documents("train") == rows[5:17] == source.documents("test")   # used whole, as a file
+    assert calls == [("me/chat", "en", "train_sft", True)]   # one stream for both sides
+    shared = get_source("me/chat:en@train_sft[:20]", shared=True)
+    assert shared.documents("test") == [rows[9], rows[19]] and len(shared.documents("train")) == 18
+    assert get_source("me/chat@test_sft").documents("train") == ["held"] * 3   # a whole split
+    assert get_source("me/chat@train_sft[30:]").documents("train") == rows[30:]
+    with pytest.raises(UserError, match=r"hub dataset 'me/chat' has no split 'validation'; its splits: train_sft, test_sft"):
+        get_source("me/chat@validation").documents("train")
+    with pytest.raises(UserError, match=r"'me/chat@train_sft\[50:\]' holds no text"):
+        get_source("me/chat@train_sft[50:]").documents("train")
+    for bad, why in (("train_sft[:10%]", "gives a percentage"), ("train_sft[9:3]", "selects no rows"),
+                     ("train_sft[-5:]", "gives rows that are not counts from 0"), ("train_sft[:", "is not a split"), ("", "is not a split")):
+        with pytest.raises(UserError, match=f"'@{re.escape(bad)}' {why}.*e.g. .*@train_sft\\[:512\\]"):
+            get_source(f"me/chat@{bad}")
+    with pytest.raises(UserError, match="c4 is read with its own fixed splits.*allenai/c4:en@validation"):
+        get_source("c4@validation")
+
+    assert hub_dataset_name(hub_dataset_id("me/chat:en@train_sft[0:512]")) == "me/chat:en@train_sft[:512]"
+    assert same_text("me/chat@train_sft[:20000]", "me/chat@train_sft") and not same_text("me/chat@train_sft", "me/chat")
+    assert text_contains("me/chat@train_sft[:512]", "me/chat@train_sft[500:600]")
+    assert not text_contains("me/chat@train_sft[:512]", "me/chat@train_sft[512:]")
+    assert not text_contains("me/chat@train_sft[:512]", "me/chat:en@train_sft[:512]")   # another config
+    assert held_out_part("me/chat@test_sft[:200]") == "test_sft split, rows 0:200"
+    assert held_out_part("me/chat@train_sft[:200]", split_from_shared=True) == "its held-out part"
+
+
 def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
     from shuffleprune.calib.sources import hub_dataset_id
 
-    assert hub_dataset_id("allenai/c4") == ("allenai/c4", None)
-    assert hub_dataset_id("HuggingFaceFW/fineweb-edu:sample-10BT") == ("HuggingFaceFW/fineweb-edu", "sample-10BT")
+    assert hub_dataset_id("allenai/c4") == ("allenai/c4", None, None, 0, None)
+    assert hub_dataset_id("HuggingFaceFW/fineweb-edu:sample-10BT")[:2] == ("HuggingFaceFW/fineweb-edu", "sample-10BT")
     assert [hub_dataset_id(s) for s in ("./a/b", "/a/b", "~/a/b", "a/b/c", "a", "a/")] == [None] * 6
     (tmp_path / "local" / "dir").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)

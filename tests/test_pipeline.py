@@ -82,6 +82,35 @@ def test_each_text_file_is_read_once_per_run(tiny_dir, text_file, eval_file, mon
     assert reads == [text_file.name]
 
 
+def test_rows_of_a_hub_split_calibrate_as_the_same_documents_in_a_file_do(tiny_dir, text_file, tmp_path, monkeypatch):
+    """``--calib OWNER/NAME@SPLIT[:N]``: those rows give the checkpoint a file of them gives, and the same
+    rows as ``--eval-text`` are split as one file is; rows overlapping the calibration rows are warned
+    about; a bad split fails on the command line in one line before anything is written."""
+    from typer.testing import CliRunner
+
+    from conftest import fake_hub_datasets
+    from shuffleprune.cli import app
+
+    docs = [d for d in text_file.read_text().split("\n\n") if d.strip()]
+    fake_hub_datasets(monkeypatch, {"train": {"text": docs + ["not read"] * 5, "n": list(range(len(docs) + 5))}})
+    spec = f"me/docs@train[:{len(docs)}]"
+    from_file = prune(config(tiny_dir, text_file, text_file), progress=False)
+    from_hub = prune(config(tiny_dir, spec, spec), tmp_path / "out", progress=False)
+    for a, b in zip(from_file.model.parameters(), from_hub.model.parameters()):
+        assert torch.equal(a, b)
+    report = from_hub.report
+    assert report["calib"]["source"] == spec and report["calib"]["split_from_shared_file"]
+    assert report["eval"]["split"] == "its held-out part" and report["ppl"] == from_file.report["ppl"]
+    assert f"calib: {spec}" in (tmp_path / "out" / "recipe.yaml").read_text()
+    with pytest.warns(UserWarning, match=r"'me/docs@train\[100:\]' is part of the calibration text"):
+        prune(config(tiny_dir, spec, "me/docs@train[100:]", nsamples=2), progress=False)
+
+    res = CliRunner().invoke(app, ["prune", str(tiny_dir), "--calib", "me/docs@train[:5%]", "--out", str(tmp_path / "o")])
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1 and "gives a percentage" in errors[0], res.output
+    assert not (tmp_path / "o").exists()
+
+
 def test_documents_in_memory_calibrate_as_the_same_text_in_a_file_does(tiny_dir, text_file, tmp_path):
     """``shuffleprune.prune(calib=[...])`` and ``calib=datasets.Dataset`` (the Python API took only
     names and paths): the same windows, so the same checkpoint, as those documents in a .txt; one
