@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import WORDS, random_text, tiny_model
+from conftest import WORDS, fake_hub_datasets, random_text, tiny_model
 from shuffleprune.dst import DSTConfig, DynamicSparsifier
 from shuffleprune.dst.layers import grad_of, layer_densities, out_in, sparsifiable_layers, weight_of
 from shuffleprune.errors import UserError
@@ -627,9 +627,9 @@ def _train_cfg(tiny_dir, text_file, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def test_a_text_file_is_split_into_training_and_held_out_text(tiny_dir, tmp_path):
-    """``--data FILE`` holds every 10th document out for the perplexity, or a single document's last
-    tenth (it trained and scored on the whole file: the reported held-out perplexity was a training
+def test_a_text_file_is_split_into_training_and_held_out_text(tiny_dir, tmp_path, monkeypatch):
+    """``--data FILE`` (or the rows of a hub split) holds every 10th document out for the perplexity, or a
+    single document's last tenth (it trained and scored on the whole file: the reported held-out perplexity was a training
     perplexity)."""
     from accelerate import PartialState
 
@@ -641,6 +641,10 @@ def test_a_text_file_is_split_into_training_and_held_out_text(tiny_dir, tmp_path
     held = set(tokenizer("she her there", add_special_tokens=False)["input_ids"])
     assert set(test.tolist()) == held and not held & set(train.tolist())
     assert train.numel() == 9 * test.numel()
+    docs = [d for d in path.read_text().split("\n\n")]
+    fake_hub_datasets(monkeypatch, {"train": {"text": docs + ["not read"] * 3}})   # the same rows of a hub split
+    _, hub_train, hub_test = _token_streams(_train_cfg(tiny_dir, "me/docs@train[:40]", eval_tokens=None), PartialState())
+    assert torch.equal(hub_train, train) and torch.equal(hub_test, test)
     text = "\n".join(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(8)) for i in range(50))
     path.write_text(text)   # one document: its last tenth held out, cut at a line break
     tokenizer, train, test = _token_streams(_train_cfg(tiny_dir, path, eval_tokens=None), PartialState())
