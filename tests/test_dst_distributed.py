@@ -76,3 +76,32 @@ def test_a_global_batch_that_does_not_split_is_refused(tiny_dir, text_file, tmp_
     r = _run(2, ARGS + ["--tokenizer", str(tiny_dir), "--data", str(text_file), "--batch-size", "3", "--out", str(out)])
     assert r.returncode != 0 and "use a multiple of the 2 processes" in r.stdout + r.stderr
     assert not out.exists()
+
+
+def test_a_run_ends_the_process_group_it_started_and_leaves_a_callers_alone(tmp_path):
+    """A process whose gloo group is still alive at exit can abort in the interpreter's teardown (a CI
+    run's rank 1 did): a successful run destroys the group its Accelerator started; a group the caller
+    made before is left, and so is one after a failure (its peers may still be inside a collective)."""
+    import pytest
+    import torch.distributed as dist
+
+    from shuffleprune.dst.train import _process_group_ended
+
+    def start(name: str) -> None:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / name), 1), rank=0, world_size=1)
+
+    with _process_group_ended():
+        start("run")
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="failed"), _process_group_ended():
+        start("failed")
+        raise RuntimeError("failed")
+    assert dist.is_initialized()
+    dist.destroy_process_group()
+    start("caller")
+    try:
+        with _process_group_ended():
+            pass
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -449,12 +449,31 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     main = os.environ.get("RANK", "0") == "0"   # torchrun / accelerate launch: the main process holds --out
     with held_alone(out) if main else nullcontext():   # a second run on --out is refused, touching nothing
         try:
-            with space_errors(out, "--out", hint=resumable), strict:
+            with space_errors(out, "--out", hint=resumable), strict, _process_group_ended():
                 return _train(cfg, dst, out, resume, overwrite, progress, stop_after)
         except BaseException:
             if not existed and out.is_dir() and not any(out.iterdir()):
                 out.rmdir()   # made by this run, which wrote nothing in it
             raise
+
+
+@contextmanager
+def _process_group_ended():
+    """End the process group the run's ``Accelerator`` started (under torchrun / accelerate launch) once the
+    run succeeds: every process waits for the others, then destroys it while the interpreter is whole.
+    A gloo process that exits with its group alive can abort in the interpreter's teardown (SIGABRT: its
+    worker threads release tensors without the GIL; pytorch/pytorch#179291), as a rank did once in CI.
+    A group that existed before the run is the caller's and is left alone."""
+    import torch.distributed as dist
+
+    from accelerate.state import AcceleratorState
+
+    started = dist.is_available() and dist.is_initialized()
+    yield
+    if not started and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)   # a later run in this process starts its own
 
 
 def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite: bool, progress: bool,
