@@ -580,7 +580,8 @@ def is_local_source(name: str) -> bool:
 
 
 def _named_split(name: str | None) -> HubDataset | None:
-    hub = None if name is None else hub_dataset_id(name)
+    """The hub dataset ``name`` reads a named split of, else None (a local text's name included)."""
+    hub = None if name is None or is_text_path(name) else hub_dataset_id(name)
     return hub if hub is not None and hub.split is not None else None
 
 
