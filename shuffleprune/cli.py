@@ -329,7 +329,7 @@ def dst(
     """Dynamic sparse training from scratch (RigL-style schedules, structured masks, learned permutations)."""
     from shuffleprune.calib import held_out_part
     from shuffleprune.dst.config import DSTConfig
-    from shuffleprune.dst.train import TrainConfig, train
+    from shuffleprune.dst.train import TrainConfig, is_main_process, train
 
     cfg = TrainConfig(arch=arch, config_kw=_config_kw(config_kw), tokenizer=tokenizer, data=data, seq_len=seq_len,
                       batch_size=batch_size, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every,
@@ -347,9 +347,7 @@ def dst(
     except KeyboardInterrupt:
         err.print(f"interrupted; continue with the same command plus --resume (checkpoint in {out})", soft_wrap=True)
         raise typer.Exit(130)
-    from accelerate import PartialState
-
-    if PartialState().is_main_process:
+    if is_main_process():   # one line, from the main process
         out_console.print(f"final ppl {report['final_ppl']:.2f} ({data}, {held_out_part(data, split_from_shared=True)}, ctx {seq_len}), density {report['density']:.4f}, "
                           f"{report['train_seconds']:.0f} s; wrote {out}", soft_wrap=True)
 

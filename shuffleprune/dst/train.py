@@ -446,8 +446,8 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     resumable = lambda: "; then the same command with --resume continues it" if checkpointed() else ""
     strict = deterministic_algorithms(deterministic, hint=lambda: (
         " and with --resume, which continues from the last checkpoint" if checkpointed() else ""))
-    main = os.environ.get("RANK", "0") == "0"   # torchrun / accelerate launch: the main process holds --out
-    with held_alone(out) if main else nullcontext():   # a second run on --out is refused, touching nothing
+    # the main process holds --out: a second run on it is refused, touching nothing
+    with held_alone(out) if is_main_process() else nullcontext():
         try:
             with space_errors(out, "--out", hint=resumable), strict, _process_group_ended():
                 return _train(cfg, dst, out, resume, overwrite, progress, stop_after)
@@ -455,6 +455,12 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
             if not existed and out.is_dir() and not any(out.iterdir()):
                 out.rmdir()   # made by this run, which wrote nothing in it
             raise
+
+
+def is_main_process() -> bool:
+    """Whether this is a run's main process (rank 0 under torchrun / accelerate launch, or the only one),
+    told without a process group: there is none before a run starts it, nor after it ends it."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 @contextmanager
