@@ -7,7 +7,8 @@ import torch
 
 from conftest import fake_hub_datasets, make_tokenizer, random_text
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
-from shuffleprune.calib.sources import held_out_part, strip_brown_tags, text_contains
+from shuffleprune.calib.corpora import strip_brown_tags
+from shuffleprune.calib.sources import held_out_part, text_contains
 from shuffleprune.errors import UserError
 
 
@@ -88,7 +89,7 @@ def test_a_local_file_is_parsed_when_named_and_its_faults_found_then(tmp_path, m
     """Naming a file checks all of it (a bad line deep in a .jsonl fails before any model loads, and
     one file of one document for both sides); using the source reads it no more (it was read at
     every documents() call)."""
-    import shuffleprune.calib.sources as sources
+    import shuffleprune.calib.files as files
 
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(20)) + '\n{"text": 3}\n')
@@ -96,8 +97,8 @@ def test_a_local_file_is_parsed_when_named_and_its_faults_found_then(tmp_path, m
         get_source(str(path))   # no .documents(): the fault is found when the source is named
     path.write_text("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(20)))
     reads = []
-    real = sources.read_text_file
-    monkeypatch.setattr(sources, "read_text_file", lambda p: reads.append(p) or real(p))
+    real = files.read_text_file
+    monkeypatch.setattr(files, "read_text_file", lambda p: reads.append(p) or real(p))
     src = get_source(str(path), shared=True)
     for _ in range(3):
         assert src.documents("test") == ["doc 9", "doc 19"] and len(src.documents("train")) == 18
@@ -211,7 +212,7 @@ def test_wikitext2_is_joined_as_the_papers_join_it(monkeypatch):
     were joined with blank lines)."""
     import datasets
 
-    import shuffleprune.calib.sources as sources
+    import shuffleprune.calib.sampling as sampling
     import shuffleprune.hub
 
     lines = {"train": [random_text(12, i) + "\n" for i in range(60)], "test": [random_text(12, 100 + i) for i in range(9)]}
@@ -223,8 +224,8 @@ def test_wikitext2_is_joined_as_the_papers_join_it(monkeypatch):
 
     monkeypatch.setattr(shuffleprune.hub, "hub_reachable", lambda *a, **k: True)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    encoded, encode = [], sources._encode
-    monkeypatch.setattr(sources, "_encode", lambda tokenizer, text, *rest: encoded.append(text) or encode(tokenizer, text, *rest))
+    encoded, encode = [], sampling.encode
+    monkeypatch.setattr(sampling, "encode", lambda tokenizer, text, *rest: encoded.append(text) or encode(tokenizer, text, *rest))
     source = get_source("wikitext2")
     calibration_windows(source, make_tokenizer(), nsamples=3, seqlen=16, seed=5)
     eval_tokens(source, make_tokenizer())
@@ -270,7 +271,8 @@ def test_chat_datasets_are_read_as_conversations_and_rendered_by_the_chat_templa
     import pickle
 
     from conftest import make_tokenizer
-    from shuffleprune.calib.sources import Conversation, as_documents, calibration_windows, rendered
+    from shuffleprune.calib.documents import Conversation, rendered
+    from shuffleprune.calib.sources import as_documents
 
     chats = [[{"role": "user", "content": f"the cat {i}"}, {"role": "assistant", "content": "a dog sat"}] for i in range(20)]
     calls = fake_hub_datasets(monkeypatch, {
@@ -318,7 +320,7 @@ def test_a_named_split_of_a_hub_dataset_reads_those_rows(monkeypatch):
     that split, streamed once, on either side; the same rows for both sides hold out every 10th; rows
     are counts (a percentage or an empty range is a one-line error), and an unknown split names the
     dataset's splits. c4 and wikitext keep the papers' fixed splits."""
-    from shuffleprune.calib.sources import hub_dataset_id, hub_dataset_name, same_text, text_contains
+    from shuffleprune.calib.hub_data import hub_dataset_id, hub_dataset_name
 
     rows = [f"document {i}" for i in range(40)]
     calls = fake_hub_datasets(monkeypatch, {"train_sft": {"text": rows}, "test_sft": {"text": ["held"] * 3}})
@@ -350,7 +352,7 @@ def test_a_named_split_of_a_hub_dataset_reads_those_rows(monkeypatch):
 
 
 def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
-    from shuffleprune.calib.sources import hub_dataset_id
+    from shuffleprune.calib.hub_data import hub_dataset_id
 
     assert hub_dataset_id("allenai/c4") == ("allenai/c4", None, None, 0, None)
     assert hub_dataset_id("HuggingFaceFW/fineweb-edu:sample-10BT")[:2] == ("HuggingFaceFW/fineweb-edu", "sample-10BT")
@@ -371,7 +373,7 @@ def test_json_parquet_and_gzip_files_are_text_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shuffleprune.calib.sources import text_file_kind
+    from shuffleprune.calib.files import text_file_kind
 
     docs = [f"document {i} with some words" for i in range(12)]
     rows = [{"text": d, "timestamp": "2019-04-25", "url": f"https://x/{i}"} for i, d in enumerate(docs)]

@@ -70,11 +70,11 @@ def test_prune_writes_checkpoint_that_reloads_with_same_logits(method, tiny_dir,
 def test_each_text_file_is_read_once_per_run(tiny_dir, text_file, eval_file, monkeypatch):
     """A run reads each local text once (it was read to check it before the model loaded and again to
     use it), and one file serving both sides once."""
-    import shuffleprune.calib.sources as sources
+    import shuffleprune.calib.files as files
 
     reads = []
-    real = sources.read_text_file
-    monkeypatch.setattr(sources, "read_text_file", lambda p: reads.append(Path(p).name) or real(p))
+    real = files.read_text_file
+    monkeypatch.setattr(files, "read_text_file", lambda p: reads.append(Path(p).name) or real(p))
     prune(config(tiny_dir, text_file, eval_file, nsamples=2), progress=False)
     assert sorted(reads) == sorted([text_file.name, eval_file.name])
     reads.clear()

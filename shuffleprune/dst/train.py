@@ -297,14 +297,15 @@ def _clear_out(out: Path, resume: bool, accelerator) -> None:
 def _token_streams(cfg: TrainConfig, accelerator) -> tuple[object, torch.Tensor, torch.Tensor]:
     """The tokenizer, and the training and held-out texts as token streams."""
     from shuffleprune.calib import get_source
-    from shuffleprune.calib.sources import _encode, rendered
+    from shuffleprune.calib.documents import rendered
+    from shuffleprune.calib.sampling import encode
 
     with accelerator.main_process_first():  # downloads, and a bpe:N tokenizer's training, happen once
         source = get_source(cfg.data, shared=True)   # a local file: every 10th document held out
         train_docs = source.documents("train")
         tokenizer = _tokenizer(cfg.tokenizer, train_docs, source.name)
-    train_stream = _encode(tokenizer, source.joined(rendered(train_docs, tokenizer)))
-    test_stream = _encode(tokenizer, source.joined(rendered(source.documents("test"), tokenizer)))
+    train_stream = encode(tokenizer, source.joined(rendered(train_docs, tokenizer)))
+    test_stream = encode(tokenizer, source.joined(rendered(source.documents("test"), tokenizer)))
     if cfg.eval_tokens:
         test_stream = test_stream[:cfg.eval_tokens]
     if train_stream.numel() <= cfg.seq_len or test_stream.numel() < cfg.seq_len:

@@ -29,7 +29,10 @@ import torch
 from shuffleprune.version import __version__
 from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
 from shuffleprune.calib import bos_token, eval_tokens, held_out_part, open_text
-from shuffleprune.calib.sources import HUB_SOURCES, TEXT_FILES, check_bos_mode, is_local_source, text_contains
+from shuffleprune.calib.files import TEXT_FILES
+from shuffleprune.calib.hub_data import HUB_SOURCES
+from shuffleprune.calib.sampling import check_bos_mode
+from shuffleprune.calib.sources import is_local_source, text_contains
 from shuffleprune.errors import UserError
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import (LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, load_tokenizer,

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from shuffleprune.calib.sources import TEXT_FILES, check_bos_mode
+from shuffleprune.calib.files import TEXT_FILES
+from shuffleprune.calib.sampling import check_bos_mode
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
 from shuffleprune.models import dtype_name

@@ -1,0 +1,168 @@
+"""Text from the Hugging Face hub: the papers' corpora read as their loaders read them, and any hub
+dataset, ``OWNER/NAME[:CONFIG][@SPLIT[START:STOP]]`` (:class:`HubDataset`), streamed.
+
+- ``c4``        allenai/c4, en, train shard 00000 (calibration) / validation shard 00000 (ppl: its first
+                1100 documents, at most 256 windows of the context, as SparseGPT and Wanda score it).
+- ``wikitext2`` Salesforce/wikitext, wikitext-2-raw-v1 train (calibration) / test (ppl), joined with blank
+                lines (the papers' ``wikitext`` under the id it has moved to: the bare name is reported
+                not to resolve with newer ``huggingface_hub`` releases).
+- ``wikitext103`` Salesforce/wikitext, wikitext-103-raw-v1 train / test (the DST papers' training text).
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from shuffleprune.calib.documents import held_out_split, row_reader
+from shuffleprune.calib.files import TEXT_FILES
+from shuffleprune.errors import UserError
+from shuffleprune.hub import looks_like_hub_id
+
+HUB_SOURCES = ("c4", "wikitext2", "wikitext103")
+WIKITEXT_REPO = "Salesforce/wikitext"
+_C4_FILES = {"train": "en/c4-train.00000-of-01024.json.gz",
+             "test": "en/c4-validation.00000-of-00008.json.gz"}
+# SparseGPT's and Wanda's C4 perplexity: the first 1100 validation documents joined with spaces, and
+# of those the first 256 windows of the context
+C4_EVAL_DOCUMENTS, C4_EVAL_WINDOWS = 1100, 256
+HUB_DATASET_DOCS = 20_000   # documents streamed from a hub dataset's split (calibration picks among them)
+
+
+def _hub_unreachable(name: str, exc: Exception) -> UserError:
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    return UserError(
+        f"cannot load '{name}' from the Hugging Face hub ({reason}); offline sources: "
+        f"wiki, brown or a {TEXT_FILES} file (for --calib, --eval-text, --ppl-text or --data)")
+
+
+def load_paper_text(name: str, split: str) -> list[str]:
+    """The ``train`` or ``test`` documents of ``c4``, ``wikitext2`` or ``wikitext103``, as the papers' loaders read them."""
+    import datasets
+
+    from shuffleprune.hub import hub_reachable
+
+    hub_reachable()  # offline: fail fast from the local cache
+    try:
+        if name == "c4":
+            ds = datasets.load_dataset("allenai/c4", data_files={split: _C4_FILES[split]}, split=split)
+            if split == "test":
+                ds = ds.select(range(min(C4_EVAL_DOCUMENTS, len(ds))))
+        else:
+            config = "wikitext-103-raw-v1" if name == "wikitext103" else "wikitext-2-raw-v1"
+            ds = datasets.load_dataset(WIKITEXT_REPO, config, split="train" if split == "train" else "test")
+    except Exception as exc:  # datasets raises many types for "no network"; all mean the same here
+        raise _hub_unreachable(name, exc) from exc
+    return list(ds["text"])
+
+
+class HubDataset(NamedTuple):
+    """A ``--calib OWNER/NAME[:CONFIG][@SPLIT[START:STOP]]`` value: a hub dataset, and the rows of one
+    of its splits when one is named (``split`` None: ``train`` and its held-out pair, see
+    :func:`load_hub_dataset`)."""
+
+    repo: str
+    config: str | None = None
+    split: str | None = None
+    start: int = 0
+    stop: int | None = None   # with a split and no stop: HUB_DATASET_DOCS rows from start
+
+    @property
+    def rows(self) -> range:
+        """The rows an explicit split is read at."""
+        return range(self.start, self.stop if self.stop is not None else self.start + HUB_DATASET_DOCS)
+
+
+_SPLIT = re.compile(r"(?P<split>[\w.-]+)(?:\[(?P<start>[^:\]]*):(?P<stop>[^\]]*)\])?")
+
+
+def _split_rows(name: str, spec: str) -> tuple[str, int, int | None]:
+    """``SPLIT``, ``SPLIT[START:STOP]``, ``SPLIT[:STOP]`` or ``SPLIT[START:]`` as (split, start, stop)."""
+    m = _SPLIT.fullmatch(spec)
+    bad = None
+    if m is None:
+        bad = "is not a split"
+    elif any("%" in (m[k] or "") for k in ("start", "stop")):
+        bad = "gives a percentage, which needs the split's size (a stream does not know it)"
+    elif not all(re.fullmatch(r"\d*", m[k] or "") for k in ("start", "stop")):
+        bad = "gives rows that are not counts from 0"
+    elif m["stop"] and int(m["stop"]) <= int(m["start"] or 0):
+        bad = "selects no rows"
+    if bad:
+        raise UserError(f"'{name}': '@{spec}' {bad}; give a split and optionally its rows as counts, "
+                        "e.g. @train_sft or @train_sft[:512] or @train[1000:2000]")
+    return m["split"], int(m["start"] or 0), int(m["stop"]) if m["stop"] else None
+
+
+def hub_dataset_name(hub: HubDataset) -> str:
+    """``hub`` written as ``--calib`` takes it."""
+    name = hub.repo if hub.config is None else f"{hub.repo}:{hub.config}"
+    if hub.split is None:
+        return name
+    return f"{name}@{hub.split}" + ("" if hub.start == 0 and hub.stop is None else f"[{hub.start or ''}:{hub.stop or ''}]")
+
+
+def hub_dataset_id(name: str) -> HubDataset | None:
+    """The :class:`HubDataset` of ``--calib OWNER/NAME``, ``OWNER/NAME:CONFIG`` and either with
+    ``@SPLIT`` or ``@SPLIT[START:STOP]`` (any hub dataset with a text or chat column); None for anything
+    else, a local path included. A malformed split is a :class:`UserError`."""
+    if Path(name).expanduser().exists():
+        return None
+    base, at, split = name.partition("@")
+    repo, _, config = base.partition(":")
+    owner, _, dataset = repo.partition("/")
+    if not (owner and dataset and looks_like_hub_id(repo)):
+        return None
+    if not at:
+        return HubDataset(repo, config or None)
+    return HubDataset(repo, config or None, *_split_rows(name, split))
+
+
+def hub_splits(hub: HubDataset) -> list[str]:
+    """The names of a hub dataset's splits (one the user named among them, else a one-line error naming them)."""
+    import datasets
+
+    from shuffleprune.hub import hub_reachable
+
+    hub_reachable()  # offline: fail fast from the local cache
+    name = hub.repo if hub.config is None else f"{hub.repo}:{hub.config}"
+    try:
+        splits = list(datasets.get_dataset_split_names(hub.repo, hub.config))
+    except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
+        raise _hub_unreachable(name, exc) from exc
+    if hub.split is not None and hub.split not in splits:
+        raise UserError(f"hub dataset '{name}' has no split '{hub.split}'; its splits: {', '.join(splits)}")
+    return splits
+
+
+def load_hub_dataset(hub: HubDataset, split: str) -> list[str]:
+    """Documents of a hub dataset, streamed (nothing else downloaded). With a split named: the rows
+    asked for. Else up to :data:`HUB_DATASET_DOCS`: calibration reads its ``train`` split (else its first:
+    ``train_sft``); held-out text its ``test`` or ``validation`` split (or the one paired with the first:
+    ``test_sft``), or every 10th document of the calibration split when it has none. Rows are read by
+    :func:`row_reader`: a text column, or a chat column (``messages``) as conversations."""
+    import datasets
+
+    splits = hub_splits(hub)
+    name = hub.repo if hub.config is None else f"{hub.repo}:{hub.config}"
+    try:
+        train = "train" if "train" in splits else splits[0]
+        paired = [train.replace("train", side, 1) for side in ("test", "validation")] if train.startswith("train") else []
+        held_out = next((s for s in ("test", "validation", *paired) if s in splits), None)   # train_sft: test_sft
+        read = hub.split or (held_out if split == "test" and held_out else train)
+        rows = hub.rows if hub.split else range(HUB_DATASET_DOCS)
+        stream = datasets.load_dataset(hub.repo, hub.config, split=read, streaming=True)
+        rows = itertools.islice(stream, rows.start, rows.stop)
+        first = next(rows, None)
+        docs = [] if first is None else list(map(row_reader(
+            f"hub dataset '{name}'", first, "write the text to a .jsonl file with a 'text' field and pass that instead"
+        ).read, itertools.chain([first], rows)))
+    except UserError:
+        raise
+    except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
+        raise _hub_unreachable(name, exc) from exc
+    docs = [d for d in docs if isinstance(d, str) and d.strip()]
+    if hub.split:
+        return docs
+    return docs if held_out else held_out_split(docs, split)   # one split for both sides: every 10th document held out
