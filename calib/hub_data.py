@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from shuffleprune.calib.documents import held_out_split, row_reader
 from shuffleprune.calib.files import TEXT_FILES
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, reason
 from shuffleprune.hub import looks_like_hub_id
 
 HUB_SOURCES = ("c4", "wikitext2", "wikitext103")
@@ -35,6 +35,12 @@ def _hub_unreachable(name: str, exc: Exception) -> UserError:
     return UserError(
         f"cannot load '{name}' from the Hugging Face hub ({reason}); offline sources: "
         f"wiki, brown or a {TEXT_FILES} file (for --calib, --eval-text, --ppl-text or --data)")
+
+
+def _unreadable(hub: HubDataset, exc: Exception) -> UserError:
+    if not hub.local:
+        return _hub_unreachable(hub.dataset, exc)
+    return UserError(f"cannot read {hub.what} as a dataset ({reason(exc, 160)}); give one of its files instead")
 
 
 def load_paper_text(name: str, split: str) -> list[str]:
@@ -60,13 +66,25 @@ def load_paper_text(name: str, split: str) -> list[str]:
 class HubDataset(NamedTuple):
     """A ``--calib OWNER/NAME[:CONFIG][@SPLIT[START:STOP]]`` value: a hub dataset, and the rows of one
     of its splits when one is named (``split`` None: ``train`` and its held-out pair, see
-    :func:`load_hub_dataset`)."""
+    :func:`load_hub_dataset`); or ``DIR@SPLIT[START:STOP]``: a dataset's files on this machine (a
+    snapshot downloaded from the hub, ``data/train_sft-00000-of-00003.parquet`` …), ``local``."""
 
-    repo: str
+    repo: str                 # OWNER/NAME, or the directory's resolved path
     config: str | None = None
     split: str | None = None
     start: int = 0
     stop: int | None = None   # with a split and no stop: HUB_DATASET_DOCS rows from start
+    local: bool = False
+
+    @property
+    def dataset(self) -> str:
+        """``OWNER/NAME[:CONFIG]``, or the directory."""
+        return self.repo if self.config is None else f"{self.repo}:{self.config}"
+
+    @property
+    def what(self) -> str:
+        """How messages name it."""
+        return f"dataset directory '{self.repo}'" if self.local else f"hub dataset '{self.dataset}'"
 
     @property
     def rows(self) -> range:
@@ -97,19 +115,21 @@ def _split_rows(name: str, spec: str) -> tuple[str, int, int | None]:
 
 def hub_dataset_name(hub: HubDataset) -> str:
     """``hub`` written as ``--calib`` takes it."""
-    name = hub.repo if hub.config is None else f"{hub.repo}:{hub.config}"
     if hub.split is None:
-        return name
-    return f"{name}@{hub.split}" + ("" if hub.start == 0 and hub.stop is None else f"[{hub.start or ''}:{hub.stop or ''}]")
+        return hub.dataset
+    return f"{hub.dataset}@{hub.split}" + ("" if hub.start == 0 and hub.stop is None else f"[{hub.start or ''}:{hub.stop or ''}]")
 
 
 def hub_dataset_id(name: str) -> HubDataset | None:
     """The :class:`HubDataset` of ``--calib OWNER/NAME``, ``OWNER/NAME:CONFIG`` and either with
-    ``@SPLIT`` or ``@SPLIT[START:STOP]`` (any hub dataset with a text or chat column); None for anything
-    else, a local path included. A malformed split is a :class:`UserError`."""
+    ``@SPLIT`` or ``@SPLIT[START:STOP]`` (any hub dataset with a text or chat column), or of a local
+    directory with ``@SPLIT[START:STOP]``; None for anything else, a local path included. A malformed
+    split is a :class:`UserError`."""
     if Path(name).expanduser().exists():
         return None
-    base, at, split = name.partition("@")
+    base, at, split = name.rpartition("@") if "@" in name else (name, "", "")
+    if at and Path(base).expanduser().is_dir():
+        return HubDataset(str(Path(base).expanduser().resolve()), None, *_split_rows(name, split), local=True)
     repo, _, config = base.partition(":")
     owner, _, dataset = repo.partition("/")
     if not (owner and dataset and looks_like_hub_id(repo)):
@@ -125,14 +145,14 @@ def hub_splits(hub: HubDataset) -> list[str]:
 
     from shuffleprune.hub import hub_reachable
 
-    hub_reachable()  # offline: fail fast from the local cache
-    name = hub.repo if hub.config is None else f"{hub.repo}:{hub.config}"
+    if not hub.local:
+        hub_reachable()  # offline: fail fast from the local cache
     try:
         splits = list(datasets.get_dataset_split_names(hub.repo, hub.config))
     except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
-        raise _hub_unreachable(name, exc) from exc
+        raise _unreadable(hub, exc) from exc
     if hub.split is not None and hub.split not in splits:
-        raise UserError(f"hub dataset '{name}' has no split '{hub.split}'; its splits: {', '.join(splits)}")
+        raise UserError(f"{hub.what} has no split '{hub.split}'; its splits: {', '.join(splits)}")
     return splits
 
 
@@ -145,7 +165,6 @@ def load_hub_dataset(hub: HubDataset, split: str) -> list[str]:
     import datasets
 
     splits = hub_splits(hub)
-    name = hub.repo if hub.config is None else f"{hub.repo}:{hub.config}"
     try:
         train = "train" if "train" in splits else splits[0]
         paired = [train.replace("train", side, 1) for side in ("test", "validation")] if train.startswith("train") else []
@@ -156,12 +175,12 @@ def load_hub_dataset(hub: HubDataset, split: str) -> list[str]:
         rows = itertools.islice(stream, rows.start, rows.stop)
         first = next(rows, None)
         docs = [] if first is None else list(map(row_reader(
-            f"hub dataset '{name}'", first, "write the text to a .jsonl file with a 'text' field and pass that instead"
+            hub.what, first, "write the text to a .jsonl file with a 'text' field and pass that instead"
         ).read, itertools.chain([first], rows)))
     except UserError:
         raise
     except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
-        raise _hub_unreachable(name, exc) from exc
+        raise _unreadable(hub, exc) from exc
     docs = [d for d in docs if isinstance(d, str) and d.strip()]
     if hub.split:
         return docs

@@ -19,6 +19,8 @@ are drawn from a source is :mod:`shuffleprune.calib.sampling`'s.
 from __future__ import annotations
 
 import hashlib
+import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -164,8 +166,11 @@ def is_text_path(name: str) -> bool:
 
 def is_local_source(name: str) -> bool:
     """Whether :func:`get_source` reads ``name`` without the hub (an offline source, a text file or
-    directory, documents in memory)."""
-    return name in OFFLINE_SOURCES or is_text_path(name) or name.startswith(MEMORY_PREFIX)
+    directory, a dataset directory's split, documents in memory)."""
+    if name in OFFLINE_SOURCES or is_text_path(name) or name.startswith(MEMORY_PREFIX):
+        return True
+    hub = _named_split(name)
+    return hub is not None and hub.local
 
 
 def _named_split(name: str | None) -> HubDataset | None:
@@ -200,6 +205,20 @@ def text_contains(a: str | None, b: str | None) -> bool:
     return Path(b).expanduser().resolve().is_relative_to(Path(a).expanduser().resolve())
 
 
+_SPLIT_SHARD = re.compile(r"(?P<split>[A-Za-z][\w]*?)-\d{5}-of-\d{5}")   # a dataset's file: train_sft-00000-of-00003
+
+
+def _warn_if_splits_mixed(name: str, files: list[Path]) -> None:
+    """Warn when a directory read whole is a dataset snapshot of several splits (its files named as the
+    hub names a split's shards): they are all read, mixed; ``DIR@SPLIT`` reads one."""
+    splits = sorted({m["split"] for f in files if (m := _SPLIT_SHARD.match(f.name))})
+    if len(splits) > 1:
+        one = "train" if "train" in splits else next((s for s in splits if s.startswith("train")), splits[0])
+        warnings.warn(f"'{name}' holds the files of several dataset splits ({', '.join(splits)}), all read as one "
+                      f"text; to read one, give {name.rstrip('/')}@SPLIT, e.g. @{one} (rows too: @{one}[:512])",
+                      stacklevel=3)
+
+
 def get_source(name: str, shared: bool = False) -> TextSource:
     """Resolve a ``--calib`` / ``--eval-text`` value. ``shared``: a local file that serves both
     calibration and evaluation, whose documents are then split."""
@@ -223,6 +242,7 @@ def get_source(name: str, shared: bool = False) -> TextSource:
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise UserError(f"directory '{name}' holds no {TEXT_FILES} file")
+        _warn_if_splits_mixed(name, files)
         return TextSource(str(path), _local(path, tuple(d for f in files for d in file_documents(f)), shared))
     if name.startswith(MEMORY_PREFIX):
         raise UserError(f"'{name}' stands for documents passed in memory to the Python API; pass them again "
@@ -262,6 +282,6 @@ def held_out_part(name: str, split_from_shared: bool = False) -> str:
 def default_eval_source(calib: str) -> str:
     """Held-out ppl text that is not the calibration source: wikitext2 for hub sources (hub datasets
     too), else the other offline one."""
-    if calib in HUB_SOURCES or hub_dataset_id(calib) is not None:
+    if calib in HUB_SOURCES or (not is_local_source(calib) and hub_dataset_id(calib) is not None):
         return "wikitext2"
     return "brown" if calib == "wiki" else "wiki"

@@ -351,10 +351,40 @@ def test_a_named_split_of_a_hub_dataset_reads_those_rows(monkeypatch):
     assert held_out_part("me/chat@train_sft[:200]", split_from_shared=True) == "its held-out part"
 
 
-def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
-    from shuffleprune.calib.hub_data import hub_dataset_id
+def test_a_dataset_directory_on_this_machine_reads_the_split_named(tmp_path, monkeypatch):
+    """A dataset downloaded from the hub (``data/SPLIT-00000-of-00001.parquet`` …) given as ``DIR@SPLIT[rows]``
+    is read by ``datasets`` as the hub dataset would be, without the hub, one split's rows alone; given as
+    ``DIR``, its splits' files are all read as one text (as any directory), with a warning naming the fix."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    assert hub_dataset_id("allenai/c4") == ("allenai/c4", None, None, 0, None)
+    import shuffleprune.hub
+    from shuffleprune.calib.sources import is_local_source
+
+    monkeypatch.setattr(shuffleprune.hub, "hub_reachable", lambda *a, **k: pytest.fail("the hub was asked"))
+    (tmp_path / "snap" / "data").mkdir(parents=True)
+    for split, n in (("train_sft", 30), ("test_sft", 5)):
+        rows = [{"prompt_id": str(i), "messages": [{"role": "user", "content": f"{split} {i}"},
+                                                   {"role": "assistant", "content": "yes"}]} for i in range(n)]
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "snap" / "data" / f"{split}-00000-of-00001.parquet")
+    snap = str(tmp_path / "snap")
+    docs = get_source(f"{snap}@test_sft[1:4]").documents("train")
+    assert [d.messages[0]["content"] for d in docs] == ["test_sft 1", "test_sft 2", "test_sft 3"]
+    assert len(get_source(f"{snap}@train_sft").documents("test")) == 30
+    assert is_local_source(f"{snap}@train_sft") and default_eval_source(f"{snap}@train_sft") == "wiki"
+    assert same_text(f"{snap}@train_sft[:10]", f"{tmp_path}/../{tmp_path.name}/snap@train_sft[0:10]")
+    with pytest.raises(UserError, match=f"dataset directory '{re.escape(snap)}' has no split 'train'; its splits: "
+                                        "test_sft, train_sft"):
+        get_source(f"{snap}@train")
+    with pytest.warns(UserWarning, match=r"several dataset splits \(test_sft, train_sft\), all read as one text; "
+                                         r"to read one, give .*snap@SPLIT, e.g. @train_sft"):
+        assert len(get_source(snap).documents("train")) == 35
+
+
+def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
+    from shuffleprune.calib.hub_data import HubDataset, hub_dataset_id
+
+    assert hub_dataset_id("allenai/c4") == HubDataset("allenai/c4", None, None, 0, None, local=False)
     assert hub_dataset_id("HuggingFaceFW/fineweb-edu:sample-10BT")[:2] == ("HuggingFaceFW/fineweb-edu", "sample-10BT")
     assert [hub_dataset_id(s) for s in ("./a/b", "/a/b", "~/a/b", "a/b/c", "a", "a/")] == [None] * 6
     (tmp_path / "local" / "dir").mkdir(parents=True)
