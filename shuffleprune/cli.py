@@ -68,7 +68,7 @@ def prune(
     perm: Optional[str] = typer.Option(None, "--perm", help="Input-channel permutation: none, random, search or learned (overrides the recipe's; none turns it off)."),
     perm_from: Optional[Path] = typer.Option(None, "--perm-from", help="Reuse the index maps of an earlier run's output dir instead of computing them."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override any stage: KIND=NAME or KIND.PARAM=VALUE, e.g. --set permutation.steps=200 (repeatable)."),
-    calib: Optional[str] = typer.Option(None, "--calib", rich_help_panel=_DATA, help="Calibration text: c4, wikitext2 (hub), any hub dataset OWNER/NAME[:CONFIG][@SPLIT[START:STOP]] with a text or chat (messages) column, wiki, brown (offline), or a .txt, .jsonl, .json or .parquet file (.gz too) or a directory of them (used whole)", show_default="wiki"),
+    calib: Optional[str] = typer.Option(None, "--calib", rich_help_panel=_DATA, help="Calibration text: c4, wikitext2 (hub), any hub dataset OWNER/NAME[:CONFIG][@SPLIT[START:STOP]] with a text or chat (messages) column, wiki, brown (offline), or a .txt, .jsonl, .json or .parquet file (.gz too) or a directory of them (used whole; a downloaded dataset's split: DIR@SPLIT[START:STOP])", show_default="wiki"),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", rich_help_panel=_DATA, help="Calibration windows", show_default="128"),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", rich_help_panel=_DATA, help="Calibration window length in tokens, capped by the model's context", show_default="2048"),
     seed: Optional[int] = typer.Option(None, "--seed", rich_help_panel=_DATA, help="Seed of the calibration windows (and every random choice)", show_default="0"),
