@@ -7,7 +7,8 @@ Sources:
   from the hub (:mod:`shuffleprune.calib.hub_data`).
 - ``wiki``, ``brown``: offline corpora (:mod:`shuffleprune.calib.corpora`).
 - a path: a local ``.txt``, ``.jsonl``, ``.json`` or ``.parquet`` file (:mod:`shuffleprune.calib.files`),
-  or a directory of them (every such file under it, in path order).
+  or a directory of them (every such file under it, in path order), or ``DIR@SPLIT[START:STOP]``: a
+  dataset downloaded from the hub, one split's rows read as the hub's are.
 
 The offline sources are split deterministically: every 10th document is held out for perplexity
 (``split="test"``), the rest is for calibration (``split="train"``). A local file, documents in memory
