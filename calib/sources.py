@@ -20,6 +20,7 @@ are drawn from a source is :mod:`shuffleprune.calib.sampling`'s.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import warnings
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ from typing import Any, Callable
 from shuffleprune.calib.corpora import brown_documents, wiki_documents
 from shuffleprune.calib.documents import as_conversations, held_out_split, row_reader
 from shuffleprune.calib.files import TEXT_FILES, file_documents, text_file_kind
-from shuffleprune.calib.hub_data import (HUB_SOURCES, C4_EVAL_WINDOWS, HubDataset, hub_dataset_id, hub_dataset_name,
-                                         hub_splits, load_hub_dataset, load_paper_text)
+from shuffleprune.calib.hub_data import (C4_EVAL_WINDOWS, HUB_DATASET_DOCS, HUB_SOURCES, HubDataset, hub_dataset_id,
+                                         hub_dataset_name, hub_splits, load_hub_dataset, load_paper_text)
 from shuffleprune.errors import UserError
 
 OFFLINE_SOURCES = ("wiki", "brown")
@@ -105,17 +106,25 @@ MEMORY_PREFIX = "documents:"   # a text passed to the Python API as documents, n
 
 
 def as_documents(value: Any, key: str) -> tuple[str, ...]:
-    """Documents passed in memory (a list or tuple of strings, or a ``datasets.Dataset``, whose text
-    column is picked as a hub dataset's) as a tuple of non-empty strings; a one-line error otherwise."""
-    if type(value).__name__ == "Dataset" and hasattr(value, "features"):
-        value = [] if not len(value) else [d for d in map(row_reader(
-            f"the {key} dataset", value[0], "rename its text column 'text' (dataset.rename_column) or pass a list of strings"
-        ).read, value) if d is not None]
+    """Documents passed in memory (a list or tuple of strings or of conversations, a ``datasets.Dataset``, or
+    the first :data:`HUB_DATASET_DOCS` rows of an ``IterableDataset``, a streamed one; a dataset's text or
+    chat column picked as a hub dataset's) as a tuple of non-empty strings; a one-line error otherwise."""
+    kind = type(value).__name__
+    if kind in ("DatasetDict", "IterableDatasetDict"):
+        splits = list(value)
+        raise UserError(f"'{key}' is a {kind} of splits ({', '.join(splits)}); pass one of them, e.g. "
+                        f"{key}=dataset[{(splits or ['train'])[0]!r}]")
+    if kind in ("Dataset", "IterableDataset") and hasattr(value, "features"):
+        rows = itertools.islice(value, HUB_DATASET_DOCS) if kind == "IterableDataset" else iter(value)
+        first = next(rows, None)
+        value = [] if first is None else [d for d in map(row_reader(
+            f"the {key} dataset", first, "rename its text column 'text' (dataset.rename_column) or pass a list of strings"
+        ).read, itertools.chain([first], rows)) if d is not None]
     elif isinstance(value, (list, tuple)):
         value = as_conversations(value) or value   # conversations: lists of role/content messages
     if not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):
         raise UserError(f"'{key}' takes a text source name, a {TEXT_FILES} path, a list of strings or of conversations "
-                        f"(role/content messages) or a datasets.Dataset; got {type(value).__name__}")
+                        f"(role/content messages) or a datasets.Dataset or IterableDataset; got {type(value).__name__}")
     docs = tuple(d for d in value if d.strip())
     if not docs:
         raise UserError(f"'{key}' holds no text")

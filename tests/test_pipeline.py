@@ -112,7 +112,7 @@ def test_rows_of_a_hub_split_calibrate_as_the_same_documents_in_a_file_do(tiny_d
 
 
 def test_documents_in_memory_calibrate_as_the_same_text_in_a_file_does(tiny_dir, text_file, tmp_path):
-    """``shuffleprune.prune(calib=[...])`` and ``calib=datasets.Dataset`` (the Python API took only
+    """``shuffleprune.prune(calib=[...])`` and ``calib=datasets.Dataset`` (or a streamed one; the Python API took only
     names and paths): the same windows, so the same checkpoint, as those documents in a .txt; one
     list for both sides is split as one file is; the recipe file names them by digest and asks for
     them again."""
@@ -133,6 +133,8 @@ def test_documents_in_memory_calibrate_as_the_same_text_in_a_file_does(tiny_dir,
     table = datasets.Dataset.from_dict({"content": docs, "n": list(range(len(docs)))})   # a dataset's text column
     from_dataset = shuffleprune.prune(str(tiny_dir), "fast", calib=table, eval_text=None, **kw)
     assert from_dataset.report["calib"]["source"] == report["calib"]["source"]
+    streamed = shuffleprune.prune(str(tiny_dir), "fast", calib=table.to_iterable_dataset(), eval_text=None, **kw)
+    assert streamed.report["calib"]["source"] == report["calib"]["source"]   # a streamed dataset: the same rows
     chats = [[{"role": "user", "content": d[:len(d) // 2]}, {"role": "assistant", "content": d[len(d) // 2:]}] for d in docs]
     as_chat = shuffleprune.prune(str(tiny_dir), "fast", calib=datasets.Dataset.from_dict({"messages": chats}),
                                  eval_text=None, **kw)   # no chat template here: read as plain role: content lines
@@ -149,7 +151,10 @@ def test_documents_in_memory_calibrate_as_the_same_text_in_a_file_does(tiny_dir,
                         ({"calib": ["", " "]}, "'calib' holds no text"),
                         ({"calib": datasets.Dataset.from_dict({"q": ["a"], "a": ["b"]})},
                          r"the calib dataset: no single text field \(string fields: q, a\) and no chat field "
-                         r"\(role/content messages\); rename")):
+                         r"\(role/content messages\); rename"),
+                        ({"calib": datasets.DatasetDict({"train_sft": table, "test_sft": table})},
+                         r"'calib' is a DatasetDict of splits \(train_sft, test_sft\); pass one of them, e\.g\. "
+                         r"calib=dataset\['train_sft'\]")):
         with pytest.raises(UserError, match=needle):
             shuffleprune.prune(str(tiny_dir), "fast", **bad, **kw)
 
