@@ -215,13 +215,14 @@ def text_contains(a: str | None, b: str | None) -> bool:
     return Path(b).expanduser().resolve().is_relative_to(Path(a).expanduser().resolve())
 
 
-_SPLIT_SHARD = re.compile(r"(?P<split>[A-Za-z][\w]*?)-\d{5}-of-\d{5}")   # a dataset's file: train_sft-00000-of-00003
+# a dataset split's file, as the hub names them: train_sft-00000-of-00003.parquet, or test.jsonl
+_SPLIT_SHARD = re.compile(r"(?P<split>[A-Za-z]\w*?)-\d{5}-of-\d{5}|(?P<named>train|test|validation|valid|dev)\.")
 
 
 def _warn_if_splits_mixed(name: str, files: list[Path]) -> None:
     """Warn when a directory read whole is a dataset snapshot of several splits (its files named as the
     hub names a split's shards): they are all read, mixed; ``DIR@SPLIT`` reads one."""
-    splits = sorted({m["split"] for f in files if (m := _SPLIT_SHARD.match(f.name))})
+    splits = sorted({m["split"] or m["named"] for f in files if (m := _SPLIT_SHARD.match(f.name))})
     if len(splits) > 1:
         one = "train" if "train" in splits else next((s for s in splits if s.startswith("train")), splits[0])
         warnings.warn(f"'{name}' holds the files of several dataset splits ({', '.join(splits)}), all read as one "

@@ -379,6 +379,12 @@ def test_a_dataset_directory_on_this_machine_reads_the_split_named(tmp_path, mon
     with pytest.warns(UserWarning, match=r"several dataset splits \(test_sft, train_sft\), all read as one text; "
                                          r"to read one, give .*snap@SPLIT, e.g. @train_sft"):
         assert len(get_source(snap).documents("train")) == 35
+    (tmp_path / "jsonl").mkdir()   # a split a file: train.jsonl, test.jsonl
+    for split, n in (("train", 12), ("test", 2)):
+        (tmp_path / "jsonl" / f"{split}.jsonl").write_text("".join(json.dumps({"text": f"{split} {i}"}) + "\n" for i in range(n)))
+    assert get_source(f"{tmp_path / 'jsonl'}@test").documents("train") == ["test 0", "test 1"]
+    with pytest.warns(UserWarning, match=r"several dataset splits \(test, train\)"):
+        get_source(str(tmp_path / "jsonl"))
 
 
 def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
