@@ -77,7 +77,8 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
     else:
         stream = encode(tokenizer, source.joined(docs, calibration=True), special_tokens)
         if stream.numel() <= text_len:
-            raise UserError(f"'{source.name}' has only {stream.numel()} tokens; need more than --seqlen {seqlen}")
+            count = f"{stream.numel()} token" + ("" if stream.numel() == 1 else "s")
+            raise UserError(f"'{source.name}' has only {count}; need more than --seqlen {seqlen}")
         if nsamples * text_len > stream.numel():
             warnings.warn(f"'{source.name}' has {stream.numel()} calibration tokens, fewer than the {nsamples} windows of "
                           f"{text_len} ask ({nsamples * text_len}): the windows overlap; give a longer text or fewer "

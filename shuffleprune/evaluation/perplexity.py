@@ -29,7 +29,8 @@ def perplexity(model: nn.Module, tokens: torch.Tensor, ctx: int, device: torch.d
     width = ctx - (bos is not None)   # ≥ 1
     n_windows = stream.numel() // width
     if n_windows == 0:
-        raise UserError(f"the perplexity text has {stream.numel()} tokens, fewer than one window of {ctx}; give a "
+        count = f"{stream.numel()} token" + ("" if stream.numel() == 1 else "s")
+        raise UserError(f"the perplexity text has {count}, fewer than one window of {ctx}; give a "
                         "longer text (or more of it: --eval-tokens / --ppl-tokens) or a shorter window "
                         "(--eval-ctx / --ppl-ctx)")
     windows = stream[: n_windows * width].reshape(n_windows, width)
