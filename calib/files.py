@@ -1,6 +1,7 @@
 """Local text files: ``.txt`` (documents separated by blank lines), ``.jsonl`` / ``.json`` (JSON lines,
-or one array; each row read as a hub dataset's is) and ``.parquet`` (its text or chat column); the
-first three also gzip-compressed (``.gz``, as C4's ``.json.gz`` shards). Bad bytes or lines are a
+or one array; each row read as a hub dataset's is), ``.csv`` / ``.tsv`` (a header, then rows; the text
+column) and ``.parquet`` (its text or chat column); all but ``.parquet`` also gzip-compressed (``.gz``,
+as C4's ``.json.gz`` shards). Bad bytes or lines are a
 one-line error naming the place.
 """
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 from shuffleprune.calib.documents import as_conversations, row_reader
 from shuffleprune.errors import UserError, reason
 
-TEXT_FILE_KINDS = (".txt", ".jsonl", ".json", ".parquet")   # the first three gzip-compressed too (NAME.json.gz)
-TEXT_FILES = ".txt, .jsonl, .json or .parquet"                 # as messages name them
+TEXT_FILE_KINDS = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")   # all but .parquet gzip-compressed too
+TEXT_FILES = ".txt, .jsonl, .json, .csv, .tsv or .parquet"                    # as messages name them
 
 
 def read_text_file(path: Path) -> str:
@@ -88,6 +89,27 @@ def _json_docs(path: Path, text: str) -> list[str]:
     return _jsonl_docs(path, "\n".join(json.dumps(r) for r in rows))
 
 
+def _csv_docs(path: Path, delimiter: str) -> list[str]:
+    """A ``.csv`` / ``.tsv`` file's documents (its first line names the columns; quoted cells may hold
+    line breaks): its text column, picked as :func:`row_reader` picks a row's; empty cells left out."""
+    import pyarrow as pa
+    import pyarrow.csv as pa_csv
+
+    kind = "TSV" if delimiter == "\t" else "CSV"
+    parse = pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+    try:
+        names = pa_csv.open_csv(path, parse_options=parse).schema.names
+        as_text = pa_csv.ConvertOptions(column_types={n: pa.string() for n in names})   # "007" stays "007"
+        table = pa_csv.read_csv(path, parse_options=parse, convert_options=as_text)
+    except (OSError, pa.ArrowException) as exc:
+        raise UserError(f"cannot read '{path}' as {kind}: {reason(exc, 120)}") from None
+    rows = table.slice(0, 1).to_pylist()
+    if not rows:
+        return []
+    reader = row_reader(f"'{path}'", rows[0])
+    return [d for d in map(reader.read, table.select([reader.field]).to_pylist()) if d and d.strip()]
+
+
 def _parquet_docs(path: Path) -> list[str]:
     """A ``.parquet`` file's documents: its text (or chat) column, read as :func:`row_reader` reads its
     first row; empty cells left out."""
@@ -107,12 +129,14 @@ def _parquet_docs(path: Path) -> list[str]:
 
 def file_documents(path: Path) -> tuple[str, ...]:
     """The documents of a local text file (:func:`text_file_kind`: ``.txt``, blank-line separated;
-    ``.jsonl`` / ``.json``; ``.parquet``), read and parsed when the source is named (bad bytes or lines
+    ``.jsonl`` / ``.json``; ``.csv`` / ``.tsv``; ``.parquet``), read and parsed when the source is named (bad bytes or lines
     are a one-line error naming the place) and held by its :class:`TextSource` only, so a large
     training text is freed with it."""
     kind = text_file_kind(path)
     if kind == ".parquet":
         return tuple(_parquet_docs(path))
+    if kind in (".csv", ".tsv"):
+        return tuple(_csv_docs(path, "," if kind == ".csv" else "\t"))
     text = read_text_file(path)
     if kind == ".jsonl":
         return tuple(_jsonl_docs(path, text))

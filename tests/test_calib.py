@@ -115,7 +115,7 @@ def test_a_local_file_is_parsed_when_named_and_its_faults_found_then(tmp_path, m
     with pytest.raises(UserError, match=r"'.*docs.jsonl' holds no text"):
         get_source(str(path))
     (tmp_path / "folder.txt").mkdir()
-    with pytest.raises(UserError, match=r"text file '.*folder.txt' is a directory; give a .txt, .jsonl, .json or .parquet file"):
+    with pytest.raises(UserError, match=r"text file '.*folder.txt' is a directory; give a .txt, .jsonl, .json, .csv, .tsv or .parquet file"):
         get_source(str(tmp_path / "folder.txt"))   # was "does not exist"
 
 
@@ -174,7 +174,7 @@ def test_c4_without_hub_names_the_offline_sources():
     with pytest.raises(UserError) as exc:
         get_source("c4").documents("train")
     msg = str(exc.value)
-    assert "offline sources: wiki, brown or a .txt, .jsonl, .json or .parquet file (for --calib, --eval-text, --ppl-text or --data)" in msg
+    assert "offline sources: wiki, brown or a .txt, .jsonl, .json, .csv, .tsv or .parquet file (for --calib, --eval-text, --ppl-text or --data)" in msg
     assert "\n" not in msg
 
 
@@ -396,14 +396,16 @@ def test_hub_dataset_ids_are_told_from_paths(tmp_path, monkeypatch):
     (tmp_path / "local" / "dir").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert hub_dataset_id("local/dir") is None
-    with pytest.raises(UserError, match="directory 'local/dir' holds no .txt, .jsonl, .json or .parquet file"):
+    with pytest.raises(UserError, match="directory 'local/dir' holds no .txt, .jsonl, .json, .csv, .tsv or .parquet file"):
         get_source("local/dir")   # a local directory, not a hub dataset
 
 
-def test_json_parquet_and_gzip_files_are_text_files(tmp_path):
-    """Besides .txt and .jsonl: a .json file (JSON lines, as C4's shards, or one array), a .parquet
-    file (its text column) and gzip-compressed .txt/.jsonl/.json files (a C4 shard as downloaded)
-    give their documents as the .jsonl of the same documents does (they were unknown sources)."""
+def test_json_csv_parquet_and_gzip_files_are_text_files(tmp_path):
+    """Besides .txt and .jsonl: a .json file (JSON lines, as C4's shards, or one array), a .csv / .tsv
+    file (a header, quoted cells with line breaks and delimiters, its text column), a .parquet file (its
+    text column) and gzip-compressed .txt/.jsonl/.json/.csv files (a C4 shard as downloaded) give their
+    documents as the .jsonl of the same documents does (they were unknown sources)."""
+    import csv
     import gzip
 
     import pyarrow as pa
@@ -429,8 +431,19 @@ def test_json_parquet_and_gzip_files_are_text_files(tmp_path):
         assert get_source(str(tmp_path / name), shared=True).documents("test") == [docs[9]], name   # every 10th
         assert held_out_part(str(tmp_path / name)) == "the whole file"
     assert get_source(str(tmp_path)).documents("train") == docs * len(names)   # a directory of them
-    assert [text_file_kind(Path(n)) for n in ("a.b.json.gz", "a.parquet.gz", "a.gz", "a.txt", "a.csv", "a")] == \
-        [".json", None, None, ".txt", None, None]
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    docs[3], docs[5] = "a document, with a comma", 'and "quotes"\nover two lines'   # what CSV quotes
+    for name, delimiter in (("docs.csv", ","), ("docs.tsv", "\t")):
+        with open(tables / name, "w", newline="") as f:
+            table = csv.writer(f, delimiter=delimiter)
+            table.writerow(["id", "text", "score"])
+            table.writerows([i, d, "007"] for i, d in enumerate(docs))
+    (tables / "docs.csv.gz").write_bytes(gzip.compress((tables / "docs.csv").read_bytes()))
+    for name in ("docs.csv", "docs.tsv", "docs.csv.gz"):
+        assert get_source(str(tables / name)).documents("train") == docs, name
+    assert [text_file_kind(Path(n)) for n in ("a.b.json.gz", "a.parquet.gz", "a.gz", "a.txt", "a.csv", "a.tsv.gz", "a")] == \
+        [".json", None, None, ".txt", ".csv", ".tsv", None]
     (tmp_path / "bad.json.gz").write_bytes(gzip.compress(lines.encode())[:-20])   # truncated download
     with pytest.raises(UserError, match=r"cannot read '.*bad.json.gz': .*\(a damaged or truncated gzip file\?\)$"):
         get_source(str(tmp_path / "bad.json.gz"))
