@@ -469,8 +469,9 @@ def _process_group_ended():
     """End the process group the run's ``Accelerator`` started (under torchrun / accelerate launch) once the
     run succeeds: every process waits for the others, then destroys it while the interpreter is whole.
     A gloo process that exits with its group alive can abort in the interpreter's teardown (SIGABRT: its
-    worker threads release tensors without the GIL; pytorch/pytorch#179291), as a rank did once in CI.
-    A group that existed before the run is the caller's and is left alone."""
+    worker threads release tensors without the GIL; pytorch/pytorch#179291): a known cause of the abort
+    one CI run's rank 1 met, not a confirmed one. A group that existed before the run is the caller's and
+    is left alone."""
     import torch.distributed as dist
 
     from accelerate.state import AcceleratorState
