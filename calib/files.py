@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any, Callable
 
 from shuffleprune.calib.documents import as_conversations, row_reader
 from shuffleprune.errors import UserError, reason
@@ -89,18 +90,13 @@ def _json_docs(path: Path, text: str) -> list[str]:
     return _jsonl_docs(path, "\n".join(json.dumps(r) for r in rows))
 
 
-def _csv_docs(path: Path, delimiter: str) -> list[str]:
-    """A ``.csv`` / ``.tsv`` file's documents (its first line names the columns; quoted cells may hold
-    line breaks): its text column, picked as :func:`row_reader` picks a row's; empty cells left out."""
+def _table_docs(path: Path, kind: str, read: Callable[[], Any]) -> list[str]:
+    """The documents of a table file ``read`` reads with pyarrow: its text (or chat) column, picked as
+    :func:`row_reader` picks its first row's; empty cells left out. A file it cannot read is a one-line error."""
     import pyarrow as pa
-    import pyarrow.csv as pa_csv
 
-    kind = "TSV" if delimiter == "\t" else "CSV"
-    parse = pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
     try:
-        names = pa_csv.open_csv(path, parse_options=parse).schema.names
-        as_text = pa_csv.ConvertOptions(column_types={n: pa.string() for n in names})   # "007" stays "007"
-        table = pa_csv.read_csv(path, parse_options=parse, convert_options=as_text)
+        table = read()
     except (OSError, pa.ArrowException) as exc:
         raise UserError(f"cannot read '{path}' as {kind}: {reason(exc, 120)}") from None
     rows = table.slice(0, 1).to_pylist()
@@ -110,21 +106,26 @@ def _csv_docs(path: Path, delimiter: str) -> list[str]:
     return [d for d in map(reader.read, table.select([reader.field]).to_pylist()) if d and d.strip()]
 
 
-def _parquet_docs(path: Path) -> list[str]:
-    """A ``.parquet`` file's documents: its text (or chat) column, read as :func:`row_reader` reads its
-    first row; empty cells left out."""
+def _csv_docs(path: Path, delimiter: str) -> list[str]:
+    """A ``.csv`` / ``.tsv`` file's documents (its first line names the columns; quoted cells may hold
+    line breaks; every column read as text: "007" stays "007")."""
     import pyarrow as pa
+    import pyarrow.csv as pa_csv
+
+    parse = pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+
+    def read():
+        names = pa_csv.open_csv(path, parse_options=parse).schema.names
+        as_text = pa_csv.ConvertOptions(column_types={n: pa.string() for n in names})
+        return pa_csv.read_csv(path, parse_options=parse, convert_options=as_text)
+    return _table_docs(path, "TSV" if delimiter == "\t" else "CSV", read)
+
+
+def _parquet_docs(path: Path) -> list[str]:
+    """A ``.parquet`` file's documents."""
     import pyarrow.parquet as pq
 
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as exc:
-        raise UserError(f"cannot read '{path}' as Parquet: {reason(exc, 120)}") from None
-    rows = table.slice(0, 1).to_pylist()
-    if not rows:
-        return []
-    reader = row_reader(f"'{path}'", rows[0])
-    return [d for d in map(reader.read, table.select([reader.field]).to_pylist()) if d]
+    return _table_docs(path, "Parquet", lambda: pq.read_table(path))
 
 
 def file_documents(path: Path) -> tuple[str, ...]:
