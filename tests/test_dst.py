@@ -618,6 +618,38 @@ def test_a_deterministic_run_trains_strictly_and_says_so(tiny_dir, text_file, tm
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_report_says_how_much_text_was_trained_on_and_a_capped_dataset_is_warned_about(tiny_dir, text_file,
+                                                                                             tmp_path, monkeypatch):
+    """The report and the model card give the training text's tokens and how often the steps read it; a hub
+    dataset read without named rows (its first 20 000) that the steps read more than once is warned about,
+    naming the rows to ask for (a long run on it trained on those rows over and over without a word)."""
+    import warnings
+
+    from shuffleprune.calib import get_source
+    from shuffleprune.calib.sampling import encode
+    from shuffleprune.dst.train import _text_use, train
+    from shuffleprune.models import load_tokenizer
+
+    report = train(_train_cfg(tiny_dir, text_file, steps=3, eval_every=0, checkpoint_every=0), DSTConfig(method="set"),
+                   tmp_path / "run", progress=False)
+    tok, source = load_tokenizer(str(tiny_dir)), get_source(str(text_file), shared=True)
+    trained, held = (encode(tok, source.joined(source.documents(side))).numel() for side in ("train", "test"))
+    assert report["text"] == {"train_tokens": trained, "heldout_tokens": min(held, 2048),
+                              "passes": round(3 * 4 * 32 / trained, 3)}
+    assert f"({trained} tokens to train on, read {report['text']['passes']:g} times)" in \
+        (tmp_path / "run" / "model" / "README.md").read_text()
+
+    cfg = _train_cfg(tiny_dir, "me/web:en", steps=1000)
+    with pytest.warns(UserWarning, match=r"'me/web:en': at most its first 20000 rows are read \(5000 tokens to train on\), "
+                                         r"and 1000 steps read them 25\.6 times; .* me/web:en@SPLIT\[:ROWS\]"):
+        assert _text_use(cfg, 5000, 100)["passes"] == 25.6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _text_use(_train_cfg(tiny_dir, "me/web:en@train[:900000]", steps=1000), 5000, 100)   # rows named
+        _text_use(_train_cfg(tiny_dir, "me/web:en", steps=1), 5000, 100)                     # read once at most
+        _text_use(_train_cfg(tiny_dir, str(text_file), steps=1000), 5000, 100)               # a file: all of it
+
+
 def _train_cfg(tiny_dir, text_file, **kw):
     from shuffleprune.dst.train import TrainConfig
 

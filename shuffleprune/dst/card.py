@@ -15,6 +15,8 @@ def model_card(report: dict) -> str:
     perm_line = (f"- Learned input permutations (`--perm {dst['perm']}`): {perms} layers, their index maps in "
                  "`index_maps.safetensors`; the weights are stored in their inputs' own column order, so the model "
                  "loads as it is.\n" if perms else "")
+    text = report.get("text")   # (reports before 2026-12-01 lack it)
+    text_line = f" ({text['train_tokens']} tokens to train on, read {text['passes']:g} times)" if text else ""
     export_line = ("For a compressed N:M copy: `shuffleprune export PATH DEPLOYED` (reads `../dst_report.json`).\n"
                    if method == "nm" else "")
     return f"""---
@@ -28,7 +30,7 @@ tags:
 # {method} · {structure}
 
 Trained from scratch with [shuffleprune](https://pypi.org/project/shuffleprune/) `dst`
-(dynamic sparse training, method `{method}`), {train['steps']} steps on `{train['data']}`,
+(dynamic sparse training, method `{method}`), {train['steps']} steps on `{train['data']}`{text_line},
 seed {train['seed']}.
 
 - Architecture: {arch}; tokenizer `{train['tokenizer']}`.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -313,6 +314,22 @@ def _token_streams(cfg: TrainConfig, accelerator) -> tuple[object, torch.Tensor,
     return tokenizer, train_stream, test_stream
 
 
+def _text_use(cfg: TrainConfig, train_tokens: int, test_tokens: int) -> dict:
+    """How much text the run trains on and how often it reads it (``passes``: the steps' windows over its
+    training tokens); a warning where that text is a dataset's first rows only (the 20 000 read when no
+    rows are named) and the steps read them more than once."""
+    from shuffleprune.calib.hub_data import HUB_DATASET_DOCS, hub_dataset_id
+    from shuffleprune.calib.sources import is_text_path
+
+    passes = cfg.steps * cfg.batch_size * cfg.seq_len / train_tokens
+    hub = None if is_text_path(cfg.data) else hub_dataset_id(cfg.data)
+    if hub is not None and hub.stop is None and passes > 1 and is_main_process():
+        warnings.warn(f"'{cfg.data}': at most its first {HUB_DATASET_DOCS} rows are read ({train_tokens} tokens to train "
+                      f"on), and {cfg.steps} steps read them {passes:.1f} times; to train on more text, name more rows: "
+                      f"{hub.dataset}@{hub.split or 'SPLIT'}[:ROWS]", stacklevel=3)
+    return {"train_tokens": train_tokens, "heldout_tokens": test_tokens, "passes": round(passes, 3)}
+
+
 def _too_short(cfg: TrainConfig, train_tokens: int, test_tokens: int) -> str:
     """The one-line error for a text whose parts cannot hold a window of ``--seq-len``: their token counts and the fix."""
     fits = min(train_tokens - 1, test_tokens)   # training windows take seq-len + 1 tokens, held-out ones seq-len
@@ -374,13 +391,15 @@ class _Trainer:
         os.replace(tmp, ckpt)
 
 
-def _report(run: _Trainer, final_ppl: float, device: torch.device, processes: int, ranks_agree: bool | None) -> dict:
-    """``dst_report.json``: settings, loss and perplexity curves, structure, maps, mask updates, cost."""
+def _report(run: _Trainer, final_ppl: float, device: torch.device, processes: int, ranks_agree: bool | None,
+            text_use: dict) -> dict:
+    """``dst_report.json``: settings, the text used, loss and perplexity curves, structure, maps, mask updates, cost."""
     from shuffleprune.runtime import peak_rss_mb, versions
 
     sp = run.sparsifier
     return {
-        "train": asdict(run.cfg), "dst": asdict(run.dst), "final_ppl": final_ppl, "evals": run.state["evals"],
+        "train": asdict(run.cfg), "dst": asdict(run.dst), "text": text_use, "final_ppl": final_ppl,
+        "evals": run.state["evals"],
         "loss_curve": run.state["log"], "train_seconds": round(run.state["train_seconds"], 2),
         "peak_rss_mb": round(peak_rss_mb(), 1), "density": round(sp.density(), 6),
         "layers": _structure_report(sp) if sp.masks else {},
@@ -502,6 +521,7 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
     config = model_config(cfg)   # an unknown architecture or setting fails before the text is read
     _check_out(cfg, out, resume, overwrite, accelerator)
     tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
+    text_use = _text_use(cfg, train_stream.numel(), test_stream.numel())
 
     model = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config).to(accelerator.device)
     sparsifier = DynamicSparsifier(dst)   # its soft permutations made beside the layers, on the device
@@ -545,7 +565,7 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
     state["evals"].append({"step": cfg.steps, "ppl": final_ppl})
     unwrapped = accelerator.unwrap_model(model)
     ranks_agree = _ranks_agree(accelerator, unwrapped, sparsifier) if world > 1 else None
-    report = _report(run, final_ppl, device, world, ranks_agree)
+    report = _report(run, final_ppl, device, world, ranks_agree, text_use)
     if accelerator.is_main_process:
         with library_progress_bars(progress):
             _write_model(out, unwrapped, sparsifier, tokenizer, report)
