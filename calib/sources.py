@@ -106,25 +106,31 @@ MEMORY_PREFIX = "documents:"   # a text passed to the Python API as documents, n
 
 
 def as_documents(value: Any, key: str) -> tuple[str, ...]:
-    """Documents passed in memory (a list or tuple of strings or of conversations, a ``datasets.Dataset``, or
-    the first :data:`HUB_DATASET_DOCS` rows of an ``IterableDataset``, a streamed one; a dataset's text or
-    chat column picked as a hub dataset's) as a tuple of non-empty strings; a one-line error otherwise."""
+    """Documents passed in memory (a list or tuple of strings or of conversations, a ``datasets.Dataset``,
+    the first :data:`HUB_DATASET_DOCS` rows of an ``IterableDataset`` (a streamed one), or a pandas
+    ``DataFrame``; a table's text or chat column picked as a hub dataset's) as a tuple of non-empty strings;
+    a one-line error otherwise."""
     kind = type(value).__name__
     if kind in ("DatasetDict", "IterableDatasetDict"):
         splits = list(value)
         raise UserError(f"'{key}' is a {kind} of splits ({', '.join(splits)}); pass one of them, e.g. "
                         f"{key}=dataset[{(splits or ['train'])[0]!r}]")
+    rows = None
     if kind in ("Dataset", "IterableDataset") and hasattr(value, "features"):
         rows = itertools.islice(value, HUB_DATASET_DOCS) if kind == "IterableDataset" else iter(value)
+    elif kind == "DataFrame" and hasattr(value, "to_dict"):   # pandas: its rows, read as a dataset's
+        rows = iter(value.to_dict("records"))
+    if rows is not None:
         first = next(rows, None)
         value = [] if first is None else [d for d in map(row_reader(
-            f"the {key} dataset", first, "rename its text column 'text' (dataset.rename_column) or pass a list of strings"
+            f"the {key} dataset", first, "rename its text column 'text' or pass a list of strings"
         ).read, itertools.chain([first], rows)) if d is not None]
     elif isinstance(value, (list, tuple)):
         value = as_conversations(value) or value   # conversations: lists of role/content messages
     if not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):
         raise UserError(f"'{key}' takes a text source name, a {TEXT_FILES} path, a list of strings or of conversations "
-                        f"(role/content messages) or a datasets.Dataset or IterableDataset; got {type(value).__name__}")
+                        f"(role/content messages), a datasets.Dataset or IterableDataset or a pandas DataFrame; "
+                        f"got {type(value).__name__}")
     docs = tuple(d for d in value if d.strip())
     if not docs:
         raise UserError(f"'{key}' holds no text")

@@ -135,6 +135,8 @@ def test_documents_in_memory_calibrate_as_the_same_text_in_a_file_does(tiny_dir,
     assert from_dataset.report["calib"]["source"] == report["calib"]["source"]
     streamed = shuffleprune.prune(str(tiny_dir), "fast", calib=table.to_iterable_dataset(), eval_text=None, **kw)
     assert streamed.report["calib"]["source"] == report["calib"]["source"]   # a streamed dataset: the same rows
+    frame = shuffleprune.prune(str(tiny_dir), "fast", calib=table.to_pandas(), eval_text=None, **kw)
+    assert frame.report["calib"]["source"] == report["calib"]["source"]       # a pandas DataFrame: the same rows
     chats = [[{"role": "user", "content": d[:len(d) // 2]}, {"role": "assistant", "content": d[len(d) // 2:]}] for d in docs]
     as_chat = shuffleprune.prune(str(tiny_dir), "fast", calib=datasets.Dataset.from_dict({"messages": chats}),
                                  eval_text=None, **kw)   # no chat template here: read as plain role: content lines
