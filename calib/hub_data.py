@@ -31,13 +31,15 @@ HUB_DATASET_DOCS = 20_000   # documents streamed from a hub dataset's split (cal
 
 
 def _hub_unreachable(name: str, exc: Exception) -> UserError:
-    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    """The one-line error for a hub text ``datasets`` could not load (no network, no such dataset …)."""
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
     return UserError(
-        f"cannot load '{name}' from the Hugging Face hub ({reason}); offline sources: "
+        f"cannot load '{name}' from the Hugging Face hub ({why}); offline sources: "
         f"wiki, brown or a {TEXT_FILES} file (for --calib, --eval-text, --ppl-text or --data)")
 
 
 def _unreadable(hub: HubDataset, exc: Exception) -> UserError:
+    """The one-line error for a hub dataset, or a dataset directory, ``datasets`` could not read."""
     if not hub.local:
         return _hub_unreachable(hub.dataset, exc)
     return UserError(f"cannot read {hub.what} as a dataset ({reason(exc, 160)}); give one of its files instead")
@@ -66,8 +68,8 @@ def load_paper_text(name: str, split: str) -> list[str]:
 class HubDataset(NamedTuple):
     """A ``--calib OWNER/NAME[:CONFIG][@SPLIT[START:STOP]]`` value: a hub dataset, and the rows of one
     of its splits when one is named (``split`` None: ``train`` and its held-out pair, see
-    :func:`load_hub_dataset`); or ``DIR@SPLIT[START:STOP]``: a dataset's files on this machine (a
-    snapshot downloaded from the hub, ``data/train_sft-00000-of-00003.parquet`` …), ``local``."""
+    :func:`load_hub_dataset`); or, ``local``, ``DIR@SPLIT[START:STOP]``: a dataset's files on this
+    machine (a snapshot downloaded from the hub, ``data/train_sft-00000-of-00003.parquet`` …)."""
 
     repo: str                 # OWNER/NAME, or the directory's resolved path
     config: str | None = None
@@ -117,7 +119,8 @@ def hub_dataset_name(hub: HubDataset) -> str:
     """``hub`` written as ``--calib`` takes it."""
     if hub.split is None:
         return hub.dataset
-    return f"{hub.dataset}@{hub.split}" + ("" if hub.start == 0 and hub.stop is None else f"[{hub.start or ''}:{hub.stop or ''}]")
+    rows = "" if hub.start == 0 and hub.stop is None else f"[{hub.start or ''}:{hub.stop or ''}]"
+    return f"{hub.dataset}@{hub.split}{rows}"
 
 
 def hub_dataset_id(name: str) -> HubDataset | None:

@@ -98,7 +98,9 @@ def _local(path: Path | str, docs: tuple[str, ...], split_docs: bool) -> Callabl
             return list(docs)  # a file is used as given
         # one file for both sides: every 10th document held out (at least one on each side; one document
         # is cut into its first nine tenths and the rest)
-        return held_out_split(list(docs), split) if len(docs) >= 10 else (list(docs[-1:]) if split == "test" else list(docs[:-1]))
+        if len(docs) >= 10:
+            return held_out_split(list(docs), split)
+        return list(docs[-1:]) if split == "test" else list(docs[:-1])
     return load
 
 
@@ -240,7 +242,8 @@ def get_source(name: str, shared: bool = False) -> TextSource:
     """Resolve a ``--calib`` / ``--eval-text`` value. ``shared``: a local file that serves both
     calibration and evaluation, whose documents are then split."""
     if name == "c4":
-        return TextSource("c4", lambda s: load_paper_text("c4", s), joiner=" ", doc_windows=True, eval_windows=C4_EVAL_WINDOWS)
+        return TextSource("c4", lambda s: load_paper_text("c4", s), joiner=" ", doc_windows=True,
+                          eval_windows=C4_EVAL_WINDOWS)
     if name in ("wikitext2", "wikitext103"):
         return TextSource(name, lambda s: load_paper_text(name, s), joiner="\n\n", calib_joiner=" ")
     if name == "wiki":

@@ -336,7 +336,8 @@ def test_a_named_split_of_a_hub_dataset_reads_those_rows(monkeypatch):
     with pytest.raises(UserError, match=r"'me/chat@train_sft\[50:\]' holds no text"):
         get_source("me/chat@train_sft[50:]").documents("train")
     for bad, why in (("train_sft[:10%]", "gives a percentage"), ("train_sft[9:3]", "selects no rows"),
-                     ("train_sft[-5:]", "gives rows that are not counts from 0"), ("train_sft[:", "is not a split"), ("", "is not a split")):
+                     ("train_sft[-5:]", "gives rows that are not counts from 0"), ("train_sft[:", "is not a split"),
+                     ("", "is not a split")):
         with pytest.raises(UserError, match=f"'@{re.escape(bad)}' {why}.*e.g. .*@train_sft\\[:512\\]"):
             get_source(f"me/chat@{bad}")
     with pytest.raises(UserError, match="c4 is read with its own fixed splits.*allenai/c4:en@validation"):
