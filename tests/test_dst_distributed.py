@@ -79,9 +79,10 @@ def test_a_global_batch_that_does_not_split_is_refused(tiny_dir, text_file, tmp_
 
 
 def test_a_run_ends_the_process_group_it_started_and_leaves_a_callers_alone(tmp_path):
-    """A process whose gloo group is still alive at exit can abort in the interpreter's teardown (a CI
-    run's rank 1 did): a successful run destroys the group its Accelerator started; a group the caller
-    made before is left, and so is one after a failure (its peers may still be inside a collective)."""
+    """A process whose gloo group is still alive at exit can abort in the interpreter's teardown (a known
+    cause of the abort a CI run's rank 1 met once): a successful run destroys the group its Accelerator
+    started; a group the caller made before is left, and so is one after a failure (its peers may still be
+    inside a collective)."""
     import pytest
     import torch.distributed as dist
 
