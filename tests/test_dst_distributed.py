@@ -106,3 +106,18 @@ def test_a_run_ends_the_process_group_it_started_and_leaves_a_callers_alone(tmp_
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_main_process_is_told_by_the_launchers_rank(monkeypatch):
+    """The process that prints and writes is rank 0 as torchrun (RANK) or an MPI launcher (PMI_RANK,
+    OMPI_COMM_WORLD_RANK) numbers it, read without a process group; alone, a process is the main one."""
+    from shuffleprune.dst.train import is_main_process
+
+    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert is_main_process()
+    for name, rank, main in (("RANK", "1", False), ("RANK", "0", True), ("OMPI_COMM_WORLD_RANK", "3", True)):
+        monkeypatch.setenv(name, rank)   # RANK, when set, comes first
+        assert is_main_process() is main, (name, rank)
+    monkeypatch.delenv("RANK")
+    assert not is_main_process()   # OMPI_COMM_WORLD_RANK=3

@@ -478,9 +478,12 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
 
 
 def is_main_process() -> bool:
-    """Whether this is a run's main process (rank 0 under torchrun / accelerate launch, or the only one),
-    told without a process group: there is none before a run starts it, nor after it ends it."""
-    return os.environ.get("RANK", "0") == "0"
+    """Whether this is a run's main process (rank 0 under torchrun / accelerate launch / an MPI launcher, or
+    the only one), told by the launcher's environment as accelerate reads it, without a process group: there
+    is none before a run starts it, nor after it ends it."""
+    from accelerate.utils import get_cpu_distributed_information
+
+    return get_cpu_distributed_information().rank == 0
 
 
 @contextmanager
