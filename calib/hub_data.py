@@ -187,4 +187,5 @@ def load_hub_dataset(hub: HubDataset, split: str) -> list[str]:
     docs = [d for d in docs if isinstance(d, str) and d.strip()]
     if hub.split:
         return docs
-    return docs if held_out else held_out_split(docs, split)   # one split for both sides: every 10th document held out
+    # one split for both sides: every 10th document held out
+    return docs if held_out else held_out_split(docs, split)
