@@ -8,7 +8,9 @@ between fitting (``train``) and held-out perplexity (``test``): every 10th held 
 """
 from __future__ import annotations
 
+import itertools
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -109,6 +111,17 @@ def row_reader(what: str, row: dict, fix: str | None = None) -> RowReader:
         raise UserError(f"{what}: no single text field (string fields: {', '.join(strings) or 'none'}) and no chat field "
                         f"(role/content messages); {fix or 'name its text field one of ' + ', '.join(TEXT_COLUMNS)}")
     return RowReader(column, "text", lambda r: r.get(column) if isinstance(r.get(column), str) else None)
+
+
+def documents_of_rows(rows: Iterable[dict], what: str, fix: str | None = None) -> list[str]:
+    """The documents of a dataset's rows, each read as :func:`row_reader` reads the first (``what`` and ``fix``
+    for its error); a row without one is left out."""
+    rows = iter(rows)
+    first = next(rows, None)
+    if first is None:
+        return []
+    read = row_reader(what, first, fix).read
+    return [d for d in map(read, itertools.chain([first], rows)) if d is not None]
 
 
 def held_out_split(docs: list[str], split: str) -> list[str]:

@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from shuffleprune.calib.documents import held_out_split, row_reader
-from shuffleprune.calib.files import TEXT_FILES
+from shuffleprune.calib.documents import documents_of_rows, held_out_split
+from shuffleprune.calib.files import TEXT_FILES, text_file_kind
 from shuffleprune.errors import UserError, reason
 from shuffleprune.hub import looks_like_hub_id
 
@@ -126,9 +126,9 @@ def hub_dataset_name(hub: HubDataset) -> str:
 def hub_dataset_id(name: str) -> HubDataset | None:
     """The :class:`HubDataset` of ``--calib OWNER/NAME``, ``OWNER/NAME:CONFIG`` and either with
     ``@SPLIT`` or ``@SPLIT[START:STOP]`` (any hub dataset with a text or chat column), or of a local
-    directory with ``@SPLIT[START:STOP]``; None for anything else, a local path included. A malformed
-    split is a :class:`UserError`."""
-    if Path(name).expanduser().exists():
+    directory with ``@SPLIT[START:STOP]``; None for anything else, a local path or a text file's name
+    (``a/b@c.jsonl``) included. A malformed split is a :class:`UserError`."""
+    if Path(name).expanduser().exists() or text_file_kind(Path(name)) is not None:   # a local text's name, not an id
         return None
     base, at, split = name.rpartition("@") if "@" in name else (name, "", "")
     if at and Path(base).expanduser().is_dir():
@@ -161,31 +161,30 @@ def hub_splits(hub: HubDataset) -> list[str]:
 
 def load_hub_dataset(hub: HubDataset, split: str) -> list[str]:
     """Documents of a hub dataset, streamed (nothing else downloaded). With a split named: the rows
-    asked for. Else up to :data:`HUB_DATASET_DOCS`: calibration reads its ``train`` split (else its first:
-    ``train_sft``); held-out text its ``test`` or ``validation`` split (or the one paired with the first:
-    ``test_sft``), or every 10th document of the calibration split when it has none. Rows are read by
-    :func:`row_reader`: a text column, or a chat column (``messages``) as conversations."""
+    asked for (:func:`hub_splits` checks the split when the source is named). Else up to
+    :data:`HUB_DATASET_DOCS`: calibration reads its ``train`` split (else its first: ``train_sft``); held-out
+    text its ``test`` or ``validation`` split (or the one paired with the first: ``test_sft``), or every 10th
+    document of the calibration split when it has none. Rows are read by :func:`row_reader`: a text column,
+    or a chat column (``messages``) as conversations."""
     import datasets
 
-    splits = hub_splits(hub)
+    splits = [] if hub.split else hub_splits(hub)
     try:
-        train = "train" if "train" in splits else splits[0]
-        paired = [train.replace("train", side, 1) for side in ("test", "validation")] if train.startswith("train") else []
-        held_out = next((s for s in ("test", "validation", *paired) if s in splits), None)   # train_sft: test_sft
-        read = hub.split or (held_out if split == "test" and held_out else train)
-        rows = hub.rows if hub.split else range(HUB_DATASET_DOCS)
+        held_out = None
+        if hub.split:
+            read, rows = hub.split, hub.rows
+        else:
+            train = "train" if "train" in splits else splits[0]
+            paired = [train.replace("train", side, 1) for side in ("test", "validation")] if train.startswith("train") else []
+            held_out = next((s for s in ("test", "validation", *paired) if s in splits), None)   # train_sft: test_sft
+            read, rows = (held_out if split == "test" and held_out else train), range(HUB_DATASET_DOCS)
         stream = datasets.load_dataset(hub.repo, hub.config, split=read, streaming=True)
-        rows = itertools.islice(stream, rows.start, rows.stop)
-        first = next(rows, None)
-        docs = [] if first is None else list(map(row_reader(
-            hub.what, first, "write the text to a .jsonl file with a 'text' field and pass that instead"
-        ).read, itertools.chain([first], rows)))
+        docs = documents_of_rows(itertools.islice(stream, rows.start, rows.stop), hub.what,
+                                 "write the text to a .jsonl file with a 'text' field and pass that instead")
     except UserError:
         raise
     except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
         raise _unreadable(hub, exc) from exc
     docs = [d for d in docs if isinstance(d, str) and d.strip()]
-    if hub.split:
-        return docs
-    # one split for both sides: every 10th document held out
-    return docs if held_out else held_out_split(docs, split)
+    # a named split is used whole; one split for both sides: every 10th document held out
+    return docs if hub.split or held_out else held_out_split(docs, split)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shuffleprune.calib.corpora import brown_documents, wiki_documents
-from shuffleprune.calib.documents import as_conversations, held_out_split, row_reader
+from shuffleprune.calib.documents import as_conversations, documents_of_rows, held_out_split
 from shuffleprune.calib.files import TEXT_FILES, file_documents, text_file_kind
 from shuffleprune.calib.hub_data import (C4_EVAL_WINDOWS, HUB_DATASET_DOCS, HUB_SOURCES, HubDataset, hub_dataset_id,
                                          hub_dataset_name, hub_splits, load_hub_dataset, load_paper_text)
@@ -123,10 +123,7 @@ def as_documents(value: Any, key: str) -> tuple[str, ...]:
     elif kind == "DataFrame" and hasattr(value, "to_dict"):   # pandas: its rows, read as a dataset's
         rows = iter(value.to_dict("records"))
     if rows is not None:
-        first = next(rows, None)
-        value = [] if first is None else [d for d in map(row_reader(
-            f"the {key} dataset", first, "rename its text column 'text' or pass a list of strings"
-        ).read, itertools.chain([first], rows)) if d is not None]
+        value = documents_of_rows(rows, f"the {key} dataset", "rename its text column 'text' or pass a list of strings")
     elif isinstance(value, (list, tuple)):
         value = as_conversations(value) or value   # conversations: lists of role/content messages
     if not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):
@@ -193,7 +190,7 @@ def is_local_source(name: str) -> bool:
 
 def _named_split(name: str | None) -> HubDataset | None:
     """The hub dataset ``name`` reads a named split of, else None (a local text's name included)."""
-    hub = None if name is None or is_text_path(name) else hub_dataset_id(name)
+    hub = None if name is None else hub_dataset_id(name)
     return hub if hub is not None and hub.split is not None else None
 
 

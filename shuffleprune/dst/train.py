@@ -319,10 +319,9 @@ def _text_use(cfg: TrainConfig, train_tokens: int, test_tokens: int) -> dict:
     training tokens); a warning where that text is a dataset's first rows only (the 20 000 read when no
     rows are named) and the steps read them more than once."""
     from shuffleprune.calib.hub_data import HUB_DATASET_DOCS, hub_dataset_id
-    from shuffleprune.calib.sources import is_text_path
 
     passes = cfg.steps * cfg.batch_size * cfg.seq_len / train_tokens
-    hub = None if is_text_path(cfg.data) else hub_dataset_id(cfg.data)
+    hub = hub_dataset_id(cfg.data)
     if hub is not None and hub.stop is None and passes > 1 and is_main_process():
         warnings.warn(f"'{cfg.data}': at most its first {HUB_DATASET_DOCS} rows are read ({train_tokens} tokens to train "
                       f"on), and {cfg.steps} steps read them {passes:.1f} times; to train on more text, name more rows: "
