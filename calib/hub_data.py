@@ -93,6 +93,10 @@ class HubDataset(NamedTuple):
         """The rows an explicit split is read at."""
         return range(self.start, self.stop if self.stop is not None else self.start + HUB_DATASET_DOCS)
 
+    def same_split(self, other: HubDataset) -> bool:
+        """Whether ``other`` reads the same split of the same dataset (its rows may differ)."""
+        return (self.repo, self.config, self.split, self.local) == (other.repo, other.config, other.split, other.local)
+
 
 _SPLIT = re.compile(r"(?P<split>[\w.-]+)(?:\[(?P<start>[^:\]]*):(?P<stop>[^\]]*)\])?")
 

@@ -201,7 +201,7 @@ def same_text(a: str | None, b: str | None) -> bool:
         return a == b
     hub_a, hub_b = _named_split(a), _named_split(b)
     if hub_a is not None:
-        return hub_b is not None and (*hub_a[:3], hub_a.rows) == (*hub_b[:3], hub_b.rows)
+        return hub_b is not None and hub_a.same_split(hub_b) and hub_a.rows == hub_b.rows
     if a is None or b is None or not is_text_path(a) or not is_text_path(b):
         return False
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
@@ -214,7 +214,7 @@ def text_contains(a: str | None, b: str | None) -> bool:
         return True
     hub_a, hub_b = _named_split(a), _named_split(b)
     if hub_a is not None and hub_b is not None:
-        return hub_a[:3] == hub_b[:3] and max(hub_a.rows.start, hub_b.rows.start) < min(hub_a.rows.stop, hub_b.rows.stop)
+        return hub_a.same_split(hub_b) and max(hub_a.rows.start, hub_b.rows.start) < min(hub_a.rows.stop, hub_b.rows.stop)
     if a is None or b is None or not is_text_path(a) or not is_text_path(b) or not Path(a).expanduser().is_dir():
         return False
     return Path(b).expanduser().resolve().is_relative_to(Path(a).expanduser().resolve())
