@@ -130,9 +130,9 @@ def _parquet_docs(path: Path) -> list[str]:
 
 def file_documents(path: Path) -> tuple[str, ...]:
     """The documents of a local text file (:func:`text_file_kind`: ``.txt``, blank-line separated;
-    ``.jsonl`` / ``.json``; ``.csv`` / ``.tsv``; ``.parquet``), read and parsed when the source is named (bad bytes or lines
-    are a one-line error naming the place) and held by its :class:`TextSource` only, so a large
-    training text is freed with it."""
+    ``.jsonl`` / ``.json``; ``.csv`` / ``.tsv``; ``.parquet``), read and parsed when the source is named
+    (bad bytes or lines are a one-line error naming the place) and held by its :class:`TextSource` only,
+    so a large training text is freed with it."""
     kind = text_file_kind(path)
     if kind == ".parquet":
         return tuple(_parquet_docs(path))
