@@ -486,7 +486,7 @@ def split_k_workspace(device: torch.device, partial_numel: int, counters: int) -
     """The split-K partial sums and row-block counters, one pair per device shared by every layer (the
     kernels run one after another on a stream; each leaves its counters at zero). Grown, never shrunk;
     made outside any CUDA graph's pool."""
-    from shuffleprune.runtime import outside_graph_pools
+    from shuffleprune.runtime.graph_pools import outside_graph_pools
 
     key = (device.index or 0, device.type)
     ws = _WORKSPACE.get(key)

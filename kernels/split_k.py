@@ -11,7 +11,7 @@ import torch
 
 from shuffleprune.kernels.gpu import cdiv
 from shuffleprune.kernels.launch import fast
-from shuffleprune.runtime import outside_graph_pools
+from shuffleprune.runtime.graph_pools import outside_graph_pools
 
 try:
     import triton

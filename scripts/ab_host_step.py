@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "host_step_ab.json"))
     args = ap.parse_args()
     from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()

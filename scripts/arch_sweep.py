@@ -275,7 +275,7 @@ def main() -> None:
                          f"{HALF_TOLERANCE} of the largest logit)")
     args = ap.parse_args()
 
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     result = {"what": "prune → export → load on tiny random models of each transformers decoder family "
                       "(2:4, logits of the export against the pruned checkpoint; a family passes within 1e-5 of its "

@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "scripts" / "results" / "bench_dst.json"))
     args = ap.parse_args()
 
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.is_file() else {"rows": []}

@@ -44,7 +44,7 @@ def main() -> None:
     from shuffleprune.cli import _config_kw
     from shuffleprune.dst import DSTConfig, DynamicSparsifier
     from shuffleprune.dst.train import TrainConfig, build_model
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     train_cfg = TrainConfig(arch=args.arch, config_kw=_config_kw([args.config_kw]), seq_len=args.seq_len, seed=0)
     device = torch.device(args.device)

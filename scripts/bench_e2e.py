@@ -163,7 +163,8 @@ def main() -> None:
     from shuffleprune.deploy.impls import split_pdl
     from shuffleprune.deploy.sparse_linear import SparseLinear, release_scratch, use_cslt_layout
     from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, module_bytes, versions
+    from shuffleprune.runtime.facts import machine, versions
+    from shuffleprune.runtime.memory import module_bytes
     from capture_probe import capture_modes, python_profile, step_profile, wait
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -479,6 +480,6 @@ def main() -> None:
                         for (width, bucket, span), order in sorted(gather_orders().items(), key=str)})
 
 if __name__ == "__main__":
-    from shuffleprune.runtime import run_to_fault
+    from shuffleprune.runtime.faults import run_to_fault
 
     run_to_fault(main)   # a kernel that faulted or hung the GPU: the process ends at once, named

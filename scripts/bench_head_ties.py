@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from shuffleprune.runtime import cpu_facts, machine, versions
+from shuffleprune.runtime.facts import cpu_facts, machine, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("shuffleprune"))

@@ -171,7 +171,7 @@ def main() -> None:
 def write_result(args, result: dict) -> None:
     """``result`` with the command, machine and versions to ``--out`` (``…_smoke.json`` under ``--smoke``)."""
     from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     result.update(command=" ".join([Path(sys.executable).name, *sys.argv]), machine=machine(), versions=versions("triton"))
     out = Path(args.out)

@@ -285,8 +285,9 @@ def main() -> None:
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.outdir import atomic_write
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import (DeviceFault, candidate_errors, cuda_graph_ms, finish_or_fault, first_line,
-                                      last_outputs, machine, raise_if_fault, versions)
+    from shuffleprune.runtime.facts import machine, versions
+    from shuffleprune.runtime.faults import DeviceFault, candidate_errors, finish_or_fault, first_line, raise_if_fault
+    from shuffleprune.runtime.timing import cuda_graph_ms, last_outputs
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -306,7 +307,7 @@ def main() -> None:
         """Milliseconds per call over the rotating copies: CUDA graph replays (eager events if the
         capture fails); one wall-clock pass on the CPU smoke run. ``outputs`` receives the last calls'
         outputs as the timed runs left them; a call that never finishes is a ``DeviceFault`` naming ``what``
-        and ``fix`` (``runtime.cuda_graph_ms``)."""
+        and ``fix`` (``runtime.timing.cuda_graph_ms``)."""
         if not cuda:
             t = time.perf_counter()
             kept = last_outputs(calls)
@@ -580,6 +581,6 @@ def main() -> None:
     print(f"wrote {out}")
 
 if __name__ == "__main__":
-    from shuffleprune.runtime import run_to_fault
+    from shuffleprune.runtime.faults import run_to_fault
 
     run_to_fault(main)   # a kernel that faulted or hung the GPU: the process ends at once, named

@@ -61,7 +61,7 @@ def moe_args(doc: str, experts: int, top_k: int, hidden: int, inter: int, out: s
 def moe_row(args: argparse.Namespace, tokens: int, impl: str, ms: float, how: str, got, want) -> dict:
     """One timed row of an experts-layer benchmark."""
     from shuffleprune.deploy.auto_choice import relative_error
-    from shuffleprune.runtime import machine
+    from shuffleprune.runtime.facts import machine
 
     return {"shape": f"{args.experts}x({2 * args.inter}x{args.hidden}+{args.hidden}x{args.inter})",
             "tokens": tokens, "impl": impl, "ms": round(ms, 4), "timing": how,
@@ -73,7 +73,7 @@ def save_moe_results(args: argparse.Namespace, doc: str, dtype, nbytes: dict, ro
     """Write the benchmark's results file (machine, versions, command, config, ``complete``: whether every
     token count ran; the benchmarks write it after each, so a step cut off by its time limit keeps what
     it measured); a smoke run writes none."""
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     if args.smoke:
         if complete:
@@ -100,7 +100,8 @@ def main() -> None:
     from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts, experts_mode, set_experts_mode
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import cuda_graph_ms, eager_ms, module_bytes
+    from shuffleprune.runtime.memory import module_bytes
+    from shuffleprune.runtime.timing import cuda_graph_ms, eager_ms
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16

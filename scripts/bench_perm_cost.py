@@ -44,7 +44,9 @@ def main() -> None:
     from shuffleprune.blocks import block_linears, find_blocks
     from shuffleprune.masks import Pattern
     from shuffleprune.perm.pruning import PermOptions, block_permutations
-    from shuffleprune.runtime import machine, peak_rss_mb, tf32_matmuls, versions
+    from shuffleprune.runtime.devices import tf32_matmuls
+    from shuffleprune.runtime.facts import machine, versions
+    from shuffleprune.runtime.memory import peak_rss_mb
     from shuffleprune.prune.input_stats import collect_input_stats, input_groups
 
     device = torch.device(args.device)

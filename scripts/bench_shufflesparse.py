@@ -114,7 +114,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
 
     from shuffleprune.evaluation.evaluate import PPL, EvalConfig, evaluate_models
     from shuffleprune.prune import PruneConfig, prune
-    from shuffleprune.runtime import peak_rss_mb
+    from shuffleprune.runtime.memory import peak_rss_mb
 
     torch.manual_seed(seed)
     recon, opts = METHODS[method]
@@ -280,7 +280,7 @@ def main() -> None:
         print(json.dumps(run_one(args, args.one[0], int(args.one[1]))))
         return
 
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.is_file() else {"rows": []}

@@ -41,7 +41,8 @@ def main() -> None:
     from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts, set_experts_mode
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
-    from shuffleprune.runtime import cuda_graph_ms, module_bytes
+    from shuffleprune.runtime.memory import module_bytes
+    from shuffleprune.runtime.timing import cuda_graph_ms
     from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
 
     device = torch.device("cpu" if args.smoke else "cuda")

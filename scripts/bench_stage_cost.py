@@ -68,7 +68,7 @@ def main() -> None:
 
     from shuffleprune.models import LoadedModel
     from shuffleprune.prune import PruneConfig, prune
-    from shuffleprune.runtime import pick_device
+    from shuffleprune.runtime.devices import pick_device
 
     if args.smoke:
         args.nsamples, args.seqlen, args.layers = 8, 64, 2
@@ -125,7 +125,7 @@ def main() -> None:
 def _result(args: argparse.Namespace, device, dtype_name: str, rows: list[dict]) -> dict:
     import torch
 
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     return {
         "what": ("tiny smoke shapes" if args.smoke else "random LLaMA-2-7B-shaped blocks") + f", {args.layers} blocks",

@@ -30,8 +30,8 @@ SUSPECT_FIX = "SHUFFLEPRUNE_SKIP_IMPLS=<implementation> leaves a suspect out of 
 def wait(what: str, stream: torch.cuda.Stream | None = None) -> None:
     """``torch.cuda.synchronize()`` with the end-to-end step's hang limit, spinning the whole wait so a wall time
     ends with the GPU (``bench_e2e``'s timer and these probes): a call that never ends is a
-    :class:`~shuffleprune.runtime.DeviceFault` naming ``what``, not a step that hangs until its time limit."""
-    from shuffleprune.runtime import sync_or_fault
+    :class:`~shuffleprune.runtime.faults.DeviceFault` naming ``what``, not a step that hangs until its time limit."""
+    from shuffleprune.runtime.faults import sync_or_fault
 
     sync_or_fault(what, SUSPECT_FIX, limit_s=E2E_HANG_LIMIT_S, spin_s=E2E_HANG_LIMIT_S, stream=stream)
 

@@ -31,7 +31,7 @@ def main() -> None:
     from shuffleprune.calib import bos_token, eval_tokens, get_source
     from shuffleprune.evaluation.perplexity import perplexity
     from shuffleprune.models import load_model
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     lm = load_model(args.model)
     model = lm.model.float()

@@ -37,7 +37,7 @@ def main() -> None:
     from shuffleprune.calib import eval_tokens, get_source
     from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.models import load_model
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
     from shuffleprune.deploy.sparse_linear import SparseLinear
 
     pruned = Path(args.pruned)

@@ -351,7 +351,7 @@ def main() -> None:
     import torch
 
     from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     if args.gpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU machine, or without --gpu")

@@ -376,7 +376,7 @@ def main() -> None:
 
     from shuffleprune.kernels.compile_check import SPECS
     from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     spec = SPECS[args.gpu]
     out = Path(args.out or ROOT / "scripts" / "results" / f"kernel_compile_sm{spec.arch}.json")

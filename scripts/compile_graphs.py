@@ -87,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from arch_sweep import SIZE
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     rows = []
     result = {"what": "torch._dynamo.explain of a dense tiny model and of its 2:4 export loaded by shuffleprune.load",

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from shuffleprune.prune import PruneConfig, prune  # noqa: E402
 from shuffleprune.prune.methods.lsq import masked_lstsq  # noqa: E402
 from shuffleprune.prune.stage import BlockWork, Run, Stage, register  # noqa: E402
-from shuffleprune.runtime import machine, versions  # noqa: E402
+from shuffleprune.runtime.facts import machine, versions  # noqa: E402
 
 CAPTURED: dict[str, dict[str, torch.Tensor]] = {}
 WANT_BLOCKS: set[int] = set()

@@ -25,7 +25,7 @@ def main() -> None:
     from diag_blocks import dense_blocks
     from shuffleprune.masks import Pattern
     from shuffleprune.perm.pruning import PermOptions, block_permutations
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
     from shuffleprune.prune.input_stats import input_groups
 
     rows = []

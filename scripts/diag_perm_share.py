@@ -27,7 +27,7 @@ def main() -> None:
     from shuffleprune.prune.stages.prune import prune_in_permuted_coordinates
     from shuffleprune.perm.search import swap_search
     from shuffleprune.block_inputs import run_block
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
     from shuffleprune.prune.input_stats import input_groups
 
     wanda, rows = get_method("wanda"), []

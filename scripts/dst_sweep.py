@@ -94,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from arch_sweep import SIZE, sweep
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     result = {"what": "dst --method nm 2:4 --perm learned → export → load on tiny random models of each transformers "
                       "decoder family of the arch sweep (logits of the export against the trained checkpoint; a family "

@@ -167,7 +167,7 @@ def serving_row(pruned: Path, deployed: Path, heldout: Path, device: str) -> dic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import shuffleprune
-    from shuffleprune.runtime import module_bytes
+    from shuffleprune.runtime.memory import module_bytes
 
     row = {"step": "load + generate", "device": device}
     try:
@@ -362,7 +362,7 @@ def save(args: argparse.Namespace, rows: list[dict], complete: bool) -> None:
         return
     import torch
 
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     result = {"what": __doc__.splitlines()[0], "complete": complete, "command": " ".join(["python3", *sys.argv]),
               "model": {"kind": "random LlamaForCausalLM, bfloat16", "hidden": args.hidden, "intermediate": args.inter,

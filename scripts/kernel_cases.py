@@ -66,10 +66,10 @@ def rotated_copies(values: torch.Tensor, l2: int, cuda: bool) -> int:
 
 def dense_ms(x: torch.Tensor, w: torch.Tensor, copies: int, reps: int) -> float:
     """cuBLAS's time for ``x @ wᵀ`` over ``max(4, copies // 2)`` copies of the dense weight (twice the 2:4 one's bytes
-    each) in one CUDA graph, the median replay (``runtime.cuda_graph_ms``)."""
+    each) in one CUDA graph, the median replay (``runtime.timing.cuda_graph_ms``)."""
     import torch.nn.functional as F
 
-    from shuffleprune.runtime import cuda_graph_ms
+    from shuffleprune.runtime.timing import cuda_graph_ms
 
     dense = [w] + [w.clone() for _ in range(max(4, copies // 2) - 1)]
     return cuda_graph_ms([lambda d=d: F.linear(x, d) for d in dense], reps)[0]
@@ -77,10 +77,10 @@ def dense_ms(x: torch.Tensor, w: torch.Tensor, copies: int, reps: int) -> float:
 
 def run_facts(smoke: bool, cuda: bool) -> dict:
     """What a tuning run's results file records about the run: smoke or not, the seed, the device, the command,
-    the machine and the versions (``runtime.machine``, ``runtime.versions``)."""
+    the machine and the versions (``runtime.facts.machine``, ``runtime.facts.versions``)."""
     import sys
 
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     return {"smoke": smoke, "seed": 0, "device": torch.cuda.get_device_name() if cuda else "cpu (emulator)",
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
@@ -131,14 +131,14 @@ def hung_marker(out: Path) -> Path:
 
 def checked_launch(run, label: dict, out: Path, limit_s: float = HANG_LIMIT_S):
     """``run()`` (one kernel launch, compiled on its first call) and its wait on the GPU
-    (``runtime.finish_or_fault``): where the kernel has not finished ``limit_s`` seconds after its launch it is
+    (``runtime.faults.finish_or_fault``): where the kernel has not finished ``limit_s`` seconds after its launch it is
     taken as hung (a wrong barrier or loop on a GPU never returns, and the step's time limit would take the whole
     step with it). The process then writes ``label`` to :func:`hung_marker` and exits at once with
     :data:`HUNG_EXIT`, without the interpreter's cleanup (which could wait on the GPU); ``gpu_run.sh`` leaves that
     kernel out of the steps after. On the CPU, ``run()`` alone."""
     import json
 
-    from shuffleprune.runtime import DeviceFault, finish_or_fault
+    from shuffleprune.runtime.faults import DeviceFault, finish_or_fault
 
     y = run()
     try:
@@ -150,12 +150,13 @@ def checked_launch(run, label: dict, out: Path, limit_s: float = HANG_LIMIT_S):
 
 def checked_timing(calls: list, reps: int, label: dict, out: Path, outputs: list | None = None,
                    limit_s: float = HANG_LIMIT_S) -> float:
-    """``runtime.cuda_graph_ms`` of ``calls`` (ms per call), each wait for the GPU bounded by ``limit_s``: a launch
+    """``runtime.timing.cuda_graph_ms`` of ``calls`` (ms per call), each wait for the GPU bounded by ``limit_s``: a launch
     whose check finished but that never finishes in the warm rounds or as replayed in the graph ends the process
     as :func:`checked_launch` does, named in :func:`hung_marker`."""
     import json
 
-    from shuffleprune.runtime import DeviceFault, cuda_graph_ms
+    from shuffleprune.runtime.faults import DeviceFault
+    from shuffleprune.runtime.timing import cuda_graph_ms
 
     try:
         return cuda_graph_ms(calls, reps, outputs=outputs, what=json.dumps(label), limit_s=limit_s)[0]

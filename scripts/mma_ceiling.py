@@ -189,7 +189,7 @@ def main() -> None:
 
         table = compile_table(nvrtc_path(args.nvrtc))
         out = Path(args.out or results / "mma_ceiling_compile.json")
-        from shuffleprune.runtime import machine, versions
+        from shuffleprune.runtime.facts import machine, versions
 
         out.write_text(json.dumps({"what": "the MMA-ceiling kernels compiled by NVRTC, not run", "device": None,
                                    "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),

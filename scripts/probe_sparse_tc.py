@@ -47,7 +47,7 @@ def main() -> None:
                                                    learn_layout, random_24)
     from shuffleprune.deploy.auto_choice import relative_error
     from shuffleprune.outdir import atomic_write
-    from shuffleprune.runtime import machine, versions
+    from shuffleprune.runtime.facts import machine, versions
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:

@@ -35,7 +35,7 @@ def recon_lower_bound_bytes(model) -> int:
     """What ``--recon model`` holds on the GPU at least: the model and ``recon_learning_bytes`` of its
     blocks' linears (the pre-flight's count; activations not counted)."""
     from shuffleprune.perm.pruning import recon_learning_bytes
-    from shuffleprune.runtime import module_bytes
+    from shuffleprune.runtime.memory import module_bytes
 
     return module_bytes(model) + recon_learning_bytes(learned_weights(model))
 
@@ -45,7 +45,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from shuffleprune.perm.pruning import recon_learning_bytes
-    from shuffleprune.runtime import machine, module_bytes, versions
+    from shuffleprune.runtime.facts import machine, versions
+    from shuffleprune.runtime.memory import module_bytes
 
     rows = []
     for name, shape in SHAPES.items():

@@ -94,7 +94,8 @@ def main() -> None:
     from shuffleprune.kernels.nm_words import position_words
     from shuffleprune.kernels.nm_matmul import nm_gather_matmul
     from shuffleprune.masks import nm_keep_mask
-    from shuffleprune.runtime import cuda_graph_ms, machine, versions
+    from shuffleprune.runtime.facts import machine, versions
+    from shuffleprune.runtime.timing import cuda_graph_ms
     from shuffleprune.deploy.format import compress, meta_bits
 
     from kernel_cases import rotated_copies, timing_device

@@ -46,7 +46,7 @@ def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", f
     ``transformers.AutoTokenizer.from_pretrained(path)``."""
     from shuffleprune.deploy.serving import arrange_for_serving, check_serving_options
     from shuffleprune.models import load_model
-    from shuffleprune.runtime import pick_device
+    from shuffleprune.runtime.devices import pick_device
 
     check_serving_options(maps, fuse, cslt)   # before the weights are read
     target = None if device is None else pick_device(str(device))

@@ -397,7 +397,7 @@ def warn_if_short_of_memory(path: Path, dtype: torch.dtype | str, spec: str) -> 
     than the CPU memory available: the model loads whole into it, and a process short of it is killed
     without a word."""
     from shuffleprune.outdir import size_text
-    from shuffleprune.runtime import available_memory_bytes
+    from shuffleprune.runtime.memory import available_memory_bytes
 
     files = list(path.glob("*.safetensors")) if path.is_dir() else []
     available = available_memory_bytes()

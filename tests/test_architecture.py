@@ -139,3 +139,13 @@ def test_the_docs_relative_links_point_at_files_that_exist():
             links += 1
             assert (doc.parent / target.split("#", 1)[0]).exists(), f"{doc.relative_to(root)} links to {target}"
     assert links >= 5
+
+
+def test_every_package_folder_is_one_the_wheel_installs():
+    """``pyproject.toml`` lists the packages by name (``kernels/`` and ``calib/`` install under ``shuffleprune``): a
+    folder left out of that list works in this editable checkout and is missing from the wheel users install."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert "shuffleprune.runtime" in folders and folders == listed, (folders - listed, listed - folders)

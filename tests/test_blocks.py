@@ -5,7 +5,7 @@ from conftest import tiny_model
 from shuffleprune.block_inputs import capture_block_inputs, run_block
 from shuffleprune.blocks import block_linears, find_blocks, model_linears
 from shuffleprune.prune.input_stats import collect_input_stats, input_groups
-from shuffleprune.runtime import module_bytes
+from shuffleprune.runtime.memory import module_bytes
 
 ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gemma3_text"]
 

@@ -183,7 +183,9 @@ def test_the_code_fingerprint_reads_the_cuda_text_of_the_kernels_too(monkeypatch
     """The sparse-MMA kernels are CUDA text NVRTC compiles: a change to it, or to a header both share, must make
     earlier answers inapplicable like a change to any Python kernel."""
     names = {p.name for p in choice_store.fingerprinted_files()}
-    assert {"nm_sparse_mma.cu", "nm_sparse_gemm.cu", "nm_sparse_common.cuh", "nm_sparse_gemm.py", "runtime.py"} <= names
+    assert {"nm_sparse_mma.cu", "nm_sparse_gemm.cu", "nm_sparse_common.cuh", "nm_sparse_gemm.py", "timing.py",
+            "faults.py"} <= names
+    assert all(p.is_file() for p in choice_store.fingerprinted_files())
     kernel = tmp_path / "k.cu"
     kernel.write_text("one text")
     monkeypatch.setattr(choice_store, "fingerprinted_files", lambda: [kernel])

@@ -407,14 +407,14 @@ def test_a_quantized_checkpoint_is_refused_by_prune_and_needs_its_library_for_ev
 def test_a_model_larger_than_the_free_memory_is_warned_about_before_it_loads(tiny_dir, tmp_path, monkeypatch):
     """Loading holds the weights whole in CPU memory; a process short of it is killed without a word,
     so the shortfall is one warning line first (the run goes on: the estimate may be pessimistic)."""
-    import shuffleprune.runtime as runtime
+    from shuffleprune.runtime import memory
 
     text = tmp_path / "held.txt"
     text.write_text(random_text(400, 3))
     args = ["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", str(text)]
     res = runner.invoke(app, args)
     assert res.exit_code == 0 and "CPU memory" not in res.output, res.output
-    monkeypatch.setattr(runtime, "available_memory_bytes", lambda: 1000)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1000)
     size = sum(f.stat().st_size for f in tiny_dir.glob("*.safetensors"))
     res = runner.invoke(app, args + ["--dtype", "float32"])
     assert res.exit_code == 0, res.output

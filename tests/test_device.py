@@ -16,7 +16,7 @@ DOCS = [random_text(300, seed=i) for i in range(30)]
 
 @pytest.fixture
 def one_thread():
-    """SparseGPT factors on one CPU thread on the CPU only (runtime.one_cpu_thread): both runs on one
+    """SparseGPT factors on one CPU thread on the CPU only (runtime.determinism.one_cpu_thread): both runs on one
     thread, so the emulated GPU's factorizations sum in the CPU run's order."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)

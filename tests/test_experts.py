@@ -441,7 +441,7 @@ def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_th
         assert experts_mode(sparse, x, top, weights) == "loop"   # disagrees with the loop: not used, even if faster
     from triton.runtime.errors import OutOfResources
 
-    from shuffleprune.runtime import DeviceFault
+    from shuffleprune.runtime.faults import DeviceFault
 
     def cannot_run(*a):   # a kernel this GPU refuses (as Triton's loader refuses one over its shared memory)
         raise OutOfResources(120_000, 101_376, "shared memory")

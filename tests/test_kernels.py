@@ -1157,16 +1157,16 @@ class _ThreadAllocations(torch.utils._python_dispatch.TorchDispatchMode):
 def test_what_layers_keep_from_their_first_call_is_not_allocated_by_the_calling_thread(monkeypatch):
     """The state a sparse layer builds at its first call and keeps — the shared scratch, a stacked
     group's weight, split-K's counters, what ``auto`` measures — is allocated through
-    :func:`shuffleprune.runtime.outside_graph_pools`, off the calling thread: a compiled model's CUDA
+    :func:`shuffleprune.runtime.graph_pools.outside_graph_pools`, off the calling thread: a compiled model's CUDA
     graphs (``mode="reduce-overhead"``) take every allocation of that thread into a pool that may hold
     only their outputs (on an H100 they refused 128 kept tensors). The CPU stands in for the CUDA
     warm-up here; the layers' outputs are unchanged and a later call allocates nothing it keeps."""
-    from shuffleprune import runtime
+    from shuffleprune.runtime import graph_pools
     from shuffleprune.deploy import sparse_linear
     from shuffleprune.deploy.fused_inputs import FusedInputs
     from shuffleprune.kernels import split_k
 
-    monkeypatch.setattr(runtime, "pool_may_route", lambda device: True)
+    monkeypatch.setattr(graph_pools, "pool_may_route", lambda device: True)
     sparse_linear.release_scratch()
     auto_choice.release_choices()
     monkeypatch.setattr(split_k, "_COUNTERS", {})
@@ -1212,24 +1212,24 @@ def test_outside_graph_pools_runs_elsewhere_only_where_a_pool_may_take_allocatio
     modes, returns its value and raises its error."""
     import threading
 
-    from shuffleprune import runtime
+    from shuffleprune.runtime import graph_pools
 
     def where() -> tuple:
         return threading.get_ident(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     here = threading.get_ident()
-    assert runtime.outside_graph_pools(where, torch.zeros(1)) == (here, True, False)
-    routes = runtime.pool_may_route
-    monkeypatch.setattr(runtime, "pool_may_route", lambda device: True)
+    assert graph_pools.outside_graph_pools(where, torch.zeros(1)) == (here, True, False)
+    routes = graph_pools.pool_may_route
+    monkeypatch.setattr(graph_pools, "pool_may_route", lambda device: True)
     # its own thread is in no pool, so a call nested in it (the scratch grown while auto measures) runs in place
-    assert runtime.outside_graph_pools(lambda: routes(torch.device("cuda")), torch.zeros(1)) is False
+    assert graph_pools.outside_graph_pools(lambda: routes(torch.device("cuda")), torch.zeros(1)) is False
     with torch.no_grad():
-        ident, grad, inference = runtime.outside_graph_pools(where, torch.device("cpu"))
+        ident, grad, inference = graph_pools.outside_graph_pools(where, torch.device("cpu"))
     assert ident != here and not grad and not inference
     with torch.inference_mode():
-        assert runtime.outside_graph_pools(where, torch.zeros(1))[1:] == (False, True)
+        assert graph_pools.outside_graph_pools(where, torch.zeros(1))[1:] == (False, True)
     with pytest.raises(ValueError, match="from the worker"):
-        runtime.outside_graph_pools(lambda: (_ for _ in ()).throw(ValueError("from the worker")), torch.zeros(1))
+        graph_pools.outside_graph_pools(lambda: (_ for _ in ()).throw(ValueError("from the worker")), torch.zeros(1))
 
 
 def test_loop_shared_bytes_counts_what_a_warp_moves_through_shared_memory():
@@ -1624,7 +1624,7 @@ def test_auto_stops_at_a_candidate_that_faults_the_gpu_and_leaves_out_those_name
     choices; a name that is no implementation is a one-line error."""
     from shuffleprune.deploy.impls import SKIP_ENV
     from shuffleprune.errors import UserError
-    from shuffleprune.runtime import DeviceFault, device_fault, raise_if_fault
+    from shuffleprune.runtime.faults import DeviceFault, device_fault, raise_if_fault
 
     assert device_fault(RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ..."))
     assert device_fault(RuntimeError("Triton Error [CUDA]: misaligned address"))
@@ -1678,8 +1678,8 @@ def _bench_kernel_script(monkeypatch):
 
 
 def _gpu_that_never_finishes(monkeypatch) -> None:
-    """CUDA events whose work never finishes, and a hang limit of 0.05 s (``runtime.finish_or_fault``)."""
-    from shuffleprune import runtime
+    """CUDA events whose work never finishes, and a hang limit of 0.05 s (``runtime.faults.finish_or_fault``)."""
+    from shuffleprune.runtime import faults
 
     class Event:
         def record(self, stream=None):
@@ -1690,7 +1690,7 @@ def _gpu_that_never_finishes(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(runtime, "HANG_LIMIT_S", 0.05)
+    monkeypatch.setattr(faults, "HANG_LIMIT_S", 0.05)
 
 
 def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_leaves_it_out_after(monkeypatch):
@@ -1703,13 +1703,13 @@ def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_le
     import types
 
     from shuffleprune.deploy.impls import SKIP_ENV, advised_skip
-    from shuffleprune.runtime import DeviceFault, raise_if_fault
+    from shuffleprune.runtime.faults import DeviceFault, raise_if_fault
 
     bench = _bench_kernel_script(monkeypatch)
     with pytest.raises(DeviceFault) as fault:
         raise_if_fault(RuntimeError("CUDA error: an illegal memory access was encountered"),
                        "decode_swap_tma (64x64, 16 tokens)", f"leave it out with {SKIP_ENV}=decode_swap_tma")
-    assert advised_skip(f"Traceback ...\nshuffleprune.runtime.DeviceFault: {fault.value}\n") == "decode_swap_tma"
+    assert advised_skip(f"Traceback ...\nshuffleprune.runtime.faults.DeviceFault: {fault.value}\n") == "decode_swap_tma"
     assert advised_skip("RuntimeError: out of resource: shared memory") is None
     skips = []
 
@@ -1717,7 +1717,8 @@ def test_bench_kernels_warm_pass_runs_again_without_a_kernel_that_faulted_and_le
         skips.append(env[SKIP_ENV])
         if "decode_swap_tma" in env[SKIP_ENV]:
             return types.SimpleNamespace(returncode=0, stderr="")
-        return types.SimpleNamespace(returncode=1, stderr=f"Traceback ...\nshuffleprune.runtime.DeviceFault: {fault.value}\n")
+        return types.SimpleNamespace(returncode=1,
+                                     stderr=f"Traceback ...\nshuffleprune.runtime.faults.DeviceFault: {fault.value}\n")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
     monkeypatch.setenv(SKIP_ENV, "")   # (set, not deleted: the run's own setting is then undone after the test)
@@ -1734,7 +1735,7 @@ def test_bench_kernels_timed_run_keeps_its_rows_and_names_the_kernel_that_faulte
     import sys
 
     from shuffleprune.deploy.impls import SKIP_ENV
-    from shuffleprune.runtime import DeviceFault
+    from shuffleprune.runtime.faults import DeviceFault
 
     bench = _bench_kernel_script(monkeypatch)
     run = SparseLinear.run
@@ -1762,7 +1763,7 @@ def test_auto_ends_with_a_device_fault_naming_a_candidate_that_never_finishes(mo
     at the output check; one that finishes within the limit is checked and timed as before."""
     from types import SimpleNamespace
 
-    from shuffleprune.runtime import DeviceFault
+    from shuffleprune.runtime.faults import DeviceFault
 
     w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
@@ -1803,7 +1804,7 @@ def test_auto_drops_a_candidate_whose_replayed_output_disagrees_though_its_eager
 def test_auto_names_a_candidate_that_never_finishes_only_as_timed(monkeypatch):
     """A candidate whose checked call finished but whose timed graph never does (``cuda_graph_ms``'s bounded
     waits) ends ``auto`` with a DeviceFault naming it and the setting that leaves it out."""
-    from shuffleprune.runtime import DeviceFault
+    from shuffleprune.runtime.faults import DeviceFault
 
     w, values, meta, x, perm, bias = _case(24, 64, 2, 4, 3, torch.float32)
     layer = SparseLinear(values, meta, 64, 2, 4, perm=perm, bias=bias)
@@ -1824,7 +1825,7 @@ def test_auto_names_a_candidate_that_never_finishes_only_as_timed(monkeypatch):
 def test_the_graph_timer_keeps_the_last_two_calls_outputs_and_lets_the_others_go():
     import weakref
 
-    from shuffleprune.runtime import REPLAYED_KEPT, last_outputs
+    from shuffleprune.runtime.timing import REPLAYED_KEPT, last_outputs
 
     made = []   # weak references: a capture's pool reuses an output's memory only once nothing holds it
 
@@ -2303,7 +2304,7 @@ def test_the_capture_probes_waits_have_a_hang_limit_and_spin(monkeypatch):
     device synchronise follows (that would hang)."""
     import time
 
-    from shuffleprune.runtime import DeviceFault
+    from shuffleprune.runtime.faults import DeviceFault
 
     probe = _capture_probe()
     busy = {"queries": 50, "synced": 0, "streams": []}
@@ -2387,7 +2388,7 @@ def test_bench_kernels_times_the_targets_rows_on_every_shape_before_the_other_ca
     import sys
 
     from shuffleprune.deploy.impls import SKIP_ENV
-    from shuffleprune.runtime import DeviceFault
+    from shuffleprune.runtime.faults import DeviceFault
 
     bench = _bench_kernel_script(monkeypatch)
     run, inputs = SparseLinear.run, {}
@@ -2423,7 +2424,7 @@ def test_bench_kernels_timed_run_ends_naming_a_kernel_that_never_finishes(monkey
     from types import SimpleNamespace
 
     from shuffleprune.deploy.impls import SKIP_ENV
-    from shuffleprune.runtime import DeviceFault
+    from shuffleprune.runtime.faults import DeviceFault
 
     bench = _bench_kernel_script(monkeypatch)
     run = SparseLinear.run

@@ -114,8 +114,8 @@ def test_checked_launch_ends_the_process_naming_a_launch_that_never_finishes(mon
 
 
 def test_checked_timing_ends_the_process_naming_a_launch_that_hangs_only_as_timed(monkeypatch, tmp_path):
-    from shuffleprune import runtime
-    from shuffleprune.runtime import DeviceFault
+    from shuffleprune.runtime import timing
+    from shuffleprune.runtime.faults import DeviceFault
 
     out = tmp_path / "tune_sparse_mma.json"
     asked = {}
@@ -130,7 +130,7 @@ def test_checked_timing_ends_the_process_naming_a_launch_that_hangs_only_as_time
     def exit_now(code):
         raise SystemExit(code)
 
-    monkeypatch.setattr(runtime, "cuda_graph_ms", timer)
+    monkeypatch.setattr(timing, "cuda_graph_ms", timer)
     monkeypatch.setattr(os, "_exit", exit_now)
     label, outputs = {"kernel": "sparse_mma", "tokens": 16}, []
     assert kernel_cases.checked_timing([], 3, label, out, outputs, limit_s=5) == 0.25 and outputs == ["y"]

@@ -433,7 +433,7 @@ def test_a_transformers_older_than_the_tested_one_is_warned_about_once(tiny_dir,
 
 
 def test_tf32_is_switched_on_for_cuda_only_and_restored():
-    from shuffleprune.runtime import tf32_matmuls
+    from shuffleprune.runtime.devices import tf32_matmuls
 
     before = torch.backends.cuda.matmul.allow_tf32
     with tf32_matmuls(torch.device("cpu"), True) as on:
@@ -534,7 +534,7 @@ def test_fits_on_device_weighs_the_model_and_its_logits_against_free_memory(monk
     """On CUDA a model fits when its bytes not yet on the device, a window's logits and 1 GiB fit in
     the free memory (the free memory is faked here); on the CPU it always fits."""
     from conftest import tiny_model
-    from shuffleprune.runtime import fits_on_device, logits_bytes
+    from shuffleprune.runtime.memory import fits_on_device, logits_bytes
 
     model = tiny_model("llama")
     size = sum(p.numel() * p.element_size() for p in model.parameters()) + \

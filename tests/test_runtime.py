@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from shuffleprune.errors import UserError
-from shuffleprune.runtime import deterministic_algorithms, peak_memory_mb, peak_rss_mb, reset_peak_memory
+from shuffleprune.runtime.determinism import deterministic_algorithms
+from shuffleprune.runtime.memory import peak_memory_mb, peak_rss_mb, reset_peak_memory
 
 
 def test_a_per_stage_memory_reset_keeps_the_process_peak():
@@ -28,7 +29,7 @@ def test_devices_are_checked_against_the_machine(monkeypatch):
     import pytest
 
     from shuffleprune.errors import UserError
-    from shuffleprune.runtime import pick_device
+    from shuffleprune.runtime.devices import pick_device
 
     assert pick_device("cpu") == torch.device("cpu")
     for name in ("cuda:x", "gpu", "cuda:", "cpu:0"):
@@ -48,8 +49,8 @@ def test_a_gpu_run_reports_the_gpu_it_ran_on_and_its_own_peak(monkeypatch):
     """A report of a run on ``cuda:1`` names that GPU and its peak memory, not the current device's
     (``torch.cuda.max_memory_allocated()`` without a device read cuda:0's), and the CPU none; the peak is
     the whole run's, not the last stage's since its reset."""
-    from shuffleprune import runtime
-    from shuffleprune.runtime import gpu_facts
+    from shuffleprune.runtime import memory
+    from shuffleprune.runtime.facts import gpu_facts
 
     peaks = {0: 7 * 2**20, 1: 3 * 2**30}
     names = {0: "first GPU", 1: "second GPU"}
@@ -59,13 +60,13 @@ def test_a_gpu_run_reports_the_gpu_it_ran_on_and_its_own_peak(monkeypatch):
     assert gpu_facts(torch.device("cuda", 1)) == {"gpu": "second GPU", "peak_cuda_mb": 3072.0}
     assert gpu_facts(torch.device("cpu")) == {}
     # a stage's reset of the mark (the driver's, per stage) does not lose the run's peak from the report
-    monkeypatch.setattr(runtime, "_CUDA_PEAK_BEFORE_RESET", {})
+    monkeypatch.setattr(memory, "_CUDA_PEAK_BEFORE_RESET", {})
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peaks.update({index(device): 0}))
-    runtime.reset_peak_memory(torch.device("cuda", 1))
+    memory.reset_peak_memory(torch.device("cuda", 1))
     peaks[1] = 2**30   # the next stage's own, lower peak
-    assert runtime.peak_memory_mb(torch.device("cuda", 1)) == 1024.0   # the stage's mark: since the reset
+    assert memory.peak_memory_mb(torch.device("cuda", 1)) == 1024.0   # the stage's mark: since the reset
     assert gpu_facts(torch.device("cuda", 1))["peak_cuda_mb"] == 3072.0 and peaks[0] == 7 * 2**20
-    runtime.start_run_peak(torch.device("cuda", 1))   # a second run in the process: its own peak only
+    memory.start_run_peak(torch.device("cuda", 1))   # a second run in the process: its own peak only
     peaks[1] = 2**29
     assert gpu_facts(torch.device("cuda", 1))["peak_cuda_mb"] == 512.0
 
@@ -116,7 +117,7 @@ def test_run_to_fault_ends_a_gpu_script_at_once_on_a_device_fault(tmp_path):
     script = tmp_path / "gpu_script.py"
     script.write_text(
         "import atexit, sys\n"
-        "from shuffleprune.runtime import DeviceFault, run_to_fault\n"
+        "from shuffleprune.runtime.faults import DeviceFault, run_to_fault\n"
         "atexit.register(lambda: print('cleanup ran', flush=True))\n"
         "def main():\n"
         "    raise (DeviceFault if sys.argv[1] == 'fault' else ValueError)('decode_x hung')\n"
@@ -167,7 +168,8 @@ def test_a_timed_call_that_never_finishes_as_replayed_is_a_device_fault_naming_i
     """Each wait of the CUDA-graph timer polls with a limit: a kernel whose eager check finished but that never
     returns in the graph's replays ends the timing with a DeviceFault naming the candidate, not a process hung
     until its step's time limit; one that finishes is timed, and its last two outputs come back."""
-    from shuffleprune.runtime import DeviceFault, cuda_graph_ms
+    from shuffleprune.runtime.faults import DeviceFault
+    from shuffleprune.runtime.timing import cuda_graph_ms
 
     _TimedGpu(monkeypatch)
     outputs: list = []
@@ -190,7 +192,7 @@ def test_a_wait_for_the_gpu_spins_before_it_sleeps(monkeypatch):
     kernel table): ``wait_or_fault`` queries without sleeping for ``SPIN_S``, then sleeps between queries."""
     import time
 
-    from shuffleprune import runtime
+    from shuffleprune.runtime import faults
 
     class Event:   # done after `after` queries
         def __init__(self, after):
@@ -202,10 +204,10 @@ def test_a_wait_for_the_gpu_spins_before_it_sleeps(monkeypatch):
 
     slept = []
     monkeypatch.setattr(time, "sleep", lambda s: slept.append(s))
-    runtime.wait_or_fault(Event(50), "a timed call")
+    faults.wait_or_fault(Event(50), "a timed call")
     assert slept == []   # done within the spin: no sleep at all
-    monkeypatch.setattr(runtime, "SPIN_S", 0.0)
-    runtime.wait_or_fault(Event(3), "a timed call")
+    monkeypatch.setattr(faults, "SPIN_S", 0.0)
+    faults.wait_or_fault(Event(3), "a timed call")
     assert slept == [0.001] * 3   # past the spin: a millisecond between queries
 
 
@@ -215,8 +217,8 @@ def test_a_synchronisation_with_a_limit_spins_as_asked_and_names_a_step_that_nev
     after, and a step that never ends is a DeviceFault naming it, with no device synchronise (that would hang)."""
     import time
 
-    from shuffleprune import runtime
-    from shuffleprune.runtime import DeviceFault
+    from shuffleprune.runtime import faults
+    from shuffleprune.runtime.faults import DeviceFault
 
     class Gpu:
         def __init__(self, busy_for):
@@ -234,14 +236,14 @@ def test_a_synchronisation_with_a_limit_spins_as_asked_and_names_a_step_that_nev
 
     slept = []
     monkeypatch.setattr(time, "sleep", lambda s: slept.append(s))
-    monkeypatch.setattr(runtime, "SPIN_S", 0.0)   # only spin_s keeps it from sleeping
+    monkeypatch.setattr(faults, "SPIN_S", 0.0)   # only spin_s keeps it from sleeping
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: setattr(gpu, "synced", gpu.synced + 1))
-    runtime.sync_or_fault("a prompt", limit_s=5.0, spin_s=5.0)
+    faults.sync_or_fault("a prompt", limit_s=5.0, spin_s=5.0)
     assert slept == [] and gpu.synced == 1
-    runtime.sync_or_fault("a prompt", limit_s=5.0)   # the default spin (0 here): sleeps between queries
+    faults.sync_or_fault("a prompt", limit_s=5.0)   # the default spin (0 here): sleeps between queries
     assert slept == [0.001] * 200 and gpu.synced == 2
     gpu.busy_for = 10**12
     with pytest.raises(DeviceFault, match=r"^a decode did not finish in 0.02 s on this GPU.*; try X$"):
-        runtime.sync_or_fault("a decode", "try X", limit_s=0.02, spin_s=0.02)
+        faults.sync_or_fault("a decode", "try X", limit_s=0.02, spin_s=0.02)
     assert gpu.synced == 2

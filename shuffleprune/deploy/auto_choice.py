@@ -40,8 +40,9 @@ from shuffleprune.deploy import choice_store
 from shuffleprune.deploy.impls import (EAGER_CHECKED, PDL_KERNELS, PDL_SUFFIX, default_choice, skip_advice,
                                        skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import release_gather_choices
-from shuffleprune.runtime import (candidate_errors, capturing, cuda_graph_ms, eager_ms, finish_or_fault,
-                                  outside_graph_pools, raise_if_fault)
+from shuffleprune.runtime.faults import candidate_errors, finish_or_fault, raise_if_fault
+from shuffleprune.runtime.graph_pools import capturing, outside_graph_pools
+from shuffleprune.runtime.timing import cuda_graph_ms, eager_ms
 
 
 
@@ -186,7 +187,7 @@ def time_pdl(layer: SparseLinear, x: torch.Tensor, ref: torch.Tensor, impl: str,
 
 
 def _culprit(layer: SparseLinear, impl: str, x: torch.Tensor) -> tuple[str, str]:
-    """What :func:`~shuffleprune.runtime.raise_if_fault` says of ``impl`` failing on ``x``, and the fix."""
+    """What :func:`~shuffleprune.runtime.faults.raise_if_fault` says of ``impl`` failing on ``x``, and the fix."""
     return (f"SparseLinear {layer.out_features}x{layer.in_features}: {impl} on {x.numel() // x.shape[-1]} tokens",
             f"{skip_advice(impl)} and please report it")
 
@@ -203,7 +204,7 @@ def graph_ms(layer: SparseLinear, impl: str, x: torch.Tensor, weights: list[tupl
              ref: torch.Tensor | None = None) -> tuple[float, str, float]:
     """Milliseconds per call of ``impl`` on ``x``: at least ``calls`` calls in one CUDA graph, in turn on
     each of ``weights`` (:func:`weight_copies`, the same weight in new memory), median of ``reps`` replays
-    (eagerly timed where it cannot be captured), how (:func:`~shuffleprune.runtime.cuda_graph_ms`), and the
+    (eagerly timed where it cannot be captured), how (:func:`~shuffleprune.runtime.timing.cuda_graph_ms`), and the
     largest :func:`relative_error` against ``ref`` of the last calls' outputs as the replays left them (0
     without ``ref``): in a graph consecutive calls may overlap (programmatic dependents), which one eager call
     does not show."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from shuffleprune.outdir import atomic_write
-from shuffleprune.runtime import package_version
+from shuffleprune.runtime.facts import package_version
 
 STORE_ENV = "SHUFFLEPRUNE_AUTO_STORE"
 FORMAT_NAME, FORMAT_VERSION = "shuffleprune.auto_choices", 1
@@ -130,15 +130,18 @@ def fingerprint_name(name: str, facts: list) -> str:
 
 
 KERNEL_SOURCES = ("*.py", "*.cu", "*.cuh")   # the kernels' files: Python and Triton, and the CUDA text NVRTC compiles
+RUNTIME_MODULES = ("timing", "faults", "graph_pools")   # shuffleprune.runtime's part in auto's choice
 
 
 def fingerprinted_files() -> list[Path]:
-    """The files whose text decides which implementation ``auto`` picks: the runtime, every kernel source
-    (:data:`KERNEL_SOURCES`, CUDA included) and the deploy layers."""
+    """The files whose text decides which implementation ``auto`` picks: the runtime's modules that time candidates,
+    skip them and hold their state (:data:`RUNTIME_MODULES`), every kernel source (:data:`KERNEL_SOURCES`, CUDA
+    included) and the deploy layers."""
     deploy = Path(__file__).parent
+    runtime = deploy.parent / "runtime"
     kernels = Path(importlib.util.find_spec("shuffleprune.kernels").origin).parent
-    return [deploy.parent / "runtime.py", *sorted(p for pattern in KERNEL_SOURCES for p in kernels.glob(pattern)),
-            *sorted(deploy.glob("*.py"))]
+    return [*(runtime / f"{name}.py" for name in RUNTIME_MODULES),
+            *sorted(p for pattern in KERNEL_SOURCES for p in kernels.glob(pattern)), *sorted(deploy.glob("*.py"))]
 
 
 @functools.cache

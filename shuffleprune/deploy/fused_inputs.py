@@ -25,7 +25,7 @@ from shuffleprune.blocks import find_blocks
 from shuffleprune.deploy.block_io import record_block_io
 from shuffleprune.deploy.shared_input import InputShared
 from shuffleprune.deploy.sparse_linear import SparseLinear
-from shuffleprune.runtime import capturing, outside_graph_pools
+from shuffleprune.runtime.graph_pools import capturing, outside_graph_pools
 
 
 class FusedInputs:

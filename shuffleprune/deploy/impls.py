@@ -259,7 +259,7 @@ SKIP_ENV = "SHUFFLEPRUNE_SKIP_IMPLS"   # implementations auto never weighs in th
 
 def skipped_impls() -> frozenset[str]:
     """The implementations ``auto`` leaves out here: ``SHUFFLEPRUNE_SKIP_IMPLS``, names separated by commas or
-    spaces, for a kernel that fails on this GPU or driver (:class:`~shuffleprune.runtime.DeviceFault` names
+    spaces, for a kernel that fails on this GPU or driver (:class:`~shuffleprune.runtime.faults.DeviceFault` names
     it); a name ending in ``PDL_SUFFIX`` leaves out only that launch of it."""
     names = frozenset(name for name in re.split(r"[,\s]+", os.environ.get(SKIP_ENV, "")) if name)
     unknown = sorted(name for name in names if name == "auto" or not known_policy(name))
@@ -270,7 +270,7 @@ def skipped_impls() -> frozenset[str]:
 
 
 def skip_advice(impl: str) -> str:
-    """What a :class:`~shuffleprune.runtime.DeviceFault` advises for a faulting ``impl`` (:func:`advised_skip`
+    """What a :class:`~shuffleprune.runtime.faults.DeviceFault` advises for a faulting ``impl`` (:func:`advised_skip`
     reads the name back)."""
     return f"leave it out with {SKIP_ENV}={impl}"
 

@@ -24,7 +24,9 @@ import torch
 
 from shuffleprune.deploy import choice_store
 from shuffleprune.kernels.gpu import kernels_build, next_pow2
-from shuffleprune.runtime import candidate_errors, capturing, cuda_graph_ms, outside_graph_pools, raise_if_fault
+from shuffleprune.runtime.faults import candidate_errors, raise_if_fault
+from shuffleprune.runtime.graph_pools import capturing, outside_graph_pools
+from shuffleprune.runtime.timing import cuda_graph_ms
 
 GATHERS = ("index_select", "columns", "rows")
 TRITON_GATHERS = ("columns", "rows")

@@ -50,8 +50,9 @@ from shuffleprune.deploy.input_gather import token_bucket
 from shuffleprune.deploy.auto_choice import AGREE_RTOL, relative_error
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
-from shuffleprune.runtime import (candidate_errors, capturing, eager_ms, first_line, outside_graph_pools,
-                                  raise_if_fault)
+from shuffleprune.runtime.faults import candidate_errors, first_line, raise_if_fault
+from shuffleprune.runtime.graph_pools import capturing, outside_graph_pools
+from shuffleprune.runtime.timing import eager_ms
 from shuffleprune.stacked_experts import expert_layout, matmul_operands
 
 IMPLEMENTATION = "shuffleprune_nm"
@@ -248,7 +249,7 @@ def grouped_runs_on(x: torch.Tensor) -> bool:
 def measure_experts_mode(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> str:
     """The faster of the grouped kernel and the per-expert loop on this call's tokens and routing, both
-    run eagerly (:func:`shuffleprune.runtime.eager_ms`, 5 calls, median of 3; inside a capture only
+    run eagerly (:func:`shuffleprune.runtime.timing.eager_ms`, 5 calls, median of 3; inside a capture only
     the grouped one can run at all). The grouped
     output is first checked against the loop's (whose sparse layers check their own kernels against
     PyTorch): one that disagrees — a kernel miscompiled on this GPU — is not used, with a warning, nor

@@ -30,7 +30,7 @@ from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GATH
                                        skipped_impls, split_pdl)
 from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
 from shuffleprune.deploy.shared_input import SharedGather
-from shuffleprune.runtime import capturing, outside_graph_pools
+from shuffleprune.runtime.graph_pools import capturing, outside_graph_pools
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
@@ -567,7 +567,7 @@ class SparseLinear(nn.Module):
     def _prepare_for_capture(self, impl: str, x: torch.Tensor) -> None:
         """Run ``impl`` on ``x`` once, now, on the calling thread: what it sets up at its first run must
         exist before a CUDA graph capture, which refuses it. ``auto`` measures on a thread of its own
-        (:func:`~shuffleprune.runtime.outside_graph_pools`), and a library's handle is per thread: on an
+        (:func:`~shuffleprune.runtime.graph_pools.outside_graph_pools`), and a library's handle is per thread: on an
         H100 (2026-11-27) the prompt of a model whose eager calls ran a Triton GEMM and whose capture ran
         cuSPARSELt could not be captured at all (cuSPARSELt's handle made inside the capture, refused in
         the "global" and "thread_local" capture modes; ``scripts/capture_probe.py``). What the run builds

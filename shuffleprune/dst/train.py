@@ -35,7 +35,7 @@ from shuffleprune.errors import UserError, reason
 from shuffleprune.outdir import (atomic_write, check_writable, clear_dir, held_alone, refuse_clearing_inputs,
                                  space_errors, written_beside)
 from shuffleprune.quiet import library_progress_bars
-from shuffleprune.runtime import check_seed, deterministic_algorithms
+from shuffleprune.runtime.determinism import check_seed, deterministic_algorithms
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "dst_report.json"
@@ -393,7 +393,8 @@ class _Trainer:
 def _report(run: _Trainer, final_ppl: float, device: torch.device, processes: int, ranks_agree: bool | None,
             text_use: dict) -> dict:
     """``dst_report.json``: settings, the text used, loss and perplexity curves, structure, maps, mask updates, cost."""
-    from shuffleprune.runtime import peak_rss_mb, versions
+    from shuffleprune.runtime.facts import versions
+    from shuffleprune.runtime.memory import peak_rss_mb
 
     sp = run.sparsifier
     return {
@@ -457,7 +458,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
           progress: bool = True, stop_after: int | None = None, deterministic: bool = False) -> dict:
     """Train; returns the report (also written to ``out/dst_report.json``). ``stop_after`` ends the
     run after that many steps as if killed (tests). ``deterministic``: PyTorch's deterministic algorithms
-    (:func:`~shuffleprune.runtime.deterministic_algorithms`), so that a GPU run repeats bit for bit; a
+    (:func:`~shuffleprune.runtime.determinism.deterministic_algorithms`), so that a GPU run repeats bit for bit; a
     resumed run may set it otherwise. A write that runs out of disk space is a one-line error."""
     out = Path(out)
     existed = out.exists()

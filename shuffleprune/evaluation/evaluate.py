@@ -44,7 +44,9 @@ from shuffleprune.quiet import library_progress_bars
 from shuffleprune.report import read_report
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
-from shuffleprune.runtime import fits_on_device, logits_bytes, machine, peak_rss_mb, pick_device, versions
+from shuffleprune.runtime.devices import pick_device
+from shuffleprune.runtime.facts import machine, versions
+from shuffleprune.runtime.memory import fits_on_device, logits_bytes, peak_rss_mb
 from shuffleprune.settings import type_problem
 
 PPL = "ppl"

@@ -20,7 +20,8 @@ from shuffleprune.models import LoadedModel, base_model_id, is_embedded
 from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.report import tokens_scored
-from shuffleprune.runtime import cpu_facts, gpu_facts, peak_rss_mb, tensor_bytes, versions
+from shuffleprune.runtime.facts import cpu_facts, gpu_facts, versions
+from shuffleprune.runtime.memory import peak_rss_mb, tensor_bytes
 
 REPORT_NAME = "prune_report.json"
 RECIPE_NAME = "recipe.yaml"

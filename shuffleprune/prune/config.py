@@ -25,7 +25,7 @@ from shuffleprune.prune.recipes import (DEFAULT_RECIPE, RUN_KEYS_NOT_IN_RECIPES,
                                         dump_recipe, is_recipe_file, load_recipe)
 from shuffleprune.prune.registry import kind_of, stage_class, stage_from_entry
 from shuffleprune.prune.stage import KINDS, RunSpec, Stage
-from shuffleprune.runtime import check_seed
+from shuffleprune.runtime.determinism import check_seed
 from shuffleprune.settings import type_problem
 
 

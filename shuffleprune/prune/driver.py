@@ -42,8 +42,10 @@ from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.prune.stage import BlockWork, Run
 from shuffleprune.quiet import library_progress_bars
-from shuffleprune.runtime import (deterministic_algorithms, fits_on_device, indexed_cuda, logits_bytes, peak_memory_mb,
-                                  pick_device, reset_peak_memory, start_run_peak, tensor_bytes, tf32_matmuls)
+from shuffleprune.runtime.determinism import deterministic_algorithms
+from shuffleprune.runtime.devices import indexed_cuda, pick_device, tf32_matmuls
+from shuffleprune.runtime.memory import (fits_on_device, logits_bytes, peak_memory_mb, reset_peak_memory,
+                                         start_run_peak, tensor_bytes)
 from shuffleprune.stacked_experts import MatmulTrace, stacked_experts
 
 RESUME_DIR = ".resume"
@@ -177,7 +179,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     texts in memory under the names ``config.calib`` / ``config.eval_text`` give them
     (:func:`~shuffleprune.calib.sources.documents_name`). With
     ``config.tf32`` on a CUDA device, float32 matmuls use TF32 for the run; with ``config.deterministic``,
-    PyTorch's deterministic algorithms run it (:func:`~shuffleprune.runtime.deterministic_algorithms`;
+    PyTorch's deterministic algorithms run it (:func:`~shuffleprune.runtime.determinism.deterministic_algorithms`;
     both restored afterwards).
     """
     device = pick_device(config.device)

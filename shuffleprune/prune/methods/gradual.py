@@ -16,7 +16,7 @@ import torch
 from shuffleprune.masks import Pattern
 from shuffleprune.prune.input_stats import InputStats
 from shuffleprune.prune.methods.lsq import damped_gram, masked_lstsq
-from shuffleprune.runtime import one_cpu_thread
+from shuffleprune.runtime.determinism import one_cpu_thread
 
 
 def _inverse_diagonal(gram: torch.Tensor, damp: float) -> torch.Tensor:

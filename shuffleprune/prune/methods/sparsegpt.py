@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from shuffleprune.masks import Pattern
-from shuffleprune.runtime import one_cpu_thread
+from shuffleprune.runtime.determinism import one_cpu_thread
 from shuffleprune.prune.input_stats import InputStats
 
 
