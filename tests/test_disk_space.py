@@ -39,28 +39,29 @@ def test_prune_checks_the_space_of_out_before_clearing_it(tiny_dir, text_file, t
 
 def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes(tiny_dir, text_file, tmp_path, monkeypatch):
     import shuffleprune.prune.driver as driver
+    import shuffleprune.prune.run_dir as run_dir
 
     config = flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None)
-    out, real = tmp_path / "out", driver.save_file
+    out, real = tmp_path / "out", run_dir.save_file
     calls = []
 
     def fills_at_block_1(*args, **kwargs):
         calls.append(args[1])
         return _no_space() if len(calls) == 2 else real(*args, **kwargs)
 
-    monkeypatch.setattr(driver, "save_file", fills_at_block_1)
+    monkeypatch.setattr(run_dir, "save_file", fills_at_block_1)
     with pytest.raises(UserError, match=rf"^ran out of disk space writing in '{out}' \(\[Errno 28\] No space left on device\): "
                                         r"free space or give another --out; then the same command with --resume continues it$"):
         driver.prune(config, out=out, progress=False)
     assert calls[-1].endswith("block_1.safetensors")
-    monkeypatch.setattr(driver, "save_file", real)
+    monkeypatch.setattr(run_dir, "save_file", real)
     assert driver.prune(config, out=out, resume=True, progress=False).report["nm_ok"]
     assert not (out / ".resume").exists()
 
     def short_write(*args, **kwargs):   # torch's serializer on a full disk: no errno, a position mismatch
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1920 vs 1872")
 
-    monkeypatch.setattr(driver, "atomic_save", short_write)
+    monkeypatch.setattr(run_dir, "atomic_save", short_write)
     monkeypatch.setattr(outdir, "free_bytes", lambda d: 2**30)   # the disk has room: some other fault, shown as it is
     with pytest.raises(RuntimeError, match="unexpected pos"):
         driver.prune(config, out=tmp_path / "other", progress=False)

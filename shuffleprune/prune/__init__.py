@@ -10,8 +10,9 @@ from types import ModuleType
 
 from shuffleprune.prune.api import prune_model
 from shuffleprune.prune.config import PruneConfig
-from shuffleprune.prune.driver import PruneResult, prune, resumable
+from shuffleprune.prune.driver import PruneResult, prune
 from shuffleprune.prune.recipes import DEFAULT_RECIPE, PRESETS
+from shuffleprune.prune.run_dir import resumable
 
 __all__ = ["PruneConfig", "PruneResult", "prune", "prune_model", "resumable", "PRESETS", "DEFAULT_RECIPE"]
 

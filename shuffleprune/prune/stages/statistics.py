@@ -17,6 +17,7 @@ from shuffleprune.blocks import decoder_of
 from shuffleprune.errors import UserError
 from shuffleprune.prune.atomic import atomic_write
 from shuffleprune.prune.input_stats import InputStats, collect_input_stats, input_groups, load_norms, save_norms
+from shuffleprune.prune.run_dir import STATE_FILE
 from shuffleprune.prune.stage import BlockWork, Run, RunSpec, Stage, register
 
 DENSE_STATS_FILE = "dense_stats.safetensors"
@@ -31,7 +32,7 @@ def dense_stats(run: Run) -> dict[str, InputStats]:
     if saved is not None and saved.is_file():
         stats = load_norms(saved)
     else:
-        state = run.work / "state.json" if run.work is not None else None
+        state = run.work / STATE_FILE if run.work is not None else None
         if state is not None and state.is_file() and json.loads(state.read_text())["next_block"]:
             raise UserError(f"'{run.work.parent}' was started by an older shuffleprune; rerun with --overwrite instead of --resume")
         run.model.to(run.device)
