@@ -446,7 +446,7 @@ def test_load_holds_cslt_buffers_by_default_only_where_cslt_by_default_says(prun
 def test_gqa_o_proj_folds_into_v_proj_only_when_heads_sharing_a_kv_head_agree():
     from conftest import tiny_model
 
-    from shuffleprune.deploy.export import fold_permutations
+    from shuffleprune.deploy.fold import fold_permutations
     from shuffleprune.perm.linear import PermutedLinear
 
     gen = torch.Generator().manual_seed(0)
@@ -477,7 +477,7 @@ def test_a_map_folds_through_a_norm_between_two_linears_exactly(spread):
     changed the model by ~1e-5."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shuffleprune.deploy.export import fold_permutations
+    from shuffleprune.deploy.fold import fold_permutations
     from shuffleprune.perm.linear import PermutedLinear
 
     config = AutoConfig.for_model("deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=128,

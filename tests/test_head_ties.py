@@ -8,7 +8,8 @@ import yaml
 
 from conftest import tiny_model
 from shuffleprune.blocks import block_linears, find_blocks, text_config
-from shuffleprune.deploy.export import _grouped_head_perm, export_checkpoint
+from shuffleprune.deploy.export import export_checkpoint
+from shuffleprune.deploy.fold import grouped_head_perm
 from shuffleprune.perm.core import random_block_perm
 from shuffleprune.perm.heads import HeadTie, head_ties
 from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
@@ -26,7 +27,7 @@ def test_fold_unfold_and_expand_agree_with_indexing_the_layer():
     full = tie.expand(perm)
     assert torch.equal(tie.unfold(folded[:, perm]), w[:, full])
     assert torch.equal(full.sort().values, torch.arange(48))
-    assert torch.equal(_grouped_head_perm(full, (6, 2, 8), 16), perm)   # what export folds into v_proj's rows
+    assert torch.equal(grouped_head_perm(full, (6, 2, 8), 16), perm)   # what export folds into v_proj's rows
     with pytest.raises(ValueError, match="stay inside heads"):
         tie.expand(torch.randperm(16, generator=torch.Generator().manual_seed(1)).roll(8))
 
@@ -76,7 +77,7 @@ def test_every_permutation_kind_ties_o_proj_and_export_folds_it(perm, tmp_path, 
     o_maps = {k: v for k, v in maps.items() if k.endswith("o_proj")}
     assert len(o_maps) == 2
     for name, perm_map in o_maps.items():
-        assert _grouped_head_perm(perm_map, (4, 2, 16), 32) is not None, name
+        assert grouped_head_perm(perm_map, (4, 2, 16), 32) is not None, name
         if perm == "random":
             assert not torch.equal(perm_map, torch.arange(64))
     entries = [p for b in result.report["perm"]["blocks"] for k, p in b["perms"].items() if k.endswith("o_proj")]
@@ -91,7 +92,7 @@ def test_every_permutation_kind_ties_o_proj_and_export_folds_it(perm, tmp_path, 
         prune(PruneConfig.build("balanced", **options), out=free, progress=False)
         assert yaml.safe_load((free / "recipe.yaml").read_text())["stages"][1]["tie_heads"] is False
         free_maps = load_index_maps(free / INDEX_MAPS)
-        assert all(_grouped_head_perm(free_maps[k], (4, 2, 16), 32) is None for k in o_maps)
+        assert all(grouped_head_perm(free_maps[k], (4, 2, 16), 32) is None for k in o_maps)
         assert sum(n.endswith("o_proj") for n in export_checkpoint(free, tmp_path / "d2")["runtime_gathers"]) == 2
 
 
@@ -102,7 +103,7 @@ def test_model_recon_ties_too(tmp_path, text_file):
     out = tmp_path / "m"
     prune(PruneConfig.build("balanced", overrides=["permutation.tie_heads=true"], **options), out=out, progress=False)
     maps = load_index_maps(out / INDEX_MAPS)
-    assert all(_grouped_head_perm(v, (4, 2, 16), 32) is not None for k, v in maps.items() if k.endswith("o_proj"))
+    assert all(grouped_head_perm(v, (4, 2, 16), 32) is not None for k, v in maps.items() if k.endswith("o_proj"))
 
 
 def test_a_fold_that_changes_a_later_layer_through_the_kv_cache_is_undone(tmp_path, text_file):
@@ -121,7 +122,7 @@ def test_a_fold_that_changes_a_later_layer_through_the_kv_cache_is_undone(tmp_pa
                             batch_size=2, pattern="2:4", perm="random", perm_block=16,
                             overrides=["permutation.tie_heads=true"]), out=out, progress=False)
     tied = load_index_maps(out / INDEX_MAPS)
-    assert _grouped_head_perm(tied["model.layers.1.self_attn.o_proj"], (4, 2, 16), 32) is not None
+    assert grouped_head_perm(tied["model.layers.1.self_attn.o_proj"], (4, 2, 16), 32) is not None
     fmt = export_checkpoint(out, tmp_path / "deployed")
     assert [k for k in fmt["folded"] if k.endswith("o_proj")] == ["model.layers.0.self_attn.o_proj"]
     ids = torch.randint(2, 128, (2, 16), generator=torch.Generator().manual_seed(1))
