@@ -43,7 +43,8 @@ def main() -> None:
 
     from shuffleprune.cli import _config_kw
     from shuffleprune.dst import DSTConfig, DynamicSparsifier
-    from shuffleprune.dst.train import TrainConfig, build_model
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.fresh_model import build_model
     from shuffleprune.runtime.facts import machine, versions
 
     train_cfg = TrainConfig(arch=args.arch, config_kw=_config_kw([args.config_kw]), seq_len=args.seq_len, seed=0)

@@ -40,7 +40,9 @@ def one_family(model_type: str, tmp: Path, seed: int) -> dict:
     from bench_stage_cost import word_tokenizer
     from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.dst.config import DSTConfig
-    from shuffleprune.dst.train import TrainConfig, config_builder, train, unknown_config_keys
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.fresh_model import config_builder, unknown_config_keys
+    from shuffleprune.dst.train import train
     from shuffleprune.models import load_model
     from shuffleprune.perm.linear import INDEX_MAPS, load_index_maps
 

@@ -329,7 +329,8 @@ def dst(
     """Dynamic sparse training from scratch (RigL-style schedules, structured masks, learned permutations)."""
     from shuffleprune.calib import held_out_part
     from shuffleprune.dst.config import DSTConfig
-    from shuffleprune.dst.train import TrainConfig, is_main_process, train
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.train import is_main_process, train
 
     cfg = TrainConfig(arch=arch, config_kw=_config_kw(config_kw), tokenizer=tokenizer, data=data, seq_len=seq_len,
                       batch_size=batch_size, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every,

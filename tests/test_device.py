@@ -161,7 +161,7 @@ def fresh_accelerate():
 
 
 def _dst_config(tiny_dir, text_file):
-    from shuffleprune.dst.train import TrainConfig
+    from shuffleprune.dst.config import TrainConfig
 
     return TrainConfig(arch="gpt2", config_kw={"n_layer": 2, "n_embd": 64, "n_head": 4}, tokenizer=str(tiny_dir),
                        data=str(text_file), seq_len=32, batch_size=4, steps=8, warmup=2, eval_every=4,

@@ -75,7 +75,8 @@ def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes(tiny_dir, text_file
 def test_export_and_dst_name_a_full_disk_and_leave_no_partial_output(tiny_dir, text_file, tmp_path, monkeypatch):
     import shuffleprune.deploy.export as export
     from shuffleprune.dst import DSTConfig
-    from shuffleprune.dst.train import CHECKPOINT, REPORT, TrainConfig, train
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.train import CHECKPOINT, REPORT, train
     from shuffleprune.prune import prune
 
     prune(flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None),
@@ -128,7 +129,8 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_goes_on(tiny_di
     """Two runs writing one --out at once (a job started twice) interleaved their checkpoints; the
     second is now refused and touches nothing of the first's, which is then free to go on."""
     from shuffleprune.dst import DSTConfig
-    from shuffleprune.dst.train import TrainConfig, train
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.train import train
     from shuffleprune.prune import prune
 
     config = flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None)

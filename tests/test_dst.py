@@ -651,7 +651,7 @@ def test_the_report_says_how_much_text_was_trained_on_and_a_capped_dataset_is_wa
 
 
 def _train_cfg(tiny_dir, text_file, **kw):
-    from shuffleprune.dst.train import TrainConfig
+    from shuffleprune.dst.config import TrainConfig
 
     base = dict(arch="gpt2", config_kw={"n_layer": 2, "n_embd": 64, "n_head": 4}, tokenizer=str(tiny_dir),
                 data=str(text_file), seq_len=32, batch_size=4, steps=8, warmup=2, eval_every=4, eval_tokens=2048,
@@ -829,7 +829,8 @@ def test_diag_learns_soft_top_k_diagonals_then_freezes_them(arch):
 def test_a_config_with_several_special_ids_is_built_with_the_tokenizers():
     """GLM's config lists three end-of-sequence ids, all past a small tokenizer's vocabulary: the model
     is built with the tokenizer's id in their place (was: a crash comparing the list with the size)."""
-    from shuffleprune.dst.train import TrainConfig, build_model
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.fresh_model import build_model
 
     cfg = TrainConfig(arch="glm", config_kw={"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
                                              "num_attention_heads": 4, "num_key_value_heads": 2})
@@ -844,7 +845,8 @@ def test_gpt2_trains_with_the_causal_lm_loss_without_a_fallback_warning():
     loss: the trainer's model names that loss, and it computes the plain next-token cross-entropy."""
     import torch.nn.functional as F
 
-    from shuffleprune.dst.train import TrainConfig, build_model
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.fresh_model import build_model
 
     model = build_model(TrainConfig(arch="gpt2", config_kw={"n_layer": 1, "n_embd": 32, "n_head": 2}), vocab_size=64)
     assert model.loss_type == "ForCausalLM"
@@ -859,7 +861,8 @@ def test_config_overrides_the_architecture_does_not_take_are_refused(tiny_dir):
     attribute and the default 12 layers trained; a key a config dir's settings make a no-op
     (rope_theta beside its rope_parameters) was dropped. Both are one-line errors naming the setting
     meant; keys the config takes, aliases and conversions included, build the model they say."""
-    from shuffleprune.dst.train import TrainConfig, build_model
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.fresh_model import build_model
 
     with pytest.raises(UserError, match=r"--config-kw n_layers: a 'gpt2' config has no setting 'n_layers' "
                                         r"\(it would change nothing\); did you mean n_layer\?"):
@@ -886,7 +889,8 @@ def test_a_strict_config_gets_an_id_the_tokenizer_has_when_it_has_no_end_token()
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from shuffleprune.dst.train import TrainConfig, build_model, special_token_id
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.fresh_model import build_model, special_token_id
 
     vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(127)}}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
@@ -993,7 +997,8 @@ def test_keep_fine_tunes_a_pruned_checkpoint_whose_export_stays_exact(tiny_dir, 
                                    rtol=0, atol=1e-4)
     with pytest.raises(UserError, match="method 'keep' holds the zeros the model already has .* no sparsity"):
         DynamicSparsifier(DSTConfig(method="keep", sparsity=0.5))
-    from shuffleprune.dst.train import TrainConfig, train
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.train import train
 
     with pytest.raises(UserError, match=r"method 'keep' holds a pruned model's zeros while you fine-tune it"):
         train(TrainConfig(arch="gpt2", tokenizer=str(tiny_dir), data=str(text_file)), DSTConfig(method="keep"),

@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from shuffleprune.dst.train import TrainConfig, _batch
+from shuffleprune.dst.config import TrainConfig
+from shuffleprune.dst.train import _batch
 
 # a permutation hardened from the uniform start is decided by tiny differences of M: if the
 # processes took different permutation steps, they would end with different permutations

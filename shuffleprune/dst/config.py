@@ -1,10 +1,12 @@
-"""What a dynamic sparse training run does: the method, its budget and schedule, the permutations."""
+"""What a dynamic sparse training run does: the method, its budget and schedule, the permutations
+(:class:`DSTConfig`); and what it trains, on what, for how long (:class:`TrainConfig`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shuffleprune.errors import UserError
 from shuffleprune.masks import parse_pattern
+from shuffleprune.runtime.determinism import check_seed
 
 METHODS = ("dense", "rigl", "set", "srigl", "dsb", "pixelfly", "diag", "nm", "keep")
 MASK_METHODS = ("rigl", "set", "srigl", "dsb", "nm", "keep")  # a mask is all they add: fused MoE experts can take them
@@ -75,3 +77,47 @@ class DSTConfig:
         """``(N, M)`` of ``pattern``."""
         p = parse_pattern(self.pattern, None)
         return p.n, p.m
+
+
+@dataclass
+class TrainConfig:
+    arch: str = "gpt2"
+    config_kw: dict = field(default_factory=dict)   # overrides of the transformers config
+    tokenizer: str = "default"                      # embedded model's tokenizer, bpe:N (trained here), a dir / hub id
+    data: str = "wiki"
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 200
+    eval_tokens: int | None = 65536
+    checkpoint_every: int = 200
+    seed: int = 0
+
+    def check(self) -> None:
+        """Refuse sizes and schedule settings no run can use."""
+        if self.steps < 1 or self.batch_size < 1 or self.seq_len < 8:
+            raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
+        if self.lr <= 0 or self.warmup < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
+            raise UserError("--lr and the gradient clip must be > 0, --warmup and the weight decay ≥ 0")
+        check_seed(self.seed)
+        if self.eval_every < 0 or self.checkpoint_every < 0:
+            raise UserError("--eval-every and --checkpoint-every must be ≥ 0 (0: only at the end)")
+        if self.eval_tokens is not None and self.eval_tokens < self.seq_len:
+            raise UserError(f"--eval-tokens must be at least one window (--seq-len {self.seq_len}), "
+                            f"got {self.eval_tokens}")
+        _check_tokenizer(self.tokenizer)
+
+
+def _check_tokenizer(spec: str) -> None:
+    """Refuse a ``--tokenizer`` that cannot be had, before anything is read or written."""
+    from shuffleprune.models import check_tokenizer_spec, is_embedded
+
+    if spec.startswith("bpe:"):
+        if not spec[4:].isdigit() or int(spec[4:]) < 1:
+            raise UserError(f"--tokenizer {spec}: use bpe:VOCAB_SIZE, e.g. bpe:8192")
+    elif not is_embedded(spec):
+        check_tokenizer_spec(spec)
