@@ -112,7 +112,8 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict:
     """Prune (unless dense) and score one row; called in a fresh subprocess."""
     import torch
 
-    from shuffleprune.evaluation.evaluate import PPL, EvalConfig, evaluate_models
+    from shuffleprune.evaluation.config import PPL, EvalConfig
+    from shuffleprune.evaluation.evaluate import evaluate_models
     from shuffleprune.prune import PruneConfig, prune
     from shuffleprune.runtime.memory import peak_rss_mb
 

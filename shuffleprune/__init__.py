@@ -80,7 +80,8 @@ def evaluate(models: list[Any] | Any, tasks: list[str] | str | None = None, out:
     transformers causal LM in memory with ``tokenizer`` (scored in eval mode on the device, or where
     its ``device_map`` dispatched it, then given back on its devices, in its dtypes and mode).
     ``ppl_text`` also takes documents in memory (a list of strings or a ``datasets.Dataset``), scored whole."""
-    from shuffleprune.evaluation.evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
+    from shuffleprune.evaluation.config import DEFAULT_TASKS, EvalConfig
+    from shuffleprune.evaluation.evaluate import evaluate_models
     from shuffleprune.models import in_memory
 
     if isinstance(models, (str, Path)) or not isinstance(models, (list, tuple)):

@@ -251,7 +251,8 @@ def eval_(
     verbose: bool = typer.Option(False, "--verbose", help="Show lm-eval's own log."),
 ) -> None:
     """Score models side by side: zero-shot accuracy via lm-evaluation-harness, plus held-out perplexity."""
-    from shuffleprune.evaluation.evaluate import DEFAULT_TASKS, EvalConfig, evaluate_models
+    from shuffleprune.evaluation.config import DEFAULT_TASKS, EvalConfig
+    from shuffleprune.evaluation.evaluate import evaluate_models
     from shuffleprune.report import print_eval_report
 
     if limit is not None and limit >= 1 and float(limit).is_integer():

@@ -130,7 +130,8 @@ def test_nm_run_with_learned_perms_exports_and_reloads_to_the_same_logits(tiny_d
     card = (tmp_path / "run" / "model" / "README.md").read_text()  # a model card for the hub
     assert "# nm · 2:4 (N:M)" in card and f"{report['final_ppl']:.2f}" in card and "index_maps.safetensors" in card
     assert f"{report['final_ppl']:.2f} (its held-out part, windows of 32 tokens)" in card
-    from shuffleprune.evaluation.evaluate import EvalConfig, evaluate_models
+    from shuffleprune.evaluation.config import EvalConfig
+    from shuffleprune.evaluation.evaluate import evaluate_models
 
     said = []   # scoring the trained model on its training text is warned about
     evaluate_models(EvalConfig(models=[str(tmp_path / "run" / "model")], tasks=["ppl"], ppl_text=str(text_file),

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from conftest import random_text
 from shuffleprune.cli import app
 from shuffleprune.errors import UserError
-from shuffleprune.evaluation.evaluate import EvalConfig, evaluate_models
+from shuffleprune.evaluation.config import EvalConfig
+from shuffleprune.evaluation.evaluate import evaluate_models
 from shuffleprune.models import load_model
 
 runner = CliRunner()

@@ -286,7 +286,8 @@ def test_export_without_folding_keeps_every_map_as_a_gather_and_the_same_logits(
 
 
 def test_eval_scores_the_exported_model(pruned_perm_dir, tmp_path, eval_file):
-    from shuffleprune.evaluation.evaluate import EvalConfig, evaluate_models
+    from shuffleprune.evaluation.config import EvalConfig
+    from shuffleprune.evaluation.evaluate import evaluate_models
 
     out = tmp_path / "exported"
     export_checkpoint(pruned_perm_dir, out)

@@ -122,7 +122,8 @@ def test_bad_recipes_and_overrides_are_one_line_errors(kwargs, needle):
 def test_a_torch_dtype_is_taken_by_its_name_everywhere(tmp_path):
     """The Python API takes ``dtype=torch.bfloat16`` as transformers does (it was refused by prune,
     evaluate and load), and a ``torch.device``, recorded by its name so the recipe file repeats it."""
-    from shuffleprune.evaluation.evaluate import EvalConfig, _validate
+    from shuffleprune.evaluation.config import EvalConfig
+    from shuffleprune.evaluation.evaluate import _validate
     from shuffleprune.models import parse_dtype
 
     config = PruneConfig.build(None, dtype=torch.bfloat16, device=torch.device("cuda", 1))

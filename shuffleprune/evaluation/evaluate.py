@@ -12,22 +12,18 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import json
-import logging
-import math
 import os
-import shlex
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
-from unittest.mock import patch
 
 import torch
 
 from shuffleprune.version import __version__
-from shuffleprune.blocks import block_experts, block_linears, find_blocks, text_config
+from shuffleprune.blocks import text_config
 from shuffleprune.calib import bos_token, eval_tokens, held_out_part, open_text
 from shuffleprune.calib.files import TEXT_FILES
 from shuffleprune.calib.hub_data import HUB_SOURCES
@@ -38,64 +34,18 @@ from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import (LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, load_tokenizer,
                                  resolve_model_path, upcast_for_cpu)
 from shuffleprune.outdir import check_free_space, check_writable, space_errors
-from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
-from shuffleprune.placement import is_dispatched, left_as_found, weights_readable
+from shuffleprune.placement import is_dispatched, left_as_found
 from shuffleprune.quiet import library_progress_bars
-from shuffleprune.report import read_report
-from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
+from shuffleprune.evaluation.config import OFFLINE_PPL_TEXT, ONLINE_PPL_TEXT, PPL, EvalConfig
+from shuffleprune.evaluation.lm_eval_tasks import (LM_EVAL_SEEDS, TaskPlan, equivalent_cli, plan_tasks, quiet_lm_eval,
+                                                   score_lm_eval)
+from shuffleprune.evaluation.model_info import block_sparsity, fitted_text, prune_report, prune_summary, row_label
+from shuffleprune.evaluation.offline_tasks import stock_name
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.runtime.devices import pick_device
 from shuffleprune.runtime.facts import machine, versions
 from shuffleprune.runtime.memory import fits_on_device, logits_bytes, peak_rss_mb
 from shuffleprune.settings import type_problem
-
-PPL = "ppl"
-DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "openbookqa", PPL)
-# The metric each task is reported with (the paper's choice for its four; acc elsewhere).
-HEADLINE = {"hellaswag": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "openbookqa": "acc_norm",
-            "piqa": "acc", "winogrande": "acc", "boolq": "acc", "lambada_openai": "acc"}
-OFFLINE_PPL_TEXT = "brown"
-ONLINE_PPL_TEXT = "wikitext2"
-LM_EVAL_SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234,
-                 "fewshot_random_seed": 1234}  # lm-eval's own defaults, so the CLI gives the same numbers
-
-
-@dataclass
-class EvalConfig:
-    """What ``eval`` scores and how; every field lands in the results file."""
-
-    models: list[str | None] = field(default_factory=lambda: [None])  # None: the embedded default
-    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
-    limit: float | None = None            # lm-eval --limit: items per task (<1: a fraction)
-    num_fewshot: int | None = None        # None: each task's own default (0 for the paper's tasks)
-    batch_size: int = 8
-    device: str = "auto"
-    dtype: str = "auto"
-    offline: bool = False                 # force local task data even if the hub is reachable
-    include_path: list[str] | None = None  # extra lm-eval task directories
-    ppl_text: str = "auto"                # auto: wikitext2 online, brown offline; or a source name/path
-    ppl_ctx: int = 2048
-    ppl_tokens: int | None = None         # cap on held-out tokens (default: the whole test split)
-    ppl_bos: str = "window"               # BOS of tokenizers that add one: every window | the text's start (the papers')
-    apply_chat_template: bool = False     # lm-eval --apply_chat_template: each item through the model's chat template
-
-
-@dataclass
-class _TaskPlan:
-    lm_tasks: list[str]          # names handed to lm-eval
-    display: dict[str, str]      # lm-eval name → name shown and stored
-    origins: dict[str, str]      # shown name → where its data came from
-    include_path: list[str]
-    task_manager: object
-
-
-def _label(spec: str | None, path: str, seen: set[str]) -> str:
-    base = "SmolLM2-135M-Instruct (embedded)" if is_embedded(spec) else (Path(spec).name or spec)
-    label, k = base, 2
-    while label in seen:
-        label, k = f"{base} #{k}", k + 1
-    seen.add(label)
-    return label
 
 
 def _earlier_results(out: Path) -> bool:
@@ -142,172 +92,6 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
             raise UserError(f"--include-path '{path}' is not a directory")
 
 
-def _plan_tasks(config: EvalConfig, offline: bool) -> _TaskPlan:
-    """Check every task name against lm-eval's index and decide where its data comes from."""
-    names = [t for t in dict.fromkeys(config.tasks) if t != PPL]
-    user_paths = [str(Path(p).resolve()) for p in config.include_path or []]
-    if not names:   # perplexity alone: lm-eval is not imported (nor its task index built)
-        return _TaskPlan([], {}, {}, user_paths, None)
-    from lm_eval.tasks import TaskManager
-
-    tm = TaskManager(include_path=user_paths or None)
-    unknown = [n for n in names if n not in tm.all_tasks]
-    if unknown:
-        raise UserError(f"unknown task(s) {', '.join(unknown)}; see `lm_eval ls tasks`, or add "
-                        "--include-path DIR for your own task YAMLs")
-
-    def from_user(name: str) -> bool:
-        entry = tm.task_index[name]
-        return entry.yaml_path is not None and any(
-            str(Path(entry.yaml_path).resolve()).startswith(p + os.sep) for p in user_paths)
-
-    if not offline:
-        origins = {n: "local task (--include-path)" if from_user(n) else
-                   f"hub: {tm.task_index[n].cfg.get('dataset_path') if tm.task_index[n].cfg else 'lm-eval default'}"
-                   for n in names}
-        return _TaskPlan(names, {n: n for n in names}, origins, user_paths, tm)
-    need_local = [n for n in names if not from_user(n)]
-    missing = [n for n in need_local if n not in OFFLINE_TASKS]
-    if missing:
-        raise UserError(f"task(s) {', '.join(missing)} need the Hugging Face hub; offline tasks: "
-                        f"{', '.join(OFFLINE_TASKS)} (or your own via --include-path)")
-    if need_local and config.num_fewshot:
-        raise UserError("offline task data has no training split to draw few-shot examples from; "
-                        "use --num-fewshot 0 offline (the paper's setting) or run with the hub")
-    stock_paths = {n: Path(tm.task_index[n].yaml_path) for n in need_local}
-    local_dir = str(build_offline_tasks(need_local, stock_paths)) if need_local else None
-    paths = user_paths + ([local_dir] if local_dir else [])
-    tm = TaskManager(include_path=paths)
-    lm_tasks = [local_name(n) if n in need_local else n for n in names]
-    display = dict(zip(lm_tasks, names))
-    origins = {n: OFFLINE_TASKS[n].origin if n in need_local else "local task (--include-path)" for n in names}
-    return _TaskPlan(lm_tasks, display, origins, paths, tm)
-
-
-def _sparsity(model: torch.nn.Module) -> float | None:
-    """Fraction of exact zeros over the decoder blocks' linear weights and fused experts (None if no
-    blocks found)."""
-    try:
-        blocks = find_blocks(model)
-    except UserError:
-        return None
-    zeros = total = 0
-    for prefix, block in blocks.named():
-        for lin in {**block_linears(block, prefix), **block_experts(block, prefix)}.values():
-            with weights_readable(getattr(lin, "owner", lin)):   # an expert's: its experts module's
-                zeros += int((lin.weight == 0).sum())
-                total += lin.weight.numel()
-    return round(zeros / total, 6) if total else None
-
-
-def _prune_report(path: str) -> dict | None:
-    """The prune report beside a model (a pruned or exported checkpoint), if there is a readable one."""
-    report = Path(path) / "prune_report.json"
-    if not report.is_file():
-        return None
-    try:
-        return read_report(report)
-    except UserError:
-        return None
-
-
-def _prune_summary(report: dict | None) -> str | None:
-    return None if report is None else f"{report['method']} {report['pattern']}"
-
-
-def _fitted_text(path: str, report: dict | None) -> str | None:
-    """The text a checkpoint was fitted to: its prune report's calibration text, or the training text
-    of the ``dst`` run whose ``model/`` it is."""
-    if report is not None:
-        return report["calib"]["source"]
-    run = Path(path).parent / "dst_report.json"
-    if Path(path).name == "model" and run.is_file():
-        try:
-            return read_report(run)["train"]["data"]
-        except (UserError, KeyError, TypeError):
-            return None
-    return None
-
-
-def _metric_table(task_results: dict) -> dict[str, float]:
-    """``{"acc,none": .5, "acc_stderr,none": .1, "alias": …}`` → ``{"acc": .5, "acc_stderr": .1}``."""
-    out = {}
-    for key, value in task_results.items():
-        if "," not in key or not isinstance(value, (int, float)):
-            continue
-        metric, _filter = key.split(",", 1)
-        out[metric] = None if isinstance(value, float) and math.isnan(value) else value
-    return out
-
-
-def _headline(task: str, metrics: dict[str, float]) -> str:
-    want = HEADLINE.get(task)
-    if want in metrics:
-        return want
-    return next((m for m in metrics if not m.endswith("_stderr")), "")
-
-
-def _quiet_lm_eval(verbose: bool) -> None:
-    level = logging.INFO if verbose else logging.ERROR
-    for name in ("lm_eval", "lm-eval"):
-        logging.getLogger(name).setLevel(level)
-
-
-def _score_lm_eval(lm: LoadedModel, plan: _TaskPlan, config: EvalConfig, progress: bool) -> dict:
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-
-    wrapper = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=config.batch_size)
-    # lm-eval records the git commit of the working directory (unused here) by running `git describe`,
-    # whose "fatal: not a git repository" would reach the user's terminal outside a repository
-    with patch("lm_eval.evaluator.get_git_commit_hash", return_value=None, create=True):
-        raw = simple_evaluate(model=wrapper, tasks=plan.lm_tasks, num_fewshot=config.num_fewshot,
-                              limit=config.limit, task_manager=plan.task_manager, log_samples=False,
-                              apply_chat_template=config.apply_chat_template,
-                              fewshot_as_multiturn=config.apply_chat_template, **LM_EVAL_SEEDS)   # as lm_eval's CLI
-    scored = {}
-    for lm_name, res in raw["results"].items():
-        name = plan.display.get(lm_name, stock_name(lm_name))
-        metrics = _metric_table(res)
-        headline = _headline(name, metrics)
-        n = raw.get("n-samples", {}).get(lm_name, {})
-        scored[name] = {
-            "metric": headline, "value": metrics.get(headline), "stderr": metrics.get(f"{headline}_stderr"),
-            "metrics": metrics, "lm_eval_task": lm_name,
-            "version": raw.get("versions", {}).get(lm_name), "n_shot": raw.get("n-shot", {}).get(lm_name),
-            "n_items": n.get("effective"), "n_items_total": n.get("original"),
-            "higher_is_better": raw.get("higher_is_better", {}).get(lm_name, {}),
-            "data": plan.origins.get(name, plan.origins.get(stock_name(lm_name), "")),
-        }
-    return scored
-
-
-def _equivalent_cli(path: str, dtype: str, plan: _TaskPlan, config: EvalConfig, device: str,
-                    repo_id: str | None = None) -> str | None:
-    """The ``lm_eval`` command that scores the same model on the same tasks (None when lm-eval's
-    CLI cannot express it: it takes a single ``--include_path``, and its ``hf`` loader does not
-    apply the index maps of a ``--perm`` checkpoint of the older, permuted-weights layout). An
-    exported checkpoint loads through its ``auto_map`` (``trust_remote_code=True``). A model given
-    as a hub ``repo_id`` is named by it (``path`` is then its local snapshot)."""
-    from shuffleprune.deploy.load import is_exported
-
-    maps = Path(path) / INDEX_MAPS
-    if len(plan.include_path) > 1 or (maps.is_file() and weights_stored_permuted(maps)):
-        return None
-    model_args = f"pretrained={repo_id or path},dtype={dtype}" + (",trust_remote_code=True" if is_exported(path) else "")
-    parts = ["lm_eval", "--model", "hf", "--model_args", model_args,
-             "--tasks", ",".join(plan.lm_tasks), "--batch_size", str(config.batch_size), "--device", device]
-    if plan.include_path:
-        parts += ["--include_path", plan.include_path[0]]
-    if config.limit is not None:
-        parts += ["--limit", f"{config.limit:g}"]
-    if config.num_fewshot is not None:
-        parts += ["--num_fewshot", str(config.num_fewshot)]
-    if config.apply_chat_template:
-        parts += ["--apply_chat_template"]
-    return shlex.join(parts)
-
-
 def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool = True,
                     loaded: dict[str | None, LoadedModel] | None = None,
                     notify: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
@@ -325,11 +109,11 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     if config.apply_chat_template and any(t != PPL for t in config.tasks):
         _check_chat_templates(config.models, loaded or {})
     device = pick_device(config.device)
-    _quiet_lm_eval(verbose)
+    quiet_lm_eval(verbose)
     offline = _offline(config, notify)
     ppl_name = _ppl_text(config, offline)
     ppl_source = open_text(ppl_name, documents or {}) if ppl_name is not None else None
-    run = _EvalRun(config, _plan_tasks(config, offline), device, ppl_name, ppl_source, progress, notify)
+    run = _EvalRun(config, plan_tasks(config, offline), device, ppl_name, ppl_source, progress, notify)
     rows = []
     with library_progress_bars(progress):
         for spec in config.models:
@@ -392,7 +176,7 @@ def _ppl_text(config: EvalConfig, offline: bool) -> str | None:
 class _EvalRun:
     """What every model of one ``evaluate_models`` call is scored with."""
     config: EvalConfig
-    plan: _TaskPlan
+    plan: TaskPlan
     device: torch.device
     ppl_name: str | None                 # the perplexity text (None: no ppl task)
     ppl_source: object                   # its calib source
@@ -407,10 +191,10 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
     model = lm.model
     whole = _place_model(run, spec, model)
     dtype_used = str(model.dtype).replace("torch.", "")
-    report = None if lm.in_memory else _prune_report(lm.path)
-    fitted = None if lm.in_memory else _fitted_text(lm.path, report)
-    row = {"model": _label(spec, lm.path, run.labels), "spec": spec, "path": None if lm.in_memory else lm.path,
-           "pruned": _prune_summary(report), "sparsity": _sparsity(model), "dtype": dtype_used,
+    report = None if lm.in_memory else prune_report(lm.path)
+    fitted = None if lm.in_memory else fitted_text(lm.path, report)
+    row = {"model": row_label(spec, lm.path, run.labels), "spec": spec, "path": None if lm.in_memory else lm.path,
+           "pruned": prune_summary(report), "sparsity": block_sparsity(model), "dtype": dtype_used,
            "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
     if run.ppl_name is not None:
         if text_contains(fitted, run.ppl_name):   # the local text (file, directory, documents) it was fitted to
@@ -421,11 +205,11 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
         row["seconds"]["ppl"] = round(time.time() - t0, 2)
     if run.plan.lm_tasks:
         t0 = time.time()
-        row["results"] = _score_lm_eval(lm, run.plan, run.config, run.progress)
+        row["results"] = score_lm_eval(lm, run.plan, run.config, run.progress)
         row["seconds"]["lm_eval"] = round(time.time() - t0, 2)
         repo_id = spec if spec and not is_embedded(spec) and lm.path != spec and not Path(spec).exists() \
             and looks_like_hub_id(spec) else None  # a shuffleprune repo, loaded from its snapshot
-        row["lm_eval_cli"] = None if lm.in_memory else _equivalent_cli(  # no command line holds a model object
+        row["lm_eval_cli"] = None if lm.in_memory else equivalent_cli(  # no command line holds a model object
             lm.path, dtype_used, run.plan, run.config, str(run.device), repo_id)
     values = [r["value"] for r in row["results"].values() if r["value"] is not None]
     row["average"] = sum(values) / len(values) if values else None
@@ -470,7 +254,7 @@ def _perplexity_of(run: _EvalRun, lm: LoadedModel, blockwise: bool) -> tuple[flo
                  "tokens_scored": scored_tokens(tokens.numel(), ctx, bos)}
 
 
-def _results(config: EvalConfig, offline: bool, device: torch.device, plan: _TaskPlan, rows: list[dict]) -> dict:
+def _results(config: EvalConfig, offline: bool, device: torch.device, plan: TaskPlan, rows: list[dict]) -> dict:
     """The results file: the rows with the run's settings, lm-eval's, versions and the machine."""
     ppl_evals = {json.dumps(r.get("ppl_eval"), sort_keys=True) for r in rows if r.get("ppl_eval")}
     return {
