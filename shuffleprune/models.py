@@ -7,17 +7,13 @@ checkpoint (its ``index_maps.safetensors`` only says in which column order each 
 ``export``); one of the older layout, whose mapped linears were stored as ``W[:, perm]``, gets
 those weights put back in input order, so it loads as the same plain model.
 
-GGUF files are dequantized once by transformers and cached as an ordinary safetensors directory,
-so every later run loads a plain HF checkpoint.
+GGUF files are dequantized once by transformers and cached as an ordinary safetensors directory
+(:mod:`shuffleprune.gguf`), so every later run loads a plain HF checkpoint.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +24,13 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from shuffleprune.cache import cache_dir, find_installed_file, pypi_member
+from shuffleprune.cache import find_installed_file, pypi_member
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.errors import UserError, reason
+from shuffleprune.gguf import gguf_as_hf_dir
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, to_plain_linears, weights_stored_permuted
+from shuffleprune.runtime.facts import transformers_release
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded GGUF was converted from
@@ -45,14 +43,6 @@ MIN_TRANSFORMERS = (5, 15)   # the oldest transformers the test suite passes on 
                              # MoE experts in other layouts (DBRX's), 4.x all of them, as other modules
 
 
-def _transformers_release() -> tuple[int, ...]:
-    """The installed transformers' release numbers: ``(5, 24, 0)`` for 5.24.0, 5.24.0rc1 or 5.24.0.dev0."""
-    import transformers
-    from packaging.version import Version   # transformers' own dependency
-
-    return Version(transformers.__version__).release
-
-
 @functools.cache
 def warn_if_old_transformers() -> None:
     """One warning when the installed transformers is older than :data:`MIN_TRANSFORMERS` (a
@@ -60,7 +50,7 @@ def warn_if_old_transformers() -> None:
     architectures are laid out differently there and may be pruned wrongly or refused."""
     import transformers
 
-    if _transformers_release()[:2] < MIN_TRANSFORMERS:
+    if transformers_release()[:2] < MIN_TRANSFORMERS:
         want = ".".join(map(str, MIN_TRANSFORMERS))
         warnings.warn(f"transformers {transformers.__version__} is older than the {want} shuffleprune is tested "
                       f"with (MoE experts and some architectures are laid out differently there): "
@@ -127,86 +117,6 @@ def local_model_source(spec: str | None) -> str | None:
         found = find_installed_file(_EMBEDDED_MEMBER)
         return None if found is None else str(found)
     return spec
-
-
-def _gguf_token_id(path: Path, key: str) -> int | None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get(key)
-    if field is None or not field.data:
-        return None
-    return int(field.parts[field.data[0]][0])
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize ``gguf_path`` into a normal HF safetensors checkpoint at ``out_dir`` (atomic).
-
-    Two known pitfalls of transformers' GGUF conversion are handled: the tokenizer's eos/pad
-    tokens are checked against the GGUF metadata and corrected, and the GGUF quantizer that
-    transformers attaches (which makes ``save_pretrained`` refuse) is detached.
-    """
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    for attr, key in (("eos", "tokenizer.ggml.eos_token_id"), ("pad", "tokenizer.ggml.padding_token_id"),
-                      ("bos", "tokenizer.ggml.bos_token_id")):
-        want = _gguf_token_id(gguf_path, key)
-        if want is None:
-            continue
-        if getattr(tokenizer, f"{attr}_token_id") != want:
-            setattr(tokenizer, f"{attr}_token", tokenizer.convert_ids_to_tokens(want))
-        setattr(model.config, f"{attr}_token_id", want)
-        if model.generation_config is not None:
-            setattr(model.generation_config, f"{attr}_token_id", want)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    # Detach the GGUF quantizer: the weights are already dequantized, plain tensors.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if not (out_dir / "config.json").is_file():  # not a concurrent conversion that won the race
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-_FINGERPRINT_SPAN = 4 << 20  # bytes hashed at each end of a GGUF file
-
-
-def gguf_fingerprint(gguf_path: Path) -> str:
-    """A key for a GGUF file's contents, not its location: SHA-256 of its size, its first 4 MiB (the
-    header: metadata and the tensor table) and its last 4 MiB. Copies of one file at different paths
-    (one per virtualenv) share one converted directory; a different file gets its own."""
-    size = gguf_path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(gguf_path, "rb") as f:
-        digest.update(f.read(_FINGERPRINT_SPAN))
-        if size > _FINGERPRINT_SPAN:
-            f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
-            digest.update(f.read())
-    return digest.hexdigest()[:12]
-
-
-def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
-    """Cached HF directory for a GGUF file (converted on first use), keyed by its contents and by the
-    major version of transformers that converts it: the saved tokenizer files of one major cannot be
-    read by another (transformers 5 names a class 4.x lacks), and virtualenvs share one cache."""
-    out = (cache_dir() / "models"
-           / f"{label or gguf_path.stem}-{gguf_fingerprint(gguf_path)}-transformers{_transformers_release()[0]}")
-    if not (out / "config.json").is_file():
-        convert_gguf(gguf_path, out)
-    return out
 
 
 def base_model_id(spec: str) -> str | None:

@@ -361,7 +361,7 @@ def test_a_weight_blocks_share_is_pruned_once(text_file, tmp_path):
 def test_gguf_cache_key_follows_contents_not_location(tmp_path):
     """Each virtualenv holds its own copy of the embedded GGUF: copies must share one converted dir
     (a path-keyed cache grew by a full fp32 model per venv), while any change to the file must not."""
-    from shuffleprune.models import gguf_fingerprint
+    from shuffleprune.gguf import gguf_fingerprint
 
     body = bytearray(torch.randint(0, 256, (9 << 20,), generator=torch.Generator().manual_seed(0),
                                    dtype=torch.uint8).numpy().tobytes())
@@ -384,7 +384,7 @@ def test_gguf_cache_entry_is_converted_again_under_another_transformers_major(tm
     cache is shared by virtualenvs): each major version converts, and then reuses, its own entry."""
     import transformers
 
-    from shuffleprune import models
+    from shuffleprune import gguf as gguf_files
 
     monkeypatch.setenv("SHUFFLEPRUNE_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
@@ -396,10 +396,10 @@ def test_gguf_cache_entry_is_converted_again_under_another_transformers_major(tm
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(models, "convert_gguf", convert)
+    monkeypatch.setattr(gguf_files, "convert_gguf", convert)
     for version in ("4.57.6", "5.0.0", "5.24.0", "4.56.1"):
         monkeypatch.setattr(transformers, "__version__", version)
-        models.gguf_as_hf_dir(gguf)
+        gguf_files.gguf_as_hf_dir(gguf)
     assert len(converted) == 2 and converted[0] != converted[1]
     assert [out.name.endswith(f"transformers{major}") for out, major in zip(converted, "45")] == [True, True]
 

@@ -16,10 +16,10 @@ def smollm():
 
 
 def test_converted_gguf_generates_sensible_text(smollm):
-    from shuffleprune.models import _gguf_token_id
+    from shuffleprune.gguf import gguf_token_id
 
     tok = smollm.tokenizer
-    assert tok.eos_token_id == _gguf_token_id(embedded_gguf(), "tokenizer.ggml.eos_token_id")
+    assert tok.eos_token_id == gguf_token_id(embedded_gguf(), "tokenizer.ggml.eos_token_id")
     assert smollm.model.config.eos_token_id == tok.eos_token_id
     assert getattr(smollm.model.config, "quantization_config", None) is None
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

@@ -18,6 +18,14 @@ def package_version(package: str) -> str | None:
         return None
 
 
+def transformers_release() -> tuple[int, ...]:
+    """The installed transformers' release numbers: ``(5, 24, 0)`` for 5.24.0, 5.24.0rc1 or 5.24.0.dev0."""
+    import transformers
+    from packaging.version import Version   # transformers' own dependency
+
+    return Version(transformers.__version__).release
+
+
 def versions(*packages: str) -> dict[str, str | None]:
     """Python, torch and transformers versions plus any extra ``packages``."""
     out = {"python": sys.version.split()[0], "torch": torch.__version__,
