@@ -65,7 +65,7 @@ def test_blocks_that_check_the_mask_batch_return_longer_tuples_or_take_window_da
     0 does; Zamba2 passes its hybrid blocks each window's embeddings (recorded for every window, one
     copy for the blocks that share it). Replayed at batches of 3 and 2, the blocks give the model's
     own hidden states."""
-    from shuffleprune.block_inputs import _window_data
+    from shuffleprune.block_args import window_data
 
     model = tiny_model(arch)
     blocks = find_blocks(model)
@@ -73,7 +73,7 @@ def test_blocks_that_check_the_mask_batch_return_longer_tuples_or_take_window_da
     captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
     assert captured.hidden.shape == (5, 24, 64)
     assert (captured.output_rest is None) == (arch != "bamba")
-    data = [_window_data((captured.args[i], captured.kwargs[i])) for i in range(len(blocks))]
+    data = [window_data((captured.args[i], captured.kwargs[i])) for i in range(len(blocks))]
     if arch == "zamba2":   # every block is given the embeddings: one record of all 5 windows
         assert all(len(d) == 1 and d[0] is data[0][0] for d in data)
         assert torch.cat(data[0][0].parts).shape == (5, 24, 64)
@@ -88,14 +88,14 @@ def test_blocks_taking_the_windows_along_another_dim_are_replayed():
     their own layout; replayed at batches of 3 and 2 (its per-layer inputs are each window's own
     data; its last block reuses the keys and values the one before stores, kept per window), the
     blocks give the model's own hidden states."""
-    from shuffleprune.block_inputs import SharedState, _window_data
+    from shuffleprune.block_args import SharedState, window_data
 
     model = tiny_model("gemma3n_text")
     blocks = find_blocks(model)
     tokens = torch.randint(0, 128, (5, 24), generator=torch.Generator().manual_seed(0))
     captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
     assert captured.batch_dim == 1 and captured.hidden.shape == (5, 4, 24, 64)
-    assert all(_window_data((captured.args[i], captured.kwargs[i])) for i in range(len(blocks)))
+    assert all(window_data((captured.args[i], captured.kwargs[i])) for i in range(len(blocks)))
     # block 1 stores its keys and values for block 2 (KV sharing): one state handed to every block
     states = [[v for v in kw.values() if isinstance(v, SharedState)] for kw in captured.kwargs]
     assert all(len(s) == 1 and s[0] is states[0][0] for s in states) and captured.holds_shared_state()
@@ -113,7 +113,7 @@ def test_arguments_laid_out_per_window_are_repeated_for_each_batch():
     """BLOOM passes its ALiBi bias as ``[batch·heads, 1, L]``, which does not broadcast from one window:
     it is recognised by recording two windows and repeated for every batch size the blocks are run at
     (3 and the remainder 2 here), and the replayed blocks give the model's own hidden states."""
-    from shuffleprune.block_inputs import PerWindow
+    from shuffleprune.block_args import PerWindow
 
     model = tiny_model("bloom")
     blocks = find_blocks(model)
