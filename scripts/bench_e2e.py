@@ -90,7 +90,8 @@ def sparsify_like_export(model, gen) -> None:
 
     from shuffleprune.blocks import block_experts, block_linears, experts_by_tensor, find_blocks
     from shuffleprune.deploy.format import compress
-    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts
+    from shuffleprune.deploy.experts_export import compress_experts
+    from shuffleprune.deploy.experts_load import attach_sparse_experts
     from shuffleprune.deploy.shared_input import SharedGather
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.masks import nm_keep_mask

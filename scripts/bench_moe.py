@@ -97,7 +97,9 @@ def main() -> None:
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     from shuffleprune.blocks import block_experts, experts_by_tensor
-    from shuffleprune.deploy.sparse_experts import attach_sparse_experts, compress_experts, experts_mode, set_experts_mode
+    from shuffleprune.deploy.experts_export import compress_experts
+    from shuffleprune.deploy.experts_load import attach_sparse_experts
+    from shuffleprune.deploy.sparse_experts import experts_mode, set_experts_mode
     from shuffleprune.masks import nm_keep_mask
     from shuffleprune.perm.core import random_block_perm
     from shuffleprune.runtime.memory import module_bytes

@@ -375,9 +375,9 @@ def test_grouped_experts_forward_matches_the_eager_experts_and_never_waits_on_th
     from unittest.mock import patch
 
     from shuffleprune.deploy import sparse_experts
-    from shuffleprune.deploy.sparse_experts import (attach_sparse_experts, experts_mode, grouped_experts_forward,
-                                                    loop_experts_forward, nm_experts_forward, release_mode_choices,
-                                                    set_experts_mode)
+    from shuffleprune.deploy.experts_load import attach_sparse_experts
+    from shuffleprune.deploy.sparse_experts import (experts_mode, grouped_experts_forward, loop_experts_forward,
+                                                    nm_experts_forward, release_mode_choices, set_experts_mode)
     from shuffleprune.masks import nm_keep_mask
 
     dense = torch.nn.Module()

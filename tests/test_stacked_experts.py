@@ -258,7 +258,8 @@ def test_experts_pruned_only_in_part_stay_dense_in_the_export_listed_and_exact(t
 
 
 def test_a_stacked_expert_read_in_a_way_the_export_did_not_see_is_refused():
-    from shuffleprune.deploy.sparse_experts import SparseExperts, StackedProducts
+    from shuffleprune.deploy.sparse_experts import SparseExperts
+    from shuffleprune.deploy.stacked_serving import StackedProducts
     from shuffleprune.deploy.format import compress
     from shuffleprune.errors import UserError
 

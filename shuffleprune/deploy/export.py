@@ -40,7 +40,7 @@ from shuffleprune.report import read_report
 from shuffleprune.deploy.fold import fold_permutations
 from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE, is_exported
-from shuffleprune.deploy.sparse_experts import compress_experts, exportable_experts, was_pruned
+from shuffleprune.deploy.experts_export import compress_experts, exportable_experts, was_pruned
 from shuffleprune.stacked_experts import traced_stacked_experts
 
 HF_LOADER_FILE = "shuffleprune_hf.py"

@@ -16,7 +16,7 @@ from torch import nn
 
 from shuffleprune.deploy.format import check_compressed, check_index_map
 from shuffleprune.deploy.shared_input import SharedGather
-from shuffleprune.deploy.sparse_experts import attach_sparse_experts
+from shuffleprune.deploy.experts_load import attach_sparse_experts
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.errors import UserError
 

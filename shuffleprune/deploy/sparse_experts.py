@@ -3,13 +3,13 @@
 transformers 5 stores a layer's experts as one ``[experts, out, in]`` parameter per projection
 (``[experts, in, out]`` when the layer ``is_transposed``) and picks the experts forward by name from
 its experts interface (``config._experts_implementation``). ``export`` compresses each expert of a
-pruned fused parameter like a linear layer (``NAME[e].values`` / ``NAME[e].meta``, and the
-expert's index map ``NAME[e].perm`` when it has one: the kernel reads its input through it); on load
-:func:`attach_sparse_experts` stacks them in ``module.nm_experts[param]`` (expert ``e`` is
-``module.nm_experts[param][e]``), drops the dense parameter, and selects :func:`nm_experts_forward`,
-registered with transformers as ``"shuffleprune_nm"``: gate or activation, biases, post-expert norm
-and routing weights as transformers computes them, each projection run sparse, or by its dense
-slice where a parameter was left dense.
+pruned fused parameter like a linear layer (:mod:`.experts_export`: ``NAME[e].values`` / ``NAME[e].meta``,
+and the expert's index map ``NAME[e].perm`` when it has one: the kernel reads its input through it);
+on load :func:`~shuffleprune.deploy.experts_load.attach_sparse_experts` stacks them in
+``module.nm_experts[param]`` (expert ``e`` is ``module.nm_experts[param][e]``), drops the dense
+parameter, and selects :func:`nm_experts_forward`, registered with transformers as ``"shuffleprune_nm"``:
+gate or activation, biases, post-expert norm and routing weights as transformers computes them, each
+projection run sparse, or by its dense slice where a parameter was left dense.
 
 A fused projection is held as one :class:`SparseExperts`: every expert's values, positions and map
 stacked (``[E, R, K]``, ``[E, R, B]``, ``[E, C]``), with each expert's :class:`SparseLinear` a view.
@@ -41,11 +41,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from shuffleprune.blocks import ExpertWeight, block_experts, expert_name, experts_by_tensor, is_fused_experts
 from shuffleprune.deploy import choice_store
-from shuffleprune.deploy.format import check_compressed, check_index_map, compress, meta_bits
+from shuffleprune.deploy.format import meta_bits
 from shuffleprune.deploy.input_gather import token_bucket
 from shuffleprune.deploy.auto_choice import AGREE_RTOL, relative_error
 from shuffleprune.deploy.sparse_linear import SparseLinear
@@ -53,7 +51,6 @@ from shuffleprune.errors import UserError
 from shuffleprune.runtime.faults import candidate_errors, first_line, raise_if_fault
 from shuffleprune.runtime.graph_pools import capturing, outside_graph_pools
 from shuffleprune.runtime.timing import eager_ms
-from shuffleprune.stacked_experts import expert_layout, matmul_operands
 
 IMPLEMENTATION = "shuffleprune_nm"
 MODES = ("auto", "grouped", "loop")
@@ -327,7 +324,8 @@ def loop_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_ind
     return out.to(hidden_states.dtype)
 
 
-def _register() -> None:
+def register_experts_forward() -> None:
+    """Register :func:`nm_experts_forward` with transformers' experts interface as :data:`IMPLEMENTATION`."""
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError as exc:  # transformers 4 has no experts interface (nor fused experts)
@@ -336,171 +334,6 @@ def _register() -> None:
 
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, nm_experts_forward)
-
-
-def was_pruned(name: str, weight: torch.Tensor, pruned: set[str] | None) -> bool:
-    """Whether the run sparsified the layer or expert matrix ``name``: named in ``pruned`` (its
-    report's layers), or, without a report, holding a zero."""
-    return name in pruned if pruned is not None else bool((weight == 0).any())
-
-
-def exportable_experts(block: nn.Module, prefix: str, pruned: set[str] | None = None,
-                       stacked: dict[str, ExpertWeight] | None = None) -> dict[str, dict[int, ExpertWeight]]:
-    """``{full_param_name: its experts}`` of a block's fused expert parameters (and of ``stacked``,
-    its experts in layouts of the model's own) whose every expert :func:`was_pruned`; a parameter
-    left dense, wholly or in part, stays in the dense checkpoint."""
-    experts = {**block_experts(block, prefix), **(stacked or {})}
-    return {name: members for name, members in experts_by_tensor(experts).items()
-            if len(members) == next(iter(members.values())).fused().shape[0]
-            and all(was_pruned(expert_name(name, e), x.weight, pruned) for e, x in members.items())}
-
-
-def compress_experts(name: str, experts: dict[int, ExpertWeight], n: int, m: int,
-                     maps: dict[int, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """One fused projection's pruned experts as the export stores them: each expert's N:M values and
-    positions (``{expert_name}.values`` / ``.meta``), in its map's column order where ``maps`` has
-    one (stored as ``.perm``, int32), and the format's entry for the projection (expert count,
-    ``[out, in]``, the fused layout, whether maps are stored)."""
-    tensors, maps = {}, maps or {}
-    for e, expert in experts.items():
-        key, perm = expert_name(name, e), maps.get(e)
-        w = expert.weight if perm is None else expert.weight[:, perm.to(expert.weight.device)]
-        tensors[f"{key}.values"], tensors[f"{key}.meta"] = compress(w, n, m, key)
-        if perm is not None:
-            tensors[f"{key}.perm"] = perm.to(torch.int32).contiguous()
-    first = next(iter(experts.values()))
-    entry = {"experts": len(experts), "shape": list(first.weight.shape), "transposed": first.transposed,
-             "perm": any(e in maps for e in experts)}
-    if first.scope is not None:   # a layout of the model's own: how it is read, and by which module's forward
-        entry["stacked"] = {"view": list(first.view), "scope": first.scope}
-    return tensors, entry
-
-
-def attach_sparse_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: dict, policy: str = "auto") -> None:
-    """Hold the exported fused expert parameters of ``model`` compressed (``fmt["experts"]``) and run
-    their layers with :func:`nm_experts_forward`."""
-    entries = fmt.get("experts") or {}
-    if not entries:
-        return
-    if any("stacked" not in info for info in entries.values()):
-        _register()
-    n, m = fmt["n"], fmt["m"]
-    configs = {}
-    for name, info in entries.items():
-        owner_name, _, param = name.rpartition(".")
-        module = model.get_submodule(owner_name)
-        dense = getattr(module, param, None)
-        rows, cols = info["shape"]
-        stacked = info.get("stacked")
-        fits = dense is not None and (dense.numel() == info["experts"] * rows * cols if stacked
-                                      else is_fused_experts(module) and dense.shape[0] == info["experts"])
-        if not fits:
-            raise UserError(f"exported experts '{name}' ({info['experts']} × {rows}×{cols}) do not match the model config")
-        values, metas, perms = [], [], []
-        for e in range(info["experts"]):
-            key = expert_name(name, e)
-            if f"{key}.values" not in tensors or f"{key}.meta" not in tensors:
-                raise UserError(f"corrupt export: tensor '{key}.values' or '{key}.meta' missing from the sparse file")
-            check_compressed(f"{key}.values/meta", tensors[f"{key}.values"], tensors[f"{key}.meta"], (rows, cols), n, m)
-            check_index_map(key, tensors.get(f"{key}.perm"), cols)
-            values.append(tensors.pop(f"{key}.values").to(dense.dtype))   # popped: the stack is the one copy
-            metas.append(tensors.pop(f"{key}.meta"))
-            perms.append(tensors.pop(f"{key}.perm", None))
-        mapped = [p is not None for p in perms]
-        perm = None if not any(mapped) else torch.stack(
-            [p.to(dense.device, torch.int32) if p is not None else torch.arange(cols, dtype=torch.int32, device=dense.device)
-             for p in perms])
-        if not hasattr(module, "nm_experts"):
-            module.nm_experts = nn.ModuleDict()
-        module.nm_experts[param] = SparseExperts(torch.stack(values).to(dense.device), torch.stack(metas).to(dense.device),
-                                                 cols, n, m, None if perm is None else perm.to(dense.device), mapped,
-                                                 policy=policy)
-        module.nm_experts[param].owner = module
-        if stacked:
-            serve_stacked(model.get_submodule(stacked["scope"]), module, param, module.nm_experts[param],
-                          tuple(stacked["view"]), info["transposed"])
-            continue
-        module.register_parameter(param, None)   # no dense copy
-        configs[id(module.config)] = module.config
-    for config in configs.values():
-        config._experts_implementation = IMPLEMENTATION
-
-
-def serve_stacked(scope: nn.Module, owner: nn.Module, param: str, experts: SparseExperts,
-                  view: tuple[int, int, int], transposed: bool) -> None:
-    """Serve experts kept in a layout of the model's own (:mod:`shuffleprune.stacked_experts`) from
-    ``experts``: ``owner.param`` becomes a stand-in on the meta device (its shape, views and offsets,
-    no data), and while ``scope`` runs (the module whose forward holds every use of it, found when
-    the export traced the model) :class:`StackedProducts` computes each matrix product on a view of
-    it with the compressed experts. The model's own forward runs unchanged around them."""
-    dense = getattr(owner, param)
-    stand_in = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
-    del owner._parameters[param]                  # no dense copy
-    setattr(owner, param, stand_in)
-    held = getattr(scope, "nm_stacked", None)
-    if held is None:
-        held = scope.nm_stacked = {}
-        forward = scope.forward
-
-        @torch.compiler.disable   # torch.compile: the scope runs eagerly (one graph break), the mode inside it
-        def serve(*args, **kwargs):
-            with StackedProducts(held):
-                return forward(*args, **kwargs)
-        scope.forward = serve
-    held[id(stand_in)] = (stand_in, experts, view, transposed)
-
-
-class StackedProducts(TorchFunctionMode):
-    """While active: a matrix product whose right operand (``F.linear``'s weight turned round) is a
-    view of a stand-in of ``held`` (``{id: (stand_in, SparseExperts, view, transposed)}``) runs on the
-    compressed experts the view selects: one expert's slice through its :class:`SparseLinear`, all
-    of them at once (``torch.bmm``) expert by expert. Any other call runs as it is."""
-
-    def __init__(self, held: dict[int, tuple]):
-        super().__init__()
-        self.held = held
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        operands = matmul_operands(func, args, kwargs)
-        if operands is not None and operands[1].is_meta:
-            x, w = operands
-            entry = self.held.get(id(w if w._base is None else w._base))
-            if entry is not None:
-                bias = (args[2] if len(args) > 2 else (kwargs or {}).get("bias")) if func is F.linear else None
-                y = _stacked_product(x, w, *entry)
-                return y if bias is None else y + bias
-        return func(*args, **(kwargs or {}))
-
-
-STACKED_GROUPED_MAX_ROWS = 16   # auto: all experts at once by the grouped (decode) kernel up to this many rows each
-
-
-def _stacked_grouped(experts: SparseExperts, x: torch.Tensor) -> bool:
-    """Whether a product over all stacked experts at once runs as one grouped launch: as ``mode``
-    says, and under ``auto`` where the kernel runs (CUDA, N and M powers of two) for decode-sized
-    inputs (not measured on a GPU yet: the per-expert layers' own choices serve longer inputs)."""
-    if experts.mode != "auto":
-        return experts.mode == "grouped"
-    return grouped_runs_on(x) and experts.kernels_apply() and x.shape[1] <= STACKED_GROUPED_MAX_ROWS
-
-
-def _stacked_product(x: torch.Tensor, w: torch.Tensor, stand_in: torch.Tensor, experts: SparseExperts,
-                     view: tuple[int, int, int], transposed: bool) -> torch.Tensor:
-    """``x · w`` for ``w`` a view (``[in, out]``, or ``[experts, in, out]``) of a stacked-experts
-    stand-in, computed by the compressed experts it selects."""
-    if expert_layout(w, stand_in) != (view, transposed):
-        raise UserError(f"the model reads its exported experts {tuple(stand_in.shape)} in a way its export did not "
-                        f"see ({tuple(w.shape)} at offset {w.storage_offset()}); export it again with this transformers")
-    if w.dim() == 3:
-        if x.dim() != 3 or x.shape[0] != len(experts):
-            raise UserError(f"a product of {tuple(x.shape)} with all {len(experts)} exported experts at once needs "
-                            "the experts as its leading dimension")
-        if _stacked_grouped(experts, x):   # every (expert, row) pair in one launch
-            ids = torch.arange(len(experts), device=x.device).repeat_interleave(x.shape[1])
-            y, _ = experts.grouped(x.reshape(-1, x.shape[-1]), ids, 1)
-            return y.view(len(experts), x.shape[1], -1)
-        return torch.stack([experts[e](x[e]) for e in range(len(experts))])
-    return experts[(w.storage_offset() - stand_in.storage_offset()) // w.numel()](x)
 
 
 def set_experts_mode(model: nn.Module, mode: str) -> int:
