@@ -106,9 +106,10 @@ def prune(
 ) -> None:
     """Prune a model one-shot to N:M (or unstructured) sparsity, block by block, and report perplexity.
 
-    Rare knobs (kept for scripts, hidden here) map onto recipe stage parameters: --recon,
-    --perm-init, --perm-loss, --relax, --perm-block/-steps/-lr/-lr-decay/-lambda/-share/-batch/-holdout,
-    --mask-stats. See README → Recipes.
+    Rare knobs, hidden here and kept for scripts, set recipe stage parameters
+    (README → Recipes): --recon, --perm-init, --perm-loss, --relax, --perm-block,
+    --perm-steps, --perm-lr, --perm-lr-decay, --perm-lambda, --perm-share,
+    --perm-batch, --perm-holdout, --mask-stats.
     """
     from shuffleprune.deploy.export import check_export_target
     from shuffleprune.plots import check_plot_dir
