@@ -15,7 +15,7 @@ from shuffleprune.errors import UserError
 
 def attach_sparse_experts(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: dict, policy: str = "auto") -> None:
     """Hold the exported fused expert parameters of ``model`` compressed (``fmt["experts"]``) and run
-    their layers with :func:`nm_experts_forward`."""
+    their layers with :func:`~shuffleprune.deploy.sparse_experts.nm_experts_forward`."""
     entries = fmt.get("experts") or {}
     if not entries:
         return

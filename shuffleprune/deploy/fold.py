@@ -1,19 +1,17 @@
 """Folding index maps away before compression.
 
-When a linear's input is
-produced elementwise from the outputs of other linears of its block (LLaMA's down_proj reads
-``act(gate(h)) · up(h)``), permuting those producers' output rows by the consumer's index map makes
-the consumer read its input in order. Candidates are found from shapes alone (producers whose
-``out_features`` equal the consumer's ``in_features``; where a module of per-channel weights sits
-between producer and consumer, as MLA's ``q_a_layernorm`` between ``q_a_proj`` and ``q_b_proj``, its
-weights are permuted with the rows, found by forward hooks) and every fold is kept only if the block's
-output on a probe input is unchanged (a fold inside a block cannot change anything outside it), and
-the whole decoder's too (:data:`MODEL_FOLD_TOLERANCE`), so no architecture is assumed. Example: o_proj's
-map folds into v_proj's rows under multi-head attention when it stays within heads (permutation blocks
-dividing the head size); under GQA v_proj has fewer rows than o_proj has inputs, and the fold is
-tried only when the map is identical for the query heads that share a KV head (head counts from
-the model config); otherwise the map stays a runtime gather (as when a fold into q/k would break
-attention).
+When a linear's input is produced elementwise from the outputs of other linears of its block (LLaMA's
+down_proj reads ``act(gate(h)) · up(h)``), permuting those producers' output rows by the consumer's index map
+makes the consumer read its input in order. Candidates are found from shapes alone (producers whose
+``out_features`` equal the consumer's ``in_features``; where a module of per-channel weights sits between
+producer and consumer, as MLA's ``q_a_layernorm`` between ``q_a_proj`` and ``q_b_proj``, its weights are
+permuted with the rows, found by forward hooks) and every fold is kept only if the block's output on a probe
+input is unchanged (a fold inside a block cannot change anything outside it), and the whole decoder's too
+(:data:`MODEL_FOLD_TOLERANCE`), so no architecture is assumed. Example: o_proj's map folds into v_proj's rows
+under multi-head attention when it stays within heads (permutation blocks dividing the head size); under GQA
+v_proj has fewer rows than o_proj has inputs, and the fold is tried only when the map is identical for the
+query heads that share a KV head (head counts from the model config); otherwise the map stays a runtime gather
+(as when a fold into q/k would break attention).
 """
 from __future__ import annotations
 

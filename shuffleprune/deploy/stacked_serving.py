@@ -40,7 +40,7 @@ def serve_stacked(scope: nn.Module, owner: nn.Module, param: str, experts: Spars
 class StackedProducts(TorchFunctionMode):
     """While active: a matrix product whose right operand (``F.linear``'s weight turned round) is a
     view of a stand-in of ``held`` (``{id: (stand_in, SparseExperts, view, transposed)}``) runs on the
-    compressed experts the view selects: one expert's slice through its :class:`SparseLinear`, all
+    compressed experts the view selects: one expert's slice through its :class:`.sparse_linear.SparseLinear`, all
     of them at once (``torch.bmm``) expert by expert. Any other call runs as it is."""
 
     def __init__(self, held: dict[int, tuple]):

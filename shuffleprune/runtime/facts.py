@@ -54,8 +54,8 @@ def _cpu_count() -> int:
 
 def gpu_facts(device: torch.device) -> dict:
     """What a report records of a CUDA compute device, the one named (``cuda:1`` too, not the current
-    device): its name and the peak memory allocated on it since :func:`start_run_peak` (else over this
-    process's life), in MB, the per-stage marks of :func:`reset_peak_memory` included; for any other
+    device): its name and the peak memory allocated on it since :func:`.memory.start_run_peak` (else over this
+    process's life), in MB, the per-stage marks of :func:`.memory.reset_peak_memory` included; for any other
     device, nothing."""
     if device.type != "cuda":
         return {}

@@ -89,7 +89,7 @@ _CUDA_PEAK_BEFORE_RESET: dict[int, int] = {}   # per GPU index: bytes allocated 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new high-water mark for :func:`peak_memory_mb`: the CUDA allocator's on a GPU; the
     process's peak RSS on Linux (``/proc/self/clear_refs``; where that is refused the mark simply
-    keeps rising). :func:`peak_rss_mb` still reports the whole process's peak, :func:`gpu_facts` the
+    keeps rising). :func:`peak_rss_mb` still reports the whole process's peak, :func:`.facts.gpu_facts` the
     run's since :func:`start_run_peak`."""
     global _PEAK_BEFORE_RESET_MB
     if device.type == "cuda":
@@ -105,7 +105,7 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def start_run_peak(device: torch.device) -> None:
-    """On a GPU, start the whole-run high-water mark :func:`gpu_facts` reports (a run's, not an earlier
+    """On a GPU, start the whole-run high-water mark :func:`.facts.gpu_facts` reports (a run's, not an earlier
     run's in the same process); elsewhere nothing (the host's RSS peak is the process's)."""
     if device.type == "cuda":
         _CUDA_PEAK_BEFORE_RESET.pop(indexed_cuda(device).index, None)

@@ -23,9 +23,9 @@ def cuda_graph_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 
     and the host's launch cost counts. Returns ``(ms, "cuda_graph" | "events")``. ``outputs``, where
     given, receives what the last :data:`REPLAYED_KEPT` calls returned as the timed runs left it (a
     replay rewrites the captured outputs in place): a check of the results as served, where consecutive
-    calls may overlap, not only of one eager call. Every wait for the GPU polls (:func:`wait_or_fault`): a
-    call that never finishes, in the warm rounds or only as replayed, is a :class:`DeviceFault` naming
-    ``what`` and ``fix`` after ``limit_s`` (default :data:`HANG_LIMIT_S`), not a process hung until its step's
+    calls may overlap, not only of one eager call. Every wait for the GPU polls (:func:`.faults.wait_or_fault`): a
+    call that never finishes, in the warm rounds or only as replayed, is a :class:`.faults.DeviceFault` naming
+    ``what`` and ``fix`` after ``limit_s`` (default :data:`.faults.HANG_LIMIT_S`), not a process hung until its step's
     limit."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -80,7 +80,7 @@ def eager_ms(calls: Sequence[Callable[[], object]], reps: int, warm: int = 1) ->
 def _events_ms(run: Callable[[], None], reps: int, calls: int, what: str = "a timed call",
                fix: str = "", limit_s: float | None = None) -> float:
     """The median over ``reps`` of ``run``'s time between two CUDA events, per one of its ``calls``; each wait
-    polls (:func:`wait_or_fault`, naming ``what`` and ``fix``)."""
+    polls (:func:`.faults.wait_or_fault`, naming ``what`` and ``fix``)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
