@@ -149,3 +149,16 @@ def test_every_package_folder_is_one_the_wheel_installs():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {name for name, path in _modules().items() if path.name == "__init__.py"}
     assert "shuffleprune.runtime" in folders and folders == listed, (folders - listed, listed - folders)
+
+
+def test_every_module_is_in_the_readmes_picture_of_the_code():
+    """The README's "How it is built" is the living picture of the code: a module added, moved or renamed
+    without it there fails here (kernels name their CUDA text and Python launcher together: ``x.cu / .py``)."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("## How it is built")
+    section = readme[start:readme.index("\n## ", start + 1)]
+    modules = [path for tree in TREES.values() for path in tree.rglob("*.py") if path.name != "__init__.py"]
+    assert any(path.name == "fold.py" for path in modules)
+    missing = [str(path.relative_to(REPO)) for path in modules
+               if path.name not in section and f"{path.stem}.cu / .py" not in section]
+    assert missing == [], f"not in README's How it is built: {missing}"
