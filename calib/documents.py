@@ -115,13 +115,13 @@ def row_reader(what: str, row: dict, fix: str | None = None) -> RowReader:
 
 def documents_of_rows(rows: Iterable[dict], what: str, fix: str | None = None) -> list[str]:
     """The documents of a dataset's rows, each read as :func:`row_reader` reads the first (``what`` and ``fix``
-    for its error); a row without one is left out."""
+    for its error); a row without one, or whose text is blank, is left out."""
     rows = iter(rows)
     first = next(rows, None)
     if first is None:
         return []
     read = row_reader(what, first, fix).read
-    return [d for d in map(read, itertools.chain([first], rows)) if d is not None]
+    return [d for d in map(read, itertools.chain([first], rows)) if d is not None and d.strip()]
 
 
 def held_out_split(docs: list[str], split: str) -> list[str]:

@@ -189,6 +189,5 @@ def load_hub_dataset(hub: HubDataset, split: str) -> list[str]:
         raise
     except Exception as exc:  # datasets raises many types for "no network" or "no such dataset"
         raise _unreadable(hub, exc) from exc
-    docs = [d for d in docs if isinstance(d, str) and d.strip()]
     # a named split is used whole; one split for both sides: every 10th document held out
     return docs if hub.split or held_out else held_out_split(docs, split)
