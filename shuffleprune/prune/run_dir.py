@@ -111,22 +111,37 @@ def load_data(work: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
     return data["tokens"], data["held_out"]
 
 
+def _inputs_file(work: Path, index: int, dense: bool = False) -> Path:
+    """Where block ``index``'s inputs are kept (``dense``: the dense stream's)."""
+    return work / f"{'dense_' if dense else ''}hidden_{index}.pt"
+
+
+def _block_file(work: Path, index: int) -> Path:
+    """Where block ``index``'s pruned weights are kept."""
+    return work / f"block_{index}.safetensors"
+
+
+def _maps_file(work: Path, index: int) -> Path:
+    """Where block ``index``'s index maps are kept (a block without maps has none)."""
+    return work / f"perms_{index}.safetensors"
+
+
 def load_inputs(work: Path, index: int, dense: bool = False) -> torch.Tensor:
     """Block ``index``'s inputs as the interrupted run checkpointed them (``dense``: the dense stream's)."""
-    return torch.load(work / f"{'dense_' if dense else ''}hidden_{index}.pt")
+    return torch.load(_inputs_file(work, index, dense))
 
 
 def load_block(work: Path, index: int, block: torch.nn.Module) -> None:
     """Load block ``index``'s pruned weights, as the interrupted run checkpointed them, into ``block``."""
-    block.load_state_dict(load_file(str(work / f"block_{index}.safetensors")))
+    block.load_state_dict(load_file(str(_block_file(work, index))))
 
 
 def done_index_maps(work: Path, start: int) -> dict[str, torch.Tensor]:
     """The index maps of the ``start`` blocks an interrupted run finished."""
     maps: dict[str, torch.Tensor] = {}
     for j in range(start):
-        if (work / f"perms_{j}.safetensors").is_file():
-            maps.update(load_index_maps(work / f"perms_{j}.safetensors"))
+        if _maps_file(work, j).is_file():
+            maps.update(load_index_maps(_maps_file(work, j)))
     return maps
 
 
@@ -134,13 +149,13 @@ def checkpoint_block(work: Path, i: int, block: torch.nn.Module, perms: dict, ne
                      state: dict, next_dense: torch.Tensor | None = None) -> None:
     """Save block ``i``'s weights, maps and outputs (and the dense stream's), then the state that
     points past it (a resume finds either the old state or all of the new files)."""
-    save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(work / f"block_{i}.safetensors"))
+    save_file({k: v.contiguous() for k, v in block.state_dict().items()}, str(_block_file(work, i)))
     if perms:
-        save_index_maps(perms, work / f"perms_{i}.safetensors")
+        save_index_maps(perms, _maps_file(work, i))
     if next_hidden is not None:
-        atomic_save(next_hidden.cpu(), work / f"hidden_{i + 1}.pt")
+        atomic_save(next_hidden.cpu(), _inputs_file(work, i + 1))
     if next_dense is not None:
-        atomic_save(next_dense.cpu(), work / f"dense_hidden_{i + 1}.pt")
+        atomic_save(next_dense.cpu(), _inputs_file(work, i + 1, dense=True))
     save_state(state, work)
-    (work / f"hidden_{i}.pt").unlink(missing_ok=True)
-    (work / f"dense_hidden_{i}.pt").unlink(missing_ok=True)
+    _inputs_file(work, i).unlink(missing_ok=True)
+    _inputs_file(work, i, dense=True).unlink(missing_ok=True)
