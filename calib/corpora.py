@@ -10,6 +10,7 @@ from functools import lru_cache
 from shuffleprune.cache import npm_package_dir, pypi_member
 from shuffleprune.errors import UserError
 
+
 @lru_cache(maxsize=4)
 def wiki_documents() -> tuple[str, ...]:
     """The ``wiki`` corpus: each article's lead section, in title order."""

@@ -330,8 +330,7 @@ def dst(
 ) -> None:
     """Dynamic sparse training from scratch (RigL-style schedules, structured masks, learned permutations)."""
     from shuffleprune.calib import held_out_part
-    from shuffleprune.dst.config import DSTConfig
-    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.config import DSTConfig, TrainConfig
     from shuffleprune.dst.train import is_main_process, train
 
     cfg = TrainConfig(arch=arch, config_kw=_config_kw(config_kw), tokenizer=tokenizer, data=data, seq_len=seq_len,
