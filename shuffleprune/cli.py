@@ -175,14 +175,17 @@ def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = N
 @app.command()
 def export(
     pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`)."),
-    out: Path = typer.Argument(..., help="Where to write the compressed checkpoint."),
+    out: Optional[Path] = typer.Argument(None, show_default=False, help="Where to write the compressed checkpoint (or --out, as prune, eval and dst take it)."),
+    out_option: Optional[Path] = typer.Option(None, "--out", show_default=False, help="The same as OUT."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern (default: the one in prune_report.json)."),
     fold: bool = typer.Option(True, "--fold/--no-fold", help="Fold input permutations into producer rows where the logits stay the same."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (never one holding an input)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
 ) -> None:
     """Write a deployable N:M checkpoint: compressed values + 2-bit positions + index maps (load with shuffleprune.load)."""
-    _export(pruned, out, overwrite, pattern, fold, progress=not quiet)
+    if (out is None) == (out_option is None):
+        _fail(UserError("give where to write the checkpoint once: shuffleprune export PRUNED OUT, or PRUNED --out OUT"))
+    _export(pruned, out if out is not None else out_option, overwrite, pattern, fold, progress=not quiet)
 
 
 def _write_plots(report: dict, plots: Path) -> None:

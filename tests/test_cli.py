@@ -421,3 +421,17 @@ def test_a_model_larger_than_the_free_memory_is_warned_about_before_it_loads(tin
     assert [l for l in res.output.splitlines() if "CPU memory" in l] == [
         f"warning: '{tiny_dir}' takes about {size / 1024:.0f} KiB of CPU memory to load (its weights are held there "
         "whole), and 1000 B is available: the process may be killed for memory"], res.output
+
+
+def test_text_source_help_names_every_text_file_kind():
+    """``--calib``, ``--ppl-text`` and ``--data`` write the file kinds out (importing ``calib.files`` would
+    load torch at the CLI's start); each names exactly :data:`calib.files.TEXT_FILES` and gzip, so a kind
+    added to the readers and not to the help fails here."""
+    import typer.main
+
+    from shuffleprune.calib.files import TEXT_FILES
+
+    commands = typer.main.get_command(app).commands
+    for command, flag in (("prune", "--calib"), ("eval", "--ppl-text"), ("dst", "--data")):
+        param = next(p for p in commands[command].params if flag in p.opts)
+        assert TEXT_FILES in param.help and ".gz too" in param.help, (command, flag, param.help)

@@ -334,6 +334,15 @@ def test_export_cli_errors_leave_nothing(pruned_perm_dir, tmp_path, tiny_dir):
     assert "permutations folded" in r.output
     r = runner.invoke(app, ["export", str(tmp_path / "e4"), str(tmp_path / "e5")])  # an export given again
     assert r.exit_code == 2 and "is an export already" in r.output and not (tmp_path / "e5").exists()
+    # --out, as prune, eval and dst take it, names the same place as the positional OUT; exactly one of them
+    r = runner.invoke(app, ["export", str(pruned_perm_dir), "--out", str(tmp_path / "e6"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "e6").iterdir()) == sorted(p.name for p in (tmp_path / "e4").iterdir())
+    for where in ([], [str(tmp_path / "e7"), "--out", str(tmp_path / "e8")]):
+        r = runner.invoke(app, ["export", str(pruned_perm_dir), *where])
+        assert r.exit_code == 2 and "give where to write the checkpoint once" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "e7").exists() and not (tmp_path / "e8").exists()
 
 
 def test_o_proj_map_folds_into_v_proj_without_gqa(tmp_path, text_file):
