@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shuffleprune.deploy.format import compress, meta_bits
-from shuffleprune.deploy import auto_choice
+from shuffleprune.deploy import auto_choice, impl_rules
 from shuffleprune.deploy.impls import IMPLS, LIBRARY_IMPLS, SWAP_TILES, default_choice
 from shuffleprune.deploy.sparse_linear import SparseLinear
 from shuffleprune.masks import nm_keep_mask
@@ -1383,7 +1383,7 @@ def test_block_offsets_are_made_only_for_maps_within_small_blocks_and_auto_no_lo
     wide = SparseLinear(values, meta, 512, 2, 4, perm=torch.randperm(512, generator=gen))
     plain = SparseLinear(values, meta, 512, 2, 4)
     one, many = torch.randn(1, 512).half(), torch.randn(17, 512).half()
-    assert block._offsets_apply() and not wide._offsets_apply() and not plain._offsets_apply()
+    assert impl_rules.offsets_apply(block) and not impl_rules.offsets_apply(wide) and not impl_rules.offsets_apply(plain)
     for layer in (block, wide, plain):
         assert not set(NOT_WEIGHED) & set(layer.candidates(one) + layer.candidates(many))
     assert "decode_mapped_tall" in block.candidates(one)   # the 32-row tile reading the map stays weighed

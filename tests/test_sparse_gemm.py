@@ -357,6 +357,7 @@ def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, 
     """``SparseLinear.run("gemm_sparse_mma")`` (and ``"gemm_sparse_wgmma"``) hands the kernel (here its text under the
     emulator, in its form) the gathered input, the layer's one buffer in its layout and its bias, and returns the
     layer's output; ``"gemm_sparse_wgmma_mapped"`` hands it the input as it is and the layer's map."""
+    from shuffleprune.deploy import impl_rules
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.kernels import nm_sparse_gemm as sg
 
@@ -379,7 +380,7 @@ def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, 
                     perm=perm).reshape(*inp.shape[:-1], -1)
 
     monkeypatch.setattr(sg, "nm_sparse_gemm", on_the_emulator)
-    monkeypatch.setattr(SparseLinear, "_sparse_gemm_applies", lambda self, x, wgmma=False: True)
+    monkeypatch.setattr(impl_rules, "sparse_gemm_applies", lambda layer, x, wgmma=False: True)
     y = layer.run(impl, x)
     assert seen == [(tiled, impl != "gemm_sparse_mma", impl == "gemm_sparse_wgmma_mapped")]
     assert y.shape == (*x.shape[:-1], 128)

@@ -541,6 +541,7 @@ def test_compile_own_asks_nvrtc_for_the_architecture_specific_target(monkeypatch
 def test_a_layer_runs_each_sparse_mma_policy_with_its_plan(monkeypatch, impl):
     """``SparseLinear.run`` hands each sparse-MMA policy its input (gathered, or with the map) and plan; the kernel
     (here its text under the emulator, 4 SMs) computes the layer's output with either plan."""
+    from shuffleprune.deploy import impl_rules
     from shuffleprune.deploy.sparse_linear import SparseLinear
     from shuffleprune.kernels import nm_sparse_mma as sp
 
@@ -560,7 +561,7 @@ def test_a_layer_runs_each_sparse_mma_policy_with_its_plan(monkeypatch, impl):
         return run_cpu(inp, values, words, bias, tiled, plan, perm=None if perm is None else perm.to(torch.int32))[0]
 
     monkeypatch.setattr(sp, "nm_sparse_mma", on_the_emulator)
-    monkeypatch.setattr(SparseLinear, "_sparse_mma_applies", lambda self, x, mapped=False: True)
+    monkeypatch.setattr(impl_rules, "sparse_mma_applies", lambda layer, x, mapped=False: True)
     y = layer.run(impl, x)
     tall, mapped, rw, inline = launched[-1]
     assert (tall, mapped, inline) == (impl.endswith("_tall"), "mapped" in impl, impl.endswith("_inline"))

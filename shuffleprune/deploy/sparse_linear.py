@@ -5,7 +5,8 @@
 No layer keeps a dense copy: GPU memory holds the compressed size.
 
 The layer holds its weight and index map, knows which implementations can run it for an input
-(:meth:`SparseLinear.candidates`; the implementations and their kernel options are :mod:`.impls`) and
+(:meth:`SparseLinear.candidates`, by the rules of :mod:`.impl_rules`; the implementations and their kernel
+options are :mod:`.impls`) and
 runs one (:meth:`SparseLinear.run`): its ``policy``, or under ``policy="auto"`` the one
 :mod:`.auto_choice` measured fastest for this kind of layer and token count (on the CPU ``scratch``).
 Under ``torch.compile`` the layer is one opaque operator (:func:`sparse_linear_op`).
@@ -21,13 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shuffleprune.deploy import auto_choice
+from shuffleprune.deploy import auto_choice, impl_rules
 from shuffleprune.deploy.format import decompress, meta_bits
-from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GATHER_MAX_TOKENS, GEMM_KERNELS,
-                                       GEMM_MIN_TOKENS, IMPLS, MAPPED_DECODES, MAPPED_MAX_TOKENS, NOT_WEIGHED,
-                                       PDL_SUFFIX, SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_MMA_DECODES, SPARSE_WGMMA,
-                                       SPARSE_WGMMA_MAPPED, SWAP_TILES, TILE_MAX_TOKENS, default_choice, known_policy,
-                                       skipped_impls, split_pdl)
+from shuffleprune.deploy.impls import (CSLT_TOKEN_MULTIPLE, DECODE_KERNELS, GEMM_KERNELS, IMPLS, MAPPED_DECODES,
+                                       PDL_SUFFIX, SPARSE_GEMM, SPARSE_MMA_DECODES, SPARSE_WGMMA, SPARSE_WGMMA_MAPPED,
+                                       default_choice, known_policy, split_pdl)
 from shuffleprune.deploy.input_gather import gather_input, map_span, token_bucket
 from shuffleprune.deploy.shared_input import SharedGather
 from shuffleprune.runtime.graph_pools import capturing, outside_graph_pools
@@ -201,9 +200,6 @@ class SparseLinear(nn.Module):
             return self.shared_gather.get(x, id(self), gather)
         return gather(x)
 
-    def _pow2(self) -> bool:
-        return not (self.n & (self.n - 1) or self.m & (self.m - 1))
-
     def inverse_map(self) -> torch.Tensor:
         """The index map's inverse as int32 (``inverse[perm[j]] = j``), made once per map (again after
         ``.to()`` replaced it)."""
@@ -212,19 +208,11 @@ class SparseLinear(nn.Module):
             self._inverse = (perm, outside_graph_pools(lambda: torch.argsort(perm).to(torch.int32), perm))
         return self._inverse[1]
 
-    def _offsets_apply(self) -> bool:
-        """Whether the map fits ``decode_offsets``: within aligned blocks of at most 256 columns (as ``prune``
-        writes them), its width a multiple of 4."""
-        from shuffleprune.kernels.nm_decode import MAX_BLOCK_SPAN
-
-        span = self.map_span
-        return span is not None and span <= MAX_BLOCK_SPAN and self.in_features % 4 == 0
-
     def block_map(self) -> tuple[torch.Tensor, int] | None:
         """The map as 1-byte offsets within its blocks and their span (``decode_offsets``), made once per
         map, outside any CUDA graph capture (inside one with none made yet, and for a map that jumps
         further: None, and the int32 map is read)."""
-        if not self._offsets_apply():
+        if not impl_rules.offsets_apply(self):
             return None
         if self._offsets is None or self._offsets[0] is not self.perm:
             if capturing(self.perm):
@@ -234,14 +222,6 @@ class SparseLinear(nn.Module):
             perm, span = self.perm, self.map_span
             self._offsets = (perm, (outside_graph_pools(lambda: block_map_offsets(perm, span), perm), span))
         return self._offsets[1]
-
-    def _maps_into_scratch(self) -> bool:
-        """Whether ``scratch_mapped`` applies: a mapped layer in the export's layout (not cuSPARSELt's), N and M
-        powers of two, rows narrow enough for the kernel's shared memory."""
-        from shuffleprune.kernels.nm_gemm import mapped_fits
-
-        return self.perm is not None and not self.tiled and mapped_fits(self.in_features, self.n, self.m,
-                                                                        self.values.dtype)
 
     def _scratch_mapped(self) -> torch.Tensor:
         """The weight in the input's original order (``W_p[:, inverse]``) written into the shared scratch."""
@@ -256,7 +236,7 @@ class SparseLinear(nn.Module):
     def _scratch_dense(self) -> torch.Tensor:
         """``W_p`` written into the shared scratch (a Triton kernel on CUDA, PyTorch elsewhere)."""
         buf = scratch_buffer(self.out_features * self.in_features, self.values.device, self.values.dtype)
-        if self.values.is_cuda and self._pow2():
+        if self.values.is_cuda and impl_rules.pow2(self):
             from shuffleprune.kernels.nm_gemm import nm_decompress_into
 
             return nm_decompress_into(self.values, self.words(), self.n, self.m, self.bits, self.in_features, buf,
@@ -273,37 +253,38 @@ class SparseLinear(nn.Module):
             if resident_applies(x.numel() // x.shape[-1], self.n, self.m, self.values):
                 return nm_decode_resident(x, self.values, self.words(), self.n, self.m, self.bits, self.perm,
                                           self.bias, tiled=self.tiled, pdl=pdl,
-                                          tma=impl == "decode_resident_tma" and self._tma_applies(x, resident=True))
+                                          tma=impl == "decode_resident_tma" and
+                                          impl_rules.tma_applies(self, x, resident=True))
             impl = "decode_mapped"   # more tokens, another pattern or 32-bit values: the decode reading the map
         if impl in SPARSE_MMA_DECODES:
             from shuffleprune.kernels.nm_sparse_mma import nm_sparse_mma
 
             mapped = impl.startswith("decode_sparse_mma_mapped") and self.perm is not None
-            if self._sparse_mma_applies(x, mapped):
+            if impl_rules.sparse_mma_applies(self, x, mapped):
                 inp, perm = (x, self.perm) if mapped else (self._gathered(x, pdl), None)
                 inline = {"inline_map": True} if mapped and impl.endswith("_inline") else {}
                 return nm_sparse_mma(inp, self.values, self.words(), self.bias, tiled=self.tiled, perm=perm, pdl=pdl,
                                      tall=impl.endswith("_tall"), **inline)
             # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
-            impl = "decode" if self._pow2() and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
+            impl = "decode" if impl_rules.pow2(self) and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
         if impl == SPARSE_WGMMA_MAPPED:
-            if self._wgmma_reads_map(x):
+            if impl_rules.wgmma_reads_map(self, x):
                 from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
 
                 return nm_sparse_gemm(x, self.values, self.words(), self.bias, tiled=self.tiled, wgmma=True,
                                       perm=self.perm)
             impl = SPARSE_WGMMA   # no map, more tokens or not Hopper: on the gathered input (or its fallbacks)
-        if impl == SPARSE_WGMMA and not self._sparse_gemm_applies(x, wgmma=True):
+        if impl == SPARSE_WGMMA and not impl_rules.sparse_gemm_applies(self, x, wgmma=True):
             impl = SPARSE_GEMM   # not Hopper: the same GEMM on mma.sp where it runs
         if impl in (SPARSE_GEMM, SPARSE_WGMMA):
-            if self._sparse_gemm_applies(x):
+            if impl_rules.sparse_gemm_applies(self, x):
                 from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
 
                 return nm_sparse_gemm(self._gathered(x, pdl), self.values, self.words(), self.bias, tiled=self.tiled,
                                       wgmma=impl == SPARSE_WGMMA)
             # another pattern, dtype, device or shape: the Triton GEMM where it runs, else the shared scratch
-            impl = "gemm_swap" if self._pow2() and x.is_cuda else "scratch"
-        if impl == "decode_swap_tma" and not self._tma_applies(x):
+            impl = "gemm_swap" if impl_rules.pow2(self) and x.is_cuda else "scratch"
+        if impl == "decode_swap_tma" and not impl_rules.tma_applies(self, x):
             impl = "decode_swap"   # a weight or input the tensor descriptors cannot read
         if impl in DECODE_KERNELS:
             from shuffleprune.kernels.nm_decode import nm_decode
@@ -363,120 +344,10 @@ class SparseLinear(nn.Module):
         y = torch._cslt_sparse_mm(packed, xt, self.bias, None, None, True, *config)
         return (y[:tokens] if pad else y).reshape(*x.shape[:-1], self.out_features)
 
-    def _tma_applies(self, x: torch.Tensor, resident: bool = False) -> bool:
-        """Whether ``decode_swap_tma`` (``resident``: ``decode_resident_tma``) can read this layer's weight for
-        ``x`` by tensor descriptors (:func:`.nm_decode.tma_applies`; the resident decode's chunks hold at
-        least 64 kept values where the layer has them)."""
-        from shuffleprune.kernels.nm_decode import tma_applies
-
-        return tma_applies(x, self.values, self.words(), self.n, self.m, self.tiled) and \
-            (not resident or self.values.shape[1] >= 64)
-
-    def _sparse_mma_applies(self, x: torch.Tensor, mapped: bool = False) -> bool:
-        """Whether ``decode_sparse_mma`` (``mapped``: reading the map itself) runs this layer on ``x``: 2:4 values
-        of the input's 16-bit dtype, 1–64 tokens (1–16 mapped), whole steps of 128 columns, on a GPU with sparse
-        tensor cores (:mod:`.nm_sparse_mma`)."""
-        from shuffleprune.kernels.nm_sparse_mma import sparse_mma_applies, sparse_mma_available
-
-        return (x.dtype == self.values.dtype and
-                sparse_mma_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
-                                   x.dtype, mapped) and sparse_mma_available(x.device))
-
-    def _sparse_gemm_applies(self, x: torch.Tensor, wgmma: bool = False) -> bool:
-        """Whether ``gemm_sparse_mma`` (``wgmma``: ``gemm_sparse_wgmma``) runs this layer on ``x``: 2:4 values of the
-        input's 16-bit dtype, rows and columns in 64s, on a GPU with sparse tensor cores (``wgmma``: Hopper;
-        :mod:`.nm_sparse_gemm`)."""
-        from shuffleprune.kernels.nm_sparse_gemm import (sparse_gemm_applies, sparse_gemm_available,
-                                                          sparse_wgmma_available)
-
-        available = sparse_wgmma_available if wgmma else sparse_gemm_available
-        return (x.dtype == self.values.dtype and
-                sparse_gemm_applies(x.numel() // x.shape[-1], self.out_features, self.in_features, self.n, self.m,
-                                    x.dtype) and available(x.device))
-
-    def _wgmma_reads_map(self, x: torch.Tensor) -> bool:
-        """Whether ``gemm_sparse_wgmma_mapped`` runs this layer on ``x``: a mapped layer the wgmma form takes, up to
-        :data:`.nm_sparse_gemm.WGMMA_MAPPED_MAX_TOKENS` tokens."""
-        from shuffleprune.kernels.nm_sparse_gemm import WGMMA_MAPPED_MAX_TOKENS
-
-        return (self.perm is not None and x.numel() // x.shape[-1] <= WGMMA_MAPPED_MAX_TOKENS and
-                self._sparse_gemm_applies(x, wgmma=True))
-
-    def _sparse_mma_tall_worth(self, x: torch.Tensor, mapped: bool = False) -> bool:
-        """Whether ``auto`` also weighs the sparse-MMA decode with :func:`.nm_sparse_mma.tall_plan`'s CTAs on ``x``
-        (:func:`.nm_sparse_mma.tall_worth_weighing`: where the input read per 16 rows weighs against the weight)."""
-        from shuffleprune.kernels.gpu import sm_count
-        from shuffleprune.kernels.nm_sparse_mma import tall_worth_weighing
-
-        return tall_worth_weighing(x.numel() // x.shape[-1], self.out_features, self.in_features, sm_count(x.device),
-                                   mapped)
-
     def candidates(self, x: torch.Tensor) -> list[str]:
         """The implementations ``auto`` weighs for this layer on ``x`` (its token count, dtype and device),
-        in the order it times them."""
-        from shuffleprune.kernels.gpu import kernels_build
-        from shuffleprune.kernels.nm_decode import SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, selects
-        from shuffleprune.kernels.nm_resident import resident_applies
-
-        if not kernels_build():
-            return ["scratch"]
-        tokens = x.numel() // x.shape[-1]
-        decode_limit = decode_max_tokens(x.element_size())
-        out = []
-        if self._pow2():  # from 17 to 64 tokens both Triton kernels are timed
-            if tokens <= decode_limit:
-                out.append("decode")
-            if tokens <= SELECT_MAX_TOKENS:   # the select loop: its pipeline's depth timed both ways
-                out.append("decode_shallow")
-            # the select loop's other tiles, where the plan takes the select loop: 16-bit inputs (as swept)
-            select = selects(tokens, self.n, self.m) and x.element_size() == 2
-            out += [impl for impl in ("decode_tall", "decode_wide") if select and tokens <= TILE_MAX_TOKENS[impl]]
-            if self.perm is not None and tokens <= min(decode_limit, MAPPED_MAX_TOKENS):
-                out.append("decode_mapped")
-                out += [impl for impl in ("decode_mapped_tall", "decode_mapped_wide")
-                        if select and tokens <= TILE_MAX_TOKENS[impl]]
-                if select and (self.n, self.m) == (2, 4) and tokens <= TILE_MAX_TOKENS["decode_mapped_by_value"]:
-                    out.append("decode_mapped_by_value")
-                if self._offsets_apply():
-                    out.append("decode_offsets")
-            if select and resident_applies(tokens, self.n, self.m, self.values):   # with a map or without
-                out.append("decode_resident")
-                if self._tma_applies(x, resident=True):
-                    out.append("decode_resident_tma")
-            if SELECT_MAX_TOKENS < tokens <= SELECT_LIMIT_TOKENS:   # below, decode is the select kernel already
-                out.append("decode_select")
-            if 2 <= tokens <= decode_limit:
-                out.append("decode_swap")
-            if (self.n, self.m) == (2, 4) and x.element_size() == 2:   # as swept and compiled: 2:4, 16-bit inputs
-                out += [impl for impl in SWAP_TILES if 2 <= tokens <= TILE_MAX_TOKENS[impl]]
-            if 2 <= tokens <= TILE_MAX_TOKENS["decode_swap_tma"] and self._tma_applies(x):
-                out.append("decode_swap_tma")
-            if self._sparse_mma_applies(x):
-                out.append("decode_sparse_mma")
-                out += ["decode_sparse_mma_tall"] if self._sparse_mma_tall_worth(x) else []
-                if self.perm is not None and self._sparse_mma_applies(x, mapped=True):
-                    out += ["decode_sparse_mma_mapped", "decode_sparse_mma_mapped_inline"]
-                    out += ["decode_sparse_mma_mapped_tall"] if self._sparse_mma_tall_worth(x, mapped=True) else []
-            if tokens >= SPARSE_GEMM_MIN_TOKENS and self._sparse_gemm_applies(x):
-                out.append(SPARSE_GEMM)
-            if self._sparse_gemm_applies(x, wgmma=True):   # from one token: up to 64 it runs as a decode
-                out.append(SPARSE_WGMMA)
-                out += [SPARSE_WGMMA_MAPPED] if self._wgmma_reads_map(x) else []
-            out += ["gemm", "gemm_swap"] if tokens >= GEMM_MIN_TOKENS else []
-            if tokens >= GEMM_MIN_TOKENS and x.element_size() == 2:   # float32 runs the one FMA tile either way
-                out.append("gemm_swap_tall")
-        if self.tiled and x.is_cuda:   # cuSPARSELt on the layer's own buffer; at 1-16 tokens too (padded to 8 or 16
-            out.append("cslt")         # tokens: reading its 2:4 weight is the cost there, not the MMAs)
-        out.append("scratch")
-        if self._maps_into_scratch() and tokens >= GEMM_MIN_TOKENS:
-            out.append("scratch_mapped")
-        # the first kernel, only where the decodes do not apply: in every GPU table committed (H100 and H200,
-        # over a thousand of auto's choices, those at 1-16 tokens among them) it was never picked, at
-        # 0.54-0.70x cuBLAS at one token where the decodes ran 1.2-1.4x (bench_kernel.json, 2026-11-28)
-        if tokens <= GATHER_MAX_TOKENS and not self.tiled and not self._pow2():
-            out.append("gather")
-        left_out = skipped_impls()
-        return [impl for impl in out if impl not in NOT_WEIGHED and impl not in left_out]
+        in the order it times them (:func:`.impl_rules.candidates`)."""
+        return impl_rules.candidates(self, x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., perm] @ W_pᵀ + b`` by PyTorch alone (``W_p`` decompressed into the shared scratch, no
