@@ -43,7 +43,7 @@ def read_text_file(path: Path) -> str:
 
 def _jsonl_docs(path: Path, text: str) -> list[str]:
     """A .jsonl file's documents: each line an object, its text (or chat) in the field a hub dataset's
-    would be read from (:func:`row_reader` of the first line)."""
+    would be read from (:func:`row_reader` of the first line); blank ones left out, as the hub's rows."""
     reader = None
     docs = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -60,7 +60,8 @@ def _jsonl_docs(path: Path, text: str) -> list[str]:
         doc = reader.read(row)
         if doc is None:
             raise UserError(f"{path}:{n}: no {reader} (the field the first line's document is in)")
-        docs.append(doc)
+        if doc.strip():   # a blank document is left out, as every other reader leaves it out
+            docs.append(doc)
     return docs
 
 
@@ -83,7 +84,7 @@ def _json_docs(path: Path, text: str) -> list[str]:
         return _jsonl_docs(path, text)   # one object a line (a file of one line parses whole, below)
     rows = data if isinstance(data, list) else [data]
     if all(isinstance(r, str) for r in rows):
-        return list(rows)
+        return [r for r in rows if r.strip()]
     conversations = as_conversations(rows)   # an array of conversations (message lists)
     if conversations is not None:
         return conversations

@@ -7,6 +7,7 @@ import torch
 
 from conftest import fake_hub_datasets, make_tokenizer, random_text
 from shuffleprune.calib import bos_token, calibration_windows, default_eval_source, eval_tokens, get_source, same_text
+from shuffleprune.calib.documents import documents_of_rows
 from shuffleprune.calib.corpora import strip_brown_tags
 from shuffleprune.calib.sources import held_out_part, text_contains
 from shuffleprune.errors import UserError
@@ -415,15 +416,19 @@ def test_json_csv_parquet_and_gzip_files_are_text_files(tmp_path):
     from shuffleprune.calib.files import text_file_kind
 
     docs = [f"document {i} with some words" for i in range(12)]
-    rows = [{"text": d, "timestamp": "2019-04-25", "url": f"https://x/{i}"} for i, d in enumerate(docs)]
+    # blank documents among them (WikiText's rows, written out as they are) are left out by every reader, as by
+    # the hub's (a .jsonl kept them, so the same rows gave other windows from a file than from the hub)
+    texts = docs[:2] + ["", " \n "] + docs[2:]
+    rows = [{"text": d, "timestamp": "2019-04-25", "url": f"https://x/{i}"} for i, d in enumerate(texts)]
+    assert documents_of_rows(rows, "rows") == docs
     lines = "\n".join(json.dumps(r) for r in rows)
     (tmp_path / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress(lines.encode()))
     (tmp_path / "lines.json").write_text(lines)
     (tmp_path / "array.json").write_text(json.dumps(rows))
-    (tmp_path / "strings.json").write_text(json.dumps(docs))
+    (tmp_path / "strings.json").write_text(json.dumps(texts))
     (tmp_path / "docs.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
     (tmp_path / "docs.txt.gz").write_bytes(gzip.compress("\n\n".join(docs).encode()))
-    pq.write_table(pa.table({"id": list(range(12)), "content": docs}), tmp_path / "docs.parquet")
+    pq.write_table(pa.table({"id": list(range(14)), "content": texts}), tmp_path / "docs.parquet")
     names = ["c4-train.00000-of-01024.json.gz", "lines.json", "array.json", "strings.json", "docs.jsonl.gz",
              "docs.txt.gz", "docs.parquet"]
     for name in names:
