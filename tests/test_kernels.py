@@ -1940,6 +1940,31 @@ def test_auto_times_the_mapped_kernel_only_for_mapped_layers_and_defaults_to_dec
     assert SparseLinear(values36, meta36, 66, 3, 6).candidates(torch.randn(1, 66).half()) == ["scratch", "gather"]
 
 
+def test_a_named_implementation_that_does_not_apply_runs_its_nearest_that_does(monkeypatch):
+    """``impl_rules.runs_as``: what ``SparseLinear.run`` launches for a policy that does not apply to the input (on
+    the CPU: no sparse tensor cores, no tensor descriptors, no CUDA) — its nearest that does."""
+    _, values, meta, _, perm, _ = _case(24, 64, 2, 4, 1, torch.float16)
+    mapped, plain = SparseLinear(values, meta, 64, 2, 4, perm=perm), SparseLinear(values, meta, 64, 2, 4)
+    x1, x5, x20 = (torch.randn(t, 64).half() for t in (1, 5, 20))
+    assert impl_rules.runs_as(mapped, "decode_resident", x1) == "decode_resident"
+    assert impl_rules.runs_as(mapped, "decode_resident_tma", x1) == "decode_resident"   # no descriptors here
+    assert impl_rules.runs_as(mapped, "decode_resident", x20) == "decode_mapped"       # past its token count
+    assert impl_rules.runs_as(mapped, "decode_swap_tma", x5) == "decode_swap"
+    for impl in ("decode_sparse_mma", "decode_sparse_mma_mapped_inline", "gemm_sparse_mma", "gemm_sparse_wgmma",
+                 "gemm_sparse_wgmma_mapped"):
+        assert impl_rules.runs_as(mapped, impl, x20) == "scratch", impl   # the Triton kernels only on CUDA
+    for impl in ("decode", "decode_mapped", "gemm_swap", "scratch", "cslt"):
+        assert impl_rules.runs_as(mapped, impl, x5) == impl
+    # with sparse tensor cores that take the gathered input only, the mapped forms run on it; not Hopper: mma.sp
+    monkeypatch.setattr(impl_rules, "sparse_mma_applies", lambda layer, x, mapped=False: not mapped)
+    monkeypatch.setattr(impl_rules, "sparse_gemm_applies", lambda layer, x, wgmma=False: not wgmma)
+    assert impl_rules.runs_as(mapped, "decode_sparse_mma", x1) == "decode_sparse_mma"
+    assert impl_rules.runs_as(mapped, "decode_sparse_mma_mapped", x1) == "scratch"
+    assert impl_rules.runs_as(plain, "decode_sparse_mma_mapped", x1) == "decode_sparse_mma_mapped"   # no map to read
+    for impl in ("gemm_sparse_wgmma", "gemm_sparse_wgmma_mapped"):
+        assert impl_rules.runs_as(mapped, impl, x20) == "gemm_sparse_mma", impl
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width,tokens,offset", [(64, 1, 0.0), (100, 3, 1.0), (4096, 2, 0.0)])
 def test_rmsnorm_writing_its_output_through_an_index_map_matches_float64(width, tokens, offset, dtype):

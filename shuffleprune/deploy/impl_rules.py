@@ -3,8 +3,8 @@ the candidates ``auto`` weighs for a layer and an input (:func:`candidates`, in 
 
 Each rule reads a layer's pattern, layout, index map and values and an input's token count, dtype and
 device; none changes the layer. :meth:`SparseLinear.run <shuffleprune.deploy.sparse_linear.SparseLinear.run>`
-asks the same rules before it launches a kernel, and runs the nearest implementation that applies where
-the one named does not. The implementations' names and kernel options are :mod:`.impls`'.
+launches what :func:`runs_as` says: the implementation named where it applies, else its nearest that does.
+The implementations' names and kernel options are :mod:`.impls`'.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from shuffleprune.deploy.impls import (GATHER_MAX_TOKENS, GEMM_MIN_TOKENS, MAPPED_MAX_TOKENS, NOT_WEIGHED,
-                                       SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_WGMMA, SPARSE_WGMMA_MAPPED,
-                                       SWAP_TILES, TILE_MAX_TOKENS, skipped_impls)
+                                       SPARSE_GEMM, SPARSE_GEMM_MIN_TOKENS, SPARSE_MMA_DECODES, SPARSE_WGMMA,
+                                       SPARSE_WGMMA_MAPPED, SWAP_TILES, TILE_MAX_TOKENS, skipped_impls)
 
 
 def tokens_of(x: torch.Tensor) -> int:
@@ -163,3 +163,40 @@ def candidates(layer: nn.Module, x: torch.Tensor) -> list[str]:
         out.append("gather")
     left_out = skipped_impls()
     return [impl for impl in out if impl not in NOT_WEIGHED and impl not in left_out]
+
+
+def sparse_mma_maps(layer: nn.Module, impl: str) -> bool:
+    """Whether sparse-MMA decode ``impl`` reads the layer's map itself (a ``decode_sparse_mma_mapped*`` one, on a
+    mapped layer) rather than the gathered input."""
+    return impl.startswith("decode_sparse_mma_mapped") and layer.perm is not None
+
+
+def runs_as(layer: nn.Module, impl: str, x: torch.Tensor) -> str:
+    """The implementation :meth:`SparseLinear.run` launches when ``impl`` (one of ``IMPLS``, without ``+pdl``) is
+    asked for on ``x``: ``impl`` where it applies, else its nearest that does, as each step says."""
+    if impl in ("decode_resident", "decode_resident_tma"):   # reads the map itself, once per program
+        from shuffleprune.kernels.nm_resident import resident_applies
+
+        if resident_applies(tokens_of(x), layer.n, layer.m, layer.values):
+            tma = impl == "decode_resident_tma" and tma_applies(layer, x, resident=True)
+            return "decode_resident_tma" if tma else "decode_resident"
+        impl = "decode_mapped"   # more tokens, another pattern or 32-bit values: the decode reading the map
+    if impl in SPARSE_MMA_DECODES:
+        if sparse_mma_applies(layer, x, sparse_mma_maps(layer, impl)):
+            return impl
+        # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
+        impl = "decode" if pow2(layer) and tokens_of(x) <= 64 and x.is_cuda else "scratch"
+    if impl == SPARSE_WGMMA_MAPPED:
+        if wgmma_reads_map(layer, x):
+            return impl
+        impl = SPARSE_WGMMA   # no map, more tokens or not Hopper: on the gathered input (or its fallbacks)
+    if impl == SPARSE_WGMMA and not sparse_gemm_applies(layer, x, wgmma=True):
+        impl = SPARSE_GEMM   # not Hopper: the same GEMM on mma.sp where it runs
+    if impl in (SPARSE_GEMM, SPARSE_WGMMA):
+        if sparse_gemm_applies(layer, x):
+            return impl
+        # another pattern, dtype, device or shape: the Triton GEMM where it runs, else the shared scratch
+        impl = "gemm_swap" if pow2(layer) and x.is_cuda else "scratch"
+    if impl == "decode_swap_tma" and not tma_applies(layer, x):
+        impl = "decode_swap"   # a weight or input the tensor descriptors cannot read
+    return impl

@@ -245,47 +245,31 @@ class SparseLinear(nn.Module):
 
     def run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
         """``x[..., perm] @ W_pᵀ + b`` by implementation ``impl`` (one of ``IMPLS``, perhaps ``+pdl``;
-        one that does not apply to this input runs its nearest that does, as each branch says)."""
+        one that does not apply to this input runs its nearest that does: :func:`.impl_rules.runs_as`)."""
         impl, pdl = split_pdl(impl)
+        impl = impl_rules.runs_as(self, impl, x)
         if impl in ("decode_resident", "decode_resident_tma"):   # reads the map itself, once per program
-            from shuffleprune.kernels.nm_resident import nm_decode_resident, resident_applies
+            from shuffleprune.kernels.nm_resident import nm_decode_resident
 
-            if resident_applies(x.numel() // x.shape[-1], self.n, self.m, self.values):
-                return nm_decode_resident(x, self.values, self.words(), self.n, self.m, self.bits, self.perm,
-                                          self.bias, tiled=self.tiled, pdl=pdl,
-                                          tma=impl == "decode_resident_tma" and
-                                          impl_rules.tma_applies(self, x, resident=True))
-            impl = "decode_mapped"   # more tokens, another pattern or 32-bit values: the decode reading the map
+            return nm_decode_resident(x, self.values, self.words(), self.n, self.m, self.bits, self.perm, self.bias,
+                                      tiled=self.tiled, pdl=pdl, tma=impl == "decode_resident_tma")
         if impl in SPARSE_MMA_DECODES:
             from shuffleprune.kernels.nm_sparse_mma import nm_sparse_mma
 
-            mapped = impl.startswith("decode_sparse_mma_mapped") and self.perm is not None
-            if impl_rules.sparse_mma_applies(self, x, mapped):
-                inp, perm = (x, self.perm) if mapped else (self._gathered(x, pdl), None)
-                inline = {"inline_map": True} if mapped and impl.endswith("_inline") else {}
-                return nm_sparse_mma(inp, self.values, self.words(), self.bias, tiled=self.tiled, perm=perm, pdl=pdl,
-                                     tall=impl.endswith("_tall"), **inline)
-            # another pattern, dtype, device or shape: the Triton decode where it runs, else the shared scratch
-            impl = "decode" if impl_rules.pow2(self) and x.numel() // x.shape[-1] <= 64 and x.is_cuda else "scratch"
+            mapped = impl_rules.sparse_mma_maps(self, impl)
+            inp, perm = (x, self.perm) if mapped else (self._gathered(x, pdl), None)
+            inline = {"inline_map": True} if mapped and impl.endswith("_inline") else {}
+            return nm_sparse_mma(inp, self.values, self.words(), self.bias, tiled=self.tiled, perm=perm, pdl=pdl,
+                                 tall=impl.endswith("_tall"), **inline)
         if impl == SPARSE_WGMMA_MAPPED:
-            if impl_rules.wgmma_reads_map(self, x):
-                from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
+            from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
 
-                return nm_sparse_gemm(x, self.values, self.words(), self.bias, tiled=self.tiled, wgmma=True,
-                                      perm=self.perm)
-            impl = SPARSE_WGMMA   # no map, more tokens or not Hopper: on the gathered input (or its fallbacks)
-        if impl == SPARSE_WGMMA and not impl_rules.sparse_gemm_applies(self, x, wgmma=True):
-            impl = SPARSE_GEMM   # not Hopper: the same GEMM on mma.sp where it runs
+            return nm_sparse_gemm(x, self.values, self.words(), self.bias, tiled=self.tiled, wgmma=True, perm=self.perm)
         if impl in (SPARSE_GEMM, SPARSE_WGMMA):
-            if impl_rules.sparse_gemm_applies(self, x):
-                from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
+            from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
 
-                return nm_sparse_gemm(self._gathered(x, pdl), self.values, self.words(), self.bias, tiled=self.tiled,
-                                      wgmma=impl == SPARSE_WGMMA)
-            # another pattern, dtype, device or shape: the Triton GEMM where it runs, else the shared scratch
-            impl = "gemm_swap" if impl_rules.pow2(self) and x.is_cuda else "scratch"
-        if impl == "decode_swap_tma" and not impl_rules.tma_applies(self, x):
-            impl = "decode_swap"   # a weight or input the tensor descriptors cannot read
+            return nm_sparse_gemm(self._gathered(x, pdl), self.values, self.words(), self.bias, tiled=self.tiled,
+                                  wgmma=impl == SPARSE_WGMMA)
         if impl in DECODE_KERNELS:
             from shuffleprune.kernels.nm_decode import nm_decode
 
