@@ -76,7 +76,10 @@ and inputs are drawn once from a generator seeded by the shape and kept for ever
 cuts short still holds the whole target table, and then the newest kernels' rows. Each row records the bytes one
 call must move (weight, positions, map, input, output) and the resulting TB/s, and the maximum error relative to a
 dense bf16 matmul of the same (decompressed, permuted) weight: of one eager call (``max_rel_err``) and of the last
-two timed calls as the graph replayed them (``replayed_rel_err``; there consecutive calls may overlap).
+two timed calls as the graph replayed them (``replayed_rel_err``; there consecutive calls may overlap). A row
+whose implementation does not apply to its shape, dtype or GPU (a sparse-MMA kernel where the probe found no sparse
+tensor cores, ``wgmma`` off Hopper) timed its nearest that does, and names it (``ran``, from
+``deploy/impl_rules.runs_as``), so such a row is not read as the kernel's own time.
 """
 from __future__ import annotations
 
@@ -277,6 +280,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
+    from shuffleprune.deploy import impl_rules
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.input_gather import gather_orders, token_bucket
     from shuffleprune.deploy.auto_choice import relative_error
@@ -505,6 +509,10 @@ def main() -> None:
                        # the last two timed calls as replayed (they may overlap there: programmatic dependents)
                        "replayed_rel_err": max((relative_error(o, want) for o in replayed), default=None),
                        "speedup_vs_dense": dense_ms / ms if dense_ms else None}
+                ran = None if impl.startswith("auto") else \
+                    impl_rules.runs_as(layers[impl][0], kernel_of(impl), inp)
+                if ran is not None and ran != kernel_of(impl):   # it does not apply here: its nearest that does ran
+                    row["ran"] = ran
                 if impl.startswith("auto"):
                     row["choice"] = dict(layers[impl][0].choices)
                     if impl != "auto_nomap":   # how its input was gathered: the ways measured, fastest first

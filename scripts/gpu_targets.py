@@ -34,9 +34,10 @@ E2E_TARGETS = (("decode_speedup", ">=", 1.35), ("prefill_time_ratio", "<=", 1.0)
 
 
 def row_ms(rows: list[dict], shape: list[int], tokens: int, impl: str) -> float | None:
-    """The time of ``impl`` on ``shape`` at ``tokens`` in ``rows`` (None where not timed)."""
+    """The time of ``impl`` on ``shape`` at ``tokens`` in ``rows`` (None where not timed, or where another
+    implementation ran in its place: ``bench_kernel``'s ``ran``)."""
     return next((r["ms"] for r in rows if r.get("shape") == shape and r.get("tokens") == tokens
-                 and r.get("impl") == impl and r.get("ms")), None)
+                 and r.get("impl") == impl and r.get("ms") and not r.get("ran")), None)
 
 
 def kernel_checks(result: dict) -> list[dict]:

@@ -47,6 +47,16 @@ def test_kernel_targets_take_the_worst_token_count_each_target_covers():
     assert _targets().producer_map_costs(KERNEL) == [{"width": 32, "extra_ms": 0.002, "ratio": 1.2}]
 
 
+def test_a_row_another_implementation_ran_in_is_not_that_implementations_time():
+    """``bench_kernel`` names what ran where the implementation asked for does not apply (``ran``); such a row's
+    time is its stand-in's, so the map's cost is not read from it."""
+    ran = {**KERNEL, "rows": [*KERNEL["rows"][:2], {**_row(1, "decode_nomap", 0.4), "ran": "scratch"}]}
+    assert _targets().row_ms(ran["rows"], [64, 32], 1, "decode_nomap") is None
+    assert _targets().row_ms(KERNEL["rows"], [64, 32], 1, "decode_nomap") == 0.59
+    assert "map ≤2 % at one token (in the layer)" in {c["target"] for c in _targets().kernel_checks(KERNEL)}
+    assert "map ≤2 % at one token (in the layer)" not in {c["target"] for c in _targets().kernel_checks(ran)}
+
+
 def test_the_layer_in_cusparselt_buffer_is_judged_where_timed():
     """``auto_tiled`` (the layer as ``load`` holds it on Hopper) gets the three speed targets of its own,
     labelled apart; a file without it gets none."""
