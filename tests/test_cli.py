@@ -20,6 +20,23 @@ def test_prune_cli_end_to_end(tiny_dir, text_file, eval_file, tmp_path):
     assert report["pattern"] == "4:8" and report["nm_ok"]
 
 
+def test_a_seqlen_past_the_models_context_warns_and_takes_the_context(tiny_dir, text_file, tmp_path):
+    """Calibration windows are at most the model's context (its 256 positions here), as the papers' loaders
+    make them; a longer --seqlen says so in one line (it was silent), and the report records the windows'
+    length used."""
+    out = tmp_path / "capped"
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--eval-text", "none", "--nsamples",
+                              "2", "--seqlen", "300", "--recipe", "fast", "--quiet", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    lines = [l for l in res.output.splitlines() if "context" in l]
+    assert lines == ["warning: --seqlen 300 is longer than the model's context (256 positions): calibration "
+                     "windows of 256 tokens"], res.output
+    assert json.loads((out / "prune_report.json").read_text())["calib"]["seqlen"] == 256
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--eval-text", "none", "--nsamples",
+                              "2", "--seqlen", "256", "--recipe", "fast", "--quiet"])
+    assert res.exit_code == 0 and "context" not in res.output, res.output
+
+
 def test_a_short_text_warns_that_the_windows_overlap_in_one_line(tiny_dir, tmp_path):
     """Asking for more calibration tokens than the text has is a warning (the windows repeat text;
     it was silent), printed as ``warning: …`` rather than Python's file:line form."""

@@ -8,6 +8,7 @@ bit-identically). Only the current block sits on the compute device.
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -122,6 +123,9 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     _check_device_memory(spec.stages, model, {n: w for block in linears + experts for n, w in block.items()}, device)
     max_pos = getattr(text_config(model), "max_position_embeddings", None) or config.seqlen
     seqlen = min(config.seqlen, max_pos)
+    if seqlen < config.seqlen:   # as SparseGPT's and Wanda's loaders: windows of the model's context at most
+        warnings.warn(f"--seqlen {config.seqlen} is longer than the model's context ({max_pos} positions): "
+                      f"calibration windows of {max_pos} tokens", stacklevel=2)
     if out is not None:   # before --out is cleared: a run its disk cannot hold leaves the earlier output
         result, peak = disk_need(model, blocks, config.nsamples * seqlen, "dense_stream" in spec.needs(), save_dtype)
         check_free_space(out, result, peak, freed=tree_bytes(out) if state is None else 0)
