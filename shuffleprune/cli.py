@@ -137,6 +137,8 @@ def prune(
             if config.sparsity is not None:
                 raise UserError("--export needs an N:M pattern; the recipe sets unstructured sparsity")
             check_export_target(export, out, overwrite)
+        if out is None:   # said before the run, not after it
+            warnings.warn("no --out: the pruned model is scored, then not saved; pass --out DIR to keep it")
         result = run_prune(config, out=out, resume=resume, overwrite=overwrite, progress=not quiet)
     except UserError as exc:
         _fail(exc)

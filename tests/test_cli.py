@@ -37,6 +37,19 @@ def test_a_seqlen_past_the_models_context_warns_and_takes_the_context(tiny_dir, 
     assert res.exit_code == 0 and "context" not in res.output, res.output
 
 
+def test_prune_without_out_says_first_that_nothing_will_be_saved(tiny_dir, text_file, tmp_path):
+    """Without --out the pruned model is scored and dropped: the command says so before the run, in one line,
+    so a long run is not lost to a forgotten flag (it was silent)."""
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--eval-text", "none", "--nsamples",
+                              "2", "--seqlen", "32", "--recipe", "fast", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[0] == "warning: no --out: the pruned model is scored, then not saved; pass --out " \
+                                         "DIR to keep it", res.output
+    res = runner.invoke(app, ["prune", str(tiny_dir), "--calib", str(text_file), "--eval-text", "none", "--nsamples",
+                              "2", "--seqlen", "32", "--recipe", "fast", "--quiet", "--out", str(tmp_path / "kept")])
+    assert res.exit_code == 0 and "no --out" not in res.output, res.output
+
+
 def test_a_short_text_warns_that_the_windows_overlap_in_one_line(tiny_dir, tmp_path):
     """Asking for more calibration tokens than the text has is a warning (the windows repeat text;
     it was silent), printed as ``warning: …`` rather than Python's file:line form."""
