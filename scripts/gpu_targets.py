@@ -128,6 +128,17 @@ def dependent_launches(result: dict) -> dict:
     return {"rows": len(rows), "pdl": sum(c.endswith("+pdl") for c in chosen)}
 
 
+def stand_ins(result: dict) -> dict[str, int]:
+    """``"impl → ran": rows`` for the rows whose implementation did not apply where it was timed, so another ran
+    in its place (``bench_kernel``'s ``ran``: no sparse tensor cores, not Hopper, no tensor descriptors …)."""
+    counts: dict[str, int] = {}
+    for r in result.get("rows", []):
+        if r.get("ran"):
+            key = f"{r['impl']} → {r['ran']}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def max_error(result: dict) -> float | None:
     """The largest error relative to a dense bf16 matmul over the rows: of each row's eager call
     (``max_rel_err``) and of its last calls as the timed CUDA graph replayed them (``replayed_rel_err``)."""
@@ -158,7 +169,8 @@ def main() -> None:
         if key == "kernel":
             checks = kernel_checks(result)
             report[key] = {"checks": checks, "producer_map": producer_map_costs(result),
-                           "max_rel_err": max_error(result), "dependent_launches": dependent_launches(result)}
+                           "max_rel_err": max_error(result), "dependent_launches": dependent_launches(result),
+                           "stand_ins": stand_ins(result)}
             print(head)
             for c in checks:
                 print(f"  {'ok  ' if c['ok'] else 'MISS'} {c['shape'][0]:>5}x{c['shape'][1]:<5} {c['target']:<38}"
@@ -168,6 +180,8 @@ def main() -> None:
             print(f"  max relative error against dense bf16: {report[key]['max_rel_err']}")
             pdl = report[key]["dependent_launches"]
             print(f"  auto launched as a programmatic dependent in {pdl['pdl']} of its {pdl['rows']} rows")
+            for swap, count in report[key]["stand_ins"].items():   # not these kernels' times: they did not run
+                print(f"  did not apply, another ran in its place: {swap} ({count} rows)")
         else:
             checks = e2e_checks(result)
             report[key] = {"checks": checks}

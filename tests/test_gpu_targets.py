@@ -55,6 +55,7 @@ def test_a_row_another_implementation_ran_in_is_not_that_implementations_time():
     assert _targets().row_ms(KERNEL["rows"], [64, 32], 1, "decode_nomap") == 0.59
     assert "map ≤2 % at one token (in the layer)" in {c["target"] for c in _targets().kernel_checks(KERNEL)}
     assert "map ≤2 % at one token (in the layer)" not in {c["target"] for c in _targets().kernel_checks(ran)}
+    assert _targets().stand_ins(ran) == {"decode_nomap → scratch": 1} and _targets().stand_ins(KERNEL) == {}
 
 
 def test_the_layer_in_cusparselt_buffer_is_judged_where_timed():
