@@ -96,7 +96,8 @@ def evaluate(models: list[Any] | Any, tasks: list[str] | str | None = None, out:
             continue
         from shuffleprune.prune.driver import PruneResult
 
-        lm = in_memory(item.model, item.tokenizer) if isinstance(item, PruneResult) else in_memory(item, tokenizer)
+        lm = in_memory(item.model, item.tokenizer, item.report) if isinstance(item, PruneResult) \
+            else in_memory(item, tokenizer)
         spec, k = f"{lm.source} (in memory)", 2
         while spec in specs:
             spec, k = f"{lm.source} (in memory #{k})", k + 1

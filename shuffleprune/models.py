@@ -65,12 +65,13 @@ class LoadedModel:
     path: str    # what was actually loaded (HF dir or hub id)
     save_dtype: torch.dtype | None = None  # the dtype a pruned copy is saved in (None: the loaded dtype)
     in_memory: bool = False  # a caller's own model object: ``path`` names where it came from, not what it is now
+    report: dict | None = None   # a model in memory: the prune report of the run that made it (a PruneResult's)
 
 
-def in_memory(model: Any, tokenizer: Any) -> LoadedModel:
+def in_memory(model: Any, tokenizer: Any, report: dict | None = None) -> LoadedModel:
     """A caller's own transformers causal LM and tokenizer as a :class:`LoadedModel` (named by the
     checkpoint it was loaded from, when it says; a ``torch.compile`` wrapper stands for the model it
-    wraps)."""
+    wraps); ``report``: the prune report of the run that pruned it, where there is one (a ``PruneResult``)."""
     model = getattr(model, "_orig_mod", model)   # torch.compile's wrapper: the module it compiles
     if type(model).__name__.startswith("Peft"):
         raise TypeError(f"model is a PEFT {type(model).__name__}: merge its adapters first (model.merge_and_unload()), "
@@ -82,7 +83,7 @@ def in_memory(model: Any, tokenizer: Any) -> LoadedModel:
     if model.get_output_embeddings() is None:
         raise TypeError(f"{type(model).__name__} has no LM head: load the model with AutoModelForCausalLM")
     name = getattr(model.config, "_name_or_path", "") or f"in-memory {type(model).__name__}"
-    return LoadedModel(model=model, tokenizer=tokenizer, source=name, path=name, in_memory=True)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=name, path=name, in_memory=True, report=report)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype | str:

@@ -159,7 +159,13 @@ def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tin
     # a model object has no path a command line could load it from: none is claimed
     assert (pruned["path"], pruned["lm_eval_cli"], unpruned["pruned"]) == (None, None, None)
     assert saved["lm_eval_cli"] and pruned["results"]["tiny_mc"]["n_items"] == 4
-    assert "not a git repository" not in capfd.readouterr().err
+    # a PruneResult brings its run's report: its row says how it was pruned, and that the perplexity text is the
+    # text it was calibrated on, as the saved checkpoint's row does (both were silent for a result in memory)
+    assert pruned["pruned"] == saved["pruned"] == "wanda 2:4"
+    err = capfd.readouterr().err
+    assert "not a git repository" not in err
+    assert [line.split(" was calibrated")[0] for line in err.splitlines() if "was calibrated or trained on" in line] == \
+        ["warning: pruned", f"warning: {tiny_dir.name} (in memory)"], err
     from rich.console import Console
 
     from shuffleprune.report import print_eval_report

@@ -191,8 +191,8 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
     model = lm.model
     whole = _place_model(run, spec, model)
     dtype_used = str(model.dtype).replace("torch.", "")
-    report = None if lm.in_memory else prune_report(lm.path)
-    fitted = None if lm.in_memory else fitted_text(lm.path, report)
+    report = lm.report if lm.in_memory else prune_report(lm.path)   # a PruneResult in memory brings its own
+    fitted = fitted_text(lm.path, report) if report is not None or not lm.in_memory else None
     row = {"model": row_label(spec, lm.path, run.labels), "spec": spec, "path": None if lm.in_memory else lm.path,
            "pruned": prune_summary(report), "sparsity": block_sparsity(model), "dtype": dtype_used,
            "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
