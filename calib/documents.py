@@ -3,8 +3,9 @@
 A row's document is its text field (:data:`TEXT_COLUMNS`), else its chat field (:data:`CHAT_FIELDS`:
 ``role``/``content`` messages, or ShareGPT's ``from``/``value``) as a :class:`Conversation`, else its
 only string field (:func:`row_reader`). A conversation is rendered by the model's chat template when it
-is tokenized (:func:`rendered`). :func:`held_out_split` is the one rule that splits a text's documents
-between fitting (``train``) and held-out perplexity (``test``): every 10th held out.
+is tokenized (:func:`rendered`). :func:`with_text` is the one rule that leaves out documents without text, and
+:func:`held_out_split` the one that splits a text's documents between fitting (``train``) and held-out
+perplexity (``test``): every 10th held out.
 """
 from __future__ import annotations
 
@@ -113,6 +114,12 @@ def row_reader(what: str, row: dict, fix: str | None = None) -> RowReader:
     return RowReader(column, "text", lambda r: r.get(column) if isinstance(r.get(column), str) else None)
 
 
+def with_text(docs: Iterable[str | None]) -> list[str]:
+    """``docs`` but those without text (None, empty or whitespace only): the rule every reader of documents
+    (files, hub rows, documents in memory) applies, so the same rows give the same documents wherever read."""
+    return [d for d in docs if d is not None and d.strip()]
+
+
 def documents_of_rows(rows: Iterable[dict], what: str, fix: str | None = None) -> list[str]:
     """The documents of a dataset's rows, each read as :func:`row_reader` reads the first (``what`` and ``fix``
     for its error); a row without one, or whose text is blank, is left out."""
@@ -121,7 +128,7 @@ def documents_of_rows(rows: Iterable[dict], what: str, fix: str | None = None) -
     if first is None:
         return []
     read = row_reader(what, first, fix).read
-    return [d for d in map(read, itertools.chain([first], rows)) if d is not None and d.strip()]
+    return with_text(map(read, itertools.chain([first], rows)))
 
 
 def held_out_split(docs: list[str], split: str) -> list[str]:

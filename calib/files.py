@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from shuffleprune.calib.documents import as_conversations, row_reader
+from shuffleprune.calib.documents import as_conversations, row_reader, with_text
 from shuffleprune.errors import UserError, reason
 
 TEXT_FILE_KINDS = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")   # all but .parquet gzip-compressed too
@@ -60,9 +60,8 @@ def _jsonl_docs(path: Path, text: str) -> list[str]:
         doc = reader.read(row)
         if doc is None:
             raise UserError(f"{path}:{n}: no {reader} (the field the first line's document is in)")
-        if doc.strip():   # a blank document is left out, as every other reader leaves it out
-            docs.append(doc)
-    return docs
+        docs.append(doc)
+    return with_text(docs)
 
 
 def text_file_kind(path: Path) -> str | None:
@@ -84,7 +83,7 @@ def _json_docs(path: Path, text: str) -> list[str]:
         return _jsonl_docs(path, text)   # one object a line (a file of one line parses whole, below)
     rows = data if isinstance(data, list) else [data]
     if all(isinstance(r, str) for r in rows):
-        return [r for r in rows if r.strip()]
+        return with_text(rows)
     conversations = as_conversations(rows)   # an array of conversations (message lists)
     if conversations is not None:
         return conversations
@@ -104,7 +103,7 @@ def _table_docs(path: Path, kind: str, read: Callable[[], Any]) -> list[str]:
     if not rows:
         return []
     reader = row_reader(f"'{path}'", rows[0])
-    return [d for d in map(reader.read, table.select([reader.field]).to_pylist()) if d and d.strip()]
+    return with_text(map(reader.read, table.select([reader.field]).to_pylist()))
 
 
 def _csv_docs(path: Path, delimiter: str) -> list[str]:
@@ -144,4 +143,4 @@ def file_documents(path: Path) -> tuple[str, ...]:
         return tuple(_jsonl_docs(path, text))
     if kind == ".json":
         return tuple(_json_docs(path, text))
-    return tuple(d for d in re.split(r"\n\s*\n", text) if d.strip())
+    return tuple(with_text(re.split(r"\n\s*\n", text)))

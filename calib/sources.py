@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shuffleprune.calib.corpora import brown_documents, wiki_documents
-from shuffleprune.calib.documents import as_conversations, documents_of_rows, held_out_split
+from shuffleprune.calib.documents import as_conversations, documents_of_rows, held_out_split, with_text
 from shuffleprune.calib.files import TEXT_FILES, file_documents, text_file_kind
 from shuffleprune.calib.hub_data import (C4_EVAL_WINDOWS, HUB_DATASET_DOCS, HUB_SOURCES, HubDataset, hub_dataset_id,
                                          hub_dataset_name, hub_splits, load_hub_dataset, load_paper_text)
@@ -130,7 +130,7 @@ def as_documents(value: Any, key: str) -> tuple[str, ...]:
         raise UserError(f"'{key}' takes a text source name, a {TEXT_FILES} path, a list of strings or of conversations "
                         f"(role/content messages), a datasets.Dataset or IterableDataset or a pandas DataFrame; "
                         f"got {type(value).__name__}")
-    docs = tuple(d for d in value if d.strip())
+    docs = tuple(with_text(value))
     if not docs:
         raise UserError(f"'{key}' holds no text")
     return docs
