@@ -6,9 +6,9 @@ The router's ``(token, slot)`` pairs (``P = tokens · top_k``, pair ``p`` = toke
 grouped by expert on the device (:func:`route_blocks`: no host synchronisation, so a decode step
 captures into a CUDA graph; once per layer, the second projection reusing the first's :class:`Routes`) into blocks of at most ``BLOCK_T`` pairs of one expert. A program owns
 ``BLOCK_R`` rows of one block's expert and one split of its kept values and runs the decode loops of
-:mod:`.nm_decode` on the block's input rows (``x`` row ``pair // X_DIV``: the hidden state for the
+:mod:`.decode_loops` on the block's input rows (``x`` row ``pair // X_DIV``: the hidden state for the
 first projection, the pair's own row for the second), so each expert's weight tile is read once for
-all the pairs routed to it. Up to :data:`.nm_decode.SELECT_MAX_TOKENS` pairs per block it is the select
+all the pairs routed to it. Up to :data:`.decode_tiles.SELECT_MAX_TOKENS` pairs per block it is the select
 loop, above that the tensor-core loop with the weight as the MMA's A operand. Split-K writes float32
 partial sums that one ``sum`` adds (in split order: deterministic). Output: ``[P, R]``, one row per
 pair; pairs routed to no local expert (ids ``≥ E``: expert-parallel sentinels) are left at zero.
@@ -28,14 +28,14 @@ import torch
 from shuffleprune.kernels import gpu
 from shuffleprune.kernels.gpu import cdiv, next_pow2
 from shuffleprune.kernels.launch import fast
-from shuffleprune.kernels.nm_decode import (DECODE_MAX_TOKENS, DECODE_STAGES, decode_max_tokens, decode_plan, triton,
-                                            word_gather)
+from shuffleprune.kernels.decode_tiles import DECODE_MAX_TOKENS, DECODE_STAGES, decode_max_tokens, decode_plan
+from shuffleprune.kernels.nm_decode import triton, word_gather
 from shuffleprune.kernels.nm_words import check_pattern
 
 if triton is not None:
     import triton.language as tl
 
-    from shuffleprune.kernels.nm_decode import dot_loop, select_loop
+    from shuffleprune.kernels.decode_loops import dot_loop, select_loop
 
     @triton.jit
     def _route_blocks_kernel(ids_ptr, slot_ptr, expert_ptr, P, E, SLOTS, BLOCKS,

@@ -9,7 +9,7 @@ inputs, gathered through the map and handed to the threads that read them (sm_90
 input columns) and a range of ``ROWS`` rows: it reads its chunk's inputs once before its loop and
 keeps them in registers, each thread the inputs of the groups it holds; each step then loads a
 ``[BLOCK_R, BLOCK_K/2]`` tile of value pairs and position codes, picks each group's two inputs
-(:func:`.nm_decode.pick_and_add`) and sums each row across the chunk. The map is read once per
+(:func:`.decode_loops.pick_and_add`) and sums each row across the chunk. The map is read once per
 program, so a layer with a map runs the loop of one without. What the chunks add: each row's
 float32 partial sum per chunk (8 bytes per row and chunk at 256 kept values: 1.4 % of the weight's
 bytes), written in the loop and added by the last program of each row range to finish
@@ -39,7 +39,7 @@ from shuffleprune.kernels.nm_words import check_pattern, check_tiled
 if triton is not None:
     import triton.language as tl
 
-    from shuffleprune.kernels.nm_decode import gather_inputs, map_source, pick_and_add, widen, widen_pairs
+    from shuffleprune.kernels.decode_loops import gather_inputs, map_source, pick_and_add, widen, widen_pairs
     from shuffleprune.kernels.nm_words import (cslt_group_codes, group_codes, kept_tile, prefetch_positions,
                                                tma_kept_pairs)
     from shuffleprune.kernels.overlap import prefetch_rows, release_next, wait_for_inputs
@@ -105,8 +105,8 @@ if triton is not None:
                             SUM_HERE: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                             PREFETCH_WORDS: tl.constexpr = 0, LINE: tl.constexpr = 64, TMA: tl.constexpr = False):
         """Chunk ``program_id(0)`` (kept values ``BLOCK_K·pid …``) of rows ``ROWS·program_id(1) …``, every
-        token: its inputs read once, through the map (:func:`.nm_decode.map_source`, then
-        :func:`.nm_decode.gather_inputs`; ``X_WORDS``: as 32-bit words, see :func:`.nm_decode.step_inputs`),
+        token: its inputs read once, through the map (:func:`.decode_loops.map_source`, then
+        :func:`.decode_loops.gather_inputs`; ``X_WORDS``: as 32-bit words, see :func:`.decode_loops.step_inputs`),
         then ``[BLOCK_R, BLOCK_K/2]`` value pairs per step (16-byte
         evict-first loads, ``STAGES`` tiles in the software pipeline), each row's sum stored per step.
         First the chunk of its first ``PREFETCH`` rows and their ``PREFETCH_WORDS`` position words are

@@ -67,7 +67,7 @@ def main() -> None:
     from shuffleprune.deploy.format import compress
     from shuffleprune.deploy.fused_inputs import FusedInputs
     from shuffleprune.deploy.sparse_linear import SparseLinear
-    from shuffleprune.kernels import nm_decode, nm_gemm
+    from shuffleprune.kernels import decode_tiles, nm_decode, nm_gemm
     from shuffleprune.masks import nm_keep_mask
 
     torch.manual_seed(0)
@@ -80,9 +80,9 @@ def main() -> None:
 
     for tokens in (1, 2, 16):
         row(f"decode_plan 4096x4096 2:4, {tokens} tokens, looked up",
-            mean_us(lambda: nm_decode.decode_plan(4096, 2048, tokens, 2, 4, 2, cpu), calls))
+            mean_us(lambda: decode_tiles.decode_plan(4096, 2048, tokens, 2, 4, 2, cpu), calls))
         row(f"plan_decode 4096x4096 2:4, {tokens} tokens, worked out",
-            mean_us(lambda: nm_decode.plan_decode(4096, 2048, tokens, 2, 4, 2, cpu), calls))
+            mean_us(lambda: decode_tiles.plan_decode(4096, 2048, tokens, 2, 4, 2, cpu), calls))
     for tokens in (64, 512):
         row(f"gemm_plan 4096x4096 2:4, {tokens} tokens, looked up",
             mean_us(lambda: nm_gemm.gemm_plan(tokens, 4096, 4096, 2, 4, 2, cpu), calls))

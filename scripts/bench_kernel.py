@@ -179,7 +179,7 @@ def runs_at(impl: str, tokens: int) -> bool:
     2, select to 16), the first kernels to 64, CUTLASS's 2:4 GEMM from 64 (semi_structured's rows at
     1–16 tokens ran 3–4× slower than dense; the first kernels 4–160× slower from 16 tokens), cuSPARSELt
     at every token count (``auto`` weighs it on a layer holding its buffer from one token)."""
-    from shuffleprune.kernels.nm_decode import decode_max_tokens
+    from shuffleprune.kernels.decode_tiles import decode_max_tokens
 
     if split_impl(impl)[1] == "block" and tokens > BLOCKMAP_MAX_TOKENS:
         return False

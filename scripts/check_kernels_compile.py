@@ -256,7 +256,7 @@ def decode_plan_per_sm(case: dict, spec, stages: int | None = None) -> int:
 
     from shuffleprune.deploy.format import meta_bits
     from shuffleprune.deploy.impls import DECODE_KERNELS
-    from shuffleprune.kernels import nm_decode
+    from shuffleprune.kernels import decode_tiles
     from shuffleprune.kernels.compile_check import compile_only
 
     (rows, cols), (n, m) = case["shape"], case.get("pattern", (2, 4))
@@ -270,7 +270,7 @@ def decode_plan_per_sm(case: dict, spec, stages: int | None = None) -> int:
     if stages is not None:
         kernel["stages"] = stages
     with compile_only(spec):   # planned with that GPU's SM count and shared memory
-        plan = nm_decode.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
+        plan = decode_tiles.decode_plan(rows, cols // m * n, case["tokens"], n, m, meta_bits(m), torch.device("cpu"),
                                      element_bytes=getattr(torch, case.get("dtype", "bfloat16")).itemsize, **kernel)
     return plan["per_sm"]
 

@@ -88,7 +88,8 @@ def main() -> None:
 
     from shuffleprune.kernels import overlap
     from shuffleprune.kernels.gpu import l2_bytes, next_pow2
-    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.decode_tiles import decode_plan
+    from shuffleprune.kernels.nm_decode import nm_decode
     from shuffleprune.deploy.impls import GEMM_KERNELS as GEMMS   # nm_gemm's options per GEMM variant
     from shuffleprune.kernels.nm_gemm import gemm_plan, gemm_tiles, nm_decompress_into, nm_gemm
     from shuffleprune.kernels.nm_words import position_words

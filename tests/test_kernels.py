@@ -57,7 +57,8 @@ def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
 ])
 @pytest.mark.parametrize("with_perm,with_bias", [(True, True), (False, False)])
 def test_decode_kernel_matches_float64(rows, cols, n, m, tokens, split, use_dot, dot, dtype, with_perm, with_bias):
-    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.decode_tiles import decode_plan
+    from shuffleprune.kernels.nm_decode import nm_decode
     from shuffleprune.kernels.nm_words import position_words
 
     w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows + tokens)
@@ -87,7 +88,8 @@ def test_select_loop_by_group_and_by_value_both_match_float64(tokens, dtype, til
     map read in the kernel or not, in the export's position words and in cuSPARSELt's order; ragged
     rows and kept values split over two programs."""
     from shuffleprune.deploy.cslt_layout import cslt_words
-    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.decode_tiles import decode_plan
+    from shuffleprune.kernels.nm_decode import nm_decode
     from shuffleprune.kernels.nm_words import position_words
 
     rows, cols = (64, 96) if tiled else (37, 160)   # cuSPARSELt's order: whole 64-row bands, 32-column tiles
@@ -143,7 +145,8 @@ def test_tma_weight_tiles_decode_as_the_loads_do(tokens, dtype, tiled):
     kernel and by a second launch, the export's words (by descriptor) and cuSPARSELt's order (read
     as without)."""
     from shuffleprune.deploy.cslt_layout import cslt_words
-    from shuffleprune.kernels.nm_decode import DOT_TILES_SWAP_TMA, decode_plan, nm_decode
+    from shuffleprune.kernels.decode_tiles import DOT_TILES_SWAP_TMA, decode_plan
+    from shuffleprune.kernels.nm_decode import nm_decode
     from shuffleprune.kernels.nm_words import position_words
 
     rows, cols = (128, 512) if tiled else (100, 512)   # cuSPARSELt's order: whole 64-row bands
@@ -178,7 +181,8 @@ def test_spread_expansion_decodes_what_the_joined_one_does(tokens, dtype, tiled)
     ``decode_swap_spread_sync``), the export's words and cuSPARSELt's order."""
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.deploy.impls import DECODE_KERNELS
-    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.decode_tiles import decode_plan
+    from shuffleprune.kernels.nm_decode import nm_decode
     from shuffleprune.kernels.nm_words import position_words
 
     rows, cols = (128, 352) if tiled else (100, 352)   # 176 kept values: not a multiple of any step
@@ -388,7 +392,8 @@ def test_mapped_decode_reads_its_gather_as_words_only_where_aligned(tokens, kern
 def test_decode_kernel_takes_up_to_64_tokens(rows, cols, n, m, tokens, block_t, warps, dtype):
     """Prompts of 17–64 tokens run the tensor-core decode (index map read in the kernel) on
     16-bit inputs; float32 and the select kernel stop at 16 tokens with an error naming nm_gemm."""
-    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.decode_tiles import decode_plan
+    from shuffleprune.kernels.nm_decode import nm_decode
     from shuffleprune.kernels.nm_words import position_words
 
     w, values, meta, x, perm, bias = _case(rows, cols, n, m, tokens, dtype, seed=rows + tokens)
@@ -426,7 +431,8 @@ def test_weight_as_mma_a_operand_matches_float64(rows, cols, n, m, tokens, dtype
     """The tensor-core decode and the GEMM with the weight tile as the MMA's A operand (``acc[rows,
     tokens]``, stored transposed): ragged rows and K, 2:4, 4:8 and the generic expansion, index map
     and bias, split-K, and the tiles of DOT_TILES_SWAP / GEMM_TILES_SWAP / GEMM_TILES_SWAP_TALL."""
-    from shuffleprune.kernels.nm_decode import decode_plan, nm_decode
+    from shuffleprune.kernels.decode_tiles import decode_plan
+    from shuffleprune.kernels.nm_decode import nm_decode
     from shuffleprune.kernels.nm_gemm import nm_gemm
     from shuffleprune.kernels.nm_words import position_words
 
@@ -688,30 +694,30 @@ def test_kernel_plans_are_worked_out_once_per_shape_and_device_facts(monkeypatch
     working-out (13–19 µs and 0.26–0.53 ms on a 2-core CPU, more than an H100's time for the layer):
     the same answer as working it out, a fresh dict each time for the decode's, and worked out anew
     when the device facts they read differ (SM count, shared memory per SM)."""
-    from shuffleprune.kernels import gpu, nm_decode, nm_gemm
+    from shuffleprune.kernels import decode_tiles, gpu, nm_gemm
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(gpu, "sm_count", lambda device: 132)
     monkeypatch.setattr(gpu, "smem_per_sm", lambda device: 228 * 1024)
-    monkeypatch.setattr(nm_decode, "_PLANS", {})
+    monkeypatch.setattr(decode_tiles, "_PLANS", {})
     monkeypatch.setattr(nm_gemm, "_PLANS", {})
     worked = []
-    plan_decode, plan_gemm = nm_decode.plan_decode, nm_gemm.plan_gemm
-    monkeypatch.setattr(nm_decode, "plan_decode", lambda *a: worked.append("decode") or plan_decode(*a))
+    plan_decode, plan_gemm = decode_tiles.plan_decode, nm_gemm.plan_gemm
+    monkeypatch.setattr(decode_tiles, "plan_decode", lambda *a: worked.append("decode") or plan_decode(*a))
     monkeypatch.setattr(nm_gemm, "plan_gemm", lambda *a: worked.append("gemm") or plan_gemm(*a))
     for tokens in (1, 2, 16, 32, 64):
-        first = nm_decode.decode_plan(4096, 2048, tokens, 2, 4, 2, cuda)
+        first = decode_tiles.decode_plan(4096, 2048, tokens, 2, 4, 2, cuda)
         first["split"] = -1   # a caller's change stays its own
-        assert nm_decode.decode_plan(4096, 2048, tokens, 2, 4, 2, cuda) == plan_decode(4096, 2048, tokens, 2, 4, 2, cuda)
+        assert decode_tiles.decode_plan(4096, 2048, tokens, 2, 4, 2, cuda) == plan_decode(4096, 2048, tokens, 2, 4, 2, cuda)
     for tokens in (17, 512, 2048):
         assert nm_gemm.gemm_plan(tokens, 4096, 4096, 2, 4, 2, cuda) == nm_gemm.gemm_plan(tokens, 4096, 4096, 2, 4, 2, cuda) \
             == plan_gemm(tokens, 4096, 4096, 2, 4, 2, cuda)
     assert worked == ["decode"] * 5 + ["gemm"] * 3
     monkeypatch.setattr(gpu, "sm_count", lambda device: 4)   # another device: planned for its SMs
-    assert nm_decode.decode_plan(4096, 2048, 16, 2, 4, 2, cuda) == plan_decode(4096, 2048, 16, 2, 4, 2, cuda)
+    assert decode_tiles.decode_plan(4096, 2048, 16, 2, 4, 2, cuda) == plan_decode(4096, 2048, 16, 2, 4, 2, cuda)
     assert nm_gemm.gemm_plan(512, 1024, 4096, 2, 4, 2, cuda) == plan_gemm(512, 1024, 4096, 2, 4, 2, cuda)
     monkeypatch.setattr(gpu, "smem_per_sm", lambda device: 100 * 1024)
-    assert nm_decode.decode_plan(4096, 2048, 32, 2, 4, 2, cuda)["per_sm"] == 1   # one 32-token pipeline fits
+    assert decode_tiles.decode_plan(4096, 2048, 32, 2, 4, 2, cuda)["per_sm"] == 1   # one 32-token pipeline fits
     assert worked == ["decode"] * 5 + ["gemm"] * 3 + ["decode", "gemm", "decode"]
 
 
@@ -868,7 +874,7 @@ def test_decode_split_reads_the_devices_shared_memory(monkeypatch):
     device does not report it."""
     from types import SimpleNamespace
 
-    from shuffleprune.kernels.nm_decode import decode_plan
+    from shuffleprune.kernels.decode_tiles import decode_plan
 
     cuda = torch.device("cuda")
 
@@ -2005,9 +2011,9 @@ def test_every_kernel_path_compiles_for_sm90_with_wide_streaming_loads_and_tenso
     from pathlib import Path
 
     from shuffleprune.kernels.gpu import next_pow2
-    from shuffleprune.kernels.nm_decode import DOT_TILES_SWAP_TMA
+    from shuffleprune.kernels.decode_tiles import DOT_TILES_SWAP_TMA
 
-    from shuffleprune.kernels.nm_decode import SELECT_MAX_TOKENS
+    from shuffleprune.kernels.decode_tiles import SELECT_MAX_TOKENS
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
@@ -2201,7 +2207,7 @@ def test_every_kernel_path_compiles_and_fits_an_ada_gpus_shared_memory(tmp_path)
     import sys
     from pathlib import Path
 
-    from shuffleprune.kernels.nm_decode import DECODE_STAGES
+    from shuffleprune.kernels.decode_tiles import DECODE_STAGES
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"

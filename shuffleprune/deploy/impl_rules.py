@@ -101,7 +101,7 @@ def candidates(layer: nn.Module, x: torch.Tensor) -> list[str]:
     """The implementations ``auto`` weighs for ``layer`` on ``x`` (its token count, dtype and device), in
     the order it times them."""
     from shuffleprune.kernels.gpu import kernels_build
-    from shuffleprune.kernels.nm_decode import SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, selects
+    from shuffleprune.kernels.decode_tiles import SELECT_LIMIT_TOKENS, SELECT_MAX_TOKENS, decode_max_tokens, selects
     from shuffleprune.kernels.nm_resident import resident_applies
 
     if not kernels_build():

@@ -33,7 +33,7 @@
   (``NOT_WEIGHED``);
 - ``decode_mapped_by_value`` (2:4, 16-bit, 1–2 tokens): ``decode_mapped`` with the select loop of
   before 2026-11-28, each kept value selecting its input in a 4-D tile, instead of the loop by 2:4
-  group (``nm_decode.select_loop``). Compiled for sm_90a the group loop is the shorter under Triton
+  group (``decode_loops.select_loop``). Compiled for sm_90a the group loop is the shorter under Triton
   3.9 and 3.6 alike (one token through the map: 232 and 231 instructions per step against 283 and
   276, ``kernel_compile_sm90*.json``), but only the per-value loop has ever been timed on a GPU, so
   ``auto`` times both through the map and a GPU run of ``bench_kernel`` compares them;
@@ -85,7 +85,7 @@
   Compiled for sm_90a no thread holds the copies' addresses: 126 registers against 200 and 3 programs
   per SM against 2, with the same loop (665 instructions against 669 at 16 tokens,
   ``kernel_compile_sm90.json``). At 32–64 tokens a step copies 64 kept values per row (the descriptors'
-  16 bytes of position words), twice ``decode_swap``'s step there (``nm_decode.DOT_TILES_SWAP_TMA``). Not yet
+  16 bytes of position words), twice ``decode_swap``'s step there (``decode_tiles.DOT_TILES_SWAP_TMA``). Not yet
   timed on a GPU; ``auto`` weighs it where the descriptors can read the weight (rows of a multiple of 16
   bytes, values of the inputs' dtype), and named elsewhere it runs ``decode_swap``;
 - ``decode_sparse_mma`` (2:4, 16-bit, 1–64 tokens, columns a multiple of 128; an NVIDIA GPU of compute
