@@ -55,8 +55,11 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
     ``special_tokens``, each text is encoded as the tokenizer encodes it alone (a BOS at its start:
     SparseGPT's and Wanda's loaders). ``info`` (a dict) receives the number of documents and tokens
     drawn from (and of conversations, with whether a chat template rendered them)."""
-    if nsamples < 1 or seqlen < 2 + (bos is not None):
-        raise UserError("--nsamples must be >= 1 and --seqlen >= 2")
+    if nsamples < 1:
+        raise UserError(f"--nsamples must be >= 1, got {nsamples}")
+    if seqlen < 2 + (bos is not None):
+        why = "the model's BOS token and two tokens of text" if bos is not None else "two tokens of text"
+        raise UserError(f"--seqlen must be >= {2 + (bos is not None)} ({why}), got {seqlen}")
     docs = source.documents("train")
     chats = sum(isinstance(d, Conversation) for d in docs)
     docs = rendered(docs, tokenizer)

@@ -9,3 +9,11 @@ def reason(exc: BaseException, limit: int = 200) -> str:
     """What ``exc`` says, on one line (whitespace collapsed; its type's name when it says nothing),
     at most ``limit`` characters: the cause quoted inside a :class:`UserError`."""
     return (" ".join(str(exc).split()) or type(exc).__name__)[:limit]
+
+
+def check_values(*rules: tuple[str, object, bool, str]) -> None:
+    """Refuse the first of ``(name, value, ok, what it must be)`` whose ``ok`` is false, in one line naming
+    the option, what it must be and what it was given: ``--steps must be >= 1, got 0``."""
+    for name, value, ok, must in rules:
+        if not ok:
+            raise UserError(f"{name} must be {must}, got {value}")

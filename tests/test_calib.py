@@ -72,6 +72,13 @@ def test_windows_start_with_bos_where_the_tokenizer_adds_it():
         papers.append(stream[start:start + 16])
     assert calibration_windows(src, bos_tok, 4, 16, seed=0, special_tokens=True).tolist() == papers
     assert eval_tokens(src, bos_tok, special_tokens=True)[0].tolist() == stream
+    # the shortest window: two tokens of text, after the BOS where one starts each window; each bad size named alone
+    assert calibration_windows(src, bos_tok, 2, 3, seed=0, bos=bos_id).shape == (2, 3)
+    assert calibration_windows(src, tok, 2, 2, seed=0).shape == (2, 2)
+    with pytest.raises(UserError, match=r"^--seqlen must be >= 3 \(the model's BOS token and two tokens of text\), got 2$"):
+        calibration_windows(src, bos_tok, 2, 2, seed=0, bos=bos_id)
+    with pytest.raises(UserError, match=r"^--nsamples must be >= 1, got 0$"):
+        calibration_windows(src, tok, 0, 16, seed=0)
 
 
 def test_bad_jsonl_names_the_line(tmp_path):

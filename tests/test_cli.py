@@ -147,7 +147,18 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path, monkeypatch):
                          (["prune", str(tiny_dir), "--eval-ctx", "1", "--out", str(tmp_path / "o")],
                           "--eval-ctx must be"),
                          (["prune", str(tiny_dir), "--eval-tokens", "0", "--out", str(tmp_path / "o")],
-                          "--eval-tokens must be")):
+                          "--eval-tokens must be"),
+                         (["prune", str(tiny_dir), "--nsamples", "0", "--out", str(tmp_path / "o")],
+                          "--nsamples must be >= 1, got 0"),
+                         (["prune", str(tiny_dir), "--seqlen", "1", "--out", str(tmp_path / "o")],
+                          "--seqlen must be >= 2 (a window predicts seqlen − 1 tokens), got 1"),
+                         (["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-ctx", "1"], "--ppl-ctx must be >= 2"),
+                         (["dst", "--tokenizer", str(tiny_dir), "--steps", "0", "--out", str(tmp_path / "o")],
+                          "--steps must be >= 1, got 0"),
+                         (["dst", "--tokenizer", str(tiny_dir), "--alpha", "2", "--out", str(tmp_path / "o")],
+                          "--alpha must be in [0, 1], got 2.0"),
+                         (["dst", "--tokenizer", str(tiny_dir), "--method", "nm", "--perm", "learned", "--delta", "0",
+                           "--out", str(tmp_path / "o")], "--delta must be > 0, got 0.0")):
         res = runner.invoke(app, args)
         assert res.exit_code == 2, (args, res.output)
         lines = [l for l in res.output.splitlines() if l.startswith("error:")]

@@ -111,6 +111,13 @@ def test_flags_and_set_override_the_recipe():
     ({"recipe": None, "dtype": "double"}, "unknown --dtype 'double'"),
     ({"recipe": None, "nsample": 4}, r"unknown prune option\(s\) nsample; did you mean nsamples= for nsample\?"),
     ({"recipe": None, "base": "wanda"}, r"unknown prune option\(s\) base; did you mean method= for base\?"),
+    # a bad size or rate: the one value at fault, named with what it must be and what it was
+    ({"recipe": None, "nsamples": 0}, r"^--nsamples must be >= 1, got 0$"),
+    ({"recipe": "paper", "perm_steps": 0}, r"^--perm-steps must be >= 1, got 0$"),
+    ({"recipe": "paper", "perm_lr": -1.0}, r"^--perm-lr must be > 0, got -1.0$"),
+    ({"recipe": None, "overrides": ["update=blockrecon", "update.patience=0"]},
+     r"^update 'blockrecon': patience must be >= 1, got 0$"),
+    ({"recipe": None, "overrides": ["update=blockrecon", "update.lr=0"]}, r"^update 'blockrecon': lr must be > 0, got 0"),
 ])
 def test_bad_recipes_and_overrides_are_one_line_errors(kwargs, needle):
     recipe = kwargs.pop("recipe")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, check_values
 from shuffleprune.masks import parse_pattern
 from shuffleprune.runtime.determinism import check_seed
 
@@ -48,20 +48,22 @@ class DSTConfig:
                 raise UserError("method 'keep' holds the zeros the model already has (a pruned checkpoint's, in its "
                                 "own order): it takes no sparsity and no permutation")
             return
-        if not 0.0 <= self.sparsity < 1.0:
-            raise UserError("--sparsity must be in [0, 1)")
+        check_values(("--sparsity", self.sparsity, 0.0 <= self.sparsity < 1.0, "in [0, 1)"))
         if self.distribution not in ("erk", "uniform"):
             raise UserError("--distribution must be erk or uniform")
-        if self.delta_t < 1 or self.t_end < 0 or not 0 <= self.alpha <= 1:
-            raise UserError("--delta-t must be ≥ 1, --t-end ≥ 0 and --alpha in [0, 1]")
-        if self.block < 1 or not 0.0 <= self.lowrank_share < 1.0 or not 0.0 <= self.gamma_sal <= 1.0:
-            raise UserError("--block must be ≥ 1, the low-rank share in [0, 1) and the ablation threshold in [0, 1]")
+        check_values(("--delta-t", self.delta_t, self.delta_t >= 1, ">= 1"),
+                     ("--t-end", self.t_end, self.t_end >= 0, ">= 0"),
+                     ("--alpha", self.alpha, 0 <= self.alpha <= 1, "in [0, 1]"),
+                     ("--block", self.block, self.block >= 1, ">= 1"),
+                     ("lowrank_share", self.lowrank_share, 0.0 <= self.lowrank_share < 1.0, "in [0, 1)"),
+                     ("gamma_sal", self.gamma_sal, 0.0 <= self.gamma_sal <= 1.0, "in [0, 1]"))
         if not 0.0 < self.tau_end <= self.tau_start:
             raise UserError("the diag temperatures need 0 < tau_end ≤ tau_start")
-        if self.perm_lr <= 0 or self.lambda_max < 0 or self.t_perm < 0 or self.delta <= 0:
-            raise UserError("--perm-lr and --delta must be > 0, --lambda-max and --t-perm ≥ 0")
-        if not 0.0 <= self.perm_init <= 1.0:
-            raise UserError("--perm-start must be in [0, 1]")
+        check_values(("--perm-lr", self.perm_lr, self.perm_lr > 0, "> 0"),
+                     ("--lambda-max", self.lambda_max, self.lambda_max >= 0, ">= 0"),
+                     ("--t-perm", self.t_perm, self.t_perm >= 0, ">= 0"),
+                     ("--delta", self.delta, self.delta > 0, "> 0"),
+                     ("--perm-start", self.perm_init, 0.0 <= self.perm_init <= 1.0, "in [0, 1]"))
         if self.perm not in ("none", "random", "learned"):
             raise UserError(f"unknown --perm '{self.perm}'; use none, random or learned")
         if self.perm != "none" and self.method in ("dense", "rigl", "set"):
@@ -99,13 +101,17 @@ class TrainConfig:
 
     def check(self) -> None:
         """Refuse sizes and schedule settings no run can use."""
-        if self.steps < 1 or self.batch_size < 1 or self.seq_len < 8:
-            raise UserError("--steps and --batch-size must be ≥ 1 and --seq-len ≥ 8")
-        if self.lr <= 0 or self.warmup < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
-            raise UserError("--lr and the gradient clip must be > 0, --warmup and the weight decay ≥ 0")
+        check_values(("--steps", self.steps, self.steps >= 1, ">= 1"),
+                     ("--batch-size", self.batch_size, self.batch_size >= 1, ">= 1"),
+                     ("--seq-len", self.seq_len, self.seq_len >= 8, ">= 8"),
+                     ("--lr", self.lr, self.lr > 0, "> 0"),
+                     ("--warmup", self.warmup, self.warmup >= 0, ">= 0"),
+                     ("weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+                     ("grad_clip", self.grad_clip, self.grad_clip > 0, "> 0"))
         check_seed(self.seed)
-        if self.eval_every < 0 or self.checkpoint_every < 0:
-            raise UserError("--eval-every and --checkpoint-every must be ≥ 0 (0: only at the end)")
+        check_values(("--eval-every", self.eval_every, self.eval_every >= 0, ">= 0 (0: only at the end)"),
+                     ("--checkpoint-every", self.checkpoint_every, self.checkpoint_every >= 0,
+                      ">= 0 (0: only at the end)"))
         if self.eval_tokens is not None and self.eval_tokens < self.seq_len:
             raise UserError(f"--eval-tokens must be at least one window (--seq-len {self.seq_len}), "
                             f"got {self.eval_tokens}")

@@ -29,7 +29,7 @@ from shuffleprune.calib.files import TEXT_FILES
 from shuffleprune.calib.hub_data import HUB_SOURCES
 from shuffleprune.calib.sampling import check_bos_mode
 from shuffleprune.calib.sources import is_local_source, text_contains
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, check_values
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import (LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, load_tokenizer,
                                  resolve_model_path, upcast_for_cpu)
@@ -72,8 +72,8 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
         raise UserError("no tasks given; use --tasks hellaswag,arc_easy,… (ppl = held-out perplexity)")
     if config.limit is not None and config.limit <= 0:
         raise UserError("--limit must be > 0 (a count, or a fraction below 1)")
-    if config.batch_size < 1 or config.ppl_ctx < 2:
-        raise UserError("--batch-size must be >= 1 and --ppl-ctx >= 2")
+    check_values(("--batch-size", config.batch_size, config.batch_size >= 1, ">= 1"),
+                 ("--ppl-ctx", config.ppl_ctx, config.ppl_ctx >= 2, ">= 2 (a window predicts ctx − 1 tokens)"))
     check_bos_mode(config.ppl_bos, "--ppl-bos")
     if config.ppl_tokens is not None and config.ppl_tokens < 1:
         raise UserError("--ppl-tokens must be >= 1 (leave it out for the whole test split)")

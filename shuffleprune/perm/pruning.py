@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shuffleprune.block_inputs import CapturedInputs
 from shuffleprune.blocks import ExpertWeight, decoder_of, find_blocks, weight_params
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, check_values
 from shuffleprune.masks import Pattern
 from shuffleprune.perm.learning import cosine_loss, hard_masked_weight, kl_loss, learn_permutations, masked_weight
 from shuffleprune.perm.search import swap_search
@@ -88,8 +88,9 @@ class PermOptions:
             fit = pattern.m * max(1, round(self.block / pattern.m))
             raise UserError(f"--perm-block {self.block} must be a positive multiple of M={pattern.m}: set --perm-block {fit} "
                             f"(--set permutation.block={fit}), or --perm none")
-        if self.steps < 1 or self.batch < 1 or self.lr <= 0:
-            raise UserError("--perm-steps, --perm-batch and --perm-lr must be positive")
+        check_values(("--perm-steps", self.steps, self.steps >= 1, ">= 1"),
+                     ("--perm-batch", self.batch, self.batch >= 1, ">= 1"),
+                     ("--perm-lr", self.lr, self.lr > 0, "> 0"))
         if not 0.0 <= self.holdout < 1.0:
             raise UserError(f"--perm-holdout {self.holdout} must be in [0, 1)")
 

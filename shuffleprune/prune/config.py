@@ -102,8 +102,10 @@ class PruneConfig:
 
     def check_sizes(self) -> None:
         """Refuse counts and lengths no run can use (before anything is loaded)."""
-        if self.nsamples < 1 or self.seqlen < 2:
-            raise UserError("--nsamples must be >= 1 and --seqlen >= 2")
+        if self.nsamples < 1:
+            raise UserError(f"--nsamples must be >= 1, got {self.nsamples}")
+        if self.seqlen < 2:
+            raise UserError(f"--seqlen must be >= 2 (a window predicts seqlen − 1 tokens), got {self.seqlen}")
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
         check_seed(self.seed)

@@ -20,7 +20,7 @@ import torch
 from torch.func import functional_call
 
 from shuffleprune.blocks import experts_by_tensor, weight_params
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, check_values
 from shuffleprune.perm.pruning import FrozenParams, split_windows
 from shuffleprune.prune.methods.lsq import masked_lstsq
 from shuffleprune.prune.reconstruct import fit_kept_weights
@@ -80,8 +80,10 @@ class BlockReconstruction(Stage):
         return {"dense_stream"} if self.target == "model" else {"dense_weights"}
 
     def check(self, spec: RunSpec) -> None:
-        if min(self.steps, self.batch, self.check_every, self.patience) < 1 or self.lr <= 0:
-            raise UserError("update 'blockrecon': steps, batch, check_every and patience must be ≥ 1 and lr > 0")
+        check_values(*((f"update 'blockrecon': {name}", value, value >= 1, ">= 1") for name, value in
+                       (("steps", self.steps), ("batch", self.batch), ("check_every", self.check_every),
+                        ("patience", self.patience))),
+                     ("update 'blockrecon': lr", self.lr, self.lr > 0, "> 0"))
         if self.target not in ("model", "block"):
             raise UserError(f"update 'blockrecon': target '{self.target}' must be model or block")
         if self.loss not in ("token", "global"):
