@@ -50,7 +50,7 @@ class DSTConfig:
             return
         check_values(("--sparsity", self.sparsity, 0.0 <= self.sparsity < 1.0, "in [0, 1)"))
         if self.distribution not in ("erk", "uniform"):
-            raise UserError("--distribution must be erk or uniform")
+            raise UserError(f"unknown --distribution '{self.distribution}'; use erk or uniform")
         check_values(("--delta-t", self.delta_t, self.delta_t >= 1, ">= 1"),
                      ("--t-end", self.t_end, self.t_end >= 0, ">= 0"),
                      ("--alpha", self.alpha, 0 <= self.alpha <= 1, "in [0, 1]"),

@@ -70,15 +70,13 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
             raise UserError(problem)
     if not config.tasks:
         raise UserError("no tasks given; use --tasks hellaswag,arc_easy,… (ppl = held-out perplexity)")
-    if config.limit is not None and config.limit <= 0:
-        raise UserError("--limit must be > 0 (a count, or a fraction below 1)")
-    check_values(("--batch-size", config.batch_size, config.batch_size >= 1, ">= 1"),
-                 ("--ppl-ctx", config.ppl_ctx, config.ppl_ctx >= 2, ">= 2 (a window predicts ctx − 1 tokens)"))
+    check_values(("--limit", config.limit, config.limit is None or config.limit > 0, "> 0 (a count, or a fraction below 1)"),
+                 ("--batch-size", config.batch_size, config.batch_size >= 1, ">= 1"),
+                 ("--ppl-ctx", config.ppl_ctx, config.ppl_ctx >= 2, ">= 2 (a window predicts ctx − 1 tokens)"),
+                 ("--ppl-tokens", config.ppl_tokens, config.ppl_tokens is None or config.ppl_tokens >= 1,
+                  ">= 1 (leave it out for the whole test split)"),
+                 ("--num-fewshot", config.num_fewshot, config.num_fewshot is None or config.num_fewshot >= 0, ">= 0"))
     check_bos_mode(config.ppl_bos, "--ppl-bos")
-    if config.ppl_tokens is not None and config.ppl_tokens < 1:
-        raise UserError("--ppl-tokens must be >= 1 (leave it out for the whole test split)")
-    if config.num_fewshot is not None and config.num_fewshot < 0:
-        raise UserError("--num-fewshot must be >= 0")
     if out is not None and out.suffix != ".json":
         raise UserError(f"--out must name a .json file (a .md table is written next to it), not '{out}'")
     if out is not None:
