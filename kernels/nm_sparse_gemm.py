@@ -32,10 +32,11 @@ import torch
 
 from shuffleprune.kernels.cuda_rtc import CudaSource, KernelLaunch, allow_dynamic_shared, compile_cuda, driver
 from shuffleprune.kernels.gpu import SMEM_PER_BLOCK_OPTIN, _capability, cdiv, smem_per_block_optin
-from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, SHARED_LIMIT, device_index,
+from shuffleprune.kernels.nm_sparse_mma import (DEVICE_PRELUDE, FRAGMENT_KNOBS, device_index,
                                                 fragment_reading, ordered_metadata, split_k_workspace,
                                                 sparse_mma_available, stream_handle)
 from shuffleprune.kernels.nm_sparse_mma import kernel_source as sparse_mma_source
+from shuffleprune.kernels.sparse_mma_tiles import SHARED_LIMIT
 
 SOURCE = Path(__file__).with_name("nm_sparse_gemm.cu")
 KERNEL_NAME = "nm_sparse_gemm"

@@ -111,13 +111,14 @@ def main() -> None:
     # the sparse-MMA decode's wrapper (checks, plan and launch looked up, output and split-K buffers, the
     # argument block written), its cuLaunchKernel replaced by a no-op
     from shuffleprune.kernels import nm_sparse_mma as sp
+    from shuffleprune.kernels.sparse_mma_tiles import sparse_mma_plan
     from shuffleprune.kernels.cuda_rtc import KernelLaunch
 
     class NoDriver:
         def cuLaunchKernel(self, *args):
             return 0
 
-    plan = sp.sparse_mma_plan(1, 4096, 4096, 132, mapped=True)
+    plan = sparse_mma_plan(1, 4096, 4096, 132, mapped=True)
     bound = KernelLaunch(type("Compiled", (), {"func": None})(), plan.grid(4096), (32 * plan.warps, 1, 1),
                          plan.staged_bytes(1), NoDriver(), sp.ARG_POINTERS, sp.ARG_INTS)
     saved = sp._launch, sp.device_index, sp.stream_handle

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
+from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm, sparse_mma_tiles as tiles  # noqa: E402
 from shuffleprune.kernels.compile_check import (A100, H100, disassemble, main_loop, ptxas_report,  # noqa: E402
                                                  resident_programs)
 from shuffleprune.kernels.cuda_rtc import find_nvrtc, load_nvrtc  # noqa: E402
@@ -116,7 +116,7 @@ def main() -> None:
                                          info["shared_bytes"] + plan.dynamic_shared(tokens, mapped))
             grid = plan.grid(shape[0])
             rows.append({"arch": arch, "shape": list(shape), "tokens": tokens, "tiled": tiled, "mapped": mapped,
-                         "pdl": pdl, "tall": tall, "inline": inline, "plan": sm.plan_fields(plan), "grid": list(grid[:2]), "threads": 32 * plan.warps,
+                         "pdl": pdl, "tall": tall, "inline": inline, "plan": tiles.plan_fields(plan), "grid": list(grid[:2]), "threads": 32 * plan.warps,
                          **info, "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
                          "waves": round(grid[0] * grid[1] / max(1, ctas * gpu.sms), 2)})
     gemm_rows = []   # the prompt GEMM (kernels/nm_sparse_gemm.cu): every tile with 3 and 4 stages, both layouts

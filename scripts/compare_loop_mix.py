@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 
 from check_sparse_mma_compile import loop_mix, nvrtc_path  # noqa: E402
-from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
+from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm, sparse_mma_tiles as tiles  # noqa: E402
 from shuffleprune.kernels.compile_check import ptxas_report  # noqa: E402
 from shuffleprune.kernels.cuda_rtc import Nvrtc, load_nvrtc  # noqa: E402
 
@@ -49,14 +49,14 @@ def table(nvrtc: Nvrtc, kernels: Path) -> list[dict]:
         for shape in SHAPES:
             for tokens in TOKENS:
                 for mapped, inline in ((False, False), (True, False), (True, True)):
-                    if mapped and tokens > sm.MAPPED_MAX_TOKENS:
+                    if mapped and tokens > tiles.MAPPED_MAX_TOKENS:
                         continue
-                    plan = sm.sparse_mma_plan(tokens, *shape, SMS, mapped=mapped,
+                    plan = tiles.sparse_mma_plan(tokens, *shape, SMS, mapped=mapped,
                                               **({"inline_map": True} if inline else {}))
                     defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, True, mapped, False)
                     rows.append({"kernel": "decode", "shape": list(shape), "tokens": tokens, "tiled": tiled,
                                  "map": "inline" if inline else "staged" if mapped else None,
-                                 "plan": sm.plan_fields(plan),
+                                 "plan": tiles.plan_fields(plan),
                                  **compiled(nvrtc, sm.kernel_source(defines, source=kernels / "nm_sparse_mma.cu"))})
     for tile in sg.GEMM_TILES:
         for tiled in (True, False):

@@ -44,14 +44,14 @@ def decode_sources(sms: int, hopper: bool) -> list[CudaSource]:
     import torch
     from kernel_cases import sparse_mma_variants
 
-    from shuffleprune.kernels import nm_sparse_mma as sm
+    from shuffleprune.kernels import nm_sparse_mma as sm, sparse_mma_tiles as tiles
 
     ordered = sm.ordered_metadata()
     out = []
     for v in sparse_mma_variants(SHAPES, TOKENS, sms, TOKENS if hopper else ()):
         plans = [v["plan"]]
         if v["mapped"] and not v["tall"] and not v["inline"]:
-            plans.append(sm.sparse_mma_plan(v["tokens"], *v["shape"], sms=sms, mapped=True, prefetch=False))
+            plans.append(tiles.sparse_mma_plan(v["tokens"], *v["shape"], sms=sms, mapped=True, prefetch=False))
         for plan, tiled in itertools.product(plans, (True, False)):
             defines = sm.kernel_defines(plan, torch.bfloat16, tiled, False, ordered, v["mapped"], v["pdl"])
             out.append(sm.variant_source(defines))

@@ -94,17 +94,17 @@ def sparse_mma_variants(shapes, tokens_list, sms: int, pdl_tokens=()):
     ``pdl_tokens``, and the tall plan where ``auto`` weighs it (``tall_worth_weighing``)."""
     import itertools
 
-    from shuffleprune.kernels import nm_sparse_mma as sm
+    from shuffleprune.kernels import sparse_mma_tiles as tiles
 
     for shape, tokens in itertools.product(shapes, tokens_list):
-        for mapped in (False, True) if tokens <= sm.MAPPED_MAX_TOKENS else (False,):
+        for mapped in (False, True) if tokens <= tiles.MAPPED_MAX_TOKENS else (False,):
             kinds = [(pdl, False, False) for pdl in ((False, True) if tokens in pdl_tokens else (False,))]
             if mapped:
                 kinds.append((False, False, True))
-            if sm.tall_worth_weighing(tokens, *shape, sms, mapped):
+            if tiles.tall_worth_weighing(tokens, *shape, sms, mapped):
                 kinds.append((False, True, False))
             for pdl, tall, inline in kinds:
-                plan = (sm.tall_plan if tall else sm.sparse_mma_plan)(tokens, *shape, sms=sms, mapped=mapped,
+                plan = (tiles.tall_plan if tall else tiles.sparse_mma_plan)(tokens, *shape, sms=sms, mapped=mapped,
                                                                        **({"inline_map": True} if inline else {}))
                 yield {"shape": shape, "tokens": tokens, "mapped": mapped, "pdl": pdl, "tall": tall, "inline": inline,
                        "plan": plan}

@@ -62,9 +62,9 @@ def main() -> None:
     from kernel_cases import (REFUSED_REL_ERR, checked_launch, checked_timing, dense_ms, hung_marker, random_24_layer,
                               rotated_copies, run_facts, timing_setup)
     from shuffleprune.deploy.cslt_layout import cslt_words
-    from shuffleprune.kernels.nm_sparse_mma import (DEFAULT_CTAS_PER_SM, FRAGMENT_KNOBS, launch_plan, nm_sparse_mma,
-                                                     plan_fields, set_fragment_reading, sparse_mma_plan, tall_plan,
-                                                     tall_worth_weighing)
+    from shuffleprune.kernels.nm_sparse_mma import FRAGMENT_KNOBS, launch_plan, nm_sparse_mma, set_fragment_reading
+    from shuffleprune.kernels.sparse_mma_tiles import (DEFAULT_CTAS_PER_SM, plan_fields, sparse_mma_plan, tall_plan,
+                                                       tall_worth_weighing)
     from shuffleprune.deploy.auto_choice import relative_error
 
     dev, cuda, shapes, l2, sms = timing_setup(args, [(64, 256), (128, 384)])

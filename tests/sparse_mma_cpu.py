@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from shuffleprune.kernels.nm_sparse_mma import SparseMmaPlan, kernel_defines, kernel_source
+from shuffleprune.kernels.nm_sparse_mma import kernel_defines, kernel_source
+from shuffleprune.kernels.sparse_mma_tiles import SparseMmaPlan
 
 HERE = Path(__file__).parent
 _BUILD = Path(tempfile.gettempdir()) / "shuffleprune_sparse_mma"

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shuffleprune.kernels import cuda_rtc, nm_sparse_gemm as sg, nm_sparse_mma as sm
+from shuffleprune.kernels import cuda_rtc, nm_sparse_gemm as sg, nm_sparse_mma as sm, sparse_mma_tiles as tiles
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -54,9 +54,9 @@ def test_the_variants_compiled_ahead_are_the_ones_the_runtime_launches(monkeypat
                                             (True, False, False, (("inline_map", True),)), (False, True, False, ()),
                                             (True, False, False, (("prefetch", False),)),
                                             (True, False, True, ())]:
-            if mapped and tokens > sm.MAPPED_MAX_TOKENS:
+            if mapped and tokens > tiles.MAPPED_MAX_TOKENS:
                 continue
-            if tall and not sm.tall_worth_weighing(tokens, rows, cols, 132, mapped):
+            if tall and not tiles.tall_worth_weighing(tokens, rows, cols, 132, mapped):
                 continue
             sm._launch(tokens, rows, cols, torch.bfloat16, tiled, False, mapped, 0, override, pdl, tall)
         for wgmma in (False, True):

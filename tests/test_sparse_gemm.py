@@ -219,7 +219,7 @@ def test_a_probes_finding_makes_both_kernels_right_on_a_gpu_that_reads_that_way(
     """On an emulated GPU that reads the MMA's fragments with ``knob`` flipped, the decode and the prompt GEMM are both
     wrong as written, and both right built with that knob: what ``gpu_run.sh sparse_mma``'s probe hands to the steps
     after it (``SHUFFLEPRUNE_SPARSE_MMA_READING``) serves both kernels."""
-    from shuffleprune.kernels.nm_sparse_mma import SparseMmaPlan
+    from shuffleprune.kernels.sparse_mma_tiles import SparseMmaPlan
 
     from sparse_mma_cpu import run_cpu
 

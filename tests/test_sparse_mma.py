@@ -13,9 +13,9 @@ import torch
 from shuffleprune.deploy.cslt_layout import cslt_words
 from shuffleprune.deploy.format import compress
 from shuffleprune.kernels.cuda_rtc import KernelLaunch
-from shuffleprune.kernels.nm_sparse_mma import (ARG_INTS, ARG_POINTERS, TALL_MAX_THREADS, SparseMmaPlan, check_plan,
-                                                 kernel_defines, nm_sparse_mma, side_traffic, sparse_mma_applies,
-                                                 sparse_mma_available, sparse_mma_plan, tall_plan, tall_worth_weighing)
+from shuffleprune.kernels.nm_sparse_mma import ARG_INTS, ARG_POINTERS, kernel_defines, nm_sparse_mma, sparse_mma_available
+from shuffleprune.kernels.sparse_mma_tiles import (TALL_MAX_THREADS, SparseMmaPlan, check_plan, side_traffic,
+                                                   sparse_mma_applies, sparse_mma_plan, tall_plan, tall_worth_weighing)
 from shuffleprune.kernels.nm_words import position_words
 from shuffleprune.masks import nm_keep_mask
 
@@ -555,8 +555,7 @@ def test_a_layer_runs_each_sparse_mma_policy_with_its_plan(monkeypatch, impl):
 
     def on_the_emulator(inp, values, words, bias=None, tiled=False, perm=None, pdl=False, tall=False, **override):
         tokens, rows, cols = inp.shape[0], values.shape[0], 2 * values.shape[1]
-        plan = (sp.tall_plan if tall else sp.sparse_mma_plan)(tokens, rows, cols, 4, mapped=perm is not None,
-                                                               **override)
+        plan = (tall_plan if tall else sparse_mma_plan)(tokens, rows, cols, 4, mapped=perm is not None, **override)
         launched.append((tall, perm is not None, plan.rw, plan.inline_map))
         return run_cpu(inp, values, words, bias, tiled, plan, perm=None if perm is None else perm.to(torch.int32))[0]
 

@@ -58,7 +58,7 @@ def sparse_mma_applies(layer: nn.Module, x: torch.Tensor, mapped: bool = False) 
     """Whether ``decode_sparse_mma`` (``mapped``: reading the map itself) runs the layer on ``x``: 2:4 values
     of the input's 16-bit dtype, 1–64 tokens (1–16 mapped), whole steps of 128 columns, on a GPU with sparse
     tensor cores (:mod:`.nm_sparse_mma`)."""
-    from shuffleprune.kernels.nm_sparse_mma import sparse_mma_applies as shape_fits
+    from shuffleprune.kernels.sparse_mma_tiles import sparse_mma_applies as shape_fits
     from shuffleprune.kernels.nm_sparse_mma import sparse_mma_available
 
     return (x.dtype == layer.values.dtype and
@@ -89,10 +89,10 @@ def wgmma_reads_map(layer: nn.Module, x: torch.Tensor) -> bool:
 
 
 def sparse_mma_tall_worth(layer: nn.Module, x: torch.Tensor, mapped: bool = False) -> bool:
-    """Whether ``auto`` also weighs the sparse-MMA decode with :func:`.nm_sparse_mma.tall_plan`'s CTAs on ``x``
-    (:func:`.nm_sparse_mma.tall_worth_weighing`: where the input read per 16 rows weighs against the weight)."""
+    """Whether ``auto`` also weighs the sparse-MMA decode with :func:`.sparse_mma_tiles.tall_plan`'s CTAs on ``x``
+    (:func:`.sparse_mma_tiles.tall_worth_weighing`: where the input read per 16 rows weighs against the weight)."""
     from shuffleprune.kernels.gpu import sm_count
-    from shuffleprune.kernels.nm_sparse_mma import tall_worth_weighing
+    from shuffleprune.kernels.sparse_mma_tiles import tall_worth_weighing
 
     return tall_worth_weighing(tokens_of(x), layer.out_features, layer.in_features, sm_count(x.device), mapped)
 

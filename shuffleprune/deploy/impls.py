@@ -107,17 +107,17 @@
   ``decode_sparse_mma_mapped_inline`` (1–16 tokens): the map read by each B load itself, a step ahead with the
   weight, nothing staged: no gather and no barrier before the first MMA (at one token the map and the input are a
   few KB, in L1);
-  ``decode_sparse_mma_tall`` and ``decode_sparse_mma_mapped_tall``: the two with ``nm_sparse_mma.tall_plan``'s
+  ``decode_sparse_mma_tall`` and ``decode_sparse_mma_mapped_tall``: the two with ``sparse_mma_tiles.tall_plan``'s
   CTAs, which stage the input in shared memory and share it among up to 4 warps of 16 rows. The default CTA
   reads B from global memory once per 16 rows, each 32-bit load touching 8 token rows: by count 35 MB of input
   reads and partial sums at 16 tokens on 4096×4096 against the weight's 19 MB, 140 MB at 64
-  (``nm_sparse_mma.side_traffic``). The tall plan's CTAs of 64 rows copy each round of their columns (128 per
+  (``sparse_mma_tiles.side_traffic``). The tall plan's CTAs of 64 rows copy each round of their columns (128 per
   K group, every token) into a ring of two rounds by asynchronous 8-byte copies two rounds ahead, and read B
   from there in swizzled rows with no bank conflicts (through a map: its staging, swizzled the same way):
   13 and 46 MB there, and no split forced by shared memory. CTAs of 8 warps compiled to 80 registers with
   spills, or to 150 and more under a one-CTA launch bound, so 4 at most. ``auto`` weighs them where the
   default's reads are a quarter of the weight's bytes or more (from about 4 tokens; through a map, whose
-  gathers each cost a sector, from one: ``nm_sparse_mma.tall_worth_weighing``);
+  gathers each cost a sector, from one: ``sparse_mma_tiles.tall_worth_weighing``);
 - ``gemm_sparse_mma`` (2:4, 16-bit, rows in 64s, columns in 64s; from 32 tokens; the GPUs the decode above runs on):
   ``kernels/nm_sparse_gemm.cu``, a GEMM on the sparse tensor cores for prompts, over the gathered input. From a few
   hundred tokens a dense layer is bound by its MMAs, and every other path here but cuSPARSELt does the dense MMAs
