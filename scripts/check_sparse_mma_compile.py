@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm, sparse_mma_tiles as tiles  # noqa: E402
+from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
+from shuffleprune.kernels import sparse_gemm_tiles as gemm_tiles, sparse_mma_tiles as tiles  # noqa: E402
 from shuffleprune.kernels.compile_check import (A100, H100, disassemble, main_loop, ptxas_report,  # noqa: E402
                                                  resident_programs)
 from shuffleprune.kernels.cuda_rtc import find_nvrtc, load_nvrtc  # noqa: E402
@@ -120,8 +121,8 @@ def main() -> None:
                          **info, "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
                          "waves": round(grid[0] * grid[1] / max(1, ctas * gpu.sms), 2)})
     gemm_rows = []   # the prompt GEMM (kernels/nm_sparse_gemm.cu): every tile with 3 and 4 stages, both layouts
-    for arch, tile, stages, tiled in itertools.product(args.arch, sg.GEMM_TILES, (3, 4), (False, True)):
-        gpu, plan = GPUS[arch], sg.SparseGemmPlan(*tile, stages=stages)
+    for arch, tile, stages, tiled in itertools.product(args.arch, gemm_tiles.GEMM_TILES, (3, 4), (False, True)):
+        gpu, plan = GPUS[arch], gemm_tiles.SparseGemmPlan(*tile, stages=stages)
         defines = sg.kernel_defines(plan, torch.bfloat16, tiled, False, True)
         ok, log, cubin = nvrtc.compile(sg.kernel_source(defines), arch, report=True)
         regs, spill = ptxas_report(log)
@@ -131,7 +132,7 @@ def main() -> None:
             "main_loop": loop_mix(cubin, gpu.arch) if ok else None}
         fits = plan.dynamic_shared() <= gpu.smem_per_block
         ctas = resident_programs(gpu, info["registers"], plan.warps, plan.dynamic_shared()) if ok and fits else 0
-        gemm_rows.append({"arch": arch, "tiled": tiled, "plan": sg.plan_fields(plan), "bm": plan.bm, "bn": plan.bn,
+        gemm_rows.append({"arch": arch, "tiled": tiled, "plan": gemm_tiles.plan_fields(plan), "bm": plan.bm, "bn": plan.bn,
                           "threads": 32 * plan.warps, "dynamic_shared": plan.dynamic_shared(), **info,
                           "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps,
                           # shared-memory bytes a warp reads per MMA: its A and B fragments of one k32 step
@@ -142,7 +143,7 @@ def main() -> None:
     for (tile, mapped), stages, tiled in itertools.product(wgmma_gemm_forms(), (4, 5), (False, True)):
         if "sm_90" not in args.arch:
             break
-        gpu, plan = H100, sg.SparseGemmPlan(*tile, stages=stages, splits=8, wgmma=True, mapped=mapped)
+        gpu, plan = H100, gemm_tiles.SparseGemmPlan(*tile, stages=stages, splits=8, wgmma=True, mapped=mapped)
         defines = sg.kernel_defines(plan, torch.bfloat16, tiled, False, True)
         ok, log, cubin = nvrtc.compile(sg.kernel_source(defines), "sm_90a", report=True)
         regs, spill = ptxas_report(log)
@@ -155,7 +156,7 @@ def main() -> None:
         shared = plan.dynamic_shared(4096)
         fits = shared <= gpu.smem_per_block
         ctas = resident_programs(gpu, info["registers"], plan.warps, shared) if ok and fits else 0
-        gemm_rows.append({"arch": "sm_90a", "tiled": tiled, "plan": sg.plan_fields(plan), "bm": plan.bm,
+        gemm_rows.append({"arch": "sm_90a", "tiled": tiled, "plan": gemm_tiles.plan_fields(plan), "bm": plan.bm,
                           "bn": plan.bn, "threads": 32 * plan.warps, "dynamic_shared": shared, **info,
                           "ctas_per_sm": ctas, "warps_per_sm": ctas * plan.warps, "shared_bytes_per_mma": None})
     versions = {"python": platform.python_version(), "torch": torch.__version__, "nvrtc": nvrtc.version()}

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 
 from check_sparse_mma_compile import loop_mix, nvrtc_path  # noqa: E402
-from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm, sparse_mma_tiles as tiles  # noqa: E402
+from shuffleprune.kernels import nm_sparse_gemm as sg, nm_sparse_mma as sm  # noqa: E402
+from shuffleprune.kernels import sparse_gemm_tiles as gemm_tiles, sparse_mma_tiles as tiles  # noqa: E402
 from shuffleprune.kernels.compile_check import ptxas_report  # noqa: E402
 from shuffleprune.kernels.cuda_rtc import Nvrtc, load_nvrtc  # noqa: E402
 
@@ -58,11 +59,11 @@ def table(nvrtc: Nvrtc, kernels: Path) -> list[dict]:
                                  "map": "inline" if inline else "staged" if mapped else None,
                                  "plan": tiles.plan_fields(plan),
                                  **compiled(nvrtc, sm.kernel_source(defines, source=kernels / "nm_sparse_mma.cu"))})
-    for tile in sg.GEMM_TILES:
+    for tile in gemm_tiles.GEMM_TILES:
         for tiled in (True, False):
-            plan = sg.SparseGemmPlan(*tile, stages=3)
+            plan = gemm_tiles.SparseGemmPlan(*tile, stages=3)
             defines = sg.kernel_defines(plan, torch.bfloat16, tiled, False, True)
-            rows.append({"kernel": "gemm", "tile": [plan.bm, plan.bn], "plan": sg.plan_fields(plan), "tiled": tiled,
+            rows.append({"kernel": "gemm", "tile": [plan.bm, plan.bn], "plan": gemm_tiles.plan_fields(plan), "tiled": tiled,
                          **compiled(nvrtc, sm.kernel_source(defines, source=kernels / "nm_sparse_gemm.cu"))})
     return rows
 

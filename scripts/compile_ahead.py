@@ -64,15 +64,15 @@ def gemm_sources(hopper: bool) -> list[CudaSource]:
     import torch
     from kernel_cases import wgmma_gemm_forms
 
-    from shuffleprune.kernels import nm_sparse_gemm as sg
+    from shuffleprune.kernels import nm_sparse_gemm as sg, sparse_gemm_tiles as gemm_tiles
     from shuffleprune.kernels.nm_sparse_mma import ordered_metadata
 
-    forms = [(tile, stages, False, False) for tile in sg.GEMM_TILES for stages in GEMM_STAGES]
+    forms = [(tile, stages, False, False) for tile in gemm_tiles.GEMM_TILES for stages in GEMM_STAGES]
     if hopper:
         forms += [(tile, stages, True, mapped) for tile, mapped in wgmma_gemm_forms() for stages in WGMMA_STAGES]
     out = []
     for (tile, stages, wgmma, mapped), tiled in itertools.product(forms, (True, False)):
-        plan = sg.SparseGemmPlan(*tile, stages=stages, wgmma=wgmma, mapped=mapped)
+        plan = gemm_tiles.SparseGemmPlan(*tile, stages=stages, wgmma=wgmma, mapped=mapped)
         out.append(sg.variant_source(sg.kernel_defines(plan, torch.bfloat16, tiled, False, ordered_metadata())))
     return out
 

@@ -113,10 +113,10 @@ def sparse_mma_variants(shapes, tokens_list, sms: int, pdl_tokens=()):
 def wgmma_gemm_forms() -> list[tuple[tuple[int, int, int, int], bool]]:
     """``(tile, mapped)`` of every wgmma form of the prompt GEMM (``kernels/nm_sparse_gemm.py``): its GEMM tiles and
     decode tiles, then the decode tiles that read a map (up to ``WGMMA_MAPPED_MAX_TOKENS`` tokens)."""
-    from shuffleprune.kernels import nm_sparse_gemm as sg
+    from shuffleprune.kernels import sparse_gemm_tiles as gemm_tiles
 
-    forms = [(tile, False) for tile in dict.fromkeys((*sg.WGMMA_TILES, *sg.WGMMA_DECODE_TILES.values()))]
-    return forms + [(tile, True) for bn, tile in sg.WGMMA_DECODE_TILES.items() if bn <= sg.WGMMA_MAPPED_MAX_TOKENS]
+    forms = [(tile, False) for tile in dict.fromkeys((*gemm_tiles.WGMMA_TILES, *gemm_tiles.WGMMA_DECODE_TILES.values()))]
+    return forms + [(tile, True) for bn, tile in gemm_tiles.WGMMA_DECODE_TILES.items() if bn <= gemm_tiles.WGMMA_MAPPED_MAX_TOKENS]
 
 
 HUNG_EXIT = 75          # a tuning process's exit status where a launch never finished (hung_marker says which)

@@ -51,11 +51,11 @@ def main() -> None:
                               rotated_copies, run_facts, timing_setup)
     from shuffleprune.deploy.cslt_layout import cslt_words
     from shuffleprune.kernels.gpu import smem_per_block_optin
-    from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, WGMMA_DECODE_MAX_TOKENS, WGMMA_DECODE_TILES,
-                                                      WGMMA_MAPPED_MAX_TOKENS, WGMMA_TILES, SparseGemmPlan,
-                                                      check_gemm_plan, filling_splits, gemm_traffic, nm_sparse_gemm,
-                                                      plan_fields, sparse_gemm_plan, sparse_wgmma_available,
-                                                      staged_within_limit, whole_splits)
+    from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm, sparse_wgmma_available
+    from shuffleprune.kernels.sparse_gemm_tiles import (GEMM_TILES, WGMMA_DECODE_MAX_TOKENS, WGMMA_DECODE_TILES,
+                                                        WGMMA_MAPPED_MAX_TOKENS, WGMMA_TILES, SparseGemmPlan,
+                                                        check_gemm_plan, filling_splits, gemm_traffic, plan_fields,
+                                                        sparse_gemm_plan, staged_within_limit, whole_splits)
     from shuffleprune.kernels.nm_sparse_mma import fragment_reading
     from shuffleprune.deploy.auto_choice import relative_error
 

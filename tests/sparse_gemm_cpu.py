@@ -6,7 +6,8 @@ import ctypes
 
 import torch
 
-from shuffleprune.kernels.nm_sparse_gemm import SparseGemmPlan, kernel_defines, kernel_source
+from shuffleprune.kernels.nm_sparse_gemm import kernel_defines, kernel_source
+from shuffleprune.kernels.sparse_gemm_tiles import SparseGemmPlan
 
 from sparse_mma_cpu import HERE, _bytes, _ptr, build_text, emulator
 

@@ -10,8 +10,9 @@ import torch
 
 from shuffleprune.deploy.cslt_layout import cslt_words
 from shuffleprune.deploy.format import compress
-from shuffleprune.kernels.nm_sparse_gemm import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, gemm_traffic,
-                                                  nm_sparse_gemm, sparse_gemm_applies, sparse_gemm_plan, whole_splits)
+from shuffleprune.kernels.nm_sparse_gemm import nm_sparse_gemm
+from shuffleprune.kernels.sparse_gemm_tiles import (GEMM_TILES, SparseGemmPlan, check_gemm_plan, gemm_traffic,
+                                                    sparse_gemm_applies, sparse_gemm_plan, whole_splits)
 from shuffleprune.masks import nm_keep_mask
 
 from test_sparse_mma import _case, _check
@@ -91,7 +92,8 @@ def test_the_wgmma_decode_reading_the_map_itself_matches_float64(rows, cols, tok
 
 
 def test_a_mapped_plan_stages_its_split_within_the_limit_and_bad_maps_are_refused():
-    from shuffleprune.kernels.nm_sparse_gemm import MAPPED_STAGED_LIMIT, check_map
+    from shuffleprune.kernels.nm_sparse_gemm import check_map
+    from shuffleprune.kernels.sparse_gemm_tiles import MAPPED_STAGED_LIMIT
 
     for (rows, cols), tokens in itertools.product([(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)],
                                                   (1, 8, 16)):
@@ -374,8 +376,8 @@ def test_a_layer_runs_the_sparse_gemm_policy_on_its_gathered_input(monkeypatch, 
 
     def on_the_emulator(inp, values, words, bias=None, tiled=False, wgmma=False, perm=None):
         seen.append((tiled, wgmma, perm is not None))
-        plan = sg.sparse_gemm_plan(inp.numel() // inp.shape[-1], values.shape[0], 2 * values.shape[1], 4,
-                                   227 * 1024, wgmma=wgmma, **({"mapped": True} if perm is not None else {}))
+        plan = sparse_gemm_plan(inp.numel() // inp.shape[-1], values.shape[0], 2 * values.shape[1], 4,
+                                227 * 1024, wgmma=wgmma, **({"mapped": True} if perm is not None else {}))
         return _run(inp.reshape(-1, inp.shape[-1]), values, words, bias, tiled, plan,
                     perm=perm).reshape(*inp.shape[:-1], -1)
 

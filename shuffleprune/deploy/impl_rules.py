@@ -70,7 +70,7 @@ def sparse_gemm_applies(layer: nn.Module, x: torch.Tensor, wgmma: bool = False) 
     """Whether ``gemm_sparse_mma`` (``wgmma``: ``gemm_sparse_wgmma``) runs the layer on ``x``: 2:4 values of the
     input's 16-bit dtype, rows and columns in 64s, on a GPU with sparse tensor cores (``wgmma``: Hopper;
     :mod:`.nm_sparse_gemm`)."""
-    from shuffleprune.kernels.nm_sparse_gemm import sparse_gemm_applies as shape_fits
+    from shuffleprune.kernels.sparse_gemm_tiles import sparse_gemm_applies as shape_fits
     from shuffleprune.kernels.nm_sparse_gemm import sparse_gemm_available, sparse_wgmma_available
 
     available = sparse_wgmma_available if wgmma else sparse_gemm_available
@@ -81,8 +81,8 @@ def sparse_gemm_applies(layer: nn.Module, x: torch.Tensor, wgmma: bool = False) 
 
 def wgmma_reads_map(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``gemm_sparse_wgmma_mapped`` runs the layer on ``x``: a mapped layer the wgmma form takes, up to
-    :data:`.nm_sparse_gemm.WGMMA_MAPPED_MAX_TOKENS` tokens."""
-    from shuffleprune.kernels.nm_sparse_gemm import WGMMA_MAPPED_MAX_TOKENS
+    :data:`.sparse_gemm_tiles.WGMMA_MAPPED_MAX_TOKENS` tokens."""
+    from shuffleprune.kernels.sparse_gemm_tiles import WGMMA_MAPPED_MAX_TOKENS
 
     return (layer.perm is not None and tokens_of(x) <= WGMMA_MAPPED_MAX_TOKENS and
             sparse_gemm_applies(layer, x, wgmma=True))

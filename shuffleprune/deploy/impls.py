@@ -134,7 +134,7 @@
   swizzles), each step's wgmmas running on through the next step's barrier and copies. Checked under the
   emulator, which reads a ``wgmma``'s operands at its issue and requires them unchanged, with no copy issued into
   them, until it retires (a slot reused early, read before it landed, or metadata written while one runs is an
-  error there). Up to 64 tokens it runs as a decode (``nm_sparse_gemm.WGMMA_DECODE_TILES``): CTAs of 64 rows × the
+  error there). Up to 64 tokens it runs as a decode (``sparse_gemm_tiles.WGMMA_DECODE_TILES``): CTAs of 64 rows × the
   fewest of 8–64 tokens that hold the input, K split until 4 CTAs an SM stream the weight through shared memory
   straight to the tensor cores. Compiled for ``sm_90a``; not yet run on a GPU, so ``auto`` checks its output first;
   ``gemm_sparse_wgmma_mapped`` (a mapped layer, 1–16 tokens): that decode reading the map itself, each CTA gathering
