@@ -22,7 +22,7 @@ import torch
 
 from shuffleprune.calib.documents import Conversation, rendered
 from shuffleprune.calib.sources import TextSource
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, check_values
 
 BOS_MODES = ("window", "text")   # where a tokenizer's BOS goes: every window (lm-eval), or each text's start
 
@@ -55,11 +55,10 @@ def calibration_windows(source: TextSource, tokenizer, nsamples: int, seqlen: in
     ``special_tokens``, each text is encoded as the tokenizer encodes it alone (a BOS at its start:
     SparseGPT's and Wanda's loaders). ``info`` (a dict) receives the number of documents and tokens
     drawn from (and of conversations, with whether a chat template rendered them)."""
-    if nsamples < 1:
-        raise UserError(f"--nsamples must be >= 1, got {nsamples}")
-    if seqlen < 2 + (bos is not None):
-        why = "the model's BOS token and two tokens of text" if bos is not None else "two tokens of text"
-        raise UserError(f"--seqlen must be >= {2 + (bos is not None)} ({why}), got {seqlen}")
+    shortest = 2 + (bos is not None)
+    why = "the model's BOS token and two tokens of text" if bos is not None else "two tokens of text"
+    check_values(("--nsamples", nsamples, nsamples >= 1, ">= 1"),
+                 ("--seqlen", seqlen, seqlen >= shortest, f">= {shortest} ({why})"))
     docs = source.documents("train")
     chats = sum(isinstance(d, Conversation) for d in docs)
     docs = rendered(docs, tokenizer)

@@ -18,7 +18,7 @@ import torch
 
 from shuffleprune.calib.files import TEXT_FILES
 from shuffleprune.calib.sampling import check_bos_mode
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, check_values
 from shuffleprune.masks import parse_pattern
 from shuffleprune.models import dtype_name
 from shuffleprune.prune.recipes import (DEFAULT_RECIPE, RUN_KEYS_NOT_IN_RECIPES, StageKeyError, check_stage_entry,
@@ -102,19 +102,14 @@ class PruneConfig:
 
     def check_sizes(self) -> None:
         """Refuse counts and lengths no run can use (before anything is loaded)."""
-        if self.nsamples < 1:
-            raise UserError(f"--nsamples must be >= 1, got {self.nsamples}")
-        if self.seqlen < 2:
-            raise UserError(f"--seqlen must be >= 2 (a window predicts seqlen − 1 tokens), got {self.seqlen}")
-        if self.batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
+        check_values(("--nsamples", self.nsamples, self.nsamples >= 1, ">= 1"),
+                     ("--seqlen", self.seqlen, self.seqlen >= 2, ">= 2 (a window predicts seqlen − 1 tokens)"),
+                     ("--batch-size", self.batch_size, self.batch_size >= 1, ">= 1"))
         check_seed(self.seed)
-        if self.eval_ctx is not None and self.eval_ctx < 2:
-            raise UserError(f"--eval-ctx must be >= 2 (a perplexity window predicts ctx − 1 tokens), "
-                            f"got {self.eval_ctx}")
-        if self.eval_tokens is not None and self.eval_tokens < 1:
-            raise UserError(f"--eval-tokens must be >= 1 (leave it out to score all of the text), "
-                            f"got {self.eval_tokens}")
+        check_values(("--eval-ctx", self.eval_ctx, self.eval_ctx is None or self.eval_ctx >= 2,
+                      ">= 2 (a perplexity window predicts ctx − 1 tokens)"),
+                     ("--eval-tokens", self.eval_tokens, self.eval_tokens is None or self.eval_tokens >= 1,
+                      ">= 1 (leave it out to score all of the text)"))
         check_bos_mode(self.bos, "--bos")
 
     # -- reading ----------------------------------------------------------------------------------

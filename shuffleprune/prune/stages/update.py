@@ -80,9 +80,10 @@ class BlockReconstruction(Stage):
         return {"dense_stream"} if self.target == "model" else {"dense_weights"}
 
     def check(self, spec: RunSpec) -> None:
-        check_values(*((f"update 'blockrecon': {name}", value, value >= 1, ">= 1") for name, value in
-                       (("steps", self.steps), ("batch", self.batch), ("check_every", self.check_every),
-                        ("patience", self.patience))),
+        check_values(("update 'blockrecon': steps", self.steps, self.steps >= 1, ">= 1"),
+                     ("update 'blockrecon': batch", self.batch, self.batch >= 1, ">= 1"),
+                     ("update 'blockrecon': check_every", self.check_every, self.check_every >= 1, ">= 1"),
+                     ("update 'blockrecon': patience", self.patience, self.patience >= 1, ">= 1"),
                      ("update 'blockrecon': lr", self.lr, self.lr > 0, "> 0"))
         if self.target not in ("model", "block"):
             raise UserError(f"update 'blockrecon': target '{self.target}' must be model or block")
