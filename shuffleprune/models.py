@@ -31,6 +31,7 @@ from shuffleprune.gguf import gguf_as_hf_dir
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, to_plain_linears, weights_stored_permuted
 from shuffleprune.runtime.facts import transformers_release
+from shuffleprune.tokenizer_files import TOKENIZER_FILES, as_its_file, tokenizer_folder
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded GGUF was converted from
@@ -225,9 +226,6 @@ def upcast_for_cpu(model: PreTrainedModel, dtype: str, device: torch.device) -> 
         model.float()
 
 
-TOKENIZER_FILES = ("*tokenizer*", "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken")
-
-
 def require_tokenizer_files(folder: Path, spec: str | None = None) -> None:
     """Refuse a local dir without tokenizer files, naming the files to copy there: from the config
     alone transformers builds a tokenizer with an empty vocabulary, which turns every text into no tokens."""
@@ -249,12 +247,14 @@ def check_tokenizer_spec(spec: str) -> None:
 
 
 def load_tokenizer(path: str, spec: str | None = None):
-    """The tokenizer of a model dir or hub id (a local dir without tokenizer files refused)."""
+    """The tokenizer of a model dir or hub id (a local dir without tokenizer files refused), as its files
+    say (:func:`~shuffleprune.tokenizer_files.as_its_file`)."""
     require_tokenizer_files(Path(path), spec)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as exc:   # a hub repo that is gone, gated or unreachable
         raise UserError(f"cannot load the tokenizer of '{spec or path}': {reason(exc)}") from exc
+    return as_its_file(tokenizer, tokenizer_folder(path), spec or path)
 
 
 def _model_type(path: str) -> str:

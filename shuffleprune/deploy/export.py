@@ -42,6 +42,7 @@ from shuffleprune.deploy.format import compress, meta_bits
 from shuffleprune.deploy.load import FORMAT_FILE, FORMAT_NAME, FORMAT_VERSION, SPARSE_FILE, is_exported
 from shuffleprune.deploy.experts_export import compress_experts, exportable_experts, was_pruned
 from shuffleprune.stacked_experts import traced_stacked_experts
+from shuffleprune.tokenizer_files import save_tokenizer
 
 HF_LOADER_FILE = "shuffleprune_hf.py"
 # Written next to an export so that transformers can load it too:
@@ -339,7 +340,7 @@ def _write_export(out_dir: Path, lm, parts: _Compressed, fmt: dict, prune_report
         dense_state = {k: v for k, v in lm.model.state_dict().items()
                        if k not in parts.skip_keys and not k.endswith(".perm")}
         lm.model.save_pretrained(tmp, state_dict=dense_state)
-        lm.tokenizer.save_pretrained(tmp)
+        save_tokenizer(lm.tokenizer, tmp)
         (tmp / HF_LOADER_FILE).write_text(HF_LOADER)
         config = json.loads((tmp / "config.json").read_text())
         config["auto_map"] = {"AutoModelForCausalLM": f"{HF_LOADER_FILE[:-3]}.ShufflepruneForCausalLM"}

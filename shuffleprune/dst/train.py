@@ -36,6 +36,7 @@ from shuffleprune.outdir import (atomic_write, check_writable, clear_dir, held_a
                                  space_errors, written_beside)
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime.determinism import deterministic_algorithms
+from shuffleprune.tokenizer_files import save_tokenizer
 
 CHECKPOINT = "checkpoint.pt"
 REPORT = "dst_report.json"
@@ -240,7 +241,7 @@ def _write_model(out: Path, model: torch.nn.Module, sp: DynamicSparsifier, token
 
     with written_beside(out / "model") as tmp:
         model.save_pretrained(tmp, state_dict=sp.checkpoint_state_dict(model))
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         (tmp / "README.md").write_text(model_card(report))
         hard = {n: p.hard for n, p in sp.perms.items() if p.hard is not None}
         if hard:

@@ -22,6 +22,7 @@ from shuffleprune.prune.config import PruneConfig
 from shuffleprune.report import tokens_scored
 from shuffleprune.runtime.facts import cpu_facts, gpu_facts, versions
 from shuffleprune.runtime.memory import peak_rss_mb, tensor_bytes
+from shuffleprune.tokenizer_files import save_tokenizer
 
 REPORT_NAME = "prune_report.json"
 RECIPE_NAME = "recipe.yaml"
@@ -127,7 +128,7 @@ def write_checkpoint(out: Path, model, tokenizer, report: dict, perms: dict[str,
         # every weight in its input's own column order: any client computes the pruned model; N:M
         # holds in each map's order, which the maps file gives to `export` and the N:M check
         model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        save_tokenizer(tokenizer, staging)
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2))
         (staging / RECIPE_NAME).write_text(config.to_yaml())
         (staging / CARD_NAME).write_text(model_card(report))

@@ -1,0 +1,97 @@
+"""A checkpoint's tokenizer as its files say it is.
+
+transformers 5 builds a tokenizer from the class its ``model_type`` (or ``tokenizer_config.json``) names and
+rebuilds that class's normalizer and pre-tokenizer, where transformers 4 read ``tokenizer.json`` as written.
+For checkpoints whose ``tokenizer.json`` is not the class's default (a LLaMA-typed model with a byte-level
+BPE, for one: huggingface/transformers#48206) the rebuilt tokenizer drops spaces or words, and calibration,
+perplexity and lm-eval then run on other text than the papers'. Two rules keep the files' tokenizer:
+
+- :func:`as_its_file`: where the class's encoding of a probe text differs from ``tokenizer.json``'s, the
+  tokenizer is read from ``tokenizer.json`` alone (``PreTrainedTokenizerFast``, as transformers 4 did), with a warning;
+- :func:`save_tokenizer`: a tokenizer read from files is written into a pruned checkpoint, an export or a dst
+  model as those very files (copied byte for byte), so every client sees the tokenizer the source had.
+"""
+from __future__ import annotations
+
+import shutil
+import warnings
+import weakref
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+TOKENIZER_FILES = ("*tokenizer*", "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken")
+_WRITTEN_WITH = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                 "tokenization_*.py")   # beside the tokenizer files: its special tokens, chat templates, remote code
+_TEMPLATES_DIR = "additional_chat_templates"
+
+# spaces, tabs, newlines, digits, punctuation, accents, CJK and code: where tokenizer rebuilds differ
+PROBE = ("We need to add 9 and 6, then  double-space.\n\n\tIndented: naïve café, Straße — 東京 42.5%\n"
+         "def f(x):\n    return x ** 2  # don't\n")
+
+_files_of: "weakref.WeakKeyDictionary[object, Path]" = weakref.WeakKeyDictionary()
+
+
+def tokenizer_folder(path: str | Path) -> Path | None:
+    """The folder holding the tokenizer files of a local dir or of a hub id's cached snapshot, or None."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        cached = try_to_load_from_cache(str(path), name)
+        if isinstance(cached, str):
+            return Path(cached).parent
+    return None
+
+
+def tokenizer_file_names(folder: Path) -> list[Path]:
+    """The files of ``folder`` that make up its tokenizer (top level, plus its extra chat templates)."""
+    names = {p for pattern in (*TOKENIZER_FILES, *_WRITTEN_WITH) for p in folder.glob(pattern) if p.is_file()}
+    names |= {p for p in (folder / _TEMPLATES_DIR).glob("*") if p.is_file()}
+    return sorted(names)
+
+
+def encodes_as_its_file(tokenizer, folder: Path) -> bool:
+    """Whether ``tokenizer`` encodes :data:`PROBE` as ``folder/tokenizer.json`` does (True without that file)."""
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        return True
+    from tokenizers import Tokenizer
+
+    written = Tokenizer.from_file(str(file)).encode(PROBE, add_special_tokens=False).ids
+    return list(tokenizer(PROBE, add_special_tokens=False)["input_ids"]) == written
+
+
+def as_its_file(tokenizer, folder: Path | None, name: str):
+    """``tokenizer``, or where its class encodes otherwise than ``folder``'s ``tokenizer.json``, the tokenizer
+    that file holds (with one warning naming both); either is remembered as read from ``folder``."""
+    if folder is None:
+        return tokenizer
+    if type(tokenizer) is not PreTrainedTokenizerFast and not encodes_as_its_file(tokenizer, folder):
+        from_file = PreTrainedTokenizerFast.from_pretrained(str(folder))
+        if encodes_as_its_file(from_file, folder):
+            import transformers
+
+            warnings.warn(f"the tokenizer of '{name}': transformers {transformers.__version__}'s "
+                          f"{type(tokenizer).__name__} encodes text otherwise than its tokenizer.json (the class rebuilds "
+                          "that file's normalizer and pre-tokenizer); shuffleprune reads tokenizer.json as written, as "
+                          "transformers 4 did (PreTrainedTokenizerFast.from_pretrained loads it so)", stacklevel=3)
+            tokenizer = from_file
+    if tokenizer_file_names(folder):
+        _files_of[tokenizer] = folder
+    return tokenizer
+
+
+def save_tokenizer(tokenizer, out: Path) -> None:
+    """Write ``tokenizer`` into ``out``: a tokenizer read from files as a copy of those files, any other one
+    (built in memory, or a caller's own) with its ``save_pretrained``."""
+    folder = _files_of.get(tokenizer)
+    if folder is None or not folder.is_dir():
+        tokenizer.save_pretrained(out)
+        return
+    for file in tokenizer_file_names(folder):
+        target = out / file.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file, target)   # a hub snapshot's links are followed: the file itself is written

@@ -1,0 +1,123 @@
+"""A checkpoint's tokenizer as its files say: read from ``tokenizer.json`` where a class rebuild encodes
+otherwise, and written into every output as the source's own files."""
+import warnings
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, normalizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+import shuffleprune
+from shuffleprune.models import load_tokenizer
+from shuffleprune.tokenizer_files import PROBE, as_its_file, save_tokenizer, tokenizer_folder
+from conftest import make_tokenizer, random_text, tiny_model
+
+
+class Rebuilt(PreTrainedTokenizerFast):
+    """A model-specific class, as transformers 5 builds one from a ``model_type``."""
+
+
+def _space_stripping() -> Rebuilt:
+    """The same vocabulary with the spaces normalized away: huggingface/transformers#48206's symptom."""
+    backend = make_tokenizer().backend_tokenizer
+    backend.normalizer = normalizers.Replace(" ", "")
+    return Rebuilt(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]")
+
+
+def _file_ids(folder: Path, text: str) -> list[int]:
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+
+
+def _saved(folder: Path, model_type: str = "qwen2") -> Path:
+    tiny_model(model_type, layers=2).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_a_class_that_encodes_otherwise_than_its_file_gives_way_to_the_file(tmp_path):
+    make_tokenizer().save_pretrained(tmp_path)
+    text = random_text(40, seed=3)
+    with pytest.warns(UserWarning, match=r"the tokenizer of 'ckpt': .* Rebuilt encodes text otherwise than its "
+                                            r"tokenizer\.json"):
+        tok = as_its_file(_space_stripping(), tmp_path, "ckpt")
+    assert type(tok) is PreTrainedTokenizerFast
+    assert tok(text, add_special_tokens=False)["input_ids"] == _file_ids(tmp_path, text)
+    assert len(_file_ids(tmp_path, text)) == 40   # the file's: one id a word, where the rebuilt class ran them together
+    assert (tok.eos_token, tok.pad_token, tok.unk_token) == ("[EOS]", "[EOS]", "[UNK]")
+
+
+def test_a_class_that_encodes_as_its_file_is_kept_without_a_warning(tmp_path):
+    make_tokenizer().save_pretrained(tmp_path)
+    backend = make_tokenizer().backend_tokenizer
+    same = Rebuilt(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]", pad_token="[EOS]")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert as_its_file(same, tmp_path, "ckpt") is same
+        assert as_its_file(same, None, "in memory") is same   # nothing to compare with
+
+
+def test_loaded_tokenizers_encode_as_their_tokenizer_json(tmp_path):
+    """Whatever class transformers builds for a model type, what shuffleprune loads encodes as the file does
+    (transformers 5.24 rebuilds this word-level file as a Qwen2 byte-level BPE that drops most words)."""
+    folder = _saved(tmp_path / "qwen2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tok = load_tokenizer(str(folder))
+    assert tok(PROBE, add_special_tokens=False)["input_ids"] == _file_ids(folder, PROBE)
+    text = random_text(60, seed=4)
+    assert tok(text, add_special_tokens=False)["input_ids"] == _file_ids(folder, text)
+    assert 0 not in _file_ids(folder, text)   # the text's words are all in the vocabulary
+
+
+def test_a_hub_snapshot_is_the_folder_of_its_tokenizer(tmp_path, local_hub):
+    snapshot = local_hub("org/tiny", _saved(tmp_path / "src"))
+    assert tokenizer_folder("org/tiny") == snapshot
+    assert tokenizer_folder(tmp_path / "src") == tmp_path / "src"
+    assert tokenizer_folder("org/not-cached") is None
+
+
+def test_outputs_carry_the_source_tokenizer_files_byte_for_byte(tmp_path):
+    """prune and export write the source's tokenizer files as they were (a class's save_pretrained would
+    write its own rebuild: another tokenizer.json and tokenizer_class); chat templates and extra files too."""
+    src = _saved(tmp_path / "src")
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0]['content'] }}")
+    (tmp_path / "calib.txt").write_text(random_text(3000, seed=1))
+    out, exported = tmp_path / "pruned", tmp_path / "exported"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shuffleprune.prune(str(src), "fast", out, calib=str(tmp_path / "calib.txt"), eval_text=None, nsamples=4,
+                           seqlen=32, progress=False)
+        shuffleprune.export(out, exported, progress=False)
+    files = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/tool_use.jinja"]
+    for folder in (out, exported):
+        for name in files:
+            assert (folder / name).read_bytes() == (src / name).read_bytes(), (folder, name)
+    assert AutoTokenizer.from_pretrained(exported).chat_template == {
+        "default": (src / "chat_template.jinja").read_text(),
+        "tool_use": (src / "additional_chat_templates" / "tool_use.jinja").read_text()}
+
+
+def test_a_tokenizer_built_in_memory_is_saved_by_its_class(tmp_path):
+    tok = make_tokenizer()
+    save_tokenizer(tok, tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+    text = random_text(30, seed=5)
+    assert _file_ids(tmp_path, text) == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_command_line_says_so_in_one_line_and_writes_the_files(tmp_path):
+    from typer.testing import CliRunner
+
+    from shuffleprune.cli import app
+
+    src = _saved(tmp_path / "src")
+    (tmp_path / "calib.txt").write_text(random_text(3000, seed=1))
+    r = CliRunner().invoke(app, ["prune", str(src), "--recipe", "fast", "--calib", str(tmp_path / "calib.txt"),
+                                 "--nsamples", "4", "--seqlen", "32", "--eval-text", str(tmp_path / "calib.txt"),
+                                 "--eval-ctx", "32", "--eval-tokens", "256", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    said = [line for line in r.output.splitlines() if "encodes text otherwise than its tokenizer.json" in line]
+    assert len(said) == 1 and said[0].startswith("warning: the tokenizer of ") and "Warning" not in r.output, r.output
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
