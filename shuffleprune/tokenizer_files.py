@@ -60,7 +60,10 @@ def encodes_as_its_file(tokenizer, folder: Path) -> bool:
         return True
     from tokenizers import Tokenizer
 
-    written = Tokenizer.from_file(str(file)).encode(PROBE, add_special_tokens=False).ids
+    try:
+        written = Tokenizer.from_file(str(file)).encode(PROBE, add_special_tokens=False).ids
+    except Exception:   # a file this tokenizers cannot read (a newer format): nothing to compare with
+        return True
     return list(tokenizer(PROBE, add_special_tokens=False)["input_ids"]) == written
 
 

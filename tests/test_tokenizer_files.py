@@ -121,3 +121,12 @@ def test_the_command_line_says_so_in_one_line_and_writes_the_files(tmp_path):
     said = [line for line in r.output.splitlines() if "encodes text otherwise than its tokenizer.json" in line]
     assert len(said) == 1 and said[0].startswith("warning: the tokenizer of ") and "Warning" not in r.output, r.output
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
+def test_a_tokenizer_json_this_tokenizers_cannot_read_leaves_the_class_alone(tmp_path):
+    make_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"version": "9.0", "model": {"type": "FromTheFuture"}}')
+    rebuilt = _space_stripping()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert as_its_file(rebuilt, tmp_path, "ckpt") is rebuilt
