@@ -130,3 +130,20 @@ def test_a_tokenizer_json_this_tokenizers_cannot_read_leaves_the_class_alone(tmp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert as_its_file(rebuilt, tmp_path, "ckpt") is rebuilt
+
+
+def test_a_dst_model_carries_its_tokenizer_files_byte_for_byte(tmp_path):
+    from shuffleprune.dst import DSTConfig
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.train import train
+
+    src = _saved(tmp_path / "src")
+    (tmp_path / "text.txt").write_text(random_text(4000, seed=1))
+    cfg = TrainConfig(arch="gpt2", config_kw={"n_layer": 1, "n_embd": 32, "n_head": 2}, tokenizer=str(src),
+                      data=str(tmp_path / "text.txt"), seq_len=16, batch_size=2, steps=2, warmup=1, eval_every=2,
+                      eval_tokens=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(cfg, DSTConfig(method="dense"), tmp_path / "run", progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "run" / "model" / name).read_bytes() == (src / name).read_bytes(), name
