@@ -8,8 +8,9 @@ perplexity and lm-eval then run on other text than the papers'. Two rules keep t
 
 - :func:`as_its_file`: where the class's encoding of a probe text differs from ``tokenizer.json``'s, the
   tokenizer is read from ``tokenizer.json`` alone (``PreTrainedTokenizerFast``, as transformers 4 did), with a warning;
-- :func:`save_tokenizer`: a tokenizer read from files is written into a pruned checkpoint, an export or a dst
-  model as those very files (copied byte for byte), so every client sees the tokenizer the source had.
+- :func:`save_tokenizer`: a tokenizer read from files, and not changed since, is written into a pruned checkpoint,
+  an export or a dst model as those very files (copied byte for byte), so every client sees the tokenizer the
+  source had.
 """
 from __future__ import annotations
 
@@ -29,7 +30,14 @@ _TEMPLATES_DIR = "additional_chat_templates"
 PROBE = ("We need to add 9 and 6, then  double-space.\n\n\tIndented: naïve café, Straße — 東京 42.5%\n"
          "def f(x):\n    return x ** 2  # don't\n")
 
-_files_of: "weakref.WeakKeyDictionary[object, Path]" = weakref.WeakKeyDictionary()
+_files_of: "weakref.WeakKeyDictionary[object, tuple[Path, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def _settings(tokenizer) -> tuple:
+    """What a caller may change on a loaded tokenizer that its files would then not hold: its vocabulary size
+    (added tokens), special tokens, chat template, padding side and length limit."""
+    return (len(tokenizer), repr(tokenizer.special_tokens_map), repr(getattr(tokenizer, "chat_template", None)),
+            tokenizer.padding_side, tokenizer.model_max_length)
 
 
 def tokenizer_folder(path: str | Path) -> Path | None:
@@ -83,15 +91,16 @@ def as_its_file(tokenizer, folder: Path | None, name: str):
                           "transformers 4 did (PreTrainedTokenizerFast.from_pretrained loads it so)", stacklevel=3)
             tokenizer = from_file
     if tokenizer_file_names(folder):
-        _files_of[tokenizer] = folder
+        _files_of[tokenizer] = (folder, _settings(tokenizer))
     return tokenizer
 
 
 def save_tokenizer(tokenizer, out: Path) -> None:
-    """Write ``tokenizer`` into ``out``: a tokenizer read from files as a copy of those files, any other one
-    (built in memory, or a caller's own) with its ``save_pretrained``."""
-    folder = _files_of.get(tokenizer)
-    if folder is None or not folder.is_dir():
+    """Write ``tokenizer`` into ``out``: a tokenizer read from files, and not changed since, as a copy of those
+    files; any other one (built in memory, a caller's own, or given tokens or a template after loading) with its
+    ``save_pretrained``."""
+    folder, settings = _files_of.get(tokenizer, (None, None))
+    if folder is None or not folder.is_dir() or _settings(tokenizer) != settings:
         tokenizer.save_pretrained(out)
         return
     for file in tokenizer_file_names(folder):

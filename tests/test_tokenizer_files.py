@@ -147,3 +147,19 @@ def test_a_dst_model_carries_its_tokenizer_files_byte_for_byte(tmp_path):
         train(cfg, DSTConfig(method="dense"), tmp_path / "run", progress=False)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "run" / "model" / name).read_bytes() == (src / name).read_bytes(), name
+
+
+def test_a_loaded_tokenizer_changed_after_loading_is_saved_with_its_changes(tmp_path):
+    """Copying the files would drop what a caller added since (a token, a chat template): such a tokenizer is
+    written by its save_pretrained, an unchanged one as its files."""
+    src = _saved(tmp_path / "src", "llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unchanged, changed = load_tokenizer(str(src)), load_tokenizer(str(src))
+    save_tokenizer(unchanged, tmp_path / "a")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    changed.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    changed.chat_template = "{{ messages[0]['content'] }}"
+    save_tokenizer(changed, tmp_path / "b")
+    again = AutoTokenizer.from_pretrained(tmp_path / "b")
+    assert "<tool>" in again.get_vocab() and again.chat_template == changed.chat_template
