@@ -61,18 +61,22 @@ def tokenizer_file_names(folder: Path) -> list[Path]:
     return sorted(names)
 
 
-def encodes_as_its_file(tokenizer, folder: Path) -> bool:
-    """Whether ``tokenizer`` encodes :data:`PROBE` as ``folder/tokenizer.json`` does (True without that file)."""
+def _file_probe_ids(folder: Path) -> list[int] | None:
+    """How ``folder/tokenizer.json`` encodes :data:`PROBE`; None without that file or where this ``tokenizers``
+    cannot read it (a newer format): nothing to compare with."""
     file = folder / "tokenizer.json"
     if not file.is_file():
-        return True
+        return None
     from tokenizers import Tokenizer
 
     try:
-        written = Tokenizer.from_file(str(file)).encode(PROBE, add_special_tokens=False).ids
-    except Exception:   # a file this tokenizers cannot read (a newer format): nothing to compare with
-        return True
-    return list(tokenizer(PROBE, add_special_tokens=False)["input_ids"]) == written
+        return Tokenizer.from_file(str(file)).encode(PROBE, add_special_tokens=False).ids
+    except Exception:
+        return None
+
+
+def _probe_ids(tokenizer) -> list[int]:
+    return list(tokenizer(PROBE, add_special_tokens=False)["input_ids"])
 
 
 def as_its_file(tokenizer, folder: Path | None, name: str):
@@ -80,9 +84,10 @@ def as_its_file(tokenizer, folder: Path | None, name: str):
     that file holds (with one warning naming both); either is remembered as read from ``folder``."""
     if folder is None:
         return tokenizer
-    if type(tokenizer) is not PreTrainedTokenizerFast and not encodes_as_its_file(tokenizer, folder):
+    written = None if type(tokenizer) is PreTrainedTokenizerFast else _file_probe_ids(folder)
+    if written is not None and _probe_ids(tokenizer) != written:
         from_file = PreTrainedTokenizerFast.from_pretrained(str(folder))
-        if encodes_as_its_file(from_file, folder):
+        if _probe_ids(from_file) == written:
             import transformers
 
             warnings.warn(f"the tokenizer of '{name}': transformers {transformers.__version__}'s "
