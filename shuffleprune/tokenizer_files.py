@@ -21,7 +21,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-TOKENIZER_FILES = ("*tokenizer*", "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken")
+TOKENIZER_FILES = ("*tokenizer*", "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken",
+                   "*tekken*.json")   # the last: Mistral's own format, which transformers 5 reads alone
 _WRITTEN_WITH = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                  "tokenization_*.py")   # beside the tokenizer files: its special tokens, chat templates, remote code
 _TEMPLATES_DIR = "additional_chat_templates"

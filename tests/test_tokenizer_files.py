@@ -163,3 +163,38 @@ def test_a_loaded_tokenizer_changed_after_loading_is_saved_with_its_changes(tmp_
     save_tokenizer(changed, tmp_path / "b")
     again = AutoTokenizer.from_pretrained(tmp_path / "b")
     assert "<tool>" in again.get_vocab() and again.chat_template == changed.chat_template
+
+
+def _tekken_only(folder: Path) -> Path:
+    """A Mistral checkpoint's tokenizer in Mistral's own format only: ``tekken.json`` (byte-level BPE ranks,
+    base64) and three special tokens, beside a ``mistral`` config."""
+    import base64
+    import json
+
+    from transformers import MistralConfig
+
+    ranks = [bytes([i]) for i in range(256)] + [b"th", b"the", b" the", b"in", b"ing"]
+    specials = [{"rank": r, "token_str": s, "is_control": True} for r, s in enumerate(("<unk>", "<s>", "</s>"))]
+    folder.mkdir()
+    (folder / "tekken.json").write_text(json.dumps({
+        "config": {"pattern": r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+                   "num_vocab_tokens": len(ranks), "default_vocab_size": len(ranks) + 3,
+                   "default_num_special_tokens": 3, "version": "v7"},
+        "vocab": [{"rank": i, "token_bytes": base64.b64encode(b).decode(), "token_str": None} for i, b in enumerate(ranks)],
+        "special_tokens": specials}))
+    MistralConfig(vocab_size=len(ranks) + 3, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1).save_pretrained(folder)
+    return folder
+
+
+def test_a_tokenizer_in_mistrals_tekken_format_alone_is_loaded_and_carried(tmp_path):
+    """A folder whose only tokenizer file is ``tekken.json`` is a tokenizer (transformers 5 converts it), not a
+    folder without one; outputs carry that file byte for byte."""
+    src = _tekken_only(tmp_path / "src")
+    tok = load_tokenizer(str(src))
+    # ids after the 3 specials: "in" 262, " the" 261, " " 35 (byte 32), "th" 259, "ing" 263
+    assert tok("in the thing", add_special_tokens=False)["input_ids"] == [262, 261, 35, 259, 263]
+    save_tokenizer(tok, tmp_path / "out")
+    assert (tmp_path / "out" / "tekken.json").read_bytes() == (src / "tekken.json").read_bytes()
+    again = load_tokenizer(str(tmp_path / "out"))
+    assert again("in the thing", add_special_tokens=False)["input_ids"] == [262, 261, 35, 259, 263]
