@@ -335,11 +335,12 @@ def _read_config_dtype(path: Path) -> torch.dtype | None:
 
 
 def load_model(spec: str | None = None, dtype: str = "auto", full_precision: bool = False, *,
-               config: Any = None, attn_implementation: str | None = None) -> LoadedModel:
+               config: Any = None, attn_implementation: str | None = None, tokenizer: Any = None) -> LoadedModel:
     """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot (and, with
     ``full_precision``, for a quantized checkpoint, before its weights are read). ``config`` (a
     transformers config to build the model from instead of the checkpoint's own) and
-    ``attn_implementation`` go to ``from_pretrained`` when given."""
+    ``attn_implementation`` go to ``from_pretrained`` when given; ``tokenizer``, this model's tokenizer
+    already loaded by :func:`load_tokenizer`, is used instead of reading it again."""
     warn_if_old_transformers()
     torch_dtype = parse_dtype(dtype)
     path = resolve_model_path(spec)
@@ -359,7 +360,7 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
             from transformers import AutoConfig
 
             refuse_quantized(AutoConfig.from_pretrained(path), spec)
-        tokenizer = load_tokenizer(path, spec)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, spec)
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
             hf_logging.set_verbosity_error()
         chosen = {key: value for key, value in (("config", config), ("attn_implementation", attn_implementation))

@@ -95,6 +95,28 @@ def test_apply_chat_template_reaches_lm_eval_and_its_recorded_command(tiny_dir, 
     assert chat["models"][0]["lm_eval_cli"].endswith("--apply_chat_template")
 
 
+
+def test_apply_chat_template_reads_each_tokenizer_once(tiny_dir, tiny_task, tmp_path, monkeypatch):
+    """The tokenizer read to check a model's chat template is the one its model is scored with."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model_dir = Path(shutil.copytree(tiny_dir, tmp_path / "chat"))
+    (model_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} the {% endfor %}")
+    reads = []
+    real = AutoTokenizer.from_pretrained.__func__
+
+    def counted(cls, *args, **kwargs):
+        reads.append(args[0])
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(counted))
+    res = evaluate_models(EvalConfig(models=[str(model_dir)], tasks=["tiny_mc"], include_path=[str(tiny_task)], limit=2,
+                                     apply_chat_template=True), progress=False)
+    assert res["models"][0]["lm_eval_cli"].endswith("--apply_chat_template")
+    assert reads == [str(model_dir)]
+
 def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(random_text(2000, seed=3))

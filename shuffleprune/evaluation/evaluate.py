@@ -104,8 +104,9 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     for spec in config.models:   # every model found before the first is scored
         if spec not in (loaded or {}):
             check_model_spec(spec)
+    tokenizers = {}   # --apply-chat-template: the tokenizers read to check their templates, not read again
     if config.apply_chat_template and any(t != PPL for t in config.tasks):
-        _check_chat_templates(config.models, loaded or {})
+        tokenizers = _chat_tokenizers(config.models, loaded or {})
     device = pick_device(config.device)
     quiet_lm_eval(verbose)
     offline = _offline(config, notify)
@@ -116,7 +117,7 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     with library_progress_bars(progress):
         for spec in config.models:
             t0 = time.time()
-            lm = (loaded or {}).get(spec) or load_model(spec, config.dtype)
+            lm = (loaded or {}).get(spec) or load_model(spec, config.dtype, tokenizer=tokenizers.pop(spec, None))
             with left_as_found(lm.model) if lm.in_memory else nullcontext():   # a caller's model, given back as it was
                 rows.append(_score_model(run, spec, lm, t0))
             if spec not in (loaded or {}):
@@ -130,14 +131,20 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     return results
 
 
-def _check_chat_templates(specs: list[str | None], loaded: dict[str | None, LoadedModel]) -> None:
+def _chat_tokenizers(specs: list[str | None], loaded: dict[str | None, LoadedModel]) -> dict:
     """``--apply-chat-template``: every model's tokenizer has a chat template (its tokenizer only is read),
-    else a one-line error naming the model, before any is scored."""
+    else a one-line error naming the model, before any is scored. Returns the tokenizers read, by model,
+    for their models' loads."""
+    read = {}
     for spec in specs:
-        tokenizer = loaded[spec].tokenizer if spec in loaded else load_tokenizer(resolve_model_path(spec), spec)
+        if spec in loaded:
+            tokenizer = loaded[spec].tokenizer
+        else:
+            tokenizer = read[spec] = load_tokenizer(resolve_model_path(spec), spec)
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"'{spec or 'the embedded default'}' has no chat template (none in its tokenizer files): "
                             "drop --apply-chat-template, or score that model in a run of its own")
+    return read
 
 
 def _offline(config: EvalConfig, notify: Callable[[str], None]) -> bool:
