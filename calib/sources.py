@@ -238,6 +238,9 @@ def _warn_if_splits_mixed(name: str, files: list[Path]) -> None:
 def get_source(name: str, shared: bool = False) -> TextSource:
     """Resolve a ``--calib`` / ``--eval-text`` value. ``shared``: a local file that serves both
     calibration and evaluation, whose documents are then split."""
+    if not name.strip():   # Path("") would be the current directory, read as a directory of texts
+        raise UserError(f"a text source is empty; use {', '.join(HUB_SOURCES[:2] + OFFLINE_SOURCES)}, a hub dataset "
+                        f"OWNER/NAME or a {TEXT_FILES} file")
     if name == "c4":
         return TextSource("c4", lambda s: load_paper_text("c4", s), joiner=" ", doc_windows=True,
                           eval_windows=C4_EVAL_WINDOWS)

@@ -10,7 +10,7 @@ import typer
 from rich.text import Text
 
 from shuffleprune.console import plain_console
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, given_path
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="N:M sparsity for pretrained LLMs with learned input-channel permutations.")
@@ -55,6 +55,15 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
+def _path(value: Optional[str], flag: str) -> Optional[Path]:
+    """A path option as a Path (None stays None); an empty one is a one-line error (Path("") is the current
+    directory). Path options are read as text for this: typer's own Path type turns "" into "."."""
+    try:
+        return given_path(value, flag)
+    except UserError as exc:
+        _fail(exc)
+
+
 _DATA, _OUT, _RUN, _RARE = "Data and evaluation", "Output", "Compute and selection", "Rare knobs (prefer a recipe file or --set)"
 
 
@@ -66,7 +75,7 @@ def prune(
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern: keep N of every M input columns", show_default="2:4"),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured sparsity instead of N:M (e.g. 0.5); no permutation."),
     perm: Optional[str] = typer.Option(None, "--perm", help="Input-channel permutation: none, random, search or learned (overrides the recipe's; none turns it off)."),
-    perm_from: Optional[Path] = typer.Option(None, "--perm-from", help="Reuse the index maps of an earlier run's output dir instead of computing them."),
+    perm_from: Optional[str] = typer.Option(None, "--perm-from", metavar="<path>", help="Reuse the index maps of an earlier run's output dir instead of computing them."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override any stage: KIND=NAME or KIND.PARAM=VALUE, e.g. --set permutation.steps=200 (repeatable)."),
     calib: Optional[str] = typer.Option(None, "--calib", rich_help_panel=_DATA, help="Calibration text: c4, wikitext2 (hub), any hub dataset OWNER/NAME[:CONFIG][@SPLIT[START:STOP]] with a text or chat (messages) column, wiki, brown (offline), or a .txt, .jsonl, .json, .csv, .tsv or .parquet file (.gz too) or a directory of them (used whole; a downloaded dataset's split: DIR@SPLIT[START:STOP])", show_default="wiki"),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", rich_help_panel=_DATA, help="Calibration windows", show_default="128"),
@@ -76,12 +85,12 @@ def prune(
     eval_ctx: Optional[int] = typer.Option(None, "--eval-ctx", rich_help_panel=_DATA, help="Perplexity window length", show_default="--seqlen"),
     eval_tokens: Optional[int] = typer.Option(None, "--eval-tokens", rich_help_panel=_DATA, help="Score at most this many held-out tokens", show_default="all of the text; c4: 256 windows, as the papers"),
     bos: Optional[str] = typer.Option(None, "--bos", rich_help_panel=_DATA, help="For tokenizers that add a BOS token (LLaMA, Gemma, …): window (every calibration and perplexity window starts with it, as lm-eval) or text (only the start of each text, as SparseGPT's and Wanda's loaders: their numbers)", show_default="window"),
-    out: Optional[Path] = typer.Option(None, "--out", rich_help_panel=_OUT, help="Write the pruned HF checkpoint, prune_report.json, recipe.yaml and a README.md card here."),
-    export: Optional[Path] = typer.Option(None, "--export", rich_help_panel=_OUT, help="Also write the deployable compressed N:M checkpoint here (needs --out)."),
+    out: Optional[str] = typer.Option(None, "--out", rich_help_panel=_OUT, metavar="<path>", help="Write the pruned HF checkpoint, prune_report.json, recipe.yaml and a README.md card here."),
+    export: Optional[str] = typer.Option(None, "--export", rich_help_panel=_OUT, metavar="<path>", help="Also write the deployable compressed N:M checkpoint here (needs --out)."),
     resume: bool = typer.Option(False, "--resume", rich_help_panel=_OUT, help="Continue an interrupted run from its last finished block in --out."),
     overwrite: bool = typer.Option(False, "--overwrite", rich_help_panel=_OUT,
                                    help="Replace a non-empty --out (never one holding an input)."),
-    plots: Optional[Path] = typer.Option(None, "--plots", rich_help_panel=_OUT, help="With a permutation: write strength / penalty / loss PNGs here."),
+    plots: Optional[str] = typer.Option(None, "--plots", rich_help_panel=_OUT, metavar="<path>", help="With a permutation: write strength / penalty / loss PNGs here."),
     device: Optional[str] = typer.Option(None, "--device", rich_help_panel=_RUN, help="auto, cpu, cuda or cuda:N (one block at a time on it)", show_default="auto"),
     dtype: Optional[str] = typer.Option(None, "--dtype", rich_help_panel=_RUN, help="auto (the checkpoint's dtype; float32 computing on CPU; GGUF saved as bfloat16), float32, bfloat16, float16."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", rich_help_panel=_RUN, help="Calibration windows per block forward", show_default="8"),
@@ -118,6 +127,7 @@ def prune(
 
     if export is not None and (out is None or sparsity is not None):
         _fail(UserError("--export needs --out DIR and an N:M --pattern"))
+    out, export, plots = (_path(value, flag) for value, flag in ((out, "--out"), (export, "--export"), (plots, "--plots")))
     try:
         given = dict(model=model, pattern=pattern, sparsity=sparsity, calib=calib, nsamples=nsamples, seqlen=seqlen,
                      seed=seed, only=only or None, skip=skip or None, dtype=dtype, eval_text=eval_text,
@@ -125,7 +135,7 @@ def prune(
                      deterministic=deterministic, bos=bos)
         given = {k: v for k, v in given.items() if v is not None}  # what was typed overrides the recipe
         config = PruneConfig.build(
-            recipe, overrides=list(set_ or []), **given, method=base, perm=perm, perm_from=str(perm_from) if perm_from else None, recon=recon,
+            recipe, overrides=list(set_ or []), **given, method=base, perm=perm, perm_from=perm_from, recon=recon,
             perm_init=perm_init, perm_loss=perm_loss, relax=relax, perm_block=perm_block, perm_steps=perm_steps,
             perm_lr=perm_lr, perm_lr_decay=perm_lr_decay, perm_lambda=perm_lambda, perm_share=perm_share,
             perm_batch=perm_batch, perm_holdout=perm_holdout, mask_stats=mask_stats)
@@ -176,9 +186,9 @@ def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = N
 
 @app.command()
 def export(
-    pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`)."),
-    out: Optional[Path] = typer.Argument(None, show_default=False, help="Where to write the compressed checkpoint (or --out, as prune, eval and dst take it)."),
-    out_option: Optional[Path] = typer.Option(None, "--out", show_default=False, help="The same as OUT."),
+    pruned: str = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`)."),
+    out: Optional[str] = typer.Argument(None, show_default=False, help="Where to write the compressed checkpoint (or --out, as prune, eval and dst take it)."),
+    out_option: Optional[str] = typer.Option(None, "--out", show_default=False, metavar="<path>", help="The same as OUT."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern (default: the one in prune_report.json)."),
     fold: bool = typer.Option(True, "--fold/--no-fold", help="Fold input permutations into producer rows where the logits stay the same."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (never one holding an input)."),
@@ -187,7 +197,8 @@ def export(
     """Write a deployable N:M checkpoint: compressed values + 2-bit positions + index maps (load with shuffleprune.load)."""
     if (out is None) == (out_option is None):
         _fail(UserError("give where to write the checkpoint once: shuffleprune export PRUNED OUT, or PRUNED --out OUT"))
-    _export(pruned, out if out is not None else out_option, overwrite, pattern, fold, progress=not quiet)
+    _export(_path(pruned, "PRUNED"), _path(out if out is not None else out_option, "OUT"), overwrite, pattern, fold,
+            progress=not quiet)
 
 
 def _write_plots(report: dict, plots: Path) -> None:
@@ -202,12 +213,13 @@ def _write_plots(report: dict, plots: Path) -> None:
 
 @app.command()
 def report(
-    pruned: Path = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`)."),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="Write permutation PNGs (strength vs depth, penalty and loss curves) here."),
+    pruned: str = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`)."),
+    plots: Optional[str] = typer.Option(None, "--plots", metavar="<path>", help="Write permutation PNGs (strength vs depth, penalty and loss curves) here."),
 ) -> None:
     """Show a pruned checkpoint's report again and draw its permutation pictures (or a dst run's curves)."""
     from shuffleprune.report import print_prune_report, read_report
 
+    pruned, plots = _path(pruned, "PRUNED"), _path(plots, "--plots")
     try:
         if (pruned / "dst_report.json").is_file():  # a `dst` run directory
             from shuffleprune.plots import plot_dst_report
@@ -252,7 +264,7 @@ def eval_(
     ppl_tokens: Optional[int] = typer.Option(None, "--ppl-tokens", help="Use at most this many held-out tokens (default: the whole test split; c4: 256 windows, as the papers)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (checkpoint dtype; float32 on CPU), float32, bfloat16, float16."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write results JSON here, and the table as Markdown next to it (.md)."),
+    out: Optional[str] = typer.Option(None, "--out", metavar="<path>", help="Write results JSON here, and the table as Markdown next to it (.md)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
     verbose: bool = typer.Option(False, "--verbose", help="Show lm-eval's own log."),
 ) -> None:
@@ -261,6 +273,7 @@ def eval_(
     from shuffleprune.evaluation.evaluate import evaluate_models
     from shuffleprune.report import print_eval_report
 
+    out = _path(out, "--out")
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)  # a count of items, as lm-eval's CLI records it
     config = EvalConfig(models=list(models) if models else [None],
@@ -299,7 +312,7 @@ def _config_kw(pairs: Optional[List[str]]) -> dict:
 
 @app.command()
 def dst(
-    out: Path = typer.Option(..., "--out", help="Run directory: checkpoint.pt, dst_report.json, model/."),
+    out: str = typer.Option(..., "--out", metavar="<path>", help="Run directory: checkpoint.pt, dst_report.json, model/."),
     arch: str = typer.Option("gpt2", "--arch", help="transformers model type (gpt2, llama, …) or a config dir / hub id."),
     config_kw: Optional[List[str]] = typer.Option(None, "--config-kw", help="Config overrides key=value (comma-separated or repeated), e.g. n_layer=12,n_embd=768,n_head=12."),
     tokenizer: str = typer.Option("default", "--tokenizer", help="Tokenizer: default (the embedded model's), bpe:N (byte-level BPE with N tokens trained on the training text), a dir or a hub id."),
@@ -338,6 +351,7 @@ def dst(
     from shuffleprune.dst.config import DSTConfig, TrainConfig
     from shuffleprune.dst.train import is_main_process, train
 
+    out = _path(out, "--out")
     cfg = TrainConfig(arch=arch, config_kw=_config_kw(config_kw), tokenizer=tokenizer, data=data, seq_len=seq_len,
                       batch_size=batch_size, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every,
                       eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed)

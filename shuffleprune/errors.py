@@ -1,4 +1,8 @@
 """The one exception type that the CLI turns into a one-line message and a non-zero exit."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -17,3 +21,13 @@ def check_values(*rules: tuple[str, object, bool, str]) -> None:
     for name, value, ok, must in rules:
         if not ok:
             raise UserError(f"{name} must be {must}, got {value}")
+
+
+def given_path(value: str | os.PathLike | None, name: str) -> Path | None:
+    """``value`` as a :class:`Path` (None stays None); an empty string refused: ``Path("")`` is the current
+    directory, so an unset shell variable (``--out "$OUT"``) would read, write or clear there."""
+    if value is None:
+        return None
+    if not str(value).strip():   # (a Path is never empty: Path("") is ".")
+        raise UserError(f"{name} is empty (an unset shell variable?); give a path, or '.' for this directory")
+    return Path(value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, given_path
 from shuffleprune.outdir import check_writable
 
 
@@ -24,13 +24,15 @@ def _kind(unit: list[str]) -> str:
     return label + "".join("+" + t[-1] for t in tails[1:])
 
 
-def check_plot_dir(out_dir: Path) -> None:
-    """Refuse a plot directory that is a file or cannot be written (``prune --plots`` asks before
-    pruning, not after)."""
+def check_plot_dir(out_dir: str | Path) -> Path:
+    """``out_dir`` as a Path; a plot directory that is empty, a file or cannot be written refused (``prune --plots``
+    asks before pruning, not after)."""
+    out_dir = given_path(out_dir, "--plots")
     check_writable(out_dir, "--plots")
+    return out_dir
 
 
-def plot_perm_report(report: dict, out_dir: Path) -> list[Path]:
+def plot_perm_report(report: dict, out_dir: str | Path) -> list[Path]:
     """Write the PNGs for ``report`` (a prune report with ``perm``) into ``out_dir``; return their paths."""
     import matplotlib
 
@@ -40,7 +42,7 @@ def plot_perm_report(report: dict, out_dir: Path) -> list[Path]:
     perm = report.get("perm")
     if not perm or not perm.get("blocks"):
         raise UserError("this prune report has no permutations to plot (prune with --perm search|random|learned)")
-    check_plot_dir(out_dir)
+    out_dir = check_plot_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     blocks = perm["blocks"]
     depth_max = max(b["block"] for b in blocks) or 1
@@ -95,7 +97,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_dst_report(report: dict, out_dir: Path) -> list[Path]:
+def plot_dst_report(report: dict, out_dir: str | Path) -> list[Path]:
     """PNGs of a ``dst`` run: loss and held-out ppl vs step; with permutations, the penalty ``P(M)``
     per layer with its hardening step (paper Fig. 5–6) and permutation strength vs depth."""
     import matplotlib
@@ -103,7 +105,7 @@ def plot_dst_report(report: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    check_plot_dir(out_dir)
+    out_dir = check_plot_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))

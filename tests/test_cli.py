@@ -167,6 +167,44 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path, monkeypatch):
     hub_reachable.cache_clear()
 
 
+
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(tiny_dir, text_file, tmp_path, monkeypatch):
+    """``--out "$OUT"`` with OUT unset: Path("") is the current directory, which --overwrite cleared (and a
+    text, --perm-from or PRUNED read there). Each path option, and a text source, refuses an empty value in
+    one line, and the directory is left as it was; the Python API refuses it too."""
+    import shuffleprune
+    from shuffleprune.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.txt").write_text("kept")
+    run = ["prune", str(tiny_dir), "--calib", str(text_file), "--nsamples", "4", "--seqlen", "32", "--eval-text", "none"]
+    out = ["--out", str(tmp_path / "o")]
+    for args, needle in (([*run, "--out", "", "--overwrite"], "--out is empty (an unset shell variable?); give a path, "
+                                                            "or '.' for this directory"),
+                         ([*run, *out, "--export", ""], "--export is empty"),
+                         ([*run, *out, "--plots", ""], "--plots is empty"),
+                         ([*run, *out, "--perm-from", ""], "--perm-from is empty"),
+                         ([*run[:3], "", *run[4:], *out], "a text source is empty; use c4, wikitext2, wiki, brown"),
+                         ([*run[:-1], " ", *out], "a text source is empty"),
+                         (["export", "", str(tmp_path / "e")], "PRUNED is empty"),
+                         (["export", str(tiny_dir), ""], "OUT is empty"),
+                         (["report", ""], "PRUNED is empty"),
+                         (["eval", str(tiny_dir), "--tasks", "ppl", "--out", ""], "--out is empty"),
+                         (["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", ""], "a text source is empty"),
+                         (["eval", str(tiny_dir), "--tasks", "ppl", "--include-path", ""], "--include-path is empty"),
+                         (["dst", "--data", "", "--out", str(tmp_path / "o")], "a text source is empty"),
+                         (["dst", "--data", str(text_file), "--out", ""], "--out is empty")):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        lines = [l for l in res.output.splitlines() if l.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (args, res.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "mine.txt", "tiny-llama"]
+    for call in (lambda: shuffleprune.prune(str(tiny_dir), "fast", "", calib=str(text_file), nsamples=4, seqlen=32),
+                 lambda: shuffleprune.export("", tmp_path / "e"),
+                 lambda: shuffleprune.export(tiny_dir, "")):
+        with pytest.raises(UserError, match="is empty"):
+            call()
+
 def test_help_documents_defaults():
     from shuffleprune.version import __version__
 

@@ -1,6 +1,7 @@
 """Disk space: prune refuses an --out whose disk cannot hold its result (before clearing it) and warns
 when the run's checkpoints may not fit; a write that runs out of space in prune, export or dst is a
-one-line error (it was a traceback from torch or safetensors) that leaves no half-written output."""
+one-line error (it was a traceback from torch or safetensors) that leaves no half-written output.
+Memory: calibration activations larger than the memory free are refused before any text is read."""
 import errno
 import json
 
@@ -36,6 +37,34 @@ def test_prune_checks_the_space_of_out_before_clearing_it(tiny_dir, text_file, t
         report = prune(config, out=out, overwrite=True, progress=False).report
     assert report["nm_ok"] and not (out / "earlier.txt").exists()   # cleared: its bytes were counted as freed
 
+
+
+def test_prune_refuses_calibration_activations_larger_than_the_free_memory(tiny_dir, text_file, tmp_path, monkeypatch):
+    """--nsamples 1000000 on a small model filled 24 GiB and was killed; now a one-line error, before any text
+    is read, names the windows, the bytes (3× one block's inputs: its inputs, outputs and one more while the
+    capture joins its batches; 5× with the dense model's stream) and the fix, and --out is left as it was."""
+    import shuffleprune.prune.driver as driver
+    import shuffleprune.prune.run_texts as run_texts
+    from shuffleprune.prune import PruneConfig
+
+    one = 8 * 32 * 64 * 4   # 8 windows of 32 tokens, hidden 64, float32
+    config = flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=8, seqlen=32, eval_text=None)
+    monkeypatch.setattr(driver, "available_memory_bytes", lambda: 3 * one - 1)   # more than inputs and outputs
+    read = []
+    real = run_texts.calibration_windows
+    monkeypatch.setattr(run_texts, "calibration_windows", lambda *a, **k: read.append(1) or real(*a, **k))
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"^--nsamples 8 windows of 32 tokens need about 192 KiB for the blocks' inputs "
+                                        r"and outputs on cpu, and 192 KiB are free there; lower --nsamples or --seqlen$"):
+        driver.prune(config, out=out, progress=False)
+    assert not read and not out.exists()
+    best = PruneConfig.build("best", model=str(tiny_dir), calib=str(text_file), nsamples=8, seqlen=32, eval_text=None)
+    monkeypatch.setattr(driver, "available_memory_bytes", lambda: 5 * one - 1)
+    with pytest.raises(UserError, match=r"need about 320 KiB for the blocks' inputs and outputs for the pruned and the "
+                                        r"dense model on cpu"):
+        driver.prune(best, progress=False)
+    monkeypatch.setattr(driver, "available_memory_bytes", lambda: 3 * one)
+    assert driver.prune(config, progress=False).report["nm_ok"] and read
 
 def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes(tiny_dir, text_file, tmp_path, monkeypatch):
     import shuffleprune.prune.driver as driver

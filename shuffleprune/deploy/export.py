@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shuffleprune.blocks import block_linears, expert_name, find_blocks, is_plain_linear, parse_expert_name
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, given_path
 from shuffleprune.masks import parse_pattern
 from shuffleprune.outdir import check_writable, holds, space_errors, written_beside
 from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, to_plain_linears
@@ -218,6 +218,7 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     dict. ``progress=False`` silences the loading and writing bars of transformers."""
     if pattern is not None and not isinstance(pattern, str):
         raise UserError(f"'pattern' must be str such as '2:4', got {pattern!r}")
+    pruned_dir, out_dir = given_path(pruned_dir, "the pruned checkpoint"), given_path(out_dir, "the export's OUT")
     with library_progress_bars(progress):
         return _compress_checkpoint(pruned_dir, out_dir, pattern, fold, overwrite)
 

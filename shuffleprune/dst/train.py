@@ -31,7 +31,7 @@ from shuffleprune.dst.fresh_model import build_model, model_config, special_toke
 from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, given_path
 from shuffleprune.outdir import (atomic_write, check_writable, clear_dir, held_alone, refuse_clearing_inputs,
                                  space_errors, written_beside)
 from shuffleprune.quiet import library_progress_bars
@@ -280,7 +280,7 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     run after that many steps as if killed (tests). ``deterministic``: PyTorch's deterministic algorithms
     (:func:`~shuffleprune.runtime.determinism.deterministic_algorithms`), so that a GPU run repeats bit for bit; a
     resumed run may set it otherwise. A write that runs out of disk space is a one-line error."""
-    out = Path(out)
+    out = given_path(out, "--out")
     existed = out.exists()
     checkpointed = lambda: (out / CHECKPOINT).exists()
     resumable = lambda: "; then the same command with --resume continues it" if checkpointed() else ""

@@ -29,7 +29,7 @@ from shuffleprune.calib.files import TEXT_FILES
 from shuffleprune.calib.hub_data import HUB_SOURCES
 from shuffleprune.calib.sampling import check_bos_mode
 from shuffleprune.calib.sources import is_local_source, text_contains
-from shuffleprune.errors import UserError, check_values
+from shuffleprune.errors import UserError, check_values, given_path
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.models import (LoadedModel, check_model_spec, dtype_name, is_embedded, load_model, load_tokenizer,
                                  resolve_model_path, upcast_for_cpu)
@@ -86,11 +86,11 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
         raise UserError(f"--out '{out}' (or the .md beside it) exists and is no earlier eval result; give another "
                         "--out (eval replaces only its own results files)")
     for path in config.include_path or []:
-        if not Path(path).is_dir():
+        if not given_path(path, "--include-path").is_dir():
             raise UserError(f"--include-path '{path}' is not a directory")
 
 
-def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool = True,
+def evaluate_models(config: EvalConfig, out: Path | str | None = None, progress: bool = True,
                     loaded: dict[str | None, LoadedModel] | None = None,
                     notify: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
                     verbose: bool = False, documents: dict[str, tuple[str, ...]] | None = None) -> dict:
@@ -100,6 +100,7 @@ def evaluate_models(config: EvalConfig, out: Path | None = None, progress: bool 
     memory instead of being loaded from disk (the library path for pipelines and tests);
     ``documents`` the perplexity text passed in memory, under the name ``config.ppl_text`` gives it.
     """
+    out = given_path(out, "--out")
     _validate(config, out)
     for spec in config.models:   # every model found before the first is scored
         if spec not in (loaded or {}):

@@ -18,7 +18,7 @@ import torch
 
 from shuffleprune.calib.files import TEXT_FILES
 from shuffleprune.calib.sampling import check_bos_mode
-from shuffleprune.errors import UserError, check_values
+from shuffleprune.errors import UserError, check_values, given_path
 from shuffleprune.masks import parse_pattern
 from shuffleprune.models import dtype_name
 from shuffleprune.prune.recipes import (DEFAULT_RECIPE, RUN_KEYS_NOT_IN_RECIPES, StageKeyError, check_stage_entry,
@@ -231,6 +231,7 @@ def _flag_choices(options: dict[str, Any]) -> tuple[list[_Name], list[_Param]]:
             continue
         kind, param = STAGE_OPTIONS[flag]
         if flag == "perm_from":
+            given_path(value, "--perm-from")
             if options.get("perm") not in (None, "none", "from"):
                 raise UserError("--perm-from replaces --perm (leave --perm out)")
             names.append((kind, "from", "--perm-from"))

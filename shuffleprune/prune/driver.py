@@ -21,7 +21,7 @@ from shuffleprune.block_inputs import CapturedInputs, capture_block_inputs, run_
 from shuffleprune.blocks import Blocks, find_blocks, text_config
 from shuffleprune.conv1d import linears_from_conv1d
 from shuffleprune.deploy.sparse_linear import SparseLinear
-from shuffleprune.errors import UserError
+from shuffleprune.errors import UserError, given_path
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.masks import satisfies_nm, sparsity_of
 from shuffleprune.models import LoadedModel, load_model, local_model_source, refuse_quantized, upcast_for_cpu
@@ -30,8 +30,8 @@ from shuffleprune.perm.core import strength
 from shuffleprune.placement import held_for_run
 from shuffleprune.prune.checkpoint import build_report, write_checkpoint
 from shuffleprune.prune.config import PruneConfig
-from shuffleprune.prune.run_dir import (checkpoint_block, clear_out, discard_unresumable, disk_need, done_index_maps,
-                                        finish, load_block, load_data, load_inputs, prepare_out, resumable, save_data,
+from shuffleprune.prune.run_dir import (activation_bytes, checkpoint_block, clear_out, discard_unresumable, disk_need,
+                                        done_index_maps, finish, load_block, load_data, load_inputs, prepare_out, resumable, save_data,
                                         save_state, work_dir)
 from shuffleprune.prune.run_texts import RunTexts, open_texts, run_tokens
 from shuffleprune.prune.selection import dense_outside_linears, selected_weights, traced_weights
@@ -39,7 +39,8 @@ from shuffleprune.prune.stage import BlockWork, Run
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime.determinism import deterministic_algorithms
 from shuffleprune.runtime.devices import indexed_cuda, pick_device, tf32_matmuls
-from shuffleprune.runtime.memory import fits_on_device, logits_bytes, peak_memory_mb, reset_peak_memory, start_run_peak
+from shuffleprune.runtime.memory import (available_memory_bytes, fits_on_device, logits_bytes, peak_memory_mb,
+                                         reset_peak_memory, start_run_peak)
 
 
 @dataclass
@@ -89,7 +90,7 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
     start_run_peak(device)   # the report's peak_cuda_mb: this run's
     if loaded is not None:   # before it is moved (a named model is refused as it loads)
         refuse_quantized(loaded.model.config, loaded.source)
-    out = Path(out) if out is not None else None
+    out = given_path(out, "--out")
     existed = out is not None and out.exists()
     full = nullcontext() if out is None else space_errors(
         out, "--out", hint=lambda: "; then the same command with --resume continues it" if resumable(out) else "")
@@ -126,6 +127,7 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     if seqlen < config.seqlen:   # as SparseGPT's and Wanda's loaders: windows of the model's context at most
         warnings.warn(f"--seqlen {config.seqlen} is longer than the model's context ({max_pos} positions): "
                       f"calibration windows of {max_pos} tokens", stacklevel=2)
+    _check_activation_memory(model, config.nsamples, seqlen, "dense_stream" in spec.needs(), device)
     if out is not None:   # before --out is cleared: a run its disk cannot hold leaves the earlier output
         result, peak = disk_need(model, blocks, config.nsamples * seqlen, "dense_stream" in spec.needs(), save_dtype)
         check_free_space(out, result, peak, freed=tree_bytes(out) if state is None else 0)
@@ -185,6 +187,24 @@ def _check_device_memory(stages: list, model: torch.nn.Module, weights: dict, de
             raise UserError(f"the '{stage.name}' {stage.kind} stage holds the whole model on {device} and at least "
                             f"{size_text(extra)} more at once (with 1 GiB to spare), and {size_text(free)} are free "
                             f"there; {stage.smaller}, or run on --device cpu")
+
+
+def _check_activation_memory(model: torch.nn.Module, nsamples: int, seqlen: int, dense_stream: bool,
+                             device: torch.device) -> None:
+    """Refuse, before any text is read, calibration activations larger than the memory free where they are
+    held (``device``: CUDA's free memory, the CPU's available memory): the walk could only fail later, or
+    push the machine into swap. It holds a block's inputs and outputs per stream (the pruned model's, and the
+    dense model's where a stage needs it) and one more such tensor while the capture joins its batches or a
+    block's outputs are formed: 3 (5 with the dense stream) times the inputs, where the recipes' measured
+    peaks were 3.1–3.3 (5.2–5.3) times. What stages hold besides is not counted."""
+    one = activation_bytes(model, nsamples * seqlen)
+    need = one * (5 if dense_stream else 3)
+    free = torch.cuda.mem_get_info(indexed_cuda(device))[0] if device.type == "cuda" else available_memory_bytes()
+    if free is not None and need > free:
+        streams = " for the pruned and the dense model" if dense_stream else ""
+        raise UserError(f"--nsamples {nsamples} windows of {seqlen} tokens need about {size_text(need)} for the blocks' "
+                        f"inputs and outputs{streams} on {device}, and {size_text(free)} are free there; lower "
+                        "--nsamples or --seqlen")
 
 
 def _load_prunable(config: PruneConfig, device: torch.device, loaded: LoadedModel | None

@@ -88,11 +88,14 @@ def disk_need(model: torch.nn.Module, blocks: Blocks, tokens: int, dense_stream:
     copies of the calibration activations between blocks (per stream) still there."""
     result = sum(p.numel() for p in model.parameters()) * torch.finfo(save_dtype).bits // 8
     block_files = tensor_bytes(blocks.layers.parameters())
+    return result, result + block_files + 2 * activation_bytes(model, tokens) * (2 if dense_stream else 1)
+
+
+def activation_bytes(model: torch.nn.Module, tokens: int) -> int:
+    """The bytes of one block's inputs (or outputs) for ``tokens`` calibration tokens in the compute dtype."""
     embed = model.get_input_embeddings()
     width = getattr(text_config(model), "hidden_size", None) or (embed.weight.shape[1] if embed is not None else 0)
-    compute = next(model.parameters()).element_size()
-    activations = 2 * tokens * width * compute * (2 if dense_stream else 1)
-    return result, result + block_files + activations
+    return tokens * width * next(model.parameters()).element_size()
 
 
 def save_state(state: dict, work: Path) -> None:
