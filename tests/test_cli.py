@@ -141,6 +141,10 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path, monkeypatch):
                          (["dst", "--tokenizer", "no-such-owner/no-such-tokenizer", "--out", str(tmp_path / "o")],
                           "cannot load tokenizer 'no-such-owner/no-such-tokenizer': no local directory"),  # was an OSError
                          (["dst", "--tokenizer", "bpe:0", "--out", str(tmp_path / "o")], "use bpe:VOCAB_SIZE"),
+                         (["dst", "--arch", "t5", "--tokenizer", str(tiny_dir), "--out", str(tmp_path / "o")],   # a traceback
+                          "--arch t5: transformers has no causal-LM class for model type 't5'"),
+                         (["dst", "--config-kw", "n_layer=0", "--tokenizer", str(tiny_dir), "--out", str(tmp_path / "o")],
+                          "this model has no layers to sparsify"),   # was a ZeroDivisionError
                          (["prune", str(tiny_dir), "--calib", "c4", "--out", str(tmp_path / "o")], "offline sources"),
                          (["prune", str(tiny_dir), "--batch-size", "0", "--out", str(tmp_path / "o")],
                           "--batch-size must be"),

@@ -142,7 +142,13 @@ def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None
         if hasattr(config, key) and getattr(config, key) < cfg.seq_len:
             setattr(config, key, cfg.seq_len)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(config)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:   # an encoder or encoder-decoder type (t5, bert …), or settings the model refuses
+        if "Unrecognized configuration class" in str(exc):
+            raise UserError(f"--arch {cfg.arch}: transformers has no causal-LM class for model type '{config.model_type}'; "
+                            "dst trains decoder LLMs (AutoModelForCausalLM)") from exc
+        raise UserError(f"cannot build a '{config.model_type}' model from --arch and --config-kw: {reason(exc)}") from exc
     if getattr(model, "loss_type", None) is None:   # a class name transformers does not map (GPT-2's): the loss
         model.loss_type = "ForCausalLM"             # it falls back to, set so that transformers does not warn
     return model

@@ -140,6 +140,8 @@ class DynamicSparsifier:
                     self.masks[name] = kept.cpu()
             return
         shapes = {n: shape_of(m) for n, m in found.items()}
+        if not shapes:   # a model of no layers (--config-kw n_layer=0): no weights to sparsify
+            raise UserError("this model has no layers to sparsify; check --arch and --config-kw (a layer count of 0?)")
         distribution = "uniform" if self.config.method == "nm" else self.config.distribution
         self.densities = layer_densities(shapes, 1.0 - self.config.sparsity, distribution)
         for name, module in found.items():
