@@ -1,7 +1,8 @@
 """Disk space: prune refuses an --out whose disk cannot hold its result (before clearing it) and warns
 when the run's checkpoints may not fit; a write that runs out of space in prune, export or dst is a
 one-line error (it was a traceback from torch or safetensors) that leaves no half-written output.
-Memory: calibration activations larger than the memory free are refused before any text is read."""
+Memory: calibration activations larger than the memory free are refused before any text is read, and an
+allocation that fails in prune or dst is a one-line error."""
 import errno
 import json
 
@@ -180,3 +181,33 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_goes_on(tiny_di
     with outdir.held_alone(out):   # the same directory through a link is the same hold
         with pytest.raises(UserError, match="another run is writing in --out"):
             prune(config, out=link, overwrite=True, progress=False)
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                                                "allocate memory: you tried to allocate 9830400000 bytes"),
+                                   torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")])
+def test_an_allocation_that_fails_in_prune_or_dst_is_one_line(tiny_dir, text_file, tmp_path, monkeypatch, fault):
+    """``dst --batch-size 100000`` ended in torch's allocator traceback; now a one-line error names the options
+    to lower, and neither run leaves an output behind. Other errors pass through as they are."""
+    import shuffleprune.dst.train as dst_train
+    import shuffleprune.prune.driver as driver
+    from shuffleprune.dst import DSTConfig
+    from shuffleprune.dst.config import TrainConfig
+
+    def short(*args, **kwargs):
+        raise fault
+
+    monkeypatch.setattr(driver, "capture_block_inputs", short)
+    config = flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None)
+    with pytest.raises(UserError, match=r"^ran out of memory \(.*allocate.*\): lower --batch-size, --nsamples or --seqlen$"):
+        driver.prune(config, out=tmp_path / "pruned", progress=False)
+    assert not (tmp_path / "pruned").exists()
+    monkeypatch.setattr(dst_train, "build_model", short)
+    cfg = TrainConfig(arch="llama", tokenizer=str(tiny_dir), data=str(text_file), seq_len=32, steps=2)
+    with pytest.raises(UserError, match=r"^ran out of memory \(.*allocate.*\): lower --batch-size or --seq-len, or train a "
+                                        r"smaller model$"):
+        dst_train.train(cfg, DSTConfig(method="rigl"), tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst").exists()
+    monkeypatch.setattr(driver, "capture_block_inputs", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="^a bug$"):
+        driver.prune(config, progress=False)

@@ -36,6 +36,7 @@ from shuffleprune.outdir import (atomic_write, check_writable, clear_dir, held_a
                                  space_errors, written_beside)
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime.determinism import deterministic_algorithms
+from shuffleprune.runtime.memory import memory_errors
 from shuffleprune.tokenizer_files import save_tokenizer
 
 CHECKPOINT = "checkpoint.pt"
@@ -289,7 +290,9 @@ def train(cfg: TrainConfig, dst: DSTConfig, out: Path | str, resume: bool = Fals
     # the main process holds --out: a second run on it is refused, touching nothing
     with held_alone(out) if is_main_process() else nullcontext():
         try:
-            with space_errors(out, "--out", hint=resumable), strict, _process_group_ended():
+            with space_errors(out, "--out", hint=resumable), memory_errors(lambda: "lower --batch-size or --seq-len, or "
+                                                                             "train a smaller model" + resumable()), \
+                    strict, _process_group_ended():
                 return _train(cfg, dst, out, resume, overwrite, progress, stop_after)
         except BaseException:
             if not existed and out.is_dir() and not any(out.iterdir()):

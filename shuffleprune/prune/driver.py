@@ -39,8 +39,8 @@ from shuffleprune.prune.stage import BlockWork, Run
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime.determinism import deterministic_algorithms
 from shuffleprune.runtime.devices import indexed_cuda, pick_device, tf32_matmuls
-from shuffleprune.runtime.memory import (available_memory_bytes, fits_on_device, logits_bytes, peak_memory_mb,
-                                         reset_peak_memory, start_run_peak)
+from shuffleprune.runtime.memory import (available_memory_bytes, fits_on_device, logits_bytes, memory_errors,
+                                         peak_memory_mb, reset_peak_memory, start_run_peak)
 
 
 @dataclass
@@ -96,9 +96,11 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         out, "--out", hint=lambda: "; then the same command with --resume continues it" if resumable(out) else "")
     strict = deterministic_algorithms(config.deterministic, hint=lambda: (
         " and with --resume, which continues from the last finished block" if resumable(out) else ""))
+    short = memory_errors(lambda: "lower --batch-size, --nsamples or --seqlen" + (
+        "; then the same command with --resume continues it" if resumable(out) else ""))
     with held_alone(out) if out is not None else nullcontext():   # a second run on --out is refused, touching nothing
         try:   # a caller's model is pruned in place and given back where and as it was
-            with full, held_for_run(loaded.model) if loaded is not None else nullcontext(), \
+            with full, short, held_for_run(loaded.model) if loaded is not None else nullcontext(), \
                     tf32_matmuls(device, config.tf32), strict, library_progress_bars(progress):
                 return _walk(config, device, out, resume, overwrite, progress, on_block_done, loaded, documents or {})
         except BaseException:

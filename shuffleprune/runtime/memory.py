@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import resource
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from shuffleprune.errors import UserError, reason
 from shuffleprune.runtime.devices import indexed_cuda
 
 
@@ -123,3 +125,21 @@ def run_peak_cuda_bytes(device: torch.device) -> int:
     """The bytes the CUDA allocator held at most on ``device`` since :func:`start_run_peak` (else over this
     process's life), the per-stage resets of :func:`reset_peak_memory` included."""
     return max(_CUDA_PEAK_BEFORE_RESET.get(indexed_cuda(device).index, 0), torch.cuda.max_memory_allocated(device))
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: CUDA's out-of-memory error, or the CPU allocator's."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
+
+
+@contextmanager
+def memory_errors(fix: Callable[[], str]) -> Iterator[None]:
+    """Within the block, an allocation that fails is a one-line error saying so and what to do (``fix()``,
+    asked at once), not a traceback."""
+    try:
+        yield
+    except Exception as exc:
+        if not out_of_memory(exc):
+            raise
+        raise UserError(f"ran out of memory ({reason(exc, 140)}): {fix()}") from exc
