@@ -185,7 +185,7 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_goes_on(tiny_di
 
 @pytest.mark.parametrize("fault", [RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
                                                 "allocate memory: you tried to allocate 9830400000 bytes"),
-                                   torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")])
+                                   torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")])
 def test_an_allocation_that_fails_in_prune_or_dst_is_one_line(tiny_dir, text_file, tmp_path, monkeypatch, fault):
     """``dst --batch-size 100000`` ended in torch's allocator traceback; now a one-line error names the options
     to lower, and neither run leaves an output behind. Other errors pass through as they are."""

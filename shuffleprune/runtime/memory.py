@@ -129,7 +129,7 @@ def run_peak_cuda_bytes(device: torch.device) -> int:
 
 def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocation that failed: CUDA's out-of-memory error, or the CPU allocator's."""
-    return isinstance(exc, torch.OutOfMemoryError) or (
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or (
         isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
 
 
