@@ -46,11 +46,12 @@ def test_prune_refuses_calibration_activations_larger_than_the_free_memory(tiny_
     capture joins its batches; 5× with the dense model's stream) and the fix, and --out is left as it was."""
     import shuffleprune.prune.driver as driver
     import shuffleprune.prune.run_texts as run_texts
+    import shuffleprune.runtime.memory as memory
     from shuffleprune.prune import PruneConfig
 
     one = 8 * 32 * 64 * 4   # 8 windows of 32 tokens, hidden 64, float32
     config = flat_config(model=str(tiny_dir), calib=str(text_file), nsamples=8, seqlen=32, eval_text=None)
-    monkeypatch.setattr(driver, "available_memory_bytes", lambda: 3 * one - 1)   # more than inputs and outputs
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 3 * one - 1)   # more than inputs and outputs
     read = []
     real = run_texts.calibration_windows
     monkeypatch.setattr(run_texts, "calibration_windows", lambda *a, **k: read.append(1) or real(*a, **k))
@@ -60,11 +61,11 @@ def test_prune_refuses_calibration_activations_larger_than_the_free_memory(tiny_
         driver.prune(config, out=out, progress=False)
     assert not read and not out.exists()
     best = PruneConfig.build("best", model=str(tiny_dir), calib=str(text_file), nsamples=8, seqlen=32, eval_text=None)
-    monkeypatch.setattr(driver, "available_memory_bytes", lambda: 5 * one - 1)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 5 * one - 1)
     with pytest.raises(UserError, match=r"need about 320 KiB for the blocks' inputs and outputs for the pruned and the "
                                         r"dense model on cpu"):
         driver.prune(best, progress=False)
-    monkeypatch.setattr(driver, "available_memory_bytes", lambda: 3 * one)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 3 * one)
     assert driver.prune(config, progress=False).report["nm_ok"] and read
 
 def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes(tiny_dir, text_file, tmp_path, monkeypatch):

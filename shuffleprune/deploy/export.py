@@ -218,7 +218,6 @@ def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str 
     dict. ``progress=False`` silences the loading and writing bars of transformers."""
     if pattern is not None and not isinstance(pattern, str):
         raise UserError(f"'pattern' must be str such as '2:4', got {pattern!r}")
-    pruned_dir, out_dir = given_path(pruned_dir, "the pruned checkpoint"), given_path(out_dir, "the export's OUT")
     with library_progress_bars(progress):
         return _compress_checkpoint(pruned_dir, out_dir, pattern, fold, overwrite)
 
@@ -257,11 +256,11 @@ def _checked_dirs(pruned_dir: str | Path, out_dir: str | Path, overwrite: bool) 
     from shuffleprune.hub import looks_like_hub_id
     from shuffleprune.models import hub_snapshot, inner_model_hint, refuse_uncached_offline
 
-    if not Path(pruned_dir).exists() and looks_like_hub_id(str(pruned_dir)):
+    pruned_dir, out_dir = given_path(pruned_dir, "the pruned checkpoint"), given_path(out_dir, "the export's OUT")
+    if not pruned_dir.exists() and looks_like_hub_id(str(pruned_dir)):
         refuse_uncached_offline(str(pruned_dir), "pruned checkpoint", ("config.json",),
                                 "; give the directory `prune --out` wrote, or fetch it where the hub is reachable")
-        pruned_dir = hub_snapshot(str(pruned_dir), any_repo=True)
-    pruned_dir, out_dir = Path(pruned_dir), Path(out_dir)
+        pruned_dir = Path(hub_snapshot(str(pruned_dir), any_repo=True))
     if not (pruned_dir / "config.json").is_file():
         raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)"
                         f"{inner_model_hint(pruned_dir)}")

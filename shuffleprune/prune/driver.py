@@ -38,9 +38,9 @@ from shuffleprune.prune.selection import dense_outside_linears, selected_weights
 from shuffleprune.prune.stage import BlockWork, Run
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime.determinism import deterministic_algorithms
-from shuffleprune.runtime.devices import indexed_cuda, pick_device, tf32_matmuls
-from shuffleprune.runtime.memory import (available_memory_bytes, fits_on_device, logits_bytes, memory_errors,
-                                         peak_memory_mb, reset_peak_memory, start_run_peak)
+from shuffleprune.runtime.devices import pick_device, tf32_matmuls
+from shuffleprune.runtime.memory import (fits_on_device, free_memory_bytes, logits_bytes, memory_errors, peak_memory_mb,
+                                         reset_peak_memory, start_run_peak)
 
 
 @dataclass
@@ -92,12 +92,11 @@ def prune(config: PruneConfig, out: Path | str | None = None, resume: bool = Fal
         refuse_quantized(loaded.model.config, loaded.source)
     out = given_path(out, "--out")
     existed = out is not None and out.exists()
-    full = nullcontext() if out is None else space_errors(
-        out, "--out", hint=lambda: "; then the same command with --resume continues it" if resumable(out) else "")
+    resume_hint = lambda: "; then the same command with --resume continues it" if resumable(out) else ""
+    full = nullcontext() if out is None else space_errors(out, "--out", hint=resume_hint)
     strict = deterministic_algorithms(config.deterministic, hint=lambda: (
         " and with --resume, which continues from the last finished block" if resumable(out) else ""))
-    short = memory_errors(lambda: "lower --batch-size, --nsamples or --seqlen" + (
-        "; then the same command with --resume continues it" if resumable(out) else ""))
+    short = memory_errors(lambda: "lower --batch-size, --nsamples or --seqlen" + resume_hint())
     with held_alone(out) if out is not None else nullcontext():   # a second run on --out is refused, touching nothing
         try:   # a caller's model is pruned in place and given back where and as it was
             with full, short, held_for_run(loaded.model) if loaded is not None else nullcontext(), \
@@ -129,9 +128,10 @@ def _walk(config: PruneConfig, device: torch.device, out: Path | None, resume: b
     if seqlen < config.seqlen:   # as SparseGPT's and Wanda's loaders: windows of the model's context at most
         warnings.warn(f"--seqlen {config.seqlen} is longer than the model's context ({max_pos} positions): "
                       f"calibration windows of {max_pos} tokens", stacklevel=2)
-    _check_activation_memory(model, config.nsamples, seqlen, "dense_stream" in spec.needs(), device)
+    dense_stream = "dense_stream" in spec.needs()
+    _check_activation_memory(model, config.nsamples, seqlen, dense_stream, device)
     if out is not None:   # before --out is cleared: a run its disk cannot hold leaves the earlier output
-        result, peak = disk_need(model, blocks, config.nsamples * seqlen, "dense_stream" in spec.needs(), save_dtype)
+        result, peak = disk_need(model, blocks, config.nsamples * seqlen, dense_stream, save_dtype)
         check_free_space(out, result, peak, freed=tree_bytes(out) if state is None else 0)
     clear_out(out, state is not None)
     ctx = min(config.eval_ctx or seqlen, max_pos)
@@ -185,9 +185,9 @@ def _check_device_memory(stages: list, model: torch.nn.Module, weights: dict, de
     for stage in stages:
         extra = stage.device_bytes(weights)
         if extra and not fits_on_device(model, device, extra):
-            free = torch.cuda.mem_get_info(indexed_cuda(device))[0]
             raise UserError(f"the '{stage.name}' {stage.kind} stage holds the whole model on {device} and at least "
-                            f"{size_text(extra)} more at once (with 1 GiB to spare), and {size_text(free)} are free "
+                            f"{size_text(extra)} more at once (with 1 GiB to spare), and "
+                            f"{size_text(free_memory_bytes(device))} are free "
                             f"there; {stage.smaller}, or run on --device cpu")
 
 
@@ -201,7 +201,7 @@ def _check_activation_memory(model: torch.nn.Module, nsamples: int, seqlen: int,
     peaks were 3.1–3.3 (5.2–5.3) times. What stages hold besides is not counted."""
     one = activation_bytes(model, nsamples * seqlen)
     need = one * (5 if dense_stream else 3)
-    free = torch.cuda.mem_get_info(indexed_cuda(device))[0] if device.type == "cuda" else available_memory_bytes()
+    free = free_memory_bytes(device)
     if free is not None and need > free:
         streams = " for the pruned and the dense model" if dense_stream else ""
         raise UserError(f"--nsamples {nsamples} windows of {seqlen} tokens need about {size_text(need)} for the blocks' "

@@ -22,6 +22,14 @@ def module_bytes(module: torch.nn.Module) -> int:
     return tensor_bytes((*module.parameters(), *module.buffers()))
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """The memory a new allocation on ``device`` can get: CUDA's free memory there, else the CPU's
+    (:func:`available_memory_bytes`; None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(indexed_cuda(device))[0]
+    return available_memory_bytes()
+
+
 def fits_on_device(model: torch.nn.Module, device: torch.device, working_bytes: int = 0) -> bool:
     """Whether ``model`` can be moved whole onto ``device`` with ``working_bytes`` (and 1 GiB more) to
     spare for the work on it: always on the CPU; on CUDA, the bytes of its parameters and buffers not
@@ -31,8 +39,7 @@ def fits_on_device(model: torch.nn.Module, device: torch.device, working_bytes: 
     target = indexed_cuda(device)
     tensors = (*model.parameters(), *model.buffers())
     missing = tensor_bytes(t for t in tensors if t.device != target)  # "cuda" is cuda:N there
-    free, _ = torch.cuda.mem_get_info(target)
-    return missing + working_bytes + 2**30 <= free
+    return missing + working_bytes + 2**30 <= free_memory_bytes(target)
 
 
 def logits_bytes(model: torch.nn.Module, tokens: int) -> int:
