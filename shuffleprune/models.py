@@ -31,7 +31,7 @@ from shuffleprune.gguf import gguf_as_hf_dir
 from shuffleprune.hub import hub_reachable, looks_like_hub_id
 from shuffleprune.perm.linear import INDEX_MAPS, apply_index_maps, load_index_maps, to_plain_linears, weights_stored_permuted
 from shuffleprune.runtime.facts import transformers_release
-from shuffleprune.tokenizer_files import TOKENIZER_FILES, as_its_file, tokenizer_folder
+from shuffleprune.tokenizer_files import NAMED_TOKENIZER_FILES, TOKENIZER_FILES, as_its_file, tokenizer_folder
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded GGUF was converted from
@@ -243,7 +243,7 @@ def check_tokenizer_spec(spec: str) -> None:
         return
     if not looks_like_hub_id(spec):
         raise UserError(f"tokenizer '{spec}' does not exist (give a tokenizer or model dir, a hub id, default or bpe:N)")
-    refuse_uncached_offline(spec, "tokenizer", ("tokenizer_config.json", "tokenizer.json"))
+    refuse_uncached_offline(spec, "tokenizer", NAMED_TOKENIZER_FILES)
 
 
 def load_tokenizer(path: str, spec: str | None = None):

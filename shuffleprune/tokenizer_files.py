@@ -23,6 +23,9 @@ from transformers import PreTrainedTokenizerFast
 
 TOKENIZER_FILES = ("*tokenizer*", "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken",
                    "*tekken*.json")   # the last: Mistral's own format, which transformers 5 reads alone
+# the files one of which a cached hub repo's tokenizer has, whatever its format (looked up by exact name)
+NAMED_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tekken.json", "tokenizer.model", "vocab.json",
+                         "vocab.txt")
 _WRITTEN_WITH = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                  "tokenization_*.py")   # beside the tokenizer files: its special tokens, chat templates, remote code
 _TEMPLATES_DIR = "additional_chat_templates"
@@ -48,7 +51,7 @@ def tokenizer_folder(path: str | Path) -> Path | None:
         return local
     from huggingface_hub import try_to_load_from_cache
 
-    for name in ("tokenizer_config.json", "tokenizer.json"):
+    for name in NAMED_TOKENIZER_FILES:
         cached = try_to_load_from_cache(str(path), name)
         if isinstance(cached, str):
             return Path(cached).parent

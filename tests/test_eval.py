@@ -346,6 +346,26 @@ def test_eval_errors_are_one_line_and_write_nothing(tiny_dir, tiny_task, tmp_pat
     assert res.exit_code == 2 and "must name a .json" in res.output
 
 
+def test_an_allocation_that_fails_while_scoring_is_one_line_and_writes_nothing(tiny_dir, eval_file, tmp_path,
+                                                                                 monkeypatch):
+    """A perplexity window or lm-eval batch larger than memory ended in torch's allocator traceback; now the
+    run stops with a one-line error naming the options to lower, and no results file is written."""
+    import shuffleprune.evaluation.evaluate as evaluate
+
+    def short(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    monkeypatch.setattr(evaluate, "perplexity", short)
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", str(eval_file), "--ppl-ctx", "32",
+                              "--out", str(out), "--quiet"])
+    assert res.exit_code == 2, res.output
+    assert [l for l in res.output.splitlines() if l.strip()] == [
+        "error: ran out of memory (CUDA out of memory. Tried to allocate 8.00 GiB): lower --batch-size (lm-eval's "
+        "tasks) or --ppl-ctx (perplexity)"]
+    assert not out.exists() and not out.with_suffix(".md").exists()
+
+
 def test_eval_replaces_only_its_own_results(tiny_dir, eval_file, tmp_path):
     """`--out` onto a file eval did not write (the model's config.json; a README.json whose .md is the
     model card) is refused and the file left as it was; an earlier results file is replaced."""

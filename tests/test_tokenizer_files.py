@@ -198,3 +198,21 @@ def test_a_tokenizer_in_mistrals_tekken_format_alone_is_loaded_and_carried(tmp_p
     assert (tmp_path / "out" / "tekken.json").read_bytes() == (src / "tekken.json").read_bytes()
     again = load_tokenizer(str(tmp_path / "out"))
     assert again("in the thing", add_special_tokens=False)["input_ids"] == [262, 261, 35, 259, 263]
+
+
+def test_a_cached_hub_tokenizer_in_tekken_format_alone_is_found_offline(tmp_path, local_hub):
+    """Offline, a hub id was taken for uncached unless its cache held tokenizer_config.json or tokenizer.json:
+    a repo whose tokenizer is ``tekken.json`` alone was refused though it was there. A cached repo without
+    any tokenizer file is still refused with the fix."""
+    from shuffleprune.errors import UserError
+    from shuffleprune.models import check_tokenizer_spec
+
+    snapshot = local_hub("mistral-like/tekken-only", _tekken_only(tmp_path / "src"))
+    check_tokenizer_spec("mistral-like/tekken-only")
+    assert tokenizer_folder("mistral-like/tekken-only") == snapshot
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    local_hub("someone/no-tokenizer", bare)
+    with pytest.raises(UserError, match="cannot load tokenizer 'someone/no-tokenizer': .*no copy of it in the local cache"):
+        check_tokenizer_spec("someone/no-tokenizer")

@@ -44,7 +44,7 @@ from shuffleprune.evaluation.offline_tasks import stock_name
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.runtime.devices import pick_device
 from shuffleprune.runtime.facts import machine, versions
-from shuffleprune.runtime.memory import fits_on_device, logits_bytes, peak_rss_mb
+from shuffleprune.runtime.memory import fits_on_device, logits_bytes, memory_errors, peak_rss_mb
 from shuffleprune.settings import type_problem
 
 
@@ -115,7 +115,8 @@ def evaluate_models(config: EvalConfig, out: Path | str | None = None, progress:
     ppl_source = open_text(ppl_name, documents or {}) if ppl_name is not None else None
     run = _EvalRun(config, plan_tasks(config, offline), device, ppl_name, ppl_source, progress, notify)
     rows = []
-    with library_progress_bars(progress):
+    with library_progress_bars(progress), memory_errors(lambda: "lower --batch-size (lm-eval's tasks) or --ppl-ctx "
+                                                                 "(perplexity)"):
         for spec in config.models:
             t0 = time.time()
             lm = (loaded or {}).get(spec) or load_model(spec, config.dtype, tokenizer=tokenizers.pop(spec, None))
