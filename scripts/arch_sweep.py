@@ -57,7 +57,9 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "axk1", "axk2", "bailing_hybrid", "ctrl", "dory", "flint", "gemma4_unified_text", "gpt_neox_japanese", "hrm_text",
          "hy_v4", "inkling_text", "inkling2_text", "inkling2_loop_text", "kolibri1", "lara_mini", "lfm3", "mimo_v2_flash",
          "minimax_m3_vl_text", "modernbert-decoder", "qwen4_exp_text", "rwkv", "xlstm", "cpmant",
-         "gemma4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"]   # multimodal checkpoints
+         "gemma4", "qwen3_5", "qwen3_5_moe", "qwen4_exp",   # multimodal checkpoints
+         # added in the thirty-fifth session: decoders of transformers 5.24 not swept before
+         "zamba", "beam", "cohere_compass_text"]
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
@@ -143,6 +145,10 @@ EXTRA = {
                            indexer_compress_ratio=4),   # QSA: a token indexer on the attention block
     "axk1": dict(SMALL_MOE, **MLA, head_dim=8),   # head_dim: the rope part
     "axk2": dict(SMALL_MOE, **MLA, head_dim=8, index_n_heads=4, index_head_dim=16),
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"], mamba_dt_rank=8),   # one attention block shared by both hybrids
+    # its config comes without the rope parameters its rotary embedding reads per attention type
+    "cohere_compass_text": dict(rope_parameters={t: dict(rope_type="default", rope_theta=10000.0)
+                                                 for t in ("full_attention", "sliding_attention")}),
     "cpmant": dict(dim_ff=128, dim_head=16),   # its own names for the MLP and head sizes (was 10240 × 128)
     **{t: dict(SMALL_MOE, unpadded_vocab_size=256, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16)
        for t in ("inkling2_text", "inkling2_loop_text")},
