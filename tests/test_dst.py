@@ -749,6 +749,31 @@ def test_dst_cli_runs_and_refuses_bad_input(tiny_dir, text_file, tmp_path):
         assert not out.exists()
 
 
+def test_a_step_larger_than_memory_is_refused_before_the_model_moves_or_anything_is_written(tiny_dir, text_file,
+                                                                                              tmp_path):
+    """``dst --batch-size 10000000`` built the model and went into its first step, to die there (on a CPU,
+    killed by the kernel's out-of-memory killer, with no message); its logits alone cannot fit, and it is
+    refused up front with the sizes and what to lower. A step that fits is not refused."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from shuffleprune.cli import app
+
+    base = ["dst", "--arch", "gpt2", "--config-kw", "n_layer=1,n_embd=32,n_head=2", "--tokenizer", str(tiny_dir),
+            "--data", str(text_file), "--seq-len", "32", "--steps", "1", "--warmup", "0", "--eval-every", "0",
+            "--eval-tokens", "64", "--quiet"]
+    r = CliRunner().invoke(app, base + ["--batch-size", "10000000", "--out", str(tmp_path / "big")])
+    assert r.exit_code == 2, r.output
+    found = re.fullmatch(r"error: a training step of 320000000 tokens on this model needs at least (\S+) (\w+) on cpu "
+                         r"\(logits, gradients and optimizer state\), and \S+ \w+ are free there; lower --batch-size or "
+                         r"--seq-len, or train a smaller model", " ".join(r.output.split()))
+    assert found and found.group(2) == "GiB" and float(found.group(1)) > 100, r.output
+    assert not (tmp_path / "big").exists()
+    r = CliRunner().invoke(app, base + ["--batch-size", "2", "--out", str(tmp_path / "fits")])
+    assert r.exit_code == 0, r.output
+
+
 def test_a_text_too_short_for_the_window_names_the_longest_window_that_fits(tiny_dir, tmp_path):
     import re
 

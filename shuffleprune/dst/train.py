@@ -32,11 +32,11 @@ from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
 from shuffleprune.errors import UserError, given_path
-from shuffleprune.outdir import (atomic_write, check_writable, clear_dir, held_alone, refuse_clearing_inputs,
+from shuffleprune.outdir import (atomic_write, check_writable, clear_dir, held_alone, refuse_clearing_inputs, size_text,
                                  space_errors, written_beside)
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime.determinism import deterministic_algorithms
-from shuffleprune.runtime.memory import memory_errors
+from shuffleprune.runtime.memory import free_memory_bytes, logits_bytes, memory_errors
 from shuffleprune.tokenizer_files import save_tokenizer
 
 CHECKPOINT = "checkpoint.pt"
@@ -329,6 +329,27 @@ def _process_group_ended():
         AcceleratorState._reset_state(reset_partial_state=True)   # a later run in this process starts its own
 
 
+def training_step_bytes(model: torch.nn.Module, tokens: int, device: torch.device) -> int:
+    """What one training step of ``tokens`` tokens (this process's windows × ``--seq-len``) holds on ``device``
+    at least, besides what is there before the model moves: the logits, their log-softmax and its gradient,
+    and the weights' gradients and AdamW's two moments (on a GPU, the weights too). A lower bound, activations
+    not counted: the first steps of runs on this CPU grew by 1.3–2.0× it where the vocabulary is large
+    (SmolLM2's 49 152 tokens), 10–16× where it is small and activations dominate (``scripts/check_dst_memory.py``)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return logits_bytes(model, tokens) + weights * (4 if device.type == "cuda" else 3)
+
+
+def _check_training_memory(model: torch.nn.Module, tokens: int, device: torch.device) -> None:
+    """Refuse, before the model moves to ``device`` and before anything is written, a run whose first step
+    cannot fit there (:func:`training_step_bytes` against the memory free there)."""
+    need = training_step_bytes(model, tokens, device)
+    free = free_memory_bytes(device)
+    if free is not None and need > free:
+        raise UserError(f"a training step of {tokens} tokens on this model needs at least {size_text(need)} on {device} "
+                        f"(logits, gradients and optimizer state), and {size_text(free)} are free there; lower "
+                        "--batch-size or --seq-len, or train a smaller model")
+
+
 def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite: bool, progress: bool,
            stop_after: int | None) -> dict:
     from accelerate import Accelerator
@@ -349,7 +370,9 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
     tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
     text_use = _text_use(cfg, train_stream.numel(), test_stream.numel())
 
-    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config).to(accelerator.device)
+    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config)
+    _check_training_memory(model, -(-cfg.batch_size // world) * cfg.seq_len, accelerator.device)
+    model = model.to(accelerator.device)
     sparsifier = DynamicSparsifier(dst)   # its soft permutations made beside the layers, on the device
     sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
     optimizer, scheduler = _optimizer(model, cfg)

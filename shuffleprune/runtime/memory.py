@@ -135,9 +135,11 @@ def run_peak_cuda_bytes(device: torch.device) -> int:
 
 
 def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation that failed: CUDA's out-of-memory error, or the CPU allocator's."""
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc))
+    """Whether ``exc`` is an allocation that failed: CUDA's out-of-memory error, the CPU allocator's, or C++'s
+    ``std::bad_alloc`` from torch's own code (a large index or list tensor built under a memory limit)."""
+    return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and ("DefaultCPUAllocator: can't allocate memory" in str(exc)
+                                           or str(exc).strip() == "std::bad_alloc"))
 
 
 @contextmanager
