@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shuffleprune.cache import cache_dir
+from shuffleprune.errors import UserError, reason
 from shuffleprune.runtime.facts import transformers_release
 
 
@@ -89,8 +91,18 @@ def gguf_as_hf_dir(gguf_path: Path, label: str | None = None) -> Path:
     """Cached HF directory for a GGUF file (converted on first use), keyed by its contents and by the
     major version of transformers that converts it: the saved tokenizer files of one major cannot be
     read by another (transformers 5 names a class 4.x lacks), and virtualenvs share one cache."""
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise UserError(f"'{gguf_path}' is not a GGUF file (it does not begin with GGUF's magic bytes); give a "
+                            ".gguf file written by llama.cpp's tools, or a HF model dir")
     out = (cache_dir() / "models"
            / f"{label or gguf_path.stem}-{gguf_fingerprint(gguf_path)}-transformers{transformers_release()[0]}")
     if not (out / "config.json").is_file():
-        convert_gguf(gguf_path, out)
+        try:
+            convert_gguf(gguf_path, out)
+        except (ValueError, KeyError, IndexError, NotImplementedError, struct.error) as exc:
+            # a file cut short, an architecture or a quantization it cannot read
+            raise UserError(f"cannot read '{gguf_path}' as a model ({reason(exc, 160)}): the file is cut short, or "
+                            "transformers does not convert its architecture or quantization; give the model's HF "
+                            "checkpoint instead") from exc
     return out

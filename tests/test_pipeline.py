@@ -404,6 +404,28 @@ def test_gguf_cache_entry_is_converted_again_under_another_transformers_major(tm
     assert [out.name.endswith(f"transformers{major}") for out, major in zip(converted, "45")] == [True, True]
 
 
+def test_a_gguf_file_that_cannot_be_read_is_a_one_line_error(tmp_path, text_file, monkeypatch):
+    """A file named .gguf that is not one (another format, a download saved as an error page) and a GGUF
+    file cut short ended in the gguf reader's traceback; each is now one line naming the file and the fix,
+    with no --out and no cache entry left behind."""
+    from typer.testing import CliRunner
+
+    from shuffleprune.cli import app
+
+    monkeypatch.setenv("SHUFFLEPRUNE_CACHE", str(tmp_path / "cache"))
+    cases = {"page.gguf": (b"<html>404</html>", "is not a GGUF file (it does not begin with GGUF's magic bytes)"),
+             "cut.gguf": (b"GGUF\x03\x00\x00\x00" + bytes(7), "as a model (unpack_from requires a buffer")}
+    for name, (data, needle) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        out = tmp_path / f"out-{name}"
+        r = CliRunner().invoke(app, ["prune", str(tmp_path / name), "--calib", str(text_file), "--nsamples", "2",
+                                     "--seqlen", "16", "--out", str(out), "--quiet"])
+        lines = [l for l in r.output.splitlines() if l.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.output
+        assert str(tmp_path / name) in lines[0] and not out.exists()
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_dir() and p.name != "models"]
+
+
 def test_a_transformers_older_than_the_tested_one_is_warned_about_once(tiny_dir, monkeypatch):
     """A pin elsewhere or a --no-deps install can leave a transformers older than pyproject's floor,
     where MoE experts are laid out differently: loading warns once with the upgrade, then loads."""
