@@ -315,7 +315,7 @@ def dst(
     out: str = typer.Option(..., "--out", metavar="<path>", help="Run directory: checkpoint.pt, dst_report.json, model/."),
     arch: str = typer.Option("gpt2", "--arch", help="transformers model type (gpt2, llama, …) or a config dir / hub id."),
     config_kw: Optional[List[str]] = typer.Option(None, "--config-kw", help="Config overrides key=value (comma-separated or repeated), e.g. n_layer=12,n_embd=768,n_head=12."),
-    tokenizer: str = typer.Option("default", "--tokenizer", help="Tokenizer: default (the embedded model's), bpe:N (byte-level BPE with N tokens trained on the training text), a dir or a hub id."),
+    tokenizer: str = typer.Option("default", "--tokenizer", help="Tokenizer: default (the embedded model's), bpe:N (byte-level BPE with N tokens trained on the training text), a dir, a .gguf file or a hub id."),
     data: str = typer.Option("wiki", "--data", help="Text: wikitext103 (hub, as the papers), a hub dataset OWNER/NAME[:CONFIG][@SPLIT[START:STOP]], wiki, brown (offline), or a .txt, .jsonl, .json, .csv, .tsv or .parquet path (.gz too) or a directory of them (every 10th document held out for the perplexity; one document: its last tenth)."),
     method: str = typer.Option("rigl", "--method", help="dense, rigl, set, srigl, dsb, pixelfly, diag or nm (N:M, exportable)."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Global sparsity of the sparsified layers (default 0.9; nm: 1 − N/M)."),

@@ -135,13 +135,13 @@ def is_embedded(spec: str | None) -> bool:
     return spec is None or spec in ("", "default", DEFAULT_MODEL)
 
 
-def inner_model_hint(path: Path) -> str:
+def inner_model_hint(path: Path, otherwise: str = " (give an HF model dir or a .gguf)") -> str:
     """What to say of a directory without config.json: where its model is when one subdirectory holds
-    one (a dst run's ``model/``), else what to give."""
+    one (a dst run's ``model/``), else ``otherwise``."""
     inner = sorted(p for p in path.iterdir() if (p / "config.json").is_file()) if path.is_dir() else []
     if len(inner) == 1:
         return f"; give '{inner[0]}', the model inside it"
-    return " (give an HF model dir or a .gguf)"
+    return otherwise
 
 
 def check_model_spec(spec: str | None) -> None:
@@ -238,11 +238,15 @@ def check_tokenizer_spec(spec: str) -> None:
     """Refuse a tokenizer that cannot be loaded, without loading it: a missing path, a dir without
     tokenizer files, a hub id with no cached copy while the hub is unreachable."""
     path = Path(spec).expanduser()
+    if path.is_file() and not spec.endswith(".gguf"):
+        raise UserError(f"tokenizer '{spec}' is a file; give the directory holding it, a model dir, a .gguf, a hub id, "
+                        "default or bpe:N")
     if path.exists():
         require_tokenizer_files(path, spec)
         return
     if not looks_like_hub_id(spec):
-        raise UserError(f"tokenizer '{spec}' does not exist (give a tokenizer or model dir, a hub id, default or bpe:N)")
+        raise UserError(f"tokenizer '{spec}' does not exist (give a tokenizer or model dir, a .gguf, a hub id, default "
+                        "or bpe:N)")
     refuse_uncached_offline(spec, "tokenizer", NAMED_TOKENIZER_FILES)
 
 

@@ -774,6 +774,30 @@ def test_a_step_larger_than_memory_is_refused_before_the_model_moves_or_anything
     assert r.exit_code == 0, r.output
 
 
+def test_a_gguf_file_gives_its_tokenizer_and_a_single_tokenizer_file_is_refused(tiny_dir, tmp_path, monkeypatch):
+    """``--tokenizer model.gguf`` was read as a tokenizer directory ("config file … is not a valid JSON file");
+    a GGUF file now gives the tokenizer of its converted checkpoint. A tokenizer's single file (tokenizer.json)
+    or a .gguf that is not one is a one-line error naming what to give."""
+    import shuffleprune.models as models
+    from shuffleprune.dst.config import TrainConfig
+    from shuffleprune.dst.fresh_model import training_tokenizer
+    from shuffleprune.models import load_tokenizer
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    converted = []
+    monkeypatch.setattr(models, "gguf_as_hf_dir", lambda path, label=None: converted.append(path) or tiny_dir)
+    TrainConfig(tokenizer=str(gguf)).check()
+    tok = training_tokenizer(str(gguf), [])
+    assert converted == [gguf] and tok.get_vocab() == load_tokenizer(str(tiny_dir)).get_vocab()
+    monkeypatch.undo()
+    with pytest.raises(UserError, match=r"^tokenizer '.*tokenizer.json' is a file; give the directory holding it"):
+        TrainConfig(tokenizer=str(tiny_dir / "tokenizer.json")).check()
+    gguf.write_bytes(b"<html>")
+    with pytest.raises(UserError, match=r"is not a GGUF file"):
+        training_tokenizer(str(gguf), [])
+
+
 def test_a_text_too_short_for_the_window_names_the_longest_window_that_fits(tiny_dir, tmp_path):
     import re
 

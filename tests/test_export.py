@@ -321,6 +321,10 @@ def test_export_cli_errors_leave_nothing(pruned_perm_dir, tmp_path, tiny_dir):
     runner = CliRunner()
     r = runner.invoke(app, ["export", str(tmp_path / "missing"), str(tmp_path / "e1")])
     assert r.exit_code == 2 and "not a pruned checkpoint" in r.output and not (tmp_path / "e1").exists()
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(64))   # what prune reads, not what export does
+    r = runner.invoke(app, ["export", str(tmp_path / "model.gguf"), str(tmp_path / "e1")])
+    assert r.exit_code == 2 and " ".join(r.output.split()).endswith(
+        "is not a pruned checkpoint directory (no config.json) (give the directory `prune --out` wrote)"), r.output
     r = runner.invoke(app, ["export", str(tiny_dir), str(tmp_path / "e2")])  # dense: no report, no pattern
     assert r.exit_code == 2 and "--pattern" in r.output and not (tmp_path / "e2").exists()
     r = runner.invoke(app, ["export", str(tiny_dir), str(tmp_path / "e3"), "--pattern", "2:4"])

@@ -263,7 +263,7 @@ def _checked_dirs(pruned_dir: str | Path, out_dir: str | Path, overwrite: bool) 
         pruned_dir = Path(hub_snapshot(str(pruned_dir), any_repo=True))
     if not (pruned_dir / "config.json").is_file():
         raise UserError(f"'{pruned_dir}' is not a pruned checkpoint directory (no config.json)"
-                        f"{inner_model_hint(pruned_dir)}")
+                        f"{inner_model_hint(pruned_dir, ' (give the directory `prune --out` wrote)')}")
     if is_exported(pruned_dir):
         raise UserError(f"'{pruned_dir}' is an export already (it has {FORMAT_FILE}); export the pruned checkpoint "
                         "it came from (prune --out), or load this one with shuffleprune.load")

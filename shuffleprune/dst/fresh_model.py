@@ -13,7 +13,7 @@ from shuffleprune.errors import UserError, reason
 
 def training_tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
     """``default``: the embedded model's tokenizer; ``bpe:N``: a byte-level BPE with N tokens trained
-    on the training split (deterministic); otherwise a tokenizer dir or hub id."""
+    on the training split (deterministic); otherwise a tokenizer dir, a .gguf file or a hub id."""
     from transformers import PreTrainedTokenizerFast
 
     from shuffleprune.models import is_embedded, load_tokenizer, resolve_model_path
@@ -37,7 +37,9 @@ def training_tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
                                       pad_token="<|endoftext|>")
         tok.save_pretrained(cached)
         return tok
-    return load_tokenizer(resolve_model_path(None) if is_embedded(spec) else spec, spec)
+    if is_embedded(spec) or spec.endswith(".gguf"):   # a GGUF file's tokenizer, from its converted checkpoint
+        return load_tokenizer(resolve_model_path(None if is_embedded(spec) else spec), spec)
+    return load_tokenizer(spec, spec)
 
 
 def special_token_id(tokenizer) -> int:
