@@ -18,27 +18,46 @@ TEXT_FILE_KINDS = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")   # al
 TEXT_FILES = ".txt, .jsonl, .json, .csv, .tsv or .parquet"                    # as messages name them
 
 
+_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"),
+         (b"\xfe\xff", "utf-16"))   # UTF-32's before UTF-16's: FF FE 00 00 begins with UTF-16 LE's mark
+
+
+def _bom_encoding(data: bytes) -> str | None:
+    """The encoding a UTF-16 or UTF-32 byte-order mark at the start of ``data`` names, or None."""
+    return next((name for bom, name in _BOMS if data.startswith(bom)), None)
+
+
+def _unreadable_bytes(path: Path, exc: UnicodeDecodeError, encoding: str | None, packed: bool) -> UserError:
+    """The one-line error for a file whose bytes are not text in the encoding read (UTF-8 unless a mark said
+    otherwise)."""
+    where = f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start}" + (" after decompressing" if packed else "")
+    if encoding:
+        return UserError(f"'{path}' begins with a {encoding.upper()} byte-order mark but is not {encoding.upper()} text "
+                         f"({where}): cut short? write it again, as UTF-8")
+    if packed:
+        return UserError(f"'{path}' does not hold UTF-8 text ({where})")
+    return UserError(f"'{path}' is not UTF-8 text ({where}); "
+                     f"convert it first, e.g. iconv -f latin1 -t utf-8 '{path}' > utf8{path.suffix}")
+
+
 def read_text_file(path: Path) -> str:
-    """A text file's contents as UTF-8 (a leading byte-order mark dropped; a ``.gz`` file decompressed);
-    other bytes, and a damaged archive, are refused."""
+    """A text file's contents (a ``.gz`` file decompressed): UTF-8, or UTF-16 / UTF-32 where a byte-order mark
+    says so (Windows editors' "Unicode"); a leading mark dropped. Other bytes, and a damaged archive, are
+    refused."""
     import gzip
     import zlib
 
     packed = path.suffix == ".gz"
     try:
-        if packed:
-            with gzip.open(path, "rt", encoding="utf-8-sig") as f:
-                return f.read()
-        return path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        where = f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
-        if packed:
-            raise UserError(f"'{path}' does not hold UTF-8 text ({where} after decompressing)") from None
-        raise UserError(f"'{path}' is not UTF-8 text ({where}); "
-                        f"convert it first, e.g. iconv -f latin1 -t utf-8 '{path}' > utf8{path.suffix}") from None
+        data = gzip.decompress(path.read_bytes()) if packed else path.read_bytes()
     except (OSError, EOFError, zlib.error) as exc:
         damaged = " (a damaged or truncated gzip file?)" if packed else ""
         raise UserError(f"cannot read '{path}': {reason(exc)}{damaged}") from None
+    encoding = _bom_encoding(data)
+    try:
+        return data.decode(encoding or "utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise _unreadable_bytes(path, exc, encoding, packed) from None
 
 
 def _jsonl_docs(path: Path, text: str) -> list[str]:
@@ -97,13 +116,31 @@ def _table_docs(path: Path, kind: str, read: Callable[[], Any]) -> list[str]:
 
     try:
         table = read()
+        rows = table.slice(0, 1).to_pylist()
+        if not rows:
+            return []
+        reader = row_reader(f"'{path}'", rows[0])
+        return with_text(map(reader.read, table.select([reader.field]).to_pylist()))
     except (OSError, pa.ArrowException) as exc:
+        if "invalid UTF8" in str(exc):
+            raise UserError(f"'{path}' is not UTF-8 text ({reason(exc, 120)}); convert it first, e.g. iconv -f latin1 "
+                            f"-t utf-8 '{path}' > utf8{path.suffix}") from None
         raise UserError(f"cannot read '{path}' as {kind}: {reason(exc, 120)}") from None
-    rows = table.slice(0, 1).to_pylist()
-    if not rows:
-        return []
-    reader = row_reader(f"'{path}'", rows[0])
-    return with_text(map(reader.read, table.select([reader.field]).to_pylist()))
+    except UnicodeDecodeError as exc:   # a CSV's cells, read as UTF-8
+        raise _unreadable_bytes(path, exc, None, path.suffix == ".gz") from None
+
+
+def _first_bytes(path: Path) -> bytes:
+    """A file's first 4 bytes (decompressed, for a ``.gz`` one; none where it cannot be read: the reader
+    then says why)."""
+    import gzip
+    import zlib
+
+    try:
+        with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as f:
+            return f.read(4)
+    except (OSError, EOFError, zlib.error):
+        return b""
 
 
 def _csv_docs(path: Path, delimiter: str) -> list[str]:
@@ -113,11 +150,13 @@ def _csv_docs(path: Path, delimiter: str) -> list[str]:
     import pyarrow.csv as pa_csv
 
     parse = pa_csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+    encoding = _bom_encoding(_first_bytes(path))
+    options = pa_csv.ReadOptions(encoding=encoding or "utf8")
 
     def read():
-        names = pa_csv.open_csv(path, parse_options=parse).schema.names
+        names = pa_csv.open_csv(path, read_options=options, parse_options=parse).schema.names
         as_text = pa_csv.ConvertOptions(column_types={n: pa.string() for n in names})
-        return pa_csv.read_csv(path, parse_options=parse, convert_options=as_text)
+        return pa_csv.read_csv(path, read_options=options, parse_options=parse, convert_options=as_text)
     return _table_docs(path, "TSV" if delimiter == "\t" else "CSV", read)
 
 

@@ -160,6 +160,35 @@ def test_text_files_are_utf8_a_byte_order_mark_dropped(tmp_path):
     path.write_bytes("caf\xe9 au lait".encode("latin-1"))
     with pytest.raises(UserError, match=r"'.*latin.txt' is not UTF-8 text \(byte 0xe9 at offset 3\); convert it"):
         get_source(str(path))
+    path = tmp_path / "latin.csv"   # read by pyarrow, which names no byte
+    path.write_bytes("text\ncaf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(UserError, match=r"'.*latin.csv' is not UTF-8 text \(.*invalid UTF8 data\); convert it first"):
+        get_source(str(path))
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32", "utf-32-be"])
+def test_text_files_with_a_utf16_or_utf32_byte_order_mark_are_read_in_that_encoding(tmp_path, encoding):
+    """Windows editors save "Unicode" text as UTF-16 with a byte-order mark; such a file was refused as not
+    UTF-8 with a latin-1 conversion to run, which would have turned it into noise. A mark says the encoding:
+    the text reads as its UTF-8 copy does (.txt, .csv and gzip-compressed .jsonl alike); a file whose bytes
+    break the encoding its mark names is still a one-line error."""
+    import gzip
+
+    cases = {"t.txt": "café au lait, 東京\n\nsecond document", "t.csv": "text,id\ncafé au lait,1\n東京,2\n",
+             "t.jsonl.gz": json.dumps({"text": "café au lait"}) + "\n" + json.dumps({"text": "東京"})}
+    for name, text in cases.items():
+        ours, theirs = tmp_path / name, tmp_path / ("utf8-" + name)
+        data = ("\ufeff" if encoding.endswith("-be") else "") + text   # the plain codecs write a mark themselves
+        raw, plain = data.encode(encoding), text.encode("utf-8")
+        ours.write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+        theirs.write_bytes(gzip.compress(plain) if name.endswith(".gz") else plain)
+        assert get_source(str(ours)).documents("train") == get_source(str(theirs)).documents("train")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("\ufeffcafé".encode(encoding)[:-1])   # cut inside the last character
+    with pytest.raises(UserError, match=rf"^'.*bad.txt' begins with a {encoding[:6].upper()} byte-order mark but is not "
+                                        rf"{encoding[:6].upper()} text \(byte 0x.. at offset \d+\): cut short\? write it "
+                                        "again, as UTF-8$"):
+        get_source(str(bad))
 
 
 def test_jsonl_text_is_read_from_the_field_a_hub_dataset_would_use(tmp_path):
