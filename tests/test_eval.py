@@ -334,6 +334,7 @@ def test_eval_errors_are_one_line_and_write_nothing(tiny_dir, tiny_task, tmp_pat
              (["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-text", "wikitext2", "--offline"], "needs the Hugging Face hub"),
              (["eval", str(tiny_dir), "--tasks", "arc_easy", "--offline", "--num-fewshot", "5"], "few-shot"),
              (["eval", str(tiny_dir), "--limit", "0"], "--limit"),
+             (["eval", str(tiny_dir), "--limit", "1.5"], "--limit must be a count of items (1, 2, …) or a fraction below 1"),
              (["eval", str(tiny_dir), "--tasks", ","], "no tasks given"),   # not the default tasks, silently
              (["eval", str(tiny_dir), "--tasks", "ppl", "--ppl-tokens", "0"], "--ppl-tokens must be"))
     for args, needle in cases:

@@ -70,7 +70,9 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
             raise UserError(problem)
     if not config.tasks:
         raise UserError("no tasks given; use --tasks hellaswag,arc_easy,… (ppl = held-out perplexity)")
-    check_values(("--limit", config.limit, config.limit is None or config.limit > 0, "> 0 (a count, or a fraction below 1)"),
+    limit = config.limit
+    check_values(("--limit", limit, limit is None or 0 < limit < 1 or (limit >= 1 and float(limit).is_integer()),
+                  "a count of items (1, 2, …) or a fraction below 1"),
                  ("--batch-size", config.batch_size, config.batch_size >= 1, ">= 1"),
                  ("--ppl-ctx", config.ppl_ctx, config.ppl_ctx >= 2, ">= 2 (a window predicts ctx − 1 tokens)"),
                  ("--ppl-tokens", config.ppl_tokens, config.ppl_tokens is None or config.ppl_tokens >= 1,
