@@ -235,8 +235,9 @@ def require_tokenizer_files(folder: Path, spec: str | None = None) -> None:
 
 
 def check_tokenizer_spec(spec: str) -> None:
-    """Refuse a tokenizer that cannot be loaded, without loading it: a missing path, a dir without
-    tokenizer files, a hub id with no cached copy while the hub is unreachable."""
+    """Refuse a tokenizer that cannot be loaded, without loading it: a missing path, a file other than a
+    ``.gguf`` (one of a tokenizer's files), a dir without tokenizer files, a hub id with no cached copy while
+    the hub is unreachable."""
     path = Path(spec).expanduser()
     if path.is_file() and not spec.endswith(".gguf"):
         raise UserError(f"tokenizer '{spec}' is a file; give the directory holding it, a model dir, a .gguf, a hub id, "
