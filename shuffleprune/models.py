@@ -259,6 +259,9 @@ def load_tokenizer(path: str, spec: str | None = None):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as exc:   # a hub repo that is gone, gated or unreachable
         raise UserError(f"cannot load the tokenizer of '{spec or path}': {reason(exc)}") from exc
+    except json.JSONDecodeError as exc:   # which file, neither transformers nor the decoder says
+        raise UserError(f"cannot load the tokenizer of '{spec or path}': one of its .json files is not valid JSON "
+                        f"({reason(exc, 80)}); copy or download its tokenizer files again") from exc
     return as_its_file(tokenizer, tokenizer_folder(path), spec or path)
 
 

@@ -216,3 +216,20 @@ def test_a_cached_hub_tokenizer_in_tekken_format_alone_is_found_offline(tmp_path
     local_hub("someone/no-tokenizer", bare)
     with pytest.raises(UserError, match="cannot load tokenizer 'someone/no-tokenizer': .*no copy of it in the local cache"):
         check_tokenizer_spec("someone/no-tokenizer")
+
+
+@pytest.mark.parametrize("broken", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_that_is_not_json_is_named_as_the_tokenizers(tiny_dir, tmp_path, broken):
+    """A tokenizer .json file cut short or overwritten was reported as "cannot load model …: Expecting property
+    name …", pointing at the model; the error now says it is the tokenizer's files and what to do."""
+    import shutil
+
+    from shuffleprune.errors import UserError
+    from shuffleprune.models import load_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dir, folder)
+    (folder / broken).write_text("{garbage")
+    with pytest.raises(UserError, match=rf"^cannot load the tokenizer of '{folder}': one of its .json files is not "
+                                        r"valid JSON \(Expecting property name.*\); copy or download its tokenizer files"):
+        load_model(str(folder))
