@@ -27,6 +27,11 @@ def _bom_encoding(data: bytes) -> str | None:
     return next((name for bom, name in _BOMS if data.startswith(bom)), None)
 
 
+def _convert_hint(path: Path) -> str:
+    """How to make ``path`` UTF-8, for a message."""
+    return f"convert it first, e.g. iconv -f latin1 -t utf-8 '{path}' > utf8{path.suffix}"
+
+
 def _unreadable_bytes(path: Path, exc: UnicodeDecodeError, encoding: str | None, packed: bool) -> UserError:
     """The one-line error for a file whose bytes are not text in the encoding read (UTF-8 unless a mark said
     otherwise)."""
@@ -36,8 +41,7 @@ def _unreadable_bytes(path: Path, exc: UnicodeDecodeError, encoding: str | None,
                          f"({where}): cut short? write it again, as UTF-8")
     if packed:
         return UserError(f"'{path}' does not hold UTF-8 text ({where})")
-    return UserError(f"'{path}' is not UTF-8 text ({where}); "
-                     f"convert it first, e.g. iconv -f latin1 -t utf-8 '{path}' > utf8{path.suffix}")
+    return UserError(f"'{path}' is not UTF-8 text ({where}); {_convert_hint(path)}")
 
 
 def read_text_file(path: Path) -> str:
@@ -123,8 +127,7 @@ def _table_docs(path: Path, kind: str, read: Callable[[], Any]) -> list[str]:
         return with_text(map(reader.read, table.select([reader.field]).to_pylist()))
     except (OSError, pa.ArrowException) as exc:
         if "invalid UTF8" in str(exc):
-            raise UserError(f"'{path}' is not UTF-8 text ({reason(exc, 120)}); convert it first, e.g. iconv -f latin1 "
-                            f"-t utf-8 '{path}' > utf8{path.suffix}") from None
+            raise UserError(f"'{path}' is not UTF-8 text ({reason(exc, 120)}); {_convert_hint(path)}") from None
         raise UserError(f"cannot read '{path}' as {kind}: {reason(exc, 120)}") from None
     except UnicodeDecodeError as exc:   # a CSV's cells, read as UTF-8
         raise _unreadable_bytes(path, exc, None, path.suffix == ".gz") from None

@@ -31,21 +31,22 @@ import json, sys
 import torch
 import shuffleprune.dst.train as T
 from shuffleprune.dst.config import DSTConfig, TrainConfig
+from shuffleprune.runtime.memory import peak_rss_mb
 
-def status(key):
+def resident_bytes():
     for line in open('/proc/self/status'):
-        if line.startswith(key):
+        if line.startswith('VmRSS'):
             return int(line.split()[1]) * 1024
 
 seen = {}
 step = T._train_step
 def counted(model, *args, **kwargs):
     if 'before' not in seen:
-        seen['before'] = status('VmRSS')
+        seen['before'] = resident_bytes()
         tokens = T_cfg.batch_size * T_cfg.seq_len
         seen['bound'] = T.training_step_bytes(model, tokens, torch.device('cpu'))
     out = step(model, *args, **kwargs)
-    seen['after'] = status('VmHWM')
+    seen['after'] = round(peak_rss_mb() * 2**20)   # VmHWM
     return out
 T._train_step = counted
 arch, hidden, blocks, batch, seq, method, tok, data, out = sys.argv[1:]

@@ -36,7 +36,7 @@ from shuffleprune.outdir import (atomic_write, check_writable, clear_dir, held_a
                                  space_errors, written_beside)
 from shuffleprune.quiet import library_progress_bars
 from shuffleprune.runtime.determinism import deterministic_algorithms
-from shuffleprune.runtime.memory import free_memory_bytes, logits_bytes, memory_errors
+from shuffleprune.runtime.memory import free_memory_bytes, logits_bytes, memory_errors, tensor_bytes
 from shuffleprune.tokenizer_files import save_tokenizer
 
 CHECKPOINT = "checkpoint.pt"
@@ -335,8 +335,7 @@ def training_step_bytes(model: torch.nn.Module, tokens: int, device: torch.devic
     and the weights' gradients and AdamW's two moments (on a GPU, the weights too). A lower bound, activations
     not counted: the first steps of runs on this CPU grew by 1.3–2.0× it where the vocabulary is large
     (SmolLM2's 49 152 tokens), 10–16× where it is small and activations dominate (``scripts/check_dst_memory.py``)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return logits_bytes(model, tokens) + weights * (4 if device.type == "cuda" else 3)
+    return logits_bytes(model, tokens) + tensor_bytes(model.parameters()) * (4 if device.type == "cuda" else 3)
 
 
 def _check_training_memory(model: torch.nn.Module, tokens: int, device: torch.device) -> None:
