@@ -13,3 +13,21 @@ its weight, while the kernel before it ends); ``gather``: an index map's gather 
 after it start early. ``launch``: launches that skip Triton's per-call dispatch once a kind of call
 was seen (the eager host's cost per kernel). ``compile_check``: compile them for sm_90a without a GPU and read the result.
 """
+
+if __name__ == "kernels":
+    # Imported by the top-level name: the repository root is on sys.path (``python -m pytest`` or a REPL started
+    # there), and this folder shadows Hugging Face's ``kernels`` package, which transformers ≥ 5.25 installs and
+    # imports with every model. Load that package in place of this folder where it is installed; where it is not,
+    # this folder stays what ``kernels`` names (transformers then sees no version and no hub kernels).
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+    from importlib.machinery import PathFinder as _PathFinder
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _spec = _PathFinder.find_spec(__name__, [entry for entry in _sys.path
+                                             if _os.path.abspath(entry or _os.curdir) != _root])
+    if _spec is not None and _spec.loader is not None:
+        _hub = _util.module_from_spec(_spec)
+        _sys.modules[__name__] = _hub   # what the import statement returns once this file has run
+        _spec.loader.exec_module(_hub)

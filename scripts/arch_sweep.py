@@ -59,7 +59,9 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "minimax_m3_vl_text", "modernbert-decoder", "qwen4_exp_text", "rwkv", "xlstm", "cpmant",
          "gemma4", "qwen3_5", "qwen3_5_moe", "qwen4_exp",   # multimodal checkpoints
          # added in the thirty-fifth session: decoders of transformers 5.24 not swept before
-         "zamba", "beam", "cohere_compass_text"]
+         "zamba", "beam", "cohere_compass_text",
+         # added in the thirty-sixth session: the decoders transformers 5.25 adds (a row saying so on an older one)
+         "ergo", "kolibri1_1", "minicpm5_moe", "param2moe"]
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
@@ -127,7 +129,7 @@ EXTRA = {
     **{t: dict(SMALL_MOE) for t in ("hy_v3", "minimax_m2", "nemotron_h", "sarvam_mla", "sarvam_moe", "solar_open",
                                     "laguna", "mellum", "axk1", "axk2", "bailing_hybrid", "flint", "hy_v4", "inkling_text",
                                     "inkling2_text", "inkling2_loop_text", "kolibri1", "lara_mini", "mimo_v2_flash",
-                                    "minimax_m3_vl_text")},
+                                    "minimax_m3_vl_text", "param2moe")},
     # KV sharing (Gemma 4 E2B/E4B): the last block reuses the keys and values block 1 stores; 3 blocks, as
     # both attention types must store before one reuses, and the last block must be full attention
     "gemma4_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
@@ -152,6 +154,12 @@ EXTRA = {
     "cpmant": dict(dim_ff=128, dim_head=16),   # its own names for the MLP and head sizes (was 10240 × 128)
     **{t: dict(SMALL_MOE, unpadded_vocab_size=256, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16)
        for t in ("inkling2_text", "inkling2_loop_text")},
+    # transformers 5.25's: Ergo's first block a dense MLP of its own size, then experts with a shared one; Kolibri 1.1
+    # indexed attention (its indexer on block 0, block 2 reading block 0's keys and values) and sliding attention
+    "ergo": dict(SMALL_MOE, first_dense_intermediate_size=128, shared_intermediate_size=64, global_attention_every_n_layers=2),
+    "kolibri1_1": dict(SMALL_MOE, num_hidden_layers=3, layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
+                       index_num_heads=2, index_topk=8, index_pool_size=32, index_compression=4, index_num_local_tokens=4,
+                       index_num_sink_tokens=2, mlp_only_intermediate_size=128),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1, n_group=1, topk_group=1, layer_types=["full_attention"] * 2),
 }

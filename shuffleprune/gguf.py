@@ -36,7 +36,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, use_kernels=False)
     for attr, key in (("eos", "tokenizer.ggml.eos_token_id"), ("pad", "tokenizer.ggml.padding_token_id"),
                       ("bos", "tokenizer.ggml.bos_token_id")):
         want = gguf_token_id(gguf_path, key)

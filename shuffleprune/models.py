@@ -348,7 +348,10 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
     ``full_precision``, for a quantized checkpoint, before its weights are read). ``config`` (a
     transformers config to build the model from instead of the checkpoint's own) and
     ``attn_implementation`` go to ``from_pretrained`` when given; ``tokenizer``, this model's tokenizer
-    already loaded by :func:`load_tokenizer`, is used instead of reading it again."""
+    already loaded by :func:`load_tokenizer`, is used instead of reading it again. The model runs
+    transformers' own modules: the hub's kernels, which transformers ≥ 5.25 downloads and swaps in by
+    default, are not applied (nothing is fetched beyond the checkpoint, and calibration sees the reference
+    forward on every device)."""
     warn_if_old_transformers()
     torch_dtype = parse_dtype(dtype)
     path = resolve_model_path(spec)
@@ -374,7 +377,7 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
         chosen = {key: value for key, value in (("config", config), ("attn_implementation", attn_implementation))
                   if value is not None}
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True,
-                                                           output_loading_info=True, **chosen)
+                                                           output_loading_info=True, use_kernels=False, **chosen)
     except (OSError, ValueError, SafetensorError, StrictDataclassError) as exc:  # the last: an invalid config.json
         if isinstance(exc, SafetensorError):
             raise UserError(f"cannot read the weights of '{spec}': a .safetensors file is truncated or corrupt "

@@ -162,3 +162,32 @@ def test_every_module_is_in_the_readmes_picture_of_the_code():
     missing = [str(path.relative_to(REPO)) for path in modules
                if path.name not in section and f"{path.stem}.cu / .py" not in section]
     assert missing == [], f"not in README's How it is built: {missing}"
+
+
+def _import_kernels_from_the_repository(extra_path: Path | None) -> str:
+    """What ``import kernels`` names in a Python started at the repository's root (``python -m pytest`` does,
+    so the root is on ``sys.path``), with ``extra_path`` also on it; and that ``shuffleprune.kernels`` is ours."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(extra_path or "")}
+    code = ("import kernels, shuffleprune.kernels.nm_words as ours; "
+            "print(getattr(kernels, 'MARK', kernels.__file__)); print(ours.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    name, ours = out.stdout.splitlines()
+    assert Path(ours) == REPO / "kernels" / "nm_words.py"
+    return name
+
+
+def test_the_kernels_folder_never_hides_the_installed_kernels_package(tmp_path):
+    """Hugging Face's ``kernels`` package (which transformers ≥ 5.25 installs and imports with every model) is what
+    ``import kernels`` gives even where the repository's ``kernels/`` folder comes first on ``sys.path``; without
+    that package, the folder stays importable by that name (transformers then finds no version and no hub kernels)."""
+    installed = tmp_path / "site"
+    (installed / "kernels").mkdir(parents=True)
+    (installed / "kernels" / "__init__.py").write_text("MARK = 'the installed kernels package'\n")
+    (installed / "kernels-0.19.1.dist-info").mkdir()
+    (installed / "kernels-0.19.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
+    assert _import_kernels_from_the_repository(installed) == "the installed kernels package"
+    assert _import_kernels_from_the_repository(None) == str(REPO / "kernels" / "__init__.py")

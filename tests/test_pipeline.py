@@ -454,6 +454,25 @@ def test_a_transformers_older_than_the_tested_one_is_warned_about_once(tiny_dir,
     models.warn_if_old_transformers.cache_clear()
 
 
+def test_models_load_with_transformers_own_modules_and_no_hub_kernels(tiny_dir, monkeypatch):
+    """transformers ≥ 5.25 downloads the hub's kernels and swaps them into a model's layers unless asked not
+    to: every model shuffleprune loads (to prune, evaluate or export it) asks not to, so nothing beyond the
+    checkpoint is fetched and calibration sees the reference forward."""
+    import transformers
+
+    from shuffleprune import models
+
+    asked, real = [], transformers.AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("use_kernels", "default"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recording)
+    assert models.load_model(str(tiny_dir)).model is not None
+    assert asked == [False]
+
+
 def test_tf32_is_switched_on_for_cuda_only_and_restored():
     from shuffleprune.runtime.devices import tf32_matmuls
 
