@@ -1,5 +1,6 @@
 """A block's recorded call arguments made a batch's: those laid out per window (:class:`PerWindow`), those
-holding each window's own data (:class:`WindowData`), and state blocks hand later blocks (:class:`SharedState`)."""
+holding each window's own data (:class:`WindowData`), state blocks hand later blocks (:class:`SharedState`),
+and what a block returned that the model hands the next block (:class:`Carried`)."""
 from __future__ import annotations
 
 from collections import UserDict
@@ -101,6 +102,93 @@ class _StateView(UserDict):
         return self
 
 
+class CarriedOutputs:
+    """What blocks return besides their hidden states that the model hands the next block as an argument (Zaya's
+    residual stream, the top-k indices of GLM-5's DSA indexer, Kolibri 1.1's index pool), kept for every window
+    per block that returned it. Blocks run one at a time over batches of windows, so the next block reads the
+    previous one's own answer for its windows, not the one recorded for a single window. Only the last two
+    producers are kept (a block run again reads the one before it), unless ``keep_all``."""
+
+    def __init__(self, windows: int):
+        self.windows = windows
+        self.wanted: dict[int, set[int]] = {}   # producer → positions in its output tuple (after the hidden states)
+        self.held: dict[int, dict[int, torch.Tensor]] = {}
+        self.written: dict[int, torch.Tensor] = {}   # producer → which windows it has answered for
+        self.keep_all = False
+        self.frozen = False   # reads only: a probe's inputs stay those of its first pass
+
+    def keep(self, producer: int, output: Any, windows: slice | torch.Tensor, batch: int) -> None:
+        """Keep what block ``producer`` returned (``output``, a tuple led by its hidden states) for ``windows``."""
+        if producer not in self.wanted or self.frozen:
+            return
+        if not self.keep_all:
+            for old in [k for k in self.held if k not in (producer - 1, producer)]:
+                del self.held[old], self.written[old]
+        held = self.held.setdefault(producer, {})
+        for position in self.wanted[producer]:
+            t = output[1 + position].detach()
+            if t.dim() == 0 or t.shape[0] != batch:   # not laid out by window: the same for every window
+                held[position] = t
+                continue
+            old = held.get(position)
+            if old is None or old.shape[0] != self.windows or old.shape[1:] != t.shape[1:] or old.dtype != t.dtype:
+                old = held[position] = torch.zeros((self.windows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            old[windows] = t.to(old.device)
+        self.written.setdefault(producer, torch.zeros(self.windows, dtype=torch.bool))[_on_cpu(windows)] = True
+
+    def rows(self, producer: int, position: int, windows: slice | torch.Tensor, device: torch.device) -> torch.Tensor:
+        if producer not in self.written or not self.written[producer][_on_cpu(windows)].all():
+            raise RuntimeError(f"block {producer + 1} reads what block {producer} returned for windows it has not run on")
+        t = self.held[producer][position]
+        return (t[windows] if t.dim() and t.shape[0] == self.windows else t).to(device)
+
+
+class Carried:
+    """A block argument that is element ``position`` of what block ``producer`` returned besides its hidden states
+    (the model hands it on): read from ``outputs`` for a batch's windows."""
+
+    def __init__(self, outputs: CarriedOutputs, producer: int, position: int):
+        self.outputs, self.producer, self.position = outputs, producer, position
+        outputs.wanted.setdefault(producer, set()).add(position)
+
+    def rows(self, windows: slice | torch.Tensor, device: torch.device) -> torch.Tensor:
+        return self.outputs.rows(self.producer, self.position, windows, device)
+
+
+def carried_outputs(args: list[tuple], kwargs: list[dict], rest: tuple | None,
+                    windows: int) -> tuple[list[tuple], list[dict], CarriedOutputs | None]:
+    """Each block's recorded arguments with every tensor that *is* one of ``rest`` (what the blocks' stand-ins
+    returned besides the hidden states while recording, so the model handed a block's return to the next one)
+    replaced by a :class:`Carried` reading the previous block's own return; None when no block is handed one."""
+    positions = {id(t): j for j, t in enumerate(rest or ()) if isinstance(t, torch.Tensor)}
+    outputs = CarriedOutputs(windows)
+
+    def mark(obj: Any, block: int) -> Any:
+        if isinstance(obj, torch.Tensor) and id(obj) in positions and block > 0:
+            return Carried(outputs, block - 1, positions[id(obj)])
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(mark(o, block) for o in obj)
+        if isinstance(obj, dict):
+            return {k: mark(v, block) for k, v in obj.items()}
+        return obj
+
+    if not positions:
+        return args, kwargs, None
+    args, kwargs = [mark(a, i) for i, a in enumerate(args)], [mark(kw, i) for i, kw in enumerate(kwargs)]
+    return args, kwargs, outputs if outputs.wanted else None
+
+
+def rebind_carried(obj: Any, outputs: CarriedOutputs) -> Any:
+    """``obj`` with every :class:`Carried` reading from ``outputs`` instead (a second stream of activations)."""
+    if isinstance(obj, Carried):
+        return Carried(outputs, obj.producer, obj.position)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(rebind_carried(o, outputs) for o in obj)
+    if isinstance(obj, dict):
+        return {k: rebind_carried(v, outputs) for k, v in obj.items()}
+    return obj
+
+
 def _on_cpu(windows: slice | torch.Tensor) -> slice | torch.Tensor:
     return windows.cpu() if isinstance(windows, torch.Tensor) else windows
 
@@ -124,13 +212,15 @@ def shared_states(kwargs: list[dict], windows: int) -> list[dict]:
 def for_batch(obj: Any, windows: slice | torch.Tensor, batch: int, device: torch.device) -> Any:
     """Every tensor inside ``obj`` (nested tuples/lists/dicts) on ``device``, each :class:`PerWindow`
     repeated for ``batch`` windows, each :class:`WindowData` taken for ``windows``, each
-    :class:`SharedState` as a view for ``windows``."""
+    :class:`SharedState` as a view for ``windows``, each :class:`Carried` as the previous block's return for them."""
     if isinstance(obj, PerWindow):
         return obj.expand(batch, device)
     if isinstance(obj, WindowData):
         return obj.rows(windows, device)
     if isinstance(obj, SharedState):
         return obj.view(windows, batch, device)
+    if isinstance(obj, Carried):
+        return obj.rows(windows, device)
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, tuple):

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from shuffleprune.block_args import (SharedState, WindowData, fill_window_data, for_batch, mark_per_window, shared_states,
-                                     window_data)
+from shuffleprune.block_args import (CarriedOutputs, SharedState, WindowData, carried_outputs, fill_window_data, for_batch,
+                                     mark_per_window, rebind_carried, shared_states, window_data)
 from shuffleprune.blocks import Blocks, find_blocks, text_config
 from shuffleprune.errors import UserError
 
@@ -106,25 +106,31 @@ class CapturedInputs:
     # their tuple (block 0's own answer on the first window: attention weights that are None, …)
     output_rest: tuple | None = None
     batches: list[torch.Tensor] = field(default_factory=list)
+    carried: CarriedOutputs | None = None   # what blocks return that the model hands the next block
 
     def block_output(self, hidden: torch.Tensor) -> Any:
         """``hidden`` as a block would return it (a tensor, or a tuple led by it)."""
         return hidden if self.output_rest is None else (hidden, *self.output_rest)
 
     def holds_shared_state(self) -> bool:
-        """Whether blocks hand later blocks data through a :class:`SharedState`."""
-        return any(isinstance(v, SharedState) for kw in self.kwargs for v in kw.values())
+        """Whether blocks hand later blocks data through a :class:`SharedState` or what they return."""
+        return self.carried is not None or any(isinstance(v, SharedState) for kw in self.kwargs for v in kw.values())
 
     def with_own_states(self) -> "CapturedInputs":
         """These call arguments with every :class:`SharedState` replaced by a new, empty one (handed
-        to the same blocks): a second stream of activations (the unpruned model's, beside the pruned
-        one) whose blocks read what its own earlier blocks stored. Without shared states: ``self``."""
+        to the same blocks), and what blocks return kept apart: a second stream of activations (the unpruned
+        model's, beside the pruned one) whose blocks read what its own earlier blocks stored or returned.
+        Without shared states: ``self``."""
         if not self.holds_shared_state():
             return self
         fresh: dict[int, SharedState] = {}
         kwargs = [{k: fresh.setdefault(id(v), SharedState(v.windows)) if isinstance(v, SharedState) else v
                    for k, v in kw.items()} for kw in self.kwargs]
-        return replace(self, kwargs=kwargs)
+        if self.carried is None:
+            return replace(self, kwargs=kwargs)
+        carried = CarriedOutputs(self.carried.windows)
+        return replace(self, args=rebind_carried(self.args, carried), kwargs=rebind_carried(kwargs, carried),
+                       carried=carried)
 
     def to_block(self, hidden: torch.Tensor) -> torch.Tensor:
         """Windows' hidden states (windows along dim 0) as the blocks take them."""
@@ -189,6 +195,7 @@ def capture_block_inputs(model: nn.Module, blocks: Blocks, tokens: torch.Tensor,
         if len(sink.kwargs) != len(originals):
             raise UserError("capturing block inputs failed: the model did not call every decoder block")
         sink.kwargs = shared_states(sink.kwargs, tokens.shape[0])
+        sink.args, sink.kwargs, sink.carried = carried_outputs(sink.args, sink.kwargs, sink.output_rest, tokens.shape[0])
         if tokens.shape[0] > 1:  # recorded for two windows too: which arguments grow with the batch
             pair = CapturedInputs(output_rest=sink.output_rest)
             _forward_with_recorders(model, blocks, originals, pair, tokens[:2].to(device), last=last,
@@ -322,8 +329,12 @@ def run_block(block: nn.Module, hidden: torch.Tensor, captured: CapturedInputs, 
     out = torch.empty_like(hidden)
     for s in range(0, hidden.shape[0], batch_size):
         chunk = hidden[s:s + batch_size]
-        args, kwargs = captured.call_args(index, slice(s, s + chunk.shape[0]), device)
-        out[s:s + batch_size] = captured.from_block(block(captured.to_block(chunk.to(device)), *args, **kwargs)).to(out.device)
+        windows = slice(s, s + chunk.shape[0])
+        args, kwargs = captured.call_args(index, windows, device)
+        output = block(captured.to_block(chunk.to(device)), *args, **kwargs)
+        if captured.carried is not None:   # what the next block is handed of it, kept for these windows
+            captured.carried.keep(index, output, windows, chunk.shape[0])
+        out[s:s + batch_size] = captured.from_block(output).to(out.device)
     return out
 
 
@@ -376,9 +387,13 @@ def block_probe(model: nn.Module, blocks: Blocks) -> Callable[[int], torch.Tenso
     captured = probe_inputs(model, blocks)
     device = next(model.parameters()).device
     inputs, hidden = [], captured.hidden
+    if captured.carried is not None:   # every block's return kept from this first pass, as its hidden states are
+        captured.carried.keep_all = True
     for i, block in enumerate(blocks.layers):
         inputs.append(hidden)
         hidden = run_block(block, hidden, captured, i, device, 1)
+    if captured.carried is not None:
+        captured.carried.frozen = True
 
     def run(i: int) -> torch.Tensor:
         return run_block(blocks.layers[i], inputs[i], captured, i, device, 1).float()

@@ -69,6 +69,8 @@ def tiny_config(model_type: str = "llama", layers: int = 3, hidden: int = 64, in
     if model_type == "zamba2":  # Mamba-2 blocks, then two hybrid blocks sharing (tying) one transformer block
         kw.update(layers_block_type=["mamba"] + ["hybrid"] * (layers - 1), mamba_d_state=16, mamba_headdim=16,
                   n_mamba_heads=8, num_mem_blocks=1)
+    if model_type == "zaya":   # every block returns its residual stream beside its hidden states, handed to the next
+        kw.update(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32, head_dim=16, router_hidden_size=32)
     if model_type == "bamba":  # Mamba-2 blocks with one attention block between them
         kw.update(attn_layer_indices=[1])
     if model_type == "gemma3":  # multimodal: a Gemma 3 text decoder and a one-layer SigLIP vision tower

@@ -82,6 +82,33 @@ def test_blocks_that_check_the_mask_batch_return_longer_tuples_or_take_window_da
     _replay_matches_the_model(model, blocks, captured, tokens)
 
 
+def test_what_a_block_returns_and_the_model_hands_the_next_block_is_each_windows_own():
+    """Zaya's blocks return a second stream beside their hidden states, and the model hands it to the next block
+    (GLM-5's DSA does so with its indexer's top-k, Kolibri 1.1 with its index pool). Recorded on one window, it
+    is marked as the previous block's return; replayed at batches of 3 and 2, each block reads that block's own
+    answer for its windows, so the blocks give the model's own hidden states for every window, and a second
+    stream (``with_own_states``) keeps its own."""
+    from shuffleprune.block_args import Carried
+
+    model = tiny_model("zaya")
+    blocks = find_blocks(model)
+    tokens = torch.randint(0, 128, (5, 24), generator=torch.Generator().manual_seed(0))
+    captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
+    carried = [[a for a in captured.args[i] if isinstance(a, Carried)] for i in range(len(blocks))]
+    assert carried[0] == [] and all(len(c) == 1 and c[0].producer == i - 1 for i, c in enumerate(carried) if i)
+    assert captured.holds_shared_state()
+    dense = captured.with_own_states()
+    assert dense.carried is not captured.carried
+    assert all(a.outputs is dense.carried for i in range(1, len(blocks)) for a in dense.args[i] if isinstance(a, Carried))
+    _replay_matches_the_model(model, blocks, captured, tokens)
+    cpu = torch.device("cpu")
+    with torch.no_grad():   # the other stream, run in between on other inputs, leaves this one's returns alone
+        ref = model(input_ids=tokens, output_hidden_states=True, use_cache=False).hidden_states
+        first = run_block(blocks.layers[0], captured.hidden, captured, 0, cpu, batch_size=5)
+        run_block(blocks.layers[0], captured.hidden.flip(0), dense, 0, cpu, batch_size=5)
+        assert torch.allclose(run_block(blocks.layers[1], first, captured, 1, cpu, batch_size=5), ref[2], atol=1e-5)
+
+
 def test_blocks_taking_the_windows_along_another_dim_are_replayed():
     """Gemma 3n's AltUp hands its blocks ``[altup, batch, L, d]``: the capture finds the windows' dim
     from one window against two, keeps the windows along dim 0 and gives them back to the blocks in

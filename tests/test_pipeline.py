@@ -238,11 +238,12 @@ def test_killed_run_resumes_to_identical_checkpoint(method, tiny_dir, text_file,
     assert resumed.report["ppl"] == json.loads((full / "prune_report.json").read_text())["ppl"]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "zamba2", "gemma3n_text", "llama4_text"])
+@pytest.mark.parametrize("arch", ["gpt2", "zamba2", "gemma3n_text", "llama4_text", "zaya"])
 def test_resume_is_identical_for_conv1d_layers_and_per_window_block_arguments(arch, text_file, eval_file, tmp_path):
     """A resumed run reloads GPT-2's blocks from their checkpoint in Conv1D's layout, recaptures
     Zamba2's per-window embeddings for every window, keeps Gemma 3n's windows along their own dim
-    of the hidden states (and refills the keys and values its pruned blocks hand on), and finds Llama 4's stacked experts again by tracing: the same checkpoint
+    of the hidden states (and refills the keys and values its pruned blocks hand on), finds Llama 4's stacked
+    experts again by tracing, and refills what Zaya's pruned blocks return to the next: the same checkpoint
     and perplexities as one run."""
     from conftest import make_tokenizer, tiny_model
 
