@@ -308,6 +308,9 @@ class _NoStream:
     def wait_stream(self, *a):
         pass
 
+    def is_capturing(self):
+        return False
+
     def synchronize(self):
         pass
 
@@ -337,6 +340,13 @@ def fake_cuda() -> Iterator[None]:
     saved = {name: getattr(cuda, name) for name in patches}
     for name, value in patches.items():
         setattr(cuda, name, value)
+    # the device-generic API (accelerate ≥ 1.16 picks its device by torch.accelerator.current_accelerator())
+    generic = {"current_accelerator": lambda *a, **k: torch.device("cuda"), "is_available": lambda: True,
+               "device_count": lambda: 1, "current_device_index": lambda: 0,
+               "current_stream": lambda *a, **k: _NoStream(), "synchronize": lambda *a, **k: None}
+    saved_generic = {name: getattr(torch.accelerator, name) for name in generic if hasattr(torch.accelerator, name)}
+    for name, value in generic.items():
+        setattr(torch.accelerator, name, value)
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)   # module.to() swaps each parameter in place,
     try:                                                           # so references to it hold, as on a GPU
@@ -346,3 +356,8 @@ def fake_cuda() -> Iterator[None]:
         torch.__future__.set_swap_module_params_on_conversion(swap)
         for name, value in saved.items():
             setattr(cuda, name, value)
+        for name in generic:
+            if name in saved_generic:
+                setattr(torch.accelerator, name, saved_generic[name])
+            else:
+                delattr(torch.accelerator, name)
