@@ -60,7 +60,7 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "gemma4", "qwen3_5", "qwen3_5_moe", "qwen4_exp",   # multimodal checkpoints
          # added in the thirty-fifth session: decoders of transformers 5.24 not swept before
          "zamba", "beam", "cohere_compass_text",
-         # added in the thirty-sixth session: the decoders transformers 5.25 adds (a row saying so on an older one)
+         # added in the thirty-sixth session: the decoders transformers 5.25 adds (left out, with a line, on an older one)
          "ergo", "kolibri1_1", "minicpm5_moe", "param2moe"]
 SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0)
@@ -307,7 +307,8 @@ def main() -> None:
                                     f"{HALF_TOLERANCE} of its largest logit (a reason where the pruned checkpoint "
                                     f"itself cannot run in {args.dtype})"} if args.dtype else {}),
               **({"left_out": {"types": missing, "why": "not in the transformers that ran"}} if missing else {})}
-    sweep([t for t in args.types if t not in missing], lambda model_type, tmp: one_family(model_type, args.recipe, args.perm, tmp, args.seed, args.dtype),
+    sweep([t for t in args.types if t not in missing],
+          lambda model_type, tmp: one_family(model_type, args.recipe, args.perm, tmp, args.seed, args.dtype),
           result, Path(args.out))
 
 
