@@ -163,30 +163,30 @@ def carried_outputs(args: list[tuple], kwargs: list[dict], rest: tuple | None,
     positions = {id(t): j for j, t in enumerate(rest or ()) if isinstance(t, torch.Tensor)}
     outputs = CarriedOutputs(windows)
 
-    def mark(obj: Any, block: int) -> Any:
-        if isinstance(obj, torch.Tensor) and id(obj) in positions and block > 0:
-            return Carried(outputs, block - 1, positions[id(obj)])
-        if isinstance(obj, (tuple, list)):
-            return type(obj)(mark(o, block) for o in obj)
-        if isinstance(obj, dict):
-            return {k: mark(v, block) for k, v in obj.items()}
-        return obj
+    def marker(block: int) -> Callable[[Any], Any]:
+        return lambda obj: (Carried(outputs, block - 1, positions[id(obj)])
+                            if isinstance(obj, torch.Tensor) and id(obj) in positions and block > 0 else obj)
 
     if not positions:
         return args, kwargs, None
-    args, kwargs = [mark(a, i) for i, a in enumerate(args)], [mark(kw, i) for i, kw in enumerate(kwargs)]
+    args = [_map_leaves(a, marker(i)) for i, a in enumerate(args)]
+    kwargs = [_map_leaves(kw, marker(i)) for i, kw in enumerate(kwargs)]
     return args, kwargs, outputs if outputs.wanted else None
 
 
 def rebind_carried(obj: Any, outputs: CarriedOutputs) -> Any:
     """``obj`` with every :class:`Carried` reading from ``outputs`` instead (a second stream of activations)."""
-    if isinstance(obj, Carried):
-        return Carried(outputs, obj.producer, obj.position)
+    return _map_leaves(obj, lambda leaf: Carried(outputs, leaf.producer, leaf.position) if isinstance(leaf, Carried)
+                       else leaf)
+
+
+def _map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` (nested tuples/lists/dicts) with ``fn`` applied to everything else inside it."""
     if isinstance(obj, (tuple, list)):
-        return type(obj)(rebind_carried(o, outputs) for o in obj)
+        return type(obj)(_map_leaves(o, fn) for o in obj)
     if isinstance(obj, dict):
-        return {k: rebind_carried(v, outputs) for k, v in obj.items()}
-    return obj
+        return {k: _map_leaves(v, fn) for k, v in obj.items()}
+    return fn(obj)
 
 
 def _on_cpu(windows: slice | torch.Tensor) -> slice | torch.Tensor:
