@@ -183,10 +183,17 @@ def rebind_carried(obj: Any, outputs: CarriedOutputs) -> Any:
 def _map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
     """``obj`` (nested tuples/lists/dicts) with ``fn`` applied to everything else inside it."""
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_leaves(o, fn) for o in obj)
+        return _same_sequence(obj, [_map_leaves(o, fn) for o in obj])
     if isinstance(obj, dict):
         return {k: _map_leaves(v, fn) for k, v in obj.items()}
     return fn(obj)
+
+
+def _same_sequence(like: tuple | list, items: list) -> tuple | list:
+    """``items`` as a sequence of ``like``'s type: a named tuple (its fields are positional) stays one."""
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return type(like)(*items)
+    return type(like)(items)
 
 
 def _on_cpu(windows: slice | torch.Tensor) -> slice | torch.Tensor:
@@ -213,23 +220,18 @@ def for_batch(obj: Any, windows: slice | torch.Tensor, batch: int, device: torch
     """Every tensor inside ``obj`` (nested tuples/lists/dicts) on ``device``, each :class:`PerWindow`
     repeated for ``batch`` windows, each :class:`WindowData` taken for ``windows``, each
     :class:`SharedState` as a view for ``windows``, each :class:`Carried` as the previous block's return for them."""
-    if isinstance(obj, PerWindow):
-        return obj.expand(batch, device)
-    if isinstance(obj, WindowData):
-        return obj.rows(windows, device)
-    if isinstance(obj, SharedState):
-        return obj.view(windows, batch, device)
-    if isinstance(obj, Carried):
-        return obj.rows(windows, device)
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(for_batch(o, windows, batch, device) for o in obj)
-    if isinstance(obj, list):
-        return [for_batch(o, windows, batch, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: for_batch(v, windows, batch, device) for k, v in obj.items()}
-    return obj
+    def leaf(obj: Any) -> Any:
+        if isinstance(obj, PerWindow):
+            return obj.expand(batch, device)
+        if isinstance(obj, (WindowData, Carried)):
+            return obj.rows(windows, device)
+        if isinstance(obj, SharedState):
+            return obj.view(windows, batch, device)
+        if isinstance(obj, torch.Tensor):
+            return obj.to(device)
+        return obj
+
+    return _map_leaves(obj, leaf)
 
 
 def mark_per_window(one: Any, two: Any, shared: dict[int, WindowData]) -> Any:
@@ -246,7 +248,7 @@ def mark_per_window(one: Any, two: Any, shared: dict[int, WindowData]) -> Any:
             return PerWindow(one)
         return shared.setdefault(id(two), WindowData())
     if isinstance(one, (tuple, list)) and isinstance(two, (tuple, list)) and len(one) == len(two):
-        return type(one)(mark_per_window(a, b, shared) for a, b in zip(one, two))
+        return _same_sequence(one, [mark_per_window(a, b, shared) for a, b in zip(one, two)])
     if isinstance(one, dict) and isinstance(two, dict) and one.keys() == two.keys():
         return {k: mark_per_window(v, two[k], shared) for k, v in one.items()}
     return one

@@ -109,6 +109,25 @@ def test_what_a_block_returns_and_the_model_hands_the_next_block_is_each_windows
         assert torch.allclose(run_block(blocks.layers[1], first, captured, 1, cpu, batch_size=5), ref[2], atol=1e-5)
 
 
+def test_named_tuples_a_model_hands_its_blocks_stay_named_tuples():
+    """A model may hand its blocks a named tuple (here the rotary ``(cos, sin)``, which a block could read by field):
+    recorded and laid out for a batch, it is the same named tuple, and the replayed blocks give the model's own
+    hidden states."""
+    from collections import namedtuple
+
+    Rope = namedtuple("Rope", "cos sin")
+    model = tiny_model("llama")
+    rope = model.get_decoder().rotary_emb
+    forward = rope.forward
+    rope.forward = lambda *a, **kw: Rope(*forward(*a, **kw))
+    blocks = find_blocks(model)
+    tokens = torch.randint(0, 128, (5, 24), generator=torch.Generator().manual_seed(0))
+    captured = capture_block_inputs(model, blocks, tokens, torch.device("cpu"), batch_size=2)
+    _, kwargs = captured.call_args(1, slice(0, 3), torch.device("cpu"))
+    assert type(kwargs["position_embeddings"]) is Rope and kwargs["position_embeddings"].cos.shape[-2:] == (24, 16)
+    _replay_matches_the_model(model, blocks, captured, tokens)
+
+
 def test_blocks_taking_the_windows_along_another_dim_are_replayed():
     """Gemma 3n's AltUp hands its blocks ``[altup, batch, L, d]``: the capture finds the windows' dim
     from one window against two, keeps the windows along dim 0 and gives them back to the blocks in
