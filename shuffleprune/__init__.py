@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 
 def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", fuse: bool = True, cslt: bool | None = None,
-         device: str | None = None, *, attn_implementation: str | None = None, config: Any = None):
+         device: str | None = None, *, attn_implementation: str | None = None, config: Any = None,
+         trust_remote_code: bool = False):
     """Load a checkpoint written by ``shuffleprune export`` (linears as compressed ``SparseLinear``),
     by ``prune`` (a plain model; an older-layout ``--perm`` checkpoint put back in input order) or
     any HF model onto ``device`` (``cuda``, ``cuda:N``, ``cpu``, or ``auto``: the first CUDA GPU if there
@@ -42,7 +43,8 @@ def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", f
     1.58× dense's tokens/s and prefilled 512 tokens in 0.83–0.98× its time, with 0.58× its weight
     memory (``scripts/results/bench_e2e.json``, README *Benchmarks → GPU*). ``attn_implementation``
     (``sdpa``, ``eager``, ``flash_attention_2``, …) and ``config`` (a transformers config to build the
-    model from) go to transformers' ``from_pretrained``. The tokenizer:
+    model from) go to transformers' ``from_pretrained``; ``trust_remote_code`` runs the model code a checkpoint
+    ships (an export keeps its source model's). The tokenizer:
     ``transformers.AutoTokenizer.from_pretrained(path)``."""
     from shuffleprune.deploy.serving import arrange_for_serving, check_serving_options
     from shuffleprune.models import load_model
@@ -50,7 +52,8 @@ def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", f
 
     check_serving_options(maps, fuse, cslt)   # before the weights are read
     target = None if device is None else pick_device(str(device))
-    model = load_model(path, dtype, config=config, attn_implementation=attn_implementation).model
+    model = load_model(path, dtype, config=config, attn_implementation=attn_implementation,
+                       trust_remote_code=trust_remote_code).model
     if target is not None:
         model.to(target)
     arrange_for_serving(model, maps=maps, fuse=fuse, cslt=cslt)
@@ -58,18 +61,19 @@ def load(path: str, dtype: str | torch.dtype = "auto", maps: str = "producer", f
 
 
 def export(pruned: str | Path, out: str | Path, pattern: str | None = None, overwrite: bool = False, *,
-           fold: bool = True, progress: bool = True) -> dict:
+           fold: bool = True, progress: bool = True, trust_remote_code: bool = False) -> dict:
     """Write the compressed, deployable checkpoint of a pruned one (a dir or hub id) to ``out``;
     returns its format dict (layers, folds, gathers). ``pattern``: for a checkpoint without a
     prune report (e.g. ``"2:4"``); ``fold=False`` keeps every index map as a runtime gather
-    (the command line's ``--no-fold``)."""
+    (the command line's ``--no-fold``); ``trust_remote_code`` for a model that ships its own code."""
     from shuffleprune.deploy.export import export_checkpoint
     from shuffleprune.errors import UserError
 
     if not isinstance(pruned, (str, Path)):
         raise UserError(f"export reads a pruned checkpoint from disk, not a {type(pruned).__name__}: prune with "
                         "out='DIR' and export 'DIR'")
-    return export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite, progress=progress)
+    return export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite, progress=progress,
+                             trust_remote_code=trust_remote_code)
 
 
 def evaluate(models: list[Any] | Any, tasks: list[str] | str | None = None, out: str | Path | None = None, *,

@@ -64,6 +64,8 @@ def _path(value: Optional[str], flag: str) -> Optional[Path]:
         _fail(exc)
 
 
+_TRUST_HELP = ("Run the model, configuration and tokenizer code the checkpoint ships (its config.json's auto_map), "
+               "as transformers' trust_remote_code: only for a model you trust.")
 _DATA, _OUT, _RUN, _RARE = "Data and evaluation", "Output", "Compute and selection", "Rare knobs (prefer a recipe file or --set)"
 
 
@@ -77,6 +79,7 @@ def prune(
     perm: Optional[str] = typer.Option(None, "--perm", help="Input-channel permutation: none, random, search or learned (overrides the recipe's; none turns it off)."),
     perm_from: Optional[str] = typer.Option(None, "--perm-from", metavar="<path>", help="Reuse the index maps of an earlier run's output dir instead of computing them."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override any stage: KIND=NAME or KIND.PARAM=VALUE, e.g. --set permutation.steps=200 (repeatable)."),
+    trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code", help=_TRUST_HELP),
     calib: Optional[str] = typer.Option(None, "--calib", rich_help_panel=_DATA, help="Calibration text: c4, wikitext2 (hub), any hub dataset OWNER/NAME[:CONFIG][@SPLIT[START:STOP]] with a text or chat (messages) column, wiki, brown (offline), or a .txt, .jsonl, .json, .csv, .tsv or .parquet file (.gz too) or a directory of them (used whole; a downloaded dataset's split: DIR@SPLIT[START:STOP])", show_default="wiki"),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", rich_help_panel=_DATA, help="Calibration windows", show_default="128"),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", rich_help_panel=_DATA, help="Calibration window length in tokens, capped by the model's context", show_default="2048"),
@@ -132,7 +135,7 @@ def prune(
         given = dict(model=model, pattern=pattern, sparsity=sparsity, calib=calib, nsamples=nsamples, seqlen=seqlen,
                      seed=seed, only=only or None, skip=skip or None, dtype=dtype, eval_text=eval_text,
                      eval_ctx=eval_ctx, eval_tokens=eval_tokens, device=device, batch_size=batch_size, tf32=tf32,
-                     deterministic=deterministic, bos=bos)
+                     deterministic=deterministic, bos=bos, trust_remote_code=trust_remote_code)
         given = {k: v for k, v in given.items() if v is not None}  # what was typed overrides the recipe
         config = PruneConfig.build(
             recipe, overrides=list(set_ or []), **given, method=base, perm=perm, perm_from=perm_from, recon=recon,
@@ -164,15 +167,16 @@ def prune(
     if plots is not None:
         _write_plots(result.report, plots)
     if export is not None:
-        _export(out, export, overwrite, progress=not quiet)
+        _export(out, export, overwrite, progress=not quiet, trust_remote_code=config.trust_remote_code)
 
 
 def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = None, fold: bool = True,
-            progress: bool = True) -> None:
+            progress: bool = True, trust_remote_code: bool = False) -> None:
     from shuffleprune.deploy.export import export_checkpoint
 
     try:
-        fmt = export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite, progress=progress)
+        fmt = export_checkpoint(pruned, out, pattern=pattern, fold=fold, overwrite=overwrite, progress=progress,
+                                trust_remote_code=trust_remote_code)
     except UserError as exc:
         _fail(exc)
     dense = sum(f.stat().st_size for f in pruned.glob("*.safetensors") if f.name != "index_maps.safetensors")
@@ -192,13 +196,14 @@ def export(
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern (default: the one in prune_report.json)."),
     fold: bool = typer.Option(True, "--fold/--no-fold", help="Fold input permutations into producer rows where the logits stay the same."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (never one holding an input)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help=_TRUST_HELP),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
 ) -> None:
     """Write a deployable N:M checkpoint: compressed values + 2-bit positions + index maps (load with shuffleprune.load)."""
     if (out is None) == (out_option is None):
         _fail(UserError("give where to write the checkpoint once: shuffleprune export PRUNED OUT, or PRUNED --out OUT"))
     _export(_path(pruned, "PRUNED"), _path(out if out is not None else out_option, "OUT"), overwrite, pattern, fold,
-            progress=not quiet)
+            progress=not quiet, trust_remote_code=trust_remote_code)
 
 
 def _write_plots(report: dict, plots: Path) -> None:
@@ -264,6 +269,7 @@ def eval_(
     ppl_tokens: Optional[int] = typer.Option(None, "--ppl-tokens", help="Use at most this many held-out tokens (default: the whole test split; c4: 256 windows, as the papers)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (checkpoint dtype; float32 on CPU), float32, bfloat16, float16."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help=_TRUST_HELP),
     out: Optional[str] = typer.Option(None, "--out", metavar="<path>", help="Write results JSON here, and the table as Markdown next to it (.md)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
     verbose: bool = typer.Option(False, "--verbose", help="Show lm-eval's own log."),
@@ -280,7 +286,8 @@ def eval_(
                         tasks=list(DEFAULT_TASKS) if tasks is None else _split_csv(tasks), limit=limit,
                         num_fewshot=num_fewshot, batch_size=batch_size, device=device, dtype=dtype, offline=offline,
                         include_path=list(include_path) if include_path else None, ppl_text=ppl_text,
-                        ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens, ppl_bos=ppl_bos, apply_chat_template=apply_chat_template)
+                        ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens, ppl_bos=ppl_bos, apply_chat_template=apply_chat_template,
+                        trust_remote_code=trust_remote_code)
     try:
         results = evaluate_models(config, out=out, progress=not quiet,
                                   notify=lambda msg: err.print(msg, soft_wrap=True),

@@ -251,28 +251,55 @@ def check_tokenizer_spec(spec: str) -> None:
     refuse_uncached_offline(spec, "tokenizer", NAMED_TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str, spec: str | None = None):
+def load_tokenizer(path: str, spec: str | None = None, trust_remote_code: bool = False):
     """The tokenizer of a model dir or hub id (a local dir without tokenizer files refused), as its files
-    say (:func:`~shuffleprune.tokenizer_files.as_its_file`)."""
+    say (:func:`~shuffleprune.tokenizer_files.as_its_file`); ``trust_remote_code`` runs a tokenizer class
+    the model ships as code."""
     require_tokenizer_files(Path(path), spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as exc:   # a hub repo that is gone, gated or unreachable
         raise UserError(f"cannot load the tokenizer of '{spec or path}': {reason(exc)}") from exc
+    except ValueError as exc:
+        refuse_untrusted_code(exc, spec or path)
+        raise
     except json.JSONDecodeError as exc:   # which file, neither transformers nor the decoder says
         raise UserError(f"cannot load the tokenizer of '{spec or path}': one of its .json files is not valid JSON "
                         f"({reason(exc, 80)}); copy or download its tokenizer files again") from exc
     return as_its_file(tokenizer, tokenizer_folder(path), spec or path)
 
 
-def _model_type(path: str) -> str:
+def _model_type(path: str, trust_remote_code: bool = False) -> str:
     """The ``model_type`` a checkpoint's config names ('?' when it cannot be read)."""
     try:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(path).model_type
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type
     except (OSError, ValueError):
         return "?"
+
+
+def refuse_untrusted_code(exc: Exception, spec: str) -> None:
+    """A ``UserError`` naming ``--trust-remote-code`` when ``exc`` is transformers refusing to run the
+    modeling, configuration or tokenizer code a checkpoint ships (``auto_map`` in its config); else nothing."""
+    if "trust_remote_code" in str(exc):
+        raise UserError(f"'{spec}' ships its own model code (auto_map in its config.json), which runs only when "
+                        "you trust it: pass --trust-remote-code (Python: trust_remote_code=True)") from exc
+
+
+def exported_model_class(path: str, fmt: dict, trust_remote_code: bool) -> type | None:
+    """The model class of an export whose source model runs its own code (the format's ``model_class``,
+    a reference into the code files the export keeps), or None for a transformers model. That class is
+    loaded directly: the export's ``auto_map`` leads ``AutoModelForCausalLM`` to shuffleprune's own loader."""
+    reference = fmt.get("model_class")
+    if reference is None:
+        return None
+    if not trust_remote_code:
+        raise UserError(f"'{path}' is the export of a model that ships its own model code, which runs only when you "
+                        "trust it: pass --trust-remote-code (Python: trust_remote_code=True)")
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    return get_class_from_dynamic_module(reference, path)
 
 
 def quantization_method(config) -> str | None:
@@ -343,7 +370,8 @@ def _read_config_dtype(path: Path) -> torch.dtype | None:
 
 
 def load_model(spec: str | None = None, dtype: str = "auto", full_precision: bool = False, *,
-               config: Any = None, attn_implementation: str | None = None, tokenizer: Any = None) -> LoadedModel:
+               config: Any = None, attn_implementation: str | None = None, tokenizer: Any = None,
+               trust_remote_code: bool = False) -> LoadedModel:
     """Load model + tokenizer; raises ``UserError`` with a one-line reason when it cannot (and, with
     ``full_precision``, for a quantized checkpoint, before its weights are read). ``config`` (a
     transformers config to build the model from instead of the checkpoint's own) and
@@ -351,7 +379,9 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
     already loaded by :func:`load_tokenizer`, is used instead of reading it again. The model runs
     transformers' own modules: the hub's kernels, which transformers ≥ 5.25 downloads and swaps in by
     default, are not applied (nothing is fetched beyond the checkpoint, and calibration sees the reference
-    forward on every device)."""
+    forward on every device). ``trust_remote_code`` runs the model, configuration and tokenizer code a
+    checkpoint ships (``auto_map``), as transformers' flag of that name; without it such a checkpoint is refused
+    with a one-line error."""
     warn_if_old_transformers()
     torch_dtype = parse_dtype(dtype)
     path = resolve_model_path(spec)
@@ -370,21 +400,26 @@ def load_model(spec: str | None = None, dtype: str = "auto", full_precision: boo
         if full_precision:
             from transformers import AutoConfig
 
-            refuse_quantized(AutoConfig.from_pretrained(path), spec)
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, spec)
+            refuse_quantized(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), spec)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, spec, trust_remote_code)
         if exported:  # the sparse linears' weights are not in model.safetensors: silence "newly initialized"
             hf_logging.set_verbosity_error()
         chosen = {key: value for key, value in (("config", config), ("attn_implementation", attn_implementation))
                   if value is not None}
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, low_cpu_mem_usage=True,
-                                                           output_loading_info=True, use_kernels=False, **chosen)
+        # an export's auto_map leads AutoModelForCausalLM to shuffleprune's own loader: its model class is
+        # transformers' own for the model type, or the one its source model ships as code
+        own_class = exported_model_class(path, fmt, trust_remote_code) if exported else None
+        model, info = (own_class or AutoModelForCausalLM).from_pretrained(
+            path, dtype=torch_dtype, low_cpu_mem_usage=True, output_loading_info=True, use_kernels=False,
+            trust_remote_code=trust_remote_code and not exported, **chosen)
     except (OSError, ValueError, SafetensorError, StrictDataclassError) as exc:  # the last: an invalid config.json
+        refuse_untrusted_code(exc, spec or DEFAULT_MODEL)
         if isinstance(exc, SafetensorError):
             raise UserError(f"cannot read the weights of '{spec}': a .safetensors file is truncated or corrupt "
                             f"({reason(exc, 120)}); write or download that checkpoint again") from exc
         if "Unrecognized configuration class" in str(exc):   # an encoder or encoder-decoder (T5, …)
             raise UserError(f"cannot load model '{spec}': transformers has no causal-LM class for its model type "
-                            f"'{_model_type(path)}'; shuffleprune prunes decoder LLMs (AutoModelForCausalLM)") from exc
+                            f"'{_model_type(path, trust_remote_code)}'; shuffleprune prunes decoder LLMs (AutoModelForCausalLM)") from exc
         raise UserError(
             f"cannot load model '{spec}': {reason(exc)} — give a local HF dir, a .gguf file, "
             "or omit MODEL for the embedded default") from exc

@@ -65,6 +65,11 @@ class ShufflepruneForCausalLM:
 '''
 
 
+def runs_own_code(model: nn.Module) -> bool:
+    """Whether ``model``'s class is code its checkpoint ships (loaded with ``trust_remote_code``), not transformers'."""
+    return type(model).__module__.split(".")[0] == "transformers_modules"
+
+
 def _run_report(pruned_dir: Path) -> tuple[str | None, dict | None]:
     """The report of the run that wrote ``pruned_dir``: ``("prune", its prune_report.json)``, or
     ``("dst", its dst run's dst_report.json)`` for a ``dst`` run's ``model/``; ``(None, None)``."""
@@ -172,6 +177,8 @@ def export_card(fmt: dict, report: dict | None, name: str) -> str:
     part = f", {ev['split']}" if ev.get("split") and ev["split"] != "test" else ""   # reports before the label said "test"
     ppl_note = (f"Perplexity from the pruning run ({ev.get('text')}{part}, windows of {ev.get('ctx')} tokens); "
                 "the export computes the pruned model.\n")
+    own_code = fmt.get("model_class") is not None   # the model's own code, kept here, runs only when trusted
+    trust_arg, trust_flag = (", trust_remote_code=True", " --trust-remote-code") if own_code else ("", "")
     return f"""---
 {f"base_model: {hub_base}{chr(10)}" if hub_base else ""}library_name: transformers
 tags:
@@ -193,7 +200,7 @@ input index map where the run's permutation could not be folded away ({len(fmt['
 
 ```python
 import shuffleprune                      # pip install shuffleprune
-model = shuffleprune.load("PATH", device="cuda")   # the N:M kernels on the GPU; takes a hub id too
+model = shuffleprune.load("PATH", device="cuda"{trust_arg})   # the N:M kernels on the GPU; takes a hub id too
 ```
 
 ```python
@@ -206,29 +213,32 @@ Without `trust_remote_code=True`, transformers would leave the compressed layers
 ## Evaluate it
 
 ```bash
-shuffleprune eval PATH --tasks ppl,arc_easy,hellaswag
+shuffleprune eval PATH --tasks ppl,arc_easy,hellaswag{trust_flag}
 lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True --tasks arc_easy,hellaswag
 ```
 """
 
 
 def export_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None = None,
-                      fold: bool = True, overwrite: bool = False, progress: bool = True) -> dict:
+                      fold: bool = True, overwrite: bool = False, progress: bool = True,
+                      trust_remote_code: bool = False) -> dict:
     """Write the compressed checkpoint of ``pruned_dir`` to ``out_dir`` (atomically); return its format
-    dict. ``progress=False`` silences the loading and writing bars of transformers."""
+    dict. ``progress=False`` silences the loading and writing bars of transformers; ``trust_remote_code``
+    runs the model code a checkpoint ships (kept in the export, which then needs it to load too)."""
     if pattern is not None and not isinstance(pattern, str):
         raise UserError(f"'pattern' must be str such as '2:4', got {pattern!r}")
     with library_progress_bars(progress):
-        return _compress_checkpoint(pruned_dir, out_dir, pattern, fold, overwrite)
+        return _compress_checkpoint(pruned_dir, out_dir, pattern, fold, overwrite, trust_remote_code)
 
 
-def _compress_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None, fold: bool, overwrite: bool) -> dict:
+def _compress_checkpoint(pruned_dir: str | Path, out_dir: str | Path, pattern: str | None, fold: bool, overwrite: bool,
+                         trust_remote_code: bool) -> dict:
     from shuffleprune.models import load_model
 
     pruned_dir, out_dir = _checked_dirs(pruned_dir, out_dir, overwrite)
     kind, report = _run_report(pruned_dir)
     n, m = _pattern_of(pruned_dir, pattern, kind, report)
-    lm = load_model(str(pruned_dir))
+    lm = load_model(str(pruned_dir), trust_remote_code=trust_remote_code)
     model = lm.model  # every weight in input order, N:M in its map's order
     maps_file = pruned_dir / INDEX_MAPS
     maps = load_index_maps(maps_file) if maps_file.is_file() else {}
@@ -343,7 +353,10 @@ def _write_export(out_dir: Path, lm, parts: _Compressed, fmt: dict, prune_report
         save_tokenizer(lm.tokenizer, tmp)
         (tmp / HF_LOADER_FILE).write_text(HF_LOADER)
         config = json.loads((tmp / "config.json").read_text())
-        config["auto_map"] = {"AutoModelForCausalLM": f"{HF_LOADER_FILE[:-3]}.ShufflepruneForCausalLM"}
+        source_map = config.get("auto_map") or {}
+        if runs_own_code(lm.model):   # its code files are kept; shuffleprune.load builds this class
+            fmt["model_class"] = source_map["AutoModelForCausalLM"]
+        config["auto_map"] = {**source_map, "AutoModelForCausalLM": f"{HF_LOADER_FILE[:-3]}.ShufflepruneForCausalLM"}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in parts.sparse.items()}, str(tmp / SPARSE_FILE))
         (tmp / FORMAT_FILE).write_text(json.dumps(fmt, indent=2))

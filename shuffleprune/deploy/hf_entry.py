@@ -13,16 +13,17 @@ _NOT_FOR_EXPORTS = {"quantization_config": None, "gguf_file": None, "subfolder":
                     "max_memory": None, "offload_folder": None, "tp_plan": None, "load_in_8bit": False,
                     "load_in_4bit": False, "output_loading_info": False}
 # arguments about where the files come from or how transformers reads them: nothing to do for a local export
-_HARMLESS = {"trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "cache_dir", "token", "local_files_only",
+_HARMLESS = {"low_cpu_mem_usage", "use_safetensors", "cache_dir", "token", "local_files_only",
              "force_download", "proxies", "code_revision", "adapter_kwargs", "_from_auto", "_commit_hash"}
-_HONOURED = {"dtype", "torch_dtype", "device_map", "config", "attn_implementation"}
+_HONOURED = {"dtype", "torch_dtype", "device_map", "config", "attn_implementation", "trust_remote_code"}
 
 
 def load_for_transformers(path: str | Path, *args, **kwargs) -> nn.Module:
     """What ``AutoModelForCausalLM.from_pretrained(EXPORT, trust_remote_code=True, **kwargs)`` runs (the
     export's ``shuffleprune_hf.py`` calls this): :func:`shuffleprune.load` with transformers' arguments.
     ``dtype``/``torch_dtype``, ``config`` (with what transformers put in it: ``attn_implementation``,
-    config overrides) and ``attn_implementation`` are honoured; ``device_map`` must name one device
+    config overrides), ``attn_implementation`` and ``trust_remote_code`` (the export of a model that ships its
+    own code needs it for that code, as transformers asks it for this loader) are honoured; ``device_map`` must name one device
     (``"cuda"``, ``"cuda:N"``, an index, ``"cpu"``, ``"auto"`` or ``{"": DEVICE}`` as lm-eval passes it).
     Arguments an export cannot honour (quantization, another revision, offloading, …) are a
     ``ValueError`` naming them rather than silently ignored."""
@@ -53,4 +54,5 @@ def load_for_transformers(path: str | Path, *args, **kwargs) -> nn.Module:
         warnings.warn(f"shuffleprune.load ignores these from_pretrained arguments: {', '.join(ignored)}", stacklevel=2)
     return shuffleprune.load(str(path), dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
                              device=None if device is None else str(device), config=kwargs.get("config"),
-                             attn_implementation=kwargs.get("attn_implementation"))
+                             attn_implementation=kwargs.get("attn_implementation"),
+                             trust_remote_code=bool(kwargs.get("trust_remote_code")))

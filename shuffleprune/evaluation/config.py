@@ -27,3 +27,4 @@ class EvalConfig:
     ppl_tokens: int | None = None         # cap on held-out tokens (default: the whole test split)
     ppl_bos: str = "window"               # BOS of tokenizers that add one: every window | the text's start (the papers')
     apply_chat_template: bool = False     # lm-eval --apply_chat_template: each item through the model's chat template
+    trust_remote_code: bool = False       # run the model code a checkpoint ships (auto_map), as transformers' flag

@@ -109,7 +109,7 @@ def evaluate_models(config: EvalConfig, out: Path | str | None = None, progress:
             check_model_spec(spec)
     tokenizers = {}   # --apply-chat-template: the tokenizers read to check their templates, not read again
     if config.apply_chat_template and any(t != PPL for t in config.tasks):
-        tokenizers = _chat_tokenizers(config.models, loaded or {})
+        tokenizers = _chat_tokenizers(config.models, loaded or {}, config.trust_remote_code)
     device = pick_device(config.device)
     quiet_lm_eval(verbose)
     offline = _offline(config, notify)
@@ -121,7 +121,8 @@ def evaluate_models(config: EvalConfig, out: Path | str | None = None, progress:
                                                                  "(perplexity)"):
         for spec in config.models:
             t0 = time.time()
-            lm = (loaded or {}).get(spec) or load_model(spec, config.dtype, tokenizer=tokenizers.pop(spec, None))
+            lm = (loaded or {}).get(spec) or load_model(spec, config.dtype, tokenizer=tokenizers.pop(spec, None),
+                                                        trust_remote_code=config.trust_remote_code)
             with left_as_found(lm.model) if lm.in_memory else nullcontext():   # a caller's model, given back as it was
                 rows.append(_score_model(run, spec, lm, t0))
             if spec not in (loaded or {}):
@@ -135,7 +136,7 @@ def evaluate_models(config: EvalConfig, out: Path | str | None = None, progress:
     return results
 
 
-def _chat_tokenizers(specs: list[str | None], loaded: dict[str | None, LoadedModel]) -> dict:
+def _chat_tokenizers(specs: list[str | None], loaded: dict[str | None, LoadedModel], trust_remote_code: bool) -> dict:
     """``--apply-chat-template``: every model's tokenizer has a chat template (its tokenizer only is read),
     else a one-line error naming the model, before any is scored. Returns the tokenizers read, by model,
     for their models' loads."""
@@ -144,7 +145,7 @@ def _chat_tokenizers(specs: list[str | None], loaded: dict[str | None, LoadedMod
         if spec in loaded:
             tokenizer = loaded[spec].tokenizer
         else:
-            tokenizer = read[spec] = load_tokenizer(resolve_model_path(spec), spec)
+            tokenizer = read[spec] = load_tokenizer(resolve_model_path(spec), spec, trust_remote_code)
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"'{spec or 'the embedded default'}' has no chat template (none in its tokenizer files): "
                             "drop --apply-chat-template, or score that model in a run of its own")

@@ -136,14 +136,16 @@ def equivalent_cli(path: str, dtype: str, plan: TaskPlan, config: EvalConfig, de
     """The ``lm_eval`` command that scores the same model on the same tasks (None when lm-eval's
     CLI cannot express it: it takes a single ``--include_path``, and its ``hf`` loader does not
     apply the index maps of a ``--perm`` checkpoint of the older, permuted-weights layout). An
-    exported checkpoint loads through its ``auto_map`` (``trust_remote_code=True``). A model given
+    exported checkpoint loads through its ``auto_map`` (``trust_remote_code=True``), as a model does whose own code
+    ``eval`` was told to trust. A model given
     as a hub ``repo_id`` is named by it (``path`` is then its local snapshot)."""
     from shuffleprune.deploy.load import is_exported
 
     maps = Path(path) / INDEX_MAPS
     if len(plan.include_path) > 1 or (maps.is_file() and weights_stored_permuted(maps)):
         return None
-    model_args = f"pretrained={repo_id or path},dtype={dtype}" + (",trust_remote_code=True" if is_exported(path) else "")
+    trusted = is_exported(path) or config.trust_remote_code
+    model_args = f"pretrained={repo_id or path},dtype={dtype}" + (",trust_remote_code=True" if trusted else "")
     parts = ["lm_eval", "--model", "hf", "--model_args", model_args,
              "--tasks", ",".join(plan.lm_tasks), "--batch_size", str(config.batch_size), "--device", device]
     if plan.include_path:

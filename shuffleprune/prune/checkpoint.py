@@ -164,8 +164,16 @@ def _repeat_line(report: dict) -> str:
                  if str(t).startswith(MEMORY_PREFIX)]
     if in_memory:
         texts = ", ".join(f"{k}=<the same documents>" for k in in_memory)
-        return f"`shuffleprune.prune({None if base.startswith('embedded:') else base!r}, \"PATH/recipe.yaml\", {texts})`"
-    return f"`shuffleprune prune {'' if base.startswith('embedded:') else base + ' '}--recipe PATH/recipe.yaml --out OUT`"
+        trust = ", trust_remote_code=True" if _runs_own_code(report) else ""
+        return (f"`shuffleprune.prune({None if base.startswith('embedded:') else base!r}, \"PATH/recipe.yaml\", "
+                f"{texts}{trust})`")
+    trust = " --trust-remote-code" if _runs_own_code(report) else ""
+    return f"`shuffleprune prune {'' if base.startswith('embedded:') else base + ' '}--recipe PATH/recipe.yaml{trust} --out OUT`"
+
+
+def _runs_own_code(report: dict) -> bool:
+    """Whether the run loaded a model that ships its own code (``trust_remote_code``)."""
+    return bool((report.get("config") or {}).get("trust_remote_code"))
 
 
 def model_card(report: dict) -> str:
@@ -182,6 +190,8 @@ def model_card(report: dict) -> str:
     part = held_out_part(str(ev["text"]), calib["split_from_shared_file"]) if ev["text"] else ""
     eval_line = (f"{ev['text']} ({part}, {tokens_scored(ev)} tokens scored in windows of "
                  f"{ev['ctx']}{_bos_note(report)})" if ev["text"] else "not measured")
+    own_code = _runs_own_code(report)   # its model code is saved beside it, and runs only when trusted
+    trust_arg, trust_flag = (", trust_remote_code=True", " --trust-remote-code") if own_code else ("", "")
     tags = ["shuffleprune", "pruned", "sparse", f"sparsity-{report['pattern']}"]
     hub_base = base_model_id(base)
     return f"""---
@@ -218,9 +228,9 @@ Repeat the run: {_repeat_line(report)}.
 
 ```python
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("PATH")   # the pruned model, like any HF checkpoint
+model = AutoModelForCausalLM.from_pretrained("PATH"{trust_arg})   # the pruned model, like any HF checkpoint
 ```
 
-{perm_note}For a compressed, deployable copy: `shuffleprune export PATH DEPLOYED`, then
+{perm_note}For a compressed, deployable copy: `shuffleprune export PATH DEPLOYED{trust_flag}`, then
 `AutoModelForCausalLM.from_pretrained("DEPLOYED", trust_remote_code=True)` or `shuffleprune.load("DEPLOYED")`.
 """

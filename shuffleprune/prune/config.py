@@ -53,6 +53,7 @@ class PruneConfig:
     batch_size: int = 8                # calibration windows per block forward
     tf32: bool = False                 # allow TF32 matmuls on CUDA (faster permutation learning)
     deterministic: bool = False        # PyTorch's deterministic algorithms: a GPU run repeats bit for bit
+    trust_remote_code: bool = False    # run the model code a checkpoint ships (auto_map), as transformers' flag
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
@@ -139,7 +140,8 @@ class PruneConfig:
 
     def key(self) -> str:
         """Fingerprint of every setting that determines the result (a ``--resume`` must match it)."""
-        fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "recipe", "deterministic")}
+        fixed = {k: v for k, v in asdict(self).items() if k not in ("device", "batch_size", "recipe", "deterministic",
+                                                                    "trust_remote_code")}
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
 
     def effective_recipe(self) -> dict[str, Any]:

@@ -213,7 +213,7 @@ def _load_prunable(config: PruneConfig, device: torch.device, loaded: LoadedMode
                    ) -> tuple[LoadedModel, torch.dtype]:
     """The model to prune (``loaded`` or ``config.model``), in its compute dtype for ``device``, and the
     dtype its checkpoint is saved in; an exported (already compressed) checkpoint is refused."""
-    lm = loaded or load_model(config.model, config.dtype, full_precision=True)
+    lm = loaded or load_model(config.model, config.dtype, full_precision=True, trust_remote_code=config.trust_remote_code)
     linears_from_conv1d(lm.model)   # a caller's own GPT-2-style model: its Conv1D layers as nn.Linear
     save_dtype = lm.save_dtype or lm.model.dtype
     upcast_for_cpu(lm.model, config.dtype, device)  # the checkpoint keeps save_dtype

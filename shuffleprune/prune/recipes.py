@@ -55,7 +55,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                            {"prune": "sparsegpt"}]},
 }
 DEFAULT_RECIPE = "accurate"
-RUN_KEYS_NOT_IN_RECIPES = ("model", "device")
+RUN_KEYS_NOT_IN_RECIPES = ("model", "device", "trust_remote_code")   # a recipe file never turns on running code
 
 
 def is_recipe_file(recipe: str | Path) -> bool:
