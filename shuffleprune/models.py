@@ -251,17 +251,20 @@ def check_tokenizer_spec(spec: str) -> None:
     refuse_uncached_offline(spec, "tokenizer", NAMED_TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str, spec: str | None = None, trust_remote_code: bool = False):
+TRUST_FIX = "pass --trust-remote-code (Python: trust_remote_code=True)"
+
+
+def load_tokenizer(path: str, spec: str | None = None, trust_remote_code: bool = False, untrusted_fix: str = TRUST_FIX):
     """The tokenizer of a model dir or hub id (a local dir without tokenizer files refused), as its files
     say (:func:`~shuffleprune.tokenizer_files.as_its_file`); ``trust_remote_code`` runs a tokenizer class
-    the model ships as code."""
+    the model ships as code (refused without it, the error ending in ``untrusted_fix``)."""
     require_tokenizer_files(Path(path), spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as exc:   # a hub repo that is gone, gated or unreachable
         raise UserError(f"cannot load the tokenizer of '{spec or path}': {reason(exc)}") from exc
     except ValueError as exc:
-        refuse_untrusted_code(exc, spec or path)
+        refuse_untrusted_code(exc, spec or path, untrusted_fix)
         raise
     except json.JSONDecodeError as exc:   # which file, neither transformers nor the decoder says
         raise UserError(f"cannot load the tokenizer of '{spec or path}': one of its .json files is not valid JSON "
@@ -279,12 +282,12 @@ def _model_type(path: str, trust_remote_code: bool = False) -> str:
         return "?"
 
 
-def refuse_untrusted_code(exc: Exception, spec: str) -> None:
-    """A ``UserError`` naming ``--trust-remote-code`` when ``exc`` is transformers refusing to run the
-    modeling, configuration or tokenizer code a checkpoint ships (``auto_map`` in its config); else nothing."""
+def refuse_untrusted_code(exc: Exception, spec: str, fix: str = TRUST_FIX) -> None:
+    """A ``UserError`` ending in ``fix`` (naming ``--trust-remote-code``) when ``exc`` is transformers refusing to
+    run the modeling, configuration or tokenizer code a checkpoint ships (``auto_map``); else nothing."""
     if "trust_remote_code" in str(exc):
-        raise UserError(f"'{spec}' ships its own model code (auto_map in its config.json), which runs only when "
-                        "you trust it: pass --trust-remote-code (Python: trust_remote_code=True)") from exc
+        raise UserError(f"'{spec}' ships its own model code (an auto_map in its config files), which runs only when "
+                        f"you trust it: {fix}") from exc
 
 
 def exported_model_class(path: str, fmt: dict, trust_remote_code: bool) -> type | None:
@@ -296,7 +299,7 @@ def exported_model_class(path: str, fmt: dict, trust_remote_code: bool) -> type 
         return None
     if not trust_remote_code:
         raise UserError(f"'{path}' is the export of a model that ships its own model code, which runs only when you "
-                        "trust it: pass --trust-remote-code (Python: trust_remote_code=True)")
+                        f"trust it: {TRUST_FIX}")
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     return get_class_from_dynamic_module(reference, path)

@@ -67,7 +67,7 @@ def test_a_model_that_ships_its_code_runs_only_with_trust_remote_code(shipped_di
     res = runner.invoke(app, ["prune", *common])
     assert res.exit_code == 2 and not out.exists(), res.output
     assert res.output.strip().splitlines() == [
-        f"error: '{shipped_dir}' ships its own model code (auto_map in its config.json), which runs only when you "
+        f"error: '{shipped_dir}' ships its own model code (an auto_map in its config files), which runs only when you "
         "trust it: pass --trust-remote-code (Python: trust_remote_code=True)"]
 
     res = runner.invoke(app, ["prune", *common, "--trust-remote-code"])
@@ -112,3 +112,22 @@ def test_a_model_that_ships_its_code_runs_only_with_trust_remote_code(shipped_di
     report = json.loads((out / "prune_report.json").read_text())
     assert row["ppl"] == pytest.approx(report["ppl"]["pruned"], rel=1e-4)
     assert f"pretrained={out},dtype=float32,trust_remote_code=True " in row["lm_eval_cli"]
+
+
+def test_a_tokenizer_that_ships_its_code_is_refused_by_dst_in_one_line(tmp_path):
+    """``dst`` reads a tokenizer but has no flag to run code: a tokenizer whose class is code it ships
+    (``auto_map`` in tokenizer_config.json) is refused with what ``dst`` can take instead, not a flag it lacks."""
+    from shuffleprune.dst.fresh_model import training_tokenizer
+
+    path = tmp_path / "shipped-tokenizer"
+    make_tokenizer().save_pretrained(path)
+    (path / "tokenization_shipped.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass ShippedTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="ShippedTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_shipped.ShippedTokenizer"]})
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as caught:
+        training_tokenizer(str(path), ["the of and"])
+    assert str(caught.value) == (f"'{path}' ships its own model code (an auto_map in its config files), which runs only when "
+                                 "you trust it: dst runs no tokenizer code; give --tokenizer default, bpe:N or a "
+                                 "tokenizer that transformers reads by itself")

@@ -39,7 +39,8 @@ def training_tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
         return tok
     if is_embedded(spec) or spec.endswith(".gguf"):   # a GGUF file's tokenizer, from its converted checkpoint
         return load_tokenizer(resolve_model_path(None if is_embedded(spec) else spec), spec)
-    return load_tokenizer(spec, spec)
+    return load_tokenizer(spec, spec, untrusted_fix="dst runs no tokenizer code; give --tokenizer default, bpe:N or "
+                                                    "a tokenizer that transformers reads by itself")
 
 
 def special_token_id(tokenizer) -> int:
