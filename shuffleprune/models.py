@@ -285,7 +285,7 @@ def _model_type(path: str, trust_remote_code: bool = False) -> str:
 def refuse_untrusted_code(exc: Exception, spec: str, fix: str = TRUST_FIX) -> None:
     """A ``UserError`` ending in ``fix`` (naming ``--trust-remote-code``) when ``exc`` is transformers refusing to
     run the modeling, configuration or tokenizer code a checkpoint ships (``auto_map``); else nothing."""
-    if "trust_remote_code" in str(exc):
+    if "contains custom code" in str(exc) and "trust_remote_code" in str(exc):   # transformers' refusal
         raise UserError(f"'{spec}' ships its own model code (an auto_map in its config files), which runs only when "
                         f"you trust it: {fix}") from exc
 
