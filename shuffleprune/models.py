@@ -263,12 +263,13 @@ def load_tokenizer(path: str, spec: str | None = None, trust_remote_code: bool =
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as exc:   # a hub repo that is gone, gated or unreachable
         raise UserError(f"cannot load the tokenizer of '{spec or path}': {reason(exc)}") from exc
+    # a JSONDecodeError is a ValueError, so this clause comes first; which file, neither transformers nor the decoder says
+    except json.JSONDecodeError as exc:
+        raise UserError(f"cannot load the tokenizer of '{spec or path}': one of its .json files is not valid JSON "
+                        f"({reason(exc, 80)}); copy or download its tokenizer files again") from exc
     except ValueError as exc:
         refuse_untrusted_code(exc, spec or path, untrusted_fix)
         raise
-    except json.JSONDecodeError as exc:   # which file, neither transformers nor the decoder says
-        raise UserError(f"cannot load the tokenizer of '{spec or path}': one of its .json files is not valid JSON "
-                        f"({reason(exc, 80)}); copy or download its tokenizer files again") from exc
     return as_its_file(tokenizer, tokenizer_folder(path), spec or path)
 
 
