@@ -349,6 +349,7 @@ def dst(
     checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Steps between checkpoints for --resume (0: only at the end)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the initialisation and every random choice."),
     deterministic: bool = typer.Option(False, "--deterministic", help="PyTorch's deterministic algorithms: the same command repeats bit for bit on a GPU too (slower there)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help=_TRUST_HELP.replace("checkpoint ships", "--arch or --tokenizer checkpoint ships")),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint.pt (same options)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (never one holding an input)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
@@ -361,7 +362,8 @@ def dst(
     out = _path(out, "--out")
     cfg = TrainConfig(arch=arch, config_kw=_config_kw(config_kw), tokenizer=tokenizer, data=data, seq_len=seq_len,
                       batch_size=batch_size, steps=steps, lr=lr, warmup=warmup, eval_every=eval_every,
-                      eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed)
+                      eval_tokens=eval_tokens, checkpoint_every=checkpoint_every, seed=seed,
+                      trust_remote_code=trust_remote_code)
     try:
         dcfg = DSTConfig(method=method, sparsity=sparsity, pattern=pattern, distribution=distribution, delta_t=delta_t, alpha=alpha,
                          t_end=t_end if t_end is not None else int(0.75 * steps), block=block, perm=perm,

@@ -254,10 +254,10 @@ def check_tokenizer_spec(spec: str) -> None:
 TRUST_FIX = "pass --trust-remote-code (Python: trust_remote_code=True)"
 
 
-def load_tokenizer(path: str, spec: str | None = None, trust_remote_code: bool = False, untrusted_fix: str = TRUST_FIX):
+def load_tokenizer(path: str, spec: str | None = None, trust_remote_code: bool = False):
     """The tokenizer of a model dir or hub id (a local dir without tokenizer files refused), as its files
     say (:func:`~shuffleprune.tokenizer_files.as_its_file`); ``trust_remote_code`` runs a tokenizer class
-    the model ships as code (refused without it, the error ending in ``untrusted_fix``)."""
+    the model ships as code (refused without it, naming ``--trust-remote-code``)."""
     require_tokenizer_files(Path(path), spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -268,7 +268,7 @@ def load_tokenizer(path: str, spec: str | None = None, trust_remote_code: bool =
         raise UserError(f"cannot load the tokenizer of '{spec or path}': one of its .json files is not valid JSON "
                         f"({reason(exc, 80)}); copy or download its tokenizer files again") from exc
     except ValueError as exc:
-        refuse_untrusted_code(exc, spec or path, untrusted_fix)
+        refuse_untrusted_code(exc, spec or path)
         raise
     return as_its_file(tokenizer, tokenizer_folder(path), spec or path)
 
@@ -283,12 +283,17 @@ def _model_type(path: str, trust_remote_code: bool = False) -> str:
         return "?"
 
 
-def refuse_untrusted_code(exc: Exception, spec: str, fix: str = TRUST_FIX) -> None:
-    """A ``UserError`` ending in ``fix`` (naming ``--trust-remote-code``) when ``exc`` is transformers refusing to
-    run the modeling, configuration or tokenizer code a checkpoint ships (``auto_map``); else nothing."""
+def untrusted_code(spec: str) -> UserError:
+    """The one-line refusal of a checkpoint whose model, configuration or tokenizer code (``auto_map``) is not trusted."""
+    return UserError(f"'{spec}' ships its own model code (an auto_map in its config files), which runs only when "
+                     f"you trust it: {TRUST_FIX}")
+
+
+def refuse_untrusted_code(exc: Exception, spec: str) -> None:
+    """:func:`untrusted_code` when ``exc`` is transformers refusing to run the modeling, configuration or
+    tokenizer code a checkpoint ships; else nothing."""
     if "contains custom code" in str(exc) and "trust_remote_code" in str(exc):   # transformers' refusal
-        raise UserError(f"'{spec}' ships its own model code (an auto_map in its config files), which runs only when "
-                        f"you trust it: {fix}") from exc
+        raise untrusted_code(spec) from exc
 
 
 def exported_model_class(path: str, fmt: dict, trust_remote_code: bool) -> type | None:

@@ -114,20 +114,50 @@ def test_a_model_that_ships_its_code_runs_only_with_trust_remote_code(shipped_di
     assert f"pretrained={out},dtype=float32,trust_remote_code=True " in row["lm_eval_cli"]
 
 
-def test_a_tokenizer_that_ships_its_code_is_refused_by_dst_in_one_line(tmp_path):
-    """``dst`` reads a tokenizer but has no flag to run code: a tokenizer whose class is code it ships
-    (``auto_map`` in tokenizer_config.json) is refused with what ``dst`` can take instead, not a flag it lacks."""
-    from shuffleprune.dst.fresh_model import training_tokenizer
-
-    path = tmp_path / "shipped-tokenizer"
-    make_tokenizer().save_pretrained(path)
+def _ship_tokenizer_code(path: Path) -> None:
+    """Make the tokenizer in ``path`` a class of its own, in code it ships (``auto_map`` in tokenizer_config.json)."""
     (path / "tokenization_shipped.py").write_text(
         "from transformers import PreTrainedTokenizerFast\n\n\nclass ShippedTokenizer(PreTrainedTokenizerFast):\n    pass\n")
     config = json.loads((path / "tokenizer_config.json").read_text())
     config.update(tokenizer_class="ShippedTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_shipped.ShippedTokenizer"]})
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError) as caught:
-        training_tokenizer(str(path), ["the of and"])
-    assert str(caught.value) == (f"'{path}' ships its own model code (an auto_map in its config files), which runs only when "
-                                 "you trust it: dst runs no tokenizer code; give --tokenizer default, bpe:N or a "
-                                 "tokenizer that transformers reads by itself")
+
+
+def test_dst_trains_an_architecture_that_ships_its_code_only_with_trust_remote_code(shipped_dir, text_file, tmp_path):
+    """``dst --arch DIR`` whose configuration and model classes are code the checkpoint ships (and a tokenizer
+    whose class is too): refused in one line naming ``--trust-remote-code``, nothing written; with it, a model of
+    that class is trained, saved with its code and a card that names the flag, and exported and loaded back to the
+    trained model's logits."""
+    from shuffleprune.dst.fresh_model import training_tokenizer
+
+    _ship_tokenizer_code(shipped_dir)
+    out = tmp_path / "run"
+    common = ["dst", "--arch", str(shipped_dir), "--config-kw", "num_hidden_layers=2", "--tokenizer", str(shipped_dir),
+              "--data", str(text_file), "--method", "nm", "--seq-len", "32", "--batch-size", "2", "--steps", "4",
+              "--warmup", "1", "--delta-t", "2", "--eval-every", "0", "--eval-tokens", "256", "--checkpoint-every", "0",
+              "--quiet", "--out", str(out)]
+    res = runner.invoke(app, common)
+    assert res.exit_code == 2 and not out.exists(), res.output
+    assert res.output.strip().splitlines() == [
+        f"error: '{shipped_dir}' ships its own model code (an auto_map in its config files), which runs only when you "
+        "trust it: pass --trust-remote-code (Python: trust_remote_code=True)"]
+    with pytest.raises(UserError, match="ships its own model code .* pass --trust-remote-code"):   # its tokenizer too
+        training_tokenizer(str(shipped_dir), ["the of and"])
+    assert type(training_tokenizer(str(shipped_dir), ["the of and"], trust_remote_code=True)).__name__ == "ShippedTokenizer"
+
+    res = runner.invoke(app, [*common, "--trust-remote-code"])
+    assert res.exit_code == 0, res.output
+    model_dir, deployed = out / "model", tmp_path / "deployed"
+    assert {"configuration_shipped.py", "modeling_shipped.py"} <= {p.name for p in model_dir.iterdir()}
+    trained = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
+    assert type(trained).__name__ == "ShippedForCausalLM" and trained.config.num_hidden_layers == 2
+    card = (model_dir / "README.md").read_text()
+    assert 'from_pretrained("PATH", trust_remote_code=True)' in card
+    assert "`shuffleprune export PATH DEPLOYED --trust-remote-code`" in card
+
+    res = runner.invoke(app, ["export", str(model_dir), str(deployed), "--quiet", "--trust-remote-code"])
+    assert res.exit_code == 0, res.output
+    tokens = torch.randint(0, trained.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    loaded = shuffleprune.load(str(deployed), trust_remote_code=True)
+    assert type(loaded).__name__ == "ShippedForCausalLM"
+    assert torch.allclose(_logits(loaded, tokens), _logits(trained, tokens), atol=1e-5)

@@ -98,6 +98,7 @@ class TrainConfig:
     eval_tokens: int | None = 65536
     checkpoint_every: int = 200
     seed: int = 0
+    trust_remote_code: bool = False   # run the config, model and tokenizer code an --arch / --tokenizer checkpoint ships
 
     def check(self) -> None:
         """Refuse sizes and schedule settings no run can use."""

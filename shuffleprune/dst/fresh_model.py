@@ -11,9 +11,10 @@ from shuffleprune.dst.config import TrainConfig
 from shuffleprune.errors import UserError, reason
 
 
-def training_tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
+def training_tokenizer(spec: str, train_docs: list[str], source_name: str = "", trust_remote_code: bool = False):
     """``default``: the embedded model's tokenizer; ``bpe:N``: a byte-level BPE with N tokens trained
-    on the training split (deterministic); otherwise a tokenizer dir, a .gguf file or a hub id."""
+    on the training split (deterministic); otherwise a tokenizer dir, a .gguf file or a hub id (whose
+    tokenizer class, if it is code the tokenizer ships, runs only with ``trust_remote_code``)."""
     from transformers import PreTrainedTokenizerFast
 
     from shuffleprune.models import is_embedded, load_tokenizer, resolve_model_path
@@ -39,8 +40,7 @@ def training_tokenizer(spec: str, train_docs: list[str], source_name: str = ""):
         return tok
     if is_embedded(spec) or spec.endswith(".gguf"):   # a GGUF file's tokenizer, from its converted checkpoint
         return load_tokenizer(resolve_model_path(None if is_embedded(spec) else spec), spec)
-    return load_tokenizer(spec, spec, untrusted_fix="dst runs no tokenizer code; give --tokenizer default, bpe:N or "
-                                                    "a tokenizer that transformers reads by itself")
+    return load_tokenizer(spec, spec, trust_remote_code)
 
 
 def special_token_id(tokenizer) -> int:
@@ -50,18 +50,25 @@ def special_token_id(tokenizer) -> int:
     return next((i for i in ids if i is not None), 0)
 
 
-def config_builder(arch: str) -> Callable[[dict], object]:
+def config_builder(arch: str, trust_remote_code: bool = False) -> Callable[[dict], object]:
     """``arch`` (a model type, or a config dir / hub id whose settings come first) as a function of the
     overrides that builds its transformers config; a model type transformers lacks is refused with
-    the nearest ones."""
+    the nearest ones. A config dir / hub id whose configuration class is code it ships (``auto_map``)
+    builds with that code when ``trust_remote_code``, else is refused naming ``--trust-remote-code``."""
     import difflib
 
     import transformers
     from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
+    from shuffleprune.models import untrusted_code
+
     if Path(arch).is_dir() or "/" in arch:
         base = dict(PretrainedConfig.get_config_dict(arch)[0])
         model_type = base.pop("model_type", None)
+        if "AutoConfig" in (base.get("auto_map") or {}) and (trust_remote_code or model_type not in CONFIG_MAPPING):
+            if not trust_remote_code:
+                raise untrusted_code(arch)
+            return lambda kw: AutoConfig.from_pretrained(arch, trust_remote_code=True, **kw)
         if model_type is None:
             raise ValueError("its config.json has no model_type")
     else:
@@ -113,7 +120,7 @@ def model_config(cfg: TrainConfig):
 
     warn_if_old_transformers()
     try:
-        config_of = config_builder(cfg.arch)
+        config_of = config_builder(cfg.arch, cfg.trust_remote_code)
         config = config_of(cfg.config_kw)
         unknown = unknown_config_keys(config_of, cfg.config_kw) if cfg.config_kw else {}
     except (ValueError, OSError, TypeError, StrictDataclassError) as exc:
@@ -146,7 +153,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, special_id: int | None = None
             setattr(config, key, cfg.seq_len)
     torch.manual_seed(cfg.seed)
     try:
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
     except ValueError as exc:   # an encoder or encoder-decoder type (t5, bert …), or settings the model refuses
         if "Unrecognized configuration class" in str(exc):
             raise UserError(f"--arch {cfg.arch}: transformers has no causal-LM class for model type '{config.model_type}'; "

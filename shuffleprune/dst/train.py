@@ -125,7 +125,7 @@ def _token_streams(cfg: TrainConfig, accelerator) -> tuple[object, torch.Tensor,
     with accelerator.main_process_first():  # downloads, and a bpe:N tokenizer's training, happen once
         source = get_source(cfg.data, shared=True)   # a local file: every 10th document held out
         train_docs = source.documents("train")
-        tokenizer = training_tokenizer(cfg.tokenizer, train_docs, source.name)
+        tokenizer = training_tokenizer(cfg.tokenizer, train_docs, source.name, cfg.trust_remote_code)
     train_stream = encode(tokenizer, source.joined(rendered(train_docs, tokenizer)))
     test_stream = encode(tokenizer, source.joined(rendered(source.documents("test"), tokenizer)))
     if cfg.eval_tokens:
@@ -184,7 +184,8 @@ class _Trainer:
     def restore(self, ckpt: Path) -> None:
         """Continue from ``ckpt``: weights, optimizer, schedule, masks and maps, random state, counters."""
         saved = torch.load(ckpt, map_location="cpu", weights_only=False)   # copied onto each process's device below
-        if saved["train_config"] != asdict(self.cfg) or saved["dst_config"] != asdict(self.dst):
+        saved_cfg = {"trust_remote_code": False, **saved["train_config"]}   # (checkpoints from before that field)
+        if saved_cfg != asdict(self.cfg) or saved["dst_config"] != asdict(self.dst):
             raise UserError("--resume with different settings than the checkpointed run; repeat its exact options")
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
