@@ -284,7 +284,8 @@ def _model_type(path: str, trust_remote_code: bool = False) -> str:
 
 
 def untrusted_code(spec: str) -> UserError:
-    """The one-line refusal of a checkpoint whose model, configuration or tokenizer code (``auto_map``) is not trusted."""
+    """The one-line refusal of a checkpoint whose model, configuration or tokenizer code (``auto_map``) is not
+    trusted."""
     return UserError(f"'{spec}' ships its own model code (an auto_map in its config files), which runs only when "
                      f"you trust it: {TRUST_FIX}")
 
