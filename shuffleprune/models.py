@@ -254,6 +254,12 @@ def check_tokenizer_spec(spec: str) -> None:
 TRUST_FIX = "pass --trust-remote-code (Python: trust_remote_code=True)"
 
 
+def trust_snippets(trusted: bool) -> tuple[str, str]:
+    """What a model card's Python calls and commands add for a model that runs its own code: the argument
+    (``, trust_remote_code=True``) and the flag (`` --trust-remote-code``); empty for one that does not."""
+    return (", trust_remote_code=True", " --trust-remote-code") if trusted else ("", "")
+
+
 def load_tokenizer(path: str, spec: str | None = None, trust_remote_code: bool = False):
     """The tokenizer of a model dir or hub id (a local dir without tokenizer files refused), as its files
     say (:func:`~shuffleprune.tokenizer_files.as_its_file`); ``trust_remote_code`` runs a tokenizer class

@@ -177,8 +177,10 @@ def export_card(fmt: dict, report: dict | None, name: str) -> str:
     part = f", {ev['split']}" if ev.get("split") and ev["split"] != "test" else ""   # reports before the label said "test"
     ppl_note = (f"Perplexity from the pruning run ({ev.get('text')}{part}, windows of {ev.get('ctx')} tokens); "
                 "the export computes the pruned model.\n")
-    own_code = fmt.get("model_class") is not None   # the model's own code, kept here, runs only when trusted
-    trust_arg, trust_flag = (", trust_remote_code=True", " --trust-remote-code") if own_code else ("", "")
+    from shuffleprune.models import trust_snippets
+
+    # the model's own code, kept here, runs only when trusted
+    trust_arg, trust_flag = trust_snippets(fmt.get("model_class") is not None)
     return f"""---
 {f"base_model: {hub_base}{chr(10)}" if hub_base else ""}library_name: transformers
 tags:

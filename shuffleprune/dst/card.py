@@ -17,8 +17,10 @@ def model_card(report: dict) -> str:
                  "loads as it is.\n" if perms else "")
     text = report.get("text")   # (reports before 2026-12-01 lack it)
     text_line = f" ({text['train_tokens']} tokens to train on, read {text['passes']:g} times)" if text else ""
-    trusted = train.get("trust_remote_code", False)   # the architecture's own code, kept beside the weights
-    trust_arg, trust_flag = (", trust_remote_code=True", " --trust-remote-code") if trusted else ("", "")
+    from shuffleprune.models import trust_snippets
+
+    # the architecture's own code, kept beside the weights, runs only when trusted
+    trust_arg, trust_flag = trust_snippets(train.get("trust_remote_code", False))
     export_line = (f"For a compressed N:M copy: `shuffleprune export PATH DEPLOYED{trust_flag}` (reads "
                    "`../dst_report.json`).\n" if method == "nm" else "")
     return f"""---

@@ -16,7 +16,7 @@ from shuffleprune.blocks import OUTSIDE_LINEARS_WARN_SHARE
 from shuffleprune.calib.sources import MEMORY_PREFIX, held_out_part
 from shuffleprune.version import __version__
 from shuffleprune.masks import Pattern
-from shuffleprune.models import LoadedModel, base_model_id, is_embedded
+from shuffleprune.models import LoadedModel, base_model_id, is_embedded, trust_snippets
 from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 from shuffleprune.prune.config import PruneConfig
 from shuffleprune.report import tokens_scored
@@ -160,15 +160,14 @@ def _bos_note(report: dict) -> str:
 def _repeat_line(report: dict) -> str:
     """The command that repeats the run; a Python call when its texts were documents in memory."""
     base = report["model"]
+    trust_arg, trust_flag = trust_snippets(_runs_own_code(report))
     in_memory = [k for k, t in (("calib", report["calib"]["source"]), ("eval_text", report["eval"]["text"]))
                  if str(t).startswith(MEMORY_PREFIX)]
     if in_memory:
         texts = ", ".join(f"{k}=<the same documents>" for k in in_memory)
-        trust = ", trust_remote_code=True" if _runs_own_code(report) else ""
         return (f"`shuffleprune.prune({None if base.startswith('embedded:') else base!r}, \"PATH/recipe.yaml\", "
-                f"{texts}{trust})`")
-    trust = " --trust-remote-code" if _runs_own_code(report) else ""
-    return f"`shuffleprune prune {'' if base.startswith('embedded:') else base + ' '}--recipe PATH/recipe.yaml{trust} --out OUT`"
+                f"{texts}{trust_arg})`")
+    return f"`shuffleprune prune {'' if base.startswith('embedded:') else base + ' '}--recipe PATH/recipe.yaml{trust_flag} --out OUT`"
 
 
 def _runs_own_code(report: dict) -> bool:
@@ -190,8 +189,8 @@ def model_card(report: dict) -> str:
     part = held_out_part(str(ev["text"]), calib["split_from_shared_file"]) if ev["text"] else ""
     eval_line = (f"{ev['text']} ({part}, {tokens_scored(ev)} tokens scored in windows of "
                  f"{ev['ctx']}{_bos_note(report)})" if ev["text"] else "not measured")
-    own_code = _runs_own_code(report)   # its model code is saved beside it, and runs only when trusted
-    trust_arg, trust_flag = (", trust_remote_code=True", " --trust-remote-code") if own_code else ("", "")
+    # its model code, saved beside it, runs only when trusted
+    trust_arg, trust_flag = trust_snippets(_runs_own_code(report))
     tags = ["shuffleprune", "pruned", "sparse", f"sparsity-{report['pattern']}"]
     hub_base = base_model_id(base)
     return f"""---
