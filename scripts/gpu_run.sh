@@ -121,7 +121,7 @@
 #                                             # broken step is found here and not in the device's minutes;
 #                                             # nothing is copied to $OUT and no results file is touched
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/gpu_out}
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then PY=${PY:-.venv/bin/python}; export TRITON_INTERPRET=1; else PY=${PY:-python3}; fi

@@ -13,6 +13,11 @@ if not torch.cuda.is_available():  # Triton kernels run on the CPU through the i
     os.environ.setdefault("TRITON_INTERPRET", "1")   # imports Triton (transformers 5.17 does, and Triton 3.6
     # then ran a kernel's helpers compiled, not interpreted: "Cannot call @triton.jit'd outside of ... a kernel")
 
+# transformers >= 5.25 swaps the hub's kernels into every plain from_pretrained (the tests' own client loads), which
+# fetches them and fails outright where the installed `kernels` is not the version it wants: off, as transformers'
+# own tests turn it off, so the suite never reaches the hub (shuffleprune's own loads pass use_kernels=False)
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
