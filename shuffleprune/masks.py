@@ -30,9 +30,32 @@ class Pattern:
         return f"{self.n}:{self.m}" if self.is_nm else f"unstructured-{self.unstructured_sparsity:g}"
 
     def check_width(self, name: str, in_features: int) -> None:
-        if self.is_nm and in_features % self.m:
-            raise UserError(f"layer {name} has {in_features} input columns, not divisible by M={self.m}; "
-                            f"skip it with --skip '{name}' or choose another M")
+        """One weight's input width divides M, or a one-line error that names it and the ``--skip`` for it."""
+        self.check_widths([(name, name, in_features)])
+
+    def check_widths(self, weights: list[tuple[str, str, int]]) -> None:
+        """Every weight's input width divides M, or one error naming them all at once, with one ``--skip``
+        glob per name inside a block (``weights``: full name, name inside its block, input width), so a
+        model whose every MLP has an odd width is fixed in one rerun."""
+        bad = [(name, local, width) for name, local, width in weights if self.is_nm and width % self.m]
+        if not bad:
+            return
+        name, _, width = bad[0]
+        if len(bad) == 1:
+            raise UserError(f"layer {name} has {width} input columns, not divisible by M={self.m}; "
+                            f"skip it with --skip '{skip_glob(name)}' or choose another M")
+        globs = dict.fromkeys(skip_glob(name) if local == name else f"*.{skip_glob(local)}" for name, local, _ in bad)
+        skips = " ".join(f"--skip '{g}'" for g in globs)
+        raise UserError(f"{len(bad)} layers have input widths not divisible by M={self.m} (e.g. {name}: {width} "
+                        f"columns); skip them with {skips} or choose another M")
+
+
+def skip_glob(name: str) -> str:
+    """A ``--skip`` glob that matches ``name``: an MoE expert's ``param[i]`` (brackets open a character class
+    in a glob, so the name itself would not match) becomes ``param*``, all the experts of that parameter,
+    which share its width."""
+    base, bracket, index = name.rpartition("[")
+    return f"{base}*" if bracket and index.endswith("]") else name
 
 
 def parse_pattern(pattern: str | None, sparsity: float | None) -> Pattern:

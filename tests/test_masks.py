@@ -63,4 +63,27 @@ def test_sparsity_ratio_bounds():
 def test_width_check_names_layer():
     with pytest.raises(UserError, match="layer x.q_proj has 6 input columns"):
         Pattern(2, 4).check_width("x.q_proj", 6)
+    with pytest.raises(UserError) as err:   # several: all counted, one glob per name inside a block
+        Pattern(2, 4).check_widths([("b.0.mlp.down", "mlp.down", 6), ("b.0.attn.q", "attn.q", 8),
+                                    ("b.1.mlp.down", "mlp.down", 6), ("b.1.attn.o", "attn.o", 10)])
+    assert str(err.value) == ("3 layers have input widths not divisible by M=4 (e.g. b.0.mlp.down: 6 columns); "
+                              "skip them with --skip '*.mlp.down' --skip '*.attn.o' or choose another M")
+    Pattern(2, 4).check_widths([("b.0.attn.q", "attn.q", 8)])
+    Pattern(0, 0, 0.5).check_widths([("b.0.mlp.down", "mlp.down", 6)])   # unstructured: any width
+
+
+
+def test_skip_glob_of_an_expert_matches_it():
+    """An expert's name ends in ``[i]``, which a glob reads as a character class: the error's ``--skip`` for
+    it matched nothing (``fnmatch('x[3]', 'x[3]')`` is false)."""
+    from fnmatch import fnmatch
+    from shuffleprune.masks import skip_glob
+
+    name = "model.layers.0.mlp.experts.down_proj[3]"
+    assert not fnmatch(name, name) and fnmatch(name, skip_glob(name))
+    assert not fnmatch("model.layers.0.mlp.experts.up_proj[3]", skip_glob(name))
+    assert skip_glob("model.layers.0.mlp.down_proj") == "model.layers.0.mlp.down_proj"
+    with pytest.raises(UserError, match=r"--skip '\*\.mlp\.experts\.down_proj\*' or"):
+        Pattern(2, 4).check_widths([(f"b.{b}.mlp.experts.down_proj[{e}]", f"mlp.experts.down_proj[{e}]", 6)
+                                    for b in range(2) for e in range(4)])
     keep_mask(torch.rand(2, 8), Pattern(2, 4))

@@ -294,6 +294,25 @@ def test_full_disk_is_one_line_and_resume_writes_the_checkpoint(tiny_dir, text_f
     assert not (out / ".resume").exists()
 
 
+def test_odd_widths_are_named_at_once_with_a_skip_that_fixes_them(text_file, eval_file, tmp_path):
+    """A model whose every MLP has an input width M does not divide: one error counts them all and names a
+    ``--skip`` glob that, given back, prunes the rest (it named the first layer alone, one rerun per block)."""
+    from conftest import make_tokenizer, tiny_model
+
+    odd = tmp_path / "odd"
+    tiny_model("llama", inter=130).save_pretrained(odd)
+    make_tokenizer().save_pretrained(odd)
+    with pytest.raises(UserError) as err:
+        prune(config(odd, text_file, eval_file), out=tmp_path / "out", progress=False)
+    assert str(err.value) == ("3 layers have input widths not divisible by M=4 (e.g. model.layers.0.mlp.down_proj: "
+                              "130 columns); skip them with --skip '*.mlp.down_proj' or choose another M")
+    assert not (tmp_path / "out").exists()
+    report = prune(config(odd, text_file, eval_file, skip=["*.mlp.down_proj"]), out=tmp_path / "out",
+                   progress=False).report
+    assert report["nm_ok"] and len(report["layers"]) == 3 * 6
+    assert not any(l["name"].endswith("down_proj") for l in report["layers"])
+
+
 def test_bad_inputs_leave_nothing_behind(tiny_dir, text_file, eval_file, tmp_path):
     out = tmp_path / "never"
     with pytest.raises(UserError, match="does not exist"):

@@ -23,7 +23,7 @@ def selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict], 
     """Per block, the linears and the experts of fused MoE layers that ``--only`` / ``--skip`` select,
     each checked against the pattern. A weight several blocks share (Zamba2's shared attention
     blocks tie their parameters) is pruned once, in the first block that holds it."""
-    linears, experts, seen = [], [], set()
+    linears, experts, seen, widths = [], [], set(), []
     for prefix, block in blocks.named():
         found = {n: lin for n, lin in block_linears(block, prefix, config.only, config.skip).items()
                  if id(lin.weight) not in seen}
@@ -31,10 +31,11 @@ def selected_weights(blocks, config: PruneConfig, pattern) -> tuple[list[dict], 
                          if _matrix_key(e) not in seen}
         seen.update(id(lin.weight) for lin in found.values())
         seen.update(_matrix_key(e) for e in found_experts.values())
-        for name, lin in {**found, **found_experts}.items():
-            pattern.check_width(name, lin.in_features)
+        widths += [(name, name.removeprefix(f"{prefix}."), lin.in_features)
+                   for name, lin in {**found, **found_experts}.items()]
         linears.append(found)
         experts.append(found_experts)
+    pattern.check_widths(widths)
     if not any(linears) and not any(experts) and not any(weights_outside_linears(b, "") for b in blocks.layers):
         raise UserError(NOTHING_SELECTED)   # (stacked experts, found by tracing the blocks, may still come)
     return linears, experts
@@ -58,16 +59,18 @@ def traced_weights(run: Run, hidden: torch.Tensor, config: PruneConfig) -> tuple
     run.linears = [{n: lin for n, lin in block.items() if n in called} for block in run.linears]
     seen = {_matrix_key(e) for block in run.experts for e in block.values()}
     gates: dict[str, torch.nn.Module] = {}
+    widths = []
     for i, block in enumerate(run.blocks.layers):
         prefix = run.blocks.prefix(i)
         stacked = stacked_experts(block, prefix, trace)
         for name, e in stacked.items():
             if selected_by_globs(name, config.only, config.skip) and _matrix_key(e) not in seen:
-                run.pattern.check_width(name, e.in_features)
+                widths.append((name, name.removeprefix(f"{prefix}."), e.in_features))
                 run.experts[i][name] = e
                 seen.add(_matrix_key(e))
         gated = gating_linears(run.linears[i], block_experts(block, prefix) | stacked)
         gates.update({n: run.linears[i].pop(n) for n in sorted(gated)})
+    run.pattern.check_widths(widths)
     if not any(run.linears) and not any(run.experts):
         if gates and not dropped:
             raise UserError(f"the selected linears route, gate or mix (e.g. {next(iter(gates))}: at most {GATING_WIDTH} "
