@@ -328,6 +328,8 @@ def test_the_hub_is_asked_only_when_something_needs_it(tiny_dir, tmp_path, monke
 def test_eval_errors_are_one_line_and_write_nothing(tiny_dir, tiny_task, tmp_path):
     out = tmp_path / "r.json"
     cases = ((["eval", str(tiny_dir), "--tasks", "no_such_task", "--include-path", str(tiny_task)], "unknown task"),
+             (["eval", str(tiny_dir), "--tasks", "tiny_mcc", "--include-path", str(tiny_task)],   # a typo: the near name
+              "unknown task(s) tiny_mcc (tiny_mcc: did you mean tiny_mc?)"),
              (["eval", str(tmp_path / "missing"), "--tasks", "tiny_mc", "--include-path", str(tiny_task)], "does not exist"),
              (["eval", str(tiny_dir), "--tasks", "tiny_mc", "--include-path", str(tmp_path / "nodir")], "not a directory"),
              (["eval", str(tiny_dir), "--tasks", "mmlu_anatomy", "--offline"], "need the Hugging Face hub"),

@@ -3,6 +3,7 @@ or the user's YAMLs), a model in memory scored, its results read into rows, and 
 that would score the same."""
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
@@ -47,8 +48,10 @@ def plan_tasks(config: EvalConfig, offline: bool) -> TaskPlan:
     tm = TaskManager(include_path=user_paths or None)
     unknown = [n for n in names if n not in tm.all_tasks]
     if unknown:
-        raise UserError(f"unknown task(s) {', '.join(unknown)}; see `lm_eval ls tasks`, or add "
-                        "--include-path DIR for your own task YAMLs")
+        near = {n: difflib.get_close_matches(n, tm.all_tasks, n=1) for n in unknown}
+        hint = "; ".join(f"{n}: did you mean {m[0]}?" for n, m in near.items() if m)
+        raise UserError(f"unknown task(s) {', '.join(unknown)}{f' ({hint})' if hint else ''}; see `lm_eval ls tasks`, "
+                        "or add --include-path DIR for your own task YAMLs")
 
     def from_user(name: str) -> bool:
         entry = tm.task_index[name]
