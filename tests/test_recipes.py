@@ -94,7 +94,9 @@ def test_flags_and_set_override_the_recipe():
     ({"recipe": "fastest"}, "unknown recipe 'fastest'"),
     ({"recipe": None, "method": "obs"}, "--base: unknown prune stage 'obs'"),
     ({"recipe": None, "perm_steps": 5}, "--perm-steps does not apply to permutation 'search'"),
-    ({"recipe": None, "overrides": ["permutation.stride=3"]}, "does not apply to permutation 'search'"),
+    ({"recipe": None, "overrides": ["permutation.stride=3"]},   # with what it takes
+     r"does not apply to permutation 'search' \(it takes: block, rounds, .*\)$"),
+    ({"recipe": "fast", "overrides": ["prune.blocksize=64"]}, r"does not apply to prune 'wanda' \(it takes no parameters\)$"),
     ({"recipe": None, "overrides": ["sharpen=yes"]}, "unknown stage kind 'sharpen'"),
     ({"recipe": "fast", "perm": "learned", "sparsity": 0.5}, "N:M"),
     ({"recipe": None, "overrides": ["permutation.block=big"]}, "'block' must be int"),

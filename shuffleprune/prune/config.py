@@ -302,10 +302,19 @@ def _set_params(stages: list[dict], params: list[_Param]) -> list[dict]:
             check_stage_entry(trial)
         except StageKeyError as exc:
             if exc.key == param and "unknown parameter" in str(exc):
-                raise UserError(f"{flag} does not apply to {kind} '{entry[kind]}'") from exc
+                raise UserError(f"{flag} does not apply to {kind} '{entry[kind]}'{_takes(kind, entry[kind])}") from exc
             raise UserError(f"{flag}: {exc}") from exc
         stages[i] = trial
     return stages
+
+
+def _takes(kind: str, name: str) -> str:
+    """`` (it takes: a, b)`` for a stage's parameters, or nothing where the stage takes none or is not one."""
+    try:
+        fields = sorted(f.name for f in dataclasses.fields(stage_class(kind, name)))
+    except (UserError, TypeError):
+        return ""
+    return f" (it takes: {', '.join(fields)})" if fields else " (it takes no parameters)"
 
 
 def _stage_or_error(kind: str, name: str, flag: str) -> type[Stage]:
