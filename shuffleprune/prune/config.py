@@ -309,7 +309,7 @@ def _set_params(stages: list[dict], params: list[_Param]) -> list[dict]:
 
 
 def _takes(kind: str, name: str) -> str:
-    """`` (it takes: a, b)`` for a stage's parameters, or nothing where the stage takes none or is not one."""
+    """`` (it takes: a, b)``, the parameters of a stage, for an error; nothing for a name that is no stage class."""
     try:
         fields = sorted(f.name for f in dataclasses.fields(stage_class(kind, name)))
     except (UserError, TypeError):
