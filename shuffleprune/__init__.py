@@ -9,6 +9,7 @@ The Python API::
     model = shuffleprune.load("deployed/")             # compressed SparseLinear layers (or any pruned/HF dir)
     results = shuffleprune.evaluate(["pruned/"], tasks=["ppl"])
     results = shuffleprune.evaluate([result], tasks=["ppl"])  # a PruneResult or a model in memory (+ tokenizer=)
+    report = shuffleprune.finetune("pruned/", "tuned/", data="wiki", steps=200)  # its zeros held; tuned/model
     sparsifier = shuffleprune.DynamicSparsifier(...)   # dynamic sparse training in your own loop
 """
 from __future__ import annotations
@@ -120,6 +121,10 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module("shuffleprune.prune")
+    if name == "finetune":
+        from shuffleprune.dst.finetune import finetune
+
+        return finetune
     if name in ("DynamicSparsifier", "DSTConfig"):
         from shuffleprune import dst
 

@@ -190,7 +190,7 @@ def _export(pruned: Path, out: Path, overwrite: bool, pattern: Optional[str] = N
 
 @app.command()
 def export(
-    pruned: str = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`)."),
+    pruned: str = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`, `finetune --out`)."),
     out: Optional[str] = typer.Argument(None, show_default=False, help="Where to write the compressed checkpoint (or --out, as prune, eval and dst take it)."),
     out_option: Optional[str] = typer.Option(None, "--out", show_default=False, metavar="<path>", help="The same as OUT."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M pattern (default: the one in prune_report.json)."),
@@ -218,11 +218,11 @@ def _write_plots(report: dict, plots: Path) -> None:
 
 @app.command()
 def report(
-    pruned: str = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`)."),
+    pruned: str = typer.Argument(..., help="A directory written by `shuffleprune prune --out` (or `dst --out`, `finetune --out`)."),
     plots: Optional[str] = typer.Option(None, "--plots", metavar="<path>", help="Write permutation PNGs (strength vs depth, penalty and loss curves) here."),
 ) -> None:
     """Show a pruned checkpoint's report again and draw its permutation pictures (or a dst run's curves)."""
-    from shuffleprune.report import print_prune_report, read_report
+    from shuffleprune.report import print_prune_report, read_report, training_summary
 
     pruned, plots = _path(pruned, "PRUNED"), _path(plots, "--plots")
     try:
@@ -230,8 +230,7 @@ def report(
             from shuffleprune.plots import plot_dst_report
 
             rep = read_report(pruned / "dst_report.json")
-            out_console.print(f"dst {rep['dst']['method']} perm {rep['dst']['perm']}: final ppl {rep['final_ppl']:.2f}, "
-                              f"density {rep['density']:.4f}, {rep['train_seconds']:.0f} s", soft_wrap=True)
+            out_console.print(training_summary(rep), soft_wrap=True)
             if plots is not None:
                 out_console.print("wrote " + ", ".join(str(p) for p in plot_dst_report(rep, plots)), soft_wrap=True)
             return
@@ -380,6 +379,49 @@ def dst(
     if is_main_process():   # one line, from the main process
         out_console.print(f"final ppl {report['final_ppl']:.2f} ({data}, {held_out_part(data, split_from_shared=True)}, ctx {seq_len}), density {report['density']:.4f}, "
                           f"{report['train_seconds']:.0f} s; wrote {out}", soft_wrap=True)
+
+
+@app.command()
+def finetune(
+    pruned: str = typer.Argument(..., metavar="pruned", help="A pruned checkpoint (a prune --out dir, a dst run's model/, a hub id)."),
+    out: str = typer.Option(..., "--out", help="Run directory: model/ (the fine-tuned checkpoint), dst_report.json, checkpoint.pt."),
+    data: str = typer.Option("wiki", "--data", help="Text: a hub dataset OWNER/NAME[:CONFIG][@SPLIT[START:STOP]], wikitext103, c4, wiki, brown (offline), or a .txt, .jsonl, .json, .csv, .tsv or .parquet path (.gz too) or a directory of them (every 10th document held out for the perplexity)."),
+    steps: int = typer.Option(200, "--steps", help="Optimizer steps."),
+    lr: float = typer.Option(1e-4, "--lr", help="Peak AdamW learning rate (linear warmup, then cosine decay)."),
+    warmup: int = typer.Option(20, "--warmup", help="Learning-rate warmup steps."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Training and evaluation window length in tokens."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Windows per step in all (split over the processes of a distributed run)."),
+    eval_every: int = typer.Option(50, "--eval-every", help="Steps between held-out perplexities (0: only before and at the end)."),
+    eval_tokens: Optional[int] = typer.Option(65536, "--eval-tokens", help="Held-out tokens for perplexity."),
+    checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Steps between checkpoints for --resume (0: only at the end)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the training windows."),
+    deterministic: bool = typer.Option(False, "--deterministic", help="PyTorch's deterministic algorithms: the same command repeats bit for bit on a GPU too (slower there)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help=_TRUST_HELP),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint.pt (same options)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT (never one holding an input)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Fine-tune a pruned checkpoint's kept weights on text, its zeros held (the N:M pattern and index maps stay valid)."""
+    from shuffleprune.calib import held_out_part
+    from shuffleprune.dst.finetune import finetune as finetune_checkpoint
+    from shuffleprune.dst.train import is_main_process
+
+    out = _path(out, "--out")
+    try:
+        report = finetune_checkpoint(pruned, out, data=data, steps=steps, lr=lr, warmup=warmup, seq_len=seq_len,
+                                     batch_size=batch_size, eval_every=eval_every, eval_tokens=eval_tokens,
+                                     checkpoint_every=checkpoint_every, seed=seed, trust_remote_code=trust_remote_code,
+                                     resume=resume, overwrite=overwrite, progress=not quiet, deterministic=deterministic)
+    except UserError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        err.print(f"interrupted; continue with the same command plus --resume (checkpoint in {out})", soft_wrap=True)
+        raise typer.Exit(130)
+    if is_main_process():
+        start = next(e["ppl"] for e in report["evals"] if e["step"] == 0)
+        out_console.print(f"ppl {start:.2f} → {report['final_ppl']:.2f} ({data}, {held_out_part(data, split_from_shared=True)}, "
+                          f"ctx {seq_len}), density {report['density']:.4f} held, {report['train_seconds']:.0f} s; "
+                          f"wrote {out / 'model'}", soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover

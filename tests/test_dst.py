@@ -1050,7 +1050,8 @@ def test_keep_fine_tunes_a_pruned_checkpoint_whose_export_stays_exact(tiny_dir, 
     from shuffleprune.dst.config import TrainConfig
     from shuffleprune.dst.train import train
 
-    with pytest.raises(UserError, match=r"method 'keep' holds a pruned model's zeros while you fine-tune it"):
+    with pytest.raises(UserError, match=r"method 'keep' holds a pruned model's zeros: it fine-tunes a pruned checkpoint "
+                                        r"\(shuffleprune finetune\)"):
         train(TrainConfig(arch="gpt2", tokenizer=str(tiny_dir), data=str(text_file)), DSTConfig(method="keep"),
               tmp_path / "never")
     assert not (tmp_path / "never").exists()

@@ -23,6 +23,8 @@ def model_card(report: dict) -> str:
     trust_arg, trust_flag = trust_snippets(train.get("trust_remote_code", False))
     export_line = (f"For a compressed N:M copy: `shuffleprune export PATH DEPLOYED{trust_flag}` (reads "
                    "`../dst_report.json`).\n" if method == "nm" else "")
+    if train.get("init") is not None:
+        return _finetuned_card(report, text_line, trust_arg, trust_flag)
     return f"""---
 library_name: transformers
 tags:
@@ -41,6 +43,44 @@ seed {train['seed']}.
 - Density of the sparsified layers: {report['density']:.4f}; held-out perplexity at the end:
   {report['final_ppl']:.2f} ({held_out_part(train['data'], split_from_shared=True)}, windows of {train['seq_len']} tokens).
 {perm_line}
+## Load it
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("PATH"{trust_arg})
+```
+
+{export_line}"""
+
+
+def _finetuned_card(report: dict, text_line: str, trust_arg: str, trust_flag: str) -> str:
+    """The card of a fine-tuned pruned checkpoint (``shuffleprune finetune``)."""
+    train = report["train"]
+    start = next((e["ppl"] for e in report["evals"] if e["step"] == 0), None)
+    ppl = f"{start:.2f} → {report['final_ppl']:.2f}" if start is not None else f"{report['final_ppl']:.2f}"
+    carried = report.get("carried") or []
+    export_line = (f"For a compressed N:M copy: `shuffleprune export PATH DEPLOYED{trust_flag}` (reads the pruning "
+                   "run's `prune_report.json`, kept here).\n" if "prune_report.json" in carried else "")
+    maps_line = ("- The pruned checkpoint's index maps are kept in `index_maps.safetensors`; the weights are stored "
+                 "in their inputs' own column order, so the model loads as it is.\n"
+                 if "index_maps.safetensors" in carried else "")
+    return f"""---
+library_name: transformers
+tags:
+- shuffleprune
+- sparse
+- fine-tuned
+---
+
+# Fine-tuned pruned model · density {report['density']:.4f}
+
+The pruned checkpoint `{train['init']}` fine-tuned with [shuffleprune](https://pypi.org/project/shuffleprune/)
+`finetune`: its zeros held at every step, so its sparsity pattern is unchanged; {train['steps']} steps on
+`{train['data']}`{text_line}, learning rate {train['lr']:g}, seed {train['seed']}.
+
+- Held-out perplexity before → after: {ppl} ({held_out_part(train['data'], split_from_shared=True)}, windows of
+  {train['seq_len']} tokens).
+{maps_line}
 ## Load it
 
 ```python

@@ -99,6 +99,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     seed: int = 0
     trust_remote_code: bool = False   # run the config, model and tokenizer code an --arch / --tokenizer checkpoint ships
+    init: str | None = None           # a pruned checkpoint to fine-tune (its zeros held) instead of a fresh model
 
     def check(self) -> None:
         """Refuse sizes and schedule settings no run can use."""
@@ -116,7 +117,8 @@ class TrainConfig:
         if self.eval_tokens is not None and self.eval_tokens < self.seq_len:
             raise UserError(f"--eval-tokens must be at least one window (--seq-len {self.seq_len}), "
                             f"got {self.eval_tokens}")
-        _check_tokenizer(self.tokenizer)
+        if self.init is None:
+            _check_tokenizer(self.tokenizer)
 
 
 def _check_tokenizer(spec: str) -> None:

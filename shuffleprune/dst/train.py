@@ -28,6 +28,7 @@ import torch
 from shuffleprune.dst.card import model_card
 from shuffleprune.dst.config import DSTConfig, TrainConfig
 from shuffleprune.dst.fresh_model import build_model, model_config, special_token_id, training_tokenizer
+from shuffleprune.dst.pruned_start import check_start, copy_run_files, pruned_start, round_to
 from shuffleprune.dst.layers import weight_of
 from shuffleprune.dst.sparsifier import DynamicSparsifier
 from shuffleprune.dst.structures import diagonal_offsets, pool
@@ -184,7 +185,7 @@ class _Trainer:
     def restore(self, ckpt: Path) -> None:
         """Continue from ``ckpt``: weights, optimizer, schedule, masks and maps, random state, counters."""
         saved = torch.load(ckpt, map_location="cpu", weights_only=False)   # copied onto each process's device below
-        saved_cfg = {"trust_remote_code": False, **saved["train_config"]}   # (checkpoints from before that field)
+        saved_cfg = {"trust_remote_code": False, "init": None, **saved["train_config"]}   # (checkpoints from before those fields)
         if saved_cfg != asdict(self.cfg) or saved["dst_config"] != asdict(self.dst):
             raise UserError("--resume with different settings than the checkpointed run; repeat its exact options")
         self.model.load_state_dict(saved["model"])
@@ -234,16 +235,20 @@ def _report(run: _Trainer, final_ppl: float, device: torch.device, processes: in
     }
 
 
-def _write_model(out: Path, model: torch.nn.Module, sp: DynamicSparsifier, tokenizer, report: dict) -> None:
+def _write_model(out: Path, model: torch.nn.Module, sp: DynamicSparsifier, tokenizer, report: dict,
+                 init: str | None = None) -> None:
     """``out/model``: the trained model with its weights in their inputs' own column order (as
     ``prune --perm`` stores them: any client computes it), the tokenizer, a model card and the index
-    maps (the order N:M holds in, for ``export``); and ``out/dst_report.json``. Each appears whole
-    or not at all (written beside, then renamed into place)."""
+    maps (the order N:M holds in, for ``export``); and ``out/dst_report.json``. A fine-tuned checkpoint
+    (``init``) keeps the pruned one's index maps and prune report, so ``export`` and ``eval`` read it as
+    they read that one. Each appears whole or not at all (written beside, then renamed into place)."""
     from shuffleprune.perm.linear import INDEX_MAPS, save_index_maps
 
     with written_beside(out / "model") as tmp:
         model.save_pretrained(tmp, state_dict=sp.checkpoint_state_dict(model))
         save_tokenizer(tokenizer, tmp)
+        if init is not None:
+            report["carried"] = copy_run_files(init, tmp)
         (tmp / "README.md").write_text(model_card(report))
         hard = {n: p.hard for n, p in sp.perms.items() if p.hard is not None}
         if hard:
@@ -361,20 +366,28 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
     accelerator = Accelerator()
     rank, world = accelerator.process_index, accelerator.num_processes
     cfg.check()
-    if dst.method == "keep":
-        raise UserError("method 'keep' holds a pruned model's zeros while you fine-tune it in your own loop "
-                        "(shuffleprune.DynamicSparsifier); dst trains a model from scratch, which has none")
+    if (dst.method == "keep") != (cfg.init is not None):
+        raise UserError("method 'keep' holds a pruned model's zeros: it fine-tunes a pruned checkpoint (shuffleprune "
+                        "finetune), and a pruned checkpoint is fine-tuned with it alone; dst trains a model from scratch")
     dst.check()   # both before `out` is touched
-    config = model_config(cfg)   # an unknown architecture or setting fails before the text is read
+    if cfg.init is not None:
+        check_start(cfg.init)
+    config = None if cfg.init is not None else model_config(cfg)   # an unknown architecture fails before the text is read
     _check_out(cfg, out, resume, overwrite, accelerator)
     tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
     text_use = _text_use(cfg, train_stream.numel(), test_stream.numel())
 
-    model = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config)
+    if cfg.init is not None:
+        model, save_dtype = pruned_start(cfg, tokenizer)
+    else:
+        model, save_dtype = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config), None
     _check_training_memory(model, -(-cfg.batch_size // world) * cfg.seq_len, accelerator.device)
     model = model.to(accelerator.device)
     sparsifier = DynamicSparsifier(dst)   # its soft permutations made beside the layers, on the device
     sparsifier.prepare(model)  # before the optimizer: pixelfly adds low-rank parameters
+    if cfg.init is not None and not sparsifier.masks:
+        raise UserError(f"'{cfg.init}' has no zeros in its linear layers to hold: prune it first "
+                        "(shuffleprune prune MODEL --out PRUNED), then fine-tune PRUNED")
     optimizer, scheduler = _optimizer(model, cfg)
     sparsifier.optimizer = optimizer
     run = _Trainer(cfg, dst, model, optimizer, scheduler, sparsifier)
@@ -391,8 +404,11 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
         model.train()
         return ppl
 
+    if cfg.init is not None and not state["evals"]:   # the pruned checkpoint's own perplexity, to start from
+        state["evals"].append({"step": 0, "ppl": evaluate()})
     model.train()
-    bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, desc=f"dst {dst.method}",
+    bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps,
+               desc="finetune" if cfg.init is not None else f"dst {dst.method}",
                disable=not progress or not accelerator.is_main_process)
     for step in bar:
         t0 = time.time()
@@ -410,13 +426,17 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
         if stop_after is not None and step + 1 >= stop_after:
             return {"stopped_at": step + 1}
     sparsifier.finalize()  # the model as it is saved: permutations still soft hardened, diag's mask baked
+    unwrapped = accelerator.unwrap_model(model)
+    if save_dtype is not None:   # a fine-tuned checkpoint is scored with the values its own dtype saves (in float32,
+        round_to(unwrapped, save_dtype)   # as eval scores a 16-bit model on a CPU), and saved in that dtype below
     final_ppl = evaluate()
     state["evals"].append({"step": cfg.steps, "ppl": final_ppl})
-    unwrapped = accelerator.unwrap_model(model)
     ranks_agree = _ranks_agree(accelerator, unwrapped, sparsifier) if world > 1 else None
     report = _report(run, final_ppl, device, world, ranks_agree, text_use)
+    if save_dtype is not None:
+        unwrapped.to(save_dtype)
     if accelerator.is_main_process:
         with library_progress_bars(progress):
-            _write_model(out, unwrapped, sparsifier, tokenizer, report)
+            _write_model(out, unwrapped, sparsifier, tokenizer, report, cfg.init)
         run.save(ckpt, unwrapped)
     return report

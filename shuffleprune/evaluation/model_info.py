@@ -14,9 +14,13 @@ from shuffleprune.report import read_report
 
 
 def row_label(spec: str | None, path: str, seen: set[str]) -> str:
-    """The row's name: the model's folder or hub id (the embedded default by its name), numbered where an earlier
-    row in ``seen`` has it."""
-    base = "SmolLM2-135M-Instruct (embedded)" if is_embedded(spec) else (Path(spec).name or spec)
+    """The row's name: the model's folder or hub id (the embedded default by its name; a ``dst`` or ``finetune``
+    run's ``model/`` as ``RUN/model``), numbered where an earlier row in ``seen`` has it."""
+    if is_embedded(spec):
+        base = "SmolLM2-135M-Instruct (embedded)"
+    else:
+        folder = Path(spec)
+        base = f"{folder.parent.name}/{folder.name}" if training_run(spec) is not None else (folder.name or spec)
     label, k = base, 2
     while label in seen:
         label, k = f"{base} #{k}", k + 1
@@ -51,20 +55,34 @@ def prune_report(path: str) -> dict | None:
         return None
 
 
-def prune_summary(report: dict | None) -> str | None:
-    """``method pattern`` of a prune report (None without one)."""
-    return None if report is None else f"{report['method']} {report['pattern']}"
-
-
-def fitted_text(path: str, report: dict | None) -> str | None:
-    """The text a checkpoint was fitted to: its prune report's calibration text, or the training text
-    of the ``dst`` run whose ``model/`` it is."""
-    if report is not None:
-        return report["calib"]["source"]
+def training_run(path: str) -> dict | None:
+    """The report of the ``dst`` or ``finetune`` run whose ``model/`` ``path`` is, if there is a readable one."""
     run = Path(path).parent / "dst_report.json"
-    if Path(path).name == "model" and run.is_file():
-        try:
-            return read_report(run)["train"]["data"]
-        except (UserError, KeyError, TypeError):
-            return None
-    return None
+    if Path(path).name != "model" or not run.is_file():
+        return None
+    try:
+        return read_report(run)
+    except UserError:
+        return None
+
+
+def prune_summary(report: dict | None, path: str | None = None) -> str | None:
+    """``method pattern`` of a prune report (None without one), ``+ finetune N steps`` for the ``model/`` of a
+    ``finetune`` run."""
+    if report is None:
+        return None
+    run = training_run(path) if path is not None else None
+    tuned = run is not None and isinstance(run.get("train"), dict) and run["train"].get("init") is not None
+    return f"{report['method']} {report['pattern']}" + (f" + finetune {run['train']['steps']} steps" if tuned else "")
+
+
+def fitted_texts(path: str, report: dict | None) -> list[str]:
+    """The texts a checkpoint was fitted to: its prune report's calibration text, and the training text of the
+    ``dst`` or ``finetune`` run whose ``model/`` it is."""
+    texts = [report["calib"]["source"]] if report is not None else []
+    run = training_run(path)
+    try:
+        texts += [run["train"]["data"]] if run is not None else []
+    except (KeyError, TypeError):
+        pass
+    return texts
