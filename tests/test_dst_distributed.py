@@ -22,11 +22,11 @@ ARGS = ["--arch", "gpt2", "--config-kw", "n_layer=2,n_embd=64,n_head=4,resid_pdr
         "--distribution", "uniform", "--quiet"]
 
 
-def _run(processes: int, args: list[str]) -> subprocess.CompletedProcess:
+def _run(processes: int, args: list[str], command: str = "dst") -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # `python -m shuffleprune`, as the README launches a multi-GPU run (torchrun / accelerate launch -m)
-    return subprocess.run([*(launcher if processes > 1 else [sys.executable]), "-m", "shuffleprune", "dst", *args],
+    return subprocess.run([*(launcher if processes > 1 else [sys.executable]), "-m", "shuffleprune", command, *args],
                           capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -70,6 +70,32 @@ def test_two_processes_follow_the_single_process_run_and_agree(tiny_dir, text_fi
 
     maps = load_file(str(tmp_path / "two" / "model" / "index_maps.safetensors"))
     assert maps and all(torch.equal(torch.sort(p.long()).values, torch.arange(p.numel())) for p in maps.values())
+
+
+def test_finetune_on_two_processes_follows_the_single_process_run(tiny_dir, text_file, tmp_path):
+    """``finetune`` is the same trainer: each process starts from the pruned checkpoint, trains on its share of the
+    global batch, and they end agreeing, with the zeros held."""
+    from safetensors.torch import load_file
+
+    from shuffleprune.prune import PruneConfig, prune
+
+    pruned = tmp_path / "pruned"
+    prune(PruneConfig.build("fast", model=str(tiny_dir), calib=str(text_file), nsamples=4, seqlen=32, eval_text=None),
+          out=pruned, progress=False)
+    common = [str(pruned), "--data", str(text_file), "--seq-len", "32", "--steps", "6", "--warmup", "1", "--lr", "3e-3",
+              "--batch-size", "4", "--eval-every", "0", "--eval-tokens", "512", "--checkpoint-every", "0", "--quiet"]
+    one = _run(1, common + ["--out", str(tmp_path / "one")], "finetune")
+    two = _run(2, common + ["--out", str(tmp_path / "two")], "finetune")
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, _rank_errors(two.stderr)
+    assert two.stdout.count("wrote") == 1   # printed by the main process only
+    a = json.loads((tmp_path / "one" / "dst_report.json").read_text())
+    b = json.loads((tmp_path / "two" / "dst_report.json").read_text())
+    assert (b["processes"], b["ranks_agree"]) == (2, True) and a["evals"][0] == b["evals"][0]   # the same start
+    la, lb = [r["loss"] for r in a["loss_curve"]], [r["loss"] for r in b["loss_curve"]]
+    assert la[0] == lb[0] and max(abs(x - y) for x, y in zip(la, lb)) < 0.05
+    before, after = load_file(str(pruned / "model.safetensors")), load_file(str(tmp_path / "two" / "model" / "model.safetensors"))
+    assert all(not after[k][before[k] == 0].any() for k in before if ".layers." in k and before[k].dim() == 2)
 
 
 def test_a_global_batch_that_does_not_split_is_refused(tiny_dir, text_file, tmp_path):
