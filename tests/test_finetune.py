@@ -97,6 +97,12 @@ def test_finetune_refuses_what_it_cannot_fine_tune_before_writing(tiny_dir, prun
         shuffleprune.finetune(tmp_path / "missing", out, data=str(text_file), **SMALL)
     with pytest.raises(UserError, match="clearing it would delete that input"):   # --out onto the checkpoint it reads
         shuffleprune.finetune(pruned_bf16, pruned_bf16, data=str(text_file), overwrite=True, **SMALL)
+    from shuffleprune.dst.config import DSTConfig, TrainConfig
+    from shuffleprune.dst.train import train
+
+    start = str(pruned_bf16)
+    with pytest.raises(UserError, match="fine-tuned with method 'keep', which holds its zeros, not 'rigl'"):
+        train(TrainConfig(arch=start, tokenizer=start, init=start, data=str(text_file)), DSTConfig(method="rigl"), out)
     assert not out.exists() and (pruned_bf16 / "model.safetensors").is_file()
 
 

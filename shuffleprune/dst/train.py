@@ -366,9 +366,12 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
     accelerator = Accelerator()
     rank, world = accelerator.process_index, accelerator.num_processes
     cfg.check()
-    if (dst.method == "keep") != (cfg.init is not None):
+    if dst.method == "keep" and cfg.init is None:
         raise UserError("method 'keep' holds a pruned model's zeros: it fine-tunes a pruned checkpoint (shuffleprune "
-                        "finetune), and a pruned checkpoint is fine-tuned with it alone; dst trains a model from scratch")
+                        "finetune); dst trains a model from scratch, which has none")
+    if cfg.init is not None and dst.method != "keep":
+        raise UserError(f"a pruned checkpoint is fine-tuned with method 'keep', which holds its zeros, not "
+                        f"'{dst.method}'")
     dst.check()   # both before `out` is touched
     if cfg.init is not None:
         check_start(cfg.init)
