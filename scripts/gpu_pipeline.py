@@ -1,5 +1,6 @@
 """The commands users type, run on a GPU: the command line's ``prune … --export`` (the default recipe),
-``load`` onto the GPU, greedy ``generate`` with a static cache, ``eval``'s perplexity, ``dst`` with learned
+``load`` onto the GPU, greedy ``generate`` with a static cache, ``eval``'s perplexity, ``finetune`` of that
+checkpoint (its export's logits against it), ``dst`` with learned
 maps (exported and loaded), every recipe of ``prune --device cuda``, the command line's run again and
 the ``paper`` recipe again (same call, same checkpoint? ``paper`` learns its maps through the blocks'
 backward pass, where a GPU's atomic adds may sum in any order), ``paper`` twice with ``--deterministic``
@@ -227,6 +228,29 @@ def dst_row(work: Path, model_dir: Path, data: Path, args, device: str, determin
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work)   # as cli_row
     row = {"step": "dst", "device": device, "deterministic": deterministic, "rc": proc.returncode,
            "seconds": round(time.perf_counter() - t0, 2), "command": " ".join(["shuffleprune", *cmd[3:]])}
+    return _trained_row(row, proc, out, dep, device)
+
+
+def finetune_row(work: Path, pruned: Path, data: Path, args, device: str) -> dict:
+    """``shuffleprune finetune`` of the command line's pruned checkpoint on ``device`` (``--dst-steps`` steps), then
+    its export loaded there: logits against the fine-tuned checkpoint."""
+    out, dep = work / "finetune", work / "finetune-deployed"
+    steps = args.dst_steps
+    cmd = [sys.executable, "-m", "shuffleprune", "finetune", str(pruned), "--data", str(data), "--steps", str(steps),
+           "--warmup", str(max(1, steps // 10)), "--seq-len", str(args.seqlen), "--batch-size", "8", "--eval-every", "0",
+           "--eval-tokens", "8192", "--checkpoint-every", "0", "--seed", str(args.seed), "--out", str(out),
+           "--overwrite", "--quiet"]
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work)   # as cli_row
+    row = {"step": "finetune", "device": device, "rc": proc.returncode, "seconds": round(time.perf_counter() - t0, 2),
+           "command": " ".join(["shuffleprune", *cmd[3:]])}
+    return _trained_row(row, proc, out, dep, device)
+
+
+def _trained_row(row: dict, proc: subprocess.CompletedProcess, out: Path, dep: Path, device: str) -> dict:
+    """A ``dst`` or ``finetune`` run's row: its error, or its perplexities and its export's logits against the
+    trained checkpoint's on ``device``."""
     if proc.returncode != 0:
         return {**row, "ok": False, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
     try:
@@ -244,6 +268,7 @@ def dst_row(work: Path, model_dir: Path, data: Path, args, device: str, determin
             want, got = plain(ids).logits, served(ids).logits
         rel = float((got - want).abs().max() / want.abs().max())
         return {**row, "ok": rel < 1e-3, "final_ppl": report.get("final_ppl", report.get("ppl")),
+                "start_ppl": next((e["ppl"] for e in report.get("evals", []) if e["step"] == 0), None),
                 "export_max_rel_logit_diff": rel}
     except Exception as exc:   # noqa: BLE001
         traceback.print_exc()
@@ -324,6 +349,8 @@ def run_steps(args: argparse.Namespace, device: str, work: Path) -> None:
         record(serving_row(Path(first["out"]), Path(first["deployed"]), heldout, device))
         record(eval_row(Path(first["out"]), Path(first["deployed"]), heldout, device, args.seqlen))
     record(dst_row(work, model_dir, calib, args, device))
+    if first["ok"]:
+        record(finetune_row(work, Path(first["out"]), calib, args, device))
     for recipe in args.recipes:
         record(prune_row(recipe, device, work, model_dir, calib, heldout, args))
     if first["ok"]:

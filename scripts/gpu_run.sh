@@ -12,7 +12,7 @@
 #                                              # at most what is left (its file keeps what it measured); a `fill` step
 #                                              # starts only when its whole limit fits
 #   bash scripts/gpu_run.sh pipeline           # the commands users type on CUDA: prune (every recipe) / export /
-#                                              # load / generate / eval ppl / dst, a random GQA LLaMA-shaped model
+#                                              # load / generate / eval ppl / finetune / dst, a random GQA LLaMA-shaped model
 #                                              # saved locally (gpu_pipeline.json)
 #   bash scripts/gpu_run.sh fast_launch        # kernels/launch.py's fast launches against Triton's dispatch: outputs
 #                                              # bit for bit and the host's µs per call both ways (fast_launch_cuda.json)
