@@ -33,6 +33,18 @@ def read_report(path: Path) -> dict:
     return report
 
 
+def method_label(report: dict) -> str:
+    """How a prune report's run pruned, in a few words: ``method pattern``, then its permutation and weight-update
+    stages (``sparsegpt 2:4, search perm, lsq update``), and its statistics stage where it is not the usual
+    ``sequential``: the presets that share a prune method (``balanced``, ``accurate``, ``best``) read apart."""
+    label = f"{report['method']} {report['pattern']}"
+    for entry in report.get("stages") or []:
+        kind, _, name = str(entry).partition(":")
+        if kind in ("permutation", "update") or (kind == "statistics" and name != "sequential"):
+            label += f", {name} {'perm' if kind == 'permutation' else kind}"
+    return label
+
+
 def training_summary(report: dict) -> str:
     """One line for a ``dst`` or ``finetune`` run's ``dst_report.json``: what ran, its held-out perplexity (a
     fine-tune's before its first step and after its last), the density, the training time."""
@@ -59,7 +71,7 @@ def tokens_scored(ev: dict) -> int:
 def prune_table(report: dict) -> Table:
     """Dense vs pruned: perplexity, sparsity, N:M check, time."""
     ev = report["eval"]
-    title = (f"{report['model']} · {report['method']} {report['pattern']} · calib {report['calib']['source']} "
+    title = (f"{report['model']} · {method_label(report)} · calib {report['calib']['source']} "
              f"{report['calib']['nsamples']}×{report['calib']['seqlen']} seed {report['calib']['seed']}")
     table = Table(title=title)
     table.add_column("model")
@@ -72,7 +84,7 @@ def prune_table(report: dict) -> Table:
     nm = report["nm_ok"]
     secs = report["seconds"]
     table.add_row("dense", _fmt(report["ppl"]["dense"]), "0.00", "—", "—")
-    table.add_row(f"{report['method']} {report['pattern']}", _fmt(report["ppl"]["pruned"]),
+    table.add_row(method_label(report), _fmt(report["ppl"]["pruned"]),
                   f"{report['sparsity']:.4f}", "—" if nm is None else ("yes" if nm else "NO"),
                   f"{secs['calibration'] + secs['prune']:.1f} prune, {secs['eval']:.1f} eval")
     unseen = report.get("outside_linears") or {}

@@ -65,7 +65,7 @@ def test_finetune_holds_the_zeros_keeps_the_dtype_and_maps_and_exports_exactly(p
     said = []
     scores = evaluate_models(EvalConfig(models=[str(tuned)], tasks=["ppl"], ppl_text=str(eval_file), ppl_ctx=32,
                                         ppl_tokens=512), progress=False, notify=said.append)
-    assert scores["models"][0]["pruned"] == "wanda 2:4 + finetune 8 steps" and scores["models"][0]["model"] == "run/model"
+    assert scores["models"][0]["pruned"] == "wanda 2:4, search perm + finetune 8 steps" and scores["models"][0]["model"] == "run/model"
     assert any(f"was calibrated or trained on '{eval_file}'" in m for m in said), said
 
 

@@ -14,6 +14,7 @@ from conftest import flat_config
 from shuffleprune.cli import app
 from shuffleprune.errors import UserError
 from shuffleprune.prune import PRESETS, PruneConfig, prune, resumable
+from shuffleprune.report import method_label
 
 runner = CliRunner()
 SMALL = dict(nsamples=4, seqlen=32, eval_ctx=32, batch_size=4)
@@ -47,6 +48,23 @@ def test_every_named_recipe_runs_end_to_end(name, tiny_dir, text_file, eval_file
     card = (out / "README.md").read_text()
     assert f"`{name}`" in card and "2:4" in card and "shuffleprune.load" in card and "trust_remote_code" in card
     assert f"{report['ppl']['pruned']:.2f}" in card
+
+
+def test_presets_that_share_a_prune_method_are_labelled_apart():
+    """Tables (`eval`'s pruned row, `prune`'s and `report`'s) name a run by its stages, not its prune method alone:
+    `balanced`, `accurate`, `best` and `learned` all prune with SparseGPT and read the same without them."""
+    def label(name: str, **options) -> str:
+        config = PruneConfig.build(name, **options)
+        return method_label({"method": config.method, "pattern": config.pattern, "stages": config.stage_labels()})
+
+    labels = {name: label(name) for name in PRESETS}
+    assert len(set(labels.values())) == len(PRESETS), labels
+    assert labels["accurate"] == "sparsegpt 2:4, search perm, lsq update"
+    assert labels["best"] == "sparsegpt 2:4, search perm, blockrecon update"
+    assert labels["fast"] == "wanda 2:4, search perm" and labels["paper"] == "wanda 2:4, learned perm"
+    assert label("fast", perm="none") == "wanda 2:4"
+    assert label("fast", perm="none", mask_stats="dense") == "wanda 2:4, dense statistics"
+    assert method_label({"method": "wanda", "pattern": "2:4"}) == "wanda 2:4"   # a report from before stages
 
 
 def test_a_run_repeated_from_its_recipe_yaml_is_bit_identical(tiny_dir, text_file, eval_file, tmp_path):

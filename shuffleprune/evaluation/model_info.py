@@ -10,7 +10,7 @@ from shuffleprune.blocks import block_experts, block_linears, find_blocks
 from shuffleprune.errors import UserError
 from shuffleprune.models import is_embedded
 from shuffleprune.placement import weights_readable
-from shuffleprune.report import read_report
+from shuffleprune.report import method_label, read_report
 
 
 def row_label(spec: str | None, path: str, seen: set[str]) -> str:
@@ -67,13 +67,13 @@ def training_run(path: str) -> dict | None:
 
 
 def prune_summary(report: dict | None, path: str | None = None) -> str | None:
-    """``method pattern`` of a prune report (None without one), ``+ finetune N steps`` for the ``model/`` of a
-    ``finetune`` run."""
+    """:func:`~shuffleprune.report.method_label` of a prune report (None without one), ``+ finetune N steps`` for
+    the ``model/`` of a ``finetune`` run."""
     if report is None:
         return None
     run = training_run(path) if path is not None else None
     tuned = run is not None and isinstance(run.get("train"), dict) and run["train"].get("init") is not None
-    return f"{report['method']} {report['pattern']}" + (f" + finetune {run['train']['steps']} steps" if tuned else "")
+    return method_label(report) + (f" + finetune {run['train']['steps']} steps" if tuned else "")
 
 
 def fitted_texts(path: str, report: dict | None) -> list[str]:
