@@ -125,6 +125,8 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
                               "--nsamples", "4", "--seqlen", "32", "--eval-text", "none", "--out", str(pruned), "--quiet",
                               "--export", str(tmp_path / "deployed")])
     assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["report", str(pruned)])   # the default recipe's lsq update kept under --base wanda: said
+    assert res.exit_code == 0 and "· wanda 2:4, search perm, lsq update ·" in " ".join(res.output.split()), res.output
     out = tmp_path / "results.json"
     res = runner.invoke(app, ["eval", str(tiny_dir), str(pruned), str(tmp_path / "deployed"), "--tasks", "tiny_mc,ppl",
                               "--include-path", str(tiny_task), "--ppl-text", str(heldout), "--ppl-ctx", "32", "--limit", "10",
@@ -138,7 +140,7 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
     # a --perm checkpoint is a plain transformers model to lm-eval's hf loader; an export loads through its auto_map
     assert "trust_remote_code" not in sparse["lm_eval_cli"] and "trust_remote_code=True" in deployed["lm_eval_cli"]
     assert deployed["ppl"] == pytest.approx(sparse["ppl"], rel=1e-4) and deployed["sparsity"] == pytest.approx(0.5)
-    assert dense["sparsity"] == 0 and sparse["sparsity"] == pytest.approx(0.5) and sparse["pruned"] == "wanda 2:4"
+    assert dense["sparsity"] == 0 and sparse["sparsity"] == pytest.approx(0.5) and sparse["pruned"] == "wanda 2:4, search perm, lsq update"
     for m in data["models"]:
         r = m["results"]["tiny_mc"]
         assert r["metric"] == "acc" and 0 <= r["value"] <= 1 and r["stderr"] is not None
@@ -183,9 +185,13 @@ def test_the_python_api_scores_models_in_memory_beside_directories(tiny_dir, tin
     assert saved["lm_eval_cli"] and pruned["results"]["tiny_mc"]["n_items"] == 4
     # a PruneResult brings its run's report: its row says how it was pruned, and that the perplexity text is the
     # text it was calibrated on, as the saved checkpoint's row does (both were silent for a result in memory)
-    assert pruned["pruned"] == saved["pruned"] == "wanda 2:4"
+    assert pruned["pruned"] == saved["pruned"] == "wanda 2:4, search perm"   # the `fast` recipe's stages
     err = capfd.readouterr().err
     assert "not a git repository" not in err
+    # progress=False silences lm-eval's own bars too (building each task's requests, tokenizing, scoring) and
+    # datasets' (a local task's split built): only the test's own from_pretrained above draws one
+    bars = [line for line in err.replace("\r", "\n").splitlines() if "it/s]" in line or "examples/s]" in line]
+    assert bars and all(line.startswith("Loading weights") for line in bars), err
     assert [line.split(" was calibrated")[0] for line in err.splitlines() if "was calibrated or trained on" in line] == \
         ["warning: pruned", f"warning: {tiny_dir.name} (in memory)"], err
     from rich.console import Console

@@ -17,6 +17,7 @@ from shuffleprune.evaluation.config import PPL, EvalConfig
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
 from shuffleprune.models import LoadedModel
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
+from shuffleprune.quiet import lm_eval_progress_bars
 
 # The metric each task is reported with (the paper's choice for its four; acc elsewhere).
 HEADLINE = {"hellaswag": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "openbookqa": "acc_norm",
@@ -106,13 +107,16 @@ def quiet_lm_eval(verbose: bool) -> None:
 
 
 def score_lm_eval(lm: LoadedModel, plan: TaskPlan, config: EvalConfig, progress: bool) -> dict:
+    """``plan``'s lm-eval tasks scored on ``lm`` by lm-eval's ``simple_evaluate`` (its bars shown only with
+    ``progress``): per task its headline metric, every metric, and what lm-eval says of the run."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     wrapper = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=config.batch_size)
     # lm-eval records the git commit of the working directory (unused here) by running `git describe`,
     # whose "fatal: not a git repository" would reach the user's terminal outside a repository
-    with patch("lm_eval.evaluator.get_git_commit_hash", return_value=None, create=True):
+    with (patch("lm_eval.evaluator.get_git_commit_hash", return_value=None, create=True),
+          lm_eval_progress_bars(progress)):
         raw = simple_evaluate(model=wrapper, tasks=plan.lm_tasks, num_fewshot=config.num_fewshot,
                               limit=config.limit, task_manager=plan.task_manager, log_samples=False,
                               apply_chat_template=config.apply_chat_template,
