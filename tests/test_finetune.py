@@ -31,8 +31,12 @@ def pruned_bf16(tmp_path, text_file):
     return out
 
 
-def test_finetune_holds_the_zeros_keeps_the_dtype_and_maps_and_exports_exactly(pruned_bf16, eval_file, tmp_path):
+def test_finetune_holds_the_zeros_keeps_the_dtype_and_maps_and_exports_exactly(pruned_bf16, eval_file, tmp_path,
+                                                                              capfd):
+    capfd.readouterr()
     report = shuffleprune.finetune(pruned_bf16, tmp_path / "run", data=str(eval_file), **SMALL)   # not its calibration
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s]" not in err, err   # progress=False: the start loads without a bar
     tuned = tmp_path / "run" / "model"
     before, after = load_file(str(pruned_bf16 / "model.safetensors")), load_file(str(tuned / "model.safetensors"))
     pruned = [k for k in before if ".layers." in k and before[k].dim() == 2]

@@ -377,13 +377,13 @@ def _train(cfg: TrainConfig, dst: DSTConfig, out: Path, resume: bool, overwrite:
         check_start(cfg.init)
     config = None if cfg.init is not None else model_config(cfg)   # an unknown architecture fails before the text is read
     _check_out(cfg, out, resume, overwrite, accelerator)
-    tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
+    with library_progress_bars(progress):   # the text's download and the start's weights: no bars when quiet
+        tokenizer, train_stream, test_stream = _token_streams(cfg, accelerator)
+        if cfg.init is not None:
+            model, save_dtype = pruned_start(cfg, tokenizer)
+        else:
+            model, save_dtype = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config), None
     text_use = _text_use(cfg, train_stream.numel(), test_stream.numel())
-
-    if cfg.init is not None:
-        model, save_dtype = pruned_start(cfg, tokenizer)
-    else:
-        model, save_dtype = build_model(cfg, len(tokenizer), special_token_id(tokenizer), config), None
     _check_training_memory(model, -(-cfg.batch_size // world) * cfg.seq_len, accelerator.device)
     model = model.to(accelerator.device)
     sparsifier = DynamicSparsifier(dst)   # its soft permutations made beside the layers, on the device
