@@ -122,7 +122,8 @@ def test_finetune_cli_prints_the_gain_and_refuses_bad_input_in_one_line(pruned_b
     assert res.exit_code == 0 and (f"finetune of {pruned_bf16}: ppl {report['evals'][0]['ppl']:.2f} → "
                                    f"{report['final_ppl']:.2f}, density 0.5000 held") in res.output, res.output
     for extra, needle in ((["--steps", "0"], "--steps must be >= 1"), (["--seq-len", "4"], "--seq-len must be >= 8"),
-                          (["--lr", "0"], "--lr must be > 0")):
+                          (["--lr", "0"], "--lr must be > 0"),
+                          (["--eval-every", "-1"], "--eval-every must be >= 0 (0: only before the first step and at the end)")):
         res = runner.invoke(app, [*args, *extra, "--out", str(tmp_path / "bad")])
         lines = [l for l in res.output.splitlines() if l.startswith("error:")]
         assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output

@@ -111,7 +111,8 @@ class TrainConfig:
                      ("weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
                      ("grad_clip", self.grad_clip, self.grad_clip > 0, "> 0"))
         check_seed(self.seed)
-        check_values(("--eval-every", self.eval_every, self.eval_every >= 0, ">= 0 (0: only at the end)"),
+        evals = "only before the first step and at the end" if self.init is not None else "only at the end"
+        check_values(("--eval-every", self.eval_every, self.eval_every >= 0, f">= 0 (0: {evals})"),
                      ("--checkpoint-every", self.checkpoint_every, self.checkpoint_every >= 0,
                       ">= 0 (0: only at the end)"))
         if self.eval_tokens is not None and self.eval_tokens < self.seq_len:
