@@ -405,6 +405,7 @@ def finetune(
     from shuffleprune.calib import held_out_part
     from shuffleprune.dst.finetune import finetune as finetune_checkpoint
     from shuffleprune.dst.train import is_main_process
+    from shuffleprune.report import ppl_change
 
     out = _path(out, "--out")
     try:
@@ -418,8 +419,7 @@ def finetune(
         err.print(f"interrupted; continue with the same command plus --resume (checkpoint in {out})", soft_wrap=True)
         raise typer.Exit(130)
     if is_main_process():
-        start = next(e["ppl"] for e in report["evals"] if e["step"] == 0)
-        out_console.print(f"ppl {start:.2f} → {report['final_ppl']:.2f} ({data}, {held_out_part(data, split_from_shared=True)}, "
+        out_console.print(f"ppl {ppl_change(report)} ({data}, {held_out_part(data, split_from_shared=True)}, "
                           f"ctx {seq_len}), density {report['density']:.4f} held, {report['train_seconds']:.0f} s; "
                           f"wrote {out / 'model'}", soft_wrap=True)
 

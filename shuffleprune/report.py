@@ -45,17 +45,24 @@ def method_label(report: dict) -> str:
     return label
 
 
+def ppl_change(report: dict) -> str:
+    """A training run's held-out perplexity as ``before → after`` (a fine-tune's, scored before its first step),
+    or ``after`` alone for a run with no step-0 score (``dst``)."""
+    final = f"{report['final_ppl']:.2f}"
+    start = next((e["ppl"] for e in report["evals"] if e["step"] == 0), None)
+    return f"{start:.2f} → {final}" if start is not None else final
+
+
 def training_summary(report: dict) -> str:
     """One line for a ``dst`` or ``finetune`` run's ``dst_report.json``: what ran, its held-out perplexity (a
     fine-tune's before its first step and after its last), the density, the training time."""
-    final, seconds = f"{report['final_ppl']:.2f}", f"{report['train_seconds']:.0f} s"
+    seconds = f"{report['train_seconds']:.0f} s"
     init = report["train"].get("init")
     if init is not None:
-        start = next((e["ppl"] for e in report["evals"] if e["step"] == 0), None)
-        ppl = f"{start:.2f} → {final}" if start is not None else final
-        return f"finetune of {init}: ppl {ppl}, density {report['density']:.4f} held, {seconds}"
+        return f"finetune of {init}: ppl {ppl_change(report)}, density {report['density']:.4f} held, {seconds}"
     dst = report["dst"]
-    return f"dst {dst['method']} perm {dst['perm']}: final ppl {final}, density {report['density']:.4f}, {seconds}"
+    return (f"dst {dst['method']} perm {dst['perm']}: final ppl {report['final_ppl']:.2f}, "
+            f"density {report['density']:.4f}, {seconds}")
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from shuffleprune.calib import held_out_part
+from shuffleprune.report import ppl_change
 
 
 def model_card(report: dict) -> str:
@@ -56,8 +57,6 @@ model = AutoModelForCausalLM.from_pretrained("PATH"{trust_arg})
 def _finetuned_card(report: dict, text_line: str, trust_arg: str, trust_flag: str) -> str:
     """The card of a fine-tuned pruned checkpoint (``shuffleprune finetune``)."""
     train = report["train"]
-    start = next((e["ppl"] for e in report["evals"] if e["step"] == 0), None)
-    ppl = f"{start:.2f} → {report['final_ppl']:.2f}" if start is not None else f"{report['final_ppl']:.2f}"
     carried = report.get("carried") or []
     export_line = (f"For a compressed N:M copy: `shuffleprune export PATH DEPLOYED{trust_flag}` (reads the pruning "
                    "run's `prune_report.json`, kept here).\n" if "prune_report.json" in carried else "")
@@ -78,7 +77,7 @@ The pruned checkpoint `{train['init']}` fine-tuned with [shuffleprune](https://p
 `finetune`: its zeros held at every step, so its sparsity pattern is unchanged; {train['steps']} steps on
 `{train['data']}`{text_line}, learning rate {train['lr']:g}, seed {train['seed']}.
 
-- Held-out perplexity before → after: {ppl} ({held_out_part(train['data'], split_from_shared=True)}, windows of
+- Held-out perplexity before → after: {ppl_change(report)} ({held_out_part(train['data'], split_from_shared=True)}, windows of
   {train['seq_len']} tokens).
 {maps_line}
 ## Load it

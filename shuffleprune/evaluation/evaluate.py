@@ -39,7 +39,8 @@ from shuffleprune.quiet import library_progress_bars
 from shuffleprune.evaluation.config import OFFLINE_PPL_TEXT, ONLINE_PPL_TEXT, PPL, EvalConfig
 from shuffleprune.evaluation.lm_eval_tasks import (LM_EVAL_SEEDS, TaskPlan, equivalent_cli, plan_tasks, quiet_lm_eval,
                                                    score_lm_eval)
-from shuffleprune.evaluation.model_info import block_sparsity, fitted_texts, prune_report, prune_summary, row_label
+from shuffleprune.evaluation.model_info import (block_sparsity, fitted_texts, prune_report, prune_summary, row_label,
+                                               training_run)
 from shuffleprune.evaluation.offline_tasks import stock_name
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.runtime.devices import pick_device
@@ -202,10 +203,11 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
     whole = _place_model(run, spec, model)
     dtype_used = str(model.dtype).replace("torch.", "")
     report = lm.report if lm.in_memory else prune_report(lm.path)   # a PruneResult in memory brings its own
-    fitted = fitted_texts(lm.path, report) if report is not None or not lm.in_memory else []
-    row = {"model": row_label(spec, lm.path, run.labels), "spec": spec, "path": None if lm.in_memory else lm.path,
-           "pruned": prune_summary(report, None if lm.in_memory else lm.path), "sparsity": block_sparsity(model),
-           "dtype": dtype_used,
+    trained = None if lm.in_memory else training_run(lm.path)        # the dst / finetune run it is the model/ of
+    fitted = fitted_texts(report, trained)
+    row = {"model": row_label(spec, run.labels, trained is not None), "spec": spec,
+           "path": None if lm.in_memory else lm.path, "pruned": prune_summary(report, trained),
+           "sparsity": block_sparsity(model), "dtype": dtype_used,
            "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
     if run.ppl_name is not None:
         if any(text_contains(text, run.ppl_name) for text in fitted):   # the local text (file, directory, documents) it was fitted to

@@ -13,14 +13,14 @@ from shuffleprune.placement import weights_readable
 from shuffleprune.report import method_label, read_report
 
 
-def row_label(spec: str | None, path: str, seen: set[str]) -> str:
+def row_label(spec: str | None, seen: set[str], run_model: bool = False) -> str:
     """The row's name: the model's folder or hub id (the embedded default by its name; a ``dst`` or ``finetune``
-    run's ``model/`` as ``RUN/model``), numbered where an earlier row in ``seen`` has it."""
+    run's ``model/``, ``run_model``, as ``RUN/model``), numbered where an earlier row in ``seen`` has it."""
     if is_embedded(spec):
         base = "SmolLM2-135M-Instruct (embedded)"
     else:
         folder = Path(spec)
-        base = f"{folder.parent.name}/{folder.name}" if training_run(spec) is not None else (folder.name or spec)
+        base = f"{folder.parent.name}/{folder.name}" if run_model else (folder.name or spec)
     label, k = base, 2
     while label in seen:
         label, k = f"{base} #{k}", k + 1
@@ -66,21 +66,19 @@ def training_run(path: str) -> dict | None:
         return None
 
 
-def prune_summary(report: dict | None, path: str | None = None) -> str | None:
+def prune_summary(report: dict | None, run: dict | None = None) -> str | None:
     """:func:`~shuffleprune.report.method_label` of a prune report (None without one), ``+ finetune N steps`` for
-    the ``model/`` of a ``finetune`` run."""
+    the ``model/`` of a ``finetune`` run (``run``: its :func:`training_run` report)."""
     if report is None:
         return None
-    run = training_run(path) if path is not None else None
     tuned = run is not None and isinstance(run.get("train"), dict) and run["train"].get("init") is not None
     return method_label(report) + (f" + finetune {run['train']['steps']} steps" if tuned else "")
 
 
-def fitted_texts(path: str, report: dict | None) -> list[str]:
+def fitted_texts(report: dict | None, run: dict | None = None) -> list[str]:
     """The texts a checkpoint was fitted to: its prune report's calibration text, and the training text of the
-    ``dst`` or ``finetune`` run whose ``model/`` it is."""
+    ``dst`` or ``finetune`` run (``run``: its :func:`training_run` report) whose ``model/`` it is."""
     texts = [report["calib"]["source"]] if report is not None else []
-    run = training_run(path)
     try:
         texts += [run["train"]["data"]] if run is not None else []
     except (KeyError, TypeError):
