@@ -44,14 +44,21 @@ def main() -> int:
         files = sorted(Path(tmp).rglob("results_*.json"))
         cli = json.loads(files[-1].read_text())
 
+    def every_task(results: dict):   # the rows asked for, and a group's tasks under it
+        for name, ours in results.items():
+            yield name, ours
+            yield from every_task(ours.get("subtasks") or {})
+
     rows, same = [], True
-    for name, ours in row["results"].items():
+    for name, ours in every_task(row["results"]):
         theirs = cli["results"][ours["lm_eval_task"]]
         for metric, value in ours["metrics"].items():
             other = theirs.get(f"{metric},none")
             equal = other == value
             same &= equal
             rows.append({"task": name, "metric": metric, "shuffleprune": value, "lm_eval_cli": other, "equal": equal})
+        if ours.get("subtasks"):
+            continue   # lm-eval counts a group's items per task only (its tasks' rows are compared)
         n_cli = cli.get("n-samples", {}).get(ours["lm_eval_task"], {}).get("effective")
         rows.append({"task": name, "metric": "n_items", "shuffleprune": ours["n_items"], "lm_eval_cli": n_cli,
                      "equal": n_cli == ours["n_items"]})

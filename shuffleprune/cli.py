@@ -257,6 +257,7 @@ def eval_(
     models: Optional[List[str]] = typer.Argument(None, help="Models to compare: hub ids, HF dirs, pruned dirs or .gguf files; 'default' (or nothing) = the embedded SmolLM2-135M-Instruct."),
     tasks: Optional[List[str]] = typer.Option(None, "--tasks", help="Comma-separated lm-eval tasks; 'ppl' = held-out perplexity. Default: hellaswag,arc_easy,arc_challenge,openbookqa,ppl."),
     limit: Optional[float] = typer.Option(None, "--limit", help="lm-eval --limit: at most this many items per task (below 1: a fraction)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="The model the others are compared with item by item (paired differences ± their standard error); default: the first."),
     num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples (default: each task's own, 0 for the paper's tasks)."),
     batch_size: int = typer.Option(8, "--batch-size", help="lm-eval batch size."),
     apply_chat_template: bool = typer.Option(False, "--apply-chat-template", help="lm-eval --apply_chat_template: each item (and its few-shot examples, as turns) through the model's chat template, for instruct models."),
@@ -286,7 +287,7 @@ def eval_(
                         num_fewshot=num_fewshot, batch_size=batch_size, device=device, dtype=dtype, offline=offline,
                         include_path=list(include_path) if include_path else None, ppl_text=ppl_text,
                         ppl_ctx=ppl_ctx, ppl_tokens=ppl_tokens, ppl_bos=ppl_bos, apply_chat_template=apply_chat_template,
-                        trust_remote_code=trust_remote_code)
+                        trust_remote_code=trust_remote_code, baseline=baseline)
     try:
         results = evaluate_models(config, out=out, progress=not quiet,
                                   notify=lambda msg: err.print(msg, soft_wrap=True),

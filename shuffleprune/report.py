@@ -122,7 +122,34 @@ def _eval_rows(results: dict) -> tuple[list[str], list[list[str]]]:
                      *[_pct(m["results"].get(name, {}).get("value")) for m in models]])
     if any(m["results"] for m in models):
         rows.append(["average (zero-shot)", *[_pct(m.get("average")) for m in models]])
+    if any(m.get("vs_baseline") for m in models):
+        rows.append([f"Δ average vs {results['baseline']} (± paired SE)",
+                     *[_delta((m.get("vs_baseline") or {}).get("average")) for m in models]])
     return header, rows
+
+
+def _delta(d: dict | None) -> str:
+    """A paired difference in percentage points with its standard error: ``+1.20 ± 0.52``."""
+    return "—" if d is None or d.get("stderr") is None else f"{100 * d['diff']:+.2f} ± {100 * d['stderr']:.2f}"
+
+
+def _paired_markdown(results: dict) -> list[str]:
+    """The per-task paired differences from the baseline as a Markdown table (none with one model)."""
+    others = [m for m in results["models"] if m.get("vs_baseline")]
+    if not others:
+        return []
+    lines = ["", f"Paired differences from {results['baseline']} on the same items, in percentage points ± the "
+             "standard error of the paired difference (items right only in the model / only in the baseline):", "",
+             "| task | " + " | ".join(m["model"] for m in others) + " |", "| --- |" + " ---: |" * len(others)]
+    for name in dict.fromkeys(k for m in others for k in m["vs_baseline"]["tasks"]):
+        cells = []
+        for m in others:
+            d = m["vs_baseline"]["tasks"].get(name)
+            counts = f" ({d['only_model']}/{d['only_baseline']})" if d and "only_model" in d and d["stderr"] is not None else ""
+            cells.append(_delta(d) + counts)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("| average | " + " | ".join(_delta(m["vs_baseline"]["average"]) for m in others) + " |")
+    return lines
 
 
 def _pct(x: float | None) -> str:
@@ -155,6 +182,7 @@ def eval_markdown(results: dict) -> str:
              if tasks else f"Perplexity, device {results['device']}.")
     lines = [about, "", "| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += _paired_markdown(results)
     if tasks:
         lines += ["", "Task data:"] + [f"- {t}: {o}" for t, o in results["lm_eval"]["task_data"].items()]
     return "\n".join(lines) + "\n"

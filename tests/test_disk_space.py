@@ -146,7 +146,7 @@ def test_eval_checks_the_space_for_its_results_and_a_full_disk_leaves_no_tempora
     out = tmp_path / "results.json"
     monkeypatch.setattr(outdir, "free_bytes", lambda d: 0)
     with pytest.raises(UserError, match=rf"^--out '{out}': 0 B free on its disk, and what the run writes there takes "
-                                        r"about 1\.0 MiB; free space or give another --out$"):
+                                        r"about 8\.0 MiB; free space or give another --out$"):
         shuffleprune.evaluate(str(tiny_dir), tasks="ppl", ppl_text=str(eval_file), out=out)
     monkeypatch.undo()
     real = Path.write_text

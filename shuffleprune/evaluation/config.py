@@ -28,3 +28,5 @@ class EvalConfig:
     ppl_bos: str = "window"               # BOS of tokenizers that add one: every window | the text's start (the papers')
     apply_chat_template: bool = False     # lm-eval --apply_chat_template: each item through the model's chat template
     trust_remote_code: bool = False       # run the model code a checkpoint ships (auto_map), as transformers' flag
+    baseline: str | int | None = None     # the model the others are compared with item by item: as given, or its
+                                          # position (Python); None: the first

@@ -42,6 +42,7 @@ from shuffleprune.evaluation.lm_eval_tasks import (LM_EVAL_SEEDS, TaskPlan, equi
 from shuffleprune.evaluation.model_info import (block_sparsity, fitted_texts, prune_report, prune_summary, row_label,
                                                training_run)
 from shuffleprune.evaluation.offline_tasks import stock_name
+from shuffleprune.evaluation.paired import add_paired
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
 from shuffleprune.runtime.devices import pick_device
 from shuffleprune.runtime.facts import machine, versions
@@ -59,7 +60,7 @@ def _earlier_results(out: Path) -> bool:
         and "lm_eval" in results
 
 
-RESULTS_ROOM = 2**20   # the bytes eval's results files may take, about (a few KiB a model)
+RESULTS_ROOM = 2**23   # the bytes eval's results files may take, about (a few KiB a model, and a byte an item)
 
 
 def _validate(config: EvalConfig, out: Path | None) -> None:
@@ -91,6 +92,31 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
     for path in config.include_path or []:
         if not given_path(path, "--include-path").is_dir():
             raise UserError(f"--include-path '{path}' is not a directory")
+    baseline_index(config.models, config.baseline)
+
+
+def baseline_index(models: list[str | None], baseline: str | int | None) -> int:
+    """Where ``baseline`` (a model as given, or its position; None: the first) is in ``models``: the same
+    spelling, the embedded default however named, or the same directory or file."""
+    if baseline is None:
+        return 0
+    if isinstance(baseline, int):
+        if not 0 <= baseline < len(models):
+            raise UserError(f"baseline {baseline} is no model's position: {len(models)} model(s) given, 0 to "
+                            f"{len(models) - 1}")
+        return baseline
+
+    def same(spec: str | None) -> bool:
+        if spec == baseline or (is_embedded(spec) and is_embedded(baseline)):
+            return True
+        return bool(spec) and Path(spec).exists() and Path(baseline).exists() \
+            and Path(spec).resolve() == Path(baseline).resolve()
+
+    found = next((i for i, spec in enumerate(models) if same(spec)), None)
+    if found is None:
+        given = ", ".join("default" if is_embedded(m) else str(m) for m in models)
+        raise UserError(f"--baseline '{baseline}' is not one of the models to score ({given}); name one of them")
+    return found
 
 
 def evaluate_models(config: EvalConfig, out: Path | str | None = None, progress: bool = True,
@@ -131,6 +157,7 @@ def evaluate_models(config: EvalConfig, out: Path | str | None = None, progress:
                 gc.collect()
                 if run.device.type == "cuda":
                     torch.cuda.empty_cache()
+    add_paired(rows, baseline_index(config.models, config.baseline))
     results = _results(config, offline, run.device, run.plan, rows)
     if out is not None:
         write_results(results, out)
@@ -282,6 +309,7 @@ def _results(config: EvalConfig, offline: bool, device: torch.device, plan: Task
                     "apply_chat_template": config.apply_chat_template,
                     "task_data": plan.origins, "lm_eval_tasks": plan.lm_tasks, "include_path": plan.include_path},
         "ppl_eval": json.loads(ppl_evals.pop()) if len(ppl_evals) == 1 else None,
+        "baseline": rows[baseline_index(config.models, config.baseline)]["model"],   # of the rows' vs_baseline
         "models": rows,
     }
 

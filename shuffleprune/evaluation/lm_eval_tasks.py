@@ -15,6 +15,7 @@ from unittest.mock import patch
 from shuffleprune.errors import UserError
 from shuffleprune.evaluation.config import PPL, EvalConfig
 from shuffleprune.evaluation.offline_tasks import OFFLINE_TASKS, build_offline_tasks, local_name, stock_name
+from shuffleprune.evaluation.paired import item_scores
 from shuffleprune.models import LoadedModel
 from shuffleprune.perm.linear import INDEX_MAPS, weights_stored_permuted
 from shuffleprune.quiet import lm_eval_progress_bars
@@ -108,7 +109,8 @@ def quiet_lm_eval(verbose: bool) -> None:
 
 def score_lm_eval(lm: LoadedModel, plan: TaskPlan, config: EvalConfig, progress: bool) -> dict:
     """``plan``'s lm-eval tasks scored on ``lm`` by lm-eval's ``simple_evaluate`` (its bars shown only with
-    ``progress``): per task its headline metric, every metric, and what lm-eval says of the run."""
+    ``progress``): per task its headline metric, every metric, each item's score (``items``, "0110…" in
+    doc-id order, where the metric is right/wrong per item) and what lm-eval says of the run."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
@@ -118,24 +120,66 @@ def score_lm_eval(lm: LoadedModel, plan: TaskPlan, config: EvalConfig, progress:
     with (patch("lm_eval.evaluator.get_git_commit_hash", return_value=None, create=True),
           lm_eval_progress_bars(progress)):
         raw = simple_evaluate(model=wrapper, tasks=plan.lm_tasks, num_fewshot=config.num_fewshot,
-                              limit=config.limit, task_manager=plan.task_manager, log_samples=False,
+                              limit=config.limit, task_manager=plan.task_manager, log_samples=True,
                               apply_chat_template=config.apply_chat_template,
                               fewshot_as_multiturn=config.apply_chat_template, **LM_EVAL_SEEDS)   # as lm_eval's CLI
-    scored = {}
-    for lm_name, res in raw["results"].items():
+    return nested_results(raw, plan)
+
+
+def nested_results(raw: dict, plan: TaskPlan) -> dict:
+    """lm-eval's results as rows: the tasks asked for (a group as one row, its score lm-eval's aggregate)
+    with a group's tasks under its ``subtasks``; each with its items' scores where they are right/wrong."""
+    samples = raw.get("samples") or {}   # per item, for the paired differences (evaluation.paired)
+    children = raw.get("group_subtasks") or {}
+
+    def leaves(lm_name: str) -> list[str]:   # a group's tasks, through its nested groups
+        kids = children.get(lm_name)
+        return [leaf for kid in kids for leaf in leaves(kid)] if kids else [lm_name]
+
+    def entry(lm_name: str) -> dict:
+        res = raw["results"][lm_name]
         name = plan.display.get(lm_name, stock_name(lm_name))
         metrics = metric_table(res)
         headline = headline_metric(name, metrics)
         n = raw.get("n-samples", {}).get(lm_name, {})
-        scored[name] = {
+        row = {
             "metric": headline, "value": metrics.get(headline), "stderr": metrics.get(f"{headline}_stderr"),
             "metrics": metrics, "lm_eval_task": lm_name,
             "version": raw.get("versions", {}).get(lm_name), "n_shot": raw.get("n-shot", {}).get(lm_name),
             "n_items": n.get("effective"), "n_items_total": n.get("original"),
             "higher_is_better": raw.get("higher_is_better", {}).get(lm_name, {}),
             "data": plan.origins.get(name, plan.origins.get(stock_name(lm_name), "")),
+            "items": item_scores(samples[lm_name], headline) if lm_name in samples else None,
         }
-    return scored
+        kids = [k for k in children.get(lm_name, []) if k in raw["results"]]
+        if kids:
+            row["subtasks"] = {plan.display.get(k, stock_name(k)): entry(k) for k in kids}
+            counts = [raw.get("n-samples", {}).get(t, {}) for t in leaves(lm_name)]
+            row["n_items"] = sum(c.get("effective") or 0 for c in counts) or None
+            row["n_items_total"] = sum(c.get("original") or 0 for c in counts) or None
+            row["items"], row["aggregate"] = group_items(
+                [item_scores(samples[t], headline) if t in samples else None for t in leaves(lm_name)],
+                [sub["metrics"].get(headline) for sub in row["subtasks"].values()], row["value"])
+        return row
+
+    nested = {kid for kids in children.values() for kid in kids}
+    return {plan.display.get(n, stock_name(n)): entry(n) for n in raw["results"] if n not in nested}
+
+
+def group_items(leaf_items: list[str | None], subtask_values: list[float | None],
+                value: float | None) -> tuple[str | None, str | None]:
+    """How a group's score comes from its tasks, and its items' scores where it is their mean: ``"mean of
+    items"`` (lm-eval's ``weight_by_size``: the items of all its tasks, in order), ``"mean of subtasks"``
+    (each task weighs the same), or None (another aggregate)."""
+    if value is None:
+        return None, None
+    if leaf_items and all(leaf_items):
+        joined = "".join(leaf_items)
+        if abs(joined.count("1") / len(joined) - value) < 1e-9:
+            return joined, "mean of items"
+    if subtask_values and None not in subtask_values and abs(sum(subtask_values) / len(subtask_values) - value) < 1e-9:
+        return None, "mean of subtasks"
+    return None, None
 
 
 def equivalent_cli(path: str, dtype: str, plan: TaskPlan, config: EvalConfig, device: str,
