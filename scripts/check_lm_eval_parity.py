@@ -53,7 +53,7 @@ def main() -> int:
     for name, ours in every_task(row["results"]):
         theirs = cli["results"][ours["lm_eval_task"]]
         for metric, value in ours["metrics"].items():
-            other = theirs.get(f"{metric},none")
+            other = theirs.get(metric if "," in metric else f"{metric},none")   # another filter's: as lm-eval names it
             equal = other == value
             same &= equal
             rows.append({"task": name, "metric": metric, "shuffleprune": value, "lm_eval_cli": other, "equal": equal})

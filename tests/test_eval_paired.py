@@ -12,6 +12,7 @@ from shuffleprune.cli import app
 from shuffleprune.errors import UserError
 from shuffleprune.evaluation.config import EvalConfig
 from shuffleprune.evaluation.evaluate import evaluate_models
+from shuffleprune.evaluation.lm_eval_tasks import headline_metric, metric_table, stderr_name
 from shuffleprune.evaluation.paired import add_paired, average_difference, item_scores, paired_difference
 
 runner = CliRunner()
@@ -21,10 +22,25 @@ def test_item_scores_are_in_doc_order_of_one_filter_and_only_right_or_wrong():
     samples = [{"doc_id": 2, "filter": "none", "acc": 1.0}, {"doc_id": 0, "filter": "none", "acc": 0.0},
                {"doc_id": 1, "filter": "none", "acc": True}, {"doc_id": 0, "filter": "strict", "acc": 1.0}]
     assert item_scores(samples, "acc") == "011"
-    assert item_scores([{"doc_id": 0, "filter": "strict", "exact_match": 1}], "exact_match") == "1"
+    # another filter's metric is named as lm-eval names it, and read from that filter's samples only
+    two = [{"doc_id": 0, "filter": "strict", "exact_match": 1}, {"doc_id": 0, "filter": "flexible", "exact_match": 0}]
+    assert item_scores(two, "exact_match,strict") == "1" and item_scores(two, "exact_match,flexible") == "0"
     assert item_scores([{"doc_id": 0, "filter": "none", "f1": 0.5}], "f1") is None        # not right/wrong
     assert item_scores([{"doc_id": 0, "filter": "none", "ppl": (1.0, 2)}], "ppl") is None  # a tuple per item
     assert item_scores([], "acc") is None
+
+
+def test_each_filters_metrics_stay_apart():
+    # gsm8k-like results: one metric under two filters (before, the second overwrote the first, unnamed)
+    raw = {"exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.1,
+           "exact_match,flexible-extract": 0.5, "exact_match_stderr,flexible-extract": 0.2, "alias": "gsm8k"}
+    metrics = metric_table(raw)
+    assert metrics == {"exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.1,
+                       "exact_match,flexible-extract": 0.5, "exact_match_stderr,flexible-extract": 0.2}
+    headline = headline_metric("gsm8k", metrics)
+    assert headline == "exact_match,strict-match" and metrics[stderr_name(headline)] == 0.1
+    assert metric_table({"acc,none": 0.5, "acc_stderr,none": float("nan")}) == {"acc": 0.5, "acc_stderr": None}
+    assert stderr_name("acc") == "acc_stderr"
 
 
 def test_the_paired_error_is_the_standard_error_of_the_per_item_differences():

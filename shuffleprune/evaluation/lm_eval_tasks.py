@@ -84,21 +84,31 @@ def plan_tasks(config: EvalConfig, offline: bool) -> TaskPlan:
 
 
 def metric_table(task_results: dict) -> dict[str, float]:
-    """``{"acc,none": .5, "acc_stderr,none": .1, "alias": …}`` → ``{"acc": .5, "acc_stderr": .1}``."""
+    """``{"acc,none": .5, "acc_stderr,none": .1, "alias": …}`` → ``{"acc": .5, "acc_stderr": .1}``; a metric of
+    another filter keeps lm-eval's name (gsm8k's ``exact_match,strict-match`` and ``exact_match,flexible-extract``
+    are two numbers, not one)."""
     out = {}
     for key, value in task_results.items():
         if "," not in key or not isinstance(value, (int, float)):
             continue
-        metric, _filter = key.split(",", 1)
-        out[metric] = None if isinstance(value, float) and math.isnan(value) else value
+        metric, filter_name = key.split(",", 1)
+        name = metric if filter_name == "none" else key
+        out[name] = None if isinstance(value, float) and math.isnan(value) else value
     return out
+
+
+def stderr_name(metric: str) -> str:
+    """The name of ``metric``'s standard error in ``metric_table``: ``acc`` → ``acc_stderr``,
+    ``exact_match,strict-match`` → ``exact_match_stderr,strict-match``."""
+    base, sep, filter_name = metric.partition(",")
+    return f"{base}_stderr{sep}{filter_name}"
 
 
 def headline_metric(task: str, metrics: dict[str, float]) -> str:
     want = HEADLINE.get(task)
     if want in metrics:
         return want
-    return next((m for m in metrics if not m.endswith("_stderr")), "")
+    return next((m for m in metrics if not m.partition(",")[0].endswith("_stderr")), "")
 
 
 def quiet_lm_eval(verbose: bool) -> None:
@@ -143,7 +153,7 @@ def nested_results(raw: dict, plan: TaskPlan) -> dict:
         headline = headline_metric(name, metrics)
         n = raw.get("n-samples", {}).get(lm_name, {})
         row = {
-            "metric": headline, "value": metrics.get(headline), "stderr": metrics.get(f"{headline}_stderr"),
+            "metric": headline, "value": metrics.get(headline), "stderr": metrics.get(stderr_name(headline)),
             "metrics": metrics, "lm_eval_task": lm_name,
             "version": raw.get("versions", {}).get(lm_name), "n_shot": raw.get("n-shot", {}).get(lm_name),
             "n_items": n.get("effective"), "n_items_total": n.get("original"),

@@ -12,10 +12,11 @@ import math
 
 
 def item_scores(samples: list[dict], metric: str) -> str | None:
-    """One task's per-item ``metric`` from lm-eval's logged samples, as ``"0110…"`` in doc-id order; None
-    when an item's score is not 0 or 1 (a perplexity, an F1), which a paired accuracy cannot use."""
-    filters = list(dict.fromkeys(s.get("filter") for s in samples))
-    keep = "none" if "none" in filters else (filters[0] if filters else None)
+    """One task's per-item ``metric`` (``acc``, or ``exact_match,strict-match`` of a filter other than
+    lm-eval's ``none``) from lm-eval's logged samples, as ``"0110…"`` in doc-id order; None when an item's
+    score is not 0 or 1 (a perplexity, an F1), which a paired accuracy cannot use."""
+    metric, _, keep = metric.partition(",")
+    keep = keep or "none"
     scores = {}
     for sample in samples:
         if sample.get("filter") != keep:
