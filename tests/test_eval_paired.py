@@ -28,6 +28,10 @@ def test_item_scores_are_in_doc_order_of_one_filter_and_only_right_or_wrong():
     assert item_scores([{"doc_id": 0, "filter": "none", "f1": 0.5}], "f1") is None        # not right/wrong
     assert item_scores([{"doc_id": 0, "filter": "none", "ppl": (1.0, 2)}], "ppl") is None  # a tuple per item
     assert item_scores([], "acc") is None
+    import numpy as np
+
+    assert item_scores([{"doc_id": 0, "filter": "none", "acc": np.bool_(True)},
+                        {"doc_id": 1, "filter": "none", "acc": np.float64(0.0)}], "acc") == "10"
 
 
 def test_each_filters_metrics_stay_apart():

@@ -21,10 +21,11 @@ def item_scores(samples: list[dict], metric: str) -> str | None:
     for sample in samples:
         if sample.get("filter") != keep:
             continue
-        value = sample.get(metric)
-        if isinstance(value, bool):
-            value = int(value)
-        if not isinstance(value, (int, float)) or value not in (0, 1):
+        try:
+            value = float(sample.get(metric))   # a bool, an int, a float, numpy's too
+        except (TypeError, ValueError):          # absent, or a tuple (a perplexity's parts)
+            return None
+        if value not in (0, 1):
             return None
         scores[sample["doc_id"]] = "1" if value == 1 else "0"
     return "".join(scores[k] for k in sorted(scores)) if scores else None
