@@ -151,6 +151,9 @@ def test_results_json_is_complete(tiny_dir, tiny_task, tmp_path):
         assert m["ppl_eval"]["tokens"] > 0 and m["ppl_eval"]["tokens"] % 32 == 0
         assert m["average"] == r["value"] and "--limit 10" in m["lm_eval_cli"] and m["path"] in m["lm_eval_cli"]
     assert sparse["ppl"] != dense["ppl"]
+    # how each was fitted, in the results file: the pruned checkpoint's calibration and its export's; nothing for dense
+    calibration = {"calibration": {"source": str(heldout), "nsamples": 4, "seqlen": 32, "seed": 0}}
+    assert sparse["fitted_on"] == deployed["fitted_on"] == calibration and dense["fitted_on"] is None
     md = out.with_suffix(".md").read_text()
     assert "| tiny_mc acc (n=10) |" in md and "pruned" in md
     assert "tiny-llama" in res.output and "average" in res.output

@@ -31,8 +31,8 @@ def pruned_bf16(tmp_path, text_file):
     return out
 
 
-def test_finetune_holds_the_zeros_keeps_the_dtype_and_maps_and_exports_exactly(pruned_bf16, eval_file, tmp_path,
-                                                                              capfd):
+def test_finetune_holds_the_zeros_keeps_the_dtype_and_maps_and_exports_exactly(pruned_bf16, eval_file, text_file,
+                                                                              tmp_path, capfd):
     capfd.readouterr()
     report = shuffleprune.finetune(pruned_bf16, tmp_path / "run", data=str(eval_file), **SMALL)   # not its calibration
     err = capfd.readouterr().err
@@ -71,6 +71,9 @@ def test_finetune_holds_the_zeros_keeps_the_dtype_and_maps_and_exports_exactly(p
                                         ppl_tokens=512), progress=False, notify=said.append)
     assert scores["models"][0]["pruned"] == "wanda 2:4, search perm + finetune 8 steps" and scores["models"][0]["model"] == "run/model"
     assert any(f"was calibrated or trained on '{eval_file}'" in m for m in said), said
+    assert scores["models"][0]["fitted_on"] == {   # both runs that made it, in the results file
+        "calibration": {"source": str(text_file), "nsamples": 4, "seqlen": 32, "seed": 0},
+        "training": {"data": str(eval_file), "steps": 8, "batch_size": 4, "seq_len": 32, "lr": 3e-3, "seed": 0}}
 
 
 def test_finetune_resumes_to_the_uninterrupted_run(pruned_bf16, text_file, tmp_path):

@@ -39,8 +39,8 @@ from shuffleprune.quiet import library_progress_bars
 from shuffleprune.evaluation.config import OFFLINE_PPL_TEXT, ONLINE_PPL_TEXT, PPL, EvalConfig
 from shuffleprune.evaluation.lm_eval_tasks import (LM_EVAL_SEEDS, TaskPlan, equivalent_cli, plan_tasks, quiet_lm_eval,
                                                    score_lm_eval)
-from shuffleprune.evaluation.model_info import (block_sparsity, fitted_texts, prune_report, prune_summary, row_label,
-                                               training_run)
+from shuffleprune.evaluation.model_info import (block_sparsity, fitted_on, fitted_texts, prune_report, prune_summary,
+                                               row_label, training_run)
 from shuffleprune.evaluation.offline_tasks import stock_name
 from shuffleprune.evaluation.paired import add_paired
 from shuffleprune.evaluation.perplexity import perplexity, scored_tokens
@@ -234,6 +234,7 @@ def _score_model(run: _EvalRun, spec: str | None, lm: LoadedModel, t0: float) ->
     fitted = fitted_texts(report, trained)
     row = {"model": row_label(spec, run.labels, trained is not None), "spec": spec,
            "path": None if lm.in_memory else lm.path, "pruned": prune_summary(report, trained),
+           "fitted_on": fitted_on(report, trained),
            "sparsity": block_sparsity(model), "dtype": dtype_used,
            "ppl": None, "results": {}, "seconds": {"load": round(time.time() - t0, 2)}}
     if run.ppl_name is not None:

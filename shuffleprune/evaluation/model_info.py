@@ -75,6 +75,19 @@ def prune_summary(report: dict | None, run: dict | None = None) -> str | None:
     return method_label(report) + (f" + finetune {run['train']['steps']} steps" if tuned else "")
 
 
+def fitted_on(report: dict | None, run: dict | None = None) -> dict | None:
+    """What a checkpoint was fitted on, for its results row: the prune run's calibration (text, windows, window
+    length, seed) and the ``dst`` or ``finetune`` run's training (text, steps, batch, sequence length, learning
+    rate, seed); None for a model neither made."""
+    fitted = {}
+    if report is not None:
+        fitted["calibration"] = {k: report["calib"].get(k) for k in ("source", "nsamples", "seqlen", "seed")}
+    train = run.get("train") if run is not None else None
+    if isinstance(train, dict):
+        fitted["training"] = {k: train.get(k) for k in ("data", "steps", "batch_size", "seq_len", "lr", "seed")}
+    return fitted or None
+
+
 def fitted_texts(report: dict | None, run: dict | None = None) -> list[str]:
     """The texts a checkpoint was fitted to: its prune report's calibration text, and the training text of the
     ``dst`` or ``finetune`` run (``run``: its :func:`training_run` report) whose ``model/`` it is."""
