@@ -92,7 +92,6 @@ def _validate(config: EvalConfig, out: Path | None) -> None:
     for path in config.include_path or []:
         if not given_path(path, "--include-path").is_dir():
             raise UserError(f"--include-path '{path}' is not a directory")
-    baseline_index(config.models, config.baseline)
 
 
 def baseline_index(models: list[str | None], baseline: str | int | None) -> int:
@@ -131,6 +130,7 @@ def evaluate_models(config: EvalConfig, out: Path | str | None = None, progress:
     """
     out = given_path(out, "--out")
     _validate(config, out)
+    baseline = baseline_index(config.models, config.baseline)   # found before any model is scored
     for spec in config.models:   # every model found before the first is scored
         if spec not in (loaded or {}):
             check_model_spec(spec)
@@ -157,8 +157,8 @@ def evaluate_models(config: EvalConfig, out: Path | str | None = None, progress:
                 gc.collect()
                 if run.device.type == "cuda":
                     torch.cuda.empty_cache()
-    add_paired(rows, baseline_index(config.models, config.baseline))
-    results = _results(config, offline, run.device, run.plan, rows)
+    add_paired(rows, baseline)
+    results = _results(config, offline, run.device, run.plan, rows, baseline)
     if out is not None:
         write_results(results, out)
     return results
@@ -295,8 +295,10 @@ def _perplexity_of(run: _EvalRun, lm: LoadedModel, blockwise: bool) -> tuple[flo
                  "tokens_scored": scored_tokens(tokens.numel(), ctx, bos)}
 
 
-def _results(config: EvalConfig, offline: bool, device: torch.device, plan: TaskPlan, rows: list[dict]) -> dict:
-    """The results file: the rows with the run's settings, lm-eval's, versions and the machine."""
+def _results(config: EvalConfig, offline: bool, device: torch.device, plan: TaskPlan, rows: list[dict],
+             baseline: int) -> dict:
+    """The results file: the rows (``rows[baseline]`` the one the others are paired with) with the run's
+    settings, lm-eval's, versions and the machine."""
     ppl_evals = {json.dumps(r.get("ppl_eval"), sort_keys=True) for r in rows if r.get("ppl_eval")}
     return {
         "tool": "shuffleprune", "version": __version__,
@@ -310,7 +312,7 @@ def _results(config: EvalConfig, offline: bool, device: torch.device, plan: Task
                     "apply_chat_template": config.apply_chat_template,
                     "task_data": plan.origins, "lm_eval_tasks": plan.lm_tasks, "include_path": plan.include_path},
         "ppl_eval": json.loads(ppl_evals.pop()) if len(ppl_evals) == 1 else None,
-        "baseline": rows[baseline_index(config.models, config.baseline)]["model"],   # of the rows' vs_baseline
+        "baseline": rows[baseline]["model"],   # of the rows' vs_baseline
         "models": rows,
     }
 
