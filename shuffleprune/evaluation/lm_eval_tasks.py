@@ -142,13 +142,16 @@ def nested_results(raw: dict, plan: TaskPlan) -> dict:
     samples = raw.get("samples") or {}   # per item, for the paired differences (evaluation.paired)
     children = raw.get("group_subtasks") or {}
 
+    def shown(lm_name: str) -> str:   # the name a task is shown and stored by
+        return plan.display.get(lm_name, stock_name(lm_name))
+
     def leaves(lm_name: str) -> list[str]:   # a group's tasks, through its nested groups
         kids = children.get(lm_name)
         return [leaf for kid in kids for leaf in leaves(kid)] if kids else [lm_name]
 
     def entry(lm_name: str) -> dict:
         res = raw["results"][lm_name]
-        name = plan.display.get(lm_name, stock_name(lm_name))
+        name = shown(lm_name)
         metrics = metric_table(res)
         headline = headline_metric(name, metrics)
         n = raw.get("n-samples", {}).get(lm_name, {})
@@ -163,17 +166,18 @@ def nested_results(raw: dict, plan: TaskPlan) -> dict:
         }
         kids = [k for k in children.get(lm_name, []) if k in raw["results"]]
         if kids:
-            row["subtasks"] = {plan.display.get(k, stock_name(k)): entry(k) for k in kids}
-            counts = [raw.get("n-samples", {}).get(t, {}) for t in leaves(lm_name)]
+            row["subtasks"] = {shown(k): entry(k) for k in kids}
+            tasks = leaves(lm_name)
+            counts = [raw.get("n-samples", {}).get(t, {}) for t in tasks]
             row["n_items"] = sum(c.get("effective") or 0 for c in counts) or None
             row["n_items_total"] = sum(c.get("original") or 0 for c in counts) or None
             row["items"], row["aggregate"] = group_items(
-                [item_scores(samples[t], headline) if t in samples else None for t in leaves(lm_name)],
+                [item_scores(samples[t], headline) if t in samples else None for t in tasks],
                 [sub["metrics"].get(headline) for sub in row["subtasks"].values()], row["value"])
         return row
 
     nested = {kid for kids in children.values() for kid in kids}
-    return {plan.display.get(n, stock_name(n)): entry(n) for n in raw["results"] if n not in nested}
+    return {shown(n): entry(n) for n in raw["results"] if n not in nested}
 
 
 def group_items(leaf_items: list[str | None], subtask_values: list[float | None],
