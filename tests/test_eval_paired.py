@@ -1,8 +1,10 @@
 """``eval``'s paired differences: each item's score kept, every model compared item by item with a baseline."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -13,9 +15,11 @@ from shuffleprune.errors import UserError
 from shuffleprune.evaluation.config import EvalConfig
 from shuffleprune.evaluation.evaluate import evaluate_models
 from shuffleprune.evaluation.lm_eval_tasks import headline_metric, metric_table, stderr_name
-from shuffleprune.evaluation.paired import add_paired, average_difference, item_scores, paired_difference
+from shuffleprune.evaluation.paired import (add_paired, average_difference, item_scores, paired_difference,
+                                            repeated_difference)
 
 runner = CliRunner()
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def test_item_scores_are_in_doc_order_of_one_filter_and_only_right_or_wrong():
@@ -63,6 +67,23 @@ def test_the_paired_error_is_the_standard_error_of_the_per_item_differences():
     avg = average_difference({"a": {"diff": 0.1, "stderr": 0.03}, "b": {"diff": -0.3, "stderr": 0.04}})
     assert avg["diff"] == pytest.approx(-0.1) and avg["stderr"] == pytest.approx(0.025)
     assert average_difference({"a": {"diff": 0.1, "stderr": 0.03}, "b": None}) is None
+
+
+def test_a_repeated_comparison_averages_each_items_difference_over_the_repeats():
+    one = [("1101100111", "1001010110")]
+    assert {k: v for k, v in repeated_difference(one).items() if k != "repeats"} == \
+        {k: v for k, v in paired_difference(*one[0]).items() if k in ("diff", "stderr", "n")}
+    two = one + [("0101100111", "1001110111")]
+    d = [((int(a) - int(b)) + (int(c) - int(e))) / 2 for a, b, c, e in zip(*two[0], *two[1])]
+    mean = sum(d) / len(d)
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+    got = repeated_difference(two)
+    assert got["repeats"] == 2 and got["n"] == 10
+    assert got["diff"] == pytest.approx(mean) and got["stderr"] == pytest.approx(se)
+    # the repeats disagree on items, so the averaged differences spread less than one repeat's
+    assert got["stderr"] < paired_difference(*one[0])["stderr"]
+    assert repeated_difference(one + [("11", "10")]) is None   # a repeat on other items
+    assert repeated_difference([]) is None
 
 
 def test_add_paired_compares_every_other_row_on_the_tasks_it_shares():
@@ -187,3 +208,30 @@ def test_a_group_is_one_row_of_its_aggregate_with_its_tasks_under_it(two_models,
     assert paired["by_tasks"]["diff"] == pytest.approx(second["results"]["by_tasks"]["value"] - by_tasks["value"])
     assert paired["by_tasks"]["stderr"] == pytest.approx(math.hypot(subs[0]["stderr"], subs[1]["stderr"]) / 2)
     assert second["vs_baseline"]["average"]["diff"] == pytest.approx(second["average"] - first["average"])
+
+
+def test_paired_over_seeds_script_pools_the_runs_of_several_results_files(tmp_path):
+    spec = importlib.util.spec_from_file_location("paired_over_seeds", SCRIPTS / "paired_over_seeds.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    pairs = [("1101100111", "1001010110"), ("0101100111", "1001110111")]
+    files = []
+    for seed, (items, base) in enumerate(pairs):
+        rows = [{"model": "base", "ppl": 20.0, "average": 0.5,
+                 "results": {"t": {"metric": "acc", "value": base.count("1") / 10, "items": base}}},
+                {"model": f"ours_s{seed}", "ppl": 10.0, "average": 0.6,
+                 "fitted_on": {"calibration": {"seed": seed}},
+                 "results": {"t": {"metric": "acc", "value": items.count("1") / 10, "items": items}}}]
+        add_paired(rows, baseline=0)
+        f = tmp_path / f"eval_s{seed}.json"
+        f.write_text(json.dumps({"models": rows, "baseline": "base", "config": {"limit": None}}))
+        files.append(f"{f}:ours_s{seed}")
+    out = tmp_path / "pooled.json"
+    script.main(["--run", files[0], "--run", files[1], "--label", "ours", "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert got["pooled"]["tasks"]["t"] == repeated_difference(pairs)
+    assert got["pooled"]["average"]["diff"] == pytest.approx(repeated_difference(pairs)["diff"])
+    assert [r["vs_baseline"]["tasks"]["t"] for r in got["runs"]] == [paired_difference(*p) for p in pairs]
+    assert "| t | +20.00 ± " in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit, match="no model 'nobody'"):
+        script.main(["--run", files[0].rsplit(":", 1)[0] + ":nobody"])

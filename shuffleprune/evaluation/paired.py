@@ -5,6 +5,7 @@ below what the two per-model standard errors suggest. Per task, each item's scor
 in doc-id order as a string of ``0``/``1`` (``item_scores``); ``paired_difference`` gives the mean difference
 and its standard error, ``sd(d) / sqrt(n)``, of ``d_i = model_i − baseline_i``; the average over tasks is
 the mean of the tasks' differences, its error ``sqrt(Σ se²) / T`` (tasks' items are independent).
+``repeated_difference`` does the same for one comparison repeated on the same items (over calibration seeds).
 """
 from __future__ import annotations
 
@@ -36,11 +37,29 @@ def paired_difference(items: str, baseline: str) -> dict | None:
     alone; None when the two did not score the same number of items."""
     if len(items) != len(baseline) or not items:
         return None
-    n = len(items)
     d = [int(a) - int(b) for a, b in zip(items, baseline)]
+    return {**_mean_and_error(d), "only_model": d.count(1), "only_baseline": d.count(-1)}
+
+
+def repeated_difference(pairs: list[tuple[str, str]]) -> dict | None:
+    """The paired difference of a comparison repeated on the same items (each repeat its own calibration
+    seed, say): ``pairs`` holds each repeat's ``(items, baseline)``; each item's difference is averaged
+    over the repeats before its mean and standard error are taken, so the error covers both which items
+    were drawn and how the repeats differ on them. None when the repeats did not all score the same items."""
+    if not pairs or len({len(x) for pair in pairs for x in pair}) != 1 or not pairs[0][0]:
+        return None
+    r = len(pairs)
+    d = [sum(int(a) - int(b) for a, b in column) / r
+         for column in zip(*(zip(items, baseline) for items, baseline in pairs))]
+    return {**_mean_and_error(d), "repeats": r}
+
+
+def _mean_and_error(d: list[float]) -> dict:
+    """Mean of per-item differences, its standard error ``sd(d) / sqrt(n)`` (None for one item), and n."""
+    n = len(d)
     mean = sum(d) / n
     se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else None
-    return {"diff": mean, "stderr": se, "n": n, "only_model": d.count(1), "only_baseline": d.count(-1)}
+    return {"diff": mean, "stderr": se, "n": n}
 
 
 def average_difference(tasks: dict[str, dict | None]) -> dict | None:
