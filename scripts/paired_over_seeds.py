@@ -71,7 +71,10 @@ def markdown(label: str, result: dict) -> str:
     lines = [f"{label} − {runs[0]['baseline']} (paired, points ± SE)", "",
              "| | " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(head)]
     ppl = [f"{r['ppl']:.2f} vs {r['baseline_ppl']:.2f}" if r["ppl"] and r["baseline_ppl"] else "—" for r in runs]
-    lines.append("| ppl | " + " | ".join(ppl + ["—"]) + " |")
+    both = [(r["ppl"], r["baseline_ppl"]) for r in runs if r["ppl"] and r["baseline_ppl"]]
+    mean_ppl = (f"{statistics.mean(p for p, _ in both):.2f} vs {statistics.mean(b for _, b in both):.2f}"
+                if len(both) == len(runs) else "—")
+    lines.append("| ppl | " + " | ".join(ppl + [mean_ppl]) + " |")
     for t in result["tasks"]:
         cells = [pm((r["vs_baseline"] or {}).get("tasks", {}).get(t)) for r in runs] + [pm(result["pooled"]["tasks"][t])]
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
